@@ -1,0 +1,151 @@
+"""Parallel dimensions, their validation, and the device mesh.
+
+Contract:
+- `ParallelDims` holds `dp_replicate × dp_shard × cp` (outermost first) and the split of `cp` into
+  `ring × ulysses`. Constructing it validates everything against the world size and the model's head
+  counts and raises `ValueError` with every degree, the world size and the fix in the message. It
+  reads nothing but numbers, so it runs before any weight is touched.
+- `ParallelDims.build_mesh(device_type)` calls `init_device_mesh` with dims
+  `("dp_replicate", "dp_shard", "ring", "ulysses")` and returns `Meshes`: "cp" (ring × ulysses),
+  "fsdp" (dp_replicate × dp_shard·cp; FSDP2 shards over the second dim), "dp" (data ranks: one
+  sample stream each) and "dp_cp" (every rank that holds target tokens: loss all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
+
+
+def ulysses_ok(degree: int, n_heads: int, n_kv_heads: int) -> str | None:
+    """Why `degree` cannot be a Ulysses degree for these heads, or None when it can."""
+    if n_heads % degree:
+        return f"the {n_heads} attention heads are not divisible by the Ulysses degree {degree}"
+    if n_kv_heads % degree and degree % n_kv_heads:
+        return (f"the Ulysses degree {degree} must divide the {n_kv_heads} KV heads or be a "
+                f"multiple of them (then KV heads are replicated)")
+    return None
+
+
+def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_kv_heads: int):
+    """Split `cp` into (ulysses, ring) for `impl`; raise ValueError naming the fix."""
+    if cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {cp}")
+    if impl not in CP_IMPLS:
+        raise ValueError(f"--cp-impl must be one of {CP_IMPLS}, got {impl!r}")
+    heads = f"(model: {n_heads} heads, {n_kv_heads} KV heads)"
+    if impl == "ring":
+        return 1, cp
+    if impl == "ulysses":
+        why = ulysses_ok(cp, n_heads, n_kv_heads)
+        if why:
+            raise ValueError(f"--cp-impl ulysses with --cp {cp}: {why} {heads}. Use --cp-impl ring "
+                             f"or auto, or a --cp that divides {n_heads}.")
+        return cp, 1
+    if impl == "hybrid":
+        if ulysses_degree is None or cp % ulysses_degree:
+            raise ValueError(f"--cp-impl hybrid needs --ulysses-degree dividing --cp {cp}, got "
+                             f"{ulysses_degree}. Or use --cp-impl auto.")
+        why = ulysses_ok(ulysses_degree, n_heads, n_kv_heads)
+        if why:
+            raise ValueError(f"--ulysses-degree {ulysses_degree}: {why} {heads}. Pick another "
+                             f"degree or use --cp-impl auto.")
+        return ulysses_degree, cp // ulysses_degree
+    # auto: the largest Ulysses degree the heads allow (all-to-all is cheaper than a ring), ring the rest
+    for u in range(cp, 0, -1):
+        if cp % u == 0 and ulysses_ok(u, n_heads, n_kv_heads) is None:
+            return u, cp // u
+    raise AssertionError("unreachable: degree 1 always works")
+
+
+@dataclass
+class ParallelDims:
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+
+    def __post_init__(self):
+        w, r, s, c = self.world_size, self.dp_replicate, self.dp_shard, self.cp
+        have = f"world size {w}, --dp-replicate {r}, --dp-shard {s}, --cp {c}"
+        for name, v in (("--dp-replicate", r), ("--cp", c)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1 ({have}).")
+        if s == -1:
+            if w % (r * c):
+                raise ValueError(
+                    f"cannot infer --dp-shard: world size {w} is not divisible by "
+                    f"--dp-replicate {r} × --cp {c} = {r * c} ({have}). Launch a multiple of "
+                    f"{r * c} processes or change --cp / --dp-replicate.")
+            self.dp_shard = s = w // (r * c)
+        elif s < 1:
+            raise ValueError(f"--dp-shard must be >= 1 or -1 to infer it ({have}).")
+        if r * s * c != w:
+            raise ValueError(
+                f"--dp-replicate {r} × --dp-shard {s} × --cp {c} = {r * s * c} but the world size "
+                f"is {w}. Make the product equal the number of processes (torchrun "
+                f"--nproc_per_node × nodes), or pass --dp-shard -1 to infer it.")
+        if self.ulysses * self.ring != c:
+            raise ValueError(f"ulysses {self.ulysses} × ring {self.ring} must equal --cp {c}.")
+
+    @classmethod
+    def from_args(cls, world_size, dp_replicate, dp_shard, cp, cp_impl, ulysses_degree,
+                  n_heads, n_kv_heads):
+        dims = cls(world_size, dp_replicate, dp_shard, cp)  # checks the world size first
+        dims.ulysses, dims.ring = resolve_cp(cp, cp_impl, ulysses_degree, n_heads, n_kv_heads)
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """Data ranks: each reads its own samples; the cp ranks of one group share a sample."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp_divisor(self) -> int:
+        """The sequence length must be a multiple of this (zigzag needs 2 chunks per ring rank)."""
+        return self.cp * (2 if self.ring > 1 else 1)
+
+    def __str__(self):
+        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard "
+                f"{self.dp_shard} × cp {self.cp} (ring {self.ring} × ulysses {self.ulysses})")
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        names = ("dp_replicate", "dp_shard", "ring", "ulysses")
+        world = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.ring, self.ulysses), mesh_dim_names=names)
+        # FSDP2 wants a 2-D (replicate, shard) mesh for HSDP; rank order matches the flattened
+        # (dp_shard, ring, ulysses) dims because both are row-major over the same world.
+        fsdp = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard * self.cp),
+                                mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+        return Meshes(
+            world=world,
+            fsdp=fsdp,
+            cp=world["ring", "ulysses"]._flatten("cp"),
+            ring=world["ring"],
+            ulysses=world["ulysses"],
+            dp=world["dp_replicate", "dp_shard"]._flatten("dp"),
+            dp_cp=world._flatten("dp_cp"),
+        )
+
+
+@dataclass
+class Meshes:
+    """The submeshes the trainer uses; kept here because slicing flattened dims is deprecated."""
+    world: DeviceMesh
+    fsdp: DeviceMesh   # (dp_replicate, dp_shard_cp): FSDP2 shards over dim 1, replicates over dim 0
+    cp: DeviceMesh     # ranks that share one sample (ring × ulysses)
+    ring: DeviceMesh
+    ulysses: DeviceMesh
+    dp: DeviceMesh     # data ranks: one sample stream each
+    dp_cp: DeviceMesh  # every rank: the global target-token count is all-reduced here
+
+
+def device_type() -> str:
+    """One CUDA device per rank with NCCL, or CPU with gloo."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

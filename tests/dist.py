@@ -1,0 +1,108 @@
+"""Multi-rank test harness: spawn N gloo ranks on CPU from pytest.
+
+Contract:
+- `run_ranks(fn, world_size, *args)` spawns `world_size` processes with torch.multiprocessing,
+  rendezvous through a `file://` store in a fresh temp dir (never a fixed TCP port), one thread
+  per rank, and a process-group timeout so a mismatched collective raises instead of hanging.
+- `fn(rank, world_size, *args)` runs inside the initialised process group; it must be a module-level
+  function (picklable). Its return value is sent back; `run_ranks` returns the list by rank.
+- If any rank raises, the test fails with that rank's full traceback in the pytest report. Ranks
+  still blocked in a collective are killed after `timeout` seconds.
+
+Use it with `@pytest.mark.timeout(...)` on the test as a second guard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report every failure, including asserts
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(results) + len(errors) < world_size:
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                if left <= 0:
+                    break
+                try:
+                    rank, ok, payload = queue.get(timeout=min(left, 1.0))
+                except Exception:
+                    # A rank that died without reporting (segfault, OOM kill) shows here.
+                    dead = [r for r, p in enumerate(procs)
+                            if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                    for r in dead:
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
+                    continue
+                (results if ok else errors)[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if errors:
+        first = min(errors)
+        others = sorted(set(errors) - {first})
+        raise RankError(
+            f"rank {first} failed (also failing: {others}):\n{errors[first]}"
+            + "".join(f"\n--- rank {r} ---\n{errors[r]}" for r in others)
+        )
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise RankError(f"ranks {missing} did not finish within {timeout:.0f}s (hung collective?)")
+    return [results[r] for r in range(world_size)]
