@@ -1,0 +1,153 @@
+"""`ModelArgs` read from a checkpoint's `config.json`, and the RoPE frequencies it implies.
+
+Contract:
+- `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
+  `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
+  (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim) and Mistral.
+  Anything else raises `ValueError` naming the supported architectures.
+- `inv_freq(args)` returns the float32 inverse frequencies [head_dim // 2] and the attention
+  scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3
+  and yarn — the same numbers transformers computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
+SUPPORTED = {
+    "llama": dict(qkv_bias=None, qk_norm=False),    # bias from `attention_bias` (q, k, v and o)
+    "mistral": dict(qkv_bias=None, qk_norm=False),
+    "qwen2": dict(qkv_bias=True, qk_norm=False),    # q/k/v always biased, o never
+    "qwen3": dict(qkv_bias=None, qk_norm=True),     # RMSNorm over head_dim on q and k before RoPE
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)   # includes "rope_type"; empty = default
+    max_position_embeddings: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None   # our attention has none: sequences beyond it are refused
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads {self.n_heads} is not a multiple of "
+                             f"num_key_value_heads {self.n_kv_heads}")
+        rtype = self.rope_scaling.get("rope_type", "default")
+        if rtype not in ROPE_TYPES:
+            raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict) -> ModelArgs:
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED:
+            archs = cfg.get("architectures")
+            raise ValueError(
+                f"unsupported architecture model_type={mt!r} (architectures={archs}); supported: "
+                "Llama 2/3 (llama), Mistral (mistral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
+        flags = SUPPORTED[mt]
+        # Newer configs nest theta and scaling in `rope_parameters`; classic ones keep them on top.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {}) or rope
+        if "type" in scaling and "rope_type" not in scaling:   # very old spelling
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = {}
+        attn_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window")
+        if mt == "qwen2" or mt == "qwen3":   # Qwen only slides when asked to
+            window = window if cfg.get("use_sliding_window", False) else None
+        return cls(
+            model_type=mt,
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
+            o_bias=attn_bias and mt != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=flags["qk_norm"],
+            sliding_window=window,
+        )
+
+    @property
+    def n_params(self) -> int:
+        d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
+        attn = d * h * hd * 2 + d * kv * hd * 2
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + emb + d
+
+
+def inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies [head_dim // 2] (float32) and the cos/sin scaling factor."""
+    d, base, sc = args.head_dim, args.rope_theta, args.rope_scaling
+    freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rtype = sc.get("rope_type", "default")
+    if rtype == "linear":
+        return freq / sc["factor"], 1.0
+    if rtype == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > old_ctx / lo, freq / factor, freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
+    if rtype == "yarn":
+        # YaRN (Peng et al., 2023): interpolate slow dims, extrapolate fast ones, ramp between.
+        factor = sc["factor"]
+        orig = sc.get("original_max_position_embeddings") or args.max_position_embeddings
+
+        def mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        attn = sc.get("attention_factor")
+        if attn is None:
+            m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def corr_dim(rot):
+            return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr_dim(sc.get("beta_fast") or 32), corr_dim(sc.get("beta_slow") or 1)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap = 1 - ramp
+        return (freq / factor) * (1 - extrap) + freq * extrap, float(attn)
+    return freq, 1.0

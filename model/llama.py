@@ -1,0 +1,144 @@
+"""A compact Llama-family decoder with Hugging Face parameter names.
+
+Contract:
+- Parameter names equal transformers' (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
+  `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so checkpoints load without a rename
+  table and saved LoRA adapters load in peft on the transformers model.
+- `Transformer(input_ids, position_ids=None)` returns logits [B, S, V] (float32 upcast not applied;
+  the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss, computed
+  here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
+- The attention core is `self.attention`, any `parallel.cp.Attention`: the single-process kernel by
+  default, the context-parallel one once the trainer sets it. Everything else acts per token, so a
+  local sequence shard plus its global `position_ids` is all a rank needs.
+- `self.checkpoint_blocks = True` recomputes each block in backward (non-reentrant checkpoint).
+
+Notation: B batch, S (local) sequence, D model dim, H query heads, K KV heads, Hd head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from loss import chunked_cross_entropy
+from model.config import ModelArgs, inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 like transformers, then cast back before the weight multiply.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+        self.qk_norm = a.qk_norm
+
+    def forward(self, x, cos, sin, core, meta):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)      # [B, S, H, Hd]
+        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)   # [B, S, K, Hd]
+        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)   # [B, S, K, Hd]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = core(q, k, v, meta, self.head_dim ** -0.5)                  # [B, S, H, Hd]
+        return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
+
+    def forward(self, x, cos, sin, core, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, core, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, attention=None):
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if attention is None:
+            from parallel.cp import local_attention
+            attention = local_attention()
+        self.attention = attention
+        self.checkpoint_blocks = False
+        self.loss_chunk_size = None
+
+    def rope(self, position_ids, dtype):
+        """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does."""
+        freq, scale = inv_freq(self.args)
+        ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
+        ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
+        return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        h = self.model.embed_tokens(input_ids)                                 # [B, S, D]
+        cos, sin = self.rope(position_ids, h.dtype)
+        meta = self.attention.prepare(position_ids)
+        for layer in self.model.layers:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, self.attention, meta, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, self.attention, meta)
+        h = self.model.norm(h)
+        if labels is None:
+            return self.lm_head(h)                                             # [B, S, V]
+        return chunked_cross_entropy(h.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1),
+                                     chunk_size=self.loss_chunk_size)

@@ -1,0 +1,129 @@
+"""The decoder reproduces transformers' logits on the same checkpoint, and loading fails clearly.
+
+Pins: for a tiny random checkpoint of each supported family (Llama 3 with llama3 rope scaling,
+Llama 2, Qwen2 with q/k/v bias, Qwen3 with q/k norm and explicit head_dim, Mistral, a YaRN Qwen2,
+a tied-embedding model), saved sharded by transformers, `model.from_pretrained` gives logits within
+1e-5 relative norm (float32) of transformers' own model, with position ids far from 0 so rope
+scaling matters; both config formats (classic `rope_theta`/`rope_scaling` and `rope_parameters`)
+load; missing directory / config / tensors and unsupported architectures raise clear errors.
+
+Run: .venv/bin/python -m pytest -q tests/test_model.py
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers as T
+
+import model
+
+torch.set_num_threads(1)
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+              max_position_embeddings=4096)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+
+FAMILIES = {
+    "llama3": lambda: T.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, attention_bias=True),
+    "llama2": lambda: T.LlamaConfig(**COMMON),
+    "qwen2": lambda: T.Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2_yarn": lambda: T.Qwen2Config(**COMMON, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 1e6}),
+    "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=24),
+    "mistral": lambda: T.MistralConfig(**COMMON, sliding_window=None),
+    "tied": lambda: T.Qwen2Config(**COMMON, tie_word_embeddings=True),
+}
+
+
+def save_checkpoint(cfg, path, classic=False):
+    torch.manual_seed(0)
+    hf = T.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():   # non-trivial norms and biases, so a skipped one shows
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path, max_shard_size="40KB")   # several shards + index.json
+    if classic:   # rewrite to the classic hub format: top-level rope_theta / rope_scaling
+        p = os.path.join(path, "config.json")
+        c = json.load(open(p))
+        rope = c.pop("rope_parameters")
+        c["rope_theta"] = rope.pop("rope_theta")
+        c["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        json.dump(c, open(p, "w"))
+    return hf
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(family, tmp_path):
+    hf = save_checkpoint(FAMILIES[family](), tmp_path)
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json"), "checkpoint should be sharded"
+    ours = model.from_pretrained(str(tmp_path)).eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 37))
+    pos = torch.arange(37).expand(2, 37) + torch.tensor([[1500], [3000]])   # far from 0
+    with torch.no_grad():
+        ref = hf(input_ids=ids, position_ids=pos).logits
+        out = ours(ids, position_ids=pos)
+    assert out.shape == ref.shape
+    assert rel(out, ref) < 1e-5, f"{family}: relative error {rel(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2_yarn"])
+def test_classic_config_format(family, tmp_path):
+    hf = save_checkpoint(FAMILIES[family](), tmp_path, classic=True)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert "rope_parameters" not in cfg and "rope_scaling" in cfg
+    args = model.read_args(str(tmp_path))
+    assert args.rope_scaling["rope_type"] == FAMILIES[family]().rope_parameters["rope_type"]
+    ours = model.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, 96, (1, 20))
+    pos = torch.arange(20)[None] + 2000
+    with torch.no_grad():
+        assert rel(ours(ids, position_ids=pos), hf(input_ids=ids, position_ids=pos).logits) < 1e-5
+
+
+def test_loss_path_matches_cross_entropy(tmp_path):
+    save_checkpoint(FAMILIES["qwen2"](), tmp_path)
+    ours = model.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 96, (2, 16))
+    labels = torch.randint(0, 96, (2, 16))
+    labels[0, :5] = -100
+    loss_sum, n = ours(ids, labels=labels)
+    ref = torch.nn.functional.cross_entropy(ours(ids).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert int(n) == 27
+    torch.testing.assert_close(loss_sum, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        model.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        model.from_pretrained(str(tmp_path))
+    json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+              open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError, match=r"unsupported architecture.*gpt2.*Qwen3"):
+        model.read_args(str(tmp_path))
+    good = tmp_path / "good"
+    save_checkpoint(FAMILIES["llama2"](), good)
+    # drop one shard's entries from the index: the error names the missing tensors
+    idx = json.load(open(good / "model.safetensors.index.json"))
+    gone = sorted(k for k in idx["weight_map"] if "layers.1.mlp" in k)
+    for k in gone:
+        del idx["weight_map"][k]
+    json.dump(idx, open(good / "model.safetensors.index.json", "w"))
+    with pytest.raises(ValueError, match=r"lacks 3 tensors.*model\.layers\.1\.mlp\.down_proj\.weight"):
+        model.from_pretrained(str(good))
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        model.ModelArgs.from_config_dict({**COMMON, "model_type": "llama",
+                                          "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
