@@ -68,8 +68,8 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1
     cp: int = 1
-    ulysses: int = 1
-    ring: int = 1
+    ulysses: int | None = None   # cp = ulysses × ring; unset means all-Ulysses until from_args splits it
+    ring: int | None = None
 
     def __post_init__(self):
         w, r, s, c = self.world_size, self.dp_replicate, self.dp_shard, self.cp
@@ -91,7 +91,9 @@ class ParallelDims:
                 f"--dp-replicate {r} × --dp-shard {s} × --cp {c} = {r * s * c} but the world size "
                 f"is {w}. Make the product equal the number of processes (torchrun "
                 f"--nproc_per_node × nodes), or pass --dp-shard -1 to infer it.")
-        if self.ulysses * self.ring != c:
+        if self.ulysses is None and self.ring is None:
+            self.ulysses, self.ring = c, 1
+        if (self.ulysses or 0) * (self.ring or 0) != c:
             raise ValueError(f"ulysses {self.ulysses} × ring {self.ring} must equal --cp {c}.")
 
     @classmethod
