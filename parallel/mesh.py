@@ -117,7 +117,7 @@ class ParallelDims:
         return (f"world {self.world_size} = dp_replicate {self.dp_replicate} × dp_shard "
                 f"{self.dp_shard} × cp {self.cp} (ring {self.ring} × ulysses {self.ulysses})")
 
-    def build_mesh(self, device_type: str) -> "Meshes":
+    def build_mesh(self, device_type: str) -> Meshes:
         names = ("dp_replicate", "dp_shard", "ring", "ulysses")
         world = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard, self.ring, self.ulysses), mesh_dim_names=names)
