@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 try:  # optional: flash-attn 2 (CUDA only)
-    from flash_attn import flash_attn_varlen_func
     from flash_attn import flash_attn_interface as _fa
+    from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the install
     _fa = flash_attn_varlen_func = None
 

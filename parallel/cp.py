@@ -1,0 +1,175 @@
+"""The attention core the model calls (one process or context-parallel) and the sequence layouts.
+
+Contract:
+- `Attention`: `divisor` (the padded sequence length must be a multiple of it), `prepare(position_ids)`
+  once per model forward with the LOCAL global-position ids [B, S_local], and `attn(q, k, v, meta,
+  scale)` per layer: q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns
+  [B, S_local, H, D] in q's dtype, differentiable w.r.t. q, k, v. Any layout gives the same numbers
+  as `local_attention()` on the whole sequence.
+- `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
+  their hybrid (all-to-all inside each Ulysses group, ring across the groups).
+- Layout of the sequence padded to `dims.cp_divisor` (cp rank = ring_rank · ulysses + ulysses_rank):
+  ring == 1: contiguous, cp rank r holds the r-th of cp equal slices. ring R > 1: 2R chunks, each
+  cut into U = ulysses pieces; cp rank (i, u) holds piece u of chunk i, then piece u of chunk 2R-1-i
+  (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
+- Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
+  with contiguous positions, even far from 0, is one document; padding continues the positions of the
+  last document. `local_attention` and Ulysses (which see whole rows) keep every token inside its
+  document. Ring and hybrid refuse packed rows with a ValueError naming the alternative.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel import kernels
+from parallel.ring import ring_attention
+from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
+
+# --- layouts -----------------------------------------------------------------------------------
+
+
+def layout_index(seq_len: int, dims) -> torch.Tensor:
+    """[S]: the global token index of every local position, shards concatenated in cp-rank order."""
+    if seq_len % dims.cp_divisor:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of the CP divisor {dims.cp_divisor}")
+    idx = torch.arange(seq_len)
+    if dims.ring == 1:
+        return idx
+    idx = idx.view(2 * dims.ring, dims.ulysses, -1)                  # [chunk, piece, token]
+    return torch.stack([idx[:dims.ring], idx.flip(0)[:dims.ring]], 2).flatten()  # [i, u, 2, token]
+
+
+def pad_sequence(x: torch.Tensor, multiple: int, pad_value) -> torch.Tensor:
+    """Pad dim 1 at the end to a multiple; pad_value None continues the positions (last + 1, ...)."""
+    n = -x.shape[1] % multiple
+    if n == 0:
+        return x
+    if pad_value is None:
+        step = torch.arange(1, n + 1, device=x.device, dtype=x.dtype)
+        tail = x[:, -1:] + step.view(1, n, *([1] * (x.dim() - 2)))
+    else:
+        tail = torch.full((x.shape[0], n, *x.shape[2:]), pad_value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, tail], 1)
+
+
+def shard_sequence(x: torch.Tensor, dims, cp_rank: int, pad_value) -> torch.Tensor:
+    """[B, S, ...] full -> this cp rank's [B, S_padded / cp, ...]; S is padded to dims.cp_divisor first.
+
+    pad_value: what padding holds (-100 for labels, the pad id for tokens, None for position ids:
+    they continue counting so padding joins the last document and never precedes a real token)."""
+    x = pad_sequence(x, dims.cp_divisor, pad_value)
+    n = x.shape[1] // dims.cp
+    idx = layout_index(x.shape[1], dims)[cp_rank * n:(cp_rank + 1) * n].to(x.device)
+    return x.index_select(1, idx)
+
+
+def unshard_sequence(shards, dims, seq_len: int | None = None) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the cp ranks' shards (a list in cp-rank order, or one tensor with
+    them concatenated along dim 1, as an all-gather gives) -> [B, S, ...], cut to `seq_len` if given."""
+    cat = torch.cat(list(shards), 1) if isinstance(shards, (list, tuple)) else shards
+    idx = layout_index(cat.shape[1], dims).to(cat.device)
+    full = torch.empty_like(cat)
+    full[:, idx] = cat
+    return full if seq_len is None else full[:, :seq_len]
+
+
+def gather_sequence(x: torch.Tensor, group, dims) -> torch.Tensor:
+    """All-gather a (non-differentiable) local shard over the cp group and unshard it: [B, S, ...]."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, dims)
+
+
+def document_bounds(position_ids: torch.Tensor):
+    """Per row, the document boundaries [0, s1, ..., S]; None when every row is a single document."""
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # [B, S-1]
+    if not bool(starts.any()):
+        return None
+    s = position_ids.shape[1]
+    return [[0] + (row.nonzero().flatten() + 1).tolist() + [s] for row in starts.cpu()]
+
+
+# --- attention cores ---------------------------------------------------------------------------
+
+
+class Attention:
+    """What the model calls; see the module docstring."""
+    divisor: int = 1
+
+    def prepare(self, position_ids: torch.Tensor) -> object:
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, meta, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalAttention(Attention):
+    """One process holds the whole sequence."""
+
+    def prepare(self, position_ids):
+        return document_bounds(position_ids)
+
+    def __call__(self, q, k, v, meta, scale):
+        return kernels.attention(q, k, v, True, scale, docs=meta)
+
+
+class ContextParallelAttention(Attention):
+    """Ulysses all-to-all inside `ulysses_group`, zigzag ring across `ring_group` (either may be trivial)."""
+
+    def __init__(self, dims, cp_group, ulysses_group, ring_group):
+        self.dims, self.divisor = dims, dims.cp_divisor
+        self.cp_group, self.ulysses_group, self.ring_group = cp_group, ulysses_group, ring_group
+
+    def prepare(self, position_ids):
+        full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
+        docs = document_bounds(full)
+        if docs is not None and self.dims.ring > 1:
+            raise ValueError(
+                f"packed sequences (position ids restart inside a row) are not supported by ring "
+                f"attention (ring {self.dims.ring} × ulysses {self.dims.ulysses}): use --cp-impl "
+                f"ulysses or --no-pack.")
+        return docs
+
+    def __call__(self, q, k, v, meta, scale):
+        u, r = self.dims.ulysses, self.dims.ring
+        if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
+            n_heads = q.shape[2]
+            q = seq_to_heads(q, self.ulysses_group)
+            k = kv_to_heads(k, n_heads, self.ulysses_group)
+            v = kv_to_heads(v, n_heads, self.ulysses_group)
+        if r == 1:
+            out = kernels.attention(q, k, v, True, scale, docs=meta)
+        else:
+            if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
+                q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
+            out = ring_attention(q, k, v, scale, self.ring_group)
+            if u > 1:
+                out = _chunks_to_pieces(out, u)
+        return heads_to_seq(out, self.ulysses_group) if u > 1 else out
+
+
+def _pieces_to_chunks(x, u):
+    """[B, (u, 2, p), ...] -> [B, (2, u, p), ...]: piece-major order to [chunk i | chunk 2R-1-i]."""
+    b, n = x.shape[:2]
+    return x.reshape(b, u, 2, n // (2 * u), *x.shape[2:]).transpose(1, 2).reshape(x.shape)
+
+
+def _chunks_to_pieces(x, u):
+    b, n = x.shape[:2]
+    return x.reshape(b, 2, u, n // (2 * u), *x.shape[2:]).transpose(1, 2).reshape(x.shape)
+
+
+def local_attention() -> Attention:
+    """Single process; honours document boundaries; uses parallel.kernels."""
+    return LocalAttention()
+
+
+def cp_attention(meshes, dims) -> Attention:
+    """The CP attention for `dims` (a ParallelDims) over `meshes` (its `build_mesh` result)."""
+    if dims.cp == 1:
+        return LocalAttention()
+    return ContextParallelAttention(dims, meshes.cp.get_group(), meshes.ulysses.get_group(),
+                                    meshes.ring.get_group())
+
