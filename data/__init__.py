@@ -1,0 +1,29 @@
+"""Data pipeline: JSONL records -> token samples -> layout-independent global batches -> micro-batches.
+
+    records = load_jsonl(path)                                   # data/jsonl.py
+    samples, stats = tokenize_records(records, tok, max_len, path)  # data/tokens.py
+    order = GlobalBatches(len(samples), global_batch, seed)      # data/batches.py
+    for idx in order.micro_batches(step, data_rank, data_ranks, micro_batch):
+        batch = collate([samples[i] for i in idx], pack, divisor, pad_id)  # data/collate.py
+"""
+
+from data.batches import GlobalBatches, check_batch_sizes
+from data.collate import collate, count_targets, document_starts
+from data.demo import make_demo
+from data.jsonl import DataError, load_jsonl
+from data.tokens import IGNORE, TokenStats, load_tokenizer, tokenize_records
+
+__all__ = [
+    "IGNORE",
+    "DataError",
+    "GlobalBatches",
+    "TokenStats",
+    "check_batch_sizes",
+    "collate",
+    "count_targets",
+    "document_starts",
+    "load_jsonl",
+    "load_tokenizer",
+    "make_demo",
+    "tokenize_records",
+]

@@ -1,0 +1,80 @@
+"""Global batch order: which samples form optimizer step k, independent of the parallel layout.
+
+Contract:
+- The order depends only on `seed`, `n_samples` and `global_batch` (samples per optimizer step).
+  Epoch e is the permutation `torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed + e))`.
+  The epochs are concatenated into one stream and step k takes stream positions
+  `[k*G, (k+1)*G)`. The tail of an epoch that does not fill a step is CARRIED into the next step
+  (nothing is ever dropped; a step that straddles an epoch boundary may hold a sample twice, once
+  from each epoch, and so may any step when `n_samples < G`).
+- Step k is split among the D = dp_replicate × dp_shard data ranks: data rank d takes the contiguous
+  share `[d*G/D, (d+1)*G/D)` of the step's samples; the cp ranks of one group share a data rank and
+  so see the same samples. Micro-step m of a rank takes the next `micro_batch` samples of its share.
+  Concatenating all micro-batches rank by rank gives back the step's samples in order, so
+  `--dp-*` and `--micro-batch` never change what step k trains on; `--cp` never enters here.
+- Steps are random access, so resuming is "continue at step k": the whole data state is the
+  step index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_batch_sizes(global_batch: int, micro_batch: int, data_ranks: int) -> None:
+    """Raise ValueError unless every data rank runs the same whole number of micro-batches."""
+    for name, v in (("--global-batch", global_batch), ("--micro-batch", micro_batch), ("data ranks", data_ranks)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    per_step = micro_batch * data_ranks
+    if global_batch % per_step:
+        lower = global_batch // per_step * per_step
+        options = " or ".join(str(g) for g in (lower, lower + per_step) if g > 0)
+        raise ValueError(
+            f"--global-batch {global_batch} must be a multiple of --micro-batch {micro_batch} × "
+            f"{data_ranks} data ranks (dp_replicate × dp_shard) = {per_step}, so that every data rank "
+            f"runs the same whole number of micro-batches per step; use --global-batch {options} "
+            "(or change --micro-batch)"
+        )
+
+
+class GlobalBatches:
+    """The sample indices of every optimizer step (see the module docstring)."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int):
+        if n_samples < 1:
+            raise ValueError(f"need at least one sample, got n_samples={n_samples}")
+        if global_batch < 1:
+            raise ValueError(f"--global-batch must be positive, got {global_batch}")
+        self.n_samples, self.global_batch, self.seed = n_samples, global_batch, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:  # a run moves forward; keep memory flat on huge data sets
+                self._perms.clear()
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms[epoch] = torch.randperm(self.n_samples, generator=g).tolist()
+        return self._perms[epoch]
+
+    def step_samples(self, step: int) -> list[int]:
+        """All `global_batch` sample indices of optimizer step `step` (0-based), in order."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        out, n = [], self.n_samples
+        for p in range(step * self.global_batch, (step + 1) * self.global_batch):
+            out.append(self.permutation(p // n)[p % n])
+        return out
+
+    def micro_batches(self, step: int, data_rank: int, data_ranks: int, micro_batch: int) -> list[list[int]]:
+        """Sample indices of each micro-step of `data_rank` (of `data_ranks`) in step `step`."""
+        check_batch_sizes(self.global_batch, micro_batch, data_ranks)
+        if not 0 <= data_rank < data_ranks:
+            raise ValueError(f"data_rank {data_rank} is outside [0, {data_ranks})")
+        share = self.global_batch // data_ranks
+        mine = self.step_samples(step)[data_rank * share : (data_rank + 1) * share]
+        return [mine[m : m + micro_batch] for m in range(0, share, micro_batch)]
+
+    def epoch(self, step: int) -> float:
+        """Epochs completed before step `step` (for logging)."""
+        return step * self.global_batch / self.n_samples

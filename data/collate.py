@@ -1,0 +1,69 @@
+"""Collation of one micro-batch into model inputs: padding or packing, never changing the math.
+
+Contract: `collate(samples, pack, divisor, pad_id)` takes samples `{"input_ids", "labels"}` (labels
+already shifted by `data.tokens`) and returns LongTensors `input_ids`, `labels`, `position_ids`,
+all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2·cp for ring).
+- `pack=False`: B = len(samples). Each row is one sample padded at the END to the longest sample,
+  rounded up to `divisor`.
+- `pack=True`: B = 1. The samples are concatenated in order into one row, position ids restart at
+  0 for each sample, then the row is padded at the end up to `divisor`.
+- Padding: input `pad_id`, label -100, and position ids that CONTINUE the preceding sample
+  (L, L+1, ...). Attention derives document boundaries from position-id resets (a document starts
+  where `pos[t] != pos[t-1] + 1`), so padding joins the last document instead of forming a new
+  one: it only ever sits after the real tokens (causal), and its outputs carry no target.
+- Packing keeps the math: each sample's last label is already -100 (shifted per sample before
+  concatenation), so no target crosses a document, and position ids restart per document, so RoPE
+  and the boundary-aware attention see each document exactly as when it is alone in a row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+def _round_up(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+def _row(samples: list[dict], length: int, pad_id: int) -> tuple[list[int], list[int], list[int]]:
+    ids, labels, pos = [], [], []
+    for s in samples:
+        ids += s["input_ids"]
+        labels += s["labels"]
+        pos += range(len(s["input_ids"]))
+    n_pad = length - len(ids)
+    last = pos[-1] + 1
+    return ids + [pad_id] * n_pad, labels + [IGNORE] * n_pad, pos + list(range(last, last + n_pad))
+
+
+def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One micro-batch -> {"input_ids", "labels", "position_ids"}: LongTensors [B, S]."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    for s in samples:
+        if len(s["input_ids"]) != len(s["labels"]) or not s["input_ids"]:
+            raise ValueError("each sample needs non-empty input_ids and labels of the same length")
+    if pack:
+        rows = [_row(samples, _round_up(sum(len(s["input_ids"]) for s in samples), divisor), pad_id)]
+    else:
+        length = _round_up(max(len(s["input_ids"]) for s in samples), divisor)
+        rows = [_row([s], length, pad_id) for s in samples]
+    ids, labels, pos = zip(*rows)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)
+    return {"input_ids": as_long(ids), "labels": as_long(labels), "position_ids": as_long(pos)}
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Label positions that enter the loss (the denominator is their sum over the whole step)."""
+    return int((batch["labels"] != IGNORE).sum())
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, S]: True where a document starts (pos[t] != pos[t-1] + 1, and at t = 0)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts

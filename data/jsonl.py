@@ -1,0 +1,104 @@
+"""JSONL input: read and validate training records, failing early with the line that is wrong.
+
+Contract:
+- One JSON object per line; blank lines are skipped. Two record kinds:
+    {"text": "..."}                                        every token is a target
+    {"messages": [{"role": "...", "content": "..."}, ...]}  rendered with the checkpoint's chat
+                                                            template; only assistant turns are targets
+  Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
+  `reasoning_content`) are kept and passed to the chat template.
+- `load_jsonl(path)` returns the records in file order, each normalised to
+  `{"line": n, "text": str}` or `{"line": n, "messages": [...]}` (`n` is 1-based, kept so that later
+  stages can still name the line).
+- Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
+  wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
+  Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
+  the first step, not quietly shrink the data set.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VALID_LINES = (
+    'a valid line is {"text": "some document"} or '
+    '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
+)
+
+
+class DataError(ValueError):
+    """A data file or record that cannot be used; the message says where and how to fix it."""
+
+
+def line_error(path: str | Path, line: int, problem: str) -> DataError:
+    return DataError(f"{path}, line {line}: {problem}; {VALID_LINES}")
+
+
+def _check_messages(messages: object, path: str | Path, n: int) -> None:
+    if not isinstance(messages, list):
+        raise line_error(path, n, f'"messages" must be a list, got {type(messages).__name__}')
+    if not messages:
+        raise line_error(path, n, '"messages" is an empty list')
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise line_error(path, n, f"message {i} must be an object, got {type(msg).__name__}")
+        for key in ("role", "content"):
+            if key not in msg:
+                raise line_error(path, n, f'message {i} has no "{key}"')
+            if not isinstance(msg[key], str):
+                raise line_error(
+                    path, n, f'message {i} "{key}" must be a string, got {type(msg[key]).__name__}'
+                )
+        if not msg["role"]:
+            raise line_error(path, n, f'message {i} has an empty "role"')
+    # Without an assistant turn a chat record has no target token at all; that is almost always a
+    # role-name mismatch (e.g. ShareGPT's "gpt"), so say so instead of training on nothing.
+    if not any(m["role"] == "assistant" for m in messages):
+        roles = sorted({m["role"] for m in messages})
+        raise line_error(path, n, f'no message has role "assistant" (roles found: {roles})')
+
+
+def parse_record(raw: str, path: str | Path, n: int) -> dict:
+    """Validate one non-blank line and return its normalised record."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
+    has_text, has_messages = "text" in obj, "messages" in obj
+    if has_text and has_messages:
+        raise line_error(path, n, 'has both "text" and "messages"; use one per line')
+    if has_text:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise line_error(path, n, f'"text" must be a string, got {type(text).__name__}')
+        if not text.strip():
+            raise line_error(path, n, '"text" is empty')
+        return {"line": n, "text": text}
+    if has_messages:
+        _check_messages(obj["messages"], path, n)
+        return {"line": n, "messages": obj["messages"]}
+    keys = sorted(obj)[:8]
+    raise line_error(path, n, f'has neither "text" nor "messages" (keys: {keys})')
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Read a JSONL file into validated records (see the module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        raise DataError(f"data file {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
+    records = []
+    with p.open("rb") as f:
+        for n, raw_bytes in enumerate(f, start=1):
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise line_error(p, n, f"not UTF-8 ({e.reason} at byte {e.start})") from None
+            if raw.strip():
+                records.append(parse_record(raw, p, n))
+    if not records:
+        raise DataError(f"data file {p} has no records (only blank lines); {VALID_LINES}")
+    return records

@@ -1,0 +1,200 @@
+"""Tokenization with the checkpoint's tokenizer, target masks and shifted labels.
+
+Contract:
+- `load_tokenizer(model_dir)` loads the tokenizer saved next to the checkpoint, offline only.
+- `tokenize_records(records, tokenizer, max_len, path)` turns validated records (`data.jsonl`) into
+  samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
+  samples left with no target are dropped (and counted).
+- Text records: the text is encoded with the tokenizer's own special-token rule
+  (`add_special_tokens=True`), so a BOS token is prepended exactly when the tokenizer defines one
+  and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing). Then the
+  EOS token is appended (unless the tokenizer already appended it). Every token is a target,
+  including EOS, so the model learns to stop.
+- Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
+  and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
+  BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
+  are targets: each turn's content plus the end-of-turn marker the template writes after it (e.g.
+  `<|im_end|>`, `<|eot_id|>`), so the model learns to stop; the role header before it and the
+  newline after it are not. No EOS is appended: the end-of-turn marker is the stop token.
+- Truncation keeps the first `max_len` tokens. Labels are built after it, on the whole sequence:
+  `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
+
+Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
+render the conversation up to message i with `add_generation_prompt=True`; where that string ends
+the turn's target text starts. Render it through message i; where that ends, the turn ends. Both
+are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
+once later ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's
+content is searched for in the full rendering after its start, and the end-of-turn marker taken from
+the shorter rendering is matched right after it. Character spans become token flags through the
+fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.jsonl import DataError
+
+IGNORE = -100  # label value that F.cross_entropy(ignore_index=-100) and loss.py skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class TokenStats:
+    records: int = 0
+    samples: int = 0  # kept samples (records - dropped)
+    truncated: int = 0  # samples longer than max_len, cut to max_len
+    dropped: int = 0  # samples with no target left after truncation
+    tokens: int = 0  # tokens in kept samples, after truncation
+    targets: int = 0  # label positions != -100 in kept samples
+    longest: int = 0  # longest sample before truncation
+
+    def __str__(self) -> str:
+        return (
+            f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
+            f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}, "
+            f"dropped {self.dropped} (no target left)"
+        )
+
+
+def load_tokenizer(model_dir: str | Path):
+    """`AutoTokenizer` from the checkpoint directory, never from the hub."""
+    from transformers import AutoTokenizer  # import here: transformers takes seconds to import
+
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise DataError(f"model directory {d} does not exist")
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise DataError(
+            f"model directory {d} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); "
+            "copy the tokenizer that belongs to the checkpoint next to config.json"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:
+        raise DataError(f"could not load the tokenizer in {d}: {e}") from e
+
+
+def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
+    """labels[t] = ids[t+1] where token t+1 is a target; -100 elsewhere and at the last position."""
+    return [ids[t + 1] if is_target[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
+    """The rendering up to where the next assistant turn's text starts (None if it cannot render)."""
+    try:  # some templates index messages[0] and fail on an empty conversation
+        return _render(tokenizer, messages, True)
+    except Exception:
+        return None
+
+
+def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant turn in it."""
+    full = _render(tokenizer, messages, False)
+    spans, prev_end = [], 0
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        content = msg["content"].strip()
+        before = _prefix_render(tokenizer, messages[:i])
+        through = _render(tokenizer, messages[: i + 1], False)
+        at = through.rfind(content)  # where the content sits when this turn is the last one
+        if before is not None and full.startswith(before) and len(before) >= prev_end:
+            start = len(before)
+        elif at >= 0 and full.startswith(through[:at]) and at >= prev_end:
+            start = at  # e.g. a default system prompt that only appears once a message exists
+        else:
+            start = full.find(content, prev_end)
+        if start < 0 or at < 0:
+            raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
+        if full.startswith(through) and len(through) > start:
+            end = len(through)
+        else:
+            # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
+            # reasoning): take the content as rendered plus the end-of-turn marker seen in `through`.
+            c = full.find(content, start)
+            if c < 0:
+                raise DataError(
+                    f"{where}: the chat template does not render assistant message {i} verbatim"
+                )
+            end = c + len(content)
+            marker = through[at + len(content) :].rstrip()
+            if marker and full.startswith(marker, end):
+                end += len(marker)
+        # The newline a template writes between turns is a separator, not something to generate.
+        while end > start and full[end - 1].isspace():
+            end -= 1
+        spans.append((start, end))
+        prev_end = end
+    return full, spans
+
+
+def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    full, spans = assistant_char_spans(tokenizer, messages, where)
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        flags = [b > a and any(a < e and b > s for s, e in spans) for a, b in offsets]
+    except NotImplementedError:
+        # Slow (python) tokenizers have no offsets: use token counts of string prefixes instead.
+        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+        flags = [False] * len(ids)
+        count = lambda s: len(tokenizer(full[:s], add_special_tokens=False)["input_ids"])
+        for s, e in spans:
+            for t in range(count(s), count(e)):
+                flags[t] = True
+    return ids, flags
+
+
+def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>"):
+    """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
+    eos = tokenizer.eos_token_id
+    texts = [r["text"] for r in records if "text" in r]
+    if texts and eos is None:
+        raise DataError(
+            f"{path}: text records need an EOS token to mark where a document ends, but the "
+            "tokenizer defines no eos_token"
+        )
+    chats = [r for r in records if "messages" in r]
+    if chats and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{path}, line {chats[0].get('line', '?')}: chat records need the checkpoint's chat "
+            "template, but the tokenizer has none (base models often ship without one); use an "
+            'instruct checkpoint, add a chat_template to tokenizer_config.json, or write {"text": ...}'
+        )
+    # One batched call for all text records: the fast tokenizer parallelises it.
+    text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
+
+    samples, stats = [], TokenStats(records=len(records))
+    for r in records:
+        if "text" in r:
+            ids = list(next(text_ids))
+            if not ids or ids[-1] != eos:
+                ids.append(eos)
+            flags = [True] * len(ids)
+        else:
+            where = f"{path}, line {r.get('line', '?')}"
+            ids, flags = _chat_tokens(tokenizer, r["messages"], where)
+        stats.longest = max(stats.longest, len(ids))
+        if len(ids) > max_len:
+            stats.truncated += 1
+            ids, flags = ids[:max_len], flags[:max_len]
+        labels = shift_labels(ids, flags)
+        n_targets = sum(lab != IGNORE for lab in labels)
+        if n_targets == 0:
+            stats.dropped += 1
+            continue
+        samples.append({"input_ids": ids, "labels": labels})
+        stats.samples += 1
+        stats.tokens += len(ids)
+        stats.targets += n_targets
+    return samples, stats
