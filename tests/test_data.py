@@ -1,0 +1,359 @@
+"""data/: JSONL validation, token targets and labels, layout-independent batch order, collation, demo.
+
+Pins the data contract of DESIGN.md ("One step, as data", points 1-3) against references we did not
+write: the tokenizer's own `apply_chat_template(tokenize=True)` and `decode`, `torch.randperm` with
+the documented seeds, and plain Python string/word checks on the demo corpus.
+
+Run: .venv/bin/python -m pytest -q tests/test_data.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from data import (
+    IGNORE,
+    DataError,
+    GlobalBatches,
+    check_batch_sizes,
+    collate,
+    count_targets,
+    document_starts,
+    load_jsonl,
+    load_tokenizer,
+    make_demo,
+    tokenize_records,
+)
+from tests.fixtures import make_chat_jsonl, make_text_jsonl, make_tokenizer
+
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture
+def tok(tok_dir):
+    return load_tokenizer(tok_dir)  # fresh per test: some tests swap the chat template
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return make_demo(tmp_path_factory.mktemp("demo") / "assets")
+
+
+def target_runs(tok, sample):
+    """Decoded runs of consecutive target tokens, recovered from the shifted labels."""
+    ids, labels = sample["input_ids"], sample["labels"]
+    runs, cur = [], []
+    for t in range(1, len(ids)):
+        if labels[t - 1] != IGNORE:
+            assert labels[t - 1] == ids[t], f"label at {t - 1} is not input_ids[{t}]"
+            cur.append(ids[t])
+        elif cur:
+            runs.append(cur)
+            cur = []
+    assert labels[-1] == IGNORE, "last position must have no label"
+    return [tok.decode(r) for r in runs + ([cur] if cur else [])]
+
+
+# --- tokenization: text ---------------------------------------------------------------------------
+
+
+def test_text_records_all_targets_plus_eos(tok, tmp_path):
+    recs = make_text_jsonl(tmp_path / "t.jsonl", 20, seed=1)
+    samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 10_000, "t.jsonl")
+    assert stats.samples == 20 and stats.truncated == 0 and stats.dropped == 0
+    for rec, s in zip(recs, samples):
+        ref = tok(rec["text"])["input_ids"] + [tok.eos_token_id]
+        assert s["input_ids"] == ref, "text = tokenizer(text) + EOS"
+        assert s["labels"] == ref[1:] + [IGNORE], "every next token (incl. EOS) is a target"
+
+
+def test_text_bos_rule_follows_tokenizer(tok):
+    """A tokenizer whose post-processor adds BOS (and EOS) gets exactly one of each."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    bt = tok.backend_tokenizer
+    bt.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|endoftext|>",
+        special_tokens=[("<|im_start|>", tok.convert_tokens_to_ids("<|im_start|>")), ("<|endoftext|>", 0)],
+    )
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=bt, bos_token="<|im_start|>", eos_token="<|endoftext|>")
+    (s,), _ = tokenize_records([{"text": "The fox ran."}], llama_like, 100)
+    body = llama_like("The fox ran.", add_special_tokens=False)["input_ids"]
+    assert s["input_ids"] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
+
+
+# --- tokenization: chat ---------------------------------------------------------------------------
+
+
+def test_chat_tokens_equal_apply_chat_template(tok, tmp_path):
+    recs = make_chat_jsonl(tmp_path / "c.jsonl", 30, seed=2)
+    samples, stats = tokenize_records(load_jsonl(tmp_path / "c.jsonl"), tok, 10_000, "c.jsonl")
+    assert stats.samples == 30
+    for rec, s in zip(recs, samples):
+        msgs = rec["messages"]
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        assert s["input_ids"] == ref == tok(text, add_special_tokens=False)["input_ids"]
+        # Exactly the assistant turns (content + end-of-turn) are targets; nothing of user/system.
+        want = [m["content"] + END for m in msgs if m["role"] == "assistant"]
+        assert target_runs(tok, s) == want
+
+
+QWEN3_LIKE = (  # rewrites history: only the LAST assistant turn gets an (empty) reasoning block
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_LIKE = (  # template writes its own BOS; end-of-turn marker with no newline after it
+    "{{- '<|endoftext|>' }}{%- for m in messages %}"
+    "{{- '<|im_start|>' + m['role'] + '<|im_start|>\\n\\n' + m['content'] | trim + '<|im_end|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant<|im_start|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["qwen3", "llama3"])
+def test_chat_targets_with_other_templates(tok, template):
+    tok.chat_template = QWEN3_LIKE if template == "qwen3" else LLAMA3_LIKE
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital."},
+        {"role": "user", "content": "And the river?"},
+        {"role": "assistant", "content": "The river Seine."},
+    ]
+    (s,), _ = tokenize_records([{"messages": msgs}], tok, 10_000)
+    assert s["input_ids"] == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    last = "<think>\n\n</think>\n\nThe river Seine." if template == "qwen3" else "The river Seine."
+    assert target_runs(tok, s) == ["Paris is the capital." + END, last + END]
+
+
+def test_chat_leading_assistant_turn_skips_default_system_prompt(tok):
+    msgs = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Hi"}]
+    (s,), _ = tokenize_records([{"messages": msgs}], tok, 10_000)
+    assert target_runs(tok, s) == ["Hello there." + END]
+
+
+def test_chat_without_template_is_an_error(tok, tmp_path):
+    tok.chat_template = None
+    make_chat_jsonl(tmp_path / "c.jsonl", 2)
+    with pytest.raises(DataError, match=r"c\.jsonl, line 1: chat records need the checkpoint's chat template"):
+        tokenize_records(load_jsonl(tmp_path / "c.jsonl"), tok, 100, tmp_path / "c.jsonl")
+
+
+def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
+    recs = make_text_jsonl(tmp_path / "t.jsonl", 40, seed=3)
+    full, _ = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 10_000)
+    samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32)
+    assert stats.truncated == sum(len(s["input_ids"]) > 32 for s in full) > 0
+    assert stats.longest == max(len(s["input_ids"]) for s in full)
+    for f, s in zip(full, samples):
+        n = len(s["input_ids"])
+        assert s["input_ids"] == f["input_ids"][:32] and s["labels"] == f["labels"][: n - 1] + [IGNORE]
+    assert stats.samples == len(recs) and stats.dropped == 0
+    assert stats.targets == sum(count_targets({"labels": torch.tensor(s["labels"])}) for s in samples)
+    # A chat whose assistant turn starts past max_len has no target left: dropped and counted.
+    long_prompt = [{"role": "user", "content": "fox " * 200}, {"role": "assistant", "content": "Sure."}]
+    samples, stats = tokenize_records([{"messages": long_prompt}, recs[0]], tok, 32)
+    assert (stats.records, stats.samples, stats.truncated, stats.dropped) == (2, 1, 2, 1)
+
+
+# --- JSONL validation -----------------------------------------------------------------------------
+
+BAD_LINES = [
+    ('{"text": "a"', "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"prompt": "a"}', 'has neither "text" nor "messages"'),
+    ('{"text": 5}', '"text" must be a string'),
+    ('{"text": "   "}', '"text" is empty'),
+    ('{"text": "a", "messages": []}', 'has both "text" and "messages"'),
+    ('{"messages": "hi"}', '"messages" must be a list'),
+    ('{"messages": []}', '"messages" is an empty list'),
+    ('{"messages": ["hi"]}', "message 0 must be an object"),
+    ('{"messages": [{"content": "hi"}]}', 'message 0 has no "role"'),
+    ('{"messages": [{"role": "user", "content": 3}]}', 'message 0 "content" must be a string'),
+    ('{"messages": [{"from": "human", "value": "hi"}]}', 'message 0 has no "role"'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}',
+     'no message has role "assistant"'),
+]
+
+
+@pytest.mark.parametrize("line,problem", BAD_LINES)
+def test_malformed_line_names_file_line_and_fix(tmp_path, line, problem):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "fine"}\n\n' + line + "\n")
+    with pytest.raises(DataError) as e:
+        load_jsonl(p)
+    msg = str(e.value)
+    assert f"bad.jsonl, line 3: {problem}" in msg
+    assert 'a valid line is {"text": ' in msg and '"messages": [{"role": "user"' in msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.jsonl does not exist"):
+        load_jsonl(tmp_path / "nope.jsonl")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(DataError, match="has no records"):
+        load_jsonl(tmp_path / "blank.jsonl")
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin\.jsonl, line 2: not UTF-8"):
+        load_jsonl(tmp_path / "latin.jsonl")
+    with pytest.raises(DataError, match=r"has no tokenizer files"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(DataError, match=r"missing does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    (tmp_path / "ok.jsonl").write_text('\n{"text": "a", "id": 7}\n')
+    assert load_jsonl(tmp_path / "ok.jsonl") == [{"line": 2, "text": "a"}]
+
+
+# --- global batch order ---------------------------------------------------------------------------
+
+
+def reference_step(n, g, seed, step):
+    """The documented order, written out: concatenated per-epoch randperms, consecutive slices."""
+    epochs = step * g // n + 2 + g // n
+    stream = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)) for e in range(epochs)])
+    return stream[step * g : (step + 1) * g].tolist()
+
+
+@pytest.mark.parametrize("n,g", [(13, 8), (40, 8), (5, 8)])
+def test_step_samples_independent_of_layout(n, g):
+    for seed in (0, 7):
+        order = GlobalBatches(n, g, seed)
+        for step in range(8):
+            ref = reference_step(n, g, seed, step)
+            assert order.step_samples(step) == ref
+            for d_ranks, mb in [(1, 4), (2, 1), (4, 1), (2, 2), (1, 8)]:
+                got = [i for d in range(d_ranks) for mb_ids in order.micro_batches(step, d, d_ranks, mb)
+                       for i in mb_ids]
+                assert got == ref, f"layout D={d_ranks} micro_batch={mb} changed step {step}"
+                sizes = {len(x) for d in range(d_ranks) for x in order.micro_batches(step, d, d_ranks, mb)}
+                assert sizes == {mb}
+    # Resume = a fresh object asked for step k; seeds matter; an epoch covers every sample once.
+    assert GlobalBatches(n, g, 0).step_samples(5) == GlobalBatches(n, g, 0).step_samples(5)
+    runs = [[GlobalBatches(n, g, seed).step_samples(k) for k in range(3)] for seed in (0, 1)]
+    assert runs[0] != runs[1], "different seeds must give different orders"
+    first_epoch = [i for k in range(n) for i in GlobalBatches(n, 1, 3).step_samples(k)]
+    assert sorted(first_epoch) == list(range(n))
+
+
+def test_check_batch_sizes_message():
+    check_batch_sizes(16, 2, 4)
+    with pytest.raises(ValueError) as e:
+        check_batch_sizes(10, 4, 2)
+    msg = str(e.value)
+    for part in ("--global-batch 10", "--micro-batch 4", "2 data ranks", "= 8", "use --global-batch 8 or 16"):
+        assert part in msg, (part, msg)
+    with pytest.raises(ValueError, match="--global-batch 8 or 16"):
+        GlobalBatches(100, 10, 0).micro_batches(0, 0, 2, 4)
+    with pytest.raises(ValueError, match="positive"):
+        check_batch_sizes(8, 0, 1)
+
+
+# --- collation ------------------------------------------------------------------------------------
+
+
+def target_pairs(batch):
+    keep = batch["labels"] != IGNORE
+    return list(zip(batch["input_ids"][keep].tolist(), batch["labels"][keep].tolist()))
+
+
+@pytest.mark.parametrize("divisor", [1, 4, 6])
+def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
+    make_chat_jsonl(tmp_path / "c.jsonl", 3, seed=4)
+    make_text_jsonl(tmp_path / "t.jsonl", 3, seed=4)
+    recs = load_jsonl(tmp_path / "c.jsonl") + load_jsonl(tmp_path / "t.jsonl")
+    samples, _ = tokenize_records(random.Random(0).sample(recs, len(recs)), tok, 64)
+    lens = [len(s["input_ids"]) for s in samples]
+    pad = tok.pad_token_id
+    padded, packed = collate(samples, False, divisor, pad), collate(samples, True, divisor, pad)
+
+    S = padded["input_ids"].shape[1]
+    assert padded["input_ids"].shape == (len(samples), S) and S % divisor == 0 and S - divisor < max(lens)
+    T = packed["input_ids"].shape[1]
+    assert packed["input_ids"].shape == (1, T) and T % divisor == 0 and T - divisor < sum(lens)
+    for b in (padded, packed):
+        assert all(v.dtype == torch.long and v.shape == b["input_ids"].shape for v in b.values())
+    assert target_pairs(padded) == target_pairs(packed)
+    assert count_targets(padded) == count_targets(packed) == sum(
+        sum(lab != IGNORE for lab in s["labels"]) for s in samples
+    )
+    # Padded rows: one document each (positions 0..S-1 through the padding), pad never a target.
+    for r, (s, n) in enumerate(zip(samples, lens)):
+        assert padded["position_ids"][r].tolist() == list(range(S))
+        assert padded["input_ids"][r, :n].tolist() == s["input_ids"]
+        assert (padded["input_ids"][r, n:] == pad).all() and (padded["labels"][r, n:] == IGNORE).all()
+    # Packed row: positions restart exactly at each sample start; padding continues the last one.
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    assert torch.nonzero(document_starts(packed["position_ids"])[0]).flatten().tolist() == starts
+    want_pos = [p for n in lens for p in range(n)] + list(range(lens[-1], lens[-1] + T - sum(lens)))
+    assert packed["position_ids"][0].tolist() == want_pos
+    # No target crosses a document: the label at each document's last token is ignored.
+    assert all(packed["labels"][0, s - 1] == IGNORE for s in starts[1:])
+
+
+# --- demo assets ----------------------------------------------------------------------------------
+
+
+def test_demo_assets(demo):
+    from safetensors import safe_open
+
+    model_dir, train_path, eval_path = demo
+    tok = load_tokenizer(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["vocab_size"] == len(tok) and cfg["tie_word_embeddings"] is True
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        params = sum(f.get_tensor(k).numel() for k in f.keys())
+    assert 1e6 < params < 1e7
+
+    train, held_out = load_jsonl(train_path), load_jsonl(eval_path)
+    for recs in (train, held_out):
+        assert any("text" in r for r in recs) and any("messages" in r for r in recs)
+    texts = [r["text"] for r in train + held_out if "text" in r]
+    for t in texts:
+        assert tok.decode(tok(t)["input_ids"]) == t, "tokenizer must round-trip the corpus"
+    # Real English: most whitespace-separated tokens are dictionary-like words, with the usual
+    # function words among the most frequent.
+    words = [w.strip(".,;:()'\"").lower() for t in texts for w in t.split()]
+    assert sum(w.isalpha() for w in words) > 0.85 * len(words)
+    common = [w for w, _ in Counter(words).most_common(12)]
+    assert {"the", "of", "is", "to"} <= set(common) and len(set(words)) > 1500
+
+    samples, stats = tokenize_records(train, tok, 256, train_path)
+    assert 100 <= stats.samples <= 300 and stats.dropped == 0
+    lens = sorted(len(s["input_ids"]) for s in samples)
+    assert lens[len(lens) // 10] >= 48 and lens[-1] <= 256
+    for r, s in zip(train, samples):
+        if "messages" in r:
+            want = [m["content"] + END for m in r["messages"] if m["role"] == "assistant"]
+            assert target_runs(tok, s) == want
+
+
+def test_demo_is_reused_and_deterministic(demo):
+    from data.demo import build_records, build_tokenizer, docstring_corpus
+
+    model_dir, train_path, _ = demo
+    before = os.stat(model_dir / "model.safetensors").st_mtime_ns
+    assert make_demo(model_dir.parent) == demo
+    assert os.stat(model_dir / "model.safetensors").st_mtime_ns == before, "stamp must skip the rebuild"
+    train, _ = build_records(docstring_corpus())
+    assert [json.loads(line) for line in train_path.read_text().splitlines()] == train
+    texts = [r["text"] for r in train if "text" in r]
+    assert build_tokenizer(texts, 300).get_vocab() == build_tokenizer(texts, 300).get_vocab()
