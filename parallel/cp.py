@@ -75,11 +75,12 @@ def unshard_sequence(shards, dims, seq_len: int | None = None) -> torch.Tensor:
     return full if seq_len is None else full[:, :seq_len]
 
 
-def gather_sequence(x: torch.Tensor, group, dims) -> torch.Tensor:
-    """All-gather a (non-differentiable) local shard over the cp group and unshard it: [B, S, ...]."""
+def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) -> torch.Tensor:
+    """All-gather a local shard over the cp group and unshard it: [B, S, ...] (not differentiable)."""
+    x = x.detach().contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return unshard_sequence(parts, dims)
+    dist.all_gather(parts, x, group=group)
+    return unshard_sequence(parts, dims, seq_len)
 
 
 def document_bounds(position_ids: torch.Tensor):
@@ -136,9 +137,9 @@ class ContextParallelAttention(Attention):
         u, r = self.dims.ulysses, self.dims.ring
         if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
             n_heads = q.shape[2]
-            q = seq_to_heads(q, self.ulysses_group)
-            k = kv_to_heads(k, n_heads, self.ulysses_group)
+            k = kv_to_heads(k, n_heads, self.ulysses_group)  # validates the head counts before any traffic
             v = kv_to_heads(v, n_heads, self.ulysses_group)
+            q = seq_to_heads(q, self.ulysses_group)
         if r == 1:
             out = kernels.attention(q, k, v, True, scale, docs=meta)
         else:
