@@ -74,7 +74,7 @@ def check_cp(attn, dims, cfg, label, pos=None, bounds=None, dtype=torch.float32,
     got = [out.detach()] + [x.grad for x in local]
     for name, want, mine in zip(("out", "dq", "dk", "dv"), [ref, *ref_grads], got):
         full = gather_sequence(mine, group, dims, s)
-        torch.testing.assert_close(full.float(), want.detach(), **tol, msg=lambda m: f"{label} {name}: {m}")
+        torch.testing.assert_close(full.float(), want.detach(), **tol, msg=lambda m, n=name: f"{label} {n}: {m}")
 
 
 def _cp_ranks(rank, world, splits, configs):
@@ -154,7 +154,7 @@ def test_local_attention_packed_documents():
     for name, want, mine in zip(("out", "dq", "dk", "dv"),
                                 [ref, *torch.autograd.grad(ref, (q, k, v), dout)],
                                 [out, *torch.autograd.grad(out, (q, k, v), dout)]):
-        torch.testing.assert_close(mine, want, **TOL, msg=lambda m: f"local packed {name}: {m}")
+        torch.testing.assert_close(mine, want, **TOL, msg=lambda m, n=name: f"local packed {n}: {m}")
     # Unpacked rows take the single-call path and match SDPA as well.
     assert attn.prepare(torch.arange(48).expand(2, 48) + 7) is None
     torch.testing.assert_close(attn(q, k, v, None, 0.125), sdpa(q, k, v, 0.125), **TOL)

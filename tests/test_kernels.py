@@ -1,0 +1,147 @@
+"""Attention kernels: forward with log-sum-exp and a backward that takes the GLOBAL out/lse.
+
+Pins, for the CPU flash-op backend and the float64 reference, causal and not, GQA/MQA, head_dim 64
+and 128: `forward` matches torch's `F.scaled_dot_product_attention` (out) and a float64 logsumexp
+(lse, float32 [B, H, S]); `backward` matches SDPA's autograd gradients; attention split into K/V
+blocks, merged by log-sum-exp (`parallel.ring._merge`) and differentiated block by block with the
+global out/lse (what ring attention does) gives the full result; bf16 stays within 2e-2 of the
+float64 reference (bf16 has 8 mantissa bits); causal with unequal q/kv lengths is refused.
+
+Run: .venv/bin/python -m pytest -q tests/test_kernels.py
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel import kernels
+from parallel.ring import _merge
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+SHAPES = [  # (B, Sq, Sk, H, Hkv, D)
+    (2, 64, 64, 4, 4, 64),
+    (1, 48, 48, 8, 2, 128),   # GQA
+    (1, 40, 40, 4, 1, 64),    # MQA
+    (2, 24, 56, 4, 2, 64),    # a non-causal off-diagonal block (ring): Sq != Sk
+]
+
+
+def qkv(shape, dtype=torch.float32, seed=0):
+    b, sq, sk, h, hkv, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g)
+    k, v = (torch.randn(b, sk, hkv, d, generator=g) for _ in range(2))
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)]
+
+
+def sdpa(q, k, v, causal, scale):
+    t = lambda x: x.transpose(1, 2)
+    return t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=causal, scale=scale, enable_gqa=True))
+
+
+def lse64(q, k, causal, scale):
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(g, 2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return torch.logsumexp(s, -1)
+
+
+def close(got, want, label, **tol):
+    torch.testing.assert_close(got, want, **(tol or TOL), msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_backward_vs_sdpa(backend, shape, causal):
+    if causal and shape[1] != shape[2]:
+        pytest.skip("causal needs equal lengths")
+    q, k, v = qkv(shape)
+    scale = shape[-1] ** -0.5
+    ref = sdpa(q, k, v, causal, scale)
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    out, lse = kernels.forward(q, k, v, causal, scale, backend=backend)
+    assert lse.dtype == torch.float32 and lse.shape == (shape[0], shape[3], shape[1])
+    close(out, ref, "out")
+    close(lse.double(), lse64(q, k, causal, scale), "lse")
+    mine = kernels.backward(dout, q, k, v, out, lse, causal, scale, backend=backend)
+    for name, a, b in zip(("dq", "dk", "dv"), mine, grads):
+        assert a.shape == b.shape, name
+        close(a, b, name)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_blockwise_with_global_lse(backend, shape):
+    """Causal attention as a ring computes it: a causal diagonal block plus a full off-diagonal one."""
+    q, k, v = qkv(shape, seed=1)
+    scale, c = shape[-1] ** -0.5, shape[1] // 2
+    ref = sdpa(q, k, v, True, scale)
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    q, k, v = q.detach(), k.detach(), v.detach()
+
+    out, lse = kernels.forward(q, k, v, True, scale, backend=backend)  # rows [0, c) are final here
+    out, lse = out.float(), lse.contiguous()
+    # Rows [c, S): their causal diagonal block, then keys [0, c) merged in.
+    o2, l2 = kernels.forward(q[:, c:], k[:, c:], v[:, c:], True, scale, backend=backend)
+    o2, l2 = o2.float(), l2.contiguous()
+    _merge(o2, l2, *kernels.forward(q[:, c:], k[:, :c], v[:, :c], False, scale, backend=backend))
+    out[:, c:], lse[:, :, c:] = o2, l2
+    close(out, ref.detach(), "merged out")
+
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    blocks = [(slice(0, c), slice(0, c), True), (slice(c, None), slice(c, None), True),
+              (slice(c, None), slice(0, c), False)]
+    for qs, ks, causal in blocks:  # every block sees the GLOBAL out and lse of its rows
+        a, b, d = kernels.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                                   lse[:, :, qs], causal, scale, backend=backend)
+        dq[:, qs] += a
+        dk[:, ks] += b
+        dv[:, ks] += d
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        close(a, b, f"blockwise {name}")
+
+
+def test_bf16_cpu_vs_float64_reference():
+    shape = (1, 64, 64, 8, 2, 64)
+    q, k, v = qkv(shape, torch.bfloat16, seed=2)
+    scale = 0.125
+    out, lse = kernels.forward(q, k, v, True, scale, backend="cpu")
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = kernels.forward(q64, k64, v64, True, scale, backend="reference")
+    bf = dict(atol=2e-2, rtol=2e-2)
+    close(out.double(), ref, "bf16 out", **bf)
+    close(lse.double(), ref_lse, "bf16 lse", **bf)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    mine = kernels.backward(dout.bfloat16(), q, k, v, out, lse, True, scale, backend="cpu")
+    want = kernels.backward(dout.double(), q64, k64, v64, ref, ref_lse, True, scale, backend="reference")
+    for name, a, b in zip(("dq", "dk", "dv"), mine, want):
+        assert a.dtype == torch.bfloat16, name
+        close(a.double(), b, f"bf16 {name}", atol=5e-2, rtol=5e-2)
+
+
+def test_documents_and_autograd_wrapper():
+    q, k, v = qkv((2, 30, 30, 4, 2, 64), seed=4)
+    docs = [[0, 10, 30], [0, 3, 4, 30]]
+    out = kernels.attention(q, k, v, True, 0.125, docs=docs)
+    dout = torch.randn_like(out)
+    ref = torch.cat([torch.cat([sdpa(q[b:b + 1, x:y], k[b:b + 1, x:y], v[b:b + 1, x:y], True, 0.125)
+                                for x, y in zip(row[:-1], row[1:])], 1) for b, row in enumerate(docs)])
+    close(out, ref, "docs out")
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
+                          torch.autograd.grad(ref, (q, k, v), dout)):
+        close(a, b, f"docs {name}")
+
+
+def test_refusals_and_backend_choice():
+    q, k, v = qkv((1, 8, 16, 4, 2, 64))
+    with pytest.raises(ValueError, match="causal attention needs equal q/kv lengths"):
+        kernels.forward(q, k, v, True, 1.0)
+    with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
+        kernels.forward(q, k[:, :, :1].expand(1, 16, 3, 64), v, False, 1.0)
+    assert kernels.pick_backend(q) == "cpu"
