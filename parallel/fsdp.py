@@ -1,0 +1,59 @@
+"""FSDP2 on the LoRA-wrapped decoder, sharded weight loading, and the global gradient norm.
+
+Contract:
+- `apply_fsdp(model, mesh, mp)`: `fully_shard` each decoder block, then the root, over the 2-D
+  (dp_replicate, dp_shard·cp) mesh (HSDP; plain FSDP when dp_replicate is 1). CP ranks hold the same
+  weights, so sharding over them too saves memory. FSDP2's own gradient division is switched off
+  (divide factor 1, sum-only reductions, which gloo also supports): the loss is already divided by the
+  global target count, so the reduced gradients equal one process's gradient on the global batch.
+- `load_weights(model, reader, device)` streams the checkpoint tensor by tensor; for each parameter
+  a rank keeps only its own shard (4-bit weights are quantized on the rank's device first). No rank
+  ever holds more than one full tensor at a time.
+- `clip_grad_norm_(params, max_norm)` returns the true global norm over all shards and ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from model.qlora import NF4Linear, quantize_weight, set_param
+
+
+def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy | None = None):
+    kw = dict(mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+    blocks = list(model.model.layers)
+    for i, block in enumerate(blocks):
+        # The last block is needed again right away by backward: keep it unsharded after forward.
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(model, **kw)   # embeddings, final norm and lm_head; the loss runs inside its forward
+    for m in [*blocks, model]:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+
+
+def load_weights(model, reader, device: torch.device) -> None:
+    """Fill every non-LoRA parameter of `model` (peft-wrapped names allowed) from the checkpoint."""
+    nf4 = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, NF4Linear)}
+    params = [(n, p) for n, p in model.named_parameters() if "lora_" not in n]
+    reader.check([n.replace(".base_layer", "") for n, _ in params])
+    for name, p in params:
+        full = reader.get(name.replace(".base_layer", ""))
+        if name in nf4:
+            full = quantize_weight(nf4[name], full, device)
+        set_param(p, full.to(device=device, dtype=p.dtype))
+        del full
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):          # partial sums over shards -> the global norm
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,78 @@
+"""The one place that assembles the trainable model; the order is what makes LoRA, CP and FSDP2 compose.
+
+    1. skeleton on the meta device        no memory, no random init of a 70B model
+    2. nn.Linear -> NF4Linear (4-bit)     before peft, so peft wraps the 4-bit layer with its
+                                          4-bit LoRA layer (LoRA outside the quantized base)
+    3. LoRA with peft                     before sharding, so FSDP2 shards LoRA parameters together
+                                          with the block they belong to; only LoRA is trainable
+    4. activation checkpointing per block before sharding, so recompute re-runs FSDP2's hooks
+    5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
+    6. materialise (to_empty)             each rank allocates only its shards
+    7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
+    8. deterministic LoRA init            depends on the seed only: same adapter for any mesh
+
+CP needs no step here: the attention core calls the CP attention object, and LoRA acts on the
+projections outside it. The trainer calls the returned `Transformer` directly (peft's wrapper calls
+`forward` without `__call__`, which would skip FSDP2's hooks); the `PeftModel` is kept for export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from model.llama import Transformer
+from model.load import CheckpointReader, read_args
+from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
+from parallel.fsdp import apply_fsdp, load_weights
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    quant: str = "nf4"                     # "nf4" or "none"
+    dtype: torch.dtype = torch.float32     # base-weight / compute dtype (bf16 on CUDA)
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple = field(default=LORA_TARGETS)
+    ac: bool = True
+    seed: int = 0
+    lora_b_std: float = 0.0                # tests only: a non-zero B so every gradient is non-trivial
+
+
+def build_model(cfg: ModelConfig, *, fsdp_mesh=None, attention=None, device=None):
+    """Return (transformer, peft_model). `fsdp_mesh=None` builds the plain single-process model."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.quant not in ("nf4", "none"):
+        raise ValueError(f"--quant must be nf4 or none, got {cfg.quant!r}")
+    args = read_args(cfg.path)
+    reader = CheckpointReader(cfg.path)
+    with torch.device("meta"):                                              # 1
+        model = Transformer(args, attention=attention)
+        model.to(cfg.dtype)
+        if cfg.quant == "nf4":                                              # 2
+            apply_nf4(model, storage_dtype=cfg.dtype)
+        peft_model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                cfg.lora_targets)                           # 3
+        if cfg.quant == "nf4":
+            pack_nf4_weights(model)
+    model.checkpoint_blocks = cfg.ac                                        # 4
+    if fsdp_mesh is not None:                                               # 5
+        mp = None
+        if device.type == "cuda" and cfg.dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
+        apply_fsdp(model, fsdp_mesh, mp)
+    model.to_empty(device=device)                                           # 6
+    if args.tie_embeddings and fsdp_mesh is None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, reader, device)                                     # 7
+    reader.close()
+    init_lora(model, cfg.seed, cfg.lora_b_std)                              # 8
+    return model, peft_model
+
+
+def lora_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if p.requires_grad]

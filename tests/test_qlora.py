@@ -1,0 +1,126 @@
+"""QLoRA on FSDP2: 4-bit bits survive sharding, and the assembled model computes one process's math.
+
+Pins (gloo on CPU, float32): for a tiny Qwen2 checkpoint (6 query / 2 KV heads) built by transformers,
+- the packed NF4 bits of every layer, gathered from the FSDP2 shards, equal the single-process
+  quantization exactly (compared as integers), at 1, 2 and 4 ranks;
+- the logits, the loss and every LoRA gradient of the assembled model on 2 ranks (dp_shard 2; cp 2
+  ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
+  2 × 2 via auto with 6 heads / 2 KV heads) equal those of the
+  unsharded single-process model on the whole batch, with nf4 and with plain weights;
+- the clipped global gradient norm equals the single-process `clip_grad_norm_`;
+- the LoRA init is identical on every layout (it depends on the seed only).
+
+Run: .venv/bin/python -m pytest -q tests/test_qlora.py
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_ranks
+from tests.helpers import tiny_checkpoint
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _assemble(rank, world_size, path, quant, cp, impl, fsdp):
+    """One layout's model + the single-process reference; returns label-checked comparisons."""
+    from model.qlora import NF4Linear
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.fsdp import clip_grad_norm_
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import ModelConfig, build_model, lora_parameters
+
+    cfg = ModelConfig(path, quant=quant, lora_r=4, lora_alpha=8, lora_b_std=0.05, ac=True, seed=3)
+    ref, _ = build_model(cfg)                                    # plain module, whole batch
+    dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
+    meshes = dims.build_mesh("cpu")
+    attn = cp_attention(meshes, dims) if cp > 1 else None
+    model, _ = build_model(cfg, fsdp_mesh=meshes.fsdp if fsdp else None, attention=attn)
+
+    # the same global batch on every rank; data rank d takes rows d::dp, cp rank c its shard
+    g = torch.Generator().manual_seed(11)
+    B, S = 4, 21
+    ids = torch.randint(0, 128, (B, S), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
+    labels[0, :7] = -100
+    pos = torch.arange(S).expand(B, S)
+
+    # reference: one process, whole batch
+    rsum, rn = ref(ids, position_ids=pos, labels=labels)
+    (rsum / rn).backward()
+    ref_norm = clip_grad_norm_(lora_parameters(ref), 1e9)
+    with torch.no_grad():
+        ref_logits = ref(ids, position_ids=pos)
+
+    d, cr = meshes.dp.get_local_rank(), meshes.cp.get_local_rank()
+    rows = slice(d * B // dims.dp, (d + 1) * B // dims.dp)
+    lids = shard_sequence(ids[rows], dims, cr, 0)
+    llab = shard_sequence(labels[rows], dims, cr, -100)
+    lpos = shard_sequence(pos[rows], dims, cr, None)
+    lsum, ln = model(lids, position_ids=lpos, labels=llab)
+    total = ln.detach().clone()
+    dist.all_reduce(total, group=meshes.dp_cp.get_group())       # the GLOBAL target count
+    loss_total = lsum.detach().clone()
+    dist.all_reduce(loss_total, group=meshes.dp_cp.get_group())
+    (lsum / total).backward()
+    norm = clip_grad_norm_(lora_parameters(model), 1e9)
+
+    out = {}
+    torch.testing.assert_close(total, rn.float() if total.is_floating_point() else rn, msg="target count")
+    torch.testing.assert_close(loss_total / total, rsum / rn, **TOL, msg="global mean loss")
+    torch.testing.assert_close(norm, ref_norm, **TOL, msg="global grad norm")
+    ref_p = dict(ref.named_parameters())
+    n_lora = 0
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if p.requires_grad:
+            n_lora += 1
+            torch.testing.assert_close(full.detach(), ref_p[n].detach(), rtol=0, atol=0, msg=f"init {n}")
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, ref_p[n].grad, **TOL, msg=f"grad {n}")
+    assert n_lora == 2 * 7 * 2, n_lora
+    # packed NF4 bits: gathered shards == single-process quantization, as integers
+    ref_mods = dict(ref.named_modules())
+    n_nf4 = 0
+    for n, m in model.named_modules():
+        if isinstance(m, NF4Linear):
+            n_nf4 += 1
+            w = m.weight.full_tensor() if hasattr(m.weight, "full_tensor") else m.weight
+            assert torch.equal(w.detach().view(torch.uint8), ref_mods[n].weight.detach().view(torch.uint8)), n
+            assert torch.equal(m.quant_state.absmax, ref_mods[n].quant_state.absmax), n
+    assert n_nf4 == (14 if quant == "nf4" else 0)
+    # logits of this rank's shard (no-grad path) equal the reference's at the same tokens
+    with torch.no_grad():
+        logits = model(lids, position_ids=lpos)
+    ref_local = shard_sequence(ref_logits[rows], dims, cr, 0.0)
+    keep = llab != -100   # padded positions hold padding logits on both sides; compare real ones
+    torch.testing.assert_close(logits[keep], ref_local[keep], **TOL, msg="logits")
+    out["n_lora"] = n_lora
+    return out
+
+
+def _cases(rank, world_size, path, cases):
+    """Several layouts per spawn (spawning costs seconds): each case builds its own mesh."""
+    for case in cases:
+        try:
+            _assemble(rank, world_size, path, *case)
+        except AssertionError as e:
+            raise AssertionError(f"case (quant, cp, impl, fsdp)={case}: {e}") from e
+    return len(cases)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size, cases", [
+    (1, [("nf4", 1, "ulysses", True)]),
+    (2, [("nf4", 1, "ulysses", True), ("none", 1, "ulysses", True), ("nf4", 2, "ring", True)]),
+    (4, [("nf4", 1, "ulysses", True), ("nf4", 2, "ulysses", True), ("none", 2, "ring", True),
+         ("nf4", 4, "auto", True)]),
+], ids=["1rank", "2ranks", "4ranks"])
+def test_layouts_match_single_process(ckpt, world_size, cases):
+    assert run_ranks(_cases, world_size, ckpt, cases, timeout=280) == [len(cases)] * world_size
