@@ -1,0 +1,154 @@
+"""Context-parallel attention speed against the single-process kernel, measured side by side.
+
+Times forward + backward of causal attention over one sequence of --seq tokens:
+- t_1: `parallel.kernels.attention` in one process (one thread on CPU, one GPU on CUDA);
+- t_P: the same sequence sharded over --nproc ranks for each CP implementation (ulysses, ring, and
+  the ulysses × ring hybrid when --nproc is 4 or more and even), one process per rank (gloo on CPU with
+  one thread each, nccl with one GPU each on CUDA).
+Prints ratio = t_P / (t_1 / P): 1.0 is perfect scaling, above it is communication and imbalance. Each
+time is the best of --iters after --warmup (the slowest rank's time on each iteration). The same ratio
+of CPU time is printed too: on a machine shared with other jobs the wall clock measures the sharing.
+
+Run: .venv/bin/python bench/attention.py                      # P=2, S=8192, 4 heads, head_dim 64, fp32
+     .venv/bin/python bench/attention.py --nproc 4 --seq 16384 # adds the hybrid (2 x 2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from parallel import kernels  # noqa: E402
+from parallel.cp import cp_attention, shard_sequence  # noqa: E402
+from parallel.mesh import ParallelDims  # noqa: E402
+
+
+def device_for(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_inputs(args, device):
+    g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    shape = lambda h: (args.batch, args.seq, h, args.head_dim)
+    q = torch.randn(shape(args.heads), generator=g)
+    k, v = (torch.randn(shape(args.kv_heads), generator=g) for _ in range(2))
+    dout = torch.randn(shape(args.heads), generator=g)
+    return [x.to(device, dtype) for x in (q, k, v, dout)]
+
+
+def time_step(fn, inputs, dout, device, iters, warmup, barrier=None):
+    """Best-of-iters (wall, cpu) seconds for out = fn(*inputs); out.backward(dout).
+
+    cpu is this process's CPU time (all its threads): on a CPU machine shared with other jobs it
+    still shows the work and overhead of a rank when the wall clock mostly shows the contention."""
+    best = torch.tensor([float("inf")] * 2, dtype=torch.float64)
+    for i in range(warmup + iters):
+        xs = [x.detach().requires_grad_() for x in inputs]
+        if barrier:
+            barrier()
+        sync(device)
+        t, c = time.perf_counter(), time.process_time()
+        fn(*xs).backward(dout)
+        sync(device)
+        dt = torch.tensor([time.perf_counter() - t, time.process_time() - c], dtype=torch.float64)
+        if barrier:  # the step is as slow as its slowest rank
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            best = torch.minimum(best, dt)
+    return best.tolist()
+
+
+def rank_main(rank, world, args, impl, init_file, queue):
+    torch.set_num_threads(1)
+    device = device_for(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        u = {"ulysses": world, "ring": 1, "hybrid": 2}[impl]
+        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=world // u)
+        attn = cp_attention(dims.build_mesh(device.type), dims)
+        q, k, v, dout = (shard_sequence(x, dims, rank, 0.0) for x in make_inputs(args, device))
+        pos = shard_sequence(torch.arange(args.seq, device=device).expand(args.batch, -1), dims, rank, None)
+        scale = args.head_dim ** -0.5
+        fn = lambda q, k, v: attn(q, k, v, attn.prepare(pos), scale)
+        t = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup, barrier=dist.barrier)
+        if rank == 0:
+            queue.put(t)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_impl(args, impl):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main, args=(r, args.nproc, args, impl, f"{tmp}/rdzv", queue))
+                 for r in range(args.nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise RuntimeError(f"{impl}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return queue.get()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="CP degree P: processes (GPUs when CUDA is present)")
+    ap.add_argument("--seq", type=int, default=8192, help="total sequence length")
+    ap.add_argument("--batch", type=int, default=1, help="batch size")
+    ap.add_argument("--heads", type=int, default=4, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=4, help="KV heads (GQA when fewer than --heads)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations (best one is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    ap.add_argument("--impls", default=None, help="comma list of ulysses,ring,hybrid (default: all that fit)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    device = device_for(0)
+    q, k, v, dout = make_inputs(args, device)
+    scale = args.head_dim ** -0.5
+    fn = lambda q, k, v: kernels.attention(q, k, v, True, scale)
+    t1, c1 = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup)
+    backend = kernels.pick_backend(q)
+    del q, k, v, dout
+    p = args.nproc
+    print(f"single process: {t1:.3f} s, cpu {c1:.3f} s  (S={args.seq}, B={args.batch}, H={args.heads}, "
+          f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel {backend})", flush=True)
+
+    impls = args.impls.split(",") if args.impls else ["ulysses", "ring"] + (["hybrid"] if p >= 4 and p % 2 == 0 else [])
+    rows = []
+    for impl in impls:
+        t, c = run_impl(args, impl)
+        rows.append((impl, t, t / (t1 / p), c / (c1 / p)))
+        print(f"{impl:8s} P={p}: {t:.3f} s, cpu {c:.3f} s  ratio to ideal {rows[-1][2]:.3f} "
+              f"(cpu time {rows[-1][3]:.3f})", flush=True)
+
+    print("\n| impl | P | S | t_1 (s) | t_P (s) | ideal t_1/P (s) | ratio t_P / (t_1/P) | cpu-time ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for impl, t, ratio, cratio in rows:
+        print(f"| {impl} | {p} | {args.seq} | {t1:.3f} | {t:.3f} | {t1 / p:.3f} | {ratio:.2f} | {cratio:.2f} |")
+
+if __name__ == "__main__":
+    main()
