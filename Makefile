@@ -31,7 +31,7 @@ test-gpu: install
 	$(PY) -m pytest -q tests/gpu
 
 demo: install
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2 --demo --out runs/demo
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2
 	$(PY) tools/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 
 plot: install

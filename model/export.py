@@ -1,0 +1,80 @@
+"""Adapter export in PEFT format, and folding the adapter into a full Hugging Face checkpoint.
+
+Contract:
+- `export_adapter(peft_model, out_dir, base_path)`: every rank takes part (each LoRA tensor is
+  gathered from its FSDP2 shards); rank 0 writes `adapter_model.safetensors` and
+  `adapter_config.json`, which `peft.PeftModel.from_pretrained` loads on the transformers model of
+  the same checkpoint.
+- `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
+  bf16 safetensors) with W' = W + (alpha / r) · B @ A for every adapted projection. With quant="nf4"
+  W is the dequantized NF4 weight, i.e. exactly the base the adapter was trained against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from model.load import CheckpointReader, _check_dir
+
+
+def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
+    full = {}
+    for n, p in peft_model.named_parameters():
+        if p.requires_grad:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            full[n] = t.detach().to("cpu", torch.float32).clone()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    sd = get_peft_model_state_dict(peft_model, state_dict=full)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "adapter_model.safetensors"))
+    cfg = peft_model.peft_config["default"]
+    cfg.base_model_name_or_path = os.path.abspath(base_path)
+    cfg.save_pretrained(out_dir)
+
+
+def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
+          dtype: torch.dtype = torch.bfloat16) -> None:
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from model.qlora import BLOCKSIZE
+    cfg_path = _check_dir(base_path)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        acfg = json.load(f)
+    scale = acfg["lora_alpha"] / acfg["r"]
+    lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    # "base_model.model.<name>.lora_A.weight" -> "<name>.weight"
+    pairs = {}
+    for k, v in lora.items():
+        name, which = k.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        pairs.setdefault(name + ".weight", {})[which.split(".")[0]] = v.float()
+    reader = CheckpointReader(base_path)
+    os.makedirs(out_dir, exist_ok=True)
+    out = {}
+    for name in sorted(reader.where):
+        w = reader.get(name).float()
+        if name in pairs:
+            if quant == "nf4":
+                packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+                w = dequantize_4bit(packed, st).float()
+            w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
+        out[name] = w.to(dtype).contiguous()
+    missing = sorted(set(pairs) - set(out))
+    if missing:
+        raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    for fn in os.listdir(base_path):   # tokenizer and generation files travel with the weights
+        if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+            shutil.copy(os.path.join(base_path, fn), out_dir)

@@ -1,0 +1,317 @@
+"""Long-context (Q)LoRA fine-tuning with FSDP2 × context parallelism, in one readable loop.
+
+    # 1 process on CPU (the embedded demo model and corpus when --model/--data are omitted)
+    python train.py --steps 20
+    # 4 CPU processes: context parallel 2 × FSDP 2 (what `make demo` runs)
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 train.py --cp 2 --dp-shard 2
+    # 8 GPUs: Qwen2.5-7B, 32k tokens, Ulysses/ring chosen automatically, NF4 base weights
+    torchrun --nproc_per_node 8 train.py --model /ckpt/Qwen2.5-7B-Instruct --data chat.jsonl \
+        --max-len 32768 --cp 4 --dp-shard 2 --global-batch 16 --out runs/qwen7b
+    # know first whether it fits (reads config.json only)
+    python train.py --plan --model /ckpt/Qwen2.5-72B --max-len 32768 --cp 2 --dp-shard 2 --world-size 4
+
+Flow: args -> process group + mesh (validated before any weight is read) -> model -> data ->
+optimizer -> loop (micro-steps, global-token loss, clip, AdamW) -> save (checkpoints, PEFT adapter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- args
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    # Model
+    a("--model", default=None, help="HF checkpoint dir (config.json + safetensors + tokenizer); "
+      "default: the embedded demo model")
+    a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
+    a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
+    # Parallel
+    a("--cp", type=int, default=1, help="context-parallel degree: ranks that share one sequence")
+    a("--dp-shard", type=int, default=-1, help="FSDP2 shard degree (-1: world / (dp_replicate·cp))")
+    a("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP, across nodes)")
+    a("--cp-impl", default="auto", choices=["ulysses", "ring", "hybrid", "auto"],
+      help="CP attention; auto = largest Ulysses degree the heads allow, ring the rest")
+    a("--ulysses-degree", type=int, default=None, help="Ulysses degree inside --cp for --cp-impl hybrid")
+    # LoRA
+    a("--lora-r", type=int, default=16, help="LoRA rank")
+    a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
+    a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
+    a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+      help="comma-separated projection names to adapt")
+    # Optim
+    a("--lr", type=float, default=2e-4, help="peak learning rate")
+    a("--warmup", type=int, default=10, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
+    a("--steps", type=int, default=None, help="optimizer steps (default: one epoch; demo: 40)")
+    a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
+    a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
+    # Data
+    a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line); default: demo corpus")
+    a("--eval-data", default=None, help="evaluation JSONL")
+    a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
+    a("--pack", default=None, action=argparse.BooleanOptionalAction,
+      help="pack a micro-batch into one row, attention kept inside documents (default: on unless ring CP)")
+    a("--seed", type=int, default=0, help="seed for data order and LoRA init")
+    # Run
+    a("--out", default=None, help="output dir (default runs/demo for the demo, else runs/latest)")
+    a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
+    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    a("--resume", default=None, help="checkpoint dir to resume from (a step folder or OUT/ckpt)")
+    a("--plan", action="store_true", help="print the per-rank memory plan and exit (reads config.json only)")
+    a("--suggest", action="store_true", help="with --plan: list the layouts that fit, best first")
+    a("--gpu-mem", type=float, default=None, help="with --plan: GB per device (default: this device's)")
+    a("--world-size", type=int, default=None, help="with --plan: ranks to plan for (default: launched)")
+    a("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    return p.parse_args(argv)
+
+
+def lr_at(step, args, total):
+    """Linear warmup, then cosine decay to 10% of --lr."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def peak_mem_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # kB -> GB (Linux)
+
+
+def log0(*a):
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+@torch.no_grad()
+def evaluate(model, samples, ctx):
+    """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks
+    with fewer samples run all-ignored dummies, so every rank makes the same collective calls."""
+    D, d = ctx["dp"], ctx["data_rank"]
+    share = samples[d::D]
+    n = math.ceil(len(samples) / D)
+    dummy = {"input_ids": samples[0]["input_ids"], "labels": [-100] * len(samples[0]["labels"])}
+    share = share + [dummy] * (n - len(share))
+    tot = torch.zeros(2, dtype=torch.float64, device=ctx["device"])
+    model.eval()
+    for s in share:
+        ids, pos, lab = ctx["to_local"]([s])
+        lsum, cnt = model(ids, position_ids=pos, labels=lab)
+        tot += torch.stack([lsum.double(), cnt.double()])
+    model.train()
+    dist.all_reduce(tot, group=ctx["meshes"].dp_cp.get_group())
+    return (tot[0] / tot[1].clamp(min=1)).item()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from data import (
+        DataError,
+        GlobalBatches,
+        check_batch_sizes,
+        collate,
+        load_jsonl,
+        load_tokenizer,
+        make_demo,
+        tokenize_records,
+    )
+    from model.export import export_adapter
+    from model.load import read_args
+    from parallel import checkpoint
+    from parallel.cp import cp_attention, local_attention, shard_sequence
+    from parallel.fsdp import clip_grad_norm_
+    from parallel.mesh import ParallelDims, device_type
+    from parallel.parallelize import ModelConfig, build_model, lora_parameters
+
+    demo = args.model is None and args.data is None
+    args.out = args.out or ("runs/demo" if demo else "runs/latest")
+    if demo and args.steps is None:
+        args.steps = 40
+    if args.plan:
+        from plan import plan_main
+        return plan_main(args)
+
+    # ------------------------------------------------------------------------- process group + mesh
+    dt = device_type()
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        if "RANK" in os.environ:   # torchrun
+            if dt == "cuda":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl" if dt == "cuda" else "gloo")
+        else:                      # one plain process: a 1-rank group, so the same code path runs
+            store = os.path.join(tempfile.mkdtemp(), "pg")
+            dist.init_process_group("nccl" if dt == "cuda" else "gloo", init_method=f"file://{store}",
+                                    rank=0, world_size=1)
+    device = torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if demo:
+            if rank == 0:
+                make_demo("runs/demo_assets")
+            dist.barrier()
+            args.model = "runs/demo_assets/model"
+            args.data, args.eval_data = "runs/demo_assets/train.jsonl", args.eval_data or "runs/demo_assets/eval.jsonl"
+        # every check before any weight is read: config, mesh, sizes, files
+        for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path!r} does not exist")
+        if args.model is None or args.data is None:
+            raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
+        margs = read_args(args.model)
+        dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
+                                      args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
+        check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+        if args.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {args.lr}")
+        if args.max_len < dims.cp_divisor:
+            raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
+                             f"({dims}); raise --max-len or lower --cp")
+        if margs.sliding_window and args.max_len * (args.micro_batch if args.pack else 1) > margs.sliding_window:
+            raise ValueError(f"the model uses a {margs.sliding_window}-token sliding window, which this "
+                             f"trainer does not implement; use --max-len <= {margs.sliding_window}")
+        if args.pack is None:
+            args.pack = dims.ring == 1
+        elif args.pack and dims.ring > 1:
+            raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
+                             "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
+        meshes = dims.build_mesh(dt)
+        log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}")
+
+        # --------------------------------------------------------------------- data (cheap, before weights)
+        tok = load_tokenizer(args.model)
+        samples, stats = tokenize_records(load_jsonl(args.data), tok, args.max_len, args.data)
+        if not samples:
+            raise DataError(f"{args.data}: no sample has a target token")
+        eval_samples = None
+        if args.eval_data:
+            eval_samples, _ = tokenize_records(load_jsonl(args.eval_data), tok, args.max_len, args.eval_data)
+        log0(f"data: {stats}")
+        order = GlobalBatches(len(samples), args.global_batch, args.seed)
+        steps = args.steps or max(1, len(samples) // args.global_batch)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
+
+        def to_local(batch_samples):
+            b = collate(batch_samples, args.pack, dims.cp_divisor, pad_id)
+            return (shard_sequence(b["input_ids"], dims, cp_rank, pad_id).to(device),
+                    shard_sequence(b["position_ids"], dims, cp_rank, None).to(device),
+                    shard_sequence(b["labels"], dims, cp_rank, -100).to(device))
+
+        # --------------------------------------------------------------------- model
+        t0 = time.time()
+        cfg = ModelConfig(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                          lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
+                          ac=args.ac, seed=args.seed)
+        attn = cp_attention(meshes, dims) if dims.cp > 1 else local_attention()
+        model, peft_model = build_model(cfg, fsdp_mesh=meshes.fsdp, attention=attn, device=device)
+        params = lora_parameters(model)
+        n_lora = sum(p.numel() for p in params)
+        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M "
+             f"trainable, quant {args.quant}, {dtype}, built in {time.time() - t0:.1f}s")
+
+        # --------------------------------------------------------------------- optimizer
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+        start = checkpoint.load(args.resume, model, opt) if args.resume else 0
+        if start:
+            log0(f"resumed from {args.resume} at step {start}")
+        os.makedirs(args.out, exist_ok=True)
+        if rank == 0:
+            with open(os.path.join(args.out, "config.json"), "w") as f:
+                json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)
+        metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
+        ctx = dict(dp=dims.dp, data_rank=data_rank, device=device, meshes=meshes, to_local=to_local)
+        bar = None
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
+        dp_cp = meshes.dp_cp.get_group()
+        flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
+
+        # --------------------------------------------------------------------- loop
+        for step in range(start, steps):
+            t_step = time.time()
+            lr = lr_at(step, args, steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch)
+            micro = [to_local([samples[i] for i in idx]) for idx in idxs]
+            # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
+            # (unpadded) tokens are counted once per cp group
+            n_tok = sum(len(samples[i]["input_ids"]) for idx in idxs for i in idx) if cp_rank == 0 else 0
+            counts = torch.tensor([sum(int((lab != -100).sum()) for _, _, lab in micro), n_tok],
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(counts, group=dp_cp)
+            n_targets = counts[0].clamp(min=1)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for ids, pos, lab in micro:
+                lsum, _ = model(ids, position_ids=pos, labels=lab)
+                (lsum / n_targets.float()).backward()
+                loss_sum += lsum.detach().double()
+            gnorm = clip_grad_norm_(params, args.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum, group=dp_cp)
+            loss = (loss_sum / n_targets).item()
+            dt_step = time.time() - t_step
+            mem = torch.tensor([peak_mem_gb(device)], device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            tokens = int(counts[1].item())
+            rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr,
+                       tokens=tokens, tokens_per_s=round(tokens / dt_step, 1), peak_mem_gb=round(mem.item(), 3),
+                       epoch=round(order.epoch(step + 1), 3))
+            if dt == "cuda":
+                peak = 989e12 if any(k in torch.cuda.get_device_name() for k in ("H100", "H200")) else 312e12
+                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak), 4)
+            if args.eval_every and eval_samples and (step + 1) % args.eval_every == 0 and step + 1 < steps:
+                rec["eval_loss"] = round(evaluate(model, eval_samples, ctx), 6)
+            if step + 1 == steps and eval_samples:
+                rec["eval_loss"] = round(evaluate(model, eval_samples, ctx), 6)
+            if rank == 0:
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                line = " ".join(f"{k} {v}" for k, v in rec.items())
+                (bar.write(line) if bar else print(line, flush=True))
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:
+                checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, step + 1, {"args": vars(args)})
+
+        # --------------------------------------------------------------------- save
+        if bar:
+            bar.close()
+        if start < steps:
+            checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, steps, {"args": vars(args)})
+        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
+        log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
+        if metrics:
+            metrics.close()
+    finally:
+        if own_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
