@@ -32,10 +32,10 @@ test-gpu: install
 
 demo: install
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2
-	$(PY) tools/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
+	$(PY) bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 
 plot: install
-	$(PY) tools/plot.py $(or $(RUN),runs/demo)/metrics.jsonl $(or $(RUN),runs/demo)/loss.png
+	$(PY) bench/plot.py $(or $(RUN),runs/demo)/metrics.jsonl $(or $(RUN),runs/demo)/loss.png
 
 lint: install
 	.venv/bin/ruff check .

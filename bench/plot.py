@@ -1,0 +1,39 @@
+"""Draw the loss curve of a run from its metrics.jsonl as a PNG (`make plot RUN=runs/demo`).
+
+Usage: python bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")   # no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    try:
+        rows = [json.loads(line) for line in open(src) if line.strip()]
+    except FileNotFoundError:
+        sys.exit(f"{src!r} does not exist: run training first (make demo) or pass RUN=<out dir>")
+    if not rows:
+        sys.exit(f"{src!r} has no steps yet")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1.5)
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean over target tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(dst)
+    print(f"wrote {dst} ({len(rows)} steps, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])
