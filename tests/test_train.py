@@ -1,0 +1,287 @@
+"""train.py end to end: the layout never changes the math, resuming never changes it, bad runs fail early.
+
+Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads made by transformers, the
+fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
+- the per-step losses and grad norms in OUT/metrics.jsonl and the exported PEFT adapter of a 1-rank run
+  equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses and ring), `--cp 4` (auto: hybrid
+  2 × 2), `--dp-shard 4` and `--dp-shard 4 --micro-batch 2`; and with `--quant nf4` for cp 2 × dp 2
+  Ulysses and dp_shard 4 (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter
+  tensor within 1e-3 relative norm of the difference);
+- `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
+- resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
+  1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
+- every start-up error names its numbers and is raised before any weight is read (`build_model` and
+  `CheckpointReader` are replaced by tripwires); data errors name the file and the line.
+
+All 4-rank runs share one spawn (each `train.main` builds its own mesh on the existing group); the
+1-rank runs and the error cases run in this process (`train.main` makes its own 1-rank group).
+
+Run: .venv/bin/python -m pytest -q tests/test_train.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+
+LOSS_ATOL, NORM_RTOL, ADAPTER_RTOL = 1e-4, 1e-4, 1e-3
+
+FOUR_RANK = {   # out-dir name -> layout flags
+    "cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--save-every", "2"],
+    "cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"],
+    "cp4_auto": ["--cp", "4"],
+    "dp4": ["--dp-shard", "4"],
+    "dp4_mb2": ["--dp-shard", "4", "--micro-batch", "2"],
+}
+FOUR_RANK_NF4 = {
+    "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
+    "nf4_dp4": ["--dp-shard", "4", "--quant", "nf4"],
+}
+# resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
+RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
+
+
+def _argv(assets, out, *extra):
+    return ["--model", assets["model"], "--data", assets["data"], "--quant", "none", "--dtype", "fp32",
+            "--steps", "3", "--global-batch", "8", "--max-len", "64", "--lora-r", "4", "--warmup", "1",
+            "--lr", "1e-3", "--no-progress", "--out", out, *extra]
+
+
+@contextlib.contextmanager
+def _no_weights():
+    """Tripwires: building the model or opening the safetensors fails the test."""
+    import model.load
+    import parallel.parallelize as pz
+
+    def trip(*a, **k):
+        raise AssertionError("a weight was about to be read before the start-up checks finished")
+
+    saved = (pz.build_model, pz.CheckpointReader, model.load.CheckpointReader)
+    pz.build_model = pz.CheckpointReader = model.load.CheckpointReader = trip
+    try:
+        yield
+    finally:
+        pz.build_model, pz.CheckpointReader, model.load.CheckpointReader = saved
+
+
+def _error(argv) -> str:
+    """The message of the start-up error `train.main(argv)` raises (with the tripwires set)."""
+    import train
+
+    with _no_weights():
+        try:
+            train.main(argv)
+        except (ValueError, FileNotFoundError) as e:
+            return str(e)
+    raise AssertionError(f"train.main({argv}) did not fail")
+
+
+# 4-rank start-up errors: label -> (flags, phrases the message must hold)
+FOUR_RANK_ERRORS = {
+    "world size": (["--cp", "2", "--dp-shard", "1"], ["--dp-shard 1 × --cp 2 = 2", "world size is 4"]),
+    "max-len below cp divisor": (["--cp", "4", "--cp-impl", "ring", "--max-len", "6"],
+                                 ["--max-len 6", "CP divisor 8"]),
+    "pack with ring": (["--cp", "2", "--cp-impl", "ring", "--pack"], ["--pack", "ring attention", "--no-pack"]),
+    "ulysses heads": (["--cp", "4", "--cp-impl", "ulysses"],
+                      ["6 attention heads are not divisible by the Ulysses degree 4", "--cp-impl ring"]),
+}
+
+
+def _four_ranks(rank, world_size, assets, root):
+    """Every 4-rank run of this file, in one spawn; rank 0 returns the start-up error messages."""
+    import train
+
+    errors = {}
+    for label, (flags, _) in FOUR_RANK_ERRORS.items():
+        errors[label] = _error(_argv(assets, os.path.join(root, "err"), *flags))
+    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4}.items():
+        train.main(_argv(assets, os.path.join(root, name), *flags))
+    ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
+    train.main(_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
+    return errors if rank == 0 else None
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    import transformers as T
+
+    from tests.fixtures import make_chat_jsonl, make_tokenizer
+
+    d = tmp_path_factory.mktemp("train_assets")
+    tok = make_tokenizer(d / "model")
+    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
+                        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
+    make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
+    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d)}
+
+
+@pytest.fixture(scope="module")
+def four(assets, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("train_4ranks"))
+    res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
+    return {"root": root, "errors": res[0]}
+
+
+@pytest.fixture(scope="module")
+def one(assets, tmp_path_factory):
+    """The 1-rank runs, in this process."""
+    import train
+
+    root = str(tmp_path_factory.mktemp("train_1rank"))
+    runs = {
+        "fp32": ["--save-every", "2"],
+        "nf4": ["--quant", "nf4"],
+        "pack": ["--micro-batch", "4", "--pack"],
+        "no_pack": ["--micro-batch", "4", "--no-pack"],
+    }
+    for name, flags in runs.items():
+        train.main(_argv(assets, os.path.join(root, name), *flags))
+    resume = os.path.join(root, "fp32", "ckpt", "step_000002")
+    train.main(_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
+    return root
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _adapter(out):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+
+
+def _compare(label, out, ref, steps=(1, 2, 3)):
+    """Assert `out` trained like `ref`; return (max loss diff, max grad-norm rel diff, max adapter rel diff)."""
+    got = {m["step"]: m for m in _metrics(out)}
+    want = {m["step"]: m for m in _metrics(ref)}
+    assert sorted(got) == list(steps), f"{label}: steps logged {sorted(got)}"
+    dl = dn = 0.0
+    for s in steps:
+        g, w = got[s], want[s]
+        assert g["tokens"] == w["tokens"], f"{label} step {s}: tokens {g['tokens']} vs {w['tokens']}"
+        dl = max(dl, abs(g["loss"] - w["loss"]))
+        dn = max(dn, abs(g["grad_norm"] - w["grad_norm"]) / w["grad_norm"])
+        assert abs(g["loss"] - w["loss"]) <= LOSS_ATOL, f"{label} step {s}: loss {g['loss']} vs {w['loss']}"
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= NORM_RTOL * w["grad_norm"], \
+            f"{label} step {s}: grad_norm {g['grad_norm']} vs {w['grad_norm']}"
+    a, b = _adapter(out), _adapter(ref)
+    assert sorted(a) == sorted(b), f"{label}: adapter tensor names differ"
+    da = 0.0
+    for k in b:
+        assert a[k].shape == b[k].shape, f"{label}: {k} shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}"
+        rel = ((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item()
+        da = max(da, rel)
+        assert rel <= ADAPTER_RTOL, f"{label}: adapter {k} differs by {rel:.2e} (relative norm)"
+    print(f"{label}: max |loss diff| {dl:.1e}, max grad-norm rel diff {dn:.1e}, max adapter rel diff {da:.1e}")
+    return dl, dn, da
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(300)
+def test_single_rank_run_trains(one):
+    """Sanity for everything below: 3 steps logged, the adapter moved (B starts at zero)."""
+    ms = _metrics(os.path.join(one, "fp32"))
+    assert [m["step"] for m in ms] == [1, 2, 3]
+    assert all(m["grad_norm"] > 0 and m["tokens"] > 0 for m in ms)
+    ad = _adapter(os.path.join(one, "fp32"))
+    assert len(ad) == 2 * 7 * 2, sorted(ad)
+    b_norms = [v.norm().item() for k, v in ad.items() if "lora_B" in k]
+    assert min(b_norms) > 1e-4, f"LoRA B barely moved: {min(b_norms)}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK))
+def test_four_ranks_match_one_rank(one, four, name):
+    _compare(f"4 ranks {name}", os.path.join(four["root"], name), os.path.join(one, "fp32"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK_NF4))
+def test_four_ranks_match_one_rank_nf4(one, four, name):
+    _compare(f"4 ranks {name}", os.path.join(four["root"], name), os.path.join(one, "nf4"))
+
+
+@pytest.mark.timeout(300)
+def test_pack_changes_nothing(one):
+    _compare("--pack vs --no-pack", os.path.join(one, "pack"), os.path.join(one, "no_pack"))
+    _compare("--pack micro-batch 4 vs micro-batch 1", os.path.join(one, "pack"), os.path.join(one, "fp32"))
+
+
+@pytest.mark.timeout(300)
+def test_resume_one_rank(one):
+    _compare("resume 1 rank from 1 rank", os.path.join(one, "resume1"), os.path.join(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+def test_resume_across_layouts(assets, one, four, tmp_path):
+    import train
+
+    _compare("resume 4 ranks (ring) from 4 ranks (ulysses)", os.path.join(four["root"], "resume4"),
+             os.path.join(one, "fp32"), steps=(3,))
+    ckpt = os.path.join(four["root"], "cp2_dp2_ulysses", "ckpt", "step_000002")
+    train.main(_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
+    _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), os.path.join(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("label", list(FOUR_RANK_ERRORS))
+def test_four_rank_startup_errors(four, label):
+    msg = four["errors"][label]
+    for phrase in FOUR_RANK_ERRORS[label][1]:
+        assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
+
+
+def test_startup_errors_before_weights(assets, tmp_path):
+    out = str(tmp_path / "out")
+    cases = {
+        "world size": (["--dp-shard", "2"], ["--dp-shard 2", "= 2 but the world size is 1"]),
+        "global batch": (["--global-batch", "6", "--micro-batch", "4"],
+                         ["--global-batch 6 must be a multiple of --micro-batch 4", "= 4", "--global-batch 4 or 8"]),
+        "lr": (["--lr", "0"], ["--lr must be > 0, got 0.0"]),
+        "max-len": (["--max-len", "0"], ["--max-len 0 is shorter than the CP divisor 1"]),
+    }
+    for label, (flags, phrases) in cases.items():
+        msg = _error(_argv(assets, out, *flags))
+        for phrase in phrases:
+            assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
+    missing = str(tmp_path / "nope.jsonl")
+    msg = _error(_argv(assets, out, "--data", missing))
+    assert "--data" in msg and missing in msg and "does not exist" in msg, msg
+    missing = str(tmp_path / "no_model")
+    msg = _error(_argv(assets, out, "--model", missing))
+    assert missing in msg and "does not exist" in msg, msg
+    assert not os.path.exists(out), "a failed start-up must not create the output dir"
+
+
+def test_data_errors_name_file_and_line(assets, tmp_path):
+    import train
+    from data import DataError
+
+    good = open(assets["data"]).read().splitlines()
+    for label, bad, phrase in (("malformed JSON", '{"messages": [', "not valid JSON"),
+                               ("neither field", '{"prompt": "hi"}', 'neither "text" nor "messages"')):
+        path = tmp_path / f"{label.replace(' ', '_')}.jsonl"
+        path.write_text("\n".join(good[:2] + [bad] + good[2:5]) + "\n")
+        with _no_weights(), pytest.raises(DataError) as e:
+            train.main(_argv(assets, str(tmp_path / "out"), "--data", str(path)))
+        msg = str(e.value)
+        assert f"{path}, line 3" in msg and phrase in msg, f"{label}: {msg!r}"
