@@ -7,7 +7,8 @@ Contract:
   the same checkpoint.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors) with W' = W + (alpha / r) · B @ A for every adapted projection. With quant="nf4"
-  W is the dequantized NF4 weight, i.e. exactly the base the adapter was trained against.
+  every block Linear weight (adapted or not) is the dequantized NF4 weight, i.e. exactly the base
+  the adapter was trained against.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
     cfg.save_pretrained(out_dir)
 
 
+def _is_nf4(name: str, w: torch.Tensor) -> bool:
+    """The weights `model.qlora.apply_nf4` quantizes: Linear weights of a block's attention and MLP."""
+    parts = name.split(".")   # model.layers.{i}.{self_attn|mlp}.{proj}.weight
+    return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3] in ("self_attn", "mlp")
+            and parts[5] == "weight" and w.ndim == 2)
+
+
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
-          dtype: torch.dtype = torch.bfloat16) -> None:
+          dtype: torch.dtype = torch.bfloat16, log=None) -> None:
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
     from model.qlora import BLOCKSIZE
@@ -58,17 +66,26 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     reader = CheckpointReader(base_path)
     os.makedirs(out_dir, exist_ok=True)
     out = {}
-    for name in sorted(reader.where):
+    names = sorted(reader.where)
+    if log:
+        log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}), {len(names)} tensors")
+    for i, name in enumerate(names):
+        if log and (i + 1) % max(1, len(names) // 10) == 0:
+            log(f"{i + 1}/{len(names)} tensors")
         w = reader.get(name).float()
+        if quant == "nf4" and _is_nf4(name, w):
+            # every block Linear was 4-bit in training (apply_nf4), adapted or not
+            packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+            w = dequantize_4bit(packed, st).float()
         if name in pairs:
-            if quant == "nf4":
-                packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
-                w = dequantize_4bit(packed, st).float()
             w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
         out[name] = w.to(dtype).contiguous()
+    reader.close()
     missing = sorted(set(pairs) - set(out))
     if missing:
         raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")
+    if log:
+        log(f"writing {sum(t.numel() for t in out.values()) / 1e6:.1f}M parameters as {dtype}")
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(cfg_path) as f:
         cfg = json.load(f)

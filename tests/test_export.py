@@ -1,0 +1,194 @@
+"""Adapter export and merge: what train.py writes loads in peft and transformers and computes our model.
+
+Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint made by transformers, LoRA r 4 / alpha 8 with a
+non-zero B so the adapter moves the logits):
+- `export_adapter` on 2 FSDP2 ranks writes an adapter that `peft.PeftModel.from_pretrained` loads on
+  the transformers model of the checkpoint with no missing and no unexpected keys (its safetensors
+  keys are exactly `get_peft_model_state_dict`'s), whose config holds r, lora_alpha and the target
+  modules, and whose logits equal our model's (quant none) within 1e-5 relative norm;
+- `merge(quant="none", dtype=float32)`: the merged checkpoint, loaded by transformers alone, gives
+  the base + adapter (peft) logits within 1e-5; with the default bf16 it loads and computes in bf16
+  within 3e-2 relative norm of the float32 reference (bf16 keeps 8 mantissa bits);
+- `merge(quant="nf4", dtype=float32)`: the merged checkpoint gives OUR nf4 model's logits within
+  1e-5 (it holds dequant(NF4(W)) + scale·B@A; ours computes the same in float32), also when LoRA
+  targets only some projections (the untargeted ones were 4-bit in training too);
+- `tools/merge.py` runs as a subprocess from the repo root, takes --quant from the run's config.json
+  beside the adapter, writes the same tensors as `merge`, copies the tokenizer files, and refuses a
+  missing adapter with exit code 2 and a message naming it.
+
+Run: .venv/bin/python -m pytest -q tests/test_export.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.helpers import tiny_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+R, ALPHA = 4, 8.0
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CASES = {"none": ("none", ALL), "nf4": ("nf4", ALL), "nf4_qv": ("nf4", ("q_proj", "v_proj"))}
+
+
+def _ids():
+    return torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(5))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _export_rank(rank, world_size, path, out_root):
+    """Build each case on the FSDP2 mesh, export its adapter; return our logits (every rank agrees)."""
+    from model.export import export_adapter
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import ModelConfig, build_model
+
+    mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
+    logits = {}
+    for case, (quant, targets) in CASES.items():
+        cfg = ModelConfig(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_targets=targets,
+                          lora_b_std=0.05, seed=1)
+        model, peft_model = build_model(cfg, fsdp_mesh=mesh, device="cpu")
+        with torch.no_grad():
+            logits[case] = model(_ids())
+        export_adapter(peft_model, os.path.join(out_root, case), path)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(base checkpoint with tokenizer files, adapter root, our logits per case) from one 2-rank spawn."""
+    from tests.fixtures import make_tokenizer
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("base"))
+    make_tokenizer(path)
+    out = str(tmp_path_factory.mktemp("adapters"))
+    logits = run_ranks(_export_rank, 2, path, out, timeout=240)
+    for case in CASES:
+        torch.testing.assert_close(logits[1][case], logits[0][case], rtol=0, atol=0, msg=f"{case}: ranks agree")
+    return path, out, logits[0]
+
+
+def _hf(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _hf_logits(model):
+    with torch.no_grad():
+        return model(_ids()).logits
+
+
+@pytest.mark.timeout(300)
+def test_adapter_loads_in_peft_and_matches(exported):
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    path, root, ours = exported
+    for case, (_, targets) in CASES.items():
+        adapter = os.path.join(root, case)
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            acfg = json.load(f)
+        assert (acfg["r"], acfg["lora_alpha"], acfg["peft_type"]) == (R, ALPHA, "LORA"), (case, acfg)
+        assert sorted(acfg["target_modules"]) == sorted(targets), (case, acfg["target_modules"])
+        assert acfg["base_model_name_or_path"] == os.path.abspath(path), case
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm = PeftModel.from_pretrained(_hf(path), adapter).eval()
+        bad = [str(w.message) for w in caught if "adapter keys" in str(w.message) or "unexpected" in str(w.message)]
+        assert not bad, f"{case}: peft warned {bad}"
+        again = pm.load_adapter(adapter, adapter_name="again")   # the load result peft only warns about
+        assert not again.missing_keys and not again.unexpected_keys, (case, again)
+        with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        expected = set(get_peft_model_state_dict(pm, adapter_name="default"))
+        assert keys == expected, f"{case}: extra {sorted(keys - expected)[:4]}, missing {sorted(expected - keys)[:4]}"
+        n_layers = 2
+        assert len(keys) == 2 * len(targets) * n_layers, (case, len(keys))
+        if case == "none":    # nf4 adapters sit on a 4-bit base, which the float HF model is not
+            rel = _rel(_hf_logits(pm), ours[case])
+            print(f"peft on HF vs ours (none): {rel:.2e}")
+            assert rel < 1e-5, f"peft logits vs ours: relative norm {rel:.2e}"
+            assert _rel(_hf_logits(_hf(path)), ours[case]) > 1e-3, "the adapter must move the logits"
+
+
+@pytest.mark.timeout(300)
+def test_merge_plain_base(exported, tmp_path):
+    from peft import PeftModel
+
+    from model.export import merge
+
+    path, root, ours = exported
+    adapter = os.path.join(root, "none")
+    ref = _hf_logits(PeftModel.from_pretrained(_hf(path), adapter).eval())
+
+    merge(path, adapter, str(tmp_path / "fp32"), quant="none", dtype=torch.float32)
+    rel = _rel(_hf_logits(_hf(str(tmp_path / "fp32"))), ref)
+    print(f"merged fp32 vs peft: {rel:.2e}")
+    assert rel < 1e-5, f"merged fp32 vs peft: relative norm {rel:.2e}"
+
+    merge(path, adapter, str(tmp_path / "bf16"), quant="none")   # default dtype: bf16
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    hf = _hf(str(tmp_path / "bf16"), dtype="auto")
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    rel = _rel(_hf_logits(hf), ref)
+    print(f"merged bf16 vs peft fp32: {rel:.2e}")
+    assert rel < 3e-2, f"merged bf16 vs peft fp32: relative norm {rel:.2e}"
+    for fn in ("tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(tmp_path / "bf16" / fn), f"{fn} not copied"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["nf4", "nf4_qv"])
+def test_merge_nf4_base_equals_our_model(exported, tmp_path, case):
+    from model.export import merge
+
+    path, root, ours = exported
+    merge(path, os.path.join(root, case), str(tmp_path), quant="nf4", dtype=torch.float32)
+    rel = _rel(_hf_logits(_hf(str(tmp_path))), ours[case])
+    print(f"merged nf4 ({case}) vs ours: {rel:.2e}")
+    assert rel < 1e-5, f"{case}: merged nf4 base vs our nf4 model: relative norm {rel:.2e}"
+
+
+@pytest.mark.timeout(300)
+def test_merge_cli(exported, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from model.export import merge
+
+    path, root, _ = exported
+    run = tmp_path / "run"                      # the layout train.py writes: RUN/config.json + RUN/adapter
+    run.mkdir()
+    os.symlink(os.path.join(root, "nf4"), run / "adapter")
+    (run / "config.json").write_text(json.dumps({"model": path, "quant": "nf4"}))
+    cli = [sys.executable, "tools/merge.py", "--model", path]
+
+    bad = subprocess.run([*cli, "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nope" in bad.stderr and "not a directory" in bad.stderr, bad.stderr
+
+    out = tmp_path / "merged"
+    res = subprocess.run([*cli, "--adapter", str(run / "adapter"), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "quant nf4 (from" in res.stdout and "done" in res.stdout, res.stdout
+
+    merge(path, os.path.join(root, "nf4"), str(tmp_path / "direct"), quant="nf4")
+    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "direct" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert _hf_logits(_hf(str(out), dtype="auto")).isfinite().all()
+    assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0

@@ -1,0 +1,106 @@
+"""Fold a trained LoRA adapter into its base checkpoint: a plain Hugging Face model directory out.
+
+    python tools/merge.py --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR
+    python tools/merge.py --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR --quant none --dtype fp32
+
+W' = W + (lora_alpha / r) · B @ A for every adapted projection (`model.export.merge`). With --quant nf4
+W is the dequantized 4-bit base, i.e. exactly the weights the adapter was trained against; with
+--quant none it is the checkpoint's own weight. When --quant is not given it is read from the
+training run: train.py writes RUN/config.json (with "quant") next to RUN/adapter, so
+ADAPTER_DIR/../config.json decides; without that file the default is nf4 (train.py's default).
+Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from anywhere
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def run_quant(adapter_dir: str) -> tuple[str | None, str | None]:
+    """(quant, where it came from) from the training run's config.json beside the adapter, if any."""
+    path = os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), "config.json")
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path) as f:
+            quant = json.load(f).get("quant")
+    except (OSError, ValueError):
+        return None, None
+    return (quant, path) if quant in ("nf4", "none") else (None, None)
+
+
+def check_inputs(args) -> list[str]:
+    """Every problem with the paths, each naming the path and what it should hold."""
+    errors = []
+    if not os.path.isdir(args.model):
+        errors.append(f"--model {args.model!r} is not a directory (want a HF checkpoint: config.json + *.safetensors)")
+    elif not os.path.isfile(os.path.join(args.model, "config.json")):
+        errors.append(f"--model {args.model!r} has no config.json")
+    elif not any(f.endswith(".safetensors") for f in os.listdir(args.model)):
+        errors.append(f"--model {args.model!r} has no *.safetensors")
+    if not os.path.isdir(args.adapter):
+        errors.append(f"--adapter {args.adapter!r} is not a directory (want RUN/adapter written by train.py)")
+    else:
+        for fn in ("adapter_config.json", "adapter_model.safetensors"):
+            if not os.path.isfile(os.path.join(args.adapter, fn)):
+                errors.append(f"--adapter {args.adapter!r} has no {fn}")
+    out = os.path.abspath(args.out)
+    for flag, d in (("--model", args.model), ("--adapter", args.adapter)):
+        if out == os.path.abspath(d):
+            errors.append(f"--out {args.out!r} is the {flag} directory; merging would overwrite it")
+    if os.path.isfile(args.out):
+        errors.append(f"--out {args.out!r} is a file, not a directory")
+    elif os.path.isdir(args.out) and os.listdir(args.out) and not args.force:
+        errors.append(f"--out {args.out!r} is not empty (stale shards would shadow the merge); "
+                      "pass --force to write into it anyway")
+    return errors
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="base HF checkpoint dir the adapter was trained on")
+    p.add_argument("--adapter", required=True,
+                   help="PEFT adapter dir (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--out", required=True, help="output dir for the merged HF checkpoint")
+    p.add_argument("--quant", default=None, choices=["nf4", "none"],
+                   help="base the adapter was trained against; default: \"quant\" in ADAPTER/../config.json "
+                        "(train.py's run config), else nf4")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out directory")
+    args = p.parse_args(argv)
+
+    errors = check_inputs(args)
+    if errors:
+        print("merge: " + "\n       ".join(errors), file=sys.stderr)
+        return 2
+    if args.quant is None:
+        args.quant, where = run_quant(args.adapter)
+        source = f"from {where}" if where else "default: no run config.json beside the adapter"
+        if args.quant is None:
+            args.quant = "nf4"
+    else:
+        source = "from --quant"
+    print(f"merge: base {args.model}, adapter {args.adapter} -> {args.out}", flush=True)
+    print(f"merge: quant {args.quant} ({source}), dtype {args.dtype}", flush=True)
+
+    import torch
+
+    from model.export import merge
+
+    t0 = time.time()
+    merge(args.model, args.adapter, args.out, quant=args.quant, dtype=getattr(torch, DTYPES[args.dtype]),
+          log=lambda msg: print(f"merge: {msg}", flush=True))
+    print(f"merge: done in {time.time() - t0:.1f}s: {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
