@@ -54,8 +54,8 @@ def parse_args(argv=None):
     a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
       help="comma-separated projection names to adapt")
     # Optim
-    a("--lr", type=float, default=2e-4, help="peak learning rate")
-    a("--warmup", type=int, default=10, help="linear warmup steps")
+    a("--lr", type=float, default=None, help="peak learning rate (default 2e-4; demo 5e-3)")
+    a("--warmup", type=int, default=None, help="linear warmup steps (default 10; demo 5)")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
     a("--steps", type=int, default=None, help="optimizer steps (default: one epoch; demo: 40)")
@@ -125,6 +125,9 @@ def evaluate(model, samples, ctx):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plan:   # before the heavy imports (peft, bitsandbytes): config.json and arithmetic only
+        from parallel.plan import plan_main
+        return plan_main(args)
     from data import (
         DataError,
         GlobalBatches,
@@ -145,12 +148,12 @@ def main(argv=None):
 
     demo = args.model is None and args.data is None
     args.out = args.out or ("runs/demo" if demo else "runs/latest")
-    if demo and args.steps is None:
-        args.steps = 40
-    if args.plan:
-        from plan import plan_main
-        return plan_main(args)
-
+    if demo:   # a random-init base learns slowly through LoRA: a larger step size shows it in 40 steps
+        args.steps = 40 if args.steps is None else args.steps
+        args.lr = 5e-3 if args.lr is None else args.lr
+        args.warmup = 5 if args.warmup is None else args.warmup
+    args.lr = 2e-4 if args.lr is None else args.lr
+    args.warmup = 10 if args.warmup is None else args.warmup
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = not dist.is_initialized()
