@@ -1,0 +1,306 @@
+"""Per-rank memory plan from config.json and the run's flags: know in a second whether a layout fits.
+
+Contract:
+- `plan_main(args)` (train.py's `--plan`; no process group, no weight read) validates the layout with the
+  run's own checks (`ParallelDims.from_args`, `check_batch_sizes`, then train.main's inline max-len,
+  sliding-window and pack/ring checks, same messages), prints the terms below against the device memory and
+  raises SystemExit naming what to change when it does not fit. `--suggest` lists every valid
+  (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
+- `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts); bench/plan.py measures it.
+
+Notation, per rank and micro-batch: T tokens (micro-batch · max-len padded to the CP divisor, / cp), D hidden,
+H heads, K KV heads, K' the KV heads a rank attends with (max(K, U) under Ulysses degree U: replicated KV),
+hd head dim, F intermediate, L layers, V vocab, r LoRA rank, W = dp_shard·cp (FSDP2's shard degree), e bytes
+of the compute dtype (bf16 2, fp32 4), el of LoRA compute (e under FSDP2 mixed precision, i.e. CUDA bf16,
+else 4), n the elements of one weight.
+
+Persistent all step:
+1. base weights. nf4: 4-bit codes, n/2 bytes per block Linear, stored as [n/(2·itemsize), 1] compute-dtype
+   elements that FSDP2 shards over W along dim 0 (padded: ceil(rows/W) rows). The quantization state of
+   `quantize_4bit(blocksize=64, compress_statistics=True)` is one absmax per 64 weights, itself quantized to
+   uint8 with one fp32 absmax per 256 of them: ceil(n/64) + 4·ceil(n/64/256) bytes (0.127 bits/weight), plus
+   16 + 256 fp32 code-book entries and an fp32 offset. It lives on the module, not in a parameter, so FSDP2
+   does NOT shard it: every rank holds it for every layer. none: n·e / W. Never quantized: embeddings,
+   lm_head, norms, biases: e bytes per element / W.
+2. root unsharded. fully_shard(model) owns embed_tokens, the final norm and lm_head; FSDP2 never reshards the
+   root after forward (backward needs it at once), so the full (V·D·(2, or 1 tied) + D)·e stays all step.
+3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter + gradient + AdamW exp_avg, exp_avg_sq =
+   16 bytes per element / W.
+4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm
+   keeps its fp32 input (pow) and rsqrt [T] (2·(4TD + 4T)); the normalized outputs that LoRA A saves (eTD each
+   for q/k/v and for gate/up); the kernel's q, k, v, out, lse (eT·hd·(H + 2K') + 4TH; o_proj's input is a view
+   of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the MLP's gate output (silu),
+   silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T, r]·el per target
+   (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout > 0).
+   Layer 0's first norm saves nothing (the embedding output needs no grad). With AC (non-reentrant
+   checkpoint per block) only each block's input [T, D]·e is kept and one block is recomputed in backward.
+   Also cos/sin (2eT·hd), the final norm's fp32 input (4TD) and the loss' saved grad_hidden (eTD).
+Transient:
+5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
+   all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
+   fp32 reduce-scatter input (lora·(el + 4)).
+6. block backward: the MLP gradients (3eTF live at the product's backward), 2eTD residual gradients, and for
+   nf4 the largest weight dequantized (n·e). With AC plus the recomputed block (term 4 for one layer).
+7. attention: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
+   and dK/dV to H heads; flash-attn does not, so this over-counts there). Ulysses: all-to-all send and receive
+   copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and
+   the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight
+   (16T·K'·hd), lse (4TH). Hybrid: both.
+8. chunked loss: loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens), plus a bf16 copy
+   (2cV) for a bf16 weight, and the chunk's hidden (4cD). At the end of forward, not during block backward.
+Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from loss import CHUNK_BYTES
+
+GB = 1e9
+FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
+RUNTIME = {"cuda": 1.0e9,  # CUDA context (~0.5 GB) + NCCL communicators and their buffers
+           "cpu": 0.5e9}   # Python + torch + transformers + peft + bitsandbytes imports: 0.41 GB RSS measured
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _pad(n: int, w: int) -> int:
+    return -(-n // w) * w
+
+
+def quant_state_bytes(n: int) -> int:
+    """bitsandbytes NF4 with nested absmax (term 1)."""
+    blocks = -(-n // 64)
+    return blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
+
+
+@dataclass
+class Plan:
+    terms: dict = field(default_factory=dict)   # name -> bytes; the max() group is marked by "|"
+    notes: list = field(default_factory=list)
+    target: str = "cuda"
+    alt_activations: float = 0.0                 # activations + recompute with AC toggled, for the printout
+
+    @property
+    def peak(self) -> float:
+        fixed = sum(v for k, v in self.terms.items() if not k.startswith("|"))
+        work = sum(v for k, v in self.terms.items() if k.startswith("| block"))
+        return fixed + max(work, self.terms["| or: chunked loss transient"])
+
+    @property
+    def total(self) -> float:
+        return self.peak * FRAGMENTATION + RUNTIME[self.target]
+
+
+def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
+    """Term-by-term plan (see the module docstring) for ModelArgs `m` under ParallelDims `dims`."""
+    e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
+    el = e if target == "cuda" and e == 2 else 4
+    W, U, R = dims.dp_shard * dims.cp, dims.ulysses, dims.ring
+    div, mb = dims.cp_divisor, args.micro_batch
+    T = (_pad(args.max_len * mb, div) if pack else mb * _pad(args.max_len, div)) // dims.cp
+    D, H, K, hd, F, L, V, r = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, \
+        m.vocab_size, args.lora_r
+    Kp = max(K, U)
+    shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
+              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
+    targets = [t for t in args.lora_targets.split(",") if t in shapes]
+    nf4 = args.quant == "nf4"
+    # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
+    base = [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in shapes.values()]
+    base += [(D, D)] * 2 + [(o, o) for t, (o, _) in shapes.items()
+                            if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
+                            or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
+    lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * r) for t in targets]
+    root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)]
+    shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # noqa: E731 - FSDP2 dim-0 shard
+    full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # noqa: E731 - unsharded, padded
+    lora_n = sum(n for _, n in lora)
+
+    def layer_saved(first: bool) -> float:
+        qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
+        gu = any(t in targets for t in ("gate_proj", "up_proj"))
+        b = 2 * (4 * T * D + 4 * T) - (4 * T * D + 4 * T) * first + e * T * D * (qkv + gu)
+        b += e * T * hd * (H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
+        b += e * T * F * (3 + ("down_proj" in targets))
+        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in targets)
+        if args.lora_dropout > 0:
+            b += sum(T * shapes[t][1] * (el + 1) for t in targets)
+        return b
+
+    every = (L - 1) * layer_saved(False) + layer_saved(True)
+    ckpt = L * e * T * D
+    p = Plan(target=target)
+    q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
+    t = p.terms
+    t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = L * shard(base[:7]) * e
+    if nf4:
+        t[f"quantization state (absmax, {L} blocks, NOT sharded)"] = L * sum(
+            quant_state_bytes(o * i) for o, i in shapes.values())
+    t[f"embeddings, lm_head, norms, biases shard (1/{W})"] = (shard(root) + L * shard(base[7:])) * e
+    t["root unsharded all step (embed, lm_head, final norm)"] = full(root) * e
+    t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
+    t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
+       f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
+    t["activations: rope cos/sin, final norm input, loss grad_hidden"] = 2 * e * T * hd + 4 * T * D + e * T * D
+    blk = full(base) * e + full(lora) * el
+    t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
+    t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
+    dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
+    t["| block backward: MLP + residual grads" + (", dequantized weight" if nf4 else "")] = \
+        3 * e * T * F + 2 * e * T * D + dequant
+    if args.ac:
+        t["| block recompute (AC): one block's saved tensors"] = layer_saved(False)
+    attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
+    what = "kernel grads"
+    if U > 1:
+        attn += 2 * e * T * hd * (H + 2 * Kp)
+        what += f" + Ulysses {U} all-to-all"
+    if R > 1:
+        attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
+        what += f" + ring {R} K/V in flight, fp32 accumulators"
+    t[f"| block attention: {what}"] = attn
+    c = max(1, min(T, CHUNK_BYTES // (4 * V)))
+    t["| or: chunked loss transient"] = 4 * c * V + (2 * c * V if e == 2 else 0) + 4 * c * D
+    p.alt_activations = (every if args.ac else ckpt + layer_saved(False))
+    p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def validate(args, margs, world: int):
+    """The checks train.main makes before reading weights, in its order and with its messages."""
+    from data import check_batch_sizes
+    from parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
+                                  args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
+    check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+    if args.lr is not None and args.lr <= 0:   # None: the run's default
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.max_len < dims.cp_divisor:
+        raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
+                         f"({dims}); raise --max-len or lower --cp")
+    if margs.sliding_window and args.max_len * (args.micro_batch if args.pack else 1) > margs.sliding_window:
+        raise ValueError(f"the model uses a {margs.sliding_window}-token sliding window, which this "
+                         f"trainer does not implement; use --max-len <= {margs.sliding_window}")
+    if args.pack and dims.ring > 1:
+        raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
+                         "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
+    return dims, dims.ring == 1 if args.pack is None else args.pack
+
+
+def _with(args, **kw):
+    return argparse.Namespace(**{**vars(args), **kw})
+
+
+def _layouts(args, margs, world):
+    """Every (cp, impl, ulysses degree) for this world, validated; least communication first."""
+    out = []
+    for cp in (c for c in range(1, world + 1) if world % (c * args.dp_replicate) == 0):
+        impls = [("ulysses", None), ("ring", None)] + [("hybrid", u) for u in range(2, cp) if cp % u == 0]
+        for rank, (impl, u) in enumerate(impls[:1] if cp == 1 else impls):
+            a = _with(args, cp=cp, dp_shard=-1, cp_impl=impl, ulysses_degree=u)
+            try:
+                dims, pack = validate(a, margs, world)
+            except ValueError:
+                continue
+            out.append((cp, dims.ring, rank, a, dims, pack))
+    return [x[3:] for x in sorted(out, key=lambda x: x[:3])]
+
+
+def _fixes(args, margs, world, target, mem):
+    """Single changes that make the plan fit, as flag strings with their totals."""
+    tries = []
+    if not args.ac:
+        tries.append(("--ac", _with(args, ac=True), world))
+    if args.quant != "nf4":
+        tries.append(("--quant nf4", _with(args, quant="nf4"), world))
+    if args.micro_batch > 1:
+        tries.append(("--micro-batch 1", _with(args, micro_batch=1), world))
+    for a, dims, _ in _layouts(args, margs, world):
+        if a.cp > args.cp:
+            tries.append((f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}"
+                          + (f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else ""), a, world))
+    for k in (2, 4, 8):
+        tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
+                      _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None), world * k))
+    out, seen = [], set()
+    for flags, a, w in tries:
+        kind = flags.split()[0] if flags.startswith("--") else flags[:10]
+        try:
+            dims, pack = validate(a, margs, w)
+        except ValueError:
+            continue
+        total = memory_plan(margs, dims, a, target, pack).total
+        if total <= mem and kind not in seen:   # the first (least communication) of each kind
+            seen.add(kind)
+            out.append(f"{flags} ({total / GB:.1f} GB)")
+    return out
+
+
+def _budget(args, world):
+    import torch
+    if torch.cuda.is_available():
+        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(0).total_memory
+        src = "--gpu-mem" if args.gpu_mem else torch.cuda.get_device_name()
+        return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
+    if args.gpu_mem:
+        return "cuda", args.gpu_mem * GB, f"{args.gpu_mem:.1f} GB per GPU (--gpu-mem: planning CUDA from a CPU machine)"
+    import psutil
+    ram = psutil.virtual_memory().total
+    return "cpu", ram / world, (f"{ram / world / GB:.1f} GB per rank: no CUDA device and no --gpu-mem, so this "
+                                f"machine's RAM ({ram / GB:.1f} GB, psutil) shared by {world} CPU ranks")
+
+
+def plan_main(args):
+    from model.load import read_args
+
+    if args.model is None:   # the embedded demo model, as a run would use it
+        if not os.path.isfile("runs/demo_assets/model/config.json"):
+            from data import make_demo
+            make_demo("runs/demo_assets")
+        args.model = "runs/demo_assets/model"
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    margs = read_args(args.model)
+    target, mem, where = _budget(args, world)
+    if args.suggest:
+        rows = []
+        for a, dims, pack in _layouts(args, margs, world):
+            p = memory_plan(margs, dims, a, target, pack)
+            if p.total <= mem:
+                flags = f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
+                    f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
+                rows.append(f"  {flags:<58} {p.total / GB:7.1f} GB  {dims}")
+        print(f"layouts that fit ({where}), least communication first:\n" + "\n".join(rows or ["  none"]))
+        if not rows:
+            raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
+        return rows
+    try:
+        dims, pack = validate(args, margs, world)
+    except ValueError as err:
+        raise SystemExit(f"invalid layout: {err}") from None
+    p = memory_plan(margs, dims, args, target, pack)
+    e = args.dtype or ("bf16" if target == "cuda" else "fp32")
+    print(f"plan: {margs.model_type} {margs.n_params / 1e9:.2f}B params, {dims}\n"
+          f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
+          f"AC {'on' if args.ac else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
+    print(f"  {'per-rank memory':<72}{'GB':>8}")
+    for k, v in p.terms.items():
+        print(f"  {k:<72}{v / GB:8.2f}")
+    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / GB:8.2f}")
+    print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
+          f"{p.total / GB:8.2f}")
+    other = "without" if args.ac else "with"
+    print(f"  ({other} AC the activations would be {p.alt_activations / GB:.2f} GB)")
+    if p.total > mem:
+        fixes = _fixes(args, margs, world, target, mem)
+        raise SystemExit(f"does not fit: {p.total / GB:.1f} GB planned > {where}.\nWhat to change: "
+                         + ("; ".join(fixes) if fixes else "no single change fits: raise --cp and enable --ac, "
+                            "use --quant nf4, lower --max-len, or use more ranks / larger devices"))
+    print(f"fits: {p.total / GB:.1f} GB of {where}")
+    return p
