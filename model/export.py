@@ -19,13 +19,14 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from model.load import CheckpointReader, _check_dir
 
 
 def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
+    from peft.utils import get_peft_model_state_dict  # here: merge (tools/merge.py) needs no peft
+
     full = {}
     for n, p in peft_model.named_parameters():
         if p.requires_grad:
@@ -50,9 +51,12 @@ def _is_nf4(name: str, w: torch.Tensor) -> bool:
 
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
           dtype: torch.dtype = torch.bfloat16, log=None) -> None:
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    if quant not in ("nf4", "none"):
+        raise ValueError(f"quant must be nf4 or none, got {quant!r}")
+    if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from model.qlora import BLOCKSIZE
+        from model.qlora import BLOCKSIZE
     cfg_path = _check_dir(base_path)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)

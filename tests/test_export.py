@@ -13,8 +13,9 @@ non-zero B so the adapter moves the logits):
   1e-5 (it holds dequant(NF4(W)) + scale·B@A; ours computes the same in float32), also when LoRA
   targets only some projections (the untargeted ones were 4-bit in training too);
 - `tools/merge.py` runs as a subprocess from the repo root, takes --quant from the run's config.json
-  beside the adapter, writes the same tensors as `merge`, copies the tokenizer files, and refuses a
-  missing adapter with exit code 2 and a message naming it.
+  beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
+  as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
+  message naming it.
 
 Run: .venv/bin/python -m pytest -q tests/test_export.py
 """
@@ -171,8 +172,9 @@ def test_merge_cli(exported, tmp_path):
     path, root, _ = exported
     run = tmp_path / "run"                      # the layout train.py writes: RUN/config.json + RUN/adapter
     run.mkdir()
-    os.symlink(os.path.join(root, "nf4"), run / "adapter")
-    (run / "config.json").write_text(json.dumps({"model": path, "quant": "nf4"}))
+    os.symlink(os.path.join(root, "none"), run / "adapter")
+    # "none" differs from the CLI's fallback (nf4), so the output proves the run config was read
+    (run / "config.json").write_text(json.dumps({"model": path, "quant": "none"}))
     cli = [sys.executable, "tools/merge.py", "--model", path]
 
     bad = subprocess.run([*cli, "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
@@ -183,9 +185,9 @@ def test_merge_cli(exported, tmp_path):
     res = subprocess.run([*cli, "--adapter", str(run / "adapter"), "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "quant nf4 (from" in res.stdout and "done" in res.stdout, res.stdout
+    assert "quant none (from" in res.stdout and "done" in res.stdout, res.stdout
 
-    merge(path, os.path.join(root, "nf4"), str(tmp_path / "direct"), quant="nf4")
+    merge(path, os.path.join(root, "none"), str(tmp_path / "direct"), quant="none")
     got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "direct" / "model.safetensors")
     assert got.keys() == want.keys()
     for k in want:
