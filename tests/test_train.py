@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import traceback
 
 import pytest
 import torch
@@ -70,6 +71,18 @@ def _no_weights():
         pz.build_model, pz.CheckpointReader, model.load.CheckpointReader = saved
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """In-process runs use one thread, as every spawned rank does: on a shared 2-core machine a
+    second OpenMP thread makes these tiny runs ~10x slower, not faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _error(argv) -> str:
     """The message of the start-up error `train.main(argv)` raises (with the tripwires set)."""
     import train
@@ -103,8 +116,18 @@ def _four_ranks(rank, world_size, assets, root):
     for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4}.items():
         train.main(_argv(assets, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
-    train.main(_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
-    return errors if rank == 0 else None
+    resume_error = _try(train.main, _argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
+    return (errors, resume_error) if rank == 0 else None
+
+
+def _try(fn, *a):
+    """None, or the traceback of fn(*a): a failing resume fails its own test, not every test here
+    (loading a checkpoint fails the same way on every rank, so no rank is left in a collective)."""
+    try:
+        fn(*a)
+    except Exception:
+        return traceback.format_exc()
+    return None
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -131,7 +154,7 @@ def assets(tmp_path_factory):
 def four(assets, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
-    return {"root": root, "errors": res[0]}
+    return {"root": root, "errors": res[0][0], "resume_error": res[0][1]}
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +169,19 @@ def one(assets, tmp_path_factory):
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
     }
-    for name, flags in runs.items():
-        train.main(_argv(assets, os.path.join(root, name), *flags))
-    resume = os.path.join(root, "fp32", "ckpt", "step_000002")
-    train.main(_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
-    return root
+    with _one_thread():
+        for name, flags in runs.items():
+            train.main(_argv(assets, os.path.join(root, name), *flags))
+        resume = os.path.join(root, "fp32", "ckpt", "step_000002")
+        resume_error = _try(train.main, _argv(assets, os.path.join(root, "resume1"), "--resume", resume))
+    return {"root": root, "resume_error": resume_error}
 
 
 # ----------------------------------------------------------------------------- comparisons
+
+
+def _at(runs, *name):
+    return os.path.join(runs["root"], *name)
 
 
 def _metrics(out):
@@ -199,10 +227,10 @@ def _compare(label, out, ref, steps=(1, 2, 3)):
 @pytest.mark.timeout(300)
 def test_single_rank_run_trains(one):
     """Sanity for everything below: 3 steps logged, the adapter moved (B starts at zero)."""
-    ms = _metrics(os.path.join(one, "fp32"))
+    ms = _metrics(_at(one, "fp32"))
     assert [m["step"] for m in ms] == [1, 2, 3]
     assert all(m["grad_norm"] > 0 and m["tokens"] > 0 for m in ms)
-    ad = _adapter(os.path.join(one, "fp32"))
+    ad = _adapter(_at(one, "fp32"))
     assert len(ad) == 2 * 7 * 2, sorted(ad)
     b_norms = [v.norm().item() for k, v in ad.items() if "lora_B" in k]
     assert min(b_norms) > 1e-4, f"LoRA B barely moved: {min(b_norms)}"
@@ -211,35 +239,38 @@ def test_single_rank_run_trains(one):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
-    _compare(f"4 ranks {name}", os.path.join(four["root"], name), os.path.join(one, "fp32"))
+    _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(FOUR_RANK_NF4))
 def test_four_ranks_match_one_rank_nf4(one, four, name):
-    _compare(f"4 ranks {name}", os.path.join(four["root"], name), os.path.join(one, "nf4"))
+    _compare(f"4 ranks {name}", _at(four, name), _at(one, "nf4"))
 
 
 @pytest.mark.timeout(300)
 def test_pack_changes_nothing(one):
-    _compare("--pack vs --no-pack", os.path.join(one, "pack"), os.path.join(one, "no_pack"))
-    _compare("--pack micro-batch 4 vs micro-batch 1", os.path.join(one, "pack"), os.path.join(one, "fp32"))
+    _compare("--pack vs --no-pack", _at(one, "pack"), _at(one, "no_pack"))
+    _compare("--pack micro-batch 4 vs micro-batch 1", _at(one, "pack"), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(300)
 def test_resume_one_rank(one):
-    _compare("resume 1 rank from 1 rank", os.path.join(one, "resume1"), os.path.join(one, "fp32"), steps=(3,))
+    assert one["resume_error"] is None, one["resume_error"]
+    _compare("resume 1 rank from 1 rank", _at(one, "resume1"), _at(one, "fp32"), steps=(3,))
 
 
 @pytest.mark.timeout(600)
 def test_resume_across_layouts(assets, one, four, tmp_path):
     import train
 
-    _compare("resume 4 ranks (ring) from 4 ranks (ulysses)", os.path.join(four["root"], "resume4"),
-             os.path.join(one, "fp32"), steps=(3,))
-    ckpt = os.path.join(four["root"], "cp2_dp2_ulysses", "ckpt", "step_000002")
-    train.main(_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
-    _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), os.path.join(one, "fp32"), steps=(3,))
+    assert four["resume_error"] is None, four["resume_error"]
+    _compare("resume 4 ranks (ring) from 4 ranks (ulysses)", _at(four, "resume4"),
+             _at(one, "fp32"), steps=(3,))
+    ckpt = _at(four, "cp2_dp2_ulysses", "ckpt", "step_000002")
+    with _one_thread():
+        train.main(_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
+    _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
 
 
 @pytest.mark.timeout(600)
