@@ -28,13 +28,13 @@ Persistent all step:
    16 bytes per element / W.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm
    keeps its fp32 input (pow) and rsqrt [T] (2·(4TD + 4T)); the normalized outputs that LoRA A saves (eTD each
-   for q/k/v and for gate/up); the kernel's q, k, v, out, lse (eT·hd·(H + 2K') + 4TH; o_proj's input is a view
+   for q/k/v and for gate/up); the kernel's q, k, v, out, lse (eT·hd·(2H + 2K') + 4TH; o_proj's input is a view
    of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the MLP's gate output (silu),
    silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T, r]·el per target
    (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout > 0).
    Layer 0's first norm saves nothing (the embedding output needs no grad). With AC (non-reentrant
    checkpoint per block) only each block's input [T, D]·e is kept and one block is recomputed in backward.
-   Also cos/sin (2eT·hd), the final norm's fp32 input (4TD) and the loss' saved grad_hidden (eTD).
+   Also cos/sin (2eT·hd), the final norm's fp32 input and rsqrt (4T(D + 1)) and the loss' saved grad_hidden (eTD).
 Transient:
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
@@ -115,15 +115,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * r) for t in targets]
     root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)]
-    shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # noqa: E731 - FSDP2 dim-0 shard
-    full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # noqa: E731 - unsharded, padded
+    shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
+    full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
     lora_n = sum(n for _, n in lora)
 
     def layer_saved(first: bool) -> float:
         qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
         gu = any(t in targets for t in ("gate_proj", "up_proj"))
         b = 2 * (4 * T * D + 4 * T) - (4 * T * D + 4 * T) * first + e * T * D * (qkv + gu)
-        b += e * T * hd * (H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
+        b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
         b += e * T * F * (3 + ("down_proj" in targets))
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in targets)
         if args.lora_dropout > 0:
@@ -144,7 +144,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
     t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
        f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
-    t["activations: rope cos/sin, final norm input, loss grad_hidden"] = 2 * e * T * hd + 4 * T * D + e * T * D
+    t["activations: rope cos/sin, final norm input, loss grad_hidden"] = 2 * e * T * hd + 4 * T * (D + 1) + e * T * D
     blk = full(base) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)

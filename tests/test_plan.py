@@ -1,0 +1,181 @@
+"""The memory planner (`train.py --plan`, parallel/plan.py): its terms, its verdicts, its suggestions.
+
+Pins:
+- every term for a tiny Qwen2-shaped config (nf4, bf16, cp 2 Ulysses × dp_shard 2, AC) equals arithmetic
+  written out here from the shapes, independently of the module's code;
+- the quantization-state formula equals the bytes bitsandbytes' own `quantize_4bit` state holds, and the
+  no-AC activation terms equal what autograd saves (saved_tensors_hooks) in a real forward of this decoder;
+- `--plan` on a layout that does not fit exits non-zero and names what to change; an invalid layout exits
+  with the run's own validation message;
+- `--suggest` lists exactly the layouts that pass the run's validation (checked here through
+  `ParallelDims.from_args`), least communication first, and never an invalid one (Ulysses degree 8 with 28
+  heads);
+- `--plan` reads no weights: bench/configs holds config.json files only.
+
+Run: .venv/bin/python -m pytest -q tests/test_plan.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+
+import pytest
+import torch
+
+import train
+from model.config import ModelArgs
+from parallel.mesh import ParallelDims
+from parallel.plan import memory_plan, quant_state_bytes, validate
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+Q72, Q7 = os.path.join(CONFIGS, "qwen2.5-72b"), os.path.join(CONFIGS, "qwen2.5-7b")
+
+
+def term(plan, prefix):
+    (v,) = [v for k, v in plan.terms.items() if k.startswith(prefix)]
+    return v
+
+
+def run_plan(*flags):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train.main(["--plan", *flags])
+    return result, out.getvalue()
+
+
+def test_terms_by_hand():
+    # D 64, 4 heads of 16, 2 KV heads, F 128, 2 layers, V 1000, q/k/v bias; W = dp_shard 2 × cp 2 = 4;
+    # bf16 on CUDA (e = 2, LoRA computed in bf16 under mixed precision); T = 256 / cp 2 = 128 tokens.
+    m = ModelArgs(model_type="qwen2", vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                  intermediate_size=128, qkv_bias=True)
+    args = train.parse_args(["--max-len", "256", "--global-batch", "2", "--quant", "nf4"])
+    dims = ParallelDims.from_args(4, 1, -1, 2, "ulysses", None, 4, 2)
+    p = memory_plan(m, dims, args, "cuda", pack=True)
+    # linears per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate/up 128x64, down 64x128
+    n_layer = 4096 + 2048 + 2048 + 4096 + 3 * 8192                     # 36864 weights
+    assert term(p, "base weights shard") == 2 * n_layer // 2 // 4       # 4 bits each, 1/4: 9216 B
+    # absmax: n/64 uint8 + one fp32 per 256 of them + (16 + 256) fp32 code-books + fp32 offset
+    qs = lambda n: n // 64 + 4 * 1 + 4 * 273
+    assert term(p, "quantization state") == 2 * (2 * qs(4096) + 2 * qs(2048) + 3 * qs(8192)) == 16496
+    # embed + lm_head: 250 of 1000 rows each; norms 16 of 64; biases (64, 32, 32) / 4; all bf16
+    assert term(p, "embeddings, lm_head") == 2 * (2 * 250 * 64 + 16 + 2 * (2 * 16 + 16 + 8 + 8)) == 64288
+    assert term(p, "root unsharded") == 2 * (2 * 1000 * 64 + 64) == 256128
+    # LoRA r 16 sharded on dim 0: A [16, in] -> 4 rows, B [out, 16] -> out/4 rows; 16 B per element
+    lora_shard = (4 * 64 + 16 * 16) * 2 + (4 * 64 + 8 * 16) * 2 + (4 * 64 + 32 * 16) * 2 + (4 * 128 + 16 * 16)
+    assert term(p, "LoRA params") == 16 * 2 * lora_shard == 131072
+    assert term(p, "activations: 2 block checkpoints") == 2 * 128 * 64 * 2
+    assert term(p, "activations: rope") == 2 * 128 * 16 * 2 + 4 * 128 * (64 + 1) + 2 * 128 * 64
+    lora_full = 16 * (64 + 64) * 2 + 16 * (64 + 32) * 2 + 16 * (64 + 128) * 3      # 16384 elements
+    block = n_layer // 2 + 2 * 64 * 2 + (64 + 32 + 32) * 2 + lora_full * 2     # 51712 B unsharded
+    assert term(p, "FSDP2: 2 unsharded") == 2 * block
+    assert term(p, "FSDP2: all-gather") == block + lora_full * (2 + 4)
+    assert term(p, "| block backward") == 3 * 2 * 128 * 128 + 2 * 2 * 128 * 64 + 128 * 64 * 2
+    saved = (2 * (4 * 128 * 64 + 4 * 128)          # two norms: fp32 input + rsqrt
+             + 2 * 2 * 128 * 64                     # their outputs (LoRA A inputs)
+             + 2 * 128 * 16 * (4 + 2 + 2 + 4) + 4 * 128 * 4   # q, k, v, out + lse (Ulysses 2 <= 2 KV)
+             + 2 * 128 * 64                         # o_proj input: heads_to_seq made a new tensor
+             + 4 * 2 * 128 * 128                    # gate, silu(gate), up, product
+             + 7 * 128 * 16 * 2)                    # lora_B inputs
+    assert term(p, "| block recompute") == saved == 326656
+    assert term(p, "| block attention") == (2 * 128 * 16 * 8 + 4 * 2 * 128 * 64      # dq, dk, dv; GQA expand
+                                            + 2 * 2 * 128 * 16 * 8)                 # all-to-all copies
+    assert term(p, "| or: chunked loss") == 4 * 128 * 1000 + 2 * 128 * 1000 + 4 * 128 * 64
+    fixed = 9216 + 16496 + 64288 + 256128 + 131072 + 32768 + 57856 + 2 * block + block + lora_full * 6
+    assert p.peak == fixed + max(147456 + 326656 + 163840, 800768)
+    assert p.total == pytest.approx(p.peak * 1.10 + 1.0e9)
+
+
+def test_quant_state_matches_bitsandbytes():
+    from bitsandbytes.functional import quantize_4bit
+
+    for shape in [(64, 64), (768, 256), (300, 7)]:
+        _, st = quantize_4bit(torch.randn(shape), blocksize=64, compress_statistics=True, quant_type="nf4")
+        held = [st.absmax, st.code, st.offset, st.state2.absmax, st.state2.code]
+        assert quant_state_bytes(shape[0] * shape[1]) == sum(t.numel() * t.element_size() for t in held), shape
+
+
+def test_activations_match_autograd(tmp_path):
+    """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
+    from parallel.parallelize import ModelConfig, build_model
+    from tests.helpers import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256, inter=96,
+                           max_shard_size="50MB")
+    model, _ = build_model(ModelConfig(path, quant="nf4", dtype=torch.float32, ac=False), device="cpu")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def pack(t):
+        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 256, (1, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    saved = sum(n for ptr, n in held.items() if ptr not in params)
+    args = train.parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"])
+    dims, pack_rows = validate(args, model.args, 1)
+    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    planned = term(p, "activations: saved tensors") + term(p, "activations: rope")
+    assert planned == saved
+
+
+def test_plan_does_not_fit_names_the_fix():
+    assert sorted(os.listdir(Q72)) == ["config.json"] and sorted(os.listdir(Q7)) == ["config.json"]
+    common = ["--model", Q72, "--max-len", "32768", "--world-size", "4", "--global-batch", "4"]
+    with pytest.raises(SystemExit) as exc:   # pure FSDP at 32k: the failure this project started from
+        run_plan(*common, "--gpu-mem", "80")
+    msg = str(exc.value.code)
+    assert exc.value.code != 0 and "does not fit" in msg and "> 80.0 GB per GPU" in msg, msg
+    assert "--cp 2 --dp-shard 2 --cp-impl ulysses" in msg, msg
+    with pytest.raises(SystemExit) as exc:
+        run_plan(*common, "--gpu-mem", "0.001")
+    assert exc.value.code != 0 and "does not fit" in str(exc.value.code)
+    assert "no single change fits" in str(exc.value.code) and "raise --cp" in str(exc.value.code)
+    plan, out = run_plan(*common, "--gpu-mem", "80", "--cp", "2", "--dp-shard", "2")
+    assert "fits: " in out and "base weights shard" in out and plan.total < 80e9
+
+
+@pytest.mark.parametrize("flags, pattern", [
+    (["--cp", "8", "--cp-impl", "ulysses"], r"28 attention heads are not divisible by the Ulysses degree 8"),
+    (["--cp", "8", "--cp-impl", "ring", "--pack"], r"--pack needs attention that honours document boundaries"),
+    (["--cp", "3"], r"cannot infer --dp-shard: world size 8"),
+    (["--cp", "2", "--global-batch", "6"], r"--global-batch 6 must be a multiple of"),
+])
+def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
+    with pytest.raises(SystemExit) as exc:
+        run_plan("--model", Q7, "--max-len", "131072", "--world-size", "8", "--gpu-mem", "80", *flags)
+    assert str(exc.value.code).startswith("invalid layout") and re.search(pattern, str(exc.value.code))
+
+
+def _listed(out):
+    rows = re.findall(r"--cp (\d+) --dp-shard (\d+) --cp-impl (\w+)(?: --ulysses-degree (\d+))?", out)
+    return [(int(c), int(s), impl, int(u) if u else None) for c, s, impl, u in rows]
+
+
+def test_suggest_lists_only_valid_layouts():
+    common = ["--suggest", "--model", Q7, "--max-len", "131072", "--world-size", "8", "--global-batch", "8"]
+    # every layout of 8 ranks that the run's validation accepts, by brute force over the flags, as the
+    # resolved (cp, dp_shard, ring, ulysses) (hybrid with ring 1 is the Ulysses layout, listed once)
+    valid = set()
+    for cp in (1, 2, 4, 8):
+        for impl, u in [("ulysses", None), ("ring", None), ("hybrid", 2), ("hybrid", 4)]:
+            try:
+                d = ParallelDims.from_args(8, 1, -1, cp, impl, u, 28, 4)
+            except ValueError:
+                continue
+            valid.add((d.cp, d.dp_shard, d.ring, d.ulysses))
+    assert (8, 1, 1, 8) not in valid and (8, 1, 2, 4) in valid   # 28 heads: Ulysses degree 8 is refused
+    rows, out = run_plan(*common, "--gpu-mem", "10000")   # everything fits: the list is the valid set
+    listed = []
+    for cp, shard, impl, u in _listed(out):   # each line must pass the run's own validation
+        d = ParallelDims.from_args(8, 1, shard, cp, impl, u, 28, 4)
+        listed.append((d.cp, d.dp_shard, d.ring, d.ulysses))
+    assert set(listed) == valid and len(listed) == len(valid), out
+    assert listed == sorted(listed, key=lambda x: (x[0], x[2])), "least communication first: small cp, ring"
+    rows, out = run_plan(*common, "--gpu-mem", "80")   # 128k tokens of 7B on 80 GB: only enough cp fits
+    fit = _listed(out)
+    assert fit and len(fit) < len(valid) and all(c >= 2 for c, *_ in fit), out
