@@ -1,0 +1,192 @@
+"""Pins the contract of loss.chunked_cross_entropy against torch's own F.cross_entropy.
+
+The reference is F.cross_entropy(reduction="sum") on the full [N, V] logits in float64. Checked: the
+loss sum, the target count, and the gradients w.r.t. hidden and (when trainable) the weight, for N
+smaller than a chunk, not a multiple of it, chunks and whole batches with every label ignored, bf16
+inputs, a non-unit upstream gradient, and that a frozen weight is never saved for backward.
+
+Run: .venv/bin/python -m pytest -q tests/test_loss.py
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loss import CHUNK_BYTES, auto_chunk_size, chunked_cross_entropy
+
+D, V, IGNORE = 32, 1000, -100
+UPSTREAM = 0.37  # non-unit gradient of loss_sum, as when the caller divides by a global count
+
+
+def make_inputs(n, dtype=torch.float32, ignore_frac=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_frac] = IGNORE
+    return hidden, weight, labels
+
+
+def reference(hidden, weight, labels, train_weight):
+    """float64 full-logits loss sum and gradients under UPSTREAM, via F.cross_entropy."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_(train_weight)
+    loss = F.cross_entropy(h @ w.t(), labels, ignore_index=IGNORE, reduction="sum")
+    (loss * UPSTREAM).backward()
+    return loss.detach(), h.grad, (w.grad if train_weight else None)
+
+
+def chunked(hidden, weight, labels, train_weight, chunk_size, hidden_grad=True):
+    h = hidden.detach().clone().requires_grad_(hidden_grad)
+    w = weight.detach().clone().requires_grad_(train_weight)
+    loss, count = chunked_cross_entropy(h, w, labels, ignore_index=IGNORE, chunk_size=chunk_size)
+    if loss.requires_grad:
+        (loss * UPSTREAM).backward()
+    return loss, count, h.grad, w.grad
+
+
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize(
+    "n, chunk_size",
+    [(5, 64), (37, 8), (64, 16), (123, None), (200, 7)],
+    ids=["n<chunk", "n%chunk!=0", "n%chunk==0", "auto", "many-chunks"],
+)
+def test_matches_full_logits_float32(n, chunk_size, train_weight):
+    hidden, weight, labels = make_inputs(n, seed=n)
+    ref_loss, ref_gh, ref_gw = reference(hidden, weight, labels, train_weight)
+    loss, count, gh, gw = chunked(hidden, weight, labels, train_weight, chunk_size)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert count.item() == (labels != IGNORE).sum().item() and not count.requires_grad
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    assert gh.dtype == torch.float32
+    torch.testing.assert_close(gh.double(), ref_gh, rtol=1e-4, atol=1e-5)
+    if train_weight:
+        assert gw.dtype == torch.float32
+        torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-5)
+    else:
+        assert gw is None
+
+
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen", "trainable"])
+def test_all_ignored_chunks(train_weight):
+    hidden, weight, labels = make_inputs(40, ignore_frac=0.0, seed=1)
+    labels[0:16] = IGNORE  # chunks 0 and 1 fully ignored
+    labels[24:32] = IGNORE  # chunk 3 fully ignored
+    ref_loss, ref_gh, ref_gw = reference(hidden, weight, labels, train_weight)
+    loss, count, gh, gw = chunked(hidden, weight, labels, train_weight, chunk_size=8)
+    assert count.item() == 16
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gh.double(), ref_gh, rtol=1e-4, atol=1e-5)
+    assert torch.equal(gh[0:16], torch.zeros_like(gh[0:16])), "ignored rows must get exactly 0 grad"
+    if train_weight:
+        torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen", "trainable"])
+def test_no_target_at_all(train_weight, dtype):
+    hidden, weight, labels = make_inputs(30, dtype=dtype, seed=2)
+    labels[:] = IGNORE
+    loss, count, gh, gw = chunked(hidden, weight, labels, train_weight, chunk_size=8)
+    assert count.item() == 0
+    assert loss.item() == 0.0 and torch.isfinite(loss)
+    assert gh.dtype == dtype and torch.equal(gh, torch.zeros_like(gh))
+    if train_weight:
+        assert gw.dtype == dtype and torch.equal(gw, torch.zeros_like(gw))
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("train_weight", [False, True], ids=["frozen", "trainable"])
+def test_bf16_inputs(train_weight):
+    # Reference in float64 on the same bf16 values. The chunk's logits come out of a bf16 GEMM and the
+    # returned grads are bf16, so elementwise closeness is ~2^-8 relative at best. Tolerance: loss sum
+    # within 1e-3 relative, grads within 1e-2 relative (L2 norm), and no worse than 1.25x the error of
+    # the usual bf16 path (bf16 logits upcast to float32, F.cross_entropy, autograd). Seen: ~4e-3.
+    hidden, weight, labels = make_inputs(50, dtype=torch.bfloat16, seed=3)
+    ref_loss, ref_gh, ref_gw = reference(hidden, weight, labels, train_weight)
+    loss, count, gh, gw = chunked(hidden, weight, labels, train_weight, chunk_size=16)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_(train_weight)
+    naive = F.cross_entropy((h @ w.t()).float(), labels, ignore_index=IGNORE, reduction="sum")
+    (naive * UPSTREAM).backward()
+
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-3, atol=0.0)
+    assert gh.dtype == torch.bfloat16
+    assert rel_err(gh, ref_gh) < min(1e-2, 1.25 * rel_err(h.grad, ref_gh))
+    if train_weight:
+        assert gw.dtype == torch.bfloat16
+        assert rel_err(gw, ref_gw) < min(1e-2, 1.25 * rel_err(w.grad, ref_gw))
+
+
+def test_hidden_without_grad():
+    hidden, weight, labels = make_inputs(20, seed=4)
+    ref_loss, _, ref_gw = reference(hidden, weight, labels, train_weight=True)
+    loss, _, gh, gw = chunked(hidden, weight, labels, train_weight=True, chunk_size=6, hidden_grad=False)
+    assert gh is None
+    torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-5)
+    # Nothing requires grad: plain forward, same loss, no graph.
+    loss2, _, _, _ = chunked(hidden, weight, labels, train_weight=False, chunk_size=6, hidden_grad=False)
+    assert not loss2.requires_grad
+    torch.testing.assert_close(loss2.double(), ref_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss2, loss.detach(), rtol=0, atol=0)
+
+
+def test_no_grad_mode_forward_only():
+    hidden, weight, labels = make_inputs(20, seed=5)
+    ref_loss, _, _ = reference(hidden, weight, labels, train_weight=False)
+    h = hidden.clone().requires_grad_()
+    with torch.no_grad():
+        loss, count = chunked_cross_entropy(h, weight, labels, chunk_size=6)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
+
+
+def _saved_tensor_ptrs(fn):
+    ptrs = []
+
+    def pack(t):
+        ptrs.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return ptrs
+
+
+def test_frozen_weight_not_saved_for_backward():
+    hidden, weight, labels = make_inputs(24, seed=6)
+    h = hidden.clone().requires_grad_()
+    wptr = weight.untyped_storage().data_ptr()
+    # Positive control: the naive path does save the weight, so the hook can see it.
+    naive = _saved_tensor_ptrs(lambda: F.cross_entropy(h @ weight.t(), labels, reduction="sum"))
+    assert wptr in naive
+    saved = _saved_tensor_ptrs(lambda: chunked_cross_entropy(h, weight, labels, chunk_size=8))
+    assert wptr not in saved
+    assert len(saved) == 1, "frozen weight: only grad_hidden is kept for backward"
+
+
+def test_backward_twice_is_an_error():
+    # Backward scales the stored grads in place, so a retained graph must refuse a second pass.
+    hidden, weight, labels = make_inputs(10, seed=7)
+    h = hidden.clone().requires_grad_()
+    loss, _ = chunked_cross_entropy(h, weight, labels, chunk_size=4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
+def test_auto_chunk_size_and_validation():
+    qwen_v = 151_936
+    assert auto_chunk_size(32_768, qwen_v) == CHUNK_BYTES // (4 * qwen_v)
+    assert auto_chunk_size(32_768, qwen_v) * qwen_v * 4 <= CHUNK_BYTES
+    assert auto_chunk_size(3, qwen_v) == 3
+    assert auto_chunk_size(100, 10**12) == 1
+    hidden, weight, labels = make_inputs(4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_cross_entropy(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="labels"):
+        chunked_cross_entropy(hidden, weight, labels[:3])
