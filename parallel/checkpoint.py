@@ -68,8 +68,9 @@ def load(path: str, model, optimizer) -> int:
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
+    # non-strict: the checkpoint holds only the trainable (LoRA) tensors; the frozen base came from disk
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTS)
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = os.path.join(path, f"rng_{rank}.pt")
     if os.path.isfile(rng):   # a different world size resumes with fresh RNG on the new ranks
