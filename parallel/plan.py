@@ -34,20 +34,25 @@ Persistent all step:
    (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout > 0).
    Layer 0's first norm saves nothing (the embedding output needs no grad). With AC (non-reentrant
    checkpoint per block) only each block's input [T, D]·e is kept and one block is recomputed in backward.
-   Also cos/sin (2eT·hd), the final norm's fp32 input and rsqrt (4T(D + 1)) and the loss' saved grad_hidden (eTD).
-Transient:
+   Also cos/sin (2eT·hd). The final norm's fp32 input and rsqrt (4T(D + 1)) and the loss' grad_hidden (eTD)
+   are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
+Transient (the block phase 6-7 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
-6. block backward: the MLP gradients (3eTF live at the product's backward), 2eTD residual gradients, and for
-   nf4 the largest weight dequantized (n·e). With AC plus the recomputed block (term 4 for one layer).
-7. attention: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
+6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
+   two inputs (2eTF), the incoming residual gradient (eTD), for nf4 the largest weight dequantized (n·e); with
+   AC, on top, the recomputed block (term 4 for one layer), all of it alive at that moment.
+7. attention, later in the same block backward, when the MLP's 4eTF saved tensors and its gradients are gone:
+   counted as max(0, attention buffers - 4eTF - term 6's gradients), the excess over what the MLP freed.
+   Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
    and dK/dV to H heads; flash-attn does not, so this over-counts there). Ulysses: all-to-all send and receive
    copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and
    the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight
    (16T·K'·hd), lse (4TH). Hybrid: both.
-8. chunked loss: loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens), plus a bf16 copy
-   (2cV) for a bf16 weight, and the chunk's hidden (4cD). At the end of forward, not during block backward.
+8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (4T(D + 1) + eTD), the
+   loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
+   bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 """
 
@@ -86,8 +91,8 @@ class Plan:
     @property
     def peak(self) -> float:
         fixed = sum(v for k, v in self.terms.items() if not k.startswith("|"))
-        work = sum(v for k, v in self.terms.items() if k.startswith("| block"))
-        return fixed + max(work, self.terms["| or: chunked loss transient"])
+        block = sum(v for k, v in self.terms.items() if k.startswith("| block"))
+        return fixed + max(block, sum(v for k, v in self.terms.items() if k.startswith("| or:")))
 
     @property
     def total(self) -> float:
@@ -144,15 +149,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
     t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
        f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
-    t["activations: rope cos/sin, final norm input, loss grad_hidden"] = 2 * e * T * hd + 4 * T * (D + 1) + e * T * D
+    t["activations: rope cos/sin"] = 2 * e * T * hd
     blk = full(base) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
-    t["| block backward: MLP + residual grads" + (", dequantized weight" if nf4 else "")] = \
-        3 * e * T * F + 2 * e * T * D + dequant
     if args.ac:
         t["| block recompute (AC): one block's saved tensors"] = layer_saved(False)
+    mlp = 2 * e * T * F + e * T * D + dequant
+    t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what = "kernel grads"
     if U > 1:
@@ -160,10 +165,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         what += f" + Ulysses {U} all-to-all"
     if R > 1:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
-        what += f" + ring {R} K/V in flight, fp32 accumulators"
-    t[f"| block attention: {what}"] = attn
+        what += f" + ring {R} K/V, fp32 acc."
+    t[f"| block attention beyond the freed MLP ({attn / GB:.2f} GB: {what})"] = max(0, attn - 4 * e * T * F - mlp)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
-    t["| or: chunked loss transient"] = 4 * c * V + (2 * c * V if e == 2 else 0) + 4 * c * D
+    t["| or: final norm input + loss grad_hidden (saved)"] = 4 * T * (D + 1) + e * T * D
+    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
     p.alt_activations = (every if args.ac else ckpt + layer_saved(False))
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
@@ -276,7 +282,7 @@ def plan_main(args):
                 flags = f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
                     f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
                 rows.append(f"  {flags:<58} {p.total / GB:7.1f} GB  {dims}")
-        print(f"layouts that fit ({where}), least communication first:\n" + "\n".join(rows or ["  none"]))
+        print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
         if not rows:
             raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
         return rows

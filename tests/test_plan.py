@@ -67,12 +67,13 @@ def test_terms_by_hand():
     lora_shard = (4 * 64 + 16 * 16) * 2 + (4 * 64 + 8 * 16) * 2 + (4 * 64 + 32 * 16) * 2 + (4 * 128 + 16 * 16)
     assert term(p, "LoRA params") == 16 * 2 * lora_shard == 131072
     assert term(p, "activations: 2 block checkpoints") == 2 * 128 * 64 * 2
-    assert term(p, "activations: rope") == 2 * 128 * 16 * 2 + 4 * 128 * (64 + 1) + 2 * 128 * 64
+    assert term(p, "activations: rope") == 2 * 128 * 16 * 2
     lora_full = 16 * (64 + 64) * 2 + 16 * (64 + 32) * 2 + 16 * (64 + 128) * 3      # 16384 elements
     block = n_layer // 2 + 2 * 64 * 2 + (64 + 32 + 32) * 2 + lora_full * 2     # 51712 B unsharded
     assert term(p, "FSDP2: 2 unsharded") == 2 * block
     assert term(p, "FSDP2: all-gather") == block + lora_full * (2 + 4)
-    assert term(p, "| block backward") == 3 * 2 * 128 * 128 + 2 * 2 * 128 * 64 + 128 * 64 * 2
+    mlp = 2 * 2 * 128 * 128 + 2 * 128 * 64 + 128 * 64 * 2     # 2 [T, F] grads, residual grad, dequantized down
+    assert term(p, "| block backward") == mlp == 98304
     saved = (2 * (4 * 128 * 64 + 4 * 128)          # two norms: fp32 input + rsqrt
              + 2 * 2 * 128 * 64                     # their outputs (LoRA A inputs)
              + 2 * 128 * 16 * (4 + 2 + 2 + 4) + 4 * 128 * 4   # q, k, v, out + lse (Ulysses 2 <= 2 KV)
@@ -80,11 +81,14 @@ def test_terms_by_hand():
              + 4 * 2 * 128 * 128                    # gate, silu(gate), up, product
              + 7 * 128 * 16 * 2)                    # lora_B inputs
     assert term(p, "| block recompute") == saved == 326656
-    assert term(p, "| block attention") == (2 * 128 * 16 * 8 + 4 * 2 * 128 * 64      # dq, dk, dv; GQA expand
-                                            + 2 * 2 * 128 * 16 * 8)                 # all-to-all copies
-    assert term(p, "| or: chunked loss") == 4 * 128 * 1000 + 2 * 128 * 1000 + 4 * 128 * 64
-    fixed = 9216 + 16496 + 64288 + 256128 + 131072 + 32768 + 57856 + 2 * block + block + lora_full * 6
-    assert p.peak == fixed + max(147456 + 326656 + 163840, 800768)
+    attn = (2 * 128 * 16 * 8 + 4 * 2 * 128 * 64     # dq, dk, dv; K/V and dK/dV expanded to 4 heads
+            + 2 * 2 * 128 * 16 * 8)                # all-to-all send + receive copies
+    assert attn == 163840 and term(p, "| block attention") == max(0, attn - 4 * 2 * 128 * 128 - mlp) == 0
+    assert term(p, "| or: final norm input") == 4 * 128 * (64 + 1) + 2 * 128 * 64
+    c = 128                                        # 256 MiB / (4 B × 1000) tokens > T
+    assert term(p, "| or: final norm output") == 2 * 128 * 64 + 4 * c * 1000 + 2 * c * 1000 + 2 * c * 64
+    fixed = 9216 + 16496 + 64288 + 256128 + 131072 + 32768 + 8192 + 2 * block + block + lora_full * 6
+    assert p.peak == fixed + max(326656 + 98304 + 0, 49664 + 800768)
     assert p.total == pytest.approx(p.peak * 1.10 + 1.0e9)
 
 
@@ -119,7 +123,7 @@ def test_activations_match_autograd(tmp_path):
     args = train.parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"])
     dims, pack_rows = validate(args, model.args, 1)
     p = memory_plan(model.args, dims, args, "cpu", pack_rows)
-    planned = term(p, "activations: saved tensors") + term(p, "activations: rope")
+    planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 
 
@@ -176,6 +180,6 @@ def test_suggest_lists_only_valid_layouts():
         listed.append((d.cp, d.dp_shard, d.ring, d.ulysses))
     assert set(listed) == valid and len(listed) == len(valid), out
     assert listed == sorted(listed, key=lambda x: (x[0], x[2])), "least communication first: small cp, ring"
-    rows, out = run_plan(*common, "--gpu-mem", "80")   # 128k tokens of 7B on 80 GB: only enough cp fits
+    rows, out = run_plan(*common, "--gpu-mem", "30")   # 128k tokens of 7B on 30 GB: cp 4 and 8 (~23, ~14 GB)
     fit = _listed(out)
-    assert fit and len(fit) < len(valid) and all(c >= 2 for c, *_ in fit), out
+    assert fit and len(fit) < len(valid) and all(c >= 4 for c, *_ in fit), out
