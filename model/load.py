@@ -5,8 +5,9 @@ Contract:
   `FileNotFoundError` / `ValueError` naming the path or the unsupported architecture.
 - `CheckpointReader(path)` indexes the safetensors files (`model.safetensors.index.json` or
   `model.safetensors`, or every `*.safetensors`) without reading tensor data; `check(names)` raises
-  naming every missing tensor; `get(name)` returns one tensor, read lazily from its file, so a
-  caller streaming tensor by tensor never holds more than one.
+  naming every missing tensor; `get(name)` returns one tensor, read lazily from its file into
+  process memory (pread, not an mmap view), so a caller streaming tensor by tensor never holds
+  more than one.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and copies every tensor in.
 """
@@ -40,6 +41,20 @@ def read_args(path: str) -> ModelArgs:
         return ModelArgs.from_config_dict(json.load(f))
 
 
+def _open_unmapped(fn: str):
+    """safe_open that copies each tensor out with pread(2) instead of handing out mmap views.
+
+    With the default mmap backend every page a rank reads stays mapped, so counted in its RSS, until
+    the file is closed: each rank showed the whole checkpoint (every rank reads every full tensor to
+    quantize it). pread keeps one tensor at a time in private memory. safetensors < 0.8 has no
+    backend choice and falls back to mmap.
+    """
+    try:
+        return safe_open(fn, "pt", backend="pread")
+    except TypeError:
+        return safe_open(fn, "pt")
+
+
 class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
@@ -68,7 +83,7 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         fn = self.where[name]
         if fn not in self._open:
-            self._open[fn] = self._stack.enter_context(safe_open(fn, "pt"))
+            self._open[fn] = self._stack.enter_context(_open_unmapped(fn))
         return self._open[fn].get_tensor(name)
 
     def close(self):
