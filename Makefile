@@ -25,7 +25,7 @@ install-gpu: install
 	$(PIP) install -q flash-attn --no-build-isolation
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/gpu
 
 test-gpu: install
 	$(PY) -m pytest -q tests/gpu
