@@ -25,7 +25,7 @@ from model.load import CheckpointReader, _check_dir
 
 
 def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
-    from peft.utils import get_peft_model_state_dict  # here: merge (tools/merge.py) needs no peft
+    from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
 
     full = {}
     for n, p in peft_model.named_parameters():

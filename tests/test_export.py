@@ -13,7 +13,7 @@ non-zero B so the adapter moves the logits):
   2-rank build, which test_qlora pins to the single-process one) within 1e-5: it holds
   dequant(NF4(W)) + scale·B@A and ours computes the same in float32. Also when LoRA targets only
   q/v: the untargeted projections were 4-bit in training too, so merge dequantizes them as well;
-- `tools/merge.py` runs as a subprocess from the repo root, takes --quant from the run's config.json
+- `python -m model.merge` runs as a subprocess from the repo root, takes --quant from the run's config.json
   beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
   as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
   message naming it.
@@ -176,7 +176,7 @@ def test_merge_cli(exported, tmp_path):
     os.symlink(os.path.join(root, "none"), run / "adapter")
     # "none" differs from the CLI's fallback (nf4), so the output proves the run config was read
     (run / "config.json").write_text(json.dumps({"model": path, "quant": "none"}))
-    cli = [sys.executable, "tools/merge.py", "--model", path]
+    cli = [sys.executable, "-m", "model.merge", "--model", path]
 
     bad = subprocess.run([*cli, "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -1,7 +1,7 @@
 """Fold a trained LoRA adapter into its base checkpoint: a plain Hugging Face model directory out.
 
-    python tools/merge.py --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR
-    python tools/merge.py --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR --quant none --dtype fp32
+    python -m model.merge --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR
+    python -m model.merge --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR --quant none --dtype fp32
 
 W' = W + (lora_alpha / r) · B @ A for every adapted projection (`model.export.merge`). With --quant nf4
 W is the dequantized 4-bit base, i.e. exactly the weights the adapter was trained against; with
@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from anywhere
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # also as a plain script
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
