@@ -190,14 +190,16 @@ def main(argv=None):
         if args.max_len < dims.cp_divisor:
             raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                              f"({dims}); raise --max-len or lower --cp")
-        if margs.sliding_window and args.max_len * (args.micro_batch if args.pack else 1) > margs.sliding_window:
-            raise ValueError(f"the model uses a {margs.sliding_window}-token sliding window, which this "
-                             f"trainer does not implement; use --max-len <= {margs.sliding_window}")
         if args.pack is None:
             args.pack = dims.ring == 1
         elif args.pack and dims.ring > 1:
             raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
                              "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
+        row = args.max_len * (args.micro_batch if args.pack else 1)
+        if margs.sliding_window and row > margs.sliding_window:
+            raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
+                             f"sliding window, which this trainer does not implement; lower --max-len"
+                             f"{' or --micro-batch (packed rows hold a whole micro-batch)' if args.pack else ''}")
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}")
@@ -317,4 +319,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:   # configuration and data errors: the message is the fix
+        if not dist.is_initialized() or dist.get_rank() == 0 or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
