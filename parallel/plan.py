@@ -68,11 +68,9 @@ GB = 1e9
 FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
 RUNTIME = {"cuda": 1.0e9,  # CUDA context (~0.5 GB) + NCCL communicators and their buffers
            "cpu": 0.5e9}   # Python + torch + transformers + peft + bitsandbytes imports: 0.41 GB RSS measured
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _pad(n: int, w: int) -> int:
-    return -(-n // w) * w
+_pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
 
 
 def quant_state_bytes(n: int) -> int:
@@ -219,19 +217,17 @@ def _layouts(args, margs, world):
     return [x[3:] for x in sorted(out, key=lambda x: x[:3])]
 
 
+def _flags(a, dims) -> str:
+    return f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
+        f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
+
+
 def _fixes(args, margs, world, target, mem):
     """Single changes that make the plan fit, as flag strings with their totals."""
-    tries = []
-    if not args.ac:
-        tries.append(("--ac", _with(args, ac=True), world))
-    if args.quant != "nf4":
-        tries.append(("--quant nf4", _with(args, quant="nf4"), world))
-    if args.micro_batch > 1:
-        tries.append(("--micro-batch 1", _with(args, micro_batch=1), world))
-    for a, dims, _ in _layouts(args, margs, world):
-        if a.cp > args.cp:
-            tries.append((f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}"
-                          + (f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else ""), a, world))
+    tries = [(f, _with(args, **kw), world) for f, kw, ok in (
+        ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
+        ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1)) if ok]
+    tries += [(_flags(a, dims), a, world) for a, dims, _ in _layouts(args, margs, world) if a.cp > args.cp]
     for k in (2, 4, 8):
         tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
                       _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None), world * k))
@@ -274,14 +270,12 @@ def plan_main(args):
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
     margs = read_args(args.model)
     target, mem, where = _budget(args, world)
-    if args.suggest:
+    if args.suggest:   # every valid layout, best first; only those that fit are printed
         rows = []
         for a, dims, pack in _layouts(args, margs, world):
             p = memory_plan(margs, dims, a, target, pack)
             if p.total <= mem:
-                flags = f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
-                    f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
-                rows.append(f"  {flags:<58} {p.total / GB:7.1f} GB  {dims}")
+                rows.append(f"  {_flags(a, dims):<58} {p.total / GB:7.1f} GB  {dims}")
         print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
         if not rows:
             raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")

@@ -1,0 +1,191 @@
+"""The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
+
+For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; 1k-4k tokens) this
+spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
+(step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
+2 KV heads, intermediate 768, 4 layers, vocab 4096, untied) and synthetic text, and prints
+
+    planned  = `parallel.plan.memory_plan(...).peak`: the live-tensor peak, WITHOUT the fragmentation factor
+               and the runtime term (those are stated constants, not formulas to validate)
+    measured = per rank, the RSS high-water mark (VmHWM) from the call of `build_model` to the end of the
+               step loop, minus the RSS at that call; the max over ranks. The baseline holds every import
+               (torch, transformers, peft, bitsandbytes: ~0.4 GB, which train.py's lifetime `peak_mem_gb`
+               on CPU counts too), the process group and mesh, the tokenizer and the tokenized data: what
+               a GPU run keeps in host memory, not on the device. VmHWM is reset to it through
+               /proc/self/clear_refs. The window is model build + 2 steps; the final checkpoint and adapter
+               export are skipped (patched out): they are not part of a step. Minus code MB:
+    code MB  = the growth of file-backed RSS over the same window (RssFile): library code paged in the first
+               time a kernel runs (torch, bitsandbytes). It is host memory on a GPU run, so it is subtracted
+               from measured, and printed.
+    ratio    = measured / planned (the goal: within 0.75-1.25)
+
+The measured side still holds what the plan does not model (autograd and gloo bookkeeping, bitsandbytes'
+and peft's small tensors, malloc's own slack): at these sizes, tens of MB. glibc's malloc runs with a fixed
+mmap threshold (MALLOC_MMAP_THRESHOLD_=65536), so every tensor above 64 KB is its own mapping, returned to
+the kernel when torch frees it: RSS then follows the live tensors the way CUDA's max_memory_allocated does.
+With glibc's default dynamic threshold, blocks up to 32 MB stay in the heap after free and the RSS peak
+includes memory that no tensor holds.
+
+Run: .venv/bin/python bench/plan.py    (11 min on a shared, loaded 2-core machine: 8 min CPU; --only NAME: one row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (name, world size, max-len, flags): every flag is a train.py flag
+CONFIGS = [
+    ("cp1 nf4 1k", 1, 1024, ["--quant", "nf4"]),
+    ("cp1 nf4 4k", 1, 4096, ["--quant", "nf4"]),
+    ("cp1 none 4k no-AC", 1, 4096, ["--quant", "none", "--no-ac"]),
+    ("dp2 none 2k", 2, 2048, ["--quant", "none", "--dp-shard", "2"]),
+    ("cp2 ulysses nf4 4k", 2, 4096, ["--quant", "nf4", "--cp", "2", "--cp-impl", "ulysses"]),
+    ("cp2 ring none 4k no-AC", 2, 4096, ["--quant", "none", "--cp", "2", "--cp-impl", "ring", "--no-ac"]),
+    ("cp2 dp2 ulysses nf4 2k", 4, 2048, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"]),
+    ("cp4 ulysses nf4 4k", 4, 4096, ["--quant", "nf4", "--cp", "4", "--cp-impl", "ulysses"]),
+    ("cp4 ring none 4k", 4, 4096, ["--quant", "none", "--cp", "4", "--cp-impl", "ring"]),
+    ("cp4 hybrid nf4 4k no-AC", 4, 4096, ["--quant", "nf4", "--cp", "4", "--cp-impl", "hybrid",
+                                           "--ulysses-degree", "2", "--no-ac"]),
+]
+MB = 1e6
+FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
+
+
+def make_assets(root: str) -> tuple[str, str]:
+    """A random Qwen2 checkpoint with a small BPE tokenizer, and long synthetic text records."""
+    import transformers as T
+
+    from data.demo import build_tokenizer
+
+    rng = random.Random(0)
+    words = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))))
+             for _ in range(300)]
+    texts = [" ".join(rng.choice(words) for _ in range(3000)) for _ in range(16)]
+    tok = build_tokenizer(texts[:4], vocab_size=400)
+    model_dir = os.path.join(root, "model")
+    tok.save_pretrained(model_dir)
+    cfg = T.Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                        tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir)
+    data = os.path.join(root, "train.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return model_dir, data
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def _worker(rank, world, init_file, argv, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        import model.export
+        import parallel.checkpoint
+        import parallel.parallelize
+        import train
+
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        peak, build = {}, parallel.parallelize.build_model
+
+        def start(*a, **k):  # tokenizer, data and mesh exist (host memory on a GPU run): the baseline
+            peak["base"], peak["file0"] = _status("VmRSS"), _status("RssFile")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")     # reset VmHWM to the current RSS
+            return build(*a, **k)
+
+        def stop(*a, **k):   # end of the step loop: read the high-water mark, skip the save
+            peak.setdefault("hwm", _status("VmHWM"))
+            peak.setdefault("file", _status("RssFile") - peak["file0"])
+
+        parallel.parallelize.build_model = start
+        parallel.checkpoint.save = model.export.export_adapter = stop
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.main(argv)
+        queue.put((rank, True, (peak["hwm"] - peak["base"] - peak["file"], peak["file"])))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        import traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(world: int, argv: list[str]) -> list[int]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rdzv"), argv, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got = [queue.get(timeout=900) for _ in range(world)]
+        for p in procs:
+            p.join()
+    bad = [msg for _, ok, msg in got if not ok]
+    if bad:
+        raise RuntimeError(bad[0])
+    return [v for _, _, v in sorted(got)]
+
+
+def planned(world: int, argv: list[str]) -> float:
+    import train
+    from model.load import read_args
+    from parallel.plan import memory_plan, validate
+
+    args = train.parse_args(argv)
+    margs = read_args(args.model)
+    dims, pack = validate(args, margs, world)
+    return memory_plan(margs, dims, args, "cpu", pack).peak
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=None, help="run only the configuration with this name")
+    opt = ap.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # read by glibc when each rank starts (see docstring)
+    rows = [c for c in CONFIGS if opt.only in (None, c[0])]
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = make_assets(tmp)
+        print(f"{'config':<26}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
+              "   measured per rank")
+        for name, world, max_len, flags in rows:
+            argv = ["--model", model_dir, "--data", data, "--max-len", str(max_len), "--steps", "2",
+                    "--dtype", "fp32", "--global-batch", str(world // _cp(flags)), "--no-progress",
+                    "--out", os.path.join(tmp, "out"), *flags]
+            plan = planned(world, argv)
+            meas, code = zip(*measure(world, argv))
+            print(f"{name:<26}{world:>6}{plan / MB:>12.0f}{max(meas) / MB:>13.0f}{max(meas) / plan:>7.2f}"
+                  f"{max(code) / MB:>9.0f}   " + " ".join(f"{m / MB:.0f}" for m in meas), flush=True)
+    print(f"({time.time() - t0:.0f} s) planned: live-tensor peak, without the x{FRAGMENTATION:.2f} fragmentation "
+          "and runtime terms.\nmeasured: VmHWM - RSS at build_model - code MB (library code paged in on first "
+          "use, file-backed RSS growth), over build + 2 steps; max over ranks")
+
+
+def _cp(flags):
+    return int(flags[flags.index("--cp") + 1]) if "--cp" in flags else 1
+
+
+if __name__ == "__main__":
+    main()
