@@ -286,17 +286,18 @@ def plan_main(args):
         raise SystemExit(f"invalid layout: {err}") from None
     p = memory_plan(margs, dims, args, target, pack)
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
-    print(f"plan: {margs.model_type} {margs.n_params / 1e9:.2f}B params, {dims}\n"
+    n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
+    print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
           f"AC {'on' if args.ac else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
-    print(f"  {'per-rank memory':<72}{'GB':>8}")
+    print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():
-        print(f"  {k:<72}{v / GB:8.2f}")
-    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / GB:8.2f}")
+        print(f"  {k:<72}{v / u:8.2f}")
+    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / u:8.2f}")
     print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
-          f"{p.total / GB:8.2f}")
+          f"{p.total / u:8.2f}")
     other = "without" if args.ac else "with"
-    print(f"  ({other} AC the activations would be {p.alt_activations / GB:.2f} GB)")
+    print(f"  ({other} AC the activations would be {p.alt_activations / u:.2f} {un})")
     if p.total > mem:
         fixes = _fixes(args, margs, world, target, mem)
         raise SystemExit(f"does not fit: {p.total / GB:.1f} GB planned > {where}.\nWhat to change: "
