@@ -157,14 +157,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     mlp = 2 * e * T * F + e * T * D + dequant
     t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
-    what = "kernel grads"
+    what = "kernel"
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)
-        what += f" + Ulysses {U} all-to-all"
+        what += "+a2a"
     if R > 1:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
-        what += f" + ring {R} K/V, fp32 acc."
-    t[f"| block attention beyond the freed MLP ({attn / GB:.2f} GB: {what})"] = max(0, attn - 4 * e * T * F - mlp)
+        what += "+ring"
+    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB)"] = max(0, attn - 4 * e * T * F - mlp)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = 4 * T * (D + 1) + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
