@@ -2,9 +2,10 @@
 
 Contract:
 - `plan_main(args)` (train.py's `--plan`; no process group, no weight read) validates the layout with the
-  run's own checks (`ParallelDims.from_args`, `check_batch_sizes`, then train.main's inline max-len,
-  sliding-window and pack/ring checks, same messages), prints the terms below against the device memory and
-  raises SystemExit naming what to change when it does not fit. `--suggest` lists every valid
+  run's own checks (`ParallelDims.from_args`, `check_batch_sizes`, then train.main's inline lr, max-len,
+  pack/ring and sliding-window checks, same order and messages; a failure raises the run's ValueError),
+  prints the terms below against the device memory and raises SystemExit naming what to change when it
+  does not fit. `--suggest` lists every valid
   (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
 - `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts); bench/plan.py measures it.
 
@@ -189,13 +190,16 @@ def validate(args, margs, world: int):
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")
-    if margs.sliding_window and args.max_len * (args.micro_batch if args.pack else 1) > margs.sliding_window:
-        raise ValueError(f"the model uses a {margs.sliding_window}-token sliding window, which this "
-                         f"trainer does not implement; use --max-len <= {margs.sliding_window}")
+    pack = dims.ring == 1 if args.pack is None else args.pack
     if args.pack and dims.ring > 1:
         raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
                          "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
-    return dims, dims.ring == 1 if args.pack is None else args.pack
+    row = args.max_len * (args.micro_batch if pack else 1)
+    if margs.sliding_window and row > margs.sliding_window:
+        raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
+                         f"sliding window, which this trainer does not implement; lower --max-len"
+                         f"{' or --micro-batch (packed rows hold a whole micro-batch)' if pack else ''}")
+    return dims, pack
 
 
 def _with(args, **kw):
@@ -280,10 +284,7 @@ def plan_main(args):
         if not rows:
             raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
         return rows
-    try:
-        dims, pack = validate(args, margs, world)
-    except ValueError as err:
-        raise SystemExit(f"invalid layout: {err}") from None
+    dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
     p = memory_plan(margs, dims, args, target, pack)
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))

@@ -5,8 +5,8 @@ Pins:
   written out here from the shapes, independently of the module's code;
 - the quantization-state formula equals the bytes bitsandbytes' own `quantize_4bit` state holds, and the
   no-AC activation terms equal what autograd saves (saved_tensors_hooks) in a real forward of this decoder;
-- `--plan` on a layout that does not fit exits non-zero and names what to change; an invalid layout exits
-  with the run's own validation message;
+- `--plan` on a layout that does not fit exits non-zero and names what to change; an invalid layout raises
+  the run's own validation error (train.py's CLI prints it as "error: <fix>", exit 2);
 - `--suggest` lists exactly the layouts that pass the run's validation (checked here through
   `ParallelDims.from_args`), least communication first, and never an invalid one (Ulysses degree 8 with 28
   heads);
@@ -150,9 +150,8 @@ def test_plan_does_not_fit_names_the_fix():
     (["--cp", "2", "--global-batch", "6"], r"--global-batch 6 must be a multiple of"),
 ])
 def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(ValueError, match=pattern):   # what the run raises; train.py's CLI prints "error: ..."
         run_plan("--model", Q7, "--max-len", "131072", "--world-size", "8", "--gpu-mem", "80", *flags)
-    assert str(exc.value.code).startswith("invalid layout") and re.search(pattern, str(exc.value.code))
 
 
 def _listed(out):
@@ -183,3 +182,11 @@ def test_suggest_lists_only_valid_layouts():
     rows, out = run_plan(*common, "--gpu-mem", "30")   # 128k tokens of 7B on 30 GB: cp 4 and 8 (~23, ~14 GB)
     fit = _listed(out)
     assert fit and len(fit) < len(valid) and all(c >= 4 for c, *_ in fit), out
+
+
+def test_sliding_window_check_follows_the_pack_default():
+    m = ModelArgs(model_type="mistral", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, sliding_window=4096)
+    ok = train.parse_args(["--max-len", "4096", "--micro-batch", "2", "--global-batch", "2", "--no-pack"])
+    assert validate(ok, m, 1)[1] is False
+    with pytest.raises(ValueError, match=r"rows of up to 8192 tokens exceed the model's 4096-token"):
+        validate(train.parse_args(["--max-len", "4096", "--micro-batch", "2", "--global-batch", "2"]), m, 1)
