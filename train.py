@@ -254,6 +254,9 @@ def main(argv=None):
         dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
 
+        if eval_samples and start == 0:   # the baseline the eval losses below are compared with
+            log0(f"eval_loss before training {evaluate(model, eval_samples, ctx):.6f}")
+
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
             t_step = time.time()
