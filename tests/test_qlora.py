@@ -5,7 +5,7 @@ Pins (gloo on CPU, float32): for a tiny Qwen2 checkpoint (6 query / 2 KV heads) 
   quantization exactly (compared as integers), at 1, 2 and 4 ranks;
 - the logits, the loss and every LoRA gradient of the assembled model on 2 ranks (dp_shard 2; cp 2
   ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
-  2 × 2 via auto with 6 heads / 2 KV heads) equal those of the
+  2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring) equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
@@ -23,7 +23,7 @@ from tests.helpers import tiny_checkpoint
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _assemble(rank, world_size, path, quant, cp, impl, fsdp):
+def _assemble(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
     """One layout's model + the single-process reference; returns label-checked comparisons."""
     from model.qlora import NF4Linear
     from parallel.cp import cp_attention, shard_sequence
@@ -33,7 +33,7 @@ def _assemble(rank, world_size, path, quant, cp, impl, fsdp):
 
     cfg = ModelConfig(path, quant=quant, lora_r=4, lora_alpha=8, lora_b_std=0.05, ac=True, seed=3)
     ref, _ = build_model(cfg)                                    # plain module, whole batch
-    dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
+    dims = ParallelDims.from_args(world_size, replicate, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
     meshes = dims.build_mesh("cpu")
     attn = cp_attention(meshes, dims) if cp > 1 else None
     model, _ = build_model(cfg, fsdp_mesh=meshes.fsdp if fsdp else None, attention=attn)
@@ -106,7 +106,7 @@ def _cases(rank, world_size, path, cases):
         try:
             _assemble(rank, world_size, path, *case)
         except AssertionError as e:
-            raise AssertionError(f"case (quant, cp, impl, fsdp)={case}: {e}") from e
+            raise AssertionError(f"case (quant, cp, impl, fsdp[, replicate])={case}: {e}") from e
     return len(cases)
 
 
@@ -120,7 +120,7 @@ def ckpt(tmp_path_factory):
     (1, [("nf4", 1, "ulysses", True)]),
     (2, [("nf4", 1, "ulysses", True), ("none", 1, "ulysses", True), ("nf4", 2, "ring", True)]),
     (4, [("nf4", 1, "ulysses", True), ("nf4", 2, "ulysses", True), ("none", 2, "ring", True),
-         ("nf4", 4, "auto", True)]),
+         ("nf4", 4, "auto", True), ("nf4", 1, "ulysses", True, 2), ("none", 2, "ring", True, 2)]),
 ], ids=["1rank", "2ranks", "4ranks"])
 def test_layouts_match_single_process(ckpt, world_size, cases):
     assert run_ranks(_cases, world_size, ckpt, cases, timeout=280) == [len(cases)] * world_size
