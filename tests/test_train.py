@@ -4,9 +4,9 @@ Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads ma
 fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - the per-step losses and grad norms in OUT/metrics.jsonl and the exported PEFT adapter of a 1-rank run
   equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses and ring), `--cp 4` (auto: hybrid
-  2 × 2), `--dp-shard 4` and `--dp-shard 4 --micro-batch 2`; and with `--quant nf4` for cp 2 × dp 2
-  Ulysses and dp_shard 4 (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter
-  tensor within 1e-3 relative norm of the difference);
+  2 × 2), `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`;
+  and with `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4 (losses within 1e-4 absolute, grad
+  norms within 1e-4 relative, every adapter tensor within 1e-3 relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
@@ -39,6 +39,7 @@ FOUR_RANK = {   # out-dir name -> layout flags
     "cp4_auto": ["--cp", "4"],
     "dp4": ["--dp-shard", "4"],
     "dp4_mb2": ["--dp-shard", "4", "--micro-batch", "2"],
+    "hsdp_rep2_dp2": ["--dp-replicate", "2", "--dp-shard", "2"],
 }
 FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
