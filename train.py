@@ -247,6 +247,8 @@ def main(argv=None):
                 json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)
         metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
         ctx = dict(dp=dims.dp, data_rank=data_rank, device=device, meshes=meshes, to_local=to_local)
+        if eval_samples and start == 0:   # the baseline the eval losses below are compared with
+            log0(f"eval_loss before training {evaluate(model, eval_samples, ctx):.6f}")
         bar = None
         if rank == 0 and not args.no_progress:
             from tqdm import tqdm
@@ -254,8 +256,6 @@ def main(argv=None):
         dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
 
-        if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            log0(f"eval_loss before training {evaluate(model, eval_samples, ctx):.6f}")
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
