@@ -256,7 +256,6 @@ def main(argv=None):
         dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
 
-
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
             t_step = time.time()
