@@ -78,6 +78,8 @@ def parse_args(argv=None):
     a("--gpu-mem", type=float, default=None, help="with --plan: GB per device (default: this device's)")
     a("--world-size", type=int, default=None, help="with --plan: ranks to plan for (default: launched)")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    a("--peak-tflops", type=float, default=None, help="device bf16 dense peak for the mfu metric "
+      "(default: known for H100/H200 SXM, A100, L40S, B200; otherwise no mfu)")
     return p.parse_args(argv)
 
 
@@ -87,6 +89,14 @@ def lr_at(step, args, total):
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, total - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def dense_bf16_tflops(name: str):
+    """Dense bf16 peak of known devices (SXM parts; a PCIe H100 is ~756: pass --peak-tflops)."""
+    for key, tflops in (("H100", 989), ("H200", 989), ("B200", 2250), ("A100", 312), ("L40S", 362)):
+        if key in name:
+            return tflops
+    return None
 
 
 def peak_mem_gb(device):
@@ -255,6 +265,8 @@ def main(argv=None):
             bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
         dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
+        peak_flops = (args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda"
+                                           else None) or 0) * 1e12
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -288,9 +300,8 @@ def main(argv=None):
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr,
                        tokens=tokens, tokens_per_s=round(tokens / dt_step, 1), peak_mem_gb=round(mem.item(), 3),
                        epoch=round(order.epoch(step + 1), 3))
-            if dt == "cuda":
-                peak = 989e12 if any(k in torch.cuda.get_device_name() for k in ("H100", "H200")) else 312e12
-                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak), 4)
+            if dt == "cuda" and peak_flops:
+                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak_flops), 4)
             if args.eval_every and eval_samples and (step + 1) % args.eval_every == 0 and step + 1 < steps:
                 rec["eval_loss"] = round(evaluate(model, eval_samples, ctx), 6)
             if step + 1 == steps and eval_samples:

@@ -85,6 +85,9 @@ def quantize_weight(m: NF4Linear, full: torch.Tensor, device) -> torch.Tensor:
     # Always from float32: the bits then depend only on the checkpoint, not on the device or layout.
     packed, state = quantize_4bit(full.to(device=device, dtype=torch.float32), blocksize=BLOCKSIZE,
                                   compress_statistics=True, quant_type="nf4", quant_storage=m.quant_storage)
+    # Dequantize (forward fallback and bnb's backward) straight into the storage/compute dtype: one
+    # rounding either way, but no float32 [out, in] temporary on CUDA.
+    state.dtype = m.quant_storage
     m.quant_state = state
     return packed.view(-1, 1)
 

@@ -3,7 +3,8 @@
 Pins, on one CUDA device (skipped as a whole module elsewhere; `make test` does not collect this
 folder, `make test-gpu` does):
 - every CUDA attention backend (flash-attn when installed, torch's fused SDPA ops) gives out, lse and
-  the blockwise backward with the GLOBAL out/lse against the float64 reference (bf16 tolerance);
+  gradients against the float64 reference (bf16 tolerance), and the blockwise backward with the
+  GLOBAL out/lse (ring attention's assumption) sums to the full gradients, bf16 and float32;
 - the document-masked path (flash_attn_varlen or per-document calls) against per-document SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
@@ -65,6 +66,31 @@ def test_cuda_blockwise_merge(backend):
     _merge(out, lse, *kernels.forward(q, k[:, 128:], v[:, 128:], False, scale, backend=backend))
     torch.testing.assert_close(out, full.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, flse.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("backend, dtype", [(b, d) for b in BACKENDS for d in (torch.bfloat16, torch.float32)
+                                            if not (b == "flash_attn" and d == torch.float32)])  # no fp32 flash
+def test_cuda_blockwise_backward_with_global_lse(backend, dtype):
+    """What ring attention does: each K/V half differentiated with the GLOBAL out/lse; the sums of
+    dQ and the halves' dK/dV equal the full attention's gradients (float64 reference)."""
+    q, k, v = qkv(1, 256, 8, 2, 64, dtype=dtype, seed=1)
+    scale = 0.125
+    out, lse = kernels.forward(q, k, v, False, scale, backend=backend)
+    dout = torch.randn_like(out)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dks, dvs = [], []
+    for sl in (slice(0, 128), slice(128, 256)):
+        dq_b, dk_b, dv_b = kernels.backward(dout, q, k[:, sl], v[:, sl], out, lse, False, scale, backend=backend)
+        dq += dq_b.float()
+        dks.append(dk_b)
+        dvs.append(dv_b)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    rout, rlse = kernels.forward(qd, kd, vd, False, scale, backend="reference")
+    rq, rk, rv = kernels.backward(dout.double(), qd, kd, vd, rout, rlse, False, scale, backend="reference")
+    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(dq.double(), rq, **tol, msg="dq")
+    torch.testing.assert_close(torch.cat(dks, 1).double(), rk, **tol, msg="dk")
+    torch.testing.assert_close(torch.cat(dvs, 1).double(), rv, **tol, msg="dv")
 
 
 def test_cuda_documents():
