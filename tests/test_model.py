@@ -7,6 +7,8 @@ a tied-embedding model), saved sharded by transformers, `model.from_pretrained` 
 scaling matters; both config formats (classic `rope_theta`/`rope_scaling` and `rope_parameters`)
 load; missing directory / config / tensors and unsupported architectures raise clear errors.
 
+Also a single-file checkpoint (model.safetensors without an index).
+
 Run: .venv/bin/python -m pytest -q tests/test_model.py
 """
 
@@ -127,3 +129,16 @@ def test_unsupported_rope_type():
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "llama",
                                           "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def test_single_file_checkpoint(tmp_path):
+    """A checkpoint saved as one model.safetensors (no index) loads the same way."""
+    torch.manual_seed(0)
+    hf = T.AutoModelForCausalLM.from_config(FAMILIES["qwen3"]()).float().eval()
+    hf.save_pretrained(tmp_path)
+    assert os.path.isfile(tmp_path / "model.safetensors")
+    assert not os.path.exists(tmp_path / "model.safetensors.index.json")
+    ours = model.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, 96, (1, 24))
+    with torch.no_grad():
+        assert rel(ours(ids), hf(input_ids=ids).logits) < 1e-5
