@@ -265,8 +265,8 @@ def main(argv=None):
             bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
         dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
-        peak_flops = (args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda"
-                                           else None) or 0) * 1e12
+        peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
+        peak_flops = (peak_tflops or 0) * 1e12   # 0: unknown device, no mfu
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
