@@ -1,44 +1,54 @@
 """Chunked linear cross-entropy: the LM-head loss without a [tokens, vocab] logits tensor.
 
 At 32k tokens and a 151,936-token vocabulary the float32 logits alone are 19.9 GB, and autograd keeps
-two or three tensors of that size alive. Here the head matmul, softmax, loss and gradient are fused
-per chunk of tokens, so only one [chunk, vocab] float32 block exists at a time.
+two or three tensors of that size alive. Here the head matmul, the loss and its gradient run per chunk
+of tokens, so only one [chunk, vocab] float32 block exists at a time.
 Idea from Liger kernel's fused linear cross entropy and Apple's cut-cross-entropy.
 
-Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N]) -> (loss_sum, n_tokens)`:
+Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], loss_fn=None)
+-> (loss_sum, n_tokens)`:
 
 1. `labels` are already shifted (`labels[t]` is the target of `hidden[t]`); `ignore_index` marks
    prompt/padding positions. `n_tokens` is the int64 count of the other positions (no grad).
 2. Tokens are walked in chunks of `chunk_size` rows (default: `auto_chunk_size`, which keeps the
-   float32 logits block near `CHUNK_BYTES`). A chunk whose labels are all ignored costs the same as
-   any other: skipping it would need a host sync, and this function never syncs.
-3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T in the weight's dtype (the GEMM
-   accumulates in float32 on CPU and CUDA), written into a reused float32 block; log-sum-exp and the target logit give
-   the token losses; softmax - one_hot, zeroed on ignored rows, is d(loss_sum)/d(logits) and is
-   turned into d/d(hidden_chunk) (and, if the weight is trainable, added into a float32 d/d(weight))
-   while the block is still live.
+   float32 logits block near `CHUNK_BYTES`). No host sync: an all-ignored chunk costs like any other.
+3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with
+   float32 accumulation) into a reused float32 block, then the loss and d(loss)/d(logits):
+   - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in
+     place in the block, no autograd involved.
+   - `loss_fn(logits [c, V] float32, labels [c]) -> scalar`: any differentiable loss, which must be the
+     SUM of the chunk's per-token losses over its target rows (ignored rows carry `ignore_index`).
+     Autograd differentiates it w.r.t. this chunk's logits only, so label smoothing, a z-loss or token
+     weights need no hand-written gradient and still no [N, V] tensor, and no second head GEMM.
+   d(loss)/d(logits) is turned into d/d(hidden_chunk) (and, for a trainable weight, accumulated into
+   d/d(weight)) while the block is live.
 4. `loss_sum` is the float32 SUM over target tokens; the caller divides by the GLOBAL target count.
 5. Backward only scales the stored gradients by the incoming scalar (in place, so no second copy of
    a [V, D] gradient appears); the graph can therefore be backpropagated once (no retain_graph).
 
 FSDP2: the model calls this inside the root module's forward, where FSDP2 has all-gathered
 `lm_head.weight`, so the unsharded weight is live for every chunk. With a frozen weight (LoRA) nothing
-about the weight is saved for backward (only grad_hidden is), so FSDP2 may reshard it right after the
-forward and backward never all-gathers it again for the loss.
+about the weight is saved for backward (only grad_hidden is), so backward never all-gathers it again.
 
 Context parallelism: each cp rank passes its own sequence shard of hidden states and labels. Labels
-were shifted on the whole sequence before sharding, so a shard's last position already holds its
-target from the next shard and the shards' sums add up to the unsharded sum; the caller all-reduces
-`loss_sum` and `n_tokens` (over cp, dp and micro-batches) before dividing.
+were shifted on the whole sequence before sharding, so the shards' sums add up to the unsharded sum;
+the caller all-reduces `loss_sum` and `n_tokens` (over cp, dp and micro-batches) before dividing.
 """
+
+from collections.abc import Callable
 
 import torch
 
+IGNORE_INDEX = -100   # the label of positions without a target; F.cross_entropy's default too
+
 # Budget for the one [chunk, V] float32 logits block: chunk = CHUNK_BYTES // (4 * V), so 256 MiB at
-# V=151,936 gives 441 tokens. Softmax and its gradient are made in place in the block, so the transient
-# peak is this plus, for bf16 weights, one half-size bf16 copy (GEMM output or grad-GEMM input). On top
-# of it the forward keeps grad_hidden [N, D] and, for a trainable weight, a float32 [V, D] gradient.
+# V=151,936 gives 441 tokens. The fused path works in place in the block, so the transient peak is
+# this plus, for bf16 weights, one half-size bf16 copy; a `loss_fn` adds what its autograd keeps
+# (e.g. two or three more blocks for log_softmax). On top, the forward keeps grad_hidden [N, D] and,
+# for a trainable weight, a [V, D] gradient (float32 for float32 weights, else the weight's dtype).
 CHUNK_BYTES = 256 * 2**20
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
@@ -46,48 +56,70 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))
 
 
+def _fused_ce(logits, safe, valid):
+    """Cross-entropy sum of a chunk and, in place in `logits`, its gradient softmax - one_hot."""
+    target = logits.gather(1, safe)                     # [c, 1]
+    mx = logits.amax(1, keepdim=True)
+    probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
+    denom = probs.sum(1, keepdim=True)
+    loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).sum()   # lse - z_target
+    probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
+    return loss, probs
+
+
+def _custom(loss_fn, logits, labels, need_grad):
+    """A user loss on one chunk and its gradient w.r.t. the chunk's logits (autograd, chunk-local)."""
+    if not need_grad:
+        return loss_fn(logits, labels).float(), None
+    with torch.enable_grad():
+        z = logits.detach().requires_grad_()
+        loss = loss_fn(z, labels)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar (the chunk's summed loss), got shape "
+                             f"{tuple(loss.shape)}")
+        (grad,) = torch.autograd.grad(loss, z, allow_unused=True)
+    return loss.detach().float(), (torch.zeros_like(logits) if grad is None else grad)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid = labels != ignore_index
-        safe = torch.where(valid, labels, 0).unsqueeze(1)  # [N, 1]; any in-range id works for masked rows
-        validf = valid.to(torch.float32).unsqueeze(1)  # [N, 1]
+        safe = torch.where(valid, labels, 0).unsqueeze(1)   # [N, 1]; any in-range id works for masked rows
+        validf = valid.to(torch.float32).unsqueeze(1)      # [N, 1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # float32 weights accumulate in float32; bf16/fp16 ones in their own dtype with a float32-
+        # accumulating GEMM per chunk (as Liger does): no float32 [V, D] copy and no float32 GEMM.
+        grad_w = torch.zeros_like(weight) if need_w else None
         # One [chunk, V] float32 block reused by every chunk: the only vocab-sized tensor.
         block = torch.empty(min(chunk_size, n), weight.shape[0], dtype=torch.float32, device=hidden.device)
 
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            x = hidden[s:e].to(weight.dtype)  # [c, D]
-            y, m = safe[s:e], validf[s:e]  # [c, 1]
-            logits = block[: e - s]  # [c, V], a contiguous prefix
+            x = hidden[s:e].to(weight.dtype)               # [c, D]
+            logits = block[: e - s]                        # [c, V], a contiguous prefix
             if weight.dtype == torch.float32:
                 torch.mm(x, weight.t(), out=logits)
             else:
-                logits.copy_(x @ weight.t())  # a bf16 GEMM (float32 accumulate), then upcast
-            target = logits.gather(1, y)  # [c, 1]
-            mx = logits.amax(1, keepdim=True)
-            probs = logits.sub_(mx).exp_()  # exp(z - max), in place
-            denom = probs.sum(1, keepdim=True)
-            token_loss = mx + denom.log() - target  # lse - z_target
-            loss_sum += torch.where(m > 0, token_loss, 0.0).sum()
+                logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
+            if loss_fn is None:
+                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e])
+            else:
+                loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
+            loss_sum += loss
             if not (need_h or need_w):
                 continue
-            # d(loss)/d(logits) = softmax - one_hot on target rows, 0 on ignored rows.
-            probs.mul_(m / denom).scatter_add_(1, y, -m)
+            g = dlogits.to(weight.dtype)
             if need_h:
-                grad_h[s:e] = probs.to(weight.dtype) @ weight
+                grad_h[s:e] = g @ weight
             if need_w:
-                grad_w.addmm_(probs.t(), x.float())
+                grad_w.addmm_(g.t(), x)
 
-        if need_w and weight.dtype != torch.float32:
-            grad_w = grad_w.to(weight.dtype)
         # Only gradients are saved, never the weight: with a frozen weight FSDP2 can free it.
         ctx.save_for_backward(grad_h, grad_w)
         return loss_sum
@@ -101,7 +133,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_out)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -109,13 +141,15 @@ def chunked_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
+    loss_fn: LossFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token cross-entropies of `hidden @ weight.T` against `labels`, and the target count.
+    """Sum of token losses of `hidden @ weight.T` against `labels`, and the target count.
 
     hidden [N, D], weight [V, D], labels [N] (already shifted). Returns (loss_sum float32 0-dim,
     n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
+    `loss_fn=None` is cross-entropy; see the module docstring for a custom `loss_fn`.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -129,5 +163,5 @@ def chunked_cross_entropy(
         hidden, weight = hidden.detach(), weight.detach()
     n_tokens = (labels != ignore_index).sum()
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk)
+    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn)
     return loss_sum, n_tokens

@@ -7,11 +7,12 @@
     # 8 GPUs: Qwen2.5-7B, 32k tokens, Ulysses/ring chosen automatically, NF4 base weights
     torchrun --nproc_per_node 8 train.py --model /ckpt/Qwen2.5-7B-Instruct --data chat.jsonl \
         --max-len 32768 --cp 4 --dp-shard 2 --global-batch 16 --out runs/qwen7b
-    # know first whether it fits (reads config.json only)
+    # know first whether it fits (reads config.json only; `--plan --help` lists the planner's flags)
     python train.py --plan --model /ckpt/Qwen2.5-72B --max-len 32768 --cp 2 --dp-shard 2 --world-size 4
 
-Flow: args -> process group + mesh (validated before any weight is read) -> model -> data ->
-optimizer -> loop (micro-steps, global-token loss, clip, AdamW) -> save (checkpoints, PEFT adapter).
+Flow: args -> process group + mesh (every flag validated before any weight is read) -> data (tokenized
+before the model, so data errors come first too) -> model -> optimizer -> loop (micro-steps,
+global-token loss, clip, AdamW) -> save (checkpoints, PEFT adapter).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -28,15 +28,31 @@ import time
 import torch
 import torch.distributed as dist
 
+from data import DataError, GlobalBatches, collate, load_jsonl, load_tokenizer, make_demo, tokenize_records
+from loss import IGNORE_INDEX
+from model.load import read_args
+from parallel.cp import cp_attention, shard_sequence
+from parallel.mesh import device_type, peak_memory_gb, validate
+
+# The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
+# returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
+#   LOSS_FN = lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=0.1)
+LOSS_FN = None
+
+# `python train.py` with neither --model nor --data trains the embedded demo; these replace the defaults
+# (flags still win). A random-init base learns slowly through LoRA: a larger step size shows it in 40 steps.
+DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
+            eval_data="runs/demo_assets/eval.jsonl", steps=40, lr=5e-3, warmup=5)
+
 # ----------------------------------------------------------------------------- args
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser(add_help=True):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=add_help)
     a = p.add_argument
     # Model
     a("--model", default=None, help="HF checkpoint dir (config.json + safetensors + tokenizer); "
-      "default: the embedded demo model")
+      "omit with --data for the embedded demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
@@ -54,33 +70,30 @@ def parse_args(argv=None):
     a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
       help="comma-separated projection names to adapt")
     # Optim
-    a("--lr", type=float, default=None, help="peak learning rate (default 2e-4; demo 5e-3)")
-    a("--warmup", type=int, default=None, help="linear warmup steps (default 10; demo 5)")
+    a("--lr", type=float, default=2e-4, help="peak learning rate")
+    a("--warmup", type=int, default=10, help="linear warmup steps")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
-    a("--steps", type=int, default=None, help="optimizer steps (default: one epoch; demo: 40)")
+    a("--steps", type=int, default=None, help="optimizer steps (omit for one epoch)")
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
-    a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line); default: demo corpus")
+    a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--pack", default=None, action=argparse.BooleanOptionalAction,
       help="pack a micro-batch into one row, attention kept inside documents (default: on unless ring CP)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
-    a("--out", default=None, help="output dir (default runs/demo for the demo, else runs/latest)")
+    a("--out", default="runs/latest", help="output dir")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
     a("--resume", default=None, help="checkpoint dir to resume from (a step folder or OUT/ckpt)")
-    a("--plan", action="store_true", help="print the per-rank memory plan and exit (reads config.json only)")
-    a("--suggest", action="store_true", help="with --plan: list the layouts that fit, best first")
-    a("--gpu-mem", type=float, default=None, help="with --plan: GB per device (default: this device's)")
-    a("--world-size", type=int, default=None, help="with --plan: ranks to plan for (default: launched)")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
     a("--peak-tflops", type=float, default=None, help="device bf16 dense peak for the mfu metric "
       "(default: known for H100/H200 SXM, A100, L40S, B200; otherwise no mfu)")
-    return p.parse_args(argv)
+    a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
+    return p
 
 
 def lr_at(step, args, total):
@@ -99,34 +112,26 @@ def dense_bf16_tflops(name: str):
     return None
 
 
-def peak_mem_gb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # kB -> GB (Linux)
-
-
 def log0(*a):
     if dist.get_rank() == 0:
         print(*a, flush=True)
 
 
 @torch.no_grad()
-def evaluate(model, samples, ctx):
-    """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks
-    with fewer samples run all-ignored dummies, so every rank makes the same collective calls."""
-    D, d = ctx["dp"], ctx["data_rank"]
-    share = samples[d::D]
-    n = math.ceil(len(samples) / D)
-    dummy = {"input_ids": samples[0]["input_ids"], "labels": [-100] * len(samples[0]["labels"])}
-    share = share + [dummy] * (n - len(share))
-    tot = torch.zeros(2, dtype=torch.float64, device=ctx["device"])
+def evaluate(model, samples, to_local, data_rank, data_ranks, group, device):
+    """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks with
+    fewer samples run all-ignored dummies, so every rank makes the same collective calls."""
+    share = samples[data_rank::data_ranks]
+    dummy = {"input_ids": samples[0]["input_ids"], "labels": [IGNORE_INDEX] * len(samples[0]["labels"])}
+    share += [dummy] * (math.ceil(len(samples) / data_ranks) - len(share))
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     for s in share:
-        ids, pos, lab = ctx["to_local"]([s])
-        lsum, cnt = model(ids, position_ids=pos, labels=lab)
+        ids, pos, lab = to_local([s])
+        lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
         tot += torch.stack([lsum.double(), cnt.double()])
     model.train()
-    dist.all_reduce(tot, group=ctx["meshes"].dp_cp.get_group())
+    dist.all_reduce(tot, group=group)
     return (tot[0] / tot[1].clamp(min=1)).item()
 
 
@@ -134,36 +139,21 @@ def evaluate(model, samples, ctx):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.plan:   # before the heavy imports (peft, bitsandbytes): config.json and arithmetic only
-        from parallel.plan import plan_main
-        return plan_main(args)
-    from data import (
-        DataError,
-        GlobalBatches,
-        check_batch_sizes,
-        collate,
-        load_jsonl,
-        load_tokenizer,
-        make_demo,
-        tokenize_records,
-    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--plan" in argv:   # before the heavy imports below: config.json and arithmetic only
+        from parallel.plan import main as plan_main
+        return plan_main(argv, build_parser(add_help=False), DEMO)
+    # peft, bitsandbytes and DCP take seconds to import: only now, past the --plan fast path
     from model.export import export_adapter
-    from model.load import read_args
     from parallel import checkpoint
-    from parallel.cp import cp_attention, local_attention, shard_sequence
     from parallel.fsdp import clip_grad_norm_
-    from parallel.mesh import ParallelDims, device_type
-    from parallel.parallelize import ModelConfig, build_model, lora_parameters
-
+    from parallel.parallelize import BuildOptions, build_model, lora_parameters
+    parser = build_parser()
+    args = parser.parse_args(argv)
     demo = args.model is None and args.data is None
-    args.out = args.out or ("runs/demo" if demo else "runs/latest")
-    if demo:   # a random-init base learns slowly through LoRA: a larger step size shows it in 40 steps
-        args.steps = 40 if args.steps is None else args.steps
-        args.lr = 5e-3 if args.lr is None else args.lr
-        args.warmup = 5 if args.warmup is None else args.warmup
-    args.lr = 2e-4 if args.lr is None else args.lr
-    args.warmup = 10 if args.warmup is None else args.warmup
+    if demo:
+        parser.set_defaults(**DEMO)
+        args = parser.parse_args(argv)
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = not dist.is_initialized()
@@ -181,40 +171,21 @@ def main(argv=None):
     try:
         if demo:
             if rank == 0:
-                make_demo("runs/demo_assets")
+                make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
-            args.model = "runs/demo_assets/model"
-            args.data, args.eval_data = "runs/demo_assets/train.jsonl", args.eval_data or "runs/demo_assets/eval.jsonl"
-        # every check before any weight is read: config, mesh, sizes, files
+        # every check before any weight is read: flags, config, mesh, sizes, files
         for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path is not None and not os.path.isfile(path):
                 raise FileNotFoundError(f"{flag} {path!r} does not exist")
         if args.model is None or args.data is None:
             raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
         margs = read_args(args.model)
-        dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
-                                      args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
-        check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
-        if args.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {args.lr}")
-        if args.max_len < dims.cp_divisor:
-            raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
-                             f"({dims}); raise --max-len or lower --cp")
-        if args.pack is None:
-            args.pack = dims.ring == 1
-        elif args.pack and dims.ring > 1:
-            raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
-                             "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
-        row = args.max_len * (args.micro_batch if args.pack else 1)
-        if margs.sliding_window and row > margs.sliding_window:
-            raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
-                             f"sliding window, which this trainer does not implement; lower --max-len"
-                             f"{' or --micro-batch (packed rows hold a whole micro-batch)' if args.pack else ''}")
+        dims, args.pack = validate(args, margs, world)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
-        log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}")
+        log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
 
-        # --------------------------------------------------------------------- data (cheap, before weights)
+        # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model)
         samples, stats = tokenize_records(load_jsonl(args.data), tok, args.max_len, args.data)
         if not samples:
@@ -232,19 +203,19 @@ def main(argv=None):
             b = collate(batch_samples, args.pack, dims.cp_divisor, pad_id)
             return (shard_sequence(b["input_ids"], dims, cp_rank, pad_id).to(device),
                     shard_sequence(b["position_ids"], dims, cp_rank, None).to(device),
-                    shard_sequence(b["labels"], dims, cp_rank, -100).to(device))
+                    shard_sequence(b["labels"], dims, cp_rank, IGNORE_INDEX).to(device))
 
         # --------------------------------------------------------------------- model
         t0 = time.time()
-        cfg = ModelConfig(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                          lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
-                          ac=args.ac, seed=args.seed)
-        attn = cp_attention(meshes, dims) if dims.cp > 1 else local_attention()
-        model, peft_model = build_model(cfg, fsdp_mesh=meshes.fsdp, attention=attn, device=device)
+        opts = BuildOptions(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r,
+                            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac, seed=args.seed)
+        model, peft_model = build_model(opts, fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims),
+                                        device=device)
         params = lora_parameters(model)
-        n_lora = sum(p.numel() for p in params)
-        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M "
-             f"trainable, quant {args.quant}, {dtype}, built in {time.time() - t0:.1f}s")
+        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "
+             f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable, quant {args.quant}, {dtype}, "
+             f"built in {time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
@@ -256,17 +227,19 @@ def main(argv=None):
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)
         metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
-        ctx = dict(dp=dims.dp, data_rank=data_rank, device=device, meshes=meshes, to_local=to_local)
+        dp_cp = meshes.dp_cp.get_group()
+
+        def run_eval():
+            return evaluate(model, eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
+
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            log0(f"eval_loss before training {evaluate(model, eval_samples, ctx):.6f}")
+            log0(f"eval_loss before training {run_eval():.6f}")
         bar = None
         if rank == 0 and not args.no_progress:
             from tqdm import tqdm
             bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
-        dp_cp = meshes.dp_cp.get_group()
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
-        peak_flops = (peak_tflops or 0) * 1e12   # 0: unknown device, no mfu
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -279,13 +252,13 @@ def main(argv=None):
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
             n_tok = sum(len(samples[i]["input_ids"]) for idx in idxs for i in idx) if cp_rank == 0 else 0
-            counts = torch.tensor([sum(int((lab != -100).sum()) for _, _, lab in micro), n_tok],
+            counts = torch.tensor([sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab in micro), n_tok],
                                   dtype=torch.float64, device=device)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for ids, pos, lab in micro:
-                lsum, _ = model(ids, position_ids=pos, labels=lab)
+                lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
                 (lsum / n_targets.float()).backward()
                 loss_sum += lsum.detach().double()
             gnorm = clip_grad_norm_(params, args.clip)
@@ -294,18 +267,16 @@ def main(argv=None):
             dist.all_reduce(loss_sum, group=dp_cp)
             loss = (loss_sum / n_targets).item()
             dt_step = time.time() - t_step
-            mem = torch.tensor([peak_mem_gb(device)], device=device)
+            mem = torch.tensor([peak_memory_gb(device)], device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr,
                        tokens=tokens, tokens_per_s=round(tokens / dt_step, 1), peak_mem_gb=round(mem.item(), 3),
                        epoch=round(order.epoch(step + 1), 3))
-            if dt == "cuda" and peak_flops:
-                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak_flops), 4)
-            if args.eval_every and eval_samples and (step + 1) % args.eval_every == 0 and step + 1 < steps:
-                rec["eval_loss"] = round(evaluate(model, eval_samples, ctx), 6)
-            if step + 1 == steps and eval_samples:
-                rec["eval_loss"] = round(evaluate(model, eval_samples, ctx), 6)
+            if peak_tflops:
+                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak_tflops * 1e12), 4)
+            if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
+                rec["eval_loss"] = round(run_eval(), 6)
             if rank == 0:
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
@@ -329,7 +300,6 @@ def main(argv=None):
     finally:
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     try:

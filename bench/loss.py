@@ -25,19 +25,19 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loss import auto_chunk_size, chunked_cross_entropy  # noqa: E402
+from loss import IGNORE_INDEX, auto_chunk_size, chunked_cross_entropy  # noqa: E402
 
-N, D, V, IGNORE = 4096, 896, 151_936, -100
+N, D, V = 4096, 896, 151_936
 LONG_N = 32_768
 GB = 1e9
 
 
 def naive(hidden, weight, labels):
-    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked(hidden, weight, labels):
-    return chunked_cross_entropy(hidden, weight, labels, ignore_index=IGNORE)[0]
+    return chunked_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX)[0]
 
 
 def worker(path, trainable):
@@ -47,7 +47,7 @@ def worker(path, trainable):
     hidden = torch.randn(N, D, generator=g)
     weight = torch.randn(V, D, generator=g).mul_(0.02).requires_grad_(trainable)
     labels = torch.randint(0, V, (N,), generator=g)
-    labels[torch.rand(N, generator=g) < 0.25] = IGNORE
+    labels[torch.rand(N, generator=g) < 0.25] = IGNORE_INDEX
 
     def step(n):
         h = hidden[:n].detach().requires_grad_()

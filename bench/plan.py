@@ -151,9 +151,10 @@ def measure(world: int, argv: list[str]) -> list[int]:
 def planned(world: int, argv: list[str]) -> float:
     import train
     from model.load import read_args
-    from parallel.plan import memory_plan, validate
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
 
-    args = train.parse_args(argv)
+    args = train.build_parser().parse_args(argv)
     margs = read_args(args.model)
     dims, pack = validate(args, margs, world)
     return memory_plan(margs, dims, args, "cpu", pack).peak

@@ -8,20 +8,18 @@
 """
 
 from data.batches import GlobalBatches, check_batch_sizes
-from data.collate import collate, count_targets, document_starts
+from data.collate import collate, count_targets
 from data.demo import make_demo
 from data.jsonl import DataError, load_jsonl
-from data.tokens import IGNORE, TokenStats, load_tokenizer, tokenize_records
+from data.tokens import TokenStats, load_tokenizer, tokenize_records
 
 __all__ = [
-    "IGNORE",
     "DataError",
     "GlobalBatches",
     "TokenStats",
     "check_batch_sizes",
     "collate",
     "count_targets",
-    "document_starts",
     "load_jsonl",
     "load_tokenizer",
     "make_demo",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+from loss import IGNORE_INDEX
 
 
 def _round_up(n: int, divisor: int) -> int:
@@ -35,7 +35,7 @@ def _row(samples: list[dict], length: int, pad_id: int) -> tuple[list[int], list
         pos += range(len(s["input_ids"]))
     n_pad = length - len(ids)
     last = pos[-1] + 1
-    return ids + [pad_id] * n_pad, labels + [IGNORE] * n_pad, pos + list(range(last, last + n_pad))
+    return ids + [pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, pos + list(range(last, last + n_pad))
 
 
 def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -59,11 +59,4 @@ def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Label positions that enter the loss (the denominator is their sum over the whole step)."""
-    return int((batch["labels"] != IGNORE).sum())
-
-
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [B, S]: True where a document starts (pos[t] != pos[t-1] + 1, and at t = 0)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return starts
+    return int((batch["labels"] != IGNORE_INDEX).sum())

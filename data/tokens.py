@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.jsonl import DataError
+from loss import IGNORE_INDEX
 
-IGNORE = -100  # label value that F.cross_entropy(ignore_index=-100) and loss.py skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -78,7 +78,7 @@ def load_tokenizer(model_dir: str | Path):
 
 def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     """labels[t] = ids[t+1] where token t+1 is a target; -100 elsewhere and at the last position."""
-    return [ids[t + 1] if is_target[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+    return [ids[t + 1] if is_target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
@@ -189,7 +189,7 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
             stats.truncated += 1
             ids, flags = ids[:max_len], flags[:max_len]
         labels = shift_labels(ids, flags)
-        n_targets = sum(lab != IGNORE for lab in labels)
+        n_targets = sum(lab != IGNORE_INDEX for lab in labels)
         if n_targets == 0:
             stats.dropped += 1
             continue

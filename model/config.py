@@ -25,6 +25,7 @@ SUPPORTED = {
     "qwen3": dict(qkv_bias=None, qk_norm=True),     # RMSNorm over head_dim on q and k before RoPE
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
 
 
 @dataclass

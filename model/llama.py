@@ -5,12 +5,14 @@ Contract:
   `model.layers.{i}.mlp.gate_proj`, `model.norm`, `lm_head`), so checkpoints load without a rename
   table and saved LoRA adapters load in peft on the transformers model.
 - `Transformer(input_ids, position_ids=None)` returns logits [B, S, V] (float32 upcast not applied;
-  the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss, computed
-  here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
-- The attention core is `self.attention`, any `parallel.cp.Attention`: the single-process kernel by
-  default, the context-parallel one once the trainer sets it. Everything else acts per token, so a
-  local sequence shard plus its global `position_ids` is all a rank needs.
-- `self.checkpoint_blocks = True` recomputes each block in backward (non-reentrant checkpoint).
+  the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss
+  (`loss.chunked_cross_entropy`, with `loss_fn` if given), computed here in the root forward so FSDP2
+  keeps lm_head unsharded while it is used (DESIGN.md step 4).
+- The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
+  the trainer sets the kernel or context-parallel one. Everything else acts per token, so a local
+  sequence shard plus its global `position_ids` is all a rank needs.
+- Math only: activation checkpointing, offload, compile and sharding are applied from outside
+  (`parallel/parallelize.py`), by wrapping each block's forward.
 
 Notation: B batch, S (local) sequence, D model dim, H query heads, K KV heads, Hd head dim, V vocab.
 """
@@ -20,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_cross_entropy
+from model.attention import SDPAAttention
 from model.config import ModelArgs, inv_freq
 
 
@@ -111,12 +113,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if attention is None:
-            from parallel.cp import local_attention
-            attention = local_attention()
-        self.attention = attention
-        self.checkpoint_blocks = False
-        self.loss_chunk_size = None
+        self.attention = attention or SDPAAttention()
 
     def rope(self, position_ids, dtype):
         """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does."""
@@ -125,7 +122,7 @@ class Transformer(nn.Module):
         ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
         return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -133,12 +130,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope(position_ids, h.dtype)
         meta = self.attention.prepare(position_ids)
         for layer in self.model.layers:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, self.attention, meta, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, self.attention, meta)
+            h = layer(h, cos, sin, self.attention, meta)
         h = self.model.norm(h)
         if labels is None:
             return self.lm_head(h)                                             # [B, S, V]
         return chunked_cross_entropy(h.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1),
-                                     chunk_size=self.loss_chunk_size)
+                                     loss_fn=loss_fn)

@@ -27,9 +27,9 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model.config import LORA_TARGETS
 from model.llama import Transformer
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCKSIZE = 64
 
 

@@ -1,20 +1,17 @@
 """The attention core the model calls (one process or context-parallel) and the sequence layouts.
 
 Contract:
-- `Attention`: `divisor` (the padded sequence length must be a multiple of it), `prepare(position_ids)`
-  once per model forward with the LOCAL global-position ids [B, S_local], and `attn(q, k, v, meta,
-  scale)` per layer: q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns
-  [B, S_local, H, D] in q's dtype, differentiable w.r.t. q, k, v. Any layout gives the same numbers
-  as `local_attention()` on the whole sequence.
+- The cores here implement `model.attention.AttentionCore` (q, k, v are the LOCAL shard [B, S_local,
+  ...], `prepare` gets the local global-position ids). Any layout gives the same numbers as
+  `local_attention()` on the whole sequence.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
   their hybrid (all-to-all inside each Ulysses group, ring across the groups).
 - Layout of the sequence padded to `dims.cp_divisor` (cp rank = ring_rank · ulysses + ulysses_rank):
   ring == 1: contiguous, cp rank r holds the r-th of cp equal slices. ring R > 1: 2R chunks, each
   cut into U = ulysses pieces; cp rank (i, u) holds piece u of chunk i, then piece u of chunk 2R-1-i
   (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
-- Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
-  with contiguous positions, even far from 0, is one document; padding continues the positions of the
-  last document. `local_attention` and Ulysses (which see whole rows) keep every token inside its
+- Documents (packed rows): the rule is `model.attention.document_bounds`. `local_attention` and
+  Ulysses (which see whole rows) keep every token inside its
   document. Ring and hybrid refuse packed rows with a ValueError naming the alternative.
 """
 
@@ -23,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from model.attention import AttentionCore, document_bounds
 from parallel import kernels
 from parallel.ring import ring_attention
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
@@ -83,40 +81,17 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
     return unshard_sequence(parts, dims, seq_len)
 
 
-def document_bounds(position_ids: torch.Tensor):
-    """Per row, the document boundaries [0, s1, ..., S]; None when every row is a single document."""
-    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # [B, S-1]
-    if not bool(starts.any()):
-        return None
-    s = position_ids.shape[1]
-    return [[0] + (row.nonzero().flatten() + 1).tolist() + [s] for row in starts.cpu()]
-
-
 # --- attention cores ---------------------------------------------------------------------------
 
 
-class Attention:
-    """What the model calls; see the module docstring."""
-    divisor: int = 1
-
-    def prepare(self, position_ids: torch.Tensor) -> object:
-        raise NotImplementedError
-
-    def __call__(self, q, k, v, meta, scale: float) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class LocalAttention(Attention):
-    """One process holds the whole sequence."""
-
-    def prepare(self, position_ids):
-        return document_bounds(position_ids)
+class KernelAttention(AttentionCore):
+    """One process holds the whole sequence; `parallel.kernels` picks the fastest backend."""
 
     def __call__(self, q, k, v, meta, scale):
         return kernels.attention(q, k, v, True, scale, docs=meta)
 
 
-class ContextParallelAttention(Attention):
+class ContextParallelAttention(AttentionCore):
     """Ulysses all-to-all inside `ulysses_group`, zigzag ring across `ring_group` (either may be trivial)."""
 
     def __init__(self, dims, cp_group, ulysses_group, ring_group):
@@ -162,15 +137,15 @@ def _chunks_to_pieces(x, u):
     return x.reshape(b, 2, u, n // (2 * u), *x.shape[2:]).transpose(1, 2).reshape(x.shape)
 
 
-def local_attention() -> Attention:
+def local_attention() -> AttentionCore:
     """Single process; honours document boundaries; uses parallel.kernels."""
-    return LocalAttention()
+    return KernelAttention()
 
 
-def cp_attention(meshes, dims) -> Attention:
+def cp_attention(meshes, dims) -> AttentionCore:
     """The CP attention for `dims` (a ParallelDims) over `meshes` (its `build_mesh` result)."""
     if dims.cp == 1:
-        return LocalAttention()
+        return KernelAttention()
     return ContextParallelAttention(dims, meshes.cp.get_group(), meshes.ulysses.get_group(),
                                     meshes.ring.get_group())
 

@@ -5,6 +5,9 @@ Contract:
   `ring × ulysses`. Constructing it validates everything against the world size and the model's head
   counts and raises `ValueError` with every degree, the world size and the fix in the message. It
   reads nothing but numbers, so it runs before any weight is touched.
+- `validate(args, margs, world)` is the ONE start-up check of a run's flags (train.py and `--plan` both
+  call it, so they refuse exactly the same configurations): plain flag values first, then the layout
+  (`ParallelDims.from_args`), batch sizes, sequence length and packing. It returns `(dims, pack)`.
 - `ParallelDims.build_mesh(device_type)` calls `init_device_mesh` with dims
   `("dp_replicate", "dp_shard", "ring", "ulysses")` and returns `Meshes`: "cp" (ring × ulysses),
   "fsdp" (dp_replicate × dp_shard·cp; FSDP2 shards over the second dim), "dp" (data ranks: one
@@ -13,10 +16,14 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from data.batches import check_batch_sizes
+from model.config import LORA_TARGETS
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -146,6 +153,60 @@ class Meshes:
     ulysses: DeviceMesh
     dp: DeviceMesh     # data ranks: one sample stream each
     dp_cp: DeviceMesh  # every rank: the global target-token count is all-reduced here
+
+
+def check_flags(args) -> None:
+    """Values no run can use, whatever the model and world: each error names the flag and the fix."""
+    for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip"):
+        v = getattr(args, flag)
+        if not math.isfinite(v):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
+    lower = [("--lr", args.lr, 0, "> 0"), ("--lora-alpha", args.lora_alpha, 0, "> 0 (0 trains nothing: "
+             "the LoRA output is scaled by alpha / r)"), ("--lora-r", args.lora_r, 0, ">= 1"),
+             ("--max-len", args.max_len, 1, ">= 2")]
+    for flag, v, bound, need in lower:
+        if v <= bound:
+            raise ValueError(f"{flag} must be {need}, got {v}")
+    for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
+                    ("--eval-every", args.eval_every), ("--save-every", args.save_every)):
+        if v < 0:
+            raise ValueError(f"{flag} must be >= 0, got {v}")
+    if not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}; omit --steps to train one epoch")
+    bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
+    if bad or not args.lora_targets:
+        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")
+
+
+def validate(args, margs, world: int):
+    """Every check of a run's flags against the model's config.json and the world size -> (dims, pack)."""
+    check_flags(args)
+    dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
+                                  args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
+    check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+    if args.max_len < dims.cp_divisor:
+        raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
+                         f"({dims}); raise --max-len or lower --cp")
+    pack = dims.ring == 1 if args.pack is None else args.pack
+    if pack and dims.ring > 1:
+        raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
+                         "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
+    row = args.max_len * (args.micro_batch if pack else 1)
+    if margs.sliding_window and row > margs.sliding_window:
+        raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
+                         f"sliding window, which this trainer does not implement; lower --max-len"
+                         f"{' or --micro-batch (packed rows hold a whole micro-batch)' if pack else ''}")
+    return dims, pack
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This rank's peak: CUDA allocated bytes, or the process RSS high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # kB -> GB (Linux)
 
 
 def device_type() -> str:

@@ -5,15 +5,18 @@
                                           4-bit LoRA layer (LoRA outside the quantized base)
     3. LoRA with peft                     before sharding, so FSDP2 shards LoRA parameters together
                                           with the block they belong to; only LoRA is trainable
-    4. activation checkpointing per block before sharding, so recompute re-runs FSDP2's hooks
+    4. apply_ac: checkpoint each block    wraps the block's forward (parameter names unchanged) before
+                                          fully_shard, so FSDP2's hooks stay outside the recompute:
+                                          the pre-backward all-gather has run when it starts
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
     7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
     8. deterministic LoRA init            depends on the seed only: same adapter for any mesh
 
-CP needs no step here: the attention core calls the CP attention object, and LoRA acts on the
-projections outside it. The trainer calls the returned `Transformer` directly (peft's wrapper calls
-`forward` without `__call__`, which would skip FSDP2's hooks); the `PeftModel` is kept for export.
+CP needs no step here: the attention core (`attention=`, see model/attention.py) calls the CP
+attention, and LoRA acts on the projections outside it. The trainer calls the returned `Transformer`
+directly (peft's wrapper calls `forward` without `__call__`, which would skip FSDP2's hooks); the
+`PeftModel` is kept for export.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import checkpoint
 
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
@@ -30,7 +34,7 @@ from parallel.fsdp import apply_fsdp, load_weights
 
 
 @dataclass
-class ModelConfig:
+class BuildOptions:
     path: str
     quant: str = "nf4"                     # "nf4" or "none"
     dtype: torch.dtype = torch.float32     # base-weight / compute dtype (bf16 on CUDA)
@@ -40,37 +44,51 @@ class ModelConfig:
     lora_targets: tuple = field(default=LORA_TARGETS)
     ac: bool = True
     seed: int = 0
-    lora_b_std: float = 0.0                # tests only: a non-zero B so every gradient is non-trivial
 
 
-def build_model(cfg: ModelConfig, *, fsdp_mesh=None, attention=None, device=None):
+def apply_ac(model: Transformer) -> None:
+    """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint)."""
+    for block in model.model.layers:
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    def run(*args):
+        if not torch.is_grad_enabled():   # eval: nothing to save, nothing to recompute
+            return forward(*args)
+        return checkpoint(forward, *args, use_reentrant=False)
+    return run
+
+
+def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=None):
     """Return (transformer, peft_model). `fsdp_mesh=None` builds the plain single-process model."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.quant not in ("nf4", "none"):
-        raise ValueError(f"--quant must be nf4 or none, got {cfg.quant!r}")
-    args = read_args(cfg.path)
-    reader = CheckpointReader(cfg.path)
+    if opts.quant not in ("nf4", "none"):
+        raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
+    args = read_args(opts.path)
+    reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
         model = Transformer(args, attention=attention)
-        model.to(cfg.dtype)
-        if cfg.quant == "nf4":                                              # 2
-            apply_nf4(model, storage_dtype=cfg.dtype)
-        peft_model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                cfg.lora_targets)                           # 3
-        if cfg.quant == "nf4":
+        model.to(opts.dtype)
+        if opts.quant == "nf4":                                             # 2
+            apply_nf4(model, storage_dtype=opts.dtype)
+        peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
+                                opts.lora_targets)                          # 3
+        if opts.quant == "nf4":
             pack_nf4_weights(model)
-    model.checkpoint_blocks = cfg.ac                                        # 4
+    if opts.ac:                                                             # 4
+        apply_ac(model)
     if fsdp_mesh is not None:                                               # 5
         mp = None
-        if device.type == "cuda" and cfg.dtype != torch.float32:
-            mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
+        if device.type == "cuda" and opts.dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=opts.dtype, reduce_dtype=torch.float32)
         apply_fsdp(model, fsdp_mesh, mp)
     model.to_empty(device=device)                                           # 6
     if args.tie_embeddings and fsdp_mesh is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, reader, device)                                     # 7
     reader.close()
-    init_lora(model, cfg.seed, cfg.lora_b_std)                              # 8
+    init_lora(model, opts.seed)                                             # 8
     return model, peft_model
 
 

@@ -1,12 +1,11 @@
 """Per-rank memory plan from config.json and the run's flags: know in a second whether a layout fits.
 
 Contract:
-- `plan_main(args)` (train.py's `--plan`; no process group, no weight read) validates the layout with the
-  run's own checks (`ParallelDims.from_args`, `check_batch_sizes`, then train.main's inline lr, max-len,
-  pack/ring and sliding-window checks, same order and messages; a failure raises the run's ValueError),
-  prints the terms below against the device memory and raises SystemExit naming what to change when it
-  does not fit. `--suggest` lists every valid
-  (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
+- `main(argv, run_parser)` (train.py's `--plan`; no process group, no weight read) parses the run's
+  flags plus the planner's own (`--plan --help` lists them), validates with the run's one check
+  (`parallel.mesh.validate`: a failure raises the run's ValueError), prints the terms below against the
+  device memory and raises SystemExit naming what to change when it does not fit. `--suggest` lists
+  every valid (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
 - `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts); bench/plan.py measures it.
 
 Notation, per rank and micro-batch: T tokens (micro-batch · max-len padded to the CP divisor, / cp), D hidden,
@@ -64,6 +63,7 @@ import os
 from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
+from parallel.mesh import validate
 
 GB = 1e9
 FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
@@ -177,31 +177,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def validate(args, margs, world: int):
-    """The checks train.main makes before reading weights, in its order and with its messages."""
-    from data import check_batch_sizes
-    from parallel.mesh import ParallelDims
-
-    dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
-                                  args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
-    check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
-    if args.lr is not None and args.lr <= 0:   # None: the run's default
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.max_len < dims.cp_divisor:
-        raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
-                         f"({dims}); raise --max-len or lower --cp")
-    pack = dims.ring == 1 if args.pack is None else args.pack
-    if args.pack and dims.ring > 1:
-        raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
-                         "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
-    row = args.max_len * (args.micro_batch if pack else 1)
-    if margs.sliding_window and row > margs.sliding_window:
-        raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
-                         f"sliding window, which this trainer does not implement; lower --max-len"
-                         f"{' or --micro-batch (packed rows hold a whole micro-batch)' if pack else ''}")
-    return dims, pack
-
-
 def _with(args, **kw):
     return argparse.Namespace(**{**vars(args), **kw})
 
@@ -263,14 +238,28 @@ def _budget(args, world):
                                 f"machine's RAM ({ram / GB:.1f} GB, psutil) shared by {world} CPU ranks")
 
 
-def plan_main(args):
+def parse_args(argv, run_parser, demo: dict):
+    """The run's flags (`run_parser`, built with add_help=False) plus the planner's own; with neither
+    --model nor --data, the run's demo defaults (its assets are built if missing), as a run would."""
+    p = argparse.ArgumentParser(prog="train.py --plan", parents=[run_parser],
+                                description="Per-rank memory plan of a run, from config.json only.")
+    a = p.add_argument
+    a("--suggest", action="store_true", help="list the layouts that fit, best first")
+    a("--gpu-mem", type=float, default=None, help="GB per device (default: this device's)")
+    a("--world-size", type=int, default=None, help="ranks to plan for (default: launched, else 1)")
+    args = p.parse_args(argv)
+    if args.model is None and args.data is None:
+        from data import make_demo
+        make_demo(os.path.dirname(demo["model"]))
+        p.set_defaults(**demo)
+        args = p.parse_args(argv)
+    return args
+
+
+def main(argv, run_parser, demo: dict):
     from model.load import read_args
 
-    if args.model is None:   # the embedded demo model, as a run would use it
-        if not os.path.isfile("runs/demo_assets/model/config.json"):
-            from data import make_demo
-            make_demo("runs/demo_assets")
-        args.model = "runs/demo_assets/model"
+    args = parse_args(argv, run_parser, demo)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
     margs = read_args(args.model)
     target, mem, where = _budget(args, world)

@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from data import (
-    IGNORE,
     DataError,
     GlobalBatches,
     check_batch_sizes,
     collate,
     count_targets,
-    document_starts,
     load_jsonl,
     load_tokenizer,
     make_demo,
     tokenize_records,
 )
+from loss import IGNORE_INDEX
+from model.attention import document_starts
 from tests.fixtures import make_chat_jsonl, make_text_jsonl, make_tokenizer
 
 END = "<|im_end|>"
@@ -57,13 +57,13 @@ def target_runs(tok, sample):
     ids, labels = sample["input_ids"], sample["labels"]
     runs, cur = [], []
     for t in range(1, len(ids)):
-        if labels[t - 1] != IGNORE:
+        if labels[t - 1] != IGNORE_INDEX:
             assert labels[t - 1] == ids[t], f"label at {t - 1} is not input_ids[{t}]"
             cur.append(ids[t])
         elif cur:
             runs.append(cur)
             cur = []
-    assert labels[-1] == IGNORE, "last position must have no label"
+    assert labels[-1] == IGNORE_INDEX, "last position must have no label"
     return [tok.decode(r) for r in runs + ([cur] if cur else [])]
 
 
@@ -77,7 +77,7 @@ def test_text_records_all_targets_plus_eos(tok, tmp_path):
     for rec, s in zip(recs, samples):
         ref = tok(rec["text"])["input_ids"] + [tok.eos_token_id]
         assert s["input_ids"] == ref, "text = tokenizer(text) + EOS"
-        assert s["labels"] == ref[1:] + [IGNORE], "every next token (incl. EOS) is a target"
+        assert s["labels"] == ref[1:] + [IGNORE_INDEX], "every next token (incl. EOS) is a target"
 
 
 def test_text_bos_rule_follows_tokenizer(tok):
@@ -163,7 +163,7 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     assert stats.longest == max(len(s["input_ids"]) for s in full)
     for f, s in zip(full, samples):
         n = len(s["input_ids"])
-        assert s["input_ids"] == f["input_ids"][:32] and s["labels"] == f["labels"][: n - 1] + [IGNORE]
+        assert s["input_ids"] == f["input_ids"][:32] and s["labels"] == f["labels"][: n - 1] + [IGNORE_INDEX]
     assert stats.samples == len(recs) and stats.dropped == 0
     assert stats.targets == sum(count_targets({"labels": torch.tensor(s["labels"])}) for s in samples)
     # A chat whose assistant turn starts past max_len has no target left: dropped and counted.
@@ -269,7 +269,7 @@ def test_check_batch_sizes_message():
 
 
 def target_pairs(batch):
-    keep = batch["labels"] != IGNORE
+    keep = batch["labels"] != IGNORE_INDEX
     return list(zip(batch["input_ids"][keep].tolist(), batch["labels"][keep].tolist()))
 
 
@@ -291,20 +291,20 @@ def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
         assert all(v.dtype == torch.long and v.shape == b["input_ids"].shape for v in b.values())
     assert target_pairs(padded) == target_pairs(packed)
     assert count_targets(padded) == count_targets(packed) == sum(
-        sum(lab != IGNORE for lab in s["labels"]) for s in samples
+        sum(lab != IGNORE_INDEX for lab in s["labels"]) for s in samples
     )
     # Padded rows: one document each (positions 0..S-1 through the padding), pad never a target.
     for r, (s, n) in enumerate(zip(samples, lens)):
         assert padded["position_ids"][r].tolist() == list(range(S))
         assert padded["input_ids"][r, :n].tolist() == s["input_ids"]
-        assert (padded["input_ids"][r, n:] == pad).all() and (padded["labels"][r, n:] == IGNORE).all()
+        assert (padded["input_ids"][r, n:] == pad).all() and (padded["labels"][r, n:] == IGNORE_INDEX).all()
     # Packed row: positions restart exactly at each sample start; padding continues the last one.
     starts = [sum(lens[:i]) for i in range(len(lens))]
     assert torch.nonzero(document_starts(packed["position_ids"])[0]).flatten().tolist() == starts
     want_pos = [p for n in lens for p in range(n)] + list(range(lens[-1], lens[-1] + T - sum(lens)))
     assert packed["position_ids"][0].tolist() == want_pos
     # No target crosses a document: the label at each document's last token is ignored.
-    assert all(packed["labels"][0, s - 1] == IGNORE for s in starts[1:])
+    assert all(packed["labels"][0, s - 1] == IGNORE_INDEX for s in starts[1:])
 
 
 # --- demo assets ----------------------------------------------------------------------------------

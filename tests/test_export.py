@@ -51,14 +51,14 @@ def _export_rank(rank, world_size, path, out_root):
     """Build each case on the FSDP2 mesh, export its adapter; return our logits (every rank agrees)."""
     from model.export import export_adapter
     from parallel.mesh import ParallelDims
-    from parallel.parallelize import ModelConfig, build_model
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
 
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
     logits = {}
     for case, (quant, targets) in CASES.items():
-        cfg = ModelConfig(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_targets=targets,
-                          lora_b_std=0.05, seed=1)
-        model, peft_model = build_model(cfg, fsdp_mesh=mesh, device="cpu")
+        cfg = BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_targets=targets, seed=1)
+        model, peft_model = build_nonzero_b(cfg, fsdp_mesh=mesh, device="cpu")
         with torch.no_grad():
             logits[case] = model(_ids())
         export_adapter(peft_model, os.path.join(out_root, case), path)

@@ -100,7 +100,7 @@ def _measure_rank(rank, world_size, cases, tiny):
     import torch.distributed as dist
 
     from parallel.mesh import ParallelDims
-    from parallel.parallelize import ModelConfig, build_model
+    from parallel.parallelize import BuildOptions, build_model
 
     libc = ctypes.CDLL("libc.so.6")
     # A fixed mmap threshold (M_MMAP_THRESHOLD = -3): every allocation over 64 KB is its own mapping
@@ -110,7 +110,7 @@ def _measure_rank(rank, world_size, cases, tiny):
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
     out = {}
     for quant, path in cases.items():
-        build_model(ModelConfig(tiny, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")   # warm-up
+        build_model(BuildOptions(tiny, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")   # warm-up
         gc.collect()
         libc.malloc_trim(0)        # hand freed heap back, so the baseline holds no reusable slack
         dist.barrier()
@@ -118,7 +118,7 @@ def _measure_rank(rank, world_size, cases, tiny):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")           # reset VmHWM to the current RSS (Linux >= 4.0)
         t0 = time.perf_counter()
-        model = build_model(ModelConfig(path, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")[0]
+        model = build_model(BuildOptions(path, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")[0]
         _, peak = _rss()
         seconds = time.perf_counter() - t0
         shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())

@@ -27,8 +27,8 @@ import torch
 
 import train
 from model.config import ModelArgs
-from parallel.mesh import ParallelDims
-from parallel.plan import memory_plan, quant_state_bytes, validate
+from parallel.mesh import ParallelDims, validate
+from parallel.plan import memory_plan, quant_state_bytes
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
 Q72, Q7 = os.path.join(CONFIGS, "qwen2.5-72b"), os.path.join(CONFIGS, "qwen2.5-7b")
@@ -51,7 +51,7 @@ def test_terms_by_hand():
     # bf16 on CUDA (e = 2, LoRA computed in bf16 under mixed precision); T = 256 / cp 2 = 128 tokens.
     m = ModelArgs(model_type="qwen2", vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=128, qkv_bias=True)
-    args = train.parse_args(["--max-len", "256", "--global-batch", "2", "--quant", "nf4"])
+    args = train.build_parser().parse_args(["--max-len", "256", "--global-batch", "2", "--quant", "nf4"])
     dims = ParallelDims.from_args(4, 1, -1, 2, "ulysses", None, 4, 2)
     p = memory_plan(m, dims, args, "cuda", pack=True)
     # linears per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate/up 128x64, down 64x128
@@ -103,12 +103,12 @@ def test_quant_state_matches_bitsandbytes():
 
 def test_activations_match_autograd(tmp_path):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
-    from parallel.parallelize import ModelConfig, build_model
+    from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256, inter=96,
                            max_shard_size="50MB")
-    model, _ = build_model(ModelConfig(path, quant="nf4", dtype=torch.float32, ac=False), device="cpu")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=False), device="cpu")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
@@ -120,7 +120,7 @@ def test_activations_match_autograd(tmp_path):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, labels=ids)
     saved = sum(n for ptr, n in held.items() if ptr not in params)
-    args = train.parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"])
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"])
     dims, pack_rows = validate(args, model.args, 1)
     p = memory_plan(model.args, dims, args, "cpu", pack_rows)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
@@ -186,7 +186,7 @@ def test_suggest_lists_only_valid_layouts():
 
 def test_sliding_window_check_follows_the_pack_default():
     m = ModelArgs(model_type="mistral", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, sliding_window=4096)
-    ok = train.parse_args(["--max-len", "4096", "--micro-batch", "2", "--global-batch", "2", "--no-pack"])
-    assert validate(ok, m, 1)[1] is False
+    flags = ["--max-len", "4096", "--micro-batch", "2", "--global-batch", "2"]
+    assert validate(train.build_parser().parse_args(flags + ["--no-pack"]), m, 1)[1] is False
     with pytest.raises(ValueError, match=r"rows of up to 8192 tokens exceed the model's 4096-token"):
-        validate(train.parse_args(["--max-len", "4096", "--micro-batch", "2", "--global-batch", "2"]), m, 1)
+        validate(train.build_parser().parse_args(flags), m, 1)

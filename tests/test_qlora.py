@@ -29,14 +29,15 @@ def _assemble(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
     from parallel.cp import cp_attention, shard_sequence
     from parallel.fsdp import clip_grad_norm_
     from parallel.mesh import ParallelDims
-    from parallel.parallelize import ModelConfig, build_model, lora_parameters
+    from parallel.parallelize import BuildOptions, lora_parameters
+    from tests.helpers import build_nonzero_b
 
-    cfg = ModelConfig(path, quant=quant, lora_r=4, lora_alpha=8, lora_b_std=0.05, ac=True, seed=3)
-    ref, _ = build_model(cfg)                                    # plain module, whole batch
+    cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3)
+    ref, _ = build_nonzero_b(cfg)                                    # plain module, whole batch
     dims = ParallelDims.from_args(world_size, replicate, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
     meshes = dims.build_mesh("cpu")
     attn = cp_attention(meshes, dims) if cp > 1 else None
-    model, _ = build_model(cfg, fsdp_mesh=meshes.fsdp if fsdp else None, attention=attn)
+    model, _ = build_nonzero_b(cfg, fsdp_mesh=meshes.fsdp if fsdp else None, attention=attn)
 
     # the same global batch on every rank; data rank d takes rows d::dp, cp rank c its shard
     g = torch.Generator().manual_seed(11)

@@ -1,0 +1,64 @@
+"""The attention-core interface the decoder calls, the rule for document boundaries, and the default core.
+
+Contract:
+- An `AttentionCore` has `divisor` (a padded sequence length must be a multiple of it),
+  `prepare(position_ids)`, called once per model forward with the (local) global-position ids
+  [B, S] and returning whatever the core needs per layer (here: document boundaries), and
+  `__call__(q, k, v, meta, scale)` per layer: q [B, S, H, Hd], k/v [B, S, K, Hd] (RoPE applied),
+  causal, returns [B, S, H, Hd] in q's dtype, differentiable w.r.t. q, k, v.
+- Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
+  with contiguous positions, even far from 0, is one document; padding continues the positions of
+  the last document. Tokens attend only inside their own document. This module is the one place that
+  rule is written; `data/` and `parallel/` import it.
+- `SDPAAttention` (the model's default, one process, whole sequence) is torch's
+  `F.scaled_dot_product_attention` per document. The trainer replaces it from outside
+  (`parallel.cp.local_attention()` / `cp_attention(...)`): the model holds no parallelism switches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, S]: True where a document starts (t == 0, or pos[t] != pos[t-1] + 1)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def document_bounds(position_ids: torch.Tensor):
+    """Per row, the document boundaries [0, s1, ..., S]; None when every row is a single document."""
+    starts = document_starts(position_ids)
+    if not bool(starts[:, 1:].any()):
+        return None
+    s = position_ids.shape[1]
+    return [row.nonzero().flatten().tolist() + [s] for row in starts.cpu()]
+
+
+class AttentionCore:
+    """What the decoder calls for the attention itself; see the module docstring."""
+    divisor: int = 1
+
+    def prepare(self, position_ids: torch.Tensor) -> object:
+        return document_bounds(position_ids)
+
+    def __call__(self, q, k, v, meta, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SDPAAttention(AttentionCore):
+    """torch SDPA over each document of each row (the whole row when it holds one document)."""
+
+    def __call__(self, q, k, v, meta, scale):
+        def sdpa(q, k, v):   # [B, S, H, Hd] in and out; SDPA wants [B, H, S, Hd]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2)
+
+        if meta is None:
+            return sdpa(q, k, v)
+        rows = [torch.cat([sdpa(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y])
+                           for x, y in zip(row[:-1], row[1:])], 1) for i, row in enumerate(meta)]
+        return torch.cat(rows, 0)
