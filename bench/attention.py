@@ -16,21 +16,19 @@ Run: .venv/bin/python bench/attention.py                      # P=2, S=8192, 4 h
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel import kernels  # noqa: E402
 from parallel.cp import cp_attention, shard_sequence  # noqa: E402
 from parallel.mesh import ParallelDims  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
 
 
 def device_for(rank: int) -> torch.device:
@@ -74,41 +72,21 @@ def time_step(fn, inputs, dout, device, iters, warmup, barrier=None):
     return best.tolist()
 
 
-def rank_main(rank, world, args, impl, init_file, queue):
-    torch.set_num_threads(1)
+def rank_main(rank, world, args, impl):
     device = device_for(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        u = {"ulysses": world, "ring": 1, "hybrid": 2}[impl]
-        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=world // u)
-        attn = cp_attention(dims.build_mesh(device.type), dims)
-        q, k, v, dout = (shard_sequence(x, dims, rank, 0.0) for x in make_inputs(args, device))
-        pos = shard_sequence(torch.arange(args.seq, device=device).expand(args.batch, -1), dims, rank, None)
-        scale = args.head_dim ** -0.5
-        fn = lambda q, k, v: attn(q, k, v, attn.prepare(pos), scale)
-        t = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup, barrier=dist.barrier)
-        if rank == 0:
-            queue.put(t)
-    finally:
-        dist.destroy_process_group()
+    u = {"ulysses": world, "ring": 1, "hybrid": 2}[impl]
+    dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=world // u)
+    attn = cp_attention(dims.build_mesh(device.type), dims)
+    q, k, v, dout = (shard_sequence(x, dims, rank, 0.0) for x in make_inputs(args, device))
+    pos = shard_sequence(torch.arange(args.seq, device=device).expand(args.batch, -1), dims, rank, None)
+    scale = args.head_dim ** -0.5
+    fn = lambda q, k, v: attn(q, k, v, attn.prepare(pos), scale)
+    return time_step(fn, (q, k, v), dout, device, args.iters, args.warmup, barrier=dist.barrier)
 
 
 def run_impl(args, impl):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args.nproc, args, impl, f"{tmp}/rdzv", queue))
-                 for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(f"{impl}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    return queue.get()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return run_ranks(rank_main, args.nproc, args, impl, timeout=3600, pg_timeout=600, backend=backend)[0]
 
 
 def main():

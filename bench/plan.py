@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -43,10 +42,10 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.dist import run_ranks  # noqa: E402
 
 # (name, world size, max-len, flags): every flag is a train.py flag
 CONFIGS = [
@@ -95,57 +94,33 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def _worker(rank, world, init_file, argv, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        import model.export
-        import parallel.checkpoint
-        import parallel.parallelize
-        import train
+def _worker(rank, world, argv):
+    import model.export
+    import parallel.checkpoint
+    import parallel.parallelize
+    import train
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        peak, build = {}, parallel.parallelize.build_model
+    peak, build = {}, parallel.parallelize.build_model
 
-        def start(*a, **k):  # tokenizer, data and mesh exist (host memory on a GPU run): the baseline
-            peak["base"], peak["file0"] = _status("VmRSS"), _status("RssFile")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")     # reset VmHWM to the current RSS
-            return build(*a, **k)
+    def start(*a, **k):  # tokenizer, data and mesh exist (host memory on a GPU run): the baseline
+        peak["base"], peak["file0"] = _status("VmRSS"), _status("RssFile")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")     # reset VmHWM to the current RSS
+        return build(*a, **k)
 
-        def stop(*a, **k):   # end of the step loop: read the high-water mark, skip the save
-            peak.setdefault("hwm", _status("VmHWM"))
-            peak.setdefault("file", _status("RssFile") - peak["file0"])
+    def stop(*a, **k):   # end of the step loop: read the high-water mark, skip the save
+        peak.setdefault("hwm", _status("VmHWM"))
+        peak.setdefault("file", _status("RssFile") - peak["file0"])
 
-        parallel.parallelize.build_model = start
-        parallel.checkpoint.save = model.export.export_adapter = stop
-        with contextlib.redirect_stdout(io.StringIO()):
-            train.main(argv)
-        queue.put((rank, True, (peak["hwm"] - peak["base"] - peak["file"], peak["file"])))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        import traceback
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    parallel.parallelize.build_model = start
+    parallel.checkpoint.save = model.export.export_adapter = stop
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main(argv)
+    return peak["hwm"] - peak["base"] - peak["file"], peak["file"]
 
 
 def measure(world: int, argv: list[str]) -> list[int]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rdzv"), argv, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        got = [queue.get(timeout=900) for _ in range(world)]
-        for p in procs:
-            p.join()
-    bad = [msg for _, ok, msg in got if not ok]
-    if bad:
-        raise RuntimeError(bad[0])
-    return [v for _, _, v in sorted(got)]
+    return run_ranks(_worker, world, argv, timeout=900, pg_timeout=300)
 
 
 def planned(world: int, argv: list[str]) -> float:

@@ -1,4 +1,4 @@
-"""Multi-rank test harness: spawn N gloo ranks on CPU from pytest.
+"""Multi-rank harness: spawn N ranks (gloo on CPU, or NCCL one GPU each) for the tests and bench/.
 
 Contract:
 - `run_ranks(fn, world_size, *args)` spawns `world_size` processes with torch.multiprocessing,
@@ -9,7 +9,8 @@ Contract:
 - If any rank raises, the test fails with that rank's full traceback in the pytest report. Ranks
   still blocked in a collective are killed after `timeout` seconds.
 
-Use it with `@pytest.mark.timeout(...)` on the test as a second guard.
+Use it with `@pytest.mark.timeout(...)` on the test as a second guard. `backend="nccl"` pins rank r to
+CUDA device r (bench/attention.py on GPUs).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class RankError(RuntimeError):
     pass
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -37,8 +38,10 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
     )
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -56,8 +59,8 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout):
                 pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend="gloo"):
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +68,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, args, queue, pg_timeout),
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)
