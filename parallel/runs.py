@@ -165,28 +165,29 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
     """Rank 0 creates, locks and (with --overwrite) empties the run directory; all ranks get its path.
 
     Collective over `group` when a process group is up: call it on every rank, before any weight."""
-    multi = dist.is_initialized() and dist.get_world_size(group) > 1
-    if not multi:
-        return _claim_here(out, resume, overwrite, root)
-    me = dist.get_rank(group)
-    run, box = None, [None]
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    run, err, box = None, None, [None]
     if me == 0:
         try:
             run = _claim_here(out, resume, overwrite, root)
-            box = [("ok", run.path)]
-        except (ValueError, FileNotFoundError, OSError) as e:
-            box = [(type(e).__name__, str(e))]
+        except (ValueError, FileNotFoundError) as e:
             err = e
+        except OSError as e:   # permissions, a full disk: still a start-up error that names the flag
+            err = ValueError(f"--out {out!r}: {type(e).__name__}: {e}")
+        if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+            if err is not None:
+                raise err
+            return run
+        box = [("FileNotFoundError" if isinstance(err, FileNotFoundError) else "ValueError", str(err))
+               if err else ("ok", run.path)]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     kind, text = box[0]
-    if me == 0:
-        if kind != "ok":
-            raise err
-        return run
-    if kind != "ok":
-        raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind, OSError)(text)
-    return RunDir(text)
+    if err is not None:
+        raise err
+    if kind != "ok":   # the same error rank 0 raises, so every rank stops at the same place
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(text)
+    return run if me == 0 else RunDir(text)
 
 
 def _norm(flag: str, v):
