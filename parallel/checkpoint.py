@@ -1,27 +1,52 @@
-"""Save and resume training with torch.distributed.checkpoint (DCP).
+"""Save and resume training with torch.distributed.checkpoint (DCP); `latest` only names complete folders.
 
 Contract:
-- `save(dir, model, optimizer, step, extra)` writes `dir/step_{step:06d}/` with the LoRA parameters
-  (frozen base weights are not saved: they come from the checkpoint again), the AdamW state, both as
-  sharded DCP files that any later mesh can load, plus `meta.json` (step, extra: e.g. the resolved
-  config) and every rank's RNG state. The LR schedule and the data position are functions of the
-  step, so the step restores them. A `latest` file is written last, so a crash mid-save leaves the
-  previous checkpoint as the one to resume.
-- `load(dir, model, optimizer)` restores all of it into an already-assembled model and returns the
-  step to continue from. `dir` may be the `ckpt/` folder (the latest one is used) or one step folder.
+- `save(dir, model, optimizer, step, extra, keep=2)` writes `dir/step_{step:06d}/`: the LoRA parameters
+  (frozen base weights are not saved: they come from the model checkpoint again) and the AdamW state,
+  as sharded DCP files any later mesh can load, every rank's RNG state, and `meta.json` (step, extra:
+  e.g. the resolved flags). The LR schedule and the data position are functions of the step, so the
+  step restores them. Order, so that a kill at any point leaves a resumable `latest`:
+    1. every rank checks its trainable tensors; if any holds NaN/Inf, all ranks raise NonFiniteError
+       and nothing is written;
+    2. all files go to `dir/.tmp-step_N/`, meta.json last (its presence marks a complete folder);
+    3. rank 0 renames it to `step_N` (a folder of the same step, from an earlier run, is moved aside
+       first and deleted after), then replaces `latest` (write + rename), then deletes all but the
+       newest `keep` folders at or below this step.
+- `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names
+  in a ckpt folder. A folder is readable when meta.json parses and every byte range DCP's `.metadata`
+  points at is present on disk (a truncated file fails this). Given a ckpt folder whose newest
+  checkpoint is unreadable, it falls back to the previous readable one and warns, naming both;
+  given an unreadable step folder, it refuses, naming the previous readable one.
+- `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
+  step to continue from.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from parallel.guard import NonFiniteError
+
 OPTS = StateDictOptions(ignore_frozen_params=True)
+STEP_RE = re.compile(r"step_(\d+)$")
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _rng_state():
@@ -31,52 +56,167 @@ def _rng_state():
     return st
 
 
-def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None) -> str:
-    path = os.path.join(ckpt_dir, f"step_{step:06d}")
+def check_finite(model, what: str) -> None:
+    """Raise NonFiniteError on every rank if any rank's share of a trainable tensor holds NaN/Inf."""
+    bad, dev = [], None
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.to_local() if hasattr(p, "to_local") else p   # a DTensor: this rank's shard
+            dev = t.device
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    n = torch.tensor([len(bad)], device=dev or "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    if n.item():
+        here = f": {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}" if bad else " (on another rank)"
+        raise NonFiniteError(f"refusing to write {what}: trainable tensors hold NaN or Inf{here}. The "
+                             "previous checkpoint is kept; lower --lr or check the data")
+
+
+def _fsync_write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_* folder, newest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(ckpt_dir, e)) for e in os.listdir(ckpt_dir) if (m := STEP_RE.match(e))]
+    return sorted(found, reverse=True)
+
+
+def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, *, keep: int = 2) -> str:
+    if keep < 1:
+        raise ValueError(f"--keep-ckpts must be >= 1 (the checkpoint just written is one), got {keep}")
+    check_finite(model, f"checkpoint step {step}")
+    name = f"step_{step:06d}"
+    final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, f".tmp-{name}")
+    rank = _rank()
+    if rank == 0:   # leftovers of a save that was killed (the run lock rules out a live writer)
+        os.makedirs(ckpt_dir, exist_ok=True)
+        for e in os.listdir(ckpt_dir):
+            if e.startswith((".tmp-", ".old-")):
+                shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.save(_rng_state(), os.path.join(path, f"rng_{rank}.pt"))
-    if dist.is_initialized():
-        dist.barrier()
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    _barrier()
     if rank == 0:
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump({"step": step, **(extra or {})}, f, indent=1, default=str)
-        tmp = os.path.join(ckpt_dir, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(tmp, os.path.join(ckpt_dir, "latest"))
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+        _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,
+                                                                 default=str))
+        old = os.path.join(ckpt_dir, f".old-{name}")
+        if os.path.exists(final):   # re-saving a step (a resumed run): never delete before the new one is in
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_write(os.path.join(ckpt_dir, "latest.tmp"), name)
+        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+        shutil.rmtree(old, ignore_errors=True)
+        for _, path in [sp for sp in _steps(ckpt_dir) if sp[0] <= step][keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+        fd = os.open(ckpt_dir, os.O_RDONLY)   # make the renames durable
+        os.fsync(fd)
+        os.close(fd)
+    _barrier()
+    return final
 
 
-def resolve(path: str) -> str:
-    """A step folder, or the one named by `latest` in a ckpt folder; clear error otherwise."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
+def problem(folder: str) -> str | None:
+    """Why a step folder cannot be loaded, or None. Reads meta.json and DCP's .metadata only."""
+    if not os.path.isdir(folder):
+        return "it does not exist"
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            int(json.load(f)["step"])
+    except FileNotFoundError:
+        return "meta.json is missing (the save did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"meta.json is unreadable ({e})"
+    try:
+        md = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as e:   # noqa: BLE001 - missing, truncated or foreign: all mean "cannot load"
+        return f".metadata is unreadable ({type(e).__name__}: {e})"
+    need = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        p = os.path.join(folder, rel)
+        have = os.path.getsize(p) if os.path.isfile(p) else None
+        if have is None or have < size:
+            return f"{rel} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}"
+    return None
+
+
+def _previous_good(ckpt_dir: str, below: int | None) -> str | None:
+    for s, path in _steps(ckpt_dir):
+        if (below is None or s < below) and problem(path) is None:
+            return path
+    return None
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve(path: str, *, warn=_warn) -> str:
+    """The readable step folder `path` names (see the contract); clear errors before any weight."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--resume {path!r} does not exist")
+    m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    if m or os.path.isfile(os.path.join(path, "meta.json")):
+        why = problem(path)
+        if why is None:
+            return path
+        prev = _previous_good(os.path.dirname(os.path.normpath(path)), int(m.group(1)) if m else None)
+        raise ValueError(f"checkpoint {path!r} cannot be read: {why}. "
+                         + (f"The previous good one is {prev!r}: pass --resume {prev}" if prev else
+                            "There is no earlier good checkpoint beside it"))
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(path, f.read().strip())
-    raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (expected a step_* folder with "
-                            "meta.json, or a ckpt folder with a 'latest' file)")
+    if not os.path.isfile(latest) and not _steps(path):
+        raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (expected a step_* folder with "
+                                "meta.json, or a ckpt folder with a 'latest' file)")
+    newest = os.path.join(path, open(latest).read().strip()) if os.path.isfile(latest) else _steps(path)[0][1]
+    why = problem(newest)
+    if why is None:
+        return newest
+    m = STEP_RE.match(os.path.basename(newest))
+    prev = _previous_good(path, int(m.group(1)) if m else None)
+    if prev is None:
+        raise ValueError(f"the newest checkpoint {newest!r} cannot be read ({why}) and {path!r} holds no earlier "
+                         "good one; start a fresh run")
+    warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
+         f"{prev!r}. Steps after it are trained again")
+    return prev
 
 
-def load(path: str, model, optimizer) -> int:
-    path = resolve(path)
+def read_meta(path: str) -> dict:
+    """meta.json of a resolved step folder: {"step": N, "args": {...}, ...}."""
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def load(path: str, model, optimizer, *, warn=_warn) -> int:
+    path = resolve(path, warn=warn)
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:   # noqa: BLE001 - name the folder and the way out, keep the cause
+        prev = _previous_good(os.path.dirname(os.path.normpath(path)), read_meta(path)["step"])
+        raise ValueError(f"checkpoint {path!r} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
+                         + (f"; the previous good one is {prev!r}: pass --resume {prev}" if prev else "")) from e
     # non-strict: the checkpoint holds only the trainable (LoRA) tensors; the frozen base came from disk
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rng = os.path.join(path, f"rng_{rank}.pt")
+    rng = os.path.join(path, f"rng_{_rank()}.pt")
     if os.path.isfile(rng):   # a different world size resumes with fresh RNG on the new ranks
         st = torch.load(rng, weights_only=False)
         torch.set_rng_state(st["cpu"])
         if "cuda" in st and torch.cuda.is_available():
             torch.cuda.set_rng_state(st["cuda"])
-    with open(os.path.join(path, "meta.json")) as f:
-        return int(json.load(f)["step"])
+    return int(read_meta(path)["step"])

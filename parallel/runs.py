@@ -1,0 +1,279 @@
+"""What a run owns on disk: its output directory, its lock, its metrics file, and what resume must keep.
+
+Contract:
+1. `check_out(out, resume=, overwrite=)` runs on every rank before the process group: pure checks,
+   no side effects. It refuses `--out` naming a file, a used directory without `--resume` or
+   `--overwrite`, `--overwrite` of a directory that is not a run's, and a resume from a checkpoint
+   outside a used `--out` (that would mix two runs' results).
+2. `claim(out, resume=, overwrite=)` runs on every rank after the process group, before any weight
+   is read. Rank 0 alone touches the disk: it creates the directory (`runs/<YYYYmmdd-HHMMSS>`, with a
+   `-2`, `-3`.. suffix when that second is taken: `mkdir` is atomic, so two runs never share one),
+   takes an exclusive `flock` on `OUT/run.lock` for the run's life (the kernel drops it when the
+   process dies, so a stale lock file never blocks), and only then, for `--overwrite`, deletes
+   exactly `OWNED` (nothing else, nothing outside OUT). One broadcast hands every rank the same path,
+   or the same error to raise, so no rank is left waiting in a collective. A refusal changes nothing.
+3. `check_resume(ckpt_args, args)` compares the flags in `RUN_DEFINING` and names each difference;
+   `LAYOUT` flags may change.
+4. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind
+   listed under "nonfinite") and, on resume, first drops every line past the checkpoint's step
+   (written to a temporary file and renamed, so a crash leaves the old file or the new one).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+LOCK = "run.lock"
+# everything a run writes into OUT; --overwrite deletes exactly these
+OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", LOCK)
+# a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
+MARKERS = ("config.json", "metrics.jsonl", "ckpt")
+# flags that change the math of the steps still to come: a resume must keep them
+RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
+                "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip")
+# flags that only say how the same math is spread over ranks: a resume may change them
+LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac")
+
+
+def _entries(path: str) -> list[str]:
+    """What a directory holds, a leftover lock file not counted."""
+    return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def run_of(resume: str) -> str | None:
+    """The run directory a checkpoint (`RUN/ckpt` or `RUN/ckpt/step_N`) belongs to, if it is one."""
+    p = os.path.abspath(resume)
+    ckpt = p if os.path.basename(p) == "ckpt" else os.path.dirname(p)
+    run = os.path.dirname(ckpt)
+    if os.path.basename(ckpt) == "ckpt" and any(os.path.exists(os.path.join(run, m)) for m in MARKERS):
+        return run
+    return None
+
+
+def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = False) -> None:
+    """Refuse an output directory this run must not write into. Pure: safe on every rank, early."""
+    if resume and overwrite:
+        raise ValueError("--resume continues a run and --overwrite deletes one: pass only one of them")
+    if out is None:
+        return   # a fresh directory (or, with --resume, the checkpoint's own run) is chosen by claim()
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file, not a directory; pass a directory path")
+    used = _entries(out)
+    if not used:
+        return
+    if resume:
+        if not _inside(resume, out):
+            raise ValueError(f"--out {out!r} already holds a run ({', '.join(used)}) and --resume {resume!r} "
+                             "is not one of its checkpoints: resuming there would mix two runs' results. "
+                             "Pass a new --out, or --resume a checkpoint under this one")
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out!r} is not empty ({', '.join(used[:6])}{' ...' if len(used) > 6 else ''}). "
+                         f"Pass --resume {os.path.join(out, 'ckpt')} to continue it, --overwrite to replace "
+                         "its results, or a new --out")
+    if not any(e in MARKERS for e in used):
+        raise ValueError(f"--overwrite refuses {out!r}: it holds {', '.join(used[:6])} but none of "
+                         f"{', '.join(MARKERS)}, so it is not a run directory. Pass a new --out")
+
+
+def fresh_dir(root: str = "runs", now: float | None = None) -> str:
+    """Create `root/<YYYYmmdd-HHMMSS>` (or `-2`, `-3`.. if taken) and return it. Rank 0 only."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    os.makedirs(root, exist_ok=True)
+    for n in range(1, 10_000):
+        path = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.mkdir(path)   # atomic: exactly one of two racing runs gets each name
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"{root!r}: 10000 runs started in {stamp}; pass --out")
+
+
+def _lock(out: str) -> int:
+    """Take OUT/run.lock for this process's life; refuse, changing nothing, if a live run holds it."""
+    path = os.path.join(out, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # no O_TRUNC: the holder's note stays intact
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+        os.close(fd)
+        raise ValueError(f"--out {out!r} is in use by a live run ({holder}); wait for it to end, "
+                         "or pass another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              .encode(), 0)
+    return fd
+
+
+@dataclass
+class RunDir:
+    """The claimed output directory. Rank 0 holds the lock until `release()` (or the process ends)."""
+    path: str
+    removed: tuple[str, ...] = ()   # what --overwrite deleted (rank 0 knows; others see ())
+    _fd: int | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)   # closing drops the flock; the file stays, harmlessly
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _claim_here(out, resume, overwrite, root) -> RunDir:
+    check_out(out, resume=resume, overwrite=overwrite)
+    if out is None:
+        out = (run_of(resume) if resume else None) or fresh_dir(root)
+    os.makedirs(out, exist_ok=True)
+    fd = _lock(out)
+    removed = []
+    if overwrite:   # under the lock, so a live run's files are never deleted
+        for name in OWNED[:-1]:
+            p = os.path.join(out, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            elif os.path.lexists(p):
+                os.remove(p)   # a symlink is removed, never followed out of OUT
+            else:
+                continue
+            removed.append(name)
+    return RunDir(out, tuple(removed), fd)
+
+
+def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs",
+          group=None) -> RunDir:
+    """Rank 0 creates, locks and (with --overwrite) empties the run directory; all ranks get its path.
+
+    Collective over `group` when a process group is up: call it on every rank, before any weight."""
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    run, err, box = None, None, [None]
+    if me == 0:
+        try:
+            run = _claim_here(out, resume, overwrite, root)
+        except (ValueError, FileNotFoundError) as e:
+            err = e
+        except OSError as e:   # permissions, a full disk: still a start-up error that names the flag
+            err = ValueError(f"--out {out!r}: {type(e).__name__}: {e}")
+        if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+            if err is not None:
+                raise err
+            return run
+        box = [("FileNotFoundError" if isinstance(err, FileNotFoundError) else "ValueError", str(err))
+               if err else ("ok", run.path)]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    kind, text = box[0]
+    if err is not None:
+        raise err
+    if kind != "ok":   # the same error rank 0 raises, so every rank stops at the same place
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(text)
+    return run if me == 0 else RunDir(text)
+
+
+def _norm(flag: str, v):
+    if flag == "lora_targets" and isinstance(v, str):
+        return sorted(t.strip() for t in v.split(",") if t.strip())
+    if flag in ("model", "data") and isinstance(v, str):
+        return os.path.normpath(v)
+    return v
+
+
+def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -> None:
+    """Refuse a resume whose run-defining flags differ from the checkpoint's; name each difference.
+
+    `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
+    checkpoint does not record are not compared."""
+    diffs = []
+    for k in RUN_DEFINING:
+        if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
+            flag = "--" + k.replace("_", "-")
+            diffs.append(f"{flag}: the checkpoint has {ckpt_args[k]!r}, this run {args.get(k)!r}")
+    if diffs:
+        raise ValueError("--resume: flags that define the run differ from the checkpoint's:\n  " + "\n  ".join(diffs)
+                         + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "
+                         f"Layout flags may change: {', '.join('--' + f.replace('_', '-') for f in LAYOUT)}")
+    steps = args.get("steps")
+    if ckpt_step is not None and isinstance(steps, int) and steps < ckpt_step:
+        raise ValueError(f"--steps {steps} is below the checkpoint's step {ckpt_step}: nothing would train. "
+                         f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
+
+
+def _strict(rec: dict) -> dict:
+    """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
+    out, bad = {}, {}
+    for k, v in rec.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], bad[k] = None, str(v)
+        else:
+            out[k] = v
+    if bad:
+        out["nonfinite"] = bad
+    return out
+
+
+class MetricsLog:
+    """metrics.jsonl: one strict-JSON line per step. Rank 0 only.
+
+    `resume_step=None`: a fresh run; an existing non-empty file is refused (claim() already refuses
+    the directory; this keeps a fresh run from ever truncating results). `resume_step=N`: keep the
+    lines up to step N (the checkpoint's), drop the rest, then append."""
+
+    def __init__(self, path: str, *, resume_step: int | None = None):
+        self.path, self.dropped = path, 0   # dropped: lines removed on resume
+        if resume_step is None:
+            if os.path.isfile(path) and os.path.getsize(path):
+                raise ValueError(f"{path!r} already holds metrics; a fresh run never truncates them. "
+                                 "Pass --resume to continue that run, --overwrite, or a new --out")
+        elif os.path.isfile(path):
+            self.dropped = self._truncate(resume_step)
+        self.f = open(path, "a")
+
+    def _truncate(self, step: int) -> int:
+        keep, dropped = [], 0
+        with open(path := self.path) as f:
+            for line in f:
+                try:
+                    s = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk
+                    dropped += 1
+                    continue
+                if s <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return dropped
+
+    def write(self, rec: dict) -> dict:
+        rec = _strict(rec)
+        self.f.write(json.dumps(rec, allow_nan=False) + "\n")
+        self.f.flush()
+        return rec
+
+    def close(self) -> None:
+        self.f.close()

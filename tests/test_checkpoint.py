@@ -1,0 +1,191 @@
+"""parallel/checkpoint.py: `latest` only ever names a complete checkpoint, and no checkpoint holds NaN.
+
+Pins (a tiny module with a frozen and a trainable Linear, torch.optim.AdamW, DCP on gloo):
+- save/load round-trips the trainable weights and the AdamW state exactly; `keep` leaves the newest N;
+- a save killed mid-write (DCP wrote, then a file was truncated and the process "died") while
+  re-saving the step `latest` names leaves that checkpoint and `latest` byte-identical;
+- a truncated newest checkpoint: `resolve(ckpt)` falls back to the previous good one with a warning
+  naming both, and `load` restores that one; naming the broken step folder is refused, naming the
+  previous good one; a missing folder is a FileNotFoundError;
+- NaN in a trainable tensor: `save` raises NonFiniteError naming the tensor and writes nothing; on
+  2 ranks, NaN on rank 1 only makes both ranks raise (no rank is left in a collective).
+
+Run: .venv/bin/python -m pytest -q tests/test_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import checkpoint
+from parallel.guard import NonFiniteError
+from tests.dist import run_ranks
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.lora = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.lora(self.base(x))
+
+
+def _trained(seed, steps=1):
+    torch.manual_seed(seed)
+    m = Tiny()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        m(torch.randn(3, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+def _hashes(root) -> dict:
+    out = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(d, name)
+            out[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """A 1-rank gloo group, as train.py makes for a plain process."""
+    own = not dist.is_initialized()
+    if own:
+        store = os.path.join(tempfile.mkdtemp(), "pg")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
+def _same(a, opt_a, b, opt_b, label):
+    torch.testing.assert_close(a.lora.weight, b.lora.weight, rtol=0, atol=0, msg=f"{label}: lora weight")
+    sa, sb = opt_a.state_dict()["state"][0], opt_b.state_dict()["state"][0]
+    for k in ("exp_avg", "exp_avg_sq", "step"):
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=f"{label}: AdamW {k}")
+
+
+def test_round_trip_and_keep(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    for step in range(1, 5):
+        m, opt = _trained(step)
+        checkpoint.save(ckpt, m, opt, step, {"args": {"seed": step}}, keep=2)
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000003", "step_000004"], os.listdir(ckpt)
+    assert open(os.path.join(ckpt, "latest")).read() == "step_000004"
+    fresh, fopt = _trained(99)
+    assert checkpoint.load(ckpt, fresh, fopt) == 4
+    _same(fresh, fopt, m, opt, "load(ckpt)")
+    assert checkpoint.read_meta(checkpoint.resolve(ckpt))["args"] == {"seed": 4}
+    with pytest.raises(ValueError, match="--keep-ckpts must be >= 1"):
+        checkpoint.save(ckpt, m, opt, 5, keep=0)
+
+
+def test_killed_resave_leaves_latest_intact(tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    m, opt = _trained(1)
+    checkpoint.save(ckpt, m, opt, 2)
+    before = _hashes(ckpt)
+    real = checkpoint.dcp.save
+
+    def dies_mid_write(state, checkpoint_id):
+        real(state, checkpoint_id=checkpoint_id)
+        data = [f for f in os.listdir(checkpoint_id) if f.endswith(".distcp")]
+        with open(os.path.join(checkpoint_id, data[0]), "r+b") as f:
+            f.truncate(10)
+        raise KeyboardInterrupt("killed mid-save")
+
+    m2, opt2 = _trained(2)
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(ckpt, m2, opt2, 2)   # a resumed run re-saving step 2
+    monkeypatch.undo()
+    after = {p: h for p, h in _hashes(ckpt).items() if "/.tmp-" not in p}
+    assert after == before, "a killed re-save changed the checkpoint `latest` names"
+    fresh, fopt = _trained(99)
+    assert checkpoint.load(ckpt, fresh, fopt) == 2
+    _same(fresh, fopt, m, opt, "after a killed re-save")
+    checkpoint.save(ckpt, m2, opt2, 2)       # the next save clears the leftover and replaces step 2
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000002"], os.listdir(ckpt)
+    checkpoint.load(ckpt, fresh, fopt)
+    _same(fresh, fopt, m2, opt2, "re-saved step 2")
+
+
+def test_truncated_newest_falls_back_with_warning(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    for step in (3, 4):
+        m, opt = _trained(step)
+        checkpoint.save(ckpt, m, opt, step, keep=2)
+        if step == 3:
+            good, good_opt = m, opt
+    newest = os.path.join(ckpt, "step_000004")
+    data = [f for f in os.listdir(newest) if f.endswith(".distcp")][0]
+    with open(os.path.join(newest, data), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(newest, data)) // 2)
+    prev = os.path.join(ckpt, "step_000003")
+    warnings = []
+    assert checkpoint.resolve(ckpt, warn=warnings.append) == prev
+    assert len(warnings) == 1 and newest in warnings[0] and prev in warnings[0] and "truncated" in warnings[0], warnings
+    with pytest.raises(ValueError) as e:
+        checkpoint.resolve(newest)
+    assert newest in str(e.value) and f"--resume {prev}" in str(e.value) and data in str(e.value), str(e.value)
+    fresh, fopt = _trained(99)
+    assert checkpoint.load(ckpt, fresh, fopt, warn=warnings.append) == 3
+    _same(fresh, fopt, good, good_opt, "fallback load")
+    os.remove(os.path.join(prev, "meta.json"))
+    with pytest.raises(ValueError, match="holds no earlier good one"):
+        checkpoint.resolve(ckpt)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.resolve(str(tmp_path / "nope" / "ckpt"))
+
+
+def test_nonfinite_weights_never_saved(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    m, opt = _trained(1)
+    checkpoint.save(ckpt, m, opt, 1)
+    before = _hashes(tmp_path)
+    with torch.no_grad():
+        m.lora.weight[1, 2] = float("inf")
+    with pytest.raises(NonFiniteError) as e:
+        checkpoint.save(ckpt, m, opt, 2)
+    assert "lora.weight" in str(e.value) and "checkpoint step 2" in str(e.value), str(e.value)
+    assert _hashes(tmp_path) == before and sorted(os.listdir(ckpt)) == ["latest", "step_000001"]
+
+
+def _two_ranks(rank, world_size, root):
+    torch.manual_seed(0)   # the same replicated module on both ranks
+    m, opt = _trained(0)
+    checkpoint.save(os.path.join(root, "ckpt"), m, opt, 1)
+    fresh, fopt = _trained(5)
+    step = checkpoint.load(os.path.join(root, "ckpt"), fresh, fopt)
+    ok = step == 1 and torch.equal(fresh.lora.weight, m.lora.weight)
+    if rank == 1:
+        with torch.no_grad():
+            m.lora.weight[0, 0] = float("nan")
+    try:
+        checkpoint.save(os.path.join(root, "ckpt"), m, opt, 2)
+        refused = None
+    except NonFiniteError as e:
+        refused = str(e)
+    return ok, refused
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_on_one_rank_stops_all(tmp_path):
+    got = run_ranks(_two_ranks, 2, str(tmp_path), timeout=100, pg_timeout=30)
+    assert all(ok for ok, _ in got), f"2-rank save/load round trip failed: {got}"
+    assert "lora.weight" in (got[1][1] or ""), f"rank 1 (the NaN) did not refuse: {got[1]}"
+    assert "on another rank" in (got[0][1] or ""), f"rank 0 did not refuse with rank 1: {got[0]}"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step_000001"], os.listdir(tmp_path / "ckpt")

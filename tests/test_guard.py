@@ -1,0 +1,86 @@
+"""parallel/guard.py: a non-finite step never reaches the weights, and a stuck rank ends the job.
+
+Pins:
+- NonFiniteSteps applies finite steps, skips and counts NaN/Inf ones, and raises on the N-th in a row,
+  naming the steps, the values and the flag to change; a finite step resets the streak;
+- pg_timeout refuses NaN/0/negative `--timeout` and stays longer than the watchdog's limit;
+- on 2 gloo ranks, with the watchdog at 1.5 s: collectives that keep making progress for longer than
+  that do not trip it; when rank 0 stops taking part (it sleeps, as a SIGSTOPped or dead rank would),
+  rank 1 ends itself within seconds with EXIT_STUCK and a message naming the rank, step and phase it
+  waited in, long before the 60 s process-group timeout; the test itself is bounded by pytest-timeout.
+
+Run: .venv/bin/python -m pytest -q tests/test_guard.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+
+import pytest
+import torch.distributed as dist
+
+from parallel.guard import EXIT_STUCK, NonFiniteError, NonFiniteSteps, Watchdog, pg_timeout
+from tests.dist import RankError, run_ranks
+
+
+def test_nonfinite_steps_skip_count_and_stop():
+    g = NonFiniteSteps(max_in_row=3)
+    nan, inf = float("nan"), float("inf")
+    got = [g.check(s, lo, gn) for s, lo, gn in ((1, 2.0, 1.0), (2, nan, 1.0), (3, 1.9, inf), (4, 1.8, 0.9),
+                                                 (5, nan, nan), (6, 1.0, inf))]
+    assert got == [True, False, False, True, False, False], got
+    assert g.skipped == 4, g.skipped
+    with pytest.raises(NonFiniteError) as e:
+        g.check(7, -inf, 1.0)
+    msg = str(e.value)
+    for phrase in ("3 non-finite steps in a row", "step 5: loss nan", "step 6: loss 1.0, grad norm inf",
+                   "step 7: loss -inf", "before step 5", "--lr", "--max-nonfinite"):
+        assert phrase in msg, f"{phrase!r} not in {msg!r}"
+    assert isinstance(e.value, ValueError), "train.py reports ValueError as `error: ...`, exit 2"
+    with pytest.raises(ValueError, match="--max-nonfinite must be >= 1, got 0"):
+        NonFiniteSteps(0)
+
+
+def test_pg_timeout():
+    assert pg_timeout(30).total_seconds() > 30 * 60, "the watchdog (--timeout) must speak before the PG timeout"
+    for bad in (float("nan"), 0, -1, math.inf):
+        with pytest.raises(ValueError, match="--timeout must be a positive number of minutes"):
+            pg_timeout(bad)
+
+
+def _stuck(rank, world_size, tmp):
+    if rank == 1:   # everything rank 1 prints to stderr lands in a file the test reads
+        fd = os.open(os.path.join(tmp, "rank1.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        wd = Watchdog(1.5, rank).start()
+    for i in range(4):   # 4 × 0.6 s of steady progress: longer than 1.5 s, but never 1.5 s without a phase
+        if rank == 1:
+            wd.phase("forward", i)
+        dist.barrier()
+        time.sleep(0.6)
+    if rank == 0:
+        time.sleep(6)    # rank 0 stops taking part in collectives
+        return "rank 0 slept"
+    wd.phase("backward", 3)
+    with open(os.path.join(tmp, "rank1.t"), "w") as f:
+        f.write(repr(time.time()))
+    dist.barrier()       # never completes: rank 0 is not there
+    return "rank 1 got past a collective rank 0 never entered"
+
+
+@pytest.mark.timeout(90)
+def test_stuck_rank_ends_the_job(tmp_path):
+    with pytest.raises(RankError) as e:
+        run_ranks(_stuck, 2, str(tmp_path), timeout=60, pg_timeout=60)
+    assert f"rank 1 exited with code {EXIT_STUCK}" in str(e.value), str(e.value)
+    err = (tmp_path / "rank1.err").read_text()
+    line = err.splitlines()[0]
+    assert re.fullmatch(r'rank 1: no progress for \d+s in step 3, phase "backward"; a rank is stuck or dead '
+                        r"\(limit: --timeout 0.025 min\) — ending the job", line), line
+    assert "forward" not in err, f"the watchdog tripped while collectives made progress: {err!r}"
+    assert "in barrier" in err or "Thread" in err, "no stack dump after the message"
+    waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
+    assert waited < 1.5 + 3, f"rank 1 ended {waited:.1f}s after entering the stuck collective"

@@ -1,0 +1,210 @@
+"""parallel/runs.py: a run never writes into another run's results, resume keeps the run's math,
+metrics.jsonl stays strict JSON and matches the checkpoint it resumes from.
+
+Pins:
+- fresh directories are unique even for runs started in the same second;
+- a used `--out` is refused unless --resume/--overwrite; `--out` naming a file, --overwrite of a
+  directory that is not a run's, --resume from outside a used --out: refused, every file byte-identical;
+- --overwrite deletes exactly the run's own entries (a symlink is removed, never followed);
+- a live run's lock refuses a second run (a real second process holds it), a stale lock file does not;
+- on 2 gloo ranks, `claim` gives both ranks the same fresh path, and a refusal is raised on both;
+- `check_resume` names the flag, the checkpoint's value and the new one; layout flags may change;
+- MetricsLog writes null for NaN/Inf (kind under "nonfinite"), and on resume drops lines past the step.
+
+Run: .venv/bin/python -m pytest -q tests/test_runs.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel import runs
+from tests.dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hashes(root) -> dict:
+    """path -> sha256 of every file (and symlink target) under root: 'byte-identical' made checkable."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            if os.path.islink(p):
+                out[p] = "link:" + os.readlink(p)
+            elif os.path.isfile(p):
+                out[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+def _used_run(path):
+    """A directory as a finished run leaves it."""
+    os.makedirs(os.path.join(path, "ckpt", "step_000002"))
+    os.makedirs(os.path.join(path, "adapter"))
+    open(os.path.join(path, "ckpt", "latest"), "w").write("step_000002")
+    open(os.path.join(path, "ckpt", "step_000002", "meta.json"), "w").write('{"step": 2}')
+    open(os.path.join(path, "adapter", "adapter_model.safetensors"), "wb").write(b"\x00" * 64)
+    open(os.path.join(path, "config.json"), "w").write("{}")
+    open(os.path.join(path, "metrics.jsonl"), "w").write('{"step": 1}\n{"step": 2}\n')
+    return str(path)
+
+
+def _refused(fn, *phrases, kind=ValueError):
+    with pytest.raises(kind) as e:
+        fn()
+    for p in phrases:
+        assert p in str(e.value), f"{p!r} not in {str(e.value)!r}"
+    return str(e.value)
+
+
+def test_fresh_dirs_unique_in_the_same_second(tmp_path):
+    root = str(tmp_path / "runs")
+    made = [runs.fresh_dir(root, now=1_700_000_000.0) for _ in range(3)]
+    assert len(set(made)) == 3, made
+    assert all(os.path.isdir(p) and not os.listdir(p) for p in made), made
+    assert made[1] == made[0] + "-2", made
+
+
+def test_used_out_refused_and_untouched(tmp_path):
+    out, other = _used_run(tmp_path / "run"), _used_run(tmp_path / "other")
+    (tmp_path / "afile").write_text("x")
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"meow")
+    before = _hashes(tmp_path)
+    _refused(lambda: runs.claim(out), f"--out {out!r} is not empty", "--resume", "--overwrite")
+    _refused(lambda: runs.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
+    _refused(lambda: runs.claim(out, resume=os.path.join(other, "ckpt")), "would mix two runs")
+    _refused(lambda: runs.claim(str(tmp_path / "afile")), "is a file", "directory")
+    _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out", "NotADirectoryError")
+    _refused(lambda: runs.claim(str(foreign), overwrite=True), "--overwrite refuses", "cat.jpg",
+             "not a run directory")
+    assert _hashes(tmp_path) == before, "a refusal changed files"
+
+
+def test_overwrite_removes_exactly_the_run(tmp_path):
+    out = _used_run(tmp_path / "run")
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    keep = tmp_path / "elsewhere"
+    keep.mkdir()
+    (keep / "precious.bin").write_bytes(b"1234")
+    os.rename(os.path.join(out, "adapter"), str(tmp_path / "adapter_real"))
+    os.symlink(str(keep), os.path.join(out, "adapter"))   # adapter -> a folder outside OUT
+    with runs.claim(out, overwrite=True) as rd:
+        assert sorted(rd.removed) == ["adapter", "ckpt", "config.json", "metrics.jsonl"], rd.removed
+        assert sorted(os.listdir(out)) == ["notes.txt", "run.lock"], os.listdir(out)
+    assert (keep / "precious.bin").read_bytes() == b"1234", "overwrite followed a symlink out of OUT"
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_resume_without_out_continues_its_run(tmp_path):
+    out = _used_run(tmp_path / "run")
+    with runs.claim(None, resume=os.path.join(out, "ckpt", "step_000002"), root=str(tmp_path / "runs")) as rd:
+        assert os.path.samefile(rd.path, out), rd.path
+    with runs.claim(None, root=str(tmp_path / "runs")) as rd:
+        assert os.path.dirname(rd.path) == str(tmp_path / "runs") and os.listdir(rd.path) == ["run.lock"]
+
+
+HOLDER = """
+import sys
+sys.path.insert(0, {root!r})
+from parallel import runs
+rd = runs.claim({out!r}, resume={resume!r})
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_live_lock_refuses_stale_lock_does_not(tmp_path):
+    out = _used_run(tmp_path / "run")
+    resume = os.path.join(out, "ckpt")
+    code = HOLDER.format(root=ROOT, out=out, resume=resume)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked", "the holder process did not take the lock"
+        before = _hashes(tmp_path)
+        msg = _refused(lambda: runs.claim(out, resume=resume), "in use by a live run", "another --out")
+        assert f"pid {holder.pid}" in msg, msg
+        _refused(lambda: runs.claim(out, overwrite=True), "in use by a live run")
+        assert _hashes(tmp_path) == before, "a refused run changed files (the lock note included)"
+    finally:
+        holder.stdin.close()   # the holder reads EOF and exits: its lock goes with it
+        holder.wait(timeout=30)
+    assert os.path.isfile(os.path.join(out, "run.lock")), "the stale lock file should still be there"
+    with runs.claim(out, resume=resume) as rd:   # stale file, no live holder: not blocked
+        assert open(os.path.join(rd.path, "run.lock")).read().startswith(f"pid {os.getpid()} ")
+
+
+def _claim_ranks(rank, world_size, root, used):
+    got = {}
+    with runs.claim(None, root=root) as rd:
+        got["fresh"] = rd.path
+    try:
+        runs.claim(used)
+    except ValueError as e:
+        got["refusal"] = str(e)
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_claim_agrees_across_ranks(tmp_path):
+    used = _used_run(tmp_path / "run")
+    got = run_ranks(_claim_ranks, 2, str(tmp_path / "runs"), used, timeout=100, pg_timeout=30)
+    assert got[0]["fresh"] == got[1]["fresh"], f"ranks disagree on the fresh dir: {got}"
+    assert os.listdir(str(tmp_path / "runs")) == [os.path.basename(got[0]["fresh"])], "more than one dir made"
+    for r in (0, 1):
+        assert "is not empty" in got[r].get("refusal", ""), f"rank {r} did not raise the refusal: {got[r]}"
+
+
+CKPT = dict(model="/m", quant="nf4", dtype=None, data="d.jsonl", max_len=256, seed=0, global_batch=8, lora_r=16,
+            lora_alpha=32.0, lora_dropout=0.0, lora_targets="q_proj,v_proj", lr=2e-4, warmup=10,
+            weight_decay=0.0, clip=1.0, steps=10, cp=2, dp_shard=2, dp_replicate=1, cp_impl="ulysses",
+            ulysses_degree=None, micro_batch=1, pack=True, ac=True)
+
+
+def test_check_resume_names_each_difference():
+    # a new layout, reordered targets and more steps are the same run
+    runs.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,
+                             "lora_targets": "v_proj,q_proj", "steps": 20}, ckpt_step=4)
+    for flag, new in (("lora_alpha", 16.0), ("lora_r", 8), ("lora_targets", "q_proj"), ("global_batch", 16),
+                      ("seed", 1), ("data", "other.jsonl"), ("model", "/m2"), ("max_len", 512), ("quant", "none"),
+                      ("lr", 1e-3)):
+        _refused(lambda f=flag, v=new: runs.check_resume(CKPT, {**CKPT, f: v}),
+                 "--" + flag.replace("_", "-"), repr(CKPT[flag]), repr(new), "fresh run")
+    msg = _refused(lambda: runs.check_resume(CKPT, {**CKPT, "seed": 3, "lora_r": 4}), "--seed", "--lora-r")
+    assert "--cp" in msg, "the message should say which layout flags may change"
+    _refused(lambda: runs.check_resume(CKPT, {**CKPT, "steps": 3}, ckpt_step=4), "--steps 3", "step 4")
+
+
+def test_metrics_strict_json_and_resume_truncation(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    log = runs.MetricsLog(path)
+    for s in (1, 2, 3):
+        log.write({"step": s, "loss": float("nan") if s == 2 else 1.5, "grad_norm": float("inf") if s == 2 else 0.5})
+    log.close()
+
+    def strict(c):
+        raise AssertionError(f"non-JSON literal {c} in metrics.jsonl")
+
+    rows = [json.loads(line, parse_constant=strict) for line in open(path)]
+    assert rows[1] == {"step": 2, "loss": None, "grad_norm": None, "nonfinite": {"loss": "nan", "grad_norm": "inf"}}
+    assert rows[0] == {"step": 1, "loss": 1.5, "grad_norm": 0.5}
+
+    before = _hashes(tmp_path)
+    _refused(lambda: runs.MetricsLog(path), "already holds metrics", "--resume")
+    assert _hashes(tmp_path) == before, "a fresh MetricsLog touched existing metrics"
+
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')   # a line torn by a crash mid-write
+    log = runs.MetricsLog(path, resume_step=2)
+    assert log.dropped == 2, log.dropped
+    log.write({"step": 3, "loss": 1.0})
+    log.close()
+    assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3]
+    assert not os.path.exists(path + ".tmp")
