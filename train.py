@@ -22,17 +22,23 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from data import DataError, GlobalBatches, collate, load_jsonl, load_tokenizer, make_demo, tokenize_records
+from data.batches import GlobalBatches
+from data.collate import collate
+from data.demo import make_demo
+from data.jsonl import check_file
+from data.tokens import load_samples, load_tokenizer
 from loss import IGNORE_INDEX
+from model.config import LORA_TARGETS
 from model.load import read_args
+from parallel import guard, runs
 from parallel.cp import cp_attention, shard_sequence
-from parallel.mesh import device_type, peak_memory_gb, validate
+from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
@@ -51,8 +57,7 @@ def build_parser(add_help=True):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=add_help)
     a = p.add_argument
     # Model
-    a("--model", default=None, help="HF checkpoint dir (config.json + safetensors + tokenizer); "
-      "omit with --data for the embedded demo")
+    a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
@@ -60,15 +65,13 @@ def build_parser(add_help=True):
     a("--cp", type=int, default=1, help="context-parallel degree: ranks that share one sequence")
     a("--dp-shard", type=int, default=-1, help="FSDP2 shard degree (-1: world / (dp_replicate·cp))")
     a("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP, across nodes)")
-    a("--cp-impl", default="auto", choices=["ulysses", "ring", "hybrid", "auto"],
-      help="CP attention; auto = largest Ulysses degree the heads allow, ring the rest")
+    a("--cp-impl", default="auto", choices=["ulysses", "ring", "hybrid", "auto"], help="auto: Ulysses, then ring")
     a("--ulysses-degree", type=int, default=None, help="Ulysses degree inside --cp for --cp-impl hybrid")
     # LoRA
     a("--lora-r", type=int, default=16, help="LoRA rank")
     a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
-    a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-      help="comma-separated projection names to adapt")
+    a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
     # Optim
     a("--lr", type=float, default=2e-4, help="peak learning rate")
     a("--warmup", type=int, default=10, help="linear warmup steps")
@@ -81,17 +84,19 @@ def build_parser(add_help=True):
     a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
-    a("--pack", default=None, action=argparse.BooleanOptionalAction,
-      help="pack a micro-batch into one row, attention kept inside documents (default: on unless ring CP)")
+    a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default: on)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
-    a("--out", default="runs/latest", help="output dir")
+    a("--out", default=None, help="output dir (default: a fresh runs/<date-time>); a used one: --resume/--overwrite")
+    a("--overwrite", action="store_true", help="reuse a used --out: delete its config, metrics, ckpt, adapter")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
-    a("--resume", default=None, help="checkpoint dir to resume from (a step folder or OUT/ckpt)")
+    a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
+    a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
+    a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
+    a("--timeout", type=float, default=30.0, help="minutes without progress (a stuck rank) before the job ends")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    a("--peak-tflops", type=float, default=None, help="device bf16 dense peak for the mfu metric "
-      "(default: known for H100/H200 SXM, A100, L40S, B200; otherwise no mfu)")
+    a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     return p
 
@@ -102,14 +107,6 @@ def lr_at(step, args, total):
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, total - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
-def dense_bf16_tflops(name: str):
-    """Dense bf16 peak of known devices (SXM parts; a PCIe H100 is ~756: pass --peak-tflops)."""
-    for key, tflops in (("H100", 989), ("H200", 989), ("B200", 2250), ("A100", 312), ("L40S", 362)):
-        if key in name:
-            return tflops
-    return None
 
 
 def log0(*a):
@@ -154,31 +151,29 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
+    # every check that needs no process group comes first: a refusal leaves everything on disk as it was
+    check_flags(args)
+    if (args.model is None) != (args.data is None):
+        raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():
+        if path is not None:   # (the demo's files are built below)
+            check_file(path, flag)
+    runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    ckpt = checkpoint.resolve(args.resume) if args.resume else None
+    if ckpt:
+        meta = checkpoint.read_meta(ckpt)
+        runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
-    own_pg = not dist.is_initialized()
-    if own_pg:
-        if "RANK" in os.environ:   # torchrun
-            if dt == "cuda":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if dt == "cuda" else "gloo")
-        else:                      # one plain process: a 1-rank group, so the same code path runs
-            store = os.path.join(tempfile.mkdtemp(), "pg")
-            dist.init_process_group("nccl" if dt == "cuda" else "gloo", init_method=f"file://{store}",
-                                    rank=0, world_size=1)
+    own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
     device = torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    run = wd = metrics = None
     try:
         if demo:
             if rank == 0:
                 make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
-        # every check before any weight is read: flags, config, mesh, sizes, files
-        for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-            if path is not None and not os.path.isfile(path):
-                raise FileNotFoundError(f"{flag} {path!r} does not exist")
-        if args.model is None or args.data is None:
-            raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
         margs = read_args(args.model)
         dims, args.pack = validate(args, margs, world)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
@@ -187,12 +182,9 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model)
-        samples, stats = tokenize_records(load_jsonl(args.data), tok, args.max_len, args.data)
-        if not samples:
-            raise DataError(f"{args.data}: no sample has a target token")
-        eval_samples = None
-        if args.eval_data:
-            eval_samples, _ = tokenize_records(load_jsonl(args.eval_data), tok, args.max_len, args.eval_data)
+        samples, stats = load_samples(args.data, tok, args.max_len, margs.vocab_size, "--data")
+        eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
+                                                       "--eval-data")[0]
         log0(f"data: {stats}")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
@@ -206,6 +198,9 @@ def main(argv=None):
                     shard_sequence(b["labels"], dims, cp_rank, IGNORE_INDEX).to(device))
 
         # --------------------------------------------------------------------- model
+        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite)   # made and locked only now
+        args.out = run.path
+        log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
         opts = BuildOptions(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r,
                             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
@@ -219,30 +214,25 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
-        start = checkpoint.load(args.resume, model, opt) if args.resume else 0
+        start = checkpoint.load(ckpt, model, opt) if ckpt else 0
         if start:
-            log0(f"resumed from {args.resume} at step {start}")
-        os.makedirs(args.out, exist_ok=True)
+            log0(f"resumed from {ckpt} at step {start}")
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)
-        metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
+            metrics = runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
         dp_cp = meshes.dp_cp.get_group()
-
-        def run_eval():
-            return evaluate(model, eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
-
+        wd, nonfinite = guard.Watchdog(args.timeout * 60, rank).start(), guard.NonFiniteSteps(args.max_nonfinite)
+        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            log0(f"eval_loss before training {run_eval():.6f}")
-        bar = None
-        if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
+            log0(f"eval_loss before training {evaluate(model, *eval_args):.6f}")
+        bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, disable=rank > 0 or args.no_progress)
         flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
+            wd.phase("data", step + 1)
             t_step = time.time()
             lr = lr_at(step, args, steps)
             for g in opt.param_groups:
@@ -258,46 +248,50 @@ def main(argv=None):
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for ids, pos, lab in micro:
+                wd.phase("forward", step + 1)
                 lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
+                wd.phase("backward", step + 1)
                 (lsum / n_targets.float()).backward()
                 loss_sum += lsum.detach().double()
+            wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             dist.all_reduce(loss_sum, group=dp_cp)
             loss = (loss_sum / n_targets).item()
+            if nonfinite.check(step + 1, loss, float(gnorm)):   # same loss and norm on every rank: same choice
+                opt.step()
+            else:
+                log0(f"step {step + 1}: non-finite loss {loss} or grad norm {float(gnorm)}: update skipped")
+            opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
             mem = torch.tensor([peak_memory_gb(device)], device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr,
                        tokens=tokens, tokens_per_s=round(tokens / dt_step, 1), peak_mem_gb=round(mem.item(), 3),
-                       epoch=round(order.epoch(step + 1), 3))
+                       epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped)
             if peak_tflops:
                 rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
-                rec["eval_loss"] = round(run_eval(), 6)
+                wd.phase("eval", step + 1)
+                rec["eval_loss"] = round(evaluate(model, *eval_args), 6)
             if rank == 0:
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-                line = " ".join(f"{k} {v}" for k, v in rec.items())
-                (bar.write(line) if bar else print(line, flush=True))
-                if bar:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}")
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:
-                checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, step + 1, {"args": vars(args)})
+                metrics.write(rec)
+                bar.write(" ".join(f"{k} {v}" for k, v in rec.items()))   # above the bar, or plain when off
+                bar.update(1)
+            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps:
+                wd.phase("save", step + 1)
+                checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, step + 1, {"args": vars(args)},
+                                keep=args.keep_ckpts)
 
         # --------------------------------------------------------------------- save
-        if bar:
-            bar.close()
-        if start < steps:
-            checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, steps, {"args": vars(args)})
+        bar.close()
+        checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
-        if metrics:
-            metrics.close()
     finally:
+        for closing in (wd and wd.stop, metrics and metrics.close, run and run.release):
+            if closing:
+                closing()
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -305,6 +299,6 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, FileNotFoundError) as e:   # configuration and data errors: the message is the fix
-        if not dist.is_initialized() or dist.get_rank() == 0 or os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0":   # once per job, not once per torchrun rank
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

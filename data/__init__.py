@@ -10,11 +10,14 @@
 from data.batches import GlobalBatches, check_batch_sizes
 from data.collate import collate, count_targets
 from data.demo import make_demo
-from data.jsonl import DataError, load_jsonl
-from data.tokens import TokenStats, load_tokenizer, tokenize_records
+from data.jsonl import DataError, check_file, load_jsonl
+from data.tokens import TokenStats, check_vocab, load_samples, load_tokenizer, tokenize_records
 
 __all__ = [
     "DataError",
+    "check_file",
+    "check_vocab",
+    "load_samples",
     "GlobalBatches",
     "TokenStats",
     "check_batch_sizes",

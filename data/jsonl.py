@@ -84,12 +84,18 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
     raise line_error(path, n, f'has neither "text" nor "messages" (keys: {keys})')
 
 
-def load_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSONL file into validated records (see the module docstring)."""
+def check_file(path: str | Path, flag: str = "data file") -> Path:
+    """A cheap start-up check: `path` is a readable file, else a DataError naming `flag` and the fix."""
     p = Path(path)
     if not p.is_file():
         what = "is a directory, not a file" if p.is_dir() else "does not exist"
-        raise DataError(f"data file {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
+        raise DataError(f"{flag} {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
+    return p
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Read a JSONL file into validated records (see the module docstring)."""
+    p = check_file(path)
     records = []
     with p.open("rb") as f:
         for n, raw_bytes in enumerate(f, start=1):

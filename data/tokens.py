@@ -76,6 +76,30 @@ def load_tokenizer(model_dir: str | Path):
         raise DataError(f"could not load the tokenizer in {d}: {e}") from e
 
 
+def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data"):
+    """A JSONL file -> (samples, TokenStats), refusing a file with no target and out-of-vocab ids."""
+    from data.jsonl import load_jsonl
+
+    samples, stats = tokenize_records(load_jsonl(path), tokenizer, max_len, path)
+    if not samples:
+        raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
+    check_vocab(samples, tokenizer, vocab_size, path)
+    return samples, stats
+
+
+def check_vocab(samples: list[dict], tokenizer, vocab_size: int, path: str | Path) -> None:
+    """Every token id must index the model's embedding: out-of-range ids crash late (an IndexError on
+    CPU, an illegal memory access on CUDA), so they are refused here, before any weight is read."""
+    top = max((max(s["input_ids"]) for s in samples), default=-1)
+    n_tok = len(tokenizer)
+    if top >= vocab_size or n_tok > vocab_size:
+        raise DataError(
+            f"{path}: the tokenizer has {n_tok} tokens and the data's largest token id is {top}, but the "
+            f"model's vocab_size is {vocab_size} (config.json): the {'data' if top >= vocab_size else 'tokenizer'}"
+            f" is bigger. Use the tokenizer that belongs to this checkpoint (next to its config.json)"
+        )
+
+
 def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     """labels[t] = ids[t+1] where token t+1 is a target; -100 elsewhere and at the last position."""
     return [ids[t + 1] if is_target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]

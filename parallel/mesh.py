@@ -17,9 +17,12 @@ Contract:
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
@@ -157,13 +160,14 @@ class Meshes:
 
 def check_flags(args) -> None:
     """Values no run can use, whatever the model and world: each error names the flag and the fix."""
-    for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip"):
+    for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip", "timeout"):
         v = getattr(args, flag)
         if not math.isfinite(v):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
     lower = [("--lr", args.lr, 0, "> 0"), ("--lora-alpha", args.lora_alpha, 0, "> 0 (0 trains nothing: "
              "the LoRA output is scaled by alpha / r)"), ("--lora-r", args.lora_r, 0, ">= 1"),
-             ("--max-len", args.max_len, 1, ">= 2")]
+             ("--timeout", args.timeout, 0, "> 0 minutes"),
+             ("--keep-ckpts", args.keep_ckpts, 0, ">= 1"), ("--max-nonfinite", args.max_nonfinite, 0, ">= 1")]
     for flag, v, bound, need in lower:
         if v <= bound:
             raise ValueError(f"{flag} must be {need}, got {v}")
@@ -207,6 +211,30 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # kB -> GB (Linux)
+
+
+def init_distributed(dt: str, timeout) -> bool:
+    """torchrun's process group, or a 1-rank one for a plain process so the same code path runs.
+    Returns whether it made the group (then the caller destroys it); one already up is kept."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if dt == "cuda" else "gloo"
+    if "RANK" in os.environ:   # torchrun
+        if dt == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = os.path.join(tempfile.mkdtemp(), "pg")
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def dense_bf16_tflops(name: str) -> float | None:
+    """Dense bf16 peak of known devices (SXM parts; a PCIe H100 is ~756: pass --peak-tflops)."""
+    for key, tflops in (("H100", 989), ("H200", 989), ("B200", 2250), ("A100", 312), ("L40S", 362)):
+        if key in name:
+            return tflops
+    return None
 
 
 def device_type() -> str:

@@ -1,4 +1,6 @@
-"""Small shared builders for tests: tiny random checkpoints made with transformers."""
+"""Small shared builders for tests: tiny random checkpoints made with transformers, train.py argv and guards."""
+
+import contextlib
 
 import torch
 import transformers as T
@@ -25,3 +27,50 @@ def build_nonzero_b(opts, b_std=0.05, **kw):
     model, peft_model = build_model(opts, **kw)
     init_lora(model, opts.seed, b_std)
     return model, peft_model
+
+
+def train_argv(assets, out, *extra):
+    return ["--model", assets["model"], "--data", assets["data"], "--quant", "none", "--dtype", "fp32",
+            "--steps", "3", "--global-batch", "8", "--max-len", "64", "--lora-r", "4", "--warmup", "1",
+            "--lr", "1e-3", "--no-progress", "--out", out, *extra]
+
+
+@contextlib.contextmanager
+def no_weights():
+    """Tripwires: building the model or opening the safetensors fails the test."""
+    import model.load
+    import parallel.parallelize as pz
+
+    def trip(*a, **k):
+        raise AssertionError("a weight was about to be read before the start-up checks finished")
+
+    saved = (pz.build_model, pz.CheckpointReader, model.load.CheckpointReader)
+    pz.build_model = pz.CheckpointReader = model.load.CheckpointReader = trip
+    try:
+        yield
+    finally:
+        pz.build_model, pz.CheckpointReader, model.load.CheckpointReader = saved
+
+
+@contextlib.contextmanager
+def one_thread():
+    """In-process runs use one thread, as every spawned rank does: on a shared 2-core machine a
+    second OpenMP thread makes these tiny runs ~10x slower, not faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def startup_error(argv) -> str:
+    """The message of the start-up error `train.main(argv)` raises (with the tripwires set)."""
+    import train
+
+    with no_weights():
+        try:
+            train.main(argv)
+        except (ValueError, FileNotFoundError) as e:
+            return str(e)
+    raise AssertionError(f"train.main({argv}) did not fail")

@@ -21,15 +21,14 @@ Run: .venv/bin/python -m pytest -q tests/test_train.py
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import traceback
 
 import pytest
-import torch
 
 from tests.dist import run_ranks
+from tests.helpers import no_weights, one_thread, startup_error, train_argv
 
 LOSS_ATOL, NORM_RTOL, ADAPTER_RTOL = 1e-4, 1e-4, 1e-3
 
@@ -49,53 +48,6 @@ FOUR_RANK_NF4 = {
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
 
-def _argv(assets, out, *extra):
-    return ["--model", assets["model"], "--data", assets["data"], "--quant", "none", "--dtype", "fp32",
-            "--steps", "3", "--global-batch", "8", "--max-len", "64", "--lora-r", "4", "--warmup", "1",
-            "--lr", "1e-3", "--no-progress", "--out", out, *extra]
-
-
-@contextlib.contextmanager
-def _no_weights():
-    """Tripwires: building the model or opening the safetensors fails the test."""
-    import model.load
-    import parallel.parallelize as pz
-
-    def trip(*a, **k):
-        raise AssertionError("a weight was about to be read before the start-up checks finished")
-
-    saved = (pz.build_model, pz.CheckpointReader, model.load.CheckpointReader)
-    pz.build_model = pz.CheckpointReader = model.load.CheckpointReader = trip
-    try:
-        yield
-    finally:
-        pz.build_model, pz.CheckpointReader, model.load.CheckpointReader = saved
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """In-process runs use one thread, as every spawned rank does: on a shared 2-core machine a
-    second OpenMP thread makes these tiny runs ~10x slower, not faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def _error(argv) -> str:
-    """The message of the start-up error `train.main(argv)` raises (with the tripwires set)."""
-    import train
-
-    with _no_weights():
-        try:
-            train.main(argv)
-        except (ValueError, FileNotFoundError) as e:
-            return str(e)
-    raise AssertionError(f"train.main({argv}) did not fail")
-
-
 # 4-rank start-up errors: label -> (flags, phrases the message must hold)
 FOUR_RANK_ERRORS = {
     "world size": (["--cp", "2", "--dp-shard", "1"], ["--dp-shard 1 × --cp 2 = 2", "world size is 4"]),
@@ -113,11 +65,11 @@ def _four_ranks(rank, world_size, assets, root):
 
     errors = {}
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
-        errors[label] = _error(_argv(assets, os.path.join(root, "err"), *flags))
+        errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
     for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4}.items():
-        train.main(_argv(assets, os.path.join(root, name), *flags))
+        train.main(train_argv(assets, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
-    resume_error = _try(train.main, _argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
+    resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
     return (errors, resume_error) if rank == 0 else None
 
 
@@ -134,21 +86,7 @@ def _try(fn, *a):
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    import transformers as T
 
-    from tests.fixtures import make_chat_jsonl, make_tokenizer
-
-    d = tmp_path_factory.mktemp("train_assets")
-    tok = make_tokenizer(d / "model")
-    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
-                        max_position_embeddings=4096)
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
-    make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
-    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d)}
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +108,11 @@ def one(assets, tmp_path_factory):
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
     }
-    with _one_thread():
+    with one_thread():
         for name, flags in runs.items():
-            train.main(_argv(assets, os.path.join(root, name), *flags))
+            train.main(train_argv(assets, os.path.join(root, name), *flags))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
-        resume_error = _try(train.main, _argv(assets, os.path.join(root, "resume1"), "--resume", resume))
+        resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
     return {"root": root, "resume_error": resume_error}
 
 
@@ -269,8 +207,8 @@ def test_resume_across_layouts(assets, one, four, tmp_path):
     _compare("resume 4 ranks (ring) from 4 ranks (ulysses)", _at(four, "resume4"),
              _at(one, "fp32"), steps=(3,))
     ckpt = _at(four, "cp2_dp2_ulysses", "ckpt", "step_000002")
-    with _one_thread():
-        train.main(_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
+    with one_thread():
+        train.main(train_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
     _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
 
 
@@ -292,14 +230,14 @@ def test_startup_errors_before_weights(assets, tmp_path):
         "max-len": (["--max-len", "0"], ["--max-len 0 is shorter than the CP divisor 1"]),
     }
     for label, (flags, phrases) in cases.items():
-        msg = _error(_argv(assets, out, *flags))
+        msg = startup_error(train_argv(assets, out, *flags))
         for phrase in phrases:
             assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
     missing = str(tmp_path / "nope.jsonl")
-    msg = _error(_argv(assets, out, "--data", missing))
+    msg = startup_error(train_argv(assets, out, "--data", missing))
     assert "--data" in msg and missing in msg and "does not exist" in msg, msg
     missing = str(tmp_path / "no_model")
-    msg = _error(_argv(assets, out, "--model", missing))
+    msg = startup_error(train_argv(assets, out, "--model", missing))
     assert missing in msg and "does not exist" in msg, msg
     assert not os.path.exists(out), "a failed start-up must not create the output dir"
 
@@ -313,7 +251,7 @@ def test_data_errors_name_file_and_line(assets, tmp_path):
                                ("neither field", '{"prompt": "hi"}', 'neither "text" nor "messages"')):
         path = tmp_path / f"{label.replace(' ', '_')}.jsonl"
         path.write_text("\n".join(good[:2] + [bad] + good[2:5]) + "\n")
-        with _no_weights(), pytest.raises(DataError) as e:
-            train.main(_argv(assets, str(tmp_path / "out"), "--data", str(path)))
+        with no_weights(), pytest.raises(DataError) as e:
+            train.main(train_argv(assets, str(tmp_path / "out"), "--data", str(path)))
         msg = str(e.value)
         assert f"{path}, line 3" in msg and phrase in msg, f"{label}: {msg!r}"

@@ -1,0 +1,21 @@
+"""Fixtures shared by the train.py tests."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    import transformers as T
+
+    from tests.fixtures import make_chat_jsonl, make_tokenizer
+
+    d = tmp_path_factory.mktemp("train_assets")
+    tok = make_tokenizer(d / "model")
+    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
+                        max_position_embeddings=4096)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
+    make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
+    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d)}

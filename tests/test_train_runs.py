@@ -1,0 +1,222 @@
+"""train.py keeps what a user has and never goes silently wrong (DESIGN.md "Runs and outputs").
+
+Pins, on 1 CPU rank with the tiny Qwen2 checkpoint of tests/conftest.py (each refusal exits before any
+weight is read, checked with tripwires, and leaves every earlier file byte-identical):
+- a used --out is refused unless --resume or --overwrite; --overwrite replaces the run; no --out gives a
+  fresh runs/<date-time> directory; a live run's lock refuses a second run in its directory;
+- resume refuses a changed run-defining flag (naming flag, checkpoint value and new value) and a
+  --steps below the checkpoint's step; after a resume, metrics.jsonl holds each step once;
+- a non-finite step is skipped, counted and logged as strict JSON; N in a row stop the run with no
+  checkpoint or adapter written; non-finite and out-of-range flags are refused up front;
+- token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
+  --out naming a file and a missing --resume are refused up front, naming the value and the fix;
+- --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job.
+
+Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import no_weights, one_thread, startup_error, train_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tree_hash(path) -> dict:
+    """Every file under `path` with its sha256: 'byte-identical' made checkable."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, path)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+def run(argv):
+    import train
+
+    with one_thread():
+        train.main(argv)
+
+
+def metrics(out) -> list[dict]:
+    def no_nan(name):
+        raise AssertionError(f"metrics.jsonl holds the non-JSON literal {name}")
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=no_nan) for line in f]
+
+
+@pytest.fixture(scope="module")
+def done(assets, tmp_path_factory):
+    """One finished 4-step run (checkpoints at 2 and 4): the 'earlier results' the refusals must keep."""
+    out = str(tmp_path_factory.mktemp("done") / "out")
+    run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
+    return out
+
+
+def test_used_out_is_refused_and_untouched(assets, done, tmp_path):
+    before = tree_hash(done)
+    msg = startup_error(train_argv(assets, done, "--steps", "4"))
+    assert done in msg and "--resume" in msg and "--overwrite" in msg, msg
+    target = tmp_path / "a_file"
+    target.write_text("keep me")
+    msg = startup_error(train_argv(assets, str(target), "--steps", "1"))
+    assert str(target) in msg and "file" in msg, msg
+    assert target.read_text() == "keep me" and tree_hash(done) == before
+
+
+def test_overwrite_replaces_the_run(assets, done, tmp_path):
+    out = str(tmp_path / "out")
+    run(train_argv(assets, out, "--steps", "2", "--save-every", "1", "--keep-ckpts", "5"))
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001", "step_000002"]
+    run(train_argv(assets, out, "--steps", "1", "--overwrite"))
+    assert [r["step"] for r in metrics(out)] == [1], "the old metrics are gone, not appended to"
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"], "old checkpoints removed"
+
+
+def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monkeypatch):
+    from parallel import runs
+
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in train_argv(assets, "x", "--steps", "1") if a not in ("--out", "x")]
+    run(argv)
+    run(argv)
+    made = sorted(os.listdir(tmp_path / "runs"))
+    assert len(made) == 2 and all(len(metrics(tmp_path / "runs" / d)) == 1 for d in made), made
+    live = runs.claim(str(tmp_path / "live"))   # another run holds this directory
+    try:
+        msg = startup_error(train_argv(assets, str(tmp_path / "live"), "--steps", "1", "--overwrite"))
+    finally:
+        live.release()
+    assert "in use by a live run" in msg and f"pid {os.getpid()}" in msg, msg
+
+
+def test_resume_refuses_changed_run_flags(assets, done):
+    ckpt = os.path.join(done, "ckpt")
+    before = tree_hash(done)
+    msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--lora-r", "8"))
+    assert "--lora-r" in msg and "4" in msg and "8" in msg, msg
+    msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--seed", "7"))
+    assert "--seed" in msg and "7" in msg, msg
+    msg = startup_error(train_argv(assets, done, "--steps", "3", "--resume", ckpt))
+    assert "--steps 3" in msg and "4" in msg, msg
+    msg = startup_error(train_argv(assets, done, "--resume", os.path.join(done, "nope")))
+    assert "nope" in msg and "does not exist" in msg, msg
+    assert tree_hash(done) == before
+
+
+def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
+    out = str(tmp_path / "out")
+    run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
+    first = metrics(out)
+    run(train_argv(assets, out, "--steps", "4", "--resume", os.path.join(out, "ckpt", "step_000002")))
+    again = metrics(out)
+    assert [r["step"] for r in again] == [1, 2, 3, 4], "each step logged once"
+    assert [r["loss"] for r in again] == [r["loss"] for r in first], "resume never changes the math"
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002", "step_000004"]
+    assert [r["loss"] for r in metrics(done)] == [r["loss"] for r in first]
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
+    import train
+    from parallel.guard import NonFiniteError
+
+    calls = {"n": 0}
+
+    def nan_in_step_one(z, y):   # 8 micro-batches per step on 1 rank: the first 8 calls are step 1
+        calls["n"] += 1
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        return loss * math.nan if calls["n"] <= 8 else loss
+
+    out = str(tmp_path / "skip")
+    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one)
+    run(train_argv(assets, out, "--steps", "3"))
+    recs = metrics(out)
+    assert recs[0]["loss"] is None and recs[0]["nonfinite"]["loss"] == "nan" and recs[0]["skipped"] == 1, recs[0]
+    assert all(math.isfinite(r["loss"]) for r in recs[1:]) and recs[-1]["skipped"] == 1
+    from safetensors.torch import load_file
+    adapter = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+    out = str(tmp_path / "stop")
+    monkeypatch.setattr(train, "LOSS_FN", lambda z, y: z.sum() * math.inf)
+    with pytest.raises(NonFiniteError, match="--max-nonfinite"):
+        run(train_argv(assets, out, "--steps", "5", "--max-nonfinite", "2"))
+    assert [r["step"] for r in metrics(out)] == [1], "step 2 raises before it is logged"
+    assert not os.path.exists(os.path.join(out, "adapter")) and not os.path.exists(os.path.join(out, "ckpt"))
+
+
+FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
+    "steps 0": (["--steps", "0"], ["--steps must be >= 1, got 0", "omit --steps"]),
+    "steps negative": (["--steps", "-3"], ["--steps must be >= 1, got -3"]),
+    "lora-alpha 0": (["--lora-alpha", "0"], ["--lora-alpha must be > 0", "trains nothing"]),
+    "lr nan": (["--lr", "nan"], ["--lr must be a finite number, got nan"]),
+    "lr inf": (["--lr", "inf"], ["--lr must be a finite number, got inf"]),
+    "clip nan": (["--clip", "nan"], ["--clip must be a finite number"]),
+    "keep-ckpts 0": (["--keep-ckpts", "0"], ["--keep-ckpts must be >= 1"]),
+    "timeout 0": (["--timeout", "0"], ["--timeout must be > 0"]),
+}
+
+
+@pytest.mark.parametrize("label", FLAG_ERRORS)
+def test_bad_flags_refused_before_anything(assets, tmp_path, label):
+    flags, phrases = FLAG_ERRORS[label]
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out, *flags))
+    assert all(p in msg for p in phrases), f"{label}: {msg!r}"
+    assert not os.path.exists(out)
+
+
+def test_bad_data_refused_before_weights(assets, tmp_path):
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out, "--data", str(tmp_path)))
+    assert "--data" in msg and "is a directory" in msg, msg
+    no_target = tmp_path / "eval.jsonl"
+    long_prompt = [{"role": "user", "content": "hello there " * 200}, {"role": "assistant", "content": "hi"}]
+    no_target.write_text(json.dumps({"messages": long_prompt}) + "\n")   # truncated to --max-len 64: no target
+    msg = startup_error(train_argv(assets, out, "--eval-data", str(no_target)))
+    assert "--eval-data" in msg and "no sample has a target" in msg, msg
+    assert not os.path.exists(out)
+
+
+def test_token_ids_beyond_the_vocabulary(assets, tmp_path):
+    import shutil
+
+    from tests.helpers import tiny_checkpoint
+
+    n_tok = json.load(open(os.path.join(assets["model"], "config.json")))["vocab_size"]
+    small = tiny_checkpoint(tmp_path / "small", vocab=n_tok - 8)   # 8 embedding rows short of the tokenizer
+    for f in os.listdir(assets["model"]):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(os.path.join(assets["model"], f), small)
+    msg = startup_error(train_argv({**assets, "model": small}, str(tmp_path / "out")))
+    assert f"vocab_size is {n_tok - 8}" in msg and f"tokenizer has {n_tok}" in msg and "bigger" in msg, msg
+
+
+def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path):
+    argv = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(assets, str(tmp_path / "o"), "--lr", "0")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r0 = subprocess.run(argv, capture_output=True, text=True, env={**env, "RANK": "0"}, cwd=ROOT)
+    r1 = subprocess.run(argv, capture_output=True, text=True, env={**env, "RANK": "1"}, cwd=ROOT)
+    assert r0.returncode == r1.returncode == 2, (r0.stderr, r1.stderr)
+    assert "error: --lr must be > 0" in r0.stderr and "error:" not in r1.stderr, (r0.stderr, r1.stderr)
+
+
+def test_no_weights_tripwire_sees_the_model(assets, tmp_path):
+    # Positive control for every 'before weights' claim above: a valid run trips the wire.
+    import train
+
+    with no_weights(), pytest.raises(AssertionError, match="weight was about to be read"):
+        train.main(train_argv(assets, str(tmp_path / "out"), "--steps", "1"))
