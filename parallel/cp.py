@@ -3,7 +3,7 @@
 Contract:
 - `Attention`: `divisor` (the padded sequence length must be a multiple of it), `prepare(position_ids)`
   once per model forward with the LOCAL global-position ids [B, S_local], and `attn(q, k, v, meta,
-  scale)` per layer: q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns
+  scale, window=None)` per layer (`window`: that layer's sliding window, see `parallel.kernels`): q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns
   [B, S_local, H, D] in q's dtype, differentiable w.r.t. q, k, v. Any layout gives the same numbers
   as `local_attention()` on the whole sequence.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
@@ -14,8 +14,9 @@ Contract:
   (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
 - Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
   with contiguous positions, even far from 0, is one document; padding continues the positions of the
-  last document. `local_attention` and Ulysses (which see whole rows) keep every token inside its
-  document. Ring and hybrid refuse packed rows with a ValueError naming the alternative.
+  last document. Every core keeps every token inside its document: `local_attention` and Ulysses
+  (which see whole rows) through `kernels.attention(docs=...)`, ring and hybrid by masking each ring
+  block from the document ids of the whole (gathered) row (`parallel.masks.document_ids`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel import kernels
+from parallel import kernels, masks
 from parallel.ring import ring_attention
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
 
@@ -102,7 +103,7 @@ class Attention:
     def prepare(self, position_ids: torch.Tensor) -> object:
         raise NotImplementedError
 
-    def __call__(self, q, k, v, meta, scale: float) -> torch.Tensor:
+    def __call__(self, q, k, v, meta, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -112,8 +113,8 @@ class LocalAttention(Attention):
     def prepare(self, position_ids):
         return document_bounds(position_ids)
 
-    def __call__(self, q, k, v, meta, scale):
-        return kernels.attention(q, k, v, True, scale, docs=meta)
+    def __call__(self, q, k, v, meta, scale, window=None):
+        return kernels.attention(q, k, v, True, scale, docs=meta, window=window)
 
 
 class ContextParallelAttention(Attention):
@@ -126,14 +127,11 @@ class ContextParallelAttention(Attention):
     def prepare(self, position_ids):
         full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
         docs = document_bounds(full)
-        if docs is not None and self.dims.ring > 1:
-            raise ValueError(
-                f"packed sequences (position ids restart inside a row) are not supported by ring "
-                f"attention (ring {self.dims.ring} × ulysses {self.dims.ulysses}): use --cp-impl "
-                f"ulysses or --no-pack.")
+        if docs is not None and self.dims.ring > 1:  # ring blocks are masked by document id
+            return masks.document_ids(full)          # [B, S] for the padded, unsharded row
         return docs
 
-    def __call__(self, q, k, v, meta, scale):
+    def __call__(self, q, k, v, meta, scale, window=None):
         u, r = self.dims.ulysses, self.dims.ring
         if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
             n_heads = q.shape[2]
@@ -141,11 +139,11 @@ class ContextParallelAttention(Attention):
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
         if r == 1:
-            out = kernels.attention(q, k, v, True, scale, docs=meta)
+            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
-            out = ring_attention(q, k, v, scale, self.ring_group)
+            out = ring_attention(q, k, v, scale, self.ring_group, doc=meta, window=window)
             if u > 1:
                 out = _chunks_to_pieces(out, u)
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out
