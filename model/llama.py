@@ -8,8 +8,9 @@ Contract:
   the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss, computed
   here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
 - The attention core is `self.attention`, any `parallel.cp.Attention`: the single-process kernel by
-  default, the context-parallel one once the trainer sets it. Everything else acts per token, so a
-  local sequence shard plus its global `position_ids` is all a rank needs.
+  default, the context-parallel one once the trainer sets it; each layer passes it its own sliding
+  window (`ModelArgs.window(layer)`, None for full causal attention). Everything else acts per token,
+  so a local sequence shard plus its global `position_ids` is all a rank needs.
 - `self.checkpoint_blocks = True` recomputes each block in backward (non-reentrant checkpoint).
 
 Notation: B batch, S (local) sequence, D model dim, H query heads, K KV heads, Hd head dim, V vocab.
@@ -45,8 +46,9 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
+        self.window = a.window(layer)   # this layer's sliding window (None: full causal attention)
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = core(q, k, v, meta, self.head_dim ** -0.5)                  # [B, S, H, Hd]
+        out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -83,9 +85,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, layer)
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
@@ -99,7 +101,7 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
 
 
