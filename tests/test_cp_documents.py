@@ -8,7 +8,8 @@ with `shard_sequence`, run through `cp_attention`, gathered, and out, dQ, dK, dV
 `F.scaled_dot_product_attention` with an explicit boolean mask (same document, j <= i,
 i - j < window) in float64 at 1e-10. A window with nothing packed takes the ring's mask path too;
 with window 1 the ring calls the kernel for its diagonal block only (the rest are skipped, the P2P
-traffic is unchanged, nothing hangs).
+traffic is unchanged, nothing hangs). A tiny float64 model with a sliding layer and a full one on
+packed rows gives, under ring 2 and Ulysses 2, the one-process loss and (summed) gradients.
 
 Run: .venv/bin/python -m pytest -q tests/test_cp_documents.py
 """
@@ -118,3 +119,48 @@ def test_documents_and_windows_four_ranks():
     assert all(d == done[0] for d in done)
     for impl in ("ring u1×r4", "hybrid u2×r2", "ulysses u4×r1"):
         assert sum(impl in x for x in done[0]) == len(WINDOWS) * 4 - 1, impl
+
+
+def _model_ranks(rank, world, splits):
+    """A sliding-window model (layer 0 slides, layer 1 full) on packed rows: loss and every gradient
+    of the CP run (summed over ranks) equal the one-process run."""
+    from model import ModelArgs, Transformer
+    args = ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     intermediate_size=48, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (2, 45), generator=g)
+    labels = torch.randint(0, 64, (2, 45), generator=g)
+    labels[:, :4] = -100
+    pos = positions([[0, 13, 14, 45], [0, 45]], 45)
+    torch.manual_seed(0)
+    ref_model = Transformer(args).double()
+    ref_loss, ref_n = ref_model(ids, position_ids=pos, labels=labels)
+    ref_loss.backward()
+    done = []
+    for u, r in splits:
+        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
+        meshes = dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        m = Transformer(args, attention=cp_attention(meshes, dims)).double()
+        loss, n = m(shard_sequence(ids, dims, rank, 0), position_ids=shard_sequence(pos, dims, rank, None),
+                    labels=shard_sequence(labels, dims, rank, -100))
+        loss.backward()
+        group = meshes.cp.get_group()
+        stats = torch.stack([loss.detach(), torch.as_tensor(n, dtype=torch.float64)])
+        dist.all_reduce(stats, group=group)
+        label = f"model u{u}×r{r}"
+        torch.testing.assert_close(stats, torch.stack([ref_loss.detach(), torch.as_tensor(ref_n, dtype=torch.float64)]),
+                                   rtol=1e-6, atol=1e-6, msg=lambda msg: f"{label} loss, tokens: {msg}")
+        for (name, p), (_, want) in zip(m.named_parameters(), ref_model.named_parameters()):
+            dist.all_reduce(p.grad, group=group)
+            # loss.py sums the loss and forms its fused gradient in float32: float32 round-off
+            torch.testing.assert_close(p.grad, want.grad, atol=1e-6, rtol=1e-5,
+                                       msg=lambda msg, n=name: f"{label} grad {n}: {msg}")
+        done.append(label)
+    return done
+
+
+@pytest.mark.timeout(180)
+def test_sliding_window_model_cp_equals_one_process():
+    done = run_ranks(_model_ranks, 2, [(1, 2), (2, 1)], timeout=160)
+    assert done == [["model u1×r2", "model u2×r1"]] * 2
