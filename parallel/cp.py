@@ -3,8 +3,9 @@
 Contract:
 - `Attention`: `divisor` (the padded sequence length must be a multiple of it), `prepare(position_ids)`
   once per model forward with the LOCAL global-position ids [B, S_local], and `attn(q, k, v, meta,
-  scale, window=None)` per layer (`window`: that layer's sliding window, see `parallel.kernels`): q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns
-  [B, S_local, H, D] in q's dtype, differentiable w.r.t. q, k, v. Any layout gives the same numbers
+  scale, window=None)` per layer (`window`: that layer's sliding window, see `parallel.kernels`):
+  q [B, S_local, H, D], k/v [B, S_local, Hkv, D] (RoPE applied), causal, returns [B, S_local, H, D]
+  in q's dtype, differentiable w.r.t. q, k, v. Any layout gives the same numbers
   as `local_attention()` on the whole sequence.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
   their hybrid (all-to-all inside each Ulysses group, ring across the groups).

@@ -97,7 +97,7 @@ def _ranks(rank, world, splits):
                 done.append(f"{label} unpacked")
         if r > 1:  # window 1 leaves visible pairs in the diagonal block only: every other one is skipped
             calls, plain = [], kernels.forward
-            kernels.forward = lambda *a, **kw: calls.append(kw.get("mask") is not None) or plain(*a, **kw)
+            kernels.forward = lambda *a, c=calls, f=plain, **kw: c.append(kw.get("mask") is not None) or f(*a, **kw)
             try:
                 check(attn, dims, (8, 2, 16), PACKED, 1, f"{impl} window 1 skips")
             finally:
@@ -150,12 +150,12 @@ def _model_ranks(rank, world, splits):
         dist.all_reduce(stats, group=group)
         label = f"model u{u}×r{r}"
         torch.testing.assert_close(stats, torch.stack([ref_loss.detach(), torch.as_tensor(ref_n, dtype=torch.float64)]),
-                                   rtol=1e-6, atol=1e-6, msg=lambda msg: f"{label} loss, tokens: {msg}")
+                                   rtol=1e-6, atol=1e-6, msg=lambda msg, x=label: f"{x} loss, tokens: {msg}")
         for (name, p), (_, want) in zip(m.named_parameters(), ref_model.named_parameters()):
             dist.all_reduce(p.grad, group=group)
             # loss.py sums the loss and forms its fused gradient in float32: float32 round-off
             torch.testing.assert_close(p.grad, want.grad, atol=1e-6, rtol=1e-5,
-                                       msg=lambda msg, n=name: f"{label} grad {n}: {msg}")
+                                       msg=lambda msg, n=name, x=label: f"{x} grad {n}: {msg}")
         done.append(label)
     return done
 
