@@ -84,7 +84,7 @@ def build_parser(add_help=True):
     a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
-    a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default: on)")
+    a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
     a("--out", default=None, help="output dir (default: a fresh runs/<date-time>); a used one: --resume/--overwrite")

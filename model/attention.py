@@ -4,8 +4,9 @@ Contract:
 - An `AttentionCore` has `divisor` (a padded sequence length must be a multiple of it),
   `prepare(position_ids)`, called once per model forward with the (local) global-position ids
   [B, S] and returning whatever the core needs per layer (here: document boundaries), and
-  `__call__(q, k, v, meta, scale)` per layer: q [B, S, H, Hd], k/v [B, S, K, Hd] (RoPE applied),
-  causal, returns [B, S, H, Hd] in q's dtype, differentiable w.r.t. q, k, v.
+  `__call__(q, k, v, meta, scale, window=None)` per layer: q [B, S, H, Hd], k/v [B, S, K, Hd] (RoPE
+  applied), causal, returns [B, S, H, Hd] in q's dtype, differentiable w.r.t. q, k, v. `window` is the
+  layer's sliding window: query i sees keys j with i - window < j <= i (transformers' rule).
 - Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
   with contiguous positions, even far from 0, is one document; padding continues the positions of
   the last document. Tokens attend only inside their own document. This module is the one place that
@@ -44,17 +45,24 @@ class AttentionCore:
     def prepare(self, position_ids: torch.Tensor) -> object:
         return document_bounds(position_ids)
 
-    def __call__(self, q, k, v, meta, scale: float) -> torch.Tensor:
+    def __call__(self, q, k, v, meta, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
 class SDPAAttention(AttentionCore):
-    """torch SDPA over each document of each row (the whole row when it holds one document)."""
+    """torch SDPA over each document of each row (the whole row when it holds one document); a window
+    becomes an explicit [S, S] boolean mask (fine for a reference, not for long rows)."""
 
-    def __call__(self, q, k, v, meta, scale):
+    def __call__(self, q, k, v, meta, scale, window=None):
         def sdpa(q, k, v):   # [B, S, H, Hd] in and out; SDPA wants [B, H, S, Hd]
+            mask = None
+            if window is not None:
+                d = torch.arange(q.shape[1], device=q.device)
+                d = d[:, None] - d[None, :]
+                mask = (d >= 0) & (d < window)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, scale=scale, enable_gqa=True)
+                                                 attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=True)
             return out.transpose(1, 2)
 
         if meta is None:

@@ -5,6 +5,10 @@ Contract:
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim) and Mistral.
   Anything else raises `ValueError` naming the supported architectures.
+- `args.window(layer)`: that layer's sliding window (query i sees keys i - w < j <= i) or None, read
+  as transformers reads it: Mistral's `sliding_window` on every layer; Qwen2/3's only with
+  `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (derived from
+  `max_window_layers` when absent: layers i >= max_window_layers slide); Llama has none.
 - `inv_freq(args)` returns the float32 inverse frequencies [head_dim // 2] and the attention
   scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3
   and yarn — the same numbers transformers computes.
@@ -47,7 +51,9 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None   # our attention has none: sequences beyond it are refused
+    sliding_window: int | None = None   # keys a query sees on sliding layers, itself included
+    layer_types: list | None = None     # per layer "sliding_attention" / "full_attention"; None: all
+                                        # layers slide when sliding_window is set
 
     def __post_init__(self):
         self.n_kv_heads = self.n_kv_heads or self.n_heads
@@ -55,6 +61,14 @@ class ModelArgs:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"num_attention_heads {self.n_heads} is not a multiple of "
                              f"num_key_value_heads {self.n_kv_heads}")
+        if self.sliding_window is not None and (int(self.sliding_window) != self.sliding_window
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window {self.sliding_window!r} must be a positive number of tokens")
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if bad or len(self.layer_types) != self.n_layers:
+                raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
+                                 f"the {self.n_layers} layers, got {len(self.layer_types)} entries {bad or ''}")
         rtype = self.rope_scaling.get("rope_type", "default")
         if rtype not in ROPE_TYPES:
             raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
@@ -77,9 +91,17 @@ class ModelArgs:
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
         attn_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
-        if mt == "qwen2" or mt == "qwen3":   # Qwen only slides when asked to
+        # Sliding windows as transformers applies them: Mistral on every layer (it ignores
+        # layer_types); Qwen2/3 only with use_sliding_window, on the layers `layer_types` names or,
+        # without it, from layer max_window_layers on; Llama never.
+        window, layer_types = cfg.get("sliding_window"), None
+        if mt == "llama":
+            window = None
+        if mt in ("qwen2", "qwen3"):
             window = window if cfg.get("use_sliding_window", False) else None
+            layer_types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                for i in range(cfg["num_hidden_layers"])]
         return cls(
             model_type=mt,
             vocab_size=cfg["vocab_size"],
@@ -99,7 +121,14 @@ class ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=flags["qk_norm"],
             sliding_window=window,
+            layer_types=layer_types if window is not None else None,
         )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None for full causal attention."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return int(self.sliding_window)
 
     @property
     def n_params(self) -> int:

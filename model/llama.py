@@ -9,8 +9,9 @@ Contract:
   (`loss.chunked_cross_entropy`, with `loss_fn` if given), computed here in the root forward so FSDP2
   keeps lm_head unsharded while it is used (DESIGN.md step 4).
 - The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
-  the trainer sets the kernel or context-parallel one. Everything else acts per token, so a local
-  sequence shard plus its global `position_ids` is all a rank needs.
+  the trainer sets the kernel or context-parallel one. Each layer passes it its own sliding window
+  (`ModelArgs.window(layer)`, None for full causal attention). Everything else acts per token, so a
+  local sequence shard plus its global `position_ids` is all a rank needs.
 - Math only: activation checkpointing, offload, compile and sharding are applied from outside
   (`parallel/parallelize.py`), by wrapping each block's forward.
 
@@ -47,8 +48,9 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
+        self.window = a.window(layer)   # this layer's sliding window (None: full causal attention)
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = core(q, k, v, meta, self.head_dim ** -0.5)                  # [B, S, H, Hd]
+        out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -85,9 +87,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, layer)
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
@@ -101,7 +103,7 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
 
 

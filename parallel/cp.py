@@ -2,7 +2,8 @@
 
 Contract:
 - The cores here implement `model.attention.AttentionCore` (q, k, v are the LOCAL shard [B, S_local,
-  ...], `prepare` gets the local global-position ids). Any layout gives the same numbers as
+  ...], `prepare` gets the local global-position ids, `__call__(q, k, v, meta, scale, window=None)`
+  takes the layer's sliding window, see `parallel.kernels`). Any layout gives the same numbers as
   `local_attention()` on the whole sequence.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
   their hybrid (all-to-all inside each Ulysses group, ring across the groups).
@@ -10,9 +11,10 @@ Contract:
   ring == 1: contiguous, cp rank r holds the r-th of cp equal slices. ring R > 1: 2R chunks, each
   cut into U = ulysses pieces; cp rank (i, u) holds piece u of chunk i, then piece u of chunk 2R-1-i
   (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
-- Documents (packed rows): the rule is `model.attention.document_bounds`. `local_attention` and
-  Ulysses (which see whole rows) keep every token inside its
-  document. Ring and hybrid refuse packed rows with a ValueError naming the alternative.
+- Documents (packed rows): the rule is `model.attention.document_bounds`. Every core keeps every
+  token inside its document: `local_attention` and Ulysses (which see whole rows) through
+  `kernels.attention(docs=...)`, ring and hybrid by masking each ring block from the document ids of
+  the whole (gathered) row (`parallel.masks.document_ids`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from model.attention import AttentionCore, document_bounds
-from parallel import kernels
+from parallel import kernels, masks
 from parallel.ring import ring_attention
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
 
@@ -87,8 +89,8 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 class KernelAttention(AttentionCore):
     """One process holds the whole sequence; `parallel.kernels` picks the fastest backend."""
 
-    def __call__(self, q, k, v, meta, scale):
-        return kernels.attention(q, k, v, True, scale, docs=meta)
+    def __call__(self, q, k, v, meta, scale, window=None):
+        return kernels.attention(q, k, v, True, scale, docs=meta, window=window)
 
 
 class ContextParallelAttention(AttentionCore):
@@ -101,14 +103,11 @@ class ContextParallelAttention(AttentionCore):
     def prepare(self, position_ids):
         full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
         docs = document_bounds(full)
-        if docs is not None and self.dims.ring > 1:
-            raise ValueError(
-                f"packed sequences (position ids restart inside a row) are not supported by ring "
-                f"attention (ring {self.dims.ring} × ulysses {self.dims.ulysses}): use --cp-impl "
-                f"ulysses or --no-pack.")
+        if docs is not None and self.dims.ring > 1:  # ring blocks are masked by document id
+            return masks.document_ids(full)          # [B, S] for the padded, unsharded row
         return docs
 
-    def __call__(self, q, k, v, meta, scale):
+    def __call__(self, q, k, v, meta, scale, window=None):
         u, r = self.dims.ulysses, self.dims.ring
         if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
             n_heads = q.shape[2]
@@ -116,11 +115,11 @@ class ContextParallelAttention(AttentionCore):
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
         if r == 1:
-            out = kernels.attention(q, k, v, True, scale, docs=meta)
+            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
-            out = ring_attention(q, k, v, scale, self.ring_group)
+            out = ring_attention(q, k, v, scale, self.ring_group, doc=meta, window=window)
             if u > 1:
                 out = _chunks_to_pieces(out, u)
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out

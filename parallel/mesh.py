@@ -193,15 +193,7 @@ def validate(args, margs, world: int):
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")
-    pack = dims.ring == 1 if args.pack is None else args.pack
-    if pack and dims.ring > 1:
-        raise ValueError(f"--pack needs attention that honours document boundaries, but {dims} uses "
-                         "ring attention; use --cp-impl ulysses (heads permitting) or --no-pack")
-    row = args.max_len * (args.micro_batch if pack else 1)
-    if margs.sliding_window and row > margs.sliding_window:
-        raise ValueError(f"rows of up to {row} tokens exceed the model's {margs.sliding_window}-token "
-                         f"sliding window, which this trainer does not implement; lower --max-len"
-                         f"{' or --micro-batch (packed rows hold a whole micro-batch)' if pack else ''}")
+    pack = True if args.pack is None else args.pack   # every core keeps packed documents apart
     return dims, pack
 
 

@@ -15,6 +15,12 @@ Contract:
 - Partial outputs are merged with their log-sum-exp in float32 (Liu et al., "Ring Attention with
   Blockwise Transformers", 2023; zigzag layout as in zhuzilin/ring-flash-attention).
 - The group may be a sub-group of the world (hybrid CP); P2P peers are translated to global ranks.
+- Packed rows and sliding windows: `doc` [B, S] (document id of every GLOBAL token, see
+  `parallel.masks.document_ids`) and `window` restrict each block by the global indices of its
+  rows and columns: blocks nothing sees are skipped (no kernel call, same P2P traffic on every
+  rank), blocks cut by a boundary run the masked kernel, the rest the plain one. The zigzag layout
+  and the block shapes above are unchanged, so no rank ever does more than c·2c pairs a step; how
+  much less depends on where the documents and windows fall.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel import kernels
+from parallel import kernels, masks
 
 
 class RingComm:
@@ -51,62 +57,79 @@ class RingComm:
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Fold a partial into the running result, in place: out [B, S, H, D] f32, lse [B, H, S] f32."""
+    """Fold a partial into the running result, in place: out [B, S, H, D], lse [B, H, S] (f32/f64).
+    Rows that have seen no key yet (lse -inf on both sides) stay out 0, lse -inf: never NaN."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).transpose(1, 2)[..., None])
-    out.add_(block_out.float() * torch.exp(block_lse - new).transpose(1, 2)[..., None])
+    ref = new.masked_fill(new == float("-inf"), 0.0)
+    out.mul_(torch.exp(lse - ref).transpose(1, 2)[..., None])
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - ref).transpose(1, 2)[..., None])
     lse.copy_(new)
 
 
-def _past(comm, step) -> bool:
-    """Whether the K/V held at `step` (from rank r-step) lie wholly before both local chunks."""
-    return (comm.rank - step) % comm.size < comm.rank
+def _acc_dtype(q):  # partial results and gradients are summed in float32 (float64 for float64 inputs)
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _ring_forward(q, k, v, scale, group):
-    comm, c = RingComm(group), q.shape[1] // 2
-    # Each hop is posted before the kernel of the current block runs, so the two overlap.
+def _block(comm, step, c, idx, doc, window):
+    """Rows, columns, kind and mask of the block computed at `step` (K/V from rank j = r - step).
+
+    Step 0 is the causal diagonal; then, if j < r, every query against the first chunk of the block
+    (wholly before both local chunks), else the second local chunk against all of it. With documents
+    or a window the block is masked from the GLOBAL indices `idx` [P, 2c] and document ids `doc`
+    [B, S] (`parallel.masks`), and skipped when nothing in it is visible."""
+    r, j, every = comm.rank, (comm.rank - step) % comm.size, slice(None)
+    rows, cols = (every, every) if step == 0 else (every, slice(0, c)) if j < r else (slice(c, None), every)
+    if idx is None:
+        return rows, cols, ("causal" if step == 0 else "full"), None
+    qi, ki = idx[r][rows], idx[j][cols]
+    keep = masks.keep(qi, ki, *((doc[:, qi], doc[:, ki]) if doc is not None else (None, None)), window)
+    kind = masks.classify(keep, step == 0)
+    return rows, cols, kind, (keep if kind == "masked" else None)
+
+
+def _ring_forward(q, k, v, scale, group, idx, doc, window):
+    comm, c, acc = RingComm(group), q.shape[1] // 2, _acc_dtype(q)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    # Each hop is posted before the kernel of the current block runs, so the two overlap; every rank
+    # makes the same hops whatever blocks its masks skip, so the ring never hangs.
     nxt = comm.send_recv([k, v]) if comm.size > 1 else None
-    out, lse = kernels.forward(q, k, v, True, scale)  # step 0: the causal diagonal
-    out, lse = out.float(), lse.float().contiguous()
-    for step in range(1, comm.size):
-        comm.wait()
-        k, v = nxt
-        if step + 1 < comm.size:
-            nxt = comm.send_recv([k, v])
-        if _past(comm, step):  # every query sees the first chunk of the block
-            _merge(out, lse, *kernels.forward(q, k[:, :c], v[:, :c], False, scale))
-        else:  # only the second local chunk sees the block, all of it
-            _merge(out[:, c:], lse[:, :, c:], *kernels.forward(q[:, c:], k, v, False, scale))
+    for step in range(comm.size):
+        if step:
+            comm.wait()
+            k, v = nxt
+            if step + 1 < comm.size:
+                nxt = comm.send_recv([k, v])
+        rows, cols, kind, keep = _block(comm, step, c, idx, doc, window)
+        if kind != "skip":
+            _merge(out[:, rows], lse[:, :, rows], *kernels.forward(
+                q[:, rows], k[:, cols], v[:, cols], kind == "causal", scale, mask=keep))
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, group):
+def _ring_backward(dout, q, k, v, out, lse, scale, group, idx, doc, window):
     kv_comm, grad_comm, c = RingComm(group, tag=0), RingComm(group, tag=1), q.shape[1] // 2
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=_acc_dtype(q), device=x.device) for x in (q, k, v))
     nxt = kv_comm.send_recv([k, v]) if kv_comm.size > 1 else None
-    dq_b, dk_b, dv_b = kernels.backward(dout, q, k, v, out, lse, True, scale)
-    dq += dq_b
-    dk, dv = dk_b.float(), dv_b.float()
-    for step in range(1, kv_comm.size):
-        # dK/dV of the block we hold travel with it: send ours on, receive the block we get next.
-        dkv = grad_comm.send_recv([dk, dv])
-        kv_comm.wait()
-        k, v = nxt
-        if step + 1 < kv_comm.size:
-            nxt = kv_comm.send_recv([k, v])
-        if _past(kv_comm, step):
-            dq_b, dk_b, dv_b = kernels.backward(dout, q, k[:, :c], v[:, :c], out, lse, False, scale)
-            dq += dq_b
-        else:
-            dq_b, dk_b, dv_b = kernels.backward(dout[:, c:], q[:, c:], k, v, out[:, c:],
-                                                lse[:, :, c:], False, scale)
-            dq[:, c:] += dq_b
-        grad_comm.wait()
-        dk, dv = dkv
-        n = dk_b.shape[1]
-        dk[:, :n] += dk_b
-        dv[:, :n] += dv_b
+    for step in range(kv_comm.size):
+        if step:  # dK/dV of the block we hold travel with it: send ours on, receive the next block's
+            dkv = grad_comm.send_recv([dk, dv])
+            kv_comm.wait()
+            k, v = nxt
+            if step + 1 < kv_comm.size:
+                nxt = kv_comm.send_recv([k, v])
+        rows, cols, kind, keep = _block(kv_comm, step, c, idx, doc, window)
+        if kind != "skip":  # every block sees the GLOBAL out and lse of its rows
+            dq_b, dk_b, dv_b = kernels.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols],
+                                                out[:, rows], lse[:, :, rows], kind == "causal", scale,
+                                                mask=keep)
+            dq[:, rows] += dq_b
+        if step:
+            grad_comm.wait()
+            dk, dv = dkv
+        if kind != "skip":
+            dk[:, cols] += dk_b
+            dv[:, cols] += dv_b
     if grad_comm.size > 1:  # one last hop brings every block's gradients home
         dkv = grad_comm.send_recv([dk, dv])
         grad_comm.wait()
@@ -116,20 +139,32 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group):
-        out, lse = _ring_forward(q, k, v, scale, group)
+    def forward(ctx, q, k, v, scale, group, idx, doc, window):
+        out, lse = _ring_forward(q, k, v, scale, group, idx, doc, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group = scale, group
+        ctx.args = (scale, group, idx, doc, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.group), None, None)
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group,
+                   doc: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention over the zigzag-sharded sequence of `group`; see the module docstring."""
     if q.shape[1] % 2:
         raise ValueError(f"zigzag ring attention needs an even local length, got {q.shape[1]}")
-    return _RingAttention.apply(q, k, v, scale, group)
+    p, c = dist.get_world_size(group), q.shape[1] // 2
+    if doc is not None and doc.shape[1] != 2 * c * p:
+        raise ValueError(f"document ids cover {doc.shape[1]} tokens, the ring holds {2 * c * p}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be a positive number of tokens")
+    if window is not None and window >= 2 * c * p:
+        window = None  # covers the whole sequence: plain causal attention
+    idx = None
+    if doc is not None or window is not None:  # the global index of every rank's tokens: [P, 2c]
+        chunks = torch.arange(2 * c * p, device=q.device).view(2 * p, c)
+        idx = torch.cat([chunks[:p], chunks.flip(0)[:p]], 1)
+    return _RingAttention.apply(q, k, v, scale, group, idx, doc, window)

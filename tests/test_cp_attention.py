@@ -5,7 +5,8 @@ attention from `F.scaled_dot_product_attention(enable_gqa=True)` is sharded with
 run through `cp_attention`, gathered back with `unshard_sequence`, and out, dQ, dK, dV match at 1e-5
 (float32) for GQA with KV heads <, = and > the degree, MQA, batch > 1, head_dim 64 and 128, and a
 length that needs padding. Packed rows (position ids restarting) keep tokens inside their document
-under Ulysses and `local_attention` (vs SDPA per document) and are refused by ring and hybrid. Bad
+under every layout and `local_attention` (vs SDPA per document; tests/test_cp_documents.py pins
+documents and sliding windows in depth). Bad
 head counts are refused by `resolve_cp` and by the Ulysses layer itself. bf16 keeps its dtype.
 
 Run: .venv/bin/python -m pytest -q tests/test_cp_attention.py
@@ -98,12 +99,8 @@ def _cp_ranks(rank, world, splits, configs):
         bounds = [[0, 20, 45, 64], [0, 64]] if world == 2 else [[0, 7, 40, 64]]
         pos = packed_positions(bounds, 64)
         cfg = (len(bounds), 64, 8, 2, 64)
-        if r == 1:
-            check_cp(attn, dims, cfg, f"{impl} packed documents", pos=pos, bounds=bounds)
-            done.append(f"{impl} packed")
-        else:
-            with pytest.raises(ValueError, match="use --cp-impl ulysses or --no-pack"):
-                attn.prepare(shard_sequence(pos, dims, rank, None))
+        check_cp(attn, dims, cfg, f"{impl} packed documents", pos=pos, bounds=bounds)
+        done.append(f"{impl} packed")
 
         if u > 1:  # the layer refuses head counts resolve_cp would have refused
             q = torch.zeros(1, 8, u + 1, 64)
@@ -132,7 +129,7 @@ CONFIGS_4 = [
 @pytest.mark.timeout(180)
 def test_cp_two_ranks():
     done = run_ranks(_cp_ranks, 2, [(2, 1), (1, 2)], CONFIGS_2)
-    assert len(done[0]) == 2 * (len(CONFIGS_2) + 1) + 1  # every config ran on both impls
+    assert len(done[0]) == 2 * (len(CONFIGS_2) + 2)  # every config ran on both impls
 
 
 @pytest.mark.timeout(240)

@@ -6,6 +6,10 @@ and 128: `forward` matches torch's `F.scaled_dot_product_attention` (out) and a 
 blocks, merged by log-sum-exp (`parallel.ring._merge`) and differentiated block by block with the
 global out/lse (what ring attention does) gives the full result; bf16 stays within 2e-2 of the
 float64 reference (bf16 has 8 mantissa bits); causal with unequal q/kv lengths is refused.
+Masks: a boolean `mask` matches SDPA with that mask (rows with no visible key: out 0, lse -inf, no
+gradient, nothing NaN), document-masked K/V blocks merged by log-sum-exp and differentiated with
+the GLOBAL out/lse give the packed result, `_merge` of empty rows stays finite, and `attention(window=)`
+(tiled or not, with documents) matches SDPA with transformers' sliding-window mask (i - w < j <= i).
 
 Run: .venv/bin/python -m pytest -q tests/test_kernels.py
 """
@@ -143,3 +147,113 @@ def test_refusals_and_backend_choice():
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         kernels.forward(q, k[:, :, :1].expand(1, 16, 3, 64), v, False, 1.0)
     assert kernels.pick_backend(q) == "cpu"
+
+
+# --- masks, documents and sliding windows ------------------------------------------------------
+
+def masked_ref(q, k, v, keep, scale):
+    """SDPA with a boolean mask; rows with no visible key give 0 (and no gradient)."""
+    dead = ~keep.any(-1)                                            # [B or 1, Sq]
+    t = lambda x: x.transpose(1, 2)
+    out = t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=(keep | dead[..., None])[:, None],
+                                           scale=scale, enable_gqa=True))
+    return out.masked_fill(dead[:, :, None, None], 0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("shape, batch_mask", [(SHAPES[1], True), (SHAPES[3], True), (SHAPES[3], False)], ids=str)
+def test_masked_kernel_vs_sdpa(backend, shape, batch_mask):
+    """A random mask with empty rows: out 0, lse -inf, zero gradients there, SDPA elsewhere."""
+    q, k, v = qkv(shape, seed=5)
+    b, sq, sk = shape[:3]
+    keep = torch.rand(b if batch_mask else 1, sq, sk, generator=torch.Generator().manual_seed(6)) < 0.3
+    keep[:, 3] = False                                               # an empty row
+    scale = shape[-1] ** -0.5
+    ref = masked_ref(q, k, v, keep, scale)
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    out, lse = kernels.forward(q, k, v, False, scale, backend=backend, mask=keep)
+    close(out, ref, "masked out")
+    assert (out[:, 3] == 0).all() and (lse[:, :, 3] == float("-inf")).all(), "empty row: out 0, lse -inf"
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(g, 2)) * scale
+    close(lse.double(), torch.logsumexp(s.masked_fill(~keep[:, None], float("-inf")), -1), "masked lse")
+    mine = kernels.backward(dout, q, k, v, out, lse, False, scale, backend=backend, mask=keep)
+    for name, a, want in zip(("dq", "dk", "dv"), mine, grads):
+        assert torch.isfinite(a).all(), name
+        close(a, want, f"masked {name}")
+    assert (mine[0][:, 3] == 0).all(), "empty row: dq 0"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_blockwise_documents_with_global_lse(backend):
+    """Packed causal attention as a ring computes it: two masked K/V blocks per query row, merged by
+    log-sum-exp, differentiated block by block with the GLOBAL out/lse; some rows see nothing in a
+    block (their document lies wholly in the other one)."""
+    from parallel import masks
+    b, s, h, hkv, d, c = 2, 48, 8, 2, 64, 24
+    q, k, v = qkv((b, s, s, h, hkv, d), seed=7)
+    pos = torch.cat([torch.arange(20), torch.arange(28)])[None].repeat(2, 1)   # row 0: docs [0,20), [20,48)
+    pos[1] = torch.cat([torch.arange(1), torch.arange(30), torch.arange(17)])  # row 1: a 1-token doc first
+    doc, idx = masks.document_ids(pos), torch.arange(s)
+    keep = masks.keep(idx, idx, doc, doc)
+    ref = masked_ref(q, k, v, keep, 0.125)
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    blocks = [slice(0, c), slice(c, s)]
+    out = torch.zeros(q.shape)
+    lse = torch.full((b, h, s), float("-inf"))
+    for ks in blocks:
+        _merge(out, lse, *kernels.forward(q, k[:, ks], v[:, ks], False, 0.125, backend=backend, mask=keep[:, :, ks]))
+    close(out, ref.detach(), "merged out")
+    assert torch.isfinite(lse).all()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for ks in blocks:
+        a, g, e = kernels.backward(dout, q, k[:, ks], v[:, ks], out, lse, False, 0.125, backend=backend,
+                                   mask=keep[:, :, ks])
+        dq += a
+        dk[:, ks] += g
+        dv[:, ks] += e
+    for name, a, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        close(a, want, f"blockwise documents {name}")
+
+
+def test_merge_of_empty_rows_stays_finite():
+    out, lse = torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), float("-inf"))
+    _merge(out, lse, torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), float("-inf")))
+    assert (out == 0).all() and (lse == float("-inf")).all(), "no key yet: out 0, lse -inf, no NaN"
+    block = torch.randn(1, 4, 2, 8)
+    _merge(out, lse, block, torch.zeros(1, 2, 4))
+    close(out, block, "first real block")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("window, docs", [(1, None), (5, None), (70, None), (149, None), (400, None),
+                                          (6, [[0, 1, 40, 150], [0, 150]])], ids=str)
+def test_sliding_window_attention(backend, window, docs):
+    """Query i sees keys i - window < j <= i (transformers' rule) inside its document, tiled or not."""
+    q, k, v = qkv((2, 150, 150, 4, 2, 32), seed=8)
+    i, j = torch.arange(150)[:, None], torch.arange(150)[None]
+    keep = ((j <= i) & (i - j < window))[None].repeat(2, 1, 1)
+    for b, row in enumerate(docs or []):
+        doc = torch.repeat_interleave(torch.arange(len(row) - 1), torch.tensor(row).diff())
+        keep[b] &= doc[:, None] == doc[None]
+    ref = masked_ref(q, k, v, keep, 0.2)
+    out = kernels.attention(q, k, v, True, 0.2, docs=docs, window=window, backend=backend)
+    dout = torch.randn_like(ref)
+    close(out, ref, f"window {window} out")
+    for name, a, want in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
+                             torch.autograd.grad(ref, (q, k, v), dout)):
+        close(a, want, f"window {window} {name}")
+
+
+def test_window_and_mask_refusals():
+    q, k, v = qkv((1, 8, 8, 4, 2, 64))
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=f"sliding window {bad!r} needs causal attention and a positive"):
+            kernels.attention(q, k, v, True, 1.0, window=bad)
+    with pytest.raises(ValueError, match="needs causal attention"):
+        kernels.attention(q, k, v, False, 1.0, window=4)
+    with pytest.raises(ValueError, match=r"mask must be bool \[B or 1, Sq, Sk\] = \[1, 8, 8\], got \[1, 8, 7\]"):
+        kernels.forward(q, k, v, False, 1.0, mask=torch.ones(1, 8, 7, dtype=torch.bool))

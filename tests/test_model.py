@@ -7,7 +7,9 @@ a tied-embedding model), saved sharded by transformers, `model.from_pretrained` 
 scaling matters; both config formats (classic `rope_theta`/`rope_scaling` and `rope_parameters`)
 load; missing directory / config / tensors and unsupported architectures raise clear errors.
 
-Also a single-file checkpoint (model.safetensors without an index).
+Also a single-file checkpoint (model.safetensors without an index), and sliding windows shorter
+than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwen with the window
+switched off) give transformers' logits within 1e-5, whole rows and packed ones.
 
 Run: .venv/bin/python -m pytest -q tests/test_model.py
 """
@@ -38,6 +40,16 @@ FAMILIES = {
     "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=24),
     "mistral": lambda: T.MistralConfig(**COMMON, sliding_window=None),
     "tied": lambda: T.Qwen2Config(**COMMON, tie_word_embeddings=True),
+}
+# Sliding windows shorter than the 37-token rows: family -> (config, the window of each layer).
+WINDOWED = {
+    "mistral_window8": (lambda: T.MistralConfig(**COMMON, sliding_window=8), [8, 8]),
+    "qwen2_max_window_layers": (lambda: T.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5,
+                                                      max_window_layers=1), [None, 5]),
+    "qwen3_layer_types": (lambda: T.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=7,
+                                                layer_types=["sliding_attention", "full_attention"]), [7, None]),
+    "qwen2_window_off": (lambda: T.Qwen2Config(**COMMON, use_sliding_window=False, sliding_window=5,
+                                               max_window_layers=0), [None, None]),
 }
 
 
@@ -76,6 +88,41 @@ def test_logits_match_transformers(family, tmp_path):
         out = ours(ids, position_ids=pos)
     assert out.shape == ref.shape
     assert rel(out, ref) < 1e-5, f"{family}: relative error {rel(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_logits_match_transformers(family, tmp_path):
+    """Per-layer windows read like transformers (Mistral's sliding_window; Qwen's use_sliding_window
+    with max_window_layers or layer_types) and the logits match it, in a whole row and in a packed one."""
+    make, windows = WINDOWED[family]
+    hf = save_checkpoint(make(), tmp_path)
+    ours = model.from_pretrained(str(tmp_path)).eval()
+    assert [blk.self_attn.window for blk in ours.model.layers] == windows, family
+    ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(37).expand(2, 37) + torch.tensor([[1500], [0]])
+    with torch.no_grad():
+        ref, out = hf(input_ids=ids, position_ids=pos).logits, ours(ids, position_ids=pos)
+        assert rel(out, ref) < 1e-5, f"{family}: relative error {rel(out, ref):.2e}"
+        if any(windows):   # the window matters here: full attention would be far off
+            for blk in ours.model.layers:
+                blk.self_attn.window = None
+            assert rel(ours(ids, position_ids=pos), ref) > 1e-3, f"{family}: window has no effect"
+            for blk, w in zip(ours.model.layers, windows):
+                blk.self_attn.window = w
+        # Packed row: two documents, each as transformers computes it alone.
+        packed = torch.cat([torch.arange(15), torch.arange(22)])[None]
+        want = torch.cat([hf(input_ids=ids[:1, :15]).logits, hf(input_ids=ids[:1, 15:]).logits], 1)
+        got = ours(ids[:1], position_ids=packed)
+        assert rel(got, want) < 1e-5, f"{family} packed: relative error {rel(got, want):.2e}"
+
+
+def test_window_config_errors():
+    with pytest.raises(ValueError, match="sliding_window 0 must be a positive number of tokens"):
+        model.ModelArgs(sliding_window=0)
+    with pytest.raises(ValueError, match="layer_types must name .* each of the 2 layers, got 1 entries"):
+        model.ModelArgs(n_layers=2, sliding_window=4, layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match=r"got 2 entries \['chunked_attention'\]"):
+        model.ModelArgs(n_layers=2, sliding_window=4, layer_types=["chunked_attention", "full_attention"])
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2_yarn"])

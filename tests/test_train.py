@@ -34,8 +34,11 @@ LOSS_ATOL, NORM_RTOL, ADAPTER_RTOL = 1e-4, 1e-4, 1e-3
 
 FOUR_RANK = {   # out-dir name -> layout flags
     "cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--save-every", "2"],
-    "cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"],
-    "cp4_auto": ["--cp", "4"],
+    # --pack is the default everywhere: with 2 samples per micro-batch a row holds 2 documents, which ring
+    # and hybrid attention must keep apart
+    "cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
+    "cp4_auto_hybrid_pack_mb2": ["--cp", "4", "--micro-batch", "2"],
+    "cp4_ring_pack_mb2": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "2"],
     "dp4": ["--dp-shard", "4"],
     "dp4_mb2": ["--dp-shard", "4", "--micro-batch", "2"],
     "hsdp_rep2_dp2": ["--dp-replicate", "2", "--dp-shard", "2"],
@@ -53,7 +56,6 @@ FOUR_RANK_ERRORS = {
     "world size": (["--cp", "2", "--dp-shard", "1"], ["--dp-shard 1 × --cp 2 = 2", "world size is 4"]),
     "max-len below cp divisor": (["--cp", "4", "--cp-impl", "ring", "--max-len", "6"],
                                  ["--max-len 6", "CP divisor 8"]),
-    "pack with ring": (["--cp", "2", "--cp-impl", "ring", "--pack"], ["--pack", "ring attention", "--no-pack"]),
     "ulysses heads": (["--cp", "4", "--cp-impl", "ulysses"],
                       ["6 attention heads are not divisible by the Ulysses degree 4", "--cp-impl ring"]),
 }

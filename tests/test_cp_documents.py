@@ -1,0 +1,166 @@
+"""Packed documents and sliding windows under every CP layout equal torch's masked attention.
+
+Pins, for zigzag ring (P=2, P=4), the 2×2 hybrid (ulysses 2 × ring 2) and Ulysses (P=2, P=4): on
+every rank, attention over packed rows (documents that cross shard and chunk boundaries, a row that
+is one document, documents of length 1, GQA 8/2 and MQA, a length that needs padding) with and
+without a sliding window (1, shorter than a chunk, spanning chunks, longer than the row) is sharded
+with `shard_sequence`, run through `cp_attention`, gathered, and out, dQ, dK, dV match
+`F.scaled_dot_product_attention` with an explicit boolean mask (same document, j <= i,
+i - j < window) in float64 at 1e-10. A window with nothing packed takes the ring's mask path too;
+with window 1 the ring calls the kernel for its diagonal block only (the rest are skipped, the P2P
+traffic is unchanged, nothing hangs). A tiny float64 model with a sliding layer and a full one on
+packed rows gives, under ring 2 and Ulysses 2, the one-process loss and (summed) gradients.
+
+Run: .venv/bin/python -m pytest -q tests/test_cp_documents.py
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel import kernels
+from parallel.cp import cp_attention, gather_sequence, shard_sequence
+from parallel.mesh import ParallelDims
+from tests.dist import run_ranks
+
+TOL = dict(atol=1e-10, rtol=1e-10)
+
+
+def masked_sdpa(q, k, v, scale, bounds, window):
+    """torch SDPA with the boolean mask written out: same document, causal, inside the window."""
+    b, s = q.shape[:2]
+    doc = torch.zeros(b, s, dtype=torch.long)
+    for r, row in enumerate(bounds):
+        for n, (x, y) in enumerate(zip(row[:-1], row[1:])):
+            doc[r, x:y] = n
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    keep = (j <= i) & (doc[:, :, None] == doc[:, None, :])
+    if window is not None:
+        keep = keep & (i - j < window)
+    t = lambda x: x.transpose(1, 2)
+    return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=keep[:, None], scale=scale,
+                                            enable_gqa=True))
+
+
+def positions(bounds, s):
+    pos = torch.empty(len(bounds), s, dtype=torch.long)
+    for r, row in enumerate(bounds):
+        for x, y in zip(row[:-1], row[1:]):
+            pos[r, x:y] = torch.arange(y - x) + 3 * x   # any jump starts a document, not only 0
+    return pos
+
+
+def check(attn, dims, heads, bounds, window, label):
+    rank, group = dist.get_rank(attn.cp_group), attn.cp_group
+    h, hkv, d = heads
+    b, s = len(bounds), bounds[0][-1]
+    g = torch.Generator().manual_seed(s * 7 + h + (window or 0))
+    q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64).requires_grad_()
+               for n in (h, hkv, hkv))
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    ref = masked_sdpa(q, k, v, d ** -0.5, bounds, window)
+    want = [ref.detach(), *torch.autograd.grad(ref, (q, k, v), dout)]
+
+    local = [shard_sequence(x.detach(), dims, rank, 0.0).requires_grad_() for x in (q, k, v)]
+    meta = attn.prepare(shard_sequence(positions(bounds, s), dims, rank, None))
+    out = attn(*local, meta, d ** -0.5, window=window)
+    out.backward(shard_sequence(dout, dims, rank, 0.0))
+    for name, ref_x, mine in zip(("out", "dq", "dk", "dv"), want, [out.detach()] + [x.grad for x in local]):
+        full = gather_sequence(mine, group, dims, s)
+        assert torch.isfinite(full).all(), f"{label} {name}: not finite"
+        torch.testing.assert_close(full, ref_x, **TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+# Rows of 64 tokens: on 4 ring ranks the 8 chunks are [0,8), [8,16), ...; on 2 ring ranks [0,16), ...
+PACKED = [[0, 1, 13, 14, 15, 40, 64],   # length-1 documents (first token, 13, 14), crossings of 8/16
+          [0, 64]]                      # a row that is one document
+MANY = [[0, 3, 9, 10, 27, 33, 50, 51, 61]]   # 61 tokens: padded to 64, padding joins the last document
+WINDOWS = [None, 1, 5, 20, 100]
+
+
+def _ranks(rank, world, splits):
+    done = []
+    for u, r in splits:
+        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
+        attn = cp_attention(dims.build_mesh("cpu"), dims)
+        impl = "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+        for window in WINDOWS:
+            for heads in ((8, 2, 16), (4, 1, 32)):   # GQA, MQA
+                label = f"{impl} u{u}×r{r} H,Hkv,D={heads} window={window}"
+                check(attn, dims, heads, PACKED, window, f"{label} packed")
+                done.append(f"{label} packed")
+            check(attn, dims, (8, 2, 16), MANY, window, f"{label} many docs, padded")
+            done.append(f"{label} many")
+            if window is not None:   # one document per row: only the window masks
+                check(attn, dims, (8, 2, 16), [[0, 64], [0, 64]], window, f"{label} unpacked")
+                done.append(f"{label} unpacked")
+        if r > 1:  # window 1 leaves visible pairs in the diagonal block only: every other one is skipped
+            calls, plain = [], kernels.forward
+            kernels.forward = lambda *a, c=calls, f=plain, **kw: c.append(kw.get("mask") is not None) or f(*a, **kw)
+            try:
+                check(attn, dims, (8, 2, 16), PACKED, 1, f"{impl} window 1 skips")
+            finally:
+                kernels.forward = plain
+            assert calls == [True], f"{impl}: kernel calls (masked?) {calls}, want one masked diagonal"
+    return done
+
+
+@pytest.mark.timeout(240)
+def test_documents_and_windows_two_ranks():
+    done = run_ranks(_ranks, 2, [(1, 2), (2, 1)], timeout=220)
+    assert done[0] == done[1]
+    assert sum("ring u1×r2" in x for x in done[0]) == len(WINDOWS) * 3 + len(WINDOWS) - 1
+
+
+@pytest.mark.timeout(300)
+def test_documents_and_windows_four_ranks():
+    done = run_ranks(_ranks, 4, [(1, 4), (2, 2), (4, 1)], timeout=280)
+    assert all(d == done[0] for d in done)
+    for impl in ("ring u1×r4", "hybrid u2×r2", "ulysses u4×r1"):
+        assert sum(impl in x for x in done[0]) == len(WINDOWS) * 4 - 1, impl
+
+
+def _model_ranks(rank, world, splits):
+    """A sliding-window model (layer 0 slides, layer 1 full) on packed rows: loss and every gradient
+    of the CP run (summed over ranks) equal the one-process run."""
+    from model import ModelArgs, Transformer
+    args = ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     intermediate_size=48, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (2, 45), generator=g)
+    labels = torch.randint(0, 64, (2, 45), generator=g)
+    labels[:, :4] = -100
+    pos = positions([[0, 13, 14, 45], [0, 45]], 45)
+    torch.manual_seed(0)
+    ref_model = Transformer(args).double()
+    ref_loss, ref_n = ref_model(ids, position_ids=pos, labels=labels)
+    ref_loss.backward()
+    done = []
+    for u, r in splits:
+        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
+        meshes = dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        m = Transformer(args, attention=cp_attention(meshes, dims)).double()
+        loss, n = m(shard_sequence(ids, dims, rank, 0), position_ids=shard_sequence(pos, dims, rank, None),
+                    labels=shard_sequence(labels, dims, rank, -100))
+        loss.backward()
+        group = meshes.cp.get_group()
+        stats = torch.stack([loss.detach(), torch.as_tensor(n, dtype=torch.float64)])
+        dist.all_reduce(stats, group=group)
+        label = f"model u{u}×r{r}"
+        torch.testing.assert_close(stats, torch.stack([ref_loss.detach(), torch.as_tensor(ref_n, dtype=torch.float64)]),
+                                   rtol=1e-6, atol=1e-6, msg=lambda msg, x=label: f"{x} loss, tokens: {msg}")
+        for (name, p), (_, want) in zip(m.named_parameters(), ref_model.named_parameters()):
+            dist.all_reduce(p.grad, group=group)
+            # loss.py sums the loss and forms its fused gradient in float32: float32 round-off
+            torch.testing.assert_close(p.grad, want.grad, atol=1e-6, rtol=1e-5,
+                                       msg=lambda msg, n=name, x=label: f"{x} grad {n}: {msg}")
+        done.append(label)
+    return done
+
+
+@pytest.mark.timeout(180)
+def test_sliding_window_model_cp_equals_one_process():
+    done = run_ranks(_model_ranks, 2, [(1, 2), (2, 1)], timeout=160)
+    assert done == [["model u1×r2", "model u2×r1"]] * 2
