@@ -145,13 +145,43 @@ def test_plan_does_not_fit_names_the_fix():
 
 @pytest.mark.parametrize("flags, pattern", [
     (["--cp", "8", "--cp-impl", "ulysses"], r"28 attention heads are not divisible by the Ulysses degree 8"),
-    (["--cp", "8", "--cp-impl", "ring", "--pack"], r"--pack needs attention that honours document boundaries"),
+    (["--cp", "8", "--lr", "nan"], r"--lr must be a finite number"),
     (["--cp", "3"], r"cannot infer --dp-shard: world size 8"),
     (["--cp", "2", "--global-batch", "6"], r"--global-batch 6 must be a multiple of"),
 ])
 def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
     with pytest.raises(ValueError, match=pattern):   # what the run raises; train.py's CLI prints "error: ..."
         run_plan("--model", Q7, "--max-len", "131072", "--world-size", "8", "--gpu-mem", "80", *flags)
+
+
+# bad configurations of a 1-rank run on the demo-sized fixture: train.py and --plan must refuse each alike
+SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--max-len", "1"],
+                 ["--global-batch", "6", "--micro-batch", "4"], ["--lr", "inf"], ["--steps", "0"],
+                 ["--lora-alpha", "0"], ["--lora-targets", "q_proj,nope"], ["--lora-dropout", "1"],
+                 ["--timeout", "-1"]]
+
+
+@pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))
+def test_run_and_plan_refuse_the_same_configurations(assets, tmp_path, flags):
+    from tests.helpers import startup_error, train_argv
+
+    argv = train_argv(assets, str(tmp_path / "out"), *flags)
+    run_msg = startup_error(argv)
+    with pytest.raises(ValueError) as e:
+        run_plan(*argv)
+    assert str(e.value) == run_msg
+
+
+def test_help_lists_run_flags_and_plan_help_planner_flags(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    run_help = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.main(["--plan", "--help"])
+    plan_help = capsys.readouterr().out
+    for flag in ("--suggest", "--gpu-mem", "--world-size"):
+        assert flag not in run_help and flag in plan_help, flag
+    assert "--lr" in run_help and "--max-len" in plan_help
 
 
 def _listed(out):
