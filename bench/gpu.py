@@ -133,6 +133,8 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
         del tensors
     with open(stamp_path, "w") as f:
         json.dump(stamp, f)
+    if device == "cuda":   # the runs are other processes: leave them the memory
+        torch.cuda.empty_cache()
     ckpt = os.path.join(work, f"ckpt-{layers}l")
     os.makedirs(ckpt, exist_ok=True)
     for name in set(weight_map.values()):
