@@ -208,9 +208,9 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _like(ref, x):
-    """x with ref's strides (a copy only when they differ)."""
-    return x if x.stride() == ref.stride() else torch.empty_strided(
-        ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    """x with ref's strides (a copy only when they differ on a dim longer than 1)."""
+    same = all(a == b for n, a, b in zip(ref.shape, ref.stride(), x.stride()) if n > 1)
+    return x if same else torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):

@@ -145,3 +145,13 @@ def test_shape_errors_are_not_swallowed(flaky):
     with pytest.raises(ValueError, match="causal attention needs equal q/kv lengths"):
         kernels.forward(q, k[:, :8], v[:, :8], True, 0.125)
     assert flaky == [], "checked before any backend runs"
+
+
+def test_like_copies_only_on_a_layout_change():
+    q = torch.randn(1, 8, 4, 16)[:, 4:]               # a ring-style slice: batch stride of the parent
+    out = torch.randn(1, 4, 4, 16)                    # same layout but for the size-1 batch dim
+    assert kernels._like(q, out) is out
+    dout = torch.randn(1, 4, 16, 4).transpose(2, 3)   # [B, S, H, D] with H and D swapped in memory
+    moved = kernels._like(q, dout)
+    assert moved is not dout and moved.stride()[1:] == q.stride()[1:]
+    torch.testing.assert_close(moved, dout, rtol=0, atol=0)
