@@ -15,14 +15,15 @@ Contract:
   native GQA; the fastest on an H200), "flash_attn" (flash-attn 2, CUDA, fp16/bf16, native GQA),
   "sdpa_cuda" (torch's flash op, native GQA; its memory-efficient op for float32, expanded K/V),
   "cpu" (torch's CPU flash op, expanded K/V, the group summed back in dk/dv) and "reference"
-  (float64 matmul + softmax, for tests). Inputs are passed as [B, H, S, D] views of the
-  [B, S, H, D] tensors: no layout copies.
+  (float64 matmul + softmax, for tests). The CUDA ops get [B, H, S, D] views of the [B, S, H, D]
+  tensors and ring blocks are slices of them: no layout copies (float32 and CPU still expand K/V).
 - Choice: `backend=` names one (no fallback, what the tests pin); otherwise `backend_order` ranks
   the backends that accept this device, dtype, head dim and shape, and a backend that raises at
   run time for a shape is skipped for that shape from then on (logged once, rank 0).
 - `attention(q, k, v, causal, scale, docs=None)` is the differentiable wrapper. `docs` holds, per
   batch row, the document boundaries [0, s1, ..., S] of a packed row; tokens then attend only inside
-  their own document (flash_attn_varlen on CUDA, one kernel call per document elsewhere).
+  their own document (flash_attn_varlen when flash-attn is installed, `pick_backend(varlen=True)`;
+  one kernel call per document elsewhere).
 """
 
 from __future__ import annotations
