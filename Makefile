@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 NPROC   ?= 4
 
-.PHONY: install install-gpu test test-gpu demo lint bench plot clean
+.PHONY: install install-gpu test test-gpu demo lint bench bench-gpu plot clean
 
 install: $(STAMP)
 
@@ -27,8 +27,23 @@ install-gpu: install
 test: install
 	$(PY) -m pytest -q tests --ignore=tests/gpu
 
-test-gpu: install
-	$(PY) -m pytest -q tests/gpu
+# test-gpu and bench-gpu: on a machine whose python3 already imports a CUDA torch, that python3 runs
+# them as is (no venv, no download: GPU machines may have no network, and their python3 may itself be a
+# venv, which `python3 -m venv --system-site-packages` would not see through). Optional packages
+# missing there (bitsandbytes, liger-kernel) come as wheels in the ignored .whl/ folder:
+#   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+#   PYTHONPATH=/tmp/site:. make test-gpu bench-gpu           (bench/gpu_session.sh does all of it)
+# Anywhere else they run in .venv (`make install` first); bench-gpu then runs its CPU smoke mode.
+HOST_CUDA = python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null
+
+test-gpu:
+	@if $(HOST_CUDA); then echo "python3 with CUDA torch"; python3 -m pytest -q tests/gpu; \
+	else $(MAKE) install && $(PY) -m pytest -q tests/gpu; fi
+
+# One GPU: this trainer vs HF + bitsandbytes + peft (+ Liger), 32k x 28 layers and 128k x 8 layers,
+# under 8 minutes; writes bench/gpu-results.json. ARGS passes flags, e.g. ARGS="--case 128k".
+bench-gpu:
+	@if $(HOST_CUDA); then python3 bench/gpu.py $(ARGS); else $(MAKE) install && $(PY) bench/gpu.py $(ARGS); fi
 
 demo: install
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2

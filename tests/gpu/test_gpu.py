@@ -2,9 +2,12 @@
 
 Pins, on one CUDA device (skipped as a whole module elsewhere; `make test` does not collect this
 folder, `make test-gpu` does):
-- every CUDA attention backend (flash-attn when installed, torch's fused SDPA ops) gives out, lse and
-  gradients against the float64 reference (bf16 tolerance), and the blockwise backward with the
-  GLOBAL out/lse (ring attention's assumption) sums to the full gradients, bf16 and float32;
+- every CUDA attention backend (cuDNN on sm90+, flash-attn when installed, torch's fused SDPA ops)
+  gives out, lse and gradients against the float64 reference (bf16 tolerance), MHA/GQA/MQA, and the
+  blockwise backward with the GLOBAL out/lse (ring attention's assumption) sums to the full
+  gradients, bf16 and float32 (cuDNN and flash-attn: bf16 only), with ring-style strided slices;
+- the automatic choice on this device (cuDNN first on Hopper/Blackwell) and that `attention`
+  (auto) fwd+bwd is within 1.05x of the fastest torch SDPA backend at the issue-10 shape;
 - the document-masked path (flash_attn_varlen or per-document calls) against per-document SDPA;
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
@@ -29,7 +32,10 @@ from parallel import kernels  # noqa: E402
 from parallel.ring import _merge  # noqa: E402
 
 DEV = "cuda"
-BACKENDS = [b for b in ("flash_attn", "sdpa_cuda") if b != "flash_attn" or kernels._fa is not None]
+HOPPER = torch.cuda.get_device_capability() >= (9, 0)
+BACKENDS = (["cudnn"] if HOPPER and kernels._cudnn_usable() else []) + \
+    (["flash_attn"] if kernels._fa is not None else []) + ["sdpa_cuda"]
+HALF_ONLY = ("cudnn", "flash_attn")
 
 
 def qkv(b, s, h, hkv, d, dtype=torch.bfloat16, seed=0):
@@ -40,7 +46,8 @@ def qkv(b, s, h, hkv, d, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(2, 256, 8, 8, 64), (1, 512, 8, 2, 128), (1, 128, 4, 1, 64)])
+@pytest.mark.parametrize("shape", [(2, 256, 8, 8, 64), (1, 512, 8, 2, 128), (1, 128, 4, 1, 64),
+                                   (1, 384, 28, 4, 128)])
 def test_cuda_backend_vs_reference(backend, shape):
     q, k, v = qkv(*shape)
     scale = shape[-1] ** -0.5
@@ -70,7 +77,7 @@ def test_cuda_blockwise_merge(backend):
 
 
 @pytest.mark.parametrize("backend, dtype", [(b, d) for b in BACKENDS for d in (torch.bfloat16, torch.float32)
-                                            if not (b == "flash_attn" and d == torch.float32)])  # no fp32 flash
+                                            if not (b in HALF_ONLY and d == torch.float32)])  # no fp32 cuDNN/flash
 def test_cuda_blockwise_backward_with_global_lse(backend, dtype):
     """What ring attention does: each K/V half differentiated with the GLOBAL out/lse; the sums of
     dQ and the halves' dK/dV equal the full attention's gradients (float64 reference)."""
@@ -92,6 +99,104 @@ def test_cuda_blockwise_backward_with_global_lse(backend, dtype):
     torch.testing.assert_close(dq.double(), rq, **tol, msg="dq")
     torch.testing.assert_close(torch.cat(dks, 1).double(), rk, **tol, msg="dk")
     torch.testing.assert_close(torch.cat(dvs, 1).double(), rv, **tol, msg="dv")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_ring_blocks_causal_bf16(backend):
+    """Causal attention as the zigzag ring computes it, on strided slices of one tensor (no copies):
+    the causal diagonal of each half, the off-diagonal block merged by lse, then every block's
+    backward with the GLOBAL out/lse of its rows; all against the float64 reference."""
+    q, k, v = qkv(1, 512, 28, 4, 128, seed=2)
+    scale, c = 128 ** -0.5, 256
+    qd, kd, vd = q.double(), k.double(), v.double()
+    rout, rlse = kernels.forward(qd, kd, vd, True, scale, backend="reference")
+    dout = torch.randn_like(q)
+    rq, rk, rv = kernels.backward(dout.double(), qd, kd, vd, rout, rlse, True, scale, backend="reference")
+
+    out, lse = kernels.forward(q, k, v, True, scale, backend=backend)   # rows [0, c) are final here
+    out, lse = out.float(), lse.float().contiguous()
+    o2, l2 = kernels.forward(q[:, c:], k[:, c:], v[:, c:], True, scale, backend=backend)
+    o2, l2 = o2.float(), l2.float().contiguous()
+    _merge(o2, l2, *kernels.forward(q[:, c:], k[:, :c], v[:, :c], False, scale, backend=backend))
+    out[:, c:], lse[:, :, c:] = o2, l2
+    torch.testing.assert_close(out.double(), rout, atol=2e-2, rtol=2e-2, msg=f"{backend} merged out")
+    torch.testing.assert_close(lse.double(), rlse, atol=1e-2, rtol=1e-3, msg=f"{backend} merged lse")
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=DEV) for x in (q, k, v))
+    for qs, ks, causal in [(slice(0, c), slice(0, c), True), (slice(c, None), slice(c, None), True),
+                           (slice(c, None), slice(0, c), False)]:
+        a, b, d = kernels.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs],
+                                   causal, scale, backend=backend)
+        dq[:, qs] += a
+        dk[:, ks] += b
+        dv[:, ks] += d
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), (rq, rk, rv)):
+        torch.testing.assert_close(g.double(), r, atol=5e-2, rtol=5e-2, msg=f"{backend} ring {name}")
+
+
+def test_cuda_auto_choice_and_autograd():
+    """The automatic choice on this device, and `attention` (auto, autograd) against the reference."""
+    q, k, v = qkv(1, 1024, 28, 4, 128, seed=3)
+    want = "cudnn" if "cudnn" in BACKENDS else ("flash_attn" if "flash_attn" in BACKENDS else "sdpa_cuda")
+    assert kernels.pick_backend(q) == want, (torch.cuda.get_device_name(), kernels.candidates(q))
+    assert kernels.pick_backend(q.float()) == "sdpa_cuda"
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = kernels.attention(q, k, v, True, 128 ** -0.5)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (x.detach().double() for x in (q, k, v))
+    rout, rlse = kernels.forward(qd, kd, vd, True, 128 ** -0.5, backend="reference")
+    rgrads = kernels.backward(dout.double(), qd, kd, vd, rout, rlse, True, 128 ** -0.5, backend="reference")
+    torch.testing.assert_close(out.double(), rout, atol=2e-2, rtol=2e-2, msg="auto out")
+    for name, g, r in zip("qkv", grads, rgrads):
+        assert torch.isfinite(g).all(), f"auto d{name} finite"
+        torch.testing.assert_close(g.double(), r, atol=5e-2, rtol=5e-2, msg=f"auto d{name}")
+
+
+def _ms(fn, iters=5, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the issue-10 speed goal is set on Hopper")
+def test_cuda_attention_speed_vs_best_sdpa():
+    """kernels.attention fwd+bwd within 1.05x of the fastest torch SDPA backend (enable_gqa) at
+    1 x 32,768 tokens, 28 query / 4 KV heads, head_dim 128, bf16, causal (issue 10's shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (x.requires_grad_() for x in qkv(1, 32768, 28, 4, 128, seed=4))
+    dout = torch.randn_like(q)
+    t = lambda x: x.transpose(1, 2)
+
+    def ours():
+        kernels.attention(q, k, v, True, 128 ** -0.5).backward(dout)
+
+    def sdpa(kind):
+        def run():
+            with sdpa_kernel([kind]):
+                t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, enable_gqa=True)).backward(dout)
+        return run
+
+    peers = {}
+    for kind in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            peers[kind.name] = _ms(sdpa(kind))
+        except RuntimeError:   # a backend that does not take this shape (e.g. GQA) is no peer
+            pass
+    mine = _ms(ours)
+    best = min(peers.values())
+    print(f"\nattention fwd+bwd ms: ours {mine:.1f} ({kernels.pick_backend(q)}), "
+          + ", ".join(f"{n} {ms:.1f}" for n, ms in peers.items()))
+    assert mine <= 1.05 * best, (mine, peers)
 
 
 def test_cuda_documents():

@@ -1,0 +1,403 @@
+"""One-GPU benchmark, side by side in one invocation: this trainer vs HF + bitsandbytes + peft (+ Liger).
+
+Per case it writes a random-init checkpoint from a config in bench/configs (bf16 safetensors, one
+shard per decoder layer plus one for embeddings/norm/lm_head, so a case with fewer layers links the
+shards it needs; a reduced layer count also cuts transformers' `layer_types`) with the demo
+tokenizer, and a JSONL of random-token texts. Every run then trains on the same token ids, one
+sample of --tokens tokens per step, NF4 base weights, LoRA r 16 / alpha 32 on all seven projections,
+activation (gradient) checkpointing, AdamW, grad-norm clip 1.0:
+- ours:  `train.py` (a subprocess; s/step and peak from its metrics.jsonl);
+- hf:    transformers `from_pretrained` + BitsAndBytesConfig NF4 + peft + gradient checkpointing,
+         `.train()` (from_pretrained returns eval mode, where HF skips checkpointing), SDPA;
+- liger: the same model with `apply_liger_kernel_to_<model_type>` (fused linear cross-entropy,
+         RMSNorm, SwiGLU, RoPE) applied after the hf row, in the same process (no second load).
+liger-kernel is an optional benchmark-only dependency: when it is not importable the row is skipped
+with the reason. Each run: 1 warm-up step, then the median of the timed steps; tokens/s; peak
+allocated GB (ours and hf: the whole process, load included; liger: from its first step); the
+tokens/s ratio of each run to each other run. Results go to bench/gpu-results.json after every run.
+
+Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped
+there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force).
+--budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
+would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
+in seconds on CPU (float32, no quantization: bitsandbytes NF4 and Liger need CUDA), which
+tests/test_bench_gpu.py runs so this script cannot rot.
+
+Run: make bench-gpu                       (all cases; on a GPU machine: PYTHONPATH=/tmp/site:. make bench-gpu)
+     python bench/gpu.py --case 128k --runs ours,liger
+     python bench/gpu.py --smoke          (CPU, seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CASES = {"32k": (32768, None), "128k": (131072, 8)}   # tokens, layers (None: all)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=2048)
+HF_128K_REASON = "HF without Liger materializes [tokens, vocab] logits (80 GB fp32 at 128k); --runs to force"
+
+
+# ----------------------------------------------------------------------------- checkpoint + data
+
+def cut_layers(cfg: dict, layers: int) -> dict:
+    """The config with its first `layers` decoder layers: num_hidden_layers, and transformers'
+    per-layer lists (`layer_types`) cut to match, or loading refuses the mismatch."""
+    cfg = dict(cfg, num_hidden_layers=layers)
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    if "max_window_layers" in cfg:
+        cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    return cfg
+
+
+def _tensors(margs, layer, gen, dtype, device):
+    """HF-named random tensors of one decoder layer (layer >= 0) or of the non-layer weights (-1)."""
+    d, h, kv, hd, f = margs.dim, margs.n_heads, margs.n_kv_heads, margs.head_dim, margs.intermediate_size
+    w = lambda *s: (torch.randn(*s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+    one, zero = (lambda n: torch.ones(n, dtype=dtype)), (lambda n: torch.zeros(n, dtype=dtype))
+    if layer < 0:
+        out = {"model.embed_tokens.weight": w(margs.vocab_size, d), "model.norm.weight": one(d)}
+        if not margs.tie_embeddings:
+            out["lm_head.weight"] = w(margs.vocab_size, d)
+        return out
+    p = f"model.layers.{layer}."
+    out = {p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(kv * hd, d),
+           p + "self_attn.v_proj.weight": w(kv * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
+           p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+           p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": one(d),
+           p + "post_attention_layernorm.weight": one(d)}
+    for name, n, on in (("q", h * hd, margs.qkv_bias), ("k", kv * hd, margs.qkv_bias),
+                        ("v", kv * hd, margs.qkv_bias), ("o", d, margs.o_bias)):
+        if on:
+            out[p + f"self_attn.{name}_proj.bias"] = zero(n)
+    if margs.mlp_bias:
+        out.update({p + f"mlp.{n}.bias": zero(s) for n, s in (("gate_proj", f), ("up_proj", f), ("down_proj", d))})
+    if margs.qk_norm:
+        out.update({p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd)})
+    return out
+
+
+def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke: bool) -> str:
+    """Random-init checkpoint dir for `layers` layers; shards are shared between cases (cached)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from data.demo import make_demo
+    from model.config import ModelArgs
+
+    cfg = dict(base_cfg, **(SMOKE_DIMS if smoke else {}))
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cfg.update(torch_dtype=str(dtype).split(".")[1], use_cache=False,
+               max_position_embeddings=max(cfg.get("max_position_embeddings", 0), tokens))
+    cfg.pop("dtype", None)
+    demo_model, _, _ = make_demo(os.path.join(work, "demo_assets"))
+    tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
+    cfg.update(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    margs = ModelArgs.from_config_dict(cfg)
+    shards = os.path.join(work, "shards")
+    os.makedirs(shards, exist_ok=True)
+    stamp_path = os.path.join(shards, "stamp.json")
+    stamp = {k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "layer_types", "max_window_layers")}
+    old = json.load(open(stamp_path)) if os.path.isfile(stamp_path) else None
+    if old != stamp:   # another config: every shard is stale
+        for f in os.listdir(shards):
+            os.remove(os.path.join(shards, f))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight_map = {}
+    for layer in [-1, *range(layers)]:
+        name = "rest.safetensors" if layer < 0 else f"layer-{layer:03d}.safetensors"
+        path = os.path.join(shards, name)
+        tensors = _tensors(margs, layer, gen, dtype, device)
+        if not os.path.isfile(path):
+            tmp = path + ".tmp"
+            save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
+            os.replace(tmp, path)
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    if device == "cuda":   # the runs are other processes: leave them the memory
+        torch.cuda.empty_cache()
+    ckpt = os.path.join(work, f"ckpt-{layers}l")
+    os.makedirs(ckpt, exist_ok=True)
+    for name in set(weight_map.values()):
+        link = os.path.join(ckpt, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join("..", "shards", name), link)
+    with open(os.path.join(ckpt, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(cut_layers(cfg, layers), f, indent=1)
+    tok.save_pretrained(ckpt)
+    return ckpt
+
+
+def write_data(ckpt: str, tokens: int, n: int, path: str) -> list[list[int]]:
+    """`n` texts of random tokens, each at least `tokens` long after re-encoding; returns the ids
+    every run trains on (the trainer's own tokenization truncated to `tokens`)."""
+    from data import load_jsonl, load_tokenizer, tokenize_records
+
+    tok = load_tokenizer(ckpt)
+    g = torch.Generator().manual_seed(1)
+    lo, hi = len(tok.all_special_ids) + 1, len(tok)
+    with open(path, "w") as f:
+        for _ in range(n):
+            text = ""
+            while len(tok(text, add_special_tokens=False)["input_ids"]) < tokens:
+                text += tok.decode(torch.randint(lo, hi, (tokens // 4 + 64,), generator=g).tolist())
+            f.write(json.dumps({"text": text}) + "\n")
+    samples, _ = tokenize_records(load_jsonl(path), tok, tokens, path)
+    ids = [s["input_ids"] for s in samples]
+    assert len(ids) == n and all(len(x) == tokens for x in ids), [len(x) for x in ids]
+    return ids
+
+
+# ----------------------------------------------------------------------------- runs
+
+def peak_gb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def run_ours(spec: dict, out: str, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", spec["ckpt"], "--data", spec["data"],
+           "--max-len", str(spec["tokens"]), "--global-batch", "1", "--steps", str(spec["steps"]),
+           "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16", "--lora-alpha", "32",
+           "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress"]
+    subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]
+    return dict(times=times, peak_gb=max(r["peak_mem_gb"] for r in rows), loss=rows[-1]["loss"])
+
+
+def peer_main(spec_path: str):
+    """HF + bnb + peft (+ Liger) in this process; writes {row: result} next to the spec."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    spec = json.load(open(spec_path))
+    ids = json.load(open(spec["ids"]))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    kw = dict(dtype=torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32, attn_implementation="sdpa")
+    if spec["quant"] == "nf4":
+        kw.update(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_compute_dtype=torch.bfloat16),
+                  device_map={"": 0})
+    model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], **kw)
+    if spec["quant"] != "nf4":
+        model.to(device)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
+                                             task_type="CAUSAL_LM"))
+    model.train()   # from_pretrained returns eval mode, where HF skips gradient checkpointing
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = {}
+    for row in spec["rows"]:
+        if row == "liger":
+            import liger_kernel.transformers as lk
+            base = model.get_base_model()
+            getattr(lk, f"apply_liger_kernel_to_{base.config.model_type}")(model=base)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        opt = torch.optim.AdamW(params, lr=2e-4)
+        times, loss = [], None
+        for step in range(spec["steps"]):
+            x = torch.tensor([ids[step % len(ids)]], device=device)
+            t0 = time.perf_counter()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = loss.item()   # waits for the device
+            times.append(time.perf_counter() - t0)
+        results[row] = dict(times=times, peak_gb=peak_gb(device), loss=loss)
+        del opt
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        json.dump(results, open(spec["result"], "w"))
+
+
+def run_peers(spec: dict, rows: list[str], work: str, timeout: float) -> dict:
+    """The peer rows in one subprocess; rows it did not finish carry the error."""
+    spec = dict(spec, rows=rows, ids=os.path.join(work, "ids.json"), result=os.path.join(work, "peer-result.json"))
+    json.dump(spec.pop("ids_list"), open(spec["ids"], "w"))
+    path = os.path.join(work, "peer-spec.json")
+    json.dump(spec, open(path, "w"))
+    if os.path.exists(spec["result"]):
+        os.remove(spec["result"])
+    error = "did not run"
+    try:
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--peer", path], check=True, timeout=timeout,
+                       cwd=ROOT)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        error = f"{type(e).__name__} (see the log above): {e}"
+    done = json.load(open(spec["result"])) if os.path.exists(spec["result"]) else {}
+    return {r: done.get(r, {"error": error}) for r in rows}
+
+
+def liger_missing() -> str | None:
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as e:
+        return f"liger-kernel is not importable ({e}); it is an optional benchmark-only dependency"
+    return None if torch.cuda.is_available() else "Liger's Triton kernels need CUDA"
+
+
+# ----------------------------------------------------------------------------- main
+
+def summarize(rows: dict, warmup: int, tokens: int) -> None:
+    done = {n: r for n, r in rows.items() if "times" in r}
+    for r in done.values():
+        timed = r["times"][warmup:] or r["times"]
+        r["s_per_step"] = statistics.median(timed)
+        r["tokens_per_s"] = tokens / r["s_per_step"]
+    for n, r in done.items():
+        r["ratio"] = {p: r["tokens_per_s"] / q["tokens_per_s"] for p, q in done.items() if p != n}
+
+
+def print_case(name: str, case: dict) -> None:
+    rows = case["rows"]
+    peers = [n for n in rows if "tokens_per_s" in rows[n]]
+    print(f"\ncase {name}: {case['tokens']:,} tokens, {case['layers']} layers, {case['quant']}, {case['dtype']}, "
+          f"{case['warmup']} warm-up + {case['steps'] - case['warmup']} timed steps; ours uses attention "
+          f"{case['attention']}", flush=True)
+    print("| run | s/step | tokens/s | peak alloc GB | " + " | ".join(f"vs {p}" for p in peers) + " |")
+    print("|---|---|---|---|" + "---|" * len(peers))
+    for n, r in rows.items():
+        if "tokens_per_s" not in r:
+            print(f"| {n} | skipped: {r.get('skipped', r.get('error'))} |")
+            continue
+        ratios = " | ".join("" if p == n else f"{r['ratio'][p]:.2f}x" for p in peers)
+        print(f"| {n} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_gb']:.1f} | {ratios} |", flush=True)
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for dist in ("transformers", "peft", "bitsandbytes", "liger-kernel", "flash-attn"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    if torch.cuda.is_available():
+        out["cuda"], out["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", default="all", choices=["32k", "128k", "all"], help="which case(s) to run")
+    ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
+    ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
+    ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
+    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger (default: all; 128k: ours,liger)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--timed", type=int, default=None, help="timed steps (default 3 at 32k, 2 at 128k)")
+    ap.add_argument("--budget", type=float, default=470.0, help="wall-clock cap in seconds for the whole script")
+    ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-gpu"), help="checkpoints and run dirs")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu-results.json"), help="results JSON")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU-sized configuration (forced without CUDA)")
+    ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)   # internal: run the HF peers of a spec
+    args = ap.parse_args(argv)
+    if args.peer:
+        return peer_main(args.peer)
+    t_start = time.time()
+    cuda = torch.cuda.is_available()
+    smoke = args.smoke or not cuda
+    if smoke:
+        print("smoke mode: " + ("--smoke" if cuda else "no CUDA") + ": tiny config, CPU, float32, no quantization",
+              flush=True)
+    from model.config import ModelArgs
+    from parallel import kernels
+    base_cfg = json.load(open(os.path.join(args.config, "config.json")))
+    cases = list(CASES) if args.case == "all" else [args.case]
+    if smoke:
+        cases = ["32k"]
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
+               "device": torch.cuda.get_device_name() if cuda and not smoke else "cpu",
+               "config": os.path.basename(os.path.normpath(args.config)), "versions": versions(), "cases": {}}
+    for name in cases:
+        tokens, layers = CASES[name]
+        tokens = args.tokens or (128 if smoke else tokens)
+        layers = args.layers or (2 if smoke else (layers or base_cfg["num_hidden_layers"]))
+        timed = args.timed or (2 if smoke or name == "128k" else 3)
+        steps = args.warmup + timed
+        runs = args.runs.split(",") if args.runs else ["ours", "hf", "liger"]
+        work = os.path.join(args.work, name)
+        os.makedirs(work, exist_ok=True)
+        ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)
+        data = os.path.join(work, "data.jsonl")
+        ids = write_data(ckpt, tokens, steps, data)
+        margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
+        quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")
+        attention = kernels.backend_order(
+            "cuda" if not smoke else "cpu", torch.bfloat16 if not smoke else torch.float32, margs.head_dim,
+            tokens, tokens, torch.cuda.get_device_capability() if cuda and not smoke else (0, 0),
+            cuda and not smoke and kernels._cudnn_usable(), kernels._fa is not None)[0]
+        case = dict(tokens=tokens, layers=layers, quant=quant, dtype=dtype, warmup=args.warmup, steps=steps,
+                    attention=attention, rows={})
+        results["cases"][name] = case
+        print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
+        spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
+        rows = case["rows"]
+        rows.update({r: {} for r in ("ours", "hf", "liger") if r in runs})   # table order
+        why_liger = liger_missing()
+        peers = []
+        for row in ("ours", "hf", "liger"):
+            if row not in runs:
+                continue
+            if row == "hf" and name == "128k" and not args.runs:
+                rows[row] = {"skipped": HF_128K_REASON}
+            elif row == "liger" and why_liger:
+                rows[row] = {"skipped": why_liger}
+                print(f"liger row skipped: {why_liger}", flush=True)
+            elif row != "ours":
+                peers.append(row)
+        for group in [["ours"]] * ("ours" in runs) + [peers] * bool(peers):
+            left = args.budget - (time.time() - t_start)
+            if left < 10:
+                rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
+            elif group == ["ours"]:
+                try:
+                    rows["ours"] = run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left)
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                    rows["ours"] = {"error": f"{type(e).__name__} (see the log above): {e}"}
+            else:
+                rows.update(run_peers(spec, group, work, left))
+            summarize(rows, args.warmup, tokens)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        print_case(name, case)
+    results["wall_s"] = round(time.time() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.out} after {results['wall_s']:.0f}s", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

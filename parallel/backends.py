@@ -1,0 +1,189 @@
+"""The attention backends behind `parallel.kernels`: each a forward -> (out, lse) and a backward that
+accepts a GLOBAL out/lse, over [B, S, H, D] tensors (see kernels.py for the contract and the choice).
+
+- "reference": float64 matmul + softmax (tests). "cpu": torch's CPU flash op. "sdpa_cuda": torch's
+  flash op (fp16/bf16, GQA as is) or memory-efficient op (float32, or an additive bias). "cudnn":
+  torch's cuDNN attention op. "flash_attn": flash-attn 2 when installed. The ops that need it get
+  expanded K/V, and the group's gradients are summed back in dk/dv.
+- `bias`: an additive 0/-inf [B, H, Sq, Sk] mask, taken by "reference", "cpu" and "sdpa_cuda".
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: flash-attn 2 (CUDA only)
+    from flash_attn import flash_attn_interface as _fa
+except ImportError:  # pragma: no cover - depends on the install
+    _fa = None
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(x, n_heads):
+    """[B, S, Hkv, D] -> [B, S, H, D]; a view when Hkv == H, one copy otherwise."""
+    b, s, hkv, d = x.shape
+    g = n_heads // hkv
+    return x if g == 1 else x[:, :, :, None].expand(b, s, hkv, g, d).reshape(b, s, n_heads, d)
+
+
+def _sum_groups(dx, n_kv_heads):
+    """[B, S, H, D] -> [B, S, Hkv, D]: gradients of a KV head summed over its query group."""
+    b, s, h, d = dx.shape
+    return dx if h == n_kv_heads else dx.view(b, s, n_kv_heads, h // n_kv_heads, d).sum(3)
+
+
+def _t(x):
+    return x.transpose(1, 2)  # [B, S, H, D] <-> [B, H, S, D], a view
+
+
+# --- float64 reference -------------------------------------------------------------------------
+
+def _ref_probs(q, k, causal, scale, lse=None, bias=None):
+    qf, kf = _t(q).double(), _t(_expand_kv(k, q.shape[2])).double()
+    s = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse.double()[..., None]), lse
+
+
+def _ref_forward(q, k, v, causal, scale, bias=None):
+    p, lse = _ref_probs(q, k, causal, scale, bias=bias)
+    out = p @ _t(_expand_kv(v, q.shape[2])).double()
+    return _t(out).to(q.dtype), lse.to(_lse_dtype(q))
+
+
+def _ref_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
+    p, _ = _ref_probs(q, k, causal, scale, lse, bias)
+    do, o = _t(dout).double(), _t(out).double()
+    kf, vf = (_t(_expand_kv(x, q.shape[2])).double() for x in (k, v))
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ _t(q).double()) * scale
+    hkv = k.shape[2]
+    return (_t(dq).to(q.dtype), _sum_groups(_t(dk), hkv).to(k.dtype), _sum_groups(_t(dv), hkv).to(v.dtype))
+
+
+# --- torch CPU flash op ------------------------------------------------------------------------
+
+def _cpu_forward(q, k, v, causal, scale, bias=None):
+    h = q.shape[2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _t(q), _t(_expand_kv(k, h)), _t(_expand_kv(v, h)), 0.0, causal, attn_mask=bias, scale=scale)
+    return _t(out), lse.to(_lse_dtype(q))
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
+    h, hkv = q.shape[2], k.shape[2]
+    # The op only reads lse (and out, for rowsum(dout·out)), so global ones from a ring work.
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _t(dout), _t(q), _t(_expand_kv(k, h)), _t(_expand_kv(v, h)), _t(out),
+        lse.to(_lse_dtype(q)).contiguous(), 0.0, causal, attn_mask=bias, scale=scale)
+    return _t(dq), _sum_groups(_t(dk), hkv), _sum_groups(_t(dv), hkv)
+
+
+# --- torch fused CUDA ops ----------------------------------------------------------------------
+
+def _cuda_forward(q, k, v, causal, scale, bias=None):
+    sq = q.shape[1]
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):  # the flash op takes GQA as is
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            _t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)[:2]
+    else:
+        h = q.shape[2]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            _t(q), _t(_expand_kv(k, h)), _t(_expand_kv(v, h)), bias, True, 0.0, causal, scale=scale)[:2]
+    return _t(out), lse[..., :sq].float()  # the efficient kernel pads lse to a multiple of 32
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
+    h, hkv, sq, sk = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    lse = lse.float().contiguous()
+    seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout is 0: never read
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        # [B, H, S, D] views of [B, S, H, D] storage: the op turns them back into BSHD, which is
+        # what the kernel wants, so no copy is made here (ring blocks are slices of one tensor).
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            _t(dout), _t(q), _t(k), _t(v), _t(out), lse, None, None, sq, sk, 0.0, causal, seed, offset,
+            scale=scale)
+        return _t(dq), _t(dk), _t(dv)
+    args = [_t(x).contiguous() for x in (dout, q, _expand_kv(k, h), _expand_kv(v, h), out)]
+    lse = F.pad(lse, (0, -sq % 32))  # the efficient kernel reads lse in tiles of 32 rows
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        *args[:4], bias, args[4], lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return _t(dq), _sum_groups(_t(dk), hkv), _sum_groups(_t(dv), hkv)
+
+
+# --- cuDNN attention through torch (GQA native; out/lse may be global: torch's own ring CP does it)
+
+def _cudnn_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _t(q), _t(k), _t(v), None, True, 0.0, causal, False, scale=scale)[:2]
+    # out is allocated in q's memory layout (BSHD here); lse is [B, H, S, 1] (older torch: [B, H, S])
+    return _t(out), (lse.squeeze(-1) if lse.dim() == 4 else lse).float()
+
+
+def _like(ref, x):
+    """x with ref's strides (a copy only when they differ on a dim longer than 1)."""
+    same = all(a == b for n, a, b in zip(ref.shape, ref.stride(), x.stride()) if n > 1)
+    return x if same else torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    # torch caches the cuDNN graph by q/k/v layout, so o and dO always get q's strides; lse is
+    # always a fresh contiguous [B, H, S, 1] (ring passes slices of the global one).
+    out, dout = _like(q, out), _like(q, dout)
+    lse = lse.float().contiguous().unsqueeze(-1)
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset, dropout is 0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _t(dout), _t(q), _t(k), _t(v), _t(out), lse, unused, unused, None, None, None,
+        q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+    return _t(dq), _t(dk), _t(dv)
+
+
+# --- flash-attn 2 (signatures moved between releases: pass by name what the installed one takes)
+
+def _params(fn):
+    try:
+        return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fa_kwargs(fn, causal, scale):
+    opts = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
+                window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                return_softmax=False, deterministic=False, rng_state=None)
+    names = _params(fn)
+    if names is None:  # a compiled op without a Python signature: the 2.6+ layout
+        names = {"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
+                 "softcap", "alibi_slopes", "return_softmax", "deterministic", "rng_state"}
+    return {n: val for n, val in opts.items() if n in names}
+
+
+def _fa_forward(q, k, v, causal, scale):
+    fn = _fa._flash_attn_forward
+    res = fn(q.contiguous(), k.contiguous(), v.contiguous(), **_fa_kwargs(fn, causal, scale))
+    # 2.6+: (out, lse, S_dmask, rng_state); before: (out, q, k, v, out_padded, lse, S_dmask, rng)
+    out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+    return out, lse
+
+
+def _fa_backward(dout, q, k, v, out, lse, causal, scale):
+    q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fn = _fa._flash_attn_backward
+    fn(dout, q, k, v, out, lse.float().contiguous(), dq, dk, dv, **_fa_kwargs(fn, causal, scale))
+    return dq, dk, dv

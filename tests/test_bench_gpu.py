@@ -1,0 +1,64 @@
+"""bench/gpu.py cannot rot: its CPU smoke mode runs end to end and writes the results JSON.
+
+Pins:
+- `cut_layers` sets num_hidden_layers and cuts transformers' `layer_types` (and max_window_layers);
+- `python bench/gpu.py --smoke` on a copy of the Qwen2.5-7B bench config that carries a 28-entry
+  `layer_types` (what transformers 5 writes): the checkpoint written for the tiny 2-layer case has a
+  2-entry list (HF's loader refuses a mismatch, so the hf row passing shows it too), our trainer and
+  HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
+  s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
+  either measured or skipped with a reason.
+
+Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import gpu as bench_gpu  # noqa: E402
+
+
+def test_cut_layers():
+    cfg = {"num_hidden_layers": 28, "layer_types": ["full_attention"] * 28, "max_window_layers": 28, "x": 1}
+    cut = bench_gpu.cut_layers(cfg, 8)
+    assert cut == {"num_hidden_layers": 8, "layer_types": ["full_attention"] * 8, "max_window_layers": 8, "x": 1}
+    assert cfg["num_hidden_layers"] == 28, "the input is not modified"
+    assert bench_gpu.cut_layers({"num_hidden_layers": 4}, 2) == {"num_hidden_layers": 2}
+
+
+@pytest.mark.timeout(400)
+def test_smoke_mode_writes_results(tmp_path):
+    cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "res.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--config",
+                           str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["smoke"] is True and res["versions"]["torch"]
+    case = res["cases"]["32k"]
+    assert (case["tokens"], case["layers"], case["warmup"], case["steps"]) == (128, 2, 1, 3), case
+    written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))
+    assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
+    rows = case["rows"]
+    assert list(rows) == ["ours", "hf", "liger"], rows
+    for name in ("ours", "hf"):
+        r = rows[name]
+        assert "error" not in r, (name, r, proc.stdout[-3000:])
+        assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
+        assert abs(r["tokens_per_s"] - 128 / r["s_per_step"]) < 1e-6, (name, r)
+    assert rows["ours"]["ratio"]["hf"] == pytest.approx(rows["ours"]["tokens_per_s"] / rows["hf"]["tokens_per_s"])
+    assert rows["hf"]["ratio"]["ours"] == pytest.approx(1 / rows["ours"]["ratio"]["hf"])
+    assert "s_per_step" in rows["liger"] or rows["liger"]["skipped"], rows["liger"]
+    assert "| ours |" in proc.stdout and "| hf |" in proc.stdout, proc.stdout[-2000:]
