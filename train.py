@@ -34,7 +34,7 @@ from data.demo import make_demo
 from data.jsonl import check_file
 from data.tokens import load_samples, load_tokenizer
 from loss import IGNORE_INDEX
-from model.config import LORA_TARGETS
+from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args
 from parallel import guard, runs
 from parallel.cp import cp_attention, shard_sequence
@@ -227,7 +227,6 @@ def main(argv=None):
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
             log0(f"eval_loss before training {evaluate(model, *eval_args):.6f}")
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, disable=rank > 0 or args.no_progress)
-        flops_per_token = 6 * margs.n_params  # forward + backward matmuls, dense estimate
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
 
         # --------------------------------------------------------------------- loop
@@ -241,9 +240,10 @@ def main(argv=None):
             micro = [to_local([samples[i] for i in idx]) for idx in idxs]
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
-            n_tok = sum(len(samples[i]["input_ids"]) for idx in idxs for i in idx) if cp_rank == 0 else 0
-            counts = torch.tensor([sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab in micro), n_tok],
-                                  dtype=torch.float64, device=device)
+            lens = [len(samples[i]["input_ids"]) for idx in idxs for i in idx] if cp_rank == 0 else []
+            counts = torch.tensor([sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab in micro), sum(lens),
+                                   sum(n * flops_per_token(margs, n) for n in lens)], dtype=torch.float64,
+                                  device=device)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -266,11 +266,12 @@ def main(argv=None):
             mem = torch.tensor([peak_memory_gb(device)], device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
-            rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr,
-                       tokens=tokens, tokens_per_s=round(tokens / dt_step, 1), peak_mem_gb=round(mem.item(), 3),
+            rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,
+                       tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
+                       step_time_s=round(dt_step, 3), peak_mem_gb=round(mem.item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped)
-            if peak_tflops:
-                rec["mfu"] = round(flops_per_token * tokens / dt_step / (world * peak_tflops * 1e12), 4)
+            if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample
+                rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 wd.phase("eval", step + 1)
                 rec["eval_loss"] = round(evaluate(model, *eval_args), 6)
