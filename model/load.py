@@ -97,8 +97,9 @@ class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
         index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            files = sorted(set(_read_json(index)["weight_map"].values()))
+        wmap = _read_json(index)["weight_map"] if os.path.isfile(index) else None   # authoritative if present
+        if wmap is not None:
+            files = sorted(set(wmap.values()))
             for fn in files:
                 if not os.path.isfile(os.path.join(path, fn)):
                     raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {index}, is missing; "
@@ -109,10 +110,15 @@ class CheckpointReader:
                 raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with "
                                         "transformers' save_pretrained(safe_serialization=True)")
         self.where, self.meta = {}, {}
-        for fn in (os.path.join(path, f) for f in files):
+        for f in files:
+            fn = os.path.join(path, f)
             header, _ = read_header(fn)
-            self.meta.update(header)
-            self.where.update(dict.fromkeys(header, fn))
+            names = header if wmap is None else [n for n, v in wmap.items() if v == f]
+            for n in names:
+                if n not in header:
+                    raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
+                                                 "re-download the checkpoint")
+                self.meta[n], self.where[n] = header[n], fn
         self._fds = {}
 
     def check(self, names):
