@@ -6,7 +6,8 @@ Contract:
   `adapter_config.json`, which `peft.PeftModel.from_pretrained` loads on the transformers model of
   the same checkpoint.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
-  bf16 safetensors) with W' = W + (alpha / r) · B @ A for every adapted projection. With quant="nf4"
+  bf16 safetensors in the base's file layout + model.safetensors.index.json) with
+  W' = W + (alpha / r) · B @ A for every adapted projection, streamed one base file at a time. With quant="nf4"
   every block Linear weight (adapted or not) is the dequantized NF4 weight, i.e. exactly the base
   the adapter was trained against.
 """
@@ -51,6 +52,9 @@ def _is_nf4(name: str, w: torch.Tensor) -> bool:
 
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
           dtype: torch.dtype = torch.bfloat16, log=None) -> None:
+    """Shard by shard: read one base safetensors file, fold in the deltas of its tensors, write it
+    under the same name, drop it; then model.safetensors.index.json. Peak host memory is one shard
+    (plus one float32 tensor in flight) and the adapter, never the whole model."""
     if quant not in ("nf4", "none"):
         raise ValueError(f"quant must be nf4 or none, got {quant!r}")
     if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
@@ -68,29 +72,39 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         name, which = k.removeprefix("base_model.model.").rsplit(".lora_", 1)
         pairs.setdefault(name + ".weight", {})[which.split(".")[0]] = v.float()
     reader = CheckpointReader(base_path)
-    os.makedirs(out_dir, exist_ok=True)
-    out = {}
-    names = sorted(reader.where)
-    if log:
-        log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}), {len(names)} tensors")
-    for i, name in enumerate(names):
-        if log and (i + 1) % max(1, len(names) // 10) == 0:
-            log(f"{i + 1}/{len(names)} tensors")
-        w = reader.get(name).float()
-        if quant == "nf4" and _is_nf4(name, w):
-            # every block Linear was 4-bit in training (apply_nf4), adapted or not
-            packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
-            w = dequantize_4bit(packed, st).float()
-        if name in pairs:
-            w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
-        out[name] = w.to(dtype).contiguous()
-    reader.close()
-    missing = sorted(set(pairs) - set(out))
-    if missing:
+    missing = sorted(set(pairs) - set(reader.where))
+    if missing:   # before anything is written
         raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")
+    files = {}
+    for name in sorted(reader.where):
+        files.setdefault(reader.where[name], []).append(name)
+    os.makedirs(out_dir, exist_ok=True)
     if log:
-        log(f"writing {sum(t.numel() for t in out.values()) / 1e6:.1f}M parameters as {dtype}")
-    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}), {len(reader.where)} "
+            f"tensors in {len(files)} files")
+    weight_map, total = {}, 0
+    for i, (fn, names) in enumerate(sorted(files.items())):
+        out = {}
+        for name in names:
+            w = reader.get(name).float()
+            if quant == "nf4" and _is_nf4(name, w):
+                # every block Linear was 4-bit in training (apply_nf4), adapted or not
+                packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+                w = dequantize_4bit(packed, st).float()
+            if name in pairs:
+                w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
+            out[name] = w.to(dtype).contiguous()
+            del w
+        base_name = os.path.basename(fn)
+        save_file(out, os.path.join(out_dir, base_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, base_name))
+        total += sum(t.numel() * t.element_size() for t in out.values())
+        del out
+        if log:
+            log(f"{i + 1}/{len(files)} files written ({total / 1e6:.0f} MB as {dtype})")
+    reader.close()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")

@@ -2,27 +2,38 @@
 
 Contract:
 - `read_args(path)` reads only `config.json` (cheap: safe before any weight is touched) and raises
-  `FileNotFoundError` / `ValueError` naming the path or the unsupported architecture.
+  `FileNotFoundError` / `ValueError` naming the path or the unsupported architecture; a file that is
+  not valid JSON names the file, line and column.
 - `CheckpointReader(path)` indexes the safetensors files (`model.safetensors.index.json` or
-  `model.safetensors`, or every `*.safetensors`) without reading tensor data; `check(names)` raises
-  naming every missing tensor; `get(name)` returns one tensor, read lazily from its file into
-  process memory (pread, not an mmap view), so a caller streaming tensor by tensor never holds
-  more than one.
+  `model.safetensors`, or every `*.safetensors`) by reading only their headers; a header that is cut
+  short or whose tensors run past the end of the file raises `CorruptCheckpointError` naming the file
+  (truncated or corrupt: re-download). `check(names)` raises naming every missing tensor;
+  `check_shapes({name: shape})` compares against the headers, naming tensor, file and both shapes.
+  `get(name)` reads one tensor, `get_rows(name, a, b)` only its dim-0 rows [a, b), and
+  `get_flat(name, a, b)` only its row-major elements [a, b): safetensors stores tensors row-major and
+  contiguous, so each is one pread(2) of a byte range into process memory (no mmap view stays mapped).
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
-  70B model), materialises it on `device` and copies every tensor in.
+  70B model), checks the shapes, materialises it on `device` and copies every tensor in.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
 
 from model.config import ModelArgs
 from model.llama import Transformer
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that cannot be what it claims: the message names the file and the fix."""
 
 
 def _check_dir(path: str):
@@ -36,43 +47,79 @@ def _check_dir(path: str):
     return cfg
 
 
+def _read_json(fn: str) -> dict:
+    with open(fn) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise CorruptCheckpointError(f"{fn}: line {e.lineno}, column {e.colno}: {e.msg}; the file is "
+                                         "not valid JSON: fix it or re-download it") from None
+
+
 def read_args(path: str) -> ModelArgs:
-    with open(_check_dir(path)) as f:
-        return ModelArgs.from_config_dict(json.load(f))
-
-
-def _open_unmapped(fn: str):
-    """safe_open that copies each tensor out with pread(2) instead of handing out mmap views.
-
-    With the default mmap backend every page a rank reads stays mapped, so counted in its RSS, until
-    the file is closed: each rank showed the whole checkpoint (every rank reads every full tensor to
-    quantize it). pread keeps one tensor at a time in private memory. safetensors < 0.8 has no
-    backend choice and falls back to mmap.
-    """
+    fn = _check_dir(path)
+    cfg = _read_json(fn)
     try:
-        return safe_open(fn, "pt", backend="pread")
-    except TypeError:
-        return safe_open(fn, "pt")
+        return ModelArgs.from_config_dict(cfg)
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{fn} lacks {e.args[0]!r}, which a Llama-family config.json "
+                                     "has; fix it or re-download it") from None
+
+
+def read_header(fn: str) -> tuple[dict, int]:
+    """{name: (dtype, shape, begin, end)} with absolute byte offsets, and the file size."""
+    bad = f"{fn} is truncated or corrupt; re-download it"
+    size = os.path.getsize(fn)
+    with open(fn, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise CorruptCheckpointError(f"{bad} (its {size}-byte file cannot hold the header it announces)")
+        try:
+            meta = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise CorruptCheckpointError(f"{bad} (its safetensors header is not valid JSON)") from None
+    out = {}
+    for name, t in meta.items():
+        if name == "__metadata__":
+            continue
+        if t.get("dtype") not in DTYPES:
+            raise CorruptCheckpointError(f"{fn}: tensor {name!r} has dtype {t.get('dtype')!r}, which this "
+                                         f"loader does not read ({', '.join(DTYPES)})")
+        begin, end = (8 + n + o for o in t["data_offsets"])
+        if end > size:
+            raise CorruptCheckpointError(f"{bad} (tensor {name!r} ends at byte {end}, the file has {size})")
+        out[name] = (DTYPES[t["dtype"]], tuple(t["shape"]), begin, end)
+    return out, size
 
 
 class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
         index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                self.where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        wmap = _read_json(index)["weight_map"] if os.path.isfile(index) else None   # authoritative if present
+        if wmap is not None:
+            files = sorted(set(wmap.values()))
+            for fn in files:
+                if not os.path.isfile(os.path.join(path, fn)):
+                    raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {index}, is missing; "
+                                            "re-download the checkpoint")
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with "
                                         "transformers' save_pretrained(safe_serialization=True)")
-            self.where = {}
-            for fn in files:
-                with safe_open(os.path.join(path, fn), "pt") as f:
-                    self.where.update(dict.fromkeys(f.keys(), os.path.join(path, fn)))
-        self._stack = ExitStack()
-        self._open = {}
+        self.where, self.meta = {}, {}
+        for f in files:
+            fn = os.path.join(path, f)
+            header, _ = read_header(fn)
+            names = header if wmap is None else [n for n, v in wmap.items() if v == f]
+            for n in names:
+                if n not in header:
+                    raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
+                                                 "re-download the checkpoint")
+                self.meta[n], self.where[n] = header[n], fn
+        self._fds = {}
 
     def check(self, names):
         missing = sorted(n for n in names if n not in self.where)
@@ -80,15 +127,49 @@ class CheckpointReader:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: "
                              f"{missing[:10]}{' ...' if len(missing) > 10 else ''}")
 
-    def get(self, name: str) -> torch.Tensor:
+    def check_shapes(self, shapes: dict):
+        """Raise naming every tensor whose header shape differs from the model's (from config.json)."""
+        bad = [f"{n} in {self.where[n]}: checkpoint {list(self.meta[n][1])}, config.json implies {list(s)}"
+               for n, s in shapes.items() if n in self.meta and tuple(self.meta[n][1]) != tuple(s)]
+        if bad:
+            raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for "
+                             "these weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+
+    def shape(self, name: str) -> tuple:
+        return self.meta[name][1]
+
+    def _read(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Elements [first, first + count) of the flattened tensor, one pread into fresh memory."""
+        dtype, _, begin, _ = self.meta[name]
+        isz = torch.empty((), dtype=dtype).element_size()
         fn = self.where[name]
-        if fn not in self._open:
-            self._open[fn] = self._stack.enter_context(_open_unmapped(fn))
-        return self._open[fn].get_tensor(name)
+        if fn not in self._fds:
+            self._fds[fn] = os.open(fn, os.O_RDONLY)
+        buf = torch.empty(count * isz, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < len(view):
+            got = os.preadv(self._fds[fn], [view[done:]], begin + first * isz + done)
+            if got == 0:
+                raise CorruptCheckpointError(f"{fn} is truncated or corrupt (reading {name!r}); re-download it")
+            done += got
+        return buf.view(dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        shape = self.meta[name][1]
+        return self._read(name, 0, torch.Size(shape).numel()).view(shape)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shape = self.meta[name][1]
+        row = torch.Size(shape[1:]).numel()
+        return self._read(name, start * row, (stop - start) * row).view(stop - start, *shape[1:])
+
+    def get_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._read(name, start, stop - start)
 
     def close(self):
-        self._stack.close()
-        self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def needed_names(model: torch.nn.Module) -> list[str]:
@@ -105,6 +186,7 @@ def from_pretrained(path: str, *, dtype: torch.dtype = torch.float32, device="cp
         model = Transformer(args, attention=attention)
     names = needed_names(model)
     reader.check(names)
+    reader.check_shapes({n: t.shape for n, t in [*model.named_parameters(), *model.named_buffers()]})
     model = model.to_empty(device=device).to(dtype)
     if args.tie_embeddings:    # to_empty keeps the tie only if re-pointed after materialisation
         model.lm_head.weight = model.model.embed_tokens.weight

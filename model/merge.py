@@ -8,7 +8,9 @@ W is the dequantized 4-bit base, i.e. exactly the weights the adapter was traine
 --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
 training run: train.py writes RUN/config.json (with "quant") next to RUN/adapter, so
 ADAPTER_DIR/../config.json decides; without that file the default is nf4 (train.py's default).
-Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR.
+Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR. The merge streams one
+base safetensors file at a time (same file names out, plus model.safetensors.index.json), so host memory
+peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
 """
 
 from __future__ import annotations

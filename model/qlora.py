@@ -4,11 +4,17 @@ Contract:
 - `apply_nf4(model, storage_dtype)` swaps every `nn.Linear` inside the decoder blocks for `NF4Linear`
   (a bitsandbytes `Linear4bit`, so peft dispatches its 4-bit LoRA layer). Runs on the meta device:
   nothing is quantized until `quantize_weight` is given the real tensor at load time.
-- The packed weight is a plain frozen `nn.Parameter` of shape [out·in / (2·itemsize), 1] typed as
+- The packed weight is a plain frozen `nn.Parameter` of shape [out·in / 64, 64 / (2·itemsize)] typed as
   `storage_dtype` (bf16 on CUDA, equal to FSDP2's parameter dtype so mixed precision never casts
-  the packed bits); FSDP2 shards it along dim 0 like any other parameter. The quantization state
-  (absmax, code, shape) lives on the module, so it survives FSDP2 swapping the parameter object on
-  every unshard; `NF4Linear.forward` always reads it from there.
+  the packed bits): one row per 64-weight NF4 block, so FSDP2's dim-0 shards hold whole blocks. The
+  per-block absmax, itself quantized to uint8 (bitsandbytes' nested statistics), is a second frozen
+  parameter `absmax` ([ceil(blocks / itemsize), 1], the uint8 codes viewed as `storage_dtype`), so
+  FSDP2 shards and all-gathers it with the codes. Only the small rest of the state (code books, the
+  offset, one fp32 scale per 256 blocks) stays on the module, replicated; `NF4Linear.state()` joins
+  it with the (all-gathered) absmax for bitsandbytes, in forward and backward alike.
+- Quantization state is never in a training checkpoint: both parameters are frozen and re-made from
+  the safetensors at load. `quantize_blocks` + `nest_absmax` equal one whole-tensor
+  `quantize_4bit(compress_statistics=True)` bit for bit, but let each rank quantize its own blocks.
 - `apply_lora(model, ...)` wraps the model with `peft.get_peft_model`; only LoRA parameters are
   trainable and they are float32. `init_lora(model, seed)` sets every LoRA tensor from a generator
   seeded by (seed, parameter name), computed in full on every rank and sliced to the local shard,
@@ -17,12 +23,13 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 
 import bitsandbytes as bnb
 import torch
-from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+from bitsandbytes.functional import QuantState, dequantize_4bit, get_4bit_type, quantize_4bit, quantize_blockwise
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -33,26 +40,42 @@ from model.llama import Transformer
 BLOCKSIZE = 64
 
 
-class NF4Linear(bnb.nn.Linear4bit):
-    """Linear4bit whose quant state is owned by the module and whose weight is the packed tensor."""
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
-    quant_state = None
+
+class NF4Linear(bnb.nn.Linear4bit):
+    """Linear4bit whose packed codes and absmax codes are parameters; the rest of the state is here."""
+
+    quant_state = None   # QuantState with absmax=None: code book, offset, nested fp32 scales (state2)
+
+    def state(self) -> QuantState:
+        """The full QuantState: inside forward FSDP2 has all-gathered `absmax`; outside it is gathered."""
+        st = copy.copy(self.quant_state)
+        st.absmax = _full(self.absmax).view(torch.uint8).view(-1)[: self.weight.shape[0]]
+        return st
 
     def forward(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        # bnb's autograd keeps only the packed weight for backward and dequantizes again there.
-        return bnb.matmul_4bit(x, self.weight, quant_state=self.quant_state, bias=bias)
+        # bnb's autograd keeps only the packed weight (and the state's views) and dequantizes again
+        # in backward; FSDP2 re-gathers into the same storage, so the absmax view is valid there too.
+        return bnb.matmul_4bit(x, self.weight.view(-1, 1), quant_state=self.state(), bias=bias)
 
     def dequantized(self) -> torch.Tensor:
-        w = self.weight.full_tensor() if isinstance(self.weight, DTensor) else self.weight
-        return dequantize_4bit(w.detach(), self.quant_state)
+        return dequantize_4bit(_full(self.weight).view(-1, 1), self.state())
 
 
-def packed_rows(out_f: int, in_f: int, storage_dtype: torch.dtype) -> int:
+def packed_shape(out_f: int, in_f: int, storage_dtype: torch.dtype) -> tuple[int, int]:
+    """[blocks, 4-bit values of one 64-block per storage element]: FSDP2 then shards whole blocks."""
     per_elem = 2 * torch.empty((), dtype=storage_dtype).element_size()   # 4-bit values per element
-    if (out_f * in_f) % per_elem:
-        raise ValueError(f"a {out_f}×{in_f} weight cannot be packed into {storage_dtype}")
-    return out_f * in_f // per_elem
+    if (out_f * in_f) % BLOCKSIZE:
+        raise ValueError(f"a {out_f}×{in_f} weight is not a whole number of {BLOCKSIZE}-weight NF4 blocks; "
+                         "use --quant none for this checkpoint")
+    return out_f * in_f // BLOCKSIZE, BLOCKSIZE // per_elem
+
+
+def absmax_rows(blocks: int, storage_dtype: torch.dtype) -> int:
+    return -(-blocks // torch.empty((), dtype=storage_dtype).element_size())
 
 
 def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
@@ -61,6 +84,7 @@ def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
             for name, lin in list(parent.named_children()):
                 if not isinstance(lin, nn.Linear):
                     continue
+                packed_shape(lin.out_features, lin.in_features, storage_dtype)   # refuse before any work
                 q = NF4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
                               compute_dtype=None, compress_statistics=True, quant_type="nf4",
                               quant_storage=storage_dtype, device=lin.weight.device)
@@ -71,25 +95,51 @@ def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
 
 
 def pack_nf4_weights(model: nn.Module) -> None:
-    """After peft saw the Params4bit weights: give each NF4Linear its packed-shape plain parameter."""
+    """After peft saw the Params4bit weights: give each NF4Linear its packed codes and absmax parameters."""
     for m in model.modules():
         if isinstance(m, NF4Linear):
-            dt = m.quant_storage
-            rows = packed_rows(m.out_features, m.in_features, dt)
-            m.weight = nn.Parameter(torch.empty(rows, 1, dtype=dt, device=m.weight.device),
+            dt, dev = m.quant_storage, m.weight.device
+            blocks, cols = packed_shape(m.out_features, m.in_features, dt)
+            m.weight = nn.Parameter(torch.empty(blocks, cols, dtype=dt, device=dev), requires_grad=False)
+            m.absmax = nn.Parameter(torch.empty(absmax_rows(blocks, dt), 1, dtype=dt, device=dev),
                                     requires_grad=False)
 
 
-def quantize_weight(m: NF4Linear, full: torch.Tensor, device) -> torch.Tensor:
-    """Quantize one full [out, in] weight on `device`; set the module's state; return packed bits."""
+def quantize_blocks(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NF4 codes (uint8, two per byte) and fp32 absmax of whole 64-blocks; blocks are independent."""
     # Always from float32: the bits then depend only on the checkpoint, not on the device or layout.
-    packed, state = quantize_4bit(full.to(device=device, dtype=torch.float32), blocksize=BLOCKSIZE,
-                                  compress_statistics=True, quant_type="nf4", quant_storage=m.quant_storage)
+    packed, st = quantize_4bit(flat.reshape(-1).float(), blocksize=BLOCKSIZE, compress_statistics=False,
+                               quant_type="nf4", quant_storage=torch.uint8)
+    return packed.view(-1), st.absmax
+
+
+def nest_absmax(m: NF4Linear, absmax: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' nested statistics over a layer's whole fp32 absmax (what quantize_4bit does with
+    compress_statistics=True); sets the module's replicated state, returns the uint8 absmax codes."""
+    offset = absmax.mean()
+    qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=256)
     # Dequantize (forward fallback and bnb's backward) straight into the storage/compute dtype: one
     # rounding either way, but no float32 [out, in] temporary on CUDA.
-    state.dtype = m.quant_storage
-    m.quant_state = state
-    return packed.view(-1, 1)
+    m.quant_state = QuantState(absmax=None, shape=torch.Size([m.out_features, m.in_features]),
+                               dtype=m.quant_storage, blocksize=BLOCKSIZE, quant_type="nf4", offset=offset,
+                               state2=state2, code=get_4bit_type("nf4", device=absmax.device))
+    return qabsmax
+
+
+def quantize_weight(m: NF4Linear, full: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize one full [out, in] weight on `device`: (packed codes, absmax codes) in the parameters'
+    global shapes; sets the module's state. The whole-tensor path, kept for load_weights(lean=False)."""
+    codes, absmax = quantize_blocks(full.to(device))
+    q = nest_absmax(m, absmax)
+    return codes.view(m.quant_storage).view(m.weight.shape), pad_absmax(m, q)
+
+
+def pad_absmax(m: NF4Linear, qabsmax: torch.Tensor) -> torch.Tensor:
+    rows = m.absmax.shape[0]
+    isz = torch.empty((), dtype=m.quant_storage).element_size()
+    out = torch.zeros(rows * isz, dtype=torch.uint8, device=qabsmax.device)
+    out[: qabsmax.numel()] = qabsmax
+    return out.view(m.quant_storage).view(rows, 1)
 
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS):

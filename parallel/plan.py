@@ -19,8 +19,9 @@ Persistent all step:
    elements that FSDP2 shards over W along dim 0 (padded: ceil(rows/W) rows). The quantization state of
    `quantize_4bit(blocksize=64, compress_statistics=True)` is one absmax per 64 weights, itself quantized to
    uint8 with one fp32 absmax per 256 of them: ceil(n/64) + 4·ceil(n/64/256) bytes (0.127 bits/weight), plus
-   16 + 256 fp32 code-book entries and an fp32 offset. It lives on the module, not in a parameter, so FSDP2
-   does NOT shard it: every rank holds it for every layer. none: n·e / W. Never quantized: embeddings,
+   16 + 256 fp32 code-book entries and an fp32 offset. The uint8 absmax codes are a parameter
+   ([ceil(n/64/e), 1] compute-dtype elements) that FSDP2 shards over W with the codes and all-gathers with
+   the block (term 5); only the fp32 rest is on the module, on every rank. none: n·e / W. Never quantized: embeddings,
    lm_head, norms, biases: e bytes per element / W.
 2. root unsharded. fully_shard(model) owns embed_tokens, the final norm and lm_head; FSDP2 never reshards the
    root after forward (backward needs it at once), so the full (V·D·(2, or 1 tied) + D)·e stays all step.
@@ -140,16 +141,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
     t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = L * shard(base[:7]) * e
-    if nf4:
-        t[f"quantization state (absmax, {L} blocks, NOT sharded)"] = L * sum(
-            quant_state_bytes(o * i) for o, i in shapes.values())
+    qa = [(-(-o * i // 64 // e), -(-o * i // 64 // e)) for o, i in shapes.values()] if nf4 else []
+    if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
+        t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
+            quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
     t[f"embeddings, lm_head, norms, biases shard (1/{W})"] = (shard(root) + L * shard(base[7:])) * e
     t["root unsharded all step (embed, lm_head, final norm)"] = full(root) * e
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
     t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
        f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
     t["activations: rope cos/sin"] = 2 * e * T * hd
-    blk = full(base) * e + full(lora) * el
+    blk = full(base + qa) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0

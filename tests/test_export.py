@@ -13,6 +13,9 @@ non-zero B so the adapter moves the logits):
   2-rank build, which test_qlora pins to the single-process one) within 1e-5: it holds
   dequant(NF4(W)) + scale·B@A and ours computes the same in float32. Also when LoRA targets only
   q/v: the untargeted projections were 4-bit in training too, so merge dequantizes them as well;
+- the merged tensors (one output file per base file, with an index) equal peft's own
+  `merge_and_unload()` within 1e-6 in float32 and one bf16 rounding in bf16: on the plain base, and
+  for nf4 on the HF model whose block Linears hold bitsandbytes' dequantized NF4 weights;
 - `python -m model.merge` runs as a subprocess from the repo root, takes --quant from the run's config.json
   beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
   as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
@@ -163,9 +166,50 @@ def test_merge_nf4_base_equals_our_model(exported, tmp_path, case):
     assert rel < 1e-5, f"{case}: merged nf4 base vs our nf4 model: relative norm {rel:.2e}"
 
 
+def _merged_tensors(out_dir):
+    """Every tensor of a merged checkpoint, through its index (the merge writes one file per base file)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out_dir, "model.safetensors.index.json")) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(files) > 1, f"the tiny base is sharded, so the streamed merge is too: {files}"
+    return {k: v for fn in files for k, v in load_file(os.path.join(out_dir, fn)).items()}
+
+
+@pytest.mark.timeout(300)
+def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
+    """Tensor by tensor against peft's own merge: on the plain base (fp32, bf16) and, for nf4, on the
+    HF model whose block Linears hold bitsandbytes' dequantized NF4 weights (what training saw)."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    from peft import PeftModel
+
+    from model.export import _is_nf4, merge
+
+    path, root, _ = exported
+    for case, quant, dtype, tol in [("none", "none", torch.float32, 1e-6), ("none", "none", torch.bfloat16, 0),
+                                    ("nf4", "nf4", torch.float32, 1e-6), ("nf4_qv", "nf4", torch.bfloat16, 0)]:
+        hf = _hf(path)
+        if quant == "nf4":
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    if _is_nf4(n, p):
+                        packed, st = quantize_4bit(p.data, blocksize=64, compress_statistics=True, quant_type="nf4")
+                        p.copy_(dequantize_4bit(packed, st))
+        ref = PeftModel.from_pretrained(hf, os.path.join(root, case)).merge_and_unload().state_dict()
+        out = tmp_path / f"{case}_{dtype}"
+        merge(path, os.path.join(root, case), str(out), quant=quant, dtype=dtype)
+        got = _merged_tensors(out)
+        assert set(got) == set(ref), (case, sorted(set(ref) ^ set(got))[:4])
+        for k, v in got.items():
+            want = ref[k].to(dtype)
+            assert v.dtype == dtype, (case, k, v.dtype)
+            # bf16: both round the same float32 sum once, but peft adds in its own order: 1 bf16 ulp
+            torch.testing.assert_close(v.float(), want.float(), rtol=tol or 2 ** -7, atol=tol or 1e-6,
+                                       msg=f"{case} {dtype} {k}")
+
+
 @pytest.mark.timeout(300)
 def test_merge_cli(exported, tmp_path):
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     from model.export import merge
@@ -189,7 +233,7 @@ def test_merge_cli(exported, tmp_path):
     assert "quant none (from" in res.stdout and "done" in res.stdout, res.stdout
 
     merge(path, os.path.join(root, "none"), str(tmp_path / "direct"), quant="none")
-    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "direct" / "model.safetensors")
+    got, want = _merged_tensors(out), _merged_tensors(tmp_path / "direct")
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k

@@ -57,9 +57,10 @@ def test_terms_by_hand():
     # linears per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate/up 128x64, down 64x128
     n_layer = 4096 + 2048 + 2048 + 4096 + 3 * 8192                     # 36864 weights
     assert term(p, "base weights shard") == 2 * n_layer // 2 // 4       # 4 bits each, 1/4: 9216 B
-    # absmax: n/64 uint8 + one fp32 per 256 of them + (16 + 256) fp32 code-books + fp32 offset
-    qs = lambda n: n // 64 + 4 * 1 + 4 * 273
-    assert term(p, "quantization state") == 2 * (2 * qs(4096) + 2 * qs(2048) + 3 * qs(8192)) == 16496
+    # absmax: n/64 uint8 sharded 1/4 (a bf16 parameter, 2 per element) + one fp32 per 256 of them
+    # + (16 + 256) fp32 code-books + fp32 offset on every rank
+    qs = lambda n: n // 64 // 4 + 4 * 1 + 4 * 273
+    assert term(p, "quantization state") == 2 * (2 * qs(4096) + 2 * qs(2048) + 3 * qs(8192)) == 15632
     # embed + lm_head: 250 of 1000 rows each; norms 16 of 64; biases (64, 32, 32) / 4; all bf16
     assert term(p, "embeddings, lm_head") == 2 * (2 * 250 * 64 + 16 + 2 * (2 * 16 + 16 + 8 + 8)) == 64288
     assert term(p, "root unsharded") == 2 * (2 * 1000 * 64 + 64) == 256128
@@ -69,7 +70,7 @@ def test_terms_by_hand():
     assert term(p, "activations: 2 block checkpoints") == 2 * 128 * 64 * 2
     assert term(p, "activations: rope") == 2 * 128 * 16 * 2
     lora_full = 16 * (64 + 64) * 2 + 16 * (64 + 32) * 2 + 16 * (64 + 128) * 3      # 16384 elements
-    block = n_layer // 2 + 2 * 64 * 2 + (64 + 32 + 32) * 2 + lora_full * 2     # 51712 B unsharded
+    block = n_layer // 2 + n_layer // 64 + 2 * 64 * 2 + (64 + 32 + 32) * 2 + lora_full * 2  # + absmax codes
     assert term(p, "FSDP2: 2 unsharded") == 2 * block
     assert term(p, "FSDP2: all-gather") == block + lora_full * (2 + 4)
     mlp = 2 * 2 * 128 * 128 + 2 * 128 * 64 + 128 * 64 * 2     # 2 [T, F] grads, residual grad, dequantized down
@@ -87,7 +88,7 @@ def test_terms_by_hand():
     assert term(p, "| or: final norm input") == 4 * 128 * (64 + 1) + 2 * 128 * 64
     c = 128                                        # 256 MiB / (4 B × 1000) tokens > T
     assert term(p, "| or: final norm output") == 2 * 128 * 64 + 4 * c * 1000 + 2 * c * 1000 + 2 * c * 64
-    fixed = 9216 + 16496 + 64288 + 256128 + 131072 + 32768 + 8192 + 2 * block + block + lora_full * 6
+    fixed = 9216 + 15632 + 64288 + 256128 + 131072 + 32768 + 8192 + 2 * block + block + lora_full * 6
     assert p.peak == fixed + max(326656 + 98304 + 0, 49664 + 800768)
     assert p.total == pytest.approx(p.peak * 1.10 + 1.0e9)
 

@@ -89,7 +89,7 @@ def _assemble(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
             n_nf4 += 1
             w = m.weight.full_tensor() if hasattr(m.weight, "full_tensor") else m.weight
             assert torch.equal(w.detach().view(torch.uint8), ref_mods[n].weight.detach().view(torch.uint8)), n
-            assert torch.equal(m.quant_state.absmax, ref_mods[n].quant_state.absmax), n
+            assert torch.equal(m.state().absmax, ref_mods[n].state().absmax), n
     assert n_nf4 == (14 if quant == "nf4" else 0)
     # logits of this rank's shard (no-grad path) equal the reference's at the same tokens
     with torch.no_grad():

@@ -1,0 +1,89 @@
+"""Sharded weight loading on 4 CPU ranks: the whole-tensor path vs the lean path, side by side.
+
+Whole (load_weights(lean=False), the loader before issue 14.4): every rank reads every whole tensor
+and, for nf4, quantizes every whole weight, then keeps its shard. Lean (the default): each rank
+reads only the byte range of its shard's rows and quantizes only its own 64-blocks; the fp32 absmax
+is all-gathered (4 bytes per 64 weights). Both fill the same FSDP2-sharded model (built once per rank,
+gloo, one thread per rank) from the same random float32 Llama checkpoint (~340 MB, 48 MB files, made
+by tests/test_load_memory.write_checkpoint); the two paths alternate `--reps` times and the fastest of
+each is kept. Time = the slowest rank's wall time between two barriers; peak = the largest per-rank
+VmHWM rise during the load (reset through /proc/self/clear_refs). The 2-core machine is shared, so
+wall time is noisy; CPU time (user+sys, summed over ranks) is printed next to it.
+
+Run: .venv/bin/python bench/load.py [--reps 2]
+"""
+
+import argparse
+import ctypes
+import gc
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.dist import run_ranks  # noqa: E402
+from tests.test_load_memory import _rss, write_checkpoint  # noqa: E402
+
+
+def _rank(rank, world_size, path, reps):
+    import torch.distributed as dist
+
+    from model.load import CheckpointReader
+    from parallel.fsdp import load_weights
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import ModelConfig, build_model
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)   # freed tensors leave RSS at once (see tests/test_load_memory.py)
+    mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
+    out = {}
+    for quant in ("none", "nf4"):
+        model, _ = build_model(ModelConfig(path, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")
+        reader = CheckpointReader(path)
+        best = {}
+        for _ in range(reps):
+            for lean in (False, True):
+                gc.collect()
+                libc.malloc_trim(0)
+                dist.barrier()
+                base, _ = _rss()
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                c0, t0 = time.process_time(), time.perf_counter()
+                load_weights(model, reader, torch.device("cpu"), lean=lean)
+                dist.barrier()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                peak = _rss()[1] - base
+                prev = best.get(lean)
+                if prev is None or wall < prev[0]:
+                    best[lean] = (wall, cpu, peak)
+        reader.close()
+        out[quant] = best
+        del model
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=2, help="alternating repetitions; the fastest of each is kept")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        total, largest, _ = write_checkpoint(tmp, hidden=1024, layers=6, inter=2816, vocab=8192)
+        res = run_ranks(_rank, 4, tmp, args.reps, timeout=1800, pg_timeout=600)
+    print(f"load of a {total / 1e6:.0f} MB float32 checkpoint on 4 CPU ranks (FSDP2 over 4), best of {args.reps}")
+    print(f"{'quant':<6}{'whole s':>9}{'lean s':>8}{'ratio':>7}{'whole cpu s':>13}{'lean cpu s':>12}"
+          f"{'whole peak MB':>15}{'lean peak MB':>14}")
+    for quant in ("none", "nf4"):
+        w = [max(r[quant][False][0] for r in res), sum(r[quant][False][1] for r in res),
+             max(r[quant][False][2] for r in res)]
+        n = [max(r[quant][True][0] for r in res), sum(r[quant][True][1] for r in res),
+             max(r[quant][True][2] for r in res)]
+        print(f"{quant:<6}{w[0]:9.2f}{n[0]:8.2f}{n[0] / w[0]:7.2f}{w[1]:13.2f}{n[1]:12.2f}"
+              f"{w[2] / 1e6:15.0f}{n[2] / 1e6:14.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Broken checkpoints fail with a message that names the file and the fix, not a library traceback.
+
+Pins (tiny Qwen2 checkpoints made by transformers, then damaged here):
+- a config.json that is not valid JSON: `read_args` raises a ValueError naming the file, the line and
+  the column (the JSON parser alone names neither the file nor what to do); one with a required key
+  missing names the key and the file;
+- a truncated safetensors file (cut mid-tensor, or cut inside its header): `CheckpointReader` raises
+  a ValueError naming the file and saying it is truncated or corrupt and to re-download it, before any
+  tensor is read; the reader's tensors otherwise equal safetensors' own `safe_open` (whole, dim-0 rows,
+  flat ranges);
+- tensor shapes that disagree with config.json (intermediate_size changed): `from_pretrained` and
+  `build_model` (nf4 and none) raise a ValueError naming the tensor, its file and both shapes, from the
+  safetensors headers, before the weights are loaded;
+- `train.py` (1 process) on the truncated checkpoint prints `error: ...` naming the file and exits 2.
+
+Run: .venv/bin/python -m pytest -q tests/test_load_errors.py
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import tiny_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def _copy(ckpt, tmp_path):
+    dst = str(tmp_path / "model")
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_broken_config_json_names_file_and_line(ckpt, tmp_path):
+    from model.load import read_args
+
+    path = _copy(ckpt, tmp_path)
+    fn = os.path.join(path, "config.json")
+    lines = json.dumps(json.load(open(fn)), indent=1).splitlines()
+    lines.insert(4, '  "oops": ,')                       # line 5 is bad
+    open(fn, "w").write("\n".join(lines))
+    with pytest.raises(ValueError) as e:
+        read_args(path)
+    msg = str(e.value)
+    assert fn in msg and "line 5" in msg and "column" in msg and "re-download" in msg, msg
+
+    cfg = json.loads("\n".join(lines[:4] + lines[5:]))
+    del cfg["hidden_size"]
+    open(fn, "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_size") as e:
+        read_args(path)
+    assert fn in str(e.value), str(e.value)
+
+
+def test_reader_reads_what_safetensors_reads(ckpt):
+    from safetensors import safe_open
+
+    from model.load import CheckpointReader
+
+    r = CheckpointReader(ckpt)
+    assert len(r.where) > 10
+    for name, fn in r.where.items():
+        with safe_open(fn, "pt") as f:
+            ref = f.get_tensor(name)
+        assert r.shape(name) == tuple(ref.shape), name
+        assert torch.equal(r.get(name), ref), name
+        rows = ref.shape[0]
+        for a, b in ((0, rows), (1, max(1, rows // 3)), (rows // 2, rows), (rows, rows)):
+            assert torch.equal(r.get_rows(name, a, b), ref[a:b]), (name, a, b)
+        n = ref.numel()
+        assert torch.equal(r.get_flat(name, n // 5, n - 3), ref.reshape(-1)[n // 5: n - 3]), name
+    r.close()
+
+
+def _largest_file(path):
+    return max((os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")),
+               key=os.path.getsize)
+
+
+@pytest.mark.parametrize("cut", ["mid-tensor", "header"])
+def test_truncated_safetensors_names_path(ckpt, tmp_path, cut):
+    from model.load import CheckpointReader
+
+    path = _copy(ckpt, tmp_path)
+    fn = _largest_file(path)
+    size = os.path.getsize(fn)
+    with open(fn, "r+b") as f:
+        f.truncate(size - 100 if cut == "mid-tensor" else 20)
+    with pytest.raises(ValueError) as e:
+        CheckpointReader(path)
+    msg = str(e.value)
+    assert fn in msg and "truncated or corrupt" in msg and "re-download" in msg, msg
+
+
+def test_train_cli_reports_truncated_checkpoint(ckpt, tmp_path):
+    from tests.fixtures import make_text_jsonl, make_tokenizer
+
+    path = _copy(ckpt, tmp_path)
+    make_tokenizer(path)
+    make_text_jsonl(tmp_path / "d.jsonl", 8)
+    fn = _largest_file(path)
+    with open(fn, "r+b") as f:
+        f.truncate(os.path.getsize(fn) - 100)
+    res = subprocess.run([sys.executable, "train.py", "--model", path, "--data", str(tmp_path / "d.jsonl"),
+                          "--out", str(tmp_path / "run"), "--steps", "1", "--global-batch", "1",
+                          "--max-len", "32"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "error:" in res.stderr and fn in res.stderr and "truncated" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
+    from model.load import from_pretrained
+    from parallel.parallelize import ModelConfig, build_model
+
+    path = _copy(ckpt, tmp_path)
+    fn = os.path.join(path, "config.json")
+    cfg = json.load(open(fn))
+    cfg["intermediate_size"] = 128                       # the checkpoint's MLP is 64 wide
+    json.dump(cfg, open(fn, "w"))
+    for build in (lambda: from_pretrained(path),
+                  lambda: build_model(ModelConfig(path, quant="nf4", lora_r=4), device="cpu"),
+                  lambda: build_model(ModelConfig(path, quant="none", lora_r=4), device="cpu")):
+        with pytest.raises(ValueError) as e:
+            build()
+        msg = str(e.value)
+        assert "model.layers.0.mlp.gate_proj.weight" in msg and "[64, 48]" in msg and "[128, 48]" in msg, msg
+        assert ".safetensors" in msg and "config.json" in msg, msg

@@ -1,0 +1,130 @@
+"""NF4 quantization state is sharded with its weight, and stays bit-exact through load, resume and merge.
+
+Pins (gloo on CPU, float32 storage, a tiny Qwen2 checkpoint built by transformers):
+- `quantize_blocks` on any split of a weight into whole 64-blocks, then `nest_absmax` over the joined
+  fp32 absmax, equals bitsandbytes' own whole-tensor `quantize_4bit(compress_statistics=True)` bit
+  for bit (codes, uint8 absmax, nested scales, offset), and dequantizes to the same weight;
+- on 4 ranks (FSDP2 over all four) every rank's local `absmax` parameter is its 1/4 dim-0 shard
+  (not the whole state), the lean loader's shards equal the whole-tensor loader's (lean=False) as
+  integers, and the gathered codes and absmax, and the dequantized weight, equal bitsandbytes'
+  quantization of the checkpoint tensor in one process (merge's `quantize_4bit` path);
+- a DCP checkpoint (parallel/checkpoint.save) holds no base weight and no absmax (frozen state is
+  re-read from safetensors), and after `load` into a freshly built model on 4 ranks the NF4 state is
+  unchanged and the LoRA tensors are restored.
+
+Run: .venv/bin/python -m pytest -q tests/test_nf4_sharding.py
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.helpers import tiny_checkpoint
+
+
+def _u8(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def test_blockwise_quantization_equals_bitsandbytes_whole_tensor():
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from model.qlora import NF4Linear, nest_absmax, quantize_blocks
+
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f, cuts in [(96, 64, [0, 7, 40, 96]), (640, 128, [0, 1, 2, 1279, 1280]),
+                              (512, 160, [0, 333, 334, 1000, 1280])]:
+        w = torch.randn(out_f, in_f, generator=g) * 0.05
+        packed, ref = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                    quant_storage=torch.uint8)
+        flat = w.reshape(-1)
+        parts = [quantize_blocks(flat[a * 64: b * 64]) for a, b in zip(cuts, cuts[1:])]
+        codes = torch.cat([c for c, _ in parts])
+        m = NF4Linear(in_f, out_f, bias=False, compress_statistics=True, quant_type="nf4",
+                      quant_storage=torch.float32, device="meta")
+        qabsmax = nest_absmax(m, torch.cat([a for _, a in parts]))
+        tag = f"{out_f}x{in_f} cut at {cuts}"
+        assert torch.equal(codes, packed.view(-1)), f"codes {tag}"
+        assert torch.equal(qabsmax, ref.absmax), f"absmax codes {tag}"
+        st = m.quant_state
+        assert torch.equal(st.state2.absmax, ref.state2.absmax) and torch.equal(st.offset, ref.offset), tag
+        st.absmax = qabsmax
+        assert torch.equal(dequantize_4bit(codes.view(-1, 1), st).float(), dequantize_4bit(packed, ref)), tag
+
+
+def _shard_rank(rank, world_size, path, ckpt_dir):
+    import torch.distributed as dist
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from model.load import CheckpointReader
+    from model.qlora import NF4Linear
+    from parallel import checkpoint
+    from parallel.fsdp import load_weights
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import ModelConfig, build_model, lora_parameters
+
+    mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
+    cfg = ModelConfig(path, quant="nf4", lora_r=4, lora_alpha=8, lora_b_std=0.05, seed=2)
+    model, _ = build_model(cfg, fsdp_mesh=mesh, device="cpu")
+    whole, _ = build_model(cfg, fsdp_mesh=mesh, device="cpu")
+    reader = CheckpointReader(path)
+    load_weights(whole, reader, torch.device("cpu"), lean=False)     # every rank quantizes whole tensors
+    mods, whole_mods = dict(model.named_modules()), dict(whole.named_modules())
+    n = 0
+    for name, m in mods.items():
+        if not isinstance(m, NF4Linear):
+            continue
+        n += 1
+        w = reader.get(name.replace(".base_layer", "") + ".weight")
+        packed, ref = quantize_4bit(w.float(), blocksize=64, compress_statistics=True, quant_type="nf4")
+        blocks = w.numel() // 64
+        rows = -(-blocks // 4)                                     # fp32 storage: 4 absmax codes per element
+        local = m.absmax.to_local()
+        assert local.shape[0] == len(range(rank * -(-rows // 4), min(rows, (rank + 1) * -(-rows // 4)))), \
+            f"{name}: local absmax {tuple(local.shape)} is not rank {rank}'s quarter of {rows} rows"
+        assert m.weight.to_local().shape[0] <= -(-blocks // 4), f"{name}: codes shard"
+        assert torch.equal(_u8(m.weight.to_local()), _u8(whole_mods[name].weight.to_local())), f"{name}: lean codes"
+        assert torch.equal(_u8(local), _u8(whole_mods[name].absmax.to_local())), f"{name}: lean absmax"
+        assert torch.equal(_u8(m.weight.full_tensor()), _u8(packed)), f"{name}: gathered codes vs bnb"
+        st = m.state()
+        assert torch.equal(st.absmax, ref.absmax), f"{name}: gathered absmax vs bnb"
+        assert torch.equal(st.state2.absmax, ref.state2.absmax) and torch.equal(st.offset, ref.offset), name
+        assert torch.equal(m.dequantized(), dequantize_4bit(packed, ref)), f"{name}: dequantized vs bnb"
+    assert n == 14, n
+    reader.close()
+
+    # resume: the DCP checkpoint holds LoRA + optimizer only; the rebuilt model re-reads its NF4 state
+    opt = torch.optim.AdamW(lora_parameters(model), lr=1e-3)
+    loss, cnt = model(torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(rank)),
+                      labels=torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9)))
+    (loss / cnt).backward()
+    opt.step()
+    saved = checkpoint.save(ckpt_dir, model, opt, step=1)
+    import torch.distributed.checkpoint as dcp
+    keys = list(dcp.FileSystemReader(saved).read_metadata().state_dict_metadata)
+    frozen = [k for k in keys if k.startswith("model.") and "lora_" not in k]
+    assert not frozen, f"checkpoint holds frozen tensors: {frozen[:4]}"
+    assert any("lora_A" in k for k in keys), keys[:4]
+    fresh, _ = build_model(ModelConfig(path, quant="nf4", lora_r=4, lora_alpha=8, seed=5), fsdp_mesh=mesh,
+                           device="cpu")
+    fopt = torch.optim.AdamW(lora_parameters(fresh), lr=1e-3)
+    assert checkpoint.load(ckpt_dir, fresh, fopt) == 1
+    fresh_p = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        q = fresh_p[name]
+        if p.requires_grad:
+            assert torch.equal(q.to_local(), p.to_local()), f"resumed LoRA {name}"
+        else:
+            assert torch.equal(_u8(q.to_local()), _u8(p.to_local())), f"resumed frozen {name}"
+    dist.barrier()
+    return n
+
+
+@pytest.mark.timeout(300)
+def test_absmax_sharded_over_four_ranks_and_exact_through_resume(tmp_path):
+    path = tiny_checkpoint(tmp_path / "ckpt")
+    ckpt_dir = str(tmp_path / "dcp")
+    os.makedirs(ckpt_dir)
+    assert run_ranks(_shard_rank, 4, path, ckpt_dir, timeout=280) == [14] * 4
