@@ -37,7 +37,7 @@ from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args
 from parallel import guard, runs
-from parallel.cp import cp_attention, shard_sequence
+from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -190,27 +190,20 @@ def main(argv=None):
         steps = args.steps or max(1, len(samples) // args.global_batch)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
-
-        def to_local(batch_samples):
-            b = collate(batch_samples, args.pack, dims.cp_divisor, pad_id)
-            return (shard_sequence(b["input_ids"], dims, cp_rank, pad_id).to(device),
-                    shard_sequence(b["position_ids"], dims, cp_rank, None).to(device),
-                    shard_sequence(b["labels"], dims, cp_rank, IGNORE_INDEX).to(device))
+        to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
+                                          device)   # samples -> this rank's (input_ids, position_ids, labels)
 
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite)   # made and locked only now
         args.out = run.path
         log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
-        opts = BuildOptions(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r,
-                            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                            lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac, seed=args.seed)
-        model, peft_model = build_model(opts, fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims),
-                                        device=device)
+        model, peft_model = build_model(BuildOptions.from_args(args, dtype), fsdp_mesh=meshes.fsdp,
+                                        attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
-        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "
-             f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable, quant {args.quant}, {dtype}, "
-             f"built in {time.time() - t0:.1f}s")
+        n_lora = sum(p.numel() for p in params)
+        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable, "
+             f"quant {args.quant}, {dtype}, built in {time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from loss import IGNORE_INDEX
 from model.attention import AttentionCore, document_bounds
 from parallel import kernels, masks
 from parallel.ring import ring_attention
@@ -63,6 +64,14 @@ def shard_sequence(x: torch.Tensor, dims, cp_rank: int, pad_value) -> torch.Tens
     n = x.shape[1] // dims.cp
     idx = layout_index(x.shape[1], dims)[cp_rank * n:(cp_rank + 1) * n].to(x.device)
     return x.index_select(1, idx)
+
+
+def shard_batch(batch: dict, dims, cp_rank: int, pad_id: int, device) -> tuple:
+    """A collated batch (`data.collate`) -> this cp rank's (input_ids, position_ids, labels) on `device`
+    (padding, if the batch still needs any: `pad_id`, IGNORE_INDEX, positions continued)."""
+    return (shard_sequence(batch["input_ids"], dims, cp_rank, pad_id).to(device),
+            shard_sequence(batch["position_ids"], dims, cp_rank, None).to(device),
+            shard_sequence(batch["labels"], dims, cp_rank, IGNORE_INDEX).to(device))
 
 
 def unshard_sequence(shards, dims, seq_len: int | None = None) -> torch.Tensor:

@@ -45,6 +45,13 @@ class BuildOptions:
     ac: bool = True
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args, dtype: torch.dtype) -> BuildOptions:
+        """The options of a run (train.py's flags)."""
+        return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                   lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
+                   seed=args.seed)
+
 
 def apply_ac(model: Transformer) -> None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint)."""

@@ -20,18 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from model.attention import AttentionCore
 from model.config import ModelArgs, flops_per_token, matmul_params
 from model.llama import Transformer
-from parallel.cp import Attention
 
 
-class DenseCausal(Attention):
+class DenseCausal(AttentionCore):
     """softmax(q·K^T·scale + causal mask)·V with plain matmuls (GQA by repeating K/V heads)."""
 
     def prepare(self, position_ids):
         return None
 
-    def __call__(self, q, k, v, meta, scale):
+    def __call__(self, q, k, v, meta, scale, window=None):
         g = q.shape[2] // k.shape[2]
         q, k, v = (x.repeat_interleave(n, 2).transpose(1, 2) for x, n in ((q, 1), (k, g), (v, g)))
         s = (q @ k.transpose(-1, -2)) * scale                               # [B, H, S, S]
