@@ -105,8 +105,8 @@ def test_truncated_safetensors_names_path(ckpt, tmp_path, cut):
 def test_train_cli_reports_truncated_checkpoint(ckpt, tmp_path):
     from tests.fixtures import make_text_jsonl, make_tokenizer
 
-    path = _copy(ckpt, tmp_path)
-    make_tokenizer(path)
+    path = str(tmp_path / "model")
+    tiny_checkpoint(path, vocab=len(make_tokenizer(path)))   # a vocabulary that fits the tokenizer
     make_text_jsonl(tmp_path / "d.jsonl", 8)
     fn = _largest_file(path)
     with open(fn, "r+b") as f:
@@ -122,7 +122,7 @@ def test_train_cli_reports_truncated_checkpoint(ckpt, tmp_path):
 
 def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
     from model.load import from_pretrained
-    from parallel.parallelize import ModelConfig, build_model
+    from parallel.parallelize import BuildOptions, build_model
 
     path = _copy(ckpt, tmp_path)
     fn = os.path.join(path, "config.json")
@@ -130,8 +130,8 @@ def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
     cfg["intermediate_size"] = 128                       # the checkpoint's MLP is 64 wide
     json.dump(cfg, open(fn, "w"))
     for build in (lambda: from_pretrained(path),
-                  lambda: build_model(ModelConfig(path, quant="nf4", lora_r=4), device="cpu"),
-                  lambda: build_model(ModelConfig(path, quant="none", lora_r=4), device="cpu")):
+                  lambda: build_model(BuildOptions(path, quant="nf4", lora_r=4), device="cpu"),
+                  lambda: build_model(BuildOptions(path, quant="none", lora_r=4), device="cpu")):
         with pytest.raises(ValueError) as e:
             build()
         msg = str(e.value)

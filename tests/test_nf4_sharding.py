@@ -63,11 +63,12 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
     from parallel import checkpoint
     from parallel.fsdp import load_weights
     from parallel.mesh import ParallelDims
-    from parallel.parallelize import ModelConfig, build_model, lora_parameters
+    from parallel.parallelize import BuildOptions, build_model, lora_parameters
+    from tests.helpers import build_nonzero_b
 
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
-    cfg = ModelConfig(path, quant="nf4", lora_r=4, lora_alpha=8, lora_b_std=0.05, seed=2)
-    model, _ = build_model(cfg, fsdp_mesh=mesh, device="cpu")
+    cfg = BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=2)
+    model, _ = build_nonzero_b(cfg, fsdp_mesh=mesh, device="cpu")
     whole, _ = build_model(cfg, fsdp_mesh=mesh, device="cpu")
     reader = CheckpointReader(path)
     load_weights(whole, reader, torch.device("cpu"), lean=False)     # every rank quantizes whole tensors
@@ -107,7 +108,7 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
     frozen = [k for k in keys if k.startswith("model.") and "lora_" not in k]
     assert not frozen, f"checkpoint holds frozen tensors: {frozen[:4]}"
     assert any("lora_A" in k for k in keys), keys[:4]
-    fresh, _ = build_model(ModelConfig(path, quant="nf4", lora_r=4, lora_alpha=8, seed=5), fsdp_mesh=mesh,
+    fresh, _ = build_model(BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=5), fsdp_mesh=mesh,
                            device="cpu")
     fopt = torch.optim.AdamW(lora_parameters(fresh), lr=1e-3)
     assert checkpoint.load(ckpt_dir, fresh, fopt) == 1
