@@ -73,6 +73,7 @@ def _checkpointed(forward, hooks):
         # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
         with (hooks.saving(args[0]) if hooks else contextlib.nullcontext()):
             return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
+    run.hooks = hooks   # for tests and logs: what the offload moved
     return run
 
 
