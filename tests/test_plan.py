@@ -102,14 +102,16 @@ def test_quant_state_matches_bitsandbytes():
         assert quant_state_bytes(shape[0] * shape[1]) == sum(t.numel() * t.element_size() for t in held), shape
 
 
-def test_activations_match_autograd(tmp_path):
+@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
+def test_activations_match_autograd(tmp_path, tiled):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256, inter=96,
                            max_shard_size="50MB")
-    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=False), device="cpu")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=False, tiled_mlp=tiled),
+                           device="cpu")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
@@ -121,7 +123,8 @@ def test_activations_match_autograd(tmp_path):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, labels=ids)
     saved = sum(n for ptr, n in held.items() if ptr not in params)
-    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"])
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"]
+                                           + ["--tiled-mlp"] * tiled)
     dims, pack_rows = validate(args, model.args, 1)
     p = memory_plan(model.args, dims, args, "cpu", pack_rows)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
@@ -191,3 +194,40 @@ def test_sliding_window_check_follows_the_pack_default():
     assert validate(train.build_parser().parse_args(flags + ["--no-pack"]), m, 1)[1] is False
     with pytest.raises(ValueError, match=r"rows of up to 8192 tokens exceed the model's 4096-token"):
         validate(train.build_parser().parse_args(flags), m, 1)
+
+
+def _fits_at(n, flags, world, gpu, host):
+    from model.load import read_args
+
+    args = train.build_parser().parse_args(["--model", Q7, "--max-len", str(n), "--global-batch", "1", *flags])
+    margs = read_args(Q7)
+    dims, pack = validate(args, margs, world)
+    p = memory_plan(margs, dims, args, "cuda", pack)
+    return p.total <= gpu * 1e9 and p.host <= host * 1e9
+
+
+@pytest.mark.parametrize("world, flags, gpu, host, goal", [
+    (1, ["--tiled-mlp", "--offload-activations"], 141, 512, 1_200_000),
+    (4, ["--cp", "4", "--tiled-mlp", "--offload-activations"], 80, 256, 2_097_152),
+])
+def test_max_len_auto_finds_the_longest(world, flags, gpu, host, goal):
+    """The issue's goals for Qwen2.5-7B NF4; the answer fits and 1,024 more tokens do not."""
+    _, out = run_plan("--model", Q7, "--max-len", "auto", "--world-size", str(world), "--gpu-mem", str(gpu),
+                      "--host-mem", str(host), "--global-batch", "1", *flags)
+    last = out.strip().splitlines()[-1]
+    n = int(re.fullmatch(r"max_len (\d+)", last).group(1))
+    assert n % 1024 == 0 and n >= goal, out
+    assert _fits_at(n, flags, world, gpu, host) and not _fits_at(n + 1024, flags, world, gpu, host)
+    # host memory binds too: a quarter of the checkpoints' host bytes cannot fit that length
+    _, out = run_plan("--model", Q7, "--max-len", "auto", "--world-size", str(world), "--gpu-mem", str(gpu),
+                      "--host-mem", str(host / 8), "--global-batch", "1", *flags)
+    assert int(out.strip().split()[-1]) < n, out
+
+
+def test_suggest_max_len_auto_names_the_flags():
+    rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--host-mem", "512",
+                         "--global-batch", "1")
+    lines = out.strip().splitlines()
+    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --offload-activations", out
+    assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows), out
+    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 4, out
