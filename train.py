@@ -61,6 +61,8 @@ def build_parser(add_help=True):
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
+    a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
+    a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
     # Parallel
     a("--cp", type=int, default=1, help="context-parallel degree: ranks that share one sequence")
     a("--dp-shard", type=int, default=-1, help="FSDP2 shard degree (-1: world / (dp_replicate·cp))")

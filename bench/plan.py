@@ -1,6 +1,7 @@
 """The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
 
-For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; 1k-4k tokens) this
+For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp and
+--offload-activations; 1k-4k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied) and synthetic text, and prints
@@ -60,6 +61,10 @@ CONFIGS = [
     ("cp4 ring none 4k", 4, 4096, ["--quant", "none", "--cp", "4", "--cp-impl", "ring"]),
     ("cp4 hybrid nf4 4k no-AC", 4, 4096, ["--quant", "nf4", "--cp", "4", "--cp-impl", "hybrid",
                                            "--ulysses-degree", "2", "--no-ac"]),
+    ("cp1 nf4 4k tiled", 1, 4096, ["--quant", "nf4", "--tiled-mlp"]),
+    ("cp1 nf4 4k tiled offload", 1, 4096, ["--quant", "nf4", "--tiled-mlp", "--offload-activations"]),
+    ("cp2 dp2 ring nf4 4k tiled offload", 4, 4096, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2", "--cp-impl",
+                                                   "ring", "--tiled-mlp", "--offload-activations"]),
 ]
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only

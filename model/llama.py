@@ -29,6 +29,33 @@ from model.attention import SDPAAttention
 from model.config import ModelArgs, inv_freq
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """transformers' RMSNorm, saving its input (compute dtype) and rsqrt [..., 1] instead of the float32
+    upcast autograd would keep (2x the input at bf16); backward re-derives the upcast from the input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        # Normalise in float32 like transformers, then cast back before the weight multiply.
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = (xf * rstd).to(x.dtype)
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(x, weight, rstd)
+        return weight * y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xf = x.float()
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (g * (xf * rstd).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        dn = (g * weight).float()                                  # d(normalized), as the cast passes it
+        # n = x·r, r = (mean(x²) + eps)^-1/2:  dx = r·dn - r³·x·mean(dn·x)
+        dx = (rstd * dn - rstd.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)).to(x.dtype)
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -36,10 +63,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32 like transformers, then cast back before the weight multiply.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def rotate_half(x):

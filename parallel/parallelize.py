@@ -5,9 +5,12 @@
                                           4-bit LoRA layer (LoRA outside the quantized base)
     3. LoRA with peft                     before sharding, so FSDP2 shards LoRA parameters together
                                           with the block they belong to; only LoRA is trainable
-    4. apply_ac: checkpoint each block    wraps the block's forward (parameter names unchanged) before
-                                          fully_shard, so FSDP2's hooks stay outside the recompute:
-                                          the pre-backward all-gather has run when it starts
+    4. memory steps (parallel/memory.py)  wrap forwards (parameter names unchanged) before fully_shard,
+                                          so FSDP2's hooks stay outside: the pre-backward all-gather
+                                          has run when a recompute starts
+       a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile
+       b. apply_ac: checkpoint each block inside it, the tiled MLP keeps only its input; with
+          (--offload-activations)         --offload-activations the saved block inputs go to host memory
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
     7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
@@ -21,6 +24,7 @@ directly (peft's wrapper calls `forward` without `__call__`, which would skip FS
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +35,7 @@ from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
 from parallel.fsdp import apply_fsdp, load_weights
+from parallel.memory import HostOffload, apply_tiled_mlp, recompute_context
 
 
 @dataclass
@@ -43,6 +48,8 @@ class BuildOptions:
     lora_dropout: float = 0.0
     lora_targets: tuple = field(default=LORA_TARGETS)
     ac: bool = True
+    tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
+    offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
     seed: int = 0
 
     @classmethod
@@ -50,20 +57,30 @@ class BuildOptions:
         """The options of a run (train.py's flags)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
-                   seed=args.seed)
+                   seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations)
 
 
-def apply_ac(model: Transformer) -> None:
-    """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint)."""
+def apply_ac(model: Transformer, offload: bool = False) -> HostOffload | None:
+    """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
+    `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned."""
+    hooks = HostOffload() if offload else None
     for block in model.model.layers:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, hooks)
+    return hooks
 
 
-def _checkpointed(forward):
+def _contexts():   # checkpoint's context_fn: nothing around the forward, a flag around the recompute
+    return contextlib.nullcontext(), recompute_context()
+
+
+def _checkpointed(forward, hooks):
     def run(*args):
         if not torch.is_grad_enabled():   # eval: nothing to save, nothing to recompute
             return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False)
+        # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
+        with (hooks.saving(args[0]) if hooks else contextlib.nullcontext()):
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
+    run.hooks = hooks   # for tests and logs: what the offload moved
     return run
 
 
@@ -72,6 +89,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if opts.quant not in ("nf4", "none"):
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
+    if opts.offload_activations and not opts.ac:
+        raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
@@ -83,8 +102,10 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
                                 opts.lora_targets)                          # 3
         if opts.quant == "nf4":
             pack_nf4_weights(model)
-    if opts.ac:                                                             # 4
-        apply_ac(model)
+    if opts.tiled_mlp:                                                      # 4a
+        apply_tiled_mlp(model)
+    if opts.ac:                                                             # 4b
+        apply_ac(model, opts.offload_activations)
     if fsdp_mesh is not None:                                               # 5
         mp = None
         if device.type == "cuda" and opts.dtype != torch.float32:

@@ -3,10 +3,13 @@
 Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads made by transformers, the
 fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - the per-step losses and grad norms in OUT/metrics.jsonl and the exported PEFT adapter of a 1-rank run
-  equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses and ring), `--cp 4` (auto: hybrid
-  2 × 2), `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`;
-  and with `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4 (losses within 1e-4 absolute, grad
-  norms within 1e-4 relative, every adapter tensor within 1e-3 relative norm of the difference);
+  equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses, and ring with 2 packed documents
+  per row), `--cp 4` (auto: hybrid 2 × 2) and `--cp 4 --cp-impl ring` (packed, 2 documents per row),
+  `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`; with
+  `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4; and `--tiled-mlp --offload-activations` on
+  1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs) train as the plain run
+  (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
+  relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
@@ -42,6 +45,9 @@ FOUR_RANK = {   # out-dir name -> layout flags
     "dp4": ["--dp-shard", "4"],
     "dp4_mb2": ["--dp-shard", "4", "--micro-batch", "2"],
     "hsdp_rep2_dp2": ["--dp-replicate", "2", "--dp-shard", "2"],
+    "mem_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
+                            "--offload-activations"],
+    "mem_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp", "--offload-activations"],
 }
 FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
@@ -109,6 +115,7 @@ def one(assets, tmp_path_factory):
         "nf4": ["--quant", "nf4"],
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
+        "mem": ["--tiled-mlp", "--offload-activations"],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -187,6 +194,11 @@ def test_four_ranks_match_one_rank(one, four, name):
 @pytest.mark.parametrize("name", list(FOUR_RANK_NF4))
 def test_four_ranks_match_one_rank_nf4(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "nf4"))
+
+
+@pytest.mark.timeout(300)
+def test_tiled_mlp_and_offload_change_nothing_one_rank(one):
+    _compare("--tiled-mlp --offload-activations vs neither (1 rank)", _at(one, "mem"), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,188 @@
+"""Long-context memory steps applied from outside the model: a tiled MLP and host offload of block checkpoints.
+
+Contract:
+- `apply_tiled_mlp(model, tile=None)` makes each block's MLP (its LoRA-wrapped, possibly NF4 projections
+  included) run over tiles of the flattened tokens. Forward: each tile under no_grad, written into one
+  [tokens, D] output. Backward: each tile is recomputed with grad and differentiated at once, its input
+  gradient written into one [tokens, D] buffer and the trainable parameters' gradients summed over tiles
+  in float32, then returned through autograd (so AccumulateGrad and FSDP2's post-backward see one gradient
+  per parameter, as for the untiled MLP). No [tokens, intermediate] tensor outlives one tile.
+  Tile rule (`tile=None`): tokens per tile = the hidden size D. A tile's [tile, F] intermediates then have
+  the size of one MLP weight [F, D], whatever the sequence length; at T ≤ D tokens the MLP runs untiled.
+  Per token the math is the untiled MLP's; only the parameter gradients are summed in another order.
+- `HostOffload` (used by `parallelize.apply_ac`): saved_tensors_hooks placed around a block's non-reentrant
+  checkpoint call, so they see only what the checkpoint itself saves, its inputs (everything the block
+  saves inside goes through the checkpoint's own hooks). Activation-sized inputs (at least the block input's
+  elements; parameters never) are copied to host memory at pack time: on CUDA into pinned memory on a side
+  stream, the compute stream not waiting for it; on CPU as a host-to-host copy, so the same path is tested.
+  In backward, unpacking block i's input fetches it (already in flight if prefetched) and starts fetching
+  block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
+- `recomputing()`: True inside a checkpoint's recompute (set through checkpoint's `context_fn`). The tiled
+  MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
+  recompute at that last saved tensor, so the output is never read.
+
+Credit: tiling the MLP over the sequence and offloading checkpoints to the host follow Arctic Long Sequence
+Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import nn
+
+_state = threading.local()   # backward may run on autograd's device threads
+
+
+def recomputing() -> bool:
+    return getattr(_state, "recompute", False)
+
+
+@contextlib.contextmanager
+def recompute_context():
+    prev, _state.recompute = recomputing(), True
+    try:
+        yield
+    finally:
+        _state.recompute = prev
+
+
+def tile_tokens(dim: int, tile: int | None) -> int:
+    """Tokens per tile: `tile` if given, else the hidden size (see the module docstring)."""
+    return max(1, tile or dim)
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward, tile, x, *params):
+        ctx.forward, ctx.tile, ctx.params = forward, tile, params
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
+        if recomputing():   # the checkpoint stops at our saved input; the output is never read
+            return x.new_empty(x.shape)
+        out = None
+        with torch.no_grad():
+            for i in range(0, flat.shape[0], tile):
+                y = forward(flat[i:i + tile])                               # [tile, D]
+                if out is None:
+                    out = y.new_empty(flat.shape[0], y.shape[-1])
+                out[i:i + tile] = y
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
+        for i in range(0, flat.shape[0], ctx.tile):
+            xt = flat[i:i + ctx.tile].detach().requires_grad_(dx is not None)
+            with torch.enable_grad():
+                y = ctx.forward(xt)
+            wrt = ([xt] if dx is not None else []) + list(params)
+            grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)
+            if dx is not None:
+                dx[i:i + ctx.tile] = grads[0]
+                grads = grads[1:]
+            for j, g in enumerate(grads):
+                if g is not None:
+                    acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
+        pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
+        return (None, None, None if dx is None else dx.view_as(x), *pgrads)
+
+
+def _tiled(mlp: nn.Module, tile: int | None):
+    forward = mlp.forward   # the module's own forward: calling it skips __call__ (no recursion)
+
+    def run(x):
+        # the trainable parameters are inputs, so the output requires grad and autograd receives their
+        # gradients; read per call, since FSDP2 swaps the parameter objects between sharded and unsharded
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), x, *params)
+    return run
+
+
+def apply_tiled_mlp(model, tile: int | None = None) -> None:
+    """Tile every block's MLP over the tokens (module docstring); parameter names are unchanged."""
+    for block in model.model.layers:
+        block.mlp.forward = _tiled(block.mlp, tile)
+
+
+# ------------------------------------------------------------------------------------------ host offload
+
+
+class _Offloaded:
+    """One saved tensor living in host memory, with its optional prefetched device copy."""
+
+    def __init__(self, t: torch.Tensor, stream):
+        self.device, self.stream, self.used, self.prev, self.fetched, self.event = t.device, stream, False, \
+            None, None, None
+        if stream is not None:   # CUDA: pinned host buffer, copied on the side stream
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(t.device))   # t is complete on the compute stream
+            with torch.cuda.stream(stream):
+                self.host.copy_(t, non_blocking=True)
+            t.record_stream(stream)   # the allocator keeps t's memory until the copy has read it
+        else:
+            self.host = t.detach().to("cpu", copy=True)
+
+    def prefetch(self) -> None:
+        if self.fetched is not None:
+            return
+        if self.stream is None:
+            self.fetched = self.host.to(self.device, copy=True)
+            return
+        current = torch.cuda.current_stream(self.device)
+        self.fetched = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        self.stream.wait_stream(current)   # earlier users of that memory are done before the copy writes
+        with torch.cuda.stream(self.stream):
+            self.fetched.copy_(self.host, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def fetch(self) -> torch.Tensor:
+        self.prefetch()
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        t, self.fetched, self.event, self.used = self.fetched, None, None, True
+        return t
+
+
+class HostOffload:
+    """saved_tensors_hooks that keep a checkpoint's activation-sized inputs in host memory (module docstring)."""
+
+    def __init__(self):
+        self.stream = None
+        self.last = None      # the most recently packed, not yet used handle: the next one's predecessor
+        self.moved = 0        # tensors sent to the host (counted for tests and logs)
+
+    def _pack(self, min_numel):
+        def pack(t):
+            if isinstance(t, nn.Parameter) or t.numel() < min_numel:
+                return t
+            if t.is_cuda and self.stream is None:
+                self.stream = torch.cuda.Stream(t.device)
+            h = _Offloaded(t, self.stream if t.is_cuda else None)
+            h.prev = self.last if self.last is not None and not self.last.used else None
+            self.last = h
+            self.moved += 1
+            return h
+        return pack
+
+    def _unpack(self, h):
+        if not isinstance(h, _Offloaded):
+            return h
+        t = h.fetch()
+        if h.prev is not None and not h.prev.used:   # the block before this one runs its backward next
+            h.prev.prefetch()
+        h.prev = None
+        if self.last is h:
+            self.last = None
+        return t
+
+    def saving(self, block_input: torch.Tensor):
+        """Hooks for one checkpointed block call whose first input is `block_input`."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack(block_input.numel()), self._unpack)

@@ -1,0 +1,238 @@
+"""`train.py --plan` on the command line: the verdict, the fixes, the layouts that fit, the longest --max-len.
+
+Contract (the terms are parallel/plan.py's):
+- `main(argv, run_parser, demo)` parses the run's flags plus the planner's own: --suggest, --gpu-mem,
+  --world-size, --host-mem (GB of pinned host memory per rank for --offload-activations; default this
+  machine's RAM divided by its local ranks: LOCAL_WORLD_SIZE, else the planned world size).
+- A plan fits when its device total <= the device memory and its host bytes <= --host-mem. When it does not,
+  the SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp, --offload-activations,
+  --micro-batch 1, larger layouts, more ranks).
+- `--max-len auto`: the longest --max-len, a multiple of 1,024, that fits the world size, layout, flags and
+  memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
+  validation refuses does not fit). Prints that plan; the last line is `max_len N`.
+- `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
+  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, + --offload-
+  activations when AC is on, + both) its longest --max-len, longest first; the last lines name the flags
+  that reach the longest and `max_len N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from parallel.mesh import validate
+from parallel.plan import FRAGMENTATION, GB, RUNTIME, memory_plan
+
+MAX_LEN_STEP = 1024
+
+
+def _with(args, **kw):
+    return argparse.Namespace(**{**vars(args), **kw})
+
+
+def _layouts(args, margs, world):
+    """Every (cp, impl, ulysses degree) for this world, validated; least communication first."""
+    out = []
+    for cp in (c for c in range(1, world + 1) if world % (c * args.dp_replicate) == 0):
+        impls = [("ulysses", None), ("ring", None)] + [("hybrid", u) for u in range(2, cp) if cp % u == 0]
+        for rank, (impl, u) in enumerate(impls[:1] if cp == 1 else impls):
+            a = _with(args, cp=cp, dp_shard=-1, cp_impl=impl, ulysses_degree=u)
+            try:
+                dims, pack = validate(a, margs, world)
+            except ValueError:
+                continue
+            out.append((cp, dims.ring, rank, a, dims, pack))
+    return [x[3:] for x in sorted(out, key=lambda x: x[:3])]
+
+
+def _flags(a, dims) -> str:
+    return f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
+        f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
+
+
+def _fits(p, mem, host) -> bool:
+    return p.total <= mem and p.host <= host
+
+
+def _fixes(args, margs, world, target, mem, host):
+    """Single changes that make the plan fit, as flag strings with their totals."""
+    tries = [(f, _with(args, **kw), world) for f, kw, ok in (
+        ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
+        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp),
+        ("--offload-activations", dict(offload_activations=True), args.ac and not args.offload_activations),
+        ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True),
+         args.ac and not (args.tiled_mlp or args.offload_activations)),
+        ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1)) if ok]
+    tries += [(_flags(a, dims), a, world) for a, dims, _ in _layouts(args, margs, world) if a.cp > args.cp]
+    for k in (2, 4, 8):
+        tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
+                      _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None), world * k))
+    out, seen = [], set()
+    for flags, a, w in tries:
+        kind = flags.split()[0] if flags.startswith("--") else flags[:10]
+        try:
+            dims, pack = validate(a, margs, w)
+        except ValueError:
+            continue
+        p = memory_plan(margs, dims, a, target, pack)
+        if _fits(p, mem, host) and kind not in seen:   # the first (least communication) of each kind
+            seen.add(kind)
+            out.append(f"{flags} ({p.total / GB:.1f} GB)")
+    return out
+
+
+def _budget(args, world):
+    import torch
+    if torch.cuda.is_available():
+        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(0).total_memory
+        src = "--gpu-mem" if args.gpu_mem else torch.cuda.get_device_name()
+        return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
+    if args.gpu_mem:
+        return "cuda", args.gpu_mem * GB, f"{args.gpu_mem:.1f} GB per GPU (--gpu-mem: planning CUDA from a CPU machine)"
+    import psutil
+    ram = psutil.virtual_memory().total
+    return "cpu", ram / world, (f"{ram / world / GB:.1f} GB per rank: no CUDA device and no --gpu-mem, so this "
+                                f"machine's RAM ({ram / GB:.1f} GB, psutil) shared by {world} CPU ranks")
+
+
+def parse_args(argv, run_parser, demo: dict):
+    """The run's flags (`run_parser`, built with add_help=False) plus the planner's own; with neither
+    --model nor --data, the run's demo defaults (its assets are built if missing), as a run would."""
+    p = argparse.ArgumentParser(prog="train.py --plan", parents=[run_parser],
+                                description="Per-rank memory plan of a run, from config.json only.")
+    a = p.add_argument
+    a("--suggest", action="store_true", help="list the layouts that fit, best first")
+    a("--gpu-mem", type=float, default=None, help="GB per device (default: this device's)")
+    a("--world-size", type=int, default=None, help="ranks to plan for (default: launched, else 1)")
+    a("--host-mem", type=float, default=None, help="GB of pinned host memory per rank for --offload-activations "
+      "(default: this machine's RAM / local ranks)")
+    # `--max-len auto` (the run's flag is an int): search for the longest that fits
+    auto = any(x in ("--max-len=auto",) for x in argv) or any(
+        x == "--max-len" and y == "auto" for x, y in zip(argv, argv[1:]))
+    argv = [str(MAX_LEN_STEP) if x == "auto" and i and argv[i - 1] == "--max-len" else
+            (f"--max-len={MAX_LEN_STEP}" if x == "--max-len=auto" else x) for i, x in enumerate(argv)]
+    args = p.parse_args(argv)
+    if args.model is None and args.data is None:
+        from data import make_demo
+        make_demo(os.path.dirname(demo["model"]))
+        p.set_defaults(**demo)
+        args = p.parse_args(argv)
+    args.auto = auto
+    return args
+
+
+def _host_budget(args, world) -> float:
+    if args.host_mem is not None:
+        return args.host_mem * GB
+    import psutil
+    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def longest(args, margs, world, target, mem, host) -> int:
+    """The longest --max-len (a multiple of MAX_LEN_STEP) that fits; 0 if none does."""
+    def ok(k):
+        a = _with(args, max_len=k * MAX_LEN_STEP)
+        try:
+            dims, pack = validate(a, margs, world)
+            return _fits(memory_plan(margs, dims, a, target, pack), mem, host)
+        except ValueError:
+            return False
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:   # a billion tokens: the search stops here
+            return lo * MAX_LEN_STEP
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo * MAX_LEN_STEP
+
+
+def _memory_flags(args):
+    sets = [("", {})]
+    sets += [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
+    if args.ac and not args.offload_activations:
+        sets += [("--offload-activations", dict(offload_activations=True)),
+                 ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True))]
+    return sets
+
+
+def suggest_longest(args, margs, world, target, mem, host, where):
+    """--suggest --max-len auto: each layout and memory-flag set with its longest --max-len."""
+    rows = []
+    for a, dims, _ in _layouts(args, margs, world):
+        for extra, kw in _memory_flags(args):
+            n = longest(_with(a, **kw), margs, world, target, mem, host)
+            if n:
+                rows.append((n, f"{_flags(a, dims)} {extra}".strip()))
+    rows.sort(key=lambda r: -r[0])
+    print(f"longest --max-len per layout and memory flags in {where}, host {host / GB:.0f} GB per rank:\n"
+          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]))
+    if not rows:
+        raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
+    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "",
+                                "--offload-activations" if args.offload_activations else "") if f)
+    print(f"flags: {rows[0][1]} {base}".rstrip())
+    print(f"max_len {rows[0][0]}")
+    return rows
+
+
+def main(argv, run_parser, demo: dict):
+    from model.load import read_args
+
+    args = parse_args(argv, run_parser, demo)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    margs = read_args(args.model)
+    target, mem, where = _budget(args, world)
+    host = _host_budget(args, world)
+    if args.suggest and args.auto:
+        return suggest_longest(args, margs, world, target, mem, host, where)
+    if args.auto:
+        args.max_len = longest(args, margs, world, target, mem, host)
+        if not args.max_len:
+            raise SystemExit(f"not even --max-len {MAX_LEN_STEP} fits in {where}; what to change: "
+                             + "; ".join(_fixes(_with(args, max_len=MAX_LEN_STEP), margs, world, target, mem, host)
+                                         or ["more ranks or larger devices"]))
+    if args.suggest:   # every valid layout, best first; only those that fit are printed
+        rows = []
+        for a, dims, pack in _layouts(args, margs, world):
+            p = memory_plan(margs, dims, a, target, pack)
+            if _fits(p, mem, host):
+                rows.append(f"  {_flags(a, dims):<58} {p.total / GB:7.1f} GB  {dims}")
+        print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
+        if not rows:
+            raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
+        return rows
+    dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
+    p = memory_plan(margs, dims, args, target, pack)
+    e = args.dtype or ("bf16" if target == "cuda" else "fp32")
+    n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
+    print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
+          f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
+          f"AC {'on' if args.ac else 'off'}, tiled MLP {'on' if args.tiled_mlp else 'off'}, offload "
+          f"{'on' if args.offload_activations else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
+    print(f"  {'per-rank memory':<72}{un:>8}")
+    for k, v in p.terms.items():
+        print(f"  {k:<72}{v / u:8.2f}")
+    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / u:8.2f}")
+    print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
+          f"{p.total / u:8.2f}")
+    other = "without" if args.ac else "with"
+    print(f"  ({other} AC the activations would be {p.alt_activations / u:.2f} {un})")
+    if p.host:
+        print(f"  {f'host: {margs.n_layers} offloaded block checkpoints, pinned (--host-mem {host / GB:.0f} GB)':<72}"
+              f"{p.host / u:8.2f}")
+    if not _fits(p, mem, host):
+        fixes = _fixes(args, margs, world, target, mem, host)
+        why = (f"{p.total / GB:.1f} GB planned > {where}" if p.total > mem else
+               f"{p.host / GB:.1f} GB of offloaded checkpoints > --host-mem {host / GB:.0f} GB per rank")
+        raise SystemExit(f"does not fit: {why}.\nWhat to change: "
+                         + ("; ".join(fixes) if fixes else "no single change fits: raise --cp and enable --ac, "
+                            "use --quant nf4, lower --max-len, or use more ranks / larger devices"))
+    print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))
+    if args.auto:
+        print(f"max_len {args.max_len}")
+    return p

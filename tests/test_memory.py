@@ -1,0 +1,172 @@
+"""The long-context memory steps (parallel/memory.py): same math, less memory.
+
+Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weights, peft LoRA with B != 0):
+- the tiled MLP (uneven tiles, the default tile rule, and one tile) gives the untiled peft/bitsandbytes MLP's
+  output, input gradient and every LoRA gradient;
+- with --offload-activations the block inputs that torch's checkpoint saves leave its saved set (an outer
+  saved_tensors_hooks that sees them with plain AC sees none of them), each is copied to host memory once,
+  the device tensors are freed after forward (weak references die), block i-1's input is prefetched when
+  block i's is unpacked, and the loss and LoRA gradients equal those of plain AC and of no AC at all;
+- on 4 gloo ranks (dp_shard 4; cp 2 ring × dp_shard 2), FSDP2 with the tiled MLP and offload gives the
+  single-process untiled model's loss and LoRA gradients on every rank.
+
+Run: .venv/bin/python -m pytest -q tests/test_memory.py
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_ranks
+from tests.helpers import build_nonzero_b, tiny_checkpoint
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), inter=96)
+
+
+def _opts(path, **kw):
+    from parallel.parallelize import BuildOptions
+
+    return BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=3, **kw)
+
+
+def _lora_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_tiled_mlp_matches_untiled(ckpt):
+    from parallel.memory import apply_tiled_mlp
+
+    torch.manual_seed(0)
+    model, _ = build_nonzero_b(_opts(ckpt, ac=False))
+    mlp = model.model.layers[1].mlp
+    x0 = torch.randn(2, 23, model.args.dim)      # 46 tokens: the default rule (D = 48) gives one tile
+    dy = torch.randn(2, 23, model.args.dim)
+
+    def run():
+        x = x0.clone().requires_grad_()
+        for p in mlp.parameters():
+            p.grad = None
+        y = mlp(x)
+        y.backward(dy)
+        return y.detach(), x.grad, {n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}
+
+    ref = run()
+    assert len(ref[2]) == 6 and all(g.abs().sum() > 0 for g in ref[2].values())
+    for tile in (5, 7, 46, None):   # uneven, uneven, one tile, the rule
+        apply_tiled_mlp(model, tile)
+        got = run()
+        torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"tile {tile}: output")
+        torch.testing.assert_close(got[1], ref[1], **TOL, msg=f"tile {tile}: input grad")
+        for n in ref[2]:
+            torch.testing.assert_close(got[2][n], ref[2][n], **TOL, msg=f"tile {tile}: grad {n}")
+        mlp.forward = type(mlp).forward.__get__(mlp)   # untile for the next tile size
+
+
+def test_offload_moves_block_inputs(ckpt, monkeypatch):
+    import parallel.memory as pm
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    order = []
+    prefetch = pm._Offloaded.prefetch
+
+    def logged(self):
+        order.append(("prefetch", self.tag) if self.fetched is None else ("ready", self.tag))
+        prefetch(self)
+    monkeypatch.setattr(pm._Offloaded, "prefetch", logged)
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt, **kw))
+        D, L = model.args.dim, model.args.n_layers
+        inputs, seen = [], []
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(lambda m, a, i=i: inputs.append((i, weakref.ref(a[0]))))
+
+        def pack(t):
+            seen.append(tuple(t.shape))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            s, n = model(ids, labels=ids)
+        hooks = getattr(model.model.layers[0].forward, "hooks", None)
+        alive = [i for i, r in inputs if r() is not None]
+        if hooks is not None:
+            for k, h in enumerate(_handles(hooks)):
+                h.tag = k
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), seen.count((2, 29, D)), alive, hooks, L
+
+    ref = run(ac=False)
+    ac = run(ac=True)
+    off = run(ac=True, offload_activations=True)
+    L = ac[5]
+    # plain AC: the outer hooks see each block's input saved by its checkpoint (+ the final norm's input)
+    assert ac[2] == L + 1, f"AC: [B, S, D] tensors saved outside the checkpoints: {ac[2]}"
+    assert off[2] == 1, f"offload: the block inputs must leave the saved set, saw {off[2]}"
+    assert off[4].moved == L, f"offload: {off[4].moved} tensors copied to host, want {L}"
+    assert ac[3] == list(range(L)), f"AC keeps every block input alive: {ac[3]}"
+    assert off[3] == [], f"offload: block inputs {off[3]} still alive on the device after forward"
+    # backward visits the blocks last to first: fetching block k prefetches block k-1
+    want = [("prefetch", L - 1)] + [x for k in range(L - 1, 0, -1) for x in (("prefetch", k - 1), ("ready", k - 1))]
+    assert order == want, f"fetch order {order} != {want}"
+    for label, got in (("AC", ac), ("AC + offload", off)):
+        torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
+        for n in ref[1]:
+            torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"{label}: grad {n}")
+
+
+def _handles(hooks):
+    """The packed handles of the last forward, first block first (walking the prefetch links back)."""
+    out, h = [], hooks.last
+    while h is not None:
+        out.append(h)
+        h = h.prev
+    return out[::-1]
+
+
+def _fsdp_cases(rank, world_size, path):
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.mesh import ParallelDims
+
+    B, S = 4, 24
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 128, (B, S), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
+    pos = torch.arange(S).expand(B, S)
+    ref, _ = build_nonzero_b(_opts(path, ac=False))
+    rsum, rn = ref(ids, position_ids=pos, labels=labels)
+    (rsum / rn).backward()
+    ref_grads = _lora_grads(ref)
+    for cp, impl in ((1, "ulysses"), (2, "ring")):
+        label = f"cp {cp} {impl} × dp_shard {world_size // cp}"
+        dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
+        meshes = dims.build_mesh("cpu")
+        model, _ = build_nonzero_b(_opts(path, ac=True, tiled_mlp=True, offload_activations=True),
+                                   fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims) if cp > 1 else None)
+        d, c = meshes.dp.get_local_rank(), meshes.cp.get_local_rank()
+        rows = slice(d * B // dims.dp, (d + 1) * B // dims.dp)
+        lsum, ln = model(shard_sequence(ids[rows], dims, c, 0), position_ids=shard_sequence(pos[rows], dims, c, None),
+                         labels=shard_sequence(labels[rows], dims, c, -100))
+        tot = torch.stack([lsum.detach(), ln.detach().to(lsum.dtype)])
+        dist.all_reduce(tot, group=meshes.dp_cp.get_group())
+        (lsum / tot[1]).backward()
+        torch.testing.assert_close(tot[0] / tot[1], rsum.detach() / rn, **TOL, msg=f"{label}: loss")
+        n = 0
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                n += 1
+                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **TOL, msg=f"{label}: grad {name}")
+        assert n == len(ref_grads) == 28, f"{label}: {n} LoRA parameters"
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_tiled_offload_match_single_process(ckpt):
+    assert run_ranks(_fsdp_cases, 4, ckpt, timeout=280) == [True] * 4
