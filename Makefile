@@ -59,6 +59,7 @@ bench: install
 	$(PY) bench/attention.py
 	$(PY) bench/loss.py
 	$(PY) bench/plan.py
+	$(PY) bench/load.py
 
 clean:
 	rm -rf runs .pytest_cache
