@@ -60,6 +60,7 @@ def build_parser(add_help=True):
     a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (off: unmeasured)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
@@ -209,9 +210,7 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
-        start = checkpoint.load(ckpt, model, opt) if ckpt else 0
-        if start:
-            log0(f"resumed from {ckpt} at step {start}")
+        start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)

@@ -71,6 +71,22 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+class Rotary(nn.Module):
+    """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
+    (no parameters) so that `parallel.parallelize.apply_compile` can fuse it from outside."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class SwiGLU(nn.Module):
+    """silu(gate) * up; a module (no parameters) for the same reason as Rotary."""
+
+    def forward(self, gate, up):
+        return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
@@ -84,6 +100,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
+        self.rotary = Rotary()
 
     def forward(self, x, cos, sin, core, meta):
         B, S, _ = x.shape
@@ -92,9 +109,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)   # [B, S, K, Hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.rotary(q, k, cos, sin)
         out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
@@ -105,9 +120,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
         self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
+        self.act = SwiGLU()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -219,4 +219,7 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
         torch.set_rng_state(st["cpu"])
         if "cuda" in st and torch.cuda.is_available():
             torch.cuda.set_rng_state(st["cuda"])
-    return int(read_meta(path)["step"])
+    step = int(read_meta(path)["step"])
+    if _rank() == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step

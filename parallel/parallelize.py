@@ -11,6 +11,7 @@
        a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile
        b. apply_ac: checkpoint each block inside it, the tiled MLP keeps only its input; with
           (--offload-activations)         --offload-activations the saved block inputs go to host memory
+       c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
     7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
@@ -48,6 +49,7 @@ class BuildOptions:
     lora_dropout: float = 0.0
     lora_targets: tuple = field(default=LORA_TARGETS)
     ac: bool = True
+    compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
     seed: int = 0
@@ -57,7 +59,8 @@ class BuildOptions:
         """The options of a run (train.py's flags)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
-                   seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations)
+                   seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
+                   compile=args.compile)
 
 
 def apply_ac(model: Transformer, offload: bool = False) -> HostOffload | None:
@@ -84,6 +87,18 @@ def _checkpointed(forward, hooks):
     return run
 
 
+def apply_compile(model: Transformer) -> None:
+    """torch.compile the elementwise pieces of every block (RMSNorm, RoPE, SwiGLU), each a small graph
+    with no collective, LoRA or 4-bit op inside: they fuse into a few kernels and compose with AC (the
+    recompute calls the same compiled code), FSDP2 (parameters arrive unsharded) and NF4. Whole-block
+    compilation would break its graph at the CP attention's communication and bitsandbytes' ops."""
+    from model.llama import RMSNorm, Rotary, SwiGLU
+
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Rotary, SwiGLU)):
+            m.forward = torch.compile(m.forward, dynamic=True)
+
+
 def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=None):
     """Return (transformer, peft_model). `fsdp_mesh=None` builds the plain single-process model."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -106,6 +121,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         apply_tiled_mlp(model)
     if opts.ac:                                                             # 4b
         apply_ac(model, opts.offload_activations)
+    if opts.compile:                                                        # 4c
+        apply_compile(model)
     if fsdp_mesh is not None:                                               # 5
         mp = None
         if device.type == "cuda" and opts.dtype != torch.float32:
