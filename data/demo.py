@@ -130,50 +130,6 @@ def pretrain_chats(corpus) -> list[list[dict]]:
     return out
 
 
-def task_words(tokenizer, n: int = 200) -> list[str]:
-    """Lower-case English words of 4-8 letters that are one token after a space, most frequent
-    merges first (BPE ids grow with merge order), so every word of a task prompt is one token."""
-    words = []
-    for tok_str, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
-        w = tok_str[1:]
-        if tok_str.startswith("\u0120") and w.isascii() and w.isalpha() and w.islower() and 4 <= len(w) <= 8:
-            words.append(w)
-    return sorted(words[:n])
-
-
-def task_prompt(words: list[str]) -> str:
-    return "Reverse the order of these words: " + " ".join(words)
-
-
-def task_answer(words: list[str]) -> str:
-    return "Reversed: " + " ".join(reversed(words))
-
-
-def task_records(pool: list[str], n_train: int = 320, n_eval: int = 24, seed: int = 0):
-    """The fine-tuning task: reverse a list of 3-6 words. Train chats have 1-3 turns, held-out ones
-    one turn; no held-out word list occurs in training."""
-    import random
-
-    rng = random.Random(seed)
-    seen, lists = set(), []
-    while len(lists) < 3 * n_train + n_eval:
-        ws = rng.sample(pool, rng.randint(3, 6))
-        if tuple(ws) not in seen:
-            seen.add(tuple(ws))
-            lists.append(ws)
-    held_out, lists = lists[:n_eval], lists[n_eval:]
-    train = []
-    for _ in range(n_train):
-        msgs = []
-        for _ in range(rng.randint(1, 3)):
-            ws = lists.pop()
-            msgs += [{"role": "user", "content": task_prompt(ws)}, {"role": "assistant", "content": task_answer(ws)}]
-        train.append({"messages": msgs})
-    evals = [{"messages": [{"role": "user", "content": task_prompt(ws)},
-                           {"role": "assistant", "content": task_answer(ws)}]} for ws in held_out]
-    return train, evals
-
-
 def build_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE trained on `texts`, wrapped for transformers, with ChatML specials + template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -220,6 +176,7 @@ def _build(out: Path, pretrain_steps: int, log) -> dict:
     from transformers.utils import logging as hf_logging
 
     from data.demo_pretrain import pretrain
+    from data.demo_task import task_records
 
     hf_logging.disable_progress_bar()   # "Writing model shards" bars for a 14 MB file
     if log:
@@ -229,7 +186,7 @@ def _build(out: Path, pretrain_steps: int, log) -> dict:
     texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
     tokenizer = build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)
     tokenizer.save_pretrained(out / "model")
-    train, held_out = task_records(task_words(tokenizer))
+    train, held_out = task_records()
     _write_jsonl(out / "corpus.jsonl", [{"text": t} for t in texts] + [{"messages": c} for c in chats])
     _write_jsonl(out / "train.jsonl", train)
     _write_jsonl(out / "eval.jsonl", held_out)

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from data import IGNORE, load_jsonl, load_tokenizer, make_demo, tokenize_records
-from data.demo import STAMP, _complete, task_answer, task_prompt, task_records
+from data.demo import STAMP, _complete
+from data.demo_task import task_answer, task_prompt, task_records
 from tests.fixtures import make_chat_jsonl, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
