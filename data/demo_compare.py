@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 # bitsandbytes (imported by peft) warns at import on CPUs with AVX512-BF16 that an optional
 # kernels-community download is missing; nothing a user can act on, and the fallback is used.
@@ -67,6 +68,8 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     from data.jsonl import load_jsonl
 
     hf_logging.set_verbosity_error()   # generation-config notes are about defaults we set explicitly
+    # peft asks transformers a deprecated question when it wraps the model; not the user's to fix
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     with open(os.path.join(run_dir, "config.json")) as f:
         cfg = json.load(f)
     if not cfg.get("eval_data"):

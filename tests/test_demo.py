@@ -5,8 +5,8 @@ Python string operations on the records):
 - the cached assets in runs/demo_assets (built once, shared with `make demo`): a tied Qwen2 with
   4 query / 2 KV heads; a corpus of real English that the tokenizer round-trips; a base that knows
   the corpus (its loss there is far below a uniform guess) and does not know the task; task records
-  whose every answer is the reversal of its prompt's words, each word one token, no held-out list
-  seen in training; the stamp skips a rebuild, and a stamp of another version forces one;
+  whose every answer names the topic all its prompt's words belong to, no held-out list seen in
+  training; the stamp skips a rebuild, and a stamp of another version forces one;
 - pretraining is bitwise deterministic and writes weights that transformers loads under our names;
 - the before/after script answers with the transformers model, then the peft-loaded adapter.
 
@@ -26,7 +26,7 @@ import torch
 
 from data import IGNORE, load_jsonl, load_tokenizer, make_demo, tokenize_records
 from data.demo import STAMP, _complete
-from data.demo_task import task_answer, task_prompt, task_records
+from data.demo_task import TOPICS, task_answer, task_prompt, task_records
 from tests.fixtures import make_chat_jsonl, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,9 +74,9 @@ def test_demo_assets(demo):
             assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
             for q, a in zip(msgs[::2], msgs[1::2]):
                 ws = _words(q["content"])
-                assert q["content"] == task_prompt(ws) and 3 <= len(ws) <= 6
-                assert a["content"] == "Reversed: " + " ".join(ws[::-1]) == task_answer(ws)
-                assert all(len(tok(" " + w)["input_ids"]) == 1 for w in ws), "each word is one token"
+                topic = a["content"].removeprefix("Topic: ").removesuffix(".")
+                assert q["content"] == task_prompt(ws) and 3 <= len(ws) <= 5
+                assert a["content"] == task_answer(topic) and set(ws) <= set(TOPICS[topic])
                 lists.setdefault(split, set()).add(tuple(ws))
     assert not lists["train"] & lists["eval"], "held-out word lists never occur in training"
     samples, stats = tokenize_records(train, tok, 256, train_path)
@@ -134,12 +134,12 @@ def test_demo_stamp_reuses_and_rejects_old_versions(demo, tmp_path):
 
 
 def test_task_records_deterministic_and_disjoint():
-    pool = [f"w{chr(97 + i)}{chr(97 + j)}" for i in range(6) for j in range(6)]
-    a, b = task_records(pool, n_train=50, n_eval=5), task_records(pool, n_train=50, n_eval=5)
+    a, b = task_records(n_train=50, n_eval=6), task_records(n_train=50, n_eval=6)
     assert a == b
     train, held = a
     seen = {m["content"] for r in train for m in r["messages"] if m["role"] == "user"}
     assert not seen & {r["messages"][0]["content"] for r in held}
+    assert {r["messages"][1]["content"] for r in held[:3]} == {task_answer(t) for t in TOPICS}
 
 
 def test_pretrain_is_deterministic_and_loads_in_transformers(tmp_path):
