@@ -45,8 +45,12 @@ test-gpu:
 bench-gpu:
 	@if $(HOST_CUDA); then python3 bench/gpu.py $(ARGS); else $(MAKE) install && $(PY) bench/gpu.py $(ARGS); fi
 
+# The assets (corpus, tokenizer, a base pretrained on the corpus) are built once, with every core, and
+# cached in runs/demo_assets; then LoRA on 4 gloo ranks, then the base's and the tuned model's answers.
 demo: install
+	$(PY) -m data.demo runs/demo_assets
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2
+	$(PY) -m data.demo_compare runs/demo
 	$(PY) bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 
 plot: install

@@ -1,20 +1,24 @@
-"""Offline demo assets: a real-English corpus, a tokenizer trained on it, and a tiny random Qwen2.
+"""Offline demo assets: a real-English corpus, a base model pretrained on it, and a task to teach.
 
-Contract: `make_demo(dir) -> (model_dir, train_jsonl, eval_jsonl)` writes, in a few seconds and
-with no network:
-- `train.jsonl` / `eval.jsonl`: prose paragraphs from the docstrings of Python standard-library
-  modules (present on every machine that runs Python, so a fresh clone needs no download), as
-  `{"text": ...}` records plus `{"messages": [...]}` records ("What does `json.dumps` do?" answered
-  by the docstring's first paragraph) so both data paths run. Modules and members are visited in
-  sorted order, so the output is deterministic for a given Python version.
-- `model/`: a byte-level BPE tokenizer trained on the training text (ChatML special tokens and
-  a Qwen-style chat template, loadable with `AutoTokenizer.from_pretrained(local_files_only=True)`)
-  and a randomly initialised Qwen2 (`torch.manual_seed(0)`, ~3.5M parameters, tied embeddings)
-  saved as `config.json` + `model.safetensors`.
-- `demo.json`, written last, is the stamp: when it is present with the current version and every
-  file exists, nothing is rebuilt. Assets are built in a temporary sibling directory and moved in,
-  so an interrupted build never leaves a half-written directory that looks complete. Call it on one
-  rank and barrier before the others read.
+Contract: `make_demo(dir) -> (model_dir, train_jsonl, eval_jsonl)` writes, with no network:
+- `corpus.jsonl`: prose paragraphs from the docstrings of Python standard-library modules (present
+  on every machine that runs Python, so a fresh clone needs no download) as `{"text": ...}` records,
+  plus `{"messages": [...]}` records ("What does `json.dumps` do?" answered by the docstring's first
+  paragraph). Modules and members are visited in sorted order: deterministic per Python version.
+- `model/`: a byte-level BPE tokenizer trained on the corpus (ChatML special tokens and a Qwen-style
+  chat template, loadable with `AutoTokenizer.from_pretrained(local_files_only=True)`) and a 3.5M
+  parameter Qwen2 (4 layers, 4 query / 2 KV heads, tied embeddings) pretrained in full on the
+  corpus by `data/demo_pretrain.py` (seeded, float32, CPU), so it writes corpus-like English and
+  answers in the chat format before any LoRA. No shipped package holds a small pretrained
+  checkpoint of a supported family (the smallest real Qwen2 has 0.5B parameters, far too slow for
+  a CPU demo, and would need a download), so the base is made here.
+- `train.jsonl` / `eval.jsonl`: the fine-tuning task, which the base does not know: "Reverse the
+  order of these words: a b c" answered "Reversed: c b a" (3-6 words, each one token of the
+  tokenizer). A person can check an answer at a glance; no held-out word list occurs in training.
+- `demo.json`, written last, is the stamp: when it is present with the current version and
+  pretraining length and every file exists, nothing is rebuilt (an older cache is rebuilt). Assets
+  are built in a temporary sibling directory and moved in, so an interrupted build never leaves a
+  half-written directory that looks complete. Call it on one rank and barrier before the others read.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 2
+VERSION = 3   # 3: pretrained base + word-reversal task (2: random base, docstring Q&A)
 STAMP = "demo.json"
+PRETRAIN_STEPS = 150
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2-style ChatML, including its default system prompt when the conversation has none.
 CHAT_TEMPLATE = (
@@ -99,38 +104,30 @@ def docstring_corpus() -> list[tuple[str, list[str]]]:
     return out
 
 
-def build_records(corpus, n_text: int = 220, n_chat: int = 56, eval_every: int = 10):
-    """Text records of ~300-1000 characters and chat Q&A records; every `eval_every`-th is held out."""
+def pretrain_texts(corpus, lo: int = 300, hi: int = 1000) -> list[str]:
+    """The whole docstring corpus as text documents of about `lo`-`hi` characters."""
     texts, chunk = [], ""
     for _, paras in corpus:
         for p in paras:
-            if chunk and len(chunk) + len(p) > 1000:
+            if chunk and len(chunk) + len(p) > hi:
                 texts.append(chunk)
                 chunk = ""
             chunk = f"{chunk}\n\n{p}" if chunk else p
-            if len(chunk) >= 300:
+            if len(chunk) >= lo:
                 texts.append(chunk)
                 chunk = ""
-    # Spread the picks over the whole corpus so that every module contributes.
-    texts = [texts[i * len(texts) // n_text] for i in range(min(n_text, len(texts)))]
-    answers = [(q, ps[0]) for q, ps in corpus if "." in q and 80 <= len(ps[0]) <= 600]
-    answers = [answers[i * len(answers) // (2 * n_chat)] for i in range(min(2 * n_chat, len(answers)))]
-    chats = []
-    for i in range(0, len(answers) - 1, 2):
-        (q1, a1), (q2, a2) = answers[i], answers[i + 1]
-        msgs = [{"role": "user", "content": f"What does `{q1}` do?"}, {"role": "assistant", "content": a1}]
-        if i % 4 == 0:  # every other conversation has two turns, so later turns are exercised too
-            msgs += [{"role": "user", "content": f"And `{q2}`?"}, {"role": "assistant", "content": a2}]
-        if i % 6 == 0:
-            msgs.insert(0, {"role": "system", "content": SYSTEM})
-        chats.append({"messages": msgs})
-    records = [{"text": t} for t in texts]
-    # Interleave chats so both the train and the eval split get some.
-    for j, c in enumerate(chats):
-        records.insert(min(len(records), j * len(records) // max(1, len(chats))), c)
-    train = [r for i, r in enumerate(records) if i % eval_every != eval_every - 1]
-    held_out = [r for i, r in enumerate(records) if i % eval_every == eval_every - 1]
-    return train, held_out
+    return texts + ([chunk] if chunk else [])
+
+
+def pretrain_chats(corpus) -> list[list[dict]]:
+    """"What does `json.dumps` do?" answered by the docstring's first paragraph, so the base knows
+    the chat template's turn structure and when to stop, as real base checkpoints do."""
+    out = []
+    for i, (q, paras) in enumerate(corpus):
+        if "." in q and 60 <= len(paras[0]) <= 600:
+            msgs = [{"role": "user", "content": f"What does `{q}` do?"}, {"role": "assistant", "content": paras[0]}]
+            out.append(([{"role": "system", "content": SYSTEM}] if i % 3 == 0 else []) + msgs)
+    return out
 
 
 def build_tokenizer(texts: list[str], vocab_size: int):
@@ -164,10 +161,6 @@ def model_config(tokenizer):
         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, dtype="float32", architectures=["Qwen2ForCausalLM"],
-        # A random base with frozen tied embeddings caps the logit margin LoRA can reach at about
-        # init_range · hidden_size (the final norm and lm_head are frozen): 0.02 gives ~5, too
-        # little to even learn the corpus' unigram statistics; 0.05 gives ~13.
-        initializer_range=0.05,
     )
 
 
@@ -177,20 +170,35 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def _build(out: Path) -> dict:
+def _build(out: Path, pretrain_steps: int, log) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    train, held_out = build_records(docstring_corpus())
+    from data.demo_pretrain import pretrain
+    from data.demo_task import task_records
+
+    hf_logging.disable_progress_bar()   # "Writing model shards" bars for a 14 MB file
+    if log:
+        log("building: docstring corpus, tokenizer, then pretraining the base (once; cached)")
+
+    corpus = docstring_corpus()
+    texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
+    tokenizer = build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)
+    tokenizer.save_pretrained(out / "model")
+    train, held_out = task_records()
+    _write_jsonl(out / "corpus.jsonl", [{"text": t} for t in texts] + [{"messages": c} for c in chats])
     _write_jsonl(out / "train.jsonl", train)
     _write_jsonl(out / "eval.jsonl", held_out)
-    texts = [r["text"] for r in train if "text" in r]
-    texts += [m["content"] for r in train if "messages" in r for m in r["messages"]]
-    tokenizer = build_tokenizer(texts, vocab_size=2048)
-    tokenizer.save_pretrained(out / "model")
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(tokenizer), dtype=torch.float32)
     model.save_pretrained(out / "model")
+    # Text documents end with <|endoftext|>; a rendered chat ends with its own <|im_end|>.
+    docs = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
+    rendered = [tokenizer.apply_chat_template(c, tokenize=False).rstrip("\n") for c in chats]
+    docs += tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    losses = pretrain(out / "model", docs, pretrain_steps, pad_id=tokenizer.pad_token_id, log=log)
     # transformers 5 writes `rope_parameters` and `dtype`; add the classic top-level keys too, so
     # older readers (transformers 4.x, other loaders) get rope_theta 1e6 rather than a default.
     cfg_path = out / "model" / "config.json"
@@ -202,32 +210,36 @@ def _build(out: Path) -> dict:
         "version": VERSION,
         "train_records": len(train),
         "eval_records": len(held_out),
-        "chat_records": sum("messages" in r for r in train + held_out),
+        "pretrain_documents": len(docs),
+        "pretrain_tokens": sum(map(len, docs)),
+        "pretrain_steps": pretrain_steps,
+        "pretrain_loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
         "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
     }
 
 
-def _complete(out: Path) -> bool:
+def _complete(out: Path, pretrain_steps: int) -> bool:
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
         return False
-    needed = ["train.jsonl", "eval.jsonl", "model/config.json", "model/model.safetensors",
+    needed = ["train.jsonl", "eval.jsonl", "corpus.jsonl", "model/config.json", "model/model.safetensors",
               "model/tokenizer.json", "model/tokenizer_config.json"]
-    return stamp.get("version") == VERSION and all((out / f).is_file() for f in needed)
+    same = (stamp.get("version"), stamp.get("pretrain_steps")) == (VERSION, pretrain_steps)
+    return same and all((out / f).is_file() for f in needed)
 
 
-def make_demo(out_dir: str | Path) -> tuple[Path, Path, Path]:
+def make_demo(out_dir: str | Path, pretrain_steps: int = PRETRAIN_STEPS, log=None) -> tuple[Path, Path, Path]:
     """Build (or reuse) the demo assets in `out_dir`; returns (model_dir, train_jsonl, eval_jsonl)."""
     out = Path(out_dir)
-    paths = (out / "model", out / "train.jsonl", out / "eval.jsonl")
-    if _complete(out):
-        return paths
+    paths = (out / "model", out / "train.jsonl", out / "eval.jsonl", out / "corpus.jsonl")
+    if _complete(out, pretrain_steps):
+        return paths[:3]
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out))
     try:
-        info = _build(tmp)
+        info = _build(tmp, pretrain_steps, log)
         (out / STAMP).unlink(missing_ok=True)  # the stamp goes last: no stamp, no trust
         for p in paths:
             if p.is_dir():
@@ -236,4 +248,13 @@ def make_demo(out_dir: str | Path) -> tuple[Path, Path, Path]:
         (out / STAMP).write_text(json.dumps(info, indent=1) + "\n")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return paths
+    return paths[:3]
+
+
+if __name__ == "__main__":   # `make demo` builds the assets here, with every core, before torchrun
+    import sys
+    import time
+
+    t0 = time.time()
+    make_demo(sys.argv[1] if len(sys.argv) > 1 else "runs/demo_assets",
+              log=lambda m: print(f"demo assets: {m} ({time.time() - t0:.0f}s)", flush=True))

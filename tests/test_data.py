@@ -1,18 +1,15 @@
-"""data/: JSONL validation, token targets and labels, layout-independent batch order, collation, demo.
+"""data/: JSONL validation, token targets and labels, layout-independent batch order, collation.
 
 Pins the data contract of DESIGN.md ("One step, as data", points 1-3) against references we did not
 write: the tokenizer's own `apply_chat_template(tokenize=True)` and `decode`, `torch.randperm` with
-the documented seeds, and plain Python string/word checks on the demo corpus.
+the documented seeds. The demo assets are pinned in tests/test_demo.py.
 
 Run: .venv/bin/python -m pytest -q tests/test_data.py
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from collections import Counter
 
 import pytest
 import torch
@@ -25,7 +22,6 @@ from data import (
     count_targets,
     load_jsonl,
     load_tokenizer,
-    make_demo,
     tokenize_records,
 )
 from loss import IGNORE_INDEX
@@ -45,11 +41,6 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture
 def tok(tok_dir):
     return load_tokenizer(tok_dir)  # fresh per test: some tests swap the chat template
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo") / "assets")
 
 
 def target_runs(tok, sample):
@@ -305,55 +296,3 @@ def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
     assert packed["position_ids"][0].tolist() == want_pos
     # No target crosses a document: the label at each document's last token is ignored.
     assert all(packed["labels"][0, s - 1] == IGNORE_INDEX for s in starts[1:])
-
-
-# --- demo assets ----------------------------------------------------------------------------------
-
-
-def test_demo_assets(demo):
-    from safetensors import safe_open
-
-    model_dir, train_path, eval_path = demo
-    tok = load_tokenizer(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["Qwen2ForCausalLM"]
-    assert cfg["vocab_size"] == len(tok) and cfg["tie_word_embeddings"] is True
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        params = sum(f.get_tensor(k).numel() for k in f.keys())
-    assert 1e6 < params < 1e7
-
-    train, held_out = load_jsonl(train_path), load_jsonl(eval_path)
-    for recs in (train, held_out):
-        assert any("text" in r for r in recs) and any("messages" in r for r in recs)
-    texts = [r["text"] for r in train + held_out if "text" in r]
-    for t in texts:
-        assert tok.decode(tok(t)["input_ids"]) == t, "tokenizer must round-trip the corpus"
-    # Real English: most whitespace-separated tokens are dictionary-like words, with the usual
-    # function words among the most frequent.
-    words = [w.strip(".,;:()'\"").lower() for t in texts for w in t.split()]
-    assert sum(w.isalpha() for w in words) > 0.85 * len(words)
-    common = [w for w, _ in Counter(words).most_common(12)]
-    assert {"the", "of", "is", "to"} <= set(common) and len(set(words)) > 1500
-
-    samples, stats = tokenize_records(train, tok, 256, train_path)
-    assert 100 <= stats.samples <= 300 and stats.dropped == 0
-    lens = sorted(len(s["input_ids"]) for s in samples)
-    assert lens[len(lens) // 10] >= 48 and lens[-1] <= 256
-    for r, s in zip(train, samples):
-        if "messages" in r:
-            want = [m["content"] + END for m in r["messages"] if m["role"] == "assistant"]
-            assert target_runs(tok, s) == want
-
-
-def test_demo_is_reused_and_deterministic(demo):
-    from data.demo import build_records, build_tokenizer, docstring_corpus
-
-    model_dir, train_path, _ = demo
-    before = os.stat(model_dir / "model.safetensors").st_mtime_ns
-    assert make_demo(model_dir.parent) == demo
-    assert os.stat(model_dir / "model.safetensors").st_mtime_ns == before, "stamp must skip the rebuild"
-    train, _ = build_records(docstring_corpus())
-    assert [json.loads(line) for line in train_path.read_text().splitlines()] == train
-    texts = [r["text"] for r in train if "text" in r]
-    assert build_tokenizer(texts, 300).get_vocab() == build_tokenizer(texts, 300).get_vocab()

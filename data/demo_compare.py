@@ -1,0 +1,119 @@
+"""Before/after: the base model's and the fine-tuned model's greedy answers on held-out prompts.
+
+    python -m data.demo_compare runs/demo            # what `make demo` prints at the end
+    python -m data.demo_compare OUT --n 5            # any run whose eval data are chat records
+
+Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`), takes
+the first `--n` held-out conversations, and for each prints the prompt (the conversation up to its
+last user turn), the expected answer (its last assistant turn), and the greedy answers of
+1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`), and
+2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
+Nothing here uses the trainer's model code: the adapter is checked in the ecosystem it is for.
+With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
+round trip (bitsandbytes quantize + dequantize, the trainer's block size), i.e. exactly the base
+the adapter was trained against. Exit status 1 when no answer matches (`--check`), so a script
+can assert the demo learned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+
+# bitsandbytes (imported by peft) warns at import on CPUs with AVX512-BF16 that an optional
+# kernels-community download is missing; nothing a user can act on, and the fallback is used.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda r: "kernels-community" not in r.getMessage())
+
+
+def nf4_round_trip(model) -> None:
+    """Replace each decoder block's attention/MLP Linear weight by dequantize(quantize_nf4(W))."""
+    import torch
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from model.qlora import BLOCKSIZE
+
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
+            if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5:
+                packed, st = quantize_4bit(mod.weight.float(), blocksize=BLOCKSIZE,
+                                           compress_statistics=True, quant_type="nf4")
+                mod.weight.copy_(dequantize_4bit(packed, st).to(mod.weight.dtype))
+
+
+def generate(model, tok, messages: list[dict], max_new_tokens: int) -> str:
+    import torch
+
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = tok(text, add_special_tokens=False, return_tensors="pt")
+    stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                             pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
+    """[{prompt, expected, base, tuned}] for the first `n` held-out conversations of the run."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from data.jsonl import load_jsonl
+
+    hf_logging.set_verbosity_error()   # generation-config notes are about defaults we set explicitly
+    # peft asks transformers a deprecated question when it wraps the model; not the user's to fix
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = json.load(f)
+    if not cfg.get("eval_data"):
+        raise ValueError(f"{run_dir}/config.json names no eval_data: pass a run made with --eval-data")
+    convs = [r["messages"] for r in load_jsonl(cfg["eval_data"]) if "messages" in r][:n]
+    if not convs:
+        raise ValueError(f"{cfg['eval_data']} has no chat records to prompt with")
+    tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
+    if cfg.get("quant", "nf4") == "nf4":
+        nf4_round_trip(model)
+    model.eval()
+    rows = []
+    for msgs in convs:
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"]})
+    for r in rows:
+        r["base"] = generate(model, tok, r["prompt"], max_new_tokens)
+    tuned = PeftModel.from_pretrained(model, os.path.join(run_dir, "adapter"))
+    tuned.eval()
+    for r in rows:
+        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run_dir", help="a run's --out directory (config.json, adapter/)")
+    p.add_argument("--n", type=int, default=3, help="held-out prompts to show")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="greedy decoding length limit")
+    p.add_argument("--check", action="store_true", help="exit 1 unless every tuned answer is the expected one")
+    args = p.parse_args(argv)
+    rows = compare(args.run_dir, args.n, args.max_new_tokens)
+    print(f"before/after on {len(rows)} held-out prompts (greedy; transformers, then peft with "
+          f"{os.path.join(args.run_dir, 'adapter')}):")
+    for r in rows:
+        ok = r["tuned"] == r["expected"]
+        print(f"\n  prompt:   {r['prompt'][-1]['content']}\n  expected: {r['expected']}\n"
+              f"  base:     {r['base']}\n  tuned:    {r['tuned']}   [{'right' if ok else 'wrong'}]")
+    right = sum(r["tuned"] == r["expected"] for r in rows)
+    print(f"\n{right}/{len(rows)} tuned answers right, {sum(r['base'] == r['expected'] for r in rows)} base answers")
+    return 1 if args.check and right < len(rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The demo's contract: a base pretrained on the corpus, a checkable task, before/after through peft.
+
+Pins, against references we did not write (transformers' model and `generate`, peft's loader, plain
+Python string operations on the records):
+- the cached assets in runs/demo_assets (built once, shared with `make demo`): a tied Qwen2 with
+  4 query / 2 KV heads; a corpus of real English that the tokenizer round-trips; a base that knows
+  the corpus (its loss there is far below a uniform guess) and does not know the task; task records
+  whose every answer names the topic all its prompt's words belong to, no held-out list seen in
+  training; the stamp skips a rebuild, and a stamp of another version forces one;
+- pretraining is bitwise deterministic and writes weights that transformers loads under our names;
+- the before/after script answers with the transformers model, then the peft-loaded adapter.
+
+Run: .venv/bin/python -m pytest -q tests/test_demo.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from data import load_jsonl, load_tokenizer, make_demo, tokenize_records
+from data.demo import STAMP, _complete
+from data.demo_task import TOPICS, task_answer, task_prompt, task_records
+from loss import IGNORE_INDEX
+from tests.fixtures import make_chat_jsonl, make_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    # The same cache `make demo` uses: whichever runs first pays for the build, once.
+    return make_demo(REPO / "runs" / "demo_assets")
+
+
+def _words(prompt: str) -> list[str]:
+    return prompt.split(": ", 1)[1].split()
+
+
+def test_demo_assets(demo):
+    from safetensors import safe_open
+
+    model_dir, train_path, eval_path = demo
+    tok = load_tokenizer(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["vocab_size"] == len(tok) and cfg["tie_word_embeddings"] is True
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2), "CP tests use 4/2 heads"
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        params = sum(f.get_tensor(k).numel() for k in f.keys())
+    assert 1e6 < params < 1e7
+
+    corpus = load_jsonl(model_dir.parent / "corpus.jsonl")
+    texts = [r["text"] for r in corpus if "text" in r]
+    assert texts and any("messages" in r for r in corpus), "the base sees text and chat documents"
+    for t in texts:
+        assert tok.decode(tok(t)["input_ids"]) == t, "tokenizer must round-trip the corpus"
+    words = [w.strip(".,;:()'\"").lower() for t in texts for w in t.split()]
+    assert sum(w.isalpha() for w in words) > 0.85 * len(words), "real English"
+    assert {"the", "of", "is", "to"} <= {w for w, _ in Counter(words).most_common(12)}
+
+    train, held_out = load_jsonl(train_path), load_jsonl(eval_path)
+    assert len(train) >= 200 and len(held_out) >= 3
+    lists = {}
+    for split, recs in (("train", train), ("eval", held_out)):
+        for r in recs:
+            msgs = r["messages"]
+            assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
+            for q, a in zip(msgs[::2], msgs[1::2]):
+                ws = _words(q["content"])
+                topic = a["content"].removeprefix("Topic: ").removesuffix(".")
+                assert q["content"] == task_prompt(ws) and 3 <= len(ws) <= 5
+                assert a["content"] == task_answer(topic) and set(ws) <= set(TOPICS[topic])
+                lists.setdefault(split, set()).add(tuple(ws))
+    assert not lists["train"] & lists["eval"], "held-out word lists never occur in training"
+    samples, stats = tokenize_records(train, tok, 256, train_path)
+    assert stats.dropped == stats.truncated == 0
+    for r, s in zip(train[:20], samples):
+        runs, cur = [], []
+        for t in range(1, len(s["input_ids"])):
+            if s["labels"][t - 1] != IGNORE_INDEX:
+                cur.append(s["input_ids"][t])
+            elif cur:
+                runs, cur = runs + [tok.decode(cur)], []
+        runs += [tok.decode(cur)] if cur else []
+        assert runs == [m["content"] + END for m in r["messages"] if m["role"] == "assistant"]
+
+
+def test_demo_base_knows_the_corpus_not_the_task(demo):
+    from model.load import from_pretrained
+
+    model_dir, _, eval_path = demo
+    tok = load_tokenizer(model_dir)
+    model = from_pretrained(str(model_dir)).eval()
+
+    def loss(records):
+        samples, _ = tokenize_records(records, tok, 256)
+        tot = n = 0
+        with torch.no_grad():
+            for s in samples:
+                ls, c = model(torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]]))
+                tot, n = tot + ls.item(), n + c.item()
+        return tot / n
+
+    corpus = [r for r in load_jsonl(model_dir.parent / "corpus.jsonl") if "text" in r][::25]
+    uniform = math.log(len(tok))
+    corpus_loss, task_loss = loss(corpus), loss(load_jsonl(eval_path))
+    assert corpus_loss < 0.65 * uniform, f"base corpus loss {corpus_loss:.2f} vs uniform {uniform:.2f}"
+    assert task_loss > corpus_loss, f"base already knows the task: {task_loss:.2f} vs {corpus_loss:.2f}"
+
+
+def test_demo_stamp_reuses_and_rejects_old_versions(demo, tmp_path):
+    model_dir = demo[0]
+    before = os.stat(model_dir / "model.safetensors").st_mtime_ns
+    assert make_demo(model_dir.parent) == demo
+    assert os.stat(model_dir / "model.safetensors").st_mtime_ns == before, "stamp must skip the rebuild"
+    stamp = json.loads((model_dir.parent / STAMP).read_text())
+    assert _complete(model_dir.parent, stamp["pretrain_steps"])
+    # A cache in an older format (version 2: random base, docstring Q&A) must be rebuilt, not reused.
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in ("train.jsonl", "eval.jsonl", "corpus.jsonl"):
+        (old / f).write_text((model_dir.parent / f).read_text())
+    (old / "model").symlink_to(model_dir)
+    (old / STAMP).write_text(json.dumps({**stamp, "version": 2}))
+    assert not _complete(old, stamp["pretrain_steps"]), "a version-2 stamp was trusted"
+    assert not _complete(model_dir.parent, stamp["pretrain_steps"] + 1), "other pretraining length trusted"
+
+
+def test_task_records_deterministic_and_disjoint():
+    a, b = task_records(n_train=50, n_eval=6), task_records(n_train=50, n_eval=6)
+    assert a == b
+    train, held = a
+    seen = {m["content"] for r in train for m in r["messages"] if m["role"] == "user"}
+    assert not seen & {r["messages"][0]["content"] for r in held}
+    assert {r["messages"][1]["content"] for r in held[:3]} == {task_answer(t) for t in TOPICS}
+
+
+def test_pretrain_is_deterministic_and_loads_in_transformers(tmp_path):
+    import transformers as T
+    from safetensors.torch import load_file
+
+    from data.demo_pretrain import pretrain
+    from model.load import from_pretrained
+
+    tok = make_tokenizer(tmp_path / "tok")
+    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    recs = make_chat_jsonl(tmp_path / "c.jsonl", 12, seed=3)
+    docs = [tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
+            for r in recs]
+    losses, weights = [], []
+    for run in ("a", "b"):
+        torch.manual_seed(0)
+        T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / run)
+        losses.append(pretrain(tmp_path / run, docs, 6, row_len=64, batch_rows=2, lr=1e-2, warmup=2))
+        weights.append(load_file(str(tmp_path / run / "model.safetensors")))
+    assert losses[0] == losses[1], "pretraining losses differ between identical runs"
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:
+        assert torch.equal(weights[0][k], weights[1][k]), f"{k} differs between identical runs"
+    assert losses[0][-1] < losses[0][0], f"pretraining did not learn: {losses[0]}"
+    ids = torch.tensor([docs[0][:40]])
+    ours = from_pretrained(str(tmp_path / "a")).eval()
+    hf = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "a")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    from data.demo_compare import compare
+
+    tok = make_tokenizer(tmp_path / "model")
+    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    recs = make_chat_jsonl(tmp_path / "eval.jsonl", 3, seed=2)
+    run = tmp_path / "run"
+    peft_model = get_peft_model(T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)   # a strong adapter: greedy answers must change
+    peft_model.save_pretrained(str(run / "adapter"))
+    (run / "config.json").write_text(json.dumps(
+        {"model": str(tmp_path / "model"), "quant": quant, "eval_data": str(tmp_path / "eval.jsonl")}))
+
+    rows = compare(str(run), n=2, max_new_tokens=6)
+    assert len(rows) == 2
+    for r, rec in zip(rows, recs):
+        last = max(i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant")
+        assert r["prompt"] == rec["messages"][:last], "prompt = the conversation before its last answer"
+        assert r["expected"] == rec["messages"][last]["content"]
+        assert isinstance(r["base"], str) and isinstance(r["tuned"], str)
+    assert any(r["base"] != r["tuned"] for r in rows), "the adapter changed no answer: was it loaded?"
