@@ -220,7 +220,8 @@ def main(argv=None):
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
             log0(f"eval_loss before training {evaluate(model, *eval_args):.6f}")
-        bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, disable=rank > 0 or args.no_progress)
+        bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
+                   disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
 
         # --------------------------------------------------------------------- loop
