@@ -12,6 +12,7 @@ Pins:
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,9 +21,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import gpu as bench_gpu  # noqa: E402
+# Loaded by path, not by putting bench/ on sys.path: spawned ranks of later tests inherit sys.path,
+# and bench/loss.py would then shadow the top-level loss module in them.
+_spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "bench", "gpu.py"))
+bench_gpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_gpu)
 
 
 def test_cut_layers():
