@@ -18,4 +18,10 @@ def assets(tmp_path_factory):
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
     make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
-    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d)}
+    # the same model with a 16-token sliding window on layer 1 (Qwen2: layers >= max_window_layers slide)
+    make_tokenizer(d / "window")
+    wcfg = T.Qwen2Config(**{**cfg.to_dict(), "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
+    wcfg.layer_types = None   # derived again from max_window_layers
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(wcfg).float().save_pretrained(d / "window")
+    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window")}

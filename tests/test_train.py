@@ -53,6 +53,11 @@ FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
     "nf4_dp4": ["--dp-shard", "4", "--quant", "nf4"],
 }
+# a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
+FOUR_RANK_WINDOW = {
+    "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
+    "window_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
+}
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -76,6 +81,8 @@ def _four_ranks(rank, world_size, assets, root):
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
     for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
+    for name, flags in FOUR_RANK_WINDOW.items():
+        train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
     return (errors, resume_error) if rank == 0 else None
@@ -115,6 +122,7 @@ def one(assets, tmp_path_factory):
         "nf4": ["--quant", "nf4"],
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
+        "window": ["--model", assets["window"]],
         "mem": ["--tiled-mlp", "--offload-activations"],
     }
     with one_thread():
@@ -188,6 +196,18 @@ def test_single_rank_run_trains(one):
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK_WINDOW))
+def test_four_ranks_match_one_rank_sliding_window(one, four, name):
+    _compare(f"4 ranks {name}", _at(four, name), _at(one, "window"))
+    _compare_differs_from_full(_at(one, "window"), _at(one, "fp32"))
+
+
+def _compare_differs_from_full(window, full):
+    """The window must change the numbers (else the test above could not fail on a window ignored)."""
+    assert _metrics(window)[0]["loss"] != _metrics(full)[0]["loss"]
 
 
 @pytest.mark.timeout(600)

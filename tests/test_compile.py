@@ -1,0 +1,90 @@
+"""`--compile` (parallelize.apply_compile): torch.compile of RMSNorm, RoPE and SwiGLU changes no number.
+
+Pins (CPU inductor, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base, peft LoRA with B != 0,
+activation checkpointing on): the compiled model's loss and every LoRA gradient equal the eager model's
+in one process, and on 2 gloo ranks (FSDP2 over cp 2 ring) equal the one-process eager model on every
+rank. The compiled forwards really are compiled (dynamo wrappers on every RMSNorm, Rotary and SwiGLU).
+The first test fills inductor's on-disk cache, so the 2-rank one mostly reuses its kernels.
+
+Run: .venv/bin/python -m pytest -q tests/test_compile.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_ranks
+from tests.helpers import build_nonzero_b, tiny_checkpoint
+
+TOL = dict(rtol=1e-4, atol=1e-6)   # fused float32 kernels may round in another order
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def _opts(path, **kw):
+    from parallel.parallelize import BuildOptions
+
+    return BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=3, ac=True, **kw)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (2, 20), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    pos = torch.cat([torch.arange(12), torch.arange(8)]).expand(2, 20)   # two packed documents per row
+    return ids, labels, pos
+
+
+def _step(model, ids, labels, pos):
+    lsum, n = model(ids, position_ids=pos, labels=labels)
+    (lsum / n).backward()
+    return (lsum / n).detach(), {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.timeout(600)
+def test_compile_equals_eager_one_process(ckpt):
+    from model.llama import RMSNorm, Rotary, SwiGLU
+
+    batch = _batch()
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt))[0], *batch)
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True))
+    compiled = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SwiGLU))]
+    assert len(compiled) == 2 * 4 + 1 and all(hasattr(m.forward, "_torchdynamo_orig_callable") for m in compiled)
+    loss, grads = _step(model, *batch)
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
+    assert grads.keys() == ref_grads.keys() and len(grads) == 28
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
+
+
+def _two_ranks(rank, world_size, path):
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.mesh import ParallelDims
+
+    ids, labels, pos = _batch()
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(path))[0], ids, labels, pos)
+    dims = ParallelDims.from_args(world_size, 1, -1, 2, "ring", None, n_heads=6, n_kv_heads=2)
+    meshes = dims.build_mesh("cpu")
+    model, _ = build_nonzero_b(_opts(path, compile=True), fsdp_mesh=meshes.fsdp,
+                               attention=cp_attention(meshes, dims))
+    c = meshes.cp.get_local_rank()
+    lsum, n = model(shard_sequence(ids, dims, c, 0), position_ids=shard_sequence(pos, dims, c, None),
+                    labels=shard_sequence(labels, dims, c, -100))
+    tot = torch.stack([lsum.detach(), n.detach().to(lsum.dtype)])
+    dist.all_reduce(tot)
+    (lsum / tot[1]).backward()
+    torch.testing.assert_close(tot[0] / tot[1], ref_loss, **TOL, msg=f"rank {rank}: loss")
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[k], **TOL, msg=f"rank {rank}: grad {k}")
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_compile_fsdp_ring_two_ranks_equals_one_process(ckpt):
+    assert run_ranks(_two_ranks, 2, ckpt, timeout=560, pg_timeout=300) == [True, True]
