@@ -12,16 +12,15 @@ def assets(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("train_assets")
     tok = make_tokenizer(d / "model")
-    cfg = T.Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
-                        max_position_embeddings=4096)
+    shape = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096)
+    cfg = T.Qwen2Config(**shape)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
     make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
     # the same model with a 16-token sliding window on layer 1 (Qwen2: layers >= max_window_layers slide)
     make_tokenizer(d / "window")
-    wcfg = T.Qwen2Config(**{**cfg.to_dict(), "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
-    wcfg.layer_types = None   # derived again from max_window_layers
+    wcfg = T.Qwen2Config(**shape, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(wcfg).float().save_pretrained(d / "window")
     return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window")}

@@ -74,3 +74,13 @@ def startup_error(argv) -> str:
         except (ValueError, FileNotFoundError) as e:
             return str(e)
     raise AssertionError(f"train.main({argv}) did not fail")
+
+
+def cp_layouts(world: int, splits):
+    """(dims, attention core, name) for each (ulysses, ring) split of cp = world on an existing group."""
+    from parallel.cp import cp_attention
+    from parallel.mesh import ParallelDims
+
+    for u, r in splits:
+        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
+        yield dims, cp_attention(dims.build_mesh("cpu"), dims), "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"

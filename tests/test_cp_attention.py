@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.cp import cp_attention, gather_sequence, local_attention, shard_sequence, unshard_sequence
+from parallel.cp import gather_sequence, local_attention, shard_sequence, unshard_sequence
 from parallel.mesh import ParallelDims, resolve_cp
 from tests.dist import run_ranks
+from tests.helpers import cp_layouts
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -80,10 +81,8 @@ def check_cp(attn, dims, cfg, label, pos=None, bounds=None, dtype=torch.float32,
 
 def _cp_ranks(rank, world, splits, configs):
     done = []
-    for u, r in splits:
-        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
-        attn = cp_attention(dims.build_mesh("cpu"), dims)
-        impl = "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+    for dims, attn, impl in cp_layouts(world, splits):
+        u, r = dims.ulysses, dims.ring
         for cfg in configs:
             if cfg[2] % u or (cfg[3] % u and u % cfg[3]):
                 continue  # not a legal Ulysses degree for these heads (resolve_cp refuses it)

@@ -23,6 +23,7 @@ from parallel import kernels
 from parallel.cp import cp_attention, gather_sequence, shard_sequence
 from parallel.mesh import ParallelDims
 from tests.dist import run_ranks
+from tests.helpers import cp_layouts
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 
@@ -81,10 +82,8 @@ WINDOWS = [None, 1, 5, 20, 100]
 
 def _ranks(rank, world, splits):
     done = []
-    for u, r in splits:
-        dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
-        attn = cp_attention(dims.build_mesh("cpu"), dims)
-        impl = "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+    for dims, attn, impl in cp_layouts(world, splits):
+        u, r = dims.ulysses, dims.ring
         for window in WINDOWS:
             for heads in ((8, 2, 16), (4, 1, 32)):   # GQA, MQA
                 label = f"{impl} u{u}×r{r} H,Hkv,D={heads} window={window}"
