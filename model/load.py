@@ -13,7 +13,8 @@ Contract:
   `get_flat(name, a, b)` only its row-major elements [a, b): safetensors stores tensors row-major and
   contiguous, so each is one pread(2) of a byte range into process memory (no mmap view stays mapped).
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
-  70B model), checks the shapes, materialises it on `device` and copies every tensor in.
+  70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
+  trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
 """
 
 from __future__ import annotations
@@ -172,28 +173,17 @@ class CheckpointReader:
         self._fds.clear()
 
 
-def needed_names(model: torch.nn.Module) -> list[str]:
-    """Parameter and persistent-buffer names the checkpoint must provide (tied lm_head excluded)."""
-    names = [n for n, _ in model.named_parameters(remove_duplicate=True)]
-    names += [n for n, _ in model.named_buffers()]
-    return names
-
-
 def from_pretrained(path: str, *, dtype: torch.dtype = torch.float32, device="cpu", attention=None):
+    """The plain decoder (no LoRA, no sharding), filled by the trainer's own `model.weights.load_weights`."""
+    from model.weights import load_weights  # imports bitsandbytes: not on read_args' fast path
+
     args = read_args(path)
     reader = CheckpointReader(path)
     with torch.device("meta"):
-        model = Transformer(args, attention=attention)
-    names = needed_names(model)
-    reader.check(names)
-    reader.check_shapes({n: t.shape for n, t in [*model.named_parameters(), *model.named_buffers()]})
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(args, attention=attention).to(dtype)
+    model = model.to_empty(device=torch.device(device))
     if args.tie_embeddings:    # to_empty keeps the tie only if re-pointed after materialisation
         model.lm_head.weight = model.model.embed_tokens.weight
-    state = dict(model.named_parameters())
-    state.update(model.named_buffers())
-    with torch.no_grad():
-        for n in names:
-            state[n].copy_(reader.get(n))
+    load_weights(model, reader, torch.device(device))
     reader.close()
     return model
