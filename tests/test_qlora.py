@@ -10,6 +10,8 @@ Pins (gloo on CPU, float32): for a tiny Qwen2 checkpoint (6 query / 2 KV heads) 
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
 
+Each layout is a named case (ONE_RANK, TWO_RANKS, FOUR_RANKS); a failure names the case and the quantity.
+
 Run: .venv/bin/python -m pytest -q tests/test_qlora.py
 """
 
@@ -23,8 +25,10 @@ from tests.helpers import tiny_checkpoint
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _assemble(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
-    """One layout's model + the single-process reference; returns label-checked comparisons."""
+def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
+    """Build this layout's model and the single-process reference on every rank, run one forward and
+    backward on the same global batch, and assert: target count, global mean loss, global grad norm,
+    the LoRA init and every LoRA gradient, the NF4 codes and absmax as integers, and the logits."""
     from model.qlora import NF4Linear
     from parallel.cp import cp_attention, shard_sequence
     from parallel.fsdp import clip_grad_norm_
@@ -103,11 +107,11 @@ def _assemble(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
 
 def _cases(rank, world_size, path, cases):
     """Several layouts per spawn (spawning costs seconds): each case builds its own mesh."""
-    for case in cases:
+    for label, case in cases.items():
         try:
-            _assemble(rank, world_size, path, *case)
+            check_layout_equals_one_process(rank, world_size, path, **case)
         except AssertionError as e:
-            raise AssertionError(f"case (quant, cp, impl, fsdp[, replicate])={case}: {e}") from e
+            raise AssertionError(f"{label}: {e}") from e
     return len(cases)
 
 
@@ -116,12 +120,30 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
+def layout(quant, cp=1, impl="ulysses", replicate=1):
+    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate)
+
+
+ONE_RANK = {"nf4, FSDP2 on 1 rank": layout("nf4")}
+TWO_RANKS = {"nf4, dp_shard 2": layout("nf4"), "plain weights, dp_shard 2": layout("none"),
+             "nf4, cp 2 ring": layout("nf4", 2, "ring")}
+FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2),
+              "plain weights, cp 2 ring × dp_shard 2": layout("none", 2, "ring"),
+              "nf4, cp 4 hybrid (auto: Ulysses 2 × ring 2)": layout("nf4", 4, "auto"),
+              "nf4, HSDP dp_replicate 2 × dp_shard 2": layout("nf4", replicate=2),
+              "plain weights, HSDP 2 × cp 2 ring": layout("none", 2, "ring", replicate=2)}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size, cases", [
-    (1, [("nf4", 1, "ulysses", True)]),
-    (2, [("nf4", 1, "ulysses", True), ("none", 1, "ulysses", True), ("nf4", 2, "ring", True)]),
-    (4, [("nf4", 1, "ulysses", True), ("nf4", 2, "ulysses", True), ("none", 2, "ring", True),
-         ("nf4", 4, "auto", True), ("nf4", 1, "ulysses", True, 2), ("none", 2, "ring", True, 2)]),
-], ids=["1rank", "2ranks", "4ranks"])
-def test_layouts_match_single_process(ckpt, world_size, cases):
-    assert run_ranks(_cases, world_size, ckpt, cases, timeout=280) == [len(cases)] * world_size
+def test_fsdp2_on_one_rank_equals_one_process(ckpt):
+    assert run_ranks(_cases, 1, ckpt, ONE_RANK, timeout=280) == [len(ONE_RANK)]
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_layouts_equal_one_process(ckpt):
+    assert run_ranks(_cases, 2, ckpt, TWO_RANKS, timeout=280) == [len(TWO_RANKS)] * 2
+
+
+@pytest.mark.timeout(300)
+def test_four_rank_layouts_equal_one_process(ckpt):
+    assert run_ranks(_cases, 4, ckpt, FOUR_RANKS, timeout=280) == [len(FOUR_RANKS)] * 4
