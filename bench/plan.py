@@ -154,7 +154,7 @@ def main():
         for name, world, max_len, flags in rows:
             argv = ["--model", model_dir, "--data", data, "--max-len", str(max_len), "--steps", "2",
                     "--dtype", "fp32", "--global-batch", str(world // _cp(flags)), "--no-progress",
-                    "--out", os.path.join(tmp, "out"), *flags]
+                    "--out", os.path.join(tmp, "out", name.replace(" ", "_")), *flags]   # a run owns its --out
             plan = planned(world, argv)
             meas, code = zip(*measure(world, argv))
             print(f"{name:<26}{world:>6}{plan / MB:>12.0f}{max(meas) / MB:>13.0f}{max(meas) / plan:>7.2f}"
