@@ -33,9 +33,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 3   # 3: pretrained base + word-reversal task (2: random base, docstring Q&A)
+VERSION = 3   # 3: pretrained base + topic task (2: random base, docstring Q&A)
 STAMP = "demo.json"
-PRETRAIN_STEPS = 150   # about 60 s on 2 idle cores: pretraining loss 7.67 -> about 4 (100 steps: base corpus loss 5.3, too weak)
+PRETRAIN_STEPS = 150   # about 60 s on 2 idle cores, loss 7.67 -> 4.0 (100 steps: corpus loss 5.3, too weak)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2-style ChatML, including its default system prompt when the conversation has none.
 CHAT_TEMPLATE = (
