@@ -48,8 +48,8 @@ bench-gpu:
 # The assets (corpus, tokenizer, a base pretrained on the corpus) are built once, with every core, and
 # cached in runs/demo_assets; then LoRA on 4 gloo ranks, then the base's and the tuned model's answers.
 demo: install
-	$(PY) -m data.demo runs/demo_assets
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2
+	$(PY) -c 'import sys; from data.demo import main; main(sys.argv[1:])' runs/demo_assets
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node $(NPROC) train.py --cp 2 --dp-shard 2 --out runs/demo --overwrite
 	$(PY) -m data.demo_compare runs/demo
 	$(PY) bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 

@@ -12,9 +12,10 @@ Contract: `make_demo(dir) -> (model_dir, train_jsonl, eval_jsonl)` writes, with 
   answers in the chat format before any LoRA. No shipped package holds a small pretrained
   checkpoint of a supported family (the smallest real Qwen2 has 0.5B parameters, far too slow for
   a CPU demo, and would need a download), so the base is made here.
-- `train.jsonl` / `eval.jsonl`: the fine-tuning task, which the base does not know: "Reverse the
-  order of these words: a b c" answered "Reversed: c b a" (3-6 words, each one token of the
-  tokenizer). A person can check an answer at a glance; no held-out word list occurs in training.
+- `train.jsonl` / `eval.jsonl`: the fine-tuning task (`data/demo_task.py`), which the base does not
+  know: "Which topic are these words about: week timeout seconds" answered "Topic: time." (3-5 corpus
+  words of one of three topics). A person checks an answer at a glance; no held-out word list occurs
+  in training.
 - `demo.json`, written last, is the stamp: when it is present with the current version and
   pretraining length and every file exists, nothing is rebuilt (an older cache is rebuilt). Assets
   are built in a temporary sibling directory and moved in, so an interrupted build never leaves a
@@ -32,9 +33,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 3   # 3: pretrained base + word-reversal task (2: random base, docstring Q&A)
+VERSION = 3   # 3: pretrained base + topic task (2: random base, docstring Q&A)
 STAMP = "demo.json"
-PRETRAIN_STEPS = 150
+PRETRAIN_STEPS = 150   # about 60 s on 2 idle cores, loss 7.67 -> 4.0 (100 steps: corpus loss 5.3, too weak)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2-style ChatML, including its default system prompt when the conversation has none.
 CHAT_TEMPLATE = (
@@ -251,10 +252,16 @@ def make_demo(out_dir: str | Path, pretrain_steps: int = PRETRAIN_STEPS, log=Non
     return paths[:3]
 
 
-if __name__ == "__main__":   # `make demo` builds the assets here, with every core, before torchrun
-    import sys
+def main(argv: list[str]) -> None:
+    """`make demo` builds the assets here, with every core, before torchrun (whose ranks get 1 thread)."""
     import time
 
     t0 = time.time()
-    make_demo(sys.argv[1] if len(sys.argv) > 1 else "runs/demo_assets",
+    make_demo(argv[0] if argv else "runs/demo_assets",
               log=lambda m: print(f"demo assets: {m} ({time.time() - t0:.0f}s)", flush=True))
+
+
+if __name__ == "__main__":   # (the Makefile calls main() via -c: `-m data.demo` warns, data/ imports it)
+    import sys
+
+    main(sys.argv[1:])

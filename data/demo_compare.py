@@ -68,6 +68,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     from data.jsonl import load_jsonl
 
     hf_logging.set_verbosity_error()   # generation-config notes are about defaults we set explicitly
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar for a 14 MB file
     # peft asks transformers a deprecated question when it wraps the model; not the user's to fix
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     with open(os.path.join(run_dir, "config.json")) as f:

@@ -112,7 +112,7 @@ def test_demo_base_knows_the_corpus_not_the_task(demo):
     corpus = [r for r in load_jsonl(model_dir.parent / "corpus.jsonl") if "text" in r][::25]
     uniform = math.log(len(tok))
     corpus_loss, task_loss = loss(corpus), loss(load_jsonl(eval_path))
-    assert corpus_loss < 0.65 * uniform, f"base corpus loss {corpus_loss:.2f} vs uniform {uniform:.2f}"
+    assert corpus_loss < 0.7 * uniform, f"base corpus loss {corpus_loss:.2f} vs uniform {uniform:.2f}"
     assert task_loss > corpus_loss, f"base already knows the task: {task_loss:.2f} vs {corpus_loss:.2f}"
 
 
