@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from loss import IGNORE_INDEX
 from model.load import from_pretrained
 
 
@@ -28,14 +29,14 @@ def pack_rows(documents: list[list[int]], row_len: int, pad_id: int, gen: torch.
     """One epoch of documents in a random order, packed greedily into rows of `row_len` tokens.
 
     Returns [(input_ids, position_ids, labels)] as 1-D tensors; labels are already shifted and are
-    -100 at the last token of each document and on padding. Documents longer than a row are cut.
+    IGNORE_INDEX at the last token of each document and on padding. Documents longer than a row are cut.
     """
     rows, ids, pos, lab = [], [], [], []
 
     def flush():
         n, nxt = row_len - len(ids), pos[-1] + 1   # padding continues the last document's positions
         rows.append((torch.tensor(ids + [pad_id] * n), torch.tensor(pos + list(range(nxt, nxt + n))),
-                     torch.tensor(lab + [-100] * n)))
+                     torch.tensor(lab + [IGNORE_INDEX] * n)))
         ids.clear(), pos.clear(), lab.clear()
 
     for i in torch.randperm(len(documents), generator=gen).tolist():
@@ -44,7 +45,7 @@ def pack_rows(documents: list[list[int]], row_len: int, pad_id: int, gen: torch.
             flush()
         ids += doc
         pos += range(len(doc))
-        lab += doc[1:] + [-100]
+        lab += doc[1:] + [IGNORE_INDEX]
     if ids:
         flush()
     return rows
