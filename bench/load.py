@@ -34,14 +34,14 @@ def _rank(rank, world_size, path, reps):
     from model.load import CheckpointReader
     from parallel.fsdp import load_weights
     from parallel.mesh import ParallelDims
-    from parallel.parallelize import ModelConfig, build_model
+    from parallel.parallelize import BuildOptions, build_model
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)   # freed tensors leave RSS at once (see tests/test_load_memory.py)
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
     out = {}
     for quant in ("none", "nf4"):
-        model, _ = build_model(ModelConfig(path, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")
+        model, _ = build_model(BuildOptions(path, quant=quant, lora_r=4), fsdp_mesh=mesh, device="cpu")
         reader = CheckpointReader(path)
         best = {}
         for _ in range(reps):
