@@ -106,7 +106,7 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     cfg.update(torch_dtype=str(dtype).split(".")[1], use_cache=False,
                max_position_embeddings=max(cfg.get("max_position_embeddings", 0), tokens))
     cfg.pop("dtype", None)
-    demo_model, _, _ = make_demo(os.path.join(work, "demo_assets"))
+    demo_model, _, _ = make_demo(os.path.join(ROOT, "runs", "demo_assets"))   # shared with tests and the demo
     tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
     cfg.update(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     margs = ModelArgs.from_config_dict(cfg)

@@ -43,6 +43,9 @@ for d in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", 
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 
+echo "== demo assets (the tokenizer and the model the GPU tests train; built once, on the CPU)"
+timeout 150 python3 -c "from data.demo import make_demo; make_demo('runs/demo_assets')" 2>&1 | tail -3
+
 echo "== make test-gpu (cap ${TEST_S}s)"
 timeout "$TEST_S" make test-gpu 2>&1 | tee "$OUT/test-gpu.log"
 echo "test-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/test-gpu.log"

@@ -119,7 +119,9 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
             _t(dout), _t(q), _t(k), _t(v), _t(out), lse, None, None, sq, sk, 0.0, causal, seed, offset,
             scale=scale)
         return _t(dq), _t(dk), _t(dv)
-    args = [_t(x).contiguous() for x in (dout, q, _expand_kv(k, h), _expand_kv(v, h), out)]
+    # [B, S, H, D]-contiguous, then viewed as [B, H, S, D]: the CUDA kernel reads `out` assuming that
+    # layout (its row stride is not passed), so a [B, H, S, D]-contiguous copy gave wrong half-precision dq
+    args = [_t(x.contiguous()) for x in (dout, q, _expand_kv(k, h), _expand_kv(v, h), out)]
     lse = F.pad(lse, (0, -sq % 32))  # the efficient kernel reads lse in tiles of 32 rows
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         *args[:4], bias, args[4], lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
