@@ -69,9 +69,12 @@ def _rank(rank, world_size, path, reps):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions; the fastest of each is kept")
+    p.add_argument("--small", action="store_true", help="a tiny checkpoint (tests/test_bench_smoke.py)")
     args = p.parse_args()
+    size = dict(hidden=128, layers=2, inter=256, vocab=1024) if args.small else \
+        dict(hidden=1024, layers=6, inter=2816, vocab=8192)
     with tempfile.TemporaryDirectory() as tmp:
-        total, largest, _ = write_checkpoint(tmp, hidden=1024, layers=6, inter=2816, vocab=8192)
+        total, largest, _ = write_checkpoint(tmp, **size)
         res = run_ranks(_rank, 4, tmp, args.reps, timeout=1800, pg_timeout=600)
     print(f"load of a {total / 1e6:.0f} MB float32 checkpoint on 4 CPU ranks (FSDP2 over 4), best of {args.reps}")
     print(f"{'quant':<6}{'whole s':>9}{'lean s':>8}{'ratio':>7}{'whole cpu s':>13}{'lean cpu s':>12}"

@@ -1,0 +1,45 @@
+"""bench/plan.py and bench/load.py cannot rot: each runs its smallest configuration end to end.
+
+Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
+own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
+rows, and the lean path's per-rank peak is below the whole-tensor path's. Timings are printed by the
+scripts and not asserted (no timing assertions in tests).
+
+Run: .venv/bin/python -m pytest -q tests/test_bench_smoke.py
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*argv, timeout):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_plan_bench_smallest_row():
+    out = _run("bench/plan.py", "--only", "cp1 nf4 1k", timeout=280)
+    row = re.search(r"^cp1 nf4 1k\s+1\s+(\d+)\s+(\d+)\s+([\d.]+)", out, re.M)
+    assert row, out
+    planned, measured, ratio = int(row[1]), int(row[2]), float(row[3])
+    assert planned > 0 and measured > 0 and 0.75 <= ratio <= 1.25, out
+
+
+@pytest.mark.timeout(300)
+def test_load_bench_small():
+    out = _run("bench/load.py", "--small", "--reps", "1", timeout=280)
+    rows = {m[0]: [float(x) for x in m[1:]] for m in re.findall(
+        r"^(none|nf4)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)$", out, re.M)}
+    assert set(rows) == {"none", "nf4"}, out
+    for quant, (whole_s, lean_s, ratio, _, _, whole_mb, lean_mb) in rows.items():
+        assert whole_s > 0 and lean_s > 0 and ratio > 0, (quant, out)
+        assert lean_mb <= whole_mb, (quant, out)
