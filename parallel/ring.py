@@ -70,14 +70,20 @@ def _acc_dtype(q):  # partial results and gradients are summed in float32 (float
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _block(comm, step, c, idx, doc, window):
+def _plan(group, c, idx, doc, window) -> list:
+    """Per step, what `_block` says: made once per attention call, used by forward and backward."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    return [_block(r, p, step, c, idx, doc, window) for step in range(p)]
+
+
+def _block(r, p, step, c, idx, doc, window):
     """Rows, columns, kind and mask of the block computed at `step` (K/V from rank j = r - step).
 
     Step 0 is the causal diagonal; then, if j < r, every query against the first chunk of the block
     (wholly before both local chunks), else the second local chunk against all of it. With documents
     or a window the block is masked from the GLOBAL indices `idx` [P, 2c] and document ids `doc`
     [B, S] (`parallel.masks`), and skipped when nothing in it is visible."""
-    r, j, every = comm.rank, (comm.rank - step) % comm.size, slice(None)
+    j, every = (r - step) % p, slice(None)
     rows, cols = (every, every) if step == 0 else (every, slice(0, c)) if j < r else (slice(c, None), every)
     if idx is None:
         return rows, cols, ("causal" if step == 0 else "full"), None
@@ -87,8 +93,8 @@ def _block(comm, step, c, idx, doc, window):
     return rows, cols, kind, (keep if kind == "masked" else None)
 
 
-def _ring_forward(q, k, v, scale, group, idx, doc, window):
-    comm, c, acc = RingComm(group), q.shape[1] // 2, _acc_dtype(q)
+def _ring_forward(q, k, v, scale, group, plan):
+    comm, acc = RingComm(group), _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
     # Each hop is posted before the kernel of the current block runs, so the two overlap; every rank
@@ -100,15 +106,15 @@ def _ring_forward(q, k, v, scale, group, idx, doc, window):
             k, v = nxt
             if step + 1 < comm.size:
                 nxt = comm.send_recv([k, v])
-        rows, cols, kind, keep = _block(comm, step, c, idx, doc, window)
+        rows, cols, kind, keep = plan[step]
         if kind != "skip":
             _merge(out[:, rows], lse[:, :, rows], *kernels.forward(
                 q[:, rows], k[:, cols], v[:, cols], kind == "causal", scale, mask=keep))
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, group, idx, doc, window):
-    kv_comm, grad_comm, c = RingComm(group, tag=0), RingComm(group, tag=1), q.shape[1] // 2
+def _ring_backward(dout, q, k, v, out, lse, scale, group, plan):
+    kv_comm, grad_comm = RingComm(group, tag=0), RingComm(group, tag=1)
     dq, dk, dv = (torch.zeros(x.shape, dtype=_acc_dtype(q), device=x.device) for x in (q, k, v))
     nxt = kv_comm.send_recv([k, v]) if kv_comm.size > 1 else None
     for step in range(kv_comm.size):
@@ -118,7 +124,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, idx, doc, window):
             k, v = nxt
             if step + 1 < kv_comm.size:
                 nxt = kv_comm.send_recv([k, v])
-        rows, cols, kind, keep = _block(kv_comm, step, c, idx, doc, window)
+        rows, cols, kind, keep = plan[step]
         if kind != "skip":  # every block sees the GLOBAL out and lse of its rows
             dq_b, dk_b, dv_b = kernels.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols],
                                                 out[:, rows], lse[:, :, rows], kind == "causal", scale,
@@ -140,9 +146,10 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, idx, doc, window):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, group, idx, doc, window):
-        out, lse = _ring_forward(q, k, v, scale, group, idx, doc, window)
+        plan = _plan(group, q.shape[1] // 2, idx, doc, window)   # masks + host syncs once, reused in backward
+        out, lse = _ring_forward(q, k, v, scale, group, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, group, idx, doc, window)
+        ctx.args = (scale, group, plan)
         return out
 
     @staticmethod
