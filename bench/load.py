@@ -32,7 +32,7 @@ def _rank(rank, world_size, path, reps):
     import torch.distributed as dist
 
     from model.load import CheckpointReader
-    from parallel.fsdp import load_weights
+    from model.weights import load_weights
     from parallel.mesh import ParallelDims
     from parallel.parallelize import BuildOptions, build_model
 

@@ -1,4 +1,4 @@
-"""FSDP2 on the LoRA-wrapped decoder, sharded weight loading, and the global gradient norm.
+"""FSDP2 on the LoRA-wrapped decoder and the global gradient norm.
 
 Contract:
 - `apply_fsdp(model, mesh, mp)`: `fully_shard` each decoder block, then the root, over the 2-D
@@ -6,8 +6,8 @@ Contract:
   weights, so sharding over them too saves memory. FSDP2's own gradient division is switched off
   (divide factor 1, sum-only reductions, which gloo also supports): the loss is already divided by the
   global target count, so the reduced gradients equal one process's gradient on the global batch.
-- `load_weights` (model/weights.py, the one loading path, also `model.from_pretrained`'s) streams
-  each rank's shard of every tensor after `fully_shard`.
+- Weights are streamed after `fully_shard` by `model.weights.load_weights` (the one loading path,
+  also `model.from_pretrained`'s): each rank reads only its shard of every tensor.
 - `clip_grad_norm_(params, max_norm)` returns the true global norm over all shards and ranks.
 """
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-
-from model.weights import load_weights  # noqa: F401 - re-exported: the assembly's step 7
 
 
 def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy | None = None):

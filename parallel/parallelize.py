@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
-from parallel.fsdp import apply_fsdp, load_weights
+from model.weights import load_weights
+from parallel.fsdp import apply_fsdp
 from parallel.memory import HostOffload, apply_tiled_mlp, recompute_context
 
 

@@ -60,8 +60,8 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
 
     from model.load import CheckpointReader
     from model.qlora import NF4Linear
+    from model.weights import load_weights
     from parallel import checkpoint
-    from parallel.fsdp import load_weights
     from parallel.mesh import ParallelDims
     from parallel.parallelize import BuildOptions, build_model, lora_parameters
     from tests.helpers import build_nonzero_b
