@@ -46,9 +46,9 @@ from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_dist
 LOSS_FN = None
 
 # `python train.py` with neither --model nor --data trains the embedded demo; these replace the defaults
-# (flags still win). The demo base is tiny: a large step size teaches the answer format in 40 steps.
+# (flags still win). The tiny base needs a large step size and ~100 steps to learn the task's labels.
 DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
-            eval_data="runs/demo_assets/eval.jsonl", steps=40, lr=5e-3, warmup=5)
+            eval_data="runs/demo_assets/eval.jsonl", steps=100, lr=5e-3, warmup=5, global_batch=16, micro_batch=8)
 
 # ----------------------------------------------------------------------------- args
 

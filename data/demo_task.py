@@ -5,10 +5,12 @@
 
 Why this task: the base (pretrained on docstring prose) answers such a prompt with prose, so the
 change is visible in one sample, and a person checks an answer at a glance. The answer depends on
-the prompt's words as a bag, which LoRA on a 3.5M-parameter model learns within the demo's 40 steps;
-word-order tasks (reversing the list) need copying circuits that 40 LoRA steps did not build (tried:
-the format was learned, the words were not). Lists are drawn with `random.Random(seed)`; no held-out
-list occurs in training, and every topic appears in both splits.
+the prompt's words as a bag. LoRA on the 3.5M-parameter base learns the answer format within ~20
+steps of 16 chats and the labels only after a plateau (held-out accuracy of the label 1/3 until
+about step 40, all 24 right from about step 90 at lr 5e-3): that is why the demo takes 100 steps.
+Word-order tasks (say the last word, reverse the list) need copying circuits that such runs did not
+build (tried: the format was learned, the words were not). Lists are drawn with
+`random.Random(seed)`; no held-out list occurs in training, and every topic appears in both splits.
 """
 
 from __future__ import annotations
