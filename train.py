@@ -45,8 +45,7 @@ from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_dist
 #   LOSS_FN = lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=0.1)
 LOSS_FN = None
 
-# `python train.py` with neither --model nor --data trains the embedded demo; these replace the defaults
-# (flags still win). The tiny base needs a large step size and ~100 steps to learn the task's labels.
+# No --model/--data: the embedded demo, with these defaults (flags win); its tiny base needs lr 5e-3, 100 steps.
 DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
             eval_data="runs/demo_assets/eval.jsonl", steps=100, lr=5e-3, warmup=5, global_batch=16, micro_batch=8)
 
@@ -62,6 +61,7 @@ def build_parser(add_help=True):
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (off: unmeasured)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
+    a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
     # Parallel

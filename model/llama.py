@@ -146,6 +146,12 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
 
+    def run_blocks(self, h, *args):
+        """The blocks in order (parallel/parallelize.apply_ac replaces this to checkpoint groups of them)."""
+        for layer in self.layers:
+            h = layer(h, *args)
+        return h
+
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, attention=None):
@@ -171,8 +177,7 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(input_ids)                                 # [B, S, D]
         cos, sin = self.rope(position_ids, h.dtype)
         meta = self.attention.prepare(position_ids)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, self.attention, meta)
+        h = self.model.run_blocks(h, cos, sin, self.attention, meta)
         h = self.model.norm(h)
         if labels is None:
             return self.lm_head(h)                                             # [B, S, V]

@@ -17,9 +17,10 @@ Contract:
   stream, the compute stream not waiting for it; on CPU as a host-to-host copy, so the same path is tested.
   In backward, unpacking block i's input fetches it (already in flight if prefetched) and starts fetching
   block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
-- `recomputing()`: True inside a checkpoint's recompute (set through checkpoint's `context_fn`). The tiled
-  MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
-  recompute at that last saved tensor, so the output is never read.
+- `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
+  tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
+  recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
+  (`--ac-group`) sets it False: there each block's output is the next block's input.
 
 Credit: tiling the MLP over the sequence and offloading checkpoints to the host follow Arctic Long Sequence
 Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is applied.
@@ -41,12 +42,23 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def recompute_context():
-    prev, _state.recompute = recomputing(), True
+def recompute_context(on: bool = True):
+    prev, _state.recompute = recomputing(), on
     try:
         yield
     finally:
         _state.recompute = prev
+
+
+def check_ac_group(group: int, ac: bool, offload: bool) -> None:
+    """--ac-group's constraints (parallel/parallelize.apply_ac), named with the fix."""
+    if group < 1:
+        raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
+    if group > 1 and not ac:
+        raise ValueError(f"--ac-group {group} groups the checkpoints of --ac: drop --no-ac or use --ac-group 1")
+    if group > 1 and offload:
+        raise ValueError(f"--ac-group {group} with --offload-activations: the checkpoints are in host memory "
+                         "already; use one or the other")
 
 
 def tile_tokens(dim: int, tile: int | None) -> int:

@@ -10,7 +10,8 @@
                                           has run when a recompute starts
        a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile
        b. apply_ac: checkpoint each block inside it, the tiled MLP keeps only its input; with
-          (--offload-activations)         --offload-activations the saved block inputs go to host memory
+          (--offload-activations,         --offload-activations the saved block inputs go to host memory;
+           --ac-group)                    --ac-group G: one more checkpoint around each G blocks
        c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
@@ -37,7 +38,7 @@ from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
-from parallel.memory import HostOffload, apply_tiled_mlp, recompute_context
+from parallel.memory import HostOffload, apply_tiled_mlp, check_ac_group, recompute_context
 
 
 @dataclass
@@ -53,6 +54,7 @@ class BuildOptions:
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
+    ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
     seed: int = 0
 
     @classmethod
@@ -61,20 +63,52 @@ class BuildOptions:
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
-                   compile=args.compile)
+                   compile=args.compile, ac_group=args.ac_group)
 
 
-def apply_ac(model: Transformer, offload: bool = False) -> HostOffload | None:
+def apply_ac(model: Transformer, offload: bool = False, group: int = 1) -> HostOffload | None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
-    `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned."""
+    `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned.
+    `group` G > 1: a second, outer checkpoint around each run of G blocks keeps only the group's input. In
+    backward the group is recomputed up to its last block's input (torch stops a recompute once it has
+    what backward needs), which re-saves the G - 1 inner block inputs, then each block is recomputed as
+    with G = 1: ceil(L/G) + G - 1 block inputs live instead of L, for G - 1 more block forwards per group.
+    FSDP2's hooks run inside the group recompute; it keeps those blocks unsharded (no reshard, no
+    prefetch-order record while in backward) until their own backward."""
+    check_ac_group(group, True, offload)
     hooks = HostOffload() if offload else None
     for block in model.model.layers:
         block.forward = _checkpointed(block.forward, hooks)
+    if group > 1:
+        model.model.run_blocks = _grouped(model.model.layers, group)
     return hooks
 
 
 def _contexts():   # checkpoint's context_fn: nothing around the forward, a flag around the recompute
     return contextlib.nullcontext(), recompute_context()
+
+
+def _group_contexts():   # a group's recompute runs whole blocks: their tiled MLPs must produce outputs
+    return contextlib.nullcontext(), recompute_context(False)
+
+
+def _grouped(layers, group):
+    def run(h, *args):
+        for i in range(0, len(layers), group):
+            blocks = layers[i:i + group]
+            if len(blocks) == 1 or not torch.is_grad_enabled():
+                for block in blocks:
+                    h = block(h, *args)
+            else:
+                h = checkpoint(_run_group, blocks, h, *args, use_reentrant=False, context_fn=_group_contexts)
+        return h
+    return run
+
+
+def _run_group(blocks, h, *args):
+    for block in blocks:   # block(...): FSDP2's hooks, then the block's own checkpoint
+        h = block(h, *args)
+    return h
 
 
 def _checkpointed(forward, hooks):
@@ -107,6 +141,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
+    check_ac_group(opts.ac_group, opts.ac, opts.offload_activations)
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
@@ -121,7 +156,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     if opts.tiled_mlp:                                                      # 4a
         apply_tiled_mlp(model)
     if opts.ac:                                                             # 4b
-        apply_ac(model, opts.offload_activations)
+        apply_ac(model, opts.offload_activations, opts.ac_group)
     if opts.compile:                                                        # 4c
         apply_compile(model)
     if fsdp_mesh is not None:                                               # 5

@@ -40,6 +40,8 @@ Persistent all step:
    (its saved tensors less that input, which the first norm saves again without a copy).
    --offload-activations: the L block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
+   --ac-group G: ceil(L/G) group inputs are kept; a group's backward recomputes it up to its last block
+   (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
 Transient (the block phase 6-7 and the loss phase 8 never overlap):
@@ -64,6 +66,8 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): L·eTD pinned bytes per rank, planned against --host-mem.
+`best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
+recompute); 4 for 28 layers (10 inputs instead of 28).
 """
 
 from __future__ import annotations
@@ -85,6 +89,10 @@ def quant_state_bytes(n: int) -> int:
     """bitsandbytes NF4 with nested absmax (term 1)."""
     blocks = -(-n // 64)
     return blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
+
+
+def best_ac_group(n_layers: int) -> int:
+    return min(range(1, n_layers + 1), key=lambda g: (-(-n_layers // g) + g - 1, g))
 
 
 @dataclass
@@ -121,6 +129,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     targets = [t for t in args.lora_targets.split(",") if t in shapes]
     nf4 = args.quant == "nf4"
     tiled, offload = getattr(args, "tiled_mlp", False), getattr(args, "offload_activations", False)
+    G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
@@ -164,6 +173,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {L} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
         t["activations: 2 offloaded checkpoints on device (current + prefetch)"] = 2 * e * T * D
+    elif G > 1:
+        t[f"activations: {-(-L // G)} group checkpoints [{T}, {D}] (--ac-group {G})"] = -(-L // G) * e * T * D
     else:
         t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
            f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
@@ -174,6 +185,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
     if args.ac:   # less the block input: counted above, and the first norm saves it without a copy
         t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D
+    if G > 1:
+        t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
     if tiled:
         from parallel.memory import tile_tokens
         tt = min(T, tile_tokens(D, None))

@@ -11,9 +11,9 @@ Contract (the terms are parallel/plan.py's):
   memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
   validation refuses does not fit). Prints that plan; the last line is `max_len N`.
 - `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
-  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, + --offload-
-  activations when AC is on, + both) its longest --max-len, longest first; the last lines name the flags
-  that reach the longest and `max_len N`.
+  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, and when AC is on
+  + --ac-group best_ac_group(L), + --offload-activations, each with and without --tiled-mlp) its longest
+  --max-len, longest first; the last lines name the flags that reach the longest and `max_len N`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import os
 
 from parallel.mesh import validate
-from parallel.plan import FRAGMENTATION, GB, RUNTIME, memory_plan
+from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
 
 MAX_LEN_STEP = 1024
 
@@ -55,11 +55,20 @@ def _fits(p, mem, host) -> bool:
     return p.total <= mem and p.host <= host
 
 
+def _groups(args, margs):
+    """--ac-group values worth trying: 2 (least recompute), then the one keeping fewest inputs."""
+    free = args.ac and not args.offload_activations and args.ac_group == 1
+    return sorted({2, best_ac_group(margs.n_layers)} - {1}) if free and margs.n_layers > 2 else []
+
+
 def _fixes(args, margs, world, target, mem, host):
     """Single changes that make the plan fit, as flag strings with their totals."""
+    groups = [(f"--ac-group {g}", dict(ac_group=g), True) for g in _groups(args, margs)]
+    tiled_groups = [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g), not args.tiled_mlp)
+                    for g in _groups(args, margs)]
     tries = [(f, _with(args, **kw), world) for f, kw, ok in (
         ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
-        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp),
+        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp), *groups, *tiled_groups,
         ("--offload-activations", dict(offload_activations=True), args.ac and not args.offload_activations),
         ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True),
          args.ac and not (args.tiled_mlp or args.offload_activations)),
@@ -70,7 +79,7 @@ def _fixes(args, margs, world, target, mem, host):
                       _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None), world * k))
     out, seen = [], set()
     for flags, a, w in tries:
-        kind = flags.split()[0] if flags.startswith("--") else flags[:10]
+        kind = " ".join(f for f in flags.split() if f.startswith("--")) if flags.startswith("--") else flags[:10]
         try:
             dims, pack = validate(a, margs, w)
         except ValueError:
@@ -151,10 +160,14 @@ def longest(args, margs, world, target, mem, host) -> int:
     return lo * MAX_LEN_STEP
 
 
-def _memory_flags(args):
+def _memory_flags(args, margs):
     sets = [("", {})]
     sets += [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
-    if args.ac and not args.offload_activations:
+    g = max(_groups(args, margs), default=0)   # the fewest inputs: what reaches the longest
+    if g:
+        sets += [(f"--ac-group {g}", dict(ac_group=g))]
+        sets += [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g))] if not args.tiled_mlp else []
+    if args.ac and not args.offload_activations and args.ac_group == 1:
         sets += [("--offload-activations", dict(offload_activations=True)),
                  ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True))]
     return sets
@@ -164,7 +177,7 @@ def suggest_longest(args, margs, world, target, mem, host, where):
     """--suggest --max-len auto: each layout and memory-flag set with its longest --max-len."""
     rows = []
     for a, dims, _ in _layouts(args, margs, world):
-        for extra, kw in _memory_flags(args):
+        for extra, kw in _memory_flags(args, margs):
             n = longest(_with(a, **kw), margs, world, target, mem, host)
             if n:
                 rows.append((n, f"{_flags(a, dims)} {extra}".strip()))
@@ -174,6 +187,7 @@ def suggest_longest(args, margs, world, target, mem, host, where):
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
     base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "",
+                                f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
                                 "--offload-activations" if args.offload_activations else "") if f)
     print(f"flags: {rows[0][1]} {base}".rstrip())
     print(f"max_len {rows[0][0]}")
@@ -209,10 +223,11 @@ def main(argv, run_parser, demo: dict):
     dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
     p = memory_plan(margs, dims, args, target, pack)
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
+    ac = ("on" + (f" (groups of {args.ac_group})" if args.ac_group > 1 else "")) if args.ac else "off"
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
-          f"AC {'on' if args.ac else 'off'}, tiled MLP {'on' if args.tiled_mlp else 'off'}, offload "
+          f"AC {ac}, tiled MLP {'on' if args.tiled_mlp else 'off'}, offload "
           f"{'on' if args.offload_activations else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():

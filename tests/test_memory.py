@@ -131,7 +131,7 @@ def _handles(hooks):
     return out[::-1]
 
 
-def _fsdp_cases(rank, world_size, path):
+def _fsdp_cases(rank, world_size, path, mem):
     from parallel.cp import cp_attention, shard_sequence
     from parallel.mesh import ParallelDims
 
@@ -148,8 +148,8 @@ def _fsdp_cases(rank, world_size, path):
         label = f"cp {cp} {impl} × dp_shard {world_size // cp}"
         dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
         meshes = dims.build_mesh("cpu")
-        model, _ = build_nonzero_b(_opts(path, ac=True, tiled_mlp=True, offload_activations=True),
-                                   fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims) if cp > 1 else None)
+        model, _ = build_nonzero_b(_opts(path, **mem), fsdp_mesh=meshes.fsdp,
+                                   attention=cp_attention(meshes, dims) if cp > 1 else None)
         d, c = meshes.dp.get_local_rank(), meshes.cp.get_local_rank()
         rows = slice(d * B // dims.dp, (d + 1) * B // dims.dp)
         lsum, ln = model(shard_sequence(ids[rows], dims, c, 0), position_ids=shard_sequence(pos[rows], dims, c, None),
@@ -163,10 +163,78 @@ def _fsdp_cases(rank, world_size, path):
             if p.requires_grad:
                 n += 1
                 torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **TOL, msg=f"{label}: grad {name}")
-        assert n == len(ref_grads) == 28, f"{label}: {n} LoRA parameters"
+        assert n == len(ref_grads) == 14 * len(model.model.layers), f"{label}: {n} LoRA parameters"
     return True
 
 
 @pytest.mark.timeout(300)
 def test_fsdp_tiled_offload_match_single_process(ckpt):
-    assert run_ranks(_fsdp_cases, 4, ckpt, timeout=280) == [True] * 4
+    mem = dict(ac=True, tiled_mlp=True, offload_activations=True)
+    assert run_ranks(_fsdp_cases, 4, ckpt, mem, timeout=280) == [True] * 4
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_ac_group_matches_single_process(ckpt3):
+    """3 blocks in groups of 2 ([0, 1] recomputed under FSDP2's hooks, then [2] alone), tiled MLP inside."""
+    mem = dict(ac=True, tiled_mlp=True, ac_group=2)
+    assert run_ranks(_fsdp_cases, 4, ckpt3, mem, timeout=280) == [True] * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt3(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt3"), inter=96, layers=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt5(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt5"), inter=96, layers=5)
+
+
+@pytest.mark.parametrize("group,tiled", [(2, False), (3, False), (2, True), (5, True)])
+def test_ac_group_keeps_one_input_per_group(ckpt5, group, tiled):
+    """--ac-group G on 5 blocks: after forward only the groups' first inputs are alive and saved outside the
+    checkpoints; the loss and every LoRA gradient equal no AC at all; backward recomputes G - 1 blocks per
+    group in full and stops the group recompute at its last block's input."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt5, **kw))
+        inputs, calls, seen = [], [], []
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(lambda m, a, i=i: inputs.append((i, weakref.ref(a[0]))))
+            block.mlp.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
+
+        def pack(t):
+            seen.append(tuple(t.shape))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            s, n = model(ids, labels=ids)
+        alive = [i for i, r in inputs if r() is not None]
+        forward_calls, calls[:] = list(calls), []
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), seen.count((2, 29, model.args.dim)), alive, forward_calls, calls
+
+    ref = run(ac=False)
+    got = run(ac=True, ac_group=group, tiled_mlp=tiled)
+    starts = list(range(0, 5, group))
+    assert got[3] == starts, f"G={group}: block inputs alive after forward {got[3]}, want the group starts {starts}"
+    assert got[2] == len(starts) + 1, f"G={group}: {got[2]} [B, S, D] tensors saved outside (+1: final norm)"
+    assert got[4] == list(range(5)), got[4]
+    # backward, last group first: the group's blocks but its last (outer recompute), then each block (inner)
+    want = []
+    for g0 in reversed(starts):
+        blocks = list(range(g0, min(g0 + group, 5)))
+        want += (blocks[:-1] if len(blocks) > 1 else []) + blocks[::-1]
+    assert got[5] == want, f"G={group}: MLP calls in backward {got[5]}, want {want}"
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"G={group}: loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"G={group}: grad {n}")
+
+
+def test_ac_group_refuses_offload_and_no_ac(ckpt):
+    from parallel.parallelize import build_model
+
+    with pytest.raises(ValueError, match="--ac-group 2 with --offload-activations"):
+        build_model(_opts(ckpt, ac=True, ac_group=2, offload_activations=True))
+    with pytest.raises(ValueError, match="--ac-group 2 groups the checkpoints of --ac"):
+        build_model(_opts(ckpt, ac=False, ac_group=2))

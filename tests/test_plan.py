@@ -132,6 +132,32 @@ def test_activations_match_autograd(tmp_path, tiled):
     assert planned == saved
 
 
+@pytest.mark.parametrize("group", [2, 3])
+def test_ac_group_checkpoints_match_autograd(tmp_path, group):
+    """--ac-group G, fp32, one process, 5 blocks: the plan's group-checkpoint term vs the [T, D] block inputs
+    autograd keeps outside the checkpoints (saved_tensors_hooks around the forward; the final norm's input,
+    planned in the loss phase, is the one more), and G - 1 more inputs in the group recompute term."""
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=5, vocab=256, inter=96,
+                           max_shard_size="50MB")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, ac_group=group),
+                           device="cpu")
+    T, D = 128, model.args.dim
+    held = []
+    ids = torch.randint(0, 256, (1, T))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(tuple(t.shape)) or t, lambda t: t):
+        model(ids, labels=ids)
+    args = train.build_parser().parse_args(["--model", path, "--max-len", str(T), "--global-batch", "1",
+                                            "--ac-group", str(group)])
+    dims, pack_rows = validate(args, model.args, 1)
+    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    assert term(p, f"activations: {-(-5 // group)} group") == (held.count((1, T, D)) - 1) * 4 * T * D == -(-5 // group) * 4 * T * D
+    blk = term(p, "FSDP2: 2 unsharded blocks") / 2
+    assert term(p, "| block group recompute") == (group - 1) * (4 * T * D + blk)
+
+
 def test_plan_does_not_fit_names_the_fix():
     assert sorted(os.listdir(Q72)) == ["config.json"] and sorted(os.listdir(Q7)) == ["config.json"]
     common = ["--model", Q72, "--max-len", "32768", "--world-size", "4", "--global-batch", "4"]
@@ -237,6 +263,7 @@ def _fits_at(n, flags, world, gpu, host):
 
 
 @pytest.mark.parametrize("world, flags, gpu, host, goal", [
+    (1, ["--tiled-mlp", "--ac-group", "2"], 141, 512, 524_288),
     (1, ["--tiled-mlp", "--offload-activations"], 141, 512, 1_200_000),
     (4, ["--cp", "4", "--tiled-mlp", "--offload-activations"], 80, 256, 2_097_152),
 ])
@@ -248,6 +275,8 @@ def test_max_len_auto_finds_the_longest(world, flags, gpu, host, goal):
     n = int(re.fullmatch(r"max_len (\d+)", last).group(1))
     assert n % 1024 == 0 and n >= goal, out
     assert _fits_at(n, flags, world, gpu, host) and not _fits_at(n + 1024, flags, world, gpu, host)
+    if "--offload-activations" not in flags:
+        return
     # host memory binds too: a quarter of the checkpoints' host bytes cannot fit that length
     _, out = run_plan("--model", Q7, "--max-len", "auto", "--world-size", str(world), "--gpu-mem", str(gpu),
                       "--host-mem", str(host / 8), "--global-batch", "1", *flags)
@@ -260,4 +289,7 @@ def test_suggest_max_len_auto_names_the_flags():
     lines = out.strip().splitlines()
     assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --offload-activations", out
     assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows), out
-    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 4, out
+    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 6, out
+    assert [f.split("ulysses")[-1].strip() for _, f in rows] == [
+        "--tiled-mlp --offload-activations", "--tiled-mlp --ac-group 4", "--tiled-mlp", "--offload-activations",
+        "--ac-group 4", ""], out

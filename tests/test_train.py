@@ -7,7 +7,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   per row), `--cp 4` (auto: hybrid 2 × 2) and `--cp 4 --cp-impl ring` (packed, 2 documents per row),
   `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`; with
   `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4; and `--tiled-mlp --offload-activations` on
-  1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs) train as the plain run
+  1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs), and `--ac-group 2` (both
+  blocks recomputed as one group; with the tiled MLP on 1 rank and Ulysses) likewise, train as the plain run
   (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
   relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
@@ -48,6 +49,8 @@ FOUR_RANK = {   # out-dir name -> layout flags
     "mem_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
                             "--offload-activations"],
     "mem_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp", "--offload-activations"],
+    "group_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp", "--ac-group", "2"],
+    "group_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-group", "2"],
 }
 FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
@@ -124,6 +127,7 @@ def one(assets, tmp_path_factory):
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
         "mem": ["--tiled-mlp", "--offload-activations"],
+        "group": ["--tiled-mlp", "--ac-group", "2"],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -219,6 +223,11 @@ def test_four_ranks_match_one_rank_nf4(one, four, name):
 @pytest.mark.timeout(300)
 def test_tiled_mlp_and_offload_change_nothing_one_rank(one):
     _compare("--tiled-mlp --offload-activations vs neither (1 rank)", _at(one, "mem"), _at(one, "fp32"))
+
+
+@pytest.mark.timeout(300)
+def test_ac_group_changes_nothing_one_rank(one):
+    _compare("--tiled-mlp --ac-group 2 vs neither (1 rank)", _at(one, "group"), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(300)
