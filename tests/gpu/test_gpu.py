@@ -11,6 +11,7 @@ folder, `make test-gpu` does):
 - the document-masked path (flash_attn_varlen or per-document calls) against per-document SDPA;
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
+- `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream) and `--ac-group` against plain AC;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets.
 
@@ -271,3 +272,31 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     assert "mfu" in rows[0] and rows[0]["peak_mem_gb"] > 0
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("mem", [dict(tiled_mlp=True), dict(offload_activations=True),
+                                 dict(tiled_mlp=True, offload_activations=True), dict(ac_group=2),
+                                 dict(tiled_mlp=True, ac_group=3)],
+                         ids=["tiled", "offload", "tiled_offload", "group2", "tiled_group3"])
+def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
+    """The long-context memory steps on the device (float32, 1 process): the offload's pinned host copies on
+    a side stream and the prefetch, the tiled MLP, the group recompute give plain AC's loss and LoRA grads."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b, tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=32, layers=5, vocab=256, inter=384)
+    ids = torch.randint(0, 256, (2, 700), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+    def run(**kw):
+        model, _ = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True, **kw),
+                                   device=DEV)
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        torch.cuda.synchronize()
+        return s.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    ref, got = run(), run(**mem)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    assert got[1].keys() == ref[1].keys() and len(ref[1]) == 70
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-4, atol=1e-6, msg=k)
