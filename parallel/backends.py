@@ -189,3 +189,61 @@ def _fa_backward(dout, q, k, v, out, lse, causal, scale):
     fn = _fa._flash_attn_backward
     fn(dout, q, k, v, out, lse.float().contiguous(), dq, dk, dv, **_fa_kwargs(fn, causal, scale))
     return dq, dk, dv
+
+
+# --- torch's own flash-attention 2 kernel over packed documents (cu_seqlens): CUDA without flash-attn
+
+# the ops by name, looked up per call (tests put a CPU emulation here to check the plumbing around them)
+VARLEN_OPS = {"forward": lambda *a, **kw: torch.ops.aten._flash_attention_forward(*a, **kw),
+              "backward": lambda *a, **kw: torch.ops.aten._flash_attention_backward(*a, **kw)}
+
+
+def _varlen_window(window):
+    # transformers' window w (keys i - w < j <= i) is flash's (left w - 1, right 0); no window: no kwargs,
+    # so a torch without the window arguments still runs the plain case
+    return {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+
+
+class TorchVarlen(torch.autograd.Function):
+    """Causal attention inside each document of packed rows in one launch: q [N, H, D], k/v [N, Hkv, D]
+    (GQA native), `cu` int32 [docs + 1] offsets of the documents back to back, `longest` their longest."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, scale, window):
+        out, lse, seed, offset, _ = VARLEN_OPS["forward"](
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **_varlen_window(window))
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.args = (longest, scale, window)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        longest, scale, window = ctx.args
+        dq, dk, dv = VARLEN_OPS["backward"](
+            dout.contiguous(), q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset,
+            scale=scale, **_varlen_window(window))
+        return dq, dk, dv, None, None, None, None
+
+
+def varlen_mismatch(q, k, window, per_document):
+    """None, or how TorchVarlen's ops differ from `per_document(q, k, v, dout, scale, window) -> (out, dq,
+    dk, dv)` on two documents of q's dtype and head counts. Plain op calls, nothing saved for autograd."""
+    g = torch.Generator(device=q.device).manual_seed(0)
+    lens, h, hkv, d = (100, 156), q.shape[2], k.shape[2], q.shape[3]
+    x = [torch.randn(1, sum(lens), n, d, generator=g, device=q.device, dtype=q.dtype) for n in (h, hkv, hkv, h)]
+    scale, w, n = d ** -0.5, None if window is None else min(window, 64), max(lens)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=q.device)
+    with torch.no_grad():
+        out, lse, seed, offset, _ = VARLEN_OPS["forward"](
+            *(t[0] for t in x[:3]), cu, cu, n, n, 0.0, True, False, scale=scale, **_varlen_window(w))
+        got = [out, *VARLEN_OPS["backward"](
+            x[3][0], *(t[0] for t in x[:3]), out, lse, cu, cu, n, n, 0.0, True, seed, offset, scale=scale,
+            **_varlen_window(w))]
+        parts = [per_document(*(t[:, a:e] for t in x), scale, w) for a, e in ((0, lens[0]), (lens[0], sum(lens)))]
+    for name, a, pieces in zip(("out", "dq", "dk", "dv"), got, zip(*parts)):
+        b = torch.cat([t[0] for t in pieces]).float()
+        rel = ((a.float() - b).norm() / b.norm().clamp(min=1e-6)).item()
+        if not rel < 2e-2:
+            return f"{name} differs by {rel:.3g} (relative norm)"
+    return None

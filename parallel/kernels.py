@@ -27,7 +27,9 @@ Contract:
   masked gets out 0, lse -inf and no gradient (never an empty softmax in a kernel).
 - `attention(q, k, v, causal, scale, docs=None, window=None)` is the differentiable wrapper. `docs`
   holds, per row, the document boundaries [0, s1, ..., S] of a packed row: tokens attend only inside
-  their document (flash_attn_varlen when flash-attn is installed, one call per document elsewhere).
+  their document: flash_attn_varlen when flash-attn is installed; else on CUDA (fp16/bf16) torch's own
+  flash varlen op (one launch, GQA native; cuDNN per document would build a graph per new length),
+  once it has passed a one-time check against per-document calls; one call per document elsewhere.
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
 """
@@ -186,6 +188,41 @@ class _Attention(torch.autograd.Function):
         return (*backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None)
 
 
+_varlen_checked: dict = {}   # (device, dtype, heads, kv heads, head dim, windowed) -> torch varlen passed
+
+
+def _varlen_eligible(q) -> bool:
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+def _torch_varlen_ok(q, k, window) -> bool:
+    """torch's flash varlen op for packed rows (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256),
+    after a one-time check per case: two documents, forward and backward, against per-document calls
+    of the other backends. Plain op calls (no autograd), so nothing is saved under AC's or offload's
+    hooks. A failure or mismatch keeps the per-document path for that case (logged once)."""
+    if not _varlen_eligible(q):
+        return False
+    key = (q.device, q.dtype, q.shape[2], k.shape[2], q.shape[3], window is not None)
+    if key not in _varlen_checked:
+        try:
+            err = backends.varlen_mismatch(q, k, window, _per_document)
+        except (RuntimeError, TypeError) as e:   # an op or argument this torch does not have
+            err = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        _varlen_checked[key] = err is None
+        if err is not None:
+            _log_once(("varlen", key), f"attention: torch's flash varlen op failed its check for {key} ({err}); "
+                      "packed rows use one call per document")
+    return _varlen_checked[key]
+
+
+def _per_document(q, k, v, dout, scale, window):   # (out, dq, dk, dv) of one document: the varlen check
+    keep = None if window is None else masks.keep(torch.arange(q.shape[1], device=q.device),
+                                                  torch.arange(q.shape[1], device=q.device), window=window)
+    out, lse = forward(q, k, v, keep is None, scale, mask=keep)
+    return (out, *backward(dout, q, k, v, out, lse, keep is None, scale, mask=keep))
+
+
 def _banded(q, k, v, scale, window, backend):
     """Causal attention with a sliding window over rows that are each one document."""
     n = q.shape[1]
@@ -224,6 +261,13 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
         return out.view(b, s, h, d)
     if docs is None:
         return _banded(q, k, v, scale, window, backend)
+    if backend is None and _torch_varlen_ok(q, k, window):
+        cu = torch.tensor([i * s + x for i, row in enumerate(docs) for x in row[:-1]] + [b * s],
+                          dtype=torch.int32, device=q.device)
+        longest = max(y - x for row in docs for x, y in zip(row[:-1], row[1:]))
+        out = backends.TorchVarlen.apply(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
+                                         v.reshape(b * s, -1, d), cu, longest, scale, window)
+        return out.view(b, s, h, d)
     rows = []
     for i, row in enumerate(docs):
         pieces = [_banded(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y], scale, window, backend)

@@ -257,3 +257,75 @@ def test_window_and_mask_refusals():
         kernels.attention(q, k, v, False, 1.0, window=4)
     with pytest.raises(ValueError, match=r"mask must be bool \[B or 1, Sq, Sk\] = \[1, 8, 8\], got \[1, 8, 7\]"):
         kernels.forward(q, k, v, False, 1.0, mask=torch.ones(1, 8, 7, dtype=torch.bool))
+
+
+def _emulated_varlen(calls, ignore_docs=False):
+    """torch's flash varlen op pair (CUDA only) emulated on CPU with its calling convention: q [N, H, D],
+    int32 cu offsets, lse [H, N], window (left, right 0). Per document through the float64-exact reference
+    backend, or (`ignore_docs`) over all N tokens: a wrong op the one-time check must catch."""
+    from parallel import masks
+
+    def spans(cu, n):
+        c = cu.tolist()
+        return [(0, n)] if ignore_docs else list(zip(c[:-1], c[1:]))
+
+    def keep(n, left):
+        return None if left is None else masks.keep(torch.arange(n), torch.arange(n), window=left + 1)
+
+    def fwd(q, k, v, cu, cu_k, max_q, max_k, p, causal, debug, scale=None, window_size_left=None,
+            window_size_right=None):
+        assert cu.dtype == torch.int32 and cu is cu_k and causal and p == 0.0 and window_size_right in (None, 0)
+        assert max_q == max_k == max(b - a for a, b in spans(cu, q.shape[0])) or ignore_docs
+        calls.append(cu.tolist())
+        outs, lses = [], []
+        for a, b in spans(cu, q.shape[0]):
+            m = keep(b - a, window_size_left)
+            o, lse = kernels.forward(q[None, a:b], k[None, a:b], v[None, a:b], m is None, scale, "reference", m)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, -1), torch.zeros(2), torch.zeros(()), None
+
+    def bwd(dout, q, k, v, out, lse, cu, cu_k, max_q, max_k, p, causal, seed, offset, scale=None,
+            window_size_left=None, window_size_right=None):
+        grads = []
+        for a, b in spans(cu, q.shape[0]):
+            m = keep(b - a, window_size_left)
+            grads.append(kernels.backward(dout[None, a:b], q[None, a:b], k[None, a:b], v[None, a:b],
+                                          out[None, a:b], lse[None, :, a:b], m is None, scale, "reference", m))
+        return tuple(torch.cat([g[i][0] for g in grads]) for i in range(3))
+    return {"forward": fwd, "backward": bwd}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("wrong", [False, True], ids=["op_right", "op_ignores_documents"])
+def test_torch_varlen_path_and_its_check(monkeypatch, window, wrong):
+    """Packed rows through TorchVarlen (the path CUDA takes without flash-attn), with the op emulated on CPU:
+    the offsets of every document of every row back to back, one call for the batch, the result and the
+    gradients of per-document SDPA; an op that ignores the documents fails the one-time check, is logged
+    once, and attention falls back to one call per document (still right)."""
+    from parallel import backends
+
+    calls = []
+    monkeypatch.setattr(kernels, "_varlen_eligible", lambda q: True)
+    monkeypatch.setattr(kernels, "_varlen_checked", {})
+    monkeypatch.setattr(backends, "VARLEN_OPS", _emulated_varlen(calls, ignore_docs=wrong))
+    q, k, v = qkv((2, 30, 30, 4, 2, 64), seed=4)
+    docs = [[0, 10, 30], [0, 3, 4, 30]]
+    if wrong:
+        with pytest.warns(RuntimeWarning, match="failed its check.*one call per document"):
+            out = kernels.attention(q, k, v, True, 0.125, docs=docs, window=window)
+    else:
+        out = kernels.attention(q, k, v, True, 0.125, docs=docs, window=window)
+    assert list(kernels._varlen_checked.values()) == [not wrong]
+    assert calls[0] == [0, 100, 256], "the check's two documents"
+    assert calls[1:] == ([] if wrong else [[0, 10, 30, 33, 34, 60]]), calls
+    i = torch.arange(30)
+    keep = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (window or 30))
+    ref = torch.cat([torch.cat([masked_ref(q[b:b + 1, x:y], k[b:b + 1, x:y], v[b:b + 1, x:y],
+                                           keep[None, :y - x, :y - x], 0.125)
+                                for x, y in zip(row[:-1], row[1:])], 1) for b, row in enumerate(docs)])
+    dout = torch.randn_like(ref)
+    close(out, ref, "varlen out")
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
+                          torch.autograd.grad(ref, (q, k, v), dout)):
+        close(a, b, f"varlen {name}")

@@ -8,7 +8,8 @@ folder, `make test-gpu` does):
   gradients, bf16 and float32 (cuDNN and flash-attn: bf16 only), with ring-style strided slices;
 - the automatic choice on this device (cuDNN first on Hopper/Blackwell) and that `attention`
   (auto) fwd+bwd is within 1.05x of the fastest torch SDPA backend at the issue-10 shape;
-- the document-masked path (flash_attn_varlen or per-document calls) against per-document SDPA;
+- the document-masked path (flash_attn_varlen, else torch's flash varlen op after its check) against
+  per-document SDPA, windowed too;
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream) and `--ac-group` against plain AC;
@@ -209,6 +210,31 @@ def test_cuda_documents():
         ref = t(F.scaled_dot_product_attention(t(q[:, a:b]), t(k[:, a:b]), t(v[:, a:b]), is_causal=True,
                                                scale=0.125, enable_gqa=True))
         torch.testing.assert_close(out[:, a:b].float(), ref.float(), atol=2e-2, rtol=2e-2, msg=f"doc {a}:{b}")
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_cuda_packed_rows_one_varlen_launch(window):
+    """Packed rows without flash-attn: torch's flash varlen op passes its one-time check and gives per-document
+    causal (windowed) attention, out and gradients, against float64 SDPA per document (bf16 tolerance)."""
+    kernels._varlen_checked.clear()
+    q, k, v = (x.requires_grad_() for x in qkv(2, 300, 8, 2, 128, seed=5))
+    docs = [[0, 77, 300], [0, 1, 150, 300]]
+    out = kernels.attention(q, k, v, True, 0.1, docs=docs, window=window)
+    if kernels._fa is None:
+        assert list(kernels._varlen_checked.values()) == [True], kernels._varlen_checked
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    t = lambda x: x.transpose(1, 2)
+    for b, row in enumerate(docs):
+        for x, y in zip(row[:-1], row[1:]):
+            i = torch.arange(y - x, device=DEV)
+            keep = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (window or y - x))
+            qd, kd, vd = (z[b:b + 1, x:y].detach().double().requires_grad_() for z in (q, k, v))
+            ref = t(F.scaled_dot_product_attention(t(qd), t(kd), t(vd), attn_mask=keep, scale=0.1, enable_gqa=True))
+            rg = torch.autograd.grad(ref, (qd, kd, vd), dout[b:b + 1, x:y].double())
+            torch.testing.assert_close(out[b:b + 1, x:y].double(), ref, atol=3e-2, rtol=3e-2, msg=f"out {b} {x}:{y}")
+            for name, g, r in zip("qkv", grads, rg):
+                torch.testing.assert_close(g[b:b + 1, x:y].double(), r, atol=5e-2, rtol=5e-2, msg=f"d{name} {b} {x}")
 
 
 @pytest.mark.parametrize("backend, dtype", [(b, d) for b in BACKENDS for d in (torch.bfloat16, torch.float32)])
