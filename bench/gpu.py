@@ -17,7 +17,11 @@ allocated GB (ours and hf: the whole process, load included; liger: from its fir
 tokens/s ratio of each run to each other run. Results go to bench/gpu-results.json after every run.
 
 Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped
-there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force).
+there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus
+our runs with --tiled-mlp, --offload-activations and --tiled-mlp --ac-group 4 (each one's tokens/s cost
+against plain "ours"). `--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
+ours with --tiled-mlp --offload-activations, one step. Every "ours" row also prints its peak against the
+planner's total for the same flags (`train.py --plan`: fragmentation and runtime included).
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
 would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
 in seconds on CPU (float32, no quantization: bitsandbytes NF4 and Liger need CUDA), which
@@ -46,7 +50,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CASES = {"32k": (32768, None), "128k": (131072, 8)}   # tokens, layers (None: all)
+CASES = {"32k": (32768, None), "128k": (131072, 8), "long": (524288, 8)}   # tokens, layers (None: all)
+# our runs with the long-context memory flags: what each costs in tokens/s at 128k, and the long case
+MEM_ROWS = {"ours+tiled": ["--tiled-mlp"], "ours+offload": ["--offload-activations"],
+            "ours+tiled+group4": ["--tiled-mlp", "--ac-group", "4"],
+            "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"]}
+DEFAULT_RUNS = {"32k": ["ours", "hf", "liger"], "128k": ["ours", "hf", "liger", "ours+tiled", "ours+offload",
+                                                         "ours+tiled+group4"], "long": ["ours+tiled+offload"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -177,15 +187,34 @@ def peak_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def run_ours(spec: dict, out: str, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", spec["ckpt"], "--data", spec["data"],
-           "--max-len", str(spec["tokens"]), "--global-batch", "1", "--steps", str(spec["steps"]),
-           "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16", "--lora-alpha", "32",
-           "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress"]
-    subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT)
+def ours_argv(spec: dict, out: str, flags=()) -> list[str]:
+    return ["--model", spec["ckpt"], "--data", spec["data"], "--max-len", str(spec["tokens"]), "--global-batch",
+            "1", "--steps", str(spec["steps"]), "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16",
+            "--lora-alpha", "32", "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress", *flags]
+
+
+def planned_gb(spec: dict, flags=()) -> float:
+    """The planner's device total for this run (train.py --plan's number, fragmentation and runtime in)."""
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(ours_argv(spec, "unused", flags))
+    margs = read_args(spec["ckpt"])
+    dims, pack = validate(args, margs, 1)
+    return memory_plan(margs, dims, args, "cuda" if torch.cuda.is_available() else "cpu", pack).total / 1e9
+
+
+def run_ours(spec: dict, out: str, timeout: float, flags=()) -> dict:
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags)], check=True,
+                   timeout=timeout, cwd=ROOT)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]
-    return dict(times=times, peak_gb=max(r["peak_mem_gb"] for r in rows), loss=rows[-1]["loss"])
+    peak = max(r["peak_mem_gb"] for r in rows)
+    plan = planned_gb(spec, flags)
+    return dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
+                flags=list(flags))
 
 
 def peer_main(spec_path: str):
@@ -291,6 +320,10 @@ def print_case(name: str, case: dict) -> None:
             continue
         ratios = " | ".join("" if p == n else f"{r['ratio'][p]:.2f}x" for p in peers)
         print(f"| {n} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_gb']:.1f} | {ratios} |", flush=True)
+    for n, r in rows.items():
+        if "planned_gb" in r:
+            print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
+                  f"(measured / planned {r['peak_vs_plan']:.3f})", flush=True)
 
 
 def versions() -> dict:
@@ -309,11 +342,13 @@ def versions() -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--case", default="all", choices=["32k", "128k", "all"], help="which case(s) to run")
+    ap.add_argument("--case", default="all", choices=["32k", "128k", "long", "all"],
+                    help="which case(s) to run (all: 32k and 128k; long: 512k tokens, ours with the memory flags)")
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
-    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger (default: all; 128k: ours,liger)")
+    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(MEM_ROWS)
+                    + " (default per case: DEFAULT_RUNS; smoke: ours,hf,liger,ours+tiled+offload)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--timed", type=int, default=None, help="timed steps (default 3 at 32k, 2 at 128k)")
     ap.add_argument("--budget", type=float, default=470.0, help="wall-clock cap in seconds for the whole script")
@@ -333,7 +368,7 @@ def main(argv=None):
     from model.config import ModelArgs
     from parallel import kernels
     base_cfg = json.load(open(os.path.join(args.config, "config.json")))
-    cases = list(CASES) if args.case == "all" else [args.case]
+    cases = ["32k", "128k"] if args.case == "all" else [args.case]
     if smoke:
         cases = ["32k"]
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
@@ -343,9 +378,11 @@ def main(argv=None):
         tokens, layers = CASES[name]
         tokens = args.tokens or (128 if smoke else tokens)
         layers = args.layers or (2 if smoke else (layers or base_cfg["num_hidden_layers"]))
-        timed = args.timed or (2 if smoke or name == "128k" else 3)
-        steps = args.warmup + timed
-        runs = args.runs.split(",") if args.runs else ["ours", "hf", "liger"]
+        timed = args.timed or (2 if smoke or name == "128k" else 1 if name == "long" else 3)
+        warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
+        steps = warmup + timed
+        runs = args.runs.split(",") if args.runs else (
+            ["ours", "hf", "liger", "ours+tiled+offload"] if smoke else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)
@@ -357,13 +394,16 @@ def main(argv=None):
             "cuda" if not smoke else "cpu", torch.bfloat16 if not smoke else torch.float32, margs.head_dim,
             tokens, tokens, torch.cuda.get_device_capability() if cuda and not smoke else (0, 0),
             cuda and not smoke and kernels._cudnn_usable(), kernels._fa is not None)[0]
-        case = dict(tokens=tokens, layers=layers, quant=quant, dtype=dtype, warmup=args.warmup, steps=steps,
+        case = dict(tokens=tokens, layers=layers, quant=quant, dtype=dtype, warmup=warmup, steps=steps,
                     attention=attention, rows={})
         results["cases"][name] = case
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
         rows = case["rows"]
-        rows.update({r: {} for r in ("ours", "hf", "liger") if r in runs})   # table order
+        unknown = [r for r in runs if r not in ("ours", "hf", "liger", *MEM_ROWS)]
+        if unknown:
+            raise SystemExit(f"--runs: unknown {unknown}; choose from ours,hf,liger,{','.join(MEM_ROWS)}")
+        rows.update({r: {} for r in ("ours", "hf", "liger", *MEM_ROWS) if r in runs})   # table order
         why_liger = liger_missing()
         peers = []
         for row in ("ours", "hf", "liger"):
@@ -376,18 +416,20 @@ def main(argv=None):
                 print(f"liger row skipped: {why_liger}", flush=True)
             elif row != "ours":
                 peers.append(row)
-        for group in [["ours"]] * ("ours" in runs) + [peers] * bool(peers):
+        mine = [[r] for r in ("ours", *MEM_ROWS) if r in runs]
+        for group in mine[:1] + [peers] * bool(peers) + mine[1:]:
             left = args.budget - (time.time() - t_start)
             if left < 10:
                 rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
-            elif group == ["ours"]:
+            elif group[0] in ("ours", *MEM_ROWS):
                 try:
-                    rows["ours"] = run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left)
+                    rows[group[0]] = run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left,
+                                              MEM_ROWS.get(group[0], ()))
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-                    rows["ours"] = {"error": f"{type(e).__name__} (see the log above): {e}"}
+                    rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:
                 rows.update(run_peers(spec, group, work, left))
-            summarize(rows, args.warmup, tokens)
+            summarize(rows, warmup, tokens)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
