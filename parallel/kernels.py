@@ -237,6 +237,22 @@ def _banded(q, k, v, scale, window, backend):
     return torch.cat(outs, 1)
 
 
+_last_offsets: list = [None]   # (docs, S, device, cu, longest) of the last call
+
+
+def _offsets(docs, s, device):
+    """int32 offsets of every document of every row back to back, and the longest document. Every layer
+    (and its recompute) passes the same `docs` object: the host-to-device copy is made once per batch."""
+    last = _last_offsets[0]
+    if last is not None and last[0] is docs and last[1:3] == (s, device):
+        return last[3:]
+    cu = torch.tensor([i * s + x for i, row in enumerate(docs) for x in row[:-1]] + [len(docs) * s],
+                      dtype=torch.int32).to(device, non_blocking=True)
+    longest = max(y - x for row in docs for x, y in zip(row[:-1], row[1:]))
+    _last_offsets[0] = (docs, s, device, cu, longest)
+    return cu, longest
+
+
 def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=None, window=None,
               backend: str | None = None) -> torch.Tensor:
     """Differentiable attention; `docs[b]`: row b's document boundaries; `window`: see the top."""
@@ -251,9 +267,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
     if (backend or pick_backend(q, varlen=True)) == "flash_attn":
         # One varlen call over the flattened batch; cu_seqlens index rows back to back.
         docs = docs or [[0, s]] * b
-        cu = torch.tensor([i * s + x for i, row in enumerate(docs) for x in row[:-1]] + [b * s],
-                          dtype=torch.int32, device=q.device)
-        longest = max(y - x for row in docs for x, y in zip(row[:-1], row[1:]))
+        cu, longest = _offsets(docs, s, q.device)
         out = flash_attn_varlen_func(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
                                      v.reshape(b * s, -1, d), cu, cu, longest, longest,
                                      softmax_scale=scale, causal=True,
@@ -262,9 +276,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
     if docs is None:
         return _banded(q, k, v, scale, window, backend)
     if backend is None and _torch_varlen_ok(q, k, window):
-        cu = torch.tensor([i * s + x for i, row in enumerate(docs) for x in row[:-1]] + [b * s],
-                          dtype=torch.int32, device=q.device)
-        longest = max(y - x for row in docs for x, y in zip(row[:-1], row[1:]))
+        cu, longest = _offsets(docs, s, q.device)
         out = backends.TorchVarlen.apply(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
                                          v.reshape(b * s, -1, d), cu, longest, scale, window)
         return out.view(b, s, h, d)

@@ -8,7 +8,9 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
   the device tensors are freed after forward (weak references die), block i-1's input is prefetched when
   block i's is unpacked, and the loss and LoRA gradients equal those of plain AC and of no AC at all;
 - on 4 gloo ranks (dp_shard 4; cp 2 ring × dp_shard 2), FSDP2 with the tiled MLP and offload gives the
-  single-process untiled model's loss and LoRA gradients on every rank.
+  single-process untiled model's loss and LoRA gradients on every rank; so does --ac-group 2 (3 blocks), whose
+  group recompute makes no more all-gathers than plain AC (FSDP2 keeps recomputed blocks unsharded);
+- --ac-group G on 5 blocks keeps only the group inputs, recomputes in the expected order and equals no AC.
 
 Run: .venv/bin/python -m pytest -q tests/test_memory.py
 """
@@ -164,7 +166,31 @@ def _fsdp_cases(rank, world_size, path, mem):
                 n += 1
                 torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **TOL, msg=f"{label}: grad {name}")
         assert n == len(ref_grads) == 14 * len(model.model.layers), f"{label}: {n} LoRA parameters"
+        if mem.get("ac_group", 1) > 1 and cp == 1:   # the group recompute gathers no block twice
+            args = (shard_sequence(ids[rows], dims, c, 0), shard_sequence(pos[rows], dims, c, None),
+                    shard_sequence(labels[rows], dims, c, -100))
+            plain, _ = build_nonzero_b(_opts(path, **dict(mem, ac_group=1)), fsdp_mesh=meshes.fsdp)
+            assert _all_gathers(model, *args) == _all_gathers(plain, *args), \
+                f"{label}: FSDP2 resharded a block the group recompute unsharded (all-gathered twice)"
     return True
+
+
+def _all_gathers(model, ids, pos, labels):
+    """FSDP2 all-gathers in one forward + backward (counted at its collective)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
+
+    n, real = [0], pg.foreach_all_gather
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return real(*a, **kw)
+    pg.foreach_all_gather = counted
+    try:
+        lsum, _ = model(ids, position_ids=pos, labels=labels)
+        lsum.backward()
+    finally:
+        pg.foreach_all_gather = real
+    return n[0]
 
 
 @pytest.mark.timeout(300)

@@ -300,6 +300,18 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
 
 
+def test_cuda_torch_keeps_recomputed_blocks_unsharded():
+    """--ac-group re-runs blocks under FSDP2's hooks inside backward; torch's FSDP2 must skip the reshard
+    (and the prefetch-order record) there, or each recomputed block is all-gathered twice (tests/test_memory
+    counts this on CPU ranks with the CPU torch; this checks the device's torch has the same guard)."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    assert "is_bw()" in inspect.getsource(FSDPParamGroup.post_forward), \
+        f"torch {torch.__version__}: FSDP2 reshards in backward; --ac-group would all-gather recomputed blocks twice"
+
+
 @pytest.mark.parametrize("mem", [dict(tiled_mlp=True), dict(offload_activations=True),
                                  dict(tiled_mlp=True, offload_activations=True), dict(ac_group=2),
                                  dict(tiled_mlp=True, ac_group=3)],
