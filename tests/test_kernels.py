@@ -10,6 +10,9 @@ Masks: a boolean `mask` matches SDPA with that mask (rows with no visible key: o
 gradient, nothing NaN), document-masked K/V blocks merged by log-sum-exp and differentiated with
 the GLOBAL out/lse give the packed result, `_merge` of empty rows stays finite, and `attention(window=)`
 (tiled or not, with documents) matches SDPA with transformers' sliding-window mask (i - w < j <= i).
+The TorchVarlen path (CUDA packed rows without flash-attn), with torch's varlen op emulated on CPU: one
+call with every document's offsets, per-document SDPA's out and gradients (windowed too); an op that ignores
+the documents fails the one-time check, which is logged once, and the per-document path takes over.
 
 Run: .venv/bin/python -m pytest -q tests/test_kernels.py
 """
