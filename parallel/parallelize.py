@@ -74,7 +74,9 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1) -> HostO
     what backward needs), which re-saves the G - 1 inner block inputs, then each block is recomputed as
     with G = 1: ceil(L/G) + G - 1 block inputs live instead of L, for G - 1 more block forwards per group.
     FSDP2's hooks run inside the group recompute; it keeps those blocks unsharded (no reshard, no
-    prefetch-order record while in backward) until their own backward."""
+    prefetch-order record while in backward) until their own backward.
+    Credit: checkpointed segments of sqrt(L) layers follow Chen et al., "Training Deep Nets with Sublinear
+    Memory Cost" (2016)."""
     check_ac_group(group, True, offload)
     hooks = HostOffload() if offload else None
     for block in model.model.layers:
