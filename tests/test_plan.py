@@ -190,7 +190,7 @@ def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
 SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--max-len", "1"],
                  ["--global-batch", "6", "--micro-batch", "4"], ["--lr", "inf"], ["--steps", "0"],
                  ["--lora-alpha", "0"], ["--lora-targets", "q_proj,nope"], ["--lora-dropout", "1"],
-                 ["--timeout", "-1"]]
+                 ["--timeout", "-1"], ["--ac-group", "0"], ["--ac-group", "3", "--offload-activations"]]
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))

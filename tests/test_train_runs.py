@@ -168,6 +168,11 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "clip nan": (["--clip", "nan"], ["--clip must be a finite number"]),
     "keep-ckpts 0": (["--keep-ckpts", "0"], ["--keep-ckpts must be >= 1"]),
     "timeout 0": (["--timeout", "0"], ["--timeout must be > 0"]),
+    "ac-group 0": (["--ac-group", "0"], ["--ac-group must be >= 1", "got 0"]),
+    "ac-group with offload": (["--ac-group", "2", "--offload-activations"],
+                              ["--ac-group 2 with --offload-activations", "use one or the other"]),
+    "ac-group without ac": (["--ac-group", "2", "--no-ac"], ["--ac-group 2 groups the checkpoints of --ac",
+                                                             "--ac-group 1"]),
 }
 
 
