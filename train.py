@@ -28,11 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data.batches import GlobalBatches
-from data.collate import collate
-from data.demo import make_demo
-from data.jsonl import check_file
-from data.tokens import load_samples, load_tokenizer
+from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args
@@ -62,6 +58,8 @@ def build_parser(add_help=True):
     a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (off: unmeasured)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
     a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
+    a("--ac-blocks", type=int, default=None, help="checkpoint only the first N blocks (default all): less recompute, "
+      "more memory; `--plan` names the fewest that fit")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
     # Parallel

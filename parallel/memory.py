@@ -50,8 +50,14 @@ def recompute_context(on: bool = True):
         _state.recompute = prev
 
 
-def check_ac_group(group: int, ac: bool, offload: bool) -> None:
-    """--ac-group's constraints (parallel/parallelize.apply_ac), named with the fix."""
+def check_ac_group(group: int, ac: bool, offload: bool, blocks: int | None = None) -> None:
+    """--ac-group's and --ac-blocks' constraints (parallel/parallelize.apply_ac), named with the fix."""
+    if blocks is not None and blocks < 0:
+        raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
+    if blocks is not None and not ac:
+        raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
+    if blocks is not None and group > 1:
+        raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
     if group < 1:
         raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
     if group > 1 and not ac:

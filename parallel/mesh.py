@@ -176,7 +176,8 @@ def check_flags(args) -> None:
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every)):
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
-    check_ac_group(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False))
+    check_ac_group(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
+                   getattr(args, "ac_blocks", None))
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.steps is not None and args.steps < 1:
@@ -195,6 +196,10 @@ def validate(args, margs, world: int):
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")
+    blocks = getattr(args, "ac_blocks", None)
+    if blocks is not None and blocks > margs.n_layers:
+        raise ValueError(f"--ac-blocks {blocks} is more than the model's {margs.n_layers} blocks; omit it to "
+                         "checkpoint them all")
     pack = True if args.pack is None else args.pack   # every core keeps packed documents apart
     return dims, pack
 

@@ -11,7 +11,8 @@
        a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile
        b. apply_ac: checkpoint each block inside it, the tiled MLP keeps only its input; with
           (--offload-activations,         --offload-activations the saved block inputs go to host memory;
-           --ac-group)                    --ac-group G: one more checkpoint around each G blocks
+           --ac-group, --ac-blocks)       --ac-group G: one more checkpoint around each G blocks;
+                                          --ac-blocks N: only the first N blocks are checkpointed
        c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
@@ -55,6 +56,7 @@ class BuildOptions:
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
     ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
+    ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
     seed: int = 0
 
     @classmethod
@@ -63,12 +65,16 @@ class BuildOptions:
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
-                   compile=args.compile, ac_group=args.ac_group)
+                   compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks)
 
 
-def apply_ac(model: Transformer, offload: bool = False, group: int = 1) -> HostOffload | None:
+def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
+             blocks: int | None = None) -> HostOffload | None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
     `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned.
+    `blocks` N: only the first N blocks are checkpointed; the last L - N keep their activations (no recompute:
+    faster, more memory). The last ones, because backward reaches them first: their activations are freed
+    before any checkpointed block is recomputed, so the two never add up.
     `group` G > 1: a second, outer checkpoint around each run of G blocks keeps only the group's input. In
     backward the group is recomputed up to its last block's input (torch stops a recompute once it has
     what backward needs), which re-saves the G - 1 inner block inputs, then each block is recomputed as
@@ -77,9 +83,9 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1) -> HostO
     prefetch-order record while in backward) until their own backward.
     Credit: checkpointed segments of sqrt(L) layers follow Chen et al., "Training Deep Nets with Sublinear
     Memory Cost" (2016)."""
-    check_ac_group(group, True, offload)
+    check_ac_group(group, True, offload, blocks)
     hooks = HostOffload() if offload else None
-    for block in model.model.layers:
+    for block in model.model.layers[:blocks]:
         block.forward = _checkpointed(block.forward, hooks)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)
@@ -143,7 +149,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    check_ac_group(opts.ac_group, opts.ac, opts.offload_activations)
+    check_ac_group(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks)
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
@@ -158,7 +164,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     if opts.tiled_mlp:                                                      # 4a
         apply_tiled_mlp(model)
     if opts.ac:                                                             # 4b
-        apply_ac(model, opts.offload_activations, opts.ac_group)
+        apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks)
     if opts.compile:                                                        # 4c
         apply_compile(model)
     if fsdp_mesh is not None:                                               # 5

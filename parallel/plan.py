@@ -40,6 +40,9 @@ Persistent all step:
    (its saved tensors less that input, which the first norm saves again without a copy).
    --offload-activations: the L block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
+   --ac-blocks N: only the first N blocks are checkpointed (N inputs), the last K = L - N keep their saved
+   tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
+   AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
    --ac-group G: ceil(L/G) group inputs are kept; a group's backward recomputes it up to its last block
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
@@ -130,6 +133,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     nf4 = args.quant == "nf4"
     tiled, offload = getattr(args, "tiled_mlp", False), getattr(args, "offload_activations", False)
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
+    N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
+    K = L - N   # blocks that keep their activations (the last K; no AC at all when N == 0)
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
@@ -156,7 +161,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         return b
 
     every = (L - 1) * layer_saved(False) + layer_saved(True)
-    ckpt = L * e * T * D
+    ckpt = N * e * T * D
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
@@ -168,22 +173,25 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t[f"embeddings, lm_head, norms, biases shard (1/{W})"] = (shard(root) + L * shard(base[7:])) * e
     t["root unsharded all step (embed, lm_head, final norm)"] = full(root) * e
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
-    if offload:
+    if N == 0:
+        t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every
+    elif offload:
         p.host = ckpt if target == "cuda" else 0
         if target == "cpu":   # the "host" copies share the one RAM
-            t[f"activations: {L} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
-        t["activations: 2 offloaded checkpoints on device (current + prefetch)"] = 2 * e * T * D
+            t[f"activations: {N} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
+        t["activations: 2 offloaded checkpoints on device (current + prefetch)"] = min(2, N) * e * T * D
     elif G > 1:
         t[f"activations: {-(-L // G)} group checkpoints [{T}, {D}] (--ac-group {G})"] = -(-L // G) * e * T * D
     else:
-        t[(f"activations: {L} block checkpoints [{T}, {D}]" if args.ac else
-           f"activations: saved tensors of {L} blocks at {T} tokens")] = ckpt if args.ac else every
+        t[f"activations: {N} block checkpoints [{T}, {D}]"] = ckpt
+    if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
+        t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = K * layer_saved(False)
     t["activations: rope cos/sin"] = 2 * e * T * hd
     blk = full(base + qa) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
-    if args.ac:   # less the block input: counted above, and the first norm saves it without a copy
+    if N and not K:   # less the block input: counted above, and the first norm saves it without a copy
         t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D
     if G > 1:
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
@@ -208,7 +216,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
-    p.alt_activations = (every if args.ac else ckpt + layer_saved(False))
+    p.alt_activations = (every if args.ac else L * e * T * D + layer_saved(False))
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
 

@@ -10,6 +10,8 @@ Contract (the terms are parallel/plan.py's):
 - `--max-len auto`: the longest --max-len, a multiple of 1,024, that fits the world size, layout, flags and
   memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
   validation refuses does not fit). Prints that plan; the last line is `max_len N`.
+- A plan that fits with AC on every block also names the fewest blocks `--ac-blocks` may checkpoint and
+  still fit in 95% of the device (less recompute: faster).
 - `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
   `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, and when AC is on
   + --ac-group best_ac_group(L), + --offload-activations, each with and without --tiled-mlp) its longest
@@ -25,6 +27,7 @@ from parallel.mesh import validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
 
 MAX_LEN_STEP = 1024
+SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
 
 
 def _with(args, **kw):
@@ -160,6 +163,18 @@ def longest(args, margs, world, target, mem, host) -> int:
     return lo * MAX_LEN_STEP
 
 
+def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):
+    """(N, plan) for the fewest checkpointed blocks that still fit with SAFETY headroom (the planner was
+    within 2% of measured peaks; a run near the limit should not hinge on it), when fewer than all do."""
+    if not args.ac or args.ac_group > 1 or args.ac_blocks is not None:
+        return None
+    for n in range(margs.n_layers):
+        p = memory_plan(margs, dims, _with(args, ac_blocks=n), target, pack)
+        if _fits(p, SAFETY * mem, host):
+            return n, p
+    return None
+
+
 def _memory_flags(args, margs):
     sets = [("", {})]
     sets += [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
@@ -238,7 +253,7 @@ def main(argv, run_parser, demo: dict):
     other = "without" if args.ac else "with"
     print(f"  ({other} AC the activations would be {p.alt_activations / u:.2f} {un})")
     if p.host:
-        print(f"  {f'host: {margs.n_layers} offloaded block checkpoints, pinned (--host-mem {host / GB:.0f} GB)':<72}"
+        print(f"  {f'host: offloaded block checkpoints, pinned (--host-mem {host / GB:.0f} GB)':<72}"
               f"{p.host / u:8.2f}")
     if not _fits(p, mem, host):
         fixes = _fixes(args, margs, world, target, mem, host)
@@ -248,6 +263,11 @@ def main(argv, run_parser, demo: dict):
                          + ("; ".join(fixes) if fixes else "no single change fits: raise --cp and enable --ac, "
                             "use --quant nf4, lower --max-len, or use more ranks / larger devices"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))
+    fewer = fewest_ac_blocks(args, margs, dims, target, mem, host, pack)
+    if fewer is not None:
+        n, q = fewer
+        print(f"faster: --ac-blocks {n} also fits ({q.total / GB:.1f} GB): {n} of {margs.n_layers} blocks "
+              "recomputed in backward, the rest keep their activations")
     if args.auto:
         print(f"max_len {args.max_len}")
     return p

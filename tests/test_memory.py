@@ -10,7 +10,8 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
 - on 4 gloo ranks (dp_shard 4; cp 2 ring × dp_shard 2), FSDP2 with the tiled MLP and offload gives the
   single-process untiled model's loss and LoRA gradients on every rank; so does --ac-group 2 (3 blocks), whose
   group recompute makes no more all-gathers than plain AC (FSDP2 keeps recomputed blocks unsharded);
-- --ac-group G on 5 blocks keeps only the group inputs, recomputes in the expected order and equals no AC.
+- --ac-group G on 5 blocks keeps only the group inputs, recomputes in the expected order and equals no AC;
+- --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC.
 
 Run: .venv/bin/python -m pytest -q tests/test_memory.py
 """
@@ -255,6 +256,35 @@ def test_ac_group_keeps_one_input_per_group(ckpt5, group, tiled):
     torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"G={group}: loss")
     for n in ref[1]:
         torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"G={group}: grad {n}")
+
+
+@pytest.mark.parametrize("mem", [dict(), dict(tiled_mlp=True), dict(offload_activations=True)],
+                         ids=["plain", "tiled", "offload"])
+def test_ac_blocks_checkpoints_only_the_first(ckpt5, mem):
+    """--ac-blocks 2 on 5 blocks: backward recomputes blocks 1 and 0 only (the last 3 keep their activations),
+    the offload moves only those 2 inputs, and the loss and every LoRA gradient equal no AC at all."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt5, **kw))
+        calls = []
+        for i, block in enumerate(model.model.layers):
+            block.mlp.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
+        s, n = model(ids, labels=ids)
+        forward_calls, calls[:] = list(calls), []
+        (s / n).backward()
+        hooks = getattr(model.model.layers[0].forward, "hooks", None)
+        return s.detach(), _lora_grads(model), forward_calls, calls, hooks
+
+    ref = run(ac=False)
+    got = run(ac=True, ac_blocks=2, **mem)
+    assert got[2] == list(range(5)) and got[3] == [1, 0], f"MLP calls: forward {got[2]}, backward {got[3]}"
+    assert not hasattr(run(ac=True, ac_blocks=0)[4], "moved"), "--ac-blocks 0: no block is checkpointed"
+    if mem.get("offload_activations"):
+        assert got[4].moved == 2, f"offloaded {got[4].moved} block inputs, want the 2 checkpointed ones"
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
 
 
 def test_ac_group_refuses_offload_and_no_ac(ckpt):

@@ -159,6 +159,50 @@ def test_ac_group_checkpoints_match_autograd(tmp_path, group):
     assert term(p, "| block group recompute") == (group - 1) * (4 * T * D + blk)
 
 
+def test_ac_blocks_activations_match_autograd(tmp_path):
+    """--ac-blocks 2 of 4 blocks, fp32, one process: the plan's two activation terms (2 checkpointed inputs,
+    the last 2 blocks' saved tensors) vs the bytes autograd keeps (saved_tensors_hooks, unique storages)."""
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=4, vocab=256, inter=96,
+                           max_shard_size="50MB")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, ac_blocks=2),
+                           device="cpu")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def pack(t):
+        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 256, (1, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    saved = sum(n for ptr, n in held.items() if ptr not in params)
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1",
+                                            "--ac-blocks", "2"])
+    dims, pack_rows = validate(args, model.args, 1)
+    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    planned = (term(p, "activations: 2 block checkpoints") + term(p, "activations: saved tensors of the last 2")
+               + term(p, "activations: rope") + term(p, "| or: final norm in"))
+    assert planned == saved
+    assert not [k for k in p.terms if k.startswith("| block recompute")], "no recompute on top of kept blocks"
+
+
+def test_plan_names_the_fewest_ac_blocks_that_fit():
+    _, out = run_plan("--model", Q7, "--max-len", "32768", "--gpu-mem", "141", "--dtype", "bf16",
+                      "--global-batch", "1")
+    n = int(re.search(r"faster: --ac-blocks (\d+) also fits", out).group(1))
+    assert 0 < n < 28, out
+    for k, fits in ((n, True), (n - 1, False)):
+        args = train.build_parser().parse_args(["--model", Q7, "--max-len", "32768", "--dtype", "bf16",
+                                                "--global-batch", "1", "--ac-blocks", str(k)])
+        from model.load import read_args
+        dims, pack = validate(args, read_args(Q7), 1)
+        assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * 141e9) == fits, k
+
+
 def test_plan_does_not_fit_names_the_fix():
     assert sorted(os.listdir(Q72)) == ["config.json"] and sorted(os.listdir(Q7)) == ["config.json"]
     common = ["--model", Q72, "--max-len", "32768", "--world-size", "4", "--global-batch", "4"]
@@ -190,7 +234,9 @@ def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
 SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--max-len", "1"],
                  ["--global-batch", "6", "--micro-batch", "4"], ["--lr", "inf"], ["--steps", "0"],
                  ["--lora-alpha", "0"], ["--lora-targets", "q_proj,nope"], ["--lora-dropout", "1"],
-                 ["--timeout", "-1"], ["--ac-group", "0"], ["--ac-group", "3", "--offload-activations"]]
+                 ["--timeout", "-1"], ["--ac-group", "0"], ["--ac-group", "3", "--offload-activations"],
+                 ["--ac-blocks", "-1"], ["--ac-blocks", "1", "--no-ac"], ["--ac-blocks", "1", "--ac-group", "2"],
+                 ["--ac-blocks", "9"]]
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))

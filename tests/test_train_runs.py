@@ -173,6 +173,10 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
                               ["--ac-group 2 with --offload-activations", "use one or the other"]),
     "ac-group without ac": (["--ac-group", "2", "--no-ac"], ["--ac-group 2 groups the checkpoints of --ac",
                                                              "--ac-group 1"]),
+    "ac-blocks negative": (["--ac-blocks", "-1"], ["--ac-blocks must be >= 0", "got -1"]),
+    "ac-blocks without ac": (["--ac-blocks", "1", "--no-ac"], ["--ac-blocks 1 picks the blocks", "drop --no-ac"]),
+    "ac-blocks with ac-group": (["--ac-blocks", "1", "--ac-group", "2"], ["use one or the other"]),
+    "ac-blocks beyond the layers": (["--ac-blocks", "9"], ["--ac-blocks 9 is more than the model's 2 blocks"]),
 }
 
 
