@@ -19,7 +19,9 @@ tokens/s ratio of each run to each other run. Results go to bench/gpu-results.js
 Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped
 there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus
 our runs with --tiled-mlp, --offload-activations and --tiled-mlp --ac-group 4 (each one's tokens/s cost
-against plain "ours"). `--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
+against plain "ours"). Both cases also run "ours+fit-ac": --ac-blocks N with the fewest checkpointed blocks
+the planner fits in 95% of this device (less recompute; the speed lever when memory is left over).
+`--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
 ours with --tiled-mlp --offload-activations, one step. Every "ours" row also prints its peak against the
 planner's total for the same flags (`train.py --plan`: fragmentation and runtime included).
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
@@ -55,8 +57,11 @@ CASES = {"32k": (32768, None), "128k": (131072, 8), "long": (524288, 8)}   # tok
 MEM_ROWS = {"ours+tiled": ["--tiled-mlp"], "ours+offload": ["--offload-activations"],
             "ours+tiled+group4": ["--tiled-mlp", "--ac-group", "4"],
             "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"]}
-DEFAULT_RUNS = {"32k": ["ours", "hf", "liger"], "128k": ["ours", "hf", "liger", "ours+tiled", "ours+offload",
-                                                         "ours+tiled+group4"], "long": ["ours+tiled+offload"]}
+# "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
+FIT_AC = "ours+fit-ac"
+DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FIT_AC],
+                "128k": ["ours", "hf", "liger", FIT_AC, "ours+tiled", "ours+offload", "ours+tiled+group4"],
+                "long": ["ours+tiled+offload"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -204,6 +209,22 @@ def planned_gb(spec: dict, flags=()) -> float:
     margs = read_args(spec["ckpt"])
     dims, pack = validate(args, margs, 1)
     return memory_plan(margs, dims, args, "cuda" if torch.cuda.is_available() else "cpu", pack).total / 1e9
+
+
+def fit_ac_flags(spec: dict) -> list[str]:
+    """--ac-blocks N for the fewest checkpointed blocks the planner fits in 95% of this device (all: [])."""
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan_search import _budget, fewest_ac_blocks
+
+    args = train.build_parser().parse_args(ours_argv(spec, "unused"))
+    args.gpu_mem = None
+    margs = read_args(spec["ckpt"])
+    dims, pack = validate(args, margs, 1)
+    target, mem, _ = _budget(args, 1)
+    found = fewest_ac_blocks(args, margs, dims, target, mem, float("inf"), pack)
+    return [] if found is None else ["--ac-blocks", str(found[0])]
 
 
 def run_ours(spec: dict, out: str, timeout: float, flags=()) -> dict:
@@ -382,7 +403,7 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", "ours+tiled+offload"] if smoke else DEFAULT_RUNS[name])
+            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload"] if smoke else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)
@@ -400,10 +421,11 @@ def main(argv=None):
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
         rows = case["rows"]
-        unknown = [r for r in runs if r not in ("ours", "hf", "liger", *MEM_ROWS)]
+        mine_all = ("ours", FIT_AC, *MEM_ROWS)
+        unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
         if unknown:
-            raise SystemExit(f"--runs: unknown {unknown}; choose from ours,hf,liger,{','.join(MEM_ROWS)}")
-        rows.update({r: {} for r in ("ours", "hf", "liger", *MEM_ROWS) if r in runs})   # table order
+            raise SystemExit(f"--runs: unknown {unknown}; choose from hf,liger,{','.join(mine_all)}")
+        rows.update({r: {} for r in ("ours", "hf", "liger", *mine_all[1:]) if r in runs})   # table order
         why_liger = liger_missing()
         peers = []
         for row in ("ours", "hf", "liger"):
@@ -416,15 +438,15 @@ def main(argv=None):
                 print(f"liger row skipped: {why_liger}", flush=True)
             elif row != "ours":
                 peers.append(row)
-        mine = [[r] for r in ("ours", *MEM_ROWS) if r in runs]
+        mine = [[r] for r in mine_all if r in runs]
         for group in mine[:1] + [peers] * bool(peers) + mine[1:]:
             left = args.budget - (time.time() - t_start)
             if left < 10:
                 rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
-            elif group[0] in ("ours", *MEM_ROWS):
+            elif group[0] in mine_all:
                 try:
-                    rows[group[0]] = run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left,
-                                              MEM_ROWS.get(group[0], ()))
+                    flags = fit_ac_flags(spec) if group[0] == FIT_AC else MEM_ROWS.get(group[0], [])
+                    rows[group[0]] = run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags)
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
                     rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:
