@@ -12,7 +12,8 @@ folder, `make test-gpu` does):
   per-document SDPA, windowed too;
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
-- `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream) and `--ac-group` against plain AC;
+- `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
+  against plain AC;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets.
 
@@ -314,8 +315,8 @@ def test_cuda_torch_keeps_recomputed_blocks_unsharded():
 
 @pytest.mark.parametrize("mem", [dict(tiled_mlp=True), dict(offload_activations=True),
                                  dict(tiled_mlp=True, offload_activations=True), dict(ac_group=2),
-                                 dict(tiled_mlp=True, ac_group=3)],
-                         ids=["tiled", "offload", "tiled_offload", "group2", "tiled_group3"])
+                                 dict(tiled_mlp=True, ac_group=3), dict(ac_blocks=2, offload_activations=True)],
+                         ids=["tiled", "offload", "tiled_offload", "group2", "tiled_group3", "blocks2_offload"])
 def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
     """The long-context memory steps on the device (float32, 1 process): the offload's pinned host copies on
     a side stream and the prefetch, the tiled MLP, the group recompute give plain AC's loss and LoRA grads."""
