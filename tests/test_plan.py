@@ -103,16 +103,15 @@ def test_quant_state_matches_bitsandbytes():
         assert quant_state_bytes(shape[0] * shape[1]) == sum(t.numel() * t.element_size() for t in held), shape
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
-def test_activations_match_autograd(tmp_path, tiled):
-    """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
+def _saved_and_plan(tmp_path, layers, flags, **opts):
+    """Bytes autograd keeps in one fp32 forward at 128 tokens (unique storages, parameters excluded) and the
+    plan of the same run flags."""
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
-    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256, inter=96,
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=layers, vocab=256, inter=96,
                            max_shard_size="50MB")
-    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=False, tiled_mlp=tiled),
-                           device="cpu")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, **opts), device="cpu")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
@@ -123,11 +122,15 @@ def test_activations_match_autograd(tmp_path, tiled):
     ids = torch.randint(0, 256, (1, 128))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, labels=ids)
-    saved = sum(n for ptr, n in held.items() if ptr not in params)
-    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--no-ac", "--global-batch", "1"]
-                                           + ["--tiled-mlp"] * tiled)
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", *flags])
     dims, pack_rows = validate(args, model.args, 1)
-    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    return sum(n for ptr, n in held.items() if ptr not in params), memory_plan(model.args, dims, args, "cpu", pack_rows)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
+def test_activations_match_autograd(tmp_path, tiled):
+    """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
+    saved, p = _saved_and_plan(tmp_path, 2, ["--no-ac"] + ["--tiled-mlp"] * tiled, ac=False, tiled_mlp=tiled)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 
@@ -162,28 +165,7 @@ def test_ac_group_checkpoints_match_autograd(tmp_path, group):
 def test_ac_blocks_activations_match_autograd(tmp_path):
     """--ac-blocks 2 of 4 blocks, fp32, one process: the plan's two activation terms (2 checkpointed inputs,
     the last 2 blocks' saved tensors) vs the bytes autograd keeps (saved_tensors_hooks, unique storages)."""
-    from parallel.parallelize import BuildOptions, build_model
-    from tests.helpers import tiny_checkpoint
-
-    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=4, vocab=256, inter=96,
-                           max_shard_size="50MB")
-    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, ac_blocks=2),
-                           device="cpu")
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = {}
-
-    def pack(t):
-        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(0, 256, (1, 128))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, labels=ids)
-    saved = sum(n for ptr, n in held.items() if ptr not in params)
-    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1",
-                                            "--ac-blocks", "2"])
-    dims, pack_rows = validate(args, model.args, 1)
-    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    saved, p = _saved_and_plan(tmp_path, 4, ["--ac-blocks", "2"], ac=True, ac_blocks=2)
     planned = (term(p, "activations: 2 block checkpoints") + term(p, "activations: saved tensors of the last 2")
                + term(p, "activations: rope") + term(p, "| or: final norm in"))
     assert planned == saved
