@@ -58,6 +58,9 @@ def check_ac_group(group: int, ac: bool, offload: bool, blocks: int | None = Non
         raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
     if blocks is not None and group > 1:
         raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
+    if blocks == 0 and offload:
+        raise ValueError("--ac-blocks 0 with --offload-activations: no block is checkpointed, so nothing is "
+                         "offloaded; raise --ac-blocks or drop --offload-activations")
     if group < 1:
         raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
     if group > 1 and not ac:

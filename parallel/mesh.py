@@ -187,6 +187,14 @@ def check_flags(args) -> None:
         raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")
 
 
+def check_model_flags(args, margs) -> None:
+    """The flag checks that need the model's config.json but no layout."""
+    blocks = getattr(args, "ac_blocks", None)
+    if blocks is not None and blocks > margs.n_layers:
+        raise ValueError(f"--ac-blocks {blocks} is more than the model's {margs.n_layers} blocks; omit it to "
+                         "checkpoint them all")
+
+
 def validate(args, margs, world: int):
     """Every check of a run's flags against the model's config.json and the world size -> (dims, pack)."""
     check_flags(args)
@@ -196,10 +204,7 @@ def validate(args, margs, world: int):
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")
-    blocks = getattr(args, "ac_blocks", None)
-    if blocks is not None and blocks > margs.n_layers:
-        raise ValueError(f"--ac-blocks {blocks} is more than the model's {margs.n_layers} blocks; omit it to "
-                         "checkpoint them all")
+    check_model_flags(args, margs)
     pack = True if args.pack is None else args.pack   # every core keeps packed documents apart
     return dims, pack
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from parallel.mesh import validate
+from parallel.mesh import check_flags, check_model_flags, validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
 
 MAX_LEN_STEP = 1024
@@ -60,7 +60,7 @@ def _fits(p, mem, host) -> bool:
 
 def _groups(args, margs):
     """--ac-group values worth trying: 2 (least recompute), then the one keeping fewest inputs."""
-    free = args.ac and not args.offload_activations and args.ac_group == 1
+    free = args.ac and not args.offload_activations and args.ac_group == 1 and args.ac_blocks is None
     return sorted({2, best_ac_group(margs.n_layers)} - {1}) if free and margs.n_layers > 2 else []
 
 
@@ -75,7 +75,8 @@ def _fixes(args, margs, world, target, mem, host):
         ("--offload-activations", dict(offload_activations=True), args.ac and not args.offload_activations),
         ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True),
          args.ac and not (args.tiled_mlp or args.offload_activations)),
-        ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1)) if ok]
+        ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
+        ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None)) if ok]
     tries += [(_flags(a, dims), a, world) for a, dims, _ in _layouts(args, margs, world) if a.cp > args.cp]
     for k in (2, 4, 8):
         tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
@@ -168,7 +169,7 @@ def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):
     within 2% of measured peaks; a run near the limit should not hinge on it), when fewer than all do."""
     if not args.ac or args.ac_group > 1 or args.ac_blocks is not None:
         return None
-    for n in range(margs.n_layers):
+    for n in range(1 if args.offload_activations else 0, margs.n_layers):
         p = memory_plan(margs, dims, _with(args, ac_blocks=n), target, pack)
         if _fits(p, SAFETY * mem, host):
             return n, p
@@ -203,6 +204,7 @@ def suggest_longest(args, margs, world, target, mem, host, where):
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
     base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "",
                                 f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
+                                f"--ac-blocks {args.ac_blocks}" if args.ac_blocks is not None else "",
                                 "--offload-activations" if args.offload_activations else "") if f)
     print(f"flags: {rows[0][1]} {base}".rstrip())
     print(f"max_len {rows[0][0]}")
@@ -215,6 +217,8 @@ def main(argv, run_parser, demo: dict):
     args = parse_args(argv, run_parser, demo)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
     margs = read_args(args.model)
+    check_flags(args)   # the layout-free checks first: the searches below skip what `validate` refuses
+    check_model_flags(args, margs)
     target, mem, where = _budget(args, world)
     host = _host_budget(args, world)
     if args.suggest and args.auto:
@@ -238,7 +242,9 @@ def main(argv, run_parser, demo: dict):
     dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
     p = memory_plan(margs, dims, args, target, pack)
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
-    ac = ("on" + (f" (groups of {args.ac_group})" if args.ac_group > 1 else "")) if args.ac else "off"
+    ac = ("on" + (f" (groups of {args.ac_group})" if args.ac_group > 1 else "")
+          + (f" (first {args.ac_blocks} of {margs.n_layers} blocks)" if args.ac_blocks is not None else "")
+          ) if args.ac else "off"
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "

@@ -185,6 +185,28 @@ def test_plan_names_the_fewest_ac_blocks_that_fit():
         assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * 141e9) == fits, k
 
 
+@pytest.mark.parametrize("mode", [["--max-len", "auto"], ["--suggest", "--max-len", "auto"],
+                                  ["--suggest", "--max-len", "32768"]], ids=" ".join)
+def test_searches_refuse_bad_ac_blocks_first(mode):
+    """The searches try many layouts and skip what `validate` refuses: a bad flag must not read as 'nothing
+    fits'; it is refused before any search, with the run's message."""
+    for bad, msg in ((["--ac-blocks", "99"], "--ac-blocks 99 is more than the model's 28 blocks"),
+                     (["--ac-blocks", "-1"], "--ac-blocks must be >= 0"),
+                     (["--ac-blocks", "0", "--offload-activations"], "--ac-blocks 0 with --offload-activations")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            run_plan("--model", Q7, "--gpu-mem", "141", "--global-batch", "1", *mode, *bad)
+
+
+def test_ac_blocks_is_kept_by_suggest_and_dropping_it_is_a_fix():
+    _, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--host-mem", "512",
+                      "--global-batch", "1", "--ac-blocks", "20")
+    assert out.strip().splitlines()[-2].endswith("--ac-blocks 20"), out
+    assert "--ac-group" not in out, "--ac-group cannot go with --ac-blocks: not suggested"
+    with pytest.raises(SystemExit, match=r"no --ac-blocks \(AC on every block\) \(\d"):
+        run_plan("--model", Q7, "--max-len", "131072", "--gpu-mem", "141", "--global-batch", "1",
+                 "--ac-blocks", "4")
+
+
 def test_plan_does_not_fit_names_the_fix():
     assert sorted(os.listdir(Q72)) == ["config.json"] and sorted(os.listdir(Q7)) == ["config.json"]
     common = ["--model", Q72, "--max-len", "32768", "--world-size", "4", "--global-batch", "4"]

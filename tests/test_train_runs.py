@@ -177,6 +177,8 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "ac-blocks without ac": (["--ac-blocks", "1", "--no-ac"], ["--ac-blocks 1 picks the blocks", "drop --no-ac"]),
     "ac-blocks with ac-group": (["--ac-blocks", "1", "--ac-group", "2"], ["use one or the other"]),
     "ac-blocks beyond the layers": (["--ac-blocks", "9"], ["--ac-blocks 9 is more than the model's 2 blocks"]),
+    "ac-blocks 0 with offload": (["--ac-blocks", "0", "--offload-activations"],
+                                 ["no block is checkpointed", "drop --offload-activations"]),
 }
 
 
