@@ -264,22 +264,17 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
     if not causal:
         raise ValueError("document masking is only implemented for causal attention")
     b, s, h, d = q.shape
-    if (backend or pick_backend(q, varlen=True)) == "flash_attn":
+    fa = (backend or pick_backend(q, varlen=True)) == "flash_attn"
+    if fa or (docs is not None and backend is None and _torch_varlen_ok(q, k, window)):
         # One varlen call over the flattened batch; cu_seqlens index rows back to back.
-        docs = docs or [[0, s]] * b
-        cu, longest = _offsets(docs, s, q.device)
-        out = flash_attn_varlen_func(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
-                                     v.reshape(b * s, -1, d), cu, cu, longest, longest,
-                                     softmax_scale=scale, causal=True,
-                                     window_size=(-1, -1) if window is None else (window - 1, 0))
+        cu, longest = _offsets(docs or [[0, s]] * b, s, q.device)
+        flat = (q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d))
+        out = flash_attn_varlen_func(*flat, cu, cu, longest, longest, softmax_scale=scale, causal=True,
+                                     window_size=(-1, -1) if window is None else (window - 1, 0)) if fa \
+            else backends.TorchVarlen.apply(*flat, cu, longest, scale, window)
         return out.view(b, s, h, d)
     if docs is None:
         return _banded(q, k, v, scale, window, backend)
-    if backend is None and _torch_varlen_ok(q, k, window):
-        cu, longest = _offsets(docs, s, q.device)
-        out = backends.TorchVarlen.apply(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
-                                         v.reshape(b * s, -1, d), cu, longest, scale, window)
-        return out.view(b, s, h, d)
     rows = []
     for i, row in enumerate(docs):
         pieces = [_banded(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y], scale, window, backend)

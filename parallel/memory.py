@@ -50,8 +50,8 @@ def recompute_context(on: bool = True):
         _state.recompute = prev
 
 
-def check_ac_group(group: int, ac: bool, offload: bool, blocks: int | None = None) -> None:
-    """--ac-group's and --ac-blocks' constraints (parallel/parallelize.apply_ac), named with the fix."""
+def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None) -> None:
+    """The AC flags' constraints (--ac-group, --ac-blocks; parallel/parallelize.apply_ac), named with the fix."""
     if blocks is not None and blocks < 0:
         raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
     if blocks is not None and not ac:

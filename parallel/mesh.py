@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
 from model.config import LORA_TARGETS
-from parallel.memory import check_ac_group
+from parallel.memory import check_ac
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -176,7 +176,7 @@ def check_flags(args) -> None:
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every)):
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
-    check_ac_group(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
+    check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
                    getattr(args, "ac_blocks", None))
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")

@@ -39,7 +39,7 @@ from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
-from parallel.memory import HostOffload, apply_tiled_mlp, check_ac_group, recompute_context
+from parallel.memory import HostOffload, apply_tiled_mlp, check_ac, recompute_context
 
 
 @dataclass
@@ -83,7 +83,7 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     prefetch-order record while in backward) until their own backward.
     Credit: checkpointed segments of sqrt(L) layers follow Chen et al., "Training Deep Nets with Sublinear
     Memory Cost" (2016)."""
-    check_ac_group(group, True, offload, blocks)
+    check_ac(group, True, offload, blocks)
     hooks = HostOffload() if offload else None
     for block in model.model.layers[:blocks]:
         block.forward = _checkpointed(block.forward, hooks)
@@ -149,7 +149,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    check_ac_group(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks)
+    check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks)
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1

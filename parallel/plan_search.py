@@ -66,9 +66,9 @@ def _groups(args, margs):
 
 def _fixes(args, margs, world, target, mem, host):
     """Single changes that make the plan fit, as flag strings with their totals."""
-    groups = [(f"--ac-group {g}", dict(ac_group=g), True) for g in _groups(args, margs)]
-    tiled_groups = [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g), not args.tiled_mlp)
-                    for g in _groups(args, margs)]
+    gs = _groups(args, margs)
+    groups = [(f"--ac-group {g}", dict(ac_group=g), True) for g in gs]
+    tiled_groups = [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g), not args.tiled_mlp) for g in gs]
     tries = [(f, _with(args, **kw), world) for f, kw, ok in (
         ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
         ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp), *groups, *tiled_groups,
