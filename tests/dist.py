@@ -16,7 +16,9 @@ CUDA device r (bench/attention.py on GPUs).
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 
@@ -48,7 +50,11 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend):
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # as bytes: a tensor put on the queue is shared by reference, and rebuilding it fails ("connection
+        # refused") once this process has exited, so a rank's result would be lost
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure, including asserts
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -84,14 +90,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
                     break
                 try:
                     rank, ok, payload = queue.get(timeout=min(left, 1.0))
-                except Exception:
+                except queue_mod.Empty:
                     # A rank that died without reporting (segfault, OOM kill) shows here.
                     dead = [r for r, p in enumerate(procs)
                             if p.exitcode not in (None, 0) and r not in results and r not in errors]
                     for r in dead:
                         errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
                     continue
-                (results if ok else errors)[rank] = payload
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    errors[rank] = payload
         finally:
             for p in procs:
                 p.join(timeout=5)
