@@ -1,4 +1,4 @@
-"""Long-context memory steps applied from outside the model: a tiled MLP and host offload of block checkpoints.
+"""Long-context memory steps applied from outside the model: tiled MLP, checkpoint offload, norm outputs rebuilt.
 
 Contract:
 - `apply_tiled_mlp(model, tile=None)` makes each block's MLP (its LoRA-wrapped, possibly NF4 projections
@@ -17,6 +17,13 @@ Contract:
   stream, the compute stream not waiting for it; on CPU as a host-to-host copy, so the same path is tested.
   In backward, unpacking block i's input fetches it (already in flight if prefetched) and starts fetching
   block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
+- `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and on gate/up saves its input for the A gradient, which
+  is a block RMSNorm's output; so does the tiled MLP. The norm saves its own input for its backward, so they
+  keep that input instead and rebuild the output in backward by calling the same norm forward (row chunks of
+  D tokens: the same call per token, bounded float32 temporaries): T·D fewer saved elements per norm. The
+  three q/k/v LoRA A backwards share one rebuild, dropped after the last. Steps aside (the old path) where
+  peft hands LoRA A another tensor (dropout, a dtype cast) and at layer 0's first norm, whose input needs no
+  grad and is not saved by the norm. Exactly the same numbers (tests compare bit for bit on CPU).
 - `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
   tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
   recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
@@ -77,9 +84,10 @@ def tile_tokens(dim: int, tile: int | None) -> int:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, tile, x, *params):
-        ctx.forward, ctx.tile, ctx.params = forward, tile, params
-        ctx.save_for_backward(x)
+    def forward(ctx, forward, tile, norm, saved, x, *params):
+        # norm: None (`saved` is x) or the block norm that makes x from `saved`, rebuilt tile by tile
+        ctx.forward, ctx.tile, ctx.params, ctx.norm = forward, tile, params, norm
+        ctx.save_for_backward(saved)
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
         if recomputing():   # the checkpoint stops at our saved input; the output is never read
             return x.new_empty(x.shape)
@@ -97,10 +105,14 @@ class _TiledMLP(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         params = ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-        dx = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
         for i in range(0, flat.shape[0], ctx.tile):
-            xt = flat[i:i + ctx.tile].detach().requires_grad_(dx is not None)
+            xt = flat[i:i + ctx.tile].detach()
+            if ctx.norm is not None:   # per token the same call as in forward
+                with torch.no_grad():
+                    xt = ctx.norm(xt)
+            xt.requires_grad_(dx is not None)
             with torch.enable_grad():
                 y = ctx.forward(xt)
             wrt = ([xt] if dx is not None else []) + list(params)
@@ -112,7 +124,7 @@ class _TiledMLP(torch.autograd.Function):
                 if g is not None:
                     acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None if dx is None else dx.view_as(x), *pgrads)
+        return (None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
 
 
 def _tiled(mlp: nn.Module, tile: int | None):
@@ -122,7 +134,9 @@ def _tiled(mlp: nn.Module, tile: int | None):
         # the trainable parameters are inputs, so the output requires grad and autograd receives their
         # gradients; read per call, since FSDP2 swaps the parameter objects between sharded and unsharded
         params = [p for p in mlp.parameters() if p.requires_grad]
-        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), x, *params)
+        src = getattr(x, "_norm_output", None)   # (how to rebuild x, the norm's input): save that instead
+        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), src and src[0].forward,
+                               x if src is None else src[1], x, *params)
     return run
 
 
@@ -130,6 +144,82 @@ def apply_tiled_mlp(model, tile: int | None = None) -> None:
     """Tile every block's MLP over the tokens (module docstring); parameter names are unchanged."""
     for block in model.model.layers:
         block.mlp.forward = _tiled(block.mlp, tile)
+
+
+# ------------------------------------------------------------------------- block norm outputs rebuilt
+
+
+class _NormOutput:
+    """Rebuilds one block norm's output in backward, once for the LoRA A layers it feeds. Holds no tensor
+    from forward: what it held would outlive the block's checkpoint."""
+
+    def __init__(self, forward, dtype):
+        self.forward, self.dtype, self.users, self.y = forward, dtype, 0, None
+
+    def get(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
+        if self.y is None:
+            flat, rows = x.reshape(-1, x.shape[-1]), tile_tokens(x.shape[-1], None)   # bounded fp32 temporaries
+            self.y = torch.empty(flat.shape, dtype=self.dtype, device=x.device)
+            with torch.no_grad():
+                for i in range(0, flat.shape[0], rows):
+                    self.y[i:i + rows] = self.forward(flat[i:i + rows])
+        y, self.users = self.y.view_as(x), self.users - 1
+        if self.users == 0:
+            self.y = None
+        return y
+
+
+class _LoRAOnNorm(torch.autograd.Function):
+    """lora_A(y) = y @ A^T for y a block norm's output x -> y: saves x (which the norm saves anyway), not y."""
+
+    @staticmethod
+    def forward(ctx, rebuild, x, y, weight):
+        ctx.rebuild = rebuild
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(y, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        y = ctx.rebuild.get(x)
+        dw = g.reshape(-1, g.shape[-1]).t().mm(y.reshape(-1, y.shape[-1])) if ctx.needs_input_grad[3] else None
+        return None, None, g.matmul(weight) if ctx.needs_input_grad[2] else None, dw
+
+
+def _tagging(forward):
+    def run(x):
+        y = forward(x)
+        if torch.is_grad_enabled() and y.requires_grad:   # for the consumers: how to rebuild y, from what
+            y._norm_output = (_NormOutput(forward, y.dtype), x)
+        return y
+    run.norm_forward = forward   # the norm's own (possibly compiled) forward, for tests
+    return run
+
+
+def _lora_a(lin: nn.Linear):
+    forward = lin.forward
+
+    def run(y):
+        src = getattr(y, "_norm_output", None)
+        # peft hands lora_A the norm's output itself when no dropout or dtype cast comes between them
+        if src is None or lin.bias is not None or y.dtype != lin.weight.dtype or not torch.is_grad_enabled():
+            return forward(y)
+        src[0].users += 1
+        return _LoRAOnNorm.apply(src[0], src[1], y, lin.weight)
+    return run
+
+
+def apply_norm_rebuild(model) -> None:
+    """LoRA A on q/k/v, gate/up and the tiled MLP keep a block norm's input, not its output (module docstring)."""
+    fed = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+    for block in model.model.layers:
+        for norm, projs in fed.items():
+            norm = block.get_submodule(norm)
+            norm.forward = _tagging(norm.forward)   # after apply_compile: wraps the compiled forward
+            for lin in (a for p in projs for a in getattr(block.get_submodule(p), "lora_A", {}).values()):
+                lin.forward = _lora_a(lin)
 
 
 # ------------------------------------------------------------------------------------------ host offload

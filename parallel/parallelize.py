@@ -14,6 +14,8 @@
            --ac-group, --ac-blocks)       --ac-group G: one more checkpoint around each G blocks;
                                           --ac-blocks N: only the first N blocks are checkpointed
        c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
+       d. apply_norm_rebuild              LoRA A (and the tiled MLP) keep a block norm's input, not its
+                                          output, rebuilt in backward; after c, so it calls compiled code
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
     6. materialise (to_empty)             each rank allocates only its shards
     7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
@@ -39,7 +41,7 @@ from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
-from parallel.memory import HostOffload, apply_tiled_mlp, check_ac, recompute_context
+from parallel.memory import HostOffload, apply_norm_rebuild, apply_tiled_mlp, check_ac, recompute_context
 
 
 @dataclass
@@ -167,6 +169,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks)
     if opts.compile:                                                        # 4c
         apply_compile(model)
+    apply_norm_rebuild(model)                                               # 4d
     if fsdp_mesh is not None:                                               # 5
         mp = None
         if device.type == "cuda" and opts.dtype != torch.float32:

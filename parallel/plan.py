@@ -29,15 +29,17 @@ Persistent all step:
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter + gradient + AdamW exp_avg, exp_avg_sq =
    16 bytes per element / W.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm
-   keeps its input and rsqrt [T] (2·(eTD + 4T)); the normalized outputs that LoRA A saves (eTD each
-   for q/k/v and for gate/up); the kernel's q, k, v, out, lse (eT·hd·(2H + 2K') + 4TH; o_proj's input is a view
-   of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the MLP's gate output (silu),
-   silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T, r]·el per target
-   (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout > 0).
-   --tiled-mlp: the MLP keeps only its input (eTD), none of its [T, F] tensors or LoRA intermediates.
-   Layer 0's first norm saves nothing (the embedding output needs no grad). With AC (non-reentrant
-   checkpoint per block) only each block's input [T, D]·e is kept and one block is recomputed in backward
-   (its saved tensors less that input, which the first norm saves again without a copy).
+   keeps its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not
+   the norm's output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out,
+   lse (eT·hd·(2H + 2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes
+   it new: + eT·H·hd); the MLP's gate output (silu), silu(gate) and up (the product) and its result (down's
+   LoRA A): 4eTF; lora_B's input [T, r]·el per target (+ the fp32 input copy peft casts to when el != e;
+   + dropout's output and mask when --lora-dropout > 0). --tiled-mlp: the MLP keeps only its norm's input
+   (saved already), none of its [T, F] tensors or LoRA intermediates. Layer 0's first norm saves nothing (the
+   embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when handed it directly:
+   no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T, D]·e is
+   kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
+   saves again without a copy).
    --offload-activations: the L block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
    --ac-blocks N: only the first N blocks are checkpointed (N inputs), the last K = L - N keep their saved
@@ -52,18 +54,20 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
 6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
-   two inputs (2eTF), the incoming residual gradient (eTD), for nf4 the largest weight dequantized (n·e); with
-   AC, on top, the recomputed block (term 4 for one layer), all of it alive at that moment. --tiled-mlp: the
-   incoming gradient and the input-gradient buffer (2eTD) plus one tile's recomputed tensors and gradients
-   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and the dequantized weight.
-7. attention, later in the same block backward, when the MLP's 4eTF saved tensors (tiled: its eTD input) and
-   its gradients are gone: counted as max(0, attention buffers - 4eTF (eTD) - term 6), the excess over what
-   the MLP freed.
+   two inputs (2eTF), the incoming residual gradient (eTD), the norm output rebuilt for gate/up's LoRA A
+   (eTD), for nf4 the largest weight dequantized (n·e); with AC, on top, the recomputed block (term 4 for one
+   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient and the input-gradient buffer
+   (2eTD) plus one tile's recomputed tensors and gradients (e·t·(6F + D), t = parallel.memory.tile_tokens(D)
+   = D tokens) and the dequantized weight.
+7. attention, later in the same block backward, when the MLP's 4eTF saved tensors (tiled: the eTD input of
+   its norm) and its gradients are gone: counted as max(0, attention buffers - 4eTF (eTD) - term 6), the
+   excess over what the MLP freed.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
-   and dK/dV to H heads; flash-attn does not, so this over-counts there). Ulysses: all-to-all send and receive
-   copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and
-   the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight
-   (16T·K'·hd), lse (4TH). Hybrid: both.
+   and dK/dV to H heads; flash-attn does not, so this over-counts there). The norm output rebuilt for
+   q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved q, k, v, out (more), so it is
+   not a peak. Ulysses: all-to-all send and receive copies of q, k, v or their grads at
+   [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and the one in flight (4eT·K'·hd) and
+   fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
@@ -148,11 +152,13 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
     lora_n = sum(n for _, n in lora)
 
+    qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
+    gu = any(t in targets for t in ("gate_proj", "up_proj"))
+    direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
+
     def layer_saved(first: bool) -> float:
-        qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
-        gu = any(t in targets for t in ("gate_proj", "up_proj"))
         inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))]
-        b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * (qkv + (gu or tiled))
+        b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
         b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in targets))
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner)
@@ -201,7 +207,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         mlp = 2 * e * T * D + e * tt * (6 * F + D) + dequant
         t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weight" if nf4 else "")] = mlp
     else:
-        mlp = 2 * e * T * F + e * T * D + dequant
+        mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what = "kernel"

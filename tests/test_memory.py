@@ -294,3 +294,81 @@ def test_ac_group_refuses_offload_and_no_ac(ckpt):
         build_model(_opts(ckpt, ac=True, ac_group=2, offload_activations=True))
     with pytest.raises(ValueError, match="--ac-group 2 groups the checkpoints of --ac"):
         build_model(_opts(ckpt, ac=False, ac_group=2))
+
+
+def _without_norm_rebuild(monkeypatch):
+    import parallel.parallelize as pz
+
+    monkeypatch.setattr(pz, "apply_norm_rebuild", lambda model: None)
+
+
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=False, tiled_mlp=True), dict(ac=True, tiled_mlp=True),
+                                 dict(ac=True, ac_group=2), dict(ac=False, lora_dropout=0.1)],
+                         ids=["no_ac", "tiled", "ac_tiled", "ac_group", "dropout"])
+def test_norm_outputs_are_rebuilt_not_kept(ckpt3, monkeypatch, mem):
+    """apply_norm_rebuild: no block norm's output outlives the forward (without AC, where nothing is recomputed),
+    except layer 0's first (its input, the embedding output, needs no grad); the loss
+    and every LoRA gradient equal, bit for bit, the same model built without the step (LoRA A keeping the
+    norms' outputs), with the tiled MLP, AC, --ac-group, and with dropout (where peft hands LoRA A a new tensor
+    and the step stands aside)."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        torch.manual_seed(0)   # the same dropout masks
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw))
+        outs = {}
+        for i, block in enumerate(model.model.layers):
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(block, name).register_forward_hook(
+                    lambda m, a, y, k=(i, name): outs.__setitem__(k, weakref.ref(y)))
+        s, n = model(ids, labels=ids)
+        alive = sorted(k for k, r in outs.items() if r() is not None)   # kept for backward by someone
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), alive
+
+    got = run(**mem)
+    if not mem["ac"] and not mem.get("lora_dropout"):
+        assert got[2] == [(0, "input_layernorm")], f"norm outputs autograd keeps: {got[2]}"
+    with monkeypatch.context() as m:
+        _without_norm_rebuild(m)
+        ref = run(**mem)
+    if not mem["ac"] and not mem.get("lora_dropout"):
+        assert len(ref[2]) == 6, f"without the step LoRA A keeps all 6 norm outputs, saw {ref[2]}"
+    assert torch.equal(got[0], ref[0]), f"loss {got[0]} != {ref[0]}"
+    for k in ref[1]:
+        assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
+
+
+def test_lora_grads_match_peft_on_transformers(ckpt3):
+    """Outside reference for the LoRA gradients (the norm rebuild, tiled MLP and AC in the path): peft's LoRA on
+    the transformers Qwen2 of the same checkpoint, with our adapter's values, gives the same loss and every
+    LoRA gradient (float32, plain base weights: transformers cannot run bitsandbytes on this CPU model)."""
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    from model.config import LORA_TARGETS
+    from parallel.parallelize import BuildOptions
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    for mem in (dict(ac=False), dict(ac=True, tiled_mlp=True)):
+        model, peft_model = build_nonzero_b(BuildOptions(ckpt3, quant="none", lora_r=4, lora_alpha=8, seed=3, **mem))
+        s, n = model(ids, labels=labels)
+        (s / n).backward()
+        ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+        hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(ckpt3, torch_dtype=torch.float32),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                                       init_lora_weights=False))
+        state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
+        missing = hf.load_state_dict(state, strict=False).unexpected_keys
+        assert not missing, f"{mem}: our LoRA names unknown to peft: {missing[:3]}"
+        hf.train()
+        logits = hf(input_ids=ids).logits
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                                reduction="sum", ignore_index=-100)
+        (ref / n).backward()
+        torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg=f"{mem}: loss")
+        theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
+        assert theirs.keys() == ours.keys() and len(ours) == 14 * 3, f"{mem}: {len(ours)} LoRA parameters"
+        for k in ours:
+            torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"{mem}: grad {k}")
