@@ -60,6 +60,7 @@ def build_parser(add_help=True):
     a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
     a("--ac-blocks", type=int, default=None, help="checkpoint only the first N blocks (default all): less recompute, "
       "more memory; `--plan` names the fewest that fit")
+    a("--ac-keep-attn", action="store_true", help="AC keeps each block's attention output: recompute skips attention")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
     # Parallel

@@ -20,7 +20,9 @@ Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf with
 there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus
 our runs with --tiled-mlp, --offload-activations and --tiled-mlp --ac-group 4 (each one's tokens/s cost
 against plain "ours"). Both cases also run "ours+fit-ac": --ac-blocks N with the fewest checkpointed blocks
-the planner fits in 95% of this device (less recompute; the speed lever when memory is left over).
+the planner fits in 95% of this device (less recompute; the speed lever when memory is left over), and
+selective AC: "ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute skips attention, the tiled
+MLP pays for the kept outputs' memory), at 32k also "ours+keep-attn".
 `--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
 ours with --tiled-mlp --offload-activations, one step. Every "ours" row also prints its peak against the
 planner's total for the same flags (`train.py --plan`: fragmentation and runtime included).
@@ -53,14 +55,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CASES = {"32k": (32768, None), "128k": (131072, 8), "long": (524288, 8)}   # tokens, layers (None: all)
-# our runs with the long-context memory flags: what each costs in tokens/s at 128k, and the long case
-MEM_ROWS = {"ours+tiled": ["--tiled-mlp"], "ours+offload": ["--offload-activations"],
+# our runs with other flags: selective AC (--ac-keep-attn, a speed flag), the long-context memory flags (what
+# each costs in tokens/s at 128k), and the long case
+FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
+             "ours+tiled": ["--tiled-mlp"], "ours+offload": ["--offload-activations"],
             "ours+tiled+group4": ["--tiled-mlp", "--ac-group", "4"],
             "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"]}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
-DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FIT_AC],
-                "128k": ["ours", "hf", "liger", FIT_AC, "ours+tiled", "ours+offload", "ours+tiled+group4"],
+DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", "ours+keep-attn", "ours+tiled+keep-attn", FIT_AC],
+                "128k": ["ours", "hf", "liger", "ours+tiled+keep-attn", FIT_AC, "ours+tiled", "ours+offload",
+                         "ours+tiled+group4"],
                 "long": ["ours+tiled+offload"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -368,7 +373,7 @@ def main(argv=None):
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
-    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(MEM_ROWS)
+    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(FLAG_ROWS)
                     + " (default per case: DEFAULT_RUNS; smoke: ours,hf,liger,ours+tiled+offload)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--timed", type=int, default=None, help="timed steps (default 3 at 32k, 2 at 128k)")
@@ -403,7 +408,8 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload"] if smoke else DEFAULT_RUNS[name])
+            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload", "ours+tiled+keep-attn"] if smoke
+            else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)
@@ -421,7 +427,7 @@ def main(argv=None):
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
         rows = case["rows"]
-        mine_all = ("ours", FIT_AC, *MEM_ROWS)
+        mine_all = ("ours", FIT_AC, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
         if unknown:
             raise SystemExit(f"--runs: unknown {unknown}; choose from hf,liger,{','.join(mine_all)}")
@@ -444,7 +450,7 @@ def main(argv=None):
             if left < 10:
                 rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
             elif group[0] in mine_all:
-                flags = fit_ac_flags(spec) if group[0] == FIT_AC else MEM_ROWS.get(group[0], [])
+                flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
                 try:
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
                         if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags)

@@ -1,7 +1,7 @@
 """The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
---offload-activations, --ac-group and --ac-blocks; 1k-8k tokens) this
+--offload-activations, --ac-group, --ac-blocks and --ac-keep-attn; 1k-8k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied) and synthetic text, and prints
@@ -70,6 +70,8 @@ CONFIGS = [
     ("cp2 dp2 ulysses nf4 4k group2", 4, 4096, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2", "--cp-impl",
                                                 "ulysses", "--ac-group", "2"]),
     ("cp1 nf4 4k ac-blocks 2", 1, 4096, ["--quant", "nf4", "--ac-blocks", "2"]),
+    ("cp1 nf4 8k keep-attn", 1, 8192, ["--quant", "nf4", "--ac-keep-attn"]),
+    ("cp2 ring nf4 4k keep-attn", 2, 4096, ["--quant", "nf4", "--cp", "2", "--cp-impl", "ring", "--ac-keep-attn"]),
 ]
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only

@@ -57,26 +57,6 @@ def recompute_context(on: bool = True):
         _state.recompute = prev
 
 
-def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None) -> None:
-    """The AC flags' constraints (--ac-group, --ac-blocks; parallel/parallelize.apply_ac), named with the fix."""
-    if blocks is not None and blocks < 0:
-        raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
-    if blocks is not None and not ac:
-        raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
-    if blocks is not None and group > 1:
-        raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
-    if blocks == 0 and offload:
-        raise ValueError("--ac-blocks 0 with --offload-activations: no block is checkpointed, so nothing is "
-                         "offloaded; raise --ac-blocks or drop --offload-activations")
-    if group < 1:
-        raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
-    if group > 1 and not ac:
-        raise ValueError(f"--ac-group {group} groups the checkpoints of --ac: drop --no-ac or use --ac-group 1")
-    if group > 1 and offload:
-        raise ValueError(f"--ac-group {group} with --offload-activations: the checkpoints are in host memory "
-                         "already; use one or the other")
-
-
 def tile_tokens(dim: int, tile: int | None) -> int:
     """Tokens per tile: `tile` if given, else the hidden size (see the module docstring)."""
     return max(1, tile or dim)

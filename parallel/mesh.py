@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
 from model.config import LORA_TARGETS
-from parallel.memory import check_ac
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -177,7 +176,7 @@ def check_flags(args) -> None:
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
-                   getattr(args, "ac_blocks", None))
+             getattr(args, "ac_blocks", None), getattr(args, "ac_keep_attn", False))
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.steps is not None and args.steps < 1:
@@ -185,6 +184,33 @@ def check_flags(args) -> None:
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
     if bad or not args.lora_targets:
         raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")
+
+
+def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False) -> None:
+    """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/parallelize.apply_ac),
+    named with the fix."""
+    if keep_attn and not ac:
+        raise ValueError("--ac-keep-attn keeps the attention outputs of --ac's checkpoints: drop --no-ac")
+    if keep_attn and (group > 1 or offload):
+        what = f"--ac-group {group}" if group > 1 else "--offload-activations"
+        raise ValueError(f"--ac-keep-attn with {what}: that flag saves device memory, --ac-keep-attn spends it "
+                         "(one attention output per checkpointed block) for speed; use one or the other")
+    if blocks is not None and blocks < 0:
+        raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
+    if blocks is not None and not ac:
+        raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
+    if blocks is not None and group > 1:
+        raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
+    if blocks == 0 and offload:
+        raise ValueError("--ac-blocks 0 with --offload-activations: no block is checkpointed, so nothing is "
+                         "offloaded; raise --ac-blocks or drop --offload-activations")
+    if group < 1:
+        raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
+    if group > 1 and not ac:
+        raise ValueError(f"--ac-group {group} groups the checkpoints of --ac: drop --no-ac or use --ac-group 1")
+    if group > 1 and offload:
+        raise ValueError(f"--ac-group {group} with --offload-activations: the checkpoints are in host memory "
+                         "already; use one or the other")
 
 
 def check_model_flags(args, margs) -> None:

@@ -34,14 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
-from parallel.memory import HostOffload, apply_norm_rebuild, apply_tiled_mlp, check_ac, recompute_context
+from parallel.memory import HostOffload, apply_norm_rebuild, apply_tiled_mlp, recompute_context
+from parallel.mesh import check_ac
 
 
 @dataclass
@@ -59,6 +60,7 @@ class BuildOptions:
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
     ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
+    ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
     seed: int = 0
 
     @classmethod
@@ -67,11 +69,12 @@ class BuildOptions:
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
-                   compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks)
+                   compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
+                   ac_keep_attn=args.ac_keep_attn)
 
 
 def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
-             blocks: int | None = None) -> HostOffload | None:
+             blocks: int | None = None, keep_attn: bool = False) -> HostOffload | None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
     `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned.
     `blocks` N: only the first N blocks are checkpointed; the last L - N keep their activations (no recompute:
@@ -83,12 +86,17 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     with G = 1: ceil(L/G) + G - 1 block inputs live instead of L, for G - 1 more block forwards per group.
     FSDP2's hooks run inside the group recompute; it keeps those blocks unsharded (no reshard, no
     prefetch-order record while in backward) until their own backward.
+    `keep_attn`: selective AC. Each block checkpoint also keeps the outputs (out, lse) of the attention kernel
+    ops it runs (torch's dispatch-level cache, create_selective_checkpoint_contexts), so the recompute takes
+    them instead of running the kernel again: attention, most of a long-context step, runs once per step
+    forward instead of twice, for T·H·hd·e + 4·T·H bytes per checkpointed block (per ring step under ring).
+    Kernels not in ATTENTION_OPS (the float64 reference, math fallbacks) are recomputed as before.
     Credit: checkpointed segments of sqrt(L) layers follow Chen et al., "Training Deep Nets with Sublinear
-    Memory Cost" (2016)."""
-    check_ac(group, True, offload, blocks)
+    Memory Cost" (2016); saving only the expensive ops follows torchtitan's selective AC (op-level policy)."""
+    check_ac(group, True, offload, blocks, keep_attn)
     hooks = HostOffload() if offload else None
     for block in model.model.layers[:blocks]:
-        block.forward = _checkpointed(block.forward, hooks)
+        block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)
     return hooks
@@ -96,6 +104,29 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
 
 def _contexts():   # checkpoint's context_fn: nothing around the forward, a flag around the recompute
     return contextlib.nullcontext(), recompute_context()
+
+
+# the attention kernels torch or flash-attn run as one op (outputs: out, lse, and the op's bookkeeping)
+ATTENTION_OPS = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+    "aten._flash_attention_forward", "flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward"})
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    keep = str(getattr(op, "overloadpacket", op)) in ATTENTION_OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attn_contexts():   # a fresh cache per checkpoint call; the recompute reads it, with the flag set
+    caching, cached = create_selective_checkpoint_contexts(_keep_attention)
+    return caching, _both(cached, recompute_context())
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
 
 
 def _group_contexts():   # a group's recompute runs whole blocks: their tiled MLPs must produce outputs
@@ -121,13 +152,13 @@ def _run_group(blocks, h, *args):
     return h
 
 
-def _checkpointed(forward, hooks):
+def _checkpointed(forward, hooks, contexts):
     def run(*args):
         if not torch.is_grad_enabled():   # eval: nothing to save, nothing to recompute
             return forward(*args)
         # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
         with (hooks.saving(args[0]) if hooks else contextlib.nullcontext()):
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
     run.hooks = hooks   # for tests and logs: what the offload moved
     return run
 
@@ -151,7 +182,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks)
+    check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks, opts.ac_keep_attn)
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
@@ -166,7 +197,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     if opts.tiled_mlp:                                                      # 4a
         apply_tiled_mlp(model)
     if opts.ac:                                                             # 4b
-        apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks)
+        apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks, opts.ac_keep_attn)
     if opts.compile:                                                        # 4c
         apply_compile(model)
     apply_norm_rebuild(model)                                               # 4d

@@ -45,6 +45,8 @@ Persistent all step:
    --ac-blocks N: only the first N blocks are checkpointed (N inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
+   --ac-keep-attn: each checkpointed block also keeps its attention kernel's out and lse (eT·H·hd + 4TH; R
+   times under ring, one per ring step; the recompute takes them, so they are not counted twice there).
    --ac-group G: ceil(L/G) group inputs are kept; a group's backward recomputes it up to its last block
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
@@ -190,6 +192,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: {-(-L // G)} group checkpoints [{T}, {D}] (--ac-group {G})"] = -(-L // G) * e * T * D
     else:
         t[f"activations: {N} block checkpoints [{T}, {D}]"] = ckpt
+    if N and getattr(args, "ac_keep_attn", False):   # per ring step: each step's kernel output is kept
+        t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * R * (e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = K * layer_saved(False)
     t["activations: rope cos/sin"] = 2 * e * T * hd

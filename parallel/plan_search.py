@@ -76,7 +76,8 @@ def _fixes(args, margs, world, target, mem, host):
         ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True),
          args.ac and not (args.tiled_mlp or args.offload_activations)),
         ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
-        ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None)) if ok]
+        ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
+        ("no --ac-keep-attn", dict(ac_keep_attn=False), args.ac_keep_attn)) if ok]
     tries += [(_flags(a, dims), a, world) for a, dims, _ in _layouts(args, margs, world) if a.cp > args.cp]
     for k in (2, 4, 8):
         tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
@@ -205,6 +206,7 @@ def suggest_longest(args, margs, world, target, mem, host, where):
     base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "",
                                 f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
                                 f"--ac-blocks {args.ac_blocks}" if args.ac_blocks is not None else "",
+                                "--ac-keep-attn" if args.ac_keep_attn else "",
                                 "--offload-activations" if args.offload_activations else "") if f)
     print(f"flags: {rows[0][1]} {base}".rstrip())
     print(f"max_len {rows[0][0]}")
@@ -244,7 +246,7 @@ def main(argv, run_parser, demo: dict):
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
     ac = ("on" + (f" (groups of {args.ac_group})" if args.ac_group > 1 else "")
           + (f" (first {args.ac_blocks} of {margs.n_layers} blocks)" if args.ac_blocks is not None else "")
-          ) if args.ac else "off"
+          + (" (attention outputs kept)" if args.ac_keep_attn else "")) if args.ac else "off"
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "

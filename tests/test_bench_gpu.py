@@ -7,8 +7,8 @@ Pins:
   2-entry list (HF's loader refuses a mismatch, so the hf row passing shows it too), our trainer and
   HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
-  either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations and with the
-  planner's fewest --ac-blocks run too,
+  either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
+  --tiled-mlp --ac-keep-attn and with the planner's fewest --ac-blocks run too,
   and our rows carry the planner's total for their flags and peak / planned.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
@@ -57,8 +57,8 @@ def test_smoke_mode_writes_results(tmp_path):
     written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
-    assert list(rows) == ["ours", "hf", "liger", "ours+fit-ac", "ours+tiled+offload"], rows
-    for name in ("ours", "hf", "ours+fit-ac", "ours+tiled+offload"):
+    assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn"])
+    for name in ("ours", "hf", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -70,6 +70,7 @@ def test_smoke_mode_writes_results(tmp_path):
     # our rows carry the planner's total for their flags (train.py --plan's number) and the measured ratio
     mem = rows["ours+tiled+offload"]
     assert mem["flags"] == ["--tiled-mlp", "--offload-activations"] and rows["ours"]["flags"] == []
+    assert rows["ours+tiled+keep-attn"]["flags"] == ["--tiled-mlp", "--ac-keep-attn"], rows["ours+tiled+keep-attn"]
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     for r in (rows["ours"], mem):

@@ -372,3 +372,58 @@ def test_lora_grads_match_peft_on_transformers(ckpt3):
         assert theirs.keys() == ours.keys() and len(ours) == 14 * 3, f"{mem}: {len(ours)} LoRA parameters"
         for k in ours:
             torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"{mem}: grad {k}")
+
+
+def _attention_ops():
+    """A dispatch mode counting the attention kernel ops that really run (a cached one never reaches it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in str(func.overloadpacket):
+                self.n.append(str(func.overloadpacket).rsplit("_", 1)[-1])   # "cpu" (forward) or "backward"
+            return func(*args, **(kwargs or {}))
+    return Count()
+
+
+@pytest.mark.parametrize("mem", [dict(), dict(tiled_mlp=True), dict(ac_blocks=2)], ids=["ac", "tiled", "ac_blocks"])
+def test_ac_keep_attn_runs_attention_once(ckpt3, mem):
+    """--ac-keep-attn on 3 blocks (the trainer's kernel core, torch's CPU flash op): forward runs the attention op
+    3 times; backward runs its backward 3 times and its forward never (plain AC: 3 more forwards in the
+    recompute); the loss and every LoRA gradient equal no AC at all."""
+    from parallel.cp import KernelAttention
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw), attention=KernelAttention())
+        with _attention_ops() as ops:
+            s, n = model(ids, labels=ids)
+            forward, ops.n[:] = list(ops.n), []
+            (s / n).backward()
+        return s.detach(), _lora_grads(model), forward, ops.n
+
+    ref = run(ac=False)
+    plain = run(ac=True, **mem)
+    got = run(ac=True, ac_keep_attn=True, **mem)
+    recomputed = 3 if "ac_blocks" not in mem else 2
+    assert plain[2] == got[2] == ["cpu"] * 3, f"forward attention ops: plain {plain[2]}, kept {got[2]}"
+    assert sorted(plain[3]) == ["backward"] * 3 + ["cpu"] * recomputed, f"plain AC backward: {plain[3]}"
+    assert got[3] == ["backward"] * 3, f"--ac-keep-attn backward ran {got[3]}"
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
+
+
+def test_ac_keep_attn_refusals(ckpt):
+    from parallel.parallelize import build_model
+
+    for kw, msg in ((dict(ac=False), "--ac-keep-attn keeps the attention outputs of --ac's checkpoints: drop --no-ac"),
+                    (dict(ac=True, ac_group=2), "--ac-keep-attn with --ac-group 2"),
+                    (dict(ac=True, offload_activations=True), "--ac-keep-attn with --offload-activations")):
+        with pytest.raises(ValueError, match=msg):
+            build_model(_opts(ckpt, ac_keep_attn=True, **kw))

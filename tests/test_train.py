@@ -9,7 +9,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4; and `--tiled-mlp --offload-activations` on
   1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs), and `--ac-group 2` (both
   blocks recomputed as one group; with the tiled MLP on 1 rank and Ulysses) and `--ac-blocks 1` (block 1 not
-  checkpointed; on ring cp 2 × dp 2 with the tiled MLP and offload) likewise, train as the plain run
+  checkpointed; on ring cp 2 × dp 2 with the tiled MLP and offload) and `--ac-keep-attn` (1 rank; Ulysses
+  with the tiled MLP; ring with 2 documents per row and `--ac-blocks 1`) likewise, train as the plain run
   (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
   relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
@@ -54,6 +55,10 @@ FOUR_RANK = {   # out-dir name -> layout flags
     "group_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-group", "2"],
     "partial_ac_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-blocks", "1",
                                 "--tiled-mlp", "--offload-activations"],
+    "keep_attn_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--ac-keep-attn",
+                                  "--tiled-mlp"],
+    "keep_attn_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-keep-attn", "--micro-batch",
+                               "2", "--ac-blocks", "1"],
 }
 FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
@@ -132,6 +137,7 @@ def one(assets, tmp_path_factory):
         "mem": ["--tiled-mlp", "--offload-activations"],
         "group": ["--tiled-mlp", "--ac-group", "2"],
         "partial_ac": ["--ac-blocks", "1"],
+        "keep_attn": ["--ac-keep-attn"],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -237,6 +243,12 @@ def test_ac_group_changes_nothing_one_rank(one):
 @pytest.mark.timeout(300)
 def test_ac_blocks_changes_nothing_one_rank(one):
     _compare("--ac-blocks 1 (block 1 keeps its activations) vs AC on both (1 rank)", _at(one, "partial_ac"),
+             _at(one, "fp32"))
+
+
+@pytest.mark.timeout(300)
+def test_ac_keep_attn_changes_nothing_one_rank(one):
+    _compare("--ac-keep-attn (the recompute reuses attention outputs) vs plain AC (1 rank)", _at(one, "keep_attn"),
              _at(one, "fp32"))
 
 

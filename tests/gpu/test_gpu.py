@@ -339,3 +339,46 @@ def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
     assert got[1].keys() == ref[1].keys() and len(ref[1]) == 70
     for k in ref[1]:
         torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_ac_keep_attn_skips_the_kernel_in_backward(tmp_path, dtype):
+    """--ac-keep-attn on the device: the attention kernel op the backend picks (cuDNN / flash / efficient) is
+    in parallel.parallelize.ATTENTION_OPS, so backward runs none of its forwards; loss and LoRA grads equal
+    plain AC (which recomputes the same op on the same inputs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallel.cp import KernelAttention
+    from parallel.parallelize import ATTENTION_OPS, BuildOptions
+    from tests.helpers import build_nonzero_b, tiny_checkpoint
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=64, layers=3, vocab=256, inter=384)
+    ids = torch.randint(0, 256, (1, 1024), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+    def run(**kw):
+        model, _ = build_nonzero_b(BuildOptions(path, quant="none", dtype=dtype, lora_r=4, lora_alpha=8, seed=3,
+                                                ac=True, **kw), device=DEV, attention=KernelAttention())
+        with Ops() as ops:
+            s, n = model(ids, labels=ids)
+            forward, ops.names = ops.names, []
+            (s / n).backward()
+        torch.cuda.synchronize()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        kernels = lambda names: [o for o in names if o in ATTENTION_OPS]   # noqa: E731
+        return s.detach(), grads, kernels(forward), kernels(ops.names)
+
+    ref, got = run(), run(ac_keep_attn=True)
+    assert len(ref[2]) == 3 and ref[3] == ref[2], f"plain AC: forward {ref[2]}, recompute {ref[3]}"
+    assert got[2] == ref[2] and got[3] == [], f"--ac-keep-attn: forward {got[2]}, backward ran {got[3]}"
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-4, atol=1e-6, msg=k)
