@@ -195,6 +195,9 @@ def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, kee
         what = f"--ac-group {group}" if group > 1 else "--offload-activations"
         raise ValueError(f"--ac-keep-attn with {what}: that flag saves device memory, --ac-keep-attn spends it "
                          "(one attention output per checkpointed block) for speed; use one or the other")
+    if keep_attn and blocks == 0:
+        raise ValueError("--ac-keep-attn with --ac-blocks 0: no block is checkpointed, so no recompute to spare; "
+                         "raise --ac-blocks or drop --ac-keep-attn")
     if blocks is not None and blocks < 0:
         raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
     if blocks is not None and not ac:

@@ -11,7 +11,8 @@ Contract (the terms are parallel/plan.py's):
   memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
   validation refuses does not fit). Prints that plan; the last line is `max_len N`.
 - A plan that fits with AC on every block also names the fewest blocks `--ac-blocks` may checkpoint and
-  still fit in 95% of the device (less recompute: faster).
+  still fit in 95% of the device (less recompute: faster), and `--ac-keep-attn` (else with `--tiled-mlp`)
+  when it fits there (no attention in the recompute: faster).
 - `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
   `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, and when AC is on
   + --ac-group best_ac_group(L), + --offload-activations, each with and without --tiled-mlp) its longest
@@ -276,6 +277,23 @@ def main(argv, run_parser, demo: dict):
         n, q = fewer
         print(f"faster: --ac-blocks {n} also fits ({q.total / GB:.1f} GB): {n} of {margs.n_layers} blocks "
               "recomputed in backward, the rest keep their activations")
+    keep = keep_attn_fits(args, margs, dims, target, mem, host, pack)
+    if keep is not None:
+        print(f"faster: {keep[0]} also fits ({keep[1].total / GB:.1f} GB): the recompute reuses each block's "
+              "attention output instead of running attention again")
     if args.auto:
         print(f"max_len {args.max_len}")
     return p
+
+
+def keep_attn_fits(args, margs, dims, target, mem, host, pack):
+    """(flags, plan): --ac-keep-attn, else with --tiled-mlp, when it fits with SAFETY headroom and is not set."""
+    if not args.ac or args.ac_keep_attn or args.ac_group > 1 or args.offload_activations or args.ac_blocks == 0:
+        return None
+    for flags, kw in (("--ac-keep-attn", {}), ("--tiled-mlp --ac-keep-attn", dict(tiled_mlp=True))):
+        if kw and args.tiled_mlp:
+            continue
+        p = memory_plan(margs, dims, _with(args, ac_keep_attn=True, **kw), target, pack)
+        if _fits(p, SAFETY * mem, host):
+            return flags, p
+    return None

@@ -185,6 +185,21 @@ def test_plan_names_the_fewest_ac_blocks_that_fit():
         assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * 141e9) == fits, k
 
 
+@pytest.mark.parametrize("gpu, hint", [("141", "--ac-keep-attn"), ("30", "--tiled-mlp --ac-keep-attn")])
+def test_plan_names_ac_keep_attn_when_it_fits(gpu, hint):
+    """A plan that fits with plain AC names --ac-keep-attn (else with --tiled-mlp) when that fits in 95% of the
+    device: 32k Qwen2.5-7B fits it alone on 141 GB; on 30 GB only with the tiled MLP."""
+    from model.load import read_args
+
+    _, out = run_plan("--model", Q7, "--max-len", "32768", "--gpu-mem", gpu, "--dtype", "bf16", "--global-batch", "1")
+    assert f"faster: {hint} also fits" in out, out
+    base = ["--model", Q7, "--max-len", "32768", "--dtype", "bf16", "--global-batch", "1", "--ac-keep-attn"]
+    for flags, fits in (([], gpu == "141"), (["--tiled-mlp"], True)):
+        args = train.build_parser().parse_args(base + flags)
+        dims, pack = validate(args, read_args(Q7), 1)
+        assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * float(gpu) * 1e9) == fits, flags
+
+
 @pytest.mark.parametrize("mode", [["--max-len", "auto"], ["--suggest", "--max-len", "auto"],
                                   ["--suggest", "--max-len", "32768"]], ids=" ".join)
 def test_searches_refuse_bad_ac_blocks_first(mode):
@@ -240,7 +255,8 @@ SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--m
                  ["--lora-alpha", "0"], ["--lora-targets", "q_proj,nope"], ["--lora-dropout", "1"],
                  ["--timeout", "-1"], ["--ac-group", "0"], ["--ac-group", "3", "--offload-activations"],
                  ["--ac-blocks", "-1"], ["--ac-blocks", "1", "--no-ac"], ["--ac-blocks", "1", "--ac-group", "2"],
-                 ["--ac-blocks", "9"]]
+                 ["--ac-blocks", "9"], ["--ac-keep-attn", "--no-ac"], ["--ac-keep-attn", "--ac-group", "2"],
+                 ["--ac-keep-attn", "--offload-activations"], ["--ac-keep-attn", "--ac-blocks", "0"]]
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))
