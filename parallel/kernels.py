@@ -39,6 +39,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from parallel import backends, masks
 
@@ -205,8 +206,9 @@ def _torch_varlen_ok(q, k, window) -> bool:
         return False
     key = (q.device, q.dtype, q.shape[2], k.shape[2], q.shape[3], window is not None)
     if key not in _varlen_checked:
-        try:
-            err = backends.varlen_mismatch(q, k, window, _per_document)
+        try:   # outside dispatch modes: a selective-AC cache (--ac-keep-attn) must not queue the check's ops,
+            with _disable_current_modes():   # which its recompute would then hand to the real calls
+                err = backends.varlen_mismatch(q, k, window, _per_document)
         except (RuntimeError, TypeError) as e:   # an op or argument this torch does not have
             err = f"{type(e).__name__}: {str(e).strip()[:200]}"
         _varlen_checked[key] = err is None

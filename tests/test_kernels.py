@@ -262,10 +262,10 @@ def test_window_and_mask_refusals():
         kernels.forward(q, k, v, False, 1.0, mask=torch.ones(1, 8, 7, dtype=torch.bool))
 
 
-def _emulated_varlen(calls, ignore_docs=False):
+def _emulated_varlen(calls, ignore_docs=False, backend="reference"):
     """torch's flash varlen op pair (CUDA only) emulated on CPU with its calling convention: q [N, H, D],
     int32 cu offsets, lse [H, N], window (left, right 0). Per document through the float64-exact reference
-    backend, or (`ignore_docs`) over all N tokens: a wrong op the one-time check must catch."""
+    backend (or `backend`), or (`ignore_docs`) over all N tokens: a wrong op the one-time check must catch."""
     from parallel import masks
 
     def spans(cu, n):
@@ -283,7 +283,7 @@ def _emulated_varlen(calls, ignore_docs=False):
         outs, lses = [], []
         for a, b in spans(cu, q.shape[0]):
             m = keep(b - a, window_size_left)
-            o, lse = kernels.forward(q[None, a:b], k[None, a:b], v[None, a:b], m is None, scale, "reference", m)
+            o, lse = kernels.forward(q[None, a:b], k[None, a:b], v[None, a:b], m is None, scale, backend, m)
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, -1), torch.zeros(2), torch.zeros(()), None
@@ -294,7 +294,7 @@ def _emulated_varlen(calls, ignore_docs=False):
         for a, b in spans(cu, q.shape[0]):
             m = keep(b - a, window_size_left)
             grads.append(kernels.backward(dout[None, a:b], q[None, a:b], k[None, a:b], v[None, a:b],
-                                          out[None, a:b], lse[None, :, a:b], m is None, scale, "reference", m))
+                                          out[None, a:b], lse[None, :, a:b], m is None, scale, backend, m))
         return tuple(torch.cat([g[i][0] for g in grads]) for i in range(3))
     return {"forward": fwd, "backward": bwd}
 

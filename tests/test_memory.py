@@ -427,3 +427,35 @@ def test_ac_keep_attn_refusals(ckpt):
                     (dict(ac=True, offload_activations=True), "--ac-keep-attn with --offload-activations")):
         with pytest.raises(ValueError, match=msg):
             build_model(_opts(ckpt, ac_keep_attn=True, **kw))
+
+
+def test_ac_keep_attn_with_packed_rows_and_the_varlen_check(ckpt3, monkeypatch):
+    """Packed rows (2 documents per row) on the varlen path (torch's CUDA op emulated on CPU through the CPU flash
+    op, which --ac-keep-attn caches): the op's one-time check runs inside block 0's first checkpointed forward
+    but not in its recompute, so its calls must stay out of the selective-AC cache (else the recompute would be
+    handed the check's outputs); loss and LoRA grads equal no AC."""
+    from parallel import backends, kernels
+    from parallel.cp import KernelAttention
+    from tests.test_kernels import _emulated_varlen
+
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(17), torch.arange(23)]).expand(2, 40)
+    calls = []
+
+    def run(**kw):
+        monkeypatch.setattr(kernels, "_varlen_checked", {})   # the check runs in this build's first forward
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw), attention=KernelAttention())
+        s, n = model(ids, position_ids=pos, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model)
+
+    monkeypatch.setattr(kernels, "_varlen_eligible", lambda q: True)
+    monkeypatch.setattr(backends, "VARLEN_OPS", _emulated_varlen(calls, backend="cpu"))
+    ref = run(ac=False)
+    got = run(ac=True, ac_keep_attn=True)
+    # the check once per build; the op 3 times (no AC), then 3 + 3 (the emulation is Python, so the recompute
+    # calls it again, but the CPU flash op inside it is served from the cache)
+    assert calls.count([0, 100, 256]) == 2 and calls.count([0, 17, 40, 57, 80]) == 9, calls
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
