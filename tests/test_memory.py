@@ -11,7 +11,13 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
   single-process untiled model's loss and LoRA gradients on every rank; so does --ac-group 2 (3 blocks), whose
   group recompute makes no more all-gathers than plain AC (FSDP2 keeps recomputed blocks unsharded);
 - --ac-group G on 5 blocks keeps only the group inputs, recomputes in the expected order and equals no AC;
-- --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC.
+- --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC;
+- apply_norm_rebuild: no block norm output outlives the forward (but layer 0's first), and the loss and LoRA
+  grads equal the model without the step bit for bit (no AC, tiled, AC, --ac-group, dropout); LoRA grads
+  equal peft's on the transformers model of the same checkpoint (no AC; AC + tiled MLP);
+- --ac-keep-attn: backward runs no attention forward (plain AC: one per recomputed block), equals no AC
+  (with the tiled MLP, --ac-blocks, and packed rows on the emulated varlen op whose one-time check must stay
+  out of the cache); its misuses are refused.
 
 Run: .venv/bin/python -m pytest -q tests/test_memory.py
 """
