@@ -9,7 +9,8 @@ Contract:
   per parameter, as for the untiled MLP). No [tokens, intermediate] tensor outlives one tile.
   Tile rule (`tile=None`): tokens per tile = the hidden size D. A tile's [tile, F] intermediates then have
   the size of one MLP weight [F, D], whatever the sequence length; at T ≤ D tokens the MLP runs untiled.
-  Per token the math is the untiled MLP's; only the parameter gradients are summed in another order.
+  Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. With
+  LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
 - `HostOffload` (used by `parallelize.apply_ac`): saved_tensors_hooks placed around a block's non-reentrant
   checkpoint call, so they see only what the checkpoint itself saves, its inputs (everything the block
   saves inside goes through the checkpoint's own hooks). Activation-sized inputs (at least the block input's
@@ -19,11 +20,12 @@ Contract:
   block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
 - `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and on gate/up saves its input for the A gradient, which
   is a block RMSNorm's output; so does the tiled MLP. The norm saves its own input for its backward, so they
-  keep that input instead and rebuild the output in backward by calling the same norm forward (row chunks of
-  D tokens: the same call per token, bounded float32 temporaries): T·D fewer saved elements per norm. The
-  three q/k/v LoRA A backwards share one rebuild, dropped after the last. Steps aside (the old path) where
-  peft hands LoRA A another tensor (dropout, a dtype cast) and at layer 0's first norm, whose input needs no
-  grad and is not saved by the norm. Exactly the same numbers (tests compare bit for bit on CPU).
+  keep that input instead and rebuild the output in backward by calling the same norm forward (row chunks
+  of min(D, 2^24 / D) tokens: the same call per token, bounded float32 temporaries): T·D fewer saved
+  elements per norm. The three q/k/v LoRA A backwards share one rebuild, dropped after the last. Steps
+  aside (the old path) where peft hands LoRA A another tensor (dropout, a dtype cast) and at layer 0's
+  first norm, whose input needs no grad and is not saved by the norm. The same numbers: bit for bit on CPU
+  (tested); on CUDA a chunk's reduction may round the last bit differently from the whole tensor's.
 - `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
   tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
   recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
@@ -64,9 +66,11 @@ def tile_tokens(dim: int, tile: int | None) -> int:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, tile, norm, saved, x, *params):
-        # norm: None (`saved` is x) or the block norm that makes x from `saved`, rebuilt tile by tile
+    def forward(ctx, forward, tile, norm, rng, saved, x, *params):
+        # norm: None (`saved` is x) or the block norm that makes x from `saved`, rebuilt tile by tile;
+        # rng: the MLP draws random numbers (LoRA dropout), so backward replays the tiles from this state
         ctx.forward, ctx.tile, ctx.params, ctx.norm = forward, tile, params, norm
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None) if rng else None
         ctx.save_for_backward(saved)
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
         if recomputing():   # the checkpoint stops at our saved input; the output is never read
@@ -85,37 +89,47 @@ class _TiledMLP(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         params = ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-        dx = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[5] else None
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
-        for i in range(0, flat.shape[0], ctx.tile):
-            xt = flat[i:i + ctx.tile].detach()
-            if ctx.norm is not None:   # per token the same call as in forward
-                with torch.no_grad():
-                    xt = ctx.norm(xt)
-            xt.requires_grad_(dx is not None)
-            with torch.enable_grad():
-                y = ctx.forward(xt)
-            wrt = ([xt] if dx is not None else []) + list(params)
-            grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)
-            if dx is not None:
-                dx[i:i + ctx.tile] = grads[0]
-                grads = grads[1:]
-            for j, g in enumerate(grads):
-                if g is not None:
-                    acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None):
+            if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order
+                torch.set_rng_state(ctx.rng[0])
+                if ctx.rng[1] is not None:
+                    torch.cuda.set_rng_state(ctx.rng[1], x.device)
+            _tiles_backward(ctx, flat, dflat, dx, acc, params)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+        return (None, None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+
+
+def _tiles_backward(ctx, flat, dflat, dx, acc, params):
+    for i in range(0, flat.shape[0], ctx.tile):
+        xt = flat[i:i + ctx.tile].detach()
+        if ctx.norm is not None:   # per token the same call as in forward
+            with torch.no_grad():
+                xt = ctx.norm(xt)
+        xt.requires_grad_(dx is not None)
+        with torch.enable_grad():
+            y = ctx.forward(xt)
+        wrt = ([xt] if dx is not None else []) + list(params)
+        grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)
+        if dx is not None:
+            dx[i:i + ctx.tile] = grads[0]
+            grads = grads[1:]
+        for j, g in enumerate(grads):
+            if g is not None:
+                acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
 
 
 def _tiled(mlp: nn.Module, tile: int | None):
     forward = mlp.forward   # the module's own forward: calling it skips __call__ (no recursion)
+    rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mlp.modules())
 
     def run(x):
         # the trainable parameters are inputs, so the output requires grad and autograd receives their
         # gradients; read per call, since FSDP2 swaps the parameter objects between sharded and unsharded
         params = [p for p in mlp.parameters() if p.requires_grad]
         src = getattr(x, "_norm_output", None)   # (how to rebuild x, the norm's input): save that instead
-        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), src and src[0].forward,
+        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), src and src[0].forward, rng,
                                x if src is None else src[1], x, *params)
     return run
 
@@ -139,7 +153,8 @@ class _NormOutput:
     def get(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
         if self.y is None:
-            flat, rows = x.reshape(-1, x.shape[-1]), tile_tokens(x.shape[-1], None)   # bounded fp32 temporaries
+            flat, d = x.reshape(-1, x.shape[-1]), x.shape[-1]
+            rows = min(d, max(1, 2**24 // d))   # row chunks: the norm's fp32 temporaries stay ~3 x 64 MB
             self.y = torch.empty(flat.shape, dtype=self.dtype, device=x.device)
             with torch.no_grad():
                 for i in range(0, flat.shape[0], rows):

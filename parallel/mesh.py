@@ -177,6 +177,9 @@ def check_flags(args) -> None:
             raise ValueError(f"{flag} must be >= 0, got {v}")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
              getattr(args, "ac_blocks", None), getattr(args, "ac_keep_attn", False))
+    if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():
+        raise ValueError(f"--ac-keep-attn with --compile: torch {torch.__version__}'s selective-checkpoint cache "
+                         "stops torch.compile inside it (every block would run eager); use one or the other")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.steps is not None and args.steps < 1:
@@ -184,6 +187,13 @@ def check_flags(args) -> None:
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
     if bad or not args.lora_targets:
         raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")
+
+
+def _sac_lets_compile() -> bool:
+    """torch's selective-checkpoint dispatch modes tell dynamo to trace through them (newer torch does)."""
+    from torch.utils import checkpoint as c
+    return all(getattr(getattr(c, m, None), "ignore_compile_internals", lambda: False)()
+               for m in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
 
 
 def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False) -> None:

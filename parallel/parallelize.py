@@ -113,9 +113,14 @@ ATTENTION_OPS = frozenset({
     "aten._flash_attention_forward", "flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward"})
 
 
+_KEEP: dict = {}   # op -> policy: the policy runs for every op of every checkpointed block
+
+
 def _keep_attention(ctx, op, *args, **kwargs):
-    keep = str(getattr(op, "overloadpacket", op)) in ATTENTION_OPS
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in _KEEP:
+        keep = str(getattr(op, "overloadpacket", op)) in ATTENTION_OPS
+        _KEEP[op] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return _KEEP[op]
 
 
 def _keep_attn_contexts():   # a fresh cache per checkpoint call; the recompute reads it, with the flag set

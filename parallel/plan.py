@@ -46,7 +46,8 @@ Persistent all step:
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
    --ac-keep-attn: each checkpointed block also keeps its attention kernel's out and lse (eT·H·hd + 4TH; R
-   times under ring, one per ring step; the recompute takes them, so they are not counted twice there).
+   times under ring, one per ring step); the block being recomputed takes its own over, so the block phase
+   (6) counts them once: its recompute term is that much smaller.
    --ac-group G: ceil(L/G) group inputs are kept; a group's backward recomputes it up to its last block
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
@@ -201,8 +202,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
-    if N and not K:   # less the block input: counted above, and the first norm saves it without a copy
-        t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D
+    if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
+        # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
+        kept = R * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
+        t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D - kept
     if G > 1:
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
     if tiled:

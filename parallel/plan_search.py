@@ -67,14 +67,16 @@ def _groups(args, margs):
 
 def _fixes(args, margs, world, target, mem, host):
     """Single changes that make the plan fit, as flag strings with their totals."""
-    gs = _groups(args, margs)
-    groups = [(f"--ac-group {g}", dict(ac_group=g), True) for g in gs]
-    tiled_groups = [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g), not args.tiled_mlp) for g in gs]
+    gs, off = _groups(args, margs), " (no --ac-keep-attn)" * args.ac_keep_attn
+    nk = dict(ac_keep_attn=False)   # --ac-group and offload refuse --ac-keep-attn: their fixes drop it
+    groups = [(f"--ac-group {g}{off}", dict(ac_group=g, **nk), True) for g in gs]
+    tiled_groups = [(f"--tiled-mlp --ac-group {g}{off}", dict(tiled_mlp=True, ac_group=g, **nk), not args.tiled_mlp)
+                    for g in gs]
     tries = [(f, _with(args, **kw), world) for f, kw, ok in (
         ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
         ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp), *groups, *tiled_groups,
-        ("--offload-activations", dict(offload_activations=True), args.ac and not args.offload_activations),
-        ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True),
+        (f"--offload-activations{off}", dict(offload_activations=True, **nk), args.ac and not args.offload_activations),
+        (f"--tiled-mlp --offload-activations{off}", dict(tiled_mlp=True, offload_activations=True, **nk),
          args.ac and not (args.tiled_mlp or args.offload_activations)),
         ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
         ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
@@ -171,7 +173,7 @@ def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):
     within 2% of measured peaks; a run near the limit should not hinge on it), when fewer than all do."""
     if not args.ac or args.ac_group > 1 or args.ac_blocks is not None:
         return None
-    for n in range(1 if args.offload_activations else 0, margs.n_layers):
+    for n in range(1 if args.offload_activations or args.ac_keep_attn else 0, margs.n_layers):
         p = memory_plan(margs, dims, _with(args, ac_blocks=n), target, pack)
         if _fits(p, SAFETY * mem, host):
             return n, p
@@ -290,9 +292,7 @@ def keep_attn_fits(args, margs, dims, target, mem, host, pack):
     """(flags, plan): --ac-keep-attn, else with --tiled-mlp, when it fits with SAFETY headroom and is not set."""
     if not args.ac or args.ac_keep_attn or args.ac_group > 1 or args.offload_activations or args.ac_blocks == 0:
         return None
-    for flags, kw in (("--ac-keep-attn", {}), ("--tiled-mlp --ac-keep-attn", dict(tiled_mlp=True))):
-        if kw and args.tiled_mlp:
-            continue
+    for flags, kw in (("--ac-keep-attn", {}), ("--tiled-mlp --ac-keep-attn", {"tiled_mlp": True}))[:2 - args.tiled_mlp]:
         p = memory_plan(margs, dims, _with(args, ac_keep_attn=True, **kw), target, pack)
         if _fits(p, SAFETY * mem, host):
             return flags, p

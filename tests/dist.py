@@ -97,10 +97,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
                     for r in dead:
                         errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
                     continue
-                if ok:
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
+                if not ok:
                     errors[rank] = payload
+                    continue
+                try:   # CUDA tensors come back on the CPU: this process may hold no CUDA context
+                    results[rank] = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+                except Exception:  # noqa: BLE001 - an unreadable result is that rank's failure
+                    errors[rank] = f"rank {rank}'s result could not be read back:\n{traceback.format_exc()}"
         finally:
             for p in procs:
                 p.join(timeout=5)

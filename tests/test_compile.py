@@ -89,3 +89,32 @@ def _two_ranks(rank, world_size, path):
 @pytest.mark.timeout(600)
 def test_compile_fsdp_ring_two_ranks_equals_one_process(ckpt):
     assert run_ranks(_two_ranks, 2, ckpt, timeout=560, pg_timeout=300) == [True, True]
+
+
+@pytest.mark.timeout(600)
+def test_compile_with_ac_keep_attn_compiles_and_equals_eager(ckpt, monkeypatch):
+    """--compile --ac-keep-attn: the compiled pieces still compile inside the selective-checkpoint cache (dynamo
+    builds graphs) and the loss and LoRA grads equal eager plain AC; a torch whose cache would stop compilation
+    refuses the pair up front (checked by pretending to be one)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.utils import checkpoint as c
+
+    import train
+    from parallel.cp import KernelAttention
+
+    batch = _batch()
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt), attention=KernelAttention())[0], *batch)
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, ac_keep_attn=True), attention=KernelAttention())
+    loss, grads = _step(model, *batch)
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
+    monkeypatch.setattr(c._CachingTorchDispatchMode, "ignore_compile_internals", classmethod(lambda cls: False))
+    args = train.build_parser().parse_args(["--compile", "--ac-keep-attn"])
+    from parallel.mesh import check_flags
+    with pytest.raises(ValueError, match="--ac-keep-attn with --compile"):
+        check_flags(args)

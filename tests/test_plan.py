@@ -200,6 +200,19 @@ def test_plan_names_ac_keep_attn_when_it_fits(gpu, hint):
         assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * float(gpu) * 1e9) == fits, flags
 
 
+def test_plan_with_ac_keep_attn_suggests_only_what_the_run_accepts():
+    """With --ac-keep-attn the fewest --ac-blocks is at least 1 (0 is refused with it), and the memory fixes that
+    refuse it (--ac-group, offload) are offered with it dropped, each one a configuration the run accepts."""
+    _, out = run_plan("--model", Q7, "--max-len", "32768", "--gpu-mem", "80", "--ac-keep-attn", "--global-batch", "1")
+    n = int(re.search(r"faster: --ac-blocks (\d+) also fits", out).group(1))
+    assert n >= 1, out
+    with pytest.raises(SystemExit) as e:
+        run_plan("--model", Q7, "--max-len", "131072", "--gpu-mem", "80", "--ac-keep-attn", "--global-batch", "1")
+    assert "--ac-group 2 (no --ac-keep-attn)" in str(e.value) and "no --ac-keep-attn (" in str(e.value), e.value
+    _, out = run_plan("--model", Q7, "--max-len", "131072", "--gpu-mem", "80", "--ac-group", "2", "--global-batch", "1")
+    assert "fits: " in out, out
+
+
 @pytest.mark.parametrize("mode", [["--max-len", "auto"], ["--suggest", "--max-len", "auto"],
                                   ["--suggest", "--max-len", "32768"]], ids=" ".join)
 def test_searches_refuse_bad_ac_blocks_first(mode):

@@ -13,7 +13,8 @@ folder, `make test-gpu` does):
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
-  against plain AC;
+  against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
+  same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets.
 
@@ -382,3 +383,29 @@ def test_cuda_ac_keep_attn_skips_the_kernel_in_backward(tmp_path, dtype):
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     for k in ref[1]:
         torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp"]], ids=["ac", "tiled"])
+def test_cuda_norm_rebuild_trains_like_keeping_the_outputs(tmp_path, monkeypatch, flags):
+    """The trainer's path for parallel.memory.apply_norm_rebuild (FSDP2 mixed precision: LoRA A in bf16, handed the
+    norm's output itself; NF4 base): 3 steps with it and with the step replaced by a no-op log the same losses and
+    grad norms (bf16: the rebuilt chunks may round a last bit differently from the whole tensor)."""
+    import parallel.parallelize as pz
+    import train
+
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+
+    def run(name):
+        out = tmp_path / name
+        train.main(["--steps", "3", "--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
+        return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    got = run("rebuild")
+    with monkeypatch.context() as m:
+        m.setattr(pz, "apply_norm_rebuild", lambda model: None)
+        ref = run("keep")
+    for g, r in zip(got, ref, strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=2e-3), (g, r)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-2), (g, r)
