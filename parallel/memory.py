@@ -75,13 +75,8 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
         if recomputing():   # the checkpoint stops at our saved input; the output is never read
             return x.new_empty(x.shape)
-        out = None
         with torch.no_grad():
-            for i in range(0, flat.shape[0], tile):
-                y = forward(flat[i:i + tile])                               # [tile, D]
-                if out is None:
-                    out = y.new_empty(flat.shape[0], y.shape[-1])
-                out[i:i + tile] = y
+            out = _by_rows(forward, flat, tile)                             # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -99,6 +94,17 @@ class _TiledMLP(torch.autograd.Function):
             _tiles_backward(ctx, flat, dflat, dx, acc, params)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
         return (None, None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+
+
+def _by_rows(fn, flat, rows):
+    """fn over row chunks of a [N, D] tensor, written into one [N, D'] output."""
+    out = None
+    for i in range(0, flat.shape[0], rows):
+        y = fn(flat[i:i + rows])
+        if out is None:
+            out = y.new_empty(flat.shape[0], y.shape[-1])
+        out[i:i + rows] = y
+    return out
 
 
 def _tiles_backward(ctx, flat, dflat, dx, acc, params):
@@ -147,18 +153,15 @@ class _NormOutput:
     """Rebuilds one block norm's output in backward, once for the LoRA A layers it feeds. Holds no tensor
     from forward: what it held would outlive the block's checkpoint."""
 
-    def __init__(self, forward, dtype):
-        self.forward, self.dtype, self.users, self.y = forward, dtype, 0, None
+    def __init__(self, forward):
+        self.forward, self.users, self.y = forward, 0, None
 
     def get(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
         if self.y is None:
-            flat, d = x.reshape(-1, x.shape[-1]), x.shape[-1]
-            rows = min(d, max(1, 2**24 // d))   # row chunks: the norm's fp32 temporaries stay ~3 x 64 MB
-            self.y = torch.empty(flat.shape, dtype=self.dtype, device=x.device)
-            with torch.no_grad():
-                for i in range(0, flat.shape[0], rows):
-                    self.y[i:i + rows] = self.forward(flat[i:i + rows])
+            d = x.shape[-1]
+            with torch.no_grad():   # row chunks: the norm's fp32 temporaries stay ~3 x 64 MB
+                self.y = _by_rows(self.forward, x.reshape(-1, d), min(d, max(1, 2**24 // d)))
         y, self.users = self.y.view_as(x), self.users - 1
         if self.users == 0:
             self.y = None
@@ -186,7 +189,7 @@ def _tagging(forward):
     def run(x):
         y = forward(x)
         if torch.is_grad_enabled() and y.requires_grad:   # for the consumers: how to rebuild y, from what
-            y._norm_output = (_NormOutput(forward, y.dtype), x)
+            y._norm_output = (_NormOutput(forward), x)
         return y
     run.norm_forward = forward   # the norm's own (possibly compiled) forward, for tests
     return run
