@@ -29,31 +29,54 @@ from model.attention import SDPAAttention
 from model.config import ModelArgs, inv_freq
 
 
+NORM_CHUNK = 2**26   # elements of x per row chunk in eager RMSNorm: float32 temporaries of at most 256 MB
+
+
+def _norm_rows(x: torch.Tensor) -> int:
+    """Rows per chunk: all of them under torch.compile (fused, no temporaries) or when they fit one chunk."""
+    d, n = x.shape[-1], x.numel() // max(1, x.shape[-1])
+    return n if torch.compiler.is_compiling() else max(1, min(n, NORM_CHUNK // d))
+
+
 class _RMSNormFn(torch.autograd.Function):
     """transformers' RMSNorm, saving its input (compute dtype) and rsqrt [..., 1] instead of the float32
-    upcast autograd would keep (2x the input at bf16); backward re-derives the upcast from the input."""
+    upcast autograd would keep (2x the input at bf16); backward re-derives the upcast from the input.
+    Eager mode runs both directions over row chunks of NORM_CHUNK elements: per row the same float32 math,
+    but the float32 temporaries (x upcast, its square, the products: ~5 of x's size in float32 in backward)
+    never exceed a chunk's, which at 512k tokens x 3584 would be 7.5 GB each."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # Normalise in float32 like transformers, then cast back before the weight multiply.
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = (xf * rstd).to(x.dtype)
+        flat, rows = x.reshape(-1, x.shape[-1]), _norm_rows(x)
+        rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        out = None
+        for i in range(0, max(1, flat.shape[0]), rows):   # one pass even over no rows: out gets its dtype
+            # Normalise in float32 like transformers, then cast back before the weight multiply.
+            xf = flat[i:i + rows].float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = weight * (xf * r).to(x.dtype)
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])
+            out[i:i + rows], rstd[i:i + rows] = y, r
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight, rstd)
-        return weight * y
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
-        xf = x.float()
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (g * (xf * rstd).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
-        dn = (g * weight).float()                                  # d(normalized), as the cast passes it
-        # n = x·r, r = (mean(x²) + eps)^-1/2:  dx = r·dn - r³·x·mean(dn·x)
-        dx = (rstd * dn - rstd.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)).to(x.dtype)
-        return dx, dw, None
+        flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(flat.shape[-1], dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        for i in range(0, flat.shape[0], rows):
+            xf, r, gc = flat[i:i + rows].float(), rstd[i:i + rows], gflat[i:i + rows]
+            if dw is not None:
+                dw += (gc * (xf * r).to(x.dtype)).sum(0, dtype=torch.float32)
+            if dx is not None:
+                dn = (gc * weight).float()                         # d(normalized), as the cast passes it
+                # n = x·r, r = (mean(x²) + eps)^-1/2:  dx = r·dn - r³·x·mean(dn·x)
+                dx[i:i + rows] = r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)
+        return (None if dx is None else dx.view(x.shape)), (None if dw is None else dw.to(weight.dtype)), None
 
 
 class RMSNorm(nn.Module):

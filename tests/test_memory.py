@@ -17,13 +17,19 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
   equal peft's on the transformers model of the same checkpoint (no AC; AC + tiled MLP);
 - --ac-keep-attn: backward runs no attention forward (plain AC: one per recomputed block), equals no AC
   (with the tiled MLP, --ac-blocks, and packed rows on the emulated varlen op whose one-time check must stay
-  out of the cache); its misuses are refused.
+  out of the cache); its misuses are refused;
+- the eager RMSNorm (model.llama, row chunks) holds, at bf16, its output plus one chunk of float32 temporaries
+  in forward and the input gradient plus one chunk in backward (RSS high-water mark in a child process; the
+  whole-tensor float32 math held ~5x and ~10x the input).
 
 Run: .venv/bin/python -m pytest -q tests/test_memory.py
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -498,3 +504,39 @@ def test_ac_keep_attn_with_packed_rows_and_the_varlen_check(ckpt3, monkeypatch):
     torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
     for n in ref[1]:
         torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
+
+
+_NORM_PEAK = """
+import sys, torch
+torch.set_num_threads(1)
+import model.llama as llama
+llama.NORM_CHUNK = 2**20          # float32 chunk temporaries of 4 MB against a 134 MB input
+def hwm():
+    return {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in open("/proc/self/status"))
+            if k in ("VmRSS", "VmHWM")}
+def reset():
+    open("/proc/self/clear_refs", "w").write("5")
+    return hwm()["VmRSS"]
+x = torch.randn(65536, 1024, dtype=torch.bfloat16).requires_grad_()
+w, g = torch.rand(1024, dtype=torch.bfloat16) + 0.5, torch.randn(65536, 1024, dtype=torch.bfloat16)
+base = reset()
+y = llama.RMSNorm(1024, 1e-6).to(torch.bfloat16)(x)
+fwd = hwm()["VmHWM"] - base
+base = reset()
+y.backward(g)
+print(fwd / (2 * x.numel()), (hwm()["VmHWM"] - base) / (2 * x.numel()))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
+def test_rmsnorm_float32_temporaries_stay_within_a_chunk():
+    """u = the bf16 input's bytes (134 MB); a chunk's float32 temporaries are 4 MB (0.03 u) each. Forward
+    keeps the output (u) and the fp32 rstd; backward allocates the input gradient (u). The whole-tensor math
+    peaked at 5.0 u and 10.1 u (measured before the chunks)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _NORM_PEAK], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    fwd, bwd = map(float, out.stdout.split())
+    assert fwd < 2 and bwd < 2, (fwd, bwd)

@@ -11,6 +11,9 @@ Also a single-file checkpoint (model.safetensors without an index), and sliding 
 than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwen with the window
 switched off) give transformers' logits within 1e-5, whole rows and packed ones.
 
+The eager RMSNorm over row chunks (uneven, several; model.llama.NORM_CHUNK made small) gives transformers'
+Qwen2RMSNorm output bit for bit in float32 and bfloat16, and its autograd input and weight gradients.
+
 Run: .venv/bin/python -m pytest -q tests/test_model.py
 """
 
@@ -189,3 +192,29 @@ def test_single_file_checkpoint(tmp_path):
     ids = torch.randint(0, 96, (1, 24))
     with torch.no_grad():
         assert rel(ours(ids), hf(input_ids=ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 64 * 7])
+def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    import model.llama as llama
+
+    if chunk:
+        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # 7 rows a chunk: 43 chunks, the last of 2 rows
+    torch.manual_seed(0)
+    x = (torch.randn(3, 100, 64) * 3).to(dtype)
+    g = torch.randn(3, 100, 64).to(dtype)
+    ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), llama.RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(64) + 0.5)
+        ours.weight.copy_(ref.weight)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((ref, ours), xs)]
+    assert torch.equal(ys[0], ys[1])
+    for y in ys:
+        y.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
+    assert rel(ours.weight.grad.float(), ref.weight.grad.float()) < tol
