@@ -54,12 +54,12 @@ class _RMSNormFn(torch.autograd.Function):
             xf = flat[i:i + rows].float()
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             y = weight * (xf * r).to(x.dtype)
-            if out is None:
-                out = y.new_empty(flat.shape[0], y.shape[-1])
-            out[i:i + rows], rstd[i:i + rows] = y, r
+            if out is None:   # x's shape, not a view of a [N, D] buffer: autograd treats a returned view apart
+                out = y.new_empty(x.shape)
+            out.view(-1, out.shape[-1])[i:i + rows], rstd[i:i + rows] = y, r
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight, rstd)
-        return out.view(x.shape)
+        return out
 
     @staticmethod
     def backward(ctx, g):
