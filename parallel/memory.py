@@ -5,12 +5,14 @@ Contract:
   included) run over tiles of the flattened tokens. Forward: each tile under no_grad, written into one
   [tokens, D] output. Backward: each tile is recomputed with grad and differentiated at once, its input
   gradient written into one [tokens, D] buffer and the trainable parameters' gradients summed over tiles
-  in float32, then returned through autograd (so AccumulateGrad and FSDP2's post-backward see one gradient
-  per parameter, as for the untiled MLP). No [tokens, intermediate] tensor outlives one tile.
-  Tile rule (`tile=None`): tokens per tile = the hidden size D. A tile's [tile, F] intermediates then have
-  the size of one MLP weight [F, D], whatever the sequence length; at T ≤ D tokens the MLP runs untiled.
+  in float32, returned through autograd (AccumulateGrad and FSDP2 see one gradient per parameter). No
+  [tokens, intermediate] tensor outlives one tile. Tile rule (`tile=None`): tokens per tile = the hidden
+  size D, so a tile's [tile, F] intermediates have the size of one MLP weight [F, D] at any length.
   Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
+  Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and
+  run norm + MLP: h is the one saved tensor and gets the gradient (so do the norm's trainable parameters),
+  and the norm's own backward over all tokens (a [T, D] gradient, float32 temporaries) never runs.
 - `HostOffload` (used by `parallelize.apply_ac`): saved_tensors_hooks placed around a block's non-reentrant
   checkpoint call, so they see only what the checkpoint itself saves, its inputs (everything the block
   saves inside goes through the checkpoint's own hooks). Activation-sized inputs (at least the block input's
@@ -18,14 +20,12 @@ Contract:
   stream, the compute stream not waiting for it; on CPU as a host-to-host copy, so the same path is tested.
   In backward, unpacking block i's input fetches it (already in flight if prefetched) and starts fetching
   block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
-- `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and on gate/up saves its input for the A gradient, which
-  is a block RMSNorm's output; so does the tiled MLP. The norm saves its own input for its backward, so they
-  keep that input instead and rebuild the output in backward by calling the same norm forward (row chunks
-  of min(D, 2^24 / D) tokens: the same call per token, bounded float32 temporaries): T·D fewer saved
-  elements per norm. The three q/k/v LoRA A backwards share one rebuild, dropped after the last. Steps
-  aside (the old path) where peft hands LoRA A another tensor (dropout, a dtype cast) and at layer 0's
-  first norm, whose input needs no grad and is not saved by the norm. The same numbers: bit for bit on CPU
-  (tested); on CUDA a chunk's reduction may round the last bit differently from the whole tensor's.
+- `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and gate/up saves its input for the A gradient, a block
+  RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
+  backward with the same norm call (row chunks of min(D, 2^24 / D) tokens): T·D fewer saved elements per
+  norm; q/k/v share one rebuild, dropped after the last. It steps aside where peft hands LoRA A another
+  tensor (dropout, a dtype cast) and at layer 0's first norm (its input needs no grad, so the norm saves
+  nothing). The same numbers: bit for bit on CPU (tested); on CUDA a chunk may round the last bit apart.
 - `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
   tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
   recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
@@ -66,25 +66,24 @@ def tile_tokens(dim: int, tile: int | None) -> int:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, tile, norm, rng, saved, x, *params):
-        # norm: None (`saved` is x) or the block norm that makes x from `saved`, rebuilt tile by tile;
-        # rng: the MLP draws random numbers (LoRA dropout), so backward replays the tiles from this state
-        ctx.forward, ctx.tile, ctx.params, ctx.norm = forward, tile, params, norm
+    def forward(ctx, fn, tile, rng, x, *params):
+        # fn: a tile's rows -> its MLP output (the block norm first, when x is that norm's input);
+        # rng: fn draws random numbers (LoRA dropout), so backward replays the tiles from this state
+        ctx.fn, ctx.tile, ctx.params = fn, tile, params
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None) if rng else None
-        ctx.save_for_backward(saved)
+        ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
         if recomputing():   # the checkpoint stops at our saved input; the output is never read
             return x.new_empty(x.shape)
         with torch.no_grad():
-            out = _by_rows(forward, flat, tile)                             # [N, D], tile by tile
+            out = _by_rows(fn, flat, tile)                                  # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
-        (x,) = ctx.saved_tensors
-        params = ctx.params
+        (x,), params = ctx.saved_tensors, ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-        dx = torch.empty_like(flat) if ctx.needs_input_grad[5] else None
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[3] else None
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None):
             if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order
@@ -93,7 +92,7 @@ class _TiledMLP(torch.autograd.Function):
                     torch.cuda.set_rng_state(ctx.rng[1], x.device)
             _tiles_backward(ctx, flat, dflat, dx, acc, params)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+        return (None, None, None, None if dx is None else dx.view_as(x), *pgrads)
 
 
 def _by_rows(fn, flat, rows):
@@ -109,18 +108,13 @@ def _by_rows(fn, flat, rows):
 
 def _tiles_backward(ctx, flat, dflat, dx, acc, params):
     for i in range(0, flat.shape[0], ctx.tile):
-        xt = flat[i:i + ctx.tile].detach()
-        if ctx.norm is not None:   # per token the same call as in forward
-            with torch.no_grad():
-                xt = ctx.norm(xt)
-        xt.requires_grad_(dx is not None)
+        xt = flat[i:i + ctx.tile].detach().requires_grad_(dx is not None)
         with torch.enable_grad():
-            y = ctx.forward(xt)
+            y = ctx.fn(xt)
         wrt = ([xt] if dx is not None else []) + list(params)
         grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)
         if dx is not None:
-            dx[i:i + ctx.tile] = grads[0]
-            grads = grads[1:]
+            dx[i:i + ctx.tile], grads = grads[0], grads[1:]
         for j, g in enumerate(grads):
             if g is not None:
                 acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
@@ -134,9 +128,14 @@ def _tiled(mlp: nn.Module, tile: int | None):
         # the trainable parameters are inputs, so the output requires grad and autograd receives their
         # gradients; read per call, since FSDP2 swaps the parameter objects between sharded and unsharded
         params = [p for p in mlp.parameters() if p.requires_grad]
-        src = getattr(x, "_norm_output", None)   # (how to rebuild x, the norm's input): save that instead
-        return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), src and src[0].forward, rng,
-                               x if src is None else src[1], x, *params)
+        n = tile_tokens(x.shape[-1], tile)
+        src = getattr(x, "_norm_output", None)   # (the norm that made x, its input h)
+        if src is None:
+            return _TiledMLP.apply(forward, n, rng, x, *params)
+        # the block norm joins the tiles: its input h is the one saved tensor and gets the gradient, so x
+        # (computed by the block, read by nobody) and the norm's own backward drop out of the graph
+        norm, h = src
+        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), n, rng, h, *params, *norm.params)
     return run
 
 
@@ -153,8 +152,9 @@ class _NormOutput:
     """Rebuilds one block norm's output in backward, once for the LoRA A layers it feeds. Holds no tensor
     from forward: what it held would outlive the block's checkpoint."""
 
-    def __init__(self, forward):
-        self.forward, self.users, self.y = forward, 0, None
+    def __init__(self, forward, params):
+        # params: the norm's trainable parameters at this call (the tiled MLP differentiates them per tile)
+        self.forward, self.params, self.users, self.y = forward, params, 0, None
 
     def get(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
@@ -185,11 +185,13 @@ class _LoRAOnNorm(torch.autograd.Function):
         return None, None, g.matmul(weight) if ctx.needs_input_grad[2] else None, dw
 
 
-def _tagging(forward):
+def _tagging(norm: nn.Module):
+    forward = norm.forward
+
     def run(x):
         y = forward(x)
         if torch.is_grad_enabled() and y.requires_grad:   # for the consumers: how to rebuild y, from what
-            y._norm_output = (_NormOutput(forward), x)
+            y._norm_output = (_NormOutput(forward, [p for p in norm.parameters() if p.requires_grad]), x)
         return y
     run.norm_forward = forward   # the norm's own (possibly compiled) forward, for tests
     return run
@@ -215,7 +217,7 @@ def apply_norm_rebuild(model) -> None:
     for block in model.model.layers:
         for norm, projs in fed.items():
             norm = block.get_submodule(norm)
-            norm.forward = _tagging(norm.forward)   # after apply_compile: wraps the compiled forward
+            norm.forward = _tagging(norm)   # after apply_compile: wraps the compiled forward
             for lin in (a for p in projs for a in getattr(block.get_submodule(p), "lora_A", {}).values()):
                 lin.forward = _lora_a(lin)
 

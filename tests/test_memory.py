@@ -14,7 +14,9 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
 - --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC;
 - apply_norm_rebuild: no block norm output outlives the forward (but layer 0's first), and the loss and LoRA
   grads equal the model without the step bit for bit (no AC, tiled, AC, --ac-group, dropout); LoRA grads
-  equal peft's on the transformers model of the same checkpoint (no AC; AC + tiled MLP);
+  equal peft's on the transformers model of the same checkpoint (no AC; AC + tiled MLP); the tiled MLP takes
+  post_attention_layernorm into its tiles (that norm's backward never runs; trainable norm weights get the
+  same gradients);
 - --ac-keep-attn: backward runs no attention forward (plain AC: one per recomputed block), equals no AC
   (with the tiled MLP, --ac-blocks, and packed rows on the emulated varlen op whose one-time check must stay
   out of the cache); its misuses are refused;
@@ -382,6 +384,41 @@ def test_norm_outputs_are_rebuilt_not_kept(ckpt3, monkeypatch, mem):
     assert torch.equal(got[0], ref[0]), f"loss {got[0]} != {ref[0]}"
     for k in ref[1]:
         assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
+    """With the norm rebuild, the tiled MLP takes over post_attention_layernorm: each tile runs the norm and the
+    MLP from the norm's input, so the norm's own backward over all T tokens (and its [T, D] gradient buffers)
+    never runs: 3 whole-sequence RMSNorm backwards (input norms of layers 1-2, the final norm) instead of 6.
+    With the norms' weights made trainable, their gradients (summed over tiles) and every LoRA gradient equal
+    the model without the step."""
+    import model.llama as llama
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    backward, calls = llama._RMSNormFn.backward, []
+    monkeypatch.setattr(llama._RMSNormFn, "backward",   # the rows of each RMSNorm backward
+                        staticmethod(lambda ctx, g: calls.append(g.numel() // g.shape[-1]) or backward(ctx, g)))
+
+    def run():
+        model, _ = build_nonzero_b(_opts(ckpt3, ac=ac, tiled_mlp=True))
+        for block in model.model.layers:
+            block.post_attention_layernorm.weight.requires_grad_(True)
+        calls.clear()
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), calls.count(ids.numel())   # whole-sequence ones (not tiles)
+
+    got = run()
+    assert got[2] == 3, f"RMSNorm backwards: {got[2]}"
+    with monkeypatch.context() as m:
+        _without_norm_rebuild(m)
+        ref = run()
+    assert ref[2] == 6
+    assert any("post_attention_layernorm" in k for k in ref[1])
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k}")
 
 
 def test_lora_grads_match_peft_on_transformers(ckpt3):
