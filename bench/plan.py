@@ -1,10 +1,11 @@
 """The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
---offload-activations, --ac-group, --ac-blocks and --ac-keep-attn; 1k-8k tokens) this
+--offload-activations, --ac-group, --ac-blocks and --ac-keep-attn; 1k-16k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
-2 KV heads, intermediate 768, 4 layers, vocab 4096, untied) and synthetic text, and prints
+2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
+backward, not the loss' logits block, sets the peak) and synthetic text, and prints
 
     planned  = `parallel.plan.memory_plan(...).peak`: the live-tensor peak, WITHOUT the fragmentation factor
                and the runtime term (those are stated constants, not formulas to validate)
@@ -72,6 +73,9 @@ CONFIGS = [
     ("cp1 nf4 4k ac-blocks 2", 1, 4096, ["--quant", "nf4", "--ac-blocks", "2"]),
     ("cp1 nf4 8k keep-attn", 1, 8192, ["--quant", "nf4", "--ac-keep-attn"]),
     ("cp2 ring nf4 4k keep-attn", 2, 4096, ["--quant", "nf4", "--cp", "2", "--cp-impl", "ring", "--ac-keep-attn"]),
+    # vocab 512: the loss phase's logits block is smaller than a block's backward, which then sets the peak
+    ("cp1 nf4 16k v512", 1, 16384, ["--quant", "nf4"]),
+    ("cp1 nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
 ]
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
@@ -88,6 +92,7 @@ def make_assets(root: str) -> tuple[str, str]:
              for _ in range(300)]
     texts = [" ".join(rng.choice(words) for _ in range(3000)) for _ in range(16)]
     tok = build_tokenizer(texts[:4], vocab_size=400)
+    texts = [t + " " + t for t in texts]   # over 16k tokens each; the first 8k are those of the 3000 words
     model_dir = os.path.join(root, "model")
     tok.save_pretrained(model_dir)
     cfg = T.Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -95,6 +100,10 @@ def make_assets(root: str) -> tuple[str, str]:
                         tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir)
+    tok.save_pretrained(model_dir + "_v512")   # the rows named "... v512": the same model with 512 tokens
+    torch.manual_seed(0)
+    cfg.vocab_size = 512
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_v512")
     data = os.path.join(root, "train.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
@@ -159,8 +168,9 @@ def main():
         print(f"{'config':<26}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
               "   measured per rank")
         for name, world, max_len, flags in rows:
-            argv = ["--model", model_dir, "--data", data, "--max-len", str(max_len), "--steps", "2",
-                    "--dtype", "fp32", "--global-batch", str(world // _cp(flags)), "--no-progress",
+            model = model_dir + ("_v512" if name.endswith("v512") else "")
+            argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--steps", "2", "--dtype", "fp32",
+                    "--global-batch", str(world // _cp(flags)), "--no-progress",
                     "--out", os.path.join(tmp, "out", name.replace(" ", "_")), *flags]   # a run owns its --out
             plan = planned(world, argv)
             meas, code = zip(*measure(world, argv))

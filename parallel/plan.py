@@ -35,8 +35,9 @@ Persistent all step:
    it new: + eT·H·hd); the MLP's gate output (silu), silu(gate) and up (the product) and its result (down's
    LoRA A): 4eTF; lora_B's input [T, r]·el per target (+ the fp32 input copy peft casts to when el != e;
    + dropout's output and mask when --lora-dropout > 0). --tiled-mlp: the MLP keeps only its norm's input
-   (saved already), none of its [T, F] tensors or LoRA intermediates. Layer 0's first norm saves nothing (the
-   embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when handed it directly:
+   (saved already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles
+   run the norm, parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no
+   grad), so q/k/v's LoRA A keeps its output there (eTD, when handed it directly:
    no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T, D]·e is
    kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
    saves again without a copy).
@@ -62,9 +63,10 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    layer), all of it alive at that moment. --tiled-mlp: the incoming gradient and the input-gradient buffer
    (2eTD) plus one tile's recomputed tensors and gradients (e·t·(6F + D), t = parallel.memory.tile_tokens(D)
    = D tokens) and the dequantized weight.
-7. attention, later in the same block backward, when the MLP's 4eTF saved tensors (tiled: the eTD input of
-   its norm) and its gradients are gone: counted as max(0, attention buffers - 4eTF (eTD) - term 6), the
-   excess over what the MLP freed.
+7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
+   the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
+   gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
+   the excess over the MLP phase.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
    and dK/dV to H heads; flash-attn does not, so this over-counts there). The norm output rebuilt for
    q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved q, k, v, out (more), so it is
@@ -161,7 +163,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     def layer_saved(first: bool) -> float:
         inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))]
-        b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
+        b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct - 4 * T * tiled
         b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in targets))
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner)
@@ -224,8 +226,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if R > 1:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
         what += "+ring"
-    freed = e * T * D if tiled else 4 * e * T * F
-    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB)"] = max(0, attn - freed - mlp)
+    # alive then, beyond the recompute: dh (the MLP phase's two [T, D] gradients summed) and the kernel's
+    # incoming gradient (o_proj's input gradient); gone: the MLP's gradients and saved [T, F] tensors, h
+    held = e * T * H * hd - (0 if tiled else 4 * e * T * F)
+    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB)"] = max(0, attn + held - mlp)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
