@@ -155,6 +155,29 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     return _t(dq), _t(dk), _t(dv)
 
 
+# --- causal backward of long rows in blocks (kernels.BACKWARD_BLOCK)
+
+def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n):
+    """Causal backward over n x n blocks of queries x keys (the diagonal causal, the rest whole): with the
+    global out/lse each call gives its block's exact share, as in ring attention, and every kernel's own
+    buffers (float32 dq accumulators, GQA-expanded dk/dv) are block-sized, not row-sized. dq per query block
+    and dk, dv over the row are summed in float32 (float64 for float64). `backward`: kernels.backward.
+    Credit: the blockwise backward with global statistics is ring attention's (Liu et al., 2023) on one device."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, (dk, dv) = torch.empty_like(q), (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+    for a in range(0, q.shape[1], n):
+        e, g = min(a + n, q.shape[1]), None
+        for c in range(0, e, n):
+            f = min(c + n, e)
+            gq, gk, gv = backward(dout[:, a:e], q[:, a:e], k[:, c:f], v[:, c:f], out[:, a:e], lse[:, :, a:e],
+                                  c == a, scale, backend)
+            g = gq.to(acc) if g is None else g.add_(gq)
+            dk[:, c:f] += gk
+            dv[:, c:f] += gv
+        dq[:, a:e] = g
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 # --- flash-attn 2 (signatures moved between releases: pass by name what the installed one takes)
 
 def _params(fn):

@@ -20,11 +20,10 @@ Contract:
 - Choice: `backend=` names one (no fallback, what the tests pin); otherwise `backend_order` ranks
   the backends that accept this device, dtype, head dim and shape, and a backend that raises at
   run time for a shape is skipped for that shape from then on (logged once, rank 0).
-- Masks: `forward`/`backward(..., mask=keep)`, keep bool [B or 1, Sq, Sk] from `parallel.masks`
-  (ANDed with `causal`), run as an additive 0/-inf bias (a broadcast [B, Sq, Sk] view) through
-  torch's CPU flash op or CUDA efficient op (the other backends have no bias input): one Sq·Sk bias
-  per call on top of the kernel, so callers mask only the blocks that need it. A row with every key
-  masked gets out 0, lse -inf and no gradient (never an empty softmax in a kernel).
+- Masks: `forward`/`backward(..., mask=keep)`, keep bool [B or 1, Sq, Sk] from `parallel.masks` (ANDed
+  with `causal`), an additive 0/-inf bias through torch's CPU flash op or CUDA efficient op (the others
+  take no bias): one Sq·Sk bias per call, so callers mask only the blocks that need it. A row with every
+  key masked gets out 0, lse -inf and no gradient (never an empty softmax in a kernel).
 - `attention(q, k, v, causal, scale, docs=None, window=None)` is the differentiable wrapper. `docs`
   holds, per row, the document boundaries [0, s1, ..., S] of a packed row: tokens attend only inside
   their document: flash_attn_varlen when flash-attn is installed; else on CUDA (fp16/bf16) torch's own
@@ -32,6 +31,7 @@ Contract:
   once it has passed a one-time check against per-document calls; one call per document elsewhere.
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
+  Rows longer than BACKWARD_BLOCK run the causal backward in blocks (`backends.blocked_backward`).
 """
 
 from __future__ import annotations
@@ -54,13 +54,11 @@ BACKENDS = ("cudnn", "flash_attn", "sdpa_cuda", "cpu", "reference")
 
 def backend_order(device_type: str, dtype, head_dim: int, sq: int, sk: int, capability=(0, 0),
                   cudnn: bool = False, flash_attn: bool = False, varlen: bool = False) -> list[str]:
-    """Backends that accept this case, fastest first (a pure function: the facts are arguments).
-
-    cuDNN: sm90+ (on an H200 at 32k tokens, 28/4 heads, head_dim 128, bf16: fwd+bwd 49.5 ms against
-    82.6 ms for torch's flash op), head_dim a multiple of 8 up to 128, and no length = 64 mod 128:
-    there the SM90 backward leaves the zero-filled K/V tail tile unmasked, so rows with
-    lse < -88.7 get NaN gradients (pytorch#196678, cudnn-frontend#628). flash-attn 2 next (also
-    the one kernel here with a varlen entry, preferred first for packed rows), torch's op last."""
+    """Backends that accept this case, fastest first (a pure function: the facts are arguments). cuDNN: sm90+
+    (H200, 32k tokens, 28/4 heads, head_dim 128, bf16: fwd+bwd 49.5 ms vs 82.6 ms for torch's flash op),
+    head_dim a multiple of 8 up to 128, no length = 64 mod 128 (there the SM90 backward leaves the K/V tail
+    tile unmasked: NaN gradients where lse < -88.7; pytorch#196678, cudnn-frontend#628). flash-attn 2 next
+    (first for packed rows: a varlen entry), torch's op last."""
     if device_type == "cpu":
         return ["cpu"]
     if device_type != "cuda":
@@ -175,6 +173,9 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str |
     return _BACKWARD[name](dout, q, k, v, out, lse, False, scale, bias)
 
 
+BACKWARD_BLOCK = 65536   # causal rows longer than this run their backward in blocks of this many tokens
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, backend, mask=None):
@@ -186,7 +187,12 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None)
+        causal, scale, backend, mask = ctx.args
+        if causal and mask is None and q.shape[1] > BACKWARD_BLOCK:
+            grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, BACKWARD_BLOCK)
+        else:
+            grads = backward(dout, q, k, v, out, lse, *ctx.args)
+        return (*grads, None, None, None, None)
 
 
 _varlen_checked: dict = {}   # (device, dtype, heads, kv heads, head dim, windowed) -> torch varlen passed
@@ -198,10 +204,9 @@ def _varlen_eligible(q) -> bool:
 
 
 def _torch_varlen_ok(q, k, window) -> bool:
-    """torch's flash varlen op for packed rows (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256),
-    after a one-time check per case: two documents, forward and backward, against per-document calls
-    of the other backends. Plain op calls (no autograd), so nothing is saved under AC's or offload's
-    hooks. A failure or mismatch keeps the per-document path for that case (logged once)."""
+    """torch's flash varlen op for packed rows (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256), after a
+    one-time check per case (two documents, forward and backward, against per-document calls; plain op calls,
+    nothing saved under AC's hooks). A failure or mismatch keeps the per-document path (logged once)."""
     if not _varlen_eligible(q):
         return False
     key = (q.device, q.dtype, q.shape[2], k.shape[2], q.shape[3], window is not None)

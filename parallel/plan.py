@@ -68,9 +68,12 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
    the excess over the MLP phase.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
-   and dK/dV to H heads; flash-attn does not, so this over-counts there). The norm output rebuilt for
-   q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved q, k, v, out (more), so it is
-   not a peak. Ulysses: all-to-all send and receive copies of q, k, v or their grads at
+   and dK/dV to H heads; flash-attn does not, so this over-counts there). Rows of more than
+   kernels.BACKWARD_BLOCK attention tokens (T·U; not ring, whose steps are blocks already) run the backward
+   in blocks: dq (eT·H·hd) and float32 dk, dv (8T·K'·hd) over the row, plus the larger of their final casts
+   (2eT·K'·hd) and one call's share BACKWARD_BLOCK / (T·U) of the buffers above with a float32 dq (4T·H·hd).
+   The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
+   q, k, v, out (more), so it is not a peak. Ulysses: all-to-all send and receive copies of q, k, v or their grads at
    [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and the one in flight (4eT·K'·hd) and
    fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
@@ -87,6 +90,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
+from parallel import kernels
 
 GB = 1e9
 FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
@@ -220,6 +224,12 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what = "kernel"
+    n = kernels.BACKWARD_BLOCK
+    if R == 1 and T * U > n:   # blocked: dq, float32 dk/dv over the row, one block's call
+        f = n / (T * U)
+        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + (4 * e * T * H * hd if Kp < H else 0)
+        attn = e * T * H * hd + 8 * T * Kp * hd + max(2 * e * T * Kp * hd, f * call)
+        what = f"kernel in {n}-token blocks"
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)
         what += "+a2a"

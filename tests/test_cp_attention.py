@@ -7,7 +7,8 @@ run through `cp_attention`, gathered back with `unshard_sequence`, and out, dQ, 
 length that needs padding. Packed rows (position ids restarting) keep tokens inside their document
 under every layout and `local_attention` (vs SDPA per document; tests/test_cp_documents.py pins
 documents and sliding windows in depth). Bad
-head counts are refused by `resolve_cp` and by the Ulysses layer itself. bf16 keeps its dtype.
+head counts are refused by `resolve_cp` and by the Ulysses layer itself. bf16 keeps its dtype. With
+kernels.BACKWARD_BLOCK made small, Ulysses runs the blocked backward and both layouts still match.
 
 Run: .venv/bin/python -m pytest -q tests/test_cp_attention.py
 """
@@ -129,6 +130,30 @@ CONFIGS_4 = [
 def test_cp_two_ranks():
     done = run_ranks(_cp_ranks, 2, [(2, 1), (1, 2)], CONFIGS_2)
     assert len(done[0]) == 2 * (len(CONFIGS_2) + 2)  # every config ran on both impls
+
+
+def _cp_blocked_ranks(rank, world):
+    """kernels.BACKWARD_BLOCK 16: a rank's 64-token attention runs its backward in blocks where it is one call."""
+    from parallel import backends, kernels
+
+    kernels.BACKWARD_BLOCK, calls = 16, []
+    blocked = backends.blocked_backward
+    backends.blocked_backward = lambda *a: calls.append(a[2].shape[1]) or blocked(*a)
+    done = {}
+    for dims, attn, impl in cp_layouts(world, [(2, 1), (1, 2)]):
+        n = len(calls)
+        check_cp(attn, dims, (2, 64, 4, 2, 64), f"{impl} blocked backward")
+        check_cp(attn, dims, (1, 64, 4, 2, 64), f"{impl} blocked bf16", dtype=torch.bfloat16)
+        done[impl] = calls[n:]
+    return done
+
+
+@pytest.mark.timeout(180)
+def test_cp_with_blocked_backward():
+    """Ulysses' per-rank attention (all 64 tokens, half the heads) takes the blocked backward; ring's steps call
+    the kernel per block already. Both still equal single-process SDPA, outputs and gradients."""
+    for done in run_ranks(_cp_blocked_ranks, 2):
+        assert done["ulysses"] == [64, 64] and done["ring"] == [], done
 
 
 @pytest.mark.timeout(240)

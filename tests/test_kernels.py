@@ -5,7 +5,8 @@ and 128: `forward` matches torch's `F.scaled_dot_product_attention` (out) and a 
 (lse, float32 [B, H, S]); `backward` matches SDPA's autograd gradients; attention split into K/V
 blocks, merged by log-sum-exp (`parallel.ring._merge`) and differentiated block by block with the
 global out/lse (what ring attention does) gives the full result; bf16 stays within 2e-2 of the
-float64 reference (bf16 has 8 mantissa bits); causal with unequal q/kv lengths is refused.
+float64 reference (bf16 has 8 mantissa bits); causal with unequal q/kv lengths is refused; rows longer
+than BACKWARD_BLOCK (made small) run their backward in blocks with the global out/lse and match SDPA.
 Masks: a boolean `mask` matches SDPA with that mask (rows with no visible key: out 0, lse -inf, no
 gradient, nothing NaN), document-masked K/V blocks merged by log-sum-exp and differentiated with
 the GLOBAL out/lse give the packed result, `_merge` of empty rows stays finite, and `attention(window=)`
@@ -128,6 +129,30 @@ def test_bf16_cpu_vs_float64_reference():
     for name, a, b in zip(("dq", "dk", "dv"), mine, want):
         assert a.dtype == torch.bfloat16, name
         close(a.double(), b, f"bf16 {name}", atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("backend, dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                            ("reference", torch.float32)], ids=str)
+@pytest.mark.parametrize("s, block", [(50, 16), (64, 16), (50, 7)], ids=str)
+def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block):
+    """Causal rows longer than kernels.BACKWARD_BLOCK run their backward in blocks (queries x keys, the global
+    out/lse): the gradients equal SDPA autograd's in float64, within float32's or bf16's rounding, for uneven
+    blocks and GQA."""
+    calls = []
+    backward = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **kw: calls.append(a[1].shape[1]) or backward(*a, **kw))
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", block)
+    q, k, v = qkv((2, s, s, 8, 2, 64), dtype, seed=4)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    kernels.attention(q, k, v, True, 0.125, backend=backend).backward(dout.to(dtype))
+    n = -(-s // block)
+    assert len(calls) == n * (n + 1) // 2 and max(calls) == block, calls   # the blocks on and under the diagonal
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    sdpa(q64, k64, v64, True, 0.125).backward(dout.double())
+    tol = TOL if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    for name, a, b in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert a.grad.dtype == dtype, name
+        close(a.grad.double(), b.grad, f"blocked {name}", **tol)
 
 
 def test_documents_and_autograd_wrapper():
