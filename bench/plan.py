@@ -1,7 +1,7 @@
 """The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
---offload-activations, --ac-group, --ac-blocks and --ac-keep-attn; 1k-16k tokens) this
+--offload-activations, --ac-group, --ac-blocks, --ac-keep-attn, the blocked attention backward; 1k-16k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
@@ -76,7 +76,11 @@ CONFIGS = [
     # vocab 512: the loss phase's logits block is smaller than a block's backward, which then sets the peak
     ("cp1 nf4 16k v512", 1, 16384, ["--quant", "nf4"]),
     ("cp1 nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
+    ("cp1 nf4 16k tiled blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
 ]
+# rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
+# here so a CPU run reaches it): planned and measured with the same block
+BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096}
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
 
@@ -115,11 +119,14 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def _worker(rank, world, argv):
+def _worker(rank, world, argv, block=None):
     import model.export
     import parallel.checkpoint
+    import parallel.kernels
     import parallel.parallelize
     import train
+
+    parallel.kernels.BACKWARD_BLOCK = block or parallel.kernels.BACKWARD_BLOCK
 
     peak, build = {}, parallel.parallelize.build_model
 
@@ -140,20 +147,25 @@ def _worker(rank, world, argv):
     return peak["hwm"] - peak["base"] - peak["file"], peak["file"]
 
 
-def measure(world: int, argv: list[str]) -> list[int]:
-    return run_ranks(_worker, world, argv, timeout=900, pg_timeout=300)
+def measure(world: int, argv: list[str], block=None) -> list[int]:
+    return run_ranks(_worker, world, argv, block, timeout=900, pg_timeout=300)
 
 
-def planned(world: int, argv: list[str]) -> float:
+def planned(world: int, argv: list[str], block=None) -> float:
     import train
     from model.load import read_args
+    from parallel import kernels
     from parallel.mesh import validate
     from parallel.plan import memory_plan
 
     args = train.build_parser().parse_args(argv)
     margs = read_args(args.model)
     dims, pack = validate(args, margs, world)
-    return memory_plan(margs, dims, args, "cpu", pack).peak
+    default, kernels.BACKWARD_BLOCK = kernels.BACKWARD_BLOCK, block or kernels.BACKWARD_BLOCK
+    try:
+        return memory_plan(margs, dims, args, "cpu", pack).peak
+    finally:
+        kernels.BACKWARD_BLOCK = default
 
 
 def main():
@@ -172,8 +184,8 @@ def main():
             argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--steps", "2", "--dtype", "fp32",
                     "--global-batch", str(world // _cp(flags)), "--no-progress",
                     "--out", os.path.join(tmp, "out", name.replace(" ", "_")), *flags]   # a run owns its --out
-            plan = planned(world, argv)
-            meas, code = zip(*measure(world, argv))
+            plan = planned(world, argv, BLOCKS.get(name))
+            meas, code = zip(*measure(world, argv, BLOCKS.get(name)))
             print(f"{name:<26}{world:>6}{plan / MB:>12.0f}{max(meas) / MB:>13.0f}{max(meas) / plan:>7.2f}"
                   f"{max(code) / MB:>9.0f}   " + " ".join(f"{m / MB:.0f}" for m in meas), flush=True)
     print(f"({time.time() - t0:.0f} s) planned: live-tensor peak, without the x{FRAGMENTATION:.2f} fragmentation "
