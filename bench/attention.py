@@ -9,8 +9,13 @@ Prints ratio = t_P / (t_1 / P): 1.0 is perfect scaling, above it is communicatio
 time is the best of --iters after --warmup (the slowest rank's time on each iteration). The same ratio
 of CPU time is printed too: on a machine shared with other jobs the wall clock measures the sharing.
 
+`--blocks N` instead compares, in one process, the backward of rows longer than N in N-token blocks
+(kernels.BACKWARD_BLOCK, 65,536 by default) with one kernel call over the whole row: time and, on CUDA, the
+peak allocated memory of each, and their ratios.
+
 Run: .venv/bin/python bench/attention.py                      # P=2, S=8192, 4 heads, head_dim 64, fp32
      .venv/bin/python bench/attention.py --nproc 4 --seq 16384 # adds the hybrid (2 x 2)
+     python3 bench/attention.py --blocks 65536 --seq 131072 --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="timed iterations (best one is reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     ap.add_argument("--impls", default=None, help="comma list of ulysses,ring,hybrid (default: all that fit)")
+    ap.add_argument("--blocks", type=int, default=0, help="compare the backward in blocks of N tokens with one call")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -108,6 +114,8 @@ def main():
     q, k, v, dout = make_inputs(args, device)
     scale = args.head_dim ** -0.5
     fn = lambda q, k, v: kernels.attention(q, k, v, True, scale)
+    if args.blocks:
+        return compare_blocks(args, fn, (q, k, v), dout, device)
     t1, c1 = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup)
     backend = kernels.pick_backend(q)
     del q, k, v, dout
@@ -127,6 +135,23 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for impl, t, ratio, cratio in rows:
         print(f"| {impl} | {p} | {args.seq} | {t1:.3f} | {t:.3f} | {t1 / p:.3f} | {ratio:.2f} | {cratio:.2f} |")
+
+def compare_blocks(args, fn, inputs, dout, device):
+    res = {}
+    for name, block in (("one call", args.seq + 1), (f"{args.blocks}-token blocks", args.blocks)):
+        kernels.BACKWARD_BLOCK = block
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        t, _ = time_step(fn, inputs, dout, device, args.iters, args.warmup)
+        gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else float("nan")
+        res[name] = (t, gb)
+        print(f"{name:>22}: fwd+bwd {t:.3f} s, peak above inputs {gb:.2f} GB", flush=True)
+    (t1, m1), (tb, mb) = res.values()
+    kernel = kernels.pick_backend(inputs[0])
+    print(f"blocks / one call: time {tb / t1:.3f}, peak {mb / m1:.3f}  (S={args.seq}, H={args.heads}, "
+          f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel {kernel})")
+
 
 if __name__ == "__main__":
     main()

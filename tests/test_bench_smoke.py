@@ -1,4 +1,4 @@
-"""bench/plan.py and bench/load.py cannot rot: each runs its smallest configuration end to end.
+"""bench/plan.py, bench/load.py and bench/attention.py --blocks cannot rot: each runs its smallest configuration.
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
 own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
@@ -43,3 +43,12 @@ def test_load_bench_small():
     for quant, (whole_s, lean_s, ratio, _, _, whole_mb, lean_mb) in rows.items():
         assert whole_s > 0 and lean_s > 0 and ratio > 0, (quant, out)
         assert lean_mb <= whole_mb, (quant, out)
+
+
+@pytest.mark.timeout(120)
+def test_attention_bench_blocks_mode():
+    """`bench/attention.py --blocks N`: both runs (one kernel call, N-token blocks) and their ratio line."""
+    out = _run("bench/attention.py", "--blocks", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
+               "--head-dim", "16", "--iters", "1", "--warmup", "0", timeout=100)
+    assert re.search(r"one call: fwd\+bwd [\d.]+ s", out) and re.search(r"64-token blocks: fwd\+bwd [\d.]+ s", out), out
+    assert re.search(r"blocks / one call: time [\d.]+", out), out

@@ -5,7 +5,8 @@ folder, `make test-gpu` does):
 - every CUDA attention backend (cuDNN on sm90+, flash-attn when installed, torch's fused SDPA ops)
   gives out, lse and gradients against the float64 reference (bf16 tolerance), MHA/GQA/MQA, and the
   blockwise backward with the GLOBAL out/lse (ring attention's assumption) sums to the full
-  gradients, bf16 and float32 (cuDNN and flash-attn: bf16 only), with ring-style strided slices;
+  gradients, bf16 and float32 (cuDNN and flash-attn: bf16 only), with ring-style strided slices; rows
+  longer than kernels.BACKWARD_BLOCK (made small) run the blocked backward and match the reference;
 - the automatic choice on this device (cuDNN first on Hopper/Blackwell) and that `attention`
   (auto) fwd+bwd is within 1.05x of the fastest torch SDPA backend at the issue-10 shape;
 - the document-masked path (flash_attn_varlen, else torch's flash varlen op after its check) against
@@ -103,6 +104,22 @@ def test_cuda_blockwise_backward_with_global_lse(backend, dtype):
     torch.testing.assert_close(dq.double(), rq, **tol, msg="dq")
     torch.testing.assert_close(torch.cat(dks, 1).double(), rk, **tol, msg="dk")
     torch.testing.assert_close(torch.cat(dvs, 1).double(), rv, **tol, msg="dv")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_blocked_backward_of_long_rows(backend, monkeypatch):
+    """kernels.BACKWARD_BLOCK 256 on a 640-token causal row (28/4 heads, bf16): the backward runs in 6 block
+    calls (3 diagonal causal, 3 full, the last blocks 128 tokens) and equals the float64 reference."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 256)
+    q, k, v = (x.requires_grad_() for x in qkv(1, 640, 28, 4, 128, seed=3))
+    out = kernels.attention(q, k, v, True, 128 ** -0.5, backend=backend)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qd, kd, vd = (x.detach().double() for x in (q, k, v))
+    rout, rlse = kernels.forward(qd, kd, vd, True, 128 ** -0.5, backend="reference")
+    rgrads = kernels.backward(dout.double(), qd, kd, vd, rout, rlse, True, 128 ** -0.5, backend="reference")
+    for name, x, r in zip("qkv", (q, k, v), rgrads):
+        torch.testing.assert_close(x.grad.double(), r, atol=5e-2, rtol=5e-2, msg=f"{backend} blocked d{name}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
