@@ -47,6 +47,12 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         flat, rows = x.reshape(-1, x.shape[-1]), _norm_rows(x)
+        if rows >= flat.shape[0]:   # one chunk: the whole tensor at once, no output buffer to copy into
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            if any(ctx.needs_input_grad[:2]):
+                ctx.save_for_backward(x, weight, rstd.view(-1, 1))
+            return weight * (xf * rstd).to(x.dtype)
         rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         out = None
         for i in range(0, max(1, flat.shape[0]), rows):   # one pass even over no rows: out gets its dtype

@@ -175,7 +175,8 @@ def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n):
             dk[:, c:f] += gk
             dv[:, c:f] += gv
         dq[:, a:e] = g
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dk = dk.to(k.dtype)   # one cast at a time: dk's float32 sum is freed before dv's cast
+    return dq, dk, dv.to(v.dtype)
 
 
 # --- flash-attn 2 (signatures moved between releases: pass by name what the installed one takes)

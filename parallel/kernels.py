@@ -31,7 +31,8 @@ Contract:
   once it has passed a one-time check against per-document calls; one call per document elsewhere.
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
-  Rows longer than BACKWARD_BLOCK run the causal backward in blocks (`backends.blocked_backward`).
+  GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in blocks (`backends.blocked_backward`;
+  with as many KV heads as query heads its float32 dk/dv over the row would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str |
     return _BACKWARD[name](dout, q, k, v, out, lse, False, scale, bias)
 
 
-BACKWARD_BLOCK = 65536   # causal rows longer than this run their backward in blocks of this many tokens
+BACKWARD_BLOCK = 65536   # causal GQA/MQA rows longer than this run their backward in blocks of this many tokens
 
 
 class _Attention(torch.autograd.Function):
@@ -188,7 +189,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, backend, mask = ctx.args
-        if causal and mask is None and q.shape[1] > BACKWARD_BLOCK:
+        if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
             grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, BACKWARD_BLOCK)
         else:
             grads = backward(dout, q, k, v, out, lse, *ctx.args)

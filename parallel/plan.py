@@ -68,10 +68,12 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
    the excess over the MLP phase.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
-   and dK/dV to H heads; flash-attn does not, so this over-counts there). Rows of more than
-   kernels.BACKWARD_BLOCK attention tokens (T·U; not ring, whose steps are blocks already) run the backward
-   in blocks: dq (eT·H·hd) and float32 dk, dv (8T·K'·hd) over the row, plus the larger of their final casts
-   (2eT·K'·hd) and one call's share BACKWARD_BLOCK / (T·U) of the buffers above with a float32 dq (4T·H·hd).
+   and dK/dV to H heads; flash-attn does not, so this over-counts there). GQA/MQA (K' < H) rows of more than
+   kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
+   blocks already; not packed rows of several documents, which take the varlen op) run the backward in
+   blocks: dq (eT·H·hd) and float32 dk, dv (8T·K'·hd) over the row, plus the larger of one final cast
+   (eT·K'·hd, none in float32) and one call's share BACKWARD_BLOCK / row of the buffers above with a float32
+   dq (4T·H·hd).
    The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
    q, k, v, out (more), so it is not a peak. Ulysses: all-to-all send and receive copies of q, k, v or their grads at
    [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and the one in flight (4eT·K'·hd) and
@@ -224,11 +226,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what = "kernel"
-    n = kernels.BACKWARD_BLOCK
-    if R == 1 and T * U > n:   # blocked: dq, float32 dk/dv over the row, one block's call
-        f = n / (T * U)
-        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + (4 * e * T * H * hd if Kp < H else 0)
-        attn = e * T * H * hd + 8 * T * Kp * hd + max(2 * e * T * Kp * hd, f * call)
+    n, row = kernels.BACKWARD_BLOCK, T * U // (1 if pack else mb)   # attention tokens per row
+    if R == 1 and Kp < H and (mb == 1 or not pack) and row > n:   # blocked: dq, float32 dk/dv, one call
+        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd
+        attn = e * T * H * hd + 8 * T * Kp * hd + max(e * T * Kp * hd * (e < 4), n / row * call)
         what = f"kernel in {n}-token blocks"
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)

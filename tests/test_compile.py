@@ -47,12 +47,15 @@ def _step(model, ids, labels, pos):
 
 
 @pytest.mark.timeout(600)
-def test_compile_equals_eager_one_process(ckpt):
+@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
+def test_compile_equals_eager_one_process(ckpt, tiled):
+    """Compiled vs eager (the eager reference untiled); with --tiled-mlp the tiles run the compiled post-attention
+    norm with grad in backward."""
     from model.llama import RMSNorm, Rotary, SwiGLU
 
     batch = _batch()
     ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt))[0], *batch)
-    model, _ = build_nonzero_b(_opts(ckpt, compile=True))
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=tiled))
     compiled = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SwiGLU))]
     forwards = [getattr(m.forward, "norm_forward", m.forward) for m in compiled]   # block norms: apply_norm_rebuild
     assert len(compiled) == 2 * 4 + 1 and all(hasattr(f, "_torchdynamo_orig_callable") for f in forwards)

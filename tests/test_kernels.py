@@ -155,6 +155,18 @@ def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block):
         close(a.grad.double(), b.grad, f"blocked {name}", **tol)
 
 
+def test_blocked_backward_only_for_gqa(monkeypatch):
+    """With as many KV heads as query heads the row-long float32 dk/dv would cost more than blocks save: one
+    kernel backward call, however long the row."""
+    calls = []
+    backward = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **kw: calls.append(a[1].shape[1]) or backward(*a, **kw))
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
+    q, k, v = qkv((1, 50, 50, 4, 4, 64), seed=6)
+    kernels.attention(q, k, v, True, 0.125, backend="cpu").sum().backward()
+    assert calls == [50]
+
+
 def test_documents_and_autograd_wrapper():
     q, k, v = qkv((2, 30, 30, 4, 2, 64), seed=4)
     docs = [[0, 10, 30], [0, 3, 4, 30]]

@@ -402,6 +402,7 @@ def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
 
     def run():
         model, _ = build_nonzero_b(_opts(ckpt3, ac=ac, tiled_mlp=True))
+        assert ids.numel() > model.args.dim, "tiles (D tokens) must be shorter than the sequence to tell apart"
         for block in model.model.layers:
             block.post_attention_layernorm.weight.requires_grad_(True)
         calls.clear()
