@@ -155,6 +155,43 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
     return peft_model
 
 
+def _fused(layer):
+    def run(x, *args, **kwargs):
+        slow = run.slow   # peft's: clone of the base output (4-bit), B's output, times scaling, plus
+        names = layer.active_adapters
+        if (args or kwargs or layer.disable_adapters or layer.merged or len(names) != 1
+                or names[0] not in layer.lora_A or names[0] in getattr(layer, "lora_variant", {})
+                or torch.is_autocast_enabled()):
+            return slow(x, *args, **kwargs)
+        a_lin, b_lin = layer.lora_A[names[0]], layer.lora_B[names[0]]
+        if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
+            return slow(x)
+        result = layer.base_layer(x)
+        a = a_lin(layer.lora_dropout[names[0]](x))
+        if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype): peft's sum
+            return result + (b_lin(a) * layer.scaling[names[0]]).to(result.dtype)
+        # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead
+        # of peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either
+        out = torch.addmm(result.reshape(-1, result.shape[-1]), a.reshape(-1, a.shape[-1]), b_lin.weight.t(),
+                          alpha=layer.scaling[names[0]])
+        return out.view(*result.shape[:-1], out.shape[-1])
+    run.slow = layer.forward
+    return run
+
+
+def fuse_lora(model: nn.Module) -> int:
+    """Every peft LoRA layer's forward as base(x) + scaling · lora_B(lora_A(dropout(x))) with the scaled add
+    fused into B's GEMM (torch.addmm), where peft would run its own plain path: one adapter, no DoRA or other
+    variant, no autocast, LoRA in x's dtype (CUDA bf16 under FSDP2, CPU float32); elsewhere peft's forward.
+    The same sum, rounded once instead of at each step. Returns the number of layers wrapped."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and hasattr(m, "base_layer")]
+    for m in layers:
+        m.forward = _fused(m)
+    return len(layers)
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**62 - 1)
     return torch.Generator().manual_seed(h)

@@ -4,7 +4,8 @@
     2. nn.Linear -> NF4Linear (4-bit)     before peft, so peft wraps the 4-bit layer with its
                                           4-bit LoRA layer (LoRA outside the quantized base)
     3. LoRA with peft                     before sharding, so FSDP2 shards LoRA parameters together
-                                          with the block they belong to; only LoRA is trainable
+                                          with the block they belong to; only LoRA is trainable; its
+                                          scaled add fused into lora_B's GEMM (model.qlora.fuse_lora)
     4. memory steps (parallel/memory.py)  wrap forwards (parameter names unchanged) before fully_shard,
                                           so FSDP2's hooks stay outside: the pre-backward all-gather
                                           has run when a recompute starts
@@ -38,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
-from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, init_lora, pack_nf4_weights
+from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
 from parallel.memory import HostOffload, apply_norm_rebuild, apply_tiled_mlp, recompute_context
@@ -197,6 +198,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
                                 opts.lora_targets)                          # 3
+        fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)
     if opts.tiled_mlp:                                                      # 4a

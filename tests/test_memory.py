@@ -422,6 +422,61 @@ def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k}")
 
 
+@pytest.mark.parametrize("quant, dropout", [("nf4", 0.0), ("none", 0.0), ("nf4", 0.1)], ids=str)
+def test_fused_lora_equals_peft_forward(ckpt3, monkeypatch, quant, dropout):
+    """model.qlora.fuse_lora: every LoRA layer (7 per block) runs the fused addmm, never peft's own forward, and
+    the loss and every LoRA gradient equal the same model on peft's forward (4-bit and plain base layers,
+    with dropout: the same masks); the tiled MLP and AC in the path."""
+    import model.qlora as qlora
+    import parallel.parallelize as pz
+    from parallel.parallelize import BuildOptions
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    slow_calls = []
+
+    def run():
+        torch.manual_seed(0)
+        model, _ = build_nonzero_b(BuildOptions(ckpt3, quant=quant, lora_r=4, lora_alpha=8, seed=3, ac=True,
+                                                tiled_mlp=True, lora_dropout=dropout))
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model)
+
+    fuse = qlora.fuse_lora
+
+    def counting(model):
+        n = fuse(model)
+        for m in model.modules():
+            if hasattr(m.forward, "slow"):
+                m.forward.slow = (lambda f: lambda *a, **k: slow_calls.append(1) or f(*a, **k))(m.forward.slow)
+        assert n == 7 * 3
+        return n
+
+    monkeypatch.setattr(pz, "fuse_lora", counting)
+    got = run()
+    assert not slow_calls, f"peft's forward ran {len(slow_calls)} times"
+    monkeypatch.setattr(pz, "fuse_lora", lambda model: 0)
+    ref = run()
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    assert got[1].keys() == ref[1].keys() and len(got[1]) == 2 * 7 * 3
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k}")
+
+
+def test_fused_lora_steps_aside_for_a_dtype_cast(ckpt3):
+    """bf16 activations with float32 LoRA (a CPU bf16 run): peft casts x to float32 first, so its forward runs."""
+    from model.qlora import fuse_lora
+
+    model, _ = build_nonzero_b(_opts(ckpt3, dtype=torch.bfloat16, ac=False))
+    layer = model.model.layers[0].self_attn.q_proj
+    calls = []
+    slow = layer.forward.slow
+    layer.forward.slow = lambda *a, **k: calls.append(1) or slow(*a, **k)
+    x = torch.randn(1, 5, model.args.dim, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16 and calls == [1]
+    assert fuse_lora(torch.nn.Linear(2, 2)) == 0
+
+
 def test_lora_grads_match_peft_on_transformers(ckpt3):
     """Outside reference for the LoRA gradients (the norm rebuild, tiled MLP and AC in the path): peft's LoRA on
     the transformers Qwen2 of the same checkpoint, with our adapter's values, gives the same loss and every

@@ -16,6 +16,7 @@ folder, `make test-gpu` does):
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
+  the fused LoRA add runs on every layer there and trains like peft's forward;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets.
 
@@ -423,6 +424,43 @@ def test_cuda_norm_rebuild_trains_like_keeping_the_outputs(tmp_path, monkeypatch
     with monkeypatch.context() as m:
         m.setattr(pz, "apply_norm_rebuild", lambda model: None)
         ref = run("keep")
+    for g, r in zip(got, ref, strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=2e-3), (g, r)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-2), (g, r)
+
+
+def test_cuda_fused_lora_trains_like_peft(tmp_path, monkeypatch):
+    """model.qlora.fuse_lora on the trainer's CUDA path (FSDP2 mixed precision: x, base output and LoRA in bf16,
+    NF4 base): every LoRA layer takes the fused addmm (peft's forward never runs), and 2 steps log the losses and
+    grad norms of the same run on peft's forward (bf16: the fused sum rounds once, peft's at each step)."""
+    import model.qlora as qlora
+    import parallel.parallelize as pz
+    import train
+
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29535", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    slow = []
+
+    def counting(model):
+        n = qlora.fuse_lora(model)
+        for m in model.modules():
+            if hasattr(m.forward, "slow"):
+                m.forward.slow = (lambda f: lambda *a, **k: slow.append(1) or f(*a, **k))(m.forward.slow)
+        return n
+
+    def run(name):
+        out = tmp_path / name
+        train.main(["--steps", "2", "--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16"])
+        return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    with monkeypatch.context() as m:
+        m.setattr(pz, "fuse_lora", counting)
+        got = run("fused")
+    assert not slow, f"peft's forward ran {len(slow)} times"
+    with monkeypatch.context() as m:
+        m.setattr(pz, "fuse_lora", lambda model: 0)
+        ref = run("peft")
     for g, r in zip(got, ref, strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=2e-3), (g, r)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-2), (g, r)
