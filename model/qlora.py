@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import types
 
 import bitsandbytes as bnb
 import torch
@@ -155,28 +156,25 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
     return peft_model
 
 
-def _fused(layer):
-    def run(x, *args, **kwargs):
-        slow = run.slow   # peft's: clone of the base output (4-bit), B's output, times scaling, plus
-        names = layer.active_adapters
-        if (args or kwargs or layer.disable_adapters or layer.merged or len(names) != 1
-                or names[0] not in layer.lora_A or names[0] in getattr(layer, "lora_variant", {})
-                or torch.is_autocast_enabled()):
-            return slow(x, *args, **kwargs)
-        a_lin, b_lin = layer.lora_A[names[0]], layer.lora_B[names[0]]
-        if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
-            return slow(x)
-        result = layer.base_layer(x)
-        a = a_lin(layer.lora_dropout[names[0]](x))
-        if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype): peft's sum
-            return result + (b_lin(a) * layer.scaling[names[0]]).to(result.dtype)
-        # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead
-        # of peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either
-        out = torch.addmm(result.reshape(-1, result.shape[-1]), a.reshape(-1, a.shape[-1]), b_lin.weight.t(),
-                          alpha=layer.scaling[names[0]])
-        return out.view(*result.shape[:-1], out.shape[-1])
-    run.slow = layer.forward
-    return run
+def _fused_forward(self, x, *args, **kwargs):
+    """A LoRA layer's forward with the scaled add in lora_B's GEMM (fuse_lora); peft's own where that differs."""
+    names, slow = self.active_adapters, self._peft_forward
+    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
+            or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {})
+            or torch.is_autocast_enabled()):
+        return slow(x, *args, **kwargs)
+    a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
+    if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
+        return slow(x)
+    result = self.base_layer(x)
+    a = a_lin(self.lora_dropout[names[0]](x))
+    if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype)
+        raise TypeError(f"LoRA output {a.dtype} differs from the base layer's {result.dtype}")
+    # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead of
+    # peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), a.reshape(-1, a.shape[-1]), b_lin.weight.t(),
+                      alpha=self.scaling[names[0]])
+    return out.view(*result.shape[:-1], out.shape[-1])
 
 
 def fuse_lora(model: nn.Module) -> int:
@@ -187,8 +185,8 @@ def fuse_lora(model: nn.Module) -> int:
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and hasattr(m, "base_layer")]
-    for m in layers:
-        m.forward = _fused(m)
+    for m in layers:   # bound methods: a deep copy of the model rebinds them to the copy
+        m._peft_forward, m.forward = m.forward, types.MethodType(_fused_forward, m)
     return len(layers)
 
 
