@@ -37,6 +37,13 @@ def _norm_rows(x: torch.Tensor) -> int:
     return n if torch.compiler.is_compiling() else max(1, min(n, NORM_CHUNK // d))
 
 
+def _normalize(x, weight, eps):
+    """(weight · x / rms(x), rsqrt): normalised in float32 like transformers, cast back before the weight."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * r).to(x.dtype), r
+
+
 class _RMSNormFn(torch.autograd.Function):
     """transformers' RMSNorm, saving its input (compute dtype) and rsqrt [..., 1] instead of the float32
     upcast autograd would keep (2x the input at bf16); backward re-derives the upcast from the input.
@@ -48,21 +55,16 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         flat, rows = x.reshape(-1, x.shape[-1]), _norm_rows(x)
         if rows >= flat.shape[0]:   # one chunk: the whole tensor at once, no output buffer to copy into
-            xf = x.float()
-            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            if any(ctx.needs_input_grad[:2]):
-                ctx.save_for_backward(x, weight, rstd.view(-1, 1))
-            return weight * (xf * rstd).to(x.dtype)
-        rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
-        out = None
-        for i in range(0, max(1, flat.shape[0]), rows):   # one pass even over no rows: out gets its dtype
-            # Normalise in float32 like transformers, then cast back before the weight multiply.
-            xf = flat[i:i + rows].float()
-            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            y = weight * (xf * r).to(x.dtype)
-            if out is None:   # x's shape, not a view of a [N, D] buffer: autograd treats a returned view apart
-                out = y.new_empty(x.shape)
-            out.view(-1, out.shape[-1])[i:i + rows], rstd[i:i + rows] = y, r
+            out, rstd = _normalize(x, weight, eps)
+            rstd = rstd.view(-1, 1)
+        else:
+            rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+            out = None
+            for i in range(0, flat.shape[0], rows):
+                y, rstd[i:i + rows] = _normalize(flat[i:i + rows], weight, eps)
+                if out is None:   # x's shape, not a view of a [N, D] buffer: autograd treats a returned view apart
+                    out = y.new_empty(x.shape)
+                out.view(-1, out.shape[-1])[i:i + rows] = y
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight, rstd)
         return out
