@@ -22,8 +22,8 @@ Contract:
   block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
 - `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and gate/up saves its input for the A gradient, a block
   RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
-  backward with the same norm call (which bounds its own float32 temporaries): T·D fewer saved elements
-  per norm; q/k/v share one rebuild, dropped after the last. It steps aside where peft hands LoRA A another
+  backward with the same norm call (row chunks of min(D, 2^24 / D) tokens): T·D fewer saved elements per
+  norm; q/k/v share one rebuild, dropped after the last. It steps aside where peft hands LoRA A another
   tensor (dropout, a dtype cast) and at layer 0's first norm (its input needs no grad, so the norm saves
   nothing). The same numbers: bit for bit on CPU (tested); on CUDA a chunk may round the last bit apart.
 - `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
@@ -159,8 +159,9 @@ class _NormOutput:
     def get(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
         if self.y is None:
-            with torch.no_grad():   # the norm bounds its own float32 temporaries (model.llama.NORM_CHUNK)
-                self.y = self.forward(x)
+            d = x.shape[-1]
+            with torch.no_grad():   # row chunks: the norm's fp32 temporaries stay ~3 x 64 MB
+                self.y = _by_rows(self.forward, x.reshape(-1, d), min(d, max(1, 2**24 // d)))
         y, self.users = self.y.view_as(x), self.users - 1
         if self.users == 0:
             self.y = None
