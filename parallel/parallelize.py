@@ -31,6 +31,7 @@ directly (peft's wrapper calls `forward` without `__call__`, which would skip FS
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -96,11 +97,55 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     Memory Cost" (2016); saving only the expensive ops follows torchtitan's selective AC (op-level policy)."""
     check_ac(group, True, offload, blocks, keep_attn)
     hooks = HostOffload() if offload else None
+    if blocks != 0:
+        _tag_lookups(model.model.embed_tokens)
     for block in model.model.layers[:blocks]:
         block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)
     return hooks
+
+
+class _FromIds:
+    """The first checkpoint's saved input when it is a frozen embedding's output: the checkpoint keeps the token
+    ids and looks the [T, D] rows up again when its recompute asks for them (one block input fewer kept)."""
+
+    def __init__(self, lookup, ids, x):
+        self.lookup, self.ids, self.like = lookup, ids, (x.shape, x.dtype, x.device)
+
+    def saving(self, x):
+        def unpack(h):
+            if h is not self:
+                return h
+            with torch.no_grad():
+                t = self.lookup(self.ids)
+            if (t.shape, t.dtype, t.device) != self.like:
+                raise RuntimeError(f"the embedding looked up again is {(t.shape, t.dtype, t.device)}, "
+                                   f"the checkpoint saved {self.like}")
+            return t
+        ref = weakref.ref(x)   # autograd may keep the pack hook as long as the saved tensor: not x itself
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self if t is ref() else t, unpack)
+
+
+def _tag_lookups(embed):   # its output, when it needs no grad, carries how to look it up again
+    lookup = embed.forward
+
+    def run(ids):
+        x = lookup(ids)
+        if torch.is_grad_enabled() and not x.requires_grad:
+            x._from_ids = _FromIds(lookup, ids, x)
+        return x
+    embed.forward = run
+
+
+def _saving(x, hooks):
+    """The hooks around a checkpoint call whose first input is x. The outermost checkpoint that sees the ids'
+    lookup takes it (popped): a group's inner first block then saves x through the group's checkpoint, in
+    forward as in the group's recompute (which hands it a fresh lookup), so their saved tensors pair up."""
+    src = x.__dict__.pop("_from_ids", None)
+    if src is not None:
+        return src.saving(x)
+    return hooks.saving(x) if hooks else contextlib.nullcontext()
 
 
 def _contexts():   # checkpoint's context_fn: nothing around the forward, a flag around the recompute
@@ -147,7 +192,8 @@ def _grouped(layers, group):
                 for block in blocks:
                     h = block(h, *args)
             else:
-                h = checkpoint(_run_group, blocks, h, *args, use_reentrant=False, context_fn=_group_contexts)
+                with _saving(h, None):
+                    h = checkpoint(_run_group, blocks, h, *args, use_reentrant=False, context_fn=_group_contexts)
         return h
     return run
 
@@ -163,7 +209,7 @@ def _checkpointed(forward, hooks, contexts):
         if not torch.is_grad_enabled():   # eval: nothing to save, nothing to recompute
             return forward(*args)
         # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
-        with (hooks.saving(args[0]) if hooks else contextlib.nullcontext()):
+        with _saving(args[0], hooks):
             return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
     run.hooks = hooks   # for tests and logs: what the offload moved
     return run

@@ -40,8 +40,10 @@ Persistent all step:
    grad), so q/k/v's LoRA A keeps its output there (eTD, when handed it directly:
    no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T, D]·e is
    kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
-   saves again without a copy).
-   --offload-activations: the L block inputs live in pinned host memory (host term, against --host-mem; on
+   saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the
+   embedding's output and looks it up again for its recompute (parallelize._FromIds): one input fewer,
+   max(N - 1, 1) of them (the lookup is live in the first block's own backward; N - 1 with --ac-blocks).
+   --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
    --ac-blocks N: only the first N blocks are checkpointed (N inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
@@ -49,7 +51,7 @@ Persistent all step:
    --ac-keep-attn: each checkpointed block also keeps its attention kernel's out and lse (eT·H·hd + 4TH; R
    times under ring, one per ring step); the block being recomputed takes its own over, so the block phase
    (6) counts them once: its recompute term is that much smaller.
-   --ac-group G: ceil(L/G) group inputs are kept; a group's backward recomputes it up to its last block
+   --ac-group G: ceil(L/G) - 1 group inputs are kept; a group's backward recomputes it up to its last block
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
@@ -82,7 +84,7 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
-Host (--offload-activations on CUDA): L·eTD pinned bytes per rank, planned against --host-mem.
+Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
 recompute); 4 for 28 layers (10 inputs instead of 28).
 """
@@ -178,7 +180,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         return b
 
     every = (L - 1) * layer_saved(False) + layer_saved(True)
-    ckpt = N * e * T * D
+    # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
+    # parallelize._FromIds): one block input fewer, but that lookup is live in the first block's own backward
+    inputs = lambda n: max(n - 1, 0 if K else 1)
+    ckpt = inputs(N) * e * T * D
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
@@ -193,14 +198,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if N == 0:
         t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every
     elif offload:
-        p.host = ckpt if target == "cuda" else 0
+        p.host = (N - 1) * e * T * D if target == "cuda" else 0   # the ids' lookup is not offloaded
         if target == "cpu":   # the "host" copies share the one RAM
-            t[f"activations: {N} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
+            t[f"activations: {inputs(N)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
         t["activations: 2 offloaded checkpoints on device (current + prefetch)"] = min(2, N) * e * T * D
     elif G > 1:
-        t[f"activations: {-(-L // G)} group checkpoints [{T}, {D}] (--ac-group {G})"] = -(-L // G) * e * T * D
+        g = inputs(-(-L // G))
+        t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D
     else:
-        t[f"activations: {N} block checkpoints [{T}, {D}]"] = ckpt
+        t[f"activations: {inputs(N)} block checkpoints [{T}, {D}]"] = ckpt
     if N and getattr(args, "ac_keep_attn", False):   # per ring step: each step's kernel output is kept
         t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * R * (e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute

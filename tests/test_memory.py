@@ -10,7 +10,10 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
 - on 4 gloo ranks (dp_shard 4; cp 2 ring × dp_shard 2), FSDP2 with the tiled MLP and offload gives the
   single-process untiled model's loss and LoRA gradients on every rank; so does --ac-group 2 (3 blocks), whose
   group recompute makes no more all-gathers than plain AC (FSDP2 keeps recomputed blocks unsharded);
-- --ac-group G on 5 blocks keeps only the group inputs, recomputes in the expected order and equals no AC;
+- the first checkpoint keeps the token ids, not the embedding's output (no block 0 input outlives the forward,
+  none is offloaded); --ac-group G on 5 blocks keeps only the other groups' inputs, recomputes in the expected
+  order (a lookup taken by the inner block instead of the group pairs the group's recompute with the wrong
+  saved tensors: wrong gradients, caught by the order) and equals no AC;
 - --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC;
 - apply_norm_rebuild: no block norm output outlives the forward (but layer 0's first), and the loss and LoRA
   grads equal the model without the step bit for bit (no AC, tiled, AC, --ac-group, dropout); LoRA grads
@@ -121,7 +124,7 @@ def test_tiled_mlp_with_lora_dropout_replays_the_masks(ckpt):
         torch.testing.assert_close(got[2][n], ref[2][n], **TOL, msg=f"grad {n}")
 
 
-def test_offload_moves_block_inputs(ckpt, monkeypatch):
+def test_offload_moves_block_inputs(ckpt3, monkeypatch):
     import parallel.memory as pm
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
@@ -134,7 +137,7 @@ def test_offload_moves_block_inputs(ckpt, monkeypatch):
     monkeypatch.setattr(pm._Offloaded, "prefetch", logged)
 
     def run(**kw):
-        model, _ = build_nonzero_b(_opts(ckpt, **kw))
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw))
         D, L = model.args.dim, model.args.n_layers
         inputs, seen = [], []
         for i, block in enumerate(model.model.layers):
@@ -157,14 +160,15 @@ def test_offload_moves_block_inputs(ckpt, monkeypatch):
     ac = run(ac=True)
     off = run(ac=True, offload_activations=True)
     L = ac[5]
-    # plain AC: the outer hooks see each block's input saved by its checkpoint (+ the final norm's input)
-    assert ac[2] == L + 1, f"AC: [B, S, D] tensors saved outside the checkpoints: {ac[2]}"
+    # plain AC: the outer hooks see each block's input saved by its checkpoint (+ the final norm's input), but
+    # block 0's: its checkpoint keeps the token ids and looks the embedding up again
+    assert ac[2] == L, f"AC: [B, S, D] tensors saved outside the checkpoints: {ac[2]}"
     assert off[2] == 1, f"offload: the block inputs must leave the saved set, saw {off[2]}"
-    assert off[4].moved == L, f"offload: {off[4].moved} tensors copied to host, want {L}"
-    assert ac[3] == list(range(L)), f"AC keeps every block input alive: {ac[3]}"
+    assert off[4].moved == L - 1, f"offload: {off[4].moved} tensors copied to host, want {L - 1} (not block 0's)"
+    assert ac[3] == list(range(1, L)), f"AC keeps every block input alive but the embedding's: {ac[3]}"
     assert off[3] == [], f"offload: block inputs {off[3]} still alive on the device after forward"
-    # backward visits the blocks last to first: fetching block k prefetches block k-1
-    want = [("prefetch", L - 1)] + [x for k in range(L - 1, 0, -1) for x in (("prefetch", k - 1), ("ready", k - 1))]
+    # backward visits the blocks last to first: fetching block k prefetches block k-1 (handles of blocks 1..L-1)
+    want = [("prefetch", L - 2)] + [x for k in range(L - 2, 0, -1) for x in (("prefetch", k - 1), ("ready", k - 1))]
     assert order == want, f"fetch order {order} != {want}"
     for label, got in (("AC", ac), ("AC + offload", off)):
         torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
@@ -290,9 +294,10 @@ def test_ac_group_keeps_one_input_per_group(ckpt5, group, tiled):
 
     ref = run(ac=False)
     got = run(ac=True, ac_group=group, tiled_mlp=tiled)
-    starts = list(range(0, 5, group))
-    assert got[3] == starts, f"G={group}: block inputs alive after forward {got[3]}, want the group starts {starts}"
-    assert got[2] == len(starts) + 1, f"G={group}: {got[2]} [B, S, D] tensors saved outside (+1: final norm)"
+    starts = list(range(0, 5, group))   # the first group's input is looked up again from the token ids
+    assert got[3] == starts[1:], f"G={group}: block inputs alive after forward {got[3]}, want {starts[1:]}"
+    assert got[2] == len(starts), f"G={group}: {got[2]} [B, S, D] tensors saved outside (the groups' but the "\
+        "first, +1: final norm)"
     assert got[4] == list(range(5)), got[4]
     # backward, last group first: the group's blocks but its last (outer recompute), then each block (inner)
     want = []
@@ -328,7 +333,7 @@ def test_ac_blocks_checkpoints_only_the_first(ckpt5, mem):
     assert got[2] == list(range(5)) and got[3] == [1, 0], f"MLP calls: forward {got[2]}, backward {got[3]}"
     assert not hasattr(run(ac=True, ac_blocks=0)[4], "moved"), "--ac-blocks 0: no block is checkpointed"
     if mem.get("offload_activations"):
-        assert got[4].moved == 2, f"offloaded {got[4].moved} block inputs, want the 2 checkpointed ones"
+        assert got[4].moved == 1, f"offloaded {got[4].moved} block inputs, want block 1's (block 0's: token ids)"
     torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
     for n in ref[1]:
         torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
