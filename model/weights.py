@@ -5,7 +5,8 @@ names allowed; plain tensors or FSDP2 DTensor shards) is filled from the checkpo
 Each rank reads only the dim-0 rows of its own shard (one byte range of the safetensors file); an NF4
 weight is read and quantized only in the 64-blocks of the rank's shard (blocks are independent), and
 only its fp32 absmax, 4 bytes per 64 weights, is all-gathered for bitsandbytes' nested statistics. The
-result is bit-identical to every rank quantizing the whole tensor. No rank holds a full tensor. Names
+result is bit-identical to every rank quantizing the whole tensor. No rank holds a full block tensor (the
+frozen root tensors, embeddings, final norm and lm_head, are whole on every rank: parallel/fsdp.py). Names
 and shapes are checked against the safetensors headers before any tensor is read.
 """
 

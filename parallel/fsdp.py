@@ -3,7 +3,11 @@
 Contract:
 - `apply_fsdp(model, mesh, mp)`: `fully_shard` each decoder block, then the root, over the 2-D
   (dp_replicate, dp_shard·cp) mesh (HSDP; plain FSDP when dp_replicate is 1). CP ranks hold the same
-  weights, so sharding over them too saves memory. FSDP2's own gradient division is switched off
+  weights, so sharding over them too saves memory. The root's frozen parameters (embeddings, final norm,
+  lm_head) are left out (`ignored_params`): FSDP2 would keep them unsharded from the forward to the end of
+  the backward anyway (the root is never resharded after forward), so sharding them only added a second
+  copy, the 1/W shard, and an all-gather of (V·D·2 + D) elements every step; plain whole tensors on every
+  rank hold (V·D·2 + D)·e bytes all step instead of that times 1 + 1/W. FSDP2's own gradient division is switched off
   (divide factor 1, sum-only reductions, which gloo also supports): the loss is already divided by the
   global target count, so the reduced gradients equal one process's gradient on the global batch.
 - Weights are streamed after `fully_shard` by `model.weights.load_weights` (the one loading path,
@@ -24,7 +28,11 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy | None = None):
     for i, block in enumerate(blocks):
         # The last block is needed again right away by backward: keep it unsharded after forward.
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
-    fully_shard(model, **kw)   # embeddings, final norm and lm_head; the loss runs inside its forward
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    frozen = {p for p in model.parameters() if id(p) not in in_blocks and not p.requires_grad}
+    # the root: embeddings, final norm and lm_head (their frozen weights whole on every rank); the loss runs
+    # inside its forward
+    fully_shard(model, ignored_params=frozen, **kw)
     for m in [*blocks, model]:
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)

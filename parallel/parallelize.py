@@ -17,7 +17,8 @@
        c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
        d. apply_norm_rebuild              LoRA A (and the tiled MLP) keep a block norm's input, not its
                                           output, rebuilt in backward; after c, so it calls compiled code
-    5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest
+    5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest (its frozen
+                                          embeddings, final norm, lm_head stay whole: parallel/fsdp.py)
     6. materialise (to_empty)             each rank allocates only its shards
     7. stream weights from safetensors    each rank keeps only its shard; NF4 quantized on device
     8. deterministic LoRA init            depends on the seed only: same adapter for any mesh
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from model.llama import Transformer
@@ -260,7 +262,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
             mp = MixedPrecisionPolicy(param_dtype=opts.dtype, reduce_dtype=torch.float32)
         apply_fsdp(model, fsdp_mesh, mp)
     model.to_empty(device=device)                                           # 6
-    if args.tie_embeddings and fsdp_mesh is None:
+    if args.tie_embeddings and not isinstance(model.model.embed_tokens.weight, DTensor):   # plain, or FSDP-ignored
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, reader, device)                                     # 7
     reader.close()

@@ -22,10 +22,11 @@ Persistent all step:
    uint8 with one fp32 absmax per 256 of them: ceil(n/64) + 4·ceil(n/64/256) bytes (0.127 bits/weight), plus
    16 + 256 fp32 code-book entries and an fp32 offset. The uint8 absmax codes are a parameter
    ([ceil(n/64/e), 1] compute-dtype elements) that FSDP2 shards over W with the codes and all-gathers with
-   the block (term 5); only the fp32 rest is on the module, on every rank. none: n·e / W. Never quantized: embeddings,
-   lm_head, norms, biases: e bytes per element / W.
-2. root unsharded. fully_shard(model) owns embed_tokens, the final norm and lm_head; FSDP2 never reshards the
-   root after forward (backward needs it at once), so the full (V·D·(2, or 1 tied) + D)·e stays all step.
+   the block (term 5); only the fp32 rest is on the module, on every rank. none: n·e / W. Never quantized: block
+   norms, biases: e bytes per element / W.
+2. root. embed_tokens, the final norm and lm_head are frozen and left out of FSDP2 (parallel/fsdp.py): whole on
+   every rank, (V·D·(2, or 1 tied) + D)·e all step (sharded, FSDP2 would keep them unsharded from the forward
+   to the end of the backward anyway, on top of the 1/W shard).
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter + gradient + AdamW exp_avg, exp_avg_sq =
    16 bytes per element / W.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm
@@ -192,8 +193,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
         t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
-    t[f"embeddings, lm_head, norms, biases shard (1/{W})"] = (shard(root) + L * shard(base[7:])) * e
-    t["root unsharded all step (embed, lm_head, final norm)"] = full(root) * e
+    t["embeddings, lm_head, final norm (frozen: whole on every rank)"] = sum(n for _, n in root) * e
+    t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
     if N == 0:
         t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every

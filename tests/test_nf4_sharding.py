@@ -117,8 +117,10 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
         q = fresh_p[name]
         if p.requires_grad:
             assert torch.equal(q.to_local(), p.to_local()), f"resumed LoRA {name}"
-        else:
+        elif ".layers." in name:
             assert torch.equal(_u8(q.to_local()), _u8(p.to_local())), f"resumed frozen {name}"
+        else:   # the frozen root (embeddings, final norm, lm_head): whole on every rank, not FSDP2's
+            assert not hasattr(p, "to_local") and torch.equal(q, p), f"resumed frozen {name}"
     dist.barrier()
     return n
 

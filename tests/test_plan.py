@@ -62,9 +62,9 @@ def test_terms_by_hand():
     # + (16 + 256) fp32 code-books + fp32 offset on every rank
     qs = lambda n: n // 64 // 4 + 4 * 1 + 4 * 273
     assert term(p, "quantization state") == 2 * (2 * qs(4096) + 2 * qs(2048) + 3 * qs(8192)) == 15632
-    # embed + lm_head: 250 of 1000 rows each; norms 16 of 64; biases (64, 32, 32) / 4; all bf16
-    assert term(p, "embeddings, lm_head") == 2 * (2 * 250 * 64 + 16 + 2 * (2 * 16 + 16 + 8 + 8)) == 64288
-    assert term(p, "root unsharded") == 2 * (2 * 1000 * 64 + 64) == 256128
+    # embed + lm_head + final norm whole (frozen, not FSDP2's); block norms 16 of 64, biases (64, 32, 32) / 4; bf16
+    assert term(p, "embeddings, lm_head") == 2 * (2 * 1000 * 64 + 64) == 256128
+    assert term(p, "block norms, biases") == 2 * 2 * (2 * 16 + 16 + 8 + 8) == 256
     # LoRA r 16 sharded on dim 0: A [16, in] -> 4 rows, B [out, 16] -> out/4 rows; 16 B per element
     lora_shard = (4 * 64 + 16 * 16) * 2 + (4 * 64 + 8 * 16) * 2 + (4 * 64 + 32 * 16) * 2 + (4 * 128 + 16 * 16)
     assert term(p, "LoRA params") == 16 * 2 * lora_shard == 131072
@@ -90,7 +90,7 @@ def test_terms_by_hand():
     assert term(p, "| or: final norm input") == 2 * 128 * 64 + 4 * 128 + 2 * 128 * 64
     c = 128                                        # 256 MiB / (4 B × 1000) tokens > T
     assert term(p, "| or: final norm output") == 2 * 128 * 64 + 4 * c * 1000 + 2 * c * 1000 + 2 * c * 64
-    fixed = 9216 + 15632 + 64288 + 256128 + 131072 + 16384 + 8192 + 2 * block + block + lora_full * 6
+    fixed = 9216 + 15632 + 256128 + 256 + 131072 + 16384 + 8192 + 2 * block + block + lora_full * 6
     assert p.peak == fixed + max(244736 + 114688 + 0, 33280 + 800768)
     assert p.total == pytest.approx(p.peak * 1.10 + 1.0e9)
 
