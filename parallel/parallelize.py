@@ -87,7 +87,8 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     `group` G > 1: a second, outer checkpoint around each run of G blocks keeps only the group's input. In
     backward the group is recomputed up to its last block's input (torch stops a recompute once it has
     what backward needs), which re-saves the G - 1 inner block inputs, then each block is recomputed as
-    with G = 1: ceil(L/G) + G - 1 block inputs live instead of L, for G - 1 more block forwards per group.
+    with G = 1: ceil(L/G) - 1 + G - 1 block inputs live instead of L - 1 (the first checkpoint keeps the token
+    ids, `_FromIds`), for G - 1 more block forwards per group.
     FSDP2's hooks run inside the group recompute; it keeps those blocks unsharded (no reshard, no
     prefetch-order record while in backward) until their own backward.
     `keep_attn`: selective AC. Each block checkpoint also keeps the outputs (out, lse) of the attention kernel
@@ -110,15 +111,26 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
 
 class _FromIds:
     """The first checkpoint's saved input when it is a frozen embedding's output: the checkpoint keeps the token
-    ids and looks the [T, D] rows up again when its recompute asks for them (one block input fewer kept)."""
+    ids and looks the [T, D] rows up again when its recompute asks for them (one block input fewer kept from
+    the end of the forward on). Saved-tensor hooks bypass autograd's in-place check, so the versions are
+    checked here: an output changed in place before the checkpoint is saved as usual; ids changed in place
+    before backward (a reused input buffer) raise instead of giving layer 0 wrong gradients."""
 
     def __init__(self, lookup, ids, x):
         self.lookup, self.ids, self.like = lookup, ids, (x.shape, x.dtype, x.device)
+        self.versions = (x._version, ids._version)
 
     def saving(self, x):
+        if x._version != self.versions[0]:   # changed in place since the lookup: not a lookup any more
+            return contextlib.nullcontext()
+
         def unpack(h):
             if h is not self:
                 return h
+            if self.ids._version != self.versions[1]:
+                raise RuntimeError("the input_ids of this step were modified in place between forward and "
+                                   "backward; activation checkpointing looks the first block's input up again "
+                                   "from them: pass a fresh ids tensor per micro-batch (or clone it)")
             with torch.no_grad():
                 t = self.lookup(self.ids)
             if (t.shape, t.dtype, t.device) != self.like:

@@ -44,9 +44,10 @@ Persistent all step:
    saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the
    embedding's output and looks it up again for its recompute (parallelize._FromIds): one input fewer,
    max(N - 1, 1) of them (the lookup is live in the first block's own backward; N - 1 with --ac-blocks).
+   (The forward still holds the embedding's output until the last block has run; the forward is no peak.)
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
-   --ac-blocks N: only the first N blocks are checkpointed (N inputs), the last K = L - N keep their saved
+   --ac-blocks N: only the first N blocks are checkpointed (N - 1 inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
    --ac-keep-attn: each checkpointed block also keeps its attention kernel's out and lse (eT·H·hd + 4TH; R
@@ -87,7 +88,8 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
-recompute); 4 for 28 layers (10 inputs instead of 28).
+recompute); 4 for 28 layers (10 inputs instead of 28; both one fewer with the first checkpoint's lookup, which
+shifts every G < L alike).
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
-    p.alt_activations = (every if args.ac else L * e * T * D + layer_saved(False))
+    p.alt_activations = (every if args.ac else max(L - 1, 1) * e * T * D + layer_saved(False))
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
 

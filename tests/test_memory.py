@@ -13,7 +13,8 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
 - the first checkpoint keeps the token ids, not the embedding's output (no block 0 input outlives the forward,
   none is offloaded); --ac-group G on 5 blocks keeps only the other groups' inputs, recomputes in the expected
   order (a lookup taken by the inner block instead of the group pairs the group's recompute with the wrong
-  saved tensors: wrong gradients, caught by the order) and equals no AC;
+  saved tensors: wrong gradients, caught by the order) and equals no AC; ids overwritten before backward
+  raise, an embedding output changed in place before block 0 is saved as usual (equals no AC);
 - --ac-blocks 2 on 5 blocks recomputes only blocks 1 and 0, offloads only their inputs, and equals no AC;
 - apply_norm_rebuild: no block norm output outlives the forward (but layer 0's first), and the loss and LoRA
   grads equal the model without the step bit for bit (no AC, tiled, AC, --ac-group, dropout); LoRA grads
@@ -308,6 +309,33 @@ def test_ac_group_keeps_one_input_per_group(ckpt5, group, tiled):
     torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"G={group}: loss")
     for n in ref[1]:
         torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"G={group}: grad {n}")
+
+
+def test_first_checkpoint_lookup_guards_in_place_changes(ckpt3):
+    """The first checkpoint keeps the ids and looks the embedding up again (saved-tensor hooks, which autograd's
+    in-place check does not cover): ids overwritten between forward and backward (a reused input buffer) raise,
+    naming the fix; an embedding output changed in place before block 0 (a fork's forward hook) is saved as
+    usual, and the LoRA gradients equal no AC with the same hook."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(scale=False, reuse=False, **kw):
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw))
+        if scale:
+            model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.mul_(3))
+        buf = ids.clone()
+        s, n = model(buf, labels=ids)
+        if reuse:
+            buf.copy_(torch.flip(ids, [1]))   # the next micro-batch written into the same buffer
+        (s / n).backward()
+        return s.detach(), _lora_grads(model)
+
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        run(reuse=True, ac=True)
+    run(reuse=True, ac=False)   # no lookup without AC: nothing to refuse
+    ref, got = run(scale=True, ac=False), run(scale=True, ac=True)
+    torch.testing.assert_close(got[0], ref[0], **TOL)
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
 
 
 @pytest.mark.parametrize("mem", [dict(), dict(tiled_mlp=True), dict(offload_activations=True)],

@@ -338,26 +338,28 @@ def test_cuda_torch_keeps_recomputed_blocks_unsharded():
                          ids=["tiled", "offload", "tiled_offload", "group2", "tiled_group3", "blocks2_offload"])
 def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
     """The long-context memory steps on the device (float32, 1 process): the offload's pinned host copies on
-    a side stream and the prefetch, the tiled MLP, the group recompute give plain AC's loss and LoRA grads."""
+    a side stream and the prefetch, the tiled MLP, the group recompute give plain AC's loss and LoRA grads,
+    and plain AC (whose first checkpoint looks the embedding up again from the ids) gives no AC's."""
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=32, layers=5, vocab=256, inter=384)
     ids = torch.randint(0, 256, (2, 700), generator=torch.Generator().manual_seed(0)).to(DEV)
 
-    def run(**kw):
-        model, _ = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True, **kw),
+    def run(ac=True, **kw):
+        model, _ = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, ac=ac, **kw),
                                    device=DEV)
         s, n = model(ids, labels=ids)
         (s / n).backward()
         torch.cuda.synchronize()
         return s.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
 
-    ref, got = run(), run(**mem)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-    assert got[1].keys() == ref[1].keys() and len(ref[1]) == 70
-    for k in ref[1]:
-        torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-4, atol=1e-6, msg=k)
+    none, ref, got = run(ac=False), run(), run(**mem)
+    for label, a, b in (("plain AC vs no AC", ref, none), (f"{mem} vs plain AC", got, ref)):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5, msg=label)
+        assert a[1].keys() == b[1].keys() and len(b[1]) == 70, label
+        for k in b[1]:
+            torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=f"{label}: {k}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
