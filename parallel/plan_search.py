@@ -120,7 +120,7 @@ def parse_args(argv, run_parser, demo: dict):
                                 description="Per-rank memory plan of a run, from config.json only.")
     a = p.add_argument
     a("--suggest", action="store_true", help="list the layouts that fit, best first")
-    a("--gpu-mem", type=float, default=None, help="GB per device (default: this device's)")
+    a("--gpu-mem", type=float, default=None, help="GB (1e9 B, torch's total_memory; '80 GB' H100s have ~85) per device")
     a("--world-size", type=int, default=None, help="ranks to plan for (default: launched, else 1)")
     a("--host-mem", type=float, default=None, help="GB of pinned host memory per rank for --offload-activations "
       "(default: this machine's RAM / local ranks)")
