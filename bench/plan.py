@@ -77,6 +77,7 @@ CONFIGS = [
     ("cp1 nf4 16k v512", 1, 16384, ["--quant", "nf4"]),
     ("cp1 nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
     ("cp1 nf4 16k tiled blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
+    ("cp1 nf4 16k tiled offload v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--offload-activations"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block

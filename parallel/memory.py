@@ -1,4 +1,4 @@
-"""Long-context memory steps applied from outside the model: tiled MLP, checkpoint offload, norm outputs rebuilt.
+"""Long-context memory steps applied from outside the model: tiled MLP, norm outputs rebuilt (offload: offload.py).
 
 Contract:
 - `apply_tiled_mlp(model, tile=None)` makes each block's MLP (its LoRA-wrapped, possibly NF4 projections
@@ -13,13 +13,7 @@ Contract:
   Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and
   run norm + MLP: h is the one saved tensor and gets the gradient (so do the norm's trainable parameters),
   and the norm's own backward over all tokens (a [T, D] gradient, float32 temporaries) never runs.
-- `HostOffload` (used by `parallelize.apply_ac`): saved_tensors_hooks placed around a block's non-reentrant
-  checkpoint call, so they see only what the checkpoint itself saves, its inputs (everything the block
-  saves inside goes through the checkpoint's own hooks). Activation-sized inputs (at least the block input's
-  elements; parameters never) are copied to host memory at pack time: on CUDA into pinned memory on a side
-  stream, the compute stream not waiting for it; on CPU as a host-to-host copy, so the same path is tested.
-  In backward, unpacking block i's input fetches it (already in flight if prefetched) and starts fetching
-  block i-1's: one block prefetched, so device memory holds two block inputs, not one per layer.
+- `HostOffload`, the checkpoint offload: parallel/offload.py.
 - `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and gate/up saves its input for the A gradient, a block
   RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
   backward with the same norm call (row chunks of min(D, 2^24 / D) tokens): T·D fewer saved elements per
@@ -220,80 +214,3 @@ def apply_norm_rebuild(model) -> None:
             norm.forward = _tagging(norm)   # after apply_compile: wraps the compiled forward
             for lin in (a for p in projs for a in getattr(block.get_submodule(p), "lora_A", {}).values()):
                 lin.forward = _lora_a(lin)
-
-
-# ------------------------------------------------------------------------------------------ host offload
-
-
-class _Offloaded:
-    """One saved tensor living in host memory, with its optional prefetched device copy."""
-
-    def __init__(self, t: torch.Tensor, stream):
-        self.device, self.stream, self.used, self.prev, self.fetched, self.event = t.device, stream, False, \
-            None, None, None
-        if stream is not None:   # CUDA: pinned host buffer, copied on the side stream
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(t.device))   # t is complete on the compute stream
-            with torch.cuda.stream(stream):
-                self.host.copy_(t, non_blocking=True)
-            t.record_stream(stream)   # the allocator keeps t's memory until the copy has read it
-        else:
-            self.host = t.detach().to("cpu", copy=True)
-
-    def prefetch(self) -> None:
-        if self.fetched is not None:
-            return
-        if self.stream is None:
-            self.fetched = self.host.to(self.device, copy=True)
-            return
-        current = torch.cuda.current_stream(self.device)
-        self.fetched = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
-        self.stream.wait_stream(current)   # earlier users of that memory are done before the copy writes
-        with torch.cuda.stream(self.stream):
-            self.fetched.copy_(self.host, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(self.stream)
-
-    def fetch(self) -> torch.Tensor:
-        self.prefetch()
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-        t, self.fetched, self.event, self.used = self.fetched, None, None, True
-        return t
-
-
-class HostOffload:
-    """saved_tensors_hooks that keep a checkpoint's activation-sized inputs in host memory (module docstring)."""
-
-    def __init__(self):
-        self.stream = None
-        self.last = None      # the most recently packed, not yet used handle: the next one's predecessor
-        self.moved = 0        # tensors sent to the host (counted for tests and logs)
-
-    def _pack(self, min_numel):
-        def pack(t):
-            if isinstance(t, nn.Parameter) or t.numel() < min_numel:
-                return t
-            if t.is_cuda and self.stream is None:
-                self.stream = torch.cuda.Stream(t.device)
-            h = _Offloaded(t, self.stream if t.is_cuda else None)
-            h.prev = self.last if self.last is not None and not self.last.used else None
-            self.last = h
-            self.moved += 1
-            return h
-        return pack
-
-    def _unpack(self, h):
-        if not isinstance(h, _Offloaded):
-            return h
-        t = h.fetch()
-        if h.prev is not None and not h.prev.used:   # the block before this one runs its backward next
-            h.prev.prefetch()
-        h.prev = None
-        if self.last is h:
-            self.last = None
-        return t
-
-    def saving(self, block_input: torch.Tensor):
-        """Hooks for one checkpointed block call whose first input is `block_input`."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack(block_input.numel()), self._unpack)

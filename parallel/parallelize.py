@@ -45,8 +45,9 @@ from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights
 from model.weights import load_weights
 from parallel.fsdp import apply_fsdp
-from parallel.memory import HostOffload, apply_norm_rebuild, apply_tiled_mlp, recompute_context
+from parallel.memory import apply_norm_rebuild, apply_tiled_mlp, recompute_context
 from parallel.mesh import check_ac
+from parallel.offload import HostOffload
 
 
 @dataclass
@@ -80,7 +81,7 @@ class BuildOptions:
 def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
              blocks: int | None = None, keep_attn: bool = False) -> HostOffload | None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
-    `offload`: that input lives in host memory until its block's backward (memory.HostOffload); returned.
+    `offload`: that input lives in host memory until its block's backward (offload.HostOffload); returned.
     `blocks` N: only the first N blocks are checkpointed; the last L - N keep their activations (no recompute:
     faster, more memory). The last ones, because backward reaches them first: their activations are freed
     before any checkpointed block is recomputed, so the two never add up.
@@ -103,6 +104,8 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     if blocks != 0:
         _tag_lookups(model.model.embed_tokens)
     for block in model.model.layers[:blocks]:
+        if hooks:   # the next block's input comes back once this block's attention backward is done
+            block.self_attn.forward = hooks.after_attention(block.self_attn.forward)
         block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)

@@ -46,7 +46,10 @@ Persistent all step:
    max(N - 1, 1) of them (the lookup is live in the first block's own backward; N - 1 with --ac-blocks).
    (The forward still holds the embedding's output until the last block has run; the forward is no peak.)
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
-   CPU the same RAM), the device holds two: the block being recomputed and the one prefetched.
+   CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
+   prefetched once the block's attention backward is done (parallel/offload.py), when q, k, v, out and the
+   kernel's incoming gradient are freed (eT·hd·(2H + 2K') + eT·H·hd), more than that input and the q/k/v
+   backward's gradients (dq after rope, the input gradient: about 2eTD) take: past the peak (6, 7).
    --ac-blocks N: only the first N blocks are checkpointed (N - 1 inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
@@ -204,7 +207,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         p.host = (N - 1) * e * T * D if target == "cuda" else 0   # the ids' lookup is not offloaded
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {inputs(N)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
-        t["activations: 2 offloaded checkpoints on device (current + prefetch)"] = min(2, N) * e * T * D
+        t["activations: 1 offloaded checkpoint on device (the next one comes after the attention)"] = e * T * D
     elif G > 1:
         g = inputs(-(-L // G))
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D

@@ -5,8 +5,9 @@ Pins (CPU, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base weigh
   output, input gradient and every LoRA gradient;
 - with --offload-activations the block inputs that torch's checkpoint saves leave its saved set (an outer
   saved_tensors_hooks that sees them with plain AC sees none of them), each is copied to host memory once,
-  the device tensors are freed after forward (weak references die), block i-1's input is prefetched when
-  block i's is unpacked, and the loss and LoRA gradients equal those of plain AC and of no AC at all;
+  the device tensors are freed after forward (weak references die), block i-1's input is prefetched only
+  after block i's attention backward (logged by a marker inside the attention call; prefetching at block i's
+  unpack, as before, fails), and the loss and LoRA gradients equal those of plain AC and of no AC at all;
 - on 4 gloo ranks (dp_shard 4; cp 2 ring × dp_shard 2), FSDP2 with the tiled MLP and offload gives the
   single-process untiled model's loss and LoRA gradients on every rank; so does --ac-group 2 (3 blocks), whose
   group recompute makes no more all-gathers than plain AC (FSDP2 keeps recomputed blocks unsharded);
@@ -125,20 +126,37 @@ def test_tiled_mlp_with_lora_dropout_replays_the_masks(ckpt):
         torch.testing.assert_close(got[2][n], ref[2][n], **TOL, msg=f"grad {n}")
 
 
-def test_offload_moves_block_inputs(ckpt3, monkeypatch):
-    import parallel.memory as pm
+class _Marked(torch.autograd.Function):   # identity; its backward logs that the attention's backward is done
+    log = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Marked.log.append("attn")
+        return g
+
+
+def test_offload_moves_block_inputs(ckpt5, monkeypatch):
+    import torch.nn.functional as F
+
+    import parallel.offload as po
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
-    order = []
-    prefetch = pm._Offloaded.prefetch
+    order = _Marked.log = []
+    prefetch, sdpa = po._Offloaded.prefetch, F.scaled_dot_product_attention
 
     def logged(self):
         order.append(("prefetch", self.tag) if self.fetched is None else ("ready", self.tag))
         prefetch(self)
-    monkeypatch.setattr(pm._Offloaded, "prefetch", logged)
+    monkeypatch.setattr(po._Offloaded, "prefetch", logged)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa(_Marked.apply(q), *a, **kw))
 
     def run(**kw):
-        model, _ = build_nonzero_b(_opts(ckpt3, **kw))
+        order.clear()
+        model, _ = build_nonzero_b(_opts(ckpt5, **kw))
         D, L = model.args.dim, model.args.n_layers
         inputs, seen = [], []
         for i, block in enumerate(model.model.layers):
@@ -168,8 +186,11 @@ def test_offload_moves_block_inputs(ckpt3, monkeypatch):
     assert off[4].moved == L - 1, f"offload: {off[4].moved} tensors copied to host, want {L - 1} (not block 0's)"
     assert ac[3] == list(range(1, L)), f"AC keeps every block input alive but the embedding's: {ac[3]}"
     assert off[3] == [], f"offload: block inputs {off[3]} still alive on the device after forward"
-    # backward visits the blocks last to first: fetching block k prefetches block k-1 (handles of blocks 1..L-1)
-    want = [("prefetch", L - 2)] + [x for k in range(L - 2, 0, -1) for x in (("prefetch", k - 1), ("ready", k - 1))]
+    # backward visits the blocks last to first (handles of blocks 1..L-1, tags 0..L-2): block b's own fetch,
+    # then its attention backward ("attn"), and only then block b-1's prefetch
+    want = [("prefetch", L - 2), "attn", ("prefetch", L - 3)]
+    want += [x for b in range(L - 2, 1, -1) for x in (("ready", b - 1), "attn", ("prefetch", b - 2))]
+    want += [("ready", 0), "attn", "attn"]
     assert order == want, f"fetch order {order} != {want}"
     for label, got in (("AC", ac), ("AC + offload", off)):
         torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
