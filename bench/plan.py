@@ -78,10 +78,12 @@ CONFIGS = [
     ("cp1 nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
     ("cp1 nf4 16k tiled blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
     ("cp1 nf4 16k tiled offload v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--offload-activations"]),
+    ("cp1 nf4 16k tiled offload blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp",
+                                                          "--offload-activations"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
-BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096}
+BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096}
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
 

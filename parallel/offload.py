@@ -13,12 +13,16 @@ Contract:
   q/k/v projection and norm backward. A release that never comes (a model whose q needs no grad) only
   costs the overlap: the unpack fetches it then.
 - Correctness never depends on the timing: a handle is fetched by its own unpack whether or not it was
-  prefetched.
+  prefetched. Handles link to their predecessor by weak reference (a forward dropped without a backward
+  leaves nothing to prefetch later), and a prefetched handle that dies unfetched keeps its device buffer
+  from reuse until the side stream's copy into it is done.
 
 Credit: offloading checkpoints to the host follows Arctic Long Sequence Training (Bekman et al., 2025).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -53,6 +57,10 @@ class _Offloaded:
             self.event = torch.cuda.Event()
             self.event.record(self.stream)
 
+    def __del__(self):   # prefetched, never fetched: the side stream's copy may still be writing that memory
+        if self.fetched is not None and self.stream is not None:
+            self.fetched.record_stream(self.stream)
+
     def fetch(self) -> torch.Tensor:
         self.prefetch()
         if self.event is not None:
@@ -66,6 +74,7 @@ class HostOffload:
 
     def __init__(self):
         self.stream = None
+        # weak references: the saved graph alone keeps a handle; a forward dropped without backward leaves none
         self.last = None      # the most recently packed, not yet used handle: the next one's predecessor
         self.pending = None   # the next block's handle, fetched once this block's attention backward is done
         self.moved = 0        # tensors sent to the host (counted for tests and logs)
@@ -77,8 +86,9 @@ class HostOffload:
             if t.is_cuda and self.stream is None:
                 self.stream = torch.cuda.Stream(t.device)
             h = _Offloaded(t, self.stream if t.is_cuda else None)
-            h.prev = self.last if self.last is not None and not self.last.used else None
-            self.last = h
+            last = self.last() if self.last is not None else None
+            h.prev = weakref.ref(last) if last is not None and not last.used else None
+            self.last = weakref.ref(h)
             self.moved += 1
             return h
         return pack
@@ -89,7 +99,7 @@ class HostOffload:
         t = h.fetch()
         self.pending = h.prev   # the block before this one runs its backward next: released by after_attention
         h.prev = None
-        if self.last is h:
+        if self.last is not None and self.last() is h:
             self.last = None
         return t
 
@@ -99,7 +109,7 @@ class HostOffload:
 
     def release(self, grad=None) -> None:
         """This block's attention backward is done (its peak is past): start fetching the next block's input."""
-        h, self.pending = self.pending, None
+        h, self.pending = (self.pending() if self.pending is not None else None), None
         if h is not None and not h.used:
             h.prefetch()
 

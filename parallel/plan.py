@@ -48,8 +48,11 @@ Persistent all step:
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
    prefetched once the block's attention backward is done (parallel/offload.py), when q, k, v, out and the
-   kernel's incoming gradient are freed (eT·hd·(2H + 2K') + eT·H·hd), more than that input and the q/k/v
-   backward's gradients (dq after rope, the input gradient: about 2eTD) take: past the peak (6, 7).
+   kernel's incoming gradient are freed (eT·hd·(2H + 2K') + eT·H·hd) and the q/k/v backward begins (dq
+   before rope, dk, dv, the rebuilt norm output, the input gradient). That phase is not a term: measured on
+   CPU (fp32, 28/4 heads, blocked backward) its peak stays ~0.5·eTD under the attention phase's, and a
+   16k offload row with 4,096-token attention blocks plans 1.02 of measured (bench/plan.py). With row-long
+   kernel buffers (shorter rows, K' = H) the attention phase is far above it.
    --ac-blocks N: only the first N blocks are checkpointed (N - 1 inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.

@@ -126,17 +126,18 @@ def test_tiled_mlp_with_lora_dropout_replays_the_masks(ckpt):
         torch.testing.assert_close(got[2][n], ref[2][n], **TOL, msg=f"grad {n}")
 
 
-class _Marked(torch.autograd.Function):   # identity; its backward logs that the attention's backward is done
+class _Marked(torch.autograd.Function):   # identity; its backward logs the label: the gradient got there
     log = None
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, label):
+        ctx.label = label
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        _Marked.log.append("attn")
-        return g
+        _Marked.log.append(ctx.label)
+        return g, None
 
 
 def test_offload_moves_block_inputs(ckpt5, monkeypatch):
@@ -152,11 +153,13 @@ def test_offload_moves_block_inputs(ckpt5, monkeypatch):
         order.append(("prefetch", self.tag) if self.fetched is None else ("ready", self.tag))
         prefetch(self)
     monkeypatch.setattr(po._Offloaded, "prefetch", logged)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa(_Marked.apply(q), *a, **kw))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: sdpa(_Marked.apply(q, "attn"), *a, **kw))
 
     def run(**kw):
         order.clear()
         model, _ = build_nonzero_b(_opts(ckpt5, **kw))
+        for block in model.model.layers:   # q_proj's output gradient: rope's backward is done, q/k/v's is next
+            block.self_attn.q_proj.register_forward_hook(lambda m, a, out: _Marked.apply(out, "qproj"))
         D, L = model.args.dim, model.args.n_layers
         inputs, seen = [], []
         for i, block in enumerate(model.model.layers):
@@ -187,10 +190,10 @@ def test_offload_moves_block_inputs(ckpt5, monkeypatch):
     assert ac[3] == list(range(1, L)), f"AC keeps every block input alive but the embedding's: {ac[3]}"
     assert off[3] == [], f"offload: block inputs {off[3]} still alive on the device after forward"
     # backward visits the blocks last to first (handles of blocks 1..L-1, tags 0..L-2): block b's own fetch,
-    # then its attention backward ("attn"), and only then block b-1's prefetch
-    want = [("prefetch", L - 2), "attn", ("prefetch", L - 3)]
-    want += [x for b in range(L - 2, 1, -1) for x in (("ready", b - 1), "attn", ("prefetch", b - 2))]
-    want += [("ready", 0), "attn", "attn"]
+    # then its attention backward ("attn"), then block b-1's prefetch, overlapping b's q/k/v backward ("qproj")
+    want = [("prefetch", L - 2), "attn", ("prefetch", L - 3), "qproj"]
+    want += [x for b in range(L - 2, 1, -1) for x in (("ready", b - 1), "attn", ("prefetch", b - 2), "qproj")]
+    want += [("ready", 0), "attn", "qproj", "attn", "qproj"]
     assert order == want, f"fetch order {order} != {want}"
     for label, got in (("AC", ac), ("AC + offload", off)):
         torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
@@ -198,12 +201,29 @@ def test_offload_moves_block_inputs(ckpt5, monkeypatch):
             torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"{label}: grad {n}")
 
 
+def test_offload_forgets_a_forward_dropped_without_backward(ckpt3, monkeypatch):
+    """A graph-building forward whose loss is dropped (no backward) must leave nothing the next backward would
+    prefetch: a prefetched handle nobody fetches is a device buffer a side-stream copy may still be writing."""
+    import parallel.offload as po
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    prefetched, prefetch = [], po._Offloaded.prefetch
+    monkeypatch.setattr(po._Offloaded, "prefetch", lambda self: prefetched.append(self) or prefetch(self))
+    model, _ = build_nonzero_b(_opts(ckpt3, offload_activations=True))
+    model(ids, labels=ids)   # dropped
+    s, n = model(ids, labels=ids)
+    (s / n).backward()
+    hooks = model.model.layers[0].forward.hooks
+    assert prefetched and all(h.used for h in prefetched), "a handle was prefetched but never fetched"
+    assert hooks.pending is None and hooks.last is None
+
+
 def _handles(hooks):
     """The packed handles of the last forward, first block first (walking the prefetch links back)."""
-    out, h = [], hooks.last
+    out, h = [], hooks.last and hooks.last()
     while h is not None:
         out.append(h)
-        h = h.prev
+        h = h.prev and h.prev()
     return out[::-1]
 
 
