@@ -124,9 +124,6 @@ class _FromIds:
         self.versions = (x._version, ids._version)
 
     def saving(self, x):
-        if x._version != self.versions[0]:   # changed in place since the lookup: not a lookup any more
-            return contextlib.nullcontext()
-
         def unpack(h):
             if h is not self:
                 return h
@@ -160,7 +157,7 @@ def _saving(x, hooks):
     lookup takes it (popped): a group's inner first block then saves x through the group's checkpoint, in
     forward as in the group's recompute (which hands it a fresh lookup), so their saved tensors pair up."""
     src = x.__dict__.pop("_from_ids", None)
-    if src is not None:
+    if src is not None and x._version == src.versions[0]:   # else changed in place: not a lookup any more
         return src.saving(x)
     return hooks.saving(x) if hooks else contextlib.nullcontext()
 

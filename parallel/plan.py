@@ -51,7 +51,7 @@ Persistent all step:
    kernel's incoming gradient are freed (eT·hd·(2H + 2K') + eT·H·hd) and the q/k/v backward begins (dq
    before rope, dk, dv, the rebuilt norm output, the input gradient). That phase is not a term: measured on
    CPU (fp32, 28/4 heads, blocked backward) its peak stays ~0.5·eTD under the attention phase's, and a
-   16k offload row with 4,096-token attention blocks plans 1.02 of measured (bench/plan.py). With row-long
+   16k offload row with 4,096-token attention blocks measures 1.03 of its plan (bench/plan.py). With row-long
    kernel buffers (shorter rows, K' = H) the attention phase is far above it.
    --ac-blocks N: only the first N blocks are checkpointed (N - 1 inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
