@@ -73,7 +73,10 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
-        dx = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
+        # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
+        dx = None if out is None else out.view(-1, x.shape[-1])
         dw = torch.zeros(flat.shape[-1], dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
         for i in range(0, flat.shape[0], rows):
             xf, r, gc = flat[i:i + rows].float(), rstd[i:i + rows], gflat[i:i + rows]
@@ -83,7 +86,7 @@ class _RMSNormFn(torch.autograd.Function):
                 dn = (gc * weight).float()                         # d(normalized), as the cast passes it
                 # n = x·r, r = (mean(x²) + eps)^-1/2:  dx = r·dn - r³·x·mean(dn·x)
                 dx[i:i + rows] = r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)
-        return (None if dx is None else dx.view(x.shape)), (None if dw is None else dw.to(weight.dtype)), None
+        return out, (None if dw is None else dw.to(weight.dtype)), None
 
 
 class RMSNorm(nn.Module):

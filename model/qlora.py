@@ -166,8 +166,11 @@ def _fused_forward(self, x, *args, **kwargs):
     a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
     if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
         return slow(x)
-    result = self.base_layer(x)
+    # LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first, and its fresh
+    # input gradient is the one autograd sums A's (a view) into in place. In the other order the sum is a
+    # third [T, in] tensor: a gradient returned by a Python autograd node is not summed into as it arrives.
     a = a_lin(self.lora_dropout[names[0]](x))
+    result = self.base_layer(x)
     if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype)
         raise TypeError(f"LoRA output {a.dtype} differs from the base layer's {result.dtype}")
     # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead of

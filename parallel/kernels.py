@@ -32,7 +32,8 @@ Contract:
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
   GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in blocks (`backends.blocked_backward`;
-  with as many KV heads as query heads its float32 dk/dv over the row would cost more than it saves).
+  with as many KV heads as query heads its float32 dk/dv over the row would cost more than it saves) of
+  `backward_block(row)` tokens: BACKWARD_BLOCK, a quarter of it past four blocks.
 """
 
 from __future__ import annotations
@@ -177,6 +178,12 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str |
 BACKWARD_BLOCK = 65536   # causal GQA/MQA rows longer than this run their backward in blocks of this many tokens
 
 
+def backward_block(row: int) -> int:
+    """A `row`-token row's backward block: BACKWARD_BLOCK, a quarter past four of them (262,144 tokens): a call's
+    buffers scale with it (1/8 of the row's gradients at 512k, 1/32 in 16k blocks, still ~4 TFLOP per call)."""
+    return BACKWARD_BLOCK if row <= 4 * BACKWARD_BLOCK else max(1, BACKWARD_BLOCK // 4)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, backend, mask=None):
@@ -190,7 +197,8 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, backend, mask = ctx.args
         if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
-            grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, BACKWARD_BLOCK)
+            grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend,
+                                              backward_block(q.shape[1]))
         else:
             grads = backward(dout, q, k, v, out, lse, *ctx.args)
         return (*grads, None, None, None, None)

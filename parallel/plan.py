@@ -82,12 +82,18 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
    blocks already; not packed rows of several documents, which take the varlen op) run the backward in
    blocks: dq (eT·H·hd) and float32 dk, dv (8T·K'·hd) over the row, plus the larger of one final cast
-   (eT·K'·hd, none in float32) and one call's share BACKWARD_BLOCK / row of the buffers above with a float32
-   dq (4T·H·hd).
+   (eT·K'·hd, none in float32) and one call's share n / row of the buffers above with a float32 dq (4T·H·hd),
+   n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
    The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
-   q, k, v, out (more), so it is not a peak. Ulysses: all-to-all send and receive copies of q, k, v or their grads at
-   [S_full, H/U, hd] (2eT·hd·(H + 2K')). Ring: the K/V block received and the one in flight (4eT·K'·hd) and
-   fp32 accumulators: out or dq (4T·H·hd), dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
+   q, k, v, out (more), so it is not a peak. Where a [T, D] tensor gets two gradients (o_proj's and q/k/v's
+   input: the 4-bit base's and LoRA A's; the residuals), autograd sums them in place into one of them
+   (model/qlora.fuse_lora orders A before the base, RMSNorm returns its gradient unviewed; test_memory pins
+   it): no third tensor, so o_proj's backward (dh and its two input gradients over the recompute) stays under
+   this phase. Measured on CPU (fp32, 28/4 heads, 16k tokens, norm chunks as at 512k): a sum out of place had
+   put o_proj's backward 1 eTD higher, level with the attention phase.
+   Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
+   Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
+   dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
@@ -241,8 +247,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what = "kernel"
-    n, row = kernels.BACKWARD_BLOCK, T * U // (1 if pack else mb)   # attention tokens per row
-    if R == 1 and Kp < H and (mb == 1 or not pack) and row > n:   # blocked: dq, float32 dk/dv, one call
+    row = T * U // (1 if pack else mb)   # attention tokens per row
+    n = kernels.backward_block(row)
+    if R == 1 and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, a call
         call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd
         attn = e * T * H * hd + 8 * T * Kp * hd + max(e * T * Kp * hd * (e < 4), n / row * call)
         what = f"kernel in {n}-token blocks"

@@ -133,11 +133,11 @@ def test_bf16_cpu_vs_float64_reference():
 
 @pytest.mark.parametrize("backend, dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16),
                                             ("reference", torch.float32)], ids=str)
-@pytest.mark.parametrize("s, block", [(50, 16), (64, 16), (50, 7)], ids=str)
-def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block):
+@pytest.mark.parametrize("s, block, n_block", [(50, 16, 16), (64, 16, 16), (50, 13, 13), (100, 16, 4)], ids=str)
+def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block, n_block):
     """Causal rows longer than kernels.BACKWARD_BLOCK run their backward in blocks (queries x keys, the global
     out/lse): the gradients equal SDPA autograd's in float64, within float32's or bf16's rounding, for uneven
-    blocks and GQA."""
+    blocks and GQA. Rows longer than four blocks take quarter blocks (100 tokens, 16: blocks of 4)."""
     calls = []
     backward = kernels.backward
     monkeypatch.setattr(kernels, "backward", lambda *a, **kw: calls.append(a[1].shape[1]) or backward(*a, **kw))
@@ -145,8 +145,9 @@ def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block):
     q, k, v = qkv((2, s, s, 8, 2, 64), dtype, seed=4)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
     kernels.attention(q, k, v, True, 0.125, backend=backend).backward(dout.to(dtype))
-    n = -(-s // block)
-    assert len(calls) == n * (n + 1) // 2 and max(calls) == block, calls   # the blocks on and under the diagonal
+    assert kernels.backward_block(s) == n_block
+    n = -(-s // n_block)
+    assert len(calls) == n * (n + 1) // 2 and max(calls) == n_block, calls   # the blocks on and under the diagonal
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     sdpa(q64, k64, v64, True, 0.125).backward(dout.double())
     tol = TOL if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)

@@ -537,6 +537,34 @@ def test_fused_lora_equals_peft_forward(ckpt3, monkeypatch, quant, dropout):
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k}")
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
+def test_input_gradients_are_summed_in_place(ckpt3, tiled):
+    """Where autograd sums two gradients of one [T, D] tensor (o_proj's input: the 4-bit base's and LoRA A's;
+    the post-attention residual: its own and the MLP's (or the tiled MLP's); a block's input: the residual's
+    and its norm's), the sum lands in place in one of them, never in a third tensor: the final gradient seen
+    there has been written in place (version > 0; a fresh sum has version 0). Autograd sums in place only
+    into a tensor whose storage nothing else holds and no Python frame still references, so fuse_lora runs
+    LoRA A before the 4-bit base (whose node then runs first: its gradient is the one summed into) and
+    RMSNorm and the tiled MLP return their input gradients unviewed; undone, the sum is a third [T, D]."""
+    model, _ = build_nonzero_b(_opts(ckpt3, ac=False, tiled_mlp=tiled))
+    seen = {}
+
+    def watch(name, x):   # from a forward hook: the gradient hook on x sees x's final (summed) gradient
+        x.register_hook(lambda g: seen.setdefault(name, g._version) and None)
+
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} o_proj input", a[0]))
+        block.self_attn.register_forward_hook(lambda m, a, o, i=i: watch(f"{i} residual", o))
+        if i:
+            block.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} block input", a[0]))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    s, n = model(ids, labels=ids)
+    (s / n).backward()
+    assert len(seen) == 3 * 3 - 1, seen
+    fresh = sorted(k for k, version in seen.items() if version == 0)
+    assert not fresh, f"summed into a new tensor at: {fresh}"
+
+
 def test_fused_lora_steps_aside_for_a_dtype_cast(ckpt3):
     """bf16 activations with float32 LoRA (a CPU bf16 run): peft casts x to float32 first, so its forward runs."""
     from model.qlora import fuse_lora
