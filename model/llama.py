@@ -104,13 +104,47 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rope_rows(x, cos, sin, transpose: bool):
+    """x·cos + rotate_half(x)·sin (or its transpose, the backward: x·cos - rotate_half(x·sin), since
+    rotate_half^T = -rotate_half) over chunks of the sequence, each written into one output: the temporaries
+    are a chunk's, not x's. Per element the same operations as the whole-tensor formula (bit for bit)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rows = max(1, NORM_CHUNK // max(1, x[:, :1].numel()))
+    for a in range(0, x.shape[1], rows):
+        xc, c, s = x[:, a:a + rows], cos[:, a:a + rows], sin[:, a:a + rows]
+        if transpose:
+            torch.sub(xc * c, rotate_half(xc * s), out=out[:, a:a + rows])
+        else:
+            torch.add(xc * c, rotate_half(xc) * s, out=out[:, a:a + rows])
+    return out
+
+
+class _RopeFn(torch.autograd.Function):
+    """RoPE saving only cos, sin (autograd's formula saves those too) and, unlike it, running in sequence
+    chunks both ways: the whole-tensor formula holds x·cos, the rotated half, its product and the sum at
+    once (~4 of x's size; 3 more in backward), which at 512k tokens is 15 GB for q in each block's forward."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_rows(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_rows(g, cos, sin, True), None, None
+
+
 class Rotary(nn.Module):
     """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
-    (no parameters) so that `parallel.parallelize.apply_compile` can fuse it from outside."""
+    (no parameters) so that `parallel.parallelize.apply_compile` can fuse it from outside; eager mode runs it
+    in sequence chunks (_RopeFn), compiled code as one fused formula."""
 
     def forward(self, q, k, cos, sin):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:   # _RopeFn: constant tables
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
 
 
 class SwiGLU(nn.Module):
@@ -207,10 +241,12 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        h = self.model.embed_tokens(input_ids)                                 # [B, S, D]
-        cos, sin = self.rope(position_ids, h.dtype)
+        x = [self.model.embed_tokens(input_ids)]                               # [B, S, D]
+        cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
-        h = self.model.run_blocks(h, cos, sin, self.attention, meta)
+        # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the
+        # token ids instead), not at the end of the forward, when every block's checkpoint is alive beside it
+        h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta)
         h = self.model.norm(h)
         if labels is None:
             return self.lm_head(h)                                             # [B, S, V]

@@ -44,7 +44,10 @@ Persistent all step:
    saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the
    embedding's output and looks it up again for its recompute (parallelize._FromIds): one input fewer,
    max(N - 1, 1) of them (the lookup is live in the first block's own backward; N - 1 with --ac-blocks).
-   (The forward still holds the embedding's output until the last block has run; the forward is no peak.)
+   The forward drops the embedding's output once the first checkpoint has run; at its last block it holds the
+   L - 1 inputs and one block's forward (the norm output, q/k/v, RoPE's output in sequence chunks, attention's
+   out and lse: ~3.3 eTD at Qwen2.5-7B's shapes), under the backward's block phase (CPU, 4 layers: 9.75 vs
+   10.93 eTD; 10.66 with the embedding output kept and the whole-tensor RoPE), so it is not a term.
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
    prefetched once the block's attention backward is done (parallel/offload.py), when q, k, v, out and the

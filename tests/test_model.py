@@ -195,6 +195,37 @@ def test_single_file_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 6 * 16 * 7])
+def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
+    """Eager RoPE (model.llama._RopeFn, sequence chunks both ways) equals transformers' apply_rotary_pos_emb
+    bit for bit: outputs, and the q and k gradients against autograd through transformers' formula; in one
+    chunk and in chunks of 672 elements (100 tokens: q in 3-token chunks, the last of 1; k in 10-token ones),
+    GQA (6 query, 2 KV heads), two rows."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    import model.llama as llama
+
+    if chunk:
+        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # elements per chunk
+    torch.manual_seed(0)
+    args = model.ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, rope_theta=1e6)
+    holder = type("M", (), {"args": args})()   # Transformer.rope reads only self.args
+    cos, sin = llama.Transformer.rope(holder, torch.arange(100).expand(2, 100), dtype)   # [2, 100, 16]
+    q, k = torch.randn(2, 100, 6, 16).to(dtype), torch.randn(2, 100, 2, 16).to(dtype)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    ours = [x.clone().requires_grad_() for x in (q, k)]
+    ref = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k)]      # transformers: [B, H, S, hd]
+    oq, ok = llama.Rotary()(*ours, cos, sin)
+    rq, rk = apply_rotary_pos_emb(*ref, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(oq, rq.transpose(1, 2)) and torch.equal(ok, rk.transpose(1, 2))
+    torch.autograd.backward((oq, ok), (gq, gk))
+    torch.autograd.backward((rq, rk), (gq.transpose(1, 2), gk.transpose(1, 2)))
+    assert torch.equal(ours[0].grad, ref[0].grad.transpose(1, 2)), "dq"
+    assert torch.equal(ours[1].grad, ref[1].grad.transpose(1, 2)), "dk"
+    assert oq.grad_fn.name().endswith("_RopeFnBackward"), oq.grad_fn.name()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 64 * 7])
 def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
