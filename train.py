@@ -32,7 +32,7 @@ from data import GlobalBatches, check_file, collate, load_samples, load_tokenize
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args
-from parallel import guard, runs
+from parallel import guard, phases, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
 
@@ -100,6 +100,7 @@ def build_parser(add_help=True):
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
+    a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")
     return p
 
 
@@ -222,6 +223,7 @@ def main(argv=None):
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
+        meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -241,11 +243,12 @@ def main(argv=None):
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for ids, pos, lab in micro:
-                wd.phase("forward", step + 1)
-                lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
-                wd.phase("backward", step + 1)
-                (lsum / n_targets.float()).backward()
+            for i, (ids, pos, lab) in enumerate(micro):
+                with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
+                    wd.phase("forward", step + 1)
+                    lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
+                    wd.phase("backward", step + 1)
+                    (lsum / n_targets.float()).backward()
                 loss_sum += lsum.detach().double()
             wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
@@ -257,7 +260,7 @@ def main(argv=None):
                 log0(f"step {step + 1}: non-finite loss {loss} or grad norm {float(gnorm)}: update skipped")
             opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
-            mem = torch.tensor([peak_memory_gb(device)], device=device)
+            mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0)], device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,

@@ -25,7 +25,9 @@ selective AC: "ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute 
 MLP pays for the kept outputs' memory), at 32k also "ours+keep-attn".
 `--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
 ours with --tiled-mlp --offload-activations, one step. Every "ours" row also prints its peak against the
-planner's total for the same flags (`train.py --plan`: fragmentation and runtime included).
+planner's total for the same flags (`train.py --plan`: fragmentation and runtime included) and its first
+step's peak per phase (`train.py --mem-phases`: forward, loss, the last block's MLP, o_proj, attention and
+q/k/v backward, the rest), which says which planner term a mismatch is in.
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
 would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
 in seconds on CPU (float32, no quantization: bitsandbytes NF4 and Liger need CUDA), which
@@ -200,7 +202,8 @@ def peak_gb(device) -> float:
 def ours_argv(spec: dict, out: str, flags=()) -> list[str]:
     return ["--model", spec["ckpt"], "--data", spec["data"], "--max-len", str(spec["tokens"]), "--global-batch",
             "1", "--steps", str(spec["steps"]), "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16",
-            "--lora-alpha", "32", "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress", *flags]
+            "--lora-alpha", "32", "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress", "--mem-phases",
+            *flags]
 
 
 def planned_gb(spec: dict, flags=()) -> float:
@@ -239,8 +242,10 @@ def run_ours(spec: dict, out: str, timeout: float, flags=()) -> dict:
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]
     peak = max(r["peak_mem_gb"] for r in rows)
     plan = planned_gb(spec, flags)
+    with open(os.path.join(out, "mem_phases.json")) as f:   # step 1's peak per phase (train.py --mem-phases)
+        phases = json.load(f)
     return dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
-                flags=list(flags))
+                flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"])
 
 
 def peer_main(spec_path: str):
@@ -350,6 +355,9 @@ def print_case(name: str, case: dict) -> None:
         if "planned_gb" in r:
             print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
                   f"(measured / planned {r['peak_vs_plan']:.3f})", flush=True)
+            ph = r.get("mem_phases")
+            print("  step 1 peak per phase (GB): " + (", ".join(f"{k} {v}" for k, v in ph) if isinstance(ph, list)
+                                                       else str(ph)), flush=True)
 
 
 def versions() -> dict:

@@ -142,7 +142,8 @@ class Rotary(nn.Module):
 
     def forward(self, q, k, cos, sin):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
-        if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:   # _RopeFn: constant tables
+        if (torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad   # _RopeFn: constant tables
+                or cos.dtype != q.dtype or sin.dtype != q.dtype):                            # in q's dtype
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         return _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
 

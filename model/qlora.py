@@ -166,9 +166,10 @@ def _fused_forward(self, x, *args, **kwargs):
     a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
     if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
         return slow(x)
-    # LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first, and its fresh
-    # input gradient is the one autograd sums A's (a view) into in place. In the other order the sum is a
-    # third [T, in] tensor: a gradient returned by a Python autograd node is not summed into as it arrives.
+    # LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd sums
+    # a second gradient in place only into the one that arrived first, and only if that one is not a view:
+    # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
+    # [T, in] tensor. (A plain nn.Linear base also returns a view: no gain with --quant none.)
     a = a_lin(self.lora_dropout[names[0]](x))
     result = self.base_layer(x)
     if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype)

@@ -180,7 +180,7 @@ BACKWARD_BLOCK = 65536   # causal GQA/MQA rows longer than this run their backwa
 
 def backward_block(row: int) -> int:
     """A `row`-token row's backward block: BACKWARD_BLOCK, a quarter past four of them (262,144 tokens): a call's
-    buffers scale with it (1/8 of the row's gradients at 512k, 1/32 in 16k blocks, still ~4 TFLOP per call)."""
+    buffers scale with it (1/8 of the row's gradients at 512k, 1/32 in 16k blocks: ~8-10 TFLOP per full call)."""
     return BACKWARD_BLOCK if row <= 4 * BACKWARD_BLOCK else max(1, BACKWARD_BLOCK // 4)
 
 

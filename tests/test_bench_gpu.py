@@ -9,7 +9,7 @@ Pins:
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
   either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
   --tiled-mlp --ac-keep-attn and with the planner's fewest --ac-blocks run too,
-  and our rows carry the planner's total for their flags and peak / planned.
+  and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
@@ -75,4 +75,8 @@ def test_smoke_mode_writes_results(tmp_path):
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     for r in (rows["ours"], mem):
         assert r["planned_gb"] > 0 and r["peak_vs_plan"] == pytest.approx(r["peak_gb"] / r["planned_gb"])
+        # step 1's peak per phase (train.py --mem-phases), or why there is none (no VmHWM reset on this CPU)
+        ph = r["mem_phases"]
+        assert isinstance(ph, str) or [n for n, _ in ph][-1] == "rest of backward" and len(ph) == 7, ph
+    assert "step 1 peak per phase (GB): forward" in proc.stdout or "clear_refs" in proc.stdout, proc.stdout[-2000:]
     assert "ours+tiled+offload --tiled-mlp --offload-activations: peak" in proc.stdout, proc.stdout[-2000:]

@@ -560,14 +560,14 @@ def test_input_gradients_are_summed_in_place(ckpt3, tiled):
     the post-attention residual: its own and the MLP's (or the tiled MLP's); a block's input: the residual's
     and its norm's), the sum lands in place in one of them, never in a third tensor: the final gradient seen
     there has been written in place (version > 0; a fresh sum has version 0). Autograd sums in place only
-    into a tensor whose storage nothing else holds and no Python frame still references, so fuse_lora runs
-    LoRA A before the 4-bit base (whose node then runs first: its gradient is the one summed into) and
-    RMSNorm and the tiled MLP return their input gradients unviewed; undone, the sum is a third [T, D]."""
+    into the gradient that arrived first, and only if it is not a view: fuse_lora creates LoRA A's node (its
+    nn.Linear gradient is a view) before the 4-bit base's, so the base's runs first in backward with a fresh
+    gradient, and RMSNorm returns its input gradient unviewed; undone, the sum is a third [T, D]."""
     model, _ = build_nonzero_b(_opts(ckpt3, ac=False, tiled_mlp=tiled))
     seen = {}
 
     def watch(name, x):   # from a forward hook: the gradient hook on x sees x's final (summed) gradient
-        x.register_hook(lambda g: seen.setdefault(name, g._version) and None)
+        x.register_hook(lambda g: (seen.setdefault(name, g._version), None)[1])
 
     for i, block in enumerate(model.model.layers):
         block.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} o_proj input", a[0]))

@@ -1,0 +1,116 @@
+"""Peak memory per phase of one training step (`train.py --mem-phases`): which part of the step sets the peak.
+
+Contract:
+- `PhaseMeter(model, device, out_dir=None, log=print)` hooks the model once; `with measuring(meter, on):`
+  around one micro-batch's forward and backward records, when `on`, each phase's peak in GB into
+  `meter.phases` [(name, GB)], in order:
+    forward                   the blocks' forward, up to the final norm's output
+    loss                      to the gradient of the final norm's output (the chunked loss, forward and backward)
+    last block: MLP           to the gradient of the last block's attention output (the final norm's backward,
+                              the block's recompute under AC, the MLP's backward, the residual's gradient sum)
+    last block: o_proj        to the gradient of o_proj's input
+    last block: attention     to the gradient of RoPE's q input (the attention kernel's backward, RoPE's)
+    last block: q/k/v, norm   to the gradient of the block's input
+    rest of backward          to the end of the backward (the other blocks)
+  The planner's block phase (parallel/plan.py: recompute + MLP, then attention) is the larger of the MLP and
+  attention rows; o_proj and q/k/v are not planner terms (its docstring argues they stay under attention). A
+  phase whose boundary never fires (a one-layer model: the block input needs no gradient) merges into the next.
+- The boundaries are hooks registered in that micro-batch's forward (tensor hooks on its tensors; a checkpoint's
+  recompute registers none), so they mark the backward of the graph being run.
+- A peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at each boundary (allocated bytes, what
+  the planner plans and the metrics' peak_mem_gb report); CPU: the RSS high-water mark (VmHWM), reset through
+  /proc/self/clear_refs (`why` says why there is none where that is not writable). Both resets also reset the
+  step's own peak: `peak_gb()` is the step's peak over the whole run, phases included. With `out_dir`, the
+  measured micro-batch ends with `report()` (a collective, every rank): OUT/mem_phases.json {"unit": "GB",
+  "device", "why", "ranks": [each rank's phases]}, and rank 0's phases logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from parallel.memory import recomputing
+
+
+def _vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+class PhaseMeter:
+    def __init__(self, model, device: torch.device, out_dir: str | None = None, log=print):
+        self.device, self.phases, self.best, self.on = device, [], 0.0, False
+        self.out_dir, self.log = out_dir, log
+        self.cuda = device.type == "cuda"
+        self.why = None if self.cuda or os.access("/proc/self/clear_refs", os.W_OK) else \
+            "no per-phase peaks on CPU here: /proc/self/clear_refs is not writable (VmHWM cannot be reset)"
+        core, last = model.model, model.model.layers[-1]
+        core.norm.register_forward_hook(self._forward_done)
+        last.self_attn.register_forward_hook(lambda m, a, out: self._watch(out, "last block: MLP"))
+        last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
+        last.self_attn.rotary.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: attention"))
+        last.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: q/k/v, norm"))
+
+    def _peak(self) -> float:   # bytes since the last reset, then reset
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            peak = _vm("VmHWM")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        self.best = max(self.best, peak / 1e9)
+        return peak / 1e9
+
+    def _mark(self, name: str) -> None:
+        self.phases.append((name, round(self._peak(), 3)))
+
+    def _watch(self, t, name):   # returns None: a forward (pre-)hook that returns something replaces args/output
+        if self.on and not recomputing() and torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(lambda g: self._mark(name))
+
+    def _forward_done(self, m, a, out):
+        if self.on:
+            self._mark("forward")
+            self._watch(out, "loss")
+            self.on = False   # the rest of the forward and the backward's recomputes register nothing
+
+    @contextlib.contextmanager
+    def measuring(self, on: bool):
+        if not on or self.why:
+            yield
+            return
+        self._peak()   # the step so far (optimizer state, data) is in `best`; the phases start here
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+        self._mark("rest of backward")
+        if self.out_dir:
+            self.report()
+
+    def report(self) -> None:
+        """Every rank's phases to OUT/mem_phases.json, rank 0's logged (a collective: every rank calls it)."""
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, self.phases)
+        if dist.get_rank() == 0:
+            with open(os.path.join(self.out_dir, "mem_phases.json"), "w") as f:
+                json.dump({"unit": "GB", "device": self.device.type, "why": self.why, "ranks": got}, f, indent=1)
+            self.log(self.why or "mem phases (rank 0, peak GB): " + ", ".join(f"{n} {gb}" for n, gb in got[0]))
+
+    def peak_gb(self) -> float:
+        """The run's peak so far, across the resets made here."""
+        if self.cuda:
+            return max(self.best, torch.cuda.max_memory_allocated(self.device) / 1e9)
+        return max(self.best, _vm("VmHWM") / 1e9)
+
+
+def measuring(meter: PhaseMeter | None, on: bool):
+    """`meter.measuring(on)`, or nothing without a meter."""
+    return meter.measuring(on) if meter is not None else contextlib.nullcontext()

@@ -1,0 +1,68 @@
+"""train.py --mem-phases (parallel/phases.py): the first step's peak memory per phase, in OUT/mem_phases.json.
+
+Pins (1 CPU rank, the tiny 2-layer checkpoint of tests/conftest.py; skipped where /proc/self/clear_refs is
+not writable, which the CPU peaks need):
+- the seven phases come in the backward's order, each a positive peak, with plain AC, --tiled-mlp,
+  --ac-group 2, --ac-keep-attn and no AC alike (a checkpoint's recompute adds no boundary);
+- attribution: 200 MB allocated inside every attention kernel backward shows in the last block's attention
+  phase (and in the rest of the backward: the other block's), not in its MLP, o_proj or q/k/v phases;
+- the meter's resets do not hide the step's own peak: peak_mem_gb of step 1 is at least every phase's.
+
+Run: .venv/bin/python -m pytest -q tests/test_phases.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.helpers import one_thread, train_argv
+
+PHASES = ["forward", "loss", "last block: MLP", "last block: o_proj", "last block: attention",
+          "last block: q/k/v, norm", "rest of backward"]
+
+pytestmark = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
+
+
+def _run(assets, out, *flags):
+    import train
+
+    with one_thread():
+        train.main(train_argv(assets, out, "--steps", "2", "--mem-phases", *flags))
+    with open(os.path.join(out, "mem_phases.json")) as f:
+        rep = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    return rep, first
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp"], ["--ac-group", "2"], ["--ac-keep-attn"], ["--no-ac"]],
+                         ids=["ac", "tiled", "group2", "keep-attn", "no-ac"])
+def test_phases_in_backward_order(assets, tmp_path, flags):
+    rep, first = _run(assets, str(tmp_path / "out"), *flags)
+    assert rep["unit"] == "GB" and rep["why"] is None and len(rep["ranks"]) == 1, rep
+    phases = rep["ranks"][0]
+    assert [n for n, _ in phases] == PHASES, phases
+    assert all(gb > 0 for _, gb in phases), phases
+    assert first["peak_mem_gb"] >= max(gb for _, gb in phases) - 1e-3, (first, phases)
+
+
+def test_phases_attribute_an_allocation_to_attention(assets, tmp_path, monkeypatch):
+    from parallel import kernels
+
+    backward = kernels.backward
+
+    def heavy(*a, **kw):   # 200 MB touched and freed in every kernel backward call
+        big = torch.ones(50_000_000)
+        del big
+        return backward(*a, **kw)
+
+    monkeypatch.setattr(kernels, "backward", heavy)
+    rep, _ = _run(assets, str(tmp_path / "out"))
+    got = dict(rep["ranks"][0])
+    others = max(got[k] for k in ("last block: MLP", "last block: o_proj", "last block: q/k/v, norm"))
+    assert got["last block: attention"] > others + 0.15, got
+    assert got["rest of backward"] > others + 0.15, got
