@@ -91,9 +91,12 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    q, k, v, out (more), so it is not a peak. Where a [T, D] tensor gets two gradients (o_proj's and q/k/v's
    input: the 4-bit base's and LoRA A's; the residuals), autograd sums them in place into one of them
    (model/qlora.fuse_lora orders A before the base, RMSNorm returns its gradient unviewed; test_memory pins
-   it): no third tensor, so o_proj's backward (dh and its two input gradients over the recompute) stays under
-   this phase. Measured on CPU (fp32, 28/4 heads, 16k tokens, norm chunks as at 512k): a sum out of place had
-   put o_proj's backward 1 eTD higher, level with the attention phase.
+   it): no third tensor with NF4, so o_proj's backward (dh and its two input gradients over the recompute)
+   stays under this phase; with a plain base (--quant none, an nn.Linear whose input gradient is a view, as
+   A's) the sum is a third eT·H·hd, and where the kernel's buffers are short (quarter blocks past 262,144
+   tokens) that phase is the larger: counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 + 1)·eT·H·hd).
+   Measured on CPU (fp32, 28/4 heads, 16k tokens, norm chunks as at 512k): the NF4 sum out of place had put
+   o_proj's backward 1 eTD higher, level with the attention phase.
    Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
    Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
@@ -263,9 +266,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
         what += "+ring"
     # alive then, beyond the recompute: dh (the MLP phase's two [T, D] gradients summed) and the kernel's
-    # incoming gradient (o_proj's input gradient); gone: the MLP's gradients and saved [T, F] tensors, h
-    held = e * T * H * hd - (0 if tiled else 4 * e * T * F)
-    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB)"] = max(0, attn + held - mlp)
+    # incoming gradient (o_proj's input gradient); gone: the MLP's gradients and saved [T, F] tensors, h.
+    # Just before it, o_proj's backward: its base's and LoRA A's input gradients, and with a plain base (a
+    # view, like A's) their sum as a third tensor: with short kernel buffers (quarter blocks) that is larger
+    lo = "o_proj" in targets
+    oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
+    gone = 0 if tiled else 4 * e * T * F
+    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads {oproj / GB:.2f})"] = \
+        max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D

@@ -95,6 +95,31 @@ def test_terms_by_hand():
     assert p.total == pytest.approx(p.peak * 1.10 + 1.0e9)
 
 
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_o_proj_backward_beats_short_attention_buffers_with_a_plain_base(monkeypatch, quant):
+    """o_proj's backward, just before the attention kernel's, holds its base's and LoRA A's input gradients;
+    with a plain base (an nn.Linear: a view, as A's, so autograd sums them out of place) their sum too. A
+    16,384-token row past four 1,024-token blocks takes 256-token quarter blocks, whose short kernel buffers
+    leave the o_proj phase the larger with --quant none; with NF4 (bitsandbytes' fresh gradient takes the
+    sum in place) the attention phase stays the larger. 28/4 heads of 16, tiled MLP, bf16 on CUDA."""
+    from parallel import kernels
+
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 1024)
+    m = ModelArgs(model_type="qwen2", vocab_size=1000, dim=448, n_layers=2, n_heads=28, n_kv_heads=4,
+                  intermediate_size=512)
+    args = train.build_parser().parse_args(["--max-len", "16384", "--global-batch", "1", "--quant", quant,
+                                            "--tiled-mlp"])
+    p = memory_plan(m, ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 28, 4), args, "cuda", pack=True)
+    e, T, H, K, hd = 2, 16384, 28, 4, 16
+    assert kernels.backward_block(T) == 256
+    call = e * T * hd * (H + 2 * K) + 4 * T * H * hd + 4 * e * T * H * hd
+    attn = e * T * H * hd + 8 * T * K * hd + max(e * T * K * hd, 256 / T * call)   # dq, fp32 dk/dv, one call
+    oproj = e * T * H * hd * (3 if quant == "none" else 2)
+    mlp = term(p, "| block backward")
+    assert term(p, "| block attention") == max(attn + e * T * H * hd, oproj) - mlp > 0
+    assert (oproj > attn + e * T * H * hd) == (quant == "none"), (oproj, attn + e * T * H * hd)
+
+
 def test_quant_state_matches_bitsandbytes():
     from bitsandbytes.functional import quantize_4bit
 
