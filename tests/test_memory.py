@@ -718,17 +718,22 @@ def test_ac_keep_attn_with_packed_rows_and_the_varlen_check(ckpt3, monkeypatch):
         torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
 
 
-_NORM_PEAK = """
+# a child process's RSS high-water mark, reset before each measured call; 2**20-element chunks (4 MB in
+# float32, 2 MB in bf16) against 134 MB inputs
+_PEAK_HELPERS = """
 import sys, torch
 torch.set_num_threads(1)
 import model.llama as llama
-llama.NORM_CHUNK = 2**20          # float32 chunk temporaries of 4 MB against a 134 MB input
+llama.NORM_CHUNK = 2**20
 def hwm():
     return {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in open("/proc/self/status"))
             if k in ("VmRSS", "VmHWM")}
 def reset():
     open("/proc/self/clear_refs", "w").write("5")
     return hwm()["VmRSS"]
+"""
+
+_NORM_PEAK = _PEAK_HELPERS + """
 x = torch.randn(65536, 1024, dtype=torch.bfloat16).requires_grad_()
 w, g = torch.rand(1024, dtype=torch.bfloat16) + 0.5, torch.randn(65536, 1024, dtype=torch.bfloat16)
 base = reset()
@@ -740,17 +745,7 @@ print(fwd / (2 * x.numel()), (hwm()["VmHWM"] - base) / (2 * x.numel()))
 """
 
 
-_ROPE_PEAK = """
-import sys, torch
-torch.set_num_threads(1)
-import model.llama as llama
-llama.NORM_CHUNK = 2**20          # 2 MB bf16 chunk temporaries against a 134 MB q
-def hwm():
-    return {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in open("/proc/self/status"))
-            if k in ("VmRSS", "VmHWM")}
-def reset():
-    open("/proc/self/clear_refs", "w").write("5")
-    return hwm()["VmRSS"]
+_ROPE_PEAK = _PEAK_HELPERS + """
 q = torch.randn(1, 65536, 16, 64, dtype=torch.bfloat16).requires_grad_()
 k = torch.randn(1, 65536, 1, 64, dtype=torch.bfloat16).requires_grad_()
 ang = torch.arange(65536.0)[None, :, None] * torch.rand(64)
