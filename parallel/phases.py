@@ -9,17 +9,19 @@ Contract:
     last block: MLP           to the gradient of the last block's attention output (the final norm's backward,
                               the block's recompute under AC, the MLP's backward, the residual's gradient sum)
     last block: o_proj        to the gradient of o_proj's input
-    last block: attention     to the gradient of RoPE's q input (the attention kernel's backward, RoPE's)
-    last block: q/k/v, norm   to the gradient of the block's input
+    last block: attention     to the first of q/k/v's projection-output gradients (the kernel's backward, RoPE's)
+    last block: q/k/v, norm   to the gradient of the block's input (the three projections' backward, the norm's)
     rest of backward          to the end of the backward (the other blocks)
-  The planner's block phase (parallel/plan.py: recompute + MLP, then attention) is the larger of the MLP and
-  attention rows; o_proj and q/k/v are not planner terms (its docstring argues they stay under attention). A
-  phase whose boundary never fires (a one-layer model: the block input needs no gradient) merges into the next.
+  The planner's block phase (parallel/plan.py: recompute + MLP, then the larger of attention and o_proj's
+  backward) is the largest of those rows; q/k/v is not a planner term (its docstring argues it stays under
+  attention). A phase whose boundary never fires (a one-layer model: the block input needs no gradient)
+  merges into the next.
 - The boundaries are hooks registered in that micro-batch's forward (tensor hooks on its tensors; a checkpoint's
   recompute registers none), so they mark the backward of the graph being run.
-- A peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at each boundary (allocated bytes, what
-  the planner plans and the metrics' peak_mem_gb report); CPU: the RSS high-water mark (VmHWM), reset through
-  /proc/self/clear_refs (`why` says why there is none where that is not writable). Both resets also reset the
+- A peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at each boundary (allocated bytes / 1e9,
+  what the planner plans and the metrics' peak_mem_gb report); CPU: the RSS high-water mark (VmHWM, kB / 1e6
+  as peak_mem_gb's ru_maxrss), reset through /proc/self/clear_refs (where that is not writable there are no
+  phases: the file and the log line say why). Both resets also reset the
   step's own peak: `peak_gb()` is the step's peak over the whole run, phases included. With `out_dir`, the
   measured micro-batch ends with `report()` (a collective, every rank): OUT/mem_phases.json {"unit": "GB",
   "device", "why", "ranks": [each rank's phases]}, and rank 0's phases logged.
@@ -36,10 +38,12 @@ import torch.distributed as dist
 
 from parallel.memory import recomputing
 
+CLEAR_REFS = "/proc/self/clear_refs"   # writing "5" resets this process's VmHWM (Linux)
 
-def _vm(key: str) -> int:
+
+def _vm_gb(key: str) -> float:   # kB / 1e6, the unit of parallel.mesh.peak_memory_gb's ru_maxrss on CPU
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1e6
 
 
 class PhaseMeter:
@@ -47,28 +51,31 @@ class PhaseMeter:
         self.device, self.phases, self.best, self.on = device, [], 0.0, False
         self.out_dir, self.log = out_dir, log
         self.cuda = device.type == "cuda"
-        self.why = None if self.cuda or os.access("/proc/self/clear_refs", os.W_OK) else \
-            "no per-phase peaks on CPU here: /proc/self/clear_refs is not writable (VmHWM cannot be reset)"
+        self.why = None if self.cuda or os.access(CLEAR_REFS, os.W_OK) else \
+            f"no per-phase peaks on CPU here: {CLEAR_REFS} is not writable (VmHWM cannot be reset)"
         core, last = model.model, model.model.layers[-1]
         core.norm.register_forward_hook(self._forward_done)
         last.self_attn.register_forward_hook(lambda m, a, out: self._watch(out, "last block: MLP"))
         last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
-        last.self_attn.rotary.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: attention"))
+        for proj in ("q_proj", "k_proj", "v_proj"):   # the first of the three gradients to arrive ends attention
+            getattr(last.self_attn, proj).register_forward_hook(
+                lambda m, a, out: self._watch(out, "last block: attention"))
         last.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: q/k/v, norm"))
 
-    def _peak(self) -> float:   # bytes since the last reset, then reset
+    def _peak(self) -> float:   # GB since the last reset, then reset
         if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 1e9
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            peak = _vm("VmHWM")
-            with open("/proc/self/clear_refs", "w") as f:
+            peak = _vm_gb("VmHWM")
+            with open(CLEAR_REFS, "w") as f:
                 f.write("5")
-        self.best = max(self.best, peak / 1e9)
-        return peak / 1e9
+        self.best = max(self.best, peak)
+        return peak
 
     def _mark(self, name: str) -> None:
-        self.phases.append((name, round(self._peak(), 3)))
+        if all(n != name for n, _ in self.phases):   # a boundary with several hooks: the first one to fire
+            self.phases.append((name, round(self._peak(), 3)))
 
     def _watch(self, t, name):   # returns None: a forward (pre-)hook that returns something replaces args/output
         if self.on and not recomputing() and torch.is_tensor(t) and t.requires_grad:
@@ -82,17 +89,20 @@ class PhaseMeter:
 
     @contextlib.contextmanager
     def measuring(self, on: bool):
-        if not on or self.why:
+        if not on:
             yield
             return
-        self._peak()   # the step so far (optimizer state, data) is in `best`; the phases start here
-        self.on = True
+        self.phases = []
+        if not self.why:
+            self._peak()   # the step so far (optimizer state, data) is in `best`; the phases start here
+            self.on = True
         try:
             yield
         finally:
             self.on = False
-        self._mark("rest of backward")
-        if self.out_dir:
+        if not self.why:
+            self._mark("rest of backward")
+        if self.out_dir:   # with `why` too: the file says why it holds no phases
             self.report()
 
     def report(self) -> None:
@@ -108,7 +118,7 @@ class PhaseMeter:
         """The run's peak so far, across the resets made here."""
         if self.cuda:
             return max(self.best, torch.cuda.max_memory_allocated(self.device) / 1e9)
-        return max(self.best, _vm("VmHWM") / 1e9)
+        return max(self.best, _vm_gb("VmHWM"))
 
 
 def measuring(meter: PhaseMeter | None, on: bool):

@@ -5,8 +5,10 @@ not writable, which the CPU peaks need):
 - the seven phases come in the backward's order, each a positive peak, with plain AC, --tiled-mlp,
   --ac-group 2, --ac-keep-attn and no AC alike (a checkpoint's recompute adds no boundary);
 - attribution: 200 MB allocated inside every attention kernel backward shows in the last block's attention
-  phase (and in the rest of the backward: the other block's), not in its MLP, o_proj or q/k/v phases;
-- the meter's resets do not hide the step's own peak: peak_mem_gb of step 1 is at least every phase's.
+  phase (and in the rest of the backward: the other block's), not in its MLP, o_proj or q/k/v phases; 200 MB
+  in the k/v projections' backward (which autograd runs before q's) shows in the q/k/v phase, not attention;
+- the meter's resets do not hide the step's own peak: peak_mem_gb of step 1 is at least every phase's;
+- without a writable clear_refs the file still comes, with no phases and the reason.
 
 Run: .venv/bin/python -m pytest -q tests/test_phases.py
 """
@@ -48,6 +50,36 @@ def test_phases_in_backward_order(assets, tmp_path, flags):
     assert [n for n, _ in phases] == PHASES, phases
     assert all(gb > 0 for _, gb in phases), phases
     assert first["peak_mem_gb"] >= max(gb for _, gb in phases) - 1e-3, (first, phases)
+
+
+def test_phases_put_k_and_v_projections_after_attention(assets, tmp_path, monkeypatch):
+    """Autograd runs v's and k's projection backward before q's: the attention phase ends at the first of the
+    three projection-output gradients, so 200 MB allocated in the k/v projections' backward (NF4: bitsandbytes'
+    matmul, output width 16 here) shows in the q/k/v phase, not in attention (a boundary on q alone put it
+    there)."""
+    import bitsandbytes.autograd._functions as bf
+
+    backward = bf.MatMul4Bit.backward
+
+    def heavy(ctx, g):
+        if g.shape[-1] == 16:   # k_proj, v_proj: 2 KV heads x 8
+            big = torch.ones(50_000_000)
+            del big
+        return backward(ctx, g)
+
+    monkeypatch.setattr(bf.MatMul4Bit, "backward", staticmethod(heavy))
+    rep, _ = _run(assets, str(tmp_path / "out"), "--quant", "nf4")
+    got = dict(rep["ranks"][0])
+    others = max(got[k] for k in ("last block: MLP", "last block: o_proj", "last block: attention"))
+    assert got["last block: q/k/v, norm"] > others + 0.15, got
+
+
+def test_phases_without_a_peak_reset_say_why(assets, tmp_path, monkeypatch):
+    from parallel import phases
+
+    monkeypatch.setattr(phases, "CLEAR_REFS", str(tmp_path / "none" / "clear_refs"))   # no such file
+    rep, _ = _run(assets, str(tmp_path / "out"))
+    assert rep["ranks"] == [[]] and "is not writable" in rep["why"], rep
 
 
 def test_phases_attribute_an_allocation_to_attention(assets, tmp_path, monkeypatch):
