@@ -28,7 +28,7 @@ from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs, inv_freq
 
-NORM_CHUNK = 2**26   # elements of x per row chunk in eager RMSNorm: float32 temporaries of at most 256 MB
+NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB) and RoPE
 
 
 def _norm_rows(x: torch.Tensor) -> int:

@@ -36,7 +36,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from parallel.memory import recomputing
 
 CLEAR_REFS = "/proc/self/clear_refs"   # writing "5" resets this process's VmHWM (Linux)
 
@@ -78,7 +77,7 @@ class PhaseMeter:
             self.phases.append((name, round(self._peak(), 3)))
 
     def _watch(self, t, name):   # returns None: a forward (pre-)hook that returns something replaces args/output
-        if self.on and not recomputing() and torch.is_tensor(t) and t.requires_grad:
+        if self.on and torch.is_tensor(t) and t.requires_grad:   # off once the forward's last block has run
             t.register_hook(lambda g: self._mark(name))
 
     def _forward_done(self, m, a, out):
