@@ -36,7 +36,6 @@ import os
 import torch
 import torch.distributed as dist
 
-
 CLEAR_REFS = "/proc/self/clear_refs"   # writing "5" resets this process's VmHWM (Linux)
 
 
