@@ -62,6 +62,7 @@ def build_parser(add_help=True):
       "more memory; `--plan` names the fewest that fit")
     a("--ac-keep-attn", action="store_true", help="AC keeps each block's attention output: recompute skips attention")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
+    a("--tiled-attn", action="store_true", help="run each attention sublayer over tiles of query rows (--cp 1)")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
     # Parallel
     a("--cp", type=int, default=1, help="context-parallel degree: ranks that share one sequence")

@@ -140,12 +140,14 @@ class Rotary(nn.Module):
     (no parameters) so that `parallel.parallelize.apply_compile` can fuse it from outside; eager mode runs it
     in sequence chunks (_RopeFn), compiled code as one fused formula."""
 
-    def forward(self, q, k, cos, sin):
+    def forward(self, q, k, cos, sin):   # k may be None (the query tiles of parallel/tiled_attention.py)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
         if (torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad   # _RopeFn: constant tables
                 or cos.dtype != q.dtype or sin.dtype != q.dtype):                            # in q's dtype
-            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        return _RopeFn.apply(q, cos, sin), _RopeFn.apply(k, cos, sin)
+            rope = lambda x: x * cos + rotate_half(x) * sin
+        else:
+            rope = lambda x: _RopeFn.apply(x, cos, sin)
+        return rope(q), None if k is None else rope(k)
 
 
 class SwiGLU(nn.Module):
@@ -172,14 +174,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, core, meta):
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)      # [B, S, H, Hd]
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)   # [B, S, K, Hd]
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)   # [B, S, K, Hd]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, cos, sin)
+        q = self.queries(x, cos, sin)                                     # [B, S, H, Hd]
+        k, v = self.keys_values(x, cos, sin)                              # [B, S, K, Hd]
         out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
+
+    # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
+    def queries(self, x, cos, sin):
+        q = self.q_proj(x).view(*x.shape[:2], self.n_heads, self.head_dim)         # [B, S, H, Hd]
+        return self.rotary(self.q_norm(q) if self.qk_norm else q, None, cos, sin)[0]
+
+    def keys_values(self, x, cos, sin):
+        k = self.k_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
+        v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
+        k = self.rotary(self.k_norm(k) if self.qk_norm else k, None, cos, sin)[0]
+        return k, v
 
 
 class MLP(nn.Module):

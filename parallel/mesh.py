@@ -180,6 +180,9 @@ def check_flags(args) -> None:
     if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():
         raise ValueError(f"--ac-keep-attn with --compile: torch {torch.__version__}'s selective-checkpoint cache "
                          "stops torch.compile inside it (every block would run eager); use one or the other")
+    if getattr(args, "tiled_attn", False) and getattr(args, "ac_keep_attn", False):
+        raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
+                         "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.steps is not None and args.steps < 1:
@@ -240,6 +243,9 @@ def validate(args, margs, world: int):
     dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
                                   args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
     check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+    if getattr(args, "tiled_attn", False) and dims.cp > 1:
+        raise ValueError(f"--tiled-attn with --cp {dims.cp}: the tiles run one process's whole-sequence attention, "
+                         "and context parallelism splits the sequence across ranks already; drop one of them")
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")

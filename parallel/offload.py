@@ -121,6 +121,7 @@ class HostOffload:
                 if torch.is_grad_enabled() and q.requires_grad:   # a recompute's hook never runs: harmless
                     q.register_hook(self.release)
                 return core(q, *args, **kwargs)
+            run.release = self.release   # for a sublayer that runs no core (parallel/tiled_attention.py)
             return run
 
         def run(x, cos, sin, core, meta):

@@ -9,7 +9,9 @@
     4. memory steps (parallel/memory.py)  wrap forwards (parameter names unchanged) before fully_shard,
                                           so FSDP2's hooks stay outside: the pre-backward all-gather
                                           has run when a recompute starts
-       a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile
+       a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile;
+          apply_tiled_attention           the attention sublayer over tiles of query rows (one process)
+          (--tiled-attn)
        b. apply_ac: checkpoint each block inside it, the tiled MLP keeps only its input; with
           (--offload-activations,         --offload-activations the saved block inputs go to host memory;
            --ac-group, --ac-blocks)       --ac-group G: one more checkpoint around each G blocks;
@@ -40,14 +42,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from model.attention import SDPAAttention
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights
 from model.weights import load_weights
+from parallel.cp import KernelAttention
 from parallel.fsdp import apply_fsdp
 from parallel.memory import apply_norm_rebuild, apply_tiled_mlp, recompute_context
 from parallel.mesh import check_ac
 from parallel.offload import HostOffload
+from parallel.tiled_attention import apply_tiled_attention
 
 
 @dataclass
@@ -62,6 +67,7 @@ class BuildOptions:
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
+    tiled_attn: bool = False               # attention sublayer over tiles of query rows (parallel/tiled_attention.py)
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
     ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
@@ -73,7 +79,8 @@ class BuildOptions:
         """The options of a run (train.py's flags)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
-                   seed=args.seed, tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations,
+                   seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
+                   offload_activations=args.offload_activations,
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
                    ac_keep_attn=args.ac_keep_attn)
 
@@ -263,6 +270,11 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
             pack_nf4_weights(model)
     if opts.tiled_mlp:                                                      # 4a
         apply_tiled_mlp(model)
+    if opts.tiled_attn:
+        if attention is not None and not isinstance(attention, (KernelAttention, SDPAAttention)):
+            raise ValueError("--tiled-attn tiles one process's whole-sequence attention; with context "
+                             "parallelism (--cp > 1) the sequence is split across ranks already: drop one of them")
+        apply_tiled_attention(model)
     if opts.ac:                                                             # 4b
         apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks, opts.ac_keep_attn)
     if opts.compile:                                                        # 4c

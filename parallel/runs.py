@@ -42,7 +42,7 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
                 "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
-          "ac_blocks", "ac_keep_attn", "tiled_mlp", "offload_activations", "compile")
+          "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
 
 
 def _entries(path: str) -> list[str]:

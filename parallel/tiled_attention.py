@@ -1,0 +1,236 @@
+"""Query-tiled attention sublayer (--tiled-attn): no [tokens, heads·head_dim] tensor but the attention output is kept.
+
+Contract:
+- `apply_tiled_attention(model, tile=None)` makes each block's attention sublayer (the input norm when handed its
+  output tagged by parallel.memory.apply_norm_rebuild, q/k/v with their LoRA, q/k norms, RoPE, the attention,
+  o_proj with its LoRA) run over tiles of query rows, one process (refused under CP: parallel.mesh.check_flags).
+  Forward, per tile in order: the norm, q, k and v of the tile's tokens (k, v written into row-long buffers),
+  the tile's attention against the keys up to its end, o_proj written into one [B, S, D] output. The causal
+  attention of a tile is its diagonal block (causal) plus the earlier keys in key blocks of the tile's size
+  (non-causal), merged by log-sum-exp; packed rows are split at document boundaries (a tile's piece of a
+  document sees that document's keys only); a sliding window masks sub-tiles of max(window, 64) queries against
+  their own keys, as parallel.kernels does. Every call goes through parallel.kernels (its backend choice).
+  Saved: the sublayer's input (the norm's input), k and v after RoPE, the attention output and its lse: not
+  q, no LoRA intermediate, no norm output. Backward, per tile: o_proj recomputed from the saved output tile
+  and differentiated (its input gradient is the kernel's incoming gradient), the kernels' backward with the
+  global out/lse (dq for the tile; dk, dv summed over the row in float32), q's chain recomputed and
+  differentiated into the input gradient; then per tile k/v's chain with its slice of dk, dv, added in.
+  Parameter gradients are summed over tiles in float32 and returned through autograd, as the tiled MLP does.
+- Tile (`tile=None`): kernels.BACKWARD_BLOCK // 4 = 16,384 query rows (the key blocks too): a call's buffers
+  are those of one blocked-backward call past 262,144 tokens, and each call is still ~4 TFLOP of attention.
+- Peak of a block's backward (AC): the recompute keeps x, k, v, out (eT·(D + H·hd + 2K·hd)) instead of q, k,
+  v, out and the norm's input; the attention phase holds dh, dx and float32 dk, dv over the row plus one tile's
+  tensors, instead of the kernel's incoming gradient, dq and dh over the row (parallel/plan.py). Cost: o_proj
+  and q's projections run once more per step, in backward (the attention kernels do not).
+- With --offload-activations the next block's input is fetched once the query tiles' backward is done
+  (HostOffload.after_attention's `release`); with LoRA dropout each tile's q, k/v and o_proj draws are replayed
+  from the RNG states of forward. Per token the math is the untiled sublayer's; the attention's partial results
+  and the parameter gradients are summed in another order.
+
+Credit: tiling a sublayer over the sequence with per-tile recompute follows Arctic Long Sequence Training
+(Bekman et al., 2025); the log-sum-exp merge of key blocks is ring attention's (Liu et al., 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel import kernels, masks
+from parallel.ring import _merge
+
+TILE = kernels.BACKWARD_BLOCK // 4
+
+
+def _rng_state(device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng(state, device):
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class _Spec:
+    """What one sublayer call needs besides tensors: its module, the norm run per tile, tiles, documents."""
+
+    def __init__(self, attn, pre, tile, docs, release):
+        self.attn, self.pre, self.tile, self.docs, self.release = attn, pre, tile, docs, release
+        self.scale, self.window = attn.head_dim ** -0.5, attn.window
+        self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
+
+    def units(self, b, s):
+        """(rows, a, e, the rows' document bounds): every row together unless rows differ in documents."""
+        rows = [(slice(None), None)] if self.docs is None else [(slice(i, i + 1), d) for i, d in enumerate(self.docs)]
+        return [(r, a, min(a + self.tile, s), d or [0, s]) for r, d in rows for a in range(0, s, self.tile)]
+
+
+def _pieces(spec, a, e, bounds):
+    """(pa, pe, keys from, mask or None): the tile's queries [a, e) cut at documents, windows and key blocks."""
+    w = spec.window
+    for ds, de in zip(bounds[:-1], bounds[1:]):
+        pa, pe = max(a, ds), min(e, de)
+        if pa >= pe:
+            continue
+        if w is not None and w < pe - ds:   # the window binds: sub-tiles masked against their own keys
+            for sa in range(pa, pe, max(w, 64)):
+                se, ks = min(sa + max(w, 64), pe), max(ds, sa - w + 1)
+                dev = spec.device
+                yield sa, se, ks, masks.keep(torch.arange(sa, se, device=dev), torch.arange(ks, se, device=dev),
+                                             window=w)
+        else:
+            yield pa, pe, ds, None
+
+
+def _blocks(spec, pa, pe, ks):
+    """(key from, key to, causal): the diagonal block, then the earlier keys in blocks of the tile's size."""
+    yield pa, pe, True
+    for c in range(ks, pa, spec.tile):
+        yield c, min(c + spec.tile, pa), False
+
+
+def _attend(spec, q, k, v, a, bounds, out, lse):
+    """q [R, n, H, hd] (queries a..a+n) against the row's k, v: writes out [R, n, H, hd], lse [R, H, n]."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for pa, pe, ks, keep in _pieces(spec, a, a + q.shape[1], bounds):
+        qp = q[:, pa - a:pe - a]
+        if keep is not None:
+            o, lp = kernels.forward(qp, k[:, ks:pe], v[:, ks:pe], False, spec.scale, mask=keep)
+            out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
+            continue
+        o = lp = None
+        for c, f, causal in _blocks(spec, pa, pe, ks):
+            bo, bl = kernels.forward(qp, k[:, c:f], v[:, c:f], causal, spec.scale)
+            if o is None:
+                o, lp = bo.to(acc, copy=True), bl.to(acc, copy=True)
+            else:
+                _merge(o, lp, bo, bl)
+        out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
+
+
+def _attend_backward(spec, dout, q, k, v, out, lse, a, bounds, dk, dv):
+    """dq [R, n, H, hd] (float32) of the tile's queries; adds the tile's share into dk, dv (row-long, float32)."""
+    dq = torch.zeros(q.shape, dtype=dk.dtype, device=q.device)
+    for pa, pe, ks, keep in _pieces(spec, a, a + q.shape[1], bounds):
+        i, j = pa - a, pe - a
+        args = (dout[:, i:j], q[:, i:j])
+        calls = [(ks, pe, False)] if keep is not None else _blocks(spec, pa, pe, ks)
+        for c, f, causal in calls:
+            gq, gk, gv = kernels.backward(*args, k[:, c:f], v[:, c:f], out[:, i:j], lse[:, :, i:j], causal,
+                                          spec.scale, mask=keep)
+            dq[:, i:j] += gq
+            dk[:, c:f] += gk
+            dv[:, c:f] += gv
+    return dq
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, x, cos, sin, *params):
+        attn, (b, s, _) = spec.attn, x.shape
+        spec.device = x.device
+        h, kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        lse_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        k, v = (x.new_empty(b, s, kv, hd) for _ in range(2))
+        out, lse, o = x.new_empty(b, s, h, hd), torch.empty(b, h, s, dtype=lse_dtype, device=x.device), None
+        states = []
+        for r, a, e, bounds in spec.units(b, s):
+            st = [_rng_state(x.device) if spec.rng else None]
+            y = spec.pre(x[r, a:e])
+            q = attn.queries(y, cos[r, a:e], sin[r, a:e])
+            st.append(_rng_state(x.device) if spec.rng else None)
+            k[r, a:e], v[r, a:e] = attn.keys_values(y, cos[r, a:e], sin[r, a:e])
+            del y
+            _attend(spec, q, k[r], v[r], a, bounds, out[r, a:e], lse[r, :, a:e])
+            del q
+            st.append(_rng_state(x.device) if spec.rng else None)
+            ot = attn.o_proj(out[r, a:e].flatten(2))
+            if o is None:
+                o = ot.new_empty(b, s, ot.shape[-1])
+            o[r, a:e] = ot
+            states.append(st)
+        ctx.spec, ctx.params, ctx.states = spec, params, states
+        ctx.save_for_backward(x, cos, sin, k, v, out, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        x, cos, sin, k, v, out, lse = ctx.saved_tensors
+        spec, params, attn = ctx.spec, list(ctx.params), ctx.spec.attn
+        need_x = ctx.needs_input_grad[1]
+        dx = torch.empty_like(x) if need_x else None
+        acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
+        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+        units = spec.units(*x.shape[:2])
+
+        def grad(outputs, xt, grads):   # the input gradient (or None) and the parameters' sums
+            pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]   # (a LoRA-free chain needs none)
+            if not pairs:
+                return None
+            wrt = ([xt] if need_x else []) + params
+            got = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            for j, g in enumerate(got[need_x:]):
+                if g is not None:
+                    acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
+            return got[0] if need_x else None
+
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=spec.rng):
+            for (r, a, e, bounds), st in zip(units, ctx.states):   # o_proj, the kernels, q's chain
+                xt = x[r, a:e].detach().requires_grad_(need_x)
+                ot_in = out[r, a:e].detach().flatten(2).requires_grad_()
+                with torch.enable_grad():
+                    if spec.rng:
+                        _set_rng(st[2], x.device)
+                    ot = attn.o_proj(ot_in)
+                dout = torch.autograd.grad(ot, [ot_in] + params, do[r, a:e], allow_unused=True)
+                for j, g in enumerate(dout[1:]):
+                    if g is not None:
+                        acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
+                dout = dout[0].view(out[r, a:e].shape)
+                del ot, ot_in
+                with torch.enable_grad():
+                    if spec.rng:
+                        _set_rng(st[0], x.device)
+                    q = attn.queries(spec.pre(xt), cos[r, a:e], sin[r, a:e])
+                dq = _attend_backward(spec, dout, q.detach(), k[r], v[r], out[r, a:e], lse[r, :, a:e], a, bounds,
+                                      dk[r], dv[r])
+                del dout
+                g = grad((q,), xt, (dq.to(q.dtype),))
+                if need_x:
+                    dx[r, a:e] = g
+                del q, dq, g
+            if spec.release is not None:   # the query tiles' backward is done: the next block's input may come
+                spec.release()
+            for (r, a, e, _), st in zip(units, ctx.states):   # k/v's chain with its slice of dk, dv
+                xt = x[r, a:e].detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    if spec.rng:
+                        _set_rng(st[1], x.device)
+                    kt, vt = attn.keys_values(spec.pre(xt), cos[r, a:e], sin[r, a:e])
+                g = grad((kt, vt), xt, (dk[r, a:e].to(kt.dtype), dv[r, a:e].to(vt.dtype)))
+                if need_x:
+                    dx[r, a:e] += g
+        pgrads = [None if g is None else g.to(p.dtype) for g, p in zip(acc, params)]
+        return (None, dx, None, None, *pgrads)
+
+
+def _tiled(attn, tile: int | None):
+    def run(y, cos, sin, core, meta):
+        if meta is not None and not isinstance(meta, list):
+            raise ValueError("--tiled-attn runs the attention on one process (document bounds per row); this "
+                             f"attention core hands it {type(meta).__name__}: drop --tiled-attn or use --cp 1")
+        # the trainable parameters are inputs, read per call (FSDP2 swaps sharded and unsharded ones)
+        params = [p for p in attn.parameters() if p.requires_grad]
+        src = getattr(y, "_norm_output", None)   # (the norm that made y, its input): the tiles run the norm
+        pre, x = (lambda t: t, y) if src is None else (src[0].forward, src[1])
+        if src is not None:
+            params += src[0].params
+        spec = _Spec(attn, pre, max(1, tile or TILE), meta, getattr(core, "release", None))
+        return _TiledAttention.apply(spec, x, cos, sin, *params)
+    return run
+
+
+def apply_tiled_attention(model, tile: int | None = None) -> None:
+    """Tile every block's attention sublayer over query rows (module docstring); parameter names are unchanged."""
+    for block in model.model.layers:
+        block.self_attn.forward = _tiled(block.self_attn, tile)
