@@ -1,7 +1,8 @@
 """The memory planner against measurement: real 2-step training runs on CPU ranks, planned vs measured peak.
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
---offload-activations, --ac-group, --ac-blocks, --ac-keep-attn, the blocked attention backward; 1k-16k tokens) this
+--offload-activations, --ac-group, --ac-blocks, --ac-keep-attn, --tiled-attn, the blocked attention backward;
+1k-16k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
@@ -80,10 +81,19 @@ CONFIGS = [
     ("cp1 nf4 16k tiled offload v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--offload-activations"]),
     ("cp1 nf4 16k tiled offload blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp",
                                                           "--offload-activations"]),
+    # --tiled-attn: the attention sublayer over query tiles (an eighth of the row; blocks4k: 1,024 rows)
+    ("cp1 nf4 4k tiled-attn", 1, 4096, ["--quant", "nf4", "--tiled-attn"]),
+    ("cp1 none 4k no-AC tiled-attn", 1, 4096, ["--quant", "none", "--no-ac", "--tiled-attn"]),
+    ("dp2 nf4 4k tiled tiled-attn", 2, 4096, ["--quant", "nf4", "--dp-shard", "2", "--tiled-mlp", "--tiled-attn"]),
+    ("cp1 nf4 16k tiled tiled-attn v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn"]),
+    ("cp1 nf4 16k tiled tiled-attn blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn"]),
+    ("cp1 nf4 16k tiled tiled-attn offload v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn",
+                                                            "--offload-activations"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
-BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096}
+BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,
+          "cp1 nf4 16k tiled tiled-attn blocks4k v512": 4096}
 MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
 

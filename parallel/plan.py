@@ -170,6 +170,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     targets = [t for t in args.lora_targets.split(",") if t in shapes]
     nf4 = args.quant == "nf4"
     tiled, offload = getattr(args, "tiled_mlp", False), getattr(args, "offload_activations", False)
+    ta = getattr(args, "tiled_attn", False)
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
     K = L - N   # blocks that keep their activations (the last K; no AC at all when N == 0)
@@ -191,9 +192,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
 
     def layer_saved(first: bool) -> float:
-        inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))]
-        b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct - 4 * T * tiled
-        b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
+        inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
+                 and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+        if ta:   # the tiles keep the norm's input (its output at layer 0), k, v, out, lse: no rsqrt, q, LoRA A input
+            b = e * T * D + (e * T * D + 4 * T) - 4 * T * tiled + e * T * hd * (H + 2 * Kp) + 4 * T * H
+        else:
+            b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
+            b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
+            b -= 4 * T * tiled
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in targets))
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner)
         if args.lora_dropout > 0:
@@ -272,8 +278,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lo = "o_proj" in targets
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F
-    t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads {oproj / GB:.2f})"] = \
-        max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
+    if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
+        from parallel.tiled_attention import tile_rows
+        n = tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
+        call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
+        tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call
+        attn = 2 * e * T * D + 8 * T * Kp * hd + tile + dequant
+        t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
+            max(0, attn - e * T * D - gone - mlp)
+    else:
+        t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
+          f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D

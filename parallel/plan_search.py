@@ -74,10 +74,15 @@ def _fixes(args, margs, world, target, mem, host):
                     for g in gs]
     tries = [(f, _with(args, **kw), world) for f, kw, ok in (
         ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
-        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp), *groups, *tiled_groups,
+        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp),
+        ("--tiled-mlp --tiled-attn" + off, dict(tiled_mlp=True, tiled_attn=True, **nk),
+         not (args.tiled_mlp and args.tiled_attn)), *groups, *tiled_groups,
         (f"--offload-activations{off}", dict(offload_activations=True, **nk), args.ac and not args.offload_activations),
         (f"--tiled-mlp --offload-activations{off}", dict(tiled_mlp=True, offload_activations=True, **nk),
          args.ac and not (args.tiled_mlp or args.offload_activations)),
+        (f"--tiled-mlp --tiled-attn --offload-activations{off}",
+         dict(tiled_mlp=True, tiled_attn=True, offload_activations=True, **nk),
+         args.ac and not (args.tiled_attn or args.offload_activations)),
         ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
         ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
         ("no --ac-keep-attn", dict(ac_keep_attn=False), args.ac_keep_attn)) if ok]
@@ -181,15 +186,17 @@ def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):
 
 
 def _memory_flags(args, margs):
-    sets = [("", {})]
-    sets += [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
+    tiles = [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
+    if not args.tiled_attn and not args.ac_keep_attn:   # (--cp > 1 layouts refuse it: validate drops those)
+        tiles += [(f"{'--tiled-mlp ' * (not args.tiled_mlp)}--tiled-attn", dict(tiled_mlp=True, tiled_attn=True))]
+    sets = [("", {})] + tiles
     g = max(_groups(args, margs), default=0)   # the fewest inputs: what reaches the longest
     if g:
-        sets += [(f"--ac-group {g}", dict(ac_group=g))]
-        sets += [(f"--tiled-mlp --ac-group {g}", dict(tiled_mlp=True, ac_group=g))] if not args.tiled_mlp else []
+        sets += [(f"--ac-group {g}", dict(ac_group=g))] + [(f"{f} --ac-group {g}", dict(ac_group=g, **kw))
+                                                           for f, kw in tiles]
     if args.ac and not args.offload_activations and args.ac_group == 1:
-        sets += [("--offload-activations", dict(offload_activations=True)),
-                 ("--tiled-mlp --offload-activations", dict(tiled_mlp=True, offload_activations=True))]
+        sets += [("--offload-activations", dict(offload_activations=True))] + [
+            (f"{f} --offload-activations", dict(offload_activations=True, **kw)) for f, kw in tiles]
     return sets
 
 
@@ -206,7 +213,7 @@ def suggest_longest(args, margs, world, target, mem, host, where):
           + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]))
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
-    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "",
+    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "", "--tiled-attn" if args.tiled_attn else "",
                                 f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
                                 f"--ac-blocks {args.ac_blocks}" if args.ac_blocks is not None else "",
                                 "--ac-keep-attn" if args.ac_keep_attn else "",
@@ -253,7 +260,8 @@ def main(argv, run_parser, demo: dict):
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
-          f"AC {ac}, tiled MLP {'on' if args.tiled_mlp else 'off'}, offload "
+          f"AC {ac}, tiled MLP {'on' if args.tiled_mlp else 'off'}, tiled attention "
+          f"{'on' if args.tiled_attn else 'off'}, offload "
           f"{'on' if args.offload_activations else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():
@@ -290,7 +298,8 @@ def main(argv, run_parser, demo: dict):
 
 def keep_attn_fits(args, margs, dims, target, mem, host, pack):
     """(flags, plan): --ac-keep-attn, else with --tiled-mlp, when it fits with SAFETY headroom and is not set."""
-    if not args.ac or args.ac_keep_attn or args.ac_group > 1 or args.offload_activations or args.ac_blocks == 0:
+    if (not args.ac or args.ac_keep_attn or args.ac_group > 1 or args.offload_activations or args.ac_blocks == 0
+            or args.tiled_attn):   # (the two refuse each other: parallel.mesh.check_flags)
         return None
     for flags, kw in (("--ac-keep-attn", {}), ("--tiled-mlp --ac-keep-attn", {"tiled_mlp": True}))[:2 - args.tiled_mlp]:
         p = memory_plan(margs, dims, _with(args, ac_keep_attn=True, **kw), target, pack)

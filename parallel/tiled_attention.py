@@ -16,8 +16,10 @@ Contract:
   global out/lse (dq for the tile; dk, dv summed over the row in float32), q's chain recomputed and
   differentiated into the input gradient; then per tile k/v's chain with its slice of dk, dv, added in.
   Parameter gradients are summed over tiles in float32 and returned through autograd, as the tiled MLP does.
-- Tile (`tile=None`): kernels.BACKWARD_BLOCK // 4 = 16,384 query rows (the key blocks too): a call's buffers
-  are those of one blocked-backward call past 262,144 tokens, and each call is still ~4 TFLOP of attention.
+- Tile (`tile=None`, `tile_rows`): an eighth of the row, at least 256 and at most kernels.BACKWARD_BLOCK // 4
+  = 16,384 query rows (the key blocks too). At 16,384 a call's buffers are those of one blocked-backward call past
+  262,144 tokens and each call is still ~4 TFLOP of attention; the eighth keeps the tile's transients (its
+  norm output, q, the kernel's incoming gradient, dq, a call's buffers) well under the row's on short rows.
 - Peak of a block's backward (AC): the recompute keeps x, k, v, out (eT·(D + H·hd + 2K·hd)) instead of q, k,
   v, out and the norm's input; the attention phase holds dh, dx and float32 dk, dv over the row plus one tile's
   tensors, instead of the kernel's incoming gradient, dq and dh over the row (parallel/plan.py). Cost: o_proj
@@ -38,7 +40,12 @@ import torch
 from parallel import kernels, masks
 from parallel.ring import _merge
 
-TILE = kernels.BACKWARD_BLOCK // 4
+
+def tile_rows(s: int, tile: int | None = None) -> int:
+    """Query rows per tile of an s-token row: `tile` if given, else an eighth of the row (at least 256) up to
+    kernels.BACKWARD_BLOCK // 4 (module docstring): short rows get several tiles too, so no tile's transients
+    approach the row's."""
+    return max(1, tile or min(kernels.BACKWARD_BLOCK // 4, max(256, -(-s // 8))))
 
 
 def _rng_state(device):
@@ -55,7 +62,7 @@ class _Spec:
     """What one sublayer call needs besides tensors: its module, the norm run per tile, tiles, documents."""
 
     def __init__(self, attn, pre, tile, docs, release):
-        self.attn, self.pre, self.tile, self.docs, self.release = attn, pre, tile, docs, release
+        self.attn, self.pre, self.tile_arg, self.docs, self.release = attn, pre, tile, docs, release
         self.scale, self.window = attn.head_dim ** -0.5, attn.window
         self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
 
@@ -128,7 +135,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, x, cos, sin, *params):
         attn, (b, s, _) = spec.attn, x.shape
-        spec.device = x.device
+        spec.device, spec.tile = x.device, tile_rows(s, spec.tile_arg)
         h, kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         lse_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         k, v = (x.new_empty(b, s, kv, hd) for _ in range(2))
@@ -225,7 +232,7 @@ def _tiled(attn, tile: int | None):
         pre, x = (lambda t: t, y) if src is None else (src[0].forward, src[1])
         if src is not None:
             params += src[0].params
-        spec = _Spec(attn, pre, max(1, tile or TILE), meta, getattr(core, "release", None))
+        spec = _Spec(attn, pre, tile, meta, getattr(core, "release", None))
         return _TiledAttention.apply(spec, x, cos, sin, *params)
     return run
 
