@@ -240,7 +240,7 @@ def _fsdp_cases(rank, world_size, path, mem):
     rsum, rn = ref(ids, position_ids=pos, labels=labels)
     (rsum / rn).backward()
     ref_grads = _lora_grads(ref)
-    for cp, impl in ((1, "ulysses"), (2, "ring")):
+    for cp, impl in ((1, "ulysses"),) + ((2, "ring"),) * (not mem.get("tiled_attn")):   # (tiled attention: cp 1)
         label = f"cp {cp} {impl} × dp_shard {world_size // cp}"
         dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
         meshes = dims.build_mesh("cpu")
@@ -290,6 +290,14 @@ def _all_gathers(model, ids, pos, labels):
 @pytest.mark.timeout(300)
 def test_fsdp_tiled_offload_match_single_process(ckpt):
     mem = dict(ac=True, tiled_mlp=True, offload_activations=True)
+    assert run_ranks(_fsdp_cases, 4, ckpt, mem, timeout=280) == [True] * 4
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_tiled_attention_matches_single_process(ckpt):
+    """--tiled-attn with the tiled MLP and offload under FSDP2 (dp_shard 4): the single-process untiled model's
+    loss and LoRA gradients on every rank."""
+    mem = dict(ac=True, tiled_mlp=True, tiled_attn=True, offload_activations=True)
     assert run_ranks(_fsdp_cases, 4, ckpt, mem, timeout=280) == [True] * 4
 
 

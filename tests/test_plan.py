@@ -155,10 +155,12 @@ def _saved_and_plan(tmp_path, layers, flags, **opts):
     return alive, memory_plan(model.args, dims, args, "cpu", pack_rows)
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
-def test_activations_match_autograd(tmp_path, tiled):
+@pytest.mark.parametrize("tiled,ta", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both"])
+def test_activations_match_autograd(tmp_path, tiled, ta):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
-    saved, p = _saved_and_plan(tmp_path, 2, ["--no-ac"] + ["--tiled-mlp"] * tiled, ac=False, tiled_mlp=tiled)
+    flags = ["--no-ac"] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta
+    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 
@@ -279,11 +281,21 @@ def test_plan_does_not_fit_names_the_fix():
     assert "fits: " in out and "base weights shard" in out and plan.total < 80e9
 
 
+def test_plan_names_tiled_attn_where_the_tiled_mlp_alone_does_not_fit():
+    """Qwen2.5-7B NF4 at 524,288 tokens on 141 GB: the tiled MLP alone is over; the fixes name both tilings."""
+    with pytest.raises(SystemExit) as exc:
+        run_plan("--model", Q7, "--max-len", "524288", "--world-size", "1", "--gpu-mem", "141", "--global-batch", "1",
+                 "--tiled-mlp")
+    msg = str(exc.value.code)
+    assert "does not fit" in msg and re.search(r"--tiled-mlp --tiled-attn \(1[34]\d\.\d GB\)", msg), msg
+
+
 @pytest.mark.parametrize("flags, pattern", [
     (["--cp", "8", "--cp-impl", "ulysses"], r"28 attention heads are not divisible by the Ulysses degree 8"),
     (["--cp", "8", "--lr", "nan"], r"--lr must be a finite number"),
     (["--cp", "3"], r"cannot infer --dp-shard: world size 8"),
     (["--cp", "2", "--global-batch", "6"], r"--global-batch 6 must be a multiple of"),
+    (["--cp", "2", "--tiled-attn"], r"--tiled-attn with --cp 2: .* drop one of them"),
 ])
 def test_plan_invalid_layout_uses_the_runs_checks(flags, pattern):
     with pytest.raises(ValueError, match=pattern):   # what the run raises; train.py's CLI prints "error: ..."
@@ -297,7 +309,8 @@ SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--m
                  ["--timeout", "-1"], ["--ac-group", "0"], ["--ac-group", "3", "--offload-activations"],
                  ["--ac-blocks", "-1"], ["--ac-blocks", "1", "--no-ac"], ["--ac-blocks", "1", "--ac-group", "2"],
                  ["--ac-blocks", "9"], ["--ac-keep-attn", "--no-ac"], ["--ac-keep-attn", "--ac-group", "2"],
-                 ["--ac-keep-attn", "--offload-activations"], ["--ac-keep-attn", "--ac-blocks", "0"]]
+                 ["--ac-keep-attn", "--offload-activations"], ["--ac-keep-attn", "--ac-blocks", "0"],
+                 ["--tiled-attn", "--ac-keep-attn"]]
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))
@@ -371,6 +384,7 @@ def _fits_at(n, flags, world, gpu, host):
 
 
 @pytest.mark.parametrize("world, flags, gpu, host, goal", [
+    (1, ["--tiled-mlp", "--tiled-attn"], 141, 512, 524_288),
     (1, ["--tiled-mlp", "--ac-group", "2"], 141, 512, 524_288),
     (1, ["--tiled-mlp", "--offload-activations"], 141, 512, 1_200_000),
     (4, ["--cp", "4", "--tiled-mlp", "--offload-activations"], 80, 256, 2_097_152),
@@ -395,9 +409,11 @@ def test_suggest_max_len_auto_names_the_flags():
     rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--host-mem", "512",
                          "--global-batch", "1")
     lines = out.strip().splitlines()
-    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --offload-activations", out
+    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --tiled-attn --offload-activations", \
+        out
     assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows), out
-    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 6, out
+    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 9, out
     assert [f.split("ulysses")[-1].strip() for _, f in rows] == [
-        "--tiled-mlp --offload-activations", "--tiled-mlp --ac-group 4", "--tiled-mlp", "--offload-activations",
-        "--ac-group 4", ""], out
+        "--tiled-mlp --tiled-attn --offload-activations", "--tiled-mlp --offload-activations",
+        "--tiled-mlp --tiled-attn --ac-group 4", "--tiled-mlp --ac-group 4", "--tiled-mlp --tiled-attn", "--tiled-mlp",
+        "--offload-activations", "--ac-group 4", ""], out

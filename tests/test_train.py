@@ -10,7 +10,9 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs), and `--ac-group 2` (both
   blocks recomputed as one group; with the tiled MLP on 1 rank and Ulysses) and `--ac-blocks 1` (block 1 not
   checkpointed; on ring cp 2 × dp 2 with the tiled MLP and offload) and `--ac-keep-attn` (1 rank; Ulysses
-  with the tiled MLP; ring with 2 documents per row and `--ac-blocks 1`) likewise, train as the plain run
+  with the tiled MLP; ring with 2 documents per row and `--ac-blocks 1`) and `--tiled-attn` (1 rank with the tiled
+  MLP and offload, with 4 packed samples per micro-batch, with a sliding window; `--dp-shard 4` with 2 documents per
+  row) likewise, train as the plain run
   (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
   relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
@@ -59,6 +61,8 @@ FOUR_RANK = {   # out-dir name -> layout flags
                                   "--tiled-mlp"],
     "keep_attn_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-keep-attn", "--micro-batch",
                                "2", "--ac-blocks", "1"],
+    # --tiled-attn runs one process's attention (refused under CP): FSDP2 over 4 ranks, 2 documents per row
+    "tiled_attn_dp4_pack_mb2": ["--dp-shard", "4", "--micro-batch", "2", "--tiled-attn", "--tiled-mlp"],
 }
 FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
@@ -80,6 +84,8 @@ FOUR_RANK_ERRORS = {
                                  ["--max-len 6", "CP divisor 8"]),
     "ulysses heads": (["--cp", "4", "--cp-impl", "ulysses"],
                       ["6 attention heads are not divisible by the Ulysses degree 4", "--cp-impl ring"]),
+    "tiled attention under cp": (["--cp", "2", "--dp-shard", "2", "--tiled-attn"],
+                                 ["--tiled-attn with --cp 2", "drop one of them"]),
 }
 
 
@@ -138,6 +144,9 @@ def one(assets, tmp_path_factory):
         "group": ["--tiled-mlp", "--ac-group", "2"],
         "partial_ac": ["--ac-blocks", "1"],
         "keep_attn": ["--ac-keep-attn"],
+        "tiled_attn": ["--tiled-attn", "--tiled-mlp", "--offload-activations"],
+        "tiled_attn_pack": ["--micro-batch", "4", "--pack", "--tiled-attn"],
+        "tiled_attn_window": ["--model", assets["window"], "--tiled-attn"],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -250,6 +259,14 @@ def test_ac_blocks_changes_nothing_one_rank(one):
 def test_ac_keep_attn_changes_nothing_one_rank(one):
     _compare("--ac-keep-attn (the recompute reuses attention outputs) vs plain AC (1 rank)", _at(one, "keep_attn"),
              _at(one, "fp32"))
+
+
+@pytest.mark.timeout(300)
+def test_tiled_attention_changes_nothing_one_rank(one):
+    _compare("--tiled-attn --tiled-mlp --offload-activations vs none of them (1 rank)", _at(one, "tiled_attn"),
+             _at(one, "fp32"))
+    _compare("--tiled-attn, 4 packed samples per micro-batch vs untiled", _at(one, "tiled_attn_pack"), _at(one, "pack"))
+    _compare("--tiled-attn, 16-token window on layer 1 vs untiled", _at(one, "tiled_attn_window"), _at(one, "window"))
 
 
 @pytest.mark.timeout(300)
