@@ -16,18 +16,17 @@ with the reason. Each run: 1 warm-up step, then the median of the timed steps; t
 allocated GB (ours and hf: the whole process, load included; liger: from its first step); the
 tokens/s ratio of each run to each other run. Results go to bench/gpu-results.json after every run.
 
-Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped
-there: its [tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus
-our runs with --tiled-mlp, --offload-activations and --tiled-mlp --ac-group 4 (each one's tokens/s cost
-against plain "ours"). Both cases also run "ours+fit-ac": --ac-blocks N with the fewest checkpointed blocks
-the planner fits in 95% of this device (less recompute; the speed lever when memory is left over), and
-selective AC: "ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute skips attention, the tiled
-MLP pays for the kept outputs' memory), at 32k also "ours+keep-attn".
-`--case long` (not in "all": one step takes minutes): 524,288 tokens, 8 layers,
-ours with --tiled-mlp --offload-activations, one step. Every "ours" row also prints its peak against the
-planner's total for the same flags (`train.py --plan`: fragmentation and runtime included) and its first
-step's peak per phase (`train.py --mem-phases`: forward, loss, the last block's MLP, o_proj, attention and
-q/k/v backward, the rest), which says which planner term a mismatch is in.
+Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped there: its
+[tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus our runs with
+--tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4 and --tiled-mlp --tiled-attn (each one's tokens/s cost
+against plain "ours"). Both cases also run "ours+fit-ac": --ac-blocks N with the fewest checkpointed blocks the
+planner fits in 95% of this device (less recompute; the speed lever when memory is left over), and selective AC:
+"ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute skips attention, the tiled MLP pays for the kept
+outputs' memory), at 32k also "ours+keep-attn". `--case long` (not in "all": one step takes minutes): 524,288
+tokens, 8 layers, ours with --tiled-mlp --offload-activations and with --tiled-mlp --tiled-attn, one step each.
+Every "ours" row also prints its peak against the planner's total for the same flags (`train.py --plan`:
+fragmentation and runtime included) and its first step's peak per phase (`train.py --mem-phases`: forward, loss, the
+last block's MLP, o_proj, attention and q/k/v backward, the rest), which says which planner term a mismatch is in.
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
 would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
 in seconds on CPU (float32, no quantization: bitsandbytes NF4 and Liger need CUDA), which
@@ -62,13 +61,15 @@ CASES = {"32k": (32768, None), "128k": (131072, 8), "long": (524288, 8)}   # tok
 FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
              "ours+tiled": ["--tiled-mlp"], "ours+offload": ["--offload-activations"],
             "ours+tiled+group4": ["--tiled-mlp", "--ac-group", "4"],
-            "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"]}
+            "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"],
+            "ours+tiled-attn": ["--tiled-mlp", "--tiled-attn"],
+            "ours+tiled-attn+offload": ["--tiled-mlp", "--tiled-attn", "--offload-activations"]}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", "ours+keep-attn", "ours+tiled+keep-attn", FIT_AC],
                 "128k": ["ours", "hf", "liger", "ours+tiled+keep-attn", FIT_AC, "ours+tiled", "ours+offload",
-                         "ours+tiled+group4"],
-                "long": ["ours+tiled+offload"]}
+                         "ours+tiled+group4", "ours+tiled-attn"],
+                "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -416,7 +417,8 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload", "ours+tiled+keep-attn"] if smoke
+            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload", "ours+tiled+keep-attn", "ours+tiled-attn+offload"]
+            if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)

@@ -14,8 +14,8 @@ Contract:
     rest of backward          to the end of the backward (the other blocks)
   The planner's block phase (parallel/plan.py: recompute + MLP, then the larger of attention and o_proj's
   backward) is the largest of those rows; q/k/v is not a planner term (its docstring argues it stays under
-  attention). A phase whose boundary never fires (a one-layer model: the block input needs no gradient)
-  merges into the next.
+  attention). A phase whose boundary never fires (a one-layer model: the block input needs no gradient;
+  --tiled-attn, whose tiles run o_proj, the kernels and q's projection together) merges into the next.
 - The boundaries are hooks registered in that micro-batch's forward (tensor hooks on its tensors; a checkpoint's
   recompute registers none), so they mark the backward of the graph being run.
 - A peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at each boundary (allocated bytes / 1e9,

@@ -8,7 +8,8 @@ Pins:
   HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
   either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
-  --tiled-mlp --ac-keep-attn and with the planner's fewest --ac-blocks run too,
+  --tiled-mlp --ac-keep-attn, with --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
+  --ac-blocks run too,
   and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
@@ -57,8 +58,9 @@ def test_smoke_mode_writes_results(tmp_path):
     written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
-    assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn"])
-    for name in ("ours", "hf", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn"):
+    assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn",
+                                   "ours+tiled-attn+offload"])
+    for name in ("ours", "hf", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn", "ours+tiled-attn+offload"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -71,6 +73,12 @@ def test_smoke_mode_writes_results(tmp_path):
     mem = rows["ours+tiled+offload"]
     assert mem["flags"] == ["--tiled-mlp", "--offload-activations"] and rows["ours"]["flags"] == []
     assert rows["ours+tiled+keep-attn"]["flags"] == ["--tiled-mlp", "--ac-keep-attn"], rows["ours+tiled+keep-attn"]
+    ta = rows["ours+tiled-attn+offload"]
+    assert ta["flags"] == ["--tiled-mlp", "--tiled-attn", "--offload-activations"], ta
+    assert ta["planned_gb"] > 0 and ta["peak_vs_plan"] == pytest.approx(ta["peak_gb"] / ta["planned_gb"])
+    # the tiles run o_proj, the kernels and q together: their phases merge into the q/k/v row
+    assert isinstance(ta["mem_phases"], str) or [n for n, _ in ta["mem_phases"]] == [
+        "forward", "loss", "last block: MLP", "last block: q/k/v, norm", "rest of backward"], ta["mem_phases"]
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     for r in (rows["ours"], mem):
