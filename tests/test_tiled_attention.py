@@ -190,3 +190,19 @@ def test_saves_no_query_sized_tensor_but_the_output(ckpts):
     B, S, D, H, K, hd = 2, 37, 64, 4, 2, 16
     assert sorted(shapes) == sorted([(B, S, D), (B, S, hd), (B, S, hd), (B, S, K, hd), (B, S, K, hd),
                                      (B, S, H, hd), (B, H, S)]), shapes
+
+
+@pytest.mark.parametrize("mem", [dict(ac_group=2), dict(ac_blocks=1), dict(tiled_mlp=True, offload_activations=True)],
+                         ids=["ac_group2", "ac_blocks1", "tiled_mlp_offload"])
+def test_tiled_attention_composes_with_the_memory_flags(ckpts, mem, monkeypatch):
+    """With the group recompute (both blocks in one group), a block left out of AC, the tiled MLP and offload:
+    the untiled no-AC model's loss and LoRA gradients (5-row tiles)."""
+    from parallel import kernels
+
+    ref = _loss_and_grads(build_nonzero_b(_opts(ckpts["qwen3"], ac=False))[0])
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 20)
+    got = _loss_and_grads(build_nonzero_b(_opts(ckpts["qwen3"], ac=True, tiled_attn=True, **mem))[0])
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{mem}: loss")
+    assert len(ref[1]) == 28
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{mem}: grad {k}")
