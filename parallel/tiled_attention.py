@@ -25,9 +25,11 @@ Contract:
   tensors, instead of the kernel's incoming gradient, dq and dh over the row (parallel/plan.py). Cost: o_proj
   and q's projections run once more per step, in backward (the attention kernels do not).
 - With --offload-activations the next block's input is fetched once the query tiles' backward is done
-  (HostOffload.after_attention's `release`); with LoRA dropout each tile's q, k/v and o_proj draws are replayed
-  from the RNG states of forward. Per token the math is the untiled sublayer's; the attention's partial results
-  and the parameter gradients are summed in another order.
+  (HostOffload.after_attention's `release`) and k, v, out, lse are freed (under AC the checkpoint's unpack
+  leaves the backward the only reference): the k/v phase then holds x, dh, dx, float32 dk/dv and that input.
+- With LoRA dropout each tile's q, k/v and o_proj draws are replayed from the RNG states of forward. Per token the
+  math is the untiled sublayer's; the attention's partial results and the parameter gradients are summed in another
+  order.
 
 Credit: tiling a sublayer over the sequence with per-tile recompute follows Arctic Long Sequence Training
 (Bekman et al., 2025); the log-sum-exp merge of key blocks is ring attention's (Liu et al., 2023).
@@ -206,6 +208,9 @@ class _TiledAttention(torch.autograd.Function):
                 if need_x:
                     dx[r, a:e] = g
                 del q, dq, g
+            # k, v, out and lse are done with (k/v's chain is recomputed from x): under AC the checkpoint's unpack
+            # left these names the only references, so they go before the next block's input comes back
+            del k, v, out, lse
             if spec.release is not None:   # the query tiles' backward is done: the next block's input may come
                 spec.release()
             for (r, a, e, _), st in zip(units, ctx.states):   # k/v's chain with its slice of dk, dv

@@ -10,7 +10,7 @@ B != 0, so every LoRA gradient is non-zero):
 - with LoRA dropout the gradients are those of the function forward computed: the reference runs the same tiles
   with autograd from the same seed (torch SDPA with an explicit mask per tile), and the masks really vary;
 - with --offload-activations each block's release (the next block's input comes back) fires once per backward,
-  from the tiles;
+  from the tiles, after the block's kept attention output is freed;
 - what it saves: no q, no LoRA intermediate of q/k/v/o (the planner's no-AC term equals the bytes autograd keeps
   is in test_plan); the tile rule.
 The train.py runs (1 rank, dp_shard 4 with FSDP2) are in test_train; the planner's CPU check in bench/plan.py.
@@ -19,6 +19,8 @@ Run: .venv/bin/python -m pytest -q tests/test_tiled_attention.py
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -163,9 +165,14 @@ def test_offload_release_fires_once_per_block_from_the_tiles(ckpts):
     model, _ = build_nonzero_b(_opts(ckpts["qwen2"], ac=True, tiled_attn=True, offload_activations=True))
     hooks = model.model.layers[0].forward.hooks
     calls, release = [], hooks.release
-    hooks.release = lambda *a: (calls.append(a), release(*a))[1]
+
+    def alive():   # the attention outputs [B, S, H, hd] still referenced from Python at this moment
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (2, 37, 4, 16))
+    hooks.release = lambda *a: (calls.append(alive()), release(*a))[1]
     got = _loss_and_grads(model)
     assert len(calls) == 2, f"{len(calls)} releases for 2 blocks"
+    # the block's kept out (k, v, lse too) is dropped before the next block's input comes back
+    assert calls == [0, 0], f"attention outputs alive at the releases: {calls}"
     model2, _ = build_nonzero_b(_opts(ckpts["qwen2"], ac=True))
     ref = _loss_and_grads(model2)
     torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss with offload")
