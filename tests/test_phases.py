@@ -52,6 +52,15 @@ def test_phases_in_backward_order(assets, tmp_path, flags):
     assert first["peak_mem_gb"] >= max(gb for _, gb in phases) - 1e-3, (first, phases)
 
 
+def test_phases_with_tiled_attention_merge_o_proj_and_attention(assets, tmp_path):
+    """--tiled-attn runs o_proj, the kernels and q's projection per tile in one backward: no o_proj or attention
+    boundary fires, so those phases merge into the q/k/v row (documented), the rest in order."""
+    rep, first = _run(assets, str(tmp_path / "out"), "--tiled-attn", "--tiled-mlp")
+    phases = rep["ranks"][0]
+    assert [n for n, _ in phases] == [n for n in PHASES if n not in ("last block: o_proj", "last block: attention")]
+    assert all(gb > 0 for _, gb in phases) and first["peak_mem_gb"] >= max(gb for _, gb in phases) - 1e-3, phases
+
+
 def test_phases_put_k_and_v_projections_after_attention(assets, tmp_path, monkeypatch):
     """Autograd runs v's and k's projection backward before q's: the attention phase ends at the first of the
     three projection-output gradients, so 200 MB allocated in the k/v projections' backward (NF4: bitsandbytes'
