@@ -42,6 +42,8 @@ def _layouts(args, margs, world):
         impls = [("ulysses", None), ("ring", None)] + [("hybrid", u) for u in range(2, cp) if cp % u == 0]
         for rank, (impl, u) in enumerate(impls[:1] if cp == 1 else impls):
             a = _with(args, cp=cp, dp_shard=-1, cp_impl=impl, ulysses_degree=u)
+            if cp > 1 and args.tiled_attn:   # one process's attention: a CP layout runs without it (and says so)
+                a = _with(a, tiled_attn=False, dropped_tiled_attn=True)
             try:
                 dims, pack = validate(a, margs, world)
             except ValueError:
@@ -52,7 +54,8 @@ def _layouts(args, margs, world):
 
 def _flags(a, dims) -> str:
     return f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
-        f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "")
+        f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "") + (
+        " (no --tiled-attn)" if getattr(a, "dropped_tiled_attn", False) else "")
 
 
 def _fits(p, mem, host) -> bool:
@@ -87,9 +90,10 @@ def _fixes(args, margs, world, target, mem, host):
         ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
         ("no --ac-keep-attn", dict(ac_keep_attn=False), args.ac_keep_attn)) if ok]
     tries += [(_flags(a, dims), a, world) for a, dims, _ in _layouts(args, margs, world) if a.cp > args.cp]
+    no_ta = " (no --tiled-attn)" * args.tiled_attn   # CP splits the sequence instead
     for k in (2, 4, 8):
-        tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto)",
-                      _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None), world * k))
+        tries.append((f"more ranks: --world-size {world * k} --cp {args.cp * k} (--cp-impl auto){no_ta}",
+                      _with(args, cp=args.cp * k, cp_impl="auto", ulysses_degree=None, tiled_attn=False), world * k))
     out, seen = [], set()
     for flags, a, w in tries:
         kind = " ".join(f for f in flags.split() if f.startswith("--")) if flags.startswith("--") else flags[:10]
@@ -207,20 +211,20 @@ def suggest_longest(args, margs, world, target, mem, host, where):
         for extra, kw in _memory_flags(args, margs):
             n = longest(_with(a, **kw), margs, world, target, mem, host)
             if n:
-                rows.append((n, f"{_flags(a, dims)} {extra}".strip()))
+                rows.append((n, f"{_flags(a, dims)} {extra}".strip(), a.tiled_attn))
     rows.sort(key=lambda r: -r[0])
     print(f"longest --max-len per layout and memory flags in {where}, host {host / GB:.0f} GB per rank:\n"
-          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]))
+          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags, _ in rows or [(0, "none", 0)]))
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
-    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "", "--tiled-attn" if args.tiled_attn else "",
+    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "", "--tiled-attn" if rows[0][2] else "",
                                 f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
                                 f"--ac-blocks {args.ac_blocks}" if args.ac_blocks is not None else "",
                                 "--ac-keep-attn" if args.ac_keep_attn else "",
                                 "--offload-activations" if args.offload_activations else "") if f)
     print(f"flags: {rows[0][1]} {base}".rstrip())
     print(f"max_len {rows[0][0]}")
-    return rows
+    return [(n, flags) for n, flags, _ in rows]
 
 
 def main(argv, run_parser, demo: dict):

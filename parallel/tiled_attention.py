@@ -16,14 +16,17 @@ Contract:
   global out/lse (dq for the tile; dk, dv summed over the row in float32), q's chain recomputed and
   differentiated into the input gradient; then per tile k/v's chain with its slice of dk, dv, added in.
   Parameter gradients are summed over tiles in float32 and returned through autograd, as the tiled MLP does.
-- Tile (`tile=None`, `tile_rows`): an eighth of the row, at least 256 and at most kernels.BACKWARD_BLOCK // 4
-  = 16,384 query rows (the key blocks too). At 16,384 a call's buffers are those of one blocked-backward call past
-  262,144 tokens and each call is still ~4 TFLOP of attention; the eighth keeps the tile's transients (its
-  norm output, q, the kernel's incoming gradient, dq, a call's buffers) well under the row's on short rows.
+- Tile (`tile=None`, `tile_rows`): an eighth of the row in multiples of 128, at least 256 and at most
+  kernels.BACKWARD_BLOCK // 4 = 16,384 query rows (the key blocks too). Rows of several documents call the kernels
+  with one shape per piece: on a GPU where cuDNN leads they take flash-attn or torch's flash op. At 16,384 a call's
+  buffers are those of one blocked-backward call past 262,144 tokens and each call is still ~4 TFLOP of attention;
+  the eighth keeps the tile's transients (its norm output, q, the kernel's incoming gradient, dq, a call's buffers)
+  well under the row's on short rows.
 - Peak of a block's backward (AC): the recompute keeps x, k, v, out (eT·(D + H·hd + 2K·hd)) instead of q, k,
   v, out and the norm's input; the attention phase holds dh, dx and float32 dk, dv over the row plus one tile's
-  tensors, instead of the kernel's incoming gradient, dq and dh over the row (parallel/plan.py). Cost: o_proj
-  and q's projections run once more per step, in backward (the attention kernels do not).
+  tensors, instead of the kernel's incoming gradient, dq and dh over the row (parallel/plan.py). Cost: the four
+  projections' forward runs once more per step, in backward, the input norm three more times (in forward and
+  recompute the block computes it whole and the tiles again; in backward twice per tile); the kernels do not.
 - With --offload-activations the next block's input is fetched once the query tiles' backward is done
   (HostOffload.after_attention's `release`) and k, v, out, lse are freed (under AC the checkpoint's unpack
   leaves the backward the only reference): the k/v phase then holds x, dh, dx, float32 dk/dv and that input.
@@ -38,16 +41,27 @@ Credit: tiling a sublayer over the sequence with per-tile recompute follows Arct
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from parallel import kernels, masks
 from parallel.ring import _merge
 
 
 def tile_rows(s: int, tile: int | None = None) -> int:
-    """Query rows per tile of an s-token row: `tile` if given, else an eighth of the row (at least 256) up to
-    kernels.BACKWARD_BLOCK // 4 (module docstring): short rows get several tiles too, so no tile's transients
-    approach the row's."""
-    return max(1, tile or min(kernels.BACKWARD_BLOCK // 4, max(256, -(-s // 8))))
+    """Query rows per tile of an s-token row: `tile` if given, else an eighth of the row rounded up to a multiple
+    of 128 (at least 256) up to kernels.BACKWARD_BLOCK // 4 (module docstring): short rows get several tiles too,
+    so no tile's transients approach the row's, and no tile is 64 mod 128 long (cuDNN refuses those)."""
+    return max(1, tile or min(kernels.BACKWARD_BLOCK // 4, max(256, -(-s // 1024) * 128)))
+
+
+def _document_backend(x, head_dim: int) -> str | None:
+    """Packed rows cut the tiles at documents: calls of many (queries, keys) shapes. cuDNN builds a graph per new
+    shape (parallel/kernels.py), so where it would lead those calls take flash-attn, else torch's flash op."""
+    if not x.is_cuda:
+        return None
+    order = kernels.backend_order("cuda", x.dtype, head_dim, 128, 128, kernels._capability(x.device),
+                                  kernels._cudnn_usable(), kernels._fa is not None)
+    return ("flash_attn" if kernels._fa is not None else "sdpa_cuda") if order[0] == "cudnn" else None
 
 
 def _rng_state(device):
@@ -65,7 +79,7 @@ class _Spec:
 
     def __init__(self, attn, pre, tile, docs, release):
         self.attn, self.pre, self.tile_arg, self.docs, self.release = attn, pre, tile, docs, release
-        self.scale, self.window = attn.head_dim ** -0.5, attn.window
+        self.scale, self.window, self.backend = attn.head_dim ** -0.5, attn.window, None
         self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
 
     def units(self, b, s):
@@ -104,12 +118,12 @@ def _attend(spec, q, k, v, a, bounds, out, lse):
     for pa, pe, ks, keep in _pieces(spec, a, a + q.shape[1], bounds):
         qp = q[:, pa - a:pe - a]
         if keep is not None:
-            o, lp = kernels.forward(qp, k[:, ks:pe], v[:, ks:pe], False, spec.scale, mask=keep)
+            o, lp = kernels.forward(qp, k[:, ks:pe], v[:, ks:pe], False, spec.scale, spec.backend, mask=keep)
             out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
             continue
         o = lp = None
         for c, f, causal in _blocks(spec, pa, pe, ks):
-            bo, bl = kernels.forward(qp, k[:, c:f], v[:, c:f], causal, spec.scale)
+            bo, bl = kernels.forward(qp, k[:, c:f], v[:, c:f], causal, spec.scale, spec.backend)
             if o is None:
                 o, lp = bo.to(acc, copy=True), bl.to(acc, copy=True)
             else:
@@ -126,7 +140,7 @@ def _attend_backward(spec, dout, q, k, v, out, lse, a, bounds, dk, dv):
         calls = [(ks, pe, False)] if keep is not None else _blocks(spec, pa, pe, ks)
         for c, f, causal in calls:
             gq, gk, gv = kernels.backward(*args, k[:, c:f], v[:, c:f], out[:, i:j], lse[:, :, i:j], causal,
-                                          spec.scale, mask=keep)
+                                          spec.scale, spec.backend, mask=keep)
             dq[:, i:j] += gq
             dk[:, c:f] += gk
             dv[:, c:f] += gv
@@ -138,6 +152,8 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, spec, x, cos, sin, *params):
         attn, (b, s, _) = spec.attn, x.shape
         spec.device, spec.tile = x.device, tile_rows(s, spec.tile_arg)
+        if spec.docs is not None:
+            spec.backend = _document_backend(x, attn.head_dim)
         h, kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
         lse_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         k, v = (x.new_empty(b, s, kv, hd) for _ in range(2))
@@ -163,6 +179,7 @@ class _TiledAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable   # (the recompute inside is differentiated once, here)
     def backward(ctx, do):
         x, cos, sin, k, v, out, lse = ctx.saved_tensors
         spec, params, attn = ctx.spec, list(ctx.params), ctx.spec.attn

@@ -290,6 +290,21 @@ def test_plan_names_tiled_attn_where_the_tiled_mlp_alone_does_not_fit():
     assert "does not fit" in msg and re.search(r"--tiled-mlp --tiled-attn \(1[34]\d\.\d GB\)", msg), msg
 
 
+def test_plan_searches_keep_cp_layouts_open_without_tiled_attn():
+    """--tiled-attn runs one process's attention, so a CP layout is named with "(no --tiled-attn)" instead of
+    silently vanishing from the fixes and from --suggest --max-len auto."""
+    with pytest.raises(SystemExit) as exc:
+        run_plan("--model", Q7, "--max-len", "1048576", "--world-size", "8", "--gpu-mem", "141", "--global-batch", "8",
+                 "--tiled-mlp", "--tiled-attn")
+    assert "--cp 4 --dp-shard 2 --cp-impl ulysses (no --tiled-attn) (" in str(exc.value.code), exc.value.code
+    rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--world-size", "4", "--gpu-mem", "80",
+                         "--host-mem", "256", "--global-batch", "4", "--tiled-mlp", "--tiled-attn")
+    lines = out.strip().splitlines()
+    assert lines[-1] == "max_len 3566592" and "--cp 4" in lines[-2] and "(no --tiled-attn)" in lines[-2], out
+    assert not lines[-2].endswith("--tiled-attn"), out   # the user's flag is not added back to a CP layout
+    assert any(f.startswith("--cp 1 ") and "no --tiled-attn" not in f for _, f in rows), out
+
+
 @pytest.mark.parametrize("flags, pattern", [
     (["--cp", "8", "--cp-impl", "ulysses"], r"28 attention heads are not divisible by the Ulysses degree 8"),
     (["--cp", "8", "--lr", "nan"], r"--lr must be a finite number"),

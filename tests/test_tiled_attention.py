@@ -12,7 +12,8 @@ B != 0, so every LoRA gradient is non-zero):
 - with --offload-activations each block's release (the next block's input comes back) fires once per backward,
   from the tiles, after the block's kept attention output is freed;
 - what it saves: no q, no LoRA intermediate of q/k/v/o (the planner's no-AC term equals the bytes autograd keeps
-  is in test_plan); the tile rule.
+  is in test_plan); the tile rule; rows of documents keep off cuDNN (a graph per shape) on a GPU;
+- a second-order gradient through it raises instead of returning a silently wrong one.
 The train.py runs (1 rank, dp_shard 4 with FSDP2) are in test_train; the planner's CPU check in bench/plan.py.
 
 Run: .venv/bin/python -m pytest -q tests/test_tiled_attention.py
@@ -104,6 +105,28 @@ def test_tile_rule():
 
     assert tile_rows(37) == 256 and tile_rows(4096) == 512 and tile_rows(131072) == 16384
     assert tile_rows(524288) == 16384 and tile_rows(4096, 100) == 100
+    assert tile_rows(4608) == 640 and tile_rows(12800) == 1664   # multiples of 128: never 64 mod 128 (cuDNN)
+
+
+def test_rows_of_documents_keep_off_cudnn(monkeypatch):
+    """Packed rows call the kernels with one shape per document piece; where cuDNN would lead (it builds a graph
+    per new shape) they take flash-attn, else torch's flash op; elsewhere the usual choice (None)."""
+    from types import SimpleNamespace
+
+    from parallel import kernels
+    from parallel.tiled_attention import _document_backend
+
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
+    monkeypatch.setattr(kernels, "_fa", None)
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")
+    assert _document_backend(x, 128) == "sdpa_cuda"
+    monkeypatch.setattr(kernels, "_fa", object())
+    assert _document_backend(x, 128) == "flash_attn"
+    assert _document_backend(SimpleNamespace(is_cuda=True, dtype=torch.float32, device="cuda:0"), 128) is None
+    monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))   # no cuDNN lead on Ampere: untouched
+    assert _document_backend(x, 128) is None
+    assert _document_backend(torch.zeros(1, 2, 3), 128) is None
 
 
 def test_tiled_attention_with_lora_dropout_replays_the_masks(ckpts, monkeypatch):
@@ -213,3 +236,15 @@ def test_tiled_attention_composes_with_the_memory_flags(ckpts, mem, monkeypatch)
     assert len(ref[1]) == 28
     for k in ref[1]:
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{mem}: grad {k}")
+
+
+def test_double_backward_raises(ckpts):
+    """The backward recomputes and differentiates the tiles once: create_graph through it raises (it would
+    otherwise return gradients with no graph behind them)."""
+    model, _ = build_nonzero_b(_opts(ckpts["qwen2"], ac=False, tiled_attn=True))
+    ids, pos, labels = _batch()
+    lsum, n = model(ids, position_ids=pos, labels=labels)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(lsum / n, params, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        sum(g.sum() for g in grads if g.requires_grad).backward()
