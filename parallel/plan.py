@@ -29,25 +29,25 @@ Persistent all step:
    to the end of the backward anyway, on top of the 1/W shard).
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter + gradient + AdamW exp_avg, exp_avg_sq =
    16 bytes per element / W.
-4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm
-   keeps its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not
-   the norm's output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out,
-   lse (eT·hd·(2H + 2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes
-   it new: + eT·H·hd); the MLP's gate output (silu), silu(gate) and up (the product) and its result (down's
-   LoRA A): 4eTF; lora_B's input [T, r]·el per target (+ the fp32 input copy peft casts to when el != e;
-   + dropout's output and mask when --lora-dropout > 0). --tiled-mlp: the MLP keeps only its norm's input
-   (saved already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles
-   run the norm, parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no
-   grad), so q/k/v's LoRA A keeps its output there (eTD, when handed it directly:
-   no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T, D]·e is
-   kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
-   saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the
-   embedding's output and looks it up again for its recompute (parallelize._FromIds): one input fewer,
-   max(N - 1, 1) of them (the lookup is live in the first block's own backward; N - 1 with --ac-blocks).
-   The forward drops the embedding's output once the first checkpoint has run; at its last block it holds the
-   L - 1 inputs and one block's forward (the norm output, q/k/v, RoPE's output in sequence chunks, attention's
-   out and lse: ~3.3 eTD at Qwen2.5-7B's shapes), under the backward's block phase (CPU, 4 layers: 9.75 vs
-   10.93 eTD; 10.66 with the embedding output kept and the whole-tensor RoPE), so it is not a term.
+4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
+   its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
+   output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
+   2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the
+   MLP's gate output (silu), silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T,
+   r]·el per target (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when
+   --lora-dropout > 0). --tiled-mlp: the MLP keeps only its norm's input (saved already), none of its [T, F] tensors
+   or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm, parallel/memory.py). Layer 0's first
+   norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when
+   handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T,
+   D]·e is kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
+   saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the embedding's
+   output and looks it up again for its recompute (parallelize._FromIds): one input fewer, max(N - 1, 1) of them (the
+   lookup is live in the first block's own backward; N - 1 with --ac-blocks). The forward drops the embedding's
+   output once the first checkpoint has run; at its last block it holds the L - 1 inputs and one block's forward (the
+   norm output, q/k/v, RoPE's output in sequence chunks, attention's out and lse: ~3.3 eTD at Qwen2.5-7B's shapes),
+   under the backward's block phase (CPU, 4 layers: 9.75 vs 10.93 eTD), so it is not a term. --tiled-attn: the
+   sublayer keeps its input (the norm's; at layer 0 the norm's output), k, v, out, lse: no q, rsqrt or LoRA
+   intermediate of q/k/v/o (parallel/tiled_attention.py).
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
    prefetched once the block's attention backward is done (parallel/offload.py), when q, k, v, out and the
@@ -79,7 +79,8 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
-   the excess over the MLP phase.
+   the excess over the MLP phase. --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
+   q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
    and dK/dV to H heads; flash-attn does not, so this over-counts there). GQA/MQA (K' < H) rows of more than
    kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
@@ -95,8 +96,6 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    stays under this phase; with a plain base (--quant none, an nn.Linear whose input gradient is a view, as
    A's) the sum is a third eT·H·hd, and where the kernel's buffers are short (quarter blocks past 262,144
    tokens) that phase is the larger: counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 + 1)·eT·H·hd).
-   Measured on CPU (fp32, 28/4 heads, 16k tokens, norm chunks as at 512k): the NF4 sum out of place had put
-   o_proj's backward 1 eTD higher, level with the attention phase.
    Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
    Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
@@ -106,8 +105,7 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
-recompute); 4 for 28 layers (10 inputs instead of 28; both one fewer with the first checkpoint's lookup, which
-shifts every G < L alike).
+recompute); 4 for 28 layers (10 inputs instead of 28; one fewer each with the first checkpoint's lookup).
 """
 
 from __future__ import annotations
@@ -116,6 +114,7 @@ from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
 from parallel import kernels
+from parallel.tiled_attention import tile_rows
 
 GB = 1e9
 FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
@@ -169,8 +168,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
               "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
     targets = [t for t in args.lora_targets.split(",") if t in shapes]
     nf4 = args.quant == "nf4"
-    tiled, offload = getattr(args, "tiled_mlp", False), getattr(args, "offload_activations", False)
-    ta = getattr(args, "tiled_attn", False)
+    tiled, offload, ta = (getattr(args, f, False) for f in ("tiled_mlp", "offload_activations", "tiled_attn"))
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
     K = L - N   # blocks that keep their activations (the last K; no AC at all when N == 0)
@@ -279,7 +277,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
-        from parallel.tiled_attention import tile_rows
         n = tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
         tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call

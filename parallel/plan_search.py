@@ -5,8 +5,9 @@ Contract (the terms are parallel/plan.py's):
   --world-size, --host-mem (GB of pinned host memory per rank for --offload-activations; default this
   machine's RAM divided by its local ranks: LOCAL_WORLD_SIZE, else the planned world size).
 - A plan fits when its device total <= the device memory and its host bytes <= --host-mem. When it does not,
-  the SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp, --offload-activations,
-  --micro-batch 1, larger layouts, more ranks).
+  the SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp [--tiled-attn], --ac-group,
+  --offload-activations, --micro-batch 1, larger layouts, more ranks). --tiled-attn runs one process's attention:
+  a CP layout is tried without it and named "(no --tiled-attn)", here and in --suggest.
 - `--max-len auto`: the longest --max-len, a multiple of 1,024, that fits the world size, layout, flags and
   memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
   validation refuses does not fit). Prints that plan; the last line is `max_len N`.
@@ -14,9 +15,9 @@ Contract (the terms are parallel/plan.py's):
   still fit in 95% of the device (less recompute: faster), and `--ac-keep-attn` (else with `--tiled-mlp`)
   when it fits there (no attention in the recompute: faster).
 - `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
-  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, and when AC is on
-  + --ac-group best_ac_group(L), + --offload-activations, each with and without --tiled-mlp) its longest
-  --max-len, longest first; the last lines name the flags that reach the longest and `max_len N`.
+  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, + --tiled-mlp
+  --tiled-attn, and when AC is on each of those with --ac-group best_ac_group(L) and with --offload-activations)
+  its longest --max-len, longest first; the last lines name the flags that reach the longest and `max_len N`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def _fits(p, mem, host) -> bool:
     return p.total <= mem and p.host <= host
 
 
+_on = lambda flag: "on" if flag else "off"
+
+
 def _groups(args, margs):
     """--ac-group values worth trying: 2 (least recompute), then the one keeping fewest inputs."""
     free = args.ac and not args.offload_activations and args.ac_group == 1 and args.ac_blocks is None
@@ -71,21 +75,16 @@ def _groups(args, margs):
 def _fixes(args, margs, world, target, mem, host):
     """Single changes that make the plan fit, as flag strings with their totals."""
     gs, off = _groups(args, margs), " (no --ac-keep-attn)" * args.ac_keep_attn
-    nk = dict(ac_keep_attn=False)   # --ac-group and offload refuse --ac-keep-attn: their fixes drop it
-    groups = [(f"--ac-group {g}{off}", dict(ac_group=g, **nk), True) for g in gs]
-    tiled_groups = [(f"--tiled-mlp --ac-group {g}{off}", dict(tiled_mlp=True, ac_group=g, **nk), not args.tiled_mlp)
-                    for g in gs]
+    nk = dict(ac_keep_attn=False)   # --ac-group, offload, --tiled-attn refuse --ac-keep-attn: their fixes drop it
+    tm, ta = dict(tiled_mlp=True), dict(tiled_mlp=True, tiled_attn=True)
+    sets = [("", {}, True), ("--tiled-mlp ", tm, not args.tiled_mlp),
+            ("--tiled-mlp --tiled-attn ", ta, not args.tiled_attn)]
     tries = [(f, _with(args, **kw), world) for f, kw, ok in (
         ("--ac", dict(ac=True), not args.ac), ("--quant nf4", dict(quant="nf4"), args.quant != "nf4"),
-        ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp),
-        ("--tiled-mlp --tiled-attn" + off, dict(tiled_mlp=True, tiled_attn=True, **nk),
-         not (args.tiled_mlp and args.tiled_attn)), *groups, *tiled_groups,
-        (f"--offload-activations{off}", dict(offload_activations=True, **nk), args.ac and not args.offload_activations),
-        (f"--tiled-mlp --offload-activations{off}", dict(tiled_mlp=True, offload_activations=True, **nk),
-         args.ac and not (args.tiled_mlp or args.offload_activations)),
-        (f"--tiled-mlp --tiled-attn --offload-activations{off}",
-         dict(tiled_mlp=True, tiled_attn=True, offload_activations=True, **nk),
-         args.ac and not (args.tiled_attn or args.offload_activations)),
+        ("--tiled-mlp", tm, not args.tiled_mlp), (f"--tiled-mlp --tiled-attn{off}", dict(ta, **nk), sets[2][2]),
+        *[(f"{m}--ac-group {g}{off}", dict(kw, ac_group=g, **nk), ok) for m, kw, ok in sets[:2] for g in gs],
+        *[(f"{m}--offload-activations{off}", dict(kw, offload_activations=True, **nk),
+           ok and args.ac and not args.offload_activations) for m, kw, ok in sets],
         ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
         ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
         ("no --ac-keep-attn", dict(ac_keep_attn=False), args.ac_keep_attn)) if ok]
@@ -134,8 +133,7 @@ def parse_args(argv, run_parser, demo: dict):
     a("--host-mem", type=float, default=None, help="GB of pinned host memory per rank for --offload-activations "
       "(default: this machine's RAM / local ranks)")
     # `--max-len auto` (the run's flag is an int): search for the longest that fits
-    auto = any(x in ("--max-len=auto",) for x in argv) or any(
-        x == "--max-len" and y == "auto" for x, y in zip(argv, argv[1:]))
+    auto = "--max-len=auto" in argv or any(x == "--max-len" and y == "auto" for x, y in zip(argv, argv[1:]))
     argv = [str(MAX_LEN_STEP) if x == "auto" and i and argv[i - 1] == "--max-len" else
             (f"--max-len={MAX_LEN_STEP}" if x == "--max-len=auto" else x) for i, x in enumerate(argv)]
     args = p.parse_args(argv)
@@ -149,10 +147,9 @@ def parse_args(argv, run_parser, demo: dict):
 
 
 def _host_budget(args, world) -> float:
-    if args.host_mem is not None:
-        return args.host_mem * GB
     import psutil
-    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return args.host_mem * GB if args.host_mem is not None else \
+        psutil.virtual_memory().total / int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def longest(args, margs, world, target, mem, host) -> int:
@@ -178,8 +175,8 @@ def longest(args, margs, world, target, mem, host) -> int:
 
 
 def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):
-    """(N, plan) for the fewest checkpointed blocks that still fit with SAFETY headroom (the planner was
-    within 2% of measured peaks; a run near the limit should not hinge on it), when fewer than all do."""
+    """(N, plan): the fewest checkpointed blocks that fit with SAFETY headroom (a run near the limit should not
+    hinge on the planner's ~2%), when fewer than all do."""
     if not args.ac or args.ac_group > 1 or args.ac_blocks is not None:
         return None
     for n in range(1 if args.offload_activations or args.ac_keep_attn else 0, margs.n_layers):
@@ -193,15 +190,11 @@ def _memory_flags(args, margs):
     tiles = [("--tiled-mlp", dict(tiled_mlp=True))] if not args.tiled_mlp else []
     if not args.tiled_attn and not args.ac_keep_attn:   # (--cp > 1 layouts refuse it: validate drops those)
         tiles += [(f"{'--tiled-mlp ' * (not args.tiled_mlp)}--tiled-attn", dict(tiled_mlp=True, tiled_attn=True))]
-    sets = [("", {})] + tiles
     g = max(_groups(args, margs), default=0)   # the fewest inputs: what reaches the longest
-    if g:
-        sets += [(f"--ac-group {g}", dict(ac_group=g))] + [(f"{f} --ac-group {g}", dict(ac_group=g, **kw))
-                                                           for f, kw in tiles]
-    if args.ac and not args.offload_activations and args.ac_group == 1:
-        sets += [("--offload-activations", dict(offload_activations=True))] + [
-            (f"{f} --offload-activations", dict(offload_activations=True, **kw)) for f, kw in tiles]
-    return sets
+    more = [(f"--ac-group {g}", dict(ac_group=g))] * bool(g) + [("--offload-activations", dict(
+        offload_activations=True))] * (args.ac and not args.offload_activations and args.ac_group == 1)
+    base = [("", {})] + tiles
+    return base + [(f"{f} {m}".strip(), dict(kw, **mk)) for m, mk in more for f, kw in base]
 
 
 def suggest_longest(args, margs, world, target, mem, host, where):
@@ -217,11 +210,10 @@ def suggest_longest(args, margs, world, target, mem, host, where):
           + "\n".join(f"  {flags:<80} {n:>10}" for n, flags, _ in rows or [(0, "none", 0)]))
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
-    base = " ".join(f for f in ("--tiled-mlp" if args.tiled_mlp else "", "--tiled-attn" if rows[0][2] else "",
-                                f"--ac-group {args.ac_group}" if args.ac_group > 1 else "",
-                                f"--ac-blocks {args.ac_blocks}" if args.ac_blocks is not None else "",
-                                "--ac-keep-attn" if args.ac_keep_attn else "",
-                                "--offload-activations" if args.offload_activations else "") if f)
+    base = " ".join(f for f, on in (
+        ("--tiled-mlp", args.tiled_mlp), ("--tiled-attn", rows[0][2]), (f"--ac-group {args.ac_group}",
+        args.ac_group > 1), (f"--ac-blocks {args.ac_blocks}", args.ac_blocks is not None),
+        ("--ac-keep-attn", args.ac_keep_attn), ("--offload-activations", args.offload_activations)) if on)
     print(f"flags: {rows[0][1]} {base}".rstrip())
     print(f"max_len {rows[0][0]}")
     return [(n, flags) for n, flags, _ in rows]
@@ -264,17 +256,15 @@ def main(argv, run_parser, demo: dict):
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch}, quant {args.quant}, {e}, "
-          f"AC {ac}, tiled MLP {'on' if args.tiled_mlp else 'off'}, tiled attention "
-          f"{'on' if args.tiled_attn else 'off'}, offload "
-          f"{'on' if args.offload_activations else 'off'}, LoRA r {args.lora_r}; {p.notes[0]}")
+          f"AC {ac}, tiled MLP {_on(args.tiled_mlp)}, tiled attention {_on(args.tiled_attn)}, offload "
+          f"{_on(args.offload_activations)}, LoRA r {args.lora_r}; {p.notes[0]}")
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():
         print(f"  {k:<72}{v / u:8.2f}")
     print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / u:8.2f}")
     print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
           f"{p.total / u:8.2f}")
-    other = "without" if args.ac else "with"
-    print(f"  ({other} AC the activations would be {p.alt_activations / u:.2f} {un})")
+    print(f"  ({'without' if args.ac else 'with'} AC the activations would be {p.alt_activations / u:.2f} {un})")
     if p.host:
         print(f"  {f'host: offloaded block checkpoints, pinned (--host-mem {host / GB:.0f} GB)':<72}"
               f"{p.host / u:8.2f}")
@@ -286,13 +276,11 @@ def main(argv, run_parser, demo: dict):
                          + ("; ".join(fixes) if fixes else "no single change fits: raise --cp and enable --ac, "
                             "use --quant nf4, lower --max-len, or use more ranks / larger devices"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))
-    fewer = fewest_ac_blocks(args, margs, dims, target, mem, host, pack)
-    if fewer is not None:
+    if (fewer := fewest_ac_blocks(args, margs, dims, target, mem, host, pack)) is not None:
         n, q = fewer
         print(f"faster: --ac-blocks {n} also fits ({q.total / GB:.1f} GB): {n} of {margs.n_layers} blocks "
               "recomputed in backward, the rest keep their activations")
-    keep = keep_attn_fits(args, margs, dims, target, mem, host, pack)
-    if keep is not None:
+    if (keep := keep_attn_fits(args, margs, dims, target, mem, host, pack)) is not None:
         print(f"faster: {keep[0]} also fits ({keep[1].total / GB:.1f} GB): the recompute reuses each block's "
               "attention output instead of running attention again")
     if args.auto:
