@@ -11,11 +11,15 @@ of CPU time is printed too: on a machine shared with other jobs the wall clock m
 
 `--blocks N` instead compares, in one process, the backward of rows longer than N in N-token blocks
 (kernels.BACKWARD_BLOCK, 65,536 by default) with one kernel call over the whole row: time and, on CUDA, the
-peak allocated memory of each, and their ratios.
+peak allocated memory of each, and their ratios. `--tiles N` compares `kernels.attention` (its default blocks)
+with the kernel calls of --tiled-attn (parallel/tiled_attention.py: N-row query tiles, each a causal diagonal
+block and N-token key blocks merged by log-sum-exp; the backward per tile with the global out/lse): the attention
+part of that flag's cost, without its projections.
 
 Run: .venv/bin/python bench/attention.py                      # P=2, S=8192, 4 heads, head_dim 64, fp32
      .venv/bin/python bench/attention.py --nproc 4 --seq 16384 # adds the hybrid (2 x 2)
      python3 bench/attention.py --blocks 65536 --seq 131072 --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16
+     python3 bench/attention.py --tiles 16384 --seq 131072 --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     ap.add_argument("--impls", default=None, help="comma list of ulysses,ring,hybrid (default: all that fit)")
     ap.add_argument("--blocks", type=int, default=0, help="compare the backward in blocks of N tokens with one call")
+    ap.add_argument("--tiles", type=int, default=0, help="compare --tiled-attn's kernel calls (N-row tiles) with one")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -116,6 +121,8 @@ def main():
     fn = lambda q, k, v: kernels.attention(q, k, v, True, scale)
     if args.blocks:
         return compare_blocks(args, fn, (q, k, v), dout, device)
+    if args.tiles:
+        return compare_tiles(args, fn, (q, k, v), dout, device)
     t1, c1 = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup)
     backend = kernels.pick_backend(q)
     del q, k, v, dout
@@ -152,6 +159,64 @@ def compare_blocks(args, fn, inputs, dout, device):
     kernel = kernels.pick_backend(inputs[0])
     print(f"blocks / one call: time {tb / t1:.3f}, peak {mb / m1:.3f}  (S={args.seq}, H={args.heads}, "
           f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel {kernel})")
+
+
+class _TiledKernels(torch.autograd.Function):
+    """The attention calls of parallel/tiled_attention.py over one whole row, as one differentiable op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec):
+        from parallel.tiled_attention import _attend
+
+        s = q.shape[1]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], s, dtype=torch.float32, device=q.device)
+        for a in range(0, s, spec.tile):
+            _attend(spec, q[:, a:a + spec.tile], k, v, a, [0, s], out[:, a:a + spec.tile], lse[:, :, a:a + spec.tile])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from parallel.tiled_attention import _attend_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, s, n = ctx.spec, q.shape[1], ctx.spec.tile
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v))
+        for a in range(0, s, n):
+            dq[:, a:a + n] = _attend_backward(spec, dout[:, a:a + n], q[:, a:a + n], k, v, out[:, a:a + n],
+                                              lse[:, :, a:a + n], a, [0, s], dk, dv)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def compare_tiles(args, fn, inputs, dout, device):
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(scale=args.head_dim ** -0.5, window=None, tile=args.tiles, backend=None, device=device)
+    res = {}
+    for name, f in (("kernels.attention", fn), (f"{args.tiles}-row tiles", lambda q, k, v: _TiledKernels.apply(
+            q, k, v, spec))):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        t, _ = time_step(f, inputs, dout, device, args.iters, args.warmup)
+        gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else float("nan")
+        res[name] = (t, gb)
+        print(f"{name:>22}: fwd+bwd {t:.3f} s, peak above inputs {gb:.2f} GB", flush=True)
+    got = []
+    for f in (fn, lambda q, k, v: _TiledKernels.apply(q, k, v, spec)):   # the same numbers, to rounding
+        xs = [x.detach().requires_grad_() for x in inputs]
+        out = f(*xs)
+        out.backward(dout)
+        got.append([out.detach()] + [x.grad for x in xs])
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*got))
+    print(f"max |difference| of out, dq, dk, dv between the two: {diff:.2e}")
+    (t1, m1), (tt, mt) = res.values()
+    print(f"tiles / kernels.attention: time {tt / t1:.3f}, peak {mt / m1:.3f}  (S={args.seq}, H={args.heads}, "
+          f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel "
+          f"{kernels.pick_backend(inputs[0])})")
 
 
 if __name__ == "__main__":

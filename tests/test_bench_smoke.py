@@ -1,4 +1,4 @@
-"""bench/plan.py, bench/load.py and bench/attention.py --blocks cannot rot: each runs its smallest configuration.
+"""bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles cannot rot: each runs its smallest case.
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
 own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
@@ -46,6 +46,17 @@ def test_load_bench_small():
 
 
 @pytest.mark.timeout(120)
+def test_attention_bench_tiles_mode():
+    """`bench/attention.py --tiles N`: kernels.attention and --tiled-attn's kernel calls, and their ratio line."""
+    out = _run("bench/attention.py", "--tiles", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
+               "--head-dim", "16", "--iters", "1", "--warmup", "0", timeout=120)
+    assert re.search(r"kernels.attention: fwd\+bwd [\d.]+ s", out) and re.search(r"64-row tiles: fwd\+bwd [\d.]+ s",
+                                                                                   out), out
+    assert re.search(r"tiles / kernels.attention: time [\d.]+", out), out
+    diff = float(re.search(r"max \|difference\| of out, dq, dk, dv between the two: (\S+)", out).group(1))
+    assert diff < 1e-4, out   # float32: the same attention, summed in another order
+
+
 def test_attention_bench_blocks_mode():
     """`bench/attention.py --blocks N`: both runs (one kernel call, N-token blocks) and their ratio line."""
     out = _run("bench/attention.py", "--blocks", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
