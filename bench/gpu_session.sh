@@ -14,8 +14,9 @@
 #
 # Device tool call:  run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Knobs (environment): TEST_S (default 150) and the rest for the bench, BENCH_ARGS (e.g. "--case 32k").
-# The long case (524,288 tokens, 8 layers, --tiled-mlp --offload-activations, one step, peak vs plan) does
-# not fit next to the tests: give it a device call of its own,
+# The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
+# --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) does not fit next to the tests: give it a
+# device call of its own,
 #   run(command="TEST_S=0 BENCH_ARGS='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
