@@ -31,7 +31,6 @@ Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is appli
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -44,13 +43,22 @@ def recomputing() -> bool:
     return getattr(_state, "recompute", False)
 
 
-@contextlib.contextmanager
-def recompute_context(on: bool = True):
-    prev, _state.recompute = recomputing(), on
-    try:
-        yield
-    finally:
-        _state.recompute = prev
+class recompute_context:
+    """Sets `recomputing()` to `on` while entered, inside `inner` when given. Re-entrant: a checkpoint enters its
+    recompute context once per recompute, and a graph kept with retain_graph is recomputed again."""
+
+    def __init__(self, on: bool = True, inner=None):
+        self.on, self.inner, self.prev = on, inner, []
+
+    def __enter__(self):
+        if self.inner is not None:
+            self.inner.__enter__()
+        self.prev.append(recomputing())
+        _state.recompute = self.on
+
+    def __exit__(self, *exc):
+        _state.recompute = self.prev.pop()
+        return self.inner.__exit__(*exc) if self.inner is not None else None
 
 
 def tile_tokens(dim: int, tile: int | None) -> int:

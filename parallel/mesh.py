@@ -176,13 +176,10 @@ def check_flags(args) -> None:
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
-             getattr(args, "ac_blocks", None), getattr(args, "ac_keep_attn", False))
+             getattr(args, "ac_blocks", None), getattr(args, "ac_keep_attn", False), getattr(args, "tiled_attn", False))
     if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():
         raise ValueError(f"--ac-keep-attn with --compile: torch {torch.__version__}'s selective-checkpoint cache "
                          "stops torch.compile inside it (every block would run eager); use one or the other")
-    if getattr(args, "tiled_attn", False) and getattr(args, "ac_keep_attn", False):
-        raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
-                         "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.steps is not None and args.steps < 1:
@@ -199,9 +196,13 @@ def _sac_lets_compile() -> bool:
                for m in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
 
 
-def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False) -> None:
+def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False,
+             tiled_attn: bool = False) -> None:
     """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/parallelize.apply_ac),
     named with the fix."""
+    if keep_attn and tiled_attn:
+        raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
+                         "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
     if keep_attn and not ac:
         raise ValueError("--ac-keep-attn keeps the attention outputs of --ac's checkpoints: drop --no-ac")
     if keep_attn and (group > 1 or offload):

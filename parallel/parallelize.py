@@ -192,13 +192,7 @@ def _keep_attention(ctx, op, *args, **kwargs):
 
 def _keep_attn_contexts():   # a fresh cache per checkpoint call; the recompute reads it, with the flag set
     caching, cached = create_selective_checkpoint_contexts(_keep_attention)
-    return caching, _both(cached, recompute_context())
-
-
-@contextlib.contextmanager
-def _both(a, b):
-    with a, b:
-        yield
+    return caching, recompute_context(True, cached)
 
 
 def _group_contexts():   # a group's recompute runs whole blocks: their tiled MLPs must produce outputs
@@ -255,7 +249,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks, opts.ac_keep_attn)
+    check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks, opts.ac_keep_attn, opts.tiled_attn)
     args = read_args(opts.path)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1

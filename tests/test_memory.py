@@ -799,3 +799,30 @@ def test_rmsnorm_float32_temporaries_stay_within_a_chunk():
     assert out.returncode == 0, out.stderr
     fwd, bwd = map(float, out.stdout.split())
     assert fwd < 2 and bwd < 2, (fwd, bwd)
+
+
+def _retained_grads(ckpt, **kw):
+    """One checkpointed block's input and LoRA gradients, twice over a graph kept with retain_graph."""
+    model, _ = build_nonzero_b(_opts(ckpt, **kw))
+    block = model.model.layers[1]
+    cos, sin = model.rope(torch.arange(23).expand(2, 23), torch.float32)
+    x = torch.randn(2, 23, model.args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    dy = torch.randn(2, 23, model.args.dim, generator=torch.Generator().manual_seed(2))
+    y = block(x, cos, sin, model.attention, None)
+    wrt = [x] + [p for p in block.parameters() if p.requires_grad]
+    return torch.autograd.grad(y, wrt, dy, retain_graph=True), torch.autograd.grad(y, wrt, dy)
+
+
+@pytest.mark.parametrize("mem", [dict(), dict(tiled_mlp=True, tiled_attn=True)], ids=["ac", "tiled"])
+def test_checkpointed_block_recomputes_again_for_a_retained_graph(ckpt, mem):
+    """A checkpointed block's graph kept with retain_graph is recomputed once per backward: its recompute context
+    is entered again (a one-shot context manager raised AttributeError there); both backwards give no AC's grads.
+    --ac-keep-attn: torch's selective checkpoint allows one backward and says so (its error, not ours)."""
+    ref = _retained_grads(ckpt, ac=False)[0]
+    for i, got in enumerate(_retained_grads(ckpt, ac=True, **mem)):
+        assert len(got) == len(ref) == 15
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, **TOL, msg=f"{mem} backward {i + 1}")
+    if not mem:
+        with pytest.raises(RuntimeError, match="only allowed to backward once"):
+            _retained_grads(ckpt, ac=True, ac_keep_attn=True)
