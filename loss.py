@@ -127,8 +127,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if getattr(ctx, "used", False):   # (else autograd's in-place version check fires, naming no cause)
-            raise RuntimeError("chunked_cross_entropy: a second backward through one forward (retain_graph): the "
-                               "loss scales its saved gradients in place, so run the forward again per backward")
+            raise RuntimeError("chunked_cross_entropy: a second backward through one forward: the loss scales "
+                               "its saved gradients in place, so run the forward again per backward")
         ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
         # In place: these buffers belong to this node and are released with it. grad_out stays float32

@@ -1,23 +1,22 @@
 """`train.py --plan` on the command line: the verdict, the fixes, the layouts that fit, the longest --max-len.
 
 Contract (the terms are parallel/plan.py's):
-- `main(argv, run_parser, demo)` parses the run's flags plus the planner's own: --suggest, --gpu-mem,
-  --world-size, --host-mem (GB of pinned host memory per rank for --offload-activations; default this
-  machine's RAM divided by its local ranks: LOCAL_WORLD_SIZE, else the planned world size).
-- A plan fits when its device total <= the device memory and its host bytes <= --host-mem. When it does not,
-  the SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp [--tiled-attn], --ac-group,
-  --offload-activations, --micro-batch 1, larger layouts, more ranks). --tiled-attn runs one process's attention:
-  a CP layout is tried without it and named "(no --tiled-attn)", here and in --suggest.
-- `--max-len auto`: the longest --max-len, a multiple of 1,024, that fits the world size, layout, flags and
-  memory (binary search: the planned total and host bytes grow with --max-len; a length the run's
-  validation refuses does not fit). Prints that plan; the last line is `max_len N`.
-- A plan that fits with AC on every block also names the fewest blocks `--ac-blocks` may checkpoint and
-  still fit in 95% of the device (less recompute: faster), and `--ac-keep-attn` (else with `--tiled-mlp`)
-  when it fits there (no attention in the recompute: faster).
-- `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With
-  `--max-len auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, + --tiled-mlp
-  --tiled-attn, and when AC is on each of those with --ac-group best_ac_group(L) and with --offload-activations)
-  its longest --max-len, longest first; the last lines name the flags that reach the longest and `max_len N`.
+- `main(argv, run_parser, demo)` parses the run's flags plus the planner's own: --suggest, --gpu-mem, --world-size,
+  --host-mem (GB of pinned host memory per rank for --offload-activations; default this machine's RAM divided by its
+  local ranks: LOCAL_WORLD_SIZE, else the planned world size).
+- A plan fits when its device total <= the device memory and its host bytes <= --host-mem. When it does not, the
+  SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp [--tiled-attn], --ac-group,
+  --offload-activations, --micro-batch 1, larger layouts, more ranks). --tiled-attn runs one process's attention: a
+  CP layout is tried without it and named "(no --tiled-attn)", here and in --suggest.
+- `--max-len auto`: the longest --max-len, a multiple of 1,024, that fits the world size, layout, flags and memory
+  (binary search: the planned total and host bytes grow with --max-len; a length the run's validation refuses does
+  not fit). Prints that plan; the last line is `max_len N`.
+- A plan that fits with AC on every block also names the fewest blocks `--ac-blocks` may checkpoint and still fit in
+  95% of the device, and `--ac-keep-attn` (else with `--tiled-mlp`) when it fits there (less recompute: faster).
+- `--suggest`: every valid (cp, dp_shard, cp-impl) layout that fits, least communication first. With `--max-len
+  auto`: for every layout and memory-flag set (the given flags, + --tiled-mlp, + --tiled-mlp --tiled-attn, each also
+  with --ac-group best_ac_group(L) and with --offload-activations when AC is on) its longest --max-len, longest
+  first; the last lines name the flags that reach the longest (pasteable) and `max_len N`.
 """
 
 from __future__ import annotations
@@ -204,19 +203,22 @@ def suggest_longest(args, margs, world, target, mem, host, where):
         for extra, kw in _memory_flags(args, margs):
             n = longest(_with(a, **kw), margs, world, target, mem, host)
             if n:
-                rows.append((n, f"{_flags(a, dims)} {extra}".strip(), a.tiled_attn))
+                rows.append((n, f"{_flags(a, dims)} {extra}".strip()))
     rows.sort(key=lambda r: -r[0])
     print(f"longest --max-len per layout and memory flags in {where}, host {host / GB:.0f} GB per rank:\n"
-          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags, _ in rows or [(0, "none", 0)]))
+          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]))
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
+    dropped = " (no --tiled-attn)" in rows[0][1]   # the line stays pasteable: the note goes after a '#'
     base = " ".join(f for f, on in (
-        ("--tiled-mlp", args.tiled_mlp), ("--tiled-attn", rows[0][2]), (f"--ac-group {args.ac_group}",
-        args.ac_group > 1), (f"--ac-blocks {args.ac_blocks}", args.ac_blocks is not None),
-        ("--ac-keep-attn", args.ac_keep_attn), ("--offload-activations", args.offload_activations)) if on)
-    print(f"flags: {rows[0][1]} {base}".rstrip())
+        ("--tiled-mlp", args.tiled_mlp), ("--tiled-attn", args.tiled_attn and not dropped),
+        (f"--ac-group {args.ac_group}", args.ac_group > 1),
+        (f"--ac-blocks {args.ac_blocks}", args.ac_blocks is not None), ("--ac-keep-attn", args.ac_keep_attn),
+        ("--offload-activations", args.offload_activations)) if on)
+    print(f"flags: {rows[0][1].replace(' (no --tiled-attn)', '')} {base}".rstrip()
+          + ("  # without --tiled-attn: CP splits the sequence" if dropped else ""))
     print(f"max_len {rows[0][0]}")
-    return [(n, flags) for n, flags, _ in rows]
+    return rows
 
 
 def main(argv, run_parser, demo: dict):
@@ -232,17 +234,15 @@ def main(argv, run_parser, demo: dict):
     if args.suggest and args.auto:
         return suggest_longest(args, margs, world, target, mem, host, where)
     if args.auto:
+        validate(_with(args, max_len=MAX_LEN_STEP), margs, world)   # what no length fixes: the run's own error
         args.max_len = longest(args, margs, world, target, mem, host)
         if not args.max_len:
             raise SystemExit(f"not even --max-len {MAX_LEN_STEP} fits in {where}; what to change: "
                              + "; ".join(_fixes(_with(args, max_len=MAX_LEN_STEP), margs, world, target, mem, host)
                                          or ["more ranks or larger devices"]))
     if args.suggest:   # every valid layout, best first; only those that fit are printed
-        rows = []
-        for a, dims, pack in _layouts(args, margs, world):
-            p = memory_plan(margs, dims, a, target, pack)
-            if _fits(p, mem, host):
-                rows.append(f"  {_flags(a, dims):<58} {p.total / GB:7.1f} GB  {dims}")
+        plans = [(a, dims, memory_plan(margs, dims, a, target, pack)) for a, dims, pack in _layouts(args, margs, world)]
+        rows = [f"  {_flags(a, d):<58} {p.total / GB:7.1f} GB  {d}" for a, d, p in plans if _fits(p, mem, host)]
         print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
         if not rows:
             raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")

@@ -290,6 +290,13 @@ def test_plan_names_tiled_attn_where_the_tiled_mlp_alone_does_not_fit():
     assert "does not fit" in msg and re.search(r"--tiled-mlp --tiled-attn \(1[34]\d\.\d GB\)", msg), msg
 
 
+def test_plan_max_len_auto_raises_the_runs_error_when_no_length_can_fix_it():
+    """--tiled-attn with --cp 2 is refused at any length: --max-len auto says why, not "not even 1,024 fits"."""
+    with pytest.raises(ValueError, match="--tiled-attn with --cp 2: .* drop one of them"):
+        run_plan("--model", Q7, "--max-len", "auto", "--world-size", "2", "--cp", "2", "--gpu-mem", "141",
+                 "--global-batch", "1", "--tiled-attn")
+
+
 def test_plan_searches_keep_cp_layouts_open_without_tiled_attn():
     """--tiled-attn runs one process's attention, so a CP layout is named with "(no --tiled-attn)" instead of
     silently vanishing from the fixes and from --suggest --max-len auto."""
@@ -300,8 +307,10 @@ def test_plan_searches_keep_cp_layouts_open_without_tiled_attn():
     rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--world-size", "4", "--gpu-mem", "80",
                          "--host-mem", "256", "--global-batch", "4", "--tiled-mlp", "--tiled-attn")
     lines = out.strip().splitlines()
-    assert lines[-1] == "max_len 3566592" and "--cp 4" in lines[-2] and "(no --tiled-attn)" in lines[-2], out
-    assert not lines[-2].endswith("--tiled-attn"), out   # the user's flag is not added back to a CP layout
+    assert lines[-1] == "max_len 3566592" and lines[-2].startswith("flags: --cp 4 "), out
+    # pasteable: the note after a '#', and the user's --tiled-attn not added back to a CP layout
+    flags, note = lines[-2].split("  # ")
+    assert "(" not in flags and "--tiled-attn" not in flags and note.startswith("without --tiled-attn"), out
     assert any(f.startswith("--cp 1 ") and "no --tiled-attn" not in f for _, f in rows), out
 
 
