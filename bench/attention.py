@@ -143,18 +143,23 @@ def main():
     for impl, t, ratio, cratio in rows:
         print(f"| {impl} | {p} | {args.seq} | {t1:.3f} | {t:.3f} | {t1 / p:.3f} | {ratio:.2f} | {cratio:.2f} |")
 
+def measured(name, fn, args, inputs, dout, device):
+    """(best fwd+bwd seconds, CUDA peak GB above the inputs, nan on CPU) of fn, printed under `name`."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t, _ = time_step(fn, inputs, dout, device, args.iters, args.warmup)
+    gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else float("nan")
+    print(f"{name:>22}: fwd+bwd {t:.3f} s, peak above inputs {gb:.2f} GB", flush=True)
+    return t, gb
+
+
 def compare_blocks(args, fn, inputs, dout, device):
     res = {}
     for name, block in (("one call", args.seq + 1), (f"{args.blocks}-token blocks", args.blocks)):
         kernels.BACKWARD_BLOCK = block
         kernels.backward_block = lambda row, block=block: block   # this block size at any length
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        t, _ = time_step(fn, inputs, dout, device, args.iters, args.warmup)
-        gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else float("nan")
-        res[name] = (t, gb)
-        print(f"{name:>22}: fwd+bwd {t:.3f} s, peak above inputs {gb:.2f} GB", flush=True)
+        res[name] = measured(name, fn, args, inputs, dout, device)
     (t1, m1), (tb, mb) = res.values()
     kernel = kernels.pick_backend(inputs[0])
     print(f"blocks / one call: time {tb / t1:.3f}, peak {mb / m1:.3f}  (S={args.seq}, H={args.heads}, "
@@ -195,25 +200,17 @@ def compare_tiles(args, fn, inputs, dout, device):
     from types import SimpleNamespace
 
     spec = SimpleNamespace(scale=args.head_dim ** -0.5, window=None, tile=args.tiles, backend=None, device=device)
-    res = {}
-    for name, f in (("kernels.attention", fn), (f"{args.tiles}-row tiles", lambda q, k, v: _TiledKernels.apply(
-            q, k, v, spec))):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        t, _ = time_step(f, inputs, dout, device, args.iters, args.warmup)
-        gb = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else float("nan")
-        res[name] = (t, gb)
-        print(f"{name:>22}: fwd+bwd {t:.3f} s, peak above inputs {gb:.2f} GB", flush=True)
+    tiled = lambda q, k, v: _TiledKernels.apply(q, k, v, spec)
+    (t1, m1), (tt, mt) = (measured(name, f, args, inputs, dout, device)
+                          for name, f in (("kernels.attention", fn), (f"{args.tiles}-row tiles", tiled)))
     got = []
-    for f in (fn, lambda q, k, v: _TiledKernels.apply(q, k, v, spec)):   # the same numbers, to rounding
+    for f in (fn, tiled):   # the same numbers, to rounding
         xs = [x.detach().requires_grad_() for x in inputs]
         out = f(*xs)
         out.backward(dout)
         got.append([out.detach()] + [x.grad for x in xs])
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*got))
     print(f"max |difference| of out, dq, dk, dv between the two: {diff:.2e}")
-    (t1, m1), (tt, mt) = res.values()
     print(f"tiles / kernels.attention: time {tt / t1:.3f}, peak {mt / m1:.3f}  (S={args.seq}, H={args.heads}, "
           f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel "
           f"{kernels.pick_backend(inputs[0])})")
