@@ -248,3 +248,19 @@ def test_double_backward_raises(ckpts):
     grads = torch.autograd.grad(lsum / n, params, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
         sum(g.sum() for g in grads if g.requires_grad).backward()
+
+
+def test_refused_with_a_cp_attention_core(ckpts):
+    """build_model refuses --tiled-attn with a context-parallel core before any weight is read (the CLI refuses
+    --cp > 1 earlier, in parallel.mesh.validate); a sublayer handed a CP core's document ids refuses too."""
+    from parallel.cp import ContextParallelAttention
+    from parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_args(2, 1, -1, 2, "ring", None, n_heads=4, n_kv_heads=2)
+    with pytest.raises(ValueError, match="--tiled-attn tiles one process's .* drop one of them"):
+        build_nonzero_b(_opts(ckpts["qwen2"], tiled_attn=True), attention=ContextParallelAttention(dims, *[None] * 3))
+    model, _ = build_nonzero_b(_opts(ckpts["qwen2"], ac=False, tiled_attn=True))
+    x = torch.randn(1, 8, model.args.dim)
+    cos, sin = model.rope(torch.arange(8)[None], torch.float32)
+    with pytest.raises(ValueError, match="runs the attention on one process .* use --cp 1"):
+        model.model.layers[0].self_attn(x, cos, sin, model.attention, torch.zeros(1, 8, dtype=torch.long))
