@@ -35,6 +35,7 @@ from model.load import read_args
 from parallel import guard, phases, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
+from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
@@ -102,6 +103,8 @@ def build_parser(add_help=True):
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")
+    a("--profile", type=int, default=None, metavar="N", help="torch.profiler over step N: time per kernel to "
+      "OUT/profile.txt")
     return p
 
 
@@ -192,6 +195,9 @@ def main(argv=None):
         log0(f"data: {stats}")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
+        if args.profile is not None and not 1 <= args.profile <= steps:
+            raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
+                             "(not step 1 for timings: it also pays the kernels' first-call setup)")
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
         to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
@@ -225,10 +231,12 @@ def main(argv=None):
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
+        prof = StepProfiler(args.profile, device, args.out, rank, log0)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
             wd.phase("data", step + 1)
+            prof.begin(step + 1)
             t_step = time.time()
             lr = lr_at(step, args, steps)
             for g in opt.param_groups:
@@ -268,6 +276,8 @@ def main(argv=None):
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem.item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped)
+            if prof.end(step + 1, dt_step):
+                rec["profiled"] = True
             if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):

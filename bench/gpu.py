@@ -236,17 +236,26 @@ def fit_ac_flags(spec: dict) -> list[str] | None:
     return None if found is None else ["--ac-blocks", str(found[0])]
 
 
-def run_ours(spec: dict, out: str, timeout: float, flags=()) -> dict:
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags)], check=True,
-                   timeout=timeout, cwd=ROOT)
+def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
+    """One train.py run; with `profile`, one more step at the end under `--profile` (not timed: the profiler
+    slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed."""
+    extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1)] if profile else []
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
+                   check=True, timeout=timeout, cwd=ROOT)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [r for r in rows if not r.get("profiled")]
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]
     peak = max(r["peak_mem_gb"] for r in rows)
     plan = planned_gb(spec, flags)
     with open(os.path.join(out, "mem_phases.json")) as f:   # step 1's peak per phase (train.py --mem-phases)
         phases = json.load(f)
-    return dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
-                flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"])
+    res = dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
+               flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"])
+    if profile:
+        res["profile"] = os.path.join(out, "profile.txt")
+        with open(res["profile"]) as f:   # the wall time, the busy time and its categories
+            res["profile_head"] = f.read().split("\n\ntop ")[0]
+    return res
 
 
 def peer_main(spec_path: str):
@@ -356,6 +365,8 @@ def print_case(name: str, case: dict) -> None:
         if "planned_gb" in r:
             print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
                   f"(measured / planned {r['peak_vs_plan']:.3f})", flush=True)
+            if r.get("profile_head"):
+                print(f"  profile ({r['profile']}): " + r["profile_head"].replace("\n", "\n  "), flush=True)
             ph = r.get("mem_phases")
             print("  step 1 peak per phase (GB): " + (", ".join(f"{k} {v}" for k, v in ph) if isinstance(ph, list)
                                                        else str(ph)), flush=True)
@@ -390,6 +401,8 @@ def main(argv=None):
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-gpu"), help="checkpoints and run dirs")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu-results.json"), help="results JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU-sized configuration (forced without CUDA)")
+    ap.add_argument("--profile", action="store_true", help="the plain ours row runs one more step under train.py "
+                    "--profile (untimed): its time by kernel category, printed and in the results")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)   # internal: run the HF peers of a spec
     args = ap.parse_args(argv)
     if args.peer:
@@ -463,7 +476,8 @@ def main(argv=None):
                 flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
                 try:
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
-                        if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags)
+                        if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags,
+                                                        args.profile and group[0] == "ours")
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
                     rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:

@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
-# The one device call of a GPU session: optional wheels -> `make test-gpu` -> `make bench-gpu`, all
-# logs and bench/gpu-results.json copied to $OUT, inside 570 s of wall time (the device tool allows
-# 600 s per command). Not run by CI or `make test`.
+# A device call of a GPU session: optional wheels -> `make test-gpu` -> bench/gpu.py, all logs, results
+# and profiles copied to $OUT, inside $TOTAL s of wall time (the device tool allows 600 s per command).
+# Not run by CI or `make test`.
 #
 # The GPU machine's python3 (a venv with torch 2.11+cu130, transformers, peft, pytest) has no network
 # and lacks bitsandbytes (NF4, needed) and liger-kernel (optional peer row). Bring them as wheels in
 # the ignored .whl/ folder, fetched on a machine with network, e.g.
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
 # (bitsandbytes wheels are py3-none-manylinux x86_64 and carry their CUDA libraries; liger-kernel is
 # pure Python on the machine's own Triton). They are installed with --no-index --no-deps into
 # /tmp/site and put first on PYTHONPATH. The tree that travels is capped at 64 MiB: check the wheel
-# sizes (`du -sh .whl`) before carrying them.
+# sizes (`du -sh .whl`) before carrying them. Carrying runs/demo_assets (14 MB, built here by
+# `make demo` or any test run) saves building the demo tokenizer there.
 #
-# Device tool call:  run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
-# Knobs (environment): TEST_S (default 150) and the rest for the bench, BENCH_ARGS (e.g. "--case 32k").
+# Device tool call:  run(command="bash bench/gpu_session.sh", carry=[".whl", "runs/demo_assets"], timeout_s=600)
+# Knobs (environment):
+#   TOTAL  wall-time cap of the whole script in seconds (default 570);
+#   TEST_S cap of `make test-gpu` in seconds (default 150; 0 skips it), run with -v -s (each result and
+#          the speed pins' numbers as they come, kept when the cap cuts it) and --durations;
+#   BENCH  ';'-separated argument lists of bench/gpu.py, run in order, each with the time left (default
+#          "--case all --profile"; empty skips the bench). With one list the results are bench/gpu-results.json,
+#          with several bench/gpu-results-1.json, -2, ...; each profiled "ours" row's table is copied to $OUT
+#          as profile-<case>.txt. ($OUT takes 8 files back: keep to 2 lists with profiles.)
+#   BENCH_ARGS is appended to every list.
+# A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
+# warm 30 s after a call): the bench first (its timings are the goals), then
+#   TEST_S=300 BENCH= bash bench/gpu_session.sh
 # The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
-# --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) does not fit next to the tests: give it a
-# device call of its own,
-#   run(command="TEST_S=0 BENCH_ARGS='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) needs a call of its own:
+#   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
-TOTAL=570
+TOTAL=${TOTAL:-570}
 TEST_S=${TEST_S:-150}
+BENCH=${BENCH---case all --profile}
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -5
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -5
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -39,7 +52,7 @@ import importlib.metadata as md, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "cudnn", torch.backends.cudnn.version(), "gpus", torch.cuda.device_count(),
       "capability", torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
-for d in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "flash-attn", "pytest"):
+for d in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "flash-attn", "pytest", "triton"):
     try:
         print(d, md.version(d))
     except md.PackageNotFoundError:
@@ -52,17 +65,38 @@ timeout 150 python3 -c "from data.demo import make_demo; make_demo('runs/demo_as
 
 if [ "$TEST_S" -gt 0 ]; then
   echo "== make test-gpu (cap ${TEST_S}s)"
-  timeout "$TEST_S" make test-gpu 2>&1 | tee "$OUT/test-gpu.log"
+  PYTEST_ADDOPTS="-v -s --durations=12" timeout "$TEST_S" make test-gpu 2>&1 | tee "$OUT/test-gpu.log"
   echo "test-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/test-gpu.log"
 fi
 
-LEFT=$((TOTAL - (SECONDS - T0)))
-echo "== make bench-gpu (cap ${LEFT}s, bench budget $((LEFT - 20))s)"
-if [ "$LEFT" -gt 60 ]; then
-  timeout "$LEFT" make bench-gpu ARGS="--budget $((LEFT - 20)) ${BENCH_ARGS:-}" 2>&1 | tee "$OUT/bench-gpu.log"
-  echo "bench-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/bench-gpu.log"
-else
-  echo "no time left for bench-gpu" | tee "$OUT/bench-gpu.log"
-fi
-cp bench/gpu-results.json "$OUT/" 2>/dev/null || echo "no bench/gpu-results.json"
+IFS=';' read -ra LISTS <<< "$BENCH"
+n=0
+for list in "${LISTS[@]}"; do
+  [ -z "${list// }" ] && continue
+  n=$((n + 1))
+  res=bench/gpu-results.json
+  [ "${#LISTS[@]}" -gt 1 ] && res=bench/gpu-results-$n.json
+  LEFT=$((TOTAL - (SECONDS - T0)))
+  echo "== bench/gpu.py $list ${BENCH_ARGS:-} (cap ${LEFT}s, bench budget $((LEFT - 15))s) -> $res"
+  if [ "$LEFT" -gt 45 ]; then
+    # shellcheck disable=SC2086
+    timeout "$LEFT" make bench-gpu ARGS="--budget $((LEFT - 15)) --out $res $list ${BENCH_ARGS:-}" 2>&1 \
+      | tee -a "$OUT/bench-gpu.log"
+    echo "bench-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/bench-gpu.log"
+    cp "$res" "$OUT/" 2>/dev/null || echo "no $res"
+    python3 - "$res" "$OUT" <<'EOF'
+import json, shutil, sys
+try:
+    res = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit()
+for case, c in res.get("cases", {}).items():
+    for r in c["rows"].values():
+        if r.get("profile"):
+            shutil.copy(r["profile"], f"{sys.argv[2]}/profile-{case}.txt")
+EOF
+  else
+    echo "no time left for bench/gpu.py $list" | tee -a "$OUT/bench-gpu.log"
+  fi
+done
 echo "done after $((SECONDS - T0))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

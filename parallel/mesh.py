@@ -182,6 +182,8 @@ def check_flags(args) -> None:
                          "stops torch.compile inside it (every block would run eager); use one or the other")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if getattr(args, "profile", None) is not None and args.profile < 1:
+        raise ValueError(f"--profile must be a step number >= 1 (1-based), got {args.profile}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}; omit --steps to train one epoch")
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]

@@ -48,7 +48,7 @@ def test_smoke_mode_writes_results(tmp_path):
     out = tmp_path / "res.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--config",
-                           str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out)],
+                           str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out), "--profile"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -88,3 +88,7 @@ def test_smoke_mode_writes_results(tmp_path):
         assert isinstance(ph, str) or [n for n, _ in ph][-1] == "rest of backward" and len(ph) == 7, ph
     assert "step 1 peak per phase (GB): forward" in proc.stdout or "clear_refs" in proc.stdout, proc.stdout[-2000:]
     assert "ours+tiled+offload --tiled-mlp --offload-activations: peak" in proc.stdout, proc.stdout[-2000:]
+    # --profile: the plain row ran one more step under train.py --profile, kept out of its timed steps
+    prof = rows["ours"]["profile_head"]
+    assert prof.startswith("step 4: ") and "by category" in prof and "matmul" in prof, prof
+    assert "profile_head" not in mem and "  profile (" in proc.stdout, proc.stdout[-2000:]
