@@ -269,13 +269,17 @@ def main(argv=None):
                 log0(f"step {step + 1}: non-finite loss {loss} or grad norm {float(gnorm)}: update skipped")
             opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
-            mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0)], device=device)
+            mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0),   # allocated;
+                                torch.cuda.max_memory_reserved(device) / 1e9 if dt == "cuda" else 0.0],   # cached
+                               device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
-                       step_time_s=round(dt_step, 3), peak_mem_gb=round(mem.item(), 3),
+                       step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped)
+            if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
+                rec["peak_reserved_gb"] = round(mem[1].item(), 3)
             if prof.end(step + 1, dt_step):
                 rec["profiled"] = True
             if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample

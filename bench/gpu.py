@@ -24,8 +24,9 @@ planner fits in 95% of this device (less recompute; the speed lever when memory 
 "ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute skips attention, the tiled MLP pays for the kept
 outputs' memory), at 32k also "ours+keep-attn". `--case long` (not in "all": one step takes minutes): 524,288
 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with --tiled-mlp --tiled-attn, one step each.
-Every "ours" row also prints its peak against the planner's total for the same flags (`train.py --plan`:
-fragmentation and runtime included) and its first step's peak per phase (`train.py --mem-phases`: forward, loss, the
+Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
+planner's peak of live tensors, and the allocator's reserved peak against that x FRAGMENTATION; on CPU the RSS
+against `train.py --plan`'s total, imports included) and its first step's peak per phase (`train.py --mem-phases`: forward, loss, the
 last block's MLP, o_proj, attention and q/k/v backward, the rest), which says which planner term a mismatch is in.
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
 would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
@@ -207,8 +208,10 @@ def ours_argv(spec: dict, out: str, flags=()) -> list[str]:
             *flags]
 
 
-def planned_gb(spec: dict, flags=()) -> float:
-    """The planner's device total for this run (train.py --plan's number, fragmentation and runtime in)."""
+def planned_gb(spec: dict, flags=()) -> tuple[float, float]:
+    """The planner's (peak of live tensors, device total) for this run: the first is what CUDA's
+    max_memory_allocated measures; the second is train.py --plan's number (x FRAGMENTATION + runtime), the one
+    a CPU's RSS (imports included) is compared with."""
     import train
     from model.load import read_args
     from parallel.mesh import validate
@@ -217,7 +220,8 @@ def planned_gb(spec: dict, flags=()) -> float:
     args = train.build_parser().parse_args(ours_argv(spec, "unused", flags))
     margs = read_args(spec["ckpt"])
     dims, pack = validate(args, margs, 1)
-    return memory_plan(margs, dims, args, "cuda" if torch.cuda.is_available() else "cpu", pack).total / 1e9
+    plan = memory_plan(margs, dims, args, "cuda" if torch.cuda.is_available() else "cpu", pack)
+    return plan.peak / 1e9, plan.total / 1e9
 
 
 def fit_ac_flags(spec: dict) -> list[str] | None:
@@ -246,11 +250,17 @@ def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> d
     rows = [r for r in rows if not r.get("profiled")]
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]
     peak = max(r["peak_mem_gb"] for r in rows)
-    plan = planned_gb(spec, flags)
+    live, total = planned_gb(spec, flags)
+    cuda = torch.cuda.is_available()
+    plan = live if cuda else total   # like with like: allocated bytes vs live tensors; RSS vs the total
     with open(os.path.join(out, "mem_phases.json")) as f:   # step 1's peak per phase (train.py --mem-phases)
         phases = json.load(f)
     res = dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
+               plan_basis="live tensors" if cuda else "total", planned_total_gb=total,
                flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"])
+    if cuda:   # the allocator's reserved high-water mark against the planner's live peak x FRAGMENTATION
+        from parallel.plan import FRAGMENTATION
+        res.update(reserved_gb=max(r["peak_reserved_gb"] for r in rows), planned_reserved_gb=live * FRAGMENTATION)
     if profile:
         res["profile"] = os.path.join(out, "profile.txt")
         with open(res["profile"]) as f:   # the wall time, the busy time and its categories
@@ -364,7 +374,11 @@ def print_case(name: str, case: dict) -> None:
     for n, r in rows.items():
         if "planned_gb" in r:
             print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
-                  f"(measured / planned {r['peak_vs_plan']:.3f})", flush=True)
+                  f"({r['plan_basis']}; measured / planned {r['peak_vs_plan']:.3f}; --plan's total "
+                  f"{r['planned_total_gb']:.2f} GB)", flush=True)
+            if "reserved_gb" in r:
+                print(f"  reserved {r['reserved_gb']:.2f} GB vs planned live x fragmentation "
+                      f"{r['planned_reserved_gb']:.2f} GB ({r['reserved_gb'] / r['planned_reserved_gb']:.3f})")
             if r.get("profile_head"):
                 print(f"  profile ({r['profile']}): " + r["profile_head"].replace("\n", "\n  "), flush=True)
             ph = r.get("mem_phases")

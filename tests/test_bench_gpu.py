@@ -83,6 +83,8 @@ def test_smoke_mode_writes_results(tmp_path):
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     for r in (rows["ours"], mem):
         assert r["planned_gb"] > 0 and r["peak_vs_plan"] == pytest.approx(r["peak_gb"] / r["planned_gb"])
+        # on CPU the RSS (imports included) is compared with --plan's total; CUDA compares allocated with live
+        assert r["plan_basis"] == "total" and r["planned_total_gb"] == r["planned_gb"] and "reserved_gb" not in r
         # step 1's peak per phase (train.py --mem-phases), or why there is none (no VmHWM reset on this CPU)
         ph = r["mem_phases"]
         assert isinstance(ph, str) or [n for n, _ in ph][-1] == "rest of backward" and len(ph) == 7, ph
