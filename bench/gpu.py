@@ -16,18 +16,25 @@ with the reason. Each run: 1 warm-up step, then the median of the timed steps; t
 allocated GB (ours and hf: the whole process, load included; liger: from its first step); the
 tokens/s ratio of each run to each other run. Results go to bench/gpu-results.json after every run.
 
-Cases: 32k = 32,768 tokens, all layers; 128k = 131,072 tokens, 8 layers (hf without Liger is skipped there: its
-[tokens, vocab] logits alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), plus our runs with
---tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4 and --tiled-mlp --tiled-attn (each one's tokens/s cost
-against plain "ours"). Both cases also run "ours+fit-ac": --ac-blocks N with the fewest checkpointed blocks the
-planner fits in 95% of this device (less recompute; the speed lever when memory is left over), and selective AC:
-"ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the recompute skips attention, the tiled MLP pays for the kept
-outputs' memory), at 32k also "ours+keep-attn". `--case long` (not in "all": one step takes minutes): 524,288
-tokens, 8 layers, ours with --tiled-mlp --offload-activations and with --tiled-mlp --tiled-attn, one step each.
+Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its load, the two peers ~95 s, each
+128k row ~50 s, the 28-layer checkpoint ~35 s):
+- 32k = 32,768 tokens, all layers: ours, hf, liger, "ours+tiled+keep-attn" (--tiled-mlp --ac-keep-attn: the
+  recompute skips attention, the tiled MLP pays for the kept outputs' memory) and "ours+compile" (--compile);
+- 128k = 131,072 tokens, 8 layers: ours, liger (hf without Liger is skipped there: its [tokens, vocab] logits
+  alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force), ours+tiled+keep-attn and
+  "ours+compile+tiled+keep-attn"; "all" is these two, inside the 8 minutes;
+- mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
+  --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
+- fast = the 32k shape with the flags that spend memory for speed: --ac-keep-attn, and "ours+fit-ac" (--ac-blocks
+  N with the fewest checkpointed blocks the planner fits in 95% of this device: less recompute);
+- long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
+  --tiled-mlp --tiled-attn, one step each.
+Any row runs in any case with --runs.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
 planner's peak of live tensors, and the allocator's reserved peak against that x FRAGMENTATION; on CPU the RSS
-against `train.py --plan`'s total, imports included) and its first step's peak per phase (`train.py --mem-phases`: forward, loss, the
-last block's MLP, o_proj, attention and q/k/v backward, the rest), which says which planner term a mismatch is in.
+against `train.py --plan`'s total, imports included) and its first step's peak per phase (`train.py --mem-phases`:
+forward, loss, the last block's MLP, o_proj, attention and q/k/v backward, the rest), which says which planner term a
+mismatch is in.
 --budget caps the wall time (default 470 s, inside 8 minutes with checkpoint writing): a run that
 would cross it is cut and reported as such. Without CUDA (or with --smoke) a tiny configuration runs
 in seconds on CPU (float32, no quantization: bitsandbytes NF4 and Liger need CUDA), which
@@ -56,7 +63,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CASES = {"32k": (32768, None), "128k": (131072, 8), "long": (524288, 8)}   # tokens, layers (None: all)
+CASES = {"32k": (32768, None), "128k": (131072, 8), "mem": (131072, 8), "fast": (32768, None),
+         "long": (524288, 8)}   # tokens, layers (None: all)
 # our runs with other flags: selective AC (--ac-keep-attn, a speed flag), the long-context memory flags (what
 # each costs in tokens/s at 128k), and the long case
 FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
@@ -64,12 +72,15 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+tiled+group4": ["--tiled-mlp", "--ac-group", "4"],
             "ours+tiled+offload": ["--tiled-mlp", "--offload-activations"],
             "ours+tiled-attn": ["--tiled-mlp", "--tiled-attn"],
-            "ours+tiled-attn+offload": ["--tiled-mlp", "--tiled-attn", "--offload-activations"]}
+            "ours+tiled-attn+offload": ["--tiled-mlp", "--tiled-attn", "--offload-activations"],
+            "ours+compile": ["--compile"],
+            "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"]}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
-DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", "ours+keep-attn", "ours+tiled+keep-attn", FIT_AC],
-                "128k": ["ours", "hf", "liger", "ours+tiled+keep-attn", FIT_AC, "ours+tiled", "ours+offload",
-                         "ours+tiled+group4", "ours+tiled-attn"],
+DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", "ours+tiled+keep-attn", "ours+compile"],
+                "128k": ["ours", "hf", "liger", "ours+tiled+keep-attn", "ours+compile+tiled+keep-attn"],
+                "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
+                "fast": ["ours", "ours+keep-attn", FIT_AC],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -402,8 +413,9 @@ def versions() -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--case", default="all", choices=["32k", "128k", "long", "all"],
-                    help="which case(s) to run (all: 32k and 128k; long: 512k tokens, ours with the memory flags)")
+    ap.add_argument("--case", default="all", choices=[*CASES, "all"],
+                    help="which case(s) to run (all: 32k and 128k; mem: 128k with the memory flags; fast: 32k with "
+                    "the speed flags that spend memory; long: 512k tokens, ours with the memory flags)")
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
@@ -415,8 +427,9 @@ def main(argv=None):
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-gpu"), help="checkpoints and run dirs")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu-results.json"), help="results JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU-sized configuration (forced without CUDA)")
-    ap.add_argument("--profile", action="store_true", help="the plain ours row runs one more step under train.py "
-                    "--profile (untimed): its time by kernel category, printed and in the results")
+    ap.add_argument("--profile", nargs="?", const="ours", default="", metavar="ROWS",
+                    help="these of our rows (comma list; bare: ours) run one more step under train.py --profile "
+                    "(untimed): its time by kernel category, printed and in the results")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)   # internal: run the HF peers of a spec
     args = ap.parse_args(argv)
     if args.peer:
@@ -440,7 +453,7 @@ def main(argv=None):
         tokens, layers = CASES[name]
         tokens = args.tokens or (128 if smoke else tokens)
         layers = args.layers or (2 if smoke else (layers or base_cfg["num_hidden_layers"]))
-        timed = args.timed or (2 if smoke or name == "128k" else 1 if name == "long" else 3)
+        timed = args.timed or (1 if name == "long" and not smoke else 2 if smoke or tokens > 65536 else 3)
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
@@ -474,7 +487,7 @@ def main(argv=None):
         for row in ("ours", "hf", "liger"):
             if row not in runs:
                 continue
-            if row == "hf" and name == "128k" and not args.runs:
+            if row == "hf" and tokens > 65536 and not args.runs:
                 rows[row] = {"skipped": HF_128K_REASON}
             elif row == "liger" and why_liger:
                 rows[row] = {"skipped": why_liger}
@@ -491,7 +504,7 @@ def main(argv=None):
                 try:
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
                         if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags,
-                                                        args.profile and group[0] == "ours")
+                                                        group[0] in args.profile.split(","))
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
                     rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:

@@ -31,6 +31,24 @@ bench_gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_gpu)
 
 
+@pytest.mark.parametrize("row", sorted(bench_gpu.FLAG_ROWS))
+def test_every_row_passes_the_trainers_start_up_checks(row):
+    """A row whose flags the trainer refuses (e.g. two that exclude each other) would only show on the GPU."""
+    import train
+    from parallel.mesh import check_flags
+
+    spec = dict(ckpt="m", data="d.jsonl", tokens=131072, steps=2, quant="nf4", dtype="bf16")
+    args = train.build_parser().parse_args(bench_gpu.ours_argv(spec, "out", bench_gpu.FLAG_ROWS[row]))
+    check_flags(args)
+
+
+def test_default_rows_exist():
+    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, *bench_gpu.FLAG_ROWS}
+    assert set(bench_gpu.DEFAULT_RUNS) == set(bench_gpu.CASES)
+    for case, rows in bench_gpu.DEFAULT_RUNS.items():
+        assert set(rows) <= known, (case, set(rows) - known)
+
+
 def test_cut_layers():
     cfg = {"num_hidden_layers": 28, "layer_types": ["full_attention"] * 28, "max_window_layers": 28, "x": 1}
     cut = bench_gpu.cut_layers(cfg, 8)
