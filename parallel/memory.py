@@ -24,6 +24,12 @@ Contract:
   tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
   recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
   (`--ac-group`) sets it False: there each block's output is the next block's input.
+- `skip_in_recompute(module)`: the same for the untiled MLP's down projection, whose output nobody in a block's
+  recompute reads (the residual add saves nothing; the checkpoint stops after the LoRA path's last saved
+  tensor and drops the block's output): its base GEMM (~29% of a Qwen2.5-7B block's recompute FLOPs) returns
+  zeros there instead of running. Only where the base saves no tensor through autograd's saved-tensor hooks
+  (bitsandbytes keeps its weight on ctx; an nn.Linear saves its weight and is left alone), probed once on one
+  row in the first forward: the recompute must save exactly what the forward saved. LoRA's A and B still run.
 
 Credit: tiling the MLP over the sequence and offloading checkpoints to the host follow Arctic Long Sequence
 Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is applied.
@@ -59,6 +65,37 @@ class recompute_context:
     def __exit__(self, *exc):
         _state.recompute = self.prev.pop()
         return self.inner.__exit__(*exc) if self.inner is not None else None
+
+
+class _SkipInRecompute:
+    """A base layer's forward that returns zeros of its output's shape inside a block recompute (module docstring)."""
+
+    def __init__(self, forward, out_features: int):
+        self.forward, self.out_features, self.safe = forward, out_features, None
+
+    def __call__(self, x):
+        if self.safe and recomputing():
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        if torch.is_grad_enabled() and not recomputing():
+            if self.safe is None:
+                self.safe = _saves_nothing(self.forward, x)
+            if self.safe:   # the recompute's op, empty, in forward too: newer torch's selective-AC cache (
+                x.new_zeros(0)   # --ac-keep-attn) records every forward op and refuses a recompute op forward lacked
+        return self.forward(x)
+
+
+def _saves_nothing(forward, x) -> bool:
+    """Whether `forward` on x's first row (needing grad, as x does) packs no tensor through saved-tensor hooks."""
+    packed = []
+    row = x.detach().reshape(-1, x.shape[-1])[:1].requires_grad_(x.requires_grad)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        forward(row)
+    return not packed
+
+
+def skip_in_recompute(module: nn.Module) -> None:
+    """Wrap `module` (a linear layer's base: its output unread in a block recompute) as described above."""
+    module.forward = _SkipInRecompute(module.forward, module.out_features)
 
 
 def tile_tokens(dim: int, tile: int | None) -> int:

@@ -57,7 +57,7 @@ def ckpt(tmp_path_factory):
 def _opts(path, **kw):
     from parallel.parallelize import BuildOptions
 
-    return BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=3, **kw)
+    return BuildOptions(path, **{"quant": "nf4", **kw}, lora_r=4, lora_alpha=8, seed=3)
 
 
 def _lora_grads(model):
@@ -826,3 +826,62 @@ def test_checkpointed_block_recomputes_again_for_a_retained_graph(ckpt, mem):
     if not mem:
         with pytest.raises(RuntimeError, match="only allowed to backward once"):
             _retained_grads(ckpt, ac=True, ac_keep_attn=True)
+
+
+@pytest.mark.parametrize("quant, mem", [("nf4", dict()), ("nf4", dict(ac_keep_attn=True)), ("nf4", dict(ac_group=2)),
+                                        ("nf4", dict(ac_blocks=2)), ("none", dict())],
+                         ids=["nf4", "keep_attn", "group2", "ac_blocks2", "plain_linear"])
+def test_down_projection_base_skipped_in_block_recompute(ckpt3, quant, mem):
+    """A block recompute does not run the down projection's 4-bit base GEMM (its output is read by nobody there):
+    per step each block's down base runs once on all tokens (forward) where q's runs twice (forward + recompute);
+    a group recompute (--ac-group 2: block 0, up to block 1's saved input) still runs it, a block outside --ac-blocks
+    is never recomputed; an nn.Linear base (--quant none) saves its weight, so the probe leaves it alone and it
+    runs in the recompute. The loss and every LoRA gradient equal no AC at all."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt3, quant=quant, **kw))
+        calls = {}
+        for i, block in enumerate(model.model.layers):
+            for name in ("down_proj", "q_proj"):
+                lin = getattr(block.mlp if name == "down_proj" else block.self_attn, name).base_layer
+                wrapped = getattr(lin.forward, "forward", None)   # under AC: the _SkipInRecompute's inner forward
+                inner = wrapped or lin.forward
+
+                def counting(x, key=(i, name), inner=inner):
+                    if x.reshape(-1, x.shape[-1]).shape[0] > 1:   # not the one-row probe
+                        calls[key] = calls.get(key, 0) + 1
+                    return inner(x)
+                if wrapped:
+                    lin.forward.forward = counting
+                else:
+                    lin.forward = counting
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), calls
+
+    ref = run(ac=False)
+    got = run(ac=True, **mem)
+    recomputed = {0, 1, 2} if "ac_blocks" not in mem else {0, 1}
+    skipped = recomputed if quant == "nf4" else set()
+    group_rerun = {0} if "ac_group" in mem else set()   # the first group's recompute runs block 0, up to 1's input
+    for i in range(3):
+        assert got[2][(i, "q_proj")] == 1 + (i in recomputed) + (i in group_rerun), (i, got[2])
+        assert got[2][(i, "down_proj")] == 1 + (i in recomputed and i not in skipped) + (i in group_rerun), \
+            (i, got[2])
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
+
+
+def test_skipping_a_base_that_saves_tensors_would_break_the_recompute(ckpt3):
+    """What the probe guards: an nn.Linear base (--quant none) forced to skip in the recompute saves one tensor
+    fewer there than in forward, which torch's checkpoint refuses (or would pair wrong tensors)."""
+    model, _ = build_nonzero_b(_opts(ckpt3, quant="none", ac=True))
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    s, n = model(ids, labels=ids)
+    assert all(b.mlp.down_proj.base_layer.forward.safe is False for b in model.model.layers)
+    for b in model.model.layers:
+        b.mlp.down_proj.base_layer.forward.safe = True
+    with pytest.raises(Exception, match="(?i)recomput|saved|metadata"):
+        (s / n).backward()
