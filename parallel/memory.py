@@ -20,16 +20,10 @@ Contract:
   norm; q/k/v share one rebuild, dropped after the last. It steps aside where peft hands LoRA A another
   tensor (dropout, a dtype cast) and at layer 0's first norm (its input needs no grad, so the norm saves
   nothing). The same numbers: bit for bit on CPU (tested); on CUDA a chunk may round the last bit apart.
-- `recomputing()`: True inside a block checkpoint's recompute (set through checkpoint's `context_fn`). The
-  tiled MLP then skips its forward tiles: backward needs only its saved input, and the checkpoint stops the
-  recompute at that last saved tensor, so the output is never read. A group checkpoint's recompute
-  (`--ac-group`) sets it False: there each block's output is the next block's input.
-- `skip_in_recompute(module)`: the same for the untiled MLP's down projection, whose output nobody in a block's
-  recompute reads (the residual add saves nothing; the checkpoint stops after the LoRA path's last saved
-  tensor and drops the block's output): its base GEMM (~29% of a Qwen2.5-7B block's recompute FLOPs) returns
-  zeros there instead of running. Only where the base saves no tensor through autograd's saved-tensor hooks
-  (bitsandbytes keeps its weight on ctx; an nn.Linear saves its weight and is left alone), probed once on one
-  row in the first forward: the recompute must save exactly what the forward saved. LoRA's A and B still run.
+- `recomputing()`, `recompute_context` and the bases whose outputs nobody reads in a recompute or a backward tile:
+  parallel/recompute.py. The tiled MLP skips its forward tiles inside a block recompute (backward needs only its
+  saved input; the checkpoint stops the recompute there, so the output is never read), and runs its backward
+  tiles under `grads_only_context` (each tile's output is only differentiated).
 
 Credit: tiling the MLP over the sequence and offloading checkpoints to the host follow Arctic Long Sequence
 Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is applied.
@@ -37,65 +31,10 @@ Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is appli
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
-_state = threading.local()   # backward may run on autograd's device threads
-
-
-def recomputing() -> bool:
-    return getattr(_state, "recompute", False)
-
-
-class recompute_context:
-    """Sets `recomputing()` to `on` while entered, inside `inner` when given. Re-entrant: a checkpoint enters its
-    recompute context once per recompute, and a graph kept with retain_graph is recomputed again."""
-
-    def __init__(self, on: bool = True, inner=None):
-        self.on, self.inner, self.prev = on, inner, []
-
-    def __enter__(self):
-        if self.inner is not None:
-            self.inner.__enter__()
-        self.prev.append(recomputing())
-        _state.recompute = self.on
-
-    def __exit__(self, *exc):
-        _state.recompute = self.prev.pop()
-        return self.inner.__exit__(*exc) if self.inner is not None else None
-
-
-class _SkipInRecompute:
-    """A base layer's forward that returns zeros of its output's shape inside a block recompute (module docstring)."""
-
-    def __init__(self, forward, out_features: int):
-        self.forward, self.out_features, self.safe = forward, out_features, None
-
-    def __call__(self, x):
-        if self.safe and recomputing():
-            return x.new_zeros(*x.shape[:-1], self.out_features)
-        if torch.is_grad_enabled() and not recomputing():
-            if self.safe is None:
-                self.safe = _saves_nothing(self.forward, x)
-            if self.safe:   # the recompute's op, empty, in forward too: newer torch's selective-AC cache (
-                x.new_zeros(0)   # --ac-keep-attn) records every forward op and refuses a recompute op forward lacked
-        return self.forward(x)
-
-
-def _saves_nothing(forward, x) -> bool:
-    """Whether `forward` on x's first row (needing grad, as x does) packs no tensor through saved-tensor hooks."""
-    packed = []
-    row = x.detach().reshape(-1, x.shape[-1])[:1].requires_grad_(x.requires_grad)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
-        forward(row)
-    return not packed
-
-
-def skip_in_recompute(module: nn.Module) -> None:
-    """Wrap `module` (a linear layer's base: its output unread in a block recompute) as described above."""
-    module.forward = _SkipInRecompute(module.forward, module.out_features)
+from parallel.recompute import grads_only_context, recomputing
 
 
 def tile_tokens(dim: int, tile: int | None) -> int:
@@ -148,7 +87,7 @@ def _by_rows(fn, flat, rows):
 def _tiles_backward(ctx, flat, dflat, dx, acc, params):
     for i in range(0, flat.shape[0], ctx.tile):
         xt = flat[i:i + ctx.tile].detach().requires_grad_(dx is not None)
-        with torch.enable_grad():
+        with torch.enable_grad(), grads_only_context():   # y is only differentiated: the down base runs no GEMM
             y = ctx.fn(xt)
         wrt = ([xt] if dx is not None else []) + list(params)
         grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)

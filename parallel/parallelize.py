@@ -49,9 +49,10 @@ from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lor
 from model.weights import load_weights
 from parallel.cp import KernelAttention
 from parallel.fsdp import apply_fsdp
-from parallel.memory import apply_norm_rebuild, apply_tiled_mlp, recompute_context, skip_in_recompute
+from parallel.memory import apply_norm_rebuild, apply_tiled_mlp
 from parallel.mesh import check_ac
 from parallel.offload import HostOffload
+from parallel.recompute import apply_unread_outputs, recompute_context
 from parallel.tiled_attention import apply_tiled_attention
 
 
@@ -114,8 +115,6 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
         if hooks:   # the next block's input comes back once this block's attention backward is done
             block.self_attn.forward = hooks.after_attention(block.self_attn.forward)
         block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts)
-        down = block.mlp.down_proj
-        skip_in_recompute(getattr(down, "base_layer", down))   # its output is unread in the recompute
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)
     return hooks
@@ -264,6 +263,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)
+    apply_unread_outputs(model)   # bases whose output nobody reads in a recompute or a backward tile
     if opts.tiled_mlp:                                                      # 4a
         apply_tiled_mlp(model)
     if opts.tiled_attn:

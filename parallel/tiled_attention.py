@@ -45,6 +45,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from parallel import kernels, masks
+from parallel.recompute import grads_only_context
 from parallel.ring import _merge
 
 
@@ -205,7 +206,7 @@ class _TiledAttention(torch.autograd.Function):
             for (r, a, e, bounds), st in zip(units, ctx.states):   # o_proj, the kernels, q's chain
                 xt = x[r, a:e].detach().requires_grad_(need_x)
                 ot_in = out[r, a:e].detach().flatten(2).requires_grad_()
-                with torch.enable_grad():
+                with torch.enable_grad(), grads_only_context():   # ot is only differentiated: no base GEMM
                     if spec.rng:
                         _set_rng(st[2], x.device)
                     ot = attn.o_proj(ot_in)

@@ -845,7 +845,7 @@ def test_down_projection_base_skipped_in_block_recompute(ckpt3, quant, mem):
         for i, block in enumerate(model.model.layers):
             for name in ("down_proj", "q_proj"):
                 lin = getattr(block.mlp if name == "down_proj" else block.self_attn, name).base_layer
-                wrapped = getattr(lin.forward, "forward", None)   # under AC: the _SkipInRecompute's inner forward
+                wrapped = getattr(lin.forward, "forward", None)   # the _UnreadOutput's inner forward (down's)
                 inner = wrapped or lin.forward
 
                 def counting(x, key=(i, name), inner=inner):
@@ -885,3 +885,40 @@ def test_skipping_a_base_that_saves_tensors_would_break_the_recompute(ckpt3):
         b.mlp.down_proj.base_layer.forward.safe = True
     with pytest.raises(Exception, match="(?i)recomput|saved|metadata"):
         (s / n).backward()
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+def test_backward_tiles_run_no_down_or_o_proj_gemm(ckpt3, ac):
+    """--tiled-mlp --tiled-attn: the backward tiles only differentiate the down projection's and o_proj's outputs,
+    so their 4-bit bases run no GEMM in backward (zeros carrying dy @ W instead): the down base runs in forward
+    only (under AC the tiled MLP skips its recompute too), o_proj's in forward and, under AC, in the block
+    recompute (the post-attention norm saves its output). The loss and every LoRA gradient equal the untiled
+    model without AC."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt3, **kw))
+        calls = {"down_proj": [], "o_proj": []}
+        for block in model.model.layers:
+            for name, lin in (("down_proj", block.mlp.down_proj), ("o_proj", block.self_attn.o_proj)):
+                wrapper = lin.base_layer.forward
+
+                def counting(x, name=name, inner=wrapper.forward):
+                    if x.reshape(-1, x.shape[-1]).shape[0] > 1:   # not the one-row probe
+                        calls[name].append(phase[0])
+                    return inner(x)
+                wrapper.forward = counting
+        phase = ["forward"]
+        s, n = model(ids, labels=ids)
+        phase[0] = "backward"
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), calls
+
+    ref = run(ac=False)
+    got = run(ac=ac, tiled_mlp=True, tiled_attn=True)
+    down, o = got[2]["down_proj"], got[2]["o_proj"]
+    assert down.count("forward") >= 3 and "backward" not in down, down
+    assert o.count("forward") >= 3 and o.count("backward") == (o.count("forward") if ac else 0), o
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for n in ref[1]:
+        torch.testing.assert_close(got[1][n], ref[1][n], **TOL, msg=f"grad {n}")
