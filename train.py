@@ -103,6 +103,8 @@ def build_parser(add_help=True):
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")
+    a("--schedule-steps", type=int, default=None, help=argparse.SUPPRESS)   # the lr schedule's length (bench/gpu.py
+    # adds a profiled step past the timed ones and keeps their schedule)
     a("--profile", type=int, default=None, metavar="N", help="torch.profiler over step N: time per kernel to "
       "OUT/profile.txt")
     return p
@@ -170,6 +172,9 @@ def main(argv=None):
     if ckpt:
         meta = checkpoint.read_meta(ckpt)
         runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
+        if args.profile is not None and args.profile <= meta["step"]:
+            raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
+                             "later step")
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
@@ -238,7 +243,7 @@ def main(argv=None):
             wd.phase("data", step + 1)
             prof.begin(step + 1)
             t_step = time.time()
-            lr = lr_at(step, args, steps)
+            lr = lr_at(step, args, args.schedule_steps or steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch)

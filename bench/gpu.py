@@ -254,7 +254,8 @@ def fit_ac_flags(spec: dict) -> list[str] | None:
 def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
     """One train.py run; with `profile`, one more step at the end under `--profile` (not timed: the profiler
     slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed."""
-    extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1)] if profile else []
+    extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1),
+             "--schedule-steps", str(spec["steps"])] if profile else []   # the timed steps' lr as without it
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
                    check=True, timeout=timeout, cwd=ROOT)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

@@ -22,7 +22,8 @@
 #   BENCH  ';'-separated argument lists of bench/gpu.py, run in order, each with the time left (default
 #          "--case all --profile"; empty skips the bench). With one list the results are bench/gpu-results.json,
 #          with several bench/gpu-results-1.json, -2, ...; each profiled "ours" row's table is copied to $OUT
-#          as profile-<case>.txt. ($OUT takes 8 files back: keep to 2 lists with profiles.)
+#          as profile-<list n>-<case>-<row>.txt ('+' as '_'). ($OUT takes 8 files back: env, the logs and the
+#          results leave room for about 3 profiles.)
 #   BENCH_ARGS is appended to every list.
 # A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
 # warm 30 s after a call): the bench first (its timings are the goals), then
@@ -84,16 +85,17 @@ for list in "${LISTS[@]}"; do
       | tee -a "$OUT/bench-gpu.log"
     echo "bench-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/bench-gpu.log"
     cp "$res" "$OUT/" 2>/dev/null || echo "no $res"
-    python3 - "$res" "$OUT" <<'EOF'
+    python3 - "$res" "$OUT" "$n" <<'EOF'
 import json, shutil, sys
 try:
     res = json.load(open(sys.argv[1]))
 except (OSError, ValueError):
     sys.exit()
 for case, c in res.get("cases", {}).items():
-    for r in c["rows"].values():
-        if r.get("profile"):
-            shutil.copy(r["profile"], f"{sys.argv[2]}/profile-{case}.txt")
+    for row, r in c["rows"].items():
+        if r.get("profile"):   # $OUT takes letters, digits, '.', '_' and '-' in names
+            name = f"profile-{sys.argv[3]}-{case}-{row}.txt".replace("+", "_")
+            shutil.copy(r["profile"], f"{sys.argv[2]}/{name}")
 EOF
   else
     echo "no time left for bench/gpu.py $list" | tee -a "$OUT/bench-gpu.log"

@@ -3,11 +3,12 @@
 Contract: `StepProfiler(n, device, out_dir, rank, log)`; in the loop `begin(step)` before step `step`
 (1-based) and `end(step, seconds)` after it; both do nothing for every other step. Step N runs under
 torch.profiler (CPU ops, and on CUDA the kernels). `end` writes OUT/profile.txt (rank 0; other ranks
-profile-rankR.txt): the step's wall time, its busy time by category (matmul GEMMs, attention kernels,
-NF4 dequantization, copies, the rest: norms, RoPE, SwiGLU, LoRA adds, the loss's softmax...) and the top
-ops by self time (CUDA: kernel time on the device; CPU: op time). The profiled step is slower than the
-others (the profiler's bookkeeping): metrics.jsonl marks it `"profiled": true`. Not written:
-a chrome trace (a 28-layer step's is hundreds of MB); fork this module for one.
+profile-rankR.txt): the step's wall time, its busy time by category (communication, matmul GEMMs,
+attention kernels, NF4 dequantization, copies and casts, the rest: norms, RoPE, SwiGLU, LoRA adds, the
+loss's softmax...) and the top ops by self time (CUDA: kernel time on the device; CPU: op time). The
+profiled step is slower than the others (the profiler's bookkeeping): metrics.jsonl marks it
+`"profiled": true`. Not written: a chrome trace (a 28-layer step's is hundreds of MB); fork this module
+for one.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 
 # first match wins; names are CUDA kernel names on a GPU and aten op names on CPU
 CATEGORIES = [
+    ("communication", re.compile(r"nccl|all_gather|reduce_scatter|all_reduce|alltoall|c10d::|gloo", re.I)),
     ("attention", re.compile(r"cudnn|flash|fmha|attention|_efficient_attention|sdpa", re.I)),
     ("NF4 dequantize", re.compile(r"dequant|kQuantize", re.I)),
     ("matmul", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$",
                           re.I)),
-    ("copies", re.compile(r"memcpy|memset|aten::copy_$|aten::_to_copy$", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy_kernel|aten::copy_$|aten::_to_copy$", re.I)),   # casts too
 ]
 TOP = 40
 
@@ -67,7 +69,9 @@ class StepProfiler:
         self.prof = None
         rows = []
         for evt in events:
-            if cuda and evt.device_type.name != "CUDA":   # on a GPU: kernels (and copies) only, no CPU ops
+            # on a GPU: kernels (and copies) only; no CPU ops, no record_function ranges (their GPU span covers
+            # the kernels inside them: counted twice)
+            if cuda and (evt.device_type.name != "CUDA" or getattr(evt, "is_user_annotation", False)):
                 continue
             us = _self_time_us(evt, cuda)
             if us > 0:

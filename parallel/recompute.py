@@ -94,8 +94,10 @@ class _UnreadOutput:
         self.module, self.forward, self.in_recompute, self.safe = module, module.forward, in_recompute, None
 
     def __call__(self, x):
-        if grads_only() and x.requires_grad and not any(p.requires_grad for p in self.module.parameters()):
-            return _InputGradOnly.apply(x, self.module)
+        if grads_only() and not any(p.requires_grad for p in self.module.parameters()):
+            if x.requires_grad:
+                return _InputGradOnly.apply(x, self.module)
+            return x.new_zeros(*x.shape[:-1], self.module.out_features)   # nothing to differentiate
         if not self.in_recompute:
             return self.forward(x)
         if self.safe and recomputing():
@@ -122,5 +124,7 @@ def apply_unread_outputs(model) -> None:
     tiles) as described above; a LoRA layer's base is its `base_layer`."""
     for block in model.model.layers:
         for lin, in_recompute in ((block.mlp.down_proj, True), (block.self_attn.o_proj, False)):
+            if any(getattr(lin, "lora_variant", None) or ()):   # e.g. DoRA reads the base output: left alone
+                continue
             base = getattr(lin, "base_layer", lin)
             base.forward = _UnreadOutput(base, in_recompute)

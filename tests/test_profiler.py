@@ -3,9 +3,11 @@
 Pins (1 CPU rank, the tiny checkpoint of tests/conftest.py):
 - the file comes for the chosen step only; its categories add up to its busy time, which lies inside the
   step's wall time; the matmul category holds aten::mm; metrics.jsonl marks that step, and only it;
-- a step outside the run, or below 1, is refused with the range and the fix, before any weight is read;
+- a step outside the run, or below 1, or not after a resumed run's checkpoint, is refused with the fix, before
+  any weight is read; bench/gpu.py's extra profiled step with --schedule-steps leaves the timed steps' lr and
+  losses as they were without it;
 - the categories of real CUDA kernel names (cuDNN's and flash attention, cuBLAS/CUTLASS GEMMs, bitsandbytes'
-  dequantization, copies) as a GPU profile names them.
+  dequantization, copies and casts, NCCL) as a GPU profile names them.
 
 Run: .venv/bin/python -m pytest -q tests/test_profiler.py
 """
@@ -50,6 +52,32 @@ def test_profile_outside_the_run_is_refused_before_weights(assets, tmp_path, n, 
         train.main(train_argv(assets, str(tmp_path / "out"), "--steps", "3", "--profile", n))
 
 
+def test_profiled_extra_step_keeps_the_schedule(assets, tmp_path):
+    """bench/gpu.py's profiled row: one more step under --profile with --schedule-steps of the timed ones, so
+    those steps train exactly as the run without the extra step (same lr, same losses)."""
+    import train
+
+    rows = {}
+    for name, extra in (("plain", ["--steps", "3"]),
+                        ("profiled", ["--steps", "4", "--profile", "4", "--schedule-steps", "3"])):
+        out = str(tmp_path / name)
+        with one_thread():
+            train.main(train_argv(assets, out, *extra))
+        rows[name] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [(r["lr"], r["loss"]) for r in rows["profiled"][:3]] == [(r["lr"], r["loss"]) for r in rows["plain"]]
+    assert rows["profiled"][3].get("profiled") is True
+
+
+def test_profile_of_a_step_before_the_resume_is_refused(assets, tmp_path):
+    import train
+
+    out = str(tmp_path / "out")
+    with one_thread():
+        train.main(train_argv(assets, out, "--steps", "2"))
+    with no_weights(), one_thread(), pytest.raises(ValueError, match="--profile 2: this run resumes after step 2"):
+        train.main(train_argv(assets, out, "--steps", "4", "--resume", os.path.join(out, "ckpt"), "--profile", "2"))
+
+
 @pytest.mark.parametrize("name, cat", [
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>", "attention"),
@@ -61,6 +89,9 @@ def test_profile_outside_the_run_is_refused_before_weights(assets, tmp_path, n, 
     ("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, int)",
      "NF4 dequantize"),
     ("Memcpy DtoH (Device -> Pinned)", "copies"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>",
+     "copies"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
 ])
 def test_kernel_categories(name, cat):
