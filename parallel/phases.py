@@ -22,7 +22,8 @@ Contract:
   what the planner plans and the metrics' peak_mem_gb report); CPU: the RSS high-water mark (VmHWM, kB / 1e6
   as peak_mem_gb's ru_maxrss), reset through /proc/self/clear_refs (where that is not writable there are no
   phases: the file and the log line say why). Both resets also reset the
-  step's own peak: `peak_gb()` is the step's peak over the whole run, phases included. With `out_dir`, the
+  step's own peak: `peak_gb()` is the step's peak over the whole run, phases included (`reserved_gb()` the
+  allocator's reserved peak, likewise). With `out_dir`, the
   measured micro-batch ends with `report()` (a collective, every rank): OUT/mem_phases.json {"unit": "GB",
   "device", "why", "ranks": [each rank's phases]}, and rank 0's phases logged.
 """
@@ -46,7 +47,7 @@ def _vm_gb(key: str) -> float:   # kB / 1e6, the unit of parallel.mesh.peak_memo
 
 class PhaseMeter:
     def __init__(self, model, device: torch.device, out_dir: str | None = None, log=print):
-        self.device, self.phases, self.best, self.on = device, [], 0.0, False
+        self.device, self.phases, self.best, self.best_reserved, self.on = device, [], 0.0, 0.0, False
         self.out_dir, self.log = out_dir, log
         self.cuda = device.type == "cuda"
         self.why = None if self.cuda or os.access(CLEAR_REFS, os.W_OK) else \
@@ -63,6 +64,7 @@ class PhaseMeter:
     def _peak(self) -> float:   # GB since the last reset, then reset
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+            self.best_reserved = max(self.best_reserved, torch.cuda.max_memory_reserved(self.device) / 1e9)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak = _vm_gb("VmHWM")
@@ -117,6 +119,10 @@ class PhaseMeter:
         if self.cuda:
             return max(self.best, torch.cuda.max_memory_allocated(self.device) / 1e9)
         return max(self.best, _vm_gb("VmHWM"))
+
+    def reserved_gb(self) -> float:
+        """CUDA: the caching allocator's reserved peak so far, across the resets made here."""
+        return max(self.best_reserved, torch.cuda.max_memory_reserved(self.device) / 1e9) if self.cuda else 0.0
 
 
 def measuring(meter: PhaseMeter | None, on: bool):
