@@ -72,6 +72,13 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
+        if torch.compiler.is_compiling():   # fused: no chunks, and no Python loop over a size (dynamo would
+            xf, r = x.float(), rstd.view(*x.shape[:-1], 1)   # specialise every new length)
+            dn = (g * weight).float()
+            dx = (r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)).to(x.dtype)
+            dw = (g * (xf * r).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32)
+            return (dx if ctx.needs_input_grad[0] else None), \
+                (dw.to(weight.dtype) if ctx.needs_input_grad[1] else None), None
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
         # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
         # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)
@@ -137,7 +144,7 @@ class _RopeFn(torch.autograd.Function):
 
 class Rotary(nn.Module):
     """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
-    (no parameters) so that `parallel.parallelize.apply_compile` can fuse it from outside; eager mode runs it
+    (no parameters) so that `parallel.compile.apply_compile` can fuse it from outside; eager mode runs it
     in sequence chunks (_RopeFn), compiled code as one fused formula."""
 
     def forward(self, q, k, cos, sin):   # k may be None (the query tiles of parallel/tiled_attention.py)

@@ -8,7 +8,8 @@
                                           scaled add fused into lora_B's GEMM (model.qlora.fuse_lora)
     4. memory steps (parallel/memory.py)  wrap forwards (parameter names unchanged) before fully_shard,
                                           so FSDP2's hooks stay outside: the pre-backward all-gather
-                                          has run when a recompute starts
+                                          has run when a recompute starts; first apply_unread_outputs
+                                          (parallel/recompute.py: no GEMM for outputs nobody reads)
        a. apply_tiled_mlp (--tiled-mlp)   the MLP over tiles of tokens, recomputed tile by tile;
           apply_tiled_attention           the attention sublayer over tiles of query rows (one process)
           (--tiled-attn)
@@ -16,7 +17,7 @@
           (--offload-activations,         --offload-activations the saved block inputs go to host memory;
            --ac-group, --ac-blocks)       --ac-group G: one more checkpoint around each G blocks;
                                           --ac-blocks N: only the first N blocks are checkpointed
-       c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (fused kernels)
+       c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (parallel/compile.py)
        d. apply_norm_rebuild              LoRA A (and the tiled MLP) keep a block norm's input, not its
                                           output, rebuilt in backward; after c, so it calls compiled code
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest (its frozen
@@ -47,6 +48,7 @@ from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights
 from model.weights import load_weights
+from parallel.compile import apply_compile
 from parallel.cp import KernelAttention
 from parallel.fsdp import apply_fsdp
 from parallel.memory import apply_norm_rebuild, apply_tiled_mlp
@@ -229,18 +231,6 @@ def _checkpointed(forward, hooks, contexts):
             return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
     run.hooks = hooks   # for tests and logs: what the offload moved
     return run
-
-
-def apply_compile(model: Transformer) -> None:
-    """torch.compile the elementwise pieces of every block (RMSNorm, RoPE, SwiGLU), each a small graph
-    with no collective, LoRA or 4-bit op inside: they fuse into a few kernels and compose with AC (the
-    recompute calls the same compiled code), FSDP2 (parameters arrive unsharded) and NF4. Whole-block
-    compilation would break its graph at the CP attention's communication and bitsandbytes' ops."""
-    from model.llama import RMSNorm, Rotary, SwiGLU
-
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, Rotary, SwiGLU)):
-            m.forward = torch.compile(m.forward, dynamic=True)
 
 
 def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=None):

@@ -1,4 +1,4 @@
-"""`--compile` (parallelize.apply_compile): torch.compile of RMSNorm, RoPE and SwiGLU changes no number.
+"""`--compile` (parallel/compile.py): torch.compile of RMSNorm, RoPE and SwiGLU changes no number.
 
 Pins (CPU inductor, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base, peft LoRA with B != 0,
 activation checkpointing on): the compiled model's loss and every LoRA gradient equal the eager model's
@@ -59,7 +59,8 @@ def test_compile_equals_eager_one_process(ckpt, tiled):
     model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=tiled, tiled_attn=tiled))
     compiled = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SwiGLU))]
     forwards = [getattr(m.forward, "norm_forward", m.forward) for m in compiled]   # block norms: apply_norm_rebuild
-    assert len(compiled) == 2 * 4 + 1 and all(hasattr(f, "_torchdynamo_orig_callable") for f in forwards)
+    assert len(compiled) == 2 * 4 + 1 and all(hasattr(getattr(f, "compiled", f), "_torchdynamo_orig_callable")
+                                                for f in forwards)
     loss, grads = _step(model, *batch)
     torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
     assert grads.keys() == ref_grads.keys() and len(grads) == 28
@@ -122,3 +123,39 @@ def test_compile_with_ac_keep_attn_compiles_and_equals_eager(ckpt, monkeypatch):
     from parallel.mesh import check_flags
     with pytest.raises(ValueError, match="--ac-keep-attn with --compile"):
         check_flags(args)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mem", [dict(tiled_mlp=True), dict(tiled_mlp=True, tiled_attn=True)],
+                         ids=["tiled_mlp", "tiled_mlp_and_attn"])
+def test_compiled_pieces_stay_compiled_across_rows_tiles_and_lengths(ckpt, mem):
+    """One compiled function serves every block, whole rows and tiles (--tiled-mlp, --tiled-attn), layer 0's input
+    (no grad), no_grad forward tiles and AC recomputes, over three sequence lengths: each compiled function keeps
+    few dynamo cache entries (a new length makes none: no size is specialised) and none reaches dynamo's limit,
+    past which it would silently run eager; the loss and LoRA grads equal eager."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from model.llama import RMSNorm, Rotary, SwiGLU
+
+    torch._dynamo.reset()
+    eager, _ = build_nonzero_b(_opts(ckpt, **mem))
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, **mem))
+    g = torch.Generator().manual_seed(7)
+    entries = []
+    for length in (20, 23, 31):
+        ids = torch.randint(0, 128, (2, length), generator=g)
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        pos = torch.arange(length).expand(2, length)
+        ref = _step(eager, ids, labels, pos)
+        got = _step(model, ids, labels, pos)
+        torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"loss at {length}")
+        for k in ref[1]:
+            torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k} at {length}")
+        entries.append({cls.__name__: len(_debug_get_cache_entry_list(cls.forward.__code__))
+                        for cls in (RMSNorm, Rotary, SwiGLU)})
+    limit = torch._dynamo.config.recompile_limit
+    assert entries[1] == entries[2] == entries[0], f"a new length recompiled: {entries}"
+    # RMSNorm: rows with and without grad, layer 0's input, no_grad tiles (a rank more without rows-in, rows-out)
+    assert 0 < entries[-1]["RMSNorm"] <= 4 and 0 < entries[-1]["Rotary"] <= 2 and 0 < entries[-1]["SwiGLU"] <= 2 \
+        and limit >= 8, (entries, limit)
