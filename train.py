@@ -275,7 +275,7 @@ def main(argv=None):
             opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
             mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0),   # allocated;
-                                max(torch.cuda.max_memory_reserved(device) / 1e9, meter.reserved_gb() if meter else 0)
+                                (meter.reserved_gb() if meter else torch.cuda.max_memory_reserved(device) / 1e9)
                                 if dt == "cuda" else 0.0],   # the allocator's cached high-water mark
                                device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
