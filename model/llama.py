@@ -44,17 +44,47 @@ def _normalize(x, weight, eps):
     return weight * (xf * r).to(x.dtype), r
 
 
+FUSED_NORM = True   # CUDA eager: aten's fused RMSNorm kernels where this torch has them (False: the formula below)
+_FUSED: dict = {}   # device -> whether aten's fused forward and backward run there (probed once)
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this norm takes aten's fused kernels (`_fused_rms_norm` and its backward: one pass over x each
+    way instead of ~6 float32 passes): CUDA, eager, weight in x's dtype, and both ops present (probed once per
+    device; torch builds without them fall back to the formula, said once)."""
+    if not FUSED_NORM or x.device.type != "cuda" or weight.dtype != x.dtype or torch.compiler.is_compiling():
+        return False
+    if x.device not in _FUSED:
+        try:
+            t = torch.ones(2, 8, device=x.device, dtype=x.dtype)
+            n, r = torch.ops.aten._fused_rms_norm(t, [8], None, 1e-6)
+            torch.ops.aten._fused_rms_norm_backward(t, t, [8], r, None, [True, False])
+            _FUSED[x.device] = True
+        except (AttributeError, NotImplementedError, RuntimeError) as e:
+            import warnings
+            warnings.warn(f"RMSNorm: aten's fused kernels are not usable on {x.device} with torch "
+                          f"{torch.__version__} ({type(e).__name__}); using the float32 formula", stacklevel=2)
+            _FUSED[x.device] = False
+    return _FUSED[x.device]
+
+
 class _RMSNormFn(torch.autograd.Function):
     """transformers' RMSNorm, saving its input (compute dtype) and rsqrt [..., 1] instead of the float32
     upcast autograd would keep (2x the input at bf16); backward re-derives the upcast from the input.
     Eager mode runs both directions over row chunks of NORM_CHUNK elements: per row the same float32 math,
     but the float32 temporaries (x upcast, its square, the products: ~5 of x's size in float32 in backward)
-    never exceed a chunk's, which at 512k tokens x 3584 would be 7.5 GB each."""
+    never exceed a chunk's, which at 512k tokens x 3584 would be 7.5 GB each. On CUDA (`_fused`) aten's fused
+    kernels replace the formula both ways: one read of x, one write, no float32 temporaries; the weight is
+    applied after the cast back, in the compute dtype, as transformers does."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         flat, rows = x.reshape(-1, x.shape[-1]), _norm_rows(x)
-        if rows >= flat.shape[0]:   # one chunk: the whole tensor at once, no output buffer to copy into
+        ctx.fused = _fused(x, weight)
+        if ctx.fused:   # the normalized x in float32, cast back (transformers' rounding), then the weight
+            n, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
+            out = weight * n
+        elif rows >= flat.shape[0]:   # one chunk: the whole tensor at once, no output buffer to copy into
             out, rstd = _normalize(x, weight, eps)
             rstd = rstd.view(-1, 1)
         else:
@@ -80,12 +110,18 @@ class _RMSNormFn(torch.autograd.Function):
             return (dx if ctx.needs_input_grad[0] else None), \
                 (dw.to(weight.dtype) if ctx.needs_input_grad[1] else None), None
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
-        # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
-        # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
-        dx = None if out is None else out.view(-1, x.shape[-1])
+        out = dx = None
+        if ctx.fused and ctx.needs_input_grad[0]:   # d(normalized) = g·weight as the cast passes it, then aten's
+            out = torch.ops.aten._fused_rms_norm_backward(   # kernel (a fresh tensor in x's shape, as below)
+                g * weight, x, [x.shape[-1]], rstd, None, [True, False])[0]
+        elif ctx.needs_input_grad[0]:
+            # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
+            # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            dx = out.view(-1, x.shape[-1])
         dw = torch.zeros(flat.shape[-1], dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
-        for i in range(0, flat.shape[0], rows):
+        rstd = rstd.view(-1, 1)
+        for i in range(0, flat.shape[0] if dx is not None or dw is not None else 0, rows):
             xf, r, gc = flat[i:i + rows].float(), rstd[i:i + rows], gflat[i:i + rows]
             if dw is not None:
                 dw += (gc * (xf * r).to(x.dtype)).sum(0, dtype=torch.float32)

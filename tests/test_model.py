@@ -12,7 +12,8 @@ than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwe
 switched off) give transformers' logits within 1e-5, whole rows and packed ones.
 
 The eager RMSNorm over row chunks (uneven, several; model.llama.NORM_CHUNK made small) gives transformers'
-Qwen2RMSNorm output bit for bit in float32 and bfloat16, and its autograd input and weight gradients.
+Qwen2RMSNorm output bit for bit in float32 and bfloat16, and its autograd input and weight gradients; so
+does the CUDA path's wiring of aten's fused kernels (the real forward; the backward from the formula).
 
 Run: .venv/bin/python -m pytest -q tests/test_model.py
 """
@@ -249,3 +250,44 @@ def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
     assert rel(ours.weight.grad.float(), ref.weight.grad.float()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
+    """The CUDA path (aten's `_fused_rms_norm` forward and `_fused_rms_norm_backward`) wired as on CUDA, here on
+    CPU: the forward is aten's real CPU kernel and must give transformers' Qwen2RMSNorm bit for bit; the backward
+    has no CPU kernel in torch, so one is registered for this test from the float64 formula, which pins what our
+    code hands it (g·weight in the compute dtype, the forward's rstd, no weight) against transformers' autograd.
+    The CUDA kernels themselves: tests/gpu::test_cuda_fused_rmsnorm_matches_the_formula."""
+    import model.llama as llama
+
+    calls = []
+
+    def backward(g, x, shape, rstd, weight, mask):   # aten's contract: dx of x·rstd (no weight given)
+        calls.append((g.dtype, tuple(rstd.shape), weight, list(mask)))
+        xf, gf, r = x.double(), g.double(), rstd.double()
+        dx = r * gf - r.pow(3) * xf * (gf * xf).mean(-1, keepdim=True)
+        return dx.to(x.dtype), torch.empty(0, dtype=x.dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm_backward", backward, "CPU")
+    try:
+        monkeypatch.setattr(llama, "_fused", lambda x, w: w.dtype == x.dtype)
+        torch.manual_seed(0)
+        x, g = (torch.randn(3, 100, 64) * 3).to(dtype), torch.randn(3, 100, 64).to(dtype)
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+        ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), llama.RMSNorm(64, 1e-6).to(dtype)
+        with torch.no_grad():
+            ref.weight.copy_(torch.rand(64) + 0.5)
+            ours.weight.copy_(ref.weight)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [m(xi) for m, xi in zip((ref, ours), xs)]
+        assert torch.equal(ys[0], ys[1])
+        for y in ys:
+            y.backward(g)
+    finally:
+        lib._destroy()
+    assert calls == [(dtype, (3, 100, 1), None, [True, False])], calls
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
+    assert rel(ours.weight.grad.float(), ref.weight.grad.float()) < tol   # the weight's: the formula's loop

@@ -13,6 +13,7 @@ folder, `make test-gpu` does):
   per-document SDPA, windowed too;
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
+- RMSNorm on aten's fused CUDA kernels (taken, not silently the formula) against transformers' Qwen2RMSNorm;
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
@@ -302,6 +303,43 @@ def test_cuda_chunked_loss_bf16():
     assert int(n) == 700
     torch.testing.assert_close(lsum.double(), ref.detach(), rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(h.grad.double(), hd.grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_fused_rms_norm_backward"),
+                    reason=f"torch {torch.__version__} has no aten._fused_rms_norm_backward (torch >= 2.9 does)")
+def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
+    """model.llama's RMSNorm takes aten's fused CUDA kernels here (not silently the formula), and they give
+    transformers' Qwen2RMSNorm output within one bf16 rounding and its input gradient within bf16 rounding, as
+    the float32 formula (FUSED_NORM off) does: bf16 [2, 3000, 3584], Qwen2.5-7B's width."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    import model.llama as llama
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = (torch.randn(2, 3000, 3584, device=DEV, generator=g) * 3).bfloat16()
+    dy = torch.randn(2, 3000, 3584, device=DEV, generator=g).bfloat16()
+    ref = Qwen2RMSNorm(3584, eps=1e-6).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(3584, device=DEV, generator=g) + 0.5)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    yr.backward(dy)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(llama, "FUSED_NORM", fused)
+        ours = llama.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
+        ours.weight.requires_grad_(False)   # as in training: frozen; only dx goes through the kernel
+        with torch.no_grad():
+            ours.weight.copy_(ref.weight)
+        xo = x.clone().requires_grad_()
+        y = ours(xo)
+        y.backward(dy)
+        got[fused] = (y, xo.grad)
+    assert llama._FUSED.get(x.device) is True, "the fused kernels were not taken"
+    for fused, (y, dx) in got.items():
+        torch.testing.assert_close(y.float(), yr.float(), rtol=8e-3, atol=1e-2, msg=f"fused={fused} out")
+        err = ((dx.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item()
+        assert err < 1e-2, (fused, err)
 
 
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
