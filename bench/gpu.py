@@ -18,14 +18,16 @@ tokens/s ratio of each run to each other run. Results go to bench/gpu-results.js
 
 Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its load, the two peers ~95 s, each
 128k row ~50 s, the 28-layer checkpoint ~35 s; "all" ~430 s, inside the 8 minutes):
-- 32k = 32,768 tokens, all layers: ours, hf, liger, and our fastest flags at no more memory than Liger's,
-  "ours+compile+tiled+keep-attn" (--compile --tiled-mlp --ac-keep-attn: fused elementwise pieces; the recompute
-  skips attention, the tiled MLP pays for the kept outputs' memory);
+- 32k = 32,768 tokens, all layers: ours, hf, liger, and "ours+fastest": the memory flags parallel/plan_speed.py
+  estimates fastest among those whose planned live peak is at most 0.97 x the liger row's measured peak (the
+  planner's live peak measured 0.97-1.02 of the allocated one on the H200), e.g. --tiled-mlp --ac-keep-attn
+  --ac-blocks 23 at 32k and --ac-keep-attn --ac-blocks 7 at 128k; the flags and why are in the row ("chosen");
 - 128k = 131,072 tokens, 8 layers: the same rows (hf without Liger is skipped there: its [tokens, vocab] logits
   alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force); "all" is these two;
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
-- fast = the 32k shape with each speed flag apart: --ac-keep-attn, --tiled-mlp --ac-keep-attn, --compile, and
+- fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
+  and
   "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device);
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
@@ -77,10 +79,13 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"]}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
-DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", "ours+compile+tiled+keep-attn"],
-                "128k": ["ours", "hf", "liger", "ours+compile+tiled+keep-attn"],
+# "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
+# LIGER_MARGIN x the liger row's measured peak in the same case (at most 95% of the device without one)
+FASTEST, LIGER_MARGIN = "ours+fastest", 0.97   # the planner's live peak measured 0.97-1.021 of the real one on the H200
+DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
+                "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
-                "fast": ["ours", "ours+keep-attn", "ours+tiled+keep-attn", "ours+compile", FIT_AC],
+                "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -249,6 +254,32 @@ def fit_ac_flags(spec: dict) -> list[str] | None:
     target, mem, _ = _budget(args, 1)
     found = fewest_ac_blocks(args, margs, dims, target, mem, float("inf"), pack)
     return None if found is None else ["--ac-blocks", str(found[0])]
+
+
+def fastest_flags(spec: dict, liger_gb: float | None) -> tuple[list[str], str]:
+    """(flags, why) of the "ours+fastest" row: parallel.plan_speed's fastest memory flags whose planned live peak
+    fits LIGER_MARGIN x the liger row's measured peak (allocated), or whose planned total fits 95% of the device."""
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan import GB
+    from parallel.plan_search import SAFETY, _budget
+    from parallel.plan_speed import fastest
+
+    args = train.build_parser().parse_args(ours_argv(spec, "unused"))
+    args.gpu_mem = None
+    margs = read_args(spec["ckpt"])
+    dims, pack = validate(args, margs, 1)
+    target, mem, _ = _budget(args, 1)
+    if liger_gb:
+        cap, key, why = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak), f"live peak <= {LIGER_MARGIN} x liger's"
+    else:
+        cap, key, why = SAFETY * mem, None, "planned total <= 95% of the device (no liger row)"
+    found = fastest(args, margs, dims, target, cap, float("inf"), pack, key)
+    if not found:
+        raise RuntimeError(f"no flag set fits {cap / GB:.1f} GB ({why})")
+    flags, plan, est = found[0]
+    return flags.split(), f"{why}: {plan.peak / GB:.2f} GB live planned, est. {est:.2f} s/step at H200 rates"
 
 
 def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
@@ -458,7 +489,8 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, "ours+tiled+offload", "ours+tiled+keep-attn", "ours+tiled-attn+offload"]
+            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled+keep-attn",
+             "ours+tiled-attn+offload"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -478,7 +510,7 @@ def main(argv=None):
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
         rows = case["rows"]
-        mine_all = ("ours", FIT_AC, *FLAG_ROWS)
+        mine_all = ("ours", FIT_AC, FASTEST, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
         if unknown:
             raise SystemExit(f"--runs: unknown {unknown}; choose from hf,liger,{','.join(mine_all)}")
@@ -501,12 +533,19 @@ def main(argv=None):
             if left < 10:
                 rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
             elif group[0] in mine_all:
-                flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
+                why = None
                 try:
+                    if group[0] == FASTEST:
+                        flags, why = fastest_flags(spec, rows.get("liger", {}).get("peak_gb"))
+                        print(f"{FASTEST}: {' '.join(flags) or '(no flags)'} ({why})", flush=True)
+                    else:
+                        flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
                         if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags,
                                                         group[0] in args.profile.split(","))
-                except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                    if why:
+                        rows[group[0]]["chosen"] = why
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError) as e:
                     rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:
                 rows.update(run_peers(spec, group, work, left))

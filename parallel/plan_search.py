@@ -26,6 +26,7 @@ import os
 
 from parallel.mesh import check_flags, check_model_flags, validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
+from parallel.plan_speed import fastest_line
 
 MAX_LEN_STEP = 1024
 SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
@@ -58,10 +59,7 @@ def _flags(a, dims) -> str:
         " (no --tiled-attn)" if getattr(a, "dropped_tiled_attn", False) else "")
 
 
-def _fits(p, mem, host) -> bool:
-    return p.total <= mem and p.host <= host
-
-
+_fits = lambda p, mem, host: p.total <= mem and p.host <= host
 _on = lambda flag: "on" if flag else "off"
 
 
@@ -283,6 +281,8 @@ def main(argv, run_parser, demo: dict):
     if (keep := keep_attn_fits(args, margs, dims, target, mem, host, pack)) is not None:
         print(f"faster: {keep[0]} also fits ({keep[1].total / GB:.1f} GB): the recompute reuses each block's "
               "attention output instead of running attention again")
+    if (line := fastest_line(args, margs, dims, target, mem, host, pack)) is not None:
+        print(line)
     if args.auto:
         print(f"max_len {args.max_len}")
     return p

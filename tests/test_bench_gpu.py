@@ -9,7 +9,7 @@ Pins:
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
   either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
   --tiled-mlp --ac-keep-attn, with --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
-  --ac-blocks run too,
+  --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here),
   and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
@@ -43,7 +43,7 @@ def test_every_row_passes_the_trainers_start_up_checks(row):
 
 
 def test_default_rows_exist():
-    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, *bench_gpu.FLAG_ROWS}
+    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, bench_gpu.FASTEST, *bench_gpu.FLAG_ROWS}
     assert set(bench_gpu.DEFAULT_RUNS) == set(bench_gpu.CASES)
     for case, rows in bench_gpu.DEFAULT_RUNS.items():
         assert set(rows) <= known, (case, set(rows) - known)
@@ -76,9 +76,10 @@ def test_smoke_mode_writes_results(tmp_path):
     written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
-    assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn",
-                                   "ours+tiled-attn+offload"])
-    for name in ("ours", "hf", "ours+fit-ac", "ours+tiled+offload", "ours+tiled+keep-attn", "ours+tiled-attn+offload"):
+    assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
+                                   "ours+tiled+keep-attn", "ours+tiled-attn+offload"])
+    for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled+keep-attn",
+                 "ours+tiled-attn+offload"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -99,6 +100,9 @@ def test_smoke_mode_writes_results(tmp_path):
         "forward", "loss", "last block: MLP", "last block: q/k/v, norm", "rest of backward"], ta["mem_phases"]
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
+    # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
+    fast = rows["ours+fastest"]
+    assert fast["flags"] == ["--no-ac"] and "95% of the device" in fast["chosen"], fast
     for r in (rows["ours"], mem):
         assert r["planned_gb"] > 0 and r["peak_vs_plan"] == pytest.approx(r["peak_gb"] / r["planned_gb"])
         # on CPU the RSS (imports included) is compared with --plan's total; CUDA compares allocated with live

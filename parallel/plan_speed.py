@@ -1,0 +1,136 @@
+"""Step time of a run's flags, estimated, to rank the flag sets that fit: `train.py --plan`'s "fastest:" line and
+bench/gpu.py's "ours+fastest" row. Memory is parallel/plan.py's; this says which of the plans that fit runs fastest.
+
+Contract:
+- `step_seconds(margs, dims, args, target, pack)` -> (seconds, {category: seconds}) for one optimizer micro-step
+  of one rank, on the H200 rates below (a ranking, not a promise: other GPUs scale the categories differently).
+- `fastest(args, margs, dims, target, mem, host, pack, key)` -> [(flags, plan, seconds)] for every memory flag set
+  that fits `mem` (`key(plan)`: the planned total by default), fastest first. The sets: the run's own flags; AC on
+  the fewest blocks that fit (`--ac-blocks N`, or `--no-ac`) with the run's flags, with --ac-keep-attn, with
+  --tiled-mlp, with --tiled-mlp --ac-keep-attn and with --tiled-mlp --tiled-attn (one process only).
+  --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
+
+The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
+  g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
+  a    = 4·T·S'·H·hd / ATTN      the attention kernel's forward, S' the keys a query sees (S/2 causal, the window)
+  o    = T·bytes / ELEMENTWISE   the elementwise work of a sublayer's forward (norm, RoPE, SwiGLU, adds, casts)
+  forward g(all) + a + o;  backward g(all) + BWD·a + 2·o
+  AC recompute of a checkpointed block: its attention half (g(q, k, v, o) + o_attn + a, no a with --ac-keep-attn),
+    and without --tiled-mlp its MLP half (g(gate, up) + o_mlp, + g(down) for --quant none: a 4-bit down_proj's
+    output is read by nobody there and is not computed, parallel/recompute.py)
+  --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp, g(down) for --quant none), x TILE
+  --tiled-attn: backward recomputes q and o_proj (g(q, o) + o_attn); its kernel calls cost x TILED_ATTN
+  lm_head: 3·g(V·D) (the chunked loss: logits forward, again in backward, the input gradient).
+  Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions.
+Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
+matmul 2.05 s for 28 blocks' 2.7 passes + lm_head at 32k -> ~660 TFLOP/s; cuDNN forward 219 ms per 131,072-token
+layer -> 562 TFLOP/s, backward 2.54x; elementwise ("other" 0.97 s at 32k over 4 passes of 28 blocks); the tiled
+overheads from the --tiled-mlp (+2.5%) and --tiled-attn (+4.7%) rows at 128k. tests/test_plan_speed.py checks the
+model against the measured H200 steps of every flag set (the code of that day: no recompute skip, the float32 norm).
+"""
+
+from __future__ import annotations
+
+RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
+             REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
+
+
+def _elementwise_bytes(m, e: int, fused_norm: bool) -> tuple[float, float]:
+    """Bytes per token of one forward of the attention half and of the MLP half: eager kernels' reads and writes
+    (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE ~9e per q/k element;
+    SwiGLU 5e per F element; the residual add 3e per D)."""
+    D, H, K, hd, F = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size
+    norm = (4 * e if fused_norm else 2 * e + 24 + 2 * e) * D
+    return norm + 9 * e * (H + K) * hd + 3 * e * D, norm + 5 * e * F + 3 * e * D
+
+
+def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None):
+    """(seconds, {matmul, attention, elementwise}) of one micro-step on one rank (module docstring)."""
+    r = RATES
+    e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
+    fused_norm = target == "cuda" if fused_norm is None else fused_norm
+    S = args.max_len
+    T = args.micro_batch * S // dims.cp
+    D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
+    g = lambda p: 2 * T * p / r["MATMUL"]
+    q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
+    oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm))
+    nf4 = args.quant == "nf4"
+    tiled, ta = getattr(args, "tiled_mlp", False), getattr(args, "tiled_attn", False)
+    N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
+    mm = att = ew = 0.0
+    for layer in range(L):
+        w = m.window(layer) if hasattr(m, "window") else None
+        span = S / 2 if w is None or w >= S else w * (1 - w / (2 * S))   # keys per query, on average
+        a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
+        mm += 2 * g(q + kv + o + gu + down)
+        att += a * (1 + r["BWD"])
+        ew += 3 * (oa + om)
+        if layer < N:   # the checkpointed blocks' recompute
+            mm += g(q + kv + o)
+            att += 0 if args.ac_keep_attn else a
+            ew += oa
+            if not tiled:
+                mm += g(gu) + (0 if nf4 and nf4_skip else g(down))
+                ew += om
+        if tiled:
+            mm += (g(gu) + (0 if nf4 and nf4_skip else g(down))) * r["TILE"]
+            ew += om * r["TILE"]
+        if ta:
+            mm += g(q + o)
+            ew += oa
+    mm += 3 * g(V * D)
+    return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)
+
+
+def fastest(args, margs, dims, target, mem, host, pack, key=None):
+    """[(flags, plan, seconds)] of the flag sets that fit (module docstring), fastest first."""
+    import argparse
+
+    from parallel.mesh import check_flags
+    from parallel.plan import memory_plan
+    key = key or (lambda p: p.total)
+    L = margs.n_layers
+    sets = [("", {})]
+    if args.ac_group == 1 and not args.offload_activations:
+        sets += [(s, kw) for s, kw, ok in (
+            ("--ac-keep-attn", dict(ac_keep_attn=True), not args.ac_keep_attn and not args.tiled_attn),
+            ("--tiled-mlp", dict(tiled_mlp=True), not args.tiled_mlp),
+            ("--tiled-mlp --ac-keep-attn", dict(tiled_mlp=True, ac_keep_attn=True),
+             not args.tiled_attn and not (args.tiled_mlp and args.ac_keep_attn)),
+            ("--tiled-mlp --tiled-attn", dict(tiled_mlp=True, tiled_attn=True),
+             dims.cp == 1 and not args.ac_keep_attn and not (args.tiled_mlp and args.tiled_attn))) if ok]
+    out = []
+    for flags, kw in sets:
+        a0 = argparse.Namespace(**{**vars(args), **kw})
+        blocks = [None] if not args.ac or args.ac_group > 1 or args.offload_activations else \
+            [n for n in range(0 if not a0.ac_keep_attn else 1, L + 1)]
+        for n in blocks:   # the fewest checkpointed blocks that fit: the least recompute
+            a = a0 if n is None else argparse.Namespace(**{**vars(a0), "ac": n > 0,
+                                                         "ac_blocks": None if n in (0, L) else n})
+            try:
+                check_flags(a)
+                p = memory_plan(margs, dims, a, target, pack)
+            except ValueError:
+                continue
+            if key(p) <= mem and p.host <= host:
+                extra = "" if n is None or n == L else (" --no-ac" if n == 0 else f" --ac-blocks {n}")
+                out.append(((flags + extra).strip(), p, step_seconds(margs, dims, a, target, pack)[0]))
+                break
+    return sorted(out, key=lambda x: x[2])
+
+
+def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
+    """`--plan`'s "fastest:" line (CUDA plans only: the rates are a GPU's): the fastest flag set that fits 95% of
+    the device, against the run's own flags."""
+    from parallel.plan import GB
+    from parallel.plan_search import SAFETY
+    if target != "cuda" or args.ac_group > 1:
+        return None
+    found = fastest(args, margs, dims, target, SAFETY * mem, host, pack)
+    own = step_seconds(margs, dims, args, target, pack)[0]
+    if not found or not found[0][0] or found[0][2] >= own:
+        return f"fastest: the given flags, est. {own:.2f} s/step at H200 rates (parallel/plan_speed.py)"
+    flags, p, t = found[0]
+    return (f"fastest: {flags} fits ({p.total / GB:.1f} GB), est. {t:.2f} s/step vs {own:.2f} s for the given flags "
+            "at H200 rates (parallel/plan_speed.py)")
