@@ -27,8 +27,7 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
 - fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
-  and
-  "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device);
+  and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device);
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
 Any row runs in any case with --runs.
