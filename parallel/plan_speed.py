@@ -20,7 +20,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     output is read by nobody there and is not computed, parallel/recompute.py)
   --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp, g(down) for --quant none), x TILE
   --tiled-attn: backward recomputes q and o_proj (g(q, o) + o_attn); its kernel calls cost x TILED_ATTN
-  lm_head: 3·g(V·D) (the chunked loss: logits forward, again in backward, the input gradient).
+  lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
+    [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions.
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
 matmul 2.05 s for 28 blocks' 2.7 passes + lm_head at 32k -> ~660 TFLOP/s; cuDNN forward 219 ms per 131,072-token
@@ -79,7 +80,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         if ta:
             mm += g(q + o)
             ew += oa
-    mm += 3 * g(V * D)
+    mm += 2 * g(V * D)
+    ew += 16 * T * V / r["ELEMENTWISE"]
     return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)
 
 
