@@ -58,9 +58,9 @@ def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
         try:
             t = torch.ones(2, 8, device=x.device, dtype=x.dtype)
             n, r = torch.ops.aten._fused_rms_norm(t, [8], None, 1e-6)
-            torch.ops.aten._fused_rms_norm_backward(t, t, [8], r, None, [True, False])
+            torch.ops.aten._fused_rms_norm_backward(t, t, [8], r, t[0], [True, False])
             _FUSED[x.device] = True
-        except (AttributeError, NotImplementedError, RuntimeError) as e:
+        except (AttributeError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
             import warnings
             warnings.warn(f"RMSNorm: aten's fused kernels are not usable on {x.device} with torch "
                           f"{torch.__version__} ({type(e).__name__}); using the float32 formula", stacklevel=2)
@@ -74,16 +74,17 @@ class _RMSNormFn(torch.autograd.Function):
     Eager mode runs both directions over row chunks of NORM_CHUNK elements: per row the same float32 math,
     but the float32 temporaries (x upcast, its square, the products: ~5 of x's size in float32 in backward)
     never exceed a chunk's, which at 512k tokens x 3584 would be 7.5 GB each. On CUDA (`_fused`) aten's fused
-    kernels replace the formula both ways: one read of x, one write, no float32 temporaries; the weight is
-    applied after the cast back, in the compute dtype, as transformers does."""
+    kernels replace the formula both ways, with no float32 temporaries and no [T, D] one beside the output: in
+    forward the weight is applied in place after the cast back, in the compute dtype, as transformers does;
+    backward hands the kernel the weight (g·weight in float32 there, not rounded to the compute dtype first)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         flat, rows = x.reshape(-1, x.shape[-1]), _norm_rows(x)
         ctx.fused = _fused(x, weight)
-        if ctx.fused:   # the normalized x in float32, cast back (transformers' rounding), then the weight
+        if ctx.fused:   # the normalized x in float32, cast back (transformers' rounding), then the weight, in place
             n, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
-            out = weight * n
+            out = n.mul_(weight)
         elif rows >= flat.shape[0]:   # one chunk: the whole tensor at once, no output buffer to copy into
             out, rstd = _normalize(x, weight, eps)
             rstd = rstd.view(-1, 1)
@@ -111,9 +112,9 @@ class _RMSNormFn(torch.autograd.Function):
                 (dw.to(weight.dtype) if ctx.needs_input_grad[1] else None), None
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
         out = dx = None
-        if ctx.fused and ctx.needs_input_grad[0]:   # d(normalized) = g·weight as the cast passes it, then aten's
-            out = torch.ops.aten._fused_rms_norm_backward(   # kernel (a fresh tensor in x's shape, as below)
-                g * weight, x, [x.shape[-1]], rstd, None, [True, False])[0]
+        if ctx.fused and ctx.needs_input_grad[0]:   # aten's kernel forms g·weight itself (in float32: no [T, D]
+            out = torch.ops.aten._fused_rms_norm_backward(   # temporary; within bf16 rounding of the cast's g·weight)
+                g, x, [x.shape[-1]], rstd, weight, [True, False])[0]   # a fresh tensor in x's shape, as below
         elif ctx.needs_input_grad[0]:
             # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
             # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)

@@ -138,7 +138,7 @@ class _NormOutput:
         """The norm of `x` (its saved input), built by the first user's backward and dropped after the last."""
         if self.y is None:
             d = x.shape[-1]
-            with torch.no_grad():   # row chunks: the norm's fp32 temporaries stay ~3 x 64 MB
+            with torch.no_grad():   # row chunks: the formula's fp32 temporaries stay ~3 x 64 MB (CUDA: none)
                 self.y = _by_rows(self.forward, x.reshape(-1, d), min(d, max(1, 2**24 // d)))
         y, self.users = self.y.view_as(x), self.users - 1
         if self.users == 0:

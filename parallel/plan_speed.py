@@ -18,8 +18,10 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   AC recompute of a checkpointed block: its attention half (g(q, k, v, o) + o_attn + a, no a with --ac-keep-attn),
     and without --tiled-mlp its MLP half (g(gate, up) + o_mlp, + g(down) for --quant none: a 4-bit down_proj's
     output is read by nobody there and is not computed, parallel/recompute.py)
-  --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp, g(down) for --quant none), x TILE
-  --tiled-attn: backward recomputes q and o_proj (g(q, o) + o_attn); its kernel calls cost x TILED_ATTN
+  --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp: down_proj's frozen base only
+    differentiates there, any base), x TILE; its AC recompute skips the MLP
+  --tiled-attn: backward recomputes q's and k/v's chains per tile (g(q, k, v) + o_attn; o_proj only
+    differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions.
@@ -75,10 +77,10 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
                 mm += g(gu) + (0 if nf4 and nf4_skip else g(down))
                 ew += om
         if tiled:
-            mm += (g(gu) + (0 if nf4 and nf4_skip else g(down))) * r["TILE"]
+            mm += (g(gu) + (0 if nf4_skip else g(down))) * r["TILE"]
             ew += om * r["TILE"]
         if ta:
-            mm += g(q + o)
+            mm += g(q + kv) + (0 if nf4_skip else g(o))
             ew += oa
     mm += 2 * g(V * D)
     ew += 16 * T * V / r["ELEMENTWISE"]
@@ -108,15 +110,18 @@ def fastest(args, margs, dims, target, mem, host, pack, key=None):
         blocks = [None] if not args.ac or args.ac_group > 1 or args.offload_activations else \
             [n for n in range(0 if not a0.ac_keep_attn else 1, L + 1)]
         for n in blocks:   # the fewest checkpointed blocks that fit: the least recompute
-            a = a0 if n is None else argparse.Namespace(**{**vars(a0), "ac": n > 0,
-                                                         "ac_blocks": None if n in (0, L) else n})
+            # with the run's own --ac-blocks the count is named as such (--no-ac would be refused beside it)
+            own = args.ac_blocks is not None
+            a = a0 if n is None else argparse.Namespace(**{**vars(a0), "ac": n > 0 or own,
+                                                         "ac_blocks": n if own else None if n in (0, L) else n})
             try:
                 check_flags(a)
                 p = memory_plan(margs, dims, a, target, pack)
             except ValueError:
                 continue
             if key(p) <= mem and p.host <= host:
-                extra = "" if n is None or n == L else (" --no-ac" if n == 0 else f" --ac-blocks {n}")
+                extra = "" if n is None or (n == L and not own) else (
+                    " --no-ac" if n == 0 and not own else f" --ac-blocks {n}")
                 out.append(((flags + extra).strip(), p, step_seconds(margs, dims, a, target, pack)[0]))
                 break
     return sorted(out, key=lambda x: x[2])
@@ -131,7 +136,9 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
         return None
     found = fastest(args, margs, dims, target, SAFETY * mem, host, pack)
     own = step_seconds(margs, dims, args, target, pack)[0]
-    if not found or not found[0][0] or found[0][2] >= own:
+    if not found:
+        return f"fastest: nothing fits 95% of the device; the given flags est. {own:.2f} s/step at H200 rates"
+    if not found[0][0] or found[0][2] >= own:
         return f"fastest: the given flags, est. {own:.2f} s/step at H200 rates (parallel/plan_speed.py)"
     flags, p, t = found[0]
     return (f"fastest: {flags} fits ({p.total / GB:.1f} GB), est. {t:.2f} s/step vs {own:.2f} s for the given flags "

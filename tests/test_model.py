@@ -257,15 +257,15 @@ def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
     """The CUDA path (aten's `_fused_rms_norm` forward and `_fused_rms_norm_backward`) wired as on CUDA, here on
     CPU: the forward is aten's real CPU kernel and must give transformers' Qwen2RMSNorm bit for bit; the backward
     has no CPU kernel in torch, so one is registered for this test from the float64 formula, which pins what our
-    code hands it (g·weight in the compute dtype, the forward's rstd, no weight) against transformers' autograd.
+    code hands it (the incoming gradient, the forward's rstd, the weight) against transformers' autograd.
     The CUDA kernels themselves: tests/gpu::test_cuda_fused_rmsnorm_matches_the_formula."""
     import model.llama as llama
 
     calls = []
 
-    def backward(g, x, shape, rstd, weight, mask):   # aten's contract: dx of x·rstd (no weight given)
-        calls.append((g.dtype, tuple(rstd.shape), weight, list(mask)))
-        xf, gf, r = x.double(), g.double(), rstd.double()
+    def backward(g, x, shape, rstd, weight, mask):   # aten's contract: dx of x·rstd·weight
+        calls.append((g.dtype, tuple(rstd.shape), weight.shape, list(mask)))
+        xf, gf, r = x.double(), g.double() * weight.double(), rstd.double()
         dx = r * gf - r.pow(3) * xf * (gf * xf).mean(-1, keepdim=True)
         return dx.to(x.dtype), torch.empty(0, dtype=x.dtype)
 
@@ -287,7 +287,7 @@ def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
             y.backward(g)
     finally:
         lib._destroy()
-    assert calls == [(dtype, (3, 100, 1), None, [True, False])], calls
+    assert calls == [(dtype, (3, 100, 1), (64,), [True, False])], calls
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
     assert rel(ours.weight.grad.float(), ref.weight.grad.float()) < tol   # the weight's: the formula's loop

@@ -137,3 +137,23 @@ def test_plan_prints_the_fastest_flags_that_fit_and_they_fit():
     assert "fastest: the given flags" in out, out
     cpu = run_plan("--max-len", "64")   # the demo model on this machine's CPU: no GPU rates to rank with
     assert "fits:" in cpu and "fastest" not in cpu, cpu
+
+
+@pytest.mark.parametrize("own", [["--ac-blocks", "20"], ["--ac-keep-attn"], ["--tiled-mlp", "--tiled-attn"],
+                                 ["--no-ac"], ["--ac-blocks", "20", "--tiled-mlp"]])
+def test_named_flags_run_beside_the_runs_own(own):
+    """The flags `fastest` names are added to the run's own: with those, each set passes the run's start-up checks
+    and gives the plan and estimate it was ranked by (a run with --ac-blocks gets --ac-blocks N, never --no-ac)."""
+    base = ["--max-len", "16384", "--quant", "nf4", "--dtype", "bf16", "--global-batch", "1"]
+    m = margs_of(28)
+    args = train.build_parser().parse_args(base + own)
+    dims, pack = validate(args, m, 1)
+    found = fastest(args, m, dims, "cuda", 141e9, float("inf"), pack)
+    assert found
+    for flags, p, t in found:
+        a = train.build_parser().parse_args(base + own + flags.split())
+        check_flags(a)
+        assert memory_plan(m, dims, a, "cuda", pack).peak == p.peak, flags
+        assert step_seconds(m, dims, a, "cuda", pack)[0] == t, flags
+    if "--ac-blocks" in own:
+        assert found[0][0].split()[-2:] == ["--ac-blocks", "0"], found[0][0]   # 141 GB holds 16k without AC

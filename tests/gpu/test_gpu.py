@@ -337,7 +337,8 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
         got[fused] = (y, xo.grad)
     assert llama._FUSED.get(x.device) is True, "the fused kernels were not taken"
     for fused, (y, dx) in got.items():
-        torch.testing.assert_close(y.float(), yr.float(), rtol=8e-3, atol=1e-2, msg=f"fused={fused} out")
+        # two bf16 roundings (the cast, the weight): a float32 ulp apart in rstd can move both, ~1.4% relative
+        torch.testing.assert_close(y.float(), yr.float(), rtol=2e-2, atol=1e-2, msg=f"fused={fused} out")
         err = ((dx.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item()
         assert err < 1e-2, (fused, err)
 
