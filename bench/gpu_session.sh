@@ -28,6 +28,11 @@
 # A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
 # warm 30 s after a call): the bench first (its timings are the goals), then
 #   TEST_S=300 BENCH= bash bench/gpu_session.sh
+# The plan for the next one (the goals of issues 10 and 13 in ~13 minutes):
+#   1. TOTAL=520 TEST_S=0 BENCH='--case all --timed 2 --profile ours,ours+fastest' (timeout 540): ours, hf, liger
+#      and ours+fastest at 32k and 128k, side by side;
+#   2. within 30 s, TOTAL=<left - 40> TEST_S=60 BENCH='--case long --runs ours+tiled-attn' (one 524,288-token
+#      step, ~3 min by FLOPs, its peak against the plan).
 # The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
 # --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) needs a call of its own:
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
