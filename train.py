@@ -24,6 +24,10 @@ import os
 import sys
 import time
 
+from parallel.alloc import default_allocator
+
+default_allocator()   # expandable CUDA segments unless the user set the allocator: before torch is imported
+
 import torch
 import torch.distributed as dist
 from tqdm import tqdm

@@ -59,10 +59,13 @@ import subprocess
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from parallel.alloc import default_allocator
+
+default_allocator()   # every row (ours, and the peers in their subprocess) with train.py's allocator setting
+
+import torch
 
 CASES = {"32k": (32768, None), "128k": (131072, 8), "mem": (131072, 8), "fast": (32768, None),
          "long": (524288, 8)}   # tokens, layers (None: all)
@@ -439,6 +442,7 @@ def versions() -> dict:
             out[dist] = None
     if torch.cuda.is_available():
         out["cuda"], out["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
+    out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF"))
     return out
 
 

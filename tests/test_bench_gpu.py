@@ -64,13 +64,15 @@ def test_smoke_mode_writes_results(tmp_path):
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "res.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--config",
                            str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out), "--profile"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["smoke"] is True and res["versions"]["torch"]
+    assert res["versions"]["alloc_conf"] == "expandable_segments:True"   # every row: train.py's allocator default
     case = res["cases"]["32k"]
     assert (case["tokens"], case["layers"], case["warmup"], case["steps"]) == (128, 2, 1, 3), case
     written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))

@@ -14,6 +14,7 @@ folder, `make test-gpu` does):
 - the masked kernel path (empty rows included) and sliding windows against float64 / masked SDPA;
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - RMSNorm on aten's fused CUDA kernels (taken, not silently the formula) against transformers' Qwen2RMSNorm;
+- train.py's allocator default (expandable segments) takes effect (reserved bytes), and a user's setting wins;
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
@@ -341,6 +342,27 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
         torch.testing.assert_close(y.float(), yr.float(), rtol=2e-2, atol=1e-2, msg=f"fused={fused} out")
         err = ((dx.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item()
         assert err < 1e-2, (fused, err)
+
+
+@pytest.mark.parametrize("conf, expandable", [(None, True), ("", False)])
+def test_cuda_allocator_expands_segments(conf, expandable):
+    """train.py's default (expandable segments unless the user set the allocator) takes effect: in a fresh
+    process, 1 GiB allocated and freed, then 1.5 GiB, reserves ~1.5 GiB (the segment grew) instead of 2.5 GiB (a
+    second segment beside the cached one); an explicit (empty) PYTORCH_CUDA_ALLOC_CONF keeps the fixed segments."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    if conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    code = ("import train, torch; a = torch.empty(1 << 30, dtype=torch.uint8, device='cuda'); del a; "
+            "b = torch.empty(3 << 29, dtype=torch.uint8, device='cuda'); print(torch.cuda.memory_reserved() / 2**30)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    gib = float(out.stdout.strip().splitlines()[-1])
+    assert (gib < 2.0) == expandable, (conf, gib)
 
 
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
