@@ -357,6 +357,8 @@ def peer_main(spec_path: str):
             loss = loss.item()   # waits for the device
             times.append(time.perf_counter() - t0)
         results[row] = dict(times=times, peak_gb=peak_gb(device), loss=loss)
+        if cuda:   # the allocator's high-water mark too, as for our rows (what an out-of-memory error meets)
+            results[row]["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
         del opt
         gc.collect()
         if cuda:
@@ -408,14 +410,17 @@ def print_case(name: str, case: dict) -> None:
     print(f"\ncase {name}: {case['tokens']:,} tokens, {case['layers']} layers, {case['quant']}, {case['dtype']}, "
           f"{case['warmup']} warm-up + {case['steps'] - case['warmup']} timed steps; ours uses attention "
           f"{case['attention']}", flush=True)
-    print("| run | s/step | tokens/s | peak alloc GB | " + " | ".join(f"vs {p}" for p in peers) + " |")
-    print("|---|---|---|---|" + "---|" * len(peers))
+    print("| run | s/step | tokens/s | peak alloc GB | peak reserved GB | "
+          + " | ".join(f"vs {p}" for p in peers) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(peers))
     for n, r in rows.items():
         if "tokens_per_s" not in r:
             print(f"| {n} | skipped: {r.get('skipped', r.get('error'))} |")
             continue
         ratios = " | ".join("" if p == n else f"{r['ratio'][p]:.2f}x" for p in peers)
-        print(f"| {n} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_gb']:.1f} | {ratios} |", flush=True)
+        res = f"{r['reserved_gb']:.1f}" if "reserved_gb" in r else "-"
+        print(f"| {n} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_gb']:.1f} | {res} | {ratios} |",
+              flush=True)
     for n, r in rows.items():
         if "planned_gb" in r:
             print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
