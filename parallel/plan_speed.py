@@ -24,7 +24,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
-  Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions.
+  Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
+  of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
 matmul 2.05 s for 28 blocks' 2.7 passes + lm_head at 32k -> ~660 TFLOP/s; cuDNN forward 219 ms per 131,072-token
 layer -> 562 TFLOP/s, backward 2.54x; elementwise ("other" 0.97 s at 32k over 4 passes of 28 blocks); the tiled
