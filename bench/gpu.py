@@ -22,6 +22,7 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   estimates fastest among those whose planned live peak is at most 0.97 x the liger row's measured peak (the
   planner's live peak measured 0.97-1.02 of the allocated one on the H200), e.g. --tiled-mlp --ac-keep-attn
   --ac-blocks 23 at 32k and --ac-keep-attn --ac-blocks 7 at 128k; the flags and why are in the row ("chosen");
+  "ours+fastest+compile" (any case, with --runs) adds --compile; --cap-gb gives the cap without a liger row;
 - 128k = 131,072 tokens, 8 layers: the same rows (hf without Liger is skipped there: its [tokens, vocab] logits
   alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force); "all" is these two;
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
@@ -84,6 +85,7 @@ FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
 # LIGER_MARGIN x the liger row's measured peak in the same case (at most 95% of the device without one)
 FASTEST, LIGER_MARGIN = "ours+fastest", 0.97   # the planner's live peak measured 0.97-1.021 of the real one on the H200
+FASTEST_COMPILE = "ours+fastest+compile"        # the same flags with --compile
 DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
@@ -258,9 +260,10 @@ def fit_ac_flags(spec: dict) -> list[str] | None:
     return None if found is None else ["--ac-blocks", str(found[0])]
 
 
-def fastest_flags(spec: dict, liger_gb: float | None) -> tuple[list[str], str]:
+def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's") -> tuple[list[str], str]:
     """(flags, why) of the "ours+fastest" row: parallel.plan_speed's fastest memory flags whose planned live peak
-    fits LIGER_MARGIN x the liger row's measured peak (allocated), or whose planned total fits 95% of the device."""
+    fits LIGER_MARGIN x the liger row's measured peak (allocated; `source` names where it came from: --cap-gb
+    carries one from an earlier run), or whose planned total fits 95% of the device."""
     import train
     from model.load import read_args
     from parallel.mesh import validate
@@ -274,7 +277,8 @@ def fastest_flags(spec: dict, liger_gb: float | None) -> tuple[list[str], str]:
     dims, pack = validate(args, margs, 1)
     target, mem, _ = _budget(args, 1)
     if liger_gb:
-        cap, key, why = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak), f"live peak <= {LIGER_MARGIN} x liger's"
+        cap, key = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak)
+        why = f"live peak <= {LIGER_MARGIN} x {source} {liger_gb:.2f} GB"
     else:
         cap, key, why = SAFETY * mem, None, "planned total <= 95% of the device (no liger row)"
     found = fastest(args, margs, dims, target, cap, float("inf"), pack, key)
@@ -470,6 +474,8 @@ def main(argv=None):
     ap.add_argument("--profile", nargs="?", const="ours", default="", metavar="ROWS",
                     help="these of our rows (comma list; bare: ours) run one more step under train.py --profile "
                     "(untimed): its time by kernel category, printed and in the results")
+    ap.add_argument("--cap-gb", type=float, default=None, help="the ours+fastest rows' memory cap: a Liger peak (GB) "
+                    "from an earlier run, instead of this run's liger row")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)   # internal: run the HF peers of a spec
     args = ap.parse_args(argv)
     if args.peer:
@@ -518,7 +524,7 @@ def main(argv=None):
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
         rows = case["rows"]
-        mine_all = ("ours", FIT_AC, FASTEST, *FLAG_ROWS)
+        mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
         if unknown:
             raise SystemExit(f"--runs: unknown {unknown}; choose from hf,liger,{','.join(mine_all)}")
@@ -543,9 +549,11 @@ def main(argv=None):
             elif group[0] in mine_all:
                 why = None
                 try:
-                    if group[0] == FASTEST:
-                        flags, why = fastest_flags(spec, rows.get("liger", {}).get("peak_gb"))
-                        print(f"{FASTEST}: {' '.join(flags) or '(no flags)'} ({why})", flush=True)
+                    if group[0] in (FASTEST, FASTEST_COMPILE):
+                        flags, why = fastest_flags(spec, *((args.cap_gb, "--cap-gb") if args.cap_gb else
+                                                           (rows.get("liger", {}).get("peak_gb"), "liger's")))
+                        flags += ["--compile"] * (group[0] == FASTEST_COMPILE)
+                        print(f"{group[0]}: {' '.join(flags) or '(no flags)'} ({why})", flush=True)
                     else:
                         flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \

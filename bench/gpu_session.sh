@@ -32,7 +32,9 @@
 #   1. TOTAL=520 TEST_S=0 BENCH='--case all --timed 2 --profile ours,ours+fastest' (timeout 540): ours, hf, liger
 #      and ours+fastest at 32k and 128k, side by side;
 #   2. within 30 s, TOTAL=<left - 40> TEST_S=60 BENCH='--case long --runs ours+tiled-attn' (one 524,288-token
-#      step, ~3 min by FLOPs, its peak against the plan).
+#      step, ~3 min by FLOPs, its peak against the plan), or, to see whether --compile adds to the fastest flags,
+#      BENCH='--case 32k --runs ours+fastest+compile --cap-gb <liger 32k peak>;--case 128k --runs
+#      ours+fastest+compile --cap-gb <liger 128k peak>' (the caps from call 1's liger rows).
 # The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
 # --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) needs a call of its own:
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)

@@ -43,7 +43,8 @@ def test_every_row_passes_the_trainers_start_up_checks(row):
 
 
 def test_default_rows_exist():
-    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, bench_gpu.FASTEST, *bench_gpu.FLAG_ROWS}
+    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, bench_gpu.FASTEST, bench_gpu.FASTEST_COMPILE,
+             *bench_gpu.FLAG_ROWS}
     assert set(bench_gpu.DEFAULT_RUNS) == set(bench_gpu.CASES)
     for case, rows in bench_gpu.DEFAULT_RUNS.items():
         assert set(rows) <= known, (case, set(rows) - known)
@@ -118,3 +119,24 @@ def test_smoke_mode_writes_results(tmp_path):
     prof = rows["ours"]["profile_head"]
     assert prof.startswith("step 4: ") and "by category" in prof and "matmul" in prof, prof
     assert "profile_head" not in mem and "  profile (" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_fastest_row_keeps_under_the_cap():
+    """ours+fastest's flags (here with --cap-gb's 25 GB, as an earlier run's Liger peak would give): the planner's
+    live peak for them, on this machine's target, is within LIGER_MARGIN x the cap, and the row says why."""
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+    from parallel.plan_search import _budget
+
+    ckpt = os.path.join(ROOT, "bench", "configs", "qwen2.5-7b")   # config.json is all the planner reads
+    spec = dict(ckpt=ckpt, data="d.jsonl", tokens=32768, steps=2, quant="nf4", dtype="bf16")
+    flags, why = bench_gpu.fastest_flags(spec, 25.0, "--cap-gb")
+    assert "--cap-gb 25.00 GB" in why, why
+    args = train.build_parser().parse_args(bench_gpu.ours_argv(spec, "out", flags))
+    margs = read_args(ckpt)
+    dims, pack = validate(args, margs, 1)
+    args.gpu_mem = None   # (the planner's own flag, as bench/gpu.py sets it)
+    target = _budget(args, 1)[0]
+    assert memory_plan(margs, dims, args, target, pack).peak <= bench_gpu.LIGER_MARGIN * 25e9, flags
