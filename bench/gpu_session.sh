@@ -56,7 +56,10 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 - <<'EOF'
-import importlib.metadata as md, sys, torch
+import importlib.metadata as md, os, sys
+from parallel.alloc import default_allocator
+default_allocator()   # as train.py does, before torch
+import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "cudnn", torch.backends.cudnn.version(), "gpus", torch.cuda.device_count(),
       "capability", torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
@@ -65,6 +68,11 @@ for d in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", 
         print(d, md.version(d))
     except md.PackageNotFoundError:
         print(d, "MISSING")
+if torch.cuda.is_available():   # what the runs will take: the fused RMSNorm kernels, the allocator setting
+    import model.llama as llama
+    x = torch.ones(4, 64, device="cuda", dtype=torch.bfloat16)
+    print("RMSNorm on aten's fused kernels:", llama._fused(x, x[0]),
+          "| PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 
