@@ -260,10 +260,13 @@ def fit_ac_flags(spec: dict) -> list[str] | None:
     return None if found is None else ["--ac-blocks", str(found[0])]
 
 
-def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's") -> tuple[list[str], str]:
-    """(flags, why) of the "ours+fastest" row: parallel.plan_speed's fastest memory flags whose planned live peak
+def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's",
+                  extra: tuple = ()) -> tuple[list[str], str]:
+    """(flags, why) of the "ours+fastest" rows: parallel.plan_speed's fastest memory flags whose planned live peak
     fits LIGER_MARGIN x the liger row's measured peak (allocated; `source` names where it came from: --cap-gb
-    carries one from an earlier run), or whose planned total fits 95% of the device."""
+    carries one from an earlier run) and whose planned total fits 95% of the device, or, without a peak, the
+    latter alone. `extra` (e.g. --compile) joins the run's flags before the search, so its start-up checks
+    filter the candidates."""
     import train
     from model.load import read_args
     from parallel.mesh import validate
@@ -271,21 +274,27 @@ def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's") -
     from parallel.plan_search import SAFETY, _budget
     from parallel.plan_speed import fastest
 
-    args = train.build_parser().parse_args(ours_argv(spec, "unused"))
+    args = train.build_parser().parse_args(ours_argv(spec, "unused", extra))
     args.gpu_mem = None
     margs = read_args(spec["ckpt"])
     dims, pack = validate(args, margs, 1)
     target, mem, _ = _budget(args, 1)
-    if liger_gb:
-        cap, key = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak)
+    if liger_gb:   # and the device: a cap above it must not pick flags that cannot run here
+        cap, key = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak if p.total <= SAFETY * mem else float("inf"))
         why = f"live peak <= {LIGER_MARGIN} x {source} {liger_gb:.2f} GB"
     else:
-        cap, key, why = SAFETY * mem, None, "planned total <= 95% of the device (no liger row)"
+        cap, key, why = SAFETY * mem, None, f"planned total <= 95% of the device ({source})"
     found = fastest(args, margs, dims, target, cap, float("inf"), pack, key)
     if not found:
         raise RuntimeError(f"no flag set fits {cap / GB:.1f} GB ({why})")
     flags, plan, est = found[0]
     return flags.split(), f"{why}: {plan.peak / GB:.2f} GB live planned, est. {est:.2f} s/step at H200 rates"
+
+
+def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
+    """Plain "ours" first, then the peers in one group (one load; Liger's peak is the fastest rows' cap), then every
+    other row of ours."""
+    return [["ours"]] * ("ours" in mine) + [peers] * bool(peers) + [[r] for r in mine if r != "ours"]
 
 
 def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
@@ -419,12 +428,14 @@ def print_case(name: str, case: dict) -> None:
     print("|---|---|---|---|---|" + "---|" * len(peers))
     for n, r in rows.items():
         if "tokens_per_s" not in r:
-            print(f"| {n} | skipped: {r.get('skipped', r.get('error'))} |")
+            print(f"| {n} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + str(r.get('error'))} |")
             continue
         ratios = " | ".join("" if p == n else f"{r['ratio'][p]:.2f}x" for p in peers)
-        res = f"{r['reserved_gb']:.1f}" if "reserved_gb" in r else "-"
+        res = f"{r['reserved_gb']:.1f}" if "reserved_gb" in r else "-"   # (footnote below)
         print(f"| {n} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['peak_gb']:.1f} | {res} | {ratios} |",
               flush=True)
+    if any("reserved_gb" in r for r in rows.values()):
+        print("(peak reserved: our rows over the whole run, load included; the peers per row, after empty_cache)")
     for n, r in rows.items():
         if "planned_gb" in r:
             print(f"{' '.join([n, *r['flags']])}: peak {r['peak_gb']:.2f} GB vs planned {r['planned_gb']:.2f} GB "
@@ -451,7 +462,7 @@ def versions() -> dict:
             out[dist] = None
     if torch.cuda.is_available():
         out["cuda"], out["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
-    out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF"))
+    out["alloc_conf"] = {k: os.environ[k] for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if k in os.environ}
     return out
 
 
@@ -463,7 +474,8 @@ def main(argv=None):
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
-    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(FLAG_ROWS)
+    ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(
+                    [FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS])
                     + " (default per case: DEFAULT_RUNS; smoke: ours,hf,liger,ours+tiled+offload)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--timed", type=int, default=None, help="timed steps (default 3 at 32k, 2 at 128k)")
@@ -480,6 +492,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.peer:
         return peer_main(args.peer)
+    if args.cap_gb is not None and (args.cap_gb <= 0 or args.case == "all"):
+        ap.error(f"--cap-gb {args.cap_gb}: give a positive Liger peak in GB for one --case (each case has its own)")
     t_start = time.time()
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
@@ -541,8 +555,7 @@ def main(argv=None):
                 print(f"liger row skipped: {why_liger}", flush=True)
             elif row != "ours":
                 peers.append(row)
-        mine = [[r] for r in mine_all if r in runs]
-        for group in mine[:1] + [peers] * bool(peers) + mine[1:]:
+        for group in run_order([r for r in mine_all if r in runs], peers):
             left = args.budget - (time.time() - t_start)
             if left < 10:
                 rows.update({r: {"skipped": f"time budget of {args.budget:.0f}s spent"} for r in group})
@@ -550,9 +563,13 @@ def main(argv=None):
                 why = None
                 try:
                     if group[0] in (FASTEST, FASTEST_COMPILE):
-                        flags, why = fastest_flags(spec, *((args.cap_gb, "--cap-gb") if args.cap_gb else
-                                                           (rows.get("liger", {}).get("peak_gb"), "liger's")))
-                        flags += ["--compile"] * (group[0] == FASTEST_COMPILE)
+                        liger = rows.get("liger", {})
+                        cap, source = (args.cap_gb, "--cap-gb") if args.cap_gb is not None else (
+                            liger.get("peak_gb"), "liger's" if "peak_gb" in liger else
+                            "the liger row has no peak: " + str(liger.get("skipped", liger.get("error", "not run"))))
+                        extra = ["--compile"] * (group[0] == FASTEST_COMPILE)
+                        flags, why = fastest_flags(spec, cap, source, extra)
+                        flags += extra
                         print(f"{group[0]}: {' '.join(flags) or '(no flags)'} ({why})", flush=True)
                     else:
                         flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
@@ -561,7 +578,8 @@ def main(argv=None):
                                                         group[0] in args.profile.split(","))
                     if why:
                         rows[group[0]]["chosen"] = why
-                except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError) as e:
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError, ValueError,
+                        OSError) as e:   # the row's error is kept and printed; the other rows still run
                     rows[group[0]] = {"error": f"{type(e).__name__} (see the log above): {e}"}
             else:
                 rows.update(run_peers(spec, group, work, left))

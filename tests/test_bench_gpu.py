@@ -65,7 +65,8 @@ def test_smoke_mode_writes_results(tmp_path):
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "res.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--config",
                            str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out), "--profile"],
@@ -73,7 +74,8 @@ def test_smoke_mode_writes_results(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["smoke"] is True and res["versions"]["torch"]
-    assert res["versions"]["alloc_conf"] == "expandable_segments:True"   # every row: train.py's allocator default
+    # every row: train.py's allocator default
+    assert res["versions"]["alloc_conf"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     case = res["cases"]["32k"]
     assert (case["tokens"], case["layers"], case["warmup"], case["steps"]) == (128, 2, 1, 3), case
     written = json.load(open(tmp_path / "work" / "ckpt-2l" / "config.json"))
@@ -126,17 +128,32 @@ def test_fastest_row_keeps_under_the_cap():
     live peak for them, on this machine's target, is within LIGER_MARGIN x the cap, and the row says why."""
     import train
     from model.load import read_args
-    from parallel.mesh import validate
+    from parallel.mesh import check_flags, validate
     from parallel.plan import memory_plan
     from parallel.plan_search import _budget
 
     ckpt = os.path.join(ROOT, "bench", "configs", "qwen2.5-7b")   # config.json is all the planner reads
     spec = dict(ckpt=ckpt, data="d.jsonl", tokens=32768, steps=2, quant="nf4", dtype="bf16")
-    flags, why = bench_gpu.fastest_flags(spec, 25.0, "--cap-gb")
-    assert "--cap-gb 25.00 GB" in why, why
-    args = train.build_parser().parse_args(bench_gpu.ours_argv(spec, "out", flags))
     margs = read_args(ckpt)
-    dims, pack = validate(args, margs, 1)
-    args.gpu_mem = None   # (the planner's own flag, as bench/gpu.py sets it)
-    target = _budget(args, 1)[0]
-    assert memory_plan(margs, dims, args, target, pack).peak <= bench_gpu.LIGER_MARGIN * 25e9, flags
+    for cap, extra in ((25.0, ()), (25.0, ("--compile",)), (1e6, ())):   # 1e6 GB: the device (here RAM) bounds it
+        flags, why = bench_gpu.fastest_flags(spec, cap, "--cap-gb", extra)
+        assert f"--cap-gb {cap:.2f} GB" in why, why
+        args = train.build_parser().parse_args(bench_gpu.ours_argv(spec, "out", [*extra, *flags]))
+        check_flags(args)   # with --compile among the run's flags: what the compile row runs
+        dims, pack = validate(args, margs, 1)
+        args.gpu_mem = None   # (the planner's own flag, as bench/gpu.py sets it)
+        target, mem, _ = _budget(args, 1)
+        plan = memory_plan(margs, dims, args, target, pack)
+        assert plan.peak <= bench_gpu.LIGER_MARGIN * cap * 1e9 and plan.total <= 0.95 * mem, (cap, flags)
+
+
+def test_row_order_and_cap_checks():
+    """The peers run right after plain ours (or first without it), before every other row of ours, whose fastest rows
+    take Liger's peak as their cap; --cap-gb must be positive and for one case."""
+    assert bench_gpu.run_order(["ours+fastest"], ["liger"]) == [["liger"], ["ours+fastest"]]
+    assert bench_gpu.run_order(["ours", "ours+fit-ac", "ours+fastest+compile"], ["hf", "liger"]) == [
+        ["ours"], ["hf", "liger"], ["ours+fit-ac"], ["ours+fastest+compile"]]
+    assert bench_gpu.run_order(["ours", "ours+tiled"], []) == [["ours"], ["ours+tiled"]]
+    for argv in (["--cap-gb", "0", "--case", "32k"], ["--cap-gb", "25"]):   # the default case is all
+        with pytest.raises(SystemExit):
+            bench_gpu.main(argv)
