@@ -29,8 +29,10 @@
 # warm 30 s after a call): the bench first (its timings are the goals), then
 #   TEST_S=300 BENCH= bash bench/gpu_session.sh
 # The plan for the next one (the goals of issues 10 and 13 in ~13 minutes):
-#   1. TOTAL=520 TEST_S=0 BENCH='--case all --timed 2 --profile ours,ours+fastest' (timeout 540): ours, hf, liger
-#      and ours+fastest at 32k and 128k, side by side;
+#   1. TOTAL=520 TEST_S=0 BENCH='--case 32k --timed 2 --profile ours,ours+fastest;--case 128k --timed 1
+#      --profile ours+fastest' (timeout 540): ours, hf, liger and ours+fastest at 32k, then ours, liger and
+#      ours+fastest at 128k, side by side (~450 s by the 2026-11-30 timings; ours+fastest comes last in each case,
+#      so keep the 128k steps to 1 timed step or the budget may cut it);
 #   2. within 30 s, TOTAL=<left - 40> TEST_S=60 BENCH='--case long --runs ours+tiled-attn' (one 524,288-token
 #      step, ~3 min by FLOPs, its peak against the plan), or, to see whether --compile adds to the fastest flags,
 #      BENCH='--case 32k --runs ours+fastest+compile --cap-gb <liger 32k peak>;--case 128k --runs
