@@ -244,18 +244,26 @@ def planned_gb(spec: dict, flags=()) -> tuple[float, float]:
     return plan.peak / 1e9, plan.total / 1e9
 
 
-def fit_ac_flags(spec: dict) -> list[str] | None:
-    """--ac-blocks N for the fewest checkpointed blocks the planner fits in 95% of this device (None: only all)."""
+def planner_inputs(spec: dict, extra=()):
+    """(args, margs, dims, pack, target, mem): the planner's view of our run on this device, one process."""
     import train
     from model.load import read_args
     from parallel.mesh import validate
-    from parallel.plan_search import _budget, fewest_ac_blocks
+    from parallel.plan_search import _budget
 
-    args = train.build_parser().parse_args(ours_argv(spec, "unused"))
-    args.gpu_mem = None
+    args = train.build_parser().parse_args(ours_argv(spec, "unused", extra))
+    args.gpu_mem = None   # (the planner's own flag: this device's memory)
     margs = read_args(spec["ckpt"])
     dims, pack = validate(args, margs, 1)
     target, mem, _ = _budget(args, 1)
+    return args, margs, dims, pack, target, mem
+
+
+def fit_ac_flags(spec: dict) -> list[str] | None:
+    """--ac-blocks N for the fewest checkpointed blocks the planner fits in 95% of this device (None: only all)."""
+    from parallel.plan_search import fewest_ac_blocks
+
+    args, margs, dims, pack, target, mem = planner_inputs(spec)
     found = fewest_ac_blocks(args, margs, dims, target, mem, float("inf"), pack)
     return None if found is None else ["--ac-blocks", str(found[0])]
 
@@ -267,18 +275,11 @@ def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's",
     carries one from an earlier run) and whose planned total fits 95% of the device, or, without a peak, the
     latter alone. `extra` (e.g. --compile) joins the run's flags before the search, so its start-up checks
     filter the candidates."""
-    import train
-    from model.load import read_args
-    from parallel.mesh import validate
     from parallel.plan import GB
-    from parallel.plan_search import SAFETY, _budget
+    from parallel.plan_search import SAFETY
     from parallel.plan_speed import fastest
 
-    args = train.build_parser().parse_args(ours_argv(spec, "unused", extra))
-    args.gpu_mem = None
-    margs = read_args(spec["ckpt"])
-    dims, pack = validate(args, margs, 1)
-    target, mem, _ = _budget(args, 1)
+    args, margs, dims, pack, target, mem = planner_inputs(spec, extra)
     if liger_gb:   # and the device: a cap above it must not pick flags that cannot run here
         cap, key = LIGER_MARGIN * liger_gb * GB, (lambda p: p.peak if p.total <= SAFETY * mem else float("inf"))
         why = f"live peak <= {LIGER_MARGIN} x {source} {liger_gb:.2f} GB"

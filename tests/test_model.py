@@ -226,18 +226,15 @@ def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
     assert oq.grad_fn.name().endswith("_RopeFnBackward"), oq.grad_fn.name()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk", [None, 64 * 7])
-def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
+def norm_vs_transformers(dtype):
+    """transformers' Qwen2RMSNorm and ours, same weight, on the same x [3, 100, 64] and gradient: the outputs must
+    be equal bit for bit; returns the two inputs (with their grads), ref and ours (with their weights' grads)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
     import model.llama as llama
 
-    if chunk:
-        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # 7 rows a chunk: 43 chunks, the last of 2 rows
     torch.manual_seed(0)
-    x = (torch.randn(3, 100, 64) * 3).to(dtype)
-    g = torch.randn(3, 100, 64).to(dtype)
+    x, g = (torch.randn(3, 100, 64) * 3).to(dtype), torch.randn(3, 100, 64).to(dtype)
     ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), llama.RMSNorm(64, 1e-6).to(dtype)
     with torch.no_grad():
         ref.weight.copy_(torch.rand(64) + 0.5)
@@ -247,6 +244,17 @@ def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
     assert torch.equal(ys[0], ys[1])
     for y in ys:
         y.backward(g)
+    return xs, ref, ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 64 * 7])
+def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
+    import model.llama as llama
+
+    if chunk:
+        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # 7 rows a chunk: 43 chunks, the last of 2 rows
+    xs, ref, ours = norm_vs_transformers(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
     assert rel(ours.weight.grad.float(), ref.weight.grad.float()) < tol
@@ -273,18 +281,7 @@ def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
     lib.impl("_fused_rms_norm_backward", backward, "CPU")
     try:
         monkeypatch.setattr(llama, "_fused", lambda x, w: w.dtype == x.dtype)
-        torch.manual_seed(0)
-        x, g = (torch.randn(3, 100, 64) * 3).to(dtype), torch.randn(3, 100, 64).to(dtype)
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-        ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), llama.RMSNorm(64, 1e-6).to(dtype)
-        with torch.no_grad():
-            ref.weight.copy_(torch.rand(64) + 0.5)
-            ours.weight.copy_(ref.weight)
-        xs = [x.clone().requires_grad_() for _ in range(2)]
-        ys = [m(xi) for m, xi in zip((ref, ours), xs)]
-        assert torch.equal(ys[0], ys[1])
-        for y in ys:
-            y.backward(g)
+        xs, ref, ours = norm_vs_transformers(dtype)
     finally:
         lib._destroy()
     assert calls == [(dtype, (3, 100, 1), (64,), [True, False])], calls
