@@ -157,14 +157,17 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
 
 # --- causal backward of long rows in blocks (kernels.BACKWARD_BLOCK)
 
-def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n):
+def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n, into_q=False):
     """Causal backward over n x n blocks of queries x keys (the diagonal causal, the rest whole): with the
     global out/lse each call gives its block's exact share, as in ring attention, and every kernel's own
     buffers (float32 dq accumulators, GQA-expanded dk/dv) are block-sized, not row-sized. dq per query block
     and dk, dv over the row are summed in float32 (float64 for float64). `backward`: kernels.backward.
+    `into_q`: dq is written into q's storage (kernels' `spare_q`): query block a's rows of q are read only by
+    its own calls, all made before its dq is written, so no row-sized dq is allocated.
     Credit: the blockwise backward with global statistics is ring attention's (Liu et al., 2023) on one device."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq, (dk, dv) = torch.empty_like(q), (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+    dq = q.detach() if into_q else torch.empty_like(q)   # detach: the same storage and version counter
+    dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
     for a in range(0, q.shape[1], n):
         e, g = min(a + n, q.shape[1]), None
         for c in range(0, e, n):

@@ -4,7 +4,8 @@ Contract:
 - The cores here implement `model.attention.AttentionCore` (q, k, v are the LOCAL shard [B, S_local,
   ...], `prepare` gets the local global-position ids, `__call__(q, k, v, meta, scale, window=None)`
   takes the layer's sliding window, see `parallel.kernels`). Any layout gives the same numbers as
-  `local_attention()` on the whole sequence.
+  `local_attention()` on the whole sequence. They pass `spare_q` (the core contract: q is the decoder's
+  own, read by nothing after the call), so a long row's blocked backward writes dq into q's storage.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
   their hybrid (all-to-all inside each Ulysses group, ring across the groups).
 - Layout of the sequence padded to `dims.cp_divisor` (cp rank = ring_rank · ulysses + ulysses_rank):
@@ -99,7 +100,7 @@ class KernelAttention(AttentionCore):
     """One process holds the whole sequence; `parallel.kernels` picks the fastest backend."""
 
     def __call__(self, q, k, v, meta, scale, window=None):
-        return kernels.attention(q, k, v, True, scale, docs=meta, window=window)
+        return kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
 
 
 class ContextParallelAttention(AttentionCore):
@@ -124,7 +125,7 @@ class ContextParallelAttention(AttentionCore):
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
         if r == 1:
-            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window)
+            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))

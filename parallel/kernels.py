@@ -31,9 +31,10 @@ Contract:
   once it has passed a one-time check against per-document calls; one call per document elsewhere.
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
-  GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in blocks (`backends.blocked_backward`;
-  with as many KV heads as query heads its float32 dk/dv over the row would cost more than it saves) of
-  `backward_block(row)` tokens: BACKWARD_BLOCK, a quarter of it past four blocks.
+  GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in `backward_block(row)`-token blocks
+  (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
+  more than it saves). With `spare_q` (the decoder's cores: q is RoPE's output, read by nothing after) where
+  `recompute.spare(q)`, dq goes into q's storage: no row-sized dq (another saver of q fails torch's version check).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from parallel import backends, masks
+from parallel import backends, masks, recompute
 
 try:  # optional: flash-attn 2 (CUDA only)
     from flash_attn import flash_attn_interface as _fa
@@ -186,10 +187,10 @@ def backward_block(row: int) -> int:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, mask=None):
+    def forward(ctx, q, k, v, causal, scale, backend, mask=None, spare_q=False):
         out, lse = forward(q, k, v, causal, scale, backend, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, backend, mask)
+        ctx.args, ctx.spare_q = (causal, scale, backend, mask), spare_q
         return out
 
     @staticmethod
@@ -198,10 +199,10 @@ class _Attention(torch.autograd.Function):
         causal, scale, backend, mask = ctx.args
         if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
             grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend,
-                                              backward_block(q.shape[1]))
+                                              backward_block(q.shape[1]), ctx.spare_q and recompute.spare(q))
         else:
             grads = backward(dout, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 _varlen_checked: dict = {}   # (device, dtype, heads, kv heads, head dim, windowed) -> torch varlen passed
@@ -239,11 +240,11 @@ def _per_document(q, k, v, dout, scale, window):   # (out, dq, dk, dv) of one do
     return (out, *backward(dout, q, k, v, out, lse, keep is None, scale, mask=keep))
 
 
-def _banded(q, k, v, scale, window, backend):
+def _banded(q, k, v, scale, window, backend, spare_q=False):
     """Causal attention with a sliding window over rows that are each one document."""
     n = q.shape[1]
     if window is None or window >= n:
-        return _Attention.apply(q, k, v, True, scale, backend)
+        return _Attention.apply(q, k, v, True, scale, backend, None, spare_q)
     tile, outs = max(window, 64), []
     for a in range(0, n, tile):
         e, ks = min(a + tile, n), max(0, a - window + 1)
@@ -270,13 +271,13 @@ def _offsets(docs, s, device):
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=None, window=None,
-              backend: str | None = None) -> torch.Tensor:
-    """Differentiable attention; `docs[b]`: row b's document boundaries; `window`: see the top."""
+              backend: str | None = None, spare_q: bool = False) -> torch.Tensor:
+    """Differentiable attention; `docs[b]`: row b's document boundaries; `window`, `spare_q`: see the top."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if window is not None and (not causal or int(window) != window or window < 1):
         raise ValueError(f"sliding window {window!r} needs causal attention and a positive integer size")
     if docs is None and window is None:
-        return _Attention.apply(q, k, v, causal, scale, backend)
+        return _Attention.apply(q, k, v, causal, scale, backend, None, spare_q)
     if not causal:
         raise ValueError("document masking is only implemented for causal attention")
     b, s, h, d = q.shape
@@ -290,7 +291,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
             else backends.TorchVarlen.apply(*flat, cu, longest, scale, window)
         return out.view(b, s, h, d)
     if docs is None:
-        return _banded(q, k, v, scale, window, backend)
+        return _banded(q, k, v, scale, window, backend, spare_q)
     rows = []
     for i, row in enumerate(docs):
         pieces = [_banded(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y], scale, window, backend)

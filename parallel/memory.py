@@ -8,6 +8,9 @@ Contract:
   in float32, returned through autograd (AccumulateGrad and FSDP2 see one gradient per parameter). No
   [tokens, intermediate] tensor outlives one tile. Tile rule (`tile=None`): tokens per tile = the hidden
   size D, so a tile's [tile, F] intermediates have the size of one MLP weight [F, D] at any length.
+  Its input x is the decoder's own (the block's h, or a norm's output) and read by nothing after the MLP, so where
+  `recompute.spare(x)` the input gradient goes into x's storage, tile by tile once a tile's rows are read for the
+  last time: no [tokens, D] buffer beside x (a second backward through a kept graph fails torch's version check).
   Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
   Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and
@@ -34,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.recompute import grads_only_context, recomputing
+from parallel.recompute import grads_only_context, recomputing, spare
 
 
 def tile_tokens(dim: int, tile: int | None) -> int:
@@ -61,7 +64,9 @@ class _TiledMLP(torch.autograd.Function):
     def backward(ctx, dout):
         (x,), params = ctx.saved_tensors, ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-        dx = torch.empty_like(flat) if ctx.needs_input_grad[3] else None
+        dx = None   # the input gradient goes into x's own storage where x is spare (module docstring)
+        if ctx.needs_input_grad[3]:
+            dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None):
             if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order

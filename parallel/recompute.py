@@ -19,6 +19,8 @@ Contract:
     returns zeros carrying its input gradient (dy @ W, bitsandbytes' own backward formula), so its forward
     GEMM never runs; a base with a trainable parameter runs as usual.
   LoRA's A and B always run.
+- `spare(x)`: x's storage may take x's own gradient in backward (the blocked attention backward's dq, the tiled
+  MLP's input gradient), where the caller's contract says nothing reads x after.
 """
 
 from __future__ import annotations
@@ -128,3 +130,11 @@ def apply_unread_outputs(model) -> None:
                 continue
             base = getattr(lin, "base_layer", lin)
             base.forward = _UnreadOutput(base, in_recompute)
+
+
+def spare(x: torch.Tensor) -> bool:
+    """May x's storage take x's own gradient in backward? Only an intermediate (a leaf is its owner's), the whole
+    of its storage (not a slice: the other slices' saved views share its version counter), contiguous, and outside
+    create_graph (in-place writes would be recorded)."""
+    return (x.grad_fn is not None and not torch.is_grad_enabled() and x.is_contiguous()
+            and x.untyped_storage().nbytes() == x.numel() * x.element_size())

@@ -156,6 +156,60 @@ def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block, n_
         close(a.grad.double(), b.grad, f"blocked {name}", **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocked_backward_writes_dq_into_a_spare_q(monkeypatch, dtype):
+    """spare_q (the decoder's cores): a long row's blocked backward writes dq into q's own storage, bit for bit
+    the dq it computes without spare_q, and allocates no row-sized dq. Never where q is not spare: a leaf (the
+    caller's), a slice of a larger tensor (the documents of a packed row), or under create_graph."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
+    leaf, k, v = qkv((2, 50, 50, 8, 2, 64), dtype, seed=4)
+    dout = torch.randn(leaf.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+    def run(spare):
+        q = leaf * 1   # an intermediate, as RoPE's output is
+        seen = {}
+        q.register_hook(lambda g: seen.update(ptr=g.data_ptr(), grad=g.clone()))
+        ptr = q.data_ptr()
+        kernels.attention(q, k, v, True, 0.125, backend="cpu", spare_q=spare).backward(dout)
+        return seen["grad"], seen["ptr"] == ptr, q
+
+    plain, shared, q = run(False)
+    assert not shared and not torch.equal(q, plain)
+    mine, shared, q = run(True)
+    assert shared, "dq was not written into q's storage"
+    assert torch.equal(mine, plain) and torch.equal(q, mine)   # q now holds its own gradient
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (leaf, k, v))
+    sdpa(q64, k64, v64, True, 0.125).backward(dout.double())
+    close(mine.double(), q64.grad, "spare dq", **(TOL if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)))
+
+    before = leaf.detach().clone()   # a leaf is its owner's: never overwritten
+    kernels.attention(leaf, k, v, True, 0.125, backend="cpu", spare_q=True).backward(dout)
+    assert torch.equal(leaf.detach(), before)
+    big = leaf * 1   # a slice (one document of a packed row) is not the whole of its storage
+    q = big[:, :40]
+    kernels.attention(q, k[:, :40], v[:, :40], True, 0.125, backend="cpu", spare_q=True).backward(dout[:, :40])
+    assert torch.equal(big, leaf * 1)
+    q = leaf * 1   # create_graph: the backward is recorded, q stays
+    out = kernels.attention(q, k, v, True, 0.125, backend="cpu", spare_q=True)
+    torch.autograd.grad(out, leaf, dout, create_graph=True)
+    assert torch.equal(q, leaf * 1)
+
+
+def test_spare_q_makes_a_second_backward_fail_loudly(monkeypatch):
+    """q's storage holds dq after the first backward, so a graph kept with retain_graph cannot silently reuse
+    it: torch's version check refuses the second backward. Without spare_q it runs and matches."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
+    leaf, k, v = qkv((1, 40, 40, 4, 2, 64), seed=7)
+    for spare in (False, True):
+        out = kernels.attention(leaf * 1, k, v, True, 0.125, backend="cpu", spare_q=spare)
+        first = torch.autograd.grad(out.sum(), leaf, retain_graph=True)[0]
+        if spare:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out.sum(), leaf)
+        else:
+            close(torch.autograd.grad(out.sum(), leaf)[0], first, "second backward")
+
+
 def test_blocked_backward_only_for_gqa(monkeypatch):
     """With as many KV heads as query heads the row-long float32 dk/dv would cost more than blocks save: one
     kernel backward call, however long the row."""

@@ -64,7 +64,10 @@ def _lora_grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_tiled_mlp_matches_untiled(ckpt):
+@pytest.mark.parametrize("spare", [False, True], ids=["leaf input", "spare input"])
+def test_tiled_mlp_matches_untiled(ckpt, spare):
+    """The tiled MLP's output and gradients equal the untiled one's. Handed an intermediate (the decoder's h), it
+    writes the input gradient into that input's own storage; a leaf input (the caller's) it leaves as it was."""
     from parallel.memory import apply_tiled_mlp
 
     torch.manual_seed(0)
@@ -73,19 +76,25 @@ def test_tiled_mlp_matches_untiled(ckpt):
     x0 = torch.randn(2, 23, model.args.dim)      # 46 tokens: the default rule (D = 48) gives one tile
     dy = torch.randn(2, 23, model.args.dim)
 
-    def run():
+    def run(tiled=False):
         x = x0.clone().requires_grad_()
         for p in mlp.parameters():
             p.grad = None
-        y = mlp(x)
+        h = x * 1 if spare else x
+        ptr, into = h.data_ptr(), []
+        if spare:
+            h.register_hook(lambda g: into.append(g.data_ptr() == ptr))
+        y = mlp(h)
         y.backward(dy)
+        assert into == ([tiled] if spare else []), into   # tiled: the gradient is h's own storage
+        assert spare or torch.equal(x.detach(), x0)
         return y.detach(), x.grad, {n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}
 
     ref = run()
     assert len(ref[2]) == 6 and all(g.abs().sum() > 0 for g in ref[2].values())
     for tile in (5, 7, 46, None):   # uneven, uneven, one tile, the rule
         apply_tiled_mlp(model, tile)
-        got = run()
+        got = run(tiled=True)
         torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"tile {tile}: output")
         torch.testing.assert_close(got[1], ref[1], **TOL, msg=f"tile {tile}: input grad")
         for n in ref[2]:
