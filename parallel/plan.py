@@ -73,9 +73,9 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
 6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
    two inputs (2eTF), the incoming residual gradient (eTD), the norm output rebuilt for gate/up's LoRA A
    (eTD), for nf4 the largest weight dequantized (n·e); with AC, on top, the recomputed block (term 4 for one
-   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient and the input-gradient buffer
-   (2eTD) plus one tile's recomputed tensors and gradients (e·t·(6F + D), t = parallel.memory.tile_tokens(D)
-   = D tokens) and the dequantized weight.
+   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
+   into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
+   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and the dequantized weight.
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
@@ -85,7 +85,8 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    and dK/dV to H heads; flash-attn does not, so this over-counts there). GQA/MQA (K' < H) rows of more than
    kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
    blocks already; not packed rows of several documents, which take the varlen op) run the backward in
-   blocks: dq (eT·H·hd) and float32 dk, dv (8T·K'·hd) over the row, plus the larger of one final cast
+   blocks: float32 dk, dv (8T·K'·hd) over the row (dq goes into q's own storage, the cores' spare_q: no
+   row-sized dq), plus the larger of one final cast
    (eT·K'·hd, none in float32) and one call's share n / row of the buffers above with a float32 dq (4T·H·hd),
    n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
    The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
@@ -250,7 +251,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if tiled:
         from parallel.memory import tile_tokens
         tt = min(T, tile_tokens(D, None))
-        mlp = 2 * e * T * D + e * tt * (6 * F + D) + dequant
+        mlp = e * T * D + e * tt * (6 * F + D) + dequant   # dy; the input gradient goes into h's storage
         t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weight" if nf4 else "")] = mlp
     else:
         mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
@@ -261,7 +262,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     n = kernels.backward_block(row)
     if R == 1 and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, a call
         call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd
-        attn = e * T * H * hd + 8 * T * Kp * hd + max(e * T * Kp * hd * (e < 4), n / row * call)
+        attn = 8 * T * Kp * hd + max(e * T * Kp * hd * (e < 4), n / row * call)   # dq: in q's storage
         what = f"kernel in {n}-token blocks"
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)
