@@ -156,6 +156,50 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
     return peft_model
 
 
+class _BaseAndA(torch.autograd.Function):
+    """(base(x), x @ A^T) for a frozen base: backward builds x's gradient in ONE buffer, dy @ W with d_a @ A added
+    in place row chunk by row chunk. Autograd would hold the base's and A's [T, in] gradients at once before
+    summing them: at 512k tokens o_proj's pair is 7.5 GB, the largest transient of a long row's block backward.
+    Saves what A's nn.Linear saved (x, A); the base's forward runs as usual under no_grad (bitsandbytes saves
+    nothing then)."""
+
+    @staticmethod
+    def forward(ctx, x, a_weight, base):
+        ctx.base = base
+        ctx.save_for_backward(x, a_weight)
+        return base(x), nn.functional.linear(x, a_weight)
+
+    @staticmethod
+    def backward(ctx, dy, da):
+        x, a_weight = ctx.saved_tensors
+        da2 = da.reshape(-1, da.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:   # bitsandbytes' MatMul4Bit.backward: dy @ dequantize(W), in dy's dtype
+            m = ctx.base
+            w = m.dequantized() if hasattr(m, "dequantized") else m.weight
+            dx = torch.matmul(dy, w.to(dy.dtype))
+            flat, aw = dx.view(-1, dx.shape[-1]), a_weight.to(dx.dtype)
+            n = max(1, 2**24 // flat.shape[1])   # A's share in row chunks: a 32-64 MB temporary, not [T, in];
+            for i in range(0, flat.shape[0], n):   # added as autograd sums (base's first), the same rounding
+                flat[i:i + n] += da2[i:i + n].mm(aw)
+        if ctx.needs_input_grad[1]:
+            dw = da2.t().mm(x.reshape(-1, x.shape[-1]))
+        return dx, dw, None
+
+
+SOLE_INPUT = ("o_proj", "down_proj")   # the decoder's projections whose input no other layer reads
+
+
+def _one_input_grad(self, x, a_lin, dropout) -> bool:
+    """_BaseAndA's case: a layer whose input is its own (SOLE_INPUT: q/k/v and gate/up share theirs, whose several
+    gradients autograd sums anyway), A reads x itself (no dropout, no bias), the base is frozen, and
+    parallel.recompute does not skip its GEMM in a block recompute (down_proj there: left as it was)."""
+    base = self.base_layer
+    return (getattr(self, "_sole_input", False) and isinstance(dropout, nn.Identity) and a_lin.bias is None
+            and torch.is_grad_enabled() and not getattr(base.forward, "in_recompute", False)
+            and not any(p.requires_grad for p in base.parameters()))
+
+
 def _fused_forward(self, x, *args, **kwargs):
     """A LoRA layer's forward with the scaled add in lora_B's GEMM (fuse_lora); peft's own where that differs."""
     names, slow = self.active_adapters, self._peft_forward
@@ -166,12 +210,16 @@ def _fused_forward(self, x, *args, **kwargs):
     a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
     if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
         return slow(x)
-    # LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd sums
-    # a second gradient in place only into the one that arrived first, and only if that one is not a view:
+    # Otherwise LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd
+    # sums a second gradient in place only into the one that arrived first, and only if that one is not a view:
     # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
     # [T, in] tensor. (A plain nn.Linear base also returns a view: no gain with --quant none.)
-    a = a_lin(self.lora_dropout[names[0]](x))
-    result = self.base_layer(x)
+    dropout = self.lora_dropout[names[0]]
+    if _one_input_grad(self, x, a_lin, dropout):   # x's gradient in one buffer (_BaseAndA)
+        result, a = _BaseAndA.apply(x, a_lin.weight, self.base_layer)
+    else:
+        a = a_lin(dropout(x))
+        result = self.base_layer(x)
     if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype)
         raise TypeError(f"LoRA output {a.dtype} differs from the base layer's {result.dtype}")
     # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead of
@@ -185,12 +233,14 @@ def fuse_lora(model: nn.Module) -> int:
     """Every peft LoRA layer's forward as base(x) + scaling · lora_B(lora_A(dropout(x))) with the scaled add
     fused into B's GEMM (torch.addmm), where peft would run its own plain path: one adapter, no DoRA or other
     variant, no autocast, LoRA in x's dtype (CUDA bf16 under FSDP2, CPU float32); elsewhere peft's forward.
-    The same sum, rounded once instead of at each step. Returns the number of layers wrapped."""
+    The same sum, rounded once instead of at each step; where `_one_input_grad`, x's gradient is built in
+    one buffer (`_BaseAndA`: o_proj's). Returns the number of layers wrapped."""
     from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and hasattr(m, "base_layer")]
-    for m in layers:   # bound methods: a deep copy of the model rebinds them to the copy
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and hasattr(m, "base_layer")]
+    for n, m in layers:   # bound methods: a deep copy of the model rebinds them to the copy
         m._peft_forward, m.forward = m.forward, types.MethodType(_fused_forward, m)
+        m._sole_input = n.rsplit(".", 1)[-1] in SOLE_INPUT
     return len(layers)
 
 

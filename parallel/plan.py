@@ -90,13 +90,14 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    (eT·K'·hd, none in float32) and one call's share n / row of the buffers above with a float32 dq (4T·H·hd),
    n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
    The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
-   q, k, v, out (more), so it is not a peak. Where a [T, D] tensor gets two gradients (o_proj's and q/k/v's
-   input: the 4-bit base's and LoRA A's; the residuals), autograd sums them in place into one of them
-   (model/qlora.fuse_lora orders A before the base, RMSNorm returns its gradient unviewed; test_memory pins
-   it): no third tensor with NF4, so o_proj's backward (dh and its two input gradients over the recompute)
-   stays under this phase; with a plain base (--quant none, an nn.Linear whose input gradient is a view, as
-   A's) the sum is a third eT·H·hd, and where the kernel's buffers are short (quarter blocks past 262,144
-   tokens) that phase is the larger: counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 + 1)·eT·H·hd).
+   q, k, v, out (more), so it is not a peak. o_proj's input gradient is built in one buffer (model.qlora's
+   _BaseAndA: its base's, LoRA A's share added in place), so its backward (dh and one eT·H·hd over the
+   recompute) stays under this phase. Where peft's path runs instead (LoRA dropout, a dtype cast) it holds the
+   base's and LoRA A's input gradients at once, and with a plain base (--quant none, an nn.Linear whose input
+   gradient is a view, as A's) their sum as a third: where the kernel's buffers are short (quarter blocks past
+   262,144 tokens) that phase is the larger, counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 +
+   1)·eT·H·hd). Other [T, D] tensors with two gradients (q/k/v's input, the residuals) get them summed in
+   place into one (RMSNorm returns its gradient unviewed; test_memory pins it): no third tensor.
    Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
    Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
@@ -272,9 +273,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         what += "+ring"
     # alive then, beyond the recompute: dh (the MLP phase's two [T, D] gradients summed) and the kernel's
     # incoming gradient (o_proj's input gradient); gone: the MLP's gradients and saved [T, F] tensors, h.
-    # Just before it, o_proj's backward: its base's and LoRA A's input gradients, and with a plain base (a
-    # view, like A's) their sum as a third tensor: with short kernel buffers (quarter blocks) that is larger
-    lo = "o_proj" in targets
+    # Just before it, o_proj's backward: one input gradient (_BaseAndA); on peft's path its base's and LoRA A's,
+    # and with a plain base (a view, like A's) their sum as a third: with short kernel buffers that is larger
+    lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too

@@ -573,13 +573,12 @@ def test_fused_lora_equals_peft_forward(ckpt3, monkeypatch, quant, dropout):
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
 def test_input_gradients_are_summed_in_place(ckpt3, tiled):
-    """Where autograd sums two gradients of one [T, D] tensor (o_proj's input: the 4-bit base's and LoRA A's;
-    the post-attention residual: its own and the MLP's (or the tiled MLP's); a block's input: the residual's
-    and its norm's), the sum lands in place in one of them, never in a third tensor: the final gradient seen
-    there has been written in place (version > 0; a fresh sum has version 0). Autograd sums in place only
-    into the gradient that arrived first, and only if it is not a view: fuse_lora creates LoRA A's node (its
-    nn.Linear gradient is a view) before the 4-bit base's, so the base's runs first in backward with a fresh
-    gradient, and RMSNorm returns its input gradient unviewed; undone, the sum is a third [T, D]."""
+    """Where a [T, D] tensor gets two gradients (the post-attention residual: its own and the MLP's (or the tiled
+    MLP's); a block's input: the residual's and its norm's), the sum lands in place in one of them, never in a
+    third tensor: the final gradient seen there has been written in place (version > 0; a fresh sum has
+    version 0). Autograd sums in place only into the gradient that arrived first, and only if it is not a view:
+    RMSNorm returns its input gradient unviewed; undone, the sum is a third [T, D]. o_proj's input gets one
+    gradient, built in place by model.qlora._BaseAndA (its base's, then LoRA A's share added: version > 0)."""
     model, _ = build_nonzero_b(_opts(ckpt3, ac=False, tiled_mlp=tiled))
     seen = {}
 
@@ -597,6 +596,42 @@ def test_input_gradients_are_summed_in_place(ckpt3, tiled):
     assert len(seen) == 3 * 3 - 1, seen
     fresh = sorted(k for k, version in seen.items() if version == 0)
     assert not fresh, f"summed into a new tensor at: {fresh}"
+
+
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
+    """model.qlora._BaseAndA: o_proj (and only o_proj: q/k/v and gate/up share their input, down_proj's base is
+    skipped in a recompute) runs its frozen base and LoRA A in one node whose backward builds the input gradient
+    in one buffer, so LoRA A's own node never runs; the loss and every LoRA gradient equal, bit for bit, the same
+    model on autograd's two gradients summed (4-bit and plain bases, with AC and the tiled MLP in the path)."""
+    import model.qlora as qlora
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        torch.manual_seed(0)
+        model, _ = build_nonzero_b(_opts(ckpt3, quant=quant, ac=True, tiled_mlp=True))
+        a_calls = []
+        for name, m in model.named_modules():
+            if name.endswith("lora_A.default"):
+                m.register_forward_hook(lambda m, a, y, name=name: a_calls.append(name.split(".")[-3]))
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), sorted(set(a_calls))
+
+    nodes = []
+    backward = qlora._BaseAndA.backward
+    monkeypatch.setattr(qlora._BaseAndA, "backward", staticmethod(
+        lambda ctx, dy, da: nodes.append(ctx.base) or backward(ctx, dy, da)))
+    got = run()
+    assert len(nodes) == 3 and "o_proj" not in got[2], (len(nodes), got[2])   # one per block; A inside it
+    assert got[2] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"], got[2]
+    monkeypatch.setattr(qlora, "_one_input_grad", lambda *a: False)
+    ref = run()
+    assert "o_proj" in ref[2]
+    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
+    for k in ref[1]:
+        assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
 
 
 def test_fused_lora_steps_aside_for_a_dtype_cast(ckpt3):

@@ -96,28 +96,30 @@ def test_terms_by_hand():
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])
-def test_o_proj_backward_beats_short_attention_buffers_with_a_plain_base(monkeypatch, quant):
-    """o_proj's backward, just before the attention kernel's, holds its base's and LoRA A's input gradients;
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["one buffer", "peft's path"])
+def test_o_proj_backward_beats_short_attention_buffers_on_pefts_path(monkeypatch, quant, dropout):
+    """o_proj's backward, just before the attention kernel's, builds its input gradient in one buffer
+    (model.qlora._BaseAndA); on peft's path (LoRA dropout) it holds its base's and LoRA A's input gradients, and
     with a plain base (an nn.Linear: a view, as A's, so autograd sums them out of place) their sum too. A
     16,384-token row past four 1,024-token blocks takes 256-token quarter blocks, whose short kernel buffers
-    (dq goes into q's storage) leave the o_proj phase the larger: by a third [T, H·hd] with --quant none, by
-    less with NF4 (bitsandbytes' fresh gradient takes the sum in place). 28/4 heads of 16, tiled MLP, bf16."""
+    (dq goes into q's storage) leave the o_proj phase the larger on peft's path only. 28/4 heads of 16, tiled
+    MLP, bf16 on CUDA."""
     from parallel import kernels
 
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 1024)
     m = ModelArgs(model_type="qwen2", vocab_size=1000, dim=448, n_layers=2, n_heads=28, n_kv_heads=4,
                   intermediate_size=512)
     args = train.build_parser().parse_args(["--max-len", "16384", "--global-batch", "1", "--quant", quant,
-                                            "--tiled-mlp"])
+                                            "--tiled-mlp", "--lora-dropout", str(dropout)])
     p = memory_plan(m, ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 28, 4), args, "cuda", pack=True)
     e, T, H, K, hd = 2, 16384, 28, 4, 16
     assert kernels.backward_block(T) == 256
     call = e * T * hd * (H + 2 * K) + 4 * T * H * hd + 4 * e * T * H * hd
     attn = 8 * T * K * hd + max(e * T * K * hd, 256 / T * call)   # fp32 dk/dv, one call (dq: in q's storage)
-    oproj = e * T * H * hd * (3 if quant == "none" else 2)
+    oproj = e * T * H * hd * ((3 if quant == "none" else 2) if dropout else 1)
     mlp = term(p, "| block backward")
-    assert term(p, "| block attention") == max(attn + e * T * H * hd, oproj) - mlp > 0
-    assert oproj > attn + e * T * H * hd, (oproj, attn + e * T * H * hd)
+    assert term(p, "| block attention") == max(0, max(attn + e * T * H * hd, oproj) - mlp)
+    assert (oproj > attn + e * T * H * hd) == (dropout > 0), (oproj, attn + e * T * H * hd)
 
 
 def test_quant_state_matches_bitsandbytes():
@@ -433,11 +435,11 @@ def test_suggest_max_len_auto_names_the_flags():
     rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--host-mem", "512",
                          "--global-batch", "1")
     lines = out.strip().splitlines()
-    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --tiled-attn --offload-activations", \
-        out
-    assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows), out
+    # with offload the 512 GB of host memory binds: --tiled-attn adds no length; the tie keeps the search order
+    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --offload-activations", out
+    assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows) == rows[1][0], out
     assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 9, out
     assert [f.split("ulysses")[-1].strip() for _, f in rows] == [
-        "--tiled-mlp --tiled-attn --offload-activations", "--tiled-mlp --offload-activations",
+        "--tiled-mlp --offload-activations", "--tiled-mlp --tiled-attn --offload-activations",
         "--tiled-mlp --tiled-attn --ac-group 4", "--tiled-mlp --ac-group 4", "--tiled-mlp --tiled-attn", "--tiled-mlp",
         "--offload-activations", "--ac-group 4", ""], out
