@@ -157,29 +157,45 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
 
 # --- causal backward of long rows in blocks (kernels.BACKWARD_BLOCK)
 
-def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n, into_q=False):
+def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n, spare=frozenset()):
     """Causal backward over n x n blocks of queries x keys (the diagonal causal, the rest whole): with the
     global out/lse each call gives its block's exact share, as in ring attention, and every kernel's own
     buffers (float32 dq accumulators, GQA-expanded dk/dv) are block-sized, not row-sized. dq per query block
-    and dk, dv over the row are summed in float32 (float64 for float64). `backward`: kernels.backward.
-    `into_q`: dq is written into q's storage (kernels' `spare_q`): query block a's rows of q are read only by
-    its own calls, all made before its dq is written, so no row-sized dq is allocated.
+    and dk, dv per key block are summed in float32 (float64 for float64). `backward`: kernels.backward.
+    `spare`: which of "q", "k", "v", "out" may take results in their own storage (kernels' `spare_q`). Query
+    block a's rows of q and out are read only by its own calls, k and v by every later query block:
+    - dq goes into q's rows once query block a is done;
+    - key block c's float32 dk/dv sums (first touched by query block c) go into out's rows of query block
+      c - 1, done by then: a one-row batch, with room for 2·K' float32 heads in H of out's (4·K' <= H in bf16);
+    - the final dk, dv go into k's, v's storage after the last query block.
+    With all four nothing row-sized is allocated: key block 0's sums and one call's buffers.
     Credit: the blockwise backward with global statistics is ring attention's (Liu et al., 2023) on one device."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = q.detach() if into_q else torch.empty_like(q)   # detach: the same storage and version counter
-    dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
-    for a in range(0, q.shape[1], n):
-        e, g = min(a + n, q.shape[1]), None
-        for c in range(0, e, n):
+    s, (b, _, kh, d) = q.shape[1], k.shape
+    size = torch.empty((), dtype=acc).element_size()
+    room = "out" in spare and b == 1 and 2 * kh * d * size <= out.shape[2] * out.shape[3] * out.element_size()
+    dq = q.detach() if "q" in spare else torch.empty_like(q)   # detach: the same storage and version counter
+    sums = []   # per key block: its float32 [2 (dk, dv), B, rows, K', d]
+    for a in range(0, s, n):
+        e, g = min(a + n, s), None
+        shape = (2, b, e - a, kh, d)
+        if room and a:   # out's rows of query block a - n, read for the last time
+            free = out.detach()[0, a - n:a].reshape(-1).view(acc)
+            sums.append(free[:2 * b * (e - a) * kh * d].view(shape).zero_())
+        else:
+            sums.append(torch.zeros(shape, dtype=acc, device=k.device))
+        for i, c in enumerate(range(0, e, n)):
             f = min(c + n, e)
             gq, gk, gv = backward(dout[:, a:e], q[:, a:e], k[:, c:f], v[:, c:f], out[:, a:e], lse[:, :, a:e],
                                   c == a, scale, backend)
             g = gq.to(acc) if g is None else g.add_(gq)
-            dk[:, c:f] += gk
-            dv[:, c:f] += gv
+            sums[i][0] += gk
+            sums[i][1] += gv
         dq[:, a:e] = g
-    dk = dk.to(k.dtype)   # one cast at a time: dk's float32 sum is freed before dv's cast
-    return dq, dk, dv.to(v.dtype)
+    dk, dv = ((x.detach() if name in spare else torch.empty_like(x)) for name, x in (("k", k), ("v", v)))
+    for i, c in enumerate(range(0, s, n)):   # k's and v's rows are read by no call from here on
+        dk[:, c:c + n], dv[:, c:c + n] = sums[i]
+    return dq, dk, dv
 
 
 # --- flash-attn 2 (signatures moved between releases: pass by name what the installed one takes)

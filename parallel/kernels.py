@@ -7,8 +7,7 @@ Contract:
 - `backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)` in the input dtypes. `out` and
   `lse` may be the GLOBAL ones of a larger attention of which (k, v) is one block; the result is
   then that block's share of the gradients (ring attention sums them).
-- GQA: k and v may have Hkv heads with H % Hkv == 0; query head h reads KV head h // (H // Hkv);
-  dk, dv come back with Hkv heads.
+- GQA: k and v may have Hkv heads, H % Hkv == 0; query head h reads KV head h // (H // Hkv); dk, dv have Hkv.
 - `causal` means query i sees keys j <= i and needs Sq == Sk. Backends disagree for Sq != Sk
   (flash-attn aligns bottom-right, torch top-left), so that case raises instead of picking one.
 - Backends: "cudnn" (torch's cuDNN attention op: Hopper/Blackwell, fp16/bf16, head_dim <= 128,
@@ -33,8 +32,8 @@ Contract:
   elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
   GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in `backward_block(row)`-token blocks
   (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
-  more than it saves). With `spare_q` (the decoder's cores: q is RoPE's output, read by nothing after) where
-  `recompute.spare(q)`, dq goes into q's storage: no row-sized dq (another saver of q fails torch's version check).
+  more than it saves). `spare_q` (the decoder's cores: q, k, v its own, out read by o_proj only) lets it put dq,
+  dk, dv and float32 sums in q's, k's, v's, out's storage where `recompute.spare` holds: no row-sized buffer.
 """
 
 from __future__ import annotations
@@ -198,8 +197,9 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, backend, mask = ctx.args
         if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
-            grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend,
-                                              backward_block(q.shape[1]), ctx.spare_q and recompute.spare(q))
+            spare = {n for n, x in zip(("q", "k", "v", "out"), (q, k, v, out)) if ctx.spare_q and recompute.spare(x)}
+            grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, backward_block(
+                q.shape[1]), spare)
         else:
             grads = backward(dout, q, k, v, out, lse, *ctx.args)
         return (*grads, None, None, None, None, None)

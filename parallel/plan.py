@@ -81,23 +81,21 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
    the excess over the MLP phase. --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
    q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
-   Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (torch kernels expand K/V
-   and dK/dV to H heads; flash-attn does not, so this over-counts there). GQA/MQA (K' < H) rows of more than
+   Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (flash's float32 dq and
+   dK/dV expanded to H heads; the efficient op's expanded K/V and dK/dV). GQA/MQA (K' < H) rows of more than
    kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
    blocks already; not packed rows of several documents, which take the varlen op) run the backward in
-   blocks: float32 dk, dv (8T·K'·hd) over the row (dq goes into q's own storage, the cores' spare_q: no
-   row-sized dq), plus the larger of one final cast
-   (eT·K'·hd, none in float32) and one call's share n / row of the buffers above with a float32 dq (4T·H·hd),
-   n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
+   blocks (backends.blocked_backward; the cores' spare_q): dq, dk, dv go into q's, k's, v's own storage and
+   each key block's float32 dk/dv sums into out's rows of a finished query block (one-row batches, where
+   8K' <= e·H), so only key block 0's sums are new: share · 8T·K'·hd (padded rows of several: the sums of
+   every key block, 8T·K'·hd), plus one call's share of the buffers above with a float32 dq (4T·H·hd);
+   share = n / row, n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
    The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
-   q, k, v, out (more), so it is not a peak. o_proj's input gradient is built in one buffer (model.qlora's
-   _BaseAndA: its base's, LoRA A's share added in place), so its backward (dh and one eT·H·hd over the
-   recompute) stays under this phase. Where peft's path runs instead (LoRA dropout, a dtype cast) it holds the
-   base's and LoRA A's input gradients at once, and with a plain base (--quant none, an nn.Linear whose input
-   gradient is a view, as A's) their sum as a third: where the kernel's buffers are short (quarter blocks past
-   262,144 tokens) that phase is the larger, counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 +
-   1)·eT·H·hd). Other [T, D] tensors with two gradients (q/k/v's input, the residuals) get them summed in
-   place into one (RMSNorm returns its gradient unviewed; test_memory pins it): no third tensor.
+   q, k, v, out (more), so it is not a peak. o_proj's backward builds its input gradient in one buffer
+   (model.qlora._BaseAndA): dh and one eT·H·hd over the recompute. On peft's path (LoRA dropout, a dtype cast)
+   it holds its base's and LoRA A's at once, and with a plain base (an nn.Linear: a view, as A's) their sum
+   too: counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 + 1)·eT·H·hd). Other [T, D] tensors with
+   two gradients (q/k/v's input, the residuals) get them summed in place (test_memory pins it).
    Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
    Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
@@ -263,8 +261,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     n = kernels.backward_block(row)
     if R == 1 and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, a call
         call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd
-        attn = 8 * T * Kp * hd + max(e * T * Kp * hd * (e < 4), n / row * call)   # dq: in q's storage
-        what = f"kernel in {n}-token blocks"
+        sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
+        attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)
         what += "+a2a"

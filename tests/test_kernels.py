@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel import kernels
+from parallel import backends, kernels
 from parallel.ring import _merge
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -156,42 +156,83 @@ def test_blocked_backward_of_long_rows(monkeypatch, backend, dtype, s, block, n_
         close(a.grad.double(), b.grad, f"blocked {name}", **tol)
 
 
+class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of every storage an op creates (outputs that alias none of `known`), while active."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known, self.sizes = {x.untyped_storage().data_ptr() for x in known}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in self.known:
+                self.known.add(x.untyped_storage().data_ptr())
+                self.sizes.append(x.untyped_storage().nbytes())
+        return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_blocked_backward_writes_dq_into_a_spare_q(monkeypatch, dtype):
-    """spare_q (the decoder's cores): a long row's blocked backward writes dq into q's own storage, bit for bit
-    the dq it computes without spare_q, and allocates no row-sized dq. Never where q is not spare: a leaf (the
-    caller's), a slice of a larger tensor (the documents of a packed row), or under create_graph."""
+def test_blocked_backward_into_spare_storage(monkeypatch, dtype):
+    """spare_q (the decoder's cores): a long row's blocked backward puts dq, dk, dv into q's, k's, v's own storage
+    and each key block's float32 sums into out's rows of a finished query block, bit for bit the gradients it
+    computes without spare_q, allocating nothing row-sized (200 tokens in 4-token quarter blocks: every new
+    storage is under one bf16 [S, K', d] row). Never where a tensor is not spare: leaves (the caller's), a slice
+    of a larger tensor (the documents of a packed row), or under create_graph."""
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
-    leaf, k, v = qkv((2, 50, 50, 8, 2, 64), dtype, seed=4)
-    dout = torch.randn(leaf.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    leaves = qkv((1, 200, 200, 8, 2, 64), dtype, seed=4)
+    dout = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert kernels.backward_block(200) == 4
+
+    sizes = []
+    blocked = backends.blocked_backward
+
+    def measured(*a):   # the new storages the blocked backward itself creates (a[1:6]: dout, q, k, v, out)
+        with _NewStorage(a[1:6]) as mode:
+            grads = blocked(*a)
+        sizes[:] = mode.sizes
+        return grads
+
+    monkeypatch.setattr(backends, "blocked_backward", measured)
 
     def run(spare):
-        q = leaf * 1   # an intermediate, as RoPE's output is
-        seen = {}
-        q.register_hook(lambda g: seen.update(ptr=g.data_ptr(), grad=g.clone()))
-        ptr = q.data_ptr()
-        kernels.attention(q, k, v, True, 0.125, backend="cpu", spare_q=spare).backward(dout)
-        return seen["grad"], seen["ptr"] == ptr, q
+        q, k, v = (x * 1 for x in leaves)   # intermediates, as RoPE's and v_proj's outputs are
+        seen, ptrs = {}, {n: x.data_ptr() for n, x in zip("qkv", (q, k, v))}
+        for n, x in zip("qkv", (q, k, v)):
+            x.register_hook(lambda g, n=n: seen.update({n: (g.clone(), g.data_ptr() == ptrs[n])}))
+        out = kernels.attention(q, k, v, True, 0.125, backend="cpu", spare_q=spare)
+        kept = out.detach().clone()
+        out.backward(dout)
+        return seen, list(sizes), torch.equal(out.detach(), kept)
 
-    plain, shared, q = run(False)
-    assert not shared and not torch.equal(q, plain)
-    mine, shared, q = run(True)
-    assert shared, "dq was not written into q's storage"
-    assert torch.equal(mine, plain) and torch.equal(q, mine)   # q now holds its own gradient
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (leaf, k, v))
-    sdpa(q64, k64, v64, True, 0.125).backward(dout.double())
-    close(mine.double(), q64.grad, "spare dq", **(TOL if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)))
+    plain, sizes, same = run(False)
+    assert same and not any(inside for _, inside in plain.values())
+    assert max(sizes) >= 200 * 8 * 64 * dtype.itemsize   # the row-sized dq, at least
+    mine, sizes, same = run(True)
+    assert all(inside for _, inside in mine.values()), {n: inside for n, (_, inside) in mine.items()}
+    assert not same, "the float32 sums did not go into out's finished rows"
+    assert max(sizes) < 200 * 2 * 64 * 2, sorted(sizes)[-5:]
+    for n in "qkv":
+        assert torch.equal(mine[n][0], plain[n][0]), n
+    ref = [x.detach().double().requires_grad_() for x in leaves]
+    sdpa(*ref, True, 0.125).backward(dout.double())
+    for n, r in zip("qkv", ref):
+        close(mine[n][0].double(), r.grad, f"spare d{n}", **(TOL if dtype == torch.float32 else dict(atol=5e-2,
+                                                                                                    rtol=5e-2)))
 
+    leaf, k, v = qkv((2, 50, 50, 8, 2, 64), dtype, seed=4)
     before = leaf.detach().clone()   # a leaf is its owner's: never overwritten
-    kernels.attention(leaf, k, v, True, 0.125, backend="cpu", spare_q=True).backward(dout)
+    kernels.attention(leaf, k, v, True, 0.125, backend="cpu", spare_q=True).backward(dout[:1, :50].expand(2, -1,
+                                                                                                          -1, -1))
     assert torch.equal(leaf.detach(), before)
     big = leaf * 1   # a slice (one document of a packed row) is not the whole of its storage
     q = big[:, :40]
-    kernels.attention(q, k[:, :40], v[:, :40], True, 0.125, backend="cpu", spare_q=True).backward(dout[:, :40])
+    kernels.attention(q, k[:, :40], v[:, :40], True, 0.125, backend="cpu", spare_q=True).backward(
+        torch.ones(2, 40, 8, 64, dtype=dtype))
     assert torch.equal(big, leaf * 1)
     q = leaf * 1   # create_graph: the backward is recorded, q stays
     out = kernels.attention(q, k, v, True, 0.125, backend="cpu", spare_q=True)
-    torch.autograd.grad(out, leaf, dout, create_graph=True)
+    torch.autograd.grad(out, leaf, torch.ones_like(out), create_graph=True)
     assert torch.equal(q, leaf * 1)
 
 
@@ -204,7 +245,7 @@ def test_spare_q_makes_a_second_backward_fail_loudly(monkeypatch):
         out = kernels.attention(leaf * 1, k, v, True, 0.125, backend="cpu", spare_q=spare)
         first = torch.autograd.grad(out.sum(), leaf, retain_graph=True)[0]
         if spare:
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation|has been modified inplace"):
                 torch.autograd.grad(out.sum(), leaf)
         else:
             close(torch.autograd.grad(out.sum(), leaf)[0], first, "second backward")
