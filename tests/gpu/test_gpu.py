@@ -109,19 +109,25 @@ def test_cuda_blockwise_backward_with_global_lse(backend, dtype):
     torch.testing.assert_close(torch.cat(dvs, 1).double(), rv, **tol, msg="dv")
 
 
+@pytest.mark.parametrize("spare", [False, True], ids=["leaves", "spare"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cuda_blocked_backward_of_long_rows(backend, monkeypatch):
+def test_cuda_blocked_backward_of_long_rows(backend, spare, monkeypatch):
     """kernels.BACKWARD_BLOCK 256 on a 640-token causal row (28/4 heads, bf16): the backward runs in 6 block
-    calls (3 diagonal causal, 3 full, the last blocks 128 tokens) and equals the float64 reference."""
+    calls (3 diagonal causal, 3 full, the last blocks 128 tokens) and equals the float64 reference; with
+    intermediates and spare_q (the decoder's cores) too, where dq, dk, dv and the float32 sums go into q's,
+    k's, v's and out's storage."""
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 256)
-    q, k, v = (x.requires_grad_() for x in qkv(1, 640, 28, 4, 128, seed=3))
-    out = kernels.attention(q, k, v, True, 128 ** -0.5, backend=backend)
+    leaves = [x.requires_grad_() for x in qkv(1, 640, 28, 4, 128, seed=3)]
+    q, k, v = (x * 1 for x in leaves) if spare else leaves
+    out = kernels.attention(q, k, v, True, 128 ** -0.5, backend=backend, spare_q=spare)
     dout = torch.randn_like(out)
+    kept = out.detach().clone()
     out.backward(dout)
-    qd, kd, vd = (x.detach().double() for x in (q, k, v))
+    assert torch.equal(out.detach(), kept) != spare   # spare: out's finished rows held the float32 sums
+    qd, kd, vd = (x.detach().double() for x in leaves)
     rout, rlse = kernels.forward(qd, kd, vd, True, 128 ** -0.5, backend="reference")
     rgrads = kernels.backward(dout.double(), qd, kd, vd, rout, rlse, True, 128 ** -0.5, backend="reference")
-    for name, x, r in zip("qkv", (q, k, v), rgrads):
+    for name, x, r in zip("qkv", leaves, rgrads):
         torch.testing.assert_close(x.grad.double(), r, atol=5e-2, rtol=5e-2, msg=f"{backend} blocked d{name}")
 
 
