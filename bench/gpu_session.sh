@@ -33,8 +33,10 @@
 #      --profile ours+fastest' (timeout 540): ours, hf, liger and ours+fastest at 32k, then ours, liger and
 #      ours+fastest at 128k, side by side (~450 s by the 2026-11-30 timings; ours+fastest comes last in each case,
 #      so keep the 128k steps to 1 timed step or the budget may cut it);
-#   2. within 30 s, TOTAL=<left - 40> TEST_S=60 BENCH='--case long --runs ours+tiled-attn' (one 524,288-token
-#      step, ~3 min by FLOPs, its peak against the plan), or, to see whether --compile adds to the fastest flags,
+#   2. within 30 s, TOTAL=<left - 40> TEST_S=120 BENCH='--case long --runs ours+tiled-attn' (test-gpu first: the
+#      2026-11-30 afternoon's in-place gradients (dq/dk/dv/sums into q/k/v/out, the tiled MLP's, o_proj's one
+#      buffer) were built on CPU only; then one 524,288-token step, ~3 min by FLOPs, its peak against the
+#      plan), or, to see whether --compile adds to the fastest flags,
 #      BENCH='--case 32k --runs ours+fastest+compile --cap-gb <liger 32k peak>;--case 128k --runs
 #      ours+fastest+compile --cap-gb <liger 128k peak>' (the caps from call 1's liger rows).
 # The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
