@@ -218,8 +218,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, core, meta):
         B, S, _ = x.shape
-        q = self.queries(x, cos, sin)                                     # [B, S, H, Hd]
+        # k, v before q: backward runs the latest-made nodes first, so q's [T, H·Hd] chain (RoPE, q_proj) runs
+        # before the input norm's gradient and its rebuilt output exist, not on top of them
         k, v = self.keys_values(x, cos, sin)                              # [B, S, K, Hd]
+        q = self.queries(x, cos, sin)                                     # [B, S, H, Hd]
         out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 

@@ -16,19 +16,14 @@ of the compute dtype (bf16 2, fp32 4), el of LoRA compute (e under FSDP2 mixed p
 else 4), n the elements of one weight.
 
 Persistent all step:
-1. base weights. nf4: 4-bit codes, n/2 bytes per block Linear, stored as [n/(2·itemsize), 1] compute-dtype
-   elements that FSDP2 shards over W along dim 0 (padded: ceil(rows/W) rows). The quantization state of
-   `quantize_4bit(blocksize=64, compress_statistics=True)` is one absmax per 64 weights, itself quantized to
-   uint8 with one fp32 absmax per 256 of them: ceil(n/64) + 4·ceil(n/64/256) bytes (0.127 bits/weight), plus
-   16 + 256 fp32 code-book entries and an fp32 offset. The uint8 absmax codes are a parameter
-   ([ceil(n/64/e), 1] compute-dtype elements) that FSDP2 shards over W with the codes and all-gathers with
-   the block (term 5); only the fp32 rest is on the module, on every rank. none: n·e / W. Never quantized: block
-   norms, biases: e bytes per element / W.
+1. base weights. nf4: n/2 bytes of codes per block Linear as [n/(2·itemsize), 1] compute-dtype elements, FSDP2-
+   sharded over W on dim 0 (ceil(rows/W) rows). `quantize_4bit(blocksize=64, compress_statistics=True)`'s state:
+   one uint8 absmax per 64 weights (a parameter, [ceil(n/64/e), 1] elements sharded and all-gathered with the
+   codes, term 5) and one fp32 absmax per 256 of those, 16 + 256 fp32 code-book entries and an fp32 offset on
+   the module on every rank. none: n·e / W. Never quantized: block norms, biases: e bytes per element / W.
 2. root. embed_tokens, the final norm and lm_head are frozen and left out of FSDP2 (parallel/fsdp.py): whole on
-   every rank, (V·D·(2, or 1 tied) + D)·e all step (sharded, FSDP2 would keep them unsharded from the forward
-   to the end of the backward anyway, on top of the 1/W shard).
-3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter + gradient + AdamW exp_avg, exp_avg_sq =
-   16 bytes per element / W.
+   every rank, (V·D·(2, or 1 tied) + D)·e all step (FSDP2 would keep them unsharded all step anyway).
+3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -40,22 +35,14 @@ Persistent all step:
    norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when
    handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T,
    D]·e is kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
-   saves again without a copy). The first checkpoint (block or group) keeps the token ids instead of the embedding's
-   output and looks it up again for its recompute (parallelize._FromIds): one input fewer, max(N - 1, 1) of them (the
-   lookup is live in the first block's own backward; N - 1 with --ac-blocks). The forward drops the embedding's
-   output once the first checkpoint has run; at its last block it holds the L - 1 inputs and one block's forward (the
-   norm output, q/k/v, RoPE's output in sequence chunks, attention's out and lse: ~3.3 eTD at Qwen2.5-7B's shapes),
-   under the backward's block phase (CPU, 4 layers: 9.75 vs 10.93 eTD), so it is not a term. --tiled-attn: the
+   saves again without a copy). The first checkpoint keeps the token ids, not the embedding's output, and looks
+   them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's last block
+   (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn: the
    sublayer keeps its input (the norm's; at layer 0 the norm's output), k, v, out, lse: no q, rsqrt or LoRA
    intermediate of q/k/v/o (parallel/tiled_attention.py).
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
-   prefetched once the block's attention backward is done (parallel/offload.py), when q, k, v, out and the
-   kernel's incoming gradient are freed (eT·hd·(2H + 2K') + eT·H·hd) and the q/k/v backward begins (dq
-   before rope, dk, dv, the rebuilt norm output, the input gradient). That phase is not a term: measured on
-   CPU (fp32, 28/4 heads, blocked backward) its peak stays ~0.5·eTD under the attention phase's, and a
-   16k offload row with 4,096-token attention blocks measures 1.03 of its plan (bench/plan.py). With row-long
-   kernel buffers (shorter rows, K' = H) the attention phase is far above it.
+   prefetched once the block's attention backward is done (parallel/offload.py): it adds to the q/k/v phase (9).
    --ac-blocks N: only the first N blocks are checkpointed (N - 1 inputs), the last K = L - N keep their saved
    tensors (term 4 each); backward frees those before it recomputes any block, so the recompute (term 6's
    AC part, smaller than one block's saved tensors) never adds to them and is not counted when K > 0.
@@ -66,7 +53,7 @@ Persistent all step:
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
-Transient (the block phase 6-7 and the loss phase 8 never overlap):
+Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
@@ -102,7 +89,12 @@ Transient (the block phase 6-7 and the loss phase 8 never overlap):
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
-Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
+9. q/k/v backward, after the kernel's (model.llama makes q last, so q's chain runs first, before the input
+   norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
+   largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
+   under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
+   gradient, its rebuilt output and one more gradient (3eTD); the block's saved tensors are gone: its excess over 6-7.
+Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
 recompute); 4 for 28 layers (10 inputs instead of 28; one fewer each with the first checkpoint's lookup).
@@ -113,6 +105,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
+from model.llama import NORM_CHUNK
 from parallel import kernels
 from parallel.tiled_attention import tile_rows
 
@@ -284,8 +277,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
             max(0, attn - e * T * D - gone - mlp)
     else:
-        t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
-          f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
+        ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
+               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
+        # 9. q/k/v backward (q's chain first): dh with dq, RoPE's gradient of it and its chunk temporaries (an
+        # all-to-all's copies), or q_proj's base gradient, or the norm's gradient, its rebuilt output and one more
+        first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
+        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D)
+        rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
+        t["| block q/k/v backward after the kernel's" + (" (next input prefetched)" if offload else "")] = \
+            max(0, qkv - rec - mlp - ex)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D

@@ -634,6 +634,23 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
         assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
 
 
+def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
+    """model.llama makes k, v before q, so backward (latest nodes first) runs q's RoPE and q_proj before k's and
+    v's: q's [T, H·Hd] gradients are gone before the input norm's gradient and its rebuilt output exist
+    (parallel/plan.py's term 9). Per block, the RoPE backward sees q's gradient (6 heads) first, then k's (2)."""
+    import model.llama as llama
+
+    seen = []
+    backward = llama._RopeFn.backward
+    monkeypatch.setattr(llama._RopeFn, "backward", staticmethod(
+        lambda ctx, g: seen.append(g.shape[2]) or backward(ctx, g)))
+    model, _ = build_nonzero_b(_opts(ckpt3, ac=True, tiled_mlp=True))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    s, n = model(ids, labels=ids)
+    (s / n).backward()
+    assert seen == [6, 2] * len(model.model.layers), seen
+
+
 def test_fused_lora_steps_aside_for_a_dtype_cast(ckpt3):
     """bf16 activations with float32 LoRA (a CPU bf16 run): peft casts x to float32 first, so its forward runs."""
     from model.qlora import fuse_lora
