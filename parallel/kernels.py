@@ -33,7 +33,7 @@ Contract:
   GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in `backward_block(row)`-token blocks
   (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
   more than it saves). `spare_q` (the decoder's cores: q, k, v its own, out read by o_proj only) lets it put dq,
-  dk, dv and float32 sums in q's, k's, v's, out's storage where `recompute.spare` holds: no row-sized buffer.
+  dk, dv and float32 sums in q's, k's, v's, out's storage where `recompute.spare_storages` allows: none row-sized.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, backend, mask = ctx.args
         if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
-            spare = {n for n, x in zip(("q", "k", "v", "out"), (q, k, v, out)) if ctx.spare_q and recompute.spare(x)}
+            spare = recompute.spare_storages(dict(q=q, k=k, v=v, out=out)) if ctx.spare_q else set()
             grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, backward_block(
                 q.shape[1]), spare)
         else:

@@ -19,8 +19,11 @@ Contract:
     returns zeros carrying its input gradient (dy @ W, bitsandbytes' own backward formula), so its forward
     GEMM never runs; a base with a trainable parameter runs as usual.
   LoRA's A and B always run.
-- `spare(x)`: x's storage may take x's own gradient in backward (the blocked attention backward's dq, the tiled
-  MLP's input gradient), where the caller's contract says nothing reads x after.
+- `spare(x)`: x's storage may take results in backward (the blocked attention backward's dq, dk, dv and float32
+  sums in q, k, v, out; the tiled MLP's input gradient in its input), where the caller's contract says nothing
+  reads x after. Only that contract protects a tensor someone else saved too: without AC torch's version check
+  refuses the second reader, but AC's checkpoint unpacks through saved-tensor hooks, which skip that check.
+  `spare_storages(named)`: the names whose tensors are spare and share their storage with no other of them.
 """
 
 from __future__ import annotations
@@ -133,8 +136,14 @@ def apply_unread_outputs(model) -> None:
 
 
 def spare(x: torch.Tensor) -> bool:
-    """May x's storage take x's own gradient in backward? Only an intermediate (a leaf is its owner's), the whole
-    of its storage (not a slice: the other slices' saved views share its version counter), contiguous, and outside
-    create_graph (in-place writes would be recorded)."""
+    """May x's storage take results in backward (the caller's contract: nothing reads x after)? Only an
+    intermediate (a leaf is its owner's), the whole of its storage (not a slice, whose neighbours others may
+    read), contiguous, and outside create_graph (in-place writes would be recorded)."""
     return (x.grad_fn is not None and not torch.is_grad_enabled() and x.is_contiguous()
             and x.untyped_storage().nbytes() == x.numel() * x.element_size())
+
+
+def spare_storages(named: dict) -> set:
+    """The names of `named`'s tensors that are spare and alone on their storage among them (k is v: neither)."""
+    ptrs = [x.untyped_storage().data_ptr() for x in named.values()]
+    return {n for (n, x), p in zip(named.items(), ptrs) if ptrs.count(p) == 1 and spare(x)}

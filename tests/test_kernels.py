@@ -236,6 +236,29 @@ def test_blocked_backward_into_spare_storage(monkeypatch, dtype):
     assert torch.equal(q, leaf * 1)
 
 
+def test_spare_storage_shared_by_two_inputs_is_not_reused(monkeypatch):
+    """k and v one tensor (or views of one storage): spare for each alone, but dk written into it and then dv over
+    it would lose dk. Neither is reused: the gradients equal the run without spare_q. A contiguous one-row slice of
+    a longer tensor (a document of a packed row) is not the whole of its storage: left as it was."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
+    q0, kv0, _ = qkv((1, 50, 50, 8, 2, 64), seed=8)
+    dout = torch.randn(q0.shape, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for spare in (False, True):
+        q, kv = q0 * 1, kv0 * 1
+        kernels.attention(q, kv, kv, True, 0.125, backend="cpu", spare_q=spare).backward(dout)
+        grads.append((q0.grad.clone(), kv0.grad.clone()))
+        q0.grad = kv0.grad = None
+    for name, a, b in zip(("dq", "dkv"), *grads):
+        assert torch.equal(a, b), name
+    big = torch.cat([q0, q0], 1) * 1   # [1, 100, ...]: its first 50 rows are a contiguous slice
+    q = big[:, :50]
+    assert q.is_contiguous()
+    before = big.detach().clone()
+    kernels.attention(q, kv0 * 1, kv0 * 1, True, 0.125, backend="cpu", spare_q=True).backward(dout)
+    assert torch.equal(big.detach(), before)
+
+
 def test_spare_q_makes_a_second_backward_fail_loudly(monkeypatch):
     """q's storage holds dq after the first backward, so a graph kept with retain_graph cannot silently reuse
     it: torch's version check refuses the second backward. Without spare_q it runs and matches."""
