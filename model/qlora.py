@@ -179,7 +179,7 @@ class _BaseAndA(torch.autograd.Function):
             w = m.dequantized() if hasattr(m, "dequantized") else m.weight
             dx = torch.matmul(dy, w.to(dy.dtype))
             flat, aw = dx.view(-1, dx.shape[-1]), a_weight.to(dx.dtype)
-            n = max(1, 2**24 // flat.shape[1])   # A's share in row chunks: a 32-64 MB temporary, not [T, in];
+            n = max(1, ROW_CHUNK // flat.shape[1])   # A's share in row chunks: a 32-64 MB temporary, not [T, in];
             for i in range(0, flat.shape[0], n):   # added as autograd sums (base's first), the same rounding
                 flat[i:i + n] += da2[i:i + n].mm(aw)
         if ctx.needs_input_grad[1]:
@@ -188,6 +188,7 @@ class _BaseAndA(torch.autograd.Function):
 
 
 SOLE_INPUT = ("o_proj", "down_proj")   # the decoder's projections whose input no other layer reads
+ROW_CHUNK = 2**24                      # elements of one chunk of LoRA A's share in _BaseAndA's backward
 
 
 def _one_input_grad(self, x, a_lin, dropout) -> bool:

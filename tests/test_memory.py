@@ -90,11 +90,33 @@ def test_tiled_mlp_matches_untiled(ckpt, spare):
         assert spare or torch.equal(x.detach(), x0)
         return y.detach(), x.grad, {n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}
 
+    import parallel.memory as memory
+
+    rows = []   # the row counts of [rows, D] tensors the tiled backward creates
+    backward = memory._TiledMLP.backward
+
+    def watched(ctx, dout):
+        class Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == x0.shape[-1] \
+                        and out.untyped_storage().data_ptr() not in ptrs:
+                    rows.append(out.shape[0])
+                return out
+        ptrs = {t.untyped_storage().data_ptr() for t in (*ctx.saved_tensors, dout)}
+        with Shapes():
+            return backward(ctx, dout)
+
     ref = run()
     assert len(ref[2]) == 6 and all(g.abs().sum() > 0 for g in ref[2].values())
     for tile in (5, 7, 46, None):   # uneven, uneven, one tile, the rule
         apply_tiled_mlp(model, tile)
-        got = run(tiled=True)
+        rows.clear()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(memory._TiledMLP, "backward", staticmethod(watched))
+            got = run(tiled=True)
+        if tile in (5, 7):   # the input gradient: no [46, D] buffer where the input is spare, one otherwise
+            assert (46 in rows) != spare, rows
         torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"tile {tile}: output")
         torch.testing.assert_close(got[1], ref[1], **TOL, msg=f"tile {tile}: input grad")
         for n in ref[2]:
@@ -603,7 +625,8 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
     """model.qlora._BaseAndA: o_proj (and only o_proj: q/k/v and gate/up share their input, down_proj's base is
     skipped in a recompute) runs its frozen base and LoRA A in one node whose backward builds the input gradient
     in one buffer, so LoRA A's own node never runs; the loss and every LoRA gradient equal, bit for bit, the same
-    model on autograd's two gradients summed (4-bit and plain bases, with AC and the tiled MLP in the path)."""
+    model on autograd's two gradients summed (4-bit and plain bases, with AC and the tiled MLP in the path), and
+    within float32 rounding when A's share is added in 7-row chunks (no [T, in] product beside the gradient)."""
     import model.qlora as qlora
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
@@ -619,12 +642,29 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
         (s / n).backward()
         return s.detach(), _lora_grads(model), sorted(set(a_calls))
 
-    nodes = []
+    nodes, big = [], []
     backward = qlora._BaseAndA.backward
-    monkeypatch.setattr(qlora._BaseAndA, "backward", staticmethod(
-        lambda ctx, dy, da: nodes.append(ctx.base) or backward(ctx, dy, da)))
-    got = run()
-    assert len(nodes) == 3 and "o_proj" not in got[2], (len(nodes), got[2])   # one per block; A inside it
+
+    def watched(ctx, dy, da):   # records the rows of every matrix product
+        class Sizes(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and func is torch.ops.aten.mm.default:
+                    big.append(out.shape[0])
+                return out
+        nodes.append(ctx.base)
+        with Sizes():
+            return backward(ctx, dy, da)
+
+    monkeypatch.setattr(qlora._BaseAndA, "backward", staticmethod(watched))
+    got = run()   # 58 tokens: A's share in one chunk
+    monkeypatch.setattr(qlora, "ROW_CHUNK", 7 * 48)   # 7-row chunks of A's share: several per layer, one uneven
+    big.clear()
+    chunked = run()
+    # per node: the base's gradient (the one [58 tokens, in] buffer), A's share in 7-row pieces (9 for 58 rows,
+    # the last 2), dA [r = 4, in]: no second [58, in]
+    assert big.count(58) == 3 and max(x for x in big if x != 58) == 7 and big.count(7) == 3 * 8, big
+    assert len(nodes) == 2 * 3 and "o_proj" not in got[2], (len(nodes), got[2])   # one per block and run
     assert got[2] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"], got[2]
     monkeypatch.setattr(qlora, "_one_input_grad", lambda *a: False)
     ref = run()
@@ -632,6 +672,8 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
     assert torch.equal(got[0], ref[0]), (got[0], ref[0])
     for k in ref[1]:
         assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
+        # in 7-row pieces the GEMMs round apart from the whole one in the last bits
+        torch.testing.assert_close(chunked[1][k], ref[1][k], rtol=1e-5, atol=1e-9, msg=f"chunked grad {k}")
 
 
 def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
