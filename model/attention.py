@@ -7,8 +7,9 @@ Contract:
   `__call__(q, k, v, meta, scale, window=None)` per layer: q [B, S, H, Hd], k/v [B, S, K, Hd] (RoPE
   applied), causal, returns [B, S, H, Hd] in q's dtype, differentiable w.r.t. q, k, v. `window` is the
   layer's sliding window: query i sees keys j with i - window < j <= i (transformers' rule).
-  The decoder hands the core its own q (RoPE's output) and reads it no more: a core may reuse q's storage
-  in backward (parallel.kernels' `spare_q`). A decoder that keeps q for something else must say so there.
+  The decoder hands the core its own q, k, v and reads them no more, and reads the core's output only
+  through o_proj: a core may reuse their storage in backward (parallel.kernels' `spare_q`; under AC nothing
+  checks this). A decoder that keeps any of them for something else must drop `spare_q` in its core.
 - Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
   with contiguous positions, even far from 0, is one document; padding continues the positions of
   the last document. Tokens attend only inside their own document. This module is the one place that

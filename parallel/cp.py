@@ -4,8 +4,9 @@ Contract:
 - The cores here implement `model.attention.AttentionCore` (q, k, v are the LOCAL shard [B, S_local,
   ...], `prepare` gets the local global-position ids, `__call__(q, k, v, meta, scale, window=None)`
   takes the layer's sliding window, see `parallel.kernels`). Any layout gives the same numbers as
-  `local_attention()` on the whole sequence. They pass `spare_q` (the core contract: q is the decoder's
-  own, read by nothing after the call), so a long row's blocked backward writes dq into q's storage.
+  `local_attention()` on the whole sequence. They pass `spare_q` (the core contract: q, k, v are the
+  decoder's own, out is read by o_proj only), so a long row's blocked backward puts dq, dk, dv and its float32
+  sums into q's, k's, v's and out's storage.
 - `cp_attention(meshes, dims)` picks Ulysses (dims.ring == 1), zigzag ring (dims.ulysses == 1) or
   their hybrid (all-to-all inside each Ulysses group, ring across the groups).
 - Layout of the sequence padded to `dims.cp_divisor` (cp rank = ring_rank · ulysses + ulysses_rank):

@@ -4,13 +4,14 @@ Contract:
 - `apply_tiled_mlp(model, tile=None)` makes each block's MLP (its LoRA-wrapped, possibly NF4 projections
   included) run over tiles of the flattened tokens. Forward: each tile under no_grad, written into one
   [tokens, D] output. Backward: each tile is recomputed with grad and differentiated at once, its input
-  gradient written into one [tokens, D] buffer and the trainable parameters' gradients summed over tiles
-  in float32, returned through autograd (AccumulateGrad and FSDP2 see one gradient per parameter). No
+  gradient written into one [tokens, D] buffer (x's own, below) and the trainable parameters' gradients summed
+  over tiles in float32, returned through autograd (AccumulateGrad and FSDP2 see one gradient per parameter). No
   [tokens, intermediate] tensor outlives one tile. Tile rule (`tile=None`): tokens per tile = the hidden
   size D, so a tile's [tile, F] intermediates have the size of one MLP weight [F, D] at any length.
   Its input x is the decoder's own (the block's h, or a norm's output) and read by nothing after the MLP, so where
   `recompute.spare(x)` the input gradient goes into x's storage, tile by tile once a tile's rows are read for the
-  last time: no [tokens, D] buffer beside x (a second backward through a kept graph fails torch's version check).
+  last time: no [tokens, D] buffer beside x. (Without AC a second backward through a kept graph fails torch's
+  version check; with AC the block is recomputed. Another saver of x is not caught under AC: the contract.)
   Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
   Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and

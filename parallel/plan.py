@@ -21,8 +21,7 @@ Persistent all step:
    one uint8 absmax per 64 weights (a parameter, [ceil(n/64/e), 1] elements sharded and all-gathered with the
    codes, term 5) and one fp32 absmax per 256 of those, 16 + 256 fp32 code-book entries and an fp32 offset on
    the module on every rank. none: n·e / W. Never quantized: block norms, biases: e bytes per element / W.
-2. root. embed_tokens, the final norm and lm_head are frozen and left out of FSDP2 (parallel/fsdp.py): whole on
-   every rank, (V·D·(2, or 1 tied) + D)·e all step (FSDP2 would keep them unsharded all step anyway).
+2. root. embed_tokens, final norm, lm_head: frozen, outside FSDP2 (parallel/fsdp.py), (V·D·(2, or 1 tied) + D)·e.
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
@@ -70,8 +69,9 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (flash's float32 dq and
    dK/dV expanded to H heads; the efficient op's expanded K/V and dK/dV). GQA/MQA (K' < H) rows of more than
-   kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are
-   blocks already; not packed rows of several documents, which take the varlen op) run the backward in
+   kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are blocks
+   already; a row is planned as one document: packed rows of several take CUDA's varlen op, or on CPU one call
+   per document, without spare storage, neither planned) run the backward in
    blocks (backends.blocked_backward; the cores' spare_q): dq, dk, dv go into q's, k's, v's own storage and
    each key block's float32 dk/dv sums into out's rows of a finished query block (one-row batches, where
    8K' <= e·H), so only key block 0's sums are new: share · 8T·K'·hd (padded rows of several: the sums of

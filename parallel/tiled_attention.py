@@ -24,10 +24,10 @@ Contract:
   well under the row's on short rows.
 - Peak of a block's backward (AC): the recompute keeps x, k, v, out, lse (eT·(D + H·hd + 2K·hd) + 4TH): q (eT·H·hd),
   the norm's rsqrt and the four projections' LoRA intermediates are not kept; the attention phase holds dh, dx and
-  float32 dk, dv over the row plus one tile's tensors, instead of the kernel's incoming gradient, dq and dh over the
-  row (parallel/plan.py). Cost: the four projections' forward runs once more per step, in backward, the input norm
-  three more times (in forward and recompute the block computes it whole and the tiles again; in backward twice per
-  tile); the kernels do not.
+  float32 dk, dv over the row plus one tile's tensors, instead of the kernel's incoming gradient and dh over the row
+  beside the recompute's q and out (parallel/plan.py). Cost: the four projections' forward runs once more per
+  step, in backward, the input norm three more times (in forward and recompute the block computes it whole and
+  the tiles again; in backward twice per tile); the kernels do not.
 - With --offload-activations the next block's input is fetched once the query tiles' backward is done
   (HostOffload.after_attention's `release`) and k, v, out, lse are freed (under AC the checkpoint's unpack
   leaves the backward the only reference): the k/v phase then holds x, dh, dx, float32 dk/dv and that input.
