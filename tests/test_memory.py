@@ -672,8 +672,10 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
     assert torch.equal(got[0], ref[0]), (got[0], ref[0])
     for k in ref[1]:
         assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
-        # in 7-row pieces the GEMMs round apart from the whole one in the last bits
-        torch.testing.assert_close(chunked[1][k], ref[1][k], rtol=1e-5, atol=1e-9, msg=f"chunked grad {k}")
+        # in 7-row pieces the GEMMs round apart from the whole one in the last bits, which later sums can cancel
+        # down to tiny elements: within 1e-5 of the gradient's largest element
+        err = (chunked[1][k] - ref[1][k]).abs().max() / ref[1][k].abs().max()
+        assert err < 1e-5, f"chunked grad {k}: {err}"
 
 
 def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
