@@ -94,10 +94,11 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
    gradient, its rebuilt output and one more gradient (3eTD); the block's saved tensors are gone: its excess over 6-7.
-Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
+10. with AC and --tiled-mlp, the recompute's forward at o_proj (its base's output and the LoRA addmm's) or at the
+   residual (o_proj's output and h), under the incoming gradient: rec + 2eTD, its excess over 6, 7 and 9.
+Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
-`best_ac_group(L)`: the G with the fewest block inputs alive, ceil(L/G) + G - 1 (the smallest such G: least
-recompute); 4 for 28 layers (10 inputs instead of 28; one fewer each with the first checkpoint's lookup).
+`best_ac_group(L)`: the smallest G with the fewest inputs alive, ceil(L/G) + G - 1 (4 for 28 layers: 10, not 28).
 """
 
 from __future__ import annotations
@@ -262,10 +263,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if R > 1:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
         what += "+ring"
-    # alive then, beyond the recompute: dh (the MLP phase's two [T, D] gradients summed) and the kernel's
-    # incoming gradient (o_proj's input gradient); gone: the MLP's gradients and saved [T, F] tensors, h.
-    # Just before it, o_proj's backward: one input gradient (_BaseAndA); on peft's path its base's and LoRA A's,
-    # and with a plain base (a view, like A's) their sum as a third: with short kernel buffers that is larger
+    # alive then, beyond the recompute: dh and the kernel's incoming gradient; gone: the MLP's tensors, h. Before
+    # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F
@@ -279,13 +278,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     else:
         ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
                f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
-        # 9. q/k/v backward (q's chain first): dh with dq, RoPE's gradient of it and its chunk temporaries (an
-        # all-to-all's copies), or q_proj's base gradient, or the norm's gradient, its rebuilt output and one more
+        # 9. q/k/v backward (q's chain first; see the docstring)
         first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
         qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D)
         rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
-        t["| block q/k/v backward after the kernel's" + (" (next input prefetched)" if offload else "")] = \
-            max(0, qkv - rec - mlp - ex)
+        t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
+    if N and not K and tiled:   # 10. (h is in the recompute term: 2eTD - h + dy over it)
+        blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
+        t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
