@@ -258,7 +258,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
 
     def forward(self, x, cos, sin, core, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, core, meta)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, core, meta)
+        # into o_proj's output where it says so (model.qlora: read by nothing else): no third [T, D] beside it and x
+        x = a.add_(x) if getattr(a, "_sum_in_place", False) else x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -167,7 +167,11 @@ class _BaseAndA(torch.autograd.Function):
     def forward(ctx, x, a_weight, base):
         ctx.base = base
         ctx.save_for_backward(x, a_weight)
-        return base(x), nn.functional.linear(x, a_weight)
+        y = base(x)
+        # the base's output as a tensor, not a view made in here (bitsandbytes views its GEMM's [T, out]), so the
+        # caller may add LoRA B's share and the residual into it in place (autograd refuses that on such views)
+        root = y if y._base is None else y._base
+        return (root if root.numel() == y.numel() and root.is_contiguous() else y), nn.functional.linear(x, a_weight)
 
     @staticmethod
     def backward(ctx, dy, da):
@@ -177,7 +181,7 @@ class _BaseAndA(torch.autograd.Function):
         if ctx.needs_input_grad[0]:   # bitsandbytes' MatMul4Bit.backward: dy @ dequantize(W), in dy's dtype
             m = ctx.base
             w = m.dequantized() if hasattr(m, "dequantized") else m.weight
-            dx = torch.matmul(dy, w.to(dy.dtype))
+            dx = torch.matmul(dy.reshape(-1, dy.shape[-1]), w.to(dy.dtype)).view(x.shape)
             flat, aw = dx.view(-1, dx.shape[-1]), a_weight.to(dx.dtype)
             n = max(1, ROW_CHUNK // flat.shape[1])   # A's share in row chunks: a 32-64 MB temporary, not [T, in];
             for i in range(0, flat.shape[0], n):   # added as autograd sums (base's first), the same rounding
@@ -216,7 +220,8 @@ def _fused_forward(self, x, *args, **kwargs):
     # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
     # [T, in] tensor. (A plain nn.Linear base also returns a view: no gain with --quant none.)
     dropout = self.lora_dropout[names[0]]
-    if _one_input_grad(self, x, a_lin, dropout):   # x's gradient in one buffer (_BaseAndA)
+    one = _one_input_grad(self, x, a_lin, dropout)
+    if one:   # x's gradient in one buffer (_BaseAndA)
         result, a = _BaseAndA.apply(x, a_lin.weight, self.base_layer)
     else:
         a = a_lin(dropout(x))
@@ -224,10 +229,15 @@ def _fused_forward(self, x, *args, **kwargs):
     if result.dtype != a.dtype:   # not met by our layers (x, base and LoRA share a dtype)
         raise TypeError(f"LoRA output {a.dtype} differs from the base layer's {result.dtype}")
     # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead of
-    # peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), a.reshape(-1, a.shape[-1]), b_lin.weight.t(),
-                      alpha=self.scaling[names[0]])
-    return out.view(*result.shape[:-1], out.shape[-1])
+    # peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either. Into
+    # _BaseAndA's output itself (read by nothing else): no second [T, out], and the caller may sum into it too
+    args = (a.reshape(-1, a.shape[-1]), b_lin.weight.t())
+    flat = result.reshape(-1, result.shape[-1])
+    out = flat.addmm_(*args, alpha=self.scaling[names[0]]) if one else torch.addmm(flat, *args,
+                                                                                   alpha=self.scaling[names[0]])
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    out._sum_in_place = one   # Block adds the residual into it
+    return out
 
 
 def fuse_lora(model: nn.Module) -> int:

@@ -94,8 +94,9 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
    gradient, its rebuilt output and one more gradient (3eTD); the block's saved tensors are gone: its excess over 6-7.
-10. with AC and --tiled-mlp, the recompute's forward at o_proj (its base's output and the LoRA addmm's) or at the
-   residual (o_proj's output and h), under the incoming gradient: rec + 2eTD, its excess over 6, 7 and 9.
+10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
+   output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
+   cast or --tiled-attn): B's share and the residual are summed into the base's output in place (rec + eTD).
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the smallest G with the fewest inputs alive, ceil(L/G) + G - 1 (4 for 28 layers: 10, not 28).
@@ -283,7 +284,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D)
         rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
-    if N and not K and tiled:   # 10. (h is in the recompute term: 2eTD - h + dy over it)
+    if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))

@@ -609,7 +609,8 @@ def test_input_gradients_are_summed_in_place(ckpt3, tiled):
 
     for i, block in enumerate(model.model.layers):
         block.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} o_proj input", a[0]))
-        block.self_attn.register_forward_hook(lambda m, a, o, i=i: watch(f"{i} residual", o))
+        # h, the post-attention residual (summed into o_proj's output in place): its own and the MLP's gradients
+        block.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} residual", a[0]))
         if i:
             block.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} block input", a[0]))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -676,6 +677,24 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
         # down to tiny elements: within 1e-5 of the gradient's largest element
         err = (chunked[1][k] - ref[1][k]).abs().max() / ref[1][k].abs().max()
         assert err < 1e-5, f"chunked grad {k}: {err}"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["one buffer", "peft's path"])
+def test_lora_b_and_residual_summed_into_o_proj_base_output(ckpt3, dropout):
+    """Where o_proj runs _BaseAndA, LoRA B's share and then the residual are added into the base's output in place:
+    h (the post-attention norm's input) lives in the base's output storage, so no [T, D] sits beside them in a
+    block's forward or recompute (parallel/plan.py, term 10). On peft's path (dropout) they are new tensors."""
+    model, _ = build_nonzero_b(_opts(ckpt3, ac=False, lora_dropout=dropout))
+    ptrs = {}
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.o_proj.base_layer.register_forward_hook(   # (hooks return None: nothing replaced)
+            lambda m, a, o, i=i: ptrs.setdefault((i, "base"), o.untyped_storage().data_ptr()) and None)
+        block.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a, i=i: ptrs.setdefault((i, "h"), a[0].untyped_storage().data_ptr()) and None)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids)
+    same = [ptrs[(i, "base")] == ptrs[(i, "h")] for i in range(len(model.model.layers))]
+    assert all(same) if dropout == 0 else not any(same), same
 
 
 def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
