@@ -54,7 +54,8 @@ class PhaseMeter:
             f"no per-phase peaks on CPU here: {CLEAR_REFS} is not writable (VmHWM cannot be reset)"
         core, last = model.model, model.model.layers[-1]
         core.norm.register_forward_hook(self._forward_done)
-        last.self_attn.register_forward_hook(lambda m, a, out: self._watch(out, "last block: MLP"))
+        # h, the MLP's input (o_proj's output takes the residual in place: a hook on that output never fires)
+        last.post_attention_layernorm.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: MLP"))
         last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
         for proj in ("q_proj", "k_proj", "v_proj"):   # the first of the three gradients to arrive ends attention
             getattr(last.self_attn, proj).register_forward_hook(
