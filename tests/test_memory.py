@@ -685,15 +685,16 @@ def test_lora_b_and_residual_summed_into_o_proj_base_output(ckpt3, dropout):
     h (the post-attention norm's input) lives in the base's output storage, so no [T, D] sits beside them in a
     block's forward or recompute (parallel/plan.py, term 10). On peft's path (dropout) they are new tensors."""
     model, _ = build_nonzero_b(_opts(ckpt3, ac=False, lora_dropout=dropout))
-    ptrs = {}
+    kept = {}   # the tensors themselves: a freed base output's address could be reused for a new h
     for i, block in enumerate(model.model.layers):
         block.self_attn.o_proj.base_layer.register_forward_hook(   # (hooks return None: nothing replaced)
-            lambda m, a, o, i=i: ptrs.setdefault((i, "base"), o.untyped_storage().data_ptr()) and None)
+            lambda m, a, o, i=i: (kept.setdefault((i, "base"), o), None)[1])
         block.post_attention_layernorm.register_forward_pre_hook(
-            lambda m, a, i=i: ptrs.setdefault((i, "h"), a[0].untyped_storage().data_ptr()) and None)
+            lambda m, a, i=i: (kept.setdefault((i, "h"), a[0]), None)[1])
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     model(ids, labels=ids)
-    same = [ptrs[(i, "base")] == ptrs[(i, "h")] for i in range(len(model.model.layers))]
+    same = [kept[(i, "base")].untyped_storage().data_ptr() == kept[(i, "h")].untyped_storage().data_ptr()
+            for i in range(len(model.model.layers))]
     assert all(same) if dropout == 0 else not any(same), same
 
 
