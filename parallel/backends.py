@@ -172,8 +172,7 @@ def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n, spare
     Credit: the blockwise backward with global statistics is ring attention's (Liu et al., 2023) on one device."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     s, (b, _, kh, d) = q.shape[1], k.shape
-    size = torch.empty((), dtype=acc).element_size()
-    room = "out" in spare and b == 1 and 2 * kh * d * size <= out.shape[2] * out.shape[3] * out.element_size()
+    room = "out" in spare and b == 1 and 2 * kh * d * acc.itemsize <= out.shape[2] * out.shape[3] * out.element_size()
     dq = q.detach() if "q" in spare else torch.empty_like(q)   # detach: the same storage and version counter
     sums = []   # per key block: its float32 [2 (dk, dv), B, rows, K', d]
     for a in range(0, s, n):
