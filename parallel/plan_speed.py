@@ -30,7 +30,8 @@ Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 prof
 matmul 2.05 s for 28 blocks' 2.7 passes + lm_head at 32k -> ~660 TFLOP/s; cuDNN forward 219 ms per 131,072-token
 layer -> 562 TFLOP/s, backward 2.54x; elementwise ("other" 0.97 s at 32k over 4 passes of 28 blocks); the tiled
 overheads from the --tiled-mlp (+2.5%) and --tiled-attn (+4.7%) rows at 128k. tests/test_plan_speed.py checks the
-model against the measured H200 steps of every flag set (the code of that day: no recompute skip, the float32 norm).
+model against the measured H200 steps of every flag set (the code of that day: no recompute skip, the float32 norm,
+the RoPE formula).
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
 
 
-def _elementwise_bytes(m, e: int, fused_norm: bool) -> tuple[float, float]:
+def _elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5) -> tuple[float, float]:
     """Bytes per token of one forward of the attention half and of the MLP half: eager kernels' reads and writes
-    (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE ~9e per q/k element;
-    SwiGLU 5e per F element; the residual add 3e per D)."""
+    (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE `rope`·e per q/k element:
+    5 since model.llama's multiply-adds, ~9 for the formula before; SwiGLU 5e per F element; the residual 3e per D)."""
     D, H, K, hd, F = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size
     norm = (4 * e if fused_norm else 2 * e + 24 + 2 * e) * D
-    return norm + 9 * e * (H + K) * hd + 3 * e * D, norm + 5 * e * F + 3 * e * D
+    return norm + rope * e * (H + K) * hd + 3 * e * D, norm + 5 * e * F + 3 * e * D
 
 
-def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None):
+def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None,
+                 rope: float = 5):
     """(seconds, {matmul, attention, elementwise}) of one micro-step on one rank (module docstring)."""
     r = RATES
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
@@ -58,7 +60,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
-    oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm))
+    oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
     nf4 = args.quant == "nf4"
     tiled, ta = getattr(args, "tiled_mlp", False), getattr(args, "tiled_attn", False)
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0

@@ -198,10 +198,12 @@ def test_single_file_checkpoint(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 6 * 16 * 7])
 def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
-    """Eager RoPE (model.llama._RopeFn, sequence chunks both ways) equals transformers' apply_rotary_pos_emb
-    bit for bit: outputs, and the q and k gradients against autograd through transformers' formula; in one
-    chunk and in chunks of 672 elements (100 tokens: q in 3-token chunks, the last of 1; k in 10-token ones),
-    GQA (6 query, 2 KV heads), two rows."""
+    """Eager RoPE (model.llama._RopeFn: sequence chunks both ways, a multiply and a fused multiply-add per half)
+    against transformers' apply_rotary_pos_emb on the same inputs: outputs and the q and k gradients (autograd
+    through transformers' formula) within one rounding of the dtype, and no farther from the float64 result of
+    that formula than transformers' own, in the mean and at the worst element; in one chunk and in chunks of 672
+    elements (100 tokens: q in 3-token chunks, the last of 1; k in 10-token ones), GQA (6 query, 2 KV heads), two
+    rows."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     import model.llama as llama
@@ -214,16 +216,28 @@ def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
     cos, sin = llama.Transformer.rope(holder, torch.arange(100).expand(2, 100), dtype)   # [2, 100, 16]
     q, k = torch.randn(2, 100, 6, 16).to(dtype), torch.randn(2, 100, 2, 16).to(dtype)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
+
+    def hf(x, c, s, g):   # transformers' formula in x's dtype: (outputs, input gradients), back in [B, S, H, hd]
+        ref = [t.transpose(1, 2).clone().requires_grad_() for t in x]   # transformers: [B, H, S, hd]
+        out = apply_rotary_pos_emb(*ref, c, s, unsqueeze_dim=1)
+        torch.autograd.backward(out, [t.transpose(1, 2) for t in g])
+        return [t.detach().transpose(1, 2) for t in out] + [t.grad.transpose(1, 2) for t in ref]
+
     ours = [x.clone().requires_grad_() for x in (q, k)]
-    ref = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k)]      # transformers: [B, H, S, hd]
     oq, ok = llama.Rotary()(*ours, cos, sin)
-    rq, rk = apply_rotary_pos_emb(*ref, cos, sin, unsqueeze_dim=1)
-    assert torch.equal(oq, rq.transpose(1, 2)) and torch.equal(ok, rk.transpose(1, 2))
-    torch.autograd.backward((oq, ok), (gq, gk))
-    torch.autograd.backward((rq, rk), (gq.transpose(1, 2), gk.transpose(1, 2)))
-    assert torch.equal(ours[0].grad, ref[0].grad.transpose(1, 2)), "dq"
-    assert torch.equal(ours[1].grad, ref[1].grad.transpose(1, 2)), "dk"
     assert oq.grad_fn.name().endswith("_RopeFnBackward"), oq.grad_fn.name()
+    torch.autograd.backward((oq, ok), (gq, gk))
+    got = [oq.detach(), ok.detach(), ours[0].grad, ours[1].grad]
+    ref = hf((q, k), cos, sin, (gq, gk))
+    exact = hf([x.double() for x in (q, k)], cos.double(), sin.double(), [g.double() for g in (gq, gk)])
+    eps, c, s = torch.finfo(dtype).eps, cos.double()[:, :, None], sin.double()[:, :, None]
+    for name, a, b, x, t in zip(("q", "k", "dq", "dk"), got, ref, exact, (q, k, gq, gk)):
+        torch.testing.assert_close(a, b, rtol=2 * eps, atol=4 * eps, msg=name)   # one rounding apart at most
+        err, ref_err = (a.double() - x).abs(), (b.double() - x).abs()
+        # two roundings of at most half an ulp each, of terms no larger than |x·cos| + |rotate_half(x·sin)|
+        bound = eps * ((t.double() * c).abs() + llama.rotate_half(t.double() * s).abs())
+        assert (err <= bound).all(), (name, (err - bound).max().item())
+        assert err.mean() <= ref_err.mean(), (name, err.mean().item(), ref_err.mean().item())
 
 
 def norm_vs_transformers(dtype):
