@@ -56,14 +56,15 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))
 
 
-def _fused_ce(logits, safe, valid):
-    """Cross-entropy sum of a chunk and, in place in `logits`, its gradient softmax - one_hot."""
+def _fused_ce(logits, safe, valid, grad: bool = True):
+    """Cross-entropy sum of a chunk and, in place in `logits`, its gradient softmax - one_hot (if `grad`)."""
     target = logits.gather(1, safe)                     # [c, 1]
     mx = logits.amax(1, keepdim=True)
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
     loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).sum()   # lse - z_target
-    probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
+    if grad:
+        probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
     return loss, probs
 
 
@@ -92,7 +93,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, labels, 0).unsqueeze(1)   # [N, 1]; any in-range id works for masked rows
         validf = valid.to(torch.float32).unsqueeze(1)      # [N, 1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         # float32 weights accumulate in float32; bf16/fp16 ones in their own dtype with a float32-
         # accumulating GEMM per chunk (as Liger does): no float32 [V, D] copy and no float32 GEMM.
         grad_w = torch.zeros_like(weight) if need_w else None
@@ -108,14 +109,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
-                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e])
+                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w)
             else:
                 loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
             loss_sum += loss
             if not (need_h or need_w):
                 continue
             g = dlogits.to(weight.dtype)
-            if need_h:
+            if need_h and grad_h.dtype == weight.dtype:
+                torch.mm(g, weight, out=grad_h[s:e])       # a row block of a contiguous tensor: no copy
+            elif need_h:
                 grad_h[s:e] = g @ weight
             if need_w:
                 grad_w.addmm_(g.t(), x)
