@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
-from model.load import read_args
+from model.load import fetch_checkpoint, read_args
 from parallel import guard, phases, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
@@ -172,6 +172,8 @@ def main(argv=None):
         if path is not None:   # (the demo's files are built below)
             check_file(path, flag)
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
+    args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)
@@ -192,6 +194,8 @@ def main(argv=None):
             dist.barrier()
         margs = read_args(args.model)
         dims, args.pack = validate(args, margs, world)
+        if args.model != name:   # the Hub snapshot's weights and tokenizer, once the layout passed its checks
+            fetch_checkpoint(name, revision=os.path.basename(args.model))
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
@@ -309,7 +313,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- save
         bar.close()
         checkpoint.check_finite(model, "the adapter")
-        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
+        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model, None if demo else name)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (wd and wd.stop, metrics and metrics.close, run and run.release):

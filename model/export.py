@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from model.load import CheckpointReader, _check_dir
 
 
-def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
+def export_adapter(peft_model, out_dir: str, base_path: str, base_name: str | None = None) -> None:
+    """The LoRA weights in peft's format; `base_name` (a Hub id) or `base_path` names the base model."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
 
     full = {}
@@ -39,7 +40,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
     sd = get_peft_model_state_dict(peft_model, state_dict=full)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "adapter_model.safetensors"))
     cfg = peft_model.peft_config["default"]
-    cfg.base_model_name_or_path = os.path.abspath(base_path)
+    cfg.base_model_name_or_path = base_name if base_name and base_name != base_path else os.path.abspath(base_path)
     cfg.save_pretrained(out_dir)
 
 

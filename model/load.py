@@ -12,6 +12,12 @@ Contract:
   `get(name)` reads one tensor, `get_rows(name, a, b)` only its dim-0 rows [a, b), and
   `get_flat(name, a, b)` only its row-major elements [a, b): safetensors stores tensors row-major and
   contiguous, so each is one pread(2) of a byte range into process memory (no mmap view stays mapped).
+- `fetch_checkpoint(name, config_only=False, revision=None)` -> a local directory: `name` itself unless it names no
+  file and reads as a Hub repo id ("org/name", "org/name@revision"); then huggingface_hub brings config.json (or
+  config, weights and tokenizer files: no *.bin, *.pth, *.gguf) into its cache and the snapshot directory is
+  returned (its name is the commit: pass it as `revision` to fetch the rest of the same snapshot). Any failure
+  raises FileNotFoundError naming the id and the fix. Every rank may call it at once: the hub's file locks let
+  one process download each file while the others wait for it.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
   trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
@@ -35,6 +41,31 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file that cannot be what it claims: the message names the file and the fix."""
+
+
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]   # config, weights, tokenizer
+
+
+def fetch_checkpoint(name: str, config_only: bool = False, revision: str | None = None) -> str:
+    """A local checkpoint directory for `--model name` (see the module docstring)."""
+    if not isinstance(name, str):
+        return name
+    repo, _, rev = name.partition("@")
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or repo.count("/") != 1 or not all(
+            part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in repo.split("/")):
+        return name   # a path (a missing one fails in read_args, naming it)
+    try:
+        import huggingface_hub
+        if int(os.environ.get("RANK", "0")) != 0:   # one progress bar per job
+            huggingface_hub.utils.disable_progress_bars()
+        return huggingface_hub.snapshot_download(repo, revision=revision or rev or None,
+                                                 allow_patterns=["config.json"] if config_only else HUB_FILES)
+    except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
+        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"--model {name!r} is not a directory here, and fetching it from the Hugging Face Hub failed "
+            f"({type(e).__name__}: {why}); pass a local checkpoint directory (config.json + *.safetensors), or "
+            f"fetch it first (`hf download {repo}`; gated models need `hf auth login`)") from None
 
 
 def _check_dir(path: str):

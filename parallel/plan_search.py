@@ -220,11 +220,11 @@ def suggest_longest(args, margs, world, target, mem, host, where):
 
 
 def main(argv, run_parser, demo: dict):
-    from model.load import read_args
+    from model.load import fetch_checkpoint, read_args
 
     args = parse_args(argv, run_parser, demo)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-    margs = read_args(args.model)
+    margs = read_args(fetch_checkpoint(args.model, config_only=True))   # a Hub id: its config.json only
     check_flags(args)   # the layout-free checks first: the searches below skip what `validate` refuses
     check_model_flags(args, margs)
     target, mem, where = _budget(args, world)

@@ -1,0 +1,121 @@
+"""`--model org/name`: a Hugging Face Hub repo id fetched into huggingface_hub's cache (model/load.fetch_checkpoint).
+
+Pins, with huggingface_hub.snapshot_download replaced by a local stand-in (no hub here) that copies what its
+allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>/snapshots/<commit>/:
+- a run given the id first fetches config.json alone (before the process group and any weight), then the
+  weights and tokenizer of that same commit once the layout has passed its checks; it trains to the same losses
+  and adapter as a run on the local directory, the adapter names the id as its base model (what peft loads), and
+  a --resume given the id again is accepted;
+- `--plan` fetches config.json only; `org/name@rev` asks for that revision;
+- a fetch that fails (offline, no such repo, gated) is one FileNotFoundError naming the id and the fix, raised
+  before any weight is read and before --out is created; paths (existing or not) never reach the hub.
+
+Run: .venv/bin/python -m pytest -q tests/test_hub.py
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.helpers import no_weights, one_thread, train_argv
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub(assets, tmp_path, monkeypatch):
+    """The stand-in hub: every snapshot_download call is recorded; `fail` makes the next ones raise."""
+    import huggingface_hub
+
+    state = {"calls": [], "fail": None}
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        state["calls"].append(dict(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns))
+        if state["fail"]:
+            raise state["fail"]
+        snap = tmp_path / "cache" / repo_id.replace("/", "--") / "snapshots" / (revision or COMMIT)
+        snap.mkdir(parents=True, exist_ok=True)
+        for f in os.listdir(assets["model"]):
+            if allow_patterns is None or any(fnmatch.fnmatch(f, p) for p in allow_patterns):
+                shutil.copy(os.path.join(assets["model"], f), snap / f)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return state
+
+
+def _run(argv):
+    import train
+
+    with one_thread():
+        train.main(argv)
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path):
+    from safetensors.torch import load_file
+
+    local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    _run(train_argv(assets, local, "--steps", "2"))
+    assert hub["calls"] == [], "a local directory reached the hub"
+    argv = train_argv(assets, remote, "--steps", "2")
+    argv[argv.index(assets["model"])] = "org/tiny"
+    _run(argv)
+    config_only, full = hub["calls"]
+    assert config_only == dict(repo_id="org/tiny", revision=None, allow_patterns=["config.json"]), config_only
+    assert full["repo_id"] == "org/tiny" and full["revision"] == COMMIT, full   # the same snapshot
+    assert "*.safetensors" in full["allow_patterns"] and "*.bin" not in full["allow_patterns"], full
+    snapshot = json.load(open(os.path.join(remote, "config.json")))["model"]
+    assert snapshot.endswith(os.path.join("snapshots", COMMIT)), snapshot   # the run records what it read
+    assert _losses(remote) == _losses(local)
+    a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (local, remote))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    base = json.load(open(os.path.join(remote, "adapter", "adapter_config.json")))["base_model_name_or_path"]
+    assert base == "org/tiny", base
+    local_base = json.load(open(os.path.join(local, "adapter", "adapter_config.json")))["base_model_name_or_path"]
+    assert local_base == os.path.abspath(assets["model"]), local_base
+    # resuming with the id again reads the same snapshot: accepted, and one step more as an uninterrupted run would
+    _run(argv[:-2] + ["--steps", "3", "--resume", os.path.join(remote, "ckpt")])
+    assert len(_losses(remote)) == 3, _losses(remote)
+
+
+def test_plan_fetches_config_only_and_revisions_pass_through(assets, hub, capsys):
+    import train
+
+    train.main(["--plan", "--model", "org/tiny@v1.0", "--data", assets["data"], "--max-len", "64",
+                "--global-batch", "8", "--quant", "none", "--dtype", "fp32"])
+    assert hub["calls"] == [dict(repo_id="org/tiny", revision="v1.0", allow_patterns=["config.json"])], hub["calls"]
+    assert "fits" in capsys.readouterr().out
+
+
+def test_a_failed_fetch_is_one_clear_error_before_anything(assets, hub, tmp_path):
+    import train
+
+    hub["fail"] = OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    out = str(tmp_path / "out")
+    argv = train_argv(assets, out)
+    argv[argv.index(assets["model"])] = "org/tiny"
+    with no_weights(), pytest.raises(FileNotFoundError) as e:
+        train.main(argv)
+    msg = str(e.value)
+    assert "'org/tiny'" in msg and "couldn't connect" in msg and "hf download org/tiny" in msg, msg
+    assert not os.path.exists(out), "a failed fetch left an output directory"
+
+
+@pytest.mark.parametrize("name", ["./models/tiny", "/no/such/dir", "tiny", "org/tiny/extra", "org/ti ny"])
+def test_paths_never_reach_the_hub(assets, hub, tmp_path, name):
+    import train
+
+    argv = train_argv(assets, str(tmp_path / "out"))
+    argv[argv.index(assets["model"])] = name
+    with no_weights(), pytest.raises(FileNotFoundError, match="does not exist"):
+        train.main(argv)
+    assert hub["calls"] == [], hub["calls"]
