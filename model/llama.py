@@ -32,9 +32,9 @@ NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries 
 
 
 def _norm_rows(x: torch.Tensor) -> int:
-    """Rows per chunk: all of them under torch.compile (fused, no temporaries) or when they fit one chunk."""
+    """Rows per chunk: all of them when they fit one chunk."""
     d, n = x.shape[-1], x.numel() // max(1, x.shape[-1])
-    return n if torch.compiler.is_compiling() else max(1, min(n, NORM_CHUNK // d))
+    return max(1, min(n, NORM_CHUNK // d))
 
 
 def _normalize(x, weight, eps):
@@ -52,7 +52,7 @@ def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this norm takes aten's fused kernels (`_fused_rms_norm` and its backward: one pass over x each
     way instead of ~6 float32 passes): CUDA, eager, weight in x's dtype, and both ops present (probed once per
     device; torch builds without them fall back to the formula, said once)."""
-    if not FUSED_NORM or x.device.type != "cuda" or weight.dtype != x.dtype or torch.compiler.is_compiling():
+    if not FUSED_NORM or x.device.type != "cuda" or weight.dtype != x.dtype:
         return False
     if x.device not in _FUSED:
         try:
@@ -103,13 +103,6 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
-        if torch.compiler.is_compiling():   # fused: no chunks, and no Python loop over a size (dynamo would
-            xf, r = x.float(), rstd.view(*x.shape[:-1], 1)   # specialise every new length)
-            dn = (g * weight).float()
-            dx = (r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)).to(x.dtype)
-            dw = (g * (xf * r).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32)
-            return (dx if ctx.needs_input_grad[0] else None), \
-                (dw.to(weight.dtype) if ctx.needs_input_grad[1] else None), None
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
         out = dx = None
         if ctx.fused and ctx.needs_input_grad[0]:   # aten's kernel forms g·weight itself (in float32: no [T, D]
@@ -140,7 +133,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return _RMSNormFn.apply(x, self.weight, self.eps)
+        if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler, which saves x and
+            return _normalize(x, self.weight, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo also
+        return _RMSNormFn.apply(x, self.weight, self.eps)   # fails on this Function's graph: an AssertionError)
 
 
 def rotate_half(x):
