@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
-from model.load import fetch_checkpoint, read_args
+from model.load import fetch_checkpoint, hub_snapshot, read_args
 from parallel import guard, phases, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
@@ -192,6 +192,11 @@ def main(argv=None):
             if rank == 0:
                 make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
+        seen = [None] * world   # a Hub id resolved per rank: a push in between, or a node with a local copy
+        dist.all_gather_object(seen, hub_snapshot(args.model))
+        if len(set(seen)) > 1:
+            raise ValueError(f"--model {name}: the ranks read different checkpoints ({sorted(set(seen), key=str)}; "
+                             "None: a local directory); pin one: org/name@<commit>, or the same directory everywhere")
         margs = read_args(args.model)
         dims, args.pack = validate(args, margs, world)
         if args.model != name:   # the Hub snapshot's weights and tokenizer, once the layout passed its checks
@@ -313,7 +318,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- save
         bar.close()
         checkpoint.check_finite(model, "the adapter")
-        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model, None if demo else name)
+        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (wd and wd.stop, metrics and metrics.close, run and run.release):

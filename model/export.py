@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from model.load import CheckpointReader, _check_dir
+from model.load import CheckpointReader, _check_dir, hub_snapshot
 
 
-def export_adapter(peft_model, out_dir: str, base_path: str, base_name: str | None = None) -> None:
-    """The LoRA weights in peft's format; `base_name` (a Hub id) or `base_path` names the base model."""
+def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
+    """The LoRA weights in peft's format. The base model is named by its path, or, for a directory of
+    huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
 
     full = {}
@@ -40,7 +41,8 @@ def export_adapter(peft_model, out_dir: str, base_path: str, base_name: str | No
     sd = get_peft_model_state_dict(peft_model, state_dict=full)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "adapter_model.safetensors"))
     cfg = peft_model.peft_config["default"]
-    cfg.base_model_name_or_path = base_name if base_name and base_name != base_path else os.path.abspath(base_path)
+    hub = hub_snapshot(base_path)
+    cfg.base_model_name_or_path, cfg.revision = hub.split("@") if hub else (os.path.abspath(base_path), cfg.revision)
     cfg.save_pretrained(out_dir)
 
 

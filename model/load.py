@@ -17,7 +17,9 @@ Contract:
   config, weights and tokenizer files: no *.bin, *.pth, *.gguf) into its cache and the snapshot directory is
   returned (its name is the commit: pass it as `revision` to fetch the rest of the same snapshot). Any failure
   raises FileNotFoundError naming the id and the fix. Every rank may call it at once: the hub's file locks let
-  one process download each file while the others wait for it.
+  one process download each file while the others wait for it. A name starting with ".", "/" or "~", or one
+  that exists, is a path; a relative path that does not exist reads as an id (as in transformers).
+  `hub_snapshot(dir)` names such a cache directory "org/name@commit", wherever the cache lives.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
   trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
@@ -44,6 +46,7 @@ class CorruptCheckpointError(ValueError):
 
 
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]   # config, weights, tokenizer
+HUB_SKIP = ["consolidated*", "*/*"]   # Mistral's original-format copy of the weights, subfolders (Llama's original/)
 
 
 def fetch_checkpoint(name: str, config_only: bool = False, revision: str | None = None) -> str:
@@ -58,14 +61,27 @@ def fetch_checkpoint(name: str, config_only: bool = False, revision: str | None 
         import huggingface_hub
         if int(os.environ.get("RANK", "0")) != 0:   # one progress bar per job
             huggingface_hub.utils.disable_progress_bars()
+        else:
+            print(f"--model {name}: no such directory here; fetching its "
+                  f"{'config.json' if config_only else 'weights and tokenizer'} from the Hugging Face Hub", flush=True)
         return huggingface_hub.snapshot_download(repo, revision=revision or rev or None,
-                                                 allow_patterns=["config.json"] if config_only else HUB_FILES)
+                                                 allow_patterns=["config.json"] if config_only else HUB_FILES,
+                                                 ignore_patterns=None if config_only else HUB_SKIP)
     except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
         why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(
             f"--model {name!r} is not a directory here, and fetching it from the Hugging Face Hub failed "
             f"({type(e).__name__}: {why}); pass a local checkpoint directory (config.json + *.safetensors), or "
-            f"fetch it first (`hf download {repo}`; gated models need `hf auth login`)") from None
+            f"fetch it first (`hf download {repo}`; gated models need `hf auth login`)") from e
+
+
+def hub_snapshot(path) -> str | None:
+    """"org/name@commit" for a directory of huggingface_hub's cache (.../models--org--name/snapshots/<commit>): the
+    same checkpoint wherever the cache lives (resume and the adapter's base model name it so). Else None."""
+    parts = os.path.normpath(str(path)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/", 1) + "@" + parts[-1]
+    return None
 
 
 def _check_dir(path: str):

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from model.load import hub_snapshot
+
 LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
 OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", LOCK)
@@ -194,6 +196,8 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
 def _norm(flag: str, v):
     if flag == "lora_targets" and isinstance(v, str):
         return sorted(t.strip() for t in v.split(",") if t.strip())
+    if flag == "model" and isinstance(v, str) and hub_snapshot(v):   # the same Hub commit in any cache
+        return hub_snapshot(v)
     if flag in ("model", "data") and isinstance(v, str):
         return os.path.normpath(v)
     return v

@@ -4,8 +4,10 @@ Pins, with huggingface_hub.snapshot_download replaced by a local stand-in (no hu
 allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>/snapshots/<commit>/:
 - a run given the id first fetches config.json alone (before the process group and any weight), then the
   weights and tokenizer of that same commit once the layout has passed its checks; it trains to the same losses
-  and adapter as a run on the local directory, the adapter names the id as its base model (what peft loads), and
-  a --resume given the id again is accepted;
+  and adapter as a run on the local directory (no consolidated.* copy, no subfolder fetched), the adapter names
+  the id and commit as its base model (what peft loads), and a --resume given the id again is accepted; a resume
+  from another cache location of the same commit is accepted, of another commit refused;
+- ranks that resolve the id to different commits (a push in between) all stop with one error;
 - `--plan` fetches config.json only; `org/name@rev` asks for that revision;
 - a fetch that fails (offline, no such repo, gated) is one FileNotFoundError naming the id and the fix, raised
   before any weight is read and before --out is created; paths (existing or not) never reach the hub.
@@ -15,12 +17,12 @@ Run: .venv/bin/python -m pytest -q tests/test_hub.py
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
 
 import pytest
+from huggingface_hub.utils import filter_repo_objects
 
 from tests.helpers import no_weights, one_thread, train_argv
 
@@ -34,15 +36,22 @@ def hub(assets, tmp_path, monkeypatch):
 
     state = {"calls": [], "fail": None}
 
-    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+    repo = tmp_path / "repo"   # the repo as the hub holds it: the checkpoint, a Mistral-style consolidated copy of
+    shutil.copytree(assets["model"], repo)   # the weights and a subfolder (Llama's original/), which it must skip
+    (repo / "consolidated.safetensors").write_bytes(b"not this")
+    (repo / "original").mkdir()
+    (repo / "original" / "params.json").write_text("{}")
+    files = [os.path.relpath(os.path.join(d, f), repo) for d, _, fs in os.walk(repo) for f in fs]
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
         state["calls"].append(dict(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns))
         if state["fail"]:
             raise state["fail"]
-        snap = tmp_path / "cache" / repo_id.replace("/", "--") / "snapshots" / (revision or COMMIT)
-        snap.mkdir(parents=True, exist_ok=True)
-        for f in os.listdir(assets["model"]):
-            if allow_patterns is None or any(fnmatch.fnmatch(f, p) for p in allow_patterns):
-                shutil.copy(os.path.join(assets["model"], f), snap / f)
+        commit = state.get("commit", COMMIT) if revision in (None, "main") else revision
+        snap = tmp_path / "cache" / ("models--" + repo_id.replace("/", "--")) / "snapshots" / commit
+        for f in filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (snap / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(repo / f, snap / f)
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
@@ -75,11 +84,12 @@ def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path):
     assert "*.safetensors" in full["allow_patterns"] and "*.bin" not in full["allow_patterns"], full
     snapshot = json.load(open(os.path.join(remote, "config.json")))["model"]
     assert snapshot.endswith(os.path.join("snapshots", COMMIT)), snapshot   # the run records what it read
+    assert sorted(os.listdir(snapshot)) == sorted(f for f in os.listdir(assets["model"])), os.listdir(snapshot)
     assert _losses(remote) == _losses(local)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (local, remote))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    base = json.load(open(os.path.join(remote, "adapter", "adapter_config.json")))["base_model_name_or_path"]
-    assert base == "org/tiny", base
+    cfg = json.load(open(os.path.join(remote, "adapter", "adapter_config.json")))
+    assert (cfg["base_model_name_or_path"], cfg["revision"]) == ("org/tiny", COMMIT), cfg   # what peft fetches
     local_base = json.load(open(os.path.join(local, "adapter", "adapter_config.json")))["base_model_name_or_path"]
     assert local_base == os.path.abspath(assets["model"]), local_base
     # resuming with the id again reads the same snapshot: accepted, and one step more as an uninterrupted run would
@@ -119,3 +129,42 @@ def test_paths_never_reach_the_hub(assets, hub, tmp_path, name):
     with no_weights(), pytest.raises(FileNotFoundError, match="does not exist"):
         train.main(argv)
     assert hub["calls"] == [], hub["calls"]
+
+
+def test_resume_compares_hub_commits_not_cache_paths():
+    from parallel.runs import check_resume
+
+    snap = lambda root, commit: os.path.join(root, "models--org--tiny", "snapshots", commit)
+    check_resume({"model": snap("/home/a/.cache/huggingface/hub", COMMIT)}, {"model": snap("/scratch/hub", COMMIT)})
+    with pytest.raises(ValueError, match="--model: the checkpoint has"):
+        check_resume({"model": snap("/scratch/hub", COMMIT)}, {"model": snap("/scratch/hub", "f" * 40)})
+
+
+def _two_commits(rank, world, assets, root):
+    import huggingface_hub
+
+    import train
+
+    def snapshot_download(repo_id, revision=None, **kw):   # rank 1 sees the repo after a push
+        snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or str(rank) * 40)
+        shutil.copytree(assets["model"], snap, dirs_exist_ok=True)
+        return snap
+
+    huggingface_hub.snapshot_download = snapshot_download
+    argv = train_argv(assets, os.path.join(root, "out"))
+    argv[argv.index(assets["model"])] = "org/tiny"
+    with no_weights():
+        try:
+            train.main(argv)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_ranks_on_different_commits_stop_with_one_error(assets, tmp_path):
+    from tests.dist import run_ranks
+
+    msgs = run_ranks(_two_commits, 2, assets, str(tmp_path), timeout=240)
+    assert msgs[0] == msgs[1] and msgs[0] and "the ranks read different checkpoints" in msgs[0], msgs
+    assert "org/tiny@" + "0" * 40 in msgs[0] and "org/tiny@" + "1" * 40 in msgs[0], msgs[0]
