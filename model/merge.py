@@ -2,6 +2,10 @@
 
     python -m model.merge --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR
     python -m model.merge --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR --quant none --dtype fp32
+    python -m model.merge --adapter RUN/adapter --out MERGED_DIR    # the base the adapter names
+
+--model may be a Hub id (org/name[@revision], model/load.fetch_checkpoint); without it the base is the one the
+adapter names (adapter_config.json: a path, or a Hub id with the commit trained on, fetched into the hub cache).
 
 W' = W + (lora_alpha / r) · B @ A for every adapted projection (`model.export.merge`). With --quant nf4
 W is the dequantized 4-bit base, i.e. exactly the weights the adapter was trained against; with
@@ -39,6 +43,17 @@ def run_quant(adapter_dir: str) -> tuple[str | None, str | None]:
     return (quant, path) if quant in ("nf4", "none") else (None, None)
 
 
+def adapter_base(adapter_dir: str) -> str | None:
+    """The base model adapter_config.json names: its path, or a Hub id as id@commit."""
+    try:
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    base, rev = cfg.get("base_model_name_or_path"), cfg.get("revision")
+    return f"{base}@{rev}" if base and rev and not os.path.exists(base) else base
+
+
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
     errors = []
@@ -68,7 +83,8 @@ def check_inputs(args) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True, help="base HF checkpoint dir the adapter was trained on")
+    p.add_argument("--model", default=None, help="base HF checkpoint dir (or Hub id) the adapter was trained on; "
+                   "default: the one adapter_config.json names")
     p.add_argument("--adapter", required=True,
                    help="PEFT adapter dir (adapter_config.json, adapter_model.safetensors)")
     p.add_argument("--out", required=True, help="output dir for the merged HF checkpoint")
@@ -79,6 +95,17 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="write into a non-empty --out directory")
     args = p.parse_args(argv)
 
+    args.model = args.model or adapter_base(args.adapter)
+    if args.model is None:
+        print(f"merge: --model not given, and {args.adapter!r} has no adapter_config.json naming a base model; "
+              "pass --model BASE_DIR", file=sys.stderr)
+        return 2
+    from model.load import fetch_checkpoint
+    try:
+        args.model = fetch_checkpoint(args.model)
+    except FileNotFoundError as e:
+        print(f"merge: {e}", file=sys.stderr)
+        return 2
     errors = check_inputs(args)
     if errors:
         print("merge: " + "\n       ".join(errors), file=sys.stderr)

@@ -6,7 +6,8 @@ allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>
   weights and tokenizer of that same commit once the layout has passed its checks; it trains to the same losses
   and adapter as a run on the local directory (no consolidated.* copy, no subfolder fetched), the adapter names
   the id and commit as its base model (what peft loads), and a --resume given the id again is accepted; a resume
-  from another cache location of the same commit is accepted, of another commit refused;
+  from another cache location of the same commit is accepted, of another commit refused; `python -m model.merge
+  --adapter` alone fetches the base the adapter names (id and commit) and writes the local merge's weights;
 - ranks that resolve the id to different commits (a push in between) all stop with one error;
 - `--plan` fetches config.json only; `org/name@rev` asks for that revision;
 - a fetch that fails (offline, no such repo, gated) is one FileNotFoundError naming the id and the fix, raised
@@ -22,6 +23,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from huggingface_hub.utils import filter_repo_objects
 
 from tests.helpers import no_weights, one_thread, train_argv
@@ -92,6 +94,14 @@ def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path):
     assert (cfg["base_model_name_or_path"], cfg["revision"]) == ("org/tiny", COMMIT), cfg   # what peft fetches
     local_base = json.load(open(os.path.join(local, "adapter", "adapter_config.json")))["base_model_name_or_path"]
     assert local_base == os.path.abspath(assets["model"]), local_base
+    # the merge finds the base through the adapter (id and commit): the same weights as the local directory's merge
+    from model.merge import main as merge
+
+    for d, extra in ((local, ["--model", assets["model"]]), (remote, [])):
+        assert merge(["--adapter", os.path.join(d, "adapter"), "--out", os.path.join(d, "merged"), *extra]) == 0
+    assert hub["calls"][-1]["repo_id"] == "org/tiny" and hub["calls"][-1]["revision"] == COMMIT, hub["calls"][-1]
+    a, b = (load_file(os.path.join(d, "merged", "model.safetensors")) for d in (local, remote))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # resuming with the id again reads the same snapshot: accepted, and one step more as an uninterrupted run would
     _run(argv[:-2] + ["--steps", "3", "--resume", os.path.join(remote, "ckpt")])
     assert len(_losses(remote)) == 3, _losses(remote)
