@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
-from model.load import fetch_checkpoint, hub_snapshot, read_args
+from model.load import fetch_checkpoint, read_args, same_snapshot
 from parallel import guard, phases, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
@@ -192,15 +192,10 @@ def main(argv=None):
             if rank == 0:
                 make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
-        seen = [None] * world   # a Hub id resolved per rank: a push in between, or a node with a local copy
-        dist.all_gather_object(seen, hub_snapshot(args.model))
-        if len(set(seen)) > 1:
-            raise ValueError(f"--model {name}: the ranks read different checkpoints ({sorted(set(seen), key=str)}; "
-                             "None: a local directory); pin one: org/name@<commit>, or the same directory everywhere")
+        same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model)
         dims, args.pack = validate(args, margs, world)
-        if args.model != name:   # the Hub snapshot's weights and tokenizer, once the layout passed its checks
-            fetch_checkpoint(name, revision=os.path.basename(args.model))
+        same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")

@@ -19,7 +19,9 @@ Contract:
   raises FileNotFoundError naming the id and the fix. Every rank may call it at once: the hub's file locks let
   one process download each file while the others wait for it. A name starting with ".", "/" or "~", or one
   that exists, is a path; a relative path that does not exist reads as an id (as in transformers).
-  `hub_snapshot(dir)` names such a cache directory "org/name@commit", wherever the cache lives.
+  `hub_snapshot(dir)` names such a cache directory "org/name@commit", wherever the cache lives;
+  `same_snapshot(name, dir[, fetch])` checks under a process group that every rank read one commit, and fetches
+  the rest of it with a failure on any rank raised on all.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
   trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
@@ -82,6 +84,28 @@ def hub_snapshot(path) -> str | None:
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3][len("models--"):].replace("--", "/", 1) + "@" + parts[-1]
     return None
+
+
+def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
+    """Under a process group, for `--model name` resolved to `path` on each rank: raise on every rank alike when the
+    ranks read different Hub commits (a push between their fetches, or a node with a local copy at that path);
+    `fetch`: then fetch the rest of the snapshot (weights, tokenizer) on every rank, a failure on one raising on all,
+    so no rank waits in a later collective for one that stopped."""
+    import torch.distributed as dist
+
+    world, err = dist.get_world_size(), None
+    if fetch and path != name:
+        try:
+            fetch_checkpoint(name, revision=os.path.basename(path))
+        except FileNotFoundError as e:
+            err = str(e)
+    seen = [None] * world
+    dist.all_gather_object(seen, err if fetch else hub_snapshot(path))
+    if fetch and any(seen):
+        raise FileNotFoundError(next(e for e in seen if e))
+    if not fetch and len(set(seen)) > 1:
+        raise ValueError(f"--model {name}: the ranks read different checkpoints ({sorted(set(seen), key=str)}; None: "
+                         "a local directory); pin one: org/name@<commit>, or the same directory everywhere")
 
 
 def _check_dir(path: str):

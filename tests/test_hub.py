@@ -8,7 +8,8 @@ allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>
   the id and commit as its base model (what peft loads), and a --resume given the id again is accepted; a resume
   from another cache location of the same commit is accepted, of another commit refused; `python -m model.merge
   --adapter` alone fetches the base the adapter names (id and commit) and writes the local merge's weights;
-- ranks that resolve the id to different commits (a push in between) all stop with one error;
+- ranks that resolve the id to different commits (a push in between), or one rank's failed weights fetch, stop
+  every rank with the same error;
 - `--plan` fetches config.json only; `org/name@rev` asks for that revision;
 - a fetch that fails (offline, no such repo, gated) is one FileNotFoundError naming the id and the fix, raised
   before any weight is read and before --out is created; paths (existing or not) never reach the hub.
@@ -150,13 +151,17 @@ def test_resume_compares_hub_commits_not_cache_paths():
         check_resume({"model": snap("/scratch/hub", COMMIT)}, {"model": snap("/scratch/hub", "f" * 40)})
 
 
-def _two_commits(rank, world, assets, root):
+def _two_ranks(rank, world, assets, root, mode):
     import huggingface_hub
 
     import train
 
-    def snapshot_download(repo_id, revision=None, **kw):   # rank 1 sees the repo after a push
-        snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or str(rank) * 40)
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        if mode == "push":   # rank 1 sees the repo after a push
+            revision = revision or str(rank) * 40
+        elif allow_patterns != ["config.json"] and rank == 1:
+            raise OSError("Connection reset by peer")   # rank 1's weights fetch fails
+        snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or COMMIT)
         shutil.copytree(assets["model"], snap, dirs_exist_ok=True)
         return snap
 
@@ -166,15 +171,18 @@ def _two_commits(rank, world, assets, root):
     with no_weights():
         try:
             train.main(argv)
-        except ValueError as e:
-            return str(e)
+        except (ValueError, FileNotFoundError) as e:
+            return f"{type(e).__name__}: {e}"
     return None
 
 
 @pytest.mark.timeout(300)
-def test_ranks_on_different_commits_stop_with_one_error(assets, tmp_path):
+def test_ranks_stop_together_on_different_commits_or_one_failed_fetch(assets, tmp_path):
+    """Both errors come on every rank alike (no rank left waiting in a collective for one that stopped)."""
     from tests.dist import run_ranks
 
-    msgs = run_ranks(_two_commits, 2, assets, str(tmp_path), timeout=240)
+    msgs = run_ranks(_two_ranks, 2, assets, str(tmp_path / "push"), "push", timeout=240)
     assert msgs[0] == msgs[1] and msgs[0] and "the ranks read different checkpoints" in msgs[0], msgs
     assert "org/tiny@" + "0" * 40 in msgs[0] and "org/tiny@" + "1" * 40 in msgs[0], msgs[0]
+    msgs = run_ranks(_two_ranks, 2, assets, str(tmp_path / "fail"), "fail", timeout=240)
+    assert msgs[0] == msgs[1] and msgs[0].startswith("FileNotFoundError") and "Connection reset" in msgs[0], msgs
