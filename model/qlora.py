@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import threading
 import types
 
 import bitsandbytes as bnb
@@ -45,6 +46,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
+_once = threading.local()   # dequant_once's weights (backward runs on autograd's device threads)
+
+
+class dequant_once:
+    """While entered, each NF4Linear dequantizes its weight once and keeps it (plain GEMMs after that) instead of
+    once per call: for loops that run the same layers over tiles of tokens (parallel/memory.py's tiled MLP and
+    parallel/tiled_attention.py). Re-entrant; the weights go when the outermost exits."""
+
+    def __enter__(self):
+        self.prev = getattr(_once, "weights", None)
+        _once.weights = {} if self.prev is None else self.prev
+
+    def __exit__(self, *exc):
+        _once.weights = self.prev
+
+
 class NF4Linear(bnb.nn.Linear4bit):
     """Linear4bit whose packed codes and absmax codes are parameters; the rest of the state is here."""
 
@@ -58,12 +75,20 @@ class NF4Linear(bnb.nn.Linear4bit):
 
     def forward(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if getattr(_once, "weights", None) is not None:   # bitsandbytes' own path past 1,536 rows on CUDA: the
+            return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)   # dequantized weight, a GEMM
         # bnb's autograd keeps only the packed weight (and the state's views) and dequantizes again
         # in backward; FSDP2 re-gathers into the same storage, so the absmax view is valid there too.
         return bnb.matmul_4bit(x, self.weight.view(-1, 1), quant_state=self.state(), bias=bias)
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_4bit(_full(self.weight).view(-1, 1), self.state())
+        cache = getattr(_once, "weights", None)
+        if cache is not None and self in cache:
+            return cache[self]
+        w = dequantize_4bit(_full(self.weight).view(-1, 1), self.state())
+        if cache is not None:
+            cache[self] = w
+        return w
 
 
 def packed_shape(out_f: int, in_f: int, storage_dtype: torch.dtype) -> tuple[int, int]:

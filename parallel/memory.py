@@ -12,7 +12,8 @@ Contract:
   `recompute.spare(x)` the input gradient goes into x's storage, tile by tile once a tile's rows are read for the
   last time: no [tokens, D] buffer beside x. (Without AC a second backward through a kept graph fails torch's
   version check; with AC the block is recomputed. Another saver of x is not caught under AC: the contract.)
-  Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. With
+  Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. NF4 weights
+  are dequantized once per call for all its tiles (`model.qlora.dequant_once`: gate, up and down held together). With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
   Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and
   run norm + MLP: h is the one saved tensor and gets the gradient (so do the norm's trainable parameters),
@@ -38,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.qlora import dequant_once
 from parallel.recompute import grads_only_context, recomputing, spare
 
 
@@ -57,7 +59,7 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
         if recomputing():   # the checkpoint stops at our saved input; the output is never read
             return x.new_empty(x.shape)
-        with torch.no_grad():
+        with torch.no_grad(), dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
             out = _by_rows(fn, flat, tile)                                  # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -69,7 +71,8 @@ class _TiledMLP(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
-        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None):
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None), \
+                dequant_once():
             if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order
                 torch.set_rng_state(ctx.rng[0])
                 if ctx.rng[1] is not None:

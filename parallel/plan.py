@@ -61,7 +61,8 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    (eTD), for nf4 the largest weight dequantized (n·e); with AC, on top, the recomputed block (term 4 for one
    layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
    into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
-   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and the dequantized weight.
+   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles,
+   model.qlora.dequant_once; --tiled-attn's phase likewise q/k/v/o).
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
@@ -236,6 +237,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
+    held = lambda *ts: sum(shapes[x][0] * shapes[x][1] for x in ts) * e if nf4 else 0   # dequant_once's weights
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
         kept = R * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
@@ -245,8 +247,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if tiled:
         from parallel.memory import tile_tokens
         tt = min(T, tile_tokens(D, None))
-        mlp = e * T * D + e * tt * (6 * F + D) + dequant   # dy; the input gradient goes into h's storage
-        t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weight" if nf4 else "")] = mlp
+        mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj")   # dy; dx: in h's storage
+        t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
     else:
         mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
@@ -273,7 +275,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         n = tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
         tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call
-        attn = 2 * e * T * D + 8 * T * Kp * hd + tile + dequant
+        attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
         t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
             max(0, attn - e * T * D - gone - mlp)
     else:

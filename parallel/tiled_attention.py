@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from model.qlora import dequant_once
 from parallel import kernels, masks
 from parallel.recompute import grads_only_context
 from parallel.ring import _merge
@@ -161,21 +162,22 @@ class _TiledAttention(torch.autograd.Function):
         k, v = (x.new_empty(b, s, kv, hd) for _ in range(2))
         out, lse, o = x.new_empty(b, s, h, hd), torch.empty(b, h, s, dtype=lse_dtype, device=x.device), None
         states = []
-        for r, a, e, bounds in spec.units(b, s):
-            st = [_rng_state(x.device) if spec.rng else None]
-            y = spec.pre(x[r, a:e])
-            q = attn.queries(y, cos[r, a:e], sin[r, a:e])
-            st.append(_rng_state(x.device) if spec.rng else None)
-            k[r, a:e], v[r, a:e] = attn.keys_values(y, cos[r, a:e], sin[r, a:e])
-            del y
-            _attend(spec, q, k[r], v[r], a, bounds, out[r, a:e], lse[r, :, a:e])
-            del q
-            st.append(_rng_state(x.device) if spec.rng else None)
-            ot = attn.o_proj(out[r, a:e].flatten(2))
-            if o is None:
-                o = ot.new_empty(b, s, ot.shape[-1])
-            o[r, a:e] = ot
-            states.append(st)
+        with dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
+            for r, a, e, bounds in spec.units(b, s):
+                st = [_rng_state(x.device) if spec.rng else None]
+                y = spec.pre(x[r, a:e])
+                q = attn.queries(y, cos[r, a:e], sin[r, a:e])
+                st.append(_rng_state(x.device) if spec.rng else None)
+                k[r, a:e], v[r, a:e] = attn.keys_values(y, cos[r, a:e], sin[r, a:e])
+                del y
+                _attend(spec, q, k[r], v[r], a, bounds, out[r, a:e], lse[r, :, a:e])
+                del q
+                st.append(_rng_state(x.device) if spec.rng else None)
+                ot = attn.o_proj(out[r, a:e].flatten(2))
+                if o is None:
+                    o = ot.new_empty(b, s, ot.shape[-1])
+                o[r, a:e] = ot
+                states.append(st)
         ctx.spec, ctx.params, ctx.states = spec, params, states
         ctx.save_for_backward(x, cos, sin, k, v, out, lse)
         return o
@@ -202,7 +204,7 @@ class _TiledAttention(torch.autograd.Function):
                     acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
             return got[0] if need_x else None
 
-        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=spec.rng):
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=spec.rng), dequant_once():
             for (r, a, e, bounds), st in zip(units, ctx.states):   # o_proj, the kernels, q's chain
                 xt = x[r, a:e].detach().requires_grad_(need_x)
                 ot_in = out[r, a:e].detach().flatten(2).requires_grad_()

@@ -124,6 +124,47 @@ def test_tiled_mlp_matches_untiled(ckpt, spare):
         mlp.forward = type(mlp).forward.__get__(mlp)   # untile for the next tile size
 
 
+@pytest.mark.parametrize("sublayer", ["mlp", "attention"])
+def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, sublayer):
+    """The tiled MLP and the tiled attention dequantize each NF4 weight once per forward call and once per backward
+    call (model.qlora.dequant_once), not once a tile: 46 tokens in 5-token tiles (before: bitsandbytes' per-tile
+    calls, and 10 of ours a call for the base whose output is only differentiated). The cache is gone after each
+    call; outputs and gradients equal the untiled layers'."""
+    import model.qlora as qlora
+    from parallel.memory import apply_tiled_mlp
+    from parallel.tiled_attention import apply_tiled_attention
+
+    calls = []
+    real = qlora.dequantize_4bit
+    monkeypatch.setattr(qlora, "dequantize_4bit", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+
+    def step(tiled):
+        torch.manual_seed(0)
+        model, _ = build_nonzero_b(_opts(ckpt, ac=False))
+        if tiled:
+            (apply_tiled_mlp if sublayer == "mlp" else apply_tiled_attention)(model, 5)
+        block = model.model.layers[1]
+        x = torch.randn(2, 23, model.args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        cos, sin = model.rope(torch.arange(23).expand(2, 23), torch.float32)
+        part = block.mlp if sublayer == "mlp" else block.self_attn
+        y = part(x) if sublayer == "mlp" else part(x, cos, sin, model.attention, None)
+        n_fwd = len(calls)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+        assert getattr(qlora._once, "weights", None) is None, "the cache outlived its call"
+        return n_fwd, len(calls) - n_fwd, y.detach(), x.grad, {k: p.grad.clone() for k, p in part.named_parameters()
+                                                               if p.requires_grad}
+
+    n = 3 if sublayer == "mlp" else 4   # gate, up, down / q, k, v, o
+    untiled = step(False)
+    calls.clear()
+    tiled = step(True)
+    assert tiled[:2] == (n, n), (tiled[:2], "dequantizations in the tiled forward, backward")   # 10 tiles
+    for a, b, what in zip(tiled[2:4], untiled[2:4], ("output", "input grad")):
+        torch.testing.assert_close(a, b, **TOL, msg=what)
+    for k in untiled[4]:
+        torch.testing.assert_close(tiled[4][k], untiled[4][k], **TOL, msg=k)
+
+
 def test_tiled_mlp_with_lora_dropout_replays_the_masks(ckpt):
     """--lora-dropout draws masks in each tile's forward: backward recomputes the tiles from the same RNG state in
     the same order, so the gradients are those of the function forward computed (reference: the same tiles run
