@@ -518,8 +518,7 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled+keep-attn",
-             "ours+tiled-attn+offload"]
+            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)

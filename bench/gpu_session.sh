@@ -36,8 +36,8 @@
 #      compile row (in its warm-up step); the rows the goals do not need (hf; plain ours at 128k) are left out for time;
 #   2. within 30 s, TOTAL=<left - 40> TEST_S=120 BENCH='--case long --runs ours+tiled-attn' (test-gpu first: the
 #      2026-11-30 afternoon's in-place gradients (dq/dk/dv/sums into q/k/v/out, the tiled MLP's, o_proj's one
-#      buffer) and the evening's RoPE multiply-adds were built on CPU only; then one 524,288-token step, ~3 min
-#      by FLOPs, its peak against the plan).
+#      buffer) and the evening's RoPE multiply-adds and the tiled layers' dequantize-once were built on CPU
+#      only; then one 524,288-token step, ~3 min by FLOPs, its peak against the plan).
 # The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
 # --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) needs a call of its own:
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)

@@ -8,7 +8,7 @@ Pins:
   HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
   either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
-  --tiled-mlp --ac-keep-attn, with --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
+  --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
   --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here),
   and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
@@ -82,9 +82,8 @@ def test_smoke_mode_writes_results(tmp_path):
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
-                                   "ours+tiled+keep-attn", "ours+tiled-attn+offload"])
-    for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled+keep-attn",
-                 "ours+tiled-attn+offload"):
+                                   "ours+tiled-attn+offload"])
+    for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -96,7 +95,6 @@ def test_smoke_mode_writes_results(tmp_path):
     # our rows carry the planner's total for their flags (train.py --plan's number) and the measured ratio
     mem = rows["ours+tiled+offload"]
     assert mem["flags"] == ["--tiled-mlp", "--offload-activations"] and rows["ours"]["flags"] == []
-    assert rows["ours+tiled+keep-attn"]["flags"] == ["--tiled-mlp", "--ac-keep-attn"], rows["ours+tiled+keep-attn"]
     ta = rows["ours+tiled-attn+offload"]
     assert ta["flags"] == ["--tiled-mlp", "--tiled-attn", "--offload-activations"], ta
     assert ta["planned_gb"] > 0 and ta["peak_vs_plan"] == pytest.approx(ta["peak_gb"] / ta["planned_gb"])
