@@ -127,9 +127,10 @@ def test_tiled_mlp_matches_untiled(ckpt, spare):
 @pytest.mark.parametrize("sublayer", ["mlp", "attention"])
 def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, sublayer):
     """The tiled MLP and the tiled attention dequantize each NF4 weight once per forward call and once per backward
-    call (model.qlora.dequant_once), not once a tile: 46 tokens in 5-token tiles (before: bitsandbytes' per-tile
-    calls, and 10 of ours a call for the base whose output is only differentiated). The cache is gone after each
-    call; outputs and gradients equal the untiled layers'."""
+    call (model.qlora.dequant_once), not once a tile: the MLP's 46 tokens in 10 tiles of 5, the attention's 23-row
+    rows in 5 query tiles of 5 (before: bitsandbytes' per-tile calls, and one of ours per tile for the base whose
+    output is only differentiated). The cache is gone after each call; outputs and gradients equal the untiled
+    layers'."""
     import model.qlora as qlora
     from parallel.memory import apply_tiled_mlp
     from parallel.tiled_attention import apply_tiled_attention
@@ -158,7 +159,7 @@ def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, subla
     untiled = step(False)
     calls.clear()
     tiled = step(True)
-    assert tiled[:2] == (n, n), (tiled[:2], "dequantizations in the tiled forward, backward")   # 10 tiles
+    assert tiled[:2] == (n, n), (tiled[:2], "dequantizations in the tiled forward, backward")
     for a, b, what in zip(tiled[2:4], untiled[2:4], ("output", "input grad")):
         torch.testing.assert_close(a, b, **TOL, msg=what)
     for k in untiled[4]:
