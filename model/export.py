@@ -42,7 +42,10 @@ def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "adapter_model.safetensors"))
     cfg = peft_model.peft_config["default"]
     hub = hub_snapshot(base_path)
-    cfg.base_model_name_or_path, cfg.revision = hub.split("@") if hub else (os.path.abspath(base_path), cfg.revision)
+    if hub:   # the id and commit, which peft fetches
+        cfg.base_model_name_or_path, cfg.revision = hub.split("@")
+    else:
+        cfg.base_model_name_or_path = os.path.abspath(base_path)
     cfg.save_pretrained(out_dir)
 
 

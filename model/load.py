@@ -93,8 +93,10 @@ def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
     so no rank waits in a later collective for one that stopped."""
     import torch.distributed as dist
 
+    if fetch and path == name:   # a local directory (the check before made every rank agree): nothing to fetch
+        return
     world, err = dist.get_world_size(), None
-    if fetch and path != name:
+    if fetch:
         try:
             fetch_checkpoint(name, revision=os.path.basename(path))
         except FileNotFoundError as e:

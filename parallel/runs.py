@@ -196,9 +196,9 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
 def _norm(flag: str, v):
     if flag == "lora_targets" and isinstance(v, str):
         return sorted(t.strip() for t in v.split(",") if t.strip())
-    if flag == "model" and isinstance(v, str) and hub_snapshot(v):   # the same Hub commit in any cache
-        return hub_snapshot(v)
-    if flag in ("model", "data") and isinstance(v, str):
+    if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
+        return hub_snapshot(v) or os.path.normpath(v)
+    if flag == "data" and isinstance(v, str):
         return os.path.normpath(v)
     return v
 
