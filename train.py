@@ -186,7 +186,8 @@ def main(argv=None):
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
     device = torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = wd = metrics = None
+    torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
+    run = wd = metrics = stop = None
     try:
         if demo:
             if rank == 0:
@@ -245,12 +246,16 @@ def main(argv=None):
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
+        # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
+        stop = guard.StopSignals(guard.cpu_group(guard.pg_timeout(args.timeout)), wd, rank, log0).start()
+        ckpt_dir = os.path.join(args.out, "ckpt")   # `saved`: the newest step in it (0: none)
+        saved = start if ckpt and os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(ckpt_dir) else 0
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
             wd.phase("data", step + 1)
             prof.begin(step + 1)
-            t_step = time.time()
+            t_step, rng = time.time(), checkpoint.rng_state()   # the RNG as step `step` left it, for a stop's save
             lr = lr_at(step, args, args.schedule_steps or steps)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -266,6 +271,12 @@ def main(argv=None):
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i, (ids, pos, lab) in enumerate(micro):
+                if got := stop.requested():   # every rank together; this step's partial gradients are dropped
+                    if step > saved:
+                        wd.phase("save", step)
+                        checkpoint.save(ckpt_dir, model, opt, step, {"args": vars(args)}, keep=args.keep_ckpts,
+                                        rng=rng)
+                    raise stop.stopped(got, step, ckpt_dir if step else None)
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
@@ -307,8 +318,8 @@ def main(argv=None):
                 bar.update(1)
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps:
                 wd.phase("save", step + 1)
-                checkpoint.save(os.path.join(args.out, "ckpt"), model, opt, step + 1, {"args": vars(args)},
-                                keep=args.keep_ckpts)
+                checkpoint.save(ckpt_dir, model, opt, step + 1, {"args": vars(args)}, keep=args.keep_ckpts)
+                saved = step + 1
 
         # --------------------------------------------------------------------- save
         bar.close()
@@ -316,7 +327,7 @@ def main(argv=None):
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
-        for closing in (wd and wd.stop, metrics and metrics.close, run and run.release):
+        for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):
             if closing:
                 closing()
         if own_pg and dist.is_initialized():
@@ -329,3 +340,5 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") == "0":   # once per job, not once per torchrun rank
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
+        sys.exit(e.code)

@@ -1,11 +1,12 @@
 """Save and resume training with torch.distributed.checkpoint (DCP); `latest` only names complete folders.
 
 Contract:
-- `save(dir, model, optimizer, step, extra, keep=2)` writes `dir/step_{step:06d}/`: the LoRA parameters
-  (frozen base weights are not saved: they come from the model checkpoint again) and the AdamW state,
-  as sharded DCP files any later mesh can load, every rank's RNG state, and `meta.json` (step, extra:
-  e.g. the resolved flags). The LR schedule and the data position are functions of the step, so the
-  step restores them. Order, so that a kill at any point leaves a resumable `latest`:
+- `save(dir, model, optimizer, step, extra, keep=2, rng=None)` writes `dir/step_{step:06d}/`: the LoRA parameters
+  (frozen base weights are not saved: they come from the model checkpoint again) and the AdamW state, as sharded
+  DCP files any later mesh can load, every rank's RNG state (now, or `rng`: `rng_state()` taken when step `step`
+  ended, for a save made later), and `meta.json` (step, extra: e.g. the resolved flags). The LR schedule and the
+  data position are functions of the step, so the step restores them. Order, so that a kill
+  at any point leaves a resumable `latest`:
     1. every rank checks its trainable tensors; if any holds NaN/Inf, all ranks raise NonFiniteError
        and nothing is written;
     2. all files go to `dir/.tmp-step_N/`, meta.json last (its presence marks a complete folder);
@@ -49,7 +50,8 @@ def _barrier():
         dist.barrier()
 
 
-def _rng_state():
+def rng_state() -> dict:
+    """This rank's RNG state (CPU, and CUDA where present): `save(rng=)` takes one captured earlier."""
     st = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state()
@@ -89,7 +91,8 @@ def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, *, keep: int = 2) -> str:
+def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, *, keep: int = 2,
+         rng: dict | None = None) -> str:
     if keep < 1:
         raise ValueError(f"--keep-ckpts must be >= 1 (the checkpoint just written is one), got {keep}")
     check_finite(model, f"checkpoint step {step}")
@@ -105,7 +108,7 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
     _barrier()
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    torch.save(rng or rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
     _barrier()
     if rank == 0:
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,

@@ -13,6 +13,19 @@ Contract:
   phase it waited in, dumps every thread's stack, and exits with EXIT_STUCK via `os._exit` (no
   clean-up can run while the main thread is blocked inside a collective), so torchrun ends the job.
   Arm it after the model is built; `.stop()` it before the final export, or use it as a context manager.
+  `.longest[name]`: the longest completed phase of each name, which `StopSignals` below reads.
+- `StopSignals(group, watchdog, rank, log)`: SIGTERM (schedulers, torchrun, Kubernetes), SIGINT (Ctrl-C) and
+  SIGUSR1 (e.g. SLURM's `--signal=USR1@600`) ask the run to stop with its finished steps saved.
+  `.start()` installs the handlers (main thread only); `.requested()` is a collective over `group` (CPU: gloo) that
+  every rank calls at the same points (train.py: before each micro-batch) and that returns the same signal number
+  (0: none) on every rank, so all ranks stop at one boundary: the step in flight is dropped (its update never
+  happened; it reruns on resume, the data order being a function of the step). `.stopped(step, where)` is the
+  `Stopped` exception to raise (exit status 128 + the signal). A second signal a second or more after the first
+  quits at once, as if no handler were there (Ctrl-C twice). A rank that gets a signal while blocked inside a
+  phase (a collective whose peer is gone: torchrun then sends SIGTERM to the survivors) cannot run a Python
+  handler; a thread woken through `signal.set_wakeup_fd` ends it with 128 + the signal once the phase has lasted
+  `grace_s` plus twice the longest phase of that name so far (no limit for a first-ever phase: the watchdog's
+  applies). `.close()` restores the previous handlers.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import datetime
 import faulthandler
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -71,11 +85,14 @@ class Watchdog:
             raise ValueError(f"--timeout must be a positive number of minutes, got {timeout_s / 60}")
         self.timeout_s, self.rank = timeout_s, rank
         self._state = (None, "start", time.monotonic())   # (step, phase, when it began): replaced whole
+        self.longest: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     def phase(self, name: str, step: int | None = None) -> None:
-        self._state = (step, name, time.monotonic())
+        now, (_, last, since) = time.monotonic(), self._state
+        self.longest[last] = max(self.longest.get(last, 0.0), now - since)
+        self._state = (step, name, now)
 
     def start(self) -> Watchdog:
         self.phase("start")
@@ -105,3 +122,106 @@ class Watchdog:
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 os._exit(EXIT_STUCK)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """The run stopped on a signal, its finished steps saved; `code` is the exit status (128 + the signal)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum, self.code = signum, 128 + signum
+
+
+def cpu_group(timeout: datetime.timedelta):
+    """A group of every rank on gloo for small CPU collectives (None: the default group already is gloo).
+    Every rank must call it, in the same order as its other new_group calls."""
+    import torch.distributed as dist
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+
+
+class StopSignals:
+    """Stop requests from signals, acted on by every rank together at the boundaries that call `requested()`."""
+
+    def __init__(self, group=None, watchdog: Watchdog | None = None, rank: int = 0, log=print, grace_s: float = 5.0,
+                 signals=STOP_SIGNALS):
+        self.group, self.wd, self.rank, self.log, self.grace_s, self.signals = group, watchdog, rank, log, grace_s, \
+            tuple(signals)
+        self.got, self.first, self._saved, self._pipe, self._thread = 0, None, None, None, None
+
+    def start(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():   # handlers are the main thread's alone
+            return self
+        self._saved = {s: signal.signal(s, self._handle) for s in self.signals}
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+        self._thread = threading.Thread(target=self._watch, args=(r,), name="stop-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.got and now - self.first >= 1.0:   # asked twice: quit now, as without this handler
+            self.close()
+            signal.raise_signal(signum)
+            return
+        if not self.got:
+            self.got, self.first = signum, now
+            if self.rank == 0:
+                self.log(f"{signal.Signals(signum).name}: stopping before the next micro-batch, the finished steps "
+                         "saved (send it again a second later to quit at once)")
+
+    def _watch(self, r: int) -> None:
+        """Woken by the C-level handler even while the main thread is blocked; ends a rank stuck after a signal."""
+        got = None
+        while got is None:
+            b = os.read(r, 1)
+            if not b:   # closed
+                return
+            got = b[0] if b[0] in self.signals else None
+        os.set_blocking(r, False)
+        while self._pipe is not None and self.wd is not None:
+            time.sleep(0.2)
+            step, name, since = self.wd._state
+            limit = self.grace_s + 2 * self.wd.longest.get(name, math.inf)
+            if time.monotonic() - since > limit:
+                sys.stderr.write(f"rank {self.rank}: {signal.Signals(got).name} received while blocked for "
+                                 f"{time.monotonic() - since:.0f}s in step {step}, phase \"{name}\" (twice its "
+                                 f"longest so far, + {self.grace_s:g}s): a peer is gone or stuck; ending now\n")
+                sys.stderr.flush()
+                os._exit(128 + got)
+
+    def requested(self) -> int:
+        """The signal number any rank got (0: none), the same on every rank: call it on every rank together."""
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([self.got], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def stopped(self, signum: int, step: int, where: str | None) -> Stopped:
+        name = signal.Signals(signum).name
+        saved = f"steps 1..{step} are saved in {where}" if where else \
+            "no step had finished: nothing to save (run again with --overwrite)"
+        msg = f"stopped on {name} before step {step + 1}'s update: {saved}"
+        if self.rank == 0:
+            self.log(msg + (" — continue with the same command plus --resume " + where if where else ""))
+        return Stopped(msg, signum)
+
+    def close(self) -> None:
+        if self._saved is not None:
+            for s, h in self._saved.items():
+                signal.signal(s, h)
+            self._saved = None
+        if self._pipe is not None:
+            r, w, old = self._pipe
+            self._pipe = None
+            signal.set_wakeup_fd(old)
+            os.close(w)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=1.0)
+            os.close(r)
