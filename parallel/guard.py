@@ -136,10 +136,12 @@ class Stopped(Exception):
 
 
 def cpu_group(timeout: datetime.timedelta):
-    """A group of every rank on gloo for small CPU collectives (None: the default group already is gloo).
+    """A group of every rank on gloo for small CPU collectives (None: the default group is gloo, or one rank).
     Every rank must call it, in the same order as its other new_group calls."""
     import torch.distributed as dist
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    if dist.get_backend() == "gloo" or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class StopSignals:

@@ -7,7 +7,12 @@ Pins:
 - on 2 gloo ranks, with the watchdog at 1.5 s: collectives that keep making progress for longer than
   that do not trip it; when rank 0 stops taking part (it sleeps, as a SIGSTOPped or dead rank would),
   rank 1 ends itself within seconds with EXIT_STUCK and a message naming the rank, step and phase it
-  waited in, long before the 60 s process-group timeout; the test itself is bounded by pytest-timeout.
+  waited in, long before the 60 s process-group timeout; the test itself is bounded by pytest-timeout;
+- StopSignals: a signal on one of 2 gloo ranks is seen by both at the same `requested()` call, the handlers
+  before it are back after close(); a second signal a second later quits as if no handler were there, one
+  within the second does not; a rank blocked in a collective when SIGTERM comes (its peer asleep) ends itself
+  with 128 + 15 once the phase has lasted its grace plus twice the longest of its name, seconds before the peer
+  wakes, naming the signal, step and phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_guard.py
 """
@@ -17,12 +22,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from parallel.guard import EXIT_STUCK, NonFiniteError, NonFiniteSteps, Watchdog, pg_timeout
+from parallel.guard import EXIT_STUCK, NonFiniteError, NonFiniteSteps, StopSignals, Watchdog, pg_timeout
 from tests.dist import RankError, run_ranks
 
 
@@ -84,3 +91,72 @@ def test_stuck_rank_ends_the_job(tmp_path):
     assert "in barrier" in err or "Thread" in err, "no stack dump after the message"
     waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
     assert waited < 1.5 + 3, f"rank 1 ended {waited:.1f}s after entering the stuck collective"
+
+
+def _agree(rank, world_size):
+    before = signal.getsignal(signal.SIGUSR1)
+    stop = StopSignals(None, None, rank, log=lambda *a: None).start()
+    seen = []
+    for i in range(5):
+        if rank == 1 and i == 2:
+            signal.raise_signal(signal.SIGUSR1)   # to this thread: its handler runs before the next call
+        seen.append(stop.requested())
+    stop.close()
+    return seen, signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_boundary():
+    got = run_ranks(_agree, 2, timeout=60)
+    want = [0, 0, signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR1]
+    assert [g[0] for g in got] == [want, want], got
+    assert all(g[1] for g in got), "close() did not put the earlier SIGUSR1 handler back"
+
+
+def test_a_second_signal_a_second_later_quits_at_once():
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignals(log=lambda *a: None).start()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)   # within the second (e.g. delivered twice): still a graceful stop
+        assert stop.requested() == signal.SIGINT
+        time.sleep(1.05)
+        with pytest.raises(KeyboardInterrupt):   # Python's own SIGINT behaviour, as if never installed
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before, "the handlers were not restored before quitting"
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def _blocked(rank, world_size, tmp):
+    if rank == 1:
+        fd = os.open(os.path.join(tmp, "rank1.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        wd = Watchdog(120, rank).start()   # its own limit is far away: the signal path must end the rank
+        StopSignals(None, wd, rank, log=lambda *a: None, grace_s=1.0).start()
+    for i in range(3):   # three "forward" phases of ~0.3 s: the longest of its name
+        if rank == 1:
+            wd.phase("forward", i + 1)
+        time.sleep(0.3)
+        dist.barrier()
+    if rank == 0:
+        time.sleep(7)    # rank 0 stops taking part in collectives, as a dead or stopped peer would
+        return "rank 0 slept"
+    wd.phase("forward", 4)
+    with open(os.path.join(tmp, "rank1.t"), "w") as f:
+        f.write(repr(time.time()))
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()   # torchrun's teardown signal
+    dist.barrier()   # blocked: no Python handler can run here
+    return "rank 1 got past a collective rank 0 never entered"
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_blocked_when_a_signal_comes_ends_itself(tmp_path):
+    with pytest.raises(RankError) as e:
+        run_ranks(_blocked, 2, str(tmp_path), timeout=60, pg_timeout=60)
+    assert f"rank 1 exited with code {128 + signal.SIGTERM}" in str(e.value), str(e.value)
+    line = (tmp_path / "rank1.err").read_text().splitlines()[0]
+    assert re.fullmatch(r'rank 1: SIGTERM received while blocked for \d+s in step 4, phase "forward" \(twice its '
+                        r"longest so far, \+ 1s\): a peer is gone or stuck; ending now", line), line
+    waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
+    assert waited < 1.0 + 2 * 0.6 + 2, f"rank 1 ended {waited:.1f}s after entering the collective (peer asleep 7 s)"

@@ -18,6 +18,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
+- SIGTERM on one of 4 ranks (cp 2 × dp 2 ring) in step 2's second micro-batch stops all 4 at the next
+  micro-batch with step 1 saved (exit status 143 each); resumed on 1 rank, the run trains as the uninterrupted one;
 - every start-up error names its numbers and is raised before any weight is read (`build_model` and
   `CheckpointReader` are replaced by tripwires); data errors name the file and the line.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import traceback
 
 import pytest
@@ -73,6 +76,8 @@ FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
     "window_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
 }
+# stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
+STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -102,7 +107,34 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
-    return (errors, resume_error) if rank == 0 else None
+    stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
+    return (errors, resume_error, stopped) if rank == 0 else (None, None, stopped)
+
+
+def _stop_one_rank(rank, argv):
+    """Run `argv` with SIGTERM raised on rank 3 in its 6th micro-batch (step 2, the second of 4); return what
+    this rank's train.main raised."""
+    import train
+    from parallel import guard, phases
+
+    measuring, calls = phases.measuring, [0]
+
+    def signal_in_step_2(*a, **k):   # entered once per micro-batch, after the stop check
+        calls[0] += 1
+        if rank == 3 and calls[0] == 6:
+            signal.raise_signal(signal.SIGTERM)
+        return measuring(*a, **k)
+
+    phases.measuring = signal_in_step_2
+    try:
+        train.main(argv)
+    except guard.Stopped as e:
+        return str(e), e.code, calls[0]
+    except Exception:
+        return traceback.format_exc()
+    finally:
+        phases.measuring = measuring
+    return "train.main returned: the signal did not stop it"
 
 
 def _try(fn, *a):
@@ -125,7 +157,7 @@ def _try(fn, *a):
 def four(assets, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
-    return {"root": root, "errors": res[0][0], "resume_error": res[0][1]}
+    return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res]}
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +324,20 @@ def test_resume_across_layouts(assets, one, four, tmp_path):
     with one_thread():
         train.main(train_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
     _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+def test_a_signal_on_one_rank_stops_all_and_resume_trains_as_uninterrupted(assets, one, four):
+    import train
+
+    out = _at(four, "stop_cp2_dp2_ring")
+    msg = f"stopped on SIGTERM before step 2's update: steps 1..1 are saved in {os.path.join(out, 'ckpt')}"
+    assert four["stopped"] == [(msg, 128 + signal.SIGTERM, 6)] * 4, four["stopped"]   # each rank: 6 micro-batches
+    assert open(os.path.join(out, "ckpt", "latest")).read() == "step_000001"
+    assert [m["step"] for m in _metrics(out)] == [1] and not os.path.exists(os.path.join(out, "adapter"))
+    with one_thread():
+        train.main(train_argv(assets, out, "--resume", os.path.join(out, "ckpt")))
+    _compare("stopped on 4 ranks at step 2, resumed on 1", out, _at(one, "fp32"), steps=(1, 2, 3))
 
 
 @pytest.mark.timeout(600)

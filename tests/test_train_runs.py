@@ -11,6 +11,11 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
 - token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
   --out naming a file and a missing --resume are refused up front, naming the value and the fix;
 - --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job;
+- SIGTERM in step 3's third micro-batch stops the run at the next one: steps 1..2 saved (the checkpoint holds
+  the RNG as step 2 left it, so LoRA dropout replays), no adapter, the handlers restored; resumed, it logs
+  each step once and trains bit for bit as the uninterrupted run; a run with dropout repeats itself exactly
+  (the RNG is seeded from --seed); `torchrun` on 2 ranks, sent SIGTERM mid-run, forwards it and the workers
+  exit 143 with the log lines and the newest checkpoint at the same step, and a resume finishes the run;
   importing the model prints no bitsandbytes kernels-community line.
 
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
@@ -22,8 +27,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -240,3 +247,79 @@ def test_no_bitsandbytes_noise_on_import():
     code = "import model.qlora, model.export, parallel.parallelize"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "kernels-community" not in r.stderr, r.stderr
+
+
+def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout(assets, tmp_path, monkeypatch):
+    from parallel import guard, phases
+
+    flags = ("--steps", "4", "--lora-dropout", "0.1")
+    ref, again, out = (str(tmp_path / n) for n in ("ref", "again", "out"))
+    run(train_argv(assets, ref, *flags))
+    run(train_argv(assets, again, *flags))
+    same = lambda d: [(r["loss"], r["grad_norm"]) for r in metrics(d)]   # noqa: E731
+    assert same(again) == same(ref), "a run with dropout does not repeat itself"
+    measuring, calls = phases.measuring, [0]
+
+    def sigterm_in_step_3(*a, **k):   # 8 micro-batches per step on 1 rank; entered after each stop check
+        calls[0] += 1
+        if calls[0] == 8 * 2 + 3:
+            signal.raise_signal(signal.SIGTERM)
+        return measuring(*a, **k)
+
+    monkeypatch.setattr(phases, "measuring", sigterm_in_step_3)
+    with pytest.raises(guard.Stopped) as e:
+        run(train_argv(assets, out, *flags))
+    assert str(e.value) == f"stopped on SIGTERM before step 3's update: steps 1..2 are saved in {out}/ckpt", e.value
+    assert e.value.code == 143 and calls[0] == 19, (e.value.code, calls[0])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler outlived the run"
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002"]
+    assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(os.path.join(out, "adapter"))
+    monkeypatch.setattr(phases, "measuring", measuring)
+    run(train_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
+    got, want = metrics(out), metrics(ref)
+    assert [r["step"] for r in got] == [1, 2, 3, 4], "each step logged once"
+    assert same(out) == same(ref), (got, want)
+    from safetensors.torch import load_file
+    a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
+    assert all(torch.equal(a[k], b[k]) for k in b), "the resumed adapter is not the uninterrupted one"
+
+
+def _stop_cli(argv, env, sig):
+    """Start `argv`, send `sig` once it logged its first step, return (exit status, output, seconds it took)."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    lines = []
+    for line in p.stdout:   # the first logged step: the loop is running
+        lines.append(line)
+        if line.startswith("step "):
+            break
+    p.send_signal(sig)
+    t0 = time.monotonic()
+    lines += p.stdout.readlines()
+    p.wait(timeout=120)
+    return p.returncode, "".join(lines), time.monotonic() - t0
+
+
+def _saved_step(out) -> int:
+    step = int(open(os.path.join(out, "ckpt", "latest")).read().removeprefix("step_"))
+    assert [r["step"] for r in metrics(out)] == list(range(1, step + 1)), (step, metrics(out))
+    return step
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path):
+    out = str(tmp_path / "out")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+           "OMP_NUM_THREADS": "1"}
+    two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", os.path.join(ROOT, "train.py"),
+           *train_argv(assets, out, "--steps", "100", "--dp-shard", "2")]
+    rc, log, took = _stop_cli(two, env, signal.SIGTERM)   # torchrun sends it on to both workers
+    step = _saved_step(out)
+    assert rc != 0 and took < 25, (rc, took, log[-3000:])   # before torchrun's 30 s grace ends in SIGKILL
+    assert 1 <= step < 100 and f"stopped on SIGTERM before step {step + 1}'s update: steps 1..{step} are saved in " \
+        f"{out}/ckpt — continue with the same command plus --resume {out}/ckpt" in log, log[-3000:]
+    one = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(assets, out, "--steps", "100", "--resume",
+                                                                        os.path.join(out, "ckpt"))]
+    rc, log, took = _stop_cli(one, env, signal.SIGINT)   # Ctrl-C on a 1-process run (another layout)
+    assert rc == 128 + signal.SIGINT and f"stopped on SIGINT before step {_saved_step(out) + 1}'s update" in log, \
+        (rc, log[-3000:])
+    assert _saved_step(out) > step, "the resumed run saved no later step"
