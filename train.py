@@ -60,6 +60,8 @@ def build_parser(add_help=True):
     a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    a("--rope-scaling", default=None, metavar="SPEC", help="RoPE scaling in place of config.json's: yarn:F, "
+      "linear:F, none, or a JSON object (transformers' rope_scaling); the adapter records it")
     a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (off: unmeasured)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
     a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
@@ -194,12 +196,14 @@ def main(argv=None):
                 make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
-        margs = read_args(args.model)
+        margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
+        if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
+            log0(note)
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model)
@@ -324,7 +328,8 @@ def main(argv=None):
         # --------------------------------------------------------------------- save
         bar.close()
         checkpoint.check_finite(model, "the adapter")
-        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model)
+        export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
+                       rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

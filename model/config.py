@@ -14,12 +14,17 @@ Contract:
 - `inv_freq(args)` returns the float32 inverse frequencies [head_dim // 2] and the attention
   scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3
   and yarn — the same numbers transformers computes.
+- `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (module-level docstring of the function);
+  `args.with_rope_scaling(spec)` is `args` with it in place of config.json's scaling, checked by computing
+  the frequencies once; `args.context` is the positions the model is made for (`max_position_embeddings`, or
+  factor × the original length when scaled), `args.beyond_context(n)` the warning for rows longer than that.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -126,6 +131,42 @@ class ModelArgs:
             layer_types=layer_types if window is not None else None,
         )
 
+    def with_rope_scaling(self, spec: str | None) -> ModelArgs:
+        """These args with `--rope-scaling spec` in place of config.json's RoPE scaling (None: unchanged)."""
+        sc = rope_scaling_flag(spec, self)
+        if sc is None:
+            return self
+        out = replace(self, rope_scaling=sc)
+        try:
+            inv_freq(out)
+        except KeyError as e:
+            raise ValueError(f"--rope-scaling {spec}: rope type {sc['rope_type']!r} needs {e.args[0]!r}; pass a JSON "
+                             "object with it") from None
+        return out
+
+    def rope_parameters(self) -> dict:
+        """The RoPE in transformers 5's config form: rope_theta and the scaling (rope_type "default": none)."""
+        return {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+
+    @property
+    def context(self) -> int:
+        """The positions the model is made for: factor × the original length when scaled, else the config's."""
+        sc = self.rope_scaling
+        if not sc.get("factor"):
+            return self.max_position_embeddings
+        orig = sc.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(sc["factor"] * orig))
+
+    def beyond_context(self, max_len: int) -> str | None:
+        """A warning when rows of `max_len` tokens reach past `context` (training there is allowed: it is how a
+        context is extended, but the positions are new to the model)."""
+        if max_len <= self.context:
+            return None
+        scaled = f"{self.rope_scaling['rope_type']} RoPE scaling" if self.rope_scaling else "no RoPE scaling"
+        return (f"warning: --max-len {max_len} reaches past the {self.context:,} positions this model is made for "
+                f"({scaled}); positions beyond them are new to it. Extending the context? Scale RoPE, e.g. "
+                f"--rope-scaling yarn:{math.ceil(max_len / self.max_position_embeddings)} (see the model card)")
+
     def window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None for full causal attention."""
         if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
@@ -163,6 +204,47 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
     S is the attention span: the row length, or a document's length in packed rows."""
     attn = 12 * args.n_layers * seq_len * args.n_heads * args.head_dim
     return 6 * matmul_params(args) + (attn // 2 if causal else attn)
+
+
+def rope_scaling_flag(spec: str | None, args: ModelArgs | None = None) -> dict | None:
+    """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
+    by F (YaRN's original length: config.json's max_position_embeddings, as transformers takes it); a JSON object is
+    transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}). Without `args` only the syntax is
+    checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
+    if spec is None:
+        return None
+    forms = 'none, linear:F, yarn:F (F >= 1) or a JSON object such as \'{"rope_type": "yarn", "factor": 4}\''
+    if spec.strip() == "none":
+        return {}
+    if spec.lstrip().startswith("{"):
+        try:
+            sc = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rope-scaling {spec}: not valid JSON ({e.msg}); pass {forms}") from None
+        if not isinstance(sc, dict):
+            raise ValueError(f"--rope-scaling {spec}: pass {forms}")
+        sc = dict(sc)
+        if "type" in sc and "rope_type" not in sc:
+            sc["rope_type"] = sc.pop("type")
+    else:
+        kind, _, factor = spec.partition(":")
+        try:
+            sc = {"rope_type": kind.strip(), "factor": float(factor)}
+        except ValueError:
+            raise ValueError(f"--rope-scaling {spec}: pass {forms}") from None
+        if sc["rope_type"] not in ("linear", "yarn"):
+            raise ValueError(f"--rope-scaling {spec}: TYPE:F takes linear or yarn (other types: a JSON object); "
+                             f"pass {forms}")
+    if sc.get("rope_type") not in ROPE_TYPES:
+        raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
+    f = sc.get("factor")
+    if sc["rope_type"] != "default" and not (isinstance(f, (int, float)) and math.isfinite(f) and f >= 1):
+        raise ValueError(f"--rope-scaling {spec}: the factor must be a finite number >= 1, got {f!r}")
+    if sc["rope_type"] == "default":
+        return {}
+    if args is not None and sc["rope_type"] == "yarn":
+        sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
+    return sc
 
 
 def inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:

@@ -1,10 +1,13 @@
 """Adapter export in PEFT format, and folding the adapter into a full Hugging Face checkpoint.
 
 Contract:
-- `export_adapter(peft_model, out_dir, base_path)`: every rank takes part (each LoRA tensor is
-  gathered from its FSDP2 shards); rank 0 writes `adapter_model.safetensors` and
-  `adapter_config.json`, which `peft.PeftModel.from_pretrained` loads on the transformers model of
-  the same checkpoint.
+- `export_adapter(peft_model, out_dir, base_path, rope_parameters=None)`: every rank takes part (each LoRA
+  tensor is gathered from its FSDP2 shards); rank 0 writes `adapter_model.safetensors` and `adapter_config.json`,
+  which `peft.PeftModel.from_pretrained` loads on the transformers model of the same checkpoint. A run with
+  `--rope-scaling` also writes `base_config_overrides.json`: {"rope_parameters": ...} (transformers 5's form,
+  rope_theta included: `ModelArgs.rope_parameters()`), what the base must be loaded with
+  (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `merge` writes that RoPE into the
+  merged config.json in the base config's own form.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
   W' = W + (alpha / r) · B @ A for every adapted projection, streamed one base file at a time. With quant="nf4"
@@ -24,8 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from model.load import CheckpointReader, _check_dir, hub_snapshot
 
+OVERRIDES = "base_config_overrides.json"
 
-def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
+
+def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None) -> None:
     """The LoRA weights in peft's format. The base model is named by its path, or, for a directory of
     huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
@@ -47,6 +52,12 @@ def export_adapter(peft_model, out_dir: str, base_path: str) -> None:
     else:
         cfg.base_model_name_or_path = os.path.abspath(base_path)
     cfg.save_pretrained(out_dir)
+    path = os.path.join(out_dir, OVERRIDES)
+    if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
+        with open(path, "w") as f:
+            json.dump({"rope_parameters": rope_parameters}, f, indent=1)
+    elif os.path.exists(path):   # a resumed run re-exporting into the same folder
+        os.remove(path)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:
@@ -114,6 +125,14 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
+        with open(os.path.join(adapter_dir, OVERRIDES)) as f:
+            rope = dict(json.load(f)["rope_parameters"])
+        if "rope_parameters" in cfg:   # transformers 5's form
+            cfg["rope_parameters"] = rope
+        else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
+            cfg["rope_theta"] = rope.pop("rope_theta")
+            cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     for fn in os.listdir(base_path):   # tokenizer and generation files travel with the weights

@@ -1,7 +1,8 @@
 """Reading Hugging Face checkpoints: `config.json` plus single-file or sharded safetensors.
 
 Contract:
-- `read_args(path)` reads only `config.json` (cheap: safe before any weight is touched) and raises
+- `read_args(path, rope_scaling=None)` reads only `config.json` (cheap: safe before any weight is touched; with
+  `--rope-scaling`'s value in place of its RoPE scaling) and raises
   `FileNotFoundError` / `ValueError` naming the path or the unsupported architecture; a file that is
   not valid JSON names the file, line and column.
 - `CheckpointReader(path)` indexes the safetensors files (`model.safetensors.index.json` or
@@ -130,14 +131,16 @@ def _read_json(fn: str) -> dict:
                                          "not valid JSON: fix it or re-download it") from None
 
 
-def read_args(path: str) -> ModelArgs:
+def read_args(path: str, rope_scaling: str | None = None) -> ModelArgs:
+    """config.json's ModelArgs, with `--rope-scaling` in place of its RoPE scaling when given."""
     fn = _check_dir(path)
     cfg = _read_json(fn)
     try:
-        return ModelArgs.from_config_dict(cfg)
+        args = ModelArgs.from_config_dict(cfg)
     except KeyError as e:
         raise CorruptCheckpointError(f"{fn} lacks {e.args[0]!r}, which a Llama-family config.json "
                                      "has; fix it or re-download it") from None
+    return args.with_rope_scaling(rope_scaling)
 
 
 def read_header(fn: str) -> tuple[dict, int]:
@@ -246,11 +249,12 @@ class CheckpointReader:
         self._fds.clear()
 
 
-def from_pretrained(path: str, *, dtype: torch.dtype = torch.float32, device="cpu", attention=None):
+def from_pretrained(path: str, *, dtype: torch.dtype = torch.float32, device="cpu", attention=None,
+                    rope_scaling: str | None = None):
     """The plain decoder (no LoRA, no sharding), filled by the trainer's own `model.weights.load_weights`."""
     from model.weights import load_weights  # imports bitsandbytes: not on read_args' fast path
 
-    args = read_args(path)
+    args = read_args(path, rope_scaling)
     reader = CheckpointReader(path)
     with torch.device("meta"):
         model = Transformer(args, attention=attention).to(dtype)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
-from model.config import LORA_TARGETS
+from model.config import LORA_TARGETS, rope_scaling_flag
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -171,6 +171,7 @@ def check_flags(args) -> None:
     for flag, v, bound, need in lower:
         if v <= bound:
             raise ValueError(f"{flag} must be {need}, got {v}")
+    rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every)):
         if v < 0:

@@ -76,6 +76,7 @@ class BuildOptions:
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
     ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
     seed: int = 0
+    rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.config.rope_scaling_flag)
 
     @classmethod
     def from_args(cls, args, dtype: torch.dtype) -> BuildOptions:
@@ -85,7 +86,7 @@ class BuildOptions:
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations,
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
-                   ac_keep_attn=args.ac_keep_attn)
+                   ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None))
 
 
 def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
@@ -241,7 +242,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     if opts.offload_activations and not opts.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     check_ac(opts.ac_group, opts.ac, opts.offload_activations, opts.ac_blocks, opts.ac_keep_attn, opts.tiled_attn)
-    args = read_args(opts.path)
+    args = read_args(opts.path, opts.rope_scaling)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
         model = Transformer(args, attention=attention)

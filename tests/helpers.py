@@ -38,6 +38,7 @@ def train_argv(assets, out, *extra):
 @contextlib.contextmanager
 def no_weights():
     """Tripwires: building the model or opening the safetensors fails the test."""
+    import model.export  # noqa: F401 - imported (binding the real CheckpointReader) before the wires are set
     import model.load
     import parallel.parallelize as pz
 

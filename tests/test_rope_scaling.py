@@ -1,0 +1,139 @@
+"""`--rope-scaling`: RoPE scaling in place of config.json's, as transformers computes it, recorded for inference.
+
+Pins:
+- a checkpoint without scaling, loaded with `yarn:4`, `linear:2` or a llama3 JSON object, gives the logits of
+  transformers' model loaded with the same `rope_parameters` (within 1e-5, positions far from 0, where the
+  scaling moves the logits by more than 1e-4); `none` on a YaRN checkpoint gives transformers' plain RoPE;
+- bad values are refused before anything is read, naming the value and the accepted forms; `context` and the
+  warning for rows past it;
+- `train.py --rope-scaling yarn:4` on a plain checkpoint trains exactly as the same weights whose config.json
+  carries that YaRN (losses and adapter equal); its adapter folder holds `base_config_overrides.json`, with which
+  transformers + peft give the logits of peft on the YaRN config; `model.merge` writes that RoPE into the merged
+  config.json (classic form), whose transformers logits equal them; a resume with another value is refused.
+
+Run: .venv/bin/python -m pytest -q tests/test_rope_scaling.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers as T
+
+import model
+from tests.helpers import one_thread, startup_error, train_argv
+from tests.test_model import COMMON, rel, save_checkpoint
+
+THETA = 1e6
+CASES = {   # flag -> transformers' rope_parameters for the same RoPE
+    "yarn:4": {"rope_type": "yarn", "factor": 4.0},
+    "linear:2": {"rope_type": "linear", "factor": 2.0},
+    '{"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, '
+    '"original_max_position_embeddings": 256}': {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+def _logits(m, pos):
+    ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = m(input_ids=ids, position_ids=pos)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("flag", list(CASES))
+def test_flag_gives_transformers_logits_for_the_same_rope(flag, tmp_path):
+    torch.set_num_threads(1)
+    plain = save_checkpoint(T.Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": THETA}),
+                            tmp_path)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={**CASES[flag], "rope_theta": THETA}).eval()
+    ours = model.from_pretrained(str(tmp_path), rope_scaling=flag).eval()
+    pos = torch.arange(37).expand(2, 37) + torch.tensor([[1500], [3000]])
+    want = _logits(ref, pos)
+    assert rel(_logits(ours, pos), want) < 1e-5, f"{flag}: {rel(_logits(ours, pos), want):.2e}"
+    assert rel(_logits(plain, pos), want) > 1e-4, f"{flag}: the scaling does not move these logits"
+
+
+def test_none_drops_the_configs_scaling(tmp_path):
+    torch.set_num_threads(1)
+    save_checkpoint(T.Qwen2Config(**COMMON, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": THETA}),
+                    tmp_path)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": THETA}).eval()
+    pos = torch.arange(37).expand(2, 37) + 2000
+    ours, yarn = (model.from_pretrained(str(tmp_path), rope_scaling=f).eval() for f in ("none", None))
+    assert rel(_logits(ours, pos), _logits(ref, pos)) < 1e-5
+    assert rel(_logits(yarn, pos), _logits(ref, pos)) > 1e-3
+
+
+@pytest.mark.parametrize("bad,phrase", [("yarn", "pass none, linear:F, yarn:F"), ("yarn:0.5", "factor must be"),
+                                        ("yarn:nan", "factor must be"), ("ntk:2", "TYPE:F takes linear or yarn"),
+                                        ("{oops", "not valid JSON"), ('{"rope_type": "longrope", "factor": 2}',
+                                                                      "'longrope' is not one of"),
+                                        ('{"rope_type": "llama3", "factor": 8}', "needs 'low_freq_factor'")])
+def test_bad_values_are_refused_before_anything(assets, tmp_path, bad, phrase):
+    msg = startup_error(train_argv(assets, str(tmp_path / "out"), "--rope-scaling", bad))
+    assert f"--rope-scaling {bad}" in msg and phrase in msg, msg
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_context_and_the_warning_past_it():
+    a = model.ModelArgs(max_position_embeddings=32768)
+    assert a.context == 32768 and a.beyond_context(32768) is None
+    msg = a.beyond_context(131072)
+    assert "--max-len 131072 reaches past the 32,768 positions" in msg and "--rope-scaling yarn:4" in msg, msg
+    y = a.with_rope_scaling("yarn:4")
+    assert y.context == 131072 and y.beyond_context(131072) is None and y.rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert model.ModelArgs(max_position_embeddings=131072, rope_scaling=dict(CASES[list(CASES)[2]])).context == 131072
+
+
+@pytest.mark.timeout(300)
+def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(assets, tmp_path):
+    from peft import PeftModel
+
+    import train
+    from model.export import merge
+
+    yarn = str(tmp_path / "yarn_model")   # the same weights, YaRN in config.json (the classic hub form)
+    shutil.copytree(assets["model"], yarn)
+    cfg = json.load(open(os.path.join(yarn, "config.json")))
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    json.dump(cfg, open(os.path.join(yarn, "config.json"), "w"))
+    flag, conf = str(tmp_path / "flag"), str(tmp_path / "conf")
+    with one_thread():
+        train.main(train_argv(assets, flag, "--rope-scaling", "yarn:4"))
+        train.main(train_argv({**assets, "model": yarn}, conf))
+    losses = [[json.loads(line)["loss"] for line in open(os.path.join(d, "metrics.jsonl"))] for d in (flag, conf)]
+    assert losses[0] == losses[1], losses
+    from safetensors.torch import load_file
+    a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (flag, conf))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    over = json.load(open(os.path.join(flag, "adapter", "base_config_overrides.json")))
+    assert over == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 4096}}, over
+    assert not os.path.exists(os.path.join(conf, "adapter", "base_config_overrides.json"))
+
+    pos = torch.arange(37).expand(2, 37) + torch.tensor([[100], [3000]])
+    ids = torch.randint(0, 40, (2, 37), generator=torch.Generator().manual_seed(3))
+    run = lambda m: m(input_ids=ids, position_ids=pos).logits.detach()   # noqa: E731
+    want = run(PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(yarn), os.path.join(conf, "adapter")))
+    base = T.AutoModelForCausalLM.from_pretrained(assets["model"], **over)
+    got = run(PeftModel.from_pretrained(base, os.path.join(flag, "adapter")))
+    assert rel(got, want) < 1e-5, rel(got, want)
+    unscaled = run(PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(assets["model"]),
+                                             os.path.join(flag, "adapter")))
+    assert rel(unscaled, want) > 1e-4, "the overrides change nothing here: the test shows nothing"
+    merged = str(tmp_path / "merged")
+    merge(assets["model"], os.path.join(flag, "adapter"), merged, quant="none", dtype=torch.float32)
+    mcfg = json.load(open(os.path.join(merged, "config.json")))
+    assert mcfg["rope_parameters"]["rope_type"] == "yarn", mcfg
+    assert rel(run(T.AutoModelForCausalLM.from_pretrained(merged)), want) < 1e-5
+
+    msg = startup_error(train_argv(assets, flag, "--rope-scaling", "yarn:2", "--resume", os.path.join(flag, "ckpt")))
+    assert "--rope-scaling: the checkpoint has 'yarn:4', this run 'yarn:2'" in msg, msg
