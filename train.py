@@ -191,6 +191,8 @@ def main(argv=None):
     torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
     run = wd = metrics = stop = None
     try:
+        # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
+        stop = guard.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
         if demo:
             if rank == 0:
                 make_demo(os.path.dirname(DEMO["model"]))
@@ -250,10 +252,8 @@ def main(argv=None):
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
-        # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
-        stop = guard.StopSignals(guard.cpu_group(guard.pg_timeout(args.timeout)), wd, rank, log0).start()
-        ckpt_dir = os.path.join(args.out, "ckpt")   # `saved`: the newest step in it (0: none)
-        saved = start if ckpt and os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(ckpt_dir) else 0
+        stop.start()
+        ckpt_dir, saved = os.path.join(args.out, "ckpt"), 0   # `saved`: the newest step this run saved
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -278,6 +278,7 @@ def main(argv=None):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
                     if step > saved:
                         wd.phase("save", step)
+                        opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
                         checkpoint.save(ckpt_dir, model, opt, step, {"args": vars(args)}, keep=args.keep_ckpts,
                                         rng=rng)
                     raise stop.stopped(got, step, ckpt_dir if step else None)

@@ -13,19 +13,17 @@ Contract:
   phase it waited in, dumps every thread's stack, and exits with EXIT_STUCK via `os._exit` (no
   clean-up can run while the main thread is blocked inside a collective), so torchrun ends the job.
   Arm it after the model is built; `.stop()` it before the final export, or use it as a context manager.
-  `.longest[name]`: the longest completed phase of each name, which `StopSignals` below reads.
-- `StopSignals(group, watchdog, rank, log)`: SIGTERM (schedulers, torchrun, Kubernetes), SIGINT (Ctrl-C) and
-  SIGUSR1 (e.g. SLURM's `--signal=USR1@600`) ask the run to stop with its finished steps saved.
-  `.start()` installs the handlers (main thread only); `.requested()` is a collective over `group` (CPU: gloo) that
-  every rank calls at the same points (train.py: before each micro-batch) and that returns the same signal number
-  (0: none) on every rank, so all ranks stop at one boundary: the step in flight is dropped (its update never
-  happened; it reruns on resume, the data order being a function of the step). `.stopped(step, where)` is the
-  `Stopped` exception to raise (exit status 128 + the signal). A second signal a second or more after the first
-  quits at once, as if no handler were there (Ctrl-C twice). A rank that gets a signal while blocked inside a
-  phase (a collective whose peer is gone: torchrun then sends SIGTERM to the survivors) cannot run a Python
-  handler; a thread woken through `signal.set_wakeup_fd` ends it with 128 + the signal once the phase has lasted
-  `grace_s` plus twice the longest phase of that name so far (no limit for a first-ever phase: the watchdog's
-  applies). `.close()` restores the previous handlers.
+- `StopSignals(rank, log, timeout)`: SIGTERM (schedulers, torchrun, Kubernetes), SIGINT (Ctrl-C) and SIGUSR1
+  (e.g. SLURM's `--signal=USR1@600`) ask the run to stop with its finished steps saved. Made right after the process
+  group (NCCL runs: it makes a gloo group of all ranks then, before any weight, so a gloo network problem shows
+  early). `.start()` installs the handlers (main thread only); `.requested()` is a collective that every rank calls
+  at the same points (train.py: before each micro-batch) and that returns the same signal number (0: none) on every
+  rank, so all ranks stop at one boundary: the step in flight is dropped (its update never happened; it reruns on
+  resume, the data order being a function of the step). `.stopped(signum, step, where)` is the `Stopped` exception
+  to raise (exit status 128 + the signal). A second signal a second or more after the first quits at once, as if
+  no handler were there (Ctrl-C twice); for a rank blocked in C (a collective whose peer is gone), where no Python
+  handler can run, a thread woken through `signal.set_wakeup_fd` ends the process with 128 + the signal.
+  `.close()` restores the previous handlers and destroys the gloo group it made.
 """
 
 from __future__ import annotations
@@ -85,14 +83,11 @@ class Watchdog:
             raise ValueError(f"--timeout must be a positive number of minutes, got {timeout_s / 60}")
         self.timeout_s, self.rank = timeout_s, rank
         self._state = (None, "start", time.monotonic())   # (step, phase, when it began): replaced whole
-        self.longest: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     def phase(self, name: str, step: int | None = None) -> None:
-        now, (_, last, since) = time.monotonic(), self._state
-        self.longest[last] = max(self.longest.get(last, 0.0), now - since)
-        self._state = (step, name, now)
+        self._state = (step, name, time.monotonic())
 
     def start(self) -> Watchdog:
         self.phase("start")
@@ -135,23 +130,16 @@ class Stopped(Exception):
         self.signum, self.code = signum, 128 + signum
 
 
-def cpu_group(timeout: datetime.timedelta):
-    """A group of every rank on gloo for small CPU collectives (None: the default group is gloo, or one rank).
-    Every rank must call it, in the same order as its other new_group calls."""
-    import torch.distributed as dist
-    if dist.get_backend() == "gloo" or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=timeout)
-
-
 class StopSignals:
     """Stop requests from signals, acted on by every rank together at the boundaries that call `requested()`."""
 
-    def __init__(self, group=None, watchdog: Watchdog | None = None, rank: int = 0, log=print, grace_s: float = 5.0,
-                 signals=STOP_SIGNALS):
-        self.group, self.wd, self.rank, self.log, self.grace_s, self.signals = group, watchdog, rank, log, grace_s, \
-            tuple(signals)
-        self.got, self.first, self._saved, self._pipe, self._thread = 0, None, None, None, None
+    def __init__(self, rank: int = 0, log=print, timeout: datetime.timedelta | None = None, signals=STOP_SIGNALS):
+        import torch.distributed as dist
+        self.rank, self.log, self.signals = rank, log, tuple(signals)
+        self.group, self._own = None, False
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self.group, self._own = dist.new_group(backend="gloo", timeout=timeout), True   # every rank, in order
+        self.got, self.first, self._saved, self._pipe, self._thread, self.acted = 0, None, None, None, None, False
 
     def start(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():   # handlers are the main thread's alone
@@ -177,24 +165,25 @@ class StopSignals:
                          "saved (send it again a second later to quit at once)")
 
     def _watch(self, r: int) -> None:
-        """Woken by the C-level handler even while the main thread is blocked; ends a rank stuck after a signal."""
-        got = None
-        while got is None:
+        """Woken by the C-level handler even while the main thread is blocked in C: a second signal a second or more
+        after the first ends the process when the main thread's own handler has not (it would have closed us)."""
+        first = None
+        while True:
             b = os.read(r, 1)
             if not b:   # closed
                 return
-            got = b[0] if b[0] in self.signals else None
-        os.set_blocking(r, False)
-        while self._pipe is not None and self.wd is not None:
-            time.sleep(0.2)
-            step, name, since = self.wd._state
-            limit = self.grace_s + 2 * self.wd.longest.get(name, math.inf)
-            if time.monotonic() - since > limit:
-                sys.stderr.write(f"rank {self.rank}: {signal.Signals(got).name} received while blocked for "
-                                 f"{time.monotonic() - since:.0f}s in step {step}, phase \"{name}\" (twice its "
-                                 f"longest so far, + {self.grace_s:g}s): a peer is gone or stuck; ending now\n")
+            if b[0] not in self.signals:
+                continue
+            if first is None:
+                first = time.monotonic()
+            elif time.monotonic() - first >= 1.0:
+                time.sleep(0.5)   # the main thread's handler, if it can run, quits more cleanly (and closes us)
+                if self._pipe is None:
+                    return
+                sys.stderr.write(f"rank {self.rank}: {signal.Signals(b[0]).name} again while blocked (a collective "
+                                 "whose peer is gone?): ending now\n")
                 sys.stderr.flush()
-                os._exit(128 + got)
+                os._exit(128 + b[0])
 
     def requested(self) -> int:
         """The signal number any rank got (0: none), the same on every rank: call it on every rank together."""
@@ -210,11 +199,14 @@ class StopSignals:
         saved = f"steps 1..{step} are saved in {where}" if where else \
             "no step had finished: nothing to save (run again with --overwrite)"
         msg = f"stopped on {name} before step {step + 1}'s update: {saved}"
+        self.acted = True
         if self.rank == 0:
             self.log(msg + (" — continue with the same command plus --resume " + where if where else ""))
         return Stopped(msg, signum)
 
     def close(self) -> None:
+        if self.got and not self.acted and self._saved is not None and self.rank == 0:
+            self.log(f"{signal.Signals(self.got).name} came after the last check: the run went on to its end")
         if self._saved is not None:
             for s, h in self._saved.items():
                 signal.signal(s, h)
@@ -227,3 +219,8 @@ class StopSignals:
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=1.0)
             os.close(r)
+        if self._own:
+            import torch.distributed as dist
+            self._own = False
+            if dist.is_initialized():
+                dist.destroy_process_group(self.group)

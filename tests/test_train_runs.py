@@ -249,8 +249,29 @@ def test_no_bitsandbytes_noise_on_import():
     assert r.returncode == 0 and "kernels-community" not in r.stderr, r.stderr
 
 
+def _sigterm_at(monkeypatch, n):
+    """SIGTERM in the n-th micro-batch (8 per step on 1 rank; entered after each stop check); count the saves."""
+    from parallel import checkpoint, phases
+
+    measuring, save, seen = phases.measuring, checkpoint.save, {"calls": 0, "saves": []}
+
+    def signal_there(*a, **k):
+        seen["calls"] += 1
+        if seen["calls"] == n:
+            signal.raise_signal(signal.SIGTERM)
+        return measuring(*a, **k)
+
+    def counted(ckpt_dir, model, opt, step, *a, **k):
+        seen["saves"].append(step)
+        return save(ckpt_dir, model, opt, step, *a, **k)
+
+    monkeypatch.setattr(phases, "measuring", signal_there)
+    monkeypatch.setattr(checkpoint, "save", counted)
+    return seen
+
+
 def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout(assets, tmp_path, monkeypatch):
-    from parallel import guard, phases
+    from parallel import guard
 
     flags = ("--steps", "4", "--lora-dropout", "0.1")
     ref, again, out = (str(tmp_path / n) for n in ("ref", "again", "out"))
@@ -258,23 +279,15 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     run(train_argv(assets, again, *flags))
     same = lambda d: [(r["loss"], r["grad_norm"]) for r in metrics(d)]   # noqa: E731
     assert same(again) == same(ref), "a run with dropout does not repeat itself"
-    measuring, calls = phases.measuring, [0]
-
-    def sigterm_in_step_3(*a, **k):   # 8 micro-batches per step on 1 rank; entered after each stop check
-        calls[0] += 1
-        if calls[0] == 8 * 2 + 3:
-            signal.raise_signal(signal.SIGTERM)
-        return measuring(*a, **k)
-
-    monkeypatch.setattr(phases, "measuring", sigterm_in_step_3)
-    with pytest.raises(guard.Stopped) as e:
-        run(train_argv(assets, out, *flags))
+    with monkeypatch.context() as m:
+        seen = _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch
+        with pytest.raises(guard.Stopped) as e:
+            run(train_argv(assets, out, *flags))
     assert str(e.value) == f"stopped on SIGTERM before step 3's update: steps 1..2 are saved in {out}/ckpt", e.value
-    assert e.value.code == 143 and calls[0] == 19, (e.value.code, calls[0])
+    assert e.value.code == 143 and seen == {"calls": 19, "saves": [2]}, (e.value.code, seen)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler outlived the run"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002"]
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(os.path.join(out, "adapter"))
-    monkeypatch.setattr(phases, "measuring", measuring)
     run(train_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
     got, want = metrics(out), metrics(ref)
     assert [r["step"] for r in got] == [1, 2, 3, 4], "each step logged once"
@@ -282,6 +295,41 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     from safetensors.torch import load_file
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed adapter is not the uninterrupted one"
+
+
+def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tmp_path, monkeypatch):
+    import train
+    from parallel import guard
+
+    def stop(out, n, *flags):
+        with monkeypatch.context() as m:
+            seen = _sigterm_at(m, n)
+            with pytest.raises(guard.Stopped):
+                run(train_argv(assets, out, "--steps", "4", *flags))
+        return seen["saves"], open(os.path.join(out, "ckpt", "latest")).read(), [r["step"] for r in metrics(out)]
+
+    # right after a --save-every save: nothing more to write
+    a = str(tmp_path / "a")
+    assert stop(a, 8 * 2 + 3, "--save-every", "2") == ([2], "step_000002", [1, 2])
+    # resumed from an older step of the same run (latest names step 4): the stop saves step 2 again, so `latest`
+    # and metrics.jsonl agree and the printed --resume OUT/ckpt continues from step 2
+    b = str(tmp_path / "b")
+    run(train_argv(assets, b, "--steps", "4", "--save-every", "2"))
+    assert stop(b, 3, "--save-every", "2", "--resume", os.path.join(b, "ckpt", "step_000002")) == \
+        ([2], "step_000002", [1, 2])
+    # step 1 skipped as non-finite (AdamW never ran: no optimizer state), then stopped in step 2: its save resumes
+    c = str(tmp_path / "c")
+    calls = {"n": 0}
+
+    def nan_in_step_one(z, y):
+        calls["n"] += 1
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        return loss * math.nan if calls["n"] <= 8 else loss
+
+    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one)
+    assert stop(c, 8 + 2) == ([1], "step_000001", [1])
+    run(train_argv(assets, c, "--steps", "3", "--resume", os.path.join(c, "ckpt")))
+    assert [r["step"] for r in metrics(c)] == [1, 2, 3]
 
 
 def _stop_cli(argv, env, sig):
