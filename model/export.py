@@ -42,10 +42,22 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
             full[n] = t.detach().to("cpu", torch.float32).clone()
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    write_adapter(get_peft_model_state_dict(peft_model, state_dict=full), peft_model.peft_config["default"], out_dir,
+                  base_path, rope_parameters)
+
+
+def peft_keys(lora: dict) -> dict:
+    """Our model's LoRA tensors ({"model.layers.0.self_attn.q_proj.lora_A.default.weight": t}, as a checkpoint holds
+    them) under peft's adapter keys ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
+    return {"base_model.model." + k.replace(".default.", "."): v for k, v in lora.items()}
+
+
+def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None) -> None:
+    """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base) and,
+    for a run with --rope-scaling, base_config_overrides.json."""
     os.makedirs(out_dir, exist_ok=True)
-    sd = get_peft_model_state_dict(peft_model, state_dict=full)
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "adapter_model.safetensors"))
-    cfg = peft_model.peft_config["default"]
+    save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
+              os.path.join(out_dir, "adapter_model.safetensors"))
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches
         cfg.base_model_name_or_path, cfg.revision = hub.split("@")

@@ -168,10 +168,14 @@ def pad_absmax(m: NF4Linear, qabsmax: torch.Tensor) -> torch.Tensor:
     return out.view(m.quant_storage).view(rows, 1)
 
 
+def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS) -> LoraConfig:
+    """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint)."""
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
+                      init_lora_weights=False)
+
+
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS):
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
-                     bias="none", init_lora_weights=False)
-    peft_model = get_peft_model(model, cfg)
+    peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets))
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()

@@ -20,6 +20,9 @@ Contract:
   given an unreadable step folder, it refuses, naming the previous readable one.
 - `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
   step to continue from.
+- `export(path, out_dir)`: the PEFT adapter of a checkpoint, as train.py exports at the end, without resuming and
+  without building the model (one process reads the LoRA tensors from the DCP files, any layout they were saved
+  from); also `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (refuses a non-empty DIR, NaN/Inf).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -226,3 +230,44 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     if _rank() == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+def export(path: str, out_dir: str) -> str:
+    """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
+    return the step folder read."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from model.export import peft_keys, write_adapter
+    from model.load import read_args
+    from model.qlora import lora_config
+    if os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.isfile(out_dir):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")
+    path = resolve(path)
+    args = read_meta(path).get("args", {})
+    if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
+        raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
+    with tempfile.TemporaryDirectory() as tmp:   # no process group: DCP's own single-process conversion
+        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
+        lora = torch.load(os.path.join(tmp, "state.pt"), weights_only=True)["model"]
+    bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
+    rope = args.get("rope_scaling")
+    write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
+                                               args["lora_targets"].split(",")), out_dir, args["model"],
+                  read_args(args["model"], rope).rope_parameters() if rope is not None else None)
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="The PEFT adapter of a train.py checkpoint, without resuming the run")
+    ap.add_argument("ckpt", help="OUT/ckpt (its newest good checkpoint) or OUT/ckpt/step_N")
+    ap.add_argument("--out", required=True, help="a new (or empty) directory for the adapter")
+    a = ap.parse_args()
+    try:
+        step = export(a.ckpt, a.out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"adapter of {step} in {a.out}")

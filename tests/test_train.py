@@ -18,6 +18,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
+- `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
+  adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring) in step 2's second micro-batch stops all 4 at the next
   micro-batch with step 1 saved (exit status 143 each); resumed on 1 rank, the run trains as the uninterrupted one;
 - every start-up error names its numbers and is raised before any weight is read (`build_model` and
@@ -37,6 +39,7 @@ import signal
 import traceback
 
 import pytest
+import torch
 
 from tests.dist import run_ranks
 from tests.helpers import no_weights, one_thread, startup_error, train_argv
@@ -324,6 +327,16 @@ def test_resume_across_layouts(assets, one, four, tmp_path):
     with one_thread():
         train.main(train_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
     _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+def test_export_of_a_sharded_checkpoint_is_the_runs_adapter(four, tmp_path):
+    from parallel.checkpoint import export
+
+    run = _at(four, "cp2_dp2_ulysses")
+    assert export(os.path.join(run, "ckpt"), str(tmp_path / "adapter")).endswith("step_000003")
+    got, want = _adapter(str(tmp_path)), _adapter(run)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.timeout(600)

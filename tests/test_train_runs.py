@@ -11,6 +11,8 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
 - token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
   --out naming a file and a missing --resume are refused up front, naming the value and the fix;
 - --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job;
+- `python -m parallel.checkpoint OUT/ckpt --out DIR` writes the adapter the run exported (same tensors bit for
+  bit, same adapter_config.json); a step folder gives that step's; a non-empty DIR is refused (exit 2, naming it);
 - SIGTERM in step 3's third micro-batch stops the run at the next one: steps 1..2 saved (the checkpoint holds
   the RNG as step 2 left it, so LoRA dropout replays), no adapter, the handlers restored; resumed, it logs
   each step once and trains bit for bit as the uninterrupted run; a run with dropout repeats itself exactly
@@ -371,3 +373,28 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
     assert rc == 128 + signal.SIGINT and f"stopped on SIGINT before step {_saved_step(out) + 1}'s update" in log, \
         (rc, log[-3000:])
     assert _saved_step(out) > step, "the resumed run saved no later step"
+
+
+def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
+    from safetensors.torch import load_file
+
+    from parallel.checkpoint import export
+
+    def adapter(d):
+        cfg = json.load(open(os.path.join(d, "adapter_config.json")))
+        cfg["target_modules"] = sorted(cfg["target_modules"])   # peft keeps them as a set: any order
+        return load_file(os.path.join(d, "adapter_model.safetensors")), cfg
+
+    out = str(tmp_path / "final")
+    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "step_000004" in r.stdout, r.stdout + r.stderr
+    (got, gcfg), (want, wcfg) = adapter(out), adapter(os.path.join(done, "adapter"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert gcfg == wcfg, {k: (gcfg.get(k), wcfg.get(k)) for k in set(gcfg) | set(wcfg) if gcfg.get(k) != wcfg.get(k)}
+    export(os.path.join(done, "ckpt", "step_000002"), str(tmp_path / "two"))
+    two = adapter(str(tmp_path / "two"))[0]
+    assert any(not torch.equal(two[k], want[k]) for k in want), "step 2's adapter is step 4's"
+    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and f"--out {out!r} exists and is not empty" in r.stderr, r.stderr
