@@ -142,6 +142,8 @@ class ModelArgs:
         except KeyError as e:
             raise ValueError(f"--rope-scaling {spec}: rope type {sc['rope_type']!r} needs {e.args[0]!r}; pass a JSON "
                              "object with it") from None
+        except (TypeError, ValueError, ArithmeticError) as e:
+            raise ValueError(f"--rope-scaling {spec}: {type(e).__name__}: {e}") from None
         return out
 
     def rope_parameters(self) -> dict:
@@ -162,10 +164,14 @@ class ModelArgs:
         context is extended, but the positions are new to the model)."""
         if max_len <= self.context:
             return None
-        scaled = f"{self.rope_scaling['rope_type']} RoPE scaling" if self.rope_scaling else "no RoPE scaling"
-        return (f"warning: --max-len {max_len} reaches past the {self.context:,} positions this model is made for "
-                f"({scaled}); positions beyond them are new to it. Extending the context? Scale RoPE, e.g. "
-                f"--rope-scaling yarn:{math.ceil(max_len / self.max_position_embeddings)} (see the model card)")
+        head = (f"warning: --max-len {max_len} reaches past the {self.context:,} positions this model is made for; "
+                "positions beyond them are new to it. Extending the context? ")
+        if not self.rope_scaling:
+            return head + (f"Scale RoPE, e.g. --rope-scaling yarn:{math.ceil(max_len / self.max_position_embeddings)}"
+                           " (see the model card for its factor and original length)")
+        sc = self.rope_scaling
+        return head + (f"RoPE is scaled ({sc['rope_type']}, factor {sc.get('factor')}); --rope-scaling replaces that "
+                       "scaling, it does not add to it: the same type with a larger factor, per the model card")
 
     def window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None for full causal attention."""
@@ -208,12 +214,14 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
 
 def rope_scaling_flag(spec: str | None, args: ModelArgs | None = None) -> dict | None:
     """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
-    by F (YaRN's original length: config.json's max_position_embeddings, as transformers takes it); a JSON object is
-    transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}). Without `args` only the syntax is
+    by F, "yarn:F@N" with original length N (default: config.json's max_position_embeddings, as transformers takes
+    it); a JSON object is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}): numbers
+    finite and > 0 (a factor from 1 to 1024), `truncate` a bool, no other keys. Without `args` only the syntax is
     checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
     if spec is None:
         return None
-    forms = 'none, linear:F, yarn:F (F >= 1) or a JSON object such as \'{"rope_type": "yarn", "factor": 4}\''
+    forms = 'none, linear:F, yarn:F or yarn:F@N (F >= 1, N the original length) or a JSON object such as ' \
+        '\'{"rope_type": "yarn", "factor": 4}\''
     if spec.strip() == "none":
         return {}
     if spec.lstrip().startswith("{"):
@@ -227,21 +235,42 @@ def rope_scaling_flag(spec: str | None, args: ModelArgs | None = None) -> dict |
         if "type" in sc and "rope_type" not in sc:
             sc["rope_type"] = sc.pop("type")
     else:
-        kind, _, factor = spec.partition(":")
+        kind, _, rest = spec.partition(":")
+        factor, at, orig = rest.partition("@")
         try:
             sc = {"rope_type": kind.strip(), "factor": float(factor)}
+            if at:
+                sc["original_max_position_embeddings"] = int(orig)
         except ValueError:
             raise ValueError(f"--rope-scaling {spec}: pass {forms}") from None
+        if at and sc["rope_type"] != "yarn":
+            raise ValueError(f"--rope-scaling {spec}: @N (the original length) is YaRN's; pass {forms}")
         if sc["rope_type"] not in ("linear", "yarn"):
             raise ValueError(f"--rope-scaling {spec}: TYPE:F takes linear or yarn (other types: a JSON object); "
                              f"pass {forms}")
     if sc.get("rope_type") not in ROPE_TYPES:
         raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
     f = sc.get("factor")
-    if sc["rope_type"] != "default" and not (isinstance(f, (int, float)) and math.isfinite(f) and f >= 1):
-        raise ValueError(f"--rope-scaling {spec}: the factor must be a finite number >= 1, got {f!r}")
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
+    if sc["rope_type"] != "default" and not (real(f) and 1 <= f <= 1024):
+        raise ValueError(f"--rope-scaling {spec}: the factor must be a number from 1 to 1024, got {f!r}")
+    keys = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
+    for k, v in sc.items():
+        if k == "rope_type" or k == "truncate" and isinstance(v, bool):
+            continue
+        if k == "truncate":
+            raise ValueError(f"--rope-scaling {spec}: truncate must be true or false, got {v!r}")
+        if k not in keys:
+            raise ValueError(f"--rope-scaling {spec}: unknown key {k!r}; known: rope_type, truncate, "
+                             f"{', '.join(sorted(keys))}")
+        if not (real(v) and v > 0):
+            raise ValueError(f"--rope-scaling {spec}: {k} must be a finite number > 0, got {v!r}")
     if sc["rope_type"] == "default":
         return {}
+    for k, v in sc.items():   # one spelling per value: 4 and 4.0 are the same factor
+        if k not in ("rope_type", "truncate"):
+            sc[k] = int(v) if k == "original_max_position_embeddings" and v == int(v) else float(v)
     if args is not None and sc["rope_type"] == "yarn":
         sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
     return sc

@@ -140,8 +140,10 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
         with open(os.path.join(adapter_dir, OVERRIDES)) as f:
             rope = dict(json.load(f)["rope_parameters"])
-        if "rope_parameters" in cfg:   # transformers 5's form
+        if "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
             cfg["rope_parameters"] = rope
+            cfg.pop("rope_scaling", None)
+            cfg.pop("rope_theta", None)
         else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
             cfg["rope_theta"] = rope.pop("rope_theta")
             cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None

@@ -200,6 +200,12 @@ def _norm(flag: str, v):
         return hub_snapshot(v) or os.path.normpath(v)
     if flag == "data" and isinstance(v, str):
         return os.path.normpath(v)
+    if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
+        from model.config import rope_scaling_flag
+        try:
+            return json.dumps(rope_scaling_flag(v), sort_keys=True)
+        except ValueError:
+            return v
     return v
 
 
@@ -209,6 +215,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record are not compared."""
     diffs = []
+    ckpt_args = {"rope_scaling": None, **ckpt_args}   # runs from before --rope-scaling: config.json's own
     for k in RUN_DEFINING:
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = "--" + k.replace("_", "-")

@@ -5,7 +5,9 @@ Pins:
   transformers' model loaded with the same `rope_parameters` (within 1e-5, positions far from 0, where the
   scaling moves the logits by more than 1e-4); `none` on a YaRN checkpoint gives transformers' plain RoPE;
 - bad values are refused before anything is read, naming the value and the accepted forms; `context` and the
-  warning for rows past it;
+  warning for rows past it (naming the scaling in use when config.json scales); `yarn:F@N` sets the original
+  length; resume compares the scaling meant (`yarn:4` = `yarn:4.0` = its JSON), and a checkpoint from before the
+  flag counts as config.json's own;
 - `train.py --rope-scaling yarn:4` on a plain checkpoint trains exactly as the same weights whose config.json
   carries that YaRN (losses and adapter equal); its adapter folder holds `base_config_overrides.json`, with which
   transformers + peft give the logits of peft on the YaRN config; `model.merge` writes that RoPE into the merged
@@ -74,7 +76,11 @@ def test_none_drops_the_configs_scaling(tmp_path):
                                         ("yarn:nan", "factor must be"), ("ntk:2", "TYPE:F takes linear or yarn"),
                                         ("{oops", "not valid JSON"), ('{"rope_type": "longrope", "factor": 2}',
                                                                       "'longrope' is not one of"),
-                                        ('{"rope_type": "llama3", "factor": 8}', "needs 'low_freq_factor'")])
+                                        ('{"rope_type": "llama3", "factor": 8}', "needs 'low_freq_factor'"),
+                                        ("linear:1e308", "from 1 to 1024"), ("linear:2@4096", "@N (the original"),
+                                        ('{"rope_type": "yarn", "factor": 4, "beta_fast": "32"}', "beta_fast must be"),
+                                        ('{"rope_type": "yarn", "factor": true}', "factor must be"),
+                                        ('{"rope_type": "yarn", "factor": 4, "fcator": 2}', "unknown key 'fcator'")])
 def test_bad_values_are_refused_before_anything(assets, tmp_path, bad, phrase):
     msg = startup_error(train_argv(assets, str(tmp_path / "out"), "--rope-scaling", bad))
     assert f"--rope-scaling {bad}" in msg and phrase in msg, msg
@@ -89,7 +95,22 @@ def test_context_and_the_warning_past_it():
     y = a.with_rope_scaling("yarn:4")
     assert y.context == 131072 and y.beyond_context(131072) is None and y.rope_scaling == {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    assert model.ModelArgs(max_position_embeddings=131072, rope_scaling=dict(CASES[list(CASES)[2]])).context == 131072
+    llama31 = model.ModelArgs(max_position_embeddings=131072, rope_scaling=dict(CASES[list(CASES)[2]]))
+    assert llama31.context == 131072
+    assert "RoPE is scaled (llama3, factor 8.0); --rope-scaling replaces that" in llama31.beyond_context(262144)
+    q3 = model.ModelArgs(max_position_embeddings=40960).with_rope_scaling("yarn:4@32768")
+    assert q3.rope_scaling["original_max_position_embeddings"] == 32768 and q3.context == 131072
+
+
+def test_resume_compares_the_scaling_meant():
+    from parallel.runs import check_resume
+
+    for same in ("yarn:4.0", '{"type": "yarn", "factor": 4}'):
+        check_resume({"rope_scaling": "yarn:4"}, {"rope_scaling": same})
+    for old, new in (({"rope_scaling": "yarn:4"}, {"rope_scaling": None}), ({}, {"rope_scaling": "yarn:4"})):
+        with pytest.raises(ValueError, match="--rope-scaling: the checkpoint has"):
+            check_resume(old, new)
+    check_resume({}, {"rope_scaling": None})
 
 
 @pytest.mark.timeout(300)
@@ -134,6 +155,13 @@ def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(a
     mcfg = json.load(open(os.path.join(merged, "config.json")))
     assert mcfg["rope_parameters"]["rope_type"] == "yarn", mcfg
     assert rel(run(T.AutoModelForCausalLM.from_pretrained(merged)), want) < 1e-5
+    both = str(tmp_path / "both")   # a base config with rope_parameters AND a top-level rope_scaling, which would win
+    shutil.copytree(assets["model"], both)
+    cfg = json.load(open(os.path.join(both, "config.json")))
+    json.dump({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, open(os.path.join(both, "config.json"),
+                                                                                   "w"))
+    merge(both, os.path.join(flag, "adapter"), str(tmp_path / "merged2"), quant="none", dtype=torch.float32)
+    assert rel(run(T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged2"))), want) < 1e-5
 
     msg = startup_error(train_argv(assets, flag, "--rope-scaling", "yarn:2", "--resume", os.path.join(flag, "ckpt")))
     assert "--rope-scaling: the checkpoint has 'yarn:4', this run 'yarn:2'" in msg, msg
