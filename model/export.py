@@ -7,7 +7,8 @@ Contract:
   `--rope-scaling` also writes `base_config_overrides.json`: {"rope_parameters": ...} (transformers 5's form,
   rope_theta included: `ModelArgs.rope_parameters()`), what the base must be loaded with
   (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `merge` writes that RoPE into the
-  merged config.json in the base config's own form.
+  merged config.json in the base config's own form. The folder is written beside it (`.tmp`) and swapped in whole
+  (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
   W' = W + (alpha / r) · B @ A for every adapted projection, streamed one base file at a time. With quant="nf4"
@@ -54,22 +55,28 @@ def peft_keys(lora: dict) -> dict:
 
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base) and,
-    for a run with --rope-scaling, base_config_overrides.json."""
-    os.makedirs(out_dir, exist_ok=True)
+    for a run with --rope-scaling, base_config_overrides.json. Written to `out_dir`.tmp, then swapped in: an adapter
+    already there (a resumed run re-exporting) stays whole until the new one is complete."""
+    out_dir = os.path.normpath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
+    os.makedirs(tmp)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
-              os.path.join(out_dir, "adapter_model.safetensors"))
+              os.path.join(tmp, "adapter_model.safetensors"))
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches
         cfg.base_model_name_or_path, cfg.revision = hub.split("@")
     else:
         cfg.base_model_name_or_path = os.path.abspath(base_path)
-    cfg.save_pretrained(out_dir)
-    path = os.path.join(out_dir, OVERRIDES)
+    cfg.save_pretrained(tmp)
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
-        with open(path, "w") as f:
+        with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
-    elif os.path.exists(path):   # a resumed run re-exporting into the same folder
-        os.remove(path)
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:

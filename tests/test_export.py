@@ -19,7 +19,9 @@ non-zero B so the adapter moves the logits):
 - `python -m model.merge` runs as a subprocess from the repo root, takes --quant from the run's config.json
   beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
   as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
-  message naming it.
+  message naming it;
+- an export that fails after writing the weights (the config's write raising) leaves the adapter already in the
+  folder byte-identical; the next export replaces it whole and leaves no .tmp/.old folder.
 
 Run: .venv/bin/python -m pytest -q tests/test_export.py
 """
@@ -239,3 +241,27 @@ def test_merge_cli(exported, tmp_path):
         assert torch.equal(got[k], want[k]), k
     assert _hf_logits(_hf(str(out), dtype="auto")).isfinite().all()
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
+
+
+def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):
+    from model.export import write_adapter
+    from model.qlora import lora_config
+
+    out = str(tmp_path / "adapter")
+    sd = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4)}
+    write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    assert sorted(before) == ["adapter_config.json", "adapter_model.safetensors"]
+    cfg = lora_config(2, 4.0, 0.0)
+    monkeypatch.setattr(type(cfg), "save_pretrained", lambda self, d: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):   # killed after the weights, before the config
+        write_adapter({k: v * 2 for k, v in sd.items()}, cfg, out, str(tmp_path))
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+    monkeypatch.undo()
+    write_adapter({k: v * 2 for k, v in sd.items()}, lora_config(2, 4.0, 0.0), out, str(tmp_path),
+                  rope_parameters={"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0})
+    from safetensors.torch import load_file
+    got = load_file(os.path.join(out, "adapter_model.safetensors"))[next(iter(sd))]
+    assert torch.equal(got, torch.full((2, 4), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["adapter"], "a .tmp or .old folder was left behind"
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base_config_overrides.json"]
