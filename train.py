@@ -82,6 +82,8 @@ def build_parser(add_help=True):
     a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
+    a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
+      "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
     a("--lr", type=float, default=2e-4, help="peak learning rate")
     a("--warmup", type=int, default=10, help="linear warmup steps")
@@ -232,8 +234,9 @@ def main(argv=None):
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
         n_lora = sum(p.numel() for p in params)
-        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable, "
-             f"quant {args.quant}, {dtype}, built in {time.time() - t0:.1f}s")
+        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
+             f"{' from ' + args.init_adapter if args.init_adapter else ''}, quant {args.quant}, {dtype}, built in "
+             f"{time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))

@@ -47,6 +47,37 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
                   base_path, rope_parameters)
 
 
+def check_init_adapter(path: str, r: int, alpha: float, targets) -> dict:
+    """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
+    only: cheap, before any weight). Returns its adapter_config.json."""
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not (os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))):
+        raise ValueError(f"--init-adapter {path!r}: no adapter_config.json and adapter_model.safetensors there; pass "
+                         "a PEFT adapter folder (e.g. an earlier run's OUT/adapter)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    mods = cfg.get("target_modules")
+    wrong = [f"{k} true (not trained here)" for k in ("use_dora", "use_rslora") if cfg.get(k)]
+    if cfg.get("peft_type") != "LORA":
+        wrong.append(f"peft_type {cfg.get('peft_type')!r} (LoRA is trained here)")
+    if cfg.get("r") != r or cfg.get("lora_alpha") != alpha:
+        wrong.append(f"r {cfg.get('r')} and lora_alpha {cfg.get('lora_alpha')}, this run --lora-r {r} --lora-alpha "
+                     f"{alpha:g} (the same numbers keep the function it learned: pass them)")
+    if not isinstance(mods, list) or not set(mods) <= set(targets):
+        wrong.append(f"target_modules {mods!r}, beyond this run's --lora-targets {','.join(targets)} (pass a "
+                     "--lora-targets that holds them)")
+    if wrong:
+        raise ValueError(f"--init-adapter {path!r}: the adapter has " + "; ".join(wrong))
+    return cfg
+
+
+def read_init_adapter(path: str) -> dict:
+    """An adapter's tensors under our parameter names (the inverse of `peft_keys`)."""
+    return {k.removeprefix("base_model.model.").replace(".lora_A.weight", ".lora_A.default.weight")
+            .replace(".lora_B.weight", ".lora_B.default.weight"): v
+            for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
+
+
 def peft_keys(lora: dict) -> dict:
     """Our model's LoRA tensors ({"model.layers.0.self_attn.q_proj.lora_A.default.weight": t}, as a checkpoint holds
     them) under peft's adapter keys ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from model.attention import SDPAAttention
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
-from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights
+from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights, set_param
 from model.weights import load_weights
 from parallel.compile import apply_compile
 from parallel.cp import KernelAttention
@@ -77,6 +77,7 @@ class BuildOptions:
     ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
     seed: int = 0
     rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.config.rope_scaling_flag)
+    init_adapter: str | None = None        # --init-adapter: LoRA starts from this PEFT adapter's tensors
 
     @classmethod
     def from_args(cls, args, dtype: torch.dtype) -> BuildOptions:
@@ -86,7 +87,8 @@ class BuildOptions:
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations,
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
-                   ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None))
+                   ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None),
+                   init_adapter=getattr(args, "init_adapter", None))
 
 
 def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
@@ -278,7 +280,24 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     load_weights(model, reader, device)                                     # 7
     reader.close()
     init_lora(model, opts.seed)                                             # 8
+    if opts.init_adapter:
+        init_from_adapter(model, opts.init_adapter)
     return model, peft_model
+
+
+def init_from_adapter(model, path: str) -> None:
+    """Copy a PEFT adapter's tensors into the LoRA parameters they name (this rank's shard of each); projections the
+    adapter does not cover keep init_lora's start (B = 0: no change to the function)."""
+    from model.export import read_init_adapter
+
+    params = dict(model.named_parameters())
+    for name, t in read_init_adapter(path).items():
+        p = params.get(name)
+        if p is None or tuple(p.shape) != tuple(t.shape):
+            raise ValueError(f"--init-adapter {path!r}: its tensor {name} {tuple(t.shape)} "
+                             + ("has no LoRA parameter in this model" if p is None else
+                                f"does not fit this model's {tuple(p.shape)}") + ": an adapter of another base model?")
+        set_param(p, t.to(p.dtype))
 
 
 def lora_parameters(model) -> list[torch.nn.Parameter]:

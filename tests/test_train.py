@@ -18,6 +18,7 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
+- a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring) in step 2's second micro-batch stops all 4 at the next
@@ -79,6 +80,8 @@ FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
     "window_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
 }
+# one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
+INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
 STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
@@ -111,6 +114,8 @@ def _four_ranks(rank, world_size, assets, root):
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
     stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
+    train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
+                          os.path.join(root, "cp2_dp2_ulysses", "adapter")))
     return (errors, resume_error, stopped) if rank == 0 else (None, None, stopped)
 
 
@@ -327,6 +332,17 @@ def test_resume_across_layouts(assets, one, four, tmp_path):
     with one_thread():
         train.main(train_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
     _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+def test_init_adapter_four_ranks_match_one_rank(assets, four, tmp_path):
+    import train
+
+    out = str(tmp_path / "init1")
+    with one_thread():
+        train.main(train_argv(assets, out, "--steps", "1", "--init-adapter",
+                              _at(four, "cp2_dp2_ulysses", "adapter")))
+    _compare("--init-adapter, 4 ranks ring vs 1 rank", _at(four, "init_cp2_dp2_ring"), out, steps=(1,))
 
 
 @pytest.mark.timeout(600)

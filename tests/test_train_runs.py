@@ -11,6 +11,10 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
 - token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
   --out naming a file and a missing --resume are refused up front, naming the value and the fix;
 - --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job;
+- `--init-adapter A/adapter` (A trained q/v only; this run all seven projections): the eval loss before training
+  equals A's final eval loss (the function A learned; the other projections start with B = 0); an adapter with
+  another r or alpha, targets beyond --lora-targets, DoRA, a missing folder are refused before any weight is read,
+  tensors that do not fit the model when they are loaded; a resume with another --init-adapter is refused;
 - `python -m parallel.checkpoint OUT/ckpt --out DIR` writes the adapter the run exported (same tensors bit for
   bit, same adapter_config.json); a step folder gives that step's; a non-empty DIR is refused (exit 2, naming it);
 - SIGTERM in step 3's third micro-batch stops the run at the next one: steps 1..2 saved (the checkpoint holds
@@ -29,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -398,3 +403,38 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and f"--out {out!r} exists and is not empty" in r.stderr, r.stderr
+
+
+def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_path, capsys):
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(train_argv(assets, a, "--steps", "2", "--eval-data", assets["data"], "--lora-targets", "q_proj,v_proj"))
+    capsys.readouterr()
+    run(train_argv(assets, b, "--steps", "1", "--eval-data", assets["data"], "--init-adapter", a + "/adapter"))
+    before = float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1))
+    assert before == metrics(a)[-1]["eval_loss"], (before, metrics(a)[-1])
+    base = train_argv(assets, str(tmp_path / "x"), "--init-adapter", a + "/adapter")
+    for flags, phrase in ((["--lora-r", "8"], "r 4 and lora_alpha 32.0, this run --lora-r 8 --lora-alpha 32"),
+                          (["--lora-alpha", "16"], "this run --lora-r 4 --lora-alpha 16"),
+                          (["--lora-targets", "q_proj,k_proj"], "beyond this run's --lora-targets q_proj,k_proj")):
+        msg = startup_error(base + flags)
+        assert phrase in msg and a + "/adapter" in msg, msg
+    msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", str(tmp_path / "nope")))
+    assert "no adapter_config.json" in msg and "nope" in msg, msg
+    dora = str(tmp_path / "dora")
+    shutil.copytree(a + "/adapter", dora)
+    cfg = json.load(open(os.path.join(dora, "adapter_config.json")))
+    json.dump({**cfg, "use_dora": True}, open(os.path.join(dora, "adapter_config.json"), "w"))
+    assert "use_dora true" in startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", dora))
+    other = str(tmp_path / "other")   # an adapter of another base: a tensor of another shape
+    shutil.copytree(a + "/adapter", other)
+    sd = load_file(os.path.join(other, "adapter_model.safetensors"))
+    k = next(k for k in sd if k.endswith("q_proj.lora_A.weight"))
+    save_file({**sd, k: torch.zeros(4, 7)}, os.path.join(other, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"lora_A.default.weight \(4, 7\) does not fit this model's \(4, 48\)"):
+        run(train_argv(assets, str(tmp_path / "y"), "--init-adapter", other))
+    msg = startup_error(train_argv(assets, b, "--init-adapter", other, "--resume", os.path.join(b, "ckpt")))
+    assert "--init-adapter: the checkpoint has" in msg, msg
