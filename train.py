@@ -235,8 +235,8 @@ def main(argv=None):
         params = lora_parameters(model)
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
-             f"{' from ' + args.init_adapter if args.init_adapter else ''}, quant {args.quant}, {dtype}, built in "
-             f"{time.time() - t0:.1f}s")
+             f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "
+             f"built in {time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))

@@ -57,7 +57,11 @@ def check_init_adapter(path: str, r: int, alpha: float, targets) -> dict:
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")
-    wrong = [f"{k} true (not trained here)" for k in ("use_dora", "use_rslora") if cfg.get(k)]
+    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "use_rslora", "lora_bias", "modules_to_save",
+                                                          "trainable_token_indices", "alpha_pattern", "rank_pattern")
+             if cfg.get(k)]
+    if cfg.get("bias", "none") != "none":
+        wrong.append(f"bias {cfg['bias']!r} (its trained biases would land in frozen weights; only 'none' here)")
     if cfg.get("peft_type") != "LORA":
         wrong.append(f"peft_type {cfg.get('peft_type')!r} (LoRA is trained here)")
     if cfg.get("r") != r or cfg.get("lora_alpha") != alpha:
@@ -89,9 +93,11 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     for a run with --rope-scaling, base_config_overrides.json. Written to `out_dir`.tmp, then swapped in: an adapter
     already there (a resumed run re-exporting) stays whole until the new one is complete."""
     out_dir = os.path.normpath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
-    os.makedirs(tmp)
+    fresh = not (os.path.isdir(out_dir) and os.listdir(out_dir))   # nothing to keep: write in place
+    tmp, old = (out_dir, None) if fresh else (out_dir + ".tmp", out_dir + ".old")
+    if not fresh:
+        shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
+    os.makedirs(tmp, exist_ok=fresh)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
               os.path.join(tmp, "adapter_model.safetensors"))
     hub = hub_snapshot(base_path)
@@ -103,11 +109,11 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
         with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
-    if os.path.exists(out_dir):
+    if not fresh:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import sys
-import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -235,8 +235,6 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
 def export(path: str, out_dir: str) -> str:
     """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
     return the step folder read."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     from model.export import peft_keys, write_adapter
     from model.load import read_args
     from model.qlora import lora_config
@@ -246,9 +244,12 @@ def export(path: str, out_dir: str) -> str:
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
-    with tempfile.TemporaryDirectory() as tmp:   # no process group: DCP's own single-process conversion
-        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
-        lora = torch.load(os.path.join(tmp, "state.pt"), weights_only=True)["model"]
+    md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
+    lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in md.state_dict_metadata.items() if k.startswith("model.") and hasattr(m, "size")}
+    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it
     bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")

@@ -172,8 +172,12 @@ def check_flags(args) -> None:
         if v <= bound:
             raise ValueError(f"{flag} must be {need}, got {v}")
     rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
-    if getattr(args, "init_adapter", None):   # its config (r, alpha, targets); its tensors' shapes at load
+    if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
         from model.export import check_init_adapter
+        if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(
+                os.path.realpath(args.out) + os.sep):
+            raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
+                             "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every)):

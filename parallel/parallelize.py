@@ -35,6 +35,7 @@ directly (peft's wrapper calls `forward` without `__call__`, which would skip FS
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -88,7 +89,7 @@ class BuildOptions:
                    offload_activations=args.offload_activations,
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
                    ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None),
-                   init_adapter=getattr(args, "init_adapter", None))
+                   init_adapter=None if getattr(args, "resume", None) else getattr(args, "init_adapter", None))
 
 
 def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
@@ -293,6 +294,9 @@ def init_from_adapter(model, path: str) -> None:
     params = dict(model.named_parameters())
     for name, t in read_init_adapter(path).items():
         p = params.get(name)
+        if not re.search(r"\.lora_[AB]\.default\.weight$", name) or p is not None and not p.requires_grad:
+            raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight: an adapter with "
+                             "trained biases or saved modules is not one this run can start from")
         if p is None or tuple(p.shape) != tuple(t.shape):
             raise ValueError(f"--init-adapter {path!r}: its tensor {name} {tuple(t.shape)} "
                              + ("has no LoRA parameter in this model" if p is None else

@@ -36,12 +36,12 @@ from model.load import hub_snapshot
 
 LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
-OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", LOCK)
+OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", "adapter.tmp", "adapter.old", LOCK)
 # a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 # flags that change the math of the steps still to come: a resume must keep them
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
-                "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling", "init_adapter")
+                "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -198,7 +198,7 @@ def _norm(flag: str, v):
         return sorted(t.strip() for t in v.split(",") if t.strip())
     if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
         return hub_snapshot(v) or os.path.normpath(v)
-    if flag in ("data", "init_adapter") and isinstance(v, str):
+    if flag == "data" and isinstance(v, str):
         return os.path.normpath(v)
     if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
         from model.config import rope_scaling_flag
@@ -215,7 +215,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record are not compared."""
     diffs = []
-    ckpt_args = {"rope_scaling": None, "init_adapter": None, **ckpt_args}   # runs from before these flags
+    ckpt_args = {"rope_scaling": None, **ckpt_args}   # runs from before --rope-scaling: config.json's own
     for k in RUN_DEFINING:
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = "--" + k.replace("_", "-")

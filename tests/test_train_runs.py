@@ -13,8 +13,10 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
 - --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job;
 - `--init-adapter A/adapter` (A trained q/v only; this run all seven projections): the eval loss before training
   equals A's final eval loss (the function A learned; the other projections start with B = 0); an adapter with
-  another r or alpha, targets beyond --lora-targets, DoRA, a missing folder are refused before any weight is read,
-  tensors that do not fit the model when they are loaded; a resume with another --init-adapter is refused;
+  another r or alpha, targets beyond --lora-targets, DoRA, a trained bias, saved modules, an alpha_pattern (adapters
+  made elsewhere), a missing folder, and one inside an --out that --overwrite would empty are refused before any
+  weight is read; tensors that are not LoRA A/B weights or do not fit the model when they load; a resume needs
+  neither the adapter nor its folder (LoRA comes from the checkpoint);
 - `python -m parallel.checkpoint OUT/ckpt --out DIR` writes the adapter the run exported (same tensors bit for
   bit, same adapter_config.json); a step folder gives that step's; a non-empty DIR is refused (exit 2, naming it);
 - SIGTERM in step 3's third micro-batch stops the run at the next one: steps 1..2 saved (the checkpoint holds
@@ -424,11 +426,18 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
         assert phrase in msg and a + "/adapter" in msg, msg
     msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", str(tmp_path / "nope")))
     assert "no adapter_config.json" in msg and "nope" in msg, msg
-    dora = str(tmp_path / "dora")
-    shutil.copytree(a + "/adapter", dora)
-    cfg = json.load(open(os.path.join(dora, "adapter_config.json")))
-    json.dump({**cfg, "use_dora": True}, open(os.path.join(dora, "adapter_config.json"), "w"))
-    assert "use_dora true" in startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", dora))
+    cfg = json.load(open(os.path.join(a, "adapter", "adapter_config.json")))
+    for extra, phrase in (({"use_dora": True}, "use_dora True"), ({"bias": "all"}, "bias 'all'"),
+                          ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head']"),
+                          ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern {'q_proj': 8}")):   # made elsewhere
+        odd = str(tmp_path / "odd")
+        shutil.rmtree(odd, ignore_errors=True)
+        shutil.copytree(a + "/adapter", odd)
+        json.dump({**cfg, **extra}, open(os.path.join(odd, "adapter_config.json"), "w"))
+        msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", odd))
+        assert phrase in msg, msg
+    msg = startup_error(train_argv(assets, a, "--overwrite", "--init-adapter", a + "/adapter"))
+    assert "lies inside --out" in msg and os.path.exists(a + "/adapter/adapter_model.safetensors"), msg
     other = str(tmp_path / "other")   # an adapter of another base: a tensor of another shape
     shutil.copytree(a + "/adapter", other)
     sd = load_file(os.path.join(other, "adapter_model.safetensors"))
@@ -436,5 +445,14 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     save_file({**sd, k: torch.zeros(4, 7)}, os.path.join(other, "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"lora_A.default.weight \(4, 7\) does not fit this model's \(4, 48\)"):
         run(train_argv(assets, str(tmp_path / "y"), "--init-adapter", other))
-    msg = startup_error(train_argv(assets, b, "--init-adapter", other, "--resume", os.path.join(b, "ckpt")))
-    assert "--init-adapter: the checkpoint has" in msg, msg
+    bias = str(tmp_path / "bias")   # a trained bias among the tensors: it would land in a frozen weight
+    shutil.copytree(a + "/adapter", bias)
+    save_file({**sd, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias": torch.zeros(48)},
+              os.path.join(bias, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"q_proj.base_layer.bias is not a LoRA A/B weight"):
+        run(train_argv(assets, str(tmp_path / "z"), "--init-adapter", bias))
+    # a resume takes LoRA from its checkpoint: the start adapter is neither read nor needed any more
+    shutil.rmtree(a + "/adapter")
+    run(train_argv(assets, b, "--steps", "2", "--eval-data", assets["data"], "--init-adapter", a + "/adapter",
+                   "--resume", os.path.join(b, "ckpt")))
+    assert [r["step"] for r in metrics(b)] == [1, 2]
