@@ -155,6 +155,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         now = time.monotonic()
         if self.got and now - self.first >= 1.0:   # asked twice: quit now, as without this handler
+            self.acted = True
             self.close()
             signal.raise_signal(signum)
             return
@@ -206,7 +207,7 @@ class StopSignals:
 
     def close(self) -> None:
         if self.got and not self.acted and self._saved is not None and self.rank == 0:
-            self.log(f"{signal.Signals(self.got).name} came after the last check: the run went on to its end")
+            self.log(f"{signal.Signals(self.got).name} came after the last stop check and was not acted on")
         if self._saved is not None:
             for s, h in self._saved.items():
                 signal.signal(s, h)

@@ -113,8 +113,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_boundary():
 
 
 def test_a_second_signal_a_second_later_quits_at_once():
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopSignals(log=lambda *a: None).start()
+    before, said = signal.getsignal(signal.SIGINT), []
+    stop = StopSignals(log=said.append).start()
     try:
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)   # within the second (e.g. delivered twice): still a graceful stop
@@ -126,6 +126,11 @@ def test_a_second_signal_a_second_later_quits_at_once():
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGINT) is before
+    assert len(said) == 1 and said[0].startswith("SIGINT: stopping before the next micro-batch"), said
+    late = StopSignals(log=said.append).start()   # a signal no check saw: said at close, not swallowed
+    signal.raise_signal(signal.SIGUSR1)
+    late.close()
+    assert said[-1] == "SIGUSR1 came after the last stop check and was not acted on", said
 
 
 def _blocked(rank, world_size, tmp):
