@@ -60,8 +60,8 @@ def build_parser(add_help=True):
     a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
-    a("--rope-scaling", default=None, metavar="SPEC", help="RoPE scaling in place of config.json's: yarn:F, "
-      "linear:F, none, or a JSON object (transformers' rope_scaling); the adapter records it")
+    a("--rope-scaling", default=None, metavar="SPEC", help="RoPE scaling in place of config.json's: yarn:F[@N] "
+      "(N: the original length), linear:F, none, or a JSON object (transformers' form); the adapter records it")
     a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (off: unmeasured)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
     a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
@@ -190,7 +190,6 @@ def main(argv=None):
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
     device = torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
     run = wd = metrics = stop = None
     try:
         # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
@@ -230,6 +229,7 @@ def main(argv=None):
         args.out = run.path
         log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
+        torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype), fsdp_mesh=meshes.fsdp,
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
