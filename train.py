@@ -103,6 +103,8 @@ def build_parser(add_help=True):
     a("--overwrite", action="store_true", help="reuse a used --out: delete its config, metrics, ckpt, adapter")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    a("--save-minutes", type=float, default=0.0, help="also checkpoint once M minutes passed since the last save "
+      "(rank 0's clock; 0: off): what a crash can lose")
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
     a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
     a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
@@ -256,7 +258,7 @@ def main(argv=None):
         meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         stop.start()
-        ckpt_dir, saved = os.path.join(args.out, "ckpt"), 0   # `saved`: the newest step this run saved
+        ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), 0, time.time()   # `saved`: this run's newest
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -303,8 +305,9 @@ def main(argv=None):
             dt_step = time.time() - t_step
             mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0),   # allocated;
                                 (meter.reserved_gb() if meter else torch.cuda.max_memory_reserved(device) / 1e9)
-                                if dt == "cuda" else 0.0],   # the allocator's cached high-water mark
-                               device=device)
+                                if dt == "cuda" else 0.0,   # the allocator's cached high-water mark
+                                float(rank == 0 and 0 < args.save_minutes * 60 <= time.time() - t_saved)],   # a save
+                               device=device)   # due by --save-minutes: rank 0's clock decides for all
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,
@@ -324,10 +327,10 @@ def main(argv=None):
                 metrics.write(rec)
                 bar.write(" ".join(f"{k} {v}" for k, v in rec.items()))   # above the bar, or plain when off
                 bar.update(1)
-            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps:
+            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item():
                 wd.phase("save", step + 1)
                 checkpoint.save(ckpt_dir, model, opt, step + 1, {"args": vars(args)}, keep=args.keep_ckpts)
-                saved = step + 1
+                saved, t_saved = step + 1, time.time()
 
         # --------------------------------------------------------------------- save
         bar.close()

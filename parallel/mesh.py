@@ -160,7 +160,7 @@ class Meshes:
 
 def check_flags(args) -> None:
     """Values no run can use, whatever the model and world: each error names the flag and the fix."""
-    for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip", "timeout"):
+    for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip", "timeout", "save_minutes"):
         v = getattr(args, flag)
         if not math.isfinite(v):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
@@ -180,7 +180,8 @@ def check_flags(args) -> None:
                              "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
-                    ("--eval-every", args.eval_every), ("--save-every", args.save_every)):
+                    ("--eval-every", args.eval_every), ("--save-every", args.save_every),
+                    ("--save-minutes", args.save_minutes)):
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),

@@ -21,8 +21,9 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
-- SIGTERM on one of 4 ranks (cp 2 × dp 2 ring) in step 2's second micro-batch stops all 4 at the next
-  micro-batch with step 1 saved (exit status 143 each); resumed on 1 rank, the run trains as the uninterrupted one;
+- SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
+  2's second micro-batch stops all 4 at the next micro-batch with step 1 saved (exit status 143 each); resumed
+  on 1 rank, the run trains as the uninterrupted one;
 - every start-up error names its numbers and is raised before any weight is read (`build_model` and
   `CheckpointReader` are replaced by tripwires); data errors name the file and the line.
 
@@ -83,7 +84,8 @@ FOUR_RANK_WINDOW = {
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
 INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
-STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]
+STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--save-minutes", "1e-9"]   # (a save after each step:
+# rank 0's clock decides for all 4, or rank 0 would wait alone in the save's collectives)
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 

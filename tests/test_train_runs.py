@@ -184,6 +184,8 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "clip nan": (["--clip", "nan"], ["--clip must be a finite number"]),
     "keep-ckpts 0": (["--keep-ckpts", "0"], ["--keep-ckpts must be >= 1"]),
     "timeout 0": (["--timeout", "0"], ["--timeout must be > 0"]),
+    "save-minutes negative": (["--save-minutes", "-1"], ["--save-minutes must be >= 0, got -1"]),
+    "save-minutes nan": (["--save-minutes", "nan"], ["--save-minutes must be a finite number, got nan"]),
     "ac-group 0": (["--ac-group", "0"], ["--ac-group must be >= 1", "got 0"]),
     "ac-group with offload": (["--ac-group", "2", "--offload-activations"],
                               ["--ac-group 2 with --offload-activations", "use one or the other"]),
@@ -320,6 +322,11 @@ def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tm
     # right after a --save-every save: nothing more to write
     a = str(tmp_path / "a")
     assert stop(a, 8 * 2 + 3, "--save-every", "2") == ([2], "step_000002", [1, 2])
+    # --save-minutes: a save once that much time passed since the last (tiny: after every step; 10: none before the
+    # stop's own)
+    assert stop(str(tmp_path / "m"), 8 * 2 + 3, "--save-minutes", "1e-9", "--keep-ckpts", "5") == \
+        ([1, 2], "step_000002", [1, 2])
+    assert stop(str(tmp_path / "n"), 8 * 2 + 3, "--save-minutes", "10") == ([2], "step_000002", [1, 2])
     # resumed from an older step of the same run (latest names step 4): the stop saves step 2 again, so `latest`
     # and metrics.jsonl agree and the printed --resume OUT/ckpt continues from step 2
     b = str(tmp_path / "b")
