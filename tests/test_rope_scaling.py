@@ -11,7 +11,8 @@ Pins:
 - `train.py --rope-scaling yarn:4` on a plain checkpoint trains exactly as the same weights whose config.json
   carries that YaRN (losses and adapter equal); its adapter folder holds `base_config_overrides.json`, with which
   transformers + peft give the logits of peft on the YaRN config; `model.merge` writes that RoPE into the merged
-  config.json (classic form), whose transformers logits equal them; a resume with another value is refused.
+  config.json (classic form), whose transformers logits equal them; `parallel.checkpoint.export` of its checkpoint
+  writes the same overrides file; a resume with another value is refused.
 
 Run: .venv/bin/python -m pytest -q tests/test_rope_scaling.py
 """
@@ -139,6 +140,9 @@ def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(a
     assert over == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
                                         "original_max_position_embeddings": 4096}}, over
     assert not os.path.exists(os.path.join(conf, "adapter", "base_config_overrides.json"))
+    from parallel.checkpoint import export  # the adapter of its checkpoint carries the same RoPE
+    export(os.path.join(flag, "ckpt"), str(tmp_path / "exported"))
+    assert json.load(open(tmp_path / "exported" / "base_config_overrides.json")) == over
 
     pos = torch.arange(37).expand(2, 37) + torch.tensor([[100], [3000]])
     ids = torch.randint(0, 40, (2, 37), generator=torch.Generator().manual_seed(3))
