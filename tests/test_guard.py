@@ -58,10 +58,22 @@ def test_pg_timeout():
             pg_timeout(bad)
 
 
+def _stderr_to_file(tmp):
+    """Everything this rank prints to stderr lands in tmp/rank1.err, which the test reads."""
+    os.dup2(os.open(os.path.join(tmp, "rank1.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+
+
+def _enter_a_collective_nobody_joins(tmp):
+    """Note the time in tmp/rank1.t, then wait in a barrier the other rank never enters."""
+    with open(os.path.join(tmp, "rank1.t"), "w") as f:
+        f.write(repr(time.time()))
+    dist.barrier()
+    return "rank 1 got past a collective rank 0 never entered"
+
+
 def _stuck(rank, world_size, tmp):
-    if rank == 1:   # everything rank 1 prints to stderr lands in a file the test reads
-        fd = os.open(os.path.join(tmp, "rank1.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 2)
+    if rank == 1:
+        _stderr_to_file(tmp)
         wd = Watchdog(1.5, rank).start()
     for i in range(4):   # 4 × 0.6 s of steady progress: longer than 1.5 s, but never 1.5 s without a phase
         if rank == 1:
@@ -72,10 +84,7 @@ def _stuck(rank, world_size, tmp):
         time.sleep(6)    # rank 0 stops taking part in collectives
         return "rank 0 slept"
     wd.phase("backward", 3)
-    with open(os.path.join(tmp, "rank1.t"), "w") as f:
-        f.write(repr(time.time()))
-    dist.barrier()       # never completes: rank 0 is not there
-    return "rank 1 got past a collective rank 0 never entered"
+    return _enter_a_collective_nobody_joins(tmp)
 
 
 @pytest.mark.timeout(90)
@@ -135,19 +144,15 @@ def test_a_second_signal_a_second_later_quits_at_once():
 
 def _blocked(rank, world_size, tmp):
     if rank == 1:
-        fd = os.open(os.path.join(tmp, "rank1.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 2)
+        _stderr_to_file(tmp)
         StopSignals(rank, log=lambda *a: None).start()
     dist.barrier()
     if rank == 0:
         time.sleep(7)    # rank 0 stops taking part in collectives, as a dead or stopped peer would
         return "rank 0 slept"
-    with open(os.path.join(tmp, "rank1.t"), "w") as f:
-        f.write(repr(time.time()))
-    for delay in (0.3, 1.8):   # torchrun's SIGTERM, then the user's second one
+    for delay in (0.3, 1.8):   # torchrun's SIGTERM, then the user's second one (after the barrier is entered)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    dist.barrier()   # blocked: no Python handler can run here
-    return "rank 1 got past a collective rank 0 never entered"
+    return _enter_a_collective_nobody_joins(tmp)   # blocked: no Python handler can run in there
 
 
 @pytest.mark.timeout(90)
