@@ -256,10 +256,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
 
     def forward(self, x, cos, sin, core, meta):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, core, meta)
+        a = self.self_attn(_normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         # into o_proj's output where it says so (model.qlora: read by nothing else): no third [T, D] beside it and x
         x = a.add_(x) if getattr(a, "_sum_in_place", False) else x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(_normed(self.post_attention_layernorm, self.mlp, x))
+
+
+def _normed(norm: nn.Module, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x), or what a sublayer that runs the norm over its own tiles takes instead (its `takes_norm`, set by
+    parallel/'s tiled MLP and attention: a stand-in, so the norm's [T, D] output is never computed)."""
+    take = getattr(sublayer, "takes_norm", None)
+    return norm(x) if take is None else take(norm, x)
 
 
 class Decoder(nn.Module):

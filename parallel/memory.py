@@ -15,9 +15,12 @@ Contract:
   Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. NF4 weights
   are dequantized once per call for all its tiles (`model.qlora.dequant_once`: gate, up and down held together). With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
-  Handed a block norm's output tagged by `apply_norm_rebuild`, the tiles start from that norm's input h and
-  run norm + MLP: h is the one saved tensor and gets the gradient (so do the norm's trainable parameters),
-  and the norm's own backward over all tokens (a [T, D] gradient, float32 temporaries) never runs.
+  model.llama.Block hands it `norm_stand_in(norm, h)` instead of its norm's output (`takes_norm`): an empty tensor
+  tagged with the norm and its input h (where grad is needed), so the norm's [T, D] output is never computed, in
+  forward or in the block's recompute; the tiles start from h and run norm + MLP: h is the one saved tensor and
+  gets the gradient (so do the norm's trainable parameters), and the norm's own backward over all tokens (a [T, D]
+  gradient, float32 temporaries) never runs. In a block recompute the output, never read, is one element expanded
+  to x's shape, not a [T, D] buffer (the two made ~7.5 GB of a 524,288-token block's peak on an H200).
 - `HostOffload`, the checkpoint offload: parallel/offload.py.
 - `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and gate/up saves its input for the A gradient, a block
   RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
@@ -57,8 +60,12 @@ class _TiledMLP(torch.autograd.Function):
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None) if rng else None
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
-        if recomputing():   # the checkpoint stops at our saved input; the output is never read
-            return x.new_empty(x.shape)
+        # the checkpoint stops a recompute at our saved input and never reads the output: one element in x's shape
+        # there, not a [tokens, D] buffer beside the recompute (made in forward too: selective AC, --ac-keep-attn,
+        # replays forward's ops in order and refuses a recompute op that forward lacked)
+        stand_in = x.new_empty(()).expand(x.shape)
+        if recomputing():
+            return stand_in
         with torch.no_grad(), dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
             out = _by_rows(fn, flat, tile)                                  # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -115,14 +122,14 @@ def _tiled(mlp: nn.Module, tile: int | None):
         # the trainable parameters are inputs, so the output requires grad and autograd receives their
         # gradients; read per call, since FSDP2 swaps the parameter objects between sharded and unsharded
         params = [p for p in mlp.parameters() if p.requires_grad]
-        n = tile_tokens(x.shape[-1], tile)
         src = getattr(x, "_norm_output", None)   # (the norm that made x, its input h)
         if src is None:
-            return _TiledMLP.apply(forward, n, rng, x, *params)
-        # the block norm joins the tiles: its input h is the one saved tensor and gets the gradient, so x
-        # (computed by the block, read by nobody) and the norm's own backward drop out of the graph
+            return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), rng, x, *params)
+        # the block norm joins the tiles: its input h is the one saved tensor and gets the gradient, so x (an empty
+        # stand-in, `norm_stand_in`: the norm never runs over all tokens) and the norm's own backward drop out
         norm, h = src
-        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), n, rng, h, *params, *norm.params)
+        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), tile_tokens(h.shape[-1], tile), rng, h, *params,
+                               *norm.params)
     return run
 
 
@@ -130,6 +137,7 @@ def apply_tiled_mlp(model, tile: int | None = None) -> None:
     """Tile every block's MLP over the tokens (module docstring); parameter names are unchanged."""
     for block in model.model.layers:
         block.mlp.forward = _tiled(block.mlp, tile)
+        block.mlp.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output
 
 
 # ------------------------------------------------------------------------- block norm outputs rebuilt
@@ -182,6 +190,19 @@ def _tagging(norm: nn.Module):
         return y
     run.norm_forward = forward   # the norm's own (possibly compiled) forward, for tests
     return run
+
+
+def norm_stand_in(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What model.llama.Block hands a sublayer that runs its block norm over its own tiles (`takes_norm`: the tiled
+    MLP and attention) in place of norm(x): an empty tensor tagged as `_tagging` tags the norm's output, so that
+    [T, D] output is never computed, in forward or in the block's recompute. Where nothing needs its gradient
+    (no grad mode, layer 0's input), norm(x) itself: the sublayer then tiles that."""
+    params = [p for p in norm.parameters() if p.requires_grad]
+    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
+        return norm(x)
+    y = x.new_empty(0)
+    y._norm_output = (_NormOutput(getattr(norm.forward, "norm_forward", norm.forward), params), x)
+    return y
 
 
 def _lora_a(lin: nn.Linear):

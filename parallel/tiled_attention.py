@@ -26,8 +26,9 @@ Contract:
   the norm's rsqrt and the four projections' LoRA intermediates are not kept; the attention phase holds dh, dx and
   float32 dk, dv over the row plus one tile's tensors, instead of the kernel's incoming gradient and dh over the row
   beside the recompute's q and out (parallel/plan.py). Cost: the four projections' forward runs once more per
-  step, in backward, the input norm three more times (in forward and recompute the block computes it whole and
-  the tiles again; in backward twice per tile); the kernels do not.
+  step, in backward, the input norm once more (model.llama.Block hands the sublayer `memory.norm_stand_in`, not
+  the norm's [T, D] output: forward and recompute run it in the tiles only; backward twice per tile); the kernels
+  do not.
 - With --offload-activations the next block's input is fetched once the query tiles' backward is done
   (HostOffload.after_attention's `release`) and k, v, out, lse are freed (under AC the checkpoint's unpack
   leaves the backward the only reference): the k/v phase then holds x, dh, dx, float32 dk/dv and that input.
@@ -46,6 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from model.qlora import dequant_once
 from parallel import kernels, masks
+from parallel.memory import norm_stand_in
 from parallel.recompute import grads_only_context
 from parallel.ring import _merge
 
@@ -267,3 +269,4 @@ def apply_tiled_attention(model, tile: int | None = None) -> None:
     """Tile every block's attention sublayer over query rows (module docstring); parameter names are unchanged."""
     for block in model.model.layers:
         block.self_attn.forward = _tiled(block.self_attn, tile)
+        block.self_attn.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output

@@ -542,7 +542,10 @@ def test_norm_outputs_are_rebuilt_not_kept(ckpt3, monkeypatch, mem):
                     lambda m, a, y, k=(i, name): outs.__setitem__(k, weakref.ref(y)))
         s, n = model(ids, labels=ids)
         alive = sorted(k for k, r in outs.items() if r() is not None)   # kept for backward by someone
+        ran = {name for _, name in outs}   # the norms run over all tokens (a forward hook fired)
         (s / n).backward()
+        assert ran == ({"input_layernorm"} if mem.get("tiled_mlp") else {"input_layernorm", "post_attention_layernorm"}), \
+            f"norms run whole: {ran} (the tiled MLP runs its norm over its own tiles: Block hands it a stand-in)"
         return s.detach(), _lora_grads(model), alive
 
     got = run(**mem)
@@ -551,20 +554,66 @@ def test_norm_outputs_are_rebuilt_not_kept(ckpt3, monkeypatch, mem):
     with monkeypatch.context() as m:
         _without_norm_rebuild(m)
         ref = run(**mem)
-    if not mem["ac"] and not mem.get("lora_dropout"):
-        assert len(ref[2]) == 6, f"without the step LoRA A keeps all 6 norm outputs, saw {ref[2]}"
+    if not mem["ac"] and not mem.get("lora_dropout"):   # the tiled MLP's norm never runs whole, kept by nobody
+        assert len(ref[2]) == (3 if mem.get("tiled_mlp") else 6), \
+            f"without the step LoRA A keeps all {3 if mem.get('tiled_mlp') else 6} norm outputs, saw {ref[2]}"
     assert torch.equal(got[0], ref[0]), f"loss {got[0]} != {ref[0]}"
     for k in ref[1]:
         assert torch.equal(got[1][k], ref[1][k]), f"grad {k}: max diff {(got[1][k] - ref[1][k]).abs().max()}"
 
 
+@pytest.mark.parametrize("flags", [dict(tiled_mlp=True), dict(tiled_mlp=True, tiled_attn=True),
+                                   dict(tiled_mlp=True, ac_keep_attn=True)], ids=["tiled", "tiled_attn", "keep_attn"])
+def test_tiled_sublayers_never_run_their_norm_whole(ckpt3, flags):
+    """Under AC, a tiled sublayer's block norm never runs over all tokens, in forward or in the block's recompute
+    (model.llama.Block hands it memory.norm_stand_in: each tile runs the norm), and the tiled MLP's output in a
+    recompute, never read, is one element, not a [T, D] buffer: on an H200 at 524,288 tokens those two [T, D]
+    tensors (3.8 GB each) sat beside the recompute at the block's peak. Only layer 0's input norm runs whole (its
+    input, the embedding output, needs no grad). The loss and LoRA gradients equal the untiled model's."""
+    import parallel.memory as pm
+    from parallel.recompute import recomputing
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(4))
+    forward, outs = pm._TiledMLP.forward, []
+
+    def spy(ctx, *a):
+        y = forward(ctx, *a)
+        outs.append((recomputing(), y.untyped_storage().nbytes() // y.element_size(), y.numel()))
+        return y
+
+    def run(**kw):
+        model, _ = build_nonzero_b(_opts(ckpt3, ac=True, **kw))
+        whole = []
+        for i, block in enumerate(model.model.layers):
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(block, name).register_forward_hook(lambda m, a, y, k=(i, name): whole.append(k))
+        s, n = model(ids, labels=ids)
+        (s / n).backward()
+        return s.detach(), _lora_grads(model), sorted(set(whole))
+
+    pm._TiledMLP.forward = staticmethod(spy)
+    try:
+        got = run(**flags)
+    finally:
+        pm._TiledMLP.forward = staticmethod(forward)
+    attn = {(0, "input_layernorm")} | ({(i, "input_layernorm") for i in range(1, 3)} if not flags.get("tiled_attn")
+                                       else set())
+    assert got[2] == sorted(attn), f"norms run over all tokens: {got[2]}"
+    assert [r for r, _, _ in outs] == [False] * 3 + [True] * 3, outs   # 3 forwards, then 3 block recomputes
+    assert all(stored == (1 if r else n) for r, stored, n in outs), f"(recompute, elements stored, numel): {outs}"
+    ref = run(**{**flags, "tiled_mlp": False, "tiled_attn": False})
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"grad {k}")
+
+
 @pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
 def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
-    """With the norm rebuild, the tiled MLP takes over post_attention_layernorm: each tile runs the norm and the
-    MLP from the norm's input, so the norm's own backward over all T tokens (and its [T, D] gradient buffers)
-    never runs: 3 whole-sequence RMSNorm backwards (input norms of layers 1-2, the final norm) instead of 6.
-    With the norms' weights made trainable, their gradients (summed over tiles) and every LoRA gradient equal
-    the model without the step."""
+    """The tiled MLP takes over post_attention_layernorm (model.llama.Block hands it a stand-in): each tile runs
+    the norm and the MLP from the norm's input, so the norm's own backward over all T tokens (and its [T, D]
+    gradient buffers) never runs: 3 whole-sequence RMSNorm backwards (input norms of layers 1-2, the final norm)
+    instead of 6. With the norms' weights made trainable, their gradients (summed over tiles) and every LoRA
+    gradient equal the untiled model's."""
     import model.llama as llama
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
@@ -572,8 +621,8 @@ def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
     monkeypatch.setattr(llama._RMSNormFn, "backward",   # the rows of each RMSNorm backward
                         staticmethod(lambda ctx, g: calls.append(g.numel() // g.shape[-1]) or backward(ctx, g)))
 
-    def run():
-        model, _ = build_nonzero_b(_opts(ckpt3, ac=ac, tiled_mlp=True))
+    def run(tiled=True):
+        model, _ = build_nonzero_b(_opts(ckpt3, ac=ac, tiled_mlp=tiled))
         assert ids.numel() > model.args.dim, "tiles (D tokens) must be shorter than the sequence to tell apart"
         for block in model.model.layers:
             block.post_attention_layernorm.weight.requires_grad_(True)
@@ -584,9 +633,7 @@ def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
 
     got = run()
     assert got[2] == 3, f"RMSNorm backwards: {got[2]}"
-    with monkeypatch.context() as m:
-        _without_norm_rebuild(m)
-        ref = run()
+    ref = run(tiled=False)   # the untiled MLP: its norm runs (and is differentiated) over all tokens
     assert ref[2] == 6
     assert any("post_attention_layernorm" in k for k in ref[1])
     torch.testing.assert_close(got[0], ref[0], **TOL, msg="loss")
@@ -651,8 +698,12 @@ def test_input_gradients_are_summed_in_place(ckpt3, tiled):
 
     for i, block in enumerate(model.model.layers):
         block.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} o_proj input", a[0]))
-        # h, the post-attention residual (summed into o_proj's output in place): its own and the MLP's gradients
-        block.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} residual", a[0]))
+        # h, the post-attention residual (summed into o_proj's output in place): its own and the MLP's gradients;
+        # the tiled MLP is handed a stand-in for its norm's output, tagged with h (memory.norm_stand_in)
+        block.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: watch(f"{i} residual", a[0]._norm_output[1]) if tiled else None)
+        if not tiled:
+            block.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} residual", a[0]))
         if i:
             block.register_forward_pre_hook(lambda m, a, i=i: watch(f"{i} block input", a[0]))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
