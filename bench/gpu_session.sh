@@ -28,18 +28,20 @@
 # A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
 # warm 30 s after a call): the bench first (its timings are the goals), then
 #   TEST_S=300 BENCH= bash bench/gpu_session.sh
-# The plan for the next one (the goals of issues 10 and 13 in ~13 minutes):
-#   1. TOTAL=520 TEST_S=0 BENCH='--case 32k --runs ours,liger,ours+fastest,ours+fastest+compile --timed 2
-#      --profile ours+fastest;--case 128k --runs liger,ours+fastest,ours+fastest+compile --timed 1' (timeout 540):
-#      the issue-10 verdicts side by side with Liger, with and without --compile (which failed under torch 2.11
-#      until 2026-11-30 evening: never measured), ~400 s by the 2026-11-30 timings with ~1 min of compilation per
-#      compile row (in its warm-up step); the rows the goals do not need (hf; plain ours at 128k) are left out for time;
-#   2. within 30 s, TOTAL=<left - 40> TEST_S=120 BENCH='--case long --runs ours+tiled-attn' (test-gpu first: the
-#      2026-11-30 afternoon's in-place gradients (dq/dk/dv/sums into q/k/v/out, the tiled MLP's, o_proj's one
-#      buffer) and the evening's RoPE multiply-adds and the tiled layers' dequantize-once were built on CPU
-#      only; then one 524,288-token step, ~3 min by FLOPs, its peak against the plan).
-# The long case (524,288 tokens, 8 layers, one step each with --tiled-mlp --offload-activations and with
-# --tiled-mlp --tiled-attn, peak vs plan; ~2.5 min a step by FLOPs) needs a call of its own:
+# Done on 2026-11-30 (late; bench/results/2026-11-30-h200-late): the issue-10 verdicts (32k and 128k, Liger side by
+# side, with and without --compile), make test-gpu (48 passed), the long case (both rows; peaks 1.32x / 1.16x the
+# plan). Two calls: TOTAL=500 TEST_S=75 BENCH='--case 32k --runs ours,liger,ours+fastest,ours+fastest+compile
+# --timed 2 --profile ours+fastest;--case 128k --runs liger,ours+fastest,ours+fastest+compile --timed 1' (398 s),
+# then within 30 s TOTAL=405 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (386 s): 827 s
+# of the 900 with the machine's start.
+# The plan for the next one (~13 minutes):
+#   1. TOTAL=420 TEST_S=75 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (timeout 440): the long
+#      case after the fix of that evening (the tiled sublayers' norm stand-in and the one-element recompute output:
+#      ~7.5 GB off each row's MLP phase by the phase arithmetic), its per-phase peaks against the plan's block phase
+#      (the offload row's o_proj phase and the other blocks' backward were ~6 and ~8.5 GB over it: unexplained);
+#   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case mem' (128k, the memory flags on the
+#      current code, plan vs measured).
+# The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
