@@ -36,7 +36,7 @@ from data import GlobalBatches, check_file, collate, load_samples, load_tokenize
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import fetch_checkpoint, read_args, same_snapshot
-from parallel import guard, phases, runs
+from parallel import guard, phases, plan_speed, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
 from parallel.profiler import StepProfiler
@@ -68,6 +68,8 @@ def build_parser(add_help=True):
     a("--ac-blocks", type=int, default=None, help="checkpoint only the first N blocks (default all): less recompute, "
       "more memory; `--plan` names the fewest that fit")
     a("--ac-keep-attn", action="store_true", help="AC keeps each block's attention output: recompute skips attention")
+    a("--fast", action="store_true", help="add the memory flags the planner ranks fastest that fit 95%% of this "
+      "device (--plan's fastest: line; rank 0's choice, logged)")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--tiled-attn", action="store_true", help="run each attention sublayer over tiles of query rows (--cp 1)")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
@@ -203,6 +205,12 @@ def main(argv=None):
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
+        if args.fast:   # the same math with the memory flags the planner ranks fastest here: rank 0's choice
+            fast = [plan_speed.fast_flags(args, margs, dims, args.pack, world) if rank == 0 else None]
+            dist.broadcast_object_list(fast, src=0)
+            plan_speed.apply_flags(args, fast[0][0])
+            log0(fast[0][1])
+            dims, args.pack = validate(args, margs, world)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)

@@ -57,7 +57,8 @@ class PhaseMeter:
         # h, the MLP's input (o_proj's output takes the residual in place: a hook on that output never fires)
         last.post_attention_layernorm.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: MLP"))
         last.mlp.register_forward_pre_hook(   # the tiled MLP runs that norm itself: handed a stand-in tagged with h
-            lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP") if hasattr(a[0], "_norm_output") else None)
+            lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP")
+            if hasattr(a[0], "_norm_output") else None)
         last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
         for proj in ("q_proj", "k_proj", "v_proj"):   # the first of the three gradients to arrive ends attention
             getattr(last.self_attn, proj).register_forward_hook(

@@ -26,7 +26,7 @@ import os
 
 from parallel.mesh import check_flags, check_model_flags, validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
-from parallel.plan_speed import fastest_line
+from parallel.plan_speed import apply_flags, fast_flags, fastest_line
 
 MAX_LEN_STEP = 1024
 SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
@@ -246,6 +246,11 @@ def main(argv, run_parser, demo: dict):
             raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
         return rows
     dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
+    if args.fast:   # the plan of the flags the run would add (train.py --fast)
+        flags, line = fast_flags(args, margs, dims, pack, world)
+        apply_flags(args, flags)
+        print(line)
+        dims, pack = validate(args, margs, world)
     p = memory_plan(margs, dims, args, target, pack)
     e = args.dtype or ("bf16" if target == "cuda" else "fp32")
     ac = ("on" + (f" (groups of {args.ac_group})" if args.ac_group > 1 else "")

@@ -9,6 +9,8 @@ Contract:
   the fewest blocks that fit (`--ac-blocks N`, or `--no-ac`) with the run's flags, with --ac-keep-attn, with
   --tiled-mlp, with --tiled-mlp --ac-keep-attn and with --tiled-mlp --tiled-attn (one process only).
   --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
+- `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
+  --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags.
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
@@ -37,6 +39,8 @@ the RoPE formula) and, with the defaults, against the late session's (bench/resu
 """
 
 from __future__ import annotations
+
+import re
 
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
@@ -132,6 +136,14 @@ def fastest(args, margs, dims, target, mem, host, pack, key=None):
     return sorted(out, key=lambda x: x[2])
 
 
+def _faster(args, margs, dims, target, mem, host, pack):
+    """(fits, best, own): whether any flag set fits `mem` (95% of a device), the fastest one if it beats the run's own
+    flags (flags, plan, seconds), else None, and the own flags' estimate."""
+    found = fastest(args, margs, dims, target, mem, host, pack)
+    own = step_seconds(margs, dims, args, target, pack)[0]
+    return bool(found), (found[0] if found and found[0][0] and found[0][2] < own else None), own
+
+
 def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     """`--plan`'s "fastest:" line (CUDA plans only: the rates are a GPU's): the fastest flag set that fits 95% of
     the device, against the run's own flags."""
@@ -139,12 +151,43 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     from parallel.plan_search import SAFETY
     if target != "cuda" or args.ac_group > 1:
         return None
-    found = fastest(args, margs, dims, target, SAFETY * mem, host, pack)
-    own = step_seconds(margs, dims, args, target, pack)[0]
-    if not found:
+    fits, best, own = _faster(args, margs, dims, target, SAFETY * mem, host, pack)
+    if not fits:
         return f"fastest: nothing fits 95% of the device; the given flags est. {own:.2f} s/step at H200 rates"
-    if not found[0][0] or found[0][2] >= own:
+    if best is None:
         return f"fastest: the given flags, est. {own:.2f} s/step at H200 rates (parallel/plan_speed.py)"
-    flags, p, t = found[0]
+    flags, p, t = best
     return (f"fastest: {flags} fits ({p.total / GB:.1f} GB), est. {t:.2f} s/step vs {own:.2f} s for the given flags "
             "at H200 rates (parallel/plan_speed.py)")
+
+
+def fast_flags(args, margs, dims, pack, world: int) -> tuple[str, str]:
+    """--fast: (flags, log line): what `fastest_line` names for this device and world size (its memory: CUDA's
+    device 0, else this machine's RAM / world; --plan's --gpu-mem and --host-mem where given), "" where the run's
+    own flags are the fastest that fit or nothing fits (the run's own checks then speak). On CPU too: there the
+    ranking is still the H200's, the memory this machine's."""
+    import argparse
+
+    from parallel.plan import GB
+    from parallel.plan_search import SAFETY, _budget, _host_budget
+    a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
+    target, mem, where = _budget(a, world)
+    fits, best, own = _faster(a, margs, dims, target, SAFETY * mem, _host_budget(a, world), pack)
+    if best is None:
+        return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
+                    "rates)" if fits else f"--fast: no flag set fits 95% of {where}; the given flags are kept")
+    flags, p, t = best
+    return flags, (f"--fast: {flags} (planned {p.total / GB:.1f} GB of {where}; est. {t:.3g} s/step vs {own:.3g} s for "
+                   "the given flags at H200 rates, parallel/plan_speed.py)")
+
+
+def apply_flags(args, flags: str) -> None:
+    """`fast_flags`'s flags set on a run's args, as if typed: --tiled-mlp, --tiled-attn, --ac-keep-attn,
+    --ac-blocks N, --no-ac."""
+    for name, value in re.findall(r"--([a-z-]+)(?: (\d+))?", flags):
+        if name == "no-ac":
+            args.ac = False
+        elif name in ("tiled-mlp", "tiled-attn", "ac-keep-attn", "ac-blocks"):
+            setattr(args, name.replace("-", "_"), int(value) if value else True)
+        else:
+            raise ValueError(f"--fast: unexpected flag --{name} in {flags!r}")

@@ -85,3 +85,24 @@ def cp_layouts(world: int, splits):
     for u, r in splits:
         dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=r)
         yield dims, cp_attention(dims.build_mesh("cpu"), dims), "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+
+
+def budget_between_ac_plans(argv, world=1):
+    """A device memory for the run `argv` (train.py flags) on `world` ranks between the planned totals of AC on one
+    block and of no AC, over parallel.plan_search.SAFETY: what `--fast` then picks is neither the default (AC on
+    every block) nor --no-ac. Returns bytes."""
+    import argparse
+
+    import train
+    from model.load import read_args
+    from parallel import plan_search
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(argv)
+    margs = read_args(args.model)
+    dims, pack = validate(args, margs, world)
+    total = lambda **kw: memory_plan(margs, dims, argparse.Namespace(**{**vars(args), **kw}), "cpu", pack).total
+    one, none = total(ac_blocks=1), total(ac=False)
+    assert one < none, (one, none)
+    return (one + none) / 2 / plan_search.SAFETY

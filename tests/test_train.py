@@ -19,6 +19,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
+- `--fast` on cp 2 × dp 2 ring with a different device budget per rank: every rank applies rank 0's choice (not
+  what its own budget would pick) and the run trains as on 1 rank;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
@@ -44,7 +46,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.helpers import no_weights, one_thread, startup_error, train_argv
+from tests.helpers import budget_between_ac_plans, no_weights, one_thread, startup_error, train_argv
 
 LOSS_ATOL, NORM_RTOL, ADAPTER_RTOL = 1e-4, 1e-4, 1e-3
 
@@ -86,6 +88,8 @@ INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "-
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
 STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--save-minutes", "1e-9"]   # (a save after each step:
 # rank 0's clock decides for all 4, or rank 0 would wait alone in the save's collectives)
+# --fast on 4 ranks whose device budgets differ (rank 0's choice must hold on every rank)
+FAST4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--fast"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -118,7 +122,25 @@ def _four_ranks(rank, world_size, assets, root):
     stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
     train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
-    return (errors, resume_error, stopped) if rank == 0 else (None, None, stopped)
+    fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
+    return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
+
+
+def _fast_on_every_rank(rank, argv):
+    """Run `argv` (--fast) with a device budget that differs by rank (rank 0: between the plans of AC on one block
+    and of no AC; the others: 1 PB, where another set wins); return the flags this rank applied."""
+    import train
+    from parallel import plan_search, plan_speed
+
+    mem = budget_between_ac_plans(argv, 4) if rank == 0 else 1e15
+    budget, apply, got = plan_search._budget, plan_speed.apply_flags, []
+    plan_search._budget = lambda a, world: ("cpu", mem, "test")
+    plan_speed.apply_flags = lambda args, flags: (got.append(flags), apply(args, flags))[1]
+    try:
+        train.main(argv)
+    finally:
+        plan_search._budget, plan_speed.apply_flags = budget, apply
+    return got
 
 
 def _stop_one_rank(rank, argv):
@@ -167,7 +189,8 @@ def _try(fn, *a):
 def four(assets, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
-    return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res]}
+    return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
+            "fast": [r[3] for r in res], "assets": assets}
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +296,31 @@ def test_four_ranks_match_one_rank_sliding_window(one, four, name):
 def _compare_differs_from_full(window, full):
     """The window must change the numbers (else the test above could not fail on a window ignored)."""
     assert _metrics(window)[0]["loss"] != _metrics(full)[0]["loss"]
+
+
+@pytest.mark.timeout(600)
+def test_fast_applies_rank_0s_choice_on_every_rank(one, four):
+    """--fast on cp 2 x dp 2 ring: rank 0 plans (its budget allows AC on some blocks, not none), every rank applies
+    its flags, though the other ranks' budgets would have chosen --no-ac; the run trains like 1 rank."""
+    import train
+    from model.load import read_args
+    from parallel import plan_search, plan_speed
+    from parallel.mesh import validate
+
+    got = four["fast"]
+    assert len(got[0]) == 1 and "--ac-blocks" in got[0][0] and got[0][0] != "--no-ac", got
+    assert all(g == got[0] for g in got), f"flags applied per rank: {got}"
+    args = train.build_parser().parse_args(train_argv(four["assets"], "unused", *FAST4))
+    margs = read_args(args.model)
+    dims, pack = validate(args, margs, 4)
+    budget = plan_search._budget
+    plan_search._budget = lambda a, world: ("cpu", 1e15, "test")
+    try:   # what the other ranks' own budgets would have chosen
+        theirs = plan_speed.fast_flags(args, margs, dims, pack, 4)[0]
+    finally:
+        plan_search._budget = budget
+    assert theirs != got[0][0], (theirs, got)
+    _compare("4 ranks --fast", _at(four, "fast_cp2_dp2_ring"), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(600)

@@ -45,7 +45,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import no_weights, one_thread, startup_error, train_argv
+from tests.helpers import budget_between_ac_plans, no_weights, one_thread, startup_error, train_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -463,3 +463,36 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     run(train_argv(assets, b, "--steps", "2", "--eval-data", assets["data"], "--init-adapter", a + "/adapter",
                    "--resume", os.path.join(b, "ckpt")))
     assert [r["step"] for r in metrics(b)] == [1, 2]
+
+
+def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, capsys):
+    """--fast: the run adds the memory flags parallel.plan_speed ranks fastest among those whose plan fits 95% of
+    the device (here a budget set between the plans of AC on one block and of no AC, so neither the default nor
+    --no-ac is the answer), logs them, records them in OUT/config.json, and trains exactly as the same flags typed
+    by hand; `--plan --fast` names the same flags. Memory flags only: the losses equal the plain run's."""
+    import train
+    from parallel import plan_search
+
+    argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "2", *x)
+    mem = budget_between_ac_plans(argv("x"))
+    monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cpu", mem, f"{mem:.0f} B (test)"))
+
+    run(argv("fast", "--fast"))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("--fast: "))
+    flags = line.split(" (planned")[0].removeprefix("--fast: ")
+    assert flags and flags != "--no-ac" and "--ac-blocks" in flags, line
+    cfg = json.load(open(tmp_path / "fast" / "config.json"))
+    typed = train.build_parser().parse_args(argv("y", *flags.split()))
+    for k in ("ac", "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn"):
+        assert cfg[k] == getattr(typed, k), (k, cfg[k], flags)
+    run(argv("typed", *flags.split()))
+    run(argv("plain"))
+    fast, by_hand, plain = (metrics(tmp_path / d) for d in ("fast", "typed", "plain"))
+    assert [m["loss"] for m in fast] == [m["loss"] for m in by_hand], (fast, by_hand)
+    assert [m["grad_norm"] for m in fast] == [m["grad_norm"] for m in by_hand]
+    for a, b in zip(fast, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (fast, plain)
+
+    capsys.readouterr()
+    train.main(["--plan", *argv("p", "--fast")])
+    assert f"--fast: {flags} (planned" in capsys.readouterr().out
