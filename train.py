@@ -206,10 +206,7 @@ def main(argv=None):
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         if args.fast:   # the same math with the memory flags the planner ranks fastest here: rank 0's choice
-            fast = [plan_speed.fast_flags(args, margs, dims, args.pack, world) if rank == 0 else None]
-            dist.broadcast_object_list(fast, src=0)
-            plan_speed.apply_flags(args, fast[0][0])
-            log0(fast[0][1])
+            plan_speed.apply_fast(args, margs, dims, world, rank, log0)
             dims, args.pack = validate(args, margs, world)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]

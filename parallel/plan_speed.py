@@ -10,7 +10,8 @@ Contract:
   --tiled-mlp, with --tiled-mlp --ac-keep-attn and with --tiled-mlp --tiled-attn (one process only).
   --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
 - `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
-  --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags.
+  --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags or those
+  do not fit; `apply_fast(...)`: train.py's, rank 0's choice on every rank.
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
@@ -137,11 +138,16 @@ def fastest(args, margs, dims, target, mem, host, pack, key=None):
 
 
 def _faster(args, margs, dims, target, mem, host, pack):
-    """(fits, best, own): whether any flag set fits `mem` (95% of a device), the fastest one if it beats the run's own
-    flags (flags, plan, seconds), else None, and the own flags' estimate."""
+    """(fits, best, own, own_fits): whether any flag set fits `mem` (95% of a device), the fastest one (flags, plan,
+    seconds) if it beats the run's own flags or those do not fit, else None, the own flags' estimate, and whether
+    they fit."""
+    from parallel.plan import memory_plan
+    from parallel.plan_search import _fits
     found = fastest(args, margs, dims, target, mem, host, pack)
     own = step_seconds(margs, dims, args, target, pack)[0]
-    return bool(found), (found[0] if found and found[0][0] and found[0][2] < own else None), own
+    own_fits = _fits(memory_plan(margs, dims, args, target, pack), mem, host)
+    best = found[0] if found and found[0][0] and (found[0][2] < own or not own_fits) else None
+    return bool(found), best, own, own_fits
 
 
 def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
@@ -151,7 +157,7 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     from parallel.plan_search import SAFETY
     if target != "cuda" or args.ac_group > 1:
         return None
-    fits, best, own = _faster(args, margs, dims, target, SAFETY * mem, host, pack)
+    fits, best, own, _ = _faster(args, margs, dims, target, SAFETY * mem, host, pack)
     if not fits:
         return f"fastest: nothing fits 95% of the device; the given flags est. {own:.2f} s/step at H200 rates"
     if best is None:
@@ -172,13 +178,32 @@ def fast_flags(args, margs, dims, pack, world: int) -> tuple[str, str]:
     from parallel.plan_search import SAFETY, _budget, _host_budget
     a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
     target, mem, where = _budget(a, world)
-    fits, best, own = _faster(a, margs, dims, target, SAFETY * mem, _host_budget(a, world), pack)
+    fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem, _host_budget(a, world), pack)
     if best is None:
         return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
                     "rates)" if fits else f"--fast: no flag set fits 95% of {where}; the given flags are kept")
     flags, p, t = best
     return flags, (f"--fast: {flags} (planned {p.total / GB:.1f} GB of {where}; est. {t:.3g} s/step vs {own:.3g} s for "
-                   "the given flags at H200 rates, parallel/plan_speed.py)")
+                   "the given flags" + ("" if own_fits else ", which do not fit") + " at H200 rates, "
+                   "parallel/plan_speed.py)")
+
+
+def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
+    """train.py's --fast on every rank: rank 0's `fast_flags`, broadcast (an error there is raised on every rank,
+    none is left waiting in the broadcast), applied to `args` and logged."""
+    import torch.distributed as dist
+    got = [None]
+    if rank == 0:
+        try:
+            got = [fast_flags(args, margs, dims, args.pack, world)]
+        except Exception as e:   # noqa: BLE001 (raised again below, on every rank)
+            got = [(None, f"--fast failed on rank 0: {type(e).__name__}: {e}")]
+    dist.broadcast_object_list(got, src=0)
+    flags, line = got[0]
+    if flags is None:
+        raise RuntimeError(line)
+    apply_flags(args, flags)
+    log(line)
 
 
 def apply_flags(args, flags: str) -> None:

@@ -570,35 +570,45 @@ def test_tiled_sublayers_never_run_their_norm_whole(ckpt3, flags):
     recompute, never read, is one element, not a [T, D] buffer: on an H200 at 524,288 tokens those two [T, D]
     tensors (3.8 GB each) sat beside the recompute at the block's peak. Only layer 0's input norm runs whole (its
     input, the embedding output, needs no grad). The loss and LoRA gradients equal the untiled model's."""
+    import model.llama as llama
     import parallel.memory as pm
     from parallel.recompute import recomputing
 
-    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(4))
-    forward, outs = pm._TiledMLP.forward, []
+    # 600 tokens: the tiled attention's tiles (256 rows at least, parallel.tiled_attention.tile_rows) are shorter
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(4))
+    forward, norm_forward, outs, rows = pm._TiledMLP.forward, llama._RMSNormFn.forward, [], []
 
     def spy(ctx, *a):
         y = forward(ctx, *a)
         outs.append((recomputing(), y.untyped_storage().nbytes() // y.element_size(), y.numel()))
         return y
 
+    def norm_spy(ctx, x, weight, eps):   # every RMSNorm call, however it is reached: its weight and rows
+        rows.append((weight.data_ptr(), x.numel() // x.shape[-1]))
+        return norm_forward(ctx, x, weight, eps)
+
     def run(**kw):
         model, _ = build_nonzero_b(_opts(ckpt3, ac=True, **kw))
-        whole = []
+        whole, rows[:] = [], []
         for i, block in enumerate(model.model.layers):
             for name in ("input_layernorm", "post_attention_layernorm"):
                 getattr(block, name).register_forward_hook(lambda m, a, y, k=(i, name): whole.append(k))
         s, n = model(ids, labels=ids)
         (s / n).backward()
-        return s.detach(), _lora_grads(model), sorted(set(whole))
+        names = {getattr(b, name).weight.data_ptr(): (i, name) for i, b in enumerate(model.model.layers)
+                 for name in ("input_layernorm", "post_attention_layernorm")}
+        by_call = sorted({names[w] for w, r in rows if w in names and r == ids.numel()})
+        return s.detach(), _lora_grads(model), sorted(set(whole)), by_call
 
-    pm._TiledMLP.forward = staticmethod(spy)
+    pm._TiledMLP.forward, llama._RMSNormFn.forward = staticmethod(spy), staticmethod(norm_spy)
     try:
         got = run(**flags)
     finally:
-        pm._TiledMLP.forward = staticmethod(forward)
+        pm._TiledMLP.forward, llama._RMSNormFn.forward = staticmethod(forward), staticmethod(norm_forward)
     attn = {(0, "input_layernorm")} | ({(i, "input_layernorm") for i in range(1, 3)} if not flags.get("tiled_attn")
                                        else set())
-    assert got[2] == sorted(attn), f"norms run over all tokens: {got[2]}"
+    assert got[2] == sorted(attn), f"norm modules run over all tokens: {got[2]}"
+    assert got[3] == sorted(attn), f"RMSNorm calls over all tokens, by norm: {got[3]}"
     assert [r for r, _, _ in outs] == [False] * 3 + [True] * 3, outs   # 3 forwards, then 3 block recomputes
     assert all(stored == (1 if r else n) for r, stored, n in outs), f"(recompute, elements stored, numel): {outs}"
     ref = run(**{**flags, "tiled_mlp": False, "tiled_attn": False})

@@ -178,3 +178,21 @@ def test_named_flags_run_beside_the_runs_own(own):
         assert step_seconds(m, dims, a, "cuda", pack)[0] == t, flags
     if "--ac-blocks" in own:
         assert found[0][0].split()[-2:] == ["--ac-blocks", "0"], found[0][0]   # 141 GB holds 16k without AC
+
+
+def test_fast_leaves_flags_that_do_not_fit(monkeypatch):
+    """--fast where the run's own flags do not fit 95% of the device (Qwen2.5-7B NF4, 131,072 tokens x 28 layers,
+    plain AC, on a 47.6 GB budget) takes the fastest set that fits, even when every such set is estimated slower
+    than the own flags: never "the given flags" that will run out of memory. The flags it applies fit."""
+    from parallel import plan_search
+    from parallel.plan import memory_plan
+    from parallel.plan_speed import apply_flags, fast_flags
+
+    args, m, dims, pack = setup(131072, 28)
+    monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cuda", 47.6e9, "47.6 GB (test)"))
+    mem = plan_search.SAFETY * 47.6e9
+    assert memory_plan(m, dims, args, "cuda", pack).total > mem   # the own flags do not fit
+    flags, line = fast_flags(args, m, dims, pack, 1)
+    assert flags and "which do not fit" in line, line
+    apply_flags(args, flags)
+    assert memory_plan(m, dims, args, "cuda", pack).total <= mem, (flags, line)

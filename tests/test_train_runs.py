@@ -471,7 +471,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     --no-ac is the answer), logs them, records them in OUT/config.json, and trains exactly as the same flags typed
     by hand; `--plan --fast` names the same flags. Memory flags only: the losses equal the plain run's."""
     import train
-    from parallel import plan_search
+    from parallel import plan_search, plan_speed
 
     argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "2", *x)
     mem = budget_between_ac_plans(argv("x"))
@@ -496,3 +496,8 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     capsys.readouterr()
     train.main(["--plan", *argv("p", "--fast")])
     assert f"--fast: {flags} (planned" in capsys.readouterr().out
+
+    # a failure in rank 0's planning is raised (on every rank: no one waits in the broadcast)
+    monkeypatch.setattr(plan_speed, "fast_flags", lambda *a: 1 / 0)
+    with pytest.raises(RuntimeError, match="--fast failed on rank 0: ZeroDivisionError"):
+        run(argv("err", "--fast"))
