@@ -116,6 +116,8 @@ def build_parser(add_help=True):
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")
+    a("--mem-trace", action="store_true", help="--mem-phases and, on CUDA, what is alive at that micro-batch's peak, "
+      "by the line that allocated it, to OUT/mem_trace.rank<r>.txt")
     a("--schedule-steps", type=int, default=None, help=argparse.SUPPRESS)   # the lr schedule's length (bench/gpu.py
     # adds a profiled step past the timed ones and keeps their schedule)
     a("--profile", type=int, default=None, metavar="N", help="torch.profiler over step N: time per kernel to "
@@ -261,7 +263,8 @@ def main(argv=None):
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
-        meter = phases.PhaseMeter(model, device, args.out, log0) if args.mem_phases else None
+        meter = phases.PhaseMeter(model, device, args.out, log0, args.mem_trace) \
+            if args.mem_phases or args.mem_trace else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         stop.start()
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), 0, time.time()   # `saved`: this run's newest

@@ -225,7 +225,7 @@ def ours_argv(spec: dict, out: str, flags=()) -> list[str]:
     return ["--model", spec["ckpt"], "--data", spec["data"], "--max-len", str(spec["tokens"]), "--global-batch",
             "1", "--steps", str(spec["steps"]), "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16",
             "--lora-alpha", "32", "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress", "--mem-phases",
-            *flags]
+            *(["--mem-trace"] if spec.get("mem_trace") else []), *flags]
 
 
 def planned_gb(spec: dict, flags=()) -> tuple[float, float]:
@@ -489,6 +489,8 @@ def main(argv=None):
                     "(untimed): its time by kernel category, printed and in the results")
     ap.add_argument("--cap-gb", type=float, default=None, help="the ours+fastest rows' memory cap: a Liger peak (GB) "
                     "from an earlier run, instead of this run's liger row")
+    ap.add_argument("--mem-trace", action="store_true", help="our rows run train.py --mem-trace: what is alive at "
+                    "step 1's peak, by the line that allocated it, in the log (CUDA; step 1 is slowed slightly)")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)   # internal: run the HF peers of a spec
     args = ap.parse_args(argv)
     if args.peer:
@@ -536,7 +538,8 @@ def main(argv=None):
                     attention=attention, rows={})
         results["cases"][name] = case
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
-        spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids)
+        spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids,
+                    mem_trace=args.mem_trace)
         rows = case["rows"]
         mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]

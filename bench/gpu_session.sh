@@ -35,7 +35,8 @@
 # then within 30 s TOTAL=405 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (386 s): 827 s
 # of the 900 with the machine's start.
 # The plan for the next one (~13 minutes):
-#   1. TOTAL=420 TEST_S=75 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (timeout 440): the long
+#   1. TOTAL=420 TEST_S=75 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
+#      (timeout 440; --mem-trace: what is alive at each row's peak, by the line that allocated it, in the log): the long
 #      case after the fix of that evening (the tiled sublayers' norm stand-in and the one-element recompute output:
 #      ~7.5 GB off each row's MLP phase by the phase arithmetic), its per-phase peaks against the plan's block phase
 #      (the offload row's o_proj phase and the other blocks' backward were ~6 and ~8.5 GB over it: unexplained);

@@ -16,6 +16,10 @@ Contract:
   backward) is the largest of those rows; q/k/v is not a planner term (its docstring argues it stays under
   attention). A phase whose boundary never fires (a one-layer model: the block input needs no gradient;
   --tiled-attn, whose tiles run o_proj, the kernels and q's projection together) merges into the next.
+- `trace=True` (train.py --mem-trace, CUDA): torch's allocation history is recorded over that micro-batch, and
+  `peak_sites` replays it: at the micro-batch's allocated peak, what was allocated since it began and is still
+  alive, summed by the project line that allocated it (innermost frame in this repository, and its caller), to
+  OUT/mem_trace.rank<r>.txt, rank 0's top lines logged. What a plan term misses shows up as a site.
 - The boundaries are hooks registered in that micro-batch's forward (tensor hooks on its tensors; a checkpoint's
   recompute registers none), so they mark the backward of the graph being run.
 - A peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at each boundary (allocated bytes / 1e9,
@@ -45,10 +49,48 @@ def _vm_gb(key: str) -> float:   # kB / 1e6, the unit of parallel.mesh.peak_memo
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1e6
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: whose lines are sites
+
+
+def _site(frames: list) -> str:
+    """The innermost frame of this repository (torch's frames run innermost first) and its caller's."""
+    own = [f for f in frames if f.get("filename", "").startswith(ROOT) and "site-packages" not in f["filename"]
+           and not f["filename"].endswith("phases.py")]   # (a virtual environment may sit inside the repository)
+    where = [f"{os.path.relpath(f['filename'], ROOT)}:{f['line']} ({f['name']})" for f in own[:2]]
+    return " < ".join(where) or "(no frame in this repository)"
+
+
+def peak_sites(trace: list, base: int, top: int = 12) -> tuple[int, list]:
+    """(peak allocated bytes, [(bytes, allocations, site)] largest first) of a CUDA allocation history (the
+    `device_traces` entries of torch.cuda.memory._snapshot(), recorded from an allocated total `base`): allocated
+    rises at "alloc" and falls at "free_requested"; at its highest point, what the history allocated and had not
+    freed, by `_site`."""
+    cur = peak = 0
+    at = -1
+    for i, e in enumerate(trace):
+        cur += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_requested" else 0
+        if cur > peak:
+            peak, at = cur, i
+    live = {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    sites: dict = {}
+    for e in live.values():
+        n, c = sites.get(k := _site(e.get("frames") or []), (0, 0))
+        sites[k] = (n + e["size"], c + 1)
+    return base + peak, sorted(((n, c, k) for k, (n, c) in sites.items()), reverse=True)[:top]
+
+
 class PhaseMeter:
-    def __init__(self, model, device: torch.device, out_dir: str | None = None, log=print):
+    def __init__(self, model, device: torch.device, out_dir: str | None = None, log=print, trace: bool = False):
         self.device, self.phases, self.best, self.best_reserved, self.on = device, [], 0.0, 0.0, False
         self.out_dir, self.log = out_dir, log
+        self.trace = trace and device.type == "cuda"
+        if trace and not self.trace:
+            log("--mem-trace: CUDA only (torch records no CPU allocation history); the phases alone")
         self.cuda = device.type == "cuda"
         self.why = None if self.cuda or os.access(CLEAR_REFS, os.W_OK) else \
             f"no per-phase peaks on CPU here: {CLEAR_REFS} is not writable (VmHWM cannot be reset)"
@@ -97,6 +139,14 @@ class PhaseMeter:
             yield
             return
         self.phases = []
+        trace = None
+        if self.trace:   # a diagnostic: where torch's private API fails, the run goes on without it, saying why
+            base = torch.cuda.memory_allocated(self.device)
+            try:
+                torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=4_000_000)
+            except Exception as e:   # noqa: BLE001
+                self.log(f"--mem-trace: no allocation history on this torch ({type(e).__name__}: {e})")
+                self.trace = False
         if not self.why:
             self._peak()   # the step so far (optimizer state, data) is in `best`; the phases start here
             self.on = True
@@ -104,10 +154,27 @@ class PhaseMeter:
             yield
         finally:
             self.on = False
+            if self.trace:
+                try:
+                    trace = torch.cuda.memory._snapshot()["device_traces"][self.device.index or 0]
+                except Exception as e:   # noqa: BLE001
+                    self.log(f"--mem-trace: no snapshot ({type(e).__name__}: {e})")
+                torch.cuda.memory._record_memory_history(None)
         if not self.why:
             self._mark("rest of backward")
+        if trace is not None:
+            self.report_sites(*peak_sites(trace, base))
         if self.out_dir:   # with `why` too: the file says why it holds no phases
             self.report()
+
+    def report_sites(self, peak: int, rows: list) -> None:
+        lines = [f"peak {peak / 1e9:.3f} GB allocated; alive then, allocated in this micro-batch, by site (GB, count):"]
+        lines += [f"  {n / 1e9:8.3f} {c:6d}  {k}" for n, c, k in rows]
+        if self.out_dir:
+            with open(os.path.join(self.out_dir, f"mem_trace.rank{dist.get_rank()}.txt"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+        if dist.get_rank() == 0:
+            self.log("mem trace (rank 0): " + "\n".join(lines[:9]))
 
     def report(self) -> None:
         """Every rank's phases to OUT/mem_phases.json, rank 0's logged (a collective: every rank calls it)."""

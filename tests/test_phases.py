@@ -107,3 +107,35 @@ def test_phases_attribute_an_allocation_to_attention(assets, tmp_path, monkeypat
     others = max(got[k] for k in ("last block: MLP", "last block: o_proj", "last block: q/k/v, norm"))
     assert got["last block: attention"] > others + 0.15, got
     assert got["rest of backward"] > others + 0.15, got
+
+
+def test_peak_sites_replay_a_cuda_allocation_history():
+    """--mem-trace's analysis (phases.peak_sites) on a history shaped like torch.cuda.memory._snapshot()'s
+    device_traces (frames innermost first): the peak is the highest allocated total (allocations at "alloc",
+    frees at "free_requested", one from before the window lowering it), and the sites are what is alive at that
+    point, summed by the innermost repository frame and its caller (torch's own frames skipped)."""
+    from parallel import phases
+
+    f = lambda path, line, name: {"filename": os.path.join(phases.ROOT, path), "line": line, "name": name}
+    torch_frame = {"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py"), "line": 9,
+                   "name": "linear"}
+    mlp = [torch_frame, f("parallel/memory.py", 73, "forward"), f("model/llama.py", 262, "forward"),
+           f("train.py", 300, "main")]
+    norm = [f("model/llama.py", 90, "forward"), f("model/llama.py", 262, "forward")]
+    ev = lambda action, addr, size, frames=(): {"action": action, "addr": addr, "size": size, "frames": list(frames),
+                                                 "stream": 0}
+    trace = [ev("alloc", 1, 100, mlp), ev("alloc", 2, 50, norm), ev("free_requested", 9, 30),
+             ev("free_completed", 9, 30), ev("alloc", 3, 100, mlp), ev("free_requested", 1, 100, mlp),
+             ev("free_completed", 1, 100, mlp), ev("alloc", 4, 60, norm)]
+    peak, rows = phases.peak_sites(trace, base=1000)
+    assert peak == 1000 + 100 + 50 - 30 + 100, peak
+    assert rows == [(200, 2, "parallel/memory.py:73 (forward) < model/llama.py:262 (forward)"),
+                    (50, 1, "model/llama.py:90 (forward) < model/llama.py:262 (forward)")], rows
+
+
+def test_mem_trace_on_cpu_says_it_is_cuda_only(assets, tmp_path, capsys):
+    """--mem-trace on CPU: the phases as with --mem-phases, and one line saying the trace is CUDA-only."""
+    rep, _ = _run(assets, str(tmp_path / "out"), "--mem-trace")
+    assert [n for n, _ in rep["ranks"][0]] == PHASES
+    assert "--mem-trace: CUDA only" in capsys.readouterr().out
+    assert not any(n.startswith("mem_trace") for n in os.listdir(tmp_path / "out"))
