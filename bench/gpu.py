@@ -31,7 +31,8 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device);
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
-Any row runs in any case with --runs.
+Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
+device (95% of it), read back from the run's config.json for the plan comparison.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
 planner's peak of live tensors, and the allocator's reserved peak against that x FRAGMENTATION; on CPU the RSS
 against `train.py --plan`'s total, imports included) and its first step's peak per phase (`train.py --mem-phases`:
@@ -79,7 +80,8 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+tiled-attn": ["--tiled-mlp", "--tiled-attn"],
             "ours+tiled-attn+offload": ["--tiled-mlp", "--tiled-attn", "--offload-activations"],
             "ours+compile": ["--compile"],
-            "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"]}
+            "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"],
+            "ours+fast": ["--fast"]}   # what train.py --fast picks for this device (its config.json says which)
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
@@ -305,6 +307,11 @@ def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> d
              "--schedule-steps", str(spec["steps"])] if profile else []   # the timed steps' lr as without it
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
                    check=True, timeout=timeout, cwd=ROOT)
+    if "--fast" in flags:   # the flags the run chose, as typed: the plan below and the table need them
+        cfg = json.load(open(os.path.join(out, "config.json")))
+        flags = [f for f in flags if f != "--fast"] + ["--tiled-mlp"] * cfg["tiled_mlp"] + [
+            "--tiled-attn"] * cfg["tiled_attn"] + ["--ac-keep-attn"] * cfg["ac_keep_attn"] + ["--no-ac"] * (
+            not cfg["ac"]) + (["--ac-blocks", str(cfg["ac_blocks"])] if cfg["ac_blocks"] is not None else [])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if not r.get("profiled")]
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]

@@ -40,8 +40,9 @@
 #      case after the fix of that evening (the tiled sublayers' norm stand-in and the one-element recompute output:
 #      ~7.5 GB off each row's MLP phase by the phase arithmetic), its per-phase peaks against the plan's block phase
 #      (the offload row's o_proj phase and the other blocks' backward were ~6 and ~8.5 GB over it: unexplained);
-#   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case mem' (128k, the memory flags on the
-#      current code, plan vs measured).
+#   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case 128k --runs liger,ours+fast;--case
+#      32k --runs ours+fast' (what train.py --fast picks on the whole device: planned --ac-keep-attn --ac-blocks 4 at
+#      128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s), then --case mem if time is left.
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
