@@ -164,7 +164,7 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
         return f"fastest: the given flags, est. {own:.2f} s/step at H200 rates (parallel/plan_speed.py)"
     flags, p, t = best
     return (f"fastest: {flags} fits ({p.total / GB:.1f} GB), est. {t:.2f} s/step vs {own:.2f} s for the given flags "
-            "at H200 rates (parallel/plan_speed.py)")
+            "at H200 rates (parallel/plan_speed.py; --fast adds them)")
 
 
 def fast_flags(args, margs, dims, pack, world: int) -> tuple[str, str]:
