@@ -260,11 +260,16 @@ def _fused_forward(self, x, *args, **kwargs):
     # result + scaling · (a @ B^T) in one GEMM (its epilogue reads result): one [T, out] write instead of
     # peft's clone, B's output, the scaled copy and the sum; backward has no [T, out] scaling either. Into
     # _BaseAndA's output itself (read by nothing else): no second [T, out], and the caller may sum into it too
+    # In place, the reshapes are _unsafe_view (no autograd view: autograd would record an in-place op on a view as
+    # CopySlices, whose backward allocates the base's gradient and clones the slice, 2 [T, out] per op beside dh;
+    # nothing saved `result`, so its version counter has nothing to guard)
+    one = one and result.is_contiguous()
+    reshape = torch.ops.aten._unsafe_view if one else torch.reshape
     args = (a.reshape(-1, a.shape[-1]), b_lin.weight.t())
-    flat = result.reshape(-1, result.shape[-1])
+    flat = reshape(result, (-1, result.shape[-1]))
     out = flat.addmm_(*args, alpha=self.scaling[names[0]]) if one else torch.addmm(flat, *args,
                                                                                    alpha=self.scaling[names[0]])
-    out = out.view(*x.shape[:-1], out.shape[-1])
+    out = reshape(out, (*x.shape[:-1], out.shape[-1]))
     out._sum_in_place = one   # Block adds the residual into it
     return out
 
