@@ -63,3 +63,16 @@ def test_attention_bench_blocks_mode():
                "--head-dim", "16", "--iters", "1", "--warmup", "0", timeout=100)
     assert re.search(r"one call: fwd\+bwd [\d.]+ s", out) and re.search(r"64-token blocks: fwd\+bwd [\d.]+ s", out), out
     assert re.search(r"blocks / one call: time [\d.]+", out), out
+
+
+@pytest.mark.timeout(200)
+def test_memtrace_bench_small():
+    """`bench/memtrace.py`: the seven --mem-phases phases in order, each with its peak (in [T, D]) and the sites
+    alive then (a repository line or torch's own), then the planner's terms for the same run."""
+    out = _run("bench/memtrace.py", "--tokens", "512", "--layers", "2", "--tiled-mlp", "--top", "3", timeout=180)
+    names = re.findall(r"^(\S.*?)\s{2,}([\d.]+) \[T, D\]$", out, re.M)
+    assert [n for n, _ in names] == ["forward", "loss", "last block: MLP", "last block: o_proj",
+                                     "last block: attention", "last block: q/k/v, norm", "rest of backward"], out
+    assert all(float(v) > 0 for _, v in names), names
+    assert re.search(r"^\s+[\d.]+\s+\d+\s+model/\S+:\d+ \(", out, re.M), out   # a site in the decoder
+    assert "planned (parallel/plan.py, cpu):" in out and "| block recompute (AC)" in out, out
