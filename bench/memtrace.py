@@ -7,8 +7,13 @@ counts storages instead: a TorchDispatchMode sees every op's outputs and keeps e
 it dies (weak references), so the running total is what `torch.cuda.memory_allocated` would show for the tensors
 made during the step (not the weights made before it). `parallel.phases.PhaseMeter` marks the phases (train.py
 --mem-phases), its peaks taken from this count; at each phase's peak the live storages are grouped by the innermost
-repository frame of the op that made them (and its caller). Found with it: the tiled MLP's unread recompute output
-and the CopySlices of in-place adds on views (README, "Long sequences").
+repository frame of the op that made them (and its caller). Found with it: the CopySlices of in-place adds on
+views (README, "Long sequences").
+
+Its own cost: under a Python dispatch mode autograd cannot sum a tensor's second gradient into the first in place
+(the mode's Python references count as owners of the first), so it adds them into a new tensor, which a real run
+does not (tests/test_memory.py::test_input_gradients_are_summed_in_place): those show as "autograd's sum" sites,
+about one [T, D] each; read a phase's peak less them.
 
 The model is a random Qwen2 checkpoint with Qwen2.5-7B's shape ratios (28 query / 4 KV heads, intermediate
 5.3 x hidden) at hidden 224, head dim 8, vocab 512 (a block's backward, not the loss, sets the peak); fp32, NF4 base
@@ -72,7 +77,10 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st = t.untyped_storage()
                 if st._cdata not in self.refs and st.nbytes():
-                    self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes(), f"{_site()} [{func}]")
+                    site = _site()
+                    site = "autograd's sum (in place in a real run: this tool's cost)" if site == "(torch)" and \
+                        func is torch.ops.aten.add.Tensor else f"{site} [{func}]"
+                    self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes(), site)
                     self.cur += st.nbytes()
         if self.cur > self.peak:
             self.peak, self.at_peak = self.cur, [(n, s) for _, n, s in self.refs.values()]
