@@ -1,19 +1,21 @@
-"""Where one training step's memory goes, counted as CUDA's allocator counts it, on a CPU: per phase, and what is
-alive at each phase's peak, by the line of this repository that allocated it, beside the planner's terms.
+"""Where one training step's memory goes, counted per tensor storage like CUDA's allocated bytes, on a CPU: per
+phase, and what is alive at each phase's peak, by the line of this repository that allocated it, beside the
+planner's terms.
 
 The CPU plan check (bench/plan.py) reads the process RSS, which misses what a GPU pays for: a buffer allocated and
 never written (an `empty` nobody touches is never paged in) and the allocator's view of every tensor's bytes. This
 counts storages instead: a TorchDispatchMode sees every op's outputs and keeps each new storage's byte count until
-it dies (weak references), so the running total is what `torch.cuda.memory_allocated` would show for the tensors
-made during the step (not the weights made before it). `parallel.phases.PhaseMeter` marks the phases (train.py
+it dies (weak references), so the running total approximates `torch.cuda.memory_allocated` for the tensors made
+during the step (not the weights made before it, nor --offload-activations' host copies; an op's internal
+temporaries, freed before it returns, are not seen). `parallel.phases.PhaseMeter` marks the phases (train.py
 --mem-phases), its peaks taken from this count; at each phase's peak the live storages are grouped by the innermost
 repository frame of the op that made them (and its caller). Found with it: the CopySlices of in-place adds on
 views (README, "Long sequences").
 
 Its own cost: under a Python dispatch mode autograd cannot sum a tensor's second gradient into the first in place
 (the mode's Python references count as owners of the first), so it adds them into a new tensor, which a real run
-does not (tests/test_memory.py::test_input_gradients_are_summed_in_place): those show as "autograd's sum" sites,
-about one [T, D] each; read a phase's peak less them.
+does not (tests/test_memory.py::test_input_gradients_are_summed_in_place): an `add` made outside this repository's
+code is labelled "autograd's sum" (a guess: nearly all are), about one [T, D] each; read a phase's peak less them.
 
 The model is a random Qwen2 checkpoint with Qwen2.5-7B's shape ratios (28 query / 4 KV heads, intermediate
 5.3 x hidden) at hidden 224, head dim 8, vocab 512 (a block's backward, not the loss, sets the peak); fp32, NF4 base
@@ -73,11 +75,16 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()   # first: a freed storage's key may be reused by a new one
-        for t in tree_flatten(out)[0]:
+        # an op returning an alias (a view, detach, t(), an in-place op) makes no storage: a weight's view
+        # must not count the weight
+        fresh = not any(r.alias_info is not None for r in func._schema.returns)
+        for t in tree_flatten(out)[0] if fresh else ():
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st = t.untyped_storage()
                 if st._cdata not in self.refs and st.nbytes():
                     site = _site()
+                    if site.startswith("parallel/offload.py") and "(__init__)" in site:
+                        continue   # --offload-activations' host copy: host memory on a GPU run, not counted
                     site = "autograd's sum (in place in a real run: this tool's cost)" if site == "(torch)" and \
                         func is torch.ops.aten.add.Tensor else f"{site} [{func}]"
                     self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes(), site)

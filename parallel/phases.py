@@ -50,14 +50,18 @@ def _vm_gb(key: str) -> float:   # kB / 1e6, the unit of parallel.mesh.peak_memo
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: whose lines are sites
+MAX_EVENTS = 4_000_000   # --mem-trace's history (a 524,288-token step of 8 layers makes far fewer)
 
 
 def _site(frames: list) -> str:
-    """The innermost frame of this repository (torch's frames run innermost first) and its caller's."""
+    """The innermost frame of this repository (torch's frames run innermost first) and its caller's; without one
+    (autograd's own backward nodes run on a device thread with no Python stack), the autograd node's C++ frame."""
     own = [f for f in frames if f.get("filename", "").startswith(ROOT) and "site-packages" not in f["filename"]
            and not f["filename"].endswith("phases.py")]   # (a virtual environment may sit inside the repository)
     where = [f"{os.path.relpath(f['filename'], ROOT)}:{f['line']} ({f['name']})" for f in own[:2]]
-    return " < ".join(where) or "(no frame in this repository)"
+    node = next((f["name"] for f in frames if "Backward" in f.get("name", "") or "CopySlices" in f.get("name", "")),
+                None)
+    return " < ".join(where) or (f"(autograd: {node})" if node else "(no frame in this repository)")
 
 
 def peak_sites(trace: list, base: int, top: int = 12) -> tuple[int, list]:
@@ -141,9 +145,11 @@ class PhaseMeter:
         self.phases = []
         trace = None
         if self.trace:   # a diagnostic: where torch's private API fails, the run goes on without it, saying why
-            base = torch.cuda.memory_allocated(self.device)
-            try:
-                torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=4_000_000)
+            # requested bytes: the history's sizes are the requests (allocated ones are rounded to blocks)
+            base = torch.cuda.memory_stats(self.device).get("requested_bytes.all.current") or \
+                torch.cuda.memory_allocated(self.device)
+            try:   # C++ frames too: autograd's own nodes run on a device thread with no Python stack
+                torch.cuda.memory._record_memory_history("all", context="alloc", stacks="all", max_entries=MAX_EVENTS)
             except Exception as e:   # noqa: BLE001
                 self.log(f"--mem-trace: no allocation history on this torch ({type(e).__name__}: {e})")
                 self.trace = False
@@ -159,11 +165,18 @@ class PhaseMeter:
                     trace = torch.cuda.memory._snapshot()["device_traces"][self.device.index or 0]
                 except Exception as e:   # noqa: BLE001
                     self.log(f"--mem-trace: no snapshot ({type(e).__name__}: {e})")
-                torch.cuda.memory._record_memory_history(None)
+                with contextlib.suppress(Exception):
+                    torch.cuda.memory._record_memory_history(None)
         if not self.why:
             self._mark("rest of backward")
         if trace is not None:
-            self.report_sites(*peak_sites(trace, base))
+            try:   # never the run's end: the other ranks would wait in report()'s all_gather
+                if len(trace) >= MAX_EVENTS:
+                    self.log(f"--mem-trace: the history filled its {MAX_EVENTS} events and lost the oldest: "
+                             "the sites below are partial")
+                self.report_sites(*peak_sites(trace, base))
+            except Exception as e:   # noqa: BLE001
+                self.log(f"--mem-trace: no report ({type(e).__name__}: {e})")
         if self.out_dir:   # with `why` too: the file says why it holds no phases
             self.report()
 

@@ -127,6 +127,12 @@ def test_peak_sites_replay_a_cuda_allocation_history():
     trace = [ev("alloc", 1, 100, mlp), ev("alloc", 2, 50, norm), ev("free_requested", 9, 30),
              ev("free_completed", 9, 30), ev("alloc", 3, 100, mlp), ev("free_requested", 1, 100, mlp),
              ev("free_completed", 1, 100, mlp), ev("alloc", 4, 60, norm)]
+    trace.append(ev("alloc", 5, 500, [{"filename": "/pytorch/torch/csrc/autograd/generated/Functions.cpp", "line": 1,
+                                        "name": "torch::autograd::generated::AddmmBackward0::apply"}]))
+    peak, rows = phases.peak_sites(trace, base=1000)
+    assert peak == 1000 + 100 + 50 - 30 + 100 - 100 + 60 + 500, peak   # the last alloc is the new peak
+    assert rows[0] == (500, 1, "(autograd: torch::autograd::generated::AddmmBackward0::apply)"), rows
+    trace.pop()
     peak, rows = phases.peak_sites(trace, base=1000)
     assert peak == 1000 + 100 + 50 - 30 + 100, peak
     assert rows == [(200, 2, "parallel/memory.py:73 (forward) < model/llama.py:262 (forward)"),
