@@ -308,10 +308,8 @@ def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> d
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
                    check=True, timeout=timeout, cwd=ROOT)
     if "--fast" in flags:   # the flags the run chose, as typed: the plan below and the table need them
-        cfg = json.load(open(os.path.join(out, "config.json")))
-        flags = [f for f in flags if f != "--fast"] + ["--tiled-mlp"] * cfg["tiled_mlp"] + [
-            "--tiled-attn"] * cfg["tiled_attn"] + ["--ac-keep-attn"] * cfg["ac_keep_attn"] + ["--no-ac"] * (
-            not cfg["ac"]) + (["--ac-blocks", str(cfg["ac_blocks"])] if cfg["ac_blocks"] is not None else [])
+        chosen = json.load(open(os.path.join(out, "config.json")))["fast_flags"]
+        flags = [f for f in flags if f != "--fast"] + chosen.split()
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if not r.get("profiled")]
     times = [r.get("step_time_s") or r["tokens"] / r["tokens_per_s"] for r in rows]

@@ -203,6 +203,7 @@ def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
     if flags is None:
         raise RuntimeError(line)
     apply_flags(args, flags)
+    args.fast_flags = flags   # recorded in OUT/config.json with the rest: what --fast added, as typed
     log(line)
 
 

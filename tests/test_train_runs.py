@@ -485,6 +485,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     typed = train.build_parser().parse_args(argv("y", *flags.split()))
     for k in ("ac", "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn"):
         assert cfg[k] == getattr(typed, k), (k, cfg[k], flags)
+    assert cfg["fast_flags"] == flags, cfg   # (bench/gpu.py's ours+fast row reads them there)
     run(argv("typed", *flags.split()))
     run(argv("plain"))
     fast, by_hand, plain = (metrics(tmp_path / d) for d in ("fast", "typed", "plain"))
