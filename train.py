@@ -70,7 +70,7 @@ def build_parser(add_help=True):
       "more memory; `--plan` names the fewest that fit")
     a("--ac-keep-attn", action="store_true", help="AC keeps each block's attention output: recompute skips attention")
     a("--fast", action="store_true", help="add the memory flags the planner ranks fastest that fit 95%% of this "
-      "device (--plan's fastest: line; rank 0's choice, logged)")
+      "device (--plan's fastest: line; the smallest rank's device decides; logged)")
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--tiled-attn", action="store_true", help="run each attention sublayer over tiles of query rows (--cp 1)")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
@@ -208,7 +208,7 @@ def main(argv=None):
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        if args.fast:   # the same math with the memory flags the planner ranks fastest here: rank 0's choice
+        if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, world, rank, log0)
             dims, args.pack = validate(args, margs, world)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks

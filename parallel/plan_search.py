@@ -105,17 +105,20 @@ def _fixes(args, margs, world, target, mem, host):
 
 
 def _budget(args, world):
+    """(target, bytes per rank, what they are): --gpu-mem, else this process's CUDA device, else this machine's RAM
+    over its local ranks (LOCAL_WORLD_SIZE, else `world`)."""
     import torch
     if torch.cuda.is_available():
-        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(0).total_memory
+        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(torch.cuda.current_device()) \
+            .total_memory
         src = "--gpu-mem" if args.gpu_mem else torch.cuda.get_device_name()
         return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
     if args.gpu_mem:
         return "cuda", args.gpu_mem * GB, f"{args.gpu_mem:.1f} GB per GPU (--gpu-mem: planning CUDA from a CPU machine)"
     import psutil
-    ram = psutil.virtual_memory().total
-    return "cpu", ram / world, (f"{ram / world / GB:.1f} GB per rank: no CUDA device and no --gpu-mem, so this "
-                                f"machine's RAM ({ram / GB:.1f} GB, psutil) shared by {world} CPU ranks")
+    ram, n = psutil.virtual_memory().total, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return "cpu", ram / n, (f"{ram / n / GB:.1f} GB per rank: no CUDA device and no --gpu-mem, so this machine's RAM "
+                            f"({ram / GB:.1f} GB, psutil) shared by {n} CPU ranks")
 
 
 def parse_args(argv, run_parser, demo: dict):

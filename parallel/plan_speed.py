@@ -11,7 +11,7 @@ Contract:
   --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
 - `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
   --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags or those
-  do not fit; `apply_fast(...)`: train.py's, rank 0's choice on every rank.
+  do not fit; `apply_fast(...)`: train.py's, chosen by rank 0 for the smallest budget of all ranks, on every rank.
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
@@ -167,17 +167,17 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
             "at H200 rates (parallel/plan_speed.py; --fast adds them)")
 
 
-def fast_flags(args, margs, dims, pack, world: int) -> tuple[str, str]:
-    """--fast: (flags, log line): what `fastest_line` names for this device and world size (its memory: CUDA's
-    device 0, else this machine's RAM / world; --plan's --gpu-mem and --host-mem where given), "" where the run's
-    own flags are the fastest that fit or nothing fits (the run's own checks then speak). On CPU too: there the
-    ranking is still the H200's, the memory this machine's."""
+def fast_flags(args, margs, dims, pack, world: int, budget=None) -> tuple[str, str]:
+    """--fast: (flags, log line): what `fastest_line` names for this device and world size (`budget`, else
+    plan_search._budget's: --gpu-mem, this process's CUDA device, else this machine's RAM over its local ranks;
+    --plan's --host-mem where given), "" where the run's own flags are the fastest that fit or nothing fits (the
+    run's own checks then speak). On CPU too: there the ranking is still the H200's, the memory this machine's."""
     import argparse
 
     from parallel.plan import GB
     from parallel.plan_search import SAFETY, _budget, _host_budget
     a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
-    target, mem, where = _budget(a, world)
+    target, mem, where = budget or _budget(a, world)
     fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem, _host_budget(a, world), pack)
     if best is None:
         return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
@@ -189,13 +189,29 @@ def fast_flags(args, margs, dims, pack, world: int) -> tuple[str, str]:
 
 
 def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
-    """train.py's --fast on every rank: rank 0's `fast_flags`, broadcast (an error there is raised on every rank,
-    none is left waiting in the broadcast), applied to `args` and logged."""
+    """train.py's --fast on every rank: each rank's memory budget gathered, rank 0's `fast_flags` for the smallest
+    (the flags must fit every rank: mixed GPUs, a device partly taken), broadcast (an error there is raised on every
+    rank, none is left waiting in the broadcast), applied to `args` and logged."""
+    import argparse
+
     import torch.distributed as dist
-    got = [None]
+
+    from parallel import plan_search
+    budgets, got = [None] * world, [None]
+    try:
+        mine = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
+    except Exception as e:   # noqa: BLE001 (raised below on every rank, after the collective)
+        mine = (None, 0.0, f"rank {rank}: {type(e).__name__}: {e}")
+    dist.all_gather_object(budgets, mine)
     if rank == 0:
         try:
-            got = [fast_flags(args, margs, dims, args.pack, world)]
+            bad = next((b for b in budgets if b[0] is None), None)
+            if bad:
+                raise RuntimeError(f"no device budget on {bad[2]}")
+            low = min(range(world), key=lambda r: budgets[r][1])
+            target, mem, where = budgets[low]
+            where += f", rank {low}'s: the smallest of {world}" if len({b[1] for b in budgets}) > 1 else ""
+            got = [fast_flags(args, margs, dims, args.pack, world, budget=(target, mem, where))]
         except Exception as e:   # noqa: BLE001 (raised again below, on every rank)
             got = [(None, f"--fast failed on rank 0: {type(e).__name__}: {e}")]
     dist.broadcast_object_list(got, src=0)

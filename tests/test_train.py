@@ -19,8 +19,9 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
-- `--fast` on cp 2 × dp 2 ring with a different device budget per rank: every rank applies rank 0's choice (not
-  what its own budget would pick) and the run trains as on 1 rank;
+- `--fast` on cp 2 × dp 2 ring with a different device budget per rank, rank 2's the smallest: every rank applies
+  the choice for rank 2's budget (not what rank 0's or its own would pick), the log names rank 2, and the run
+  trains as on 1 rank;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
@@ -88,7 +89,7 @@ INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "-
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
 STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--save-minutes", "1e-9"]   # (a save after each step:
 # rank 0's clock decides for all 4, or rank 0 would wait alone in the save's collectives)
-# --fast on 4 ranks whose device budgets differ (rank 0's choice must hold on every rank)
+# --fast on 4 ranks whose device budgets differ (the smallest, rank 2's, decides for every rank)
 FAST4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--fast"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
@@ -127,20 +128,25 @@ def _four_ranks(rank, world_size, assets, root):
 
 
 def _fast_on_every_rank(rank, argv):
-    """Run `argv` (--fast) with a device budget that differs by rank (rank 0: between the plans of AC on one block
-    and of no AC; the others: 1 PB, where another set wins); return the flags this rank applied."""
+    """Run `argv` (--fast) with a device budget that differs by rank (rank 2: between the plans of AC on one block
+    and of no AC; the others: 1 PB, where another set wins); return the flags this rank applied and, on rank 0,
+    the --fast log line."""
+    import contextlib
+    import io
+
     import train
     from parallel import plan_search, plan_speed
 
-    mem = budget_between_ac_plans(argv, 4) if rank == 0 else 1e15
-    budget, apply, got = plan_search._budget, plan_speed.apply_flags, []
-    plan_search._budget = lambda a, world: ("cpu", mem, "test")
+    mem = budget_between_ac_plans(argv, 4) if rank == 2 else 1e15
+    budget, apply, got, out = plan_search._budget, plan_speed.apply_flags, [], io.StringIO()
+    plan_search._budget = lambda a, world: ("cpu", mem, f"{mem:.0f} B (test)")
     plan_speed.apply_flags = lambda args, flags: (got.append(flags), apply(args, flags))[1]
     try:
-        train.main(argv)
+        with contextlib.redirect_stdout(out):
+            train.main(argv)
     finally:
         plan_search._budget, plan_speed.apply_flags = budget, apply
-    return got
+    return got, [x for x in out.getvalue().splitlines() if x.startswith("--fast")]
 
 
 def _stop_one_rank(rank, argv):
@@ -299,15 +305,17 @@ def _compare_differs_from_full(window, full):
 
 
 @pytest.mark.timeout(600)
-def test_fast_applies_rank_0s_choice_on_every_rank(one, four):
-    """--fast on cp 2 x dp 2 ring: rank 0 plans (its budget allows AC on some blocks, not none), every rank applies
-    its flags, though the other ranks' budgets would have chosen --no-ac; the run trains like 1 rank."""
+def test_fast_fits_the_smallest_rank_budget_on_every_rank(one, four):
+    """--fast on cp 2 x dp 2 ring: rank 2's budget is the smallest (it allows AC on some blocks, not none); every
+    rank applies the flags for it, though rank 0's own budget, which plans, and the others' would have chosen
+    another set; the log says whose budget it was; the run trains like 1 rank."""
     import train
     from model.load import read_args
     from parallel import plan_search, plan_speed
     from parallel.mesh import validate
 
-    got = four["fast"]
+    got, lines = [f[0] for f in four["fast"]], four["fast"][0][1]
+    assert len(lines) == 1 and "rank 2's: the smallest of 4" in lines[0], lines
     assert len(got[0]) == 1 and "--ac-blocks" in got[0][0] and got[0][0] != "--no-ac", got
     assert all(g == got[0] for g in got), f"flags applied per rank: {got}"
     args = train.build_parser().parse_args(train_argv(four["assets"], "unused", *FAST4))

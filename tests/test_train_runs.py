@@ -499,6 +499,6 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     assert f"--fast: {flags} (planned" in capsys.readouterr().out
 
     # a failure in rank 0's planning is raised (on every rank: no one waits in the broadcast)
-    monkeypatch.setattr(plan_speed, "fast_flags", lambda *a: 1 / 0)
+    monkeypatch.setattr(plan_speed, "fast_flags", lambda *a, **k: 1 / 0)
     with pytest.raises(RuntimeError, match="--fast failed on rank 0: ZeroDivisionError"):
         run(argv("err", "--fast"))
