@@ -89,7 +89,8 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
-   bf16 copy (2cV) for a bf16 weight, and one chunk's hidden gradient (ecD).
+   bf16 copy (2cV) for a bf16 weight. A chunk's hidden gradient is written into grad_hidden's rows (no ecD:
+   bench/memtrace.py's loss phase at 8,192 tokens, where c = T, is these terms to the byte).
 9. q/k/v backward, after the kernel's (model.llama makes q last, so q's chain runs first, before the input
    norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
    largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
@@ -291,7 +292,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
-    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + e * c * D
+    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0)
     p.alt_activations = (every if args.ac else max(L - 1, 1) * e * T * D + layer_saved(False))
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p

@@ -76,3 +76,9 @@ def test_memtrace_bench_small():
     assert all(float(v) > 0 for _, v in names), names
     assert re.search(r"^\s+[\d.]+\s+\d+\s+model/\S+:\d+ \(", out, re.M), out   # a site in the decoder
     assert "planned (parallel/plan.py, cpu):" in out and "| block recompute (AC)" in out, out
+    # the loss phase (block checkpoints, rope tables, final norm input and output, grad_hidden, the logits block)
+    # is what the planner's activation and loss terms say: counted storages against parallel/plan.py
+    terms = re.findall(r"^\s+([\d.]+)  ((?:activations: |\| or: ).*)$", out, re.M)
+    plan = sum(float(v) for v, _ in terms)
+    assert len(terms) == 4 and float(dict((n, v) for n, v in names)["loss"]) == pytest.approx(plan, rel=0.05), \
+        (terms, names)
