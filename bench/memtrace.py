@@ -7,15 +7,18 @@ never written (an `empty` nobody touches is never paged in) and the allocator's 
 counts storages instead: a TorchDispatchMode sees every op's outputs and keeps each new storage's byte count until
 it dies (weak references), so the running total approximates `torch.cuda.memory_allocated` for the tensors made
 during the step (not the weights made before it, nor --offload-activations' host copies; an op's internal
-temporaries, freed before it returns, are not seen). `parallel.phases.PhaseMeter` marks the phases (train.py
+temporaries, freed before it returns, are not seen; nor the CPU attention forward's K/V copies expanded to the query
+heads, which CUDA's kernels do not make). The attention core is train.py's at --cp 1 (parallel.cp.KernelAttention,
+with the blocked backward of long rows), not torch's SDPA. `parallel.phases.PhaseMeter` marks the phases (train.py
 --mem-phases), its peaks taken from this count; at each phase's peak the live storages are grouped by the innermost
 repository frame of the op that made them (and its caller). Found with it: the CopySlices of in-place adds on
 views (README, "Long sequences").
 
-Its own cost: under a Python dispatch mode autograd cannot sum a tensor's second gradient into the first in place
-(the mode's Python references count as owners of the first), so it adds them into a new tensor, which a real run
-does not (tests/test_memory.py::test_input_gradients_are_summed_in_place): an `add` made outside this repository's
-code is labelled "autograd's sum" (a guess: nearly all are), about one [T, D] each; read a phase's peak less them.
+Its own cost, undone: under a Python dispatch mode autograd cannot sum a tensor's second gradient into the first in
+place (the mode's Python references count as owners of the first), so it adds them into a new tensor, which a real
+run does not (tests/test_memory.py::test_input_gradients_are_summed_in_place). An `add` made outside this
+repository's code ("autograd's sum": nearly all are) is counted as the in-place sum it stands for: its first operand,
+the gradient being summed into, counts 0 bytes from then on (the sum holds them), so no moment has both.
 
 The model is a random Qwen2 checkpoint with Qwen2.5-7B's shape ratios (28 query / 4 KV heads, intermediate
 5.3 x hidden) at hidden 224, head dim 8, vocab 512 (a block's backward, not the loss, sets the peak); fp32, NF4 base
@@ -45,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 FLAGS = ("tiled_mlp", "tiled_attn", "offload_activations", "ac_keep_attn")
+DIM, LONG = 224, 524288   # this model's hidden size; the long case's row (bench/gpu.py)
 
 
 def _site() -> str:
@@ -85,8 +89,17 @@ class LiveBytes(TorchDispatchMode):
                     site = _site()
                     if site.startswith("parallel/offload.py") and "(__init__)" in site:
                         continue   # --offload-activations' host copy: host memory on a GPU run, not counted
-                    site = "autograd's sum (in place in a real run: this tool's cost)" if site == "(torch)" and \
-                        func is torch.ops.aten.add.Tensor else f"{site} [{func}]"
+                    if "(_expand_kv) < parallel/backends.py" in site and "(_cpu_forward)" in site:
+                        continue   # the CPU op's K/V expanded to the query heads: CUDA's kernels take GQA as is
+                    if site == "(torch)" and func is torch.ops.aten.add.Tensor:   # a real run sums in place
+                        site = "autograd's sum (in place: its first operand's bytes)"
+                        first = args[0].untyped_storage()._cdata if isinstance(args[0], torch.Tensor) else None
+                        if first in self.refs and self.refs[first][1] == st.nbytes():
+                            ref, n, at = self.refs[first]
+                            self.refs[first] = (ref, 0, at)   # moved into the sum
+                            self.cur -= n
+                    else:
+                        site = f"{site} [{func}]"
                     self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes(), site)
                     self.cur += st.nbytes()
         if self.cur > self.peak:
@@ -97,18 +110,30 @@ class LiveBytes(TorchDispatchMode):
 def run(args) -> dict:
     """One step; {phase: (peak bytes, [(bytes, count, site)] at that peak)} in the order the phases came."""
     import model.llama as llama
+    import parallel.memory as memory
     import parallel.phases as phases
     from parallel import kernels
+    from parallel.cp import KernelAttention
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
 
+    import model.qlora as qlora
+    if args.like_long:   # each row-chunked buffer the fraction of the row it is at 524,288 tokens of Qwen2.5-7B
+        frac = lambda n, per: max(1, round(args.tokens * DIM * n / (LONG * per)))   # n of a per-token quantity
+        args.block = args.block or max(1, args.tokens // 8)   # rows > 4 blocks: blocks of a quarter (16,384 there)
+        args.norm_chunk = args.norm_chunk or frac(llama.NORM_CHUNK, 3584)
+        args.mlp_tile = args.mlp_tile or frac(3584, DIM)          # tile_tokens(3584) tokens there
+        args.row_chunk = args.row_chunk or frac(qlora.ROW_CHUNK, 3584)
     kernels.BACKWARD_BLOCK = args.block or kernels.BACKWARD_BLOCK
     llama.NORM_CHUNK = args.norm_chunk or llama.NORM_CHUNK
+    qlora.ROW_CHUNK = args.row_chunk or qlora.ROW_CHUNK
+    if args.mlp_tile:   # the tiled MLP's tile (and the plan's): read from the module at each call
+        memory.tile_tokens = lambda dim, tile: args.mlp_tile
     ckpt = tiny_checkpoint(tempfile.mkdtemp(), heads=28, kv_heads=4, head_dim=8, layers=args.layers, vocab=512,
                            inter=1184, max_shard_size="50MB")
     opts = BuildOptions(ckpt, quant="nf4", lora_r=16, lora_alpha=32, seed=0,
                         **{f: getattr(args, f) for f in FLAGS})
-    model, _ = build_nonzero_b(opts)
+    model, _ = build_nonzero_b(opts, attention=KernelAttention())   # train.py's core at --cp 1 (not torch's SDPA)
     ids = torch.randint(0, 512, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     live, got = LiveBytes(), {}
     meter = phases.PhaseMeter(model, torch.device("cpu"))
@@ -157,6 +182,12 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=3, help="decoder layers")
     ap.add_argument("--block", type=int, default=None, help="kernels.BACKWARD_BLOCK for this run")
     ap.add_argument("--norm-chunk", type=int, default=None, help="model.llama.NORM_CHUNK (elements) for this run")
+    ap.add_argument("--mlp-tile", type=int, default=None, help="--tiled-mlp's tokens per tile (default: the hidden "
+                    "size, 224)")
+    ap.add_argument("--row-chunk", type=int, default=None, help="model.qlora.ROW_CHUNK (elements) for this run")
+    ap.add_argument("--like-long", action="store_true", help="unless given: --block, --norm-chunk, --mlp-tile and "
+                    "--row-chunk at the fraction of the row each is at 524,288 tokens of Qwen2.5-7B (bench/gpu.py's "
+                    "long case), so the phases compare with that GPU run's (at 8,192 tokens: 1024, 65536, 56, 16384)")
     ap.add_argument("--top", type=int, default=8, help="sites shown per phase")
     ap.add_argument("--min", type=float, default=0.05, help="sites under this many [T, D] are not shown")
     for f in FLAGS:
@@ -164,7 +195,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     got, plan, _ = run(args)
-    u = args.tokens * 224 * 4   # one fp32 [T, D]
+    u = args.tokens * DIM * 4   # one fp32 [T, D]
     on = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(args, f)]
     print(f"{args.tokens} tokens, {args.layers} layers, flags: {' '.join(on) or '(none)'}; 1 [T, D] = {u / 1e6:.2f} MB"
           " (sizes: bytes made during the step, weights excluded)")

@@ -215,13 +215,29 @@ class Attention(nn.Module):
         self.rotary = Rotary()
 
     def forward(self, x, cos, sin, core, meta):
-        B, S, _ = x.shape
+        q, k, v = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
+        B, S = q.shape[:2]
+        out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
+        return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
+
+    def projections(self, x, cos, sin):
+        """q, k, v with RoPE. Given `takes_norm`'s stand-in, the norm runs here, so its [T, D] output dies when this
+        returns, before the kernel and o_proj (an argument the caller made lives until the sublayer returns)."""
+        if (src := getattr(x, "_norm_of", None)) is not None:
+            norm, h = src
+            x = norm(h)
         # k, v before q: backward runs the latest-made nodes first, so q's [T, H·Hd] chain (RoPE, q_proj) runs
         # before the input norm's gradient and its rebuilt output exist, not on top of them
         k, v = self.keys_values(x, cos, sin)                              # [B, S, K, Hd]
         q = self.queries(x, cos, sin)                                     # [B, S, H, Hd]
-        out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
-        return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
+        return q, k, v
+
+    @staticmethod
+    def takes_norm(norm, x):
+        """What Block hands forward in place of norm(x): an empty tensor naming the norm and its input."""
+        y = x.new_empty(0)
+        y._norm_of = (norm, x)
+        return y
 
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
@@ -263,8 +279,9 @@ class Block(nn.Module):
 
 
 def _normed(norm: nn.Module, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """norm(x), or what a sublayer that runs the norm over its own tiles takes instead (its `takes_norm`, set by
-    parallel/'s tiled MLP and attention: a stand-in, so the norm's [T, D] output is never computed)."""
+    """norm(x), or what a sublayer that runs the norm itself takes instead (its `takes_norm`): Attention's runs
+    it and lets its output go after q, k, v; parallel/'s tiled MLP and attention over their own tiles, so the
+    norm's [T, D] output is never computed whole."""
     take = getattr(sublayer, "takes_norm", None)
     return norm(x) if take is None else take(norm, x)
 

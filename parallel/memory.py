@@ -26,8 +26,11 @@ Contract:
   RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
   backward with the same norm call (row chunks of min(D, 2^24 / D) tokens): T·D fewer saved elements per
   norm; q/k/v share one rebuild, dropped after the last. It steps aside where peft hands LoRA A another
-  tensor (dropout, a dtype cast) and at layer 0's first norm (its input needs no grad, so the norm saves
-  nothing). The same numbers: bit for bit on CPU (tested); on CUDA a chunk may round the last bit apart.
+  tensor (dropout, a dtype cast). At layer 0's first norm the norm saves nothing (its input, the embedding's
+  output, needs no grad), so without AC keeping that input instead of the output is even; with AC the block's
+  recompute has the input anyway (looked up again from the ids), and keeping the output too was one [T, D] more
+  in the first block's backward than in any other (bench/memtrace.py). The same numbers: bit for bit on CPU
+  (tested); on CUDA a chunk may round the last bit apart.
 - `recomputing()`, `recompute_context` and the bases whose outputs nobody reads in a recompute or a backward tile:
   parallel/recompute.py. The tiled MLP skips its forward tiles inside a block recompute (backward needs only its
   saved input; the checkpoint stops the recompute there, so the output is never read), and runs its backward
@@ -185,7 +188,7 @@ def _tagging(norm: nn.Module):
 
     def run(x):
         y = forward(x)
-        if torch.is_grad_enabled() and y.requires_grad:   # for the consumers: how to rebuild y, from what
+        if torch.is_grad_enabled():   # for the consumers: how to rebuild y, from what (layer 0 too: see above)
             y._norm_output = (_NormOutput(forward, [p for p in norm.parameters() if p.requires_grad]), x)
         return y
     run.norm_forward = forward   # the norm's own (possibly compiled) forward, for tests

@@ -98,7 +98,8 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    gradient, its rebuilt output and one more gradient (3eTD); the block's saved tensors are gone: its excess over 6-7.
 10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
-   cast or --tiled-attn): B's share and the residual are summed into the base's output in place (rec + eTD).
+   cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
+   norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
 Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 `best_ac_group(L)`: the smallest G with the fewest inputs alive, ceil(L/G) + G - 1 (4 for 28 layers: 10, not 28).
