@@ -110,14 +110,13 @@ class LiveBytes(TorchDispatchMode):
 def run(args) -> dict:
     """One step; {phase: (peak bytes, [(bytes, count, site)] at that peak)} in the order the phases came."""
     import model.llama as llama
+    import model.qlora as qlora
     import parallel.memory as memory
     import parallel.phases as phases
     from parallel import kernels
     from parallel.cp import KernelAttention
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
-
-    import model.qlora as qlora
     if args.like_long:   # each row-chunked buffer the fraction of the row it is at 524,288 tokens of Qwen2.5-7B
         frac = lambda n, per: max(1, round(args.tokens * DIM * n / (LONG * per)))   # n of a per-token quantity
         args.block = args.block or max(1, args.tokens // 8)   # rows > 4 blocks: blocks of a quarter (16,384 there)
