@@ -28,7 +28,7 @@ kernels.BACKWARD_BLOCK (rows longer than 4 N run their attention backward in N/4
 rows do at the default); `--norm-chunk` sets model.llama.NORM_CHUNK (a small one stands in for CUDA's fused
 RMSNorm, which has no float32 temporaries). Slow: every op is seen in Python (T = 8,192: ~15 s).
 
-Run: .venv/bin/python bench/memtrace.py --tokens 8192 --block 1024 --norm-chunk 4096 --tiled-mlp --offload-activations
+Run: .venv/bin/python bench/memtrace.py --like-long --tiled-mlp --offload-activations   (then --tiled-mlp --tiled-attn)
 """
 
 from __future__ import annotations

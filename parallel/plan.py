@@ -37,7 +37,7 @@ Persistent all step:
    saves again without a copy). The first checkpoint keeps the token ids, not the embedding's output, and looks
    them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's last block
    (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn: the
-   sublayer keeps its input (the norm's; at layer 0 the norm's output), k, v, out, lse: no q, rsqrt or LoRA
+   sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA
    intermediate of q/k/v/o (parallel/tiled_attention.py).
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
@@ -190,7 +190,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     def layer_saved(first: bool) -> float:
         inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
                  and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
-        if ta:   # the tiles keep the norm's input (its output at layer 0), k, v, out, lse: no rsqrt, q, LoRA A input
+        if ta:   # the tiles keep the norm's input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A input
             b = e * T * D + (e * T * D + 4 * T) - 4 * T * tiled + e * T * hd * (H + 2 * Kp) + 4 * T * H
         else:
             b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct

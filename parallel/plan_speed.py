@@ -167,18 +167,20 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
             "at H200 rates (parallel/plan_speed.py; --fast adds them)")
 
 
-def fast_flags(args, margs, dims, pack, world: int, budget=None) -> tuple[str, str]:
+def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> tuple[str, str]:
     """--fast: (flags, log line): what `fastest_line` names for this device and world size (`budget`, else
     plan_search._budget's: --gpu-mem, this process's CUDA device, else this machine's RAM over its local ranks;
-    --plan's --host-mem where given), "" where the run's own flags are the fastest that fit or nothing fits (the
-    run's own checks then speak). On CPU too: there the ranking is still the H200's, the memory this machine's."""
+    `host` bytes, else --plan's --host-mem or this machine's RAM over its local ranks), "" where the run's own flags
+    are the fastest that fit or nothing fits (the run's own checks then speak). On CPU too: there the ranking is
+    still the H200's, the memory this machine's."""
     import argparse
 
     from parallel.plan import GB
     from parallel.plan_search import SAFETY, _budget, _host_budget
     a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
     target, mem, where = budget or _budget(a, world)
-    fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem, _host_budget(a, world), pack)
+    fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem,
+                                        _host_budget(a, world) if host is None else host, pack)
     if best is None:
         return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
                     "rates)" if fits else f"--fast: no flag set fits 95% of {where}; the given flags are kept")
@@ -189,9 +191,10 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None) -> tuple[str, s
 
 
 def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
-    """train.py's --fast on every rank: each rank's memory budget gathered, rank 0's `fast_flags` for the smallest
-    (the flags must fit every rank: mixed GPUs, a device partly taken), broadcast (an error there is raised on every
-    rank, none is left waiting in the broadcast), applied to `args` and logged."""
+    """train.py's --fast on every rank: each rank's memory budgets (device, host) gathered, rank 0's `fast_flags` for
+    the smallest of each (the flags must fit every rank: mixed GPUs or hosts; a device's total memory, not what
+    other processes leave of it), broadcast (an error there is raised on every rank, none is left waiting in the
+    broadcast), applied to `args` and logged."""
     import argparse
 
     import torch.distributed as dist
@@ -199,9 +202,10 @@ def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
     from parallel import plan_search
     budgets, got = [None] * world, [None]
     try:
-        mine = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
+        a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
+        mine = (*plan_search._budget(a, world), plan_search._host_budget(a, world))
     except Exception as e:   # noqa: BLE001 (raised below on every rank, after the collective)
-        mine = (None, 0.0, f"rank {rank}: {type(e).__name__}: {e}")
+        mine = (None, 0.0, f"rank {rank}: {type(e).__name__}: {e}", 0.0)
     dist.all_gather_object(budgets, mine)
     if rank == 0:
         try:
@@ -209,9 +213,10 @@ def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
             if bad:
                 raise RuntimeError(f"no device budget on {bad[2]}")
             low = min(range(world), key=lambda r: budgets[r][1])
-            target, mem, where = budgets[low]
+            target, mem, where, _ = budgets[low]
             where += f", rank {low}'s: the smallest of {world}" if len({b[1] for b in budgets}) > 1 else ""
-            got = [fast_flags(args, margs, dims, args.pack, world, budget=(target, mem, where))]
+            got = [fast_flags(args, margs, dims, args.pack, world, budget=(target, mem, where),
+                              host=min(b[3] for b in budgets))]
         except Exception as e:   # noqa: BLE001 (raised again below, on every rank)
             got = [(None, f"--fast failed on rank 0: {type(e).__name__}: {e}")]
     dist.broadcast_object_list(got, src=0)

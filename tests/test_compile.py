@@ -156,6 +156,7 @@ def test_compiled_pieces_stay_compiled_across_rows_tiles_and_lengths(ckpt, mem):
                         for cls in (RMSNorm, Rotary, SwiGLU)})
     limit = torch._dynamo.config.recompile_limit
     assert entries[1] == entries[2] == entries[0], f"a new length recompiled: {entries}"
-    # RMSNorm: rows with and without grad, layer 0's input, no_grad tiles (a rank more without rows-in, rows-out)
-    assert 0 < entries[-1]["RMSNorm"] <= 4 and 0 < entries[-1]["Rotary"] <= 2 and 0 < entries[-1]["SwiGLU"] <= 2 \
+    # RMSNorm: rows with and without grad, layer 0's input, no_grad tiles (a rank more without rows-in, rows-out),
+    # layer 0's rebuild for LoRA A (no grad, its input needing none)
+    assert 0 < entries[-1]["RMSNorm"] <= 5 and 0 < entries[-1]["Rotary"] <= 2 and 0 < entries[-1]["SwiGLU"] <= 2 \
         and limit >= 8, (entries, limit)

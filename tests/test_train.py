@@ -133,6 +133,7 @@ def _fast_on_every_rank(rank, argv):
     the --fast log line."""
     import contextlib
     import io
+    import sys
 
     import train
     from parallel import plan_search, plan_speed
@@ -146,6 +147,7 @@ def _fast_on_every_rank(rank, argv):
             train.main(argv)
     finally:
         plan_search._budget, plan_speed.apply_flags = budget, apply
+        sys.stdout.write(out.getvalue())   # the run's log, as the other runs print theirs
     return got, [x for x in out.getvalue().splitlines() if x.startswith("--fast")]
 
 

@@ -502,3 +502,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     monkeypatch.setattr(plan_speed, "fast_flags", lambda *a, **k: 1 / 0)
     with pytest.raises(RuntimeError, match="--fast failed on rank 0: ZeroDivisionError"):
         run(argv("err", "--fast"))
+    # a rank that cannot say its memory: named, raised on every rank after the gather (none waits)
+    monkeypatch.setattr(plan_search, "_budget", lambda a, world: 1 / 0)
+    with pytest.raises(RuntimeError, match="no device budget on rank 0: ZeroDivisionError"):
+        run(argv("err2", "--fast"))
