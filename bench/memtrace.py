@@ -21,7 +21,7 @@ repository's code ("autograd's sum": nearly all are) is counted as the in-place 
 the gradient being summed into, counts 0 bytes from then on (the sum holds them), so no moment has both.
 
 The model is a random Qwen2 checkpoint with Qwen2.5-7B's shape ratios (28 query / 4 KV heads, intermediate
-5.3 x hidden) at hidden 224, head dim 8, vocab 512 (a block's backward, not the loss, sets the peak); fp32, NF4 base
+5.3 x hidden) at hidden 224 (--head-dim 8), vocab 512 (a block's backward, not the loss, sets the peak); fp32, NF4 base
 weights, LoRA r 16 on all seven projections, one row of --tokens tokens. Sizes print in [T, D] units (one fp32
 [tokens, hidden] tensor) so they compare with the planner's terms across lengths. `--block N` sets
 kernels.BACKWARD_BLOCK (rows longer than 4 N run their attention backward in N/4-token blocks, as 524,288-token
@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 FLAGS = ("tiled_mlp", "tiled_attn", "offload_activations", "ac_keep_attn")
-DIM, LONG = 224, 524288   # this model's hidden size; the long case's row (bench/gpu.py)
+LONG = 524288   # the long case's row (bench/gpu.py)
 
 
 def _site() -> str:
@@ -118,18 +118,19 @@ def run(args) -> dict:
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
     if args.like_long:   # each row-chunked buffer the fraction of the row it is at 524,288 tokens of Qwen2.5-7B
-        frac = lambda n, per: max(1, round(args.tokens * DIM * n / (LONG * per)))   # n of a per-token quantity
+        dim = 28 * args.head_dim
+        frac = lambda n, per: max(1, round(args.tokens * dim * n / (LONG * per)))   # n of a per-token quantity
         args.block = args.block or max(1, args.tokens // 8)   # rows > 4 blocks: blocks of a quarter (16,384 there)
         args.norm_chunk = args.norm_chunk or frac(llama.NORM_CHUNK, 3584)
-        args.mlp_tile = args.mlp_tile or frac(3584, DIM)          # tile_tokens(3584) tokens there
+        args.mlp_tile = args.mlp_tile or frac(3584, dim)          # tile_tokens(3584) tokens there
         args.row_chunk = args.row_chunk or frac(qlora.ROW_CHUNK, 3584)
     kernels.BACKWARD_BLOCK = args.block or kernels.BACKWARD_BLOCK
     llama.NORM_CHUNK = args.norm_chunk or llama.NORM_CHUNK
     qlora.ROW_CHUNK = args.row_chunk or qlora.ROW_CHUNK
     if args.mlp_tile:   # the tiled MLP's tile (and the plan's): read from the module at each call
         memory.tile_tokens = lambda dim, tile: args.mlp_tile
-    ckpt = tiny_checkpoint(tempfile.mkdtemp(), heads=28, kv_heads=4, head_dim=8, layers=args.layers, vocab=512,
-                           inter=1184, max_shard_size="50MB")
+    ckpt = tiny_checkpoint(tempfile.mkdtemp(), heads=28, kv_heads=4, head_dim=args.head_dim, layers=args.layers,
+                           vocab=512, inter=148 * args.head_dim, max_shard_size="50MB")   # 18,944 / 3,584 x D
     opts = BuildOptions(ckpt, quant="nf4", lora_r=16, lora_alpha=32, seed=0,
                         **{f: getattr(args, f) for f in FLAGS})
     model, _ = build_nonzero_b(opts, attention=KernelAttention())   # train.py's core at --cp 1 (not torch's SDPA)
@@ -179,10 +180,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the one row")
     ap.add_argument("--layers", type=int, default=3, help="decoder layers")
+    ap.add_argument("--head-dim", type=int, default=8, help="head dim (hidden = 28 x this: LoRA's r = 16 is a larger "
+                    "share of a small hidden size than of Qwen2.5-7B's 3,584)")
     ap.add_argument("--block", type=int, default=None, help="kernels.BACKWARD_BLOCK for this run")
     ap.add_argument("--norm-chunk", type=int, default=None, help="model.llama.NORM_CHUNK (elements) for this run")
     ap.add_argument("--mlp-tile", type=int, default=None, help="--tiled-mlp's tokens per tile (default: the hidden "
-                    "size, 224)")
+                    "size)")
     ap.add_argument("--row-chunk", type=int, default=None, help="model.qlora.ROW_CHUNK (elements) for this run")
     ap.add_argument("--like-long", action="store_true", help="unless given: --block, --norm-chunk, --mlp-tile and "
                     "--row-chunk at the fraction of the row each is at 524,288 tokens of Qwen2.5-7B (bench/gpu.py's "
@@ -194,7 +197,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     got, plan, _ = run(args)
-    u = args.tokens * DIM * 4   # one fp32 [T, D]
+    u = args.tokens * 28 * args.head_dim * 4   # one fp32 [T, D]
     on = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(args, f)]
     print(f"{args.tokens} tokens, {args.layers} layers, flags: {' '.join(on) or '(none)'}; 1 [T, D] = {u / 1e6:.2f} MB"
           " (sizes: bytes made during the step, weights excluded)")
