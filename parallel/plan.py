@@ -95,7 +95,9 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
    largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
-   gradient, its rebuilt output and one more gradient (3eTD); the block's saved tensors are gone: its excess over 6-7.
+   gradient, its rebuilt output and one more gradient (3eTD: q's LoRA A rebuilds it, in q's chain), all beside dk
+   and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768 tokens, 2026-12-01); the
+   block's saved tensors are gone: its excess over 6-7.
 10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
@@ -285,7 +287,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
         # 9. q/k/v backward (q's chain first; see the docstring)
         first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
-        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D)
+        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + 2 * e * T * Kp * hd
         rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
