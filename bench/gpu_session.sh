@@ -41,8 +41,8 @@
 #      recompute output, no CopySlices, the attention's input norm output freed after q/k/v, layer 0's LoRA A on
 #      the embedding output), its per-phase peaks against the plan's block phase. bench/memtrace.py --like-long,
 #      which put the code measured on 2026-11-30 within 0.2 [T, D] (0.7 GB) of the H200's excess on both rows,
-#      predicts ~26.6-26.8 GB (plan 27.60 since the q/k/v phase counts dk, dv) and ~46.0 GB (plan 46.44); issue 13
-#      asks for within 10%;
+#      predicts the offload row's peak at its q/k/v phase, ~27.3 GB as measured on 2026-11-30 (plan 27.60 since it
+#      counts dk, dv there), and ~46.0 GB for tiled-attn (plan 46.44); issue 13 asks for within 10%;
 #   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case 128k --runs liger,ours+fast;--case
 #      32k --runs ours+fast' (what train.py --fast picks on the whole device: planned --ac-keep-attn --ac-blocks 4 at
 #      128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s), then --case mem if time is left.
