@@ -95,9 +95,9 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
    largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
-   gradient, its rebuilt output and one more gradient (3eTD: q's LoRA A rebuilds it, in q's chain), all beside dk
-   and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768 tokens, 2026-12-01); the
-   block's saved tensors are gone: its excess over 6-7.
+   gradient, its rebuilt output and one more gradient (3eTD, from q_proj's backward on: its LoRA A rebuilds
+   the output), all beside dk and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768
+   tokens, 2026-12-01); the block's saved tensors are gone: its excess over 6-7.
 10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
