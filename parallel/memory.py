@@ -200,9 +200,9 @@ def norm_stand_in(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     MLP and attention) in place of norm(x): an empty tensor tagged as `_tagging` tags the norm's output, so that
     [T, D] output is never computed, in forward or in the block's recompute (layer 0's too, whose input needs no
     grad: the tiles' LoRA A still do). In no-grad mode, norm(x) itself: the sublayer then tiles that."""
-    params = [p for p in norm.parameters() if p.requires_grad]
     if not torch.is_grad_enabled():
         return norm(x)
+    params = [p for p in norm.parameters() if p.requires_grad]
     y = x.new_empty(0)
     y._norm_output = (_NormOutput(getattr(norm.forward, "norm_forward", norm.forward), params), x)
     return y

@@ -109,8 +109,8 @@ def _budget(args, world):
     over its local ranks (LOCAL_WORLD_SIZE, else `world`)."""
     import torch
     if torch.cuda.is_available():
-        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(torch.cuda.current_device()) \
-            .total_memory
+        dev = torch.cuda.current_device()   # this rank's device (train.py --fast gathers every rank's)
+        mem = args.gpu_mem * GB if args.gpu_mem else torch.cuda.get_device_properties(dev).total_memory
         src = "--gpu-mem" if args.gpu_mem else torch.cuda.get_device_name()
         return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
     if args.gpu_mem:
