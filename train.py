@@ -36,7 +36,7 @@ from data import GlobalBatches, check_file, collate, load_samples, load_tokenize
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import fetch_checkpoint, read_args, same_snapshot
-from parallel import guard, phases, plan_speed, runs
+from parallel import guard, phases, plan_speed, preflight, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
 from parallel.profiler import StepProfiler
@@ -110,6 +110,8 @@ def build_parser(add_help=True):
       "(rank 0's clock; 0: off): what a crash can lose")
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
     a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
+    a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run whose planned "
+      "memory exceeds the device's by 10%% or whose offload exceeds free host memory (--no-mem-check: warn only)")
     a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
     a("--timeout", type=float, default=30.0, help="minutes without progress (a stuck rank) before the job ends")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
@@ -208,15 +210,17 @@ def main(argv=None):
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
+        budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
-            plan_speed.apply_fast(args, margs, dims, world, rank, log0)
+            plan_speed.apply_fast(args, margs, dims, budgets, log0)
             dims, args.pack = validate(args, margs, world)
-        same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
-        meshes = dims.build_mesh(dt)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
             log0(note)
+        preflight.check(args, margs, dims, budgets, log0)   # refuses a plan that cannot fit, before the weights
+        same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
+        meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model)

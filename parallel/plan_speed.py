@@ -11,7 +11,7 @@ Contract:
   --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
 - `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
   --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags or those
-  do not fit; `apply_fast(...)`: train.py's, chosen by rank 0 for the smallest budget of all ranks, on every rank.
+  do not fit; `apply_fast(...)`: train.py's, for the smallest budget of all ranks (parallel/preflight.py gathers them).
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
@@ -190,39 +190,21 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
                    "parallel/plan_speed.py)")
 
 
-def apply_fast(args, margs, dims, world: int, rank: int, log) -> None:
-    """train.py's --fast on every rank: each rank's memory budgets (device, host) gathered, rank 0's `fast_flags` for
-    the smallest of each (the flags must fit every rank: mixed GPUs or hosts; a device's total memory, not what
-    other processes leave of it), broadcast (an error there is raised on every rank, none is left waiting in the
-    broadcast), applied to `args` and logged."""
-    import argparse
-
-    import torch.distributed as dist
-
-    from parallel import plan_search
-    budgets, got = [None] * world, [None]
+def apply_fast(args, margs, dims, budgets, log) -> None:
+    """train.py's --fast on every rank: `fast_flags` for the smallest device and host budget of all ranks
+    (parallel.preflight.gather_budgets: the flags must fit every rank, mixed GPUs or hosts; a device's total memory,
+    not what other processes leave of it), the same on every rank (same budgets, same arithmetic: no rank waits on
+    another), applied to `args` and logged. A rank without a budget is named, raised on every rank."""
+    if bad := next((b for b in budgets if b.target is None), None):
+        raise RuntimeError(f"--fast: no device budget on {bad.where}")
+    low = min(budgets, key=lambda b: b.device)
+    where = low.where + (f", rank {low.rank}'s: the smallest of {len(budgets)}"
+                         if len({b.device for b in budgets}) > 1 else "")
     try:
-        a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
-        mine = (*plan_search._budget(a, world), plan_search._host_budget(a, world))
-    except Exception as e:   # noqa: BLE001 (raised below on every rank, after the collective)
-        mine = (None, 0.0, f"rank {rank}: {type(e).__name__}: {e}", 0.0)
-    dist.all_gather_object(budgets, mine)
-    if rank == 0:
-        try:
-            bad = next((b for b in budgets if b[0] is None), None)
-            if bad:
-                raise RuntimeError(f"no device budget on {bad[2]}")
-            low = min(range(world), key=lambda r: budgets[r][1])
-            target, mem, where, _ = budgets[low]
-            where += f", rank {low}'s: the smallest of {world}" if len({b[1] for b in budgets}) > 1 else ""
-            got = [fast_flags(args, margs, dims, args.pack, world, budget=(target, mem, where),
-                              host=min(b[3] for b in budgets))]
-        except Exception as e:   # noqa: BLE001 (raised again below, on every rank)
-            got = [(None, f"--fast failed on rank 0: {type(e).__name__}: {e}")]
-    dist.broadcast_object_list(got, src=0)
-    flags, line = got[0]
-    if flags is None:
-        raise RuntimeError(line)
+        flags, line = fast_flags(args, margs, dims, args.pack, len(budgets), budget=(low.target, low.device, where),
+                                 host=min(b.host for b in budgets))
+    except Exception as e:   # noqa: BLE001 (the same on every rank)
+        raise RuntimeError(f"--fast failed: {type(e).__name__}: {e}") from e
     apply_flags(args, flags)
     args.fast_flags = flags   # recorded in OUT/config.json with the rest: what --fast added, as typed
     log(line)

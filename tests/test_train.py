@@ -20,8 +20,9 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
 - `--fast` on cp 2 × dp 2 ring with a different device budget per rank, rank 2's the smallest: every rank applies
-  the choice for rank 2's budget (not what rank 0's or its own would pick), the log names rank 2, and the run
-  trains as on 1 rank;
+  the choice for rank 2's budget (not what rank 0's or its own would pick), the log names rank 2 (so does the
+  start-up memory check's line), and the run trains as on 1 rank; `--offload-activations` with rank 2's free host
+  memory below the pinned bytes is refused on all 4 ranks alike, naming rank 2;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
@@ -91,6 +92,8 @@ STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--save-minutes", 
 # rank 0's clock decides for all 4, or rank 0 would wait alone in the save's collectives)
 # --fast on 4 ranks whose device budgets differ (the smallest, rank 2's, decides for every rank)
 FAST4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--fast"]
+# offload at 1M tokens, its host memory short on rank 2 only: every rank refuses it, naming rank 2
+SHORT4 = ["--cp", "2", "--dp-shard", "2", "--offload-activations", "--max-len", str(2 ** 20)]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -124,7 +127,22 @@ def _four_ranks(rank, world_size, assets, root):
     train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
-    return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
+    short = _host_short_on_rank_2(rank, train_argv(assets, os.path.join(root, "err"), *SHORT4))
+    return (errors, resume_error, stopped, fast, short) if rank == 0 else (None, None, stopped, fast, short)
+
+
+def _host_short_on_rank_2(rank, argv):
+    """The start-up error of `argv` (--offload-activations) on this rank, planned for a CUDA device (1 PB) with
+    host memory short on rank 2 only."""
+    from parallel import plan_search, preflight
+
+    budget, host = plan_search._budget, preflight.host_available
+    plan_search._budget = lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)")
+    preflight.host_available = lambda: (1e6 if rank == 2 else 1e15, "free (test)")
+    try:
+        return startup_error(argv)
+    finally:
+        plan_search._budget, preflight.host_available = budget, host
 
 
 def _fast_on_every_rank(rank, argv):
@@ -148,7 +166,7 @@ def _fast_on_every_rank(rank, argv):
     finally:
         plan_search._budget, plan_speed.apply_flags = budget, apply
         sys.stdout.write(out.getvalue())   # the run's log, as the other runs print theirs
-    return got, [x for x in out.getvalue().splitlines() if x.startswith("--fast")]
+    return got, [x for x in out.getvalue().splitlines() if x.startswith(("--fast", "memory"))]
 
 
 def _stop_one_rank(rank, argv):
@@ -198,7 +216,7 @@ def four(assets, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
-            "fast": [r[3] for r in res], "assets": assets}
+            "fast": [r[3] for r in res], "short": [r[4] for r in res], "assets": assets}
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +335,8 @@ def test_fast_fits_the_smallest_rank_budget_on_every_rank(one, four):
     from parallel.mesh import validate
 
     got, lines = [f[0] for f in four["fast"]], four["fast"][0][1]
-    assert len(lines) == 1 and "rank 2's: the smallest of 4" in lines[0], lines
+    assert len(lines) == 2 and "rank 2's: the smallest of 4" in lines[0], lines
+    assert lines[1].startswith("memory: planned") and "(rank 2's, the smallest of 4)" in lines[1], lines   # the check
     assert len(got[0]) == 1 and "--ac-blocks" in got[0][0] and got[0][0] != "--no-ac", got
     assert all(g == got[0] for g in got), f"flags applied per rank: {got}"
     args = train.build_parser().parse_args(train_argv(four["assets"], "unused", *FAST4))
@@ -331,6 +350,14 @@ def test_fast_fits_the_smallest_rank_budget_on_every_rank(one, four):
         plan_search._budget = budget
     assert theirs != got[0][0], (theirs, got)
     _compare("4 ranks --fast", _at(four, "fast_cp2_dp2_ring"), _at(one, "fp32"))
+
+
+def test_host_memory_short_on_one_rank_refuses_the_run_on_every_rank(four):
+    """--offload-activations on cp 2 x dp 2, planned for CUDA, rank 2's free host memory below the pinned bytes: all 4
+    ranks raise the same refusal before any weight is read (none waits in a collective), naming rank 2."""
+    msgs = four["short"]
+    assert all(m == msgs[0] for m in msgs), msgs
+    assert "pinned host memory" in msgs[0] and "free per rank (rank 2's, the smallest of 4)" in msgs[0], msgs[0]
 
 
 @pytest.mark.timeout(600)

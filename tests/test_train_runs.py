@@ -498,11 +498,107 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     train.main(["--plan", *argv("p", "--fast")])
     assert f"--fast: {flags} (planned" in capsys.readouterr().out
 
-    # a failure in rank 0's planning is raised (on every rank: no one waits in the broadcast)
+    # a failure in the planning is raised (the same on every rank: no one waits on another)
     monkeypatch.setattr(plan_speed, "fast_flags", lambda *a, **k: 1 / 0)
-    with pytest.raises(RuntimeError, match="--fast failed on rank 0: ZeroDivisionError"):
+    with pytest.raises(RuntimeError, match="--fast failed: ZeroDivisionError"):
         run(argv("err", "--fast"))
     # a rank that cannot say its memory: named, raised on every rank after the gather (none waits)
     monkeypatch.setattr(plan_search, "_budget", lambda a, world: 1 / 0)
     with pytest.raises(RuntimeError, match="no device budget on rank 0: ZeroDivisionError"):
         run(argv("err2", "--fast"))
+
+
+def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_path, monkeypatch, capsys):
+    """The start-up memory check (parallel/preflight.py), the device memory set around the planner's total for the run:
+    below plan / 1.10 the run is refused before any weight is read (tripwires; --out not made), naming the plan, the
+    memory and single changes that fit, and the first of them, typed, passes the check and trains; --no-mem-check
+    trains with a warning; between plan / 1.10 and the plan, a warning; room enough, the planned total is logged.
+    --offload-activations on a CUDA budget whose pinned bytes, (L - 1) block inputs of T x D at 4 bytes (computed here
+    from config.json), are more than the host memory free: refused, naming both in GB; --no-mem-check: a warning."""
+    from model.load import read_args
+    from parallel import plan_search, preflight
+    from parallel.mesh import validate
+    from parallel.plan import GB, memory_plan
+
+    # 1M tokens without AC: activations well above the planner's fixed terms (the rows trained are a few dozen tokens)
+    argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "1", "--max-len", str(2 ** 20),
+                                      "--no-ac", *x)
+    args = __import__("train").build_parser().parse_args(argv("x"))
+    margs = read_args(args.model)
+    dims, pack = validate(args, margs, 1)
+    plan = memory_plan(margs, dims, args, "cpu", pack).total
+    budget = lambda mem: monkeypatch.setattr(plan_search, "_budget",
+                                             lambda a, world: ("cpu", mem, f"{mem:.0f} B (test)"))
+    lines = lambda: [x for x in capsys.readouterr().out.splitlines()
+                     if x.startswith(("memory", "warning: planned", "warning: --offload"))]   # the check's lines
+
+    budget(plan / 1.2)
+    msg = startup_error(argv("small"))
+    assert not os.path.exists(tmp_path / "small")
+    assert f"planned {plan / GB:.3g} GB per rank" in msg and f"{plan / 1.2:.0f} B (test)" in msg, msg
+    assert "--no-mem-check" in msg and "single changes that fit: " in msg, msg
+    fix = msg.split("single changes that fit: ")[1].split(" (")[0]
+    assert fix.startswith("--") and "world-size" not in fix, msg
+    capsys.readouterr()
+    run(argv("fixed", *fix.split()))   # the advice, typed: the check passes it and the step runs
+    assert lines()[0].startswith("memory: planned ") and len(metrics(tmp_path / "fixed")) == 1, fix
+    run(argv("forced", "--no-mem-check"))
+    assert lines()[0].startswith(f"warning: planned {plan / GB:.3g} GB") and len(metrics(tmp_path / "forced")) == 1
+    budget(plan / 1.05)
+    run(argv("tight"))
+    assert lines()[0].startswith("warning: planned") and len(metrics(tmp_path / "tight")) == 1
+    budget(plan * 2)
+    run(argv("room"))
+    assert lines() == [f"memory: planned {plan / GB:.3g} GB per rank, of {plan * 2:.0f} B (test) (parallel/plan.py; "
+                       "peak_mem_gb in the step lines is measured)"]
+
+    # offload on a CUDA budget: the host bytes against the host memory free
+    off = train_argv(assets, str(tmp_path / "off"), "--offload-activations", "--max-len", str(2 ** 20))
+    cfg = json.load(open(os.path.join(assets["model"], "config.json")))
+    pinned = (cfg["num_hidden_layers"] - 1) * 2 ** 20 * cfg["hidden_size"] * 4   # fp32 block inputs of 1M tokens
+    a = __import__("train").build_parser().parse_args(off)
+    assert memory_plan(margs, *validate(a, margs, 1)[:1], a, "cuda", True).host == pinned
+    monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)"))
+    monkeypatch.setattr(preflight, "host_available", lambda: (pinned - 1.0, "free (test)"))
+    msg = startup_error(off)
+    assert f"pinned host memory, {pinned / GB:.3g} GB per rank, more than the {(pinned - 1) / GB:.3g} GB free" \
+        in msg, msg
+    assert "free (test)" in msg and "Lower --max-len" in msg and not os.path.exists(tmp_path / "off"), msg
+    capsys.readouterr()
+    with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
+        __import__("train").main(off + ["--no-mem-check"])   # past the check: warned, then the model is built
+    assert lines()[0].startswith("warning: --offload-activations at --max-len 1048576"), capsys.readouterr()
+
+
+def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, monkeypatch):
+    """preflight.cgroup_headroom on made-up cgroup trees: v2 limit less the working set (usage less inactive file
+    pages), the smallest of the process's own cgroup and the root; "max" and v1's unlimited value are no limit; v1's
+    memory controller; host_available takes it when below psutil's available memory."""
+    from parallel import preflight
+
+    def tree(files):
+        for path, text in files.items():
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_text(text)
+        return str(tmp_path / "cg"), str(tmp_path / "proc")
+
+    v2 = {"proc": "0::/job\n", "cg/memory.max": "1000000\n", "cg/memory.current": "600000\n",
+          "cg/memory.stat": "anon 5\ninactive_file 100000\n", "cg/job/memory.max": "max\n",
+          "cg/job/memory.current": "1\n"}
+    assert preflight.cgroup_headroom(*tree(v2)) == 1000000 - (600000 - 100000)
+    nested = {"cg/job/memory.max": "800000\n", "cg/job/memory.current": "700000\n"}   # the job's own, no stat
+    assert preflight.cgroup_headroom(*tree(nested)) == 100000
+    unlimited = {"cg/memory.max": "max\n", "cg/job/memory.max": "max\n"}
+    assert preflight.cgroup_headroom(*tree(unlimited)) is None
+    v1 = {"proc": "4:memory:/job\n0::/\n", "cg/memory/memory.limit_in_bytes": "9223372036854771712\n",
+          "cg/memory/memory.usage_in_bytes": "5\n", "cg/memory/job/memory.limit_in_bytes": "3000\n",
+          "cg/memory/job/memory.usage_in_bytes": "2500\n", "cg/memory/job/memory.stat": "total_inactive_file 500\n"}
+    assert preflight.cgroup_headroom(*tree(v1)) == 3000 - (2500 - 500)
+    assert preflight.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+    import psutil
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: 5)
+    assert preflight.host_available() == (5.0, "left under this job's memory cgroup limit")
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
+    free, where = preflight.host_available()
+    assert where == "available (psutil)" and abs(free - psutil.virtual_memory().available) < 2 ** 30
