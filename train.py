@@ -217,7 +217,6 @@ def main(argv=None):
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
             log0(note)
-        preflight.check(args, margs, dims, budgets, log0)   # refuses a plan that cannot fit, before the weights
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)
@@ -228,6 +227,8 @@ def main(argv=None):
         eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
                                                        "--eval-data")[0]
         log0(f"data: {stats}")
+        # the plan for the longest sample against every rank's memory: a run that cannot fit stops before the weights
+        preflight.check(args, margs, dims, budgets, log0, tokens=max(len(s["input_ids"]) for s in samples))
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
         if args.profile is not None and not 1 <= args.profile <= steps:

@@ -195,14 +195,15 @@ def apply_fast(args, margs, dims, budgets, log) -> None:
     (parallel.preflight.gather_budgets: the flags must fit every rank, mixed GPUs or hosts; a device's total memory,
     not what other processes leave of it), the same on every rank (same budgets, same arithmetic: no rank waits on
     another), applied to `args` and logged. A rank without a budget is named, raised on every rank."""
+    from parallel.preflight import host_per_rank, planning_copy
     if bad := next((b for b in budgets if b.target is None), None):
         raise RuntimeError(f"--fast: no device budget on {bad.where}")
     low = min(budgets, key=lambda b: b.device)
     where = low.where + (f", rank {low.rank}'s: the smallest of {len(budgets)}"
                          if len({b.device for b in budgets}) > 1 else "")
     try:
-        flags, line = fast_flags(args, margs, dims, args.pack, len(budgets), budget=(low.target, low.device, where),
-                                 host=min(b.host for b in budgets))
+        flags, line = fast_flags(planning_copy(args), margs, dims, args.pack, len(budgets),
+                                 budget=(low.target, low.device, where), host=min(host_per_rank(budgets)))
     except Exception as e:   # noqa: BLE001 (the same on every rank)
         raise RuntimeError(f"--fast failed: {type(e).__name__}: {e}") from e
     apply_flags(args, flags)

@@ -1,35 +1,41 @@
-"""train.py's memory check at start-up: the plan of the run's flags against every rank's memory, before any weight
-is read (a 72B checkpoint takes minutes to load; a run that cannot fit should not wait for them to say so).
+"""train.py's memory check at start-up: the plan of the run's flags against every rank's memory, once the data are
+tokenized and before any weight is read (a 72B checkpoint takes minutes to load; a run that cannot fit should not
+wait for them to say so).
 
 Contract:
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):
   the device memory (parallel.plan_search._budget: this rank's CUDA device's total, else this machine's RAM over its
-  local ranks) and the host memory available to this rank now (`host_available()` over LOCAL_WORLD_SIZE, else
-  `world`). A rank that cannot say its memory is named in its entry, not raised there: every rank reaches the gather.
-- `check(args, margs, dims, budgets, log)`, the same decision on every rank (same budgets, same arithmetic; no
-  collective, so none waits), for the smallest budget of any rank:
-  1. --offload-activations on CUDA whose pinned host bytes ((L - 1) block inputs of --max-len tokens) exceed the host
-     memory available to a rank: ValueError naming both and the fixes. These are bytes, not a prediction; pinned
+  local ranks), the host memory free on its machine now (`host_available()`) and the machine's name. A rank that
+  cannot say its device memory is named in its entry, one that cannot say its host memory gets none counted: every
+  rank reaches the gather, nothing is raised there.
+- `check(args, margs, dims, budgets, log, tokens)`: the plan (parallel/plan.py) of the run's flags for its longest
+  sample (`tokens`; --max-len only caps the samples, a row is as long as its data) against the smallest budget of any
+  rank, the host memory free on a machine shared by the ranks on it. The same decision on every rank: same budgets,
+  same arithmetic, no file read (the planner's copies of the flags carry no --init-adapter) and no collective.
+  1. --offload-activations on CUDA whose pinned host bytes ((L - 1) block inputs; parallel/offload.py pins exactly
+     those, in its own buffers) exceed the host memory free per rank: ValueError naming both and the fixes. Pinned
      memory cannot be paged out, and past the host's memory the kernel's OOM killer ends the job with no message.
-     (With --no-mem-check, 1 and 2 are warnings.)
-  2. A planned device total over MARGIN x the device memory: ValueError naming the plan, the memory and the single
-     changes that fit (`train.py --plan`'s list). The margin covers the planner's error where it overestimates (the
-     lowest measured/planned peak in bench/plan.py is 0.95), so only runs that cannot fit are refused;
-     `--no-mem-check` runs anyway.
-  3. A planned total between the memory and the margin: a warning line with the same fixes. Otherwise one line:
-     the planned peak of the smallest budget's rank, to read beside the metrics' peak_mem_gb.
-  A budget missing on some rank: the check is skipped, said in one line (`--fast` raises then, `apply_fast`).
-- `host_available()` -> (bytes, where): psutil's available memory, or the memory cgroup's limit less its working set
-  (usage less inactive file pages) when that is lower: containers and batch schedulers bound a job that way.
+  2. The plan's live tensors, at LIVE_FLOOR of their planned size (the lowest measured/planned ratio in bench/plan.py),
+     over the device memory: the run cannot fit. ValueError naming the plan, the memory and the single changes that
+     fit (`train.py --plan`'s list).
+  3. A planned total (live tensors x FRAGMENTATION + runtime) over the device memory: a warning line with the same
+     fixes. Otherwise one line: the planned peak of the smallest budget's rank, to read beside peak_mem_gb.
+  With --no-mem-check, 1 and 2 are warnings. A device budget missing on some rank: the check is skipped, said in one
+  line (`--fast`, `plan_speed.apply_fast`, raises then).
+- `host_available()` -> (bytes, where): psutil's available memory, or the least room any memory cgroup above this
+  process leaves (its limit less its usage net of page cache; v2 and v1, the process's cgroup and every parent up to
+  the mount: Slurm and container limits sit on a parent) when that is lower.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
 from typing import NamedTuple
 
-MARGIN = 1.10   # refuse a planned device total above this share of the device's memory
+LIVE_FLOOR = 0.95   # measured/planned live peak: the lowest of bench/plan.py's rows (0.95-1.14; H200 0.97-1.02)
 
 
 class Budget(NamedTuple):
@@ -37,43 +43,52 @@ class Budget(NamedTuple):
     target: str | None   # "cuda" or "cpu"; None: this rank could not say (`where` says why)
     device: float        # bytes of device memory per rank (CUDA: the device's total; CPU: RAM over local ranks)
     where: str
-    host: float          # bytes of host memory available to this rank
+    host: float          # bytes of host memory free on this rank's machine (inf: unknown, not checked)
     host_where: str
+    machine: str
 
 
 def _read(path: str) -> str | None:
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             return f.read().strip()
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
+def _room(d: str, limit: str, usage: str, cache: tuple[str, str]) -> int | None:
+    """The bytes a cgroup directory `d` still allows (limit less usage net of page cache, at least 0); None: none."""
+    lim, use = _read(os.path.join(d, limit)), _read(os.path.join(d, usage))
+    if lim is None or use is None or not lim.isdigit() or not use.isdigit() or int(lim) >= 1 << 60:
+        return None   # no such file, "max", v1's huge "no limit"
+    stat = {}
+    for line in (_read(os.path.join(d, "memory.stat")) or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            stat[parts[0]] = int(parts[1])
+    file = max(0, stat.get(cache[0], 0) - stat.get(cache[1], 0))   # page cache the kernel can drop (not shmem)
+    return max(0, int(lim) - max(0, int(use) - file))
+
+
 def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> float | None:
-    """Bytes the memory cgroup of this process (v2, or v1's memory controller) still allows: its limit less its
-    working set, the smallest over the process's own cgroup directory and the mount's root; None with no limit."""
+    """The least room of the memory cgroups (v2, v1's memory controller) from this process's own up to the mount's
+    root (a limit on any of them binds); None when none has a limit."""
     own2 = own1 = ""
     for line in (_read(proc) or "").splitlines():
-        if line.count(":") < 2:
-            continue
-        _, ctrl, path = line.split(":", 2)
-        if ctrl == "":
-            own2 = path
-        elif "memory" in ctrl.split(","):
-            own1 = path
-    best = None
-    for base, limit, usage, inactive in ((root, "memory.max", "memory.current", "inactive_file"),
-                                         (os.path.join(root, "memory"), "memory.limit_in_bytes",
-                                          "memory.usage_in_bytes", "total_inactive_file")):
-        own = own2 if limit == "memory.max" else own1
-        for d in {os.path.join(base, own.lstrip("/")), base}:
-            lim, use = _read(os.path.join(d, limit)), _read(os.path.join(d, usage))
-            if lim is None or use is None or not lim.isdigit() or int(lim) >= 1 << 60:   # "max", v1's huge "none"
-                continue
-            stat = dict(x.split() for x in (_read(os.path.join(d, "memory.stat")) or "").splitlines() if " " in x)
-            room = int(lim) - max(0, int(use) - int(stat.get(inactive, 0)))
-            best = room if best is None else min(best, room)
-    return best
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[1] == "":
+            own2 = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            own1 = parts[2]
+    rooms = []
+    for base, own, files in ((root, own2, ("memory.max", "memory.current", ("file", "shmem"))),
+                             (os.path.join(root, "memory"), own1,
+                              ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_cache", "total_shmem")))):
+        parts = [p for p in own.split("/") if p and p != ".."]
+        for n in range(len(parts), -1, -1):   # the own cgroup, its parents, the root
+            if (room := _room(os.path.join(base, *parts[:n]), *files)) is not None:
+                rooms.append(room)
+    return min(rooms) if rooms else None
 
 
 def host_available() -> tuple[float, str]:
@@ -90,49 +105,72 @@ def gather_budgets(args, world: int, rank: int) -> list[Budget]:
     import torch.distributed as dist
 
     from parallel import plan_search
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:
+        host, host_where = host_available()
+    except Exception as e:   # noqa: BLE001 (no host check then, said in the memory line)
+        host, host_where = float("inf"), f"unknown ({type(e).__name__}: {e})"
     try:
         target, mem, where = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
-        host, host_where = host_available()
-        mine = Budget(rank, target, mem, where, host / local,
-                      f"{host / 1e9:.3g} GB {host_where} over {local} local ranks" if local > 1 else host_where)
     except Exception as e:   # noqa: BLE001 (said by whoever reads the budgets, on every rank)
-        mine = Budget(rank, None, 0.0, f"rank {rank}: {type(e).__name__}: {e}", 0.0, "")
+        target, mem, where = None, 0.0, f"rank {rank}: {type(e).__name__}: {e}"
     budgets = [None] * world
-    dist.all_gather_object(budgets, mine)
+    dist.all_gather_object(budgets, Budget(rank, target, mem, where, host, host_where, socket.gethostname()))
     return budgets
 
 
-def check(args, margs, dims, budgets: list[Budget], log) -> None:
+def host_per_rank(budgets: list[Budget]) -> list[float]:
+    """Each rank's share of its machine's free host memory: the ranks on one machine share it."""
+    on = {}
+    for b in budgets:
+        on[b.machine] = on.get(b.machine, 0) + 1
+    return [b.host / on[b.machine] for b in budgets]
+
+
+def planning_copy(args, **kw):
+    """The run's flags for the planner's checks on every rank alike: no --init-adapter (its files are read by the run's
+    own check once; read again per candidate, one rank's failure would leave the others waiting)."""
+    return argparse.Namespace(**{**vars(args), "init_adapter": None, **kw})
+
+
+def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None) -> None:
     from parallel.plan import GB, memory_plan
     from parallel.plan_search import _fixes
-    _gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
+    gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
         return
+    shares = host_per_rank(budgets)
     dev = min(budgets, key=lambda b: b.device)
-    host = min(budgets, key=lambda b: b.host)
+    low = min(range(len(budgets)), key=lambda r: shares[r])
+    host, hb = shares[low], budgets[low]
     whose = lambda b: f" (rank {b.rank}'s, the smallest of {len(budgets)})" if len(budgets) > 1 else ""
-    p = memory_plan(margs, dims, args, dev.target, args.pack)
-    if p.host > host.host:
-        said = (
-            f"--offload-activations at --max-len {args.max_len} keeps the checkpointed blocks' inputs (all but the "
-            f"first) in pinned host memory, {_gb(p.host)} per rank, more than the {_gb(host.host)} free per rank"
-            f"{whose(host)}: {host.host_where}. Pinned memory cannot be paged out. Lower --max-len, run fewer ranks "
-            "per machine, or drop --offload-activations; `train.py --plan --max-len auto --host-mem GB` gives the "
-            "longest that fits")
+    n = min(args.max_len, tokens or args.max_len)
+    a = planning_copy(args, max_len=n)
+    p = memory_plan(margs, dims, a, dev.target, args.pack)
+    span = f"the longest sample, {n:,} tokens" + (f" (--max-len {args.max_len:,})" if n < args.max_len else "")
+    if p.host and p.host > host:
+        on = sum(b.machine == hb.machine for b in budgets)
+        said = (f"--offload-activations pins the checkpointed blocks' inputs (all but the first) in host memory, "
+                f"{gb(p.host)} per rank for {span}, more than the {gb(host)} free per rank{whose(hb)}: {gb(hb.host)} "
+                f"{hb.host_where} on {hb.machine}, shared by {on} rank{'s' * (on > 1)}. Pinned memory cannot be paged "
+                "out. Lower --max-len, run fewer ranks per machine, or drop --offload-activations; `train.py --plan "
+                "--max-len auto --host-mem GB` gives the longest that fits")
         if args.mem_check:
-            raise ValueError(f"{said} (--no-mem-check runs it anyway: shorter samples than --max-len pin less)")
+            raise ValueError(f"{said} (--no-mem-check runs it anyway)")
         log(f"warning: {said}")
     if p.total <= dev.device:
-        log(f"memory: planned {_gb(p.total)} per rank" + (f" and {_gb(p.host)} pinned host" if p.host
-            else "") + f", of {dev.where}{whose(dev)} (parallel/plan.py; peak_mem_gb in the step lines is measured)")
+        log(f"memory: planned {gb(p.total)} per rank" + (f" and {gb(p.host)} pinned host" if p.host else "")
+            + f" for {span}, of {dev.where}{whose(dev)} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
+            + ("" if host != float("inf") else f"; free host memory {hb.host_where}, not checked"))
         return
-    fixes = _fixes(args, margs, len(budgets), dev.target, dev.device, host.host)
-    said = (f"planned {_gb(p.total)} per rank (parallel/plan.py) is more than {dev.where}{whose(dev)}; "
-            + (f"single changes that fit: {'; '.join(fixes[:4])}" if fixes else "no single change fits: "
-               "`train.py --plan --suggest` with these flags lists the layouts that do"))
-    if p.total > MARGIN * dev.device and args.mem_check:
-        raise ValueError(f"{said}. Over {MARGIN:.2f}x the memory this cannot fit (the lowest measured/planned peak "
-                         "in bench/plan.py is 0.95); --no-mem-check runs it anyway")
+    fixes = [re.sub(r"more ranks: --world-size (\d+) ", r"\1 ranks: ", f)   # (--world-size is --plan's flag)
+             for f in _fixes(a, margs, len(budgets), dev.target, dev.device, host)]
+    said = (f"planned {gb(p.total)} per rank for {span} (parallel/plan.py: {gb(p.peak)} of live tensors) is more "
+            f"than {dev.where}{whose(dev)}; " + (f"single changes that fit: {'; '.join(fixes[:4])}" if fixes else
+                                                 "no single change fits: `train.py --plan --suggest` with these flags "
+                                                 "lists the layouts that do"))
+    if LIVE_FLOOR * p.peak > dev.device and args.mem_check:
+        raise ValueError(f"{said}. It cannot fit: even {LIVE_FLOOR} of the planned live tensors, the least measured "
+                         "against the plan (bench/plan.py), is more than the device holds; --no-mem-check runs it "
+                         "anyway")
     log(f"warning: {said}. Step 1 may run out of memory")

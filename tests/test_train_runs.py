@@ -509,91 +509,144 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
 
 
 def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_path, monkeypatch, capsys):
-    """The start-up memory check (parallel/preflight.py), the device memory set around the planner's total for the run:
-    below plan / 1.10 the run is refused before any weight is read (tripwires; --out not made), naming the plan, the
-    memory and single changes that fit, and the first of them, typed, passes the check and trains; --no-mem-check
-    trains with a warning; between plan / 1.10 and the plan, a warning; room enough, the planned total is logged.
-    --offload-activations on a CUDA budget whose pinned bytes, (L - 1) block inputs of T x D at 4 bytes (computed here
-    from config.json), are more than the host memory free: refused, naming both in GB; --no-mem-check: a warning."""
+    """The start-up memory check (parallel/preflight.py) on one sample of 2^18 tokens, no AC, the device memory set
+    around the planner's numbers for it: below LIVE_FLOOR x the planned live tensors the run is refused before any
+    weight is read (tripwires; --out not made), naming the plan, the memory and single changes that fit; the first of
+    them, typed, passes the check (the tripwire at the model build fires, the log says it fits); --no-mem-check and a
+    device between that floor and the planned total pass with a warning; room enough logs the planned total. The plan
+    is for the data's longest sample, not --max-len: the chat data (a few dozen tokens) at --max-len 2^18 train in the
+    memory that refused the long sample. --offload-activations on a CUDA budget whose pinned bytes, (L - 1) block
+    inputs of T x D at 4 bytes (computed here from config.json), exceed the free host memory: refused, naming both;
+    --no-mem-check: a warning."""
+    import train
     from model.load import read_args
     from parallel import plan_search, preflight
     from parallel.mesh import validate
     from parallel.plan import GB, memory_plan
 
-    # 1M tokens without AC: activations well above the planner's fixed terms (the rows trained are a few dozen tokens)
-    argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "1", "--max-len", str(2 ** 20),
-                                      "--no-ac", *x)
-    args = __import__("train").build_parser().parse_args(argv("x"))
+    T = 2 ** 18
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": "hello there " * 45000}) + "\n")   # ~270k tokens, cut to --max-len
+    argv = lambda out, *x, data=str(long): train_argv(assets, str(tmp_path / out), "--steps", "1", "--max-len",
+                                                      str(T), "--no-ac", "--global-batch", "1", *x, "--data", data)
+    args = train.build_parser().parse_args(argv("x"))
     margs = read_args(args.model)
-    dims, pack = validate(args, margs, 1)
-    plan = memory_plan(margs, dims, args, "cpu", pack).total
+    plan = memory_plan(margs, *validate(args, margs, 1)[:1], args, "cpu", True)
     budget = lambda mem: monkeypatch.setattr(plan_search, "_budget",
                                              lambda a, world: ("cpu", mem, f"{mem:.0f} B (test)"))
     lines = lambda: [x for x in capsys.readouterr().out.splitlines()
                      if x.startswith(("memory", "warning: planned", "warning: --offload"))]   # the check's lines
 
-    budget(plan / 1.2)
+    def passes(argv):   # past the check: the model build's tripwire fires
+        with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
+            train.main(argv)
+        return lines()
+
+    small = 0.97 * preflight.LIVE_FLOOR * plan.peak
+    budget(small)
     msg = startup_error(argv("small"))
     assert not os.path.exists(tmp_path / "small")
-    assert f"planned {plan / GB:.3g} GB per rank" in msg and f"{plan / 1.2:.0f} B (test)" in msg, msg
-    assert "--no-mem-check" in msg and "single changes that fit: " in msg, msg
+    assert f"planned {plan.total / GB:.3g} GB per rank for the longest sample, {T:,} tokens" in msg, msg
+    assert f"{plan.peak / GB:.3g} GB of live tensors) is more than {small:.0f} B (test)" in msg, msg
+    assert "It cannot fit" in msg and "--no-mem-check" in msg and "single changes that fit: " in msg, msg
     fix = msg.split("single changes that fit: ")[1].split(" (")[0]
     assert fix.startswith("--") and "world-size" not in fix, msg
-    capsys.readouterr()
-    run(argv("fixed", *fix.split()))   # the advice, typed: the check passes it and the step runs
-    assert lines()[0].startswith("memory: planned ") and len(metrics(tmp_path / "fixed")) == 1, fix
-    run(argv("forced", "--no-mem-check"))
-    assert lines()[0].startswith(f"warning: planned {plan / GB:.3g} GB") and len(metrics(tmp_path / "forced")) == 1
-    budget(plan / 1.05)
-    run(argv("tight"))
-    assert lines()[0].startswith("warning: planned") and len(metrics(tmp_path / "tight")) == 1
-    budget(plan * 2)
-    run(argv("room"))
-    assert lines() == [f"memory: planned {plan / GB:.3g} GB per rank, of {plan * 2:.0f} B (test) (parallel/plan.py; "
-                       "peak_mem_gb in the step lines is measured)"]
+    got = passes(argv("fixed", *fix.split()))   # the advice, typed
+    assert len(got) == 1 and got[0].startswith("memory: planned "), (fix, got)
+    got = passes(argv("forced", "--no-mem-check"))
+    assert len(got) == 1 and got[0].startswith(f"warning: planned {plan.total / GB:.3g} GB"), got
+    budget(1.01 * preflight.LIVE_FLOOR * plan.peak)   # may fit, by the planner's own error: a warning
+    got = passes(argv("tight"))
+    assert len(got) == 1 and got[0].startswith("warning: planned") and "may run out of memory" in got[0], got
+    budget(plan.total * 2)
+    assert passes(argv("room")) == [f"memory: planned {plan.total / GB:.3g} GB per rank for the longest sample, "
+                                    f"{T:,} tokens, of {plan.total * 2:.0f} B (test) (parallel/plan.py; peak_mem_gb in "
+                                    "the step lines is measured)"]
+    budget(small)   # the chat data's rows are short: they fit where the long sample did not, and train
+    run(argv("short", data=assets["data"]))
+    got = lines()
+    assert len(got) == 1 and "for the longest sample, " in got[0] and f"tokens (--max-len {T:,})" in got[0], got
+    assert len(metrics(tmp_path / "short")) == 1
 
-    # offload on a CUDA budget: the host bytes against the host memory free
-    off = train_argv(assets, str(tmp_path / "off"), "--offload-activations", "--max-len", str(2 ** 20))
+    # offload on a CUDA budget: the pinned bytes against the host memory free
+    off = argv("off", "--offload-activations", "--ac")
     cfg = json.load(open(os.path.join(assets["model"], "config.json")))
-    pinned = (cfg["num_hidden_layers"] - 1) * 2 ** 20 * cfg["hidden_size"] * 4   # fp32 block inputs of 1M tokens
-    a = __import__("train").build_parser().parse_args(off)
+    pinned = (cfg["num_hidden_layers"] - 1) * T * cfg["hidden_size"] * 4   # fp32 block inputs of T tokens
+    a = train.build_parser().parse_args(off)
     assert memory_plan(margs, *validate(a, margs, 1)[:1], a, "cuda", True).host == pinned
     monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)"))
     monkeypatch.setattr(preflight, "host_available", lambda: (pinned - 1.0, "free (test)"))
     msg = startup_error(off)
-    assert f"pinned host memory, {pinned / GB:.3g} GB per rank, more than the {(pinned - 1) / GB:.3g} GB free" \
-        in msg, msg
+    assert f"in host memory, {pinned / GB:.3g} GB per rank for the longest sample, {T:,} tokens, more than the " \
+           f"{(pinned - 1) / GB:.3g} GB free per rank" in msg, msg
     assert "free (test)" in msg and "Lower --max-len" in msg and not os.path.exists(tmp_path / "off"), msg
-    capsys.readouterr()
-    with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
-        __import__("train").main(off + ["--no-mem-check"])   # past the check: warned, then the model is built
-    assert lines()[0].startswith("warning: --offload-activations at --max-len 1048576"), capsys.readouterr()
+    got = passes(off + ["--no-mem-check"])
+    assert got[0].startswith("warning: --offload-activations pins") and got[1].startswith("memory: planned"), got
+
+
+def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
+    """preflight.check on made-up budgets: the free host memory of a machine is shared by the ranks on it (2 ranks on
+    one machine with 30 B each have 15 B per rank: refused at 20 B pinned; each alone on its machine with 30 B: it
+    fits); a rank without a device budget skips the check, said in one line; a host memory nobody could read is not
+    checked, and the memory line says so."""
+    import types
+
+    import parallel.plan
+    from parallel import preflight
+    from parallel.plan import GB
+
+    plan = types.SimpleNamespace(host=20.0, peak=1.0, total=2.0)   # bytes
+    monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
+    mem = []
+    args = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
+    B = lambda r, machine, host=30.0, target="cuda": preflight.Budget(r, target, 10.0, "10 B (test)", host,
+                                                                      "free (test)", machine)
+    with pytest.raises(ValueError, match=r"more than the 1.5e-08 GB free per rank \(rank 0's, the smallest of 2\): "
+                                         r"3e-08 GB free \(test\) on m1, shared by 2 ranks"):
+        preflight.check(args, None, None, [B(0, "m1"), B(1, "m1")], mem.append, tokens=8)
+    preflight.check(args, None, None, [B(0, "m1"), B(1, "m2")], mem.append, tokens=8)
+    assert len(mem) == 1 and mem[0].startswith(f"memory: planned {2 / GB:.3g} GB per rank and {20 / GB:.3g} GB "
+                                               "pinned host for the longest sample, 8 tokens, of 10 B (test)"), mem
+    preflight.check(args, None, None, [B(0, "m1"), preflight.Budget(1, None, 0, "rank 1: OSError: x", 0, "", "m2")],
+                    mem.append)
+    assert mem[1] == "memory check skipped: no memory budget on rank 1: OSError: x", mem
+    preflight.check(args, None, None, [B(0, "m1", host=float("inf"), target="cuda")], mem.append)
+    assert mem[2].endswith("; free host memory free (test), not checked"), mem
 
 
 def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, monkeypatch):
-    """preflight.cgroup_headroom on made-up cgroup trees: v2 limit less the working set (usage less inactive file
-    pages), the smallest of the process's own cgroup and the root; "max" and v1's unlimited value are no limit; v1's
-    memory controller; host_available takes it when below psutil's available memory."""
+    """preflight.cgroup_headroom on made-up cgroup trees: a limit less usage net of page cache (not shmem), the least
+    over the process's own cgroup and every parent up to the root (v2: a limit on the job, the step's unlimited, as
+    Slurm sets them; v1's memory controller likewise); "max" and v1's unlimited value are no limit; usage over the
+    limit is no room, not a negative one; no cgroup files at all: None. host_available takes it when below psutil's."""
     from parallel import preflight
 
-    def tree(files):
+    def tree(name, files):
         for path, text in files.items():
-            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / path).write_text(text)
-        return str(tmp_path / "cg"), str(tmp_path / "proc")
+            (tmp_path / name / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / path).write_text(text)
+        return str(tmp_path / name / "cg"), str(tmp_path / name / "proc")
 
-    v2 = {"proc": "0::/job\n", "cg/memory.max": "1000000\n", "cg/memory.current": "600000\n",
-          "cg/memory.stat": "anon 5\ninactive_file 100000\n", "cg/job/memory.max": "max\n",
-          "cg/job/memory.current": "1\n"}
-    assert preflight.cgroup_headroom(*tree(v2)) == 1000000 - (600000 - 100000)
-    nested = {"cg/job/memory.max": "800000\n", "cg/job/memory.current": "700000\n"}   # the job's own, no stat
-    assert preflight.cgroup_headroom(*tree(nested)) == 100000
-    unlimited = {"cg/memory.max": "max\n", "cg/job/memory.max": "max\n"}
-    assert preflight.cgroup_headroom(*tree(unlimited)) is None
-    v1 = {"proc": "4:memory:/job\n0::/\n", "cg/memory/memory.limit_in_bytes": "9223372036854771712\n",
-          "cg/memory/memory.usage_in_bytes": "5\n", "cg/memory/job/memory.limit_in_bytes": "3000\n",
-          "cg/memory/job/memory.usage_in_bytes": "2500\n", "cg/memory/job/memory.stat": "total_inactive_file 500\n"}
-    assert preflight.cgroup_headroom(*tree(v1)) == 3000 - (2500 - 500)
+    v2 = {"proc": "0::/job/step\n", "cg/memory.max": "1000000\n", "cg/memory.current": "600000\n",
+          "cg/memory.stat": "anon 5\nfile 100000\nshmem 20000\nfile_mapped 7 8\n",
+          "cg/job/memory.max": "800000\n", "cg/job/memory.current": "700000\n",   # the job's limit, no stat
+          "cg/job/step/memory.max": "max\n", "cg/job/step/memory.current": "650000\n"}
+    assert preflight.cgroup_headroom(*tree("v2", v2)) == 800000 - 700000
+    v2["cg/job/memory.max"] = "max\n"   # then the root's: limit less usage net of page cache not in shmem
+    assert preflight.cgroup_headroom(*tree("v2", v2)) == 1000000 - (600000 - (100000 - 20000))
+    over = {"proc": "0::/\n", "cg/memory.max": "1000\n", "cg/memory.current": "5000\n"}
+    assert preflight.cgroup_headroom(*tree("over", over)) == 0
+    unlimited = {"proc": "0::/job\n", "cg/memory.max": "max\n", "cg/job/memory.max": "max\n",
+                 "cg/job/memory.current": "1\n"}
+    assert preflight.cgroup_headroom(*tree("unlimited", unlimited)) is None
+    v1 = {"proc": "4:memory:/slurm/job_1/task_0\n1:name=systemd:/x\n0::/\n",
+          "cg/memory/memory.limit_in_bytes": "9223372036854771712\n", "cg/memory/memory.usage_in_bytes": "5\n",
+          "cg/memory/slurm/job_1/memory.limit_in_bytes": "3000\n",
+          "cg/memory/slurm/job_1/memory.usage_in_bytes": "2500\n",
+          "cg/memory/slurm/job_1/memory.stat": "total_cache 600\ntotal_shmem 100\n",
+          "cg/memory/slurm/job_1/task_0/memory.limit_in_bytes": "9223372036854771712\n",
+          "cg/memory/slurm/job_1/task_0/memory.usage_in_bytes": "2400\n"}
+    assert preflight.cgroup_headroom(*tree("v1", v1)) == 3000 - (2500 - 500)
     assert preflight.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
     import psutil
