@@ -16,32 +16,117 @@ Contract:
   prefetched. Handles link to their predecessor by weak reference (a forward dropped without a backward
   leaves nothing to prefetch later), and a prefetched handle that dies unfetched keeps its device buffer
   from reuse until the side stream's copy into it is done.
+- Host memory comes from `HostPool`: buffers of exactly the bytes asked, kept across steps and reused (a buffer at
+  least as large, the smallest such); when none is free that fits, the free ones are dropped and one of the exact
+  size is made, so the pool never holds more than the L - 1 inputs of the longest micro-batch so far (parallel/plan.py's
+  host term). On CUDA each buffer is ordinary host memory page-locked in place (cudaHostRegister), not torch's
+  pinned allocator, which rounds every request up to a power of two and caches it (a 3.76 GB input of 524,288 tokens
+  x 3584 pins 4.29 GB; 18.9 GB at 2.6M tokens pins 34.4 GB; pytorch/pytorch#150517). A buffer goes back to the pool
+  once its tensor is fetched (or its handle dies): its copy to the device, and the next copy into it, are both on
+  the side stream, so they run in order. Without cudaHostRegister (a torch that lacks it) the pinned allocator is
+  used, said once.
 
 Credit: offloading checkpoints to the host follows Arctic Long Sequence Training (Bekman et al., 2025).
 """
 
 from __future__ import annotations
 
+import mmap
+import warnings
 import weakref
 
 import torch
 from torch import nn
 
 
+class _HostBuffer:
+    """`nbytes` of host memory; `pin`: page-locked in place for the device's copies, unlocked when dropped."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes, self.registered = nbytes, None
+        if not pin:
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+            return
+        page = mmap.PAGESIZE   # whole pages of our own: no page shared with another allocation's registration
+        span = -(-nbytes // page) * page
+        self.base = torch.empty(span + page, dtype=torch.uint8)
+        off = -self.base.data_ptr() % page
+        self.data = self.base[off:off + nbytes]
+        try:
+            rt = torch.cuda.cudart()
+            err = rt.cudaHostRegister(self.data.data_ptr(), span, 0)
+            err = err[0] if isinstance(err, tuple) else err   # (a cudaError enum: 0 is success)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {span} bytes: cudaError {int(err)}")
+            self.registered = (rt, self.data.data_ptr())
+        except (AttributeError, RuntimeError, TypeError) as e:   # the pinned allocator then (power-of-two sizes)
+            if not HostPool.warned:
+                warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each "
+                              f"buffer up to a power of two ({type(e).__name__}: {e})", stacklevel=2)
+                HostPool.warned = True
+            self.base = None
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def __del__(self):
+        if self.registered is not None:
+            rt, ptr = self.registered
+            try:
+                rt.cudaHostUnregister(ptr)
+            except Exception:   # noqa: BLE001 (interpreter shutdown)
+                pass
+
+
+class HostPool:
+    """Host buffers reused across steps (module docstring): `take(nbytes)` -> a buffer of at least nbytes, `give`
+    it back. `made` counts the buffers made, `held` the bytes of all alive (given out and free)."""
+    warned = False
+
+    def __init__(self, stream=None):
+        self.stream, self.free, self.made, self.held = stream, [], 0, 0   # stream: CUDA's side stream (pinned)
+
+    def take(self, nbytes: int) -> _HostBuffer:
+        fits = [b for b in self.free if b.nbytes >= nbytes]
+        if fits:
+            b = min(fits, key=lambda b: b.nbytes)
+            self.free.remove(b)
+            return b
+        if self.free and self.stream is not None:   # none fits: a larger input than before; the small ones go, once
+            self.stream.synchronize()               # no copy on the side stream still reads them
+        self.held -= sum(b.nbytes for b in self.free)
+        self.free.clear()
+        self.made, self.held = self.made + 1, self.held + nbytes
+        return _HostBuffer(nbytes, pin=self.stream is not None)
+
+    def give(self, b: _HostBuffer) -> None:
+        self.free.append(b)
+
+
+def _view(b: _HostBuffer, like: torch.Tensor) -> torch.Tensor:
+    return b.data[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
 class _Offloaded:
     """One saved tensor living in host memory, with its optional prefetched device copy."""
 
-    def __init__(self, t: torch.Tensor, stream):
+    def __init__(self, t: torch.Tensor, stream, pool: HostPool):
         self.device, self.stream, self.used, self.prev, self.fetched, self.event = t.device, stream, False, \
             None, None, None
+        self.pool, self.buffer = pool, pool.take(t.numel() * t.element_size())
+        self.host = _view(self.buffer, t)
         if stream is not None:   # CUDA: pinned host buffer, copied on the side stream
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(t.device))   # t is complete on the compute stream
             with torch.cuda.stream(stream):
                 self.host.copy_(t, non_blocking=True)
             t.record_stream(stream)   # the allocator keeps t's memory until the copy has read it
         else:
-            self.host = t.detach().to("cpu", copy=True)
+            self.host.copy_(t.detach())
+
+    def _release(self) -> None:
+        """The host copy is read (or never will be): its buffer back to the pool. The copies into and out of it are
+        all on the side stream (CUDA), so a later one waits for this one's."""
+        if self.buffer is not None:
+            self.pool.give(self.buffer)
+            self.buffer = self.host = None
 
     def prefetch(self) -> None:
         if self.fetched is not None:
@@ -60,12 +145,14 @@ class _Offloaded:
     def __del__(self):   # prefetched, never fetched: the side stream's copy may still be writing that memory
         if self.fetched is not None and self.stream is not None:
             self.fetched.record_stream(self.stream)
+        self._release()
 
     def fetch(self) -> torch.Tensor:
         self.prefetch()
         if self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         t, self.fetched, self.event, self.used = self.fetched, None, None, True
+        self._release()
         return t
 
 
@@ -78,6 +165,7 @@ class HostOffload:
         self.last = None      # the most recently packed, not yet used handle: the next one's predecessor
         self.pending = None   # the next block's handle, fetched once this block's attention backward is done
         self.moved = 0        # tensors sent to the host (counted for tests and logs)
+        self.pool = None      # HostPool, pinned on CUDA (made with the first tensor, which says the device)
 
     def _pack(self, min_numel):
         def pack(t):
@@ -85,7 +173,9 @@ class HostOffload:
                 return t
             if t.is_cuda and self.stream is None:
                 self.stream = torch.cuda.Stream(t.device)
-            h = _Offloaded(t, self.stream if t.is_cuda else None)
+            if self.pool is None:
+                self.pool = HostPool(self.stream if t.is_cuda else None)
+            h = _Offloaded(t, self.stream if t.is_cuda else None, self.pool)
             last = self.last() if self.last is not None else None
             h.prev = weakref.ref(last) if last is not None and not last.used else None
             self.last = weakref.ref(h)

@@ -291,6 +291,69 @@ def test_offload_forgets_a_forward_dropped_without_backward(ckpt3, monkeypatch):
     assert hooks.pending is None and hooks.last is None
 
 
+def test_offload_host_buffers_are_exact_and_reused(ckpt5):
+    """The offload's host memory (parallel.offload.HostPool) over steps of 29, 29, 40 and 20 tokens: the L - 1
+    block inputs take L - 1 buffers of exactly B x S x D x 4 bytes (the planner's host term), a second step of the
+    same length makes none, a longer one replaces them (the pool then holds the new L - 1, not both sets), a shorter
+    one reuses them; every step's loss and LoRA gradients equal plain AC's (a reused larger buffer, sliced)."""
+    from parallel.offload import HostPool
+
+    model, _ = build_nonzero_b(_opts(ckpt5, offload_activations=True))
+    plain, _ = build_nonzero_b(_opts(ckpt5))
+    D, L = model.args.dim, model.args.n_layers
+    hooks = model.model.layers[0].forward.hooks
+    made = []
+    for k, S in enumerate((29, 29, 40, 20)):
+        ids = torch.randint(0, 128, (2, S), generator=torch.Generator().manual_seed(k))
+        got = []
+        for m in (model, plain):
+            for p in m.parameters():
+                p.grad = None
+            s, n = m(ids, labels=ids)
+            (s / n).backward()
+            got.append((s.detach(), _lora_grads(m)))
+        torch.testing.assert_close(got[0][0], got[1][0], **TOL, msg=f"step {k} ({S} tokens): loss")
+        for name in got[1][1]:
+            torch.testing.assert_close(got[0][1][name], got[1][1][name], **TOL, msg=f"step {k}: grad {name}")
+        pool = hooks.pool
+        assert isinstance(pool, HostPool) and len(pool.free) == L - 1, (k, len(pool.free))   # all back after backward
+        made.append(pool.made)
+        biggest = max((29, 29, 40, 20)[:k + 1])
+        assert pool.held == sum(b.nbytes for b in pool.free) == (L - 1) * 2 * biggest * D * 4, (k, pool.held)
+    assert made == [L - 1, L - 1, 2 * (L - 1), 2 * (L - 1)], made
+
+
+def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):
+    """On CUDA a host buffer is ordinary memory page-locked in place (torch.cuda.cudart().cudaHostRegister; a fake
+    runtime here): a page-aligned start inside the allocation, whole pages of its own, the flag 0, unregistered at
+    the same address when dropped."""
+    import gc
+    import mmap
+
+    import parallel.offload as po
+
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    page = mmap.PAGESIZE
+    b = po._HostBuffer(10 * page + 123, pin=True)
+    (_, ptr, size, flags), = calls
+    base = b.base.data_ptr()
+    assert ptr % page == 0 and ptr == b.data.data_ptr() and b.data.numel() == 10 * page + 123, (ptr, base)
+    assert size == 11 * page and flags == 0 and base <= ptr and ptr + size <= base + b.base.numel(), (size, base)
+    del b
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr), calls
+
+
 def _handles(hooks):
     """The packed handles of the last forward, first block first (walking the prefetch links back)."""
     out, h = [], hooks.last and hooks.last()

@@ -15,7 +15,8 @@ folder, `make test-gpu` does):
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - RMSNorm on aten's fused CUDA kernels (taken, not silently the formula) against transformers' Qwen2RMSNorm;
 - train.py's allocator default (expandable segments) takes effect (reserved bytes), and a user's setting wins;
-- `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream), `--ac-group` and `--ac-blocks`
+- `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream; its host buffers page-locked in place,
+  exactly the bytes asked, reused across steps), `--ac-group` and `--ac-blocks`
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
   the fused LoRA add runs on every layer there and trains like peft's forward;
@@ -430,6 +431,39 @@ def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
         assert a[1].keys() == b[1].keys() and len(b[1]) == 70, label
         for k in b[1]:
             torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=f"{label}: {k}")
+
+
+def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
+    """--offload-activations on the device: its host buffers are ordinary memory page-locked in place
+    (cudaHostRegister through torch.cuda.cudart(): no fallback to torch's pinned allocator, which rounds each one up
+    to a power of two), pinned as torch sees it, exactly B x S x D x 4 bytes each, reused by a second step; both
+    steps equal plain AC (loss, LoRA grads)."""
+    from parallel.offload import HostPool
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b, tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=32, layers=5, vocab=256, inter=384)
+    ids = torch.randint(0, 256, (2, 700), generator=torch.Generator().manual_seed(0)).to(DEV)
+    opts = dict(quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True)
+    model, _ = build_nonzero_b(BuildOptions(path, offload_activations=True, **opts), device=DEV)
+    plain, _ = build_nonzero_b(BuildOptions(path, **opts), device=DEV)
+    for step in range(2):
+        got = []
+        for m in (model, plain):
+            for p in m.parameters():
+                p.grad = None
+            s, n = m(ids, labels=ids)
+            (s / n).backward()
+            torch.cuda.synchronize()
+            got.append((s.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.requires_grad}))
+        torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-5, atol=1e-5, msg=f"step {step}: loss")
+        for k in got[1][1]:
+            torch.testing.assert_close(got[0][1][k], got[1][1][k], rtol=1e-4, atol=1e-6, msg=f"step {step}: {k}")
+        pool = model.model.layers[0].forward.hooks.pool
+        D, L = model.args.dim, model.args.n_layers
+        assert not HostPool.warned and pool.made == L - 1 and len(pool.free) == L - 1, (pool.made, len(pool.free))
+        for b in pool.free:
+            assert b.registered is not None and b.data.is_pinned() and b.nbytes == 2 * 700 * D * 4, b.nbytes
 
 
 def test_cuda_tiled_attention_bf16_matches_untiled(tmp_path, monkeypatch):
