@@ -24,7 +24,12 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   each step once and trains bit for bit as the uninterrupted run; a run with dropout repeats itself exactly
   (the RNG is seeded from --seed); `torchrun` on 2 ranks, sent SIGTERM mid-run, forwards it and the workers
   exit 143 with the log lines and the newest checkpoint at the same step, and a resume finishes the run;
-  importing the model prints no bitsandbytes kernels-community line.
+  importing the model prints no bitsandbytes kernels-community line;
+- the start-up memory check plans the data's longest sample against every rank's memory: a plan that cannot fit
+  (0.95 of its live tensors over the device) is refused before any weight is read, naming single changes that fit
+  (the first, typed, passes); --no-mem-check and a plan just over the device warn; offload pinning more than the
+  free host memory is refused; the host memory of a machine is shared by its ranks; the free host memory is the
+  least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit).
 
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
 """
@@ -517,7 +522,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     is for the data's longest sample, not --max-len: the chat data (a few dozen tokens) at --max-len 2^18 train in the
     memory that refused the long sample. --offload-activations on a CUDA budget whose pinned bytes, (L - 1) block
     inputs of T x D at 4 bytes (computed here from config.json), exceed the free host memory: refused, naming both;
-    --no-mem-check: a warning."""
+    --no-mem-check: a warning; a free host memory that cannot be read: not checked, and the memory line says so."""
     import train
     from model.load import read_args
     from parallel import plan_search, preflight
@@ -582,6 +587,10 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     assert "free (test)" in msg and "Lower --max-len" in msg and not os.path.exists(tmp_path / "off"), msg
     got = passes(off + ["--no-mem-check"])
     assert got[0].startswith("warning: --offload-activations pins") and got[1].startswith("memory: planned"), got
+    monkeypatch.setattr(preflight, "host_available", lambda: 1 / 0)   # the free host memory cannot be read: unchecked
+    got = passes(off)
+    assert len(got) == 1 and got[0].endswith("; free host memory unknown (ZeroDivisionError: division by zero), not "
+                                             "checked"), got
 
 
 def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
