@@ -23,8 +23,10 @@ Contract:
   pinned allocator, which rounds every request up to a power of two and caches it (a 3.76 GB input of 524,288 tokens
   x 3584 pins 4.29 GB; 18.9 GB at 2.6M tokens pins 34.4 GB; pytorch/pytorch#150517). A buffer goes back to the pool
   once its tensor is fetched (or its handle dies): its copy to the device, and the next copy into it, are both on
-  the side stream, so they run in order. Without cudaHostRegister (a torch that lacks it) the pinned allocator is
-  used, said once.
+  the side stream, so they run in order; a buffer is unlocked and freed only once the side stream is idle. A
+  longer micro-batch than any before replaces the buffers (a synchronize and new page-locking, once per new
+  maximum). Without cudaHostRegister (a torch that lacks the binding) torch's pinned allocator is used, said once;
+  a registration that fails (no host memory left to lock) stops the step with an error naming the fixes.
 
 Credit: offloading checkpoints to the host follows Arctic Long Sequence Training (Bekman et al., 2025).
 """
@@ -40,37 +42,40 @@ from torch import nn
 
 
 class _HostBuffer:
-    """`nbytes` of host memory; `pin`: page-locked in place for the device's copies, unlocked when dropped."""
+    """`nbytes` of host memory. With a (CUDA side) `stream`: an anonymous mapping of whole pages, page-locked in place
+    (cudaHostRegister) from its first byte, so the tensor's storage starts at the registered address (torch's
+    is_pinned asks about the storage's start); unlocked when dropped, once the stream's copies are done."""
 
-    def __init__(self, nbytes: int, pin: bool):
-        self.nbytes, self.registered = nbytes, None
-        if not pin:
+    def __init__(self, nbytes: int, stream=None):
+        self.nbytes, self.stream, self.registered = nbytes, stream, None
+        if stream is None:
             self.data = torch.empty(nbytes, dtype=torch.uint8)
             return
-        page = mmap.PAGESIZE   # whole pages of our own: no page shared with another allocation's registration
-        span = -(-nbytes // page) * page
-        self.base = torch.empty(span + page, dtype=torch.uint8)
-        off = -self.base.data_ptr() % page
-        self.data = self.base[off:off + nbytes]
+        span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        mapped = mmap.mmap(-1, span)   # page-aligned, kept alive by the tensor (torch.frombuffer holds a reference)
+        self.data = torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes]
         try:
             rt = torch.cuda.cudart()
-            err = rt.cudaHostRegister(self.data.data_ptr(), span, 0)
-            err = err[0] if isinstance(err, tuple) else err   # (a cudaError enum: 0 is success)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {span} bytes: cudaError {int(err)}")
-            self.registered = (rt, self.data.data_ptr())
-        except (AttributeError, RuntimeError, TypeError) as e:   # the pinned allocator then (power-of-two sizes)
+            register = rt.cudaHostRegister
+        except (AttributeError, RuntimeError) as e:   # a torch without the binding: its pinned allocator instead
             if not HostPool.warned:
                 warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each "
                               f"buffer up to a power of two ({type(e).__name__}: {e})", stacklevel=2)
                 HostPool.warned = True
-            self.base = None
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return
+        err = register(self.data.data_ptr(), span, 0)
+        if int(err) != 0:   # (a cudaError; the runtime's last error stays set: the step cannot go on)
+            raise RuntimeError(f"--offload-activations: page-locking {span:,} bytes of host memory failed "
+                               f"({rt.cudaGetErrorString(err)}); free host memory, lower --max-len or drop "
+                               "--offload-activations")
+        self.registered = (rt, self.data.data_ptr())
 
     def __del__(self):
         if self.registered is not None:
             rt, ptr = self.registered
             try:
+                self.stream.synchronize()   # no copy on the side stream still uses these pages
                 rt.cudaHostUnregister(ptr)
             except Exception:   # noqa: BLE001 (interpreter shutdown)
                 pass
@@ -90,12 +95,16 @@ class HostPool:
             b = min(fits, key=lambda b: b.nbytes)
             self.free.remove(b)
             return b
-        if self.free and self.stream is not None:   # none fits: a larger input than before; the small ones go, once
-            self.stream.synchronize()               # no copy on the side stream still reads them
-        self.held -= sum(b.nbytes for b in self.free)
-        self.free.clear()
+        dropped, self.free = self.free, []   # none fits: a larger input than before; the smaller ones go
+        if dropped and self.stream is not None:
+            self.stream.synchronize()        # once, not per buffer: no copy on the side stream still uses them
+        self.held -= sum(b.nbytes for b in dropped)
+        del dropped
+        if self.stream is not None and HostPool.warned and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()      # (torch's pinned allocator caches what it frees)
+        b = _HostBuffer(nbytes, self.stream)
         self.made, self.held = self.made + 1, self.held + nbytes
-        return _HostBuffer(nbytes, pin=self.stream is not None)
+        return b
 
     def give(self, b: _HostBuffer) -> None:
         self.free.append(b)
@@ -111,7 +120,8 @@ class _Offloaded:
     def __init__(self, t: torch.Tensor, stream, pool: HostPool):
         self.device, self.stream, self.used, self.prev, self.fetched, self.event = t.device, stream, False, \
             None, None, None
-        self.pool, self.buffer = pool, pool.take(t.numel() * t.element_size())
+        self.pool, self.buffer = pool, None
+        self.buffer = pool.take(t.numel() * t.element_size())
         self.host = _view(self.buffer, t)
         if stream is not None:   # CUDA: pinned host buffer, copied on the side stream
             stream.wait_stream(torch.cuda.current_stream(t.device))   # t is complete on the compute stream

@@ -289,6 +289,8 @@ def test_offload_forgets_a_forward_dropped_without_backward(ckpt3, monkeypatch):
     hooks = model.model.layers[0].forward.hooks
     assert prefetched and all(h.used for h in prefetched), "a handle was prefetched but never fetched"
     assert hooks.pending is None and hooks.last is None
+    L = model.args.n_layers   # the dropped forward's host buffers went back to the pool: no second set was made
+    assert hooks.pool.made == L - 1 and len(hooks.pool.free) == L - 1, (hooks.pool.made, len(hooks.pool.free))
 
 
 def test_offload_host_buffers_are_exact_and_reused(ckpt5):
@@ -325,8 +327,10 @@ def test_offload_host_buffers_are_exact_and_reused(ckpt5):
 
 def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):
     """On CUDA a host buffer is ordinary memory page-locked in place (torch.cuda.cudart().cudaHostRegister; a fake
-    runtime here): a page-aligned start inside the allocation, whole pages of its own, the flag 0, unregistered at
-    the same address when dropped."""
+    runtime and side stream here): whole pages of its own from the tensor storage's first byte (torch's is_pinned asks
+    about the storage), the flag 0; dropped, it waits for the side stream before it is unregistered at the same
+    address. A pool that must grow synchronizes the stream before dropping its free buffers. The pool takes the
+    smallest free buffer that fits. A registration error stops with the runtime's message and the fixes."""
     import gc
     import mmap
 
@@ -342,16 +346,43 @@ def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):
         def cudaHostUnregister(self, ptr):
             calls.append(("unregister", ptr))
             return 0
+
+        def cudaGetErrorString(self, err):
+            return f"error {err} (test)"
+
+    class Stream:
+        def synchronize(self):
+            calls.append(("sync",))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
     page = mmap.PAGESIZE
-    b = po._HostBuffer(10 * page + 123, pin=True)
+    b = po._HostBuffer(10 * page + 123, Stream())
     (_, ptr, size, flags), = calls
-    base = b.base.data_ptr()
-    assert ptr % page == 0 and ptr == b.data.data_ptr() and b.data.numel() == 10 * page + 123, (ptr, base)
-    assert size == 11 * page and flags == 0 and base <= ptr and ptr + size <= base + b.base.numel(), (size, base)
+    assert ptr % page == 0 and ptr == b.data.data_ptr() == b.data.untyped_storage().data_ptr(), ptr
+    assert size == 11 * page and flags == 0 and b.data.numel() == 10 * page + 123, size
+    b.data.fill_(7)   # the mapping is writable memory
     del b
     gc.collect()
-    assert calls[-1] == ("unregister", ptr), calls
+    assert calls[-2:] == [("sync",), ("unregister", ptr)], calls
+
+    calls.clear()
+    pool = po.HostPool(Stream())
+    small = [pool.take(n) for n in (3 * page, 5 * page, 4 * page)]
+    for x in small:
+        pool.give(x)
+    assert pool.take(4 * page - 1) is small[2] and pool.made == 3   # the smallest that fits
+    pool.give(small[2])
+    ptrs = [x.data.data_ptr() for x in small]
+    del small, x
+    calls.clear()
+    big = pool.take(6 * page)   # none fits: the stream is synchronized before the free buffers go
+    gc.collect()
+    assert calls[0] == ("sync",) and {c[1] for c in calls if c[0] == "unregister"} == set(ptrs), calls
+    assert pool.made == 4 and pool.held == big.nbytes == 6 * page and pool.free == [], (pool.made, pool.held)
+
+    monkeypatch.setattr(Runtime, "cudaHostRegister", lambda self, ptr, size, flags: 2)
+    with pytest.raises(RuntimeError, match=r"page-locking 8,192 bytes of host memory failed \(error 2 \(test\)\); "
+                                           r"free host memory, lower --max-len or drop --offload-activations"):
+        po._HostBuffer(2 * page - 5, Stream())
 
 
 def _handles(hooks):

@@ -436,18 +436,20 @@ def test_cuda_memory_flags_match_plain_ac(tmp_path, mem):
 def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
     """--offload-activations on the device: its host buffers are ordinary memory page-locked in place
     (cudaHostRegister through torch.cuda.cudart(): no fallback to torch's pinned allocator, which rounds each one up
-    to a power of two), pinned as torch sees it, exactly B x S x D x 4 bytes each, reused by a second step; both
-    steps equal plain AC (loss, LoRA grads)."""
+    to a power of two), pinned as torch sees it, exactly B x S x D x 4 bytes each, reused by a second step of the same
+    length and replaced by a longer one (the side stream synchronized, the old buffers unlocked); every step equals
+    plain AC (loss, LoRA grads)."""
     from parallel.offload import HostPool
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=32, layers=5, vocab=256, inter=384)
-    ids = torch.randint(0, 256, (2, 700), generator=torch.Generator().manual_seed(0)).to(DEV)
     opts = dict(quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True)
     model, _ = build_nonzero_b(BuildOptions(path, offload_activations=True, **opts), device=DEV)
     plain, _ = build_nonzero_b(BuildOptions(path, **opts), device=DEV)
-    for step in range(2):
+    D, L = model.args.dim, model.args.n_layers
+    for step, (S, made) in enumerate(((700, L - 1), (700, L - 1), (900, 2 * (L - 1)))):
+        ids = torch.randint(0, 256, (2, S), generator=torch.Generator().manual_seed(step)).to(DEV)
         got = []
         for m in (model, plain):
             for p in m.parameters():
@@ -460,10 +462,9 @@ def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
         for k in got[1][1]:
             torch.testing.assert_close(got[0][1][k], got[1][1][k], rtol=1e-4, atol=1e-6, msg=f"step {step}: {k}")
         pool = model.model.layers[0].forward.hooks.pool
-        D, L = model.args.dim, model.args.n_layers
-        assert not HostPool.warned and pool.made == L - 1 and len(pool.free) == L - 1, (pool.made, len(pool.free))
+        assert not HostPool.warned and pool.made == made and len(pool.free) == L - 1, (step, pool.made, len(pool.free))
         for b in pool.free:
-            assert b.registered is not None and b.data.is_pinned() and b.nbytes == 2 * 700 * D * 4, b.nbytes
+            assert b.registered is not None and b.data.is_pinned() and b.nbytes == 2 * S * D * 4, (step, b.nbytes)
 
 
 def test_cuda_tiled_attention_bf16_matches_untiled(tmp_path, monkeypatch):
