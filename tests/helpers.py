@@ -106,3 +106,15 @@ def budget_between_ac_plans(argv, world=1):
     one, none = total(ac_blocks=1), total(ac=False)
     assert one < none, (one, none)
     return (one + none) / 2 / plan_search.SAFETY
+
+
+def step_of(model, ids):
+    """One forward and backward of `model` on `ids` (labels = ids) from cleared gradients: (loss, {name: grad} of
+    the trainable parameters)."""
+    for p in model.parameters():
+        p.grad = None
+    s, n = model(ids, labels=ids)
+    (s / n).backward()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return s.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}

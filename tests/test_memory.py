@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_ranks
-from tests.helpers import build_nonzero_b, tiny_checkpoint
+from tests.helpers import build_nonzero_b, step_of, tiny_checkpoint
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -307,13 +307,7 @@ def test_offload_host_buffers_are_exact_and_reused(ckpt5):
     made = []
     for k, S in enumerate((29, 29, 40, 20)):
         ids = torch.randint(0, 128, (2, S), generator=torch.Generator().manual_seed(k))
-        got = []
-        for m in (model, plain):
-            for p in m.parameters():
-                p.grad = None
-            s, n = m(ids, labels=ids)
-            (s / n).backward()
-            got.append((s.detach(), _lora_grads(m)))
+        got = [step_of(m, ids) for m in (model, plain)]
         torch.testing.assert_close(got[0][0], got[1][0], **TOL, msg=f"step {k} ({S} tokens): loss")
         for name in got[1][1]:
             torch.testing.assert_close(got[0][1][name], got[1][1][name], **TOL, msg=f"step {k}: grad {name}")

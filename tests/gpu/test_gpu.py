@@ -441,7 +441,7 @@ def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
     plain AC (loss, LoRA grads)."""
     from parallel.offload import HostPool
     from parallel.parallelize import BuildOptions
-    from tests.helpers import build_nonzero_b, tiny_checkpoint
+    from tests.helpers import build_nonzero_b, step_of, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=32, layers=5, vocab=256, inter=384)
     opts = dict(quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True)
@@ -450,14 +450,7 @@ def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
     D, L = model.args.dim, model.args.n_layers
     for step, (S, made) in enumerate(((700, L - 1), (700, L - 1), (900, 2 * (L - 1)))):
         ids = torch.randint(0, 256, (2, S), generator=torch.Generator().manual_seed(step)).to(DEV)
-        got = []
-        for m in (model, plain):
-            for p in m.parameters():
-                p.grad = None
-            s, n = m(ids, labels=ids)
-            (s / n).backward()
-            torch.cuda.synchronize()
-            got.append((s.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.requires_grad}))
+        got = [step_of(m, ids) for m in (model, plain)]
         torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-5, atol=1e-5, msg=f"step {step}: loss")
         for k in got[1][1]:
             torch.testing.assert_close(got[0][1][k], got[1][1][k], rtol=1e-4, atol=1e-6, msg=f"step {step}: {k}")
