@@ -211,9 +211,6 @@ def main(argv=None):
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
-        if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
-            plan_speed.apply_fast(args, margs, dims, budgets, log0)
-            dims, args.pack = validate(args, margs, world)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
             log0(note)
@@ -227,8 +224,11 @@ def main(argv=None):
         eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
                                                        "--eval-data")[0]
         log0(f"data: {stats}")
-        # the plan for the longest sample against every rank's memory: a run that cannot fit stops before the weights
-        preflight.check(args, margs, dims, budgets, log0, tokens=max(len(s["input_ids"]) for s in samples))
+        longest = max(len(s["input_ids"]) for s in samples)   # the memory plans' length (--max-len is only a cap)
+        if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
+            plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
+            dims, args.pack = validate(args, margs, world)
+        preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
         if args.profile is not None and not 1 <= args.profile <= steps:

@@ -190,11 +190,12 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
                    "parallel/plan_speed.py)")
 
 
-def apply_fast(args, margs, dims, budgets, log) -> None:
+def apply_fast(args, margs, dims, budgets, log, tokens: int | None = None) -> None:
     """train.py's --fast on every rank: `fast_flags` for the smallest device and host budget of all ranks
     (parallel.preflight.gather_budgets: the flags must fit every rank, mixed GPUs or hosts; a device's total memory,
-    not what other processes leave of it), the same on every rank (same budgets, same arithmetic: no rank waits on
-    another), applied to `args` and logged. A rank without a budget is named, raised on every rank."""
+    not what other processes leave of it) and the data's longest sample (`tokens`: --max-len only caps the samples;
+    shorter data leave memory to spend on less recompute), the same on every rank (same budgets, same arithmetic: no
+    rank waits on another), applied to `args` and logged. A rank without a budget is named, raised on every rank."""
     from parallel.preflight import host_per_rank, planning_copy
     if bad := next((b for b in budgets if b.target is None), None):
         raise RuntimeError(f"--fast: no device budget on {bad.where}")
@@ -202,8 +203,10 @@ def apply_fast(args, margs, dims, budgets, log) -> None:
     where = low.where + (f", rank {low.rank}'s: the smallest of {len(budgets)}"
                          if len({b.device for b in budgets}) > 1 else "")
     try:
-        flags, line = fast_flags(planning_copy(args), margs, dims, args.pack, len(budgets),
+        n = min(args.max_len, tokens or args.max_len)
+        flags, line = fast_flags(planning_copy(args, max_len=n), margs, dims, args.pack, len(budgets),
                                  budget=(low.target, low.device, where), host=min(host_per_rank(budgets)))
+        line += f" for the longest sample, {n:,} tokens" if n < args.max_len else ""
     except Exception as e:   # noqa: BLE001 (the same on every rank)
         raise RuntimeError(f"--fast failed: {type(e).__name__}: {e}") from e
     apply_flags(args, flags)

@@ -474,9 +474,14 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     """--fast: the run adds the memory flags parallel.plan_speed ranks fastest among those whose plan fits 95% of
     the device (here a budget set between the plans of AC on one block and of no AC, so neither the default nor
     --no-ac is the answer), logs them, records them in OUT/config.json, and trains exactly as the same flags typed
-    by hand; `--plan --fast` names the same flags. Memory flags only: the losses equal the plain run's."""
+    by hand; `--plan --fast` names the same flags. Memory flags only: the losses equal the plain run's. With --max-len
+    far above the data, the flags are those for the data's longest sample (not those for --max-len)."""
+    import argparse
+
     import train
+    from model.load import read_args
     from parallel import plan_search, plan_speed
+    from parallel.mesh import validate
 
     argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "2", *x)
     mem = budget_between_ac_plans(argv("x"))
@@ -502,6 +507,26 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     capsys.readouterr()
     train.main(["--plan", *argv("p", "--fast")])
     assert f"--fast: {flags} (planned" in capsys.readouterr().out
+
+    # --max-len far above the data: --fast plans the longest sample (from the data line), not --max-len
+    T = 2 ** 18
+
+    def fast_line():   # (the run stops at the model build's tripwire)
+        with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
+            train.main(argv("long", "--fast", "--max-len", str(T)))
+        out = capsys.readouterr().out.splitlines()
+        n = int(next(x for x in out if x.startswith("data: ")).split("longest ")[1].split(",")[0])
+        return n, next(x for x in out if x.startswith("--fast: "))
+    n = fast_line()[0]
+    mem = budget_between_ac_plans(argv("x", "--max-len", str(n)))   # (read by the _budget above) --ac-blocks at n
+    n, line = fast_line()
+    assert line.endswith(f" for the longest sample, {n:,} tokens"), line
+    args = train.build_parser().parse_args(argv("long", "--fast", "--max-len", str(T)))
+    margs = read_args(args.model)
+    dims, pack = validate(args, margs, 1)
+    at = lambda k: plan_speed.fast_flags(argparse.Namespace(**{**vars(args), "max_len": k}), margs, dims, pack, 1)[0]
+    assert "--ac-blocks" in at(n) and at(T) != at(n), (at(n), at(T))   # at --max-len: another answer
+    assert line.startswith(f"--fast: {at(n)} (planned"), (line, at(n))
 
     # a failure in the planning is raised (the same on every rank: no one waits on another)
     monkeypatch.setattr(plan_speed, "fast_flags", lambda *a, **k: 1 / 0)
