@@ -210,7 +210,6 @@ def main(argv=None):
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
             log0(note)
@@ -225,6 +224,7 @@ def main(argv=None):
                                                        "--eval-data")[0]
         log0(f"data: {stats}")
         longest = max(len(s["input_ids"]) for s in samples)   # the memory plans' length (--max-len is only a cap)
+        budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
