@@ -110,8 +110,8 @@ def build_parser(add_help=True):
       "(rank 0's clock; 0: off): what a crash can lose")
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
     a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
-    a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run whose planned "
-      "memory exceeds the device's by 10%% or whose offload exceeds free host memory (--no-mem-check: warn only)")
+    a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run the memory "
+      "plan says cannot fit the device, or whose offload needs more than the free host memory (--no-: warn only)")
     a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
     a("--timeout", type=float, default=30.0, help="minutes without progress (a stuck rank) before the job ends")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
