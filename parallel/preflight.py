@@ -24,7 +24,8 @@ Contract:
   line (`--fast`, `plan_speed.apply_fast`, raises then).
 - `host_available()` -> (bytes, where): psutil's available memory, or the least room any memory cgroup above this
   process leaves (its limit less its usage net of page cache; v2 and v1, the process's cgroup and every parent up to
-  the mount: Slurm and container limits sit on a parent) when that is lower.
+  the mount: Slurm and container limits sit on a parent) when that is lower. `cgroup_headroom(limit=True)`, their
+  least limit, bounds a CPU run's memory (plan_search._budget: RAM over the local ranks).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _room(d: str, limit: str, usage: str, cache: tuple[str, str]) -> int | None:
-    """The bytes a cgroup directory `d` still allows (limit less usage net of page cache, at least 0); None: none."""
+def _room(d: str, limit: str, usage: str, cache: tuple[str, str]) -> tuple[int, int] | None:
+    """(limit, room) of a cgroup directory `d`: its limit, and the bytes it still allows (limit less usage net of page
+    cache, at least 0); None: no limit there."""
     lim, use = _read(os.path.join(d, limit)), _read(os.path.join(d, usage))
     if lim is None or use is None or not lim.isdigit() or not use.isdigit() or int(lim) >= 1 << 60:
         return None   # no such file, "max", v1's huge "no limit"
@@ -67,12 +69,12 @@ def _room(d: str, limit: str, usage: str, cache: tuple[str, str]) -> int | None:
         if len(parts) == 2 and parts[1].isdigit():
             stat[parts[0]] = int(parts[1])
     file = max(0, stat.get(cache[0], 0) - stat.get(cache[1], 0))   # page cache the kernel can drop (not shmem)
-    return max(0, int(lim) - max(0, int(use) - file))
+    return int(lim), max(0, int(lim) - max(0, int(use) - file))
 
 
-def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> float | None:
+def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup", limit: bool = False) -> float | None:
     """The least room of the memory cgroups (v2, v1's memory controller) from this process's own up to the mount's
-    root (a limit on any of them binds); None when none has a limit."""
+    root (a limit on any of them binds), or with `limit` their least limit; None when none has a limit."""
     own2 = own1 = ""
     for line in (_read(proc) or "").splitlines():
         parts = line.split(":", 2)
@@ -86,8 +88,8 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup
                               ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_cache", "total_shmem")))):
         parts = [p for p in own.split("/") if p and p != ".."]
         for n in range(len(parts), -1, -1):   # the own cgroup, its parents, the root
-            if (room := _room(os.path.join(base, *parts[:n]), *files)) is not None:
-                rooms.append(room)
+            if (got := _room(os.path.join(base, *parts[:n]), *files)) is not None:
+                rooms.append(got[0] if limit else got[1])
     return min(rooms) if rooms else None
 
 

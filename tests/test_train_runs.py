@@ -29,13 +29,15 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   (0.95 of its live tensors over the device) is refused before any weight is read, naming single changes that fit
   (the first, typed, passes); --no-mem-check and a plan just over the device warn; offload pinning more than the
   free host memory is refused; the host memory of a machine is shared by its ranks; the free host memory is the
-  least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit).
+  least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit); a CPU run's
+  memory is the RAM, or the job's cgroup limit when lower, over the local ranks.
 
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -652,7 +654,8 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
     """preflight.cgroup_headroom on made-up cgroup trees: a limit less usage net of page cache (not shmem), the least
     over the process's own cgroup and every parent up to the root (v2: a limit on the job, the step's unlimited, as
     Slurm sets them; v1's memory controller likewise); "max" and v1's unlimited value are no limit; usage over the
-    limit is no room, not a negative one; no cgroup files at all: None. host_available takes it when below psutil's."""
+    limit is no room, not a negative one; no cgroup files at all: None. host_available takes it when below psutil's.
+    A CPU run's device memory (plan_search._budget): the least cgroup limit over the local ranks, when below the RAM."""
     from parallel import preflight
 
     def tree(name, files):
@@ -681,7 +684,19 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
           "cg/memory/slurm/job_1/task_0/memory.limit_in_bytes": "9223372036854771712\n",
           "cg/memory/slurm/job_1/task_0/memory.usage_in_bytes": "2400\n"}
     assert preflight.cgroup_headroom(*tree("v1", v1)) == 3000 - (2500 - 500)
+    assert preflight.cgroup_headroom(*tree("v1", v1), limit=True) == 3000   # the least limit, for a CPU run's budget
     assert preflight.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+    # a CPU run's memory: RAM over the local ranks, or the job's cgroup limit over them when that is lower
+    from parallel import plan_search
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # (the CPU branch, on any machine)
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda limit=False: 4e9 if limit else None)
+    target, mem, where = plan_search._budget(argparse.Namespace(gpu_mem=None), 2)
+    assert (target, mem) == ("cpu", 2e9) and "this job's memory cgroup limit (4.0 GB" in where, where
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda limit=False: None)
+    import psutil
+    assert plan_search._budget(argparse.Namespace(gpu_mem=None), 2)[1] == psutil.virtual_memory().total / 2
 
     import psutil
     monkeypatch.setattr(preflight, "cgroup_headroom", lambda: 5)
