@@ -115,15 +115,8 @@ def _budget(args, world):
         return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
     if args.gpu_mem:
         return "cuda", args.gpu_mem * GB, f"{args.gpu_mem:.1f} GB per GPU (--gpu-mem: planning CUDA from a CPU machine)"
-    import psutil
-
-    from parallel.preflight import cgroup_headroom
-    ram, n = psutil.virtual_memory().total, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    what = f"this machine's RAM ({ram / GB:.1f} GB, psutil)"
-    if (cap := cgroup_headroom(limit=True)) is not None and cap < ram:   # a container's or a batch job's limit
-        ram, what = cap, f"this job's memory cgroup limit ({cap / GB:.1f} GB; the machine has {ram / GB:.1f} GB)"
-    return "cpu", ram / n, (f"{ram / n / GB:.1f} GB per rank: no CUDA device and no --gpu-mem, so {what} shared by "
-                            f"{n} CPU rank{'s' * (n > 1)}")
+    from parallel.preflight import cpu_memory
+    return ("cpu", *cpu_memory(world))
 
 
 def parse_args(argv, run_parser, demo: dict):

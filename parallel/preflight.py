@@ -25,7 +25,7 @@ Contract:
 - `host_available()` -> (bytes, where): psutil's available memory, or the least room any memory cgroup above this
   process leaves (its limit less its usage net of page cache; v2 and v1, the process's cgroup and every parent up to
   the mount: Slurm and container limits sit on a parent) when that is lower. `cgroup_headroom(limit=True)`, their
-  least limit, bounds a CPU run's memory (plan_search._budget: RAM over the local ranks).
+  least limit, bounds a CPU run's memory (`cpu_memory(world)`, plan_search._budget's CPU branch).
 """
 
 from __future__ import annotations
@@ -101,6 +101,18 @@ def host_available() -> tuple[float, str]:
     if room is not None and room < avail:
         avail, where = float(room), "left under this job's memory cgroup limit"
     return avail, where
+
+
+def cpu_memory(world: int) -> tuple[float, str]:
+    """(bytes per rank, what they are) of a CPU run: this machine's RAM, or its job's memory cgroup limit when lower,
+    over its local ranks (LOCAL_WORLD_SIZE, else `world`)."""
+    import psutil
+    ram, n = psutil.virtual_memory().total, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    what = f"this machine's RAM ({ram / 1e9:.1f} GB, psutil)"
+    if (cap := cgroup_headroom(limit=True)) is not None and cap < ram:   # a container's or a batch job's limit
+        ram, what = cap, f"this job's memory cgroup limit ({cap / 1e9:.1f} GB; the machine has {ram / 1e9:.1f} GB)"
+    return ram / n, (f"{ram / n / 1e9:.1f} GB per rank: no CUDA device and no --gpu-mem, so {what} shared by {n} CPU "
+                     f"rank{'s' * (n > 1)}")
 
 
 def gather_budgets(args, world: int, rank: int) -> list[Budget]:
