@@ -157,7 +157,8 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     dev = min(budgets, key=lambda b: b.device)
     low = min(range(len(budgets)), key=lambda r: shares[r])
     host, hb = shares[low], budgets[low]
-    whose = lambda b: f" (rank {b.rank}'s, the smallest of {len(budgets)})" if len(budgets) > 1 else ""
+    whose = lambda b, differ: f" (rank {b.rank}'s, the smallest of {len(budgets)})" if differ else ""   # when ranks
+    on_dev, on_host = whose(dev, len({b.device for b in budgets}) > 1), whose(hb, len(set(shares)) > 1)   # differ
     n = min(args.max_len, tokens or args.max_len)
     a = planning_copy(args, max_len=n)
     p = memory_plan(margs, dims, a, dev.target, args.pack)
@@ -165,7 +166,7 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     if p.host and p.host > host:
         on = sum(b.machine == hb.machine for b in budgets)
         said = (f"--offload-activations pins the checkpointed blocks' inputs (all but the first) in host memory, "
-                f"{gb(p.host)} per rank for {span}, more than the {gb(host)} free per rank{whose(hb)}: {gb(hb.host)} "
+                f"{gb(p.host)} per rank for {span}, more than the {gb(host)} free per rank{on_host}: {gb(hb.host)} "
                 f"{hb.host_where} on {hb.machine}, shared by {on} rank{'s' * (on > 1)}. Pinned memory cannot be paged "
                 "out. Lower --max-len, run fewer ranks per machine, or drop --offload-activations; `train.py --plan "
                 "--max-len auto --host-mem GB` gives the longest that fits")
@@ -174,13 +175,13 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
         log(f"warning: {said}")
     if p.total <= dev.device:
         log(f"memory: planned {gb(p.total)} per rank" + (f" and {gb(p.host)} pinned host" if p.host else "")
-            + f" for {span}, of {dev.where}{whose(dev)} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
+            + f" for {span}, of {dev.where}{on_dev} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
             + ("" if host != float("inf") else f"; free host memory {hb.host_where}, not checked"))
         return
     fixes = [re.sub(r"more ranks: --world-size (\d+) ", r"\1 ranks: ", f)   # (--world-size is --plan's flag)
              for f in _fixes(a, margs, len(budgets), dev.target, dev.device, host)]
     said = (f"planned {gb(p.total)} per rank for {span} (parallel/plan.py: {gb(p.peak)} of live tensors) is more "
-            f"than {dev.where}{whose(dev)}; " + (f"single changes that fit: {'; '.join(fixes[:4])}" if fixes else
+            f"than {dev.where}{on_dev}; " + (f"single changes that fit: {'; '.join(fixes[:4])}" if fixes else
                                                  "no single change fits: `train.py --plan --suggest` with these flags "
                                                  "lists the layouts that do"))
     if LIVE_FLOOR * p.peak > dev.device and args.mem_check:
