@@ -228,7 +228,7 @@ def main(argv=None):
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
-        preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
+        plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
         if args.profile is not None and not 1 <= args.profile <= steps:
@@ -245,7 +245,7 @@ def main(argv=None):
         log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
-        model, peft_model = build_model(BuildOptions.from_args(args, dtype), fsdp_mesh=meshes.fsdp,
+        model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
         n_lora = sum(p.numel() for p in params)

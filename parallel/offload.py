@@ -25,8 +25,10 @@ Contract:
   once its tensor is fetched (or its handle dies): its copy to the device, and the next copy into it, are both on
   the side stream, so they run in order; a buffer is unlocked and freed only once the side stream is idle. A
   longer micro-batch than any before replaces the buffers (a synchronize and new page-locking, once per new
-  maximum). Without cudaHostRegister (a torch that lacks the binding) torch's pinned allocator is used, said once;
-  a registration that fails (no host memory left to lock) stops the step with an error naming the fixes.
+  maximum), unless `HostOffload(reserve)` sized them (train.py: the plan's input at the data's longest row, the
+  bytes its start-up check found free): then all of it is pinned in step 1 and never again. Without
+  cudaHostRegister (a torch that lacks the binding) torch's pinned allocator is used, said once; a registration
+  that fails (no host memory left to lock) stops the step with an error naming the fixes.
 
 Credit: offloading checkpoints to the host follows Arctic Long Sequence Training (Bekman et al., 2025).
 """
@@ -86,8 +88,9 @@ class HostPool:
     it back. `made` counts the buffers made, `held` the bytes of all alive (given out and free)."""
     warned = False
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, floor: int = 0):
         self.stream, self.free, self.made, self.held = stream, [], 0, 0   # stream: CUDA's side stream (pinned)
+        self.floor = floor   # bytes of a new buffer at least: the plan's longest input, all pinned in step 1
 
     def take(self, nbytes: int) -> _HostBuffer:
         fits = [b for b in self.free if b.nbytes >= nbytes]
@@ -102,8 +105,8 @@ class HostPool:
         del dropped
         if self.stream is not None and HostPool.warned and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()      # (torch's pinned allocator caches what it frees)
-        b = _HostBuffer(nbytes, self.stream)
-        self.made, self.held = self.made + 1, self.held + nbytes
+        b = _HostBuffer(max(nbytes, self.floor), self.stream)
+        self.made, self.held = self.made + 1, self.held + b.nbytes
         return b
 
     def give(self, b: _HostBuffer) -> None:
@@ -169,8 +172,8 @@ class _Offloaded:
 class HostOffload:
     """saved_tensors_hooks that keep a checkpoint's activation-sized inputs in host memory (module docstring)."""
 
-    def __init__(self):
-        self.stream = None
+    def __init__(self, reserve: int = 0):
+        self.stream, self.reserve = None, reserve   # reserve: bytes of each host buffer at least (HostPool's floor)
         # weak references: the saved graph alone keeps a handle; a forward dropped without backward leaves none
         self.last = None      # the most recently packed, not yet used handle: the next one's predecessor
         self.pending = None   # the next block's handle, fetched once this block's attention backward is done
@@ -184,7 +187,7 @@ class HostOffload:
             if t.is_cuda and self.stream is None:
                 self.stream = torch.cuda.Stream(t.device)
             if self.pool is None:
-                self.pool = HostPool(self.stream if t.is_cuda else None)
+                self.pool = HostPool(self.stream if t.is_cuda else None, self.reserve)
             h = _Offloaded(t, self.stream if t.is_cuda else None, self.pool)
             last = self.last() if self.last is not None else None
             h.prev = weakref.ref(last) if last is not None and not last.used else None

@@ -73,6 +73,7 @@ class BuildOptions:
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
     tiled_attn: bool = False               # attention sublayer over tiles of query rows (parallel/tiled_attention.py)
     offload_activations: bool = False      # AC's saved block inputs in (pinned) host memory
+    offload_reserve: int = 0               # bytes of each host buffer at least (the plan's input at the longest row)
     ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
     ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
@@ -81,21 +82,22 @@ class BuildOptions:
     init_adapter: str | None = None        # --init-adapter: LoRA starts from this PEFT adapter's tensors
 
     @classmethod
-    def from_args(cls, args, dtype: torch.dtype) -> BuildOptions:
-        """The options of a run (train.py's flags)."""
+    def from_args(cls, args, dtype: torch.dtype, plan=None) -> BuildOptions:
+        """The options of a run (train.py's flags; `plan`, its memory plan: the offload's host buffers' size)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
-                   offload_activations=args.offload_activations,
+                   offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
                    ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None),
                    init_adapter=None if getattr(args, "resume", None) else getattr(args, "init_adapter", None))
 
 
-def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
-             blocks: int | None = None, keep_attn: bool = False) -> HostOffload | None:
+def apply_ac(model: Transformer, offload: bool = False, group: int = 1, blocks: int | None = None,
+             keep_attn: bool = False, reserve: int = 0) -> HostOffload | None:
     """Recompute each decoder block in backward: only its input is saved (non-reentrant checkpoint).
-    `offload`: that input lives in host memory until its block's backward (offload.HostOffload); returned.
+    `offload`: that input lives in host memory until its block's backward (offload.HostOffload, its host buffers
+    at least `reserve` bytes each); returned.
     `blocks` N: only the first N blocks are checkpointed; the last L - N keep their activations (no recompute:
     faster, more memory). The last ones, because backward reaches them first: their activations are freed
     before any checkpointed block is recomputed, so the two never add up.
@@ -114,7 +116,7 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1,
     Credit: checkpointed segments of sqrt(L) layers follow Chen et al., "Training Deep Nets with Sublinear
     Memory Cost" (2016); saving only the expensive ops follows torchtitan's selective AC (op-level policy)."""
     check_ac(group, True, offload, blocks, keep_attn)
-    hooks = HostOffload() if offload else None
+    hooks = HostOffload(reserve) if offload else None
     if blocks != 0:
         _tag_lookups(model.model.embed_tokens)
     for block in model.model.layers[:blocks]:
@@ -266,7 +268,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
                              "parallelism (--cp > 1) the sequence is split across ranks already: drop one of them")
         apply_tiled_attention(model)
     if opts.ac:                                                             # 4b
-        apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks, opts.ac_keep_attn)
+        apply_ac(model, opts.offload_activations, opts.ac_group, opts.ac_blocks, opts.ac_keep_attn,
+                 opts.offload_reserve)
     if opts.compile:                                                        # 4c
         apply_compile(model)
     apply_norm_rebuild(model)                                               # 4d

@@ -142,6 +142,7 @@ class Plan:
     target: str = "cuda"
     alt_activations: float = 0.0                 # activations + recompute with AC toggled, for the printout
     host: float = 0.0                            # pinned host bytes (--offload-activations on CUDA)
+    host_each: float = 0.0                       # of one offloaded block input (HostOffload's reserve)
 
     @property
     def peak(self) -> float:
@@ -223,7 +224,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if N == 0:
         t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every
     elif offload:
-        p.host = (N - 1) * e * T * D if target == "cuda" else 0   # the ids' lookup is not offloaded
+        p.host_each = e * T * D if target == "cuda" else 0
+        p.host = (N - 1) * p.host_each   # the ids' lookup is not offloaded
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {inputs(N)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
         t["activations: 1 offloaded checkpoint on device (the next one comes after the attention)"] = e * T * D

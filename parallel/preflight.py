@@ -8,10 +8,11 @@ Contract:
   local ranks), the host memory free on its machine now (`host_available()`) and the machine's name. A rank that
   cannot say its device memory is named in its entry, one that cannot say its host memory gets none counted: every
   rank reaches the gather, nothing is raised there.
-- `check(args, margs, dims, budgets, log, tokens)`: the plan (parallel/plan.py) of the run's flags for its longest
-  sample (`tokens`; --max-len only caps the samples, a row is as long as its data) against the smallest budget of any
-  rank, the host memory free on a machine shared by the ranks on it. The same decision on every rank: same budgets,
-  same arithmetic, no file read (the planner's copies of the flags carry no --init-adapter) and no collective.
+- `check(args, margs, dims, budgets, log, tokens)` -> the plan (parallel/plan.py; None when skipped) of the run's
+  flags for its longest sample (`tokens`; --max-len only caps the samples, a row is as long as its data), checked
+  against the smallest budget of any rank, the host memory free on a machine shared by the ranks on it. The same
+  decision on every rank: same budgets, same arithmetic, no file read (the planner's copies of the flags carry no
+  --init-adapter) and no collective. train.py sizes the offload's host buffers from it (`host_each`).
   1. --offload-activations on CUDA whose pinned host bytes ((L - 1) block inputs; parallel/offload.py pins exactly
      those, in its own buffers) exceed the host memory free per rank: ValueError naming both and the fixes. Pinned
      memory cannot be paged out, and past the host's memory the kernel's OOM killer ends the job with no message.
@@ -146,13 +147,13 @@ def planning_copy(args, **kw):
     return argparse.Namespace(**{**vars(args), "init_adapter": None, **kw})
 
 
-def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None) -> None:
+def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None):
     from parallel.plan import GB, memory_plan
     from parallel.plan_search import _fixes
     gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
-        return
+        return None
     shares = host_per_rank(budgets)
     dev = min(budgets, key=lambda b: b.device)
     low = min(range(len(budgets)), key=lambda r: shares[r])
@@ -177,7 +178,7 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
         log(f"memory: planned {gb(p.total)} per rank" + (f" and {gb(p.host)} pinned host" if p.host else "")
             + f" for {span}, of {dev.where}{on_dev} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
             + ("" if host != float("inf") else f"; free host memory {hb.host_where}, not checked"))
-        return
+        return p
     fixes = [re.sub(r"more ranks: --world-size (\d+) ", r"\1 ranks: ", f)   # (--world-size is --plan's flag)
              for f in _fixes(a, margs, len(budgets), dev.target, dev.device, host)]
     said = (f"planned {gb(p.total)} per rank for {span} (parallel/plan.py: {gb(p.peak)} of live tensors) is more "
@@ -189,3 +190,4 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
                          "against the plan (bench/plan.py), is more than the device holds; --no-mem-check runs it "
                          "anyway")
     log(f"warning: {said}. Step 1 may run out of memory")
+    return p

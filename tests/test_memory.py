@@ -297,7 +297,8 @@ def test_offload_host_buffers_are_exact_and_reused(ckpt5):
     """The offload's host memory (parallel.offload.HostPool) over steps of 29, 29, 40 and 20 tokens: the L - 1
     block inputs take L - 1 buffers of exactly B x S x D x 4 bytes (the planner's host term), a second step of the
     same length makes none, a longer one replaces them (the pool then holds the new L - 1, not both sets), a shorter
-    one reuses them; every step's loss and LoRA gradients equal plain AC's (a reused larger buffer, sliced)."""
+    one reuses them; every step's loss and LoRA gradients equal plain AC's (a reused larger buffer, sliced). Sized
+    ahead (HostOffload's reserve, what train.py takes from the plan), one set is made in step 1 and kept."""
     from parallel.offload import HostPool
 
     model, _ = build_nonzero_b(_opts(ckpt5, offload_activations=True))
@@ -317,6 +318,16 @@ def test_offload_host_buffers_are_exact_and_reused(ckpt5):
         biggest = max((29, 29, 40, 20)[:k + 1])
         assert pool.held == sum(b.nbytes for b in pool.free) == (L - 1) * 2 * biggest * D * 4, (k, pool.held)
     assert made == [L - 1, L - 1, 2 * (L - 1), 2 * (L - 1)], made
+
+    # sized ahead (train.py: the plan's block input at the data's longest row): one set, all made in step 1
+    floor = 2 * 40 * D * 4
+    sized, _ = build_nonzero_b(_opts(ckpt5, offload_activations=True, offload_reserve=floor))
+    for k, S in enumerate((20, 40, 29)):
+        ids = torch.randint(0, 128, (2, S), generator=torch.Generator().manual_seed(k))
+        got = [step_of(m, ids) for m in (sized, plain)]
+        torch.testing.assert_close(got[0][0], got[1][0], **TOL, msg=f"sized, step {k}: loss")
+        pool = sized.model.layers[0].forward.hooks.pool
+        assert pool.made == L - 1 and pool.held == (L - 1) * floor, (k, pool.made, pool.held)
 
 
 def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):

@@ -549,7 +549,8 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     is for the data's longest sample, not --max-len: the chat data (a few dozen tokens) at --max-len 2^18 train in the
     memory that refused the long sample. --offload-activations on a CUDA budget whose pinned bytes, (L - 1) block
     inputs of T x D at 4 bytes (computed here from config.json), exceed the free host memory: refused, naming both;
-    --no-mem-check: a warning; a free host memory that cannot be read: not checked, and the memory line says so."""
+    --no-mem-check: a warning; a free host memory that cannot be read: not checked, and the memory line says so; the
+    offload's host buffers are sized from the plan (one block input of the longest sample)."""
     import train
     from model.load import read_args
     from parallel import plan_search, preflight
@@ -618,6 +619,17 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     got = passes(off)
     assert len(got) == 1 and got[0].endswith("; free host memory unknown (ZeroDivisionError: division by zero), not "
                                              "checked"), got
+    # the run sizes the offload's host buffers from that plan: one block input of the longest sample each
+    import parallel.parallelize
+    seen = []
+
+    def build(opts, **kw):
+        seen.append(opts.offload_reserve)
+        raise AssertionError("a weight was about to be read")
+    monkeypatch.setattr(parallel.parallelize, "build_model", build)
+    with pytest.raises(AssertionError, match="a weight was about to be read"):
+        train.main(off)
+    assert seen == [T * cfg["hidden_size"] * 4], seen
 
 
 def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
