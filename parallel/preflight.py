@@ -144,7 +144,8 @@ def host_per_rank(budgets: list[Budget]) -> list[float]:
 def planning_copy(args, **kw):
     """The run's flags for the planner's checks on every rank alike: no --init-adapter (its files are read by the run's
     own check once; read again per candidate, one rank's failure would leave the others waiting)."""
-    return argparse.Namespace(**{**vars(args), "init_adapter": None, **kw})
+    from parallel.plan_search import _with
+    return _with(args, init_adapter=None, **kw)
 
 
 def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None):
