@@ -15,8 +15,8 @@ Contract:
   (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
 - Documents (packed rows): the rule is `model.attention.document_bounds`. Every core keeps every
   token inside its document: `local_attention` and Ulysses (which see whole rows) through
-  `kernels.attention(docs=...)`, ring and hybrid by masking each ring block from the document ids of
-  the whole (gathered) row (`parallel.masks.document_ids`).
+  `kernels.attention(docs=...)`, ring and hybrid by cutting each ring block at the documents of the
+  whole (gathered) row (`parallel.masks.Documents`: calls planned from the bounds, pieces masked by id).
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class ContextParallelAttention(AttentionCore):
     def prepare(self, position_ids):
         full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
         docs = document_bounds(full)
-        if docs is not None and self.dims.ring > 1:  # ring blocks are masked by document id
-            return masks.document_ids(full)          # [B, S] for the padded, unsharded row
+        if docs is not None and self.dims.ring > 1:  # ring blocks: the ids mask pieces, the bounds plan calls
+            return masks.Documents(masks.document_ids(full), docs)   # of the padded, unsharded row
         return docs
 
     def __call__(self, q, k, v, meta, scale, window=None):
@@ -130,7 +130,7 @@ class ContextParallelAttention(AttentionCore):
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
-            out = ring_attention(q, k, v, scale, self.ring_group, doc=meta, window=window)
+            out = ring_attention(q, k, v, scale, self.ring_group, docs=meta, window=window)
             if u > 1:
                 out = _chunks_to_pieces(out, u)
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out

@@ -29,7 +29,9 @@ Contract:
   flash varlen op (one launch, GQA native; cuDNN per document would build a graph per new length),
   once it has passed a one-time check against per-document calls; one call per document elsewhere.
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
-  elsewhere queries are tiled by max(w, 64) rows, each tile masked against its own keys only: O(S·w).
+  elsewhere queries are tiled by `masks.band_rows(w)` rows (w, at least 64; fewer where a tile's bias would
+  pass masks.BAND_ELEMS), each tile masked against its own keys only: O(S·w). A masked CUDA call of 2^31 or
+  more query-key pairs raises: torch's efficient kernel offsets its bias rows in 32 bits (pytorch#187227).
   GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in `backward_block(row)`-token blocks
   (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
   more than it saves). `spare_q` (the decoder's cores: q, k, v its own, out read by o_proj only) lets it put dq,
@@ -146,10 +148,17 @@ def _dispatch(phase, table, q, k, causal, args, backend):
     raise AssertionError("unreachable")
 
 
+MASKED_LIMIT = 1 << 31   # a masked CUDA call's Sq·Sk: torch's efficient kernel offsets its bias rows in 32 bits
+
+
 def _masked(q, k, causal, backend, mask):  # -> backend, bias, rows [B, Sq] with no visible key
     name = backend or pick_backend(q)
     if name not in _MASKABLE:
         name = "sdpa_cuda" if q.device.type == "cuda" else "reference"
+    if name == "sdpa_cuda" and q.shape[1] * k.shape[1] >= MASKED_LIMIT:   # past 2^32 it reads wrapped rows: wrong
+        raise ValueError(f"a masked attention call of {q.shape[1]} x {k.shape[1]} queries x keys: torch's CUDA "
+                         "efficient kernel reads such a bias at 32-bit offsets (pytorch#187227); cut the call into "
+                         "pieces (parallel.masks.calls, band_rows) as the callers here do")
     return (name, *masks.kernel_bias(mask, q, k, causal))
 
 
@@ -245,7 +254,7 @@ def _banded(q, k, v, scale, window, backend, spare_q=False):
     n = q.shape[1]
     if window is None or window >= n:
         return _Attention.apply(q, k, v, True, scale, backend, None, spare_q)
-    tile, outs = max(window, 64), []
+    tile, outs = masks.band_rows(window), []
     for a in range(0, n, tile):
         e, ks = min(a + tile, n), max(0, a - window + 1)
         keep = masks.keep(torch.arange(a, e, device=q.device), torch.arange(ks, e, device=q.device),

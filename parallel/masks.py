@@ -7,14 +7,31 @@ Contract:
   index qi[a] sees the key at ki[b] iff ki[b] <= qi[a], both lie in the same document (q_doc [B, Sq]
   vs k_doc [B, Sk], when given) and qi[a] - ki[b] < window (transformers' sliding window: a query
   sees `window` keys, itself included).
-- `classify(keep, diagonal)` -> "skip" (nothing visible: call no kernel), "full" (everything
-  visible), "causal" (a diagonal block that is exactly causal) or "masked" (needs `keep`).
+- `Documents(ids, bounds)`: a packed batch as ring attention takes it, `ids` from `document_ids` (on the
+  device, for `keep`) and `bounds` [0, s1, ..., S] per row (host lists, for `calls`).
+- `calls(q_spans, k_spans, bounds, window, tile)` -> the kernel calls that cover exactly the visible
+  (query, key) pairs of a block whose query and key positions are runs of consecutive global indices
+  (`Span`): [(qa, qe, ka, ke, kind, qg, kg)], local rows qa:qe against local keys ka:ke, kind "full"
+  (every pair visible), "causal" (a diagonal block, exactly causal) or "masked" (`keep` of the global
+  indices from qg and kg); blocks nothing sees get no call. Decided on the host from the documents'
+  bounds and the window, no mask built: a block cut by a boundary or a window edge is split into
+  tile × tile pieces (MASK_TILE), each classified the same way, runs of full pieces merged. So a
+  masked call's mask and bias are at most tile × tile per row whatever the block's size (a whole
+  128k × 64k ring block was an 8 GB mask and a 16 GB bias, and past 2^32 elements torch's CUDA
+  memory-efficient kernel reads its bias at a 32-bit offset: wrong rows, no error, pytorch#187227),
+  and only the pieces a boundary crosses pay for a mask; the rest take the plain kernels.
+- `band_rows(window)`: query rows per call of a sliding window over one document (a call sees
+  rows + window - 1 keys): the window (at least 64), fewer where that call's bias would pass
+  BAND_ELEMS elements.
 - `kernel_bias(keep, q, k, causal)` -> (additive 0/-inf bias [B, H, Sq, Sk] in q's dtype, dead rows
   [B, Sq]): rows with no visible key are unmasked in the bias so kernels never see an empty softmax;
   `parallel.kernels` then overwrites them (out 0, lse -inf) and gives them no gradient.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
+from typing import NamedTuple
 
 import torch
 
@@ -34,16 +51,92 @@ def keep(qi, ki, q_doc=None, k_doc=None, window=None) -> torch.Tensor:
     return mask
 
 
-def classify(mask: torch.Tensor, diagonal: bool) -> str:
-    if not bool(mask.any()):
+MASK_TILE = 4096        # a masked piece's side: its bool mask and bias are ~50 MB per row in bf16
+BAND_ELEMS = 1 << 28    # a sliding-window call's bias: at most this many elements per row and head (512 MB bf16)
+
+
+class Documents(NamedTuple):
+    ids: torch.Tensor     # [B, S] document id of every global token (`document_ids`)
+    bounds: list          # per row, its boundaries [0, s1, ..., S] (host ints)
+
+
+class Span(NamedTuple):
+    at: int       # first local position
+    start: int    # its global index; the next n - 1 positions follow it
+    n: int
+
+
+def _kind(a, b, c, d, bounds, window) -> str:
+    """Queries a..b against keys c..d (global, inclusive): "skip", "full", "causal" or "masked"."""
+    if c > b or (window is not None and a - d >= window):
         return "skip"
-    if bool(mask.all()):
-        return "full"
-    if diagonal and mask.shape[1] == mask.shape[2]:
-        tril = torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
-        if bool((mask == tril).all()):
+    one_doc, seen = True, bounds is None
+    for row in bounds or ():   # documents are runs of indices: ids at the ends decide
+        da, db, dc, dd = (bisect_right(row, x) for x in (a, b, c, d))
+        seen = seen or max(da, dc) <= min(db, dd)
+        one_doc = one_doc and da == db == dc == dd
+    if not seen:
+        return "skip"
+    if one_doc and (window is None or b - c < window):
+        if (a, b) == (c, d):   # (a single pair is causal too)
             return "causal"
+        if d <= a:
+            return "full"
     return "masked"
+
+
+def _merge_full(calls, row: bool) -> list:
+    """Join neighbouring full calls: along keys (row=True: the same rows) or along rows (the same keys)."""
+    out = []
+    for x in calls:
+        y = out[-1] if out else None
+        if y and x[4] == y[4] == "full" and row and x[:2] == y[:2] and x[2] == y[3]:
+            out[-1] = (*y[:3], x[3], *y[4:])
+        elif y and x[4] == y[4] == "full" and not row and x[2:4] == y[2:4] and x[0] == y[1]:
+            out[-1] = (y[0], x[1], *y[2:])
+        else:
+            out.append(x)
+    return out
+
+
+def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None) -> list:
+    """The kernel calls of one block (module docstring). Spans are in increasing local and global order."""
+    tile = tile or MASK_TILE
+    kinds = {(i, j): _kind(q.start, q.start + q.n - 1, k.start, k.start + k.n - 1, bounds, window)
+             for i, q in enumerate(q_spans) for j, k in enumerate(k_spans)}
+    if q_spans == k_spans and all(kinds[i, j] == ("causal" if i == j else "full" if i > j else "skip")
+                                  for i, j in kinds):   # the zigzag diagonal: one causal call
+        end = q_spans[-1].at + q_spans[-1].n
+        return [(q_spans[0].at, end, q_spans[0].at, end, "causal", q_spans[0].start, q_spans[0].start)]
+    out = []
+    for (i, j), kind in sorted(kinds.items()):
+        q, k = q_spans[i], k_spans[j]
+        if kind != "masked":
+            if kind != "skip":
+                out.append((q.at, q.at + q.n, k.at, k.at + k.n, kind, q.start, k.start))
+            continue
+        for x in range(0, q.n, tile):   # cut the block into pieces; classify each the same way
+            xe = min(x + tile, q.n)
+            row = []
+            for y in range(0, k.n, tile):
+                ye = min(y + tile, k.n)
+                sub = _kind(q.start + x, q.start + xe - 1, k.start + y, k.start + ye - 1, bounds, window)
+                if sub != "skip":
+                    row.append((q.at + x, q.at + xe, k.at + y, k.at + ye, sub, q.start + x, k.start + y))
+            out += row
+    out = _merge_full(sorted(out), row=True)
+    return _merge_full(sorted(out, key=lambda x: (x[2], x[3], x[0])), row=False)
+
+
+def piece_keep(call, ids, window, device) -> torch.Tensor:
+    """`keep` of a masked call from `calls`: bool [B or 1, rows, keys] from its global indices (and document ids)."""
+    qa, qe, ka, ke, _, qg, kg = call
+    qi, ki = torch.arange(qg, qg + qe - qa, device=device), torch.arange(kg, kg + ke - ka, device=device)
+    return keep(qi, ki, *((ids[:, qi], ids[:, ki]) if ids is not None else (None, None)), window)
+
+
+def band_rows(window: int) -> int:
+    return max(64, min(window, BAND_ELEMS // (2 * window)))
 
 
 def kernel_bias(mask, q, k, causal: bool):

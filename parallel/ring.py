@@ -15,12 +15,14 @@ Contract:
 - Partial outputs are merged with their log-sum-exp in float32 (Liu et al., "Ring Attention with
   Blockwise Transformers", 2023; zigzag layout as in zhuzilin/ring-flash-attention).
 - The group may be a sub-group of the world (hybrid CP); P2P peers are translated to global ranks.
-- Packed rows and sliding windows: `doc` [B, S] (document id of every GLOBAL token, see
-  `parallel.masks.document_ids`) and `window` restrict each block by the global indices of its
-  rows and columns: blocks nothing sees are skipped (no kernel call, same P2P traffic on every
-  rank), blocks cut by a boundary run the masked kernel, the rest the plain one. The zigzag layout
-  and the block shapes above are unchanged, so no rank ever does more than c·2c pairs a step; how
-  much less depends on where the documents and windows fall.
+- Packed rows and sliding windows: `docs` (`parallel.masks.Documents` of the GLOBAL row: document ids and
+  bounds) and `window` restrict each block by the global indices of its rows and columns. `masks.calls`
+  decides on the host, from the bounds, which calls cover exactly what the block sees: none for a block
+  nothing sees (same P2P traffic on every rank), one plain call for a block no boundary or window edge
+  cuts, else tile × tile pieces (`tile`, default masks.MASK_TILE) of which only those a boundary or edge
+  crosses run the masked kernel, with a mask of their own size built when called. The zigzag layout and
+  the block shapes above are unchanged, so no rank ever does more than c·2c pairs a step; how much less
+  depends on where the documents and windows fall.
 """
 
 from __future__ import annotations
@@ -70,30 +72,21 @@ def _acc_dtype(q):  # partial results and gradients are summed in float32 (float
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _plan(group, c, idx, doc, window) -> list:
-    """Per step, what `_block` says: made once per attention call, used by forward and backward."""
+def _plan(group, c, docs, window, tile=None) -> list:
+    """Per step, the kernel calls of its block (`masks.calls`): made once per attention call on the host and
+    used by forward and backward. A rank's local rows are two runs of global indices: chunks r and 2P-1-r."""
     r, p = dist.get_rank(group), dist.get_world_size(group)
-    return [_block(r, p, step, c, idx, doc, window) for step in range(p)]
+    spans = lambda x: [masks.Span(0, x * c, c), masks.Span(c, (2 * p - 1 - x) * c, c)]
+    bounds = docs.bounds if docs is not None else None
+    return [masks.calls(spans(r), spans((r - step) % p), bounds, window, tile) for step in range(p)]
 
 
-def _block(r, p, step, c, idx, doc, window):
-    """Rows, columns, kind and mask of the block computed at `step` (K/V from rank j = r - step).
-
-    Step 0 is the causal diagonal; then, if j < r, every query against the first chunk of the block
-    (wholly before both local chunks), else the second local chunk against all of it. With documents
-    or a window the block is masked from the GLOBAL indices `idx` [P, 2c] and document ids `doc`
-    [B, S] (`parallel.masks`), and skipped when nothing in it is visible."""
-    j, every = (r - step) % p, slice(None)
-    rows, cols = (every, every) if step == 0 else (every, slice(0, c)) if j < r else (slice(c, None), every)
-    if idx is None:
-        return rows, cols, ("causal" if step == 0 else "full"), None
-    qi, ki = idx[r][rows], idx[j][cols]
-    keep = masks.keep(qi, ki, *((doc[:, qi], doc[:, ki]) if doc is not None else (None, None)), window)
-    kind = masks.classify(keep, step == 0)
-    return rows, cols, kind, (keep if kind == "masked" else None)
+def _keep(call, docs, window, device):
+    return masks.piece_keep(call, docs.ids if docs is not None else None, window, device) \
+        if call[4] == "masked" else None
 
 
-def _ring_forward(q, k, v, scale, group, plan):
+def _ring_forward(q, k, v, scale, group, plan, docs, window):
     comm, acc = RingComm(group), _acc_dtype(q)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
@@ -106,14 +99,14 @@ def _ring_forward(q, k, v, scale, group, plan):
             k, v = nxt
             if step + 1 < comm.size:
                 nxt = comm.send_recv([k, v])
-        rows, cols, kind, keep = plan[step]
-        if kind != "skip":
-            _merge(out[:, rows], lse[:, :, rows], *kernels.forward(
-                q[:, rows], k[:, cols], v[:, cols], kind == "causal", scale, mask=keep))
+        for call in plan[step]:
+            qa, qe, ka, ke, kind = call[:5]
+            _merge(out[:, qa:qe], lse[:, :, qa:qe], *kernels.forward(q[:, qa:qe], k[:, ka:ke], v[:, ka:ke],
+                   kind == "causal", scale, mask=_keep(call, docs, window, q.device)))
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, group, plan):
+def _ring_backward(dout, q, k, v, out, lse, scale, group, plan, docs, window):
     kv_comm, grad_comm = RingComm(group, tag=0), RingComm(group, tag=1)
     dq, dk, dv = (torch.zeros(x.shape, dtype=_acc_dtype(q), device=x.device) for x in (q, k, v))
     nxt = kv_comm.send_recv([k, v]) if kv_comm.size > 1 else None
@@ -124,18 +117,28 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, plan):
             k, v = nxt
             if step + 1 < kv_comm.size:
                 nxt = kv_comm.send_recv([k, v])
-        rows, cols, kind, keep = plan[step]
-        if kind != "skip":  # every block sees the GLOBAL out and lse of its rows
-            dq_b, dk_b, dv_b = kernels.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols],
-                                                out[:, rows], lse[:, :, rows], kind == "causal", scale,
-                                                mask=keep)
-            dq[:, rows] += dq_b
+        # every call sees the GLOBAL out and lse of its rows; the K/V gradients of the block wait for the dK/dV that
+        # travel with it: one call's as they are, several summed in float32 first
+        span = grads = None
+        for call in plan[step]:
+            qa, qe, ka, ke, kind = call[:5]
+            dq_b, dk_b, dv_b = kernels.backward(dout[:, qa:qe], q[:, qa:qe], k[:, ka:ke], v[:, ka:ke],
+                                                out[:, qa:qe], lse[:, :, qa:qe], kind == "causal", scale,
+                                                mask=_keep(call, docs, window, q.device))
+            dq[:, qa:qe] += dq_b
+            if len(plan[step]) == 1:
+                span, grads = (ka, ke), (dk_b, dv_b)
+                continue
+            if span is None:
+                span, grads = (0, k.shape[1]), (torch.zeros_like(dk), torch.zeros_like(dv))
+            grads[0][:, ka:ke] += dk_b
+            grads[1][:, ka:ke] += dv_b
         if step:
             grad_comm.wait()
             dk, dv = dkv
-        if kind != "skip":
-            dk[:, cols] += dk_b
-            dv[:, cols] += dv_b
+        if span is not None:
+            dk[:, span[0]:span[1]] += grads[0]
+            dv[:, span[0]:span[1]] += grads[1]
     if grad_comm.size > 1:  # one last hop brings every block's gradients home
         dkv = grad_comm.send_recv([dk, dv])
         grad_comm.wait()
@@ -145,33 +148,29 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, plan):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group, idx, doc, window):
-        plan = _plan(group, q.shape[1] // 2, idx, doc, window)   # masks + host syncs once, reused in backward
-        out, lse = _ring_forward(q, k, v, scale, group, plan)
+    def forward(ctx, q, k, v, scale, group, docs, window, tile):
+        plan = _plan(group, q.shape[1] // 2, docs, window, tile)   # host arithmetic only; reused in backward
+        out, lse = _ring_forward(q, k, v, scale, group, plan, docs, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, group, plan)
+        ctx.args = (scale, group, plan, docs, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None)
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group,
-                   doc: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                   docs: masks.Documents | None = None, window: int | None = None, tile: int | None = None):
     """Causal attention over the zigzag-sharded sequence of `group`; see the module docstring."""
     if q.shape[1] % 2:
         raise ValueError(f"zigzag ring attention needs an even local length, got {q.shape[1]}")
     p, c = dist.get_world_size(group), q.shape[1] // 2
-    if doc is not None and doc.shape[1] != 2 * c * p:
-        raise ValueError(f"document ids cover {doc.shape[1]} tokens, the ring holds {2 * c * p}")
+    if docs is not None and docs.ids.shape[1] != 2 * c * p:
+        raise ValueError(f"document ids cover {docs.ids.shape[1]} tokens, the ring holds {2 * c * p}")
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be a positive number of tokens")
     if window is not None and window >= 2 * c * p:
         window = None  # covers the whole sequence: plain causal attention
-    idx = None
-    if doc is not None or window is not None:  # the global index of every rank's tokens: [P, 2c]
-        chunks = torch.arange(2 * c * p, device=q.device).view(2 * p, c)
-        idx = torch.cat([chunks[:p], chunks.flip(0)[:p]], 1)
-    return _RingAttention.apply(q, k, v, scale, group, idx, doc, window)
+    return _RingAttention.apply(q, k, v, scale, group, docs, window, tile)

@@ -8,7 +8,7 @@ Contract:
   the tile's attention against the keys up to its end, o_proj written into one [B, S, D] output. The causal
   attention of a tile is its diagonal block (causal) plus the earlier keys in key blocks of the tile's size
   (non-causal), merged by log-sum-exp; packed rows are split at document boundaries (a tile's piece of a
-  document sees that document's keys only); a sliding window masks sub-tiles of max(window, 64) queries against
+  document sees that document's keys only); a sliding window masks sub-tiles of masks.band_rows(window) queries against
   their own keys, as parallel.kernels does. Every call goes through parallel.kernels (its backend choice).
   Saved: the sublayer's input (the norm's input), k and v after RoPE, the attention output and its lse: not
   q, no LoRA intermediate, no norm output. Backward, per tile: o_proj recomputed from the saved output tile
@@ -101,8 +101,8 @@ def _pieces(spec, a, e, bounds):
         if pa >= pe:
             continue
         if w is not None and w < pe - ds:   # the window binds: sub-tiles masked against their own keys
-            for sa in range(pa, pe, max(w, 64)):
-                se, ks = min(sa + max(w, 64), pe), max(ds, sa - w + 1)
+            for sa in range(pa, pe, masks.band_rows(w)):
+                se, ks = min(sa + masks.band_rows(w), pe), max(ds, sa - w + 1)
                 dev = spec.device
                 yield sa, se, ks, masks.keep(torch.arange(sa, se, device=dev), torch.arange(ks, se, device=dev),
                                              window=w)

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel import kernels
+from parallel import kernels, masks
 from parallel.cp import cp_attention, gather_sequence, shard_sequence
 from parallel.mesh import ParallelDims
 from tests.dist import run_ranks
 from tests.helpers import cp_layouts
 
 TOL = dict(atol=1e-10, rtol=1e-10)
+TILE = 4
 
 
 def masked_sdpa(q, k, v, scale, bounds, window):
@@ -81,27 +82,37 @@ WINDOWS = [None, 1, 5, 20, 100]
 
 
 def _ranks(rank, world, splits):
-    done = []
-    for dims, attn, impl in cp_layouts(world, splits):
-        u, r = dims.ulysses, dims.ring
-        for window in WINDOWS:
-            for heads in ((8, 2, 16), (4, 1, 32)):   # GQA, MQA
-                label = f"{impl} u{u}×r{r} H,Hkv,D={heads} window={window}"
-                check(attn, dims, heads, PACKED, window, f"{label} packed")
-                done.append(f"{label} packed")
-            check(attn, dims, (8, 2, 16), MANY, window, f"{label} many docs, padded")
-            done.append(f"{label} many")
-            if window is not None:   # one document per row: only the window masks
-                check(attn, dims, (8, 2, 16), [[0, 64], [0, 64]], window, f"{label} unpacked")
-                done.append(f"{label} unpacked")
-        if r > 1:  # window 1 leaves visible pairs in the diagonal block only: every other one is skipped
-            calls, plain = [], kernels.forward
-            kernels.forward = lambda *a, c=calls, f=plain, **kw: c.append(kw.get("mask") is not None) or f(*a, **kw)
-            try:
-                check(attn, dims, (8, 2, 16), PACKED, 1, f"{impl} window 1 skips")
-            finally:
-                kernels.forward = plain
-            assert calls == [True], f"{impl}: kernel calls (masked?) {calls}, want one masked diagonal"
+    """Ring blocks cut into pieces of TILE tokens (masks.MASK_TILE, 4096 in runs; the model test below and test_train
+    keep it): every piece kind, merges and the summed dK/dV of several calls a step run on these 64-token rows."""
+    masks.MASK_TILE = TILE
+    done, shapes, plain = [], [], kernels.forward
+    kernels.forward = lambda *a, f=plain, **kw: shapes.append((kw.get("mask") is not None, *a[0].shape[1:2],
+                                                                *a[1].shape[1:2])) or f(*a, **kw)
+    try:
+        for dims, attn, impl in cp_layouts(world, splits):
+            u, r = dims.ulysses, dims.ring
+            first = len(shapes)
+            for window in WINDOWS:
+                for heads in ((8, 2, 16), (4, 1, 32)):   # GQA, MQA
+                    label = f"{impl} u{u}×r{r} H,Hkv,D={heads} window={window}"
+                    check(attn, dims, heads, PACKED, window, f"{label} packed")
+                    done.append(f"{label} packed")
+                check(attn, dims, (8, 2, 16), MANY, window, f"{label} many docs, padded")
+                done.append(f"{label} many")
+                if window is not None:   # one document per row: only the window masks
+                    check(attn, dims, (8, 2, 16), [[0, 64], [0, 64]], window, f"{label} unpacked")
+                    done.append(f"{label} unpacked")
+            if r == 1:
+                continue
+            masked = [(n, k) for m, n, k in shapes[first:] if m]
+            assert masked and max(max(x) for x in masked) <= TILE, f"{impl}: a masked call over {TILE}: {masked}"
+            first = len(shapes)   # window 1: the pairs lie on the diagonal; only its pieces are called, each row once
+            check(attn, dims, (8, 2, 16), PACKED, 1, f"{impl} window 1 skips")
+            calls = shapes[first:]
+            assert all(m and n == k <= TILE for m, n, k in calls), f"{impl}: calls (masked?, q, k) {calls}"
+            assert sum(n for _, n, _ in calls) == 64 // r, f"{impl}: {calls} cover the {64 // r} local rows once"
+    finally:
+        kernels.forward = plain
     return done
 
 

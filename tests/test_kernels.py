@@ -378,6 +378,56 @@ def test_blockwise_documents_with_global_lse(backend):
         close(a, want, f"blockwise documents {name}")
 
 
+def _zigzag_dense(s, bounds, window):
+    """The visible pairs [B or 1, S, S] written out: j <= i, same document, i - j < window."""
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    doc = torch.zeros(len(bounds or [[0, s]]), s, dtype=torch.long)
+    for r, row in enumerate(bounds or [[0, s]]):
+        doc[r] = torch.repeat_interleave(torch.arange(len(row) - 1), torch.tensor(row).diff())
+    keep = (j <= i) & (doc[:, :, None] == doc[:, None, :])
+    return (keep & (i - j < window) if window else keep), doc
+
+
+def test_block_calls_cover_every_visible_pair_once():
+    """masks.calls on every zigzag ring block (P = 1..4 ranks, chunks of 1..9 tokens, 1-2 rows of random documents
+    or none, windows, pieces of 1..5 tokens or bigger than a chunk): the calls' pairs (full: all, causal: the lower
+    triangle with its diagonal, masked: piece_keep) add up to the written-out visible pairs exactly once each; a
+    masked call is at most tile × tile; with neither documents nor a window each block is one plain call."""
+    import random
+
+    from parallel import masks
+    rnd = random.Random(0)
+    for trial in range(400):
+        p, c, rows = rnd.randint(1, 4), rnd.randint(1, 9), rnd.randint(1, 2)
+        s = 2 * p * c
+        bounds = None if trial % 5 == 0 else [
+            sorted({0, s, *rnd.sample(range(1, s), rnd.randint(0, min(6, s - 1)))}) for _ in range(rows)]
+        window, tile = rnd.choice([None, None, 1, 2, 3, 7, 40]), rnd.choice([1, 2, 3, 5, 100])
+        want, doc = _zigzag_dense(s, bounds, window)
+        chunks = {r: (r, 2 * p - 1 - r) for r in range(p)}   # rank r's two chunks of c tokens, in order
+        spans = {r: [masks.Span(h * c, x * c, c) for h, x in enumerate(xs)] for r, xs in chunks.items()}
+        index = {r: torch.cat([torch.arange(x * c, (x + 1) * c) for x in xs]) for r, xs in chunks.items()}
+        got = torch.zeros(want.shape, dtype=torch.long)
+        label = f"trial {trial}: P {p}, c {c}, bounds {bounds}, window {window}, tile {tile}"
+        for r in range(p):
+            for j in range(p):
+                block = masks.calls(spans[r], spans[j], bounds, window, tile)
+                if bounds is None and window is None:
+                    assert len(block) == 1 and block[0][4] == ("causal" if r == j else "full"), f"{label}: {block}"
+                for call in block:
+                    qa, qe, ka, ke, kind = call[:5]
+                    n, m = qe - qa, ke - ka
+                    if kind == "masked":
+                        assert n <= tile and m <= tile, f"{label}: masked {n} x {m}"
+                        pairs = masks.piece_keep(call, doc if bounds else None, window, "cpu")
+                    else:
+                        pairs = torch.ones(n, m, dtype=torch.bool)
+                        pairs = pairs.tril() if kind == "causal" else pairs
+                    qi, ki = index[r][qa:qe], index[j][ka:ke]
+                    got[:, qi[:, None], ki[None]] += pairs.expand(got.shape[0], n, m).long()
+        assert torch.equal(got, want.long()), label
+
+
 def test_merge_of_empty_rows_stays_finite():
     out, lse = torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), float("-inf"))
     _merge(out, lse, torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), float("-inf")))
@@ -388,10 +438,16 @@ def test_merge_of_empty_rows_stays_finite():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("window, docs", [(1, None), (5, None), (70, None), (149, None), (400, None),
-                                          (6, [[0, 1, 40, 150], [0, 150]])], ids=str)
-def test_sliding_window_attention(backend, window, docs):
-    """Query i sees keys i - window < j <= i (transformers' rule) inside its document, tiled or not."""
+@pytest.mark.parametrize("window, docs, band", [(1, None, None), (5, None, None), (70, None, None),
+                                                (149, None, None), (149, None, 1), (400, None, None),
+                                                (6, [[0, 1, 40, 150], [0, 150]], None)], ids=str)
+def test_sliding_window_attention(monkeypatch, backend, window, docs, band):
+    """Query i sees keys i - window < j <= i (transformers' rule) inside its document, tiled or not; `band`:
+    masks.BAND_ELEMS so small that a tile has fewer query rows (64) than the window."""
+    from parallel import masks
+    if band is not None:
+        monkeypatch.setattr(masks, "BAND_ELEMS", band)
+        assert masks.band_rows(window) == 64 < window
     q, k, v = qkv((2, 150, 150, 4, 2, 32), seed=8)
     i, j = torch.arange(150)[:, None], torch.arange(150)[None]
     keep = ((j <= i) & (i - j < window))[None].repeat(2, 1, 1)
@@ -416,6 +472,22 @@ def test_window_and_mask_refusals():
         kernels.attention(q, k, v, False, 1.0, window=4)
     with pytest.raises(ValueError, match=r"mask must be bool \[B or 1, Sq, Sk\] = \[1, 8, 8\], got \[1, 8, 7\]"):
         kernels.forward(q, k, v, False, 1.0, mask=torch.ones(1, 8, 7, dtype=torch.bool))
+    # torch's CUDA efficient kernel would read this bias at wrapped 32-bit offsets (pytorch#187227): refused
+    q, k = torch.zeros(1, 1 << 16, 1, 8), torch.zeros(1, 1 << 15, 1, 8)
+    with pytest.raises(ValueError, match="65536 x 32768 queries x keys.*pytorch#187227"):
+        kernels.forward(q, k, k, False, 1.0, backend="sdpa_cuda",
+                        mask=torch.ones(1, 1, 1, dtype=torch.bool).expand(1, 1 << 16, 1 << 15))
+
+
+def test_band_rows_bound_a_window_call():
+    """A sliding window's calls: the window's rows (at least 64) while rows × (rows + window - 1) keys stay within
+    masks.BAND_ELEMS; past it fewer rows, never a call of 2^31 pairs below 2^24-token windows."""
+    from parallel import masks
+    assert [masks.band_rows(w) for w in (1, 64, 4096, 16384)] == [64, 64, 4096, 8192]
+    for w in (1 << 15, 50_000, 1 << 20, (1 << 24) - 1):
+        n = masks.band_rows(w)
+        assert 64 <= n < w and (n * (n + w - 1) <= masks.BAND_ELEMS or n == 64), (w, n)
+        assert n * (n + w - 1) < kernels.MASKED_LIMIT, (w, n)
 
 
 def _emulated_varlen(calls, ignore_docs=False, backend="reference"):
