@@ -31,7 +31,7 @@ Contract:
   `window` w: query i sees keys i - w < j <= i (transformers' sliding window); native in flash-attn,
   elsewhere queries are tiled by `masks.band_rows(w)` rows (w, at least 64; fewer where a tile's bias would
   pass masks.BAND_ELEMS), each tile masked against its own keys only: O(S·w). A masked CUDA call of 2^31 or
-  more query-key pairs raises: torch's efficient kernel offsets its bias rows in 32 bits (pytorch#187227).
+  more query-key pairs raises: torch's efficient kernel indexes its bias in 32 bits (pytorch#187227, #147585).
   GQA/MQA rows longer than BACKWARD_BLOCK run the causal backward in `backward_block(row)`-token blocks
   (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
   more than it saves). `spare_q` (the decoder's cores: q, k, v its own, out read by o_proj only) lets it put dq,
@@ -148,17 +148,18 @@ def _dispatch(phase, table, q, k, causal, args, backend):
     raise AssertionError("unreachable")
 
 
-MASKED_LIMIT = 1 << 31   # a masked CUDA call's Sq·Sk: torch's efficient kernel offsets its bias rows in 32 bits
+MASKED_LIMIT = 1 << 31   # a masked CUDA call's Sq·Sk: torch's efficient kernel indexes its bias in 32 bits
 
 
 def _masked(q, k, causal, backend, mask):  # -> backend, bias, rows [B, Sq] with no visible key
     name = backend or pick_backend(q)
     if name not in _MASKABLE:
         name = "sdpa_cuda" if q.device.type == "cuda" else "reference"
-    if name == "sdpa_cuda" and q.shape[1] * k.shape[1] >= MASKED_LIMIT:   # past 2^32 it reads wrapped rows: wrong
+    if name == "sdpa_cuda" and q.shape[1] * k.shape[1] >= MASKED_LIMIT:   # wrong rows or a crash, not an error
         raise ValueError(f"a masked attention call of {q.shape[1]} x {k.shape[1]} queries x keys: torch's CUDA "
-                         "efficient kernel reads such a bias at 32-bit offsets (pytorch#187227); cut the call into "
-                         "pieces (parallel.masks.calls, band_rows) as the callers here do")
+                         "efficient kernel indexes such a bias in 32 bits (forward: wrong rows, pytorch#187227; "
+                         "backward: pytorch#147585); cut the call into pieces (parallel.masks.calls, band_rows) as "
+                         "the callers here do")
     return (name, *masks.kernel_bias(mask, q, k, causal))
 
 

@@ -17,8 +17,9 @@ Contract:
   bounds and the window, no mask built: a block cut by a boundary or a window edge is split into
   tile × tile pieces (MASK_TILE), each classified the same way, runs of full pieces merged. So a
   masked call's mask and bias are at most tile × tile per row whatever the block's size (a whole
-  128k × 64k ring block was an 8 GB mask and a 16 GB bias, and past 2^32 elements torch's CUDA
-  memory-efficient kernel reads its bias at a 32-bit offset: wrong rows, no error, pytorch#187227),
+  128k × 64k ring block was an 8 GB mask and a 16 GB bias, and torch's CUDA memory-efficient kernel
+  indexes its bias in 32 bits: wrong rows past 2^32 elements, pytorch#187227; a failing backward past
+  2^31, pytorch#147585),
   and only the pieces a boundary crosses pay for a mask; the rest take the plain kernels.
 - `band_rows(window)`: query rows per call of a sliding window over one document (a call sees
   rows + window - 1 keys): the window (at least 64), fewer where that call's bias would pass
