@@ -83,6 +83,7 @@ def build_parser(add_help=True):
     # LoRA
     a("--lora-r", type=int, default=16, help="LoRA rank")
     a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
+    a("--rslora", action="store_true", help="rank-stabilized LoRA: scale = alpha / sqrt(r) (peft's use_rslora)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "

@@ -11,14 +11,15 @@ Contract:
   (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
-  W' = W + (alpha / r) · B @ A for every adapted projection, streamed one base file at a time. With quant="nf4"
-  every block Linear weight (adapted or not) is the dequantized NF4 weight, i.e. exactly the base
-  the adapter was trained against.
+  W' = W + (alpha / r) · B @ A (alpha / sqrt(r) for a use_rslora adapter) for every adapted projection, streamed
+  one base file at a time. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
+  weight, i.e. exactly the base the adapter was trained against.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -47,7 +48,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
                   base_path, rope_parameters)
 
 
-def check_init_adapter(path: str, r: int, alpha: float, targets) -> dict:
+def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
     cfg_path = os.path.join(path, "adapter_config.json")
@@ -57,9 +58,12 @@ def check_init_adapter(path: str, r: int, alpha: float, targets) -> dict:
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")
-    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "use_rslora", "lora_bias", "modules_to_save",
+    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k)]
+    if bool(cfg.get("use_rslora")) != rslora:   # the other scale would change the function it learned
+        wrong.append(f"use_rslora {bool(cfg.get('use_rslora'))}, this run " + ("--rslora" if rslora else "no --rslora")
+                     + (" (pass --rslora)" if cfg.get("use_rslora") else " (drop --rslora)"))
     if cfg.get("bias", "none") != "none":
         wrong.append(f"bias {cfg['bias']!r} (its trained biases would land in frozen weights; only 'none' here)")
     if cfg.get("peft_type") != "LORA":
@@ -137,7 +141,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     cfg_path = _check_dir(base_path)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)
-    scale = acfg["lora_alpha"] / acfg["r"]
+    scale = acfg["lora_alpha"] / (math.sqrt(acfg["r"]) if acfg.get("use_rslora") else acfg["r"])
     lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     # "base_model.model.<name>.lora_A.weight" -> "<name>.weight"
     pairs = {}

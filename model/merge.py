@@ -7,9 +7,9 @@
 --model may be a Hub id (org/name[@revision], model/load.fetch_checkpoint); without it the base is the one the
 adapter names (adapter_config.json: a path, or a Hub id with the commit trained on, fetched into the hub cache).
 
-W' = W + (lora_alpha / r) · B @ A for every adapted projection (`model.export.merge`). With --quant nf4
-W is the dequantized 4-bit base, i.e. exactly the weights the adapter was trained against; with
---quant none it is the checkpoint's own weight. When --quant is not given it is read from the
+W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for every adapted projection
+(`model.export.merge`). With --quant nf4 W is the dequantized 4-bit base, i.e. exactly the weights the adapter
+was trained against; with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
 training run: train.py writes RUN/config.json (with "quant") next to RUN/adapter, so
 ADAPTER_DIR/../config.json decides; without that file the default is nf4 (train.py's default).
 Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR. The merge streams one

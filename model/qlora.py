@@ -168,14 +168,15 @@ def pad_absmax(m: NF4Linear, qabsmax: torch.Tensor) -> torch.Tensor:
     return out.view(m.quant_storage).view(rows, 1)
 
 
-def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS) -> LoraConfig:
-    """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint)."""
+def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False) -> LoraConfig:
+    """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint); `rslora`:
+    scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`)."""
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      init_lora_weights=False)
+                      init_lora_weights=False, use_rslora=rslora)
 
 
-def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS):
-    peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets))
+def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False):
+    peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora))
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()

@@ -255,7 +255,8 @@ def export(path: str, out_dir: str) -> str:
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
     rope = args.get("rope_scaling")
     write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
-                                               args["lora_targets"].split(",")), out_dir, args["model"],
+                                               args["lora_targets"].split(","), args.get("rslora", False)),
+                  out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None)
     return path
 

@@ -68,6 +68,7 @@ class BuildOptions:
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     lora_targets: tuple = field(default=LORA_TARGETS)
+    rslora: bool = False                   # scale alpha / sqrt(r) (peft's use_rslora)
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
@@ -85,7 +86,8 @@ class BuildOptions:
     def from_args(cls, args, dtype: torch.dtype, plan=None) -> BuildOptions:
         """The options of a run (train.py's flags; `plan`, its memory plan: the offload's host buffers' size)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                   lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")), ac=args.ac,
+                   lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
+                   rslora=getattr(args, "rslora", False), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
@@ -255,7 +257,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
-                                opts.lora_targets)                          # 3
+                                opts.lora_targets, opts.rslora)             # 3
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)

@@ -5,7 +5,9 @@ non-zero B so the adapter moves the logits):
 - `export_adapter` on 2 FSDP2 ranks writes an adapter that `peft.PeftModel.from_pretrained` loads on
   the transformers model of the checkpoint with no missing and no unexpected keys (its safetensors
   keys are exactly `get_peft_model_state_dict`'s), whose config holds r, lora_alpha and the target
-  modules, and whose logits equal our model's (quant none) within 1e-5 relative norm;
+  modules, and whose logits equal our model's (quant none) within 1e-5 relative norm; also for an
+  `--rslora` build (use_rslora in the config: peft scales by alpha / sqrt(r), as ours did), whose merge
+  equals peft's `merge_and_unload()` too;
 - `merge(quant="none", dtype=float32)`: the merged checkpoint, loaded by transformers alone, gives
   the base + adapter (peft) logits within 1e-5; with the default bf16 it loads and computes in bf16
   within 3e-2 relative norm of the float32 reference (bf16 keeps 8 mantissa bits);
@@ -41,7 +43,8 @@ from tests.helpers import tiny_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R, ALPHA = 4, 8.0
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CASES = {"none": ("none", ALL), "nf4": ("nf4", ALL), "nf4_qv": ("nf4", ("q_proj", "v_proj"))}
+CASES = {"none": ("none", ALL), "nf4": ("nf4", ALL), "nf4_qv": ("nf4", ("q_proj", "v_proj")), "rslora": ("none", ALL)}
+RSLORA = {"rslora"}   # --rslora: scale alpha / sqrt(r) = 4 here, not alpha / r = 2
 
 
 def _ids():
@@ -62,7 +65,8 @@ def _export_rank(rank, world_size, path, out_root):
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
     logits = {}
     for case, (quant, targets) in CASES.items():
-        cfg = BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_targets=targets, seed=1)
+        cfg = BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_targets=targets, seed=1,
+                           rslora=case in RSLORA)
         model, peft_model = build_nonzero_b(cfg, fsdp_mesh=mesh, device="cpu")
         with torch.no_grad():
             logits[case] = model(_ids())
@@ -102,11 +106,13 @@ def test_adapter_loads_in_peft_and_matches(exported):
     from safetensors import safe_open
 
     path, root, ours = exported
-    for case, (_, targets) in CASES.items():
+    assert _rel(ours["rslora"], ours["none"]) > 1e-3, "the same A and B at another scale move the logits"
+    for case, (quant, targets) in CASES.items():
         adapter = os.path.join(root, case)
         with open(os.path.join(adapter, "adapter_config.json")) as f:
             acfg = json.load(f)
         assert (acfg["r"], acfg["lora_alpha"], acfg["peft_type"]) == (R, ALPHA, "LORA"), (case, acfg)
+        assert acfg["use_rslora"] is (case in RSLORA), (case, acfg["use_rslora"])
         assert sorted(acfg["target_modules"]) == sorted(targets), (case, acfg["target_modules"])
         assert acfg["base_model_name_or_path"] == os.path.abspath(path), case
         with warnings.catch_warnings(record=True) as caught:
@@ -122,9 +128,9 @@ def test_adapter_loads_in_peft_and_matches(exported):
         assert keys == expected, f"{case}: extra {sorted(keys - expected)[:4]}, missing {sorted(expected - keys)[:4]}"
         n_layers = 2
         assert len(keys) == 2 * len(targets) * n_layers, (case, len(keys))
-        if case == "none":    # nf4 adapters sit on a 4-bit base, which the float HF model is not
+        if quant == "none":    # nf4 adapters sit on a 4-bit base, which the float HF model is not
             rel = _rel(_hf_logits(pm), ours[case])
-            print(f"peft on HF vs ours (none): {rel:.2e}")
+            print(f"peft on HF vs ours ({case}): {rel:.2e}")
             assert rel < 1e-5, f"peft logits vs ours: relative norm {rel:.2e}"
             assert _rel(_hf_logits(_hf(path)), ours[case]) > 1e-3, "the adapter must move the logits"
 
@@ -189,6 +195,7 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
 
     path, root, _ = exported
     for case, quant, dtype, tol in [("none", "none", torch.float32, 1e-6), ("none", "none", torch.bfloat16, 0),
+                                    ("rslora", "none", torch.float32, 1e-6),
                                     ("nf4", "nf4", torch.float32, 1e-6), ("nf4_qv", "nf4", torch.bfloat16, 0)]:
         hf = _hf(path)
         if quant == "nf4":

@@ -435,13 +435,15 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     base = train_argv(assets, str(tmp_path / "x"), "--init-adapter", a + "/adapter")
     for flags, phrase in ((["--lora-r", "8"], "r 4 and lora_alpha 32.0, this run --lora-r 8 --lora-alpha 32"),
                           (["--lora-alpha", "16"], "this run --lora-r 4 --lora-alpha 16"),
-                          (["--lora-targets", "q_proj,k_proj"], "beyond this run's --lora-targets q_proj,k_proj")):
+                          (["--lora-targets", "q_proj,k_proj"], "beyond this run's --lora-targets q_proj,k_proj"),
+                          (["--rslora"], "use_rslora False, this run --rslora (drop --rslora)")):
         msg = startup_error(base + flags)
         assert phrase in msg and a + "/adapter" in msg, msg
     msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", str(tmp_path / "nope")))
     assert "no adapter_config.json" in msg and "nope" in msg, msg
     cfg = json.load(open(os.path.join(a, "adapter", "adapter_config.json")))
     for extra, phrase in (({"use_dora": True}, "use_dora True"), ({"bias": "all"}, "bias 'all'"),
+                          ({"use_rslora": True}, "use_rslora True, this run no --rslora (pass --rslora)"),
                           ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head']"),
                           ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern {'q_proj': 8}")):   # made elsewhere
         odd = str(tmp_path / "odd")
@@ -450,6 +452,15 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
         json.dump({**cfg, **extra}, open(os.path.join(odd, "adapter_config.json"), "w"))
         msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", odd))
         assert phrase in msg, msg
+    # the same tensors as an rsLoRA adapter, with --rslora: scale alpha / sqrt(r) = 16, not alpha / r = 8, so the
+    # function it starts from is another one (eval loss), and the run's own adapter is rsLoRA again
+    json.dump({**cfg, "use_rslora": True}, open(os.path.join(odd, "adapter_config.json"), "w"))
+    rs = str(tmp_path / "rs")
+    run(train_argv(assets, rs, "--steps", "1", "--eval-data", assets["data"], "--init-adapter", odd, "--rslora",
+                   "--lora-targets", "q_proj,v_proj"))
+    loss = float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1))
+    assert abs(loss - before) > 1e-4, (loss, before)
+    assert json.load(open(os.path.join(rs, "adapter", "adapter_config.json")))["use_rslora"] is True
     msg = startup_error(train_argv(assets, a, "--overwrite", "--init-adapter", a + "/adapter"))
     assert "lies inside --out" in msg and os.path.exists(a + "/adapter/adapter_model.safetensors"), msg
     other = str(tmp_path / "other")   # an adapter of another base: a tensor of another shape
