@@ -178,7 +178,8 @@ def check_flags(args) -> None:
                 os.path.realpath(args.out) + os.sep):
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
                              "empties first: pass a new --out, or copy the adapter out of it")
-        check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","), args.rslora)
+        check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
+                           getattr(args, "rslora", False))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes)):
