@@ -4,8 +4,8 @@ wait for them to say so).
 
 Contract:
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):
-  the device memory (parallel.plan_search._budget: this rank's CUDA device's total, else this machine's RAM over its
-  local ranks), the host memory free on its machine now (`host_available()`) and the machine's name. A rank that
+  the device memory (`device_budget`), the host memory free on its machine now (`host_available()`) and the
+  machine's name. A rank that
   cannot say its device memory is named in its entry, one that cannot say its host memory gets none counted: every
   rank reaches the gather, nothing is raised there.
 - `check(args, margs, dims, budgets, log, tokens)` -> the plan (parallel/plan.py; None when skipped) of the run's
@@ -23,6 +23,11 @@ Contract:
      fixes. Otherwise one line: the planned peak of the smallest budget's rank, to read beside peak_mem_gb.
   With --no-mem-check, 1 and 2 are warnings. A device budget missing on some rank: the check is skipped, said in one
   line (`--fast`, `plan_speed.apply_fast`, raises then).
+- `device_budget(args, world)` -> (target, bytes, where): parallel.plan_search._budget (this rank's CUDA device's
+  total, else this machine's RAM over its local ranks) less, on CUDA without --gpu-mem, what other processes hold on
+  the device now: the device's used memory (cudaMemGetInfo) beyond this process's allocator cache and the plan's
+  RUNTIME (this process's context and communicators, counted in every plan's total). A GPU another job still holds
+  is then refused or warned about by the same rules as a small one, naming how much is held.
 - `host_available()` -> (bytes, where): psutil's available memory, or the least room any memory cgroup above this
   process leaves (its limit less its usage net of page cache; v2 and v1, the process's cgroup and every parent up to
   the mount: Slurm and container limits sit on a parent) when that is lower. `cgroup_headroom(limit=True)`, their
@@ -116,16 +121,33 @@ def cpu_memory(world: int) -> tuple[float, str]:
                      f"rank{'s' * (n > 1)}")
 
 
+def device_budget(args, world: int) -> tuple[str, float, str]:
+    """(target, bytes, where) of this rank's device for a run starting now (module docstring)."""
+    import torch
+
+    from parallel import plan_search
+    from parallel.plan import GB, RUNTIME
+    target, mem, where = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
+    if target != "cuda" or getattr(args, "gpu_mem", None) or not torch.cuda.is_available():
+        return target, mem, where
+    dev = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(dev)
+    others = total - free - torch.cuda.memory_reserved(dev) - RUNTIME["cuda"]
+    if others < 0.5 * GB:   # a context and communicators larger than planned, not another job
+        return target, mem, where
+    return target, mem - others, (f"{where}, less {others / GB:.1f} GB other processes hold on GPU {dev} now "
+                                  f"({free / GB:.1f} GB free; nvidia-smi names them)")
+
+
 def gather_budgets(args, world: int, rank: int) -> list[Budget]:
     import torch.distributed as dist
 
-    from parallel import plan_search
     try:
         host, host_where = host_available()
     except Exception as e:   # noqa: BLE001 (no host check then, said in the memory line)
         host, host_where = float("inf"), f"unknown ({type(e).__name__}: {e})"
     try:
-        target, mem, where = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
+        target, mem, where = device_budget(args, world)
     except Exception as e:   # noqa: BLE001 (said by whoever reads the budgets, on every rank)
         target, mem, where = None, 0.0, f"rank {rank}: {type(e).__name__}: {e}"
     budgets = [None] * world

@@ -673,6 +673,42 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     assert mem[2].endswith("; free host memory free (test), not checked"), mem
 
 
+def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
+    """preflight.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
+    the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
+    so; --gpu-mem plans that memory as given. preflight.check then refuses a plan that fits the total but not that."""
+    import argparse
+    import types
+
+    import torch
+
+    import parallel.plan
+    from parallel import preflight
+    from parallel.plan import GB, RUNTIME
+
+    total, used = 141e9, [0.8e9]
+    fake = dict(is_available=lambda: True, current_device=lambda: 0, get_device_name=lambda *a: "H200 (test)",
+                get_device_properties=lambda d: types.SimpleNamespace(total_memory=int(total)),
+                mem_get_info=lambda d=None: (int(total - used[0]), int(total)), memory_reserved=lambda d=None: 0)
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    args = argparse.Namespace(gpu_mem=None)
+    assert preflight.device_budget(args, 1) == ("cuda", total, "141.0 GB per GPU (H200 (test))")
+    used[0] = 30.8e9
+    target, mem, where = preflight.device_budget(args, 1)
+    assert (target, mem) == ("cuda", total - (30.8e9 - RUNTIME["cuda"])), mem
+    assert where == ("141.0 GB per GPU (H200 (test)), less 29.8 GB other processes hold on GPU 0 now (110.2 GB free; "
+                     "nvidia-smi names them)"), where
+    assert preflight.device_budget(argparse.Namespace(gpu_mem=80), 1)[1:] == (80 * GB, "80.0 GB per GPU (--gpu-mem)")
+    plan = types.SimpleNamespace(host=0, peak=120e9, total=120e9 * 1.1 + RUNTIME["cuda"])   # fits 141 GB, not 111
+    monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
+    monkeypatch.setattr("parallel.plan_search._fixes", lambda *a: [])
+    run = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
+    with pytest.raises(ValueError, match=r"is more than 141.0 GB per GPU \(H200 \(test\)\), less 29.8 GB other "
+                                         r"processes hold on GPU 0 now.*It cannot fit"):
+        preflight.check(run, None, None, [preflight.Budget(0, target, mem, where, float("inf"), "", "m")], print)
+
+
 def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, monkeypatch):
     """preflight.cgroup_headroom on made-up cgroup trees: a limit less usage net of page cache (not shmem), the least
     over the process's own cgroup and every parent up to the root (v2: a limit on the job, the step's unlimited, as
