@@ -15,6 +15,7 @@ folder, `make test-gpu` does):
 - the chunked loss in bf16 against F.cross_entropy in float64;
 - RMSNorm on aten's fused CUDA kernels (taken, not silently the formula) against transformers' Qwen2RMSNorm;
 - train.py's allocator default (expandable segments) takes effect (reserved bytes), and a user's setting wins;
+- the start-up memory check's device budget leaves out 3 GiB another process holds on the GPU;
 - `--tiled-mlp`, `--offload-activations` (pinned copies on a side stream; its host buffers page-locked in place,
   exactly the bytes asked, reused across steps), `--ac-group` and `--ac-blocks`
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
@@ -370,6 +371,32 @@ def test_cuda_allocator_expands_segments(conf, expandable):
     assert out.returncode == 0, out.stderr[-2000:]
     gib = float(out.stdout.strip().splitlines()[-1])
     assert (gib < 2.0) == expandable, (conf, gib)
+
+
+def test_cuda_device_budget_leaves_out_another_process():
+    """The start-up check's device budget (preflight.device_budget): the device's total while this process is alone on
+    it; with another process holding 3 GiB (and its context) it is that much lower and says so."""
+    import argparse
+    import subprocess
+    import sys
+
+    from parallel import preflight
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    args = argparse.Namespace(gpu_mem=None)
+    alone = preflight.device_budget(args, 1)
+    assert alone[1] == total, alone
+    dev = f"cuda:{torch.cuda.current_device()}"   # the same visible devices: the same GPU
+    code = f"import torch, sys; a = torch.empty(3 << 30, dtype=torch.uint8, device='{dev}'); print('ready', flush=True)"
+    code += "; sys.stdin.read()"
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        _, mem, where = preflight.device_budget(args, 1)
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    held = (total - mem) / 2 ** 30
+    assert 2.5 < held < 5.0 and "other processes hold on GPU" in where, (held, where)
 
 
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
