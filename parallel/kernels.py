@@ -155,7 +155,7 @@ def _masked(q, k, causal, backend, mask):  # -> backend, bias, rows [B, Sq] with
     name = backend or pick_backend(q)
     if name not in _MASKABLE:
         name = "sdpa_cuda" if q.device.type == "cuda" else "reference"
-    if name == "sdpa_cuda" and q.shape[1] * k.shape[1] >= MASKED_LIMIT:   # wrong rows or a crash, not an error
+    if name == "sdpa_cuda" and q.shape[1] * (-(-k.shape[1] // 16) * 16) >= MASKED_LIMIT:   # (bias rows padded to 16)
         raise ValueError(f"a masked attention call of {q.shape[1]} x {k.shape[1]} queries x keys: torch's CUDA "
                          "efficient kernel indexes such a bias in 32 bits (forward: wrong rows, pytorch#187227; "
                          "backward: pytorch#147585); cut the call into pieces (parallel.masks.calls, band_rows) as "

@@ -125,8 +125,12 @@ def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None) -
                 if sub != "skip":
                     row.append((q.at + x, q.at + xe, k.at + y, k.at + ye, sub, q.start + x, k.start + y))
             out += row
-    out = _merge_full(sorted(out), row=True)
-    return _merge_full(sorted(out, key=lambda x: (x[2], x[3], x[0])), row=False)
+    while True:   # along keys, then rows, until nothing joins (a join along rows can line up one along keys)
+        n = len(out)
+        out = _merge_full(sorted(out), row=True)
+        out = _merge_full(sorted(out, key=lambda x: (x[2], x[3], x[0])), row=False)
+        if len(out) == n:
+            return out
 
 
 def piece_keep(call, ids, window, device) -> torch.Tensor:

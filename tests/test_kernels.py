@@ -417,14 +417,20 @@ def test_block_calls_cover_every_visible_pair_once():
                 for call in block:
                     qa, qe, ka, ke, kind = call[:5]
                     n, m = qe - qa, ke - ka
-                    if kind == "masked":
+                    if kind == "masked":   # only where a boundary or an edge cuts it: else a plain call
                         assert n <= tile and m <= tile, f"{label}: masked {n} x {m}"
                         pairs = masks.piece_keep(call, doc if bounds else None, window, "cpu")
+                        tril = torch.ones(n, m, dtype=torch.bool).tril()
+                        assert pairs.any() and not pairs.all(), f"{label}: masked {call}: none or all visible"
+                        assert not (call[5] == call[6] and n == m and (pairs == tril).all()), f"{label}: causal {call}"
                     else:
                         pairs = torch.ones(n, m, dtype=torch.bool)
                         pairs = pairs.tril() if kind == "causal" else pairs
                     qi, ki = index[r][qa:qe], index[j][ka:ke]
                     got[:, qi[:, None], ki[None]] += pairs.expand(got.shape[0], n, m).long()
+                full = [x[:4] for x in block if x[4] == "full"]   # runs of full calls are one call
+                assert not [(x, y) for x in full for y in full if (x[:2] == y[:2] and x[3] == y[2])
+                            or (x[2:] == y[2:] and x[1] == y[0])], f"{label}: full calls left unmerged {full}"
         assert torch.equal(got, want.long()), label
 
 
@@ -477,6 +483,10 @@ def test_window_and_mask_refusals():
     with pytest.raises(ValueError, match="65536 x 32768 queries x keys.*pytorch#187227"):
         kernels.forward(q, k, k, False, 1.0, backend="sdpa_cuda",
                         mask=torch.ones(1, 1, 1, dtype=torch.bool).expand(1, 1 << 16, 1 << 15))
+    q, k = torch.zeros(1, 46000, 1, 8), torch.zeros(1, 46673, 1, 8)   # 46000 x 46673 < 2^31; bias rows of 46688: over
+    with pytest.raises(ValueError, match="46000 x 46673 queries x keys"):
+        kernels.forward(q, k, k, False, 1.0, backend="sdpa_cuda",
+                        mask=torch.ones(1, 1, 1, dtype=torch.bool).expand(1, 46000, 46673))
 
 
 def test_band_rows_bound_a_window_call():
