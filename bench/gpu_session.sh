@@ -36,8 +36,8 @@
 # then within 30 s TOTAL=405 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (386 s): 827 s
 # of the 900 with the machine's start.
 # The plan for the next one (~13 minutes):
-#   1. TOTAL=420 TEST_S=75 TEST_K='offload or fused_rmsnorm or norm_rebuild or train_step' BENCH='--case long --runs
-#      ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
+#   1. TOTAL=420 TEST_S=75 TEST_K='offload or fused_rmsnorm or norm_rebuild or train_step or device_budget or masked'
+#      BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
 #      (timeout 440; --mem-trace: what is alive at each row's peak, by the line that allocated it, in the log): the long
 #      case after the fixes of 2026-11-30 evening and 2026-12-01 (tiled sublayers' norm stand-in, one-element
 #      recompute output, no CopySlices, the attention's input norm output freed after q/k/v, layer 0's LoRA A on
@@ -48,7 +48,8 @@
 #      selected first: the offload's host buffers page-locked in place (cudaHostRegister, new on 2026-12-01: if it
 #      fails, the run falls back to torch's pinned allocator with a warning, and the test says so), the fused RMSNorm
 #      and the norm rebuild (model.llama.Attention's stand-in, unrun on CUDA), a train.main step (the start-up
-#      memory check);
+#      memory check), the device budget with another process holding 3 GiB (new on 2026-12-01, second session), the
+#      masked kernel path (ring pieces and window tiles run through it);
 #   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case 128k --runs liger,ours+fast;--case
 #      32k --runs ours+fast' (what train.py --fast picks on the whole device: planned --ac-keep-attn --ac-blocks 4 at
 #      128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s), then --case mem if time is left.
