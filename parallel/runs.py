@@ -194,6 +194,8 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
 
 
 def _norm(flag: str, v):
+    if flag == "rslora":   # absent (runs and callers from before the flag): off
+        return bool(v)
     if flag == "lora_targets" and isinstance(v, str):
         return sorted(t.strip() for t in v.split(",") if t.strip())
     if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
