@@ -19,8 +19,8 @@ Contract:
   masked call's mask and bias are at most tile × tile per row whatever the block's size (a whole
   128k × 64k ring block was an 8 GB mask and a 16 GB bias, and torch's CUDA memory-efficient kernel
   indexes its bias in 32 bits: wrong rows past 2^32 elements, pytorch#187227; a failing backward past
-  2^31, pytorch#147585),
-  and only the pieces a boundary crosses pay for a mask; the rest take the plain kernels.
+  2^31, pytorch#147585), and only the pieces a boundary crosses pay for a mask; the rest take the plain
+  kernels.
 - `band_rows(window)`: query rows per call of a sliding window over one document (a call sees
   rows + window - 1 keys): the window (at least 64), fewer where that call's bias would pass
   BAND_ELEMS elements.

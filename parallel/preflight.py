@@ -5,9 +5,8 @@ wait for them to say so).
 Contract:
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):
   the device memory (`device_budget`), the host memory free on its machine now (`host_available()`) and the
-  machine's name. A rank that
-  cannot say its device memory is named in its entry, one that cannot say its host memory gets none counted: every
-  rank reaches the gather, nothing is raised there.
+  machine's name. A rank that cannot say its device memory is named in its entry, one that cannot say its host
+  memory gets none counted: every rank reaches the gather, nothing is raised there.
 - `check(args, margs, dims, budgets, log, tokens)` -> the plan (parallel/plan.py; None when skipped) of the run's
   flags for its longest sample (`tokens`; --max-len only caps the samples, a row is as long as its data), checked
   against the smallest budget of any rank, the host memory free on a machine shared by the ranks on it. The same
