@@ -14,12 +14,15 @@ of CPU time is printed too: on a machine shared with other jobs the wall clock m
 peak allocated memory of each, and their ratios. `--tiles N` compares `kernels.attention` (its default blocks)
 with the kernel calls of --tiled-attn (parallel/tiled_attention.py: N-row query tiles, each a causal diagonal
 block and N-token key blocks merged by log-sum-exp; the backward per tile with the global out/lse): the attention
-part of that flag's cost, without its projections.
+part of that flag's cost, without its projections. `--docs N` packs the sequence with documents of about N tokens
+(uniform in [N/2, 3N/2), seeded) and times ring attention with each of `--mask-tiles` (masks.MASK_TILE; 0: a block's
+span pairs masked whole, each one call, as ring blocks were before 2026-12-01), side by side, ratios to the 0 row.
 
 Run: .venv/bin/python bench/attention.py                      # P=2, S=8192, 4 heads, head_dim 64, fp32
      .venv/bin/python bench/attention.py --nproc 4 --seq 16384 # adds the hybrid (2 x 2)
      python3 bench/attention.py --blocks 65536 --seq 131072 --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16
      python3 bench/attention.py --tiles 16384 --seq 131072 --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16
+     .venv/bin/python bench/attention.py --docs 2000 --seq 65536 --mask-tiles 4096,0   # packed rows on the ring
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel import kernels  # noqa: E402
+from parallel import kernels, masks  # noqa: E402
 from parallel.cp import cp_attention, shard_sequence  # noqa: E402
 from parallel.mesh import ParallelDims  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -81,21 +84,51 @@ def time_step(fn, inputs, dout, device, iters, warmup, barrier=None):
     return best.tolist()
 
 
-def rank_main(rank, world, args, impl):
+def packed_positions(args, device):
+    """[B, S] positions restarting at every document (lengths uniform in [N/2, 3N/2), seeded), or one document."""
+    if not args.docs:
+        return torch.arange(args.seq, device=device).expand(args.batch, -1)
+    g, pos, at = torch.Generator().manual_seed(1), torch.empty(args.batch, args.seq, dtype=torch.long), 0
+    while at < args.seq:
+        n = int(torch.randint(args.docs // 2, args.docs * 3 // 2, (), generator=g))
+        pos[:, at:at + n] = torch.arange(min(n, args.seq - at))
+        at += n
+    return pos.to(device)
+
+
+def rank_main(rank, world, args, impl, tile=None):
     device = device_for(rank)
+    if tile is not None:
+        masks.MASK_TILE = tile or args.seq   # 0: never cut a span pair
     u = {"ulysses": world, "ring": 1, "hybrid": 2}[impl]
     dims = ParallelDims(world, dp_shard=1, cp=world, ulysses=u, ring=world // u)
     attn = cp_attention(dims.build_mesh(device.type), dims)
     q, k, v, dout = (shard_sequence(x, dims, rank, 0.0) for x in make_inputs(args, device))
-    pos = shard_sequence(torch.arange(args.seq, device=device).expand(args.batch, -1), dims, rank, None)
+    pos = shard_sequence(packed_positions(args, device), dims, rank, None)
     scale = args.head_dim ** -0.5
     fn = lambda q, k, v: attn(q, k, v, attn.prepare(pos), scale)
     return time_step(fn, (q, k, v), dout, device, args.iters, args.warmup, barrier=dist.barrier)
 
 
-def run_impl(args, impl):
+def run_impl(args, impl, tile=None):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return run_ranks(rank_main, args.nproc, args, impl, timeout=3600, pg_timeout=600, backend=backend)[0]
+    return run_ranks(rank_main, args.nproc, args, impl, tile, timeout=3600, pg_timeout=600, backend=backend)[0]
+
+
+def compare_mask_tiles(args):
+    """Ring attention over packed rows with each masks.MASK_TILE of --mask-tiles, side by side."""
+    tiles = [int(x) for x in args.mask_tiles.split(",")]
+    base, rows = None, []
+    for tile in tiles:
+        t, c = run_impl(args, "ring", tile)
+        base = (t, c) if tile == 0 else base
+        rows.append((tile, t, c))
+        print(f"ring P={args.nproc} mask tile {tile or 'whole'}: {t:.3f} s, cpu {c:.3f} s", flush=True)
+    print("\n| mask tile | P | S | documents of ~ | t (s) | cpu (s) | t / t(whole) | cpu / cpu(whole) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tile, t, c in rows:
+        rel = (f"{t / base[0]:.3f} | {c / base[1]:.3f}") if base else "- | -"
+        print(f"| {tile or 'whole'} | {args.nproc} | {args.seq} | {args.docs} | {t:.3f} | {c:.3f} | {rel} |")
 
 
 def main():
@@ -112,9 +145,13 @@ def main():
     ap.add_argument("--impls", default=None, help="comma list of ulysses,ring,hybrid (default: all that fit)")
     ap.add_argument("--blocks", type=int, default=0, help="compare the backward in blocks of N tokens with one call")
     ap.add_argument("--tiles", type=int, default=0, help="compare --tiled-attn's kernel calls (N-row tiles) with one")
+    ap.add_argument("--docs", type=int, default=0, help="pack the row with documents of about N tokens (ring only)")
+    ap.add_argument("--mask-tiles", default="4096,0", help="with --docs: masks.MASK_TILE values to compare (0: whole)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
+    if args.docs:
+        return compare_mask_tiles(args)
     device = device_for(0)
     q, k, v, dout = make_inputs(args, device)
     scale = args.head_dim ** -0.5

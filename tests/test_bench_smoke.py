@@ -57,6 +57,16 @@ def test_attention_bench_tiles_mode():
     assert diff < 1e-4, out   # float32: the same attention, summed in another order
 
 
+@pytest.mark.timeout(120)
+def test_attention_bench_docs_mode():
+    """`bench/attention.py --docs N`: ring attention over packed rows with each mask tile, and the table of ratios to
+    the whole-block row."""
+    out = _run("bench/attention.py", "--docs", "40", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim",
+               "16", "--mask-tiles", "16,0", "--iters", "1", "--warmup", "0", timeout=110)
+    assert re.search(r"^\| 16 \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+    assert re.search(r"^\| whole \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| 1.000 \| 1.000 \|$", out, re.M), out
+
+
 def test_attention_bench_blocks_mode():
     """`bench/attention.py --blocks N`: both runs (one kernel call, N-token blocks) and their ratio line."""
     out = _run("bench/attention.py", "--blocks", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
