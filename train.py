@@ -97,7 +97,7 @@ def build_parser(add_help=True):
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
-    a("--data", default=None, help="training JSONL ({'text'} or {'messages'} per line)")
+    a("--data", default=None, help="training JSONL ({'text'}, {'prompt', 'completion'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")

@@ -1,15 +1,17 @@
 """JSONL input: read and validate training records, failing early with the line that is wrong.
 
 Contract:
-- One JSON object per line; blank lines are skipped. Two record kinds:
+- One JSON object per line; blank lines are skipped. Three record kinds:
     {"text": "..."}                                        every token is a target
+    {"prompt": "...", "completion": "..."}                  prompt + completion as one text; only the
+                                                            completion (and EOS) are targets
     {"messages": [{"role": "...", "content": "..."}, ...]}  rendered with the checkpoint's chat
                                                             template; only assistant turns are targets
   Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
   `reasoning_content`) are kept and passed to the chat template.
 - `load_jsonl(path)` returns the records in file order, each normalised to
-  `{"line": n, "text": str}` or `{"line": n, "messages": [...]}` (`n` is 1-based, kept so that later
-  stages can still name the line).
+  `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
+  `{"line": n, "messages": [...]}` (`n` is 1-based, kept so that later stages can still name the line).
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -22,9 +24,10 @@ import json
 from pathlib import Path
 
 VALID_LINES = (
-    'a valid line is {"text": "some document"} or '
-    '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
+    'a valid line is {"text": "some document"}, {"prompt": "a question or a long document", "completion": '
+    '"the answer"} or {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
 )
+KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
 
 
 class DataError(ValueError):
@@ -68,8 +71,17 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
     if not isinstance(obj, dict):
         raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
     has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise line_error(path, n, 'has both "text" and "messages"; use one per line')
+    kinds = [k for k in KINDS if k in obj] + (["completion"] if "completion" in obj and "prompt" not in obj else [])
+    if len(kinds) > 1:
+        raise line_error(path, n, f"has {' and '.join(repr(k) for k in kinds)}; use one kind per line")
+    if "prompt" in obj or "completion" in obj:
+        for key in ("prompt", "completion"):
+            if not isinstance(obj.get(key), str):
+                got = "nothing" if key not in obj else type(obj[key]).__name__
+                raise line_error(path, n, f'"{key}" must be a string, got {got}')
+            if not obj[key].strip():
+                raise line_error(path, n, f'"{key}" is empty')
+        return {"line": n, "prompt": obj["prompt"], "completion": obj["completion"]}
     if has_text:
         text = obj["text"]
         if not isinstance(text, str):
@@ -81,7 +93,7 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
         _check_messages(obj["messages"], path, n)
         return {"line": n, "messages": obj["messages"]}
     keys = sorted(obj)[:8]
-    raise line_error(path, n, f'has neither "text" nor "messages" (keys: {keys})')
+    raise line_error(path, n, f'has none of "text", "prompt"/"completion", "messages" (keys: {keys})')
 
 
 def check_file(path: str | Path, flag: str = "data file") -> Path:

@@ -10,6 +10,10 @@ Contract:
   and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing). Then the
   EOS token is appended (unless the tokenizer already appended it). Every token is a target,
   including EOS, so the model learns to stop.
+- Prompt/completion records: `prompt + completion` (joined as they are: put any separator in one of them) is
+  encoded like a text record (the tokenizer's BOS rule, EOS appended unless there), but only the completion is a
+  target: every token whose characters reach into it (a token merged across the boundary counts), and EOS. For
+  long-context tasks whose answer is short (a document and a question, then the answer), without a chat template.
 - Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
   and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
@@ -177,15 +181,31 @@ def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int]
     return ids, flags
 
 
+def _prompt_tokens(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
+    """prompt + completion as one text (BOS by the tokenizer's rule); targets: the tokens reaching into the completion
+    (EOS is the caller's)."""
+    full, start = prompt + completion, len(prompt)
+    try:
+        enc = tokenizer(full, add_special_tokens=True, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        flags = [b > a and b > start for a, b in offsets]   # special tokens have empty spans
+    except NotImplementedError:   # slow (python) tokenizers: the prompt's own token count
+        ids = list(tokenizer(full, add_special_tokens=True)["input_ids"])
+        head = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        n = len(head) - (len(head) > 0 and head[-1] == tokenizer.eos_token_id and ids[-1] == tokenizer.eos_token_id)
+        flags = [t >= n for t in range(len(ids))]
+    return ids, flags
+
+
 def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>"):
     """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
     eos = tokenizer.eos_token_id
     texts = [r["text"] for r in records if "text" in r]
-    if texts and eos is None:
+    if (texts or any("prompt" in r for r in records)) and eos is None:
         raise DataError(
-            f"{path}: text records need an EOS token to mark where a document ends, but the "
+            f"{path}: text and prompt/completion records need an EOS token to mark where a document ends, but the "
             "tokenizer defines no eos_token"
         )
     chats = [r for r in records if "messages" in r]
@@ -205,6 +225,11 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
             if not ids or ids[-1] != eos:
                 ids.append(eos)
             flags = [True] * len(ids)
+        elif "prompt" in r:
+            ids, flags = _prompt_tokens(tokenizer, r["prompt"], r["completion"])
+            if not ids or ids[-1] != eos:
+                ids, flags = ids + [eos], flags + [True]
+            flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
             where = f"{path}, line {r.get('line', '?')}"
             ids, flags = _chat_tokens(tokenizer, r["messages"], where)

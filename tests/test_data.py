@@ -87,6 +87,45 @@ def test_text_bos_rule_follows_tokenizer(tok):
     assert s["input_ids"] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
 
 
+# --- tokenization: prompt / completion ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, completion", [("The fox ran.\nQ: who ran?\nA:", " the fox"),   # a space-led word
+                                                ("the dog sat ", "on the mat."),   # the space may merge
+                                                ("fox " * 300, "dog")])            # a long prompt, a short answer
+def test_prompt_completion_targets_are_the_completion_and_eos(tok, prompt, completion):
+    """ids = the tokenizer's own encoding of prompt + completion, then EOS; the targets are the tokens that are not
+    wholly inside the prompt (found by decoding prefixes, not by offsets), and EOS."""
+    (s,), stats = tokenize_records([{"prompt": prompt, "completion": completion}], tok, 10_000)
+    ids = tok(prompt + completion)["input_ids"] + [tok.eos_token_id]
+    assert s["input_ids"] == ids
+    inside = max(t for t in range(len(ids)) if prompt.startswith(tok.decode(ids[:t])))   # tokens within the prompt
+    assert 0 < inside < len(ids) - 1, inside
+    want = [ids[t + 1] if t + 1 >= inside else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+    assert s["labels"] == want
+    assert "".join(target_runs(tok, s)).startswith(tok.decode(ids[inside:-1])), "the completion, then EOS"
+    assert stats.targets == len(ids) - inside
+
+
+def test_prompt_completion_eos_rule_and_truncation(tok):
+    """A tokenizer that appends EOS itself gets one; a prompt longer than --max-len leaves no target: dropped."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    bt = tok.backend_tokenizer
+    bt.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|endoftext|>",
+        special_tokens=[("<|im_start|>", tok.convert_tokens_to_ids("<|im_start|>")), ("<|endoftext|>", 0)])
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=bt, bos_token="<|im_start|>", eos_token="<|endoftext|>")
+    (s,), _ = tokenize_records([{"prompt": "The fox", "completion": " ran."}], llama_like, 100)
+    body = llama_like("The fox ran.", add_special_tokens=False)["input_ids"]
+    assert s["input_ids"] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
+    n_prompt = len(llama_like("The fox", add_special_tokens=False)["input_ids"])
+    assert s["labels"][:n_prompt] == [IGNORE_INDEX] * n_prompt and s["labels"][-2] == llama_like.eos_token_id
+    samples, stats = tokenize_records([{"prompt": "fox " * 50, "completion": "dog"}], tok, 16)
+    assert (samples, stats.dropped, stats.truncated) == ([], 1, 1)
+
+
 # --- tokenization: chat ---------------------------------------------------------------------------
 
 
@@ -168,10 +207,15 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
 BAD_LINES = [
     ('{"text": "a"', "not valid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),
-    ('{"prompt": "a"}', 'has neither "text" nor "messages"'),
+    ('{"foo": "a"}', 'has none of "text", "prompt"/"completion", "messages"'),
+    ('{"prompt": "a"}', '"completion" must be a string, got nothing'),
+    ('{"completion": "a"}', '"prompt" must be a string, got nothing'),
+    ('{"prompt": 3, "completion": "a"}', '"prompt" must be a string, got int'),
+    ('{"prompt": "q", "completion": " "}', '"completion" is empty'),
+    ('{"text": "a", "prompt": "q", "completion": "a"}', "has 'text' and 'prompt'; use one kind per line"),
     ('{"text": 5}', '"text" must be a string'),
     ('{"text": "   "}', '"text" is empty'),
-    ('{"text": "a", "messages": []}', 'has both "text" and "messages"'),
+    ('{"text": "a", "messages": []}', "has 'text' and 'messages'; use one kind per line"),
     ('{"messages": "hi"}', '"messages" must be a list'),
     ('{"messages": []}', '"messages" is an empty list'),
     ('{"messages": ["hi"]}', "message 0 must be an object"),
