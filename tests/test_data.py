@@ -93,10 +93,15 @@ def test_text_bos_rule_follows_tokenizer(tok):
 @pytest.mark.parametrize("prompt, completion", [("The fox ran.\nQ: who ran?\nA:", " the fox"),   # a space-led word
                                                 ("the dog sat ", "on the mat."),   # the space may merge
                                                 ("fox " * 300, "dog")])            # a long prompt, a short answer
-def test_prompt_completion_targets_are_the_completion_and_eos(tok, prompt, completion):
+def test_prompt_completion_targets_are_the_completion_and_eos(tok, tmp_path, prompt, completion):
     """ids = the tokenizer's own encoding of prompt + completion, then EOS; the targets are the tokens that are not
-    wholly inside the prompt (found by decoding prefixes, not by offsets), and EOS."""
-    (s,), stats = tokenize_records([{"prompt": prompt, "completion": completion}], tok, 10_000)
+    wholly inside the prompt (found by decoding prefixes, not by offsets), and EOS. Read from a JSONL line."""
+    import json
+
+    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": prompt, "completion": completion, "id": 7}) + "\n")
+    recs = load_jsonl(tmp_path / "pc.jsonl")
+    assert recs == [{"line": 1, "prompt": prompt, "completion": completion}], recs
+    (s,), stats = tokenize_records(recs, tok, 10_000)
     ids = tok(prompt + completion)["input_ids"] + [tok.eos_token_id]
     assert s["input_ids"] == ids
     inside = max(t for t in range(len(ids)) if prompt.startswith(tok.decode(ids[:t])))   # tokens within the prompt
