@@ -100,6 +100,8 @@ def build_parser(add_help=True):
     a("--data", default=None, help="training JSONL ({'text'}, {'prompt', 'completion'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
+    a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
+      "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
@@ -219,7 +221,7 @@ def main(argv=None):
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
-        tok = load_tokenizer(args.model)
+        tok = load_tokenizer(args.model, args.chat_template)
         samples, stats = load_samples(args.data, tok, args.max_len, margs.vocab_size, "--data")
         eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
                                                        "--eval-data")[0]
@@ -351,7 +353,8 @@ def main(argv=None):
         bar.close()
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
-                       rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None)
+                       rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
+                       chat_template=tok.chat_template if args.chat_template else None)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

@@ -1,7 +1,10 @@
 """Tokenization with the checkpoint's tokenizer, target masks and shifted labels.
 
 Contract:
-- `load_tokenizer(model_dir)` loads the tokenizer saved next to the checkpoint, offline only.
+- `load_tokenizer(model_dir, chat_template=None)` loads the tokenizer saved next to the checkpoint, offline only;
+  `chat_template` (--chat-template, `chat_template(spec)`: a built-in name of TEMPLATES, e.g. "chatml", or a file
+  holding a Jinja template) replaces the checkpoint's, checked by rendering a user and an assistant turn. The run
+  exports it with the adapter (chat_template.jinja, which merge puts in the merged tokenizer).
 - `tokenize_records(records, tokenizer, max_len, path)` turns validated records (`data.jsonl`) into
   samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
   samples left with no target are dropped (and counted).
@@ -62,8 +65,30 @@ class TokenStats:
         )
 
 
-def load_tokenizer(model_dir: str | Path):
-    """`AutoTokenizer` from the checkpoint directory, never from the hub."""
+TEMPLATES = {   # --chat-template names: ChatML (<|im_start|>role ... <|im_end|>), no default system prompt
+    "chatml": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+              "{%- endif %}",
+}
+
+
+def chat_template(spec: str | None) -> str | None:
+    """--chat-template's Jinja text: None keeps the checkpoint's; a name of TEMPLATES; else a file's contents."""
+    if spec is None or spec in TEMPLATES:
+        return TEMPLATES.get(spec)
+    p = Path(spec)
+    if not p.is_file():
+        raise DataError(f"--chat-template {spec!r} is neither a built-in ({', '.join(TEMPLATES)}) nor a file; pass "
+                        "one of those names or the path of a Jinja chat template")
+    text = p.read_text(encoding="utf-8")
+    if "messages" not in text:
+        raise DataError(f"--chat-template {spec}: no `messages` in it, so not a chat template (a Jinja template "
+                        "over `messages`, as tokenizer_config.json's chat_template)")
+    return text
+
+
+def load_tokenizer(model_dir: str | Path, chat_template_spec: str | None = None):
+    """`AutoTokenizer` from the checkpoint directory, never from the hub (with --chat-template's template)."""
     from transformers import AutoTokenizer  # import here: transformers takes seconds to import
 
     d = Path(model_dir)
@@ -75,9 +100,18 @@ def load_tokenizer(model_dir: str | Path):
             "copy the tokenizer that belongs to the checkpoint next to config.json"
         )
     try:
-        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
         raise DataError(f"could not load the tokenizer in {d}: {e}") from e
+    if (text := chat_template(chat_template_spec)) is not None:
+        tok.chat_template = text
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+        try:
+            assistant_char_spans(tok, probe, f"--chat-template {chat_template_spec}")
+        except Exception as e:   # noqa: BLE001 (Jinja's errors, a template that drops the turn: the same advice)
+            raise DataError(f"--chat-template {chat_template_spec}: it does not render a user and an assistant "
+                            f"turn ({type(e).__name__}: {e})") from None
+    return tok
 
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data"):

@@ -12,7 +12,8 @@ Contract:
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
   W' = W + (alpha / r) · B @ A (alpha / sqrt(r) for a use_rslora adapter) for every adapted projection, streamed
-  one base file at a time. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
+  one base file at a time; an adapter's chat_template.jinja (a run with --chat-template) becomes the merged
+  tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
   weight, i.e. exactly the base the adapter was trained against.
 """
 
@@ -30,9 +31,11 @@ from safetensors.torch import load_file, save_file
 from model.load import CheckpointReader, _check_dir, hub_snapshot
 
 OVERRIDES = "base_config_overrides.json"
+TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
 
 
-def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None) -> None:
+def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None,
+                   chat_template: str | None = None) -> None:
     """The LoRA weights in peft's format. The base model is named by its path, or, for a directory of
     huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
@@ -45,7 +48,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     write_adapter(get_peft_model_state_dict(peft_model, state_dict=full), peft_model.peft_config["default"], out_dir,
-                  base_path, rope_parameters)
+                  base_path, rope_parameters, chat_template)
 
 
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False) -> dict:
@@ -92,10 +95,12 @@ def peft_keys(lora: dict) -> dict:
     return {"base_model.model." + k.replace(".default.", "."): v for k, v in lora.items()}
 
 
-def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None) -> None:
-    """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base) and,
-    for a run with --rope-scaling, base_config_overrides.json. Written to `out_dir`.tmp, then swapped in: an adapter
-    already there (a resumed run re-exporting) stays whole until the new one is complete."""
+def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
+                  chat_template: str | None = None) -> None:
+    """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
+    for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
+    Written to `out_dir`.tmp, then swapped in: an adapter already there (a resumed run re-exporting) stays whole until
+    the new one is complete."""
     out_dir = os.path.normpath(out_dir)
     fresh = not (os.path.isdir(out_dir) and os.listdir(out_dir))   # nothing to keep: write in place
     tmp, old = (out_dir, None) if fresh else (out_dir + ".tmp", out_dir + ".old")
@@ -113,11 +118,29 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
         with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
+    if chat_template is not None:   # the template the data were rendered with, for inference
+        with open(os.path.join(tmp, TEMPLATE), "w", encoding="utf-8") as f:
+            f.write(chat_template)
     if not fresh:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
         os.rename(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _put_chat_template(out_dir: str, text: str) -> None:
+    """The merged tokenizer's chat template: chat_template.jinja and tokenizer_config.json's key (transformers 4 and 5
+    read one or the other); a base's chat_template.json (an older form) goes."""
+    with open(os.path.join(out_dir, TEMPLATE), "w", encoding="utf-8") as f:
+        f.write(text)
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump({**cfg, "chat_template": text}, f, indent=2, ensure_ascii=False)
+    if os.path.isfile(old := os.path.join(out_dir, "chat_template.json")):
+        os.remove(old)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:
@@ -200,3 +223,6 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for fn in os.listdir(base_path):   # tokenizer and generation files travel with the weights
         if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
             shutil.copy(os.path.join(base_path, fn), out_dir)
+    if os.path.isfile(src := os.path.join(adapter_dir, TEMPLATE)):   # the run's --chat-template replaces the base's
+        with open(src, encoding="utf-8") as f:
+            _put_chat_template(out_dir, f.read())

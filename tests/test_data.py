@@ -183,6 +183,40 @@ def test_chat_leading_assistant_turn_skips_default_system_prompt(tok):
     assert target_runs(tok, s) == ["Hello there." + END]
 
 
+def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
+    """--chat-template: "chatml" renders ChatML as written out here; a Jinja file renders its own format; the
+    targets are the assistant content and its end marker either way. A missing file, a file with no `messages`, a
+    template that raises or that drops the assistant's text: DataErrors naming the flag's value."""
+    import re
+
+    from data.tokens import TEMPLATES
+
+    msgs = [{"role": "user", "content": "who ran?"}, {"role": "assistant", "content": "the fox"}]
+    tok = load_tokenizer(tok_dir, "chatml")
+    assert tok.chat_template == TEMPLATES["chatml"]
+    (s,), _ = tokenize_records([{"messages": msgs}], tok, 1000)
+    chatml = f"<|im_start|>user\nwho ran?{END}\n<|im_start|>assistant\nthe fox{END}\n"
+    assert s["input_ids"] == tok(chatml, add_special_tokens=False)["input_ids"]
+    assert target_runs(tok, s) == [f"the fox{END}"]
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}" + END + "\n{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant]\n{% endif %}")
+    tok = load_tokenizer(tok_dir, str(own))
+    (s,), _ = tokenize_records([{"messages": msgs}], tok, 1000)
+    assert s["input_ids"] == tok(f"[user]\nwho ran?{END}\n[assistant]\nthe fox{END}\n", add_special_tokens=False)[
+        "input_ids"]
+    assert target_runs(tok, s) == [f"the fox{END}"]
+    (tmp_path / "plain.txt").write_text("hello")
+    (tmp_path / "raises.jinja").write_text("{% for m in messages %}{{ raise_exception('no roles here') }}{% endfor %}")
+    (tmp_path / "drops.jinja").write_text("{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    for spec, pattern in ((str(tmp_path / "nope.jinja"), "is neither a built-in \\(chatml\\) nor a file"),
+                          (str(tmp_path / "plain.txt"), "no `messages` in it"),
+                          (str(tmp_path / "raises.jinja"), "does not render a user and an assistant turn.*no roles"),
+                          (str(tmp_path / "drops.jinja"), "does not render a user and an assistant turn")):
+        with pytest.raises(DataError, match=f"--chat-template '?{re.escape(spec)}'?.*{pattern}"):
+            load_tokenizer(tok_dir, spec)
+
+
 def test_chat_without_template_is_an_error(tok, tmp_path):
     tok.chat_template = None
     make_chat_jsonl(tmp_path / "c.jsonl", 2)

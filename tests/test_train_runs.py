@@ -673,6 +673,36 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     assert mem[2].endswith("; free host memory free (test), not checked"), mem
 
 
+def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_path):
+    """--chat-template chatml in place of the checkpoint's template (which adds a default system prompt): the data are
+    rendered with it (the run's data line is that of the chatml tokenizer's samples), the adapter folder carries it
+    (chat_template.jinja), so does the adapter exported from the run's checkpoint, and the merge makes it the merged
+    tokenizer's (AutoTokenizer reads it back); a run without the flag writes none; a resume with another template is
+    refused before any weight is read."""
+    from transformers import AutoTokenizer
+
+    from data import load_jsonl, load_tokenizer, tokenize_records
+    from data.tokens import TEMPLATES
+    from model.export import merge
+    from parallel import checkpoint
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(train_argv(assets, a, "--steps", "1"))
+    run(train_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
+    data = lambda out: json.load(open(os.path.join(out, "config.json")))["data"]
+    want = str(tokenize_records(load_jsonl(assets["data"]), load_tokenizer(assets["model"], "chatml"), 64)[1])
+    assert data(b) == want != data(a), (data(b), want, data(a))
+    assert not os.path.exists(os.path.join(a, "adapter", "chat_template.jinja"))
+    assert open(os.path.join(b, "adapter", "chat_template.jinja")).read() == TEMPLATES["chatml"]
+    checkpoint.export(os.path.join(b, "ckpt"), str(tmp_path / "exported"))
+    assert open(tmp_path / "exported" / "chat_template.jinja").read() == TEMPLATES["chatml"]
+    merge(assets["model"], os.path.join(b, "adapter"), str(tmp_path / "merged"), quant="none", dtype=torch.float32)
+    assert json.load(open(tmp_path / "merged" / "tokenizer_config.json"))["chat_template"] == TEMPLATES["chatml"]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "merged")).chat_template == TEMPLATES["chatml"]
+    msg = startup_error(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
+    assert "--chat-template: the checkpoint has 'chatml', this run None" in msg, msg
+
+
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     """preflight.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
     the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
