@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
+from data.templates import chat_template
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import fetch_checkpoint, read_args, same_snapshot
@@ -82,7 +83,7 @@ def build_parser(add_help=True):
     a("--ulysses-degree", type=int, default=None, help="Ulysses degree inside --cp for --cp-impl hybrid")
     # LoRA
     a("--lora-r", type=int, default=16, help="LoRA rank")
-    a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
+    a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale alpha / r; alpha / sqrt(r) with --rslora)")
     a("--rslora", action="store_true", help="rank-stabilized LoRA: scale = alpha / sqrt(r) (peft's use_rslora)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
@@ -181,6 +182,7 @@ def main(argv=None):
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
     # every check that needs no process group comes first: a refusal leaves everything on disk as it was
+    args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     check_flags(args)
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
@@ -221,7 +223,7 @@ def main(argv=None):
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
-        tok = load_tokenizer(args.model, args.chat_template)
+        tok = load_tokenizer(args.model, args.chat_template_text)
         samples, stats = load_samples(args.data, tok, args.max_len, margs.vocab_size, "--data")
         eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
                                                        "--eval-data")[0]
@@ -354,7 +356,7 @@ def main(argv=None):
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
-                       chat_template=tok.chat_template if args.chat_template else None)
+                       chat_template=args.chat_template_text)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

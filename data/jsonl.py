@@ -80,7 +80,8 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
                 got = "nothing" if key not in obj else type(obj[key]).__name__
                 raise line_error(path, n, f'"{key}" must be a string, got {got}')
             if not obj[key].strip():
-                raise line_error(path, n, f'"{key}" is empty')
+                raise line_error(path, n, f'"{key}" is empty' + (' (a record that is all target is {"text": ...})'
+                                                                 if key == "prompt" else ""))
         return {"line": n, "prompt": obj["prompt"], "completion": obj["completion"]}
     if has_text:
         text = obj["text"]

@@ -1,10 +1,8 @@
 """Tokenization with the checkpoint's tokenizer, target masks and shifted labels.
 
 Contract:
-- `load_tokenizer(model_dir, chat_template=None)` loads the tokenizer saved next to the checkpoint, offline only;
-  `chat_template` (--chat-template, `chat_template(spec)`: a built-in name of TEMPLATES, e.g. "chatml", or a file
-  holding a Jinja template) replaces the checkpoint's, checked by rendering a user and an assistant turn. The run
-  exports it with the adapter (chat_template.jinja, which merge puts in the merged tokenizer).
+- `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
+  `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
 - `tokenize_records(records, tokenizer, max_len, path)` turns validated records (`data.jsonl`) into
   samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
   samples left with no target are dropped (and counted).
@@ -17,6 +15,8 @@ Contract:
   encoded like a text record (the tokenizer's BOS rule, EOS appended unless there), but only the completion is a
   target: every token whose characters reach into it (a token merged across the boundary counts), and EOS. For
   long-context tasks whose answer is short (a document and a question, then the answer), without a chat template.
+  A record longer than max_len loses the start of its prompt (after a BOS), so the question and the answer stay;
+  only a completion that alone does not fit is cut at its end, as text is.
 - Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
   and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
@@ -65,30 +65,9 @@ class TokenStats:
         )
 
 
-TEMPLATES = {   # --chat-template names: ChatML (<|im_start|>role ... <|im_end|>), no default system prompt
-    "chatml": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-              "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-              "{%- endif %}",
-}
-
-
-def chat_template(spec: str | None) -> str | None:
-    """--chat-template's Jinja text: None keeps the checkpoint's; a name of TEMPLATES; else a file's contents."""
-    if spec is None or spec in TEMPLATES:
-        return TEMPLATES.get(spec)
-    p = Path(spec)
-    if not p.is_file():
-        raise DataError(f"--chat-template {spec!r} is neither a built-in ({', '.join(TEMPLATES)}) nor a file; pass "
-                        "one of those names or the path of a Jinja chat template")
-    text = p.read_text(encoding="utf-8")
-    if "messages" not in text:
-        raise DataError(f"--chat-template {spec}: no `messages` in it, so not a chat template (a Jinja template "
-                        "over `messages`, as tokenizer_config.json's chat_template)")
-    return text
-
-
-def load_tokenizer(model_dir: str | Path, chat_template_spec: str | None = None):
-    """`AutoTokenizer` from the checkpoint directory, never from the hub (with --chat-template's template)."""
+def load_tokenizer(model_dir: str | Path, template: str | None = None):
+    """`AutoTokenizer` from the checkpoint directory, never from the hub; `template`: --chat-template's text in place
+    of the checkpoint's (`data.templates.apply_template` checks it)."""
     from transformers import AutoTokenizer  # import here: transformers takes seconds to import
 
     d = Path(model_dir)
@@ -103,14 +82,9 @@ def load_tokenizer(model_dir: str | Path, chat_template_spec: str | None = None)
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
         raise DataError(f"could not load the tokenizer in {d}: {e}") from e
-    if (text := chat_template(chat_template_spec)) is not None:
-        tok.chat_template = text
-        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-        try:
-            assistant_char_spans(tok, probe, f"--chat-template {chat_template_spec}")
-        except Exception as e:   # noqa: BLE001 (Jinja's errors, a template that drops the turn: the same advice)
-            raise DataError(f"--chat-template {chat_template_spec}: it does not render a user and an assistant "
-                            f"turn ({type(e).__name__}: {e})") from None
+    if template is not None:
+        from data.templates import apply_template
+        apply_template(tok, template)
     return tok
 
 
@@ -198,12 +172,30 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
     return full, spans
 
 
+def _targets(offsets, special, inside) -> list[bool]:
+    """Token flags from character spans: a token with characters is a target when `inside(a, b)`; one whose span the
+    tokenizer trimmed to nothing (whitespace under trim_offsets, GPT-2/RoBERTa-style files) when the nearest tokens
+    with characters around it are targets (or it ends the text after one); special tokens added around the text
+    never (an EOS is the caller's)."""
+    flags = [b > a and inside(a, b) for a, b in offsets]
+    n, left, right = len(flags), [None] * len(flags), [None] * len(flags)
+    for i in range(1, n):
+        left[i] = i - 1 if offsets[i - 1][1] > offsets[i - 1][0] else left[i - 1]
+    for i in range(n - 2, -1, -1):
+        right[i] = i + 1 if offsets[i + 1][1] > offsets[i + 1][0] else right[i + 1]
+    for i, (a, b) in enumerate(offsets):
+        if b <= a and not special[i]:
+            flags[i] = left[i] is not None and flags[left[i]] and (right[i] is None or flags[right[i]])
+    return flags
+
+
 def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
     full, spans = assistant_char_spans(tokenizer, messages, where)
     try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        flags = [b > a and any(a < e and b > s for s, e in spans) for a, b in offsets]
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_special_tokens_mask=True)
+        ids = enc["input_ids"]
+        flags = _targets(enc["offset_mapping"], enc["special_tokens_mask"],
+                         lambda a, b: any(a < e and b > s for s, e in spans))
     except NotImplementedError:
         # Slow (python) tokenizers have no offsets: use token counts of string prefixes instead.
         ids = tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -215,20 +207,25 @@ def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int]
     return ids, flags
 
 
-def _prompt_tokens(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
-    """prompt + completion as one text (BOS by the tokenizer's rule); targets: the tokens reaching into the completion
-    (EOS is the caller's)."""
-    full, start = prompt + completion, len(prompt)
+def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list[bool]]]:
+    """Each prompt + completion as one text (BOS by the tokenizer's rule; one batched call); targets: the tokens
+    reaching into the completion (EOS is the caller's)."""
+    fulls = [r["prompt"] + r["completion"] for r in records]
+    if not fulls:
+        return []
     try:
-        enc = tokenizer(full, add_special_tokens=True, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        flags = [b > a and b > start for a, b in offsets]   # special tokens have empty spans
-    except NotImplementedError:   # slow (python) tokenizers: the prompt's own token count
-        ids = list(tokenizer(full, add_special_tokens=True)["input_ids"])
-        head = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        n = len(head) - (len(head) > 0 and head[-1] == tokenizer.eos_token_id and ids[-1] == tokenizer.eos_token_id)
-        flags = [t >= n for t in range(len(ids))]
-    return ids, flags
+        enc = tokenizer(fulls, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True)
+        starts = [len(r["prompt"]) for r in records]
+        return [(list(ids), _targets(off, sp, lambda a, b, n=n: b > n))
+                for ids, off, sp, n in zip(enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"], starts)]
+    except NotImplementedError:   # slow (python) tokenizers: where the prompt's own tokens stop matching
+        out = []
+        for full, r in zip(fulls, records):
+            ids = list(tokenizer(full, add_special_tokens=True)["input_ids"])
+            head = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]
+            n = next((t for t, (x, y) in enumerate(zip(head, ids)) if x != y), min(len(head), len(ids)))
+            out.append((ids, [t >= n for t in range(len(ids))]))
+        return out
 
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>"):
@@ -249,8 +246,10 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
             "template, but the tokenizer has none (base models often ship without one); use an "
             'instruct checkpoint, add a chat_template to tokenizer_config.json, or write {"text": ...}'
         )
-    # One batched call for all text records: the fast tokenizer parallelises it.
+    # One batched call for all text records, one for all prompt/completion ones: the fast tokenizer parallelises it.
     text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
+    prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in records if "prompt" in r]))
+    bos = getattr(tokenizer, "bos_token_id", None)
 
     samples, stats = [], TokenStats(records=len(records))
     for r in records:
@@ -260,10 +259,14 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
                 ids.append(eos)
             flags = [True] * len(ids)
         elif "prompt" in r:
-            ids, flags = _prompt_tokens(tokenizer, r["prompt"], r["completion"])
+            ids, flags = next(prompt_ids)
             if not ids or ids[-1] != eos:
                 ids, flags = ids + [eos], flags + [True]
             flags[-1] = True   # EOS: the model learns to stop after the completion
+            cut, head = len(ids) - max_len, int(bos is not None and ids[0] == bos)
+            if 0 < cut <= flags.index(True) - head:   # too long: the prompt's start goes (after a BOS), not the answer
+                stats.longest, stats.truncated = max(stats.longest, len(ids)), stats.truncated + 1
+                ids, flags = ids[:head] + ids[head + cut:], flags[:head] + flags[head + cut:]
         else:
             where = f"{path}, line {r.get('line', '?')}"
             ids, flags = _chat_tokens(tokenizer, r["messages"], where)

@@ -51,7 +51,8 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
                   base_path, rope_parameters, chat_template)
 
 
-def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False) -> dict:
+def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
+                       chat_template: str | None = None) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
     cfg_path = os.path.join(path, "adapter_config.json")
@@ -74,6 +75,11 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     if cfg.get("r") != r or cfg.get("lora_alpha") != alpha:
         wrong.append(f"r {cfg.get('r')} and lora_alpha {cfg.get('lora_alpha')}, this run --lora-r {r} --lora-alpha "
                      f"{alpha:g} (the same numbers keep the function it learned: pass them)")
+    if os.path.isfile(t := os.path.join(path, TEMPLATE)):
+        with open(t, encoding="utf-8") as f:
+            if f.read() != chat_template:
+                wrong.append(f"the chat template in {t}, {'another' if chat_template else 'no'} --chat-template in "
+                             f"this run (its chats were rendered with it: pass --chat-template {t})")
     if not isinstance(mods, list) or not set(mods) <= set(targets):
         wrong.append(f"target_modules {mods!r}, beyond this run's --lora-targets {','.join(targets)} (pass a "
                      "--lora-targets that holds them)")
@@ -130,7 +136,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
 
 def _put_chat_template(out_dir: str, text: str) -> None:
     """The merged tokenizer's chat template: chat_template.jinja and tokenizer_config.json's key (transformers 4 and 5
-    read one or the other); a base's chat_template.json (an older form) goes."""
+    read one or the other); a base's chat_template.json (an older form) goes. Its end-of-turn token joins
+    generation_config.json's eos_token_id (data/templates.py): generation stops where the tuned model ends a turn."""
     with open(os.path.join(out_dir, TEMPLATE), "w", encoding="utf-8") as f:
         f.write(text)
     cfg_path = os.path.join(out_dir, "tokenizer_config.json")
@@ -141,6 +148,20 @@ def _put_chat_template(out_dir: str, text: str) -> None:
             json.dump({**cfg, "chat_template": text}, f, indent=2, ensure_ascii=False)
     if os.path.isfile(old := os.path.join(out_dir, "chat_template.json")):
         os.remove(old)
+    from transformers import AutoTokenizer
+
+    from data.templates import end_of_turn
+    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    tok.chat_template = text
+    _, ids = end_of_turn(tok)
+    gen_path, gen = os.path.join(out_dir, "generation_config.json"), {}
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen = json.load(f)
+    eos = gen.get("eos_token_id", tok.eos_token_id)
+    eos = [x for x in (eos if isinstance(eos, list) else [eos]) if x is not None]
+    with open(gen_path, "w") as f:
+        json.dump({**gen, "eos_token_id": eos + [i for i in ids if i not in eos]}, f, indent=2)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:
@@ -180,7 +201,8 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
     if log:
-        log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}), {len(reader.where)} "
+        log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
+            f"{', rsLoRA' if acfg.get('use_rslora') else ''}: scale {scale:g}), {len(reader.where)} "
             f"tensors in {len(files)} files")
     weight_map, total = {}, 0
     for i, (fn, names) in enumerate(sorted(files.items())):

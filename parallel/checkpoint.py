@@ -235,7 +235,6 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
 def export(path: str, out_dir: str) -> str:
     """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
     return the step folder read."""
-    from data.tokens import chat_template
     from model.export import peft_keys, write_adapter
     from model.load import read_args
     from model.qlora import lora_config
@@ -259,7 +258,7 @@ def export(path: str, out_dir: str) -> str:
                                                args["lora_targets"].split(","), args.get("rslora", False)),
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
-                  chat_template(args.get("chat_template")))
+                  args.get("chat_template_text"))
     return path
 
 

@@ -165,7 +165,7 @@ def check_flags(args) -> None:
         if not math.isfinite(v):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
     lower = [("--lr", args.lr, 0, "> 0"), ("--lora-alpha", args.lora_alpha, 0, "> 0 (0 trains nothing: "
-             "the LoRA output is scaled by alpha / r)"), ("--lora-r", args.lora_r, 0, ">= 1"),
+             "the LoRA output is scaled by alpha / r, or / sqrt(r))"), ("--lora-r", args.lora_r, 0, ">= 1"),
              ("--timeout", args.timeout, 0, "> 0 minutes"),
              ("--keep-ckpts", args.keep_ckpts, 0, ">= 1"), ("--max-nonfinite", args.max_nonfinite, 0, ">= 1")]
     for flag, v, bound, need in lower:
@@ -179,7 +179,7 @@ def check_flags(args) -> None:
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
                              "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
-                           getattr(args, "rslora", False))
+                           getattr(args, "rslora", False), getattr(args, "chat_template_text", None))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes)):

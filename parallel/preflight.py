@@ -25,8 +25,9 @@ Contract:
 - `device_budget(args, world)` -> (target, bytes, where): parallel.plan_search._budget (this rank's CUDA device's
   total, else this machine's RAM over its local ranks) less, on CUDA without --gpu-mem, what other processes hold on
   the device now: the device's used memory (cudaMemGetInfo) beyond this process's allocator cache and the plan's
-  RUNTIME (this process's context and communicators, counted in every plan's total). A GPU another job still holds
-  is then refused or warned about by the same rules as a small one, naming how much is held.
+  RUNTIME (this process's context and communicators, counted in every plan's total), from 0.5 GB on. A GPU another
+  job still holds is then refused or warned about by the same rules as a small one, naming how much is held and the
+  device (cuda index and PCI bus, which nvidia-smi shows). Without cudaMemGetInfo: the total.
 - `host_available()` -> (bytes, where): psutil's available memory, or the least room any memory cgroup above this
   process leaves (its limit less its usage net of page cache; v2 and v1, the process's cgroup and every parent up to
   the mount: Slurm and container limits sit on a parent) when that is lower. `cgroup_headroom(limit=True)`, their
@@ -130,12 +131,18 @@ def device_budget(args, world: int) -> tuple[str, float, str]:
     if target != "cuda" or getattr(args, "gpu_mem", None) or not torch.cuda.is_available():
         return target, mem, where
     dev = torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(dev)
+    try:
+        free, total = torch.cuda.mem_get_info(dev)
+    except RuntimeError:   # (no such query here: the device's total, as --plan has it)
+        return target, mem, where
     others = total - free - torch.cuda.memory_reserved(dev) - RUNTIME["cuda"]
     if others < 0.5 * GB:   # a context and communicators larger than planned, not another job
         return target, mem, where
-    return target, mem - others, (f"{where}, less {others / GB:.1f} GB other processes hold on GPU {dev} now "
-                                  f"({free / GB:.1f} GB free; nvidia-smi names them)")
+    bus = getattr(torch.cuda.get_device_properties(dev), "pci_bus_id", None)
+    return target, mem - others, (f"{where}, less {others / GB:.1f} GB in use outside this process's allocator now "
+                                  f"on cuda:{dev}" + (f" (PCI bus {bus:02X})" if isinstance(bus, int) else "")
+                                  + f", {free / GB:.1f} GB free: other processes (nvidia-smi names them) or more "
+                                  "than the planned runtime of this one's own")
 
 
 def gather_budgets(args, world: int, rank: int) -> list[Budget]:

@@ -42,7 +42,7 @@ MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 # flags that change the math of the steps still to come: a resume must keep them
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
-                "chat_template")
+                "chat_template_text")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -218,12 +218,13 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record are not compared."""
     diffs = []
-    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template": None, **ckpt_args}   # runs from before
+    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, **ckpt_args}   # runs from before
     # these flags: without them
     for k in RUN_DEFINING:
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
-            flag = "--" + k.replace("_", "-")
-            diffs.append(f"{flag}: the checkpoint has {ckpt_args[k]!r}, this run {args.get(k)!r}")
+            flag = {"chat_template_text": "--chat-template (its text)"}.get(k, "--" + k.replace("_", "-"))
+            show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
+            diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}")
     if diffs:
         raise ValueError("--resume: flags that define the run differ from the checkpoint's:\n  " + "\n  ".join(diffs)
                          + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "

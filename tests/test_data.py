@@ -112,8 +112,8 @@ def test_prompt_completion_targets_are_the_completion_and_eos(tok, tmp_path, pro
     assert stats.targets == len(ids) - inside
 
 
-def test_prompt_completion_eos_rule_and_truncation(tok):
-    """A tokenizer that appends EOS itself gets one; a prompt longer than --max-len leaves no target: dropped."""
+def test_prompt_completion_eos_rule(tok):
+    """A tokenizer that adds BOS and EOS itself: one of each, the BOS no target, the EOS one."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
@@ -127,8 +127,6 @@ def test_prompt_completion_eos_rule_and_truncation(tok):
     assert s["input_ids"] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
     n_prompt = len(llama_like("The fox", add_special_tokens=False)["input_ids"])
     assert s["labels"][:n_prompt] == [IGNORE_INDEX] * n_prompt and s["labels"][-2] == llama_like.eos_token_id
-    samples, stats = tokenize_records([{"prompt": "fox " * 50, "completion": "dog"}], tok, 16)
-    assert (samples, stats.dropped, stats.truncated) == ([], 1, 1)
 
 
 # --- tokenization: chat ---------------------------------------------------------------------------
@@ -185,14 +183,16 @@ def test_chat_leading_assistant_turn_skips_default_system_prompt(tok):
 
 def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
     """--chat-template: "chatml" renders ChatML as written out here; a Jinja file renders its own format; the
-    targets are the assistant content and its end marker either way. A missing file, a file with no `messages`, a
-    template that raises or that drops the assistant's text: DataErrors naming the flag's value."""
+    targets are the assistant content and its end marker either way. Refused, naming the flag: a missing file, a file
+    with no `messages`, a template that raises or drops the assistant's text, one whose end-of-turn marker is not one
+    token of this tokenizer (nothing a tuned model could stop on)."""
     import re
 
-    from data.tokens import TEMPLATES
+    from data.templates import TEMPLATES, chat_template
 
     msgs = [{"role": "user", "content": "who ran?"}, {"role": "assistant", "content": "the fox"}]
-    tok = load_tokenizer(tok_dir, "chatml")
+    assert chat_template("chatml") == TEMPLATES["chatml"] and chat_template(None) is None
+    tok = load_tokenizer(tok_dir, chat_template("chatml"))
     assert tok.chat_template == TEMPLATES["chatml"]
     (s,), _ = tokenize_records([{"messages": msgs}], tok, 1000)
     chatml = f"<|im_start|>user\nwho ran?{END}\n<|im_start|>assistant\nthe fox{END}\n"
@@ -201,20 +201,69 @@ def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
     own = tmp_path / "own.jinja"
     own.write_text("{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}" + END + "\n{% endfor %}"
                    "{% if add_generation_prompt %}[assistant]\n{% endif %}")
-    tok = load_tokenizer(tok_dir, str(own))
+    tok = load_tokenizer(tok_dir, chat_template(str(own)))
     (s,), _ = tokenize_records([{"messages": msgs}], tok, 1000)
     assert s["input_ids"] == tok(f"[user]\nwho ran?{END}\n[assistant]\nthe fox{END}\n", add_special_tokens=False)[
         "input_ids"]
     assert target_runs(tok, s) == [f"the fox{END}"]
     (tmp_path / "plain.txt").write_text("hello")
-    (tmp_path / "raises.jinja").write_text("{% for m in messages %}{{ raise_exception('no roles here') }}{% endfor %}")
-    (tmp_path / "drops.jinja").write_text("{% for m in messages %}{{ m['role'] }}{% endfor %}")
     for spec, pattern in ((str(tmp_path / "nope.jinja"), "is neither a built-in \\(chatml\\) nor a file"),
-                          (str(tmp_path / "plain.txt"), "no `messages` in it"),
-                          (str(tmp_path / "raises.jinja"), "does not render a user and an assistant turn.*no roles"),
-                          (str(tmp_path / "drops.jinja"), "does not render a user and an assistant turn")):
-        with pytest.raises(DataError, match=f"--chat-template '?{re.escape(spec)}'?.*{pattern}"):
-            load_tokenizer(tok_dir, spec)
+                          (str(tmp_path / "plain.txt"), "no `messages` in it")):
+        with pytest.raises(DataError, match=f"--chat-template '{re.escape(spec)}'.*{pattern}"):
+            chat_template(spec)
+    for text, pattern in (("{% for m in messages %}{{ raise_exception('no roles here') }}{% endfor %}",
+                           "does not render a user and an assistant turn.*no roles here"),
+                          ("{% for m in messages %}{{ m['role'] }}{% endfor %}",
+                           "does not render a user and an assistant turn"),
+                          (TEMPLATES["chatml"].replace("<|im_end|>", "</turn>"),
+                           r"ends an assistant turn with '</turn>', which this tokenizer spells in \d+ tokens, "
+                           "not one")):
+        with pytest.raises(DataError, match=f"--chat-template: .*{pattern}"):
+            load_tokenizer(tok_dir, text)
+
+
+def test_whitespace_tokens_with_trimmed_offsets_are_targets_inside_an_answer(tok):
+    """A tokenizer whose offsets trim whitespace (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) gives its
+    whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets like their
+    neighbours (the indentation of code), not after the turn's end marker. Same ids and targets as untrimmed."""
+    from tokenizers import processors
+
+    recs = [{"prompt": "def f(x):", "completion": "\n    if x:\n        return x"},
+            {"messages": [{"role": "user", "content": "code"},
+                          {"role": "assistant", "content": "if x:\n    return x"}]}]
+    plain, _ = tokenize_records(recs, tok, 1000)
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    enc = tok("a\n    b", return_offsets_mapping=True)["offset_mapping"]
+    assert any(b <= a for a, b in enc), f"this tokenizer's offsets are not trimmed: {enc}"
+    trimmed, _ = tokenize_records(recs, tok, 1000)
+    assert trimmed == plain
+
+
+def test_prompt_completion_without_offsets_and_left_truncation(tok):
+    """A tokenizer without offsets (slow, python) finds the completion where the prompt's own tokens stop matching, a
+    token merged across the boundary included, as the fast path does. A record longer than --max-len loses the start
+    of its prompt, not its answer; one whose completion alone does not fit is cut at its end."""
+    rec = {"prompt": "the quick brow", "completion": "n fox"}
+    (fast,), _ = tokenize_records([rec], tok, 100)
+
+    class Slow:   # the tokenizer, without offsets
+        def __init__(self, t):
+            self.t, self.eos_token_id, self.bos_token_id = t, t.eos_token_id, t.bos_token_id
+
+        def __call__(self, *a, **k):
+            if k.get("return_offsets_mapping"):
+                raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+            return self.t(*a, **k)
+    (slow,), _ = tokenize_records([rec], Slow(tok), 100)
+    assert slow == fast
+    long = {"prompt": "fox " * 40 + "Q: who ran?\nA:", "completion": " the dog"}
+    (s,), stats = tokenize_records([long], tok, 24)
+    whole = tok(long["prompt"] + long["completion"])["input_ids"] + [tok.eos_token_id]
+    assert s["input_ids"] == whole[-24:] and stats.truncated == 1 and stats.longest == len(whole)
+    assert "".join(target_runs(tok, s)) == long["completion"] + tok.eos_token, "the answer and EOS kept whole"
+    short = {"prompt": "Q:", "completion": " fox" * 40}
+    (s,), _ = tokenize_records([short], tok, 24)
+    assert s["input_ids"] == (tok(short["prompt"] + short["completion"])["input_ids"])[:24]
 
 
 def test_chat_without_template_is_an_error(tok, tmp_path):

@@ -495,7 +495,8 @@ def test_data_errors_name_file_and_line(assets, tmp_path):
 
     good = open(assets["data"]).read().splitlines()
     for label, bad, phrase in (("malformed JSON", '{"messages": [', "not valid JSON"),
-                               ("neither field", '{"question": "hi"}', 'has none of "text", "prompt"/"completion", "messages"')):
+                               ("neither field", '{"question": "hi"}',
+                                'has none of "text", "prompt"/"completion", "messages"')):
         path = tmp_path / f"{label.replace(' ', '_')}.jsonl"
         path.write_text("\n".join(good[:2] + [bad] + good[2:5]) + "\n")
         with no_weights(), pytest.raises(DataError) as e:

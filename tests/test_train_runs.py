@@ -677,12 +677,13 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     """--chat-template chatml in place of the checkpoint's template (which adds a default system prompt): the data are
     rendered with it (the run's data line is that of the chatml tokenizer's samples), the adapter folder carries it
     (chat_template.jinja), so does the adapter exported from the run's checkpoint, and the merge makes it the merged
-    tokenizer's (AutoTokenizer reads it back); a run without the flag writes none; a resume with another template is
-    refused before any weight is read."""
+    tokenizer's (AutoTokenizer reads it back) with its end-of-turn token among generation_config's eos ids; a run
+    without the flag writes none. Refused before any weight is read: a resume without the template (runs keep its
+    text: the same text from a file passes), --init-adapter from that adapter without it."""
     from transformers import AutoTokenizer
 
     from data import load_jsonl, load_tokenizer, tokenize_records
-    from data.tokens import TEMPLATES
+    from data.templates import TEMPLATES
     from model.export import merge
     from parallel import checkpoint
 
@@ -690,7 +691,8 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     run(train_argv(assets, a, "--steps", "1"))
     run(train_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
     data = lambda out: json.load(open(os.path.join(out, "config.json")))["data"]
-    want = str(tokenize_records(load_jsonl(assets["data"]), load_tokenizer(assets["model"], "chatml"), 64)[1])
+    tok = load_tokenizer(assets["model"], TEMPLATES["chatml"])
+    want = str(tokenize_records(load_jsonl(assets["data"]), tok, 64)[1])
     assert data(b) == want != data(a), (data(b), want, data(a))
     assert not os.path.exists(os.path.join(a, "adapter", "chat_template.jinja"))
     assert open(os.path.join(b, "adapter", "chat_template.jinja")).read() == TEMPLATES["chatml"]
@@ -699,14 +701,23 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     merge(assets["model"], os.path.join(b, "adapter"), str(tmp_path / "merged"), quant="none", dtype=torch.float32)
     assert json.load(open(tmp_path / "merged" / "tokenizer_config.json"))["chat_template"] == TEMPLATES["chatml"]
     assert AutoTokenizer.from_pretrained(str(tmp_path / "merged")).chat_template == TEMPLATES["chatml"]
+    eos = json.load(open(tmp_path / "merged" / "generation_config.json"))["eos_token_id"]
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos and tok.eos_token_id in eos, eos
     msg = startup_error(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
-    assert "--chat-template: the checkpoint has 'chatml', this run None" in msg, msg
+    assert "--chat-template (its text): the checkpoint has \"{%- for message in messages" in msg and "this run None" \
+        in msg, msg
+    (tmp_path / "same.jinja").write_text(TEMPLATES["chatml"])   # the same text under another name: the same run
+    run(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt"), "--chat-template",
+                   str(tmp_path / "same.jinja")))
+    msg = startup_error(train_argv(assets, str(tmp_path / "c"), "--init-adapter", os.path.join(b, "adapter")))
+    assert "the chat template in " in msg and "pass --chat-template " + os.path.join(b, "adapter") in msg, msg
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     """preflight.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
     the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
-    so; --gpu-mem plans that memory as given. preflight.check then refuses a plan that fits the total but not that."""
+    so, naming the device and its PCI bus; --gpu-mem plans that memory as given; a torch without cudaMemGetInfo gives
+    the total. preflight.check then refuses a plan that fits the total but not that."""
     import argparse
     import types
 
@@ -718,7 +729,7 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
 
     total, used = 141e9, [0.8e9]
     fake = dict(is_available=lambda: True, current_device=lambda: 0, get_device_name=lambda *a: "H200 (test)",
-                get_device_properties=lambda d: types.SimpleNamespace(total_memory=int(total)),
+                get_device_properties=lambda d: types.SimpleNamespace(total_memory=int(total), pci_bus_id=0x1B),
                 mem_get_info=lambda d=None: (int(total - used[0]), int(total)), memory_reserved=lambda d=None: 0)
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
@@ -727,15 +738,21 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     used[0] = 30.8e9
     target, mem, where = preflight.device_budget(args, 1)
     assert (target, mem) == ("cuda", total - (30.8e9 - RUNTIME["cuda"])), mem
-    assert where == ("141.0 GB per GPU (H200 (test)), less 29.8 GB other processes hold on GPU 0 now (110.2 GB free; "
-                     "nvidia-smi names them)"), where
+    assert where == ("141.0 GB per GPU (H200 (test)), less 29.8 GB in use outside this process's allocator now on "
+                     "cuda:0 (PCI bus 1B), 110.2 GB free: other processes (nvidia-smi names them) or more than the "
+                     "planned runtime of this one's own"), where
     assert preflight.device_budget(argparse.Namespace(gpu_mem=80), 1)[1:] == (80 * GB, "80.0 GB per GPU (--gpu-mem)")
+    def no_query(d=None):
+        raise RuntimeError("no cudaMemGetInfo here")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_query)
+    assert preflight.device_budget(args, 1)[1] == total
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fake["mem_get_info"])
     plan = types.SimpleNamespace(host=0, peak=120e9, total=120e9 * 1.1 + RUNTIME["cuda"])   # fits 141 GB, not 111
     monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
     monkeypatch.setattr("parallel.plan_search._fixes", lambda *a: [])
     run = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
-    with pytest.raises(ValueError, match=r"is more than 141.0 GB per GPU \(H200 \(test\)\), less 29.8 GB other "
-                                         r"processes hold on GPU 0 now.*It cannot fit"):
+    with pytest.raises(ValueError, match=r"is more than 141.0 GB per GPU \(H200 \(test\)\), less 29.8 GB in use "
+                                         r"outside this process's allocator now on cuda:0.*It cannot fit"):
         preflight.check(run, None, None, [preflight.Budget(0, target, mem, where, float("inf"), "", "m")], print)
 
 

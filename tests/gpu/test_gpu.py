@@ -374,8 +374,8 @@ def test_cuda_allocator_expands_segments(conf, expandable):
 
 
 def test_cuda_device_budget_leaves_out_another_process():
-    """The start-up check's device budget (preflight.device_budget): the device's total while this process is alone on
-    it; with another process holding 3 GiB (and its context) it is that much lower and says so."""
+    """The start-up check's device budget (preflight.device_budget): with another process holding 3 GiB (and its
+    context) it is that much lower than before it started, and says so."""
     import argparse
     import subprocess
     import sys
@@ -383,8 +383,8 @@ def test_cuda_device_budget_leaves_out_another_process():
     from parallel import preflight
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     args = argparse.Namespace(gpu_mem=None)
-    alone = preflight.device_budget(args, 1)
-    assert alone[1] == total, alone
+    alone = preflight.device_budget(args, 1)   # (the total, unless this process's libraries pass the runtime's 1 GB)
+    assert total - 2 * 2 ** 30 < alone[1] <= total, alone
     dev = f"cuda:{torch.cuda.current_device()}"   # the same visible devices: the same GPU
     code = f"import torch, sys; a = torch.empty(3 << 30, dtype=torch.uint8, device='{dev}'); print('ready', flush=True)"
     code += "; sys.stdin.read()"
@@ -395,8 +395,8 @@ def test_cuda_device_budget_leaves_out_another_process():
     finally:
         other.stdin.close()
         other.wait(timeout=60)
-    held = (total - mem) / 2 ** 30
-    assert 2.5 < held < 5.0 and "other processes hold on GPU" in where, (held, where)
+    held = (alone[1] - mem) / 2 ** 30
+    assert 2.5 < held < 5.0 and "outside this process's allocator" in where, (held, where)
 
 
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):

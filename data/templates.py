@@ -1,0 +1,70 @@
+"""--chat-template: a chat template in place of the checkpoint's, and what makes one usable for training.
+
+Contract:
+- `chat_template(spec)` -> the Jinja text, or None (keep the checkpoint's): a name of TEMPLATES ("chatml"), else the
+  file's contents. A spec that is neither, or a file with no `messages` in it, is a DataError naming it.
+- `apply_template(tokenizer, text)` sets it after checking, on a user and an assistant turn, that it renders the
+  assistant's text verbatim (data/tokens.py finds the targets that way) and that what it writes right after that
+  text, the end-of-turn marker (`<|im_end|>`), is one token of this tokenizer. Chat records get no EOS: the marker is
+  how a tuned model says it is done, and one spelled in several ordinary tokens (a template written for another
+  model's special tokens) would be nothing a generation loop stops on. Refused, naming the marker and the count.
+- `end_of_turn(tokenizer)` -> (marker, its token ids) under the tokenizer's template. `model.export.merge` adds the
+  marker's id to the merged generation_config.json's eos_token_id, so generation stops there.
+- train.py keeps the text (args.chat_template_text) in the run's config.json and in every checkpoint: a resume
+  compares the text, not the file's name, and an adapter exported from a checkpoint carries the text it was trained
+  with (chat_template.jinja), whatever became of the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data.jsonl import DataError
+
+TEMPLATES = {   # ChatML (<|im_start|>role ... <|im_end|>), with no default system prompt
+    "chatml": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+              "{%- endif %}",
+}
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]
+
+
+def chat_template(spec: str | None) -> str | None:
+    """--chat-template's Jinja text (module docstring)."""
+    if spec is None or spec in TEMPLATES:
+        return TEMPLATES.get(spec)
+    p = Path(spec)
+    if not p.is_file():
+        raise DataError(f"--chat-template {spec!r} is neither a built-in ({', '.join(TEMPLATES)}) nor a file; pass "
+                        "one of those names or the path of a Jinja chat template")
+    text = p.read_text(encoding="utf-8")
+    if "messages" not in text:
+        raise DataError(f"--chat-template {spec!r}: no `messages` in it, so not a chat template (a Jinja template "
+                        "over `messages`, as tokenizer_config.json's chat_template)")
+    return text
+
+
+def end_of_turn(tokenizer) -> tuple[str, list[int]]:
+    """(what the template writes right after an assistant's text, its token ids); raises what rendering raises."""
+    from data.tokens import assistant_char_spans
+
+    full, spans = assistant_char_spans(tokenizer, PROBE, "--chat-template")
+    content = PROBE[1]["content"]
+    marker = full[full.index(content, spans[0][0]) + len(content):spans[0][1]]
+    return marker, tokenizer(marker, add_special_tokens=False)["input_ids"]
+
+
+def apply_template(tokenizer, text: str) -> None:
+    """Set `text` as the tokenizer's chat template once it passes the checks of the module docstring."""
+    old, tokenizer.chat_template = tokenizer.chat_template, text
+    try:
+        marker, ids = end_of_turn(tokenizer)
+    except Exception as e:   # noqa: BLE001 (Jinja's errors, a template that drops the turn: the same advice)
+        tokenizer.chat_template = old
+        raise DataError(f"--chat-template: the template does not render a user and an assistant turn "
+                        f"({type(e).__name__}: {e})") from None
+    if len(ids) != 1:
+        tokenizer.chat_template = old
+        raise DataError(f"--chat-template: the template ends an assistant turn with {marker!r}, which this tokenizer "
+                        f"spells in {len(ids)} tokens, not one: nothing a tuned model could stop on. Use a template "
+                        "written with this model's own special tokens (tokenizer_config.json's added_tokens_decoder)")
