@@ -1,11 +1,13 @@
 """Before/after: the base model's and the fine-tuned model's greedy answers on held-out prompts.
 
     python -m data.demo_compare runs/demo            # what `make demo` prints at the end
-    python -m data.demo_compare OUT --n 5            # any run whose eval data are chat records
+    python -m data.demo_compare OUT --n 5            # any run whose eval data are chat or prompt records
 
-Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`), takes
-the first `--n` held-out conversations, and for each prints the prompt (the conversation up to its
-last user turn), the expected answer (its last assistant turn), and the greedy answers of
+Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`, and the
+text of its `--chat-template`, which replaces the base tokenizer's as it did in training), takes the
+first `--n` held-out conversations or prompt/completion records, and for each prints the prompt (the
+conversation up to its last user turn; a record's prompt, encoded as training encoded it), the expected
+answer (its last assistant turn; the completion), and the greedy answers of
 1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
 Nothing here uses the trainer's model code: the adapter is checked in the ecosystem it is for.
@@ -46,12 +48,14 @@ def nf4_round_trip(model) -> None:
                 mod.weight.copy_(dequantize_4bit(packed, st).to(mod.weight.dtype))
 
 
-def generate(model, tok, messages: list[dict], max_new_tokens: int) -> str:
+def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: list[int]) -> str:
     import torch
 
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    enc = tok(text, add_special_tokens=False, return_tensors="pt")
-    stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
+    if isinstance(prompt, str):   # a prompt/completion record: its prompt as training encoded it
+        enc = tok(prompt, add_special_tokens=True, return_tensors="pt")
+    else:
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        enc = tok(text, add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
                              pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
@@ -59,7 +63,7 @@ def generate(model, tok, messages: list[dict], max_new_tokens: int) -> str:
 
 
 def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
-    """[{prompt, expected, base, tuned}] for the first `n` held-out conversations of the run."""
+    """[{prompt, expected, base, tuned}] for the first `n` held-out conversations or prompt records of the run."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,25 +79,34 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         cfg = json.load(f)
     if not cfg.get("eval_data"):
         raise ValueError(f"{run_dir}/config.json names no eval_data: pass a run made with --eval-data")
-    convs = [r["messages"] for r in load_jsonl(cfg["eval_data"]) if "messages" in r][:n]
-    if not convs:
-        raise ValueError(f"{cfg['eval_data']} has no chat records to prompt with")
+    recs = [r for r in load_jsonl(cfg["eval_data"]) if "messages" in r or "prompt" in r][:n]
+    if not recs:
+        raise ValueError(f"{cfg['eval_data']} has no chat or prompt/completion records to prompt with")
     tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
+    stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
+    if cfg.get("chat_template_text"):   # the run's --chat-template, and the token that ends its turns
+        from data.templates import end_of_turn
+        tok.chat_template = cfg["chat_template_text"]
+        stop += end_of_turn(tok)[1]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
     if cfg.get("quant", "nf4") == "nf4":
         nf4_round_trip(model)
     model.eval()
     rows = []
-    for msgs in convs:
+    for rec in recs:
+        if "prompt" in rec:
+            rows.append({"prompt": rec["prompt"], "expected": rec["completion"].strip()})
+            continue
+        msgs = rec["messages"]
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"]})
     for r in rows:
-        r["base"] = generate(model, tok, r["prompt"], max_new_tokens)
+        r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop)
     tuned = PeftModel.from_pretrained(model, os.path.join(run_dir, "adapter"))
     tuned.eval()
     for r in rows:
-        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens)
+        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop)
     return rows
 
 
@@ -109,7 +122,8 @@ def main(argv=None) -> int:
           f"{os.path.join(args.run_dir, 'adapter')}):")
     for r in rows:
         ok = r["tuned"] == r["expected"]
-        print(f"\n  prompt:   {r['prompt'][-1]['content']}\n  expected: {r['expected']}\n"
+        shown = r["prompt"][-200:] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+        print(f"\n  prompt:   {shown}\n  expected: {r['expected']}\n"
               f"  base:     {r['base']}\n  tuned:    {r['tuned']}   [{'right' if ok else 'wrong'}]")
     right = sum(r["tuned"] == r["expected"] for r in rows)
     print(f"\n{right}/{len(rows)} tuned answers right, {sum(r['base'] == r['expected'] for r in rows)} base answers")

@@ -206,6 +206,26 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
         assert r["expected"] == rec["messages"][last]["content"]
         assert isinstance(r["base"], str) and isinstance(r["tuned"], str)
     assert any(r["base"] != r["tuned"] for r in rows), "the adapter changed no answer: was it loaded?"
+    if quant == "nf4":
+        return
+    # a run with --chat-template and prompt/completion eval records: its template renders the chats, its prompts are
+    # encoded as training encoded them (BOS rule), and both kinds are compared
+    import data.demo_compare as dc
+    from data.templates import TEMPLATES
+
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": "The fox ran.\nWho ran?", "completion": " The fox."})
+                                          + "\n" + json.dumps(recs[0]) + "\n")
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "eval_data": str(
+        tmp_path / "mixed.jsonl"), "chat_template_text": TEMPLATES["chatml"]}))
+    seen, plain = [], dc.generate
+    dc.generate = lambda m, t, p, *a: seen.append((t.chat_template, p)) or plain(m, t, p, *a)
+    try:
+        rows = compare(str(run), n=2, max_new_tokens=6)
+    finally:
+        dc.generate = plain
+    assert [r["expected"] for r in rows] == ["The fox.", recs[0]["messages"][-1]["content"]], rows
+    assert rows[0]["prompt"] == "The fox ran.\nWho ran?" and isinstance(rows[0]["tuned"], str)
+    assert {t for t, _ in seen} == {TEMPLATES["chatml"]}, "the run's template, not the base tokenizer's"
 
 
 def test_demo_as_shipped_learns_the_task(demo, tmp_path):
