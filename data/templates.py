@@ -8,7 +8,8 @@ Contract:
   text, the end-of-turn marker (`<|im_end|>`), is one token of this tokenizer. Chat records get no EOS: the marker is
   how a tuned model says it is done, and one spelled in several ordinary tokens (a template written for another
   model's special tokens) would be nothing a generation loop stops on. Refused, naming the marker and the count.
-- `end_of_turn(tokenizer)` -> (marker, its token ids) under the tokenizer's template. `model.export.merge` adds the
+- `end_of_turn(tokenizer)` -> (marker, its token ids; spaces around it are not part of it) under the tokenizer's
+  template. `model.export.merge` adds the
   marker's id to the merged generation_config.json's eos_token_id, so generation stops there.
 - train.py keeps the text (args.chat_template_text) in the run's config.json and in every checkpoint: a resume
   compares the text, not the file's name, and an adapter exported from a checkpoint carries the text it was trained
@@ -50,7 +51,7 @@ def end_of_turn(tokenizer) -> tuple[str, list[int]]:
 
     full, spans = assistant_char_spans(tokenizer, PROBE, "--chat-template")
     content = PROBE[1]["content"]
-    marker = full[full.index(content, spans[0][0]) + len(content):spans[0][1]]
+    marker = full[full.index(content, spans[0][0]) + len(content):spans[0][1]].strip()   # (Llama 2 writes " </s>")
     return marker, tokenizer(marker, add_special_tokens=False)["input_ids"]
 
 

@@ -188,7 +188,7 @@ def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
     token of this tokenizer (nothing a tuned model could stop on)."""
     import re
 
-    from data.templates import TEMPLATES, chat_template
+    from data.templates import TEMPLATES, chat_template, end_of_turn
 
     msgs = [{"role": "user", "content": "who ran?"}, {"role": "assistant", "content": "the fox"}]
     assert chat_template("chatml") == TEMPLATES["chatml"] and chat_template(None) is None
@@ -206,6 +206,9 @@ def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
     assert s["input_ids"] == tok(f"[user]\nwho ran?{END}\n[assistant]\nthe fox{END}\n", add_special_tokens=False)[
         "input_ids"]
     assert target_runs(tok, s) == [f"the fox{END}"]
+    # a marker written after a space (as Llama 2's " </s>") is its token
+    spaced = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} <|endoftext|>\n{% endfor %}"
+    assert end_of_turn(load_tokenizer(tok_dir, spaced)) == ("<|endoftext|>", [tok.eos_token_id])
     (tmp_path / "plain.txt").write_text("hello")
     for spec, pattern in ((str(tmp_path / "nope.jinja"), "is neither a built-in \\(chatml\\) nor a file"),
                           (str(tmp_path / "plain.txt"), "no `messages` in it")):
