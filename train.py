@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
+from data.store import file_sha256
 from data.templates import chat_template
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
@@ -103,6 +104,10 @@ def build_parser(add_help=True):
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
+    a("--data-cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                            "long-context-lora", "tokens"), metavar="DIR|none",
+      help="keep tokenized data here, keyed by the file's bytes, tokenizer, template, --max-len and the data code: a "
+      "rerun or resume reads it back instead of tokenizing (memory-mapped, shared by a machine's ranks)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
@@ -149,7 +154,7 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device):
     """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks with
     fewer samples run all-ignored dummies, so every rank makes the same collective calls."""
     share = samples[data_rank::data_ranks]
-    dummy = {"input_ids": samples[0]["input_ids"], "labels": [IGNORE_INDEX] * len(samples[0]["labels"])}
+    dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
     share += [dummy] * (math.ceil(len(samples) / data_ranks) - len(share))
     tot = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
@@ -190,6 +195,7 @@ def main(argv=None):
         if path is not None:   # (the demo's files are built below)
             check_file(path, flag)
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
@@ -224,11 +230,13 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model, args.chat_template_text)
-        samples, stats = load_samples(args.data, tok, args.max_len, margs.vocab_size, "--data")
-        eval_samples = args.eval_data and load_samples(args.eval_data, tok, args.max_len, margs.vocab_size,
-                                                       "--eval-data")[0]
+        load = lambda path, flag, sha=None: load_samples(   # one machine's first rank writes the cache
+            path, tok, args.max_len, margs.vocab_size, flag, None if args.data_cache == "none" else args.data_cache,
+            write=os.environ.get("LOCAL_RANK", str(rank)) == "0", log=log0, sha256=sha)
+        samples, stats = load(args.data, "--data", args.data_sha256)
+        eval_samples = args.eval_data and load(args.eval_data, "--eval-data")[0]
         log0(f"data: {stats}")
-        longest = max(len(s["input_ids"]) for s in samples)   # the memory plans' length (--max-len is only a cap)
+        longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)

@@ -1,7 +1,9 @@
 """Data pipeline: JSONL records -> token samples -> layout-independent global batches -> micro-batches.
 
     records = load_jsonl(path)                                   # data/jsonl.py
-    samples, stats = tokenize_records(records, tok, max_len, path)  # data/tokens.py
+    samples, stats = tokenize_records(records, tok, max_len, path)  # data/tokens.py: lists
+    samples, stats = load_samples(path, tok, max_len, vocab_size, cache=DIR)  # the same, compact and cached
+                                                                 # (data/store.py): what train.py uses
     order = GlobalBatches(len(samples), global_batch, seed)      # data/batches.py
     for idx in order.micro_batches(step, data_rank, data_ranks, micro_batch):
         batch = collate([samples[i] for i in idx], pack, divisor, pad_id)  # data/collate.py

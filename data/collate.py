@@ -1,7 +1,7 @@
 """Collation of one micro-batch into model inputs: padding or packing, never changing the math.
 
-Contract: `collate(samples, pack, divisor, pad_id)` takes samples `{"input_ids", "labels"}` (labels
-already shifted by `data.tokens`) and returns LongTensors `input_ids`, `labels`, `position_ids`,
+Contract: `collate(samples, pack, divisor, pad_id)` takes samples `{"input_ids", "labels"}` (lists or 1-D
+tensors; labels already shifted by `data.tokens`) and returns LongTensors `input_ids`, `labels`, `position_ids`,
 all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2·cp for ring).
 - `pack=False`: B = len(samples). Each row is one sample padded at the END to the longest sample,
   rounded up to `divisor`.
@@ -27,15 +27,13 @@ def _round_up(n: int, divisor: int) -> int:
     return -(-n // divisor) * divisor
 
 
-def _row(samples: list[dict], length: int, pad_id: int) -> tuple[list[int], list[int], list[int]]:
-    ids, labels, pos = [], [], []
-    for s in samples:
-        ids += s["input_ids"]
-        labels += s["labels"]
-        pos += range(len(s["input_ids"]))
-    n_pad = length - len(ids)
-    last = pos[-1] + 1
-    return ids + [pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, pos + list(range(last, last + n_pad))
+def _row(samples: list[dict], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]   # lists, or data.store's int32
+    labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
+    pos = [torch.arange(len(x)) for x in ids]
+    n_pad, last = length - sum(len(x) for x in ids), len(ids[-1])
+    return (torch.cat(ids + [torch.full((n_pad,), pad_id)]), torch.cat(labels + [torch.full((n_pad,), IGNORE_INDEX)]),
+            torch.cat(pos + [torch.arange(last, last + n_pad)]))
 
 
 def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -45,16 +43,15 @@ def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[
     if divisor < 1:
         raise ValueError(f"divisor must be >= 1, got {divisor}")
     for s in samples:
-        if len(s["input_ids"]) != len(s["labels"]) or not s["input_ids"]:
+        if len(s["input_ids"]) != len(s["labels"]) or not len(s["input_ids"]):
             raise ValueError("each sample needs non-empty input_ids and labels of the same length")
     if pack:
         rows = [_row(samples, _round_up(sum(len(s["input_ids"]) for s in samples), divisor), pad_id)]
     else:
         length = _round_up(max(len(s["input_ids"]) for s in samples), divisor)
         rows = [_row([s], length, pad_id) for s in samples]
-    ids, labels, pos = zip(*rows)
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)
-    return {"input_ids": as_long(ids), "labels": as_long(labels), "position_ids": as_long(pos)}
+    ids, labels, pos = (torch.stack(x) for x in zip(*rows))
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -6,6 +6,8 @@ Contract:
 - `tokenize_records(records, tokenizer, max_len, path)` turns validated records (`data.jsonl`) into
   samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
   samples left with no target are dropped (and counted).
+- `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
+  kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
   (`add_special_tokens=True`), so a BOS token is prepended exactly when the tokenizer defines one
   and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing). Then the
@@ -15,8 +17,9 @@ Contract:
   encoded like a text record (the tokenizer's BOS rule, EOS appended unless there), but only the completion is a
   target: every token whose characters reach into it (a token merged across the boundary counts), and EOS. For
   long-context tasks whose answer is short (a document and a question, then the answer), without a chat template.
-  A record longer than max_len loses the start of its prompt (after a BOS), so the question and the answer stay;
-  only a completion that alone does not fit is cut at its end, as text is.
+  A record longer than max_len loses the start of its prompt (after a BOS), so the question and the answer stay, but
+  the prompt keeps at least its last max_len // 4 tokens (all of a shorter one; at least one without a BOS, to
+  predict the answer's first token): an answer that still does not fit is cut at its end, as text is.
 - Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
   and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
@@ -38,7 +41,7 @@ fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data.jsonl import DataError
@@ -88,21 +91,35 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
     return tok
 
 
-def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data"):
-    """A JSONL file -> (samples, TokenStats), refusing a file with no target and out-of-vocab ids."""
+def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
+                 write: bool = True, log=None, sha256: str | None = None):
+    """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
+    `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
+    else tokenized and, when `write`, kept there for the next run. `sha256`: the file's, when already known."""
+    from data import store
     from data.jsonl import load_jsonl
 
-    samples, stats = tokenize_records(load_jsonl(path), tokenizer, max_len, path)
-    if not samples:
+    key = cache and store.cache_key(sha256 or store.file_sha256(path), tokenizer, max_len)
+    hit = key and store.read(Path(cache) / f"{key}.pt", key, log)
+    if hit:
+        samples, stats = hit[0], TokenStats(**hit[1])
+        if log:
+            log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
+    else:
+        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path),
+                                     log, f"{flag} {path}")
+    if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
     check_vocab(samples, tokenizer, vocab_size, path)
+    if key and not hit and write:
+        store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), log)
     return samples, stats
 
 
-def check_vocab(samples: list[dict], tokenizer, vocab_size: int, path: str | Path) -> None:
+def check_vocab(samples, tokenizer, vocab_size: int, path: str | Path) -> None:
     """Every token id must index the model's embedding: out-of-range ids crash late (an IndexError on
     CPU, an illegal memory access on CUDA), so they are refused here, before any weight is read."""
-    top = max((max(s["input_ids"]) for s in samples), default=-1)
+    top = samples.max_id() if hasattr(samples, "max_id") else max((max(s["input_ids"]) for s in samples), default=-1)
     n_tok = len(tokenizer)
     if top >= vocab_size or n_tok > vocab_size:
         raise DataError(
@@ -172,21 +189,13 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
     return full, spans
 
 
-def _targets(offsets, special, inside) -> list[bool]:
+def _targets(offsets, special, inside, at) -> list[bool]:
     """Token flags from character spans: a token with characters is a target when `inside(a, b)`; one whose span the
-    tokenizer trimmed to nothing (whitespace under trim_offsets, GPT-2/RoBERTa-style files) when the nearest tokens
-    with characters around it are targets (or it ends the text after one); special tokens added around the text
-    never (an EOS is the caller's)."""
-    flags = [b > a and inside(a, b) for a, b in offsets]
-    n, left, right = len(flags), [None] * len(flags), [None] * len(flags)
-    for i in range(1, n):
-        left[i] = i - 1 if offsets[i - 1][1] > offsets[i - 1][0] else left[i - 1]
-    for i in range(n - 2, -1, -1):
-        right[i] = i + 1 if offsets[i + 1][1] > offsets[i + 1][0] else right[i + 1]
-    for i, (a, b) in enumerate(offsets):
-        if b <= a and not special[i]:
-            flags[i] = left[i] is not None and flags[left[i]] and (right[i] is None or flags[right[i]])
-    return flags
+    tokenizer trimmed to nothing when `at(a)`. Trimming (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) leaves a
+    whitespace-only token at the END of its whitespace, (e, e): so whitespace opening an answer is in it (e past the
+    answer's start) and whitespace closing the prompt is not (e at it). Special tokens added around the text (empty
+    spans) never: an EOS is the caller's."""
+    return [inside(a, b) if b > a else not sp and at(a) for (a, b), sp in zip(offsets, special)]
 
 
 def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
@@ -195,7 +204,8 @@ def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int]
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_special_tokens_mask=True)
         ids = enc["input_ids"]
         flags = _targets(enc["offset_mapping"], enc["special_tokens_mask"],
-                         lambda a, b: any(a < e and b > s for s, e in spans))
+                         lambda a, b: any(a < e and b > s for s, e in spans),
+                         lambda a: any(s < a <= e for s, e in spans))
     except NotImplementedError:
         # Slow (python) tokenizers have no offsets: use token counts of string prefixes instead.
         ids = tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -216,7 +226,7 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
     try:
         enc = tokenizer(fulls, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True)
         starts = [len(r["prompt"]) for r in records]
-        return [(list(ids), _targets(off, sp, lambda a, b, n=n: b > n))
+        return [(list(ids), _targets(off, sp, lambda a, b, n=n: b > n, lambda a, n=n: a > n))
                 for ids, off, sp, n in zip(enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"], starts)]
     except NotImplementedError:   # slow (python) tokenizers: where the prompt's own tokens stop matching
         out = []
@@ -263,16 +273,18 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
             if not ids or ids[-1] != eos:
                 ids, flags = ids + [eos], flags + [True]
             flags[-1] = True   # EOS: the model learns to stop after the completion
-            cut, head = len(ids) - max_len, int(bos is not None and ids[0] == bos)
-            if 0 < cut <= flags.index(True) - head:   # too long: the prompt's start goes (after a BOS), not the answer
-                stats.longest, stats.truncated = max(stats.longest, len(ids)), stats.truncated + 1
-                ids, flags = ids[:head] + ids[head + cut:], flags[:head] + flags[head + cut:]
         else:
             where = f"{path}, line {r.get('line', '?')}"
             ids, flags = _chat_tokens(tokenizer, r["messages"], where)
         stats.longest = max(stats.longest, len(ids))
         if len(ids) > max_len:
             stats.truncated += 1
+            if "prompt" in r:   # the prompt's start goes (after a BOS), down to its last max_len // 4 tokens
+                head = int(bos is not None and ids[0] == bos)   # (at least one without a BOS: it predicts the
+                body = flags.index(True) - head                  # answer's first token), then the answer's end
+                keep = max(max_len - (len(ids) - body), min(body, max(head == 0, max_len // 4)))
+                if (drop := body - keep) > 0:
+                    ids, flags = ids[:head] + ids[head + drop:], flags[:head] + flags[head + drop:]
             ids, flags = ids[:max_len], flags[:max_len]
         labels = shift_labels(ids, flags)
         n_targets = sum(lab != IGNORE_INDEX for lab in labels)

@@ -42,7 +42,7 @@ MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 # flags that change the math of the steps still to come: a resume must keep them
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
-                "chat_template_text")
+                "chat_template_text", "data_sha256")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -222,7 +222,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     # these flags: without them
     for k in RUN_DEFINING:
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
-            flag = {"chat_template_text": "--chat-template (its text)"}.get(k, "--" + k.replace("_", "-"))
+            flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "
+                    "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
+                    }.get(k, "--" + k.replace("_", "-"))
             show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
             diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}")
     if diffs:

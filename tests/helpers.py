@@ -1,6 +1,7 @@
 """Small shared builders for tests: tiny random checkpoints made with transformers, train.py argv and guards."""
 
 import contextlib
+import os
 
 import torch
 import transformers as T
@@ -32,7 +33,8 @@ def build_nonzero_b(opts, b_std=0.05, **kw):
 def train_argv(assets, out, *extra):
     return ["--model", assets["model"], "--data", assets["data"], "--quant", "none", "--dtype", "fp32",
             "--steps", "3", "--global-batch", "8", "--max-len", "64", "--lora-r", "4", "--warmup", "1",
-            "--lr", "1e-3", "--no-progress", "--out", out, *extra]
+            "--lr", "1e-3", "--no-progress", "--out", out, "--data-cache",
+            os.path.join(os.path.dirname(assets["data"]), "token_cache"), *extra]   # later runs read it
 
 
 @contextlib.contextmanager

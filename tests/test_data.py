@@ -9,7 +9,9 @@ Run: .venv/bin/python -m pytest -q tests/test_data.py
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -227,14 +229,20 @@ def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
 
 def test_whitespace_tokens_with_trimmed_offsets_are_targets_inside_an_answer(tok):
     """A tokenizer whose offsets trim whitespace (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) gives its
-    whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets like their
-    neighbours (the indentation of code), not after the turn's end marker. Same ids and targets as untrimmed."""
+    whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets (the indentation
+    of code), also where they open it, and not where they close the prompt or the user's turn or follow the turn's
+    end marker. Same ids and targets as untrimmed."""
     from tokenizers import processors
 
     recs = [{"prompt": "def f(x):", "completion": "\n    if x:\n        return x"},
+            {"prompt": "def f():", "completion": "    return 1"},   # the answer opens with spaces: they are its
+            {"prompt": "Q:   ", "completion": "A"},   # the prompt closes with spaces: they are not
             {"messages": [{"role": "user", "content": "code"},
-                          {"role": "assistant", "content": "if x:\n    return x"}]}]
+                          {"role": "assistant", "content": "if x:\n    return x"}]},
+            {"messages": [{"role": "user", "content": "code  "},
+                          {"role": "assistant", "content": "    return x  "}]}]
     plain, _ = tokenize_records(recs, tok, 1000)
+    assert "".join(target_runs(tok, plain[1])) == "    return 1" + tok.eos_token, "untrimmed: the reference"
     tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
     enc = tok("a\n    b", return_offsets_mapping=True)["offset_mapping"]
     assert any(b <= a for a, b in enc), f"this tokenizer's offsets are not trimmed: {enc}"
@@ -267,6 +275,33 @@ def test_prompt_completion_without_offsets_and_left_truncation(tok):
     short = {"prompt": "Q:", "completion": " fox" * 40}
     (s,), _ = tokenize_records([short], tok, 24)
     assert s["input_ids"] == (tok(short["prompt"] + short["completion"])["input_ids"])[:24]
+
+
+def test_prompt_truncation_keeps_the_answer_learnable(tok):
+    """A long prompt whose answer (with EOS) alone fills --max-len, or more: the prompt keeps its last max_len // 4
+    tokens, at least one without a BOS (none needed with one), so the answer's first token is still a target; the
+    answer loses its end, and the record is never dropped."""
+    from tokenizers import processors
+
+    prompt, eos = "fox " * 40 + "Q: who ran?\nA:", tok.eos_token_id
+    for answer in (" the dog", " the dog" * 20):
+        whole = tok(prompt + answer)["input_ids"] + [eos]
+        n = min(24, len(whole) - len(tok(prompt)["input_ids"]))   # the answer and its EOS: one short of that
+        start = len(tok(prompt)["input_ids"]) - max(1, n // 4)   # " the" does not merge with ":"
+        (s,), stats = tokenize_records([{"prompt": prompt, "completion": answer}], tok, n)
+        assert (stats.truncated, stats.dropped) == (1, 0), f"{answer!r}: {stats}"
+        assert s["input_ids"] == whole[start:start + n], f"{answer!r}: the prompt's end and the answer's start"
+        targets = whole[len(tok(prompt)["input_ids"]):start + n]
+        assert "".join(target_runs(tok, s)) == tok.decode(targets), f"{answer!r}: all of the answer kept"
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                         special_tokens=[("<|im_start|>", bos)])
+    tok.bos_token = "<|im_start|>"
+    whole = tok(prompt + " the")["input_ids"] + [eos]
+    assert whole[0] == bos and len(tok(" the", add_special_tokens=False)["input_ids"]) == 1
+    (s,), stats = tokenize_records([{"prompt": prompt, "completion": " the"}], tok, 3)   # 3 // 4 = 0
+    assert s["input_ids"] == [bos] + whole[-2:] and stats.dropped == 0, "with a BOS the whole prompt may go"
+    assert "".join(target_runs(tok, s)) == " the" + tok.eos_token
 
 
 def test_chat_without_template_is_an_error(tok, tmp_path):
@@ -431,3 +466,69 @@ def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
     assert packed["position_ids"][0].tolist() == want_pos
     # No target crosses a document: the label at each document's last token is ignored.
     assert all(packed["labels"][0, s - 1] == IGNORE_INDEX for s in starts[1:])
+
+
+def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_dir, tmp_path, monkeypatch):
+    """data.store: `load_samples` tokenizes chunk by chunk into flat int32 tensors, and a rerun reads them back from
+    the cache; both hold exactly `tokenize_records`' samples and stats, and collate to the same batch. A change in
+    the data's bytes, --max-len, the chat template or a tokenizer file is a miss (a new key), never a stale hit; a
+    damaged cache file is said and replaced; a cache that cannot be written costs nothing but the cache."""
+    from data import store
+    from data.tokens import load_samples
+
+    path = tmp_path / "d.jsonl"
+    recs = make_text_jsonl(tmp_path / "t.jsonl", 9, seed=1) + make_chat_jsonl(tmp_path / "c.jsonl", 9, seed=2)
+    recs += [{"prompt": "Q: two plus two?", "completion": f" {i}"} for i in range(9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
+    tok, cache, said = load_tokenizer(tok_dir), tmp_path / "cache", []
+    ref, ref_stats = tokenize_records(load_jsonl(path), tok, 40, path)
+    assert ref_stats.truncated > 0 and ref_stats.dropped > 0, "the file exercises truncation and dropping"
+    monkeypatch.setattr(store, "CHUNK_CHARS", 200)   # several chunks
+    for attempt in ("tokenized", "cached"):
+        samples, stats = load_samples(path, tok, 40, len(tok), cache=str(cache), log=said.append)
+        assert stats == ref_stats, attempt
+        assert len(samples) == len(ref) and samples.ids.dtype == torch.int32, attempt
+        for i, r in enumerate(ref):
+            assert samples[i]["input_ids"].tolist() == r["input_ids"], f"{attempt}: sample {i} ids"
+            assert samples[i]["labels"].tolist() == r["labels"], f"{attempt}: sample {i} labels"
+        for pack in (True, False):
+            got, want = collate(samples[2:6], pack, 4, 0), collate(ref[2:6], pack, 4, 0)
+            assert all(torch.equal(got[k], want[k]) for k in want), f"{attempt}: collate pack={pack}"
+        assert samples.lengths.tolist() == [len(r["input_ids"]) for r in ref] and samples.max_id() == max(
+            max(r["input_ids"]) for r in ref), attempt
+        monkeypatch.setattr("data.tokens.tokenize_records", lambda *a: pytest.fail("the cache was not read"))
+    assert len(said) == 1 and "tokens from the cache" in said[0], said
+    monkeypatch.undo()
+    files = lambda: sorted(p.name for p in cache.iterdir())
+    first = files()
+    assert len(first) == 1, first
+    changes = [lambda: load_samples(path, tok, 41, len(tok), cache=str(cache))]   # --max-len
+    tok2 = load_tokenizer(tok_dir)
+    tok2.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    changes.append(lambda: load_samples(path, tok2, 40, len(tok), cache=str(cache)))   # the template
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    changes.append(lambda: load_samples(path, tok, 40, len(tok), cache=str(cache)))   # the data's bytes
+    for n, change in enumerate(changes, start=2):
+        change()
+        assert len(files()) == n, f"change {n - 1} made no new key"
+    tok_copy = tmp_path / "tok_copy"
+    shutil.copytree(tok_dir, tok_copy)
+    cfg = tok_copy / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text() + "\n")
+    load_samples(path, load_tokenizer(tok_copy), 40, len(tok), cache=str(cache))
+    assert len(files()) == 5, "a changed tokenizer file made no new key"
+    damaged = cache / first[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
+    said.clear()
+    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(cache), log=said.append)
+    assert [s.tolist() for s in samples.ids.split(samples.lengths.tolist())] == [r["input_ids"] for r in ref]
+    assert len(said) == 1 and "unreadable" in said[0] and "tokenizing again" in said[0], said
+    assert store.read(damaged, damaged.stem) is not None, "the damaged file was replaced"
+    said.clear()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(blocked / "cache"), log=said.append)
+    assert len(samples) == len(ref) and len(said) == 1 and "not written" in said[0], said
+    assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"

@@ -141,6 +141,26 @@ def test_resume_refuses_changed_run_flags(assets, done):
     assert tree_hash(done) == before
 
 
+def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(assets, tmp_path, capsys):
+    """A rerun reads the tokens back from --data-cache (the same losses); a resume whose --data file changed
+    since the checkpoint (same path, other bytes) is refused, naming the fix, before anything is written."""
+    data, out = tmp_path / "d.jsonl", str(tmp_path / "out")
+    shutil.copy(assets["data"], data)
+    argv = lambda out, *x: [*train_argv(assets, out, "--steps", "2", *x), "--data", str(data), "--data-cache",
+                            str(tmp_path / "cache")]
+    run(argv(out, "--save-every", "1"))
+    assert "tokens from the cache" not in capsys.readouterr().out
+    run(argv(str(tmp_path / "again")))
+    assert "tokens from the cache" in capsys.readouterr().out
+    assert [r["loss"] for r in metrics(tmp_path / "again")] == [r["loss"] for r in metrics(out)], "the same math"
+    with open(data, "a") as f:
+        f.write(json.dumps({"text": "one more record"}) + "\n")
+    before = tree_hash(out)
+    msg = startup_error(argv(out, "--resume", os.path.join(out, "ckpt", "step_000001")))
+    assert "--data's bytes" in msg and "--init-adapter" in msg, msg
+    assert tree_hash(out) == before
+
+
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
     out = str(tmp_path / "out")
     run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))

@@ -1,0 +1,152 @@
+"""Token samples held compactly, and a disk cache of them keyed by everything that decides the tokens.
+
+Contract:
+- `Samples`: every sample's input ids and shifted labels in two flat int32 tensors cut by int64 offsets, 8 bytes a
+  token where Python lists of ints take about 48 (a 128M-token long-context set: 1 GB per rank, not 6).
+  `len(s)`, `s.lengths` (int64 [n]), `s.max_id()`; `s[i]` is `{"input_ids", "labels"}` as int32 views and
+  `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list.
+- `build(records, tokenize, log, what)` tokenizes chunks of about `CHUNK_CHARS` characters, so only one chunk's
+  Python lists exist at a time, and says its progress every `LOG_SECONDS`.
+- `cache_key(data_sha256, tokenizer, max_len)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
+  directory (every file but weights), its effective chat template and class, max_len, the source of the modules
+  that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file) and the transformers and
+  tokenizers versions.
+  Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
+- `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
+  None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
+  through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
+  cannot be read or written costs a re-tokenization, never the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tokens of lists at a time)
+LOG_SECONDS = 10.0
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
+SOURCES = ("jsonl.py", "tokens.py", "templates.py", "store.py")   # the code that decides a record's tokens
+
+
+class Samples:
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
+        self.ids, self.labels, self.offsets = ids, labels, offsets   # int32 [N], int32 [N], int64 [n + 1]
+        self.lengths = offsets[1:] - offsets[:-1]
+
+    @classmethod
+    def from_lists(cls, samples: list[dict]) -> Samples:
+        flat = lambda k: torch.tensor([t for s in samples for t in s[k]], dtype=torch.int32)
+        lengths = torch.tensor([0] + [len(s["input_ids"]) for s in samples], dtype=torch.int64)
+        return cls(flat("input_ids"), flat("labels"), lengths.cumsum(0))
+
+    @classmethod
+    def cat(cls, parts: list[Samples]) -> Samples:
+        ends = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
+        return cls(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]), ends)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        a, b = self.offsets[i].item(), self.offsets[i + 1].item()
+        return {"input_ids": self.ids[a:b], "labels": self.labels[a:b]}
+
+    def max_id(self) -> int:
+        return int(self.ids.max()) if len(self.ids) else -1
+
+
+def _chars(r: dict) -> int:
+    return len(r.get("text", "")) + len(r.get("prompt", "")) + len(r.get("completion", "")) + \
+        sum(len(m.get("content") or "") for m in r.get("messages", ()))
+
+
+def build(records: list[dict], tokenize, log=None, what: str = "data"):
+    """records -> (Samples, TokenStats) through `tokenize(chunk) -> (list samples, TokenStats)`, chunk by chunk."""
+    from data.tokens import TokenStats
+
+    parts, total, t0, t_log, i = [], TokenStats(), time.time(), time.time(), 0
+    while i < len(records):
+        j, size = i, 0
+        while j < len(records) and (j == i or size < CHUNK_CHARS):
+            size, j = size + _chars(records[j]), j + 1
+        samples, stats = tokenize(records[i:j])
+        parts.append(Samples.from_lists(samples))
+        del samples
+        for k, v in asdict(stats).items():
+            setattr(total, k, max(v, total.longest) if k == "longest" else getattr(total, k) + v)
+        i = j
+        if log and time.time() - t_log > LOG_SECONDS:
+            t_log = time.time()
+            log(f"tokenizing {what}: {i:,} / {len(records):,} records, {total.tokens:,} tokens, {t_log - t0:.0f} s")
+    return Samples.cat(parts), total
+
+
+def _update(h, path: Path):
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h
+
+
+def file_sha256(path: str | Path) -> str:
+    """A data file's identity: its bytes' sha256 (a resume compares it; the cache key holds it)."""
+    return _update(hashlib.sha256(), Path(path)).hexdigest()
+
+
+def cache_key(data_sha256: str, tokenizer, max_len: int) -> str | None:
+    """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
+    import tokenizers
+    import transformers
+
+    tok_dir = Path(getattr(tokenizer, "name_or_path", "") or "")
+    if not tok_dir.is_dir():
+        return None
+    h = hashlib.sha256()
+    for part in (f"max_len={max_len}", type(tokenizer).__name__, tokenizer.chat_template or "",
+                 transformers.__version__, tokenizers.__version__):
+        h.update(part.encode() + b"\0")
+    for name in SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    for f in sorted(p for p in tok_dir.iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)):
+        _update(h, f).update(f.name.encode() + b"\0")
+    h.update(f"data={data_sha256}".encode())
+    return h.hexdigest()
+
+
+def read(path: Path, key: str, log=None):
+    """(Samples, stats dict) from a cached file, or None (a line through `log` says why, unless it is absent)."""
+    if not path.is_file():
+        return None
+    try:
+        d = torch.load(path, mmap=True, weights_only=True)
+        if d.get("key") != key:
+            raise ValueError(f"it was written under key {d.get('key')}")
+        return Samples(d["ids"], d["labels"], d["offsets"]), d["stats"]
+    except Exception as e:   # a damaged or foreign file: tokenize again (and replace it)
+        if log:
+            log(f"data cache {path} unreadable ({type(e).__name__}: {e}); tokenizing again")
+        return None
+
+
+def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
+                    "stats": stats}, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:   # a full or read-only disk (torch.save's own error): no cache this time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if log:
+            log(f"data cache {path} not written ({e}); the next run tokenizes again")
