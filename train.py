@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
-from data.store import file_sha256
+from data.store import DATA_CACHE, file_sha256
 from data.templates import chat_template
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
@@ -104,10 +104,8 @@ def build_parser(add_help=True):
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
-    a("--data-cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                            "long-context-lora", "tokens"), metavar="DIR|none",
-      help="keep tokenized data here, keyed by the file's bytes, tokenizer, template, --max-len and the data code: a "
-      "rerun or resume reads it back instead of tokenizing (memory-mapped, shared by a machine's ranks)")
+    a("--data-cache", default=DATA_CACHE, metavar="DIR|none", help="keep tokenized data here, keyed by the file's "
+      "bytes, tokenizer, template, --max-len and the data code: a rerun reads it back (memory-mapped; none: off)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run

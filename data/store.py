@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "long-context-lora",
+                          "tokens")   # --data-cache's default
 CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tokens of lists at a time)
 LOG_SECONDS = 10.0
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
