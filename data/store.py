@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from dataclasses import asdict
@@ -58,6 +59,7 @@ class Samples:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
+        i = range(len(self))[i]   # (a negative index counts from the end)
         a, b = self.offsets[i].item(), self.offsets[i + 1].item()
         return {"input_ids": self.ids[a:b], "labels": self.labels[a:b]}
 
@@ -112,7 +114,8 @@ def cache_key(data_sha256: str, tokenizer, max_len: int) -> str | None:
     if not tok_dir.is_dir():
         return None
     h = hashlib.sha256()
-    for part in (f"max_len={max_len}", type(tokenizer).__name__, tokenizer.chat_template or "",
+    template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
+    for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
                  transformers.__version__, tokenizers.__version__):
         h.update(part.encode() + b"\0")
     for name in SOURCES:

@@ -18,8 +18,8 @@ Contract:
   target: every token whose characters reach into it (a token merged across the boundary counts), and EOS. For
   long-context tasks whose answer is short (a document and a question, then the answer), without a chat template.
   A record longer than max_len loses the start of its prompt (after a BOS), so the question and the answer stay, but
-  the prompt keeps at least its last max_len // 4 tokens (all of a shorter one; at least one without a BOS, to
-  predict the answer's first token): an answer that still does not fit is cut at its end, as text is.
+  when the answer alone (with one prompt token, or the BOS, to predict its first token) does not fit, the prompt
+  keeps its last max_len // 4 tokens and the answer is cut at its end, as text is.
 - Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
   and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
@@ -99,7 +99,13 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     from data import store
     from data.jsonl import load_jsonl
 
-    key = cache and store.cache_key(sha256 or store.file_sha256(path), tokenizer, max_len)
+    sha256 = sha256 or (cache and store.file_sha256(path))
+    try:
+        key = cache and store.cache_key(sha256, tokenizer, max_len)
+    except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
+        key = None
+        if log:
+            log(f"data cache skipped: {e}")
     hit = key and store.read(Path(cache) / f"{key}.pt", key, log)
     if hit:
         samples, stats = hit[0], TokenStats(**hit[1])
@@ -111,7 +117,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
     check_vocab(samples, tokenizer, vocab_size, path)
-    if key and not hit and write:
+    if key and not hit and write and store.file_sha256(path) == sha256:   # (not rewritten while it was read)
         store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), log)
     return samples, stats
 
@@ -279,10 +285,11 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
         stats.longest = max(stats.longest, len(ids))
         if len(ids) > max_len:
             stats.truncated += 1
-            if "prompt" in r:   # the prompt's start goes (after a BOS), down to its last max_len // 4 tokens
-                head = int(bos is not None and ids[0] == bos)   # (at least one without a BOS: it predicts the
-                body = flags.index(True) - head                  # answer's first token), then the answer's end
-                keep = max(max_len - (len(ids) - body), min(body, max(head == 0, max_len // 4)))
+            if "prompt" in r:   # the prompt's start goes (after a BOS) so the whole answer fits; when it cannot,
+                head = int(bos is not None and ids[0] == bos)   # the prompt keeps its last max_len // 4 tokens (one
+                body = flags.index(True) - head                  # without a BOS: it predicts the answer's first)
+                room = max_len - (len(ids) - body)   # prompt tokens beside the whole answer
+                keep = room if room >= (head == 0) else min(body, max(head == 0, max_len // 4))
                 if (drop := body - keep) > 0:
                     ids, flags = ids[:head] + ids[head + drop:], flags[:head] + flags[head + drop:]
             ids, flags = ids[:max_len], flags[:max_len]

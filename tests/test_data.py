@@ -280,7 +280,8 @@ def test_prompt_completion_without_offsets_and_left_truncation(tok):
 def test_prompt_truncation_keeps_the_answer_learnable(tok):
     """A long prompt whose answer (with EOS) alone fills --max-len, or more: the prompt keeps its last max_len // 4
     tokens, at least one without a BOS (none needed with one), so the answer's first token is still a target; the
-    answer loses its end, and the record is never dropped."""
+    answer loses its end, and the record is never dropped. An answer that fits beside a few prompt tokens (fewer
+    than max_len // 4) is kept whole, EOS included."""
     from tokenizers import processors
 
     prompt, eos = "fox " * 40 + "Q: who ran?\nA:", tok.eos_token_id
@@ -293,6 +294,10 @@ def test_prompt_truncation_keeps_the_answer_learnable(tok):
         assert s["input_ids"] == whole[start:start + n], f"{answer!r}: the prompt's end and the answer's start"
         targets = whole[len(tok(prompt)["input_ids"]):start + n]
         assert "".join(target_runs(tok, s)) == tok.decode(targets), f"{answer!r}: all of the answer kept"
+    whole = tok(prompt + " the dog the dog")["input_ids"] + [eos]
+    answer = len(whole) - len(tok(prompt)["input_ids"])
+    (s,), _ = tokenize_records([{"prompt": prompt, "completion": " the dog the dog"}], tok, answer + 1)
+    assert (answer + 1) // 4 > 1 and s["input_ids"] == whole[-(answer + 1):], "1 prompt token and the whole answer"
     bos = tok.convert_tokens_to_ids("<|im_start|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
                                                                          special_tokens=[("<|im_start|>", bos)])
