@@ -10,7 +10,8 @@ Contract:
 - `cache_key(data_sha256, tokenizer, max_len)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
   directory (every file but weights), its effective chat template and class, max_len, the source of the modules
   that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file) and the transformers and
-  tokenizers versions.
+  tokenizers versions; and today's date for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's
+  "Today Date" line), so a set is not rendered with another day's date.
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
@@ -116,7 +117,8 @@ def cache_key(data_sha256: str, tokenizer, max_len: int) -> str | None:
     h = hashlib.sha256()
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
     for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
-                 transformers.__version__, tokenizers.__version__):
+                 transformers.__version__, tokenizers.__version__,
+                 time.strftime("%Y-%m-%d") if "strftime_now" in json.dumps(template) else ""):
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())

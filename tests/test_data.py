@@ -477,7 +477,8 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     """data.store: `load_samples` tokenizes chunk by chunk into flat int32 tensors, and a rerun reads them back from
     the cache; both hold exactly `tokenize_records`' samples and stats, and collate to the same batch. A change in
     the data's bytes, --max-len, the chat template or a tokenizer file is a miss (a new key), never a stale hit; a
-    damaged cache file is said and replaced; a cache that cannot be written costs nothing but the cache."""
+    damaged cache file is said and replaced; a cache that cannot be written costs nothing but the cache. A template
+    that writes today's date is keyed by the day."""
     from data import store
     from data.tokens import load_samples
 
@@ -517,6 +518,15 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     for n, change in enumerate(changes, start=2):
         change()
         assert len(files()) == n, f"change {n - 1} made no new key"
+    dated = load_tokenizer(tok_dir)   # a template that writes today's date (Llama 3.2/3.3) is keyed by the day
+    dated.chat_template = '{{ strftime_now("%d %b %Y") }}' + tok.chat_template
+    keys = {}
+    for day in ("2026-12-01", "2026-12-02"):
+        monkeypatch.setattr(store.time, "strftime", lambda fmt, day=day: day)
+        keys[day] = (store.cache_key("0" * 64, dated, 40), store.cache_key("0" * 64, tok, 40))
+    monkeypatch.undo()
+    assert keys["2026-12-01"][0] != keys["2026-12-02"][0], "a dated template's key ignores the date"
+    assert keys["2026-12-01"][1] == keys["2026-12-02"][1], "an undated template's key changes with the date"
     tok_copy = tmp_path / "tok_copy"
     shutil.copytree(tok_dir, tok_copy)
     cfg = tok_copy / "tokenizer_config.json"
