@@ -174,7 +174,7 @@ def main(argv=None):
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
     # peft, bitsandbytes and DCP take seconds to import: only now, past the --plan fast path
-    from model.export import export_adapter
+    from model.export import export_adapter, init_adapter_note
     from parallel import checkpoint
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_parameters
@@ -220,8 +220,10 @@ def main(argv=None):
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
-        if note := margs.beyond_context(args.max_len):   # allowed (that is how a context is extended), but said
-            log0(note)
+        for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
+                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text)):
+            if note:
+                log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
         meshes = dims.build_mesh(dt)

@@ -88,6 +88,17 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     return cfg
 
 
+def init_adapter_note(path: str | None, chat_template: str | None) -> str | None:
+    """The line a run logs when --init-adapter's folder has no chat_template.jinja but the run renders chats with a
+    --chat-template: the adapter learned under its base's own template or one it did not record (other trainers'
+    adapters carry none), so this is said rather than refused."""
+    if path and chat_template is not None and not os.path.isfile(os.path.join(path, TEMPLATE)):
+        return (f"note: --init-adapter {path} records no chat template ({TEMPLATE}): it was trained with its base's "
+                "own template or one it did not keep, and this run renders chats with --chat-template's; if they "
+                "differ, its first steps relearn the turn markers")
+    return None
+
+
 def read_init_adapter(path: str) -> dict:
     """An adapter's tensors under our parameter names (the inverse of `peft_keys`)."""
     return {k.removeprefix("base_model.model.").replace(".lora_A.weight", ".lora_A.default.weight")

@@ -693,13 +693,14 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     assert mem[2].endswith("; free host memory free (test), not checked"), mem
 
 
-def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_path):
+def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_path, capsys):
     """--chat-template chatml in place of the checkpoint's template (which adds a default system prompt): the data are
     rendered with it (the run's data line is that of the chatml tokenizer's samples), the adapter folder carries it
     (chat_template.jinja), so does the adapter exported from the run's checkpoint, and the merge makes it the merged
     tokenizer's (AutoTokenizer reads it back) with its end-of-turn token among generation_config's eos ids; a run
     without the flag writes none. Refused before any weight is read: a resume without the template (runs keep its
-    text: the same text from a file passes), --init-adapter from that adapter without it."""
+    text: the same text from a file passes), --init-adapter from that adapter without it. An adapter that records no
+    template under a --chat-template is said in a note line, not refused."""
     from transformers import AutoTokenizer
 
     from data import load_jsonl, load_tokenizer, tokenize_records
@@ -731,6 +732,13 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
                    str(tmp_path / "same.jinja")))
     msg = startup_error(train_argv(assets, str(tmp_path / "c"), "--init-adapter", os.path.join(b, "adapter")))
     assert "the chat template in " in msg and "pass --chat-template " + os.path.join(b, "adapter") in msg, msg
+    capsys.readouterr()   # the other way round, an adapter that records no template: said, not refused
+    run(train_argv(assets, str(tmp_path / "d"), "--steps", "1", "--chat-template", "chatml", "--init-adapter",
+                   os.path.join(a, "adapter")))
+    out = capsys.readouterr().out
+    assert f"note: --init-adapter {os.path.join(a, 'adapter')} records no chat template" in out, out
+    run(train_argv(assets, str(tmp_path / "e"), "--steps", "1", "--init-adapter", os.path.join(a, "adapter")))
+    assert "records no chat template" not in capsys.readouterr().out, "said without a --chat-template"
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
