@@ -1,7 +1,19 @@
 """Fixtures shared by the train.py tests."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# What the tests' runs keep in a user cache (--data-cache's default, data.store.DATA_CACHE, read at import) goes to a
+# folder of this session, removed at its end: tests never fill or read ~/.cache. Spawned ranks inherit it.
+CACHE_HOME = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lcl-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(CACHE_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
