@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo
-from data.store import DATA_CACHE, file_sha256
+from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo, store
 from data.templates import chat_template
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
@@ -104,8 +103,8 @@ def build_parser(add_help=True):
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
-    a("--data-cache", default=DATA_CACHE, metavar="DIR|none", help="keep tokenized data here, keyed by the file's "
-      "bytes, tokenizer, template, --max-len and the data code: a rerun reads it back (memory-mapped; none: off)")
+    a("--data-cache", default=store.DATA_CACHE, metavar="DIR|none", help="keep tokenized data here, keyed by the "
+      "file's bytes, tokenizer, template, --max-len and the data code: a rerun reads it back (mmap; none: off)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
@@ -193,7 +192,7 @@ def main(argv=None):
         if path is not None:   # (the demo's files are built below)
             check_file(path, flag)
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
-    args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
+    args.data_sha256 = store.file_sha256(args.data) if not demo else None   # a resume must find the same bytes
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
@@ -229,12 +228,13 @@ def main(argv=None):
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
-        tok = load_tokenizer(args.model, args.chat_template_text)
-        load = lambda path, flag, sha=None: load_samples(   # one machine's first rank writes the cache
-            path, tok, args.max_len, margs.vocab_size, flag, None if args.data_cache == "none" else args.data_cache,
-            write=os.environ.get("LOCAL_RANK", str(rank)) == "0", log=log0, sha256=sha)
-        samples, stats = load(args.data, "--data", args.data_sha256)
-        eval_samples = args.eval_data and load(args.eval_data, "--eval-data")[0]
+        tok, cache = load_tokenizer(args.model, args.chat_template_text), store.cache_dir(args.data_cache)
+        load = lambda path, flag, write, sha=None: load_samples(path, tok, args.max_len, margs.vocab_size, flag, cache,
+                                                                write, log0, sha)
+        (samples, stats), eval_samples = store.once_per_machine(   # one rank per machine tokenizes and writes the
+            lambda write: (load(args.data, "--data", write, args.data_sha256),   # cache; the others read it back
+                           args.eval_data and load(args.eval_data, "--eval-data", write)[0]),
+            first=not cache or os.environ.get("LOCAL_RANK", str(rank)) == "0")
         log0(f"data: {stats}")
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory

@@ -17,13 +17,20 @@ Contract:
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
+- `once_per_machine(load, first)`: with several ranks, each machine's first rank runs `load(True)` (tokenize, write
+  the cache) while the others wait, then the others run `load(False)`: they read that file back memory-mapped, so a
+  machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize themselves only when it
+  could not be written). An error on any rank is raised on every rank. The waits are collectives of a gloo group
+  of their own whose timeout, `WAIT`, is not --timeout's: a large file may take longer than that to tokenize.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
+import pickle
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +41,7 @@ DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser
                           "tokens")   # --data-cache's default
 CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tokens of lists at a time)
 LOG_SECONDS = 10.0
+WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
 SOURCES = ("jsonl.py", "tokens.py", "templates.py", "store.py")   # the code that decides a record's tokens
 
@@ -157,3 +165,44 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None
             pass
         if log:
             log(f"data cache {path} not written ({e}); the next run tokenizes again")
+
+
+def cache_dir(flag: str) -> str | None:
+    """--data-cache's folder, or None for `none`."""
+    return None if flag == "none" else flag
+
+
+def once_per_machine(load, first: bool):
+    """`load(write)`'s result on every rank, computed first by the ranks where `first` (each machine's first rank;
+    every rank when there is no cache to share), then by the others (module docstring)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return load(True)
+    group = dist.new_group(backend="gloo", timeout=WAIT)   # every rank, in order
+    try:
+        out = None
+        for turn in (True, False):   # the first ranks, then the others
+            err = None
+            if first == turn:
+                try:
+                    out = load(turn)
+                except BaseException as e:   # noqa: BLE001 - said on every rank, then raised here too
+                    err = e
+            errs = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, _portable(err), group=group)
+            if err is not None:
+                raise err
+            if (other := next((e for e in errs if e is not None), None)) is not None:
+                raise other
+        return out
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _portable(err: BaseException | None) -> BaseException | None:
+    """`err` as the other ranks can rebuild it (the same type and message), or a RuntimeError saying it."""
+    try:
+        return pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")

@@ -547,3 +547,59 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     samples, _ = load_samples(path, tok, 40, len(tok), cache=str(blocked / "cache"), log=said.append)
     assert len(samples) == len(ref) and len(said) == 1 and "not written" in said[0], said
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
+
+
+def _tokenize_once(rank, world, tok_dir, path, cache, case):
+    """One rank of test_one_rank_per_machine_tokenizes: `load`'s start, end, log lines and tokens, or the error."""
+    import time
+
+    from data import store
+    from data.tokens import load_samples
+
+    tok, said, times = load_tokenizer(tok_dir), [], []
+
+    def load(write):
+        times.append(time.time())
+        if case == "error on rank 1" and rank == 1:
+            raise OSError(f"{path}: rank 1 cannot read it")
+        out = load_samples(path, tok, 40, len(tok), cache=cache, write=write, log=said.append)
+        time.sleep(0.5 if rank == 0 else 0)   # so that a rank 1 that did not wait would start before this ends
+        times.append(time.time())
+        return out
+
+    try:
+        samples, _ = store.once_per_machine(load, first=cache is None or rank == 0)
+    except Exception as e:
+        return {"error": (type(e).__name__, str(e)), "loaded": bool(times)}
+    return {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples]}
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, tmp_path):
+    """data.store.once_per_machine on 2 ranks of one machine: rank 0 tokenizes and writes the cache while rank 1
+    waits, then rank 1 reads that file back; both hold the tokens of one process. A cache that cannot be written
+    makes rank 1 tokenize itself; without a cache both tokenize. An error on either rank is raised on both."""
+    from tests.dist import run_ranks
+
+    path = tmp_path / "d.jsonl"
+    make_text_jsonl(path, 12, seed=3)
+    ref = [r["input_ids"] for r in tokenize_records(load_jsonl(path), load_tokenizer(tok_dir), 40, path)[0]]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    for case, cache in (("shared", tmp_path / "cache"), ("unwritable", blocked / "cache"), ("no cache", None)):
+        r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), str(path), cache and str(cache), case, timeout=200)
+        assert r0["ids"] == ref and r1["ids"] == ref, case
+        assert not any("from the cache" in s for s in r0["said"]), (case, r0["said"])
+        assert any("from the cache" in s for s in r1["said"]) == (case == "shared"), (case, r1["said"])
+        if cache is not None:   # rank 1 starts once rank 0 is done
+            assert r1["times"][0] >= r0["times"][-1], (case, r0["times"], r1["times"])
+    assert any("not written" in s for s in r0["said"] + r1["said"]) is False   # (the no-cache case says nothing)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": "a question", "completion": ""}) + "\n")
+    for case, file in (("error on rank 0", empty), ("error on rank 1", path)):
+        got = run_ranks(_tokenize_once, 2, str(tok_dir), str(file), str(tmp_path / "cache2"), case, timeout=200)
+        want = ("DataError", f"{empty}, line 1") if case.endswith("0") else ("OSError", f"{path}: rank 1 cannot")
+        for rank, r in enumerate(got):
+            assert "error" in r and r["error"][0] == want[0] and r["error"][1].startswith(want[1]), (case, rank, r)
+        assert got[0]["error"] == got[1]["error"], case
+        assert got[1]["loaded"] == case.endswith("1"), "rank 1 loaded after rank 0 failed"
