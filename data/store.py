@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import pickle
+import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -152,7 +153,7 @@ def read(path: Path, key: str, log=None):
 
 
 def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")   # unique across machines sharing the folder
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
