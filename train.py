@@ -32,14 +32,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import GlobalBatches, check_file, collate, load_samples, load_tokenizer, make_demo, store
-from data.templates import chat_template
+from data import GlobalBatches, collate, load_tokenizer, make_demo, store
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
-from model.load import fetch_checkpoint, read_args, same_snapshot
+from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, runs
 from parallel.cp import cp_attention, shard_batch
-from parallel.mesh import check_flags, dense_bf16_tflops, device_type, init_distributed, peak_memory_gb, validate
+from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -183,25 +182,7 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
-    # every check that needs no process group comes first: a refusal leaves everything on disk as it was
-    args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
-    check_flags(args)
-    if (args.model is None) != (args.data is None):
-        raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():
-        if path is not None:   # (the demo's files are built below)
-            check_file(path, flag)
-    runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
-    args.data_sha256 = store.file_sha256(args.data) if not demo else None   # a resume must find the same bytes
-    name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
-    args.model = fetch_checkpoint(name, config_only=True) if not demo else name
-    ckpt = checkpoint.resolve(args.resume) if args.resume else None
-    if ckpt:
-        meta = checkpoint.read_meta(ckpt)
-        runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
-        if args.profile is not None and args.profile <= meta["step"]:
-            raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
-                             "later step")
+    name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
@@ -228,13 +209,8 @@ def main(argv=None):
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
-        tok, cache = load_tokenizer(args.model, args.chat_template_text), store.cache_dir(args.data_cache)
-        load = lambda path, flag, write, sha=None: load_samples(path, tok, args.max_len, margs.vocab_size, flag, cache,
-                                                                write, log0, sha)
-        (samples, stats), eval_samples = store.once_per_machine(   # one rank per machine tokenizes and writes the
-            lambda write: (load(args.data, "--data", write, args.data_sha256),   # cache; the others read it back
-                           args.eval_data and load(args.eval_data, "--eval-data", write)[0]),
-            first=not cache or os.environ.get("LOCAL_RANK", str(rank)) == "0")
+        tok = load_tokenizer(args.model, args.chat_template_text)   # one rank per machine tokenizes (--data-cache),
+        (samples, stats), eval_samples = store.load_run_data(args, tok, margs.vocab_size, log0)   # the others read it
         log0(f"data: {stats}")
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
@@ -330,11 +306,8 @@ def main(argv=None):
                 log0(f"step {step + 1}: non-finite loss {loss} or grad norm {float(gnorm)}: update skipped")
             opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
-            mem = torch.tensor([max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0),   # allocated;
-                                (meter.reserved_gb() if meter else torch.cuda.max_memory_reserved(device) / 1e9)
-                                if dt == "cuda" else 0.0,   # the allocator's cached high-water mark
-                                float(rank == 0 and 0 < args.save_minutes * 60 <= time.time() - t_saved)],   # a save
-                               device=device)   # due by --save-minutes: rank 0's clock decides for all
+            save_due = rank == 0 and 0 < args.save_minutes * 60 <= time.time() - t_saved   # rank 0's clock decides
+            mem = torch.tensor([*phases.step_peaks(meter, device), float(save_due)], device=device)   # for all ranks
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,

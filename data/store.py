@@ -17,6 +17,7 @@ Contract:
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
+- `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`.
 - `once_per_machine(load, first)`: with several ranks, each machine's first rank runs `load(True)` (tokenize, write
   the cache) while the others wait, then the others run `load(False)`: they read that file back memory-mapped, so a
   machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize themselves only when it
@@ -168,9 +169,20 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None
             log(f"data cache {path} not written ({e}); the next run tokenizes again")
 
 
-def cache_dir(flag: str) -> str | None:
-    """--data-cache's folder, or None for `none`."""
-    return None if flag == "none" else flag
+def load_run_data(args, tokenizer, vocab_size: int, log):
+    """train.py's data: ((samples, stats) of --data, the samples of --eval-data or None), every rank's the same,
+    tokenized once per machine when there is a --data-cache (once_per_machine)."""
+    import torch.distributed as dist
+
+    from data.tokens import load_samples
+
+    cache = None if args.data_cache == "none" else args.data_cache
+    load = lambda path, flag, write, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
+                                                            write, log, sha)
+    local_rank = os.environ.get("LOCAL_RANK", str(dist.get_rank() if dist.is_initialized() else 0))
+    return once_per_machine(lambda write: (load(args.data, "--data", write, args.data_sha256),
+                                           args.eval_data and load(args.eval_data, "--eval-data", write)[0]),
+                            first=not cache or local_rank == "0")
 
 
 def once_per_machine(load, first: bool):

@@ -30,6 +30,7 @@ Contract:
   allocator's reserved peak, likewise). With `out_dir`, the
   measured micro-batch ends with `report()` (a collective, every rank): OUT/mem_phases.json {"unit": "GB",
   "device", "why", "ranks": [each rank's phases]}, and rank 0's phases logged.
+- `step_peaks(meter, device)`: train.py's peak_mem_gb and peak_reserved_gb of this rank, with or without a meter.
 """
 
 from __future__ import annotations
@@ -212,3 +213,14 @@ class PhaseMeter:
 def measuring(meter: PhaseMeter | None, on: bool):
     """`meter.measuring(on)`, or nothing without a meter."""
     return meter.measuring(on) if meter is not None else contextlib.nullcontext()
+
+
+def step_peaks(meter: PhaseMeter | None, device: torch.device) -> tuple[float, float]:
+    """This rank's peaks so far in GB, a meter's resets counted in: allocated (CPU: the RSS high-water mark, as
+    parallel.mesh.peak_memory_gb) and, on CUDA, the caching allocator's reserved (its cached slack included)."""
+    from parallel.mesh import peak_memory_gb
+
+    peak = max(peak_memory_gb(device), meter.peak_gb() if meter else 0.0)
+    if device.type != "cuda":
+        return peak, 0.0
+    return peak, meter.reserved_gb() if meter else torch.cuda.max_memory_reserved(device) / 1e9

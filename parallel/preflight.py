@@ -1,8 +1,12 @@
-"""train.py's memory check at start-up: the plan of the run's flags against every rank's memory, once the data are
-tokenized and before any weight is read (a 72B checkpoint takes minutes to load; a run that cannot fit should not
-wait for them to say so).
+"""train.py's checks at start-up: flags, files and the resume before the process group, then the plan of the run's
+flags against every rank's memory, once the data are tokenized and before any weight is read (a 72B checkpoint takes
+minutes to load; a run that cannot fit should not wait for them to say so).
 
 Contract:
+- `check_start(args, demo)` -> (the --model given, the checkpoint to resume or None): every check that needs no
+  process group, before anything is written, so a refusal leaves every file as it was: the flags (`check_flags`),
+  --model with --data, the data files, --out against --resume/--overwrite, a resume's run-defining flags and data
+  bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only).
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):
   the device memory (`device_budget`), the host memory free on its machine now (`host_available()`) and the
   machine's name. A rank that cannot say its device memory is named in its entry, one that cannot say its host
@@ -97,6 +101,36 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup
             if (got := _room(os.path.join(base, *parts[:n]), *files)) is not None:
                 rooms.append(got[0] if limit else got[1])
     return min(rooms) if rooms else None
+
+
+def check_start(args, demo: bool):
+    """Module docstring. Imports here: `--plan` imports this module and must stay fast."""
+    from data import check_file
+    from data.store import file_sha256
+    from data.templates import chat_template
+    from model.load import fetch_checkpoint
+    from parallel import checkpoint, runs
+    from parallel.mesh import check_flags
+
+    args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
+    check_flags(args)
+    if (args.model is None) != (args.data is None):
+        raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():
+        if path is not None:   # (the demo's files are built once the process group is up)
+            check_file(path, flag)
+    runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
+    name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
+    args.model = fetch_checkpoint(name, config_only=True) if not demo else name
+    ckpt = checkpoint.resolve(args.resume) if args.resume else None
+    if ckpt:
+        meta = checkpoint.read_meta(ckpt)
+        runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
+        if args.profile is not None and args.profile <= meta["step"]:
+            raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
+                             "later step")
+    return name, ckpt
 
 
 def host_available() -> tuple[float, str]:
