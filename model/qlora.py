@@ -29,13 +29,20 @@ import math
 import threading
 import types
 
-import bitsandbytes as bnb
 import torch
-from bitsandbytes.functional import QuantState, dequantize_4bit, get_4bit_type, quantize_4bit, quantize_blockwise
-from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model.bnb import (
+    LoraConfig,
+    QuantState,
+    bnb,
+    dequantize_4bit,
+    get_4bit_type,
+    get_peft_model,
+    quantize_4bit,
+    quantize_blockwise,
+)
 from model.config import LORA_TARGETS
 from model.llama import Transformer
 

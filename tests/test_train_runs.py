@@ -401,8 +401,8 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
     out = str(tmp_path / "out")
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
            "OMP_NUM_THREADS": "1"}
-    two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", os.path.join(ROOT, "train.py"),
-           *train_argv(assets, out, "--steps", "100", "--dp-shard", "2")]
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "train.py"), *train_argv(assets, out, "--steps", "100", "--dp-shard", "2")]
     rc, log, took = _stop_cli(two, env, signal.SIGTERM)   # torchrun sends it on to both workers
     step = _saved_step(out)
     assert rc != 0 and took < 25, (rc, took, log[-3000:])   # before torchrun's 30 s grace ends in SIGKILL
