@@ -7,22 +7,25 @@ Contract:
   `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list.
 - `build(records, tokenize, log, what)` tokenizes chunks of about `CHUNK_CHARS` characters, so only one chunk's
   Python lists exist at a time, and says its progress every `LOG_SECONDS`.
-- `cache_key(data_sha256, tokenizer, max_len)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
+- `cache_key(data_sha256, tokenizer, max_len, day)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
   directory (every file but weights), its effective chat template and class, max_len, the source of the modules
   that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file) and the transformers and
-  tokenizers versions; and today's date for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's
-  "Today Date" line), so a set is not rendered with another day's date.
+  tokenizers versions; and the day (`today()` unless given) for a template that writes it (`strftime_now`: Llama
+  3.2's and 3.3's "Today Date" line), so a set is not rendered with another day's date.
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
 - `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`.
-- `once_per_machine(load, first)`: with several ranks, each machine's first rank runs `load(True)` (tokenize, write
-  the cache) while the others wait, then the others run `load(False)`: they read that file back memory-mapped, so a
-  machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize themselves only when it
-  could not be written). An error on any rank is raised on every rank. The waits are collectives of a gloo group
-  of their own whose timeout, `WAIT`, is not --timeout's: a large file may take longer than that to tokenize.
+- `once_per_machine(load, first)`: with several ranks, each machine's first rank runs `load(True, day)` (tokenize,
+  write the cache) while the others wait, then the others run `load(False, day)`: they read that file back
+  memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
+  themselves only when it could not be written). `day` is rank 0's `today()`, one for every rank, so a key that
+  holds it is the same on every rank even when midnight passes while they wait. An error on any rank is raised on
+  every rank. The day goes out on the default group, under --timeout's limit: a rank that failed before this call
+  stops the others there. The waits are collectives of a gloo group of their own whose timeout, `WAIT`, is not
+  --timeout's: a large file may take longer than that to tokenize.
 """
 
 from __future__ import annotations
@@ -116,7 +119,12 @@ def file_sha256(path: str | Path) -> str:
     return _update(hashlib.sha256(), Path(path)).hexdigest()
 
 
-def cache_key(data_sha256: str, tokenizer, max_len: int) -> str | None:
+def today() -> str:
+    """The local date, as a dated chat template's cache key holds it."""
+    return time.strftime("%Y-%m-%d")
+
+
+def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None) -> str | None:
     """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
     import tokenizers
     import transformers
@@ -128,7 +136,7 @@ def cache_key(data_sha256: str, tokenizer, max_len: int) -> str | None:
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
     for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
                  transformers.__version__, tokenizers.__version__,
-                 time.strftime("%Y-%m-%d") if "strftime_now" in json.dumps(template) else ""):
+                 (day or today()) if "strftime_now" in json.dumps(template) else ""):
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
@@ -153,13 +161,14 @@ def read(path: Path, key: str, log=None):
         return None
 
 
-def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None:
+def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")   # unique across machines sharing the folder
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
                     "stats": stats}, tmp)
         os.replace(tmp, path)
+        return True
     except (OSError, RuntimeError) as e:   # a full or read-only disk (torch.save's own error): no cache this time
         try:
             tmp.unlink(missing_ok=True)
@@ -167,6 +176,7 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> None
             pass
         if log:
             log(f"data cache {path} not written ({e}); the next run tokenizes again")
+        return False
 
 
 def load_run_data(args, tokenizer, vocab_size: int, log):
@@ -177,21 +187,23 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     from data.tokens import load_samples
 
     cache = None if args.data_cache == "none" else args.data_cache
-    load = lambda path, flag, write, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                            write, log, sha)
+    load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
+                                                                 write, log, sha, day)
     local_rank = os.environ.get("LOCAL_RANK", str(dist.get_rank() if dist.is_initialized() else 0))
-    return once_per_machine(lambda write: (load(args.data, "--data", write, args.data_sha256),
-                                           args.eval_data and load(args.eval_data, "--eval-data", write)[0]),
+    return once_per_machine(lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
+                                                args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),
                             first=not cache or local_rank == "0")
 
 
 def once_per_machine(load, first: bool):
-    """`load(write)`'s result on every rank, computed first by the ranks where `first` (each machine's first rank;
-    every rank when there is no cache to share), then by the others (module docstring)."""
+    """`load(write, day)`'s result on every rank, computed first by the ranks where `first` (each machine's first
+    rank; every rank when there is no cache to share), then by the others (module docstring)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return load(True)
+        return load(True, today())
+    day = [today()]
+    dist.broadcast_object_list(day, src=0)   # every rank is here (else --timeout ends the job) before the long wait
     group = dist.new_group(backend="gloo", timeout=WAIT)   # every rank, in order
     try:
         out = None
@@ -199,7 +211,7 @@ def once_per_machine(load, first: bool):
             err = None
             if first == turn:
                 try:
-                    out = load(turn)
+                    out = load(turn, day[0])
                 except BaseException as e:   # noqa: BLE001 - said on every rank, then raised here too
                     err = e
             errs = [None] * dist.get_world_size()

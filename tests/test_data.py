@@ -520,11 +520,9 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
         assert len(files()) == n, f"change {n - 1} made no new key"
     dated = load_tokenizer(tok_dir)   # a template that writes today's date (Llama 3.2/3.3) is keyed by the day
     dated.chat_template = '{{ strftime_now("%d %b %Y") }}' + tok.chat_template
-    keys = {}
-    for day in ("2026-12-01", "2026-12-02"):
-        monkeypatch.setattr(store.time, "strftime", lambda fmt, day=day: day)
-        keys[day] = (store.cache_key("0" * 64, dated, 40), store.cache_key("0" * 64, tok, 40))
-    monkeypatch.undo()
+    keys = {day: (store.cache_key("0" * 64, dated, 40, day), store.cache_key("0" * 64, tok, 40, day))
+            for day in ("2026-12-01", "2026-12-02")}
+    assert store.cache_key("0" * 64, dated, 40) == store.cache_key("0" * 64, dated, 40, store.today())
     assert keys["2026-12-01"][0] != keys["2026-12-02"][0], "a dated template's key ignores the date"
     assert keys["2026-12-01"][1] == keys["2026-12-02"][1], "an undated template's key changes with the date"
     tok_copy = tmp_path / "tok_copy"
@@ -549,36 +547,66 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
 
 
-def _tokenize_once(rank, world, tok_dir, path, cache, case):
-    """One rank of test_one_rank_per_machine_tokenizes: `load`'s start, end, log lines and tokens, or the error."""
+def _timed(load_samples, times: list, rank: int, error: str | None):
+    """load_samples that notes its start and end in `times`, or raises OSError(error)."""
     import time
 
-    from data import store
-    from data.tokens import load_samples
-
-    tok, said, times = load_tokenizer(tok_dir), [], []
-
-    def load(write):
+    def load(*a, **kw):
         times.append(time.time())
-        if case == "error on rank 1" and rank == 1:
-            raise OSError(f"{path}: rank 1 cannot read it")
-        out = load_samples(path, tok, 40, len(tok), cache=cache, write=write, log=said.append)
+        if error:
+            raise OSError(error)
+        got = load_samples(*a, **kw)
         time.sleep(0.5 if rank == 0 else 0)   # so that a rank 1 that did not wait would start before this ends
         times.append(time.time())
-        return out
+        return got
+    return load
 
-    try:
-        samples, _ = store.once_per_machine(load, first=cache is None or rank == 0)
-    except Exception as e:
-        return {"error": (type(e).__name__, str(e)), "loaded": bool(times)}
-    return {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples]}
+
+def _mapped_from(t: torch.Tensor) -> str | None:
+    """The file whose memory-mapped pages hold `t`'s data (Linux /proc/self/maps), else None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= t.data_ptr() < hi:
+                return rest[4] if len(rest) > 4 and rest[4].startswith("/") else None
+    return None
+
+
+def _tokenize_once(rank, world, tok_dir, cases):
+    """One rank of test_one_rank_per_machine_tokenizes: for each (case, data file, cache) in turn, train.py's
+    data.store.load_run_data (LOCAL_RANK is the rank: rank 0 is the machine's first) -> the tokens, the log lines
+    and the start and end of each load_samples call, or the error."""
+    from types import SimpleNamespace
+
+    from data import store, tokens
+
+    real, out = tokens.load_samples, {}
+    for case, path, cache in cases:
+        tok, said, times = load_tokenizer(tok_dir), [], []
+        if case == "dated, midnight on rank 1":   # rank 1's clock says the next day
+            tok.chat_template = '{{ strftime_now("%d %b %Y") }}' + tok.chat_template
+            store.today = lambda: "2026-12-0" + str(1 + rank)
+
+        tokens.load_samples = _timed(real, times, rank, f"{path}: rank 1 cannot read it" if
+                                     case == "error on rank 1" and rank == 1 else None)
+        args = SimpleNamespace(data=path, eval_data=None, max_len=40, data_cache=cache or "none", data_sha256=None)
+        try:
+            (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
+            out[case] = {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples],
+                         "mapped": _mapped_from(samples.ids)}
+        except Exception as e:
+            out[case] = {"error": (type(e).__name__, str(e)), "loaded": bool(times)}
+    return out
 
 
 @pytest.mark.timeout(240)
 def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, tmp_path):
-    """data.store.once_per_machine on 2 ranks of one machine: rank 0 tokenizes and writes the cache while rank 1
-    waits, then rank 1 reads that file back; both hold the tokens of one process. A cache that cannot be written
-    makes rank 1 tokenize itself; without a cache both tokenize. An error on either rank is raised on both."""
+    """data.store.load_run_data (once_per_machine) on 2 ranks of one machine: rank 0 tokenizes and writes the cache
+    while rank 1 waits, then rank 1 reads that file back; both hold the tokens of one process, from that file's
+    memory-mapped pages. A cache that cannot
+    be written makes rank 1 tokenize itself; without a cache both tokenize. A dated template's key takes rank 0's
+    day on both ranks (midnight passed on rank 1). An error on either rank is raised on both."""
     from tests.dist import run_ranks
 
     path = tmp_path / "d.jsonl"
@@ -586,18 +614,27 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
     ref = [r["input_ids"] for r in tokenize_records(load_jsonl(path), load_tokenizer(tok_dir), 40, path)[0]]
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    for case, cache in (("shared", tmp_path / "cache"), ("unwritable", blocked / "cache"), ("no cache", None)):
-        r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), str(path), cache and str(cache), case, timeout=200)
-        assert r0["ids"] == ref and r1["ids"] == ref, case
-        assert not any("from the cache" in s for s in r0["said"]), (case, r0["said"])
-        assert any("from the cache" in s for s in r1["said"]) == (case == "shared"), (case, r1["said"])
-        if cache is not None:   # rank 1 starts once rank 0 is done
-            assert r1["times"][0] >= r0["times"][-1], (case, r0["times"], r1["times"])
-    assert any("not written" in s for s in r0["said"] + r1["said"]) is False   # (the no-cache case says nothing)
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "a question", "completion": ""}) + "\n")
-    for case, file in (("error on rank 0", empty), ("error on rank 1", path)):
-        got = run_ranks(_tokenize_once, 2, str(tok_dir), str(file), str(tmp_path / "cache2"), case, timeout=200)
+    loads = [("shared", path, tmp_path / "cache"), ("unwritable", path, blocked / "cache"), ("no cache", path, None),
+             ("dated, midnight on rank 1", path, tmp_path / "cache_dated")]
+    fails = [("error on rank 0", empty, tmp_path / "cache2"), ("error on rank 1", path, tmp_path / "cache2")]
+    r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d)) for c, p, d in loads + fails],
+                       timeout=200)
+    for case, _, cache in loads:
+        a, b = r0[case], r1[case]
+        assert a.get("ids") == ref and b.get("ids") == ref, (case, a, b)
+        assert not any("from the cache" in s for s in a["said"]), (case, a["said"])
+        assert any("from the cache" in s for s in b["said"]) == (case in ("shared", "dated, midnight on rank 1")), \
+            (case, b["said"])
+        assert any("not written" in s for s in a["said"]) == (case == "unwritable"), (case, a["said"])
+        if cache is not None:   # rank 1 starts once rank 0 is done
+            assert b["times"][0] >= a["times"][-1], (case, a["times"], b["times"])
+        written = case in ("shared", "dated, midnight on rank 1")   # both ranks hold the file's pages, not a copy
+        assert (a["mapped"] or "").startswith(str(cache)) == written == (b["mapped"] or "").startswith(str(cache)), \
+            (case, a["mapped"], b["mapped"])
+    for case, _, _ in fails:
+        got = [r0[case], r1[case]]
         want = ("DataError", f"{empty}, line 1") if case.endswith("0") else ("OSError", f"{path}: rank 1 cannot")
         for rank, r in enumerate(got):
             assert "error" in r and r["error"][0] == want[0] and r["error"][1].startswith(want[1]), (case, rank, r)
