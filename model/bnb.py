@@ -5,13 +5,15 @@ imported. Building those wrappers imports torch's compiler stack (dynamo's trace
 one CPU core per process on the 2-core CI machine, paid by every rank of every run, though the fallbacks never run
 here: CUDA and CPU have kernels of their own for the NF4 ops we call. While bitsandbytes is imported,
 `torch.compile` is the identity, so those fallbacks stay eager, which is also what bitsandbytes does itself when
-compiling fails. Nothing else changes: `torch.compile` is restored at once, and a process that imported
-bitsandbytes before this module keeps its compiled wrappers. model/qlora.py takes both packages from here.
+compiling fails. Nothing else changes: `torch.compile` is restored at once; dynamo, imported before the swap,
+keeps the real one in its rules; a process that imported bitsandbytes before this module keeps its compiled
+wrappers. model/qlora.py takes both packages from here.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._dynamo  # noqa: F401 - before the swap: dynamo caches torch's callables (torch.compile among them) at import
 
 
 def _identity(fn=None, **kwargs):
