@@ -605,9 +605,9 @@ def _tokenize_once(rank, world, tok_dir, cases):
 def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, tmp_path):
     """data.store.load_run_data (once_per_machine) on 2 ranks of one machine: rank 0 tokenizes and writes the cache
     while rank 1 waits, then rank 1 reads that file back; both hold the tokens of one process, from that file's
-    memory-mapped pages. A cache that cannot
-    be written makes rank 1 tokenize itself; without a cache both tokenize. A dated template's key takes rank 0's
-    day on both ranks (midnight passed on rank 1). An error on either rank is raised on both."""
+    memory-mapped pages. A cache that cannot be written makes rank 1 tokenize itself; without a cache both
+    tokenize. A dated template's key takes rank 0's day on both ranks (midnight passed on rank 1). An error on
+    either rank is raised on both."""
     from tests.dist import run_ranks
 
     path = tmp_path / "d.jsonl"
@@ -624,16 +624,15 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
                        timeout=200)
     for case, _, cache in loads:
         a, b = r0[case], r1[case]
+        written = case in ("shared", "dated, midnight on rank 1")   # rank 0 wrote the file, rank 1 read it
         assert a.get("ids") == ref and b.get("ids") == ref, (case, a, b)
         assert not any("from the cache" in s for s in a["said"]), (case, a["said"])
-        assert any("from the cache" in s for s in b["said"]) == (case in ("shared", "dated, midnight on rank 1")), \
-            (case, b["said"])
+        assert any("from the cache" in s for s in b["said"]) == written, (case, b["said"])
         assert any("not written" in s for s in a["said"]) == (case == "unwritable"), (case, a["said"])
         if cache is not None:   # rank 1 starts once rank 0 is done
             assert b["times"][0] >= a["times"][-1], (case, a["times"], b["times"])
-        written = case in ("shared", "dated, midnight on rank 1")   # both ranks hold the file's pages, not a copy
         in_cache = [r["mapped"] is not None and Path(r["mapped"]).parent == cache for r in (a, b)]
-        assert in_cache == [written, written], (case, a["mapped"], b["mapped"])
+        assert in_cache == [written, written], (case, a["mapped"], b["mapped"])   # the file's pages, not a copy
     for case, _, _ in fails:
         got = [r0[case], r1[case]]
         want = ("DataError", f"{empty}, line 1") if case.endswith("0") else ("OSError", f"{path}: rank 1 cannot")
