@@ -76,7 +76,7 @@ def main():
         dict(hidden=1024, layers=3, inter=8192, vocab=2048)   # block linears 4x the root's whole-read tensors
     with tempfile.TemporaryDirectory() as tmp:
         total = write_checkpoint(tmp, **size)[0]
-        res = run_ranks(_rank, 4, tmp, args.reps, timeout=1800, pg_timeout=600)
+        res = run_ranks(_rank, 4, tmp, args.reps, timeout=1800, pg_timeout=600, start="spawn")
     print(f"load of a {total / 1e6:.0f} MB float32 checkpoint on 4 CPU ranks (FSDP2 over 4), best of {args.reps}")
     print(f"{'quant':<6}{'whole s':>9}{'lean s':>8}{'ratio':>7}{'whole cpu s':>13}{'lean cpu s':>12}"
           f"{'whole peak MB':>15}{'lean peak MB':>14}")

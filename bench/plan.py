@@ -161,7 +161,7 @@ def _worker(rank, world, argv, block=None):
 
 
 def measure(world: int, argv: list[str], block=None) -> list[int]:
-    return run_ranks(_worker, world, argv, block, timeout=900, pg_timeout=300)
+    return run_ranks(_worker, world, argv, block, timeout=900, pg_timeout=300, start="spawn")
 
 
 def planned(world: int, argv: list[str], block=None) -> float:

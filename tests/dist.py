@@ -1,9 +1,14 @@
 """Multi-rank harness: spawn N ranks (gloo on CPU, or NCCL one GPU each) for the tests and bench/.
 
 Contract:
-- `run_ranks(fn, world_size, *args)` spawns `world_size` processes with torch.multiprocessing,
+- `run_ranks(fn, world_size, *args)` starts `world_size` processes with torch.multiprocessing,
   rendezvous through a `file://` store in a fresh temp dir (never a fixed TCP port), one thread
   per rank, and a process-group timeout so a mismatched collective raises instead of hanging.
+- gloo ranks fork from a forkserver that imported torch, transformers, peft and this project once
+  (`PRELOAD`): a spawned rank spends 4-8 s of one core importing them, and the suite starts a
+  hundred or so. Each rank still gets the caller's environment as it is at the call, as spawn gives.
+  `start="spawn"` gives fresh interpreters (bench/ measures RSS and paged-in code from a clean
+  start); NCCL ranks always spawn.
 - `fn(rank, world_size, *args)` runs inside the initialised process group; it must be a module-level
   function (picklable). Its return value is sent back; `run_ranks` returns the list by rank.
 - If any rank raises, the test fails with that rank's full traceback in the pytest report. Ranks
@@ -31,7 +36,24 @@ class RankError(RuntimeError):
     pass
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend):
+# What the forkserver imports once, before it forks any rank. The server starts with the first gloo
+# call, after conftest set the environment every run shares; it never touches a device or a thread
+# pool, so forking from it is safe. An import that fails there is skipped (the rank imports it itself).
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "peft",
+           "model.qlora", "parallel.parallelize", "train", "tests.helpers", "tests.fixtures"]
+
+
+def _context(start: str):
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend, env):
+    # the caller's environment, as a spawned rank gets it (a forkserver's is that of its own start)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -65,16 +87,17 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend):
                 pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend="gloo"):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend="gloo",
+              start="forkserver"):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context("spawn" if backend == "nccl" else start)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, args, queue, pg_timeout, backend),
+                args=(r, world_size, init_file, fn, args, queue, pg_timeout, backend, dict(os.environ)),
                 daemon=True,
             )
             for r in range(world_size)
