@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
+from data.templates import parse_day
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
@@ -102,6 +103,8 @@ def build_parser(add_help=True):
     a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
+    a("--template-date", default=None, type=parse_day, metavar="YYYY-MM-DD", help="the date a chat template that "
+      "writes today's (Llama 3.2/3.3) renders (default: rank 0's day at the start; a resume keeps its run's)")
     a("--data-cache", default=store.DATA_CACHE, metavar="DIR|none", help="keep tokenized data here, keyed by the "
       "file's bytes, tokenizer, template, --max-len and the data code: a rerun reads it back (mmap; none: off)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")

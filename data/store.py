@@ -11,18 +11,21 @@ Contract:
   directory (every file but weights), its effective chat template and class, max_len, the source of the modules
   that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file) and the transformers and
   tokenizers versions; and the day (`today()` unless given) for a template that writes it (`strftime_now`: Llama
-  3.2's and 3.3's "Today Date" line), so a set is not rendered with another day's date.
+  3.2's and 3.3's "Today Date" line), the date such a template renders (data/templates.py's `on_day`).
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
-- `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`.
-- `once_per_machine(load, first)`: with several ranks, each machine's first rank runs `load(True, day)` (tokenize,
-  write the cache) while the others wait, then the others run `load(False, day)`: they read that file back
-  memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
-  themselves only when it could not be written). `day` is rank 0's `today()`, one for every rank, so a key that
-  holds it is the same on every rank even when midnight passes while they wait. An error on any rank is raised on
+- `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`,
+  rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); it sets that to the day
+  used, which the run's config and checkpoints keep, and says it when the template writes the date.
+- `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
+  (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
+  back memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
+  themselves only when it could not be written). `day` is rank 0's (`today()` if None), one for every rank, so a
+  dated template renders the same date, under the same key, on every machine even when midnight passes while they
+  wait. Returns (`load`'s result, day). An error on any rank is raised on
   every rank. The day goes out on the default group, under --timeout's limit: a rank that failed before this call
   stops the others there. The waits are collectives of a gloo group of their own whose timeout, `WAIT`, is not
   --timeout's: a large file may take longer than that to tokenize.
@@ -41,6 +44,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from data.templates import dated
 
 DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "long-context-lora",
                           "tokens")   # --data-cache's default
@@ -136,7 +141,7 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None)
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
     for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
                  transformers.__version__, tokenizers.__version__,
-                 (day or today()) if "strftime_now" in json.dumps(template) else ""):
+                 (day or today()) if dated(template) else ""):
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
@@ -190,19 +195,23 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, log, sha, day)
     local_rank = os.environ.get("LOCAL_RANK", str(dist.get_rank() if dist.is_initialized() else 0))
-    return once_per_machine(lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
-                                                args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),
-                            first=not cache or local_rank == "0")
+    out, args.template_date = once_per_machine(
+        lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
+                            args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),
+        first=not cache or local_rank == "0", day=getattr(args, "template_date", None))
+    if dated(tokenizer.chat_template):
+        log(f"chat template: writes the date; rendered as {args.template_date} (--template-date; a resume keeps it)")
+    return out
 
 
-def once_per_machine(load, first: bool):
-    """`load(write, day)`'s result on every rank, computed first by the ranks where `first` (each machine's first
-    rank; every rank when there is no cache to share), then by the others (module docstring)."""
+def once_per_machine(load, first: bool, day: str | None = None):
+    """(`load(write, day)`'s result, day) on every rank, computed first by the ranks where `first` (each machine's
+    first rank; every rank when there is no cache to share), then by the others (module docstring)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return load(True, today())
-    day = [today()]
+        return load(True, day := day or today()), day
+    day = [day or today()]
     dist.broadcast_object_list(day, src=0)   # every rank is here (else --timeout ends the job) before the long wait
     group = dist.new_group(backend="gloo", timeout=WAIT)   # every rank, in order
     try:
@@ -220,7 +229,7 @@ def once_per_machine(load, first: bool):
                 raise err
             if (other := next((e for e in errs if e is not None), None)) is not None:
                 raise other
-        return out
+        return out, day[0]
     finally:
         dist.destroy_process_group(group)
 

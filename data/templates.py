@@ -11,6 +11,11 @@ Contract:
 - `end_of_turn(tokenizer)` -> (marker, its token ids; spaces around it are not part of it) under the tokenizer's
   template. `model.export.merge` adds the
   marker's id to the merged generation_config.json's eos_token_id, so generation stops there.
+- `dated(template)`: the template writes the date (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line).
+  `on_day(day)` makes every rendering inside it write that date ("YYYY-MM-DD", at 00:00) in place of today's: the
+  run's tokens then do not depend on the day or the machine (train.py: --template-date, rank 0's day by default,
+  kept by a resume). transformers gives templates no way to pass a function (it turns template arguments into plain
+  data), so the clock its `strftime_now` reads is swapped for the length of the block, and checked to have taken.
 - train.py keeps the text (args.chat_template_text) in the run's config.json and in every checkpoint: a resume
   compares the text, not the file's name, and an adapter exported from a checkpoint carries the text it was trained
   with (chat_template.jinja), whatever became of the file.
@@ -18,6 +23,10 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from data.jsonl import DataError
@@ -43,6 +52,48 @@ def chat_template(spec: str | None) -> str | None:
         raise DataError(f"--chat-template {spec!r}: no `messages` in it, so not a chat template (a Jinja template "
                         "over `messages`, as tokenizer_config.json's chat_template)")
     return text
+
+
+def dated(template) -> bool:
+    """Whether the template (a text, or a dict of named ones) writes the date it is rendered on."""
+    return "strftime_now" in json.dumps(template)
+
+
+def parse_day(text: str) -> str:
+    """--template-date's value, checked: YYYY-MM-DD (argparse prints the error as it is)."""
+    try:
+        return datetime.date.fromisoformat(text).isoformat()
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date as YYYY-MM-DD, e.g. 2026-12-02") from None
+
+
+@contextmanager
+def on_day(tokenizer, day: str | None):
+    """Renderings inside write `day` where the tokenizer's template asks for today's date (module docstring); None,
+    or a template that writes no date: nothing changes."""
+    if day is None or not dated(tokenizer.chat_template):
+        yield
+        return
+    from transformers.utils import chat_template_utils as ctu
+
+    real, at = getattr(ctu, "datetime", None), datetime.datetime.combine(datetime.date.fromisoformat(day),
+                                                                          datetime.time())
+
+    class Fixed(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return at.replace(tzinfo=tz)
+
+    ctu.datetime = Fixed
+    try:
+        probe = tokenizer.apply_chat_template(PROBE, chat_template='{{ strftime_now("%Y-%m-%d") }}', tokenize=False)
+        if probe != day:
+            raise RuntimeError(f"the chat template writes the date, and this transformers version's strftime_now "
+                               f"renders {probe!r} under the fixed day {day}: the data would depend on the day it is "
+                               "tokenized. Pin the date in the template (--chat-template FILE) or use transformers 5")
+        yield
+    finally:
+        ctu.datetime = real
 
 
 def end_of_turn(tokenizer) -> tuple[str, list[int]]:

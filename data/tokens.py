@@ -3,9 +3,10 @@
 Contract:
 - `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
   `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
-- `tokenize_records(records, tokenizer, max_len, path)` turns validated records (`data.jsonl`) into
+- `tokenize_records(records, tokenizer, max_len, path, day)` turns validated records (`data.jsonl`) into
   samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
-  samples left with no target are dropped (and counted).
+  samples left with no target are dropped (and counted). A template that writes today's date writes `day`
+  (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
 - `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
   kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
@@ -96,8 +97,8 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
-    machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the day a dated
-    template's key holds (data/store.py's `today()` if None)."""
+    machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
+    template writes and its key holds (data/store.py's `today()` if None)."""
     from data import store
     from data.jsonl import load_jsonl
 
@@ -114,7 +115,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         if log:
             log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
     else:
-        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path),
+        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path, day),
                                      log, f"{flag} {path}")
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
@@ -247,8 +248,16 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
         return out
 
 
-def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>"):
+def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>",
+                     day: str | None = None):
     """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
+    from data.templates import on_day
+
+    with on_day(tokenizer, day):
+        return _tokenize_records(records, tokenizer, max_len, path)
+
+
+def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
     eos = tokenizer.eos_token_id

@@ -6,7 +6,8 @@ Contract:
 - `check_start(args, demo)` -> (the --model given, the checkpoint to resume or None): every check that needs no
   process group, before anything is written, so a refusal leaves every file as it was: the flags (`check_flags`),
   --model with --data, the data files, --out against --resume/--overwrite, a resume's run-defining flags and data
-  bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only).
+  bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only),
+  and on a resume without --template-date the checkpoint's (the date its dated template rendered).
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):
   the device memory (`device_budget`), the host memory free on its machine now (`host_available()`) and the
   machine's name. A rank that cannot say its device memory is named in its entry, one that cannot say its host
@@ -126,6 +127,8 @@ def check_start(args, demo: bool):
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)
+        if args.template_date is None:   # the date its dated template rendered, whatever today is
+            args.template_date = meta.get("args", {}).get("template_date")
         runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "

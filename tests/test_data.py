@@ -548,6 +548,50 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
 
 
+DATED = '{{ strftime_now("%A %d %B %Y") }}\n'   # a "Today Date" line, as Llama 3.2's and 3.3's templates write
+
+
+def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tmp_path, monkeypatch):
+    """data.templates.on_day through tokenize_records: a template that writes today's date (strftime_now) writes the
+    given day instead, the same tokens as the template with that date spelled out in it (rendered by transformers,
+    no clock involved); another day other tokens; outside the call the template reads the clock again. An undated
+    template is untouched by a day. A transformers whose strftime_now does not take the fixed day is refused (no data
+    that silently depend on the day); --template-date takes YYYY-MM-DD only."""
+    import argparse
+    import datetime
+
+    from data.templates import dated, on_day, parse_day
+
+    records = make_chat_jsonl(tmp_path / "c.jsonl", 6, seed=4)
+    chatml = tok.chat_template
+    literal = lambda day: DATED.replace('{{ strftime_now("%A %d %B %Y") }}',
+                                        datetime.date.fromisoformat(day).strftime("%A %d %B %Y"))
+    tok.chat_template = DATED + chatml
+    assert dated(tok.chat_template) and not dated(chatml) and dated({"default": tok.chat_template})
+    got = {}
+    for day in ("2024-07-26", "2025-03-09"):   # (neither is today: the clock's return is told apart)
+        got[day] = tokenize_records(records, tok, 200, day=day)[0]
+        ref_tok = load_tokenizer(tok.name_or_path)
+        ref_tok.chat_template = literal(day) + chatml
+        assert got[day] == tokenize_records(records, ref_tok, 200)[0], f"{day}: not the date spelled out"
+    assert got["2024-07-26"] != got["2025-03-09"], "the day changed no token"
+    before = datetime.date.today().strftime("%A %d %B %Y")
+    text = tok.apply_chat_template(records[0]["messages"], tokenize=False)
+    assert text.startswith((before, datetime.date.today().strftime("%A %d %B %Y"))), "the clock is not back"
+    plain = load_tokenizer(tok.name_or_path)
+    assert tokenize_records(records, plain, 200, day="2024-07-26") == tokenize_records(records, plain, 200)
+    real = tok.apply_chat_template   # a transformers whose strftime_now reads another clock than the one swapped
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: "1999-01-01" if "chat_template" in k else
+                        real(*a, **k))
+    with pytest.raises(RuntimeError, match="strftime_now renders '1999-01-01' under the fixed day 2024-07-26"):
+        with on_day(tok, "2024-07-26"):
+            pass
+    assert parse_day("2026-12-02") == "2026-12-02"
+    for bad in ("12/02/2026", "2026-13-01", "yesterday"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{bad!r} is not a date as YYYY-MM-DD"):
+            parse_day(bad)
+
+
 def _timed(load_samples, times: list, rank: int, error: str | None):
     """load_samples that notes its start and end in `times`, or raises OSError(error)."""
     import time
@@ -585,17 +629,17 @@ def _tokenize_once(rank, world, tok_dir, cases):
     real, out = tokens.load_samples, {}
     for case, path, cache in cases:
         tok, said, times = load_tokenizer(tok_dir), [], []
-        if case == "dated, midnight on rank 1":   # rank 1's clock says the next day
-            tok.chat_template = '{{ strftime_now("%d %b %Y") }}' + tok.chat_template
+        if case.startswith("dated"):   # rank 1's clock says the next day
+            tok.chat_template = DATED + tok.chat_template
             store.today = lambda: "2026-12-0" + str(1 + rank)
 
         tokens.load_samples = _timed(real, times, rank, f"{path}: rank 1 cannot read it" if
                                      case == "error on rank 1" and rank == 1 else None)
-        args = SimpleNamespace(data=path, eval_data=None, max_len=40, data_cache=cache or "none", data_sha256=None)
+        args = SimpleNamespace(data=path, eval_data=None, max_len=96, data_cache=cache or "none", data_sha256=None)
         try:
             (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
             out[case] = {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples],
-                         "mapped": _mapped_from(samples.ids)}
+                         "mapped": _mapped_from(samples.ids), "day": args.template_date}
         except Exception as e:
             out[case] = {"error": (type(e).__name__, str(e)), "loaded": bool(times)}
     return out
@@ -606,26 +650,38 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
     """data.store.load_run_data (once_per_machine) on 2 ranks of one machine: rank 0 tokenizes and writes the cache
     while rank 1 waits, then rank 1 reads that file back; both hold the tokens of one process, from that file's
     memory-mapped pages. A cache that cannot be written makes rank 1 tokenize itself; without a cache both
-    tokenize. A dated template's key takes rank 0's day on both ranks (midnight passed on rank 1). An error on
+    tokenize. A dated template renders rank 0's day, under a key holding it, on both ranks (midnight passed on rank
+    1), also when each rank tokenizes for itself: the tokens of that date spelled out in the template. An error on
     either rank is raised on both."""
     from tests.dist import run_ranks
 
-    path = tmp_path / "d.jsonl"
+    path, chats = tmp_path / "d.jsonl", tmp_path / "chats.jsonl"
     make_text_jsonl(path, 12, seed=3)
-    ref = [r["input_ids"] for r in tokenize_records(load_jsonl(path), load_tokenizer(tok_dir), 40, path)[0]]
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant",
+                                         "content": "fine"}]}) + "\n" for i in range(6)))
+    spelled = load_tokenizer(tok_dir)   # rank 0's day, written out: no clock
+    spelled.chat_template = DATED.replace('{{ strftime_now("%A %d %B %Y") }}', "Tuesday 01 December 2026") + \
+        spelled.chat_template
+    ref = {str(p): [r["input_ids"] for r in tokenize_records(load_jsonl(p), t, 96, p)[0]]
+           for p, t in ((path, load_tokenizer(tok_dir)), (chats, spelled))}
+    assert len(ref[str(chats)]) == 6, "every chat keeps a target"
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "a question", "completion": ""}) + "\n")
     loads = [("shared", path, tmp_path / "cache"), ("unwritable", path, blocked / "cache"), ("no cache", path, None),
-             ("dated, midnight on rank 1", path, tmp_path / "cache_dated")]
+             ("dated, midnight on rank 1", chats, tmp_path / "cache_dated"),
+             ("dated, no cache, midnight on rank 1", chats, None)]
     fails = [("error on rank 0", empty, tmp_path / "cache2"), ("error on rank 1", path, tmp_path / "cache2")]
     r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d)) for c, p, d in loads + fails],
                        timeout=200)
-    for case, _, cache in loads:
+    for case, data, cache in loads:
         a, b = r0[case], r1[case]
         written = case in ("shared", "dated, midnight on rank 1")   # rank 0 wrote the file, rank 1 read it
-        assert a.get("ids") == ref and b.get("ids") == ref, (case, a, b)
+        assert a.get("ids") == ref[str(data)] and b.get("ids") == ref[str(data)], (case, a, b)
+        if case.startswith("dated"):
+            assert a["day"] == b["day"] == "2026-12-01", (case, a["day"], b["day"])
+            assert any("rendered as 2026-12-01" in s for s in a["said"]), (case, a["said"])
         assert not any("from the cache" in s for s in a["said"]), (case, a["said"])
         assert any("from the cache" in s for s in b["said"]) == written, (case, b["said"])
         assert any("not written" in s for s in a["said"]) == (case == "unwritable"), (case, a["said"])

@@ -5,7 +5,8 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
 - a used --out is refused unless --resume or --overwrite; --overwrite replaces the run; no --out gives a
   fresh runs/<date-time> directory; a live run's lock refuses a second run in its directory;
 - resume refuses a changed run-defining flag (naming flag, checkpoint value and new value) and a
-  --steps below the checkpoint's step; after a resume, metrics.jsonl holds each step once;
+  --steps below the checkpoint's step; after a resume, metrics.jsonl holds each step once; a chat template that
+  writes today's date renders the run's day (--template-date) again on a resume days later;
 - a non-finite step is skipped, counted and logged as strict JSON; N in a row stop the run with no
   checkpoint or adapter written; non-finite and out-of-range flags are refused up front;
 - token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
@@ -739,6 +740,48 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     assert f"note: --init-adapter {os.path.join(a, 'adapter')} records no chat template" in out, out
     run(train_argv(assets, str(tmp_path / "e"), "--steps", "1", "--init-adapter", os.path.join(a, "adapter")))
     assert "records no chat template" not in capsys.readouterr().out, "said without a --chat-template"
+
+
+def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps_it(assets, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A --chat-template that writes today's date (Llama 3.2/3.3's "Today Date" line): a run renders rank 0's day at
+    its start, which config.json and the checkpoints keep (template_date); resumed two days later it renders that day
+    again: the same key (its tokens come from the cache) and the same losses as the uninterrupted run.
+    --template-date renders the date given (the data line of that date spelled out in the template); a resume with
+    another date is refused before any weight is read, naming both."""
+    import datetime
+
+    from data import load_jsonl, load_tokenizer, store, tokenize_records
+    from data.templates import TEMPLATES
+
+    line = '{{ strftime_now("%A %d %B %Y") }}\n'
+    (tmp_path / "dated.jinja").write_text(line + TEMPLATES["chatml"])
+    argv = lambda out, *x: [*train_argv(assets, out, "--chat-template", str(tmp_path / "dated.jinja"), *x),
+                            "--data-cache", str(tmp_path / "cache")]
+    spelled = lambda day: str(tokenize_records(load_jsonl(assets["data"]), load_tokenizer(assets["model"], line.replace(
+        '{{ strftime_now("%A %d %B %Y") }}', datetime.date.fromisoformat(day).strftime("%A %d %B %Y"))
+        + TEMPLATES["chatml"]), 64)[1])
+    config = lambda out: json.load(open(os.path.join(out, "config.json")))
+    monkeypatch.setattr(store, "today", lambda: "2026-12-01")
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    run(argv(full, "--steps", "3"))
+    assert "rendered as 2026-12-01 (--template-date" in capsys.readouterr().out
+    run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
+    assert config(full)["template_date"] == "2026-12-01" and config(full)["data"] == spelled("2026-12-01")
+    monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
+    capsys.readouterr()
+    run(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt", "step_000001")))
+    out = capsys.readouterr().out
+    assert "rendered as 2026-12-01" in out and "tokens from the cache" in out, out
+    assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(full)], "the resume changed the math"
+    assert spelled("2024-07-26") != spelled("2026-12-01"), "the date changes the data: the check below can fail"
+    run(argv(str(tmp_path / "given"), "--steps", "1", "--template-date", "2024-07-26"))
+    assert config(tmp_path / "given")["data"] == spelled("2024-07-26")
+    before = tree_hash(part)
+    msg = startup_error(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt"), "--template-date",
+                             "2024-07-26"))
+    assert "--template-date: the checkpoint has '2026-12-01', this run '2024-07-26'" in msg, msg
+    assert tree_hash(part) == before
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
