@@ -19,7 +19,8 @@ Contract:
   cannot be read or written costs a re-tokenization, never the run.
 - `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`,
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); it sets that to the day
-  used, which the run's config and checkpoints keep, and says it when the template writes the date.
+  used, which the run's config and checkpoints keep, and says it when the template writes the date. A cache that
+  cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the host).
 - `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
   (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
   back memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
@@ -39,6 +40,7 @@ import json
 import os
 import pickle
 import secrets
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -192,9 +194,13 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     from data.tokens import load_samples
 
     cache = None if args.data_cache == "none" else args.data_cache
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = os.environ.get("LOCAL_RANK", str(rank))
+    # `log` speaks on rank 0 only; another machine's cache trouble is said by that machine's first rank
+    warn = log if rank == 0 else (lambda m: print(f"[{socket.gethostname()} rank {rank}] {m}", flush=True)) \
+        if local_rank == "0" else None
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                                 write, log, sha, day)
-    local_rank = os.environ.get("LOCAL_RANK", str(dist.get_rank() if dist.is_initialized() else 0))
+                                                                 write, log, sha, day, warn)
     out, args.template_date = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),

@@ -93,23 +93,25 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
 
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
-                 write: bool = True, log=None, sha256: str | None = None, day: str | None = None):
+                 write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None):
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
-    template writes and its key holds (data/store.py's `today()` if None)."""
+    template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
+    cannot be read or written is said."""
     from data import store
     from data.jsonl import load_jsonl
 
+    warn = warn or log
     sha256 = sha256 or (cache and store.file_sha256(path))
     try:
         key = cache and store.cache_key(sha256, tokenizer, max_len, day)
     except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
         key = None
-        if log:
-            log(f"data cache skipped: {e}")
-    hit = key and store.read(Path(cache) / f"{key}.pt", key, log)
+        if warn:
+            warn(f"data cache skipped: {e}")
+    hit = key and store.read(Path(cache) / f"{key}.pt", key, warn)
     if hit:
         samples, stats = hit[0], TokenStats(**hit[1])
         if log:
@@ -121,7 +123,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
     check_vocab(samples, tokenizer, vocab_size, path)
     if key and not hit and write and store.file_sha256(path) == sha256:   # (not rewritten while it was read)
-        if store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), log):
+        if store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), warn):
             samples = (store.read(Path(cache) / f"{key}.pt", key) or (samples,))[0]   # the shared pages
     return samples, stats
 

@@ -9,9 +9,13 @@ Run: .venv/bin/python -m pytest -q tests/test_data.py
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import random
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -628,7 +632,8 @@ def _tokenize_once(rank, world, tok_dir, cases):
 
     real, out = tokens.load_samples, {}
     for case, path, cache in cases:
-        tok, said, times = load_tokenizer(tok_dir), [], []
+        tok, said, times, printed = load_tokenizer(tok_dir), [], [], io.StringIO()
+        os.environ["LOCAL_RANK"] = "0" if case.startswith("two machines") else str(rank)   # each its machine's first
         if case.startswith("dated"):   # rank 1's clock says the next day
             tok.chat_template = DATED + tok.chat_template
             store.today = lambda: "2026-12-0" + str(1 + rank)
@@ -637,9 +642,10 @@ def _tokenize_once(rank, world, tok_dir, cases):
                                      case == "error on rank 1" and rank == 1 else None)
         args = SimpleNamespace(data=path, eval_data=None, max_len=96, data_cache=cache or "none", data_sha256=None)
         try:
-            (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
+            with contextlib.redirect_stdout(printed):
+                (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
             out[case] = {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples],
-                         "mapped": _mapped_from(samples.ids), "day": args.template_date}
+                         "mapped": _mapped_from(samples.ids), "day": args.template_date, "printed": printed.getvalue()}
         except Exception as e:
             out[case] = {"error": (type(e).__name__, str(e)), "loaded": bool(times)}
     return out
@@ -651,8 +657,9 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
     while rank 1 waits, then rank 1 reads that file back; both hold the tokens of one process, from that file's
     memory-mapped pages. A cache that cannot be written makes rank 1 tokenize itself; without a cache both
     tokenize. A dated template renders rank 0's day, under a key holding it, on both ranks (midnight passed on rank
-    1), also when each rank tokenizes for itself: the tokens of that date spelled out in the template. An error on
-    either rank is raised on both."""
+    1), also when each rank tokenizes for itself: the tokens of that date spelled out in the template. Ranks on two
+    machines each tokenize, and the other machine's first rank says its cache was not written (naming its host); the
+    log speaks on rank 0 only. An error on either rank is raised on both."""
     from tests.dist import run_ranks
 
     path, chats = tmp_path / "d.jsonl", tmp_path / "chats.jsonl"
@@ -673,7 +680,8 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
              ("dated, midnight on rank 1", chats, tmp_path / "cache_dated"),
              ("dated, no cache, midnight on rank 1", chats, None)]
     fails = [("error on rank 0", empty, tmp_path / "cache2"), ("error on rank 1", path, tmp_path / "cache2")]
-    r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d)) for c, p, d in loads + fails],
+    both = [("two machines, unwritable", path, blocked / "cache")]
+    r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d)) for c, p, d in loads + both + fails],
                        timeout=200)
     for case, data, cache in loads:
         a, b = r0[case], r1[case]
@@ -689,6 +697,11 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
             assert b["times"][0] >= a["times"][-1], (case, a["times"], b["times"])
         in_cache = [r["mapped"] is not None and Path(r["mapped"]).parent == cache for r in (a, b)]
         assert in_cache == [written, written], (case, a["mapped"], b["mapped"])   # the file's pages, not a copy
+    a, b = r0["two machines, unwritable"], r1["two machines, unwritable"]   # rank 1: another machine's first rank
+    assert a.get("ids") == ref[str(path)] and b.get("ids") == ref[str(path)], (a, b)
+    assert b["times"][0] < a["times"][-1], "rank 1 waited for rank 0: they are not on one machine"
+    assert any("not written" in s for s in a["said"]) and not a["printed"], a
+    assert b["printed"].startswith(f"[{socket.gethostname()} rank 1] data cache ") and "not written" in b["printed"], b
     for case, _, _ in fails:
         got = [r0[case], r1[case]]
         want = ("DataError", f"{empty}, line 1") if case.endswith("0") else ("OSError", f"{path}: rank 1 cannot")
