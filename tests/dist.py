@@ -8,7 +8,8 @@ Contract:
   (`PRELOAD`): a spawned rank spends 4-8 s of one core importing them, and the suite starts a
   hundred or so. Each rank still gets the caller's environment as it is at the call, as spawn gives.
   `start="spawn"` gives fresh interpreters (bench/ measures RSS and paged-in code from a clean
-  start); NCCL ranks always spawn.
+  start). Ranks always spawn where CUDA is available: bitsandbytes may touch the GPU as it is
+  imported, and a CUDA context cannot cross a fork.
 - `fn(rank, world_size, *args)` runs inside the initialised process group; it must be a module-level
   function (picklable). Its return value is sent back; `run_ranks` returns the list by rank.
 - If any rank raises, the test fails with that rank's full traceback in the pytest report. Ranks
@@ -90,7 +91,7 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend, e
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend="gloo",
               start="forkserver"):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank."""
-    ctx = _context("spawn" if backend == "nccl" else start)
+    ctx = _context("spawn" if backend == "nccl" or torch.cuda.is_available() else start)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
