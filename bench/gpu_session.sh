@@ -53,6 +53,9 @@
 #   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case 128k --runs liger,ours+fast;--case
 #      32k --runs ours+fast' (what train.py --fast picks on the whole device: planned --ac-keep-attn --ac-blocks 4 at
 #      128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s), then --case mem if time is left.
+#   3. whenever ~60 s are left: TEST_S=60 TEST_K=past_2_31 BENCH= (test_cuda_attention_past_2_31_elements, written
+#      2026-12-02 and never run: attention and RMSNorm at 603k tokens, past 2^31 elements per tensor, where the
+#      planner's --max-len auto leads and no run has gone; est. ~30 s).
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail

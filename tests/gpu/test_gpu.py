@@ -22,7 +22,9 @@ folder, `make test-gpu` does):
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
   the fused LoRA add runs on every layer there and trains like peft's forward;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
-  its loss is finite and falls on the demo assets.
+  its loss is finite and falls on the demo assets;
+- past 2^31 elements (603k tokens of Qwen2.5-7B's q, where --max-len auto leads): causal attention's out, dq and
+  the last key's dk, dv on rows past that point = one query row in float32 math; fused RMSNorm's last rows.
 
 Run: make test-gpu   (or .venv/bin/python -m pytest -q tests/gpu)
 """
@@ -625,3 +627,57 @@ def test_cuda_fused_lora_trains_like_peft(tmp_path, monkeypatch):
     for g, r in zip(got, ref, strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=2e-3), (g, r)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=2e-2), (g, r)
+
+
+def _row_reference(q_i, k, v, dout_i, scale):
+    """One query row over keys k, v (float32 math, GQA by head groups): (out, dq, dk of the last key, dv of it)."""
+    h, hkv = q_i.shape[-2], k.shape[-2]
+    q_i = q_i.float().requires_grad_()
+    last_k, last_v = (t[:, -1:].float().requires_grad_() for t in (k, v))
+    kk = torch.cat([k[:, :-1].float(), last_k], 1).repeat_interleave(h // hkv, 2)   # [1, n, H, D]
+    vv = torch.cat([v[:, :-1].float(), last_v], 1).repeat_interleave(h // hkv, 2)
+    p = torch.einsum("bqhd,bkhd->bhqk", q_i, kk).mul(scale).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    out.backward(dout_i.float())
+    return out.detach(), q_i.grad, last_k.grad, last_v.grad
+
+
+@pytest.mark.skipif(torch.cuda.get_device_properties(0).total_memory < 60 * 2**30, reason="needs ~30 GB free")
+def test_cuda_attention_past_2_31_elements():
+    """Past 599,186 tokens a Qwen2.5-7B q ([T, 28, 128]) and every [T, 3584] tensor hold more than 2^31 elements,
+    where a kernel that indexes in 32 bits reads or writes wrapped rows (pytorch#187227 for the masked op). The
+    planner's --max-len auto goes there (1.2M+ tokens with offload); no run had. Causal attention on this device's
+    choice (cuDNN on Hopper) with its blocked GQA backward, T = 2^31 / (28·128) + 4,096 tokens: rows at the start,
+    the middle and past 2^31 elements match one query row over its visible keys (float32 math, which computes
+    only that row), out and dq; the last key's dk, dv (only the last query sees it) match that row's too. Then
+    RMSNorm's fused kernels on [T, 3584] against the formula on the last rows."""
+    import model.llama as llama
+
+    h, hkv, d = 28, 4, 128
+    t = 2**31 // (h * d) + 4096
+    scale = d ** -0.5
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(1, t, h, d, device=DEV, generator=g, dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, t, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    assert q.numel() > 2**31
+    out = kernels.attention(q, k, v, causal=True, scale=scale)
+    dout = torch.randn(out.shape, device=DEV, generator=g, dtype=torch.bfloat16)
+    out.backward(dout)
+    for i in (0, t // 2, t - 1 - 2048, t - 1):   # t - 2049: the first row past 2^31 elements is after it
+        ref_out, ref_dq, ref_dk, ref_dv = _row_reference(q[:, i:i + 1].detach(), k[:, :i + 1].detach(),
+                                                         v[:, :i + 1].detach(), dout[:, i:i + 1], scale)
+        torch.testing.assert_close(out[:, i:i + 1].float(), ref_out, rtol=2e-2, atol=2e-2, msg=f"out row {i}")
+        torch.testing.assert_close(q.grad[:, i:i + 1].float(), ref_dq, rtol=5e-2, atol=5e-2, msg=f"dq row {i}")
+        if i == t - 1:
+            torch.testing.assert_close(k.grad[:, -1:].float(), ref_dk, rtol=5e-2, atol=5e-2, msg="dk of the last key")
+            torch.testing.assert_close(v.grad[:, -1:].float(), ref_dv, rtol=5e-2, atol=5e-2, msg="dv of the last key")
+    del q, k, v, out, dout
+    torch.cuda.empty_cache()
+    x = torch.randn(t, h * d, device=DEV, generator=g, dtype=torch.bfloat16)
+    norm = llama.RMSNorm(h * d, 1e-6).to(DEV, torch.bfloat16)
+    norm.weight.requires_grad_(False)
+    y = norm(x)
+    tail = x[-4096:].float()
+    want = (tail * torch.rsqrt(tail.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * norm.weight
+    torch.testing.assert_close(y[-4096:].float(), want.float(), rtol=2e-2, atol=1e-2, msg="RMSNorm's last rows")
