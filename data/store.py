@@ -18,9 +18,10 @@ Contract:
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
 - `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`,
-  rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); it sets that to the day
-  used, which the run's config and checkpoints keep, and says it when the template writes the date. A cache that
-  cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the host).
+  rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
+  the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
+  cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
+  host).
 - `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
   (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
   back memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
@@ -201,12 +202,17 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         if local_rank == "0" else None
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, log, sha, day, warn)
-    out, args.template_date = once_per_machine(
+    given = getattr(args, "template_date", None)
+    out, day = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),
-        first=not cache or local_rank == "0", day=getattr(args, "template_date", None))
-    if dated(tokenizer.chat_template):
-        log(f"chat template: writes the date; rendered as {args.template_date} (--template-date; a resume keeps it)")
+        first=not cache or local_rank == "0", day=given)
+    args.template_date = day if dated(tokenizer.chat_template) else None   # what config.json and checkpoints keep
+    if args.template_date:
+        log(f"chat template: writes the date; rendered as {day} (--template-date; a resume keeps it)")
+        if given is None and getattr(args, "resume", None):
+            log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
+                f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
     return out
 
 

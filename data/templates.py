@@ -62,9 +62,12 @@ def dated(template) -> bool:
 def parse_day(text: str) -> str:
     """--template-date's value, checked: YYYY-MM-DD (argparse prints the error as it is)."""
     try:
-        return datetime.date.fromisoformat(text).isoformat()
+        return datetime.datetime.strptime(text, "%Y-%m-%d").date().isoformat()
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a date as YYYY-MM-DD, e.g. 2026-12-02") from None
+
+
+_ABSENT = object()
 
 
 @contextmanager
@@ -76,8 +79,8 @@ def on_day(tokenizer, day: str | None):
         return
     from transformers.utils import chat_template_utils as ctu
 
-    real, at = getattr(ctu, "datetime", None), datetime.datetime.combine(datetime.date.fromisoformat(day),
-                                                                          datetime.time())
+    real, at = getattr(ctu, "datetime", _ABSENT), datetime.datetime.combine(datetime.date.fromisoformat(day),
+                                                                             datetime.time())
 
     class Fixed(datetime.datetime):
         @classmethod
@@ -87,13 +90,16 @@ def on_day(tokenizer, day: str | None):
     ctu.datetime = Fixed
     try:
         probe = tokenizer.apply_chat_template(PROBE, chat_template='{{ strftime_now("%Y-%m-%d") }}', tokenize=False)
-        if probe != day:
+        if probe != at.date().isoformat():
             raise RuntimeError(f"the chat template writes the date, and this transformers version's strftime_now "
                                f"renders {probe!r} under the fixed day {day}: the data would depend on the day it is "
                                "tokenized. Pin the date in the template (--chat-template FILE) or use transformers 5")
         yield
     finally:
-        ctu.datetime = real
+        if real is _ABSENT:
+            del ctu.datetime
+        else:
+            ctu.datetime = real
 
 
 def end_of_turn(tokenizer) -> tuple[str, list[int]]:

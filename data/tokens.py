@@ -103,7 +103,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     from data import store
     from data.jsonl import load_jsonl
 
-    warn = warn or log
+    warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
     sha256 = sha256 or (cache and store.file_sha256(path))
     try:
         key = cache and store.cache_key(sha256, tokenizer, max_len, day)
@@ -253,8 +253,10 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
 def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>",
                      day: str | None = None):
     """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
-    from data.templates import on_day
+    from data.store import today
+    from data.templates import dated, on_day
 
+    day = day or (today() if dated(getattr(tokenizer, "chat_template", None)) else None)   # one date for the call
     with on_day(tokenizer, day):
         return _tokenize_records(records, tokenizer, max_len, path)
 

@@ -221,6 +221,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, **ckpt_args}   # runs from before
     # these flags: without them
     for k in RUN_DEFINING:
+        if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
+            continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"

@@ -6,10 +6,15 @@ Contract:
   per rank, and a process-group timeout so a mismatched collective raises instead of hanging.
 - gloo ranks fork from a forkserver that imported torch, transformers, peft and this project once
   (`PRELOAD`): a spawned rank spends 4-8 s of one core importing them, and the suite starts a
-  hundred or so. Each rank still gets the caller's environment as it is at the call, as spawn gives.
-  `start="spawn"` gives fresh interpreters (bench/ measures RSS and paged-in code from a clean
-  start). Ranks always spawn where CUDA is available: bitsandbytes may touch the GPU as it is
-  imported, and a CUDA context cannot cross a fork.
+  hundred or so. The server starts at the first gloo call, in the repository root (it imports from
+  its working directory), and a rank refuses to run project modules preloaded from elsewhere. Each
+  rank gets the caller's environment as it is at the call, as spawn gives, before `fn` and its
+  arguments are unpickled; the preloaded modules keep what they read at the server's start (after
+  conftest set the environment every run shares), and the ranks write to the stdout and stderr the
+  server started with (a `capfd` test would see none of it). `start="spawn"` gives fresh
+  interpreters (bench/ measures RSS and paged-in code from a clean start). Ranks always spawn where
+  CUDA is available: bitsandbytes may touch the GPU as it is imported, and a CUDA context cannot
+  cross a fork.
 - `fn(rank, world_size, *args)` runs inside the initialised process group; it must be a module-level
   function (picklable). Its return value is sent back; `run_ranks` returns the list by rank.
 - If any rank raises, the test fails with that rank's full traceback in the pytest report. Ranks
@@ -24,9 +29,12 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import pickle
 import queue as queue_mod
+import sys
 import tempfile
 import traceback
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -37,22 +45,30 @@ class RankError(RuntimeError):
     pass
 
 
-# What the forkserver imports once, before it forks any rank. The server starts with the first gloo
-# call, after conftest set the environment every run shares; it never touches a device or a thread
+# What the forkserver imports once, before it forks any rank. It never touches a device or a thread
 # pool, so forking from it is safe. An import that fails there is skipped (the rank imports it itself).
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "peft",
            "model.qlora", "parallel.parallelize", "train", "tests.helpers", "tests.fixtures"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = ("model", "parallel", "data", "tests", "train", "loss")   # the project's top-level names
 
 
 def _context(start: str):
     ctx = mp.get_context(start)
     if start == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
+        here = os.getcwd()
+        os.chdir(ROOT)   # the server's sys.path starts with '': its working directory at its start
+        try:
+            forkserver.ensure_running()   # (once: a running server is kept)
+        finally:
+            os.chdir(here)
     return ctx
 
 
-def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend, env):
-    # the caller's environment, as a spawned rank gets it (a forkserver's is that of its own start)
+def _worker(rank, world_size, init_file, payload, queue, pg_timeout, backend, env, root):
+    # the caller's environment, as a spawned rank gets it (a forkserver's is that of its own start), before
+    # `fn`'s module is imported by unpickling it
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(
@@ -63,6 +79,11 @@ def _worker(rank, world_size, init_file, fn, args, queue, pg_timeout, backend, e
     )
     torch.set_num_threads(1)
     try:
+        stray = [f"{n} ({m.__file__})" for n, m in list(sys.modules.items()) if n.split(".")[0] in OURS
+                 and getattr(m, "__file__", None) and not os.path.realpath(m.__file__).startswith(root + os.sep)]
+        if stray:   # the server imported another checkout's code: the test would run what it does not test
+            raise RuntimeError(f"modules imported from outside {root}: {', '.join(stray[:5])}")
+        fn, args = pickle.loads(payload)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
@@ -92,13 +113,15 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
               start="forkserver"):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank."""
     ctx = _context("spawn" if backend == "nccl" or torch.cuda.is_available() else start)
+    payload = pickle.dumps((fn, args))
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, args, queue, pg_timeout, backend, dict(os.environ)),
+                args=(r, world_size, init_file, payload, queue, pg_timeout, backend, dict(os.environ),
+                      os.path.realpath(ROOT)),
                 daemon=True,
             )
             for r in range(world_size)

@@ -590,8 +590,10 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
     with pytest.raises(RuntimeError, match="strftime_now renders '1999-01-01' under the fixed day 2024-07-26"):
         with on_day(tok, "2024-07-26"):
             pass
+    from transformers.utils import chat_template_utils
+    assert chat_template_utils.datetime is datetime.datetime, "the clock is not back after a refusal"
     assert parse_day("2026-12-02") == "2026-12-02"
-    for bad in ("12/02/2026", "2026-13-01", "yesterday"):
+    for bad in ("12/02/2026", "2026-13-01", "yesterday", "20261202", "2026-W49-3"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"{bad!r} is not a date as YYYY-MM-DD"):
             parse_day(bad)
 

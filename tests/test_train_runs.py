@@ -774,14 +774,30 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01" in out and "tokens from the cache" in out, out
     assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(full)], "the resume changed the math"
-    assert spelled("2024-07-26") != spelled("2026-12-01"), "the date changes the data: the check below can fail"
-    run(argv(str(tmp_path / "given"), "--steps", "1", "--template-date", "2024-07-26"))
+    run(argv(str(tmp_path / "given"), "--steps", "2", "--template-date", "2024-07-26"))
+    (tmp_path / "spelled.jinja").write_text(line.replace('{{ strftime_now("%A %d %B %Y") }}', "Friday 26 July 2024")
+                                            + TEMPLATES["chatml"])   # the same date, written into the template
+    run([*train_argv(assets, str(tmp_path / "spelled"), "--steps", "2", "--chat-template",
+                     str(tmp_path / "spelled.jinja")), "--data-cache", "none"])
+    losses = lambda out: [r["loss"] for r in metrics(out)]
+    assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != losses(full)[:2], "not the date given"
     assert config(tmp_path / "given")["data"] == spelled("2024-07-26")
     before = tree_hash(part)
     msg = startup_error(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt"), "--template-date",
                              "2024-07-26"))
     assert "--template-date: the checkpoint has '2026-12-01', this run '2024-07-26'" in msg, msg
     assert tree_hash(part) == before
+    undated = str(tmp_path / "undated")   # a template that writes no date keeps none, and a resume takes any
+    run(train_argv(assets, undated, "--steps", "2", "--save-every", "1", "--data-cache", "none"))
+    assert config(undated)["template_date"] is None
+    run(train_argv(assets, undated, "--steps", "2", "--resume", os.path.join(undated, "ckpt", "step_000001"),
+                   "--template-date", "2024-07-26", "--data-cache", "none"))
+    meta = json.load(open(os.path.join(part, "ckpt", "step_000003", "meta.json")))   # an older run's checkpoint:
+    del meta["args"]["template_date"]                                              # no template date recorded
+    json.dump(meta, open(os.path.join(part, "ckpt", "step_000003", "meta.json"), "w"))
+    capsys.readouterr()
+    run(argv(part, "--steps", "4", "--resume", os.path.join(part, "ckpt", "step_000003")))
+    assert "note: the checkpoint records no template date" in capsys.readouterr().out
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
