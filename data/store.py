@@ -197,9 +197,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     cache = None if args.data_cache == "none" else args.data_cache
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank = os.environ.get("LOCAL_RANK", str(rank))
-    # `log` speaks on rank 0 only; another machine's cache trouble is said by that machine's first rank
-    warn = log if rank == 0 else (lambda m: print(f"[{socket.gethostname()} rank {rank}] {m}", flush=True)) \
-        if local_rank == "0" else None
+    warn = log   # it speaks on rank 0 only: another machine's cache trouble is said by that machine's first rank
+    if rank != 0 and local_rank == "0":
+        warn = lambda m: print(f"[{socket.gethostname()} rank {rank}] {m}", flush=True)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, log, sha, day, warn)
     given = getattr(args, "template_date", None)
