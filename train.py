@@ -202,7 +202,7 @@ def main(argv=None):
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        log0(f"config: {json.dumps(vars(args), default=str)}\nlayout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
+        log0(f"layout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text)):
             if note:
@@ -221,6 +221,7 @@ def main(argv=None):
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
+        log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template's date
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
         if args.profile is not None and not 1 <= args.profile <= steps:
@@ -250,7 +251,7 @@ def main(argv=None):
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({**vars(args), "layout": str(dims), "data": str(stats)}, f, indent=1, default=str)
+                json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
             metrics = runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
         dp_cp = meshes.dp_cp.get_group()
         wd, nonfinite = guard.Watchdog(args.timeout * 60, rank).start(), guard.NonFiniteSteps(args.max_nonfinite)

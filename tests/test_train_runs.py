@@ -712,7 +712,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run(train_argv(assets, a, "--steps", "1"))
     run(train_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
-    data = lambda out: json.load(open(os.path.join(out, "config.json")))["data"]
+    data = lambda out: json.load(open(os.path.join(out, "config.json")))["data_stats"]
     tok = load_tokenizer(assets["model"], TEMPLATES["chatml"])
     want = str(tokenize_records(load_jsonl(assets["data"]), tok, 64)[1])
     assert data(b) == want != data(a), (data(b), want, data(a))
@@ -765,9 +765,12 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     monkeypatch.setattr(store, "today", lambda: "2026-12-01")
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     run(argv(full, "--steps", "3"))
-    assert "rendered as 2026-12-01 (--template-date" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "rendered as 2026-12-01 (--template-date" in out
+    logged = json.loads(next(ln for ln in out.splitlines() if ln.startswith("config: "))[len("config: "):])
+    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats")}, "not the run's config"
     run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
-    assert config(full)["template_date"] == "2026-12-01" and config(full)["data"] == spelled("2026-12-01")
+    assert config(full)["template_date"] == "2026-12-01" and config(full)["data_stats"] == spelled("2026-12-01")
     monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
     capsys.readouterr()
     run(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt", "step_000001")))
@@ -781,7 +784,7 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
                      str(tmp_path / "spelled.jinja")), "--data-cache", "none"])
     losses = lambda out: [r["loss"] for r in metrics(out)]
     assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != losses(full)[:2], "not the date given"
-    assert config(tmp_path / "given")["data"] == spelled("2024-07-26")
+    assert config(tmp_path / "given")["data_stats"] == spelled("2024-07-26")
     before = tree_hash(part)
     msg = startup_error(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt"), "--template-date",
                              "2024-07-26"))
