@@ -3,8 +3,9 @@
     python -m data.demo_compare runs/demo            # what `make demo` prints at the end
     python -m data.demo_compare OUT --n 5            # any run whose eval data are chat or prompt records
 
-Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`, and the
-text of its `--chat-template`, which replaces the base tokenizer's as it did in training), takes the
+Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`, the text of
+its `--chat-template`, which replaces the base tokenizer's as it did in training, and the date such a
+template rendered, `template_date`, which the prompts render too, whatever today is), takes the
 first `--n` held-out conversations or prompt/completion records, and for each prints the prompt (the
 conversation up to its last user turn; a record's prompt, encoded as training encoded it), the expected
 answer (its last assistant turn; the completion), and the greedy answers of
@@ -48,14 +49,21 @@ def nf4_round_trip(model) -> None:
                 mod.weight.copy_(dequantize_4bit(packed, st).to(mod.weight.dtype))
 
 
-def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: list[int]) -> str:
+def encode(tok, prompt: list[dict] | str, day: str | None = None) -> dict:
+    """The prompt's input_ids as training encoded it; a chat template that writes the date writes `day` (the run's
+    template_date), not today's."""
+    if isinstance(prompt, str):   # a prompt/completion record
+        return tok(prompt, add_special_tokens=True, return_tensors="pt")
+    from data.templates import on_day
+    with on_day(tok, day):
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False, return_tensors="pt")
+
+
+def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: list[int], day: str | None = None) -> str:
     import torch
 
-    if isinstance(prompt, str):   # a prompt/completion record: its prompt as training encoded it
-        enc = tok(prompt, add_special_tokens=True, return_tensors="pt")
-    else:
-        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        enc = tok(text, add_special_tokens=False, return_tensors="pt")
+    enc = encode(tok, prompt, day)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
                              pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
@@ -102,11 +110,11 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"]})
     for r in rows:
-        r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop)
+        r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
     tuned = PeftModel.from_pretrained(model, os.path.join(run_dir, "adapter"))
     tuned.eval()
     for r in rows:
-        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop)
+        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
     return rows
 
 

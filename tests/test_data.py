@@ -564,6 +564,7 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
     import argparse
     import datetime
 
+    from data.demo_compare import encode
     from data.templates import dated, on_day, parse_day
 
     records = make_chat_jsonl(tmp_path / "c.jsonl", 6, seed=4)
@@ -579,6 +580,10 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
         ref_tok.chat_template = literal(day) + chatml
         assert got[day] == tokenize_records(records, ref_tok, 200)[0], f"{day}: not the date spelled out"
     assert got["2024-07-26"] != got["2025-03-09"], "the day changed no token"
+    prompt = records[0]["messages"][:1]   # the before/after script prompts on the run's day too
+    assert torch.equal(encode(tok, prompt, "2025-03-09")["input_ids"], encode(ref_tok, prompt)["input_ids"]) and \
+        not torch.equal(encode(tok, prompt, "2025-03-09")["input_ids"], encode(tok, prompt)["input_ids"]), \
+        "demo_compare's prompt is not the run's day spelled out"
     before = datetime.date.today().strftime("%A %d %B %Y")
     text = tok.apply_chat_template(records[0]["messages"], tokenize=False)
     assert text.startswith((before, datetime.date.today().strftime("%A %d %B %Y"))), "the clock is not back"
