@@ -40,6 +40,7 @@ from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
+from parallel.plan_search import max_len_arg
 from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -100,7 +101,8 @@ def build_parser(add_help=True):
     # Data
     a("--data", default=None, help="training JSONL ({'text'}, {'prompt', 'completion'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
-    a("--max-len", type=int, default=256, help="truncate samples to this many tokens")
+    a("--max-len", type=max_len_arg, default=256, help="truncate samples to this many tokens (`--plan --max-len "
+      "auto`: the longest that fits)")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
     a("--template-date", default=None, type=parse_day, metavar="YYYY-MM-DD", help="the date a chat template that "

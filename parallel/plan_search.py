@@ -32,6 +32,19 @@ MAX_LEN_STEP = 1024
 SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
 
 
+def max_len_arg(text: str) -> int:
+    """A run's --max-len: an int; `auto` is this module's search, which a run does not do (it would pick the data's
+    truncation from a memory estimate), so the error says how to get the number."""
+    if text == "auto":
+        raise argparse.ArgumentTypeError("'auto' is the planner's search, not a run's length: `python train.py --plan "
+                                         "--max-len auto` with this run's other flags prints `max_len N` last; pass "
+                                         "--max-len N")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+
+
 def _with(args, **kw):
     return argparse.Namespace(**{**vars(args), **kw})
 

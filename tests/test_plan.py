@@ -334,6 +334,18 @@ def test_plan_max_len_auto_raises_the_runs_error_when_no_length_can_fix_it():
                  "--global-batch", "1", "--tiled-attn")
 
 
+def test_a_run_given_max_len_auto_is_told_to_ask_the_planner(capsys):
+    """--max-len auto is the planner's search: a run (no --plan) refuses it at parsing, before anything is read or
+    written, with the command that prints the number; the planner itself takes both spellings."""
+    for argv in (["--max-len", "auto"], ["--max-len=auto"]):
+        with pytest.raises(SystemExit) as exc:
+            train.main([*argv, "--model", Q7, "--data", "none.jsonl"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "'auto' is the planner's search" in err and "--plan --max-len auto" in err, err
+        last = run_plan(*argv, "--model", Q7, "--gpu-mem", "141", "--tiled-mlp")[1].splitlines()[-1]
+        assert re.fullmatch(r"max_len \d+", last) and int(last.split()[1]) >= 524288, last   # issue 13's goal
+
+
 def test_plan_searches_keep_cp_layouts_open_without_tiled_attn():
     """--tiled-attn runs one process's attention, so a CP layout is named with "(no --tiled-attn)" instead of
     silently vanishing from the fixes and from --suggest --max-len auto."""
