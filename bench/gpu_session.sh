@@ -7,7 +7,8 @@
 # and lacks bitsandbytes (NF4, needed) and liger-kernel (optional peer row). Bring them as wheels in
 # the ignored .whl/ folder, fetched on a machine with network, e.g.
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
+# (pip matches manylinux_2_N exactly: bitsandbytes 0.50.2 is tagged 2_24, so 2_28 alone finds none; 43 MB in all)
 # (bitsandbytes wheels are py3-none-manylinux x86_64 and carry their CUDA libraries; liger-kernel is
 # pure Python on the machine's own Triton). They are installed with --no-index --no-deps into
 # /tmp/site and put first on PYTHONPATH. The tree that travels is capped at 64 MiB: check the wheel
