@@ -27,8 +27,10 @@ Contract:
   longer micro-batch than any before replaces the buffers (a synchronize and new page-locking, once per new
   maximum), unless `HostOffload(reserve)` sized them (train.py: the plan's input at the data's longest row, the
   bytes its start-up check found free): then all of it is pinned in step 1 and never again. Without
-  cudaHostRegister (a torch that lacks the binding) torch's pinned allocator is used, said once; a registration
-  that fails (no host memory left to lock) stops the step with an error naming the fixes.
+  cudaHostRegister (a torch that lacks the binding), or where a registration fails (a sandboxed or capped host that
+  refuses to lock memory in place), torch's pinned allocator is used from then on, said once. The failed call's error
+  is first taken off the runtime, where torch's next kernel-launch check would raise it from an unrelated op; if the
+  runtime still fails (the pinned allocator too: no host memory left to lock), the step stops naming the fixes.
 
 Credit: offloading checkpoints to the host follows Arctic Long Sequence Training (Bekman et al., 2025).
 """
@@ -43,6 +45,23 @@ import torch
 from torch import nn
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    """torch's pinned allocator: rounds up to a power of two and caches what it frees (module docstring)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _take_last_error() -> bool:
+    """Read (and so reset) a failed runtime call's error, which stays the thread's last error until read: torch's
+    kernel-launch check reads it, so a throwaway launch that raises takes it. False if a second launch fails too."""
+    for _ in range(2):
+        try:
+            torch.zeros(1, device="cuda").add_(1)
+            return True
+        except RuntimeError:
+            pass
+    return False
+
+
 class _HostBuffer:
     """`nbytes` of host memory. With a (CUDA side) `stream`: an anonymous mapping of whole pages, page-locked in place
     (cudaHostRegister) from its first byte, so the tensor's storage starts at the registered address (torch's
@@ -53,25 +72,39 @@ class _HostBuffer:
         if stream is None:
             self.data = torch.empty(nbytes, dtype=torch.uint8)
             return
+        if HostPool.warned:   # no binding, or a registration failed before: torch's allocator from then on
+            self.data = _pinned(nbytes)
+            return
         span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        mapped = mmap.mmap(-1, span)   # page-aligned, kept alive by the tensor (torch.frombuffer holds a reference)
+        # page-aligned private anonymous memory (as malloc's), kept alive by the tensor (frombuffer holds a reference)
+        mapped = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE)
         self.data = torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes]
         try:
             rt = torch.cuda.cudart()
             register = rt.cudaHostRegister
         except (AttributeError, RuntimeError) as e:   # a torch without the binding: its pinned allocator instead
-            if not HostPool.warned:
-                warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each "
-                              f"buffer up to a power of two ({type(e).__name__}: {e})", stacklevel=2)
-                HostPool.warned = True
-            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._fall_back(f"{type(e).__name__}: {e}")
             return
         err = register(self.data.data_ptr(), span, 0)
-        if int(err) != 0:   # (a cudaError; the runtime's last error stays set: the step cannot go on)
-            raise RuntimeError(f"--offload-activations: page-locking {span:,} bytes of host memory failed "
-                               f"({rt.cudaGetErrorString(err)}); free host memory, lower --max-len or drop "
-                               "--offload-activations")
+        if int(err) != 0:
+            why = f"page-locking {span:,} bytes of host memory in place failed ({rt.cudaGetErrorString(err)})"
+            if not _take_last_error():   # a sticky error: the device cannot go on
+                raise RuntimeError(f"--offload-activations: {why}, and the device fails since; free host memory, "
+                                   "lower --max-len or drop --offload-activations")
+            try:
+                self._fall_back(why)
+            except RuntimeError as e:   # torch's allocator cannot lock it either: no host memory left to lock
+                raise RuntimeError(f"--offload-activations: {why}, and so did torch's pinned allocator ({e}); free "
+                                   "host memory, lower --max-len or drop --offload-activations") from None
+            return
         self.registered = (rt, self.data.data_ptr())
+
+    def _fall_back(self, why: str) -> None:
+        del self.data   # (the mapping goes with it)
+        self.data = _pinned(self.nbytes)
+        warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each buffer up "
+                      f"to a power of two and keeps it cached ({why})", stacklevel=3)
+        HostPool.warned = True
 
     def __del__(self):
         if self.registered is not None:

@@ -335,7 +335,9 @@ def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):
     runtime and side stream here): whole pages of its own from the tensor storage's first byte (torch's is_pinned asks
     about the storage), the flag 0; dropped, it waits for the side stream before it is unregistered at the same
     address. A pool that must grow synchronizes the stream before dropping its free buffers. The pool takes the
-    smallest free buffer that fits. A registration error stops with the runtime's message and the fixes."""
+    smallest free buffer that fits. A registration that fails falls back to torch's pinned allocator, once the error is
+    taken off the runtime, for that buffer and every later one, said once; a sticky error, or that allocator failing
+    too, stops with the runtime's message and the fixes."""
     import gc
     import mmap
 
@@ -384,9 +386,36 @@ def test_host_buffer_is_registered_in_whole_pages_and_unregistered(monkeypatch):
     assert calls[0] == ("sync",) and {c[1] for c in calls if c[0] == "unregister"} == set(ptrs), calls
     assert pool.made == 4 and pool.held == big.nbytes == 6 * page and pool.free == [], (pool.made, pool.held)
 
-    monkeypatch.setattr(Runtime, "cudaHostRegister", lambda self, ptr, size, flags: 2)
-    with pytest.raises(RuntimeError, match=r"page-locking 8,192 bytes of host memory failed \(error 2 \(test\)\); "
-                                           r"free host memory, lower --max-len or drop --offload-activations"):
+    # a registration that fails: the error is taken off the runtime, and torch's pinned allocator (a plain tensor
+    # here, recorded) serves this buffer and every later one, with no registration tried again; said once
+    monkeypatch.setattr(Runtime, "cudaHostRegister", lambda self, ptr, size, flags: calls.append(("register",)) or 2)
+    monkeypatch.setattr(po.HostPool, "warned", False)
+    taken, sticky = [], [False]
+    monkeypatch.setattr(po, "_take_last_error", lambda: taken.append(1) or not sticky[0])
+    monkeypatch.setattr(po, "_pinned", lambda n: calls.append(("pinned", n)) or torch.empty(n, dtype=torch.uint8))
+    calls.clear()
+    with pytest.warns(UserWarning, match=r"pinned by torch's allocator, which rounds each buffer up to a power of two "
+                                         r"and keeps it cached \(page-locking 8,192 bytes of host memory in place "
+                                         r"failed \(error 2 \(test\)\)\)"):
+        b = po._HostBuffer(2 * page - 5, Stream())
+    assert calls == [("register",), ("pinned", 2 * page - 5)] and taken == [1] and po.HostPool.warned, calls
+    assert b.registered is None and b.data.numel() == 2 * page - 5, b.registered
+    calls.clear()
+    b2 = po._HostBuffer(3 * page, Stream())
+    assert calls == [("pinned", 3 * page)] and b2.registered is None, calls
+    del b, b2
+    gc.collect()
+    assert ("unregister",) not in {c[:1] for c in calls}, "a buffer never registered was unregistered"
+    monkeypatch.setattr(po.HostPool, "warned", False)   # a sticky error: the device is gone, the step stops
+    sticky[0] = True
+    with pytest.raises(RuntimeError, match=r"page-locking 8,192 bytes of host memory in place failed \(error 2 "
+                                           r"\(test\)\), and the device fails since; free host memory, lower "
+                                           r"--max-len or drop --offload-activations"):
+        po._HostBuffer(2 * page - 5, Stream())
+    sticky[0] = False   # torch's allocator cannot lock it either
+    monkeypatch.setattr(po, "_pinned", lambda n: (_ for _ in ()).throw(RuntimeError("no host memory (test)")))
+    with pytest.raises(RuntimeError, match=r"failed \(error 2 \(test\)\), and so did torch's pinned allocator "
+                                           r"\(no host memory \(test\)\); free host memory"):
         po._HostBuffer(2 * page - 5, Stream())
 
 

@@ -484,7 +484,8 @@ def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
         for k in got[1][1]:
             torch.testing.assert_close(got[0][1][k], got[1][1][k], rtol=1e-4, atol=1e-6, msg=f"step {step}: {k}")
         pool = model.model.layers[0].forward.hooks.pool
-        assert not HostPool.warned and pool.made == made and len(pool.free) == L - 1, (step, pool.made, len(pool.free))
+        assert not HostPool.warned, "cudaHostRegister failed or is missing here: torch's pinned allocator was used"
+        assert pool.made == made and len(pool.free) == L - 1, (step, pool.made, len(pool.free))
         for b in pool.free:
             assert b.registered is not None and b.data.is_pinned() and b.nbytes == 2 * S * D * 4, (step, b.nbytes)
 
