@@ -149,7 +149,11 @@ class PhaseMeter:
             # requested bytes: the history's sizes are the requests (allocated ones are rounded to blocks)
             base = torch.cuda.memory_stats(self.device).get("requested_bytes.all.current") or \
                 torch.cuda.memory_allocated(self.device)
-            try:   # C++ frames too: autograd's own nodes run on a device thread with no Python stack
+            # C++ frames too: autograd's own nodes run on a device thread with no Python stack. They are named by
+            # dladdr (exported symbols: the autograd nodes' names), not torch's default addr2line, which can take
+            # minutes inside the step (torchtitan#3628); read once, at the first snapshot: the user's choice stands
+            os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "dladdr")
+            try:
                 torch.cuda.memory._record_memory_history("all", context="alloc", stacks="all", max_entries=MAX_EVENTS)
             except Exception as e:   # noqa: BLE001
                 self.log(f"--mem-trace: no allocation history on this torch ({type(e).__name__}: {e})")

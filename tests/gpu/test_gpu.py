@@ -417,6 +417,29 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
 
 
+def test_cuda_mem_trace_names_sites_and_phases(tmp_path, monkeypatch):
+    """--mem-trace on the device (the embedded demo, 2 steps, NF4, bf16): the phases file, and a trace file that opens
+    with the peak and whose sites include lines of this repository and autograd's own nodes (named through dladdr,
+    the symbolizer it defaults to, since torch's addr2line can take minutes)."""
+    import os
+
+    import train
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCH_SYMBOLIZE_MODE", raising=False)
+    out = tmp_path / "run"
+    train.main(["--steps", "2", "--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16",
+                "--mem-trace"])
+    assert os.environ.get("TORCH_SYMBOLIZE_MODE") == "dladdr"
+    phases = json.load(open(out / "mem_phases.json"))
+    assert phases["why"] is None and [n for n, _ in phases["ranks"][0]][0] == "forward", phases
+    lines = open(out / "mem_trace.rank0.txt").read().splitlines()
+    assert lines[0].startswith("peak ") and len(lines) > 2, lines
+    sites = "\n".join(lines[1:])
+    assert ".py:" in sites and "(autograd: " in sites, sites
+
+
 def test_cuda_torch_keeps_recomputed_blocks_unsharded():
     """--ac-group re-runs blocks under FSDP2's hooks inside backward; torch's FSDP2 must skip the reshard
     (and the prefetch-order record) there, or each recomputed block is all-gathered twice (tests/test_memory
