@@ -36,27 +36,28 @@
 # --timed 2 --profile ours+fastest;--case 128k --runs liger,ours+fastest,ours+fastest+compile --timed 1' (398 s),
 # then within 30 s TOTAL=405 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' (386 s): 827 s
 # of the 900 with the machine's start.
-# The plan for the next one (~13 minutes):
-#   1. TOTAL=420 TEST_S=75 TEST_K='offload or fused_rmsnorm or norm_rebuild or train_step or device_budget or masked'
-#      BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
-#      (timeout 440; --mem-trace: what is alive at each row's peak, by the line that allocated it, in the log): the long
-#      case after the fixes of 2026-11-30 evening and 2026-12-01 (tiled sublayers' norm stand-in, one-element
-#      recompute output, no CopySlices, the attention's input norm output freed after q/k/v, layer 0's LoRA A on
-#      the embedding output), its per-phase peaks against the plan's block phase. bench/memtrace.py --like-long,
-#      which put the code measured on 2026-11-30 within 0.2 [T, D] (0.7 GB) of the H200's excess on both rows,
-#      predicts the offload row's peak at its q/k/v phase, ~27.3 GB as measured on 2026-11-30 (plan 27.60 since it
-#      counts dk, dv there), and ~46.0 GB for tiled-attn (plan 46.44); issue 13 asks for within 10%. The GPU tests
-#      selected first: the offload's host buffers page-locked in place (cudaHostRegister, new on 2026-12-01: if it
-#      fails, the run falls back to torch's pinned allocator with a warning, and the test says so), the fused RMSNorm
-#      and the norm rebuild (model.llama.Attention's stand-in, unrun on CUDA), a train.main step (the start-up
-#      memory check), the device budget with another process holding 3 GiB (new on 2026-12-01, second session), the
-#      masked kernel path (ring pieces and window tiles run through it);
-#   2. within 30 s, what is left: TOTAL=<left - 40> TEST_S=0 BENCH='--case 128k --runs liger,ours+fast;--case
-#      32k --runs ours+fast' (what train.py --fast picks on the whole device: planned --ac-keep-attn --ac-blocks 4 at
-#      128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s), then --case mem if time is left.
-#   3. whenever ~60 s are left: TEST_S=60 TEST_K=past_2_31 BENCH= (test_cuda_attention_past_2_31_elements, written
-#      2026-12-02 and never run: attention and RMSNorm at 603k tokens, past 2^31 elements per tensor, where the
-#      planner's --max-len auto leads and no run has gone; est. ~30 s).
+# The plan for the next one (15 device minutes, ~45 s of them the machine's start; re-planned 2026-12-02 after a review
+# found the old call 1 could not hold both long rows: 2026-11-30 they took 17 s of setup + 185 s + 172 s with no tests
+# before them, so 75 s of tests left the second row ~130 s and a timeout):
+#   1. TOTAL=450 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
+#      (timeout 470): issue 13's last goal, each row's peak within 10% of the plan (27.60 GB offload row, 46.44 GB
+#      tiled-attn row). --mem-trace adds what is alive at each row's peak, by the line that allocated it, to the log
+#      (its C++ frames named by dladdr: torch's default addr2line can take minutes in the step). The fixes since
+#      2026-11-30 (tiled sublayers' norm stand-in, one-element recompute output, no CopySlices, the attention's input
+#      norm output freed after q/k/v, layer 0's LoRA A on the embedding output): bench/memtrace.py --like-long, which
+#      put the code measured on 2026-11-30 within 0.2 [T, D] (0.7 GB) of the H200's excess on both rows, predicts
+#      ~27.3 GB at the offload row's q/k/v phase (plan 27.60 since it counts dk, dv there) and ~46.0 GB for
+#      tiled-attn (plan 46.44). The offload row page-locks its host buffers in place (cudaHostRegister, new on
+#      2026-12-01; if the host refuses, it falls back to torch's pinned allocator with a warning in the log);
+#   2. within 30 s, with what is left: TOTAL=<left - 40> TEST_S=100 TEST_K='offload or fused_rmsnorm or norm_rebuild
+#      or train_step or mem_trace or device_budget or masked or past_2_31' BENCH='--case 128k --runs liger,ours+fast;
+#      --case 32k --runs ours+fast' (timeout TOTAL + 20). The tests first: page-locking in place (the test says if it
+#      fell back), the fused RMSNorm and the norm rebuild (model.llama.Attention's stand-in, unrun on CUDA), a
+#      train.main step (the start-up memory check), --mem-trace's sites (new 2026-12-02), the device budget with
+#      another process holding 3 GiB, the masked kernel path (ring pieces and window tiles), attention and RMSNorm
+#      past 2^31 elements at 603k tokens (never run; ~60-70 GB). Then what train.py --fast picks on the whole device
+#      (planned --ac-keep-attn --ac-blocks 4 at 128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s) beside
+#      Liger; 2026-11-30 the 128k case took 133 s for three rows.
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
