@@ -1,11 +1,13 @@
 """QLoRA on FSDP2: 4-bit bits survive sharding, and the assembled model computes one process's math.
 
-Pins (gloo on CPU, float32): for a tiny Qwen2 checkpoint (6 query / 2 KV heads) built by transformers,
+Pins (gloo on CPU, float32): for a tiny Qwen2 checkpoint (6 query / 2 KV heads) built by transformers (and a Qwen3
+and a Llama 3 one, each on one 4-rank layout),
 - the packed NF4 bits of every layer, gathered from the FSDP2 shards, equal the single-process
   quantization exactly (compared as integers), at 1, 2 and 4 ranks;
 - the logits, the loss and every LoRA gradient of the assembled model on 2 ranks (dp_shard 2; cp 2
   ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
-  2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring) equal those of the
+  2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring; Qwen3 under cp 2
+  Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2) equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
@@ -105,11 +107,12 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
     return out
 
 
-def _cases(rank, world_size, path, cases):
-    """Several layouts per spawn (spawning costs seconds): each case builds its own mesh."""
+def _cases(rank, world_size, paths, cases):
+    """Several layouts per spawn (spawning costs seconds): each case builds its own mesh, on its family's checkpoint."""
     for label, case in cases.items():
+        case = dict(case)
         try:
-            check_layout_equals_one_process(rank, world_size, path, **case)
+            check_layout_equals_one_process(rank, world_size, paths[case.pop("family", "qwen2")], **case)
         except AssertionError as e:
             raise AssertionError(f"{label}: {e}") from e
     return len(cases)
@@ -117,11 +120,28 @@ def _cases(rank, world_size, path, cases):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    """Tiny random checkpoints saved by transformers, 6 query / 2 KV heads, 2 layers, vocabulary 128: Qwen2 (q/k/v
+    bias); Qwen3 (q/k RMSNorms, no bias, head_dim 16 while hidden / heads is 8); Llama 3 (llama3 RoPE scaling from 16
+    original positions: its frequency bands differ from plain RoPE at these positions, no bias)."""
+    import transformers as T
+
+    def save(cfg, name):
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(name)
+        T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path, max_shard_size="60KB")
+        return str(path)
+
+    common = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=4096)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    return {"qwen2": tiny_checkpoint(tmp_path_factory.mktemp("ckpt")),
+            "qwen3": save(T.Qwen3Config(**common, head_dim=16), "qwen3"),
+            "llama3": save(T.LlamaConfig(**common, rope_parameters=llama3), "llama3")}
 
 
-def layout(quant, cp=1, impl="ulysses", replicate=1):
-    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate)
+def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2"):
+    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate, family=family)
 
 
 ONE_RANK = {"nf4, FSDP2 on 1 rank": layout("nf4")}
@@ -131,7 +151,9 @@ FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2
               "plain weights, cp 2 ring × dp_shard 2": layout("none", 2, "ring"),
               "nf4, cp 4 hybrid (auto: Ulysses 2 × ring 2)": layout("nf4", 4, "auto"),
               "nf4, HSDP dp_replicate 2 × dp_shard 2": layout("nf4", replicate=2),
-              "plain weights, HSDP 2 × cp 2 ring": layout("none", 2, "ring", replicate=2)}
+              "plain weights, HSDP 2 × cp 2 ring": layout("none", 2, "ring", replicate=2),
+              "Qwen3, nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2, family="qwen3"),
+              "Llama 3, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="llama3")}
 
 
 @pytest.mark.timeout(300)
