@@ -7,7 +7,8 @@ and a Llama 3 one, each on one 4-rank layout),
 - the logits, the loss and every LoRA gradient of the assembled model on 2 ranks (dp_shard 2; cp 2
   ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
   2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring; Qwen3 under cp 2
-  Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2) equal those of the
+  Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2, tied embeddings on dp_shard 4 and cp 2 ring ×
+  dp_shard 2) equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
@@ -121,8 +122,10 @@ def _cases(rank, world_size, paths, cases):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny random checkpoints saved by transformers, 6 query / 2 KV heads, 2 layers, vocabulary 128: Qwen2 (q/k/v
-    bias); Qwen3 (q/k RMSNorms, no bias, head_dim 16 while hidden / heads is 8); Llama 3 (llama3 RoPE scaling from 16
-    original positions: its frequency bands differ from plain RoPE at these positions, no bias)."""
+    bias), also with tied embeddings (the loss's vocabulary matrix is the sharded embedding); Qwen3 (q/k RMSNorms, no
+    bias, head_dim 16 while hidden / heads is 8); Llama 3 (llama3 RoPE scaling from 16 original positions: its
+    frequency bands differ from plain RoPE at these positions, no bias)."""
+
     import transformers as T
 
     def save(cfg, name):
@@ -136,6 +139,7 @@ def ckpt(tmp_path_factory):
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
     return {"qwen2": tiny_checkpoint(tmp_path_factory.mktemp("ckpt")),
+            "tied": tiny_checkpoint(tmp_path_factory.mktemp("tied"), tie=True),
             "qwen3": save(T.Qwen3Config(**common, head_dim=16), "qwen3"),
             "llama3": save(T.LlamaConfig(**common, rope_parameters=llama3), "llama3")}
 
@@ -153,7 +157,9 @@ FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2
               "nf4, HSDP dp_replicate 2 × dp_shard 2": layout("nf4", replicate=2),
               "plain weights, HSDP 2 × cp 2 ring": layout("none", 2, "ring", replicate=2),
               "Qwen3, nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2, family="qwen3"),
-              "Llama 3, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="llama3")}
+              "Llama 3, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="llama3"),
+              "tied embeddings, nf4, dp_shard 4": layout("nf4", family="tied"),
+              "tied embeddings, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="tied")}
 
 
 @pytest.mark.timeout(300)
