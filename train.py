@@ -119,6 +119,8 @@ def build_parser(add_help=True):
     a("--save-minutes", type=float, default=0.0, help="also checkpoint once M minutes passed since the last save "
       "(rank 0's clock; 0: off): what a crash can lose")
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
+    a("--keep-best", action="store_true", help="also keep the checkpoint of the lowest eval loss (each --eval-every "
+      "evaluation is saved) and export its adapter to OUT/adapter_best at the end")
     a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
     a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run the memory "
       "plan says cannot fit the device, or whose offload needs more than the free host memory (--no-: warn only)")
@@ -251,6 +253,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
+        best = checkpoint.Best(checkpoint.read_meta(ckpt) if ckpt else None)   # --keep-best's, carried by resumes
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
@@ -293,8 +296,8 @@ def main(argv=None):
                     if step > saved:
                         wd.phase("save", step)
                         opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
-                        checkpoint.save(ckpt_dir, model, opt, step, {"args": vars(args)}, keep=args.keep_ckpts,
-                                        rng=rng)
+                        checkpoint.save(ckpt_dir, model, opt, step, {"args": vars(args), **best.meta()},
+                                        keep=args.keep_ckpts, rng=rng, protect=best.step)
                     raise stop.stopped(got, step, ckpt_dir if step else None)
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
@@ -328,14 +331,18 @@ def main(argv=None):
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 wd.phase("eval", step + 1)
-                rec["eval_loss"] = round(evaluate(model, *eval_args), 6)
+                rec["eval_loss"] = round(ev := evaluate(model, *eval_args), 6)
+                if args.keep_best:   # the same loss on every rank: the same best
+                    best.update(step + 1, ev)
             if rank == 0:
                 metrics.write(rec)
                 bar.write(" ".join(f"{k} {v}" for k, v in rec.items()))   # above the bar, or plain when off
                 bar.update(1)
-            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item():
+            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
+                    (args.keep_best and "eval_loss" in rec):
                 wd.phase("save", step + 1)
-                checkpoint.save(ckpt_dir, model, opt, step + 1, {"args": vars(args)}, keep=args.keep_ckpts)
+                checkpoint.save(ckpt_dir, model, opt, step + 1, {"args": vars(args), **best.meta()},
+                                keep=args.keep_ckpts, protect=best.step)
                 saved, t_saved = step + 1, time.time()
 
         # --------------------------------------------------------------------- save
@@ -344,6 +351,8 @@ def main(argv=None):
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text)
+        if args.keep_best and best.step and rank == 0:
+            checkpoint.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

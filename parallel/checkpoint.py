@@ -13,6 +13,10 @@ Contract:
     3. rank 0 renames it to `step_N` (a folder of the same step, from an earlier run, is moved aside
        first and deleted after), then replaces `latest` (write + rename), then deletes all but the
        newest `keep` folders at or below this step.
+  `protect` (--keep-best's step) is kept beside the newest `keep`.
+- `Best(meta)`: --keep-best's lowest eval loss so far and its step, read from a resumed checkpoint's meta.json and
+  written into every later one (`meta()`), so a resume goes on comparing with it; `export_best` writes its
+  checkpoint's adapter to OUT/adapter_best (a .tmp written whole, then swapped in).
 - `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names
   in a ckpt folder. A folder is readable when meta.json parses and every byte range DCP's `.metadata`
   points at is present on disk (a truncated file fails this). Given a ckpt folder whose newest
@@ -28,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -96,7 +101,7 @@ def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
 
 
 def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, *, keep: int = 2,
-         rng: dict | None = None) -> str:
+         rng: dict | None = None, protect: int | None = None) -> str:
     if keep < 1:
         raise ValueError(f"--keep-ckpts must be >= 1 (the checkpoint just written is one), got {keep}")
     check_finite(model, f"checkpoint step {step}")
@@ -124,13 +129,48 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         _fsync_write(os.path.join(ckpt_dir, "latest.tmp"), name)
         os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
         shutil.rmtree(old, ignore_errors=True)
-        for _, path in [sp for sp in _steps(ckpt_dir) if sp[0] <= step][keep:]:
-            shutil.rmtree(path, ignore_errors=True)
+        for old_step, path in [sp for sp in _steps(ckpt_dir) if sp[0] <= step][keep:]:   # past the newest `keep`
+            if old_step != protect:
+                shutil.rmtree(path, ignore_errors=True)
         fd = os.open(ckpt_dir, os.O_RDONLY)   # make the renames durable
         os.fsync(fd)
         os.close(fd)
     _barrier()
     return final
+
+
+class Best:
+    """--keep-best's lowest eval loss and its step (module docstring)."""
+
+    def __init__(self, meta: dict | None = None):
+        got = (meta or {}).get("best") or {}
+        self.step, self.loss = got.get("step"), got.get("eval_loss", math.inf)
+
+    def update(self, step: int, loss: float) -> bool:
+        if loss < self.loss:   # (a NaN eval loss is never the best)
+            self.step, self.loss = step, loss
+            return True
+        return False
+
+    def meta(self) -> dict:
+        return {"best": {"step": self.step, "eval_loss": self.loss}} if self.step else {}
+
+
+def export_best(ckpt_dir: str, best: Best, out_dir: str, log) -> None:
+    """Rank 0: the adapter of --keep-best's checkpoint to `out_dir`; a checkpoint that cannot be read is said, not
+    raised (the run itself is done and its own adapter written)."""
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export(os.path.join(ckpt_dir, f"step_{best.step:06d}"), tmp)
+    except (ValueError, OSError, NonFiniteError) as e:
+        log(f"warning: --keep-best: no {out_dir} ({e})")
+        return
+    if os.path.exists(out_dir):
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    log(f"best: eval_loss {best.loss:.6f} at step {best.step}, its adapter in {out_dir}")
 
 
 def problem(folder: str) -> str | None:

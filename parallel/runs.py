@@ -36,7 +36,8 @@ from model.load import hub_snapshot
 
 LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
-OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", "adapter.tmp", "adapter.old", LOCK)
+OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", "adapter.tmp", "adapter.old", "adapter_best",
+         "adapter_best.tmp", "adapter_best.old", LOCK)
 # a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 # flags that change the math of the steps still to come: a resume must keep them

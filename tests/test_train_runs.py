@@ -768,7 +768,7 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01 (--template-date" in out
     logged = json.loads(next(ln for ln in out.splitlines() if ln.startswith("config: "))[len("config: "):])
-    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats")}, "not the run's config"
+    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats")}, "not the config"
     run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
     assert config(full)["template_date"] == "2026-12-01" and config(full)["data_stats"] == spelled("2026-12-01")
     monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
@@ -900,3 +900,49 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
     monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
     free, where = preflight.host_available()
     assert where == "available (psutil)" and abs(free - psutil.virtual_memory().available) < 2 ** 30
+
+
+def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(assets, tmp_path, capsys):
+    """--keep-best with --keep-ckpts 1 and an eval every step (trained to answer "yes ...", evaluated on "no ...": the
+    eval loss rises again after its low): the step of the lowest eval loss in metrics.jsonl keeps its checkpoint
+    beside the newest, and OUT/adapter_best holds that checkpoint's adapter (= `python -m parallel.checkpoint` of it,
+    bit for bit; not the final adapter). Resumed from that step and trained to the end again, the run carries the
+    best in the checkpoint (a fresh best would take the next, worse eval and rotate the best away): the same folders,
+    losses and best adapter. --overwrite removes an old adapter_best; the flag without --eval-every is refused before
+    any weight is read."""
+    from safetensors.torch import load_file
+
+    from parallel import checkpoint
+
+    for word, n in (("yes", 24), ("no", 8)):
+        with open(tmp_path / f"{word}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
+                                                 {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
+    flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
+             "--keep-ckpts", "1", "--lr", "0.05", "--data", str(tmp_path / "yes.jsonl"))   # (the last --data wins)
+    full = str(tmp_path / "full")
+    run(train_argv(assets, full, *flags))
+    evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
+    b = min(evals)[1]
+    assert b != 6, f"the eval loss fell to the last step {evals}: no rotation to protect the best from"
+    assert f"best: eval_loss {min(evals)[0]:.6f} at step {b}" in capsys.readouterr().out
+    steps = lambda out: sorted(os.listdir(os.path.join(out, "ckpt")))
+    assert steps(full) == sorted(["latest", f"step_{b:06d}", "step_000006"]), steps(full)
+    tensors = lambda d: load_file(os.path.join(d, "adapter_model.safetensors"))
+    checkpoint.export(os.path.join(full, "ckpt", f"step_{b:06d}"), str(tmp_path / "exported"))
+    best, exported, final = (tensors(os.path.join(full, "adapter_best")), tensors(tmp_path / "exported"),
+                             tensors(os.path.join(full, "adapter")))
+    assert best.keys() == exported.keys() and all(torch.equal(best[k], exported[k]) for k in best), "not step b's"
+    assert any(not torch.equal(best[k], final[k]) for k in best), "adapter_best is the final adapter"
+    part = str(tmp_path / "part")
+    run(train_argv(assets, part, *flags))
+    run(train_argv(assets, part, *flags, "--resume", os.path.join(part, "ckpt", f"step_{b:06d}")))   # back to b
+    assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(full)], "the resume changed the math"
+    assert steps(part) == steps(full), (steps(part), "the resume lost the best")
+    again = tensors(os.path.join(part, "adapter_best"))
+    assert all(torch.equal(again[k], best[k]) for k in best), "the resumed run's best adapter differs"
+    run(train_argv(assets, part, "--steps", "1", "--overwrite"))
+    assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
+    msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))
+    assert "--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE and --eval-every N" in msg
