@@ -225,7 +225,6 @@ def main(argv=None):
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
-        log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template's date
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or max(1, len(samples) // args.global_batch)
         if args.profile is not None and not 1 <= args.profile <= steps:
@@ -239,6 +238,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite)   # made and locked only now
         args.out = run.path
+        log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
         log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
@@ -253,7 +253,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
-        best = checkpoint.Best(checkpoint.read_meta(ckpt) if ckpt else None)   # --keep-best's, carried by resumes
+        best = checkpoint.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)

@@ -38,6 +38,7 @@ Credit: offloading checkpoints to the host follows Arctic Long Sequence Training
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
 import weakref
 
@@ -102,8 +103,9 @@ class _HostBuffer:
     def _fall_back(self, why: str) -> None:
         del self.data   # (the mapping goes with it)
         self.data = _pinned(self.nbytes)
-        warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each buffer up "
-                      f"to a power of two and keeps it cached ({why})", stacklevel=3)
+        if os.environ.get("LOCAL_RANK", "0") == "0":   # once per machine (torchrun's local rank), whose host it is
+            warnings.warn(f"--offload-activations: host memory is pinned by torch's allocator, which rounds each "
+                          f"buffer up to a power of two and keeps it cached ({why})", stacklevel=3)
         HostPool.warned = True
 
     def __del__(self):

@@ -581,6 +581,8 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
         assert got[day] == tokenize_records(records, ref_tok, 200)[0], f"{day}: not the date spelled out"
     assert got["2024-07-26"] != got["2025-03-09"], "the day changed no token"
     prompt = records[0]["messages"][:1]   # the before/after script prompts on the run's day too
+    ref_tok = load_tokenizer(tok.name_or_path)
+    ref_tok.chat_template = literal("2025-03-09") + chatml
     assert torch.equal(encode(tok, prompt, "2025-03-09")["input_ids"], encode(ref_tok, prompt)["input_ids"]) and \
         not torch.equal(encode(tok, prompt, "2025-03-09")["input_ids"], encode(tok, prompt)["input_ids"]), \
         "demo_compare's prompt is not the run's day spelled out"

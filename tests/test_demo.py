@@ -216,16 +216,17 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
     (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": "The fox ran.\nWho ran?", "completion": " The fox."})
                                           + "\n" + json.dumps(recs[0]) + "\n")
     (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "eval_data": str(
-        tmp_path / "mixed.jsonl"), "chat_template_text": TEMPLATES["chatml"]}))
+        tmp_path / "mixed.jsonl"), "chat_template_text": TEMPLATES["chatml"], "template_date": "2024-07-26"}))
     seen, plain = [], dc.generate
-    dc.generate = lambda m, t, p, *a: seen.append((t.chat_template, p)) or plain(m, t, p, *a)
+    dc.generate = lambda m, t, p, *a: seen.append((t.chat_template, p, a[-1])) or plain(m, t, p, *a)
     try:
         rows = compare(str(run), n=2, max_new_tokens=6)
     finally:
         dc.generate = plain
     assert [r["expected"] for r in rows] == ["The fox.", recs[0]["messages"][-1]["content"]], rows
     assert rows[0]["prompt"] == "The fox ran.\nWho ran?" and isinstance(rows[0]["tuned"], str)
-    assert {t for t, _ in seen} == {TEMPLATES["chatml"]}, "the run's template, not the base tokenizer's"
+    assert {t for t, _, _ in seen} == {TEMPLATES["chatml"]}, "the run's template, not the base tokenizer's"
+    assert {d for _, _, d in seen} == {"2024-07-26"}, "not the run's template_date"   # (rendered: test_data)
 
 
 def test_demo_as_shipped_learns_the_task(demo, tmp_path):

@@ -908,8 +908,9 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     beside the newest, and OUT/adapter_best holds that checkpoint's adapter (= `python -m parallel.checkpoint` of it,
     bit for bit; not the final adapter). Resumed from that step and trained to the end again, the run carries the
     best in the checkpoint (a fresh best would take the next, worse eval and rotate the best away): the same folders,
-    losses and best adapter. --overwrite removes an old adapter_best; the flag without --eval-every is refused before
-    any weight is read."""
+    losses and best adapter. Resumed onto other --eval-data, or into another --out, the best is chosen anew (said);
+    resumed without the flag, no step is protected; a leftover adapter_best.old is cleared. --overwrite removes an
+    old adapter_best; the flag without --eval-every is refused before any weight is read."""
     from safetensors.torch import load_file
 
     from parallel import checkpoint
@@ -942,6 +943,23 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     assert steps(part) == steps(full), (steps(part), "the resume lost the best")
     again = tensors(os.path.join(part, "adapter_best"))
     assert all(torch.equal(again[k], best[k]) for k in best), "the resumed run's best adapter differs"
+    os.makedirs(os.path.join(part, "adapter_best.old"))   # a swap killed halfway, and other eval data
+    open(os.path.join(part, "adapter_best.old", "x"), "w").close()
+    capsys.readouterr()
+    run(train_argv(assets, part, *flags, "--eval-data", assets["data"], "--resume",
+                   os.path.join(part, "ckpt", f"step_{b:06d}")))
+    out = capsys.readouterr().out
+    assert f"the checkpoint's best (step {b}, eval_loss {min(evals)[0]:.6f}) was measured on other --eval-data" in out
+    new = min((r["eval_loss"], r["step"]) for r in metrics(part) if r["step"] > b)
+    assert f"best: eval_loss {new[0]:.6f} at step {new[1]}" in out and steps(part) == sorted(
+        {"latest", f"step_{new[1]:06d}", "step_000006"}), (steps(part), new)
+    assert not os.path.exists(os.path.join(part, "adapter_best.old")), "a leftover swap folder stayed"
+    other = str(tmp_path / "other")   # a resume into a new --out: the best lies in another run's folder
+    run(train_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
+    assert "is in another run folder: the best is chosen among this run's evaluations" in capsys.readouterr().out
+    run(train_argv(assets, full, "--steps", "6", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
+                   "--lr", "0.05", "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))   # no --keep-best
+    assert steps(full) == ["latest", "step_000006"], (steps(full), "a run without --keep-best protected a step")
     run(train_argv(assets, part, "--steps", "1", "--overwrite"))
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
     msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))

@@ -424,10 +424,11 @@ def test_cuda_mem_trace_names_sites_and_phases(tmp_path, monkeypatch):
     import os
 
     import train
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1",
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0", WORLD_SIZE="1",
                      LOCAL_RANK="0").items():
         monkeypatch.setenv(k, v)
-    monkeypatch.delenv("TORCH_SYMBOLIZE_MODE", raising=False)
+    monkeypatch.setenv("TORCH_SYMBOLIZE_MODE", "unset")   # recorded, so the teardown restores the caller's
+    monkeypatch.delenv("TORCH_SYMBOLIZE_MODE")
     out = tmp_path / "run"
     train.main(["--steps", "2", "--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16",
                 "--mem-trace"])
@@ -511,6 +512,39 @@ def test_cuda_offload_pins_exact_bytes_in_place(tmp_path):
         assert pool.made == made and len(pool.free) == L - 1, (step, pool.made, len(pool.free))
         for b in pool.free:
             assert b.registered is not None and b.data.is_pinned() and b.nbytes == 2 * S * D * 4, (step, b.nbytes)
+
+
+def test_cuda_offload_falls_back_when_page_locking_fails(monkeypatch):
+    """A cudaHostRegister the runtime really refuses (flags it does not know: cudaErrorInvalidValue, left as the
+    thread's last error): the buffer comes from torch's pinned allocator, said once, the error taken off the runtime
+    so that later kernels and a synchronize run clean, and a copy through the buffer round-trips; later buffers
+    skip the registration."""
+    import parallel.offload as po
+
+    rt = torch.cuda.cudart()
+    tried = []
+
+    class Refusing:   # the real runtime, asked to lock with flags it rejects
+        def cudaHostRegister(self, ptr, size, flags):
+            tried.append(size)
+            return rt.cudaHostRegister(ptr, size, 0xFFFF)
+
+        def __getattr__(self, name):
+            return getattr(rt, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(po.HostPool, "warned", False)
+    stream = torch.cuda.Stream()
+    with pytest.warns(UserWarning, match="pinned by torch's allocator"):
+        b = po._HostBuffer(3 << 20, stream)
+    assert len(tried) == 1 and b.registered is None and b.data.is_pinned() and po.HostPool.warned, tried
+    x = torch.arange(3 << 20, device=DEV, dtype=torch.uint8)
+    b.data.copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(b.data.to(DEV), x), "the pinned buffer's round trip"
+    b2 = po._HostBuffer(1 << 20, stream)
+    assert len(tried) == 1 and b2.data.is_pinned(), "a registration was tried again"
+    torch.cuda.synchronize()   # nothing left pending on the runtime
 
 
 def test_cuda_tiled_attention_bf16_matches_untiled(tmp_path, monkeypatch):
