@@ -28,6 +28,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
   2's second micro-batch stops all 4 at the next micro-batch with step 1 saved (exit status 143 each); resumed
   on 1 rank, the run trains as the uninterrupted one;
+- `--keep-best` with an eval every step on cp 2 × dp 2 ring: the same checkpoint folders, best step and
+  OUT/adapter_best as on 1 rank, which trains as the plain run;
 - every start-up error names its numbers and is raised before any weight is read (`build_model` and
   `CheckpointReader` are replaced by tripwires); data errors name the file and the line.
 
@@ -94,6 +96,9 @@ STOP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--save-minutes", 
 FAST4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--fast"]
 # offload with the host memory short on rank 2 only: every rank refuses it, naming rank 2
 SHORT4 = ["--cp", "2", "--dp-shard", "2", "--offload-activations"]
+# --keep-best with an eval every step (the training file as eval data): the same saves, best and adapter_best
+KEEP_BEST = ["--eval-every", "1", "--keep-best", "--keep-ckpts", "1"]
+KEEP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *KEEP_BEST]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -127,6 +132,7 @@ def _four_ranks(rank, world_size, assets, root):
     train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
+    train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
     return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
 
 
@@ -237,6 +243,7 @@ def one(assets, tmp_path_factory):
         "tiled_attn": ["--tiled-attn", "--tiled-mlp", "--offload-activations"],
         "tiled_attn_pack": ["--micro-batch", "4", "--pack", "--tiled-attn"],
         "tiled_attn_window": ["--model", assets["window"], "--tiled-attn"],
+        "keep_best": [*KEEP_BEST, "--eval-data", assets["data"]],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -309,6 +316,27 @@ def test_single_rank_run_trains(one):
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
+
+
+@pytest.mark.timeout(600)
+def test_keep_best_on_four_ranks_matches_one_rank(one, four):
+    """--keep-best on cp 2 x dp 2 ring: every rank takes part in the same saves (the eval loss is reduced over ranks,
+    so the same best everywhere; no rank waits alone in a save's collectives), and the run keeps the folders, the best
+    step and an adapter_best equal to 1 rank's (which is the plain run's: the flag changes no math)."""
+    from safetensors.torch import load_file
+
+    got, want = _at(four, "keep_best_cp2_dp2_ring"), _at(one, "keep_best")
+    _compare("4 ranks keep_best", got, want)
+    _compare("keep_best vs plain", want, _at(one, "fp32"))
+    evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
+    assert len(evals(got)) == 3 and max(abs(a - b) for a, b in zip(evals(got), evals(want))) <= LOSS_ATOL, \
+        (evals(got), evals(want))
+    folders = lambda out: sorted(os.listdir(os.path.join(out, "ckpt")))
+    b = 1 + min(range(3), key=evals(want).__getitem__)
+    assert folders(got) == folders(want) == sorted({"latest", f"step_{b:06d}", "step_000003"}), folders(got)
+    a, r = (load_file(os.path.join(out, "adapter_best", "adapter_model.safetensors")) for out in (got, want))
+    assert sorted(a) == sorted(r) and all(((a[k] - r[k]).norm() / r[k].norm().clamp(min=1e-12)).item()
+                                          <= ADAPTER_RTOL for k in r), "adapter_best differs from 1 rank's"
 
 
 @pytest.mark.timeout(600)
