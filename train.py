@@ -180,7 +180,7 @@ def main(argv=None):
         return plan_main(argv, build_parser(add_help=False), DEMO)
     # peft, bitsandbytes and DCP take seconds to import: only now, past the --plan fast path
     from model.export import export_adapter, init_adapter_note
-    from parallel import checkpoint
+    from parallel import checkpoint, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_parameters
     parser = build_parser()
@@ -253,7 +253,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
-        best = checkpoint.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
+        best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         if rank == 0:
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
@@ -352,7 +352,7 @@ def main(argv=None):
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text)
         if args.keep_best and best.step and rank == 0:
-            checkpoint.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
+            keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

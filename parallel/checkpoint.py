@@ -13,11 +13,7 @@ Contract:
     3. rank 0 renames it to `step_N` (a folder of the same step, from an earlier run, is moved aside
        first and deleted after), then replaces `latest` (write + rename), then deletes all but the
        newest `keep` folders at or below this step.
-  `protect` (--keep-best's step) is kept beside the newest `keep`.
-- `Best.of_run(args, ckpt, log)`: --keep-best's lowest eval loss so far, its step and the eval data's sha256,
-  written into every checkpoint's meta.json (`meta()`), so a resume goes on comparing with it: only onto the same
-  eval data, in the same run folder (else it starts anew, said). `export_best` writes its checkpoint's adapter to
-  OUT/adapter_best (a .tmp written whole, then swapped in).
+  `protect` (--keep-best's step, parallel/keep_best.py) is kept beside the newest `keep`.
 - `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names
   in a ckpt folder. A folder is readable when meta.json parses and every byte range DCP's `.metadata`
   points at is present on disk (a truncated file fails this). Given a ckpt folder whose newest
@@ -33,7 +29,6 @@ Contract:
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -43,7 +38,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: caught by name)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from parallel.guard import NonFiniteError
@@ -139,62 +133,6 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         os.close(fd)
     _barrier()
     return final
-
-
-class Best:
-    """--keep-best's lowest eval loss, its step and the eval data it was measured on (module docstring)."""
-
-    def __init__(self, eval_sha: str | None = None):
-        self.step, self.loss, self.eval_sha = None, math.inf, eval_sha
-
-    @classmethod
-    def of_run(cls, args, ckpt: str | None, log) -> Best:
-        """A run's start: a resume's best when it was measured on these eval data and lies in this run's own ckpt
-        folder (a resume into a new --out, or onto other eval data, chooses anew from its evaluations on, said)."""
-        from data.store import file_sha256
-
-        best = cls(file_sha256(args.eval_data) if args.keep_best else None)
-        got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
-        if got:
-            here = os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(os.path.join(args.out, "ckpt"))
-            if here and got.get("eval_data_sha256") == best.eval_sha:
-                best.step, best.loss = got["step"], got["eval_loss"]
-            else:
-                log(f"note: --keep-best: the checkpoint's best (step {got['step']}, eval_loss {got['eval_loss']:.6f}) "
-                    f"{'was measured on other --eval-data' if here else 'is in another run folder'}: the best is "
-                    "chosen among this run's evaluations from here on")
-        return best
-
-    def update(self, step: int, loss: float) -> bool:
-        if loss < self.loss:   # (a NaN eval loss is never the best)
-            self.step, self.loss = step, loss
-            return True
-        return False
-
-    def meta(self) -> dict:
-        return {"best": {"step": self.step, "eval_loss": self.loss, "eval_data_sha256": self.eval_sha}} \
-            if self.step else {}
-
-
-def export_best(ckpt_dir: str, best: Best, out_dir: str, log) -> None:
-    """Rank 0: the adapter of --keep-best's checkpoint to `out_dir`; a checkpoint that cannot be read is said, not
-    raised (the run itself is done and its own adapter written)."""
-    folder, tmp, old = os.path.join(ckpt_dir, f"step_{best.step:06d}"), out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if why := problem(folder):
-            raise ValueError(why)
-        export(folder, tmp)
-    except (Exception, CheckpointException) as e:   # noqa: BLE001
-        log(f"warning: --keep-best: the best checkpoint {folder} cannot be exported ({type(e).__name__}: {e}); no "
-            f"{out_dir}")
-        return
-    shutil.rmtree(old, ignore_errors=True)   # (a swap that was killed)
-    if os.path.exists(out_dir):
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    log(f"best: eval_loss {best.loss:.6f} at step {best.step}, its adapter in {out_dir}")
 
 
 def problem(folder: str) -> str | None:
