@@ -9,15 +9,14 @@ Contract:
 - `update(step, loss)` at each evaluation: the eval loss is reduced over ranks, so every rank holds the same best
   and makes the same saves.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
-  (`checkpoint.export`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint that cannot be
-  read is a warning, not an error: the run itself is done and its own adapter written.
+  (`checkpoint.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
+  that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
 
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: caught by name)
 
@@ -61,19 +60,13 @@ class Best:
 
 def export_best(ckpt_dir: str, best: Best, out_dir: str, log) -> None:
     """Rank 0: the adapter of the best checkpoint to `out_dir` (module docstring)."""
-    folder, tmp, old = os.path.join(ckpt_dir, f"step_{best.step:06d}"), out_dir + ".tmp", out_dir + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
+    folder = os.path.join(ckpt_dir, f"step_{best.step:06d}")
     try:
         if why := problem(folder):
             raise ValueError(why)
-        export(folder, tmp)
+        export(folder, out_dir, replace=True)   # (swapped in whole, a killed swap's leftovers cleared)
     except (Exception, CheckpointException) as e:   # noqa: BLE001
         log(f"warning: --keep-best: the best checkpoint {folder} cannot be exported ({type(e).__name__}: {e}); no "
             f"{out_dir}")
         return
-    shutil.rmtree(old, ignore_errors=True)   # (a swap that was killed)
-    if os.path.exists(out_dir):
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
     log(f"best: eval_loss {best.loss:.6f} at step {best.step}, its adapter in {out_dir}")
