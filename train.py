@@ -95,7 +95,7 @@ def build_parser(add_help=True):
     a("--warmup", type=int, default=10, help="linear warmup steps")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
-    a("--steps", type=int, default=None, help="optimizer steps (omit for one epoch)")
+    a("--steps", type=int, default=None, help="optimizer steps (omit for one epoch: ceil(samples / --global-batch))")
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
@@ -226,7 +226,7 @@ def main(argv=None):
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
-        steps = args.steps or max(1, len(samples) // args.global_batch)
+        steps = args.steps or math.ceil(len(samples) / args.global_batch)   # one epoch: every sample once at least
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")

@@ -21,12 +21,14 @@ Contract:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 VALID_LINES = (
     'a valid line is {"text": "some document"}, {"prompt": "a question or a long document", "completion": '
     '"the answer"} or {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
 )
+SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXXX escape: half of a UTF-16 pair
 KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
 
 
@@ -62,12 +64,40 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
         raise line_error(path, n, f'no message has role "assistant" (roles found: {roles})')
 
 
+def _lone_surrogate(raw: str) -> int | None:
+    """Where the first \\uD800-\\uDFFF escape of `raw` that is not half of a high-low pair starts (None: none)."""
+    at = 0
+    while m := SURROGATE_ESCAPE.search(raw, at):
+        k = m.start()
+        while k and raw[k - 1] == "\\":
+            k -= 1
+        if (m.start() - k) % 2:   # an escaped backslash, then "ud800" as text
+            at = m.start() + 1
+            continue
+        high = m.group(1).lower() in "89ab"
+        if not high or not (low := SURROGATE_ESCAPE.match(raw, m.end())) or low.group(1).lower() in "89ab":
+            return m.start()
+        at = low.end()
+    return None
+
+
 def parse_record(raw: str, path: str | Path, n: int) -> dict:
     """Validate one non-blank line and return its normalised record."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    rec = _normalise(obj, path, n)
+    if (col := _lone_surrogate(raw)) is not None:   # json.loads keeps it; the tokenizer would raise a TypeError
+        try:   # (one in a key the record does not use is no harm)
+            json.dumps(rec, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise line_error(path, n, f"has a lone UTF-16 surrogate escape ({raw[col:col + 6]} at column {col + 1}: "
+                                      "half of a pair, which encodes no character); fix or remove it") from None
+    return rec
+
+
+def _normalise(obj, path: str | Path, n: int) -> dict:
     if not isinstance(obj, dict):
         raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
     has_text, has_messages = "text" in obj, "messages" in obj

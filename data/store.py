@@ -21,7 +21,9 @@ Contract:
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
-  host).
+  host). It logs the --eval-data stats (`eval data: ...`), and every rank must end with the same tokens
+  (`same_on_every_rank`, a sha256 `fingerprint` of ids, labels and boundaries): machines that read different
+  bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts.
 - `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
   (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
   back memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
@@ -48,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from data.jsonl import DataError
 from data.templates import dated
 
 DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "long-context-lora",
@@ -203,17 +206,55 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, log, sha, day, warn)
     given = getattr(args, "template_date", None)
-    out, day = once_per_machine(
+    (train, ev), day = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
-                            args.eval_data and load(args.eval_data, "--eval-data", write, day)[0]),
+                            args.eval_data and load(args.eval_data, "--eval-data", write, day)),
         first=not cache or local_rank == "0", day=given)
+    same_on_every_rank(train[0], ev and ev[0])
+    if ev:   # its truncated and dropped records too: eval_loss covers what is left
+        log(f"eval data: {ev[1]}")
     args.template_date = day if dated(tokenizer.chat_template) else None   # what config.json and checkpoints keep
     if args.template_date:
         log(f"chat template: writes the date; rendered as {day} (--template-date; a resume keeps it)")
         if given is None and getattr(args, "resume", None):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
-    return out
+    return train, ev and ev[0]
+
+
+def fingerprint(samples) -> str:
+    """A digest of the token ids, labels and sample boundaries (sha256; about 1 s per 128M tokens)."""
+    if samples is None:
+        return "-"
+    if not isinstance(samples, Samples):
+        samples = Samples.from_lists(samples)
+    h = hashlib.sha256()
+    for t in (samples.offsets, samples.ids, samples.labels):
+        h.update(t.contiguous().numpy().data)
+    return h.hexdigest()
+
+
+def same_on_every_rank(samples, eval_samples=None) -> None:
+    """Raise on every rank, naming the hosts, when the ranks do not hold the same tokens: machines that read
+    different copies of --data (another file behind the same path, a local edit) or tokenize differently (another
+    tokenizer file, transformers or tokenizers version) would each index their own sample list by the same order,
+    training on a mixture nobody chose, or fail later on a step count they do not share."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = (socket.gethostname(), fingerprint(samples), len(samples), fingerprint(eval_samples))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for what, k in (("--data", 1), ("--eval-data", 3)):
+        if len({e[k] for e in every}) > 1:
+            groups = {}
+            for r, e in enumerate(every):
+                groups.setdefault(e[k], []).append(f"rank {r} ({e[0]}{f', {e[2]} samples' if k == 1 else ''})")
+            said = "; ".join(f"{', '.join(g)}: tokens {d[:12]}" for d, g in groups.items())
+            raise DataError(f"the ranks hold different {what} tokens ({said}); every machine must read the same file "
+                            "bytes with the same tokenizer files and transformers/tokenizers versions: copy them "
+                            "alike or put them on a shared filesystem")
 
 
 def once_per_machine(load, first: bool, day: str | None = None):

@@ -146,10 +146,12 @@ def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     return [ids[t + 1] if is_target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str = "<records>") -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:   # a template's raise_exception (roles must alternate, ...) or a Jinja error
+        raise DataError(f"{where}: the chat template refused this conversation ({type(e).__name__}: {e}); fix the "
+                        "record, or render it with another --chat-template") from e
 
 
 def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
@@ -162,14 +164,14 @@ def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
 
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn in it."""
-    full = _render(tokenizer, messages, False)
+    full = _render(tokenizer, messages, False, where)
     spans, prev_end = [], 0
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         content = msg["content"].strip()
         before = _prefix_render(tokenizer, messages[:i])
-        through = _render(tokenizer, messages[: i + 1], False)
+        through = _render(tokenizer, messages[: i + 1], False, where)
         at = through.rfind(content)  # where the content sits when this turn is the last one
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)
@@ -183,16 +185,21 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             end = len(through)
         else:
             # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
-            # reasoning): take the content as rendered plus the end-of-turn marker seen in `through`.
+            # reasoning): take the content as rendered plus the end-of-turn marker seen in `through`;
+            # when the content itself is rewritten (an inline <think> block dropped), the turn as
+            # rendered, up to and with that marker.
+            marker = through[at + len(content) :].rstrip()
             c = full.find(content, start)
-            if c < 0:
+            if c >= 0:
+                end = c + len(content)
+                if marker and full.startswith(marker, end):
+                    end += len(marker)
+            elif marker and (m := full.find(marker, start)) >= 0:
+                end = m + len(marker)
+            else:
                 raise DataError(
                     f"{where}: the chat template does not render assistant message {i} verbatim"
                 )
-            end = c + len(content)
-            marker = through[at + len(content) :].rstrip()
-            if marker and full.startswith(marker, end):
-                end += len(marker)
         # The newline a template writes between turns is a separator, not something to generate.
         while end > start and full[end - 1].isspace():
             end -= 1

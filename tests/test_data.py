@@ -182,6 +182,58 @@ def test_chat_targets_with_other_templates(tok, template):
     assert target_runs(tok, s) == ["Paris is the capital." + END, last + END]
 
 
+# Like Qwen3's: an assistant turn's inline <think> block is split off, and kept only after the last user turn; the
+# {% generation %} tags are for transformers' own assistant mask, the reference (our tokenization ignores them).
+THINK_DROPPING = (
+    "{%- set last_user = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set last_user.i = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
+    "{%- set answer = m['content'].split('</think>')[-1].lstrip('\\n') %}"
+    "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n') "
+    "if '</think>' in m['content'] else '' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}"
+    "{%- if loop.index0 > last_user.i %}{{- '<think>\\n' + thought + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- answer + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_chat_turns_the_template_rewrites_are_targets_as_rendered(tok):
+    """A multi-turn reasoning record whose earlier turns lose their inline <think> block when later turns follow (as
+    Qwen3's template does): the targets are each assistant turn as rendered, its end marker included, which is
+    transformers' own assistant mask (`return_assistant_tokens_mask` over the template's generation tags). Until
+    2026-12-02 such a record was refused as "does not render assistant message 1 verbatim"."""
+    tok.chat_template = THINK_DROPPING
+    msgs = [{"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nIt is 4."},
+            {"role": "user", "content": "And 3 + 3?"},
+            {"role": "assistant", "content": "<think>\nagain\n</think>\n\nIt is 6."}]
+    ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    (s,), _ = tokenize_records([{"messages": msgs, "line": 3}], tok, 10_000)
+    assert s["input_ids"] == ref["input_ids"], "the tokens are transformers' rendering"
+    ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+    assert ours == [bool(m) for m in ref["assistant_masks"][1:]], "targets = transformers' assistant mask"
+    assert target_runs(tok, s) == ["It is 4." + END, "<think>\nagain\n</think>\n\nIt is 6." + END]
+
+
+def test_a_conversation_the_template_refuses_names_the_line(tok, tmp_path):
+    """A template's raise_exception (Mistral's and Llama 2's "roles must alternate") on one record is a DataError
+    naming the file and line and the fix, not jinja2's traceback."""
+    tok.chat_template = ("{%- for m in messages %}{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{- raise_exception('Conversation roles must alternate user/assistant') }}{%- endif %}"
+                         "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+                         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    ok = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "a again"},
+                        {"role": "assistant", "content": "b"}]}
+    path = tmp_path / "alt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (ok, ok, bad)) + "\n")
+    with pytest.raises(DataError, match=r"alt\.jsonl, line 3: the chat template refused this conversation "
+                                        r"\(TemplateError: Conversation roles must alternate.*--chat-template"):
+        tokenize_records(load_jsonl(path), tok, 1000, path)
+
+
 def test_chat_leading_assistant_turn_skips_default_system_prompt(tok):
     msgs = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Hi"}]
     (s,), _ = tokenize_records([{"messages": msgs}], tok, 10_000)
@@ -360,6 +412,9 @@ BAD_LINES = [
     ('{"messages": [{"from": "human", "value": "hi"}]}', 'message 0 has no "role"'),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}',
      'no message has role "assistant"'),
+    ('{"text": "cut \\ud83d here"}', r"has a lone UTF-16 surrogate escape (\ud83d at column 15: half of a pair"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udE00"}]}',
+     r"has a lone UTF-16 surrogate escape (\udE00 at column 83"),
 ]
 
 
@@ -373,6 +428,22 @@ def test_malformed_line_names_file_line_and_fix(tmp_path, line, problem):
     assert f"bad.jsonl, line 3: {problem}" in msg
     assert 'a valid line is {"text": ' in msg and '"messages": [{"role": "user"' in msg
     assert isinstance(e.value, ValueError)
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text(tok, tmp_path):
+    """What the lone-surrogate refusal above lets through: a pair (how Python's json.dumps writes an emoji), a
+    backslash written as \\\\ before "ud800", and a lone half in a key the record does not use. The half it refuses
+    would have stopped the tokenizer itself with a TypeError naming no line."""
+    lines = [json.dumps({"text": "a smile \U0001F600 here"}), r'{"text": "C:\\ud800 is a folder"}',
+             '{"text": "fine", "meta": "\\udc00"}']
+    assert '\\ud83d\\ude00' in lines[0], "json.dumps escapes the emoji as a surrogate pair"
+    p = tmp_path / "ok.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    recs = load_jsonl(p)
+    assert [r["text"] for r in recs] == ["a smile \U0001F600 here", "C:\\ud800 is a folder", "fine"]
+    assert tokenize_records(recs, tok, 100)[1].samples == 3
+    with pytest.raises(TypeError):
+        tok(["lone \ud800"])
 
 
 def test_file_level_errors(tmp_path):
@@ -605,6 +676,26 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
             parse_day(bad)
 
 
+def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
+    """train.py's data (store.load_run_data) logs --eval-data's stats as it logs --data's: eval records cut to
+    --max-len, or dropped with no target left, are said, since eval_loss covers only what is left."""
+    from types import SimpleNamespace
+
+    from data import store
+
+    make_text_jsonl(tmp_path / "train.jsonl", 4, seed=1)
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine"}]}
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (long_prompt, short, long_prompt)))
+    ref = tokenize_records(load_jsonl(tmp_path / "eval.jsonl"), tok, 64)[1]
+    assert (ref.samples, ref.truncated, ref.dropped) == (1, 2, 2), ref
+    said = []
+    args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
+                           data_cache="none", data_sha256=None)
+    (_, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
+    assert len(ev) == 1 and f"eval data: {ref}" in said, said
+
+
 def _timed(load_samples, times: list, rank: int, error: str | None):
     """load_samples that notes its start and end in `times`, or raises OSError(error)."""
     import time
@@ -649,7 +740,12 @@ def _tokenize_once(rank, world, tok_dir, cases):
 
         tokens.load_samples = _timed(real, times, rank, f"{path}: rank 1 cannot read it" if
                                      case == "error on rank 1" and rank == 1 else None)
-        args = SimpleNamespace(data=path, eval_data=None, max_len=96, data_cache=cache or "none", data_sha256=None)
+        eval_data = None
+        if "|" in path:   # "rank 0's file|rank 1's": another copy behind one path on each machine
+            mine = path.split("|")[rank]
+            path, eval_data = (path.split("|")[0], mine) if "eval" in case else (mine, None)
+        args = SimpleNamespace(data=path, eval_data=eval_data, max_len=96, data_cache=cache or "none",
+                               data_sha256=None)
         try:
             with contextlib.redirect_stdout(printed):
                 (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
@@ -668,7 +764,8 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
     tokenize. A dated template renders rank 0's day, under a key holding it, on both ranks (midnight passed on rank
     1), also when each rank tokenizes for itself: the tokens of that date spelled out in the template. Ranks on two
     machines each tokenize, and the other machine's first rank says its cache was not written (naming its host); the
-    log speaks on rank 0 only. An error on either rank is raised on both."""
+    log speaks on rank 0 only. An error on either rank is raised on both. Two machines whose copies of --data (or
+    --eval-data) differ behind one path both stop with one error naming the ranks and hosts."""
     from tests.dist import run_ranks
 
     path, chats = tmp_path / "d.jsonl", tmp_path / "chats.jsonl"
@@ -690,8 +787,12 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
              ("dated, no cache, midnight on rank 1", chats, None)]
     fails = [("error on rank 0", empty, tmp_path / "cache2"), ("error on rank 1", path, tmp_path / "cache2")]
     both = [("two machines, unwritable", path, blocked / "cache")]
-    r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d)) for c, p, d in loads + both + fails],
-                       timeout=200)
+    other = tmp_path / "other.jsonl"   # as many records, other bytes
+    make_text_jsonl(other, 12, seed=4)
+    differ = [("two machines, other --data", f"{path}|{other}", tmp_path / "cache3"),
+              ("two machines, other --eval-data", f"{path}|{other}", None)]
+    r0, r1 = run_ranks(_tokenize_once, 2, str(tok_dir), [(c, str(p), d and str(d))
+                                                         for c, p, d in loads + both + fails + differ], timeout=200)
     for case, data, cache in loads:
         a, b = r0[case], r1[case]
         written = case in ("shared", "dated, midnight on rank 1")   # rank 0 wrote the file, rank 1 read it
@@ -718,3 +819,11 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
             assert "error" in r and r["error"][0] == want[0] and r["error"][1].startswith(want[1]), (case, rank, r)
         assert got[0]["error"] == got[1]["error"], case
         assert got[1]["loaded"] == case.endswith("1"), "rank 1 loaded after rank 0 failed"
+    host = socket.gethostname()
+    for case, _, _ in differ:   # each machine tokenized its own copy without a word: now both stop, naming them
+        what = "--eval-data" if "eval" in case else "--data"
+        for rank, r in enumerate((r0[case], r1[case])):
+            assert r.get("error", ("",))[0] == "DataError", (case, rank, r)
+            assert r["error"][1].startswith(f"the ranks hold different {what} tokens (rank 0 ({host}"), (case, r)
+            assert f"; rank 1 ({host}" in r["error"][1] and "shared filesystem" in r["error"][1], (case, r)
+        assert r0[case]["error"] == r1[case]["error"], case

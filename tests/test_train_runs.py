@@ -162,6 +162,18 @@ def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(ass
     assert tree_hash(out) == before
 
 
+def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path):
+    """Without --steps a run trains ceil(samples / --global-batch) steps, so every sample is trained at least once:
+    12 samples in steps of 8 make 2 steps, the second filled from the next epoch (until 2026-12-02: 1 step, and 4 of
+    the 12 samples never seen)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} of twelve."}) + "\n" for i in range(12)))
+    argv = train_argv(assets, str(tmp_path / "out"), "--data", str(data))
+    i = argv.index("--steps")
+    run(argv[:i] + argv[i + 2:])
+    assert [(r["step"], r["epoch"]) for r in metrics(tmp_path / "out")] == [(1, 0.667), (2, 1.333)]
+
+
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
     out = str(tmp_path / "out")
     run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
