@@ -108,7 +108,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
             continue
         msgs = rec["messages"]
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"]})
+        rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"].strip()})
     for r in rows:
         r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
     tuned = PeftModel.from_pretrained(model, os.path.join(run_dir, "adapter"))

@@ -9,9 +9,10 @@ Contract:
   Python lists exist at a time, and says its progress every `LOG_SECONDS`.
 - `cache_key(data_sha256, tokenizer, max_len, day)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
   directory (every file but weights), its effective chat template and class, max_len, the source of the modules
-  that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file) and the transformers and
-  tokenizers versions; and the day (`today()` unless given) for a template that writes it (`strftime_now`: Llama
-  3.2's and 3.3's "Today Date" line), the date such a template renders (data/templates.py's `on_day`).
+  that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file), the transformers,
+  tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the day (`today()`
+  unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line), the date
+  such a template renders (data/templates.py's `on_day`).
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
@@ -137,8 +138,11 @@ def today() -> str:
 
 def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None) -> str | None:
     """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
+    import jinja2
     import tokenizers
     import transformers
+
+    from loss import IGNORE_INDEX
 
     tok_dir = Path(getattr(tokenizer, "name_or_path", "") or "")
     if not tok_dir.is_dir():
@@ -146,7 +150,7 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None)
     h = hashlib.sha256()
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
     for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
-                 transformers.__version__, tokenizers.__version__,
+                 transformers.__version__, tokenizers.__version__, jinja2.__version__, f"ignore={IGNORE_INDEX}",
                  (day or today()) if dated(template) else ""):
         h.update(part.encode() + b"\0")
     for name in SOURCES:

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -601,6 +602,13 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     assert store.cache_key("0" * 64, dated, 40) == store.cache_key("0" * 64, dated, 40, store.today())
     assert keys["2026-12-01"][0] != keys["2026-12-02"][0], "a dated template's key ignores the date"
     assert keys["2026-12-01"][1] == keys["2026-12-02"][1], "an undated template's key changes with the date"
+    import jinja2
+
+    for what, module, name, other in (("the jinja2 version", jinja2, "__version__", "0.0"),
+                                      ("the labels' IGNORE_INDEX", sys.modules["loss"], "IGNORE_INDEX", -1)):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, other)
+            assert store.cache_key("0" * 64, tok, 40) != keys["2026-12-01"][1], f"{what} is not in the key"
     tok_copy = tmp_path / "tok_copy"
     shutil.copytree(tok_dir, tok_copy)
     cfg = tok_copy / "tokenizer_config.json"
