@@ -122,7 +122,10 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
     check_vocab(samples, tokenizer, vocab_size, path)
-    if key and not hit and write and store.file_sha256(path) == sha256:   # (not rewritten while it was read)
+    if not hit and sha256 and store.file_sha256(path) != sha256:   # the run records `sha256` as what it read
+        raise DataError(f"{flag} {path} changed while it was read (its sha256 at start-up was {sha256[:12]}); let "
+                        "whatever writes it finish, then start the run again")
+    if key and not hit and write:
         if store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), warn):
             samples = (store.read(Path(cache) / f"{key}.pt", key) or (samples,))[0]   # the shared pages
     return samples, stats

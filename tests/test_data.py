@@ -631,6 +631,28 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
 
 
+def test_data_rewritten_while_it_is_tokenized_is_refused(tok, tmp_path, monkeypatch):
+    """A --data file that changes between the start-up hash (the one the run records, and a resume compares) and the
+    end of tokenization stops the run naming the fix, with or without a cache, and writes no cache entry."""
+    from data import store
+    from data.tokens import load_samples
+
+    path = tmp_path / "d.jsonl"
+    make_text_jsonl(path, 6, seed=1)
+    sha, real = store.file_sha256(path), store.build
+
+    def build_while_appending(records, *a):
+        with open(path, "a") as f:   # whatever writes the file is not done yet
+            f.write(json.dumps({"text": "written late"}) + "\n")
+        return real(records, *a)
+
+    monkeypatch.setattr(store, "build", build_while_appending)
+    for cache in (None, tmp_path / "cache"):
+        with pytest.raises(DataError, match=rf"--data {path} changed while it was read .*start the run again"):
+            load_samples(path, tok, 64, len(tok), cache=cache and str(cache), sha256=sha)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir()), "a cache entry was written"
+
+
 DATED = '{{ strftime_now("%A %d %B %Y") }}\n'   # a "Today Date" line, as Llama 3.2's and 3.3's templates write
 
 
