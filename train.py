@@ -153,15 +153,17 @@ def log0(*a):
 
 
 @torch.no_grad()
-def evaluate(model, samples, to_local, data_rank, data_ranks, group, device):
+def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, beat=lambda: None):
     """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks with
-    fewer samples run all-ignored dummies, so every rank makes the same collective calls."""
+    fewer samples run all-ignored dummies, so every rank makes the same collective calls. `beat()`
+    before each sample: the watchdog's progress (an eval longer than --timeout is not a stuck rank)."""
     share = samples[data_rank::data_ranks]
     dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
     share += [dummy] * (math.ceil(len(samples) / data_ranks) - len(share))
     tot = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     for s in share:
+        beat()
         ids, pos, lab = to_local([s])
         lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
         tot += torch.stack([lsum.double(), cnt.double()])
@@ -212,7 +214,7 @@ def main(argv=None):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dt == "cuda" else "fp32")]
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]   # (resolved by check_start)
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
@@ -254,15 +256,20 @@ def main(argv=None):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
+        here = bool(ckpt) and runs.inside(ckpt, args.out)   # resumed from this run's own ckpt folder
         if rank == 0:
+            if here:   # from below the newest step: it becomes the newest (a crash must come back here)
+                checkpoint.branch(ckpt, log0)
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
             metrics = runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
         dp_cp = meshes.dp_cp.get_group()
-        wd, nonfinite = guard.Watchdog(args.timeout * 60, rank).start(), guard.NonFiniteSteps(args.max_nonfinite)
+        wd = guard.Watchdog(args.timeout * 60, rank).start()
+        nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(
+            "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            log0(f"eval_loss before training {evaluate(model, *eval_args):.6f}")
+            log0(f"eval_loss before training {evaluate(model, *eval_args, beat=lambda: wd.phase('eval', 0)):.6f}")
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
@@ -270,7 +277,10 @@ def main(argv=None):
             if args.mem_phases or args.mem_trace else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         stop.start()
-        ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), 0, time.time()   # `saved`: this run's newest
+        ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
+        save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
+                                                "nonfinite": nonfinite.state()}, keep=args.keep_ckpts,
+                                                protect=best.step, **kw)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -296,8 +306,7 @@ def main(argv=None):
                     if step > saved:
                         wd.phase("save", step)
                         opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
-                        checkpoint.save(ckpt_dir, model, opt, step, {"args": vars(args), **best.meta()},
-                                        keep=args.keep_ckpts, rng=rng, protect=best.step)
+                        save(step, rng=rng)
                     raise stop.stopped(got, step, ckpt_dir if step else None)
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
@@ -330,8 +339,8 @@ def main(argv=None):
             if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
-                wd.phase("eval", step + 1)
-                rec["eval_loss"] = round(ev := evaluate(model, *eval_args), 6)
+                beat = lambda at=step + 1: wd.phase("eval", at)   # per eval sample: a long eval is not a stuck rank
+                rec["eval_loss"] = round(ev := evaluate(model, *eval_args, beat=beat), 6)
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev)
             if rank == 0:
@@ -341,8 +350,7 @@ def main(argv=None):
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
                     (args.keep_best and "eval_loss" in rec):
                 wd.phase("save", step + 1)
-                checkpoint.save(ckpt_dir, model, opt, step + 1, {"args": vars(args), **best.meta()},
-                                keep=args.keep_ckpts, protect=best.step)
+                save(step + 1)
                 saved, t_saved = step + 1, time.time()
 
         # --------------------------------------------------------------------- save

@@ -116,14 +116,12 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
                   chat_template: str | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
-    Written to `out_dir`.tmp, then swapped in: an adapter already there (a resumed run re-exporting) stays whole until
-    the new one is complete."""
+    Written to `out_dir`.tmp, then renamed into place: a kill at any point leaves no half adapter under `out_dir`, and
+    one already there (a resumed run re-exporting) stays whole until the new one is complete."""
     out_dir = os.path.normpath(out_dir)
-    fresh = not (os.path.isdir(out_dir) and os.listdir(out_dir))   # nothing to keep: write in place
-    tmp, old = (out_dir, None) if fresh else (out_dir + ".tmp", out_dir + ".old")
-    if not fresh:
-        shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
-    os.makedirs(tmp, exist_ok=fresh)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
+    os.makedirs(tmp)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
               os.path.join(tmp, "adapter_model.safetensors"))
     hub = hub_snapshot(base_path)
@@ -138,11 +136,18 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     if chat_template is not None:   # the template the data were rendered with, for inference
         with open(os.path.join(tmp, TEMPLATE), "w", encoding="utf-8") as f:
             f.write(chat_template)
-    if not fresh:
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+    for name in os.listdir(tmp):   # on disk before the rename makes them the adapter
+        fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(out_dir):
+        os.rename(out_dir, old)   # (an empty folder too: rename() onto a directory is not portable)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(os.path.dirname(os.path.abspath(out_dir)), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def _put_chat_template(out_dir: str, text: str) -> None:

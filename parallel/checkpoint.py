@@ -19,6 +19,9 @@ Contract:
   points at is present on disk (a truncated file fails this). Given a ckpt folder whose newest
   checkpoint is unreadable, it falls back to the previous readable one and warns, naming both;
   given an unreadable step folder, it refuses, naming the previous readable one.
+- `branch(path)` (rank 0, a resume): the newer step folders beside `path` become `step_N.abandoned` and `latest`
+  names `path`, so a crash before the next save comes back here, not to a step past the metrics kept; a save of
+  step N or later removes `step_N.abandoned`.
 - `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
   step to continue from.
 - `export(path, out_dir)`: the PEFT adapter of a checkpoint, as train.py exports at the end, without resuming and
@@ -44,6 +47,7 @@ from parallel.guard import NonFiniteError
 
 OPTS = StateDictOptions(ignore_frozen_params=True)
 STEP_RE = re.compile(r"step_(\d+)$")
+ABANDONED_RE = re.compile(r"step_(\d+)\.abandoned(-\d+)?$")
 
 
 def _rank():
@@ -113,7 +117,10 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
     _barrier()
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    torch.save(rng or rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says the folder is whole
+        torch.save(rng or rng_state(), f)   # (DCP syncs its own files)
+        f.flush()
+        os.fsync(f.fileno())
     _barrier()
     if rank == 0:
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,
@@ -128,6 +135,9 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         for old_step, path in [sp for sp in _steps(ckpt_dir) if sp[0] <= step][keep:]:   # past the newest `keep`
             if old_step != protect:
                 shutil.rmtree(path, ignore_errors=True)
+        for e in os.listdir(ckpt_dir):   # branch()'s folders this run has now trained past: superseded
+            if (m := ABANDONED_RE.match(e)) and int(m.group(1)) <= step:
+                shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
         fd = os.open(ckpt_dir, os.O_RDONLY)   # make the renames durable
         os.fsync(fd)
         os.close(fd)
@@ -201,6 +211,36 @@ def resolve(path: str, *, warn=_warn) -> str:
     warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
          f"{prev!r}. Steps after it are trained again")
     return prev
+
+
+def branch(path: str, log=print) -> list[str]:
+    """Resuming from `path`, a step below its ckpt folder's newest: make it the newest, so that a crash before this
+    run's next save resumes here again and not from a step whose metrics the resume dropped. Rank 0, under the lock.
+    The newer step folders are renamed `step_N.abandoned` (never resumed; their steps rerun from here, and a save of
+    step N or later removes them, superseded) and `latest` names `path`."""
+    ckpt_dir, name = os.path.split(os.path.normpath(path))
+    m = STEP_RE.match(name)
+    if not m:
+        return []
+    newer = [p for s, p in _steps(ckpt_dir) if s > int(m.group(1))]
+    moved = []
+    for p in reversed(newer):
+        to, n = p + ".abandoned", 2
+        while os.path.exists(to):
+            to, n = f"{p}.abandoned-{n}", n + 1
+        os.rename(p, to)
+        moved.append(os.path.basename(to))
+    if newer or not os.path.isfile(os.path.join(ckpt_dir, "latest")) or \
+            open(os.path.join(ckpt_dir, "latest")).read().strip() != name:
+        _fsync_write(os.path.join(ckpt_dir, "latest.tmp"), name)
+        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+        fd = os.open(ckpt_dir, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    if moved:
+        log(f"resuming from {name}, below the newest checkpoint: {', '.join(moved)} in {ckpt_dir} (steps this run "
+            "trains again: never resumed, kept until this run saves past them)")
+    return moved
 
 
 def read_meta(path: str) -> dict:

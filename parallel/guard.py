@@ -4,7 +4,8 @@ Contract:
 - `NonFiniteSteps(max_in_row).check(step, loss, grad_norm)` -> True: apply the update; False: skip
   it (the loss or the global grad norm is NaN/Inf), counted in `.skipped`. The `max_in_row`-th
   non-finite step in a row raises NonFiniteError naming the steps and values. Every rank must pass
-  the same (all-reduced) loss and the global norm, so every rank decides the same.
+  the same (all-reduced) loss and the global norm, so every rank decides the same. `.state()` goes into each
+  checkpoint and `.restore(state)` takes it back on resume: the count and the streak go on across a restart.
 - `pg_timeout(minutes)` is the process-group timeout: `--timeout` plus one minute, so that the
   watchdog below, armed with `--timeout`, speaks first and the process group's own error is the backstop.
 - `Watchdog(timeout_s, rank)` is a daemon thread. The loop calls `.phase(name, step)` at each phase
@@ -66,6 +67,16 @@ class NonFiniteSteps:
                                  f"from before step {self.streak[0][0]} (those updates were skipped). Lower --lr, "
                                  "check the data, or raise --max-nonfinite")
         return False
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (meta.json), so that a resume goes on counting: the skipped steps and the streak."""
+        return {"skipped": self.skipped, "streak": [[s, repr(lo), repr(g)] for s, lo, g in self.streak]}
+
+    def restore(self, state: dict | None) -> NonFiniteSteps:
+        if state:   # (a checkpoint from before this was kept: none)
+            self.skipped = int(state["skipped"])
+            self.streak = [(int(s), float(lo), float(g)) for s, lo, g in state["streak"]]
+        return self
 
 
 def pg_timeout(minutes: float) -> datetime.timedelta:

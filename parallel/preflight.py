@@ -111,9 +111,10 @@ def check_start(args, demo: bool):
     from data.templates import chat_template
     from model.load import fetch_checkpoint
     from parallel import checkpoint, runs
-    from parallel.mesh import check_flags
+    from parallel.mesh import check_flags, device_type
 
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
+    args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     check_flags(args)
     if args.keep_best and not (args.eval_data and args.eval_every):
         raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE and "

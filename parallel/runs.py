@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import math
 import os
@@ -36,8 +37,9 @@ from model.load import hub_snapshot
 
 LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
-OWNED = ("config.json", "metrics.jsonl", "ckpt", "adapter", "adapter.tmp", "adapter.old", "adapter_best",
-         "adapter_best.tmp", "adapter_best.old", LOCK)
+OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp", "adapter.old",
+         "adapter_best", "adapter_best.tmp", "adapter_best.old", "mem_phases.json", "mem_trace.rank*.txt",
+         "profile.txt", "profile-rank*.txt", "loss.png", LOCK)   # (* : fnmatch)
 # a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 # flags that change the math of the steps still to come: a resume must keep them
@@ -54,7 +56,7 @@ def _entries(path: str) -> list[str]:
     return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
 
 
-def _inside(path: str, folder: str) -> bool:
+def inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
 
@@ -81,7 +83,7 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
-        if not _inside(resume, out):
+        if not inside(resume, out):
             raise ValueError(f"--out {out!r} already holds a run ({', '.join(used)}) and --resume {resume!r} "
                              "is not one of its checkpoints: resuming there would mix two runs' results. "
                              "Pass a new --out, or --resume a checkpoint under this one")
@@ -93,6 +95,24 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not any(e in MARKERS for e in used):
         raise ValueError(f"--overwrite refuses {out!r}: it holds {', '.join(used[:6])} but none of "
                          f"{', '.join(MARKERS)}, so it is not a run directory. Pass a new --out")
+    if why := _not_a_run(out, used):
+        raise ValueError(f"--overwrite refuses {out!r}: {why}, so it is not a run directory (a run's config.json "
+                         "is train.py's flags). Pass a new --out")
+
+
+def _not_a_run(out: str, used: list[str]) -> str | None:
+    """Why a directory with a config.json is a model's, not a run's (a run writes no weights at its top level)."""
+    weights = [e for e in used if e.endswith((".safetensors", ".bin", ".gguf", ".pth", ".index.json"))]
+    if weights:
+        return f"it holds model weights ({', '.join(weights[:3])})"
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None   # none, or torn by a crash: a run's
+    if isinstance(cfg, dict) and "model_type" in cfg and "global_batch" not in cfg:
+        return f"its config.json is a model's (model_type {cfg['model_type']!r})"
+    return None
 
 
 def fresh_dir(root: str = "runs", now: float | None = None) -> str:
@@ -153,7 +173,8 @@ def _claim_here(out, resume, overwrite, root) -> RunDir:
     fd = _lock(out)
     removed = []
     if overwrite:   # under the lock, so a live run's files are never deleted
-        for name in OWNED[:-1]:
+        there = sorted(os.listdir(out))
+        for name in [e for pat in OWNED[:-1] for e in fnmatch.filter(there, pat)]:   # in OWNED's order
             p = os.path.join(out, name)
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p)
@@ -213,6 +234,14 @@ def _norm(flag: str, v):
     return v
 
 
+def _same_path(a, b) -> bool:
+    """Two spellings of one existing file or directory (a relative path from elsewhere, a symlink)."""
+    try:
+        return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -> None:
     """Refuse a resume whose run-defining flags differ from the checkpoint's; name each difference.
 
@@ -224,6 +253,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     for k in RUN_DEFINING:
         if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
             continue
+        if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
+            continue
+        if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
+            continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
@@ -234,7 +267,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
         raise ValueError("--resume: flags that define the run differ from the checkpoint's:\n  " + "\n  ".join(diffs)
                          + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "
                          f"Layout flags may change: {', '.join('--' + f.replace('_', '-') for f in LAYOUT)}")
-    steps = args.get("steps")
+    steps, had = args.get("steps"), ckpt_args.get("steps")
+    if steps is None and isinstance(had, int):   # one epoch would be another schedule, and maybe no step at all
+        raise ValueError(f"--resume: the checkpoint's run has --steps {had} and this one none (one epoch): pass "
+                         f"--steps {had} to continue it (or more, to train on)")
     if ckpt_step is not None and isinstance(steps, int) and steps < ckpt_step:
         raise ValueError(f"--steps {steps} is below the checkpoint's step {ckpt_step}: nothing would train. "
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")

@@ -251,11 +251,23 @@ def test_merge_cli(exported, tmp_path):
 
 
 def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):
+    """An export killed halfway leaves the adapter that was there whole, or, on the first export (none there yet, or an
+    empty folder), no adapter folder at all: never one that peft cannot load (until 2026-12-02 the first export
+    wrote in place)."""
     from model.export import write_adapter
     from model.qlora import lora_config
 
     out = str(tmp_path / "adapter")
     sd = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4)}
+    for there in ("nothing", "an empty folder"):
+        if there != "nothing":
+            os.makedirs(out)
+        cfg = lora_config(2, 4.0, 0.0)
+        with monkeypatch.context() as m:
+            m.setattr(type(cfg), "save_pretrained", lambda self, d: (_ for _ in ()).throw(OSError("killed")))
+            with pytest.raises(OSError, match="killed"):
+                write_adapter(sd, cfg, out, str(tmp_path))
+        assert not os.path.exists(out) or not os.listdir(out), f"{there}: a half adapter in {out}"
     write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
     assert sorted(before) == ["adapter_config.json", "adapter_model.safetensors"]

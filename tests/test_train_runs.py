@@ -109,6 +109,28 @@ def test_overwrite_replaces_the_run(assets, done, tmp_path):
     run(train_argv(assets, out, "--steps", "1", "--overwrite"))
     assert [r["step"] for r in metrics(out)] == [1], "the old metrics are gone, not appended to"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"], "old checkpoints removed"
+    run_files = ("mem_phases.json", "mem_trace.rank0.txt", "mem_trace.rank1.txt", "profile.txt", "profile-rank1.txt",
+                 "loss.png")
+    for name in run_files + ("notes.txt",):   # the old run's other outputs, and the user's own file
+        open(os.path.join(out, name), "w").close()
+    run(train_argv(assets, out, "--steps", "1", "--overwrite"))
+    assert not any(os.path.exists(os.path.join(out, n)) for n in run_files), os.listdir(out)
+    assert os.path.isfile(os.path.join(out, "notes.txt")), "--overwrite removed a file the run did not write"
+
+
+def test_overwrite_refuses_a_model_directory(assets, tmp_path):
+    """A checkpoint folder has a config.json too: --overwrite (also with --out equal to --model) refuses it, naming
+    why, and leaves it byte for byte, rather than deleting its config.json as a run's."""
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    before = tree_hash(model)
+    msg = startup_error(train_argv(assets, str(model), "--steps", "1", "--overwrite"))
+    assert f"--overwrite refuses {str(model)!r}: it holds model weights (model.safetensors)" in msg, msg
+    os.remove(model / "model.safetensors")   # the weights elsewhere: its config.json still says what it is
+    before = tree_hash(model)
+    msg = startup_error(train_argv(assets, str(model), "--steps", "1", "--overwrite"))
+    assert "its config.json is a model's (model_type 'qwen2')" in msg, msg
+    assert tree_hash(model) == before
 
 
 def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monkeypatch):
@@ -139,7 +161,29 @@ def test_resume_refuses_changed_run_flags(assets, done):
     assert "--steps 3" in msg and "4" in msg, msg
     msg = startup_error(train_argv(assets, done, "--resume", os.path.join(done, "nope")))
     assert "nope" in msg and "does not exist" in msg, msg
+    argv = train_argv(assets, done, "--resume", ckpt)   # no --steps: one epoch would be another run (here 5 steps)
+    i = argv.index("--steps")
+    msg = startup_error(argv[:i] + argv[i + 2:])
+    assert "the checkpoint's run has --steps 4 and this one none" in msg and "pass --steps 4" in msg, msg
     assert tree_hash(done) == before
+
+
+def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, monkeypatch):
+    """What a resume must not refuse: --dtype left to its default where that default is the checkpoint's (fp32 on
+    CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink)."""
+    import train
+    from parallel import preflight
+
+    link = tmp_path / "model_link"
+    link.symlink_to(assets["model"])
+    monkeypatch.chdir(tmp_path)
+    argv = train_argv(assets, done, "--steps", "4", "--resume", os.path.join(done, "ckpt"), "--model", "model_link",
+                      "--data", os.path.relpath(assets["data"], tmp_path))
+    i = argv.index("--dtype")
+    args = train.build_parser().parse_args(argv[:i] + argv[i + 2:])
+    with no_weights():
+        _, ckpt = preflight.check_start(args, demo=False)
+    assert ckpt.endswith("step_000004") and args.dtype == "fp32"
 
 
 def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(assets, tmp_path, capsys):
@@ -172,6 +216,92 @@ def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path):
     i = argv.index("--steps")
     run(argv[:i] + argv[i + 2:])
     assert [(r["step"], r["epoch"]) for r in metrics(tmp_path / "out")] == [(1, 0.667), (2, 1.333)]
+
+
+def _crash_at(monkeypatch, call: int, nan_calls=()):
+    """train.LOSS_FN that raises (a kill, as far as the disk is concerned) at its `call`-th call, NaN at `nan_calls`:
+    1 rank runs 8 micro-batches per step here, so the calls of step k (counted from the run's first) are 8k-7..8k."""
+    import train
+
+    n = {"calls": 0}
+
+    def loss_fn(z, y):
+        n["calls"] += 1
+        if n["calls"] == call:
+            raise RuntimeError("killed")
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        return loss * math.nan if n["calls"] in nan_calls else loss
+
+    monkeypatch.setattr(train, "LOSS_FN", loss_fn)
+
+
+def test_a_crash_after_resuming_from_an_older_step_comes_back_to_it(assets, tmp_path, monkeypatch, capsys):
+    """Resumed from step 2 of a run that saved steps 1..4, the run drops metrics 3..4 (they are trained again):
+    the newer step folders become step_N.abandoned (kept, never resumed) and `latest` names step 2, so a crash before
+    the next save resumes from step 2 again, not from step 4 past the metrics kept (which lost metrics 3..4 for good
+    until 2026-12-02). The steps then rerun to the uninterrupted run's losses, and their saves remove the abandoned
+    folders they supersede."""
+    out = str(tmp_path / "out")
+    flags = ("--steps", "4", "--save-every", "1", "--keep-ckpts", "4")
+    run(train_argv(assets, out, *flags))
+    want = [r["loss"] for r in metrics(out)]
+    ckpt = os.path.join(out, "ckpt")
+    with monkeypatch.context() as m:
+        _crash_at(m, 1)   # the resumed run's first step, step 3
+        with pytest.raises(RuntimeError, match="killed"):
+            run(train_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000002")))
+    assert "step_000003.abandoned, step_000004.abandoned" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, "latest")).read() == "step_000002"
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_000003.abandoned",
+                                        "step_000004.abandoned"]
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    run(train_argv(assets, out, *flags, "--resume", ckpt))
+    assert "resumed from " + os.path.join(ckpt, "step_000002") in capsys.readouterr().out
+    assert [r["loss"] for r in metrics(out)] == want and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_000003", "step_000004"], \
+        "the abandoned folders outlived the saves that superseded them"
+
+
+def test_non_finite_steps_in_a_row_count_across_a_resume(assets, tmp_path, monkeypatch):
+    """--max-nonfinite 2 with NaN losses in steps 2 and 3 stops the run in step 3, also when the run crashed in step
+    3 and resumed from step 2's checkpoint: the skipped count and the streak travel in meta.json (until 2026-12-02 the
+    resume started a new streak and trained on)."""
+    from parallel.guard import NonFiniteError
+
+    flags = ("--steps", "5", "--save-every", "1", "--max-nonfinite", "2")
+    with monkeypatch.context() as m:
+        _crash_at(m, 0, nan_calls=range(9, 25))
+        with pytest.raises(NonFiniteError, match="2 non-finite steps in a row \\(step 2: .*; step 3: "):
+            run(train_argv(assets, str(tmp_path / "ref"), *flags))
+    out = str(tmp_path / "out")
+    with monkeypatch.context() as m:
+        _crash_at(m, 17, nan_calls=range(9, 17))   # NaN in step 2, killed in step 3
+        with pytest.raises(RuntimeError, match="killed"):
+            run(train_argv(assets, out, *flags))
+    assert [(r["step"], r["skipped"]) for r in metrics(out)] == [(1, 0), (2, 1)]
+    with monkeypatch.context() as m:
+        _crash_at(m, 0, nan_calls=range(1, 9))   # step 3 (the resumed run's first) is NaN again
+        with pytest.raises(NonFiniteError, match="2 non-finite steps in a row \\(step 2: .*; step 3: "):
+            run(train_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
+
+
+def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypatch):
+    """Each eval sample is a watchdog beat: an evaluation that takes longer than --timeout as a whole is not a stuck
+    rank (until 2026-12-02 the watchdog saw one "eval" phase per evaluation and ended a healthy job, losing the step's
+    save that comes after it)."""
+    from parallel import guard
+
+    with open(tmp_path / "eval.jsonl", "w") as f:   # 5 short chats: 5 eval samples
+        for i in range(5):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                             {"role": "assistant", "content": "fine"}]}) + "\n")
+    beats, real = [], guard.Watchdog.phase
+    monkeypatch.setattr(guard.Watchdog, "phase", lambda self, name, step=None: (beats.append((name, step)),
+                                                                                 real(self, name, step))[1])
+    run(train_argv(assets, str(tmp_path / "out"), "--steps", "2", "--eval-every", "1", "--eval-data",
+                   str(tmp_path / "eval.jsonl")))
+    evals = [step for name, step in beats if name == "eval"]
+    assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
 
 
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
@@ -367,12 +497,13 @@ def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tm
     assert stop(str(tmp_path / "m"), 8 * 2 + 3, "--save-minutes", "1e-9", "--keep-ckpts", "5") == \
         ([1, 2], "step_000002", [1, 2])
     assert stop(str(tmp_path / "n"), 8 * 2 + 3, "--save-minutes", "10") == ([2], "step_000002", [1, 2])
-    # resumed from an older step of the same run (latest names step 4): the stop saves step 2 again, so `latest`
-    # and metrics.jsonl agree and the printed --resume OUT/ckpt continues from step 2
+    # resumed from an older step of the same run (latest named step 4): `latest` names step 2 from the start
+    # (checkpoint.branch), so the stop writes nothing: step 2 is on disk, and the printed --resume OUT/ckpt
+    # continues from it
     b = str(tmp_path / "b")
     run(train_argv(assets, b, "--steps", "4", "--save-every", "2"))
     assert stop(b, 3, "--save-every", "2", "--resume", os.path.join(b, "ckpt", "step_000002")) == \
-        ([2], "step_000002", [1, 2])
+        ([], "step_000002", [1, 2])
     # step 1 skipped as non-finite (AdamW never ran: no optimizer state), then stopped in step 2: its save resumes
     c = str(tmp_path / "c")
     calls = {"n": 0}
