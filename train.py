@@ -210,7 +210,8 @@ def main(argv=None):
         dims, args.pack = validate(args, margs, world)
         log0(f"layout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
-                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text)):
+                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text),
+                     runs.schedule_note(ckpt, args.schedule_steps or args.steps)):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks

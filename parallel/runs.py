@@ -276,6 +276,20 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
 
 
+def schedule_note(ckpt: str | None, steps: int | None) -> str | None:
+    """A note when a resume trains to another --steps than its checkpoint's run: the LR schedule's length changes."""
+    if not ckpt:
+        return None
+    from parallel.checkpoint import read_meta
+
+    meta = read_meta(ckpt)
+    had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps")
+    if isinstance(had, int) and isinstance(steps, int) and had != steps:
+        return (f"note: the checkpoint's run scheduled the LR over {had} steps, this one over {steps} (--steps): the "
+                f"steps after {meta['step']} follow the new cosine, not the one the run would have gone on with")
+    return None
+
+
 def _strict(rec: dict) -> dict:
     """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
     out, bad = {}, {}

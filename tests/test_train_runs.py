@@ -304,7 +304,9 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
     assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
 
 
-def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
+def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
+    """A resume logs each step once, with the uninterrupted losses; one that trains on past the run's --steps says
+    that the LR schedule changed length (the same flags: no note)."""
     out = str(tmp_path / "out")
     run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
     first = metrics(out)
@@ -314,6 +316,11 @@ def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path):
     assert [r["loss"] for r in again] == [r["loss"] for r in first], "resume never changes the math"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002", "step_000004"]
     assert [r["loss"] for r in metrics(done)] == [r["loss"] for r in first]
+    assert "note: the checkpoint's run scheduled" not in capsys.readouterr().out
+    run(train_argv(assets, out, "--steps", "5", "--resume", os.path.join(out, "ckpt")))
+    assert "note: the checkpoint's run scheduled the LR over 4 steps, this one over 5 (--steps): the steps after 4 " \
+        "follow the new cosine" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
