@@ -161,7 +161,7 @@ def test_resume_refuses_changed_run_flags(assets, done):
     assert "--steps 3" in msg and "4" in msg, msg
     msg = startup_error(train_argv(assets, done, "--resume", os.path.join(done, "nope")))
     assert "nope" in msg and "does not exist" in msg, msg
-    argv = train_argv(assets, done, "--resume", ckpt)   # no --steps: one epoch would be another run (here 5 steps)
+    argv = train_argv(assets, done, "--resume", ckpt)   # no --steps: one epoch (here 2 steps) would be another run
     i = argv.index("--steps")
     msg = startup_error(argv[:i] + argv[i + 2:])
     assert "the checkpoint's run has --steps 4 and this one none" in msg and "pass --steps 4" in msg, msg
