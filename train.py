@@ -230,6 +230,8 @@ def main(argv=None):
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = args.steps or math.ceil(len(samples) / args.global_batch)   # one epoch: every sample once at least
+        if ckpt and not args.steps:   # one epoch as its run counted it (until 2026-12-02: rounded down)
+            steps = checkpoint.read_meta(ckpt).get("steps_total", max(1, len(samples) // args.global_batch))
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
@@ -257,7 +259,7 @@ def main(argv=None):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
-        here = bool(ckpt) and runs.inside(ckpt, args.out)   # resumed from this run's own ckpt folder
+        here = runs.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
         if rank == 0:
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
@@ -280,8 +282,8 @@ def main(argv=None):
         stop.start()
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
         save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
-                                                "nonfinite": nonfinite.state()}, keep=args.keep_ckpts,
-                                                protect=best.step, **kw)
+                                                "nonfinite": nonfinite.state(), "steps_total": steps},
+                                                keep=args.keep_ckpts, protect=best.step, **kw)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):

@@ -64,8 +64,8 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
         raise line_error(path, n, f'no message has role "assistant" (roles found: {roles})')
 
 
-def _lone_surrogate(raw: str) -> int | None:
-    """Where the first \\uD800-\\uDFFF escape of `raw` that is not half of a high-low pair starts (None: none)."""
+def _lone_surrogates(raw: str):
+    """Where each \\uD800-\\uDFFF escape of `raw` that is not half of a high-low pair starts."""
     at = 0
     while m := SURROGATE_ESCAPE.search(raw, at):
         k = m.start()
@@ -76,9 +76,10 @@ def _lone_surrogate(raw: str) -> int | None:
             continue
         high = m.group(1).lower() in "89ab"
         if not high or not (low := SURROGATE_ESCAPE.match(raw, m.end())) or low.group(1).lower() in "89ab":
-            return m.start()
-        at = low.end()
-    return None
+            yield m.start()
+            at = m.end()
+        else:
+            at = low.end()
 
 
 def parse_record(raw: str, path: str | Path, n: int) -> dict:
@@ -88,12 +89,12 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
     except json.JSONDecodeError as e:
         raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.colno})") from None
     rec = _normalise(obj, path, n)
-    if (col := _lone_surrogate(raw)) is not None:   # json.loads keeps it; the tokenizer would raise a TypeError
-        try:   # (one in a key the record does not use is no harm)
-            json.dumps(rec, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise line_error(path, n, f"has a lone UTF-16 surrogate escape ({raw[col:col + 6]} at column {col + 1}: "
-                                      "half of a pair, which encodes no character); fix or remove it") from None
+    if SURROGATE_ESCAPE.search(raw):   # json.loads keeps a lone half; the tokenizer would raise a TypeError
+        used = json.dumps(rec, ensure_ascii=False)   # (one in a key the record does not use is no harm)
+        for col in _lone_surrogates(raw):
+            if chr(int(raw[col + 2:col + 6], 16)) in used:
+                raise line_error(path, n, f"has a lone UTF-16 surrogate escape ({raw[col:col + 6]} at column "
+                                          f"{col + 1}: half of a pair, which encodes no character); fix or remove it")
     return rec
 
 

@@ -117,9 +117,12 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
     Written to `out_dir`.tmp, then renamed into place: a kill at any point leaves no half adapter under `out_dir`, and
-    one already there (a resumed run re-exporting) stays whole until the new one is complete."""
-    out_dir = os.path.normpath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    one already there (a resumed run re-exporting) stays whole until the new one is complete. Into an empty directory
+    that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`), which cannot be swapped, the files go
+    from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an adapter to peft) last."""
+    out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
+    in_place = os.path.isdir(out_dir) and not [e for e in os.listdir(out_dir) if e != ".adapter.tmp"]
+    tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + ".tmp", out_dir + ".old")
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
@@ -140,12 +143,17 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(out_dir):
-        os.rename(out_dir, old)   # (an empty folder too: rename() onto a directory is not portable)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(os.path.dirname(os.path.abspath(out_dir)), os.O_RDONLY)
+    if in_place:
+        for name in sorted(os.listdir(tmp), key=lambda n: n == "adapter_config.json"):
+            os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(out_dir):
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(os.path.dirname(out_dir), os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
 

@@ -56,9 +56,17 @@ def _entries(path: str) -> list[str]:
     return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
 
 
-def inside(path: str, folder: str) -> bool:
+def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
+
+
+def own_checkpoint(ckpt: str | None, out: str) -> bool:
+    """`ckpt` (a step folder) is in OUT/ckpt itself, not in another run's below OUT or elsewhere."""
+    try:
+        return bool(ckpt) and os.path.samefile(os.path.dirname(os.path.normpath(ckpt)), os.path.join(out, "ckpt"))
+    except OSError:   # no OUT/ckpt
+        return False
 
 
 def run_of(resume: str) -> str | None:
@@ -83,7 +91,7 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
-        if not inside(resume, out):
+        if not _inside(resume, out):
             raise ValueError(f"--out {out!r} already holds a run ({', '.join(used)}) and --resume {resume!r} "
                              "is not one of its checkpoints: resuming there would mix two runs' results. "
                              "Pass a new --out, or --resume a checkpoint under this one")

@@ -416,6 +416,7 @@ BAD_LINES = [
     ('{"text": "cut \\ud83d here"}', r"has a lone UTF-16 surrogate escape (\ud83d at column 15: half of a pair"),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udE00"}]}',
      r"has a lone UTF-16 surrogate escape (\udE00 at column 83"),
+    ('{"x": "\\ud800", "text": "ok\\udfff"}', r"has a lone UTF-16 surrogate escape (\udfff at column 28"),
 ]
 
 

@@ -252,8 +252,8 @@ def test_merge_cli(exported, tmp_path):
 
 def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):
     """An export killed halfway leaves the adapter that was there whole, or, on the first export (none there yet, or an
-    empty folder), no adapter folder at all: never one that peft cannot load (until 2026-12-02 the first export
-    wrote in place)."""
+    empty folder, which `python -m parallel.checkpoint --out .` writes into), no adapter file at all: never one that
+    peft cannot load (until 2026-12-02 the first export wrote in place)."""
     from model.export import write_adapter
     from model.qlora import lora_config
 
@@ -267,8 +267,9 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
             m.setattr(type(cfg), "save_pretrained", lambda self, d: (_ for _ in ()).throw(OSError("killed")))
             with pytest.raises(OSError, match="killed"):
                 write_adapter(sd, cfg, out, str(tmp_path))
-        assert not os.path.exists(out) or not os.listdir(out), f"{there}: a half adapter in {out}"
-    write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))
+        assert not os.path.exists(out) or not [f for f in os.listdir(out) if not f.startswith(".")], \
+            f"{there}: a half adapter in {out}"
+    write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))   # into the empty folder, its leftover cleared
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
     assert sorted(before) == ["adapter_config.json", "adapter_model.safetensors"]
     cfg = lora_config(2, 4.0, 0.0)
@@ -283,4 +284,10 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
     got = load_file(os.path.join(out, "adapter_model.safetensors"))[next(iter(sd))]
     assert torch.equal(got, torch.full((2, 4), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["adapter"], "a .tmp or .old folder was left behind"
+    here = tmp_path / "here"   # `--out .` from an empty directory
+    here.mkdir()
+    monkeypatch.chdir(here)
+    write_adapter(sd, lora_config(2, 4.0, 0.0), ".", str(tmp_path))
+    assert sorted(os.listdir(here)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "here"], "a .tmp or .old folder was left beside it"
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base_config_overrides.json"]

@@ -168,6 +168,20 @@ CKPT = dict(model="/m", quant="nf4", dtype=None, data="d.jsonl", max_len=256, se
             ulysses_degree=None, micro_batch=1, pack=True, ac=True)
 
 
+def test_own_checkpoint_is_only_out_ckpt(tmp_path):
+    """The checkpoint train.py may branch (rename newer step folders, rewrite latest): one in OUT/ckpt itself, never
+    another run's below OUT (`--out runs --resume runs/x/ckpt/step_N` passes check_out) or elsewhere."""
+    for d in ("out/ckpt/step_000002", "out/x/ckpt/step_000004", "other/ckpt/step_000001"):
+        (tmp_path / d).mkdir(parents=True)
+    out = str(tmp_path / "out")
+    assert runs.own_checkpoint(str(tmp_path / "out/ckpt/step_000002"), out)
+    assert runs.own_checkpoint(str(tmp_path / "out/ckpt/step_000002") + "/", out)
+    assert not runs.own_checkpoint(str(tmp_path / "out/x/ckpt/step_000004"), out)
+    assert not runs.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), out)
+    assert not runs.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), str(tmp_path / "new"))
+    assert not runs.own_checkpoint(None, out)
+
+
 def test_check_resume_names_each_difference():
     # a new layout, reordered targets and more steps are the same run
     runs.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,

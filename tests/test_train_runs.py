@@ -209,13 +209,24 @@ def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(ass
 def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path):
     """Without --steps a run trains ceil(samples / --global-batch) steps, so every sample is trained at least once:
     12 samples in steps of 8 make 2 steps, the second filled from the next epoch (until 2026-12-02: 1 step, and 4 of
-    the 12 samples never seen)."""
+    the 12 samples never seen). A resume counts the epoch as its run did, also one from before the change."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"sample {i} of twelve."}) + "\n" for i in range(12)))
-    argv = train_argv(assets, str(tmp_path / "out"), "--data", str(data))
+    out = tmp_path / "out"
+    argv = train_argv(assets, str(out), "--data", str(data), "--save-every", "1")
     i = argv.index("--steps")
-    run(argv[:i] + argv[i + 2:])
-    assert [(r["step"], r["epoch"]) for r in metrics(tmp_path / "out")] == [(1, 0.667), (2, 1.333)]
+    argv = argv[:i] + argv[i + 2:]
+    run(argv)
+    assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333)]
+    losses = [r["loss"] for r in metrics(out)]
+    first = out / "ckpt" / "step_000001"
+    run(argv + ["--resume", str(first)])   # a resume counts the epoch as its run did
+    assert [r["loss"] for r in metrics(out)] == losses
+    meta = json.loads((first / "meta.json").read_text())
+    del meta["steps_total"]   # a checkpoint from before: its run's epoch was 1 step (rounded down), and stays so
+    (first / "meta.json").write_text(json.dumps(meta))
+    run(argv + ["--resume", str(first)])
+    assert [r["step"] for r in metrics(out)] == [1], "a resume of an old one-epoch run trained a step it never had"
 
 
 def _crash_at(monkeypatch, call: int, nan_calls=()):
