@@ -37,7 +37,7 @@ from data.templates import parse_day
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
-from parallel import guard, phases, plan_speed, preflight, runs
+from parallel import guard, phases, plan_speed, preflight, resume, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.plan_search import max_len_arg
@@ -211,7 +211,7 @@ def main(argv=None):
         log0(f"layout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text),
-                     runs.schedule_note(ckpt, args.schedule_steps or args.steps)):
+                     resume.schedule_note(ckpt, args.schedule_steps or args.steps)):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
@@ -229,9 +229,7 @@ def main(argv=None):
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
-        steps = args.steps or math.ceil(len(samples) / args.global_batch)   # one epoch: every sample once at least
-        if ckpt and not args.steps:   # one epoch as its run counted it (until 2026-12-02: rounded down)
-            steps = checkpoint.read_meta(ckpt).get("steps_total", max(1, len(samples) // args.global_batch))
+        steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
@@ -259,7 +257,7 @@ def main(argv=None):
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
-        here = runs.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
+        here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
         if rank == 0:
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)

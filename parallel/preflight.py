@@ -110,7 +110,7 @@ def check_start(args, demo: bool):
     from data.store import file_sha256
     from data.templates import chat_template
     from model.load import fetch_checkpoint
-    from parallel import checkpoint, runs
+    from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
 
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
@@ -133,7 +133,7 @@ def check_start(args, demo: bool):
         meta = checkpoint.read_meta(ckpt)
         if args.template_date is None:   # the date its dated template rendered, whatever today is
             args.template_date = meta.get("args", {}).get("template_date")
-        runs.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
+        resume.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")

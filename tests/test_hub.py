@@ -143,7 +143,7 @@ def test_paths_never_reach_the_hub(assets, hub, tmp_path, name):
 
 
 def test_resume_compares_hub_commits_not_cache_paths():
-    from parallel.runs import check_resume
+    from parallel.resume import check_resume
 
     snap = lambda root, commit: os.path.join(root, "models--org--tiny", "snapshots", commit)
     check_resume({"model": snap("/home/a/.cache/huggingface/hub", COMMIT)}, {"model": snap("/scratch/hub", COMMIT)})

@@ -104,7 +104,7 @@ def test_context_and_the_warning_past_it():
 
 
 def test_resume_compares_the_scaling_meant():
-    from parallel.runs import check_resume
+    from parallel.resume import check_resume
 
     for same in ("yarn:4.0", '{"type": "yarn", "factor": 4}'):
         check_resume({"rope_scaling": "yarn:4"}, {"rope_scaling": same})

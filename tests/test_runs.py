@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from parallel import runs
+from parallel import resume, runs
 from tests.dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +114,7 @@ def test_resume_without_out_continues_its_run(tmp_path):
 HOLDER = """
 import sys
 sys.path.insert(0, {root!r})
-from parallel import runs
+from parallel import resume, runs
 rd = runs.claim({out!r}, resume={resume!r})
 print("locked", flush=True)
 sys.stdin.read()
@@ -174,26 +174,26 @@ def test_own_checkpoint_is_only_out_ckpt(tmp_path):
     for d in ("out/ckpt/step_000002", "out/x/ckpt/step_000004", "other/ckpt/step_000001"):
         (tmp_path / d).mkdir(parents=True)
     out = str(tmp_path / "out")
-    assert runs.own_checkpoint(str(tmp_path / "out/ckpt/step_000002"), out)
-    assert runs.own_checkpoint(str(tmp_path / "out/ckpt/step_000002") + "/", out)
-    assert not runs.own_checkpoint(str(tmp_path / "out/x/ckpt/step_000004"), out)
-    assert not runs.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), out)
-    assert not runs.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), str(tmp_path / "new"))
-    assert not runs.own_checkpoint(None, out)
+    assert resume.own_checkpoint(str(tmp_path / "out/ckpt/step_000002"), out)
+    assert resume.own_checkpoint(str(tmp_path / "out/ckpt/step_000002") + "/", out)
+    assert not resume.own_checkpoint(str(tmp_path / "out/x/ckpt/step_000004"), out)
+    assert not resume.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), out)
+    assert not resume.own_checkpoint(str(tmp_path / "other/ckpt/step_000001"), str(tmp_path / "new"))
+    assert not resume.own_checkpoint(None, out)
 
 
 def test_check_resume_names_each_difference():
     # a new layout, reordered targets and more steps are the same run
-    runs.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,
+    resume.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,
                              "lora_targets": "v_proj,q_proj", "steps": 20}, ckpt_step=4)
     for flag, new in (("lora_alpha", 16.0), ("lora_r", 8), ("lora_targets", "q_proj"), ("global_batch", 16),
                       ("seed", 1), ("data", "other.jsonl"), ("model", "/m2"), ("max_len", 512), ("quant", "none"),
                       ("lr", 1e-3)):
-        _refused(lambda f=flag, v=new: runs.check_resume(CKPT, {**CKPT, f: v}),
+        _refused(lambda f=flag, v=new: resume.check_resume(CKPT, {**CKPT, f: v}),
                  "--" + flag.replace("_", "-"), repr(CKPT[flag]), repr(new), "fresh run")
-    msg = _refused(lambda: runs.check_resume(CKPT, {**CKPT, "seed": 3, "lora_r": 4}), "--seed", "--lora-r")
+    msg = _refused(lambda: resume.check_resume(CKPT, {**CKPT, "seed": 3, "lora_r": 4}), "--seed", "--lora-r")
     assert "--cp" in msg, "the message should say which layout flags may change"
-    _refused(lambda: runs.check_resume(CKPT, {**CKPT, "steps": 3}, ckpt_step=4), "--steps 3", "step 4")
+    _refused(lambda: resume.check_resume(CKPT, {**CKPT, "steps": 3}, ckpt_step=4), "--steps 3", "step 4")
 
 
 def test_metrics_strict_json_and_resume_truncation(tmp_path):

@@ -1,0 +1,121 @@
+"""What a resume must keep, and what it may change.
+
+Contract:
+- `check_resume(ckpt_args, args, ckpt_step=)` (preflight, before the process group) compares the flags in
+  `RUN_DEFINING` and names each difference; `LAYOUT` flags may change. The same files under other paths (relative from
+  elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was resolved is not
+  compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
+- `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
+- `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
+  it), not another run's.
+- `total_steps(args, ckpt, n_samples)`: --steps, or one epoch, `ceil(n_samples / --global-batch)`; a resume counts the
+  epoch as its run did (`steps_total` in the checkpoint; one from before it: rounded down).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from model.load import hub_snapshot
+
+# flags that change the math of the steps still to come: a resume must keep them
+RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
+                "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
+                "chat_template_text", "data_sha256", "template_date")
+# flags that only say how the same math is spread over ranks: a resume may change them
+LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
+          "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
+
+
+def own_checkpoint(ckpt: str | None, out: str) -> bool:
+    """`ckpt` (a step folder) is in OUT/ckpt itself, not in another run's below OUT or elsewhere."""
+    try:
+        return bool(ckpt) and os.path.samefile(os.path.dirname(os.path.normpath(ckpt)), os.path.join(out, "ckpt"))
+    except OSError:   # no OUT/ckpt
+        return False
+
+
+def _norm(flag: str, v):
+    if flag == "rslora":   # absent (runs and callers from before the flag): off
+        return bool(v)
+    if flag == "lora_targets" and isinstance(v, str):
+        return sorted(t.strip() for t in v.split(",") if t.strip())
+    if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
+        return hub_snapshot(v) or os.path.normpath(v)
+    if flag == "data" and isinstance(v, str):
+        return os.path.normpath(v)
+    if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
+        from model.config import rope_scaling_flag
+        try:
+            return json.dumps(rope_scaling_flag(v), sort_keys=True)
+        except ValueError:
+            return v
+    return v
+
+
+def _same_path(a, b) -> bool:
+    """Two spellings of one existing file or directory (a relative path from elsewhere, a symlink)."""
+    try:
+        return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -> None:
+    """Refuse a resume whose run-defining flags differ from the checkpoint's; name each difference.
+
+    `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
+    checkpoint does not record are not compared."""
+    diffs = []
+    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, **ckpt_args}   # runs from before
+    # these flags: without them
+    for k in RUN_DEFINING:
+        if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
+            continue
+        if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
+            continue
+        if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
+            continue
+        if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
+            flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "
+                    "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
+                    }.get(k, "--" + k.replace("_", "-"))
+            show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
+            diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}")
+    if diffs:
+        raise ValueError("--resume: flags that define the run differ from the checkpoint's:\n  " + "\n  ".join(diffs)
+                         + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "
+                         f"Layout flags may change: {', '.join('--' + f.replace('_', '-') for f in LAYOUT)}")
+    steps, had = args.get("steps"), ckpt_args.get("steps")
+    if steps is None and isinstance(had, int):   # one epoch would be another schedule, and maybe no step at all
+        raise ValueError(f"--resume: the checkpoint's run has --steps {had} and this one none (one epoch): pass "
+                         f"--steps {had} to continue it (or more, to train on)")
+    if ckpt_step is not None and isinstance(steps, int) and steps < ckpt_step:
+        raise ValueError(f"--steps {steps} is below the checkpoint's step {ckpt_step}: nothing would train. "
+                         f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
+
+
+def schedule_note(ckpt: str | None, steps: int | None) -> str | None:
+    """A note when a resume trains to another --steps than its checkpoint's run: the LR schedule's length changes."""
+    if not ckpt:
+        return None
+    from parallel.checkpoint import read_meta
+
+    meta = read_meta(ckpt)
+    had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps")
+    if isinstance(had, int) and isinstance(steps, int) and had != steps:
+        return (f"note: the checkpoint's run scheduled the LR over {had} steps, this one over {steps} (--steps): the "
+                f"steps after {meta['step']} follow the new cosine, not the one the run would have gone on with")
+    return None
+
+
+def total_steps(args, ckpt: str | None, n_samples: int) -> int:
+    """The run's optimizer steps (module docstring)."""
+    if args.steps:
+        return args.steps
+    if ckpt:   # (check_resume refused a run that had --steps)
+        from parallel.checkpoint import read_meta
+        return read_meta(ckpt).get("steps_total", max(1, n_samples // args.global_batch))   # (until 2026-12-02)
+    return math.ceil(n_samples / args.global_batch)   # one epoch: every sample at least once
