@@ -359,7 +359,7 @@ def main(argv=None):
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
-                       chat_template=args.chat_template_text)
+                       chat_template=args.chat_template_text, quant=args.quant)
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")

@@ -7,7 +7,8 @@ Contract:
   `--rope-scaling` also writes `base_config_overrides.json`: {"rope_parameters": ...} (transformers 5's form,
   rope_theta included: `ModelArgs.rope_parameters()`), what the base must be loaded with
   (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `merge` writes that RoPE into the
-  merged config.json in the base config's own form. The folder is written beside it (`.tmp`) and swapped in whole
+  merged config.json in the base config's own form. `trained_on.json` records `quant`, the base it was trained
+  against (what `model.merge` folds it into). The folder is written beside it (`.tmp-export`) and swapped in whole
   (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
@@ -32,10 +33,12 @@ from model.load import CheckpointReader, _check_dir, hub_snapshot
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
+TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none"}: the base the adapter was trained against
+SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 
 
 def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None,
-                   chat_template: str | None = None) -> None:
+                   chat_template: str | None = None, quant: str | None = None) -> None:
     """The LoRA weights in peft's format. The base model is named by its path, or, for a directory of
     huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
@@ -48,7 +51,20 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     write_adapter(get_peft_model_state_dict(peft_model, state_dict=full), peft_model.peft_config["default"], out_dir,
-                  base_path, rope_parameters, chat_template)
+                  base_path, rope_parameters, chat_template, quant)
+
+
+def not_plain_lora(cfg: dict) -> list[str]:
+    """What in an adapter_config.json is more than plain LoRA, W + scale · B @ A with one r and alpha (what this
+    trainer trains, starts from and merges): each as a phrase naming it."""
+    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
+                                                          "trainable_token_indices", "alpha_pattern", "rank_pattern")
+             if cfg.get(k)]
+    if cfg.get("bias", "none") != "none":
+        wrong.append(f"bias {cfg['bias']!r} (its trained biases would land in frozen weights; only 'none' here)")
+    if cfg.get("peft_type") != "LORA":
+        wrong.append(f"peft_type {cfg.get('peft_type')!r} (LoRA is trained here)")
+    return wrong
 
 
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
@@ -62,16 +78,10 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")
-    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
-                                                          "trainable_token_indices", "alpha_pattern", "rank_pattern")
-             if cfg.get(k)]
+    wrong = not_plain_lora(cfg)
     if bool(cfg.get("use_rslora")) != rslora:   # the other scale would change the function it learned
         wrong.append(f"use_rslora {bool(cfg.get('use_rslora'))}, this run " + ("--rslora" if rslora else "no --rslora")
                      + (" (pass --rslora)" if cfg.get("use_rslora") else " (drop --rslora)"))
-    if cfg.get("bias", "none") != "none":
-        wrong.append(f"bias {cfg['bias']!r} (its trained biases would land in frozen weights; only 'none' here)")
-    if cfg.get("peft_type") != "LORA":
-        wrong.append(f"peft_type {cfg.get('peft_type')!r} (LoRA is trained here)")
     if cfg.get("r") != r or cfg.get("lora_alpha") != alpha:
         wrong.append(f"r {cfg.get('r')} and lora_alpha {cfg.get('lora_alpha')}, this run --lora-r {r} --lora-alpha "
                      f"{alpha:g} (the same numbers keep the function it learned: pass them)")
@@ -113,16 +123,18 @@ def peft_keys(lora: dict) -> dict:
 
 
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
-                  chat_template: str | None = None) -> None:
+                  chat_template: str | None = None, quant: str | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
-    Written to `out_dir`.tmp, then renamed into place: a kill at any point leaves no half adapter under `out_dir`, and
-    one already there (a resumed run re-exporting) stays whole until the new one is complete. Into an empty directory
-    that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`), which cannot be swapped, the files go
-    from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an adapter to peft) last."""
+    Written to `out_dir`.tmp-export, then renamed into place (the one before goes through `out_dir`.old-export:
+    names of this function's own, so a user's `out_dir`.old is never touched): a kill at any point leaves no half
+    adapter under `out_dir`, and one already there (a resumed run re-exporting) stays whole until the new one is
+    complete. Into an empty directory that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`),
+    which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
+    adapter to peft) last. `quant`: written to trained_on.json."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
     in_place = os.path.isdir(out_dir) and not [e for e in os.listdir(out_dir) if e != ".adapter.tmp"]
-    tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + ".tmp", out_dir + ".old")
+    tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
@@ -139,6 +151,9 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     if chat_template is not None:   # the template the data were rendered with, for inference
         with open(os.path.join(tmp, TEMPLATE), "w", encoding="utf-8") as f:
             f.write(chat_template)
+    if quant is not None:   # the base it was trained against (NF4 or as stored): what model.merge must fold it into
+        with open(os.path.join(tmp, TRAINED_ON), "w") as f:
+            json.dump({"quant": quant}, f)
     for name in os.listdir(tmp):   # on disk before the rename makes them the adapter
         fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
         os.fsync(fd)
@@ -224,6 +239,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
+    for fn in ("config.json", "model.safetensors.index.json"):   # an earlier merge's (--force): gone until all is new
+        if os.path.isfile(os.path.join(out_dir, fn)):
+            os.remove(os.path.join(out_dir, fn))
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
             f"{', rsLoRA' if acfg.get('use_rslora') else ''}: scale {scale:g}), {len(reader.where)} "
@@ -264,11 +282,14 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
             cfg["rope_theta"] = rope.pop("rope_theta")
             cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
     for fn in os.listdir(base_path):   # tokenizer and generation files travel with the weights
         if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
             shutil.copy(os.path.join(base_path, fn), out_dir)
     if os.path.isfile(src := os.path.join(adapter_dir, TEMPLATE)):   # the run's --chat-template replaces the base's
         with open(src, encoding="utf-8") as f:
             _put_chat_template(out_dir, f.read())
+    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:   # last: what makes the folder load as a model
+        json.dump(cfg, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))

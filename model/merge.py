@@ -10,8 +10,12 @@ adapter names (adapter_config.json: a path, or a Hub id with the commit trained 
 W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for every adapted projection
 (`model.export.merge`). With --quant nf4 W is the dequantized 4-bit base, i.e. exactly the weights the adapter
 was trained against; with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
-training run: train.py writes RUN/config.json (with "quant") next to RUN/adapter, so
-ADAPTER_DIR/../config.json decides; without that file the default is nf4 (train.py's default).
+training run: the adapter's trained_on.json (train.py and `python -m parallel.checkpoint` write it), else
+ADAPTER_DIR/../config.json (train.py's run config, beside RUN/adapter); without either the merge asks for --quant.
+An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained biases, saved modules) is refused: one
+scale per adapter is all it folds in. --out may not be, or lie inside, the base or the adapter (symlinks resolved).
+config.json is written last (with --force, the old one and the index go first), so a merge killed halfway leaves
+no folder that loads as a model.
 Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR. The merge streams one
 base safetensors file at a time (same file names out, plus model.safetensors.index.json), so host memory
 peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
@@ -31,16 +35,20 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def run_quant(adapter_dir: str) -> tuple[str | None, str | None]:
-    """(quant, where it came from) from the training run's config.json beside the adapter, if any."""
-    path = os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), "config.json")
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        with open(path) as f:
-            quant = json.load(f).get("quant")
-    except (OSError, ValueError):
-        return None, None
-    return (quant, path) if quant in ("nf4", "none") else (None, None)
+    """(quant, where it came from): the adapter's own trained_on.json (train.py and `python -m parallel.checkpoint`
+    write it), else the training run's config.json beside the adapter (adapters from before 2026-12-02), if any."""
+    from model.export import TRAINED_ON
+
+    for path in (os.path.join(adapter_dir, TRAINED_ON),
+                 os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), "config.json")):
+        try:
+            with open(path) as f:
+                quant = json.load(f).get("quant")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if quant in ("nf4", "none"):
+            return quant, path
+    return None, None
 
 
 def adapter_base(adapter_dir: str) -> str | None:
@@ -69,10 +77,22 @@ def check_inputs(args) -> list[str]:
         for fn in ("adapter_config.json", "adapter_model.safetensors"):
             if not os.path.isfile(os.path.join(args.adapter, fn)):
                 errors.append(f"--adapter {args.adapter!r} has no {fn}")
-    out = os.path.abspath(args.out)
+    out = os.path.realpath(args.out)   # (a symlink to the base is the base)
     for flag, d in (("--model", args.model), ("--adapter", args.adapter)):
-        if out == os.path.abspath(d):
-            errors.append(f"--out {args.out!r} is the {flag} directory; merging would overwrite it")
+        d = os.path.realpath(d)
+        if out == d or out.startswith(d + os.sep):
+            errors.append(f"--out {args.out!r} is {'' if out == d else 'inside '}the {flag} directory; merging would "
+                          "overwrite it")
+    if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
+        from model.export import not_plain_lora
+        try:
+            with open(cfg) as f:
+                wrong = not_plain_lora(json.load(f))
+        except ValueError as e:
+            wrong = [f"an unreadable adapter_config.json ({e})"]
+        if wrong:   # one alpha / r for every module is all the merge folds in
+            errors.append(f"--adapter {args.adapter!r} has " + "; ".join(wrong) + ": its merge would not be the "
+                          "model it trained (peft's merge_and_unload merges such adapters)")
     if os.path.isfile(args.out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
     elif os.path.isdir(args.out) and os.listdir(args.out) and not args.force:
@@ -89,8 +109,8 @@ def main(argv=None) -> int:
                    help="PEFT adapter dir (adapter_config.json, adapter_model.safetensors)")
     p.add_argument("--out", required=True, help="output dir for the merged HF checkpoint")
     p.add_argument("--quant", default=None, choices=["nf4", "none"],
-                   help="base the adapter was trained against; default: \"quant\" in ADAPTER/../config.json "
-                        "(train.py's run config), else nf4")
+                   help="base the adapter was trained against; default: ADAPTER/trained_on.json's \"quant\", "
+                        "else ADAPTER/../config.json's (train.py's run config); neither: pass it")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out directory")
     args = p.parse_args(argv)
@@ -112,9 +132,12 @@ def main(argv=None) -> int:
         return 2
     if args.quant is None:
         args.quant, where = run_quant(args.adapter)
-        source = f"from {where}" if where else "default: no run config.json beside the adapter"
-        if args.quant is None:
-            args.quant = "nf4"
+        if args.quant is None:   # guessing would round a full-precision run's every block weight to 4 bits
+            print(f"merge: {args.adapter!r} does not say which base it was trained against (no trained_on.json, no "
+                  "run config.json beside it): pass --quant nf4 (a QLoRA adapter, trained on the 4-bit base) or "
+                  "--quant none (trained on the base as stored)", file=sys.stderr)
+            return 2
+        source = f"from {where}"
     else:
         source = "from --quant"
     print(f"merge: base {args.model}, adapter {args.adapter} -> {args.out}", flush=True)

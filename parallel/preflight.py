@@ -128,6 +128,8 @@ def check_start(args, demo: bool):
     args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
+    if not demo and os.path.isdir(args.model):   # recorded absolute: an export from another directory names this base
+        args.model = os.path.abspath(args.model)
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)

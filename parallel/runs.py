@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
-OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp", "adapter.old",
-         "adapter_best", "adapter_best.tmp", "adapter_best.old", "mem_phases.json", "mem_trace.rank*.txt",
-         "profile.txt", "profile-rank*.txt", "loss.png", LOCK)   # (* : fnmatch)
+OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp-export",
+         "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best", "adapter_best.tmp-export",
+         "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "mem_phases.json", "mem_trace.rank*.txt",
+         "profile.txt", "profile-rank*.txt", "loss.png", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
 # a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
 def _entries(path: str) -> list[str]:

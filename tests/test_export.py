@@ -217,6 +217,52 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
                                        msg=f"{case} {dtype} {k}")
 
 
+def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, monkeypatch):
+    """model.merge stops (exit 2, naming the fix, writing nothing) rather than: guess the base an adapter was trained
+    against (no trained_on.json, no run config.json beside it: an nf4 guess would round a full-precision run's every
+    block weight to 4 bits); fold DoRA or per-module alpha/rank patterns in with one scale; write into the base
+    through a symlink or into a folder inside it. A merge killed halfway (with --force over an earlier merge) leaves
+    no config.json, so no folder that loads as a model."""
+    import shutil
+
+    from model import merge as cli
+    from model.export import TRAINED_ON, merge
+
+    path, root, _ = exported
+    adapter = tmp_path / "adapter"
+    shutil.copytree(os.path.join(root, "none"), adapter)
+    out = tmp_path / "out"
+
+    def refused(*extra, adapter=adapter, out=out, model=path):
+        there = sorted(os.listdir(out)) if out.exists() else None
+        assert cli.main(["--model", str(model), "--adapter", str(adapter), "--out", str(out), *extra]) == 2
+        assert (sorted(os.listdir(out)) if out.exists() else None) == there, "a refused merge wrote something"
+        return capsys.readouterr().err
+
+    assert "pass --quant nf4 (a QLoRA adapter" in refused()
+    (adapter / TRAINED_ON).write_text(json.dumps({"quant": "none"}))
+    assert cli.run_quant(str(adapter)) == ("none", str(adapter / TRAINED_ON))
+    base_copy = tmp_path / "base"
+    shutil.copytree(path, base_copy)
+    (tmp_path / "link").symlink_to(base_copy)
+    before = {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)}
+    assert "is the --model directory" in refused("--force", out=tmp_path / "link", model=base_copy)
+    assert "is inside the --model directory" in refused(out=base_copy / "merged", model=base_copy)
+    assert {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)} == before, "the base was written"
+    for key, value in (("use_dora", True), ("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2})):
+        other = tmp_path / key
+        shutil.copytree(adapter, other)
+        cfg = json.loads((other / "adapter_config.json").read_text())
+        (other / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        assert f"has {key} {value!r} (not trained here)" in refused(adapter=other), key
+    merge(path, str(adapter), str(out), quant="none")
+    assert (out / "config.json").is_file()
+    monkeypatch.setattr(shutil, "copy", lambda *a, **k: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(OSError, match="killed"):   # after the shards and the index, while copying the tokenizer
+        merge(path, str(adapter), str(out), quant="none")
+    assert not (out / "config.json").exists(), "a half merge still loads as a model"
+
+
 @pytest.mark.timeout(300)
 def test_merge_cli(exported, tmp_path):
     from transformers import AutoTokenizer

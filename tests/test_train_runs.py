@@ -170,7 +170,8 @@ def test_resume_refuses_changed_run_flags(assets, done):
 
 def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, monkeypatch):
     """What a resume must not refuse: --dtype left to its default where that default is the checkpoint's (fp32 on
-    CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink)."""
+    CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink).
+    The relative --model is recorded as an absolute path."""
     import train
     from parallel import preflight
 
@@ -184,6 +185,7 @@ def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, m
     with no_weights():
         _, ckpt = preflight.check_start(args, demo=False)
     assert ckpt.endswith("step_000004") and args.dtype == "fp32"
+    assert args.model == str(link), "a relative --model is recorded absolute (what an export from elsewhere names)"
 
 
 def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(assets, tmp_path, capsys):
@@ -601,6 +603,19 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and f"--out {out!r} exists and is not empty" in r.stderr, r.stderr
+    for d in (out, os.path.join(done, "adapter")):   # the base it was trained on, for model.merge (a --quant none run)
+        assert json.load(open(os.path.join(d, "trained_on.json"))) == {"quant": "none"}, d
+    mine = tmp_path / "v2.old"   # a user's folder that happens to be named like a swap leftover
+    mine.mkdir()
+    (mine / "keep").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"   # from another directory: the base is named by its absolute path
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", "../v2"],
+                       capture_output=True, text=True, cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (mine / "keep").read_text() == "mine", "the export removed a folder it did not make"
+    assert adapter(str(tmp_path / "v2"))[1]["base_model_name_or_path"] == wcfg["base_model_name_or_path"]
+    assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
 
 
 def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_path, capsys):
@@ -1070,8 +1085,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     bit for bit; not the final adapter). Resumed from that step and trained to the end again, the run carries the
     best in the checkpoint (a fresh best would take the next, worse eval and rotate the best away): the same folders,
     losses and best adapter. Resumed onto other --eval-data, or into another --out, the best is chosen anew (said);
-    resumed without the flag, no step is protected; a leftover adapter_best.old is cleared. --overwrite removes an
-    old adapter_best; the flag without --eval-every is refused before any weight is read."""
+    resumed without the flag, no step is protected; a leftover adapter_best.old-export is cleared. --overwrite
+    removes an old adapter_best; the flag without --eval-every is refused before any weight is read."""
     from safetensors.torch import load_file
 
     from parallel import checkpoint
@@ -1104,8 +1119,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     assert steps(part) == steps(full), (steps(part), "the resume lost the best")
     again = tensors(os.path.join(part, "adapter_best"))
     assert all(torch.equal(again[k], best[k]) for k in best), "the resumed run's best adapter differs"
-    os.makedirs(os.path.join(part, "adapter_best.old"))   # a swap killed halfway, and other eval data
-    open(os.path.join(part, "adapter_best.old", "x"), "w").close()
+    os.makedirs(os.path.join(part, "adapter_best.old-export"))   # a swap killed halfway, and other eval data
+    open(os.path.join(part, "adapter_best.old-export", "x"), "w").close()
     capsys.readouterr()
     run(train_argv(assets, part, *flags, "--eval-data", assets["data"], "--resume",
                    os.path.join(part, "ckpt", f"step_{b:06d}")))
@@ -1114,7 +1129,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     new = min((r["eval_loss"], r["step"]) for r in metrics(part) if r["step"] > b)
     assert f"best: eval_loss {new[0]:.6f} at step {new[1]}" in out and steps(part) == sorted(
         {"latest", f"step_{new[1]:06d}", "step_000006"}), (steps(part), new)
-    assert not os.path.exists(os.path.join(part, "adapter_best.old")), "a leftover swap folder stayed"
+    assert not os.path.exists(os.path.join(part, "adapter_best.old-export")), "a leftover swap folder stayed"
     other = str(tmp_path / "other")   # a resume into a new --out: the best lies in another run's folder
     run(train_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
     assert "is in another run folder: the best is chosen among this run's evaluations" in capsys.readouterr().out
