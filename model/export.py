@@ -173,10 +173,12 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     os.close(fd)
 
 
-def _put_chat_template(out_dir: str, text: str) -> None:
+def _put_chat_template(out_dir: str, text: str, model_cfg: dict | None = None) -> None:
     """The merged tokenizer's chat template: chat_template.jinja and tokenizer_config.json's key (transformers 4 and 5
     read one or the other); a base's chat_template.json (an older form) goes. Its end-of-turn token joins
-    generation_config.json's eos_token_id (data/templates.py): generation stops where the tuned model ends a turn."""
+    generation_config.json's eos_token_id (data/templates.py): generation stops where the tuned model ends a turn.
+    A base without a generation_config.json gets one holding `model_cfg`'s (config.json's) bos, pad and eos ids too,
+    the defaults transformers would have taken from config.json."""
     with open(os.path.join(out_dir, TEMPLATE), "w", encoding="utf-8") as f:
         f.write(text)
     cfg_path = os.path.join(out_dir, "tokenizer_config.json")
@@ -193,7 +195,8 @@ def _put_chat_template(out_dir: str, text: str) -> None:
     tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
     tok.chat_template = text
     _, ids = end_of_turn(tok)
-    gen_path, gen = os.path.join(out_dir, "generation_config.json"), {}
+    gen_path = os.path.join(out_dir, "generation_config.json")
+    gen = {k: v for k, v in (model_cfg or {}).items() if k in ("bos_token_id", "pad_token_id", "eos_token_id")}
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             gen = json.load(f)
@@ -282,12 +285,13 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
             cfg["rope_theta"] = rope.pop("rope_theta")
             cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-    for fn in os.listdir(base_path):   # tokenizer and generation files travel with the weights
-        if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+    for fn in os.listdir(base_path):   # tokenizer and generation files, and remote code, travel with the weights
+        if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges",
+                          "added_tokens")) or fn.endswith(".tiktoken") or (fn.endswith(".py") and "auto_map" in cfg):
             shutil.copy(os.path.join(base_path, fn), out_dir)
     if os.path.isfile(src := os.path.join(adapter_dir, TEMPLATE)):   # the run's --chat-template replaces the base's
         with open(src, encoding="utf-8") as f:
-            _put_chat_template(out_dir, f.read())
+            _put_chat_template(out_dir, f.read(), cfg)
     with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:   # last: what makes the folder load as a model
         json.dump(cfg, f, indent=1)
         f.flush()

@@ -263,6 +263,36 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     assert not (out / "config.json").exists(), "a half merge still loads as a model"
 
 
+def test_merge_carries_the_bases_other_files(exported, tmp_path):
+    """The merged folder gets the base's tokenizer files beyond tokenizer*.json (added_tokens.json, *.tiktoken) and,
+    for a config with auto_map, its remote code; a base without generation_config.json, merged with a --chat-template
+    adapter, gets one with config.json's bos/pad ids and both eos ids (until 2026-12-02 it held the eos ids only)."""
+    import shutil
+
+    from data.templates import TEMPLATES
+    from model.export import TEMPLATE, merge
+
+    path, root, _ = exported
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    shutil.copytree(path, base)
+    shutil.copytree(os.path.join(root, "none"), adapter)
+    (adapter / TEMPLATE).write_text(TEMPLATES["chatml"])
+    (base / "generation_config.json").unlink(missing_ok=True)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(auto_map={"AutoModelForCausalLM": "modeling_x.X"}, bos_token_id=1, pad_token_id=2, eos_token_id=0)
+    (base / "config.json").write_text(json.dumps(cfg))
+    for fn in ("modeling_x.py", "added_tokens.json", "x.tiktoken"):
+        (base / fn).write_text("{}" if fn.endswith(".json") else "# " + fn)
+    merge(str(base), str(adapter), str(tmp_path / "merged"), quant="none")
+    for fn in ("modeling_x.py", "added_tokens.json", "x.tiktoken"):
+        assert (tmp_path / "merged" / fn).read_text() == (base / fn).read_text(), fn
+    gen = json.loads((tmp_path / "merged" / "generation_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(str(tmp_path / "merged")).convert_tokens_to_ids("<|im_end|>")
+    assert gen == {"bos_token_id": 1, "pad_token_id": 2, "eos_token_id": [0, end]}, gen
+
+
 @pytest.mark.timeout(300)
 def test_merge_cli(exported, tmp_path):
     from transformers import AutoTokenizer
