@@ -21,6 +21,7 @@ folder, `make test-gpu` does):
   against plain AC; `--ac-keep-attn`: the device's attention op is cached (no forward of it in backward),
   same loss and grads; the norm-output rebuild on the trainer's bf16 FSDP2 path trains like keeping them;
   the fused LoRA add runs on every layer there and trains like peft's forward;
+- NF4 codes and absmax (training's blocks, the merge's nested round trip) equal the CPU's, ties included;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets;
 - past 2^31 elements (603k tokens of Qwen2.5-7B's q, where --max-len auto leads): causal attention's out, dq and
@@ -399,6 +400,31 @@ def test_cuda_device_budget_leaves_out_another_process():
         other.wait(timeout=60)
     held = (alone[1] - mem) / 2 ** 30
     assert 2.5 < held < 5.0 and "outside this process's allocator" in where, (held, where)
+
+
+def test_cuda_nf4_codes_equal_the_cpus():
+    """NF4 from float32 gives the same codes and absmax on CUDA as on the CPU (training's quantize_blocks, and the
+    merge's whole-tensor quantize_4bit with nested absmax then dequantized), also at the ties: values exactly halfway
+    between two NF4 levels. `python -m model.merge` quantizes on the CPU what training quantized on the device, so the
+    merged weights are the trained-against base only if the two agree bit for bit."""
+    from bitsandbytes.functional import dequantize_4bit, get_4bit_type, quantize_4bit
+
+    from model.qlora import BLOCKSIZE, quantize_blocks
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 512)
+    levels = get_4bit_type("nf4", device="cpu").float()
+    mid = (levels[1:] + levels[:-1]) / 2   # each block: absmax 1 (its first value), then the 15 midpoints
+    ties = torch.cat([torch.ones(1), mid, -mid[:8]]).repeat(BLOCKSIZE // 24 + 1)[:BLOCKSIZE]
+    w[:4] = ties.repeat(4, 512 // BLOCKSIZE)
+    got = [quantize_blocks(w.to(dev).reshape(-1)) for dev in ("cpu", "cuda")]
+    assert torch.equal(got[0][0], got[1][0].cpu()), "NF4 codes differ between CPU and CUDA"
+    assert torch.equal(got[0][1], got[1][1].cpu()), "absmax differs between CPU and CUDA"
+    deq = []
+    for dev in ("cpu", "cuda"):
+        packed, st = quantize_4bit(w.to(dev), blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+        deq.append(dequantize_4bit(packed, st).float().cpu())
+    assert torch.equal(deq[0], deq[1]), "the merge's NF4 round trip differs between CPU and CUDA"
 
 
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
