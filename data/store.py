@@ -227,7 +227,8 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
 
 
 def fingerprint(samples) -> str:
-    """A digest of the token ids, labels and sample boundaries (sha256; about 1 s per 128M tokens)."""
+    """A digest of the token ids, labels and sample boundaries (sha256: 0.6 s per 128M tokens on the 2-core CPU
+    machine, 2026-12-02)."""
     if samples is None:
         return "-"
     if not isinstance(samples, Samples):
