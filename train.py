@@ -356,10 +356,12 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- save
         bar.close()
+        wd.phase("export", steps)
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text, quant=args.quant)
+        wd.stop()   # the last collective is behind: rank 0's own writes below wait for no peer
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
@@ -374,8 +376,7 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, FileNotFoundError) as e:   # configuration and data errors: the message is the fix
-        if os.environ.get("RANK", "0") == "0":   # once per job, not once per torchrun rank
-            print(f"error: {e}", file=sys.stderr)
+        guard.say_error(e)   # once per job when every rank raised it; a rank's own (a file one node lacks) too
         sys.exit(2)
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
         sys.exit(e.code)

@@ -301,7 +301,7 @@ def test_non_finite_steps_in_a_row_count_across_a_resume(assets, tmp_path, monke
 def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypatch):
     """Each eval sample is a watchdog beat: an evaluation that takes longer than --timeout as a whole is not a stuck
     rank (until 2026-12-02 the watchdog saw one "eval" phase per evaluation and ended a healthy job, losing the step's
-    save that comes after it)."""
+    save that comes after it). The final export is a phase of its own (it shared the last save's --timeout window)."""
     from parallel import guard
 
     with open(tmp_path / "eval.jsonl", "w") as f:   # 5 short chats: 5 eval samples
@@ -315,6 +315,7 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
                    str(tmp_path / "eval.jsonl")))
     evals = [step for name, step in beats if name == "eval"]
     assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
+    assert beats[-2:] == [("save", 2), ("export", 2)], "the final export is timed as the last save's phase"
 
 
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
@@ -431,7 +432,12 @@ def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path):
     r0 = subprocess.run(argv, capture_output=True, text=True, env={**env, "RANK": "0"}, cwd=ROOT)
     r1 = subprocess.run(argv, capture_output=True, text=True, env={**env, "RANK": "1"}, cwd=ROOT)
     assert r0.returncode == r1.returncode == 2, (r0.stderr, r1.stderr)
-    assert "error: --lr must be > 0" in r0.stderr and "error:" not in r1.stderr, (r0.stderr, r1.stderr)
+    assert "error: --lr must be > 0" in r0.stderr and "error" not in r1.stderr, (r0.stderr, r1.stderr)
+    # an error only rank 1 hit (a data file its node lacks): said by rank 1, not lost
+    own = subprocess.run([*argv[:-2], "--data", str(tmp_path / "not_on_this_node.jsonl")], capture_output=True,
+                         text=True, env={**env, "RANK": "1"}, cwd=ROOT)
+    assert own.returncode == 2 and own.stderr.startswith("error (rank 1): --data ") and \
+        "not_on_this_node.jsonl does not exist" in own.stderr, own.stderr
 
 
 def test_no_weights_tripwire_sees_the_model(assets, tmp_path):
