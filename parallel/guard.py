@@ -14,8 +14,8 @@ Contract:
   phase it waited in, dumps every thread's stack, and exits with EXIT_STUCK via `os._exit` (no
   clean-up can run while the main thread is blocked inside a collective), so torchrun ends the job.
   Arm it after the model is built; `.stop()` it before the final export, or use it as a context manager.
-- `say_error(e)`: train.py's start-up error line, once per job when every rank raised it, and from the rank that
-  alone raised it otherwise (prefixed with the rank).
+- `say_error(e)`: train.py's start-up error line, once per machine when every rank raised it, and from the rank
+  that alone raised it otherwise (prefixed with the rank).
 - `StopSignals(rank, log, timeout)`: SIGTERM (schedulers, torchrun, Kubernetes), SIGINT (Ctrl-C) and SIGUSR1
   (e.g. SLURM's `--signal=USR1@600`) ask the run to stop with its finished steps saved. Made right after the process
   group (NCCL runs: it makes a gloo group of all ranks then, before any weight, so a gloo network problem shows
@@ -136,20 +136,21 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def say_error(e: BaseException, wait_s: float = 1.0) -> None:
-    """train.py's start-up and data error on stderr, as `error: ...`: always on rank 0; on another rank (prefixed
-    with it) unless its machine's rank 0 said the same words within the last minute, so an error every rank raised
-    (most are) reads once per job, and one only some rank hit (a file missing on one node) is not lost. The
-    machine's ranks meet at a marker file named by their launcher's pid and the message; the others wait `wait_s`
-    for rank 0's."""
+    """train.py's start-up and data error on stderr, as `error: ...`: always on each machine's first rank (prefixed
+    with the rank but on rank 0); on another rank unless its machine's first rank said the same words within the last
+    minute. So an error every rank raised (most are) reads once per machine, and one only some rank hit (a file
+    missing on one node) is not lost. A machine's ranks meet at a marker file named by their launcher's pid and the
+    message; the others wait `wait_s` for it."""
     import hashlib
     import tempfile
 
     rank, text = os.environ.get("RANK", "0"), f"error: {e}"
+    first = os.environ.get("LOCAL_RANK", rank) == "0"
     folder = os.path.join(tempfile.gettempdir(), "long-context-lora-errors")
     mark = os.path.join(folder, f"{os.getppid()}-{hashlib.sha256(text.encode()).hexdigest()[:16]}")
     try:
         os.makedirs(folder, exist_ok=True)
-        if rank == "0":
+        if first:
             open(mark, "w").close()   # (a marker older than a minute is another job's)
         else:
             time.sleep(wait_s)
