@@ -206,6 +206,7 @@ def main(argv=None):
                 make_demo(os.path.dirname(DEMO["model"]))
             dist.barrier()
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
+        preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         log0(f"layout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
@@ -258,12 +259,13 @@ def main(argv=None):
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
-        if rank == 0:
+        def files():   # rank 0's; a failure stops every rank (guard.on_rank0)
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
             with open(os.path.join(args.out, "config.json"), "w") as f:
                 json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
-            metrics = runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
+            return runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
+        metrics = guard.on_rank0(files, "writing config.json and metrics.jsonl")
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(

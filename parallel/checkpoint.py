@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from parallel.guard import NonFiniteError
+from parallel.guard import NonFiniteError, on_rank0
 
 OPTS = StateDictOptions(ignore_frozen_params=True)
 STEP_RE = re.compile(r"step_(\d+)$")
@@ -108,13 +108,14 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
     name = f"step_{step:06d}"
     final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, f".tmp-{name}")
     rank = _rank()
-    if rank == 0:   # leftovers of a save that was killed (the run lock rules out a live writer)
+
+    def prepare():   # leftovers of a save that was killed (the run lock rules out a live writer)
         os.makedirs(ckpt_dir, exist_ok=True)
         for e in os.listdir(ckpt_dir):
             if e.startswith((".tmp-", ".old-")):
                 shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    on_rank0(prepare, f"saving checkpoint step {step}")   # (every rank then writes into tmp)
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says the folder is whole
@@ -122,7 +123,8 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         f.flush()
         os.fsync(f.fileno())
     _barrier()
-    if rank == 0:
+
+    def commit():   # rank 0; a failure (a full disk) is raised on every rank (guard.on_rank0), none waits on
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,
                                                                  default=str))
         old = os.path.join(ckpt_dir, f".old-{name}")
@@ -141,7 +143,7 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         fd = os.open(ckpt_dir, os.O_RDONLY)   # make the renames durable
         os.fsync(fd)
         os.close(fd)
-    _barrier()
+    on_rank0(commit, f"saving checkpoint step {step}")
     return final
 
 

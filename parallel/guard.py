@@ -14,6 +14,8 @@ Contract:
   phase it waited in, dumps every thread's stack, and exits with EXIT_STUCK via `os._exit` (no
   clean-up can run while the main thread is blocked inside a collective), so torchrun ends the job.
   Arm it after the model is built; `.stop()` it before the final export, or use it as a context manager.
+- `on_rank0(fn, what)`: rank 0's own work (config.json, metrics.jsonl, a checkpoint's renames) as a collective: a
+  failure there is raised on every rank, not left for the others to wait on in their next collective.
 - `say_error(e)`: train.py's start-up error line, once per machine when every rank raised it, and from the rank
   that alone raised it otherwise (prefixed with the rank).
 - `StopSignals(rank, log, timeout)`: SIGTERM (schedulers, torchrun, Kubernetes), SIGINT (Ctrl-C) and SIGUSR1
@@ -133,6 +135,31 @@ class Watchdog:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def on_rank0(fn, what: str, group=None):
+    """`fn()` on rank 0 of `group` (the default group: rank 0) and its result there (None elsewhere); collective. If
+    it raises, every rank raises: rank 0 its own error, the others a ValueError (OSError: RuntimeError) quoting it, so
+    no rank goes on into a collective that rank 0 never reaches, where on NCCL they would wait for the launcher."""
+    import torch.distributed as dist
+
+    many = dist.is_initialized() and dist.get_world_size(group) > 1
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    out, err = None, None
+    if me == 0:
+        try:
+            out = fn()
+        except Exception as e:   # noqa: BLE001 - said on every rank, raised as it is here
+            err = e
+    if many:
+        box = [None if err is None else (isinstance(err, (ValueError, FileNotFoundError)), f"{type(err).__name__}: "
+                                         f"{err}")]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if me != 0 and box[0] is not None:
+            raise (ValueError if box[0][0] else RuntimeError)(f"{what} failed on rank 0 ({box[0][1]})")
+    if err is not None:
+        raise err
+    return out
 
 
 def say_error(e: BaseException, wait_s: float = 1.0) -> None:

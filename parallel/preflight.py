@@ -188,6 +188,22 @@ def device_budget(args, world: int) -> tuple[str, float, str]:
                                   "than the planned runtime of this one's own")
 
 
+def same_resume(ckpt: str | None) -> None:
+    """Collective: every rank resolved --resume to the same step folder (each resolves it alone, before the process
+    group: a filesystem that nodes see differently, or a save still syncing, could give them different steps, whose
+    collectives would then pair up wrongly), else every rank raises one error naming them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), ckpt and os.path.basename(os.path.normpath(ckpt))))
+    if len({step for _, step in every}) > 1:
+        said = "; ".join(f"rank {r} ({host}): {step or 'no checkpoint'}" for r, (host, step) in enumerate(every))
+        raise ValueError(f"--resume: the ranks resolved different checkpoints ({said}); every node must see the same "
+                         "OUT/ckpt (a shared filesystem, done syncing): pass the step folder itself to pin one")
+
+
 def gather_budgets(args, world: int, rank: int) -> list[Budget]:
     import torch.distributed as dist
 

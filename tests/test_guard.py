@@ -102,6 +102,52 @@ def test_stuck_rank_ends_the_job(tmp_path):
     assert waited < 1.5 + 3, f"rank 1 ended {waited:.1f}s after entering the stuck collective"
 
 
+def _rank0_work(rank, world_size):
+    """guard.on_rank0 on 2 ranks: a result on rank 0 (None on rank 1), then rank 0's disk-full error, then its
+    configuration error, each as it is raised on every rank; then a collective both still reach (nobody hangs)."""
+    from parallel.guard import on_rank0
+
+    got = [on_rank0(lambda: "written", "writing")]
+    for err in (OSError(28, "No space left on device"), ValueError("--out is read-only")):
+        def fail(err=err):
+            raise err
+        try:
+            on_rank0(fail, "saving checkpoint step 3")
+        except Exception as e:   # noqa: BLE001 - what each rank raised is the result
+            got.append((type(e).__name__, str(e)))
+    dist.barrier()
+    return got
+
+
+def test_rank0_work_failing_is_raised_on_every_rank():
+    r0, r1 = run_ranks(_rank0_work, 2, timeout=60)
+    assert r0 == ["written", ("OSError", "[Errno 28] No space left on device"), ("ValueError", "--out is read-only")]
+    assert r1 == [None, ("RuntimeError", "saving checkpoint step 3 failed on rank 0 (OSError: [Errno 28] No space "
+                                         "left on device)"),
+                  ("ValueError", "saving checkpoint step 3 failed on rank 0 (ValueError: --out is read-only)")], r1
+
+
+def _resume_on(rank, world_size):
+    from parallel.preflight import same_resume
+
+    same_resume("/runs/x/ckpt/step_000004")   # alike: nothing said
+    try:
+        same_resume(f"/runs/x/ckpt/step_00000{2 + 2 * rank}")   # rank 1's node still sees an older step
+    except ValueError as e:
+        return str(e)
+
+
+def test_every_rank_resumes_the_same_step():
+    """preflight.same_resume: ranks that resolved --resume to different step folders all stop with one error naming
+    them (else their collectives would pair up across different steps)."""
+    import socket
+
+    got = run_ranks(_resume_on, 2, timeout=60)
+    host = socket.gethostname()
+    assert got[0] == got[1] and got[0].startswith(f"--resume: the ranks resolved different checkpoints (rank 0 "
+                                                  f"({host}): step_000002; rank 1 ({host}): step_000004)"), got
+
+
 def _agree(rank, world_size):
     before = signal.getsignal(signal.SIGUSR1)
     stop = StopSignals(rank, log=lambda *a: None).start()
