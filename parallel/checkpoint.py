@@ -201,7 +201,7 @@ def resolve(path: str, *, warn=_warn) -> str:
     if not os.path.isfile(latest) and not _steps(path):
         raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (expected a step_* folder with "
                                 "meta.json, or a ckpt folder with a 'latest' file)")
-    newest = os.path.join(path, open(latest).read().strip()) if os.path.isfile(latest) else _steps(path)[0][1]
+    newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
     why = problem(newest)
     if why is None:
         return newest
@@ -213,6 +213,11 @@ def resolve(path: str, *, warn=_warn) -> str:
     warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
          f"{prev!r}. Steps after it are trained again")
     return prev
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def branch(path: str, log=print) -> list[str]:
@@ -232,8 +237,8 @@ def branch(path: str, log=print) -> list[str]:
             to, n = f"{p}.abandoned-{n}", n + 1
         os.rename(p, to)
         moved.append(os.path.basename(to))
-    if newer or not os.path.isfile(os.path.join(ckpt_dir, "latest")) or \
-            open(os.path.join(ckpt_dir, "latest")).read().strip() != name:
+    latest = os.path.join(ckpt_dir, "latest")
+    if newer or not os.path.isfile(latest) or _read(latest) != name:
         _fsync_write(os.path.join(ckpt_dir, "latest.tmp"), name)
         os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
         fd = os.open(ckpt_dir, os.O_RDONLY)
