@@ -180,11 +180,6 @@ def main(argv=None):
     if "--plan" in argv:   # before the heavy imports below: config.json and arithmetic only
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
-    # peft, bitsandbytes and DCP take seconds to import: only now, past the --plan fast path
-    from model.export import export_adapter, init_adapter_note
-    from parallel import checkpoint, keep_best
-    from parallel.fsdp import clip_grad_norm_
-    from parallel.parallelize import BuildOptions, build_model, lora_parameters
     parser = build_parser()
     args = parser.parse_args(argv)
     demo = args.model is None and args.data is None
@@ -192,6 +187,11 @@ def main(argv=None):
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
+    # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
+    from model.export import export_adapter, init_adapter_note
+    from parallel import checkpoint, keep_best
+    from parallel.fsdp import clip_grad_norm_
+    from parallel.parallelize import BuildOptions, build_model, lora_parameters
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))

@@ -194,6 +194,14 @@ def backward_block(row: int) -> int:
     return BACKWARD_BLOCK if row <= 4 * BACKWARD_BLOCK else max(1, BACKWARD_BLOCK // 4)
 
 
+def tile_rows(s: int, tile: int | None = None) -> int:
+    """--tiled-attn's query rows per tile of an s-token row: `tile` if given, else an eighth of the row rounded up
+    to a multiple of 128 (at least 256) up to BACKWARD_BLOCK // 4 (parallel/tiled_attention.py's docstring): short
+    rows get several tiles too, so no tile's transients approach the row's, and no tile is 64 mod 128 long (cuDNN
+    refuses those). Here, not there, so that the planner imports no peft."""
+    return max(1, tile or min(BACKWARD_BLOCK // 4, max(256, -(-s // 1024) * 128)))
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, backend, mask=None, spare_q=False):

@@ -45,7 +45,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.qlora import dequant_once
 from parallel.recompute import grads_only_context, recomputing, spare
 
 
@@ -69,6 +68,7 @@ class _TiledMLP(torch.autograd.Function):
         stand_in = x.new_empty(()).expand(x.shape)
         if recomputing():
             return stand_in
+        from model.qlora import dequant_once  # bitsandbytes and peft: not on the planner's path (tile_tokens)
         with torch.no_grad(), dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
             out = _by_rows(fn, flat, tile)                                  # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -81,6 +81,7 @@ class _TiledMLP(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
+        from model.qlora import dequant_once
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None), \
                 dequant_once():
             if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order

@@ -114,7 +114,6 @@ from dataclasses import dataclass, field
 from loss import CHUNK_BYTES
 from model.llama import NORM_CHUNK
 from parallel import kernels
-from parallel.tiled_attention import tile_rows
 
 GB = 1e9
 FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
@@ -278,7 +277,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
-        n = tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
+        n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
         tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call
         attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")

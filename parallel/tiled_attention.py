@@ -16,7 +16,7 @@ Contract:
   global out/lse (dq for the tile; dk, dv summed over the row in float32), q's chain recomputed and
   differentiated into the input gradient; then per tile k/v's chain with its slice of dk, dv, added in.
   Parameter gradients are summed over tiles in float32 and returned through autograd, as the tiled MLP does.
-- Tile (`tile=None`, `tile_rows`): an eighth of the row in multiples of 128, at least 256 and at most
+- Tile (`tile=None`, `kernels.tile_rows`): an eighth of the row in multiples of 128, at least 256 and at most
   kernels.BACKWARD_BLOCK // 4 = 16,384 query rows (the key blocks too). Rows of several documents call the kernels
   with one shape per piece: on a GPU where cuDNN leads they take flash-attn or torch's flash op. At 16,384 a call's
   buffers are those of one blocked-backward call past 262,144 tokens and each call is still ~4 TFLOP of attention;
@@ -50,13 +50,6 @@ from parallel import kernels, masks
 from parallel.memory import norm_stand_in
 from parallel.recompute import grads_only_context
 from parallel.ring import _merge
-
-
-def tile_rows(s: int, tile: int | None = None) -> int:
-    """Query rows per tile of an s-token row: `tile` if given, else an eighth of the row rounded up to a multiple
-    of 128 (at least 256) up to kernels.BACKWARD_BLOCK // 4 (module docstring): short rows get several tiles too,
-    so no tile's transients approach the row's, and no tile is 64 mod 128 long (cuDNN refuses those)."""
-    return max(1, tile or min(kernels.BACKWARD_BLOCK // 4, max(256, -(-s // 1024) * 128)))
 
 
 def _document_backend(x, head_dim: int) -> str | None:
@@ -156,7 +149,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, x, cos, sin, *params):
         attn, (b, s, _) = spec.attn, x.shape
-        spec.device, spec.tile = x.device, tile_rows(s, spec.tile_arg)
+        spec.device, spec.tile = x.device, kernels.tile_rows(s, spec.tile_arg)
         if spec.docs is not None:
             spec.backend = _document_backend(x, attn.head_dim)
         h, kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim

@@ -732,7 +732,7 @@ def test_tiled_sublayers_never_run_their_norm_whole(ckpt3, flags):
     import parallel.memory as pm
     from parallel.recompute import recomputing
 
-    # 600 tokens: the tiled attention's tiles (256 rows at least, parallel.tiled_attention.tile_rows) are shorter
+    # 600 tokens: the tiled attention's tiles (256 rows at least, parallel.kernels.tile_rows) are shorter
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(4))
     forward, norm_forward, outs, rows = pm._TiledMLP.forward, llama._RMSNormFn.forward, [], []
 

@@ -491,3 +491,22 @@ def test_suggest_max_len_auto_names_the_flags():
         "--tiled-mlp --offload-activations", "--tiled-mlp --tiled-attn --offload-activations",
         "--tiled-mlp --tiled-attn --ac-group 4", "--tiled-mlp --ac-group 4", "--tiled-mlp --tiled-attn", "--tiled-mlp",
         "--offload-activations", "--ac-group 4", ""], out
+
+
+def test_plan_and_a_refused_flag_import_no_peft_or_bitsandbytes():
+    """`--plan` (every search: --max-len auto, --suggest, the tiled flags) and a run refused at its flag checks
+    answer in about the time torch takes to import: neither imports peft or bitsandbytes (4 s of a CPU core)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, train\n"
+            "train.main(['--plan', '--model', sys.argv[1], '--max-len', 'auto', '--gpu-mem', '141', '--suggest'])\n"
+            "try:\n    train.main(['--lr', '0'])\nexcept ValueError as e:\n    print('refused:', e)\n"
+            "print('heavy:', sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
+            "('peft', 'bitsandbytes')}))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code, Q7], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-3].startswith("max_len ") and lines[-2].startswith("refused: --lr must be > 0"), lines[-4:]
+    assert lines[-1] == "heavy: []", lines[-1]

@@ -85,12 +85,12 @@ def _loss_and_grads(model):
 @pytest.mark.parametrize("tile", [5, 7, 64], ids=["tile5", "tile7", "one_tile"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiled_attention_matches_untiled_sdpa(ckpts, family, tile, ac, monkeypatch):
-    from parallel import kernels, tiled_attention
+    from parallel import kernels
 
     ref_model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac))   # the model's own core: torch SDPA
     ref = _loss_and_grads(ref_model)
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 4 * tile)      # the default rule: min(BACKWARD_BLOCK // 4, ...)
-    assert tiled_attention.tile_rows(37) == min(tile, 256)
+    assert kernels.tile_rows(37) == min(tile, 256)
     model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac, tiled_attn=True))
     got = _loss_and_grads(model)
     label = f"{family} tile {tile} ac {ac}"
@@ -101,7 +101,7 @@ def test_tiled_attention_matches_untiled_sdpa(ckpts, family, tile, ac, monkeypat
 
 
 def test_tile_rule():
-    from parallel.tiled_attention import tile_rows
+    from parallel.kernels import tile_rows
 
     assert tile_rows(37) == 256 and tile_rows(4096) == 512 and tile_rows(131072) == 16384
     assert tile_rows(524288) == 16384 and tile_rows(4096, 100) == 100

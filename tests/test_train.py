@@ -533,24 +533,25 @@ def test_data_errors_name_file_and_line(assets, tmp_path):
         assert f"{path}, line 3" in msg and phrase in msg, f"{label}: {msg!r}"
 
 
-@pytest.mark.parametrize("env, want", [({}, ("expandable_segments:True", None)),
-                                       ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
-                                        ("max_split_size_mb:512", None)),
-                                       ({"PYTORCH_ALLOC_CONF": "backend:native"}, (None, "backend:native")),
-                                       ({"PYTORCH_HIP_ALLOC_CONF": "backend:native"}, (None, None))])
-def test_cuda_allocator_default_leaves_a_users_setting(env, want):
+def test_cuda_allocator_default_leaves_a_users_setting():
     """train.py (imported, before torch) sets expandable segments for CUDA's caching allocator only when neither
     PYTORCH_CUDA_ALLOC_CONF nor PYTORCH_ALLOC_CONF (nor ROCm's PYTORCH_HIP_ALLOC_CONF) is set; that it takes effect:
-    tests/gpu (reserved bytes)."""
+    tests/gpu (reserved bytes). One fresh interpreter per environment, all at once."""
     import subprocess
     import sys
 
+    cases = [({}, ["expandable_segments:True", None]),
+             ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, ["max_split_size_mb:512", None]),
+             ({"PYTORCH_ALLOC_CONF": "backend:native"}, [None, "backend:native"]),
+             ({"PYTORCH_HIP_ALLOC_CONF": "backend:native"}, [None, None])]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {k: v for k, v in os.environ.items()
             if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")}
     code = ("import json, os, sys; import train; assert 'torch' in sys.modules; print(json.dumps("
             "[os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), os.environ.get('PYTORCH_ALLOC_CONF')]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env={**base, **env}, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert tuple(json.loads(out.stdout.strip().splitlines()[-1])) == want
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**base, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env, _ in cases]
+    for (env, want), p in zip(cases, procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, (env, err[-2000:])
+        assert json.loads(out.strip().splitlines()[-1]) == want, (env, out)
