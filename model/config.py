@@ -1,41 +1,46 @@
-"""`ModelArgs` read from a checkpoint's `config.json`, and the RoPE frequencies it implies.
+"""`ModelArgs` read from a checkpoint's `config.json` as transformers reads it, and the FLOPs of a token.
 
 Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
-  (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim) and Mistral.
+  (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
   Anything else raises `ValueError` naming the supported architectures.
+  Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
+  (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
+  are refused, never ignored.
 - `args.window(layer)`: that layer's sliding window (query i sees keys i - w < j <= i) or None, read
-  as transformers reads it: Mistral's `sliding_window` on every layer; Qwen2/3's only with
-  `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (derived from
-  `max_window_layers` when absent: layers i >= max_window_layers slide); Llama has none.
+  as transformers reads it (4096 when the key is missing): Mistral's `sliding_window` on every layer, Ministral's
+  (or a Mistral config.json with a `layer_types` key: transformers reads it as Ministral) on the layers
+  `layer_types` names; Qwen2/3's only with `use_sliding_window`, on the layers `layer_types` marks
+  "sliding_attention" (derived from `max_window_layers` when absent: layers i >= max_window_layers slide); Llama
+  has none.
 - `flops_per_token(args, seq_len, causal=True)`: model FLOPs of one training token (forward +
   backward) for MFU, the standard count (no recomputation, no LoRA adapters); see its docstring.
-- `inv_freq(args)` returns the float32 inverse frequencies [head_dim // 2] and the attention
-  scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3
-  and yarn — the same numbers transformers computes.
-- `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (module-level docstring of the function);
-  `args.with_rope_scaling(spec)` is `args` with it in place of config.json's scaling, checked by computing
+- RoPE (`read_rope`, `rope_scaling_flag` for `--rope-scaling`, `inv_freq`): model/rope.py.
+- `args.with_rope_scaling(spec)` is `args` with `--rope-scaling` in place of config.json's scaling, checked by computing
   the frequencies once; `args.context` is the positions the model is made for (`max_position_embeddings`, or
   factor × the original length when scaled), `args.beyond_context(n)` the warning for rows longer than that.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 
-import torch
+from model.rope import ROPE_TYPES, inv_freq, read_rope, rope_scaling_flag
 
 # model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
+# qkv_bias: True always (q, k, v; o never), None from `attention_bias` (q, k, v and o), False never (transformers
+# ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos: transformers' default for a config.json
+# without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own).
 SUPPORTED = {
-    "llama": dict(qkv_bias=None, qk_norm=False),    # bias from `attention_bias` (q, k, v and o)
-    "mistral": dict(qkv_bias=None, qk_norm=False),
-    "qwen2": dict(qkv_bias=True, qk_norm=False),    # q/k/v always biased, o never
-    "qwen3": dict(qkv_bias=None, qk_norm=True),     # RMSNorm over head_dim on q and k before RoPE
+    "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048),
+    "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072),
+    "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072),   # Mistral + layer_types
+    "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768),
+    "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768),   # RMSNorm over head_dim on q, k
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
 
 
@@ -82,34 +87,40 @@ class ModelArgs:
 
     @classmethod
     def from_config_dict(cls, cfg: dict) -> ModelArgs:
+        """Read as transformers (5.x) reads the same config.json; keys that would change the math here and that this
+        decoder does not implement are refused, naming the key (never silently ignored)."""
         mt = cfg.get("model_type")
         if mt not in SUPPORTED:
             archs = cfg.get("architectures")
             raise ValueError(
                 f"unsupported architecture model_type={mt!r} (architectures={archs}); supported: "
-                "Llama 2/3 (llama), Mistral (mistral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
+                "Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
         flags = SUPPORTED[mt]
-        # Newer configs nest theta and scaling in `rope_parameters`; classic ones keep them on top.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {}) or rope
-        if "type" in scaling and "rope_type" not in scaling:   # very old spelling
-            scaling["rope_type"] = scaling.pop("type")
-        if scaling.get("rope_type", "default") == "default":
-            scaling = {}
+        if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
+            mt = "ministral"
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json: hidden_act {act!r} is not supported: this decoder's MLP is SwiGLU (silu)")
+        if cfg.get("attention_dropout"):
+            raise ValueError(f"config.json: attention_dropout {cfg['attention_dropout']!r} is not supported (the "
+                             "attention kernels run without dropout); set it to 0.0 in config.json")
+        max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
+        theta, scaling = read_rope(cfg, max_pos)
         attn_bias = bool(cfg.get("attention_bias", False))
-        # Sliding windows as transformers applies them: Mistral on every layer (it ignores
-        # layer_types); Qwen2/3 only with use_sliding_window, on the layers `layer_types` names or,
-        # without it, from layer max_window_layers on; Llama never.
-        window, layer_types = cfg.get("sliding_window"), None
+        # Sliding windows as transformers applies them: Mistral on every layer; Ministral (and Mistral with a
+        # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
+        # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
+        window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
         if mt == "llama":
             window = None
+        if mt == "ministral":
+            layer_types = cfg.get("layer_types")
         if mt in ("qwen2", "qwen3"):
             window = window if cfg.get("use_sliding_window", False) else None
             layer_types = cfg.get("layer_types") or [
                 "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
                 for i in range(cfg["num_hidden_layers"])]
-        return cls(
+        args = cls(
             model_type=mt,
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
@@ -121,15 +132,21 @@ class ModelArgs:
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
-            o_bias=attn_bias and mt != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=attn_bias and flags["qkv_bias"] is None,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and flags["mlp_bias"],
             qk_norm=flags["qk_norm"],
             sliding_window=window,
             layer_types=layer_types if window is not None else None,
         )
+        try:   # now, not at the first forward: a RoPE config.json that cannot be computed is a start-up error
+            inv_freq(args)
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            raise ValueError(f"config.json: RoPE {args.rope_parameters()} cannot be computed ({type(e).__name__}: "
+                             f"{e}); fix it there, or pass --rope-scaling") from None
+        return args
 
     def with_rope_scaling(self, spec: str | None) -> ModelArgs:
         """These args with `--rope-scaling spec` in place of config.json's RoPE scaling (None: unchanged)."""
@@ -210,111 +227,3 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
     S is the attention span: the row length, or a document's length in packed rows."""
     attn = 12 * args.n_layers * seq_len * args.n_heads * args.head_dim
     return 6 * matmul_params(args) + (attn // 2 if causal else attn)
-
-
-def rope_scaling_flag(spec: str | None, args: ModelArgs | None = None) -> dict | None:
-    """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
-    by F, "yarn:F@N" with original length N (default: config.json's max_position_embeddings, as transformers takes
-    it); a JSON object is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}): numbers
-    finite and > 0 (a factor from 1 to 1024), `truncate` a bool, no other keys. Without `args` only the syntax is
-    checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
-    if spec is None:
-        return None
-    forms = 'none, linear:F, yarn:F or yarn:F@N (F >= 1, N the original length) or a JSON object such as ' \
-        '\'{"rope_type": "yarn", "factor": 4}\''
-    if spec.strip() == "none":
-        return {}
-    if spec.lstrip().startswith("{"):
-        try:
-            sc = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--rope-scaling {spec}: not valid JSON ({e.msg}); pass {forms}") from None
-        if not isinstance(sc, dict):
-            raise ValueError(f"--rope-scaling {spec}: pass {forms}")
-        sc = dict(sc)
-        if "type" in sc and "rope_type" not in sc:
-            sc["rope_type"] = sc.pop("type")
-    else:
-        kind, _, rest = spec.partition(":")
-        factor, at, orig = rest.partition("@")
-        try:
-            sc = {"rope_type": kind.strip(), "factor": float(factor)}
-            if at:
-                sc["original_max_position_embeddings"] = int(orig)
-        except ValueError:
-            raise ValueError(f"--rope-scaling {spec}: pass {forms}") from None
-        if at and sc["rope_type"] != "yarn":
-            raise ValueError(f"--rope-scaling {spec}: @N (the original length) is YaRN's; pass {forms}")
-        if sc["rope_type"] not in ("linear", "yarn"):
-            raise ValueError(f"--rope-scaling {spec}: TYPE:F takes linear or yarn (other types: a JSON object); "
-                             f"pass {forms}")
-    if sc.get("rope_type") not in ROPE_TYPES:
-        raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
-    f = sc.get("factor")
-    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
-    if sc["rope_type"] != "default" and not (real(f) and 1 <= f <= 1024):
-        raise ValueError(f"--rope-scaling {spec}: the factor must be a number from 1 to 1024, got {f!r}")
-    keys = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-            "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
-    for k, v in sc.items():
-        if k == "rope_type" or k == "truncate" and isinstance(v, bool):
-            continue
-        if k == "truncate":
-            raise ValueError(f"--rope-scaling {spec}: truncate must be true or false, got {v!r}")
-        if k not in keys:
-            raise ValueError(f"--rope-scaling {spec}: unknown key {k!r}; known: rope_type, truncate, "
-                             f"{', '.join(sorted(keys))}")
-        if not (real(v) and v > 0):
-            raise ValueError(f"--rope-scaling {spec}: {k} must be a finite number > 0, got {v!r}")
-    if sc["rope_type"] == "default":
-        return {}
-    for k, v in sc.items():   # one spelling per value: 4 and 4.0 are the same factor
-        if k not in ("rope_type", "truncate"):
-            sc[k] = int(v) if k == "original_max_position_embeddings" and v == int(v) else float(v)
-    if args is not None and sc["rope_type"] == "yarn":
-        sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
-    return sc
-
-
-def inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Inverse RoPE frequencies [head_dim // 2] (float32) and the cos/sin scaling factor."""
-    d, base, sc = args.head_dim, args.rope_theta, args.rope_scaling
-    freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    rtype = sc.get("rope_type", "default")
-    if rtype == "linear":
-        return freq / sc["factor"], 1.0
-    if rtype == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old_ctx = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / freq
-        scaled = torch.where(wavelen > old_ctx / lo, freq / factor, freq)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
-    if rtype == "yarn":
-        # YaRN (Peng et al., 2023): interpolate slow dims, extrapolate fast ones, ramp between.
-        factor = sc["factor"]
-        orig = sc.get("original_max_position_embeddings") or args.max_position_embeddings
-
-        def mscale(s, m=1.0):
-            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-
-        attn = sc.get("attention_factor")
-        if attn is None:
-            m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
-            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-        def corr_dim(rot):
-            return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = corr_dim(sc.get("beta_fast") or 32), corr_dim(sc.get("beta_slow") or 1)
-        if sc.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, d - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrap = 1 - ramp
-        return (freq / factor) * (1 - extrap) + freq * extrap, float(attn)
-    return freq, 1.0

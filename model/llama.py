@@ -26,7 +26,8 @@ from torch import nn
 
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
-from model.config import ModelArgs, inv_freq
+from model.config import ModelArgs
+from model.rope import inv_freq
 
 NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB) and RoPE
 

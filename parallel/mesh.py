@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
-from model.config import LORA_TARGETS, rope_scaling_flag
+from model.config import LORA_TARGETS
+from model.rope import rope_scaling_flag
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 

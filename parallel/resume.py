@@ -47,7 +47,7 @@ def _norm(flag: str, v):
     if flag == "data" and isinstance(v, str):
         return os.path.normpath(v)
     if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
-        from model.config import rope_scaling_flag
+        from model.rope import rope_scaling_flag
         try:
             return json.dumps(rope_scaling_flag(v), sort_keys=True)
         except ValueError:

@@ -7,6 +7,13 @@ a tied-embedding model), saved sharded by transformers, `model.from_pretrained` 
 scaling matters; both config formats (classic `rope_theta`/`rope_scaling` and `rope_parameters`)
 load; missing directory / config / tensors and unsupported architectures raise clear errors.
 
+config.json keys read as transformers 5 reads them, its `from_pretrained` of the edited file the reference: a
+Mistral config.json with `layer_types` (transformers: Ministral) and Ministral itself, a missing `sliding_window`
+(4096) or `max_position_embeddings` (the family's default, YaRN's original length), a null YaRN factor, llama3
+without (or with a top-level) original length, both RoPE forms agreeing, bias keys the class ignores; keys this
+decoder lacks (another hidden_act, attention dropout, per-layer-type RoPE, disagreeing RoPE forms, a RoPE that
+cannot be computed) are refused at read time.
+
 Also a single-file checkpoint (model.safetensors without an index), and sliding windows shorter
 than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwen with the window
 switched off) give transformers' logits within 1e-5, whole rows and packed ones.
@@ -174,6 +181,95 @@ def test_load_errors(tmp_path):
     json.dump(idx, open(good / "model.safetensors.index.json", "w"))
     with pytest.raises(ValueError, match=r"lacks 3 tensors.*model\.layers\.1\.mlp\.down_proj\.weight"):
         model.from_pretrained(str(good))
+
+
+def _drop(*keys):
+    return lambda c: [c.pop(k, None) for k in keys]
+
+
+def _set(**kv):
+    return lambda c: c.update(kv)
+
+
+def _no_lengths(c):   # (transformers saves the original length inside rope_parameters)
+    c.pop("max_position_embeddings")
+    c["rope_parameters"].pop("original_max_position_embeddings")
+
+
+# config.json keys read as transformers reads them (its AutoConfig and class defaults), each case a config, an edit
+# of the saved config.json, the windows per layer expected, and the row length (long enough for a default window).
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+READ_AS_TRANSFORMERS = {
+    # a Mistral config.json with a layer_types key is read as Ministral: the window only where it says so
+    "mistral_layer_types": (lambda: T.MistralConfig(**COMMON, sliding_window=6),
+                            _set(layer_types=["full_attention", "sliding_attention"]), [None, 6], 37),
+    "mistral_layer_types_null": (lambda: T.MistralConfig(**COMMON, sliding_window=6), _set(layer_types=None),
+                                 [6, 6], 37),
+    "ministral": (lambda: T.MinistralConfig(**COMMON, head_dim=16, sliding_window=6,   # (its class needs head_dim)
+                                            layer_types=["sliding_attention", "full_attention"]), None, [6, None], 37),
+    # no sliding_window key: transformers' 4096, which a 4,200-token row reaches past
+    "mistral_no_window_key": (lambda: T.MistralConfig(**COMMON), _drop("sliding_window"), [4096, 4096], 4200),
+    "qwen2_no_window_key": (lambda: T.Qwen2Config(**COMMON, use_sliding_window=True, max_window_layers=0),
+                            _drop("sliding_window"), [4096, 4096], 4200),
+    # no max_position_embeddings: the family's default is YaRN's original length (Qwen2 32768, Mistral 131072)
+    "qwen2_yarn_no_max_pos": (lambda: T.Qwen2Config(**COMMON, rope_parameters=dict(YARN)), _no_lengths,
+                              [None, None], 37),
+    "mistral_yarn_no_max_pos": (lambda: T.MistralConfig(**COMMON, sliding_window=None, rope_parameters=dict(YARN)),
+                                _no_lengths, [None, None], 37),
+    # a null YaRN factor: max_position_embeddings / the original length (4096 / 512 = 8)
+    "yarn_factor_null": (lambda: T.Qwen2Config(**COMMON, rope_parameters={**YARN,
+                                                                         "original_max_position_embeddings": 512}),
+                         lambda c: c["rope_parameters"].update(factor=None), [None, None], 37),
+    # llama3 without its original length: max_position_embeddings; a top-level one goes first
+    "llama3_no_original": (lambda: T.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)),
+                           lambda c: c["rope_parameters"].pop("original_max_position_embeddings"), [None, None], 37),
+    "llama3_top_level_original": (lambda: T.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)),
+                                  _set(original_max_position_embeddings=1024), [None, None], 37),
+    # both RoPE forms, saying the same: accepted
+    "rope_both_forms_agree": (lambda: T.Qwen2Config(**COMMON, rope_parameters={
+        **YARN, "original_max_position_embeddings": 512}), _set(rope_theta=1e6, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}), [None, None], 37),
+    # bias keys the family's transformers class ignores
+    "mistral_attention_bias": (lambda: T.MistralConfig(**COMMON, sliding_window=None), _set(attention_bias=True),
+                               [None, None], 37),
+    "qwen2_mlp_bias": (lambda: T.Qwen2Config(**COMMON), _set(mlp_bias=True), [None, None], 37),
+    "qwen3_mlp_bias": (lambda: T.Qwen3Config(**COMMON), _set(mlp_bias=True), [None, None], 37),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READ_AS_TRANSFORMERS))
+def test_config_keys_read_as_transformers_reads_them(case, tmp_path):
+    """The saved config.json edited, then transformers' own `from_pretrained` of it is the reference: our logits
+    within 1e-5, and each layer's window as it applies it."""
+    make, edit, windows, n = READ_AS_TRANSFORMERS[case]
+    save_checkpoint(make(), tmp_path)
+    if edit is not None:
+        c = json.load(open(tmp_path / "config.json"))
+        edit(c)
+        json.dump(c, open(tmp_path / "config.json", "w"))
+    hf = T.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ours = model.from_pretrained(str(tmp_path)).eval()
+    assert [blk.self_attn.window for blk in ours.model.layers] == windows, case
+    ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n)[None] + (30000 if n < 1000 else 0)   # far out: the RoPE cases differ there most
+    with torch.no_grad():
+        ref, out = hf(input_ids=ids, position_ids=pos).logits, ours(ids, position_ids=pos)
+    assert rel(out, ref) < 1e-5, f"{case}: relative error {rel(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("edit, phrase", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope_parameters per layer type"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+      "rope_scaling": {"type": "yarn", "factor": 4.0}}, r"both rope_scaling .* and they disagree.*\(10000\.0\)"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, r"RoPE .* cannot be computed \(KeyError"),
+], ids=["hidden_act", "attention_dropout", "nested_rope", "rope_forms_disagree", "rope_missing_factor"])
+def test_config_keys_this_decoder_lacks_are_refused(edit, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3", **edit})
 
 
 def test_unsupported_rope_type():

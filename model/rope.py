@@ -1,0 +1,163 @@
+"""RoPE as transformers computes it: a config.json's theta and scaling, `--rope-scaling`, the inverse frequencies.
+
+Contract:
+- `read_rope(cfg, max_pos)` -> (theta, scaling): config.json's RoPE as transformers 5 standardizes it (classic
+  top-level `rope_theta`/`rope_scaling` or the newer `rope_parameters`; the function's docstring); scaling {} is
+  plain RoPE. Per-layer-type RoPE and a rope_scaling that contradicts rope_parameters raise ValueError.
+- `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring).
+- `inv_freq(args)` (a model.config.ModelArgs) returns the float32 inverse frequencies [head_dim // 2] and the
+  attention scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3 and
+  yarn: the same numbers transformers computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _scaling(d: dict) -> dict:
+    """A RoPE dict's scaling in one spelling: no theta, `rope_type` for the old `type`, {} for the default."""
+    sc = {k: v for k, v in d.items() if k != "rope_theta"}
+    if "type" in sc:
+        sc.setdefault("rope_type", sc.pop("type"))
+    return {} if sc.get("rope_type", "default") == "default" else sc
+
+
+def read_rope(cfg: dict, max_pos: int) -> tuple[float, dict]:
+    """(theta, scaling) of a config.json, as transformers standardizes them: a classic `rope_scaling` replaces
+    `rope_parameters` whole (theta then comes from the top level, 10000 without it); llama3 and YaRN take the top-level
+    `original_max_position_embeddings` first, else their own, else max_position_embeddings; a YaRN factor of null
+    is max_position_embeddings / that original length."""
+    params, classic = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.json: rope_parameters per layer type ({sorted(params)}) are not supported")
+    if classic:
+        theta, scaling = cfg.get("rope_theta", 10000.0), _scaling(classic)
+        if params and (params.get("rope_theta", theta) != theta or _scaling(params) != scaling):
+            raise ValueError(
+                f"config.json has both rope_scaling {classic} and rope_parameters {params}, and they disagree: "
+                f"transformers reads rope_scaling with the top-level rope_theta ({theta}) and ignores rope_parameters, "
+                "so a model trained on the other would meet other positions there. Keep one of them in config.json "
+                "(the scaling inside rope_parameters, or rope_theta beside rope_scaling)")
+    else:
+        theta, scaling = params.get("rope_theta", cfg.get("rope_theta", 10000.0)), _scaling(params)
+    if scaling.get("rope_type") in ("llama3", "yarn"):
+        if "original_max_position_embeddings" in cfg:
+            scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+    if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:
+        scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
+def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
+    """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
+    by F, "yarn:F@N" with original length N (default: config.json's max_position_embeddings, as transformers takes
+    it); a JSON object is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}): numbers
+    finite and > 0 (a factor from 1 to 1024), `truncate` a bool, no other keys. Without `args` only the syntax is
+    checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
+    if spec is None:
+        return None
+    forms = 'none, linear:F, yarn:F or yarn:F@N (F >= 1, N the original length) or a JSON object such as ' \
+        '\'{"rope_type": "yarn", "factor": 4}\''
+    if spec.strip() == "none":
+        return {}
+    if spec.lstrip().startswith("{"):
+        try:
+            sc = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rope-scaling {spec}: not valid JSON ({e.msg}); pass {forms}") from None
+        if not isinstance(sc, dict):
+            raise ValueError(f"--rope-scaling {spec}: pass {forms}")
+        sc = dict(sc)
+        if "type" in sc and "rope_type" not in sc:
+            sc["rope_type"] = sc.pop("type")
+    else:
+        kind, _, rest = spec.partition(":")
+        factor, at, orig = rest.partition("@")
+        try:
+            sc = {"rope_type": kind.strip(), "factor": float(factor)}
+            if at:
+                sc["original_max_position_embeddings"] = int(orig)
+        except ValueError:
+            raise ValueError(f"--rope-scaling {spec}: pass {forms}") from None
+        if at and sc["rope_type"] != "yarn":
+            raise ValueError(f"--rope-scaling {spec}: @N (the original length) is YaRN's; pass {forms}")
+        if sc["rope_type"] not in ("linear", "yarn"):
+            raise ValueError(f"--rope-scaling {spec}: TYPE:F takes linear or yarn (other types: a JSON object); "
+                             f"pass {forms}")
+    if sc.get("rope_type") not in ROPE_TYPES:
+        raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
+    f = sc.get("factor")
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
+    if sc["rope_type"] != "default" and not (real(f) and 1 <= f <= 1024):
+        raise ValueError(f"--rope-scaling {spec}: the factor must be a number from 1 to 1024, got {f!r}")
+    keys = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
+    for k, v in sc.items():
+        if k == "rope_type" or k == "truncate" and isinstance(v, bool):
+            continue
+        if k == "truncate":
+            raise ValueError(f"--rope-scaling {spec}: truncate must be true or false, got {v!r}")
+        if k not in keys:
+            raise ValueError(f"--rope-scaling {spec}: unknown key {k!r}; known: rope_type, truncate, "
+                             f"{', '.join(sorted(keys))}")
+        if not (real(v) and v > 0):
+            raise ValueError(f"--rope-scaling {spec}: {k} must be a finite number > 0, got {v!r}")
+    if sc["rope_type"] == "default":
+        return {}
+    for k, v in sc.items():   # one spelling per value: 4 and 4.0 are the same factor
+        if k not in ("rope_type", "truncate"):
+            sc[k] = int(v) if k == "original_max_position_embeddings" and v == int(v) else float(v)
+    if args is not None and sc["rope_type"] == "yarn":
+        sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
+    return sc
+
+
+def inv_freq(args) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies [head_dim // 2] (float32) and the cos/sin scaling factor."""
+    d, base, sc = args.head_dim, args.rope_theta, args.rope_scaling
+    freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rtype = sc.get("rope_type", "default")
+    if rtype == "linear":
+        return freq / sc["factor"], 1.0
+    if rtype == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > old_ctx / lo, freq / factor, freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
+    if rtype == "yarn":
+        # YaRN (Peng et al., 2023): interpolate slow dims, extrapolate fast ones, ramp between.
+        factor = sc["factor"]
+        orig = sc.get("original_max_position_embeddings") or args.max_position_embeddings
+
+        def mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        attn = sc.get("attention_factor")
+        if attn is None:
+            m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def corr_dim(rot):
+            return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr_dim(sc.get("beta_fast") or 32), corr_dim(sc.get("beta_slow") or 1)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap = 1 - ramp
+        return (freq / factor) * (1 - extrap) + freq * extrap, float(attn)
+    return freq, 1.0
