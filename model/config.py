@@ -145,7 +145,7 @@ class ModelArgs:
             inv_freq(args)
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             raise ValueError(f"config.json: RoPE {args.rope_parameters()} cannot be computed ({type(e).__name__}: "
-                             f"{e}); fix it there, or pass --rope-scaling") from None
+                             f"{e}); transformers cannot load it either: fix it in config.json") from None
         return args
 
     def with_rope_scaling(self, spec: str | None) -> ModelArgs:
