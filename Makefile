@@ -74,5 +74,6 @@ bench: install
 	$(PY) bench/plan.py
 	$(PY) bench/load.py
 
+# What `make demo` and the tests made; never runs/ itself, where train.py's default --out keeps your runs.
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs/demo runs/demo_assets .pytest_cache
