@@ -229,6 +229,10 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         acfg = json.load(f)
     scale = acfg["lora_alpha"] / (math.sqrt(acfg["r"]) if acfg.get("use_rslora") else acfg["r"])
     lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k)
+    if other:   # before anything is written
+        raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights ({', '.join(other[:3])}"
+                         f"{', ...' if len(other) > 3 else ''}): not a plain LoRA adapter this merge can apply")
     # "base_model.model.<name>.lora_A.weight" -> "<name>.weight"
     pairs = {}
     for k, v in lora.items():

@@ -295,8 +295,11 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
     md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
+    # (only LoRA's: a tied model's checkpoint also holds lm_head.weight, the embedding under its tied name, which
+    # DCP's ignore_frozen_params does not see as frozen; train.py's own export writes LoRA A and B alone)
     lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in md.state_dict_metadata.items() if k.startswith("model.") and hasattr(m, "size")}
+            for k, m in md.state_dict_metadata.items()
+            if k.startswith("model.") and hasattr(m, "size") and (".lora_A." in k or ".lora_B." in k)}
     with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it

@@ -624,6 +624,39 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
 
 
+def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path):
+    """A tied-embedding model's checkpoint also holds lm_head.weight (the embedding under its tied name): the adapter
+    exported from it is the run's own, bit for bit (LoRA A and B only), so model.merge takes it and --init-adapter
+    starts from it; merge refuses an adapter holding other tensors, naming them, before writing anything."""
+    from safetensors.torch import load_file, save_file
+
+    import train
+    from model import merge
+    from parallel.checkpoint import export
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import tiny_checkpoint
+
+    base = tmp_path / "tied"
+    tiny_checkpoint(base, vocab=len(make_tokenizer(base)), tie=True)
+    out = str(tmp_path / "run")
+    with one_thread():
+        train.main(train_argv({**assets, "model": str(base)}, out, "--steps", "2", "--save-every", "1"))
+    export(os.path.join(out, "ckpt"), str(tmp_path / "exp"))
+    got = load_file(str(tmp_path / "exp" / "adapter_model.safetensors"))
+    want = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), sorted(set(got) ^ set(want))
+    assert merge.main(["--adapter", str(tmp_path / "exp"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    with one_thread():
+        train.main(train_argv({**assets, "model": str(base)}, str(tmp_path / "init"), "--steps", "1",
+                              "--init-adapter", str(tmp_path / "exp")))
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "exp", bad)
+    save_file({**got, "base_model.model.lm_head.weight": torch.zeros(3, 3)}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds tensors that are not LoRA A/B weights \(base_model.model.lm_head"):
+        merge.main(["--adapter", str(bad), "--out", str(tmp_path / "merged2"), "--dtype", "fp32"])
+    assert not os.path.exists(tmp_path / "merged2"), "a refused merge wrote its --out"
+
+
 def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_path, capsys):
     import re
 
