@@ -83,6 +83,11 @@ def check_inputs(args) -> list[str]:
         if out == d or out.startswith(d + os.sep):
             errors.append(f"--out {args.out!r} is {'' if out == d else 'inside '}the {flag} directory; merging would "
                           "overwrite it")
+        elif d.startswith(out + os.sep):   # (--force would not make it safe: config.json and shards land beside it)
+            errors.append(f"--out {args.out!r} holds the {flag} directory; merging there would mix the merged model "
+                          "into it (a run's config.json replaced): pass a directory of its own")
+    if os.path.isfile(os.path.join(args.out, "metrics.jsonl")):
+        errors.append(f"--out {args.out!r} is a train.py run directory (metrics.jsonl); pass a directory of its own")
     if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
         from model.export import not_plain_lora
         try:

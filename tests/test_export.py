@@ -248,6 +248,12 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     before = {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)}
     assert "is the --model directory" in refused("--force", out=tmp_path / "link", model=base_copy)
     assert "is inside the --model directory" in refused(out=base_copy / "merged", model=base_copy)
+    # the run directory an adapter lies in (RUN/adapter), even with --force: the merge would replace its config.json
+    assert "holds the --adapter directory" in refused("--force", out=tmp_path)
+    run_like = tmp_path / "run_like"
+    run_like.mkdir()
+    (run_like / "metrics.jsonl").write_text("{}\n")
+    assert "is a train.py run directory (metrics.jsonl)" in refused("--force", out=run_like)
     assert {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)} == before, "the base was written"
     for key, value in (("use_dora", True), ("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2})):
         other = tmp_path / key
