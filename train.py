@@ -231,6 +231,9 @@ def main(argv=None):
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
+        if steps < args.warmup:   # a short run that never leaves warmup: said, not silent
+            log0(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
+                 f"{lr_at(steps - 1, args, args.schedule_steps or steps):.3g}, not --lr {args.lr:g}")
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")

@@ -624,10 +624,11 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
 
 
-def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path):
+def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path, capsys):
     """A tied-embedding model's checkpoint also holds lm_head.weight (the embedding under its tied name): the adapter
     exported from it is the run's own, bit for bit (LoRA A and B only), so model.merge takes it and --init-adapter
-    starts from it; merge refuses an adapter holding other tensors, naming them, before writing anything."""
+    starts from it; merge refuses an adapter holding other tensors, naming them, before writing anything. (And a run
+    shorter than its --warmup says where its LR peaks.)"""
     from safetensors.torch import load_file, save_file
 
     import train
@@ -648,7 +649,9 @@ def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, 
     assert merge.main(["--adapter", str(tmp_path / "exp"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     with one_thread():
         train.main(train_argv({**assets, "model": str(base)}, str(tmp_path / "init"), "--steps", "1",
-                              "--init-adapter", str(tmp_path / "exp")))
+                              "--init-adapter", str(tmp_path / "exp"), "--warmup", "4"))
+    assert "note: --warmup 4 is longer than the run's 1 steps: the LR peaks at 0.00025, not --lr 0.001" in \
+        capsys.readouterr().out
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "exp", bad)
     save_file({**got, "base_model.model.lm_head.weight": torch.zeros(3, 3)}, str(bad / "adapter_model.safetensors"))
