@@ -184,10 +184,14 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def resolve(path: str, *, warn=_warn) -> str:
-    """The readable step folder `path` names (see the contract); clear errors before any weight."""
+def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
+    """The readable step folder `path` names (see the contract); clear errors before any weight, naming `flag` (the
+    argument `path` came as) and what is there instead."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume {path!r} does not exist")
+        parent = os.path.dirname(os.path.normpath(path))
+        have = [os.path.basename(p) for _, p in reversed(_steps(parent))]
+        raise FileNotFoundError(f"{flag} {path!r} does not exist" + (f"; {parent!r} holds {', '.join(have)}" if have
+                                                                     else ""))
     m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
     if m or os.path.isfile(os.path.join(path, "meta.json")):
         why = problem(path)
@@ -195,12 +199,14 @@ def resolve(path: str, *, warn=_warn) -> str:
             return path
         prev = _previous_good(os.path.dirname(os.path.normpath(path)), int(m.group(1)) if m else None)
         raise ValueError(f"checkpoint {path!r} cannot be read: {why}. "
-                         + (f"The previous good one is {prev!r}: pass --resume {prev}" if prev else
+                         + (f"The previous good one is {prev!r}: pass {flag} {prev}" if prev else
                             "There is no earlier good checkpoint beside it"))
     latest = os.path.join(path, "latest")
     if not os.path.isfile(latest) and not _steps(path):
-        raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (expected a step_* folder with "
-                                "meta.json, or a ckpt folder with a 'latest' file)")
+        inner = os.path.join(path, "ckpt")   # a run directory given for its ckpt folder
+        raise FileNotFoundError(f"{flag} {path!r}: no checkpoint there (expected a step_* folder with meta.json, or a "
+                                "ckpt folder with a 'latest' file)" + (f"; pass {flag} {inner}" if os.path.isdir(inner)
+                                                                      else ""))
     newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
     why = problem(newest)
     if why is None:
@@ -290,7 +296,7 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
     from model.qlora import lora_config
     if not replace and (os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.isfile(out_dir)):
         raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")
-    path = resolve(path)
+    path = resolve(path, flag="checkpoint")
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")

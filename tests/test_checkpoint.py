@@ -149,6 +149,15 @@ def test_truncated_newest_falls_back_with_warning(tmp_path):
         checkpoint.resolve(ckpt)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint.resolve(str(tmp_path / "nope" / "ckpt"))
+    # a step that is not there names those that are; a run directory names its ckpt folder; the flag is the caller's
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.resolve(os.path.join(ckpt, "step_100"), flag="checkpoint")
+    assert str(e.value) == f"checkpoint {os.path.join(ckpt, 'step_100')!r} does not exist; {ckpt!r} holds " \
+        "step_000003, step_000004", str(e.value)
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.resolve(str(tmp_path))
+    assert str(e.value).startswith(f"--resume {str(tmp_path)!r}: no checkpoint there") and \
+        str(e.value).endswith(f"; pass --resume {ckpt}"), str(e.value)
 
 
 def test_nonfinite_weights_never_saved(tmp_path):
