@@ -40,7 +40,7 @@ from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, resume, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
-from parallel.plan_search import max_len_arg
+from parallel.plan_search import PLAN_FLAGS, max_len_arg
 from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -180,6 +180,9 @@ def main(argv=None):
     if "--plan" in argv:   # before the heavy imports below: config.json and arithmetic only
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
+    if given := [f for f in PLAN_FLAGS if any(x == f or x.startswith(f + "=") for x in argv)]:
+        raise ValueError(f"{', '.join(given)}: the planner's flag{'s' * (len(given) > 1)}, not a run's: add --plan "
+                         "(`train.py --plan --help` lists them)")
     parser = build_parser()
     args = parser.parse_args(argv)
     demo = args.model is None and args.data is None

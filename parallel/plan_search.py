@@ -132,6 +132,10 @@ def _budget(args, world):
     return ("cpu", *cpu_memory(world))
 
 
+PLAN_FLAGS = ("--suggest", "--gpu-mem", "--world-size", "--host-mem")   # the planner's own (parse_args); a run
+# given one is told so (train.py), not argparse's "unrecognized arguments"
+
+
 def parse_args(argv, run_parser, demo: dict):
     """The run's flags (`run_parser`, built with add_help=False) plus the planner's own; with neither
     --model nor --data, the run's demo defaults (its assets are built if missing), as a run would."""

@@ -510,3 +510,10 @@ def test_plan_and_a_refused_flag_import_no_peft_or_bitsandbytes():
     lines = r.stdout.splitlines()
     assert lines[-3].startswith("max_len ") and lines[-2].startswith("refused: --lr must be > 0"), lines[-4:]
     assert lines[-1] == "heavy: []", lines[-1]
+
+
+def test_a_run_given_planner_flags_is_told_to_add_plan():
+    with pytest.raises(ValueError) as e:
+        train.main(["--gpu-mem", "80", "--world-size=4", "--max-len", "1024"])
+    assert str(e.value) == ("--gpu-mem, --world-size: the planner's flags, not a run's: add --plan "
+                            "(`train.py --plan --help` lists them)"), str(e.value)
