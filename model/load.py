@@ -116,6 +116,9 @@ def _check_dir(path: str):
         raise FileNotFoundError(f"model directory {path!r} does not exist; pass --model a directory "
                                 "with config.json and *.safetensors")
     cfg = os.path.join(path, "config.json")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(cfg):
+        raise ValueError(f"--model {path!r} is a PEFT adapter, not a model: pass its base as --model (its "
+                         "adapter_config.json names it: base_model_name_or_path) and the adapter as --init-adapter")
     if not os.path.isfile(cfg):
         raise FileNotFoundError(f"{cfg!r} is missing: --model must be a Hugging Face checkpoint "
                                 "directory (config.json + *.safetensors)")
@@ -135,6 +138,9 @@ def read_args(path: str, rope_scaling: str | None = None) -> ModelArgs:
     """config.json's ModelArgs, with `--rope-scaling` in place of its RoPE scaling when given."""
     fn = _check_dir(path)
     cfg = _read_json(fn)
+    if "model_type" not in cfg and "global_batch" in cfg:   # OUT/config.json, train.py's own
+        raise ValueError(f"--model {path!r} is a train.py run directory, not a model: its base was --model "
+                         f"{cfg.get('model')!r}; its adapter is {os.path.join(path, 'adapter')!r} (--init-adapter)")
     try:
         args = ModelArgs.from_config_dict(cfg)
     except KeyError as e:

@@ -272,6 +272,20 @@ def test_config_keys_this_decoder_lacks_are_refused(edit, phrase):
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3", **edit})
 
 
+def test_a_run_directory_or_an_adapter_as_model_is_named_so(tmp_path):
+    """--model given train.py's OUT or OUT/adapter (JSON no checkpoint has): said so, with the flags to use."""
+    run, adapter = tmp_path / "run", tmp_path / "run" / "adapter"
+    adapter.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": "/ckpt/base", "global_batch": 8, "lora_r": 16}))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x"}))
+    with pytest.raises(ValueError, match=r"is a train.py run directory, not a model: its base was --model "
+                                         r"'/ckpt/base'; its adapter is .*run/adapter' \(--init-adapter\)"):
+        model.read_args(str(run))
+    with pytest.raises(ValueError, match=r"is a PEFT adapter, not a model: pass its base as --model .* and the "
+                                         r"adapter as --init-adapter"):
+        model.read_args(str(adapter))
+
+
 def test_unsupported_rope_type():
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "llama",
