@@ -624,27 +624,50 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
 
 
-def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path, capsys):
-    """A tied-embedding model's checkpoint also holds lm_head.weight (the embedding under its tied name): the adapter
-    exported from it is the run's own, bit for bit (LoRA A and B only), so model.merge takes it and --init-adapter
-    starts from it; merge refuses an adapter holding other tensors, naming them, before writing anything. (And a run
-    shorter than its --warmup says where its LR peaks.)"""
+def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path, capsys, monkeypatch):
+    """A tied-embedding model's checkpoint holds no copy of the embedding (lm_head.weight, its tied name), and one
+    written before that change (holding it) still resumes: both resumes train bit for bit as the uninterrupted run.
+    The adapter exported from either is the run's own, bit for bit (LoRA A and B only), so model.merge takes it and
+    --init-adapter starts from it; merge refuses an adapter holding other tensors, naming them, before writing
+    anything. (And a run shorter than its --warmup says where its LR peaks.)"""
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import train
     from model import merge
+    from parallel import checkpoint
     from parallel.checkpoint import export
     from tests.fixtures import make_tokenizer
     from tests.helpers import tiny_checkpoint
 
+    def keys(step_dir):
+        return set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+
     base = tmp_path / "tied"
     tiny_checkpoint(base, vocab=len(make_tokenizer(base)), tie=True)
-    out = str(tmp_path / "run")
+    argv = lambda out, *a: train_argv({**assets, "model": str(base)}, out, "--steps", "2", "--save-every", "1", *a)
+    out, old = str(tmp_path / "run"), str(tmp_path / "old")
     with one_thread():
-        train.main(train_argv({**assets, "model": str(base)}, out, "--steps", "2", "--save-every", "1"))
+        train.main(argv(out))
+        want = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))   # uninterrupted
+        with monkeypatch.context() as m:   # the checkpoints as written before: get_state_dict's whole model dict
+            m.setattr(checkpoint, "_state", lambda model, opt: dict(zip(("model", "optim"), get_state_dict(
+                model, opt, options=checkpoint.OPTS))))
+            train.main(argv(old))
+        assert "model.lm_head.weight" in keys(os.path.join(old, "ckpt", "step_000001")), "the old format, simulated"
+        for run_dir in (out, old):
+            train.main(argv(run_dir, "--resume", os.path.join(run_dir, "ckpt", "step_000001")))
+    for d in (out, old):
+        got = load_file(os.path.join(d, "adapter", "adapter_model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), \
+            f"{d}: the resumed run trained another adapter"
+    saved = keys(os.path.join(out, "ckpt", "step_000002"))
+    assert not [k for k in saved if k.startswith("model.") and ".lora_" not in k], sorted(saved)[:4]
+    export(os.path.join(old, "ckpt", "step_000001"), str(tmp_path / "exp1"))   # an old-format step: LoRA only
+    assert load_file(str(tmp_path / "exp1" / "adapter_model.safetensors")).keys() == want.keys()
     export(os.path.join(out, "ckpt"), str(tmp_path / "exp"))
     got = load_file(str(tmp_path / "exp" / "adapter_model.safetensors"))
-    want = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), sorted(set(got) ^ set(want))
     assert merge.main(["--adapter", str(tmp_path / "exp"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     with one_thread():
