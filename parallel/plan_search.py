@@ -40,9 +40,13 @@ def max_len_arg(text: str) -> int:
                                          "--max-len auto` with this run's other flags prints `max_len N` last; pass "
                                          "--max-len N")
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: a sample is truncated to --max-len tokens, so it must be at least 1 "
+                                         "(e.g. --max-len 4096)")
+    return n
 
 
 def _with(args, **kw):

@@ -76,16 +76,20 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
                              "is not one of its checkpoints: resuming there would mix two runs' results. "
                              "Pass a new --out, or --resume a checkpoint under this one")
         return
-    if not overwrite:
-        raise ValueError(f"--out {out!r} is not empty ({', '.join(used[:6])}{' ...' if len(used) > 6 else ''}). "
-                         f"Pass --resume {os.path.join(out, 'ckpt')} to continue it, --overwrite to replace "
-                         "its results, or a new --out")
+    listed = f"{', '.join(used[:6])}{' ...' if len(used) > 6 else ''}"
+    flag = "--overwrite refuses" if overwrite else "--out"   # (neither --resume nor --overwrite takes another's files)
     if not any(e in MARKERS for e in used):
-        raise ValueError(f"--overwrite refuses {out!r}: it holds {', '.join(used[:6])} but none of "
-                         f"{', '.join(MARKERS)}, so it is not a run directory. Pass a new --out")
+        raise ValueError(f"{flag} {out!r}: it holds {listed} but none of {', '.join(MARKERS)}, so it is not a "
+                         "train.py run directory and nothing here may replace those files. Pass a new --out")
     if why := _not_a_run(out, used):
-        raise ValueError(f"--overwrite refuses {out!r}: {why}, so it is not a run directory (a run's config.json "
-                         "is train.py's flags). Pass a new --out")
+        raise ValueError(f"{flag} {out!r}: {why}, so it is not a run directory (a run's config.json is train.py's "
+                         "flags). Pass a new --out")
+    if not overwrite:
+        ckpt = os.path.join(out, "ckpt")
+        cont = (f"Pass --resume {ckpt} to continue it, " if os.path.isdir(ckpt) and _entries(ckpt) else
+                "It saved no checkpoint to continue from. Pass ")
+        raise ValueError(f"--out {out!r} already holds a run ({listed}). {cont}--overwrite to replace its "
+                         "results, or a new --out")
 
 
 def _not_a_run(out: str, used: list[str]) -> str | None:

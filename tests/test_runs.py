@@ -77,14 +77,22 @@ def test_used_out_refused_and_untouched(tmp_path):
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"meow")
+    crashed = tmp_path / "crashed"   # a run killed before its first checkpoint
+    crashed.mkdir()
+    (crashed / "config.json").write_text('{"global_batch": 8}')
     before = _hashes(tmp_path)
-    _refused(lambda: runs.claim(out), f"--out {out!r} is not empty", "--resume", "--overwrite")
+    msg = _refused(lambda: runs.claim(out), f"--out {out!r} already holds a run", f"--resume {out}/ckpt",
+                   "--overwrite")
+    msg = _refused(lambda: runs.claim(str(foreign)), f"--out {str(foreign)!r}", "cat.jpg", "not a train.py run")
+    assert "--resume" not in msg and "--overwrite" not in msg, f"a user's folder was offered a flag that fails: {msg}"
+    msg = _refused(lambda: runs.claim(str(crashed)), "already holds a run", "saved no checkpoint", "--overwrite")
+    assert "--resume" not in msg, msg
     _refused(lambda: runs.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
     _refused(lambda: runs.claim(out, resume=os.path.join(other, "ckpt")), "would mix two runs")
     _refused(lambda: runs.claim(str(tmp_path / "afile")), "is a file", "directory")
     _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out", "NotADirectoryError")
     _refused(lambda: runs.claim(str(foreign), overwrite=True), "--overwrite refuses", "cat.jpg",
-             "not a run directory")
+             "not a train.py run directory")
     assert _hashes(tmp_path) == before, "a refusal changed files"
 
 
@@ -159,7 +167,7 @@ def test_claim_agrees_across_ranks(tmp_path):
     assert got[0]["fresh"] == got[1]["fresh"], f"ranks disagree on the fresh dir: {got}"
     assert os.listdir(str(tmp_path / "runs")) == [os.path.basename(got[0]["fresh"])], "more than one dir made"
     for r in (0, 1):
-        assert "is not empty" in got[r].get("refusal", ""), f"rank {r} did not raise the refusal: {got[r]}"
+        assert "already holds a run" in got[r].get("refusal", ""), f"rank {r} did not raise the refusal: {got[r]}"
 
 
 CKPT = dict(model="/m", quant="nf4", dtype=None, data="d.jsonl", max_len=256, seed=0, global_batch=8, lora_r=16,

@@ -495,14 +495,19 @@ def test_four_rank_startup_errors(four, label):
         assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
 
 
-def test_startup_errors_before_weights(assets, tmp_path):
+def test_startup_errors_before_weights(assets, tmp_path, capsys):
+    import train
+
     out = str(tmp_path / "out")
+    with no_weights(), pytest.raises(SystemExit):   # argparse's: a run's and the planner's --max-len
+        train.main(train_argv(assets, out, "--max-len", "0"))
+    err = capsys.readouterr().err
+    assert "argument --max-len: 0: a sample is truncated to --max-len tokens, so it must be at least 1" in err, err
     cases = {
         "world size": (["--dp-shard", "2"], ["--dp-shard 2", "= 2 but the world size is 1"]),
         "global batch": (["--global-batch", "6", "--micro-batch", "4"],
                          ["--global-batch 6 must be a multiple of --micro-batch 4", "= 4", "--global-batch 4 or 8"]),
         "lr": (["--lr", "0"], ["--lr must be > 0, got 0.0"]),
-        "max-len": (["--max-len", "0"], ["--max-len 0 is shorter than the CP divisor 1"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
