@@ -32,6 +32,24 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXX
 KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
 
 
+# Keys other formats use for this reader's (Alpaca, ShareGPT, preference data): never read, but named in the error,
+# since a line holding them is almost always a file in another format, not a typo.
+ALIASES = {"prompt": ("instruction", "question", "query", "input"), "completion": ("response", "output", "answer"),
+           "messages": ("conversations", "conversation")}
+
+
+def _alias_hint(obj: dict, want: tuple[str, ...]) -> str:
+    """' (this line has "response": rename it "completion" ...)' for keys of `want` that `obj` spells another way."""
+    found = {k: [a for a in ALIASES[k] if a in obj] for k in want if k not in obj}
+    found = {k: a for k, a in found.items() if a}
+    if not found:
+        return ""
+    q = lambda keys: " and ".join(f'"{a}"' for a in keys)
+    renames = ", ".join(f'rename {q(a)} to "{k}"' if len(a) == 1 else f'join {q(a)} into one "{k}" string'
+                        for k, a in found.items())
+    return f"; this line has {q(sum(found.values(), []))}, which this reader does not read: {renames}"
+
+
 class DataError(ValueError):
     """A data file or record that cannot be used; the message says where and how to fix it."""
 
@@ -50,7 +68,9 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
             raise line_error(path, n, f"message {i} must be an object, got {type(msg).__name__}")
         for key in ("role", "content"):
             if key not in msg:
-                raise line_error(path, n, f'message {i} has no "{key}"')
+                share = ' (ShareGPT\'s "from"/"value" are not read: use "role" and "content", roles "user" and ' \
+                        '"assistant")' if {"from", "value"} & set(msg) else ""
+                raise line_error(path, n, f'message {i} has no "{key}"{share}')
             if not isinstance(msg[key], str):
                 raise line_error(
                     path, n, f'message {i} "{key}" must be a string, got {type(msg[key]).__name__}'
@@ -109,7 +129,7 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
         for key in ("prompt", "completion"):
             if not isinstance(obj.get(key), str):
                 got = "nothing" if key not in obj else type(obj[key]).__name__
-                raise line_error(path, n, f'"{key}" must be a string, got {got}')
+                raise line_error(path, n, f'"{key}" must be a string, got {got}{_alias_hint(obj, (key,))}')
             if not obj[key].strip():
                 raise line_error(path, n, f'"{key}" is empty' + (' (a record that is all target is {"text": ...})'
                                                                  if key == "prompt" else ""))
@@ -125,7 +145,8 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
         _check_messages(obj["messages"], path, n)
         return {"line": n, "messages": obj["messages"]}
     keys = sorted(obj)[:8]
-    raise line_error(path, n, f'has none of "text", "prompt"/"completion", "messages" (keys: {keys})')
+    raise line_error(path, n, f'has none of "text", "prompt"/"completion", "messages" (keys: {keys})'
+                              + _alias_hint(obj, ("prompt", "completion", "messages")))
 
 
 def check_file(path: str | Path, flag: str = "data file") -> Path:

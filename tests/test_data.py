@@ -410,7 +410,17 @@ BAD_LINES = [
     ('{"messages": ["hi"]}', "message 0 must be an object"),
     ('{"messages": [{"content": "hi"}]}', 'message 0 has no "role"'),
     ('{"messages": [{"role": "user", "content": 3}]}', 'message 0 "content" must be a string'),
-    ('{"messages": [{"from": "human", "value": "hi"}]}', 'message 0 has no "role"'),
+    ('{"messages": [{"from": "human", "value": "hi"}]}', 'message 0 has no "role" (ShareGPT\'s "from"/"value" are '
+     'not read: use "role" and "content"'),
+    ('{"prompt": "q", "response": "a"}', '"completion" must be a string, got nothing; this line has "response", '
+     'which this reader does not read: rename "response" to "completion"'),
+    ('{"instruction": "q", "input": "ctx", "output": "a"}', 'has none of "text", "prompt"/"completion", "messages" '
+     "(keys: ['input', 'instruction', 'output']); this line has \"instruction\" and \"input\" and \"output\", "
+     'which this reader does not read: join "instruction" and "input" into one "prompt" string, rename "output" '
+     'to "completion"'),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}', 'has none of "text", "prompt"/"completion", '
+     '"messages" (keys: [\'conversations\']); this line has "conversations", which this reader '
+     'does not read: rename "conversations" to "messages"'),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}',
      'no message has role "assistant"'),
     ('{"text": "cut \\ud83d here"}', r"has a lone UTF-16 surrogate escape (\ud83d at column 15: half of a pair"),
