@@ -14,8 +14,9 @@ answer (its last assistant turn; the completion), and the greedy answers of
 Nothing here uses the trainer's model code: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
 round trip (bitsandbytes quantize + dequantize, the trainer's block size), i.e. exactly the base
-the adapter was trained against. Exit status 1 when no answer matches (`--check`), so a script
-can assert the demo learned.
+the adapter was trained against. Exit status 1 when a tuned answer is wrong (`--check`), so a script
+can assert the demo learned; 2, with the way out, for a directory it cannot compare (no config.json, a run
+without --eval-data, no adapter/ yet), checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -83,10 +84,18 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     hf_logging.disable_progress_bar()  # a "Loading weights" bar for a 14 MB file
     # peft asks transformers a deprecated question when it wraps the model; not the user's to fix
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    with open(os.path.join(run_dir, "config.json")) as f:
+    cfg_path, adapter = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "adapter")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{run_dir!r} has no config.json: pass a train.py run's --out directory")
+    with open(cfg_path) as f:
         cfg = json.load(f)
     if not cfg.get("eval_data"):
-        raise ValueError(f"{run_dir}/config.json names no eval_data: pass a run made with --eval-data")
+        raise ValueError(f"{cfg_path} names no eval_data (the run had no --eval-data): the prompts come from a "
+                         "run's held-out file; train with --eval-data FILE")
+    if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise ValueError(f"{run_dir!r} has no adapter/ yet (the run has not finished): finish it with --resume "
+                         f"{os.path.join(run_dir, 'ckpt')}, or export a checkpoint's with `python -m parallel."
+                         f"checkpoint {os.path.join(run_dir, 'ckpt')} --out {adapter}`")
     recs = [r for r in load_jsonl(cfg["eval_data"]) if "messages" in r or "prompt" in r][:n]
     if not recs:
         raise ValueError(f"{cfg['eval_data']} has no chat or prompt/completion records to prompt with")
@@ -111,7 +120,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"].strip()})
     for r in rows:
         r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
-    tuned = PeftModel.from_pretrained(model, os.path.join(run_dir, "adapter"))
+    tuned = PeftModel.from_pretrained(model, adapter)
     tuned.eval()
     for r in rows:
         r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
@@ -125,7 +134,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=40, help="greedy decoding length limit")
     p.add_argument("--check", action="store_true", help="exit 1 unless every tuned answer is the expected one")
     args = p.parse_args(argv)
-    rows = compare(args.run_dir, args.n, args.max_new_tokens)
+    if args.n < 1 or args.max_new_tokens < 1:
+        p.error(f"--n {args.n} and --max-new-tokens {args.max_new_tokens} must both be at least 1")
+    try:
+        rows = compare(args.run_dir, args.n, args.max_new_tokens)
+    except ValueError as e:   # (DataError too): what is wrong and the way out, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"before/after on {len(rows)} held-out prompts (greedy; transformers, then peft with "
           f"{os.path.join(args.run_dir, 'adapter')}):")
     for r in rows:

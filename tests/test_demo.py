@@ -229,6 +229,27 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
     assert {d for _, _, d in seen} == {"2024-07-26"}, "not the run's template_date"   # (rendered: test_data)
 
 
+def test_compare_refuses_what_it_cannot_compare_before_loading_a_model(tmp_path, capsys):
+    import data.demo_compare as dc
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cases = [({}, "has no config.json: pass a train.py run's --out directory"),
+             ({"model": "m", "eval_data": None}, "names no eval_data (the run had no --eval-data)"),
+             ({"model": "m", "eval_data": str(tmp_path / "e.jsonl")},
+              f"has no adapter/ yet (the run has not finished): finish it with --resume {run}/ckpt")]
+    for cfg, phrase in cases:
+        if cfg:
+            (run / "config.json").write_text(json.dumps(cfg))
+        assert dc.main([str(run)]) == 2, cfg
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and phrase in err and "Traceback" not in err, (cfg, err)
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    assert dc.main([str(run)]) == 2   # an eval file that is not there: the data reader's own message
+    assert f"{tmp_path / 'e.jsonl'}" in capsys.readouterr().err
+
+
 def test_demo_as_shipped_learns_the_task(demo, tmp_path):
     """`python train.py` with the embedded DEMO settings (1 process: the same losses as make demo's 4
     ranks, which test_train pins for every layout), judged as the issue states it: training loss, held-out
