@@ -63,6 +63,24 @@ def _same_path(a, b) -> bool:
         return False
 
 
+def _template_diff(ckpt_args: dict, args: dict) -> str:
+    """The --chat-template difference as the flag to pass (runs keep the template's text, not its name)."""
+    from data.templates import TEMPLATES
+
+    def said(text, spec):
+        if text is None:
+            return "the model's own template (no --chat-template)"
+        name = next((n for n, t in TEMPLATES.items() if t == text), None)
+        return f"--chat-template {name}" if name else f"--chat-template {spec!r} ({len(text)} characters)"
+    had = ckpt_args["chat_template_text"]
+    name = next((n for n, t in TEMPLATES.items() if t == had), None)
+    fix = ("drop --chat-template" if had is None else f"pass --chat-template {name}" if name else
+           f"pass --chat-template with a file holding the text of args.chat_template_text in the checkpoint's "
+           f"meta.json (its run read {ckpt_args.get('chat_template')!r})")
+    return (f"--chat-template: the checkpoint's run rendered its chats with {said(had, ckpt_args.get('chat_template'))}"
+            f", this run with {said(args.get('chat_template_text'), args.get('chat_template'))}: {fix}")
+
+
 def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -> None:
     """Refuse a resume whose run-defining flags differ from the checkpoint's; name each difference.
 
@@ -77,6 +95,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
             continue
         if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
+            continue
+        if k == "chat_template_text" and ckpt_args[k] != args.get(k):
+            diffs.append(_template_diff(ckpt_args, args))
             continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "

@@ -967,8 +967,18 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     eos = json.load(open(tmp_path / "merged" / "generation_config.json"))["eos_token_id"]
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos and tok.eos_token_id in eos, eos
     msg = startup_error(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
-    assert "--chat-template (its text): the checkpoint has \"{%- for message in messages" in msg and "this run None" \
-        in msg, msg
+    assert "--chat-template: the checkpoint's run rendered its chats with --chat-template chatml, this run with the " \
+        "model's own template (no --chat-template): pass --chat-template chatml" in msg, msg
+    msg = startup_error(train_argv(assets, a, "--steps", "2", "--resume", os.path.join(a, "ckpt"), "--chat-template",
+                                   "chatml"))
+    assert "rendered its chats with the model's own template (no --chat-template), this run with --chat-template " \
+        "chatml: drop --chat-template" in msg, msg
+    (tmp_path / "mine.jinja").write_text(TEMPLATES["chatml"] + " ")
+    run(train_argv(assets, str(tmp_path / "f"), "--steps", "1", "--chat-template", str(tmp_path / "mine.jinja")))
+    msg = startup_error(train_argv(assets, str(tmp_path / "f"), "--steps", "2", "--resume",
+                                   str(tmp_path / "f" / "ckpt"), "--chat-template", "chatml"))
+    assert f"rendered its chats with --chat-template {str(tmp_path / 'mine.jinja')!r} (" in msg and "pass " \
+        "--chat-template with a file holding the text of args.chat_template_text in the checkpoint's meta.json" in msg
     (tmp_path / "same.jinja").write_text(TEMPLATES["chatml"])   # the same text under another name: the same run
     run(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt"), "--chat-template",
                    str(tmp_path / "same.jinja")))
