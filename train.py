@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
 from data.templates import parse_day
-from loss import IGNORE_INDEX
+from loss import IGNORE_INDEX, describe_loss
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, resume, runs
@@ -189,6 +189,7 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
+    args.loss = describe_loss(LOSS_FN)   # recorded as a flag: a resume with another loss is refused
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter, init_adapter_note
@@ -212,7 +213,7 @@ def main(argv=None):
         preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        log0(f"layout: {dims}\nloss: {LOSS_FN or 'cross-entropy'}")
+        log0(f"layout: {dims}\nloss: {args.loss.splitlines()[0]}")
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text),
                      resume.schedule_note(ckpt, args.schedule_steps or args.steps)):

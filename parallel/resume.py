@@ -23,7 +23,7 @@ from model.load import hub_snapshot
 # flags that change the math of the steps still to come: a resume must keep them
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
-                "chat_template_text", "data_sha256", "template_date")
+                "chat_template_text", "data_sha256", "template_date", "loss")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -99,8 +99,14 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))
             continue
+        if k == "loss" and k in ckpt_args and ckpt_args[k] != args.get(k):
+            line = lambda v: repr(v if len(v := str(v).splitlines()[0]) <= 200 else v[:200] + " ...")
+            diffs.append(f"the loss (train.py's LOSS_FN): the checkpoint's run trained with {line(ckpt_args[k])}, "
+                         f"this run with {line(args.get(k))}: restore its LOSS_FN (the same loss spelled otherwise: "
+                         "give the function loss_name = that text)")
+            continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
-            flag = {"chat_template_text": "--chat-template (its text)", "data_sha256": "--data's bytes (sha256: the "
+            flag = {"data_sha256": "--data's bytes (sha256: the "
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
                     }.get(k, "--" + k.replace("_", "-"))
             show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"

@@ -265,3 +265,41 @@ def test_custom_loss_fn_frozen_weight_not_saved():
     assert weight.untyped_storage().data_ptr() not in saved   # not even inside the per-chunk graphs
     kept = [t for t in out[0].grad_fn.saved_tensors if t is not None]
     assert len(kept) == 1 and kept[0].shape == h.shape, "frozen weight: only grad_hidden is kept for backward"
+
+
+def smoothed(z, y, eps=0.1):
+    return F.cross_entropy(z, y, reduction="sum", label_smoothing=eps)
+
+
+def test_describe_loss_tells_losses_apart_and_is_the_same_in_every_process():
+    """What a run records as its loss (a resume must match it): the source text of LOSS_FN, so two functions of one
+    name but other code differ; no memory address, so another interpreter describes the same code alike."""
+    import functools
+    import subprocess
+    import sys
+
+    from loss import describe_loss
+
+    assert describe_loss(None) == "cross-entropy"
+    got = describe_loss(smoothed)
+    assert got.startswith("tests.test_loss.smoothed: def smoothed(z, y, eps=0.1):") and "label_smoothing" in got, got
+    one, two = (lambda z, y: z.sum()), (lambda z, y: (z.sum()
+                                                      * 2))
+    assert describe_loss(one).endswith(": lambda z, y: z.sum()"), describe_loss(one)
+    assert describe_loss(two).endswith(": lambda z, y: z.sum() * 2"), describe_loss(two)
+
+    def scaled(k):
+        return lambda z, y: z.sum() * k
+    assert describe_loss(scaled(2)).endswith("lambda z, y: z.sum() * k (reading {'k': 2})"), describe_loss(scaled(2))
+    assert describe_loss(scaled(2)) != describe_loss(scaled(3)), "one closure's constants not told apart"
+    p = describe_loss(functools.partial(smoothed, eps=0.2))
+    assert p.startswith("partial(tests.test_loss.smoothed: ") and p.endswith("keywords={'eps': 0.2})"), p
+    assert "0x" not in p, p
+    named = lambda z, y: z.sum()   # noqa: E731
+    named.loss_name = "cross-entropy"
+    assert describe_loss(named) == "cross-entropy"
+    assert describe_loss(torch.sum).endswith(".sum") and "0x" not in describe_loss(torch.sum)   # no source kept
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", "from loss import describe_loss; from tests.test_loss import smoothed; "
+                        "print(describe_loss(smoothed))"], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip() == got, r.stdout + r.stderr

@@ -150,9 +150,20 @@ def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monk
     assert "in use by a live run" in msg and f"pid {os.getpid()}" in msg, msg
 
 
-def test_resume_refuses_changed_run_flags(assets, done):
+def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
+    """...and another loss: train.py's LOSS_FN is recorded in config.json and every checkpoint as a flag is."""
+    import train
+
     ckpt = os.path.join(done, "ckpt")
     before = tree_hash(done)
+    assert json.load(open(os.path.join(done, "config.json")))["loss"] == "cross-entropy"
+    with monkeypatch.context() as m:
+        m.setattr(train, "LOSS_FN", lambda z, y: F.cross_entropy(z, y, reduction="sum", label_smoothing=0.1))
+        msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt))
+    assert "the loss (train.py's LOSS_FN): the checkpoint's run trained with 'cross-entropy', this run with " \
+           "'tests.test_train_runs." \
+           "test_resume_refuses_changed_run_flags.<locals>.<lambda>: lambda z, y: F.cross_entropy(z, y, reduction=" \
+           "\"sum\", label_smoothing=0.1)': restore its LOSS_FN" in msg, msg
     msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--lora-r", "8"))
     assert "--lora-r" in msg and "4" in msg and "8" in msg, msg
     msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--seed", "7"))
@@ -245,6 +256,7 @@ def _crash_at(monkeypatch, call: int, nan_calls=()):
         loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
         return loss * math.nan if n["calls"] in nan_calls else loss
 
+    loss_fn.loss_name = "cross-entropy"   # the default's loss, instrumented: it may resume a default run's checkpoint
     monkeypatch.setattr(train, "LOSS_FN", loss_fn)
 
 
