@@ -121,6 +121,15 @@ def _fixes(args, margs, world, target, mem, host):
     return out
 
 
+def _not_tried(args) -> str:
+    """When no single change fits: the memory flags this run does not use yet (to combine), then the rest."""
+    off = [f for f, on in (("--ac", args.ac), ("--quant nf4", args.quant == "nf4"), ("--tiled-mlp", args.tiled_mlp),
+                           ("--tiled-attn", args.tiled_attn or args.cp > 1),
+                           ("--offload-activations", args.offload_activations)) if not on]
+    first = f"combine {', '.join(off)}" if len(off) > 1 else f"add {off[0]}" if off else "every memory flag is on"
+    return f"{first}; lower --max-len, or use more ranks (a larger --cp) or devices with more memory"
+
+
 def _budget(args, world):
     """(target, bytes per rank, what they are): --gpu-mem, else this process's CUDA device, else this machine's RAM
     over its local ranks (LOCAL_WORLD_SIZE, else `world`)."""
@@ -265,7 +274,7 @@ def main(argv, run_parser, demo: dict):
         rows = [f"  {_flags(a, d):<58} {p.total / GB:7.1f} GB  {d}" for a, d, p in plans if _fits(p, mem, host)]
         print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
         if not rows:
-            raise SystemExit(f"no layout of {world} ranks fits; try --ac, --quant nf4, a lower --max-len or more ranks")
+            raise SystemExit(f"no layout of {world} ranks fits: {_not_tried(args)}")
         return rows
     dims, pack = validate(args, margs, world)   # a ValueError, as in the run: train.py prints "error: <fix>"
     if args.fast:   # the plan of the flags the run would add (train.py --fast)
@@ -298,8 +307,7 @@ def main(argv, run_parser, demo: dict):
         why = (f"{p.total / GB:.1f} GB planned > {where}" if p.total > mem else
                f"{p.host / GB:.1f} GB of offloaded checkpoints > --host-mem {host / GB:.0f} GB per rank")
         raise SystemExit(f"does not fit: {why}.\nWhat to change: "
-                         + ("; ".join(fixes) if fixes else "no single change fits: raise --cp and enable --ac, "
-                            "use --quant nf4, lower --max-len, or use more ranks / larger devices"))
+                         + ("; ".join(fixes) if fixes else f"no single change fits: {_not_tried(args)}"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))
     if (fewer := fewest_ac_blocks(args, margs, dims, target, mem, host, pack)) is not None:
         n, q = fewer

@@ -313,7 +313,12 @@ def test_plan_does_not_fit_names_the_fix():
     with pytest.raises(SystemExit) as exc:
         run_plan(*common, "--gpu-mem", "0.001")
     assert exc.value.code != 0 and "does not fit" in str(exc.value.code)
-    assert "no single change fits" in str(exc.value.code) and "raise --cp" in str(exc.value.code)
+    msg = str(exc.value.code)   # it names the memory flags not on yet, and only those
+    assert "no single change fits: combine --tiled-mlp, --tiled-attn, --offload-activations; lower --max-len" in msg
+    with pytest.raises(SystemExit) as exc:
+        run_plan(*common, "--gpu-mem", "0.001", "--tiled-mlp", "--offload-activations", "--cp", "2", "--dp-shard", "2")
+    msg = str(exc.value.code)
+    assert "no single change fits: every memory flag is on; lower --max-len, or use more ranks (a larger --cp)" in msg
     plan, out = run_plan(*common, "--gpu-mem", "80", "--cp", "2", "--dp-shard", "2")
     assert "fits: " in out and "base weights shard" in out and plan.total < 80e9
 
