@@ -94,6 +94,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
             continue
+        if k == "data_sha256" and ckpt_args.get(k) is None:   # a demo run's (it builds its files): not known, so a
+            continue   # resume naming the demo's files is the same run, as one without them is
         if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
             continue
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):

@@ -202,6 +202,9 @@ def test_check_resume_names_each_difference():
     msg = _refused(lambda: resume.check_resume(CKPT, {**CKPT, "seed": 3, "lora_r": 4}), "--seed", "--lora-r")
     assert "--cp" in msg, "the message should say which layout flags may change"
     _refused(lambda: resume.check_resume(CKPT, {**CKPT, "steps": 3}, ckpt_step=4), "--steps 3", "step 4")
+    _refused(lambda: resume.check_resume({**CKPT, "data_sha256": "aa"}, {**CKPT, "data_sha256": "ab"}),
+             "--data's bytes (sha256: the file changed")
+    resume.check_resume({**CKPT, "data_sha256": None}, {**CKPT, "data_sha256": "ab"})   # a demo run's: not recorded
 
 
 def test_metrics_strict_json_and_resume_truncation(tmp_path):
