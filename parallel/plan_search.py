@@ -126,7 +126,11 @@ def _not_tried(args) -> str:
     off = [f for f, on in (("--ac", args.ac), ("--quant nf4", args.quant == "nf4"), ("--tiled-mlp", args.tiled_mlp),
                            ("--tiled-attn", args.tiled_attn or args.cp > 1),
                            ("--offload-activations", args.offload_activations)) if not on]
+    drop = [f for f, on in (("--ac-blocks", args.ac_blocks is not None), ("--ac-keep-attn", args.ac_keep_attn)) if on]
+    if "--ac-keep-attn" in drop:   # --tiled-attn and offload refuse it
+        off = [f + " (without --ac-keep-attn)" if f in ("--tiled-attn", "--offload-activations") else f for f in off]
     first = f"combine {', '.join(off)}" if len(off) > 1 else f"add {off[0]}" if off else "every memory flag is on"
+    first += f", and drop {' and '.join(drop)}" if drop else ""
     return f"{first}; lower --max-len, or use more ranks (a larger --cp) or devices with more memory"
 
 

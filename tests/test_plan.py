@@ -319,6 +319,11 @@ def test_plan_does_not_fit_names_the_fix():
         run_plan(*common, "--gpu-mem", "0.001", "--tiled-mlp", "--offload-activations", "--cp", "2", "--dp-shard", "2")
     msg = str(exc.value.code)
     assert "no single change fits: every memory flag is on; lower --max-len, or use more ranks (a larger --cp)" in msg
+    with pytest.raises(SystemExit) as exc:
+        run_plan(*common, "--gpu-mem", "0.001", "--ac-keep-attn", "--ac-blocks", "2")
+    msg = str(exc.value.code)
+    assert "combine --tiled-mlp, --tiled-attn (without --ac-keep-attn), --offload-activations (without " \
+           "--ac-keep-attn), and drop --ac-blocks and --ac-keep-attn; lower --max-len" in msg, msg
     plan, out = run_plan(*common, "--gpu-mem", "80", "--cp", "2", "--dp-shard", "2")
     assert "fits: " in out and "base weights shard" in out and plan.total < 80e9
 
