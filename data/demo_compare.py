@@ -93,9 +93,11 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         raise ValueError(f"{cfg_path} names no eval_data (the run had no --eval-data): the prompts come from a "
                          "run's held-out file; train with --eval-data FILE")
     if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
-        raise ValueError(f"{run_dir!r} has no adapter/ yet (the run has not finished): finish it with --resume "
-                         f"{os.path.join(run_dir, 'ckpt')}, or export a checkpoint's with `python -m parallel."
-                         f"checkpoint {os.path.join(run_dir, 'ckpt')} --out {adapter}`")
+        ckpt = os.path.join(run_dir, "ckpt")
+        raise ValueError(f"{run_dir!r} has no adapter/ yet (the run has not finished): " + (
+            f"finish it with --resume {ckpt}, or export a checkpoint's with `python -m parallel.checkpoint {ckpt} "
+            f"--out {adapter}`" if os.path.isfile(os.path.join(ckpt, "latest")) else
+            "it saved no checkpoint either; rerun it"))
     recs = [r for r in load_jsonl(cfg["eval_data"]) if "messages" in r or "prompt" in r][:n]
     if not recs:
         raise ValueError(f"{cfg['eval_data']} has no chat or prompt/completion records to prompt with")

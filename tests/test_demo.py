@@ -237,8 +237,13 @@ def test_compare_refuses_what_it_cannot_compare_before_loading_a_model(tmp_path,
     cases = [({}, "has no config.json: pass a train.py run's --out directory"),
              ({"model": "m", "eval_data": None}, "names no eval_data (the run had no --eval-data)"),
              ({"model": "m", "eval_data": str(tmp_path / "e.jsonl")},
+              "has no adapter/ yet (the run has not finished): it saved no checkpoint either; rerun it"),
+             ({"model": "m", "eval_data": str(tmp_path / "e.jsonl"), "ckpt": True},
               f"has no adapter/ yet (the run has not finished): finish it with --resume {run}/ckpt")]
     for cfg, phrase in cases:
+        if cfg.pop("ckpt", False):
+            (run / "ckpt").mkdir()
+            (run / "ckpt" / "latest").write_text("step_000001")
         if cfg:
             (run / "config.json").write_text(json.dumps(cfg))
         assert dc.main([str(run)]) == 2, cfg
