@@ -42,6 +42,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from parallel.guard import NonFiniteError, on_rank0
@@ -277,7 +278,13 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     state = _state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:   # noqa: BLE001 - name the folder and the way out, keep the cause
+    except (Exception, CheckpointException) as e:   # noqa: BLE001 - the folder and the way out, the cause kept
+        # (DCP's CheckpointException is a BaseException, not an Exception)
+        if re.search(r"Missing key in checkpoint state_dict: optim\.", str(e)):   # not a damaged folder
+            raise ValueError(f"checkpoint {path!r} was saved with another optimizer than train.py's make_optimizer "
+                             f"builds ({str(e).strip().splitlines()[-1][:200]}): resume with the one it was saved "
+                             "with, or start a fresh run from its adapter (`python -m parallel.checkpoint` writes a "
+                             "step's; --init-adapter takes it)") from None
         prev = _previous_good(os.path.dirname(os.path.normpath(path)), read_meta(path)["step"])
         raise ValueError(f"checkpoint {path!r} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
                          + (f"; the previous good one is {prev!r}: pass --resume {prev}" if prev else "")) from e

@@ -93,6 +93,21 @@ def test_round_trip_and_keep(tmp_path):
         checkpoint.save(ckpt, m, opt, 5, keep=0)
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_as_such(tmp_path):
+    """A fork that swapped AdamW for SGD with momentum, resuming a checkpoint from before the optimizer was recorded:
+    a ValueError saying so (DCP's own CheckpointException is a BaseException, which got past the message)."""
+    ckpt = str(tmp_path / "ckpt")
+    m, opt = _trained(1)
+    checkpoint.save(ckpt, m, opt, 1, {"args": {}})
+    fresh, _ = _trained(2)
+    sgd = torch.optim.SGD([fresh.lora.weight], lr=1e-2, momentum=0.9)
+    fresh.lora.weight.sum().backward()
+    sgd.step()   # (its state exists: momentum_buffer)
+    with pytest.raises(ValueError, match=r"was saved with another optimizer than train.py's make_optimizer builds "
+                                         r"\(.*momentum.*\): resume with the one it was saved with"):
+        checkpoint.load(ckpt, fresh, sgd)
+
+
 def test_killed_resave_leaves_latest_intact(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     m, opt = _trained(1)
