@@ -51,47 +51,6 @@ CHUNK_BYTES = 256 * 2**20
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def describe_loss(fn: LossFn | None) -> str:
-    """How a run records its loss (config.json, every checkpoint; a resume must keep it): "cross-entropy" for None,
-    else the function's module.qualname and its code as text (a lambda: its own expression, even beside another on
-    one line), with the numbers and strings it reads from its closure or module (`eps = 0.1`), so an edited LOSS_FN
-    of a fork is a different loss; functools.partial adds its arguments. Nothing holding a memory address: the same
-    code describes alike in every process. A function with a `loss_name` string attribute records that instead: name
-    two functions alike when they are the same loss in another spelling (a refactor, an instrumented copy)."""
-    import functools
-    import inspect
-    import textwrap
-
-    if fn is None:
-        return "cross-entropy"
-    if isinstance(getattr(fn, "loss_name", None), str):
-        return fn.loss_name
-    if isinstance(fn, functools.partial):
-        return f"partial({describe_loss(fn.func)}, args={fn.args!r}, keywords={fn.keywords!r})"
-    name = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
-    try:
-        lines, first = inspect.getsourcelines(fn)
-    except (OSError, TypeError):   # a builtin, or defined where no source is kept (python -c)
-        return name
-    src = textwrap.dedent("".join(lines)).strip()
-    code = getattr(fn, "__code__", None)
-    if fn.__name__ == "<lambda>" and hasattr(code, "co_positions"):   # (3.11+) the lambda's span, not its line's
-        spans = [p for p in code.co_positions() if None not in p and (p[1], p[3]) > (p[0], p[2])]
-        if spans:
-            (l0, c0), (l1, c1) = min((p[0], p[2]) for p in spans), max((p[1], p[3]) for p in spans)
-            body = lines[l0 - first:l1 - first + 1]
-            body = "".join(body)[c0:len("".join(body)) - len(body[-1]) + c1]
-            src = f"lambda {', '.join(code.co_varnames[:code.co_argcount])}: {' '.join(body.split())}"
-    try:
-        seen = inspect.getclosurevars(fn)
-        consts = {k: v for k, v in sorted({**seen.globals, **seen.nonlocals}.items())
-                  if isinstance(v, (int, float, str, bool, type(None))) or
-                  isinstance(v, tuple) and all(isinstance(x, (int, float, str, bool)) for x in v)}
-    except TypeError:
-        consts = {}
-    return f"{name}: {src}" + (f" (reading {consts})" if consts else "")
-
-
 def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
     """Rows per chunk: floor(budget_bytes / (4 * vocab)), clamped to [1, n_tokens]."""
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
 from data.templates import parse_day
-from loss import IGNORE_INDEX, describe_loss
+from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, resume, runs
@@ -42,6 +42,7 @@ from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.plan_search import PLAN_FLAGS, max_len_arg
 from parallel.profiler import StepProfiler
+from parallel.recorded import describe_code, describe_optimizer
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
@@ -139,6 +140,11 @@ def build_parser(add_help=True):
     return p
 
 
+def make_optimizer(params, args):
+    """The optimizer; a fork's goes here (its class and settings are recorded: a resume must keep them)."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+
+
 def lr_at(step, args, total):
     """Linear warmup, then cosine decay to 10% of --lr."""
     if step < args.warmup:
@@ -189,7 +195,9 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
-    args.loss = describe_loss(LOSS_FN)   # recorded as a flag: a resume with another loss is refused
+    args.loss, args.schedule = describe_code(LOSS_FN), describe_code(lr_at)   # recorded as flags are: a resume with
+    args.optimizer = describe_optimizer(make_optimizer([torch.nn.Parameter(torch.zeros(1))], args))   # other code
+    # is refused (parallel/recorded.py)
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter, init_adapter_note
@@ -213,7 +221,8 @@ def main(argv=None):
         preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        log0(f"layout: {dims}\nloss: {args.loss.splitlines()[0]}")
+        log0(f"layout: {dims}\nloss: " + ("cross-entropy" if LOSS_FN is None else
+                                          f"LOSS_FN {args.loss.splitlines()[0][:120]} (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text),
                      resume.schedule_note(ckpt, args.schedule_steps or args.steps)):
@@ -262,7 +271,7 @@ def main(argv=None):
              f"built in {time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+        opt = make_optimizer(params, args)
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt

@@ -2,9 +2,11 @@
 
 Contract:
 - `check_resume(ckpt_args, args, ckpt_step=)` (preflight, before the process group) compares the flags in
-  `RUN_DEFINING` and names each difference; `LAYOUT` flags may change. The same files under other paths (relative from
-  elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was resolved is not
-  compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
+  `RUN_DEFINING`, and any other value both record that is not in `LAYOUT` or `FREE` (a fork's new flag defines the run
+  until listed there), and names each difference; `LAYOUT` and `FREE` flags may change. train.py's code is compared
+  as parallel/recorded.py records it: the loss, the optimizer, the LR schedule. The same files under other paths
+  (relative from elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was
+  resolved is not compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
 - `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
 - `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
   it), not another run's.
@@ -19,14 +21,22 @@ import math
 import os
 
 from model.load import hub_snapshot
+from parallel.recorded import first_difference, same_optimizer
 
-# flags that change the math of the steps still to come: a resume must keep them
+# flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
+# LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
-                "chat_template_text", "data_sha256", "template_date", "loss")
+                "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "schedule")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
+# flags about the run's files, logs, checks and evaluation, not its training math (steps and schedule_steps: checked
+# below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint): a resume may change them
+FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
+        "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
+        "peak_tflops", "max_nonfinite", "plan", "fast", "init_adapter", "steps", "schedule_steps", "chat_template")
+CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)"}
 
 
 def own_checkpoint(ckpt: str | None, out: str) -> bool:
@@ -85,11 +95,14 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     """Refuse a resume whose run-defining flags differ from the checkpoint's; name each difference.
 
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
-    checkpoint does not record are not compared."""
+    checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, **ckpt_args}   # runs from before
     # these flags: without them
-    for k in RUN_DEFINING:
+    forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
+    for k in [*RUN_DEFINING, *forks]:
+        if k not in args:   # (a caller that records less, as tests do: train.py records every one)
+            continue
         if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
             continue
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
@@ -101,18 +114,24 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))
             continue
-        if k == "loss" and k in ckpt_args and ckpt_args[k] != args.get(k):
-            line = lambda v: repr(v if len(v := str(v).splitlines()[0]) <= 200 else v[:200] + " ...")
-            diffs.append(f"the loss (train.py's LOSS_FN): the checkpoint's run trained with {line(ckpt_args[k])}, "
-                         f"this run with {line(args.get(k))}: restore its LOSS_FN (the same loss spelled otherwise: "
-                         "give the function loss_name = that text)")
+        if k in CODE and k in ckpt_args and ckpt_args[k] != args.get(k):
+            hint = "; the same loss spelled otherwise: give LOSS_FN a loss_name attribute holding it" * (k == "loss")
+            diffs.append(f"{CODE[k]} differs from the checkpoint's run at {first_difference(ckpt_args[k], args.get(k))}"
+                         f" (the whole text: args.{k} in the checkpoint's meta.json{hint})")
+            continue
+        if k == "optimizer" and k in ckpt_args:
+            if not same_optimizer(ckpt_args[k], args.get(k) or {}):
+                diffs.append(f"the optimizer (train.py's make_optimizer): the checkpoint's run used {ckpt_args[k]}, "
+                             f"this run {args.get(k)}; to train on with another, start a fresh run from its adapter "
+                             "(--init-adapter OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
             continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"data_sha256": "--data's bytes (sha256: the "
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
                     }.get(k, "--" + k.replace("_", "-"))
             show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
-            diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}")
+            diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}"
+                         + " (a flag not listed in parallel/resume.py's LAYOUT or FREE defines the run)" * (k in forks))
     if diffs:
         raise ValueError("--resume: flags that define the run differ from the checkpoint's:\n  " + "\n  ".join(diffs)
                          + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "

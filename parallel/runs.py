@@ -24,6 +24,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -86,8 +87,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
                          "flags). Pass a new --out")
     if not overwrite:
         ckpt = os.path.join(out, "ckpt")
-        cont = (f"Pass --resume {ckpt} to continue it, " if os.path.isdir(ckpt) and _entries(ckpt) else
-                "It saved no checkpoint to continue from. Pass ")
+        whole = any(re.fullmatch(r"step_\d+", e) and os.path.isfile(os.path.join(ckpt, e, "meta.json"))
+                    for e in _entries(ckpt))   # (a save killed mid-write, or only abandoned ones: nothing to resume)
+        cont = f"Pass --resume {ckpt} to continue it, " if whole else "It saved no checkpoint to continue from. Pass "
         raise ValueError(f"--out {out!r} already holds a run ({listed}). {cont}--overwrite to replace its "
                          "results, or a new --out")
 

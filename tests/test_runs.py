@@ -77,8 +77,8 @@ def test_used_out_refused_and_untouched(tmp_path):
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"meow")
-    crashed = tmp_path / "crashed"   # a run killed before its first checkpoint
-    crashed.mkdir()
+    crashed = tmp_path / "crashed"   # a run killed before its first checkpoint was whole
+    (crashed / "ckpt" / ".tmp-step_000001").mkdir(parents=True)
     (crashed / "config.json").write_text('{"global_batch": 8}')
     before = _hashes(tmp_path)
     msg = _refused(lambda: runs.claim(out), f"--out {out!r} already holds a run", f"--resume {out}/ckpt",
@@ -205,6 +205,26 @@ def test_check_resume_names_each_difference():
     _refused(lambda: resume.check_resume({**CKPT, "data_sha256": "aa"}, {**CKPT, "data_sha256": "ab"}),
              "--data's bytes (sha256: the file changed")
     resume.check_resume({**CKPT, "data_sha256": None}, {**CKPT, "data_sha256": "ab"})   # a demo run's: not recorded
+    # a fork's new flag (in neither list) defines the run; the listed ones may change
+    _refused(lambda: resume.check_resume({**CKPT, "z_loss_weight": 1e-4}, {**CKPT, "z_loss_weight": 1.0}),
+             "--z-loss-weight: the checkpoint has 0.0001, this run 1.0 (a flag not listed in parallel/resume.py's "
+             "LAYOUT or FREE defines the run)")
+    resume.check_resume({**CKPT, "save_every": 5, "eval_every": 2}, {**CKPT, "save_every": 9, "eval_every": 4})
+    resume.check_resume(CKPT, {**CKPT, "z_loss_weight": 1.0})   # a checkpoint from before the flag: not known
+
+
+def test_every_flag_of_train_py_is_classified_for_resume():
+    """Each of train.py's flags is compared on resume (RUN_DEFINING) or listed as free to change (LAYOUT, FREE), and
+    no flag is in two lists: a flag added upstream takes a decision, not a default."""
+    import train
+
+    dests = {a.dest for a in train.build_parser()._actions if a.dest != "help"}
+    lists = {"RUN_DEFINING": set(resume.RUN_DEFINING), "LAYOUT": set(resume.LAYOUT), "FREE": set(resume.FREE)}
+    assert not dests - set().union(*lists.values()), f"flags in no list: {sorted(dests - set().union(*lists.values()))}"
+    names = sorted(lists)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not lists[a] & lists[b], f"in {a} and {b}: {lists[a] & lists[b]}"
 
 
 def test_metrics_strict_json_and_resume_truncation(tmp_path):

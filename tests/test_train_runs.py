@@ -160,10 +160,19 @@ def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(train, "LOSS_FN", lambda z, y: F.cross_entropy(z, y, reduction="sum", label_smoothing=0.1))
         msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt))
-    assert "the loss (train.py's LOSS_FN): the checkpoint's run trained with 'cross-entropy', this run with " \
-           "'tests.test_train_runs." \
-           "test_resume_refuses_changed_run_flags.<locals>.<lambda>: lambda z, y: F.cross_entropy(z, y, reduction=" \
-           "\"sum\", label_smoothing=0.1)': restore its LOSS_FN" in msg, msg
+    assert "the loss (train.py's LOSS_FN) differs from the checkpoint's run at line 1: 'cross-entropy' there, " \
+           "'test_resume_refuses_changed_run_flags.<locals>.<lambda>: m.setattr(train, \"LOSS_FN\", lambda z, y: " \
+           "F.cross_entropy(z, y, reduction=\"sum\", label_smoothing=0.1))' here (the whole text: args.loss in the " \
+           "checkpoint's meta.json" in msg, msg
+    with monkeypatch.context() as m:   # the optimizer and the LR schedule: train.py's code, recorded too
+        m.setattr(train, "make_optimizer", lambda params, args: torch.optim.AdamW(
+            params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)))
+        m.setattr(train, "lr_at", lambda step, args, total: args.lr)
+        msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt))
+    assert "the optimizer (train.py's make_optimizer): the checkpoint's run used {'class': 'AdamW', 'betas': [0.9, " \
+           "0.999]" in msg and "this run {'class': 'AdamW', 'betas': [0.9, 0.95]" in msg, msg
+    assert "the LR schedule (train.py's lr_at) differs from the checkpoint's run at line 1: 'lr_at: def lr_at(step, " \
+           "args, total):' there" in msg, msg
     msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--lora-r", "8"))
     assert "--lora-r" in msg and "4" in msg and "8" in msg, msg
     msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt, "--seed", "7"))

@@ -1,0 +1,158 @@
+"""What a run records about its own code, so a resume can tell an edited fork from the run it continues.
+
+A fork of train.py changes the math in code, not only in flags: LOSS_FN, the optimizer (`make_optimizer`), the LR
+schedule (`lr_at`). train.py records each as a flag is recorded (config.json, every checkpoint's meta.json:
+`loss`, `optimizer`, `schedule`), and parallel/resume.py refuses a resume where one differs.
+
+Contract:
+- `describe_code(fn) -> str`: "cross-entropy" for None (the fused default loss); else the callable's qualname and the
+  source text of its definition (a lambda: the statement holding it; with several lambdas there, also its own
+  constants and names), plus the numbers and strings it reads from its closure, its module or its defaults, and
+  the descriptions of the same module's functions it calls (a helper the loss calls is the loss too). A
+  `functools.partial` adds its arguments; a callable object (an nn.Module loss, a class with __call__) is its
+  class's source plus its plain attributes; `torch.compile` and `functools.wraps` wrappers are seen through. A
+  callable with a `loss_name` string attribute records that instead (two spellings of one loss, named alike).
+  Never raises (a part it cannot read is left out) and never holds a memory address: the same code describes alike
+  in every process and launcher (`python train.py` and `import train` alike: no module names).
+- `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults, without `lr`
+  (the schedule sets it every step; --lr is a flag) and without the implementation switches (foreach, fused,
+  capturable, differentiable) that change speed, not math. `same_optimizer(a, b)` compares two such records on
+  the keys both have (another torch version may add a key with its neutral default).
+- `first_difference(a, b) -> str`: where two recorded texts first differ, for the refusal.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import re
+import sysconfig
+import textwrap
+
+SPEED_ONLY = ("foreach", "fused", "capturable", "differentiable")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _plain(v) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None))) or \
+        isinstance(v, (tuple, list)) and all(isinstance(x, (int, float, str, bool, type(None))) for x in v)
+
+
+def _value(v, seen) -> str:
+    """A stable text for an argument: plain values as repr, callables described, anything else by its type."""
+    if _plain(v):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_value(x, seen) for x in v) + ")"
+    if isinstance(v, dict):
+        items = sorted(v.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {_value(x, seen)}" for k, x in items) + "}"
+    if callable(v):
+        return _describe(v, seen)
+    return type(v).__qualname__
+
+
+def _source(obj) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(obj)).strip()
+    except (OSError, TypeError, IndentationError, SyntaxError):   # a builtin, `python -c`, a notebook cell gone
+        return None
+
+
+def _library(code) -> bool:
+    f = code.co_filename
+    return any(d in f for d in ("site-packages", "dist-packages")) or f.startswith(sysconfig.get_paths()["stdlib"])
+
+
+def _lines(code) -> str | None:
+    """The full source lines a function's code spans (co_lines: line numbers with or without column positions)."""
+    nums = [n for _, _, n in code.co_lines() if n is not None] + [code.co_firstlineno]
+    lines = linecache.getlines(code.co_filename)
+    got = "".join(lines[min(nums) - 1:max(nums)]) if lines else ""
+    return textwrap.dedent(got).strip() or None
+
+
+def _describe(fn, seen: set) -> str:
+    fn = inspect.unwrap(fn) if callable(fn) else fn   # torch.compile / functools.wraps: the function itself
+    if isinstance(getattr(fn, "loss_name", None), str):
+        return fn.loss_name
+    if isinstance(fn, functools.partial):
+        return f"partial({_describe(fn.func, seen)}, args={_value(fn.args, seen)}, " \
+               f"keywords={_value(fn.keywords, seen)})"
+    if inspect.ismethod(fn) and not inspect.isclass(fn.__self__):   # Smooth(0.1).__call__: its object's settings too
+        return f"{_describe(fn.__self__, seen)} .{fn.__func__.__name__}"
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    if code is None:   # a callable object or a builtin: its class's code and its settings
+        if inspect.isbuiltin(fn) or inspect.isroutine(fn):
+            return name
+        cls = type(fn)
+        attrs = {k: v for k, v in sorted(vars(fn).items()) if not k.startswith("_") and _plain(v)} \
+            if hasattr(fn, "__dict__") else {}
+        src = _source(cls) if cls.__module__ not in ("builtins",) and not cls.__module__.startswith("torch") else None
+        return f"{cls.__qualname__}{attrs or ''}" + (f": {src}" if src else "")
+    if _library(code):   # torch's, the standard library's: named, not copied (they are not a fork's to edit)
+        return f"{getattr(fn, '__module__', None) or '?'}.{name}"
+    if id(code) in seen:   # recursion (a helper calling itself or the loss)
+        return name
+    seen.add(id(code))
+    src = _source(fn)
+    if fn.__name__ == "<lambda>":   # its whole lines (getsource stops at the first line of one opened in a bracket)
+        src = _lines(code) or src
+        if src and src.count("lambda") > 1:   # which of the statement's lambdas: its own literals and names
+            consts = tuple(c for c in code.co_consts if _plain(c) and c is not None)
+            src += f" [this lambda: literals {consts!r}, names {code.co_names}]"
+    text = f"{name}: {src or '(no source)'}"
+    reads = {}
+    try:
+        cv = inspect.getclosurevars(fn)
+        scope = {**cv.globals, **cv.nonlocals}
+    except (TypeError, ValueError):
+        scope = {}
+    defaults = dict(zip(code.co_varnames[code.co_argcount - len(fn.__defaults__ or ()):code.co_argcount],
+                        fn.__defaults__ or ()))
+    for k, v in sorted({**scope, **defaults, **(fn.__kwdefaults__ or {})}.items()):
+        if _plain(v):
+            reads[k] = v
+        elif inspect.isfunction(inspect.unwrap(v) if callable(v) else v) and \
+                getattr(v, "__module__", None) == getattr(fn, "__module__", None):
+            reads[k] = _describe(v, seen)   # the same module's helper: part of this code
+        elif callable(v) and not inspect.ismodule(v) and not inspect.isclass(v) and k in defaults:
+            reads[k] = _value(v, seen)
+    if reads:
+        text += " (reading " + ", ".join(f"{k}={v!r}" if _plain(v) else f"{k}=<{v}>" for k, v in reads.items()) + ")"
+    return text
+
+
+def describe_code(fn) -> str:
+    """Module docstring."""
+    if fn is None:
+        return "cross-entropy"
+    try:
+        text = _describe(fn, set())
+    except Exception:   # noqa: BLE001 - a description must never stop a run; the name alone is still a record
+        text = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return _ADDRESS.sub("", text)
+
+
+def describe_optimizer(opt) -> dict:
+    """Module docstring."""
+    hp = {k: v for k, v in opt.defaults.items() if k != "lr" and k not in SPEED_ONLY}
+    return {"class": type(opt).__qualname__, **{k: list(v) if isinstance(v, tuple) else v for k, v in hp.items()}}
+
+
+def same_optimizer(a: dict, b: dict) -> bool:
+    norm = lambda v: list(v) if isinstance(v, tuple) else v
+    return all(norm(a[k]) == norm(b[k]) for k in set(a) & set(b)) and a.get("class") == b.get("class")
+
+
+def first_difference(a: str, b: str) -> str:
+    """Module docstring: the first line that differs, with its number."""
+    la, lb = str(a).splitlines() or [""], str(b).splitlines() or [""]
+    for i in range(max(len(la), len(lb))):
+        x, y = (la[i] if i < len(la) else "<end>"), (lb[i] if i < len(lb) else "<end>")
+        if x != y:
+            cut = lambda s: s if len(s) <= 160 else s[:160] + " ..."
+            return f"line {i + 1}: {cut(x)!r} there, {cut(y)!r} here"
+    return "the same text"
