@@ -196,9 +196,13 @@ def main(argv=None):
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
     args.loss, args.schedule = describe_code(LOSS_FN), describe_code(lr_at)   # recorded as flags are: a resume with
-    args.optimizer = describe_optimizer(make_optimizer([torch.nn.Parameter(torch.zeros(1))], args))   # other code
-    # is refused (parallel/recorded.py)
+    try:                                                                       # other code is refused (recorded.py)
+        args.optimizer = describe_optimizer(make_optimizer([torch.nn.Parameter(torch.zeros(1))], args))
+    except ValueError as e:   # a value it refuses (--lr nan): check_start names the flag; else, said here
+        refused = e
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
+    if "optimizer" not in args:
+        raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter, init_adapter_note
     from parallel import checkpoint, keep_best

@@ -421,6 +421,20 @@ def test_bad_flags_refused_before_anything(assets, tmp_path, label):
     assert not os.path.exists(out)
 
 
+def test_a_forks_optimizer_refusing_the_flags_stops_before_anything(assets, tmp_path, monkeypatch):
+    """make_optimizer runs once at start-up (its settings are recorded): a value it refuses that the flag checks let
+    through stops the run there, in a sentence, not after the model is built."""
+    import train
+
+    def picky(params, args):
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 1.5))
+    monkeypatch.setattr(train, "make_optimizer", picky)
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out))
+    assert msg == "make_optimizer refuses this run's flags: Invalid beta parameter at index 1: 1.5", msg
+    assert not os.path.exists(out)
+
+
 def test_bad_data_refused_before_weights(assets, tmp_path):
     out = str(tmp_path / "out")
     msg = startup_error(train_argv(assets, out, "--data", str(tmp_path)))
