@@ -8,10 +8,11 @@ Contract:
 - `describe_code(fn) -> str`: "cross-entropy" for None (the fused default loss); else the callable's qualname and the
   source text of its definition (a lambda: the statement holding it; with several lambdas there, also its own
   constants and names), plus the numbers and strings it reads from its closure, its module or its defaults, and
-  the descriptions of the same module's functions it calls (a helper the loss calls is the loss too). A
+  the descriptions of the same module's functions it calls (a helper the loss calls is the loss too). The source is
+  normalized (comments, docstrings and layout dropped: ast), so only an edit of the code itself is another record. A
   `functools.partial` adds its arguments; a callable object (an nn.Module loss, a class with __call__) is its
   class's source plus its plain attributes; `torch.compile` and `functools.wraps` wrappers are seen through. A
-  callable with a `loss_name` string attribute records that instead (two spellings of one loss, named alike).
+  callable with a `recorded_as` string attribute records that instead (two spellings of one code, named alike).
   Never raises (a part it cannot read is left out) and never holds a memory address: the same code describes alike
   in every process and launcher (`python train.py` and `import train` alike: no module names).
 - `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults, without `lr`
@@ -23,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import linecache
@@ -53,9 +55,27 @@ def _value(v, seen) -> str:
     return type(v).__qualname__
 
 
+def _normalized(src: str) -> str:
+    """The code without its comments, docstrings and layout (ast round trip), so rewording a comment or reflowing a
+    line is the same code; a fragment that does not parse alone (a lambda cut out of a bracket) stays as written."""
+    for text in (src, f"(\n{src}\n)"):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body and \
+                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.unparse(tree)
+    return src
+
+
 def _source(obj) -> str | None:
     try:
-        return textwrap.dedent(inspect.getsource(obj)).strip()
+        return _normalized(textwrap.dedent(inspect.getsource(obj)).strip())
     except (OSError, TypeError, IndentationError, SyntaxError):   # a builtin, `python -c`, a notebook cell gone
         return None
 
@@ -70,13 +90,13 @@ def _lines(code) -> str | None:
     nums = [n for _, _, n in code.co_lines() if n is not None] + [code.co_firstlineno]
     lines = linecache.getlines(code.co_filename)
     got = "".join(lines[min(nums) - 1:max(nums)]) if lines else ""
-    return textwrap.dedent(got).strip() or None
+    return _normalized(textwrap.dedent(got).strip()) if got.strip() else None
 
 
 def _describe(fn, seen: set) -> str:
     fn = inspect.unwrap(fn) if callable(fn) else fn   # torch.compile / functools.wraps: the function itself
-    if isinstance(getattr(fn, "loss_name", None), str):
-        return fn.loss_name
+    if isinstance(getattr(fn, "recorded_as", None), str):
+        return fn.recorded_as
     if isinstance(fn, functools.partial):
         return f"partial({_describe(fn.func, seen)}, args={_value(fn.args, seen)}, " \
                f"keywords={_value(fn.keywords, seen)})"

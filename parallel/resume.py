@@ -115,9 +115,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             diffs.append(_template_diff(ckpt_args, args))
             continue
         if k in CODE and k in ckpt_args and ckpt_args[k] != args.get(k):
-            hint = "; the same loss spelled otherwise: give LOSS_FN a loss_name attribute holding it" * (k == "loss")
             diffs.append(f"{CODE[k]} differs from the checkpoint's run at {first_difference(ckpt_args[k], args.get(k))}"
-                         f" (the whole text: args.{k} in the checkpoint's meta.json{hint})")
+                         f" (the whole text: args.{k} in the checkpoint's meta.json; the same math in other code: give "
+                         "the function a recorded_as attribute holding that text)")
             continue
         if k == "optimizer" and k in ckpt_args:
             if not same_optimizer(ckpt_args[k], args.get(k) or {}):

@@ -96,6 +96,21 @@ def test_describe_code_tells_edited_losses_apart(tmp_path):
     assert lib.startswith("partial(torch.nn.functional.cross_entropy,") and "def " not in lib and "0x" not in lib, lib
 
 
+def test_comments_docstrings_and_layout_are_not_the_code(tmp_path):
+    (tmp_path / "m1.py").write_text('def f(z, y):\n    """Old words."""\n    return z.sum() * 2  # why\n')
+    (tmp_path / "m2.py").write_text('def f(z, y):\n    """New words,\n    two lines."""\n    # a comment\n'
+                                    '    return (z.sum()\n            * 2)\n')
+    (tmp_path / "m3.py").write_text('def f(z, y):\n    """Old words."""\n    return z.sum() * 3  # why\n')
+    mods = []
+    for n in ("m1", "m2", "m3"):
+        spec = importlib.util.spec_from_file_location(n, tmp_path / f"{n}.py")
+        mods.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(mods[-1])
+    one, two, three = (describe_code(m.f) for m in mods)
+    assert one == two == "f: def f(z, y):\n    return z.sum() * 2", (one, two)
+    assert three != one
+
+
 def test_describe_code_is_the_same_in_another_interpreter(tmp_path):
     fork(tmp_path, "a")
     code = ("import importlib.util, sys; sys.path.insert(0, {root!r}); from parallel.recorded import describe_code; "

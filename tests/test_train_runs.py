@@ -161,8 +161,8 @@ def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
         m.setattr(train, "LOSS_FN", lambda z, y: F.cross_entropy(z, y, reduction="sum", label_smoothing=0.1))
         msg = startup_error(train_argv(assets, done, "--steps", "4", "--resume", ckpt))
     assert "the loss (train.py's LOSS_FN) differs from the checkpoint's run at line 1: 'cross-entropy' there, " \
-           "'test_resume_refuses_changed_run_flags.<locals>.<lambda>: m.setattr(train, \"LOSS_FN\", lambda z, y: " \
-           "F.cross_entropy(z, y, reduction=\"sum\", label_smoothing=0.1))' here (the whole text: args.loss in the " \
+           "\"test_resume_refuses_changed_run_flags.<locals>.<lambda>: m.setattr(train, 'LOSS_FN', lambda z, y: " \
+           "F.cross_entropy(z, y, reduction='sum', label_smoothing=0.1))\" here (the whole text: args.loss in the " \
            "checkpoint's meta.json" in msg, msg
     with monkeypatch.context() as m:   # the optimizer and the LR schedule: train.py's code, recorded too
         m.setattr(train, "make_optimizer", lambda params, args: torch.optim.AdamW(
@@ -265,7 +265,7 @@ def _crash_at(monkeypatch, call: int, nan_calls=()):
         loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
         return loss * math.nan if n["calls"] in nan_calls else loss
 
-    loss_fn.loss_name = "cross-entropy"   # the default's loss, instrumented: it may resume a default run's checkpoint
+    loss_fn.recorded_as = "cross-entropy"   # the default's loss, instrumented: it may resume a default run's checkpoint
     monkeypatch.setattr(train, "LOSS_FN", loss_fn)
 
 
