@@ -57,7 +57,7 @@ DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
 
 
 def build_parser(add_help=True):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0], add_help=add_help)
     a = p.add_argument
     # Model
     a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")

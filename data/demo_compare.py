@@ -130,7 +130,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("run_dir", help="a run's --out directory (config.json, adapter/)")
     p.add_argument("--n", type=int, default=3, help="held-out prompts to show")
     p.add_argument("--max-new-tokens", type=int, default=40, help="greedy decoding length limit")

@@ -107,7 +107,8 @@ def check_inputs(args) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],   # (python -OO: no docstrings)
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="base HF checkpoint dir (or Hub id) the adapter was trained on; "
                    "default: the one adapter_config.json names")
     p.add_argument("--adapter", required=True,

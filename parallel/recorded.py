@@ -8,18 +8,21 @@ Contract:
 - `describe_code(fn) -> str`: "cross-entropy" for None (the fused default loss); else the callable's qualname and the
   source text of its definition (a lambda: the statement holding it; with several lambdas there, also its own
   constants and names), plus the numbers and strings it reads from its closure, its module or its defaults, and
-  the descriptions of the same module's functions it calls (a helper the loss calls is the loss too). The source is
+  the descriptions of the fork's own functions it calls (a helper the loss calls is the loss too; torch's and the
+  standard library's are named only). The source is
   normalized (comments, docstrings and layout dropped: ast), so only an edit of the code itself is another record. A
   `functools.partial` adds its arguments; a callable object (an nn.Module loss, a class with __call__) is its
   class's source plus its plain attributes; `torch.compile` and `functools.wraps` wrappers are seen through. A
   callable with a `recorded_as` string attribute records that instead (two spellings of one code, named alike).
   Never raises (a part it cannot read is left out) and never holds a memory address: the same code describes alike
   in every process and launcher (`python train.py` and `import train` alike: no module names).
-- `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults, without `lr`
+- `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults as its first
+  parameter group overrides them, without `lr`
   (the schedule sets it every step; --lr is a flag) and without the implementation switches (foreach, fused,
   capturable, differentiable) that change speed, not math. `same_optimizer(a, b)` compares two such records on
   the keys both have (another torch version may add a key with its neutral default).
 - `first_difference(a, b) -> str`: where two recorded texts first differ, for the refusal.
+- `NO_SOURCE` marks a record without source (a .pyc-only deployment): a resume cannot compare it and does not.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sysconfig
 import textwrap
 
 SPEED_ONLY = ("foreach", "fused", "capturable", "differentiable")
+NO_SOURCE = "(no source)"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -123,7 +127,7 @@ def _describe(fn, seen: set) -> str:
         if src and src.count("lambda") > 1:   # which of the statement's lambdas: its own literals and names
             consts = tuple(c for c in code.co_consts if _plain(c) and c is not None)
             src += f" [this lambda: literals {consts!r}, names {code.co_names}]"
-    text = f"{name}: {src or '(no source)'}"
+    text = f"{name}: {src or NO_SOURCE}"
     reads = {}
     try:
         cv = inspect.getclosurevars(fn)
@@ -135,9 +139,8 @@ def _describe(fn, seen: set) -> str:
     for k, v in sorted({**scope, **defaults, **(fn.__kwdefaults__ or {})}.items()):
         if _plain(v):
             reads[k] = v
-        elif inspect.isfunction(inspect.unwrap(v) if callable(v) else v) and \
-                getattr(v, "__module__", None) == getattr(fn, "__module__", None):
-            reads[k] = _describe(v, seen)   # the same module's helper: part of this code
+        elif inspect.isfunction(u := inspect.unwrap(v) if callable(v) else v) and not _library(u.__code__):
+            reads[k] = _describe(v, seen)   # a helper of the fork's own (this module's or another's): this code too
         elif callable(v) and not inspect.ismodule(v) and not inspect.isclass(v) and k in defaults:
             reads[k] = _value(v, seen)
     if reads:
@@ -158,7 +161,8 @@ def describe_code(fn) -> str:
 
 def describe_optimizer(opt) -> dict:
     """Module docstring."""
-    hp = {k: v for k, v in opt.defaults.items() if k != "lr" and k not in SPEED_ONLY}
+    group = {**opt.defaults, **opt.param_groups[0]}   # a fork's make_optimizer may set them per group
+    hp = {k: v for k, v in group.items() if k not in ("lr", "params", "initial_lr") and k not in SPEED_ONLY}
     return {"class": type(opt).__qualname__, **{k: list(v) if isinstance(v, tuple) else v for k, v in hp.items()}}
 
 

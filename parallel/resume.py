@@ -21,7 +21,7 @@ import math
 import os
 
 from model.load import hub_snapshot
-from parallel.recorded import first_difference, same_optimizer
+from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
@@ -35,7 +35,8 @@ LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_
 # below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint): a resume may change them
 FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
-        "peak_tflops", "max_nonfinite", "plan", "fast", "init_adapter", "steps", "schedule_steps", "chat_template")
+        "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "schedule_steps",
+        "chat_template")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)"}
 
 
@@ -113,6 +114,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))
+            continue
+        if k in CODE and NO_SOURCE in f"{ckpt_args.get(k)}{args.get(k)}":   # code without source: not comparable
             continue
         if k in CODE and k in ckpt_args and ckpt_args[k] != args.get(k):
             diffs.append(f"{CODE[k]} differs from the checkpoint's run at {first_difference(ckpt_args[k], args.get(k))}"

@@ -120,9 +120,13 @@ def test_describe_code_is_the_same_in_another_interpreter(tmp_path):
     code = code.format(root=ROOT, path=str(tmp_path / "a" / "fork.py"))
     a = fork(tmp_path, "b")
     want = repr([describe_code(f) for f in (a.LOSS_FN, *a.PAIR, a.OPENED)])
-    for env in ({}, {"PYTHONNODEBUGRANGES": "1"}):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
-        assert r.returncode == 0 and r.stdout.strip() == want, (env, r.stdout, r.stderr, want)
+    for env, flags in (({}, []), ({"PYTHONNODEBUGRANGES": "1"}, []), ({"PYTHONHASHSEED": "3"}, ["-OO"])):
+        r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, **env})
+        assert r.returncode == 0 and r.stdout.strip() == want, (env, flags, r.stdout, r.stderr, want)
+    r = subprocess.run([sys.executable, "-OO", "-c", "import train; train.build_parser()"], capture_output=True,
+                       text=True, cwd=ROOT)   # (no docstrings there: the parser's description came from one)
+    assert r.returncode == 0, r.stderr[-600:]
 
 
 def test_describe_code_never_raises():
@@ -135,8 +139,28 @@ def test_describe_code_never_raises():
         assert isinstance(describe_code(f), str) and "0x" not in describe_code(f), f
 
 
+def test_a_helper_in_another_module_of_the_fork_is_part_of_the_code(tmp_path, monkeypatch):
+    for floor, name in ((0.1, "a"), (0.5, "b")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mysched.py").write_text(f"import math\n\n\ndef cosine(t):\n    return {floor} + "
+                                                    "0.5 * (1 + math.cos(math.pi * t))\n")
+        (tmp_path / name / "fork.py").write_text("from mysched import cosine\n\n\ndef lr_at(step, args, total):\n"
+                                                 "    return args.lr * cosine(step / total)\n")
+    got = []
+    for name in ("a", "b"):
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+        for m in ("mysched", "fork"):
+            sys.modules.pop(m, None)
+        got.append(describe_code(__import__("fork").lr_at))
+    for m in ("mysched", "fork"):
+        sys.modules.pop(m, None)
+    assert "0.1 + 0.5" in got[0] and got[0] != got[1], got
+
+
 def test_describe_optimizer_and_the_keys_both_record():
     p = [torch.nn.Parameter(torch.zeros(1))]
+    grouped = describe_optimizer(torch.optim.AdamW([{"params": p, "weight_decay": 0.1, "betas": (0.9, 0.95)}]))
+    assert grouped["weight_decay"] == 0.1 and grouped["betas"] == [0.9, 0.95], "a group's own settings"
     adamw = describe_optimizer(torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1))
     assert adamw["class"] == "AdamW" and adamw["betas"] == [0.9, 0.999] and "lr" not in adamw and "foreach" not in adamw
     assert same_optimizer(adamw, describe_optimizer(torch.optim.AdamW(p, lr=5e-2, weight_decay=0.1))), "lr is a flag"

@@ -211,6 +211,12 @@ def test_check_resume_names_each_difference():
              "LAYOUT or FREE defines the run)")
     resume.check_resume({**CKPT, "save_every": 5, "eval_every": 2}, {**CKPT, "save_every": 9, "eval_every": 4})
     resume.check_resume(CKPT, {**CKPT, "z_loss_weight": 1.0})   # a checkpoint from before the flag: not known
+    _refused(lambda: resume.check_resume({**CKPT, "schedule": "lr_at: def lr_at(s, a, t):\n    return a.lr"},
+                                         {**CKPT, "schedule": "lr_at: def lr_at(s, a, t):\n    return 2 * a.lr"}),
+             "the LR schedule (train.py's lr_at) differs from the checkpoint's run at line 2: '    return a.lr' there, "
+             "'    return 2 * a.lr' here")
+    resume.check_resume({**CKPT, "schedule": "lr_at: def lr_at(s, a, t):\n    return a.lr"},
+                        {**CKPT, "schedule": "lr_at: (no source)"})   # a .pyc-only deployment: cannot compare
 
 
 def test_every_flag_of_train_py_is_classified_for_resume():
