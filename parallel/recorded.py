@@ -8,8 +8,8 @@ Contract:
 - `describe_code(fn) -> str`: "cross-entropy" for None (the fused default loss); else the callable's qualname and the
   source text of its definition (a lambda: the statement holding it; with several lambdas there, also its own
   constants and names), plus the numbers and strings it reads from its closure, its module or its defaults, and
-  the descriptions of the fork's own functions it calls (a helper the loss calls is the loss too; torch's and the
-  standard library's are named only). The source is
+  the descriptions of the fork's own functions it calls, imported or as a module's attributes (a helper the loss
+  calls is the loss too; torch's and the standard library's are named only). The source is
   normalized (comments, docstrings and layout dropped: ast), so only an edit of the code itself is another record. A
   `functools.partial` adds its arguments; a callable object (an nn.Module loss, a class with __call__) is its
   class's source plus its plain attributes; `torch.compile` and `functools.wraps` wrappers are seen through. A
@@ -84,8 +84,8 @@ def _source(obj) -> str | None:
         return None
 
 
-def _library(code) -> bool:
-    f = code.co_filename
+def _library(code_or_file) -> bool:
+    f = getattr(code_or_file, "co_filename", code_or_file) or ""
     return any(d in f for d in ("site-packages", "dist-packages")) or f.startswith(sysconfig.get_paths()["stdlib"])
 
 
@@ -143,6 +143,11 @@ def _describe(fn, seen: set) -> str:
             reads[k] = _describe(v, seen)   # a helper of the fork's own (this module's or another's): this code too
         elif callable(v) and not inspect.ismodule(v) and not inspect.isclass(v) and k in defaults:
             reads[k] = _value(v, seen)
+        elif inspect.ismodule(v) and getattr(v, "__file__", None) and not _library(v.__file__):
+            for attr in code.co_names:   # `import mysched; mysched.cosine(t)`: what it reads of the fork's module
+                a = getattr(v, attr, None)
+                if _plain(a) and a is not None or inspect.isfunction(a) and not _library(a.__code__):
+                    reads[f"{k}.{attr}"] = a if _plain(a) else _describe(a, seen)
     if reads:
         text += " (reading " + ", ".join(f"{k}={v!r}" if _plain(v) else f"{k}=<{v}>" for k, v in reads.items()) + ")"
     return text

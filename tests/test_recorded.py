@@ -146,15 +146,18 @@ def test_a_helper_in_another_module_of_the_fork_is_part_of_the_code(tmp_path, mo
                                                     "0.5 * (1 + math.cos(math.pi * t))\n")
         (tmp_path / name / "fork.py").write_text("from mysched import cosine\n\n\ndef lr_at(step, args, total):\n"
                                                  "    return args.lr * cosine(step / total)\n")
+        (tmp_path / name / "fork2.py").write_text("import mysched\n\n\ndef lr_at(step, args, total):\n"
+                                                  "    return args.lr * mysched.cosine(step / total)\n")
     got = []
     for name in ("a", "b"):
         monkeypatch.syspath_prepend(str(tmp_path / name))
-        for m in ("mysched", "fork"):
+        for m in ("mysched", "fork", "fork2"):
             sys.modules.pop(m, None)
-        got.append(describe_code(__import__("fork").lr_at))
-    for m in ("mysched", "fork"):
+        got.append((describe_code(__import__("fork").lr_at), describe_code(__import__("fork2").lr_at)))
+    for m in ("mysched", "fork", "fork2"):
         sys.modules.pop(m, None)
-    assert "0.1 + 0.5" in got[0] and got[0] != got[1], got
+    for i, how in enumerate(("imported", "a module attribute")):
+        assert "0.1 + 0.5" in got[0][i] and got[0][i] != got[1][i], (how, got)
 
 
 def test_describe_optimizer_and_the_keys_both_record():
