@@ -37,12 +37,11 @@ from data.templates import parse_day
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
-from parallel import guard, phases, plan_speed, preflight, resume, runs
+from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.plan_search import PLAN_FLAGS, max_len_arg
 from parallel.profiler import StepProfiler
-from parallel.recorded import describe_code, describe_optimizer
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
@@ -195,13 +194,9 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
-    args.loss, args.schedule = describe_code(LOSS_FN), describe_code(lr_at)   # recorded as flags are: a resume with
-    try:                                                                       # other code is refused (recorded.py)
-        args.optimizer = describe_optimizer(make_optimizer([torch.nn.Parameter(torch.zeros(1))], args))
-    except ValueError as e:   # a value it refuses (--lr nan): check_start names the flag; else, said here
-        refused = e
+    refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
-    if "optimizer" not in args:
+    if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter, init_adapter_note

@@ -16,6 +16,8 @@ Contract:
   callable with a `recorded_as` string attribute records that instead (two spellings of one code, named alike).
   Never raises (a part it cannot read is left out) and never holds a memory address: the same code describes alike
   in every process and launcher (`python train.py` and `import train` alike: no module names).
+- `record(args, loss_fn, lr_fn, make_optimizer)`: sets args.loss, args.schedule and args.optimizer (the settings of
+  the optimizer it builds on a dummy parameter, and make_optimizer's own code, which may split parameter groups).
 - `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults as its first
   parameter group overrides them, without `lr`
   (the schedule sets it every step; --lr is a flag) and without the implementation switches (foreach, fused,
@@ -164,6 +166,21 @@ def describe_code(fn) -> str:
     return _ADDRESS.sub("", text)
 
 
+def record(args, loss_fn, lr_fn, make_optimizer) -> Exception | None:
+    """train.py's code into `args` (`loss`, `schedule`, `optimizer`: recorded and compared as flags are). The optimizer
+    is built once on a dummy parameter; a ValueError it raises (--lr nan) is returned, for train.py to raise once the
+    flag checks, which name such a flag better, have run."""
+    import torch
+
+    args.loss, args.schedule = describe_code(loss_fn), describe_code(lr_fn)
+    try:
+        opt = make_optimizer([torch.nn.Parameter(torch.zeros(1))], args)
+    except ValueError as e:
+        return e
+    args.optimizer = {**describe_optimizer(opt), "code": describe_code(make_optimizer)}   # (its code: param groups)
+    return None
+
+
 def describe_optimizer(opt) -> dict:
     """Module docstring."""
     group = {**opt.defaults, **opt.param_groups[0]}   # a fork's make_optimizer may set them per group
@@ -172,8 +189,9 @@ def describe_optimizer(opt) -> dict:
 
 
 def same_optimizer(a: dict, b: dict) -> bool:
-    norm = lambda v: list(v) if isinstance(v, tuple) else v
-    return all(norm(a[k]) == norm(b[k]) for k in set(a) & set(b)) and a.get("class") == b.get("class")
+    """The same class and settings (not `code`, which resume.py compares on its own, naming the line)."""
+    norm = lambda v: list(v) if isinstance(v, tuple) else v   # noqa: E731
+    return all(norm(a[k]) == norm(b[k]) for k in set(a) & set(b) - {"code"}) and a.get("class") == b.get("class")
 
 
 def first_difference(a: str, b: str) -> str:

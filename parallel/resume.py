@@ -123,10 +123,18 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          "the function a recorded_as attribute holding that text)")
             continue
         if k == "optimizer" and k in ckpt_args:
-            if not same_optimizer(ckpt_args[k], args.get(k) or {}):
-                diffs.append(f"the optimizer (train.py's make_optimizer): the checkpoint's run used {ckpt_args[k]}, "
-                             f"this run {args.get(k)}; to train on with another, start a fresh run from its adapter "
+            had, now = ckpt_args[k], args.get(k) or {}
+            if not same_optimizer(had, now):
+                show = lambda r: {a: b for a, b in r.items() if a != "code"}   # noqa: E731
+                diffs.append(f"the optimizer (train.py's make_optimizer): the checkpoint's run used {show(had)}, "
+                             f"this run {show(now)}; to train on with another, start a fresh run from its adapter "
                              "(--init-adapter OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
+            elif "code" in had and "code" in now and NO_SOURCE not in had["code"] + now["code"] and \
+                    had["code"] != now["code"]:
+                diffs.append(f"the optimizer's code (train.py's make_optimizer) differs from the checkpoint's run at "
+                             f"{first_difference(had['code'], now['code'])} (the whole text: args.optimizer.code in "
+                             "its meta.json; the same optimizer in other code: give make_optimizer a recorded_as "
+                             "attribute holding that text)")
             continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"data_sha256": "--data's bytes (sha256: the "
