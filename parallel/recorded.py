@@ -16,8 +16,8 @@ Contract:
   callable with a `recorded_as` string attribute records that instead (two spellings of one code, named alike).
   Never raises (a part it cannot read is left out) and never holds a memory address: the same code describes alike
   in every process and launcher (`python train.py` and `import train` alike: no module names).
-- `record(args, loss_fn, lr_fn, make_optimizer)`: sets args.loss, args.schedule and args.optimizer (the settings of
-  the optimizer it builds on a dummy parameter, and make_optimizer's own code, which may split parameter groups).
+- `record(args, loss_fn, lr_fn, make_optimizer)`: sets args.loss, args.schedule, args.optimizer (the settings of the
+  optimizer it builds on a dummy parameter) and args.optimizer_code (make_optimizer's code: it may split groups).
 - `describe_optimizer(opt) -> dict`: {"class": ..., hyperparameter: value} of an optimizer's defaults as its first
   parameter group overrides them, without `lr`
   (the schedule sets it every step; --lr is a flag) and without the implementation switches (foreach, fused,
@@ -177,7 +177,7 @@ def record(args, loss_fn, lr_fn, make_optimizer) -> Exception | None:
         opt = make_optimizer([torch.nn.Parameter(torch.zeros(1))], args)
     except ValueError as e:
         return e
-    args.optimizer = {**describe_optimizer(opt), "code": describe_code(make_optimizer)}   # (its code: param groups)
+    args.optimizer, args.optimizer_code = describe_optimizer(opt), describe_code(make_optimizer)   # (param groups)
     return None
 
 
@@ -189,9 +189,8 @@ def describe_optimizer(opt) -> dict:
 
 
 def same_optimizer(a: dict, b: dict) -> bool:
-    """The same class and settings (not `code`, which resume.py compares on its own, naming the line)."""
     norm = lambda v: list(v) if isinstance(v, tuple) else v   # noqa: E731
-    return all(norm(a[k]) == norm(b[k]) for k in set(a) & set(b) - {"code"}) and a.get("class") == b.get("class")
+    return all(norm(a[k]) == norm(b[k]) for k in set(a) & set(b)) and a.get("class") == b.get("class")
 
 
 def first_difference(a: str, b: str) -> str:

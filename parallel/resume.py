@@ -27,7 +27,8 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
-                "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "schedule")
+                "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
+                "schedule")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -37,7 +38,8 @@ FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts"
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "schedule_steps",
         "chat_template")
-CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)"}
+CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
+        "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 
 
 def own_checkpoint(ckpt: str | None, out: str) -> bool:
@@ -123,18 +125,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          "the function a recorded_as attribute holding that text)")
             continue
         if k == "optimizer" and k in ckpt_args:
-            had, now = ckpt_args[k], args.get(k) or {}
-            if not same_optimizer(had, now):
-                show = lambda r: {a: b for a, b in r.items() if a != "code"}   # noqa: E731
-                diffs.append(f"the optimizer (train.py's make_optimizer): the checkpoint's run used {show(had)}, "
-                             f"this run {show(now)}; to train on with another, start a fresh run from its adapter "
+            if not same_optimizer(ckpt_args[k], args.get(k) or {}):
+                diffs.append(f"the optimizer (train.py's make_optimizer): the checkpoint's run used {ckpt_args[k]}, "
+                             f"this run {args.get(k)}; to train on with another, start a fresh run from its adapter "
                              "(--init-adapter OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
-            elif "code" in had and "code" in now and NO_SOURCE not in had["code"] + now["code"] and \
-                    had["code"] != now["code"]:
-                diffs.append(f"the optimizer's code (train.py's make_optimizer) differs from the checkpoint's run at "
-                             f"{first_difference(had['code'], now['code'])} (the whole text: args.optimizer.code in "
-                             "its meta.json; the same optimizer in other code: give make_optimizer a recorded_as "
-                             "attribute holding that text)")
             continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"data_sha256": "--data's bytes (sha256: the "

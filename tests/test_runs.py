@@ -217,18 +217,19 @@ def test_check_resume_names_each_difference():
              "'    return 2 * a.lr' here")
     resume.check_resume({**CKPT, "schedule": "lr_at: def lr_at(s, a, t):\n    return a.lr"},
                         {**CKPT, "schedule": "lr_at: (no source)"})   # a .pyc-only deployment: cannot compare
-    adamw = {"class": "AdamW", "betas": [0.9, 0.999], "code": "make_optimizer: def make_optimizer(params, args):\n"
-             "    return AdamW(params)"}
-    plus = {**adamw, "code": adamw["code"].replace("AdamW(params)", "AdamW(groups_by_name(params))")}   # LoRA+
-    _refused(lambda: resume.check_resume({**CKPT, "optimizer": adamw}, {**CKPT, "optimizer": plus}),
+    adamw = {"optimizer": {"class": "AdamW", "betas": [0.9, 0.999]},
+             "optimizer_code": "make_optimizer: def make_optimizer(params, args):\n    return AdamW(params)"}
+    plus = {**adamw, "optimizer_code": adamw["optimizer_code"].replace("AdamW(params)",
+                                                                       "AdamW(groups_by_name(params))")}
+    _refused(lambda: resume.check_resume({**CKPT, **adamw}, {**CKPT, **plus}),   # (LoRA+: groups by name)
              "the optimizer's code (train.py's make_optimizer) differs from the checkpoint's run at line 2: "
              "'    return AdamW(params)' there, '    return AdamW(groups_by_name(params))' here")
-    msg = _refused(lambda: resume.check_resume({**CKPT, "optimizer": adamw}, {**CKPT, "optimizer": {
-        **adamw, "class": "Adam"}}), "the optimizer (train.py's make_optimizer): the checkpoint's run used "
-        "{'class': 'AdamW', 'betas': [0.9, 0.999]}, this run {'class': 'Adam', 'betas': [0.9, 0.999]}")
+    adam = {**adamw, "optimizer": {**adamw["optimizer"], "class": "Adam"}}
+    msg = _refused(lambda: resume.check_resume({**CKPT, **adamw}, {**CKPT, **adam}),
+                   "the optimizer (train.py's make_optimizer): the checkpoint's run used "
+                   "{'class': 'AdamW', 'betas': [0.9, 0.999]}, this run {'class': 'Adam', 'betas': [0.9, 0.999]}")
     assert "code" not in msg.split("\n")[1], msg
-    resume.check_resume({**CKPT, "optimizer": {k: v for k, v in adamw.items() if k != "code"}},
-                        {**CKPT, "optimizer": plus})   # a record without code: its settings only
+    resume.check_resume({**CKPT, "optimizer": adamw["optimizer"]}, {**CKPT, **plus})   # a record without code
 
 
 def test_every_flag_of_train_py_is_classified_for_resume():
