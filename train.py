@@ -39,6 +39,7 @@ from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
+from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.plan_search import PLAN_FLAGS, max_len_arg
 from parallel.profiler import StepProfiler
@@ -157,26 +158,6 @@ def log0(*a):
         print(*a, flush=True)
 
 
-@torch.no_grad()
-def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, beat=lambda: None):
-    """Mean loss over every target of `samples`; each data rank takes a strided share. Ranks with
-    fewer samples run all-ignored dummies, so every rank makes the same collective calls. `beat()`
-    before each sample: the watchdog's progress (an eval longer than --timeout is not a stuck rank)."""
-    share = samples[data_rank::data_ranks]
-    dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
-    share += [dummy] * (math.ceil(len(samples) / data_ranks) - len(share))
-    tot = torch.zeros(2, dtype=torch.float64, device=device)
-    model.eval()
-    for s in share:
-        beat()
-        ids, pos, lab = to_local([s])
-        lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
-        tot += torch.stack([lsum.double(), cnt.double()])
-    model.train()
-    dist.all_reduce(tot, group=group)
-    return (tot[0] / tot[1].clamp(min=1)).item()
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -285,7 +266,7 @@ def main(argv=None):
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(
             "nonfinite"))   # a resume goes on counting
-        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device)
+        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN)
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
             log0(f"eval_loss before training {evaluate(model, *eval_args, beat=lambda: wd.phase('eval', 0)):.6f}")
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals

@@ -339,6 +339,30 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
     assert beats[-2:] == [("save", 2), ("export", 2)], "the final export is timed as the last save's phase"
 
 
+def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
+    """train.py's LOSS_FN reaches the step's loss and both evaluations (before training and at the end: what
+    --keep-best chooses by). Reference: F.cross_entropy summed, doubled; every logged loss doubles with it."""
+    import train
+
+    def losses(name):
+        out = str(tmp_path / name)
+        capsys.readouterr()
+        run(train_argv(assets, out, "--steps", "1", "--eval-data", assets["data"]))
+        before = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("eval_loss before training")]
+        (rec,) = metrics(out)
+        return before, rec["loss"], rec["eval_loss"]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train, "LOSS_FN", lambda z, y: 2 * F.cross_entropy(z, y, ignore_index=-100, reduction="sum"))
+        doubled = losses("doubled")
+    plain = losses("plain")
+    assert len(plain[0]) == len(doubled[0]) == 1, (plain, doubled)
+    assert doubled[0][0] == pytest.approx(2 * plain[0][0], rel=1e-5), ("eval before training", plain, doubled)
+    assert doubled[1] == pytest.approx(2 * plain[1], rel=1e-5), ("step 1's loss", plain, doubled)
+    assert doubled[2] > 1.5 * plain[2], ("the final eval (after another update, so not exactly 2x)", plain, doubled)
+
+
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
     """A resume logs each step once, with the uninterrupted losses; one that trains on past the run's --steps says
     that the LR schedule changed length (the same flags: no note)."""
