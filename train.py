@@ -216,6 +216,8 @@ def main(argv=None):
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank per machine tokenizes (--data-cache),
         (samples, stats), eval_samples = store.load_run_data(args, tok, margs.vocab_size, log0)   # the others read it
         log0(f"data: {stats}")
+        if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
+            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args))
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank

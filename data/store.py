@@ -24,7 +24,9 @@ Contract:
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
   host). It logs the --eval-data stats (`eval data: ...`), and every rank must end with the same tokens
   (`same_on_every_rank`, a sha256 `fingerprint` of ids, labels and boundaries): machines that read different
-  bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts.
+  bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts. It sets
+  `args.data_tokens` ("N samples, T tokens, sha256 <fingerprint>"), which checkpoints keep: a resume must train on
+  the same tokens, not only on the same file bytes (parallel/resume.py's `same_tokens`).
 - `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
   (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
   back memory-mapped, so a machine holds one copy of the tokens, not one per rank, and tokenizes once (they tokenize
@@ -214,7 +216,11 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)),
         first=not cache or local_rank == "0", day=given)
-    same_on_every_rank(train[0], ev and ev[0])
+    digest = fingerprint(train[0])
+    same_on_every_rank(train[0], ev and ev[0], digest)
+    # what the run trains on, as tokens: a resume compares it (parallel/resume.same_tokens), since the same bytes
+    # tokenize otherwise under an edited tokenizer or chat template file, or another transformers/tokenizers
+    args.data_tokens = f"{len(train[0])} samples, {train[1].tokens} tokens, sha256 {digest}"
     if ev:   # its truncated and dropped records too: eval_loss covers what is left
         log(f"eval data: {ev[1]}")
     args.template_date = day if dated(tokenizer.chat_template) else None   # what config.json and checkpoints keep
@@ -237,7 +243,7 @@ def fingerprint(samples: Samples | None) -> str:
     return h.hexdigest()
 
 
-def same_on_every_rank(samples, eval_samples=None) -> None:
+def same_on_every_rank(samples, eval_samples=None, digest: str | None = None) -> None:
     """Raise on every rank, naming the hosts, when the ranks do not hold the same tokens: machines that read
     different copies of --data (another file behind the same path, a local edit) or tokenize differently (another
     tokenizer file, transformers or tokenizers version) would each index their own sample list by the same order,
@@ -246,7 +252,7 @@ def same_on_every_rank(samples, eval_samples=None) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = (socket.gethostname(), fingerprint(samples), len(samples), fingerprint(eval_samples))
+    mine = (socket.gethostname(), digest or fingerprint(samples), len(samples), fingerprint(eval_samples))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     for what, k in (("--data", 1), ("--eval-data", 3)):

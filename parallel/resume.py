@@ -7,6 +7,10 @@ Contract:
   as parallel/recorded.py records it: the loss, the optimizer, the LR schedule. The same files under other paths
   (relative from elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was
   resolved is not compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
+- `same_tokens(ckpt_args, args)` (train.py, once the data are tokenized): the checkpoint's run trained on the same
+  tokens (`data_tokens`: samples, tokens and their sha256). The same --data bytes tokenize otherwise under an edited
+  tokenizer or chat template file in the model's folder, or another transformers/tokenizers version; the step's
+  samples would then be other ones, in another order. A checkpoint from before the record is not compared.
 - `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
 - `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
   it), not another run's.
@@ -28,7 +32,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule")
+                "schedule", "data_tokens")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -148,6 +152,19 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     if ckpt_step is not None and isinstance(steps, int) and steps < ckpt_step:
         raise ValueError(f"--steps {steps} is below the checkpoint's step {ckpt_step}: nothing would train. "
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
+
+
+def same_tokens(ckpt_args: dict, args: dict) -> None:
+    """Refuse a resume whose --data tokenized to other tokens than its checkpoint's run (module docstring)."""
+    had, now = ckpt_args.get("data_tokens"), args.get("data_tokens")
+    if had is None or now is None or had == now:
+        return
+    short = lambda v: v.rsplit(" ", 1)[0] + " " + v.rsplit(" ", 1)[-1][:12]   # (the digest's first 12 digits)
+    raise ValueError(f"--resume: the checkpoint's run trained on other tokens ({short(had)}) than this run's --data "
+                     f"gives ({short(now)}), though the file's bytes are the same: the tokenizer or chat template "
+                     "files in --model's folder, or the transformers/tokenizers version, changed since. Restore them "
+                     "to continue the run, or train on from its adapter in a fresh run (--init-adapter OUT/adapter, "
+                     "or `python -m parallel.checkpoint` for a step's)")
 
 
 def schedule_note(ckpt: str | None, steps: int | None) -> str | None:

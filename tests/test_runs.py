@@ -230,6 +230,13 @@ def test_check_resume_names_each_difference():
                    "{'class': 'AdamW', 'betas': [0.9, 0.999]}, this run {'class': 'Adam', 'betas': [0.9, 0.999]}")
     assert "code" not in msg.split("\n")[1], msg
     resume.check_resume({**CKPT, "optimizer": adamw["optimizer"]}, {**CKPT, **plus})   # a record without code
+    # the tokens the data gave (train.py, once tokenized): the same bytes under another tokenizer are another run
+    had = {"data_tokens": "3 samples, 9 tokens, sha256 " + "a" * 64}
+    now = {"data_tokens": "1 samples, 4 tokens, sha256 " + "b" * 64}
+    _refused(lambda: resume.same_tokens(had, now), "other tokens (3 samples, 9 tokens, sha256 aaaaaaaaaaaa) than this "
+             "run's --data gives (1 samples, 4 tokens, sha256 bbbbbbbbbbbb)", "--init-adapter")
+    resume.same_tokens(had, had)
+    resume.same_tokens({}, now)   # a checkpoint from before the record: not known
 
 
 def test_every_flag_of_train_py_is_classified_for_resume():

@@ -188,6 +188,30 @@ def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
     assert tree_hash(done) == before
 
 
+def test_resume_refuses_the_same_bytes_tokenized_otherwise(assets, tmp_path):
+    """The same --data bytes under an edited chat template file in --model's folder: other tokens (a resume would
+    take other samples for its steps), refused once the data are tokenized, before any weight is read; with the
+    template restored the resume goes on. (Until 2026-12-02 only the file's sha256 was compared.)"""
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    out = str(tmp_path / "out")
+    base = [str(model) if x == assets["model"] else x for x in train_argv(assets, out, "--data-cache", "none")]
+    argv = lambda *extra: [*base, *extra]
+    run(argv("--steps", "2"))
+    (jinja,) = [p for p in (model / "chat_template.jinja",) if p.exists()] or [None]
+    assert jinja is not None, sorted(os.listdir(model))
+    kept = jinja.read_text()
+    jinja.write_text("{{ 'Be brief.\\n' }}" + kept)   # every chat renders one line more
+    before = tree_hash(out)
+    msg = startup_error(argv("--steps", "3", "--resume", os.path.join(out, "ckpt")))   # (no weight read)
+    assert "--resume: the checkpoint's run trained on other tokens (" in msg and " samples, " in msg, msg
+    assert "though the file's bytes are the same: the tokenizer or chat template files in --model's folder" in msg, msg
+    assert tree_hash(out) == before, "a refused resume wrote into the run"
+    jinja.write_text(kept)
+    run(argv("--steps", "3", "--resume", os.path.join(out, "ckpt")))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+
 def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, monkeypatch):
     """What a resume must not refuse: --dtype left to its default where that default is the checkpoint's (fp32 on
     CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink).
