@@ -102,7 +102,7 @@ def _chars(r: dict) -> int:
 
 def build(records: list[dict], tokenize, log=None, what: str = "data"):
     """records -> (Samples, TokenStats) through `tokenize(chunk) -> (list samples, TokenStats)`, chunk by chunk."""
-    from data.tokens import TokenStats
+    from data.tokens import DROPPED_LINES, TokenStats
 
     parts, total, t0, t_log, i = [], TokenStats(), time.time(), time.time(), 0
     while i < len(records):
@@ -113,7 +113,8 @@ def build(records: list[dict], tokenize, log=None, what: str = "data"):
         parts.append(Samples.from_lists(samples))
         del samples
         for k, v in asdict(stats).items():
-            setattr(total, k, max(v, total.longest) if k == "longest" else getattr(total, k) + v)
+            setattr(total, k, max(v, total.longest) if k == "longest" else
+                    (total.dropped_lines + v)[:DROPPED_LINES] if k == "dropped_lines" else getattr(total, k) + v)
         i = j
         if log and time.time() - t_log > LOG_SECONDS:
             t_log = time.time()

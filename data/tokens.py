@@ -27,7 +27,13 @@ Contract:
   are targets: each turn's content plus the end-of-turn marker the template writes after it (e.g.
   `<|im_end|>`, `<|eot_id|>`), so the model learns to stop; the role header before it and the
   newline after it are not. No EOS is appended: the end-of-turn marker is the stop token.
-- Truncation keeps the first `max_len` tokens. Labels are built after it, on the whole sequence:
+- A chat longer than max_len loses the start of its document, the longest message before the first assistant turn
+  (a long-context task's document, with its question at the end), so the headers, the question and the answers
+  stay; when the rest alone does not fit, the document keeps its last max_len // 4 tokens, and the end is cut.
+  (Until 2026-12-02 a chat kept its first max_len tokens: a long document's answer was cut away, the record
+  dropped.) Text records, and a chat whose document is not found verbatim, keep their first `max_len` tokens.
+  Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
+- Labels are built after truncation, on the whole sequence:
   `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
 
 Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
@@ -42,13 +48,14 @@ fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from data.jsonl import DataError
 from loss import IGNORE_INDEX
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+DROPPED_LINES = 5   # dropped records named by line in the stats and the warning
 
 
 @dataclass
@@ -60,13 +67,25 @@ class TokenStats:
     tokens: int = 0  # tokens in kept samples, after truncation
     targets: int = 0  # label positions != -100 in kept samples
     longest: int = 0  # longest sample before truncation
+    cut: int = 0  # tokens truncation removed from kept samples
+    dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
 
     def __str__(self) -> str:
         return (
             f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
-            f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}, "
-            f"dropped {self.dropped} (no target left)"
+            f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
+            + (f" ({self.cut} tokens cut)" if self.truncated else "")
+            + f", dropped {self.dropped} (no target left)"
         )
+
+    def warning(self, what: str, max_len: int) -> str | None:
+        """A `warning:` line when records were dropped (nothing of theirs is trained on), naming the first lines."""
+        if not self.dropped:
+            return None
+        lines = ", ".join(map(str, self.dropped_lines)) + (", ..." if self.dropped > len(self.dropped_lines) else "")
+        share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
+        return (f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained on "
+                f"(line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
 
 
 def load_tokenizer(model_dir: str | Path, template: str | None = None):
@@ -121,6 +140,8 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
                                      log, f"{flag} {path}")
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
+    if log and (said := stats.warning(f"{flag} {path}", max_len)):
+        log(said)
     check_vocab(samples, tokenizer, vocab_size, path)
     if not hit and sha256 and store.file_sha256(path) != sha256:   # the run records `sha256` as what it read
         raise DataError(f"{flag} {path} changed while it was read (its sha256 at start-up was {sha256[:12]}); let "
@@ -220,14 +241,30 @@ def _targets(offsets, special, inside, at) -> list[bool]:
     return [inside(a, b) if b > a else not sp and at(a) for (a, b), sp in zip(offsets, special)]
 
 
-def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+def _document_chars(full: str, messages: list[dict], spans) -> tuple[int, int] | None:
+    """The [start, end) characters in `full` of the longest message content before the first assistant turn (a
+    long-context task's document, with its question at the end): where truncation cuts a chat. None when there is
+    none, or its text is not found verbatim before the first answer."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    contents = [m["content"].strip() for m in messages[:first] if isinstance(m.get("content"), str)]
+    if not contents or not (longest := max(contents, key=len)):
+        return None
+    at = full.find(longest)
+    return (at, at + len(longest)) if at >= 0 and (not spans or at + len(longest) <= spans[0][0]) else None
+
+
+def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool], tuple | None]:
+    """Token ids, target flags and the [t0, t1) tokens of the chat's document (`_document_chars`; None: unknown)."""
     full, spans = assistant_char_spans(tokenizer, messages, where)
+    doc = _document_chars(full, messages, spans)
     try:
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_special_tokens_mask=True)
         ids = enc["input_ids"]
         flags = _targets(enc["offset_mapping"], enc["special_tokens_mask"],
                          lambda a, b: any(a < e and b > s for s, e in spans),
                          lambda a: any(s < a <= e for s, e in spans))
+        inside = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if doc and b > a and a >= doc[0] and b <= doc[1]]
+        return ids, flags, (inside[0], inside[-1] + 1) if inside else None
     except NotImplementedError:
         # Slow (python) tokenizers have no offsets: use token counts of string prefixes instead.
         ids = tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -236,7 +273,7 @@ def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int]
         for s, e in spans:
             for t in range(count(s), count(e)):
                 flags[t] = True
-    return ids, flags
+    return ids, flags, None   # (no offsets: a long chat keeps its start)
 
 
 def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list[bool]]]:
@@ -295,6 +332,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
 
     samples, stats = [], TokenStats(records=len(records))
     for r in records:
+        doc = None
         if "text" in r:
             ids = list(next(text_ids))
             if not ids or ids[-1] != eos:
@@ -307,25 +345,37 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
             flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
             where = f"{path}, line {r.get('line', '?')}"
-            ids, flags = _chat_tokens(tokenizer, r["messages"], where)
+            ids, flags, doc = _chat_tokens(tokenizer, r["messages"], where)
         stats.longest = max(stats.longest, len(ids))
+        n_ids = len(ids)
         if len(ids) > max_len:
             stats.truncated += 1
-            if "prompt" in r:   # the prompt's start goes (after a BOS) so the whole answer fits; when it cannot,
-                head = int(bos is not None and ids[0] == bos)   # the prompt keeps its last max_len // 4 tokens (one
-                body = flags.index(True) - head                  # without a BOS: it predicts the answer's first)
-                room = max_len - (len(ids) - body)   # prompt tokens beside the whole answer
-                keep = room if room >= (head == 0) else min(body, max(head == 0, max_len // 4))
-                if (drop := body - keep) > 0:
-                    ids, flags = ids[:head] + ids[head + drop:], flags[:head] + flags[head + drop:]
+            # A prompt's start goes (after a BOS), and a chat's document's (the longest message before the first
+            # answer: its headers and the question after it stay), so the answers fit; when they cannot, that text
+            # keeps its last max_len // 4 tokens (a prompt without a BOS at least one: it predicts the answer's
+            # first) and the end is cut.
+            if "prompt" in r:
+                head = int(bos is not None and ids[0] == bos)
+                cut = (head, flags.index(True), head == 0)
+            else:   # (text: None)
+                cut = doc and (*doc, 0)
+            if cut:
+                t0, t1, least = cut
+                room = max_len - (len(ids) - (t1 - t0))   # tokens of that text beside everything else
+                keep = room if room >= least else min(t1 - t0, max(least, max_len // 4))
+                if (drop := t1 - t0 - keep) > 0:
+                    ids, flags = ids[:t0] + ids[t0 + drop:], flags[:t0] + flags[t0 + drop:]
             ids, flags = ids[:max_len], flags[:max_len]
         labels = shift_labels(ids, flags)
         n_targets = sum(lab != IGNORE_INDEX for lab in labels)
         if n_targets == 0:
             stats.dropped += 1
+            if len(stats.dropped_lines) < DROPPED_LINES:
+                stats.dropped_lines.append(r.get("line", "?"))
             continue
         samples.append({"input_ids": ids, "labels": labels})
         stats.samples += 1
+        stats.cut += n_ids - len(ids)
         stats.tokens += len(ids)
         stats.targets += n_targets
     return samples, stats

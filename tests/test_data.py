@@ -385,10 +385,27 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
         assert s["input_ids"] == f["input_ids"][:32] and s["labels"] == f["labels"][: n - 1] + [IGNORE_INDEX]
     assert stats.samples == len(recs) and stats.dropped == 0
     assert stats.targets == sum(count_targets({"labels": torch.tensor(s["labels"])}) for s in samples)
-    # A chat whose assistant turn starts past max_len has no target left: dropped and counted.
-    long_prompt = [{"role": "user", "content": "fox " * 200}, {"role": "assistant", "content": "Sure."}]
-    samples, stats = tokenize_records([{"messages": long_prompt}, recs[0]], tok, 32)
-    assert (stats.records, stats.samples, stats.truncated, stats.dropped) == (2, 1, 2, 1)
+    # A long chat loses the start of its document (the longest message before the answer): its headers, the
+    # document's end and the answer are the untruncated rendering's, and the targets are all there.
+    doc = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "fox " * 200 + "Why?"},
+           {"role": "assistant", "content": "Sure."}]
+    (whole,), _ = tokenize_records([{"messages": doc}], tok, 10_000)
+    (cut,), stats = tokenize_records([{"messages": doc}], tok, 64)
+    ids, w = cut["input_ids"], whole["input_ids"]
+    head = tok(tok.apply_chat_template(doc[:1], tokenize=False) + "<|im_start|>user\n", add_special_tokens=False)
+    assert len(ids) == 64 and ids[:len(head["input_ids"])] == head["input_ids"] == w[:len(head["input_ids"])], \
+        ("the system turn and the user header stay", tok.decode(ids))
+    assert ids[len(head["input_ids"]):] == w[len(w) - 64 + len(head["input_ids"]):], "the document's end and after"
+    assert tok.decode([t for t in cut["labels"] if t != IGNORE_INDEX]) == \
+        tok.decode([t for t in whole["labels"] if t != IGNORE_INDEX]) == "Sure.<|im_end|>", "every target kept"
+    assert "Why?" in tok.decode(ids) and (stats.truncated, stats.cut, stats.dropped) == (1, len(w) - 64, 0), stats
+    # When the rest alone does not fit (another long message before the answer), the document keeps its last
+    # max_len // 4 tokens and the end is cut: here the answer too, so no target is left: dropped, counted, named.
+    lost = {"line": 7, "messages": [{"role": "system", "content": "dog " * 60}, *doc[1:]]}
+    samples, stats = tokenize_records([lost, {**recs[0], "line": 8}], tok, 32)
+    assert (stats.records, stats.samples, stats.truncated, stats.dropped, stats.dropped_lines) == (2, 1, 2, 1, [7])
+    assert stats.warning("t.jsonl", 32) == "warning: t.jsonl: 1 of 2 records (50.0%) have no target token within " \
+        "--max-len 32 and are not trained on (line 7); a longer --max-len keeps them"
 
 
 # --- JSONL validation -----------------------------------------------------------------------------
@@ -573,13 +590,17 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     path = tmp_path / "d.jsonl"
     recs = make_text_jsonl(tmp_path / "t.jsonl", 9, seed=1) + make_chat_jsonl(tmp_path / "c.jsonl", 9, seed=2)
     recs += [{"prompt": "Q: two plus two?", "completion": f" {i}"} for i in range(9)]
+    recs += [{"messages": [{"role": "system", "content": "fox " * 60}, {"role": "user", "content": "word " * 80},
+                           {"role": "assistant", "content": "ok"}]}] * 6   # no room for the answer: dropped
     path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
     tok, cache, said = load_tokenizer(tok_dir), tmp_path / "cache", []
+    say = lambda m: m.startswith("warning: --data") or said.append(m)   # (the dropped records: said each load)
     ref, ref_stats = tokenize_records(load_jsonl(path), tok, 40, path)
-    assert ref_stats.truncated > 0 and ref_stats.dropped > 0, "the file exercises truncation and dropping"
+    assert ref_stats.truncated > 0 and ref_stats.dropped >= 6 and ref_stats.cut > 0, "truncation and dropping"
+    assert len(ref_stats.dropped_lines) == 5, ref_stats   # (the first 5; in chunks below: the same, merged)
     monkeypatch.setattr(store, "CHUNK_CHARS", 200)   # several chunks
     for attempt in ("tokenized", "cached"):
-        samples, stats = load_samples(path, tok, 40, len(tok), cache=str(cache), log=said.append)
+        samples, stats = load_samples(path, tok, 40, len(tok), cache=str(cache), log=say)
         assert stats == ref_stats, attempt
         assert len(samples) == len(ref) and samples.ids.dtype == torch.int32, attempt
         for i, r in enumerate(ref):
@@ -630,14 +651,14 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     damaged.write_bytes(damaged.read_bytes()[:100])
     path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
     said.clear()
-    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(cache), log=said.append)
+    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(cache), log=say)
     assert [s.tolist() for s in samples.ids.split(samples.lengths.tolist())] == [r["input_ids"] for r in ref]
     assert len(said) == 1 and "unreadable" in said[0] and "tokenizing again" in said[0], said
     assert store.read(damaged, damaged.stem) is not None, "the damaged file was replaced"
     said.clear()
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(blocked / "cache"), log=said.append)
+    samples, _ = load_samples(path, tok, 40, len(tok), cache=str(blocked / "cache"), log=say)
     assert len(samples) == len(ref) and len(said) == 1 and "not written" in said[0], said
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
 
@@ -725,16 +746,19 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     from data import store
 
     make_text_jsonl(tmp_path / "train.jsonl", 4, seed=1)
-    long_prompt = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long_prompt = {"messages": [{"role": "system", "content": "fox " * 100}, {"role": "user", "content": "word " * 200},
+                                {"role": "assistant", "content": "ok"}]}   # (two long messages: the answer is cut)
     short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine"}]}
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (long_prompt, short, long_prompt)))
     ref = tokenize_records(load_jsonl(tmp_path / "eval.jsonl"), tok, 64)[1]
-    assert (ref.samples, ref.truncated, ref.dropped) == (1, 2, 2), ref
+    assert (ref.samples, ref.truncated, ref.dropped, ref.dropped_lines) == (1, 2, 2, [1, 3]), ref
     said = []
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
                            data_cache="none", data_sha256=None)
     (_, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
     assert len(ev) == 1 and f"eval data: {ref}" in said, said
+    assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
+           "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
 
 
 def _timed(load_samples, times: list, rank: int, error: str | None):
