@@ -38,7 +38,8 @@ Contract:
 
 Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
 render the conversation up to message i with `add_generation_prompt=True`; where that string ends
-the turn's target text starts. Render it through message i; where that ends, the turn ends. Both
+the turn's target text starts (a template that ignores the flag renders the same string either way, ending before
+the role header: then the turn starts where its content does). Render it through message i; where that ends, the turn ends. Both
 are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
 once later ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's
 content is searched for in the full rendering after its start, and the end-of-turn marker taken from
@@ -179,9 +180,11 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str
 
 
 def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
-    """The rendering up to where the next assistant turn's text starts (None if it cannot render)."""
+    """The rendering up to where the next assistant turn's text starts (None if it cannot render, or the template
+    ignores add_generation_prompt: that rendering then ends before the turn's role header)."""
     try:  # some templates index messages[0] and fail on an empty conversation
-        return _render(tokenizer, messages, True)
+        with_prompt = _render(tokenizer, messages, True)
+        return with_prompt if with_prompt != _render(tokenizer, messages, False) else None
     except Exception:
         return None
 

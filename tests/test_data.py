@@ -166,10 +166,15 @@ LLAMA3_LIKE = (  # template writes its own BOS; end-of-turn marker with no newli
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant<|im_start|>\\n\\n' }}{%- endif %}"
 )
 
+NO_GENERATION_PROMPT = (  # ChatML that ignores add_generation_prompt: the assistant header is only in the turn
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+)
 
-@pytest.mark.parametrize("template", ["qwen3", "llama3"])
+
+@pytest.mark.parametrize("template", ["qwen3", "llama3", "no_generation_prompt"])
 def test_chat_targets_with_other_templates(tok, template):
-    tok.chat_template = QWEN3_LIKE if template == "qwen3" else LLAMA3_LIKE
+    """(no_generation_prompt: until 2026-12-02 the role header was taken for the answer's start and trained on.)"""
+    tok.chat_template = {"qwen3": QWEN3_LIKE, "llama3": LLAMA3_LIKE}.get(template, NO_GENERATION_PROMPT)
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"},
