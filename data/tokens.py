@@ -26,7 +26,10 @@ Contract:
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
   are targets: each turn's content plus the end-of-turn marker the template writes after it (e.g.
   `<|im_end|>`, `<|eot_id|>`), so the model learns to stop; the role header before it and the
-  newline after it are not. No EOS is appended: the end-of-turn marker is the stop token.
+  newline after it are not. No EOS is appended: the end-of-turn marker is the stop token. A message whose text holds
+  a special token's text (`<|im_end|>`, `<|endoftext|>`) is refused, naming its line: the encoding would parse it
+  as that control token, a turn boundary the conversation does not have. Text and prompt/completion records keep
+  them (a pre-rendered chat means them), counted in `TokenStats.special`.
 - A chat longer than max_len loses the start of its document, the longest message before the first assistant turn
   (a long-context task's document, with its question at the end), so the headers, the question and the answers
   stay; when the rest alone does not fit, the document keeps its last max_len // 4 tokens, and the end is cut.
@@ -39,8 +42,8 @@ Contract:
 Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
 render the conversation up to message i with `add_generation_prompt=True`; where that string ends
 the turn's target text starts (a template that ignores the flag renders the same string either way, ending before
-the role header: then the turn starts where its content does). Render it through message i; where that ends, the turn ends. Both
-are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
+the role header: then the turn starts where its content does). Render it through message i; where that ends, the
+turn ends. Both are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
 once later ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's
 content is searched for in the full rendering after its start, and the end-of-turn marker taken from
 the shorter rendering is matched right after it. Character spans become token flags through the
@@ -49,6 +52,7 @@ fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,6 +73,7 @@ class TokenStats:
     targets: int = 0  # label positions != -100 in kept samples
     longest: int = 0  # longest sample before truncation
     cut: int = 0  # tokens truncation removed from kept samples
+    special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
 
     def __str__(self) -> str:
@@ -77,6 +82,7 @@ class TokenStats:
             f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + f", dropped {self.dropped} (no target left)"
+            + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
     def warning(self, what: str, max_len: int) -> str | None:
@@ -311,9 +317,29 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
         return _tokenize_records(records, tokenizer, max_len, path)
 
 
+def special_strings(tokenizer):
+    """A pattern matching the text of any of the tokenizer's special tokens (None: it has none). Encoding parses them
+    in text as those control tokens."""
+    found = {t for t in getattr(tokenizer, "all_special_tokens", ()) if t}
+    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content}
+    return re.compile("|".join(map(re.escape, sorted(found, key=len, reverse=True)))) if found else None
+
+
+def _check_chat_content(messages: list[dict], specials, where: str) -> None:
+    """Refuse a message whose text holds a special token: the rendering would hold that control token, a turn
+    boundary the conversation does not have (a fake turn, an answer that stops early)."""
+    for i, m in enumerate(messages):
+        if specials and isinstance(m.get("content"), str) and (hit := specials.search(m["content"])):
+            raise DataError(f"{where}: message {i} ({m['role']}) holds the special token {hit.group()!r} (at character "
+                            f"{hit.start()}), which encodes as that control token, not as text: a turn boundary the "
+                            "conversation does not have. Remove or respell it (the template writes the turns' own "
+                            'tokens), or write the record as {"text": ...} with the tokens meant')
+
+
 def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
+    specials = special_strings(tokenizer)
     eos = tokenizer.eos_token_id
     texts = [r["text"] for r in records if "text" in r]
     if (texts or any("prompt" in r for r in records)) and eos is None:
@@ -336,6 +362,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
     samples, stats = [], TokenStats(records=len(records))
     for r in records:
         doc = None
+        if specials and "messages" not in r and specials.search(r.get("text") or r["prompt"] + r["completion"]):
+            stats.special += 1   # (pre-rendered text means them: counted, in the data: line)
         if "text" in r:
             ids = list(next(text_ids))
             if not ids or ids[-1] != eos:
@@ -348,6 +376,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
             flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
             where = f"{path}, line {r.get('line', '?')}"
+            _check_chat_content(r["messages"], specials, where)
             ids, flags, doc = _chat_tokens(tokenizer, r["messages"], where)
         stats.longest = max(stats.longest, len(ids))
         n_ids = len(ids)

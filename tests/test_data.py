@@ -379,6 +379,23 @@ def test_chat_without_template_is_an_error(tok, tmp_path):
         tokenize_records(load_jsonl(tmp_path / "c.jsonl"), tok, 100, tmp_path / "c.jsonl")
 
 
+def test_special_token_text_in_a_chat_is_refused_and_in_text_counted(tok):
+    """A chat message holding a special token's text would encode as that control token (here '<|im_end|>' ends the
+    answer early: a turn boundary the conversation lacks): refused, naming the line, the message and the token. Text
+    and prompt/completion records (pre-rendered chats mean them) keep them as the tokenizer encodes them: counted."""
+    chat = {"line": 4, "messages": [{"role": "user", "content": "Stop?"},
+                                    {"role": "assistant", "content": "Yes.<|im_end|> Really."}]}
+    with pytest.raises(DataError, match=r"c\.jsonl, line 4: message 1 \(assistant\) holds the special token "
+                                        r"'<\|im_end\|>' \(at character 4\), which encodes as that control token"):
+        tokenize_records([chat], tok, 100, "c.jsonl")
+    assert tok("Yes.<|im_end|>")["input_ids"][-1] == tok.convert_tokens_to_ids("<|im_end|>"), "why: the encoding"
+    texts = [{"line": 1, "text": "one <|endoftext|> two"}, {"line": 2, "text": "plain"},
+             {"line": 3, "prompt": "<|im_start|>user\nHi<|im_end|>\n", "completion": "Hello"}]
+    samples, stats = tokenize_records(texts, tok, 100)
+    assert stats.special == 2 and "2 with special-token text (encoded as those tokens)" in str(stats), stats
+    assert tok.eos_token_id in samples[0]["input_ids"][:-1], "the text's own EOS, as the tokenizer encodes it"
+
+
 def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     recs = make_text_jsonl(tmp_path / "t.jsonl", 40, seed=3)
     full, _ = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 10_000)
