@@ -185,12 +185,23 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str
                         "record, or render it with another --chat-template") from e
 
 
+_WRITES_PROMPT: dict = {}   # chat template text -> whether it writes a generation prompt
+
+
 def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
     """The rendering up to where the next assistant turn's text starts (None if it cannot render, or the template
     ignores add_generation_prompt: that rendering then ends before the turn's role header)."""
+    template, probe = repr(getattr(tokenizer, "chat_template", None)), [{"role": "user", "content": "Hi"}]
+    if template not in _WRITES_PROMPT:   # (asked once per template, not per turn)
+        try:
+            _WRITES_PROMPT[template] = _render(tokenizer, probe, True) != _render(tokenizer, probe, False)
+        except Exception:   # a template that refuses the probe: asked per conversation
+            _WRITES_PROMPT[template] = None
     try:  # some templates index messages[0] and fail on an empty conversation
         with_prompt = _render(tokenizer, messages, True)
-        return with_prompt if with_prompt != _render(tokenizer, messages, False) else None
+        if _WRITES_PROMPT[template] is None:
+            return with_prompt if with_prompt != _render(tokenizer, messages, False) else None
+        return with_prompt if _WRITES_PROMPT[template] else None
     except Exception:
         return None
 
