@@ -726,7 +726,15 @@ def _row_reference(q_i, k, v, dout_i, scale):
     return out.detach(), q_i.grad, last_k.grad, last_v.grad
 
 
-@pytest.mark.skipif(torch.cuda.get_device_properties(0).total_memory < 60 * 2**30, reason="needs ~30 GB free")
+def _near(got, ref, tol, what):
+    """Relative to the reference's norm: over ~600k keys the softmax is nearly flat and a row's values are ~0.01, so an
+    absolute tolerance would pass a zeroed or wrapped row (relative error 1; bf16 kernels, emulated on the CPU at
+    this size 2026-12-02: 2.3e-3 for out and dq)."""
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol} (|ref| {ref.norm().item():.3g})"
+
+
+@pytest.mark.skipif(torch.cuda.get_device_properties(0).total_memory < 60 * 2**30, reason="needs ~55 GB free")
 def test_cuda_attention_past_2_31_elements():
     """Past 599,186 tokens a Qwen2.5-7B q ([T, 28, 128]) and every [T, 3584] tensor hold more than 2^31 elements,
     where a kernel that indexes in 32 bits reads or writes wrapped rows (pytorch#187227 for the masked op). The
@@ -751,11 +759,11 @@ def test_cuda_attention_past_2_31_elements():
     for i in (0, t // 2, t - 1 - 2048, t - 1):   # t - 2049: the first row past 2^31 elements is after it
         ref_out, ref_dq, ref_dk, ref_dv = _row_reference(q[:, i:i + 1].detach(), k[:, :i + 1].detach(),
                                                          v[:, :i + 1].detach(), dout[:, i:i + 1], scale)
-        torch.testing.assert_close(out[:, i:i + 1].float(), ref_out, rtol=2e-2, atol=2e-2, msg=f"out row {i}")
-        torch.testing.assert_close(q.grad[:, i:i + 1].float(), ref_dq, rtol=5e-2, atol=5e-2, msg=f"dq row {i}")
+        _near(out[:, i:i + 1], ref_out, 2e-2, f"out row {i}")
+        _near(q.grad[:, i:i + 1], ref_dq, 5e-2, f"dq row {i}")
         if i == t - 1:
-            torch.testing.assert_close(k.grad[:, -1:].float(), ref_dk, rtol=5e-2, atol=5e-2, msg="dk of the last key")
-            torch.testing.assert_close(v.grad[:, -1:].float(), ref_dv, rtol=5e-2, atol=5e-2, msg="dv of the last key")
+            _near(k.grad[:, -1:], ref_dk, 5e-2, "dk of the last key")
+            _near(v.grad[:, -1:], ref_dv, 5e-2, "dv of the last key")
     del q, k, v, out, dout
     torch.cuda.empty_cache()
     x = torch.randn(t, h * d, device=DEV, generator=g, dtype=torch.bfloat16)
