@@ -39,8 +39,9 @@
 # The plan for the next one (15 device minutes, ~45 s of them the machine's start; re-planned 2026-12-02 after a review
 # found the old call 1 could not hold both long rows: 2026-11-30 they took 17 s of setup + 185 s + 172 s with no tests
 # before them, so 75 s of tests left the second row ~130 s and a timeout):
-#   1. TOTAL=450 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
-#      (timeout 470): issue 13's last goal, each row's peak within 10% of the plan (27.60 GB offload row, 46.44 GB
+#   1. TOTAL=480 TEST_S=0 BENCH='--case long --runs ours+tiled+offload,ours+tiled-attn' BENCH_ARGS=--mem-trace
+#      (timeout 500; carry=[".whl", "runs/demo_assets"], ~59 MB: a cold demo build there costs ~60 s of this call,
+#      which a review found could push the second row into its timeout): issue 13's last goal, each row's peak within 10% of the plan (27.60 GB offload row, 46.44 GB
 #      tiled-attn row). --mem-trace adds what is alive at each row's peak, by the line that allocated it, to the log
 #      (its C++ frames named by dladdr: torch's default addr2line can take minutes in the step). The fixes since
 #      2026-11-30 (tiled sublayers' norm stand-in, one-element recompute output, no CopySlices, the attention's input
@@ -49,9 +50,12 @@
 #      ~27.3 GB at the offload row's q/k/v phase (plan 27.60 since it counts dk, dv there) and ~46.0 GB for
 #      tiled-attn (plan 46.44). The offload row page-locks its host buffers in place (cudaHostRegister, new on
 #      2026-12-01; if the host refuses, it falls back to torch's pinned allocator with a warning in the log);
-#   2. within 30 s, with what is left: TOTAL=<left - 40> TEST_S=100 TEST_K='offload or fused_rmsnorm or norm_rebuild
-#      or train_step or mem_trace or device_budget or masked or past_2_31' BENCH='--case 128k --runs liger,ours+fast;
-#      --case 32k --runs ours+fast' (timeout TOTAL + 20). The tests first: page-locking in place (the test says if it
+#   2. within 30 s, with what is left: TOTAL=<left - 40> TEST_S=130 TEST_K='offload or fused_rmsnorm or norm_rebuild
+#      or train_step or mem_trace or device_budget or masked or past_2_31 or nf4 or tiled_attention or keep_attn or
+#      fused_lora or memory_flags or keeps_recomputed' BENCH='--case 128k --runs liger,ours+fast;--case 32k --runs
+#      ours+fast' (timeout TOTAL + 20; the same carry). The tests first (a review counted 54 GPU tests, ~105-120 s in
+#      all, and found the earlier TEST_K left out the never-run NF4 CPU=CUDA test and the tiled/keep-attn/fused-LoRA
+#      tests of code changed since 2026-11-30): page-locking in place (the test says if it
 #      fell back), the fused RMSNorm and the norm rebuild (model.llama.Attention's stand-in, unrun on CUDA), a
 #      train.main step (the start-up memory check), --mem-trace's sites (new 2026-12-02), the device budget with
 #      another process holding 3 GiB, the masked kernel path (ring pieces and window tiles), attention and RMSNorm
