@@ -221,9 +221,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     if quant not in ("nf4", "none"):
         raise ValueError(f"quant must be nf4 or none, got {quant!r}")
     if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
-        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
-
-        from model.qlora import BLOCKSIZE
+        from model.qlora import nf4_round_trip
     cfg_path = _check_dir(base_path)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)
@@ -260,8 +258,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
             w = reader.get(name).float()
             if quant == "nf4" and _is_nf4(name, w):
                 # every block Linear was 4-bit in training (apply_nf4), adapted or not
-                packed, st = quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
-                w = dequantize_4bit(packed, st).float()
+                w = nf4_round_trip(w)   # training's base, bit for bit (whatever device quantized it there)
             if name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
             out[name] = w.to(dtype).contiguous()

@@ -14,7 +14,9 @@ Contract:
   it with the (all-gathered) absmax for bitsandbytes, in forward and backward alike.
 - Quantization state is never in a training checkpoint: both parameters are frozen and re-made from
   the safetensors at load. `quantize_blocks` + `nest_absmax` equal one whole-tensor
-  `quantize_4bit(compress_statistics=True)` bit for bit, but let each rank quantize its own blocks.
+  `quantize_4bit(compress_statistics=True)` bit for bit but for the nested offset, absmax's mean, taken in float64
+  (`nested_state`: the same bits on CPU and CUDA), and let each rank quantize its own blocks. `nf4_round_trip(w)`
+  is the weight training computes with, what `python -m model.merge` folds the adapter into.
 - `apply_lora(model, ...)` wraps the model with `peft.get_peft_model`; only LoRA parameters are
   trainable and they are float32. `init_lora(model, seed)` sets every LoRA tensor from a generator
   seeded by (seed, parameter name), computed in full on every rank and sliced to the local shard,
@@ -146,17 +148,35 @@ def quantize_blocks(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(-1), st.absmax
 
 
-def nest_absmax(m: NF4Linear, absmax: torch.Tensor) -> torch.Tensor:
+def nested_state(absmax: torch.Tensor, shape, dtype: torch.dtype) -> tuple[torch.Tensor, QuantState]:
     """bitsandbytes' nested statistics over a layer's whole fp32 absmax (what quantize_4bit does with
-    compress_statistics=True); sets the module's replicated state, returns the uint8 absmax codes."""
-    offset = absmax.mean()
+    compress_statistics=True): the uint8 absmax codes and the QuantState without them (absmax=None), dequantizing
+    to `dtype`. The offset, absmax's mean, is taken in float64: bitsandbytes' float32 mean rounds by the device's
+    reduction order (CPU and CUDA differ in its last bit, for most layers), and a last-bit move of the offset moves
+    absmax codes near their boundaries, so `python -m model.merge` on the CPU would fold its adapter into a base that
+    differs, in some blocks per layer, from the one training quantized on the GPU. In float64 both round alike."""
+    offset = absmax.double().mean().float()
     qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=256)
+    return qabsmax, QuantState(absmax=None, shape=torch.Size(shape), dtype=dtype, blocksize=BLOCKSIZE,
+                               quant_type="nf4", offset=offset, state2=state2,
+                               code=get_4bit_type("nf4", device=absmax.device))
+
+
+def nest_absmax(m: NF4Linear, absmax: torch.Tensor) -> torch.Tensor:
+    """`nested_state` for module `m`: sets its replicated state, returns the uint8 absmax codes."""
     # Dequantize (forward fallback and bnb's backward) straight into the storage/compute dtype: one
     # rounding either way, but no float32 [out, in] temporary on CUDA.
-    m.quant_state = QuantState(absmax=None, shape=torch.Size([m.out_features, m.in_features]),
-                               dtype=m.quant_storage, blocksize=BLOCKSIZE, quant_type="nf4", offset=offset,
-                               state2=state2, code=get_4bit_type("nf4", device=absmax.device))
+    qabsmax, m.quant_state = nested_state(absmax, (m.out_features, m.in_features), m.quant_storage)
     return qabsmax
+
+
+def nf4_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """The float32 weight an NF4 layer computes with (quantize_blocks, nested_state, dequantized): training's base
+    for that checkpoint tensor, the same bits on any device (model.merge folds adapters into it)."""
+    codes, absmax = quantize_blocks(w)
+    qabsmax, st = nested_state(absmax, w.shape, torch.float32)
+    st.absmax = qabsmax
+    return dequantize_4bit(codes.view(-1, 1), st)
 
 
 def quantize_weight(m: NF4Linear, full: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,3 +120,19 @@ def step_of(model, ids):
     if ids.is_cuda:
         torch.cuda.synchronize()
     return s.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+def bnb_nf4(w: torch.Tensor):
+    """bitsandbytes' NF4 of `w` with nested statistics, from its own primitives: quantize_4bit's codes and fp32
+    absmax (compress_statistics=False), the absmax less its mean through quantize_blockwise (blocks of 256), as
+    quantize_4bit(compress_statistics=True) does, but with the mean taken in float64, as training takes it
+    (model.qlora.nested_state: bitsandbytes' float32 mean differs between CPU and CUDA in its last bit).
+    Returns (packed codes, QuantState): `dequantize_4bit(packed, state)` is the base training computes with."""
+    from bitsandbytes.functional import QuantState, quantize_4bit, quantize_blockwise
+
+    packed, plain = quantize_4bit(w.float(), blocksize=64, compress_statistics=False, quant_type="nf4",
+                                  quant_storage=torch.uint8)
+    offset = plain.absmax.double().mean().float()
+    qabsmax, state2 = quantize_blockwise(plain.absmax - offset, blocksize=256)
+    return packed, QuantState(absmax=qabsmax, shape=plain.shape, dtype=torch.float32, blocksize=64,
+                              quant_type="nf4", code=plain.code, offset=offset, state2=state2)

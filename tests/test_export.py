@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.helpers import tiny_checkpoint
+from tests.helpers import bnb_nf4, tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R, ALPHA = 4, 8.0
@@ -188,7 +188,7 @@ def _merged_tensors(out_dir):
 def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
     """Tensor by tensor against peft's own merge: on the plain base (fp32, bf16) and, for nf4, on the
     HF model whose block Linears hold bitsandbytes' dequantized NF4 weights (what training saw)."""
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    from bitsandbytes.functional import dequantize_4bit
     from peft import PeftModel
 
     from model.export import _is_nf4, merge
@@ -202,7 +202,7 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
             with torch.no_grad():
                 for n, p in hf.named_parameters():
                     if _is_nf4(n, p):
-                        packed, st = quantize_4bit(p.data, blocksize=64, compress_statistics=True, quant_type="nf4")
+                        packed, st = bnb_nf4(p.data)
                         p.copy_(dequantize_4bit(packed, st))
         ref = PeftModel.from_pretrained(hf, os.path.join(root, case)).merge_and_unload().state_dict()
         out = tmp_path / f"{case}_{dtype}"

@@ -65,7 +65,9 @@ def _merge_peak(base, adapter, out):
 
 @pytest.mark.timeout(300)
 def test_merge_peak_rss_is_one_shard(tmp_path):
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    from bitsandbytes.functional import dequantize_4bit
+
+    from tests.helpers import bnb_nf4
 
     total, largest, _ = write_checkpoint(tmp_path / "big", hidden=1024, layers=8, inter=2816, vocab=8192)
     write_checkpoint(tmp_path / "tiny", hidden=64, layers=2, inter=128, vocab=256, heads=4, kv_heads=2)
@@ -90,7 +92,7 @@ def test_merge_peak_rss_is_one_shard(tmp_path):
         assert wm == json.load(f)["weight_map"], "one output file per base file, same names"
     name = "model.layers.3.mlp.down_proj.weight"
     w = load_file(tmp_path / "big" / wm[name])[name]
-    packed, st = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    packed, st = bnb_nf4(w)
     stem = "base_model.model.model.layers.3.mlp.down_proj"
     want = dequantize_4bit(packed, st) + 2.0 * sd[stem + ".lora_B.weight"] @ sd[stem + ".lora_A.weight"]
     torch.testing.assert_close(load_file(tmp_path / "out" / wm[name])[name], want, rtol=1e-6, atol=1e-6)

@@ -2,12 +2,14 @@
 
 Pins (gloo on CPU, float32 storage, a tiny Qwen2 checkpoint built by transformers):
 - `quantize_blocks` on any split of a weight into whole 64-blocks, then `nest_absmax` over the joined
-  fp32 absmax, equals bitsandbytes' own whole-tensor `quantize_4bit(compress_statistics=True)` bit
-  for bit (codes, uint8 absmax, nested scales, offset), and dequantizes to the same weight;
+  fp32 absmax, equals bitsandbytes' own whole-tensor quantization bit for bit (codes, uint8 absmax, nested scales,
+  offset; `tests.helpers.bnb_nf4`: its primitives, with the nested offset's mean in float64, which is within one
+  float32 ulp of `quantize_4bit(compress_statistics=True)`'s), and dequantizes to the same weight, which is
+  `nf4_round_trip` (the merge's base);
 - on 4 ranks (FSDP2 over all four) every rank's local `absmax` parameter is its 1/4 dim-0 shard
   (not the whole state), the lean loader's shards equal the whole-tensor loader's (lean=False) as
   integers, and the gathered codes and absmax, and the dequantized weight, equal bitsandbytes'
-  quantization of the checkpoint tensor in one process (merge's `quantize_4bit` path);
+  quantization of the checkpoint tensor in one process (`bnb_nf4`);
 - a DCP checkpoint (parallel/checkpoint.save) holds no base weight and no absmax (frozen state is
   re-read from safetensors), and after `load` into a freshly built model on 4 ranks the NF4 state is
   unchanged and the LoRA tensors are restored.
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.helpers import tiny_checkpoint
+from tests.helpers import bnb_nf4, tiny_checkpoint
 
 
 def _u8(t):
@@ -31,14 +33,15 @@ def _u8(t):
 def test_blockwise_quantization_equals_bitsandbytes_whole_tensor():
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from model.qlora import NF4Linear, nest_absmax, quantize_blocks
+    from model.qlora import NF4Linear, nest_absmax, nf4_round_trip, quantize_blocks
 
     g = torch.Generator().manual_seed(0)
     for out_f, in_f, cuts in [(96, 64, [0, 7, 40, 96]), (640, 128, [0, 1, 2, 1279, 1280]),
                               (512, 160, [0, 333, 334, 1000, 1280])]:
         w = torch.randn(out_f, in_f, generator=g) * 0.05
-        packed, ref = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4",
-                                    quant_storage=torch.uint8)
+        packed, ref = bnb_nf4(w)
+        _, f32 = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")   # its float32 mean
+        assert abs(f32.offset - ref.offset) <= torch.finfo(torch.float32).eps * abs(ref.offset), "offset: 1 ulp"
         flat = w.reshape(-1)
         parts = [quantize_blocks(flat[a * 64: b * 64]) for a, b in zip(cuts, cuts[1:])]
         codes = torch.cat([c for c, _ in parts])
@@ -52,11 +55,12 @@ def test_blockwise_quantization_equals_bitsandbytes_whole_tensor():
         assert torch.equal(st.state2.absmax, ref.state2.absmax) and torch.equal(st.offset, ref.offset), tag
         st.absmax = qabsmax
         assert torch.equal(dequantize_4bit(codes.view(-1, 1), st).float(), dequantize_4bit(packed, ref)), tag
+        assert torch.equal(nf4_round_trip(w), dequantize_4bit(packed, ref)), f"the merge's base {tag}"
 
 
 def _shard_rank(rank, world_size, path, ckpt_dir):
     import torch.distributed as dist
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    from bitsandbytes.functional import dequantize_4bit
 
     from model.load import CheckpointReader
     from model.qlora import NF4Linear
@@ -79,7 +83,7 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
             continue
         n += 1
         w = reader.get(name.replace(".base_layer", "") + ".weight")
-        packed, ref = quantize_4bit(w.float(), blocksize=64, compress_statistics=True, quant_type="nf4")
+        packed, ref = bnb_nf4(w)
         blocks = w.numel() // 64
         rows = -(-blocks // 4)                                     # fp32 storage: 4 absmax codes per element
         local = m.absmax.to_local()
