@@ -165,7 +165,7 @@ def load_jsonl(path: str | Path) -> list[dict]:
     with p.open("rb") as f:
         for n, raw_bytes in enumerate(f, start=1):
             try:
-                raw = raw_bytes.decode("utf-8")
+                raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")   # a byte-order mark (Windows editors)
             except UnicodeDecodeError as e:
                 raise line_error(p, n, f"not UTF-8 ({e.reason} at byte {e.start})") from None
             if raw.strip():

@@ -497,6 +497,18 @@ def test_surrogate_pairs_and_escaped_backslashes_are_text(tok, tmp_path):
         tok(["lone \ud800"])
 
 
+def test_a_byte_order_mark_and_windows_line_ends_are_read_as_the_text(tmp_path):
+    """A file a Windows editor saved (UTF-8 with a byte-order mark, CRLF line ends) reads as the same records as the
+    plain file; json.loads alone refuses the mark ("Unexpected UTF-8 BOM")."""
+    lines = [json.dumps({"text": "first"}), json.dumps({"prompt": "Q?", "completion": " A"})]
+    plain, windows = tmp_path / "plain.jsonl", tmp_path / "windows.jsonl"
+    plain.write_bytes(("\n".join(lines) + "\n").encode())
+    windows.write_bytes("\ufeff".encode() + ("\r\n".join(lines) + "\r\n").encode())
+    assert load_jsonl(windows) == load_jsonl(plain) and load_jsonl(plain)[0]["text"] == "first"
+    with pytest.raises(ValueError, match="BOM"):
+        json.loads(windows.read_bytes().decode("utf-8").splitlines()[0])
+
+
 def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match=r"nope\.jsonl does not exist"):
         load_jsonl(tmp_path / "nope.jsonl")
