@@ -22,7 +22,8 @@ Contract:
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
-  host). It logs the --eval-data stats (`eval data: ...`), and every rank must end with the same tokens
+  host). It logs the --eval-data stats (`eval data: ...`) and a note when eval samples are also training samples
+  (`also_in`: the same input ids), and every rank must end with the same tokens
   (`same_on_every_rank`, a sha256 `fingerprint` of ids, labels and boundaries): machines that read different
   bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts. It sets
   `args.data_tokens` ("N samples, T tokens, sha256 <fingerprint>"), which checkpoints keep: a resume must train on
@@ -224,6 +225,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     args.data_tokens = f"{len(train[0])} samples, {train[1].tokens} tokens, sha256 {digest}"
     if ev:   # its truncated and dropped records too: eval_loss covers what is left
         log(f"eval data: {ev[1]}")
+        if shared := also_in(ev[0], train[0]):
+            log(f"note: {shared} of the {len(ev[0])} --eval-data samples are also --data samples (the same tokens): "
+                "eval_loss measures how well the run learned them, not how it does on unseen data")
     args.template_date = day if dated(tokenizer.chat_template) else None   # what config.json and checkpoints keep
     if args.template_date:
         log(f"chat template: writes the date; rendered as {day} (--template-date; a resume keeps it)")
@@ -231,6 +235,15 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
     return train, ev and ev[0]
+
+
+def also_in(these: Samples, those: Samples) -> int:
+    """How many samples of `these` (the eval data) have the same input ids as one of `those` (compared only where
+    the lengths match)."""
+    key = lambda s, i: hashlib.sha256(s[i]["input_ids"].numpy().tobytes()).digest()
+    maybe = torch.isin(those.lengths, these.lengths).nonzero().flatten().tolist()
+    seen = {key(those, i) for i in maybe}   # (digests: all samples may be --max-len long, hence candidates)
+    return sum(key(these, i) in seen for i in range(len(these)))
 
 
 def fingerprint(samples: Samples | None) -> str:

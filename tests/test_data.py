@@ -793,6 +793,12 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     assert len(ev) == 1 and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
            "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
+    assert not [m for m in said if "also --data samples" in m], said
+    (tmp_path / "both.jsonl").write_text((tmp_path / "train.jsonl").read_text() + json.dumps(short) + "\n")
+    args.eval_data, said = str(tmp_path / "both.jsonl"), []   # the 4 training records and one more
+    store.load_run_data(args, tok, len(tok), said.append)
+    assert "note: 4 of the 5 --eval-data samples are also --data samples (the same tokens): eval_loss measures how " \
+           "well the run learned them, not how it does on unseen data" in said, said
 
 
 def _timed(load_samples, times: list, rank: int, error: str | None):
