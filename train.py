@@ -226,6 +226,9 @@ def main(argv=None):
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
+        if not args.steps and (extra := steps * args.global_batch - len(samples)) > 0:   # (ceil: said, not silent)
+            log0(f"note: one epoch, {len(samples)} samples in {steps} steps of {args.global_batch}: the last step also "
+                 f"trains {extra} of the next epoch's order (--steps sets the length)")
         if steps < args.warmup:   # a short run that never leaves warmup: said, not silent
             log0(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
                  f"{lr_at(steps - 1, args, args.schedule_steps or steps):.3g}, not --lr {args.lr:g}")

@@ -252,7 +252,7 @@ def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(ass
     assert tree_hash(out) == before
 
 
-def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path):
+def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path, capsys):
     """Without --steps a run trains ceil(samples / --global-batch) steps, so every sample is trained at least once:
     12 samples in steps of 8 make 2 steps, the second filled from the next epoch (until 2026-12-02: 1 step, and 4 of
     the 12 samples never seen). A resume counts the epoch as its run did, also one from before the change."""
@@ -264,6 +264,8 @@ def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path):
     argv = argv[:i] + argv[i + 2:]
     run(argv)
     assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333)]
+    assert "note: one epoch, 12 samples in 2 steps of 8: the last step also trains 4 of the next epoch's order " \
+           "(--steps sets the length)" in capsys.readouterr().out
     losses = [r["loss"] for r in metrics(out)]
     first = out / "ckpt" / "step_000001"
     run(argv + ["--resume", str(first)])   # a resume counts the epoch as its run did
