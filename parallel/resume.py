@@ -160,11 +160,13 @@ def same_tokens(ckpt_args: dict, args: dict) -> None:
     if had is None or now is None or had == now:
         return
     short = lambda v: v.rsplit(" ", 1)[0] + " " + v.rsplit(" ", 1)[-1][:12]   # (the digest's first 12 digits)
+    dated = (", or the date a dated chat template writes (pass --template-date with the day the checkpoint's run "
+             "started)") if args.get("template_date") else ""
     raise ValueError(f"--resume: the checkpoint's run trained on other tokens ({short(had)}) than this run's --data "
                      f"gives ({short(now)}), though the file's bytes are the same: the tokenizer or chat template "
-                     "files in --model's folder, or the transformers/tokenizers version, changed since. Restore them "
-                     "to continue the run, or train on from its adapter in a fresh run (--init-adapter OUT/adapter, "
-                     "or `python -m parallel.checkpoint` for a step's)")
+                     f"files in --model's folder, or the transformers/tokenizers version, changed since{dated}. "
+                     "Restore them to continue the run, or train on from its adapter in a fresh run (--init-adapter "
+                     "OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
 
 
 def schedule_note(ckpt: str | None, steps: int | None) -> str | None:

@@ -490,8 +490,9 @@ def test_bad_data_refused_before_weights(assets, tmp_path):
     msg = startup_error(train_argv(assets, out, "--data", str(tmp_path)))
     assert "--data" in msg and "is a directory" in msg, msg
     no_target = tmp_path / "eval.jsonl"
-    long_prompt = [{"role": "user", "content": "hello there " * 200}, {"role": "assistant", "content": "hi"}]
-    no_target.write_text(json.dumps({"messages": long_prompt}) + "\n")   # truncated to --max-len 64: no target
+    long_prompt = [{"role": "system", "content": "hello " * 100}, {"role": "user", "content": "hello there " * 200},
+                   {"role": "assistant", "content": "hi"}]   # the system turn alone is past --max-len 64: no target
+    no_target.write_text(json.dumps({"messages": long_prompt}) + "\n")
     msg = startup_error(train_argv(assets, out, "--eval-data", str(no_target)))
     assert "--eval-data" in msg and "no sample has a target" in msg, msg
     assert not os.path.exists(out)
@@ -1132,11 +1133,16 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     run(train_argv(assets, undated, "--steps", "2", "--resume", os.path.join(undated, "ckpt", "step_000001"),
                    "--template-date", "2024-07-26", "--data-cache", "none"))
     meta = json.load(open(os.path.join(part, "ckpt", "step_000003", "meta.json")))   # an older run's checkpoint:
-    del meta["args"]["template_date"]                                              # no template date recorded
+    del meta["args"]["template_date"], meta["args"]["data_tokens"]               # no template date, no tokens
     json.dump(meta, open(os.path.join(part, "ckpt", "step_000003", "meta.json"), "w"))
     capsys.readouterr()
     run(argv(part, "--steps", "4", "--resume", os.path.join(part, "ckpt", "step_000003")))
     assert "note: the checkpoint records no template date" in capsys.readouterr().out
+    meta["args"]["data_tokens"] = config(full)["data_tokens"]   # recorded, 2026-12-01's tokens: today renders 12-03
+    json.dump(meta, open(os.path.join(part, "ckpt", "step_000003", "meta.json"), "w"))
+    msg = startup_error(argv(part, "--steps", "4", "--resume", os.path.join(part, "ckpt", "step_000003")))
+    assert "trained on other tokens" in msg and "the date a dated chat template writes (pass --template-date with " \
+           "the day the checkpoint's run started)" in msg, msg
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
@@ -1257,7 +1263,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
                 f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
                                                  {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
     flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
-             "--keep-ckpts", "1", "--lr", "0.05", "--data", str(tmp_path / "yes.jsonl"))   # (the last --data wins)
+             "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (the last --data wins)
     full = str(tmp_path / "full")
     run(train_argv(assets, full, *flags))
     evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
@@ -1294,7 +1300,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     run(train_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
     assert "is in another run folder: the best is chosen among this run's evaluations" in capsys.readouterr().out
     run(train_argv(assets, full, "--steps", "6", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
-                   "--lr", "0.05", "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))   # no --keep-best
+                   "--lr", "0.5", "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))   # no --keep-best
     assert steps(full) == ["latest", "step_000006"], (steps(full), "a run without --keep-best protected a step")
     run(train_argv(assets, part, "--steps", "1", "--overwrite"))
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
