@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
 from data.templates import parse_day
+from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
 from model.load import read_args, same_snapshot
@@ -104,6 +105,8 @@ def build_parser(add_help=True):
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--max-len", type=max_len_arg, default=256, help="truncate samples to this many tokens (`--plan --max-len "
       "auto`: the longest that fits)")
+    a("--long-text", default=LONG_TEXT[0], choices=LONG_TEXT, help="a text record longer than --max-len: split into "
+      "windows of --max-len (every token trained once) or truncate to its first --max-len tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
     a("--template-date", default=None, type=parse_day, metavar="YYYY-MM-DD", help="the date a chat template that "
@@ -217,7 +220,7 @@ def main(argv=None):
         (samples, stats), eval_samples = store.load_run_data(args, tok, margs.vocab_size, log0)   # the others read it
         log0(f"data: {stats}")
         if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
-            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args))
+            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args), split=stats.split)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank

@@ -209,7 +209,7 @@ def write_data(ckpt: str, tokens: int, n: int, path: str) -> list[list[int]]:
             while len(tok(text, add_special_tokens=False)["input_ids"]) < tokens:
                 text += tok.decode(torch.randint(lo, hi, (tokens // 4 + 64,), generator=g).tolist())
             f.write(json.dumps({"text": text}) + "\n")
-    samples, _ = tokenize_records(load_jsonl(path), tok, tokens, path)
+    samples, _ = tokenize_records(load_jsonl(path), tok, tokens, path, long_text="truncate")
     ids = [s["input_ids"] for s in samples]
     assert len(ids) == n and all(len(x) == tokens for x in ids), [len(x) for x in ids]
     return ids
@@ -227,6 +227,7 @@ def ours_argv(spec: dict, out: str, flags=()) -> list[str]:
     return ["--model", spec["ckpt"], "--data", spec["data"], "--max-len", str(spec["tokens"]), "--global-batch",
             "1", "--steps", str(spec["steps"]), "--quant", spec["quant"], "--dtype", spec["dtype"], "--lora-r", "16",
             "--lora-alpha", "32", "--lr", "2e-4", "--warmup", "1", "--out", out, "--no-progress", "--mem-phases",
+            "--long-text", "truncate",   # one sample per record, `tokens` long (write_data): the peers' tokens
             *(["--mem-trace"] if spec.get("mem_trace") else []), *flags]
 
 

@@ -194,7 +194,8 @@ def main():
               "   measured per rank")
         for name, world, max_len, flags in rows:
             model = model_dir + ("_v512" if name.endswith("v512") else "")
-            argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--steps", "2", "--dtype", "fp32",
+            argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--long-text", "truncate",
+                    "--steps", "2", "--dtype", "fp32",
                     "--global-batch", str(world // _cp(flags)), "--no-progress",
                     "--out", os.path.join(tmp, "out", name.replace(" ", "_")), *flags]   # a run owns its --out
             plan = planned(world, argv, BLOCKS.get(name))

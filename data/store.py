@@ -7,8 +7,9 @@ Contract:
   `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list.
 - `build(records, tokenize, log, what)` tokenizes chunks of about `CHUNK_CHARS` characters, so only one chunk's
   Python lists exist at a time, and says its progress every `LOG_SECONDS`.
-- `cache_key(data_sha256, tokenizer, max_len, day)`: a sha256 over the data file's (`file_sha256`), the tokenizer's
-  directory (every file but weights), its effective chat template and class, max_len, the source of the modules
+- `cache_key(data_sha256, tokenizer, max_len, day, long_text)`: a sha256 over the data file's (`file_sha256`), the
+  tokenizer's directory (every file but weights), its effective chat template and class, max_len, long_text (what a
+  text record longer than it becomes: --long-text), the source of the modules
   that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file), the transformers,
   tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the day (`today()`
   unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line), the date
@@ -140,12 +141,14 @@ def today() -> str:
     return time.strftime("%Y-%m-%d")
 
 
-def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None) -> str | None:
+def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
+              long_text: str | None = None) -> str | None:
     """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
     import jinja2
     import tokenizers
     import transformers
 
+    from data.tokens import LONG_TEXT
     from loss import IGNORE_INDEX
 
     tok_dir = Path(getattr(tokenizer, "name_or_path", "") or "")
@@ -153,9 +156,9 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None)
         return None
     h = hashlib.sha256()
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
-    for part in (f"max_len={max_len}", type(tokenizer).__name__, json.dumps(template, sort_keys=True),
-                 transformers.__version__, tokenizers.__version__, jinja2.__version__, f"ignore={IGNORE_INDEX}",
-                 (day or today()) if dated(template) else ""):
+    for part in (f"max_len={max_len}", f"long_text={long_text or LONG_TEXT[0]}", type(tokenizer).__name__,
+                 json.dumps(template, sort_keys=True), transformers.__version__, tokenizers.__version__,
+                 jinja2.__version__, f"ignore={IGNORE_INDEX}", (day or today()) if dated(template) else ""):
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
@@ -212,7 +215,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     if rank != 0 and local_rank == "0":
         warn = lambda m: print(f"[{socket.gethostname()} rank {rank}] {m}", flush=True)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                                 write, log, sha, day, warn)
+                                                                 write, log, sha, day, warn, args.long_text)
     given = getattr(args, "template_date", None)
     (train, ev), day = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),

@@ -3,10 +3,10 @@
 Contract:
 - `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
   `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
-- `tokenize_records(records, tokenizer, max_len, path, day)` turns validated records (`data.jsonl`) into
+- `tokenize_records(records, tokenizer, max_len, path, day, long_text)` turns validated records (`data.jsonl`) into
   samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
-  samples left with no target are dropped (and counted). A template that writes today's date writes `day`
-  (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
+  samples left with no target are dropped (and counted), and a split text record gives its windows in a row. A
+  template that writes today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
 - `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
   kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
@@ -34,7 +34,13 @@ Contract:
   (a long-context task's document, with its question at the end), so the headers, the question and the answers
   stay; when the rest alone does not fit, the document keeps its last max_len // 4 tokens, and the end is cut.
   (Until 2026-12-02 a chat kept its first max_len tokens: a long document's answer was cut away, the record
-  dropped.) Text records, and a chat whose document is not found verbatim, keep their first `max_len` tokens.
+  dropped.) A chat whose document is not found verbatim keeps its first `max_len` tokens.
+- A text record longer than max_len (`long_text`, --long-text): "split" (the default) makes it windows of max_len
+  tokens that overlap by one, each a sample of its own (positions from 0, no BOS added), so every token of the
+  record after its first is a target exactly once: window k holds tokens [k(max_len-1), k(max_len-1)+max_len), whose
+  first token is the previous window's last target. "truncate" keeps its first max_len tokens. Continued
+  pretraining on documents longer than the context (books, code bases) then loses nothing, as a chunked pretraining
+  corpus does; a prompt/completion or chat record is never split (its answer needs its question).
   Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
 - Labels are built after truncation, on the whole sequence:
   `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
@@ -60,14 +66,17 @@ from data.jsonl import DataError
 from loss import IGNORE_INDEX
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+LONG_TEXT = ("split", "truncate")   # what a text record longer than --max-len becomes; the first is the default
 DROPPED_LINES = 5   # dropped records named by line in the stats and the warning
 
 
 @dataclass
 class TokenStats:
     records: int = 0
-    samples: int = 0  # kept samples (records - dropped)
+    samples: int = 0  # kept samples (records - dropped, a split record counting its windows)
     truncated: int = 0  # samples longer than max_len, cut to max_len
+    split: int = 0  # text records longer than max_len made into windows (long_text "split")
+    windows: int = 0  # the samples those records became
     dropped: int = 0  # samples with no target left after truncation
     tokens: int = 0  # tokens in kept samples, after truncation
     targets: int = 0  # label positions != -100 in kept samples
@@ -81,6 +90,7 @@ class TokenStats:
             f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
             f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
+            + (f", split {self.split} into {self.windows} windows" if self.split else "")
             + f", dropped {self.dropped} (no target left)"
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
@@ -119,20 +129,22 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
 
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
-                 write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None):
+                 write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
+                 long_text: str = LONG_TEXT[0]):
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
     template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
-    cannot be read or written is said."""
+    cannot be read or written is said. `long_text`: what a text record longer than max_len becomes (module
+    docstring)."""
     from data import store
     from data.jsonl import load_jsonl
 
     warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
     sha256 = sha256 or (cache and store.file_sha256(path))
     try:
-        key = cache and store.cache_key(sha256, tokenizer, max_len, day)
+        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text)
     except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
         key = None
         if warn:
@@ -143,7 +155,8 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         if log:
             log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
     else:
-        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path, day),
+        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path, day,
+                                                                                long_text),
                                      log, f"{flag} {path}")
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
@@ -318,14 +331,14 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
 
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>",
-                     day: str | None = None):
+                     day: str | None = None, long_text: str = LONG_TEXT[0]):
     """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
     from data.store import today
     from data.templates import dated, on_day
 
     day = day or (today() if dated(getattr(tokenizer, "chat_template", None)) else None)   # one date for the call
     with on_day(tokenizer, day):
-        return _tokenize_records(records, tokenizer, max_len, path)
+        return _tokenize_records(records, tokenizer, max_len, path, long_text)
 
 
 def special_strings(tokenizer):
@@ -347,9 +360,18 @@ def _check_chat_content(messages: list[dict], specials, where: str) -> None:
                             'tokens), or write the record as {"text": ...} with the tokens meant')
 
 
-def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
+def _windows(ids: list[int], max_len: int) -> list[list[int]]:
+    """A long text's windows of max_len tokens, overlapping by one: each token after the first is one window's target
+    exactly once (the last window may be shorter; each has at least one target)."""
+    stride = max_len - 1
+    return [ids[s:s + max_len] for s in range(0, len(ids) - 1, stride)]
+
+
+def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_text: str = LONG_TEXT[0]):
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
+    if long_text not in LONG_TEXT:
+        raise ValueError(f"long_text must be one of {LONG_TEXT}, got {long_text!r}")
     specials = special_strings(tokenizer)
     eos = tokenizer.eos_token_id
     texts = [r["text"] for r in records if "text" in r]
@@ -391,6 +413,14 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path):
             ids, flags, doc = _chat_tokens(tokenizer, r["messages"], where)
         stats.longest = max(stats.longest, len(ids))
         n_ids = len(ids)
+        if len(ids) > max_len and "text" in r and long_text == "split":   # every token trained, in windows
+            parts = _windows(ids, max_len)
+            stats.split, stats.windows = stats.split + 1, stats.windows + len(parts)
+            for w in parts:   # (each has a target: never dropped)
+                samples.append({"input_ids": w, "labels": shift_labels(w, [True] * len(w))})
+                stats.samples, stats.tokens, stats.targets = stats.samples + 1, stats.tokens + len(w), \
+                    stats.targets + len(w) - 1
+            continue
         if len(ids) > max_len:
             stats.truncated += 1
             # A prompt's start goes (after a BOS), and a chat's document's (the longest message before the first

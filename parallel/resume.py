@@ -7,10 +7,11 @@ Contract:
   as parallel/recorded.py records it: the loss, the optimizer, the LR schedule. The same files under other paths
   (relative from elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was
   resolved is not compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
-- `same_tokens(ckpt_args, args)` (train.py, once the data are tokenized): the checkpoint's run trained on the same
-  tokens (`data_tokens`: samples, tokens and their sha256). The same --data bytes tokenize otherwise under an edited
-  tokenizer or chat template file in the model's folder, or another transformers/tokenizers version; the step's
-  samples would then be other ones, in another order. A checkpoint from before the record is not compared.
+- `same_tokens(ckpt_args, args, split)` (train.py, once the data are tokenized): the checkpoint's run trained on the
+  same tokens (`data_tokens`: samples, tokens and their sha256). The same --data bytes tokenize otherwise under an
+  edited tokenizer or chat template file in the model's folder, or another transformers/tokenizers version; the step's
+  samples would then be other ones, in another order. A checkpoint from before the record is not compared. One from
+  before --long-text (`split`: this run's split records) resumes as long as nothing is split (it truncated them).
 - `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
 - `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
   it), not another run's.
@@ -32,7 +33,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule", "data_tokens")
+                "schedule", "data_tokens", "long_text")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -112,6 +113,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
             continue
+        if k == "long_text" and k not in ckpt_args:   # a run from before --long-text: same_tokens checks its data
+            continue
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
             continue
         if k == "data_sha256" and ckpt_args.get(k) is None:   # a demo run's (it builds its files): not known, so a
@@ -154,8 +157,13 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
 
 
-def same_tokens(ckpt_args: dict, args: dict) -> None:
-    """Refuse a resume whose --data tokenized to other tokens than its checkpoint's run (module docstring)."""
+def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> None:
+    """Refuse a resume whose --data tokenized to other tokens than its checkpoint's run (module docstring). `split`:
+    how many text records this run split into windows (--long-text split); a run from before the flag truncated them."""
+    if split and "long_text" not in ckpt_args and args.get("long_text") == "split":
+        raise ValueError(f"--resume: the checkpoint's run is from before --long-text, when a text record longer than "
+                         f"--max-len was truncated; this run would split {split} such records of --data into windows "
+                         "(another sample list). Pass --long-text truncate to continue it")
     had, now = ckpt_args.get("data_tokens"), args.get("data_tokens")
     if had is None or now is None or had == now:
         return

@@ -20,7 +20,7 @@ def pytest_sessionfinish(session, exitstatus):
 def assets(tmp_path_factory):
     import transformers as T
 
-    from tests.fixtures import make_chat_jsonl, make_tokenizer
+    from tests.fixtures import make_chat_jsonl, make_text_jsonl, make_tokenizer
 
     d = tmp_path_factory.mktemp("train_assets")
     tok = make_tokenizer(d / "model")
@@ -30,9 +30,11 @@ def assets(tmp_path_factory):
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
     make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
+    make_text_jsonl(d / "text.jsonl", 16, seed=4)   # plain text, a third of it past --max-len 64: split into windows
     # the same model with a 16-token sliding window on layer 1 (Qwen2: layers >= max_window_layers slide)
     make_tokenizer(d / "window")
     wcfg = T.Qwen2Config(**shape, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(wcfg).float().save_pretrained(d / "window")
-    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window")}
+    return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window"),
+            "text": str(d / "text.jsonl")}

@@ -340,6 +340,42 @@ def test_prompt_completion_without_offsets_and_left_truncation(tok):
     assert s["input_ids"] == (tok(short["prompt"] + short["completion"])["input_ids"])[:24]
 
 
+def test_long_text_split_trains_every_token_once(tok):
+    """--long-text split (the default): a text record longer than --max-len becomes windows of at most max_len tokens
+    that overlap by one, so the tokenizer's own encoding of the text (+ EOS) is every window's tokens in a row, and
+    each of its tokens after the first is a target exactly once, predicted from the tokens before it in its window;
+    at max_len = len - 1 the last window holds two tokens (one target), at len none is split, at 2 each token is
+    a window's target. Prompt/completion and chat records are truncated as under "truncate" (their answer needs its
+    question); the stats count the split records and their windows; --long-text truncate keeps the first max_len."""
+    text = {"text": "The quick brown fox jumps over the lazy dog. " * 12}
+    whole = tok(text["text"])["input_ids"] + [tok.eos_token_id]   # the reference: the tokenizer's own encoding
+    n = len(whole)
+    qa = {"prompt": "fox " * 80 + "Q: who ran?\nA:", "completion": " the dog"}
+    chat = {"messages": [{"role": "user", "content": "dog " * 80 + "Why?"}, {"role": "assistant", "content": "Sure."}]}
+    for max_len in (2, 3, 7, 40, n - 1, n, n + 1):
+        samples, stats = tokenize_records([text, qa, chat], tok, max_len)
+        k = 1 if max_len >= n else -(-(n - 1) // (max_len - 1))
+        windows, rest = samples[:k], samples[k:]
+        ids = [s["input_ids"] for s in windows]
+        assert all(2 <= len(w) <= max_len for w in ids), (max_len, [len(w) for w in ids])
+        assert ids[0] + [t for w in ids[1:] for t in w[1:]] == whole, f"max_len {max_len}: not the text's tokens"
+        assert all(w[0] == p[-1] for p, w in zip(ids, ids[1:])), f"max_len {max_len}: windows overlap by one"
+        assert [t for s in windows for t in s["labels"] if t != IGNORE_INDEX] == whole[1:], \
+            f"max_len {max_len}: every token after the first a target once"
+        assert all(s["labels"] == s["input_ids"][1:] + [IGNORE_INDEX] for s in windows), "labels within a window"
+        cut, cut_stats = tokenize_records([qa, chat], tok, max_len)
+        assert rest == cut, f"max_len {max_len}: prompt/completion and chat records are not split"
+        assert (stats.split, stats.windows) == ((1, k) if max_len < n else (0, 0)), (max_len, stats)
+        assert (stats.samples, stats.truncated, stats.cut) == (k + cut_stats.samples, cut_stats.truncated,
+                                                              cut_stats.cut), (max_len, stats)
+        assert stats.targets == n - 1 + cut_stats.targets and stats.tokens == sum(map(len, ids)) + cut_stats.tokens
+        assert (f"split 1 into {k} windows" in str(stats)) == (max_len < n), str(stats)
+    (first, *_), stats = tokenize_records([text, qa], tok, 40, long_text="truncate")
+    assert first["input_ids"] == whole[:40] and stats.truncated == 2 and stats.split == 0, stats
+    with pytest.raises(ValueError, match="long_text must be one of"):
+        tokenize_records([text], tok, 40, long_text="chunk")
+
+
 def test_prompt_truncation_keeps_the_answer_learnable(tok):
     """A long prompt whose answer (with EOS) alone fills --max-len, or more: the prompt keeps its last max_len // 4
     tokens, at least one without a BOS (none needed with one), so the answer's first token is still a target; the
@@ -399,7 +435,7 @@ def test_special_token_text_in_a_chat_is_refused_and_in_text_counted(tok):
 def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     recs = make_text_jsonl(tmp_path / "t.jsonl", 40, seed=3)
     full, _ = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 10_000)
-    samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32)
+    samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32, long_text="truncate")
     assert stats.truncated == sum(len(s["input_ids"]) > 32 for s in full) > 0
     assert stats.longest == max(len(s["input_ids"]) for s in full)
     for f, s in zip(full, samples):
@@ -424,7 +460,7 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     # When the rest alone does not fit (another long message before the answer), the document keeps its last
     # max_len // 4 tokens and the end is cut: here the answer too, so no target is left: dropped, counted, named.
     lost = {"line": 7, "messages": [{"role": "system", "content": "dog " * 60}, *doc[1:]]}
-    samples, stats = tokenize_records([lost, {**recs[0], "line": 8}], tok, 32)
+    samples, stats = tokenize_records([lost, {**recs[0], "line": 8}], tok, 32, long_text="truncate")
     assert (stats.records, stats.samples, stats.truncated, stats.dropped, stats.dropped_lines) == (2, 1, 2, 1, [7])
     assert stats.warning("t.jsonl", 32) == "warning: t.jsonl: 1 of 2 records (50.0%) have no target token within " \
         "--max-len 32 and are not trained on (line 7); a longer --max-len keeps them"
@@ -658,6 +694,7 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     with open(path, "a") as f:
         f.write(json.dumps({"text": "one more"}) + "\n")
     changes.append(lambda: load_samples(path, tok, 40, len(tok), cache=str(cache)))   # the data's bytes
+    changes.append(lambda: load_samples(path, tok, 40, len(tok), cache=str(cache), long_text="truncate"))
     for n, change in enumerate(changes, start=2):
         change()
         assert len(files()) == n, f"change {n - 1} made no new key"
@@ -680,7 +717,7 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     cfg = tok_copy / "tokenizer_config.json"
     cfg.write_text(cfg.read_text() + "\n")
     load_samples(path, load_tokenizer(tok_copy), 40, len(tok), cache=str(cache))
-    assert len(files()) == 5, "a changed tokenizer file made no new key"
+    assert len(files()) == 6, "a changed tokenizer file made no new key"
     damaged = cache / first[0]
     damaged.write_bytes(damaged.read_bytes()[:100])
     path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
@@ -788,16 +825,16 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     assert (ref.samples, ref.truncated, ref.dropped, ref.dropped_lines) == (1, 2, 2, [1, 3]), ref
     said = []
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
-                           data_cache="none", data_sha256=None)
+                           data_cache="none", data_sha256=None, long_text="split")
     (_, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
     assert len(ev) == 1 and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
            "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
     assert not [m for m in said if "also --data samples" in m], said
     (tmp_path / "both.jsonl").write_text((tmp_path / "train.jsonl").read_text() + json.dumps(short) + "\n")
-    args.eval_data, said = str(tmp_path / "both.jsonl"), []   # the 4 training records and one more
-    store.load_run_data(args, tok, len(tok), said.append)
-    assert "note: 4 of the 5 --eval-data samples are also --data samples (the same tokens): eval_loss measures how " \
+    args.eval_data, said = str(tmp_path / "both.jsonl"), []   # the 4 training records and one more: 2 of them
+    store.load_run_data(args, tok, len(tok), said.append)    # longer than --max-len, split into 2 windows each
+    assert "note: 6 of the 7 --eval-data samples are also --data samples (the same tokens): eval_loss measures how " \
            "well the run learned them, not how it does on unseen data" in said, said
 
 
@@ -850,7 +887,7 @@ def _tokenize_once(rank, world, tok_dir, cases):
             mine = path.split("|")[rank]
             path, eval_data = (path.split("|")[0], mine) if "eval" in case else (mine, None)
         args = SimpleNamespace(data=path, eval_data=eval_data, max_len=96, data_cache=cache or "none",
-                               data_sha256=None)
+                               data_sha256=None, long_text="split")
         try:
             with contextlib.redirect_stdout(printed):
                 (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)

@@ -16,6 +16,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
   relative norm of the difference);
 - `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
+- text records past --max-len split into windows (`--long-text split`, the default) train on cp 2 × dp_shard 2 ring
+  with 2 windows a row as on 1 rank;
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
@@ -87,6 +89,9 @@ FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
     "window_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
 }
+# text records past --max-len split into windows (--long-text split, the default), packed 2 samples a row under ring
+FOUR_RANK_TEXT = {"text_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
+                                                 "2"]}
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
 INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
@@ -126,6 +131,8 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
+    for name, flags in FOUR_RANK_TEXT.items():
+        train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
     stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
@@ -248,6 +255,7 @@ def one(assets, tmp_path_factory):
     with one_thread():
         for name, flags in runs.items():
             train.main(train_argv(assets, os.path.join(root, name), *flags))
+        train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text")))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
     return {"root": root, "resume_error": resume_error}
@@ -316,6 +324,16 @@ def test_single_rank_run_trains(one):
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK_TEXT))
+def test_split_long_text_on_four_ranks_matches_one_rank(one, four, name):
+    """Text records past --max-len become windows (--long-text split) before any sharding: a 4-rank run trains on
+    them as 1 rank does, packed 2 windows a row under ring attention."""
+    stats = json.load(open(_at(one, "text", "config.json")))["data_stats"]
+    assert " split " in stats and "truncated 0" in stats, f"the 1-rank run split nothing: {stats}"
+    _compare(f"4 ranks {name}", _at(four, name), _at(one, "text"))
 
 
 @pytest.mark.timeout(600)

@@ -1145,6 +1145,46 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
            "the day the checkpoint's run started)" in msg, msg
 
 
+def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unless_it_splits(assets, tmp_path, capsys):
+    """--long-text split (the default) on text records past --max-len: the data line counts the split records and
+    their windows, config.json records the flag, and a resume with --long-text truncate is refused before any weight
+    is read, naming both values. A checkpoint from before the flag (it truncated): a resume that would split records
+    is refused naming --long-text truncate, and with it resumes as the uninterrupted truncating run; one whose data
+    split nothing (chat records) resumes with the default."""
+    text = ["--data", assets["text"]]
+    out = str(tmp_path / "split")
+    run(train_argv(assets, out, *text, "--steps", "2", "--save-every", "1"))
+    said = capsys.readouterr().out
+    line = next(x for x in said.splitlines() if x.startswith("data: "))
+    assert " split " in line and " windows" in line and "truncated 0" in line, line
+    assert json.load(open(os.path.join(out, "config.json")))["long_text"] == "split"
+    step1 = os.path.join(out, "ckpt", "step_000001")
+    msg = startup_error(train_argv(assets, out, *text, "--steps", "2", "--resume", step1, "--long-text", "truncate"))
+    assert "--long-text: the checkpoint has 'split', this run 'truncate'" in msg, msg
+    old = str(tmp_path / "old")   # a run that truncated, its checkpoints made to look as from before the flag
+    run(train_argv(assets, old, *text, "--steps", "2", "--save-every", "1", "--long-text", "truncate"))
+    full = metrics(old)
+    meta_path = os.path.join(old, "ckpt", "step_000001", "meta.json")
+    meta = json.load(open(meta_path))
+    del meta["args"]["long_text"], meta["args"]["data_tokens"]
+    json.dump(meta, open(meta_path, "w"))
+    msg = startup_error(train_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path)))
+    assert "from before --long-text" in msg and "Pass --long-text truncate to continue it" in msg, msg
+    run(train_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path), "--long-text",
+                   "truncate"))
+    assert metrics(old) == [{**m, **{k: r[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
+                                                        "peak_mem_gb")}} for m, r in zip(full, metrics(old))], \
+        "the resume changed the math"
+    chat = str(tmp_path / "chat")   # nothing to split: a checkpoint from before the flag resumes as it is
+    run(train_argv(assets, chat, "--steps", "2", "--save-every", "1"))
+    meta_path = os.path.join(chat, "ckpt", "step_000001", "meta.json")
+    meta = json.load(open(meta_path))
+    del meta["args"]["long_text"]
+    json.dump(meta, open(meta_path, "w"))
+    run(train_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path)))
+    assert [m["step"] for m in metrics(chat)] == [1, 2]
+
+
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     """preflight.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
     the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
