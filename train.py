@@ -103,8 +103,8 @@ def build_parser(add_help=True):
     # Data
     a("--data", default=None, help="training JSONL ({'text'}, {'prompt', 'completion'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
-    a("--max-len", type=max_len_arg, default=256, help="truncate samples to this many tokens (`--plan --max-len "
-      "auto`: the longest that fits)")
+    a("--max-len", type=max_len_arg, default=256, help="the longest sample in tokens; longer records are cut, or "
+      "split (--long-text) (`--plan --max-len auto`: the longest that fits)")
     a("--long-text", default=LONG_TEXT[0], choices=LONG_TEXT, help="a text record longer than --max-len: split into "
       "windows of --max-len (every token trained once) or truncate to its first --max-len tokens")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
@@ -216,11 +216,12 @@ def main(argv=None):
         meshes = dims.build_mesh(dt)
 
         # --------------------------------------------------------------------- data (before any weight)
-        tok = load_tokenizer(args.model, args.chat_template_text)   # one rank per machine tokenizes (--data-cache),
-        (samples, stats), eval_samples = store.load_run_data(args, tok, margs.vocab_size, log0)   # the others read it
+        tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
+        (samples, stats), (eval_samples, eval_stats) = store.load_run_data(args, tok, margs.vocab_size, log0)
         log0(f"data: {stats}")
         if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
-            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args), split=stats.split)
+            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
+                               split=stats.split + (eval_stats.split if eval_stats else 0))
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank

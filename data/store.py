@@ -19,7 +19,8 @@ Contract:
   None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
   through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
   cannot be read or written costs a re-tokenization, never the run.
-- `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data through `once_per_machine`,
+- `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data, each (Samples, TokenStats)
+  (--eval-data's (None, None) without one), through `once_per_machine`,
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
@@ -202,8 +203,8 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool
 
 
 def load_run_data(args, tokenizer, vocab_size: int, log):
-    """train.py's data: ((samples, stats) of --data, the samples of --eval-data or None), every rank's the same,
-    tokenized once per machine when there is a --data-cache (once_per_machine)."""
+    """train.py's data: ((samples, stats) of --data, (samples, stats) of --eval-data or (None, None)), every rank's
+    the same, tokenized once per machine when there is a --data-cache (once_per_machine)."""
     import torch.distributed as dist
 
     from data.tokens import load_samples
@@ -237,7 +238,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         if given is None and getattr(args, "resume", None):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
-    return train, ev and ev[0]
+    return train, ev or (None, None)
 
 
 def also_in(these: Samples, those: Samples) -> int:

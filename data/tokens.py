@@ -80,7 +80,7 @@ class TokenStats:
     dropped: int = 0  # samples with no target left after truncation
     tokens: int = 0  # tokens in kept samples, after truncation
     targets: int = 0  # label positions != -100 in kept samples
-    longest: int = 0  # longest sample before truncation
+    longest: int = 0  # longest record in tokens, before truncation or splitting
     cut: int = 0  # tokens truncation removed from kept samples
     special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers

@@ -159,11 +159,12 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
 
 def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> None:
     """Refuse a resume whose --data tokenized to other tokens than its checkpoint's run (module docstring). `split`:
-    how many text records this run split into windows (--long-text split); a run from before the flag truncated them."""
+    how many text records of --data and --eval-data this run split into windows (--long-text split); a run from
+    before the flag truncated them (its eval loss, and --keep-best's best, would be measured on other samples too)."""
     if split and "long_text" not in ckpt_args and args.get("long_text") == "split":
         raise ValueError(f"--resume: the checkpoint's run is from before --long-text, when a text record longer than "
-                         f"--max-len was truncated; this run would split {split} such records of --data into windows "
-                         "(another sample list). Pass --long-text truncate to continue it")
+                         f"--max-len was truncated; this run would split {split} such records of --data/--eval-data "
+                         "into windows (other samples). Pass --long-text truncate to continue it")
     had, now = ckpt_args.get("data_tokens"), args.get("data_tokens")
     if had is None or now is None or had == now:
         return

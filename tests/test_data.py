@@ -93,6 +93,13 @@ def test_text_bos_rule_follows_tokenizer(tok):
     (s,), _ = tokenize_records([{"text": "The fox ran."}], llama_like, 100)
     body = llama_like("The fox ran.", add_special_tokens=False)["input_ids"]
     assert s["input_ids"] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
+    long = "The quick brown fox jumps over the lazy dog. " * 6   # split (--long-text): the BOS opens window 0 only,
+    body = llama_like(long, add_special_tokens=False)["input_ids"]   # and the tokenizer's EOS is the only one
+    windows, stats = tokenize_records([{"text": long}], llama_like, 16)
+    ids = [w["input_ids"] for w in windows]
+    assert stats.split == 1 and ids[0][0] == llama_like.bos_token_id and llama_like.bos_token_id not in \
+        [t for w in ids[1:] for t in w], "a BOS in a later window"
+    assert ids[0] + [t for w in ids[1:] for t in w[1:]] == [llama_like.bos_token_id] + body + [llama_like.eos_token_id]
 
 
 # --- tokenization: prompt / completion ------------------------------------------------------------
@@ -827,7 +834,7 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
                            data_cache="none", data_sha256=None, long_text="split")
     (_, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
-    assert len(ev) == 1 and f"eval data: {ref}" in said, said
+    assert len(ev[0]) == 1 and ev[1] == ref and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
            "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
     assert not [m for m in said if "also --data samples" in m], said

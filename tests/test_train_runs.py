@@ -1150,7 +1150,8 @@ def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unles
     their windows, config.json records the flag, and a resume with --long-text truncate is refused before any weight
     is read, naming both values. A checkpoint from before the flag (it truncated): a resume that would split records
     is refused naming --long-text truncate, and with it resumes as the uninterrupted truncating run; one whose data
-    split nothing (chat records) resumes with the default."""
+    split nothing (chat records) resumes with the default, unless its --eval-data would split (the eval loss, and
+    --keep-best's best, would be measured on other samples)."""
     text = ["--data", assets["text"]]
     out = str(tmp_path / "split")
     run(train_argv(assets, out, *text, "--steps", "2", "--save-every", "1"))
@@ -1181,6 +1182,9 @@ def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unles
     meta = json.load(open(meta_path))
     del meta["args"]["long_text"]
     json.dump(meta, open(meta_path, "w"))
+    msg = startup_error(train_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path),
+                                   "--eval-data", assets["text"]))   # but its eval data would be other samples
+    assert "from before --long-text" in msg and "--data/--eval-data" in msg, msg
     run(train_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path)))
     assert [m["step"] for m in metrics(chat)] == [1, 2]
 
