@@ -68,6 +68,7 @@ from loss import IGNORE_INDEX
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 LONG_TEXT = ("split", "truncate")   # what a text record longer than --max-len becomes; the first is the default
 DROPPED_LINES = 5   # dropped records named by line in the stats and the warning
+CUT_WARN = 0.05   # truncation that cuts this share of the kept records' tokens, or more, is said in a warning
 
 
 @dataclass
@@ -95,14 +96,23 @@ class TokenStats:
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
-    def warning(self, what: str, max_len: int) -> str | None:
-        """A `warning:` line when records were dropped (nothing of theirs is trained on), naming the first lines."""
-        if not self.dropped:
-            return None
-        lines = ", ".join(map(str, self.dropped_lines)) + (", ..." if self.dropped > len(self.dropped_lines) else "")
-        share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
-        return (f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained on "
-                f"(line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
+    def warning(self, what: str, max_len: int, long_text: str = LONG_TEXT[0]) -> str | None:
+        """`warning:` lines: records dropped (nothing of theirs is trained on), naming the first lines; truncation
+        that cut CUT_WARN or more of the kept records' tokens (never trained on either), naming the flags that keep
+        them. None when neither."""
+        said = []
+        if self.dropped:
+            more = ", ..." if self.dropped > len(self.dropped_lines) else ""
+            lines = ", ".join(map(str, self.dropped_lines)) + more
+            share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
+            said.append(f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained "
+                        f"on (line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
+        if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
+            said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
+                        f"({100 * self.cut / whole:.0f}%), which are never trained on; "
+                        "a longer --max-len keeps them" + (", and --long-text split trains a text record whole" if
+                                                            long_text == "truncate" else ""))
+        return "\n".join(said) or None
 
 
 def load_tokenizer(model_dir: str | Path, template: str | None = None):
@@ -160,7 +170,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
                                      log, f"{flag} {path}")
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
-    if log and (said := stats.warning(f"{flag} {path}", max_len)):
+    if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):
         log(said)
     check_vocab(samples, tokenizer, vocab_size, path)
     if not hit and sha256 and store.file_sha256(path) != sha256:   # the run records `sha256` as what it read

@@ -469,8 +469,21 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     lost = {"line": 7, "messages": [{"role": "system", "content": "dog " * 60}, *doc[1:]]}
     samples, stats = tokenize_records([lost, {**recs[0], "line": 8}], tok, 32, long_text="truncate")
     assert (stats.records, stats.samples, stats.truncated, stats.dropped, stats.dropped_lines) == (2, 1, 2, 1, [7])
-    assert stats.warning("t.jsonl", 32) == "warning: t.jsonl: 1 of 2 records (50.0%) have no target token within " \
-        "--max-len 32 and are not trained on (line 7); a longer --max-len keeps them"
+    dropped, cut = stats.warning("t.jsonl", 32, "truncate").split("\n")
+    assert dropped == "warning: t.jsonl: 1 of 2 records (50.0%) have no target token within --max-len 32 and are " \
+        "not trained on (line 7); a longer --max-len keeps them"
+    share = f"{100 * stats.cut / (stats.tokens + stats.cut):.0f}%"
+    assert cut == f"warning: t.jsonl: --max-len 32 cut {stats.cut:,} of the kept records' " \
+        f"{stats.tokens + stats.cut:,} tokens ({share}), which are never trained on; a longer " \
+        "--max-len keeps them, and --long-text split trains a text record whole", cut
+    # Truncation that cuts 5% of the kept tokens or more is a warning too (under split: only prompt and chat records
+    # are cut); less is the data: line's count only.
+    samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32, long_text="truncate")
+    assert stats.cut >= 0.05 * (stats.tokens + stats.cut) and "--long-text split trains a text record whole" in \
+        stats.warning("t.jsonl", 32, "truncate"), stats
+    assert tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32)[1].warning("t.jsonl", 32) is None, "split"
+    few = tokenize_records([{"text": "The fox ran."}] * 40 + [{"text": "fox " * 40}], tok, 120, long_text="truncate")[1]
+    assert 0 < few.cut < 0.05 * (few.tokens + few.cut) and few.warning("t.jsonl", 120, "truncate") is None, few
 
 
 # --- JSONL validation -----------------------------------------------------------------------------
