@@ -10,7 +10,7 @@ Contract:
 - `cache_key(data_sha256, tokenizer, max_len, day, long_text)`: a sha256 over the data file's (`file_sha256`), the
   tokenizer's directory (every file but weights), its effective chat template and class, max_len, long_text (what a
   text record longer than it becomes: --long-text), the source of the modules
-  that turn records into tokens (data/jsonl.py, tokens.py, templates.py, this file), the transformers,
+  that turn records into tokens (data/jsonl.py, tokens.py, chat.py, templates.py, this file), the transformers,
   tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the day (`today()`
   unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line), the date
   such a template renders (data/templates.py's `on_day`).
@@ -65,7 +65,7 @@ CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tok
 LOG_SECONDS = 10.0
 WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
-SOURCES = ("jsonl.py", "tokens.py", "templates.py", "store.py")   # the code that decides a record's tokens
+SOURCES = ("jsonl.py", "tokens.py", "chat.py", "templates.py", "store.py")   # the code that decides a record's tokens
 
 
 class Samples:

@@ -21,47 +21,27 @@ Contract:
   A record longer than max_len loses the start of its prompt (after a BOS), so the question and the answer stay, but
   when the answer alone (with one prompt token, or the BOS, to predict its first token) does not fit, the prompt
   keeps its last max_len // 4 tokens and the answer is cut at its end, as text is.
-- Chat records: the conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
-  and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
-  BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
-  are targets: each turn's content plus the end-of-turn marker the template writes after it (e.g.
-  `<|im_end|>`, `<|eot_id|>`), so the model learns to stop; the role header before it and the
-  newline after it are not. No EOS is appended: the end-of-turn marker is the stop token. A message whose text holds
-  a special token's text (`<|im_end|>`, `<|endoftext|>`) is refused, naming its line: the encoding would parse it
-  as that control token, a turn boundary the conversation does not have. Text and prompt/completion records keep
-  them (a pre-rendered chat means them), counted in `TokenStats.special`.
-- A chat longer than max_len loses the start of its document, the longest message before the first assistant turn
-  (a long-context task's document, with its question at the end), so the headers, the question and the answers
-  stay; when the rest alone does not fit, the document keeps its last max_len // 4 tokens, and the end is cut.
-  (Until 2026-12-02 a chat kept its first max_len tokens: a long document's answer was cut away, the record
-  dropped.) A chat whose document is not found verbatim keeps its first `max_len` tokens.
+- Chat records: rendered with the chat template and encoded as `apply_chat_template(tokenize=True)` encodes them;
+  only assistant turns (and the end-of-turn marker after each) are targets; a long chat loses the start of its
+  document. data/chat.py has the rules. Text and prompt/completion records keep special tokens' text (a
+  pre-rendered chat means them), counted in `TokenStats.special`.
 - A text record longer than max_len (`long_text`, --long-text): "split" (the default) makes it windows of max_len
   tokens that overlap by one, each a sample of its own (positions from 0, no BOS added), so every token of the
   record after its first is a target exactly once: window k holds tokens [k(max_len-1), k(max_len-1)+max_len), whose
   first token is the previous window's last target. "truncate" keeps its first max_len tokens. Continued
   pretraining on documents longer than the context (books, code bases) then loses nothing, as a chunked pretraining
   corpus does; a prompt/completion or chat record is never split (its answer needs its question).
-  Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
+- Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
 - Labels are built after truncation, on the whole sequence:
   `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
-
-Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
-render the conversation up to message i with `add_generation_prompt=True`; where that string ends
-the turn's target text starts (a template that ignores the flag renders the same string either way, ending before
-the role header: then the turn starts where its content does). Render it through message i; where that ends, the
-turn ends. Both are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
-once later ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's
-content is searched for in the full rendering after its start, and the end-of-turn marker taken from
-the shorter rendering is matched right after it. Character spans become token flags through the
-fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from data.chat import char_targets, chat_tokens, check_chat_content, special_strings
 from data.jsonl import DataError
 from loss import IGNORE_INDEX
 
@@ -200,125 +180,6 @@ def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     return [ids[t + 1] if is_target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str = "<records>") -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as e:   # a template's raise_exception (roles must alternate, ...) or a Jinja error
-        raise DataError(f"{where}: the chat template refused this conversation ({type(e).__name__}: {e}); fix the "
-                        "record, or render it with another --chat-template") from e
-
-
-_WRITES_PROMPT: dict = {}   # chat template text -> whether it writes a generation prompt
-
-
-def _prefix_render(tokenizer, messages: list[dict]) -> str | None:
-    """The rendering up to where the next assistant turn's text starts (None if it cannot render, or the template
-    ignores add_generation_prompt: that rendering then ends before the turn's role header)."""
-    template, probe = repr(getattr(tokenizer, "chat_template", None)), [{"role": "user", "content": "Hi"}]
-    if template not in _WRITES_PROMPT:   # (asked once per template, not per turn)
-        try:
-            _WRITES_PROMPT[template] = _render(tokenizer, probe, True) != _render(tokenizer, probe, False)
-        except Exception:   # a template that refuses the probe: asked per conversation
-            _WRITES_PROMPT[template] = None
-    try:  # some templates index messages[0] and fail on an empty conversation
-        with_prompt = _render(tokenizer, messages, True)
-        if _WRITES_PROMPT[template] is None:
-            return with_prompt if with_prompt != _render(tokenizer, messages, False) else None
-        return with_prompt if _WRITES_PROMPT[template] else None
-    except Exception:
-        return None
-
-
-def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character span of every assistant turn in it."""
-    full = _render(tokenizer, messages, False, where)
-    spans, prev_end = [], 0
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        content = msg["content"].strip()
-        before = _prefix_render(tokenizer, messages[:i])
-        through = _render(tokenizer, messages[: i + 1], False, where)
-        at = through.rfind(content)  # where the content sits when this turn is the last one
-        if before is not None and full.startswith(before) and len(before) >= prev_end:
-            start = len(before)
-        elif at >= 0 and full.startswith(through[:at]) and at >= prev_end:
-            start = at  # e.g. a default system prompt that only appears once a message exists
-        else:
-            start = full.find(content, prev_end)
-        if start < 0 or at < 0:
-            raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
-        if full.startswith(through) and len(through) > start:
-            end = len(through)
-        else:
-            # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
-            # reasoning): take the content as rendered plus the end-of-turn marker seen in `through`;
-            # when the content itself is rewritten (an inline <think> block dropped), the turn as
-            # rendered, up to and with that marker.
-            marker = through[at + len(content) :].rstrip()
-            c = full.find(content, start)
-            if c >= 0:
-                end = c + len(content)
-                if marker and full.startswith(marker, end):
-                    end += len(marker)
-            elif marker and (m := full.find(marker, start)) >= 0:
-                end = m + len(marker)
-            else:
-                raise DataError(
-                    f"{where}: the chat template does not render assistant message {i} verbatim"
-                )
-        # The newline a template writes between turns is a separator, not something to generate.
-        while end > start and full[end - 1].isspace():
-            end -= 1
-        spans.append((start, end))
-        prev_end = end
-    return full, spans
-
-
-def _targets(offsets, special, inside, at) -> list[bool]:
-    """Token flags from character spans: a token with characters is a target when `inside(a, b)`; one whose span the
-    tokenizer trimmed to nothing when `at(a)`. Trimming (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) leaves a
-    whitespace-only token at the END of its whitespace, (e, e): so whitespace opening an answer is in it (e past the
-    answer's start) and whitespace closing the prompt is not (e at it). Special tokens added around the text (empty
-    spans) never: an EOS is the caller's."""
-    return [inside(a, b) if b > a else not sp and at(a) for (a, b), sp in zip(offsets, special)]
-
-
-def _document_chars(full: str, messages: list[dict], spans) -> tuple[int, int] | None:
-    """The [start, end) characters in `full` of the longest message content before the first assistant turn (a
-    long-context task's document, with its question at the end): where truncation cuts a chat. None when there is
-    none, or its text is not found verbatim before the first answer."""
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    contents = [m["content"].strip() for m in messages[:first] if isinstance(m.get("content"), str)]
-    if not contents or not (longest := max(contents, key=len)):
-        return None
-    at = full.find(longest)
-    return (at, at + len(longest)) if at >= 0 and (not spans or at + len(longest) <= spans[0][0]) else None
-
-
-def _chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool], tuple | None]:
-    """Token ids, target flags and the [t0, t1) tokens of the chat's document (`_document_chars`; None: unknown)."""
-    full, spans = assistant_char_spans(tokenizer, messages, where)
-    doc = _document_chars(full, messages, spans)
-    try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_special_tokens_mask=True)
-        ids = enc["input_ids"]
-        flags = _targets(enc["offset_mapping"], enc["special_tokens_mask"],
-                         lambda a, b: any(a < e and b > s for s, e in spans),
-                         lambda a: any(s < a <= e for s, e in spans))
-        inside = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if doc and b > a and a >= doc[0] and b <= doc[1]]
-        return ids, flags, (inside[0], inside[-1] + 1) if inside else None
-    except NotImplementedError:
-        # Slow (python) tokenizers have no offsets: use token counts of string prefixes instead.
-        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-        flags = [False] * len(ids)
-        count = lambda s: len(tokenizer(full[:s], add_special_tokens=False)["input_ids"])
-        for s, e in spans:
-            for t in range(count(s), count(e)):
-                flags[t] = True
-    return ids, flags, None   # (no offsets: a long chat keeps its start)
-
-
 def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list[bool]]]:
     """Each prompt + completion as one text (BOS by the tokenizer's rule; one batched call); targets: the tokens
     reaching into the completion (EOS is the caller's)."""
@@ -328,7 +189,7 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
     try:
         enc = tokenizer(fulls, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True)
         starts = [len(r["prompt"]) for r in records]
-        return [(list(ids), _targets(off, sp, lambda a, b, n=n: b > n, lambda a, n=n: a > n))
+        return [(list(ids), char_targets(off, sp, lambda a, b, n=n: b > n, lambda a, n=n: a > n))
                 for ids, off, sp, n in zip(enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"], starts)]
     except NotImplementedError:   # slow (python) tokenizers: where the prompt's own tokens stop matching
         out = []
@@ -349,25 +210,6 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | P
     day = day or (today() if dated(getattr(tokenizer, "chat_template", None)) else None)   # one date for the call
     with on_day(tokenizer, day):
         return _tokenize_records(records, tokenizer, max_len, path, long_text)
-
-
-def special_strings(tokenizer):
-    """A pattern matching the text of any of the tokenizer's special tokens (None: it has none). Encoding parses them
-    in text as those control tokens."""
-    found = {t for t in getattr(tokenizer, "all_special_tokens", ()) if t}
-    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content}
-    return re.compile("|".join(map(re.escape, sorted(found, key=len, reverse=True)))) if found else None
-
-
-def _check_chat_content(messages: list[dict], specials, where: str) -> None:
-    """Refuse a message whose text holds a special token: the rendering would hold that control token, a turn
-    boundary the conversation does not have (a fake turn, an answer that stops early)."""
-    for i, m in enumerate(messages):
-        if specials and isinstance(m.get("content"), str) and (hit := specials.search(m["content"])):
-            raise DataError(f"{where}: message {i} ({m['role']}) holds the special token {hit.group()!r} (at character "
-                            f"{hit.start()}), which encodes as that control token, not as text: a turn boundary the "
-                            "conversation does not have. Remove or respell it (the template writes the turns' own "
-                            'tokens), or write the record as {"text": ...} with the tokens meant')
 
 
 def _windows(ids: list[int], max_len: int) -> list[list[int]]:
@@ -419,8 +261,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
             where = f"{path}, line {r.get('line', '?')}"
-            _check_chat_content(r["messages"], specials, where)
-            ids, flags, doc = _chat_tokens(tokenizer, r["messages"], where)
+            check_chat_content(r["messages"], specials, where)
+            ids, flags, doc = chat_tokens(tokenizer, r["messages"], where)
         stats.longest = max(stats.longest, len(ids))
         n_ids = len(ids)
         if len(ids) > max_len and "text" in r and long_text == "split":   # every token trained, in windows
