@@ -19,7 +19,8 @@ Contract: `make_demo(dir) -> (model_dir, train_jsonl, eval_jsonl)` writes, with 
 - `demo.json`, written last, is the stamp: when it is present with the current version and
   pretraining length and every file exists, nothing is rebuilt (an older cache is rebuilt). Assets
   are built in a temporary sibling directory and moved in, so an interrupted build never leaves a
-  half-written directory that looks complete. Call it on one rank and barrier before the others read.
+  half-written directory that looks complete; a file lock lets one process build while others (pytest
+  workers) wait and reuse. Call it on one rank and barrier before the others read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:   # not POSIX: no lock, as before
+    fcntl = None
 
 VERSION = 3   # 3: pretrained base + topic task (2: random base, docstring Q&A)
 STAMP = "demo.json"
@@ -238,17 +244,24 @@ def make_demo(out_dir: str | Path, pretrain_steps: int = PRETRAIN_STEPS, log=Non
     if _complete(out, pretrain_steps):
         return paths[:3]
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out))
-    try:
-        info = _build(tmp, pretrain_steps, log)
-        (out / STAMP).unlink(missing_ok=True)  # the stamp goes last: no stamp, no trust
-        for p in paths:
-            if p.is_dir():
-                shutil.rmtree(p)
-            (tmp / p.name).replace(p)
-        (out / STAMP).write_text(json.dumps(info, indent=1) + "\n")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # One builder at a time (parallel test workers, `make demo` beside `make test`): the others wait on the
+    # lock, then find the stamp and reuse the assets instead of swapping files under a reader.
+    with open(out / ".build.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(out, pretrain_steps):
+            return paths[:3]
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out))
+        try:
+            info = _build(tmp, pretrain_steps, log)
+            (out / STAMP).unlink(missing_ok=True)  # the stamp goes last: no stamp, no trust
+            for p in paths:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                (tmp / p.name).replace(p)
+            (out / STAMP).write_text(json.dumps(info, indent=1) + "\n")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return paths[:3]
 
 

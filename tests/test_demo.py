@@ -134,6 +134,26 @@ def test_demo_stamp_reuses_and_rejects_old_versions(demo, tmp_path):
     assert not _complete(model_dir.parent, stamp["pretrain_steps"] + 1), "other pretraining length trusted"
 
 
+def test_two_processes_building_at_once_build_once(tmp_path):
+    """Parallel pytest workers (or `make demo` beside `make test`) may call make_demo on one empty folder at
+    once: one builds, the other waits on the lock and reuses it, and both get complete assets."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from data.demo import make_demo; "
+            "print(make_demo(sys.argv[1], pretrain_steps=2, log=lambda m: print('built', m, flush=True))[0])")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "a")], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    builders = [o for o in outs if "built" in o]
+    assert len(builders) == 1, outs   # the second found the first's stamp after the lock
+    assert all(o.strip().splitlines()[-1] == str(tmp_path / "a" / "model") for o in outs), outs
+    assert _complete(tmp_path / "a", 2)
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".demo-build-")]
+
+
 def test_task_records_deterministic_and_disjoint():
     a, b = task_records(n_train=50, n_eval=6), task_records(n_train=50, n_eval=6)
     assert a == b
@@ -268,7 +288,7 @@ def test_demo_as_shipped_learns_the_task(demo, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}   # (2 threads: 57 s, not 83, on an idle 2-core machine, but 400+
     # under load from another process: spinning OpenMP threads; one thread degrades gracefully)
     r = subprocess.run([sys.executable, "train.py", "--out", str(out), "--no-progress"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=400)
+                       capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in rows if "loss" in m]
