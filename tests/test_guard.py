@@ -99,7 +99,7 @@ def test_stuck_rank_ends_the_job(tmp_path):
     assert "forward" not in err, f"the watchdog tripped while collectives made progress: {err!r}"
     assert "in barrier" in err or "Thread" in err, "no stack dump after the message"
     waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
-    assert waited < 1.5 + 3, f"rank 1 ended {waited:.1f}s after entering the stuck collective"
+    assert waited < 1.5 + 6, f"rank 1 ended {waited:.1f}s after entering the stuck collective"
 
 
 def _rank0_work(rank, world_size):
@@ -213,5 +213,5 @@ def test_a_rank_blocked_in_a_collective_quits_on_a_second_signal(tmp_path):
     line = (tmp_path / "rank1.err").read_text().splitlines()[0]
     assert line == "rank 1: SIGTERM again while blocked (a collective whose peer is gone?): ending now", line
     waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
-    assert 1.8 <= waited < 1.8 + 0.5 + 2, f"rank 1 ended {waited:.1f}s after entering the collective (the second " \
+    assert 1.8 <= waited < 1.8 + 0.5 + 4, f"rank 1 ended {waited:.1f}s after entering the collective (the second " \
         "signal came at 1.8 s; the peer woke at 7 s)"

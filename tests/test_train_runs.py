@@ -1285,7 +1285,7 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
     assert preflight.host_available() == (5.0, "left under this job's memory cgroup limit")
     monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
     free, where = preflight.host_available()
-    assert where == "available (psutil)" and abs(free - psutil.virtual_memory().available) < 2 ** 30
+    assert where == "available (psutil)" and abs(free - psutil.virtual_memory().available) < 4 * 2 ** 30   # (workers)
 
 
 def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(assets, tmp_path, capsys):
