@@ -78,6 +78,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -5
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Every model build takes bitsandbytes (model/bnb.py): without it each test and bench row fails after
+# minutes of device time. Stop at once, saying what to bring.
+if ! python3 -c "import bitsandbytes" > "$OUT/bnb-import.txt" 2>&1; then
+  { echo "gpu_session.sh: bitsandbytes does not import here (.whl/ has: $(ls .whl 2>/dev/null | tr '\n' ' '))."
+    echo "Download the wheels into .whl/ as this script's header says and carry it: run(..., carry=[\".whl\", ...])."
+    tail -3 "$OUT/bnb-import.txt"; } | tee "$OUT/env.txt" >&2
+  exit 2
+fi
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
