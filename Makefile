@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 NPROC   ?= 4
 
-.PHONY: install install-gpu test test-compat test-gpu demo lint bench bench-gpu plot clean
+.PHONY: install install-gpu wheels test test-compat test-gpu demo lint bench bench-gpu plot clean
 
 install: $(STAMP)
 
@@ -41,6 +41,15 @@ test: install
 #   PYTHONPATH=/tmp/site:. make test-gpu bench-gpu           (bench/gpu_session.sh does all of it)
 # Anywhere else they run in .venv (`make install` first); bench-gpu then runs its CPU smoke mode.
 HOST_CUDA = python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null
+
+# The wheels a GPU session carries in .whl/ (on a machine with network; the GPU machine has none): python 3.12,
+# x86_64; pip matches manylinux tags exactly and bitsandbytes 0.50.2 is tagged 2_24. About 43 MB (the device
+# tool carries 64 MiB in all).
+WHEELS ?= bitsandbytes==0.50.2 liger-kernel==0.8.5
+wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl $(WHEELS)
+	@du -sh .whl; ls .whl
 
 test-gpu:
 	@if $(HOST_CUDA); then echo "python3 with CUDA torch"; python3 -m pytest -q tests/gpu; \

@@ -5,10 +5,8 @@
 #
 # The GPU machine's python3 (a venv with torch 2.11+cu130, transformers, peft, pytest) has no network
 # and lacks bitsandbytes (NF4, needed) and liger-kernel (optional peer row). Bring them as wheels in
-# the ignored .whl/ folder, fetched on a machine with network, e.g.
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
-# (pip matches manylinux_2_N exactly: bitsandbytes 0.50.2 is tagged 2_24, so 2_28 alone finds none; 43 MB in all)
+# the ignored .whl/ folder, fetched on a machine with network by `make wheels` (its pip download line; pip
+# matches manylinux_2_N exactly: bitsandbytes 0.50.2 is tagged 2_24, so 2_28 alone finds none; 43 MB in all)
 # (bitsandbytes wheels are py3-none-manylinux x86_64 and carry their CUDA libraries; liger-kernel is
 # pure Python on the machine's own Triton). They are installed with --no-index --no-deps into
 # /tmp/site and put first on PYTHONPATH. The tree that travels is capped at 64 MiB: check the wheel
@@ -82,7 +80,7 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # minutes of device time. Stop at once, saying what to bring.
 if ! python3 -c "import bitsandbytes" > "$OUT/bnb-import.txt" 2>&1; then
   { echo "gpu_session.sh: bitsandbytes does not import here (.whl/ has: $(ls .whl 2>/dev/null | tr '\n' ' '))."
-    echo "Download the wheels into .whl/ as this script's header says and carry it: run(..., carry=[\".whl\", ...])."
+    echo "Run \`make wheels\` where there is network (it fills .whl/) and carry it: run(..., carry=[\".whl\", ...])."
     tail -3 "$OUT/bnb-import.txt"; } | tee "$OUT/env.txt" >&2
   exit 2
 fi
