@@ -24,12 +24,15 @@ Contract:
 Assistant spans are found without `{% generation %}` tags (real Qwen/Llama templates lack them):
 render the conversation up to message i with `add_generation_prompt=True`; where that string ends
 the turn's target text starts (a template that ignores the flag renders the same string either way, ending before
-the role header: then the turn starts where its content does). Render it through message i; where that ends, the
-turn ends. Both are prefixes of the full rendering for ordinary templates. Templates that rewrite earlier turns
-once later ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's
-content is searched for in the full rendering after its start, and the end-of-turn marker taken from
-the shorter rendering is matched right after it. Character spans become token flags through the
-fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
+the role header: then the turn starts where its content does, found by rendering a sentinel in its place, so an
+answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is not looked for by its
+text). Render it through message i; the content and the end-of-turn marker after it (to its first whitespace: a
+template writing EOS after the last turn only, as Phi-3's, trains no EOS on it) are the turn. Both renderings are
+prefixes of the full one for ordinary templates. Templates that rewrite earlier turns once later ones exist (Qwen3
+drops old reasoning) break the second prefix, so then the turn's content is searched for in the full rendering
+after its start, and the marker is matched right after it. Checked against transformers' own assistant mask
+(`return_assistant_tokens_mask` over `{% generation %}` tags; tests/test_data.py). Character spans become token
+flags through the fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 """
 
 from __future__ import annotations
@@ -68,6 +71,31 @@ def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
         return None
 
 
+_SENTINEL = "@@answer-9f3c1a@@"   # text no template rewrites and no answer holds
+
+
+def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[int, int]:
+    """Where assistant message i's content, stripped, starts in `through`, its rendering as the last turn, and where
+    its text as given (leading whitespace too) does: where the template writes a sentinel put in its place, when the
+    content sits there (an answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is
+    found where it is written); else, where the template writes it otherwise (a reasoning block put before it), the
+    stripped content's last occurrence (-1: none)."""
+    raw = messages[i]["content"]
+    content = raw.strip()
+    try:
+        probe = render(tokenizer, messages[:i] + [{**messages[i], "content": _SENTINEL}], False)
+    except DataError:
+        probe = ""
+    at = probe.find(_SENTINEL)
+    if at >= 0 and through.startswith(probe[:at]):
+        if through.startswith(raw, at):
+            return at + len(raw) - len(raw.lstrip()), at
+        if through.startswith(content, at):   # (the template trims it)
+            return at, at
+    at = through.rfind(content)
+    return at, at
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn in it."""
     full = render(tokenizer, messages, False, where)
@@ -78,29 +106,29 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         content = msg["content"].strip()
         before = _prefixrender(tokenizer, messages[:i])
         through = render(tokenizer, messages[: i + 1], False, where)
-        at = through.rfind(content)  # where the content sits when this turn is the last one
+        at, given_at = _content_at(tokenizer, messages, i, through)  # where it sits when this turn is the last one
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)
-        elif at >= 0 and full.startswith(through[:at]) and at >= prev_end:
-            start = at  # e.g. a default system prompt that only appears once a message exists
+        elif at >= 0 and full.startswith(through[:given_at]) and given_at >= prev_end:
+            start = given_at  # e.g. a default system prompt that only appears once a message exists
         else:
             start = full.find(content, prev_end)
         if start < 0 or at < 0:
             raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
+        # The end-of-turn marker: what the template writes after the content, to its first whitespace past a
+        # character ('<|im_end|>' of '<|im_end|>\n', ' </s>', '<|end|>' of Phi-3's '<|end|>\n<|endoftext|>', whose EOS
+        # follows the last turn only). The turn is its content and that marker.
+        marker = re.match(r"\s*\S*", through[at + len(content) :]).group()
         if full.startswith(through) and len(through) > start:
-            end = len(through)
+            end = at + len(content) + len(marker)
         else:
             # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
-            # reasoning): take the content as rendered plus the end-of-turn marker seen in `through`;
-            # when the content itself is rewritten (an inline <think> block dropped), the turn as
-            # rendered, up to and with that marker.
-            marker = through[at + len(content) :].rstrip()
+            # reasoning): take the content as rendered plus the marker; when the content itself is
+            # rewritten (an inline <think> block dropped), the turn as rendered, up to and with the marker.
             c = full.find(content, start)
             if c >= 0:
-                end = c + len(content)
-                if marker and full.startswith(marker, end):
-                    end += len(marker)
-            elif marker and (m := full.find(marker, start)) >= 0:
+                end = c + len(content) + (len(marker) if full.startswith(marker, c + len(content)) else 0)
+            elif marker.strip() and (m := full.find(marker, start)) >= 0:
                 end = m + len(marker)
             else:
                 raise DataError(
@@ -166,12 +194,30 @@ def special_strings(tokenizer):
     return re.compile("|".join(map(re.escape, sorted(found, key=len, reverse=True)))) if found else None
 
 
+def _strings(value, key: str):
+    """(key path, text) of every string in a message's value: its content, and any other key a template may render
+    (`reasoning_content`, `tool_calls` arguments, a content list's text parts)."""
+    if isinstance(value, str):
+        yield key, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, (list, tuple)):
+        for n, v in enumerate(value):
+            yield from _strings(v, f"{key}[{n}]")
+
+
 def check_chat_content(messages: list[dict], specials, where: str) -> None:
-    """Refuse a message whose text holds a special token: the rendering would hold that control token, a turn
-    boundary the conversation does not have (a fake turn, an answer that stops early)."""
+    """Refuse a message any of whose text (content, reasoning_content, tool calls: whatever the template may render)
+    holds a special token: the rendering would hold that control token, a turn boundary the conversation does not
+    have (a fake turn, an answer that stops early)."""
+    if not specials:
+        return
     for i, m in enumerate(messages):
-        if specials and isinstance(m.get("content"), str) and (hit := specials.search(m["content"])):
-            raise DataError(f"{where}: message {i} ({m['role']}) holds the special token {hit.group()!r} (at character "
-                            f"{hit.start()}), which encodes as that control token, not as text: a turn boundary the "
-                            "conversation does not have. Remove or respell it (the template writes the turns' own "
-                            'tokens), or write the record as {"text": ...} with the tokens meant')
+        for key, text in _strings(m, ""):
+            if hit := specials.search(text):
+                raise DataError(f"{where}: message {i} ({m.get('role')}) holds the special token {hit.group()!r} in "
+                                f"{key!r} (at character {hit.start()}), which encodes as that control token, not as "
+                                "text: a turn boundary the conversation does not have. Remove or respell it (the "
+                                'template writes the turns\' own tokens), or write the record as {"text": ...} with '
+                                "the tokens meant")

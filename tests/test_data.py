@@ -230,6 +230,38 @@ def test_chat_turns_the_template_rewrites_are_targets_as_rendered(tok):
     assert target_runs(tok, s) == ["It is 4." + END, "<think>\nagain\n</think>\n\nIt is 6." + END]
 
 
+# Generation-tagged forms of two template shapes, for transformers' assistant mask: one that ignores
+# add_generation_prompt (as Llama 2's and Mistral's), one writing EOS after the last turn only (as Phi-3's).
+NO_PROMPT_TAGGED = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' %}"
+    "{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}{%- else %}{{- m['content'] + '<|im_end|>' }}"
+    "{%- endif %}{{- '\\n' }}{%- endfor %}")
+EOS_LAST_TAGGED = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' %}"
+    "{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}{%- else %}{{- m['content'] + '<|im_end|>' }}"
+    "{%- endif %}{{- '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- else %}{{- eos_token }}{%- endif %}")
+
+
+@pytest.mark.parametrize("template", ["no_prompt", "eos_last"])
+def test_chat_targets_equal_transformers_assistant_mask_for_answers_its_markers_hold(tok, template):
+    """Answers that also occur inside the end-of-turn marker ('d', 'im', 'end' of '<|im_end|>'), empty ones, ones
+    with leading whitespace: the targets are transformers' own assistant mask. Until 2026-12-03, under a template
+    ignoring add_generation_prompt, the answer was looked for by its text and found inside the marker (the answer
+    itself never a target); and a template writing EOS after the last turn only (Phi-3's) left every earlier
+    answer without its end-of-turn marker."""
+    tok.chat_template = NO_PROMPT_TAGGED if template == "no_prompt" else EOS_LAST_TAGGED
+    answers = ["d", "im", "end", "", "\nim", "  the end", "Paris.", "e "]
+    for n, answer in enumerate(answers):
+        msgs = [{"role": "user", "content": f"Question {n}?"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And?"}, {"role": "assistant", "content": answers[n - 1]}]
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        (s,), _ = tokenize_records([{"messages": msgs, "line": 1}], tok, 10_000)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (answer, target_runs(tok, s))
+
+
 def test_a_conversation_the_template_refuses_names_the_line(tok, tmp_path):
     """A template's raise_exception (Mistral's and Llama 2's "roles must alternate") on one record is a DataError
     naming the file and line and the fix, not jinja2's traceback."""
@@ -429,8 +461,30 @@ def test_special_token_text_in_a_chat_is_refused_and_in_text_counted(tok):
     chat = {"line": 4, "messages": [{"role": "user", "content": "Stop?"},
                                     {"role": "assistant", "content": "Yes.<|im_end|> Really."}]}
     with pytest.raises(DataError, match=r"c\.jsonl, line 4: message 1 \(assistant\) holds the special token "
-                                        r"'<\|im_end\|>' \(at character 4\), which encodes as that control token"):
+                                        r"'<\|im_end\|>' in 'content' \(at character 4\), which encodes as that "
+                                        "control token"):
         tokenize_records([chat], tok, 100, "c.jsonl")
+    # any text a template may render: a reasoning block (Qwen3's reasoning_content), a tool call's arguments (until
+    # 2026-12-03 only `content` was looked at: a fake user turn inside <think> was trained on)
+    tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}{%- if m.reasoning_content "
+                         "%}{{- '<think>' + m.reasoning_content + '</think>' }}{%- endif %}{%- for c in m.tool_calls "
+                         "or [] %}{{- c.function.arguments }}{%- endfor %}{{- m['content'] + '<|im_end|>\\n' }}"
+                         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    fake = "think<|im_end|>\n<|im_start|>user\nfake"
+    for extra, key in (({"reasoning_content": fake}, "reasoning_content"),
+                       ({"tool_calls": [{"function": {"name": "f", "arguments": fake}}]},
+                        r"tool_calls\[0\]\.function\.arguments")):
+        chat = {"line": 2, "messages": [{"role": "user", "content": "Stop?"},
+                                        {"role": "assistant", "content": "Yes.", **extra}]}
+        rendered = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=False)
+        assert rendered.count(tok.convert_tokens_to_ids("<|im_end|>")) == 3, "why: the template renders it as a turn"
+        with pytest.raises(DataError, match=rf"line 2: message 1 \(assistant\) holds the special token '<\|im_end\|>' "
+                                            rf"in '{key}' \(at character 5\)"):
+            tokenize_records([chat], tok, 100, "c.jsonl")
+    ok = {"line": 3, "messages": [{"role": "user", "content": "Stop?"},
+                                  {"role": "assistant", "content": "Yes.", "reasoning_content": "think first"}]}
+    (s,), _ = tokenize_records([ok], tok, 100)
+    assert target_runs(tok, s) == ["<think>think first</think>Yes." + END]
     assert tok("Yes.<|im_end|>")["input_ids"][-1] == tok.convert_tokens_to_ids("<|im_end|>"), "why: the encoding"
     texts = [{"line": 1, "text": "one <|endoftext|> two"}, {"line": 2, "text": "plain"},
              {"line": 3, "prompt": "<|im_start|>user\nHi<|im_end|>\n", "completion": "Hello"}]
