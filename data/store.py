@@ -16,8 +16,10 @@ Contract:
   such a template renders (data/templates.py's `on_day`).
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
-  None, with a line saying why, for a file that is absent, unreadable, or written under another key; `write` goes
-  through a temporary file and a rename, so an interrupted write leaves no half file under the key. A cache that
+  None, with a line saying why, for a file that is absent, unreadable (also a folder this user cannot enter), written
+  under another key, or whose tokens do not match the sha256 written with them; `write` goes
+  through a temporary file and a rename, so an interrupted write leaves no half file under the key (a killed
+  writer's temporary file is removed by a later write, a day on). A cache that
   cannot be read or written costs a re-tokenization, never the run.
 - `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data, each (Samples, TokenStats)
   (--eval-data's (None, None) without one), through `once_per_machine`,
@@ -43,6 +45,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -72,6 +75,7 @@ class Samples:
     def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
         self.ids, self.labels, self.offsets = ids, labels, offsets   # int32 [N], int32 [N], int64 [n + 1]
         self.lengths = offsets[1:] - offsets[:-1]
+        self.digest = None   # `fingerprint`'s, once computed (or verified by `read`)
 
     @classmethod
     def from_lists(cls, samples: list[dict]) -> Samples:
@@ -170,15 +174,20 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
 
 
 def read(path: Path, key: str, log=None):
-    """(Samples, stats dict) from a cached file, or None (a line through `log` says why, unless it is absent)."""
-    if not path.is_file():
-        return None
+    """(Samples, stats dict) from a cached file, or None (a line through `log` says why, unless it is absent). The
+    tokens must match the sha256 written with them: torch.load checks no checksum, and a file damaged inside its
+    tensors (a bad disk, a copy cut and patched) would read back as other token ids, most of them still valid."""
     try:
+        if not path.is_file():   # (a folder this user cannot enter raises here: said, then tokenized again)
+            return None
         d = torch.load(path, mmap=True, weights_only=True)
         if d.get("key") != key:
             raise ValueError(f"it was written under key {d.get('key')}")
-        return Samples(d["ids"], d["labels"], d["offsets"]), d["stats"]
-    except Exception as e:   # a damaged or foreign file: tokenize again (and replace it)
+        samples = Samples(d["ids"], d["labels"], d["offsets"])
+        if fingerprint(samples) != d.get("sha256"):
+            raise ValueError("its tokens do not match the sha256 written with them (a damaged file)")
+        return samples, d["stats"]
+    except Exception as e:   # a damaged or foreign file, or no access: tokenize again (and replace it if we may)
         if log:
             log(f"data cache {path} unreadable ({type(e).__name__}: {e}); tokenizing again")
         return None
@@ -189,8 +198,12 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
-                    "stats": stats}, tmp)
+                    "stats": stats, "sha256": fingerprint(samples)}, tmp)
         os.replace(tmp, path)
+        for old in path.parent.glob(".*.tmp"):   # a killed writer's, a day old: nobody still writes it (WAIT)
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > WAIT.total_seconds():
+                    old.unlink()
         return True
     except (OSError, RuntimeError) as e:   # a full or read-only disk (torch.save's own error): no cache this time
         try:
@@ -255,10 +268,12 @@ def fingerprint(samples: Samples | None) -> str:
     machine, 2026-12-02)."""
     if samples is None:
         return "-"
-    h = hashlib.sha256()
-    for t in (samples.offsets, samples.ids, samples.labels):
-        h.update(t.contiguous().numpy().data)
-    return h.hexdigest()
+    if samples.digest is None:
+        h = hashlib.sha256()
+        for t in (samples.offsets, samples.ids, samples.labels):
+            h.update(t.contiguous().numpy().data)
+        samples.digest = h.hexdigest()
+    return samples.digest
 
 
 def same_on_every_rank(samples, eval_samples=None, digest: str | None = None) -> None:

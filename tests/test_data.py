@@ -808,6 +808,56 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     assert blocked.read_text() == "" and not list(tmp_path.glob("**/.*.tmp")), "no file left behind"
 
 
+def test_a_cache_file_damaged_inside_its_tokens_or_out_of_reach_is_said_and_tokenized_again(tok, tmp_path, monkeypatch):
+    """torch.load checks no checksum: a cache file whose token bytes were changed in place (same size; a bad disk, a
+    patched copy) read back as other ids, most still in the vocabulary, and trained on (until 2026-12-03). Now the
+    sha256 written with the tokens must match. A cache folder this user cannot enter (a colleague's, mode 0700) raised
+    PermissionError out of train.py; now it costs a re-tokenization. A killed writer's temporary file goes a day on."""
+    import os
+    import struct
+    import time
+    import zipfile
+
+    from data import store
+    from data.tokens import load_samples
+
+    path, cache, said = tmp_path / "t.jsonl", tmp_path / "cache", []
+    make_text_jsonl(path, 12, seed=4)
+    want = tokenize_records(load_jsonl(path), tok, 64, path)[0]
+    load_samples(path, tok, 64, len(tok), cache=str(cache))
+    (f,) = cache.glob("*.pt")
+    with zipfile.ZipFile(f) as z:   # where the ids tensor's bytes start in the (uncompressed) zip
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(f.read_bytes())
+    at = info.header_offset + 30 + sum(struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30]))
+    assert int.from_bytes(raw[at:at + 4], "little") == want[0]["input_ids"][0], "why: these are the first id's bytes"
+    raw[at:at + 4] = (7).to_bytes(4, "little")
+    f.write_bytes(raw)
+    stale = cache / ".old.pt.0123.tmp"   # a writer killed two days ago
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 2 * 86400,) * 2)
+    fresh = cache / ".new.pt.4567.tmp"   # one another machine may still be writing
+    fresh.write_bytes(b"x")
+    samples, _ = load_samples(path, tok, 64, len(tok), cache=str(cache), log=said.append)
+    assert samples[0]["input_ids"].tolist() == want[0]["input_ids"], "the damaged ids were trained on"
+    assert any("unreadable" in m and "do not match the sha256" in m for m in said), said
+    assert store.read(f, f.stem) is not None, "the damaged file was replaced"
+    assert not stale.exists() and fresh.exists()
+
+    real = type(f).is_file
+
+    def no_entry(self, *a, **k):   # (root enters any folder: the PermissionError a 0700 cache folder raises)
+        if self.parent == cache:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    said.clear()
+    monkeypatch.setattr(type(f), "is_file", no_entry)
+    samples, _ = load_samples(path, tok, 64, len(tok), cache=str(cache), log=said.append)
+    assert [s["input_ids"].tolist() for s in samples] == [w["input_ids"] for w in want]
+    assert any("unreadable (PermissionError" in m for m in said), said
+
+
 def test_data_rewritten_while_it_is_tokenized_is_refused(tok, tmp_path, monkeypatch):
     """A --data file that changes between the start-up hash (the one the run records, and a resume compares) and the
     end of tokenization stops the run naming the fix, with or without a cache, and writes no cache entry."""
