@@ -239,13 +239,13 @@ def main(argv=None):
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
         to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
                                           device)   # samples -> this rank's (input_ids, position_ids, labels)
 
         # --------------------------------------------------------------------- model
-        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite)   # made and locked only now
+        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt)   # locked only now
         args.out = run.path
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
         log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))

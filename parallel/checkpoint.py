@@ -16,13 +16,15 @@ Contract:
        newest `keep` folders at or below this step.
   `protect` (--keep-best's step, parallel/keep_best.py) is kept beside the newest `keep`.
 - `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names
-  in a ckpt folder. A folder is readable when meta.json parses and every byte range DCP's `.metadata`
-  points at is present on disk (a truncated file fails this). Given a ckpt folder whose newest
-  checkpoint is unreadable, it falls back to the previous readable one and warns, naming both;
-  given an unreadable step folder, it refuses, naming the previous readable one.
+  in a ckpt folder (a newer whole step folder wins: a save killed between its rename and `latest`'s). An abandoned
+  step (`branch`) or an unfinished save's folder is refused, naming the live steps. A folder is readable when
+  meta.json parses and every byte range DCP's `.metadata` points at is present on disk (a truncated file fails
+  this). Given a ckpt folder whose newest checkpoint is unreadable, it falls back to the previous readable one and
+  warns, naming both; given an unreadable step folder, it refuses, naming the previous readable one.
 - `branch(path)` (rank 0, a resume): the newer step folders beside `path` become `step_N.abandoned` and `latest`
   names `path`, so a crash before the next save comes back here, not to a step past the metrics kept; a save of
-  step N or later removes `step_N.abandoned`.
+  step N or later removes `step_N.abandoned`. The run's exports (OUT/adapter, OUT/adapter_best) were made past
+  `path`, so they become `adapter.abandoned` (..-2, ...) too: none is left describing a step the run no longer has.
 - `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
   step to continue from.
 - `export(path, out_dir)`: the PEFT adapter of a checkpoint, as train.py exports at the end, without resuming and
@@ -203,7 +205,14 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
         have = [os.path.basename(p) for _, p in reversed(_steps(parent))]
         raise FileNotFoundError(f"{flag} {path!r} does not exist" + (f"; {parent!r} holds {', '.join(have)}" if have
                                                                      else ""))
-    m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    base, parent = os.path.basename(os.path.normpath(path)), os.path.dirname(os.path.normpath(path))
+    if ABANDONED_RE.match(base) or base.startswith((".tmp-", ".old-")):   # (its steps: another trajectory)
+        live = [os.path.basename(p) for _, p in _steps(parent)]
+        raise ValueError(f"{flag} {path!r} is " + ("an abandoned step (a resume went back below it and trained its "
+                                                   "steps again)" if ABANDONED_RE.match(base) else
+                                                   "an unfinished save's folder") + ", never resumed"
+                         + (f"; pass {flag} {parent} (its newest step) or one of {', '.join(live)}" if live else ""))
+    m = STEP_RE.match(base)
     if m or os.path.isfile(os.path.join(path, "meta.json")):
         why = problem(path)
         if why is None:
@@ -219,6 +228,9 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
                                 "ckpt folder with a 'latest' file)" + (f"; pass {flag} {inner}" if os.path.isdir(inner)
                                                                       else ""))
     newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
+    m = STEP_RE.match(os.path.basename(newest))
+    if _steps(path) and (top := _steps(path)[0])[0] > (int(m.group(1)) if m else -1) and problem(top[1]) is None:
+        newest = top[1]   # whole, but `latest` not yet moved to it: a save killed between its two renames
     why = problem(newest)
     if why is None:
         return newest
@@ -241,14 +253,17 @@ def branch(path: str, log=print) -> list[str]:
     """Resuming from `path`, a step below its ckpt folder's newest: make it the newest, so that a crash before this
     run's next save resumes here again and not from a step whose metrics the resume dropped. Rank 0, under the lock.
     The newer step folders are renamed `step_N.abandoned` (never resumed; their steps rerun from here, and a save of
-    step N or later removes them, superseded) and `latest` names `path`."""
+    step N or later removes them, superseded) and `latest` names `path`; OUT/adapter and OUT/adapter_best, exported
+    past `path`, become `adapter.abandoned` and `adapter_best.abandoned` (-2, ... when taken)."""
     ckpt_dir, name = os.path.split(os.path.normpath(path))
     m = STEP_RE.match(name)
     if not m:
         return []
     newer = [p for s, p in _steps(ckpt_dir) if s > int(m.group(1))]
+    run = os.path.dirname(ckpt_dir)
+    exports = [p for e in ("adapter", "adapter_best") if newer and os.path.isdir(p := os.path.join(run, e))]
     moved = []
-    for p in reversed(newer):
+    for p in [*reversed(newer), *exports]:   # (the exports last: a kill in between leaves them with their steps)
         to, n = p + ".abandoned", 2
         while os.path.exists(to):
             to, n = f"{p}.abandoned-{n}", n + 1
@@ -262,8 +277,10 @@ def branch(path: str, log=print) -> list[str]:
         os.fsync(fd)
         os.close(fd)
     if moved:
-        log(f"resuming from {name}, below the newest checkpoint: {', '.join(moved)} in {ckpt_dir} (steps this run "
-            "trains again: never resumed, kept until this run saves past them)")
+        steps, exported = moved[:len(newer)], moved[len(newer):]
+        log(f"resuming from {name}, below the newest checkpoint: {', '.join(steps)} in {ckpt_dir} (steps this run "
+            "trains again: never resumed, kept until this run saves past them)"
+            + (f"; the adapters exported past {name} are now {', '.join(exported)} in {run}" if exported else ""))
     return moved
 
 

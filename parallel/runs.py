@@ -10,8 +10,10 @@ Contract:
    `-2`, `-3`.. suffix when that second is taken: `mkdir` is atomic, so two runs never share one),
    takes an exclusive `flock` on `OUT/run.lock` for the run's life (the kernel drops it when the
    process dies, so a stale lock file never blocks), and only then, for `--overwrite`, deletes
-   exactly `OWNED` (nothing else, nothing outside OUT). One broadcast hands every rank the same path,
-   or the same error to raise, so no rank is left waiting in a collective. A refusal changes nothing.
+   exactly `OWNED` (nothing else, nothing outside OUT). Under the lock, --resume must resolve to the step it
+   resolved to at start-up (a run live then may have saved since: resuming the older step would drop newer ones).
+   One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
+   collective. A refusal changes nothing.
 3. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind
    listed under "nonfinite") and, on resume, first drops every line past the checkpoint's step
    (written to a temporary file and renamed, so a crash leaves the old file or the new one).
@@ -36,10 +38,13 @@ LOCK = "run.lock"
 # everything a run writes into OUT; --overwrite deletes exactly these
 OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp-export",
          "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best", "adapter_best.tmp-export",
-         "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "mem_phases.json", "mem_trace.rank*.txt",
-         "profile.txt", "profile-rank*.txt", "loss.png", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
-# a directory holding one of these is a run's (run.lock alone is not: a run that died at start-up)
+         "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "adapter.abandoned*",
+         "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt", "profile-rank*.txt",
+         "loss.png", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
+# a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
+# when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
+CKPT_ENTRY = re.compile(r"(\.tmp-|\.old-)?step_\d+(\.abandoned(-\d+)?)?|latest(\.tmp)?")   # what train.py puts in ckpt/
 def _entries(path: str) -> list[str]:
     """What a directory holds, a leftover lock file not counted."""
     return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
@@ -83,8 +88,8 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         raise ValueError(f"{flag} {out!r}: it holds {listed} but none of {', '.join(MARKERS)}, so it is not a "
                          "train.py run directory and nothing here may replace those files. Pass a new --out")
     if why := _not_a_run(out, used):
-        raise ValueError(f"{flag} {out!r}: {why}, so it is not a run directory (a run's config.json is train.py's "
-                         "flags). Pass a new --out")
+        raise ValueError(f"{flag} {out!r}: {why}, so it is not a train.py run directory and nothing here may "
+                         "replace those files. Pass a new --out")
     if not overwrite:
         ckpt = os.path.join(out, "ckpt")
         whole = any(re.fullmatch(r"step_\d+", e) and os.path.isfile(os.path.join(ckpt, e, "meta.json"))
@@ -95,18 +100,43 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
 
 
 def _not_a_run(out: str, used: list[str]) -> str | None:
-    """Why a directory with a config.json is a model's, not a run's (a run writes no weights at its top level)."""
+    """Why a directory holding config.json, metrics.jsonl or ckpt is not a train.py run (None: it is one). --overwrite
+    deletes those names, so each present must be train.py's own (a config.json of its flags, metrics lines with a
+    step, a ckpt folder of step folders), and one at least must say so: another tool's ckpt/ or config.json is never
+    taken for a run's (until 2026-12-03 any of the three names was)."""
     weights = [e for e in used if e.endswith((".safetensors", ".bin", ".gguf", ".pth", ".index.json"))]
     if weights:
         return f"it holds model weights ({', '.join(weights[:3])})"
-    try:
-        with open(os.path.join(out, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None   # none, or torn by a crash: a run's
-    if isinstance(cfg, dict) and "model_type" in cfg and "global_batch" not in cfg:
-        return f"its config.json is a model's (model_type {cfg['model_type']!r})"
-    return None
+    ours = False
+    if "config.json" in used:
+        try:
+            with open(os.path.join(out, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            cfg = None   # torn by a crash while written: neither's
+        if isinstance(cfg, dict) and "model_type" in cfg and "global_batch" not in cfg:
+            return f"its config.json is a model's (model_type {cfg['model_type']!r})"
+        if cfg is not None and not (isinstance(cfg, dict) and "global_batch" in cfg):
+            return "its config.json is not train.py's (no global_batch: another tool's)"
+        ours = cfg is not None
+    if "metrics.jsonl" in used:
+        try:
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                first = f.readline()
+            rec = json.loads(first) if first.endswith("\n") else None   # (an unfinished first line: neither's)
+        except (OSError, ValueError):
+            rec = "?"
+        if rec is not None and not (isinstance(rec, dict) and "step" in rec):
+            return "its metrics.jsonl is not train.py's (its first line is no step record)"
+        ours = ours or rec is not None
+    if "ckpt" in used:
+        ckpt = os.path.join(out, "ckpt")
+        held = _entries(ckpt) if os.path.isdir(ckpt) and not os.path.islink(ckpt) else None
+        if held is None or (other := [e for e in held if not CKPT_ENTRY.fullmatch(e)]):
+            return (f"its ckpt folder holds {', '.join(other[:3])}, which train.py never writes" if held is not None
+                    else "its ckpt is not a folder train.py made")
+        ours = ours or bool(held)
+    return None if ours else "none of its config.json, metrics.jsonl or ckpt holds anything train.py wrote"
 
 
 def fresh_dir(root: str = "runs", now: float | None = None) -> str:
@@ -159,12 +189,25 @@ class RunDir:
         self.release()
 
 
-def _claim_here(out, resume, overwrite, root) -> RunDir:
+def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
     check_out(out, resume=resume, overwrite=overwrite)
     if out is None:
         out = (run_of(resume) if resume else None) or fresh_dir(root)
     os.makedirs(out, exist_ok=True)
     fd = _lock(out)
+    if resume and resolved:   # the step resolved at start-up, before this lock: a run live then may have saved since
+        from parallel.checkpoint import resolve
+
+        try:
+            now = resolve(resume, warn=lambda m: None)
+        except (ValueError, FileNotFoundError) as e:
+            now = e
+        if isinstance(now, Exception) or os.path.realpath(now) != os.path.realpath(resolved):
+            os.close(fd)
+            raise ValueError(f"--resume {resume!r} resolved to {os.path.basename(resolved)} at start-up, but "
+                             + (f"now to {os.path.basename(now)}" if isinstance(now, str) else f"now: {now}")
+                             + ": a run that was still writing there saved since. Start this run again once it "
+                             "has ended (resuming the older step would drop the newer steps)") from None
     removed = []
     if overwrite:   # under the lock, so a live run's files are never deleted
         there = sorted(os.listdir(out))
@@ -181,15 +224,16 @@ def _claim_here(out, resume, overwrite, root) -> RunDir:
 
 
 def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs",
-          group=None) -> RunDir:
-    """Rank 0 creates, locks and (with --overwrite) empties the run directory; all ranks get its path.
+          group=None, resolved: str | None = None) -> RunDir:
+    """Rank 0 creates, locks and (with --overwrite) empties the run directory; all ranks get its path. `resolved`: the
+    step folder --resume resolved to at start-up, which must still be the one it resolves to under the lock.
 
     Collective over `group` when a process group is up: call it on every rank, before any weight."""
     me = dist.get_rank(group) if dist.is_initialized() else 0
     run, err, box = None, None, [None]
     if me == 0:
         try:
-            run = _claim_here(out, resume, overwrite, root)
+            run = _claim_here(out, resume, overwrite, root, resolved)
         except (ValueError, FileNotFoundError) as e:
             err = e
         except OSError as e:   # permissions, a full disk: still a start-up error that names the flag

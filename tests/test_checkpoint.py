@@ -213,3 +213,38 @@ def test_nonfinite_on_one_rank_stops_all(tmp_path):
     assert "lora.weight" in (got[1][1] or ""), f"rank 1 (the NaN) did not refuse: {got[1]}"
     assert "on another rank" in (got[0][1] or ""), f"rank 0 did not refuse with rank 1: {got[0]}"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step_000001"], os.listdir(tmp_path / "ckpt")
+
+
+def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tmp_path):
+    """resolve: a whole step newer than `latest` (a save killed between its folder's rename and `latest`'s) is the
+    newest, not lost; an abandoned step (a resume went back below it) or an unfinished save's folder is refused,
+    naming the live steps (until 2026-12-03 an explicit one resumed, mixing two trajectories). runs.claim: under the
+    lock --resume must still resolve to the step it resolved to at start-up, else a run live then saved since and
+    resuming the older step would drop its newer steps (refused; the lock is released)."""
+    from parallel import runs
+
+    out = tmp_path / "run"
+    ckpt = str(out / "ckpt")
+    (out / "ckpt").mkdir(parents=True)
+    (out / "config.json").write_text('{"global_batch": 8}')
+    for step in (1, 2):
+        m, opt = _trained(step)
+        checkpoint.save(ckpt, m, opt, step, keep=4)
+    at_start = checkpoint.resolve(ckpt)
+    assert at_start.endswith("step_000002")
+    m, opt = _trained(3)
+    checkpoint.save(ckpt, m, opt, 3, keep=4)   # the other run, still live at this one's start, saves step 3
+    with pytest.raises(ValueError, match=r"--resume .* resolved to step_000002 at start-up, but now to step_000003: "
+                                         r"a run that was still writing there saved since"):
+        runs.claim(str(out), resume=ckpt, resolved=at_start)
+    with runs.claim(str(out), resume=ckpt, resolved=checkpoint.resolve(ckpt)) as rd:   # (the lock was released)
+        assert rd.path == str(out)
+    open(os.path.join(ckpt, "latest"), "w").write("step_000002")   # killed before `latest` moved to step 3
+    assert checkpoint.resolve(ckpt).endswith("step_000003")
+    checkpoint.branch(os.path.join(ckpt, "step_000002"), log=lambda m: None)
+    assert checkpoint.resolve(ckpt).endswith("step_000002"), "a branch's abandoned step came back"
+    os.makedirs(os.path.join(ckpt, ".tmp-step_000004"))
+    for name, what in (("step_000003.abandoned", "an abandoned step"), (".tmp-step_000004", "an unfinished save")):
+        with pytest.raises(ValueError, match=rf"--resume .*{name}' is {what}.*never resumed; pass --resume {ckpt} "
+                                             r"\(its newest step\) or one of step_000002, step_000001"):
+            checkpoint.resolve(os.path.join(ckpt, name))

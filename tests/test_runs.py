@@ -50,7 +50,7 @@ def _used_run(path):
     open(os.path.join(path, "ckpt", "latest"), "w").write("step_000002")
     open(os.path.join(path, "ckpt", "step_000002", "meta.json"), "w").write('{"step": 2}')
     open(os.path.join(path, "adapter", "adapter_model.safetensors"), "wb").write(b"\x00" * 64)
-    open(os.path.join(path, "config.json"), "w").write("{}")
+    open(os.path.join(path, "config.json"), "w").write('{"global_batch": 8, "lora_r": 16}')
     open(os.path.join(path, "metrics.jsonl"), "w").write('{"step": 1}\n{"step": 2}\n')
     return str(path)
 
@@ -93,6 +93,29 @@ def test_used_out_refused_and_untouched(tmp_path):
     _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out", "NotADirectoryError")
     _refused(lambda: runs.claim(str(foreign), overwrite=True), "--overwrite refuses", "cat.jpg",
              "not a train.py run directory")
+    # another tool's project folder with train.py's names in it (until 2026-12-03 --overwrite deleted its ckpt/ and
+    # config.json): each name must hold what train.py writes, and one must say so
+    project = tmp_path / "project"
+    (project / "ckpt" / "epoch_3").mkdir(parents=True)
+    (project / "ckpt" / "epoch_3" / "model.ckpt").write_text("w")
+    (project / "config.json").write_text('{"experiment": "sweep-7"}')
+    (project / "notes.txt").write_text("notes")
+    other_tool = tmp_path / "other_tool"   # only another tool's metrics.jsonl
+    other_tool.mkdir()
+    (other_tool / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.9}\n')
+    empty_ckpt = tmp_path / "empty_ckpt"
+    (empty_ckpt / "ckpt").mkdir(parents=True)
+    before = _hashes(tmp_path)
+    for folder, why in ((project, "its config.json is not train.py's"), (other_tool, "metrics.jsonl is not train.py's"),
+                        (empty_ckpt, "holds anything train.py wrote")):
+        for overwrite in (True, False):
+            msg = _refused(lambda f=str(folder), o=overwrite: runs.claim(f, overwrite=o), why,
+                           "not a train.py run directory")
+            assert "--overwrite to" not in msg and "--resume" not in msg, msg
+    assert _hashes(tmp_path) == before, "a refusal changed files"
+    (project / "config.json").write_text('{"global_batch": 8}')   # train.py's config, a foreign ckpt/ entry
+    before = _hashes(tmp_path)
+    _refused(lambda: runs.claim(str(project), overwrite=True), "ckpt folder holds epoch_3, which train.py never writes")
     assert _hashes(tmp_path) == before, "a refusal changed files"
 
 

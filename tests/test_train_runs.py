@@ -310,11 +310,18 @@ def test_a_crash_after_resuming_from_an_older_step_comes_back_to_it(assets, tmp_
         _crash_at(m, 1)   # the resumed run's first step, step 3
         with pytest.raises(RuntimeError, match="killed"):
             run(train_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000002")))
-    assert "step_000003.abandoned, step_000004.abandoned" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "step_000003.abandoned, step_000004.abandoned" in said
     assert open(os.path.join(ckpt, "latest")).read() == "step_000002"
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_000003.abandoned",
                                         "step_000004.abandoned"]
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    # the adapter exported at step 4 is not left as OUT/adapter, describing a step the run no longer has (until
+    # 2026-12-03 it was, for model.merge to take); an abandoned step is never resumed, even named
+    assert not os.path.exists(os.path.join(out, "adapter")) and os.path.isdir(os.path.join(out, "adapter.abandoned"))
+    assert "the adapters exported past step_000002 are now adapter.abandoned" in said
+    with pytest.raises(ValueError, match=r"step_000003.abandoned' is an abandoned step .* never resumed"):
+        run(train_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000003.abandoned")))
     run(train_argv(assets, out, *flags, "--resume", ckpt))
     assert "resumed from " + os.path.join(ckpt, "step_000002") in capsys.readouterr().out
     assert [r["loss"] for r in metrics(out)] == want and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
@@ -1350,3 +1357,18 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
     msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))
     assert "--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE and --eval-every N" in msg
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_chat_rows_with_id_0(assets, tmp_path):
+    """A tokenizer with neither a pad nor an EOS token (chat data needs neither: the template writes the turns' end)
+    crashed in step 1, after the model was built (`torch.full(..., None)` in collate). Padding is never a target and
+    follows the row's real tokens, so id 0 pads: the losses equal the run padding with EOS."""
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": None, "pad_token": None}))
+    flags = ("--no-pack", "--micro-batch", "4", "--steps", "2")
+    run(train_argv(assets, str(tmp_path / "eos"), *flags))
+    run([*train_argv({**assets, "model": str(model)}, str(tmp_path / "none"), *flags), "--data-cache", "none"])
+    want = [r["loss"] for r in metrics(str(tmp_path / "eos"))]
+    assert [r["loss"] for r in metrics(str(tmp_path / "none"))] == want
