@@ -109,7 +109,7 @@ def check_start(args, demo: bool):
     from data import check_file
     from data.store import file_sha256
     from data.templates import chat_template
-    from model.load import fetch_checkpoint
+    from model.load import fetch_checkpoint, hub_snapshot, model_fingerprint
     from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
 
@@ -130,6 +130,8 @@ def check_start(args, demo: bool):
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     if not demo and os.path.isdir(args.model):   # recorded absolute: an export from another directory names this base
         args.model = os.path.abspath(args.model)
+    # what its files hold (a resume must find the same base, not only the same path); a Hub model's commit is compared
+    args.model_sha256 = None if demo or hub_snapshot(args.model) else model_fingerprint(args.model)
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)

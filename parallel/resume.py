@@ -33,7 +33,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule", "data_tokens", "long_text")
+                "schedule", "data_tokens", "long_text", "model_sha256")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -119,6 +119,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "data_sha256" and ckpt_args.get(k) is None:   # a demo run's (it builds its files): not known, so a
             continue   # resume naming the demo's files is the same run, as one without them is
+        if k == "model_sha256" and None in (ckpt_args.get(k), args.get(k)):   # a run from before it, the demo's, or
+            continue   # a Hub model's (its commit is compared)
         if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
             continue
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
@@ -139,8 +141,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"data_sha256": "--data's bytes (sha256: the "
-                    "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)"
-                    }.get(k, "--" + k.replace("_", "-"))
+                    "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)",
+                    "model_sha256": "--model's files (config.json, the weight files' sizes, headers and first and "
+                    "last MB: the base at that path changed; restore it, or train on the new base from the old run's "
+                    "adapter with --init-adapter)"}.get(k, "--" + k.replace("_", "-"))
             show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
             diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}"
                          + " (a flag not listed in parallel/resume.py's LAYOUT or FREE defines the run)" * (k in forks))

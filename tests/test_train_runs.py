@@ -1372,3 +1372,31 @@ def test_a_tokenizer_without_pad_or_eos_pads_chat_rows_with_id_0(assets, tmp_pat
     run([*train_argv({**assets, "model": str(model)}, str(tmp_path / "none"), *flags), "--data-cache", "none"])
     want = [r["loss"] for r in metrics(str(tmp_path / "eos"))]
     assert [r["loss"] for r in metrics(str(tmp_path / "none"))] == want
+
+
+def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
+    """The base's path was all a resume compared: an edited config.json (rope_theta, rms_norm_eps) or other weights
+    of the same shapes written in place resumed silently onto another model (until 2026-12-03). The run records
+    model_sha256 (config.json, the weight files' sizes, headers and first and last MB); a resume compares it."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    base = {**assets, "model": str(model)}
+    out = str(tmp_path / "out")
+    run(train_argv(base, out, "--steps", "1"))
+    again = [*train_argv(base, out, "--steps", "2"), "--resume", os.path.join(out, "ckpt")]
+    cfg = (model / "config.json").read_text()
+    (model / "config.json").write_text(json.dumps({**json.loads(cfg), "rms_norm_eps": 1e-2}))
+    with pytest.raises(ValueError, match=r"--model's files \(config.json.*the base at that path changed.*"
+                                         r"--init-adapter\): the checkpoint has '[0-9a-f]{64}', this run "):
+        run(again)
+    (model / "config.json").write_text(cfg)
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    save_file({k: v.flip(0).contiguous() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"--model's files"):
+        run(again)
+    save_file(tensors, weights, metadata={"format": "pt"})   # the same weights again: it resumes
+    run(again)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
