@@ -351,10 +351,9 @@ def main(argv=None):
                 rec["eval_loss"] = round(ev := evaluate(model, *eval_args, beat=beat), 6)
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev)
-            if rank == 0:
-                metrics.write(rec)
-                bar.write(" ".join(f"{k} {v}" for k, v in rec.items()))   # above the bar, or plain when off
-                bar.update(1)
+            guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
+                                          bar.update(1)), f"writing metrics.jsonl (step {step + 1})")   # all stop on
+            # a failure (a full disk); the line goes above the bar, or plain when off
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
                     (args.keep_best and "eval_loss" in rec):
                 wd.phase("save", step + 1)

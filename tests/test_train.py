@@ -157,6 +157,26 @@ def _host_short_on_rank_2(rank, world_size, argv):
         plan_search._budget, preflight.host_available = budget, host
 
 
+def _metrics_disk_full_at_step_2(rank, world_size, argv):
+    """train.main on this rank with rank 0's metrics.jsonl write failing (a full disk) at step 2: the error raised."""
+    import train
+    from parallel import runs
+
+    real = runs.MetricsLog.write
+
+    def write(self, rec):
+        if rec["step"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, rec)
+
+    runs.MetricsLog.write = write
+    try:
+        train.main(argv)
+    except Exception as e:   # noqa: BLE001 - what each rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _fast_on_every_rank(rank, argv):
     """Run `argv` (--fast) with a device budget that differs by rank (rank 2: between the plans of AC on one block
     and of no AC; the others: 1 PB, where another set wins); return the flags this rank applied and, on rank 0,
@@ -407,6 +427,18 @@ def test_host_memory_short_on_one_rank_refuses_the_run_on_every_rank(assets, tmp
     assert all(m == msgs[0] for m in msgs), msgs
     assert "pins the checkpointed blocks' inputs" in msgs[0], msgs[0]
     assert "free per rank (rank 2's, the smallest of 4)" in msgs[0], msgs[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_metrics_write_failing_on_rank_0_stops_every_rank_at_that_step(assets, tmp_path):
+    """metrics.jsonl is rank 0's disk work: a failing write (a full disk) raises there and, on the other rank, an
+    error quoting it at the same step (guard.on_rank0), not a lost connection or, on NCCL, a wait for --timeout (until
+    2026-12-03 the per-step write was rank 0's alone)."""
+    msgs = run_ranks(_metrics_disk_full_at_step_2, 2, train_argv(assets, str(tmp_path / "out"), "--dp-shard", "2"),
+                     timeout=240, pg_timeout=30)
+    assert msgs[0] == "OSError: [Errno 28] No space left on device", msgs
+    assert msgs[1] == ("RuntimeError: writing metrics.jsonl (step 2) failed on rank 0 (OSError: [Errno 28] No space "
+                       "left on device)"), msgs
 
 
 @pytest.mark.timeout(600)
