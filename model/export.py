@@ -122,6 +122,14 @@ def peft_keys(lora: dict) -> dict:
     return {"base_model.model." + k.replace(".default.", "."): v for k, v in lora.items()}
 
 
+def half_written(out_dir: str) -> bool:
+    """`out_dir` holds what a killed in-place write_adapter left (its `.adapter.tmp` and some of the files it renames
+    out of it, never adapter_config.json, renamed last): it may be written again."""
+    held = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    files = {"adapter_model.safetensors", OVERRIDES, TEMPLATE, TRAINED_ON}
+    return ".adapter.tmp" in held and held <= files | {".adapter.tmp"}
+
+
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
                   chat_template: str | None = None, quant: str | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
@@ -133,7 +141,7 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
     adapter to peft) last. `quant`: written to trained_on.json."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
-    in_place = os.path.isdir(out_dir) and not [e for e in os.listdir(out_dir) if e != ".adapter.tmp"]
+    in_place = os.path.isdir(out_dir) and (not os.listdir(out_dir) or half_written(out_dir))
     tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)

@@ -324,10 +324,11 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
     """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
     return the step folder read. `replace` (--keep-best's adapter_best): an adapter already there is swapped out once
     the new one is whole (model.export.write_adapter), not refused."""
-    from model.export import peft_keys, write_adapter
+    from model.export import half_written, peft_keys, write_adapter
     from model.load import read_args
     from model.qlora import lora_config
-    if not replace and (os.path.isdir(out_dir) and os.listdir(out_dir) or os.path.isfile(out_dir)):
+    if not replace and (os.path.isdir(out_dir) and os.listdir(out_dir) and not half_written(out_dir) or
+                        os.path.isfile(out_dir)):   # (a killed export into it may be written again)
         raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")
     path = resolve(path, flag="checkpoint")
     args = read_meta(path).get("args", {})
