@@ -366,7 +366,7 @@ def main(argv=None):
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
-                       chat_template=args.chat_template_text, quant=args.quant)
+                       chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
         wd.stop()   # the last collective is behind: rank 0's own writes below wait for no peer
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)

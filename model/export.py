@@ -33,12 +33,12 @@ from model.load import CheckpointReader, _check_dir, hub_snapshot
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
-TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none"}: the base the adapter was trained against
+TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 
 
 def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None,
-                   chat_template: str | None = None, quant: str | None = None) -> None:
+                   chat_template: str | None = None, quant: str | None = None, model_sha256: str | None = None) -> None:
     """The LoRA weights in peft's format. The base model is named by its path, or, for a directory of
     huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
@@ -51,7 +51,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     write_adapter(get_peft_model_state_dict(peft_model, state_dict=full), peft_model.peft_config["default"], out_dir,
-                  base_path, rope_parameters, chat_template, quant)
+                  base_path, rope_parameters, chat_template, quant, model_sha256)
 
 
 def not_plain_lora(cfg: dict) -> list[str]:
@@ -131,7 +131,7 @@ def half_written(out_dir: str) -> bool:
 
 
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
-                  chat_template: str | None = None, quant: str | None = None) -> None:
+                  chat_template: str | None = None, quant: str | None = None, model_sha256: str | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
     Written to `out_dir`.tmp-export, then renamed into place (the one before goes through `out_dir`.old-export:
@@ -139,7 +139,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     adapter under `out_dir`, and one already there (a resumed run re-exporting) stays whole until the new one is
     complete. Into an empty directory that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`),
     which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
-    adapter to peft) last. `quant`: written to trained_on.json."""
+    adapter to peft) last. `quant` and `model_sha256` (the base's `model.load.model_fingerprint`, as the run recorded
+    it): written to trained_on.json, what `model.merge` checks its base against."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
     in_place = os.path.isdir(out_dir) and (not os.listdir(out_dir) or half_written(out_dir))
     tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
@@ -159,9 +160,9 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     if chat_template is not None:   # the template the data were rendered with, for inference
         with open(os.path.join(tmp, TEMPLATE), "w", encoding="utf-8") as f:
             f.write(chat_template)
-    if quant is not None:   # the base it was trained against (NF4 or as stored): what model.merge must fold it into
-        with open(os.path.join(tmp, TRAINED_ON), "w") as f:
-            json.dump({"quant": quant}, f)
+    if quant is not None:   # the base it was trained against (NF4 or as stored, which files): what model.merge folds
+        with open(os.path.join(tmp, TRAINED_ON), "w") as f:   # it into
+            json.dump({"quant": quant, **({"model_sha256": model_sha256} if model_sha256 else {})}, f)
     for name in os.listdir(tmp):   # on disk before the rename makes them the adapter
         fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
         os.fsync(fd)

@@ -12,10 +12,12 @@ W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for ev
 was trained against; with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
 training run: the adapter's trained_on.json (train.py and `python -m parallel.checkpoint` write it), else
 ADAPTER_DIR/../config.json (train.py's run config, beside RUN/adapter); without either the merge asks for --quant.
-An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained biases, saved modules) is refused: one
-scale per adapter is all it folds in. --out may not be, or lie inside, the base or the adapter (symlinks resolved).
-config.json is written last (with --force, the old one and the index go first), so a merge killed halfway leaves
-no folder that loads as a model.
+The base must be the one trained on: an adapter whose trained_on.json records the base's model_sha256 (train.py's,
+for a local --model) is refused on a base whose files differ (another checkpoint of the same shapes, or one edited
+since), unless --any-base. An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained biases, saved
+modules) is refused: one scale per adapter is all it folds in. --out may not be, or lie inside, the base or the
+adapter (symlinks resolved). config.json is written last (with --force, the old one and the index go first), so a
+merge killed halfway leaves no folder that loads as a model.
 Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR. The merge streams one
 base safetensors file at a time (same file names out, plus model.safetensors.index.json), so host memory
 peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
@@ -49,6 +51,28 @@ def run_quant(adapter_dir: str) -> tuple[str | None, str | None]:
         if quant in ("nf4", "none"):
             return quant, path
     return None, None
+
+
+def other_base(adapter_dir: str, model: str) -> str | None:
+    """Why `model` is not the base the adapter was trained on, or None: trained_on.json's model_sha256 (train.py records
+    the base's `model.load.model_fingerprint` for a local --model) against the same fingerprint of `model` now. A path
+    names nothing: a base moved elsewhere folds in, another checkpoint of the same shapes at the path it names (the
+    base model beside its Instruct tune), or one edited in place since, does not. Adapters that record none pass."""
+    from model.export import TRAINED_ON
+    from model.load import model_fingerprint
+
+    try:
+        with open(os.path.join(adapter_dir, TRAINED_ON)) as f:
+            want = json.load(f).get("model_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    got = model_fingerprint(model) if want else None
+    if not want or got == want:
+        return None
+    return (f"--model {model!r} is not the base {adapter_dir!r} was trained on: its files (config.json, the weight "
+            f"index, each weight file's size, header, first and last MB) give model_sha256 {str(got)[:12]}..., "
+            f"{TRAINED_ON} records {want[:12]}... (another checkpoint, or this one edited since); pass the base it "
+            "was trained on, or --any-base to fold it into this one anyway")
 
 
 def adapter_base(adapter_dir: str) -> str | None:
@@ -119,6 +143,8 @@ def main(argv=None) -> int:
                         "else ADAPTER/../config.json's (train.py's run config); neither: pass it")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out directory")
+    p.add_argument("--any-base", action="store_true",
+                   help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
 
     args.model = args.model or adapter_base(args.adapter)
@@ -133,6 +159,8 @@ def main(argv=None) -> int:
         print(f"merge: {e}", file=sys.stderr)
         return 2
     errors = check_inputs(args)
+    if not errors and not args.any_base and (why := other_base(args.adapter, args.model)):
+        errors.append(why)
     if errors:
         print("merge: " + "\n       ".join(errors), file=sys.stderr)
         return 2

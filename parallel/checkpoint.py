@@ -351,7 +351,8 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
                                                args["lora_targets"].split(","), args.get("rslora", False)),
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
-                  args.get("chat_template_text"), args.get("quant", "nf4"))   # (runs that record none: the default)
+                  args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)
+                  args.get("model_sha256"))
     return path
 
 

@@ -221,8 +221,9 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     """model.merge stops (exit 2, naming the fix, writing nothing) rather than: guess the base an adapter was trained
     against (no trained_on.json, no run config.json beside it: an nf4 guess would round a full-precision run's every
     block weight to 4 bits); fold DoRA or per-module alpha/rank patterns in with one scale; write into the base
-    through a symlink or into a folder inside it. A merge killed halfway (with --force over an earlier merge) leaves
-    no config.json, so no folder that loads as a model."""
+    through a symlink or into a folder inside it; fold into another base than the one trained on (trained_on.json's
+    model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A merge killed
+    halfway (with --force over an earlier merge) leaves no config.json, so no folder that loads as a model."""
     import shutil
 
     from model import merge as cli
@@ -261,7 +262,24 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
         cfg = json.loads((other / "adapter_config.json").read_text())
         (other / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
         assert f"has {key} {value!r} (not trained here)" in refused(adapter=other), key
-    merge(path, str(adapter), str(out), quant="none")
+    # the base it was trained on, by its files (trained_on.json's model_sha256, as train.py writes it): a copy
+    # elsewhere merges; the same shapes with other weights, or an edited config.json, do not, unless --any-base
+    from model.load import model_fingerprint
+    (adapter / TRAINED_ON).write_text(json.dumps({"quant": "none", "model_sha256": model_fingerprint(path)}))
+    other_w, other_cfg = tmp_path / "other_weights", tmp_path / "other_config"
+    for d in (other_w, other_cfg):
+        shutil.copytree(base_copy, d)
+    shard = sorted(f for f in os.listdir(other_w) if f.endswith(".safetensors"))[0]
+    blob = bytearray((other_w / shard).read_bytes())
+    blob[-4:] = bytes(b ^ 0xFF for b in blob[-4:])   # one float's bytes in its last MB
+    (other_w / shard).write_bytes(bytes(blob))
+    cfg = json.loads((other_cfg / "config.json").read_text())
+    (other_cfg / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
+    for d in (other_w, other_cfg):
+        assert "is not the base" in (msg := refused(model=d)) and "--any-base" in msg, msg
+    assert cli.main(["--model", str(other_cfg), "--adapter", str(adapter), "--out", str(tmp_path / "any"),
+                     "--any-base"]) == 0
+    assert cli.main(["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out)]) == 0
     assert (out / "config.json").is_file()
     monkeypatch.setattr(shutil, "copy", lambda *a, **k: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):   # after the shards and the index, while copying the tokenizer

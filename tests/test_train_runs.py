@@ -679,7 +679,7 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
     assert _saved_step(out) > step, "the resumed run saved no later step"
 
 
-def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
+def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     from safetensors.torch import load_file
 
     from parallel.checkpoint import export
@@ -707,8 +707,10 @@ def test_export_the_adapter_of_a_checkpoint(done, tmp_path):
     (half / "adapter_model.safetensors").write_bytes(b"partial")
     export(os.path.join(done, "ckpt"), str(half))
     assert adapter(str(half))[0].keys() == want.keys() and sorted(os.listdir(half)) == sorted(os.listdir(out))
+    from model.load import model_fingerprint
+    base = {"quant": "none", "model_sha256": model_fingerprint(assets["model"])}
     for d in (out, os.path.join(done, "adapter")):   # the base it was trained on, for model.merge (a --quant none run)
-        assert json.load(open(os.path.join(d, "trained_on.json"))) == {"quant": "none"}, d
+        assert json.load(open(os.path.join(d, "trained_on.json"))) == base, d
     mine = tmp_path / "v2.old"   # a user's folder that happens to be named like a swap leftover
     mine.mkdir()
     (mine / "keep").write_text("mine")
