@@ -207,7 +207,8 @@ def main(argv=None):
         log0(f"layout: {dims}\nloss: " + ("cross-entropy" if LOSS_FN is None else
                                           f"LOSS_FN {args.loss.splitlines()[0][:120]} (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
-                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text),
+                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
+                                       args.model_sha256, args.quant),
                      resume.schedule_note(ckpt, args.schedule_steps or args.steps)):
             if note:
                 log0(note)

@@ -98,15 +98,33 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     return cfg
 
 
-def init_adapter_note(path: str | None, chat_template: str | None) -> str | None:
-    """The line a run logs when --init-adapter's folder has no chat_template.jinja but the run renders chats with a
-    --chat-template: the adapter learned under its base's own template or one it did not record (other trainers'
-    adapters carry none), so this is said rather than refused."""
-    if path and chat_template is not None and not os.path.isfile(os.path.join(path, TEMPLATE)):
-        return (f"note: --init-adapter {path} records no chat template ({TEMPLATE}): it was trained with its base's "
-                "own template or one it did not keep, and this run renders chats with --chat-template's; if they "
-                "differ, its first steps relearn the turn markers")
-    return None
+def init_adapter_note(path: str | None, chat_template: str | None, model_sha256: str | None = None,
+                      quant: str | None = None) -> str | None:
+    """The lines a run logs about --init-adapter's folder, said rather than refused (starting from another base's
+    adapter, or under another template, is a choice): no chat_template.jinja while the run renders chats with a
+    --chat-template (it learned under its base's own template or one it did not record; other trainers' adapters carry
+    none); a trained_on.json naming another base (model_sha256: other files than --model's) or the other --quant."""
+    if not path:
+        return None
+    notes = []
+    if chat_template is not None and not os.path.isfile(os.path.join(path, TEMPLATE)):
+        notes.append(f"note: --init-adapter {path} records no chat template ({TEMPLATE}): it was trained with its "
+                     "base's own template or one it did not keep, and this run renders chats with --chat-template's; "
+                     "if they differ, its first steps relearn the turn markers")
+    try:
+        with open(os.path.join(path, TRAINED_ON)) as f:
+            was = json.load(f)
+    except (OSError, ValueError):
+        was = {}
+    was = was if isinstance(was, dict) else {}
+    if model_sha256 and was.get("model_sha256") not in (None, model_sha256):
+        notes.append(f"note: --init-adapter {path} was trained on another base than --model's files (its {TRAINED_ON}"
+                     f" records model_sha256 {str(was['model_sha256'])[:12]}..., --model gives {model_sha256[:12]}...):"
+                     " it starts from what it learned there")
+    if quant and was.get("quant") in ("nf4", "none") and was["quant"] != quant:
+        notes.append(f"note: --init-adapter {path} was trained against the "
+                     f"{'4-bit' if was['quant'] == 'nf4' else 'unquantized'} base, this run's --quant is {quant}")
+    return "\n".join(notes) or None
 
 
 def read_init_adapter(path: str) -> dict:

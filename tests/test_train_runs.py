@@ -792,8 +792,15 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     run(train_argv(assets, a, "--steps", "2", "--eval-data", assets["data"], "--lora-targets", "q_proj,v_proj"))
     capsys.readouterr()
     run(train_argv(assets, b, "--steps", "1", "--eval-data", assets["data"], "--init-adapter", a + "/adapter"))
-    before = float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1))
+    before = float(re.search(r"eval_loss before training (\S+)", (log := capsys.readouterr().out)).group(1))
     assert before == metrics(a)[-1]["eval_loss"], (before, metrics(a)[-1])
+    assert "was trained on another base" not in log and "was trained against the" not in log, log
+    from model.export import TRAINED_ON, init_adapter_note
+    sha = json.load(open(os.path.join(a, "adapter", TRAINED_ON)))["model_sha256"]   # (the run's own base)
+    assert init_adapter_note(a + "/adapter", None, sha, "none") is None
+    note = init_adapter_note(a + "/adapter", None, "f" * 64, "nf4")   # said, not refused: a choice
+    assert f"records model_sha256 {sha[:12]}..., --model gives ffffffffffff" in note, note
+    assert "trained against the unquantized base, this run's --quant is nf4" in note, note
     base = train_argv(assets, str(tmp_path / "x"), "--init-adapter", a + "/adapter")
     for flags, phrase in ((["--lora-r", "8"], "r 4 and lora_alpha 32.0, this run --lora-r 8 --lora-alpha 32"),
                           (["--lora-alpha", "16"], "this run --lora-r 4 --lora-alpha 16"),
