@@ -26,12 +26,14 @@ render the conversation up to message i with `add_generation_prompt=True`; where
 the turn's target text starts (a template that ignores the flag renders the same string either way, ending before
 the role header: then the turn starts where its content does, found by rendering a sentinel in its place, so an
 answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is not looked for by its
-text). Render it through message i; the content and the end-of-turn marker after it (to its first whitespace: a
-template writing EOS after the last turn only, as Phi-3's, trains no EOS on it) are the turn. Both renderings are
-prefixes of the full one for ordinary templates. Templates that rewrite earlier turns once later ones exist (Qwen3
-drops old reasoning) break the second prefix, so then the turn's content is searched for in the full rendering
-after its start, and the marker is matched right after it. Checked against transformers' own assistant mask
-(`return_assistant_tokens_mask` over `{% generation %}` tags; tests/test_data.py). Character spans become token
+text). Render it through message i; the turn is the content and what the template writes after it (tool calls, the
+end-of-turn marker) but a trailer it writes after the last turn only (Phi-3's EOS: found by rendering one more message
+after the turn, the tokens both renderings write there are the turn's; asked once per template whether it has one).
+Both renderings are prefixes of the full one for ordinary templates. Templates that rewrite earlier turns once later
+ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's content is searched for in the
+full rendering after its start, and what follows it is matched right after it (else its first word, the marker).
+Checked against transformers' own assistant mask (`return_assistant_tokens_mask` over `{% generation %}` tags;
+tests/test_data.py). Character spans become token
 flags through the fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
 """
 
@@ -96,6 +98,45 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
     return at, at
 
 
+_TRAILER: dict = {}   # chat template text -> whether it writes text after the last turn only (Phi-3's EOS)
+
+
+def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -> str:
+    """What the template writes after assistant message i's content (at `ce` in `through`, its rendering as the last
+    turn) that is the turn's: the text it writes there also when a message follows (a trailer written after the
+    last turn only, Phi-3's EOS, is not), trailing whitespace off. Where the probe cannot tell, all of it."""
+    rest = through[ce:]
+    template = repr(getattr(tokenizer, "chat_template", None))
+    if template not in _TRAILER:   # (asked once per template: most write nothing after the last turn alone)
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
+        try:
+            one, two = (render(tokenizer, m, False) for m in (probe, probe + [{"role": "user", "content": "Hi"}]))
+            at = one.find(_SENTINEL) + len(_SENTINEL)
+            _TRAILER[template] = not (at >= len(_SENTINEL) and two.startswith(one[:at]) and
+                                      two[at:].startswith(one[at:].rstrip()))
+        except DataError:
+            _TRAILER[template] = True
+    if not _TRAILER[template]:
+        return rest.rstrip()
+    try:
+        nxt = render(tokenizer, messages[: i + 1] + [{"role": "user", "content": _SENTINEL}], False)
+    except DataError:
+        nxt = ""
+    if not nxt.startswith(through[:ce]):   # (the template rewrites the turn once one follows: Qwen3's reasoning)
+        return rest.rstrip()
+    if nxt[ce:].startswith(rest):
+        return rest.rstrip()
+    try:   # the tokens both write: '<|im_end|>', '\n' of '<|im_end|>\n<|endoftext|>' and '<|im_end|>\n<|im_start|>...'
+        a, b = (tokenizer(x, add_special_tokens=False, return_offsets_mapping=True) for x in (rest, nxt[ce:]))
+        k = next((k for k, (x, y) in enumerate(zip(a["input_ids"], b["input_ids"])) if x != y), len(a["input_ids"]))
+        return rest[:a["offset_mapping"][k - 1][1] if k else 0].rstrip()
+    except NotImplementedError:   # (a slow tokenizer: the characters both write, to a whitespace)
+        n = next(n for n in range(len(rest) + 1) if n == len(rest) or rest[n] != nxt[ce + n:ce + n + 1])
+        if n < len(rest) and not rest[n - 1:n].isspace():
+            n = max((j + 1 for j in range(n) if rest[j].isspace()), default=0)
+        return rest[:n].rstrip()
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn in it."""
     full = render(tokenizer, messages, False, where)
@@ -115,19 +156,23 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             start = full.find(content, prev_end)
         if start < 0 or at < 0:
             raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
-        # The end-of-turn marker: what the template writes after the content, to its first whitespace past a
-        # character ('<|im_end|>' of '<|im_end|>\n', ' </s>', '<|end|>' of Phi-3's '<|end|>\n<|endoftext|>', whose EOS
-        # follows the last turn only). The turn is its content and that marker.
-        marker = re.match(r"\s*\S*", through[at + len(content) :]).group()
-        if full.startswith(through) and len(through) > start:
-            end = at + len(content) + len(marker)
+        # What the template writes after the content as the turn's own (tool calls, '<|im_end|>', ' </s>'): what it
+        # writes there when another message follows too (Phi-3 writes EOS after the last turn only: not the turn's).
+        ce = at + len(content)
+        tail = _turn_tail(tokenizer, messages, i, through, ce)
+        marker = re.match(r"\s*\S*", tail).group()   # its first word, where the full rendering holds no more of it
+        if full.startswith(through[:ce + len(tail)]) and ce + len(tail) > start:
+            end = ce + len(tail)
         else:
             # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
-            # reasoning): take the content as rendered plus the marker; when the content itself is
-            # rewritten (an inline <think> block dropped), the turn as rendered, up to and with the marker.
+            # reasoning): take the content as rendered plus what follows it; when the content itself is
+            # rewritten (an inline <think> block dropped), the turn as rendered, up to and with what follows it.
             c = full.find(content, start)
             if c >= 0:
-                end = c + len(content) + (len(marker) if full.startswith(marker, c + len(content)) else 0)
+                end = c + len(content)
+                end += len(tail) if full.startswith(tail, end) else len(marker) if full.startswith(marker, end) else 0
+            elif tail.strip() and (m := full.find(tail, start)) >= 0:
+                end = m + len(tail)
             elif marker.strip() and (m := full.find(marker, start)) >= 0:
                 end = m + len(marker)
             else:

@@ -262,6 +262,77 @@ def test_chat_targets_equal_transformers_assistant_mask_for_answers_its_markers_
         assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (answer, target_runs(tok, s))
 
 
+# Qwen2.5/Qwen3-shaped tool calls after an answer's content, generation-tagged; "dropping" also drops the reasoning of
+# turns before the last user message (Qwen3), so an earlier turn is not a prefix of the full rendering.
+def _tool_template(dropping: bool) -> str:
+    think = ("{%- if loop.index0 > last_user.i %}{{- '<think>\\n' + thought + '\\n</think>\\n\\n' }}{%- endif %}"
+             if dropping else "")
+    return (
+        "{%- set last_user = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+        "{%- set last_user.i = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
+        "{%- set answer = m['content'].split('</think>')[-1].lstrip('\\n') %}"
+        "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n') "
+        "if '</think>' in m['content'] else '' %}"
+        "{{- '<|im_start|>assistant\\n' }}{% generation %}" + think +
+        "{{- (answer if " + ("true" if dropping else "false") + " else m['content']) }}"
+        "{%- for call in m.get('tool_calls', []) %}{%- if loop.first and m['content'] %}{{- '\\n' }}{%- endif %}"
+        "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+        "{{- call['function']['arguments'] | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+        "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+        "{%- elif m['role'] == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m['content'] + "
+        "'\\n</tool_response><|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("dropping", [False, True], ids=["qwen2.5", "qwen3"])
+def test_chat_targets_hold_tool_calls_and_the_end_of_turn_after_an_answer(tok, dropping):
+    """An assistant turn with tool calls (Qwen2.5's and Qwen3's form: the calls after the content, then
+    '<|im_end|>'): the calls and the marker are targets, as in transformers' assistant mask. From 2026-12-03 to
+    2026-12-04 the turn ended at the first whitespace after its content: '<tool_call>' was trained, its arguments
+    and '<|im_end|>' were not."""
+    tok.chat_template = _tool_template(dropping)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    for content in ["", "Let me check.", "<think>\nlook it up\n</think>\n\nLet me check."]:
+        msgs = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny, 21C"},
+                {"role": "assistant", "content": "It is sunny and 21C."},
+                {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        (s,), _ = tokenize_records([{"messages": msgs, "line": 1}], tok, 10_000)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (content, target_runs(tok, s))
+        assert '"city": "Paris"}}\n</tool_call>' + END in target_runs(tok, s)[0], target_runs(tok, s)
+
+
+def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
+    """A tokenizer without offsets (slow, python) finds the same turns, tool calls and end markers (what the template
+    writes after an answer is compared by characters, to a whitespace, instead of by tokens)."""
+    from data.chat import chat_tokens
+
+    class Slow:   # the tokenizer, without offsets
+        def __init__(self, t):
+            self.t = t
+
+        def __getattr__(self, name):
+            return getattr(self.t, name)
+
+        def __call__(self, *a, **k):
+            if k.get("return_offsets_mapping"):
+                raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+            return self.t(*a, **k)
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    msgs = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "d", "tool_calls": [call]},
+            {"role": "tool", "content": "1"}, {"role": "assistant", "content": "e "}]
+    for template in (EOS_LAST_TAGGED, NO_PROMPT_TAGGED, _tool_template(False), _tool_template(True)):
+        tok.chat_template = template
+        fast, slow = chat_tokens(tok, msgs, "<t>")[:2], chat_tokens(Slow(tok), msgs, "<t>")[:2]
+        assert slow == fast and any(fast[1]), template
+
+
 def test_a_conversation_the_template_refuses_names_the_line(tok, tmp_path):
     """A template's raise_exception (Mistral's and Llama 2's "roles must alternate") on one record is a DataError
     naming the file and line and the fix, not jinja2's traceback."""
