@@ -135,12 +135,22 @@ def model_fingerprint(path: str, sample: int = 1 << 20) -> str | None:
                 h.update(f.read())
                 continue
             if n.endswith(".safetensors"):
-                head = f.read(8)
-                h.update(head + f.read(int.from_bytes(head, "little") if len(head) == 8 else 0))
+                head = f.read(8)   # (a length past the file, as a Git LFS pointer's text gives: the loader says so)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                h.update(head + f.read(n if 8 + n <= size else 0))
             h.update(f.read(sample))
             f.seek(max(f.tell(), size - sample))
             h.update(f.read(sample))
     return h.hexdigest()
+
+
+def check_weight_headers(path: str) -> None:
+    """Every safetensors file of a local checkpoint has a header that fits it (read_header: a few KB each), so a Git
+    LFS pointer or a truncated download is said at start-up, before a run directory or process group exists."""
+    if os.path.isdir(path):
+        for fn in sorted(os.listdir(path)):
+            if fn.endswith(".safetensors"):
+                read_header(os.path.join(path, fn))
 
 
 def _check_dir(path: str):
@@ -188,8 +198,12 @@ def read_header(fn: str) -> tuple[dict, int]:
     with open(fn, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if (head + f.read(24)).startswith(b"version https://git-lfs"):   # (then back to the header, below)
+            raise CorruptCheckpointError(f"{fn} is a Git LFS pointer, not the weights (cloned without git-lfs): run "
+                                         f"`git lfs pull` in {os.path.dirname(fn) or '.'}, or download the files")
         if n < 2 or 8 + n > size:
             raise CorruptCheckpointError(f"{bad} (its {size}-byte file cannot hold the header it announces)")
+        f.seek(8)
         try:
             meta = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError):

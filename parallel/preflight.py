@@ -109,7 +109,7 @@ def check_start(args, demo: bool):
     from data import check_file
     from data.store import file_sha256
     from data.templates import chat_template
-    from model.load import fetch_checkpoint, hub_snapshot, model_fingerprint
+    from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint
     from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
 
@@ -132,6 +132,8 @@ def check_start(args, demo: bool):
         args.model = os.path.abspath(args.model)
     # what its files hold (a resume must find the same base, not only the same path); a Hub model's commit is compared
     args.model_sha256 = None if demo or hub_snapshot(args.model) else model_fingerprint(args.model)
+    if args.model_sha256:   # its weight files are whole (not a Git LFS pointer, a cut download): said before anything
+        check_weight_headers(args.model)
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)

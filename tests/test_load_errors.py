@@ -102,22 +102,31 @@ def test_truncated_safetensors_names_path(ckpt, tmp_path, cut):
     assert fn in msg and "truncated or corrupt" in msg and "re-download" in msg, msg
 
 
-def test_train_cli_reports_truncated_checkpoint(ckpt, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "lfs"])
+def test_train_cli_reports_truncated_checkpoint(ckpt, tmp_path, damage):
+    """A cut weight file, or a Git LFS pointer in its place (a clone without git-lfs; until 2026-12-04 a MemoryError
+    traceback), is one error line at start-up: no run directory is made."""
     from tests.fixtures import make_text_jsonl, make_tokenizer
 
     path = str(tmp_path / "model")
     tiny_checkpoint(path, vocab=len(make_tokenizer(path)))   # a vocabulary that fits the tokenizer
     make_text_jsonl(tmp_path / "d.jsonl", 8)
     fn = _largest_file(path)
-    with open(fn, "r+b") as f:
-        f.truncate(os.path.getsize(fn) - 100)
+    if damage == "lfs":
+        with open(fn, "w") as f:
+            f.write(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize 988097824\n")
+    else:
+        with open(fn, "r+b") as f:
+            f.truncate(os.path.getsize(fn) - 100)
     res = subprocess.run([sys.executable, "train.py", "--model", path, "--data", str(tmp_path / "d.jsonl"),
                           "--out", str(tmp_path / "run"), "--steps", "1", "--global-batch", "1",
                           "--max-len", "32"], cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "error:" in res.stderr and fn in res.stderr and "truncated" in res.stderr, res.stderr[-3000:]
+    assert "error:" in res.stderr and fn in res.stderr, res.stderr[-3000:]
+    assert ("truncated" if damage == "truncated" else "is a Git LFS pointer, not the weights") in res.stderr
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "run").exists(), "a run directory was made before the check"
 
 
 def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
