@@ -15,10 +15,10 @@ Contract:
        first and deleted after), then replaces `latest` (write + rename), then deletes all but the
        newest `keep` folders at or below this step.
   `protect` (--keep-best's step, parallel/keep_best.py) is kept beside the newest `keep`.
-- `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names
-  in a ckpt folder (a newer whole step folder wins: a save killed between its rename and `latest`'s). An abandoned
-  step (`branch`) or an unfinished save's folder is refused, naming the live steps. A folder is readable when
-  meta.json parses and every byte range DCP's `.metadata` points at is present on disk (a truncated file fails
+- `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names in a ckpt folder
+  (a newer whole step folder written after `latest` wins: a save killed between its rename and `latest`'s). An
+  abandoned step (`branch`) or an unfinished save's folder is refused, naming the live steps. A folder is readable
+  when meta.json parses and every byte range DCP's `.metadata` points at is present on disk (a truncated file fails
   this). Given a ckpt folder whose newest checkpoint is unreadable, it falls back to the previous readable one and
   warns, naming both; given an unreadable step folder, it refuses, naming the previous readable one.
 - `branch(path)` (rank 0, a resume): the newer step folders beside `path` become `step_N.abandoned` and `latest`
@@ -229,8 +229,10 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
                                                                       else ""))
     newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
     m = STEP_RE.match(os.path.basename(newest))
-    if _steps(path) and (top := _steps(path)[0])[0] > (int(m.group(1)) if m else -1) and problem(top[1]) is None:
-        newest = top[1]   # whole, but `latest` not yet moved to it: a save killed between its two renames
+    if _steps(path) and (top := _steps(path)[0])[0] > (int(m.group(1)) if m else -1) and problem(top[1]) is None \
+            and (not os.path.isfile(latest) or _mtime(os.path.join(top[1], "meta.json")) > _mtime(latest)):
+        newest = top[1]   # whole, written after `latest`, not yet named by it: a save killed between its two renames
+        # (one written before, a run before 2026-12-02 left beside the steps it resumed below: another trajectory)
     why = problem(newest)
     if why is None:
         return newest
@@ -242,6 +244,10 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
     warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
          f"{prev!r}. Steps after it are trained again")
     return prev
+
+
+def _mtime(path: str) -> int:
+    return os.stat(path).st_mtime_ns
 
 
 def _read(path: str) -> str:

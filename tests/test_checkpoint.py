@@ -239,8 +239,14 @@ def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tm
         runs.claim(str(out), resume=ckpt, resolved=at_start)
     with runs.claim(str(out), resume=ckpt, resolved=checkpoint.resolve(ckpt)) as rd:   # (the lock was released)
         assert rd.path == str(out)
-    open(os.path.join(ckpt, "latest"), "w").write("step_000002")   # killed before `latest` moved to step 3
+    latest, t2 = os.path.join(ckpt, "latest"), os.stat(os.path.join(ckpt, "step_000002", "meta.json")).st_mtime_ns
+    open(latest, "w").write("step_000002")   # killed before `latest` moved to step 3: as step 2's save left it
+    os.utime(latest, ns=(t2, t2))
     assert checkpoint.resolve(ckpt).endswith("step_000003")
+    # `latest` written after step 3 (a run before 2026-12-02 resumed step 2, saved, and left the older trajectory's
+    # step 3 whole beside it): step 3 is another trajectory's, not taken (it was, from 2026-12-03 to 2026-12-04)
+    os.utime(latest)
+    assert checkpoint.resolve(ckpt).endswith("step_000002")
     checkpoint.branch(os.path.join(ckpt, "step_000002"), log=lambda m: None)
     assert checkpoint.resolve(ckpt).endswith("step_000002"), "a branch's abandoned step came back"
     os.makedirs(os.path.join(ckpt, ".tmp-step_000004"))
