@@ -269,7 +269,8 @@ def branch(path: str, log=print) -> list[str]:
     run = os.path.dirname(ckpt_dir)
     exports = [p for e in ("adapter", "adapter_best") if newer and os.path.isdir(p := os.path.join(run, e))]
     moved = []
-    for p in [*reversed(newer), *exports]:   # (the exports last: a kill in between leaves them with their steps)
+    for p in [*exports, *reversed(newer)]:   # (exports first: a kill in between leaves no export of an abandoned step
+        # in place, while the newer steps, still there, have the next resume move them)
         to, n = p + ".abandoned", 2
         while os.path.exists(to):
             to, n = f"{p}.abandoned-{n}", n + 1
@@ -283,7 +284,7 @@ def branch(path: str, log=print) -> list[str]:
         os.fsync(fd)
         os.close(fd)
     if moved:
-        steps, exported = moved[:len(newer)], moved[len(newer):]
+        exported, steps = moved[:len(exports)], moved[len(exports):]
         log(f"resuming from {name}, below the newest checkpoint: {', '.join(steps)} in {ckpt_dir} (steps this run "
             "trains again: never resumed, kept until this run saves past them)"
             + (f"; the adapters exported past {name} are now {', '.join(exported)} in {run}" if exported else ""))

@@ -254,3 +254,32 @@ def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tm
         with pytest.raises(ValueError, match=rf"--resume .*{name}' is {what}.*never resumed; pass --resume {ckpt} "
                                              r"\(its newest step\) or one of step_000002, step_000001"):
             checkpoint.resolve(os.path.join(ckpt, name))
+
+
+def test_a_branch_killed_between_its_renames_leaves_no_export_of_an_abandoned_step(tmp_path, monkeypatch):
+    """branch moves OUT/adapter (exported at the newest step) aside before the newer step folders: killed after the
+    first rename, no adapter of the abandoned trajectory stays in place, and the next resume moves the steps (until
+    2026-12-04 the exports went last: killed between, OUT/adapter stayed, and no later branch moved it)."""
+    out = tmp_path / "run"
+    ckpt = str(out / "ckpt")
+    for step in (1, 2, 3):
+        m, opt = _trained(step)
+        checkpoint.save(ckpt, m, opt, step, keep=4)
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    rename, calls = os.rename, []
+
+    def killed(a, b):
+        calls.append(a)
+        if len(calls) > 1:
+            raise KeyboardInterrupt("killed")
+        rename(a, b)
+    monkeypatch.setattr(os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.branch(os.path.join(ckpt, "step_000001"), log=lambda m: None)
+    monkeypatch.setattr(os, "rename", rename)
+    assert not (out / "adapter").exists() and (out / "adapter.abandoned" / "adapter_config.json").is_file()
+    said = []
+    checkpoint.branch(os.path.join(ckpt, "step_000001"), log=said.append)
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002.abandoned", "step_000003.abandoned"]
+    assert checkpoint.resolve(ckpt).endswith("step_000001") and "step_000003.abandoned" in said[0], said
