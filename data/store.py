@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import secrets
 import socket
 import time
@@ -193,6 +194,9 @@ def read(path: Path, key: str, log=None):
         return None
 
 
+TMP_RE = re.compile(r"\.[0-9a-f]{64}\.pt\.[0-9a-f]{16}\.tmp")   # write's temporary names (a key's .pt)
+
+
 def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")   # unique across machines sharing the folder
     try:
@@ -201,8 +205,8 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool
                     "stats": stats, "sha256": fingerprint(samples)}, tmp)
         os.replace(tmp, path)
         for old in path.parent.glob(".*.tmp"):   # a killed writer's, a day old: nobody still writes it (WAIT)
-            with contextlib.suppress(OSError):
-                if time.time() - old.stat().st_mtime > WAIT.total_seconds():
+            with contextlib.suppress(OSError):   # (only this function's names: a user's own .x.tmp stays)
+                if TMP_RE.fullmatch(old.name) and time.time() - old.stat().st_mtime > WAIT.total_seconds():
                     old.unlink()
         return True
     except (OSError, RuntimeError) as e:   # a full or read-only disk (torch.save's own error): no cache this time

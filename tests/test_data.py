@@ -904,16 +904,19 @@ def test_a_cache_file_damaged_inside_its_tokens_or_out_of_reach_is_said_and_toke
     assert int.from_bytes(raw[at:at + 4], "little") == want[0]["input_ids"][0], "why: these are the first id's bytes"
     raw[at:at + 4] = (7).to_bytes(4, "little")
     f.write_bytes(raw)
-    stale = cache / ".old.pt.0123.tmp"   # a writer killed two days ago
-    stale.write_bytes(b"x")
-    os.utime(stale, (time.time() - 2 * 86400,) * 2)
-    fresh = cache / ".new.pt.4567.tmp"   # one another machine may still be writing
+    stale = cache / f".{'a' * 64}.pt.{'0' * 16}.tmp"   # a writer killed two days ago
+    users = cache / ".thesis-draft.tmp"   # a file of the user's in a --data-cache folder of theirs, as old
+    for old in (stale, users):
+        old.write_bytes(b"x")
+        os.utime(old, (time.time() - 2 * 86400,) * 2)
+    fresh = cache / f".{'b' * 64}.pt.{'1' * 16}.tmp"   # one another machine may still be writing
     fresh.write_bytes(b"x")
     samples, _ = load_samples(path, tok, 64, len(tok), cache=str(cache), log=said.append)
     assert samples[0]["input_ids"].tolist() == want[0]["input_ids"], "the damaged ids were trained on"
     assert any("unreadable" in m and "do not match the sha256" in m for m in said), said
     assert store.read(f, f.stem) is not None, "the damaged file was replaced"
     assert not stale.exists() and fresh.exists()
+    assert users.exists(), "a user's file named like no cache write was deleted"
 
     real = type(f).is_file
 
