@@ -186,6 +186,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         os.fsync(fd)
         os.close(fd)
     if in_place:
+        for name in set(os.listdir(out_dir)) - set(os.listdir(tmp)) - {".adapter.tmp"}:   # a killed export's files that
+            os.remove(os.path.join(out_dir, name))   # this one does not write (another run's RoPE, template): gone
         for name in sorted(os.listdir(tmp), key=lambda n: n == "adapter_config.json"):
             os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))
         os.rmdir(tmp)

@@ -390,4 +390,10 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
     write_adapter(sd, lora_config(2, 4.0, 0.0), ".", str(tmp_path))
     assert sorted(os.listdir(here)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["adapter", "here"], "a .tmp or .old folder was left beside it"
+    half = tmp_path / "half"   # an export of another run (its RoPE and template) killed between its renames there:
+    (half / ".adapter.tmp").mkdir(parents=True)   # written again without the files this adapter does not have
+    for name in ("base_config_overrides.json", "chat_template.jinja", "adapter_model.safetensors"):
+        (half / name).write_text("{}")
+    write_adapter(sd, lora_config(2, 4.0, 0.0), str(half), str(tmp_path))
+    assert sorted(os.listdir(half)) == ["adapter_config.json", "adapter_model.safetensors"], os.listdir(half)
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base_config_overrides.json"]
