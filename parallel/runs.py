@@ -101,8 +101,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
 
 def _not_a_run(out: str, used: list[str]) -> str | None:
     """Why a directory holding config.json, metrics.jsonl or ckpt is not a train.py run (None: it is one). --overwrite
-    deletes those names, so each present must be train.py's own (a config.json of its flags, metrics lines with a
-    step, a ckpt folder of step folders), and one at least must say so: another tool's ckpt/ or config.json is never
+    deletes those names, so each present must be train.py's own (a config.json of its flags, or torn beside its
+    run.lock; metrics lines with its step, loss, grad_norm and lr; a ckpt folder, or a link to one, of step folders),
+    and one at least must say so: another tool's ckpt/ or config.json is never
     taken for a run's (until 2026-12-03 any of the three names was)."""
     weights = [e for e in used if e.endswith((".safetensors", ".bin", ".gguf", ".pth", ".index.json"))]
     if weights:
@@ -118,20 +119,21 @@ def _not_a_run(out: str, used: list[str]) -> str | None:
             return f"its config.json is a model's (model_type {cfg['model_type']!r})"
         if cfg is not None and not (isinstance(cfg, dict) and "global_batch" in cfg):
             return "its config.json is not train.py's (no global_batch: another tool's)"
-        ours = cfg is not None
-    if "metrics.jsonl" in used:
+        ours = cfg is not None or os.path.isfile(os.path.join(out, LOCK))   # (torn, beside train.py's lock: its own,
+    if "metrics.jsonl" in used:                                           # killed before the first step's line)
         try:
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 first = f.readline()
             rec = json.loads(first) if first.endswith("\n") else None   # (an unfinished first line: neither's)
         except (OSError, ValueError):
             rec = "?"
-        if rec is not None and not (isinstance(rec, dict) and "step" in rec):
-            return "its metrics.jsonl is not train.py's (its first line is no step record)"
+        if rec is not None and not (isinstance(rec, dict) and {"step", "loss", "grad_norm", "lr"} <= set(rec)):
+            return "its metrics.jsonl is not train.py's (its first line is no step record of train.py's)"
         ours = ours or rec is not None
     if "ckpt" in used:
         ckpt = os.path.join(out, "ckpt")
-        held = _entries(ckpt) if os.path.isdir(ckpt) and not os.path.islink(ckpt) else None
+        held = _entries(ckpt) if os.path.isdir(ckpt) else None   # (a link to scratch storage: its folder's entries;
+        # --overwrite removes the link only)
         if held is None or (other := [e for e in held if not CKPT_ENTRY.fullmatch(e)]):
             return (f"its ckpt folder holds {', '.join(other[:3])}, which train.py never writes" if held is not None
                     else "its ckpt is not a folder train.py made")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -51,7 +52,8 @@ def _used_run(path):
     open(os.path.join(path, "ckpt", "step_000002", "meta.json"), "w").write('{"step": 2}')
     open(os.path.join(path, "adapter", "adapter_model.safetensors"), "wb").write(b"\x00" * 64)
     open(os.path.join(path, "config.json"), "w").write('{"global_batch": 8, "lora_r": 16}')
-    open(os.path.join(path, "metrics.jsonl"), "w").write('{"step": 1}\n{"step": 2}\n')
+    open(os.path.join(path, "metrics.jsonl"), "w").write("".join(
+        json.dumps({"step": k, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-4}) + "\n" for k in (1, 2)))
     return str(path)
 
 
@@ -103,11 +105,15 @@ def test_used_out_refused_and_untouched(tmp_path):
     other_tool = tmp_path / "other_tool"   # only another tool's metrics.jsonl
     other_tool.mkdir()
     (other_tool / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.9}\n')
+    logger = tmp_path / "logger"   # another logger's step records, beside another trainer's adapter (until 2026-12-04
+    (logger / "adapter").mkdir(parents=True)   # a "step" key made it a run: --overwrite deleted both)
+    (logger / "adapter" / "adapter_config.json").write_text("{}")
+    (logger / "metrics.jsonl").write_text('{"step": 100, "train/loss": 1.23}\n')
     empty_ckpt = tmp_path / "empty_ckpt"
     (empty_ckpt / "ckpt").mkdir(parents=True)
     before = _hashes(tmp_path)
     for folder, why in ((project, "its config.json is not train.py's"), (other_tool, "metrics.jsonl is not train.py's"),
-                        (empty_ckpt, "holds anything train.py wrote")):
+                        (logger, "metrics.jsonl is not train.py's"), (empty_ckpt, "holds anything train.py wrote")):
         for overwrite in (True, False):
             msg = _refused(lambda f=str(folder), o=overwrite: runs.claim(f, overwrite=o), why,
                            "not a train.py run directory")
@@ -132,6 +138,24 @@ def test_overwrite_removes_exactly_the_run(tmp_path):
         assert sorted(os.listdir(out)) == ["notes.txt", "run.lock"], os.listdir(out)
     assert (keep / "precious.bin").read_bytes() == b"1234", "overwrite followed a symlink out of OUT"
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    # train.py's own runs --overwrite takes (refused from 2026-12-03 to 2026-12-04): one killed while writing its
+    # config.json (torn, beside its run.lock, no metrics yet), one whose ckpt is a link to scratch storage (the link
+    # goes, never what it names)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "run.lock").write_text("pid 1\n")
+    (torn / "config.json").write_text('{\n "model": "/m",\n "qu')
+    scratch = tmp_path / "scratch_ckpt"
+    (scratch / "step_000002").mkdir(parents=True)
+    (scratch / "step_000002" / "meta.json").write_text('{"step": 2}')
+    (scratch / "latest").write_text("step_000002")
+    linked = _used_run(tmp_path / "linked")
+    shutil.rmtree(os.path.join(linked, "ckpt"))
+    os.symlink(str(scratch), os.path.join(linked, "ckpt"))
+    for folder in (str(torn), linked):
+        with runs.claim(folder, overwrite=True) as rd:
+            assert "config.json" in rd.removed and sorted(os.listdir(folder)) == ["run.lock"], os.listdir(folder)
+    assert sorted(os.listdir(scratch)) == ["latest", "step_000002"], "overwrite followed the ckpt link"
 
 
 def test_resume_without_out_continues_its_run(tmp_path):
