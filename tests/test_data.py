@@ -195,15 +195,19 @@ def test_chat_targets_with_other_templates(tok, template):
     assert target_runs(tok, s) == ["Paris is the capital." + END, last + END]
 
 
-# Like Qwen3's: an assistant turn's inline <think> block is split off, and kept only after the last user turn; the
-# {% generation %} tags are for transformers' own assistant mask, the reference (our tokenization ignores them).
-THINK_DROPPING = (
+# The last user message's index, and per assistant turn its answer and thought split at </think>.
+SPLIT_THINK = (
     "{%- set last_user = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
     "{%- set last_user.i = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
     "{%- set answer = m['content'].split('</think>')[-1].lstrip('\\n') %}"
     "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n') "
     "if '</think>' in m['content'] else '' %}"
+)
+# Like Qwen3's: an assistant turn's inline <think> block is split off, and kept only after the last user turn; the
+# {% generation %} tags are for transformers' own assistant mask, the reference (our tokenization ignores them).
+THINK_DROPPING = (
+    SPLIT_THINK +
     "{{- '<|im_start|>assistant\\n' }}{% generation %}"
     "{%- if loop.index0 > last_user.i %}{{- '<think>\\n' + thought + '\\n</think>\\n\\n' }}{%- endif %}"
     "{{- answer + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
@@ -268,12 +272,7 @@ def _tool_template(dropping: bool) -> str:
     think = ("{%- if loop.index0 > last_user.i %}{{- '<think>\\n' + thought + '\\n</think>\\n\\n' }}{%- endif %}"
              if dropping else "")
     return (
-        "{%- set last_user = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
-        "{%- set last_user.i = loop.index0 %}{%- endif %}{%- endfor %}"
-        "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
-        "{%- set answer = m['content'].split('</think>')[-1].lstrip('\\n') %}"
-        "{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n') "
-        "if '</think>' in m['content'] else '' %}"
+        SPLIT_THINK +
         "{{- '<|im_start|>assistant\\n' }}{% generation %}" + think +
         "{{- (answer if " + ("true" if dropping else "false") + " else m['content']) }}"
         "{%- for call in m.get('tool_calls', []) %}{%- if loop.first and m['content'] %}{{- '\\n' }}{%- endif %}"
