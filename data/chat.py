@@ -76,12 +76,13 @@ def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
 _SENTINEL = "@@answer-9f3c1a@@"   # text no template rewrites and no answer holds
 
 
-def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[int, int]:
+def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[int, int, bool]:
     """Where assistant message i's content, stripped, starts in `through`, its rendering as the last turn, and where
     its text as given (leading whitespace too) does: where the template writes a sentinel put in its place, when the
     content sits there (an answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is
     found where it is written); else, where the template writes it otherwise (a reasoning block put before it), the
-    stripped content's last occurrence (-1: none)."""
+    stripped content's last occurrence (-1: none). Third: whether the template writes the content at all (Mistral's
+    and Llama 3.1's drop it beside tool_calls: then the turn starts where the conversation before it ends)."""
     raw = messages[i]["content"]
     content = raw.strip()
     try:
@@ -89,13 +90,20 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
     except DataError:
         probe = ""
     at = probe.find(_SENTINEL)
+    if probe and at < 0:   # not written: the turn is what the template writes in its place (its tool calls)
+        try:
+            prev = render(tokenizer, messages[:i], False) if i else ""
+        except DataError:
+            prev = None
+        at = len(prev) if prev is not None and through.startswith(prev) else -1
+        return at, at, False
     if at >= 0 and through.startswith(probe[:at]):
         if through.startswith(raw, at):
-            return at + len(raw) - len(raw.lstrip()), at
+            return at + len(raw) - len(raw.lstrip()), at, True
         if through.startswith(content, at):   # (the template trims it)
-            return at, at
+            return at, at, True
     at = through.rfind(content)
-    return at, at
+    return at, at, True
 
 
 _TRAILER: dict = {}   # chat template text -> whether it writes text after the last turn only (Phi-3's EOS)
@@ -147,7 +155,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         content = msg["content"].strip()
         before = _prefixrender(tokenizer, messages[:i])
         through = render(tokenizer, messages[: i + 1], False, where)
-        at, given_at = _content_at(tokenizer, messages, i, through)  # where it sits when this turn is the last one
+        at, given_at, written = _content_at(tokenizer, messages, i, through)  # where it sits as the last turn
+        if not written and content:   # (an empty one, beside tool calls, is the usual form)
+            raise DataError(f"{where}: the chat template does not write assistant message {i}'s content (it drops it, "
+                            "e.g. beside tool_calls): remove the content from that message, or render it with another "
+                            "--chat-template")
+        content = content if written else ""
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)
         elif at >= 0 and full.startswith(through[:given_at]) and given_at >= prev_end:

@@ -71,6 +71,9 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
                 share = ' (ShareGPT\'s "from"/"value" are not read: use "role" and "content", roles "user" and ' \
                         '"assistant")' if {"from", "value"} & set(msg) else ""
                 raise line_error(path, n, f'message {i} has no "{key}"{share}')
+            if key == "content" and msg[key] is None and msg.get("tool_calls") and msg["role"] == "assistant":
+                msg[key] = ""   # (OpenAI's form of a turn that only calls tools: the templates read null as empty)
+                continue
             if not isinstance(msg[key], str):
                 raise line_error(
                     path, n, f'message {i} "{key}" must be a string, got {type(msg[key]).__name__}'

@@ -307,6 +307,41 @@ def test_chat_targets_hold_tool_calls_and_the_end_of_turn_after_an_answer(tok, d
         assert '"city": "Paris"}}\n</tool_call>' + END in target_runs(tok, s)[0], target_runs(tok, s)
 
 
+# Mistral-v0.3-shaped: no generation prompt, no assistant header, and a turn with tool calls writes the calls in place
+# of its content.
+DROPS_CONTENT_TAGGED = (
+    "{{- bos_token }}{%- for m in messages %}{%- if m['role'] == 'user' %}{{- '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{%- elif m['role'] == 'tool' %}{{- '[TOOL_RESULTS] ' + m['content'] + ' [/TOOL_RESULTS]' }}"
+    "{%- elif m['role'] == 'assistant' %}{% generation %}{%- if m.get('tool_calls') %}{{- '[TOOL_CALLS] ' }}"
+    "{%- for c in m['tool_calls'] %}{{- '<tool_call>' + c['function']['name'] + ' ' + "
+    "(c['function']['arguments'] | tojson) + '</tool_call>' }}{%- endfor %}{%- else %}{{- m['content'] }}{%- endif %}"
+    "{{- eos_token }}{% endgeneration %}{%- endif %}{%- endfor %}")
+
+
+def test_a_turn_whose_content_the_template_drops_beside_tool_calls(tok, tmp_path):
+    """Under a template that writes tool calls in place of the content (Mistral v0.3's, Llama 3.1's), a turn of tool
+    calls with empty or null content (OpenAI's form) is its calls and end marker, as in transformers' assistant mask
+    (until 2026-12-04 only the marker: the empty content was looked for at the rendering's end); one with content
+    the template drops is refused, naming the message (it was looked for by its text: 'call' inside '<tool_call>')."""
+    tok.chat_template = DROPS_CONTENT_TAGGED
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    for content in ("", None):
+        msgs = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "content": "1"}, {"role": "assistant", "content": "It is 1."}]
+        path = tmp_path / "calls.jsonl"
+        path.write_text(json.dumps({"messages": msgs}) + "\n")
+        (s,), _ = tokenize_records(load_jsonl(path), tok, 10_000, path)
+        ref = tok.apply_chat_template([{**m, "content": m["content"] or ""} for m in msgs], tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], target_runs(tok, s)
+        assert target_runs(tok, s)[0].startswith("[TOOL_CALLS] <tool_call>f"), target_runs(tok, s)
+    msgs[1]["content"] = "call"
+    with pytest.raises(DataError, match=r"line 5: the chat template does not write assistant message 1's content"):
+        tokenize_records([{"messages": msgs, "line": 5}], tok, 10_000)
+
+
 def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
     """A tokenizer without offsets (slow, python) finds the same turns, tool calls and end markers (what the template
     writes after an answer is compared by characters, to a whitespace, instead of by tokens)."""
