@@ -109,6 +109,15 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
 _TRAILER: dict = {}   # chat template text -> whether it writes text after the last turn only (Phi-3's EOS)
 
 
+def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
+    """The generation prompt before assistant message i ('<|im_start|>assistant\\n'): `before` past the conversation
+    so far; "" when the template writes none."""
+    if before is None:
+        return ""
+    bare = render(tokenizer, messages[:i], False)
+    return before[len(bare):] if before.startswith(bare) else ""
+
+
 def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -> str:
     """What the template writes after assistant message i's content (at `ce` in `through`, its rendering as the last
     turn) that is the turn's: the text it writes there also when a message follows (a trailer written after the
@@ -165,6 +174,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             start = len(before)
         elif at >= 0 and full.startswith(through[:given_at]) and given_at >= prev_end:
             start = given_at  # e.g. a default system prompt that only appears once a message exists
+        elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end)) >= 0:
+            start = h + len(header)   # a turn rendered otherwise once later turns follow: after its role header
         else:
             start = full.find(content, prev_end)
         if start < 0 or at < 0:
@@ -181,9 +192,10 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             # reasoning): take the content as rendered plus what follows it; when the content itself is
             # rewritten (an inline <think> block dropped), the turn as rendered, up to and with what follows it.
             c = full.find(content, start)
-            if c >= 0:
-                end = c + len(content)
-                end += len(tail) if full.startswith(tail, end) else len(marker) if full.startswith(marker, end) else 0
+            if c >= 0:   # (after the content's own trailing whitespace, which `content` is stripped of)
+                e = c + len(content)
+                end = next((j + len(x) for x in (tail, marker) if x
+                            for j in (e, len(full) - len(full[e:].lstrip())) if full.startswith(x, j)), e)
             elif tail.strip() and (m := full.find(tail, start)) >= 0:
                 end = m + len(tail)
             elif marker.strip() and (m := full.find(marker, start)) >= 0:

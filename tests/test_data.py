@@ -342,6 +342,47 @@ def test_a_turn_whose_content_the_template_drops_beside_tool_calls(tok, tmp_path
         tokenize_records([{"messages": msgs, "line": 5}], tok, 10_000)
 
 
+def _random_tool_chat(rng) -> list[dict]:
+    """1-3 rounds; answers that are marker fragments, whitespace, reasoning; 40% of turns call 1-2 tools first."""
+    answers = ["d", "im", "end", "", " ", "Paris.", "e ", "\nim", "<think>\nx\n</think>\n\nok", "INST", "  two  words "]
+    msgs = [{"role": "user", "content": rng.choice(["Q?", "Hi", "x y"])}]
+    for turn in range(rng.randint(1, 3)):
+        if rng.random() < 0.4:
+            calls = [{"type": "function", "function": {"name": rng.choice(["f", "get_w"]), "arguments": {"x": k}}}
+                     for k in range(rng.randint(1, 2))]
+            msgs += [{"role": "assistant", "content": rng.choice(["", "", "Let me see."]), "tool_calls": calls},
+                     {"role": "tool", "content": rng.choice(["1", "sunny"])}]
+        msgs.append({"role": "assistant", "content": rng.choice(answers)})
+        if turn < 2 and rng.random() < 0.7:
+            msgs.append({"role": "user", "content": rng.choice(["And?", "ok"])})
+    return msgs if msgs[-1]["role"] == "assistant" else msgs + [{"role": "assistant", "content": "fine"}]
+
+
+@pytest.mark.parametrize("template", ["qwen2.5_tools", "qwen3_tools", "drops_content", "eos_last", "no_prompt"])
+def test_chat_targets_equal_transformers_mask_on_random_conversations(tok, template):
+    """60 random conversations per template shape (tool calls, marker fragments, whitespace, reasoning) against
+    transformers' assistant mask; the only refusals are a content the template does not write."""
+    import random
+
+    tok.chat_template = {"qwen2.5_tools": _tool_template(False), "qwen3_tools": _tool_template(True),
+                         "drops_content": DROPS_CONTENT_TAGGED, "eos_last": EOS_LAST_TAGGED,
+                         "no_prompt": NO_PROMPT_TAGGED}[template]
+    rng, refused = random.Random(template), 0
+    for n in range(60):
+        msgs = _random_tool_chat(rng)
+        try:
+            (s,), _ = tokenize_records([{"messages": msgs, "line": n}], tok, 10_000)
+        except DataError as e:
+            assert "does not write assistant message" in str(e) and template == "drops_content", (msgs, e)
+            refused += 1
+            continue
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (msgs, target_runs(tok, s))
+    assert refused <= 30, f"{refused} of 60 refused: too few compared"
+
+
 def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
     """A tokenizer without offsets (slow, python) finds the same turns, tool calls and end markers (what the template
     writes after an answer is compared by characters, to a whitespace, instead of by tokens)."""
