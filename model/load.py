@@ -111,22 +111,43 @@ def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
                          "a local directory); pin one: org/name@<commit>, or the same directory everywhere")
 
 
-def model_fingerprint(path: str, sample: int = 1 << 20) -> str | None:
+def weight_files(path: str) -> tuple[list[str], str | None]:
+    """The safetensors files the loader reads (CheckpointReader): the ones model.safetensors.index.json names, else
+    every *.safetensors; and that index's path, or None. Other files beside them (a consolidated.safetensors left as a
+    Git LFS pointer, pytorch_model.bin copies, training_args.bin) are never read."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return sorted(set(_read_json(index)["weight_map"].values())), index
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors")), None
+
+
+def model_fingerprint(path: str, sample: int = 1 << 20, every_file: bool = False) -> str | None:
     """A local checkpoint's identity for a resume to compare (None: not a local directory, or no weights yet, as a Hub
     snapshot's before its fetch, whose commit is compared instead): a sha256 over config.json, the weight index, and
-    per weight file its name, size, safetensors header and its first and last `sample` bytes, so an edited config.json
-    or other weights in place (another fine-tune of the same shapes) are told apart, where a copy elsewhere is not
-    (~8 MB read for a 7B model's shards)."""
+    per weight file the loader reads (`weight_files`) its name, size, safetensors header and its first and last
+    `sample` bytes, so an edited config.json or other weights in place (another fine-tune of the same shapes) are told
+    apart, where a copy elsewhere, or a file beside them the loader never reads, is not (~8 MB read for a 7B model's
+    shards). `every_file`: the rule until 2026-12-04 (every *.index.json and every .safetensors/.bin/.pt/.pth file),
+    which runs of 2026-12-03 recorded (`same_model`)."""
     import hashlib
 
     if not os.path.isdir(path):
         return None
     names = sorted(os.listdir(path))
-    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+    if every_file:
+        weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+        jsons = [n for n in names if n == "config.json" or n.endswith(".index.json")]
+    else:
+        try:
+            weights, index = weight_files(path)
+        except (OSError, ValueError, KeyError, TypeError):   # (an unreadable index: the loader says what is wrong)
+            weights, index = [n for n in names if n.endswith(".safetensors")], None
+        weights = [n for n in weights if os.path.isfile(os.path.join(path, n))]
+        jsons = [n for n in ("config.json", index and os.path.basename(index)) if n and n in names]
     if not weights:
         return None
     h = hashlib.sha256()
-    for n in [n for n in names if n == "config.json" or n.endswith(".index.json")] + weights:
+    for n in jsons + weights:
         fn = os.path.join(path, n)
         size = os.path.getsize(fn)
         h.update(f"{n}\0{size}\0".encode())
@@ -136,20 +157,26 @@ def model_fingerprint(path: str, sample: int = 1 << 20) -> str | None:
                 continue
             if n.endswith(".safetensors"):
                 head = f.read(8)   # (a length past the file, as a Git LFS pointer's text gives: the loader says so)
-                n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                h.update(head + f.read(n if 8 + n <= size else 0))
+                hn = int.from_bytes(head, "little") if len(head) == 8 else 0
+                h.update(head + f.read(hn if 8 + hn <= size else 0))
             h.update(f.read(sample))
             f.seek(max(f.tell(), size - sample))
             h.update(f.read(sample))
     return h.hexdigest()
 
 
+def same_model(path: str, recorded: str | None) -> bool:
+    """`path`'s files give the fingerprint a run recorded, by today's rule or by the one of 2026-12-03."""
+    return recorded is not None and recorded in (model_fingerprint(path), model_fingerprint(path, every_file=True))
+
+
 def check_weight_headers(path: str) -> None:
-    """Every safetensors file of a local checkpoint has a header that fits it (read_header: a few KB each), so a Git
-    LFS pointer or a truncated download is said at start-up, before a run directory or process group exists."""
+    """Every safetensors file the loader reads has a header that fits it (read_header: a few KB each), so a Git LFS
+    pointer or a truncated download is said at start-up, before a run directory or process group exists."""
     if os.path.isdir(path):
-        for fn in sorted(os.listdir(path)):
-            if fn.endswith(".safetensors"):
+        files, _ = weight_files(path)
+        for fn in files:
+            if os.path.isfile(os.path.join(path, fn)):   # (a missing one: the loader names it)
                 read_header(os.path.join(path, fn))
 
 
@@ -225,19 +252,16 @@ def read_header(fn: str) -> tuple[dict, int]:
 class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
-        index = os.path.join(path, "model.safetensors.index.json")
-        wmap = _read_json(index)["weight_map"] if os.path.isfile(index) else None   # authoritative if present
+        files, index = weight_files(path)
+        wmap = _read_json(index)["weight_map"] if index else None   # authoritative if present
         if wmap is not None:
-            files = sorted(set(wmap.values()))
             for fn in files:
                 if not os.path.isfile(os.path.join(path, fn)):
                     raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {index}, is missing; "
                                             "re-download the checkpoint")
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with "
-                                        "transformers' save_pretrained(safe_serialization=True)")
+        elif not files:
+            raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with "
+                                    "transformers' save_pretrained(safe_serialization=True)")
         self.where, self.meta = {}, {}
         for f in files:
             fn = os.path.join(path, f)

@@ -59,16 +59,16 @@ def other_base(adapter_dir: str, model: str) -> str | None:
     names nothing: a base moved elsewhere folds in, another checkpoint of the same shapes at the path it names (the
     base model beside its Instruct tune), or one edited in place since, does not. Adapters that record none pass."""
     from model.export import TRAINED_ON
-    from model.load import model_fingerprint
+    from model.load import model_fingerprint, same_model
 
     try:
         with open(os.path.join(adapter_dir, TRAINED_ON)) as f:
             want = json.load(f).get("model_sha256")
     except (OSError, ValueError, AttributeError):
         return None
-    got = model_fingerprint(model) if want else None
-    if not want or got == want:
+    if not want or same_model(model, want):
         return None
+    got = model_fingerprint(model)
     return (f"--model {model!r} is not the base {adapter_dir!r} was trained on: its files (config.json, the weight "
             f"index, each weight file's size, header, first and last MB) give model_sha256 {str(got)[:12]}..., "
             f"{TRAINED_ON} records {want[:12]}... (another checkpoint, or this one edited since); pass the base it "

@@ -109,7 +109,7 @@ def check_start(args, demo: bool):
     from data import check_file
     from data.store import file_sha256
     from data.templates import chat_template
-    from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint
+    from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
 
@@ -139,6 +139,9 @@ def check_start(args, demo: bool):
         meta = checkpoint.read_meta(ckpt)
         if args.template_date is None:   # the date its dated template rendered, whatever today is
             args.template_date = meta.get("args", {}).get("template_date")
+        was = meta.get("args", {}).get("model_sha256")
+        if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
+            args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded
         resume.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "

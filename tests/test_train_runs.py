@@ -1414,3 +1414,26 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})   # the same weights again: it resumes
     run(again)
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    # files beside the weights the loader never reads (until 2026-12-04 in the record, and checked at start-up): a
+    # sharded base's consolidated.safetensors left as a Git LFS pointer, a pytorch_model.bin deleted to free disk
+    from model.load import model_fingerprint
+    os.rename(weights, model / "model-00001-of-00001.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}))
+    (model / "pytorch_model.bin").write_bytes(b"an unused copy")
+    (model / "consolidated.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    out2 = str(tmp_path / "out2")
+    run(train_argv(base, out2, "--steps", "1"))   # (the pointer is never read)
+    (model / "pytorch_model.bin").unlink()
+    run([*train_argv(base, out2, "--steps", "2"), "--resume", os.path.join(out2, "ckpt")])
+    assert [r["step"] for r in metrics(out2)] == [1, 2]
+    # a run of 2026-12-03 recorded every weight-like file (every_file): the same files resume, and keep that record
+    (model / "pytorch_model.bin").write_bytes(b"an unused copy")
+    old = model_fingerprint(str(model), every_file=True)
+    assert old != model_fingerprint(str(model))
+    meta_path = os.path.join(out2, "ckpt", "step_000002", "meta.json")
+    meta = json.loads(open(meta_path).read())
+    meta["args"]["model_sha256"] = old
+    open(meta_path, "w").write(json.dumps(meta))
+    run([*train_argv(base, out2, "--steps", "3"), "--resume", os.path.join(out2, "ckpt")])
+    assert json.loads(open(os.path.join(out2, "adapter", "trained_on.json")).read())["model_sha256"] == old
