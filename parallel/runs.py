@@ -198,18 +198,23 @@ def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
     os.makedirs(out, exist_ok=True)
     fd = _lock(out)
     if resume and resolved:   # the step resolved at start-up, before this lock: a run live then may have saved since
-        from parallel.checkpoint import resolve
+        from parallel.checkpoint import problem, resolve
+        from parallel.resume import own_checkpoint
 
-        try:
-            now = resolve(resume, warn=lambda m: None)
-        except (ValueError, FileNotFoundError) as e:
-            now = e
+        if not own_checkpoint(resolved, out):   # another run's step, into this --out: its newer steps are not dropped,
+            now = resolved if problem(resolved) is None else ValueError("gone: the run writing there removed it")
+        else:
+            try:
+                now = resolve(resume, warn=lambda m: None)
+            except (ValueError, FileNotFoundError) as e:
+                now = e
         if isinstance(now, Exception) or os.path.realpath(now) != os.path.realpath(resolved):
             os.close(fd)
             raise ValueError(f"--resume {resume!r} resolved to {os.path.basename(resolved)} at start-up, but "
                              + (f"now to {os.path.basename(now)}" if isinstance(now, str) else f"now: {now}")
-                             + ": a run that was still writing there saved since. Start this run again once it "
-                             "has ended (resuming the older step would drop the newer steps)") from None
+                             + ": a run that was still writing there saved since. Start this run again"
+                             + (" once it has ended (resuming the older step would drop the newer steps)"
+                                if isinstance(now, str) else "")) from None
     removed = []
     if overwrite:   # under the lock, so a live run's files are never deleted
         there = sorted(os.listdir(out))

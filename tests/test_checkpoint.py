@@ -239,6 +239,15 @@ def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tm
         runs.claim(str(out), resume=ckpt, resolved=at_start)
     with runs.claim(str(out), resume=ckpt, resolved=checkpoint.resolve(ckpt)) as rd:   # (the lock was released)
         assert rd.path == str(out)
+    # into another --out, step 2 of that run drops none of its steps: taken while whole (refused until 2026-12-04),
+    # refused once its run removed it
+    with runs.claim(str(tmp_path / "fork"), resume=ckpt, resolved=at_start) as rd:
+        assert rd.path == str(tmp_path / "fork")
+    os.rename(at_start, at_start + "-gone")
+    with pytest.raises(ValueError, match=r"resolved to step_000002 at start-up, but now: gone: the run writing there "
+                                         r"removed it.*Start this run again$"):
+        runs.claim(str(tmp_path / "fork2"), resume=ckpt, resolved=at_start)
+    os.rename(at_start + "-gone", at_start)
     latest, t2 = os.path.join(ckpt, "latest"), os.stat(os.path.join(ckpt, "step_000002", "meta.json")).st_mtime_ns
     open(latest, "w").write("step_000002")   # killed before `latest` moved to step 3: as step 2's save left it
     os.utime(latest, ns=(t2, t2))
