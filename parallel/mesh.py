@@ -172,6 +172,20 @@ def check_flags(args) -> None:
     for flag, v, bound, need in lower:
         if v <= bound:
             raise ValueError(f"{flag} must be {need}, got {v}")
+    upper = [("--timeout", args.timeout, 1e6, "<= 1e6 minutes (about two years)"),
+             ("--lr", args.lr, 1.0, "<= 1 (a learning rate, e.g. 2e-4)"),
+             ("--seed", abs(getattr(args, "seed", 0)), 2 ** 40, "between -2**40 and 2**40 (it seeds torch per rank)")]
+    for flag, v, bound, need in upper:   # (past these: an overflow deep in torch or datetime, late)
+        if v > bound:
+            raise ValueError(f"{flag} must be {need}, got {v}")
+    if (pt := getattr(args, "peak_tflops", None)) is not None and not (math.isfinite(pt) and pt > 0):
+        raise ValueError(f"--peak-tflops must be a positive number (the device's dense bf16 TFLOP/s), got {pt}")
+    if (ud := getattr(args, "ulysses_degree", None)) is not None:
+        if ud < 1:
+            raise ValueError(f"--ulysses-degree must be >= 1, got {ud}")
+        if getattr(args, "cp_impl", "auto") != "hybrid":
+            raise ValueError(f"--ulysses-degree {ud} applies only with --cp-impl hybrid (got --cp-impl "
+                             f"{getattr(args, 'cp_impl', None)}): add --cp-impl hybrid, or drop it")
     rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
     if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
         from model.export import check_init_adapter

@@ -558,6 +558,13 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "global batch": (["--global-batch", "6", "--micro-batch", "4"],
                          ["--global-batch 6 must be a multiple of --micro-batch 4", "= 4", "--global-batch 4 or 8"]),
         "lr": (["--lr", "0"], ["--lr must be > 0, got 0.0"]),
+        # (until 2026-12-04: an overflow traceback in torch, datetime or AdamW, or silently ignored / accepted)
+        "lr huge": (["--lr", "1e300"], ["--lr must be <= 1"]),
+        "timeout huge": (["--timeout", "1e300"], ["--timeout must be <= 1e6 minutes"]),
+        "seed huge": (["--seed", str(2 ** 52)], ["--seed must be between -2**40 and 2**40"]),
+        "peak tflops": (["--peak-tflops", "-5"], ["--peak-tflops must be a positive number"]),
+        "ulysses degree 0": (["--cp-impl", "hybrid", "--ulysses-degree", "0"], ["--ulysses-degree must be >= 1"]),
+        "ulysses degree alone": (["--ulysses-degree", "2"], ["--ulysses-degree 2 applies only with --cp-impl hybrid"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
