@@ -90,13 +90,14 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
     except DataError:
         probe = ""
     at = probe.find(_SENTINEL)
-    if probe and at < 0:   # not written: the turn is what the template writes in its place (its tool calls)
-        try:
-            prev = render(tokenizer, messages[:i], False) if i else ""
+    if probe and at < 0:   # not written: the turn is what the template writes in its place (its tool calls), from
+        try:   # where a plain answer's text would start (Mistral v0.3 moves the system prompt to the last user turn)
+            plain = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}], False)
         except DataError:
-            prev = None
-        at = len(prev) if prev is not None and through.startswith(prev) else -1
-        return at, at, False
+            return -1, -1, False
+        cut = plain.find(_SENTINEL)
+        at = next((k for k in range(min(cut, len(through))) if plain[k] != through[k]), min(cut, len(through)))
+        return (at if cut >= 0 else -1), (at if cut >= 0 else -1), False
     if at >= 0 and through.startswith(probe[:at]):
         if through.startswith(raw, at):
             return at + len(raw) - len(raw.lstrip()), at, True
