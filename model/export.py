@@ -60,6 +60,16 @@ def not_plain_lora(cfg: dict) -> list[str]:
     wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k)]
+    wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
+        "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
+        "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
+    init = cfg.get("init_lora_weights")   # these rebuild the base as W - s·B0@A0 (or quantize it) when peft loads it
+    if isinstance(init, str) and (init.lower().startswith("pissa") or init.lower() in ("olora", "corda", "loftq",
+                                                                                        "lora_ga")):
+        wrong.append(f"init_lora_weights {init!r} (its base is rebuilt from the initial adapter on load: save it "
+                     "converted, with peft's path_initial_model_for_weight_conversion, to a plain LoRA)")
+    if cfg.get("loftq_config"):
+        wrong.append(f"loftq_config {cfg['loftq_config']!r} (its base is not the checkpoint's)")
     if cfg.get("bias", "none") != "none":
         wrong.append(f"bias {cfg['bias']!r} (its trained biases would land in frozen weights; only 'none' here)")
     if cfg.get("peft_type") != "LORA":

@@ -256,12 +256,15 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     (run_like / "metrics.jsonl").write_text("{}\n")
     assert "is a train.py run directory (metrics.jsonl)" in refused("--force", out=run_like)
     assert {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)} == before, "the base was written"
-    for key, value in (("use_dora", True), ("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2})):
-        other = tmp_path / key
-        shutil.copytree(adapter, other)
+    for key, value in (("use_dora", True), ("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2}),
+                       ("layer_replication", [[0, 1], [0, 1]]), ("alora_invocation_tokens", [5, 6]),
+                       ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora")):
+        other = tmp_path / f"{key}-{value}"   # (peft's variants a plain W + s·B@A merge is not: until 2026-12-04
+        shutil.copytree(adapter, other)      # PiSSA, OLoRA, aLoRA and layer replication merged, wrong, with exit 0)
         cfg = json.loads((other / "adapter_config.json").read_text())
         (other / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
-        assert f"has {key} {value!r} (not trained here)" in refused(adapter=other), key
+        want = f"has {key} {value!r} (" + ("its base is rebuilt" if key == "init_lora_weights" else "not trained here")
+        assert want in refused(adapter=other), key
     # the base it was trained on, by its files (trained_on.json's model_sha256, as train.py writes it): a copy
     # elsewhere merges; the same shapes with other weights, or an edited config.json, do not, unless --any-base
     from model.load import model_fingerprint
