@@ -33,8 +33,8 @@ Both renderings are prefixes of the full one for ordinary templates. Templates t
 ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's content is searched for in the
 full rendering after its start, and what follows it is matched right after it (else its first word, the marker).
 Checked against transformers' own assistant mask (`return_assistant_tokens_mask` over `{% generation %}` tags;
-tests/test_data.py). Character spans become token
-flags through the fast tokenizer's offsets, so BPE merges across a boundary cannot shift a span.
+tests/test_data.py). Character spans become token flags through the fast tokenizer's offsets, so BPE merges across
+a boundary cannot shift a span.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
     content sits there (an answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is
     found where it is written); else, where the template writes it otherwise (a reasoning block put before it), the
     stripped content's last occurrence (-1: none). Third: whether the template writes the content at all (Mistral's
-    and Llama 3.1's drop it beside tool_calls: then the turn starts where the conversation before it ends)."""
+    and Llama 3.1's drop it beside tool_calls: then the turn starts where a plain answer's text would)."""
     raw = messages[i]["content"]
     content = raw.strip()
     try:
@@ -107,9 +107,6 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
     return at, at, True
 
 
-_TRAILER: dict = {}   # chat template text -> whether it writes text after the last turn only (Phi-3's EOS)
-
-
 def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
     """The generation prompt before assistant message i ('<|im_start|>assistant\\n'): `before` past the conversation
     so far; "" when the template writes none."""
@@ -117,6 +114,9 @@ def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
         return ""
     bare = render(tokenizer, messages[:i], False)
     return before[len(bare):] if before.startswith(bare) else ""
+
+
+_TRAILER: dict = {}   # chat template text -> whether it writes text after the last turn only (Phi-3's EOS)
 
 
 def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -> str:

@@ -111,13 +111,16 @@ def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
                          "a local directory); pin one: org/name@<commit>, or the same directory everywhere")
 
 
-def weight_files(path: str) -> tuple[list[str], str | None]:
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: str) -> tuple[list[str], dict | None]:
     """The safetensors files the loader reads (CheckpointReader): the ones model.safetensors.index.json names, else
-    every *.safetensors; and that index's path, or None. Other files beside them (a consolidated.safetensors left as a
-    Git LFS pointer, pytorch_model.bin copies, training_args.bin) are never read."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        return sorted(set(_read_json(index)["weight_map"].values())), index
+    every *.safetensors; and that index's weight_map, or None. Other files beside them (a consolidated.safetensors left
+    as a Git LFS pointer, pytorch_model.bin copies, training_args.bin) are never read."""
+    if os.path.isfile(index := os.path.join(path, INDEX)):
+        wmap = _read_json(index)["weight_map"]
+        return sorted(set(wmap.values())), wmap
     return sorted(f for f in os.listdir(path) if f.endswith(".safetensors")), None
 
 
@@ -139,11 +142,11 @@ def model_fingerprint(path: str, sample: int = 1 << 20, every_file: bool = False
         jsons = [n for n in names if n == "config.json" or n.endswith(".index.json")]
     else:
         try:
-            weights, index = weight_files(path)
+            weights, wmap = weight_files(path)
         except (OSError, ValueError, KeyError, TypeError):   # (an unreadable index: the loader says what is wrong)
-            weights, index = [n for n in names if n.endswith(".safetensors")], None
+            weights, wmap = [n for n in names if n.endswith(".safetensors")], None
         weights = [n for n in weights if os.path.isfile(os.path.join(path, n))]
-        jsons = [n for n in ("config.json", index and os.path.basename(index)) if n and n in names]
+        jsons = [n for n in ("config.json", INDEX if wmap is not None else None) if n and n in names]
     if not weights:
         return None
     h = hashlib.sha256()
@@ -252,8 +255,8 @@ def read_header(fn: str) -> tuple[dict, int]:
 class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
-        files, index = weight_files(path)
-        wmap = _read_json(index)["weight_map"] if index else None   # authoritative if present
+        files, wmap = weight_files(path)   # the index's map is authoritative if present
+        index = os.path.join(path, INDEX)
         if wmap is not None:
             for fn in files:
                 if not os.path.isfile(os.path.join(path, fn)):
