@@ -29,7 +29,8 @@ Contract:
   step to continue from.
 - `export(path, out_dir)`: the PEFT adapter of a checkpoint, as train.py exports at the end, without resuming and
   without building the model (one process reads the LoRA tensors from the DCP files, any layout they were saved
-  from); also `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (refuses a non-empty DIR, NaN/Inf).
+  from); also `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (refuses a non-empty DIR, one inside
+  the ckpt folder, NaN/Inf). Rotation and resume see only the step_NNNNNN folders save() names.
 """
 
 from __future__ import annotations
@@ -107,10 +108,14 @@ def _fsync_write(path: str, text: str) -> None:
 
 
 def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every step_* folder, newest first."""
+    """(step, path) of every folder save() names (step_000042), newest first. Only those: rotation deletes what this
+    returns, and a folder of another name (`step_1`, an adapter exported into the ckpt folder by hand, or a copy)
+    is not ours to delete, nor a step to resume."""
     if not os.path.isdir(ckpt_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(ckpt_dir, e)) for e in os.listdir(ckpt_dir) if (m := STEP_RE.match(e))]
+    found = [(int(m.group(1)), os.path.join(ckpt_dir, e)) for e in os.listdir(ckpt_dir)
+             if (m := STEP_RE.match(e)) and e == f"step_{int(m.group(1)):06d}"
+             and os.path.isdir(os.path.join(ckpt_dir, e))]
     return sorted(found, reverse=True)
 
 
@@ -338,6 +343,12 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
                         os.path.isfile(out_dir)):   # (a killed export into it may be written again)
         raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")
     path = resolve(path, flag="checkpoint")
+    ckpt_dir = os.path.realpath(os.path.dirname(os.path.normpath(path)))
+    real_out = os.path.realpath(out_dir)
+    if real_out == ckpt_dir or real_out.startswith(ckpt_dir + os.sep):
+        raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {os.path.dirname(path)!r}, which the "
+                         "run rotates and rewrites: pass a directory outside it (e.g. beside it, "
+                         f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(path))!r})")
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")

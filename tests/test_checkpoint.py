@@ -93,6 +93,23 @@ def test_round_trip_and_keep(tmp_path):
         checkpoint.save(ckpt, m, opt, 5, keep=0)
 
 
+def test_rotation_deletes_only_the_step_folders_save_writes(tmp_path):
+    """A folder named like a step but not as save() names them (`step_1`: an adapter a user exported into the ckpt
+    folder, a copy) is neither rotated away nor resumed, and does not make rotation delete the real step_000001."""
+    ckpt = tmp_path / "ckpt"
+    m, opt = _trained(1)
+    checkpoint.save(str(ckpt), m, opt, 1, keep=2)
+    (ckpt / "step_1" / "adapter").mkdir(parents=True)
+    (ckpt / "step_1" / "adapter" / "adapter_model.safetensors").write_bytes(b"the user's")
+    checkpoint.save(str(ckpt), m, opt, 2, keep=2)
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_1"], os.listdir(ckpt)
+    checkpoint.save(str(ckpt), m, opt, 3, keep=2)
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000002", "step_000003", "step_1"], os.listdir(ckpt)
+    assert (ckpt / "step_1" / "adapter" / "adapter_model.safetensors").read_bytes() == b"the user's"
+    os.remove(ckpt / "latest")   # the newest is found among save()'s folders only
+    assert checkpoint.resolve(str(ckpt)) == str(ckpt / "step_000003")
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused_as_such(tmp_path):
     """A fork that swapped AdamW for SGD with momentum, resuming a checkpoint from before the optimizer was recorded:
     a ValueError saying so (DCP's own CheckpointException is a BaseException, which got past the message)."""

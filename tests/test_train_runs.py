@@ -722,6 +722,11 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     assert (mine / "keep").read_text() == "mine", "the export removed a folder it did not make"
     assert adapter(str(tmp_path / "v2"))[1]["base_model_name_or_path"] == wcfg["base_model_name_or_path"]
     assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
+    inside = os.path.join(done, "ckpt", "step_1", "adapter")   # a folder there would be a step for rotation
+    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", inside],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and f"--out {inside!r} is inside the checkpoint folder" in r.stderr, r.stderr
+    assert not os.path.exists(os.path.dirname(inside)), "the refused export made a folder in the ckpt folder"
 
 
 def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path, capsys, monkeypatch):
