@@ -31,7 +31,9 @@ end-of-turn marker) but a trailer it writes after the last turn only (Phi-3's EO
 after the turn, the tokens both renderings write there are the turn's; asked once per template whether it has one).
 Both renderings are prefixes of the full one for ordinary templates. Templates that rewrite earlier turns once later
 ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's content is searched for in the
-full rendering after its start, and what follows it is matched right after it (else its first word, the marker).
+full rendering after its start and before the first end-of-turn marker after it (a later turn may repeat it), and what
+follows it is matched right after it (else its first word, the marker). A turn whose earlier turns render otherwise
+once it is the last (Qwen3 writes an empty think block on the last turn only) starts after its role header.
 Checked against transformers' own assistant mask (`return_assistant_tokens_mask` over `{% generation %}` tags;
 tests/test_data.py). Character spans become token flags through the fast tokenizer's offsets, so BPE merges across
 a boundary cannot shift a span.
@@ -174,7 +176,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)
         elif at >= 0 and full.startswith(through[:given_at]) and given_at >= prev_end:
-            start = given_at  # e.g. a default system prompt that only appears once a message exists
+            # the conversation so far renders otherwise once this turn follows (a default system prompt that appears
+            # once a message exists; Qwen3's think block written on the last turn only): the turn starts after its
+            # role header, so what the template writes there before the content (that think block) is the turn's
+            header = _header(tokenizer, messages, i, before)
+            h = through.rfind(header, prev_end, given_at) if header else -1
+            start = h + len(header) if h >= 0 else given_at
         elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end)) >= 0:
             start = h + len(header)   # a turn rendered otherwise once later turns follow: after its role header
         else:
@@ -192,15 +199,20 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             # The template renders this turn differently once later turns follow (e.g. Qwen3 drops
             # reasoning): take the content as rendered plus what follows it; when the content itself is
             # rewritten (an inline <think> block dropped), the turn as rendered, up to and with what follows it.
-            c = full.find(content, start)
+            # Looked for inside this turn only: before the first end-of-turn marker after its start (a special
+            # token's text, which no message holds), or the search runs on into a later turn that repeats it.
+            stop = full.find(marker.strip(), start) if marker.strip() and marker.strip() not in content else -1
+            stop = len(full) if stop < 0 else stop
+            c = full.find(content, start, stop)
             if c >= 0:   # (after the content's own trailing whitespace, which `content` is stripped of)
                 e = c + len(content)
-                end = next((j + len(x) for x in (tail, marker) if x
-                            for j in (e, len(full) - len(full[e:].lstrip())) if full.startswith(x, j)), e)
-            elif tail.strip() and (m := full.find(tail, start)) >= 0:
-                end = m + len(tail)
-            elif marker.strip() and (m := full.find(marker, start)) >= 0:
-                end = m + len(marker)
+                ws = len(full) - len(full[e:].lstrip())   # (or past whitespace it kept: ' ' of ' \n<tool_call>')
+                end = next((j + len(x) for x, j in ((tail, e), (tail.lstrip(), ws), (marker, e), (marker.lstrip(), ws))
+                            if x and full.startswith(x, j)), e)
+            elif tail.strip() and (m := full.find(tail.strip(), start)) >= 0:
+                end = m + len(tail.strip())
+            elif marker.strip() and (m := full.find(marker.strip(), start)) >= 0:
+                end = m + len(marker.strip())
             else:
                 raise DataError(
                     f"{where}: the chat template does not render assistant message {i} verbatim"

@@ -343,16 +343,21 @@ def test_a_turn_whose_content_the_template_drops_beside_tool_calls(tok, tmp_path
 
 
 def _random_tool_chat(rng) -> list[dict]:
-    """1-3 rounds; answers that are marker fragments, whitespace, reasoning; 40% of turns call 1-2 tools first."""
-    answers = ["d", "im", "end", "", " ", "Paris.", "e ", "\nim", "<think>\nx\n</think>\n\nok", "INST", "  two  words "]
+    """1-3 rounds; answers that are marker fragments, whitespace, reasoning (repeated in a later turn, or only an empty
+    think block); 40% of turns call 1-2 tools first (content empty, whitespace, text); 20% two answers in a row."""
+    answers = ["d", "im", "end", "", " ", "Paris.", "e ", "\nim", "<think>\nx\n</think>\n\nok", "INST", "  two  words ",
+               "<think>\n\n</think>\n\n", "ok"]
     msgs = [{"role": "user", "content": rng.choice(["Q?", "Hi", "x y"])}]
     for turn in range(rng.randint(1, 3)):
         if rng.random() < 0.4:
             calls = [{"type": "function", "function": {"name": rng.choice(["f", "get_w"]), "arguments": {"x": k}}}
                      for k in range(rng.randint(1, 2))]
-            msgs += [{"role": "assistant", "content": rng.choice(["", "", "Let me see."]), "tool_calls": calls},
+            said = rng.choice(["", "", " ", "\n", "Let me see."])
+            msgs += [{"role": "assistant", "content": said, "tool_calls": calls},
                      {"role": "tool", "content": rng.choice(["1", "sunny"])}]
         msgs.append({"role": "assistant", "content": rng.choice(answers)})
+        if rng.random() < 0.2:
+            msgs.append({"role": "assistant", "content": rng.choice(answers)})
         if turn < 2 and rng.random() < 0.7:
             msgs.append({"role": "user", "content": rng.choice(["And?", "ok"])})
     return msgs if msgs[-1]["role"] == "assistant" else msgs + [{"role": "assistant", "content": "fine"}]
