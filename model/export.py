@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import torch
@@ -252,6 +253,35 @@ def _is_nf4(name: str, w: torch.Tensor) -> bool:
             and parts[5] == "weight" and w.ndim == 2)
 
 
+def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
+    """Why LoRA pair `ab` ({"A", "B"}) cannot be folded into the base weight `name` of `shape`, or None."""
+    if set(ab) != {"A", "B"}:
+        return f"{name}: only lora_{''.join(ab)}"
+    a, b = ab["A"], ab["B"]
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] != r:
+        return f"{name}: lora_B {list(b.shape)}, lora_A {list(a.shape)}, r {r}"
+    if (b.shape[0], a.shape[1]) != tuple(shape):
+        return f"{name}: B @ A is {[b.shape[0], a.shape[1]]}, the base's weight {list(shape)}"
+    return None
+
+
+_WEIGHTS = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|config\.json(\.tmp)?)$")
+
+
+def _clear_out(out_dir: str) -> list[str]:
+    """Before a merge writes into `out_dir` (empty, or --force): links there are removed (never written through: a
+    `cp -rs` view of another model, a shared tokenizer.json; their targets are untouched), and so are an earlier
+    model's config.json, weight files and index (its model.safetensors beside a sharded merge loads instead of it;
+    config.json goes first, so a merge stopped halfway leaves no folder that loads). Returns the names removed."""
+    gone = []
+    for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
+        p = os.path.join(out_dir, e)
+        if (link := os.path.islink(p)) or (_WEIGHTS.match(e) and os.path.isfile(p)):
+            os.remove(p)
+            gone.append(e + (" (a link)" if link else ""))
+    return gone
+
+
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
           dtype: torch.dtype = torch.bfloat16, log=None) -> None:
     """Shard by shard: read one base safetensors file, fold in the deltas of its tensors, write it
@@ -279,13 +309,19 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     missing = sorted(set(pairs) - set(reader.where))
     if missing:   # before anything is written
         raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")
+    bad = [_misfit(name, ab, reader.shape(name), acfg["r"]) for name, ab in sorted(pairs.items())]
+    if any(bad):   # before anything is written (was a RuntimeError at the first such shard, files written before it)
+        bad = [b for b in bad if b]
+        raise ValueError(f"adapter {adapter_dir!r} does not fit the base {base_path!r}: {len(bad)} of {len(pairs)} "
+                         f"LoRA pairs ({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); pass the base it was "
+                         "trained on")
     files = {}
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
-    for fn in ("config.json", "model.safetensors.index.json"):   # an earlier merge's (--force): gone until all is new
-        if os.path.isfile(os.path.join(out_dir, fn)):
-            os.remove(os.path.join(out_dir, fn))
+    cleared = _clear_out(out_dir)
+    if log and cleared:
+        log(f"removed from {out_dir} (--force): {', '.join(cleared[:6])}{' ...' if len(cleared) > 6 else ''}")
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
             f"{', rsLoRA' if acfg.get('use_rslora') else ''}: scale {scale:g}), {len(reader.where)} "
@@ -328,7 +364,11 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for fn in os.listdir(base_path):   # tokenizer and generation files, and remote code, travel with the weights
         if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges",
                           "added_tokens")) or fn.endswith(".tiktoken") or (fn.endswith(".py") and "auto_map" in cfg):
-            shutil.copy(os.path.join(base_path, fn), out_dir)
+            if os.path.isfile(os.path.join(base_path, fn)):
+                shutil.copyfile(os.path.join(base_path, fn), os.path.join(out_dir, fn))
+        elif fn == "additional_chat_templates" and os.path.isdir(os.path.join(base_path, fn)):   # (named templates)
+            shutil.rmtree(os.path.join(out_dir, fn), ignore_errors=True)
+            shutil.copytree(os.path.join(base_path, fn), os.path.join(out_dir, fn))
     if os.path.isfile(src := os.path.join(adapter_dir, TEMPLATE)):   # the run's --chat-template replaces the base's
         with open(src, encoding="utf-8") as f:
             _put_chat_template(out_dir, f.read(), cfg)

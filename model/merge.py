@@ -14,13 +14,16 @@ training run: the adapter's trained_on.json (train.py and `python -m parallel.ch
 ADAPTER_DIR/../config.json (train.py's run config, beside RUN/adapter); without either the merge asks for --quant.
 The base must be the one trained on: an adapter whose trained_on.json records the base's model_sha256 (train.py's,
 for a local --model) is refused on a base whose files differ (another checkpoint of the same shapes, or one edited
-since), unless --any-base. An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained biases, saved
-modules) is refused: one scale per adapter is all it folds in. --out may not be, or lie inside, the base or the
-adapter (symlinks resolved). config.json is written last (with --force, the old one and the index go first), so a
-merge killed halfway leaves no folder that loads as a model.
-Tokenizer, chat-template and generation files of BASE_DIR are copied to OUT_DIR. The merge streams one
-base safetensors file at a time (same file names out, plus model.safetensors.index.json), so host memory
-peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
+since), unless --any-base; one trained on a Hub model (adapter_config.json: its id and commit) is refused on any base
+but that commit's snapshot in the hub cache, unless --any-base. An adapter whose B @ A does not fit the base's weights
+is refused before anything is written. An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained
+biases, saved modules) is refused: one scale per adapter is all it folds in. --out may not be, or lie inside, the base
+or the adapter (symlinks resolved). config.json is written last (with --force, an earlier model's config.json, weight
+files and index go first, and links in --out are replaced, never written through), so a merge killed halfway leaves no
+folder that loads as a model; a failure while writing (a full disk) is one line and exit 2.
+Tokenizer, chat-template (additional_chat_templates/ too) and generation files of BASE_DIR are copied to OUT_DIR.
+The merge streams one base safetensors file at a time (same file names out, plus model.safetensors.index.json), so
+host memory peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
 """
 
 from __future__ import annotations
@@ -66,13 +69,33 @@ def other_base(adapter_dir: str, model: str) -> str | None:
             want = json.load(f).get("model_sha256")
     except (OSError, ValueError, AttributeError):
         return None
-    if not want or same_model(model, want):
+    if not want:   # a Hub model's run records its commit instead (adapter_config.json's revision)
+        return _other_commit(adapter_dir, model)
+    if same_model(model, want):
         return None
     got = model_fingerprint(model)
     return (f"--model {model!r} is not the base {adapter_dir!r} was trained on: its files (config.json, the weight "
             f"index, each weight file's size, header, first and last MB) give model_sha256 {str(got)[:12]}..., "
             f"{TRAINED_ON} records {want[:12]}... (another checkpoint, or this one edited since); pass the base it "
             "was trained on, or --any-base to fold it into this one anyway")
+
+
+def _other_commit(adapter_dir: str, model: str) -> str | None:
+    """For an adapter trained on a Hub model (adapter_config.json: "org/name" and the commit as its revision): why
+    `model` is not that snapshot, or None. A snapshot of the hub cache names its commit; another directory's files
+    cannot be compared with it."""
+    from model.load import hub_snapshot
+
+    trained = adapter_base(adapter_dir)
+    if not trained or "@" not in trained or os.path.exists(trained.split("@")[0]):
+        return None   # a local base, or no commit recorded: nothing to compare
+    got = hub_snapshot(os.path.realpath(model)) or hub_snapshot(model)
+    if got == trained:
+        return None
+    this = f"the snapshot {got}" if got else "a directory outside the hub cache, whose files cannot be compared with it"
+    return (f"--model {model!r} is not the base {adapter_dir!r} was trained on: that is the Hub snapshot {trained} "
+            f"(adapter_config.json), this is {this}; pass --model {trained} (fetched into the hub cache), or "
+            "--any-base to fold it into this one anyway")
 
 
 def adapter_base(adapter_dir: str) -> str | None:
@@ -89,12 +112,15 @@ def adapter_base(adapter_dir: str) -> str | None:
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
     errors = []
+    base = getattr(args, "base_flag", "--model")   # (no --model: the base the adapter names)
+    fix = "" if base == "--model" else "; pass --model BASE_DIR"
     if not os.path.isdir(args.model):
-        errors.append(f"--model {args.model!r} is not a directory (want a HF checkpoint: config.json + *.safetensors)")
+        errors.append(f"{base} {args.model!r} is not a directory (want a HF checkpoint: config.json + "
+                      f"*.safetensors){fix}")
     elif not os.path.isfile(os.path.join(args.model, "config.json")):
-        errors.append(f"--model {args.model!r} has no config.json")
+        errors.append(f"{base} {args.model!r} has no config.json{fix}")
     elif not any(f.endswith(".safetensors") for f in os.listdir(args.model)):
-        errors.append(f"--model {args.model!r} has no *.safetensors")
+        errors.append(f"{base} {args.model!r} has no *.safetensors{fix}")
     if not os.path.isdir(args.adapter):
         errors.append(f"--adapter {args.adapter!r} is not a directory (want RUN/adapter written by train.py)")
     else:
@@ -102,7 +128,7 @@ def check_inputs(args) -> list[str]:
             if not os.path.isfile(os.path.join(args.adapter, fn)):
                 errors.append(f"--adapter {args.adapter!r} has no {fn}")
     out = os.path.realpath(args.out)   # (a symlink to the base is the base)
-    for flag, d in (("--model", args.model), ("--adapter", args.adapter)):
+    for flag, d in ((base, args.model), ("--adapter", args.adapter)):
         d = os.path.realpath(d)
         if out == d or out.startswith(d + os.sep):
             errors.append(f"--out {args.out!r} is {'' if out == d else 'inside '}the {flag} directory; merging would "
@@ -142,11 +168,14 @@ def main(argv=None) -> int:
                    help="base the adapter was trained against; default: ADAPTER/trained_on.json's \"quant\", "
                         "else ADAPTER/../config.json's (train.py's run config); neither: pass it")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out directory")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty --out directory: an earlier model there (config.json, weight files, "
+                        "index) is removed first, links there are replaced (their targets untouched)")
     p.add_argument("--any-base", action="store_true",
                    help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
 
+    args.base_flag = "--model" if args.model else "the base adapter_config.json names,"
     args.model = args.model or adapter_base(args.adapter)
     if args.model is None:
         print(f"merge: --model not given, and {args.adapter!r} has no adapter_config.json naming a base model; "
@@ -174,6 +203,11 @@ def main(argv=None) -> int:
         source = f"from {where}"
     else:
         source = "from --quant"
+        if (ran := run_quant(args.adapter))[0] not in (None, args.quant):   # allowed: a QLoRA adapter into the full
+            print(f"merge: note: --quant {args.quant}, but {ran[1]} says the adapter trained against the "   # base
+                  f"{'4-bit (nf4)' if ran[0] == 'nf4' else 'full-precision'} base: folding it into "
+                  f"{'the 4-bit round trip of the base' if args.quant == 'nf4' else 'the base as stored'}, "
+                  "not the weights it trained with", flush=True)
     print(f"merge: base {args.model}, adapter {args.adapter} -> {args.out}", flush=True)
     print(f"merge: quant {args.quant} ({source}), dtype {args.dtype}", flush=True)
 
@@ -182,8 +216,16 @@ def main(argv=None) -> int:
     from model.export import merge
 
     t0 = time.time()
-    merge(args.model, args.adapter, args.out, quant=args.quant, dtype=getattr(torch, DTYPES[args.dtype]),
-          log=lambda msg: print(f"merge: {msg}", flush=True))
+    try:
+        merge(args.model, args.adapter, args.out, quant=args.quant, dtype=getattr(torch, DTYPES[args.dtype]),
+              log=lambda msg: print(f"merge: {msg}", flush=True))
+    except (ValueError, KeyError) as e:   # an adapter or base it cannot fold (checked before anything is written)
+        print(f"merge: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # a full disk, a read-only --out: said in one line, with what is left
+        print(f"merge: writing {args.out!r} failed ({type(e).__name__}: {e}); what it holds is not a model (no "
+              "config.json): free space or fix the path, then run the same command with --force", file=sys.stderr)
+        return 2
     print(f"merge: done in {time.time() - t0:.1f}s: {args.out}", flush=True)
     return 0
 

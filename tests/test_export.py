@@ -284,7 +284,7 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
                      "--any-base"]) == 0
     assert cli.main(["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out)]) == 0
     assert (out / "config.json").is_file()
-    monkeypatch.setattr(shutil, "copy", lambda *a, **k: (_ for _ in ()).throw(OSError("killed")))
+    monkeypatch.setattr(shutil, "copyfile", lambda *a, **k: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):   # after the shards and the index, while copying the tokenizer
         merge(path, str(adapter), str(out), quant="none")
     assert not (out / "config.json").exists(), "a half merge still loads as a model"
@@ -351,6 +351,74 @@ def test_merge_cli(exported, tmp_path):
         assert torch.equal(got[k], want[k]), k
     assert _hf_logits(_hf(str(out), dtype="auto")).isfinite().all()
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
+
+
+def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(exported, tmp_path, capsys, monkeypatch):
+    """--force into a folder that holds links (a `cp -rs` view of another model) replaces the links and leaves their
+    targets as they were (until 2026-12-04 the tokenizer and generation files were copied through them, into the
+    other model); an earlier merge's single model.safetensors goes (it loaded instead of the new sharded index); the
+    base's additional_chat_templates/ travels. An adapter whose B @ A does not fit the base is refused before anything
+    is written, so an earlier merge stays whole (it was a RuntimeError at the first such shard, config.json gone)."""
+    import hashlib
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model import merge as cli
+    from model.export import TRAINED_ON, merge
+    from tests.fixtures import make_tokenizer
+
+    path, root, _ = exported
+    adapter, base, other, out = (tmp_path / n for n in ("adapter", "base", "other", "out"))
+    shutil.copytree(os.path.join(root, "none"), adapter)
+    (adapter / TRAINED_ON).write_text(json.dumps({"quant": "none"}))
+    shutil.copytree(path, base)
+    (base / "additional_chat_templates").mkdir()
+    (base / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    make_tokenizer(tiny_checkpoint(other, heads=4, seed=3))
+    for f in ("tokenizer_config.json", "generation_config.json"):   # files of its own, which the merge copies over
+        (other / f).write_text(json.dumps({**json.loads((other / f).read_text()), "theirs": 1}))
+    digest = lambda d: {os.path.relpath(os.path.join(w, f), d): hashlib.sha256(open(os.path.join(w, f), "rb").read())
+                        .hexdigest() for w, _, fs in os.walk(d) for f in fs}
+    theirs = digest(other)
+    out.mkdir()
+    for f in os.listdir(other):
+        (out / f).symlink_to(other / f)
+    argv = ["--model", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]
+    assert cli.main(argv) == 0
+    assert digest(other) == theirs, "the merge wrote through links into another model"
+    merge(str(base), str(adapter), str(tmp_path / "fresh"), quant="none")
+    assert not [f for f in os.listdir(out) if os.path.islink(out / f)]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "fresh")), os.listdir(out)
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"
+    assert _merged_tensors(out).keys() == _merged_tensors(tmp_path / "fresh").keys()
+    save_file({"stale": torch.zeros(2)}, out / "model.safetensors")   # another base's one-file merge, earlier
+    assert cli.main(argv) == 0 and not (out / "model.safetensors").exists()
+    merged = digest(out)
+    shutil.copy(adapter / "adapter_model.safetensors", tmp_path / "adapter_ok.safetensors")
+    lora = load_file(adapter / "adapter_model.safetensors")   # an adapter of another model: one B a row too long
+    k = next(k for k in sorted(lora) if ".lora_B." in k)
+    lora[k] = torch.cat([lora[k], lora[k][:1]])
+    save_file(lora, adapter / "adapter_model.safetensors")
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    assert "does not fit the base" in (err := capsys.readouterr().err) and "B @ A is [49, 64]" in err, err
+    assert digest(out) == merged, "a refused merge touched the earlier one"
+    save_file(load_file(tmp_path / "adapter_ok.safetensors"), adapter / "adapter_model.safetensors")
+    with monkeypatch.context() as m:   # a full disk: one line naming --out and the way on, exit 2 (was a traceback)
+        m.setattr("model.export.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"merge: writing {str(out)!r} failed (OSError: [Errno 28] No space left)" in err \
+        and "run the same command with --force" in err, err
+    assert cli.main([*argv, "--quant", "nf4"]) == 0   # allowed, and said: not the base it trained against
+    assert "note: --quant nf4, but" in capsys.readouterr().out
+    acfg = json.loads((adapter / "adapter_config.json").read_text())   # the base it names, moved away since
+    acfg["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(acfg))
+    assert cli.main(["--adapter", str(adapter), "--out", str(tmp_path / "o2")]) == 2
+    assert f"the base adapter_config.json names, {str(tmp_path / 'gone')!r} is not a directory" in \
+        (err := capsys.readouterr().err) and err.rstrip().endswith("; pass --model BASE_DIR"), err
 
 
 def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path):
+def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path, capsys):
     from safetensors.torch import load_file
 
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
@@ -103,6 +103,20 @@ def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path):
     assert hub["calls"][-1]["repo_id"] == "org/tiny" and hub["calls"][-1]["revision"] == COMMIT, hub["calls"][-1]
     a, b = (load_file(os.path.join(d, "merged", "model.safetensors")) for d in (local, remote))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the Hub run records its commit, not the files: a base outside the hub cache (or another commit's snapshot) is
+    # not known to be it, so is refused until --any-base (until 2026-12-04 any --model merged unchecked)
+    into_local = ["--adapter", os.path.join(remote, "adapter"), "--model", assets["model"]]
+    capsys.readouterr()
+    assert merge([*into_local, "--out", os.path.join(remote, "m2")]) == 2
+    assert f"that is the Hub snapshot org/tiny@{COMMIT}" in (err := capsys.readouterr().err) and \
+        "a directory outside the hub cache" in err and "--any-base" in err, err
+    assert not os.path.exists(os.path.join(remote, "m2"))
+    other = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("b" * 40)
+    shutil.copytree(assets["model"], other)
+    assert merge(["--adapter", os.path.join(remote, "adapter"), "--model", str(other), "--out",
+                  os.path.join(remote, "m3")]) == 2
+    assert f"this is the snapshot org/tiny@{'b' * 40}" in capsys.readouterr().err
+    assert merge([*into_local, "--out", os.path.join(remote, "m4"), "--any-base"]) == 0
     # resuming with the id again reads the same snapshot: accepted, and one step more as an uninterrupted run would
     _run(argv[:-2] + ["--steps", "3", "--resume", os.path.join(remote, "ckpt")])
     assert len(_losses(remote)) == 3, _losses(remote)
