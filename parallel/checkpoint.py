@@ -332,16 +332,19 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     return step
 
 
-def export(path: str, out_dir: str, replace: bool = False) -> str:
+def export(path: str, out_dir: str, replace: bool = False, model: str | None = None) -> str:
     """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
     return the step folder read. `replace` (--keep-best's adapter_best): an adapter already there is swapped out once
-    the new one is whole (model.export.write_adapter), not refused."""
+    the new one is whole (model.export.write_adapter), not refused. `model`: the run's base, moved since (the adapter
+    names it; its files must be the ones the run recorded)."""
     from model.export import half_written, peft_keys, write_adapter
-    from model.load import read_args
+    from model.load import read_args, same_model
     from model.qlora import lora_config
-    if not replace and (os.path.isdir(out_dir) and os.listdir(out_dir) and not half_written(out_dir) or
-                        os.path.isfile(out_dir)):   # (a killed export into it may be written again)
-        raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")
+    if os.path.isfile(out_dir):
+        raise ValueError(f"--out {out_dir!r} is a file: pass a new directory")
+    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir) and not half_written(out_dir):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")   # (a killed export
+        # into it may be written again)
     path = resolve(path, flag="checkpoint")
     ckpt_dir = os.path.realpath(os.path.dirname(os.path.normpath(path)))
     real_out = os.path.realpath(out_dir)
@@ -352,6 +355,16 @@ def export(path: str, out_dir: str, replace: bool = False) -> str:
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
+    if model is not None:
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"--model {model!r} is not a model directory (no config.json): pass the run's base")
+        if args.get("model_sha256") and not same_model(model, args["model_sha256"]):
+            raise ValueError(f"--model {model!r} is not the base this run trained on (its files differ from the "
+                             f"model_sha256 {path}/meta.json records): pass that base")
+        args = {**args, "model": os.path.abspath(model)}
+    elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
+        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "
+                         "from the base's config.json: pass --model DIR, the base where it is now")
     md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
     # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under
     # its tied name; train.py's own export writes LoRA A and B alone)
@@ -379,10 +392,16 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="The PEFT adapter of a train.py checkpoint, without resuming the run")
     ap.add_argument("ckpt", help="OUT/ckpt (its newest good checkpoint) or OUT/ckpt/step_N")
     ap.add_argument("--out", required=True, help="a new (or empty) directory for the adapter")
+    ap.add_argument("--model", default=None, help="the run's base model, if moved since the run (default: the path "
+                    "the run recorded); the adapter names it")
     a = ap.parse_args()
     try:
-        step = export(a.ckpt, a.out)
+        step = export(a.ckpt, a.out, model=a.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:   # an unwritable --out, a full disk
+        print(f"error: writing the adapter to {a.out!r} failed ({type(e).__name__}: {e}); pass a writable new "
+              "directory", file=sys.stderr)
         sys.exit(2)
     print(f"adapter of {step} in {a.out}")

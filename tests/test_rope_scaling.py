@@ -140,9 +140,26 @@ def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(a
     assert over == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
                                         "original_max_position_embeddings": 4096}}, over
     assert not os.path.exists(os.path.join(conf, "adapter", "base_config_overrides.json"))
+    from parallel import checkpoint
     from parallel.checkpoint import export  # the adapter of its checkpoint carries the same RoPE
     export(os.path.join(flag, "ckpt"), str(tmp_path / "exported"))
     assert json.load(open(tmp_path / "exported" / "base_config_overrides.json")) == over
+    moved = tmp_path / "moved" / "step_000002"   # the run's base moved since: --model names where it is now
+    shutil.copytree(checkpoint.resolve(os.path.join(flag, "ckpt")), moved)
+    meta = json.load(open(moved / "meta.json"))
+    meta["args"]["model"] = str(tmp_path / "gone")
+    json.dump(meta, open(moved / "meta.json", "w"))
+    with pytest.raises(ValueError, match=r"is gone, and its --rope-scaling .* pass --model DIR"):
+        export(str(moved), str(tmp_path / "e2"))
+    with pytest.raises(ValueError, match=r"is not the base this run trained on"):   # (another config.json)
+        export(str(moved), str(tmp_path / "e2"), model=yarn)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--out '.*afile' is a file: pass a new directory"):
+        export(str(moved), str(tmp_path / "afile"), model=assets["model"])
+    export(str(moved), str(tmp_path / "e2"), model=assets["model"])
+    assert json.load(open(tmp_path / "e2" / "base_config_overrides.json")) == over
+    assert json.load(open(tmp_path / "e2" / "adapter_config.json"))["base_model_name_or_path"] == \
+        os.path.abspath(assets["model"])
 
     pos = torch.arange(37).expand(2, 37) + torch.tensor([[100], [3000]])
     ids = torch.randint(0, 40, (2, 37), generator=torch.Generator().manual_seed(3))
