@@ -209,7 +209,10 @@ def main(argv=None):
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
-                     resume.schedule_note(ckpt, args.schedule_steps or args.steps)):
+                     resume.schedule_note(ckpt, args.schedule_steps or args.steps),
+                     ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
+                         f"note: --init-adapter {args.init_adapter} is not read: the run resumes {ckpt}, whose LoRA "
+                         "weights (trained on from wherever the run started) it continues")):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
@@ -229,6 +232,9 @@ def main(argv=None):
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
+        if args.global_batch > len(samples):   # (each step would repeat every sample; 1e11 hung in one step)
+            raise ValueError(f"--global-batch {args.global_batch} is more samples than --data holds "
+                             f"({len(samples)}): pass --global-batch {len(samples)} or less")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
         if not args.steps and (extra := steps * args.global_batch - len(samples)) > 0:   # (ceil: said, not silent)

@@ -119,6 +119,10 @@ def apply_template(tokenizer, text: str) -> None:
         marker, ids = end_of_turn(tokenizer)
     except Exception as e:   # noqa: BLE001 (Jinja's errors, a template that drops the turn: the same advice)
         tokenizer.chat_template = old
+        cause = e.__cause__ or e
+        if type(cause).__name__ == "TemplateSyntaxError":   # the file, not a record: say where in it
+            raise DataError(f"--chat-template: the template is not valid Jinja (line {getattr(cause, 'lineno', '?')}: "
+                            f"{getattr(cause, 'message', cause)}): fix the template") from None
         raise DataError(f"--chat-template: the template does not render a user and an assistant turn "
                         f"({type(e).__name__}: {e})") from None
     if len(ids) != 1:

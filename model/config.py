@@ -68,6 +68,12 @@ class ModelArgs:
                                         # layers slide when sliding_window is set
 
     def __post_init__(self):
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+                 "num_attention_heads": self.n_heads, "intermediate_size": self.intermediate_size}
+        for key, v in {**sizes, "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim}.items():
+            if (v is not None or key in sizes) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"config.json: {key} {v!r} must be a positive whole number (a broken or hand-edited "
+                                 "config.json?)")
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:

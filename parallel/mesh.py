@@ -167,7 +167,8 @@ def check_flags(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
     lower = [("--lr", args.lr, 0, "> 0"), ("--lora-alpha", args.lora_alpha, 0, "> 0 (0 trains nothing: "
              "the LoRA output is scaled by alpha / r, or / sqrt(r))"), ("--lora-r", args.lora_r, 0, ">= 1"),
-             ("--timeout", args.timeout, 0, "> 0 minutes"),
+             ("--timeout", args.timeout, 0.99, ">= 1 minute (a step, a save or the first compile may take that "
+                                               "long; the watchdog ends the job past it)"),
              ("--keep-ckpts", args.keep_ckpts, 0, ">= 1"), ("--max-nonfinite", args.max_nonfinite, 0, ">= 1")]
     for flag, v, bound, need in lower:
         if v <= bound:
@@ -209,6 +210,11 @@ def check_flags(args) -> None:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "profile", None) is not None and args.profile < 1:
         raise ValueError(f"--profile must be a step number >= 1 (1-based), got {args.profile}")
+    if isinstance(getattr(args, "max_len", None), int) and args.max_len < 2:
+        raise ValueError(f"--max-len must be >= 2 (one input and one target), got {args.max_len}")
+    if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None) and hasattr(args, "eval_data"):
+        raise ValueError(f"--eval-every {args.eval_every} evaluates on --eval-data, which is not given: pass "
+                         "--eval-data FILE, or drop --eval-every")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}; omit --steps to train one epoch")
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
@@ -227,6 +233,8 @@ def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, kee
              tiled_attn: bool = False) -> None:
     """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/parallelize.apply_ac),
     named with the fix."""
+    if offload and not ac:
+        raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     if keep_attn and tiled_attn:
         raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
                          "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
@@ -259,7 +267,20 @@ def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, kee
 
 def check_model_flags(args, margs) -> None:
     """The flag checks that need the model's config.json but no layout."""
-    blocks = getattr(args, "ac_blocks", None)
+    q, kv, d, f = margs.n_heads * margs.head_dim, margs.n_kv_heads * margs.head_dim, margs.dim, margs.intermediate_size
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+              "up_proj": (d, f), "down_proj": (f, d)}
+    over = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in args.lora_targets.split(",")
+            if t in shapes and args.lora_r > min(shapes[t])]
+    if over:   # B @ A cannot have a higher rank than the projection: the extra rank is parameters and time, no more
+        raise ValueError(f"--lora-r {args.lora_r} is more than the rank of {', '.join(over)}: use --lora-r "
+                         f"{min(min(shapes[t]) for t in args.lora_targets.split(',') if t in shapes)} or less, or "
+                         "leave those projections out of --lora-targets")
+    blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)
+    if group > margs.n_layers:
+        raise ValueError(f"--ac-group {group} is more than the model's {margs.n_layers} blocks (one checkpoint would "
+                         f"span them all, its recompute holding every block's activations): use at most "
+                         f"--ac-group {margs.n_layers}")
     if blocks is not None and blocks > margs.n_layers:
         raise ValueError(f"--ac-blocks {blocks} is more than the model's {margs.n_layers} blocks; omit it to "
                          "checkpoint them all")

@@ -22,6 +22,7 @@ Contract (the terms are parallel/plan.py's):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from parallel.mesh import check_flags, check_model_flags, validate
@@ -169,6 +170,11 @@ def parse_args(argv, run_parser, demo: dict):
     argv = [str(MAX_LEN_STEP) if x == "auto" and i and argv[i - 1] == "--max-len" else
             (f"--max-len={MAX_LEN_STEP}" if x == "--max-len=auto" else x) for i, x in enumerate(argv)]
     args = p.parse_args(argv)
+    for flag, v in (("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem)):
+        if v is not None and not (math.isfinite(v) and v > 0):   # (0 read as "not given", NaN as nothing fitting)
+            p.error(f"{flag} must be a positive number of GB, got {v}")
+    if args.world_size is not None and args.world_size < 1:
+        p.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.model is None and args.data is None:
         from data import make_demo
         make_demo(os.path.dirname(demo["model"]))

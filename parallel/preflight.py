@@ -130,6 +130,10 @@ def check_start(args, demo: bool):
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     if not demo and os.path.isdir(args.model):   # recorded absolute: an export from another directory names this base
         args.model = os.path.abspath(args.model)
+        real = os.path.realpath(args.model)
+        if args.out and (os.path.realpath(args.out) + os.sep).startswith(real + os.sep):
+            raise ValueError(f"--out {args.out!r} lies inside --model {args.model!r}: the run's files would mix with "
+                             "the model's (and travel with every copy of it); pass a directory outside it")
     # what its files hold (a resume must find the same base, not only the same path); a Hub model's commit is compared
     args.model_sha256 = None if demo or hub_snapshot(args.model) else model_fingerprint(args.model)
     if args.model_sha256:   # its weight files are whole (not a Git LFS pointer, a cut download): said before anything

@@ -60,6 +60,10 @@ def test_broken_config_json_names_file_and_line(ckpt, tmp_path):
     with pytest.raises(ValueError, match="hidden_size") as e:
         read_args(path)
     assert fn in str(e.value), str(e.value)
+    for key, v in (("num_attention_heads", 0), ("num_key_value_heads", -2), ("intermediate_size", 1.5)):
+        open(fn, "w").write(json.dumps({**json.loads("\n".join(lines[:4] + lines[5:])), key: v}))
+        with pytest.raises(ValueError, match=rf"config.json: {key} {v} must be a positive whole number"):
+            read_args(path)   # (heads 0 was a ZeroDivisionError traceback)
 
 
 def test_reader_reads_what_safetensors_reads(ckpt):

@@ -356,6 +356,17 @@ def test_a_run_given_max_len_auto_is_told_to_ask_the_planner(capsys):
         assert re.fullmatch(r"max_len \d+", last) and int(last.split()[1]) >= 524288, last   # issue 13's goal
 
 
+@pytest.mark.parametrize("flags,said", [(["--gpu-mem", "0"], "--gpu-mem must be a positive number of GB, got 0.0"),
+                                        (["--gpu-mem", "nan"], "--gpu-mem must be a positive number of GB, got nan"),
+                                        (["--host-mem", "inf"], "--host-mem must be a positive number of GB, got inf"),
+                                        (["--world-size", "0"], "--world-size must be >= 1, got 0")])
+def test_the_planners_own_flags_are_checked(capsys, flags, said):
+    """(until 2026-12-04: --gpu-mem 0 and --world-size 0 read as not given, NaN planned as nothing fitting)"""
+    with pytest.raises(SystemExit) as exc:
+        run_plan("--model", Q7, "--max-len", "4096", *flags)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_plan_searches_keep_cp_layouts_open_without_tiled_attn():
     """--tiled-attn runs one process's attention, so a CP layout is named with "(no --tiled-attn)" instead of
     silently vanishing from the fixes and from --suggest --max-len auto."""
@@ -393,7 +404,8 @@ SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--m
                  ["--ac-blocks", "-1"], ["--ac-blocks", "1", "--no-ac"], ["--ac-blocks", "1", "--ac-group", "2"],
                  ["--ac-blocks", "9"], ["--ac-keep-attn", "--no-ac"], ["--ac-keep-attn", "--ac-group", "2"],
                  ["--ac-keep-attn", "--offload-activations"], ["--ac-keep-attn", "--ac-blocks", "0"],
-                 ["--tiled-attn", "--ac-keep-attn"]]
+                 ["--tiled-attn", "--ac-keep-attn"], ["--offload-activations", "--no-ac"], ["--ac-group", "9"],
+                 ["--lora-r", "17"]]
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))

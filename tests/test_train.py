@@ -565,11 +565,22 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "peak tflops": (["--peak-tflops", "-5"], ["--peak-tflops must be a positive number"]),
         "ulysses degree 0": (["--cp-impl", "hybrid", "--ulysses-degree", "0"], ["--ulysses-degree must be >= 1"]),
         "ulysses degree alone": (["--ulysses-degree", "2"], ["--ulysses-degree 2 applies only with --cp-impl hybrid"]),
+        # (these three until 2026-12-04: accepted; 1e11 hung in its first step)
+        "global batch past the data": (["--global-batch", "100000000000"],
+                                       ["--global-batch 100000000000 is more samples than --data holds (40)"]),
+        "template date, undated template": (["--template-date", "2024-01-01"],
+                                            ["the chat template writes no date", "drop --template-date"]),
+        "out inside the model": (["--out", os.path.join(assets["model"], "run")],
+                                 ["lies inside --model", "pass a directory outside it"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
         for phrase in phrases:
             assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
+    assert not os.path.exists(os.path.join(assets["model"], "run"))
+    (broken := tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }\n")
+    msg = startup_error(train_argv(assets, out, "--chat-template", str(broken)))   # (was: "fix the record")
+    assert msg == "--chat-template: the template is not valid Jinja (line 1: unexpected '}'): fix the template", msg
     missing = str(tmp_path / "nope.jsonl")
     msg = startup_error(train_argv(assets, out, "--data", missing))
     assert "--data" in msg and missing in msg and "does not exist" in msg, msg

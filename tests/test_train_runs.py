@@ -452,7 +452,19 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "lr inf": (["--lr", "inf"], ["--lr must be a finite number, got inf"]),
     "clip nan": (["--clip", "nan"], ["--clip must be a finite number"]),
     "keep-ckpts 0": (["--keep-ckpts", "0"], ["--keep-ckpts must be >= 1"]),
-    "timeout 0": (["--timeout", "0"], ["--timeout must be > 0"]),
+    "timeout 0": (["--timeout", "0"], ["--timeout must be >= 1 minute"]),
+    # (until 2026-12-04: the watchdog ended the job in its first step, a stack dump and exit 3)
+    "timeout tiny": (["--timeout", "0.0001"], ["--timeout must be >= 1 minute", "got 0.0001"]),
+    # (these five until 2026-12-04: refused after the data were tokenized, or accepted and ignored or run)
+    "offload without ac": (["--offload-activations", "--no-ac"], ["--offload-activations moves the checkpoints",
+                                                                  "drop --no-ac"]),
+    "ac-group beyond the layers": (["--ac-group", "9"], ["--ac-group 9 is more than the model's 2 blocks",
+                                                         "use at most --ac-group 2"]),
+    "eval-every without eval-data": (["--eval-every", "2"], ["--eval-every 2 evaluates on --eval-data, which is "
+                                                             "not given"]),
+    "max-len 1": (["--max-len", "1"], ["--max-len must be >= 2 (one input and one target), got 1"]),
+    "lora-r beyond a projection's rank": (["--lora-r", "17"], ["--lora-r 17 is more than the rank of k_proj (48 -> "
+                                                               "16), v_proj (48 -> 16)", "use --lora-r 16 or less"]),
     "save-minutes negative": (["--save-minutes", "-1"], ["--save-minutes must be >= 0, got -1"]),
     "save-minutes nan": (["--save-minutes", "nan"], ["--save-minutes must be a finite number, got nan"]),
     "ac-group 0": (["--ac-group", "0"], ["--ac-group must be >= 1", "got 0"]),
