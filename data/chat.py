@@ -1,7 +1,9 @@
 """Chat records: which characters of a rendered conversation are targets, and where a long one is cut.
 
 Contract:
-- `chat_tokens(tokenizer, messages, where)` -> (ids, target flags, the [t0, t1) tokens of the chat's document or None).
+- `chat_tokens(tokenizer, messages, where, tools=None)` -> (ids, target flags, the [t0, t1) tokens of the chat's
+  document or None); `tools`, a record's tool definitions, are rendered with every rendering below (`with_tools`: a
+  template that writes none refuses them).
 - The conversation is rendered with `tokenizer.apply_chat_template(tokenize=False)`
   and the rendered string is encoded with `add_special_tokens=False` (the template writes its own
   BOS), which is exactly what `apply_chat_template(tokenize=True)` produces. Only assistant turns
@@ -54,13 +56,59 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool, where: str 
                         "record, or render it with another --chat-template") from e
 
 
+class _WithTools:
+    """The tokenizer, rendering every conversation with one record's tool definitions (`tools=`)."""
+
+    def __init__(self, tokenizer, tools: list):
+        self._tok, self._tools = tokenizer, tools
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *a, **k):
+        return self._tok(*a, **k)
+
+    def apply_chat_template(self, messages, **k):
+        return self._tok.apply_chat_template(messages, tools=self._tools, **k)
+
+
+def _key(tokenizer) -> str:
+    """What the per-template answers below are cached under: the template's text, and whether tools are rendered
+    (Mistral v0.3 writes them before the last user message, which moves as a conversation grows)."""
+    return repr(getattr(tokenizer, "chat_template", None)) + ("+tools" if isinstance(tokenizer, _WithTools) else "")
+
+
+_WRITES_TOOLS: dict = {}   # chat template text -> whether it writes the tools it is given
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_9f3c1a", "description": "a probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+
+
+def with_tools(tokenizer, tools: list | None, where: str):
+    """The tokenizer rendering with `tools` (None: the tokenizer itself); a template that writes no tools refused."""
+    if not tools:
+        return tokenizer
+    template = repr(getattr(tokenizer, "chat_template", None))
+    if template not in _WRITES_TOOLS:
+        probe = [{"role": "user", "content": "Hi"}]
+        try:
+            _WRITES_TOOLS[template] = "probe_9f3c1a" in tokenizer.apply_chat_template(
+                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=False)
+        except Exception:   # noqa: BLE001 (a template that refuses the probe: asked again on the record)
+            _WRITES_TOOLS[template] = None
+    if _WRITES_TOOLS[template] is False:
+        raise DataError(f"{where}: the record has \"tools\", which the chat template does not write (it reads no "
+                        "tools): the model would learn to call tools it never sees defined. Render it with a "
+                        "template that writes them (--chat-template FILE), or drop \"tools\"")
+    return _WithTools(tokenizer, tools)
+
+
 _WRITES_PROMPT: dict = {}   # chat template text -> whether it writes a generation prompt
 
 
 def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
     """The rendering up to where the next assistant turn's text starts (None if it cannot render, or the template
     ignores add_generation_prompt: that rendering then ends before the turn's role header)."""
-    template, probe = repr(getattr(tokenizer, "chat_template", None)), [{"role": "user", "content": "Hi"}]
+    template, probe = _key(tokenizer), [{"role": "user", "content": "Hi"}]
     if template not in _WRITES_PROMPT:   # (asked once per template, not per turn)
         try:
             _WRITES_PROMPT[template] = render(tokenizer, probe, True) != render(tokenizer, probe, False)
@@ -126,7 +174,7 @@ def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -
     turn) that is the turn's: the text it writes there also when a message follows (a trailer written after the
     last turn only, Phi-3's EOS, is not), trailing whitespace off. Where the probe cannot tell, all of it."""
     rest = through[ce:]
-    template = repr(getattr(tokenizer, "chat_template", None))
+    template = _key(tokenizer)
     if template not in _TRAILER:   # (asked once per template: most write nothing after the last turn alone)
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
         try:
@@ -157,6 +205,37 @@ def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -
         return rest[:n].rstrip()
 
 
+def _after(full: str, before: str, lo: int, least: int = 4) -> int:
+    """Where the longest tail of `before` found in `full` ending at `lo` or later ends (its first such occurrence: the
+    previous turn, ending at `lo`, may be part of it), or -1 when even `least` characters of it are not there. (A tail
+    found implies each shorter one is: a binary search over its length.)"""
+    found = lambda k: full.find(before[len(before) - k:], max(0, lo - k)) if k else lo
+    a, b = 0, len(before)
+    while a < b:
+        k = (a + b + 1) // 2
+        a, b = (k, b) if found(k) >= 0 else (a, k - 1)
+    return found(a) + a if a >= min(least, len(before)) and a else -1
+
+
+def _start_after(full: str, through: str, given_at: int, between: list[dict], lo: int) -> int:
+    """Where a turn starts in `full` when the conversation before it renders otherwise once it is the last turn
+    (`through`, where it starts at `given_at`): after the messages `between` it and the previous turn (which ends at
+    `lo`), their contents found in order, and the text `through` writes between the last of them and the turn
+    (' [/INST]'); else after the longest tail of what `through` writes before the turn (`_after`). -1: not found."""
+    texts = [m["content"].strip() for m in between if isinstance(m.get("content"), str) and m["content"].strip()
+             and m["role"] != "system"]   # (Mistral moves the system prompt onto the last user message)
+    pos, q = lo, through.rfind(texts[-1], 0, given_at) if texts else -1
+    for t in texts:   # (in order: a tool result or question repeated earlier in the conversation is passed over)
+        if (k := full.find(t, pos)) < 0:
+            break
+        pos = k + len(t)
+    else:
+        if q >= 0 and full.startswith(markup := through[q + len(texts[-1]):given_at], pos):
+            return pos + len(markup)
+    # else the longest tail of what `through` writes before the turn (a short text, '1', may occur inside another)
+    return _after(full, through[:given_at], lo)
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn in it."""
     full = render(tokenizer, messages, False, where)
@@ -184,8 +263,13 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             start = h + len(header) if h >= 0 else given_at
         elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end)) >= 0:
             start = h + len(header)   # a turn rendered otherwise once later turns follow: after its role header
-        else:
-            start = full.find(content, prev_end)
+        else:   # the conversation before it renders otherwise once it is the last turn (Mistral v0.3 writes the
+            # tools and the system prompt before the last user message): it starts where the text just before it,
+            # as it renders as the last turn, ends in the full rendering
+            prev = max((j for j in range(i) if messages[j]["role"] == "assistant"), default=-1)
+            start = _start_after(full, through, given_at, messages[prev + 1:i], prev_end) if at >= 0 else -1
+            if start < 0 and content:
+                start = full.find(content, prev_end)
         if start < 0 or at < 0:
             raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
         # What the template writes after the content as the turn's own (tool calls, '<|im_end|>', ' </s>'): what it
@@ -246,8 +330,11 @@ def document_chars(full: str, messages: list[dict], spans) -> tuple[int, int] | 
     return (at, at + len(longest)) if at >= 0 and (not spans or at + len(longest) <= spans[0][0]) else None
 
 
-def chat_tokens(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool], tuple | None]:
-    """Token ids, target flags and the [t0, t1) tokens of the chat's document (`document_chars`; None: unknown)."""
+def chat_tokens(tokenizer, messages: list[dict], where: str,
+                tools: list | None = None) -> tuple[list[int], list[bool], tuple | None]:
+    """Token ids, target flags and the [t0, t1) tokens of the chat's document (`document_chars`; None: unknown).
+    `tools`: the record's tool definitions, rendered where the template writes them (`with_tools`)."""
+    tokenizer = with_tools(tokenizer, tools, where)
     full, spans = assistant_char_spans(tokenizer, messages, where)
     doc = document_chars(full, messages, spans)
     try:
@@ -290,12 +377,16 @@ def _strings(value, key: str):
             yield from _strings(v, f"{key}[{n}]")
 
 
-def check_chat_content(messages: list[dict], specials, where: str) -> None:
+def check_chat_content(messages: list[dict], specials, where: str, tools: list | None = None) -> None:
     """Refuse a message any of whose text (content, reasoning_content, tool calls: whatever the template may render)
-    holds a special token: the rendering would hold that control token, a turn boundary the conversation does not
-    have (a fake turn, an answer that stops early)."""
+    holds a special token, or a tool definition that does: the rendering would hold that control token, a turn
+    boundary the conversation does not have (a fake turn, an answer that stops early)."""
     if not specials:
         return
+    for key, text in _strings(tools or [], "tools"):
+        if hit := specials.search(text):
+            raise DataError(f"{where}: {key} holds the special token {hit.group()!r} (at character {hit.start()}), "
+                            "which encodes as that control token, not as text; remove or respell it")
     for i, m in enumerate(messages):
         for key, text in _strings(m, ""):
             if hit := specials.search(text):

@@ -7,11 +7,14 @@ Contract:
                                                             completion (and EOS) are targets
     {"messages": [{"role": "...", "content": "..."}, ...]}  rendered with the checkpoint's chat
                                                             template; only assistant turns are targets
-  Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
-  `reasoning_content`) are kept and passed to the chat template.
+  A "messages" record may carry "tools" (the tool definitions, as a list of JSON schemas or a string holding
+  one, OpenAI's and the Hub's form): passed to the chat template (`apply_chat_template(tools=...)`), which writes them
+  where the model expects them. Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
+  `reasoning_content`, `tool_calls`) are kept and passed to the chat template.
 - `load_jsonl(path)` returns the records in file order, each normalised to
   `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
-  `{"line": n, "messages": [...]}` (`n` is 1-based, kept so that later stages can still name the line).
+  `{"line": n, "messages": [...]}` (plus `"tools": [...]` when given) (`n` is 1-based, kept so that later stages can
+  still name the line).
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -87,6 +90,25 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
         raise line_error(path, n, f'no message has role "assistant" (roles found: {roles})')
 
 
+def _tools(tools: object, path: str | Path, n: int) -> list | None:
+    """A record's "tools": a list of objects (JSON schemas), or a string holding one (how many Hub datasets store
+    them); None or an empty list: none."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise line_error(path, n, f'"tools" is a string that is not JSON ({e.msg} at column {e.colno}): give '
+                                      'the list of tool schemas itself, or a string holding it') from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise line_error(path, n, f'"tools" must be a list of tool schemas (objects, e.g. {{"type": "function", '
+                                  f'"function": {{"name": ..., "parameters": ...}}}}), got {type(tools).__name__}'
+                                  + (" of " + ", ".join(sorted({type(t).__name__ for t in tools}))
+                                     if isinstance(tools, list) else ""))
+    return tools
+
+
 def _lone_surrogates(raw: str):
     """Where each \\uD800-\\uDFFF escape of `raw` that is not half of a high-low pair starts."""
     at = 0
@@ -128,6 +150,9 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
     kinds = [k for k in KINDS if k in obj] + (["completion"] if "completion" in obj and "prompt" not in obj else [])
     if len(kinds) > 1:
         raise line_error(path, n, f"has {' and '.join(repr(k) for k in kinds)}; use one kind per line")
+    if obj.get("tools") and not has_messages:   # (rendered by a chat template only)
+        raise line_error(path, n, '"tools" goes with a "messages" record (the chat template writes the tool '
+                                  'definitions); a text or prompt/completion record holds its own text')
     if "prompt" in obj or "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj.get(key), str):
@@ -146,7 +171,8 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
         return {"line": n, "text": text}
     if has_messages:
         _check_messages(obj["messages"], path, n)
-        return {"line": n, "messages": obj["messages"]}
+        tools = _tools(obj.get("tools"), path, n)
+        return {"line": n, "messages": obj["messages"], **({"tools": tools} if tools else {})}
     keys = sorted(obj)[:8]
     raise line_error(path, n, f'has none of "text", "prompt"/"completion", "messages" (keys: {keys})'
                               + _alias_hint(obj, ("prompt", "completion", "messages")))

@@ -235,9 +235,8 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, log, sha, day, warn, args.long_text)
     given = getattr(args, "template_date", None)
-    if given is not None and not dated(tokenizer.chat_template):   # before any tokenizing
-        raise ValueError(f"--template-date {given}: the chat template writes no date (no strftime_now), so the day "
-                         "changes nothing: drop --template-date")
+    if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
+        log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
     (train, ev), day = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)),

@@ -261,8 +261,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
             where = f"{path}, line {r.get('line', '?')}"
-            check_chat_content(r["messages"], specials, where)
-            ids, flags, doc = chat_tokens(tokenizer, r["messages"], where)
+            check_chat_content(r["messages"], specials, where, r.get("tools"))
+            ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
         stats.longest = max(stats.longest, len(ids))
         n_ids = len(ids)
         if len(ids) > max_len and "text" in r and long_text == "split":   # every token trained, in windows

@@ -388,6 +388,73 @@ def test_chat_targets_equal_transformers_mask_on_random_conversations(tok, templ
     assert refused <= 30, f"{refused} of 60 refused: too few compared"
 
 
+# Tool definitions as Qwen2.5 writes them (a system turn listing them first) and as Mistral v0.3 does (before the LAST
+# user message: where they sit moves as the conversation grows, so no earlier turn's rendering is a prefix).
+QWEN_TOOLS = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for t in tools %}"
+              "{{- '\\n' + (t | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}")
+MISTRAL_TOOLS = DROPS_CONTENT_TAGGED.replace(
+    "{{- bos_token }}", "{{- bos_token }}{%- set ns = namespace(last=-1) %}{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}").replace(
+    "{%- if m['role'] == 'user' %}{{- '[INST] '", "{%- if m['role'] == 'user' %}{%- if tools and loop.index0 == "
+    "ns.last %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + ' [/AVAILABLE_TOOLS]' }}{%- endif %}{{- '[INST] '")
+TOOLS = [{"type": "function", "function": {"name": "get_w", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "mistral"])
+def test_a_records_tools_are_rendered_and_targets_equal_transformers_mask(tok, tmp_path, template):
+    """A "messages" record's "tools" (a list of schemas, or a string holding one) reach the chat template, which
+    writes them where the model reads them (until 2026-12-04 the key was ignored: the model learned to call tools it
+    never saw defined); the targets equal transformers' assistant mask rendered with the same tools, over 40 random
+    tool-calling conversations, also under Mistral's form that writes them before the last user message."""
+    tok.chat_template = MISTRAL_TOOLS if template == "mistral" else QWEN_TOOLS + _tool_template(False)
+    assert "[AVAILABLE_TOOLS]" in MISTRAL_TOOLS, "the replace above found nothing"
+    rng, refused = random.Random(template), 0
+    for n in range(40):
+        msgs = _random_tool_chat(rng)
+        try:
+            (s,), _ = tokenize_records([{"messages": msgs, "tools": TOOLS, "line": n}], tok, 10_000)
+        except DataError as e:
+            assert "does not write assistant message" in str(e) and template == "mistral", (msgs, e)
+            refused += 1
+            continue
+        ref = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert s["input_ids"] == ref["input_ids"] and "the weather in a city" in tok.decode(s["input_ids"])
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (msgs, target_runs(tok, s))
+        compared = msgs
+    assert refused <= 20, f"{refused} of 40 refused: too few compared"
+    path = tmp_path / "tools.jsonl"   # the string form many Hub datasets use: the same tokens
+    path.write_text("\n".join(json.dumps({"messages": compared, "tools": t}) for t in (TOOLS, json.dumps(TOOLS)))
+                    + "\n")
+    ref = tok.apply_chat_template(compared, tools=TOOLS, tokenize=True, return_dict=True)
+    (a, b), _ = tokenize_records(load_jsonl(path), tok, 10_000, path)
+    assert a["input_ids"] == b["input_ids"] == ref["input_ids"]
+
+
+def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, tmp_path):
+    """A template that reads no tools (the model would train on calls to tools it never sees) is refused naming the
+    line; so are "tools" on a text record, a "tools" string that is not JSON, a list of non-objects, and a tool
+    description holding a special token's text."""
+    msgs = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+    tok.chat_template = NO_PROMPT_TAGGED
+    with pytest.raises(DataError, match=r"line 3: the record has \"tools\", which the chat template does not write"):
+        tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 3}], tok, 10_000)
+    assert tokenize_records([{"messages": msgs, "line": 3}], tok, 10_000)[0], "without tools it trains"
+    for line, said in ((json.dumps({"text": "x", "tools": TOOLS}), '"tools" goes with a "messages" record'),
+                       (json.dumps({"messages": msgs, "tools": "[{oops"}), '"tools" is a string that is not JSON'),
+                       (json.dumps({"messages": msgs, "tools": ["get_w"]}), '"tools" must be a list of tool schemas')):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(line + "\n")
+        with pytest.raises(DataError, match=f"line 1: {said}"):
+            load_jsonl(path)
+    tok.chat_template = QWEN_TOOLS + _tool_template(False)
+    bad = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "ends <|im_end|>"}}]
+    with pytest.raises(DataError, match=r"line 4: tools\[0\].function.description holds the special token"):
+        tokenize_records([{"messages": msgs, "tools": bad, "line": 4}], tok, 10_000)
+
+
 def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
     """A tokenizer without offsets (slow, python) finds the same turns, tool calls and end markers (what the template
     writes after an answer is compared by characters, to a whitespace, instead of by tokens)."""

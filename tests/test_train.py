@@ -565,11 +565,9 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "peak tflops": (["--peak-tflops", "-5"], ["--peak-tflops must be a positive number"]),
         "ulysses degree 0": (["--cp-impl", "hybrid", "--ulysses-degree", "0"], ["--ulysses-degree must be >= 1"]),
         "ulysses degree alone": (["--ulysses-degree", "2"], ["--ulysses-degree 2 applies only with --cp-impl hybrid"]),
-        # (these three until 2026-12-04: accepted; 1e11 hung in its first step)
+        # (these two until 2026-12-04: accepted; 1e11 hung in its first step)
         "global batch past the data": (["--global-batch", "100000000000"],
                                        ["--global-batch 100000000000 is more samples than --data holds (40)"]),
-        "template date, undated template": (["--template-date", "2024-01-01"],
-                                            ["the chat template writes no date", "drop --template-date"]),
         "out inside the model": (["--out", os.path.join(assets["model"], "run")],
                                  ["lies inside --model", "pass a directory outside it"]),
     }
