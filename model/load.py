@@ -177,10 +177,15 @@ def check_weight_headers(path: str) -> None:
     """Every safetensors file the loader reads has a header that fits it (read_header: a few KB each), so a Git LFS
     pointer or a truncated download is said at start-up, before a run directory or process group exists."""
     if os.path.isdir(path):
-        files, _ = weight_files(path)
+        files, wmap = weight_files(path)
+        if not files:   # (said here, not once the run directory is made)
+            raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with transformers' "
+                                    "save_pretrained(safe_serialization=True)")
         for fn in files:
-            if os.path.isfile(os.path.join(path, fn)):   # (a missing one: the loader names it)
-                read_header(os.path.join(path, fn))
+            if not os.path.isfile(os.path.join(path, fn)):
+                raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {os.path.join(path, INDEX)}, is "
+                                        "missing; re-download the checkpoint")
+            read_header(os.path.join(path, fn))
 
 
 def _check_dir(path: str):

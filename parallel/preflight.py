@@ -136,8 +136,8 @@ def check_start(args, demo: bool):
                              "the model's (and travel with every copy of it); pass a directory outside it")
     # what its files hold (a resume must find the same base, not only the same path); a Hub model's commit is compared
     args.model_sha256 = None if demo or hub_snapshot(args.model) else model_fingerprint(args.model)
-    if args.model_sha256:   # its weight files are whole (not a Git LFS pointer, a cut download): said before anything
-        check_weight_headers(args.model)
+    if not demo and not hub_snapshot(args.model):   # its weight files are there and whole (not a Git LFS pointer, a
+        check_weight_headers(args.model)   # cut download): said before anything
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)

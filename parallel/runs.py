@@ -73,6 +73,14 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         return   # a fresh directory (or, with --resume, the checkpoint's own run) is chosen by claim()
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a file, not a directory; pass a directory path")
+    if os.path.islink(out) and not os.path.exists(out):
+        raise ValueError(f"--out {out!r} is a link to {os.readlink(out)!r}, which does not exist: create that "
+                         "directory, or pass another --out")
+    up = os.path.dirname(os.path.abspath(out))
+    while up and not os.path.exists(up):
+        up = os.path.dirname(up) if os.path.dirname(up) != up else ""
+    if up and not os.path.isdir(up):
+        raise ValueError(f"--out {out!r}: {up!r} is a file, so no directory can be made under it; pass another --out")
     used = _entries(out)
     if not used:
         return

@@ -92,7 +92,8 @@ def test_used_out_refused_and_untouched(tmp_path):
     _refused(lambda: runs.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
     _refused(lambda: runs.claim(out, resume=os.path.join(other, "ckpt")), "would mix two runs")
     _refused(lambda: runs.claim(str(tmp_path / "afile")), "is a file", "directory")
-    _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out", "NotADirectoryError")
+    _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out",
+             "is a file, so no directory can be made under it")
     _refused(lambda: runs.claim(str(foreign), overwrite=True), "--overwrite refuses", "cat.jpg",
              "not a train.py run directory")
     # another tool's project folder with train.py's names in it (until 2026-12-03 --overwrite deleted its ckpt/ and

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import traceback
 
@@ -576,6 +577,18 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         for phrase in phrases:
             assert phrase in msg, f"{label}: {phrase!r} not in {msg!r}"
     assert not os.path.exists(os.path.join(assets["model"], "run"))
+    # (these three until 2026-12-04: said after the data were tokenized, the run directory made, or as an OSError)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    (tmp_path / "afile").write_text("x")
+    for where, said in ((tmp_path / "dangling", "which does not exist: create that directory"),
+                        (tmp_path / "afile" / "run", f"{str(tmp_path / 'afile')!r} is a file, so no directory")):
+        msg = startup_error(train_argv(assets, str(where), "--steps", "1"))
+        assert f"--out {str(where)!r}" in msg and said in msg, msg
+    bare = tmp_path / "no_weights"
+    shutil.copytree(assets["model"], bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    msg = startup_error(train_argv({**assets, "model": str(bare)}, out))
+    assert msg == f"no *.safetensors in {str(bare)!r}; convert the checkpoint with transformers' " \
+                  "save_pretrained(safe_serialization=True)", msg
     (broken := tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }\n")
     msg = startup_error(train_argv(assets, out, "--chat-template", str(broken)))   # (was: "fix the record")
     assert msg == "--chat-template: the template is not valid Jinja (line 1: unexpected '}'): fix the template", msg
