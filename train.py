@@ -37,7 +37,7 @@ from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token
-from model.load import read_args, same_snapshot
+from model.load import check_config_shapes, read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
@@ -216,6 +216,7 @@ def main(argv=None):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
+        check_config_shapes(args.model, margs)   # weights of another config.json: said before the data
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]   # (resolved by check_start)
         meshes = dims.build_mesh(dt)
 

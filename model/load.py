@@ -188,6 +188,36 @@ def check_weight_headers(path: str) -> None:
             read_header(os.path.join(path, fn))
 
 
+def check_config_shapes(path: str, margs) -> None:
+    """The weight headers against config.json's sizes, for the tensors every supported decoder has (the embedding, each
+    layer's projections): weights that are not config.json's (another size of the family, a config.json copied
+    from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built."""
+    if not os.path.isdir(path):
+        return
+    d, q, kv, f = margs.dim, margs.n_heads * margs.head_dim, margs.n_kv_heads * margs.head_dim, margs.intermediate_size
+    want = {"model.embed_tokens.weight": (margs.vocab_size, d)}
+    for i in range(margs.n_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        want.update({a + "q_proj.weight": (q, d), a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d),
+                     a + "o_proj.weight": (d, q), m + "gate_proj.weight": (f, d), m + "up_proj.weight": (f, d),
+                     m + "down_proj.weight": (d, f)})
+    files, wmap = weight_files(path)
+    have = {}
+    for fn in files:   # (headers only, a few KB a file: check_weight_headers read them whole at start-up)
+        header, _ = read_header(os.path.join(path, fn))
+        have.update({n: (tuple(h[1]), fn) for n, h in header.items() if wmap is None or wmap.get(n) == fn})
+    missing = sorted(n for n in want if n not in have)
+    if missing:
+        raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
+                         f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): config.json is not these "
+                         "weights' (num_hidden_layers?), or the download is incomplete")
+    bad = [f"{n} in {os.path.join(path, have[n][1])}: checkpoint {list(have[n][0])}, config.json implies {list(s)}"
+           for n, s in want.items() if have[n][0] != tuple(s)]
+    if bad:
+        raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
+                         "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+
+
 def _check_dir(path: str):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist; pass --model a directory "

@@ -180,6 +180,8 @@ def parse_args(argv, run_parser, demo: dict):
         make_demo(os.path.dirname(demo["model"]))
         p.set_defaults(**demo)
         args = p.parse_args(argv)
+    elif args.model is None:   # (--data alone: the plan reads config.json, so it needs the model, not the data)
+        p.error("--plan needs --model DIR (or a Hub id): it plans from the model's config.json; --data is not read")
     args.auto = auto
     return args
 

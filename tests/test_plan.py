@@ -359,11 +359,13 @@ def test_a_run_given_max_len_auto_is_told_to_ask_the_planner(capsys):
 @pytest.mark.parametrize("flags,said", [(["--gpu-mem", "0"], "--gpu-mem must be a positive number of GB, got 0.0"),
                                         (["--gpu-mem", "nan"], "--gpu-mem must be a positive number of GB, got nan"),
                                         (["--host-mem", "inf"], "--host-mem must be a positive number of GB, got inf"),
-                                        (["--world-size", "0"], "--world-size must be >= 1, got 0")])
+                                        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+                                        (["--data", "x.jsonl"], "--plan needs --model DIR")])
 def test_the_planners_own_flags_are_checked(capsys, flags, said):
-    """(until 2026-12-04: --gpu-mem 0 and --world-size 0 read as not given, NaN planned as nothing fitting)"""
-    with pytest.raises(SystemExit) as exc:
-        run_plan("--model", Q7, "--max-len", "4096", *flags)
+    """(until 2026-12-04: --gpu-mem 0 and --world-size 0 read as not given, NaN planned as nothing fitting, --data
+    without --model a TypeError traceback)"""
+    with pytest.raises(SystemExit) as exc:   # (with --data and no --model: no model)
+        run_plan(*([] if "--data" in flags else ["--model", Q7]), "--max-len", "4096", *flags)
     assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
