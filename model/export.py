@@ -295,7 +295,11 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)
     scale = acfg["lora_alpha"] / (math.sqrt(acfg["r"]) if acfg.get("use_rslora") else acfg["r"])
-    lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    try:
+        lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    except Exception as e:   # noqa: BLE001 - safetensors' own error for a cut or foreign file: said, before writing
+        raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
+                         f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k)
     if other:   # before anything is written
         raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights ({', '.join(other[:3])}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -276,6 +277,8 @@ def check_model_flags(args, margs) -> None:
         raise ValueError(f"--lora-r {args.lora_r} is more than the rank of {', '.join(over)}: use --lora-r "
                          f"{min(min(shapes[t]) for t in args.lora_targets.split(',') if t in shapes)} or less, or "
                          "leave those projections out of --lora-targets")
+    if getattr(args, "init_adapter", None) and not getattr(args, "resume", None):
+        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers)
     blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)
     if group > margs.n_layers:
         raise ValueError(f"--ac-group {group} is more than the model's {margs.n_layers} blocks (one checkpoint would "
@@ -284,6 +287,27 @@ def check_model_flags(args, margs) -> None:
     if blocks is not None and blocks > margs.n_layers:
         raise ValueError(f"--ac-blocks {blocks} is more than the model's {margs.n_layers} blocks; omit it to "
                          "checkpoint them all")
+
+
+def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
+    """--init-adapter's LoRA tensors (their safetensors header) fit this model's projections (`shapes`: name -> (in,
+    out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in."""
+    from model.load import read_header
+    header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
+    bad = []
+    for k, h in sorted(header.items()):
+        if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.", k)) or m[2] not in shapes:
+            continue
+        i, o = shapes[m[2]]
+        want = (r, i) if m[3] == "A" else (o, r)
+        if int(m[1]) >= n_layers:
+            bad.append(f"{k} (layer {m[1]}; the model has {n_layers})")
+        elif tuple(h[1]) != want:
+            bad.append(f"{k} {list(h[1])}, this model's {list(want)}")
+    if bad:
+        raise ValueError(f"--init-adapter {path!r} does not fit this --model: {len(bad)} LoRA tensors differ "
+                         f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it was trained on another model; "
+                         "pass an adapter of this one")
 
 
 def validate(args, margs, world: int):

@@ -404,6 +404,9 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert cli.main(argv) == 2
     assert "does not fit the base" in (err := capsys.readouterr().err) and "B @ A is [49, 64]" in err, err
     assert digest(out) == merged, "a refused merge touched the earlier one"
+    (adapter / "adapter_model.safetensors").write_bytes((tmp_path / "adapter_ok.safetensors").read_bytes()[:300])
+    assert cli.main(argv) == 2 and "cannot be read" in capsys.readouterr().err   # a cut file (was a traceback)
+    assert digest(out) == merged
     save_file(load_file(tmp_path / "adapter_ok.safetensors"), adapter / "adapter_model.safetensors")
     with monkeypatch.context() as m:   # a full disk: one line naming --out and the way on, exit 2 (was a traceback)
         m.setattr("model.export.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
