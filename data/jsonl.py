@@ -184,6 +184,10 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
     if not p.is_file():
         what = "is a directory, not a file" if p.is_dir() else "does not exist"
         raise DataError(f"{flag} {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
+    try:
+        p.open("rb").close()
+    except OSError as e:   # (permissions: a traceback deep in the loader otherwise)
+        raise DataError(f"{flag} {p} cannot be read ({type(e).__name__}: {e.strerror}); fix its permissions") from None
     return p
 
 

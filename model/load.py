@@ -233,9 +233,17 @@ def _check_dir(path: str):
 
 
 def _read_json(fn: str) -> dict:
-    with open(fn) as f:
+    try:
+        f = open(fn, encoding="utf-8")
+    except (PermissionError, IsADirectoryError) as e:   # (a missing one: the caller names it)
+        raise ValueError(f"{fn} cannot be read ({type(e).__name__}): fix its permissions, or copy the checkpoint "
+                         "somewhere readable") from None
+    with f:
         try:
             return json.load(f)
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{fn}: not UTF-8 text ({e.reason} at byte {e.start}); fix it or re-download "
+                                         "it") from None
         except json.JSONDecodeError as e:
             raise CorruptCheckpointError(f"{fn}: line {e.lineno}, column {e.colno}: {e.msg}; the file is "
                                          "not valid JSON: fix it or re-download it") from None

@@ -455,6 +455,24 @@ def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, 
         tokenize_records([{"messages": msgs, "tools": bad, "line": 4}], tok, 10_000)
 
 
+def test_an_unreadable_data_file_is_one_error_naming_it(tmp_path, monkeypatch):
+    """A --data file this user may not read: a DataError naming the flag, the file and the fix at start-up (until
+    2026-12-04 a PermissionError traceback from the loader). (Tests run as root, where chmod 000 reads anyway.)"""
+    from data import check_file
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "x"}\n')
+    real = Path.open
+
+    def denied(self, *a, **k):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "open", denied)
+    with pytest.raises(DataError, match=rf"--data {path} cannot be read \(PermissionError: Permission denied\); fix"):
+        check_file(path, "--data")
+
+
 def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
     """A tokenizer without offsets (slow, python) finds the same turns, tool calls and end markers (what the template
     writes after an answer is compared by characters, to a whitespace, instead of by tokens)."""
