@@ -233,9 +233,10 @@ def main(argv=None):
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
-        if args.global_batch > len(samples):   # (each step would repeat every sample; 1e11 hung in one step)
-            raise ValueError(f"--global-batch {args.global_batch} is more samples than --data holds "
-                             f"({len(samples)}): pass --global-batch {len(samples)} or less")
+        if args.global_batch > len(samples):   # allowed (a quick run on a few records), but said
+            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({len(samples)}): each "
+                 f"step takes each sample about {args.global_batch / len(samples):.3g} times (repeats add compute, "
+                 "not data)")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
         if not args.steps and (extra := steps * args.global_batch - len(samples)) > 0:   # (ceil: said, not silent)

@@ -176,6 +176,8 @@ def check_flags(args) -> None:
             raise ValueError(f"{flag} must be {need}, got {v}")
     upper = [("--timeout", args.timeout, 1e6, "<= 1e6 minutes (about two years)"),
              ("--lr", args.lr, 1.0, "<= 1 (a learning rate, e.g. 2e-4)"),
+             ("--global-batch", getattr(args, "global_batch", 1), 10 ** 7, "<= 10 million samples a step (each "
+              "step lists its samples: 1e11 hung in the first step)"),
              ("--seed", abs(getattr(args, "seed", 0)), 2 ** 40, "between -2**40 and 2**40 (it seeds torch per rank)")]
     for flag, v, bound, need in upper:   # (past these: an overflow deep in torch or datetime, late)
         if v > bound:
