@@ -490,6 +490,16 @@ def test_bad_flags_refused_before_anything(assets, tmp_path, label):
     assert not os.path.exists(out)
 
 
+def test_a_global_batch_above_the_data_trains_and_says_so(assets, tmp_path, capsys):
+    """--global-batch 50 over 40 samples (a quick run on a few records): it trains, each step taking samples more
+    than once, and a note says so (until 2026-12-04 silent; one huge hung: test_train's start-up errors)."""
+    out = str(tmp_path / "out")
+    run(train_argv(assets, out, "--steps", "1", "--global-batch", "50"))
+    assert "note: --global-batch 50 is more samples than --data holds (40): each step takes each sample about 1.25 " \
+           "times" in capsys.readouterr().out
+    assert metrics(out)[0]["epoch"] == 1.25, metrics(out)
+
+
 def test_a_forks_optimizer_refusing_the_flags_stops_before_anything(assets, tmp_path, monkeypatch):
     """make_optimizer runs once at start-up (its settings are recorded): a value it refuses that the flag checks let
     through stops the run there, in a sentence, not after the model is built."""
