@@ -342,39 +342,73 @@ def test_a_turn_whose_content_the_template_drops_beside_tool_calls(tok, tmp_path
         tokenize_records([{"messages": msgs, "line": 5}], tok, 10_000)
 
 
-def _random_tool_chat(rng) -> list[dict]:
+# Gemma-shaped: the assistant is "model", contents trimmed, roles must alternate (no system, no tools).
+GEMMA_TAGGED = (
+    "{{- bos_token }}{%- for m in messages %}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' }}{%- if m['role'] == 'assistant' %}{% generation %}"
+    "{{- m['content'] | trim + '<end_of_turn>' }}{% endgeneration %}{%- else %}"
+    "{{- m['content'] | trim + '<end_of_turn>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+# DeepSeek-V3-shaped: tool results gathered in one outputs block, and the answer after them written right after its
+# close, with no assistant header; calls after the content; EOS ends every assistant turn.
+DEEPSEEK_TAGGED = (
+    "{{- bos_token }}{%- set ns = namespace(tool=false) %}{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}{%- set ns.tool = false %}{{- '<|U|>' + m['content'] }}"
+    "{%- elif m['role'] == 'tool' %}{%- if not ns.tool %}{{- '<|outs|>' }}{%- endif %}{%- set ns.tool = true %}"
+    "{{- '<|out|>' + m['content'] + '<|/out|>' }}"
+    "{%- elif m['role'] == 'assistant' %}{%- if ns.tool %}{{- '<|/outs|>' }}{%- else %}{{- '<|A|>' }}{%- endif %}"
+    "{%- set ns.tool = false %}{% generation %}{{- m['content'] }}{%- if m.get('tool_calls') %}{{- '<|calls|>' }}"
+    "{%- for c in m['tool_calls'] %}{{- '<|call|>' + c['function']['name'] + ' ' + "
+    "(c['function']['arguments'] | tojson) + '<|/call|>' }}{%- endfor %}{{- '<|/calls|>' }}{%- endif %}"
+    "{{- eos_token }}{% endgeneration %}{%- endif %}"
+    "{%- endfor %}{%- if ns.tool %}{{- '<|/outs|>' }}{%- endif %}"
+    "{%- if add_generation_prompt and not ns.tool %}{{- '<|A|>' }}{%- endif %}")
+
+
+def _random_tool_chat(rng, tools: bool = True, runs: bool = True, reasoning: bool = False) -> list[dict]:
     """1-3 rounds; answers that are marker fragments, whitespace, reasoning (repeated in a later turn, or only an empty
-    think block); 40% of turns call 1-2 tools first (content empty, whitespace, text); 20% two answers in a row."""
+    think block); 40% of turns call 1-2 tools first (content empty, whitespace, text); 20% two answers in a row;
+    `reasoning`: 30% of answers carry a "reasoning_content" key (Qwen3's form of a separate think block)."""
     answers = ["d", "im", "end", "", " ", "Paris.", "e ", "\nim", "<think>\nx\n</think>\n\nok", "INST", "  two  words ",
                "<think>\n\n</think>\n\n", "ok"]
     msgs = [{"role": "user", "content": rng.choice(["Q?", "Hi", "x y"])}]
+    think = lambda: {"reasoning_content": rng.choice(["think", "", "\nhmm\n"])} if reasoning and rng.random() < 0.3 \
+        else {}
     for turn in range(rng.randint(1, 3)):
-        if rng.random() < 0.4:
+        if tools and rng.random() < 0.4:
             calls = [{"type": "function", "function": {"name": rng.choice(["f", "get_w"]), "arguments": {"x": k}}}
                      for k in range(rng.randint(1, 2))]
             said = rng.choice(["", "", " ", "\n", "Let me see."])
-            msgs += [{"role": "assistant", "content": said, "tool_calls": calls},
+            msgs += [{"role": "assistant", "content": said, "tool_calls": calls, **think()},
                      {"role": "tool", "content": rng.choice(["1", "sunny"])}]
-        msgs.append({"role": "assistant", "content": rng.choice(answers)})
-        if rng.random() < 0.2:
+        msgs.append({"role": "assistant", "content": rng.choice(answers), **think()})
+        if runs and rng.random() < 0.2:
             msgs.append({"role": "assistant", "content": rng.choice(answers)})
         if turn < 2 and rng.random() < 0.7:
             msgs.append({"role": "user", "content": rng.choice(["And?", "ok"])})
     return msgs if msgs[-1]["role"] == "assistant" else msgs + [{"role": "assistant", "content": "fine"}]
 
 
-@pytest.mark.parametrize("template", ["qwen2.5_tools", "qwen3_tools", "drops_content", "eos_last", "no_prompt"])
+@pytest.mark.parametrize("template", ["qwen2.5_tools", "qwen3_tools", "qwen3_reasoning", "drops_content", "eos_last",
+                                      "no_prompt", "gemma", "deepseek"])
 def test_chat_targets_equal_transformers_mask_on_random_conversations(tok, template):
-    """60 random conversations per template shape (tool calls, marker fragments, whitespace, reasoning) against
+    """60 random conversations per template shape (tool calls, marker fragments, whitespace, reasoning, Qwen3's
+    reasoning_content, Gemma's trimmed alternating turns, DeepSeek's answer after a tool-outputs block) against
     transformers' assistant mask; the only refusals are a content the template does not write."""
     import random
 
+    qwen3_reasoning = _tool_template(True).replace(SPLIT_THINK, SPLIT_THINK + (
+        "{%- if m.get('reasoning_content') is string %}{%- set thought = m['reasoning_content'].strip('\\n') %}"
+        "{%- set answer = m['content'] %}{%- endif %}"), 1)   # (as Qwen3's: then the content is not split)
     tok.chat_template = {"qwen2.5_tools": _tool_template(False), "qwen3_tools": _tool_template(True),
-                         "drops_content": DROPS_CONTENT_TAGGED, "eos_last": EOS_LAST_TAGGED,
-                         "no_prompt": NO_PROMPT_TAGGED}[template]
+                         "qwen3_reasoning": qwen3_reasoning, "drops_content": DROPS_CONTENT_TAGGED,
+                         "eos_last": EOS_LAST_TAGGED, "no_prompt": NO_PROMPT_TAGGED, "gemma": GEMMA_TAGGED,
+                         "deepseek": DEEPSEEK_TAGGED}[template]
+    assert template != "qwen3_reasoning" or "reasoning_content" in tok.chat_template
     rng, refused = random.Random(template), 0
     for n in range(60):
-        msgs = _random_tool_chat(rng)
+        msgs = _random_tool_chat(rng, tools=template != "gemma", runs=template != "gemma",
+                                 reasoning=template == "qwen3_reasoning")
         try:
             (s,), _ = tokenize_records([{"messages": msgs, "line": n}], tok, 10_000)
         except DataError as e:
