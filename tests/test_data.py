@@ -431,17 +431,34 @@ MISTRAL_TOOLS = DROPS_CONTENT_TAGGED.replace(
     "{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}").replace(
     "{%- if m['role'] == 'user' %}{{- '[INST] '", "{%- if m['role'] == 'user' %}{%- if tools and loop.index0 == "
     "ns.last %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + ' [/AVAILABLE_TOOLS]' }}{%- endif %}{{- '[INST] '")
+# Llama-3.1-shaped: the tool definitions open the FIRST user message; a turn of tool calls writes them in place of its
+# content; the tool result is its own header's turn.
+LLAMA_TOOLS = (
+    "{{- bos_token }}{%- set ns = namespace(done=false) %}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if m['role'] == 'user' and tools and not ns.done %}{{- 'Functions:\\n' }}{%- for t in tools %}"
+    "{{- (t | tojson) + '\\n' }}{%- endfor %}{%- set ns.done = true %}{%- endif %}"
+    "{%- if m['role'] == 'assistant' %}{% generation %}{%- if m.get('tool_calls') %}{%- for c in m['tool_calls'] %}"
+    "{{- '{\"name\": \"' + c['function']['name'] + '\", \"parameters\": ' }}"
+    "{{- (c['function']['arguments'] | tojson) + '}' }}"
+    "{%- endfor %}{%- else %}{{- m['content'] }}{%- endif %}{{- '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else %}{{- m['content'] + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 TOOLS = [{"type": "function", "function": {"name": "get_w", "description": "the weather in a city",
                                            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
 
 
-@pytest.mark.parametrize("template", ["qwen2.5", "mistral"])
+@pytest.mark.parametrize("template", ["qwen2.5", "mistral", "llama", "named"])
 def test_a_records_tools_are_rendered_and_targets_equal_transformers_mask(tok, tmp_path, template):
     """A "messages" record's "tools" (a list of schemas, or a string holding one) reach the chat template, which
     writes them where the model reads them (until 2026-12-04 the key was ignored: the model learned to call tools it
     never saw defined); the targets equal transformers' assistant mask rendered with the same tools, over 40 random
-    tool-calling conversations, also under Mistral's form that writes them before the last user message."""
-    tok.chat_template = MISTRAL_TOOLS if template == "mistral" else QWEN_TOOLS + _tool_template(False)
+    tool-calling conversations, also under Mistral's form that writes them before the last user message, Llama
+    3.1's in the first user message, and a tokenizer's named templates (its "tool_use" one renders them)."""
+    qwen = QWEN_TOOLS + _tool_template(False)
+    tok.chat_template = {"mistral": MISTRAL_TOOLS, "llama": LLAMA_TOOLS, "qwen2.5": qwen,
+                         # a tokenizer's named templates: transformers renders "tool_use" when tools are given
+                         "named": {"default": NO_PROMPT_TAGGED, "tool_use": qwen}}[template]
     assert "[AVAILABLE_TOOLS]" in MISTRAL_TOOLS, "the replace above found nothing"
     rng, refused = random.Random(template), 0
     for n in range(40):
@@ -449,7 +466,7 @@ def test_a_records_tools_are_rendered_and_targets_equal_transformers_mask(tok, t
         try:
             (s,), _ = tokenize_records([{"messages": msgs, "tools": TOOLS, "line": n}], tok, 10_000)
         except DataError as e:
-            assert "does not write assistant message" in str(e) and template == "mistral", (msgs, e)
+            assert "does not write assistant message" in str(e) and template in ("mistral", "llama"), (msgs, e)
             refused += 1
             continue
         ref = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, return_dict=True,
