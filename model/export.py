@@ -265,14 +265,17 @@ def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
     return None
 
 
-_WEIGHTS = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|config\.json(\.tmp)?)$")
+# what transformers loads a model from (and would load instead of the new merge); other files are the user's
+_WEIGHTS = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
+                      r"pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|config\.json(\.tmp)?)$")
 
 
 def _clear_out(out_dir: str) -> list[str]:
     """Before a merge writes into `out_dir` (empty, or --force): links there are removed (never written through: a
     `cp -rs` view of another model, a shared tokenizer.json; their targets are untouched), and so are an earlier
-    model's config.json, weight files and index (its model.safetensors beside a sharded merge loads instead of it;
-    config.json goes first, so a merge stopped halfway leaves no folder that loads). Returns the names removed."""
+    model's config.json, weight files and index under the names transformers loads (its model.safetensors beside a
+    sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that
+    loads); other files (an adapter_model.safetensors of the user's) stay. Returns the names removed."""
     gone = []
     for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
         p = os.path.join(out_dir, e)

@@ -393,7 +393,10 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"
     assert _merged_tensors(out).keys() == _merged_tensors(tmp_path / "fresh").keys()
     save_file({"stale": torch.zeros(2)}, out / "model.safetensors")   # another base's one-file merge, earlier
+    save_file({"mine": torch.zeros(2)}, out / "adapter_model.safetensors")   # a user's file: not a model's name
     assert cli.main(argv) == 0 and not (out / "model.safetensors").exists()
+    assert load_file(out / "adapter_model.safetensors").keys() == {"mine"}
+    os.remove(out / "adapter_model.safetensors")
     merged = digest(out)
     shutil.copy(adapter / "adapter_model.safetensors", tmp_path / "adapter_ok.safetensors")
     lora = load_file(adapter / "adapter_model.safetensors")   # an adapter of another model: one B a row too long
