@@ -202,6 +202,12 @@ class ModelArgs:
             return None
         return int(self.sliding_window)
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features)."""
+        d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+                "up_proj": (d, f), "down_proj": (f, d)}
+
     @property
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size

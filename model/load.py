@@ -173,18 +173,26 @@ def same_model(path: str, recorded: str | None) -> bool:
     return recorded is not None and recorded in (model_fingerprint(path), model_fingerprint(path, every_file=True))
 
 
+def present_weight_files(path: str) -> tuple[list[str], dict | None]:
+    """`weight_files`, each there: a FileNotFoundError naming the fix for none at all or a shard the index names
+    that is missing."""
+    files, wmap = weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with transformers' "
+                                "save_pretrained(safe_serialization=True)")
+    for fn in files:
+        if not os.path.isfile(os.path.join(path, fn)):
+            raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {os.path.join(path, INDEX)}, is missing; "
+                                    "re-download the checkpoint")
+    return files, wmap
+
+
 def check_weight_headers(path: str) -> None:
-    """Every safetensors file the loader reads has a header that fits it (read_header: a few KB each), so a Git LFS
-    pointer or a truncated download is said at start-up, before a run directory or process group exists."""
+    """Every safetensors file the loader reads is there with a header that fits it (read_header: a few KB each), so
+    a missing shard, a Git LFS pointer or a truncated download is said at start-up, before a run directory or process
+    group exists."""
     if os.path.isdir(path):
-        files, wmap = weight_files(path)
-        if not files:   # (said here, not once the run directory is made)
-            raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with transformers' "
-                                    "save_pretrained(safe_serialization=True)")
-        for fn in files:
-            if not os.path.isfile(os.path.join(path, fn)):
-                raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {os.path.join(path, INDEX)}, is "
-                                        "missing; re-download the checkpoint")
+        for fn in present_weight_files(path)[0]:
             read_header(os.path.join(path, fn))
 
 
@@ -194,13 +202,11 @@ def check_config_shapes(path: str, margs) -> None:
     from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built."""
     if not os.path.isdir(path):
         return
-    d, q, kv, f = margs.dim, margs.n_heads * margs.head_dim, margs.n_kv_heads * margs.head_dim, margs.intermediate_size
-    want = {"model.embed_tokens.weight": (margs.vocab_size, d)}
+    want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
     for i in range(margs.n_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        want.update({a + "q_proj.weight": (q, d), a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d),
-                     a + "o_proj.weight": (d, q), m + "gate_proj.weight": (f, d), m + "up_proj.weight": (f, d),
-                     m + "down_proj.weight": (d, f)})
+        for name, (n_in, n_out) in margs.projections().items():
+            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
     files, wmap = weight_files(path)
     have = {}
     for fn in files:   # (headers only, a few KB a file: check_weight_headers read them whole at start-up)
@@ -298,16 +304,8 @@ def read_header(fn: str) -> tuple[dict, int]:
 class CheckpointReader:
     def __init__(self, path: str):
         _check_dir(path)
-        files, wmap = weight_files(path)   # the index's map is authoritative if present
+        files, wmap = present_weight_files(path)   # the index's map is authoritative if present
         index = os.path.join(path, INDEX)
-        if wmap is not None:
-            for fn in files:
-                if not os.path.isfile(os.path.join(path, fn)):
-                    raise FileNotFoundError(f"{os.path.join(path, fn)!r}, named in {index}, is missing; "
-                                            "re-download the checkpoint")
-        elif not files:
-            raise FileNotFoundError(f"no *.safetensors in {path!r}; convert the checkpoint with "
-                                    "transformers' save_pretrained(safe_serialization=True)")
         self.where, self.meta = {}, {}
         for f in files:
             fn = os.path.join(path, f)

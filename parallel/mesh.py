@@ -270,9 +270,7 @@ def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, kee
 
 def check_model_flags(args, margs) -> None:
     """The flag checks that need the model's config.json but no layout."""
-    q, kv, d, f = margs.n_heads * margs.head_dim, margs.n_kv_heads * margs.head_dim, margs.dim, margs.intermediate_size
-    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-              "up_proj": (d, f), "down_proj": (f, d)}
+    shapes = margs.projections()
     over = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in args.lora_targets.split(",")
             if t in shapes and args.lora_r > min(shapes[t])]
     if over:   # B @ A cannot have a higher rank than the projection: the extra rank is parameters and time, no more

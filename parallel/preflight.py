@@ -135,9 +135,10 @@ def check_start(args, demo: bool):
             raise ValueError(f"--out {args.out!r} lies inside --model {args.model!r}: the run's files would mix with "
                              "the model's (and travel with every copy of it); pass a directory outside it")
     # what its files hold (a resume must find the same base, not only the same path); a Hub model's commit is compared
-    args.model_sha256 = None if demo or hub_snapshot(args.model) else model_fingerprint(args.model)
-    if not demo and not hub_snapshot(args.model):   # its weight files are there and whole (not a Git LFS pointer, a
-        check_weight_headers(args.model)   # cut download): said before anything
+    local = not demo and not hub_snapshot(args.model)
+    args.model_sha256 = model_fingerprint(args.model) if local else None
+    if local:   # its weight files are there and whole (not a Git LFS pointer, a cut download): said before anything
+        check_weight_headers(args.model)
     ckpt = checkpoint.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint.read_meta(ckpt)

@@ -77,9 +77,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         raise ValueError(f"--out {out!r} is a link to {os.readlink(out)!r}, which does not exist: create that "
                          "directory, or pass another --out")
     up = os.path.dirname(os.path.abspath(out))
-    while up and not os.path.exists(up):
-        up = os.path.dirname(up) if os.path.dirname(up) != up else ""
-    if up and not os.path.isdir(up):
+    while not os.path.exists(up):   # (the nearest existing parent; "/" always is)
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
         raise ValueError(f"--out {out!r}: {up!r} is a file, so no directory can be made under it; pass another --out")
     used = _entries(out)
     if not used:
