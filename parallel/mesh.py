@@ -43,6 +43,12 @@ def ulysses_ok(degree: int, n_heads: int, n_kv_heads: int) -> str | None:
     return None
 
 
+def ulysses_degrees(n_heads: int, n_kv_heads: int, within: int | None = None) -> str:
+    """The Ulysses degrees these heads allow (those dividing `within`), for an error's fix: '1, 2, 6'."""
+    return ", ".join(str(d) for d in range(1, n_heads + 1) if ulysses_ok(d, n_heads, n_kv_heads) is None
+                     and (within is None or within % d == 0))
+
+
 def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_kv_heads: int):
     """Split `cp` into (ulysses, ring) for `impl`; raise ValueError naming the fix."""
     if cp < 1:
@@ -56,7 +62,7 @@ def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_k
         why = ulysses_ok(cp, n_heads, n_kv_heads)
         if why:
             raise ValueError(f"--cp-impl ulysses with --cp {cp}: {why} {heads}. Use --cp-impl ring "
-                             f"or auto, or a --cp that divides {n_heads}.")
+                             f"or auto, or a --cp of {ulysses_degrees(n_heads, n_kv_heads)}.")
         return cp, 1
     if impl == "hybrid":
         if ulysses_degree is None or cp % ulysses_degree:
@@ -64,8 +70,9 @@ def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_k
                              f"{ulysses_degree}. Or use --cp-impl auto.")
         why = ulysses_ok(ulysses_degree, n_heads, n_kv_heads)
         if why:
-            raise ValueError(f"--ulysses-degree {ulysses_degree}: {why} {heads}. Pick another "
-                             f"degree or use --cp-impl auto.")
+            raise ValueError(f"--ulysses-degree {ulysses_degree}: {why} {heads}. Those dividing "
+                             f"--cp {cp} that the heads allow: {ulysses_degrees(n_heads, n_kv_heads, cp)}; or use "
+                             f"--cp-impl auto.")
         return ulysses_degree, cp // ulysses_degree
     # auto: the largest Ulysses degree the heads allow (all-to-all is cheaper than a ring), ring the rest
     for u in range(cp, 0, -1):

@@ -36,10 +36,13 @@ def test_world_size_errors(kw, pattern):
 
 @pytest.mark.parametrize("args, pattern", [
     ((4, "ulysses", None, 6, 2), r"6 attention heads are not divisible by the Ulysses degree 4.*--cp-impl ring"),
-    ((4, "ulysses", None, 12, 3), r"Ulysses degree 4 must divide the 3 KV heads or be a multiple"),
+    # the fix lists the degrees these heads allow (3 divides 6 heads but not 2 KV heads, nor do they divide 3)
+    ((3, "ulysses", None, 6, 2), r"--cp 3: the Ulysses degree 3 must divide the 2 KV heads.*a --cp of 1, 2, 6\."),
+    ((4, "ulysses", None, 12, 3), r"degree 4 must divide the 3 KV heads or be a multiple.*--cp of 1, 3, 6, 12\."),
     ((4, "hybrid", None, 8, 8), r"--cp-impl hybrid needs --ulysses-degree dividing --cp 4, got None"),
     ((4, "hybrid", 3, 12, 12), r"--cp-impl hybrid needs --ulysses-degree dividing --cp 4, got 3"),
-    ((4, "hybrid", 2, 6, 3), r"--ulysses-degree 2: the Ulysses degree 2 must divide the 3 KV heads"),
+    ((4, "hybrid", 2, 6, 3), r"--ulysses-degree 2: the Ulysses degree 2 must divide the 3 KV heads.*allow: 1; or"),
+    ((8, "hybrid", 8, 28, 4), r"--ulysses-degree 8: the 28 attention.*dividing --cp 8 that the heads allow: 1, 2, 4;"),
     ((2, "zigzag", None, 8, 8), r"--cp-impl must be one of"),
 ])
 def test_cp_split_errors(args, pattern):
