@@ -149,6 +149,10 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
         at = next((k for k in range(min(cut, len(through))) if plain[k] != through[k]), min(cut, len(through)))
         return (at if cut >= 0 else -1), (at if cut >= 0 else -1), False
     if at >= 0 and through.startswith(probe[:at]):
+        tail = probe[at + len(_SENTINEL):]   # (what follows the content: then it is through[at:end] exactly)
+        written = through[at:len(through) - len(tail)] if through.endswith(tail) else None
+        if written is not None and written.strip() == content:   # as given, or trimmed ('\n' off by Qwen3's)
+            return at + len(written) - len(written.lstrip()), at, True
         if through.startswith(raw, at):
             return at + len(raw) - len(raw.lstrip()), at, True
         if through.startswith(content, at):   # (the template trims it)
@@ -217,21 +221,34 @@ def _after(full: str, before: str, lo: int, least: int = 4) -> int:
     return found(a) + a if a >= min(least, len(before)) and a else -1
 
 
-def _start_after(full: str, through: str, given_at: int, between: list[dict], lo: int) -> int:
-    """Where a turn starts in `full` when the conversation before it renders otherwise once it is the last turn
-    (`through`, where it starts at `given_at`): after the messages `between` it and the previous turn (which ends at
-    `lo`), their contents found in order, and the text `through` writes between the last of them and the turn
-    (' [/INST]'); else after the longest tail of what `through` writes before the turn (`_after`). -1: not found."""
-    texts = [m["content"].strip() for m in between if isinstance(m.get("content"), str) and m["content"].strip()
-             and m["role"] != "system"]   # (Mistral moves the system prompt onto the last user message)
-    pos, q = lo, through.rfind(texts[-1], 0, given_at) if texts else -1
-    for t in texts:   # (in order: a tool result or question repeated earlier in the conversation is passed over)
-        if (k := full.find(t, pos)) < 0:
-            break
-        pos = k + len(t)
-    else:
-        if q >= 0 and full.startswith(markup := through[q + len(texts[-1]):given_at], pos):
-            return pos + len(markup)
+def _written_end(tokenizer, messages: list[dict], j: int, text: str) -> int:
+    """Where message j's content, as the template writes it, ends in `text` (its rendering of `messages`): rendered
+    again with a sentinel in its place, the text after the sentinel is the end of `text` (-1: it is not, or the
+    template writes nothing there). Exact where a search for the content is not: a short text ('I') also occurs in
+    the markup ('[INST]'), and an empty one is nowhere."""
+    try:
+        probe = render(tokenizer, [*messages[:j], {**messages[j], "content": _SENTINEL}, *messages[j + 1:]], False)
+    except DataError:
+        return -1
+    k = probe.rfind(_SENTINEL)
+    tail = probe[k + len(_SENTINEL):]
+    end = len(text) - len(tail)
+    return end if k >= 0 and end >= k and text.endswith(tail) and text.startswith(probe[:k]) else -1
+
+
+def _start_after(tokenizer, messages: list[dict], i: int, prev: int, full: str, through: str, given_at: int,
+                 lo: int) -> int:
+    """Where assistant message i starts in `full` when the conversation before it renders otherwise once it is the
+    last turn (`through`, where it starts at `given_at`): after the last message between it and the previous
+    assistant turn `prev` (which ends at `lo`) and the text `through` writes between that message and the turn
+    (' [/INST]'), both located by `_written_end`; else after the longest tail of what `through` writes before the
+    turn (`_after`). -1: not found."""
+    last = next((j for j in range(i - 1, prev, -1) if messages[j]["role"] != "system"   # (Mistral moves the system
+                 and isinstance(messages[j].get("content"), str)), None)               # prompt onto the last user one)
+    if last is not None:
+        e, t = _written_end(tokenizer, messages, last, full), _written_end(tokenizer, messages[: i + 1], last, through)
+        if e >= lo and 0 <= t <= given_at and full.startswith(markup := through[t:given_at], e):
+            return e + len(markup)
     # else the longest tail of what `through` writes before the turn (a short text, '1', may occur inside another)
     return _after(full, through[:given_at], lo)
 
@@ -267,7 +284,7 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             # tools and the system prompt before the last user message): it starts where the text just before it,
             # as it renders as the last turn, ends in the full rendering
             prev = max((j for j in range(i) if messages[j]["role"] == "assistant"), default=-1)
-            start = _start_after(full, through, given_at, messages[prev + 1:i], prev_end) if at >= 0 else -1
+            start = _start_after(tokenizer, messages, i, prev, full, through, given_at, prev_end) if at >= 0 else -1
             if start < 0 and content:
                 start = full.find(content, prev_end)
         if start < 0 or at < 0:

@@ -484,6 +484,36 @@ def test_a_records_tools_are_rendered_and_targets_equal_transformers_mask(tok, t
     assert a["input_ids"] == b["input_ids"] == ref["input_ids"]
 
 
+U, A = (lambda c: {"role": "user", "content": c}), (lambda c, **k: {"role": "assistant", "content": c, **k})
+CALL = {"type": "function", "function": {"name": "get_w", "arguments": {"x": 1}}}
+
+
+@pytest.mark.parametrize("template, msgs", [
+    # a user text that also occurs in the markup ('I' in '[INST]', 'NST]' after it in both): before 2026-12-04 the
+    # search took '[INST]'s 'I' and trained ' I [/INST]' (Mistral's moved tools make every turn but the last be placed
+    # by what precedes it)
+    ("mistral", [U("I"), A("Yes."), U("Q"), A("B")]),
+    ("mistral", [U("I"), A("", tool_calls=[CALL]), {"role": "tool", "content": "sunny"}, A("It is sunny."),
+                 U("Thanks"), A("Welcome.")]),   # (the tool-call turn was untrained)
+    ("mistral", [U(""), A(""), U(""), A("x")]),   # empty turns: the first answer's end-of-turn was untrained
+    ("mistral", [U("T]"), A("ok"), U("INST"), A("S")]),
+    # a last turn Qwen3 writes with its leading newlines trimmed: its text as given is not where the template put it,
+    # and the stripped text 'end' also occurs in '<|im_end|>' (which was left untrained), or in its own tool call
+    ("qwen3", [U("Last word?"), A("\n  end"), U("ok"), A("fine")]),
+    ("qwen3", [U("Weather?"), A("\n  x", tool_calls=[CALL]), {"role": "tool", "content": "sunny"}, A("Sunny."),
+               U("ok"), A("fine")]),
+])
+def test_turns_placed_by_what_the_template_writes_not_by_searching_short_texts(tok, template, msgs):
+    """Turns located where a sentinel put in a message's place is written, not by searching for its text (found by
+    review); the targets equal transformers' assistant mask."""
+    tok.chat_template = {"mistral": MISTRAL_TOOLS, "qwen3": QWEN_TOOLS + _tool_template(True)}[template]
+    (s,), _ = tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 1}], tok, 10_000)
+    ref = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert s["input_ids"] == ref["input_ids"]
+    ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+    assert ours == [bool(m) for m in ref["assistant_masks"][1:]], target_runs(tok, s)
+
+
 def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, tmp_path):
     """A template that reads no tools (the model would train on calls to tools it never sees) is refused naming the
     line; so are "tools" on a text record, a "tools" string that is not JSON, a list of non-objects, and a tool
