@@ -83,19 +83,28 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_9f3c1a", "descrip
                                                   "parameters": {"type": "object", "properties": {}}}}
 
 
-def with_tools(tokenizer, tools: list | None, where: str):
-    """The tokenizer rendering with `tools` (None: the tokenizer itself); a template that writes no tools refused."""
+def _writes_probe_tool(tokenizer, messages: list[dict]) -> bool | None:
+    """Whether the template writes a tool it is given when rendering `messages` (None: it refuses them)."""
+    try:
+        return "probe_9f3c1a" in tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False,
+                                                               add_generation_prompt=False)
+    except Exception:   # noqa: BLE001 (a template's raise_exception or a Jinja error: the real render says it)
+        return None
+
+
+def with_tools(tokenizer, tools: list | None, where: str, messages: list[dict] | None = None):
+    """The tokenizer rendering with `tools` (None: the tokenizer itself); a template that writes no tools refused:
+    asked once per template with one user message, and where that finds none, again with the record's `messages` (a
+    template may write them beside a system prompt only)."""
     if not tools:
         return tokenizer
     template = repr(getattr(tokenizer, "chat_template", None))
     if template not in _WRITES_TOOLS:
-        probe = [{"role": "user", "content": "Hi"}]
-        try:
-            _WRITES_TOOLS[template] = "probe_9f3c1a" in tokenizer.apply_chat_template(
-                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=False)
-        except Exception:   # noqa: BLE001 (a template that refuses the probe: asked again on the record)
-            _WRITES_TOOLS[template] = None
-    if _WRITES_TOOLS[template] is False:
+        _WRITES_TOOLS[template] = _writes_probe_tool(tokenizer, [{"role": "user", "content": "Hi"}])
+    writes = _WRITES_TOOLS[template]
+    if not writes and messages is not None:
+        writes = _writes_probe_tool(tokenizer, messages)
+    if writes is False:
         raise DataError(f"{where}: the record has \"tools\", which the chat template does not write (it reads no "
                         "tools): the model would learn to call tools it never sees defined. Render it with a "
                         "template that writes them (--chat-template FILE), or drop \"tools\"")
@@ -351,7 +360,7 @@ def chat_tokens(tokenizer, messages: list[dict], where: str,
                 tools: list | None = None) -> tuple[list[int], list[bool], tuple | None]:
     """Token ids, target flags and the [t0, t1) tokens of the chat's document (`document_chars`; None: unknown).
     `tools`: the record's tool definitions, rendered where the template writes them (`with_tools`)."""
-    tokenizer = with_tools(tokenizer, tools, where)
+    tokenizer = with_tools(tokenizer, tools, where, messages)
     full, spans = assistant_char_spans(tokenizer, messages, where)
     doc = document_chars(full, messages, spans)
     try:

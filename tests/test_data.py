@@ -523,6 +523,19 @@ def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, 
     with pytest.raises(DataError, match=r"line 3: the record has \"tools\", which the chat template does not write"):
         tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 3}], tok, 10_000)
     assert tokenize_records([{"messages": msgs, "line": 3}], tok, 10_000)[0], "without tools it trains"
+    # a template that writes the tools only beside a system prompt: a record with one trains, one without is refused
+    loop = "{%- for m in messages %}"
+    tok.chat_template = NO_PROMPT_TAGGED.replace(loop, "{%- if tools and messages[0]['role'] == 'system' %}"
+                                                 "{{- (tools | tojson) }}{%- endif %}" + loop, 1)
+    assert "tools" in tok.chat_template, "the replace above found nothing"
+    system = [{"role": "system", "content": "S."}, *msgs]
+    (s,), _ = tokenize_records([{"messages": system, "tools": TOOLS, "line": 5}], tok, 10_000)
+    ref = tok.apply_chat_template(system, tools=TOOLS, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert s["input_ids"] == ref["input_ids"] and "the weather in a city" in tok.decode(s["input_ids"])
+    assert [lab != IGNORE_INDEX for lab in s["labels"][:-1]] == [bool(m) for m in ref["assistant_masks"][1:]]
+    with pytest.raises(DataError, match=r"line 6: the record has \"tools\", which the chat template does not write"):
+        tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 6}], tok, 10_000)
     for line, said in ((json.dumps({"text": "x", "tools": TOOLS}), '"tools" goes with a "messages" record'),
                        (json.dumps({"messages": msgs, "tools": "[{oops"}), '"tools" is a string that is not JSON'),
                        (json.dumps({"messages": msgs, "tools": ["get_w"]}), '"tools" must be a list of tool schemas')):
