@@ -44,7 +44,11 @@ OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter",
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
 # when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
-CKPT_ENTRY = re.compile(r"(\.tmp-|\.old-)?step_\d+(\.abandoned(-\d+)?)?|latest(\.tmp)?")   # what train.py puts in ckpt/
+# what train.py puts in ckpt/ (its step folders are named step_{N:06d}, as checkpoint._steps counts them: a step_1 a
+# user made there is not train.py's, and --overwrite leaves such a folder alone)
+CKPT_ENTRY = re.compile(r"(\.tmp-|\.old-)?step_(\d{6}|[1-9]\d{6,})(\.abandoned(-\d+)?)?|latest(\.tmp)?")
+
+
 def _entries(path: str) -> list[str]:
     """What a directory holds, a leftover lock file not counted."""
     return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
@@ -71,17 +75,24 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         raise ValueError("--resume continues a run and --overwrite deletes one: pass only one of them")
     if out is None:
         return   # a fresh directory (or, with --resume, the checkpoint's own run) is chosen by claim()
+    if not out:
+        raise ValueError("--out is empty (an unset variable?): pass a directory path, or leave --out out for a fresh "
+                         "runs/<date-time>")
+    up = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(up):   # (the nearest parent there, a dangling link too; "/" always is)
+        up = os.path.dirname(up)
+    if not os.path.exists(up):
+        raise ValueError(f"--out {out!r}: {up!r} is a link to {os.readlink(up)!r}, which does not exist: create "
+                         "that directory, or pass another --out")
+    real = os.path.realpath(out)   # what is written to and checked: 'DIR/new/..' is DIR once new/ is made
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a file, not a directory; pass a directory path")
     if os.path.islink(out) and not os.path.exists(out):
         raise ValueError(f"--out {out!r} is a link to {os.readlink(out)!r}, which does not exist: create that "
                          "directory, or pass another --out")
-    up = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(up):   # (the nearest existing parent; "/" always is)
-        up = os.path.dirname(up)
     if not os.path.isdir(up):
         raise ValueError(f"--out {out!r}: {up!r} is a file, so no directory can be made under it; pass another --out")
-    used = _entries(out)
+    used = _entries(real)
     if not used:
         return
     if resume:
@@ -95,13 +106,14 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not any(e in MARKERS for e in used):
         raise ValueError(f"{flag} {out!r}: it holds {listed} but none of {', '.join(MARKERS)}, so it is not a "
                          "train.py run directory and nothing here may replace those files. Pass a new --out")
-    if why := _not_a_run(out, used):
+    if why := _not_a_run(real, used):
         raise ValueError(f"{flag} {out!r}: {why}, so it is not a train.py run directory and nothing here may "
                          "replace those files. Pass a new --out")
     if not overwrite:
         ckpt = os.path.join(out, "ckpt")
-        whole = any(re.fullmatch(r"step_\d+", e) and os.path.isfile(os.path.join(ckpt, e, "meta.json"))
-                    for e in _entries(ckpt))   # (a save killed mid-write, or only abandoned ones: nothing to resume)
+        whole = any(re.fullmatch(r"step_\d+", e) and os.path.isfile(os.path.join(real, "ckpt", e, "meta.json"))
+                    for e in _entries(os.path.join(real, "ckpt")))   # (a save killed mid-write, or only abandoned
+        # ones: nothing to resume)
         cont = f"Pass --resume {ckpt} to continue it, " if whole else "It saved no checkpoint to continue from. Pass "
         raise ValueError(f"--out {out!r} already holds a run ({listed}). {cont}--overwrite to replace its "
                          "results, or a new --out")

@@ -126,6 +126,34 @@ def test_used_out_refused_and_untouched(tmp_path):
     assert _hashes(tmp_path) == before, "a refusal changed files"
 
 
+def test_out_is_checked_where_it_is_written(tmp_path):
+    """--out is checked as the directory it names on disk (found by review, 2026-12-04): 'DIR/new/..' is DIR once new/
+    is made, and was taken for a fresh directory: train.py wrote its config.json over the user's. An empty --out (an
+    unset variable) and a parent that is a dangling link are refused at once (the latter failed after the data were
+    read). A step_1 folder in a run's ckpt/ (a user's export there) is not train.py's: --overwrite leaves the run."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.json").write_text('{"mine": 1}')
+    (user / "notes.txt").write_text("notes")
+    before = _hashes(tmp_path)
+    for overwrite in (False, True):
+        _refused(lambda o=overwrite: runs.claim(str(user / "typo" / ".."), overwrite=o),
+                 "its config.json is not train.py's", "not a train.py run directory")
+    _refused(lambda: runs.check_out(""), "--out is empty")
+    os.symlink(str(tmp_path / "nowhere"), str(tmp_path / "dang"))
+    _refused(lambda: runs.check_out(str(tmp_path / "dang" / "sub")), f"{str(tmp_path / 'dang')!r} is a link to",
+             "which does not exist")
+    out = _used_run(tmp_path / "run")
+    (tmp_path / "run" / "ckpt" / "step_1" / "adapter").mkdir(parents=True)   # a user's export
+    os.makedirs(os.path.join(out, "ckpt", "step_0000001"))   # 7 digits: not a name train.py gives step 1
+    before = _hashes(tmp_path)
+    _refused(lambda: runs.claim(out, overwrite=True), "ckpt folder holds step_0000001, step_1, which train.py never "
+             "writes")
+    assert _hashes(tmp_path) == before, "a refusal changed files"
+    with runs.claim(str(tmp_path / "run" / "ckpt" / ".." / ".." / "fresh")) as rd:   # (a path through '..' is fine)
+        assert os.path.isdir(rd.path) and os.listdir(tmp_path / "fresh") == ["run.lock"]
+
+
 def test_overwrite_removes_exactly_the_run(tmp_path):
     out = _used_run(tmp_path / "run")
     (tmp_path / "run" / "notes.txt").write_text("mine")
