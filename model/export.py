@@ -172,6 +172,10 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     it): written to trained_on.json, what `model.merge` checks its base against."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
     in_place = os.path.isdir(out_dir) and (not os.listdir(out_dir) or half_written(out_dir))
+    if not in_place and os.path.isdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
+        raise ValueError(f"{out_dir!r} holds files that are not an adapter (no adapter_config.json), which writing "
+                         "the adapter there would replace: move them, or pass a new directory")   # (the callers'
+        # checks refuse it first: this is the last line before a swap would delete them)
     tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)
@@ -270,16 +274,33 @@ _WEIGHTS = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.in
                       r"pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|config\.json(\.tmp)?)$")
 
 
-def _clear_out(out_dir: str) -> list[str]:
-    """Before a merge writes into `out_dir` (empty, or --force): links there are removed (never written through: a
-    `cp -rs` view of another model, a shared tokenizer.json; their targets are untouched), and so are an earlier
+_COPIED = ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges", "added_tokens")
+
+
+def _copied(name: str, remote_code: bool) -> bool:
+    """A base's file the merge copies beside the weights: tokenizer and generation files, and remote code."""
+    return name.startswith(_COPIED) or name.endswith(".tiktoken") or (name.endswith(".py") and remote_code)
+
+
+def _clear_out(out_dir: str, base_path: str) -> list[str]:
+    """Before a merge writes into `out_dir` (empty, or --force), what it would write through is removed, so every file
+    it writes is a new one: links (a `cp -rs` view of another model, a shared tokenizer.json; their targets untouched)
+    and hard links to the base's files (a `cp -al` copy of it), under the names the merge writes; and an earlier
     model's config.json, weight files and index under the names transformers loads (its model.safetensors beside a
-    sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that
-    loads); other files (an adapter_model.safetensors of the user's) stay. Returns the names removed."""
+    sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that loads).
+    Other files and links (an adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names
+    removed."""
+    def same(p, e):   # a hard link to the base's file of that name
+        try:
+            return os.path.samefile(p, os.path.join(base_path, e))
+        except OSError:
+            return False
     gone = []
     for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
         p = os.path.join(out_dir, e)
-        if (link := os.path.islink(p)) or (_WEIGHTS.match(e) and os.path.isfile(p)):
+        writes = bool(_WEIGHTS.match(e)) or _copied(e, True) or e == "additional_chat_templates"
+        if (link := os.path.islink(p) and writes) or (os.path.isfile(p) and (_WEIGHTS.match(e) or (writes and
+                                                                                                 same(p, e)))):
             os.remove(p)
             gone.append(e + (" (a link)" if link else ""))
     return gone
@@ -326,7 +347,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
-    cleared = _clear_out(out_dir)
+    cleared = _clear_out(out_dir, base_path)
     if log and cleared:
         log(f"removed from {out_dir} (--force): {', '.join(cleared[:6])}{' ...' if len(cleared) > 6 else ''}")
     if log:
@@ -369,8 +390,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
             cfg["rope_theta"] = rope.pop("rope_theta")
             cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     for fn in os.listdir(base_path):   # tokenizer and generation files, and remote code, travel with the weights
-        if fn.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges",
-                          "added_tokens")) or fn.endswith(".tiktoken") or (fn.endswith(".py") and "auto_map" in cfg):
+        if _copied(fn, "auto_map" in cfg):
             if os.path.isfile(os.path.join(base_path, fn)):
                 shutil.copyfile(os.path.join(base_path, fn), os.path.join(out_dir, fn))
         elif fn == "additional_chat_templates" and os.path.isdir(os.path.join(base_path, fn)):   # (named templates)

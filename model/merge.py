@@ -87,7 +87,7 @@ def _other_commit(adapter_dir: str, model: str) -> str | None:
     from model.load import hub_snapshot
 
     trained = adapter_base(adapter_dir)
-    if not trained or "@" not in trained or os.path.exists(trained.split("@")[0]):
+    if not trained or "@" not in trained or os.path.isabs(trained):
         return None   # a local base, or no commit recorded: nothing to compare
     got = hub_snapshot(os.path.realpath(model)) or hub_snapshot(model)
     if got == trained:
@@ -106,7 +106,9 @@ def adapter_base(adapter_dir: str) -> str | None:
     except (OSError, ValueError):
         return None
     base, rev = cfg.get("base_model_name_or_path"), cfg.get("revision")
-    return f"{base}@{rev}" if base and rev and not os.path.exists(base) else base
+    # a Hub id with its commit (a local base is recorded as an absolute path: a relative name is never looked up in
+    # the current directory, where an unrelated ./org/name would pass for it)
+    return f"{base}@{rev}" if isinstance(base, str) and rev and not os.path.isabs(base) else base
 
 
 def check_inputs(args) -> list[str]:
@@ -127,17 +129,23 @@ def check_inputs(args) -> list[str]:
         for fn in ("adapter_config.json", "adapter_model.safetensors"):
             if not os.path.isfile(os.path.join(args.adapter, fn)):
                 errors.append(f"--adapter {args.adapter!r} has no {fn}")
-    out = os.path.realpath(args.out)   # (a symlink to the base is the base)
-    for flag, d in ((base, args.model), ("--adapter", args.adapter)):
+    if not args.out:
+        return errors + ["--out is empty: pass a directory for the merged model"]
+    out = os.path.realpath(args.out)   # what is written: a symlink to the base is the base, 'new/..' its parent
+    for name, d in ((f"the {base} directory" if base == "--model" else "the base directory adapter_config.json names",
+                     args.model), ("the --adapter directory", args.adapter)):
         d = os.path.realpath(d)
         if out == d or out.startswith(d + os.sep):
-            errors.append(f"--out {args.out!r} is {'' if out == d else 'inside '}the {flag} directory; merging would "
-                          "overwrite it")
+            errors.append(f"--out {args.out!r} is {'' if out == d else 'inside '}{name}; merging would overwrite it")
         elif d.startswith(out + os.sep):   # (--force would not make it safe: config.json and shards land beside it)
-            errors.append(f"--out {args.out!r} holds the {flag} directory; merging there would mix the merged model "
-                          "into it (a run's config.json replaced): pass a directory of its own")
-    if os.path.isfile(os.path.join(args.out, "metrics.jsonl")):
+            errors.append(f"--out {args.out!r} holds {name}; merging there would mix the merged model into it (a "
+                          "run's config.json replaced): pass a directory of its own")
+    if os.path.isfile(os.path.join(out, "metrics.jsonl")):
         errors.append(f"--out {args.out!r} is a train.py run directory (metrics.jsonl); pass a directory of its own")
+    if ckpt := next((d for d in (out, *_parents(out)) if os.path.basename(d) == "ckpt" and (os.path.isfile(
+            os.path.join(d, "latest")) or os.path.isfile(os.path.join(os.path.dirname(d), "metrics.jsonl")))), None):
+        errors.append(f"--out {args.out!r} is {'' if ckpt == out else 'inside '}a run's checkpoint folder {ckpt!r}, "
+                      "which train.py rotates and rewrites: pass a directory of its own")
     if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
         from model.export import not_plain_lora
         try:
@@ -148,12 +156,18 @@ def check_inputs(args) -> list[str]:
         if wrong:   # one alpha / r for every module is all the merge folds in
             errors.append(f"--adapter {args.adapter!r} has " + "; ".join(wrong) + ": its merge would not be the "
                           "model it trained (peft's merge_and_unload merges such adapters)")
-    if os.path.isfile(args.out):
+    if os.path.isfile(out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
-    elif os.path.isdir(args.out) and os.listdir(args.out) and not args.force:
+    elif os.path.isdir(out) and os.listdir(out) and not args.force:
         errors.append(f"--out {args.out!r} is not empty (stale shards would shadow the merge); "
                       "pass --force to write into it anyway")
     return errors
+
+
+def _parents(path: str):
+    """`path`'s ancestors, nearest first."""
+    while (up := os.path.dirname(path)) != path:
+        yield (path := up)
 
 
 def main(argv=None) -> int:
@@ -217,8 +231,8 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     try:
-        merge(args.model, args.adapter, args.out, quant=args.quant, dtype=getattr(torch, DTYPES[args.dtype]),
-              log=lambda msg: print(f"merge: {msg}", flush=True))
+        merge(args.model, args.adapter, os.path.realpath(args.out), quant=args.quant,   # (the directory checked)
+              dtype=getattr(torch, DTYPES[args.dtype]), log=lambda msg: print(f"merge: {msg}", flush=True))
     except (ValueError, KeyError) as e:   # an adapter or base it cannot fold (checked before anything is written)
         print(f"merge: {e}", file=sys.stderr)
         return 2

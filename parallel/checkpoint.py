@@ -338,20 +338,24 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     the new one is whole (model.export.write_adapter), not refused. `model`: the run's base, moved since (the adapter
     names it; its files must be the ones the run recorded)."""
     from model.export import half_written, peft_keys, write_adapter
-    from model.load import read_args, same_model
+    from model.load import hub_snapshot, read_args, same_model
     from model.qlora import lora_config
-    if os.path.isfile(out_dir):
+    if not out_dir:
+        raise ValueError("--out is empty: pass a new directory")
+    real_out = os.path.realpath(out_dir)   # what is written ('new/..' is its parent, a link its target): checked
+    if os.path.isfile(real_out):
         raise ValueError(f"--out {out_dir!r} is a file: pass a new directory")
-    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir) and not half_written(out_dir):
-        raise ValueError(f"--out {out_dir!r} exists and is not empty: pass a new directory")   # (a killed export
-        # into it may be written again)
+    if not replace and os.path.isdir(real_out) and os.listdir(real_out) and not half_written(real_out):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty" + (f" (it is {real_out!r})" if real_out !=
+                         os.path.abspath(out_dir) else "") + ": pass a new directory")   # (a killed export into it
+        # may be written again)
     path = resolve(path, flag="checkpoint")
-    ckpt_dir = os.path.realpath(os.path.dirname(os.path.normpath(path)))
-    real_out = os.path.realpath(out_dir)
+    real_step = os.path.realpath(path)
+    ckpt_dir = os.path.dirname(real_step)   # (a link to a step folder: the folder it is in)
     if real_out == ckpt_dir or real_out.startswith(ckpt_dir + os.sep):
-        raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {os.path.dirname(path)!r}, which the "
-                         "run rotates and rewrites: pass a directory outside it (e.g. beside it, "
-                         f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(path))!r})")
+        raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {ckpt_dir!r}, which the run rotates "
+                         "and rewrites: pass a directory outside it (e.g. beside it, "
+                         f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(real_step))!r})")
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
@@ -361,6 +365,10 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
         if args.get("model_sha256") and not same_model(model, args["model_sha256"]):
             raise ValueError(f"--model {model!r} is not the base this run trained on (its files differ from the "
                              f"model_sha256 {path}/meta.json records): pass that base")
+        if (hub := hub_snapshot(args["model"])) and hub_snapshot(os.path.realpath(model)) != hub \
+                and hub_snapshot(model) != hub:   # (a Hub base records no fingerprint: its snapshot is the check)
+            raise ValueError(f"--model {model!r} is not the base this run trained on: that is the Hub snapshot {hub} "
+                             f"({path}/meta.json); pass its snapshot directory in the hub cache")
         args = {**args, "model": os.path.abspath(model)}
     elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
         raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "

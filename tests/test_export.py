@@ -392,6 +392,30 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "fresh")), os.listdir(out)
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"
     assert _merged_tensors(out).keys() == _merged_tensors(tmp_path / "fresh").keys()
+    # a `cp -al` copy of the base (hard links): every file written is a new one, the base's bytes stay (until
+    # 2026-12-04 a SameFileError, and the advice to rerun with --force, which failed alike); a link of the user's
+    # under a name the merge never writes stays (links of every name were removed)
+    hard, data = tmp_path / "hard", tmp_path / "data"
+    shutil.copytree(base, hard, copy_function=os.link)
+    data.mkdir()
+    (hard / "datalink").symlink_to(data)
+    bases = digest(base)
+    assert cli.main(["--model", str(base), "--adapter", str(adapter), "--out", str(hard), "--force"]) == 0
+    assert digest(base) == bases, "the merge wrote through hard links into the base"
+    assert (hard / "datalink").is_symlink() and sorted(os.listdir(hard)) == sorted(os.listdir(out) + ["datalink"])
+    assert all(torch.equal(a, b) for a, b in zip(_merged_tensors(hard).values(), _merged_tensors(out).values()))
+    # --out as the directory it names on disk: 'DIR/typo/..' is DIR, not empty (until 2026-12-04 taken as a new
+    # directory: its files were removed as --force's); a run's checkpoint folder is refused even with --force
+    capsys.readouterr()
+    assert cli.main(["--model", str(base), "--adapter", str(adapter), "--out", str(hard / "typo" / "..")]) == 2
+    assert "is not empty" in capsys.readouterr().err and (hard / "datalink").is_symlink()
+    ckpt = tmp_path / "run" / "ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step_000002")
+    assert cli.main([*argv[:4], "--out", str(ckpt / "merged"), "--force"]) == 2
+    assert f"is inside a run's checkpoint folder {str(ckpt)!r}" in capsys.readouterr().err
+    assert cli.main([*argv[:4], "--out", str(base / "sub" / ".."), "--force"]) == 2
+    assert f"--out {str(base / 'sub' / '..')!r} is the --model directory" in capsys.readouterr().err
     save_file({"stale": torch.zeros(2)}, out / "model.safetensors")   # another base's one-file merge, earlier
     save_file({"mine": torch.zeros(2)}, out / "adapter_model.safetensors")   # a user's file: not a model's name
     assert cli.main(argv) == 0 and not (out / "model.safetensors").exists()
@@ -425,6 +449,11 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert cli.main(["--adapter", str(adapter), "--out", str(tmp_path / "o2")]) == 2
     assert f"the base adapter_config.json names, {str(tmp_path / 'gone')!r} is not a directory" in \
         (err := capsys.readouterr().err) and err.rstrip().endswith("; pass --model BASE_DIR"), err
+    acfg["base_model_name_or_path"] = str(base)
+    (adapter / "adapter_config.json").write_text(json.dumps(acfg))
+    assert cli.main(["--adapter", str(adapter), "--out", str(base), "--force"]) == 2
+    assert f"--out {str(base)!r} is the base directory adapter_config.json names; merging would overwrite it" in \
+        capsys.readouterr().err   # (was "the the base adapter_config.json names, directory")
 
 
 def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):

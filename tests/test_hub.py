@@ -72,7 +72,7 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path, capsys):
+def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path, capsys, monkeypatch):
     from safetensors.torch import load_file
 
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
@@ -117,6 +117,23 @@ def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path, capsys):
                   os.path.join(remote, "m3")]) == 2
     assert f"this is the snapshot org/tiny@{'b' * 40}" in capsys.readouterr().err
     assert merge([*into_local, "--out", os.path.join(remote, "m4"), "--any-base"]) == 0
+    # ... wherever it is run from: a ./org/tiny in the current directory (another model) is not the Hub id (until
+    # 2026-12-04 its presence switched the check off, and the merge without --model took it for the base)
+    (tmp_path / "cwd" / "org").mkdir(parents=True)
+    shutil.copytree(assets["model"], tmp_path / "cwd" / "org" / "tiny")
+    here = os.getcwd()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert merge([*into_local, "--out", os.path.join(remote, "m5")]) == 2
+    assert f"that is the Hub snapshot org/tiny@{COMMIT}" in capsys.readouterr().err
+    assert merge(["--adapter", os.path.join(remote, "adapter"), "--out", os.path.join(remote, "m6")]) == 0
+    assert hub["calls"][-1]["revision"] == COMMIT, "the merge took ./org/tiny for the base"
+    monkeypatch.chdir(here)
+    # exporting the Hub run's checkpoint with --model: the snapshot it recorded, not any model (until 2026-12-04 any
+    # was taken and named in the adapter, which then merged into it unchecked)
+    from parallel.checkpoint import export
+    with pytest.raises(ValueError, match=f"that is the Hub snapshot org/tiny@{COMMIT}"):
+        export(os.path.join(remote, "ckpt"), str(tmp_path / "e1"), model=assets["model"])
+    export(os.path.join(remote, "ckpt"), str(tmp_path / "e2"), model=snapshot)
     # resuming with the id again reads the same snapshot: accepted, and one step more as an uninterrupted run would
     _run(argv[:-2] + ["--steps", "3", "--resume", os.path.join(remote, "ckpt")])
     assert len(_losses(remote)) == 3, _losses(remote)

@@ -749,6 +749,26 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and f"--out {inside!r} is inside the checkpoint folder" in r.stderr, r.stderr
     assert not os.path.exists(os.path.dirname(inside)), "the refused export made a folder in the ckpt folder"
+    # --out as the directory it names on disk (found by review, 2026-12-04): "" (an unset variable: the current
+    # directory) and 'DIR/typo/..' (DIR) passed the not-empty check, and the swap deleted all DIR held
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.txt").write_text("mine")
+    for bad, said in (("", "--out is empty"), (str(user / "typo" / ".."), "exists and is not empty")):
+        r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", bad],
+                           capture_output=True, text=True, cwd=user, env={**os.environ, "PYTHONPATH": ROOT})
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+        assert os.listdir(user) == ["thesis.txt"] and (user / "thesis.txt").read_text() == "mine"
+    link = tmp_path / "laststep"   # a link to a step folder: the ckpt folder is the one it is in
+    os.symlink(os.path.join(done, "ckpt", "step_000004"), link)
+    inside = os.path.join(done, "ckpt", "manual")
+    with pytest.raises(ValueError, match=f"is inside the checkpoint folder '{os.path.realpath(done)}/ckpt'"):
+        export(str(link), inside)
+    assert export(str(link), str(tmp_path / "beside")).endswith("laststep")
+    from model.export import write_adapter
+    with pytest.raises(ValueError, match="holds files that are not an adapter"):   # the last line before a swap
+        write_adapter({}, None, str(user), assets["model"])
+    assert os.listdir(user) == ["thesis.txt"]
 
 
 def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, tmp_path, capsys, monkeypatch):
