@@ -216,7 +216,8 @@ def main(argv=None):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
-        check_config_shapes(args.model, margs)   # weights of another config.json: said before the data
+        if note := check_config_shapes(args.model, margs):   # weights of another config.json: said before the data
+            log0(note)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]   # (resolved by check_start)
         meshes = dims.build_mesh(dt)
 

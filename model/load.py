@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -196,12 +197,14 @@ def check_weight_headers(path: str) -> None:
             read_header(os.path.join(path, fn))
 
 
-def check_config_shapes(path: str, margs) -> None:
+def check_config_shapes(path: str, margs) -> str | None:
     """The weight headers against config.json's sizes, for the tensors every supported decoder has (the embedding, each
     layer's projections): weights that are not config.json's (another size of the family, a config.json copied
-    from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built."""
+    from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built.
+    Returns a note when the weights hold more blocks than config.json's num_hidden_layers (allowed: a cut-down model
+    for a quick run; transformers builds the first ones alike), else None."""
     if not os.path.isdir(path):
-        return
+        return None
     want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
     for i in range(margs.n_layers):
         for name, (n_in, n_out) in margs.projections().items():
@@ -222,6 +225,11 @@ def check_config_shapes(path: str, margs) -> None:
     if bad:
         raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
                          "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+    blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if blocks and max(blocks) >= margs.n_layers:
+        return (f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers is "
+                f"{margs.n_layers}: the run builds and trains the first {margs.n_layers} (as transformers loads it)")
+    return None
 
 
 def _check_dir(path: str):

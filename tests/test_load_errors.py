@@ -157,5 +157,9 @@ def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
     json.dump({**cfg, "intermediate_size": 64, "num_hidden_layers": 3}, open(fn, "w"))
     with pytest.raises(ValueError, match=r"lacks 7 tensors its config.json implies \(model.layers.2"):
         check_config_shapes(path, read_args(path))
+    json.dump({**cfg, "intermediate_size": 64, "num_hidden_layers": 1}, open(fn, "w"))   # fewer: allowed, and said
+    assert check_config_shapes(path, read_args(path)) == (
+        f"note: {path} holds the weights of 2 blocks and config.json's num_hidden_layers is 1: the run builds and "
+        "trains the first 1 (as transformers loads it)")
     json.dump({**cfg, "intermediate_size": 64}, open(fn, "w"))
-    check_config_shapes(path, read_args(path))
+    assert check_config_shapes(path, read_args(path)) is None
