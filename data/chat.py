@@ -135,7 +135,7 @@ def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
 _SENTINEL = "@@answer-9f3c1a@@"   # text no template rewrites and no answer holds
 
 
-def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[int, int, bool]:
+def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[int, int, bool, str]:
     """Where assistant message i's content, stripped, starts in `through`, its rendering as the last turn, and where
     its text as given (leading whitespace too) does: where the template writes a sentinel put in its place, when the
     content sits there (an answer that also occurs in the end-of-turn marker, 'd' in '<|im_end|>', or an empty one, is
@@ -153,21 +153,38 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
         try:   # where a plain answer's text would start (Mistral v0.3 moves the system prompt to the last user turn)
             plain = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}], False)
         except DataError:
-            return -1, -1, False
+            return -1, -1, False, ""
         cut = plain.find(_SENTINEL)
         at = next((k for k in range(min(cut, len(through))) if plain[k] != through[k]), min(cut, len(through)))
-        return (at if cut >= 0 else -1), (at if cut >= 0 else -1), False
+        return (at if cut >= 0 else -1), (at if cut >= 0 else -1), False, ""
     if at >= 0 and through.startswith(probe[:at]):
         tail = probe[at + len(_SENTINEL):]   # (what follows the content: then it is through[at:end] exactly)
         written = through[at:len(through) - len(tail)] if through.endswith(tail) else None
         if written is not None and written.strip() == content:   # as given, or trimmed ('\n' off by Qwen3's)
-            return at + len(written) - len(written.lstrip()), at, True
+            return at + len(written) - len(written.lstrip()), at, True, content
         if through.startswith(raw, at):
-            return at + len(raw) - len(raw.lstrip()), at, True
+            return at + len(raw) - len(raw.lstrip()), at, True, content
         if through.startswith(content, at):   # (the template trims it)
-            return at, at, True
-    at = through.rfind(content)
-    return at, at, True
+            return at, at, True, content
+        if written is not None:   # the template rewrites the content (drops a reasoning part before '</think>'):
+            # the turn's text is what it writes there (a search for the content as given found a user message holding
+            # the same text, and trained that)
+            return at + len(written) - len(written.lstrip()), at, True, written.strip()
+    elif at >= 0 and through.endswith(tail := probe[at + len(_SENTINEL):]):   # the template writes the turn otherwise
+        # before the content too (Qwen3 moves an answer's reasoning, 'r</think>ans', into a think block it writes
+        # before it): the turn's own text is where the two renderings part up to the text after the content
+        lcp = next((k for k in range(min(at, len(through))) if probe[k] != through[k]), min(at, len(through)))
+        region = through[lcp:len(through) - len(tail)]
+        if (k := region.rfind(content)) >= 0:
+            return lcp + k, lcp, True, content
+        return lcp + len(region) - len(region.lstrip()), lcp, True, region.strip()
+    try:   # searched for past what the conversation before it renders alike (never in an earlier message)
+        bare = render(tokenizer, messages[:i], False)
+    except DataError:
+        bare = ""
+    lo = next((k for k, (x, y) in enumerate(zip(bare, through)) if x != y), min(len(bare), len(through)))
+    at = through.rfind(content, lo)
+    return at, at, True, content
 
 
 def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
@@ -272,12 +289,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         content = msg["content"].strip()
         before = _prefixrender(tokenizer, messages[:i])
         through = render(tokenizer, messages[: i + 1], False, where)
-        at, given_at, written = _content_at(tokenizer, messages, i, through)  # where it sits as the last turn
+        at, given_at, written, text = _content_at(tokenizer, messages, i, through)  # as the last turn
         if not written and content:   # (an empty one, beside tool calls, is the usual form)
             raise DataError(f"{where}: the chat template does not write assistant message {i}'s content (it drops it, "
                             "e.g. beside tool_calls): remove the content from that message, or render it with another "
                             "--chat-template")
-        content = content if written else ""
+        content = text if written else ""
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)
         elif at >= 0 and full.startswith(through[:given_at]) and given_at >= prev_end:

@@ -502,11 +502,22 @@ CALL = {"type": "function", "function": {"name": "get_w", "arguments": {"x": 1}}
     ("qwen3", [U("Last word?"), A("\n  end"), U("ok"), A("fine")]),
     ("qwen3", [U("Weather?"), A("\n  x", tool_calls=[CALL]), {"role": "tool", "content": "sunny"}, A("Sunny."),
                U("ok"), A("fine")]),
+    # a template that writes the content rewritten (the answer after '</think>' only; Qwen3 moves the reasoning into a
+    # think block it writes before it): the turn is what it writes there. A search for the content as given found a
+    # user or tool message holding the same text, and trained that (' r</think>ans [/INST]ans'), or refused the record
+    ("split", [U("r</think>ans"), A("r</think>ans")]),
+    ("split", [U("Q"), A("", tool_calls=[CALL]), {"role": "tool", "content": "r</think>ans"}, A("</think>"),
+               U("r</think>ans"), A("r</think>ans")]),
+    ("qwen3", [{"role": "system", "content": "x </think>"}, U("x </think>"), A("x </think>")]),
+    ("qwen3", [U("Q"), A("r</think>ans"), U("R"), A("x </think> y")]),
 ])
 def test_turns_placed_by_what_the_template_writes_not_by_searching_short_texts(tok, template, msgs):
     """Turns located where a sentinel put in a message's place is written, not by searching for its text (found by
     review); the targets equal transformers' assistant mask."""
-    tok.chat_template = {"mistral": MISTRAL_TOOLS, "qwen3": QWEN_TOOLS + _tool_template(True)}[template]
+    answer = "{%- else %}{{- m['content'] }}"
+    split = MISTRAL_TOOLS.replace(answer, answer.replace("m['content']", "m['content'].split('</think>')[-1]"))
+    assert split != MISTRAL_TOOLS, "the replace above found nothing"
+    tok.chat_template = {"mistral": MISTRAL_TOOLS, "qwen3": QWEN_TOOLS + _tool_template(True), "split": split}[template]
     (s,), _ = tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 1}], tok, 10_000)
     ref = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert s["input_ids"] == ref["input_ids"]
