@@ -285,14 +285,14 @@ def _copied(name: str, remote_code: bool) -> bool:
 def _clear_out(out_dir: str, base_path: str) -> list[str]:
     """Before a merge writes into `out_dir` (empty, or --force), what it would write through is removed, so every file
     it writes is a new one: links (a `cp -rs` view of another model, a shared tokenizer.json; their targets untouched)
-    and hard links to the base's files (a `cp -al` copy of it), under the names the merge writes; and an earlier
+    and hard links (a `cp -al` copy of the base or of another model), under the names the merge writes; and an earlier
     model's config.json, weight files and index under the names transformers loads (its model.safetensors beside a
     sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that loads).
     Other files and links (an adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names
     removed."""
-    def same(p, e):   # a hard link to the base's file of that name
-        try:
-            return os.path.samefile(p, os.path.join(base_path, e))
+    def same(p, e):   # a hard link: to the base's file of that name, or any file with another name too (a `cp -al`
+        try:              # copy of another model)
+            return os.stat(p).st_nlink > 1 or os.path.samefile(p, os.path.join(base_path, e))
         except OSError:
             return False
     gone = []

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -87,7 +88,7 @@ def _other_commit(adapter_dir: str, model: str) -> str | None:
     from model.load import hub_snapshot
 
     trained = adapter_base(adapter_dir)
-    if not trained or "@" not in trained or os.path.isabs(trained):
+    if not trained or "@" not in trained or os.path.isabs(trained) or os.path.isdir(trained):
         return None   # a local base, or no commit recorded: nothing to compare
     got = hub_snapshot(os.path.realpath(model)) or hub_snapshot(model)
     if got == trained:
@@ -106,9 +107,14 @@ def adapter_base(adapter_dir: str) -> str | None:
     except (OSError, ValueError):
         return None
     base, rev = cfg.get("base_model_name_or_path"), cfg.get("revision")
-    # a Hub id with its commit (a local base is recorded as an absolute path: a relative name is never looked up in
-    # the current directory, where an unrelated ./org/name would pass for it)
-    return f"{base}@{rev}" if isinstance(base, str) and rev and not os.path.isabs(base) else base
+    if not (isinstance(base, str) and rev) or os.path.isabs(base):
+        return base
+    # a Hub id with the commit train.py records for one (its local bases are absolute paths): never looked up in the
+    # current directory, where an unrelated ./org/name would pass for it; another tool's relative path with a branch
+    # name (peft's revision "main") is a directory when there is one
+    ours = re.fullmatch(r"[0-9a-f]{40}", str(rev)) and re.fullmatch(r"[\w.-]+/[\w.-]+", base) and \
+        not base.startswith(".")
+    return f"{base}@{rev}" if ours or not os.path.isdir(base) else base
 
 
 def check_inputs(args) -> list[str]:

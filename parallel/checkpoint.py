@@ -351,11 +351,15 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
         # may be written again)
     path = resolve(path, flag="checkpoint")
     real_step = os.path.realpath(path)
-    ckpt_dir = os.path.dirname(real_step)   # (a link to a step folder: the folder it is in)
-    if real_out == ckpt_dir or real_out.startswith(ckpt_dir + os.sep):
-        raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {ckpt_dir!r}, which the run rotates "
-                         "and rewrites: pass a directory outside it (e.g. beside it, "
-                         f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(real_step))!r})")
+    linked_from = os.path.realpath(os.path.dirname(os.path.abspath(path)))   # (a link to a step folder: the folder
+    is_ckpt = STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(os.path.join(linked_from,
+                                                                                                     "latest"))
+    for ckpt_dir in {os.path.dirname(real_step), *([linked_from] if is_ckpt else [])}:   # it is in, and the ckpt
+        # folder the link is in)
+        if real_out == ckpt_dir or real_out.startswith(ckpt_dir + os.sep):
+            raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {ckpt_dir!r}, which the run rotates "
+                             "and rewrites: pass a directory outside it (e.g. beside it, "
+                             f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(real_step))!r})")
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")

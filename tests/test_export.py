@@ -404,6 +404,10 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert digest(base) == bases, "the merge wrote through hard links into the base"
     assert (hard / "datalink").is_symlink() and sorted(os.listdir(hard)) == sorted(os.listdir(out) + ["datalink"])
     assert all(torch.equal(a, b) for a, b in zip(_merged_tensors(hard).values(), _merged_tensors(out).values()))
+    hard2 = tmp_path / "hard2"   # a `cp -al` copy of another model: its files stay as they were too
+    shutil.copytree(other, hard2, copy_function=os.link)
+    assert cli.main(["--model", str(base), "--adapter", str(adapter), "--out", str(hard2), "--force"]) == 0
+    assert digest(other) == theirs, "the merge wrote through hard links into another model"
     # --out as the directory it names on disk: 'DIR/typo/..' is DIR, not empty (until 2026-12-04 taken as a new
     # directory: its files were removed as --force's); a run's checkpoint folder is refused even with --force
     capsys.readouterr()
@@ -454,6 +458,12 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert cli.main(["--adapter", str(adapter), "--out", str(base), "--force"]) == 2
     assert f"--out {str(base)!r} is the base directory adapter_config.json names; merging would overwrite it" in \
         capsys.readouterr().err   # (was "the the base adapter_config.json names, directory")
+    # another tool's adapter naming its base by a relative path and a branch (peft's revision "main"): the directory
+    # there (2026-12-04, briefly, it went to the Hub as an id); train.py's own Hub adapters record a commit
+    monkeypatch.chdir(tmp_path)
+    acfg.update(base_model_name_or_path="base", revision="main")
+    (adapter / "adapter_config.json").write_text(json.dumps(acfg))
+    assert cli.main(["--adapter", str(adapter), "--out", str(tmp_path / "o3")]) == 0
 
 
 def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch):

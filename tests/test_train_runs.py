@@ -765,6 +765,12 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     with pytest.raises(ValueError, match=f"is inside the checkpoint folder '{os.path.realpath(done)}/ckpt'"):
         export(str(link), inside)
     assert export(str(link), str(tmp_path / "beside")).endswith("laststep")
+    scratch, run = tmp_path / "scratch", tmp_path / "run2" / "ckpt"   # a ckpt folder whose step is a link elsewhere:
+    shutil.copytree(os.path.join(done, "ckpt", "step_000004"), scratch / "step_000004")   # --out in the folder the
+    run.mkdir(parents=True)   # link is in is refused too
+    os.symlink(scratch / "step_000004", run / "step_000004")
+    with pytest.raises(ValueError, match=f"is inside the checkpoint folder '{run}'"):
+        export(str(run / "step_000004"), str(run / "adapter_4"))
     from model.export import write_adapter
     with pytest.raises(ValueError, match="holds files that are not an adapter"):   # the last line before a swap
         write_adapter({}, None, str(user), assets["model"])
