@@ -282,7 +282,7 @@ def _copied(name: str, remote_code: bool) -> bool:
     return name.startswith(_COPIED) or name.endswith(".tiktoken") or (name.endswith(".py") and remote_code)
 
 
-def _clear_out(out_dir: str, base_path: str) -> list[str]:
+def _clear_out(out_dir: str) -> list[str]:
     """Before a merge writes into `out_dir` (empty, or --force), what it would write through is removed, so every file
     it writes is a new one: links (a `cp -rs` view of another model, a shared tokenizer.json; their targets untouched)
     and hard links (a `cp -al` copy of the base or of another model), under the names the merge writes; and an earlier
@@ -290,17 +290,13 @@ def _clear_out(out_dir: str, base_path: str) -> list[str]:
     sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that loads).
     Other files and links (an adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names
     removed."""
-    def same(p, e):   # a hard link: to the base's file of that name, or any file with another name too (a `cp -al`
-        try:              # copy of another model)
-            return os.stat(p).st_nlink > 1 or os.path.samefile(p, os.path.join(base_path, e))
-        except OSError:
-            return False
     gone = []
     for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
         p = os.path.join(out_dir, e)
         writes = bool(_WEIGHTS.match(e)) or _copied(e, True) or e == "additional_chat_templates"
-        if (link := os.path.islink(p) and writes) or (os.path.isfile(p) and (_WEIGHTS.match(e) or (writes and
-                                                                                                 same(p, e)))):
+        link = os.path.islink(p) and writes
+        if link or (os.path.isfile(p) and (_WEIGHTS.match(e) or (writes and os.stat(p).st_nlink > 1))):   # (st_nlink:
+            # a hard link, the file shared with another folder)
             os.remove(p)
             gone.append(e + (" (a link)" if link else ""))
     return gone
@@ -347,7 +343,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
-    cleared = _clear_out(out_dir, base_path)
+    cleared = _clear_out(out_dir)
     if log and cleared:
         log(f"removed from {out_dir} (--force): {', '.join(cleared[:6])}{' ...' if len(cleared) > 6 else ''}")
     if log:
