@@ -98,6 +98,8 @@ def build_parser(add_help=True):
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
     a("--steps", type=int, default=None, help="optimizer steps (omit for one epoch: ceil(samples / --global-batch))")
+    a("--epochs", type=float, default=None, metavar="E", help="train E passes over the data in place of --steps: "
+      "ceil(E × samples / --global-batch) steps (0.5 and 2.5 allowed)")
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
@@ -209,7 +211,6 @@ def main(argv=None):
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
-                     resume.schedule_note(ckpt, args.schedule_steps or args.steps),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
                          f"note: --init-adapter {args.init_adapter} is not read: the run resumes {ckpt}, whose LoRA "
                          "weights (trained on from wherever the run started) it continues")):
@@ -239,10 +240,14 @@ def main(argv=None):
                  f"step takes each sample about {args.global_batch / len(samples):.3g} times (repeats add compute, "
                  "not data)")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
-        steps = resume.total_steps(args, ckpt, len(samples))   # --steps, or one epoch (as a resumed run counted it)
-        if not args.steps and (extra := steps * args.global_batch - len(samples)) > 0:   # (ceil: said, not silent)
-            log0(f"note: one epoch, {len(samples)} samples in {steps} steps of {args.global_batch}: the last step also "
-                 f"trains {extra} of the next epoch's order (--steps sets the length)")
+        steps = resume.total_steps(args, ckpt, len(samples))   # --steps, --epochs or one epoch (as a resume's run)
+        epochs = args.epochs or 1
+        if not args.steps and (extra := steps * args.global_batch - math.ceil(epochs * len(samples))) > 0:   # (said)
+            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {len(samples)} samples in {steps} "
+                 f"steps of {args.global_batch}: the last step also trains {extra} " + ("of the next epoch's order"
+                 if epochs == int(epochs) else "more of the data order") + " (--steps sets the length)")
+        if note := resume.schedule_note(ckpt, args.schedule_steps or steps, "--epochs" if args.epochs else "--steps"):
+            log0(note)
         if steps < args.warmup:   # a short run that never leaves warmup: said, not silent
             log0(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
                  f"{lr_at(steps - 1, args, args.schedule_steps or steps):.3g}, not --lr {args.lr:g}")

@@ -227,6 +227,11 @@ def check_flags(args) -> None:
                          "--eval-data FILE, or drop --eval-every")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}; omit --steps to train one epoch")
+    if (epochs := getattr(args, "epochs", None)) is not None:
+        if not 0 < epochs <= 1e6:   # (nan fails too)
+            raise ValueError(f"--epochs must be above 0 and at most 1e6, got {epochs:g}; omit it to train one epoch")
+        if args.steps is not None:
+            raise ValueError(f"--steps {args.steps} and --epochs {epochs:g} both set the run's length: pass one")
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
     if bad or not args.lora_targets:
         raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")

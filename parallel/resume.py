@@ -15,8 +15,9 @@ Contract:
 - `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
 - `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
   it), not another run's.
-- `total_steps(args, ckpt, n_samples)`: --steps, or one epoch, `ceil(n_samples / --global-batch)`; a resume counts the
-  epoch as its run did (`steps_total` in the checkpoint; one from before it: rounded down).
+- `total_steps(args, ckpt, n_samples)`: --steps; or --epochs E, `ceil(E * n_samples / --global-batch)` (refused below
+  the checkpoint's step); or one epoch, `ceil(n_samples / --global-batch)`, which a resume counts as its run did
+  (`steps_total` in the checkpoint; one from before it: rounded down). A run with --steps or --epochs resumes with one.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
-# flags about the run's files, logs, checks and evaluation, not its training math (steps and schedule_steps: checked
-# below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint): a resume may change them
+# flags about the run's files, logs, checks and evaluation, not its training math (steps, epochs, schedule_steps:
+# checked below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint): a resume may
+# change them
 FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
-        "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "schedule_steps",
-        "chat_template")
+        "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
+        "schedule_steps", "chat_template")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 
@@ -153,9 +155,11 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          + "\nPass the checkpoint's values to continue it, or start a fresh run (no --resume). "
                          f"Layout flags may change: {', '.join('--' + f.replace('_', '-') for f in LAYOUT)}")
     steps, had = args.get("steps"), ckpt_args.get("steps")
-    if steps is None and isinstance(had, int):   # one epoch would be another schedule, and maybe no step at all
-        raise ValueError(f"--resume: the checkpoint's run has --steps {had} and this one none (one epoch): pass "
-                         f"--steps {had} to continue it (or more, to train on)")
+    if steps is None and args.get("epochs") is None:   # one epoch would be another schedule, maybe no step at all
+        for flag, v in (("steps", had), ("epochs", ckpt_args.get("epochs"))):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                raise ValueError(f"--resume: the checkpoint's run has --{flag} {v:g} and this one neither --steps nor "
+                                 f"--epochs (one epoch): pass --{flag} {v:g} to continue it (or more, to train on)")
     if ckpt_step is not None and isinstance(steps, int) and steps < ckpt_step:
         raise ValueError(f"--steps {steps} is below the checkpoint's step {ckpt_step}: nothing would train. "
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
@@ -182,16 +186,16 @@ def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> None:
                      "OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
 
 
-def schedule_note(ckpt: str | None, steps: int | None) -> str | None:
-    """A note when a resume trains to another --steps than its checkpoint's run: the LR schedule's length changes."""
+def schedule_note(ckpt: str | None, steps: int | None, why: str = "--steps") -> str | None:
+    """A note when a resume trains to another length than its checkpoint's run: the LR schedule's length changes."""
     if not ckpt:
         return None
     from parallel.checkpoint import read_meta
 
     meta = read_meta(ckpt)
-    had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps")
+    had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps") or meta.get("steps_total")
     if isinstance(had, int) and isinstance(steps, int) and had != steps:
-        return (f"note: the checkpoint's run scheduled the LR over {had} steps, this one over {steps} (--steps): the "
+        return (f"note: the checkpoint's run scheduled the LR over {had} steps, this one over {steps} ({why}): the "
                 f"steps after {meta['step']} follow the new cosine, not the one the run would have gone on with")
     return None
 
@@ -200,7 +204,16 @@ def total_steps(args, ckpt: str | None, n_samples: int) -> int:
     """The run's optimizer steps (module docstring)."""
     if args.steps:
         return args.steps
-    if ckpt:   # (check_resume refused a run that had --steps)
+    if getattr(args, "epochs", None):
+        steps = math.ceil(args.epochs * n_samples / args.global_batch)   # every sample at least floor(E) times
+        if ckpt:
+            from parallel.checkpoint import read_meta
+            if steps < (at := read_meta(ckpt)["step"]):
+                raise ValueError(f"--epochs {args.epochs:g} is {steps} steps of {args.global_batch} over {n_samples} "
+                                 f"samples, below the checkpoint's step {at}: nothing would train. Pass more "
+                                 "--epochs to train on, or use the adapter that run exported")
+        return steps
+    if ckpt:   # (check_resume refused a run that had --steps or --epochs)
         from parallel.checkpoint import read_meta
         return read_meta(ckpt).get("steps_total", max(1, n_samples // args.global_batch))   # (until 2026-12-02)
     return math.ceil(n_samples / args.global_batch)   # one epoch: every sample at least once

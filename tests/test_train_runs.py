@@ -277,6 +277,43 @@ def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path, capsys
     assert [r["step"] for r in metrics(out)] == [1], "a resume of an old one-epoch run trained a step it never had"
 
 
+def test_epochs_set_the_length_and_a_resume_keeps_them(assets, tmp_path, capsys):
+    """--epochs E trains ceil(E × samples / --global-batch) steps of the same data order as --steps: 2 epochs of 12
+    samples in steps of 8 are 3 steps, each sample twice; 2.5 are 4 steps (a note says the last takes 2 samples past
+    them). A resume needs --steps or --epochs again (one epoch would be another schedule), refuses fewer epochs than
+    its step, and trains on with more, saying that the LR schedule changed length."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} of twelve."}) + "\n" for i in range(12)))
+
+    def argv(out, *extra):   # train_argv without its --steps 3
+        base = train_argv(assets, str(out), "--data", str(data), *extra)
+        i = base.index("--steps")
+        return base[:i] + base[i + 2:]
+
+    by_steps = tmp_path / "by_steps"
+    run(argv(by_steps) + ["--steps", "3"])
+    out = tmp_path / "out"
+    run(argv(out, "--epochs", "2", "--save-every", "1"))
+    assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333), (3, 2.0)]
+    losses = [r["loss"] for r in metrics(out)]
+    assert losses == [r["loss"] for r in metrics(by_steps)], "--epochs 2 is the order --steps 3 trains"
+    assert "the last step also trains" not in capsys.readouterr().out, "2 epochs fill 3 steps exactly"
+    run(argv(out, "--epochs", "2", "--resume", str(out / "ckpt" / "step_000002")))
+    assert [r["loss"] for r in metrics(out)] == losses
+    with pytest.raises(ValueError, match=r"has --epochs 2 and this one neither --steps nor --epochs \(one epoch\): "
+                                         r"pass --epochs 2 to continue it"):
+        run(argv(out, "--resume", str(out / "ckpt")))
+    with pytest.raises(ValueError, match=r"--epochs 0.5 is 1 steps of 8 over 12 samples, below the checkpoint's "
+                                         r"step 3: nothing would train"):
+        run(argv(out, "--epochs", "0.5", "--resume", str(out / "ckpt")))
+    capsys.readouterr()
+    run(argv(out, "--epochs", "2.5", "--resume", str(out / "ckpt")))
+    said = capsys.readouterr().out
+    assert "note: 2.5 epochs, 12 samples in 4 steps of 8: the last step also trains 2 more of the data order" in said
+    assert "note: the checkpoint's run scheduled the LR over 3 steps, this one over 4 (--epochs)" in said
+    assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333), (3, 2.0), (4, 2.667)]
+
+
 def _crash_at(monkeypatch, call: int, nan_calls=()):
     """train.LOSS_FN that raises (a kill, as far as the disk is concerned) at its `call`-th call, NaN at `nan_calls`:
     1 rank runs 8 micro-batches per step here, so the calls of step k (counted from the run's first) are 8k-7..8k."""
@@ -447,6 +484,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeyp
 FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "steps 0": (["--steps", "0"], ["--steps must be >= 1, got 0", "omit --steps"]),
     "steps negative": (["--steps", "-3"], ["--steps must be >= 1, got -3"]),
+    "epochs 0": (["--epochs", "0"], ["--epochs must be above 0 and at most 1e6, got 0"]),
+    "epochs nan": (["--epochs", "nan"], ["--epochs must be above 0 and at most 1e6, got nan"]),
+    "epochs with steps": (["--epochs", "2"], ["--steps 3 and --epochs 2 both set the run's length: pass one"]),
     "lora-alpha 0": (["--lora-alpha", "0"], ["--lora-alpha must be > 0", "trains nothing"]),
     "lr nan": (["--lr", "nan"], ["--lr must be a finite number, got nan"]),
     "lr inf": (["--lr", "inf"], ["--lr must be a finite number, got inf"]),
