@@ -110,6 +110,12 @@ class ModelArgs:
         if cfg.get("attention_dropout"):
             raise ValueError(f"config.json: attention_dropout {cfg['attention_dropout']!r} is not supported (the "
                              "attention kernels run without dropout); set it to 0.0 in config.json")
+        for where, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")), ("rope_scaling.",
+                                                                                      cfg.get("rope_scaling"))):
+            if isinstance(d, dict) and d.get("partial_rotary_factor", 1.0) != 1.0:   # (transformers' Phi, GLM...)
+                raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
+                                 "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
+                                 "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         theta, scaling = read_rope(cfg, max_pos)
         attn_bias = bool(cfg.get("attention_bias", False))

@@ -57,10 +57,10 @@ def read_rope(cfg: dict, max_pos: int) -> tuple[float, dict]:
 
 def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
-    by F, "yarn:F@N" with original length N (default: config.json's max_position_embeddings, as transformers takes
-    it); a JSON object is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}): numbers
-    finite and > 0 (a factor from 1 to 1024), `truncate` a bool, no other keys. Without `args` only the syntax is
-    checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
+    by F, "yarn:F@N" with original length N (default, also for llama3: config.json's max_position_embeddings, as
+    transformers takes it); a JSON object is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8,
+    ...}): numbers finite and > 0 (a factor from 1 to 1024), `truncate` a bool, no other keys. Without `args` only
+    the syntax is checked (start-up, before config.json is read); a bad value raises ValueError naming the forms."""
     if spec is None:
         return None
     forms = 'none, linear:F, yarn:F or yarn:F@N (F >= 1, N the original length) or a JSON object such as ' \
@@ -114,7 +114,7 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     for k, v in sc.items():   # one spelling per value: 4 and 4.0 are the same factor
         if k not in ("rope_type", "truncate"):
             sc[k] = int(v) if k == "original_max_position_embeddings" and v == int(v) else float(v)
-    if args is not None and sc["rope_type"] == "yarn":
+    if args is not None and sc["rope_type"] in ("yarn", "llama3"):   # as read_rope defaults config.json's
         sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
     return sc
 

@@ -266,7 +266,11 @@ def test_config_keys_read_as_transformers_reads_them(case, tmp_path):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
       "rope_scaling": {"type": "yarn", "factor": 4.0}}, r"both rope_scaling .* and they disagree.*\(10000\.0\)"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, r"RoPE .* cannot be computed \(KeyError"),
-], ids=["hidden_act", "attention_dropout", "nested_rope", "rope_forms_disagree", "rope_missing_factor"])
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0\.5 is not supported"),   # (until 2026-12-04 ignored
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+     r"rope_parameters\.partial_rotary_factor 0\.25 is not supported"),   # inside the RoPE too: a whole-head RoPE)
+], ids=["hidden_act", "attention_dropout", "nested_rope", "rope_forms_disagree", "rope_missing_factor", "partial_rope",
+        "partial_rope_inside"])
 def test_config_keys_this_decoder_lacks_are_refused(edit, phrase):
     with pytest.raises(ValueError, match=phrase):
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3", **edit})

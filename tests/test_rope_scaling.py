@@ -38,6 +38,10 @@ CASES = {   # flag -> transformers' rope_parameters for the same RoPE
     '{"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, '
     '"original_max_position_embeddings": 256}': {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    # without its original length: config.json's max_position_embeddings, as transformers reads the same JSON (until
+    # 2026-12-04 the flag refused what config.json accepts)
+    '{"rope_type": "llama3", "factor": 32, "low_freq_factor": 1, "high_freq_factor": 32}':
+        {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0},
 }
 
 
