@@ -55,7 +55,7 @@ CUT_WARN = 0.05   # truncation that cuts this share of the kept records' tokens,
 class TokenStats:
     records: int = 0
     samples: int = 0  # kept samples (records - dropped, a split record counting its windows)
-    truncated: int = 0  # samples longer than max_len, cut to max_len
+    truncated: int = 0  # kept samples longer than max_len, cut to it (a record left with no target: dropped only)
     split: int = 0  # text records longer than max_len made into windows (long_text "split")
     windows: int = 0  # the samples those records became
     dropped: int = 0  # samples with no target left after truncation
@@ -274,7 +274,6 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                     stats.targets + len(w) - 1
             continue
         if len(ids) > max_len:
-            stats.truncated += 1
             # A prompt's start goes (after a BOS), and a chat's document's (the longest message before the first
             # answer: its headers and the question after it stay), so the answers fit; when they cannot, that text
             # keeps its last max_len // 4 tokens (a prompt without a BOS at least one: it predicts the answer's
@@ -300,6 +299,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             continue
         samples.append({"input_ids": ids, "labels": labels})
         stats.samples += 1
+        stats.truncated += n_ids > len(ids)   # (until 2026-12-04 dropped records too: "truncated 6 (0 tokens cut)")
         stats.cut += n_ids - len(ids)
         stats.tokens += len(ids)
         stats.targets += n_targets

@@ -863,7 +863,9 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     # max_len // 4 tokens and the end is cut: here the answer too, so no target is left: dropped, counted, named.
     lost = {"line": 7, "messages": [{"role": "system", "content": "dog " * 60}, *doc[1:]]}
     samples, stats = tokenize_records([lost, {**recs[0], "line": 8}], tok, 32, long_text="truncate")
-    assert (stats.records, stats.samples, stats.truncated, stats.dropped, stats.dropped_lines) == (2, 1, 2, 1, [7])
+    assert (stats.records, stats.samples, stats.truncated, stats.dropped, stats.dropped_lines) == (2, 1, 1, 1, [7])
+    kept_whole = tokenize_records([recs[0]], tok, 10**6)[1].tokens   # line 8 uncut
+    assert f"truncated 1 ({kept_whole - 32} tokens cut)" in str(stats), ("only kept samples count", str(stats))
     dropped, cut = stats.warning("t.jsonl", 32, "truncate").split("\n")
     assert dropped == "warning: t.jsonl: 1 of 2 records (50.0%) have no target token within --max-len 32 and are " \
         "not trained on (line 7); a longer --max-len keeps them"
@@ -1290,7 +1292,8 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine"}]}
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (long_prompt, short, long_prompt)))
     ref = tokenize_records(load_jsonl(tmp_path / "eval.jsonl"), tok, 64)[1]
-    assert (ref.samples, ref.truncated, ref.dropped, ref.dropped_lines) == (1, 2, 2, [1, 3]), ref
+    assert (ref.samples, ref.truncated, ref.dropped, ref.dropped_lines) == (1, 0, 2, [1, 3]), ref
+    assert "truncated 0, " in str(ref), ("the dropped are not also truncated at no cost", str(ref))
     said = []
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
                            data_cache="none", data_sha256=None, long_text="split")
