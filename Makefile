@@ -8,14 +8,16 @@ NPROC   ?= 4
 
 install: $(STAMP)
 
-# torch goes in first: on a machine without CUDA the CPU wheel (torch==2.13.0, on disk here) so no
-# multi-GB CUDA build is pulled by a dependency; a CUDA machine keeps the torch it already has.
+# torch goes in first: on a machine without CUDA the CPU wheel (torch==2.13.0+cpu: a pip source that holds it, as
+# this project's CI machine has on disk, else PyTorch's CPU index; PyPI's own Linux wheel is a ~4.6 GB CUDA build), so
+# no CUDA build is pulled by a dependency; a CUDA machine keeps the torch it already has.
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch present: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.6"; \
-	else $(PIP) install -q torch==2.13.0; fi
+	else $(PIP) install -q "torch==2.13.0+cpu" 2>/dev/null || \
+	     $(PIP) install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu; fi
 	$(PIP) install -q -r requirements.txt
 	touch $(STAMP)
 

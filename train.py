@@ -57,11 +57,23 @@ DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
 # ----------------------------------------------------------------------------- args
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """--help adds each flag's default where its text does not say it (none and off: nothing to say)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
+            "%(default)" in h or "default" in h   # (0 and 0.0 are said: `in (None, False)` took them for off)
+        return h if quiet else h + " (default: %(default)s)"
+
+
 def build_parser(add_help=True):
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0], add_help=add_help,
+                                formatter_class=ShowDefaults)
     a = p.add_argument
     # Model
-    a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer); none: the demo")
+    a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer) or a Hub id "
+      "org/name[@revision]; none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--rope-scaling", default=None, metavar="SPEC", help="RoPE scaling in place of config.json's: yarn:F[@N] "
@@ -69,7 +81,8 @@ def build_parser(add_help=True):
     a("--compile", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU per block (H200: 1-4%% faster "
       "after a slower first step)")
     a("--ac", default=True, action=argparse.BooleanOptionalAction, help="activation checkpointing per block")
-    a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps L/G + G-1 block inputs, not L")
+    a("--ac-group", type=int, default=1, help="blocks per kept checkpoint: G > 1 keeps ceil(L/G) - 1 + G - 1 "
+      "block inputs alive, not L - 1")
     a("--ac-blocks", type=int, default=None, help="checkpoint only the first N blocks (default all): less recompute, "
       "more memory; `--plan` names the fewest that fit")
     a("--ac-keep-attn", action="store_true", help="AC keeps each block's attention output: recompute skips attention")
@@ -93,11 +106,12 @@ def build_parser(add_help=True):
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
-    a("--lr", type=float, default=2e-4, help="peak learning rate")
+    a("--lr", type=float, default=2e-4, help="peak learning rate (then cosine decay to 10%% of it: lr_at)")
     a("--warmup", type=int, default=10, help="linear warmup steps")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
-    a("--steps", type=int, default=None, help="optimizer steps (omit for one epoch: ceil(samples / --global-batch))")
+    a("--steps", type=int, default=None, help="optimizer steps (neither this nor --epochs: one epoch, ceil(samples "
+      "/ --global-batch))")
     a("--epochs", type=float, default=None, metavar="E", help="train E passes over the data in place of --steps: "
       "ceil(E × samples / --global-batch) steps (0.5 and 2.5 allowed)")
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
@@ -119,7 +133,8 @@ def build_parser(add_help=True):
     a("--seed", type=int, default=0, help="seed for data order and LoRA init")
     # Run
     a("--out", default=None, help="output dir (default: a fresh runs/<date-time>); a used one: --resume/--overwrite")
-    a("--overwrite", action="store_true", help="reuse a used --out: delete its config, metrics, ckpt, adapter")
+    a("--overwrite", action="store_true", help="reuse a used --out: delete the run outputs in it (config, "
+      "metrics, ckpt, adapters, diagnostics; never other files)")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
     a("--save-minutes", type=float, default=0.0, help="also checkpoint once M minutes passed since the last save "
@@ -226,6 +241,10 @@ def main(argv=None):
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
         (samples, stats), (eval_samples, eval_stats) = store.load_run_data(args, tok, margs.vocab_size, log0)
         log0(f"data: {stats}")
+        if not demo and (stats.split or stats.truncated) and not any(   # (argparse takes --max-l for --max-len)
+                x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
+            log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
+                 f"were split or cut to it (the longest has {stats.longest} tokens); pass --max-len N")
         if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
             resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
                                split=stats.split + (eval_stats.split if eval_stats else 0))

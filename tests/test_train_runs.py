@@ -315,6 +315,22 @@ def test_epochs_set_the_length_and_a_resume_keeps_them(assets, tmp_path, capsys)
     assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333), (3, 2.0), (4, 2.667)]
 
 
+def test_the_default_max_len_is_said_when_it_splits_records(assets, tmp_path, capsys):
+    """--max-len omitted is 256 (a long-context run that forgot it trains 256-token windows): said in a note when it
+    splits or cuts a record, naming the longest; a given --max-len that splits is the user's choice, not said."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": ("word " * 400 if i < 2 else "short.") + f" {i}"}) + "\n"
+                            for i in range(6)))
+    argv = train_argv(assets, str(tmp_path / "a"), "--data", str(data), "--steps", "1")
+    i = argv.index("--max-len")
+    run(argv[:i] + argv[i + 2:])
+    said = capsys.readouterr().out
+    assert "note: --max-len was not given, so it is 256: 2 records were split or cut to it (the longest has " in said \
+        and "tokens); pass --max-len N" in said, said
+    run(train_argv(assets, str(tmp_path / "b"), "--data", str(data), "--steps", "1"))   # --max-len 64: given
+    assert "--max-len was not given" not in capsys.readouterr().out
+
+
 def _crash_at(monkeypatch, call: int, nan_calls=()):
     """train.LOSS_FN that raises (a kill, as far as the disk is concerned) at its `call`-th call, NaN at `nan_calls`:
     1 rank runs 8 micro-batches per step here, so the calls of step k (counted from the run's first) are 8k-7..8k."""
