@@ -103,6 +103,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         return
     listed = f"{', '.join(used[:6])}{' ...' if len(used) > 6 else ''}"
     flag = "--overwrite refuses" if overwrite else "--out"   # (neither --resume nor --overwrite takes another's files)
+    if overwrite and os.path.isfile(os.path.join(real, LOCK)) and all(any(fnmatch.fnmatch(e, pat) for pat in OWNED)
+                                                                      for e in used):
+        return   # only train.py's names beside its lock: an --overwrite killed before 2026-12-04 (markers went first)
     if not any(e in MARKERS for e in used):
         raise ValueError(f"{flag} {out!r}: it holds {listed} but none of {', '.join(MARKERS)}, so it is not a "
                          "train.py run directory and nothing here may replace those files. Pass a new --out")
@@ -238,15 +241,21 @@ def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
     removed = []
     if overwrite:   # under the lock, so a live run's files are never deleted
         there = sorted(os.listdir(out))
-        for name in [e for pat in OWNED[:-1] for e in fnmatch.filter(there, pat)]:   # in OWNED's order
-            p = os.path.join(out, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p)
-            elif os.path.lexists(p):
-                os.remove(p)   # a symlink is removed, never followed out of OUT
-            else:
-                continue
-            removed.append(name)
+        last = ("ckpt", "metrics.jsonl", "config.json")   # the MARKERS go last: a kill mid-way leaves a run --overwrite
+        order = [pat for pat in OWNED[:-1] if pat not in last] + list(last)   # takes again (until 2026-12-04 they
+        try:
+            for name in [e for pat in order for e in fnmatch.filter(there, pat)]:   # went first: adapters left)
+                p = os.path.join(out, name)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                elif os.path.lexists(p):
+                    os.remove(p)   # a symlink is removed, never followed out of OUT
+                else:
+                    continue
+                removed.append(name)
+        except BaseException:   # (a file it may not remove: the lock goes with the error, not with the process)
+            os.close(fd)
+            raise
     return RunDir(out, tuple(removed), fd)
 
 

@@ -187,6 +187,42 @@ def test_overwrite_removes_exactly_the_run(tmp_path):
     assert sorted(os.listdir(scratch)) == ["latest", "step_000002"], "overwrite followed the ckpt link"
 
 
+
+def test_an_interrupted_overwrite_is_taken_again(tmp_path, monkeypatch):
+    """--overwrite deletes the run's config.json, metrics and ckpt last, so one killed mid-way leaves a run directory
+    that another --overwrite takes (until 2026-12-04 they went first: a kill left adapter/ and adapter_best/ beside
+    run.lock, refused as "not a train.py run directory" by every later command). Such a leftover, made before the
+    fix, is taken too: only train.py's names beside its lock."""
+    out = _used_run(tmp_path / "run")
+    shutil.copytree(os.path.join(out, "adapter"), os.path.join(out, "adapter_best"))
+    real_rmtree, calls = shutil.rmtree, []
+
+    def killed(path, *a, **k):   # the kill: during the second folder's removal
+        calls.append(os.path.basename(path))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(runs.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        runs.claim(out, overwrite=True)
+    monkeypatch.setattr(runs.shutil, "rmtree", real_rmtree)
+    assert calls == ["adapter", "adapter_best"] and {"config.json", "metrics.jsonl", "ckpt"} <= set(os.listdir(out))
+    with runs.claim(out, overwrite=True) as rd:
+        assert sorted(os.listdir(out)) == ["run.lock"] and "config.json" in rd.removed, os.listdir(out)
+    before = tmp_path / "before"   # the leftover of the old order
+    for d in ("adapter", "adapter_best"):
+        (before / d).mkdir(parents=True)
+        (before / d / "adapter_model.safetensors").write_bytes(b"x")
+    (before / "run.lock").write_text("pid 1\n")
+    with runs.claim(str(before), overwrite=True) as rd:
+        assert sorted(rd.removed) == ["adapter", "adapter_best"] and os.listdir(before) == ["run.lock"]
+    (before / "adapter").mkdir()   # without --overwrite, or with a file of the user's, still refused
+    _refused(lambda: runs.claim(str(before)), "none of config.json, metrics.jsonl, ckpt")
+    (before / "notes.txt").write_text("mine")
+    _refused(lambda: runs.claim(str(before), overwrite=True), "--overwrite refuses", "notes.txt")
+
+
 def test_resume_without_out_continues_its_run(tmp_path):
     out = _used_run(tmp_path / "run")
     with runs.claim(None, resume=os.path.join(out, "ckpt", "step_000002"), root=str(tmp_path / "runs")) as rd:
