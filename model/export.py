@@ -28,7 +28,9 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save_file as _save_file
 
 from model.load import CheckpointReader, _check_dir, hub_snapshot
 
@@ -36,6 +38,16 @@ OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
 TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
+STAGE = ".merge-tmp"   # merge()'s folder inside --out, whose files move into --out once all are written
+
+
+def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, whose write errors (a full disk) are OSError as every other write's here: safetensors
+    raises its own SafetensorError, which the tools' one-line error handlers did not catch (a traceback, exit 1)."""
+    try:
+        _save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        raise OSError(f"writing {path}: {e}") from e
 
 
 def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: dict | None = None,
@@ -283,13 +295,12 @@ def _copied(name: str, remote_code: bool) -> bool:
 
 
 def _clear_out(out_dir: str) -> list[str]:
-    """Before a merge writes into `out_dir` (empty, or --force), what it would write through is removed, so every file
-    it writes is a new one: links (a `cp -rs` view of another model, a shared tokenizer.json; their targets untouched)
-    and hard links (a `cp -al` copy of the base or of another model), under the names the merge writes; and an earlier
-    model's config.json, weight files and index under the names transformers loads (its model.safetensors beside a
-    sharded merge loads instead of it; config.json goes first, so a merge stopped halfway leaves no folder that loads).
-    Other files and links (an adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names
-    removed."""
+    """Before a merge's files move into `out_dir` (empty, or --force), what they would replace is removed: links (a
+    `cp -rs` view of another model, a shared tokenizer.json; their targets untouched) and hard links (a `cp -al` copy of
+    the base or of another model), under the names the merge writes; and an earlier model's config.json, weight files
+    and index under the names transformers loads (its model.safetensors beside a sharded merge loads instead of it;
+    config.json goes first, so a merge killed in the moves leaves no folder that loads). Other files and links (an
+    adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names removed."""
     gone = []
     for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
         p = os.path.join(out_dir, e)
@@ -306,11 +317,11 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
           dtype: torch.dtype = torch.bfloat16, log=None) -> None:
     """Shard by shard: read one base safetensors file, fold in the deltas of its tensors, write it
     under the same name, drop it; then model.safetensors.index.json. Peak host memory is one shard
-    (plus one float32 tensor in flight) and the adapter, never the whole model."""
+    (plus one float32 tensor in flight) and the adapter, never the whole model. The files are written into
+    OUT/.merge-tmp and moved into OUT once all are there (renames, config.json last), so an earlier model in OUT
+    (--force) is whole until then, whatever stops the merge (a kill, a full disk: the disk holds both meanwhile)."""
     if quant not in ("nf4", "none"):
         raise ValueError(f"quant must be nf4 or none, got {quant!r}")
-    if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
-        from model.qlora import nf4_round_trip
     cfg_path = _check_dir(base_path)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)
@@ -343,9 +354,29 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
-    cleared = _clear_out(out_dir)
+    stage = os.path.join(out_dir, STAGE)   # everything is written here first: an earlier model in --out (--force)
+    shutil.rmtree(stage, ignore_errors=True)   # stays whole until the new one is complete (a killed merge's: gone)
+    os.makedirs(stage)
+    try:
+        _merge_into(stage, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    cleared = _clear_out(out_dir)   # the earlier model goes only now, config.json first
     if log and cleared:
         log(f"removed from {out_dir} (--force): {', '.join(cleared[:6])}{' ...' if len(cleared) > 6 else ''}")
+    for e in sorted(os.listdir(stage), key=lambda e: (e == "config.json", e)):   # renames; config.json last
+        dst = os.path.join(out_dir, e)
+        if os.path.isdir(dst) and not os.path.islink(dst):   # (additional_chat_templates/ of an earlier model)
+            shutil.rmtree(dst)
+        os.replace(os.path.join(stage, e), dst)   # a link or hard link there is replaced, never written through
+    os.rmdir(stage)
+
+
+def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):
+    """merge()'s writing: every file of the merged model into `out_dir` (its staging folder), config.json last."""
+    if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
+        from model.qlora import nf4_round_trip
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
             f"{', rsLoRA' if acfg.get('use_rslora') else ''}: scale {scale:g}), {len(reader.where)} "

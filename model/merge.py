@@ -18,9 +18,10 @@ since), unless --any-base; one trained on a Hub model (adapter_config.json: its 
 but that commit's snapshot in the hub cache, unless --any-base. An adapter whose B @ A does not fit the base's weights
 is refused before anything is written. An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained
 biases, saved modules) is refused: one scale per adapter is all it folds in. --out may not be, or lie inside, the base
-or the adapter (symlinks resolved). config.json is written last (with --force, an earlier model's config.json, weight
-files and index go first, and links in --out are replaced, never written through), so a merge killed halfway leaves no
-folder that loads as a model; a failure while writing (a full disk) is one line and exit 2.
+or the adapter (symlinks resolved). The merge writes into OUT/.merge-tmp and moves its files into --out once all are
+written, config.json last (with --force, an earlier model's config.json, weight files and index go only then, and links
+in --out are replaced, never written through): a merge stopped while writing leaves --out as it was, and one killed
+in the moves no folder that loads; a failure while writing (a full disk) is one line and exit 2.
 Tokenizer, chat-template (additional_chat_templates/ too) and generation files of BASE_DIR are copied to OUT_DIR.
 The merge streams one base safetensors file at a time (same file names out, plus model.safetensors.index.json), so
 host memory peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
@@ -164,7 +165,8 @@ def check_inputs(args) -> list[str]:
                           "model it trained (peft's merge_and_unload merges such adapters)")
     if os.path.isfile(out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
-    elif os.path.isdir(out) and os.listdir(out) and not args.force:
+    elif os.path.isdir(out) and set(os.listdir(out)) - {".merge-tmp"} and not args.force:   # (a killed merge's stage:
+        # the merge clears it)
         errors.append(f"--out {args.out!r} is not empty (stale shards would shadow the merge); "
                       "pass --force to write into it anyway")
     return errors
@@ -243,8 +245,9 @@ def main(argv=None) -> int:
         print(f"merge: {e}", file=sys.stderr)
         return 2
     except OSError as e:   # a full disk, a read-only --out: said in one line, with what is left
-        print(f"merge: writing {args.out!r} failed ({type(e).__name__}: {e}); what it holds is not a model (no "
-              "config.json): free space or fix the path, then run the same command with --force", file=sys.stderr)
+        print(f"merge: writing {args.out!r} failed ({type(e).__name__}: {e}); it is as it was (the merge writes into "
+              f"{os.path.join(args.out, '.merge-tmp')} and moves the files in at the end): free space or fix the "
+              "path, then run the same command again", file=sys.stderr)
         return 2
     print(f"merge: done in {time.time() - t0:.1f}s: {args.out}", flush=True)
     return 0

@@ -222,8 +222,9 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     against (no trained_on.json, no run config.json beside it: an nf4 guess would round a full-precision run's every
     block weight to 4 bits); fold DoRA or per-module alpha/rank patterns in with one scale; write into the base
     through a symlink or into a folder inside it; fold into another base than the one trained on (trained_on.json's
-    model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A merge killed
-    halfway (with --force over an earlier merge) leaves no config.json, so no folder that loads as a model."""
+    model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A merge stopped while
+    writing (over an earlier merge) leaves that merge as it was; one killed outright, its stage, which the same command
+    clears."""
     import shutil
 
     from model import merge as cli
@@ -284,10 +285,21 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
                      "--any-base"]) == 0
     assert cli.main(["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out)]) == 0
     assert (out / "config.json").is_file()
+    tree = lambda d: {os.path.relpath(os.path.join(w, f), d): open(os.path.join(w, f), "rb").read()
+                      for w, _, fs in os.walk(d) for f in fs}
+    before = tree(out)
     monkeypatch.setattr(shutil, "copyfile", lambda *a, **k: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):   # after the shards and the index, while copying the tokenizer
         merge(path, str(adapter), str(out), quant="none")
-    assert not (out / "config.json").exists(), "a half merge still loads as a model"
+    # the files go to OUT/.merge-tmp, moved in once all are written: the earlier merge stays whole (until 2026-12-04
+    # it was removed first, so a stopped --force merge left neither model)
+    assert tree(out) == before and not (out / ".merge-tmp").exists(), "a stopped merge changed the earlier one"
+    fresh = tmp_path / "fresh"   # a merge killed outright leaves its stage: the same command runs again, no --force
+    (fresh / ".merge-tmp").mkdir(parents=True)
+    (fresh / ".merge-tmp" / "model.safetensors").write_bytes(b"half")
+    monkeypatch.undo()
+    assert cli.main(["--model", str(base_copy), "--adapter", str(adapter), "--out", str(fresh)]) == 0
+    assert (fresh / "config.json").is_file() and not (fresh / ".merge-tmp").exists()
 
 
 def test_merge_carries_the_bases_other_files(exported, tmp_path):
@@ -439,12 +451,17 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     assert cli.main(argv) == 2 and "cannot be read" in capsys.readouterr().err   # a cut file (was a traceback)
     assert digest(out) == merged
     save_file(load_file(tmp_path / "adapter_ok.safetensors"), adapter / "adapter_model.safetensors")
-    with monkeypatch.context() as m:   # a full disk: one line naming --out and the way on, exit 2 (was a traceback)
-        m.setattr("model.export.save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    from safetensors import SafetensorError
+
+    with monkeypatch.context() as m:   # a full disk: one line naming --out and the way on, exit 2 (was a traceback;
+        # safetensors raises its own SafetensorError there, not OSError: until 2026-12-04 a traceback all the same)
+        m.setattr("model.export._save_file", lambda *a, **k: (_ for _ in ()).throw(SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)")))
         assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert f"merge: writing {str(out)!r} failed (OSError: [Errno 28] No space left)" in err \
-        and "run the same command with --force" in err, err
+    assert f"merge: writing {str(out)!r} failed (OSError: writing " in err and "No space left on device" in err \
+        and "it is as it was" in err, err
+    assert digest(out) == merged, "a full disk changed the earlier merge"
     assert cli.main([*argv, "--quant", "nf4"]) == 0   # allowed, and said: not the base it trained against
     assert "note: --quant nf4, but" in capsys.readouterr().out
     acfg = json.loads((adapter / "adapter_config.json").read_text())   # the base it names, moved away since
