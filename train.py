@@ -412,11 +412,22 @@ def main(argv=None):
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """`python train.py ...`: main(), its exit code, and one `error:` line for the errors whose message is the fix."""
     try:
-        main()
+        main(argv)
     except (ValueError, FileNotFoundError) as e:   # configuration and data errors: the message is the fix
         guard.say_error(e)   # once per job when every rank raised it; a rank's own (a file one node lacks) too
-        sys.exit(2)
+        return 2
+    except (OSError, RuntimeError) as e:   # a full disk or read-only folder while saving: said so, with the way on
+        if not guard.disk_error(e):
+            raise
+        guard.say_error(f"{e}. Free space (or fix the folder), then run the same command with --resume")
+        return 2
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
-        sys.exit(e.code)
+        return e.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -69,9 +69,31 @@ def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+def _failed(failures: dict, what: str) -> BaseException:
+    """The error every rank raises when a rank's part of a save failed: an OSError naming the first such rank (a full
+    disk, a read-only folder: train.py says it in one line; its errno kept), else DCP's own exception."""
+    r = min(failures)
+    exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
+    if not isinstance(exc, OSError):
+        return CheckpointException(what, failures)
+    out = OSError(f"{what} failed on rank {r} ({type(exc).__name__}: {exc}); the checkpoints saved before stay")
+    out.errno = exc.errno
+    return out
+
+
+def _agree(err: OSError | None, what: str) -> None:
+    """A barrier that also raises `_failed` on every rank when this or another rank passes an error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if err is not None:
+            raise _failed({0: (err, None)}, what)
+        return
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, None if err is None else (err.errno, f"{err}"))
+    if bad := {r: b for r, b in enumerate(box) if b}:
+        errs = {r: (OSError(text), None) for r, (_, text) in bad.items()}
+        for r, (no, _) in bad.items():
+            errs[r][0].errno = no
+        raise _failed(errs, what)
 
 
 def rng_state() -> dict:
@@ -135,12 +157,19 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
                 shutil.rmtree(os.path.join(ckpt_dir, e), ignore_errors=True)
         os.makedirs(tmp)
     on_rank0(prepare, f"saving checkpoint step {step}")   # (every rank then writes into tmp)
-    dcp.save(_state(model, optimizer), checkpoint_id=tmp)
-    with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says the folder is whole
-        torch.save(rng or rng_state(), f)   # (DCP syncs its own files)
-        f.flush()
-        os.fsync(f.fileno())
-    _barrier()
+    try:
+        dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+    except CheckpointException as e:   # every rank gets it when one rank's write failed (a full disk)
+        raise _failed(e.failures, f"saving checkpoint step {step}") from None
+    err = None
+    try:
+        with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says it is whole
+            torch.save(rng or rng_state(), f)   # (DCP syncs its own files)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        err = e
+    _agree(err, f"saving checkpoint step {step}")   # (a barrier: a rank whose write failed never leaves one waiting)
 
     def commit():   # rank 0; a failure (a full disk) is raised on every rank (guard.on_rank0), none waits on
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,

@@ -162,7 +162,19 @@ def on_rank0(fn, what: str, group=None):
     return out
 
 
-def say_error(e: BaseException, wait_s: float = 1.0) -> None:
+DISK_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+
+
+def disk_error(e: BaseException) -> bool:
+    """A write the disk refused (full, over quota, read-only): an OSError of that errno, or an error that quotes one
+    (on_rank0's RuntimeError on the other ranks, a save's OSError naming its rank, safetensors' own error)."""
+    import errno
+
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)) or \
+        any(s in str(e) for s in DISK_ERRORS)
+
+
+def say_error(e: BaseException | str, wait_s: float = 1.0) -> None:
     """train.py's start-up and data error on stderr, as `error: ...`: always on each machine's first rank (prefixed
     with the rank but on rank 0); on another rank unless its machine's first rank said the same words within the last
     minute. So an error every rank raised (most are) reads once per machine, and one only some rank hit (a file

@@ -178,6 +178,30 @@ def _metrics_disk_full_at_step_2(rank, world_size, argv):
     return "no error"
 
 
+def _ckpt_disk_full_on_rank_1_at_step_2(rank, world_size, argv):
+    """train.cli on this rank with rank 1's part of checkpoint step 2 failing (a full disk, inside DCP's save): its
+    exit code and stderr."""
+    import contextlib
+    import io
+
+    from torch.distributed.checkpoint import filesystem
+
+    import train
+
+    real = filesystem.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if rank == 1 and "step_000002" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    filesystem.FileSystemWriter.write_data = write_data
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.cli(argv)
+    return code, err.getvalue()
+
+
 def _fast_on_every_rank(rank, argv):
     """Run `argv` (--fast) with a device budget that differs by rank (rank 2: between the plans of AC on one block
     and of no AC; the others: 1 PB, where another set wins); return the flags this rank applied and, on rank 0,
@@ -440,6 +464,23 @@ def test_a_metrics_write_failing_on_rank_0_stops_every_rank_at_that_step(assets,
     assert msgs[0] == "OSError: [Errno 28] No space left on device", msgs
     assert msgs[1] == ("RuntimeError: writing metrics.jsonl (step 2) failed on rank 0 (OSError: [Errno 28] No space "
                        "left on device)"), msgs
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_write_failing_on_one_rank_is_one_line_and_keeps_the_last(assets, tmp_path):
+    """A full disk under one rank's part of a checkpoint (DCP's write on rank 1) stops every rank with exit 2 and one
+    line naming the step, the rank and the way on, not a CheckpointException traceback per rank (until 2026-12-04);
+    `latest` still names the step saved before, which the same command with --resume continues."""
+    out = tmp_path / "out"
+    argv = train_argv(assets, str(out), "--dp-shard", "2", "--save-every", "1")
+    got = run_ranks(_ckpt_disk_full_on_rank_1_at_step_2, 2, argv, timeout=240, pg_timeout=30)
+    assert [code for code, _ in got] == [2, 2], got
+    said = got[0][1]
+    assert said.startswith("error: saving checkpoint step 2 failed on rank 1 (OSError: [Errno 28] No space left on "
+                           "device); the checkpoints saved before stay. Free space (or fix the folder), then run the "
+                           "same command with --resume") and "Traceback" not in said, said
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_000001"
+    assert sorted(os.listdir(out / "ckpt")) == [".tmp-step_000002", "latest", "step_000001"]
 
 
 @pytest.mark.timeout(600)
