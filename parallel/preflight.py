@@ -124,6 +124,7 @@ def check_start(args, demo: bool):
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():
         if path is not None:   # (the demo's files are built once the process group is up)
             check_file(path, flag)
+    runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
     args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on

@@ -195,6 +195,27 @@ def _lock(out: str) -> int:
     return fd
 
 
+def check_free(out: str | None) -> None:
+    """Refuse, early and changing nothing, an OUT whose run.lock a live run holds (every rank may call it: a shared
+    lock, let go at once; rank 0 takes it for good in claim()). Before it, a --resume of a run still saving read a
+    step folder that run then rotated away: "No such file ... meta.json", or ranks seeming to see other files."""
+    path = os.path.join(out, LOCK) if out else None
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return   # (unreadable: claim() says what is wrong)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+        raise ValueError(f"--out {out!r} is in use by a live run ({holder}); wait for it to end, or pass another "
+                         "--out") from None
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class RunDir:
     """The claimed output directory. Rank 0 holds the lock until `release()` (or the process ends)."""

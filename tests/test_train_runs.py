@@ -150,6 +150,25 @@ def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monk
     assert "in use by a live run" in msg and f"pid {os.getpid()}" in msg, msg
 
 
+def test_a_resume_of_a_live_run_is_refused_before_its_steps_are_read(assets, done, monkeypatch):
+    """--resume OUT/ckpt while the run in OUT is alive (still saving) is refused as such before the step folder is
+    resolved: until 2026-12-04 it was resolved first, and the live run's rotation then removed it ("No such file ...
+    meta.json", or "the ranks resolved different checkpoints" on 2 ranks)."""
+    from parallel import checkpoint, runs
+
+    fd = runs._lock(done)   # the live run
+    try:
+        monkeypatch.setattr(checkpoint, "resolve", lambda *a, **k: pytest.fail("resolved before the lock was seen"))
+        for out in (["--out", done], []):   # (without --out: the checkpoint's own run)
+            argv = train_argv(assets, done, "--steps", "4", "--resume", os.path.join(done, "ckpt"))
+            if not out:
+                argv = argv[:argv.index("--out")] + argv[argv.index("--out") + 2:]
+            msg = startup_error(argv)
+            assert "is in use by a live run" in msg and f"pid {os.getpid()}" in msg, msg
+    finally:
+        os.close(fd)
+
+
 def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
     """...and another loss: train.py's LOSS_FN is recorded in config.json and every checkpoint as a flag is."""
     import train
