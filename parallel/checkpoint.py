@@ -275,8 +275,13 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
     if prev is None:
         raise ValueError(f"the newest checkpoint {newest!r} cannot be read ({why}) and {path!r} holds no earlier "
                          "good one; start a fresh run")
-    warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
-         f"{prev!r}. Steps after it are trained again")
+    if not os.path.exists(newest) and os.path.isdir(newest + ".abandoned"):   # branch() stopped before `latest`
+        warn(f"{os.path.basename(newest)}, which 'latest' names, was set aside as {os.path.basename(newest)}.abandoned "
+             f"by a resume from an older step that stopped before it saved; resuming from {prev!r}, the newest step "
+             "left. Steps after it are trained again")
+    else:
+        warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
+             f"{prev!r}. Steps after it are trained again")
     return prev
 
 

@@ -309,3 +309,21 @@ def test_a_branch_killed_between_its_renames_leaves_no_export_of_an_abandoned_st
     checkpoint.branch(os.path.join(ckpt, "step_000001"), log=said.append)
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002.abandoned", "step_000003.abandoned"]
     assert checkpoint.resolve(ckpt).endswith("step_000001") and "step_000003.abandoned" in said[0], said
+
+
+def test_a_branch_killed_before_latest_is_said_as_such(tmp_path, monkeypatch):
+    """branch renames the newer steps, then `latest`: killed between, `latest` names a step set aside; the next
+    resolve takes the newest step left and says why (until 2026-12-04: "cannot be read (it does not exist)")."""
+    ckpt = str(tmp_path / "run" / "ckpt")
+    for step in (1, 2, 3):
+        m, opt = _trained(step)
+        checkpoint.save(ckpt, m, opt, step, keep=4)
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.branch(os.path.join(ckpt, "step_000001"), log=lambda m: None)
+    monkeypatch.undo()
+    said = []
+    assert checkpoint.resolve(ckpt, warn=said.append).endswith("step_000001")
+    assert said == [f"step_000003, which 'latest' names, was set aside as step_000003.abandoned by a resume from an "
+                    f"older step that stopped before it saved; resuming from {os.path.join(ckpt, 'step_000001')!r}, "
+                    "the newest step left. Steps after it are trained again"], said
