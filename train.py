@@ -215,7 +215,9 @@ def main(argv=None):
         stop = guard.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
         if demo:
             if rank == 0:
-                make_demo(os.path.dirname(DEMO["model"]))
+                t0 = time.time()   # (a minute or two on CPU, once: said as it goes, not silent)
+                make_demo(os.path.dirname(DEMO["model"]),
+                          log=lambda m: print(f"demo assets: {m} ({time.time() - t0:.0f}s)", flush=True))
             dist.barrier()
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
         preflight.same_resume(ckpt)   # and every rank resumes the same step
