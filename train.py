@@ -263,7 +263,7 @@ def main(argv=None):
         order = GlobalBatches(len(samples), args.global_batch, args.seed)
         steps = resume.total_steps(args, ckpt, len(samples))   # --steps, --epochs or one epoch (as a resume's run)
         epochs = args.epochs or 1
-        if not args.steps and (extra := steps * args.global_batch - math.ceil(epochs * len(samples))) > 0:   # (said)
+        if not args.steps and (extra := steps * args.global_batch - resume.epoch_samples(epochs, len(samples))) > 0:
             log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {len(samples)} samples in {steps} "
                  f"steps of {args.global_batch}: the last step also trains {extra} " + ("of the next epoch's order"
                  if epochs == int(epochs) else "more of the data order") + " (--steps sets the length)")
@@ -407,6 +407,9 @@ def main(argv=None):
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
+    except (OSError, RuntimeError) as e:   # (cli's advice after a disk error names the run's way on)
+        e.run_out = run and run.path
+        raise
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):
             if closing:
@@ -424,7 +427,13 @@ def cli(argv=None) -> int:
     except (OSError, RuntimeError) as e:   # a full disk or read-only folder while saving: said so, with the way on
         if not guard.disk_error(e):
             raise
-        guard.say_error(f"{e}. Free space (or fix the folder), then run the same command with --resume")
+        out = getattr(e, "run_out", None)
+        ckpt = out and os.path.join(out, "ckpt")
+        has = ckpt and os.path.isdir(ckpt) and any(   # a whole step folder to resume
+            e.startswith("step_") and "." not in e and os.path.isfile(os.path.join(ckpt, e, "meta.json"))
+            for e in os.listdir(ckpt))
+        guard.say_error(f"{e}. Free space (or fix the folder), then run the same command " + (
+            f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"))
         return 2
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
         return e.code

@@ -112,7 +112,7 @@ class ModelArgs:
                              "attention kernels run without dropout); set it to 0.0 in config.json")
         for where, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")), ("rope_scaling.",
                                                                                       cfg.get("rope_scaling"))):
-            if isinstance(d, dict) and d.get("partial_rotary_factor", 1.0) != 1.0:   # (transformers' Phi, GLM...)
+            if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0):   # (Phi, GLM...)
                 raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                                  "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                                  "trained so)")

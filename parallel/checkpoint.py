@@ -76,7 +76,7 @@ def _failed(failures: dict, what: str) -> BaseException:
     exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
     if not isinstance(exc, OSError):
         return CheckpointException(what, failures)
-    out = OSError(f"{what} failed on rank {r} ({type(exc).__name__}: {exc}); the checkpoints saved before stay")
+    out = OSError(f"{what} failed on rank {r} ({type(exc).__name__}: {exc}); no earlier checkpoint was touched")
     out.errno = exc.errno
     return out
 
@@ -158,18 +158,23 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         os.makedirs(tmp)
     on_rank0(prepare, f"saving checkpoint step {step}")   # (every rank then writes into tmp)
     try:
-        dcp.save(_state(model, optimizer), checkpoint_id=tmp)
-    except CheckpointException as e:   # every rank gets it when one rank's write failed (a full disk)
-        raise _failed(e.failures, f"saving checkpoint step {step}") from None
-    err = None
-    try:
-        with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says it is whole
-            torch.save(rng or rng_state(), f)   # (DCP syncs its own files)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        err = e
-    _agree(err, f"saving checkpoint step {step}")   # (a barrier: a rank whose write failed never leaves one waiting)
+        try:
+            dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+        except CheckpointException as e:   # every rank gets it when one rank's write failed (a full disk)
+            raise _failed(e.failures, f"saving checkpoint step {step}") from None
+        err = None
+        try:
+            with open(os.path.join(tmp, f"rng_{rank}.pt"), "wb") as f:   # on disk before meta.json says it is whole
+                torch.save(rng or rng_state(), f)   # (DCP syncs its own files)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            err = e
+        _agree(err, f"saving checkpoint step {step}")   # (a barrier: a rank whose write failed leaves none waiting)
+    except OSError:
+        if rank == 0:   # the half-written folder's space back (every rank stops here: no writer left)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def commit():   # rank 0; a failure (a full disk) is raised on every rank (guard.on_rank0), none waits on
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,

@@ -170,8 +170,10 @@ def disk_error(e: BaseException) -> bool:
     (on_rank0's RuntimeError on the other ranks, a save's OSError naming its rank, safetensors' own error)."""
     import errno
 
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)) or \
-        any(s in str(e) for s in DISK_ERRORS)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return True
+    quoted = isinstance(e, OSError) or " failed on rank 0 (OSError: " in str(e)   # (not any RuntimeError: NCCL's
+    return quoted and any(s in str(e) for s in DISK_ERRORS)   # own about a small /dev/shm keeps its traceback)
 
 
 def say_error(e: BaseException | str, wait_s: float = 1.0) -> None:

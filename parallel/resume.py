@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from fractions import Fraction
 
 from model.load import hub_snapshot
 from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
@@ -200,12 +201,18 @@ def schedule_note(ckpt: str | None, steps: int | None, why: str = "--steps") -> 
     return None
 
 
+def epoch_samples(epochs: float, n_samples: int) -> int:
+    """Samples in `epochs` passes over `n_samples`, rounded up: exact for the decimal typed (1.1 × 100 is 110, not
+    the float's 110.00000000000001, which made 12 steps of 10)."""
+    return math.ceil(Fraction(str(epochs)) * n_samples)
+
+
 def total_steps(args, ckpt: str | None, n_samples: int) -> int:
     """The run's optimizer steps (module docstring)."""
     if args.steps:
         return args.steps
     if getattr(args, "epochs", None):
-        steps = math.ceil(args.epochs * n_samples / args.global_batch)   # every sample at least floor(E) times
+        steps = -(-epoch_samples(args.epochs, n_samples) // args.global_batch)   # each sample at least floor(E) times
         if ckpt:
             from parallel.checkpoint import read_meta
             if steps < (at := read_meta(ckpt)["step"]):

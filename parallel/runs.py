@@ -103,9 +103,10 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
         return
     listed = f"{', '.join(used[:6])}{' ...' if len(used) > 6 else ''}"
     flag = "--overwrite refuses" if overwrite else "--out"   # (neither --resume nor --overwrite takes another's files)
-    if overwrite and os.path.isfile(os.path.join(real, LOCK)) and all(any(fnmatch.fnmatch(e, pat) for pat in OWNED)
-                                                                      for e in used):
-        return   # only train.py's names beside its lock: an --overwrite killed before 2026-12-04 (markers went first)
+    if overwrite and os.path.isfile(os.path.join(real, LOCK)) and not any(e in MARKERS for e in used) and \
+            all(any(fnmatch.fnmatch(e, pat) for pat in OWNED) for e in used):
+        return   # no marker, only train.py's names beside its lock: an --overwrite killed before 2026-12-04 (the
+        # markers went first); a config.json there is judged by _not_a_run below, lock or not
     if not any(e in MARKERS for e in used):
         raise ValueError(f"{flag} {out!r}: it holds {listed} but none of {', '.join(MARKERS)}, so it is not a "
                          "train.py run directory and nothing here may replace those files. Pass a new --out")
@@ -212,6 +213,8 @@ def check_free(out: str | None) -> None:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
         raise ValueError(f"--out {out!r} is in use by a live run ({holder}); wait for it to end, or pass another "
                          "--out") from None
+    except OSError:
+        pass   # (a filesystem without flock: claim() says so)
     finally:
         os.close(fd)
 

@@ -65,6 +65,25 @@ def test_flag_gives_transformers_logits_for_the_same_rope(flag, tmp_path):
     assert rel(_logits(plain, pos), want) > 1e-4, f"{flag}: the scaling does not move these logits"
 
 
+def test_a_llama3_flag_without_its_original_length_keeps_the_models():
+    """On a config.json that scales with llama3 already (Llama 3.1: original 8,192 under 131,072 positions), the same
+    llama3 numbers as a flag without `original_max_position_embeddings` give the model's own frequencies: the
+    original length comes from config.json's scaling, not from max_position_embeddings (which moved 20 of 64
+    frequencies of Llama 3.1's and made its context 8× longer, unsaid)."""
+    from model.rope import inv_freq
+
+    cfg = {**COMMON, "model_type": "llama", "head_dim": 128, "max_position_embeddings": 131072,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}, "rope_theta": 500000.0}
+    own = model.ModelArgs.from_config_dict(cfg)
+    flagged = own.with_rope_scaling('{"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, '
+                                    '"high_freq_factor": 4}')
+    assert torch.equal(inv_freq(flagged)[0], inv_freq(own)[0]) and flagged.context == own.context == 131072
+    plain = model.ModelArgs.from_config_dict({k: v for k, v in cfg.items() if k != "rope_scaling"})
+    assert plain.with_rope_scaling('{"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, '
+                                   '"high_freq_factor": 4}').rope_scaling["original_max_position_embeddings"] == 131072
+
+
 def test_none_drops_the_configs_scaling(tmp_path):
     torch.set_num_threads(1)
     save_checkpoint(T.Qwen2Config(**COMMON, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": THETA}),

@@ -221,6 +221,12 @@ def test_an_interrupted_overwrite_is_taken_again(tmp_path, monkeypatch):
     _refused(lambda: runs.claim(str(before)), "none of config.json, metrics.jsonl, ckpt")
     (before / "notes.txt").write_text("mine")
     _refused(lambda: runs.claim(str(before), overwrite=True), "--overwrite refuses", "notes.txt")
+    foreign = tmp_path / "foreign"   # a model's config.json beside a lock: judged as without one, never deleted
+    (foreign / "adapter").mkdir(parents=True)
+    (foreign / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (foreign / "run.lock").write_text("pid 1\n")
+    _refused(lambda: runs.claim(str(foreign), overwrite=True), "its config.json is a model's")
+    assert sorted(os.listdir(foreign)) == ["adapter", "config.json", "run.lock"]
 
 
 def test_resume_without_out_continues_its_run(tmp_path):

@@ -178,8 +178,8 @@ def _metrics_disk_full_at_step_2(rank, world_size, argv):
     return "no error"
 
 
-def _ckpt_disk_full_on_rank_1_at_step_2(rank, world_size, argv):
-    """train.cli on this rank with rank 1's part of checkpoint step 2 failing (a full disk, inside DCP's save): its
+def _ckpt_disk_full_on_rank_1(rank, world_size, argv, at="step_000002"):
+    """train.cli on this rank with rank 1's part of checkpoint `at` failing (a full disk, inside DCP's save): its
     exit code and stderr."""
     import contextlib
     import io
@@ -191,7 +191,7 @@ def _ckpt_disk_full_on_rank_1_at_step_2(rank, world_size, argv):
     real = filesystem.FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
-        if rank == 1 and "step_000002" in str(self.path):
+        if rank == 1 and at in str(self.path):
             raise OSError(28, "No space left on device")
         return real(self, plan, planner)
 
@@ -473,14 +473,19 @@ def test_a_checkpoint_write_failing_on_one_rank_is_one_line_and_keeps_the_last(a
     `latest` still names the step saved before, which the same command with --resume continues."""
     out = tmp_path / "out"
     argv = train_argv(assets, str(out), "--dp-shard", "2", "--save-every", "1")
-    got = run_ranks(_ckpt_disk_full_on_rank_1_at_step_2, 2, argv, timeout=240, pg_timeout=30)
+    got = run_ranks(_ckpt_disk_full_on_rank_1, 2, argv, timeout=240, pg_timeout=30)
     assert [code for code, _ in got] == [2, 2], got
     said = got[0][1]
     assert said.startswith("error: saving checkpoint step 2 failed on rank 1 (OSError: [Errno 28] No space left on "
-                           "device); the checkpoints saved before stay. Free space (or fix the folder), then run the "
-                           "same command with --resume") and "Traceback" not in said, said
+                           "device); no earlier checkpoint was touched. Free space (or fix the folder), then run the "
+                           f"same command with --resume {out / 'ckpt'}") and "Traceback" not in said, said
     assert (out / "ckpt" / "latest").read_text().strip() == "step_000001"
-    assert sorted(os.listdir(out / "ckpt")) == [".tmp-step_000002", "latest", "step_000001"]
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000001"], "the half-written step's space is freed"
+    first = tmp_path / "first"   # nothing saved before: --resume would find nothing, so it is not what is said
+    got = run_ranks(_ckpt_disk_full_on_rank_1, 2, train_argv(assets, str(first), "--dp-shard", "2", "--save-every",
+                                                             "1"), "step_000001", timeout=240, pg_timeout=30)
+    assert [code for code, _ in got] == [2, 2] and got[0][1].rstrip().endswith(
+        f"then run the same command with --overwrite ({first} holds no checkpoint)"), got
 
 
 @pytest.mark.timeout(600)
