@@ -39,6 +39,7 @@ TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter
 TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 STAGE = ".merge-tmp"   # merge()'s folder inside --out, whose files move into --out once all are written
+STAGE_MARK = ".merge-stage"   # the file inside STAGE that makes it merge()'s own (a user's .merge-tmp is left alone)
 
 
 def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
@@ -355,22 +356,47 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
     stage = os.path.join(out_dir, STAGE)   # everything is written here first: an earlier model in --out (--force)
-    shutil.rmtree(stage, ignore_errors=True)   # stays whole until the new one is complete (a killed merge's: gone)
+    if os.path.lexists(stage) and not is_stage(stage):   # stays whole until the new one is complete
+        raise ValueError(f"{stage!r} is not a merge's own folder (no {STAGE_MARK} in it), and the merge writes "
+                         "there: move it, then run the same command again")
+    shutil.rmtree(stage, ignore_errors=True)   # a killed merge's
     os.makedirs(stage)
+    open(os.path.join(stage, STAGE_MARK), "w").close()
     try:
         _merge_into(stage, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log)
+        moves = sorted((e for e in os.listdir(stage) if e != STAGE_MARK), key=lambda e: (e == "config.json", e))
+        for e in moves:   # a file where a folder goes, or the reverse: said before the earlier model is touched
+            dst = os.path.join(out_dir, e)
+            if os.path.lexists(dst) and not os.path.islink(dst) and os.path.isdir(dst) != os.path.isdir(
+                    os.path.join(stage, e)):
+                raise ValueError(f"{dst!r} is a {'folder' if os.path.isdir(dst) else 'file'}, where the merge writes "
+                                 f"a {'file' if os.path.isdir(dst) else 'folder'}: move it, then run the same command")
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     cleared = _clear_out(out_dir)   # the earlier model goes only now, config.json first
     if log and cleared:
         log(f"removed from {out_dir} (--force): {', '.join(cleared[:6])}{' ...' if len(cleared) > 6 else ''}")
-    for e in sorted(os.listdir(stage), key=lambda e: (e == "config.json", e)):   # renames; config.json last
-        dst = os.path.join(out_dir, e)
-        if os.path.isdir(dst) and not os.path.islink(dst):   # (additional_chat_templates/ of an earlier model)
-            shutil.rmtree(dst)
-        os.replace(os.path.join(stage, e), dst)   # a link or hard link there is replaced, never written through
-    os.rmdir(stage)
+    try:
+        for e in moves:   # renames; config.json last
+            dst = os.path.join(out_dir, e)
+            if os.path.isdir(dst) and not os.path.islink(dst):   # (additional_chat_templates/ of an earlier model)
+                shutil.rmtree(dst)
+            os.replace(os.path.join(stage, e), dst)   # a link or hard link there is replaced, never written through
+        shutil.rmtree(stage)
+    except OSError as e:
+        raise MovesFailed(f"moving the merged files from {stage} into {out_dir} failed ({type(e).__name__}: {e}): "
+                          f"the earlier model there is removed; the files not moved yet are in {stage}. Move them "
+                          "into it (config.json last), or run the same command again") from e
+
+
+class MovesFailed(OSError):
+    """merge() failed once the earlier model in --out was removed: its message says where the new files are."""
+
+
+def is_stage(path: str) -> bool:
+    """`path` is a merge's own staging folder (its marker file inside), not a user's."""
+    return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, STAGE_MARK))
 
 
 def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):

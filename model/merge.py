@@ -21,7 +21,8 @@ biases, saved modules) is refused: one scale per adapter is all it folds in. --o
 or the adapter (symlinks resolved). The merge writes into OUT/.merge-tmp and moves its files into --out once all are
 written, config.json last (with --force, an earlier model's config.json, weight files and index go only then, and links
 in --out are replaced, never written through): a merge stopped while writing leaves --out as it was, and one killed
-in the moves no folder that loads; a failure while writing (a full disk) is one line and exit 2.
+in the moves no folder that loads (a failure there names where the new files are); a failure while writing (a full
+disk) is one line and exit 2. A .merge-tmp without the merge's marker file is the user's: refused, never removed.
 Tokenizer, chat-template (additional_chat_templates/ too) and generation files of BASE_DIR are copied to OUT_DIR.
 The merge streams one base safetensors file at a time (same file names out, plus model.safetensors.index.json), so
 host memory peaks at one shard plus the adapter: a 70B merge fits in the RAM of an ordinary node.
@@ -120,6 +121,8 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
+    from model.export import STAGE, is_stage
+
     errors = []
     base = getattr(args, "base_flag", "--model")   # (no --model: the base the adapter names)
     fix = "" if base == "--model" else "; pass --model BASE_DIR"
@@ -165,8 +168,8 @@ def check_inputs(args) -> list[str]:
                           "model it trained (peft's merge_and_unload merges such adapters)")
     if os.path.isfile(out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
-    elif os.path.isdir(out) and set(os.listdir(out)) - {".merge-tmp"} and not args.force:   # (a killed merge's stage:
-        # the merge clears it)
+    elif os.path.isdir(out) and [e for e in os.listdir(out) if not (e == STAGE and is_stage(os.path.join(out, e)))] \
+            and not args.force:   # (a killed merge's own stage: the merge clears it)
         errors.append(f"--out {args.out!r} is not empty (stale shards would shadow the merge); "
                       "pass --force to write into it anyway")
     return errors
@@ -192,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty --out directory: an earlier model there (config.json, weight files, "
-                        "index) is removed first, links there are replaced (their targets untouched)")
+                        "index) is replaced once the new one is written (in OUT/.merge-tmp), links there are "
+                        "replaced (their targets untouched); other files stay")
     p.add_argument("--any-base", action="store_true",
                    help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
@@ -235,13 +239,16 @@ def main(argv=None) -> int:
 
     import torch
 
-    from model.export import merge
+    from model.export import MovesFailed, merge
 
     t0 = time.time()
     try:
         merge(args.model, args.adapter, os.path.realpath(args.out), quant=args.quant,   # (the directory checked)
               dtype=getattr(torch, DTYPES[args.dtype]), log=lambda msg: print(f"merge: {msg}", flush=True))
     except (ValueError, KeyError) as e:   # an adapter or base it cannot fold (checked before anything is written)
+        print(f"merge: {e}", file=sys.stderr)
+        return 2
+    except MovesFailed as e:   # (after the earlier model went: where the new files are)
         print(f"merge: {e}", file=sys.stderr)
         return 2
     except OSError as e:   # a full disk, a read-only --out: said in one line, with what is left

@@ -296,10 +296,40 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     assert tree(out) == before and not (out / ".merge-tmp").exists(), "a stopped merge changed the earlier one"
     fresh = tmp_path / "fresh"   # a merge killed outright leaves its stage: the same command runs again, no --force
     (fresh / ".merge-tmp").mkdir(parents=True)
+    (fresh / ".merge-tmp" / ".merge-stage").write_bytes(b"")
     (fresh / ".merge-tmp" / "model.safetensors").write_bytes(b"half")
     monkeypatch.undo()
-    assert cli.main(["--model", str(base_copy), "--adapter", str(adapter), "--out", str(fresh)]) == 0
+    argv = lambda out, *extra: ["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out), *extra]
+    assert cli.main(argv(fresh)) == 0
     assert (fresh / "config.json").is_file() and not (fresh / ".merge-tmp").exists()
+    users = tmp_path / "users"   # a .merge-tmp of the user's (no marker) is content: --force, then refused, kept
+    (users / ".merge-tmp").mkdir(parents=True)
+    (users / ".merge-tmp" / "notes.txt").write_text("mine")
+    assert cli.main(argv(users)) == 2 and "is not empty" in capsys.readouterr().err
+    assert cli.main(argv(users, "--force")) == 2 and "is not a merge's own folder" in capsys.readouterr().err
+    assert sorted(os.listdir(users)) == [".merge-tmp"] and (users / ".merge-tmp" / "notes.txt").read_text() == "mine"
+    clash = tmp_path / "clash"   # a file where the merge puts a folder: refused before the earlier model is touched
+    shutil.copytree(fresh, clash)
+    (base_copy / "additional_chat_templates").mkdir()
+    (base_copy / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (clash / "additional_chat_templates").write_text("a file")
+    earlier = tree(clash)
+    assert cli.main(argv(clash, "--force")) == 2 and "is a file, where the merge writes a folder" in \
+        capsys.readouterr().err
+    assert tree(clash) == earlier and not (clash / ".merge-tmp").exists()
+    shutil.rmtree(base_copy / "additional_chat_templates")
+    replace = os.replace   # a move that fails once the earlier model is gone: said so, with where the files are
+
+    def moves_fail(a, b):
+        if ".merge-tmp" in str(a) and ".merge-tmp" not in str(b) and str(b).endswith("config.json"):
+            raise OSError(5, "Input/output error")
+        return replace(a, b)
+    monkeypatch.setattr(os, "replace", moves_fail)
+    assert cli.main(argv(clash, "--force")) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "the earlier model there is removed; the files not moved yet are in" in err and "it is as it was" not in \
+        err and (clash / ".merge-tmp" / "config.json").is_file() and not (clash / "config.json").exists(), err
 
 
 def test_merge_carries_the_bases_other_files(exported, tmp_path):
