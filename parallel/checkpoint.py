@@ -280,10 +280,12 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
     if prev is None:
         raise ValueError(f"the newest checkpoint {newest!r} cannot be read ({why}) and {path!r} holds no earlier "
                          "good one; start a fresh run")
-    if not os.path.exists(newest) and os.path.isdir(newest + ".abandoned"):   # branch() stopped before `latest`
-        warn(f"{os.path.basename(newest)}, which 'latest' names, was set aside as {os.path.basename(newest)}.abandoned "
-             f"by a resume from an older step that stopped before it saved; resuming from {prev!r}, the newest step "
-             "left. Steps after it are trained again")
+    aside = sorted((e for e in os.listdir(path) if ABANDONED_RE.match(e) and e.startswith(
+        os.path.basename(newest) + ".")), key=lambda e: (len(e), e)) if not os.path.exists(newest) else []
+    if aside:   # branch() stopped before `latest` (its newest name: .abandoned, .abandoned-2, ...)
+        warn(f"{os.path.basename(newest)}, which 'latest' names, was set aside as {aside[-1]} by a resume from an "
+             f"older step that stopped before it saved; resuming from {prev!r}, the newest step left. Steps after it "
+             "are trained again")
     else:
         warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
              f"{prev!r}. Steps after it are trained again")
