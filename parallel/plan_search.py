@@ -157,8 +157,8 @@ PLAN_FLAGS = ("--suggest", "--gpu-mem", "--world-size", "--host-mem")   # the pl
 def parse_args(argv, run_parser, demo: dict):
     """The run's flags (`run_parser`, built with add_help=False) plus the planner's own; with neither
     --model nor --data, the run's demo defaults (its assets are built if missing), as a run would."""
-    p = argparse.ArgumentParser(prog="train.py --plan", parents=[run_parser],
-                                description="Per-rank memory plan of a run, from config.json only.")
+    p = argparse.ArgumentParser(prog="train.py --plan", parents=[run_parser], description="Per-rank memory plan of a "
+                                "run, from config.json only.", formatter_class=run_parser.formatter_class)
     a = p.add_argument
     a("--suggest", action="store_true", help="list the layouts that fit, best first")
     a("--gpu-mem", type=float, default=None, help="GB (1e9 B, torch's total_memory; '80 GB' H100s have ~85) per device")
