@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default=None, choices=["nf4", "none"],
                    help="base the adapter was trained against; default: ADAPTER/trained_on.json's \"quant\", "
                         "else ADAPTER/../config.json's (train.py's run config); neither: pass it")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the merged weights")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                   help="dtype of the merged weights (default: bf16, also for an fp32 run)")
     p.add_argument("--force", action="store_true",
                    help="write into a non-empty --out directory: an earlier model there (config.json, weight files, "
                         "index) is replaced once the new one is written (in OUT/.merge-tmp), links there are "
