@@ -103,6 +103,15 @@ def _worker(rank, world_size, init_file, payload, queue, pg_timeout, backend, en
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            try:   # the ranks leave together: one that closed its connections while a peer was still finishing their
+                # last collective broke it there (gloo: "Connection closed by peer"; test_hub flaked so, 2026-12-04)
+                if backend == "gloo":
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(pg_timeout, 30)),
+                                           wait_all_ranks=True)
+                else:
+                    dist.barrier()
+            except Exception:   # (a peer that failed or died: nothing left to wait for; the result is queued)
+                pass
             try:
                 dist.destroy_process_group()
             except Exception:
