@@ -427,11 +427,11 @@ def cli(argv=None) -> int:
     except (OSError, RuntimeError) as e:   # a full disk or read-only folder while saving: said so, with the way on
         if not guard.disk_error(e):
             raise
+        from parallel import checkpoint
+
         out = getattr(e, "run_out", None)
-        ckpt = out and os.path.join(out, "ckpt")
-        has = ckpt and os.path.isdir(ckpt) and any(   # a whole step folder to resume
-            e.startswith("step_") and "." not in e and os.path.isfile(os.path.join(ckpt, e, "meta.json"))
-            for e in os.listdir(ckpt))
+        ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
+        has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
         guard.say_error(f"{e}. Free space (or fix the folder), then run the same command " + (
             f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"))
         return 2

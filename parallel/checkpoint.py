@@ -73,7 +73,7 @@ def _failed(failures: dict, what: str) -> BaseException:
     """The error every rank raises when a rank's part of a save failed: an OSError naming the first such rank (a full
     disk, a read-only folder: train.py says it in one line; its errno kept), else DCP's own exception."""
     r = min(failures)
-    exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
+    exc = failures[r][0]   # (DCP's (exception, traceback) pairs; _agree's the same)
     if not isinstance(exc, OSError):
         return CheckpointException(what, failures)
     out = OSError(f"{what} failed on rank {r} ({type(exc).__name__}: {exc}); no earlier checkpoint was touched")
