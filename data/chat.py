@@ -35,7 +35,11 @@ Both renderings are prefixes of the full one for ordinary templates. Templates t
 ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's content is searched for in the
 full rendering after its start and before the first end-of-turn marker after it (a later turn may repeat it), and what
 follows it is matched right after it (else its first word, the marker). A turn whose earlier turns render otherwise
-once it is the last (Qwen3 writes an empty think block on the last turn only) starts after its role header.
+once it is the last (Qwen3 writes an empty think block on the last turn only) starts after its role header. No turn is
+looked for past where the next message's content is written (a sentinel in its place): a greeting before the first
+user message, whose rendering alone has the think block the full one writes on the last turn only, was found there.
+A template that writes an assistant message as it would a user one (Llama 3.1's puts the first message, whatever its
+role, into the user turn holding the tools) has the record refused, naming the fix.
 Checked against transformers' own assistant mask (`return_assistant_tokens_mask` over `{% generation %}` tags;
 tests/test_data.py). Character spans become token flags through the fast tokenizer's offsets, so BPE merges across
 a boundary cannot shift a span.
@@ -189,7 +193,12 @@ def _content_at(tokenizer, messages: list[dict], i: int, through: str) -> tuple[
 
 def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
     """The generation prompt before assistant message i ('<|im_start|>assistant\\n'): `before` past the conversation
-    so far; "" when the template writes none."""
+    so far; "" when the template writes none. Before a first message (transformers renders no empty conversation),
+    the one it writes after a probe user message."""
+    if before is None and i == 0 and _WRITES_PROMPT.get(_key(tokenizer)):
+        probe = [{"role": "user", "content": "Hi"}]
+        with_prompt, bare = render(tokenizer, probe, True), render(tokenizer, probe, False)
+        return with_prompt[len(bare):] if with_prompt.startswith(bare) else ""
     if before is None:
         return ""
     bare = render(tokenizer, messages[:i], False)
@@ -235,11 +244,13 @@ def _turn_tail(tokenizer, messages: list[dict], i: int, through: str, ce: int) -
         return rest[:n].rstrip()
 
 
-def _after(full: str, before: str, lo: int, least: int = 4) -> int:
-    """Where the longest tail of `before` found in `full` ending at `lo` or later ends (its first such occurrence: the
-    previous turn, ending at `lo`, may be part of it), or -1 when even `least` characters of it are not there. (A tail
-    found implies each shorter one is: a binary search over its length.)"""
-    found = lambda k: full.find(before[len(before) - k:], max(0, lo - k)) if k else lo
+def _after(full: str, before: str, lo: int, hi: int, least: int = 4) -> int:
+    """Where the longest tail of `before` found in `full` ending at `lo` or later, and at `hi` or earlier, ends (its
+    first such occurrence: the previous turn, ending at `lo`, may be part of it), or -1 when even `least` characters
+    of it are not there. (A tail found implies each shorter one is: a binary search over its length.) `hi` keeps the
+    search out of later turns, which write the same markup (a conversation opening with an assistant message: its
+    rendering as the last turn holds Qwen3's think block, which the full one writes on its last turn only)."""
+    found = lambda k: full.find(before[len(before) - k:], max(0, lo - k), hi) if k else lo
     a, b = 0, len(before)
     while a < b:
         k = (a + b + 1) // 2
@@ -262,8 +273,24 @@ def _written_end(tokenizer, messages: list[dict], j: int, text: str) -> int:
     return end if k >= 0 and end >= k and text.endswith(tail) and text.startswith(probe[:k]) else -1
 
 
+def _next_at(tokenizer, messages: list[dict], i: int, full: str) -> int:
+    """Where the content of the first message after message i that is not a system one (a template may move those:
+    Mistral's to the last user message) starts in `full`, their rendering: where the template writes a sentinel put in
+    its place. No turn of message i's lies past it. len(full) where there is none or the probe cannot tell."""
+    j = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] != "system"
+              and isinstance(messages[j].get("content"), str)), None)
+    if j is None:
+        return len(full)
+    try:
+        probe = render(tokenizer, [*messages[:j], {**messages[j], "content": _SENTINEL}, *messages[j + 1:]], False)
+    except DataError:
+        return len(full)
+    k = probe.rfind(_SENTINEL)   # (a content written twice leaves a sentinel before it: then it cannot tell)
+    return k if k >= 0 and full.startswith(probe[:k]) else len(full)
+
+
 def _start_after(tokenizer, messages: list[dict], i: int, prev: int, full: str, through: str, given_at: int,
-                 lo: int) -> int:
+                 lo: int, hi: int) -> int:
     """Where assistant message i starts in `full` when the conversation before it renders otherwise once it is the
     last turn (`through`, where it starts at `given_at`): after the last message between it and the previous
     assistant turn `prev` (which ends at `lo`) and the text `through` writes between that message and the turn
@@ -273,10 +300,18 @@ def _start_after(tokenizer, messages: list[dict], i: int, prev: int, full: str, 
                  and isinstance(messages[j].get("content"), str)), None)               # prompt onto the last user one)
     if last is not None:
         e, t = _written_end(tokenizer, messages, last, full), _written_end(tokenizer, messages[: i + 1], last, through)
-        if e >= lo and 0 <= t <= given_at and full.startswith(markup := through[t:given_at], e):
+        if lo <= e <= hi and 0 <= t <= given_at and full.startswith(markup := through[t:given_at], e):
             return e + len(markup)
     # else the longest tail of what `through` writes before the turn (a short text, '1', may occur inside another)
-    return _after(full, through[:given_at], lo)
+    return _after(full, through[:given_at], lo, hi)
+
+
+def _as_user(tokenizer, messages: list[dict], i: int) -> str | None:
+    """The rendering with message i's role made "user" (None: the template refuses it)."""
+    try:
+        return render(tokenizer, [*messages[:i], {**messages[i], "role": "user"}, *messages[i + 1:]], False)
+    except DataError:
+        return None
 
 
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -286,6 +321,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
+        if not any(m["role"] == "user" for m in messages[:i]) and full == _as_user(tokenizer, messages, i):
+            raise DataError(f"{where}: the chat template writes assistant message {i} as it writes a user message "
+                            "(Llama 3.1's does so with tools: it puts the conversation's first message into the user "
+                            "turn holding them), so it is no answer to train on: begin the conversation with a user "
+                            "message, drop that one, or render it with another --chat-template")
+        hi = _next_at(tokenizer, messages, i, full)
         content = msg["content"].strip()
         before = _prefixrender(tokenizer, messages[:i])
         through = render(tokenizer, messages[: i + 1], False, where)
@@ -304,13 +345,14 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             header = _header(tokenizer, messages, i, before)
             h = through.rfind(header, prev_end, given_at) if header else -1
             start = h + len(header) if h >= 0 else given_at
-        elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end)) >= 0:
+        elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end, hi)) >= 0:
             start = h + len(header)   # a turn rendered otherwise once later turns follow: after its role header
         else:   # the conversation before it renders otherwise once it is the last turn (Mistral v0.3 writes the
             # tools and the system prompt before the last user message): it starts where the text just before it,
             # as it renders as the last turn, ends in the full rendering
             prev = max((j for j in range(i) if messages[j]["role"] == "assistant"), default=-1)
-            start = _start_after(tokenizer, messages, i, prev, full, through, given_at, prev_end) if at >= 0 else -1
+            start = _start_after(tokenizer, messages, i, prev, full, through, given_at, prev_end, hi) if at >= 0 \
+                else -1
             if start < 0 and content:
                 start = full.find(content, prev_end)
         if start < 0 or at < 0:
@@ -347,6 +389,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         # The newline a template writes between turns is a separator, not something to generate.
         while end > start and full[end - 1].isspace():
             end -= 1
+        if end > hi:   # (the turn located past where the next message is written: in a later turn)
+            raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
         spans.append((start, end))
         prev_end = end
     return full, spans

@@ -525,6 +525,55 @@ def test_turns_placed_by_what_the_template_writes_not_by_searching_short_texts(t
     assert ours == [bool(m) for m in ref["assistant_masks"][1:]], target_runs(tok, s)
 
 
+# Llama-3.1-shaped (its real form, unlike LLAMA_TOOLS): with tools, the conversation's first message, whatever its
+# role, is written into the user turn that holds them.
+LLAMA31_FIRST = (
+    "{{- bos_token }}{%- if tools %}{%- set first = messages[0]['content'] %}{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nFunctions:\\n' }}{%- for t in tools %}"
+    "{{- (t | tojson) + '\\n' }}{%- endfor %}{{- first + '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if m['role'] == 'assistant' %}{% generation %}{{- m['content'] + '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else %}{{- m['content'] + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("template", ["think_dropping", "qwen3_tools", "llama31"])
+def test_a_conversation_opening_with_an_assistant_message(tok, template):
+    """A greeting before the first user message ("How can I help?"), also empty or whitespace, after a system prompt
+    or not: the targets equal transformers' assistant mask. Until 2026-12-04 (found by review), under Qwen3-shaped
+    templates, which write a think block on turns after the last user message only, the first turn was looked for
+    by what its rendering as the last turn writes before it (that think block) and found in the LAST turn: a non-empty
+    one refused ("does not render assistant message 2 verbatim"), an empty one trained on nothing of its own and left
+    the last turn's think block untrained. Under Llama 3.1's, which writes the first message into the user turn
+    holding the tools, the greeting was trained from inside that user turn: now that record is refused, naming why."""
+    tok.chat_template = {"think_dropping": THINK_DROPPING, "qwen3_tools": QWEN_TOOLS + _tool_template(True),
+                         "llama31": LLAMA31_FIRST}[template]
+    tools = TOOLS if template != "think_dropping" else None
+    for n, first in enumerate(["How can I help?", "", "\n", " \n ", "<think>\nhi\n</think>\n\nHello."]):
+        for system in ([], [{"role": "system", "content": "Be brief."}]):
+            msgs = [*system, A(first), U("Weather in Paris?"), A("Sunny."), U("Thanks."), A("You are welcome.")]
+            if template == "llama31":
+                if system:
+                    continue   # (it writes the system message, not the greeting, into that user turn)
+                with pytest.raises(DataError, match=r"line 2: the chat template writes assistant message 0 as it "
+                                                    r"writes a user message.*begin the conversation with a user"):
+                    tokenize_records([{"messages": msgs, "tools": tools, "line": 2}], tok, 10_000)
+                msgs = msgs[1:]   # (a user message first: trained; and the greeting without tools below)
+                (s,), _ = tokenize_records([{"messages": [A(first), *msgs]}], tok, 10_000)
+                ref = tok.apply_chat_template([A(first), *msgs], tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+                ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+                assert ours == [bool(m) for m in ref["assistant_masks"][1:]], target_runs(tok, s)
+            (s,), _ = tokenize_records([{"messages": msgs, "tools": tools, "line": n}], tok, 10_000)
+            ref = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+            assert s["input_ids"] == ref["input_ids"]
+            ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+            assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (first, system, target_runs(tok, s))
+            assert target_runs(tok, s)[-1].startswith("<think>" if template != "llama31" else "You"), \
+                target_runs(tok, s)
+
+
 def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, tmp_path):
     """A template that reads no tools (the model would train on calls to tools it never sees) is refused naming the
     line; so are "tools" on a text record, a "tools" string that is not JSON, a list of non-objects, and a tool
