@@ -119,6 +119,9 @@ def build_parser(add_help=True):
     # Data
     a("--data", default=None, help="training JSONL ({'text'}, {'prompt', 'completion'} or {'messages'} per line)")
     a("--eval-data", default=None, help="evaluation JSONL")
+    a("--eval-split", type=float, default=None, help="instead of --eval-data, hold out this share (below 1: 0.05 is "
+      "5%%) or number (1 or more) of --data's records as the eval set, never trained on: whole records, chosen by "
+      "--seed")
     a("--max-len", type=max_len_arg, default=256, help="the longest sample in tokens; longer records are cut, or "
       "split (--long-text) (`--plan --max-len auto`: the longest that fits)")
     a("--long-text", default=LONG_TEXT[0], choices=LONG_TEXT, help="a text record longer than --max-len: split into "
@@ -242,7 +245,6 @@ def main(argv=None):
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
         (samples, stats), (eval_samples, eval_stats) = store.load_run_data(args, tok, margs.vocab_size, log0)
-        log0(f"data: {stats}")
         if not demo and (stats.split or stats.truncated) and not any(   # (argparse takes --max-l for --max-len)
                 x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
             log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "

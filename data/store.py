@@ -4,7 +4,11 @@ Contract:
 - `Samples`: every sample's input ids and shifted labels in two flat int32 tensors cut by int64 offsets, 8 bytes a
   token where Python lists of ints take about 48 (a 128M-token long-context set: 1 GB per rank, not 6).
   `len(s)`, `s.lengths` (int64 [n]), `s.max_id()`; `s[i]` is `{"input_ids", "labels"}` as int32 views and
-  `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list.
+  `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list. `s.lines`: each
+  sample's record's line; `s.subset(rows)`: those samples, sharing the tensors (the page cache's one copy).
+- `hold_out(samples, spec, seed)`: --eval-split's (training, eval, held-out lines): whole records (a split text
+  record's windows together), `spec` of them (a share below 1, else a count), chosen by a sha256 of the seed and the
+  line, so every rank, and a resume, holds out the same ones; a split leaving no record to train on is refused.
 - `build(records, tokenize, log, what)` tokenizes chunks of about `CHUNK_CHARS` characters, so only one chunk's
   Python lists exist at a time, and says its progress every `LOG_SECONDS`.
 - `cache_key(data_sha256, tokenizer, max_len, day, long_text)`: a sha256 over the data file's (`file_sha256`), the
@@ -26,7 +30,8 @@ Contract:
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
-  host). It logs the --eval-data stats (`eval data: ...`) and a note when eval samples are also training samples
+  host). It logs --data's stats (`data: ...`), --eval-split's records held out of them (`eval split: ...`), and
+  the --eval-data stats (`eval data: ...`) and a note when eval samples are also training samples
   (`also_in`: the same input ids), and every rank must end with the same tokens
   (`same_on_every_rank`, a sha256 `fingerprint` of ids, labels and boundaries): machines that read different
   bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts. It sets
@@ -73,21 +78,39 @@ SOURCES = ("jsonl.py", "tokens.py", "chat.py", "templates.py", "store.py")   # t
 
 
 class Samples:
-    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor,
+                 lines: torch.Tensor | None = None, rows: torch.Tensor | None = None, base: str | None = None):
         self.ids, self.labels, self.offsets = ids, labels, offsets   # int32 [N], int32 [N], int64 [n + 1]
-        self.lengths = offsets[1:] - offsets[:-1]
+        every = offsets[1:] - offsets[:-1]
+        # each sample's record's line in its file (-1: not known), and which samples of the tensors this holds, in
+        # order (None: all; `subset`, which keeps the tensors, and so the page cache's one copy, shared)
+        self.lines = lines if lines is not None else torch.full_like(every, -1)
+        self.rows, self.base = rows, base   # (base: the whole tensors' `fingerprint`, for a subset's)
+        self.lengths = every if rows is None else every[rows]
         self.digest = None   # `fingerprint`'s, once computed (or verified by `read`)
 
     @classmethod
     def from_lists(cls, samples: list[dict]) -> Samples:
         flat = lambda k: torch.tensor([t for s in samples for t in s[k]], dtype=torch.int32)
         lengths = torch.tensor([0] + [len(s["input_ids"]) for s in samples], dtype=torch.int64)
-        return cls(flat("input_ids"), flat("labels"), lengths.cumsum(0))
+        lines = torch.tensor([s.get("line", -1) for s in samples], dtype=torch.int64)
+        return cls(flat("input_ids"), flat("labels"), lengths.cumsum(0), lines)
 
     @classmethod
     def cat(cls, parts: list[Samples]) -> Samples:
+        assert all(p.rows is None for p in parts), "cat takes whole Samples"
         ends = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
-        return cls(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]), ends)
+        return cls(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]), ends,
+                   torch.cat([p.lines for p in parts]))
+
+    def subset(self, rows: torch.Tensor) -> Samples:
+        """Samples `rows` (int64 indices into this one), in that order, sharing these tensors."""
+        return Samples(self.ids, self.labels, self.offsets, self.lines,
+                       rows if self.rows is None else self.rows[rows], self.base or fingerprint(self))
+
+    def sample_lines(self) -> torch.Tensor:
+        """Each sample's record's line (int64 [len(self)])."""
+        return self.lines if self.rows is None else self.lines[self.rows]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -96,11 +119,33 @@ class Samples:
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
         i = range(len(self))[i]   # (a negative index counts from the end)
-        a, b = self.offsets[i].item(), self.offsets[i + 1].item()
+        j = i if self.rows is None else int(self.rows[i])
+        a, b = self.offsets[j].item(), self.offsets[j + 1].item()
         return {"input_ids": self.ids[a:b], "labels": self.labels[a:b]}
 
     def max_id(self) -> int:
         return int(self.ids.max()) if len(self.ids) else -1
+
+
+def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples, list[int]]:
+    """--eval-split: (training samples, eval samples, the held-out records' lines). `spec` records of those with a
+    sample (0 < spec < 1: that share of them, rounded, at least one; else that many), each record whole (a split
+    text record's windows stay together): the ones whose sha256 of f"{seed}:{line}" is smallest, so the choice
+    depends on the seed and the records' lines only (not on torch's generator, nor on the order of anything), and a
+    resume holds out the same ones. Both keep the file's order."""
+    lines = samples.sample_lines()
+    if len(lines) and int(lines.min()) < 0:
+        raise ValueError("hold_out needs each sample's record line (samples tokenized from a file)")
+    records = torch.unique(lines).tolist()
+    k = max(1, int(spec * len(records) + 0.5)) if spec < 1 else int(spec)
+    if not 1 <= k < len(records):
+        raise DataError(f"--eval-split {spec:g} holds out {k} of the {len(records)} records of --data that have a "
+                        "target, leaving none to train on: pass a smaller --eval-split (a share below 1, or a count "
+                        "below the records), or give the eval set as --eval-data FILE")
+    key = lambda line: hashlib.sha256(f"{seed}:{line}".encode()).digest()
+    held = sorted(sorted(records, key=key)[:k])
+    is_held = torch.isin(lines, torch.tensor(held, dtype=lines.dtype))
+    return samples.subset((~is_held).nonzero().flatten()), samples.subset(is_held.nonzero().flatten()), held
 
 
 def _chars(r: dict) -> int:
@@ -184,8 +229,8 @@ def read(path: Path, key: str, log=None):
         d = torch.load(path, mmap=True, weights_only=True)
         if d.get("key") != key:
             raise ValueError(f"it was written under key {d.get('key')}")
-        samples = Samples(d["ids"], d["labels"], d["offsets"])
-        if fingerprint(samples) != d.get("sha256"):
+        samples = Samples(d["ids"], d["labels"], d["offsets"], d["lines"])
+        if fingerprint(samples) != d.get("sha256") or _digest(samples.lines) != d.get("lines_sha256"):
             raise ValueError("its tokens do not match the sha256 written with them (a damaged file)")
         return samples, d["stats"]
     except Exception as e:   # a damaged or foreign file, or no access: tokenize again (and replace it if we may)
@@ -201,8 +246,10 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")   # unique across machines sharing the folder
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        assert samples.rows is None, "the cache keeps a file's whole tokens"
         torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
-                    "stats": stats, "sha256": fingerprint(samples)}, tmp)
+                    "lines": samples.lines, "lines_sha256": _digest(samples.lines), "stats": stats,
+                    "sha256": fingerprint(samples)}, tmp)
         os.replace(tmp, path)
         for old in path.parent.glob(".*.tmp"):   # a killed writer's, a day old: nobody still writes it (WAIT)
             with contextlib.suppress(OSError):   # (only this function's names: a user's own .x.tmp stays)
@@ -241,12 +288,20 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)),
         first=not cache or local_rank == "0", day=given)
+    log(f"data: {train[1]}")
+    if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
+        kept, held, lines = hold_out(train[0], split, args.seed)
+        shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
+        log(f"eval split: {len(lines)} records of --data held out (--eval-split {split:g}, --seed {args.seed}; lines "
+            f"{shown}), never trained on: {len(held)} samples, {int(held.lengths.sum())} tokens; training on "
+            f"{len(kept)} samples")
+        train, ev = (kept, train[1]), (held, None)
     digest = fingerprint(train[0])
     same_on_every_rank(train[0], ev and ev[0], digest)
     # what the run trains on, as tokens: a resume compares it (parallel/resume.same_tokens), since the same bytes
     # tokenize otherwise under an edited tokenizer or chat template file, or another transformers/tokenizers
-    args.data_tokens = f"{len(train[0])} samples, {train[1].tokens} tokens, sha256 {digest}"
-    if ev:   # its truncated and dropped records too: eval_loss covers what is left
+    args.data_tokens = f"{len(train[0])} samples, {int(train[0].lengths.sum())} tokens, sha256 {digest}"
+    if ev and ev[1]:   # its truncated and dropped records too: eval_loss covers what is left
         log(f"eval data: {ev[1]}")
         if shared := also_in(ev[0], train[0]):
             log(f"note: {shared} of the {len(ev[0])} --eval-data samples are also --data samples (the same tokens): "
@@ -257,7 +312,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         if given is None and getattr(args, "resume", None):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
-    return train, ev or (None, None)
+    return train, ev or (None, None)   # (--eval-split's eval stats: None, its records are counted in --data's)
 
 
 def also_in(these: Samples, those: Samples) -> int:
@@ -269,11 +324,18 @@ def also_in(these: Samples, those: Samples) -> int:
     return sum(key(these, i) in seen for i in range(len(these)))
 
 
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().data).hexdigest()
+
+
 def fingerprint(samples: Samples | None) -> str:
     """A digest of the token ids, labels and sample boundaries (sha256: 0.6 s per 128M tokens on the 2-core CPU
     machine, 2026-12-02)."""
     if samples is None:
         return "-"
+    if samples.digest is None and samples.rows is not None:   # a subset: which samples of the whole tensors
+        rows = samples.rows.to(torch.int64).contiguous().numpy().data
+        samples.digest = hashlib.sha256(samples.base.encode() + b" rows " + rows).hexdigest()
     if samples.digest is None:
         h = hashlib.sha256()
         for t in (samples.offsets, samples.ids, samples.labels):

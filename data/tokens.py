@@ -4,7 +4,8 @@ Contract:
 - `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
   `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
 - `tokenize_records(records, tokenizer, max_len, path, day, long_text)` turns validated records (`data.jsonl`) into
-  samples `{"input_ids": [int], "labels": [int]}` plus a `TokenStats`. Order is kept, except that
+  samples `{"input_ids": [int], "labels": [int], "line": int}` (its record's line, -1 when the record has none:
+  --eval-split holds out whole records) plus a `TokenStats`. Order is kept, except that
   samples left with no target are dropped (and counted), and a split text record gives its windows in a row. A
   template that writes today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
 - `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
@@ -269,7 +270,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             parts = _windows(ids, max_len)
             stats.split, stats.windows = stats.split + 1, stats.windows + len(parts)
             for w in parts:   # (each has a target: never dropped)
-                samples.append({"input_ids": w, "labels": shift_labels(w, [True] * len(w))})
+                samples.append({"input_ids": w, "labels": shift_labels(w, [True] * len(w)), "line": r.get("line", -1)})
                 stats.samples, stats.tokens, stats.targets = stats.samples + 1, stats.tokens + len(w), \
                     stats.targets + len(w) - 1
             continue
@@ -297,7 +298,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             if len(stats.dropped_lines) < DROPPED_LINES:
                 stats.dropped_lines.append(r.get("line", "?"))
             continue
-        samples.append({"input_ids": ids, "labels": labels})
+        samples.append({"input_ids": ids, "labels": labels, "line": r.get("line", -1)})
         stats.samples += 1
         stats.truncated += n_ids > len(ids)   # (until 2026-12-04 dropped records too: "truncated 6 (0 tokens cut)")
         stats.cut += n_ids - len(ids)

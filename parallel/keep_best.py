@@ -35,7 +35,9 @@ class Best:
         folder (a resume into a new --out, or onto other eval data, chooses anew from its evaluations on, said)."""
         from data.store import file_sha256
 
-        best = cls(file_sha256(args.eval_data) if args.keep_best else None)
+        split = getattr(args, "eval_split", None)   # (its eval set: those records of --data, which a resume keeps)
+        best = cls(None if not args.keep_best else file_sha256(args.eval_data) if not split else
+                   f"--eval-split {split:g} --seed {args.seed} of --data {args.data_sha256}")
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:
             here = os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(os.path.join(args.out, "ckpt"))

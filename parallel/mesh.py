@@ -222,9 +222,17 @@ def check_flags(args) -> None:
         raise ValueError(f"--profile must be a step number >= 1 (1-based), got {args.profile}")
     if isinstance(getattr(args, "max_len", None), int) and args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2 (one input and one target), got {args.max_len}")
-    if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None) and hasattr(args, "eval_data"):
+    if (split := getattr(args, "eval_split", None)) is not None:
+        if getattr(args, "eval_data", None):
+            raise ValueError(f"--eval-split {split:g} and --eval-data {args.eval_data!r} both name the eval set: "
+                             "pass one (--eval-split holds out records of --data)")
+        if not (0 < split < 1 or (split >= 1 and split == int(split))):   # (nan and inf fail too)
+            raise ValueError(f"--eval-split must be a share of --data's records above 0 and below 1 (0.05), or a "
+                             f"whole number of them (500), got {split:g}")
+    if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None) and hasattr(args, "eval_data") and \
+            not getattr(args, "eval_split", None):
         raise ValueError(f"--eval-every {args.eval_every} evaluates on --eval-data, which is not given: pass "
-                         "--eval-data FILE, or drop --eval-every")
+                         "--eval-data FILE (or --eval-split), or drop --eval-every")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}; omit --steps to train one epoch")
     if (epochs := getattr(args, "epochs", None)) is not None:

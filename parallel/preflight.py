@@ -116,9 +116,9 @@ def check_start(args, demo: bool):
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     check_flags(args)
-    if args.keep_best and not (args.eval_data and args.eval_every):
-        raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE and "
-                         "--eval-every N (each evaluation is then saved)")
+    if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
+        raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
+                         "--eval-split) and --eval-every N (each evaluation is then saved)")
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():

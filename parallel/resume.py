@@ -35,7 +35,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule", "data_tokens", "long_text", "model_sha256")
+                "schedule", "data_tokens", "long_text", "model_sha256", "eval_split")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -108,8 +108,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
-    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, **ckpt_args}   # runs from before
-    # these flags: without them
+    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
+                 **ckpt_args}   # runs from before these flags: without them
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     for k in [*RUN_DEFINING, *forks]:
         if k not in args:   # (a caller that records less, as tests do: train.py records every one)

@@ -1114,6 +1114,45 @@ def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
     assert all(packed["labels"][0, s - 1] == IGNORE_INDEX for s in starts[1:])
 
 
+def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
+    """data.store.hold_out (--eval-split): a share (rounded, at least one) or a count of the records that have a
+    sample, each whole (a text record split into windows keeps every window on one side), the file's order kept on
+    both sides; the same records for the same seed and lines whatever the order they are asked in, others for
+    another seed; the subsets share the tensors, and their fingerprints differ from the whole's and each other's. A
+    split leaving nothing to train on is refused, naming the numbers."""
+    from data import store
+    from data.tokens import load_samples
+
+    path = tmp_path / "d.jsonl"
+    make_text_jsonl(path, 30, seed=3)
+    samples, stats = load_samples(path, load_tokenizer(tok_dir), 24, 10_000)
+    lines = samples.lines.tolist()
+    assert stats.split > 3 and len(set(lines)) == 30 and len(lines) > 40, stats   # windows: several samples a record
+    for spec, k in ((0.1, 3), (0.25, 8), (0.001, 1), (5, 5), (29, 29)):
+        train, held, chosen = store.hold_out(samples, spec, seed=7)
+        assert len(chosen) == k and chosen == sorted(chosen), (spec, chosen)
+        assert sorted(set(held.sample_lines().tolist())) == chosen, "every window of a held record is held"
+        assert not set(train.sample_lines().tolist()) & set(chosen), "no window of a held record is trained on"
+        rows = lambda part: part.rows.tolist()
+        assert sorted(rows(train) + rows(held)) == list(range(len(samples))), "each sample on exactly one side"
+        assert rows(train) == sorted(rows(train)) and rows(held) == sorted(rows(held)), "the file's order"
+        for part in (train, held):
+            assert part.ids is samples.ids and len(part) == len(part.rows)
+            assert [part[i]["input_ids"].tolist() for i in range(len(part))] == \
+                [samples[j]["input_ids"].tolist() for j in part.rows.tolist()]
+            assert part.lengths.tolist() == [len(samples[j]["input_ids"]) for j in part.rows.tolist()]
+        fps = {store.fingerprint(x) for x in (samples, train, held)}
+        assert len(fps) == 3 and store.fingerprint(store.hold_out(samples, spec, seed=7)[0]) == store.fingerprint(train)
+    assert store.hold_out(samples, 0.2, seed=7)[2] == store.hold_out(samples, 0.2, seed=7)[2]
+    assert store.hold_out(samples, 0.2, seed=7)[2] != store.hold_out(samples, 0.2, seed=8)[2], "the seed chooses"
+    backwards = samples.subset(torch.arange(len(samples) - 1, -1, -1))   # (the same records in another order)
+    assert store.hold_out(backwards, 0.2, seed=7)[2] == store.hold_out(samples, 0.2, seed=7)[2]
+    for spec, k in ((30, 30), (0.99, 30), (1000, 1000)):
+        with pytest.raises(DataError, match=rf"--eval-split {spec:g} holds out {k} of the 30 records of --data that "
+                                            "have a target, leaving none to train on: pass a smaller --eval-split"):
+            store.hold_out(samples, spec, seed=0)
+
+
 def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_dir, tmp_path, monkeypatch):
     """data.store: `load_samples` tokenizes chunk by chunk into flat int32 tensors, and a rerun reads them back from
     the cache; both hold exactly `tokenize_records`' samples and stats, and collate to the same batch. A change in
@@ -1147,6 +1186,7 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
             assert all(torch.equal(got[k], want[k]) for k in want), f"{attempt}: collate pack={pack}"
         assert samples.lengths.tolist() == [len(r["input_ids"]) for r in ref] and samples.max_id() == max(
             max(r["input_ids"]) for r in ref), attempt
+        assert samples.lines.tolist() == [r["line"] for r in ref], f"{attempt}: the records' lines (--eval-split's)"
         monkeypatch.setattr("data.tokens.tokenize_records", lambda *a: pytest.fail("the cache was not read"))
     assert len(said) == 1 and "tokens from the cache" in said[0], said
     monkeypatch.undo()

@@ -317,6 +317,11 @@ def test_check_resume_names_each_difference():
                       ("lr", 1e-3)):
         _refused(lambda f=flag, v=new: resume.check_resume(CKPT, {**CKPT, f: v}),
                  "--" + flag.replace("_", "-"), repr(CKPT[flag]), repr(new), "fresh run")
+    # --eval-split changes which records are trained on (a run from before it had none)
+    _refused(lambda: resume.check_resume(CKPT, {**CKPT, "eval_split": 0.1}), "--eval-split", "None", "0.1")
+    _refused(lambda: resume.check_resume({**CKPT, "eval_split": 0.1}, {**CKPT, "eval_split": 0.2}), "--eval-split")
+    resume.check_resume({**CKPT, "eval_split": 0.1}, {**CKPT, "eval_split": 0.1})
+    resume.check_resume(CKPT, {**CKPT, "eval_split": None})
     msg = _refused(lambda: resume.check_resume(CKPT, {**CKPT, "seed": 3, "lora_r": 4}), "--seed", "--lora-r")
     assert "--cp" in msg, "the message should say which layout flags may change"
     _refused(lambda: resume.check_resume(CKPT, {**CKPT, "steps": 3}, ckpt_step=4), "--steps 3", "step 4")

@@ -43,8 +43,11 @@ Run: .venv/bin/python -m pytest -q tests/test_train.py
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import traceback
@@ -93,6 +96,10 @@ FOUR_RANK_WINDOW = {
 # text records past --max-len split into windows (--long-text split, the default), packed 2 samples a row under ring
 FOUR_RANK_TEXT = {"text_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
                                                  "2"]}
+# --eval-split: a quarter of the text records (split into windows) held out as the eval set, evaluated every step
+EVAL_SPLIT = ["--eval-split", "0.25", "--eval-every", "1"]
+FOUR_RANK_SPLIT = {"text_split_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
+                                                  *EVAL_SPLIT]}
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
 INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
@@ -132,7 +139,7 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
-    for name, flags in FOUR_RANK_TEXT.items():
+    for name, flags in {**FOUR_RANK_TEXT, **FOUR_RANK_SPLIT}.items():
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
@@ -301,9 +308,21 @@ def one(assets, tmp_path_factory):
         for name, flags in runs.items():
             train.main(train_argv(assets, os.path.join(root, name), *flags))
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text")))
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text_split"), *EVAL_SPLIT))
+        # the same split as two files (the lines the run names as held out): the run it must equal
+        held = [int(x) for x in re.search(r"eval split: .*; lines ([\d, ]+)\)", said.getvalue()).group(1).split(",")]
+        lines = open(assets["text"]).read().splitlines()
+        for part, keep in (("train", lambda n: n not in held), ("eval", lambda n: n in held)):
+            with open(os.path.join(root, f"text_{part}.jsonl"), "w") as f:
+                f.writelines(line + "\n" for n, line in enumerate(lines, 1) if keep(n))
+        train.main(train_argv({**assets, "data": os.path.join(root, "text_train.jsonl")},
+                              os.path.join(root, "text_files"), "--eval-data", os.path.join(root, "text_eval.jsonl"),
+                              "--eval-every", "1"))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
-    return {"root": root, "resume_error": resume_error}
+    return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue()}
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -379,6 +398,23 @@ def test_split_long_text_on_four_ranks_matches_one_rank(one, four, name):
     stats = json.load(open(_at(one, "text", "config.json")))["data_stats"]
     assert " split " in stats and "truncated 0" in stats, f"the 1-rank run split nothing: {stats}"
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "text"))
+
+
+@pytest.mark.timeout(600)
+def test_eval_split_holds_out_whole_records_and_trains_as_the_two_files_would(one, four):
+    """--eval-split 0.25 of 16 text records (11 split into windows): 4 records held out, their windows all in the eval
+    set; the run equals one given the rest as --data and those records as --eval-data (losses, eval losses, adapter),
+    and so does cp 2 x dp 2 Ulysses."""
+    assert len(one["held"]) == 4 and "never trained on" in one["said"], one["said"]
+    evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
+    files = _at(one, "text_files")
+    for label, out in (("1 rank", _at(one, "text_split")), ("4 ranks", _at(four, "text_split_cp2_dp2_ulysses"))):
+        _compare(f"{label} --eval-split vs two files", out, files)
+        assert len(evals(out)) == 3 and max(abs(a - b) for a, b in zip(evals(out), evals(files))) <= LOSS_ATOL, \
+            (label, evals(out), evals(files))
+    config = lambda out: json.load(open(os.path.join(out, "config.json")))
+    n = lambda out: int(config(out)["data_tokens"].split()[0])
+    assert n(_at(one, "text_split")) == n(files) < n(_at(one, "text")), "the held-out windows are not trained on"
 
 
 @pytest.mark.timeout(600)
@@ -617,6 +653,12 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
                               ["--global-batch must be <= 10 million samples a step", "got 100000000000"]),
         "out inside the model": (["--out", os.path.join(assets["model"], "run")],
                                  ["lies inside --model", "pass a directory outside it"]),
+        "eval split and eval data": (["--eval-split", "0.1", "--eval-data", assets["data"]],
+                                     ["--eval-split 0.1 and --eval-data", "both name the eval set: pass one"]),
+        "eval split share": (["--eval-split", "1.5"], ["--eval-split must be a share", "or a whole number", "got 1.5"]),
+        "eval split zero": (["--eval-split", "0"], ["--eval-split must be a share", "got 0"]),
+        "eval split nan": (["--eval-split", "nan"], ["--eval-split must be a share", "got nan"]),
+        "keep best without eval": (["--keep-best", "--eval-every", "1"], ["pass --eval-data FILE (or --eval-split)"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
