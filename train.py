@@ -198,6 +198,8 @@ def main(argv=None):
     if demo:
         parser.set_defaults(**DEMO)
         args = parser.parse_args(argv)
+        if args.eval_split is not None and not any(x.startswith("--eval-d") for x in argv):
+            args.eval_data = None   # (the demo's eval file gives way to the records it holds out of its data)
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
@@ -259,7 +261,8 @@ def main(argv=None):
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         if args.global_batch > len(samples):   # allowed (a quick run on a few records), but said
-            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({len(samples)}): each "
+            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({len(samples)}"
+                 + (", past --eval-split's" if args.eval_split else "") + "): each "
                  f"step takes each sample about {args.global_batch / len(samples):.3g} times (repeats add compute, "
                  "not data)")
         order = GlobalBatches(len(samples), args.global_batch, args.seed)

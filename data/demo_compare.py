@@ -90,8 +90,9 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     with open(cfg_path) as f:
         cfg = json.load(f)
     if not cfg.get("eval_data"):
-        raise ValueError(f"{cfg_path} names no eval_data (the run had no --eval-data): the prompts come from a "
-                         "run's held-out file; train with --eval-data FILE")
+        raise ValueError(f"{cfg_path} names no eval_data (the run had no --eval-data" + (
+            ", and its --eval-split records of --data are not read back here" if cfg.get("eval_split") else "") +
+            "): the prompts come from a run's held-out file; train with --eval-data FILE")
     if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         ckpt = os.path.join(run_dir, "ckpt")
         raise ValueError(f"{run_dir!r} has no adapter/ yet (the run has not finished): " + (

@@ -127,6 +127,11 @@ class Samples:
         return int(self.ids.max()) if len(self.ids) else -1
 
 
+def split_arg(spec: float) -> str:
+    """--eval-split's value as typed: a share (0.05) or a count (1234567, not 1.23457e+06)."""
+    return f"{spec:g}" if spec < 1 else str(int(spec))
+
+
 def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples, list[int]]:
     """--eval-split: (training samples, eval samples, the held-out records' lines). `spec` records of those with a
     sample (0 < spec < 1: that share of them, rounded, at least one; else that many), each record whole (a split
@@ -139,9 +144,9 @@ def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples
     records = torch.unique(lines).tolist()
     k = max(1, int(spec * len(records) + 0.5)) if spec < 1 else int(spec)
     if not 1 <= k < len(records):
-        raise DataError(f"--eval-split {spec:g} holds out {k} of the {len(records)} records of --data that have a "
-                        "target, leaving none to train on: pass a smaller --eval-split (a share below 1, or a count "
-                        "below the records), or give the eval set as --eval-data FILE")
+        raise DataError(f"--eval-split {split_arg(spec)} holds out {k} of the {len(records)} records of --data that "
+                        "have a target, leaving none to train on: pass a smaller --eval-split (a share below 1, or a "
+                        "count below the records), or give the eval set as --eval-data FILE")
     key = lambda line: hashlib.sha256(f"{seed}:{line}".encode()).digest()
     held = sorted(sorted(records, key=key)[:k])
     is_held = torch.isin(lines, torch.tensor(held, dtype=lines.dtype))
@@ -292,9 +297,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)
         shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
-        log(f"eval split: {len(lines)} records of --data held out (--eval-split {split:g}, --seed {args.seed}; lines "
-            f"{shown}), never trained on: {len(held)} samples, {int(held.lengths.sum())} tokens; training on "
-            f"{len(kept)} samples")
+        log(f"eval split: {len(lines)} record{'s' * (len(lines) > 1)} of --data held out (--eval-split "
+            f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
+            f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
     digest = fingerprint(train[0])
     same_on_every_rank(train[0], ev and ev[0], digest)
@@ -303,9 +308,12 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     args.data_tokens = f"{len(train[0])} samples, {int(train[0].lengths.sum())} tokens, sha256 {digest}"
     if ev and ev[1]:   # its truncated and dropped records too: eval_loss covers what is left
         log(f"eval data: {ev[1]}")
+    if ev:   # (also a split's: the same text on two lines of --data, one held out, one trained on)
         if shared := also_in(ev[0], train[0]):
-            log(f"note: {shared} of the {len(ev[0])} --eval-data samples are also --data samples (the same tokens): "
-                "eval_loss measures how well the run learned them, not how it does on unseen data")
+            what = ("held-out samples are also training samples (the same tokens: the same text on two lines of "
+                    "--data)") if split else "--eval-data samples are also --data samples (the same tokens)"
+            log(f"note: {shared} of the {len(ev[0])} {what}: eval_loss measures how well the run learned them, not "
+                "how it does on unseen data")
     args.template_date = day if dated(tokenizer.chat_template) else None   # what config.json and checkpoints keep
     if args.template_date:
         log(f"chat template: writes the date; rendered as {day} (--template-date; a resume keeps it)")

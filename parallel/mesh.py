@@ -226,7 +226,7 @@ def check_flags(args) -> None:
         if getattr(args, "eval_data", None):
             raise ValueError(f"--eval-split {split:g} and --eval-data {args.eval_data!r} both name the eval set: "
                              "pass one (--eval-split holds out records of --data)")
-        if not (0 < split < 1 or (split >= 1 and split == int(split))):   # (nan and inf fail too)
+        if not (0 < split < 1 or (math.isfinite(split) and split >= 1 and split == int(split))):   # (nan too)
             raise ValueError(f"--eval-split must be a share of --data's records above 0 and below 1 (0.05), or a "
                              f"whole number of them (500), got {split:g}")
     if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None) and hasattr(args, "eval_data") and \

@@ -1396,6 +1396,15 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     store.load_run_data(args, tok, len(tok), said.append)    # longer than --max-len, split into 2 windows each
     assert "note: 6 of the 7 --eval-data samples are also --data samples (the same tokens): eval_loss measures how " \
            "well the run learned them, not how it does on unseen data" in said, said
+    # --eval-split over a file holding each record twice (found by review): every held-out sample is trained on too
+    args.data, args.eval_data, args.eval_split, args.seed, said = args.eval_data, None, 2, 0, []
+    (tmp_path / "twice.jsonl").write_text((tmp_path / "both.jsonl").read_text() * 2)
+    args.data = str(tmp_path / "twice.jsonl")
+    (train, _), (held, held_stats) = store.load_run_data(args, tok, len(tok), said.append)
+    assert held_stats is None and len(held) + len(train) == 14 and len(held) in (2, 3, 4), (len(held), said)
+    assert f"note: {len(held)} of the {len(held)} held-out samples are also training samples (the same tokens: the " \
+           "same text on two lines of --data): eval_loss measures how well the run learned them" in "".join(said), said
+    assert [m for m in said if m.startswith("eval split: 2 records of --data held out (--eval-split 2, --seed 0; ")]
 
 
 def _timed(load_samples, times: list, rank: int, error: str | None):

@@ -658,6 +658,7 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "eval split share": (["--eval-split", "1.5"], ["--eval-split must be a share", "or a whole number", "got 1.5"]),
         "eval split zero": (["--eval-split", "0"], ["--eval-split must be a share", "got 0"]),
         "eval split nan": (["--eval-split", "nan"], ["--eval-split must be a share", "got nan"]),
+        "eval split inf": (["--eval-split", "inf"], ["--eval-split must be a share", "got inf"]),   # (was a traceback)
         "keep best without eval": (["--keep-best", "--eval-every", "1"], ["pass --eval-data FILE (or --eval-split)"]),
     }
     for label, (flags, phrases) in cases.items():
