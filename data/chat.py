@@ -35,11 +35,13 @@ Both renderings are prefixes of the full one for ordinary templates. Templates t
 ones exist (Qwen3 drops old reasoning) break the second prefix, so then the turn's content is searched for in the
 full rendering after its start and before the first end-of-turn marker after it (a later turn may repeat it), and what
 follows it is matched right after it (else its first word, the marker). A turn whose earlier turns render otherwise
-once it is the last (Qwen3 writes an empty think block on the last turn only) starts after its role header. No turn is
-looked for past where the next message's content is written (a sentinel in its place): a greeting before the first
-user message, whose rendering alone has the think block the full one writes on the last turn only, was found there.
-A template that writes an assistant message as it would a user one (Llama 3.1's puts the first message, whatever its
-role, into the user turn holding the tools) has the record refused, naming the fix.
+once it is the last (Qwen3 writes an empty think block on the last turn only) starts after its role header.
+A turn searched for is not looked for past where the next message's content is written (a sentinel in its place;
+unless the template writes that before the turn, as one putting the last question first): a greeting before the first
+user message, whose rendering alone has the think block the full one writes on the last turn only, was found there. A
+template that writes an assistant message as it would a user one, its tool calls aside (Llama 3.1's puts the first
+message, whatever its role, into the user turn holding the tools; it writes calls under an assistant header whatever
+the role), has the record refused, naming the fix.
 Checked against transformers' own assistant mask (`return_assistant_tokens_mask` over `{% generation %}` tags;
 tests/test_data.py). Character spans become token flags through the fast tokenizer's offsets, so BPE merges across
 a boundary cannot shift a span.
@@ -273,20 +275,29 @@ def _written_end(tokenizer, messages: list[dict], j: int, text: str) -> int:
     return end if k >= 0 and end >= k and text.endswith(tail) and text.startswith(probe[:k]) else -1
 
 
-def _next_at(tokenizer, messages: list[dict], i: int, full: str) -> int:
-    """Where the content of the first message after message i that is not a system one (a template may move those:
-    Mistral's to the last user message) starts in `full`, their rendering: where the template writes a sentinel put in
-    its place. No turn of message i's lies past it. len(full) where there is none or the probe cannot tell."""
-    j = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] != "system"
-              and isinstance(messages[j].get("content"), str)), None)
-    if j is None:
-        return len(full)
+def _sentinel_at(tokenizer, messages: list[dict], j: int, full: str) -> int:
+    """Where message j's content starts in `full`, their rendering: where the template writes a sentinel put in its
+    place (-1: it writes none, or twice, or the rest otherwise)."""
     try:
         probe = render(tokenizer, [*messages[:j], {**messages[j], "content": _SENTINEL}, *messages[j + 1:]], False)
     except DataError:
-        return len(full)
+        return -1
     k = probe.rfind(_SENTINEL)   # (a content written twice leaves a sentinel before it: then it cannot tell)
-    return k if k >= 0 and full.startswith(probe[:k]) else len(full)
+    return k if k >= 0 and full.startswith(probe[:k]) else -1
+
+
+def _next_at(tokenizer, messages: list[dict], i: int, full: str, lo: int) -> int:
+    """Where the content of the first message after assistant message i that is neither a system one (a template may
+    move those: Mistral's to the last user message) nor an assistant one (a template may write a run of them as one
+    turn) starts in `full`: no turn of message i's lies past it. len(full)
+    where there is none or the probe cannot tell, and where the template writes it before message i's own content
+    or before the previous turn's end `lo` (one that puts the last question first)."""
+    j = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] not in ("system", "assistant")
+              and isinstance(messages[j].get("content"), str)), None)
+    k = -1 if j is None else _sentinel_at(tokenizer, messages, j, full)
+    if k <= lo or (isinstance(messages[i].get("content"), str) and _sentinel_at(tokenizer, messages, i, full) >= k):
+        return len(full)
+    return k
 
 
 def _start_after(tokenizer, messages: list[dict], i: int, prev: int, full: str, through: str, given_at: int,
@@ -307,9 +318,12 @@ def _start_after(tokenizer, messages: list[dict], i: int, prev: int, full: str, 
 
 
 def _as_user(tokenizer, messages: list[dict], i: int) -> str | None:
-    """The rendering with message i's role made "user" (None: the template refuses it)."""
+    """The rendering with message i a user message, of its content only (None: the template refuses it). (Llama
+    3.1's writes tool calls under an assistant header whatever the role: the calls are dropped, or an assistant
+    opening with a call renders alike.)"""
+    user = {**{k: v for k, v in messages[i].items() if k != "tool_calls"}, "role": "user"}
     try:
-        return render(tokenizer, [*messages[:i], {**messages[i], "role": "user"}, *messages[i + 1:]], False)
+        return render(tokenizer, [*messages[:i], user, *messages[i + 1:]], False)
     except DataError:
         return None
 
@@ -326,7 +340,7 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
                             "(Llama 3.1's does so with tools: it puts the conversation's first message into the user "
                             "turn holding them), so it is no answer to train on: begin the conversation with a user "
                             "message, drop that one, or render it with another --chat-template")
-        hi = _next_at(tokenizer, messages, i, full)
+        hi = None   # where a turn is searched for, the search's bound: the next message (`_next_at`)
         content = msg["content"].strip()
         before = _prefixrender(tokenizer, messages[:i])
         through = render(tokenizer, messages[: i + 1], False, where)
@@ -345,12 +359,14 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             header = _header(tokenizer, messages, i, before)
             h = through.rfind(header, prev_end, given_at) if header else -1
             start = h + len(header) if h >= 0 else given_at
-        elif (header := _header(tokenizer, messages, i, before)) and (h := full.find(header, prev_end, hi)) >= 0:
+        elif (header := _header(tokenizer, messages, i, before)) and \
+                (h := full.find(header, prev_end, hi := _next_at(tokenizer, messages, i, full, prev_end))) >= 0:
             start = h + len(header)   # a turn rendered otherwise once later turns follow: after its role header
         else:   # the conversation before it renders otherwise once it is the last turn (Mistral v0.3 writes the
             # tools and the system prompt before the last user message): it starts where the text just before it,
             # as it renders as the last turn, ends in the full rendering
             prev = max((j for j in range(i) if messages[j]["role"] == "assistant"), default=-1)
+            hi = _next_at(tokenizer, messages, i, full, prev_end) if hi is None else hi
             start = _start_after(tokenizer, messages, i, prev, full, through, given_at, prev_end, hi) if at >= 0 \
                 else -1
             if start < 0 and content:
@@ -389,7 +405,7 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         # The newline a template writes between turns is a separator, not something to generate.
         while end > start and full[end - 1].isspace():
             end -= 1
-        if end > hi:   # (the turn located past where the next message is written: in a later turn)
+        if hi is not None and end > hi:   # (a turn searched for, found past where the next message is written)
             raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim")
         spans.append((start, end))
         prev_end = end

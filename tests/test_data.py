@@ -531,9 +531,14 @@ LLAMA31_FIRST = (
     "{{- bos_token }}{%- if tools %}{%- set first = messages[0]['content'] %}{%- set messages = messages[1:] %}"
     "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nFunctions:\\n' }}{%- for t in tools %}"
     "{{- (t | tojson) + '\\n' }}{%- endfor %}{{- first + '<|eot_id|>' }}{%- endif %}"
-    "{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- for m in messages %}{%- if m.get('tool_calls') %}"   # (calls: an assistant header whatever the role)
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}{%- for c in m['tool_calls'] %}"
+    "{{- '{\"name\": \"' + c['function']['name'] + '\", \"parameters\": ' }}"
+    "{{- (c['function']['arguments'] | tojson) + '}' }}"
+    "{%- endfor %}{{- '<|eot_id|>' }}{% endgeneration %}{%- else %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
     "{%- if m['role'] == 'assistant' %}{% generation %}{{- m['content'] + '<|eot_id|>' }}{% endgeneration %}"
-    "{%- else %}{{- m['content'] + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- else %}{{- m['content'] + '<|eot_id|>' }}{%- endif %}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 
 
@@ -572,6 +577,46 @@ def test_a_conversation_opening_with_an_assistant_message(tok, template):
             assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (first, system, target_runs(tok, s))
             assert target_runs(tok, s)[-1].startswith("<think>" if template != "llama31" else "You"), \
                 target_runs(tok, s)
+    # an agent trace opening with a tool call: Llama 3.1's writes calls under an assistant header whatever the role, so
+    # the call is the turn (a review found it refused for a day); with tools, the first message's calls are dropped
+    msgs = [A("", tool_calls=[CALL]), {"role": "tool", "content": "sunny"}, A("It is sunny.")]
+    for system in ([], [{"role": "system", "content": "Find the weather."}]):
+        if template == "llama31":
+            with pytest.raises(DataError, match=r"writes assistant message 0 as it writes a user message"):
+                tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 2}], tok, 10_000)
+            tools = None
+        (s,), _ = tokenize_records([{"messages": system + msgs, "tools": tools, "line": 3}], tok, 10_000)
+        ref = tok.apply_chat_template(system + msgs, tools=tools, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (system, target_runs(tok, s))
+        assert template == "think_dropping" or '"get_w"' in target_runs(tok, s)[0], target_runs(tok, s)
+
+
+# A template that writes the last user message first (a "question" block), and a placeholder in its place: the
+# message after a turn is written before it.
+QUESTION_FIRST = (
+    "{%- set q = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set q.i = loop.index0 %}"
+    "{%- endif %}{%- endfor %}{%- if q.i >= 0 %}{{- '<|im_start|>question\\n' + messages[q.i]['content'] + "
+    "'<|im_end|>\\n' }}{%- endif %}{%- for m in messages %}{%- if loop.index0 == q.i %}"
+    "{{- '<|im_start|>user\\n(above)<|im_end|>\\n' }}{%- elif m['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_writing_a_later_message_before_a_turn(tok):
+    """Turns searched for are bounded by where the next message is written, unless the template writes it before the
+    turn (found by review: the greeting "ion" was trained inside "question", and a plain two-round chat refused)."""
+    tok.chat_template = QUESTION_FIRST
+    for msgs in ([A("ion"), U("Q"), A("A")], [A("a"), U("Q"), A("A")], [U("Q1"), A("A1"), U("Q2"), A("A2")],
+                 [{"role": "system", "content": "S"}, A("Hi"), U("Q"), A("")]):
+        (s,), _ = tokenize_records([{"messages": msgs, "line": 1}], tok, 10_000)
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert s["input_ids"] == ref["input_ids"]
+        ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
+        assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (msgs, target_runs(tok, s))
 
 
 def test_tools_the_template_cannot_write_or_that_are_malformed_are_refused(tok, tmp_path):
