@@ -1506,7 +1506,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     run(train_argv(assets, part, "--steps", "1", "--overwrite"))
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
     msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))
-    assert "--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE and --eval-every N" in msg
+    assert "--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or --eval-split) and " \
+           "--eval-every N" in msg
 
 
 def test_a_tokenizer_without_pad_or_eos_pads_chat_rows_with_id_0(assets, tmp_path):
