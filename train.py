@@ -130,6 +130,9 @@ def build_parser(add_help=True):
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
     a("--template-date", default=None, type=parse_day, metavar="YYYY-MM-DD", help="the date a chat template that "
       "writes today's (Llama 3.2/3.3) renders (default: rank 0's day at the start; a resume keeps its run's)")
+    a("--data-workers", type=int, default=0, metavar="N", help="processes that tokenize a data file whose "
+      "tokenizing would take 20 s or more (0: this machine's cores shared by the ranks that tokenize at once, at most "
+      "32; 1: none)")
     a("--data-cache", default=store.DATA_CACHE, metavar="DIR|none", help="keep tokenized data here, keyed by the "
       "file's bytes, tokenizer, template, --max-len and the data code: a rerun reads it back (mmap; none: off)")
     a("--pack", default=None, action=argparse.BooleanOptionalAction, help="a micro-batch in one row (default)")

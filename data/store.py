@@ -9,8 +9,11 @@ Contract:
 - `hold_out(samples, spec, seed)`: --eval-split's (training, eval, held-out lines): whole records (a split text
   record's windows together), `spec` of them (a share below 1, else a count), chosen by a sha256 of the seed and the
   line, so every rank, and a resume, holds out the same ones; a split leaving no record to train on is refused.
-- `build(records, tokenize, log, what)` tokenizes chunks of about `CHUNK_CHARS` characters, so only one chunk's
-  Python lists exist at a time, and says its progress every `LOG_SECONDS`.
+- `build(records, tokenize, log, what, workers, job)` tokenizes chunks of about `CHUNK_CHARS` characters, so only
+  one chunk's Python lists exist at a time, and says its progress every `LOG_SECONDS`. With `workers` > 1 (train.py's
+  --data-workers, `data_workers`), when the first chunk's pace says the rest would take `POOL_SECONDS` or more, the
+  rest go to a pool of that many spawned processes (a chat template renders in Python: 2-7 ms a record), taken back
+  in order: the same samples, stats and first error as one process.
 - `cache_key(data_sha256, tokenizer, max_len, day, long_text)`: a sha256 over the data file's (`file_sha256`), the
   tokenizer's directory (every file but weights), its effective chat template and class, max_len, long_text (what a
   text record longer than it becomes: --long-text), the source of the modules
@@ -158,26 +161,80 @@ def _chars(r: dict) -> int:
         sum(len(m.get("content") or "") for m in r.get("messages", ()))
 
 
-def build(records: list[dict], tokenize, log=None, what: str = "data"):
-    """records -> (Samples, TokenStats) through `tokenize(chunk) -> (list samples, TokenStats)`, chunk by chunk."""
+def build(records: list[dict], tokenize, log=None, what: str = "data", workers: int = 1, job: tuple | None = None):
+    """records -> (Samples, TokenStats) through `tokenize(chunk) -> (list samples, TokenStats)`, chunk by chunk. With
+    `workers` > 1 and `job` (`tokenize_records`' arguments after the records: tokenizer, max_len, path, day, long_text),
+    the chunks after the first go to a pool of that many processes when the first one's pace says the rest would take
+    POOL_SECONDS or more here; the results are taken in order, so the samples, stats and first error are the same."""
     from data.tokens import DROPPED_LINES, TokenStats
 
-    parts, total, t0, t_log, i = [], TokenStats(), time.time(), time.time(), 0
+    total_chars = sum(map(_chars, records))
+    size = max(1, min(CHUNK_CHARS, total_chars // (4 * workers))) if workers > 1 else CHUNK_CHARS
+    bounds, i = [], 0
     while i < len(records):
-        j, size = i, 0
-        while j < len(records) and (j == i or size < CHUNK_CHARS):
-            size, j = size + _chars(records[j]), j + 1
-        samples, stats = tokenize(records[i:j])
+        j, n = i, 0
+        while j < len(records) and (j == i or n < size):
+            n, j = n + _chars(records[j]), j + 1
+        bounds.append((i, j, n))
+        i = j
+    parts, total, t0, t_log = [], TokenStats(), time.time(), time.time()
+
+    def take(samples, stats, j):
+        nonlocal t_log
         parts.append(Samples.from_lists(samples))
-        del samples
         for k, v in asdict(stats).items():
             setattr(total, k, max(v, total.longest) if k == "longest" else
                     (total.dropped_lines + v)[:DROPPED_LINES] if k == "dropped_lines" else getattr(total, k) + v)
-        i = j
         if log and time.time() - t_log > LOG_SECONDS:
             t_log = time.time()
-            log(f"tokenizing {what}: {i:,} / {len(records):,} records, {total.tokens:,} tokens, {t_log - t0:.0f} s")
+            log(f"tokenizing {what}: {j:,} / {len(records):,} records, {total.tokens:,} tokens, {t_log - t0:.0f} s")
+
+    done = 0
+    for n, (i, j, chars) in enumerate(bounds):
+        take(*tokenize(records[i:j]), j)
+        done += chars
+        if workers > 1 and job is not None and n + 1 < len(bounds) and \
+                (time.time() - t0) * (total_chars - done) / max(1, done) >= POOL_SECONDS:
+            import multiprocessing
+
+            if log:
+                log(f"tokenizing {what}: {workers} processes for the remaining {len(records) - j:,} records")
+            # spawn: a fresh interpreter (this process holds torch's and the process group's threads; fork copies
+            # them half-done); each imports the tokenizer once (~3 s), then takes chunks
+            with multiprocessing.get_context("spawn").Pool(workers, _pool_start, (job,)) as pool:
+                later = bounds[n + 1:]
+                for (_, b, _), got in zip(later, pool.imap(_pool_chunk, (records[a:b] for a, b, _ in later))):
+                    take(*got, b)
+            break
     return Samples.cat(parts), total
+
+
+POOL_SECONDS = 20.0   # tokenizing estimated to take this long or more on one process goes to `workers` processes
+_JOB = None   # a pool process's `tokenize_records` arguments after the records
+
+
+def _pool_start(job: tuple) -> None:
+    global _JOB
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # (one thread a process: the processes are the parallelism)
+    _JOB = job
+
+
+def _pool_chunk(records: list[dict]):
+    from data.tokens import tokenize_records
+
+    return tokenize_records(records, *_JOB)
+
+
+def data_workers(given: int, tokenizing_ranks: int) -> int:
+    """--data-workers: `given`, or (0) this machine's usable cores shared by the ranks that tokenize at once, at most
+    32."""
+    if given:
+        return given
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # (not Linux)
+        cores = os.cpu_count() or 1
+    return max(1, min(32, cores // max(1, tokenizing_ranks)))
 
 
 def _update(h, path: Path):
@@ -284,15 +341,18 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     warn = log   # it speaks on rank 0 only: another machine's cache trouble is said by that machine's first rank
     if rank != 0 and local_rank == "0":
         warn = lambda m: print(f"[{socket.gethostname()} rank {rank}] {m}", flush=True)
+    first = not cache or local_rank == "0"   # (this rank tokenizes; with a cache, the machine's others wait for it)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    workers = data_workers(getattr(args, "data_workers", 1), 1 if cache and first else local)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                                 write, log, sha, day, warn, args.long_text)
+                                                                 write, log, sha, day, warn, args.long_text, workers)
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
     (train, ev), day = once_per_machine(
         lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)),
-        first=not cache or local_rank == "0", day=given)
+        first=first, day=given)
     log(f"data: {train[1]}")
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)

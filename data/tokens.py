@@ -121,14 +121,14 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
                  write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
-                 long_text: str = LONG_TEXT[0]):
+                 long_text: str = LONG_TEXT[0], workers: int = 1):
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
     template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
     cannot be read or written is said. `long_text`: what a text record longer than max_len becomes (module
-    docstring)."""
+    docstring). `workers`: processes that may tokenize (data/store.py's `build`)."""
     from data import store
     from data.jsonl import load_jsonl
 
@@ -146,9 +146,9 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         if log:
             log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
     else:
-        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, tokenizer, max_len, path, day,
-                                                                                long_text),
-                                     log, f"{flag} {path}")
+        job = (tokenizer, max_len, path, day, long_text)   # (tokenize_records' arguments after the records)
+        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, *job), log, f"{flag} {path}",
+                                     workers, job)
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop {flag}")
     if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):

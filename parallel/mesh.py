@@ -208,7 +208,7 @@ def check_flags(args) -> None:
                            getattr(args, "rslora", False), getattr(args, "chat_template_text", None))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
-                    ("--save-minutes", args.save_minutes)):
+                    ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),

@@ -1198,6 +1198,39 @@ def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
             store.hold_out(samples, spec, seed=0)
 
 
+def test_tokenizing_in_processes_equals_one_process(tok_dir, tmp_path, monkeypatch):
+    """--data-workers: chunks after the first tokenized by a pool of processes (forced here: POOL_SECONDS 0) give the
+    same samples (ids, labels, boundaries, lines) and stats as one process, under a chat template set on the
+    tokenizer (it travels to the processes); a bad record's error is the same, naming its line."""
+    from data import store
+    from data.tokens import load_samples
+
+    recs = make_text_jsonl(tmp_path / "t.jsonl", 20, seed=1) + make_chat_jsonl(tmp_path / "c.jsonl", 30, seed=2)
+    recs += [{"prompt": "Q: two plus two?", "completion": f" {i}"} for i in range(10)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in random.Random(0).sample(recs, len(recs))))
+    tok = load_tokenizer(tok_dir)
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")   # (not the file's: pickled)
+    one, one_stats = load_samples(path, tok, 40, len(tok))
+    monkeypatch.setattr(store, "POOL_SECONDS", 0.0)
+    said = []
+    many, many_stats = load_samples(path, tok, 40, len(tok), log=said.append, workers=2)
+    assert [m for m in said if "2 processes for the remaining" in m], said
+    assert many_stats == one_stats and one_stats.split > 0 and one_stats.records == 60
+    for k in ("ids", "labels", "offsets", "lines"):
+        assert torch.equal(getattr(many, k), getattr(one, k)), k
+    assert "<|im_start|> " in tok.decode(one.ids.tolist()), "the template set on the tokenizer was not used"
+    bad = {"messages": [{"role": "user", "content": "ends <|im_end|>"}, {"role": "assistant", "content": "x"}]}
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:50] + [json.dumps(bad)] + lines[50:]) + "\n")
+    errors = []
+    for workers in (1, 2):
+        with pytest.raises(DataError) as e:
+            load_samples(path, tok, 40, len(tok), workers=workers)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "line 51: message 0 (user) holds the special token '<|im_end|>'" in errors[0]
+
+
 def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_dir, tmp_path, monkeypatch):
     """data.store: `load_samples` tokenizes chunk by chunk into flat int32 tensors, and a rerun reads them back from
     the cache; both hold exactly `tokenize_records`' samples and stats, and collate to the same batch. A change in
