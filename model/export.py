@@ -20,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -194,6 +195,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     os.makedirs(tmp)
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
               os.path.join(tmp, "adapter_model.safetensors"))
+    cfg = copy.deepcopy(cfg)   # (not the training model's own)
+    cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches
         cfg.base_model_name_or_path, cfg.revision = hub.split("@")

@@ -101,7 +101,7 @@ def _hf_logits(model):
 
 @pytest.mark.timeout(300)
 def test_adapter_loads_in_peft_and_matches(exported):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from peft.utils import get_peft_model_state_dict
     from safetensors import safe_open
 
@@ -115,6 +115,8 @@ def test_adapter_loads_in_peft_and_matches(exported):
         assert acfg["use_rslora"] is (case in RSLORA), (case, acfg["use_rslora"])
         assert sorted(acfg["target_modules"]) == sorted(targets), (case, acfg["target_modules"])
         assert acfg["base_model_name_or_path"] == os.path.abspath(path), case
+        assert acfg["task_type"] == "CAUSAL_LM", (case, acfg["task_type"])   # (until 2026-12-04 null: peft's Auto
+        # class could not tell what to load it as)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pm = PeftModel.from_pretrained(_hf(path), adapter).eval()
@@ -133,6 +135,8 @@ def test_adapter_loads_in_peft_and_matches(exported):
             print(f"peft on HF vs ours ({case}): {rel:.2e}")
             assert rel < 1e-5, f"peft logits vs ours: relative norm {rel:.2e}"
             assert _rel(_hf_logits(_hf(path)), ours[case]) > 1e-3, "the adapter must move the logits"
+            auto = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()   # (its base: by path)
+            assert _rel(_hf_logits(auto), ours[case]) < 1e-5, f"{case}: AutoPeftModelForCausalLM's logits"
 
 
 @pytest.mark.timeout(300)
