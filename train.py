@@ -231,8 +231,9 @@ def main(argv=None):
         preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        log0(f"layout: {dims}\nloss: " + ("cross-entropy" if LOSS_FN is None else
-                                          f"LOSS_FN {args.loss.splitlines()[0][:120]} (all: config.json's loss)"))
+        body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
+        log0(f"layout: {dims}\nloss: " + ("cross-entropy" if LOSS_FN is None else   # (its first line of code)
+                                          f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),

@@ -456,14 +456,23 @@ def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
         out = str(tmp_path / name)
         capsys.readouterr()
         run(train_argv(assets, out, "--steps", "1", "--eval-data", assets["data"]))
-        before = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+        said.append(capsys.readouterr().out)
+        before = [float(line.split()[-1]) for line in said[-1].splitlines()
                   if line.startswith("eval_loss before training")]
         (rec,) = metrics(out)
         return before, rec["loss"], rec["eval_loss"]
 
+    def twice(z, y):
+        """Twice the summed cross-entropy."""
+        return 2 * F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+
+    said = []
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(train, "LOSS_FN", lambda z, y: 2 * F.cross_entropy(z, y, ignore_index=-100, reduction="sum"))
+        m.setattr(train, "LOSS_FN", twice)
         doubled = losses("doubled")
+    # its first line of code, not its def line twice (until 2026-12-04: "loss: LOSS_FN twice: def twice(z, y):")
+    assert "\nloss: LOSS_FN: return 2 * F.cross_entropy(z, y, ignore_index=-100, reduction='sum') ... (all: " \
+           "config.json's loss)\n" in said[0], said[0]
     plain = losses("plain")
     assert len(plain[0]) == len(doubled[0]) == 1, (plain, doubled)
     assert doubled[0][0] == pytest.approx(2 * plain[0][0], rel=1e-5), ("eval before training", plain, doubled)
