@@ -81,7 +81,7 @@ def pretrain(model_dir, documents: list[list[int]], steps: int, *, row_len: int 
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if log and (step + 1) % max(1, steps // 8) == 0:
+        if log and ((step + 1) % max(1, steps // 8) == 0 or step + 1 == steps):
             log(f"pretrain step {step + 1}/{steps} loss {losses[-1]:.3f}")
     # Write through transformers so the file is exactly what it (and peft) expect.
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -72,7 +72,7 @@ def _layouts(args, margs, world):
 
 
 def _flags(a, dims) -> str:
-    return f"--cp {a.cp} --dp-shard {dims.dp_shard} --cp-impl {a.cp_impl}" + (
+    return f"--cp {a.cp} --dp-shard {dims.dp_shard}" + (f" --cp-impl {a.cp_impl}" if a.cp > 1 else "") + (
         f" --ulysses-degree {a.ulysses_degree}" if a.ulysses_degree else "") + (
         " (no --tiled-attn)" if getattr(a, "dropped_tiled_attn", False) else "")
 

@@ -438,8 +438,9 @@ def test_help_lists_run_flags_and_plan_help_planner_flags(capsys):
 
 
 def _listed(out):
-    rows = re.findall(r"--cp (\d+) --dp-shard (\d+) --cp-impl (\w+)(?: --ulysses-degree (\d+))?", out)
-    return [(int(c), int(s), impl, int(u) if u else None) for c, s, impl, u in rows]
+    rows = re.findall(r"--cp (\d+) --dp-shard (\d+)(?: --cp-impl (\w+))?(?: --ulysses-degree (\d+))?", out)
+    assert all(impl or c == "1" for c, s, impl, u in rows), out   # (--cp-impl: where cp > 1 only)
+    return [(int(c), int(s), impl or "ulysses", int(u) if u else None) for c, s, impl, u in rows]
 
 
 def test_suggest_lists_only_valid_layouts():
@@ -512,10 +513,10 @@ def test_suggest_max_len_auto_names_the_flags():
                          "--global-batch", "1")
     lines = out.strip().splitlines()
     # with offload the 512 GB of host memory binds: --tiled-attn adds no length; the tie keeps the search order
-    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --cp-impl ulysses --tiled-mlp --offload-activations", out
+    assert lines[-2] == "flags: --cp 1 --dp-shard 1 --tiled-mlp --offload-activations", out   # (no --cp-impl at cp 1)
     assert lines[-1] == f"max_len {rows[0][0]}" and rows[0][0] == max(n for n, _ in rows) == rows[1][0], out
     assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) and len(rows) == 9, out
-    assert [f.split("ulysses")[-1].strip() for _, f in rows] == [
+    assert [f.split("--dp-shard 1")[-1].strip() for _, f in rows] == [
         "--tiled-mlp --offload-activations", "--tiled-mlp --tiled-attn --offload-activations",
         "--tiled-mlp --tiled-attn --ac-group 4", "--tiled-mlp --ac-group 4", "--tiled-mlp --tiled-attn", "--tiled-mlp",
         "--offload-activations", "--ac-group 4", ""], out
