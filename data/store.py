@@ -196,15 +196,24 @@ def build(records: list[dict], tokenize, log=None, what: str = "data", workers: 
         if workers > 1 and job is not None and n + 1 < len(bounds) and \
                 (time.time() - t0) * (total_chars - done) / max(1, done) >= POOL_SECONDS:
             import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+            from concurrent.futures.process import BrokenProcessPool
 
             if log:
                 log(f"tokenizing {what}: {workers} processes for the remaining {len(records) - j:,} records")
             # spawn: a fresh interpreter (this process holds torch's and the process group's threads; fork copies
-            # them half-done); each imports the tokenizer once (~3 s), then takes chunks
-            with multiprocessing.get_context("spawn").Pool(workers, _pool_start, (job,)) as pool:
-                later = bounds[n + 1:]
-                for (_, b, _), got in zip(later, pool.imap(_pool_chunk, (records[a:b] for a, b, _ in later))):
+            # them half-done); each imports the tokenizer once (~3 s), then takes chunks. An executor, not a Pool:
+            # a process that dies (the OOM killer) fails the wait instead of leaving it waiting for ever
+            later = bounds[n + 1:]
+            pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _pool_start, (job,))
+            try:
+                for (_, b, _), got in zip(later, pool.map(_pool_chunk, (records[a:b] for a, b, _ in later))):
                     take(*got, b)
+            except BrokenProcessPool as e:
+                raise DataError(f"tokenizing {what}: a tokenizing process died ({e}; out of memory?): pass "
+                                "--data-workers 1 to tokenize in this process, or fewer") from None
+            finally:   # (after an error: the chunks not started are dropped, not tokenized first)
+                pool.shutdown(wait=True, cancel_futures=True)
             break
     return Samples.cat(parts), total
 
@@ -214,8 +223,11 @@ _JOB = None   # a pool process's `tokenize_records` arguments after the records
 
 
 def _pool_start(job: tuple) -> None:
+    import signal
+
     global _JOB
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # (one thread a process: the processes are the parallelism)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the run's (train.py's StopSignals), not a traceback each
     _JOB = job
 
 

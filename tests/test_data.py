@@ -1231,6 +1231,24 @@ def test_tokenizing_in_processes_equals_one_process(tok_dir, tmp_path, monkeypat
     assert errors[0] == errors[1] and "line 51: message 0 (user) holds the special token '<|im_end|>'" in errors[0]
 
 
+@pytest.mark.timeout(120)
+def test_a_tokenizing_process_that_dies_fails_the_load_instead_of_hanging(monkeypatch):
+    """A pool process killed mid-chunk (here: its tokenizer ends it, as the OOM killer would) is one clear error
+    naming --data-workers 1, not a wait for ever (a multiprocessing.Pool loses the task and waits)."""
+    from data import store
+    from data.tokens import TokenStats
+    from tests.helpers import DiesInAChildProcess
+
+    monkeypatch.setattr(store, "POOL_SECONDS", 0.0)
+    monkeypatch.setattr(store, "CHUNK_CHARS", 50)
+    records = [{"text": "x" * 40, "line": n} for n in range(8)]
+    first = lambda rs: ([], TokenStats(records=len(rs)))   # (the first chunk, in this process)
+    with pytest.raises(DataError, match=r"tokenizing --data d.jsonl: a tokenizing process died .*out of memory\?\): "
+                                        r"pass --data-workers 1"):
+        store.build(records, first, None, "--data d.jsonl", workers=2, job=(DiesInAChildProcess(), 64, "d", None,
+                                                                              "split"))
+
+
 def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_dir, tmp_path, monkeypatch):
     """data.store: `load_samples` tokenizes chunk by chunk into flat int32 tensors, and a rerun reads them back from
     the cache; both hold exactly `tokenize_records`' samples and stats, and collate to the same batch. A change in
