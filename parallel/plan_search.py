@@ -324,7 +324,9 @@ def main(argv, run_parser, demo: dict):
     if (fewer := fewest_ac_blocks(args, margs, dims, target, mem, host, pack)) is not None:
         n, q = fewer
         print(f"faster: --ac-blocks {n} also fits ({q.total / GB:.1f} GB): {n} of {margs.n_layers} blocks "
-              "recomputed in backward, the rest keep their activations")
+              "recomputed in backward, the rest keep their activations" if n else
+              f"faster: --no-ac also fits ({q.total / GB:.1f} GB): no block recomputed in backward, every one keeps "
+              "its activations")
     if (keep := keep_attn_fits(args, margs, dims, target, mem, host, pack)) is not None:
         print(f"faster: {keep[0]} also fits ({keep[1].total / GB:.1f} GB): the recompute reuses each block's "
               "attention output instead of running attention again")

@@ -250,6 +250,12 @@ def test_plan_names_the_fewest_ac_blocks_that_fit():
         from model.load import read_args
         dims, pack = validate(args, read_args(Q7), 1)
         assert (memory_plan(read_args(Q7), dims, args, "cuda", pack).total <= 0.95 * 141e9) == fits, k
+    # a short context fits with no block recomputed: said as the flag that does it (until 2026-12-04 "--ac-blocks 0")
+    _, out = run_plan("--model", Q7, "--max-len", "2048", "--gpu-mem", "141", "--dtype", "bf16", "--global-batch", "1")
+    assert "faster: --no-ac also fits" in out and "--ac-blocks 0" not in out, out
+    _, out = run_plan("--model", Q7, "--max-len", "2048", "--gpu-mem", "141", "--dtype", "bf16", "--global-batch", "1",
+                      "--no-ac")
+    assert "fits: " in out, out
 
 
 @pytest.mark.parametrize("gpu, hint", [("141", "--ac-keep-attn"), ("30", "--tiled-mlp --ac-keep-attn")])
