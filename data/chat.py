@@ -118,6 +118,7 @@ def with_tools(tokenizer, tools: list | None, where: str, messages: list[dict] |
 
 
 _WRITES_PROMPT: dict = {}   # chat template text -> whether it writes a generation prompt
+_PROBE_PROMPT: dict = {}   # chat template text -> the generation prompt it writes after a probe user message
 
 
 def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
@@ -126,7 +127,9 @@ def _prefixrender(tokenizer, messages: list[dict]) -> str | None:
     template, probe = _key(tokenizer), [{"role": "user", "content": "Hi"}]
     if template not in _WRITES_PROMPT:   # (asked once per template, not per turn)
         try:
-            _WRITES_PROMPT[template] = render(tokenizer, probe, True) != render(tokenizer, probe, False)
+            with_prompt, bare = render(tokenizer, probe, True), render(tokenizer, probe, False)
+            _WRITES_PROMPT[template] = with_prompt != bare
+            _PROBE_PROMPT[template] = with_prompt[len(bare):] if with_prompt.startswith(bare) else ""
         except Exception:   # a template that refuses the probe: asked per conversation
             _WRITES_PROMPT[template] = None
     try:  # some templates index messages[0] and fail on an empty conversation
@@ -198,9 +201,7 @@ def _header(tokenizer, messages: list[dict], i: int, before: str | None) -> str:
     so far; "" when the template writes none. Before a first message (transformers renders no empty conversation),
     the one it writes after a probe user message."""
     if before is None and i == 0 and _WRITES_PROMPT.get(_key(tokenizer)):
-        probe = [{"role": "user", "content": "Hi"}]
-        with_prompt, bare = render(tokenizer, probe, True), render(tokenizer, probe, False)
-        return with_prompt[len(bare):] if with_prompt.startswith(bare) else ""
+        return _PROBE_PROMPT[_key(tokenizer)]   # (`_prefixrender`'s probe, asked once per template)
     if before is None:
         return ""
     bare = render(tokenizer, messages[:i], False)
