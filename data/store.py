@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 
 from data.jsonl import DataError
+from data.mix import data_files, join, mix, record_name, total
 from data.templates import dated
 
 DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "long-context-lora",
@@ -361,18 +362,29 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
-    (train, ev), day = once_per_machine(
-        lambda write, day: (load(args.data, "--data", write, day, args.data_sha256),
+    files = data_files(args.data)
+    shas = args.data_sha256 if isinstance(getattr(args, "data_sha256", None), list) else [args.data_sha256] \
+        if getattr(args, "data_sha256", None) else [None] * len(files)
+    (parts, ev), day = once_per_machine(
+        lambda write, day: ([load(f, "--data", write, day, sha) for f, sha in zip(files, shas)],
                             args.eval_data and load(args.eval_data, "--eval-data", write, day)),
         first=first, day=given)
-    log(f"data: {train[1]}")
+    if len(parts) > 1:   # each file's, then their sum
+        for f, (_, st) in zip(files, parts):
+            log(f"data: {f}: {st}")
+    train = (join([p[0] for p in parts]), total([p[1] for p in parts]))
+    log(f"data: {f'{len(files)} files: ' * (len(files) > 1)}{train[1]}")
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)
-        shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
+        shown = ", ".join(record_name(x, files) for x in lines[:8]) + (", ..." if len(lines) > 8 else "")
         log(f"eval split: {len(lines)} record{'s' * (len(lines) > 1)} of --data held out (--eval-split "
             f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
             f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
+    mixed, said = mix(train[0], files, getattr(args, "data_weights", None), args.seed)
+    if said:   # (after the split: a held-out record is never trained on, whatever its file's weight)
+        log(f"data mix: --data-weights {' '.join(f'{w:g}' for w in args.data_weights)}: {said}")
+        train = (mixed, train[1])
     digest = fingerprint(train[0])
     same_on_every_rank(train[0], ev and ev[0], digest)
     # what the run trains on, as tokens: a resume compares it (parallel/resume.same_tokens), since the same bytes

@@ -36,8 +36,9 @@ class Best:
         from data.store import file_sha256
 
         split = getattr(args, "eval_split", None)   # (its eval set: those records of --data, which a resume keeps)
+        sha = args.data_sha256 if not isinstance(args.data_sha256, list) else ",".join(args.data_sha256)
         best = cls(None if not args.keep_best else file_sha256(args.eval_data) if not split else
-                   f"--eval-split {split!r} --seed {args.seed} of --data {args.data_sha256}")
+                   f"--eval-split {split!r} --seed {args.seed} of --data {sha}")
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:
             here = os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(os.path.join(args.out, "ckpt"))

@@ -107,6 +107,7 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup
 def check_start(args, demo: bool):
     """Module docstring. Imports here: `--plan` imports this module and must stay fast."""
     from data import check_file
+    from data.mix import check_weights, data_files
     from data.store import file_sha256
     from data.templates import chat_template
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
@@ -116,17 +117,24 @@ def check_start(args, demo: bool):
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     check_flags(args)
+    check_weights(args.data_weights, data_files(args.data))
     if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
         raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
                          "--eval-split) and --eval-every N (each evaluation is then saved)")
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)) if not demo else ():
+    files = data_files(args.data)
+    for flag, path in ([("--data", f) for f in files] + [("--eval-data", args.eval_data)]) if not demo else ():
         if path is not None:   # (the demo's files are built once the process group is up)
             check_file(path, flag)
+    for i, f in enumerate(files if not demo else ()):   # one file twice: its records trained twice, maybe unmeant
+        if twice := next((g for g in files[:i] if os.path.samefile(f, g)), None):
+            raise ValueError(f"--data names {twice!r}" + (f" and {f!r}, the same file," if twice != f else " twice")
+                             + ": name each file once; --data-weights 2 trains a file's samples twice")
     runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
-    args.data_sha256 = file_sha256(args.data) if not demo else None   # a resume must find the same bytes
+    # a resume must find the same bytes (one file's: its sha256, as runs from before several files recorded it)
+    args.data_sha256 = None if demo else file_sha256(files[0]) if len(files) == 1 else [file_sha256(f) for f in files]
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on
     args.model = fetch_checkpoint(name, config_only=True) if not demo else name
     if not demo and os.path.isdir(args.model):   # recorded absolute: an export from another directory names this base

@@ -27,6 +27,7 @@ import math
 import os
 from fractions import Fraction
 
+from data.mix import data_files
 from model.load import hub_snapshot
 from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 
@@ -35,7 +36,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule", "data_tokens", "long_text", "model_sha256", "eval_split")
+                "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -65,8 +66,12 @@ def _norm(flag: str, v):
         return sorted(t.strip() for t in v.split(",") if t.strip())
     if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
         return hub_snapshot(v) or os.path.normpath(v)
-    if flag == "data" and isinstance(v, str):
-        return os.path.normpath(v)
+    if flag == "data" and v is not None:   # one file: a string (runs from before several files) or a list of one
+        return [os.path.normpath(f) for f in ([v] if isinstance(v, str) else v)]
+    if flag == "data_sha256" and isinstance(v, str):   # one file's (a list of several)
+        return [v]
+    if flag == "data_weights" and v is not None and all(w == 1 for w in v):   # all 1: no weights
+        return None
     if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
         from model.rope import rope_scaling_flag
         try:
@@ -77,7 +82,11 @@ def _norm(flag: str, v):
 
 
 def _same_path(a, b) -> bool:
-    """Two spellings of one existing file or directory (a relative path from elsewhere, a symlink)."""
+    """Two spellings of one existing file or directory (a relative path from elsewhere, a symlink); lists of them
+    (--data's files), one by one."""
+    if isinstance(a, (list, str)) and isinstance(b, (list, str)) and (isinstance(a, list) or isinstance(b, list)):
+        a, b = ([x] if isinstance(x, str) else x for x in (a, b))
+        return len(a) == len(b) and all(_same_path(x, y) for x, y in zip(a, b))
     try:
         return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
     except OSError:
@@ -109,7 +118,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
-                 **ckpt_args}   # runs from before these flags: without them
+                 "data_weights": None, **ckpt_args}   # runs from before these flags: without them
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     for k in [*RUN_DEFINING, *forks]:
         if k not in args:   # (a caller that records less, as tests do: train.py records every one)
@@ -142,13 +151,20 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                              f"this run {args.get(k)}; to train on with another, start a fresh run from its adapter "
                              "(--init-adapter OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
             continue
+        if k == "data_sha256" and k in ckpt_args and len(had := _norm(k, ckpt_args[k])) == len(
+                now := _norm(k, args.get(k))) == len(files := data_files(args.get("data"))) > 1 and had != now:
+            changed = [f"{f} (sha256 {a[:12]} then, {b[:12]} now)" for f, a, b in zip(files, had, now) if a != b]
+            diffs.append(f"--data's bytes: {', '.join(changed)} changed since the checkpoint's run; restore "
+                         f"{'it' if len(changed) == 1 else 'them'}, or train the new data from the old run's adapter "
+                         "with --init-adapter")
+            continue
         if k in ckpt_args and _norm(k, ckpt_args[k]) != _norm(k, args.get(k)):
             flag = {"data_sha256": "--data's bytes (sha256: the "
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)",
                     "model_sha256": "--model's files (config.json, the weight files' sizes, headers and first and "
                     "last MB: the base at that path changed; restore it, or train on the new base from the old run's "
                     "adapter with --init-adapter)"}.get(k, "--" + k.replace("_", "-"))
-            show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(v)} characters)"
+            show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(repr(v))} characters)"
             diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}"
                          + " (a flag not listed in parallel/resume.py's LAYOUT or FREE defines the run)" * (k in forks))
     if diffs:

@@ -1,0 +1,113 @@
+"""Several --data files as one training set, and --data-weights.
+
+Contract:
+- `data_files(value)`: --data as a list of paths (one path as a string: the demo's, and what runs from before
+  --data took several files recorded).
+- A sample's record in a set of several files is `(file index << FILE_SHIFT) | line` in `Samples.lines`, so file 0's
+  records are their lines: one file's identities, its `--eval-split` records held out and its cached tokens are
+  those of a single-file run. `record_name(ident, files)` spells one for a log ("b.jsonl:17", or "17" for one file).
+- `join(parts)`: the files' Samples, in the order given, as one (a copy of their tokens: 8 bytes a token per rank;
+  one file is its cache's memory-mapped pages, shared by a machine's ranks). `total(stats)`: their TokenStats
+  summed (`longest`: the longest of all).
+- `mix(samples, files, weights, seed)`: --data-weights. A file of weight W gives floor(W) copies of its samples
+  and, for the fraction left, that share of its records (rounded; at least one when W < 1), whole (a split text
+  record's windows together), chosen as `hold_out` chooses: the smallest sha256 of f"{seed}:mix:{ident}". The same
+  records every epoch and on every rank and resume; an epoch is one pass over the mixture. It runs after
+  `--eval-split` has held records out, so a held-out record is never trained on, whatever its file's weight.
+  Returns (samples, a line saying what each file gave).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+
+import torch
+
+FILE_SHIFT = 32   # a line number below 2**32 (4 billion lines a file)
+MAX_WEIGHT = 1000.0
+
+
+def data_files(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def record_name(ident: int, files: list[str]) -> str:
+    k, line = ident >> FILE_SHIFT, ident & ((1 << FILE_SHIFT) - 1)
+    return str(line) if len(files) == 1 else f"{os.path.basename(files[k])}:{line}"
+
+
+def join(parts: list):
+    """Samples of several files as one, their records' identities carrying the file's index."""
+    from data.store import Samples
+
+    if len(parts) == 1:
+        return parts[0]
+    lines = [torch.where(p.lines >= 0, p.lines + (k << FILE_SHIFT), p.lines) for k, p in enumerate(parts)]
+    ends = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
+    return Samples(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]), ends, torch.cat(lines))
+
+
+def total(stats: list):
+    """Several files' TokenStats as one (the dropped lines stay with each file's own warning)."""
+    if len(stats) == 1:
+        return stats[0]
+    out = dataclasses.replace(stats[0], dropped_lines=[])
+    for f in dataclasses.fields(out):
+        if f.name != "dropped_lines":
+            vals = [getattr(s, f.name) for s in stats]
+            setattr(out, f.name, max(vals) if f.name == "longest" else sum(vals))
+    return out
+
+
+def check_weights(weights, files: list[str]) -> None:
+    """--data-weights: one weight per --data file, each above 0 and at most MAX_WEIGHT (a ValueError naming it)."""
+    if weights is None:
+        return
+    if not files:
+        raise ValueError("--data-weights weighs --data files: pass --data FILE [FILE ...] with it")
+    if len(weights) != len(files):
+        raise ValueError(f"--data-weights gives {len(weights)} weight{'s' * (len(weights) != 1)} for {len(files)} "
+                         f"--data file{'s' * (len(files) != 1)}: give one per file, in --data's order")
+    for f, w in zip(files, weights):
+        if not (math.isfinite(w) and 0 < w <= MAX_WEIGHT):
+            raise ValueError(f"--data-weights {w:g} for {f}: a weight must be above 0 (0.5: half of its records) and "
+                             f"at most {MAX_WEIGHT:g} (2: each sample twice); to leave a file out, drop it from --data")
+
+
+def _records_of(lines: torch.Tensor, share: float, seed: int, least: int) -> torch.Tensor:
+    """The records (identities) of `lines` that a share of them takes, by the smallest sha256."""
+    records = torch.unique(lines).tolist()
+    k = min(len(records), max(least, int(share * len(records) + 0.5)))
+    key = lambda ident: hashlib.sha256(f"{seed}:mix:{ident}".encode()).digest()
+    return torch.tensor(sorted(records, key=key)[:k], dtype=lines.dtype)
+
+
+def mix(samples, files: list[str], weights: list[float] | None, seed: int):
+    """(the weighted samples, what each file gave) (module docstring); (samples, None) without weights."""
+    if weights is None or all(w == 1 for w in weights):
+        return samples, None
+    lines = samples.sample_lines()
+    if len(lines) and int(lines.min()) < 0:
+        raise ValueError("--data-weights needs each sample's record line (samples tokenized from a file)")
+    of_file = lines >> FILE_SHIFT
+    rows, said = [], []
+    for k, (f, w) in enumerate(zip(files, weights)):
+        mine = (of_file == k).nonzero().flatten()
+        whole, part = int(w), w - int(w)
+        rows += [mine] * whole
+        n = whole * len(mine)
+        if part > 0 and len(mine):
+            chosen = _records_of(lines[mine], part, seed, least=1 if whole == 0 else 0)
+            picked = mine[torch.isin(lines[mine], chosen)]
+            rows.append(picked)
+            n += len(picked)
+        said.append(f"{os.path.basename(f)} × {w:g}: {n} samples of its {len(mine)}")
+    rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    if not len(rows):
+        raise ValueError(f"--data-weights {' '.join(f'{w:g}' for w in weights)} leave no sample to train on")
+    return samples.subset(rows), "; ".join(said) + f"; {len(rows)} samples a pass"
