@@ -117,8 +117,8 @@ def build_parser(add_help=True):
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
-    a("--data", nargs="+", action="extend", default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
-      "'completion'} or {'messages'} per line); several files train as one set")
+    a("--data", nargs="+", default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
+      "'completion'} or {'messages'} per line); several files train as one set (a later --data replaces an earlier)")
     a("--data-weights", nargs="+", type=float, default=None, metavar="W", help="one per --data file: 2 trains each "
       "of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the same ones every epoch)")
     a("--eval-data", default=None, help="evaluation JSONL")

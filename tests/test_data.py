@@ -1634,3 +1634,119 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
             assert r["error"][1].startswith(f"the ranks hold different {what} tokens (rank 0 ({host}"), (case, r)
             assert f"; rank 1 ({host}" in r["error"][1] and "shared filesystem" in r["error"][1], (case, r)
         assert r0[case]["error"] == r1[case]["error"], case
+
+
+def _files(tmp_path) -> list[str]:
+    """Three --data files of other kinds (text records past --max-len 64 split into windows, chats, prompt/completion
+    records, one left with no target), and one file holding their lines in that order: the set they must make."""
+    make_text_jsonl(tmp_path / "a.jsonl", 9, seed=3)
+    chats = make_chat_jsonl(tmp_path / "b.jsonl", 12, seed=4)
+    cut = {"messages": [{"role": "system", "content": "fox " * 100}, {"role": "user", "content": "word " * 200},
+                        {"role": "assistant", "content": "ok"}]}   # (its answer is cut away: dropped)
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats[:5] + [cut] + chats[5:]))
+    pc = [{"prompt": f"Q{i}: " + "word " * (3 + 5 * i), "completion": f" A{i}"} for i in range(6)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pc))
+    files = [str(tmp_path / f"{x}.jsonl") for x in "abc"]
+    (tmp_path / "abc.jsonl").write_text("".join(Path(f).read_text() for f in files))
+    return files
+
+
+def _run_data(tok, data, tmp_path, **kw):
+    from types import SimpleNamespace
+
+    from data import store
+
+    said = []
+    args = SimpleNamespace(data=data, eval_data=None, max_len=64, data_cache=kw.pop("cache", "none"), long_text="split",
+                           data_sha256=None, seed=kw.pop("seed", 0), **kw)
+    (train, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
+    return train, stats, ev, said, args
+
+
+def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
+    """--data a b c: each file tokenized on its own (and cached on its own: a rerun reads all three from the cache,
+    and a set of other files reuses those it shares), joined in the order given: the same samples (ids, labels,
+    boundaries, so the same fingerprint and data_tokens) and summed stats as one file holding their lines, each
+    file's stats and their sum logged."""
+    from data import store
+
+    files = _files(tmp_path)
+    one, one_stats, _, _, one_args = _run_data(tok, str(tmp_path / "abc.jsonl"), tmp_path)
+    cache = str(tmp_path / "cache")
+    got, stats, _, said, args = _run_data(tok, files, tmp_path, cache=cache)
+    assert one_stats.split and one_stats.dropped and one_stats.truncated, one_stats   # (every kind of count)
+    assert str(stats) == str(one_stats) and len(got) == len(one), (str(stats), str(one_stats))
+    for i in range(len(one)):
+        assert got[i]["input_ids"].tolist() == one[i]["input_ids"].tolist(), i
+        assert got[i]["labels"].tolist() == one[i]["labels"].tolist(), i
+    assert store.fingerprint(got) == store.fingerprint(one) and args.data_tokens == one_args.data_tokens
+    for f in files:
+        assert any(m.startswith(f"data: {f}: ") for m in said), said
+    assert f"data: 3 files: {one_stats}" in said, said
+    _, again, _, said, _ = _run_data(tok, files, tmp_path, cache=cache)
+    assert str(again) == str(stats) and sum("tokens from the cache" in m for m in said) == 3, said
+    _, _, _, said, _ = _run_data(tok, [files[2], files[0]], tmp_path, cache=cache)
+    assert sum("tokens from the cache" in m for m in said) == 2, said
+
+
+def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, tmp_path):
+    """--data-weights W: floor(W) copies of a file's samples, in order, then the share W - floor(W) of its records
+    (rounded; at least one below 1), whole (a text record's windows together), those whose sha256 of
+    f"{seed}:mix:{identity}" is smallest (identity: file index << 32 | line), so another seed takes others and the
+    same seed the same; records --eval-split holds out are never trained on, whatever their file's weight."""
+    import hashlib
+
+    from data.mix import FILE_SHIFT
+
+    files = _files(tmp_path)
+    base, _, _, _, _ = _run_data(tok, files, tmp_path)
+    ident = base.sample_lines()
+    per_file = lambda k: [i for i in range(len(base)) if int(ident[i]) >> FILE_SHIFT == k]
+    records = lambda k: sorted({int(ident[i]) for i in per_file(k)})
+
+    def expect(weights, seed):
+        rows = []
+        for k, w in enumerate(weights):
+            rows += per_file(k) * int(w)
+            if w % 1:
+                n = max(0 if w >= 1 else 1, int(w % 1 * len(records(k)) + 0.5))
+                key = lambda r: hashlib.sha256(f"{seed}:mix:{r}".encode()).digest()
+                chosen = sorted(records(k), key=key)[:n]
+                rows += [i for i in per_file(k) if int(ident[i]) in chosen]
+        return rows
+
+    for weights, seed in (((2, 0.5, 1), 0), ((0.5, 1, 2.5), 1), ((0.5, 1, 2.5), 2), ((1e-6, 1, 1), 0)):
+        got, _, _, said, _ = _run_data(tok, files, tmp_path, data_weights=list(weights), seed=seed)
+        rows = expect(weights, seed)
+        assert [got[i]["input_ids"].tolist() for i in range(len(got))] == \
+            [base[i]["input_ids"].tolist() for i in rows], (weights, seed)
+        assert any(m.startswith(f"data mix: --data-weights {' '.join(f'{w:g}' for w in weights)}: a.jsonl × ")
+                   and m.endswith(f"; {len(rows)} samples a pass") for m in said), said
+        windows = {r: sum(int(ident[i]) == r for i in per_file(0)) for r in records(0)}
+        taken = [int(x) for x in got.sample_lines() if int(x) >> FILE_SHIFT == 0]
+        assert all(taken.count(r) % windows[r] == 0 for r in set(taken)), "a text record's windows go together"
+    halves = [_run_data(tok, files, tmp_path, data_weights=[0.5, 1, 1], seed=s)[0] for s in (0, 1, 0)]
+    assert halves[0].sample_lines().tolist() == halves[2].sample_lines().tolist() != halves[1].sample_lines().tolist()
+    assert len(records(0)) == 9 and len({int(x) for x in halves[0].sample_lines() if int(x) >> FILE_SHIFT == 0}) == 5
+    got, _, (held, _), said, _ = _run_data(tok, files, tmp_path, data_weights=[3, 3, 3], eval_split=0.3)
+    out = set(held.sample_lines().tolist())
+    assert out and not out & set(got.sample_lines().tolist()) and len(got) == 3 * (len(base) - len(held)), said
+    assert {x >> FILE_SHIFT for x in out} == {0, 1, 2}, "held out of every file (likely at 0.3 of 25 records)"
+    line = next(m for m in said if m.startswith("eval split: "))
+    assert "a.jsonl:" in line and "b.jsonl:" in line, line   # (each held-out record named by file and line)
+
+
+def test_data_weights_refuse_what_they_cannot_mean():
+    from data.mix import check_weights
+
+    check_weights(None, ["a"])
+    check_weights([2, 0.5], ["a", "b"])
+    for weights, files, says in (
+            ([1], ["a", "b"], "--data-weights gives 1 weight for 2 --data files: give one per file, in --data's order"),
+            ([1, 1, 1], ["a"], "gives 3 weights for 1 --data file"),
+            ([1], [], "--data-weights weighs --data files: pass --data FILE"),
+            ([0], ["a"], "--data-weights 0 for a: a weight must be above 0 .* to leave a file out, drop it from --data"),
+            ([-1], ["a"], "--data-weights -1 for a"), ([float("nan")], ["a"], "--data-weights nan for a"),
+            ([float("inf")], ["a"], "--data-weights inf for a"), ([1000.5], ["a"], "at most 1000")):
+        with pytest.raises(ValueError, match=says):
+            check_weights(weights, files)

@@ -308,6 +308,32 @@ def test_own_checkpoint_is_only_out_ckpt(tmp_path):
     assert not resume.own_checkpoint(None, out)
 
 
+def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
+    """--data as a list: one file recorded as a string (runs from before several files) is the same run as a list of
+    it (and its sha256 as a string the same as a list of it); the files spelled another way are the same, another
+    order or another set is refused, one changed file is named; --data-weights define the run (all 1 = none)."""
+    for f in ("a.jsonl", "b.jsonl"):
+        (tmp_path / f).write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "b.jsonl")
+    monkeypatch.chdir(tmp_path)
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    two = {**CKPT, "data": [a, b], "data_sha256": ["aa", "bb"], "data_weights": [2.0, 1.0]}
+    resume.check_resume({**CKPT, "data": a, "data_sha256": "aa"}, {**CKPT, "data": [a], "data_sha256": "aa"})
+    resume.check_resume({**CKPT, "data": [a], "data_sha256": ["aa"]}, {**CKPT, "data": "./a.jsonl", "data_sha256": "aa"})
+    resume.check_resume(two, {**two, "data": ["a.jsonl", "link.jsonl"]})   # (relative, a symlink)
+    resume.check_resume({**two, "data_weights": None}, {**two, "data_weights": [1.0, 1.0]})
+    resume.check_resume({k: v for k, v in two.items() if k != "data_weights"}, {**two, "data_weights": None})
+    _refused(lambda: resume.check_resume(two, {**two, "data": [b, a]}), "--data: the checkpoint has")
+    _refused(lambda: resume.check_resume(two, {**two, "data": [a], "data_sha256": "aa", "data_weights": None}),
+             "--data: the checkpoint has", "--data-weights: the checkpoint has [2.0, 1.0], this run None")
+    _refused(lambda: resume.check_resume(two, {**two, "data_sha256": ["aa", "bc"]}),
+             f"--data's bytes: {b} (sha256 bb then, bc now) changed since the checkpoint's run; restore it, or train "
+             "the new data from the old run's adapter with --init-adapter")
+    _refused(lambda: resume.check_resume(two, {**two, "data_weights": [2.0, 0.5]}), "--data-weights")
+    _refused(lambda: resume.check_resume({**CKPT, "data": a, "data_sha256": "aa"},
+                                         {**CKPT, "data": [a], "data_sha256": "ab"}), "--data's bytes (sha256: the file")
+
+
 def test_check_resume_names_each_difference():
     # a new layout, reordered targets and more steps are the same run
     resume.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,

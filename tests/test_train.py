@@ -100,6 +100,11 @@ FOUR_RANK_TEXT = {"text_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2",
 EVAL_SPLIT = ["--eval-split", "0.25", "--eval-every", "1"]
 FOUR_RANK_SPLIT = {"text_split_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
                                                   *EVAL_SPLIT]}
+# --data as two files (the text records' first 6 lines and the rest) with --data-weights: the first file twice, half
+# of the second's records, and 2 records of the two held out (--eval-split), on cp2×dp2 ring against 1 rank
+FILES = ["--data-weights", "2", "0.5", "--eval-split", "2", "--eval-every", "1"]
+FOUR_RANK_FILES = {"files_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
+                                                   "2", *FILES]}
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
 INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
@@ -141,6 +146,8 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
     for name, flags in {**FOUR_RANK_TEXT, **FOUR_RANK_SPLIT}.items():
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
+    for name, flags in FOUR_RANK_FILES.items():
+        train.main(train_argv(assets, os.path.join(root, name), *flags, "--data", *_text_files(assets)[:2]))
     ckpt = os.path.join(root, "cp2_dp2_ulysses", "ckpt", "step_000002")
     resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume4"), *RESUME4, ckpt))
     stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
@@ -275,8 +282,20 @@ def _try(fn, *a):
 
 
 
+def _text_files(assets) -> list[str]:
+    """The text records as two files (lines 1-6, 7-16), and a file of the first's lines twice, then the second's."""
+    lines = open(assets["text"]).read().splitlines(True)
+    paths = [os.path.join(assets["dir"], f) for f in ("text_a.jsonl", "text_b.jsonl", "text_aab.jsonl")]
+    for path, part in zip(paths, (lines[:6], lines[6:], lines[:6] * 2 + lines[6:])):
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.writelines(part)
+    return paths
+
+
 @pytest.fixture(scope="module")
 def four(assets, tmp_path_factory):
+    _text_files(assets)   # (written once, here: 4 ranks read them)
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
@@ -320,6 +339,10 @@ def one(assets, tmp_path_factory):
         train.main(train_argv({**assets, "data": os.path.join(root, "text_train.jsonl")},
                               os.path.join(root, "text_files"), "--eval-data", os.path.join(root, "text_eval.jsonl"),
                               "--eval-every", "1"))
+        a, b, aab = _text_files(assets)
+        for name, flags in (("files", ["--data", a, b, "--data-weights", "2", "1"]), ("files_aab", ["--data", aab]),
+                            ("files_frac", [*FILES, "--micro-batch", "2", "--data", a, b])):
+            train.main(train_argv(assets, os.path.join(root, name), *flags))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
     return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue()}
@@ -415,6 +438,24 @@ def test_eval_split_holds_out_whole_records_and_trains_as_the_two_files_would(on
     config = lambda out: json.load(open(os.path.join(out, "config.json")))
     n = lambda out: int(config(out)["data_tokens"].split()[0])
     assert n(_at(one, "text_split")) == n(files) < n(_at(one, "text")), "the held-out windows are not trained on"
+
+
+@pytest.mark.timeout(600)
+def test_several_data_files_and_weights_train_as_one_file_and_on_four_ranks_as_one(one, four):
+    """--data a b --data-weights 2 1 trains as one file holding a's lines twice, then b's (the same samples in the
+    same order, so the same steps); with a share of b (0.5) and records of both held out (--eval-split 2), cp2×dp2
+    ring packing 2 samples a row trains and evaluates as 1 rank does."""
+    config = lambda out: json.load(open(os.path.join(out, "config.json")))
+    assert config(_at(one, "files"))["data_tokens"].split()[0] == config(_at(one, "files_aab"))["data_tokens"].split()[0]
+    _compare("--data a b --data-weights 2 1 vs one file a a b", _at(one, "files"), _at(one, "files_aab"))
+    evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
+    ref = _at(one, "files_frac")
+    for name in FOUR_RANK_FILES:
+        _compare(f"4 ranks {name}", _at(four, name), ref)
+        assert len(evals(ref)) == 3 and max(abs(a - b) for a, b in zip(evals(_at(four, name)), evals(ref))) <= \
+            LOSS_ATOL, (evals(_at(four, name)), evals(ref))
+    n = int(config(ref)["data_tokens"].split()[0])
+    assert 0 < n < int(config(_at(one, "files"))["data_tokens"].split()[0]), "half of b's records, 2 held out"
 
 
 @pytest.mark.timeout(600)
@@ -660,6 +701,10 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "eval split nan": (["--eval-split", "nan"], ["--eval-split must be a share", "got nan"]),
         "eval split inf": (["--eval-split", "inf"], ["--eval-split must be a share", "got inf"]),   # (was a traceback)
         "keep best without eval": (["--keep-best", "--eval-every", "1"], ["pass --eval-data FILE (or --eval-split)"]),
+        "data file twice": (["--data", assets["data"], assets["data"]],
+                            [f"--data names {assets['data']!r} twice: name each file once; --data-weights 2 trains"]),
+        "data weights count": (["--data-weights", "1", "2"], ["--data-weights gives 2 weights for 1 --data file"]),
+        "data weight zero": (["--data-weights", "0"], ["--data-weights 0 for", "drop it from --data"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
@@ -684,6 +729,11 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
     missing = str(tmp_path / "nope.jsonl")
     msg = startup_error(train_argv(assets, out, "--data", missing))
     assert "--data" in msg and missing in msg and "does not exist" in msg, msg
+    msg = startup_error(train_argv(assets, out, "--data", assets["data"], missing))   # (a second file)
+    assert msg.startswith(f"--data {missing} does not exist"), msg
+    (tmp_path / "same.jsonl").symlink_to(assets["data"])
+    msg = startup_error(train_argv(assets, out, "--data", assets["data"], str(tmp_path / "same.jsonl")))
+    assert f"--data names {assets['data']!r} and {str(tmp_path / 'same.jsonl')!r}, the same file," in msg, msg
     missing = str(tmp_path / "no_model")
     msg = startup_error(train_argv(assets, out, "--model", missing))
     assert missing in msg and "does not exist" in msg, msg
