@@ -6,9 +6,10 @@ Contract:
 - A sample's record in a set of several files is `(file index << FILE_SHIFT) | line` in `Samples.lines`, so file 0's
   records are their lines: one file's identities, its `--eval-split` records held out and its cached tokens are
   those of a single-file run. `record_name(ident, files)` spells one for a log ("b.jsonl:17", or "17" for one file).
-- `join(parts)`: the files' Samples, in the order given, as one (a copy of their tokens: 8 bytes a token per rank;
-  one file is its cache's memory-mapped pages, shared by a machine's ranks). `total(stats)`: their TokenStats
-  summed (`longest`: the longest of all).
+- `join(parts)`: the files' Samples, in the order given, as one whose tokens are the files' own tensors as pieces,
+  not a copy (with a token cache: each file's memory-mapped pages, which a machine's ranks share), hashed
+  (`store.fingerprint`) as one file of their lines would be. `total(stats)`: their TokenStats summed (`longest`:
+  the longest of all).
 - `mix(samples, files, weights, seed)`: --data-weights. A file of weight W gives floor(W) copies of its samples
   and, for the fraction left, that share of its records (rounded; at least one when W < 1), whole (a split text
   record's windows together), chosen as `hold_out` chooses: the smallest sha256 of f"{seed}:mix:{ident}". The same
@@ -49,7 +50,7 @@ def join(parts: list):
         return parts[0]
     lines = [torch.where(p.lines >= 0, p.lines + (k << FILE_SHIFT), p.lines) for k, p in enumerate(parts)]
     ends = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
-    return Samples(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]), ends, torch.cat(lines))
+    return Samples([p.ids for p in parts], [p.labels for p in parts], ends, torch.cat(lines))
 
 
 def total(stats: list):

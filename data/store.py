@@ -5,7 +5,8 @@ Contract:
   token where Python lists of ints take about 48 (a 128M-token long-context set: 1 GB per rank, not 6).
   `len(s)`, `s.lengths` (int64 [n]), `s.max_id()`; `s[i]` is `{"input_ids", "labels"}` as int32 views and
   `s[a:b:c]` a list of them. Same samples, same order, as `data.tokens.tokenize_records`' list. `s.lines`: each
-  sample's record's line; `s.subset(rows)`: those samples, sharing the tensors (the page cache's one copy).
+  sample's record's line; `s.subset(rows)`: those samples, sharing the tensors (the page cache's one copy). Several
+  files' samples (data/mix.py's `join`) keep each file's tensors as a piece (`s.pieces()`), not one copy of all.
 - `hold_out(samples, spec, seed)`: --eval-split's (training, eval, held-out lines): whole records (a split text
   record's windows together), `spec` of them (a share below 1, else a count), chosen by a sha256 of the seed and the
   line, so every rank, and a resume, holds out the same ones; a split leaving no record to train on is refused.
@@ -53,9 +54,11 @@ Contract:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -84,7 +87,10 @@ SOURCES = ("jsonl.py", "tokens.py", "chat.py", "templates.py", "store.py")   # t
 class Samples:
     def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor,
                  lines: torch.Tensor | None = None, rows: torch.Tensor | None = None, base: str | None = None):
-        self.ids, self.labels, self.offsets = ids, labels, offsets   # int32 [N], int32 [N], int64 [n + 1]
+        # int32 [N], int32 [N], int64 [n + 1]; ids and labels may be lists of pieces laid end to end (several files'
+        # tokens, data/mix.py's `join`: each its cache's memory-mapped pages, not copied), no sample across two
+        self.ids, self.labels, self.offsets = ids, labels, offsets
+        self.starts = [0, *itertools.accumulate(len(p) for p in ids)] if isinstance(ids, list) else None
         every = offsets[1:] - offsets[:-1]
         # each sample's record's line in its file (-1: not known), and which samples of the tensors this holds, in
         # order (None: all; `subset`, which keeps the tensors, and so the page cache's one copy, shared)
@@ -125,10 +131,18 @@ class Samples:
         i = range(len(self))[i]   # (a negative index counts from the end)
         j = i if self.rows is None else int(self.rows[i])
         a, b = self.offsets[j].item(), self.offsets[j + 1].item()
-        return {"input_ids": self.ids[a:b], "labels": self.labels[a:b]}
+        if self.starts is None:
+            return {"input_ids": self.ids[a:b], "labels": self.labels[a:b]}
+        k = bisect.bisect_right(self.starts, a) - 1   # (the piece that holds token a)
+        a, b = a - self.starts[k], b - self.starts[k]
+        return {"input_ids": self.ids[k][a:b], "labels": self.labels[k][a:b]}
+
+    def pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(ids, labels) as lists of the pieces laid end to end (one piece: the whole tensors)."""
+        return (self.ids, self.labels) if self.starts is not None else ([self.ids], [self.labels])
 
     def max_id(self) -> int:
-        return int(self.ids.max()) if len(self.ids) else -1
+        return max((int(p.max()) for p in self.pieces()[0] if len(p)), default=-1)
 
 
 def split_arg(spec: float) -> str:
@@ -321,7 +335,7 @@ def write(path: Path, key: str, samples: Samples, stats: dict, log=None) -> bool
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")   # unique across machines sharing the folder
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        assert samples.rows is None, "the cache keeps a file's whole tokens"
+        assert samples.rows is None and samples.starts is None, "the cache keeps a file's whole tokens"
         torch.save({"key": key, "ids": samples.ids, "labels": samples.labels, "offsets": samples.offsets,
                     "lines": samples.lines, "lines_sha256": _digest(samples.lines), "stats": stats,
                     "sha256": fingerprint(samples)}, tmp)
@@ -381,10 +395,11 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
             f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
             f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
-    mixed, said = mix(train[0], files, getattr(args, "data_weights", None), args.seed)
-    if said:   # (after the split: a held-out record is never trained on, whatever its file's weight)
-        log(f"data mix: --data-weights {' '.join(f'{w:g}' for w in args.data_weights)}: {said}")
-        train = (mixed, train[1])
+    if weights := getattr(args, "data_weights", None):   # (after the split: a held-out record is never trained on,
+        mixed, said = mix(train[0], files, weights, args.seed)   # whatever its file's weight)
+        if said:
+            log(f"data mix: --data-weights {' '.join(f'{w:g}' for w in weights)}: {said}")
+            train = (mixed, train[1])
     digest = fingerprint(train[0])
     same_on_every_rank(train[0], ev and ev[0], digest)
     # what the run trains on, as tokens: a resume compares it (parallel/resume.same_tokens), since the same bytes
@@ -430,7 +445,8 @@ def fingerprint(samples: Samples | None) -> str:
         samples.digest = hashlib.sha256(samples.base.encode() + b" rows " + rows).hexdigest()
     if samples.digest is None:
         h = hashlib.sha256()
-        for t in (samples.offsets, samples.ids, samples.labels):
+        ids, labels = samples.pieces()   # (pieces hash as their tokens laid end to end in one tensor would)
+        for t in (samples.offsets, *ids, *labels):
             h.update(t.contiguous().numpy().data)
         samples.digest = h.hexdigest()
     return samples.digest

@@ -1665,7 +1665,8 @@ def _run_data(tok, data, tmp_path, **kw):
 
 def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
     """--data a b c: each file tokenized on its own (and cached on its own: a rerun reads all three from the cache,
-    and a set of other files reuses those it shares), joined in the order given: the same samples (ids, labels,
+    and a set of other files reuses those it shares), joined in the order given without copying the cache's
+    memory-mapped tokens: the same samples (ids, labels,
     boundaries, so the same fingerprint and data_tokens) and summed stats as one file holding their lines, each
     file's stats and their sum logged."""
     from data import store
@@ -1683,6 +1684,9 @@ def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
     for f in files:
         assert any(m.startswith(f"data: {f}: ") for m in said), said
     assert f"data: 3 files: {one_stats}" in said, said
+    pieces = got.pieces()[0]   # each file's tokens as its cache file's memory-mapped pages, not a copy of all
+    assert len(pieces) == 3 and all((_mapped_from(p) or "").startswith(cache) for p in pieces), \
+        [_mapped_from(p) for p in pieces]
     _, again, _, said, _ = _run_data(tok, files, tmp_path, cache=cache)
     assert str(again) == str(stats) and sum("tokens from the cache" in m for m in said) == 3, said
     _, _, _, said, _ = _run_data(tok, [files[2], files[0]], tmp_path, cache=cache)
@@ -1745,7 +1749,8 @@ def test_data_weights_refuse_what_they_cannot_mean():
             ([1], ["a", "b"], "--data-weights gives 1 weight for 2 --data files: give one per file, in --data's order"),
             ([1, 1, 1], ["a"], "gives 3 weights for 1 --data file"),
             ([1], [], "--data-weights weighs --data files: pass --data FILE"),
-            ([0], ["a"], "--data-weights 0 for a: a weight must be above 0 .* to leave a file out, drop it from --data"),
+            ([0], ["a"], "--data-weights 0 for a: a weight must be above 0 .* to leave a file out, drop it from "
+                         "--data"),
             ([-1], ["a"], "--data-weights -1 for a"), ([float("nan")], ["a"], "--data-weights nan for a"),
             ([float("inf")], ["a"], "--data-weights inf for a"), ([1000.5], ["a"], "at most 1000")):
         with pytest.raises(ValueError, match=says):

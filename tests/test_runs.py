@@ -319,7 +319,8 @@ def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
     a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     two = {**CKPT, "data": [a, b], "data_sha256": ["aa", "bb"], "data_weights": [2.0, 1.0]}
     resume.check_resume({**CKPT, "data": a, "data_sha256": "aa"}, {**CKPT, "data": [a], "data_sha256": "aa"})
-    resume.check_resume({**CKPT, "data": [a], "data_sha256": ["aa"]}, {**CKPT, "data": "./a.jsonl", "data_sha256": "aa"})
+    resume.check_resume({**CKPT, "data": [a], "data_sha256": ["aa"]},
+                        {**CKPT, "data": "./a.jsonl", "data_sha256": "aa"})
     resume.check_resume(two, {**two, "data": ["a.jsonl", "link.jsonl"]})   # (relative, a symlink)
     resume.check_resume({**two, "data_weights": None}, {**two, "data_weights": [1.0, 1.0]})
     resume.check_resume({k: v for k, v in two.items() if k != "data_weights"}, {**two, "data_weights": None})
@@ -331,7 +332,8 @@ def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
              "the new data from the old run's adapter with --init-adapter")
     _refused(lambda: resume.check_resume(two, {**two, "data_weights": [2.0, 0.5]}), "--data-weights")
     _refused(lambda: resume.check_resume({**CKPT, "data": a, "data_sha256": "aa"},
-                                         {**CKPT, "data": [a], "data_sha256": "ab"}), "--data's bytes (sha256: the file")
+                                         {**CKPT, "data": [a], "data_sha256": "ab"}),
+             "--data's bytes (sha256: the file")
 
 
 def test_check_resume_names_each_difference():

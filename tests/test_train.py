@@ -446,7 +446,8 @@ def test_several_data_files_and_weights_train_as_one_file_and_on_four_ranks_as_o
     same order, so the same steps); with a share of b (0.5) and records of both held out (--eval-split 2), cp2×dp2
     ring packing 2 samples a row trains and evaluates as 1 rank does."""
     config = lambda out: json.load(open(os.path.join(out, "config.json")))
-    assert config(_at(one, "files"))["data_tokens"].split()[0] == config(_at(one, "files_aab"))["data_tokens"].split()[0]
+    samples = lambda out: config(out)["data_tokens"].split()[0]
+    assert samples(_at(one, "files")) == samples(_at(one, "files_aab"))
     _compare("--data a b --data-weights 2 1 vs one file a a b", _at(one, "files"), _at(one, "files_aab"))
     evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
     ref = _at(one, "files_frac")
