@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
+from data.mix import Once
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
@@ -117,10 +118,10 @@ def build_parser(add_help=True):
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
     a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
     # Data
-    a("--data", nargs="+", default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
-      "'completion'} or {'messages'} per line); several files train as one set (a later --data replaces an earlier)")
-    a("--data-weights", nargs="+", type=float, default=None, metavar="W", help="one per --data file: 2 trains each "
-      "of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the same ones every epoch)")
+    a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
+      "'completion'} or {'messages'} per line); several files train as one set")
+    a("--data-weights", nargs="+", action=Once, type=float, default=None, metavar="W", help="one per --data file: 2 "
+      "trains each of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the same every epoch)")
     a("--eval-data", default=None, help="evaluation JSONL")
     a("--eval-split", type=float, default=None, help="instead of --eval-data, hold out this share (below 1: 0.05 is "
       "5%%) or number (1 or more) of --data's records as the eval set, never trained on: whole records, chosen by "
@@ -206,6 +207,8 @@ def main(argv=None):
         args = parser.parse_args(argv)
         if args.eval_split is not None and not any(x.startswith("--eval-d") for x in argv):
             args.eval_data = None   # (the demo's eval file gives way to the records it holds out of its data)
+    if isinstance(args.data, list) and len(args.data) == 1:   # one file: a path, as runs before several recorded it
+        args.data = args.data[0]
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)

@@ -20,15 +20,40 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import math
 import os
+from fractions import Fraction
 
 import torch
 
 FILE_SHIFT = 32   # a line number below 2**32 (4 billion lines a file)
 MAX_WEIGHT = 1000.0
+
+
+class Once(argparse.Action):
+    """A list flag given once: a second `--data` would replace the first (argparse's rule for every flag), which for
+    a flag that takes several files reads as adding one, so it is refused, naming both."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            had = " ".join(map(str, getattr(namespace, self.dest)))
+            raise argparse.ArgumentError(self, f"given twice ({had}; then {' '.join(map(str, values))}): pass every "
+                                               f"value after one {option_string}")
+        setattr(namespace, self.dest, values)
+
+
+def names(files: list[str]) -> list[str]:
+    """How logs name the files: their basenames, or the paths as given where two basenames are the same."""
+    base = [os.path.basename(f) for f in files]
+    return base if len(set(base)) == len(base) else list(files)
+
+
+def weight_text(w: float) -> str:
+    """A weight as typed (1.0000001 is not 1)."""
+    return f"{w:g}" if float(f"{w:g}") == w else repr(w)
 
 
 def data_files(value) -> list[str]:
@@ -39,7 +64,7 @@ def data_files(value) -> list[str]:
 
 def record_name(ident: int, files: list[str]) -> str:
     k, line = ident >> FILE_SHIFT, ident & ((1 << FILE_SHIFT) - 1)
-    return str(line) if len(files) == 1 else f"{os.path.basename(files[k])}:{line}"
+    return str(line) if len(files) == 1 else f"{names(files)[k]}:{line}"
 
 
 def join(parts: list):
@@ -65,7 +90,7 @@ def total(stats: list):
     return out
 
 
-def check_weights(weights, files: list[str]) -> None:
+def check_weights(weights, files: list[str], demo: bool = False) -> None:
     """--data-weights: one weight per --data file, each above 0 and at most MAX_WEIGHT (a ValueError naming it)."""
     if weights is None:
         return
@@ -73,17 +98,19 @@ def check_weights(weights, files: list[str]) -> None:
         raise ValueError("--data-weights weighs --data files: pass --data FILE [FILE ...] with it")
     if len(weights) != len(files):
         raise ValueError(f"--data-weights gives {len(weights)} weight{'s' * (len(weights) != 1)} for {len(files)} "
-                         f"--data file{'s' * (len(files) != 1)}: give one per file, in --data's order")
+                         f"--data file{'s' * (len(files) != 1)}" + " (the embedded demo's data)" * demo +
+                         ": give one per file, in --data's order")
     for f, w in zip(files, weights):
         if not (math.isfinite(w) and 0 < w <= MAX_WEIGHT):
-            raise ValueError(f"--data-weights {w:g} for {f}: a weight must be above 0 (0.5: half of its records) and "
-                             f"at most {MAX_WEIGHT:g} (2: each sample twice); to leave a file out, drop it from --data")
+            raise ValueError(f"--data-weights {weight_text(w)} for {f}: a weight must be above 0 (0.5: half of its "
+                             f"records) and at most {MAX_WEIGHT:g} (2: each sample twice); to leave a file out, drop "
+                             "it from --data")
 
 
-def _records_of(lines: torch.Tensor, share: float, seed: int, least: int) -> torch.Tensor:
-    """The records (identities) of `lines` that a share of them takes, by the smallest sha256."""
+def _records_of(lines: torch.Tensor, share: Fraction, seed: int, least: int) -> torch.Tensor:
+    """The records (identities) of `lines` that a share of them takes (rounded half up), by the smallest sha256."""
     records = torch.unique(lines).tolist()
-    k = min(len(records), max(least, int(share * len(records) + 0.5)))
+    k = min(len(records), max(least, math.floor(share * len(records) + Fraction(1, 2))))
     key = lambda ident: hashlib.sha256(f"{seed}:mix:{ident}".encode()).digest()
     return torch.tensor(sorted(records, key=key)[:k], dtype=lines.dtype)
 
@@ -97,9 +124,10 @@ def mix(samples, files: list[str], weights: list[float] | None, seed: int):
         raise ValueError("--data-weights needs each sample's record line (samples tokenized from a file)")
     of_file = lines >> FILE_SHIFT
     rows, said = [], []
-    for k, (f, w) in enumerate(zip(files, weights)):
+    for k, (name, w) in enumerate(zip(names(files), weights)):
         mine = (of_file == k).nonzero().flatten()
-        whole, part = int(w), w - int(w)
+        whole = int(w)
+        part = Fraction(weight_text(w)) - whole   # (1.15 - 1 in floats is 0.1499..., which would round 1.5 down)
         rows += [mine] * whole
         n = whole * len(mine)
         if part > 0 and len(mine):
@@ -107,8 +135,12 @@ def mix(samples, files: list[str], weights: list[float] | None, seed: int):
             picked = mine[torch.isin(lines[mine], chosen)]
             rows.append(picked)
             n += len(picked)
-        said.append(f"{os.path.basename(f)} × {w:g}: {n} samples of its {len(mine)}")
+        said.append(f"{name} × {weight_text(w)}: {_count(n)} of its {len(mine)}")
     rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     if not len(rows):
-        raise ValueError(f"--data-weights {' '.join(f'{w:g}' for w in weights)} leave no sample to train on")
-    return samples.subset(rows), "; ".join(said) + f"; {len(rows)} samples a pass"
+        raise ValueError(f"--data-weights {' '.join(map(weight_text, weights))} leave no sample to train on")
+    return samples.subset(rows), "; ".join(said) + f"; {_count(len(rows))} a pass"
+
+
+def _count(n: int) -> str:
+    return f"{n} sample{'s' * (n != 1)}"

@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 
 from data.jsonl import DataError
-from data.mix import data_files, join, mix, record_name, total
+from data.mix import data_files, join, mix, record_name, total, weight_text
 from data.templates import dated
 
 DATA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "long-context-lora",
@@ -398,7 +398,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     if weights := getattr(args, "data_weights", None):   # (after the split: a held-out record is never trained on,
         mixed, said = mix(train[0], files, weights, args.seed)   # whatever its file's weight)
         if said:
-            log(f"data mix: --data-weights {' '.join(f'{w:g}' for w in weights)}: {said}")
+            log(f"data mix: --data-weights {' '.join(map(weight_text, weights))}: {said}")
             train = (mixed, train[1])
     digest = fingerprint(train[0])
     same_on_every_rank(train[0], ev and ev[0], digest)

@@ -117,7 +117,7 @@ def check_start(args, demo: bool):
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     check_flags(args)
-    check_weights(args.data_weights, data_files(args.data))
+    check_weights(args.data_weights, data_files(args.data), demo)
     if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
         raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
                          "--eval-split) and --eval-every N (each evaluation is then saved)")
@@ -129,7 +129,7 @@ def check_start(args, demo: bool):
             check_file(path, flag)
     for i, f in enumerate(files if not demo else ()):   # one file twice: its records trained twice, maybe unmeant
         if twice := next((g for g in files[:i] if os.path.samefile(f, g)), None):
-            raise ValueError(f"--data names {twice!r}" + (f" and {f!r}, the same file," if twice != f else " twice")
+            raise ValueError(f"--data names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
                              + ": name each file once; --data-weights 2 trains a file's samples twice")
     runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)

@@ -120,6 +120,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
                  "data_weights": None, **ckpt_args}   # runs from before these flags: without them
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
+    other_files = "data" in ckpt_args and "data" in args and not _same_path(ckpt_args["data"], args["data"]) and \
+        _norm("data", ckpt_args["data"]) != _norm("data", args["data"])   # (said as such, not as changed bytes)
     for k in [*RUN_DEFINING, *forks]:
         if k not in args:   # (a caller that records less, as tests do: train.py records every one)
             continue
@@ -129,8 +131,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
             continue
-        if k == "data_sha256" and ckpt_args.get(k) is None:   # a demo run's (it builds its files): not known, so a
-            continue   # resume naming the demo's files is the same run, as one without them is
+        # a demo run's (it builds its files: not known, so a resume naming the demo's files is the same run, as one
+        # without them is), or other --data files (refused as such)
+        if k == "data_sha256" and (ckpt_args.get(k) is None or other_files):
+            continue
         if k == "model_sha256" and None in (ckpt_args.get(k), args.get(k)):   # a run from before it, the demo's, or
             continue   # a Hub model's (its commit is compared)
         if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way

@@ -31,7 +31,8 @@ def build_nonzero_b(opts, b_std=0.05, **kw):
 
 
 def train_argv(assets, out, *extra):
-    return ["--model", assets["model"], "--data", assets["data"], "--quant", "none", "--dtype", "fp32",
+    data = [] if "--data" in extra else ["--data", assets["data"]]   # (given twice, --data is refused)
+    return ["--model", assets["model"], *data, "--quant", "none", "--dtype", "fp32",
             "--steps", "3", "--global-batch", "8", "--max-len", "64", "--lora-r", "4", "--warmup", "1",
             "--lr", "1e-3", "--no-progress", "--out", out, "--data-cache",
             os.path.join(os.path.dirname(assets["data"]), "token_cache"), *extra]   # later runs read it

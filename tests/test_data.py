@@ -1639,7 +1639,7 @@ def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, t
 def _files(tmp_path) -> list[str]:
     """Three --data files of other kinds (text records past --max-len 64 split into windows, chats, prompt/completion
     records, one left with no target), and one file holding their lines in that order: the set they must make."""
-    make_text_jsonl(tmp_path / "a.jsonl", 9, seed=3)
+    make_text_jsonl(tmp_path / "a.jsonl", 10, seed=3)
     chats = make_chat_jsonl(tmp_path / "b.jsonl", 12, seed=4)
     cut = {"messages": [{"role": "system", "content": "fox " * 100}, {"role": "user", "content": "word " * 200},
                         {"role": "assistant", "content": "ok"}]}   # (its answer is cut away: dropped)
@@ -1699,6 +1699,8 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
     f"{seed}:mix:{identity}" is smallest (identity: file index << 32 | line), so another seed takes others and the
     same seed the same; records --eval-split holds out are never trained on, whatever their file's weight."""
     import hashlib
+    import math
+    from fractions import Fraction
 
     from data.mix import FILE_SHIFT
 
@@ -1712,14 +1714,16 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
         rows = []
         for k, w in enumerate(weights):
             rows += per_file(k) * int(w)
-            if w % 1:
-                n = max(0 if w >= 1 else 1, int(w % 1 * len(records(k)) + 0.5))
+            if part := Fraction(str(w)) % 1:   # (exact: 1.15 % 1 in floats is 0.1499...)
+                n = max(0 if w >= 1 else 1, math.floor(part * len(records(k)) + Fraction(1, 2)))
                 key = lambda r: hashlib.sha256(f"{seed}:mix:{r}".encode()).digest()
                 chosen = sorted(records(k), key=key)[:n]
                 rows += [i for i in per_file(k) if int(ident[i]) in chosen]
         return rows
 
-    for weights, seed in (((2, 0.5, 1), 0), ((0.5, 1, 2.5), 1), ((0.5, 1, 2.5), 2), ((1e-6, 1, 1), 0)):
+    assert len(records(0)) == 10   # (1.15: 1.5 of them, rounded up to 2)
+    for weights, seed in (((2, 0.5, 1), 0), ((0.5, 1, 2.5), 1), ((0.5, 1, 2.5), 2), ((1e-6, 1, 1), 0),
+                          ((1.15, 1, 1), 0)):
         got, _, _, said, _ = _run_data(tok, files, tmp_path, data_weights=list(weights), seed=seed)
         rows = expect(weights, seed)
         assert [got[i]["input_ids"].tolist() for i in range(len(got))] == \
@@ -1731,7 +1735,7 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
         assert all(taken.count(r) % windows[r] == 0 for r in set(taken)), "a text record's windows go together"
     halves = [_run_data(tok, files, tmp_path, data_weights=[0.5, 1, 1], seed=s)[0] for s in (0, 1, 0)]
     assert halves[0].sample_lines().tolist() == halves[2].sample_lines().tolist() != halves[1].sample_lines().tolist()
-    assert len(records(0)) == 9 and len({int(x) for x in halves[0].sample_lines() if int(x) >> FILE_SHIFT == 0}) == 5
+    assert len({int(x) for x in halves[0].sample_lines() if int(x) >> FILE_SHIFT == 0}) == 5
     got, _, (held, _), said, _ = _run_data(tok, files, tmp_path, data_weights=[3, 3, 3], eval_split=0.3)
     out = set(held.sample_lines().tolist())
     assert out and not out & set(got.sample_lines().tolist()) and len(got) == 3 * (len(base) - len(held)), said
@@ -1755,3 +1759,13 @@ def test_data_weights_refuse_what_they_cannot_mean():
             ([float("inf")], ["a"], "--data-weights inf for a"), ([1000.5], ["a"], "at most 1000")):
         with pytest.raises(ValueError, match=says):
             check_weights(weights, files)
+
+
+def test_records_of_several_files_are_named_by_file_and_line():
+    """Logs name a record of a set of several files `file:line` (its basename, or the path as given where two files
+    share one), and one file's by its line alone."""
+    from data.mix import FILE_SHIFT, record_name
+
+    assert record_name(17, ["x/a.jsonl"]) == "17"
+    assert record_name((1 << FILE_SHIFT) | 17, ["x/a.jsonl", "y/b.jsonl"]) == "b.jsonl:17"
+    assert record_name(3, ["x/train.jsonl", "y/train.jsonl"]) == "x/train.jsonl:3"

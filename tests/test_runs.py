@@ -324,7 +324,9 @@ def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
     resume.check_resume(two, {**two, "data": ["a.jsonl", "link.jsonl"]})   # (relative, a symlink)
     resume.check_resume({**two, "data_weights": None}, {**two, "data_weights": [1.0, 1.0]})
     resume.check_resume({k: v for k, v in two.items() if k != "data_weights"}, {**two, "data_weights": None})
-    _refused(lambda: resume.check_resume(two, {**two, "data": [b, a]}), "--data: the checkpoint has")
+    swapped = _refused(lambda: resume.check_resume(two, {**two, "data": [b, a], "data_sha256": ["bb", "aa"]}),
+                       "--data: the checkpoint has")
+    assert "--data's bytes" not in swapped, swapped   # (the files are other ones, not changed ones)
     _refused(lambda: resume.check_resume(two, {**two, "data": [a], "data_sha256": "aa", "data_weights": None}),
              "--data: the checkpoint has", "--data-weights: the checkpoint has [2.0, 1.0], this run None")
     _refused(lambda: resume.check_resume(two, {**two, "data_sha256": ["aa", "bc"]}),

@@ -734,7 +734,13 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
     assert msg.startswith(f"--data {missing} does not exist"), msg
     (tmp_path / "same.jsonl").symlink_to(assets["data"])
     msg = startup_error(train_argv(assets, out, "--data", assets["data"], str(tmp_path / "same.jsonl")))
-    assert f"--data names {assets['data']!r} and {str(tmp_path / 'same.jsonl')!r}, the same file," in msg, msg
+    assert f"--data names {assets['data']!r} and {str(tmp_path / 'same.jsonl')!r}, the same file: name each" in msg, msg
+    for flag, values in (("--data", [assets["data"]]), ("--data-weights", ["1"])):   # a second would replace the first
+        with no_weights(), pytest.raises(SystemExit):
+            train.main([*train_argv(assets, out, flag, *values), flag, *values])
+        err = capsys.readouterr().err
+        assert f"argument {flag}: given twice ({' '.join(values)}; then {' '.join(values)}): pass every value after " \
+               f"one {flag}" in err, err
     missing = str(tmp_path / "no_model")
     msg = startup_error(train_argv(assets, out, "--model", missing))
     assert missing in msg and "does not exist" in msg, msg
