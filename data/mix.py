@@ -39,9 +39,9 @@ class Once(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, None) is not None:
-            had = " ".join(map(str, getattr(namespace, self.dest)))
-            raise argparse.ArgumentError(self, f"given twice ({had}; then {' '.join(map(str, values))}): pass every "
-                                               f"value after one {option_string}")
+            said = lambda vs: " ".join(weight_text(v) if isinstance(v, float) else str(v) for v in vs)
+            raise argparse.ArgumentError(self, f"given twice ({said(getattr(namespace, self.dest))}; then "
+                                               f"{said(values)}): pass every value after one {option_string}")
         setattr(namespace, self.dest, values)
 
 
