@@ -257,7 +257,7 @@ def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(ass
     since the checkpoint (same path, other bytes) is refused, naming the fix, before anything is written."""
     data, out = tmp_path / "d.jsonl", str(tmp_path / "out")
     shutil.copy(assets["data"], data)
-    argv = lambda out, *x: [*train_argv(assets, out, "--steps", "2", *x), "--data", str(data), "--data-cache",
+    argv = lambda out, *x: [*train_argv(assets, out, "--steps", "2", *x, "--data", str(data)), "--data-cache",
                             str(tmp_path / "cache")]
     run(argv(out, "--save-every", "1"))
     assert "tokens from the cache" not in capsys.readouterr().out
@@ -636,8 +636,9 @@ def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path):
     assert r0.returncode == r1.returncode == 2, (r0.stderr, r1.stderr)
     assert "error: --lr must be > 0" in r0.stderr and "error" not in r1.stderr, (r0.stderr, r1.stderr)
     # an error only rank 1 hit (a data file its node lacks): said by rank 1, not lost
-    own = subprocess.run([*argv[:-2], "--data", str(tmp_path / "not_on_this_node.jsonl")], capture_output=True,
-                         text=True, env={**env, "RANK": "1"}, cwd=ROOT)
+    own = subprocess.run([*argv[:2], *train_argv(assets, str(tmp_path / "o"), "--data",
+                                                 str(tmp_path / "not_on_this_node.jsonl"))],
+                         capture_output=True, text=True, env={**env, "RANK": "1"}, cwd=ROOT)
     assert own.returncode == 2 and own.stderr.startswith("error (rank 1): --data ") and \
         "not_on_this_node.jsonl does not exist" in own.stderr, own.stderr
 
@@ -1473,7 +1474,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
                 f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
                                                  {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
     flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
-             "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (the last --data wins)
+             "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (train_argv then omits its own)
     full = str(tmp_path / "full")
     run(train_argv(assets, full, *flags))
     evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
