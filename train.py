@@ -122,7 +122,8 @@ def build_parser(add_help=True):
       "'completion'} or {'messages'} per line); several files train as one set")
     a("--data-weights", nargs="+", action=Once, type=float, default=None, metavar="W", help="one per --data file: 2 "
       "trains each of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the same every epoch)")
-    a("--eval-data", default=None, help="evaluation JSONL")
+    a("--eval-data", nargs="+", action=Once, default=None, metavar="FILE", help="evaluation JSONL; several files: "
+      "each file's eval loss too (eval_loss/FILE), beside the loss over all")
     a("--eval-split", type=float, default=None, help="instead of --eval-data, hold out this share (below 1: 0.05 is "
       "5%%) or number (1 or more) of --data's records as the eval set, never trained on: whole records, chosen by "
       "--seed")
@@ -207,8 +208,9 @@ def main(argv=None):
         args = parser.parse_args(argv)
         if args.eval_split is not None and not any(x.startswith("--eval-d") for x in argv):
             args.eval_data = None   # (the demo's eval file gives way to the records it holds out of its data)
-    if isinstance(args.data, list) and len(args.data) == 1:   # one file: a path, as runs before several recorded it
-        args.data = args.data[0]
+    for k in ("data", "eval_data"):   # one file: a path, as runs before several recorded it
+        if isinstance(getattr(args, k), list) and len(getattr(args, k)) == 1:
+            setattr(args, k, getattr(args, k)[0])
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
@@ -328,7 +330,9 @@ def main(argv=None):
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN)
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            log0(f"eval_loss before training {evaluate(model, *eval_args, beat=lambda: wd.phase('eval', 0)):.6f}")
+            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0)).items()
+            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
+            log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
@@ -399,9 +403,10 @@ def main(argv=None):
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval sample: a long eval is not a stuck rank
-                rec["eval_loss"] = round(ev := evaluate(model, *eval_args, beat=beat), 6)
+                ev = evaluate(model, *eval_args, beat=beat)   # (eval_loss, and each file's of several)
+                rec.update({k: round(v, 6) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
-                    best.update(step + 1, ev)
+                    best.update(step + 1, ev["eval_loss"])
             guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
                                           bar.update(1)), f"writing metrics.jsonl (step {step + 1})")   # all stop on
             # a failure (a full disk); the line goes above the bar, or plain when off

@@ -24,6 +24,9 @@ def main(src: str, dst: str) -> None:
     ev = [r for r in rows if "eval_loss" in r]
     if ev:
         ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    for key in sorted({k for r in ev for k in r if k.startswith("eval_loss/")}):   # each eval file's, of several
+        at = [r for r in ev if key in r]
+        ax.plot([r["step"] for r in at], [r[key] for r in at], ".--", lw=1, label=key.replace("eval_loss/", "eval: "))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean over target tokens)")
     ax.grid(alpha=0.3)

@@ -79,6 +79,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     from transformers.utils import logging as hf_logging
 
     from data.jsonl import load_jsonl
+    from data.mix import data_files
 
     hf_logging.set_verbosity_error()   # generation-config notes are about defaults we set explicitly
     hf_logging.disable_progress_bar()  # a "Loading weights" bar for a 14 MB file
@@ -99,7 +100,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
             f"finish it with --resume {ckpt}, or export a checkpoint's with `python -m parallel.checkpoint {ckpt} "
             f"--out {adapter}`" if os.path.isfile(os.path.join(ckpt, "latest")) else
             "it saved no checkpoint either; rerun it"))
-    recs = [r for r in load_jsonl(cfg["eval_data"]) if "messages" in r or "prompt" in r][:n]
+    recs = [r for f in data_files(cfg["eval_data"]) for r in load_jsonl(f) if "messages" in r or "prompt" in r][:n]
     if not recs:
         raise ValueError(f"{cfg['eval_data']} has no chat or prompt/completion records to prompt with")
     tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)

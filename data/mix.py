@@ -67,15 +67,17 @@ def record_name(ident: int, files: list[str]) -> str:
     return str(line) if len(files) == 1 else f"{names(files)[k]}:{line}"
 
 
-def join(parts: list):
-    """Samples of several files as one, their records' identities carrying the file's index."""
+def join(parts: list, files: list[str]):
+    """Samples of several files as one, their records' identities carrying the file's index, `files` their names."""
     from data.store import Samples
 
     if len(parts) == 1:
         return parts[0]
     lines = [torch.where(p.lines >= 0, p.lines + (k << FILE_SHIFT), p.lines) for k, p in enumerate(parts)]
     ends = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
-    return Samples([p.ids for p in parts], [p.labels for p in parts], ends, torch.cat(lines))
+    out = Samples([p.ids for p in parts], [p.labels for p in parts], ends, torch.cat(lines))
+    out.files = names(files)
+    return out
 
 
 def total(stats: list):

@@ -96,6 +96,7 @@ class Samples:
         # order (None: all; `subset`, which keeps the tensors, and so the page cache's one copy, shared)
         self.lines = lines if lines is not None else torch.full_like(every, -1)
         self.rows, self.base = rows, base   # (base: the whole tensors' `fingerprint`, for a subset's)
+        self.files = None   # several files' samples: how logs name the files their records' identities index
         self.lengths = every if rows is None else every[rows]
         self.digest = None   # `fingerprint`'s, once computed (or verified by `read`)
 
@@ -115,8 +116,10 @@ class Samples:
 
     def subset(self, rows: torch.Tensor) -> Samples:
         """Samples `rows` (int64 indices into this one), in that order, sharing these tensors."""
-        return Samples(self.ids, self.labels, self.offsets, self.lines,
-                       rows if self.rows is None else self.rows[rows], self.base or fingerprint(self))
+        out = Samples(self.ids, self.labels, self.offsets, self.lines,
+                      rows if self.rows is None else self.rows[rows], self.base or fingerprint(self))
+        out.files = self.files
+        return out
 
     def sample_lines(self) -> torch.Tensor:
         """Each sample's record's line (int64 [len(self)])."""
@@ -376,18 +379,16 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
-    files = data_files(args.data)
+    files, eval_files = data_files(args.data), data_files(args.eval_data)
     shas = args.data_sha256 if isinstance(getattr(args, "data_sha256", None), list) else [args.data_sha256] \
         if getattr(args, "data_sha256", None) else [None] * len(files)
-    (parts, ev), day = once_per_machine(
+    (parts, eval_parts), day = once_per_machine(
         lambda write, day: ([load(f, "--data", write, day, sha) for f, sha in zip(files, shas)],
-                            args.eval_data and load(args.eval_data, "--eval-data", write, day)),
+                            [load(f, "--eval-data", write, day) for f in eval_files]),
         first=first, day=given)
-    if len(parts) > 1:   # each file's, then their sum
-        for f, (_, st) in zip(files, parts):
-            log(f"data: {f}: {st}")
-    train = (join([p[0] for p in parts]), total([p[1] for p in parts]))
+    train = _joined("data", files, parts, log)
     log(f"data: {f'{len(files)} files: ' * (len(files) > 1)}{train[1]}")
+    ev = eval_parts and _joined("eval data", eval_files, eval_parts, lambda m: None)   # (said below)
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)
         shown = ", ".join(record_name(x, files) for x in lines[:8]) + (", ..." if len(lines) > 8 else "")
@@ -406,7 +407,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     # tokenize otherwise under an edited tokenizer or chat template file, or another transformers/tokenizers
     args.data_tokens = f"{len(train[0])} samples, {int(train[0].lengths.sum())} tokens, sha256 {digest}"
     if ev and ev[1]:   # its truncated and dropped records too: eval_loss covers what is left
-        log(f"eval data: {ev[1]}")
+        for f, (_, st) in zip(eval_files, eval_parts) if len(eval_files) > 1 else ():
+            log(f"eval data: {f}: {st}")
+        log(f"eval data: {f'{len(eval_files)} files: ' * (len(eval_files) > 1)}{ev[1]}")
     if ev:   # (also a split's: the same text on two lines of --data, one held out, one trained on)
         if shared := also_in(ev[0], train[0]):
             what = ("held-out samples are also training samples (the same tokens: the same text on two lines of "
@@ -420,6 +423,14 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
     return train, ev or (None, None)   # (--eval-split's eval stats: None, its records are counted in --data's)
+
+
+def _joined(what: str, files: list[str], parts: list, log) -> tuple[Samples, object]:
+    """Several files' (Samples, TokenStats) as one, each file's stats said (`what: FILE: ...`) before their sum."""
+    if len(parts) > 1:
+        for f, (_, st) in zip(files, parts):
+            log(f"{what}: {f}: {st}")
+    return join([p[0] for p in parts], files), total([p[1] for p in parts])
 
 
 def also_in(these: Samples, those: Samples) -> int:

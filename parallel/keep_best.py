@@ -33,11 +33,13 @@ class Best:
     def of_run(cls, args, ckpt: str | None, log) -> Best:
         """A run's start: a resume's best when it was measured on these eval data and lies in this run's own ckpt
         folder (a resume into a new --out, or onto other eval data, chooses anew from its evaluations on, said)."""
+        from data.mix import data_files
         from data.store import file_sha256
 
         split = getattr(args, "eval_split", None)   # (its eval set: those records of --data, which a resume keeps)
         sha = args.data_sha256 if not isinstance(args.data_sha256, list) else ",".join(args.data_sha256)
-        best = cls(None if not args.keep_best else file_sha256(args.eval_data) if not split else
+        files = lambda: ",".join(map(file_sha256, data_files(args.eval_data)))   # (one file's: its sha256, as before)
+        best = cls(None if not args.keep_best else files() if not split else
                    f"--eval-split {split!r} --seed {args.seed} of --data {sha}")
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:

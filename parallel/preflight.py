@@ -124,13 +124,13 @@ def check_start(args, demo: bool):
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
     files = data_files(args.data)
-    for flag, path in ([("--data", f) for f in files] + [("--eval-data", args.eval_data)]) if not demo else ():
-        if path is not None:   # (the demo's files are built once the process group is up)
-            check_file(path, flag)
-    for i, f in enumerate(files if not demo else ()):   # one file twice: its records trained twice, maybe unmeant
-        if twice := next((g for g in files[:i] if os.path.samefile(f, g)), None):
-            raise ValueError(f"--data names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
-                             + ": name each file once; --data-weights 2 trains a file's samples twice")
+    for flag, paths, fix in (("--data", files, "--data-weights 2 trains a file's samples twice"),
+                             ("--eval-data", data_files(args.eval_data), "each eval file counts once")):
+        for i, f in enumerate(paths if not demo else ()):   # (the demo's files are built once the group is up)
+            check_file(f, flag)
+            if twice := next((g for g in paths[:i] if os.path.samefile(f, g)), None):   # trained twice, maybe unmeant
+                raise ValueError(f"{flag} names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
+                                 + f": name each file once; {fix}")
     runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
     # a resume must find the same bytes (one file's: its sha256, as runs from before several files recorded it)

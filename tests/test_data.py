@@ -1657,8 +1657,8 @@ def _run_data(tok, data, tmp_path, **kw):
     from data import store
 
     said = []
-    args = SimpleNamespace(data=data, eval_data=None, max_len=64, data_cache=kw.pop("cache", "none"), long_text="split",
-                           data_sha256=None, seed=kw.pop("seed", 0), **kw)
+    args = SimpleNamespace(data=data, eval_data=kw.pop("eval_data", None), max_len=64, long_text="split",
+                           data_cache=kw.pop("cache", "none"), data_sha256=None, seed=kw.pop("seed", 0), **kw)
     (train, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
     return train, stats, ev, said, args
 
@@ -1742,6 +1742,22 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
     assert {x >> FILE_SHIFT for x in out} == {0, 1, 2}, "held out of every file (likely at 0.3 of 25 records)"
     line = next(m for m in said if m.startswith("eval split: "))
     assert "a.jsonl:" in line and "b.jsonl:" in line, line   # (each held-out record named by file and line)
+
+
+def test_several_eval_files_are_one_eval_set_that_knows_its_files(tok, tmp_path):
+    """--eval-data a b: one eval set (the samples of one file of their lines), each file's stats said before their
+    sum, its samples knowing their files (evaluate's eval_loss/FILE); so do --eval-split's held-out samples of
+    several --data files, and one file's know none."""
+    files = _files(tmp_path)
+    (tmp_path / "ab.jsonl").write_text("".join(Path(f).read_text() for f in files[:2]))
+    _, _, (ev, ev_stats), said, _ = _run_data(tok, files[2], tmp_path, eval_data=files[:2])
+    _, _, (one, one_stats), _, _ = _run_data(tok, files[2], tmp_path, eval_data=str(tmp_path / "ab.jsonl"))
+    assert [ev[i]["labels"].tolist() for i in range(len(ev))] == [one[i]["labels"].tolist() for i in range(len(one))]
+    assert str(ev_stats) == str(one_stats) and f"eval data: 2 files: {one_stats}" in said, said
+    assert [m for m in said if m.startswith(f"eval data: {files[0]}: ")], said
+    assert ev.files == ["a.jsonl", "b.jsonl"] and one.files is None
+    _, _, (held, _), _, _ = _run_data(tok, files, tmp_path, eval_split=0.3)
+    assert held.files == ["a.jsonl", "b.jsonl", "c.jsonl"]
 
 
 def test_data_weights_refuse_what_they_cannot_mean():

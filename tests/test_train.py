@@ -341,7 +341,11 @@ def one(assets, tmp_path_factory):
                               "--eval-every", "1"))
         a, b, aab = _text_files(assets)
         for name, flags in (("files", ["--data", a, b, "--data-weights", "2", "1"]), ("files_aab", ["--data", aab]),
-                            ("files_frac", [*FILES, "--micro-batch", "2", "--data", a, b])):
+                            ("files_frac", [*FILES, "--micro-batch", "2", "--data", a, b]),
+                            ("eval_files", ["--eval-data", a, b, "--eval-every", "1"]),
+                            ("eval_a", ["--eval-data", a, "--eval-every", "1"]),
+                            ("eval_b", ["--eval-data", b, "--eval-every", "1"]),
+                            ("eval_ab", ["--eval-data", assets["text"], "--eval-every", "1"])):   # (a's lines, b's)
             train.main(train_argv(assets, os.path.join(root, name), *flags))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
@@ -451,12 +455,30 @@ def test_several_data_files_and_weights_train_as_one_file_and_on_four_ranks_as_o
     _compare("--data a b --data-weights 2 1 vs one file a a b", _at(one, "files"), _at(one, "files_aab"))
     evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
     ref = _at(one, "files_frac")
+    each = lambda out, f: [m[f"eval_loss/text_{f}.jsonl"] for m in _metrics(out)]   # (held out of a and of b)
     for name in FOUR_RANK_FILES:
         _compare(f"4 ranks {name}", _at(four, name), ref)
-        assert len(evals(ref)) == 3 and max(abs(a - b) for a, b in zip(evals(_at(four, name)), evals(ref))) <= \
-            LOSS_ATOL, (evals(_at(four, name)), evals(ref))
+        for got, want in ((evals(_at(four, name)), evals(ref)), *((each(_at(four, name), f), each(ref, f))
+                                                                  for f in "ab")):
+            assert len(want) == 3 and max(abs(x - y) for x, y in zip(got, want)) <= LOSS_ATOL, (got, want)
     n = int(config(ref)["data_tokens"].split()[0])
     assert 0 < n < int(config(_at(one, "files"))["data_tokens"].split()[0]), "half of b's records, 2 held out"
+
+
+@pytest.mark.timeout(600)
+def test_several_eval_files_give_each_files_eval_loss(one):
+    """--eval-data a b: eval_loss/text_a.jsonl and eval_loss/text_b.jsonl are the eval losses of runs evaluating a or b
+    alone, and eval_loss that of a run evaluating one file of a's lines and b's (the loss over all their targets, not
+    the mean of the files' losses), every step; training is the same as without eval data."""
+    rows = _metrics(_at(one, "eval_files"))
+    alone = {f: [m["eval_loss"] for m in _metrics(_at(one, f"eval_{f}"))] for f in ("a", "b", "ab")}
+    for key, want in (("eval_loss/text_a.jsonl", alone["a"]), ("eval_loss/text_b.jsonl", alone["b"]),
+                      ("eval_loss", alone["ab"])):
+        got = [m[key] for m in rows]
+        assert len(got) == 3 and max(abs(x - y) for x, y in zip(got, want)) <= LOSS_ATOL, (key, got, want)
+    assert all(abs(z - (x + y) / 2) > 1e-5 for x, y, z in zip(alone["a"], alone["b"], alone["ab"])), \
+        "(a test that could not tell the two means apart)"
+    _compare("--eval-data a b vs none", _at(one, "eval_files"), _at(one, "fp32"))
 
 
 @pytest.mark.timeout(600)
@@ -706,6 +728,8 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
                             [f"--data names {assets['data']!r} twice: name each file once; --data-weights 2 trains"]),
         "data weights count": (["--data-weights", "1", "2"], ["--data-weights gives 2 weights for 1 --data file"]),
         "data weight zero": (["--data-weights", "0"], ["--data-weights 0 for", "drop it from --data"]),
+        "eval file twice": (["--eval-data", assets["data"], assets["data"]],
+                            [f"--eval-data names {assets['data']!r} twice: name each file once; each eval file"]),
     }
     for label, (flags, phrases) in cases.items():
         msg = startup_error(train_argv(assets, out, *flags))
