@@ -388,7 +388,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         first=first, day=given)
     train = _joined("data", files, parts, log)
     log(f"data: {f'{len(files)} files: ' * (len(files) > 1)}{train[1]}")
-    ev = eval_parts and _joined("eval data", eval_files, eval_parts, lambda m: None)   # (said below)
+    ev = _joined("eval data", eval_files, eval_parts, lambda m: None) if eval_parts else None   # (said below)
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)
         shown = ", ".join(record_name(x, files) for x in lines[:8]) + (", ..." if len(lines) > 8 else "")
