@@ -1499,8 +1499,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     os.makedirs(os.path.join(part, "adapter_best.old-export"))   # a swap killed halfway, and other eval data
     open(os.path.join(part, "adapter_best.old-export", "x"), "w").close()
     capsys.readouterr()
-    run(train_argv(assets, part, *flags, "--eval-data", assets["data"], "--resume",
-                   os.path.join(part, "ckpt", f"step_{b:06d}")))
+    run(train_argv(assets, part, *[assets["data"] if x == str(tmp_path / "no.jsonl") else x for x in flags],
+                   "--resume", os.path.join(part, "ckpt", f"step_{b:06d}")))   # (another --eval-data)
     out = capsys.readouterr().out
     assert f"the checkpoint's best (step {b}, eval_loss {min(evals)[0]:.6f}) was measured on other --eval-data" in out
     new = min((r["eval_loss"], r["step"]) for r in metrics(part) if r["step"] > b)
