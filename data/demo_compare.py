@@ -102,7 +102,8 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
             "it saved no checkpoint either; rerun it"))
     recs = [r for f in data_files(cfg["eval_data"]) for r in load_jsonl(f) if "messages" in r or "prompt" in r][:n]
     if not recs:
-        raise ValueError(f"{cfg['eval_data']} has no chat or prompt/completion records to prompt with")
+        raise ValueError(f"{' '.join(data_files(cfg['eval_data']))} has no chat or prompt/completion records to prompt "
+                         "with")
     tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
     stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
     if cfg.get("chat_template_text"):   # the run's --chat-template, and the token that ends its turns

@@ -38,7 +38,7 @@ class Once(argparse.Action):
     a flag that takes several files reads as adding one, so it is refused, naming both."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest, None) is not None:
+        if isinstance(getattr(namespace, self.dest, None), list):   # (a default, as the demo's path, is not a list)
             said = lambda vs: " ".join(weight_text(v) if isinstance(v, float) else str(v) for v in vs)
             raise argparse.ArgumentError(self, f"given twice ({said(getattr(namespace, self.dest))}; then "
                                                f"{said(values)}): pass every value after one {option_string}")
@@ -46,9 +46,14 @@ class Once(argparse.Action):
 
 
 def names(files: list[str]) -> list[str]:
-    """How logs name the files: their basenames, or the paths as given where two basenames are the same."""
-    base = [os.path.basename(f) for f in files]
-    return base if len(set(base)) == len(base) else list(files)
+    """How logs and metrics name the files: their basenames, or where two are the same, as many of their paths' last
+    parts as tell them apart (d1/train.jsonl, d2/train.jsonl)."""
+    parts = [os.path.abspath(f).split(os.sep) for f in files]
+    for k in range(1, max(map(len, parts), default=0) + 1):
+        got = ["/".join(p[-k:]) for p in parts]
+        if len(set(got)) == len(got):
+            return got
+    return list(files)
 
 
 def weight_text(w: float) -> str:

@@ -38,7 +38,8 @@ class Best:
 
         split = getattr(args, "eval_split", None)   # (its eval set: those records of --data, which a resume keeps)
         sha = args.data_sha256 if not isinstance(args.data_sha256, list) else ",".join(args.data_sha256)
-        files = lambda: ",".join(map(file_sha256, data_files(args.eval_data)))   # (one file's: its sha256, as before)
+        # the eval files' bytes in any order (their eval loss is the same); one file's: its sha256, as before
+        files = lambda: ",".join(sorted(map(file_sha256, data_files(args.eval_data))))
         best = cls(None if not args.keep_best else files() if not split else
                    f"--eval-split {split!r} --seed {args.seed} of --data {sha}")
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
+from data.mix import data_files
 from model.config import LORA_TARGETS
 from model.rope import rope_scaling_flag
 
@@ -224,8 +225,8 @@ def check_flags(args) -> None:
         raise ValueError(f"--max-len must be >= 2 (one input and one target), got {args.max_len}")
     if (split := getattr(args, "eval_split", None)) is not None:
         if getattr(args, "eval_data", None):
-            raise ValueError(f"--eval-split {split:g} and --eval-data {args.eval_data!r} both name the eval set: "
-                             "pass one (--eval-split holds out records of --data)")
+            raise ValueError(f"--eval-split {split:g} and --eval-data {' '.join(data_files(args.eval_data))} both "
+                             "name the eval set: pass one (--eval-split holds out records of --data)")
         if not (0 < split < 1 or (math.isfinite(split) and split >= 1 and split == int(split))):   # (nan too)
             raise ValueError(f"--eval-split must be a share of --data's records above 0 and below 1 (0.05), or a "
                              f"whole number of them (500), got {split:g}")

@@ -1785,3 +1785,20 @@ def test_records_of_several_files_are_named_by_file_and_line():
     assert record_name(17, ["x/a.jsonl"]) == "17"
     assert record_name((1 << FILE_SHIFT) | 17, ["x/a.jsonl", "y/b.jsonl"]) == "b.jsonl:17"
     assert record_name(3, ["x/train.jsonl", "y/train.jsonl"]) == "x/train.jsonl:3"
+    assert record_name(3, ["a/x/t.jsonl", "b/x/t.jsonl", "c.jsonl"]) == "a/x/t.jsonl:3"
+
+
+def test_a_list_flag_given_twice_is_refused_and_a_default_is_replaced(capsys):
+    """--data, --data-weights and --eval-data take several values after one flag: a second flag would replace the
+    first (argparse's rule), so it is refused naming both; a default (the demo's eval file) is replaced as before."""
+    import train
+
+    parser = train.build_parser()
+    parser.set_defaults(eval_data="runs/demo_assets/eval.jsonl")
+    assert parser.parse_args(["--eval-data", "x.jsonl", "y.jsonl"]).eval_data == ["x.jsonl", "y.jsonl"]
+    for flag, a, b in (("--data", "a.jsonl", "b.jsonl"), ("--eval-data", "a.jsonl", "b.jsonl"),
+                       ("--data-weights", "2", "0.5")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, a, flag, b])
+        err = capsys.readouterr().err
+        assert f"argument {flag}: given twice ({a}; then {b}): pass every value after one {flag}" in err, err

@@ -338,6 +338,22 @@ def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
              "--data's bytes (sha256: the file")
 
 
+def test_keep_best_knows_its_eval_files_in_any_order(tmp_path):
+    """--keep-best's eval-set identity: the eval files' bytes in any order (the same eval loss), not their paths; one
+    file's is its sha256 as before several; other bytes are another set."""
+    from types import SimpleNamespace
+
+    from data.store import file_sha256
+    from parallel.keep_best import Best
+
+    for name, text in (("a", "{}\n"), ("b", "[]\n"), ("c", "{}\n")):
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    a, b, c = (str(tmp_path / f"{x}.jsonl") for x in "abc")
+    best = lambda ev: Best.of_run(SimpleNamespace(keep_best=True, eval_data=ev, eval_split=None, data_sha256="d",
+                                                  seed=0, out=str(tmp_path)), None, print).eval_sha
+    assert best([a, b]) == best([b, a]) == best([c, b]) != best([a]) == best(a) == file_sha256(a)
+
+
 def test_check_resume_names_each_difference():
     # a new layout, reordered targets and more steps are the same run
     resume.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,

@@ -1474,7 +1474,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
                 f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
                                                  {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
     flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
-             "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (train_argv then omits its own)
+             "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (no default --data)
     full = str(tmp_path / "full")
     run(train_argv(assets, full, *flags))
     evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
