@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
-from data.mix import Once
+from data.mix import Once, data_files, held_records
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
@@ -321,7 +321,9 @@ def main(argv=None):
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
             with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats)}, f, indent=1, default=str)
+                json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats), **({   # (which records)
+                    "eval_split_records": held_records(eval_samples, data_files(args.data))} if args.eval_split
+                    else {})}, f, indent=1, default=str)
             return runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
         metrics = guard.on_rank0(files, "writing config.json and metrics.jsonl")
         dp_cp = meshes.dp_cp.get_group()

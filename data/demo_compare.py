@@ -3,7 +3,8 @@
     python -m data.demo_compare runs/demo            # what `make demo` prints at the end
     python -m data.demo_compare OUT --n 5            # any run whose eval data are chat or prompt records
 
-Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data`, the text of
+Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data` or, for a run with
+--eval-split, `eval_split_records` (the held-out lines of each --data file), the text of
 its `--chat-template`, which replaces the base tokenizer's as it did in training, and the date such a
 template rendered, `template_date`, which the prompts render too, whatever today is), takes the
 first `--n` held-out conversations or prompt/completion records, and for each prints the prompt (the
@@ -16,7 +17,7 @@ With `--quant nf4` (the default) the base's block Linear weights are first repla
 round trip (bitsandbytes quantize + dequantize, the trainer's block size), i.e. exactly the base
 the adapter was trained against. Exit status 1 when a tuned answer is wrong (`--check`), so a script
 can assert the demo learned; 2, with the way out, for a directory it cannot compare (no config.json, a run
-without --eval-data, no adapter/ yet), checked before any model is loaded.
+without held-out data, no adapter/ yet), checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -90,20 +91,23 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         raise ValueError(f"{run_dir!r} has no config.json: pass a train.py run's --out directory")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    if not cfg.get("eval_data"):
+    held = cfg.get("eval_split_records")   # {file: [lines]}: --eval-split's records of --data
+    if not cfg.get("eval_data") and not held:
         raise ValueError(f"{cfg_path} names no eval_data (the run had no --eval-data" + (
-            ", and its --eval-split records of --data are not read back here" if cfg.get("eval_split") else "") +
-            "): the prompts come from a run's held-out file; train with --eval-data FILE")
+            ", and is from before config.json kept its --eval-split records" if cfg.get("eval_split") else "") +
+            "): the prompts come from a run's held-out records; train with --eval-data FILE or --eval-split")
     if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         ckpt = os.path.join(run_dir, "ckpt")
         raise ValueError(f"{run_dir!r} has no adapter/ yet (the run has not finished): " + (
             f"finish it with --resume {ckpt}, or export a checkpoint's with `python -m parallel.checkpoint {ckpt} "
             f"--out {adapter}`" if os.path.isfile(os.path.join(ckpt, "latest")) else
             "it saved no checkpoint either; rerun it"))
-    recs = [r for f in data_files(cfg["eval_data"]) for r in load_jsonl(f) if "messages" in r or "prompt" in r][:n]
+    files = list(held) if held else data_files(cfg["eval_data"])
+    recs = [r for f in files for r in load_jsonl(f) if ("messages" in r or "prompt" in r) and (
+        not held or r["line"] in held[f])][:n]
     if not recs:
-        raise ValueError(f"{' '.join(data_files(cfg['eval_data']))} has no chat or prompt/completion records to prompt "
-                         "with")
+        raise ValueError(f"{' '.join(files)}{' (its held-out records)' * bool(held)} has no chat or prompt/completion "
+                         "records to prompt with")
     tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
     stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
     if cfg.get("chat_template_text"):   # the run's --chat-template, and the token that ends its turns

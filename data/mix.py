@@ -16,6 +16,7 @@ Contract:
   records every epoch and on every rank and resume; an epoch is one pass over the mixture. It runs after
   `--eval-split` has held records out, so a held-out record is never trained on, whatever its file's weight.
   Returns (samples, a line saying what each file gave).
+- `held_records(samples, files)`: {file: [lines]} of the records `samples` hold (--eval-split's, for config.json).
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ def data_files(value) -> list[str]:
 def record_name(ident: int, files: list[str]) -> str:
     k, line = ident >> FILE_SHIFT, ident & ((1 << FILE_SHIFT) - 1)
     return str(line) if len(files) == 1 else f"{names(files)[k]}:{line}"
+
+
+def held_records(samples, files: list[str]) -> dict[str, list[int]]:
+    """The records of `samples` as {file, as given: [its lines]}: --eval-split's held-out records, which the run's
+    config.json keeps (`eval_split_records`) and `python -m data.demo_compare` prompts with."""
+    out = {}
+    for ident in sorted(set(samples.sample_lines().tolist())):
+        out.setdefault(files[ident >> FILE_SHIFT], []).append(ident & ((1 << FILE_SHIFT) - 1))
+    return out
 
 
 def join(parts: list, files: list[str]):

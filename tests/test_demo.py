@@ -247,6 +247,11 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
     assert rows[0]["prompt"] == "The fox ran.\nWho ran?" and isinstance(rows[0]["tuned"], str)
     assert {t for t, _, _ in seen} == {TEMPLATES["chatml"]}, "the run's template, not the base tokenizer's"
     assert {d for _, _, d in seen} == {"2024-07-26"}, "not the run's template_date"   # (rendered: test_data)
+    # a run with --eval-split: config.json's held-out lines of each --data file are the prompts
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "eval_data": None,
+                                                 "eval_split_records": {str(tmp_path / "eval.jsonl"): [3, 1]}}))
+    rows = compare(str(run), n=5, max_new_tokens=2)
+    assert [r["expected"] for r in rows] == [recs[i]["messages"][-1]["content"] for i in (0, 2)], rows
 
 
 def test_compare_refuses_what_it_cannot_compare_before_loading_a_model(tmp_path, capsys):

@@ -349,7 +349,7 @@ def one(assets, tmp_path_factory):
             train.main(train_argv(assets, os.path.join(root, name), *flags))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
-    return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue()}
+    return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue(), "assets": assets}
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -433,6 +433,8 @@ def test_eval_split_holds_out_whole_records_and_trains_as_the_two_files_would(on
     set; the run equals one given the rest as --data and those records as --eval-data (losses, eval losses, adapter),
     and so does cp 2 x dp 2 Ulysses."""
     assert len(one["held"]) == 4 and "never trained on" in one["said"], one["said"]
+    records = json.load(open(_at(one, "text_split", "config.json")))["eval_split_records"]
+    assert records == {one["assets"]["text"]: one["held"]}, records   # (kept: data.demo_compare reads them back)
     evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
     files = _at(one, "text_files")
     for label, out in (("1 rank", _at(one, "text_split")), ("4 ranks", _at(four, "text_split_cp2_dp2_ulysses"))):
