@@ -81,6 +81,7 @@ CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tok
 LOG_SECONDS = 10.0
 WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
+MANY_FILES = 8   # more --data files than this (a data set in shards): one `data:` line for all, not one each
 SOURCES = ("jsonl.py", "tokens.py", "chat.py", "templates.py", "store.py")   # the code that decides a record's tokens
 
 
@@ -374,18 +375,23 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     first = not cache or local_rank == "0"   # (this rank tokenizes; with a cache, the machine's others wait for it)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = data_workers(getattr(args, "data_workers", 1), 1 if cache and first else local)
+    files, eval_files = data_files(args.data), data_files(args.eval_data)
+    hits = []   # many files: their "tokens from the cache" lines, said as one count
+    said = lambda m: hits.append(m) if len(files) > MANY_FILES and m.startswith("--data ") and \
+        ": tokens from the cache " in m else log(m)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                                 write, log, sha, day, warn, args.long_text, workers)
+                                                                 write, said, sha, day, warn, args.long_text, workers)
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
-    files, eval_files = data_files(args.data), data_files(args.eval_data)
     shas = args.data_sha256 if isinstance(getattr(args, "data_sha256", None), list) else [args.data_sha256] \
         if getattr(args, "data_sha256", None) else [None] * len(files)
     (parts, eval_parts), day = once_per_machine(
         lambda write, day: ([load(f, "--data", write, day, sha) for f, sha in zip(files, shas)],
                             [load(f, "--eval-data", write, day) for f in eval_files]),
         first=first, day=given)
+    if hits:
+        log(f"data: {len(hits)} of the {len(files)} --data files' tokens from the cache {cache}")
     train = _joined("data", files, parts, log)
     log(f"data: {f'{len(files)} files: ' * (len(files) > 1)}{train[1]}")
     ev = _joined("eval data", eval_files, eval_parts, lambda m: None) if eval_parts else None   # (said below)
@@ -407,7 +413,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     # tokenize otherwise under an edited tokenizer or chat template file, or another transformers/tokenizers
     args.data_tokens = f"{len(train[0])} samples, {int(train[0].lengths.sum())} tokens, sha256 {digest}"
     if ev and ev[1]:   # its truncated and dropped records too: eval_loss covers what is left
-        for f, (_, st) in zip(eval_files, eval_parts) if len(eval_files) > 1 else ():
+        for f, (_, st) in zip(eval_files, eval_parts) if 1 < len(eval_files) <= MANY_FILES else ():
             log(f"eval data: {f}: {st}")
         log(f"eval data: {f'{len(eval_files)} files: ' * (len(eval_files) > 1)}{ev[1]}")
     if ev:   # (also a split's: the same text on two lines of --data, one held out, one trained on)
@@ -427,7 +433,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
 
 def _joined(what: str, files: list[str], parts: list, log) -> tuple[Samples, object]:
     """Several files' (Samples, TokenStats) as one, each file's stats said (`what: FILE: ...`) before their sum."""
-    if len(parts) > 1:
+    if 1 < len(parts) <= MANY_FILES:   # (more: their sum only; each file's warnings are said as it loads)
         for f, (_, st) in zip(files, parts):
             log(f"{what}: {f}: {st}")
     return join([p[0] for p in parts], files), total([p[1] for p in parts])

@@ -126,9 +126,11 @@ def check_start(args, demo: bool):
     files = data_files(args.data)
     for flag, paths, fix in (("--data", files, "--data-weights 2 trains a file's samples twice"),
                              ("--eval-data", data_files(args.eval_data), "each eval file counts once")):
+        seen = {}   # (device, inode) -> where it was named (a file twice: trained twice, maybe unmeant)
         for i, f in enumerate(paths if not demo else ()):   # (the demo's files are built once the group is up)
-            check_file(f, flag)
-            if twice := next((g for g in paths[:i] if os.path.samefile(f, g)), None):   # trained twice, maybe unmeant
+            st = os.stat(check_file(f, flag))
+            if (at := seen.setdefault((st.st_dev, st.st_ino), i)) != i:
+                twice = paths[at]
                 raise ValueError(f"{flag} names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
                                  + f": name each file once; {fix}")
     runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first

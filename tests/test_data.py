@@ -1693,6 +1693,30 @@ def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
     assert sum("tokens from the cache" in m for m in said) == 2, said
 
 
+def test_a_data_set_in_many_shards_is_said_in_one_line(tok, tmp_path):
+    """More --data files than store.MANY_FILES (a data set in shards): no line per file (the stats' sum, and on a
+    rerun the count read from the cache, in one line each), but each file's warning; the samples are those of one
+    file of their lines."""
+    from data import store
+
+    lines = Path(_files(tmp_path)[1]).read_text().splitlines(True) * 2   # (13 chats, one left with no target)
+    shards = []
+    for k in range(store.MANY_FILES + 2):
+        shards.append(str(tmp_path / f"shard-{k:05d}.jsonl"))
+        Path(shards[-1]).write_text("".join(lines[k::store.MANY_FILES + 2]))
+    (tmp_path / "all.jsonl").write_text("".join(Path(f).read_text() for f in shards))
+    cache = str(tmp_path / "cache")
+    one, one_stats, _, _, _ = _run_data(tok, str(tmp_path / "all.jsonl"), tmp_path)
+    for run in range(2):
+        got, stats, _, said, _ = _run_data(tok, shards, tmp_path, cache=cache)
+        assert store.fingerprint(got) == store.fingerprint(one) and str(stats) == str(one_stats)
+        assert f"data: {len(shards)} files: {one_stats}" in said and not [m for m in said if ".jsonl: " in m and
+                                                                          not m.startswith("warning: ")], said
+        assert [m for m in said if m.startswith("warning: --data ") and "shard-00005.jsonl" in m], said
+        hit = f"data: {len(shards)} of the {len(shards)} --data files' tokens from the cache {cache}"
+        assert (hit in said) == (run == 1) and not [m for m in said if m.startswith("--data ")], said
+
+
 def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, tmp_path):
     """--data-weights W: floor(W) copies of a file's samples, in order, then the share W - floor(W) of its records
     (rounded; at least one below 1), whole (a text record's windows together), those whose sha256 of
