@@ -103,6 +103,13 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
             f"--out {adapter}`" if os.path.isfile(os.path.join(ckpt, "latest")) else
             "it saved no checkpoint either; rerun it"))
     files = list(held) if held else data_files(cfg["eval_data"])
+    shas = cfg.get("data_sha256")
+    if held and shas:   # the lines name records of the bytes the run read: a file changed since names others
+        from data.store import file_sha256
+        was = dict(zip(data_files(cfg["data"]), [shas] if isinstance(shas, str) else shas))
+        if changed := [f for f in files if f in was and os.path.isfile(f) and file_sha256(f) != was[f]]:
+            raise ValueError(f"{', '.join(changed)} changed since the run (its sha256 differs from config.json's "
+                             "data_sha256): its held-out lines would name other records; restore the file")
     recs = [r for f in files for r in load_jsonl(f) if ("messages" in r or "prompt" in r) and (
         not held or r["line"] in held[f])][:n]
     if not recs:

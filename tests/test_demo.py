@@ -252,6 +252,15 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
                                                  "eval_split_records": {str(tmp_path / "eval.jsonl"): [3, 1]}}))
     rows = compare(str(run), n=5, max_new_tokens=2)
     assert [r["expected"] for r in rows] == [recs[i]["messages"][-1]["content"] for i in (0, 2)], rows
+    from data.store import file_sha256  # (the bytes the run read: a file changed since is refused)
+    data = str(tmp_path / "eval.jsonl")
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "data": data,
+                                                 "data_sha256": file_sha256(data), "eval_split_records": {data: [2]}}))
+    assert [r["expected"] for r in compare(str(run), n=5, max_new_tokens=2)] == [recs[1]["messages"][-1]["content"]]
+    with open(data, "a") as f:
+        f.write("\n")
+    with pytest.raises(ValueError, match="changed since the run .* would name other records; restore the file"):
+        compare(str(run), n=5, max_new_tokens=2)
 
 
 def test_compare_refuses_what_it_cannot_compare_before_loading_a_model(tmp_path, capsys):
