@@ -182,7 +182,8 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
     """A cheap start-up check: `path` is a readable file, else a DataError naming `flag` and the fix."""
     p = Path(path)
     if not p.is_file():
-        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        what = "is a directory, not a file" if p.is_dir() else \
+            "is not a regular file (a pipe or a device)" if p.exists() else "does not exist"
         raise DataError(f"{flag} {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
     try:
         p.open("rb").close()

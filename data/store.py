@@ -377,8 +377,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     workers = data_workers(getattr(args, "data_workers", 1), 1 if cache and first else local)
     files, eval_files = data_files(args.data), data_files(args.eval_data)
     hits = []   # many files: their "tokens from the cache" lines, said as one count
-    said = lambda m: hits.append(m) if len(files) > MANY_FILES and m.startswith("--data ") and \
-        ": tokens from the cache " in m else log(m)
+    said = lambda m: hits.append(m) if ": tokens from the cache " in m and (
+        (len(files) > MANY_FILES and m.startswith("--data ")) or
+        (len(eval_files) > MANY_FILES and m.startswith("--eval-data "))) else log(m)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, said, sha, day, warn, args.long_text, workers)
     given = getattr(args, "template_date", None)
@@ -390,8 +391,9 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         lambda write, day: ([load(f, "--data", write, day, sha) for f, sha in zip(files, shas)],
                             [load(f, "--eval-data", write, day) for f in eval_files]),
         first=first, day=given)
-    if hits:
-        log(f"data: {len(hits)} of the {len(files)} --data files' tokens from the cache {cache}")
+    for flag, these in (("--data", files), ("--eval-data", eval_files)):
+        if n := sum(m.startswith(flag + " ") for m in hits):
+            log(f"data: {n} of the {len(these)} {flag} files' tokens from the cache {cache}")
     train = _joined("data", files, parts, log)
     log(f"data: {f'{len(files)} files: ' * (len(files) > 1)}{train[1]}")
     ev = _joined("eval data", eval_files, eval_parts, lambda m: None) if eval_parts else None   # (said below)

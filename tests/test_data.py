@@ -1707,14 +1707,18 @@ def test_a_data_set_in_many_shards_is_said_in_one_line(tok, tmp_path):
     (tmp_path / "all.jsonl").write_text("".join(Path(f).read_text() for f in shards))
     cache = str(tmp_path / "cache")
     one, one_stats, _, _, _ = _run_data(tok, str(tmp_path / "all.jsonl"), tmp_path)
-    for run in range(2):
-        got, stats, _, said, _ = _run_data(tok, shards, tmp_path, cache=cache)
+    for run in range(2):   # (the shards are the eval files too: their cache lines are one count as well)
+        got, stats, _, said, _ = _run_data(tok, shards, tmp_path, cache=cache, eval_data=shards)
         assert store.fingerprint(got) == store.fingerprint(one) and str(stats) == str(one_stats)
         assert f"data: {len(shards)} files: {one_stats}" in said and not [m for m in said if ".jsonl: " in m and
                                                                           not m.startswith("warning: ")], said
         assert [m for m in said if m.startswith("warning: --data ") and "shard-00005.jsonl" in m], said
         hit = f"data: {len(shards)} of the {len(shards)} --data files' tokens from the cache {cache}"
-        assert (hit in said) == (run == 1) and not [m for m in said if m.startswith("--data ")], said
+        assert (hit in said) == (run == 1) and not [m for m in said if m.startswith(("--data ", "--eval-data "))], said
+        assert hit.replace("--data", "--eval-data") in said, said   # (also on run 0: the same files, just cached)
+    from data import check_file
+    with pytest.raises(DataError, match="--data /dev/null is not a regular file"):
+        check_file("/dev/null", "--data")
 
 
 def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, tmp_path):
