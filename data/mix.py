@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import math
 import os
 from fractions import Fraction
@@ -68,8 +67,13 @@ def data_files(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
+def file_and_line(ident: int) -> tuple[int, int]:
+    """A record identity's (file index, line)."""
+    return ident >> FILE_SHIFT, ident & ((1 << FILE_SHIFT) - 1)
+
+
 def record_name(ident: int, files: list[str]) -> str:
-    k, line = ident >> FILE_SHIFT, ident & ((1 << FILE_SHIFT) - 1)
+    k, line = file_and_line(ident)
     return str(line) if len(files) == 1 else f"{names(files)[k]}:{line}"
 
 
@@ -77,8 +81,8 @@ def held_records(samples, files: list[str]) -> dict[str, list[int]]:
     """The records of `samples` as {file, as given: [its lines]}: --eval-split's held-out records, which the run's
     config.json keeps (`eval_split_records`) and `python -m data.demo_compare` prompts with."""
     out = {}
-    for ident in sorted(set(samples.sample_lines().tolist())):
-        out.setdefault(files[ident >> FILE_SHIFT], []).append(ident & ((1 << FILE_SHIFT) - 1))
+    for k, line in map(file_and_line, sorted(set(samples.sample_lines().tolist()))):
+        out.setdefault(files[k], []).append(line)
     return out
 
 
@@ -126,10 +130,11 @@ def check_weights(weights, files: list[str], demo: bool = False) -> None:
 
 def _records_of(lines: torch.Tensor, share: Fraction, seed: int, least: int) -> torch.Tensor:
     """The records (identities) of `lines` that a share of them takes (rounded half up), by the smallest sha256."""
+    from data.store import smallest_hashes
+
     records = torch.unique(lines).tolist()
     k = min(len(records), max(least, math.floor(share * len(records) + Fraction(1, 2))))
-    key = lambda ident: hashlib.sha256(f"{seed}:mix:{ident}".encode()).digest()
-    return torch.tensor(sorted(records, key=key)[:k], dtype=lines.dtype)
+    return torch.tensor(smallest_hashes(records, k, f"{seed}:mix:"), dtype=lines.dtype)
 
 
 def mix(samples, files: list[str], weights: list[float] | None, seed: int):

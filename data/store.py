@@ -154,6 +154,12 @@ def split_arg(spec: float) -> str:
     return f"{spec:g}" if spec < 1 else str(int(spec))
 
 
+def smallest_hashes(records: list[int], k: int, salt: str) -> list[int]:
+    """The k records whose sha256 of f"{salt}{record}" is smallest: a choice that depends on the salt (the seed) and
+    the records alone, the same on every rank and resume (--eval-split's, --data-weights' shares)."""
+    return sorted(records, key=lambda r: hashlib.sha256(f"{salt}{r}".encode()).digest())[:k]
+
+
 def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples, list[int]]:
     """--eval-split: (training samples, eval samples, the held-out records' lines). `spec` records of those with a
     sample (0 < spec < 1: that share of them, rounded, at least one; else that many), each record whole (a split
@@ -169,8 +175,7 @@ def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples
         raise DataError(f"--eval-split {split_arg(spec)} holds out {k} of the {len(records)} records of --data that "
                         "have a target, leaving none to train on: pass a smaller --eval-split (a share below 1, or a "
                         "count below the records), or give the eval set as --eval-data FILE")
-    key = lambda line: hashlib.sha256(f"{seed}:{line}".encode()).digest()
-    held = sorted(sorted(records, key=key)[:k])
+    held = sorted(smallest_hashes(records, k, f"{seed}:"))
     is_held = torch.isin(lines, torch.tensor(held, dtype=lines.dtype))
     return samples.subset((~is_held).nonzero().flatten()), samples.subset(is_held.nonzero().flatten()), held
 
@@ -385,8 +390,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")
-    shas = args.data_sha256 if isinstance(getattr(args, "data_sha256", None), list) else [args.data_sha256] \
-        if getattr(args, "data_sha256", None) else [None] * len(files)
+    shas = data_files(getattr(args, "data_sha256", None)) or [None] * len(files)   # (one file's: a string)
     (parts, eval_parts), day = once_per_machine(
         lambda write, day: ([load(f, "--data", write, day, sha) for f, sha in zip(files, shas)],
                             [load(f, "--eval-data", write, day) for f in eval_files]),
