@@ -121,7 +121,7 @@ def build_parser(add_help=True):
     a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
       "'completion'} or {'messages'} per line); several files train as one set")
     a("--data-weights", nargs="+", action=Once, type=float, default=None, metavar="W", help="one per --data file: 2 "
-      "trains each of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the same every epoch)")
+      "trains each of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the others next epoch)")
     a("--eval-data", nargs="+", action=Once, default=None, metavar="FILE", help="evaluation JSONL; several files: "
       "each file's eval loss too (eval_loss/FILE), beside the loss over all")
     a("--eval-split", type=float, default=None, help="instead of --eval-data, hold out this share (below 1: 0.05 is "
@@ -258,7 +258,7 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
-        (samples, stats), (eval_samples, eval_stats) = store.load_run_data(args, tok, margs.vocab_size, log0)
+        (samples, stats), (eval_samples, eval_stats), rows = store.load_run_data(args, tok, margs.vocab_size, log0)
         if not demo and (stats.split or stats.truncated) and not any(   # (argparse takes --max-l for --max-len)
                 x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
             log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
@@ -272,16 +272,16 @@ def main(argv=None):
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
-        if args.global_batch > len(samples):   # allowed (a quick run on a few records), but said
-            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({len(samples)}"
+        order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
+        n = order.size(0)   # (a pass; with rotating --data-weights shares, the first one's)
+        if args.global_batch > n:   # allowed (a quick run on a few records), but said
+            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({n}"
                  + (", past --eval-split's" if args.eval_split else "") + "): each "
-                 f"step takes each sample about {args.global_batch / len(samples):.3g} times (repeats add compute, "
-                 "not data)")
-        order = GlobalBatches(len(samples), args.global_batch, args.seed)
-        steps = resume.total_steps(args, ckpt, len(samples))   # --steps, --epochs or one epoch (as a resume's run)
+                 f"step takes each sample about {args.global_batch / n:.3g} times (repeats add compute, not data)")
+        steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
         epochs = args.epochs or 1
-        if not args.steps and (extra := steps * args.global_batch - resume.epoch_samples(epochs, len(samples))) > 0:
-            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {len(samples)} samples in {steps} "
+        if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
+            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} samples in {steps} "
                  f"steps of {args.global_batch}: the last step also trains {extra} " + ("of the next epoch's order"
                  if epochs == int(epochs) else "more of the data order") + " (--steps sets the length)")
         if note := resume.schedule_note(ckpt, args.schedule_steps or steps, "--epochs" if args.epochs else "--steps"):

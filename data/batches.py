@@ -12,11 +12,20 @@ Contract:
   so see the same samples. Micro-step m of a rank takes the next `micro_batch` samples of its share.
   Concatenating all micro-batches rank by rank gives back the step's samples in order, so
   `--dp-*` and `--micro-batch` never change what step k trains on; `--cp` never enters here.
+- With `rows` (`data.mix.Rotation`, a callable with a `size(e)`: --data-weights whose shares take other records each
+  epoch), epoch e is instead `rows(e)` permuted by that generator over `len(rows(e))`: sample indices, possibly
+  repeated (a file's copies), and epochs may differ in length (a record split into several windows); the stream is
+  their concatenation as before.
+  `size(e)` is epoch e's length, `samples_in(E)` the samples of E epochs (a fraction of the last rounded up).
 - Steps are random access, so resuming is "continue at step k": the whole data state is the
   step index.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
+from fractions import Fraction
 
 import torch
 
@@ -41,29 +50,62 @@ def check_batch_sizes(global_batch: int, micro_batch: int, data_ranks: int) -> N
 class GlobalBatches:
     """The sample indices of every optimizer step (see the module docstring)."""
 
-    def __init__(self, n_samples: int, global_batch: int, seed: int):
+    def __init__(self, n_samples: int, global_batch: int, seed: int, rows=None):
         if n_samples < 1:
             raise ValueError(f"need at least one sample, got n_samples={n_samples}")
         if global_batch < 1:
             raise ValueError(f"--global-batch must be positive, got {global_batch}")
-        self.n_samples, self.global_batch, self.seed = n_samples, global_batch, seed
+        self.n_samples, self.global_batch, self.seed, self.rows = n_samples, global_batch, seed, rows
         self._perms: dict[int, list[int]] = {}
+        self._starts = [0]   # with rows: where each epoch starts in the stream (epochs 0.. as far as asked)
 
     def permutation(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             if len(self._perms) > 4:  # a run moves forward; keep memory flat on huge data sets
                 self._perms.clear()
             g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perms[epoch] = torch.randperm(self.n_samples, generator=g).tolist()
+            if self.rows is None:
+                self._perms[epoch] = torch.randperm(self.n_samples, generator=g).tolist()
+            else:
+                rows = self.rows(epoch)
+                self._perms[epoch] = rows[torch.randperm(len(rows), generator=g)].tolist()
         return self._perms[epoch]
+
+    def size(self, epoch: int) -> int:
+        """Samples in epoch `epoch`."""
+        if self.rows is None:
+            return self.n_samples
+        while len(self._starts) <= epoch + 1:
+            e = len(self._starts) - 1
+            self._starts.append(self._starts[-1] + self.rows.size(e))
+        return self._starts[epoch + 1] - self._starts[epoch]
+
+    def _at(self, p: int) -> tuple[int, int]:
+        """(epoch, index in it) of stream position `p`."""
+        if self.rows is None:
+            return divmod(p, self.n_samples)
+        while self._starts[-1] <= p:
+            self.size(len(self._starts) - 1)
+        e = bisect.bisect_right(self._starts, p) - 1
+        return e, p - self._starts[e]
+
+    def samples_in(self, epochs: float) -> int:
+        """Samples in `epochs` passes, a part of the last rounded up: exact for the decimal typed (1.1 × 100 is 110,
+        not the float's 110.00000000000001, which made 12 steps of 10)."""
+        whole = math.floor(e := Fraction(str(epochs)))
+        if self.rows is None:
+            return math.ceil(e * self.n_samples)
+        self.size(whole)
+        return self._starts[whole] + math.ceil((e - whole) * self.size(whole))
 
     def step_samples(self, step: int) -> list[int]:
         """All `global_batch` sample indices of optimizer step `step` (0-based), in order."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        out, n = [], self.n_samples
+        out = []
         for p in range(step * self.global_batch, (step + 1) * self.global_batch):
-            out.append(self.permutation(p // n)[p % n])
+            e, i = self._at(p)
+            out.append(self.permutation(e)[i])
         return out
 
     def micro_batches(self, step: int, data_rank: int, data_ranks: int, micro_batch: int) -> list[list[int]]:
@@ -77,4 +119,5 @@ class GlobalBatches:
 
     def epoch(self, step: int) -> float:
         """Epochs completed before step `step` (for logging)."""
-        return step * self.global_batch / self.n_samples
+        e, i = self._at(step * self.global_batch)
+        return e + i / self.size(e)

@@ -10,12 +10,17 @@ Contract:
   not a copy (with a token cache: each file's memory-mapped pages, which a machine's ranks share), hashed
   (`store.fingerprint`) as one file of their lines would be. `total(stats)`: their TokenStats summed (`longest`:
   the longest of all).
-- `mix(samples, files, weights, seed)`: --data-weights. A file of weight W gives floor(W) copies of its samples
-  and, for the fraction left, that share of its records (rounded; at least one when W < 1), whole (a split text
-  record's windows together), chosen as `hold_out` chooses: the smallest sha256 of f"{seed}:mix:{ident}". The same
-  records every epoch and on every rank and resume; an epoch is one pass over the mixture. It runs after
-  `--eval-split` has held records out, so a held-out record is never trained on, whatever its file's weight.
-  Returns (samples, a line saying what each file gave).
+- `mix(samples, files, weights, seed, rotate)`: --data-weights. A file of weight W gives floor(W) copies of its
+  samples and, for the fraction left, that share of its records (rounded; at least one when W < 1), whole (a split
+  text record's windows together). The share is read from the file's records in one seeded order (the sha256 of
+  f"{seed}:mix:{ident}", smallest first, as `hold_out` chooses): epoch 0 takes its first records, epoch 1 the next
+  ones, and so on, wrapping round at the end (`rotate`; 0.5: each record once in two epochs, so no record goes
+  unseen while others repeat); the same on every rank and resume. It runs after `--eval-split` has held records out,
+  so a held-out record is never trained on, whatever its file's weight. Returns (samples, a line saying what each
+  file gave, rows): without a share to rotate (whole weights, or `rotate=False`: every epoch takes epoch 0's
+  records, as runs before 2026-12-04 did, which their resumes keep), `samples` are the mixture itself and `rows` is
+  None; else `samples` are all of the set's samples and `rows` a `Rotation`: `rows(epoch)` the indices into them
+  of that epoch's mixture, which `data.batches.GlobalBatches` permutes.
 - `held_records(samples, files)`: {file: [lines]} of the records `samples` hold (--eval-split's, for config.json).
 """
 
@@ -128,40 +133,84 @@ def check_weights(weights, files: list[str], demo: bool = False) -> None:
                              "it from --data")
 
 
-def _records_of(lines: torch.Tensor, share: Fraction, seed: int, least: int) -> torch.Tensor:
-    """The records (identities) of `lines` that a share of them takes (rounded half up), by the smallest sha256."""
+class Rotation:
+    """The samples epoch e trains on, as indices into the whole set (module docstring): each file's whole copies, then
+    the next `k` of its records in their seeded order."""
+
+    def __init__(self, lines: torch.Tensor, parts: list):
+        self.lines, self.parts, self.counts = lines, parts, []   # parts: (its samples, copies, records in order, k)
+        for mine, _, order, _ in parts:   # samples a record gives (windows), in the seeded order, summed up
+            ids, n = torch.unique(lines[mine], return_counts=True)
+            self.counts.append(torch.cat([n.new_zeros(1), n[torch.searchsorted(ids, order)].cumsum(0)]).tolist()
+                               if len(order) else [0])
+
+    def of_files(self, epoch: int) -> list[torch.Tensor]:
+        """Each file's samples in epoch `epoch`, its copies then its share."""
+        out = []
+        for mine, whole, order, k in self.parts:
+            rows = [mine] * whole
+            if k:
+                chosen = order[(epoch * k + torch.arange(k)) % len(order)]
+                rows.append(mine[torch.isin(self.lines[mine], chosen)])
+            out.append(torch.cat(rows) if rows else mine[:0])
+        return out
+
+    def __call__(self, epoch: int) -> torch.Tensor:
+        return torch.cat(self.of_files(epoch))
+
+    def size(self, epoch: int) -> int:
+        """len(self(epoch)), from each file's running sample counts (no tensor built)."""
+        n = 0
+        for (mine, whole, order, k), cum in zip(self.parts, self.counts):
+            n += whole * len(mine)
+            if k:
+                at, r = epoch * k % len(order), len(order)
+                n += cum[at + k] - cum[at] if at + k <= r else cum[r] - cum[at] + cum[at + k - r]
+        return n
+
+    def rotates(self) -> bool:
+        """Whether epochs differ: a file's share is some of its records, not all."""
+        return any(0 < k < len(order) for _, _, order, k in self.parts)
+
+    def repeats(self) -> int:
+        """Epochs until every record of the rotating shares has been trained once (the most over the files)."""
+        return max((-(-len(order) // k) for _, _, order, k in self.parts if 0 < k < len(order)), default=1)
+
+
+def mix(samples, files: list[str], weights: list[float] | None, seed: int, rotate: bool = True):
+    """(samples, what each file gave, a Rotation or None) (module docstring); (samples, None, None) without weights."""
     from data.store import smallest_hashes
 
-    records = torch.unique(lines).tolist()
-    k = min(len(records), max(least, math.floor(share * len(records) + Fraction(1, 2))))
-    return torch.tensor(smallest_hashes(records, k, f"{seed}:mix:"), dtype=lines.dtype)
-
-
-def mix(samples, files: list[str], weights: list[float] | None, seed: int):
-    """(the weighted samples, what each file gave) (module docstring); (samples, None) without weights."""
     if weights is None or all(w == 1 for w in weights):
-        return samples, None
+        return samples, None, None
     lines = samples.sample_lines()
     if len(lines) and int(lines.min()) < 0:
         raise ValueError("--data-weights needs each sample's record line (samples tokenized from a file)")
     of_file = lines >> FILE_SHIFT
-    rows, said = [], []
-    for k, (name, w) in enumerate(zip(names(files), weights)):
+    parts = []
+    for k, w in enumerate(weights):
         mine = (of_file == k).nonzero().flatten()
         whole = int(w)
         part = Fraction(weight_text(w)) - whole   # (1.15 - 1 in floats is 0.1499..., which would round 1.5 down)
-        rows += [mine] * whole
-        n = whole * len(mine)
+        order, n = torch.zeros(0, dtype=lines.dtype), 0
         if part > 0 and len(mine):
-            chosen = _records_of(lines[mine], part, seed, least=1 if whole == 0 else 0)
-            picked = mine[torch.isin(lines[mine], chosen)]
-            rows.append(picked)
-            n += len(picked)
-        said.append(f"{name} × {weight_text(w)}: {_count(n)} of its {len(mine)}")
-    rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    if not len(rows):
+            records = torch.unique(lines[mine]).tolist()
+            n = min(len(records), max(1 if whole == 0 else 0, math.floor(part * len(records) + Fraction(1, 2))))
+            order = torch.tensor(smallest_hashes(records, len(records), f"{seed}:mix:"), dtype=lines.dtype)
+        parts.append((mine, whole, order, n))
+    rows = Rotation(lines, parts)
+    first = rows.of_files(0)
+    if not sum(map(len, first)):
         raise ValueError(f"--data-weights {' '.join(map(weight_text, weights))} leave no sample to train on")
-    return samples.subset(rows), "; ".join(said) + f"; {_count(len(rows))} a pass"
+    turns = rotate and rows.rotates()
+    said = "; ".join(f"{name} × {weight_text(w)}: {_count(len(got))} of its {len(mine)}" + (
+        f" ({k} of its {len(order)} records, the next ones each epoch)" if turns and 0 < k < len(order) else "")
+        for name, w, got, (mine, _, order, k) in zip(names(files), weights, first, parts))
+    said += f"; {_count(sum(map(len, first)))} a pass" + (
+        f" (the first; every record of the shares is trained once in {rows.repeats()} passes)" if turns else "")
+    if not turns:
+        return samples.subset(torch.cat(first)), said, None
+    return samples, said, rows
 
 
 def _count(n: int) -> str:

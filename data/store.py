@@ -30,7 +30,8 @@ Contract:
   writer's temporary file is removed by a later write, a day on). A cache that
   cannot be read or written costs a re-tokenization, never the run.
 - `load_run_data(args, tokenizer, vocab_size, log)`: train.py's --data and --eval-data, each (Samples, TokenStats)
-  (--eval-data's (None, None) without one), through `once_per_machine`,
+  (--eval-data's (None, None) without one), and the --data-weights shares' `Rotation` (data/mix.py; None when every
+  epoch trains the same samples, the first Samples), through `once_per_machine`,
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
@@ -39,7 +40,8 @@ Contract:
   (`also_in`: the same input ids), and every rank must end with the same tokens
   (`same_on_every_rank`, a sha256 `fingerprint` of ids, labels and boundaries): machines that read different
   bytes behind one path, or tokenize them differently, stop with one error naming the ranks and hosts. It sets
-  `args.data_tokens` ("N samples, T tokens, sha256 <fingerprint>"), which checkpoints keep: a resume must train on
+  `args.data_tokens` ("N samples, T tokens, sha256 <fingerprint>": the mixture's, or with rotating shares the whole
+  set's, each sample once), which checkpoints keep: a resume must train on
   the same tokens, not only on the same file bytes (parallel/resume.py's `same_tokens`).
 - `once_per_machine(load, first, day)`: with several ranks, each machine's first rank runs `load(True, day)`
   (tokenize, write the cache) while the others wait, then the others run `load(False, day)`: they read that file
@@ -408,8 +410,10 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
             f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
             f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
+    rows = None   # (with shares that rotate: which samples each epoch takes, data.mix.Rotation)
     if weights := getattr(args, "data_weights", None):   # (after the split: a held-out record is never trained on,
-        mixed, said = mix(train[0], files, weights, args.seed)   # whatever its file's weight)
+        mixed, said, rows = mix(train[0], files, weights, args.seed,   # whatever its file's weight)
+                                rotate=getattr(args, "data_mix", "rotate") != "fixed")
         if said:
             log(f"data mix: --data-weights {' '.join(map(weight_text, weights))}: {said}")
             train = (mixed, train[1])
@@ -434,7 +438,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         if given is None and getattr(args, "resume", None):
             log(f"note: the checkpoint records no template date (a run from before --template-date): the data are "
                 f"rendered with {day}; pass --template-date with the day the run started to keep its tokens")
-    return train, ev or (None, None)   # (--eval-split's eval stats: None, its records are counted in --data's)
+    return train, ev or (None, None), rows   # (--eval-split's eval stats: None, its records are counted in --data's)
 
 
 def _joined(what: str, files: list[str], parts: list, log) -> tuple[Samples, object]:

@@ -118,6 +118,7 @@ def check_start(args, demo: bool):
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     check_flags(args)
     check_weights(args.data_weights, data_files(args.data), demo)
+    args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
     if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
         raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
                          "--eval-split) and --eval-every N (each evaluation is then saved)")
@@ -155,6 +156,8 @@ def check_start(args, demo: bool):
         meta = checkpoint.read_meta(ckpt)
         if args.template_date is None:   # the date its dated template rendered, whatever today is
             args.template_date = meta.get("args", {}).get("template_date")
+        if args.data_mix and "data_mix" not in meta.get("args", {}):   # a run from before the shares rotated
+            args.data_mix = resume.data_mix(meta.get("args", {}).get("data_weights"), before=True) or args.data_mix
         was = meta.get("args", {}).get("model_sha256")
         if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
             args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded

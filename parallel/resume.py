@@ -15,8 +15,9 @@ Contract:
 - `schedule_note(ckpt, steps)`: a note when the LR schedule's length changes on resume.
 - `own_checkpoint(ckpt, out)`: the resumed step folder is in OUT/ckpt itself (train.py may then `checkpoint.branch`
   it), not another run's.
-- `total_steps(args, ckpt, n_samples)`: --steps; or --epochs E, `ceil(E * n_samples / --global-batch)` (refused below
-  the checkpoint's step); or one epoch, `ceil(n_samples / --global-batch)`, which a resume counts as its run did
+- `total_steps(args, ckpt, order)`: --steps; or --epochs E, `ceil(order.samples_in(E) / --global-batch)` (E × the
+  samples of an epoch, when epochs are alike; refused below the checkpoint's step); or one epoch,
+  `ceil(order.size(0) / --global-batch)`, which a resume counts as its run did
   (`steps_total` in the checkpoint; one from before it: rounded down). A run with --steps or --epochs resumes with one.
 """
 
@@ -36,7 +37,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
-                "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights")
+                "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -49,6 +50,15 @@ FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts"
         "schedule_steps", "chat_template", "data_workers")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
+
+
+def data_mix(weights, before: bool = False) -> str | None:
+    """How a run's --data-weights take a share of a file's records (data/mix.py): "rotate", the next share each epoch;
+    "fixed", the same share every epoch, as runs from before 2026-12-04 (`before`: recorded no data_mix) took it,
+    which their resumes keep; None without a share (no weights, or whole ones)."""
+    if not weights or all(float(w).is_integer() for w in weights):
+        return None
+    return "fixed" if before else "rotate"
 
 
 def own_checkpoint(ckpt: str | None, out: str) -> bool:
@@ -118,7 +128,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
-                 "data_weights": None, **ckpt_args}   # runs from before these flags: without them
+                 "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
+                 **ckpt_args}   # runs from before these flags: without them
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     other_files = "data" in ckpt_args and "data" in args and not _same_path(ckpt_args["data"], args["data"]) and \
         _norm("data", ckpt_args["data"]) != _norm("data", args["data"])   # (said as such, not as changed bytes)
@@ -167,7 +178,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                     "file changed; restore it, or train the new data from the old run's adapter with --init-adapter)",
                     "model_sha256": "--model's files (config.json, the weight files' sizes, headers and first and "
                     "last MB: the base at that path changed; restore it, or train on the new base from the old run's "
-                    "adapter with --init-adapter)"}.get(k, "--" + k.replace("_", "-"))
+                    "adapter with --init-adapter)",
+                    "data_mix": "--data-weights' shares (fixed: the same records every epoch, as runs before "
+                    "2026-12-04 took them; rotate: the next records each epoch)"}.get(k, "--" + k.replace("_", "-"))
             show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(repr(v))} characters)"
             diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}"
                          + " (a flag not listed in parallel/resume.py's LAYOUT or FREE defines the run)" * (k in forks))
@@ -227,20 +240,23 @@ def epoch_samples(epochs: float, n_samples: int) -> int:
     return math.ceil(Fraction(str(epochs)) * n_samples)
 
 
-def total_steps(args, ckpt: str | None, n_samples: int) -> int:
-    """The run's optimizer steps (module docstring)."""
+def total_steps(args, ckpt: str | None, order) -> int:
+    """The run's optimizer steps (module docstring); `order`: its data.GlobalBatches (epochs of `order.size(e)`
+    samples)."""
     if args.steps:
         return args.steps
+    n = order.size(0) if all(order.size(e) == order.size(0) for e in range(2)) else None   # (else: they vary)
+    per = f"{n} samples" if n else f"epochs of {order.size(0)}, {order.size(1)}, ... samples"
     if getattr(args, "epochs", None):
-        steps = -(-epoch_samples(args.epochs, n_samples) // args.global_batch)   # each sample at least floor(E) times
+        steps = -(-order.samples_in(args.epochs) // args.global_batch)   # each sample at least floor(E) times
         if ckpt:
             from parallel.checkpoint import read_meta
             if steps < (at := read_meta(ckpt)["step"]):
-                raise ValueError(f"--epochs {args.epochs:g} is {steps} steps of {args.global_batch} over {n_samples} "
-                                 f"samples, below the checkpoint's step {at}: nothing would train. Pass more "
+                raise ValueError(f"--epochs {args.epochs:g} is {steps} steps of {args.global_batch} over {per}, "
+                                 f"below the checkpoint's step {at}: nothing would train. Pass more "
                                  "--epochs to train on, or use the adapter that run exported")
         return steps
     if ckpt:   # (check_resume refused a run that had --steps or --epochs)
         from parallel.checkpoint import read_meta
-        return read_meta(ckpt).get("steps_total", max(1, n_samples // args.global_batch))   # (until 2026-12-02)
-    return math.ceil(n_samples / args.global_batch)   # one epoch: every sample at least once
+        return read_meta(ckpt).get("steps_total", max(1, order.size(0) // args.global_batch))   # (until 2026-12-02)
+    return math.ceil(order.size(0) / args.global_batch)   # one epoch: every sample at least once

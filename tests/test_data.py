@@ -1482,7 +1482,7 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     said = []
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
                            data_cache="none", data_sha256=None, long_text="split")
-    (_, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
+    (_, stats), ev, _ = store.load_run_data(args, tok, len(tok), said.append)
     assert len(ev[0]) == 1 and ev[1] == ref and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
            "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
@@ -1496,7 +1496,7 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     args.data, args.eval_data, args.eval_split, args.seed, said = args.eval_data, None, 2, 0, []
     (tmp_path / "twice.jsonl").write_text((tmp_path / "both.jsonl").read_text() * 2)
     args.data = str(tmp_path / "twice.jsonl")
-    (train, _), (held, held_stats) = store.load_run_data(args, tok, len(tok), said.append)
+    (train, _), (held, held_stats), _ = store.load_run_data(args, tok, len(tok), said.append)
     assert held_stats is None and len(held) + len(train) == 14 and len(held) in (2, 3, 4), (len(held), said)
     assert f"note: {len(held)} of the {len(held)} held-out samples are also training samples (the same tokens: the " \
            "same text on two lines of --data): eval_loss measures how well the run learned them" in "".join(said), said
@@ -1555,7 +1555,7 @@ def _tokenize_once(rank, world, tok_dir, cases):
                                data_sha256=None, long_text="split")
         try:
             with contextlib.redirect_stdout(printed):
-                (samples, _), _ = store.load_run_data(args, tok, len(tok), said.append)
+                (samples, _), _, _ = store.load_run_data(args, tok, len(tok), said.append)
             out[case] = {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples],
                          "mapped": _mapped_from(samples.ids), "day": args.template_date, "printed": printed.getvalue()}
         except Exception as e:
@@ -1659,7 +1659,7 @@ def _run_data(tok, data, tmp_path, **kw):
     said = []
     args = SimpleNamespace(data=data, eval_data=kw.pop("eval_data", None), max_len=64, long_text="split",
                            data_cache=kw.pop("cache", "none"), data_sha256=None, seed=kw.pop("seed", 0), **kw)
-    (train, stats), ev = store.load_run_data(args, tok, len(tok), said.append)
+    (train, stats), ev, args.rows = store.load_run_data(args, tok, len(tok), said.append)
     return train, stats, ev, said, args
 
 
@@ -1723,13 +1723,16 @@ def test_a_data_set_in_many_shards_is_said_in_one_line(tok, tmp_path):
 
 def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, tmp_path):
     """--data-weights W: floor(W) copies of a file's samples, in order, then the share W - floor(W) of its records
-    (rounded; at least one below 1), whole (a text record's windows together), those whose sha256 of
-    f"{seed}:mix:{identity}" is smallest (identity: file index << 32 | line), so another seed takes others and the
-    same seed the same; records --eval-split holds out are never trained on, whatever their file's weight."""
+    (rounded; at least one below 1), whole (a text record's windows together), read from the file's records ordered by
+    the sha256 of f"{seed}:mix:{identity}" (identity: file index << 32 | line): epoch e takes the k records from
+    position e·k on, wrapping round, so another seed takes others, the same seed the same, and a share of 0.5 trains
+    each record once in two epochs; `data_mix` "fixed" (a run from before 2026-12-04) takes epoch 0's every epoch.
+    Records --eval-split holds out are never trained on, whatever their file's weight."""
     import hashlib
     import math
     from fractions import Fraction
 
+    from data import GlobalBatches
     from data.mix import FILE_SHIFT
 
     files = _files(tmp_path)
@@ -1738,38 +1741,66 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
     per_file = lambda k: [i for i in range(len(base)) if int(ident[i]) >> FILE_SHIFT == k]
     records = lambda k: sorted({int(ident[i]) for i in per_file(k)})
 
-    def expect(weights, seed):
+    share = lambda w, k: max(0 if w >= 1 else 1, math.floor(Fraction(str(w)) % 1 * len(records(k)) + Fraction(1, 2)))
+
+    def expect(weights, seed, epoch):   # (exact: 1.15 % 1 in floats is 0.1499...)
         rows = []
         for k, w in enumerate(weights):
             rows += per_file(k) * int(w)
-            if part := Fraction(str(w)) % 1:   # (exact: 1.15 % 1 in floats is 0.1499...)
-                n = max(0 if w >= 1 else 1, math.floor(part * len(records(k)) + Fraction(1, 2)))
+            if Fraction(str(w)) % 1:
+                n = share(w, k)
                 key = lambda r: hashlib.sha256(f"{seed}:mix:{r}".encode()).digest()
-                chosen = sorted(records(k), key=key)[:n]
+                order = sorted(records(k), key=key)
+                chosen = [order[(epoch * n + j) % len(order)] for j in range(n)]
                 rows += [i for i in per_file(k) if int(ident[i]) in chosen]
         return rows
 
+    ids = lambda s, rows: [s[i]["input_ids"].tolist() for i in rows]
     assert len(records(0)) == 10   # (1.15: 1.5 of them, rounded up to 2)
     for weights, seed in (((2, 0.5, 1), 0), ((0.5, 1, 2.5), 1), ((0.5, 1, 2.5), 2), ((1e-6, 1, 1), 0),
-                          ((1.15, 1, 1), 0)):
-        got, _, _, said, _ = _run_data(tok, files, tmp_path, data_weights=list(weights), seed=seed)
-        rows = expect(weights, seed)
-        assert [got[i]["input_ids"].tolist() for i in range(len(got))] == \
-            [base[i]["input_ids"].tolist() for i in rows], (weights, seed)
-        assert any(m.startswith(f"data mix: --data-weights {' '.join(f'{w:g}' for w in weights)}: a.jsonl × ")
-                   and m.endswith(f"; {len(rows)} samples a pass") for m in said), said
-        windows = {r: sum(int(ident[i]) == r for i in per_file(0)) for r in records(0)}
-        taken = [int(x) for x in got.sample_lines() if int(x) >> FILE_SHIFT == 0]
-        assert all(taken.count(r) % windows[r] == 0 for r in set(taken)), "a text record's windows go together"
-    halves = [_run_data(tok, files, tmp_path, data_weights=[0.5, 1, 1], seed=s)[0] for s in (0, 1, 0)]
-    assert halves[0].sample_lines().tolist() == halves[2].sample_lines().tolist() != halves[1].sample_lines().tolist()
-    assert len({int(x) for x in halves[0].sample_lines() if int(x) >> FILE_SHIFT == 0}) == 5
+                          ((1.15, 1, 1), 0), ((2, 1, 3), 0)):
+        got, _, _, said, args = _run_data(tok, files, tmp_path, data_weights=list(weights), seed=seed)
+        rows = expect(weights, seed, 0)
+        line = next(m for m in said if m.startswith(f"data mix: --data-weights {' '.join(f'{w:g}' for w in weights)}: "
+                                                    "a.jsonl × "))
+        if all(w == int(w) for w in weights):   # whole weights: the same samples every epoch, as one Samples
+            assert args.rows is None and ids(got, range(len(got))) == ids(base, rows) and \
+                line.endswith(f"; {len(rows)} samples a pass"), line
+            continue
+        passes = max(math.ceil(len(records(k)) / share(w, k)) for k, w in enumerate(weights) if w % 1)
+        assert line.endswith(f"; {len(rows)} samples a pass (the first; every record of the shares is trained once "
+                             f"in {passes} passes)"), line
+        order = GlobalBatches(len(got), 4, seed, args.rows)
+        for epoch in range(5):
+            rows = expect(weights, seed, epoch)
+            assert ids(got, args.rows(epoch)) == ids(base, rows), (weights, seed, epoch)
+            assert order.size(epoch) == len(rows) and sorted(order.permutation(epoch)) == \
+                sorted(args.rows(epoch).tolist())
+            taken = [x for i in args.rows(epoch) if (x := int(got.sample_lines()[i])) >> FILE_SHIFT == 0]
+            windows = {r: sum(int(ident[i]) == r for i in per_file(0)) for r in records(0)}
+            assert all(taken.count(r) % windows[r] == 0 for r in set(taken)), "a text record's windows go together"
+        stream = [i for step in range(12) for i in order.step_samples(step)]   # the epochs one after another
+        assert stream == [i for e in range(5) for i in order.permutation(e)][:48]
+        assert order.samples_in(2.5) == order.size(0) + order.size(1) + math.ceil(order.size(2) / 2)
+        assert order.epoch(3) == 12 / order.size(0) if order.size(0) > 12 else order.epoch(3) >= 1
+        fixed, _, _, _, again = _run_data(tok, files, tmp_path, data_weights=list(weights), seed=seed,
+                                          data_mix="fixed")   # (a run from before rotation: epoch 0's every epoch)
+        assert again.rows is None and ids(fixed, range(len(fixed))) == ids(base, expect(weights, seed, 0))
+    _, _, _, _, half = _run_data(tok, files, tmp_path, data_weights=[0.5, 1, 1], seed=0)
+    seen = [int(x) for e in (0, 1) for x in half.rows.lines[half.rows(e)] if int(x) >> FILE_SHIFT == 0]
+    assert sorted(set(seen)) == records(0) and len(set(seen)) == 10, "each of a's 10 records once in 2 epochs"
+    assert len(seen) == len(per_file(0)), "(its windows once each)"
+    other = [_run_data(tok, files, tmp_path, data_weights=[0.5, 1, 1], seed=s)[4].rows(0).tolist() for s in (1, 0)]
+    assert other[1] == half.rows(0).tolist() != other[0]
     got, _, (held, _), said, _ = _run_data(tok, files, tmp_path, data_weights=[3, 3, 3], eval_split=0.3)
     out = set(held.sample_lines().tolist())
     assert out and not out & set(got.sample_lines().tolist()) and len(got) == 3 * (len(base) - len(held)), said
     assert {x >> FILE_SHIFT for x in out} == {0, 1, 2}, "held out of every file (likely at 0.3 of 25 records)"
     line = next(m for m in said if m.startswith("eval split: "))
     assert "a.jsonl:" in line and "b.jsonl:" in line, line   # (each held-out record named by file and line)
+    got, _, (held, _), _, args = _run_data(tok, files, tmp_path, data_weights=[0.5, 0.5, 0.5], eval_split=0.3)
+    out = set(held.sample_lines().tolist())
+    assert not out & {int(x) for e in range(4) for x in got.sample_lines()[args.rows(e)]}, "never a held-out one"
 
 
 def test_several_eval_files_are_one_eval_set_that_knows_its_files(tok, tmp_path):

@@ -333,6 +333,17 @@ def test_check_resume_with_several_data_files(tmp_path, monkeypatch):
              f"--data's bytes: {b} (sha256 bb then, bc now) changed since the checkpoint's run; restore it, or train "
              "the new data from the old run's adapter with --init-adapter")
     _refused(lambda: resume.check_resume(two, {**two, "data_weights": [2.0, 0.5]}), "--data-weights")
+    # shares of a file's records rotate over the epochs since 2026-12-04; a run from before (no data_mix recorded)
+    # took the same ones every epoch, and its resume keeps that ("fixed", which preflight gives it)
+    assert [resume.data_mix(w) for w in (None, [2.0, 1.0], [2.0, 0.5], [1e-6])] == [None, None, "rotate", "rotate"]
+    assert resume.data_mix([2.0, 0.5], before=True) == "fixed" and resume.data_mix([2.0], before=True) is None
+    half = {**two, "data_weights": [2.0, 0.5]}
+    resume.check_resume(half, {**half, "data_mix": "fixed"})
+    resume.check_resume({**half, "data_mix": "rotate"}, {**half, "data_mix": "rotate"})
+    resume.check_resume(two, {**two, "data_mix": None})
+    _refused(lambda: resume.check_resume(half, {**half, "data_mix": "rotate"}),
+             "--data-weights' shares (fixed: the same records every epoch, as runs before 2026-12-04 took them; "
+             "rotate: the next records each epoch): the checkpoint has 'fixed', this run 'rotate'")
     _refused(lambda: resume.check_resume({**CKPT, "data": a, "data_sha256": "aa"},
                                          {**CKPT, "data": [a], "data_sha256": "ab"}),
              "--data's bytes (sha256: the file")

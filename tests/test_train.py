@@ -100,9 +100,10 @@ FOUR_RANK_TEXT = {"text_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2",
 EVAL_SPLIT = ["--eval-split", "0.25", "--eval-every", "1"]
 FOUR_RANK_SPLIT = {"text_split_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
                                                   *EVAL_SPLIT]}
-# --data as two files (the text records' first 6 lines and the rest) with --data-weights: the first file twice, half
-# of the second's records, and 2 records of the two held out (--eval-split), on cp2×dp2 ring against 1 rank
-FILES = ["--data-weights", "2", "0.5", "--eval-split", "2", "--eval-every", "1"]
+# --data as two files (the text records' first 6 lines and the rest) with --data-weights: the first file once and half
+# of its records, half of the second's, and 2 records of the two held out (--eval-split), on cp2×dp2 ring against 1
+# rank; 3 steps of 16 samples run into the second epoch, whose halves are the other records
+FILES = ["--data-weights", "1.5", "0.5", "--eval-split", "2", "--eval-every", "1", "--global-batch", "16"]
 FOUR_RANK_FILES = {"files_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
                                                    "2", *FILES]}
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
@@ -449,8 +450,8 @@ def test_eval_split_holds_out_whole_records_and_trains_as_the_two_files_would(on
 @pytest.mark.timeout(600)
 def test_several_data_files_and_weights_train_as_one_file_and_on_four_ranks_as_one(one, four):
     """--data a b --data-weights 2 1 trains as one file holding a's lines twice, then b's (the same samples in the
-    same order, so the same steps); with a share of b (0.5) and 2 records held out (--eval-split 2), cp2×dp2
-    ring packing 2 samples a row trains and evaluates as 1 rank does."""
+    same order, so the same steps); with shares of a and b (1.5 0.5) that take other records in the second epoch, and
+    2 records held out (--eval-split 2), cp2×dp2 ring packing 2 samples a row trains and evaluates as 1 rank does."""
     config = lambda out: json.load(open(os.path.join(out, "config.json")))
     samples = lambda out: config(out)["data_tokens"].split()[0]
     assert samples(_at(one, "files")) == samples(_at(one, "files_aab"))
@@ -464,8 +465,9 @@ def test_several_data_files_and_weights_train_as_one_file_and_on_four_ranks_as_o
         for key in keys(ref):
             got, want = ([m[key] for m in _metrics(out)] for out in (_at(four, name), ref))
             assert len(want) == 3 and max(abs(x - y) for x, y in zip(got, want)) <= LOSS_ATOL, (key, got, want)
-    n = int(config(ref)["data_tokens"].split()[0])
-    assert 0 < n < int(config(_at(one, "files"))["data_tokens"].split()[0]), "half of b's records, 2 held out"
+    n = int(config(ref)["data_tokens"].split()[0])   # (the samples the shares rotate over: a's and b's, less 2 records)
+    assert 0 < n < int(config(_at(one, "files"))["data_tokens"].split()[0]) / 1.5, "a's and b's samples once"
+    assert config(ref)["data_mix"] == "rotate" and 1 < _metrics(ref)[-1]["epoch"] < 2, "the next halves are trained"
 
 
 @pytest.mark.timeout(600)

@@ -336,6 +336,39 @@ def test_epochs_set_the_length_and_a_resume_keeps_them(assets, tmp_path, capsys)
     assert [epoch_samples(e, n) for e, n in ((1.1, 100), (2.5, 12), (0.3, 10), (1e-6, 5))] == [110, 30, 3, 1]
 
 
+def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_share(assets, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """--data-weights 1 0.5: each epoch takes the next half of b's records (data/mix.py), so the second epoch trains
+    the other half; a run from before 2026-12-04 (its checkpoint records no data_mix) took the same half every epoch,
+    and its resume keeps that: it trains the steps after the checkpoint as that run did (here: a run made "fixed" as
+    the old code was), not the rotation, which trains other samples from the epoch's end on."""
+    import parallel.resume as resume
+
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for f, word in zip(files, ("alpha", "beta")):
+        f.write_text("".join(json.dumps({"text": f"{word} record {i} here."}) + "\n" for i in range(6)))
+    argv = lambda out, *extra: train_argv(assets, str(out), "--data", *map(str, files), "--data-weights", "1", "0.5",
+                                          "--steps", "4", *extra)
+    run(argv(tmp_path / "rotate"))
+    said = capsys.readouterr().out
+    assert "b.jsonl × 0.5: 3 samples of its 6 (3 of its 6 records, the next ones each epoch); 9 samples a pass (the " \
+           "first; every record of the shares is trained once in 2 passes)" in said, said
+    assert json.loads((tmp_path / "rotate" / "config.json").read_text())["data_mix"] == "rotate"
+    real = resume.data_mix
+    monkeypatch.setattr(resume, "data_mix", lambda w, before=False: real(w, before=True))   # the old code's share
+    run(argv(tmp_path / "fixed", "--save-every", "1", "--keep-ckpts", "4"))
+    monkeypatch.setattr(resume, "data_mix", real)
+    fixed, rotate = ([r["loss"] for r in metrics(tmp_path / out)] for out in ("fixed", "rotate"))
+    assert fixed[0] == rotate[0] and fixed[1:] != rotate[1:], "step 2 runs past the first pass of 9 samples"
+    step2 = tmp_path / "fixed" / "ckpt" / "step_000002"
+    meta = json.loads((step2 / "meta.json").read_text())
+    assert meta["args"].pop("data_mix") == "fixed"   # as a checkpoint from before the record
+    (step2 / "meta.json").write_text(json.dumps(meta))
+    run(argv(tmp_path / "fixed", "--resume", str(step2)))
+    assert [r["loss"] for r in metrics(tmp_path / "fixed")] == fixed
+    assert json.loads((tmp_path / "fixed" / "config.json").read_text())["data_mix"] == "fixed"
+
+
 def test_the_default_max_len_is_said_when_it_splits_records(assets, tmp_path, capsys):
     """--max-len omitted is 256 (a long-context run that forgot it trains 256-token windows): said in a note when it
     splits or cuts a record, naming the longest; a given --max-len that splits is the user's choice, not said."""
