@@ -321,7 +321,7 @@ def main(argv=None):
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
             with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({**vars(args), "layout": str(dims), "data_stats": str(stats), **({   # (which records)
+                json.dump({**vars(args), "cwd": os.getcwd(), "layout": str(dims), "data_stats": str(stats), **({
                     "eval_split_records": held_records(eval_samples, data_files(args.data))} if args.eval_split
                     else {})}, f, indent=1, default=str)
             return runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)

@@ -4,7 +4,8 @@
     python -m data.demo_compare OUT --n 5            # any run whose eval data are chat or prompt records
 
 Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `eval_data` or, for a run with
---eval-split, `eval_split_records` (the held-out lines of each --data file), the text of
+--eval-split, `eval_split_records` (the held-out lines of each --data file), paths as typed, relative to `cwd` (the
+directory the run started in; runs from before 2026-12-04 record none: this directory), the text of
 its `--chat-template`, which replaces the base tokenizer's as it did in training, and the date such a
 template rendered, `template_date`, which the prompts render too, whatever today is), takes the
 first `--n` held-out conversations or prompt/completion records, and for each prints the prompt (the
@@ -103,14 +104,15 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
             f"--out {adapter}`" if os.path.isfile(os.path.join(ckpt, "latest")) else
             "it saved no checkpoint either; rerun it"))
     files = list(held) if held else data_files(cfg["eval_data"])
+    at = lambda f: os.path.join(cfg.get("cwd", ""), f)   # (paths as typed: relative to where the run started)
     shas = cfg.get("data_sha256")
     if held and shas:   # the lines name records of the bytes the run read: a file changed since names others
         from data.store import file_sha256
         was = dict(zip(data_files(cfg["data"]), [shas] if isinstance(shas, str) else shas))
-        if changed := [f for f in files if f in was and os.path.isfile(f) and file_sha256(f) != was[f]]:
+        if changed := [f for f in files if f in was and os.path.isfile(at(f)) and file_sha256(at(f)) != was[f]]:
             raise ValueError(f"{', '.join(changed)} changed since the run (its sha256 differs from config.json's "
                              "data_sha256): its held-out lines would name other records; restore the file")
-    recs = [r for f in files for r in load_jsonl(f) if ("messages" in r or "prompt" in r) and (
+    recs = [r for f in files for r in load_jsonl(at(f)) if ("messages" in r or "prompt" in r) and (
         not held or r["line"] in held[f])][:n]
     if not recs:
         raise ValueError(f"{' '.join(files)}{' (its held-out records)' * bool(held)} has no chat or prompt/completion "

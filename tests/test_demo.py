@@ -257,6 +257,11 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
     (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "data": data,
                                                  "data_sha256": file_sha256(data), "eval_split_records": {data: [2]}}))
     assert [r["expected"] for r in compare(str(run), n=5, max_new_tokens=2)] == [recs[1]["messages"][-1]["content"]]
+    # paths as the run was given them, relative to where it started (config.json's cwd), from any directory
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "cwd": str(tmp_path),
+                                                 "data": "eval.jsonl", "data_sha256": file_sha256(data),
+                                                 "eval_split_records": {"eval.jsonl": [2]}}))
+    assert [r["expected"] for r in compare(str(run), n=5, max_new_tokens=2)] == [recs[1]["messages"][-1]["content"]]
     with open(data, "a") as f:
         f.write("\n")
     with pytest.raises(ValueError, match="changed since the run .* would name other records; restore the file"):

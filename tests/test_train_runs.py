@@ -1302,7 +1302,7 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01 (--template-date" in out
     logged = json.loads(next(ln for ln in out.splitlines() if ln.startswith("config: "))[len("config: "):])
-    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats")}, "not the config"
+    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats", "cwd")}, "not it"
     run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
     assert config(full)["template_date"] == "2026-12-01" and config(full)["data_stats"] == spelled("2026-12-01")
     monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
