@@ -153,6 +153,10 @@ def build_parser(add_help=True):
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")
     a("--keep-best", action="store_true", help="also keep the checkpoint of the lowest eval loss (each --eval-every "
       "evaluation is saved) and export its adapter to OUT/adapter_best at the end")
+    a("--early-stop", type=int, default=None, metavar="N", help="end the run once N evaluations in a row (each "
+      "--eval-every) have not lowered the eval loss; it saves and exports that step")
+    a("--early-stop-delta", type=float, default=0.0, metavar="D", help="with --early-stop: an evaluation improves when "
+      "it is more than D below the best so far")
     a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
     a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run the memory "
       "plan says cannot fit the device, or whose offload needs more than the free host memory (--no-: warn only)")
@@ -316,6 +320,7 @@ def main(argv=None):
         opt = make_optimizer(params, args)
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
+        early = keep_best.EarlyStop.of_run(args, ckpt, log0)   # --early-stop's count (a resume's, likewise)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
         def files():   # rank 0's; a failure stops every rank (guard.on_rank0)
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
@@ -344,6 +349,7 @@ def main(argv=None):
         stop.start()
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
         save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
+                                                **early.meta(),
                                                 "nonfinite": nonfinite.state(), "steps_total": steps},
                                                 keep=args.keep_ckpts, protect=best.step, **kw)
 
@@ -403,20 +409,25 @@ def main(argv=None):
                 rec["profiled"] = True
             if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
+            halt = False   # --early-stop: this step's evaluation ends the run
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval sample: a long eval is not a stuck rank
                 ev = evaluate(model, *eval_args, beat=beat)   # (eval_loss, and each file's of several)
                 rec.update({k: round(v, 6) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev["eval_loss"])
+                halt = early.update(step + 1, ev["eval_loss"]) and step + 1 < steps   # (and the same stop)
             guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
                                           bar.update(1)), f"writing metrics.jsonl (step {step + 1})")   # all stop on
             # a failure (a full disk); the line goes above the bar, or plain when off
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
-                    (args.keep_best and "eval_loss" in rec):
+                    (args.keep_best and "eval_loss" in rec) or halt:
                 wd.phase("save", step + 1)
                 save(step + 1)
                 saved, t_saved = step + 1, time.time()
+            if halt:
+                log0(early.said(step + 1, steps))
+                break
 
         # --------------------------------------------------------------------- save
         bar.close()

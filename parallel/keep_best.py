@@ -1,4 +1,5 @@
-"""--keep-best: the checkpoint of the lowest eval loss survives rotation, and its adapter is exported at the end.
+"""--keep-best: the checkpoint of the lowest eval loss survives rotation, and its adapter is exported at the end;
+--early-stop: the run ends once the eval loss has stopped improving.
 
 Contract:
 - `Best.of_run(args, ckpt, log)`: the lowest eval loss so far, its step and the eval data's sha256. train.py writes
@@ -8,6 +9,17 @@ Contract:
   among the run's own evaluations from there on, said. Without --keep-best nothing is tracked or protected.
 - `update(step, loss)` at each evaluation: the eval loss is reduced over ranks, so every rank holds the same best
   and makes the same saves.
+- `eval_identity(args)`: what an eval loss was measured on (the eval files' sha256 in any order, or --eval-split's
+  spec, seed and --data's bytes): a resume compares with a checkpoint's best only when it is the same.
+- `EarlyStop.of_run(args, ckpt, log)`, `--early-stop N [--early-stop-delta D]`: `update(step, loss)` at each
+  evaluation is True once N evaluations in a row have not gone below the best so far by more than D (the first
+  evaluation in the loop sets the best; one that improves by D or less neither counts as better nor moves the best; a
+  non-finite loss never improves). train.py then saves that step, exports its adapter and ends, as at the last step;
+  the LR schedule is the whole run's. The state (best, its step, evaluations since) travels in meta.json and a resume
+  in the same folder onto the same eval data goes on counting; `exhausted(meta, args, ckpt)` (preflight) refuses a
+  resume of a run that stopped so (it would stop at its next evaluation), unless --early-stop is raised past its count
+  or dropped. Every rank reduces the same loss:
+  every rank stops at the same step.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
   (`checkpoint.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
   that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
@@ -33,18 +45,10 @@ class Best:
     def of_run(cls, args, ckpt: str | None, log) -> Best:
         """A run's start: a resume's best when it was measured on these eval data and lies in this run's own ckpt
         folder (a resume into a new --out, or onto other eval data, chooses anew from its evaluations on, said)."""
-        from data.mix import data_files
-        from data.store import file_sha256
-
-        split = getattr(args, "eval_split", None)   # (its eval set: those records of --data, which a resume keeps)
-        sha = args.data_sha256 if not isinstance(args.data_sha256, list) else ",".join(args.data_sha256)
-        # the eval files' bytes in any order (their eval loss is the same); one file's: its sha256, as before
-        files = lambda: ",".join(sorted(map(file_sha256, data_files(args.eval_data))))
-        best = cls(None if not args.keep_best else files() if not split else
-                   f"--eval-split {split!r} --seed {args.seed} of --data {sha}")
+        best = cls(eval_identity(args) if args.keep_best else None)
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:
-            here = os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(os.path.join(args.out, "ckpt"))
+            here = _here(ckpt, args.out)
             if here and got.get("eval_data_sha256") == best.eval_sha:
                 best.step, best.loss = got["step"], got["eval_loss"]
             else:
@@ -62,6 +66,78 @@ class Best:
     def meta(self) -> dict:
         return {"best": {"step": self.step, "eval_loss": self.loss, "eval_data_sha256": self.eval_sha}} \
             if self.step else {}
+
+
+def eval_identity(args) -> str:
+    """The eval set of a run's eval losses (module docstring)."""
+    from data.mix import data_files
+    from data.store import file_sha256
+
+    if split := getattr(args, "eval_split", None):   # (those records of --data, which a resume keeps)
+        sha = args.data_sha256 if not isinstance(args.data_sha256, list) else ",".join(args.data_sha256)
+        return f"--eval-split {split!r} --seed {args.seed} of --data {sha}"
+    # the eval files' bytes in any order (their eval loss is the same); one file's: its sha256, as before
+    return ",".join(sorted(map(file_sha256, data_files(args.eval_data))))
+
+
+def _here(ckpt: str, out: str) -> bool:
+    """The checkpoint lies in this run's own OUT/ckpt."""
+    return os.path.realpath(os.path.dirname(os.path.normpath(ckpt))) == os.path.realpath(os.path.join(out, "ckpt"))
+
+
+class EarlyStop:
+    """--early-stop's count of evaluations without improvement (module docstring); `patience` 0: off."""
+
+    def __init__(self, patience: int = 0, delta: float = 0.0, eval_sha: str | None = None):
+        self.patience, self.delta, self.eval_sha = patience or 0, delta, eval_sha
+        self.best, self.step, self.bad = math.inf, None, 0
+
+    @classmethod
+    def of_run(cls, args, ckpt: str | None, log) -> EarlyStop:
+        """A run's start: a resume's count when it was measured on these eval data in this run's folder."""
+        out = cls(getattr(args, "early_stop", None), getattr(args, "early_stop_delta", 0.0),
+                  eval_identity(args) if getattr(args, "early_stop", None) else None)
+        got = read_meta(ckpt).get("early_stop") if ckpt and out.patience else None
+        if got and _here(ckpt, args.out) and got.get("eval_data_sha256") == out.eval_sha:
+            out.best, out.step, out.bad = got["eval_loss"], got["step"], got["bad"]
+        elif got:
+            log(f"note: --early-stop: the checkpoint's count ({got['bad']} evaluations since step {got['step']}'s "
+                f"eval_loss {got['eval_loss']:.6f}) was measured on other --eval-data or is in another run folder: "
+                "counting starts again here")
+        return out
+
+    def update(self, step: int, loss: float) -> bool:
+        """An evaluation's loss; True: the run stops here."""
+        if not self.patience:
+            return False
+        if loss < self.best - self.delta:   # (a NaN never is)
+            self.best, self.step, self.bad = loss, step, 0
+        else:
+            self.bad += 1
+        return self.bad >= self.patience
+
+    def said(self, step: int, steps: int) -> str:
+        by = f" by more than {self.delta:g}" if self.delta else ""
+        return (f"early stop: eval_loss has not gone below step {self.step}'s {self.best:.6f}{by} in the "
+                f"{self.bad} evaluation{'s' * (self.bad != 1)} since (--early-stop {self.patience}): the run ends at "
+                f"step {step} of {steps}")
+
+    def meta(self) -> dict:
+        return {"early_stop": {"step": self.step, "eval_loss": self.best, "bad": self.bad,
+                               "eval_data_sha256": self.eval_sha}} if self.patience and self.step else {}
+
+
+def exhausted(meta: dict, args, ckpt: str) -> str | None:
+    """Why a resume of `ckpt` would stop at once: its run stopped early under this --early-stop (else None)."""
+    got = meta.get("early_stop")
+    n = getattr(args, "early_stop", None)
+    if not (n and got and got["bad"] >= n and _here(ckpt, args.out or os.path.dirname(os.path.dirname(ckpt)))
+            and got.get("eval_data_sha256") == eval_identity(args)):
+        return None
+    return (f"--resume: at the checkpoint's step {meta['step']} the eval_loss had not gone below step {got['step']}'s "
+            f"{got['eval_loss']:.6f} in {got['bad']} evaluations, which --early-stop {n} stops at (the run ended "
+            f"there, its adapter in the run folder's adapter/): it would stop at its next evaluation. To train on, "
+            f"pass --early-stop above {got['bad']}, or drop it")
 
 
 def export_best(ckpt_dir: str, best: Best, out_dir: str, log) -> None:

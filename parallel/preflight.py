@@ -42,6 +42,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import socket
@@ -111,7 +112,7 @@ def check_start(args, demo: bool):
     from data.store import file_sha256
     from data.templates import chat_template
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
-    from parallel import checkpoint, resume, runs
+    from parallel import checkpoint, keep_best, resume, runs
     from parallel.mesh import check_flags, device_type
 
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
@@ -122,6 +123,13 @@ def check_start(args, demo: bool):
     if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
         raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
                          "--eval-split) and --eval-every N (each evaluation is then saved)")
+    if args.early_stop is not None and not (args.early_stop >= 1 and (args.eval_data or args.eval_split) and
+                                            args.eval_every):
+        raise ValueError(f"--early-stop {args.early_stop} ends the run after N evaluations without improvement: N must "
+                         "be 1 or more, with --eval-data FILE (or --eval-split) and --eval-every N to evaluate")
+    if not (math.isfinite(args.early_stop_delta) and args.early_stop_delta >= 0):
+        raise ValueError(f"--early-stop-delta must be 0 or more (an improvement is a fall larger than it), got "
+                         f"{args.early_stop_delta:g}")
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
     files = data_files(args.data)
@@ -162,6 +170,8 @@ def check_start(args, demo: bool):
         if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
             args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded
         resume.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
+        if why := keep_best.exhausted(meta, args, ckpt):   # (a run that stopped early would stop again at once)
+            raise ValueError(why)
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")

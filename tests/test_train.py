@@ -118,6 +118,8 @@ SHORT4 = ["--cp", "2", "--dp-shard", "2", "--offload-activations"]
 # --keep-best with an eval every step (the training file as eval data): the same saves, best and adapter_best
 KEEP_BEST = ["--eval-every", "1", "--keep-best", "--keep-ckpts", "1"]
 KEEP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *KEEP_BEST]
+# --early-stop 1 with a delta no evaluation beats: step 2's evaluation ends the run (of 3 steps) on every rank
+EARLY = ["--eval-every", "1", "--early-stop", "1", "--early-stop-delta", "100"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
 RESUME4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--resume"]
 
@@ -156,6 +158,8 @@ def _four_ranks(rank, world_size, assets, root):
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
     train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
+    train.main(train_argv(assets, os.path.join(root, "early_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2",
+                          "--cp-impl", "ring", *EARLY, "--eval-data", assets["data"]))
     return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
 
 
@@ -323,6 +327,7 @@ def one(assets, tmp_path_factory):
         "tiled_attn_pack": ["--micro-batch", "4", "--pack", "--tiled-attn"],
         "tiled_attn_window": ["--model", assets["window"], "--tiled-attn"],
         "keep_best": [*KEEP_BEST, "--eval-data", assets["data"]],
+        "early": [*EARLY, "--eval-data", assets["data"]],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -505,6 +510,17 @@ def test_keep_best_on_four_ranks_matches_one_rank(one, four):
     a, r = (load_file(os.path.join(out, "adapter_best", "adapter_model.safetensors")) for out in (got, want))
     assert sorted(a) == sorted(r) and all(((a[k] - r[k]).norm() / r[k].norm().clamp(min=1e-12)).item()
                                           <= ADAPTER_RTOL for k in r), "adapter_best differs from 1 rank's"
+
+
+@pytest.mark.timeout(600)
+def test_early_stop_on_four_ranks_stops_where_one_rank_does(one, four):
+    """--early-stop on cp 2 x dp 2 ring: the eval loss is reduced over ranks, so every rank stops after the same step
+    (none waits alone in a collective) and the run equals 1 rank's, whose steps are the plain run's."""
+    got, want = _at(four, "early_cp2_dp2_ring"), _at(one, "early")
+    _compare("4 ranks early stop", got, want, steps=(1, 2))
+    assert [m["eval_loss"] for m in _metrics(want)] == [m["eval_loss"] for m in _metrics(_at(one, "keep_best"))][:2]
+    assert [m["loss"] for m in _metrics(want)] == [m["loss"] for m in _metrics(_at(one, "fp32"))][:2]
+    assert sorted(os.listdir(os.path.join(got, "ckpt"))) == ["latest", "step_000002"]
 
 
 @pytest.mark.timeout(600)

@@ -43,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -367,6 +368,53 @@ def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_
     run(argv(tmp_path / "fixed", "--resume", str(step2)))
     assert [r["loss"] for r in metrics(tmp_path / "fixed")] == fixed
     assert json.loads((tmp_path / "fixed" / "config.json").read_text())["data_mix"] == "fixed"
+
+
+def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_resume_counts_on(assets, tmp_path,
+                                                                                               capsys):
+    """--early-stop 2 --early-stop-delta 100 --eval-every 1 (no evaluation falls 100 below the first): step 1 sets the
+    best, steps 2 and 3 do not improve on it, so the run ends at step 3 of 6, saving and exporting that step: its
+    losses and eval losses are the 6-step run's first 3 (the LR schedule is the whole run's), its adapter that run's
+    step-3 checkpoint's, bit for bit. A resume with the same flags is refused (it would stop at its next evaluation),
+    files untouched; with --early-stop 5 it trains on, counting from 2, as the uninterrupted run. Refused: no
+    evaluation to count, N below 1, a negative delta."""
+    from safetensors.torch import load_file
+
+    from parallel.checkpoint import export
+
+    ev = ["--eval-data", assets["data"], "--eval-every", "1", "--steps", "6"]
+    full, out = tmp_path / "full", tmp_path / "early"
+    run(train_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "6"))
+    capsys.readouterr()
+    run(train_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100"))
+    said = capsys.readouterr().out
+    first = metrics(full)[0]["eval_loss"]
+    assert f"early stop: eval_loss has not gone below step 1's {first:.6f} by more than 100 in the 2 evaluations " \
+           "since (--early-stop 2): the run ends at step 3 of 6" in said, said
+    keys = ("step", "loss", "grad_norm", "lr", "eval_loss")
+    assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(full)[:3]]
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000003"]
+    export(str(full / "ckpt" / "step_000003"), str(tmp_path / "three"))
+    got, want = (load_file(str(d / "adapter_model.safetensors")) for d in (out / "adapter", tmp_path / "three"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), "not step 3's adapter"
+    before = tree_hash(out)
+    with pytest.raises(ValueError, match=r"--resume: at the checkpoint's step 3 the eval_loss had not gone below step "
+                                         r"1's .* in 2 evaluations, which --early-stop 2 stops at .* it would stop at "
+                                         r"its next evaluation. To train on, pass --early-stop above 2, or drop it"):
+        run(train_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100", "--resume",
+                       str(out / "ckpt")))
+    assert tree_hash(out) == before
+    run(train_argv(assets, str(out), *ev, "--early-stop", "5", "--early-stop-delta", "100", "--resume",
+                   str(out / "ckpt")))
+    assert "early stop: " not in capsys.readouterr().out   # (step 6's evaluation is the fifth: the run's last anyway)
+    assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(full)]
+    for flags, says in ((["--early-stop", "2"], "--early-stop 2 ends the run after N evaluations without "
+                         "improvement: N must be 1 or more, with --eval-data FILE"),
+                        ([*ev, "--early-stop", "0"], "--early-stop 0 ends the run"),
+                        ([*ev, "--early-stop", "1", "--early-stop-delta", "-1"], "--early-stop-delta must be 0 or "
+                         "more")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            run(train_argv(assets, str(tmp_path / "refused"), *flags))
 
 
 def test_the_default_max_len_is_said_when_it_splits_records(assets, tmp_path, capsys):
