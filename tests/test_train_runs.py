@@ -788,6 +788,25 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed adapter is not the uninterrupted one"
 
 
+def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, monkeypatch):
+    """--save-minutes is 30 unless given: a run whose steps each take over half an hour (train.py's clock made so)
+    saves after every step, not only at its end, so a crash without a signal loses one step; 0 turns it off."""
+    import types
+
+    import train
+
+    real, calls = time.time, [0]
+
+    def slow():   # 31 minutes more at each reading of train.py's clock
+        calls[0] += 1
+        return real() + 31 * 60 * calls[0]
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=slow))
+    run(train_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5"))
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["latest", "step_000001", "step_000002", "step_000003"]
+    run(train_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0"))
+    assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["latest", "step_000003"]
+
+
 def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tmp_path, monkeypatch):
     import train
     from parallel import guard
