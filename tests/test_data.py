@@ -1861,3 +1861,59 @@ def test_a_list_flag_given_twice_is_refused_and_a_default_is_replaced(capsys):
             parser.parse_args([flag, a, flag, b])
         err = capsys.readouterr().err
         assert f"argument {flag}: given twice ({a}; then {b}): pass every value after one {flag}" in err, err
+
+
+def test_show_prints_each_sample_with_its_targets_marked(tok_dir, tmp_path, capsys):
+    """`python -m data.show`: the first --n records of each file (or those --lines names), tokenized with the flags
+    given as train.py tokenizes them, one block a sample: `FILE:LINE sample k/K: N tokens, T targets` and its text with
+    the target spans between [[ and ]]. Unmarked, the text is the tokenizer's decoding of the sample; the marked spans
+    are its runs of target tokens (`target_runs`), a prompt/completion record's one span its completion and EOS; a
+    record left with no target is said; `--run OUT` takes a run's model, files and token flags from its config.json
+    (relative paths from its cwd) and prints the same; bad input is one `error:` line and exit 2."""
+    import re
+
+    from data.show import main
+
+    files = _files(tmp_path)
+    tok = load_tokenizer(tok_dir)
+    argv = ["--data", *files, "--n", "6", "--max-len", "64", "--no-color"]
+    assert main(["--model", str(tok_dir), *argv]) == 0
+    out = capsys.readouterr().out
+    blocks = re.split(r"\n\n(?=\S+\.jsonl:\d+[ :])", out.split("\n", 1)[1].strip().rsplit("\n\n", 1)[0])
+    want = []
+    for f in files:
+        for rec in load_jsonl(f)[:6]:
+            samples, _ = tokenize_records([rec], tok, 64, f)
+            if not samples:
+                want.append((f"{f}:{rec['line']}: no target left (--max-len 64): train.py drops this record", None))
+            for k, s in enumerate(samples, start=1):
+                n = sum(label != IGNORE_INDEX for label in s["labels"])
+                want.append((f"{f}:{rec['line']} sample {k}/{len(samples)}: {len(s['input_ids'])} tokens, {n} targets",
+                             s))
+    assert len(blocks) == len(want) > 18, (len(blocks), len(want))   # (a's long text records: several windows)
+    for block, (head, s) in zip(blocks, want):
+        assert block.split("\n", 1)[0].startswith(head), (block, head)
+        if s is None:
+            continue
+        text = block.split("\n", 1)[1]
+        assert text.replace("[[", "").replace("]]", "") == tok.decode(s["input_ids"]), block
+        assert re.findall(r"\[\[(.*?)\]\]", text, re.S) == target_runs(tok, s), block
+        if "prompt" in load_jsonl(head.split(":")[0])[0]:
+            line = int(head.split(":")[1].split()[0])
+            assert re.findall(r"\[\[(.*?)\]\]", text, re.S) == [f" A{line - 1}{tok.eos_token}"], block
+    assert "b.jsonl:6: no target left" in out and out.rstrip().endswith("targets")
+    assert main(["--model", str(tok_dir), "--data", files[1], "--lines", "2", "6", "40", "--no-color"]) == 0
+    some = capsys.readouterr().out
+    assert f"{files[1]}:2 sample 1/1" in some and f"{files[1]}:6: no target left" in some and \
+        f"{files[1]}: has 13 lines, not line 40" in some and ":1 sample" not in some, some
+    run = tmp_path / "run"   # a run's config.json, its paths relative to where it started
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": str(tok_dir), "data": [os.path.basename(f) for f in files],
+                                                 "cwd": str(tmp_path), "max_len": 64, "long_text": "split",
+                                                 "chat_template_text": None, "template_date": None}))
+    assert main(["--run", str(run), "--n", "6", "--no-color"]) == 0
+    assert capsys.readouterr().out == out, "not the run's flags"   # (its files found from its cwd: the same paths)
+    for bad, says in ((["--data", files[0]], "pass --model DIR and --data FILE"),
+                      (["--run", str(tmp_path)], "has no config.json"),
+                      (["--model", str(tok_dir), "--data", str(tmp_path / "no.jsonl")], "does not exist")):
+        assert main(bad) == 2 and says in capsys.readouterr().err
