@@ -5,8 +5,10 @@ Contract:
   `RUN_DEFINING`, and any other value both record that is not in `LAYOUT` or `FREE` (a fork's new flag defines the run
   until listed there), and names each difference; `LAYOUT` and `FREE` flags may change. train.py's code is compared
   as parallel/recorded.py records it: the loss, the optimizer, the LR schedule. The same files under other paths
-  (relative from elsewhere, a symlink) are the same `--model`/`--data`; a checkpoint from before `--dtype` was
-  resolved is not compared on it. `--steps` below the checkpoint's step, or none where the run had one, is refused.
+  (relative from elsewhere, a symlink) are the same `--model`/`--data`, and so are copies at other paths whose
+  recorded fingerprints (`model_sha256`, `data_sha256`: the files' bytes, in order) are the checkpoint's; a
+  checkpoint from before `--dtype` was resolved is not compared on it. `--steps` below the checkpoint's step, or none
+  where the run had one, is refused.
 - `same_tokens(ckpt_args, args, split)` (train.py, once the data are tokenized): the checkpoint's run trained on the
   same tokens (`data_tokens`: samples, tokens and their sha256). The same --data bytes tokenize otherwise under an
   edited tokenizer or chat template file in the model's folder, or another transformers/tokenizers version; the step's
@@ -133,6 +135,10 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     other_files = "data" in ckpt_args and "data" in args and not _same_path(ckpt_args["data"], args["data"]) and \
         _norm("data", ckpt_args["data"]) != _norm("data", args["data"])   # (said as such, not as changed bytes)
+    # files moved or copied elsewhere (a new scratch disk): the same bytes, in the same order, are the same run
+    moved = {k for k, sha in (("data", "data_sha256"), ("model", "model_sha256")) if ckpt_args.get(sha) is not None
+             and _norm(sha, ckpt_args[sha]) == _norm(sha, args.get(sha))}
+    other_files = other_files and "data" not in moved
     for k in [*RUN_DEFINING, *forks]:
         if k not in args:   # (a caller that records less, as tests do: train.py records every one)
             continue
@@ -148,8 +154,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "model_sha256" and None in (ckpt_args.get(k), args.get(k)):   # a run from before it, the demo's, or
             continue   # a Hub model's (its commit is compared)
-        if k in ("model", "data") and _same_path(ckpt_args.get(k), args.get(k)):   # spelled another way
-            continue
+        if k in ("model", "data") and (_same_path(ckpt_args.get(k), args.get(k)) or k in moved):   # spelled
+            continue   # another way, or moved
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))
             continue

@@ -235,8 +235,8 @@ def test_resume_refuses_the_same_bytes_tokenized_otherwise(assets, tmp_path):
 
 def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, monkeypatch):
     """What a resume must not refuse: --dtype left to its default where that default is the checkpoint's (fp32 on
-    CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink).
-    The relative --model is recorded as an absolute path."""
+    CPU), and --model/--data given as other paths to the same files (relative from another directory, a symlink), or
+    to copies of them elsewhere (the same bytes). The relative --model is recorded as an absolute path."""
     import train
     from parallel import preflight
 
@@ -251,6 +251,18 @@ def test_resume_accepts_the_same_run_spelled_otherwise(assets, done, tmp_path, m
         _, ckpt = preflight.check_start(args, demo=False)
     assert ckpt.endswith("step_000004") and args.dtype == "fp32"
     assert args.model == str(link), "a relative --model is recorded absolute (what an export from elsewhere names)"
+    # the model and the data copied to another disk: the same bytes, so the same run (until 2026-12-04 refused)
+    shutil.copytree(assets["model"], tmp_path / "moved_model")
+    shutil.copy(assets["data"], tmp_path / "moved.jsonl")
+    argv = train_argv(assets, done, "--steps", "4", "--resume", os.path.join(done, "ckpt"), "--model", "moved_model",
+                      "--data", "moved.jsonl")
+    with no_weights():
+        _, ckpt = preflight.check_start(train.build_parser().parse_args(argv), demo=False)
+    assert ckpt.endswith("step_000004")
+    with open(tmp_path / "moved.jsonl", "a") as f:   # other bytes at the new path: other data
+        f.write(open(assets["data"]).readline())
+    with no_weights(), pytest.raises(ValueError, match=r"--data: the checkpoint has .*, this run \['moved.jsonl'\]"):
+        preflight.check_start(train.build_parser().parse_args(argv), demo=False)
 
 
 def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(assets, tmp_path, capsys):
