@@ -15,7 +15,8 @@ Contract:
   text record's windows together). The share is read from the file's records in one seeded order (the sha256 of
   f"{seed}:mix:{ident}", smallest first, as `hold_out` chooses): epoch 0 takes its first records, epoch 1 the next
   ones, and so on, wrapping round at the end (`rotate`; 0.5: each record once in two epochs, so no record goes
-  unseen while others repeat); the same on every rank and resume. It runs after `--eval-split` has held records out,
+  unseen while others repeat; an odd count's half rounds up, so one record repeats); the same on every rank and
+  resume. It runs after `--eval-split` has held records out,
   so a held-out record is never trained on, whatever its file's weight. Returns (samples, a line saying what each
   file gave, rows): without a share to rotate (whole weights, or `rotate=False`: every epoch takes epoch 0's
   records, as runs before 2026-12-04 did, which their resumes keep), `samples` are the mixture itself and `rows` is
@@ -206,8 +207,8 @@ def mix(samples, files: list[str], weights: list[float] | None, seed: int, rotat
     said = "; ".join(f"{name} × {weight_text(w)}: {_count(len(got))} of its {len(mine)}" + (
         f" ({k} of its {len(order)} records, the next ones each epoch)" if turns and 0 < k < len(order) else "")
         for name, w, got, (mine, _, order, k) in zip(names(files), weights, first, parts))
-    said += f"; {_count(sum(map(len, first)))} a pass" + (
-        f" (the first; every record of the shares is trained once in {rows.repeats()} passes)" if turns else "")
+    turn = f" (the first; every record of the shares is trained at least once in {rows.repeats()} passes)"
+    said += f"; {_count(sum(map(len, first)))} a pass" + turn * turns
     if not turns:
         return samples.subset(torch.cat(first)), said, None
     return samples, said, rows

@@ -164,8 +164,10 @@ def check_start(args, demo: bool):
         meta = checkpoint.read_meta(ckpt)
         if args.template_date is None:   # the date its dated template rendered, whatever today is
             args.template_date = meta.get("args", {}).get("template_date")
-        if args.data_mix and "data_mix" not in meta.get("args", {}):   # a run from before the shares rotated
-            args.data_mix = resume.data_mix(meta.get("args", {}).get("data_weights"), before=True) or args.data_mix
+        if args.data_mix:   # the checkpoint's way of taking shares ("fixed": a run from before they rotated)
+            had = meta.get("args", {})
+            args.data_mix = (had["data_mix"] if "data_mix" in had else
+                             resume.data_mix(had.get("data_weights"), before=True)) or args.data_mix
         was = meta.get("args", {}).get("model_sha256")
         if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
             args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded

@@ -1768,8 +1768,8 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
                 line.endswith(f"; {len(rows)} samples a pass"), line
             continue
         passes = max(math.ceil(len(records(k)) / share(w, k)) for k, w in enumerate(weights) if w % 1)
-        assert line.endswith(f"; {len(rows)} samples a pass (the first; every record of the shares is trained once "
-                             f"in {passes} passes)"), line
+        assert line.endswith(f"; {len(rows)} samples a pass (the first; every record of the shares is trained at "
+                             f"least once in {passes} passes)"), line
         order = GlobalBatches(len(got), 4, seed, args.rows)
         for epoch in range(5):
             rows = expect(weights, seed, epoch)
