@@ -335,7 +335,8 @@ def main(argv=None):
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(
             "nonfinite"))   # a resume goes on counting
-        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN)
+        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
+                     longest if args.pack else 1)   # eval samples packed in rows of the plan's length
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
             (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0)).items()
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)

@@ -1,11 +1,16 @@
 """The eval loss: the mean loss over every target of the eval samples, the same number on every layout.
 
-Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, beat)` ->
+Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, row_tokens, beat)` ->
 {"eval_loss": loss}, and "eval_loss/FILE" for each file of several (several --eval-data files, or --eval-split's
 records of several --data files: data/mix.py's `Samples.files`) that has a target.
-- Each data rank takes a strided share of `samples` (`samples[data_rank::data_ranks]`); the ranks of one cp group
+- The samples go in rows (`rows`): consecutive samples of one file, as many as fit `row_tokens` tokens (train.py:
+  the longest training sample's length, the memory plan's, when it packs; 1, one sample a row, when it does not),
+  packed as training packs a micro-batch (documents kept apart: the same loss as each alone). Short eval samples
+  then take one forward per row, not one each (200 chat records of ~100 tokens under a 4,096-token plan: 5
+  forwards instead of 200).
+- Each data rank takes a strided share of the rows (`rows[data_rank::data_ranks]`); the ranks of one cp group
   take the same share and `to_local` gives each its slice of the sequence.
-- A rank with fewer samples than the most loaded one runs all-ignored dummies (the first sample, every label
+- A rank with fewer rows than the most loaded one runs all-ignored dummies (the first sample, every label
   IGNORE_INDEX), so every rank makes the same collective calls (FSDP's gathers, cp's exchanges) and none waits.
 - The loss is the sum over targets divided by their count, both reduced over `group` (dp × cp) in float64: the
   mean over all targets, not a mean of per-rank means, so it does not depend on how samples fall on ranks. A
@@ -13,7 +18,7 @@ records of several --data files: data/mix.py's `Samples.files`) that has a targe
   their targets' mean, so a file of long answers weighs more than one of short ones.
 - `loss_fn` is train.py's LOSS_FN (None: the fused cross-entropy), so the eval loss, and --keep-best's choice,
   measure what is trained.
-- `beat()` runs before each sample: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
+- `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
 """
 
@@ -28,21 +33,36 @@ from data.mix import FILE_SHIFT
 from loss import IGNORE_INDEX
 
 
+def rows(samples, of_file: list[int], row_tokens: int) -> list[list[int]]:
+    """The samples' indices in rows: consecutive samples of one file while their tokens fit `row_tokens` (a longer
+    sample: a row alone)."""
+    out, used = [], 0
+    for i, n in enumerate(samples.lengths.tolist()):
+        if out and of_file[i] == of_file[out[-1][-1]] and used + n <= row_tokens:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out
+
+
 @torch.no_grad()
-def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn=None,
+def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn=None, row_tokens: int = 1,
              beat=lambda: None) -> dict[str, float]:
     """{"eval_loss": the mean loss over every target of `samples`, and "eval_loss/FILE" for each file of several},
     reduced over `group` (module docstring)."""
     files = getattr(samples, "files", None) or [None]
     of_file = (samples.sample_lines() >> FILE_SHIFT).tolist() if files[0] else [0] * len(samples)
-    share = [(samples[i], of_file[i]) for i in range(len(samples))[data_rank::data_ranks]]
+    every = rows(samples, of_file, row_tokens)
+    share = [([samples[i] for i in row], of_file[row[0]]) for row in every[data_rank::data_ranks]]
     dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
-    share += [(dummy, 0)] * (math.ceil(len(samples) / data_ranks) - len(share))
+    share += [([dummy], 0)] * (math.ceil(len(every) / data_ranks) - len(share))
     tot = torch.zeros(len(files), 2, dtype=torch.float64, device=device)   # (each file's loss sum and targets)
     model.eval()
-    for s, k in share:
+    for row, k in share:
         beat()
-        ids, pos, lab = to_local([s])
+        ids, pos, lab = to_local(row)
         lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
         tot[k] += torch.stack([lsum.double(), cnt.double()])
     model.train()

@@ -365,7 +365,7 @@ def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_
     run(argv(tmp_path / "rotate"))
     said = capsys.readouterr().out
     assert "b.jsonl × 0.5: 3 samples of its 6 (3 of its 6 records, the next ones each epoch); 9 samples a pass (the " \
-           "first; every record of the shares is trained once in 2 passes)" in said, said
+           "first; every record of the shares is trained at least once in 2 passes)" in said, said
     assert json.loads((tmp_path / "rotate" / "config.json").read_text())["data_mix"] == "rotate"
     real = resume.data_mix
     monkeypatch.setattr(resume, "data_mix", lambda w, before=False: real(w, before=True))   # the old code's share
@@ -377,9 +377,12 @@ def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_
     meta = json.loads((step2 / "meta.json").read_text())
     assert meta["args"].pop("data_mix") == "fixed"   # as a checkpoint from before the record
     (step2 / "meta.json").write_text(json.dumps(meta))
-    run(argv(tmp_path / "fixed", "--resume", str(step2)))
+    run(argv(tmp_path / "fixed", "--resume", str(step2), "--save-every", "1", "--keep-ckpts", "4"))
     assert [r["loss"] for r in metrics(tmp_path / "fixed")] == fixed
     assert json.loads((tmp_path / "fixed" / "config.json").read_text())["data_mix"] == "fixed"
+    # and so does every resume after it, from the checkpoints that resume wrote (review: the second was refused)
+    run(argv(tmp_path / "fixed", "--resume", str(tmp_path / "fixed" / "ckpt" / "step_000003")))
+    assert [r["loss"] for r in metrics(tmp_path / "fixed")] == fixed
 
 
 def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_resume_counts_on(assets, tmp_path,
@@ -534,10 +537,39 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
     monkeypatch.setattr(guard.Watchdog, "phase", lambda self, name, step=None: (beats.append((name, step)),
                                                                                  real(self, name, step))[1])
     run(train_argv(assets, str(tmp_path / "out"), "--steps", "2", "--eval-every", "1", "--eval-data",
-                   str(tmp_path / "eval.jsonl")))
+                   str(tmp_path / "eval.jsonl"), "--no-pack"))   # (one eval sample a row: packed, they share one)
     evals = [step for name, step in beats if name == "eval"]
     assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
     assert beats[-2:] == [("save", 2), ("export", 2)], "the final export is timed as the last save's phase"
+
+
+def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monkeypatch):
+    """With packing (the default) the eval samples go in rows of the plan's length (the longest training sample),
+    consecutive samples of one file together: 40 short chats in a few forwards instead of 40, with the eval losses (over
+    all, and each file's) of one sample a forward (--no-pack) to float rounding; training is the same."""
+    from parallel import guard
+
+    for name, n in (("a", 25), ("b", 15)):   # short chats, several to a row of the longest training sample's length
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"messages": [{"role": "user", "content": f"{name} q {i}"},
+                                                  {"role": "assistant", "content": f"fine {i % 7}"}]}) + "\n"
+                         for i in range(n))
+    beats, real = [], guard.Watchdog.phase
+    monkeypatch.setattr(guard.Watchdog, "phase", lambda self, name, step=None: (beats.append((name, step)),
+                                                                                 real(self, name, step))[1])
+    ev = ["--steps", "2", "--eval-every", "1", "--eval-data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+          "--max-len", "256"]   # (the training chats' longest: ~200 tokens; an eval chat: ~35)
+    run(train_argv(assets, str(tmp_path / "rows"), *ev))
+    rows = sum(name == "eval" for name, _ in beats)
+    beats.clear()
+    run(train_argv(assets, str(tmp_path / "one"), *ev, "--no-pack"))
+    assert sum(name == "eval" for name, _ in beats) == 3 * 40 and 3 <= rows <= 3 * 40 // 3, rows   # (3 evaluations)
+    got, want = metrics(tmp_path / "rows"), metrics(tmp_path / "one")
+    for g, w in zip(got, want):
+        assert g["loss"] == w["loss"] and sorted(g) == sorted(w)
+        for k in (k for k in w if k.startswith("eval_loss")):
+            assert abs(g[k] - w[k]) <= 1e-6 * abs(w[k]), (k, g[k], w[k])
+    assert {"eval_loss", "eval_loss/a.jsonl", "eval_loss/b.jsonl"} <= set(got[-1])
 
 
 def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
