@@ -159,7 +159,7 @@ def _four_ranks(rank, world_size, assets, root):
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
     train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
     train.main(train_argv(assets, os.path.join(root, "early_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2",
-                          "--cp-impl", "ring", *EARLY, "--eval-data", assets["data"]))
+                          "--cp-impl", "ring", *EARLY, "--eval-data", os.path.join(assets["dir"], "short_eval.jsonl")))
     return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
 
 
@@ -287,6 +287,15 @@ def _try(fn, *a):
 
 
 
+def _short_eval(assets) -> str:
+    """30 short text records (a few tokens each): evaluated in packed rows of the longest training sample's length."""
+    path = os.path.join(assets["dir"], "short_eval.jsonl")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"text": f"the fox {i} ran {'far ' * (i % 4)}"}) + "\n" for i in range(30))
+    return path
+
+
 def _text_files(assets) -> list[str]:
     """The text records as two files (lines 1-6, 7-16), and a file of the first's lines twice, then the second's."""
     lines = open(assets["text"]).read().splitlines(True)
@@ -300,7 +309,7 @@ def _text_files(assets) -> list[str]:
 
 @pytest.fixture(scope="module")
 def four(assets, tmp_path_factory):
-    _text_files(assets)   # (written once, here: 4 ranks read them)
+    _text_files(assets), _short_eval(assets)   # (written once, here: 4 ranks read them)
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
@@ -327,7 +336,7 @@ def one(assets, tmp_path_factory):
         "tiled_attn_pack": ["--micro-batch", "4", "--pack", "--tiled-attn"],
         "tiled_attn_window": ["--model", assets["window"], "--tiled-attn"],
         "keep_best": [*KEEP_BEST, "--eval-data", assets["data"]],
-        "early": [*EARLY, "--eval-data", assets["data"]],
+        "early": [*EARLY, "--eval-data", _short_eval(assets)],
     }
     with one_thread():
         for name, flags in runs.items():
@@ -515,10 +524,14 @@ def test_keep_best_on_four_ranks_matches_one_rank(one, four):
 @pytest.mark.timeout(600)
 def test_early_stop_on_four_ranks_stops_where_one_rank_does(one, four):
     """--early-stop on cp 2 x dp 2 ring: the eval loss is reduced over ranks, so every rank stops after the same step
-    (none waits alone in a collective) and the run equals 1 rank's, whose steps are the plain run's."""
+    (none waits alone in a collective) and the run equals 1 rank's, whose steps are the plain run's. Its eval set is 30
+    short text records, evaluated in packed rows (several documents a row, zigzag-split over the ring): the same eval
+    losses as 1 rank's."""
     got, want = _at(four, "early_cp2_dp2_ring"), _at(one, "early")
     _compare("4 ranks early stop", got, want, steps=(1, 2))
-    assert [m["eval_loss"] for m in _metrics(want)] == [m["eval_loss"] for m in _metrics(_at(one, "keep_best"))][:2]
+    evals = lambda out: [m["eval_loss"] for m in _metrics(out)]
+    assert len(evals(want)) == 2 and max(abs(a - b) for a, b in zip(evals(got), evals(want))) <= LOSS_ATOL, \
+        (evals(got), evals(want))
     assert [m["loss"] for m in _metrics(want)] == [m["loss"] for m in _metrics(_at(one, "fp32"))][:2]
     assert sorted(os.listdir(os.path.join(got, "ckpt"))) == ["latest", "step_000002"]
 
