@@ -147,7 +147,7 @@ def build_parser(add_help=True):
     a("--overwrite", action="store_true", help="reuse a used --out: delete the run outputs in it (config, "
       "metrics, ckpt, adapters, diagnostics; never other files)")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at --save-minutes' times and the end)")
     a("--save-minutes", type=float, default=30.0, help="also checkpoint once M minutes passed since the last save "
       "(rank 0's clock; 0: off): what a crash can lose")
     a("--keep-ckpts", type=int, default=2, help="keep the newest N checkpoints")

@@ -86,12 +86,14 @@ def from_run(out: str) -> dict:
     cfg = json.load(open(path))
     at = lambda f: os.path.join(cfg.get("cwd", ""), f)
     from data.mix import data_files
-    return {"model": cfg["model"], "data": [at(f) for f in data_files(cfg["data"])], "max_len": cfg["max_len"],
+    model = at(cfg["model"]) if os.path.isdir(at(cfg["model"])) else cfg["model"]   # (the demo's is relative)
+    return {"model": model, "data": [at(f) for f in data_files(cfg["data"])], "max_len": cfg["max_len"],
             "long_text": cfg.get("long_text", "truncate"), "template_text": cfg.get("chat_template_text"),
             "template_date": cfg.get("template_date")}
 
 
 def main(argv=None) -> int:
+    from data.templates import parse_day
     from data.tokens import LONG_TEXT
 
     p = argparse.ArgumentParser(prog="python -m data.show", description=__doc__.split("\n")[0])
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=None, help="as train.py's (default 256, or the run's)")
     p.add_argument("--long-text", choices=LONG_TEXT, default=None, help=f"as train.py's (default {LONG_TEXT[0]})")
     p.add_argument("--chat-template", default=None, help="as train.py's: a name or a Jinja file")
-    p.add_argument("--template-date", default=None, help="as train.py's: the day a dated template writes")
+    p.add_argument("--template-date", type=parse_day, default=None, help="as train.py's: the day a dated template "
+                   "writes")
     p.add_argument("--color", default=None, action=argparse.BooleanOptionalAction, help="green targets (default: on a "
                    "terminal; else [[...]])")
     args = p.parse_args(argv)
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
 
 
 def show(args) -> None:
-    from data.templates import chat_template, parse_day
+    from data.templates import chat_template
     from data.tokens import LONG_TEXT, load_tokenizer, tokenize_records
 
     run = from_run(args.run) if args.run else {}
@@ -128,7 +131,7 @@ def show(args) -> None:
     max_len = args.max_len or run.get("max_len") or 256
     long_text = args.long_text or run.get("long_text") or LONG_TEXT[0]
     template = chat_template(args.chat_template) if args.chat_template else run.get("template_text")
-    day = parse_day(args.template_date) if args.template_date else run.get("template_date")
+    day = args.template_date or run.get("template_date")
     if args.n < 1 or (args.lines is not None and min(args.lines) < 1):
         raise ValueError("--n and --lines count from 1")
     tok = load_tokenizer(model, template)

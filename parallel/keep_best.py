@@ -99,11 +99,11 @@ class EarlyStop:
                   eval_identity(args) if getattr(args, "early_stop", None) else None)
         got = read_meta(ckpt).get("early_stop") if ckpt and out.patience else None
         if got and _here(ckpt, args.out) and got.get("eval_data_sha256") == out.eval_sha:
-            out.best, out.step, out.bad = got["eval_loss"], got["step"], got["bad"]
+            out.best, out.step, out.bad = _loss(got["eval_loss"]), got["step"], got["bad"]
         elif got:
-            log(f"note: --early-stop: the checkpoint's count ({got['bad']} evaluations since step {got['step']}'s "
-                f"eval_loss {got['eval_loss']:.6f}) was measured on other --eval-data or is in another run folder: "
-                "counting starts again here")
+            log(f"note: --early-stop: the checkpoint's count ({got['bad']} evaluations "
+                f"{_since(got['step'], got['eval_loss'])}) was measured on other --eval-data or is in another run "
+                "folder: counting starts again here")
         return out
 
     def update(self, step: int, loss: float) -> bool:
@@ -118,13 +118,22 @@ class EarlyStop:
 
     def said(self, step: int, steps: int) -> str:
         by = f" by more than {self.delta:g}" if self.delta else ""
-        return (f"early stop: eval_loss has not gone below step {self.step}'s {self.best:.6f}{by} in the "
-                f"{self.bad} evaluation{'s' * (self.bad != 1)} since (--early-stop {self.patience}): the run ends at "
-                f"step {step} of {steps}")
+        what = (f"eval_loss has not gone below step {self.step}'s {self.best:.6f}{by} in the {self.bad} evaluation"
+                f"{'s' * (self.bad != 1)} since" if self.step else
+                f"no evaluation gave a finite eval_loss ({self.bad} of them)")
+        return f"early stop: {what} (--early-stop {self.patience}): the run ends at step {step} of {steps}"
 
-    def meta(self) -> dict:
-        return {"early_stop": {"step": self.step, "eval_loss": self.best, "bad": self.bad,
-                               "eval_data_sha256": self.eval_sha}} if self.patience and self.step else {}
+    def meta(self) -> dict:   # (the count from the first evaluation on, also when none was finite: best null)
+        return {"early_stop": {"step": self.step, "eval_loss": self.best if self.step else None, "bad": self.bad,
+                               "eval_data_sha256": self.eval_sha}} if self.patience and (self.step or self.bad) else {}
+
+
+def _loss(v) -> float:
+    return math.inf if v is None else v
+
+
+def _since(step, loss) -> str:
+    return f"since step {step}'s eval_loss {loss:.6f}" if step else "none of them with a finite eval_loss"
 
 
 def exhausted(meta: dict, args, ckpt: str) -> str | None:
@@ -134,8 +143,8 @@ def exhausted(meta: dict, args, ckpt: str) -> str | None:
     if not (n and got and got["bad"] >= n and _here(ckpt, args.out or os.path.dirname(os.path.dirname(ckpt)))
             and got.get("eval_data_sha256") == eval_identity(args)):
         return None
-    return (f"--resume: at the checkpoint's step {meta['step']} the eval_loss had not gone below step {got['step']}'s "
-            f"{got['eval_loss']:.6f} in {got['bad']} evaluations, which --early-stop {n} stops at (the run ended "
+    return (f"--resume: at the checkpoint's step {meta['step']} it had counted {got['bad']} evaluations "
+            f"{_since(got['step'], got['eval_loss'])}, which --early-stop {n} stops at (the run ended "
             f"there, its adapter in the run folder's adapter/): it would stop at its next evaluation. To train on, "
             f"pass --early-stop above {got['bad']}, or drop it")
 

@@ -6,7 +6,8 @@ Contract:
   until listed there), and names each difference; `LAYOUT` and `FREE` flags may change. train.py's code is compared
   as parallel/recorded.py records it: the loss, the optimizer, the LR schedule. The same files under other paths
   (relative from elsewhere, a symlink) are the same `--model`/`--data`, and so are copies at other paths whose
-  recorded fingerprints (`model_sha256`, `data_sha256`: the files' bytes, in order) are the checkpoint's; a
+  recorded fingerprints (`data_sha256`: the files' bytes, in order; `model_sha256`: config, headers, first and last
+  MB of each weight file) are the checkpoint's; a
   checkpoint from before `--dtype` was resolved is not compared on it. `--steps` below the checkpoint's step, or none
   where the run had one, is refused.
 - `same_tokens(ckpt_args, args, split)` (train.py, once the data are tokenized): the checkpoint's run trained on the

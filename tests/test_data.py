@@ -1913,6 +1913,12 @@ def test_show_prints_each_sample_with_its_targets_marked(tok_dir, tmp_path, caps
                                                  "chat_template_text": None, "template_date": None}))
     assert main(["--run", str(run), "--n", "6", "--no-color"]) == 0
     assert capsys.readouterr().out == out, "not the run's flags"   # (its files found from its cwd: the same paths)
+    (run / "config.json").write_text(json.dumps({"model": tok_dir.name, "data": files, "cwd": str(tok_dir.parent),
+                                                 "max_len": 64, "long_text": "split"}))   # (the demo's: relative)
+    assert main(["--run", str(run), "--n", "6", "--no-color"]) == 0 and capsys.readouterr().out == out
+    with pytest.raises(SystemExit) as e:   # (argparse's one line, as train.py's)
+        main(["--run", str(run), "--template-date", "2026-13-01"])
+    assert e.value.code == 2 and "--template-date" in capsys.readouterr().err
     for bad, says in ((["--data", files[0]], "pass --model DIR and --data FILE"),
                       (["--run", str(tmp_path)], "has no config.json"),
                       (["--model", str(tok_dir), "--data", str(tmp_path / "no.jsonl")], "does not exist")):
