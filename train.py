@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
+from data.batches import micro_batch_arg
 from data.mix import Once, data_files, held_records
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
@@ -116,7 +117,8 @@ def build_parser(add_help=True):
     a("--epochs", type=float, default=None, metavar="E", help="train E passes over the data in place of --steps: "
       "ceil(E × samples / --global-batch) steps (0.5 and 2.5 allowed)")
     a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
-    a("--micro-batch", type=int, default=1, help="samples per forward on each data rank")
+    a("--micro-batch", type=micro_batch_arg, default=1, metavar="N|auto", help="samples per forward on each data "
+      "rank; auto (0): as many as fit the longest sample's length, packed (fewer forwards for short samples)")
     # Data
     a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
       "'completion'} or {'messages'} per line); several files train as one set")
@@ -297,6 +299,7 @@ def main(argv=None):
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
+        idle = {"input_ids": samples[0]["input_ids"][:1], "labels": torch.full((1,), IGNORE_INDEX, dtype=torch.int32)}
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
         to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
                                           device)   # samples -> this rank's (input_ids, position_ids, labels)
@@ -362,8 +365,9 @@ def main(argv=None):
             lr = lr_at(step, args, args.schedule_steps or steps)
             for g in opt.param_groups:
                 g["lr"] = lr
-            idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch)
-            micro = [to_local([samples[i] for i in idx]) for idx in idxs]
+            idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
+            micro = [to_local([samples[i] for i in idx] if idx else [idle]) for idx in idxs]   # (idle: another
+            # rank's --micro-batch auto cut more forwards; one all-ignored token keeps the collectives in step)
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
             lens = [len(samples[i]["input_ids"]) for idx in idxs for i in idx] if cp_rank == 0 else []

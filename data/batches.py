@@ -17,6 +17,12 @@ Contract:
   repeated (a file's copies), and epochs may differ in length (a record split into several windows); the stream is
   their concatenation as before.
   `size(e)` is epoch e's length, `samples_in(E)` the samples of E epochs (a fraction of the last rounded up).
+- `micro_batch` 0 (`--micro-batch auto`): a rank's share is cut into micro-batches by tokens instead, consecutive
+  samples while their lengths sum to at most `budget` (train.py: the longest sample's, the memory plan's row; a
+  sample is never split), so short samples share a packed row and a forward. Every rank computes every rank's cuts
+  (the same step samples and lengths) and pads its list with empty micro-batches to the most any rank has, so all
+  ranks run the same number of forwards (FSDP's and cp's collectives); train.py runs an empty one as one
+  all-ignored token. The step's samples, and so the math, are those of any other micro-batch size.
 - Steps are random access, so resuming is "continue at step k": the whole data state is the
   step index.
 """
@@ -30,11 +36,33 @@ from fractions import Fraction
 import torch
 
 
+def micro_batch_arg(text: str) -> int:
+    """--micro-batch: a positive number of samples, or auto (0: by tokens, the module docstring)."""
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 1:
+        import argparse
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number of samples nor auto")
+    return n
+
+
 def check_batch_sizes(global_batch: int, micro_batch: int, data_ranks: int) -> None:
     """Raise ValueError unless every data rank runs the same whole number of micro-batches."""
     for name, v in (("--global-batch", global_batch), ("--micro-batch", micro_batch), ("data ranks", data_ranks)):
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or v < (0 if name == "--micro-batch" else 1):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if micro_batch == 0:   # auto: each data rank's share of samples is cut by tokens
+        if global_batch % data_ranks:
+            lower = global_batch // data_ranks * data_ranks
+            options = " or ".join(str(g) for g in (lower, lower + data_ranks) if g > 0)
+            raise ValueError(f"--global-batch {global_batch} must be a multiple of the {data_ranks} data ranks "
+                             f"(dp_replicate × dp_shard), so that each takes the same number of samples; use "
+                             f"--global-batch {options}")
+        return
     per_step = micro_batch * data_ranks
     if global_batch % per_step:
         lower = global_batch // per_step * per_step
@@ -108,16 +136,38 @@ class GlobalBatches:
             out.append(self.permutation(e)[i])
         return out
 
-    def micro_batches(self, step: int, data_rank: int, data_ranks: int, micro_batch: int) -> list[list[int]]:
-        """Sample indices of each micro-step of `data_rank` (of `data_ranks`) in step `step`."""
+    def micro_batches(self, step: int, data_rank: int, data_ranks: int, micro_batch: int, lengths=None,
+                      budget: int | None = None) -> list[list[int]]:
+        """Sample indices of each micro-step of `data_rank` (of `data_ranks`) in step `step`; with `micro_batch` 0,
+        cut by `lengths` (every sample's) into at most `budget` tokens, padded with [] (module docstring)."""
         check_batch_sizes(self.global_batch, micro_batch, data_ranks)
         if not 0 <= data_rank < data_ranks:
             raise ValueError(f"data_rank {data_rank} is outside [0, {data_ranks})")
         share = self.global_batch // data_ranks
-        mine = self.step_samples(step)[data_rank * share : (data_rank + 1) * share]
+        every = self.step_samples(step)
+        if micro_batch == 0:
+            if lengths is None or budget is None:
+                raise ValueError("--micro-batch auto cuts micro-batches by tokens: pass lengths and budget")
+            cuts = [_by_tokens(every[d * share:(d + 1) * share], lengths, budget) for d in range(data_ranks)]
+            return cuts[data_rank] + [[]] * (max(map(len, cuts)) - len(cuts[data_rank]))
+        mine = every[data_rank * share : (data_rank + 1) * share]
         return [mine[m : m + micro_batch] for m in range(0, share, micro_batch)]
 
     def epoch(self, step: int) -> float:
         """Epochs completed before step `step` (for logging)."""
         e, i = self._at(step * self.global_batch)
         return e + i / self.size(e)
+
+
+def _by_tokens(samples: list[int], lengths, budget: int) -> list[list[int]]:
+    """Consecutive samples while their lengths sum to at most `budget` (a longer sample: alone)."""
+    out, used = [], 0
+    for i in samples:
+        n = int(lengths[i])
+        if out and used + n <= budget:
+            out[-1].append(i)
+            used += n
+        else:
+            out.append([i])
+            used = n
+    return out

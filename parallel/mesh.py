@@ -345,6 +345,9 @@ def validate(args, margs, world: int):
                          f"({dims}); raise --max-len or lower --cp")
     check_model_flags(args, margs)
     pack = True if args.pack is None else args.pack   # every core keeps packed documents apart
+    if args.micro_batch == 0 and not pack:
+        raise ValueError("--micro-batch auto packs the samples that fit the longest one's length into one row: drop "
+                         "--no-pack, or give --micro-batch a number")
     return dims, pack
 
 

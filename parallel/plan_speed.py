@@ -63,7 +63,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
     S = args.max_len
-    T = args.micro_batch * S // dims.cp
+    T = (args.micro_batch or 1) * S // dims.cp   # (auto, 0: one row of the longest sample's length)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F

@@ -1923,3 +1923,41 @@ def test_show_prints_each_sample_with_its_targets_marked(tok_dir, tmp_path, caps
                       (["--run", str(tmp_path)], "has no config.json"),
                       (["--model", str(tok_dir), "--data", str(tmp_path / "no.jsonl")], "does not exist")):
         assert main(bad) == 2 and says in capsys.readouterr().err
+
+
+def test_micro_batch_auto_cuts_each_ranks_share_by_tokens():
+    """--micro-batch auto (0): each data rank's share of the step, in order, cut into runs of samples whose lengths
+    sum to at most the budget (a longer sample alone); every rank pads its list with [] to the most any rank has (the
+    same number of forwards everywhere); the step's samples are those of any micro-batch size; --global-batch must be
+    a multiple of the data ranks; the flag reads auto as 0."""
+    import argparse
+    import random
+
+    from data.batches import micro_batch_arg
+
+    rng = random.Random(0)
+    for trial in range(200):
+        n, ranks = rng.randint(1, 40), rng.choice([1, 2, 4])
+        g = ranks * rng.randint(1, 6)
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        budget = rng.randint(1, 80)
+        order = GlobalBatches(n, g, trial)
+        for step in range(3):
+            cuts = [order.micro_batches(step, d, ranks, 0, lengths, budget) for d in range(ranks)]
+            assert len({len(c) for c in cuts}) == 1, "every rank runs the same number of forwards"
+            share = g // ranks
+            for d, c in enumerate(cuts):
+                real = [m for m in c if m]
+                assert [i for m in real for i in m] == order.step_samples(step)[d * share:(d + 1) * share]
+                assert all(sum(lengths[i] for i in m) <= budget or len(m) == 1 for m in real)
+                assert all(not m for m in c[len(real):]), "the padding comes last"
+                assert all(sum(lengths[i] for i in a) + lengths[b[0]] > budget for a, b in zip(real, real[1:])), \
+                    "a cut only where the next sample does not fit"
+            assert max(len(c) for c in cuts) == max(len([m for m in c if m]) for c in cuts)
+    assert micro_batch_arg("auto") == 0 and micro_batch_arg("3") == 3
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="neither a positive number of samples nor auto"):
+            micro_batch_arg(bad)
+    with pytest.raises(ValueError, match=r"--global-batch 6 must be a multiple of the 4 data ranks .* use "
+                                         r"--global-batch 4 or 8"):
+        GlobalBatches(10, 6, 0).micro_batches(0, 0, 4, 0, [1] * 10, 5)

@@ -95,7 +95,11 @@ FOUR_RANK_WINDOW = {
 }
 # text records past --max-len split into windows (--long-text split, the default), packed 2 samples a row under ring
 FOUR_RANK_TEXT = {"text_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
-                                                 "2"]}
+                                                 "2"],
+                  # --micro-batch auto: each data rank's 4 samples cut by tokens (rows up to the longest sample's
+                  # length); a rank with fewer cuts runs idle all-ignored rows so the collectives stay in step
+                  "text_cp2_dp2_ring_mb_auto": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
+                                                "auto"]}
 # --eval-split: a quarter of the text records (split into windows) held out as the eval set, evaluated every step
 EVAL_SPLIT = ["--eval-split", "0.25", "--eval-every", "1"]
 FOUR_RANK_SPLIT = {"text_split_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
@@ -342,6 +346,8 @@ def one(assets, tmp_path_factory):
         for name, flags in runs.items():
             train.main(train_argv(assets, os.path.join(root, name), *flags))
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text")))
+        train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text_mb_auto"), "--micro-batch",
+                              "auto"))
         said = io.StringIO()
         with contextlib.redirect_stdout(said):
             train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text_split"), *EVAL_SPLIT))
@@ -430,6 +436,23 @@ def test_single_rank_run_trains(one):
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
+
+
+def test_micro_batch_auto_changes_nothing_and_runs_idle_rows_where_a_rank_has_fewer(one, assets):
+    """--micro-batch auto on 1 rank trains as --micro-batch 1 (the same samples, fewer forwards: short text records
+    and windows' remainders share rows); and on the 2 data ranks of text_cp2_dp2_ring_mb_auto (compared in
+    test_split_long_text_on_four_ranks_matches_one_rank) some step cuts one rank's share into fewer micro-batches than
+    the other's, so the idle rows run there (else that test could not fail on them)."""
+    from data import GlobalBatches, load_tokenizer
+    from data.tokens import load_samples
+
+    _compare("--micro-batch auto", _at(one, "text_mb_auto"), _at(one, "text"))
+    tok = load_tokenizer(assets["model"])
+    samples, _ = load_samples(assets["text"], tok, 64, len(tok))
+    order, lengths, longest = GlobalBatches(len(samples), 8, 0), samples.lengths, int(samples.lengths.max())
+    cuts = [[order.micro_batches(step, d, 2, 0, lengths, longest) for d in (0, 1)] for step in range(3)]
+    assert any(len(c) > 1 for step in cuts for c in step), "no two samples shared a row"
+    assert any([] in c for step in cuts for c in step), "no rank ran an idle row"
 
 
 @pytest.mark.timeout(600)

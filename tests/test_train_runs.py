@@ -688,6 +688,8 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "lora-r beyond a projection's rank": (["--lora-r", "17"], ["--lora-r 17 is more than the rank of k_proj (48 -> "
                                                                "16), v_proj (48 -> 16)", "use --lora-r 16 or less"]),
     "save-minutes negative": (["--save-minutes", "-1"], ["--save-minutes must be >= 0, got -1"]),
+    "micro-batch auto without packing": (["--micro-batch", "auto", "--no-pack"], ["--micro-batch auto packs the "
+                                         "samples that fit the longest one's length into one row: drop --no-pack"]),
     "save-minutes nan": (["--save-minutes", "nan"], ["--save-minutes must be a finite number, got nan"]),
     "ac-group 0": (["--ac-group", "0"], ["--ac-group must be >= 1", "got 0"]),
     "ac-group with offload": (["--ac-group", "2", "--offload-activations"],
