@@ -1,4 +1,5 @@
-"""bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles cannot rot: each runs its smallest case.
+"""bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles, bench/micro_batch.py cannot rot: each runs its
+smallest case.
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
 own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
@@ -95,3 +96,14 @@ def test_memtrace_bench_small():
     plan = sum(float(v) for v, _ in terms)
     assert len(terms) == 4 and float(dict((n, v) for n, v in names)["loss"]) == pytest.approx(plan, rel=0.05), \
         (terms, names)
+
+
+@pytest.mark.timeout(300)
+def test_micro_batch_bench_smoke():
+    """bench/micro_batch.py's CPU case prints both rows and their ratio; the two runs train the same samples, so their
+    losses agree to float rounding (timings are printed, not asserted)."""
+    out = _run("bench/micro_batch.py", "--steps", "3", timeout=280)
+    assert re.search(r"^--micro-batch    1: [\d,]+ tokens/s", out, re.M) and \
+        re.search(r"^--micro-batch auto: [\d,]+ tokens/s", out, re.M), out
+    diff = float(re.search(r"largest loss difference ([\d.e+-]+)", out)[1])
+    assert diff <= 1e-4 and "auto / 1: " in out, out
