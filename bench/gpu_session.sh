@@ -60,6 +60,10 @@
 #      past 2^31 elements at 603k tokens (never run; ~60-70 GB). Then what train.py --fast picks on the whole device
 #      (planned --ac-keep-attn --ac-blocks 4 at 128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s) beside
 #      Liger; 2026-11-30 the 128k case took 133 s for three rows.
+# Not in the plan above (no device time left for it): --micro-batch auto (2026-12-04) against 1 on mixed lengths,
+#   `python3 bench/micro_batch.py --layers 8 --max-len 32768 --short-lo 512 --short-hi 4096 --global-batch 32`
+#   (needs the bitsandbytes wheel on PYTHONPATH as this script sets it; CPU smoke 2.07x); a session with device time
+#   to spare runs it after call 2.
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
