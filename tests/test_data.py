@@ -1114,7 +1114,8 @@ def test_check_batch_sizes_message():
     with pytest.raises(ValueError, match="--global-batch 8 or 16"):
         GlobalBatches(100, 10, 0).micro_batches(0, 0, 2, 4)
     with pytest.raises(ValueError, match="positive"):
-        check_batch_sizes(8, 0, 1)
+        check_batch_sizes(8, -1, 1)
+    check_batch_sizes(8, 0, 2)   # (0: --micro-batch auto, cut by tokens: the global batch splits over the data ranks)
 
 
 # --- collation ------------------------------------------------------------------------------------
