@@ -299,7 +299,9 @@ def main(argv=None):
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
-        idle = {"input_ids": samples[0]["input_ids"][:1], "labels": torch.full((1,), IGNORE_INDEX, dtype=torch.int32)}
+        idle = {"input_ids": samples[0]["input_ids"][:1].repeat(2 * dims.cp_divisor),   # (2 a cp rank at least:
+                "labels": torch.full((2 * dims.cp_divisor,), IGNORE_INDEX, dtype=torch.int32)}   # --compile's 0/1
+        # specialization would compile each function again for a row of 1; review, helper 36)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
         to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
                                           device)   # samples -> this rank's (input_ids, position_ids, labels)
@@ -367,7 +369,7 @@ def main(argv=None):
                 g["lr"] = lr
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
             micro = [to_local([samples[i] for i in idx] if idx else [idle]) for idx in idxs]   # (idle: another
-            # rank's --micro-batch auto cut more forwards; one all-ignored token keeps the collectives in step)
+            # rank's --micro-batch auto cut more forwards; an all-ignored row keeps the collectives in step)
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
             lens = [len(samples[i]["input_ids"]) for idx in idxs for i in idx] if cp_rank == 0 else []

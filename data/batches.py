@@ -21,8 +21,8 @@ Contract:
   samples while their lengths sum to at most `budget` (train.py: the longest sample's, the memory plan's row; a
   sample is never split), so short samples share a packed row and a forward. Every rank computes every rank's cuts
   (the same step samples and lengths) and pads its list with empty micro-batches to the most any rank has, so all
-  ranks run the same number of forwards (FSDP's and cp's collectives); train.py runs an empty one as one
-  all-ignored token. The step's samples, and so the math, are those of any other micro-batch size.
+  ranks run the same number of forwards (FSDP's and cp's collectives); train.py runs an empty one as an
+  all-ignored row of 2 tokens a cp rank. The step's samples, and so the math, are those of any other micro-batch size.
 - Steps are random access, so resuming is "continue at step k": the whole data state is the
   step index.
 """

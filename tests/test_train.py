@@ -122,6 +122,10 @@ SHORT4 = ["--cp", "2", "--dp-shard", "2", "--offload-activations"]
 # --keep-best with an eval every step (the training file as eval data): the same saves, best and adapter_best
 KEEP_BEST = ["--eval-every", "1", "--keep-best", "--keep-ckpts", "1"]
 KEEP4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *KEEP_BEST]
+# --tiled-attn over several tiles end to end (review, helper 33: at --max-len 64 every row was one tile): packed rows of
+# 8 text records, ~400 tokens, against the same rows untiled
+TILES = {"tiles_ref": ["--micro-batch", "8", "--max-len", "520"],
+         "tiles": ["--micro-batch", "8", "--max-len", "520", "--tiled-attn", "--tiled-mlp", "--offload-activations"]}
 # --early-stop 1 with a delta no evaluation beats: step 2's evaluation ends the run (of 3 steps) on every rank
 EARLY = ["--eval-every", "1", "--early-stop", "1", "--early-stop-delta", "100"]
 # resume the 4-rank Ulysses checkpoint on 4 ranks with ring attention instead (another CP layout)
@@ -348,6 +352,8 @@ def one(assets, tmp_path_factory):
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text")))
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text_mb_auto"), "--micro-batch",
                               "auto"))
+        for name, flags in TILES.items():   # rows of 8 text records, longer than one attention tile (256)
+            train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
         said = io.StringIO()
         with contextlib.redirect_stdout(said):
             train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, "text_split"), *EVAL_SPLIT))
@@ -682,6 +688,16 @@ def test_tiled_attention_changes_nothing_one_rank(one):
 
 
 @pytest.mark.timeout(300)
+def test_tiled_attention_over_several_tiles_changes_nothing(one):
+    """--tiled-attn with rows longer than one tile (tiles of 256 query rows, kernels.tile_rows): each step's one packed
+    row of 8 text records is over 256 tokens, so train.py runs 2 or more tiles, with the untiled run's losses and
+    adapter."""
+    from parallel.kernels import tile_rows
+
+    assert all(m["tokens"] > tile_rows(m["tokens"]) for m in _metrics(_at(one, "tiles"))), _metrics(_at(one, "tiles"))
+    _compare("--tiled-attn over several tiles", _at(one, "tiles"), _at(one, "tiles_ref"))
+
+
 def test_pack_changes_nothing(one):
     _compare("--pack vs --no-pack", _at(one, "pack"), _at(one, "no_pack"))
     _compare("--pack micro-batch 4 vs micro-batch 1", _at(one, "pack"), _at(one, "fp32"))
