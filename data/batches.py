@@ -148,7 +148,7 @@ class GlobalBatches:
         if micro_batch == 0:
             if lengths is None or budget is None:
                 raise ValueError("--micro-batch auto cuts micro-batches by tokens: pass lengths and budget")
-            cuts = [_by_tokens(every[d * share:(d + 1) * share], lengths, budget) for d in range(data_ranks)]
+            cuts = [by_tokens(every[d * share:(d + 1) * share], lengths, budget) for d in range(data_ranks)]
             return cuts[data_rank] + [[]] * (max(map(len, cuts)) - len(cuts[data_rank]))
         mine = every[data_rank * share : (data_rank + 1) * share]
         return [mine[m : m + micro_batch] for m in range(0, share, micro_batch)]
@@ -159,12 +159,13 @@ class GlobalBatches:
         return e + i / self.size(e)
 
 
-def _by_tokens(samples: list[int], lengths, budget: int) -> list[list[int]]:
-    """Consecutive samples while their lengths sum to at most `budget` (a longer sample: alone)."""
+def by_tokens(samples: list[int], lengths, budget: int, group=None) -> list[list[int]]:
+    """`samples` (indices) in runs of consecutive ones whose `lengths` sum to at most `budget` (a longer sample: a run
+    alone); with `group` (per index), a run also ends where the group changes (evaluation: one file a row)."""
     out, used = [], 0
     for i in samples:
         n = int(lengths[i])
-        if out and used + n <= budget:
+        if out and used + n <= budget and (group is None or group[i] == group[out[-1][-1]]):
             out[-1].append(i)
             used += n
         else:

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from data.batches import by_tokens
 from data.mix import FILE_SHIFT
 from loss import IGNORE_INDEX
 
@@ -36,15 +37,7 @@ from loss import IGNORE_INDEX
 def rows(samples, of_file: list[int], row_tokens: int) -> list[list[int]]:
     """The samples' indices in rows: consecutive samples of one file while their tokens fit `row_tokens` (a longer
     sample: a row alone)."""
-    out, used = [], 0
-    for i, n in enumerate(samples.lengths.tolist()):
-        if out and of_file[i] == of_file[out[-1][-1]] and used + n <= row_tokens:
-            out[-1].append(i)
-            used += n
-        else:
-            out.append([i])
-            used = n
-    return out
+    return by_tokens(range(len(samples)), samples.lengths.tolist(), row_tokens, of_file)
 
 
 @torch.no_grad()
