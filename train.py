@@ -418,7 +418,7 @@ def main(argv=None):
                 rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
             halt = False   # --early-stop: this step's evaluation ends the run
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
-                beat = lambda at=step + 1: wd.phase("eval", at)   # per eval sample: a long eval is not a stuck rank
+                beat = lambda at=step + 1: wd.phase("eval", at)   # per eval row: a long eval is not a stuck rank
                 ev = evaluate(model, *eval_args, beat=beat)   # (eval_loss, and each file's of several)
                 rec.update({k: round(v, 6) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
