@@ -62,7 +62,7 @@ def _fused_ce(logits, safe, valid, grad: bool = True):
     mx = logits.amax(1, keepdim=True)
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
-    loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).sum()   # lse - z_target
+    loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).squeeze(1)   # lse - z_target, per row
     if grad:
         probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
     return loss, probs
@@ -86,13 +86,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if per_token and (loss_fn is not None or need_w):   # (a row's weight gradient cannot be scaled afterwards)
+            raise ValueError("per_token: the fused cross-entropy only (no loss_fn), and a frozen weight")
+        ctx.per_token = per_token
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0).unsqueeze(1)   # [N, 1]; any in-range id works for masked rows
         validf = valid.to(torch.float32).unsqueeze(1)      # [N, 1]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss_sum = torch.zeros(n if per_token else (), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         # float32 weights accumulate in float32; bf16/fp16 ones in their own dtype with a float32-
         # accumulating GEMM per chunk (as Liger does): no float32 [V, D] copy and no float32 GEMM.
@@ -110,9 +113,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
                 loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w)
+                if per_token:
+                    loss_sum[s:e] = loss
+                else:
+                    loss_sum += loss.sum()
             else:
                 loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
-            loss_sum += loss
+                loss_sum += loss
             if not (need_h or need_w):
                 continue
             g = dlogits.to(weight.dtype)
@@ -136,11 +143,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         # In place: these buffers belong to this node and are released with it. grad_out stays float32
         # so a bf16 gradient is scaled by the exact factor (e.g. 1 / global token count).
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out)
+        if grad_h is not None:   # (per_token: each row by its own factor, so the saved rows are d(loss_t)/d(hidden_t))
+            grad_h = grad_h.mul_(grad_out.unsqueeze(1) if ctx.per_token else grad_out)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -151,12 +158,16 @@ def chunked_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     loss_fn: LossFn | None = None,
+    per_token: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses of `hidden @ weight.T` against `labels`, and the target count.
 
     hidden [N, D], weight [V, D], labels [N] (already shifted). Returns (loss_sum float32 0-dim,
     n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
     `loss_fn=None` is cross-entropy; see the module docstring for a custom `loss_fn`.
+    `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
+    a loss of whole sequences (`dpo_loss`); backward scales each row's saved gradient by its own incoming factor, so
+    it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -170,5 +181,36 @@ def chunked_cross_entropy(
         hidden, weight = hidden.detach(), weight.detach()
     n_tokens = (labels != ignore_index).sum()
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn)
+    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token)
     return loss_sum, n_tokens
+
+
+# ----------------------------------------------------------------------------- DPO (--objective dpo)
+
+
+def sequence_logps(token_nll: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Each sequence's summed log-probability of its targets, float64 [n_seqs]: `token_nll` [N] (per_token losses,
+    0 off target), `sides` [N] each token's sequence (-1: none; `data.collate`'s `sides`)."""
+    keep = sides.reshape(-1) >= 0
+    out = torch.zeros(n_seqs, dtype=torch.float64, device=token_nll.device)
+    return out.index_add(0, sides.reshape(-1)[keep], -token_nll.reshape(-1)[keep].double())
+
+
+def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor, sides: torch.Tensor, n_pairs: int, beta: float,
+             group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO (Rafailov et al., 2023) of `n_pairs` pairs: (-log sigmoid(margin) [n_pairs] float64, margin [n_pairs]
+    detached), margin = beta · ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)), sequence 2k the chosen
+    and 2k + 1 the rejected of pair k.
+
+    Under context parallelism each rank holds part of every sequence: the sums are all-reduced over `group` (the cp
+    group), and the loss is differentiable through this rank's own part only, so the ranks' gradients add up to the
+    whole sequence's. Every cp rank returns the same losses: count them once (cp rank 0) when reporting."""
+    pi = sequence_logps(policy_nll, sides, 2 * n_pairs)
+    ref = sequence_logps(ref_nll.detach(), sides, 2 * n_pairs)
+    if group is not None and torch.distributed.get_world_size(group) > 1 and n_pairs:
+        both = torch.stack([pi.detach(), ref])
+        torch.distributed.all_reduce(both, group=group)
+        pi, ref = pi + (both[0] - pi.detach()), both[1]   # the whole sums; the gradient of this rank's part
+    rewards = beta * (pi - ref)
+    margin = rewards[0::2] - rewards[1::2]
+    return -torch.nn.functional.logsigmoid(margin), margin.detach()

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from data import GlobalBatches, collate, load_tokenizer, make_demo, store
 from data.batches import micro_batch_arg
 from data.mix import Once, data_files, held_records
+from data.pairs import for_run
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
@@ -105,6 +106,9 @@ def build_parser(add_help=True):
     a("--rslora", action="store_true", help="rank-stabilized LoRA: scale = alpha / sqrt(r) (peft's use_rslora)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
+    a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
+      "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off)")
+    a("--dpo-beta", type=float, default=0.1, help="DPO's beta: how strongly the policy may move from the reference")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
@@ -246,7 +250,9 @@ def main(argv=None):
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
-        log0(f"layout: {dims}\nloss: " + ("cross-entropy" if LOSS_FN is None else   # (its first line of code)
+        dpo = args.objective == "dpo"
+        log0(f"layout: {dims}\nloss: " + (f"DPO, beta {args.dpo_beta:g}, reference: the base model (LoRA off)" if dpo
+                                          else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
@@ -264,7 +270,8 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
-        (samples, stats), (eval_samples, eval_stats), rows = store.load_run_data(args, tok, margs.vocab_size, log0)
+        (samples, stats), (eval_samples, eval_stats), rows = for_run(   # (dpo: a pair a sample)
+            args.objective, *store.load_run_data(args, tok, margs.vocab_size, log0))
         if not demo and (stats.split or stats.truncated) and not any(   # (argparse takes --max-l for --max-len)
                 x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
             log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
@@ -303,8 +310,8 @@ def main(argv=None):
                 "labels": torch.full((2 * dims.cp_divisor,), IGNORE_INDEX, dtype=torch.int32)}   # --compile's 0/1
         # specialization would compile each function again for a row of 1; review, helper 36)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
-        to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id), dims, cp_rank, pad_id,
-                                          device)   # samples -> this rank's (input_ids, position_ids, labels)
+        to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id, dpo), dims, cp_rank, pad_id,
+                                          device)   # samples -> this rank's (input_ids, position_ids, labels[, sides])
 
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt)   # locked only now
@@ -316,6 +323,9 @@ def main(argv=None):
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
+        if dpo:
+            from parallel.preference import DPO
+            dpo = DPO(model, args.dpo_beta, meshes.cp.get_group())
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
              f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "
@@ -342,9 +352,10 @@ def main(argv=None):
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
+        eval_kw = {"dpo": dpo or None}
         if eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0)).items()
-            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
+            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), **eval_kw).items()
+            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several; dpo's reward accuracy)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
@@ -373,13 +384,14 @@ def main(argv=None):
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
             lens = [len(samples[i]["input_ids"]) for idx in idxs for i in idx] if cp_rank == 0 else []
-            counts = torch.tensor([sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab in micro), sum(lens),
-                                   sum(n * flops_per_token(margs, n) for n in lens)], dtype=torch.float64,
-                                  device=device)
+            counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
+                                   sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
+                                   sum(n * flops_per_token(margs, n) for n in lens) * (4 / 3 if dpo else 1)],
+                                  dtype=torch.float64, device=device)   # (dpo: a second forward, the reference's)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for i, (ids, pos, lab) in enumerate(micro):
+            loss_sum = torch.zeros(3, dtype=torch.float64, device=device)   # (and dpo's pairs preferred, margins)
+            for i, (ids, pos, lab, *sides) in enumerate(micro):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
                     if step > saved:
                         wd.phase("save", step)
@@ -388,14 +400,19 @@ def main(argv=None):
                     raise stop.stopped(got, step, ckpt_dir if step else None)
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
-                    lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
+                    if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
+                        losses, margins = dpo(ids, pos, lab, sides[0], len(idxs[i]))
+                        lsum = losses.sum()
+                        loss_sum += dpo.once * torch.stack([lsum.detach(), (margins > 0).sum(), margins.sum()])
+                    else:
+                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
+                        loss_sum[0] += lsum.detach().double()
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()
-                loss_sum += lsum.detach().double()
             wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
             dist.all_reduce(loss_sum, group=dp_cp)
-            loss = (loss_sum / n_targets).item()
+            loss = (loss_sum[0] / n_targets).item()
             if nonfinite.check(step + 1, loss, float(gnorm)):   # same loss and norm on every rank: same choice
                 opt.step()
             else:
@@ -409,7 +426,9 @@ def main(argv=None):
             rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
-                       epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped)
+                       epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
+                       **({"reward_acc": round((loss_sum[1] / n_targets).item(), 6),   # pairs the policy prefers
+                           "reward_margin": round((loss_sum[2] / n_targets).item(), 6)} if dpo else {}))
             if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
                 rec["peak_reserved_gb"] = round(mem[1].item(), 3)
             if prof.end(step + 1, dt_step):
@@ -419,7 +438,7 @@ def main(argv=None):
             halt = False   # --early-stop: this step's evaluation ends the run
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval row: a long eval is not a stuck rank
-                ev = evaluate(model, *eval_args, beat=beat)   # (eval_loss, and each file's of several)
+                ev = evaluate(model, *eval_args, beat=beat, **eval_kw)   # (eval_loss, and each file's of several)
                 rec.update({k: round(v, 6) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev["eval_loss"])

@@ -11,6 +11,10 @@ all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2
   (L, L+1, ...). Attention derives document boundaries from position-id resets (a document starts
   where `pos[t] != pos[t-1] + 1`), so padding joins the last document instead of forming a new
   one: it only ever sits after the real tokens (causal), and its outputs carry no target.
+- A preference pair (`data.pairs.Pairs`: the chosen then the rejected, `"split"` the chosen's length) is two
+  documents: position ids restart at the split too. `sides=True` adds `sides` [B, S]: 2k on the chosen's tokens of
+  the micro-batch's k-th sample, 2k + 1 on its rejected's, -1 on padding and on samples without a split (the
+  DPO loss sums each sequence's log-probabilities by it, `loss.dpo_loss`).
 - Packing keeps the math: each sample's last label is already -100 (shifted per sample before
   concatenation), so no target crosses a document, and position ids restart per document, so RoPE
   and the boundary-aware attention see each document exactly as when it is alone in a row.
@@ -27,17 +31,29 @@ def _round_up(n: int, divisor: int) -> int:
     return -(-n // divisor) * divisor
 
 
-def _row(samples: list[dict], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _positions(s: dict, n: int) -> torch.Tensor:
+    k = s.get("split")
+    return torch.arange(n) if k is None else torch.cat([torch.arange(k), torch.arange(n - k)])
+
+
+def _sides(s: dict, n: int, k: int) -> torch.Tensor:
+    if s.get("split") is None:
+        return torch.full((n,), -1)
+    return torch.cat([torch.full((s["split"],), 2 * k), torch.full((n - s["split"],), 2 * k + 1)])
+
+
+def _row(samples: list[dict], length: int, pad_id: int, first: int = 0) -> tuple[torch.Tensor, ...]:
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]   # lists, or data.store's int32
     labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
-    pos = [torch.arange(len(x)) for x in ids]
-    n_pad, last = length - sum(len(x) for x in ids), len(ids[-1])
+    pos = [_positions(s, len(x)) for s, x in zip(samples, ids)]
+    sides = [_sides(s, len(x), first + k) for k, (s, x) in enumerate(zip(samples, ids))]
+    n_pad, last = length - sum(len(x) for x in ids), int(pos[-1][-1]) + 1
     return (torch.cat(ids + [torch.full((n_pad,), pad_id)]), torch.cat(labels + [torch.full((n_pad,), IGNORE_INDEX)]),
-            torch.cat(pos + [torch.arange(last, last + n_pad)]))
+            torch.cat(pos + [torch.arange(last, last + n_pad)]), torch.cat(sides + [torch.full((n_pad,), -1)]))
 
 
-def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """One micro-batch -> {"input_ids", "labels", "position_ids"}: LongTensors [B, S]."""
+def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int, sides: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch -> {"input_ids", "labels", "position_ids"} (and "sides" with `sides`): LongTensors [B, S]."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     if divisor < 1:
@@ -49,9 +65,9 @@ def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int) -> dict[
         rows = [_row(samples, _round_up(sum(len(s["input_ids"]) for s in samples), divisor), pad_id)]
     else:
         length = _round_up(max(len(s["input_ids"]) for s in samples), divisor)
-        rows = [_row([s], length, pad_id) for s in samples]
-    ids, labels, pos = (torch.stack(x) for x in zip(*rows))
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+        rows = [_row([s], length, pad_id, k) for k, s in enumerate(samples)]
+    ids, labels, pos, side = (torch.stack(x) for x in zip(*rows))
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, **({"sides": side} if sides else {})}
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -7,6 +7,13 @@ Contract:
                                                             completion (and EOS) are targets
     {"messages": [{"role": "...", "content": "..."}, ...]}  rendered with the checkpoint's chat
                                                             template; only assistant turns are targets
+  and, for `--objective dpo` only, a preference pair (TRL's two forms):
+    {"prompt": "...", "chosen": "...", "rejected": "..."}   two prompt/completion records (no "prompt": two
+                                                            text records, whose shared start is the prompt)
+    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}   two "messages" records,
+                                                            prompt + chosen and prompt + rejected ("prompt" may
+                                                            be left out when each side is a whole conversation;
+                                                            a side given as a string is one assistant message)
   A "messages" record may carry "tools" (the tool definitions, as a list of JSON schemas or a string holding
   one, OpenAI's and the Hub's form): passed to the chat template (`apply_chat_template(tools=...)`), which writes them
   where the model expects them. Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
@@ -14,7 +21,7 @@ Contract:
 - `load_jsonl(path)` returns the records in file order, each normalised to
   `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
   `{"line": n, "messages": [...]}` (plus `"tools": [...]` when given) (`n` is 1-based, kept so that later stages can
-  still name the line).
+  still name the line); a pair to `{"line": n, "pair": [chosen, rejected]}`, each side one of the records above.
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -31,6 +38,8 @@ VALID_LINES = (
     'a valid line is {"text": "some document"}, {"prompt": "a question or a long document", "completion": '
     '"the answer"} or {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
 )
+PAIR_LINES = ('a valid pair (--objective dpo) is {"prompt": "a question", "chosen": "the better answer", "rejected": '
+              '"the worse one"}, or the same with lists of messages')
 SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXXX escape: half of a UTF-16 pair
 KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
 
@@ -57,8 +66,8 @@ class DataError(ValueError):
     """A data file or record that cannot be used; the message says where and how to fix it."""
 
 
-def line_error(path: str | Path, line: int, problem: str) -> DataError:
-    return DataError(f"{path}, line {line}: {problem}; {VALID_LINES}")
+def line_error(path: str | Path, line: int, problem: str, valid: str = VALID_LINES) -> DataError:
+    return DataError(f"{path}, line {line}: {problem}; {valid}")
 
 
 def _check_messages(messages: object, path: str | Path, n: int) -> None:
@@ -143,9 +152,44 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
     return rec
 
 
+def _pair(obj: dict, path: str | Path, n: int) -> dict:
+    """A preference record -> {"line", "pair": [chosen, rejected]}, each side normalised as a record of its own."""
+    if other := [k for k in ("text", "messages", "completion") if k in obj]:
+        raise line_error(path, n, f'has "chosen"/"rejected" and {" and ".join(repr(k) for k in other)}: use one kind '
+                                  'per line', PAIR_LINES)
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise line_error(path, n, f'has "{"rejected" if key == "chosen" else "chosen"}" but no "{key}": a '
+                                      'preference pair needs both', PAIR_LINES)
+    prompt = obj.get("prompt")
+    if prompt is None and all(isinstance(obj[k], str) for k in ("chosen", "rejected")):   # TRL's implicit prompt:
+        sides = [{"text": obj[k]} for k in ("chosen", "rejected")]   # their shared start is the prompt (its tokens
+        # are the same in both, so their log-probabilities cancel in the DPO margin exactly)
+    elif isinstance(prompt, str):
+        sides = [{"prompt": prompt, "completion": obj[k]} for k in ("chosen", "rejected")]
+    else:
+        head = [] if prompt is None else prompt
+        if not isinstance(head, list):
+            raise line_error(path, n, f'"prompt" must be a string or a list of messages, got {type(head).__name__}',
+                             PAIR_LINES)
+        as_list = lambda v: [{"role": "assistant", "content": v}] if isinstance(v, str) else v
+        sides = [{"messages": head + as_list(obj[k]) if isinstance(as_list(obj[k]), list) else obj[k],
+                  **({"tools": obj["tools"]} if "tools" in obj else {})} for k in ("chosen", "rejected")]
+    out = []
+    for side, key in zip(sides, ("chosen", "rejected")):
+        try:
+            out.append(_normalise(side, path, n))
+        except DataError as e:   # named as the pair's side
+            said = str(e).replace(f"line {n}: ", f'line {n}: "{key}" side: ', 1)
+            raise DataError(said.replace(VALID_LINES, PAIR_LINES)) from None
+    return {"line": n, "pair": out}
+
+
 def _normalise(obj, path: str | Path, n: int) -> dict:
     if not isinstance(obj, dict):
         raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
+    if "chosen" in obj or "rejected" in obj:
+        return _pair(obj, path, n)
     has_text, has_messages = "text" in obj, "messages" in obj
     kinds = [k for k in KINDS if k in obj] + (["completion"] if "completion" in obj and "prompt" not in obj else [])
     if len(kinds) > 1:

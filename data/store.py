@@ -183,6 +183,8 @@ def hold_out(samples: Samples, spec: float, seed: int) -> tuple[Samples, Samples
 
 
 def _chars(r: dict) -> int:
+    if "pair" in r:
+        return sum(map(_chars, r["pair"]))
     return len(r.get("text", "")) + len(r.get("prompt", "")) + len(r.get("completion", "")) + \
         sum(len(m.get("content") or "") for m in r.get("messages", ()))
 

@@ -65,6 +65,7 @@ class TokenStats:
     longest: int = 0  # longest record in tokens, before truncation or splitting
     cut: int = 0  # tokens truncation removed from kept samples
     special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
+    pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
 
     def __str__(self) -> str:
@@ -73,7 +74,7 @@ class TokenStats:
             f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
-            + f", dropped {self.dropped} (no target left)"
+            + f", dropped {self.dropped} (no target left)" + (f", {self.pairs} preference pairs" if self.pairs else "")
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
@@ -227,29 +228,33 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         raise ValueError(f"long_text must be one of {LONG_TEXT}, got {long_text!r}")
     specials = special_strings(tokenizer)
     eos = tokenizer.eos_token_id
-    texts = [r["text"] for r in records if "text" in r]
-    if (texts or any("prompt" in r for r in records)) and eos is None:
+    sides = [side for r in records for side in r.get("pair", [r])]   # (a preference pair's two records)
+    texts = [r["text"] for r in sides if "text" in r]
+    if (texts or any("prompt" in r for r in sides)) and eos is None:
         raise DataError(
             f"{path}: text and prompt/completion records need an EOS token to mark where a document ends, but the "
             "tokenizer defines no eos_token"
         )
-    chats = [r for r in records if "messages" in r]
+    chats = [r for r in sides if "messages" in r]
     if chats and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{path}, line {chats[0].get('line', '?')}: chat records need the checkpoint's chat "
             "template, but the tokenizer has none (base models often ship without one); use an "
             'instruct checkpoint, add a chat_template to tokenizer_config.json, or write {"text": ...}'
         )
+    # A preference pair's two sides are records of their own here, side by side (the chosen first); both or neither
+    # are kept (a pair with a side left without a target is dropped whole, as one record)
+    flat = [dict(side, pair=k) for r in records for k, side in (enumerate(r["pair"]) if "pair" in r else [(None, r)])]
     # One batched call for all text records, one for all prompt/completion ones: the fast tokenizer parallelises it.
     text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
-    prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in records if "prompt" in r]))
+    prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in flat if "prompt" in r]))
     bos = getattr(tokenizer, "bos_token_id", None)
 
-    samples, stats = [], TokenStats(records=len(records))
-    for r in records:
+    samples, stats, held = [], TokenStats(records=len(records)), None
+    for r in flat:
         doc = None
         if specials and "messages" not in r and specials.search(r.get("text") or r["prompt"] + r["completion"]):
-            stats.special += 1   # (pre-rendered text means them: counted, in the data: line)
+            stats.special += r["pair"] in (None, 0)   # (pre-rendered text means them: counted, in the data: line)
         if "text" in r:
             ids = list(next(text_ids))
             if not ids or ids[-1] != eos:
@@ -266,8 +271,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
         stats.longest = max(stats.longest, len(ids))
         n_ids = len(ids)
-        if len(ids) > max_len and "text" in r and long_text == "split":   # every token trained, in windows
-            parts = _windows(ids, max_len)
+        if len(ids) > max_len and "text" in r and long_text == "split" and r["pair"] is None:   # every token trained,
+            parts = _windows(ids, max_len)   # in windows (never a pair's side: its two sides are one sample each)
             stats.split, stats.windows = stats.split + 1, stats.windows + len(parts)
             for w in parts:   # (each has a target: never dropped)
                 samples.append({"input_ids": w, "labels": shift_labels(w, [True] * len(w)), "line": r.get("line", -1)})
@@ -293,15 +298,22 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             ids, flags = ids[:max_len], flags[:max_len]
         labels = shift_labels(ids, flags)
         n_targets = sum(lab != IGNORE_INDEX for lab in labels)
-        if n_targets == 0:
+        kept = n_targets and ({"input_ids": ids, "labels": labels, "line": r.get("line", -1)}, n_ids, n_targets)
+        if r["pair"] == 0:   # the chosen side waits for the rejected one
+            held = kept
+            continue
+        group = [kept] if r["pair"] is None else [held, kept]
+        if not all(group):
             stats.dropped += 1
             if len(stats.dropped_lines) < DROPPED_LINES:
                 stats.dropped_lines.append(r.get("line", "?"))
             continue
-        samples.append({"input_ids": ids, "labels": labels, "line": r.get("line", -1)})
-        stats.samples += 1
-        stats.truncated += n_ids > len(ids)   # (until 2026-12-04 dropped records too: "truncated 6 (0 tokens cut)")
-        stats.cut += n_ids - len(ids)
-        stats.tokens += len(ids)
-        stats.targets += n_targets
+        stats.pairs += r["pair"] is not None
+        for sample, n_ids, n_targets in group:
+            samples.append(sample)
+            stats.samples += 1
+            stats.truncated += n_ids > len(sample["input_ids"])   # (until 2026-12-04 dropped records too)
+            stats.cut += n_ids - len(sample["input_ids"])
+            stats.tokens += len(sample["input_ids"])
+            stats.targets += n_targets
     return samples, stats

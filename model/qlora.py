@@ -302,6 +302,24 @@ def _fused_forward(self, x, *args, **kwargs):
     return out
 
 
+class adapters_off:
+    """While entered, every LoRA layer of `model` computes its base layer alone (peft's `disable_adapters`, set on the
+    layers themselves: peft's own switch also flips the adapters' requires_grad, which FSDP2 has already recorded).
+    DPO's reference model is the base this way, with no second copy of any weight."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if hasattr(m, "_disable_adapters") and hasattr(m, "lora_A")]
+
+    def __enter__(self):
+        self.prev = [m._disable_adapters for m in self.layers]
+        for m in self.layers:
+            m._disable_adapters = True
+
+    def __exit__(self, *exc):
+        for m, p in zip(self.layers, self.prev):
+            m._disable_adapters = p
+
+
 def fuse_lora(model: nn.Module) -> int:
     """Every peft LoRA layer's forward as base(x) + scaling · lora_B(lora_A(dropout(x))) with the scaled add
     fused into B's GEMM (torch.addmm), where peft would run its own plain path: one adapter, no DoRA or other

@@ -70,10 +70,12 @@ def shard_sequence(x: torch.Tensor, dims, cp_rank: int, pad_value) -> torch.Tens
 
 def shard_batch(batch: dict, dims, cp_rank: int, pad_id: int, device) -> tuple:
     """A collated batch (`data.collate`) -> this cp rank's (input_ids, position_ids, labels) on `device`
-    (padding, if the batch still needs any: `pad_id`, IGNORE_INDEX, positions continued)."""
+    (padding, if the batch still needs any: `pad_id`, IGNORE_INDEX, positions continued), and its `sides` (-1 on
+    padding) after them when the batch has them."""
     return (shard_sequence(batch["input_ids"], dims, cp_rank, pad_id).to(device),
             shard_sequence(batch["position_ids"], dims, cp_rank, None).to(device),
-            shard_sequence(batch["labels"], dims, cp_rank, IGNORE_INDEX).to(device))
+            shard_sequence(batch["labels"], dims, cp_rank, IGNORE_INDEX).to(device),
+            *([shard_sequence(batch["sides"], dims, cp_rank, -1).to(device)] if "sides" in batch else []))
 
 
 def unshard_sequence(shards, dims, seq_len: int | None = None) -> torch.Tensor:

@@ -18,6 +18,9 @@ records of several --data files: data/mix.py's `Samples.files`) that has a targe
   their targets' mean, so a file of long answers weighs more than one of short ones.
 - `loss_fn` is train.py's LOSS_FN (None: the fused cross-entropy), so the eval loss, and --keep-best's choice,
   measure what is trained.
+- `dpo` (--objective dpo, `parallel.preference.DPO`; `samples` are `data.pairs.Pairs`): the DPO loss in place of
+  cross-entropy, its mean over the pairs, and "eval_reward_acc", the share of pairs whose reward margin is above 0
+  (the policy prefers the chosen answer more than the reference does).
 - `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
 """
@@ -42,7 +45,7 @@ def rows(samples, of_file: list[int], row_tokens: int) -> list[list[int]]:
 
 @torch.no_grad()
 def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn=None, row_tokens: int = 1,
-             beat=lambda: None) -> dict[str, float]:
+             beat=lambda: None, dpo=None) -> dict[str, float]:
     """{"eval_loss": the mean loss over every target of `samples`, and "eval_loss/FILE" for each file of several},
     reduced over `group` (module docstring)."""
     files = getattr(samples, "files", None) or [None]
@@ -50,15 +53,22 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     every = rows(samples, of_file, row_tokens)
     share = [([samples[i] for i in row], of_file[row[0]]) for row in every[data_rank::data_ranks]]
     dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
+    # (no "split": a pair's dummy is one all-ignored document)
     share += [([dummy], 0)] * (math.ceil(len(every) / data_ranks) - len(share))
-    tot = torch.zeros(len(files), 2, dtype=torch.float64, device=device)   # (each file's loss sum and targets)
-    model.eval()
+    tot = torch.zeros(len(files), 3, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
+    model.eval()   # and pairs preferred)
     for row, k in share:
         beat()
-        ids, pos, lab = to_local(row)
-        lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
-        tot[k] += torch.stack([lsum.double(), cnt.double()])
+        ids, pos, lab, *sides = to_local(row)
+        if dpo is None:
+            lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
+            tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
+        else:   # (a dummy row holds no pair: its -1 sides make n 0)
+            losses, margins = dpo(ids, pos, lab, sides[0], sum("split" in s for s in row))
+            tot[k] += dpo.once * torch.stack([losses.sum(), torch.tensor(len(losses), dtype=torch.float64,
+                                              device=device), (margins > 0).sum().double()])
     model.train()
     dist.all_reduce(tot, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
-    return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]}}
+    return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
+            **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]])} if dpo is not None else {})}

@@ -1,0 +1,78 @@
+"""Preference pairs (`--objective dpo`) as samples: one sample a pair, so batching, packing, --eval-split, the
+--data-weights mixture and the memory plan treat a pair as one unit and never part its two sides.
+
+Contract:
+- `data.tokens` gives a pair record's sides as two samples side by side, the chosen then the rejected, both or
+  neither (`TokenStats.pairs` counts them). `Pairs(samples)` is the view with pair k = {"input_ids": chosen ++
+  rejected, "labels": likewise, "split": the chosen's length}; `data.collate` makes it two documents (positions
+  restart at the split) and marks each token's side (`sides`). `lengths` are the pairs' token counts (what a row,
+  and so the memory plan, holds), `sample_lines()` their records' lines, `files` the files of several.
+- `for_run(objective, train, ev, rows)` checks that the data fits the objective (`--objective dpo`: every record a
+  pair; sft: none), naming the file's counts and the fix, and returns the run's (train, ev, rows) as pairs for dpo
+  (`rows`, the rotating --data-weights epochs, as pair indices) or unchanged for sft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Pairs:
+    def __init__(self, samples):
+        lines = samples.sample_lines()
+        if len(samples) % 2 or not torch.equal(lines[0::2], lines[1::2]):   # (data.tokens keeps both or neither)
+            raise RuntimeError("preference pairs out of step: a pair's two samples are not side by side")
+        self.samples, self.files = samples, getattr(samples, "files", None)
+        self.lengths = samples.lengths[0::2] + samples.lengths[1::2]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, k: int) -> dict:
+        k = range(len(self))[k]
+        a, b = self.samples[2 * k], self.samples[2 * k + 1]
+        return {"input_ids": torch.cat([a["input_ids"], b["input_ids"]]),
+                "labels": torch.cat([a["labels"], b["labels"]]), "split": len(a["input_ids"])}
+
+    def sample_lines(self) -> torch.Tensor:
+        return self.samples.sample_lines()[0::2]
+
+
+class PairRows:
+    """A `data.mix.Rotation` over samples as one over pairs (its epochs keep a record's samples together, in order)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __call__(self, epoch: int) -> torch.Tensor:
+        r = self.rows(epoch)
+        if len(r) % 2 or bool((r[0::2] % 2).any()) or not torch.equal(r[1::2], r[0::2] + 1):
+            raise RuntimeError(f"epoch {epoch}'s --data-weights rows part a preference pair")
+        return r[0::2] // 2
+
+    def size(self, epoch: int) -> int:
+        return self.rows.size(epoch) // 2
+
+
+def _not_pairs(stats) -> int:
+    return stats.records - stats.dropped - stats.pairs
+
+
+def for_run(objective: str, train: tuple, ev: tuple, rows):
+    """(train (samples, stats), eval (samples, stats) or (None, None), rows) checked against `objective`; for dpo the
+    samples as `Pairs` and `rows` as `PairRows` (module docstring)."""
+    named = [("--data", train[1])] + ([("--eval-data", ev[1])] if ev[1] is not None else [])
+    for flag, stats in named:
+        if objective == "dpo" and _not_pairs(stats):
+            raise ValueError(f"--objective dpo: {flag} holds {_not_pairs(stats)} records that are not preference pairs "
+                             f"(of {stats.records}; {stats.pairs} pairs): DPO trains on {{\"prompt\", \"chosen\", "
+                             f"\"rejected\"}} records only; give those in their own file, or train them with "
+                             "--objective sft (the default)")
+        if objective != "dpo" and stats.pairs:
+            raise ValueError(f"{flag} holds {stats.pairs} preference pairs (\"chosen\"/\"rejected\" records): "
+                             "pass --objective dpo to train on them (every record a pair), or write them as "
+                             "{\"prompt\", \"completion\"} records for supervised fine-tuning")
+    if objective != "dpo":
+        return train, ev, rows
+    return ((Pairs(train[0]), train[1]), (Pairs(ev[0]) if ev[0] is not None else None, ev[1]),
+            None if rows is None else PairRows(rows))
