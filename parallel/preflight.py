@@ -132,6 +132,20 @@ def check_start(args, demo: bool):
                          f"{args.early_stop_delta:g}")
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
+    if args.objective == "dpo":
+        if demo:
+            raise ValueError("--objective dpo trains on preference pairs: pass --model and --data (a JSONL of "
+                             "{\"prompt\", \"chosen\", \"rejected\"} records); the embedded demo is supervised")
+        if args.loss != "cross-entropy":
+            raise ValueError("--objective dpo computes its own loss from each sequence's log-probabilities, so "
+                             "train.py's LOSS_FN (a per-token loss) cannot apply: set LOSS_FN = None, or train with "
+                             "--objective sft")
+        if args.init_adapter:
+            raise ValueError(f"--objective dpo with --init-adapter {args.init_adapter}: DPO's reference model is the "
+                             "base with LoRA off, which would not be where this adapter starts; merge the adapter into "
+                             "the base first (python -m model.merge --adapter DIR --out MERGED), then DPO from MERGED")
+        if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
+            raise ValueError(f"--dpo-beta must be above 0 (typical: 0.1), got {args.dpo_beta:g}")
     files = data_files(args.data)
     for flag, paths, fix in (("--data", files, "--data-weights 2 trains a file's samples twice"),
                              ("--eval-data", data_files(args.eval_data), "each eval file counts once")):
