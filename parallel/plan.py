@@ -154,13 +154,19 @@ class Plan:
         return self.peak * FRAGMENTATION + RUNTIME[self.target]
 
 
+def sample_tokens(args) -> int:
+    """The longest sample --max-len allows: a DPO pair (--objective dpo) is two sequences of up to --max-len each."""
+    return args.max_len * (2 if getattr(args, "objective", "sft") == "dpo" else 1)
+
+
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     """Term-by-term plan (see the module docstring) for ModelArgs `m` under ParallelDims `dims`."""
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     el = e if target == "cuda" and e == 2 else 4
     W, U, R = dims.dp_shard * dims.cp, dims.ulysses, dims.ring
     div, mb = dims.cp_divisor, args.micro_batch or 1   # (auto, 0: rows of the longest sample's length)
-    T = (_pad(args.max_len * mb, div) if pack else mb * _pad(args.max_len, div)) // dims.cp
+    S = sample_tokens(args)
+    T = (_pad(S * mb, div) if pack else mb * _pad(S, div)) // dims.cp
     D, H, K, hd, F, L, V, r = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, \
         m.vocab_size, args.lora_r
     Kp = max(K, U)

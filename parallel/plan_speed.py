@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import re
 
+from parallel.plan import sample_tokens
+
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
 
@@ -62,7 +64,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     r = RATES
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
-    S = args.max_len
+    S = sample_tokens(args)
     T = (args.micro_batch or 1) * S // dims.cp   # (auto, 0: one row of the longest sample's length)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
@@ -204,10 +206,11 @@ def apply_fast(args, margs, dims, budgets, log, tokens: int | None = None) -> No
     where = low.where + (f", rank {low.rank}'s: the smallest of {len(budgets)}"
                          if len({b.device for b in budgets}) > 1 else "")
     try:
-        n = min(args.max_len, tokens or args.max_len)
+        two = sample_tokens(args) // args.max_len   # (2: a DPO pair, planned as 2n)
+        n = min(args.max_len, -(-tokens // two) if tokens else args.max_len)
         flags, line = fast_flags(planning_copy(args, max_len=n), margs, dims, args.pack, len(budgets),
                                  budget=(low.target, low.device, where), host=min(host_per_rank(budgets)))
-        line += f" for the longest sample, {n:,} tokens" if n < args.max_len else ""
+        line += f" for the longest sample, {two * n:,} tokens" if n < args.max_len else ""
     except Exception as e:   # noqa: BLE001 (the same on every rank)
         raise RuntimeError(f"--fast failed: {type(e).__name__}: {e}") from e
     apply_flags(args, flags)

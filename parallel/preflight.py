@@ -117,6 +117,20 @@ def check_start(args, demo: bool):
 
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
+    if args.objective == "dpo":
+        if demo:
+            raise ValueError("--objective dpo trains on preference pairs: pass --model and --data (a JSONL of "
+                             "{\"prompt\", \"chosen\", \"rejected\"} records); the embedded demo is supervised")
+        if args.loss != "cross-entropy":
+            raise ValueError("--objective dpo computes its own loss from each sequence's log-probabilities, so "
+                             "train.py's LOSS_FN (a per-token loss) cannot apply: set LOSS_FN = None, or train with "
+                             "--objective sft")
+        if args.init_adapter:
+            raise ValueError(f"--objective dpo with --init-adapter {args.init_adapter}: DPO's reference model is the "
+                             "base with LoRA off, which would not be where this adapter starts; merge the adapter into "
+                             "the base first (python -m model.merge --adapter DIR --out MERGED), then DPO from MERGED")
+        if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
+            raise ValueError(f"--dpo-beta must be above 0 (typical: 0.1), got {args.dpo_beta:g}")
     check_flags(args)
     check_weights(args.data_weights, data_files(args.data), demo)
     args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
@@ -132,20 +146,6 @@ def check_start(args, demo: bool):
                          f"{args.early_stop_delta:g}")
     if (args.model is None) != (args.data is None):
         raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
-    if args.objective == "dpo":
-        if demo:
-            raise ValueError("--objective dpo trains on preference pairs: pass --model and --data (a JSONL of "
-                             "{\"prompt\", \"chosen\", \"rejected\"} records); the embedded demo is supervised")
-        if args.loss != "cross-entropy":
-            raise ValueError("--objective dpo computes its own loss from each sequence's log-probabilities, so "
-                             "train.py's LOSS_FN (a per-token loss) cannot apply: set LOSS_FN = None, or train with "
-                             "--objective sft")
-        if args.init_adapter:
-            raise ValueError(f"--objective dpo with --init-adapter {args.init_adapter}: DPO's reference model is the "
-                             "base with LoRA off, which would not be where this adapter starts; merge the adapter into "
-                             "the base first (python -m model.merge --adapter DIR --out MERGED), then DPO from MERGED")
-        if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
-            raise ValueError(f"--dpo-beta must be above 0 (typical: 0.1), got {args.dpo_beta:g}")
     files = data_files(args.data)
     for flag, paths, fix in (("--data", files, "--data-weights 2 trains a file's samples twice"),
                              ("--eval-data", data_files(args.eval_data), "each eval file counts once")):
@@ -288,7 +288,7 @@ def planning_copy(args, **kw):
 
 
 def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None):
-    from parallel.plan import GB, memory_plan
+    from parallel.plan import GB, memory_plan, sample_tokens
     from parallel.plan_search import _fixes
     gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
     if bad := next((b for b in budgets if b.target is None), None):
@@ -300,10 +300,12 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     host, hb = shares[low], budgets[low]
     whose = lambda b, differ: f" (rank {b.rank}'s, the smallest of {len(budgets)})" if differ else ""   # when ranks
     on_dev, on_host = whose(dev, len({b.device for b in budgets}) > 1), whose(hb, len(set(shares)) > 1)   # differ
-    n = min(args.max_len, tokens or args.max_len)
+    two = sample_tokens(args) // args.max_len   # (2: a DPO pair, two sequences of up to --max-len; planned as 2n)
+    n = min(args.max_len, -(-tokens // two) if tokens else args.max_len)
     a = planning_copy(args, max_len=n)
     p = memory_plan(margs, dims, a, dev.target, args.pack)
-    span = f"the longest sample, {n:,} tokens" + (f" (--max-len {args.max_len:,})" if n < args.max_len else "")
+    span = (f"the longest sample, {n:,} tokens" if two == 1 else f"the longest pair, 2 × {n:,} tokens") + (
+        f" (--max-len {args.max_len:,})" if n < args.max_len else "")
     if p.host and p.host > host:
         on = sum(b.machine == hb.machine for b in budgets)
         said = (f"--offload-activations pins the checkpointed blocks' inputs (all but the first) in host memory, "

@@ -5,7 +5,7 @@
   tokenizer. `<|endoftext|>` is EOS and pad; there is no BOS (Qwen's convention).
 - `make_text_jsonl(path, n, seed)` / `make_chat_jsonl(path, n, seed)`: `n` records of varied length
   (text: 3-80 words; chat: an optional system message and 1-3 user/assistant turns), deterministic
-  in `seed`. Both return the records they wrote.
+  in `seed`. Both return the records they wrote; so does `make_pairs_jsonl` (preference pairs, TRL's forms).
 """
 
 from __future__ import annotations
@@ -59,4 +59,22 @@ def make_chat_jsonl(path: str | Path, n: int, seed: int = 0) -> list[dict]:
             msgs.append({"role": "user", "content": _sentence(rng, 2, 20)})
             msgs.append({"role": "assistant", "content": _sentence(rng, 1, 30)})
         records.append({"messages": msgs})
+    return _write(path, records)
+
+
+def make_pairs_jsonl(path: str | Path, n: int, seed: int = 0) -> list[dict]:
+    """`n` preference pairs (--objective dpo), TRL's forms in turn: prompt/chosen/rejected strings, the same as lists of
+    messages (with a system message at times), and whole texts with no "prompt" (their shared start is the prompt)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        q, a, b = _sentence(rng, 2, 24), _sentence(rng, 1, 16), _sentence(rng, 1, 16)
+        if i % 3 == 0:
+            records.append({"prompt": q + "?", "chosen": " " + a, "rejected": " " + b})
+        elif i % 3 == 1:
+            head = [{"role": "system", "content": _sentence(rng, 2, 6)}] if rng.random() < 0.5 else []
+            records.append({"prompt": head + [{"role": "user", "content": q}],
+                            "chosen": [{"role": "assistant", "content": a}], "rejected": b})
+        else:
+            records.append({"chosen": f"{q}. {a}", "rejected": f"{q}. {b}"})
     return _write(path, records)

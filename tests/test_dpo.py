@@ -1,0 +1,316 @@
+"""`--objective dpo`: preference pairs, the DPO loss against references nobody here wrote, and every layout = one process.
+
+Pins:
+- the chunked loss with `per_token=True` = `F.cross_entropy(reduction="none")`, values and the hidden gradient
+  under a different factor per row; refused with a `loss_fn` or a trainable head;
+- a packed micro-batch of pairs through `parallel.preference.DPO` (the base with LoRA off as the reference, with
+  and without AC + the tiled MLP) = the DPO formula on transformers' Qwen2 + peft's LoRA, each sequence alone,
+  log-probabilities from `log_softmax`, the reference from peft's own `disable_adapter()`: the losses and every
+  LoRA gradient;
+- a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
+  text), side by side; a pair with a side left without a target is dropped whole and counted once; `collate`
+  restarts positions at the split and marks the sides;
+- train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses with an eval each step, ring with 2 pairs a micro-batch, dp 4
+  unpacked) in losses, grad norms, reward accuracy and margin, eval loss and eval reward accuracy, adapter; two
+  files with --data-weights 1 0.5 and --eval-split 2 (rotating shares of pairs, whole pairs held out) likewise;
+  a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
+- start-up refusals name the fix: pairs without --objective dpo, other records with it, --init-adapter, LOSS_FN,
+  --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
+
+Run: .venv/bin/python -m pytest -q tests/test_dpo.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist import run_ranks
+from tests.fixtures import make_pairs_jsonl
+from tests.helpers import build_nonzero_b, one_thread, startup_error, tiny_checkpoint, train_argv
+from tests.test_train import _adapter, _compare, _metrics
+
+DPO = ["--objective", "dpo", "--dpo-beta", "0.5"]
+FOUR = {"dpo_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--eval-every", "1"],
+        "dpo_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
+        "dpo_dp4_no_pack_mb2": ["--dp-shard", "4", "--no-pack", "--micro-batch", "2"]}
+FILES = ["--data-weights", "1", "0.5", "--eval-split", "2", "--eval-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def pairs(assets):
+    d = assets["dir"]
+    path = os.path.join(d, "pairs.jsonl")
+    recs = make_pairs_jsonl(path, 30, seed=7)
+    parts = [os.path.join(d, "pairs_a.jsonl"), os.path.join(d, "pairs_b.jsonl")]
+    for p, rs in zip(parts, (recs[:12], recs[12:])):
+        with open(p, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    return {**assets, "data": path, "parts": parts}
+
+
+def _argv(a, out, *extra):
+    return train_argv(a, out, *DPO, "--eval-data", a["data"], *extra) if "--eval-split" not in extra else \
+        train_argv(a, out, *DPO, *extra)
+
+
+def _four(rank, world_size, a, root):
+    import train
+
+    for name, flags in FOUR.items():
+        train.main(_argv(a, os.path.join(root, name), *flags))
+    train.main(_argv(a, os.path.join(root, "dpo_files_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
+                     "ring", *FILES, "--data", *a["parts"]))
+
+
+@pytest.fixture(scope="module")
+def runs(pairs, tmp_path_factory):
+    import train
+
+    root = str(tmp_path_factory.mktemp("dpo_runs"))
+    with one_thread():
+        train.main(_argv(pairs, os.path.join(root, "dpo"), "--eval-every", "1", "--save-every", "2"))
+        train.main(_argv(pairs, os.path.join(root, "dpo_files"), *FILES, "--data", *pairs["parts"]))
+        train.main(_argv(pairs, os.path.join(root, "dpo_resume"), "--eval-every", "1", "--resume",
+                         os.path.join(root, "dpo", "ckpt", "step_000002")))
+    run_ranks(_four, 4, pairs, root, timeout=540, pg_timeout=120)
+    return root
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_per_token_loss_is_cross_entropy_per_row():
+    from loss import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(50, 16, generator=g)
+    y = torch.randint(0, 50, (37,), generator=g)
+    y[::4] = -100
+    out, n = chunked_cross_entropy(h, w, y, chunk_size=5, per_token=True)
+    want = F.cross_entropy(h @ w.t(), y, reduction="none", ignore_index=-100)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert int(n) == int((y != -100).sum()) and bool((out[::4] == 0).all())
+    k = torch.randn(37, generator=g)   # a different factor per row, as DPO's per-sequence weights are
+    (gh,) = torch.autograd.grad((out * k).sum(), h)
+    h2 = h.detach().requires_grad_()
+    (ref,) = torch.autograd.grad((F.cross_entropy(h2 @ w.t(), y, reduction="none", ignore_index=-100) * k).sum(), h2)
+    torch.testing.assert_close(gh, ref, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="fused cross-entropy only"):
+        chunked_cross_entropy(h, w.requires_grad_(), y, per_token=True)
+    with pytest.raises(ValueError, match="fused cross-entropy only"):
+        chunked_cross_entropy(h, w.detach(), y, per_token=True, loss_fn=lambda z, t: z.sum())
+
+
+def _pair(g, lc, lr, prompt):
+    """A pair sample: two sequences sharing a `prompt`-token start, targets after it."""
+    share = torch.randint(0, 128, (prompt,), generator=g)
+    seqs = [torch.cat([share, torch.randint(0, 128, (n - prompt,), generator=g)]) for n in (lc, lr)]
+    labels = [torch.cat([s[1:], torch.tensor([-100])]) for s in seqs]
+    for lab in labels:
+        lab[:prompt - 1] = -100
+    return {"input_ids": torch.cat(seqs), "labels": torch.cat(labels), "split": lc}, seqs, labels
+
+
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["no_ac", "ac_tiled"])
+def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem):
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    from data.collate import collate
+    from model.config import LORA_TARGETS
+    from parallel.cp import KernelAttention
+    from parallel.parallelize import BuildOptions
+    from parallel.preference import DPO as Step
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", layers=3)
+    g = torch.Generator().manual_seed(3)
+    made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4), _pair(g, 15, 15, 15 - 3)]
+    beta = 0.7
+    model, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=3, **mem),
+                                        attention=KernelAttention())
+    b = collate([m[0] for m in made], True, 1, 0, sides=True)
+    losses, margins = Step(model, beta)(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
+    (losses.sum() / len(made)).backward()
+    ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+
+    hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32),
+                        LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                                   init_lora_weights=False))
+    assert not hf.load_state_dict({k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad},
+                                  strict=False).unexpected_keys
+    hf.train()
+
+    def logp(ids, lab):   # each sequence alone, the whole logits
+        z = hf(input_ids=ids[None]).logits[0].float().log_softmax(-1)
+        keep = lab != -100
+        return z[keep].gather(1, lab[keep, None]).sum()
+
+    want = []
+    for _, seqs, labels in made:
+        with torch.no_grad(), hf.disable_adapter():
+            ref = [logp(s, lab) for s, lab in zip(seqs, labels)]
+        pol = [logp(s, lab) for s, lab in zip(seqs, labels)]
+        want.append(-F.logsigmoid(beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))))
+    want = torch.stack(want)
+    (want.sum() / len(made)).backward()
+    torch.testing.assert_close(losses.float(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert bool((margins.abs() > 1e-4).all()), f"the policy should differ from the reference: margins {margins}"
+    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
+    assert theirs.keys() == ours.keys() and len(ours) == 14 * 3
+    for k in ours:   # (float32 sums in another order: relative to the tensor's norm, elements near 0 included)
+        rel = ((ours[k] - theirs[k]).norm() / theirs[k].norm()).item()
+        assert theirs[k].norm() > 0 and rel < 1e-4, f"grad {k}: relative difference {rel:.2e}"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_a_pair_is_its_two_sides_as_records(assets):
+    from transformers import AutoTokenizer
+
+    from data.jsonl import parse_record
+    from data.tokens import tokenize_records
+
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    lines = [{"prompt": "What is 2 and 2?", "chosen": " four", "rejected": " five, or so"},
+             {"prompt": chat, "chosen": [{"role": "assistant", "content": "Paris."}], "rejected": "Rome."},
+             {"chosen": "The fox ran over the hill.", "rejected": "The fox sat."},
+             {"prompt": "a long question " * 40, "chosen": " yes", "rejected": " no " * 30}]
+    sides = [[{"prompt": x["prompt"], "completion": x["chosen"]}, {"prompt": x["prompt"], "completion": x["rejected"]}]
+             if isinstance(x.get("prompt"), str) else
+             [{"messages": chat + [{"role": "assistant", "content": "Paris."}]},
+              {"messages": chat + [{"role": "assistant", "content": "Rome."}]}] if "prompt" in x else
+             [{"text": x["chosen"]}, {"text": x["rejected"]}] for x in lines]
+    recs = [parse_record(json.dumps(x), "p.jsonl", n) for n, x in enumerate(lines, 1)]
+    got, stats = tokenize_records(recs, tok, 96, "p.jsonl")
+    want, _ = tokenize_records([parse_record(json.dumps(s), "s.jsonl", n) for n, pair in enumerate(sides, 1)
+                                for s in pair], tok, 96, "s.jsonl")
+    assert stats.pairs == 4 and stats.samples == 8 == len(got) and stats.records == 4
+    for a, b in zip(got, want):
+        assert a == b
+    assert [s["line"] for s in got] == [1, 1, 2, 2, 3, 3, 4, 4]
+    # a pair whose chosen side has no target left within --max-len (six questions before its answer), though its
+    # rejected side alone keeps one: dropped whole, counted once, named
+    users = [{"role": "user", "content": f"And of the place number {i}?"} for i in range(6)]
+    five = parse_record(json.dumps({"chosen": users + [{"role": "assistant", "content": "Madrid."}],
+                                    "rejected": [{"role": "user", "content": "Spain?"},
+                                                 {"role": "assistant", "content": "Rome."}]}), "p.jsonl", 5)
+    assert [len(tokenize_records([side], tok, 64)[0]) for side in five["pair"]] == [0, 1]
+    got5, stats5 = tokenize_records(recs + [five], tok, 96, "p.jsonl")
+    assert got5 == got and stats5.dropped == 1 and stats5.dropped_lines == [5] and stats5.records == 5
+
+
+def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
+    from data.collate import collate
+    from data.pairs import Pairs, PairRows
+    from data.store import Samples
+
+    a = {"input_ids": [5, 6, 7], "labels": [6, 7, -100], "line": 1}
+    b = {"input_ids": [5, 8], "labels": [8, -100], "line": 1}
+    c = {"input_ids": [9, 9, 9, 9], "labels": [-100, 9, 9, -100], "line": 2}
+    d = {"input_ids": [9, 1], "labels": [1, -100], "line": 2}
+    p = Pairs(Samples.from_lists([a, b, c, d]))
+    assert len(p) == 2 and p.lengths.tolist() == [5, 6] and p.sample_lines().tolist() == [1, 2]
+    out = collate([p[0], p[1]], True, 4, 0, sides=True)
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]]
+    assert out["sides"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, -1]]
+    assert out["labels"].tolist() == [[6, 7, -100, 8, -100, -100, 9, 9, -100, 1, -100, -100]]
+    rows = collate([p[0], p[1]], False, 1, 0, sides=True)
+    assert rows["sides"].tolist() == [[0, 0, 0, 1, 1, -1], [2, 2, 2, 2, 3, 3]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1]]
+    assert "sides" not in collate([p[0]], True, 1, 0)
+    assert PairRows(lambda e: torch.tensor([2, 3, 0, 1, 2, 3]))(0).tolist() == [1, 0, 1]
+    with pytest.raises(RuntimeError, match="part a preference pair"):
+        PairRows(lambda e: torch.tensor([1, 2]))(0)
+
+
+def test_the_planner_plans_a_pair_as_two_sequences():
+    import argparse
+
+    import train
+    from model.load import read_args
+    from parallel.mesh import ParallelDims
+    from parallel.plan import memory_plan
+
+    m = read_args("bench/configs/qwen2.5-7b")
+    p = train.build_parser()
+    base = p.parse_args(["--max-len", "8192", "--dtype", "bf16"])
+    dpo = argparse.Namespace(**{**vars(base), "objective": "dpo"})
+    two = argparse.Namespace(**{**vars(base), "max_len": 16384})
+    dims = ParallelDims(world_size=1, dp_shard=1, cp=1)
+    assert memory_plan(m, dims, dpo, "cuda", True).peak == memory_plan(m, dims, two, "cuda", True).peak
+    assert memory_plan(m, dims, dpo, "cuda", True).peak > memory_plan(m, dims, base, "cuda", True).peak
+
+
+# ----------------------------------------------------------------------------- train.py
+
+
+def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
+    m = _metrics(os.path.join(runs, "dpo"))
+    assert [r["step"] for r in m] == [1, 2, 3]
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and m[0]["reward_margin"] == 0 and m[0]["reward_acc"] == 0
+    assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r for r in m)
+    assert m[-1]["eval_loss"] < math.log(2), f"the eval pairs' DPO loss should fall below log 2: {m[-1]}"
+    cfg = json.load(open(os.path.join(runs, "dpo", "config.json")))
+    assert cfg["objective"] == "dpo" and cfg["dpo_beta"] == 0.5
+    assert os.path.exists(os.path.join(runs, "dpo", "adapter", "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_four_ranks_match_one_rank(runs, name):
+    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
+    _compare(name, out, ref)
+    for g, w in zip(_metrics(out), _metrics(ref)):
+        for k in ("reward_acc", "reward_margin", "eval_loss", "eval_reward_acc"):
+            if k in g or k in w:
+                assert k in g and k in w and abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g.get(k)} vs " \
+                                                                        f"{w.get(k)}"
+
+
+def test_weighted_files_and_a_held_out_split_of_pairs_on_four_ranks_match_one_rank(runs):
+    out, ref = os.path.join(runs, "dpo_files_cp2_dp2_ring"), os.path.join(runs, "dpo_files")
+    _compare("dpo_files", out, ref)
+    assert [r["eval_reward_acc"] for r in _metrics(out)] == pytest.approx([r["eval_reward_acc"]
+                                                                            for r in _metrics(ref)], abs=1e-4)
+
+
+def test_resume_gives_the_uninterrupted_step(runs):
+    got, want = _metrics(os.path.join(runs, "dpo_resume")), _metrics(os.path.join(runs, "dpo"))
+    assert [r["step"] for r in got] == [1, 2, 3]   # (metrics.jsonl keeps the checkpoint's steps)
+    for k in ("loss", "grad_norm", "reward_acc", "reward_margin", "eval_loss"):
+        assert abs(got[2][k] - want[2][k]) <= 1e-5, f"step 3 {k}: {got[2][k]} vs {want[2][k]}"
+    a, b = _adapter(os.path.join(runs, "dpo_resume")), _adapter(os.path.join(runs, "dpo"))
+    for k in b:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
+    out = str(tmp_path / "err")
+    said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo
+    assert "30 preference pairs" in said and "--objective dpo" in said
+    said = startup_error(train_argv(assets, out, *DPO))   # chat records with it
+    assert "--objective dpo: --data holds 40 records that are not preference pairs" in said
+    said = startup_error(train_argv(pairs, out, *DPO, "--init-adapter", str(tmp_path)))
+    assert "--init-adapter" in said and "model.merge" in said
+    assert "--dpo-beta must be above 0" in startup_error(train_argv(pairs, out, "--objective", "dpo", "--dpo-beta",
+                                                                    "0"))
+    assert "embedded demo is supervised" in startup_error(["--objective", "dpo", "--out", out])
+    import train
+    keep = train.LOSS_FN
+    train.LOSS_FN = lambda z, y: F.cross_entropy(z, y, reduction="sum")
+    try:
+        assert "set LOSS_FN = None" in startup_error(train_argv(pairs, out, *DPO))
+    finally:
+        train.LOSS_FN = keep
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "q", "chosen": " a"}) + "\n")
+    said = startup_error(train_argv({**pairs, "data": str(bad)}, out, *DPO))
+    assert 'line 1: has "chosen" but no "rejected"' in said
