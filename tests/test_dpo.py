@@ -1,4 +1,4 @@
-"""`--objective dpo`: preference pairs, the DPO loss against references nobody here wrote, and every layout = one process.
+"""`--objective dpo`: preference pairs, the DPO loss against references nobody here wrote, every layout = 1 process.
 
 Pins:
 - the chunked loss with `per_token=True` = `F.cross_entropy(reduction="none")`, values and the hidden gradient
@@ -11,8 +11,8 @@ Pins:
   text), side by side; a pair with a side left without a target is dropped whole and counted once; `collate`
   restarts positions at the split and marks the sides;
 - train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
-  --micro-batch auto, the tiled MLP and offload; an eval each step) in losses, grad norms, reward accuracy and margin, eval loss and eval reward accuracy, adapter; two
-  files with --data-weights 1 0.5 and --eval-split 2 (rotating shares of pairs, whole pairs held out) likewise;
+  --micro-batch auto, the tiled MLP and offload; an eval each step) in losses, grad norms, reward accuracy and
+  margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split 2 (rotating shares of pairs, whole pairs held out) likewise;
   a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, --init-adapter, LOSS_FN,
   --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
@@ -213,7 +213,7 @@ def test_a_pair_is_its_two_sides_as_records(assets):
 
 def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
     from data.collate import collate
-    from data.pairs import Pairs, PairRows
+    from data.pairs import PairRows, Pairs
     from data.store import Samples
 
     a = {"input_ids": [5, 6, 7], "labels": [6, 7, -100], "line": 1}
