@@ -12,7 +12,8 @@ Pins:
   restarts positions at the split and marks the sides;
 - train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
   --micro-batch auto, the tiled MLP and offload; an eval each step) in losses, grad norms, reward accuracy and
-  margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split 2 (rotating shares of pairs, whole pairs held out) likewise;
+  margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split 2
+  (rotating shares of pairs, whole pairs held out) likewise;
   a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, --init-adapter, LOSS_FN,
   --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
