@@ -144,13 +144,15 @@ def show(args) -> None:
         for rec in records(str(path), args.n, args.lines):
             samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text)
             if not samples:
-                print(f"\n{path}:{rec['line']}: no target left (--max-len {max_len}): train.py drops this record")
+                print(f"\n{path}:{rec['line']}: no target left (--max-len {max_len}" + (" in one side" if "pair" in rec
+                      else "") + "): train.py drops this record")
                 continue
             for k, s in enumerate(samples, start=1):
                 targets = sum(t for t, ids in spans(s) for _ in ids)
                 n_samples, n_tokens, n_targets = n_samples + 1, n_tokens + len(s["input_ids"]), n_targets + targets
-                print(f"\n{path}:{rec['line']} sample {k}/{len(samples)}: {len(s['input_ids'])} tokens, {targets} "
-                      f"targets" + (" (cut to --max-len)" if stats.truncated else ""))
+                which = ("chosen", "rejected")[k - 1] if "pair" in rec else f"sample {k}/{len(samples)}"
+                print(f"\n{path}:{rec['line']} {which}: {len(s['input_ids'])} tokens, {targets} targets"
+                      + (" (cut to --max-len)" if stats.truncated else ""))
                 print(render(s, tok, marks))
     print(f"\n{n_samples} sample{'s' * (n_samples != 1)}, {n_tokens} tokens, {n_targets} targets")
 

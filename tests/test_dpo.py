@@ -318,3 +318,23 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     bad.write_text(json.dumps({"prompt": "q", "chosen": " a"}) + "\n")
     said = startup_error(train_argv({**pairs, "data": str(bad)}, out, *DPO))
     assert 'line 1: has "chosen" but no "rejected"' in said
+
+
+def test_data_show_names_each_side(pairs, capsys):
+    """`python -m data.show` on a pair file: each record's two samples headed chosen and rejected, in that order, as
+    train.py tokenizes them."""
+    from transformers import AutoTokenizer
+
+    from data.jsonl import load_jsonl
+    from data.show import main
+    from data.tokens import tokenize_records
+
+    assert main(["--model", pairs["model"], "--data", pairs["data"], "--n", "3", "--max-len", "64", "--no-color"]) == 0
+    heads = [x for x in capsys.readouterr().out.splitlines() if x.startswith(pairs["data"] + ":")]
+    tok = AutoTokenizer.from_pretrained(pairs["model"])
+    want = []
+    for rec in load_jsonl(pairs["data"])[:3]:
+        samples, _ = tokenize_records([rec], tok, 64, pairs["data"])
+        want += [f"{pairs['data']}:{rec['line']} {side}: {len(s['input_ids'])} tokens"
+                 for side, s in zip(("chosen", "rejected"), samples)]
+    assert len(heads) == len(want) == 6 and all(h.startswith(w) for h, w in zip(heads, want)), (heads, want)
