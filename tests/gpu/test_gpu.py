@@ -24,6 +24,7 @@ folder, `make test-gpu` does):
 - NF4 codes and absmax (training's blocks, the merge's nested round trip) equal the CPU's, ties included;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets;
+- `--objective dpo` on NF4 + bf16: step 1's loss is log 2, the eval pairs' loss falls; `per_token` losses in bf16;
 - past 2^31 elements (603k tokens of Qwen2.5-7B's q, where --max-len auto leads): causal attention's out, dq and
   the last key's dk, dv on rows past that point = one query row in float32 math; fused RMSNorm's last rows.
 
@@ -443,6 +444,39 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     assert "mfu" in rows[0] and rows[0]["peak_mem_gb"] > 0
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
+
+
+def test_cuda_dpo_nf4_bf16(tmp_path, monkeypatch):
+    """--objective dpo on the device (the demo's model, NF4, bf16, preference pairs): step 1's loss is log 2 (LoRA's B
+    is 0, so the policy's forward is the reference's bit for bit), the losses and reward metrics are finite, and the
+    eval pairs' DPO loss falls below log 2; the per-token chunked loss in bf16 = F.cross_entropy in float64."""
+    import os
+
+    import train
+    from data.demo import make_demo
+    from tests.fixtures import make_pairs_jsonl
+
+    h = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16) * 0.1
+    y = torch.randint(0, 1000, (300,), device="cuda")
+    y[::3] = -100
+    got, _ = chunked_cross_entropy(h, w, y, chunk_size=64, per_token=True)
+    want = F.cross_entropy(h.double() @ w.double().t(), y, reduction="none", ignore_index=-100)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29535", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    model, _, _ = make_demo(os.path.dirname(train.DEMO["model"]))
+    pairs = str(tmp_path / "pairs.jsonl")
+    make_pairs_jsonl(pairs, 64, seed=0)
+    out = tmp_path / "run"
+    train.main(["--model", str(model), "--data", pairs, "--eval-data", pairs, "--objective", "dpo", "--steps", "10",
+                "--global-batch", "8", "--max-len", "256", "--lr", "1e-3", "--warmup", "1", "--no-progress",
+                "--out", str(out), "--quant", "nf4", "--dtype", "bf16"])
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 10 and all(math.isfinite(r["loss"]) and math.isfinite(r["reward_margin"]) for r in rows)
+    assert abs(rows[0]["loss"] - math.log(2)) < 1e-5, rows[0]
+    assert rows[-1]["eval_loss"] < math.log(2), rows[-1]
 
 
 def test_cuda_mem_trace_names_sites_and_phases(tmp_path, monkeypatch):
