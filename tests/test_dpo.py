@@ -13,7 +13,8 @@ Pins:
 - train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
   --micro-batch auto, the tiled MLP and offload; an eval each step) in losses, grad norms, reward accuracy and
   margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split 2
-  (rotating shares of pairs, whole pairs held out) likewise;
+  (rotating shares of pairs, whole pairs held out) likewise; on 1 rank, --ac-keep-attn (2 pairs a micro-batch) and
+  --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload and --ac-blocks 1 train as the plain run;
   a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, --init-adapter, LOSS_FN,
   --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
@@ -44,6 +45,10 @@ FOUR = {"dpo_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ul
         "dpo_cp4_ring_mb_auto": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "auto", "--eval-every", "1",
                                  "--tiled-mlp", "--offload-activations"]}
 FILES = ["--data-weights", "1", "0.5", "--eval-split", "2", "--eval-every", "1"]
+# memory flags on 1 rank (the reference's no_grad forward beside AC's caches and recomputes): as the plain run
+ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2"],
+       "dpo_group_tiled_attn": ["--ac-group", "2", "--tiled-attn", "--tiled-mlp"],
+       "dpo_tiled_attn_offload": ["--tiled-attn", "--offload-activations", "--ac-blocks", "1"]}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,8 @@ def runs(pairs, tmp_path_factory):
     with one_thread():
         train.main(_argv(pairs, os.path.join(root, "dpo"), "--eval-every", "1", "--save-every", "2"))
         train.main(_argv(pairs, os.path.join(root, "dpo_files"), *FILES, "--data", *pairs["parts"]))
+        for name, flags in ONE.items():
+            train.main(_argv(pairs, os.path.join(root, name), *flags))
         train.main(_argv(pairs, os.path.join(root, "dpo_resume"), "--eval-every", "1", "--resume",
                          os.path.join(root, "dpo", "ckpt", "step_000002")))
     run_ranks(_four, 4, pairs, root, timeout=540, pg_timeout=120)
@@ -277,6 +284,11 @@ def test_four_ranks_match_one_rank(runs, name):
             if k in g or k in w:
                 assert k in g and k in w and abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g.get(k)} vs " \
                                                                         f"{w.get(k)}"
+
+
+@pytest.mark.parametrize("name", list(ONE))
+def test_memory_flags_change_nothing_one_rank(runs, name):
+    _compare(name, os.path.join(runs, name), os.path.join(runs, "dpo"))
 
 
 def test_weighted_files_and_a_held_out_split_of_pairs_on_four_ranks_match_one_rank(runs):
