@@ -306,6 +306,7 @@ def main(argv=None):
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
+        docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
         idle = {"input_ids": samples[0]["input_ids"][:1].repeat(2 * dims.cp_divisor),   # (2 a cp rank at least:
                 "labels": torch.full((2 * dims.cp_divisor,), IGNORE_INDEX, dtype=torch.int32)}   # --compile's 0/1
         # specialization would compile each function again for a row of 1; review, helper 36)
@@ -383,7 +384,7 @@ def main(argv=None):
             # rank's --micro-batch auto cut more forwards; an all-ignored row keeps the collectives in step)
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
-            lens = [len(samples[i]["input_ids"]) for idx in idxs for i in idx] if cp_rank == 0 else []
+            lens = [n for idx in idxs for i in idx for n in docs(i)] if cp_rank == 0 else []   # each document's
             counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
                                    sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
                                    sum(n * flops_per_token(margs, n) for n in lens) * (4 / 3 if dpo else 1)],

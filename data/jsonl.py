@@ -161,20 +161,25 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
         if key not in obj:
             raise line_error(path, n, f'has "{"rejected" if key == "chosen" else "chosen"}" but no "{key}": a '
                                       'preference pair needs both', PAIR_LINES)
-    prompt = obj.get("prompt")
-    if prompt is None and all(isinstance(obj[k], str) for k in ("chosen", "rejected")):   # TRL's implicit prompt:
-        sides = [{"text": obj[k]} for k in ("chosen", "rejected")]   # their shared start is the prompt (its tokens
-        # are the same in both, so their log-probabilities cancel in the DPO margin exactly)
+    prompt, tools = obj.get("prompt"), ({"tools": obj["tools"]} if "tools" in obj else {})   # ("tools": messages only,
+    strings = [k for k in ("chosen", "rejected") if isinstance(obj[k], str)]   # as for any record, _normalise says)
+    if prompt is None and len(strings) == 2:   # TRL's implicit prompt: their shared start is the prompt (its tokens
+        sides = [{"text": obj[k], **tools} for k in strings]   # are the same in both: they cancel in the margin)
+    elif prompt is None and strings:
+        raise line_error(path, n, f'"{strings[0]}" is a string and the other side a list of messages, with no '
+                                  '"prompt": a string side is one assistant message, which needs the "prompt" '
+                                  'messages before it; give both sides as whole conversations, or add "prompt"',
+                         PAIR_LINES)
     elif isinstance(prompt, str):
-        sides = [{"prompt": prompt, "completion": obj[k]} for k in ("chosen", "rejected")]
+        sides = [{"prompt": prompt, "completion": obj[k], **tools} for k in ("chosen", "rejected")]
     else:
         head = [] if prompt is None else prompt
         if not isinstance(head, list):
             raise line_error(path, n, f'"prompt" must be a string or a list of messages, got {type(head).__name__}',
                              PAIR_LINES)
         as_list = lambda v: [{"role": "assistant", "content": v}] if isinstance(v, str) else v
-        sides = [{"messages": head + as_list(obj[k]) if isinstance(as_list(obj[k]), list) else obj[k],
-                  **({"tools": obj["tools"]} if "tools" in obj else {})} for k in ("chosen", "rejected")]
+        sides = [{"messages": head + as_list(obj[k]) if isinstance(as_list(obj[k]), list) else obj[k], **tools}
+                 for k in ("chosen", "rejected")]
     out = []
     for side, key in zip(sides, ("chosen", "rejected")):
         try:

@@ -106,12 +106,12 @@ def join(parts: list, files: list[str]):
 
 
 def total(stats: list):
-    """Several files' TokenStats as one (the dropped lines stay with each file's own warning)."""
+    """Several files' TokenStats as one (the dropped and tied lines stay with each file's own warning)."""
     if len(stats) == 1:
         return stats[0]
-    out = dataclasses.replace(stats[0], dropped_lines=[])
+    out = dataclasses.replace(stats[0], dropped_lines=[], tied_lines=[])
     for f in dataclasses.fields(out):
-        if f.name != "dropped_lines":
+        if not f.name.endswith("_lines"):
             vals = [getattr(s, f.name) for s in stats]
             setattr(out, f.name, max(vals) if f.name == "longest" else sum(vals))
     return out

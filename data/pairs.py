@@ -6,7 +6,8 @@ Contract:
   neither (`TokenStats.pairs` counts them). `Pairs(samples)` is the view with pair k = {"input_ids": chosen ++
   rejected, "labels": likewise, "split": the chosen's length}; `data.collate` makes it two documents (positions
   restart at the split) and marks each token's side (`sides`). `lengths` are the pairs' token counts (what a row,
-  and so the memory plan, holds), `sample_lines()` their records' lines, `files` the files of several.
+  and so the memory plan, holds), `sides(k)` its two sequences' lengths, `sample_lines()` their records' lines,
+  `files` the files of several.
 - `for_run(objective, train, ev, rows)` checks that the data fits the objective (`--objective dpo`: every record a
   pair; sft: none), naming the file's counts and the fix, and returns the run's (train, ev, rows) as pairs for dpo
   (`rows`, the rotating --data-weights epochs, as pair indices) or unchanged for sft.
@@ -37,6 +38,10 @@ class Pairs:
     def sample_lines(self) -> torch.Tensor:
         return self.samples.sample_lines()[0::2]
 
+    def sides(self, k: int) -> tuple[int, int]:
+        """Pair k's two sequences' lengths (the FLOPs count attention per sequence)."""
+        return int(self.samples.lengths[2 * k]), int(self.samples.lengths[2 * k + 1])
+
 
 class PairRows:
     """A `data.mix.Rotation` over samples as one over pairs (its epochs keep a record's samples together, in order)."""
@@ -55,7 +60,7 @@ class PairRows:
 
 
 def _not_pairs(stats) -> int:
-    return stats.records - stats.dropped - stats.pairs
+    return stats.records - stats.dropped - stats.tied - stats.pairs
 
 
 def for_run(objective: str, train: tuple, ev: tuple, rows):

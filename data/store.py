@@ -212,7 +212,7 @@ def build(records: list[dict], tokenize, log=None, what: str = "data", workers: 
         parts.append(Samples.from_lists(samples))
         for k, v in asdict(stats).items():
             setattr(total, k, max(v, total.longest) if k == "longest" else
-                    (total.dropped_lines + v)[:DROPPED_LINES] if k == "dropped_lines" else getattr(total, k) + v)
+                    (getattr(total, k) + v)[:DROPPED_LINES] if k.endswith("_lines") else getattr(total, k) + v)
         if log and time.time() - t_log > LOG_SECONDS:
             t_log = time.time()
             log(f"tokenizing {what}: {j:,} / {len(records):,} records, {total.tokens:,} tokens, {t_log - t0:.0f} s")

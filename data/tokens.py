@@ -65,6 +65,8 @@ class TokenStats:
     longest: int = 0  # longest record in tokens, before truncation or splitting
     cut: int = 0  # tokens truncation removed from kept samples
     special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
+    tied: int = 0  # preference pairs dropped because their two sides are the same tokens (after truncation)
+    tied_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
     pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
 
@@ -75,6 +77,7 @@ class TokenStats:
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
             + f", dropped {self.dropped} (no target left)" + (f", {self.pairs} preference pairs" if self.pairs else "")
+            + (f", {self.tied} pairs dropped as tied (both sides the same tokens)" if self.tied else "")
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
@@ -89,6 +92,13 @@ class TokenStats:
             share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
             said.append(f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained "
                         f"on (line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
+        if self.tied:
+            more = ", ..." if self.tied > len(self.tied_lines) else ""
+            lines = ", ".join(map(str, self.tied_lines)) + more
+            said.append(f"warning: {what}: {self.tied} preference pair{'s' * (self.tied > 1)} whose chosen and "
+                        f"rejected sides are the same tokens within --max-len {max_len} (nothing to prefer) are not "
+                        f"trained on (line{'s' * (self.tied > 1)} {lines}); where they differ past --max-len, a longer "
+                        "--max-len keeps them")
         if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
             said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
                         f"({100 * self.cut / whole:.0f}%), which are never trained on; "
@@ -221,6 +231,16 @@ def _windows(ids: list[int], max_len: int) -> list[list[int]]:
     return [ids[s:s + max_len] for s in range(0, len(ids) - 1, stride)]
 
 
+def _prompt_drop(n: int, cut, max_len: int) -> int:
+    """Tokens of the cuttable text `cut` = (t0, t1, least) a sample of `n` tokens loses to fit `max_len`."""
+    if n <= max_len or not cut:
+        return 0
+    t0, t1, least = cut
+    room = max_len - (n - (t1 - t0))   # tokens of that text beside everything else
+    keep = room if room >= least else min(t1 - t0, max(least, max_len // 4))
+    return max(0, t1 - t0 - keep)
+
+
 def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_text: str = LONG_TEXT[0]):
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
@@ -250,11 +270,19 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
     prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in flat if "prompt" in r]))
     bos = getattr(tokenizer, "bos_token_id", None)
 
-    samples, stats, held = [], TokenStats(records=len(records)), None
+    def dropped(r, why="dropped", lines="dropped_lines"):
+        setattr(stats, why, getattr(stats, why) + 1)
+        if len(getattr(stats, lines)) < DROPPED_LINES:
+            getattr(stats, lines).append(r.get("line", "?"))
+
+    samples, stats, held, pending = [], TokenStats(records=len(records)), None, False
     for r in flat:
         doc = None
-        if specials and "messages" not in r and specials.search(r.get("text") or r["prompt"] + r["completion"]):
-            stats.special += r["pair"] in (None, 0)   # (pre-rendered text means them: counted, in the data: line)
+        hit = bool(specials and "messages" not in r and specials.search(r.get("text") or r["prompt"] + r["completion"]))
+        if r["pair"] == 0:   # (pre-rendered text means them: counted, in the data: line; a pair once, either side)
+            pending = hit
+        else:
+            stats.special += hit or (r["pair"] == 1 and pending)
         if "text" in r:
             ids = list(next(text_ids))
             if not ids or ids[-1] != eos:
@@ -270,7 +298,6 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             check_chat_content(r["messages"], specials, where, r.get("tools"))
             ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
         stats.longest = max(stats.longest, len(ids))
-        n_ids = len(ids)
         if len(ids) > max_len and "text" in r and long_text == "split" and r["pair"] is None:   # every token trained,
             parts = _windows(ids, max_len)   # in windows (never a pair's side: its two sides are one sample each)
             stats.split, stats.windows = stats.split + 1, stats.windows + len(parts)
@@ -279,37 +306,47 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                 stats.samples, stats.tokens, stats.targets = stats.samples + 1, stats.tokens + len(w), \
                     stats.targets + len(w) - 1
             continue
-        if len(ids) > max_len:
-            # A prompt's start goes (after a BOS), and a chat's document's (the longest message before the first
-            # answer: its headers and the question after it stay), so the answers fit; when they cannot, that text
-            # keeps its last max_len // 4 tokens (a prompt without a BOS at least one: it predicts the answer's
-            # first) and the end is cut.
-            if "prompt" in r:
-                head = int(bos is not None and ids[0] == bos)
-                cut = (head, flags.index(True), head == 0)
-            else:   # (text: None)
-                cut = doc and (*doc, 0)
-            if cut:
-                t0, t1, least = cut
-                room = max_len - (len(ids) - (t1 - t0))   # tokens of that text beside everything else
-                keep = room if room >= least else min(t1 - t0, max(least, max_len // 4))
-                if (drop := t1 - t0 - keep) > 0:
-                    ids, flags = ids[:t0] + ids[t0 + drop:], flags[:t0] + flags[t0 + drop:]
-            ids, flags = ids[:max_len], flags[:max_len]
-        labels = shift_labels(ids, flags)
-        n_targets = sum(lab != IGNORE_INDEX for lab in labels)
-        kept = n_targets and ({"input_ids": ids, "labels": labels, "line": r.get("line", -1)}, n_ids, n_targets)
+        # A prompt's start may go (after a BOS), or a chat's document's (the longest message before the first answer:
+        # its headers and the question after it stay), so the answers fit; when they cannot, that text keeps its last
+        # max_len // 4 tokens (a prompt without a BOS at least one: it predicts the answer's first) and the end is
+        # cut. A pair's two sides lose the same tokens of their shared prompt: the longer side's count, so both
+        # answers are scored after the same context.
+        if "prompt" in r:
+            head = int(bos is not None and ids[0] == bos)
+            cut = (head, flags.index(True), head == 0)
+        else:   # (text: None)
+            cut = doc and (*doc, 0)
+        side = (r, ids, flags, cut, _prompt_drop(len(ids), cut, max_len))
         if r["pair"] == 0:   # the chosen side waits for the rejected one
-            held = kept
+            held = side
             continue
-        group = [kept] if r["pair"] is None else [held, kept]
-        if not all(group):
-            stats.dropped += 1
-            if len(stats.dropped_lines) < DROPPED_LINES:
-                stats.dropped_lines.append(r.get("line", "?"))
+        group = [side] if r["pair"] is None else [held, side]
+        drop = max(g[4] for g in group)
+        made = []
+        for r, ids, flags, cut, _ in group:
+            n_ids = len(ids)
+            if cut and (d := min(drop, cut[1] - cut[0])) > 0:
+                ids, flags = ids[:cut[0]] + ids[cut[0] + d:], flags[:cut[0]] + flags[cut[0] + d:]
+            ids, flags = ids[:max_len], flags[:max_len]
+            labels = shift_labels(ids, flags)
+            made.append(({"input_ids": ids, "labels": labels, "line": r.get("line", -1)}, n_ids,
+                         sum(lab != IGNORE_INDEX for lab in labels)))
+        held = None
+        if not all(n for _, _, n in made):
+            dropped(r)
             continue
-        stats.pairs += r["pair"] is not None
-        for sample, n_ids, n_targets in group:
+        if len(made) == 2 and made[0][0]["input_ids"] == made[1][0]["input_ids"] and \
+                made[0][0]["labels"] == made[1][0]["labels"]:   # no preference to learn (and a margin of float noise)
+            dropped(r, "tied", "tied_lines")
+            continue
+        if len(made) == 2:   # a shared start's tokens (the same context, the same token) cancel in the DPO margin:
+            shared = next((t for t, (x, y) in enumerate(zip(*(m[0]["input_ids"] for m in made))) if x != y),
+                          min(len(m[0]["input_ids"]) for m in made))   # not targets, so float noise does not either
+            for m in made:
+                m[0]["labels"][:shared - 1] = [IGNORE_INDEX] * max(0, shared - 1)
+            made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
+            stats.pairs += 1
+        for sample, n_ids, n_targets in made:
             samples.append(sample)
             stats.samples += 1
             stats.truncated += n_ids > len(sample["input_ids"])   # (until 2026-12-04 dropped records too)

@@ -27,6 +27,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
+  --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
+    forward (no grad) adds a forward of every block and of lm_head: g(all) + a + o per block, g(V·D) + 8 bytes a logit.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
   of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
@@ -64,8 +66,9 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     r = RATES
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
-    S = sample_tokens(args)
+    S, Sd = sample_tokens(args), args.max_len   # a row's tokens, a document's (a DPO pair: two of --max-len)
     T = (args.micro_batch or 1) * S // dims.cp   # (auto, 0: one row of the longest sample's length)
+    ref = getattr(args, "objective", "sft") == "dpo"   # DPO: the reference model's forward too (no grad)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
@@ -76,7 +79,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     mm = att = ew = 0.0
     for layer in range(L):
         w = m.window(layer) if hasattr(m, "window") else None
-        span = S / 2 if w is None or w >= S else w * (1 - w / (2 * S))   # keys per query, on average
+        span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
         a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
         mm += 2 * g(q + kv + o + gu + down)
         att += a * (1 + r["BWD"])
@@ -94,8 +97,10 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         if ta:
             mm += g(q + kv) + (0 if nf4_skip else g(o))
             ew += oa
-    mm += 2 * g(V * D)
-    ew += 16 * T * V / r["ELEMENTWISE"]
+        if ref:
+            mm, att, ew = mm + g(q + kv + o + gu + down), att + a, ew + oa + om
+    mm += (3 if ref else 2) * g(V * D)
+    ew += (24 if ref else 16) * T * V / r["ELEMENTWISE"]
     return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)
 
 
