@@ -76,7 +76,8 @@ class TokenStats:
             f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
-            + f", dropped {self.dropped} (no target left)" + (f", {self.pairs} preference pairs" if self.pairs else "")
+            + f", dropped {self.dropped} (no target left)"
+            + (f", {self.pairs} preference pairs (two samples each)" if self.pairs else "")
             + (f", {self.tied} pairs dropped as tied (both sides the same tokens)" if self.tied else "")
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
@@ -103,7 +104,7 @@ class TokenStats:
             said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
                         f"({100 * self.cut / whole:.0f}%), which are never trained on; "
                         "a longer --max-len keeps them" + (", and --long-text split trains a text record whole" if
-                                                            long_text == "truncate" else ""))
+                                                            long_text == "truncate" and not self.pairs else ""))
         return "\n".join(said) or None
 
 
