@@ -68,13 +68,14 @@ def for_run(objective: str, train: tuple, ev: tuple, rows):
     samples as `Pairs` and `rows` as `PairRows` (module docstring)."""
     named = [("--data", train[1])] + ([("--eval-data", ev[1])] if ev[1] is not None else [])
     for flag, stats in named:
+        n = stats.pairs + stats.tied   # (the pair records: kept, and tied ones; a dropped one is not told apart)
         if objective == "dpo" and _not_pairs(stats):
             raise ValueError(f"--objective dpo: {flag} holds {_not_pairs(stats)} records that are not preference pairs "
-                             f"(of {stats.records}; {stats.pairs} pairs): DPO trains on {{\"prompt\", \"chosen\", "
-                             f"\"rejected\"}} records only; give those in their own file, or train them with "
-                             "--objective sft (the default)")
-        if objective != "dpo" and stats.pairs:
-            raise ValueError(f"{flag} holds {stats.pairs} preference pairs (\"chosen\"/\"rejected\" records): "
+                             f"(of {stats.records}; {n} pairs): DPO trains on {{\"prompt\", \"chosen\", \"rejected\"}} "
+                             "records only; give those in their own file, or train them with --objective sft (the "
+                             "default)")
+        if objective != "dpo" and n:
+            raise ValueError(f"{flag} holds {n} preference pairs (\"chosen\"/\"rejected\" records): "
                              "pass --objective dpo to train on them (every record a pair), or write them as "
                              "{\"prompt\", \"completion\"} records for supervised fine-tuning")
     if objective != "dpo":

@@ -144,15 +144,21 @@ def show(args) -> None:
         for rec in records(str(path), args.n, args.lines):
             samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text)
             if not samples:
-                print(f"\n{path}:{rec['line']}: no target left (--max-len {max_len}" + (" in one side" if "pair" in rec
-                      else "") + "): train.py drops this record")
+                why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, within "
+                       f"--max-len {max_len}" if stats.tied else
+                       f"no target left (--max-len {max_len}" + " in one side" * ("pair" in rec) + ")")
+                print(f"\n{path}:{rec['line']}: {why}: train.py drops this record")
                 continue
+            # a pair's side is cut when it lost tokens (its own end, or the prompt start both sides lose)
+            alone = lambda side, p=path: len(tokenize_records([side], tok, 2**62, p, day, long_text)[0][0]["input_ids"])
+            whole = [stats.truncated > 0] if "pair" not in rec else \
+                [alone(side) > len(s["input_ids"]) for side, s in zip(rec["pair"], samples)]
             for k, s in enumerate(samples, start=1):
                 targets = sum(t for t, ids in spans(s) for _ in ids)
                 n_samples, n_tokens, n_targets = n_samples + 1, n_tokens + len(s["input_ids"]), n_targets + targets
                 which = ("chosen", "rejected")[k - 1] if "pair" in rec else f"sample {k}/{len(samples)}"
                 print(f"\n{path}:{rec['line']} {which}: {len(s['input_ids'])} tokens, {targets} targets"
-                      + (" (cut to --max-len)" if stats.truncated else ""))
+                      + (" (cut to --max-len)" if whole[min(k, len(whole)) - 1] else ""))
                 print(render(s, tok, marks))
     print(f"\n{n_samples} sample{'s' * (n_samples != 1)}, {n_tokens} tokens, {n_targets} targets")
 

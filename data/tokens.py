@@ -96,10 +96,11 @@ class TokenStats:
         if self.tied:
             more = ", ..." if self.tied > len(self.tied_lines) else ""
             lines = ", ".join(map(str, self.tied_lines)) + more
-            said.append(f"warning: {what}: {self.tied} preference pair{'s' * (self.tied > 1)} whose chosen and "
-                        f"rejected sides are the same tokens within --max-len {max_len} (nothing to prefer) are not "
-                        f"trained on (line{'s' * (self.tied > 1)} {lines}); where they differ past --max-len, a longer "
-                        "--max-len keeps them")
+            many = self.tied > 1
+            said.append(f"warning: {what}: {self.tied} preference pair{'s' * many} whose chosen and rejected sides are "
+                        f"the same tokens within --max-len {max_len}, or differ in no target, (nothing to prefer) "
+                        f"{'are' if many else 'is'} not trained on (line{'s' * many} {lines}); where they differ past "
+                        "--max-len, a longer --max-len keeps them")
         if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
             said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
                         f"({100 * self.cut / whole:.0f}%), which are never trained on; "
@@ -343,9 +344,12 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         if len(made) == 2:   # a shared start's tokens (the same context, the same token) cancel in the DPO margin:
             shared = next((t for t, (x, y) in enumerate(zip(*(m[0]["input_ids"] for m in made))) if x != y),
                           min(len(m[0]["input_ids"]) for m in made))   # not targets, so float noise does not either
-            for m in made:
-                m[0]["labels"][:shared - 1] = [IGNORE_INDEX] * max(0, shared - 1)
+            for m in made:   # (label t is token t + 1's: those before token `shared`; none when the first differs)
+                m[0]["labels"][:max(0, shared - 1)] = [IGNORE_INDEX] * max(0, shared - 1)
             made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
+            if not any(n for _, _, n in made):   # they differ in untrained tokens only: no preference either
+                dropped(r, "tied", "tied_lines")
+                continue
             stats.pairs += 1
         for sample, n_ids, n_targets in made:
             samples.append(sample)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -245,6 +246,17 @@ def test_a_pair_is_its_two_sides_as_records(assets):
     assert got6 == got and stats6.tied == 2 and stats6.tied_lines == [6, 7] and stats6.dropped == 0
     assert "2 preference pairs whose chosen and rejected sides are the same tokens" in stats6.warning("--data", 96)
     assert tokenize_records([parse_record(json.dumps(same[1]), "p.jsonl", 7)], tok, 400)[1].pairs == 1   # (longer)
+    # sides differing at their first token (a text pair, no BOS: nothing shared): each side exactly as alone (review,
+    # helper 38: the shared start's mask cut such labels to one); sides differing in untrained tokens only: tied
+    differ = parse_record(json.dumps({"chosen": "Paris is it.", "rejected": "Rome is it."}), "p.jsonl", 8)
+    got8, stats8 = tokenize_records([differ], tok, 96)
+    assert got8 == tokenize_records(differ["pair"], tok, 96)[0] and stats8.pairs == 1
+    ask = [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "Yes."}]
+    untrained = parse_record(json.dumps({"chosen": ask, "rejected": ask + [{"role": "user", "content": "More?"}]}),
+                             "p.jsonl", 9)
+    assert tokenize_records([untrained], tok, 96)[1].tied_lines == [9]
+    for sample in got + got5 + got6 + got8:
+        assert len(sample["labels"]) == len(sample["input_ids"])
 
 
 def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
@@ -345,7 +357,7 @@ def test_resume_gives_the_uninterrupted_step(runs):
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
     said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo
-    assert "29 preference pairs" in said and "--objective dpo" in said   # (line 18 is tied within --max-len 64)
+    assert "30 preference pairs" in said and "--objective dpo" in said   # (line 18 is tied within --max-len 64)
     said = startup_error(train_argv(assets, out, *DPO))   # chat records with it
     assert "--objective dpo: --data holds 40 records that are not preference pairs" in said
     said = startup_error(train_argv(pairs, out, *DPO, "--init-adapter", str(tmp_path)))
@@ -389,3 +401,13 @@ def test_data_show_names_each_side(pairs, capsys):
         want += [f"{pairs['data']}:{rec['line']} {side}: {len(s['input_ids'])} tokens"
                  for side, s in zip(("chosen", "rejected"), samples)]
     assert len(heads) == len(want) == 6 and all(h.startswith(w) for h, w in zip(heads, want)), (heads, want)
+    # a tied pair's reason, and "cut" on the side that lost tokens only (review, helper 38)
+    path = os.path.join(os.path.dirname(pairs["data"]), "show_pairs.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"prompt": "Q?", "chosen": " same", "rejected": " same"}) + "\n")
+        f.write(json.dumps({"prompt": "Q?", "chosen": " short", "rejected": " long" * 40}) + "\n")
+    assert main(["--model", pairs["model"], "--data", path, "--max-len", "24", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}:1: tied: its chosen and rejected sides are the same tokens" in out
+    assert re.search(f"{re.escape(path)}:2 chosen: \\d+ tokens, \\d+ targets\n", out), out
+    assert re.search(f"{re.escape(path)}:2 rejected: 24 tokens, \\d+ targets \\(cut to --max-len\\)", out), out
