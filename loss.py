@@ -166,8 +166,8 @@ def chunked_cross_entropy(
     n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
     `loss_fn=None` is cross-entropy; see the module docstring for a custom `loss_fn`.
     `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
-    a loss of whole sequences (`dpo_loss`); backward scales each row's saved gradient by its own incoming factor, so
-    it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
+    a loss of whole sequences (`parallel.preference.dpo_loss`); backward scales each row's saved gradient by its own
+    incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -184,33 +184,3 @@ def chunked_cross_entropy(
     loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token)
     return loss_sum, n_tokens
 
-
-# ----------------------------------------------------------------------------- DPO (--objective dpo)
-
-
-def sequence_logps(token_nll: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
-    """Each sequence's summed log-probability of its targets, float64 [n_seqs]: `token_nll` [N] (per_token losses,
-    0 off target), `sides` [N] each token's sequence (-1: none; `data.collate`'s `sides`)."""
-    keep = sides.reshape(-1) >= 0
-    out = torch.zeros(n_seqs, dtype=torch.float64, device=token_nll.device)
-    return out.index_add(0, sides.reshape(-1)[keep], -token_nll.reshape(-1)[keep].double())
-
-
-def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor, sides: torch.Tensor, n_pairs: int, beta: float,
-             group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO (Rafailov et al., 2023) of `n_pairs` pairs: (-log sigmoid(margin) [n_pairs] float64, margin [n_pairs]
-    detached), margin = beta · ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)), sequence 2k the chosen
-    and 2k + 1 the rejected of pair k.
-
-    Under context parallelism each rank holds part of every sequence: the sums are all-reduced over `group` (the cp
-    group), and the loss is differentiable through this rank's own part only, so the ranks' gradients add up to the
-    whole sequence's. Every cp rank returns the same losses: count them once (cp rank 0) when reporting."""
-    pi = sequence_logps(policy_nll, sides, 2 * n_pairs)
-    ref = sequence_logps(ref_nll.detach(), sides, 2 * n_pairs)
-    if group is not None and torch.distributed.get_world_size(group) > 1 and n_pairs:
-        both = torch.stack([pi.detach(), ref])
-        torch.distributed.all_reduce(both, group=group)
-        pi, ref = pi + (both[0] - pi.detach()), both[1]   # the whole sums; the gradient of this rank's part
-    rewards = beta * (pi - ref)
-    margin = rewards[0::2] - rewards[1::2]
-    return -torch.nn.functional.logsigmoid(margin), margin.detach()

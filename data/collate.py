@@ -14,7 +14,7 @@ all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2
 - A preference pair (`data.pairs.Pairs`: the chosen then the rejected, `"split"` the chosen's length) is two
   documents: position ids restart at the split too. `sides=True` adds `sides` [B, S]: 2k on the chosen's tokens of
   the micro-batch's k-th sample, 2k + 1 on its rejected's, -1 on padding and on samples without a split (the
-  DPO loss sums each sequence's log-probabilities by it, `loss.dpo_loss`).
+  DPO loss sums each sequence's log-probabilities by it, `parallel.preference.dpo_loss`).
 - Packing keeps the math: each sample's last label is already -100 (shifted per sample before
   concatenation), so no target crosses a document, and position ids restart per document, so RoPE
   and the boundary-aware attention see each document exactly as when it is alone in a row.

@@ -4,7 +4,7 @@ Contract: `DPO(model, beta, cp_group)(ids, pos, labels, sides, n_pairs)` -> (los
 [n_pairs]) for this rank's shard of a collated micro-batch of `data.pairs.Pairs` (`sides` from `data.collate`).
 - The reference model is the base: one forward with every LoRA layer off (`model.qlora.adapters_off`), under
   no_grad, so it keeps no activation and no second copy of any weight; then the policy's forward, which backward
-  goes through. Each gives every target token's -log p (`per_token`); `loss.dpo_loss` sums them per sequence, over
+  goes through. Each gives every target token's -log p (`per_token`); `dpo_loss` sums them per sequence, over
   the cp group too, and takes the DPO loss of each pair.
 - Since LoRA starts at B = 0 the reference is the policy at step 0 (TRL's default with a peft model). A run from
   `--init-adapter` would need that adapter as the reference: refused at start-up (merge it into the base first).
@@ -18,8 +18,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loss import dpo_loss
 from model.qlora import adapters_off
+
+
+def sequence_logps(token_nll: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Each sequence's summed log-probability of its targets, float64 [n_seqs]: `token_nll` [N] (per_token losses,
+    0 off target), `sides` [N] each token's sequence (-1: none; `data.collate`'s `sides`)."""
+    keep = sides.reshape(-1) >= 0
+    out = torch.zeros(n_seqs, dtype=torch.float64, device=token_nll.device)
+    return out.index_add(0, sides.reshape(-1)[keep], -token_nll.reshape(-1)[keep].double())
+
+
+def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor, sides: torch.Tensor, n_pairs: int, beta: float,
+             group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO (Rafailov et al., 2023) of `n_pairs` pairs: (-log sigmoid(margin) [n_pairs] float64, margin [n_pairs]
+    detached), margin = beta · ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)), sequence 2k the chosen
+    and 2k + 1 the rejected of pair k.
+
+    Under context parallelism each rank holds part of every sequence: the sums are all-reduced over `group` (the cp
+    group), and the loss is differentiable through this rank's own part only, so the ranks' gradients add up to the
+    whole sequence's. Every cp rank returns the same losses: count them once (cp rank 0) when reporting."""
+    pi = sequence_logps(policy_nll, sides, 2 * n_pairs)
+    ref = sequence_logps(ref_nll.detach(), sides, 2 * n_pairs)
+    if group is not None and dist.get_world_size(group) > 1 and n_pairs:
+        both = torch.stack([pi.detach(), ref])
+        dist.all_reduce(both, group=group)
+        pi, ref = pi + (both[0] - pi.detach()), both[1]   # the whole sums; the gradient of this rank's part
+    rewards = beta * (pi - ref)
+    margin = rewards[0::2] - rewards[1::2]
+    return -torch.nn.functional.logsigmoid(margin), margin.detach()
 
 
 class DPO:
