@@ -342,9 +342,9 @@ def main(argv=None):
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
             with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({**vars(args), "cwd": os.getcwd(), "layout": str(dims), "data_stats": str(stats), **({
-                    "eval_split_records": held_records(eval_samples, data_files(args.data))} if args.eval_split
-                    else {})}, f, indent=1, default=str)
+                f.write(runs.config_json({**vars(args), "cwd": os.getcwd(), "layout": str(dims), "data_stats": str(
+                    stats), **({"eval_split_records": held_records(eval_samples, data_files(args.data))} if
+                               args.eval_split else {})}))
             return runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
         metrics = guard.on_rank0(files, "writing config.json and metrics.jsonl")
         dp_cp = meshes.dp_cp.get_group()

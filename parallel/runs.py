@@ -14,7 +14,8 @@ Contract:
    resolved to at start-up (a run live then may have saved since: resuming the older step would drop newer ones).
    One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
    collective. A refusal changes nothing.
-3. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind
+3. `config_json(config)`: config.json's text, a list of numbers on one line.
+4. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind
    listed under "nonfinite") and, on resume, first drops every line past the checkpoint's step
    (written to a temporary file and renamed, so a crash leaves the old file or the new one).
 """
@@ -30,6 +31,7 @@ import re
 import shutil
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -325,6 +327,25 @@ def _strict(rec: dict) -> dict:
     if bad:
         out["nonfinite"] = bad
     return out
+
+
+def config_json(config: dict) -> str:
+    """config.json's text: one key a line (indent 1), and a list of whole numbers on one line (--eval-split's
+    held-out lines of a large split took one line each, megabytes of them). Strings are never touched."""
+    tag, flat = uuid.uuid4().hex, {}
+
+    def mark(o):
+        if isinstance(o, dict):
+            return {k: mark(v) for k, v in o.items()}
+        if isinstance(o, list) and o and all(type(x) is int for x in o):
+            flat[f"{tag}:{len(flat)}"] = json.dumps(o)
+            return f"{tag}:{len(flat) - 1}"
+        return [mark(x) for x in o] if isinstance(o, list) else o
+
+    text = json.dumps(mark(config), indent=1, default=str)
+    for key, numbers in flat.items():
+        text = text.replace(json.dumps(key), numbers, 1)
+    return text
 
 
 class MetricsLog:

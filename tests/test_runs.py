@@ -459,3 +459,16 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
     log.close()
     assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3]
     assert not os.path.exists(path + ".tmp")
+
+
+def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():
+    """config.json: `json.loads` gives back the dict as it was (strings that look like lists untouched, booleans,
+    floats, nested lists), and 10,000 held-out lines of --eval-split take one line, not 10,000."""
+    from parallel.runs import config_json
+
+    config = {"eval_split_records": {"a.jsonl": list(range(1, 10001)), "b.jsonl": [7]}, "loss": "x = [1,  2]\n[3]",
+              "flags": [True, False], "rates": [0.5, 2], "nested": [[1, 2], []], "none": None, "empty": []}
+    text = config_json(config)
+    assert json.loads(text) == config
+    assert len(text.splitlines()) < 30, text[:500]
+    assert '"a.jsonl": [1, 2, 3,' in text and '"loss": "x = [1,  2]\\n[3]"' in text
