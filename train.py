@@ -354,9 +354,11 @@ def main(argv=None):
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
         eval_kw = {"dpo": dpo or None}
-        if eval_samples and start == 0:   # the baseline the eval losses below are compared with
+        if eval_samples and start == 0 and dpo:   # LoRA's B is 0: the policy is the reference, no pass needed
+            log0(f"eval_loss before training {math.log(2):.6f} (log 2: DPO's policy starts as its reference)")
+        elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
             (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), **eval_kw).items()
-            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several; dpo's reward accuracy)
+            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
