@@ -8,9 +8,10 @@ Contract: reads `OUT/config.json` (the run's resolved flags: `model`, `quant`, `
 directory the run started in; runs from before 2026-12-04 record none: this directory), the text of
 its `--chat-template`, which replaces the base tokenizer's as it did in training, and the date such a
 template rendered, `template_date`, which the prompts render too, whatever today is), takes the
-first `--n` held-out conversations or prompt/completion records, and for each prints the prompt (the
-conversation up to its last user turn; a record's prompt, encoded as training encoded it), the expected
-answer (its last assistant turn; the completion), and the greedy answers of
+first `--n` held-out conversations or prompt/completion records (or preference pairs with a prompt: a DPO run's),
+and for each prints the prompt (the conversation up to its last user turn; a record's prompt, encoded as training
+encoded it), the expected answer (its last assistant turn; the completion; a pair's chosen one, and its rejected one
+beside it), and the greedy answers of
 1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
 Nothing here uses the trainer's model code: the adapter is checked in the ecosystem it is for.
@@ -112,11 +113,11 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         if changed := [f for f in files if f in was and os.path.isfile(at(f)) and file_sha256(at(f)) != was[f]]:
             raise ValueError(f"{', '.join(changed)} changed since the run (its sha256 differs from config.json's "
                              "data_sha256): its held-out lines would name other records; restore the file")
-    recs = [r for f in files for r in load_jsonl(at(f)) if ("messages" in r or "prompt" in r) and (
-        not held or r["line"] in held[f])][:n]
+    prompted = lambda r: "messages" in r or "prompt" in r or "pair" in r and "text" not in r["pair"][0]
+    recs = [r for f in files for r in load_jsonl(at(f)) if prompted(r) and (not held or r["line"] in held[f])][:n]
     if not recs:
         raise ValueError(f"{' '.join(files)}{' (its held-out records)' * bool(held)} has no chat or prompt/completion "
-                         "records to prompt with")
+                         "records (or preference pairs with a prompt) to prompt with")
     tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
     stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
     if cfg.get("chat_template_text"):   # the run's --chat-template, and the token that ends its turns
@@ -129,13 +130,18 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         nf4_round_trip(model)
     model.eval()
     rows = []
+    answer = lambda r: r["completion"].strip() if "prompt" in r else \
+        next(m for m in r["messages"][::-1] if m["role"] == "assistant")["content"].strip()
     for rec in recs:
+        rec, rejected = rec["pair"] if "pair" in rec else (rec, None)   # (a pair: its chosen side is expected)
         if "prompt" in rec:
-            rows.append({"prompt": rec["prompt"], "expected": rec["completion"].strip()})
-            continue
-        msgs = rec["messages"]
-        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        rows.append({"prompt": msgs[:last], "expected": msgs[last]["content"].strip()})
+            rows.append({"prompt": rec["prompt"], "expected": answer(rec)})
+        else:
+            msgs = rec["messages"]
+            rows.append({"prompt": msgs[:max(i for i, m in enumerate(msgs) if m["role"] == "assistant")],
+                         "expected": answer(rec)})
+        if rejected:
+            rows[-1]["rejected"] = answer(rejected)
     for r in rows:
         r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
     tuned = PeftModel.from_pretrained(model, adapter)
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
     for r in rows:
         ok = r["tuned"] == r["expected"]
         shown = r["prompt"][-200:] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
-        print(f"\n  prompt:   {shown}\n  expected: {r['expected']}\n"
+        rejected = f"  rejected: {r['rejected']}\n" if "rejected" in r else ""
+        print(f"\n  prompt:   {shown}\n  expected: {r['expected']}\n{rejected}"
               f"  base:     {r['base']}\n  tuned:    {r['tuned']}   [{'right' if ok else 'wrong'}]")
     right = sum(r["tuned"] == r["expected"] for r in rows)
     print(f"\n{right}/{len(rows)} tuned answers right, {sum(r['base'] == r['expected'] for r in rows)} base answers")

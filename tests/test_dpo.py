@@ -411,3 +411,18 @@ def test_data_show_names_each_side(pairs, capsys):
     assert f"{path}:1: tied: its chosen and rejected sides are the same tokens" in out
     assert re.search(f"{re.escape(path)}:2 chosen: \\d+ tokens, \\d+ targets\n", out), out
     assert re.search(f"{re.escape(path)}:2 rejected: 24 tokens, \\d+ targets \\(cut to --max-len\\)", out), out
+
+
+def test_demo_compare_prompts_with_the_pairs(runs, pairs, capsys):
+    """`python -m data.demo_compare` on a DPO run: its eval pairs that have a prompt, the chosen answer expected and
+    the rejected one beside it (text pairs, with no prompt, are left out); the base's and the adapter's answers."""
+    from data.demo_compare import main
+    from data.jsonl import load_jsonl
+
+    assert main([os.path.join(runs, "dpo"), "--n", "4", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    recs = [r for r in load_jsonl(pairs["data"]) if "text" not in r["pair"][0]][:4]
+    want = [(r["pair"][0].get("completion") or r["pair"][0]["messages"][-1]["content"],
+             r["pair"][1].get("completion") or r["pair"][1]["messages"][-1]["content"]) for r in recs]
+    got = re.findall(r"expected: (.*)\n  rejected: (.*)\n  base: ", out)
+    assert got == [(a.strip(), b.strip()) for a, b in want] and out.count("  tuned: ") == 4, out
