@@ -23,12 +23,15 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   planner's live peak measured 0.97-1.02 of the allocated one on the H200), e.g. --tiled-mlp --ac-keep-attn
   --ac-blocks 23 at 32k and --ac-keep-attn --ac-blocks 7 at 128k; the flags and why are in the row ("chosen");
   "ours+fastest+compile" (any case, with --runs) adds --compile; --cap-gb gives the cap without a liger row;
+  "ours+dpo" (the fast case, or --runs): --objective dpo on pairs of two 16,384-token texts, rows as long as the
+  others (its "vs ours" is what DPO's reference forward costs, ~0.8x by the FLOPs);
 - 128k = 131,072 tokens, 8 layers: the same rows (hf without Liger is skipped there: its [tokens, vocab] logits
   alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force); "all" is these two;
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
 - fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
-  and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device);
+  and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device), and
+  "ours+dpo";
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
@@ -81,7 +84,8 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+tiled-attn+offload": ["--tiled-mlp", "--tiled-attn", "--offload-activations"],
             "ours+compile": ["--compile"],
             "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"],
-            "ours+fast": ["--fast"]}   # what train.py --fast picks for this device (its config.json says which)
+            "ours+fast": ["--fast"],   # what train.py --fast picks for this device (its config.json says which)
+            "ours+dpo": ["--objective", "dpo"]}   # DPO on pairs of two tokens/2 texts: the same tokens a row as "ours"
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
@@ -91,7 +95,7 @@ FASTEST_COMPILE = "ours+fastest+compile"        # the same flags with --compile
 DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
-                "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC],
+                "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -215,6 +219,15 @@ def write_data(ckpt: str, tokens: int, n: int, path: str) -> list[list[int]]:
     return ids
 
 
+def write_pairs(ckpt: str, tokens: int, n: int, path: str) -> None:
+    """`n` preference pairs {"chosen", "rejected"} of two random texts of `tokens` tokens each (write_data's), which
+    differ from their first token: DPO rows as long as the supervised rows of 2 × `tokens`."""
+    write_data(ckpt, tokens, 2 * n, path + ".texts")
+    texts = [json.loads(line)["text"] for line in open(path + ".texts")]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"chosen": a, "rejected": b}) + "\n" for a, b in zip(texts[0::2], texts[1::2]))
+
+
 # ----------------------------------------------------------------------------- runs
 
 def peak_gb(device) -> float:
@@ -304,6 +317,8 @@ def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
 def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
     """One train.py run; with `profile`, one more step at the end under `--profile` (not timed: the profiler
     slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed."""
+    if "--objective" in flags:   # a DPO row: pairs of two texts of half the tokens (write_pairs), so a row as long
+        spec = dict(spec, data=spec["pairs"], tokens=spec["tokens"] // 2)   # (--max-len is per side)
     extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1),
              "--schedule-steps", str(spec["steps"])] if profile else []   # the timed steps' lr as without it
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
@@ -526,7 +541,7 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload"]
+            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -534,6 +549,9 @@ def main(argv=None):
         ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)
         data = os.path.join(work, "data.jsonl")
         ids = write_data(ckpt, tokens, steps, data)
+        pairs = os.path.join(work, "pairs.jsonl")
+        if "ours+dpo" in runs:
+            write_pairs(ckpt, tokens // 2, steps, pairs)
         margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
         quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")
         attention = kernels.backend_order(
@@ -545,7 +563,7 @@ def main(argv=None):
         results["cases"][name] = case
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids,
-                    mem_trace=args.mem_trace)
+                    mem_trace=args.mem_trace, pairs=pairs)
         rows = case["rows"]
         mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]

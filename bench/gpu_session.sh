@@ -50,7 +50,7 @@
 #      2026-12-01; if the host refuses, it falls back to torch's pinned allocator with a warning in the log);
 #   2. within 30 s, with what is left: TOTAL=<left - 40> TEST_S=130 TEST_K='offload or fused_rmsnorm or norm_rebuild
 #      or train_step or mem_trace or device_budget or masked or past_2_31 or nf4 or tiled_attention or keep_attn or
-#      fused_lora or memory_flags or keeps_recomputed' BENCH='--case 128k --runs liger,ours+fast;--case 32k --runs
+#      fused_lora or memory_flags or keeps_recomputed or dpo' BENCH='--case 128k --runs liger,ours+fast;--case 32k --runs
 #      ours+fast' (timeout TOTAL + 20; the same carry). The tests first (a review counted 54 GPU tests, ~105-120 s in
 #      all, and found the earlier TEST_K left out the never-run NF4 CPU=CUDA test and the tiled/keep-attn/fused-LoRA
 #      tests of code changed since 2026-11-30): page-locking in place (the test says if it
@@ -63,7 +63,8 @@
 # Not in the plan above (no device time left for it): --micro-batch auto (2026-12-04) against 1 on mixed lengths,
 #   `python3 bench/micro_batch.py --layers 8 --max-len 32768 --short-lo 512 --short-hi 4096 --global-batch 32`
 #   (needs the bitsandbytes wheel on PYTHONPATH as this script sets it; CPU smoke 2.07x); a session with device time
-#   to spare runs it after call 2.
+#   to spare runs it after call 2. So is DPO's cost against a supervised step of the same tokens (2026-12-04, CPU only):
+#   BENCH='--case 32k --runs ours,ours+dpo' (two 32k rows, ~90 s; the "fast" case runs it too).
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
