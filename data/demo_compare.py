@@ -53,21 +53,23 @@ def nf4_round_trip(model) -> None:
                 mod.weight.copy_(dequantize_4bit(packed, st).to(mod.weight.dtype))
 
 
-def encode(tok, prompt: list[dict] | str, day: str | None = None) -> dict:
-    """The prompt's input_ids as training encoded it; a chat template that writes the date writes `day` (the run's
-    template_date), not today's."""
+def encode(tok, prompt: list[dict] | str, day: str | None = None, tools: list | None = None) -> dict:
+    """The prompt's input_ids as training encoded it (with the record's tools); a chat template that writes the date
+    writes `day` (the run's template_date), not today's."""
     if isinstance(prompt, str):   # a prompt/completion record
         return tok(prompt, add_special_tokens=True, return_tensors="pt")
     from data.templates import on_day
     with on_day(tok, day):
-        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                       **({"tools": tools} if tools else {}))
     return tok(text, add_special_tokens=False, return_tensors="pt")
 
 
-def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: list[int], day: str | None = None) -> str:
+def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: list[int], day: str | None = None,
+             tools: list | None = None) -> str:
     import torch
 
-    enc = encode(tok, prompt, day)
+    enc = encode(tok, prompt, day, tools)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
                              pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
@@ -142,12 +144,13 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
                          "expected": answer(rec)})
         if rejected:
             rows[-1]["rejected"] = answer(rejected)
+        rows[-1]["tools"] = rec.get("tools")   # (what the template wrote in training)
     for r in rows:
-        r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
+        r["base"] = generate(model, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"), r["tools"])
     tuned = PeftModel.from_pretrained(model, adapter)
     tuned.eval()
     for r in rows:
-        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"))
+        r["tuned"] = generate(tuned, tok, r["prompt"], max_new_tokens, stop, cfg.get("template_date"), r["tools"])
     return rows
 
 

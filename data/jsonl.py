@@ -36,7 +36,8 @@ from pathlib import Path
 
 VALID_LINES = (
     'a valid line is {"text": "some document"}, {"prompt": "a question or a long document", "completion": '
-    '"the answer"} or {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}'
+    '"the answer"} or {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]} '
+    '(--objective dpo: {"prompt": "...", "chosen": "...", "rejected": "..."} pairs)'
 )
 PAIR_LINES = ('a valid pair (--objective dpo) is {"prompt": "a question", "chosen": "the better answer", "rejected": '
               '"the worse one"}, or the same with lists of messages')
@@ -184,9 +185,13 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
     for side, key in zip(sides, ("chosen", "rejected")):
         try:
             out.append(_normalise(side, path, n))
-        except DataError as e:   # named as the pair's side
-            said = str(e).replace(f"line {n}: ", f'line {n}: "{key}" side: ', 1)
-            raise DataError(said.replace(VALID_LINES, PAIR_LINES)) from None
+        except DataError as e:   # named as the pair's side, in the pair's own words
+            said = str(e).replace(VALID_LINES, PAIR_LINES).replace(
+                ' (a record that is all target is {"text": ...})', ' (a pair with no prompt is {"chosen": "...", '
+                '"rejected": "..."}, whose shared start is the prompt)')
+            said = said.replace('"completion"', f'"{key}"') if '"completion"' in said else \
+                said.replace(f"line {n}: ", f'line {n}: "{key}" side: ', 1)
+            raise DataError(said) from None
     return {"line": n, "pair": out}
 
 

@@ -8,6 +8,7 @@ Contract:
   restart at the split) and marks each token's side (`sides`). `lengths` are the pairs' token counts (what a row,
   and so the memory plan, holds), `sides(k)` its two sequences' lengths, `sample_lines()` their records' lines,
   `files` the files of several.
+- `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up.
 - `for_run(objective, train, ev, rows)` checks that the data fits the objective (`--objective dpo`: every record a
   pair; sft: none), naming the file's counts and the fix, and returns the run's (train, ev, rows) as pairs for dpo
   (`rows`, the rotating --data-weights epochs, as pair indices) or unchanged for sft.
@@ -59,6 +60,32 @@ class PairRows:
         return self.rows.size(epoch) // 2
 
 
+def check_first(path: str, flag: str, objective: str) -> None:
+    """Start-up: the file's first record is of the objective's kind (a pair for dpo, no pair else), read from its first
+    line before anything is tokenized (a 30 s tokenizing pass, then the refusal, otherwise); `for_run` checks all."""
+    from data.jsonl import parse_record
+
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError:
+                return   # (the loader names the line)
+            if text.strip():
+                pair = "pair" in parse_record(text, path, n)
+                break
+        else:
+            return
+    if objective == "dpo" and not pair:
+        raise ValueError(f"--objective dpo: {flag} {path} line {n} is not a preference pair: DPO trains on "
+                         "{\"prompt\", \"chosen\", \"rejected\"} records only; " + (
+                             "give an eval file of pairs, or --eval-split" if flag == "--eval-data" else
+                             "train this file with --objective sft (the default)"))
+    if objective != "dpo" and pair:
+        raise ValueError(f"{flag} {path} line {n} is a preference pair (\"chosen\"/\"rejected\"): pass --objective "
+                         "dpo to train on pairs, or write it as a {\"prompt\", \"completion\"} record")
+
+
 def _not_pairs(stats) -> int:
     return stats.records - stats.dropped - stats.tied - stats.pairs
 
@@ -69,13 +96,14 @@ def for_run(objective: str, train: tuple, ev: tuple, rows):
     named = [("--data", train[1])] + ([("--eval-data", ev[1])] if ev[1] is not None else [])
     for flag, stats in named:
         n = stats.pairs + stats.tied   # (the pair records: kept, and tied ones; a dropped one is not told apart)
-        if objective == "dpo" and _not_pairs(stats):
-            raise ValueError(f"--objective dpo: {flag} holds {_not_pairs(stats)} records that are not preference pairs "
-                             f"(of {stats.records}; {n} pairs): DPO trains on {{\"prompt\", \"chosen\", \"rejected\"}} "
-                             "records only; give those in their own file, or train them with --objective sft (the "
-                             "default)")
+        if objective == "dpo" and (k := _not_pairs(stats)):
+            these = f"{k} records that are" if k != 1 else "1 record that is"
+            fix = "give an eval file of pairs, or --eval-split" if flag == "--eval-data" else \
+                "give the others in a file of their own, trained with --objective sft (the default)"
+            raise ValueError(f"--objective dpo: {flag} holds {these} not a preference pair (of {stats.records}; "
+                             f"{n} pairs): DPO trains on {{\"prompt\", \"chosen\", \"rejected\"}} records only; {fix}")
         if objective != "dpo" and n:
-            raise ValueError(f"{flag} holds {n} preference pairs (\"chosen\"/\"rejected\" records): "
+            raise ValueError(f"{flag} holds {n} preference pair{'s' * (n != 1)} (\"chosen\"/\"rejected\" records): "
                              "pass --objective dpo to train on them (every record a pair), or write them as "
                              "{\"prompt\", \"completion\"} records for supervised fine-tuning")
     if objective != "dpo":

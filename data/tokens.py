@@ -163,7 +163,10 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, *job), log, f"{flag} {path}",
                                      workers, job)
     if not len(samples):
-        raise DataError(f"{flag} {path}: no sample has a target token ({stats}); fix the file or drop it from {flag}")
+        raise DataError(f"{flag} {path}: no sample has a target token ({stats}); " + (
+            "every preference pair is tied (its sides the same tokens within --max-len, or differing in no target): "
+            "where they differ past --max-len, a longer --max-len keeps them; else fix the file or drop it" if
+            stats.tied else f"fix the file or drop it from {flag}"))
     if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):
         log(said)
     check_vocab(samples, tokenizer, vocab_size, path)

@@ -109,6 +109,7 @@ def check_start(args, demo: bool):
     """Module docstring. Imports here: `--plan` imports this module and must stay fast."""
     from data import check_file
     from data.mix import check_weights, data_files
+    from data.pairs import check_first
     from data.store import file_sha256
     from data.templates import chat_template
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
@@ -130,7 +131,11 @@ def check_start(args, demo: bool):
                              "base with LoRA off, which would not be where this adapter starts; merge the adapter into "
                              "the base first (python -m model.merge --adapter DIR --out MERGED), then DPO from MERGED")
         if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
-            raise ValueError(f"--dpo-beta must be above 0 (typical: 0.1), got {args.dpo_beta:g}")
+            raise ValueError(f"--dpo-beta must be a finite number above 0 (typical: 0.1), got {args.dpo_beta:g}")
+        args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
+    elif args.dpo_beta != 0.1:   # (a flag that does nothing here, yet would be compared on a resume)
+        raise ValueError(f"--dpo-beta {args.dpo_beta:g} is DPO's: pass --objective dpo to train on preference pairs, "
+                         "or drop --dpo-beta")
     check_flags(args)
     check_weights(args.data_weights, data_files(args.data), demo)
     args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
@@ -152,6 +157,7 @@ def check_start(args, demo: bool):
         seen = {}   # (device, inode) -> where it was named (a file twice: trained twice, maybe unmeant)
         for i, f in enumerate(paths if not demo else ()):   # (the demo's files are built once the group is up)
             st = os.stat(check_file(f, flag))
+            check_first(f, flag, args.objective)   # (a DPO run given supervised records, or the other way round)
             if (at := seen.setdefault((st.st_dev, st.st_ino), i)) != i:
                 twice = paths[at]
                 raise ValueError(f"{flag} names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")

@@ -320,3 +320,20 @@ def test_demo_as_shipped_learns_the_task(demo, tmp_path):
     answers = compare(str(out), n=3)
     assert all(a["base"] != a["expected"] for a in answers), answers   # the base does not know it...
     assert [a["tuned"] for a in answers] == [a["expected"] for a in answers], answers   # ...the adapter does
+
+
+def test_compare_prompts_with_the_records_tools(tmp_path):
+    """`demo_compare.encode` renders a record's "tools" as training did (review, helper 39: the prompt was rendered
+    without them), and none when it has none."""
+    from data.demo_compare import encode
+    from tests.fixtures import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    tok.chat_template = ("{%- if tools %}{{- 'tools: ' + tools | map(attribute='function') | map(attribute='name') "
+                         "| join(',') + '\\n' }}{%- endif %}"
+                         "{%- for m in messages %}{{- m['content'] + '\\n' }}{%- endfor %}")
+    msgs = [{"role": "user", "content": "the fox"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    with_tools = tok.decode(encode(tok, msgs, tools=tools)["input_ids"][0])
+    assert with_tools == "tools: weather\nthe fox\n", with_tools
+    assert tok.decode(encode(tok, msgs)["input_ids"][0]) == "the fox\n"

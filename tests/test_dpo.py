@@ -317,7 +317,7 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
     assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r for r in m)
     assert m[-1]["eval_loss"] < math.log(2), f"the eval pairs' DPO loss should fall below log 2: {m[-1]}"
     cfg = json.load(open(os.path.join(runs, "dpo", "config.json")))
-    assert cfg["objective"] == "dpo" and cfg["dpo_beta"] == 0.5
+    assert cfg["objective"] == "dpo" and cfg["dpo_beta"] == 0.5 and cfg["loss"] == "dpo"
     assert os.path.exists(os.path.join(runs, "dpo", "adapter", "adapter_model.safetensors"))
 
 
@@ -356,14 +356,29 @@ def test_resume_gives_the_uninterrupted_step(runs):
 
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
-    said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo
-    assert "30 preference pairs" in said and "--objective dpo" in said   # (line 18 is tied within --max-len 64)
+    said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo: from the first line, before tokenizing
+    assert f"--data {pairs['data']} line 1 is a preference pair" in said and "pass --objective dpo" in said
     said = startup_error(train_argv(assets, out, *DPO))   # chat records with it
-    assert "--objective dpo: --data holds 40 records that are not preference pairs" in said
+    assert f"--objective dpo: --data {assets['data']} line 1 is not a preference pair" in said
+    said = startup_error(train_argv(pairs, out, *DPO, "--eval-data", assets["data"]))
+    assert "--eval-data" in said and "give an eval file of pairs, or --eval-split" in said
+    lines = open(pairs["data"]).read().splitlines(True)
+    mixed = tmp_path / "mixed.jsonl"   # (a pair first, then a chat record: the whole file's count)
+    mixed.write_text("".join(lines) + open(assets["data"]).readline())
+    said = startup_error(train_argv({**pairs, "data": str(mixed)}, out, *DPO))
+    assert "--objective dpo: --data holds 1 record that is not a preference pair (of 31; 30 pairs)" in said, said
+    mixed.write_text(open(assets["data"]).readline() + lines[0])   # (a chat record first, then a pair)
+    assert "--data holds 1 preference pair (" in startup_error(train_argv({**pairs, "data": str(mixed)}, out))
+    tied = tmp_path / "tied.jsonl"
+    tied.write_text(json.dumps({"prompt": "Q?", "chosen": " yes", "rejected": " yes"}) + "\n")
+    said = startup_error(train_argv({**pairs, "data": str(tied)}, out, *DPO))
+    assert "every preference pair is tied" in said and "a longer --max-len keeps them" in said, said
     said = startup_error(train_argv(pairs, out, *DPO, "--init-adapter", str(tmp_path)))
     assert "--init-adapter" in said and "model.merge" in said
-    assert "--dpo-beta must be above 0" in startup_error(train_argv(pairs, out, "--objective", "dpo", "--dpo-beta",
-                                                                    "0"))
+    for beta in ("0", "inf", "nan"):
+        assert "--dpo-beta must be a finite number above 0" in startup_error(train_argv(pairs, out, "--objective",
+                                                                                        "dpo", "--dpo-beta", beta))
+    assert "--dpo-beta 0.5 is DPO's" in startup_error(train_argv(assets, out, "--dpo-beta", "0.5"))   # (an SFT run)
     assert "embedded demo is supervised" in startup_error(["--objective", "dpo", "--out", out])
     import train
     keep = train.LOSS_FN
