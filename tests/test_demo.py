@@ -238,7 +238,8 @@ def test_compare_answers_with_transformers_then_peft(tmp_path, quant):
     (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "model"), "quant": quant, "eval_data": str(
         tmp_path / "mixed.jsonl"), "chat_template_text": TEMPLATES["chatml"], "template_date": "2024-07-26"}))
     seen, plain = [], dc.generate
-    dc.generate = lambda m, t, p, *a: seen.append((t.chat_template, p, a[-1])) or plain(m, t, p, *a)
+    dc.generate = lambda m, t, p, *a: seen.append((t.chat_template, p, a[2])) or plain(m, t, p, *a)   # (a: max_new,
+    # stop, day, tools)
     try:
         rows = compare(str(run), n=2, max_new_tokens=6)
     finally:
