@@ -183,4 +183,3 @@ def chunked_cross_entropy(
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token)
     return loss_sum, n_tokens
-

@@ -353,11 +353,10 @@ def main(argv=None):
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
-        eval_kw = {"dpo": dpo or None}
         if eval_samples and start == 0 and dpo:   # LoRA's B is 0: the policy is the reference, no pass needed
             log0(f"eval_loss before training {math.log(2):.6f} (log 2: DPO's policy starts as its reference)")
         elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), **eval_kw).items()
+            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0)).items()
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
@@ -441,7 +440,7 @@ def main(argv=None):
             halt = False   # --early-stop: this step's evaluation ends the run
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval row: a long eval is not a stuck rank
-                ev = evaluate(model, *eval_args, beat=beat, **eval_kw)   # (eval_loss, and each file's of several)
+                ev = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)   # (eval_loss, each file's of several)
                 rec.update({k: round(v, 6) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev["eval_loss"])

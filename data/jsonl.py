@@ -22,6 +22,7 @@ Contract:
   `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
   `{"line": n, "messages": [...]}` (plus `"tools": [...]` when given) (`n` is 1-based, kept so that later stages can
   still name the line); a pair to `{"line": n, "pair": [chosen, rejected]}`, each side one of the records above.
+  `iter_jsonl(path)` yields them one line read at a time (the start-up check of a file's first record reads one).
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -246,10 +247,9 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
     return p
 
 
-def load_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSONL file into validated records (see the module docstring)."""
+def iter_jsonl(path: str | Path):
+    """A JSONL file's validated records, one line read at a time (blank lines skipped)."""
     p = check_file(path)
-    records = []
     with p.open("rb") as f:
         for n, raw_bytes in enumerate(f, start=1):
             try:
@@ -257,7 +257,12 @@ def load_jsonl(path: str | Path) -> list[dict]:
             except UnicodeDecodeError as e:
                 raise line_error(p, n, f"not UTF-8 ({e.reason} at byte {e.start})") from None
             if raw.strip():
-                records.append(parse_record(raw, p, n))
+                yield parse_record(raw, p, n)
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Read a JSONL file into validated records (see the module docstring)."""
+    records = list(iter_jsonl(path))
     if not records:
-        raise DataError(f"data file {p} has no records (only blank lines); {VALID_LINES}")
+        raise DataError(f"data file {Path(path)} has no records (only blank lines); {VALID_LINES}")
     return records

@@ -63,19 +63,11 @@ class PairRows:
 def check_first(path: str, flag: str, objective: str) -> None:
     """Start-up: the file's first record is of the objective's kind (a pair for dpo, no pair else), read from its first
     line before anything is tokenized (a 30 s tokenizing pass, then the refusal, otherwise); `for_run` checks all."""
-    from data.jsonl import parse_record
+    from data.jsonl import iter_jsonl
 
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError:
-                return   # (the loader names the line)
-            if text.strip():
-                pair = "pair" in parse_record(text, path, n)
-                break
-        else:
-            return
+    if (first := next(iter_jsonl(path), None)) is None:
+        return   # (no record: the loader says so)
+    pair, n = "pair" in first, first["line"]
     if objective == "dpo" and not pair:
         raise ValueError(f"--objective dpo: {flag} {path} line {n} is not a preference pair: DPO trains on "
                          "{\"prompt\", \"chosen\", \"rejected\"} records only; " + (
