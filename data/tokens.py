@@ -253,23 +253,22 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         raise ValueError(f"long_text must be one of {LONG_TEXT}, got {long_text!r}")
     specials = special_strings(tokenizer)
     eos = tokenizer.eos_token_id
-    sides = [side for r in records for side in r.get("pair", [r])]   # (a preference pair's two records)
-    texts = [r["text"] for r in sides if "text" in r]
-    if (texts or any("prompt" in r for r in sides)) and eos is None:
+    # A preference pair's two sides are records of their own here, side by side (the chosen first); both or neither
+    # are kept (a pair with a side left without a target is dropped whole, as one record)
+    flat = [dict(side, pair=k) for r in records for k, side in (enumerate(r["pair"]) if "pair" in r else [(None, r)])]
+    texts = [r["text"] for r in flat if "text" in r]
+    if (texts or any("prompt" in r for r in flat)) and eos is None:
         raise DataError(
             f"{path}: text and prompt/completion records need an EOS token to mark where a document ends, but the "
             "tokenizer defines no eos_token"
         )
-    chats = [r for r in sides if "messages" in r]
+    chats = [r for r in flat if "messages" in r]
     if chats and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{path}, line {chats[0].get('line', '?')}: chat records need the checkpoint's chat "
             "template, but the tokenizer has none (base models often ship without one); use an "
             'instruct checkpoint, add a chat_template to tokenizer_config.json, or write {"text": ...}'
         )
-    # A preference pair's two sides are records of their own here, side by side (the chosen first); both or neither
-    # are kept (a pair with a side left without a target is dropped whole, as one record)
-    flat = [dict(side, pair=k) for r in records for k, side in (enumerate(r["pair"]) if "pair" in r else [(None, r)])]
     # One batched call for all text records, one for all prompt/completion ones: the fast tokenizer parallelises it.
     text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
     prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in flat if "prompt" in r]))
