@@ -107,7 +107,8 @@ def build_parser(add_help=True):
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
-      "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off)")
+      "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
+      "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")
     a("--dpo-beta", type=float, default=0.1, help="DPO's beta: how strongly the policy may move from the reference")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
@@ -226,7 +227,7 @@ def main(argv=None):
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
-    from model.export import export_adapter, init_adapter_note
+    from model.export import export_adapter, init_adapter_note, read_init_adapter
     from parallel import checkpoint, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_parameters
@@ -251,15 +252,17 @@ def main(argv=None):
         dims, args.pack = validate(args, margs, world)
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
         dpo = args.objective == "dpo"
-        log0(f"layout: {dims}\nloss: " + (f"DPO, beta {args.dpo_beta:g}, reference: the base model (LoRA off)" if dpo
+        ref = f"--init-adapter {args.init_adapter}, held fixed" if args.init_adapter else "the base model (LoRA off)"
+        log0(f"layout: {dims}\nloss: " + (f"DPO, beta {args.dpo_beta:g}, reference: {ref}" if dpo
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
-                         f"note: --init-adapter {args.init_adapter} is not read: the run resumes {ckpt}, whose LoRA "
-                         "weights (trained on from wherever the run started) it continues")):
+                         f"note: --init-adapter {args.init_adapter} is " + ("read as DPO's reference only" if dpo
+                                                                             else "not read") + f": the run resumes "
+                         f"{ckpt}, whose LoRA weights (trained on from wherever the run started) it continues")):
             if note:
                 log0(note)
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
@@ -326,7 +329,8 @@ def main(argv=None):
         params = lora_parameters(model)
         if dpo:
             from parallel.preference import DPO
-            dpo = DPO(model, args.dpo_beta, meshes.cp.get_group())
+            dpo = DPO(model, args.dpo_beta, meshes.cp.get_group(),
+                      read_init_adapter(args.init_adapter) if args.init_adapter else None, device)
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
              f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "

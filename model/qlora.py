@@ -264,6 +264,8 @@ def _one_input_grad(self, x, a_lin, dropout) -> bool:
 
 def _fused_forward(self, x, *args, **kwargs):
     """A LoRA layer's forward with the scaled add in lora_B's GEMM (fuse_lora); peft's own where that differs."""
+    if getattr(self, "_as_reference", False):
+        return _reference_forward(self, x)
     names, slow = self.active_adapters, self._peft_forward
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
             or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {})
@@ -318,6 +320,54 @@ class adapters_off:
     def __exit__(self, *exc):
         for m, p in zip(self.layers, self.prev):
             m._disable_adapters = p
+
+
+class reference_adapter:
+    """While entered, every LoRA layer of `model` computes base(x) + scaling · B_ref(A_ref(x)) with a fixed adapter's
+    tensors (`tensors`: our parameter names -> full tensors, `model.export.read_init_adapter`'s), and the base alone
+    where it has none: DPO's reference model when the policy starts from that adapter (--init-adapter), with no
+    second copy of the base. The tensors are not parameters: FSDP2, the optimizer and checkpoints never see them;
+    each rank holds them whole (an adapter is small), cast on first use to the dtype the layer's own LoRA computes
+    in (FSDP2's param dtype), so at the start the reference and the policy compute the same numbers. No dropout (a
+    frozen model, as a separate reference model in eval mode). Only for layers fuse_lora wrapped."""
+
+    def __init__(self, model: nn.Module, tensors: dict, device=None):
+        layers = {n: m for n, m in model.named_modules() if hasattr(m, "_peft_forward") and hasattr(m, "lora_A")}
+        left = dict(tensors)
+        for n, m in layers.items():
+            name = m.active_adapters[0]
+            ab = [left.pop(f"{n}.lora_{x}.{name}.weight", None) for x in "AB"]
+            if (ab[0] is None) != (ab[1] is None):
+                raise ValueError(f"the reference adapter has only one of {n}'s lora_A and lora_B")
+            m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device) for t in ab)
+        if left:
+            raise ValueError(f"the reference adapter's tensor {next(iter(left))} names no LoRA layer of this model "
+                             f"({len(left)} such)")
+        self.layers = list(layers.values())
+
+    def __enter__(self):
+        for m in self.layers:
+            m._as_reference = True
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m._as_reference = False
+
+
+def _reference_forward(self, x):
+    """reference_adapter's layer: as the fused forward (or peft's, where the LoRA dtype is not x's) computes it."""
+    result = self.base_layer(x)
+    if self._ref_weights is None:
+        return result
+    name = self.active_adapters[0]
+    want, s = self.lora_A[name].weight.dtype, self.scaling[name]
+    if self._ref_weights[0].dtype != want:   # (once: FSDP2's param dtype is only known inside forward)
+        self._ref_weights = tuple(t.to(want) for t in self._ref_weights)
+    a, b = self._ref_weights
+    if want != x.dtype:   # peft's path for such a layer: LoRA in its own dtype, the sum cast back
+        return (result + nn.functional.linear(nn.functional.linear(x.to(want), a), b) * s).to(result.dtype)
+    flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
+    return torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
 
 
 def fuse_lora(model: nn.Module) -> int:

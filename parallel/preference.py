@@ -2,12 +2,12 @@
 
 Contract: `DPO(model, beta, cp_group)(ids, pos, labels, sides, n_pairs)` -> (losses [n_pairs] float64, margins
 [n_pairs]) for this rank's shard of a collated micro-batch of `data.pairs.Pairs` (`sides` from `data.collate`).
-- The reference model is the base: one forward with every LoRA layer off (`model.qlora.adapters_off`), under
-  no_grad, so it keeps no activation and no second copy of any weight; then the policy's forward, which backward
-  goes through. Each gives every target token's -log p (`per_token`); `dpo_loss` sums them per sequence, over
-  the cp group too, and takes the DPO loss of each pair.
-- Since LoRA starts at B = 0 the reference is the policy at step 0 (TRL's default with a peft model). A run from
-  `--init-adapter` would need that adapter as the reference: refused at start-up (merge it into the base first).
+- The reference model is the policy's start, computed under no_grad (it keeps no activation and no second copy of
+  the base): the base with every LoRA layer off (`model.qlora.adapters_off`), since LoRA starts at B = 0 (TRL's
+  default with a peft model); or, for a run from `--init-adapter` (DPO after SFT, no merge), the base plus that
+  adapter held fixed (`model.qlora.reference_adapter`, TRL's `ref_adapter_name`). Then the policy's forward, which
+  backward goes through. Each gives every target token's -log p (`per_token`); `dpo_loss` sums them per sequence,
+  over the cp group too, and takes the DPO loss of each pair.
 - The caller scales the losses' sum by the step's global pair count, as cross-entropy's is by its target count, and
   counts each pair once per cp group when reporting (every cp rank returns the same losses).
 - The step runs two forwards and one backward (one more forward than cross-entropy: ~4/3 of its model FLOPs).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from model.qlora import adapters_off
+from model.qlora import adapters_off, reference_adapter
 
 
 def sequence_logps(token_nll: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
@@ -50,8 +50,10 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor, sides: torch.Tenso
 
 
 class DPO:
-    def __init__(self, model, beta: float, cp_group=None):
-        self.model, self.beta, self.cp_group, self.off = model, beta, cp_group, adapters_off(model)
+    def __init__(self, model, beta: float, cp_group=None, reference: dict | None = None, device=None):
+        """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base."""
+        self.model, self.beta, self.cp_group = model, beta, cp_group
+        self.off = adapters_off(model) if reference is None else reference_adapter(model, reference, device)
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
 
     def __call__(self, ids, pos, labels, sides, n_pairs: int):

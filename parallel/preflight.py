@@ -126,10 +126,6 @@ def check_start(args, demo: bool):
             raise ValueError("--objective dpo computes its own loss from each sequence's log-probabilities, so "
                              "train.py's LOSS_FN (a per-token loss) cannot apply: set LOSS_FN = None, or train with "
                              "--objective sft")
-        if args.init_adapter:
-            raise ValueError(f"--objective dpo with --init-adapter {args.init_adapter}: DPO's reference model is the "
-                             "base with LoRA off, which would not be where this adapter starts; merge the adapter into "
-                             "the base first (python -m model.merge --adapter DIR --out MERGED), then DPO from MERGED")
         if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
             raise ValueError(f"--dpo-beta must be a finite number above 0 (typical: 0.1), got {args.dpo_beta:g}")
         args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
@@ -137,6 +133,14 @@ def check_start(args, demo: bool):
         raise ValueError(f"--dpo-beta {args.dpo_beta:g} is DPO's: pass --objective dpo to train on preference pairs, "
                          "or drop --dpo-beta")
     check_flags(args)
+    args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
+    if args.objective == "dpo":   # (from --init-adapter: that adapter, held fixed; the policy starts from it)
+        ref = os.path.join(args.init_adapter or "", "adapter_model.safetensors")
+        if args.init_adapter and not os.path.isfile(ref):   # (a fresh run's check_init_adapter said it already)
+            raise ValueError(f"--init-adapter {args.init_adapter!r}: no adapter_model.safetensors there, and a DPO "
+                             "run from an adapter needs it on a resume too (its reference model): pass the adapter's "
+                             "folder")
+        args.dpo_reference = f"adapter sha256 {file_sha256(ref)}" if args.init_adapter else "base"
     check_weights(args.data_weights, data_files(args.data), demo)
     args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
     if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):

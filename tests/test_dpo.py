@@ -58,6 +58,11 @@ ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2"],
        "dpo_tiled_attn_offload": ["--tiled-attn", "--offload-activations", "--ac-blocks", "1"]}
 
 
+# DPO after SFT: from an adapter (the first run's, trained on these pairs: it prefers their chosen sides), which is
+# the reference too
+FROM = lambda root: ["--init-adapter", os.path.join(root, "dpo", "adapter"), "--eval-every", "1"]
+
+
 @pytest.fixture(scope="module")
 def pairs(assets):
     d = assets["dir"]
@@ -82,6 +87,8 @@ def _four(rank, world_size, a, root):
         train.main(_argv(a, os.path.join(root, name), *flags))
     train.main(_argv(a, os.path.join(root, "dpo_files_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
                      "ring", *FILES, "--data", *a["parts"]))
+    train.main(_argv(a, os.path.join(root, "dpo_from_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
+                     "ring", "--tiled-mlp", "--offload-activations", *FROM(root)))
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,9 @@ def runs(pairs, tmp_path_factory):
             train.main(_argv(pairs, os.path.join(root, name), *flags))
         train.main(_argv(pairs, os.path.join(root, "dpo_resume"), "--eval-every", "1", "--resume",
                          os.path.join(root, "dpo", "ckpt", "step_000002")))
+        train.main(_argv(pairs, os.path.join(root, "dpo_from"), *FROM(root), "--save-every", "2"))
+        train.main(_argv(pairs, os.path.join(root, "dpo_from_resume"), *FROM(root), "--resume",
+                         os.path.join(root, "dpo_from", "ckpt", "step_000002")))
     run_ranks(_four, 4, pairs, root, timeout=540, pg_timeout=120)
     return root
 
@@ -136,8 +146,10 @@ def _pair(g, lc, lr, prompt):
     return {"input_ids": torch.cat(seqs), "labels": torch.cat(labels), "split": lc}, seqs, labels
 
 
-@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["no_ac", "ac_tiled"])
-def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem):
+@pytest.mark.parametrize("mem,reference", [(dict(ac=False), False), (dict(ac=True, tiled_mlp=True), False),
+                                           (dict(ac=True, tiled_mlp=True), True)],
+                         ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter"])
+def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference):
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
@@ -154,7 +166,14 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem):
     model, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=3, **mem),
                                         attention=KernelAttention())
     b = collate([m[0] for m in made], True, 1, 0, sides=True)
-    losses, margins = Step(model, beta)(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
+    ref_sd = None
+    if reference:   # another adapter as the reference (DPO from --init-adapter), one projection without tensors
+        gr = torch.Generator().manual_seed(11)
+        ref_sd = {k.removeprefix("base_model.model."): torch.randn(p.shape, generator=gr) * 0.3
+                  for k, p in peft_model.named_parameters() if p.requires_grad and "layers.2.mlp.down_proj" not in k}
+        assert len(ref_sd) == 14 * 3 - 2
+    step = Step(model, beta, reference=ref_sd)
+    losses, margins = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
     (losses.sum() / len(made)).backward()
     ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
 
@@ -164,16 +183,29 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem):
     assert not hf.load_state_dict({k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad},
                                   strict=False).unexpected_keys
     hf.train()
+    hf_ref = None
+    if reference:   # peft's model with the reference adapter: its B = 0 where the reference has no tensors
+        hf_ref = get_peft_model(T.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                                           init_lora_weights=False)).eval()
+        with torch.no_grad():
+            for k, p in hf_ref.named_parameters():
+                if "lora_" in k:
+                    p.copy_(ref_sd.get(k.removeprefix("base_model.model."), torch.zeros_like(p)))
 
-    def logp(ids, lab):   # each sequence alone, the whole logits
-        z = hf(input_ids=ids[None]).logits[0].float().log_softmax(-1)
+    def logp(ids, lab, m=hf):   # each sequence alone, the whole logits
+        z = m(input_ids=ids[None]).logits[0].float().log_softmax(-1)
         keep = lab != -100
         return z[keep].gather(1, lab[keep, None]).sum()
 
     want = []
     for _, seqs, labels in made:
-        with torch.no_grad(), hf.disable_adapter():
-            ref = [logp(s, lab) for s, lab in zip(seqs, labels)]
+        with torch.no_grad():
+            if reference:
+                ref = [logp(s, lab, hf_ref) for s, lab in zip(seqs, labels)]
+            else:
+                with hf.disable_adapter():
+                    ref = [logp(s, lab) for s, lab in zip(seqs, labels)]
         pol = [logp(s, lab) for s, lab in zip(seqs, labels)]
         want.append(-F.logsigmoid(beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))))
     want = torch.stack(want)
@@ -300,6 +332,12 @@ def test_the_planner_plans_a_pair_as_two_sequences():
     dims = ParallelDims(world_size=1, dp_shard=1, cp=1)
     assert memory_plan(m, dims, dpo, "cuda", True).peak == memory_plan(m, dims, two, "cuda", True).peak
     assert memory_plan(m, dims, dpo, "cuda", True).peak > memory_plan(m, dims, base, "cuda", True).peak
+    # from --init-adapter: its tensors whole on the rank, bf16 (r 16 on all seven projections of 28 layers)
+    ref = argparse.Namespace(**{**vars(dpo), "dpo_reference": "adapter sha256 0"})
+    D, F_, kv = 3584, 18944, 4 * 128
+    per_layer = 16 * ((D + D) * 2 + (D + kv) * 2 + (D + F_) * 3)
+    got = memory_plan(m, dims, ref, "cuda", True).peak - memory_plan(m, dims, dpo, "cuda", True).peak
+    assert got == 28 * per_layer * 2, (got, 28 * per_layer * 2)
     # the step time: a supervised step of two --max-len documents a row, plus the reference's forward
     from parallel.plan_speed import step_seconds
     t_dpo, _ = step_seconds(m, dims, dpo, "cuda", True)
@@ -354,6 +392,41 @@ def test_resume_gives_the_uninterrupted_step(runs):
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), k
 
 
+def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_path):
+    """The policy starts from --init-adapter and the reference is that adapter held fixed: step 1's loss is log 2
+    (with the base as the reference it would be below: the adapter already prefers the chosen sides, see the first
+    run's last eval loss), and training moves it below log 2; 4 ranks (cp 2 x dp 2 ring, tiled MLP, offload) = 1 rank; a
+    resume = the uninterrupted step 3, and is refused without the adapter or with other bytes."""
+    m, first = _metrics(os.path.join(runs, "dpo_from")), _metrics(os.path.join(runs, "dpo"))
+    assert first[-1]["eval_loss"] < math.log(2) - 0.02, f"the starting adapter should prefer the chosen sides (the " \
+                                                         f"eval pairs are the training pairs): {first[-1]}"
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and m[0]["reward_margin"] == 0, m[0]
+    assert m[-1]["loss"] < math.log(2) - 1e-4 and m[-1]["eval_loss"] < math.log(2), m[-1]
+    cfg = json.load(open(os.path.join(runs, "dpo_from", "config.json")))
+    from data.store import file_sha256
+    assert cfg["dpo_reference"] == "adapter sha256 " + file_sha256(os.path.join(runs, "dpo", "adapter",
+                                                                                 "adapter_model.safetensors"))
+    assert json.load(open(os.path.join(runs, "dpo", "config.json")))["dpo_reference"] == "base"
+    _compare("dpo_from_cp2_dp2_ring", os.path.join(runs, "dpo_from_cp2_dp2_ring"), os.path.join(runs, "dpo_from"),
+             adapter_rtol=ADAPTER_RTOL)
+    got = _metrics(os.path.join(runs, "dpo_from_resume"))
+    assert [r["step"] for r in got] == [3]
+    for k in ("loss", "grad_norm", "reward_margin", "eval_loss"):
+        assert abs(got[0][k] - m[2][k]) <= 1e-5, f"step 3 {k}: {got[0][k]} vs {m[2][k]}"
+    step2 = os.path.join(runs, "dpo_from", "ckpt", "step_000002")
+    out = str(tmp_path / "again")
+    said = startup_error(_argv(pairs, out, "--eval-every", "1", "--resume", step2))
+    assert "DPO's reference: the checkpoint's run's was the adapter" in said and "pass --init-adapter" in said, said
+    other = ["--init-adapter", os.path.join(runs, "dpo_from", "adapter")]   # (an adapter, other bytes)
+    said = startup_error(_argv(pairs, out, *other, "--eval-every", "1", "--resume", step2))
+    assert "this run's the adapter" in said and os.path.join(runs, "dpo", "adapter") in said, said
+    said = startup_error(_argv(pairs, out, *FROM(runs), "--resume", os.path.join(runs, "dpo", "ckpt",
+                                                                                 "step_000002")))
+    assert "was the base model (LoRA off)" in said and "drop --init-adapter" in said, said
+    said = startup_error(_argv(pairs, out, "--init-adapter", str(tmp_path), "--eval-every", "1", "--resume", step2))
+    assert "no adapter_model.safetensors there" in said and "on a resume too" in said, said
+
+
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
     said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo: from the first line, before tokenizing
@@ -374,7 +447,7 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     said = startup_error(train_argv({**pairs, "data": str(tied)}, out, *DPO))
     assert "every preference pair is tied" in said and "a longer --max-len keeps them" in said, said
     said = startup_error(train_argv(pairs, out, *DPO, "--init-adapter", str(tmp_path)))
-    assert "--init-adapter" in said and "model.merge" in said
+    assert f"--init-adapter {str(tmp_path)!r}: no adapter_config.json" in said, said
     for beta in ("0", "inf", "nan"):
         assert "--dpo-beta must be a finite number above 0" in startup_error(train_argv(pairs, out, "--objective",
                                                                                         "dpo", "--dpo-beta", beta))
