@@ -24,7 +24,8 @@ folder, `make test-gpu` does):
 - NF4 codes and absmax (training's blocks, the merge's nested round trip) equal the CPU's, ties included;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets;
-- `--objective dpo` on NF4 + bf16: step 1's loss is log 2, the eval pairs' loss falls; `per_token` losses in bf16;
+- `--objective dpo` on NF4 + bf16: step 1's loss is log 2, the eval pairs' loss falls, and from that adapter
+  (`--init-adapter`, the reference too) step 1 is log 2 again; `per_token` losses in bf16;
 - past 2^31 elements (603k tokens of Qwen2.5-7B's q, where --max-len auto leads): causal attention's out, dq and
   the last key's dk, dv on rows past that point = one query row in float32 math; fused RMSNorm's last rows.
 
@@ -477,6 +478,14 @@ def test_cuda_dpo_nf4_bf16(tmp_path, monkeypatch):
     assert len(rows) == 10 and all(math.isfinite(r["loss"]) and math.isfinite(r["reward_margin"]) for r in rows)
     assert abs(rows[0]["loss"] - math.log(2)) < 1e-5, rows[0]
     assert rows[-1]["eval_loss"] < math.log(2), rows[-1]
+    # DPO after SFT: from that adapter, which is then the reference too (held fixed, cast to FSDP2's bf16 as the
+    # policy's LoRA is): step 1's loss is log 2 again, not the adapter's eval loss against the base
+    again = tmp_path / "from"
+    train.main(["--model", str(model), "--data", pairs, "--objective", "dpo", "--steps", "3", "--global-batch", "8",
+                "--max-len", "256", "--lr", "1e-3", "--warmup", "1", "--no-progress", "--out", str(again), "--quant",
+                "nf4", "--dtype", "bf16", "--init-adapter", str(out / "adapter")])
+    rows = [json.loads(line) for line in open(again / "metrics.jsonl")]
+    assert abs(rows[0]["loss"] - math.log(2)) < 1e-5 and all(math.isfinite(r["loss"]) for r in rows), rows
 
 
 def test_cuda_mem_trace_names_sites_and_phases(tmp_path, monkeypatch):
