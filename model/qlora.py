@@ -364,8 +364,10 @@ def _reference_forward(self, x):
     if self._ref_weights[0].dtype != want:   # (once: FSDP2's param dtype is only known inside forward)
         self._ref_weights = tuple(t.to(want) for t in self._ref_weights)
     a, b = self._ref_weights
-    if want != x.dtype:   # peft's path for such a layer: LoRA in its own dtype, the sum cast back
-        return (result + nn.functional.linear(nn.functional.linear(x.to(want), a), b) * s).to(result.dtype)
+    if want != x.dtype:   # peft's path for such a layer (LoRA in its own dtype), rounded as it rounds: a 4-bit
+        lora = nn.functional.linear(nn.functional.linear(x.to(want), a), b) * s   # layer casts LoRA's share back
+        four = isinstance(self.base_layer, bnb.nn.Linear4bit)   # before the sum, a plain one casts the sum
+        return result + lora.to(result.dtype) if four else (result + lora).to(result.dtype)
     flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
     return torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
 

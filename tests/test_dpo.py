@@ -4,9 +4,9 @@ Pins:
 - the chunked loss with `per_token=True` = `F.cross_entropy(reduction="none")`, values and the hidden gradient
   under a different factor per row; refused with a `loss_fn` or a trainable head;
 - a packed micro-batch of pairs through `parallel.preference.DPO` (the base with LoRA off as the reference, with
-  and without AC + the tiled MLP) = the DPO formula on transformers' Qwen2 + peft's LoRA, each sequence alone,
-  log-probabilities from `log_softmax`, the reference from peft's own `disable_adapter()`: the losses and every
-  LoRA gradient;
+  and without AC + the tiled MLP; and another adapter as the reference) = the DPO formula on transformers' Qwen2 +
+  peft's LoRA, each sequence alone, log-probabilities from `log_softmax`, the reference from peft's own
+  `disable_adapter()` or a second peft model holding the reference adapter: the losses and every LoRA gradient;
 - a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
   text), side by side, but for a long prompt, cut once for both (the longer side's count); a pair with a side left
   without a target is dropped whole and counted once, one whose sides are the same tokens as tied; `collate`
@@ -17,7 +17,11 @@ Pins:
   (rotating shares of pairs, whole pairs held out) likewise; on 1 rank, --ac-keep-attn (2 pairs a micro-batch) and
   --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload and --ac-blocks 1 train as the plain run;
   a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
-- start-up refusals name the fix: pairs without --objective dpo, other records with it, --init-adapter, LOSS_FN,
+- DPO from --init-adapter (an adapter that prefers the chosen sides): that adapter is the reference, so step 1 is
+  log 2 (fp32; bf16 without mixed precision, 4-bit and plain layers) and later steps fall; 4 ranks (cp 2 × dp 2 ring,
+  tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the adapter, with other bytes,
+  or with one for a run whose reference was the base; config.json's dpo_reference; the plan adds the adapter;
+- start-up refusals name the fix: pairs without --objective dpo, other records with it, a missing adapter, LOSS_FN,
   --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
 
 Run: .venv/bin/python -m pytest -q tests/test_dpo.py
@@ -425,6 +429,20 @@ def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_
     assert "was the base model (LoRA off)" in said and "drop --init-adapter" in said, said
     said = startup_error(_argv(pairs, out, "--init-adapter", str(tmp_path), "--eval-every", "1", "--resume", step2))
     assert "no adapter_model.safetensors there" in said and "on a resume too" in said, said
+
+
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_dpo_from_an_adapter_in_bf16_starts_at_log_2(runs, pairs, tmp_path, quant):
+    """In bf16 with no mixed precision (the CPU's), LoRA computes in float32 through peft's own forward, which rounds
+    a 4-bit layer's share before the sum and a plain layer's sum after it: the reference adapter rounds as each does,
+    so step 1 is log 2 to the metric's 6 digits."""
+    import train
+
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "bf16"), *FROM(runs), "--steps", "1", "--dtype", "bf16", "--quant",
+                         quant, "--eval-every", "0"))
+    m = _metrics(str(tmp_path / "bf16"))
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
 
 
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
