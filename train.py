@@ -110,6 +110,13 @@ def build_parser(add_help=True):
       "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
       "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")
     a("--dpo-beta", type=float, default=0.1, help="DPO's beta: how strongly the policy may move from the reference")
+    a("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge", "simpo"], help="the preference loss: "
+      "sigmoid (DPO), ipo, hinge (SLiC), simpo (no reference model: one forward less; try --dpo-beta 2)")
+    a("--dpo-label-smoothing", type=float, default=0.0, help="sigmoid's label smoothing in [0, 0.5): the share of "
+      "pairs taken as mislabeled (conservative DPO)")
+    a("--rpo-alpha", type=float, default=0.0, help="add this times the chosen side's mean NLL to each pair's loss "
+      "(RPO)")
+    a("--simpo-gamma", type=float, default=0.5, help="SimPO's target reward margin (with --dpo-loss simpo)")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
@@ -252,16 +259,18 @@ def main(argv=None):
         dims, args.pack = validate(args, margs, world)
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
         dpo = args.objective == "dpo"
-        ref = f"--init-adapter {args.init_adapter}, held fixed" if args.init_adapter else "the base model (LoRA off)"
-        log0(f"layout: {dims}\nloss: " + (f"DPO, beta {args.dpo_beta:g}, reference: {ref}" if dpo
+        ref = ("none (SimPO)" if args.dpo_loss == "simpo" else f"--init-adapter {args.init_adapter}, held fixed"
+               if args.init_adapter else "the base model (LoRA off)")
+        log0(f"layout: {dims}\nloss: " + (f"DPO ({args.dpo_loss}), beta {args.dpo_beta:g}, reference: {ref}" if dpo
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
-                         f"note: --init-adapter {args.init_adapter} is " + ("read as DPO's reference only" if dpo
-                                                                             else "not read") + f": the run resumes "
+                         f"note: --init-adapter {args.init_adapter} is " + ("read as DPO's reference only" if
+                                                                             dpo and args.dpo_reference != "none" else
+                                                                             "not read") + f": the run resumes "
                          f"{ckpt}, whose LoRA weights (trained on from wherever the run started) it continues")):
             if note:
                 log0(note)
@@ -328,9 +337,10 @@ def main(argv=None):
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
         if dpo:
-            from parallel.preference import DPO
-            dpo = DPO(model, args.dpo_beta, meshes.cp.get_group(),
-                      read_init_adapter(args.init_adapter) if args.init_adapter else None, device)
+            from parallel.preference import DPO, Preference
+            dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
+                      read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
+                      device)
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
              f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "
@@ -357,10 +367,10 @@ def main(argv=None):
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
-        if eval_samples and start == 0 and dpo:   # LoRA's B is 0: the policy is the reference, no pass needed
-            log0(f"eval_loss before training {math.log(2):.6f} (log 2: DPO's policy starts as its reference)")
+        if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
+            log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
         elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0)).items()
+            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), dpo=dpo or None).items()
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
@@ -392,7 +402,7 @@ def main(argv=None):
             lens = [n for idx in idxs for i in idx for n in docs(i)] if cp_rank == 0 else []   # each document's
             counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
                                    sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
-                                   sum(n * flops_per_token(margs, n) for n in lens) * (4 / 3 if dpo else 1)],
+                                   sum(n * flops_per_token(margs, n) for n in lens) * (1 + (dpo and dpo.ref) / 3)],
                                   dtype=torch.float64, device=device)   # (dpo: a second forward, the reference's)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)

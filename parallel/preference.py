@@ -1,7 +1,8 @@
 """`--objective dpo`: a micro-batch of preference pairs -> its DPO losses, on any layout.
 
-Contract: `DPO(model, beta, cp_group)(ids, pos, labels, sides, n_pairs)` -> (losses [n_pairs] float64, margins
-[n_pairs]) for this rank's shard of a collated micro-batch of `data.pairs.Pairs` (`sides` from `data.collate`).
+Contract: `DPO(model, Preference(...), cp_group)(ids, pos, labels, sides, n_pairs)` -> (losses [n_pairs] float64,
+margins [n_pairs]) for this rank's shard of a collated micro-batch of `data.pairs.Pairs` (`sides` from
+`data.collate`).
 - The reference model is the policy's start, computed under no_grad (it keeps no activation and no second copy of
   the base): the base with every LoRA layer off (`model.qlora.adapters_off`), since LoRA starts at B = 0 (TRL's
   default with a peft model); or, for a run from `--init-adapter` (DPO after SFT, no merge), the base plus that
@@ -10,54 +11,117 @@ Contract: `DPO(model, beta, cp_group)(ids, pos, labels, sides, n_pairs)` -> (los
   over the cp group too, and takes the DPO loss of each pair.
 - The caller scales the losses' sum by the step's global pair count, as cross-entropy's is by its target count, and
   counts each pair once per cp group when reporting (every cp rank returns the same losses).
-- The step runs two forwards and one backward (one more forward than cross-entropy: ~4/3 of its model FLOPs).
+- The step runs two forwards and one backward (one more forward than cross-entropy: ~4/3 of its model FLOPs);
+  SimPO, which has no reference, one of each.
+- `Preference` is the loss (--dpo-loss and its flags), each from its paper, as TRL computes it where it is the
+  reference implementation: sigmoid (DPO; with --dpo-label-smoothing ε, conservative DPO, Mitchell 2023), ipo (Azar
+  et al., 2023; log-probabilities averaged over each sequence's targets, as TRL does), hinge (SLiC, Zhao et al.,
+  2023), simpo (Meng et al., 2024: reference-free, averaged log-probabilities, margin --simpo-gamma); --rpo-alpha
+  adds α times the chosen side's mean negative log-likelihood per pair (RPO, Pang et al., 2024).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from loss import IGNORE_INDEX
 from model.qlora import adapters_off, reference_adapter
 
 
-def sequence_logps(token_nll: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
-    """Each sequence's summed log-probability of its targets, float64 [n_seqs]: `token_nll` [N] (per_token losses,
-    0 off target), `sides` [N] each token's sequence (-1: none; `data.collate`'s `sides`)."""
+@dataclass(frozen=True)
+class Preference:
+    """The preference loss of one pair from its sequences' log-probabilities (module docstring)."""
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    gamma: float = 0.5
+
+    @classmethod
+    def from_args(cls, args) -> Preference:
+        return cls(args.dpo_loss, args.dpo_beta, args.dpo_label_smoothing, args.rpo_alpha, args.simpo_gamma)
+
+    @property
+    def reference(self) -> bool:
+        return self.loss != "simpo"
+
+    def at_start(self) -> float | None:
+        """The loss of every pair while the policy is its reference (no RPO term): known without a pass."""
+        if not self.reference or self.rpo_alpha:
+            return None
+        return {"sigmoid": math.log(2), "ipo": 1 / (2 * self.beta) ** 2, "hinge": 1.0}[self.loss]
+
+    def __call__(self, pi, ref, n) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each pair's loss, its reward margin) from float64 [2 × pairs] sums of log-probabilities (`ref` None for
+        SimPO) and target counts `n`, the chosen at even indices."""
+        f, b = torch.nn.functional, self.beta
+        mean = pi / n
+        if self.loss == "simpo":
+            rewards = b * mean
+            h = mean[0::2] - mean[1::2]
+        else:
+            rewards = b * (pi - ref)
+            d = (pi - ref) / n if self.loss == "ipo" else pi - ref
+            h = d[0::2] - d[1::2]
+        if self.loss == "sigmoid":
+            losses = -(1 - self.label_smoothing) * f.logsigmoid(b * h) - self.label_smoothing * f.logsigmoid(-b * h)
+        elif self.loss == "ipo":
+            losses = (h - 1 / (2 * b)) ** 2
+        elif self.loss == "hinge":
+            losses = torch.relu(1 - b * h)
+        else:
+            losses = -f.logsigmoid(b * h - self.gamma)
+        if self.rpo_alpha:
+            losses = losses - self.rpo_alpha * mean[0::2]
+        return losses, (rewards[0::2] - rewards[1::2]).detach()
+
+
+def per_sequence(x: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Each sequence's sum of `x` [N] (per token), float64 [n_seqs]: `sides` [N] each token's sequence (-1: none;
+    `data.collate`'s `sides`). Of per_token losses (0 off target): minus its summed log-probability."""
     keep = sides.reshape(-1) >= 0
-    out = torch.zeros(n_seqs, dtype=torch.float64, device=token_nll.device)
-    return out.index_add(0, sides.reshape(-1)[keep], -token_nll.reshape(-1)[keep].double())
+    out = torch.zeros(n_seqs, dtype=torch.float64, device=x.device)
+    return out.index_add(0, sides.reshape(-1)[keep], x.reshape(-1)[keep].double())
 
 
-def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor, sides: torch.Tensor, n_pairs: int, beta: float,
-             group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO (Rafailov et al., 2023) of `n_pairs` pairs: (-log sigmoid(margin) [n_pairs] float64, margin [n_pairs]
-    detached), margin = beta · ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)), sequence 2k the chosen
-    and 2k + 1 the rejected of pair k.
+def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: torch.Tensor, sides: torch.Tensor,
+             n_pairs: int, pref: Preference, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pref`'s loss of `n_pairs` pairs: (losses [n_pairs] float64, reward margins [n_pairs] detached), sequence 2k
+    the chosen and 2k + 1 the rejected of pair k; `ref_nll` None for a loss without a reference. The reward of a
+    sequence is beta · (log pi - log ref) (SimPO: beta · its mean log pi), its margin the chosen's less the
+    rejected's.
 
-    Under context parallelism each rank holds part of every sequence: the sums are all-reduced over `group` (the cp
-    group), and the loss is differentiable through this rank's own part only, so the ranks' gradients add up to the
-    whole sequence's. Every cp rank returns the same losses: count them once (cp rank 0) when reporting."""
-    pi = sequence_logps(policy_nll, sides, 2 * n_pairs)
-    ref = sequence_logps(ref_nll.detach(), sides, 2 * n_pairs)
+    Under context parallelism each rank holds part of every sequence: the sums (and target counts) are all-reduced
+    over `group` (the cp group), and the loss is differentiable through this rank's own part only, so the ranks'
+    gradients add up to the whole sequence's. Every cp rank returns the same losses: count them once (cp rank 0)
+    when reporting."""
+    pi = -per_sequence(policy_nll, sides, 2 * n_pairs)
+    ref = -per_sequence(ref_nll.detach(), sides, 2 * n_pairs) if ref_nll is not None else torch.zeros_like(pi)
+    n = per_sequence(labels != IGNORE_INDEX, sides, 2 * n_pairs)   # targets per sequence
     if group is not None and dist.get_world_size(group) > 1 and n_pairs:
-        both = torch.stack([pi.detach(), ref])
-        dist.all_reduce(both, group=group)
-        pi, ref = pi + (both[0] - pi.detach()), both[1]   # the whole sums; the gradient of this rank's part
-    rewards = beta * (pi - ref)
-    margin = rewards[0::2] - rewards[1::2]
-    return -torch.nn.functional.logsigmoid(margin), margin.detach()
+        whole = torch.stack([pi.detach(), ref, n])
+        dist.all_reduce(whole, group=group)
+        pi, ref, n = pi + (whole[0] - pi.detach()), whole[1], whole[2]   # the gradient of this rank's part
+    return pref(pi, ref if ref_nll is not None else None, n.clamp(min=1))
 
 
 class DPO:
-    def __init__(self, model, beta: float, cp_group=None, reference: dict | None = None, device=None):
+    def __init__(self, model, pref: Preference, cp_group=None, reference: dict | None = None, device=None):
         """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base."""
-        self.model, self.beta, self.cp_group = model, beta, cp_group
-        self.off = adapters_off(model) if reference is None else reference_adapter(model, reference, device)
+        self.model, self.pref, self.cp_group = model, pref, cp_group
+        self.off = None if not pref.reference else adapters_off(model) if reference is None else \
+            reference_adapter(model, reference, device)
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
+        self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
 
     def __call__(self, ids, pos, labels, sides, n_pairs: int):
-        with torch.no_grad(), self.off:
-            ref, _ = self.model(ids, position_ids=pos, labels=labels, per_token=True)
+        ref = None
+        if self.off is not None:
+            with torch.no_grad(), self.off:
+                ref, _ = self.model(ids, position_ids=pos, labels=labels, per_token=True)
         pol, _ = self.model(ids, position_ids=pos, labels=labels, per_token=True)
-        return dpo_loss(pol, ref, sides, n_pairs, self.beta, self.cp_group)
+        return dpo_loss(pol, ref, labels, sides, n_pairs, self.pref, self.cp_group)

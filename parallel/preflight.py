@@ -128,13 +128,29 @@ def check_start(args, demo: bool):
                              "--objective sft")
         if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
             raise ValueError(f"--dpo-beta must be a finite number above 0 (typical: 0.1), got {args.dpo_beta:g}")
+        if not 0 <= args.dpo_label_smoothing < 0.5:
+            raise ValueError(f"--dpo-label-smoothing must be in [0, 0.5) (the share of pairs taken as mislabeled; "
+                             f"typical: 0.1), got {args.dpo_label_smoothing:g}")
+        if args.dpo_label_smoothing and args.dpo_loss != "sigmoid":
+            raise ValueError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid only, not {args.dpo_loss}: drop it")
+        if not (math.isfinite(args.rpo_alpha) and args.rpo_alpha >= 0):
+            raise ValueError(f"--rpo-alpha must be a finite number of 0 or more (typical: 1), got {args.rpo_alpha:g}")
+        if not math.isfinite(args.simpo_gamma) or args.simpo_gamma != 0.5 and args.dpo_loss != "simpo":
+            raise ValueError(f"--simpo-gamma {args.simpo_gamma:g}: SimPO's margin, a finite number, with --dpo-loss "
+                             "simpo only")
         args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
-    elif args.dpo_beta != 0.1:   # (a flag that does nothing here, yet would be compared on a resume)
-        raise ValueError(f"--dpo-beta {args.dpo_beta:g} is DPO's: pass --objective dpo to train on preference pairs, "
-                         "or drop --dpo-beta")
+    else:   # DPO's flags do nothing here, yet would be compared on a resume
+        for flag, v, default in (("--dpo-beta", args.dpo_beta, 0.1), ("--dpo-loss", args.dpo_loss, "sigmoid"),
+                                 ("--dpo-label-smoothing", args.dpo_label_smoothing, 0.0),
+                                 ("--rpo-alpha", args.rpo_alpha, 0.0), ("--simpo-gamma", args.simpo_gamma, 0.5)):
+            if v != default:
+                raise ValueError(f"{flag} {v} is DPO's: pass --objective dpo to train on preference pairs, or drop "
+                                 f"{flag}")
     check_flags(args)
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
-    if args.objective == "dpo":   # (from --init-adapter: that adapter, held fixed; the policy starts from it)
+    if args.objective == "dpo" and args.dpo_loss == "simpo":   # (reference-free)
+        args.dpo_reference = "none"
+    elif args.objective == "dpo":   # (from --init-adapter: that adapter, held fixed; the policy starts from it)
         ref = os.path.join(args.init_adapter or "", "adapter_model.safetensors")
         if args.init_adapter and not os.path.isfile(ref):   # (a fresh run's check_init_adapter said it already)
             raise ValueError(f"--init-adapter {args.init_adapter!r}: no adapter_model.safetensors there, and a DPO "

@@ -41,7 +41,7 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
-                "objective", "dpo_beta", "dpo_reference")
+                "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile")
@@ -127,7 +127,7 @@ def _template_diff(ckpt_args: dict, args: dict) -> str:
 
 def _reference_diff(ckpt_args: dict, args: dict) -> str:
     """A DPO run's reference that is not its checkpoint's: the base (LoRA off) or an --init-adapter's bytes."""
-    said = lambda ref, path: ("the base model (LoRA off)" if ref == "base" else
+    said = lambda ref, path: ("the base model (LoRA off)" if ref == "base" else "none (SimPO)" if ref == "none" else
                               f"the adapter {path!r} (adapter_model.safetensors sha256 {ref.split()[-1][:12]}...)")
     had, now = ckpt_args["dpo_reference"], args.get("dpo_reference")
     fix = ("drop --init-adapter" if had == "base" else f"pass --init-adapter with that adapter's files (the "
@@ -144,7 +144,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     diffs = []
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
                  "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
-                 "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None,
+                 "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
+                 "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5,
                  **ckpt_args}   # runs from before these flags: without them
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     other_files = "data" in ckpt_args and "data" in args and not _same_path(ckpt_args["data"], args["data"]) and \
@@ -171,8 +172,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
         if k in ("model", "data") and (_same_path(ckpt_args.get(k), args.get(k)) or k in moved):   # spelled
             continue   # another way, or moved
         if k == "dpo_reference" and ckpt_args[k] != args.get(k) and args.get("objective") == "dpo" == ckpt_args.get(
-                "objective"):
-            diffs.append(_reference_diff(ckpt_args, args))
+                "objective"):   # (with another --dpo-loss: said as that)
+            diffs += [_reference_diff(ckpt_args, args)] if args.get("dpo_loss") == ckpt_args["dpo_loss"] else []
             continue
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))

@@ -7,6 +7,9 @@ Pins:
   and without AC + the tiled MLP; and another adapter as the reference) = the DPO formula on transformers' Qwen2 +
   peft's LoRA, each sequence alone, log-probabilities from `log_softmax`, the reference from peft's own
   `disable_adapter()` or a second peft model holding the reference adapter: the losses and every LoRA gradient;
+  so too label-smoothed DPO, IPO + RPO (also with the adapter reference), hinge and SimPO against each paper's
+  formula (`_formula`), and on train.py IPO + RPO (cp 2 × dp 2 ring) and SimPO (cp 2 × dp 2 Ulysses, 2 pairs a
+  micro-batch) 4 ranks = 1 rank;
 - a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
   text), side by side, but for a long prompt, cut once for both (the longer side's count); a pair with a side left
   without a target is dropped whole and counted once, one whose sides are the same tokens as tied; `collate`
@@ -22,7 +25,8 @@ Pins:
   tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the adapter, with other bytes,
   or with one for a run whose reference was the base; config.json's dpo_reference; the plan adds the adapter;
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, a missing adapter, LOSS_FN,
-  --dpo-beta 0, the demo; the planner plans a pair as two sequences of --max-len.
+  --dpo-beta 0, DPO's flags without it, label smoothing out of range or beside another loss, a negative RPO alpha,
+  --simpo-gamma without SimPO, the demo; the planner plans a pair as two sequences of --max-len.
 
 Run: .venv/bin/python -m pytest -q tests/test_dpo.py
 """
@@ -67,6 +71,13 @@ ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2"],
 FROM = lambda root: ["--init-adapter", os.path.join(root, "dpo", "adapter"), "--eval-every", "1"]
 
 
+# other losses: 1 rank, then the layout on 4 (IPO + RPO average over each sequence's targets: counts over the cp group)
+LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-every", "1"],
+                          ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]),
+          "dpo_simpo": (["--dpo-loss", "simpo", "--dpo-beta", "2", "--simpo-gamma", "0.3", "--eval-every", "1"],
+                        ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--micro-batch", "2"])}
+
+
 @pytest.fixture(scope="module")
 def pairs(assets):
     d = assets["dir"]
@@ -93,6 +104,8 @@ def _four(rank, world_size, a, root):
                      "ring", *FILES, "--data", *a["parts"]))
     train.main(_argv(a, os.path.join(root, "dpo_from_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
                      "ring", "--tiled-mlp", "--offload-activations", *FROM(root)))
+    for name, (flags, layout) in LOSSES.items():
+        train.main(_argv(a, os.path.join(root, name + "_4"), *flags, *layout))
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +121,8 @@ def runs(pairs, tmp_path_factory):
         train.main(_argv(pairs, os.path.join(root, "dpo_resume"), "--eval-every", "1", "--resume",
                          os.path.join(root, "dpo", "ckpt", "step_000002")))
         train.main(_argv(pairs, os.path.join(root, "dpo_from"), *FROM(root), "--save-every", "2"))
+        for name, (flags, _) in LOSSES.items():
+            train.main(_argv(pairs, os.path.join(root, name), *flags))
         train.main(_argv(pairs, os.path.join(root, "dpo_from_resume"), *FROM(root), "--resume",
                          os.path.join(root, "dpo_from", "ckpt", "step_000002")))
     run_ranks(_four, 4, pairs, root, timeout=540, pg_timeout=120)
@@ -150,10 +165,31 @@ def _pair(g, lc, lr, prompt):
     return {"input_ids": torch.cat(seqs), "labels": torch.cat(labels), "split": lc}, seqs, labels
 
 
-@pytest.mark.parametrize("mem,reference", [(dict(ac=False), False), (dict(ac=True, tiled_mlp=True), False),
-                                           (dict(ac=True, tiled_mlp=True), True)],
-                         ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter"])
-def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference):
+def _formula(pref, pol, ref, n):
+    """A pair's loss from its sequences' log-probabilities (chosen, rejected), as each paper writes it."""
+    b, (pc, pr), (rc, rr), (nc, nr) = pref.beta, pol, ref, n
+    if pref.loss == "simpo":   # Meng et al. 2024, eq. 6
+        loss = -F.logsigmoid(b * pc / nc - b * pr / nr - pref.gamma)
+    elif pref.loss == "ipo":   # Azar et al. 2023, eq. 17, on the per-token averages (TRL's)
+        loss = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * b)) ** 2
+    elif pref.loss == "hinge":   # SLiC-HF, Zhao et al. 2023, on the reference-normalized log-ratio (TRL's)
+        loss = torch.clamp(1 - b * ((pc - rc) - (pr - rr)), min=0)
+    else:   # DPO, eq. 7; conservative DPO (label smoothing ε)
+        z, e = b * ((pc - rc) - (pr - rr)), pref.label_smoothing
+        loss = -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z)
+    return loss + pref.rpo_alpha * -pc / nc   # RPO, Pang et al. 2024: the chosen side's NLL over its length
+
+
+VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "hinge": dict(loss="hinge"),
+            "smoothed": dict(label_smoothing=0.2), "simpo": dict(loss="simpo", beta=2.0, gamma=0.3)}
+
+
+@pytest.mark.parametrize("mem,reference,variant", [
+    (dict(ac=False), False, "sigmoid"), (dict(ac=True, tiled_mlp=True), False, "sigmoid"),
+    (dict(ac=True, tiled_mlp=True), True, "sigmoid"), *((dict(ac=False), False, v) for v in list(VARIANTS)[1:]),
+    (dict(ac=False), True, "ipo_rpo")],
+    ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter", *list(VARIANTS)[1:], "ipo_rpo_reference_adapter"])
+def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference, variant):
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
@@ -162,6 +198,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
     from parallel.cp import KernelAttention
     from parallel.parallelize import BuildOptions
     from parallel.preference import DPO as Step
+    from parallel.preference import Preference
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", layers=3)
     g = torch.Generator().manual_seed(3)
@@ -176,7 +213,8 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
         ref_sd = {k.removeprefix("base_model.model."): torch.randn(p.shape, generator=gr) * 0.3
                   for k, p in peft_model.named_parameters() if p.requires_grad and "layers.2.mlp.down_proj" not in k}
         assert len(ref_sd) == 14 * 3 - 2
-    step = Step(model, beta, reference=ref_sd)
+    pref = Preference(**{"beta": beta, **VARIANTS[variant]})
+    step = Step(model, pref, reference=ref_sd)
     losses, margins = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
     (losses.sum() / len(made)).backward()
     ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
@@ -211,7 +249,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
                 with hf.disable_adapter():
                     ref = [logp(s, lab) for s, lab in zip(seqs, labels)]
         pol = [logp(s, lab) for s, lab in zip(seqs, labels)]
-        want.append(-F.logsigmoid(beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))))
+        want.append(_formula(pref, pol, ref, [(lab != -100).sum() for lab in labels]))
     want = torch.stack(want)
     (want.sum() / len(made)).backward()
     torch.testing.assert_close(losses.float(), want.detach(), rtol=1e-5, atol=1e-6)
@@ -429,6 +467,25 @@ def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_
     assert "was the base model (LoRA off)" in said and "drop --init-adapter" in said, said
     said = startup_error(_argv(pairs, out, "--init-adapter", str(tmp_path), "--eval-every", "1", "--resume", step2))
     assert "no adapter_model.safetensors there" in said and "on a resume too" in said, said
+    said = startup_error(_argv(pairs, out, *FROM(runs), "--dpo-loss", "simpo", "--resume", step2))
+    assert "--dpo-loss: the checkpoint has 'sigmoid', this run 'simpo'" in said and "reference" not in said, said
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_other_losses_on_four_ranks_match_one_rank(runs, name):
+    """IPO + RPO on cp 2 × dp 2 ring, SimPO (no reference forward) on cp 2 × dp 2 Ulysses with 2 pairs a micro-batch:
+    = 1 rank in losses, grad norms, reward and eval metrics, adapter; they learn (the eval loss falls from its start)
+    and config.json records the loss."""
+    out, ref = os.path.join(runs, name + "_4"), os.path.join(runs, name)
+    _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
+    got, want = _metrics(out), _metrics(ref)
+    for g, w in zip(got, want):
+        for k in ("reward_acc", "reward_margin", "eval_loss", "eval_reward_acc"):
+            assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
+    assert want[-1]["eval_loss"] < want[0]["eval_loss"], [r["eval_loss"] for r in want]
+    cfg = json.load(open(os.path.join(ref, "config.json")))
+    flags = LOSSES[name][0]
+    assert cfg["dpo_loss"] == flags[1] and cfg["dpo_reference"] == ("none" if flags[1] == "simpo" else "base")
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])
@@ -470,6 +527,15 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
         assert "--dpo-beta must be a finite number above 0" in startup_error(train_argv(pairs, out, "--objective",
                                                                                         "dpo", "--dpo-beta", beta))
     assert "--dpo-beta 0.5 is DPO's" in startup_error(train_argv(assets, out, "--dpo-beta", "0.5"))   # (an SFT run)
+    assert "--dpo-loss ipo is DPO's" in startup_error(train_argv(assets, out, "--dpo-loss", "ipo"))
+    assert "--rpo-alpha 1.0 is DPO's" in startup_error(train_argv(assets, out, "--rpo-alpha", "1"))
+    for flags, want in ((["--dpo-label-smoothing", "0.5"], "--dpo-label-smoothing must be in [0, 0.5)"),
+                        (["--dpo-label-smoothing", "0.1", "--dpo-loss", "ipo"], "sigmoid only, not ipo: drop it"),
+                        (["--rpo-alpha", "-1"], "--rpo-alpha must be a finite number of 0 or more"),
+                        (["--rpo-alpha", "nan"], "--rpo-alpha must be a finite number of 0 or more"),
+                        (["--simpo-gamma", "1"], "--simpo-gamma 1: SimPO's margin, a finite number, with --dpo-loss "
+                                                 "simpo only")):
+        assert want in startup_error(train_argv(pairs, out, *DPO, *flags)), flags
     assert "embedded demo is supervised" in startup_error(["--objective", "dpo", "--out", out])
     import train
     keep = train.LOSS_FN
