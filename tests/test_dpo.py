@@ -385,6 +385,10 @@ def test_the_planner_plans_a_pair_as_two_sequences():
     t_dpo, _ = step_seconds(m, dims, dpo, "cuda", True)
     t_two, _ = step_seconds(m, dims, argparse.Namespace(**{**vars(base), "micro_batch": 2}), "cuda", True)
     assert 1.15 < t_dpo / t_two < 1.35, (t_dpo, t_two)
+    t_simpo, _ = step_seconds(m, dims, argparse.Namespace(**{**vars(dpo), "dpo_loss": "simpo"}), "cuda", True)
+    assert abs(t_simpo / t_two - 1) < 0.01, (t_simpo, t_two)   # (no reference forward)
+    simpo_ref = argparse.Namespace(**{**vars(ref), "dpo_loss": "simpo"})   # (nor a reference adapter)
+    assert memory_plan(m, dims, simpo_ref, "cuda", True).peak == memory_plan(m, dims, dpo, "cuda", True).peak
 
 
 # ----------------------------------------------------------------------------- train.py
