@@ -110,8 +110,9 @@ def build_parser(add_help=True):
       "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
       "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")
     a("--dpo-beta", type=float, default=0.1, help="DPO's beta: how strongly the policy may move from the reference")
-    a("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge", "simpo"], help="the preference loss: "
-      "sigmoid (DPO), ipo, hinge (SLiC), simpo (no reference model: one forward less; try --dpo-beta 2)")
+    a("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge", "simpo", "orpo"], help="the "
+      "preference loss: sigmoid (DPO), ipo, hinge (SLiC); without a reference model (one forward less): simpo (try "
+      "--dpo-beta 2), orpo (the chosen side's NLL + beta x the odds ratio's loss)")
     a("--dpo-label-smoothing", type=float, default=0.0, help="sigmoid's label smoothing in [0, 0.5): the share of "
       "pairs taken as mislabeled (conservative DPO)")
     a("--rpo-alpha", type=float, default=0.0, help="add this times the chosen side's mean NLL to each pair's loss "
@@ -259,7 +260,7 @@ def main(argv=None):
         dims, args.pack = validate(args, margs, world)
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
         dpo = args.objective == "dpo"
-        ref = ("none (SimPO)" if args.dpo_loss == "simpo" else f"--init-adapter {args.init_adapter}, held fixed"
+        ref = ("none" if args.dpo_reference == "none" else f"--init-adapter {args.init_adapter}, held fixed"
                if args.init_adapter else "the base model (LoRA off)")
         log0(f"layout: {dims}\nloss: " + (f"DPO ({args.dpo_loss}), beta {args.dpo_beta:g}, reference: {ref}" if dpo
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)

@@ -154,6 +154,14 @@ class Plan:
         return self.peak * FRAGMENTATION + RUNTIME[self.target]
 
 
+REFERENCE_FREE = ("simpo", "orpo")   # --dpo-loss choices without a reference model (parallel/preference.py)
+
+
+def with_reference(args) -> bool:
+    """A run that computes a reference model's forward each micro-batch: --objective dpo, but for SimPO and ORPO."""
+    return getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_loss", "sigmoid") not in REFERENCE_FREE
+
+
 def sample_tokens(args) -> int:
     """The longest sample --max-len allows: a DPO pair (--objective dpo) is two sequences of up to --max-len each."""
     return args.max_len * (2 if getattr(args, "objective", "sft") == "dpo" else 1)
@@ -226,9 +234,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["embeddings, lm_head, final norm (frozen: whole on every rank)"] = sum(n for _, n in root) * e
     t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
-    if getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_loss", "sigmoid") != "simpo" and (getattr(
-            args, "init_adapter", None) or str(getattr(args, "dpo_reference", None)).startswith("adapter")):   # (a
-        # planning copy carries no init_adapter)
+    if with_reference(args) and (getattr(args, "init_adapter", None) or str(getattr(
+            args, "dpo_reference", None)).startswith("adapter")):   # (a planning copy carries no init_adapter)
         t["DPO reference adapter (--init-adapter: whole on every rank)"] = L * lora_n * el
     if N == 0:
         t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every

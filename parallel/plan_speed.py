@@ -29,7 +29,7 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
   --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
     forward (no grad) adds a forward of every block and of lm_head: g(all) + a + o per block, g(V·D) + 8 bytes a logit
-    (not for --dpo-loss simpo, which has no reference).
+    (not for --dpo-loss simpo or orpo, which have no reference).
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
   of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 
-from parallel.plan import sample_tokens
+from parallel.plan import sample_tokens, with_reference
 
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
@@ -69,8 +69,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
     S, Sd = sample_tokens(args), args.max_len   # a row's tokens, a document's (a DPO pair: two of --max-len)
     T = (args.micro_batch or 1) * S // dims.cp   # (auto, 0: one row of the longest sample's length)
-    ref = getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_loss", "sigmoid") != "simpo"   # DPO:
-    # the reference model's forward too (no grad); SimPO has none
+    ref = with_reference(args)   # DPO: the reference model's forward too (no grad)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F

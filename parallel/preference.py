@@ -12,11 +12,12 @@ margins [n_pairs]) for this rank's shard of a collated micro-batch of `data.pair
 - The caller scales the losses' sum by the step's global pair count, as cross-entropy's is by its target count, and
   counts each pair once per cp group when reporting (every cp rank returns the same losses).
 - The step runs two forwards and one backward (one more forward than cross-entropy: ~4/3 of its model FLOPs);
-  SimPO, which has no reference, one of each.
+  SimPO and ORPO, which have no reference, one of each.
 - `Preference` is the loss (--dpo-loss and its flags), each from its paper, as TRL computes it where it is the
   reference implementation: sigmoid (DPO; with --dpo-label-smoothing ε, conservative DPO, Mitchell 2023), ipo (Azar
   et al., 2023; log-probabilities averaged over each sequence's targets, as TRL does), hinge (SLiC, Zhao et al.,
-  2023), simpo (Meng et al., 2024: reference-free, averaged log-probabilities, margin --simpo-gamma); --rpo-alpha
+  2023), simpo (Meng et al., 2024: reference-free, averaged log-probabilities, margin --simpo-gamma), orpo (Hong et
+  al., 2024: reference-free, the chosen side's mean NLL plus beta (its λ) times the odds ratio's loss); --rpo-alpha
   adds α times the chosen side's mean negative log-likelihood per pair (RPO, Pang et al., 2024).
 """
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from loss import IGNORE_INDEX
 from model.qlora import adapters_off, reference_adapter
+from parallel.plan import REFERENCE_FREE
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Preference:
 
     @property
     def reference(self) -> bool:
-        return self.loss != "simpo"
+        return self.loss not in REFERENCE_FREE
 
     def at_start(self) -> float | None:
         """The loss of every pair while the policy is its reference (no RPO term): known without a pass."""
@@ -60,7 +62,7 @@ class Preference:
         SimPO) and target counts `n`, the chosen at even indices."""
         f, b = torch.nn.functional, self.beta
         mean = pi / n
-        if self.loss == "simpo":
+        if not self.reference:
             rewards = b * mean
             h = mean[0::2] - mean[1::2]
         else:
@@ -73,8 +75,11 @@ class Preference:
             losses = (h - 1 / (2 * b)) ** 2
         elif self.loss == "hinge":
             losses = torch.relu(1 - b * h)
-        else:
+        elif self.loss == "simpo":
             losses = -f.logsigmoid(b * h - self.gamma)
+        else:   # log odds p / (1 - p) of the mean likelihoods p; log(1 - p) = log(-expm1(log p)), exact near p = 1
+            odds = h - (torch.log(-torch.expm1(mean[0::2])) - torch.log(-torch.expm1(mean[1::2])))
+            losses = -mean[0::2] - b * f.logsigmoid(odds)
         if self.rpo_alpha:
             losses = losses - self.rpo_alpha * mean[0::2]
         return losses, (rewards[0::2] - rewards[1::2]).detach()

@@ -115,6 +115,7 @@ def check_start(args, demo: bool):
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from parallel import checkpoint, keep_best, resume, runs
     from parallel.mesh import check_flags, device_type
+    from parallel.plan import REFERENCE_FREE
 
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
@@ -135,6 +136,8 @@ def check_start(args, demo: bool):
             raise ValueError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid only, not {args.dpo_loss}: drop it")
         if not (math.isfinite(args.rpo_alpha) and args.rpo_alpha >= 0):
             raise ValueError(f"--rpo-alpha must be a finite number of 0 or more (typical: 1), got {args.rpo_alpha:g}")
+        if args.rpo_alpha and args.dpo_loss == "orpo":
+            raise ValueError("--rpo-alpha adds the chosen side's NLL, which --dpo-loss orpo has already: drop it")
         if not math.isfinite(args.simpo_gamma) or args.simpo_gamma != 0.5 and args.dpo_loss != "simpo":
             raise ValueError(f"--simpo-gamma {args.simpo_gamma:g}: SimPO's margin, a finite number, with --dpo-loss "
                              "simpo only")
@@ -148,7 +151,7 @@ def check_start(args, demo: bool):
                                  f"{flag}")
     check_flags(args)
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
-    if args.objective == "dpo" and args.dpo_loss == "simpo":   # (reference-free)
+    if args.objective == "dpo" and args.dpo_loss in REFERENCE_FREE:
         args.dpo_reference = "none"
     elif args.objective == "dpo":   # (from --init-adapter: that adapter, held fixed; the policy starts from it)
         ref = os.path.join(args.init_adapter or "", "adapter_model.safetensors")

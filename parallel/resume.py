@@ -127,7 +127,7 @@ def _template_diff(ckpt_args: dict, args: dict) -> str:
 
 def _reference_diff(ckpt_args: dict, args: dict) -> str:
     """A DPO run's reference that is not its checkpoint's: the base (LoRA off) or an --init-adapter's bytes."""
-    said = lambda ref, path: ("the base model (LoRA off)" if ref == "base" else "none (SimPO)" if ref == "none" else
+    said = lambda ref, path: ("the base model (LoRA off)" if ref == "base" else "none" if ref == "none" else
                               f"the adapter {path!r} (adapter_model.safetensors sha256 {ref.split()[-1][:12]}...)")
     had, now = ckpt_args["dpo_reference"], args.get("dpo_reference")
     fix = ("drop --init-adapter" if had == "base" else f"pass --init-adapter with that adapter's files (the "

@@ -7,9 +7,9 @@ Pins:
   and without AC + the tiled MLP; and another adapter as the reference) = the DPO formula on transformers' Qwen2 +
   peft's LoRA, each sequence alone, log-probabilities from `log_softmax`, the reference from peft's own
   `disable_adapter()` or a second peft model holding the reference adapter: the losses and every LoRA gradient;
-  so too label-smoothed DPO, IPO + RPO (also with the adapter reference), hinge and SimPO against each paper's
-  formula (`_formula`), and on train.py IPO + RPO (cp 2 × dp 2 ring) and SimPO (cp 2 × dp 2 Ulysses, 2 pairs a
-  micro-batch) 4 ranks = 1 rank;
+  so too label-smoothed DPO, IPO + RPO (also with the adapter reference), hinge, SimPO and ORPO against each
+  paper's formula (`_formula`), and on train.py IPO + RPO (cp 2 × dp 2 ring), SimPO (cp 2 × dp 2 Ulysses, 2 pairs a
+  micro-batch) and ORPO (cp 4 ring) 4 ranks = 1 rank;
 - a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
   text), side by side, but for a long prompt, cut once for both (the longer side's count); a pair with a side left
   without a target is dropped whole and counted once, one whose sides are the same tokens as tied; `collate`
@@ -25,7 +25,8 @@ Pins:
   tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the adapter, with other bytes,
   or with one for a run whose reference was the base; config.json's dpo_reference; the plan adds the adapter;
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, a missing adapter, LOSS_FN,
-  --dpo-beta 0, DPO's flags without it, label smoothing out of range or beside another loss, a negative RPO alpha,
+  --dpo-beta 0, DPO's flags without it, label smoothing out of range or beside another loss, a negative RPO alpha
+  (or any beside ORPO),
   --simpo-gamma without SimPO, the demo; the planner plans a pair as two sequences of --max-len.
 
 Run: .venv/bin/python -m pytest -q tests/test_dpo.py
@@ -75,7 +76,9 @@ FROM = lambda root: ["--init-adapter", os.path.join(root, "dpo", "adapter"), "--
 LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-every", "1"],
                           ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]),
           "dpo_simpo": (["--dpo-loss", "simpo", "--dpo-beta", "2", "--simpo-gamma", "0.3", "--eval-every", "1"],
-                        ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--micro-batch", "2"])}
+                        ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--micro-batch", "2"]),
+          "dpo_orpo": (["--dpo-loss", "orpo", "--dpo-beta", "0.25", "--eval-every", "1"],
+                       ["--cp", "4", "--cp-impl", "ring"])}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,9 @@ def _formula(pref, pol, ref, n):
         loss = -F.logsigmoid(b * pc / nc - b * pr / nr - pref.gamma)
     elif pref.loss == "ipo":   # Azar et al. 2023, eq. 17, on the per-token averages (TRL's)
         loss = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * b)) ** 2
+    elif pref.loss == "orpo":   # Hong et al. 2024, eq. 6-8: the odds p / (1 - p) of the mean likelihood p, λ = beta
+        p_c, p_r = torch.exp(pc / nc), torch.exp(pr / nr)
+        loss = -pc / nc - b * F.logsigmoid(torch.log((p_c / (1 - p_c)) / (p_r / (1 - p_r))))
     elif pref.loss == "hinge":   # SLiC-HF, Zhao et al. 2023, on the reference-normalized log-ratio (TRL's)
         loss = torch.clamp(1 - b * ((pc - rc) - (pr - rr)), min=0)
     else:   # DPO, eq. 7; conservative DPO (label smoothing ε)
@@ -181,7 +187,8 @@ def _formula(pref, pol, ref, n):
 
 
 VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "hinge": dict(loss="hinge"),
-            "smoothed": dict(label_smoothing=0.2), "simpo": dict(loss="simpo", beta=2.0, gamma=0.3)}
+            "smoothed": dict(label_smoothing=0.2), "simpo": dict(loss="simpo", beta=2.0, gamma=0.3),
+            "orpo": dict(loss="orpo", beta=0.25)}
 
 
 @pytest.mark.parametrize("mem,reference,variant", [
@@ -477,7 +484,8 @@ def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_other_losses_on_four_ranks_match_one_rank(runs, name):
-    """IPO + RPO on cp 2 × dp 2 ring, SimPO (no reference forward) on cp 2 × dp 2 Ulysses with 2 pairs a micro-batch:
+    """IPO + RPO on cp 2 × dp 2 ring, SimPO (no reference forward) on cp 2 × dp 2 Ulysses with 2 pairs a micro-batch,
+    ORPO on cp 4 ring:
     = 1 rank in losses, grad norms, reward and eval metrics, adapter; they learn (the eval loss falls from its start)
     and config.json records the loss."""
     out, ref = os.path.join(runs, name + "_4"), os.path.join(runs, name)
@@ -489,7 +497,7 @@ def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     assert want[-1]["eval_loss"] < want[0]["eval_loss"], [r["eval_loss"] for r in want]
     cfg = json.load(open(os.path.join(ref, "config.json")))
     flags = LOSSES[name][0]
-    assert cfg["dpo_loss"] == flags[1] and cfg["dpo_reference"] == ("none" if flags[1] == "simpo" else "base")
+    assert cfg["dpo_loss"] == flags[1] and cfg["dpo_reference"] == ("base" if flags[1] == "ipo" else "none")
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])
@@ -537,6 +545,7 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
                         (["--dpo-label-smoothing", "0.1", "--dpo-loss", "ipo"], "sigmoid only, not ipo: drop it"),
                         (["--rpo-alpha", "-1"], "--rpo-alpha must be a finite number of 0 or more"),
                         (["--rpo-alpha", "nan"], "--rpo-alpha must be a finite number of 0 or more"),
+                        (["--dpo-loss", "orpo", "--rpo-alpha", "1"], "which --dpo-loss orpo has already"),
                         (["--simpo-gamma", "1"], "--simpo-gamma 1: SimPO's margin, a finite number, with --dpo-loss "
                                                  "simpo only")):
         assert want in startup_error(train_argv(pairs, out, *DPO, *flags)), flags
