@@ -407,7 +407,7 @@ def main(argv=None):
                                   dtype=torch.float64, device=device)   # (dpo: a second forward, the reference's)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
-            loss_sum = torch.zeros(3, dtype=torch.float64, device=device)   # (and dpo's pairs preferred, margins)
+            loss_sum = torch.zeros(4, dtype=torch.float64, device=device)   # (dpo: pairs preferred, rewards)
             for i, (ids, pos, lab, *sides) in enumerate(micro):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
                     if step > saved:
@@ -418,9 +418,9 @@ def main(argv=None):
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
-                        losses, margins = dpo(ids, pos, lab, sides[0], len(idxs[i]))
-                        lsum = losses.sum()
-                        loss_sum += dpo.once * torch.stack([lsum.detach(), (margins > 0).sum(), margins.sum()])
+                        losses, rewards = dpo(ids, pos, lab, sides[0], len(idxs[i]))
+                        lsum, won = losses.sum(), (rewards[:, 0] > rewards[:, 1]).sum()
+                        loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
                         lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
                         loss_sum[0] += lsum.detach().double()
@@ -444,8 +444,9 @@ def main(argv=None):
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
-                       **({"reward_acc": round((loss_sum[1] / n_targets).item(), 6),   # pairs the policy prefers
-                           "reward_margin": round((loss_sum[2] / n_targets).item(), 6)} if dpo else {}))
+                       **({k: round((v / n_targets).item(), 6) for k, v in (   # reward_acc: pairs it prefers
+                           ("reward_acc", loss_sum[1]), ("reward_margin", loss_sum[2] - loss_sum[3]),
+                           ("reward_chosen", loss_sum[2]), ("reward_rejected", loss_sum[3]))} if dpo else {}))
             if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
                 rec["peak_reserved_gb"] = round(mem[1].item(), 3)
             if prof.end(step + 1, dt_step):

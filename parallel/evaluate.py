@@ -64,9 +64,9 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
             lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
-            losses, margins = dpo(ids, pos, lab, sides[0], sum("split" in s for s in row))
+            losses, rewards = dpo(ids, pos, lab, sides[0], sum("split" in s for s in row))
             tot[k] += dpo.once * torch.stack([losses.sum(), torch.tensor(len(losses), dtype=torch.float64,
-                                              device=device), (margins > 0).sum().double()])
+                                              device=device), (rewards[:, 0] > rewards[:, 1]).sum().double()])
     model.train()
     dist.all_reduce(tot, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()

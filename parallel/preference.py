@@ -1,8 +1,8 @@
 """`--objective dpo`: a micro-batch of preference pairs -> its DPO losses, on any layout.
 
 Contract: `DPO(model, Preference(...), cp_group)(ids, pos, labels, sides, n_pairs)` -> (losses [n_pairs] float64,
-margins [n_pairs]) for this rank's shard of a collated micro-batch of `data.pairs.Pairs` (`sides` from
-`data.collate`).
+rewards [n_pairs, 2]: chosen, rejected) for this rank's shard of a collated micro-batch of `data.pairs.Pairs`
+(`sides` from `data.collate`).
 - The reference model is the policy's start, computed under no_grad (it keeps no activation and no second copy of
   the base): the base with every LoRA layer off (`model.qlora.adapters_off`), since LoRA starts at B = 0 (TRL's
   default with a peft model); or, for a run from `--init-adapter` (DPO after SFT, no merge), the base plus that
@@ -58,8 +58,9 @@ class Preference:
         return {"sigmoid": math.log(2), "ipo": 1 / (2 * self.beta) ** 2, "hinge": 1.0}[self.loss]
 
     def __call__(self, pi, ref, n) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each pair's loss, its reward margin) from float64 [2 × pairs] sums of log-probabilities (`ref` None for
-        SimPO) and target counts `n`, the chosen at even indices."""
+        """(each pair's loss [pairs], its sides' rewards [pairs, 2] detached: chosen, rejected) from float64
+        [2 × pairs] sums of log-probabilities (`ref` None without a reference) and target counts `n`, the chosen at
+        even indices."""
         f, b = torch.nn.functional, self.beta
         mean = pi / n
         if not self.reference:
@@ -82,7 +83,7 @@ class Preference:
             losses = -mean[0::2] - b * f.logsigmoid(odds)
         if self.rpo_alpha:
             losses = losses - self.rpo_alpha * mean[0::2]
-        return losses, (rewards[0::2] - rewards[1::2]).detach()
+        return losses, rewards.detach().view(-1, 2)
 
 
 def per_sequence(x: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Tensor:
@@ -95,10 +96,10 @@ def per_sequence(x: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Ten
 
 def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: torch.Tensor, sides: torch.Tensor,
              n_pairs: int, pref: Preference, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pref`'s loss of `n_pairs` pairs: (losses [n_pairs] float64, reward margins [n_pairs] detached), sequence 2k
-    the chosen and 2k + 1 the rejected of pair k; `ref_nll` None for a loss without a reference. The reward of a
-    sequence is beta · (log pi - log ref) (SimPO: beta · its mean log pi), its margin the chosen's less the
-    rejected's.
+    """`pref`'s loss of `n_pairs` pairs: (losses [n_pairs] float64, rewards [n_pairs, 2] detached), sequence 2k the
+    chosen and 2k + 1 the rejected of pair k; `ref_nll` None for a loss without a reference. The reward of a
+    sequence is beta · (log pi - log ref) (without a reference: beta · its mean log pi); a pair's margin is the
+    chosen's less the rejected's.
 
     Under context parallelism each rank holds part of every sequence: the sums (and target counts) are all-reduced
     over `group` (the cp group), and the loss is differentiable through this rank's own part only, so the ranks'

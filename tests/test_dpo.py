@@ -222,7 +222,8 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
         assert len(ref_sd) == 14 * 3 - 2
     pref = Preference(**{"beta": beta, **VARIANTS[variant]})
     step = Step(model, pref, reference=ref_sd)
-    losses, margins = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
+    losses, rewards = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
+    margins = rewards[:, 0] - rewards[:, 1]
     (losses.sum() / len(made)).backward()
     ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
 
@@ -405,6 +406,10 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
     m = _metrics(os.path.join(runs, "dpo"))
     assert [r["step"] for r in m] == [1, 2, 3]
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and m[0]["reward_margin"] == 0 and m[0]["reward_acc"] == 0
+    assert m[0]["reward_chosen"] == 0 == m[0]["reward_rejected"]   # (each side's reward is 0 at the reference)
+    for r in m:   # the margin is the chosen's mean reward less the rejected's (each rounded to 6 places)
+        assert abs(r["reward_margin"] - (r["reward_chosen"] - r["reward_rejected"])) <= 2e-6, r
+    assert m[-1]["reward_chosen"] != 0 != m[-1]["reward_rejected"]
     assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r for r in m)
     assert m[-1]["eval_loss"] < math.log(2), f"the eval pairs' DPO loss should fall below log 2: {m[-1]}"
     cfg = json.load(open(os.path.join(runs, "dpo", "config.json")))
@@ -417,7 +422,7 @@ def test_four_ranks_match_one_rank(runs, name):
     out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
     _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
     for g, w in zip(_metrics(out), _metrics(ref)):
-        for k in ("reward_acc", "reward_margin", "eval_loss", "eval_reward_acc"):
+        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc"):
             if k in g or k in w:
                 assert k in g and k in w and abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g.get(k)} vs " \
                                                                         f"{w.get(k)}"
@@ -492,7 +497,7 @@ def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
     got, want = _metrics(out), _metrics(ref)
     for g, w in zip(got, want):
-        for k in ("reward_acc", "reward_margin", "eval_loss", "eval_reward_acc"):
+        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc"):
             assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
     assert want[-1]["eval_loss"] < want[0]["eval_loss"], [r["eval_loss"] for r in want]
     cfg = json.load(open(os.path.join(ref, "config.json")))
