@@ -24,14 +24,15 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   --ac-blocks 23 at 32k and --ac-keep-attn --ac-blocks 7 at 128k; the flags and why are in the row ("chosen");
   "ours+fastest+compile" (any case, with --runs) adds --compile; --cap-gb gives the cap without a liger row;
   "ours+dpo" (the fast case, or --runs): --objective dpo on pairs of two 16,384-token texts, rows as long as the
-  others (its "vs ours" is what DPO's reference forward costs, ~0.8x by the FLOPs);
+  others (its "vs ours" is what DPO's reference forward costs, ~0.8x by the FLOPs); "ours+orpo" the same pairs
+  with --dpo-loss orpo, which has no reference forward (its "vs ours" is the per-sequence loss's own cost, ~1x);
 - 128k = 131,072 tokens, 8 layers: the same rows (hf without Liger is skipped there: its [tokens, vocab] logits
   alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force); "all" is these two;
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
 - fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
-  and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device), and
-  "ours+dpo";
+  and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device),
+  "ours+dpo" and "ours+orpo";
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
@@ -85,7 +86,8 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+compile": ["--compile"],
             "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"],
             "ours+fast": ["--fast"],   # what train.py --fast picks for this device (its config.json says which)
-            "ours+dpo": ["--objective", "dpo"]}   # DPO on pairs of two tokens/2 texts: the same tokens a row as "ours"
+            "ours+dpo": ["--objective", "dpo"],   # DPO on pairs of two tokens/2 texts: the same tokens a row as "ours"
+            "ours+orpo": ["--objective", "dpo", "--dpo-loss", "orpo"]}   # the same pairs, no reference forward
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
@@ -95,7 +97,8 @@ FASTEST_COMPILE = "ours+fastest+compile"        # the same flags with --compile
 DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
-                "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo"],
+                "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo",
+                         "ours+orpo"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -541,7 +544,8 @@ def main(argv=None):
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo"]
+            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
+             "ours+orpo"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -550,7 +554,7 @@ def main(argv=None):
         data = os.path.join(work, "data.jsonl")
         ids = write_data(ckpt, tokens, steps, data)
         pairs = os.path.join(work, "pairs.jsonl")
-        if "ours+dpo" in runs:
+        if any("--objective" in FLAG_ROWS.get(r, ()) for r in runs):
             write_pairs(ckpt, tokens // 2, steps, pairs)
         margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
         quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")

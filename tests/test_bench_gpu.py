@@ -10,7 +10,7 @@ Pins:
   either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
   --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
   --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here), and
-  "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row),
+  "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row), "ours+orpo",
   and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
@@ -83,9 +83,9 @@ def test_smoke_mode_writes_results(tmp_path):
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
-                                   "ours+tiled-attn+offload", "ours+dpo"])
+                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo"):
+                 "ours+dpo", "ours+orpo"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -107,6 +107,8 @@ def test_smoke_mode_writes_results(tmp_path):
     dpo = rows["ours+dpo"]
     assert dpo["flags"] == ["--objective", "dpo"] and dpo["ratio"]["ours"] > 0 and dpo["planned_gb"] > 0, dpo
     assert dpo["planned_gb"] == pytest.approx(rows["ours"]["planned_gb"], rel=0.05), (dpo, rows["ours"])
+    orpo = rows["ours+orpo"]   # (the same pairs without a reference forward)
+    assert orpo["flags"] == ["--objective", "dpo", "--dpo-loss", "orpo"] and orpo["ratio"]["ours"] > 0, orpo
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
