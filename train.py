@@ -266,6 +266,9 @@ def main(argv=None):
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
+                     dpo and args.lora_dropout and args.dpo_reference != "none" and (
+                         f"note: --lora-dropout {args.lora_dropout:g} drops LoRA inputs in the policy's forward, not "
+                         "in the reference's: the losses and rewards carry that noise (TRL turns dropout off for DPO)"),
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
@@ -341,7 +344,7 @@ def main(argv=None):
             from parallel.preference import DPO, Preference
             dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
                       read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
-                      device)
+                      device, dtype if dt == "cuda" else torch.float32)   # (LoRA's compute dtype: FSDP2's on CUDA)
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
              f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "

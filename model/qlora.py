@@ -327,11 +327,12 @@ class reference_adapter:
     tensors (`tensors`: our parameter names -> full tensors, `model.export.read_init_adapter`'s), and the base alone
     where it has none: DPO's reference model when the policy starts from that adapter (--init-adapter), with no
     second copy of the base. The tensors are not parameters: FSDP2, the optimizer and checkpoints never see them;
-    each rank holds them whole (an adapter is small), cast on first use to the dtype the layer's own LoRA computes
-    in (FSDP2's param dtype), so at the start the reference and the policy compute the same numbers. No dropout (a
+    each rank holds them whole (an adapter is small), in `dtype`: the dtype the layer's own LoRA computes in (FSDP2's
+    param dtype; checked, and cast to, on first use), so at the start the reference and the policy compute the same
+    numbers. No dropout (a
     frozen model, as a separate reference model in eval mode). Only for layers fuse_lora wrapped."""
 
-    def __init__(self, model: nn.Module, tensors: dict, device=None):
+    def __init__(self, model: nn.Module, tensors: dict, device=None, dtype=None):
         layers = {n: m for n, m in model.named_modules() if hasattr(m, "_peft_forward") and hasattr(m, "lora_A")}
         left = dict(tensors)
         for n, m in layers.items():
@@ -339,7 +340,7 @@ class reference_adapter:
             ab = [left.pop(f"{n}.lora_{x}.{name}.weight", None) for x in "AB"]
             if (ab[0] is None) != (ab[1] is None):
                 raise ValueError(f"the reference adapter has only one of {n}'s lora_A and lora_B")
-            m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device) for t in ab)
+            m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device, dtype) for t in ab)
         if left:
             raise ValueError(f"the reference adapter's tensor {next(iter(left))} names no LoRA layer of this model "
                              f"({len(left)} such)")

@@ -116,11 +116,13 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: tor
 
 
 class DPO:
-    def __init__(self, model, pref: Preference, cp_group=None, reference: dict | None = None, device=None):
-        """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base."""
+    def __init__(self, model, pref: Preference, cp_group=None, reference: dict | None = None, device=None,
+                 dtype=None):
+        """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base;
+        `dtype` the one LoRA computes in."""
         self.model, self.pref, self.cp_group = model, pref, cp_group
         self.off = None if not pref.reference else adapters_off(model) if reference is None else \
-            reference_adapter(model, reference, device)
+            reference_adapter(model, reference, device, dtype)
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
         self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
 

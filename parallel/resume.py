@@ -171,9 +171,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue   # a Hub model's (its commit is compared)
         if k in ("model", "data") and (_same_path(ckpt_args.get(k), args.get(k)) or k in moved):   # spelled
             continue   # another way, or moved
-        if k == "dpo_reference" and ckpt_args[k] != args.get(k) and args.get("objective") == "dpo" == ckpt_args.get(
-                "objective"):   # (with another --dpo-loss: said as that)
-            diffs += [_reference_diff(ckpt_args, args)] if args.get("dpo_loss") == ckpt_args["dpo_loss"] else []
+        if k == "dpo_reference":   # (with another --objective or --dpo-loss: said as that, not as this)
+            same = args.get("objective") == ckpt_args.get("objective") and args.get("dpo_loss") == ckpt_args["dpo_loss"]
+            diffs += [_reference_diff(ckpt_args, args)] if same and ckpt_args[k] != args.get(k) else []
             continue
         if k == "chat_template_text" and ckpt_args[k] != args.get(k):
             diffs.append(_template_diff(ckpt_args, args))

@@ -505,6 +505,17 @@ def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     assert cfg["dpo_loss"] == flags[1] and cfg["dpo_reference"] == ("base" if flags[1] == "ipo" else "none")
 
 
+def test_lora_dropout_in_dpo_is_said(runs, pairs, tmp_path, capsys):
+    """With --lora-dropout the policy's forward drops LoRA inputs and the reference's does not: said, not refused."""
+    import train
+
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "drop"), *FROM(runs), "--steps", "1", "--lora-dropout", "0.1",
+                         "--eval-every", "0"))
+    out = capsys.readouterr().out
+    assert "note: --lora-dropout 0.1 drops LoRA inputs in the policy's forward, not in the reference's" in out, out
+
+
 @pytest.mark.parametrize("quant", ["nf4", "none"])
 def test_dpo_from_an_adapter_in_bf16_starts_at_log_2(runs, pairs, tmp_path, quant):
     """In bf16 with no mixed precision (the CPU's), LoRA computes in float32 through peft's own forward, which rounds

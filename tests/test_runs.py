@@ -472,3 +472,24 @@ def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line(
     assert json.loads(text) == config
     assert len(text.splitlines()) < 30, text[:500]
     assert '"a.jsonl": [1, 2, 3,' in text and '"loss": "x = [1,  2]\\n[3]"' in text
+
+
+def test_check_resume_of_dpo_runs_and_their_reference():
+    """A DPO checkpoint from before the reference was recorded resumes as its base reference (refused with an adapter
+    now); an adapter reference is its bytes, wherever they are; another reference is named with its fix; another
+    --objective or --dpo-loss is said as that, not as the reference (there is no --dpo-reference flag)."""
+    dpo = {**CKPT, "objective": "dpo", "dpo_beta": 0.1, "dpo_loss": "sigmoid"}
+    old = {k: v for k, v in dpo.items() if k != "dpo_loss"}   # (a run from 2026-12-04's first DPO: no such keys)
+    resume.check_resume(old, {**dpo, "dpo_reference": "base", "init_adapter": None})
+    _refused(lambda: resume.check_resume(old, {**dpo, "dpo_reference": "adapter sha256 ab", "init_adapter": "/s"}),
+             "DPO's reference: the checkpoint's run's was the base model (LoRA off), this run's the adapter '/s'",
+             "drop --init-adapter")
+    sft = {**dpo, "dpo_reference": "adapter sha256 ab", "init_adapter": "/sft/adapter"}
+    resume.check_resume(sft, {**sft, "init_adapter": "/copy/elsewhere"})   # the same bytes at another path
+    said = _refused(lambda: resume.check_resume(sft, {**sft, "dpo_reference": "adapter sha256 cd"}),
+                    "the checkpoint's run read '/sft/adapter'; the same bytes anywhere will do")
+    assert said.count("DPO's reference") == 1, said
+    for other in ({"objective": "sft", "dpo_reference": None, "dpo_loss": "sigmoid"},
+                  {"dpo_loss": "orpo", "dpo_reference": "none"}):
+        said = _refused(lambda: resume.check_resume(sft, {**sft, **other}), "the checkpoint has")
+        assert "reference" not in said and "--dpo-reference" not in said, said
