@@ -491,5 +491,5 @@ def test_check_resume_of_dpo_runs_and_their_reference():
     assert said.count("DPO's reference") == 1, said
     for other in ({"objective": "sft", "dpo_reference": None, "dpo_loss": "sigmoid"},
                   {"dpo_loss": "orpo", "dpo_reference": "none"}):
-        said = _refused(lambda: resume.check_resume(sft, {**sft, **other}), "the checkpoint has")
+        said = _refused(lambda o=other: resume.check_resume(sft, {**sft, **o}), "the checkpoint has")
         assert "reference" not in said and "--dpo-reference" not in said, said
