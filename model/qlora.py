@@ -329,8 +329,8 @@ class reference_adapter:
     second copy of the base. The tensors are not parameters: FSDP2, the optimizer and checkpoints never see them;
     each rank holds them whole (an adapter is small), in `dtype`: the dtype the layer's own LoRA computes in (FSDP2's
     param dtype; checked, and cast to, on first use), so at the start the reference and the policy compute the same
-    numbers. No dropout (a
-    frozen model, as a separate reference model in eval mode). Only for layers fuse_lora wrapped."""
+    numbers. No dropout (a frozen model, as a separate reference model in eval mode). Only for layers fuse_lora
+    wrapped."""
 
     def __init__(self, model: nn.Module, tensors: dict, device=None, dtype=None):
         layers = {n: m for n, m in model.named_modules() if hasattr(m, "_peft_forward") and hasattr(m, "lora_A")}
