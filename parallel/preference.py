@@ -78,8 +78,11 @@ class Preference:
             losses = torch.relu(1 - b * h)
         elif self.loss == "simpo":
             losses = -f.logsigmoid(b * h - self.gamma)
-        else:   # log odds p / (1 - p) of the mean likelihoods p; log(1 - p) = log(-expm1(log p)), exact near p = 1
-            odds = h - (torch.log(-torch.expm1(mean[0::2])) - torch.log(-torch.expm1(mean[1::2])))
+        else:   # log odds p / (1 - p) of the mean likelihoods p; log(1 - p) = log(-expm1(log p)), exact near p = 1.
+            # A mean of exactly 0 (float32 rounds -log p to 0 past a logit gap of ~28) would make it -inf and the
+            # gradient NaN: capped just below 0, where the term is finite (-27.6)
+            m = mean.clamp(max=-1e-12)
+            odds = h - (torch.log(-torch.expm1(m[0::2])) - torch.log(-torch.expm1(m[1::2])))
             losses = -mean[0::2] - b * f.logsigmoid(odds)
         if self.rpo_alpha:
             losses = losses - self.rpo_alpha * mean[0::2]

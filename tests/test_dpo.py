@@ -487,6 +487,18 @@ def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_
     assert "--dpo-loss: the checkpoint has 'sigmoid', this run 'simpo'" in said and "reference" not in said, said
 
 
+def test_orpo_is_finite_where_a_side_is_certain():
+    """ORPO's log(1 - p) at a side whose every target has -log p rounded to 0 (p = 1): a finite loss and gradient
+    (review, helper 42: the chosen side's gave a NaN gradient, the rejected side's an infinite loss)."""
+    from parallel.preference import Preference
+
+    for pi in ([0.0, -5.0], [-5.0, 0.0], [0.0, 0.0]):
+        x = torch.tensor(pi, dtype=torch.float64, requires_grad=True)
+        losses, _ = Preference("orpo", 0.25)(x, None, torch.tensor([3.0, 4.0], dtype=torch.float64))
+        (g,) = torch.autograd.grad(losses.sum(), x)
+        assert bool(torch.isfinite(losses).all()) and bool(torch.isfinite(g).all()), (pi, losses, g)
+
+
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     """IPO + RPO on cp 2 × dp 2 ring, SimPO (no reference forward) on cp 2 × dp 2 Ulysses with 2 pairs a micro-batch,
