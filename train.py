@@ -46,6 +46,7 @@ from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.plan_search import PLAN_FLAGS, max_len_arg
+from parallel.preference import Preference
 from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -262,10 +263,13 @@ def main(argv=None):
         dpo = args.objective == "dpo"
         ref = ("none" if args.dpo_reference == "none" else f"--init-adapter {args.init_adapter}, held fixed"
                if args.init_adapter else "the base model (LoRA off)")
-        log0(f"layout: {dims}\nloss: " + (f"DPO ({args.dpo_loss}), beta {args.dpo_beta:g}, reference: {ref}" if dpo
+        log0(f"layout: {dims}\nloss: " + (f"{Preference.from_args(args)}, reference: {ref}" if dpo
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
+                     dpo and args.dpo_loss == "simpo" and args.dpo_beta < 1 and (   # (0.1, DPO's, is the default)
+                         f"note: --dpo-beta {args.dpo_beta:g} with SimPO, whose beta scales mean log-probabilities: "
+                         "its paper and TRL use 2 to 2.5 (--dpo-beta 2)"),
                      dpo and args.lora_dropout and args.dpo_reference != "none" and (
                          f"note: --lora-dropout {args.lora_dropout:g} drops LoRA inputs in the policy's forward, not "
                          "in the reference's: the losses and rewards carry that noise (TRL turns dropout off for DPO)"),
@@ -341,7 +345,7 @@ def main(argv=None):
                                         attention=cp_attention(meshes, dims), device=device)
         params = lora_parameters(model)
         if dpo:
-            from parallel.preference import DPO, Preference
+            from parallel.preference import DPO
             dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
                       read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
                       device, dtype if dt == "cuda" else torch.float32)   # (LoRA's compute dtype: FSDP2's on CUDA)

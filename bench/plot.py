@@ -29,7 +29,7 @@ def main(src: str, dst: str) -> None:
         ax.plot([r["step"] for r in at], [r[key] for r in at], ".--", lw=1, label=key.replace("eval_loss/", "eval: "))
     ax.set_xlabel("optimizer step")
     dpo = "reward_acc" in rows[0]   # (--objective dpo's metrics)
-    ax.set_ylabel("DPO loss (mean over pairs)" if dpo else "loss (mean over target tokens)")
+    ax.set_ylabel("preference loss (mean over pairs)" if dpo else "loss (mean over target tokens)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

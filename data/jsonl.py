@@ -165,8 +165,8 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
                                       'preference pair needs both', PAIR_LINES)
     prompt, tools = obj.get("prompt"), ({"tools": obj["tools"]} if "tools" in obj else {})   # ("tools": messages only,
     strings = [k for k in ("chosen", "rejected") if isinstance(obj[k], str)]   # as for any record, _normalise says)
-    if prompt is None and len(strings) == 2:   # TRL's implicit prompt: their shared start is the prompt (its tokens
-        sides = [{"text": obj[k], **tools} for k in strings]   # are the same in both: they cancel in the margin)
+    if prompt is None and len(strings) == 2:   # TRL's implicit prompt: their shared start is the prompt (no target:
+        sides = [{"text": obj[k], **tools} for k in strings]   # data.tokens)
     elif prompt is None and strings:
         raise line_error(path, n, f'"{strings[0]}" is a string and the other side a list of messages, with no '
                                   '"prompt": a string side is one assistant message, which needs the "prompt" '

@@ -8,7 +8,9 @@ Contract:
   restart at the split) and marks each token's side (`sides`). `lengths` are the pairs' token counts (what a row,
   and so the memory plan, holds), `sides(k)` its two sequences' lengths, `sample_lines()` their records' lines,
   `files` the files of several.
-- `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up.
+- `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up;
+  `check_records(records, path, flag, objective)` all of them, once read (`data.tokens.load_samples`, before any is
+  tokenized).
 - `for_run(objective, train, ev, rows)` checks that the data fits the objective (`--objective dpo`: every record a
   pair; sft: none), naming the file's counts and the fix, and returns the run's (train, ev, rows) as pairs for dpo
   (`rows`, the rotating --data-weights epochs, as pair indices) or unchanged for sft.
@@ -62,20 +64,30 @@ class PairRows:
 
 def check_first(path: str, flag: str, objective: str) -> None:
     """Start-up: the file's first record is of the objective's kind (a pair for dpo, no pair else), read from its first
-    line before anything is tokenized (a 30 s tokenizing pass, then the refusal, otherwise); `for_run` checks all."""
+    line before anything is tokenized (a 30 s tokenizing pass, then the refusal, otherwise); `check_records` checks
+    every record once the file is read, before it is tokenized, and `for_run` the counts (a file from the cache)."""
     from data.jsonl import iter_jsonl
 
-    if (first := next(iter_jsonl(path), None)) is None:
-        return   # (no record: the loader says so)
-    pair, n = "pair" in first, first["line"]
-    if objective == "dpo" and not pair:
-        raise ValueError(f"--objective dpo: {flag} {path} line {n} is not a preference pair: DPO trains on "
+    if (first := next(iter_jsonl(path), None)) is not None:   # (no record: the loader says so)
+        check_records([first], path, flag, objective)
+
+
+def check_records(records: list[dict], path, flag: str, objective: str) -> None:
+    """Every record is of the objective's kind: else refused, naming the first line that is not and how many."""
+    wrong = [r for r in records if ("pair" in r) != (objective == "dpo")]
+    if not wrong:
+        return
+    n, k = wrong[0]["line"], len(wrong)
+    many = f" (and {k - 1} more of its {len(records)} records)" if k > 1 else ""
+    if objective == "dpo":
+        raise ValueError(f"--objective dpo: {flag} {path} line {n} is not a preference pair{many}: DPO trains on "
                          "{\"prompt\", \"chosen\", \"rejected\"} records only; " + (
                              "give an eval file of pairs, or --eval-split" if flag == "--eval-data" else
-                             "train this file with --objective sft (the default)"))
-    if objective != "dpo" and pair:
-        raise ValueError(f"{flag} {path} line {n} is a preference pair (\"chosen\"/\"rejected\"): pass --objective "
-                         "dpo to train on pairs, or write it as a {\"prompt\", \"completion\"} record")
+                             "give the others in a file of their own, trained with --objective sft (the default)"
+                             if k < len(records) else "train this file with --objective sft (the default)"))
+    raise ValueError(f"{flag} {path} line {n} is a preference pair (\"chosen\"/\"rejected\"){many}: pass --objective "
+                     "dpo to train on pairs (every record a pair), or write it as a {\"prompt\", \"completion\"} "
+                     "record for supervised fine-tuning")
 
 
 def _not_pairs(stats) -> int:

@@ -144,8 +144,8 @@ def show(args) -> None:
         for rec in records(str(path), args.n, args.lines):
             samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text)
             if not samples:
-                why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, within "
-                       f"--max-len {max_len}" if stats.tied else
+                why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, or one "
+                       f"ends where they part, within --max-len {max_len}" if stats.tied else
                        f"no target left (--max-len {max_len}" + " in one side" * ("pair" in rec) + ")")
                 print(f"\n{path}:{rec['line']}: {why}: train.py drops this record")
                 continue

@@ -390,7 +390,8 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         (len(files) > MANY_FILES and m.startswith("--data ")) or
         (len(eval_files) > MANY_FILES and m.startswith("--eval-data "))) else log(m)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
-                                                                 write, said, sha, day, warn, args.long_text, workers)
+                                                                 write, said, sha, day, warn, args.long_text, workers,
+                                                                 getattr(args, "objective", None))
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")

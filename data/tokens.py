@@ -65,7 +65,7 @@ class TokenStats:
     longest: int = 0  # longest record in tokens, before truncation or splitting
     cut: int = 0  # tokens truncation removed from kept samples
     special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
-    tied: int = 0  # preference pairs dropped because their two sides are the same tokens (after truncation)
+    tied: int = 0  # preference pairs dropped with nothing to prefer: the same tokens (after truncation), or the like
     tied_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
     pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
@@ -98,7 +98,8 @@ class TokenStats:
             lines = ", ".join(map(str, self.tied_lines)) + more
             many = self.tied > 1
             said.append(f"warning: {what}: {self.tied} preference pair{'s' * many} whose chosen and rejected sides are "
-                        f"the same tokens within --max-len {max_len}, or differ in no target, (nothing to prefer) "
+                        f"the same tokens within --max-len {max_len}, or differ in no target, or one ends where they "
+                        "part (nothing to prefer) "
                         f"{'are' if many else 'is'} not trained on (line{'s' * many} {lines}); where they differ past "
                         "--max-len, a longer --max-len keeps them")
         if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
@@ -134,14 +135,15 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
                  write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
-                 long_text: str = LONG_TEXT[0], workers: int = 1):
+                 long_text: str = LONG_TEXT[0], workers: int = 1, objective: str | None = None):
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
     template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
     cannot be read or written is said. `long_text`: what a text record longer than max_len becomes (module
-    docstring). `workers`: processes that may tokenize (data/store.py's `build`)."""
+    docstring). `workers`: processes that may tokenize (data/store.py's `build`). `objective` (sft, dpo): every record
+    read is checked to be of its kind (`data.pairs.check_records`) before any is tokenized."""
     from data import store
     from data.jsonl import load_jsonl
 
@@ -160,8 +162,12 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
             log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
     else:
         job = (tokenizer, max_len, path, day, long_text)   # (tokenize_records' arguments after the records)
-        samples, stats = store.build(load_jsonl(path), lambda rs: tokenize_records(rs, *job), log, f"{flag} {path}",
-                                     workers, job)
+        records = load_jsonl(path)
+        if objective:
+            from data.pairs import check_records
+            check_records(records, path, flag, objective)
+        samples, stats = store.build(records, lambda rs: tokenize_records(rs, *job), log, f"{flag} {path}", workers,
+                                     job)
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); " + (
             "every preference pair is tied (its sides the same tokens within --max-len, or differing in no target): "
@@ -343,14 +349,21 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                 made[0][0]["labels"] == made[1][0]["labels"]:   # no preference to learn (and a margin of float noise)
             dropped(r, "tied", "tied_lines")
             continue
-        if len(made) == 2:   # a shared start's tokens (the same context, the same token) cancel in the DPO margin:
+        if len(made) == 2:   # TRL's: a pair without a prompt (two texts) is prompted by its sides' shared start, no
+            # target on either; where a prompt is given (a string, or messages), each side's answer trains whole, a
+            # start it shares with the other's too (SimPO's, IPO's and ORPO's means and the NLL terms count it)
             shared = next((t for t, (x, y) in enumerate(zip(*(m[0]["input_ids"] for m in made))) if x != y),
-                          min(len(m[0]["input_ids"]) for m in made))   # not targets, so float noise does not either
-            for m in made:   # (label t is token t + 1's: those before token `shared`; none when the first differs)
-                m[0]["labels"][:max(0, shared - 1)] = [IGNORE_INDEX] * max(0, shared - 1)
+                          min(len(m[0]["input_ids"]) for m in made))   # (the first token that differs)
+            part = max(0, shared - 1)   # (label t is token t + 1's: those before token `shared`)
+            for sample, _, _ in made:
+                labels, start = sample["labels"], part
+                while "text" not in r and 0 < start < len(labels) and labels[start] != IGNORE_INDEX and \
+                        labels[start - 1] != IGNORE_INDEX:   # back to the start of the answer it parts in
+                    start -= 1
+                labels[:start] = [IGNORE_INDEX] * start
             made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
-            if not any(n for _, _, n in made):   # they differ in untrained tokens only: no preference either
-                dropped(r, "tied", "tied_lines")
+            if not all(n for _, _, n in made):   # nothing to prefer: they part in untrained tokens only, or one side
+                dropped(r, "tied", "tied_lines")   # ends where they part (its every target the other's too)
                 continue
             stats.pairs += 1
         for sample, n_ids, n_targets in made:

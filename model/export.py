@@ -98,8 +98,17 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     only: cheap, before any weight). Returns its adapter_config.json."""
     cfg_path = os.path.join(path, "adapter_config.json")
     if not (os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))):
-        raise ValueError(f"--init-adapter {path!r}: no adapter_config.json and adapter_model.safetensors there; pass "
-                         "a PEFT adapter folder (e.g. an earlier run's OUT/adapter)")
+        has = lambda *p: os.path.isfile(os.path.join(path, *p))
+        export = "export its adapter first, `python -m parallel.checkpoint {} --out DIR`, and pass DIR"
+        if has("adapter", "adapter_config.json"):   # (a run's folder, a checkpoint, a run's before its end)
+            fix = f"that is a run's folder: pass its adapter, {os.path.join(path, 'adapter')}"
+        elif has("meta.json") or has("latest"):
+            fix = "that is a run's checkpoint: " + export.format(path)
+        elif has("ckpt", "latest"):
+            fix = "that is a run's folder with no adapter yet: " + export.format(os.path.join(path, "ckpt"))
+        else:
+            fix = "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)"
+        raise ValueError(f"--init-adapter {path!r}: no adapter_config.json and adapter_model.safetensors there; {fix}")
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")

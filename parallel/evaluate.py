@@ -19,8 +19,9 @@ records of several --data files: data/mix.py's `Samples.files`) that has a targe
 - `loss_fn` is train.py's LOSS_FN (None: the fused cross-entropy), so the eval loss, and --keep-best's choice,
   measure what is trained.
 - `dpo` (--objective dpo, `parallel.preference.DPO`; `samples` are `data.pairs.Pairs`): the DPO loss in place of
-  cross-entropy, its mean over the pairs, and "eval_reward_acc", the share of pairs whose reward margin is above 0
-  (the policy prefers the chosen answer more than the reference does).
+  cross-entropy, its mean over the pairs, "eval_reward_acc", the share of pairs whose reward margin is above 0
+  (the policy prefers the chosen answer more than the reference does; a tie counts as not, as TRL's), and
+  "eval_reward_margin", the margins' mean.
 - `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
 """
@@ -55,8 +56,8 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
     # (no "split": a pair's dummy is one all-ignored document)
     share += [([dummy], 0)] * (math.ceil(len(every) / data_ranks) - len(share))
-    tot = torch.zeros(len(files), 3, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
-    model.eval()   # and pairs preferred)
+    tot = torch.zeros(len(files), 4, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
+    model.eval()   # pairs preferred, margins' sum)
     for row, k in share:
         beat()
         ids, pos, lab, *sides = to_local(row)
@@ -65,10 +66,12 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
             losses, rewards = dpo(ids, pos, lab, sides[0], sum("split" in s for s in row))
+            margins = (rewards[:, 0] - rewards[:, 1]).double()
             tot[k] += dpo.once * torch.stack([losses.sum(), torch.tensor(len(losses), dtype=torch.float64,
-                                              device=device), (rewards[:, 0] > rewards[:, 1]).sum().double()])
+                                              device=device), (margins > 0).sum().double(), margins.sum()])
     model.train()
     dist.all_reduce(tot, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
-            **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]])} if dpo is not None else {})}
+            **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
+               if dpo is not None else {})}

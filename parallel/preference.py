@@ -33,6 +33,8 @@ from loss import IGNORE_INDEX
 from model.qlora import adapters_off, reference_adapter
 from parallel.plan import REFERENCE_FREE
 
+NAMES = {"sigmoid": "DPO", "ipo": "IPO", "hinge": "SLiC (hinge)", "simpo": "SimPO", "orpo": "ORPO"}   # --dpo-loss's
+
 
 @dataclass(frozen=True)
 class Preference:
@@ -46,6 +48,13 @@ class Preference:
     @classmethod
     def from_args(cls, args) -> Preference:
         return cls(args.dpo_loss, args.dpo_beta, args.dpo_label_smoothing, args.rpo_alpha, args.simpo_gamma)
+
+    def __str__(self) -> str:   # (the run's `loss:` line)
+        return ", ".join([f"{NAMES[self.loss]} (--dpo-loss {self.loss})", f"beta {self.beta:g}"] +
+                         [f"{k} {v:g}" for k, v, on in (
+                             ("label smoothing", self.label_smoothing, self.label_smoothing),
+                             ("RPO alpha", self.rpo_alpha, self.rpo_alpha),
+                             ("gamma", self.gamma, self.loss == "simpo")) if on])
 
     @property
     def reference(self) -> bool:
@@ -67,8 +76,8 @@ class Preference:
             rewards = b * mean
             h = mean[0::2] - mean[1::2]
         else:
-            rewards = b * (pi - ref)
             d = (pi - ref) / n if self.loss == "ipo" else pi - ref
+            rewards = b * d   # (TRL's: of the log-ratios the loss takes, IPO's averaged)
             h = d[0::2] - d[1::2]
         if self.loss == "sigmoid":
             losses = -(1 - self.label_smoothing) * f.logsigmoid(b * h) - self.label_smoothing * f.logsigmoid(-b * h)

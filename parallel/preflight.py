@@ -138,17 +138,18 @@ def check_start(args, demo: bool):
             raise ValueError(f"--rpo-alpha must be a finite number of 0 or more (typical: 1), got {args.rpo_alpha:g}")
         if args.rpo_alpha and args.dpo_loss == "orpo":
             raise ValueError("--rpo-alpha adds the chosen side's NLL, which --dpo-loss orpo has already: drop it")
-        if not math.isfinite(args.simpo_gamma) or args.simpo_gamma != 0.5 and args.dpo_loss != "simpo":
-            raise ValueError(f"--simpo-gamma {args.simpo_gamma:g}: SimPO's margin, a finite number, with --dpo-loss "
-                             "simpo only")
+        if not (math.isfinite(args.simpo_gamma) and args.simpo_gamma >= 0) or args.simpo_gamma != 0.5 and \
+                args.dpo_loss != "simpo":
+            raise ValueError(f"--simpo-gamma {args.simpo_gamma:g}: SimPO's target margin, a finite number of 0 or more "
+                             "(typical: 0.5 to 1.6), with --dpo-loss simpo only")
         args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
     else:   # DPO's flags do nothing here, yet would be compared on a resume
         for flag, v, default in (("--dpo-beta", args.dpo_beta, 0.1), ("--dpo-loss", args.dpo_loss, "sigmoid"),
                                  ("--dpo-label-smoothing", args.dpo_label_smoothing, 0.0),
                                  ("--rpo-alpha", args.rpo_alpha, 0.0), ("--simpo-gamma", args.simpo_gamma, 0.5)):
             if v != default:
-                raise ValueError(f"{flag} {v} is DPO's: pass --objective dpo to train on preference pairs, or drop "
-                                 f"{flag}")
+                raise ValueError(f"{flag} {v} sets a preference loss (--objective dpo), and this run is supervised: "
+                                 f"pass --objective dpo to train on preference pairs, or drop {flag}")
     check_flags(args)
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
     if args.objective == "dpo" and args.dpo_loss in REFERENCE_FREE:

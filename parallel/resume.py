@@ -147,6 +147,14 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
                  "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5,
                  **ckpt_args}   # runs from before these flags: without them
+    was, objective = ckpt_args.get("objective", "sft"), args.get("objective")
+    if objective is not None and was != objective:   # (said alone: every other difference follows from it)
+        out = ckpt_args.get("out") or "OUT"
+        raise ValueError(f"--resume: the checkpoint's run trained --objective {was}, this one --objective {objective}: "
+                         f"a resume continues the same run. To train {objective} from where it got to, start a fresh "
+                         f"run from its adapter: --objective {objective} --init-adapter {out}/adapter (or a step's: "
+                         "`python -m "
+                         "parallel.checkpoint`) and another --out, without --resume")
     forks = sorted(set(ckpt_args) & set(args) - set(RUN_DEFINING) - set(LAYOUT) - set(FREE))   # a fork's new flags
     other_files = "data" in ckpt_args and "data" in args and not _same_path(ckpt_args["data"], args["data"]) and \
         _norm("data", ckpt_args["data"]) != _norm("data", args["data"])   # (said as such, not as changed bytes)
@@ -159,8 +167,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k == "template_date" and ckpt_args.get(k) is None:   # its template wrote no date: any renders the same
             continue
-        if k == "long_text" and k not in ckpt_args:   # a run from before --long-text: same_tokens checks its data
-            continue
+        if k == "long_text" and (k not in ckpt_args or objective == "dpo"):   # a run from before --long-text
+            continue   # (same_tokens checks its data), or of pairs (their sides are never split: the same run)
         if k == "dtype" and ckpt_args.get(k) is None:   # a run from before the dtype was resolved: not known
             continue
         # a demo run's (it builds its files: not known, so a resume naming the demo's files is the same run, as one

@@ -186,7 +186,17 @@ def _formula(pref, pol, ref, n):
     return loss + pref.rpo_alpha * -pc / nc   # RPO, Pang et al. 2024: the chosen side's NLL over its length
 
 
-VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "hinge": dict(loss="hinge"),
+def _rewards(pref, pol, ref, n):
+    """A pair's sides' rewards as TRL logs them: beta times the log-ratio to the reference, summed (averaged for IPO,
+    whose loss averages), or without a reference beta times the mean log-probability (SimPO's, ORPO's)."""
+    if pref.loss in ("simpo", "orpo"):
+        return torch.stack([pref.beta * p / k for p, k in zip(pol, n)])
+    k = n if pref.loss == "ipo" else (1, 1)
+    return torch.stack([pref.beta * (p - r) / m for p, r, m in zip(pol, ref, k)])
+
+
+VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "ipo": dict(loss="ipo"),
+            "hinge": dict(loss="hinge"),
             "smoothed": dict(label_smoothing=0.2), "simpo": dict(loss="simpo", beta=2.0, gamma=0.3),
             "orpo": dict(loss="orpo", beta=0.25)}
 
@@ -248,7 +258,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
         keep = lab != -100
         return z[keep].gather(1, lab[keep, None]).sum()
 
-    want = []
+    want, want_rewards = [], []
     for _, seqs, labels in made:
         with torch.no_grad():
             if reference:
@@ -257,8 +267,15 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
                 with hf.disable_adapter():
                     ref = [logp(s, lab) for s, lab in zip(seqs, labels)]
         pol = [logp(s, lab) for s, lab in zip(seqs, labels)]
-        want.append(_formula(pref, pol, ref, [(lab != -100).sum() for lab in labels]))
+        n = [(lab != -100).sum() for lab in labels]
+        want.append(_formula(pref, pol, ref, n))
+        want_rewards.append(_rewards(pref, [p.detach() for p in pol], ref, n))
+        if pref.reference and not pref.rpo_alpha:   # the loss at the start (the policy its reference) is known
+            assert pref.at_start() == pytest.approx(_formula(pref, ref, ref, n).item(), rel=1e-6)
+        else:
+            assert pref.at_start() is None
     want = torch.stack(want)
+    torch.testing.assert_close(rewards.float(), torch.stack(want_rewards), rtol=1e-5, atol=5e-5)   # (of sums ~100)
     (want.sum() / len(made)).backward()
     torch.testing.assert_close(losses.float(), want.detach(), rtol=1e-5, atol=1e-6)
     assert bool((margins.abs() > 1e-4).all()), f"the policy should differ from the reference: margins {margins}"
@@ -294,13 +311,14 @@ def test_a_pair_is_its_two_sides_as_records(assets):
     want, _ = tokenize_records([parse_record(json.dumps(s), "s.jsonl", n) for n, pair in enumerate(sides, 1)
                                 for s in pair], tok, 96, "s.jsonl")
     assert stats.pairs == 4 and stats.samples == 8 == len(got) and stats.records == 4
-    for k in range(0, 6, 2):   # each side's tokens as alone; targets too, but for a shared start's (no targets: the
-        # same context and token on both sides, which cancel in the margin)
+    for k in range(0, 6, 2):   # each side's tokens as alone; its targets too with a prompt (TRL's), but for a text
+        # pair's shared start (no targets: TRL's implicit prompt)
         assert [g["input_ids"] for g in got[k:k + 2]] == [w["input_ids"] for w in want[k:k + 2]]
         a, b = (w["input_ids"] for w in want[k:k + 2])
-        shared = next(t for t, (x, y) in enumerate(zip(a, b)) if x != y)
+        shared = next(t for t, (x, y) in enumerate(zip(a, b)) if x != y) if k == 4 else 1
         for g, w in zip(got[k:k + 2], want[k:k + 2]):
             assert g["labels"] == [-100] * (shared - 1) + w["labels"][shared - 1:]
+    assert shared > 3   # ("The fox": the text pair's prompt)
     assert got[5]["labels"][:-3] != [-100] * (len(got[5]["labels"]) - 3)   # (text pair: its answers' tokens train)
     assert [s["line"] for s in got] == [1, 1, 2, 2, 3, 3, 4, 4]
     # record 4's prompt is cut once for both sides, by the longer (rejected) side's count: the rejected as it is alone,
@@ -337,7 +355,25 @@ def test_a_pair_is_its_two_sides_as_records(assets):
     untrained = parse_record(json.dumps({"chosen": ask, "rejected": ask + [{"role": "user", "content": "More?"}]}),
                              "p.jsonl", 9)
     assert tokenize_records([untrained], tok, 96)[1].tied_lines == [9]
-    for sample in got + got5 + got6 + got8:
+    # answers sharing their start after a given prompt (a string, or messages): each side's answer trains whole, as
+    # alone (TRL's; until 2026-12-05 the shared start was no target, which changed SimPO's and ORPO's means); a side
+    # that ends where they part (all its targets the other's too): tied, not kept with no target (review, helper 42)
+    alike = [{"prompt": "What is 2 and 2?", "chosen": " The answer is four.", "rejected": " The answer is five."},
+             {"prompt": chat, "chosen": "Paris, of course.", "rejected": "Paris? No, Lyon."}]
+    got10, stats10 = tokenize_records([parse_record(json.dumps(x), "p.jsonl", n) for n, x in enumerate(alike, 10)],
+                                      tok, 96)
+    want10 = [tokenize_records([side], tok, 96)[0][0] for x in alike
+              for side in parse_record(json.dumps(x), "p.jsonl", 1)["pair"]]
+    assert got10 == [dict(w, line=g["line"]) for g, w in zip(got10, want10)] and stats10.pairs == 2
+    for g in got10[2:]:   # ("Paris" is a target on both sides)
+        assert tok.decode([lab for lab in g["labels"] if lab != -100]).startswith("Paris")
+    ends = parse_record(json.dumps({"chosen": ask, "rejected": ask + [{"role": "user", "content": "More?"},
+                                                                      {"role": "assistant", "content": "No."}]}),
+                        "p.jsonl", 12)
+    got12, stats12 = tokenize_records([ends], tok, 96)
+    assert got12 == [] and stats12.tied_lines == [12] and stats12.pairs == 0
+    assert [len(tokenize_records([side], tok, 96)[0]) for side in ends["pair"]] == [1, 1]   # (each alone trains)
+    for sample in got + got5 + got6 + got8 + got10:
         assert len(sample["labels"]) == len(sample["input_ids"])
 
 
@@ -410,7 +446,8 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
     for r in m:   # the margin is the chosen's mean reward less the rejected's (each rounded to 6 places)
         assert abs(r["reward_margin"] - (r["reward_chosen"] - r["reward_rejected"])) <= 2e-6, r
     assert m[-1]["reward_chosen"] != 0 != m[-1]["reward_rejected"]
-    assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r for r in m)
+    assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r and "eval_reward_margin" in r for r in m)
+    assert m[-1]["eval_reward_margin"] > 0, m[-1]
     assert m[-1]["eval_loss"] < math.log(2), f"the eval pairs' DPO loss should fall below log 2: {m[-1]}"
     cfg = json.load(open(os.path.join(runs, "dpo", "config.json")))
     assert cfg["objective"] == "dpo" and cfg["dpo_beta"] == 0.5 and cfg["loss"] == "dpo"
@@ -422,7 +459,8 @@ def test_four_ranks_match_one_rank(runs, name):
     out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
     _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
     for g, w in zip(_metrics(out), _metrics(ref)):
-        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc"):
+        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc",
+                  "eval_reward_margin"):
             if k in g or k in w:
                 assert k in g and k in w and abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g.get(k)} vs " \
                                                                         f"{w.get(k)}"
@@ -509,7 +547,8 @@ def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
     got, want = _metrics(out), _metrics(ref)
     for g, w in zip(got, want):
-        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc"):
+        for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc",
+                  "eval_reward_margin"):
             assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
     assert want[-1]["eval_loss"] < want[0]["eval_loss"], [r["eval_loss"] for r in want]
     cfg = json.load(open(os.path.join(ref, "config.json")))
@@ -553,10 +592,12 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     lines = open(pairs["data"]).read().splitlines(True)
     mixed = tmp_path / "mixed.jsonl"   # (a pair first, then a chat record: the whole file's count)
     mixed.write_text("".join(lines) + open(assets["data"]).readline())
-    said = startup_error(train_argv({**pairs, "data": str(mixed)}, out, *DPO))
-    assert "--objective dpo: --data holds 1 record that is not a preference pair (of 31; 30 pairs)" in said, said
-    mixed.write_text(open(assets["data"]).readline() + lines[0])   # (a chat record first, then a pair)
-    assert "--data holds 1 preference pair (" in startup_error(train_argv({**pairs, "data": str(mixed)}, out))
+    said = startup_error(train_argv({**pairs, "data": str(mixed)}, out, *DPO))   # (named before tokenizing)
+    assert f"--objective dpo: --data {mixed} line 31 is not a preference pair: DPO trains on" in said, said
+    assert "give the others in a file of their own" in said
+    mixed.write_text(open(assets["data"]).readline() + "".join(lines[:3]))   # (a chat record first, then pairs)
+    said = startup_error(train_argv({**pairs, "data": str(mixed)}, out))
+    assert f"--data {mixed} line 2 is a preference pair (\"chosen\"/\"rejected\") (and 2 more of its 4 records)" in said
     tied = tmp_path / "tied.jsonl"
     tied.write_text(json.dumps({"prompt": "Q?", "chosen": " yes", "rejected": " yes"}) + "\n")
     said = startup_error(train_argv({**pairs, "data": str(tied)}, out, *DPO))
@@ -566,16 +607,20 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     for beta in ("0", "inf", "nan"):
         assert "--dpo-beta must be a finite number above 0" in startup_error(train_argv(pairs, out, "--objective",
                                                                                         "dpo", "--dpo-beta", beta))
-    assert "--dpo-beta 0.5 is DPO's" in startup_error(train_argv(assets, out, "--dpo-beta", "0.5"))   # (an SFT run)
-    assert "--dpo-loss ipo is DPO's" in startup_error(train_argv(assets, out, "--dpo-loss", "ipo"))
-    assert "--rpo-alpha 1.0 is DPO's" in startup_error(train_argv(assets, out, "--rpo-alpha", "1"))
+    for flag, v, said in (("--dpo-beta", "0.5", "0.5"), ("--dpo-loss", "ipo", "ipo"), ("--rpo-alpha", "1", "1.0"),
+                          ("--dpo-label-smoothing", "0.1", "0.1"), ("--simpo-gamma", "1", "1.0")):   # (SFT runs)
+        assert f"{flag} {said} sets a preference loss (--objective dpo), and this run is supervised: pass " \
+               f"--objective dpo to train on preference pairs, or drop {flag}" in startup_error(
+                   train_argv(assets, out, flag, v))
     for flags, want in ((["--dpo-label-smoothing", "0.5"], "--dpo-label-smoothing must be in [0, 0.5)"),
                         (["--dpo-label-smoothing", "0.1", "--dpo-loss", "ipo"], "sigmoid only, not ipo: drop it"),
                         (["--rpo-alpha", "-1"], "--rpo-alpha must be a finite number of 0 or more"),
                         (["--rpo-alpha", "nan"], "--rpo-alpha must be a finite number of 0 or more"),
                         (["--dpo-loss", "orpo", "--rpo-alpha", "1"], "which --dpo-loss orpo has already"),
-                        (["--simpo-gamma", "1"], "--simpo-gamma 1: SimPO's margin, a finite number, with --dpo-loss "
-                                                 "simpo only")):
+                        (["--simpo-gamma", "1"], "--simpo-gamma 1: SimPO's target margin, a finite number of 0 or "
+                                                 "more (typical: 0.5 to 1.6), with --dpo-loss simpo only"),
+                        (["--dpo-loss", "simpo", "--simpo-gamma", "-0.5"], "--simpo-gamma -0.5: SimPO's target margin, "
+                                                                          "a finite number of 0 or more")):
         assert want in startup_error(train_argv(pairs, out, *DPO, *flags)), flags
     assert "embedded demo is supervised" in startup_error(["--objective", "dpo", "--out", out])
     import train

@@ -564,3 +564,28 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
     write_adapter(sd, lora_config(2, 4.0, 0.0), str(half), str(tmp_path))
     assert sorted(os.listdir(half)) == ["adapter_config.json", "adapter_model.safetensors"], os.listdir(half)
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base_config_overrides.json"]
+
+
+def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_path):
+    """--init-adapter pointed at a run's folder or one of its checkpoints (not an adapter): the refusal names what to
+    pass, or how to export it (review, helper 41: one generic line for every such path)."""
+    from model.export import check_init_adapter
+
+    def said(path):
+        with pytest.raises(ValueError) as e:
+            check_init_adapter(str(path), 16, 32.0, ["q_proj"])
+        return str(e.value)
+
+    run = tmp_path / "run"
+    (run / "ckpt" / "step_000003").mkdir(parents=True)
+    (run / "ckpt" / "latest").write_text("step_000003\n")
+    (run / "ckpt" / "step_000003" / "meta.json").write_text("{}")
+    assert f"that is a run's folder with no adapter yet: export its adapter first, `python -m parallel.checkpoint " \
+           f"{run / 'ckpt'} --out DIR`, and pass DIR" in said(run)
+    for ckpt in (run / "ckpt", run / "ckpt" / "step_000003"):
+        assert f"that is a run's checkpoint: export its adapter first, `python -m parallel.checkpoint {ckpt} --out " \
+               "DIR`" in said(ckpt)
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    assert f"that is a run's folder: pass its adapter, {run / 'adapter'}" in said(run)
+    assert "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)" in said(tmp_path)

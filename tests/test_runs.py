@@ -489,7 +489,21 @@ def test_check_resume_of_dpo_runs_and_their_reference():
     said = _refused(lambda: resume.check_resume(sft, {**sft, "dpo_reference": "adapter sha256 cd"}),
                     "the checkpoint's run read '/sft/adapter'; the same bytes anywhere will do")
     assert said.count("DPO's reference") == 1, said
-    for other in ({"objective": "sft", "dpo_reference": None, "dpo_loss": "sigmoid"},
-                  {"dpo_loss": "orpo", "dpo_reference": "none"}):
-        said = _refused(lambda o=other: resume.check_resume(sft, {**sft, **o}), "the checkpoint has")
-        assert "reference" not in said and "--dpo-reference" not in said, said
+    said = _refused(lambda: resume.check_resume(sft, {**sft, "dpo_loss": "orpo", "dpo_reference": "none"}),
+                    "--dpo-loss: the checkpoint has 'sigmoid', this run 'orpo'")
+    assert "reference" not in said and "--dpo-reference" not in said, said
+    # another --objective, either way: said alone, with the way to train it from that run's adapter (review, helper 41:
+    # an SFT checkpoint resumed as DPO listed LOSS_FN's text first)
+    for was, now in (({**CKPT, "out": "/runs/sft"}, {**CKPT, "objective": "dpo", "loss": "dpo",
+                                                     "dpo_reference": "base"}),
+                     ({**sft, "out": "/runs/dpo"}, {**sft, "objective": "sft", "dpo_reference": None,
+                                                    "loss": "cross-entropy"})):
+        said = _refused(lambda w=was, n=now: resume.check_resume(w, n), f"--resume: the checkpoint's run trained "
+                        f"--objective {was.get('objective', 'sft')}, this one --objective {now['objective']}: a resume "
+                        f"continues the same run. To train {now['objective']} from where it got to, start a fresh "
+                        f"run from its adapter: --objective {now['objective']} --init-adapter {was['out']}/adapter")
+        assert "the checkpoint has" not in said and "reference" not in said, said
+    # --long-text does nothing to pairs (their sides are never split): a DPO run resumes with either
+    resume.check_resume({**dpo, "long_text": "truncate"}, {**dpo, "dpo_reference": "base", "long_text": "split"})
+    _refused(lambda: resume.check_resume({**CKPT, "long_text": "truncate"}, {**CKPT, "long_text": "split"}),
+             "--long-text: the checkpoint has 'truncate', this run 'split'")
