@@ -556,8 +556,9 @@ def test_other_losses_on_four_ranks_match_one_rank(runs, name):
     assert cfg["dpo_loss"] == flags[1] and cfg["dpo_reference"] == ("base" if flags[1] == "ipo" else "none")
 
 
-def test_lora_dropout_in_dpo_is_said(runs, pairs, tmp_path, capsys):
-    """With --lora-dropout the policy's forward drops LoRA inputs and the reference's does not: said, not refused."""
+def test_lora_dropout_in_dpo_and_simpo_with_a_small_beta_are_said(runs, pairs, tmp_path, capsys):
+    """With --lora-dropout the policy's forward drops LoRA inputs and the reference's does not: said, not refused;
+    so is SimPO with a beta below 1."""
     import train
 
     with one_thread():
@@ -565,6 +566,15 @@ def test_lora_dropout_in_dpo_is_said(runs, pairs, tmp_path, capsys):
                          "--eval-every", "0"))
     out = capsys.readouterr().out
     assert "note: --lora-dropout 0.1 drops LoRA inputs in the policy's forward, not in the reference's" in out, out
+    assert "loss: DPO (--dpo-loss sigmoid), beta 0.5, reference: --init-adapter " in out, out
+    # SimPO with a DPO-sized beta: said (its beta scales mean log-probabilities); the loss line names it and gamma
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "simpo"), "--steps", "1", "--dpo-loss", "simpo", "--dpo-beta", "0.5",
+                         "--eval-every", "0"))
+    out = capsys.readouterr().out
+    assert "loss: SimPO (--dpo-loss simpo), beta 0.5, gamma 0.5, reference: none" in out, out
+    assert "note: --dpo-beta 0.5 with SimPO, whose beta scales mean log-probabilities: its paper and TRL use 2 to " \
+           "2.5 (--dpo-beta 2)" in out, out
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])
