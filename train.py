@@ -127,12 +127,12 @@ def build_parser(add_help=True):
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
     a("--steps", type=int, default=None, help="optimizer steps (neither this nor --epochs: one epoch, ceil(samples "
-      "/ --global-batch))")
+      "/ --global-batch); DPO's samples are pairs)")
     a("--epochs", type=float, default=None, metavar="E", help="train E passes over the data in place of --steps: "
       "ceil(E × samples / --global-batch) steps (0.5 and 2.5 allowed)")
-    a("--global-batch", type=int, default=8, help="samples per optimizer step (layout-independent)")
-    a("--micro-batch", type=micro_batch_arg, default=1, metavar="N|auto", help="samples per forward on each data "
-      "rank; auto (0): as many as fit the longest sample's length, packed (fewer forwards for short samples)")
+    a("--global-batch", type=int, default=8, help="samples (DPO: pairs) per optimizer step (layout-independent)")
+    a("--micro-batch", type=micro_batch_arg, default=1, metavar="N|auto", help="samples (DPO: pairs) per forward on "
+      "each data rank; auto (0): as many as fit the longest sample's length, packed (fewer forwards for short samples)")
     # Data
     a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
       "'completion'} or {'messages'} per line); several files train as one set")
@@ -267,12 +267,7 @@ def main(argv=None):
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
-                     dpo and args.dpo_loss == "simpo" and args.dpo_beta < 1 and (   # (0.1, DPO's, is the default)
-                         f"note: --dpo-beta {args.dpo_beta:g} with SimPO, whose beta scales mean log-probabilities: "
-                         "its paper and TRL use 2 to 2.5 (--dpo-beta 2)"),
-                     dpo and args.lora_dropout and args.dpo_reference != "none" and (
-                         f"note: --lora-dropout {args.lora_dropout:g} drops LoRA inputs in the policy's forward, not "
-                         "in the reference's: the losses and rewards carry that noise (TRL turns dropout off for DPO)"),
+                     dpo and Preference.from_args(args).note(args.lora_dropout),
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
                                        args.model_sha256, args.quant),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
@@ -308,15 +303,16 @@ def main(argv=None):
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         n = order.size(0)   # (a pass; with rotating --data-weights shares, the first one's)
         if args.global_batch > n:   # allowed (a quick run on a few records), but said
-            log0(f"note: --global-batch {args.global_batch} is more samples than --data holds ({n}"
-                 + (", past --eval-split's" if args.eval_split else "") + "): each "
-                 f"step takes each sample about {args.global_batch / n:.3g} times (repeats add compute, not data)")
+            log0(f"note: --global-batch {args.global_batch} is more {('samples', 'pairs')[dpo]} than --data holds "
+                 f"({n}" + (", past --eval-split's" if args.eval_split else "") + f"): each step takes each "
+                 f"{('sample', 'pair')[dpo]} about {args.global_batch / n:.3g} times (repeats add compute, not data)")
         steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
         epochs = args.epochs or 1
         if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
-            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} samples in {steps} "
-                 f"steps of {args.global_batch}: the last step also trains {extra} " + ("of the next epoch's order"
-                 if epochs == int(epochs) else "more of the data order") + " (--steps sets the length)")
+            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {('samples', 'pairs')[dpo]} in "
+                 f"{steps} steps of {args.global_batch}: the last step also trains {extra} " + (
+                     "of the next epoch's order" if epochs == int(epochs) else "more of the data order") +
+                 " (--steps sets the length)")
         if note := resume.schedule_note(ckpt, args.schedule_steps or steps, "--epochs" if args.epochs else "--steps"):
             log0(note)
         if steps < args.warmup:   # a short run that never leaves warmup: said, not silent

@@ -56,6 +56,16 @@ class Preference:
                              ("RPO alpha", self.rpo_alpha, self.rpo_alpha),
                              ("gamma", self.gamma, self.loss == "simpo")) if on])
 
+    def note(self, lora_dropout: float = 0.0) -> str | None:
+        """The run's `note:` lines about its loss (allowed, but likely a slip), or None."""
+        said = [f"note: --lora-dropout {lora_dropout:g} drops LoRA inputs in the policy's forward, not in the "
+                "reference's: the losses and rewards carry that noise (TRL turns dropout off for DPO)"] * bool(
+            lora_dropout and self.reference)
+        if self.loss == "simpo" and self.beta < 1:   # (0.1, DPO's, is the default)
+            said.append(f"note: --dpo-beta {self.beta:g} with SimPO, whose beta scales mean log-probabilities: its "
+                        "paper and TRL use 2 to 2.5 (--dpo-beta 2)")
+        return "\n".join(said) or None
+
     @property
     def reference(self) -> bool:
         return self.loss not in REFERENCE_FREE
