@@ -179,6 +179,11 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
         if not isinstance(head, list):
             raise line_error(path, n, f'"prompt" must be a string or a list of messages, got {type(head).__name__}',
                              PAIR_LINES)
+        if head and isinstance(head[-1], dict) and head[-1].get("role") == "assistant":
+            raise line_error(path, n, '"prompt" ends with an assistant message, a prefill that TRL has each side '
+                                      'continue; here each side is a turn of its own after the prompt: end the prompt '
+                                      "with the user's message and start each side's answer with the prefill",
+                             PAIR_LINES)
         as_list = lambda v: [{"role": "assistant", "content": v}] if isinstance(v, str) else v
         sides = [{"messages": head + as_list(obj[k]) if isinstance(as_list(obj[k]), list) else obj[k], **tools}
                  for k in ("chosen", "rejected")]

@@ -646,7 +646,10 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
                         'line 1: "chosen" side: "tools" goes with a "messages" record'),
                        ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                          "rejected": "b"}, '"rejected" is a string and the other side a list of messages, with no '
-                                           '"prompt"')):
+                                           '"prompt"'),
+                       ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The"}],
+                         "chosen": " a", "rejected": " b"}, 'line 1: "prompt" ends with an assistant message, a '
+                                                             "prefill that TRL has each side continue")):
         bad.write_text(json.dumps(line) + "\n")
         assert want in startup_error(train_argv({**pairs, "data": str(bad)}, out, *DPO))
 
