@@ -27,6 +27,7 @@ CUDA device r (bench/attention.py on GPUs).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import os
 import pickle
@@ -78,6 +79,8 @@ def _worker(rank, world_size, init_file, payload, queue, pg_timeout, backend, en
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    crash = open(os.path.join(os.path.dirname(init_file), f"crash-{rank}"), "w")   # a native abort's Python stacks
+    faulthandler.enable(crash, all_threads=True)   # (a rank that dies without a report: run_ranks shows them)
     try:
         stray = [f"{n} ({m.__file__})" for n, m in list(sys.modules.items()) if n.split(".")[0] in OURS
                  and getattr(m, "__file__", None) and not os.path.realpath(m.__file__).startswith(root + os.sep)]
@@ -118,6 +121,16 @@ def _worker(rank, world_size, init_file, payload, queue, pg_timeout, backend, en
                 pass
 
 
+def _stacks(tmp: str, rank: int) -> str:
+    """What faulthandler wrote as rank `rank` died of a signal (SIGSEGV, SIGABRT...): its threads' Python stacks."""
+    try:
+        with open(os.path.join(tmp, f"crash-{rank}")) as f:
+            said = f.read().strip()
+    except OSError:
+        return ""
+    return f"; its Python stacks as it died:\n{said}" if said else ""
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend="gloo",
               start="forkserver"):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank."""
@@ -151,7 +164,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
                     dead = [r for r, p in enumerate(procs)
                             if p.exitcode not in (None, 0) and r not in results and r not in errors]
                     for r in dead:
-                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report" + _stacks(tmp, r)
                     continue
                 if not ok:
                     errors[rank] = payload

@@ -215,3 +215,21 @@ def test_a_rank_blocked_in_a_collective_quits_on_a_second_signal(tmp_path):
     waited = os.path.getmtime(tmp_path / "rank1.err") - float((tmp_path / "rank1.t").read_text())
     assert 1.8 <= waited < 1.8 + 0.5 + 4, f"rank 1 ended {waited:.1f}s after entering the collective (the second " \
         "signal came at 1.8 s; the peer woke at 7 s)"
+
+
+def _abort_rank_1(rank, world_size):
+    if rank == 1:
+        os.abort()   # (a native crash: no Python exception, no report)
+    return rank
+
+
+def test_a_rank_that_dies_of_a_signal_shows_its_python_stack():
+    """A rank killed by a native fault (gloo's heap abort once, `munmap_chunk(): invalid pointer`, 2026-12-05) is
+    named with the Python stack it died in (faulthandler), not only its exit code."""
+    from tests.dist import RankError, run_ranks
+
+    with pytest.raises(RankError) as e:
+        run_ranks(_abort_rank_1, 2, timeout=60, pg_timeout=5)
+    said = str(e.value)
+    assert "rank 1 exited with code -6 without a report; its Python stacks as it died:" in said, said
+    assert "in _abort_rank_1" in said, said
