@@ -14,12 +14,20 @@ Contract:
   with contiguous positions, even far from 0, is one document; padding continues the positions of
   the last document. Tokens attend only inside their own document. This module is the one place that
   rule is written; `data/` and `parallel/` import it.
+- Branches: a document that starts at position p > 0 right after a document that starts at position 0 and holds
+  more than p tokens continues that document's first p tokens (their positions are 0..p-1): it also sees them.
+  That is a preference pair whose sides share their prompt, stored once (`data.pairs`): prompt ++ chosen answer
+  is one document, the rejected answer a branch after it. `prepare` then gives `Packed(bounds, branches)` in
+  place of the bounds; a core that cannot take branches refuses it. No sliding window with branches (its
+  distance would be the positions', not the row's).
 - `SDPAAttention` (the model's default, one process, whole sequence) is torch's
   `F.scaled_dot_product_attention` per document. The trainer replaces it from outside
   (`parallel.cp.local_attention()` / `cp_attention(...)`): the model holds no parallelism switches.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +49,46 @@ def document_bounds(position_ids: torch.Tensor):
     return [row.nonzero().flatten().tolist() + [s] for row in starts.cpu()]
 
 
+class Packed(NamedTuple):
+    """A packed row's documents with branches (module docstring)."""
+    bounds: list     # per row [0, s1, ..., S]
+    branches: list   # per row [(start, end, parent start, p)]: tokens start..end-1 also see parent..parent+p-1
+
+
+def document_branches(position_ids: torch.Tensor, bounds: list | None) -> list | None:
+    """Per row, its branches [(start, end, parent start, p)] (module docstring); None when no row has one."""
+    if bounds is None:
+        return None
+    out = []
+    for r, cuts in enumerate(bounds):   # (the positions at the documents' starts only: one small copy a row)
+        at = dict(zip(cuts[:-1], position_ids[r, torch.tensor(cuts[:-1], device=position_ids.device)].tolist()))
+        docs = list(zip(cuts[:-1], cuts[1:]))
+        out.append([(s, e, ps, at[s]) for (ps, pe), (s, e) in zip(docs, docs[1:])
+                    if at[s] > 0 and at[ps] == 0 and at[s] < pe - ps])
+    return out if any(out) else None
+
+
+def visible(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, S, S]: query i sees key j (causal, its document, a branch's prefix): the rule written as a mask,
+    O(S^2), for references and tests."""
+    b, s = position_ids.shape
+    doc = document_starts(position_ids).cumsum(1)
+    i, j = torch.arange(s, device=position_ids.device)[:, None], torch.arange(s, device=position_ids.device)[None]
+    keep = (j <= i) & (doc[:, :, None] == doc[:, None, :])
+    for r, row in enumerate(document_branches(position_ids, document_bounds(position_ids)) or ()):
+        for start, end, parent, p in row:
+            keep[r, start:end, parent:parent + p] = True
+    return keep
+
+
 class AttentionCore:
     """What the decoder calls for the attention itself; see the module docstring."""
     divisor: int = 1
 
     def prepare(self, position_ids: torch.Tensor) -> object:
-        return document_bounds(position_ids)
+        bounds = document_bounds(position_ids)
+        branches = document_branches(position_ids, bounds)
+        return bounds if branches is None else Packed(bounds, branches)
 
     def __call__(self, q, k, v, meta, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -70,6 +112,18 @@ class SDPAAttention(AttentionCore):
 
         if meta is None:
             return sdpa(q, k, v)
+        if isinstance(meta, Packed):   # branches: the whole rows, the rule as a mask
+            if window is not None:
+                raise ValueError("a sliding window with branched documents (shared-prompt pairs) is not supported")
+            pos = torch.zeros(len(meta.bounds), q.shape[1], dtype=torch.long)
+            for r, cuts in enumerate(meta.bounds):   # (positions that give these documents and branches)
+                for x, y in zip(cuts[:-1], cuts[1:]):
+                    pos[r, x:y] = torch.arange(y - x)
+                for start, end, _, p in meta.branches[r]:
+                    pos[r, start:end] = torch.arange(p, p + end - start)
+            t = lambda x: x.transpose(1, 2)
+            return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=visible(pos).to(q.device)[:, None],
+                                                    scale=scale, enable_gqa=True))
         rows = [torch.cat([sdpa(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y])
                            for x, y in zip(row[:-1], row[1:])], 1) for i, row in enumerate(meta)]
         return torch.cat(rows, 0)

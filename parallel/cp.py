@@ -17,6 +17,8 @@ Contract:
   token inside its document: `local_attention` and Ulysses (which see whole rows) through
   `kernels.attention(docs=...)`, ring and hybrid by cutting each ring block at the documents of the
   whole (gathered) row (`parallel.masks.Documents`: calls planned from the bounds, pieces masked by id).
+  Rows with branches (`model.attention`: shared-prompt pairs) take the ring's planned calls on every layout
+  (`ring_attention` without a group where a process holds whole rows: one process, Ulysses); no sliding window.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from loss import IGNORE_INDEX
-from model.attention import AttentionCore, document_bounds
+from model.attention import AttentionCore
 from parallel import kernels, masks
 from parallel.ring import ring_attention
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
@@ -99,10 +101,24 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 # --- attention cores ---------------------------------------------------------------------------
 
 
+def _branched(q, k, v, meta, scale, window):
+    """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process."""
+    if window is not None:
+        raise ValueError("a sliding window with shared-prompt pairs (branched documents) is not supported: drop "
+                         "--dpo-share-prompt")
+    return ring_attention(q, k, v, scale, None, docs=meta)
+
+
 class KernelAttention(AttentionCore):
     """One process holds the whole sequence; `parallel.kernels` picks the fastest backend."""
 
+    def prepare(self, position_ids):
+        docs = masks.documents(position_ids)
+        return docs if docs is not None and docs.branches is not None else docs and docs.bounds
+
     def __call__(self, q, k, v, meta, scale, window=None):
+        if isinstance(meta, masks.Documents):
+            return _branched(q, k, v, meta, scale, window)
         return kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
 
 
@@ -115,10 +131,10 @@ class ContextParallelAttention(AttentionCore):
 
     def prepare(self, position_ids):
         full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
-        docs = document_bounds(full)
-        if docs is not None and self.dims.ring > 1:  # ring blocks: the ids mask pieces, the bounds plan calls
-            return masks.Documents(masks.document_ids(full), docs)   # of the padded, unsharded row
-        return docs
+        docs = masks.documents(full)   # ring blocks (and branches): the ids mask pieces, the bounds plan calls of
+        if docs is not None and (self.dims.ring > 1 or docs.branches is not None):   # the padded, unsharded row
+            return docs
+        return docs and docs.bounds
 
     def __call__(self, q, k, v, meta, scale, window=None):
         u, r = self.dims.ulysses, self.dims.ring
@@ -127,7 +143,9 @@ class ContextParallelAttention(AttentionCore):
             k = kv_to_heads(k, n_heads, self.ulysses_group)  # validates the head counts before any traffic
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
-        if r == 1:
+        if r == 1 and isinstance(meta, masks.Documents):   # (Ulysses: whole rows, a share of the heads)
+            out = _branched(q, k, v, meta, scale, window)
+        elif r == 1:
             out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them

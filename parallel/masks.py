@@ -36,20 +36,31 @@ from typing import NamedTuple
 
 import torch
 
-from model.attention import document_starts
+from model.attention import document_bounds, document_branches, document_starts
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return document_starts(position_ids).cumsum(1)
 
 
-def keep(qi, ki, q_doc=None, k_doc=None, window=None) -> torch.Tensor:
+def keep(qi, ki, q_doc=None, k_doc=None, window=None, q_pre=None) -> torch.Tensor:
     d = qi[:, None] - ki[None, :]                                  # [Sq, Sk]: distance back to the key
     mask = (d >= 0) if window is None else (d >= 0) & (d < window)
     mask = mask[None]
     if q_doc is not None:
         mask = mask & (q_doc[:, :, None] == k_doc[:, None, :])   # [B, Sq, Sk]
+    if q_pre is not None:   # a branch's queries see its parent's prefix too: keys lo <= j < hi ([2, B, Sq])
+        mask = mask | ((ki[None, None, :] >= q_pre[0][:, :, None]) & (ki[None, None, :] < q_pre[1][:, :, None]))
     return mask
+
+
+def prefixes(branches, b: int, s: int, device) -> torch.Tensor:
+    """[2, B, S] long: the parent keys [lo, hi) each token also sees (lo = hi = 0 off a branch)."""
+    pre = torch.zeros(2, b, s, dtype=torch.long)
+    for r, row in enumerate(branches):
+        for start, end, parent, p in row:
+            pre[0, r, start:end], pre[1, r, start:end] = parent, parent + p
+    return pre.to(device)
 
 
 MASK_TILE = 4096        # a masked piece's side: its bool mask and bias are ~50 MB per row in bf16
@@ -59,6 +70,19 @@ BAND_ELEMS = 1 << 28    # a sliding-window call's bias: at most this many elemen
 class Documents(NamedTuple):
     ids: torch.Tensor     # [B, S] document id of every global token (`document_ids`)
     bounds: list          # per row, its boundaries [0, s1, ..., S] (host ints)
+    branches: list | None = None    # per row [(start, end, parent, p)] (`model.attention.document_branches`)
+    pre: torch.Tensor | None = None   # `prefixes(branches)`, on the device, for `keep`
+
+
+def documents(full_positions: torch.Tensor) -> Documents | None:
+    """The `Documents` of whole (gathered, padded) rows, None for rows of one document each."""
+    bounds = document_bounds(full_positions)
+    if bounds is None:
+        return None
+    branches = document_branches(full_positions, bounds)
+    b, s = full_positions.shape
+    return Documents(document_ids(full_positions), bounds, branches,
+                     None if branches is None else prefixes(branches, b, s, full_positions.device))
 
 
 class Span(NamedTuple):
@@ -67,17 +91,25 @@ class Span(NamedTuple):
     n: int
 
 
-def _kind(a, b, c, d, bounds, window) -> str:
+def _kind(a, b, c, d, bounds, window, branches=None) -> str:
     """Queries a..b against keys c..d (global, inclusive): "skip", "full", "causal" or "masked"."""
     if c > b or (window is not None and a - d >= window):
         return "skip"
-    one_doc, seen = True, bounds is None
-    for row in bounds or ():   # documents are runs of indices: ids at the ends decide
+    one_doc, seen, prefix = True, bounds is None, bool(branches)
+    for r, row in enumerate(bounds or ()):   # documents are runs of indices: ids at the ends decide
         da, db, dc, dd = (bisect_right(row, x) for x in (a, b, c, d))
         seen = seen or max(da, dc) <= min(db, dd)
         one_doc = one_doc and da == db == dc == dd
+        inside = False   # a branch's queries against its parent's prefix: seen; every pair, when the block is in both
+        for start, end, parent, p in branches[r] if branches else ():
+            if a < end and b >= start and c < parent + p and d >= parent:
+                seen = True
+                inside = inside or (start <= a and b < end and parent <= c and d < parent + p)
+        prefix = prefix and inside
     if not seen:
         return "skip"
+    if prefix:
+        return "full"
     if one_doc and (window is None or b - c < window):
         if (a, b) == (c, d):   # (a single pair is causal too)
             return "causal"
@@ -100,10 +132,10 @@ def _merge_full(calls, row: bool) -> list:
     return out
 
 
-def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None) -> list:
+def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None, branches=None) -> list:
     """The kernel calls of one block (module docstring). Spans are in increasing local and global order."""
     tile = tile or MASK_TILE
-    kinds = {(i, j): _kind(q.start, q.start + q.n - 1, k.start, k.start + k.n - 1, bounds, window)
+    kinds = {(i, j): _kind(q.start, q.start + q.n - 1, k.start, k.start + k.n - 1, bounds, window, branches)
              for i, q in enumerate(q_spans) for j, k in enumerate(k_spans)}
     if q_spans == k_spans and all(kinds[i, j] == ("causal" if i == j else "full" if i > j else "skip")
                                   for i, j in kinds):   # the zigzag diagonal: one causal call
@@ -121,7 +153,7 @@ def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None) -
             row = []
             for y in range(0, k.n, tile):
                 ye = min(y + tile, k.n)
-                sub = _kind(q.start + x, q.start + xe - 1, k.start + y, k.start + ye - 1, bounds, window)
+                sub = _kind(q.start + x, q.start + xe - 1, k.start + y, k.start + ye - 1, bounds, window, branches)
                 if sub != "skip":
                     row.append((q.at + x, q.at + xe, k.at + y, k.at + ye, sub, q.start + x, k.start + y))
             out += row
@@ -133,11 +165,13 @@ def calls(q_spans, k_spans, bounds=None, window=None, tile: int | None = None) -
             return out
 
 
-def piece_keep(call, ids, window, device) -> torch.Tensor:
-    """`keep` of a masked call from `calls`: bool [B or 1, rows, keys] from its global indices (and document ids)."""
+def piece_keep(call, ids, window, device, pre=None) -> torch.Tensor:
+    """`keep` of a masked call from `calls`: bool [B or 1, rows, keys] from its global indices (and document ids,
+    and `Documents.pre` with branches)."""
     qa, qe, ka, ke, _, qg, kg = call
     qi, ki = torch.arange(qg, qg + qe - qa, device=device), torch.arange(kg, kg + ke - ka, device=device)
-    return keep(qi, ki, *((ids[:, qi], ids[:, ki]) if ids is not None else (None, None)), window)
+    return keep(qi, ki, *((ids[:, qi], ids[:, ki]) if ids is not None else (None, None)), window,
+                None if pre is None else pre[:, :, qi])
 
 
 def band_rows(window: int) -> int:

@@ -38,6 +38,9 @@ class RingComm:
 
     def __init__(self, group, tag: int = 0):
         self.group, self.tag = group, tag
+        if group is None:   # one process (`ring_attention` without a group): no hop
+            self.rank, self.size = 0, 1
+            return
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
@@ -72,18 +75,20 @@ def _acc_dtype(q):  # partial results and gradients are summed in float32 (float
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _plan(group, c, docs, window, tile=None) -> list:
+def _plan(group, n, docs, window, tile=None) -> list:
     """Per step, the kernel calls of its block (`masks.calls`): made once per attention call on the host and
-    used by forward and backward. A rank's local rows are two runs of global indices: chunks r and 2P-1-r."""
-    r, p = dist.get_rank(group), dist.get_world_size(group)
-    spans = lambda x: [masks.Span(0, x * c, c), masks.Span(c, (2 * p - 1 - x) * c, c)]
-    bounds = docs.bounds if docs is not None else None
-    return [masks.calls(spans(r), spans((r - step) % p), bounds, window, tile) for step in range(p)]
+    used by forward and backward. A rank's local rows are two runs of global indices: chunks r and 2P-1-r (no group:
+    one process, its rows the whole sequence)."""
+    r, p, c = (dist.get_rank(group), dist.get_world_size(group), n // 2) if group is not None else (0, 1, n)
+    spans = (lambda x: [masks.Span(0, x * c, c), masks.Span(c, (2 * p - 1 - x) * c, c)]) if group is not None else \
+        (lambda x: [masks.Span(0, 0, n)])
+    bounds, branches = (docs.bounds, docs.branches) if docs is not None else (None, None)
+    return [masks.calls(spans(r), spans((r - step) % p), bounds, window, tile, branches) for step in range(p)]
 
 
 def _keep(call, docs, window, device):
-    return masks.piece_keep(call, docs.ids if docs is not None else None, window, device) \
-        if call[4] == "masked" else None
+    return masks.piece_keep(call, docs.ids if docs is not None else None, window, device,
+                            docs.pre if docs is not None else None) if call[4] == "masked" else None
 
 
 def _ring_forward(q, k, v, scale, group, plan, docs, window):
@@ -149,7 +154,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, plan, docs, window):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, group, docs, window, tile):
-        plan = _plan(group, q.shape[1] // 2, docs, window, tile)   # host arithmetic only; reused in backward
+        plan = _plan(group, q.shape[1], docs, window, tile)   # host arithmetic only; reused in backward
         out, lse = _ring_forward(q, k, v, scale, group, plan, docs, window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, group, plan, docs, window)
@@ -163,14 +168,15 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group,
                    docs: masks.Documents | None = None, window: int | None = None, tile: int | None = None):
-    """Causal attention over the zigzag-sharded sequence of `group`; see the module docstring."""
-    if q.shape[1] % 2:
+    """Causal attention over the zigzag-sharded sequence of `group`; see the module docstring. `group` None: one
+    process's whole rows, the same calls planned from `docs` (what shared-prompt pairs' branches take)."""
+    if q.shape[1] % 2 and group is not None:
         raise ValueError(f"zigzag ring attention needs an even local length, got {q.shape[1]}")
-    p, c = dist.get_world_size(group), q.shape[1] // 2
-    if docs is not None and docs.ids.shape[1] != 2 * c * p:
-        raise ValueError(f"document ids cover {docs.ids.shape[1]} tokens, the ring holds {2 * c * p}")
+    whole = q.shape[1] * (dist.get_world_size(group) if group is not None else 1)
+    if docs is not None and docs.ids.shape[1] != whole:
+        raise ValueError(f"document ids cover {docs.ids.shape[1]} tokens, the ring holds {whole}")
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be a positive number of tokens")
-    if window is not None and window >= 2 * c * p:
+    if window is not None and window >= whole:
         window = None  # covers the whole sequence: plain causal attention
     return _RingAttention.apply(q, k, v, scale, group, docs, window, tile)

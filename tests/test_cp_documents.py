@@ -174,3 +174,98 @@ def _model_ranks(rank, world, splits):
 def test_sliding_window_model_cp_equals_one_process():
     done = run_ranks(_model_ranks, 2, [(1, 2), (2, 1)], timeout=160)
     assert done == [["model u1×r2", "model u2×r1"]] * 2
+
+
+# Shared-prompt pairs (model.attention's branches): rows of 61 tokens (padded to 64 under CP), a branch after its
+# prompt ++ chosen answer, another document between, and a second row whose branch crosses every chunk
+BRANCHED = [[(0, 10, 0), (10, 20, 10), (20, 27, 10), (27, 40, 0), (40, 45, 0), (45, 52, 5), (52, 61, 5)],
+            [(0, 30, 0), (30, 33, 30), (33, 61, 30)]]   # (start, end, first position)
+
+
+def branched_positions(rows=BRANCHED):
+    pos = torch.empty(len(rows), rows[0][-1][1], dtype=torch.long)
+    for r, row in enumerate(rows):
+        for x, y, p in row:
+            pos[r, x:y] = torch.arange(p, p + y - x)
+    return pos
+
+
+def check_branched(attn, dims, heads, label, one=False):
+    """`attn` on the branched rows (sharded, unless `one`: one process) = SDPA with `model.attention.visible`'s
+    mask: out, dQ, dK, dV on every rank, float64."""
+    from model.attention import visible
+
+    pos = branched_positions()
+    b, s = pos.shape
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(h + d)
+    q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64).requires_grad_() for n in (h, hkv, hkv))
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    t = lambda x: x.transpose(1, 2)
+    ref = t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=visible(pos)[:, None], scale=d ** -0.5,
+                                           enable_gqa=True))
+    want = [ref.detach(), *torch.autograd.grad(ref, (q, k, v), dout)]
+    if one:
+        local = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = attn(*local, attn.prepare(pos), d ** -0.5)
+        out.backward(dout)
+        got = [out.detach()] + [x.grad for x in local]
+    else:
+        rank = dist.get_rank(attn.cp_group)
+        local = [shard_sequence(x.detach(), dims, rank, 0.0).requires_grad_() for x in (q, k, v)]
+        out = attn(*local, attn.prepare(shard_sequence(pos, dims, rank, None)), d ** -0.5)
+        out.backward(shard_sequence(dout, dims, rank, 0.0))
+        got = [gather_sequence(x, attn.cp_group, dims, s) for x in [out.detach()] + [x.grad for x in local]]
+    for name, ref_x, mine in zip(("out", "dq", "dk", "dv"), want, got):
+        torch.testing.assert_close(mine, ref_x, **TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+def test_branched_rows_one_process():
+    """The rule itself (a branch sees its parent's first p tokens, nothing of its answer) and the one-process cores:
+    the model's SDPA reference and the kernels' (the ring's calls, pieces of 1 token up to whole blocks)."""
+    from model.attention import SDPAAttention, document_bounds, document_branches, visible
+    from parallel.cp import KernelAttention
+
+    pos = branched_positions()
+    assert document_branches(pos, document_bounds(pos)) == [[(20, 27, 0, 10), (52, 61, 40, 5)], [(33, 61, 0, 30)]]
+    keep = visible(pos)
+    assert keep[0, 20:27, 0:10].all() and not keep[0, 20:27, 10:20].any() and keep[0, 26, 20:27].all()
+    assert not keep[0, 20:27, 27:].any() and not keep[0, 27:40, :27].any() and not keep[1, 33:, 30:33].any()
+    # positions far from 0 that jump (not a branch: the document before does not start at 0) stay documents apart
+    far = torch.tensor([[5, 6, 7, 8, 6, 7]])
+    assert document_branches(far, document_bounds(far)) is None
+    # a block of a branch's queries against its prefix is one plain call, against the answer before it none
+    bounds, branches = document_bounds(pos[:1]), document_branches(pos[:1], document_bounds(pos[:1]))
+    span = masks.Span
+    assert masks.calls([span(0, 20, 7)], [span(0, 0, 10)], bounds, None, 64, branches) == [
+        (0, 7, 0, 10, "full", 20, 0)]
+    assert masks.calls([span(0, 20, 7)], [span(0, 10, 10)], bounds, None, 64, branches) == []
+    keep_tile = masks.MASK_TILE
+    try:
+        for tile in (keep_tile, 1, 4, 6):
+            masks.MASK_TILE = tile
+            for heads in ((8, 2, 16), (4, 1, 32)):
+                check_branched(KernelAttention(), None, heads, f"kernels tile {tile} {heads}", one=True)
+        check_branched(SDPAAttention(), None, (8, 2, 16), "sdpa", one=True)
+    finally:
+        masks.MASK_TILE = keep_tile
+
+
+def _branched_ranks(rank, world, splits):
+    masks.MASK_TILE = TILE
+    done = []
+    for dims, attn, impl in cp_layouts(world, splits):
+        for heads in ((8, 2, 16), (4, 1, 32)):
+            label = f"{impl} u{dims.ulysses}×r{dims.ring} {heads}"
+            check_branched(attn, dims, heads, label)
+            done.append(label)
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_branched_rows_on_every_cp_layout():
+    """Shared-prompt pairs' branches under zigzag ring (2 and 4 ranks), the 2×2 hybrid and Ulysses (2, 4): every
+    rank's out, dQ, dK, dV = the one-process masked SDPA."""
+    assert run_ranks(_branched_ranks, 2, [(1, 2), (2, 1)], timeout=180)[0] == [
+        f"{i} {h}" for i in ("ring u1×r2", "ulysses u2×r1") for h in ((8, 2, 16), (4, 1, 32))]
+    assert len(run_ranks(_branched_ranks, 4, [(1, 4), (2, 2), (4, 1)], timeout=180)[3]) == 6
