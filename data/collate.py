@@ -12,9 +12,11 @@ all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2
   where `pos[t] != pos[t-1] + 1`), so padding joins the last document instead of forming a new
   one: it only ever sits after the real tokens (causal), and its outputs carry no target.
 - A preference pair (`data.pairs.Pairs`: the chosen then the rejected, `"split"` the chosen's length) is two
-  documents: position ids restart at the split too. `sides=True` adds `sides` [B, S]: 2k on the chosen's tokens of
-  the micro-batch's k-th sample, 2k + 1 on its rejected's, -1 on padding and on samples without a split (the
-  DPO loss sums each sequence's log-probabilities by it, `parallel.preference.dpo_loss`).
+  documents: position ids restart at the split too; with `"shared"` f (the shared prompt held once) they restart
+  at f, which makes the rejected's rest a branch that sees the prompt (`model.attention`). `sides=True` adds
+  `sides` [B, S]: 2k on the chosen's tokens of the micro-batch's k-th sample, 2k + 1 on its rejected's, -1 on
+  padding and on samples without a split (the DPO loss sums each sequence's log-probabilities by it,
+  `parallel.preference.dpo_loss`; a shared prompt's tokens, the chosen's, hold no target).
 - Packing keeps the math: each sample's last label is already -100 (shifted per sample before
   concatenation), so no target crosses a document, and position ids restart per document, so RoPE
   and the boundary-aware attention see each document exactly as when it is alone in a row.
@@ -32,8 +34,8 @@ def _round_up(n: int, divisor: int) -> int:
 
 
 def _positions(s: dict, n: int) -> torch.Tensor:
-    k = s.get("split")
-    return torch.arange(n) if k is None else torch.cat([torch.arange(k), torch.arange(n - k)])
+    k, f = s.get("split"), s.get("shared", 0)
+    return torch.arange(n) if k is None else torch.cat([torch.arange(k), torch.arange(f, f + n - k)])
 
 
 def _sides(s: dict, n: int, k: int) -> torch.Tensor:

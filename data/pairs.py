@@ -4,10 +4,12 @@
 Contract:
 - `data.tokens` gives a pair record's sides as two samples side by side, the chosen then the rejected, both or
   neither (`TokenStats.pairs` counts them). `Pairs(samples)` is the view with pair k = {"input_ids": chosen ++
-  rejected, "labels": likewise, "split": the chosen's length}; `data.collate` makes it two documents (positions
-  restart at the split) and marks each token's side (`sides`). `lengths` are the pairs' token counts (what a row,
-  and so the memory plan, holds), `sides(k)` its two sequences' lengths, `sample_lines()` their records' lines,
-  `files` the files of several.
+  rejected, "labels": likewise, "split": the chosen's length}; `Pairs(samples, share=True)` (--dpo-share-prompt)
+  holds the tokens both sides share before either's first target once: chosen ++ the rejected's rest, "shared"
+  their count (positions then make the rejected's rest a branch of the chosen: `model.attention`); `data.collate`
+  makes it two documents (positions restart at the split) and marks each token's side (`sides`). `lengths` are
+  the pairs' token counts (what a row, and so the memory plan, holds), `sides(k)` its two documents' lengths,
+  `sample_lines()` their records' lines, `files` the files of several.
 - `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up;
   `check_records(records, path, flag, objective)` all of them, once read (`data.tokens.load_samples`, before any is
   tokenized).
@@ -20,30 +22,47 @@ from __future__ import annotations
 
 import torch
 
+from loss import IGNORE_INDEX
+
+
+def shared_start(a: dict, b: dict) -> int:
+    """The tokens two sides share before either's first target: a shared-prompt row holds them once."""
+    ids_a, ids_b = a["input_ids"], b["input_ids"]
+    n = min(len(ids_a), len(ids_b))
+    first = [int(x.nonzero()[0]) if bool(x.any()) else len(x) for x in (ids_a[:n] != ids_b[:n],
+                                                                        a["labels"] != IGNORE_INDEX,
+                                                                        b["labels"] != IGNORE_INDEX)]
+    return min(first + [n])
+
 
 class Pairs:
-    def __init__(self, samples):
+    def __init__(self, samples, share: bool = False):
         lines = samples.sample_lines()
         if len(samples) % 2 or not torch.equal(lines[0::2], lines[1::2]):   # (data.tokens keeps both or neither)
             raise RuntimeError("preference pairs out of step: a pair's two samples are not side by side")
         self.samples, self.files = samples, getattr(samples, "files", None)
-        self.lengths = samples.lengths[0::2] + samples.lengths[1::2]
+        self.shared = torch.tensor([shared_start(samples[2 * k], samples[2 * k + 1]) for k in
+                                    range(len(samples) // 2)], dtype=torch.int64) if share else \
+            torch.zeros(len(samples) // 2, dtype=torch.int64)
+        self.lengths = samples.lengths[0::2] + samples.lengths[1::2] - self.shared
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, k: int) -> dict:
         k = range(len(self))[k]
-        a, b = self.samples[2 * k], self.samples[2 * k + 1]
-        return {"input_ids": torch.cat([a["input_ids"], b["input_ids"]]),
-                "labels": torch.cat([a["labels"], b["labels"]]), "split": len(a["input_ids"])}
+        a, b, f = self.samples[2 * k], self.samples[2 * k + 1], int(self.shared[k])
+        return {"input_ids": torch.cat([a["input_ids"], b["input_ids"][f:]]),
+                "labels": torch.cat([a["labels"], b["labels"][f:]]), "split": len(a["input_ids"]),
+                **({"shared": f} if f else {})}
 
     def sample_lines(self) -> torch.Tensor:
         return self.samples.sample_lines()[0::2]
 
     def sides(self, k: int) -> tuple[int, int]:
-        """Pair k's two sequences' lengths (the FLOPs count attention per sequence)."""
-        return int(self.samples.lengths[2 * k]), int(self.samples.lengths[2 * k + 1])
+        """Pair k's two documents' lengths in its row (the FLOPs count attention per document; a shared prompt's
+        rejected answer alone, its prompt with the chosen's)."""
+        return int(self.samples.lengths[2 * k]), int(self.samples.lengths[2 * k + 1] - self.shared[k])
 
 
 class PairRows:
@@ -94,9 +113,10 @@ def _not_pairs(stats) -> int:
     return stats.records - stats.dropped - stats.tied - stats.pairs
 
 
-def for_run(objective: str, train: tuple, ev: tuple, rows):
+def for_run(objective: str, train: tuple, ev: tuple, rows, share: bool = False):
     """(train (samples, stats), eval (samples, stats) or (None, None), rows) checked against `objective`; for dpo the
-    samples as `Pairs` and `rows` as `PairRows` (module docstring)."""
+    samples as `Pairs` (`share`: each pair's shared prompt once, --dpo-share-prompt) and `rows` as `PairRows` (module
+    docstring)."""
     named = [("--data", train[1])] + ([("--eval-data", ev[1])] if ev[1] is not None else [])
     for flag, stats in named:
         n = stats.pairs + stats.tied   # (the pair records: kept, and tied ones; a dropped one is not told apart)
@@ -112,5 +132,5 @@ def for_run(objective: str, train: tuple, ev: tuple, rows):
                              "{\"prompt\", \"completion\"} records for supervised fine-tuning")
     if objective != "dpo":
         return train, ev, rows
-    return ((Pairs(train[0]), train[1]), (Pairs(ev[0]) if ev[0] is not None else None, ev[1]),
+    return ((Pairs(train[0], share), train[1]), (Pairs(ev[0], share) if ev[0] is not None else None, ev[1]),
             None if rows is None else PairRows(rows))

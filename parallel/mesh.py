@@ -340,6 +340,14 @@ def validate(args, margs, world: int):
     if getattr(args, "tiled_attn", False) and dims.cp > 1:
         raise ValueError(f"--tiled-attn with --cp {dims.cp}: the tiles run one process's whole-sequence attention, "
                          "and context parallelism splits the sequence across ranks already; drop one of them")
+    if getattr(args, "dpo_share_prompt", False) and (getattr(args, "tiled_attn", False) or (
+            margs.sliding_window is not None and "sliding_attention" in (margs.layer_types or ["sliding_attention"]))):
+        raise ValueError("--dpo-share-prompt makes a pair's rejected answer a branch that sees the prompt before the "
+                         "chosen one, which " + ("--tiled-attn's tiles do not follow: drop one of them" if
+                                                 getattr(args, "tiled_attn", False) else
+                                                 f"a sliding window (this model's, {margs.sliding_window} tokens) "
+                                                 "would measure by the row, not by its positions: drop "
+                                                 "--dpo-share-prompt"))
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")

@@ -150,6 +150,9 @@ def check_start(args, demo: bool):
             if v != default:
                 raise ValueError(f"{flag} {v} sets a preference loss (--objective dpo), and this run is supervised: "
                                  f"pass --objective dpo to train on preference pairs, or drop {flag}")
+        if args.dpo_share_prompt:
+            raise ValueError("--dpo-share-prompt holds a preference pair's prompt once, and this run is supervised: "
+                             "pass --objective dpo to train on preference pairs, or drop it")
     check_flags(args)
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
     if args.objective == "dpo" and args.dpo_loss in REFERENCE_FREE:

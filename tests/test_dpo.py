@@ -79,6 +79,14 @@ LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-ev
                         ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--micro-batch", "2"]),
           "dpo_orpo": (["--dpo-loss", "orpo", "--dpo-beta", "0.25", "--eval-every", "1"],
                        ["--cp", "4", "--cp-impl", "ring"])}
+# --dpo-share-prompt (each pair's prompt once, the rejected answer a branch): 1 rank and these layouts = the plain run
+SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1"]}
+SHARED_FOUR = {"dpo_shared_cp2_dp2_ring_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard",
+                                               "2", "--cp-impl", "ring", "--micro-batch", "2"],
+               "dpo_shared_cp2_dp2_ulysses": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard", "2",
+                                              "--cp-impl", "ulysses", "--tiled-mlp", "--offload-activations"],
+               "dpo_shared_cp4_hybrid_auto": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "4", "--cp-impl",
+                                              "hybrid", "--ulysses-degree", "2", "--micro-batch", "auto"]}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +117,8 @@ def _four(rank, world_size, a, root):
                      "ring", "--tiled-mlp", "--offload-activations", *FROM(root)))
     for name, (flags, layout) in LOSSES.items():
         train.main(_argv(a, os.path.join(root, name + "_4"), *flags, *layout))
+    for name, flags in SHARED_FOUR.items():
+        train.main(_argv(a, os.path.join(root, name), *flags))
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +135,8 @@ def runs(pairs, tmp_path_factory):
                          os.path.join(root, "dpo", "ckpt", "step_000002")))
         train.main(_argv(pairs, os.path.join(root, "dpo_from"), *FROM(root), "--save-every", "2"))
         for name, (flags, _) in LOSSES.items():
+            train.main(_argv(pairs, os.path.join(root, name), *flags))
+        for name, flags in SHARED.items():
             train.main(_argv(pairs, os.path.join(root, name), *flags))
         train.main(_argv(pairs, os.path.join(root, "dpo_from_resume"), *FROM(root), "--resume",
                          os.path.join(root, "dpo_from", "ckpt", "step_000002")))
@@ -201,16 +213,21 @@ VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "ipo"
             "orpo": dict(loss="orpo", beta=0.25)}
 
 
-@pytest.mark.parametrize("mem,reference,variant", [
-    (dict(ac=False), False, "sigmoid"), (dict(ac=True, tiled_mlp=True), False, "sigmoid"),
-    (dict(ac=True, tiled_mlp=True), True, "sigmoid"), *((dict(ac=False), False, v) for v in list(VARIANTS)[1:]),
-    (dict(ac=False), True, "ipo_rpo")],
-    ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter", *list(VARIANTS)[1:], "ipo_rpo_reference_adapter"])
-def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference, variant):
+@pytest.mark.parametrize("mem,reference,variant,shared", [
+    (dict(ac=False), False, "sigmoid", False), (dict(ac=True, tiled_mlp=True), False, "sigmoid", False),
+    (dict(ac=True, tiled_mlp=True), True, "sigmoid", False),
+    *((dict(ac=False), False, v, False) for v in list(VARIANTS)[1:]), (dict(ac=False), True, "ipo_rpo", False),
+    (dict(ac=True, tiled_mlp=True), False, "sigmoid", True), (dict(ac=False), True, "simpo", True)],
+    ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter", *list(VARIANTS)[1:], "ipo_rpo_reference_adapter",
+         "ac_tiled_shared_prompt", "simpo_shared_prompt"])
+def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference, variant, shared):
+    """Our packed micro-batch of pairs (with `shared`: each pair's prompt once, the rejected answer a branch) = each
+    sequence alone through transformers + peft and the loss's formula: losses, rewards, every LoRA gradient."""
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
     from data.collate import collate
+    from data.pairs import shared_start
     from model.config import LORA_TARGETS
     from parallel.cp import KernelAttention
     from parallel.parallelize import BuildOptions
@@ -223,7 +240,13 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
     beta = 0.7
     model, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=3, **mem),
                                         attention=KernelAttention())
-    b = collate([m[0] for m in made], True, 1, 0, sides=True)
+    rows = [m[0] for m in made]
+    if shared:   # (data.pairs.Pairs(share=True)'s rows: the tokens both sides share before a target, once)
+        rows = [{"input_ids": torch.cat([c, r[f:]]), "labels": torch.cat([lc, lr[f:]]), "split": len(c), "shared": f}
+                for _, (c, r), (lc, lr) in made
+                for f in [shared_start({"input_ids": c, "labels": lc}, {"input_ids": r, "labels": lr})]]
+        assert [x["shared"] for x in rows] == [5, 3, 11]   # (the prompts but their last token: its label is a target)
+    b = collate(rows, True, 1, 0, sides=True)
     ref_sd = None
     if reference:   # another adapter as the reference (DPO from --init-adapter), one projection without tensors
         gr = torch.Generator().manual_seed(11)
@@ -466,6 +489,28 @@ def test_four_ranks_match_one_rank(runs, name):
                                                                         f"{w.get(k)}"
 
 
+@pytest.mark.parametrize("name", [*SHARED, *SHARED_FOUR])
+def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
+    """--dpo-share-prompt (1 rank; cp 2 × dp 2 ring with 2 pairs a micro-batch; Ulysses with the tiled MLP and
+    offload; the 2 × 2 hybrid with --micro-batch auto) = the plain 1-rank run: losses, grad norms, reward and eval
+    metrics, adapter; on fewer tokens (the prompts once)."""
+    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
+    got, want = _metrics(out), _metrics(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for g, w in zip(got, want):
+        assert g["tokens"] < 0.9 * w["tokens"], (g["tokens"], w["tokens"])   # (the prompts once)
+        for k in ("loss", "reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss",
+                  "eval_reward_acc", "eval_reward_margin"):
+            assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-4 * w["grad_norm"], (g["grad_norm"], w["grad_norm"])
+    a, b = _adapter(out), _adapter(ref)
+    assert sorted(a) == sorted(b)
+    for k in b:
+        rel = ((a[k] - b[k]).norm() / b[k].norm()).item()
+        assert rel <= ADAPTER_RTOL, f"{name}: adapter {k} differs by {rel:.2e}"
+    assert json.load(open(os.path.join(out, "config.json")))["dpo_share_prompt"] is True
+
+
 @pytest.mark.parametrize("name", list(ONE))
 def test_memory_flags_change_nothing_one_rank(runs, name):
     _compare(name, os.path.join(runs, name), os.path.join(runs, "dpo"), adapter_rtol=ADAPTER_RTOL)
@@ -652,6 +697,29 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
                                                              "prefill that TRL has each side continue")):
         bad.write_text(json.dumps(line) + "\n")
         assert want in startup_error(train_argv({**pairs, "data": str(bad)}, out, *DPO))
+
+
+def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
+    """--dpo-share-prompt is refused, before any weight, on a supervised run, with --tiled-attn, and on a model with a
+    sliding window (a branch's distance to its prompt is its positions', not the row's)."""
+    import train
+    from model import ModelArgs
+    from parallel.mesh import validate
+
+    out = str(tmp_path / "err")
+    said = startup_error(train_argv(assets, out, "--dpo-share-prompt"))
+    assert "--dpo-share-prompt holds a preference pair's prompt once, and this run is supervised: pass --objective " \
+           "dpo" in said, said
+    said = startup_error(_argv(pairs, out, "--dpo-share-prompt", "--tiled-attn"))
+    assert "which --tiled-attn's tiles do not follow: drop one of them" in said, said
+    args = train.build_parser().parse_args(["--objective", "dpo", "--dpo-share-prompt", "--max-len", "64"])
+    for sliding, layers in ((6, None), (6, ["full_attention", "sliding_attention"])):
+        margs = ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                          intermediate_size=48, sliding_window=sliding, layer_types=layers)
+        with pytest.raises(ValueError, match="a sliding window \\(this model's, 6 tokens\\) would measure by the row"):
+            validate(args, margs, 1)
+    validate(args, ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                             intermediate_size=48, sliding_window=6, layer_types=["full_attention"] * 2), 1)
 
 
 def test_data_show_names_each_side(pairs, capsys):
