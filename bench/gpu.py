@@ -26,13 +26,16 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   "ours+dpo" (the fast case, or --runs): --objective dpo on pairs of two 16,384-token texts, rows as long as the
   others (its "vs ours" is what DPO's reference forward costs, ~0.8x by the FLOPs); "ours+orpo" the same pairs
   with --dpo-loss orpo, which has no reference forward (its "vs ours" is the per-sequence loss's own cost, ~1x);
+  "ours+dpo-prompt" and "ours+dpo-prompt-shared" DPO on pairs whose sides share a prompt of 7/8 of their tokens,
+  without and with --dpo-share-prompt (the shared row processes ~9/16 of the tokens, its `step_tokens`; its
+  tokens/s counts the pairs' unshared tokens, as the other's, so their ratio is what sharing saves);
 - 128k = 131,072 tokens, 8 layers: the same rows (hf without Liger is skipped there: its [tokens, vocab] logits
   alone are 131,072 × 152,064 × 4 B = 80 GB; pass --runs to force); "all" is these two;
 - mem = the 128k shape with the long-context memory flags, each one's tokens/s cost against plain "ours":
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
 - fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
   and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device),
-  "ours+dpo" and "ours+orpo";
+  "ours+dpo", "ours+orpo", "ours+dpo-prompt" and "ours+dpo-prompt-shared";
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
@@ -87,7 +90,12 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+compile+tiled+keep-attn": ["--compile", "--tiled-mlp", "--ac-keep-attn"],
             "ours+fast": ["--fast"],   # what train.py --fast picks for this device (its config.json says which)
             "ours+dpo": ["--objective", "dpo"],   # DPO on pairs of two tokens/2 texts: the same tokens a row as "ours"
-            "ours+orpo": ["--objective", "dpo", "--dpo-loss", "orpo"]}   # the same pairs, no reference forward
+            "ours+orpo": ["--objective", "dpo", "--dpo-loss", "orpo"],   # the same pairs, no reference forward
+            # DPO on pairs whose sides share a prompt of 7/8 of their tokens (write_prompt_pairs), as they come and
+            # with --dpo-share-prompt (the prompt once): what sharing saves, s/step against s/step
+            "ours+dpo-prompt": ["--objective", "dpo"],
+            "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"]}
+ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs"}   # else DPO rows: "pairs"
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
@@ -98,7 +106,7 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
                 "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo",
-                         "ours+orpo"],
+                         "ours+orpo", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -231,6 +239,21 @@ def write_pairs(ckpt: str, tokens: int, n: int, path: str) -> None:
         f.writelines(json.dumps({"chosen": a, "rejected": b}) + "\n" for a, b in zip(texts[0::2], texts[1::2]))
 
 
+def write_prompt_pairs(ckpt: str, tokens: int, n: int, path: str) -> None:
+    """`n` pairs {"prompt", "chosen", "rejected"} of about `tokens` tokens a side: a random text's first 7/8 the
+    prompt, its rest the chosen answer, another text's rest the rejected one."""
+    from data import load_tokenizer
+
+    write_data(ckpt, tokens, 2 * n, path + ".texts")
+    tok = load_tokenizer(ckpt)
+    ids = [tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"][:tokens]
+           for line in open(path + ".texts")]
+    cut = tokens * 7 // 8
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prompt": tok.decode(a[:cut]), "chosen": tok.decode(a[cut:]),
+                                 "rejected": tok.decode(b[cut:])}) + "\n" for a, b in zip(ids[0::2], ids[1::2]))
+
+
 # ----------------------------------------------------------------------------- runs
 
 def peak_gb(device) -> float:
@@ -317,11 +340,12 @@ def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
     return [["ours"]] * ("ours" in mine) + [peers] * bool(peers) + [[r] for r in mine if r != "ours"]
 
 
-def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> dict:
+def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False, pairs: str = "pairs") -> dict:
     """One train.py run; with `profile`, one more step at the end under `--profile` (not timed: the profiler
-    slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed."""
+    slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed. `pairs`: the spec's
+    file a DPO row trains on."""
     if "--objective" in flags:   # a DPO row: pairs of two texts of half the tokens (write_pairs), so a row as long
-        spec = dict(spec, data=spec["pairs"], tokens=spec["tokens"] // 2)   # (--max-len is per side)
+        spec = dict(spec, data=spec[pairs], tokens=spec["tokens"] // 2)   # (--max-len is per side)
     extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1),
              "--schedule-steps", str(spec["steps"])] if profile else []   # the timed steps' lr as without it
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
@@ -340,7 +364,8 @@ def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False) -> d
         phases = json.load(f)
     res = dict(times=times, peak_gb=peak, loss=rows[-1]["loss"], planned_gb=plan, peak_vs_plan=peak / plan,
                plan_basis="live tensors" if cuda else "total", planned_total_gb=total,
-               flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"])
+               flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"],
+               step_tokens=rows[-1]["tokens"])   # (what a step processed: fewer with --dpo-share-prompt)
     if cuda:   # the allocator's reserved high-water mark against the planner's live peak x FRAGMENTATION
         from parallel.plan import FRAGMENTATION
         res.update(reserved_gb=max(r["peak_reserved_gb"] for r in rows), planned_reserved_gb=live * FRAGMENTATION)
@@ -545,7 +570,7 @@ def main(argv=None):
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
-             "ours+orpo"]
+             "ours+orpo", "ours+dpo-prompt", "ours+dpo-prompt-shared"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -554,8 +579,11 @@ def main(argv=None):
         data = os.path.join(work, "data.jsonl")
         ids = write_data(ckpt, tokens, steps, data)
         pairs = os.path.join(work, "pairs.jsonl")
-        if any("--objective" in FLAG_ROWS.get(r, ()) for r in runs):
+        if any("--objective" in FLAG_ROWS.get(r, ()) and r not in ROW_DATA for r in runs):
             write_pairs(ckpt, tokens // 2, steps, pairs)
+        prompt_pairs = os.path.join(work, "prompt_pairs.jsonl")
+        if any(r in ROW_DATA for r in runs):
+            write_prompt_pairs(ckpt, tokens // 2, steps, prompt_pairs)
         margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
         quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")
         attention = kernels.backend_order(
@@ -567,7 +595,7 @@ def main(argv=None):
         results["cases"][name] = case
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids,
-                    mem_trace=args.mem_trace, pairs=pairs)
+                    mem_trace=args.mem_trace, pairs=pairs, prompt_pairs=prompt_pairs)
         rows = case["rows"]
         mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
@@ -606,7 +634,8 @@ def main(argv=None):
                         flags = fit_ac_flags(spec) if group[0] == FIT_AC else FLAG_ROWS.get(group[0], [])
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
                         if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags,
-                                                        group[0] in args.profile.split(","))
+                                                        group[0] in args.profile.split(","),
+                                                        ROW_DATA.get(group[0], "pairs"))
                     if why:
                         rows[group[0]]["chosen"] = why
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError, ValueError,

@@ -11,6 +11,7 @@ Pins:
   --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
   --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here), and
   "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row), "ours+orpo",
+  "ours+dpo-prompt" and "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens),
   and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
@@ -83,7 +84,8 @@ def test_smoke_mode_writes_results(tmp_path):
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
-                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo"])
+                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-prompt",
+                                   "ours+dpo-prompt-shared"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
                  "ours+dpo", "ours+orpo"):
         r = rows[name]
@@ -109,6 +111,13 @@ def test_smoke_mode_writes_results(tmp_path):
     assert dpo["planned_gb"] == pytest.approx(rows["ours"]["planned_gb"], rel=0.05), (dpo, rows["ours"])
     orpo = rows["ours+orpo"]   # (the same pairs without a reference forward)
     assert orpo["flags"] == ["--objective", "dpo", "--dpo-loss", "orpo"] and orpo["ratio"]["ours"] > 0, orpo
+    # pairs sharing a prompt of 7/8 of a side, as they come and with --dpo-share-prompt: the same pairs, the prompt
+    # once (fewer tokens a step, a smaller plan)
+    plain, shared = rows["ours+dpo-prompt"], rows["ours+dpo-prompt-shared"]
+    assert shared["flags"] == ["--objective", "dpo", "--dpo-share-prompt"] and "error" not in shared, shared
+    assert shared["s_per_step"] > 0 and plain["s_per_step"] > 0, (plain, shared)
+    assert plain["step_tokens"] == 128 and shared["step_tokens"] < 0.7 * plain["step_tokens"], (plain, shared)
+    assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-4), (plain, shared)   # (the same pairs' DPO)
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
