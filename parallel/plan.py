@@ -278,14 +278,16 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     what = "kernel"
     row = T * U // (1 if pack else mb)   # attention tokens per row
     n = kernels.backward_block(row)
-    if R == 1 and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, a call
-        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd
+    # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
+    ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
+    if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, one
+        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd   # call
         sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
         attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
     if U > 1:
         attn += 2 * e * T * hd * (H + 2 * Kp)
         what += "+a2a"
-    if R > 1:
+    if ring:
         attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
         what += "+ring"
     # alive then, beyond the recompute: dh and the kernel's incoming gradient; gone: the MLP's tensors, h. Before

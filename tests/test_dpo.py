@@ -80,7 +80,9 @@ LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-ev
           "dpo_orpo": (["--dpo-loss", "orpo", "--dpo-beta", "0.25", "--eval-every", "1"],
                        ["--cp", "4", "--cp-impl", "ring"])}
 # --dpo-share-prompt (each pair's prompt once, the rejected answer a branch): 1 rank and these layouts = the plain run
-SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1"]}
+SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1"],
+          "dpo_shared_keep_attn_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--ac-keep-attn", "--micro-batch",
+                                       "2"]}
 SHARED_FOUR = {"dpo_shared_cp2_dp2_ring_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard",
                                                "2", "--cp-impl", "ring", "--micro-batch", "2"],
                "dpo_shared_cp2_dp2_ulysses": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard", "2",
@@ -441,6 +443,11 @@ def test_the_planner_plans_a_pair_as_two_sequences():
     dims = ParallelDims(world_size=1, dp_shard=1, cp=1)
     assert memory_plan(m, dims, dpo, "cuda", True).peak == memory_plan(m, dims, two, "cuda", True).peak
     assert memory_plan(m, dims, dpo, "cuda", True).peak > memory_plan(m, dims, base, "cuda", True).peak
+    # --dpo-share-prompt: the attention phase plans the ring's float32 sums (the branches take its calls)
+    shared = memory_plan(m, dims, argparse.Namespace(**{**vars(dpo), "dpo_share_prompt": True}), "cuda", True)
+    attn = lambda plan: next(v for k, v in plan.terms.items() if k.startswith("| block attention"))
+    assert any("kernel+ring" in k for k in shared.terms) and attn(shared) >= attn(memory_plan(m, dims, dpo, "cuda",
+                                                                                              True))
     # from --init-adapter: its tensors whole on the rank, bf16 (r 16 on all seven projections of 28 layers)
     ref = argparse.Namespace(**{**vars(dpo), "dpo_reference": "adapter sha256 0"})
     D, F_, kv = 3584, 18944, 4 * 128
@@ -491,7 +498,8 @@ def test_four_ranks_match_one_rank(runs, name):
 
 @pytest.mark.parametrize("name", [*SHARED, *SHARED_FOUR])
 def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
-    """--dpo-share-prompt (1 rank; cp 2 × dp 2 ring with 2 pairs a micro-batch; Ulysses with the tiled MLP and
+    """--dpo-share-prompt (1 rank, also with --ac-keep-attn and 2 pairs a micro-batch; cp 2 × dp 2 ring with 2 pairs a
+    micro-batch; Ulysses with the tiled MLP and
     offload; the 2 × 2 hybrid with --micro-batch auto) = the plain 1-rank run: losses, grad norms, reward and eval
     metrics, adapter; on fewer tokens (the prompts once)."""
     out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
