@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from loss import IGNORE_INDEX
-from model.qlora import adapters_off, reference_adapter
 from parallel.plan import REFERENCE_FREE
 
 NAMES = {"sigmoid": "DPO", "ipo": "IPO", "hinge": "SLiC (hinge)", "simpo": "SimPO", "orpo": "ORPO"}   # --dpo-loss's
@@ -142,6 +141,8 @@ class DPO:
                  dtype=None):
         """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base;
         `dtype` the one LoRA computes in."""
+        # (imported here: train.py imports Preference for --plan and its start-up lines, without peft or bitsandbytes)
+        from model.qlora import adapters_off, reference_adapter
         self.model, self.pref, self.cp_group = model, pref, cp_group
         self.off = None if not pref.reference else adapters_off(model) if reference is None else \
             reference_adapter(model, reference, device, dtype)
