@@ -408,7 +408,7 @@ def main(argv=None):
             lens = [n for idx in idxs for i in idx for n in docs(i)] if cp_rank == 0 else []   # each document's
             counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
                                    sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
-                                   sum(n * flops_per_token(margs, n) for n in lens) * (1 + (dpo and dpo.ref) / 3)],
+                                   sum(n * flops_per_token(margs, abs(n)) for n in lens) * (1 + (dpo and dpo.ref) / 3)],
                                   dtype=torch.float64, device=device)   # (dpo: a second forward, the reference's)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)

@@ -8,7 +8,7 @@ Contract:
   holds the tokens both sides share before either's first target once: chosen ++ the rejected's rest, "shared"
   their count (positions then make the rejected's rest a branch of the chosen: `model.attention`); `data.collate`
   makes it two documents (positions restart at the split) and marks each token's side (`sides`). `lengths` are
-  the pairs' token counts (what a row, and so the memory plan, holds), `sides(k)` its two documents' lengths,
+  the pairs' token counts (what a row, and so the memory plan, holds), `sides(k)` its two sequences' lengths,
   `sample_lines()` their records' lines, `files` the files of several.
 - `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up;
   `check_records(records, path, flag, objective)` all of them, once read (`data.tokens.load_samples`, before any is
@@ -59,10 +59,12 @@ class Pairs:
     def sample_lines(self) -> torch.Tensor:
         return self.samples.sample_lines()[0::2]
 
-    def sides(self, k: int) -> tuple[int, int]:
-        """Pair k's two documents' lengths in its row (the FLOPs count attention per document; a shared prompt's
-        rejected answer alone, its prompt with the chosen's)."""
-        return int(self.samples.lengths[2 * k]), int(self.samples.lengths[2 * k + 1] - self.shared[k])
+    def sides(self, k: int) -> tuple[int, ...]:
+        """Pair k's two sequences' lengths (the FLOPs count attention per sequence). With a shared prompt of f tokens
+        a third, -f: the rejected answer's r - f tokens attend to the prompt's f too, so its FLOPs are r's less f's,
+        and its tokens r - f (train.py: n tokens, n · flops_per_token(|n|) each)."""
+        f = int(self.shared[k])
+        return (int(self.samples.lengths[2 * k]), int(self.samples.lengths[2 * k + 1])) + ((-f,) if f else ())
 
 
 class PairRows:

@@ -103,7 +103,7 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 
 def _branched(q, k, v, meta, scale, window):
     """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process."""
-    if window is not None:
+    if window is not None and window < meta.ids.shape[1]:   # (one covering the row is none)
         raise ValueError("a sliding window with shared-prompt pairs (branched documents) is not supported: drop "
                          "--dpo-share-prompt")
     return ring_attention(q, k, v, scale, None, docs=meta)

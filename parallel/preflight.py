@@ -337,7 +337,9 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     n = min(args.max_len, -(-tokens // two) if tokens else args.max_len)
     a = planning_copy(args, max_len=n)
     p = memory_plan(margs, dims, a, dev.target, args.pack)
-    span = (f"the longest sample, {n:,} tokens" if two == 1 else f"the longest pair, 2 × {n:,} tokens") + (
+    span = (f"the longest sample, {n:,} tokens" if two == 1 else f"the longest pair's row, {tokens:,} tokens (its "
+            "prompt once)" if getattr(args, "dpo_share_prompt", False) and tokens else
+            f"the longest pair, 2 × {n:,} tokens") + (
         f" (--max-len {args.max_len:,})" if n < args.max_len else "")
     if p.host and p.host > host:
         on = sum(b.machine == hb.machine for b in budgets)

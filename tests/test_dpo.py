@@ -414,6 +414,19 @@ def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
     p = Pairs(Samples.from_lists([a, b, c, d]))
     assert len(p) == 2 and p.lengths.tolist() == [5, 6] and p.sample_lines().tolist() == [1, 2]
     assert p.sides(0) == (3, 2) and p.sides(1) == (4, 2)   # (the FLOPs count attention per sequence)
+    # --dpo-share-prompt: the tokens both sides share before a target (2 here), once; the rejected's rest restarts
+    # at position 2; its FLOPs are its whole sequence's less the prompt's (sides: 4, 5 and -2)
+    e = {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 4, -100], "line": 3}
+    f = {"input_ids": [1, 2, 3, 7, 8], "labels": [-100, -100, 7, 8, -100], "line": 3}
+    s = Pairs(Samples.from_lists([a, b, e, f]), share=True)
+    assert s.shared.tolist() == [0, 2] and s.lengths.tolist() == [5, 7] and s.sides(0) == (3, 2)
+    assert s.sides(1) == (4, 5, -2) and {k: v.tolist() if hasattr(v, "tolist") else v for k, v in s[0].items()} == \
+        {k: v.tolist() if hasattr(v, "tolist") else v for k, v in p[0].items()}
+    row = collate([s[1]], True, 1, 0, sides=True)
+    assert row["input_ids"].tolist() == [[1, 2, 3, 4, 3, 7, 8]]
+    assert row["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4]]
+    assert row["labels"].tolist() == [[-100, -100, 4, -100, 7, 8, -100]]
+    assert row["sides"].tolist() == [[0] * 4 + [1] * 3]
     out = collate([p[0], p[1]], True, 4, 0, sides=True)
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]]
     assert out["sides"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, -1]]
@@ -721,13 +734,27 @@ def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
     said = startup_error(_argv(pairs, out, "--dpo-share-prompt", "--tiled-attn"))
     assert "which --tiled-attn's tiles do not follow: drop one of them" in said, said
     args = train.build_parser().parse_args(["--objective", "dpo", "--dpo-share-prompt", "--max-len", "64"])
-    for sliding, layers in ((6, None), (6, ["full_attention", "sliding_attention"])):
-        margs = ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                          intermediate_size=48, sliding_window=sliding, layer_types=layers)
-        with pytest.raises(ValueError, match="a sliding window \\(this model's, 6 tokens\\) would measure by the row"):
-            validate(args, margs, 1)
-    validate(args, ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                             intermediate_size=48, sliding_window=6, layer_types=["full_attention"] * 2), 1)
+    model = lambda sliding, layers: ModelArgs(model_type="mistral", vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                                              n_kv_heads=2, intermediate_size=48, sliding_window=sliding,
+                                              layer_types=layers)
+    for layers in (None, ["full_attention", "sliding_attention"]):
+        with pytest.raises(ValueError, match="a sliding window \\(this model's, 6 tokens, shorter than a pair's row "
+                                             "of up to 128\\) would measure by the row"):
+            validate(args, model(6, layers), 1)
+    validate(args, model(6, ["full_attention"] * 2), 1)   # (no layer slides)
+    validate(args, model(128, None), 1)   # (a window as long as any row: none)
+    # --fast and the plan's advice never pick --tiled-attn for a shared-prompt run (review, helper 44: --fast chose
+    # it, then the run refused its own choice)
+    import contextlib
+    import io
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), pytest.raises(SystemExit) as e:   # (a plan that does not fit: its advice)
+        train.main(["--plan", "--fast", "--model", "bench/configs/qwen2.5-7b", "--objective", "dpo",
+                    "--dpo-share-prompt", "--max-len", "65536", "--global-batch", "1", "--dtype", "bf16",
+                    "--gpu-mem", "47.6"])
+    said = said.getvalue() + str(e.value)
+    assert "What to change:" in said and "--tiled-attn" not in said, said[-1500:]
+    assert "--fast: no flag set fits" in said   # (before the fix it chose --tiled-mlp --tiled-attn)
 
 
 def test_data_show_names_each_side(pairs, capsys):
