@@ -170,9 +170,6 @@ class Meshes:
 
 def check_flags(args) -> None:
     """Values no run can use, whatever the model and world: each error names the flag and the fix."""
-    if getattr(args, "dpo_share_prompt", False) and getattr(args, "tiled_attn", False):   # (--fast screens with it)
-        raise ValueError("--dpo-share-prompt makes a pair's rejected answer a branch that sees the prompt before the "
-                         "chosen one, which --tiled-attn's tiles do not follow: drop one of them")
     for flag in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "clip", "timeout", "save_minutes"):
         v = getattr(args, flag)
         if not math.isfinite(v):

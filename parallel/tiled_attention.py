@@ -81,31 +81,44 @@ class _Spec:
         self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
 
     def units(self, b, s):
-        """(rows, a, e, the rows' document bounds): every row together unless rows differ in documents."""
-        rows = [(slice(None), None)] if self.docs is None else [(slice(i, i + 1), d) for i, d in enumerate(self.docs)]
-        return [(r, a, min(a + self.tile, s), d or [0, s]) for r, d in rows for a in range(0, s, self.tile)]
+        """(rows, a, e, (the rows' document bounds, their branches)): every row together unless rows differ in
+        documents."""
+        bounds, branches = (self.docs.bounds, self.docs.branches) if hasattr(self.docs, "branches") else \
+            (self.docs, None)
+        rows = [(slice(None), None, ())] if bounds is None else [
+            (slice(i, i + 1), d, {x[0]: x[2:] for x in branches[i]} if branches else {}) for i, d in enumerate(bounds)]
+        return [(r, a, min(a + self.tile, s), (d or [0, s], br)) for r, d, br in rows for a in range(0, s, self.tile)]
 
 
-def _pieces(spec, a, e, bounds):
-    """(pa, pe, keys from, mask or None): the tile's queries [a, e) cut at documents, windows and key blocks."""
+def _pieces(spec, a, e, doc):
+    """(pa, pe, keys from, mask or None, prefix or None): the tile's queries [a, e) cut at documents, windows and key
+    blocks; a branch's piece (shared-prompt pairs: model.attention) sees its parent's first p keys too, the prefix
+    (from, to)."""
+    bounds, branches = doc
     w = spec.window
     for ds, de in zip(bounds[:-1], bounds[1:]):
         pa, pe = max(a, ds), min(e, de)
         if pa >= pe:
             continue
+        pre = (branches[ds][0], branches[ds][0] + branches[ds][1]) if ds in branches else None
         if w is not None and w < pe - ds:   # the window binds: sub-tiles masked against their own keys
+            if pre is not None:   # (refused at start-up: parallel.mesh.validate)
+                raise ValueError("a sliding window with shared-prompt pairs (branched documents) is not supported")
             for sa in range(pa, pe, masks.band_rows(w)):
                 se, ks = min(sa + masks.band_rows(w), pe), max(ds, sa - w + 1)
                 dev = spec.device
                 yield sa, se, ks, masks.keep(torch.arange(sa, se, device=dev), torch.arange(ks, se, device=dev),
-                                             window=w)
+                                             window=w), None
         else:
-            yield pa, pe, ds, None
+            yield pa, pe, ds, None, pre
 
 
-def _blocks(spec, pa, pe, ks):
-    """(key from, key to, causal): the diagonal block, then the earlier keys in blocks of the tile's size."""
+def _blocks(spec, pa, pe, ks, pre=None):
+    """(key from, key to, causal): the diagonal block, then the earlier keys in blocks of the tile's size (a branch's
+    prefix first)."""
     yield pa, pe, True
+    for c in range(*pre, spec.tile) if pre else ():
+        yield c, min(c + spec.tile, pre[1]), False
     for c in range(ks, pa, spec.tile):
         yield c, min(c + spec.tile, pa), False
 
@@ -113,14 +126,14 @@ def _blocks(spec, pa, pe, ks):
 def _attend(spec, q, k, v, a, bounds, out, lse):
     """q [R, n, H, hd] (queries a..a+n) against the row's k, v: writes out [R, n, H, hd], lse [R, H, n]."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    for pa, pe, ks, keep in _pieces(spec, a, a + q.shape[1], bounds):
+    for pa, pe, ks, keep, pre in _pieces(spec, a, a + q.shape[1], bounds):
         qp = q[:, pa - a:pe - a]
         if keep is not None:
             o, lp = kernels.forward(qp, k[:, ks:pe], v[:, ks:pe], False, spec.scale, spec.backend, mask=keep)
             out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
             continue
         o = lp = None
-        for c, f, causal in _blocks(spec, pa, pe, ks):
+        for c, f, causal in _blocks(spec, pa, pe, ks, pre):
             bo, bl = kernels.forward(qp, k[:, c:f], v[:, c:f], causal, spec.scale, spec.backend)
             if o is None:
                 o, lp = bo.to(acc, copy=True), bl.to(acc, copy=True)
@@ -132,10 +145,10 @@ def _attend(spec, q, k, v, a, bounds, out, lse):
 def _attend_backward(spec, dout, q, k, v, out, lse, a, bounds, dk, dv):
     """dq [R, n, H, hd] (float32) of the tile's queries; adds the tile's share into dk, dv (row-long, float32)."""
     dq = torch.zeros(q.shape, dtype=dk.dtype, device=q.device)
-    for pa, pe, ks, keep in _pieces(spec, a, a + q.shape[1], bounds):
+    for pa, pe, ks, keep, pre in _pieces(spec, a, a + q.shape[1], bounds):
         i, j = pa - a, pe - a
         args = (dout[:, i:j], q[:, i:j])
-        calls = [(ks, pe, False)] if keep is not None else _blocks(spec, pa, pe, ks)
+        calls = [(ks, pe, False)] if keep is not None else _blocks(spec, pa, pe, ks, pre)
         for c, f, causal in calls:
             gq, gk, gv = kernels.backward(*args, k[:, c:f], v[:, c:f], out[:, i:j], lse[:, :, i:j], causal,
                                           spec.scale, spec.backend, mask=keep)
@@ -244,7 +257,7 @@ class _TiledAttention(torch.autograd.Function):
 
 def _tiled(attn, tile: int | None):
     def run(y, cos, sin, core, meta):
-        if meta is not None and not isinstance(meta, list):
+        if meta is not None and not isinstance(meta, list) and getattr(meta, "branches", None) is None:
             raise ValueError("--tiled-attn runs the attention on one process (document bounds per row); this "
                              f"attention core hands it {type(meta).__name__}: drop --tiled-attn or use --cp 1")
         # the trainable parameters are inputs, read per call (FSDP2 swaps sharded and unsharded ones)

@@ -74,8 +74,17 @@ def _batch():
     return ids, pos, labels
 
 
-def _loss_and_grads(model):
-    ids, pos, labels = _batch()
+def _branched_batch():
+    """Shared-prompt pairs (model.attention's branches): row 0 a prompt ++ answer of 20 tokens, a branch of 8 from
+    position 12, then a document of 9; row 1 a prompt of 5 ++ answer of 16, a branch of 16 from position 5."""
+    ids, _, labels = _batch()
+    pos = torch.cat([torch.arange(20), torch.arange(12, 20), torch.arange(9)]), \
+        torch.cat([torch.arange(21), torch.arange(5, 21)])
+    return ids, torch.stack(pos), labels
+
+
+def _loss_and_grads(model, batch=_batch):
+    ids, pos, labels = batch()
     lsum, n = model(ids, position_ids=pos, labels=labels)
     (lsum / n).backward()
     return (lsum / n).detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
@@ -98,6 +107,30 @@ def test_tiled_attention_matches_untiled_sdpa(ckpts, family, tile, ac, monkeypat
     assert len(ref[1]) == 14 * 2 and all(g.abs().sum() > 0 for g in ref[1].values()), label
     for k in ref[1]:
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{label}: grad {k}")
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("tile", [5, 7, 64], ids=["tile5", "tile7", "one_tile"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_tiled_attention_with_shared_prompt_branches(ckpts, family, tile, ac, monkeypatch):
+    """--tiled-attn with --dpo-share-prompt's rows: a branch's tiles see its parent's prompt too (the prefix's key
+    blocks), as the reference SDPA with model.attention's mask does; a tile crosses the branch's start."""
+    from model.attention import document_bounds, document_branches
+    from parallel import kernels
+
+    pos = _branched_batch()[1]
+    assert document_branches(pos, document_bounds(pos)) == [[(20, 28, 0, 12)], [(21, 37, 0, 5)]]
+    ref_model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac))
+    ref = _loss_and_grads(ref_model, _branched_batch)
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 4 * tile)
+    model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac, tiled_attn=True))
+    got = _loss_and_grads(model, _branched_batch)
+    label = f"{family} tile {tile} ac {ac}"
+    torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
+    for k in ref[1]:
+        torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{label}: grad {k}")
+    plain = _loss_and_grads(build_nonzero_b(_opts(ckpts[family], ac=ac))[0])   # (the branches change the loss)
+    assert abs(plain[0] - ref[0]) > 1e-4
 
 
 def test_tile_rule():
