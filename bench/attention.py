@@ -215,7 +215,8 @@ class _TiledKernels(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], s, dtype=torch.float32, device=q.device)
         for a in range(0, s, spec.tile):
-            _attend(spec, q[:, a:a + spec.tile], k, v, a, [0, s], out[:, a:a + spec.tile], lse[:, :, a:a + spec.tile])
+            _attend(spec, q[:, a:a + spec.tile], k, v, a, ([0, s], {}), out[:, a:a + spec.tile],
+                    lse[:, :, a:a + spec.tile])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         return out
@@ -230,7 +231,7 @@ class _TiledKernels(torch.autograd.Function):
         dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v))
         for a in range(0, s, n):
             dq[:, a:a + n] = _attend_backward(spec, dout[:, a:a + n], q[:, a:a + n], k, v, out[:, a:a + n],
-                                              lse[:, :, a:a + n], a, [0, s], dk, dv)
+                                              lse[:, :, a:a + n], a, ([0, s], {}), dk, dv)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
