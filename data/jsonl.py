@@ -182,15 +182,18 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
         if head and isinstance(head[-1], dict) and head[-1].get("role") == "assistant":
             raise line_error(path, n, '"prompt" ends with an assistant message, a prefill that TRL has each side '
                                       'continue; here each side is a turn of its own after the prompt: end the prompt '
-                                      "with the user's message and start each side's answer with the prefill",
-                             PAIR_LINES)
+                                      "with the user's message and start each side's answer with the prefill (it is "
+                                      "then trained, as the rest of each answer)", PAIR_LINES)
         as_list = lambda v: [{"role": "assistant", "content": v}] if isinstance(v, str) else v
         sides = [{"messages": head + as_list(obj[k]) if isinstance(as_list(obj[k]), list) else obj[k], **tools}
                  for k in ("chosen", "rejected")]
+    # a prompt of messages: its assistant turns are no target on either side (TRL's prompt; data.tokens)
+    turns = {"prompt_turns": sum(isinstance(m, dict) and m.get("role") == "assistant" for m in prompt)} if \
+        isinstance(prompt, list) else {}
     out = []
     for side, key in zip(sides, ("chosen", "rejected")):
         try:
-            out.append(_normalise(side, path, n))
+            out.append({**_normalise(side, path, n), **turns})
         except DataError as e:   # named as the pair's side, in the pair's own words
             said = str(e).replace(VALID_LINES, PAIR_LINES).replace(
                 ' (a record that is all target is {"text": ...})', ' (a pair with no prompt is {"chosen": "...", '

@@ -78,7 +78,7 @@ class TokenStats:
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
             + f", dropped {self.dropped} (no target left)"
             + (f", {self.pairs} preference pairs (two samples each)" if self.pairs else "")
-            + (f", {self.tied} pairs dropped as tied (both sides the same tokens)" if self.tied else "")
+            + (f", {self.tied} pairs dropped as tied (nothing to prefer)" if self.tied else "")
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
@@ -170,7 +170,8 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
                                      job)
     if not len(samples):
         raise DataError(f"{flag} {path}: no sample has a target token ({stats}); " + (
-            "every preference pair is tied (its sides the same tokens within --max-len, or differing in no target): "
+            "every preference pair is tied (its sides the same tokens within --max-len, or differing in no target, "
+            "or one ending where they part): "
             "where they differ past --max-len, a longer --max-len keeps them; else fix the file or drop it" if
             stats.tied else f"fix the file or drop it from {flag}"))
     if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):
@@ -250,6 +251,18 @@ def _prompt_drop(n: int, cut, max_len: int) -> int:
     room = max_len - (n - (t1 - t0))   # tokens of that text beside everything else
     keep = room if room >= least else min(t1 - t0, max(least, max_len // 4))
     return max(0, t1 - t0 - keep)
+
+
+def _runs(labels: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive targets in `labels`, (start, end) each: one per trained turn of a chat."""
+    out, start = [], None
+    for t, lab in enumerate(labels + [IGNORE_INDEX]):
+        if lab != IGNORE_INDEX and start is None:
+            start = t
+        elif lab == IGNORE_INDEX and start is not None:
+            out.append((start, t))
+            start = None
+    return out
 
 
 def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_text: str = LONG_TEXT[0]):
@@ -349,18 +362,23 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                 made[0][0]["labels"] == made[1][0]["labels"]:   # no preference to learn (and a margin of float noise)
             dropped(r, "tied", "tied_lines")
             continue
-        if len(made) == 2:   # TRL's: a pair without a prompt (two texts) is prompted by its sides' shared start, no
-            # target on either; where a prompt is given (a string, or messages), each side's answer trains whole, a
-            # start it shares with the other's too (SimPO's, IPO's and ORPO's means and the NLL terms count it)
+        if len(made) == 2:   # TRL's targets: where a prompt is given, each side's whole answer, a start it shares
+            # with the other's too (SimPO's, IPO's and ORPO's means and the NLL terms count it): a string prompt is no
+            # target already, a prompt of messages has its own assistant turns masked (`prompt_turns`, data.jsonl).
+            # Without a prompt the sides' shared start is the prompt (TRL's implicit one): two texts' shared tokens;
+            # two conversations' shared messages (back to the start of the answer where they part)
             shared = next((t for t, (x, y) in enumerate(zip(*(m[0]["input_ids"] for m in made))) if x != y),
                           min(len(m[0]["input_ids"]) for m in made))   # (the first token that differs)
-            part = max(0, shared - 1)   # (label t is token t + 1's: those before token `shared`)
-            for sample, _, _ in made:
+            part = max(0, shared - 1) if "prompt" not in r and "prompt_turns" not in r else 0   # (label t: token
+            for sample, _, _ in made:   # t + 1's: those before token `shared`)
                 labels, start = sample["labels"], part
-                while "text" not in r and 0 < start < len(labels) and labels[start] != IGNORE_INDEX and \
+                while "messages" in r and 0 < start < len(labels) and labels[start] != IGNORE_INDEX and \
                         labels[start - 1] != IGNORE_INDEX:   # back to the start of the answer it parts in
                     start -= 1
                 labels[:start] = [IGNORE_INDEX] * start
+                for a, e in _runs(labels)[:r.get("prompt_turns", 0)]:   # the prompt's assistant turns (shared by
+                    if e <= shared:   # both sides: never where they part)
+                        labels[a:e] = [IGNORE_INDEX] * (e - a)
             made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
             if not all(n for _, _, n in made):   # nothing to prefer: they part in untrained tokens only, or one side
                 dropped(r, "tied", "tied_lines")   # ends where they part (its every target the other's too)

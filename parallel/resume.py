@@ -246,9 +246,12 @@ def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> None:
     short = lambda v: v.rsplit(" ", 1)[0] + " " + v.rsplit(" ", 1)[-1][:12]   # (the digest's first 12 digits)
     dated = (", or the date a dated chat template writes (pass --template-date with the day the checkpoint's run "
              "started)") if args.get("template_date") else ""
+    pairs = "" if args.get("objective") != "dpo" else (
+        " (a DPO run: or this trainer's preference-pair targets, TRL's since 2026-12-05, the answers' shared start "
+        "trained: a run from before resumes with a commit of then)")
     raise ValueError(f"--resume: the checkpoint's run trained on other tokens ({short(had)}) than this run's --data "
                      f"gives ({short(now)}), though the file's bytes are the same: the tokenizer or chat template "
-                     f"files in --model's folder, or the transformers/tokenizers version, changed since{dated}. "
+                     f"files in --model's folder, or the transformers/tokenizers version, changed since{dated}{pairs}. "
                      "Restore them to continue the run, or train on from its adapter in a fresh run (--init-adapter "
                      "OUT/adapter, or `python -m parallel.checkpoint` for a step's)")
 

@@ -400,7 +400,29 @@ def test_a_pair_is_its_two_sides_as_records(assets):
     got12, stats12 = tokenize_records([ends], tok, 96)
     assert got12 == [] and stats12.tied_lines == [12] and stats12.pairs == 0
     assert [len(tokenize_records([side], tok, 96)[0]) for side in ends["pair"]] == [1, 1]   # (each alone trains)
-    for sample in got + got5 + got6 + got8 + got10:
+    # with a prompt of messages, TRL's completion is every answer message: earlier turns of a multi-turn answer train
+    # on both sides, a pair whose rejected side goes on after the chosen's whole answer is kept; the prompt's own
+    # assistant turns are no target (review, helper 43: the walk-back cut the answer at its last turn)
+    def targets(x):
+        return tok.decode([lab for lab in x["labels"] if lab != -100])
+    check = [{"role": "assistant", "content": "Let me check."}, {"role": "user", "content": "ok"}]
+    multi = [{"prompt": [{"role": "user", "content": "Is it?"}], "chosen": check + [{"role": "assistant",
+                                                                                      "content": "Yes."}],
+              "rejected": check + [{"role": "assistant", "content": "No."}]},
+             {"prompt": [{"role": "user", "content": "Is it?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
+              "rejected": [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Sure?"},
+                           {"role": "assistant", "content": "No."}]},
+             {"prompt": [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "Earlier."},
+                         {"role": "user", "content": "And now?"}], "chosen": "Yes.", "rejected": "No."}]
+    got13, stats13 = tokenize_records([parse_record(json.dumps(x), "p.jsonl", n) for n, x in enumerate(multi, 13)],
+                                      tok, 128)
+    assert stats13.pairs == 3 and stats13.tied == 0, stats13
+    assert [targets(x).count("Let me check.") for x in got13[:2]] == [1, 1]
+    assert targets(got13[3]).count("Yes.") == 1 and "No." in targets(got13[3])
+    assert "Earlier." not in targets(got13[4]) + targets(got13[5]) and "Yes." in targets(got13[4])
+    alone = tokenize_records([{"line": 1, "messages": multi[0]["prompt"] + multi[0]["chosen"]}], tok, 128)[0][0]
+    assert got13[0]["labels"] == alone["labels"]   # (a prompt with no assistant turn: each side as alone)
+    for sample in got + got5 + got6 + got8 + got10 + got13:
         assert len(sample["labels"]) == len(sample["input_ids"])
 
 

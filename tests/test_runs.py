@@ -417,6 +417,9 @@ def test_check_resume_names_each_difference():
              "run's --data gives (1 samples, 4 tokens, sha256 bbbbbbbbbbbb)", "--init-adapter")
     resume.same_tokens(had, had)
     resume.same_tokens({}, now)   # a checkpoint from before the record: not known
+    said = _refused(lambda: resume.same_tokens(had, {**now, "objective": "dpo"}), "other tokens")
+    assert "this trainer's preference-pair targets, TRL's since 2026-12-05" in said   # (review, helper 43)
+    assert "preference-pair" not in _refused(lambda: resume.same_tokens(had, now), "other tokens")
 
 
 def test_every_flag_of_train_py_is_classified_for_resume():
