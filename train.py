@@ -294,8 +294,9 @@ def main(argv=None):
             log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
                  f"were split or cut to it (the longest has {stats.longest} tokens); pass --max-len N")
         if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
-            resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
-                               split=stats.split + (eval_stats.split if eval_stats else 0))
+            if note := resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
+                                          split=stats.split + (eval_stats.split if eval_stats else 0)):
+                log0(note)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank

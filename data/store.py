@@ -425,6 +425,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     # what the run trains on, as tokens: a resume compares it (parallel/resume.same_tokens), since the same bytes
     # tokenize otherwise under an edited tokenizer or chat template file, or another transformers/tokenizers
     args.data_tokens = f"{len(train[0])} samples, {int(train[0].lengths.sum())} tokens, sha256 {digest}"
+    args.eval_tokens = ev and f"{len(ev[0])} samples, {int(ev[0].lengths.sum())} tokens, sha256 {fingerprint(ev[0])}"
     if ev and ev[1]:   # its truncated and dropped records too: eval_loss covers what is left
         for f, (_, st) in zip(eval_files, eval_parts) if 1 < len(eval_files) <= MANY_FILES else ():
             log(f"eval data: {f}: {st}")

@@ -51,7 +51,7 @@ LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_
 FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
-        "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta")
+        "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 
@@ -232,17 +232,24 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                          f"Pass --steps above {ckpt_step} to train on, or use the adapter that run exported")
 
 
-def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> None:
+def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> str | None:
     """Refuse a resume whose --data tokenized to other tokens than its checkpoint's run (module docstring). `split`:
     how many text records of --data and --eval-data this run split into windows (--long-text split); a run from
-    before the flag truncated them (its eval loss, and --keep-best's best, would be measured on other samples too)."""
+    before the flag truncated them (its eval loss, and --keep-best's best, would be measured on other samples too).
+    Returns a note when only the eval samples differ (another --eval-data is allowed; its losses are then said not to
+    compare with the earlier ones), else None."""
     if split and "long_text" not in ckpt_args and args.get("long_text") == "split":
         raise ValueError(f"--resume: the checkpoint's run is from before --long-text, when a text record longer than "
                          f"--max-len was truncated; this run would split {split} such records of --data/--eval-data "
                          "into windows (other samples). Pass --long-text truncate to continue it")
     had, now = ckpt_args.get("data_tokens"), args.get("data_tokens")
-    if had is None or now is None or had == now:
-        return
+    if had is None or now is None or had == now:   # (the eval samples may change: --eval-data is free; said)
+        was, ev = ckpt_args.get("eval_tokens"), args.get("eval_tokens")
+        return None if None in (was, ev) or was == ev else (
+            f"note: the eval samples are not the checkpoint's run's ({ev.rsplit(' ', 1)[0]} {ev[-64:][:12]}, then "
+            f"{was.rsplit(' ', 1)[0]} {was[-64:][:12]}: another --eval-data, or the same one tokenized otherwise): "
+            "eval losses from here on do not compare with the earlier ones, --keep-best's best and --early-stop's "
+            "count included")
     short = lambda v: v.rsplit(" ", 1)[0] + " " + v.rsplit(" ", 1)[-1][:12]   # (the digest's first 12 digits)
     dated = (", or the date a dated chat template writes (pass --template-date with the day the checkpoint's run "
              "started)") if args.get("template_date") else ""

@@ -420,6 +420,14 @@ def test_check_resume_names_each_difference():
     said = _refused(lambda: resume.same_tokens(had, {**now, "objective": "dpo"}), "other tokens")
     assert "this trainer's preference-pair targets, TRL's since 2026-12-05" in said   # (review, helper 43)
     assert "preference-pair" not in _refused(lambda: resume.same_tokens(had, now), "other tokens")
+    # the eval samples may differ (--eval-data is free), but their losses then do not compare: said (review, helper
+    # 43: a tokenization change went on silently, with --keep-best's best measured on the old targets)
+    ev = lambda c: {**had, "eval_tokens": f"2 samples, 5 tokens, sha256 {c * 64}"}
+    assert resume.same_tokens(ev("c"), ev("c")) is None and resume.same_tokens(had, ev("c")) is None
+    note = resume.same_tokens(ev("c"), ev("d"))
+    assert note.startswith("note: the eval samples are not the checkpoint's run's (2 samples, 5 tokens, sha256 "
+                           "dddddddddddd, then 2 samples, 5 tokens, sha256 cccccccccccc"), note
+    assert "--keep-best" in note
 
 
 def test_every_flag_of_train_py_is_classified_for_resume():
