@@ -68,17 +68,23 @@ def document_branches(position_ids: torch.Tensor, bounds: list | None) -> list |
     return out if any(out) else None
 
 
-def visible(position_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [B, S, S]: query i sees key j (causal, its document, a branch's prefix): the rule written as a mask,
-    O(S^2), for references and tests."""
-    b, s = position_ids.shape
-    doc = document_starts(position_ids).cumsum(1)
-    i, j = torch.arange(s, device=position_ids.device)[:, None], torch.arange(s, device=position_ids.device)[None]
-    keep = (j <= i) & (doc[:, :, None] == doc[:, None, :])
-    for r, row in enumerate(document_branches(position_ids, document_bounds(position_ids)) or ()):
-        for start, end, parent, p in row:
+def packed_mask(bounds: list, branches: list | None, s: int, device=None) -> torch.Tensor:
+    """Bool [B, S, S]: query i sees key j (causal, its document, a branch's prefix), from a row's bounds and
+    branches: the rule written as a mask, O(S^2), for references and tests."""
+    keep = torch.zeros(len(bounds), s, s, dtype=torch.bool, device=device)
+    for r, cuts in enumerate(bounds):
+        for x, y in zip(cuts[:-1], cuts[1:]):
+            keep[r, x:y, x:y] = True
+        for start, end, parent, p in branches[r] if branches else ():
             keep[r, start:end, parent:parent + p] = True
-    return keep
+    return keep & torch.ones(s, s, dtype=torch.bool, device=device).tril()
+
+
+def visible(position_ids: torch.Tensor) -> torch.Tensor:
+    """`packed_mask` of rows given by their position ids."""
+    b, s = position_ids.shape
+    bounds = document_bounds(position_ids) or [[0, s]] * b
+    return packed_mask(bounds, document_branches(position_ids, bounds), s, position_ids.device)
 
 
 class AttentionCore:
@@ -115,15 +121,10 @@ class SDPAAttention(AttentionCore):
         if isinstance(meta, Packed):   # branches: the whole rows, the rule as a mask
             if window is not None:
                 raise ValueError("a sliding window with branched documents (shared-prompt pairs) is not supported")
-            pos = torch.zeros(len(meta.bounds), q.shape[1], dtype=torch.long)
-            for r, cuts in enumerate(meta.bounds):   # (positions that give these documents and branches)
-                for x, y in zip(cuts[:-1], cuts[1:]):
-                    pos[r, x:y] = torch.arange(y - x)
-                for start, end, _, p in meta.branches[r]:
-                    pos[r, start:end] = torch.arange(p, p + end - start)
+            mask = packed_mask(meta.bounds, meta.branches, q.shape[1], q.device)
             t = lambda x: x.transpose(1, 2)
-            return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=visible(pos).to(q.device)[:, None],
-                                                    scale=scale, enable_gqa=True))
+            return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=mask[:, None], scale=scale,
+                                                    enable_gqa=True))
         rows = [torch.cat([sdpa(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y])
                            for x, y in zip(row[:-1], row[1:])], 1) for i, row in enumerate(meta)]
         return torch.cat(rows, 0)
