@@ -5,8 +5,9 @@ Contract:
 - `Best.of_run(args, ckpt, log)`: the lowest eval loss so far, its step and the eval data's sha256. train.py writes
   them into every checkpoint's meta.json (`meta()`) and passes the step to `checkpoint.save(protect=)`, so rotation
   keeps it beside the newest --keep-ckpts. A resume goes on comparing with a checkpoint's best only onto the same
-  eval data and in the same run folder; otherwise (other --eval-data, a resume into another --out) the best is chosen
-  among the run's own evaluations from there on, said. Without --keep-best nothing is tracked or protected.
+  eval data, tokenized to the same samples (`eval_tokens`), and in the same run folder; otherwise (other
+  --eval-data, the same files tokenized otherwise, a resume into another --out) the best is chosen among the run's
+  own evaluations from there on, said. Without --keep-best nothing is tracked or protected.
 - `update(step, loss)` at each evaluation: the eval loss is reduced over ranks, so every rank holds the same best
   and makes the same saves.
 - `eval_identity(args)`: what an eval loss was measured on (the eval files' sha256 in any order, or --eval-split's
@@ -16,10 +17,9 @@ Contract:
   evaluation in the loop sets the best; one that improves by D or less neither counts as better nor moves the best; a
   non-finite loss never improves). train.py then saves that step, exports its adapter and ends, as at the last step;
   the LR schedule is the whole run's. The state (best, its step, evaluations since) travels in meta.json and a resume
-  in the same folder onto the same eval data goes on counting; `exhausted(meta, args, ckpt)` (preflight) refuses a
-  resume of a run that stopped so (it would stop at its next evaluation), unless --early-stop is raised past its count
-  or dropped. Every rank reduces the same loss:
-  every rank stops at the same step.
+  in the same folder onto the same eval data and samples goes on counting; `exhausted(meta, args, ckpt)` (preflight)
+  refuses a resume of a run that stopped so (it would stop at its next evaluation), unless --early-stop is raised past
+  its count or dropped. Every rank reduces the same loss: every rank stops at the same step.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
   (`checkpoint.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
   that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
@@ -49,12 +49,12 @@ class Best:
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:
             here = _here(ckpt, args.out)
-            if here and got.get("eval_data_sha256") == best.eval_sha:
+            if here and got.get("eval_data_sha256") == best.eval_sha and _same_samples(ckpt, args):
                 best.step, best.loss = got["step"], got["eval_loss"]
             else:
                 log(f"note: --keep-best: the checkpoint's best (step {got['step']}, eval_loss {got['eval_loss']:.6f}) "
-                    f"{'was measured on other --eval-data' if here else 'is in another run folder'}: the best is "
-                    "chosen among this run's evaluations from here on")
+                    f"{_other(got, best.eval_sha, here)}: the best is chosen among this run's evaluations from here "
+                    "on")
         return best
 
     def update(self, step: int, loss: float) -> bool:
@@ -98,12 +98,13 @@ class EarlyStop:
         out = cls(getattr(args, "early_stop", None), getattr(args, "early_stop_delta", 0.0),
                   eval_identity(args) if getattr(args, "early_stop", None) else None)
         got = read_meta(ckpt).get("early_stop") if ckpt and out.patience else None
-        if got and _here(ckpt, args.out) and got.get("eval_data_sha256") == out.eval_sha:
+        here = got and _here(ckpt, args.out)
+        if here and got.get("eval_data_sha256") == out.eval_sha and _same_samples(ckpt, args):
             out.best, out.step, out.bad = _loss(got["eval_loss"]), got["step"], got["bad"]
         elif got:
             log(f"note: --early-stop: the checkpoint's count ({got['bad']} evaluations "
-                f"{_since(got['step'], got['eval_loss'])}) was measured on other --eval-data or is in another run "
-                "folder: counting starts again here")
+                f"{_since(got['step'], got['eval_loss'])}) {_other(got, out.eval_sha, here)}: counting starts again "
+                "here")
         return out
 
     def update(self, step: int, loss: float) -> bool:
@@ -126,6 +127,20 @@ class EarlyStop:
     def meta(self) -> dict:   # (the count from the first evaluation on, also when none was finite: best null)
         return {"early_stop": {"step": self.step, "eval_loss": self.best if self.step else None, "bad": self.bad,
                                "eval_data_sha256": self.eval_sha}} if self.patience and (self.step or self.bad) else {}
+
+
+def _same_samples(ckpt: str, args) -> bool:
+    """The eval files tokenized to the checkpoint's run's eval samples (`eval_tokens`; unknown on either side: yes).
+    The same bytes can give other samples (a chat template's date, --max-len): their losses do not compare."""
+    was, now = read_meta(ckpt).get("args", {}).get("eval_tokens"), getattr(args, "eval_tokens", None)
+    return None in (was, now) or was == now
+
+
+def _other(got: dict, eval_sha: str | None, here: bool) -> str:
+    """Why a checkpoint's best or count is not carried on (`_here`, then the eval files, then their samples)."""
+    return ("is in another run folder" if not here else "was measured on other --eval-data"
+            if got.get("eval_data_sha256") != eval_sha else
+            "was measured on other eval samples of the same --eval-data (tokenized otherwise)")
 
 
 def _loss(v) -> float:

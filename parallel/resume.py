@@ -248,8 +248,8 @@ def same_tokens(ckpt_args: dict, args: dict, split: int = 0) -> str | None:
         return None if None in (was, ev) or was == ev else (
             f"note: the eval samples are not the checkpoint's run's ({ev.rsplit(' ', 1)[0]} {ev[-64:][:12]}, then "
             f"{was.rsplit(' ', 1)[0]} {was[-64:][:12]}: another --eval-data, or the same one tokenized otherwise): "
-            "eval losses from here on do not compare with the earlier ones, --keep-best's best and --early-stop's "
-            "count included")
+            "eval losses from here on do not compare with the earlier ones (--keep-best's best and --early-stop's "
+            "count start again)")
     short = lambda v: v.rsplit(" ", 1)[0] + " " + v.rsplit(" ", 1)[-1][:12]   # (the digest's first 12 digits)
     dated = (", or the date a dated chat template writes (pass --template-date with the day the checkpoint's run "
              "started)") if args.get("template_date") else ""

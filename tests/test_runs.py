@@ -365,6 +365,38 @@ def test_keep_best_knows_its_eval_files_in_any_order(tmp_path):
     assert best([a, b]) == best([b, a]) == best([c, b]) != best([a]) == best(a) == file_sha256(a)
 
 
+def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
+    """The same eval files tokenized to other samples (`eval_tokens`: a chat template's date, another tokenizer file)
+    give losses that do not compare: --keep-best's best and --early-stop's count start again, said; the same samples
+    (or a checkpoint from before the record) carry both on."""
+    import json
+    from types import SimpleNamespace
+
+    from parallel.keep_best import Best, EarlyStop, eval_identity
+
+    (tmp_path / "ev.jsonl").write_text("{}\n")
+    step = tmp_path / "out" / "ckpt" / "step_000004"
+    step.mkdir(parents=True)
+    run = lambda tokens: SimpleNamespace(keep_best=True, early_stop=3, early_stop_delta=0.0, eval_split=None,
+                                         eval_data=str(tmp_path / "ev.jsonl"), out=str(tmp_path / "out"),
+                                         eval_tokens=tokens)
+    sha = eval_identity(run(None))
+    for was, now, kept in (("2 samples, 9 tokens, sha256 " + "a" * 64,) * 2 + (True,),
+                           (None, "2 samples, 9 tokens, sha256 " + "a" * 64, True),
+                           ("2 samples, 9 tokens, sha256 " + "a" * 64, "2 samples, 11 tokens, sha256 " + "b" * 64,
+                            False)):
+        (step / "meta.json").write_text(json.dumps({
+            "step": 4, "args": {"eval_tokens": was} if was else {},
+            "best": {"step": 2, "eval_loss": 1.5, "eval_data_sha256": sha},
+            "early_stop": {"step": 2, "eval_loss": 1.5, "bad": 1, "eval_data_sha256": sha}}))
+        said = []
+        best, early = Best.of_run(run(now), str(step), said.append), EarlyStop.of_run(run(now), str(step), said.append)
+        assert (best.step, best.loss) == ((2, 1.5) if kept else (None, float("inf"))), (was, now)
+        assert (early.step, early.best, early.bad) == ((2, 1.5, 1) if kept else (None, float("inf"), 0)), (was, now)
+        assert len(said) == 2 * (not kept) and all("was measured on other eval samples of the same --eval-data" in n
+                                                   for n in said), said
+
+
 def test_check_resume_names_each_difference():
     # a new layout, reordered targets and more steps are the same run
     resume.check_resume(CKPT, {**CKPT, "cp": 4, "dp_shard": 1, "cp_impl": "ring", "micro_batch": 2, "pack": False,
