@@ -418,15 +418,21 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
         raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "
                          "from the base's config.json: pass --model DIR, the base where it is now")
-    md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
-    # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under
-    # its tied name; train.py's own export writes LoRA A and B alone)
-    lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in md.state_dict_metadata.items()
-            if k.startswith("model.") and hasattr(m, "size") and (".lora_A." in k or ".lora_B." in k)}
-    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it
+    try:   # (a damaged file, or a step a live run's rotation removes while this reads it: said, not a traceback)
+        md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
+        # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under
+        # its tied name; train.py's own export writes LoRA A and B alone)
+        lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+                for k, m in md.state_dict_metadata.items()
+                if k.startswith("model.") and hasattr(m, "size") and (".lora_A." in k or ".lora_B." in k)}
+        with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it
+    except (Exception, CheckpointException) as e:   # noqa: BLE001 - (DCP's CheckpointException: a BaseException)
+        prev = _previous_good(os.path.dirname(os.path.normpath(path)), read_meta(path)["step"]) \
+            if os.path.isfile(os.path.join(path, "meta.json")) else None
+        raise ValueError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {str(e).strip()[:300]})"
+                         + (f"; the previous good one is {prev!r}: export that one" if prev else "")) from None
     bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")

@@ -49,7 +49,13 @@ class Best:
         got = read_meta(ckpt).get("best") if ckpt and args.keep_best else None
         if got:
             here = _here(ckpt, args.out)
-            if here and got.get("eval_data_sha256") == best.eval_sha and _same_samples(ckpt, args):
+            gone = problem(os.path.join(os.path.dirname(os.path.normpath(ckpt)), f"step_{got['step']:06d}"))
+            if here and got.get("eval_data_sha256") == best.eval_sha and _same_samples(ckpt, args) and gone:
+                # (a resume from below a newer best, whose save rotated this one away: review, helper 46)
+                log(f"note: --keep-best: the checkpoint's best (step {got['step']}, eval_loss "
+                    f"{got['eval_loss']:.6f}) is no longer in {os.path.dirname(os.path.normpath(ckpt))} ({gone}): "
+                    "the best is chosen among this run's evaluations from here on")
+            elif here and got.get("eval_data_sha256") == best.eval_sha and _same_samples(ckpt, args):
                 best.step, best.loss = got["step"], got["eval_loss"]
             else:
                 log(f"note: --keep-best: the checkpoint's best (step {got['step']}, eval_loss {got['eval_loss']:.6f}) "

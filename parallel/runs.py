@@ -3,8 +3,9 @@
 Contract:
 1. `check_out(out, resume=, overwrite=)` runs on every rank before the process group: pure checks,
    no side effects. It refuses `--out` naming a file, a used directory without `--resume` or
-   `--overwrite`, `--overwrite` of a directory that is not a run's, and a resume from a checkpoint
-   outside a used `--out` (that would mix two runs' results).
+   `--overwrite`, `--overwrite` of a directory that is not a run's, and a resume into a used `--out` from a
+   checkpoint not in its own OUT/ckpt (outside it, or another run's nested below it, or OUT a folder above that
+   run: it would mix two runs' results, or write over OUT's files).
 2. `claim(out, resume=, overwrite=)` runs on every rank after the process group, before any weight
    is read. Rank 0 alone touches the disk: it creates the directory (`runs/<YYYYmmdd-HHMMSS>`, with a
    `-2`, `-3`.. suffix when that second is taken: `mkdir` is atomic, so two runs never share one),
@@ -42,7 +43,8 @@ OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter",
          "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best", "adapter_best.tmp-export",
          "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "adapter.abandoned*",
          "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt", "profile-rank*.txt",
-         "loss.png", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
+         "loss.png", "reference_logps.pt", "reference_logps.pt.tmp", "reference_logps_eval.pt",
+         "reference_logps_eval.pt.tmp", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
 # when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
@@ -59,6 +61,15 @@ def _entries(path: str) -> list[str]:
 def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
+
+
+def _own(resume: str, out: str) -> bool:
+    """`resume` names OUT/ckpt or a step folder in it (through links too), not another run's below OUT."""
+    mine = os.path.join(out, "ckpt")
+    try:
+        return os.path.samefile(resume, mine) or os.path.samefile(os.path.dirname(os.path.normpath(resume)), mine)
+    except OSError:   # (no OUT/ckpt, or no such --resume: resolve names it)
+        return False
 
 
 def run_of(resume: str) -> str | None:
@@ -98,10 +109,14 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
-        if not _inside(resume, out):
-            raise ValueError(f"--out {out!r} already holds a run ({', '.join(used)}) and --resume {resume!r} "
-                             "is not one of its checkpoints: resuming there would mix two runs' results. "
-                             "Pass a new --out, or --resume a checkpoint under this one")
+        if not _own(resume, out):   # (one inside OUT but another run's, nested below it, or OUT a folder above
+            # that run: its config, metrics, checkpoints and adapter would be written over; review, helper 46)
+            theirs = run_of(resume)
+            raise ValueError(f"--out {out!r} already holds files ({', '.join(used)}) and --resume {resume!r} is not "
+                             f"one of its own checkpoints ({os.path.join(out, 'ckpt')}): resuming there would mix two "
+                             "runs' results and write over those files. " + (
+                                 f"Pass --out {theirs} to continue that run, " if theirs else "Pass ")
+                             + "a new --out, or --resume a checkpoint of this one")
         return
     listed = f"{', '.join(used[:6])}{' ...' if len(used) > 6 else ''}"
     flag = "--overwrite refuses" if overwrite else "--out"   # (neither --resume nor --overwrite takes another's files)
@@ -363,7 +378,9 @@ class MetricsLog:
                                  "Pass --resume to continue that run, --overwrite, or a new --out")
         elif os.path.isfile(path):
             self.dropped = self._truncate(resume_step)
-        self.f = open(path, "a")
+        # unbuffered, appending: a write the disk refuses fails once, there, with nothing left in a buffer for close()
+        # to flush and fail again (which hid the first error and the run folder it names; review, helper 46)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _truncate(self, step: int) -> int:
         keep, dropped = [], 0
@@ -388,9 +405,12 @@ class MetricsLog:
 
     def write(self, rec: dict) -> dict:
         rec = _strict(rec)
-        self.f.write(json.dumps(rec, allow_nan=False) + "\n")
-        self.f.flush()
+        data = (json.dumps(rec, allow_nan=False) + "\n").encode()
+        while data:   # (a torn line from a refused write is dropped on resume, as a crash's)
+            data = data[os.write(self.fd, data):]
         return rec
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

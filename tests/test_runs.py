@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from parallel import resume, runs
 from tests.dist import run_ranks
@@ -91,6 +92,27 @@ def test_used_out_refused_and_untouched(tmp_path):
     assert "--resume" not in msg, msg
     _refused(lambda: runs.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
     _refused(lambda: runs.claim(out, resume=os.path.join(other, "ckpt")), "would mix two runs")
+    # another run inside a used --out: nested below it, or --out a folder above it holding the user's own files
+    # (until 2026-12-05 anything under --out resumed there and wrote over its config, metrics, ckpt and adapter;
+    # review, helper 46)
+    nested = _used_run(tmp_path / "run" / "sub")
+    above = tmp_path / "above"
+    _used_run(above / "runs" / "x")
+    (above / "config.json").write_text('{"mine": 1}')
+    before = _hashes(tmp_path)
+    for o, r, theirs in ((out, os.path.join(nested, "ckpt"), nested),
+                         (out, os.path.join(nested, "ckpt", "step_000002"), nested),
+                         (str(above), str(above / "runs" / "x" / "ckpt"), str(above / "runs" / "x"))):
+        _refused(lambda o=o, r=r: runs.claim(o, resume=r), f"--out {o!r} already holds files", "is not one of its "
+                 f"own checkpoints ({o}/ckpt): resuming there would mix two runs' results and write over those files",
+                 f"Pass --out {theirs} to continue that run")
+    assert _hashes(tmp_path) == before
+    for r in ("ckpt", os.path.join("ckpt", "step_000002")):   # its own: through a link to --out too
+        runs.check_out(out, resume=os.path.join(out, r))
+    os.symlink(out, tmp_path / "link")
+    runs.check_out(str(tmp_path / "link"), resume=os.path.join(out, "ckpt", "step_000002"))
+    shutil.rmtree(nested)
+    os.remove(tmp_path / "link")
     _refused(lambda: runs.claim(str(tmp_path / "afile")), "is a file", "directory")
     _refused(lambda: runs.claim(str(tmp_path / "afile" / "sub")), "--out",
              "is a file, so no directory can be made under it")
@@ -370,12 +392,20 @@ def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
     give losses that do not compare: --keep-best's best and --early-stop's count start again, said; the same samples
     (or a checkpoint from before the record) carry both on."""
     import json
+    import warnings
     from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
 
     from parallel.keep_best import Best, EarlyStop, eval_identity
 
     (tmp_path / "ev.jsonl").write_text("{}\n")
     step = tmp_path / "out" / "ckpt" / "step_000004"
+    best_step = tmp_path / "out" / "ckpt" / "step_000002"   # (the best's folder, as rotation keeps it)
+    with warnings.catch_warnings():   # ("assuming the intent is to save in a single process": it is)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(best_step), no_dist=True)
+    (best_step / "meta.json").write_text('{"step": 2}')
     step.mkdir(parents=True)
     run = lambda tokens: SimpleNamespace(keep_best=True, early_stop=3, early_stop_delta=0.0, eval_split=None,
                                          eval_data=str(tmp_path / "ev.jsonl"), out=str(tmp_path / "out"),
@@ -395,6 +425,14 @@ def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
         assert (early.step, early.best, early.bad) == ((2, 1.5, 1) if kept else (None, float("inf"), 0)), (was, now)
         assert len(said) == 2 * (not kept) and all("was measured on other eval samples of the same --eval-data" in n
                                                    for n in said), said
+    # the best's folder rotated away (a resume from below a newer best, which removed it; review, helper 46):
+    # --keep-best chooses anew, said, rather than end with no adapter_best
+    shutil.rmtree(best_step)
+    said = []
+    best = Best.of_run(run("2 samples, 9 tokens, sha256 " + "a" * 64), str(step), said.append)
+    assert best.step is None and said == [
+        f"note: --keep-best: the checkpoint's best (step 2, eval_loss 1.500000) is no longer in {step.parent} (it does "
+        "not exist): the best is chosen among this run's evaluations from here on"], said
 
 
 def test_check_resume_names_each_difference():
@@ -502,6 +540,13 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
     log.close()
     assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3]
     assert not os.path.exists(path + ".tmp")
+    # a full disk (/dev/full refuses every write): the write fails once, and close() has nothing left to flush (until
+    # 2026-12-05 a buffered line failed again in close, in train.py's finally, hiding the first error and its run
+    # folder, so the advice said "run the same command again", which is refused; review, helper 46)
+    log = runs.MetricsLog("/dev/full")
+    with pytest.raises(OSError, match="No space left on device"):
+        log.write({"step": 1, "loss": 1.0})
+    log.close()
 
 
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():

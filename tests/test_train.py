@@ -741,6 +741,20 @@ def test_export_of_a_sharded_checkpoint_is_the_runs_adapter(four, tmp_path):
     assert export(os.path.join(run, "ckpt"), str(tmp_path / "adapter")).endswith("step_000003")
     got, want = _adapter(str(tmp_path)), _adapter(run)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # a damaged data file, or one a live run's rotation removed while this read it: a ValueError naming the folder
+    # (`python -m parallel.checkpoint` prints it as one error line), never DCP's traceback (review, helper 46)
+    for how in ("torn", "gone"):
+        ckpt = str(tmp_path / how / "ckpt")
+        shutil.copytree(os.path.join(run, "ckpt"), ckpt)
+        step = os.path.join(ckpt, "step_000003")
+        for f in [f for f in os.listdir(step) if f.endswith(".distcp")]:
+            if how == "gone":
+                os.remove(os.path.join(step, f))
+            else:
+                os.truncate(os.path.join(step, f), 10)
+        with pytest.raises(ValueError, match=f"checkpoint {re.escape(repr(step))} cannot be read"):
+            export(step, str(tmp_path / how / "adapter"))
+        assert not os.path.exists(tmp_path / how / "adapter" / "adapter_model.safetensors")
 
 
 @pytest.mark.timeout(600)
