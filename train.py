@@ -121,6 +121,9 @@ def build_parser(add_help=True):
     a("--simpo-gamma", type=float, default=0.5, help="SimPO's target reward margin (with --dpo-loss simpo)")
     a("--dpo-share-prompt", action="store_true", help="a pair's prompt once in its row, the rejected answer seeing "
       "it as a branch: fewer tokens (about half for long prompts), the same losses")
+    a("--dpo-cache-ref", action="store_true", help="keep each pair's reference log-probabilities from their first "
+      "forward (the first epoch's steps, the first eval; in OUT for resumes): later epochs and evals run no reference "
+      "forward, ~1/5 less compute a step")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
@@ -374,6 +377,9 @@ def main(argv=None):
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
+        if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
+            from parallel.preference import ref_caches
+            ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
         if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
             log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
         elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
@@ -402,6 +408,7 @@ def main(argv=None):
             for g in opt.param_groups:
                 g["lr"] = lr
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
+            known = bool(dpo) and dpo.known("train", order.step_samples(step))   # (--dpo-cache-ref: no reference)
             micro = [to_local([samples[i] for i in idx] if idx else [idle]) for idx in idxs]   # (idle: another
             # rank's --micro-batch auto cut more forwards; an all-ignored row keeps the collectives in step)
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
@@ -409,8 +416,9 @@ def main(argv=None):
             lens = [n for idx in idxs for i in idx for n in docs(i)] if cp_rank == 0 else []   # each document's
             counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
                                    sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
-                                   sum(n * flops_per_token(margs, abs(n)) for n in lens) * (1 + (dpo and dpo.ref) / 3)],
-                                  dtype=torch.float64, device=device)   # (dpo: a second forward, the reference's)
+                                   sum(n * flops_per_token(margs, abs(n)) for n in lens) * (
+                                       1 + (dpo and dpo.ref and not known) / 3)],   # (dpo: a second forward, the
+                                  dtype=torch.float64, device=device)   # reference's, unless its values are known)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros(4, dtype=torch.float64, device=device)   # (dpo: pairs preferred, rewards)
@@ -424,7 +432,7 @@ def main(argv=None):
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
-                        losses, rewards = dpo(ids, pos, lab, sides[0], len(idxs[i]))
+                        losses, rewards = dpo(ids, pos, lab, sides[0], len(idxs[i]), idxs[i], known=known)
                         lsum, won = losses.sum(), (rewards[:, 0] > rewards[:, 1]).sum()
                         loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
@@ -432,6 +440,8 @@ def main(argv=None):
                         loss_sum[0] += lsum.detach().double()
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()
+            if dpo and not known:
+                dpo.sync("train", dp_cp)
             wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
             dist.all_reduce(loss_sum, group=dp_cp)

@@ -26,6 +26,8 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   "ours+dpo" (the fast case, or --runs): --objective dpo on pairs of two 16,384-token texts, rows as long as the
   others (its "vs ours" is what DPO's reference forward costs, ~0.8x by the FLOPs); "ours+orpo" the same pairs
   with --dpo-loss orpo, which has no reference forward (its "vs ours" is the per-sequence loss's own cost, ~1x);
+  "ours+dpo-cached" --dpo-cache-ref on one of those pairs every step (the warm-up step keeps its reference, the
+  timed steps read it, as a second epoch's do: against "ours+dpo", what the cache saves, ~1.25x by the FLOPs);
   "ours+dpo-prompt" and "ours+dpo-prompt-shared" DPO on pairs whose sides share a prompt of 7/8 of their tokens,
   without and with --dpo-share-prompt (the shared row processes ~9/16 of the tokens, its `step_tokens`; its
   tokens/s counts the pairs' unshared tokens, as the other's, so their ratio is what sharing saves);
@@ -35,7 +37,7 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   --tiled-mlp, --offload-activations, --tiled-mlp --ac-group 4, --tiled-mlp --tiled-attn;
 - fast = the 32k shape with each speed flag apart: --ac-keep-attn, --compile, --compile --tiled-mlp --ac-keep-attn,
   and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device),
-  "ours+dpo", "ours+orpo", "ours+dpo-prompt" and "ours+dpo-prompt-shared";
+  "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt" and "ours+dpo-prompt-shared";
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
   --tiled-mlp --tiled-attn, one step each.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
@@ -91,11 +93,15 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+fast": ["--fast"],   # what train.py --fast picks for this device (its config.json says which)
             "ours+dpo": ["--objective", "dpo"],   # DPO on pairs of two tokens/2 texts: the same tokens a row as "ours"
             "ours+orpo": ["--objective", "dpo", "--dpo-loss", "orpo"],   # the same pairs, no reference forward
+            # --dpo-cache-ref on one of those pairs, every step: the warm-up step computes and keeps its reference,
+            # the timed ones read it (as a second epoch's steps): what the cache saves, against "ours+dpo"
+            "ours+dpo-cached": ["--objective", "dpo", "--dpo-cache-ref"],
             # DPO on pairs whose sides share a prompt of 7/8 of their tokens (write_prompt_pairs), as they come and
             # with --dpo-share-prompt (the prompt once): what sharing saves, s/step against s/step
             "ours+dpo-prompt": ["--objective", "dpo"],
             "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"]}
-ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs"}   # else DPO rows: "pairs"
+ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs",   # else DPO rows: "pairs"
+            "ours+dpo-cached": "one_pair"}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
 FIT_AC = "ours+fit-ac"
 # "ours+fastest": the memory flags parallel.plan_speed ranks fastest among those whose planned live peak is at most
@@ -106,7 +112,7 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "128k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
                 "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo",
-                         "ours+orpo", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
+                         "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -570,7 +576,7 @@ def main(argv=None):
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
-             "ours+orpo", "ours+dpo-prompt", "ours+dpo-prompt-shared"]
+             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -579,10 +585,14 @@ def main(argv=None):
         data = os.path.join(work, "data.jsonl")
         ids = write_data(ckpt, tokens, steps, data)
         pairs = os.path.join(work, "pairs.jsonl")
-        if any("--objective" in FLAG_ROWS.get(r, ()) and r not in ROW_DATA for r in runs):
+        if any("--objective" in FLAG_ROWS.get(r, ()) and ROW_DATA.get(r) != "prompt_pairs" for r in runs):
             write_pairs(ckpt, tokens // 2, steps, pairs)
+        one_pair = os.path.join(work, "one_pair.jsonl")   # (its first pair alone: "ours+dpo-cached")
+        if os.path.exists(pairs):
+            with open(pairs) as f, open(one_pair, "w") as g:
+                g.write(f.readline())
         prompt_pairs = os.path.join(work, "prompt_pairs.jsonl")
-        if any(r in ROW_DATA for r in runs):
+        if any(ROW_DATA.get(r) == "prompt_pairs" for r in runs):
             write_prompt_pairs(ckpt, tokens // 2, steps, prompt_pairs)
         margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
         quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")
@@ -595,7 +605,7 @@ def main(argv=None):
         results["cases"][name] = case
         print(f"case {name}: checkpoint and data ready after {time.time() - t_start:.0f}s", flush=True)
         spec = dict(ckpt=ckpt, data=data, tokens=tokens, steps=steps, quant=quant, dtype=dtype, ids_list=ids,
-                    mem_trace=args.mem_trace, pairs=pairs, prompt_pairs=prompt_pairs)
+                    mem_trace=args.mem_trace, pairs=pairs, prompt_pairs=prompt_pairs, one_pair=one_pair)
         rows = case["rows"]
         mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
         unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]

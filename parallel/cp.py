@@ -101,11 +101,18 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 # --- attention cores ---------------------------------------------------------------------------
 
 
-def _branched(q, k, v, meta, scale, window):
+def _unbound(window, meta, pad: int = 0):
+    """A sliding window beside branches (shared-prompt pairs): none where it cuts no document (`masks.binding`;
+    `pad`: CP's padding), else refused (the branched paths measure it by the row; train.py refuses a window below
+    --max-len at start, so no side reaches past one it lets through)."""
+    if masks.binding(window, meta, pad) is not None:
+        raise ValueError(f"a sliding window of {window} tokens, shorter than a document with shared-prompt pairs' "
+                         "branches, is not supported: drop --dpo-share-prompt")
+
+
+def _branched(q, k, v, meta, scale, window, pad: int = 0):
     """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process."""
-    if window is not None and window < meta.ids.shape[1]:   # (one covering the row is none)
-        raise ValueError("a sliding window with shared-prompt pairs (branched documents) is not supported: drop "
-                         "--dpo-share-prompt")
+    _unbound(window, meta, pad)
     return ring_attention(q, k, v, scale, None, docs=meta)
 
 
@@ -144,12 +151,15 @@ class ContextParallelAttention(AttentionCore):
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
         if r == 1 and isinstance(meta, masks.Documents):   # (Ulysses: whole rows, a share of the heads)
-            out = _branched(q, k, v, meta, scale, window)
+            out = _branched(q, k, v, meta, scale, window, self.divisor - 1)
         elif r == 1:
             out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
+            if isinstance(meta, masks.Documents) and meta.branches is not None:
+                _unbound(window, meta, self.divisor - 1)
+                window = None
             out = ring_attention(q, k, v, scale, self.ring_group, docs=meta, window=window)
             if u > 1:
                 out = _chunks_to_pieces(out, u)

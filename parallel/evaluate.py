@@ -44,6 +44,19 @@ def rows(samples, of_file: list[int], row_tokens: int) -> list[list[int]]:
     return by_tokens(range(len(samples)), samples.lengths.tolist(), row_tokens, of_file)
 
 
+def share(samples, of_file: list[int], row_tokens: int, data_rank: int, data_ranks: int) -> list[list[int] | None]:
+    """This data rank's rows (`rows`), strided, then None for each row the most loaded rank has more: a dummy."""
+    every = rows(samples, of_file, row_tokens)
+    return every[data_rank::data_ranks] + [None] * (math.ceil(len(every) / data_ranks) -
+                                                    len(every[data_rank::data_ranks]))
+
+
+def dummy(samples) -> dict:
+    """A row that trains nothing: the first sample's tokens, every label IGNORE_INDEX (no "split": a pair's dummy is
+    one all-ignored document, whose -1 sides make its counts 0)."""
+    return {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
+
+
 @torch.no_grad()
 def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn=None, row_tokens: int = 1,
              beat=lambda: None, dpo=None) -> dict[str, float]:
@@ -51,25 +64,24 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     reduced over `group` (module docstring)."""
     files = getattr(samples, "files", None) or [None]
     of_file = (samples.sample_lines() >> FILE_SHIFT).tolist() if files[0] else [0] * len(samples)
-    every = rows(samples, of_file, row_tokens)
-    share = [([samples[i] for i in row], of_file[row[0]]) for row in every[data_rank::data_ranks]]
-    dummy = {"input_ids": samples[0]["input_ids"], "labels": torch.full_like(samples[0]["labels"], IGNORE_INDEX)}
-    # (no "split": a pair's dummy is one all-ignored document)
-    share += [([dummy], 0)] * (math.ceil(len(every) / data_ranks) - len(share))
     tot = torch.zeros(len(files), 4, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
     model.eval()   # pairs preferred, margins' sum)
-    for row, k in share:
+    known = dpo is not None and dpo.known("eval", range(len(samples)))   # (--dpo-cache-ref: no reference forward)
+    for row in share(samples, of_file, row_tokens, data_rank, data_ranks):
         beat()
-        ids, pos, lab, *sides = to_local(row)
+        k = of_file[row[0]] if row else 0
+        ids, pos, lab, *sides = to_local([samples[i] for i in row] if row else [dummy(samples)])
         if dpo is None:
             lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
-            losses, rewards = dpo(ids, pos, lab, sides[0], sum("split" in s for s in row))
+            losses, rewards = dpo(ids, pos, lab, sides[0], len(row or ()), row, "eval", known)
             margins = (rewards[:, 0] - rewards[:, 1]).double()
             tot[k] += dpo.once * torch.stack([losses.sum(), torch.tensor(len(losses), dtype=torch.float64,
                                               device=device), (margins > 0).sum().double(), margins.sum()])
     model.train()
+    if dpo is not None and not known:
+        dpo.sync("eval", group)
     dist.all_reduce(tot, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},

@@ -85,6 +85,28 @@ def documents(full_positions: torch.Tensor) -> Documents | None:
                      None if branches is None else prefixes(branches, b, s, full_positions.device))
 
 
+def binding(window: int | None, docs: Documents | None, pad: int = 0) -> int | None:
+    """`window`, or None where no document of `docs` is longer (a branch counted with its parent's prefix, as its
+    positions run) than it and `pad` more tokens (CP's padding, fewer than its divisor, joins a row's last document:
+    a window cuts only padding there): such a window cuts no real token's keys. The branched paths place a branch
+    away from its prefix in the row, where a window measured by the row would cut what the positions say it does
+    not: they take only None."""
+    if window is None or docs is None:
+        return window
+    longest = max([e - s for row in docs.bounds for s, e in zip(row, row[1:])] +
+                  [end - start + p for row in docs.branches or () for start, end, _, p in row])
+    return None if window + pad >= longest else window
+
+
+def exact_calls(bounds: list, branches: list) -> list:
+    """One process's calls for one whole row (`calls`' form): a causal call per document and a full call of each
+    branch's queries against its parent's prefix, exactly the visible pairs and no mask (`calls` would cut the row
+    into tiles, and a tile a boundary crosses computes all its pairs: ~50x the visible ones for rows of short
+    pairs)."""
+    return [(s, e, s, e, "causal", s, s) for s, e in zip(bounds, bounds[1:])] + [
+        (start, end, parent, parent + p, "full", start, parent) for start, end, parent, p in branches]
+
+
 class Span(NamedTuple):
     at: int       # first local position
     start: int    # its global index; the next n - 1 positions follow it

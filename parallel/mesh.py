@@ -340,13 +340,12 @@ def validate(args, margs, world: int):
     if getattr(args, "tiled_attn", False) and dims.cp > 1:
         raise ValueError(f"--tiled-attn with --cp {dims.cp}: the tiles run one process's whole-sequence attention, "
                          "and context parallelism splits the sequence across ranks already; drop one of them")
-    from parallel.plan import sample_tokens  # (plan imports model.llama: here, not at the top)
     if getattr(args, "dpo_share_prompt", False) and margs.sliding_window is not None and margs.sliding_window < \
-            sample_tokens(args) and "sliding_attention" in (margs.layer_types or ["sliding_attention"]):
+            args.max_len and "sliding_attention" in (margs.layer_types or ["sliding_attention"]):
         raise ValueError(f"--dpo-share-prompt makes a pair's rejected answer a branch that sees the prompt before "
                          f"the chosen one, which a sliding window (this model's, {margs.sliding_window} tokens, "
-                         f"shorter than a pair's row of up to {sample_tokens(args):,}) would measure by the row, not "
-                         "by its positions: drop --dpo-share-prompt")
+                         f"shorter than a side's --max-len {args.max_len:,}) would measure by the row, not by its "
+                         "positions: drop --dpo-share-prompt (a window of --max-len or more cuts no side: allowed)")
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")

@@ -250,8 +250,12 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D
     else:
         t[f"activations: {inputs(N)} block checkpoints [{T}, {D}]"] = ckpt
-    if N and getattr(args, "ac_keep_attn", False):   # per ring step: each step's kernel output is kept
-        t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * R * (e * T * H * hd + 4 * T * H)
+    # per ring step: each kernel call's output is kept; with shared-prompt pairs' branches (--dpo-share-prompt) the
+    # calls cover a row up to twice (one process: a branch's rows against its own document and its prefix; the ring:
+    # 3.95 of 2 steps and 7.86 of 4 measured from its plans; review, helper 45: planned once, ~2x under)
+    KR = R * (2 if getattr(args, "dpo_share_prompt", False) else 1)
+    if N and getattr(args, "ac_keep_attn", False):
+        t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * KR * (e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = K * layer_saved(False)
     t["activations: rope cos/sin"] = 2 * e * T * hd
@@ -262,7 +266,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     held = lambda *ts: sum(shapes[x][0] * shapes[x][1] for x in ts) * e if nf4 else 0   # dequant_once's weights
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
-        kept = R * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
+        kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
         t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D - kept
     if G > 1:
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)

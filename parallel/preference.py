@@ -24,7 +24,9 @@ rewards [n_pairs, 2]: chosen, rejected) for this rank's shard of a collated micr
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -116,11 +118,14 @@ def per_sequence(x: torch.Tensor, sides: torch.Tensor, n_seqs: int) -> torch.Ten
 
 
 def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: torch.Tensor, sides: torch.Tensor,
-             n_pairs: int, pref: Preference, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+             n_pairs: int, pref: Preference, group=None, ref_logps: torch.Tensor | None = None,
+             whole_ref: bool = False) -> tuple[torch.Tensor, ...]:
     """`pref`'s loss of `n_pairs` pairs: (losses [n_pairs] float64, rewards [n_pairs, 2] detached), sequence 2k the
-    chosen and 2k + 1 the rejected of pair k; `ref_nll` None for a loss without a reference. The reward of a
-    sequence is beta · (log pi - log ref) (without a reference: beta · its mean log pi); a pair's margin is the
-    chosen's less the rejected's.
+    chosen and 2k + 1 the rejected of pair k; `ref_nll` None for a loss without a reference, or for one whose
+    whole sequences' reference log-probabilities are given (`ref_logps` float64 [2 × n_pairs], cached). The
+    reward of a sequence is beta · (log pi - log ref) (without a reference: beta · its mean log pi); a pair's margin
+    is the chosen's less the rejected's. `whole_ref`: a third value, the whole sequences' reference log-probabilities
+    [2 × n_pairs] (summed over the cp group), which `RefCache` keeps.
 
     Under context parallelism each rank holds part of every sequence: the sums (and target counts) are all-reduced
     over `group` (the cp group), and the loss is differentiable through this rank's own part only, so the ranks'
@@ -133,7 +138,10 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: tor
         whole = torch.stack([pi.detach(), ref, n])
         dist.all_reduce(whole, group=group)
         pi, ref, n = pi + (whole[0] - pi.detach()), whole[1], whole[2]   # the gradient of this rank's part
-    return pref(pi, ref if ref_nll is not None else None, n.clamp(min=1))
+    if ref_logps is not None:   # (already the whole sequences')
+        ref_nll, ref = ref_logps, ref_logps.to(pi.device, torch.float64)
+    out = pref(pi, ref if ref_nll is not None else None, n.clamp(min=1))
+    return (*out, ref) if whole_ref else out
 
 
 class DPO:
@@ -148,11 +156,137 @@ class DPO:
             reference_adapter(model, reference, device, dtype)
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
         self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
+        self.cache: dict[str, RefCache] = {}   # --dpo-cache-ref's, "train" and "eval"
 
-    def __call__(self, ids, pos, labels, sides, n_pairs: int):
-        ref = None
-        if self.off is not None:
-            with torch.no_grad(), self.off:
-                ref, _ = self.model(ids, position_ids=pos, labels=labels, per_token=True)
+    def reference(self, ids, pos, labels) -> torch.Tensor:
+        """The reference model's -log p of every target token of this rank's shard (0 off target), no graph."""
+        with torch.no_grad(), self.off:
+            return self.model(ids, position_ids=pos, labels=labels, per_token=True)[0]
+
+    def known(self, split: str, pairs) -> bool:
+        """Every one of `pairs` (a step's or an eval's, all ranks': the same answer on every rank) has its reference
+        log-probabilities in `split`'s cache: the forwards over them read it instead of running the reference."""
+        return split in self.cache and self.cache[split].known(pairs)
+
+    def __call__(self, ids, pos, labels, sides, n_pairs: int, pairs: list[int] | None = None, split: str = "train",
+                 known: bool = False):
+        """`pairs`: the micro-batch's pairs (indices into `split`'s samples; a dummy row: None). `known`
+        (`self.known`, decided for the whole step or eval): they read the reference from the cache; else the
+        reference runs, and with a cache its whole sequences' log-probabilities are kept for `sync`."""
+        ref = ref_logps = None
+        if self.off is not None and known:
+            ref_logps = self.cache[split].values[pairs or []].reshape(-1)
+        elif self.off is not None:
+            ref = self.reference(ids, pos, labels)
         pol, _ = self.model(ids, position_ids=pos, labels=labels, per_token=True)
-        return dpo_loss(pol, ref, labels, sides, n_pairs, self.pref, self.cp_group)
+        out = dpo_loss(pol, ref, labels, sides, n_pairs, self.pref, self.cp_group, ref_logps, whole_ref=True)
+        if ref is not None and pairs and split in self.cache:
+            self.cache[split].add(pairs, out[2], self.once)
+        return out[:2]
+
+    def sync(self, split: str, group) -> None:
+        """After a step or evaluation that ran the reference (not `known`), on every rank: `split`'s cache takes
+        every rank's new values (`RefCache.sync`); nothing without a cache."""
+        if split in self.cache:
+            self.cache[split].sync(group)
+
+
+
+class RefCache:
+    """--dpo-cache-ref: each pair's reference log-probabilities (chosen, rejected) in float64, from the first forward
+    that computes them: the first epoch's steps (a step whose pairs all are known reads them: a later epoch's), the
+    first evaluation. `add` keeps this rank's new ones (once per cp group) and `sync` adds every rank's (an all-reduce
+    over dp × cp of [pairs, 3]: sums and counts, a pair twice in a step averaged), the same on every rank after it.
+    The reference is held fixed, so a value kept is exact for the rest of the run: the first epoch trains as without
+    the cache (the same forwards), a later one reads each pair's value from the rows it had then."""
+
+    def __init__(self, n: int, device, path: str, ident: dict, log=print):
+        self.values = torch.zeros(n, 2, dtype=torch.float64, device=device)
+        self.have = torch.zeros(n, dtype=torch.bool, device=device)
+        self.new = torch.zeros(n, 3, dtype=torch.float64, device=device)
+        self.path, self.ident, self.written, self.log = path, ident, 0, log
+
+    def known(self, pairs) -> bool:
+        pairs = torch.as_tensor(list(pairs), dtype=torch.long, device=self.have.device)
+        return bool(self.have[pairs].all())
+
+    def add(self, pairs: list[int], ref: torch.Tensor, once: float) -> None:
+        i = torch.as_tensor(pairs, dtype=torch.long, device=self.new.device)
+        self.new.index_add_(0, i, once * torch.cat([ref.detach().view(-1, 2), torch.ones(len(pairs), 1,
+                                                                                         device=ref.device,
+                                                                                         dtype=ref.dtype)], 1))
+
+    def sync(self, group) -> None:
+        """Every rank's new values into the cache (collective: call it after each step or evaluation that ran the
+        reference, on every rank); written to `path` (rank 0, whole then renamed) once a tenth of the pairs more is
+        known than the file holds, and when all are: a resume reads it (`load`)."""
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.new, group=group)
+        got = self.new[:, 2] > 0
+        self.values[got] = self.new[got, :2] / self.new[got, 2:]
+        self.have |= got
+        self.new.zero_()
+        n, have = len(self.have), int(self.have.sum())
+        if have - self.written >= max(n // 10, 1) or have == n > self.written:
+            from parallel import guard
+            guard.on_rank0(self._write, f"writing {self.path}")
+            self.written = have
+
+    def _write(self) -> None:
+        try:
+            torch.save({"identity": self.ident, "values": self.values.cpu(), "have": self.have.cpu()},
+                       self.path + ".tmp")
+            os.replace(self.path + ".tmp", self.path)
+        except OSError as e:   # (a cache: the run goes on without its file; a resume computes them again)
+            self.log(f"warning: {self.path} could not be written ({e}): a resume computes those reference "
+                "log-probabilities again")
+
+    def load(self) -> None:
+        """A resume's: the file's values when it was kept for the same model, reference and pairs (rank 0 reads and
+        decides, then broadcasts); else none, said."""
+        from parallel import guard
+        got = guard.on_rank0(partial(_read, self.path, self.ident, len(self.have), self.log), f"reading {self.path}")
+        box = [None if got is None else int(got[1].sum())]
+        many = dist.is_initialized() and dist.get_world_size() > 1
+        if many:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        both = torch.cat([got[0], got[1][:, None].double()], 1) if got is not None else torch.empty(
+            len(self.have), 3, dtype=torch.float64)
+        both = both.to(self.values.device)
+        if many:
+            dist.broadcast(both, src=0)
+        self.values, self.have, self.written = both[:, :2].contiguous(), both[:, 2] > 0, box[0]
+        self.log(f"reference: {box[0]} of {len(self.have)} pairs' log-probabilities read from {self.path}")
+
+
+IDENTITY = ("model_sha256", "quant", "dtype", "rope_scaling", "max_len", "dpo_reference")   # (and the split's tokens)
+
+
+def ref_caches(dpo: DPO, args, splits: dict, device, log) -> None:
+    """--dpo-cache-ref: `dpo.cache` for each of `splits` ({"train": Pairs, "eval": Pairs or None}), kept in
+    OUT/reference_logps[_eval].pt with what they were computed for (the split's tokens, the model's fingerprint and
+    numerics, the reference): a resume in the run's folder reads those of the same."""
+    for split, samples in splits.items():
+        if samples:
+            ident = {"format": 1, "tokens": getattr(args, f"{'data' if split == 'train' else 'eval'}_tokens"),
+                     **{k: str(getattr(args, k, None)) for k in IDENTITY}}
+            path = os.path.join(args.out, f"reference_logps{'_eval' * (split == 'eval')}.pt")
+            dpo.cache[split] = RefCache(len(samples), device, path, ident, log)
+            dpo.cache[split].load()
+
+
+def _read(path: str, ident: dict, n: int, log) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`path`'s (values, have) when it was kept for `ident` and holds `n` pairs, else None (said, unless absent)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        got = torch.load(path, map_location="cpu", weights_only=True)
+        if got["identity"] != ident or got["values"].shape != (n, 2) or got["have"].shape != (n,):
+            log(f"note: {path} was kept for another model, reference or data: its values are computed again")
+            return None
+        return got["values"].double(), got["have"].bool()
+    except Exception as e:   # noqa: BLE001 - a torn or foreign file is computed again, never trusted
+        log(f"note: {path} cannot be read ({type(e).__name__}: {e}): its values are computed again")
+        return None

@@ -142,6 +142,9 @@ def check_start(args, demo: bool):
                 args.dpo_loss != "simpo":
             raise ValueError(f"--simpo-gamma {args.simpo_gamma:g}: SimPO's target margin, a finite number of 0 or more "
                              "(typical: 0.5 to 1.6), with --dpo-loss simpo only")
+        if args.dpo_cache_ref and args.dpo_loss in REFERENCE_FREE:
+            raise ValueError(f"--dpo-cache-ref keeps the reference model's log-probabilities, and --dpo-loss "
+                             f"{args.dpo_loss} has no reference model: drop it")
         args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
     else:   # DPO's flags do nothing here, yet would be compared on a resume
         for flag, v, default in (("--dpo-beta", args.dpo_beta, 0.1), ("--dpo-loss", args.dpo_loss, "sigmoid"),
@@ -150,9 +153,11 @@ def check_start(args, demo: bool):
             if v != default:
                 raise ValueError(f"{flag} {v} sets a preference loss (--objective dpo), and this run is supervised: "
                                  f"pass --objective dpo to train on preference pairs, or drop {flag}")
-        if args.dpo_share_prompt:
-            raise ValueError("--dpo-share-prompt holds a preference pair's prompt once, and this run is supervised: "
-                             "pass --objective dpo to train on preference pairs, or drop it")
+        for flag, v in (("--dpo-share-prompt", "holds a preference pair's prompt once"),
+                        ("--dpo-cache-ref", "keeps a preference loss's reference log-probabilities")):
+            if getattr(args, flag[2:].replace("-", "_")):
+                raise ValueError(f"{flag} {v}, and this run is supervised: pass --objective dpo to train on "
+                                 "preference pairs, or drop it")
     check_flags(args)
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
     if args.objective == "dpo" and args.dpo_loss in REFERENCE_FREE:

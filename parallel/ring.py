@@ -79,6 +79,9 @@ def _plan(group, n, docs, window, tile=None) -> list:
     """Per step, the kernel calls of its block (`masks.calls`): made once per attention call on the host and
     used by forward and backward. A rank's local rows are two runs of global indices: chunks r and 2P-1-r (no group:
     one process, its rows the whole sequence)."""
+    if group is None and docs is not None and docs.branches is not None and len(docs.bounds) == 1 and \
+            window is None:   # one process, one row: exact calls (several rows share calls: their tiles below)
+        return [masks.exact_calls(docs.bounds[0], docs.branches[0])]
     r, p, c = (dist.get_rank(group), dist.get_world_size(group), n // 2) if group is not None else (0, 1, n)
     spans = (lambda x: [masks.Span(0, x * c, c), masks.Span(c, (2 * p - 1 - x) * c, c)]) if group is not None else \
         (lambda x: [masks.Span(0, 0, n)])

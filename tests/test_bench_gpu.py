@@ -11,8 +11,9 @@ Pins:
   --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
   --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here), and
   "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row), "ours+orpo",
-  "ours+dpo-prompt" and "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens),
-  and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase.
+  "ours+dpo-cached" (one pair every step, its reference kept), "ours+dpo-prompt" and
+  "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens), and our rows carry the planner's
+  total for their flags and peak / planned, and step 1's peak per phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
@@ -24,6 +25,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Loaded by path, not by putting bench/ on sys.path: spawned ranks of later tests inherit sys.path,
@@ -84,10 +86,10 @@ def test_smoke_mode_writes_results(tmp_path):
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
-                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-prompt",
-                                   "ours+dpo-prompt-shared"])
+                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-cached",
+                                   "ours+dpo-prompt", "ours+dpo-prompt-shared"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo", "ours+orpo"):
+                 "ours+dpo", "ours+orpo", "ours+dpo-cached"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -111,6 +113,10 @@ def test_smoke_mode_writes_results(tmp_path):
     assert dpo["planned_gb"] == pytest.approx(rows["ours"]["planned_gb"], rel=0.05), (dpo, rows["ours"])
     orpo = rows["ours+orpo"]   # (the same pairs without a reference forward)
     assert orpo["flags"] == ["--objective", "dpo", "--dpo-loss", "orpo"] and orpo["ratio"]["ours"] > 0, orpo
+    cached = rows["ours+dpo-cached"]   # (one pair every step: its reference kept by the warm-up step, then read)
+    assert cached["flags"] == ["--objective", "dpo", "--dpo-cache-ref"] and cached["ratio"]["ours"] > 0, cached
+    kept = [torch.load(f, weights_only=True) for f in (tmp_path / "work" / "32k").glob("ours-*/reference_logps.pt")]
+    assert [k["have"].tolist() for k in kept] == [[True]], kept
     # pairs sharing a prompt of 7/8 of a side, as they come and with --dpo-share-prompt: the same pairs, the prompt
     # once (fewer tokens a step, a smaller plan)
     plain, shared = rows["ours+dpo-prompt"], rows["ours+dpo-prompt-shared"]

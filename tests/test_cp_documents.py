@@ -190,12 +190,12 @@ def branched_positions(rows=BRANCHED):
     return pos
 
 
-def check_branched(attn, dims, heads, label, one=False):
+def check_branched(attn, dims, heads, label, one=False, rows=BRANCHED):
     """`attn` on the branched rows (sharded, unless `one`: one process) = SDPA with `model.attention.visible`'s
     mask: out, dQ, dK, dV on every rank, float64."""
     from model.attention import visible
 
-    pos = branched_positions()
+    pos = branched_positions(rows)
     b, s = pos.shape
     h, hkv, d = heads
     g = torch.Generator().manual_seed(h + d)
@@ -249,6 +249,18 @@ def test_branched_rows_one_process():
         check_branched(SDPAAttention(), None, (8, 2, 16), "sdpa", one=True)
     finally:
         masks.MASK_TILE = keep_tile
+    # one row on one process (packed micro-batches, Ulysses): a causal call per document, a full call per branch's
+    # prefix, exactly the visible pairs, no masked call (tiles a boundary crosses computed ~50x the visible pairs of a
+    # row of short pairs: review, helper 45)
+    from parallel import ring
+    for r, row in enumerate(BRANCHED):
+        one = branched_positions([row])
+        plan = ring._plan(None, one.shape[1], masks.documents(one), None)
+        assert len(plan) == 1 and all(c[4] in ("causal", "full") for c in plan[0]), plan
+        pairs = sum((qe - qa) * (qe - qa + 1) // 2 if kind == "causal" else (qe - qa) * (ke - ka)
+                    for qa, qe, ka, ke, kind, *_ in plan[0])
+        assert pairs == int(visible(one).sum()), (r, pairs)
+        check_branched(KernelAttention(), None, (8, 2, 16), f"kernels, row {r} alone", one=True, rows=[row])
 
 
 def _branched_ranks(rank, world, splits):
@@ -259,6 +271,7 @@ def _branched_ranks(rank, world, splits):
             label = f"{impl} u{dims.ulysses}×r{dims.ring} {heads}"
             check_branched(attn, dims, heads, label)
             done.append(label)
+        check_branched(attn, dims, (4, 1, 32), f"{impl} u{dims.ulysses}×r{dims.ring}, one row", rows=BRANCHED[:1])
     return done
 
 

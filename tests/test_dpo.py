@@ -34,6 +34,7 @@ Run: .venv/bin/python -m pytest -q tests/test_dpo.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,6 +93,17 @@ SHARED_FOUR = {"dpo_shared_cp2_dp2_ring_mb2": ["--dpo-share-prompt", "--eval-eve
                "dpo_shared_cp4_hybrid_auto": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "4", "--cp-impl",
                                               "hybrid", "--ulysses-degree", "2", "--micro-batch", "auto"]}
 
+# --dpo-cache-ref (each pair's reference log-probabilities kept from its first forward, read once every pair of a step
+# or eval is known): on the first file's pairs, 3 steps of 8 are two epochs (the third step reads), = the plain run on
+# 1 rank and cp 2 × dp 2 ring with 2 pairs a micro-batch; from an adapter (its reference) on Ulysses with shared
+# prompts (one epoch: the evals after the first read) = that plain run
+CACHED = ["--dpo-cache-ref", "--eval-every", "1"]
+EPOCHS = lambda a: ["--data", a["parts"][0], "--eval-every", "1"]
+CACHED_FOUR = {"dpo_a_cached_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring",
+                                                 "--micro-batch", "2"],
+               "dpo_from_cached_cp2_dp2_ulysses_shared": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
+                                                          "--dpo-share-prompt"]}
+
 
 @pytest.fixture(scope="module")
 def pairs(assets):
@@ -123,6 +135,9 @@ def _four(rank, world_size, a, root):
         train.main(_argv(a, os.path.join(root, name + "_4"), *flags, *layout))
     for name, flags in SHARED_FOUR.items():
         train.main(_argv(a, os.path.join(root, name), *flags))
+    for name, flags in CACHED_FOUR.items():
+        train.main(_argv(a, os.path.join(root, name), *CACHED, *flags, *(FROM(root) if "from" in name else
+                                                                           EPOCHS(a))))
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +157,33 @@ def runs(pairs, tmp_path_factory):
             train.main(_argv(pairs, os.path.join(root, name), *flags))
         for name, flags in SHARED.items():
             train.main(_argv(pairs, os.path.join(root, name), *flags))
+        with _counting_references() as calls:   # (the reference forwards each run made: (training, eval))
+            for name, flags in (("dpo_a", []), ("dpo_a_cached", [*CACHED, "--save-every", "2"])):
+                train.main(_argv(pairs, os.path.join(root, name), *EPOCHS(pairs), *flags))
+                json.dump(calls, open(os.path.join(root, name, "reference_calls.json"), "w"))
+                calls[:] = [0, 0]
         train.main(_argv(pairs, os.path.join(root, "dpo_from_resume"), *FROM(root), "--resume",
                          os.path.join(root, "dpo_from", "ckpt", "step_000002")))
     run_ranks(_four, 4, pairs, root, timeout=540, pg_timeout=120)
     return root
+
+
+@contextlib.contextmanager
+def _counting_references():
+    """[reference forwards in training, in evaluation] of the in-process runs inside (`DPO.reference` wrapped)."""
+    from parallel.preference import DPO as Step
+
+    calls, real = [0, 0], Step.reference
+
+    def counted(self, *a, **k):
+        calls[0 if self.model.training else 1] += 1
+        return real(self, *a, **k)
+
+    Step.reference = counted
+    try:
+        yield calls
+    finally:
+        Step.reference = real
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -217,16 +255,21 @@ VARIANTS = {"sigmoid": dict(), "ipo_rpo": dict(loss="ipo", rpo_alpha=0.5), "ipo"
             "orpo": dict(loss="orpo", beta=0.25)}
 
 
-@pytest.mark.parametrize("mem,reference,variant,shared", [
-    (dict(ac=False), False, "sigmoid", False), (dict(ac=True, tiled_mlp=True), False, "sigmoid", False),
-    (dict(ac=True, tiled_mlp=True), True, "sigmoid", False),
-    *((dict(ac=False), False, v, False) for v in list(VARIANTS)[1:]), (dict(ac=False), True, "ipo_rpo", False),
-    (dict(ac=True, tiled_mlp=True), False, "sigmoid", True), (dict(ac=False), True, "simpo", True)],
+@pytest.mark.parametrize("mem,reference,variant,shared,cached", [
+    (dict(ac=False), False, "sigmoid", False, False), (dict(ac=True, tiled_mlp=True), False, "sigmoid", False, False),
+    (dict(ac=True, tiled_mlp=True), True, "sigmoid", False, False),
+    *((dict(ac=False), False, v, False, False) for v in list(VARIANTS)[1:]),
+    (dict(ac=False), True, "ipo_rpo", False, False),
+    (dict(ac=True, tiled_mlp=True), False, "sigmoid", True, False), (dict(ac=False), True, "simpo", True, False),
+    (dict(ac=True, tiled_mlp=True), False, "sigmoid", False, True), (dict(ac=False), True, "ipo_rpo", True, True)],
     ids=["no_ac", "ac_tiled", "ac_tiled_reference_adapter", *list(VARIANTS)[1:], "ipo_rpo_reference_adapter",
-         "ac_tiled_shared_prompt", "simpo_shared_prompt"])
-def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference, variant, shared):
-    """Our packed micro-batch of pairs (with `shared`: each pair's prompt once, the rejected answer a branch) = each
-    sequence alone through transformers + peft and the loss's formula: losses, rewards, every LoRA gradient."""
+         "ac_tiled_shared_prompt", "simpo_shared_prompt", "ac_tiled_cached",
+         "ipo_rpo_reference_adapter_shared_cached"])
+def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, reference, variant, shared, cached):
+    """Our packed micro-batch of pairs (with `shared`: each pair's prompt once, the rejected answer a branch; with
+    `cached`: the reference's log-probabilities kept by `RefCache` from forwards of the pairs in other rows, the
+    step reading them and running no reference forward) = each sequence alone through transformers + peft and the
+    loss's formula: losses, rewards, every LoRA gradient."""
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
@@ -259,7 +302,19 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
         assert len(ref_sd) == 14 * 3 - 2
     pref = Preference(**{"beta": beta, **VARIANTS[variant]})
     step = Step(model, pref, reference=ref_sd)
-    losses, rewards = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made))
+    if cached:   # first the pairs in other rows (two, then one), their reference kept; then the step reads it
+        from parallel.preference import RefCache
+
+        step.cache["train"] = RefCache(len(made), "cpu", str(tmp_path / "ref.pt"), {"of": "this test"})
+        for part in ([0, 1], [2]):
+            c = collate([rows[j] for j in part], True, 1, 0, sides=True)
+            assert not step.known("train", range(len(made)))
+            step(c["input_ids"], c["position_ids"], c["labels"], c["sides"], len(part), part)
+            step.sync("train", None)
+        assert step.known("train", range(len(made))) and os.path.exists(tmp_path / "ref.pt")
+        step.reference = None   # (a reference forward in the step would now fail)
+    losses, rewards = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made),
+                           list(range(len(made))), known=cached)
     margins = rewards[:, 0] - rewards[:, 1]
     (losses.sum() / len(made)).backward()
     ours = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
@@ -485,6 +540,11 @@ def test_the_planner_plans_a_pair_as_two_sequences():
     attn = lambda plan: next(v for k, v in plan.terms.items() if k.startswith("| block attention"))
     assert any("kernel+ring" in k for k in shared.terms) and attn(shared) >= attn(memory_plan(m, dims, dpo, "cuda",
                                                                                               True))
+    # --ac-keep-attn keeps each kernel call's output, and a branch's rows take two calls: twice a row's (helper 45)
+    keep = lambda ns: next(v for k, v in memory_plan(m, dims, argparse.Namespace(**{**vars(dpo), "ac_keep_attn": True,
+                                                                                     **ns}), "cuda", True).terms.items()
+                           if "kept attention outputs" in k)
+    assert keep({"dpo_share_prompt": True}) == 2 * keep({}), (keep({"dpo_share_prompt": True}), keep({}))
     # from --init-adapter: its tensors whole on the rank, bf16 (r 16 on all seven projections of 28 layers)
     ref = argparse.Namespace(**{**vars(dpo), "dpo_reference": "adapter sha256 0"})
     D, F_, kv = 3584, 18944, 4 * 128
@@ -555,6 +615,85 @@ def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
         rel = ((a[k] - b[k]).norm() / b[k].norm()).item()
         assert rel <= ADAPTER_RTOL, f"{name}: adapter {k} differs by {rel:.2e}"
     assert json.load(open(os.path.join(out, "config.json")))["dpo_share_prompt"] is True
+
+
+@pytest.mark.parametrize("name", ["dpo_a_cached", *CACHED_FOUR])
+def test_a_cached_reference_trains_as_the_plain_run(runs, name):
+    """--dpo-cache-ref on 1 rank and on cp 2 × dp 2 ring with 2 pairs a micro-batch (two epochs: the third step reads
+    the first epoch's values), and from an adapter (its reference) on cp 2 × dp 2 Ulysses with shared prompts = the
+    plain 1-rank run: losses, grad norms, reward and eval metrics, adapter; its files in OUT hold the values of every
+    pair the run met (each below 0), kept for the run's reference; on 1 rank the run made 2 of the plain run's 3
+    steps' reference forwards and 1 of its 3 evaluations'."""
+    out = os.path.join(runs, name)
+    ref = os.path.join(runs, "dpo_from" if "from" in name else "dpo_a")
+    got, want = _metrics(out), _metrics(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    assert "from" in name or [r["epoch"] for r in got] == [r["epoch"] for r in want] and got[-1]["epoch"] == 2, got
+    for g, w in zip(got, want):
+        for k in ("loss", "reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss",
+                  "eval_reward_acc", "eval_reward_margin"):
+            assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-4 * w["grad_norm"], (g["grad_norm"], w["grad_norm"])
+    assert got[0]["reward_acc"] == 0 and (got[0]["reward_margin"] == 0 or "from" in name), got[0]   # (step 1: ties)
+    a, b = _adapter(out), _adapter(ref)
+    assert sorted(a) == sorted(b)
+    for k in b:
+        rel = ((a[k] - b[k]).norm() / b[k].norm()).item()
+        assert rel <= ADAPTER_RTOL, f"{name}: adapter {k} differs by {rel:.2e}"
+    for f in ("reference_logps.pt", "reference_logps_eval.pt"):   # (from the adapter: 3 steps of 8 of the 29 pairs)
+        kept = torch.load(os.path.join(out, f), weights_only=True)
+        have = int(kept["have"].sum())
+        assert have == (24 if "from" in name and f == "reference_logps.pt" else len(kept["have"])), (f, have)
+        assert bool((kept["values"][kept["have"]] < 0).all()) and not kept["values"][~kept["have"]].any(), f
+        assert kept["identity"]["dpo_reference"].startswith("adapter sha256" if "from" in name else "base"), f
+    if name == "dpo_a_cached":
+        plain, cached = (json.load(open(os.path.join(runs, r, "reference_calls.json"))) for r in ("dpo_a", name))
+        assert plain[0] > 0 and plain[1] > 0 and cached[0] * 3 == plain[0] * 2 and cached[1] * 3 == plain[1], (
+            plain, cached)
+
+
+def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys):
+    """A resume in the run's folder reads OUT/reference_logps*.pt: step 3 runs no reference forward and equals the
+    uninterrupted step (a tampered file changes it: it is read, not computed again); a file kept for other tokens is
+    computed again, said, and equals too; --dpo-cache-ref with a loss without a reference, or on a supervised run, is
+    refused."""
+    import shutil
+
+    import train
+
+    want = _metrics(os.path.join(runs, "dpo_a_cached"))[2]
+    step3 = {}
+    for how in ("as_is", "tampered", "other_tokens"):
+        out = str(tmp_path / how)
+        shutil.copytree(os.path.join(runs, "dpo_a_cached"), out)
+        path = os.path.join(out, "reference_logps.pt")
+        kept = torch.load(path, weights_only=True)
+        if how == "tampered":
+            kept["values"] = kept["values"] * 1.01
+        if how == "other_tokens":
+            kept["identity"]["tokens"] = kept["identity"]["tokens"].replace("sha256 ", "sha256 0")
+        torch.save(kept, path)
+        n = len(kept["have"])
+        capsys.readouterr()
+        with one_thread(), _counting_references() as calls:
+            train.main(_argv(pairs, out, *EPOCHS(pairs), *CACHED, "--resume", os.path.join(out, "ckpt", "step_000002")))
+        said = capsys.readouterr().out
+        step3[how] = _metrics(out)[2]
+        assert (f"reference: {n} of {n} pairs' log-probabilities read from {path}" in said) == (how != "other_tokens")
+        assert f"pairs' log-probabilities read from {path[:-3]}_eval.pt" in said, said
+        assert (f"note: {path} was kept for another model, reference or data: its values are computed again" in said
+                ) == (how == "other_tokens"), said
+        assert calls[1] == 0 and (calls[0] == 0) == (how != "other_tokens"), (how, calls)   # (the eval's: read)
+    for how in ("as_is", "other_tokens"):
+        for k in ("loss", "grad_norm", "reward_margin", "eval_loss"):
+            assert abs(step3[how][k] - want[k]) <= 1e-5, f"{how}: step 3 {k}: {step3[how][k]} vs {want[k]}"
+    assert abs(step3["tampered"]["reward_margin"] - want["reward_margin"]) > 1e-3, (step3["tampered"], want)
+    out = str(tmp_path / "refused")
+    said = startup_error(_argv(pairs, out, "--dpo-cache-ref", "--dpo-loss", "simpo", "--dpo-beta", "2"))
+    assert "--dpo-loss simpo has no reference model: drop it" in said, said
+    said = startup_error(train_argv(pairs, out, "--dpo-cache-ref"))
+    assert "--dpo-cache-ref keeps a preference loss's reference log-probabilities, and this run is supervised: pass " \
+           "--objective dpo" in said, said
 
 
 @pytest.mark.parametrize("name", list(ONE))
@@ -761,11 +900,13 @@ def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
                                               n_kv_heads=2, intermediate_size=48, sliding_window=sliding,
                                               layer_types=layers)
     for layers in (None, ["full_attention", "sliding_attention"]):
-        with pytest.raises(ValueError, match="a sliding window \\(this model's, 6 tokens, shorter than a pair's row "
-                                             "of up to 128\\) would measure by the row"):
-            validate(args, model(6, layers), 1)
+        for window in (6, 63):
+            with pytest.raises(ValueError, match=f"a sliding window \\(this model's, {window} tokens, shorter than a "
+                                                 "side's --max-len 64\\) would measure by the row"):
+                validate(args, model(window, layers), 1)
     validate(args, model(6, ["full_attention"] * 2), 1)   # (no layer slides)
-    validate(args, model(128, None), 1)   # (a window as long as any row: none)
+    validate(args, model(64, None), 1)   # (a window of --max-len cuts no side: none; review, helper 45: refused below
+    # a pair's 2 × --max-len)
     # --fast may choose --tiled-attn for a shared-prompt run, and the run takes it (review, helper 44: it chose it
     # when the two were refused together, and the run refused its own choice)
     import contextlib
@@ -776,6 +917,46 @@ def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
                     "--dpo-share-prompt", "--max-len", "65536", "--global-batch", "1", "--dtype", "bf16",
                     "--gpu-mem", "47.6"])
     assert "--fast: --tiled-mlp --tiled-attn" in said.getvalue() and "fits:" in said.getvalue(), said.getvalue()[-800:]
+
+
+def _two_window(rank, world_size, a, root):
+    import train
+
+    train.main(_argv(a, os.path.join(root, "shared_ulysses"), "--dpo-share-prompt", "--micro-batch", "2", "--cp", "2",
+                     "--cp-impl", "ulysses"))
+
+
+@pytest.mark.timeout(300)
+def test_shared_prompts_train_under_a_window_that_cuts_no_side(pairs, tmp_path):
+    """A model whose sliding window (on one layer) is --max-len: no side reaches past it, so --dpo-share-prompt runs
+    (refused before: the check took a pair's 2 × --max-len) with 2 pairs a micro-batch, rows of four sides longer than
+    the window (crashed at step 1 on one process and Ulysses: review, helper 45) = the plain run: losses, grad
+    norms, adapter."""
+    import shutil
+
+    import train
+
+    model = str(tmp_path / "window64")
+    shutil.copytree(pairs["window"], model)
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    cfg["sliding_window"] = 64   # (= --max-len; layer 1 slides)
+    json.dump(cfg, open(os.path.join(model, "config.json"), "w"))
+    a = {**pairs, "model": model}
+    root = str(tmp_path)
+    with one_thread():
+        train.main(_argv(a, os.path.join(root, "plain"), "--micro-batch", "2"))
+        train.main(_argv(a, os.path.join(root, "shared"), "--dpo-share-prompt", "--micro-batch", "2"))
+    run_ranks(_two_window, 2, a, root, timeout=240)
+    for name in ("shared", "shared_ulysses"):
+        got, want = _metrics(os.path.join(root, name)), _metrics(os.path.join(root, "plain"))
+        assert [r["step"] for r in got] == [1, 2, 3]
+        for g, w in zip(got, want):
+            assert abs(g["loss"] - w["loss"]) <= 1e-5 and abs(g.get("eval_loss", 0) - w.get("eval_loss", 0)) <= 1e-5, (
+                name, g, w)
+            assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-4 * w["grad_norm"], (name, g, w)
+            assert g["tokens"] < w["tokens"], (name, g["tokens"], w["tokens"])
+        a_, b_ = _adapter(os.path.join(root, name)), _adapter(os.path.join(root, "plain"))
+        assert max(((a_[k] - b_[k]).norm() / b_[k].norm()).item() for k in b_) <= ADAPTER_RTOL, name
 
 
 def test_data_show_names_each_side(pairs, capsys):
