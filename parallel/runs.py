@@ -109,8 +109,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
-        if not _own(resume, out):   # (one inside OUT but another run's, nested below it, or OUT a folder above
-            # that run: its config, metrics, checkpoints and adapter would be written over; review, helper 46)
+        if os.path.exists(resume) and not _own(resume, out):   # (none there: resolve says so) one inside OUT but
+            # another run's, nested below it, or OUT a folder above that run: its config, metrics, checkpoints and
+            # adapter would be written over (review, helper 46)
             theirs = run_of(resume)
             raise ValueError(f"--out {out!r} already holds files ({', '.join(used)}) and --resume {resume!r} is not "
                              f"one of its own checkpoints ({os.path.join(out, 'ckpt')}): resuming there would mix two "
