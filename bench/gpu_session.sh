@@ -64,7 +64,10 @@
 #   `python3 bench/micro_batch.py --layers 8 --max-len 32768 --short-lo 512 --short-hi 4096 --global-batch 32`
 #   (needs the bitsandbytes wheel on PYTHONPATH as this script sets it; CPU smoke 2.07x); a session with device time
 #   to spare runs it after call 2. So is DPO's cost against a supervised step of the same tokens (2026-12-04, CPU only):
-#   BENCH='--case 32k --runs ours,ours+dpo' (two 32k rows, ~90 s; the "fast" case runs it too).
+#   BENCH='--case 32k --runs ours,ours+dpo' (two 32k rows, ~90 s; the "fast" case runs it too); and the DPO rows
+#   never run on a GPU (2026-12-05): BENCH='--case fast --runs ours+dpo,ours+orpo,ours+dpo-cached,ours+dpo-prompt,
+#   ours+dpo-prompt-shared' (five 32k rows, ~4 min): the reference forward's cost, the cache's saving
+#   (--dpo-cache-ref), and --dpo-share-prompt's against the same prompted pairs (whether to make it the default).
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
