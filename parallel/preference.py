@@ -230,6 +230,9 @@ class RefCache:
         if have - self.written >= max(n // 10, 1) or have == n > self.written:
             from parallel import guard
             guard.on_rank0(self._write, f"writing {self.path}")
+            if have == n:   # (once: a run's log says from when its steps or evals read them)
+                self.log(f"reference: all {n} pairs' log-probabilities of {os.path.basename(self.path)} are kept: "
+                         "the steps or evaluations of those pairs run no reference forward from here")
             self.written = have
 
     def _write(self) -> None:

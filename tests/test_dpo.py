@@ -305,13 +305,16 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
     if cached:   # first the pairs in other rows (two, then one), their reference kept; then the step reads it
         from parallel.preference import RefCache
 
-        step.cache["train"] = RefCache(len(made), "cpu", str(tmp_path / "ref.pt"), {"of": "this test"})
+        said = []
+        step.cache["train"] = RefCache(len(made), "cpu", str(tmp_path / "ref.pt"), {"of": "this test"}, said.append)
         for part in ([0, 1], [2]):
             c = collate([rows[j] for j in part], True, 1, 0, sides=True)
-            assert not step.known("train", range(len(made)))
+            assert not step.known("train", range(len(made))) and not said
             step(c["input_ids"], c["position_ids"], c["labels"], c["sides"], len(part), part)
             step.sync("train", None)
         assert step.known("train", range(len(made))) and os.path.exists(tmp_path / "ref.pt")
+        assert said == ["reference: all 3 pairs' log-probabilities of ref.pt are kept: the steps or evaluations of "
+                        "those pairs run no reference forward from here"], said
         step.reference = None   # (a reference forward in the step would now fail)
     losses, rewards = step(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made),
                            list(range(len(made))), known=cached)
