@@ -267,7 +267,8 @@ def main(argv=None):
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
         dpo = args.objective == "dpo"
         ref = ("none" if args.dpo_reference == "none" else f"--init-adapter {args.init_adapter}, held fixed"
-               if args.init_adapter else "the base model (LoRA off)")
+               if args.init_adapter else "the base model (LoRA off)") + " (each pair's kept: --dpo-cache-ref)" * bool(
+            dpo and args.dpo_cache_ref)
         log0(f"layout: {dims}\nloss: " + (f"{Preference.from_args(args)}, reference: {ref}" if dpo
                                           else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
                                           f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))

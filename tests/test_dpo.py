@@ -684,6 +684,7 @@ def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys
         step3[how] = _metrics(out)[2]
         assert (f"reference: {n} of {n} pairs' log-probabilities read from {path}" in said) == (how != "other_tokens")
         assert f"pairs' log-probabilities read from {path[:-3]}_eval.pt" in said, said
+        assert "reference: the base model (LoRA off) (each pair's kept: --dpo-cache-ref)" in said, said
         assert (f"note: {path} was kept for another model, reference or data: its values are computed again" in said
                 ) == (how == "other_tokens"), said
         assert calls[1] == 0 and (calls[0] == 0) == (how != "other_tokens"), (how, calls)   # (the eval's: read)
