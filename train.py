@@ -442,7 +442,7 @@ def main(argv=None):
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()
             if dpo and not known:
-                dpo.sync("train", dp_cp)
+                dpo.sync("train", dp_cp, order.step_samples(step))
             wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
             dist.all_reduce(loss_sum, group=dp_cp)

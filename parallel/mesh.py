@@ -340,12 +340,17 @@ def validate(args, margs, world: int):
     if getattr(args, "tiled_attn", False) and dims.cp > 1:
         raise ValueError(f"--tiled-attn with --cp {dims.cp}: the tiles run one process's whole-sequence attention, "
                          "and context parallelism splits the sequence across ranks already; drop one of them")
+    # (--no-pack pads a row to its micro-batch's longest pair, and the padding joins the branch: 2 x --max-len there;
+    # review, helper 47)
+    from parallel.plan import sample_tokens  # (plan imports model.llama: here, not at the top)
+    reach = args.max_len if args.pack is not False or args.micro_batch == 1 else sample_tokens(args)
+    what = f"a side's --max-len {reach:,}" if reach == args.max_len else f"an unpacked row padded to {reach:,} tokens"
     if getattr(args, "dpo_share_prompt", False) and margs.sliding_window is not None and margs.sliding_window < \
-            args.max_len and "sliding_attention" in (margs.layer_types or ["sliding_attention"]):
+            reach and "sliding_attention" in (margs.layer_types or ["sliding_attention"]):
         raise ValueError(f"--dpo-share-prompt makes a pair's rejected answer a branch that sees the prompt before "
                          f"the chosen one, which a sliding window (this model's, {margs.sliding_window} tokens, "
-                         f"shorter than a side's --max-len {args.max_len:,}) would measure by the row, not by its "
-                         "positions: drop --dpo-share-prompt (a window of --max-len or more cuts no side: allowed)")
+                         f"shorter than {what}) would measure by the row, not by its positions: drop "
+                         "--dpo-share-prompt (a window that reaches that far cuts nothing: allowed)")
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")

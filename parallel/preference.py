@@ -23,6 +23,7 @@ rewards [n_pairs, 2]: chosen, rejected) for this rank's shard of a collated micr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -184,11 +185,11 @@ class DPO:
             self.cache[split].add(pairs, out[2], self.once)
         return out[:2]
 
-    def sync(self, split: str, group) -> None:
+    def sync(self, split: str, group, pairs=None) -> None:
         """After a step or evaluation that ran the reference (not `known`), on every rank: `split`'s cache takes
-        every rank's new values (`RefCache.sync`); nothing without a cache."""
+        every rank's new values (`RefCache.sync`; `pairs`: the step's, every rank's); nothing without a cache."""
         if split in self.cache:
-            self.cache[split].sync(group)
+            self.cache[split].sync(group, pairs)
 
 
 
@@ -196,7 +197,8 @@ class RefCache:
     """--dpo-cache-ref: each pair's reference log-probabilities (chosen, rejected) in float64, from the first forward
     that computes them: the first epoch's steps (a step whose pairs all are known reads them: a later epoch's), the
     first evaluation. `add` keeps this rank's new ones (once per cp group) and `sync` adds every rank's (an all-reduce
-    over dp × cp of [pairs, 3]: sums and counts, a pair twice in a step averaged), the same on every rank after it.
+    over dp × cp of the step's [pairs, 3]: sums and counts, a pair twice in a step averaged), the same on every rank
+    after it. It holds 49 bytes a pair on the device (1M pairs: 49 MB).
     The reference is held fixed, so a value kept is exact for the rest of the run: the first epoch trains as without
     the cache (the same forwards), a later one reads each pair's value from the rows it had then."""
 
@@ -216,16 +218,20 @@ class RefCache:
                                                                                          device=ref.device,
                                                                                          dtype=ref.dtype)], 1))
 
-    def sync(self, group) -> None:
+    def sync(self, group, pairs=None) -> None:
         """Every rank's new values into the cache (collective: call it after each step or evaluation that ran the
-        reference, on every rank); written to `path` (rank 0, whole then renamed) once a tenth of the pairs more is
-        known than the file holds, and when all are: a resume reads it (`load`)."""
+        reference, on every rank, with the same `pairs`: those any rank may have added, all when None; only their
+        rows travel); written to `path` (rank 0, whole then renamed) once a tenth of the pairs more is known than
+        the file holds, and when all are: a resume reads it (`load`)."""
+        idx = torch.arange(len(self.have), device=self.new.device) if pairs is None else torch.as_tensor(
+            sorted(set(pairs)), dtype=torch.long, device=self.new.device)
+        part = self.new[idx]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(self.new, group=group)
-        got = self.new[:, 2] > 0
-        self.values[got] = self.new[got, :2] / self.new[got, 2:]
-        self.have |= got
-        self.new.zero_()
+            dist.all_reduce(part, group=group)
+        got = part[:, 2] > 0
+        self.values[idx[got]] = part[got, :2] / part[got, 2:]
+        self.have[idx[got]] = True
+        self.new[idx] = 0
         n, have = len(self.have), int(self.have.sum())
         if have - self.written >= max(n // 10, 1) or have == n > self.written:
             from parallel import guard
@@ -240,9 +246,12 @@ class RefCache:
             torch.save({"identity": self.ident, "values": self.values.cpu(), "have": self.have.cpu()},
                        self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)
-        except OSError as e:   # (a cache: the run goes on without its file; a resume computes them again)
-            self.log(f"warning: {self.path} could not be written ({e}): a resume computes those reference "
-                "log-probabilities again")
+        except (OSError, RuntimeError) as e:   # (a cache: the run goes on without its file; a resume computes them
+            # again. torch.save says a refused write as a RuntimeError: review, helper 47)
+            self.log(f"warning: {self.path} could not be written ({type(e).__name__}: {str(e).strip()[:200]}): a "
+                     "resume computes those reference log-probabilities again")
+            with contextlib.suppress(OSError):
+                os.remove(self.path + ".tmp")
 
     def load(self) -> None:
         """A resume's: the file's values when it was kept for the same model, reference and pairs (rank 0 reads and

@@ -548,6 +548,8 @@ def test_the_planner_plans_a_pair_as_two_sequences():
                                                                                      **ns}), "cuda", True).terms.items()
                            if "kept attention outputs" in k)
     assert keep({"dpo_share_prompt": True}) == 2 * keep({}), (keep({"dpo_share_prompt": True}), keep({}))
+    unpacked = {"pack": False, "micro_batch": 2}   # (rows of several pairs share tiled calls: ~3.5x, helper 47)
+    assert keep({"dpo_share_prompt": True, **unpacked}) == 4 * keep(unpacked)
     # from --init-adapter: its tensors whole on the rank, bf16 (r 16 on all seven projections of 28 layers)
     ref = argparse.Namespace(**{**vars(dpo), "dpo_reference": "adapter sha256 0"})
     D, F_, kv = 3584, 18944, 4 * 128
@@ -911,6 +913,13 @@ def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
     validate(args, model(6, ["full_attention"] * 2), 1)   # (no layer slides)
     validate(args, model(64, None), 1)   # (a window of --max-len cuts no side: none; review, helper 45: refused below
     # a pair's 2 × --max-len)
+    # unpacked rows of several pairs are padded to the longest pair, and the padding joins the branch: 2 × --max-len
+    # (review, helper 47: this passed start-up and crashed at step 1)
+    unpacked = train.build_parser().parse_args(["--objective", "dpo", "--dpo-share-prompt", "--max-len", "64",
+                                                "--no-pack", "--micro-batch", "2", "--global-batch", "8"])
+    with pytest.raises(ValueError, match="shorter than an unpacked row padded to 128 tokens"):
+        validate(unpacked, model(64, None), 1)
+    validate(unpacked, model(128, None), 1)
     # --fast may choose --tiled-attn for a shared-prompt run, and the run takes it (review, helper 44: it chose it
     # when the two were refused together, and the run refused its own choice)
     import contextlib
@@ -921,6 +930,21 @@ def test_share_prompt_refusals_name_the_fix(pairs, assets, tmp_path):
                     "--dpo-share-prompt", "--max-len", "65536", "--global-batch", "1", "--dtype", "bf16",
                     "--gpu-mem", "47.6"])
     assert "--fast: --tiled-mlp --tiled-attn" in said.getvalue() and "fits:" in said.getvalue(), said.getvalue()[-800:]
+
+
+def test_a_cache_file_that_cannot_be_written_is_a_warning(tmp_path):
+    """--dpo-cache-ref's file is a cache: a write the disk refuses (torch.save says it as a RuntimeError, here a folder
+    that is not there) is a warning, and the run goes on with the values kept in memory (review, helper 47: it
+    stopped every rank with a traceback)."""
+    from parallel.preference import RefCache
+
+    said = []
+    cache = RefCache(2, "cpu", str(tmp_path / "gone" / "reference_logps.pt"), {}, said.append)
+    cache.add([0, 1], torch.tensor([-1.0, -2.0, -3.0, -4.0], dtype=torch.float64), 1.0)
+    cache.sync(None, [1, 0, 1])
+    assert cache.known([0, 1]) and cache.values.tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
+    assert said[0].startswith(f"warning: {tmp_path / 'gone' / 'reference_logps.pt'} could not be written ("), said
+    assert not os.path.exists(tmp_path / "gone")
 
 
 def _two_window(rank, world_size, a, root):
