@@ -275,7 +275,8 @@ def main(argv=None):
         for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                      dpo and Preference.from_args(args).note(args.lora_dropout),
                      init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
-                                       args.model_sha256, args.quant),
+                                       args.model_sha256, args.quant,
+                                       margs.rope_parameters() if args.rope_scaling is not None else None),
                      ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
                          f"note: --init-adapter {args.init_adapter} is " + ("read as DPO's reference only" if
                                                                              dpo and args.dpo_reference != "none" else

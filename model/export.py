@@ -133,11 +133,13 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
 
 
 def init_adapter_note(path: str | None, chat_template: str | None, model_sha256: str | None = None,
-                      quant: str | None = None) -> str | None:
+                      quant: str | None = None, rope_parameters: dict | None = None) -> str | None:
     """The lines a run logs about --init-adapter's folder, said rather than refused (starting from another base's
     adapter, or under another template, is a choice): no chat_template.jinja while the run renders chats with a
     --chat-template (it learned under its base's own template or one it did not record; other trainers' adapters carry
-    none); a trained_on.json naming another base (model_sha256: other files than --model's) or the other --quant."""
+    none); a trained_on.json naming another base (model_sha256: other files than --model's) or the other --quant; a
+    base_config_overrides.json (the RoPE a --rope-scaling run learned under) other than this run's (`rope_parameters`,
+    None: config.json's): extending the context again is that, forgetting the flag is too (review, helper 50)."""
     if not path:
         return None
     notes = []
@@ -155,6 +157,16 @@ def init_adapter_note(path: str | None, chat_template: str | None, model_sha256:
         notes.append(f"note: --init-adapter {path} was trained on another base than --model's files (its {TRAINED_ON}"
                      f" records model_sha256 {str(was['model_sha256'])[:12]}..., --model gives {model_sha256[:12]}...):"
                      " it starts from what it learned there")
+    try:
+        with open(os.path.join(path, OVERRIDES)) as f:
+            learned = json.load(f).get("rope_parameters")
+    except (OSError, ValueError, AttributeError):
+        learned = None
+    if learned is not None and learned != rope_parameters:
+        now = "its base config.json's" if rope_parameters is None else json.dumps(rope_parameters)
+        notes.append(f"note: --init-adapter {path} learned under RoPE {json.dumps(learned)} ({OVERRIDES}), this run "
+                     f"runs {now}: it starts from another function than it learned (to keep that one, pass the "
+                     "--rope-scaling its run had: that run's config.json records it)")
     if quant and was.get("quant") in ("nf4", "none") and was["quant"] != quant:
         notes.append(f"note: --init-adapter {path} was trained against the "
                      f"{'4-bit' if was['quant'] == 'nf4' else 'unquantized'} base, this run's --quant is {quant}")

@@ -315,16 +315,23 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
     out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in."""
     from model.load import read_header
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
-    bad = []
+    bad, halves = [], {}
     for k, h in sorted(header.items()):
         if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.", k)) or m[2] not in shapes:
             continue
+        halves.setdefault(f"layer {m[1]} {m[2]}", set()).add(m[3])
         i, o = shapes[m[2]]
         want = (r, i) if m[3] == "A" else (o, r)
         if int(m[1]) >= n_layers:
             bad.append(f"{k} (layer {m[1]}; the model has {n_layers})")
         elif tuple(h[1]) != want:
             bad.append(f"{k} {list(h[1])}, this model's {list(want)}")
+    half = [f"{k} (only lora_{''.join(v)})" for k, v in halves.items() if len(v) == 1]
+    if half:   # (the other half would keep this run's init: B 0 drops the module's change, a random A garbles it;
+        # review, helper 50)
+        raise ValueError(f"--init-adapter {path!r} holds one half of a LoRA pair for {len(half)} projections "
+                         f"({'; '.join(half[:3])}{' ...' if len(half) > 3 else ''}): a damaged or hand-edited "
+                         "adapter; pass the adapter as it was saved")
     if bad:
         raise ValueError(f"--init-adapter {path!r} does not fit this --model: {len(bad)} LoRA tensors differ "
                          f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it was trained on another model; "

@@ -1099,6 +1099,19 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     note = init_adapter_note(a + "/adapter", None, "f" * 64, "nf4")   # said, not refused: a choice
     assert f"records model_sha256 {sha[:12]}..., --model gives ffffffffffff" in note, note
     assert "trained against the unquantized base, this run's --quant is nf4" in note, note
+    # the RoPE a --rope-scaling run learned under (its base_config_overrides.json), other than this run's: said, with
+    # the fix (review, helper 50: silent); the same RoPE, or an adapter without the file (the staged recipe), is not
+    from model.export import OVERRIDES
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    rope = str(tmp_path / "rope")
+    shutil.copytree(a + "/adapter", rope)
+    json.dump({"rope_parameters": yarn}, open(os.path.join(rope, OVERRIDES), "w"))
+    note = init_adapter_note(rope, None, sha, "none")
+    assert f"learned under RoPE {json.dumps(yarn)} ({OVERRIDES}), this run runs its base config.json's: it starts " \
+           "from another function than it learned (to keep that one, pass the --rope-scaling its run had" in note, note
+    assert "learned under RoPE" in init_adapter_note(rope, None, sha, "none", {**yarn, "factor": 8.0})
+    assert init_adapter_note(rope, None, sha, "none", yarn) is None
+    assert init_adapter_note(a + "/adapter", None, sha, "none", yarn) is None
     base = train_argv(assets, str(tmp_path / "x"), "--init-adapter", a + "/adapter")
     for flags, phrase in ((["--lora-r", "8"], "r 4 and lora_alpha 32.0, this run --lora-r 8 --lora-alpha 32"),
                           (["--lora-alpha", "16"], "this run --lora-r 4 --lora-alpha 16"),
@@ -1138,6 +1151,11 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     msg = startup_error(train_argv(assets, str(tmp_path / "y"), "--init-adapter", other))   # (before the data since
     assert "does not fit this --model: 1 LoRA tensors differ" in msg and f"{k} [4, 7], this model's [4, 48]" in msg, \
         msg   # 2026-12-04; was said once the model was built)
+    half = str(tmp_path / "half")   # one half of a LoRA pair: the other would keep this run's init (helper 50)
+    shutil.copytree(a + "/adapter", half)
+    save_file({x: v for x, v in sd.items() if x != k}, os.path.join(half, "adapter_model.safetensors"))
+    msg = startup_error(train_argv(assets, str(tmp_path / "y"), "--init-adapter", half))
+    assert "holds one half of a LoRA pair for 1 projections (layer 0 q_proj (only lora_B))" in msg, msg
     bias = str(tmp_path / "bias")   # a trained bias among the tensors: it would land in a frozen weight
     shutil.copytree(a + "/adapter", bias)
     save_file({**sd, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias": torch.zeros(48)},
