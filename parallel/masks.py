@@ -93,9 +93,11 @@ def binding(window: int | None, docs: Documents | None, pad: int = 0) -> int | N
     not: they take only None."""
     if window is None or docs is None:
         return window
-    longest = max([e - s for row in docs.bounds for s, e in zip(row, row[1:])] +
-                  [end - start + p for row in docs.branches or () for start, end, _, p in row])
-    return None if window + pad >= longest else window
+    last = lambda e, row: pad * (e == row[-1])   # (only a row's last document holds padding)
+    longest = max([e - s - last(e, row) for row in docs.bounds for s, e in zip(row, row[1:])] +
+                  [end - start + p - last(end, docs.bounds[r]) for r, row in enumerate(docs.branches or ())
+                   for start, end, _, p in row])
+    return None if window >= longest else window
 
 
 def exact_calls(bounds: list, branches: list) -> list:

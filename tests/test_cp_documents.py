@@ -249,6 +249,12 @@ def test_branched_rows_one_process():
         check_branched(SDPAAttention(), None, (8, 2, 16), "sdpa", one=True)
     finally:
         masks.MASK_TILE = keep_tile
+    # masks.binding: a window cuts nothing when no document (a branch with its prefix) is longer; CP's padding (`pad`)
+    # joins only a row's last document (review, helper 49: it was allowed on every document)
+    docs = masks.documents(pos)
+    assert masks.binding(57, docs) == 57 and masks.binding(58, docs) is None and masks.binding(57, docs, 1) is None
+    two = masks.documents(branched_positions([[(0, 10, 0), (10, 14, 0)]]))
+    assert masks.binding(9, two, 3) == 9 and masks.binding(10, two, 3) is None and masks.binding(1, two, 3) == 1
     # one row on one process (packed micro-batches, Ulysses): a causal call per document, a full call per branch's
     # prefix, exactly the visible pairs, no masked call (tiles a boundary crosses computed ~50x the visible pairs of a
     # row of short pairs: review, helper 45)
