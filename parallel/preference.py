@@ -140,8 +140,8 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: tor
         dist.all_reduce(whole, group=group)
         pi, ref, n = pi + (whole[0] - pi.detach()), whole[1], whole[2]   # the gradient of this rank's part
     if ref_logps is not None:   # (already the whole sequences')
-        ref_nll, ref = ref_logps, ref_logps.to(pi.device, torch.float64)
-    out = pref(pi, ref if ref_nll is not None else None, n.clamp(min=1))
+        ref = ref_logps.to(pi.device, torch.float64)
+    out = pref(pi, None if ref_nll is None and ref_logps is None else ref, n.clamp(min=1))
     return (*out, ref) if whole_ref else out
 
 
@@ -190,7 +190,6 @@ class DPO:
         every rank's new values (`RefCache.sync`; `pairs`: the step's, every rank's); nothing without a cache."""
         if split in self.cache:
             self.cache[split].sync(group, pairs)
-
 
 
 class RefCache:

@@ -58,17 +58,13 @@ def _entries(path: str) -> list[str]:
     return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
 
 
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
-
-
 def _own(resume: str, out: str) -> bool:
     """`resume` names OUT/ckpt or a step folder in it (through links too), not another run's below OUT."""
-    mine = os.path.join(out, "ckpt")
+    from parallel.resume import own_checkpoint
+
     try:
-        return os.path.samefile(resume, mine) or os.path.samefile(os.path.dirname(os.path.normpath(resume)), mine)
-    except OSError:   # (no OUT/ckpt, or no such --resume: resolve names it)
+        return os.path.samefile(resume, os.path.join(out, "ckpt")) or own_checkpoint(resume, out)
+    except OSError:   # (no OUT/ckpt)
         return False
 
 
