@@ -302,6 +302,8 @@ def main(argv=None):
             if note := resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
                                           split=stats.split + (eval_stats.split if eval_stats else 0)):
                 log0(note)
+            if why := keep_best.exhausted(checkpoint.read_meta(ckpt), args, ckpt):   # stopped early: would stop
+                raise ValueError(why)   # again at once (once the eval samples are known: other ones count anew)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank

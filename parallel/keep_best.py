@@ -17,9 +17,11 @@ Contract:
   evaluation in the loop sets the best; one that improves by D or less neither counts as better nor moves the best; a
   non-finite loss never improves). train.py then saves that step, exports its adapter and ends, as at the last step;
   the LR schedule is the whole run's. The state (best, its step, evaluations since) travels in meta.json and a resume
-  in the same folder onto the same eval data and samples goes on counting; `exhausted(meta, args, ckpt)` (preflight)
-  refuses a resume of a run that stopped so (it would stop at its next evaluation), unless --early-stop is raised past
-  its count or dropped. Every rank reduces the same loss: every rank stops at the same step.
+  in the same folder onto the same eval data and samples goes on counting; `exhausted(meta, args, ckpt)` (train.py,
+  once the data are tokenized, before anything is written or a weight read) refuses a resume of a run that stopped so
+  (it would stop at its next evaluation), unless --early-stop is raised past its count or dropped; onto eval files
+  tokenized to other samples it counts again instead, as `of_run` does. Every rank reduces the same loss: every rank
+  stops at the same step.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
   (`checkpoint.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
   that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
@@ -162,8 +164,8 @@ def exhausted(meta: dict, args, ckpt: str) -> str | None:
     got = meta.get("early_stop")
     n = getattr(args, "early_stop", None)
     if not (n and got and got["bad"] >= n and _here(ckpt, args.out or os.path.dirname(os.path.dirname(ckpt)))
-            and got.get("eval_data_sha256") == eval_identity(args)):
-        return None
+            and got.get("eval_data_sha256") == eval_identity(args) and _same_samples(ckpt, args)):
+        return None   # (other eval samples: EarlyStop.of_run counts again from here, said)
     return (f"--resume: at the checkpoint's step {meta['step']} it had counted {got['bad']} evaluations "
             f"{_since(got['step'], got['eval_loss'])}, which --early-stop {n} stops at (the run ended "
             f"there, its adapter in the run folder's adapter/): it would stop at its next evaluation. To train on, "

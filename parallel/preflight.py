@@ -113,7 +113,7 @@ def check_start(args, demo: bool):
     from data.store import file_sha256
     from data.templates import chat_template
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
-    from parallel import checkpoint, keep_best, resume, runs
+    from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
     from parallel.plan import REFERENCE_FREE
 
@@ -224,8 +224,6 @@ def check_start(args, demo: bool):
         if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
             args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded
         resume.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
-        if why := keep_best.exhausted(meta, args, ckpt):   # (a run that stopped early would stop again at once)
-            raise ValueError(why)
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")

@@ -397,7 +397,7 @@ def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from parallel.keep_best import Best, EarlyStop, eval_identity
+    from parallel.keep_best import Best, EarlyStop, eval_identity, exhausted
 
     (tmp_path / "ev.jsonl").write_text("{}\n")
     step = tmp_path / "out" / "ckpt" / "step_000004"
@@ -425,6 +425,11 @@ def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
         assert (early.step, early.best, early.bad) == ((2, 1.5, 1) if kept else (None, float("inf"), 0)), (was, now)
         assert len(said) == 2 * (not kept) and all("was measured on other eval samples of the same --eval-data" in n
                                                    for n in said), said
+        # a run that stopped at --early-stop 1 is refused a resume only onto the same samples (others count anew;
+        # the refusal was checked before tokenizing, on the files' bytes alone)
+        stopped = SimpleNamespace(**{**vars(run(now)), "early_stop": 1})
+        why = exhausted(json.loads((step / "meta.json").read_text()), stopped, str(step))
+        assert (why is not None) == kept and (not kept or "which --early-stop 1 stops at" in why), (was, now, why)
     # the best's folder rotated away (a resume from below a newer best, which removed it; review, helper 46):
     # --keep-best chooses anew, said, rather than end with no adapter_best
     shutil.rmtree(best_step)
