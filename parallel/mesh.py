@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -336,6 +337,22 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
         raise ValueError(f"--init-adapter {path!r} does not fit this --model: {len(bad)} LoRA tensors differ "
                          f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it was trained on another model; "
                          "pass an adapter of this one")
+    with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
+        cfg = json.load(f)
+    # every projection its config names, in every layer it was trained on (peft's layers_to_transform: those only;
+    # an int is one layer), holds tensors: a projection without them would start at B = 0, silently not the adapter
+    # it was (a cut or hand-edited file)
+    layers = cfg.get("layers_to_transform")
+    layers = range(n_layers) if layers is None else [layers] if isinstance(layers, int) else layers
+    missing = [f"layer {i} {t}" for t in cfg.get("target_modules") or () if t in shapes for i in layers
+               if 0 <= i < n_layers and f"layer {i} {t}" not in halves]
+    if missing:
+        where = f" in layers {list(layers)}" if cfg.get("layers_to_transform") is not None else ""
+        raise ValueError(f"--init-adapter {path!r}: its adapter_config.json names target_modules "
+                         f"{cfg['target_modules']!r}{where}, but adapter_model.safetensors holds no tensors for "
+                         f"{len(missing)} of those projections ({'; '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}): a damaged or hand-edited adapter, or one of a model "
+                         f"with fewer layers (this one has {n_layers}); pass the adapter as it was saved")
 
 
 def validate(args, margs, world: int):

@@ -1156,6 +1156,36 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     save_file({x: v for x, v in sd.items() if x != k}, os.path.join(half, "adapter_model.safetensors"))
     msg = startup_error(train_argv(assets, str(tmp_path / "y"), "--init-adapter", half))
     assert "holds one half of a LoRA pair for 1 projections (layer 0 q_proj (only lora_B))" in msg, msg
+    # a projection its config names with no tensors at all in one layer: it would start at B = 0, not the adapter's
+    # (a cut file); under peft's layers_to_transform, the layers it leaves out are its choice and start so
+    gone = str(tmp_path / "gone")
+    shutil.copytree(a + "/adapter", gone)
+    save_file({x: v for x, v in sd.items() if ".layers.1.self_attn.q_proj." not in x},
+              os.path.join(gone, "adapter_model.safetensors"))
+    msg = startup_error(train_argv(assets, str(tmp_path / "y"), "--init-adapter", gone))
+    assert "adapter_model.safetensors holds no tensors for 1 of those projections (layer 1 q_proj): a damaged" in msg, \
+        msg
+    save_file({x: v for x, v in sd.items() if ".layers.1." not in x}, os.path.join(gone, "adapter_model.safetensors"))
+    json.dump({**cfg, "layers_to_transform": [0]}, open(os.path.join(gone, "adapter_config.json"), "w"))
+    zero = str(tmp_path / "zero")   # the same function written out: layer 1's q and v with B = 0
+    shutil.copytree(a + "/adapter", zero)
+    save_file({x: v if ".layers.1." not in x or "lora_A" in x else torch.zeros_like(v) for x, v in sd.items()},
+              os.path.join(zero, "adapter_model.safetensors"))
+    capsys.readouterr()
+    losses = []
+    for d in (gone, zero):
+        run(train_argv(assets, str(tmp_path / ("from_" + os.path.basename(d))), "--steps", "1", "--eval-data",
+                       assets["data"], "--init-adapter", d))
+        losses.append(float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1)))
+    assert losses[0] == losses[1] != before, losses
+    # peft, too, puts no LoRA in layer 1: the function both start from
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        got = [PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["model"]), d).eval()(ids).logits
+               for d in (gone, zero)]
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-6)
     bias = str(tmp_path / "bias")   # a trained bias among the tensors: it would land in a frozen weight
     shutil.copytree(a + "/adapter", bias)
     save_file({**sd, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias": torch.zeros(48)},
