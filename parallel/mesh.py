@@ -346,6 +346,12 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
     layers = range(n_layers) if layers is None else [layers] if isinstance(layers, int) else layers
     missing = [f"layer {i} {t}" for t in cfg.get("target_modules") or () if t in shapes for i in layers
                if 0 <= i < n_layers and f"layer {i} {t}" not in halves]
+    if cfg.get("layers_to_transform") is not None and (extra := sorted(
+            k for k in halves if int(k.split()[1]) not in layers)):   # (peft would not load them: another function)
+        raise ValueError(f"--init-adapter {path!r}: its adapter_config.json has layers_to_transform {list(layers)}, "
+                         f"but adapter_model.safetensors holds tensors for {len(extra)} projections outside them "
+                         f"({'; '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}), which peft does not load: a "
+                         "hand-edited adapter; pass the adapter as it was saved")
     if missing:
         where = f" in layers {list(layers)}" if cfg.get("layers_to_transform") is not None else ""
         raise ValueError(f"--init-adapter {path!r}: its adapter_config.json names target_modules "

@@ -1167,6 +1167,12 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
         msg
     save_file({x: v for x, v in sd.items() if ".layers.1." not in x}, os.path.join(gone, "adapter_model.safetensors"))
     json.dump({**cfg, "layers_to_transform": [0]}, open(os.path.join(gone, "adapter_config.json"), "w"))
+    extra = str(tmp_path / "extra")   # tensors beyond layers_to_transform: peft would not load them
+    shutil.copytree(gone, extra)
+    shutil.copy(os.path.join(a, "adapter", "adapter_model.safetensors"), extra)
+    msg = startup_error(train_argv(assets, str(tmp_path / "y"), "--init-adapter", extra))
+    assert "has layers_to_transform [0], but adapter_model.safetensors holds tensors for 2 projections outside them " \
+           "(layer 1 q_proj; layer 1 v_proj)" in msg, msg
     zero = str(tmp_path / "zero")   # the same function written out: layer 1's q and v with B = 0
     shutil.copytree(a + "/adapter", zero)
     save_file({x: v if ".layers.1." not in x or "lora_A" in x else torch.zeros_like(v) for x, v in sd.items()},
