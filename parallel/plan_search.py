@@ -27,7 +27,7 @@ import os
 
 from parallel.mesh import check_flags, check_model_flags, validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
-from parallel.plan_speed import apply_flags, fast_flags, fastest_line
+from parallel.plan_speed import apply_flags, cached_reference_line, fast_flags, fastest_line
 
 MAX_LEN_STEP = 1024
 SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
@@ -330,8 +330,10 @@ def main(argv, run_parser, demo: dict):
     if (keep := keep_attn_fits(args, margs, dims, target, mem, host, pack)) is not None:
         print(f"faster: {keep[0]} also fits ({keep[1].total / GB:.1f} GB): the recompute reuses each block's "
               "attention output instead of running attention again")
-    if (line := fastest_line(args, margs, dims, target, mem, host, pack)) is not None:
-        print(line)
+    for line in (fastest_line(args, margs, dims, target, mem, host, pack),
+                 cached_reference_line(args, margs, dims, target, pack)):
+        if line is not None:
+            print(line)
     if args.auto:
         print(f"max_len {args.max_len}")
     return p

@@ -9,6 +9,8 @@ Contract:
   the fewest blocks that fit (`--ac-blocks N`, or `--no-ac`) with the run's flags, with --ac-keep-attn, with
   --tiled-mlp, with --tiled-mlp --ac-keep-attn and with --tiled-mlp --tiled-attn (one process only).
   --offload-activations and --ac-group are memory flags with no speed to gain: kept only as the run has them.
+- `cached_reference_line(args, margs, dims, target, pack)`: --plan's "dpo:" line, a DPO step with and without the
+  reference model's forward (--dpo-cache-ref skips it from the second epoch on).
 - `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
   --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags or those
   do not fit; `apply_fast(...)`: train.py's, for the smallest budget of all ranks (parallel/preflight.py gathers them).
@@ -62,14 +64,15 @@ def _elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5) -> tuple[fl
 
 
 def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None,
-                 rope: float = 5):
-    """(seconds, {matmul, attention, elementwise}) of one micro-step on one rank (module docstring)."""
+                 rope: float = 5, reference: bool = True):
+    """(seconds, {matmul, attention, elementwise}) of one micro-step on one rank (module docstring); `reference`
+    False: a DPO step whose pairs' reference log-probs are kept (--dpo-cache-ref, the second epoch on)."""
     r = RATES
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
     S, Sd = sample_tokens(args), args.max_len   # a row's tokens, a document's (a DPO pair: two of --max-len)
     T = (args.micro_batch or 1) * S // dims.cp   # (auto, 0: one row of the longest sample's length)
-    ref = with_reference(args)   # DPO: the reference model's forward too (no grad)
+    ref = with_reference(args) and reference   # DPO: the reference model's forward too (no grad)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
@@ -173,6 +176,18 @@ def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     flags, p, t = best
     return (f"fastest: {flags} fits ({p.total / GB:.1f} GB), est. {t:.2f} s/step vs {own:.2f} s for the given flags "
             "at H200 rates (parallel/plan_speed.py; --fast adds them)")
+
+
+def cached_reference_line(args, margs, dims, target, pack) -> str | None:
+    """`--plan`'s "dpo:" line for a DPO run with a reference model: its est. step with the reference forward and
+    without it, as --dpo-cache-ref runs every epoch after the first (CUDA plans only, at H200 rates)."""
+    if target != "cuda" or not with_reference(args):
+        return None
+    full, kept = (step_seconds(margs, dims, args, target, pack, reference=r)[0] for r in (True, False))
+    said = (f"est. {full:.2f} s/step in the first epoch, {kept:.2f} s/step after it" if args.dpo_cache_ref else
+            f"est. {full:.2f} s/step; --dpo-cache-ref keeps each pair's reference log-probs: {kept:.2f} s/step "
+            "from the second epoch on (a resume reads those kept)")
+    return f"dpo: the reference model's forward is {1 - kept / full:.0%} of a step: {said} (given flags, H200 rates)"
 
 
 def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> tuple[str, str]:

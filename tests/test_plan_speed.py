@@ -160,6 +160,26 @@ def test_plan_prints_the_fastest_flags_that_fit_and_they_fit():
     assert "fits:" in cpu and "fastest" not in cpu, cpu
 
 
+def test_plan_prints_a_dpo_step_with_and_without_the_reference_forward():
+    """--plan's "dpo:" line: a DPO step's estimate, and the same step once --dpo-cache-ref keeps each pair's reference
+    log-probs. The kept step is the one with no reference model at all: SimPO's, on the same rows and flags."""
+    base = ["--model", Q7, "--max-len", "16384", "--dtype", "bf16", "--global-batch", "1", "--data", "x.jsonl",
+            "--gpu-mem", "141", "--objective", "dpo"]
+    own = lambda out: float(next(x for x in re.search(r"^fastest: (?:the given flags, est\. ([\d.]+) s/step|.* vs "
+                                                      r"([\d.]+) s for the given flags)", out, re.M).groups() if x))
+    simpo = own(run_plan(*base, "--dpo-loss", "simpo"))
+    for cached in ((), ("--dpo-cache-ref",)):
+        out = run_plan(*base, *cached)
+        line = re.search(r"^dpo: the reference model's forward is (\d+)% of a step: est\. ([\d.]+) s/step.* "
+                         r"([\d.]+) s/step (?:from the second epoch on|after it)", out, re.M)
+        assert line, out
+        share, full, kept = int(line.group(1)), float(line.group(2)), float(line.group(3))
+        assert full == own(out) and kept == simpo and kept < full, (out, simpo)
+        assert share == round(100 * (1 - kept / full)) and 10 < share < 40, out
+        assert ("--dpo-cache-ref keeps each pair's" in out) != bool(cached), out
+    assert "dpo:" not in run_plan(*base, "--dpo-loss", "orpo") and "dpo:" not in run_plan(*base[:-2])
+
+
 @pytest.mark.parametrize("own", [["--ac-blocks", "20"], ["--ac-keep-attn"], ["--tiled-mlp", "--tiled-attn"],
                                  ["--no-ac"], ["--ac-blocks", "20", "--tiled-mlp"]])
 def test_named_flags_run_beside_the_runs_own(own):
