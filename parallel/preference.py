@@ -24,6 +24,7 @@ rewards [n_pairs, 2]: chosen, rejected) for this rank's shard of a collated micr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -242,7 +243,8 @@ class RefCache:
 
     def _write(self) -> None:
         try:
-            torch.save({"identity": self.ident, "values": self.values.cpu(), "have": self.have.cpu()},
+            values, have = self.values.cpu(), self.have.cpu()
+            torch.save({"identity": self.ident, "values": values, "have": have, "sha256": _digest(values, have)},
                        self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)
         except (OSError, RuntimeError) as e:   # (a cache: the run goes on without its file; a resume computes them
@@ -279,13 +281,20 @@ def ref_caches(dpo: DPO, args, splits: dict, device, log) -> None:
     """--dpo-cache-ref: `dpo.cache` for each of `splits` ({"train": Pairs, "eval": Pairs or None}), kept in
     OUT/reference_logps[_eval].pt with what they were computed for (the split's tokens, the model's fingerprint and
     numerics, the reference): a resume in the run's folder reads those of the same."""
+    # --rope-scaling as it means ("yarn:2" = "yarn:2.0"), as a resume compares it (review, helper 51)
+    from parallel.resume import _norm
     for split, samples in splits.items():
         if samples:
-            ident = {"format": 1, "tokens": getattr(args, f"{'data' if split == 'train' else 'eval'}_tokens"),
-                     **{k: str(getattr(args, k, None)) for k in IDENTITY}}
+            ident = {"format": 2, "tokens": getattr(args, f"{'data' if split == 'train' else 'eval'}_tokens"),
+                     **{k: str(_norm(k, getattr(args, k, None))) for k in IDENTITY}}
             path = os.path.join(args.out, f"reference_logps{'_eval' * (split == 'eval')}.pt")
             dpo.cache[split] = RefCache(len(samples), device, path, ident, log)
             dpo.cache[split].load()
+
+
+def _digest(values: torch.Tensor, have: torch.Tensor) -> str:
+    """The sha256 of a cache's values (float64) and which pairs it has."""
+    return hashlib.sha256(values.double().contiguous().numpy().tobytes() + have.bool().numpy().tobytes()).hexdigest()
 
 
 def _read(path: str, ident: dict, n: int, log) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -296,6 +305,9 @@ def _read(path: str, ident: dict, n: int, log) -> tuple[torch.Tensor, torch.Tens
         got = torch.load(path, map_location="cpu", weights_only=True)
         if got["identity"] != ident or got["values"].shape != (n, 2) or got["have"].shape != (n,):
             log(f"note: {path} was kept for another model, reference or data: its values are computed again")
+            return None
+        if got["sha256"] != _digest(got["values"], got["have"]):   # (a disk's or a hand's change: never trusted)
+            log(f"note: {path}'s values do not match the sha256 written with them: they are computed again")
             return None
         return got["values"].double(), got["have"].bool()
     except Exception as e:   # noqa: BLE001 - a torn or foreign file is computed again, never trusted

@@ -668,13 +668,16 @@ def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys
 
     want = _metrics(os.path.join(runs, "dpo_a_cached"))[2]
     step3 = {}
-    for how in ("as_is", "tampered", "other_tokens"):
+    from parallel.preference import _digest
+    for how in ("as_is", "tampered", "corrupt", "other_tokens"):
         out = str(tmp_path / how)
         shutil.copytree(os.path.join(runs, "dpo_a_cached"), out)
         path = os.path.join(out, "reference_logps.pt")
         kept = torch.load(path, weights_only=True)
-        if how == "tampered":
+        assert kept["sha256"] == _digest(kept["values"], kept["have"]), "written with its values' sha256"
+        if how in ("tampered", "corrupt"):   # (tampered: with a sha256 that matches, so it is read)
             kept["values"] = kept["values"] * 1.01
+            kept["sha256"] = _digest(kept["values"], kept["have"]) if how == "tampered" else kept["sha256"]
         if how == "other_tokens":
             kept["identity"]["tokens"] = kept["identity"]["tokens"].replace("sha256 ", "sha256 0")
         torch.save(kept, path)
@@ -684,13 +687,16 @@ def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys
             train.main(_argv(pairs, out, *EPOCHS(pairs), *CACHED, "--resume", os.path.join(out, "ckpt", "step_000002")))
         said = capsys.readouterr().out
         step3[how] = _metrics(out)[2]
-        assert (f"reference: {n} of {n} pairs' log-probabilities read from {path}" in said) == (how != "other_tokens")
+        again = how in ("corrupt", "other_tokens")
+        assert (f"reference: {n} of {n} pairs' log-probabilities read from {path}" in said) == (not again)
         assert f"pairs' log-probabilities read from {path[:-3]}_eval.pt" in said, said
         assert "reference: the base model (LoRA off) (each pair's kept: --dpo-cache-ref)" in said, said
         assert (f"note: {path} was kept for another model, reference or data: its values are computed again" in said
                 ) == (how == "other_tokens"), said
-        assert calls[1] == 0 and (calls[0] == 0) == (how != "other_tokens"), (how, calls)   # (the eval's: read)
-    for how in ("as_is", "other_tokens"):
+        assert (f"note: {path}'s values do not match the sha256 written with them: they are computed again" in said
+                ) == (how == "corrupt"), said
+        assert calls[1] == 0 and (calls[0] == 0) == (not again), (how, calls)   # (the eval's: read)
+    for how in ("as_is", "corrupt", "other_tokens"):
         for k in ("loss", "grad_norm", "reward_margin", "eval_loss"):
             assert abs(step3[how][k] - want[k]) <= 1e-5, f"{how}: step 3 {k}: {step3[how][k]} vs {want[k]}"
     assert abs(step3["tampered"]["reward_margin"] - want["reward_margin"]) > 1e-3, (step3["tampered"], want)
@@ -945,6 +951,32 @@ def test_a_cache_file_that_cannot_be_written_is_a_warning(tmp_path):
     assert cache.known([0, 1]) and cache.values.tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
     assert said[0].startswith(f"warning: {tmp_path / 'gone' / 'reference_logps.pt'} could not be written ("), said
     assert not os.path.exists(tmp_path / "gone")
+
+
+def test_a_cache_is_kept_for_the_rope_scaling_it_means(tmp_path):
+    """The cache's identity holds --rope-scaling as a resume compares it: "yarn:2" and "yarn:2.0" (which a resume
+    accepts as the same scaling) read each other's file; another factor does not (review, helper 51: a respelling
+    computed every value again)."""
+    from types import SimpleNamespace
+
+    from parallel.preference import ref_caches
+
+    def cache(rope, said):
+        args = SimpleNamespace(out=str(tmp_path), data_tokens="3 samples, 9 tokens, sha256 " + "a" * 64,
+                               model_sha256="b" * 64, quant="nf4", dtype="bf16", rope_scaling=rope, max_len=64,
+                               dpo_reference="base")
+        dpo = SimpleNamespace(cache={})
+        ref_caches(dpo, args, {"train": [0, 1, 2], "eval": None}, "cpu", said.append)
+        return dpo.cache["train"]
+
+    first = cache("yarn:2", [])
+    first.add([0, 1, 2], torch.arange(-6.0, 0.0, dtype=torch.float64), 1.0)
+    first.sync(None, [0, 1, 2])   # (all known: written)
+    said = []
+    again = cache("yarn:2.0", said)
+    assert again.known([0, 1, 2]) and again.values.tolist() == first.values.tolist(), said
+    said = []
+    assert not cache("yarn:4", said).known([0]) and "was kept for another model, reference or data" in said[0], said
 
 
 def _two_window(rank, world_size, a, root):
