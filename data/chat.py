@@ -329,6 +329,30 @@ def _as_user(tokenizer, messages: list[dict], i: int) -> str | None:
         return None
 
 
+_WRITES_CALLS: set = set()   # the templates (`_key`) seen writing an assistant message's tool_calls
+
+
+def _writes_calls(tokenizer, messages: list[dict], i: int, where: str) -> bool:
+    """Whether the template writes assistant message i's tool_calls: the conversation through it rendered with the
+    calls' names replaced by a probe's (a template that writes them writes their names). Asked per template until
+    one writes them; calls of another shape than OpenAI's are taken as written."""
+    calls = messages[i].get("tool_calls")
+    if not calls or _key(tokenizer) in _WRITES_CALLS:
+        return True
+    probe = []
+    for c in calls if isinstance(calls, list) else ():
+        if isinstance(c, dict) and isinstance(c.get("function"), dict):
+            probe.append({**c, "function": {**c["function"], "name": "probe_9f3c1a"}})
+        elif isinstance(c, dict) and "name" in c:
+            probe.append({**c, "name": "probe_9f3c1a"})
+        else:
+            return True
+    if "probe_9f3c1a" in render(tokenizer, messages[:i] + [{**messages[i], "tool_calls": probe}], False, where):
+        _WRITES_CALLS.add(_key(tokenizer))
+        return True
+    return False
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn in it."""
     full = render(tokenizer, messages, False, where)
@@ -350,6 +374,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
             raise DataError(f"{where}: the chat template does not write assistant message {i}'s content (it drops it, "
                             "e.g. beside tool_calls): remove the content from that message, or render it with another "
                             "--chat-template")
+        if not _writes_calls(tokenizer, messages, i, where):   # (its turn would train an answer without them;
+            # review, helper 53)
+            raise DataError(f"{where}: the chat template does not write assistant message {i}'s tool_calls: the "
+                            "model would learn to answer without the calls it made (an empty turn where content is "
+                            "null). Render it with a template that writes them (--chat-template FILE), or drop the "
+                            "calls and their tool results")
         content = text if written else ""
         if before is not None and full.startswith(before) and len(before) >= prev_end:
             start = len(before)

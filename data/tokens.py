@@ -12,7 +12,8 @@ Contract:
   kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
   (`add_special_tokens=True`), so a BOS token is prepended exactly when the tokenizer defines one
-  and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing). Then the
+  and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing), and the text does
+  not begin with that BOS's text already (a pre-rendered chat: its own BOS stays, no second one). Then the
   EOS token is appended (unless the tokenizer already appended it). Every token is a target,
   including EOS, so the model learns to stop.
 - Prompt/completion records: `prompt + completion` (joined as they are: put any separator in one of them) is
@@ -292,6 +293,11 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
     text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())
     prompt_ids = iter(_prompt_tokens(tokenizer, [r for r in flat if "prompt" in r]))
     bos = getattr(tokenizer, "bos_token_id", None)
+    bos_text = getattr(tokenizer, "bos_token", None)
+
+    def doubled(ids, text) -> int:   # 1: the tokenizer's BOS before the text's own (a pre-rendered chat's; review,
+        # helper 53: a doubled BOS, trained as a target), which stays
+        return int(bos is not None and bool(bos_text) and text.startswith(bos_text) and ids[:2] == [bos, bos])
 
     def dropped(r, why="dropped", lines="dropped_lines"):
         setattr(stats, why, getattr(stats, why) + 1)
@@ -308,11 +314,14 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             stats.special += hit or (r["pair"] == 1 and pending)
         if "text" in r:
             ids = list(next(text_ids))
+            ids = ids[doubled(ids, r["text"]):]
             if not ids or ids[-1] != eos:
                 ids.append(eos)
             flags = [True] * len(ids)
         elif "prompt" in r:
             ids, flags = next(prompt_ids)
+            cut = doubled(ids, r["prompt"] + r["completion"])
+            ids, flags = ids[cut:], flags[cut:]
             if not ids or ids[-1] != eos:
                 ids, flags = ids + [eos], flags + [True]
             flags[-1] = True   # EOS: the model learns to stop after the completion

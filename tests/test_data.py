@@ -307,6 +307,47 @@ def test_chat_targets_hold_tool_calls_and_the_end_of_turn_after_an_answer(tok, d
         assert '"city": "Paris"}}\n</tool_call>' + END in target_runs(tok, s)[0], target_runs(tok, s)
 
 
+def test_tool_calls_the_template_does_not_write_are_refused(tok):
+    """An assistant message's tool_calls under a template that writes no calls (chatml's: content only) would train
+    an empty turn, or the content without its calls: refused, naming the message (review, helper 53: trained
+    silently); a template that writes them takes the same record (transformers' mask: the test above)."""
+    from data.templates import TEMPLATES
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    for content in ("", "Let me check."):
+        msgs = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+        tok.chat_template = TEMPLATES["chatml"]
+        with pytest.raises(DataError, match=r"f.jsonl, line 3: the chat template does not write assistant message 1's "
+                                            r"tool_calls: the model would learn to answer without the calls"):
+            tokenize_records([{"messages": msgs, "line": 3}], tok, 10_000, "f.jsonl")
+        tok.chat_template = _tool_template(False)
+        (s,), _ = tokenize_records([{"messages": msgs, "line": 3}], tok, 10_000, "f.jsonl")
+        assert "get_weather" in target_runs(tok, s)[0], target_runs(tok, s)
+
+
+def test_a_text_that_begins_with_the_bos_gets_no_second_one(tok):
+    """A tokenizer that prepends BOS (Llama 3's post-processor) and a text or prompt that already begins with the BOS's
+    text (a pre-rendered chat): one BOS, as the tokenizer encodes the text without its own (review, helper 53: two, the
+    second trained as a target); a text without it gets the tokenizer's."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    bt = tok.backend_tokenizer
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    bt.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    ll = PreTrainedTokenizerFast(tokenizer_object=bt, bos_token="<|im_start|>", eos_token="<|endoftext|>")
+    body = ll("The fox ran.", add_special_tokens=False)["input_ids"]
+    assert ll("The fox ran.")["input_ids"] == [bos, *body]   # (the tokenizer adds its BOS)
+    eos = ll.eos_token_id
+    for text, want in (("<|im_start|>The fox ran.", [bos, *body, eos]), ("The fox ran.", [bos, *body, eos])):
+        (s,), _ = tokenize_records([{"line": 1, "text": text}], ll, 100)
+        assert s["input_ids"] == want and s["labels"][0] == body[0], (text, s)
+    (s,), _ = tokenize_records([{"line": 1, "prompt": "<|im_start|>The fox", "completion": " ran."}], ll, 100)
+    assert s["input_ids"][:2] != [bos, bos] and s["input_ids"][0] == bos and s["input_ids"][-1] == eos, s
+    assert tok.decode([s["input_ids"][t + 1] for t in range(len(s["input_ids"]) - 1)
+                       if s["labels"][t] != IGNORE_INDEX]).strip().startswith("ran"), s
+
+
 # Mistral-v0.3-shaped: no generation prompt, no assistant header, and a turn with tool calls writes the calls in place
 # of its content.
 DROPS_CONTENT_TAGGED = (
@@ -407,9 +448,9 @@ def test_chat_targets_equal_transformers_mask_on_random_conversations(tok, templ
     assert template != "qwen3_reasoning" or "reasoning_content" in tok.chat_template
     rng, refused = random.Random(template), 0
     for n in range(60):
-        msgs = _random_tool_chat(rng, tools=template != "gemma", runs=template != "gemma",
-                                 reasoning=template == "qwen3_reasoning")
-        try:
+        msgs = _random_tool_chat(rng, tools=template not in ("gemma", "eos_last", "no_prompt"), runs=template !=
+                                 "gemma", reasoning=template == "qwen3_reasoning")   # (those three write no calls:
+        try:   # a turn with calls is refused, test_tool_calls_the_template_does_not_write_are_refused)
             (s,), _ = tokenize_records([{"messages": msgs, "line": n}], tok, 10_000)
         except DataError as e:
             assert "does not write assistant message" in str(e) and template == "drops_content", (msgs, e)
@@ -585,13 +626,18 @@ def test_a_conversation_opening_with_an_assistant_message(tok, template):
             with pytest.raises(DataError, match=r"writes assistant message 0 as it writes a user message"):
                 tokenize_records([{"messages": msgs, "tools": TOOLS, "line": 2}], tok, 10_000)
             tools = None
+        if template == "think_dropping":   # (it writes no tool_calls: refused since review, helper 53)
+            with pytest.raises(DataError, match=r"line 3: the chat template does not write assistant message "
+                                                rf"{len(system)}'s tool_calls"):
+                tokenize_records([{"messages": system + msgs, "tools": tools, "line": 3}], tok, 10_000)
+            continue
         (s,), _ = tokenize_records([{"messages": system + msgs, "tools": tools, "line": 3}], tok, 10_000)
         ref = tok.apply_chat_template(system + msgs, tools=tools, tokenize=True, return_dict=True,
                                       return_assistant_tokens_mask=True)
         assert s["input_ids"] == ref["input_ids"]
         ours = [lab != IGNORE_INDEX for lab in s["labels"][:-1]]
         assert ours == [bool(m) for m in ref["assistant_masks"][1:]], (system, target_runs(tok, s))
-        assert template == "think_dropping" or '"get_w"' in target_runs(tok, s)[0], target_runs(tok, s)
+        assert '"get_w"' in target_runs(tok, s)[0], target_runs(tok, s)
 
 
 # A template that writes the last user message first (a "question" block), and a placeholder in its place: the
@@ -693,7 +739,9 @@ def test_chat_targets_without_offsets_equal_the_fast_tokenizers(tok):
             {"role": "tool", "content": "1"}, {"role": "assistant", "content": "e "}]
     for template in (EOS_LAST_TAGGED, NO_PROMPT_TAGGED, _tool_template(False), _tool_template(True)):
         tok.chat_template = template
-        fast, slow = chat_tokens(tok, msgs, "<t>")[:2], chat_tokens(Slow(tok), msgs, "<t>")[:2]
+        calls = template in (_tool_template(False), _tool_template(True))   # (the others write none: refused)
+        one = msgs if calls else [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+        fast, slow = chat_tokens(tok, one, "<t>")[:2], chat_tokens(Slow(tok), one, "<t>")[:2]
         assert slow == fast and any(fast[1]), template
 
 
