@@ -468,9 +468,14 @@ def chat_tokens(tokenizer, messages: list[dict], where: str,
                 tools: list | None = None) -> tuple[list[int], list[bool], tuple | None]:
     """Token ids, target flags and the [t0, t1) tokens of the chat's document (`document_chars`; None: unknown).
     `tools`: the record's tool definitions, rendered where the template writes them (`with_tools`)."""
+    weights = [m.get("weight", 1) for m in messages if m["role"] == "assistant"]   # OpenAI's fine-tuning format
+    if bad := [w for w in weights if w not in (0, 1)]:
+        raise DataError(f"{where}: an assistant message's \"weight\" is {bad[0]!r}: it is 0 (not trained on: context "
+                        "only) or 1 (trained on, as without the key)")
     tokenizer = with_tools(tokenizer, tools, where, messages)
     full, spans = assistant_char_spans(tokenizer, messages, where)
     doc = document_chars(full, messages, spans)
+    spans = [sp for sp, w in zip(spans, weights) if w != 0]   # ("weight": 0: the turn is context, as OpenAI's)
     try:
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_special_tokens_mask=True)
         ids = enc["input_ids"]

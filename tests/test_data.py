@@ -326,6 +326,37 @@ def test_tool_calls_the_template_does_not_write_are_refused(tok):
         assert "get_weather" in target_runs(tok, s)[0], target_runs(tok, s)
 
 
+def test_an_assistant_message_of_weight_0_is_context_not_a_target(tok):
+    """OpenAI's fine-tuning format: "weight": 0 on an assistant message makes it context (review, helper 53: trained
+    on, silently). The targets are transformers' assistant mask without that turn's run; weight 1 = no key; any
+    other weight is refused, naming it; a record whose every answer is weight 0 has no target (dropped, counted)."""
+    tok.chat_template = _tool_template(True)   # (Qwen3-shaped: an earlier turn's think block dropped)
+    msgs = [U("Q?"), A("<think>\nx\n</think>\n\nFirst."), U("And?"), A("Second."), U("Thanks."), A("Bye.")]
+    ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    mask = [bool(m) for m in ref["assistant_masks"]]
+    runs = [t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])]   # each turn's first token
+    ends = [next((u for u in range(t, len(mask)) if not mask[u]), len(mask)) for t in runs]
+    assert len(runs) == 3, runs
+    for zero in ((), (0,), (1,), (0, 2)):
+        one, n = [], 0
+        for m in msgs:   # (the assistant messages numbered in `zero`: weight 0)
+            one.append({**m, "weight": 0} if m["role"] == "assistant" and n in zero else m)
+            n += m["role"] == "assistant"
+        (s,), _ = tokenize_records([{"messages": one, "line": 1}], tok, 10_000)
+        want = [m and not any(runs[k] <= t < ends[k] for k in zero) for t, m in enumerate(mask)]
+        assert s["input_ids"] == ref["input_ids"]
+        assert [lab != IGNORE_INDEX for lab in s["labels"][:-1]] == want[1:], (zero, target_runs(tok, s))
+    (s,), _ = tokenize_records([{"messages": [{**m, "weight": 1} for m in msgs], "line": 1}], tok, 10_000)
+    assert [lab != IGNORE_INDEX for lab in s["labels"][:-1]] == mask[1:]
+    samples, stats = tokenize_records([{"messages": [{**m, "weight": 0} for m in msgs], "line": 4}], tok, 10_000)
+    assert not samples and stats.dropped == 1 and stats.dropped_lines == [4], stats
+    import re
+    for w in (0.5, 2, "0", None):
+        with pytest.raises(DataError, match=rf"f.jsonl, line 2: an assistant message's \"weight\" is "
+                                            rf"{re.escape(repr(w))}: it is 0 \(not trained on: context only\) or 1"):
+            tokenize_records([{"messages": [U("Q?"), A("a", weight=w)], "line": 2}], tok, 10_000, "f.jsonl")
+
+
 def test_a_text_that_begins_with_the_bos_gets_no_second_one(tok):
     """A tokenizer that prepends BOS (Llama 3's post-processor) and a text or prompt that already begins with the BOS's
     text (a pre-rendered chat): one BOS, as the tokenizer encodes the text without its own (review, helper 53: two, the
