@@ -80,7 +80,7 @@ demo: install
 	$(PY) bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 
 plot: install
-	$(PY) bench/plot.py $(or $(RUN),runs/demo)/metrics.jsonl $(or $(RUN),runs/demo)/loss.png
+	$(PY) bench/plot.py "$(or $(RUN),runs/demo)/metrics.jsonl" "$(or $(RUN),runs/demo)/loss.png"
 
 lint: install
 	.venv/bin/ruff check .

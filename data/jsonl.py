@@ -141,9 +141,12 @@ def _lone_surrogates(raw: str):
 def parse_record(raw: str, path: str | Path, n: int) -> dict:
     """Validate one non-blank line and return its normalised record."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.rstrip("\r\n"))   # (a line cut short errs at its end, not at "column 1" of the next)
     except json.JSONDecodeError as e:
-        raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.colno})") from None
+        end = " (the line's end: cut short?)" if e.pos >= len(raw.rstrip("\r\n")) else ""
+        hint = ("; the file looks like one JSON array, not JSON Lines: write one record a line, e.g. "
+                "`jq -c '.[]' FILE`" if raw.strip() == "[" else "")
+        raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.pos + 1}{end}){hint}") from None
     rec = _normalise(obj, path, n)
     if SURROGATE_ESCAPE.search(raw):   # json.loads keeps a lone half; the tokenizer would raise a TypeError
         used = json.dumps(rec, ensure_ascii=False)   # (one in a key the record does not use is no harm)

@@ -286,8 +286,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
     if chats and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{path}, line {chats[0].get('line', '?')}: chat records need the checkpoint's chat "
-            "template, but the tokenizer has none (base models often ship without one); use an "
-            'instruct checkpoint, add a chat_template to tokenizer_config.json, or write {"text": ...}'
+            "template, but the tokenizer has none (base models often ship without one); pass --chat-template "
+            "chatml (or --chat-template FILE.jinja), use an instruct checkpoint, or write {\"text\": ...}"
         )
     # One batched call for all text records, one for all prompt/completion ones: the fast tokenizer parallelises it.
     text_ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"]) if texts else iter(())

@@ -964,7 +964,8 @@ def test_prompt_truncation_keeps_the_answer_learnable(tok):
 def test_chat_without_template_is_an_error(tok, tmp_path):
     tok.chat_template = None
     make_chat_jsonl(tmp_path / "c.jsonl", 2)
-    with pytest.raises(DataError, match=r"c\.jsonl, line 1: chat records need the checkpoint's chat template"):
+    with pytest.raises(DataError, match=r"c\.jsonl, line 1: chat records need the checkpoint's chat template.*pass "
+                                        r"--chat-template chatml \(or --chat-template FILE.jinja\)"):
         tokenize_records(load_jsonl(tmp_path / "c.jsonl"), tok, 100, tmp_path / "c.jsonl")
 
 
@@ -1059,7 +1060,10 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
 # --- JSONL validation -----------------------------------------------------------------------------
 
 BAD_LINES = [
-    ('{"text": "a"', "not valid JSON"),
+    ('{"text": "a"', "not valid JSON (Expecting ',' delimiter at column 13 (the line's end: cut short?))"),
+    ("[", "not valid JSON (Expecting value at column 2 (the line's end: cut short?)); the file looks like one JSON "
+          "array, not JSON Lines"),
+    ('{"text": "a",, "b": 1}', "not valid JSON (Expecting property name enclosed in double quotes at column 14)"),
     ("[1, 2]", "expected a JSON object, got list"),
     ('{"foo": "a"}', 'has none of "text", "prompt"/"completion", "messages"'),
     ('{"prompt": "a"}', '"completion" must be a string, got nothing'),
