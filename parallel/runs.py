@@ -1,8 +1,9 @@
 """What a run owns on disk: its output directory, its lock, its metrics file (what resume keeps: resume.py).
 
 Contract:
-1. `check_out(out, resume=, overwrite=)` runs on every rank before the process group: pure checks,
-   no side effects. It refuses `--out` naming a file, a used directory without `--resume` or
+1. `check_out(out, resume=, overwrite=)` runs on every rank before the process group: checks whose only trace
+   is a probe directory made and removed at once. It refuses a directory this user cannot write in (a probe, not
+   `os.access`: root passes that on read-only mounts), `--out` naming a file, a used directory without `--resume` or
    `--overwrite`, `--overwrite` of a directory that is not a run's, and a resume into a used `--out` from a
    checkpoint not in its own OUT/ckpt (outside it, or another run's nested below it, or OUT a folder above that
    run: it would mix two runs' results, or write over OUT's files).
@@ -78,18 +79,40 @@ def run_of(resume: str) -> str | None:
     return None
 
 
-def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = False) -> None:
-    """Refuse an output directory this run must not write into. Pure: safe on every rank, early."""
+def _nearest(path: str) -> str:
+    """`path`, or the nearest of its parents there (a dangling link too; "/" always is)."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _writable(where: str, what: str, fix: str = "pass an --out you can write to") -> None:
+    """Refuse, before any data is tokenized, a directory this run could not create its files in."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".train-probe-", dir=where))
+    except OSError as e:
+        raise ValueError(f"{what}: this user cannot write in {where!r} ({e.strerror}); {fix}") from None
+
+
+def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs") -> None:
+    """Refuse an output directory this run must not write into. Safe on every rank, early."""
     if resume and overwrite:
         raise ValueError("--resume continues a run and --overwrite deletes one: pass only one of them")
-    if out is None:
-        return   # a fresh directory (or, with --resume, the checkpoint's own run) is chosen by claim()
+    if out is None:   # a fresh directory under `root` (or, with --resume, the checkpoint's run) is chosen by claim()
+        mine = run_of(resume) if resume else None
+        where = _nearest(mine or root)
+        if os.path.isdir(where):   # (a file there: claim says so)
+            _writable(where, f"--resume {resume!r} continues its run {mine!r}" if mine else
+                      f"no --out given, so this run would make {os.path.join(root, '<date-time>')!r}",
+                      "pass --out with a directory you can write to" + (" (the run goes on there)" if mine else ""))
+        return
     if not out:
         raise ValueError("--out is empty (an unset variable?): pass a directory path, or leave --out out for a fresh "
                          "runs/<date-time>")
-    up = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(up):   # (the nearest parent there, a dangling link too; "/" always is)
-        up = os.path.dirname(up)
+    up = _nearest(os.path.dirname(os.path.abspath(out)))
     if not os.path.exists(up):
         raise ValueError(f"--out {out!r}: {up!r} is a link to {os.readlink(up)!r}, which does not exist: create "
                          "that directory, or pass another --out")
@@ -101,6 +124,7 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
                          "directory, or pass another --out")
     if not os.path.isdir(up):
         raise ValueError(f"--out {out!r}: {up!r} is a file, so no directory can be made under it; pass another --out")
+    _writable(real if os.path.isdir(real) else up, f"--out {out!r}")
     used = _entries(real)
     if not used:
         return
@@ -253,7 +277,7 @@ class RunDir:
 
 
 def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
-    check_out(out, resume=resume, overwrite=overwrite)
+    check_out(out, resume=resume, overwrite=overwrite, root=root)
     if out is None:
         out = (run_of(resume) if resume else None) or fresh_dir(root)
     os.makedirs(out, exist_ok=True)

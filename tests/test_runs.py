@@ -176,6 +176,19 @@ def test_out_is_checked_where_it_is_written(tmp_path):
         assert os.path.isdir(rd.path) and os.listdir(tmp_path / "fresh") == ["run.lock"]
 
 
+def test_out_this_user_cannot_write_in_is_refused_at_once(tmp_path):
+    """An --out (or, without one, runs/) in a directory this user cannot write in was refused only by claim(), after
+    the data were tokenized (review, helper 53). /proc takes no new entry even from root, whom os.access passes."""
+    for out in ("/proc/run", "/proc/a/b/run"):
+        _refused(lambda o=out: runs.check_out(o), f"--out {out!r}: this user cannot write in '/proc'",
+                 "pass an --out you can write to")
+    _refused(lambda: runs.check_out(None, root="/proc/runs"), "no --out given, so this run would make "
+             "'/proc/runs/<date-time>': this user cannot write in '/proc'", "pass --out with a directory")
+    runs.check_out(str(tmp_path / "new" / "run"))
+    runs.check_out(None, root=str(tmp_path / "runs"))
+    assert os.listdir(tmp_path) == [], "the probe left something behind"
+
+
 def test_overwrite_removes_exactly_the_run(tmp_path):
     out = _used_run(tmp_path / "run")
     (tmp_path / "run" / "notes.txt").write_text("mine")
