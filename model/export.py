@@ -92,23 +92,34 @@ def not_plain_lora(cfg: dict) -> list[str]:
     return wrong
 
 
+def not_an_adapter(path: str, flag: str) -> str | None:
+    """Why `path` is not a PEFT adapter folder, with what to pass instead (a run's folder, a checkpoint), or None."""
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and \
+            os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        return None
+    has = lambda *p: os.path.isfile(os.path.join(path, *p))
+    export = "export its adapter first, `python -m parallel.checkpoint {} --out DIR`, and pass DIR"
+    if not os.path.isdir(path):
+        fix = "no such directory" if not os.path.exists(path) else "a file, not a directory"
+        return f"{flag} {path!r}: {fix}; pass a PEFT adapter folder (e.g. a run's OUT/adapter)"
+    if has("adapter", "adapter_config.json"):   # (a run's folder, a checkpoint, a run's before its end)
+        fix = f"that is a run's folder: pass its adapter, {os.path.join(path, 'adapter')}"
+    elif has("meta.json") or has("latest"):
+        fix = "that is a run's checkpoint: " + export.format(path)
+    elif has("ckpt", "latest"):
+        fix = "that is a run's folder with no adapter yet: " + export.format(os.path.join(path, "ckpt"))
+    else:
+        fix = "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)"
+    return f"{flag} {path!r}: no adapter_config.json and adapter_model.safetensors there; {fix}"
+
+
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
                        chat_template: str | None = None) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
+    if why := not_an_adapter(path, "--init-adapter"):
+        raise ValueError(why)
     cfg_path = os.path.join(path, "adapter_config.json")
-    if not (os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "adapter_model.safetensors"))):
-        has = lambda *p: os.path.isfile(os.path.join(path, *p))
-        export = "export its adapter first, `python -m parallel.checkpoint {} --out DIR`, and pass DIR"
-        if has("adapter", "adapter_config.json"):   # (a run's folder, a checkpoint, a run's before its end)
-            fix = f"that is a run's folder: pass its adapter, {os.path.join(path, 'adapter')}"
-        elif has("meta.json") or has("latest"):
-            fix = "that is a run's checkpoint: " + export.format(path)
-        elif has("ckpt", "latest"):
-            fix = "that is a run's folder with no adapter yet: " + export.format(os.path.join(path, "ckpt"))
-        else:
-            fix = "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)"
-        raise ValueError(f"--init-adapter {path!r}: no adapter_config.json and adapter_model.safetensors there; {fix}")
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")

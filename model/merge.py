@@ -121,7 +121,7 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
-    from model.export import STAGE, is_stage
+    from model.export import STAGE, is_stage, not_an_adapter
 
     errors = []
     base = getattr(args, "base_flag", "--model")   # (no --model: the base the adapter names)
@@ -133,12 +133,8 @@ def check_inputs(args) -> list[str]:
         errors.append(f"{base} {args.model!r} has no config.json{fix}")
     elif not any(f.endswith(".safetensors") for f in os.listdir(args.model)):
         errors.append(f"{base} {args.model!r} has no *.safetensors{fix}")
-    if not os.path.isdir(args.adapter):
-        errors.append(f"--adapter {args.adapter!r} is not a directory (want RUN/adapter written by train.py)")
-    else:
-        for fn in ("adapter_config.json", "adapter_model.safetensors"):
-            if not os.path.isfile(os.path.join(args.adapter, fn)):
-                errors.append(f"--adapter {args.adapter!r} has no {fn}")
+    if why := not_an_adapter(args.adapter, "--adapter"):
+        errors.append(why)
     if not args.out:
         return errors + ["--out is empty: pass a directory for the merged model"]
     out = os.path.realpath(args.out)   # what is written: a symlink to the base is the base, 'new/..' its parent
@@ -202,6 +198,10 @@ def main(argv=None) -> int:
                    help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
 
+    from model.export import not_an_adapter
+    if why := not_an_adapter(args.adapter, "--adapter"):   # first: a run's folder or a checkpoint is named as
+        print(f"merge: {why}", file=sys.stderr)   # such (without --model it was "pass --model"; review, helper 53)
+        return 2
     args.base_flag = "--model" if args.model else "the base adapter_config.json names,"
     args.model = args.model or adapter_base(args.adapter)
     if args.model is None:

@@ -241,10 +241,18 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
 
     def refused(*extra, adapter=adapter, out=out, model=path):
         there = sorted(os.listdir(out)) if out.exists() else None
-        assert cli.main(["--model", str(model), "--adapter", str(adapter), "--out", str(out), *extra]) == 2
+        base = ["--model", str(model)] if model else []
+        assert cli.main([*base, "--adapter", str(adapter), "--out", str(out), *extra]) == 2
         assert (sorted(os.listdir(out)) if out.exists() else None) == there, "a refused merge wrote something"
         return capsys.readouterr().err
 
+    # a run's folder, or a path that is not there, is said as such, also without --model (until 2026-12-05 that
+    # said "pass --model", as if the base were what was missing)
+    for model in (path, None):
+        assert f"there; that is a run's folder: pass its adapter, {str(adapter)}" in \
+            refused(adapter=tmp_path, model=model)
+        assert f"--adapter {str(tmp_path / 'nope')!r}: no such directory" in refused(adapter=tmp_path / "nope",
+                                                                                     model=model)
     assert "pass --quant nf4 (a QLoRA adapter" in refused()
     (adapter / TRAINED_ON).write_text(json.dumps({"quant": "none"}))
     assert cli.run_quant(str(adapter)) == ("none", str(adapter / TRAINED_ON))
@@ -382,7 +390,7 @@ def test_merge_cli(exported, tmp_path):
 
     bad = subprocess.run([*cli, "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "nope" in bad.stderr and "not a directory" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "nope" in bad.stderr and "no such directory" in bad.stderr, bad.stderr
 
     out = tmp_path / "merged"
     res = subprocess.run([*cli, "--adapter", str(run / "adapter"), "--out", str(out)],
