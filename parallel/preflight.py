@@ -171,13 +171,20 @@ def check_start(args, demo: bool):
         args.dpo_reference = f"adapter sha256 {file_sha256(ref)}" if args.init_adapter else "base"
     check_weights(args.data_weights, data_files(args.data), demo)
     args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
-    if args.keep_best and not ((args.eval_data or args.eval_split) and args.eval_every):
-        raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or "
-                         "--eval-split) and --eval-every N (each evaluation is then saved)")
-    if args.early_stop is not None and not (args.early_stop >= 1 and (args.eval_data or args.eval_split) and
-                                            args.eval_every):
-        raise ValueError(f"--early-stop {args.early_stop} ends the run after N evaluations without improvement: N must "
-                         "be 1 or more, with --eval-data FILE (or --eval-split) and --eval-every N to evaluate")
+    # what keeps these two flags from ever acting, each said on its own (until 2026-12-05 one text listed all three)
+    never = [w for w, bad in (("it has no evaluation data: pass --eval-data FILE (or --eval-split)",
+                               not (args.eval_data or args.eval_split)),
+                              ("--eval-every 0 evaluates only at the end: pass --eval-every N", not args.eval_every))
+             if bad]
+    if args.keep_best and never:
+        raise ValueError("--keep-best keeps the checkpoint of the lowest eval loss, saved at each evaluation, but "
+                         + "; ".join(never))
+    if args.early_stop is not None and args.early_stop < 1:
+        raise ValueError(f"--early-stop {args.early_stop}: N, the evaluations in a row without improvement that end "
+                         "the run, must be 1 or more")
+    if args.early_stop is not None and never:
+        raise ValueError(f"--early-stop {args.early_stop} ends the run after {args.early_stop} evaluations in a row "
+                         "without improvement, but " + "; ".join(never))
     if not (math.isfinite(args.early_stop_delta) and args.early_stop_delta >= 0):
         raise ValueError(f"--early-stop-delta must be 0 or more (an improvement is a fall larger than it), got "
                          f"{args.early_stop_delta:g}")

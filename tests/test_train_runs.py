@@ -433,9 +433,13 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     with pytest.raises(ValueError, match=r"it had counted 2 evaluations none of them with a finite eval_loss"):
         run(train_argv(assets, str(nan), *ev, "--early-stop", "2", "--resume", str(nan / "ckpt")))
     monkeypatch.undo()
-    for flags, says in ((["--early-stop", "2"], "--early-stop 2 ends the run after N evaluations without "
-                         "improvement: N must be 1 or more, with --eval-data FILE"),
-                        ([*ev, "--early-stop", "0"], "--early-stop 0 ends the run"),
+    for flags, says in ((["--early-stop", "2"], "--early-stop 2 ends the run after 2 evaluations in a row without "
+                         "improvement, but it has no evaluation data: pass --eval-data FILE (or --eval-split); "
+                         "--eval-every 0 evaluates only at the end: pass --eval-every N"),
+                        (["--early-stop", "2", "--eval-data", assets["data"]], "without improvement, but --eval-every "
+                         "0 evaluates only at the end: pass --eval-every N"),
+                        ([*ev, "--early-stop", "0"], "--early-stop 0: N, the evaluations in a row without "
+                         "improvement that end the run, must be 1 or more"),
                         ([*ev, "--early-stop", "1", "--early-stop-delta", "-1"], "--early-stop-delta must be 0 or "
                          "more")):
         with pytest.raises(ValueError, match=re.escape(says)):
@@ -1726,8 +1730,11 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     run(train_argv(assets, part, "--steps", "1", "--overwrite"))
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
     msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))
-    assert "--keep-best keeps the checkpoint of the lowest eval loss: pass --eval-data FILE (or --eval-split) and " \
-           "--eval-every N" in msg
+    assert "--keep-best keeps the checkpoint of the lowest eval loss, saved at each evaluation, but --eval-every 0 " \
+           "evaluates only at the end: pass --eval-every N" in msg and "no evaluation data" not in msg, msg
+    msg = startup_error(train_argv(assets, str(tmp_path / "no_eval"), "--keep-best"))
+    assert "but it has no evaluation data: pass --eval-data FILE (or --eval-split); --eval-every 0 evaluates only " \
+           "at the end" in msg, msg
 
 
 def test_a_tokenizer_without_pad_or_eos_pads_chat_rows_with_id_0(assets, tmp_path):
