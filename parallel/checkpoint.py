@@ -263,9 +263,20 @@ def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
     latest = os.path.join(path, "latest")
     if not os.path.isfile(latest) and not _steps(path):
         inner = os.path.join(path, "ckpt")   # a run directory given for its ckpt folder
+        there = os.path.join(parent, "ckpt")
+        if os.path.isdir(inner):
+            fix = f"; pass {flag} {inner}"
+        elif os.path.isfile(path) and base == "latest":   # the file that names the newest step, for its folder
+            fix = f": 'latest' is the file naming the newest step; pass {flag} {parent}, which resumes that step"
+        elif os.path.isfile(os.path.join(path, "adapter_config.json")):   # RUN/adapter: the export, no optimizer
+            fix = ": that is an exported adapter (its LoRA weights, no optimizer state or data position)" + (
+                "; " + (f"pass {flag} {there} to continue its run, or " if os.path.isdir(there) else "pass ")
+                + f"--init-adapter {path} to start a new run from its weights" if flag == "--resume" else
+                ", already what an export writes")
+        else:
+            fix = ""
         raise FileNotFoundError(f"{flag} {path!r}: no checkpoint there (expected a step_* folder with meta.json, or a "
-                                "ckpt folder with a 'latest' file)" + (f"; pass {flag} {inner}" if os.path.isdir(inner)
-                                                                      else ""))
+                                "ckpt folder with a 'latest' file)" + fix)
     newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
     m = STEP_RE.match(os.path.basename(newest))
     if _steps(path) and (top := _steps(path)[0])[0] > (int(m.group(1)) if m else -1) and problem(top[1]) is None \

@@ -190,6 +190,22 @@ def test_truncated_newest_falls_back_with_warning(tmp_path):
         checkpoint.resolve(str(tmp_path))
     assert str(e.value).startswith(f"--resume {str(tmp_path)!r}: no checkpoint there") and \
         str(e.value).endswith(f"; pass --resume {ckpt}"), str(e.value)
+    # the file 'latest' names its ckpt folder; an exported adapter beside it names that folder and --init-adapter
+    # (until 2026-12-05 both said only "no checkpoint there")
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.resolve(os.path.join(ckpt, "latest"))
+    assert str(e.value).endswith(f"'latest' is the file naming the newest step; pass --resume {ckpt}, which resumes "
+                                 "that step"), str(e.value)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.resolve(str(adapter))
+    assert str(e.value).endswith(f"that is an exported adapter (its LoRA weights, no optimizer state or data "
+                                 f"position); pass --resume {ckpt} to continue its run, or --init-adapter {adapter} "
+                                 "to start a new run from its weights"), str(e.value)
+    with pytest.raises(FileNotFoundError, match="already what an export writes"):
+        checkpoint.resolve(str(adapter), flag="checkpoint")
 
 
 def test_nonfinite_weights_never_saved(tmp_path):
