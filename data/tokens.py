@@ -74,7 +74,9 @@ class TokenStats:
     def __str__(self) -> str:
         return (
             f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
-            f"({self.targets} targets), longest {self.longest}, truncated {self.truncated}"
+            f"({self.targets} targets), longest record {self.longest}"
+            + (" (before the cut to --max-len)" if self.truncated or self.split else "")
+            + f", truncated {self.truncated}"
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
             + f", dropped {self.dropped} (no target left)"

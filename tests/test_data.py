@@ -1014,6 +1014,9 @@ def test_truncation_counted_and_empty_samples_dropped(tok, tmp_path):
     samples, stats = tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 32, long_text="truncate")
     assert stats.truncated == sum(len(s["input_ids"]) > 32 for s in full) > 0
     assert stats.longest == max(len(s["input_ids"]) for s in full)
+    # the data: line says the record, not a sample, is that long (it read as if samples that long were trained)
+    assert f"longest record {stats.longest} (before the cut to --max-len), truncated {stats.truncated}" in str(stats)
+    assert "(before the cut" not in str(tokenize_records(load_jsonl(tmp_path / "t.jsonl"), tok, 10_000)[1])
     for f, s in zip(full, samples):
         n = len(s["input_ids"])
         assert s["input_ids"] == f["input_ids"][:32] and s["labels"] == f["labels"][: n - 1] + [IGNORE_INDEX]
