@@ -252,10 +252,24 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
             "is not a regular file (a pipe or a device)" if p.exists() else "does not exist"
         raise DataError(f"{flag} {p} {what}; pass a JSONL file with one record per line ({VALID_LINES})")
     try:
-        p.open("rb").close()
+        with p.open("rb") as f:
+            head = f.read(8)
     except OSError as e:   # (permissions: a traceback deep in the loader otherwise)
         raise DataError(f"{flag} {p} cannot be read ({type(e).__name__}: {e.strerror}); fix its permissions") from None
+    for magic, kind, fix in PACKED:   # (said at line 1 as "not UTF-8" until 2026-12-05)
+        if head.startswith(magic):
+            raise DataError(f"{flag} {p} is {kind}, not JSONL text: {fix.format(p)}, and pass that file")
     return p
+
+
+# what a data file may be in place of JSONL text: its first bytes, its name, how to make JSONL of it
+PACKED = ((b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k {})"),
+          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -d {})"),
+          (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -k {})"),
+          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k {})"),
+          (b"PK\x03\x04", "a zip archive", "extract its JSONL file (unzip {})"),
+          (b"PAR1", "a Parquet file", "write its rows as JSONL (pandas: read_parquet('{}').to_json(OUT, "
+           "orient='records', lines=True, force_ascii=False))"))
 
 
 def iter_jsonl(path: str | Path):

@@ -1151,6 +1151,26 @@ def test_file_level_errors(tmp_path):
     (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin\.jsonl, line 2: not UTF-8"):
         load_jsonl(tmp_path / "latin.jsonl")
+    # a compressed file is named as one, with the command that makes JSONL of it (it was "line 1: not UTF-8")
+    import bz2
+    import gzip
+    import lzma
+    import zipfile
+    line = b'{"text": "ok"}\n'
+    for name, blob, said in (("d.jsonl.gz", gzip.compress(line), "is gzip-compressed, not JSONL text: decompress it "
+                              "(gunzip -k {})"), ("d.jsonl.bz2", bz2.compress(line), "is bzip2-compressed"),
+                             ("d.jsonl.xz", lzma.compress(line), "is xz-compressed, not JSONL text: decompress it "
+                              "(unxz -k {})"), ("d.zip", None, "is a zip archive, not JSONL text: extract its JSONL "
+                                                "file (unzip {})")):
+        p = tmp_path / name
+        if blob is None:
+            with zipfile.ZipFile(p, "w") as z:
+                z.writestr("d.jsonl", line)
+        else:
+            p.write_bytes(blob)
+        with pytest.raises(DataError) as e:
+            load_jsonl(p)
+        assert said.format(p) in str(e.value) and str(e.value).startswith(f"data file {p} is"), str(e.value)
     with pytest.raises(DataError, match=r"has no tokenizer files"):
         load_tokenizer(tmp_path)
     with pytest.raises(DataError, match=r"missing does not exist"):
