@@ -280,16 +280,31 @@ IDENTITY = ("model_sha256", "quant", "dtype", "rope_scaling", "max_len", "dpo_re
 def ref_caches(dpo: DPO, args, splits: dict, device, log) -> None:
     """--dpo-cache-ref: `dpo.cache` for each of `splits` ({"train": Pairs, "eval": Pairs or None}), kept in
     OUT/reference_logps[_eval].pt with what they were computed for (the split's tokens, the model's fingerprint and
-    numerics, the reference): a resume in the run's folder reads those of the same."""
+    numerics, the reference, the code: `code_digest`): a resume in the run's folder reads those of the same."""
     # --rope-scaling as it means ("yarn:2" = "yarn:2.0"), as a resume compares it (review, helper 51)
     from parallel.resume import _norm
     for split, samples in splits.items():
         if samples:
-            ident = {"format": 2, "tokens": getattr(args, f"{'data' if split == 'train' else 'eval'}_tokens"),
-                     **{k: str(_norm(k, getattr(args, k, None))) for k in IDENTITY}}
+            ident = {"format": 3, "tokens": getattr(args, f"{'data' if split == 'train' else 'eval'}_tokens"),
+                     **{k: str(_norm(k, getattr(args, k, None))) for k in IDENTITY}, "code": code_digest()}
             path = os.path.join(args.out, f"reference_logps{'_eval' * (split == 'eval')}.pt")
             dpo.cache[split] = RefCache(len(samples), device, path, ident, log)
             dpo.cache[split].load()
+
+
+def code_digest(root: str | None = None) -> str:
+    """The sha256 of the code a reference log-probability comes from (model/, parallel/, loss.py) and torch's version:
+    a resume after an edit there (a fork's fix to attention, say) computes the values again rather than read ones an
+    older forward gave (until 2026-12-05 the cache kept them across any edit)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256(torch.__version__.encode() + b"\0")
+    for d in ("model", "parallel"):
+        for name in sorted(f for f in os.listdir(os.path.join(root, d)) if f.endswith(".py")):
+            with open(os.path.join(root, d, name), "rb") as f:
+                h.update(f"{d}/{name}\0".encode() + f.read() + b"\0")
+    with open(os.path.join(root, "loss.py"), "rb") as f:
+        h.update(b"loss.py\0" + f.read())
+    return h.hexdigest()
 
 
 def _digest(values: torch.Tensor, have: torch.Tensor) -> str:
@@ -303,8 +318,12 @@ def _read(path: str, ident: dict, n: int, log) -> tuple[torch.Tensor, torch.Tens
         return None
     try:
         got = torch.load(path, map_location="cpu", weights_only=True)
-        if got["identity"] != ident or got["values"].shape != (n, 2) or got["have"].shape != (n,):
-            log(f"note: {path} was kept for another model, reference or data: its values are computed again")
+        if (kept := got["identity"]) != ident or got["values"].shape != (n, 2) or got["have"].shape != (n,):
+            code = isinstance(kept, dict) and {**kept, "code": None, "format": None} == {**ident, "code": None,
+                                                                                           "format": None}
+            log(f"note: {path} was kept " + ("by other code (model/, parallel/ or loss.py edited since, or another "
+                                             "torch)" if code else "for another model, reference or data")
+                + ": its values are computed again")
             return None
         if got["sha256"] != _digest(got["values"], got["have"]):   # (a disk's or a hand's change: never trusted)
             log(f"note: {path}'s values do not match the sha256 written with them: they are computed again")

@@ -956,7 +956,8 @@ def test_a_cache_file_that_cannot_be_written_is_a_warning(tmp_path):
 def test_a_cache_is_kept_for_the_rope_scaling_it_means(tmp_path):
     """The cache's identity holds --rope-scaling as a resume compares it: "yarn:2" and "yarn:2.0" (which a resume
     accepts as the same scaling) read each other's file; another factor does not (review, helper 51: a respelling
-    computed every value again)."""
+    computed every value again). A file kept by other code (model/, parallel/, loss.py; a fork's edit) is computed
+    again, said as such."""
     from types import SimpleNamespace
 
     from parallel.preference import ref_caches
@@ -977,6 +978,26 @@ def test_a_cache_is_kept_for_the_rope_scaling_it_means(tmp_path):
     assert again.known([0, 1, 2]) and again.values.tolist() == first.values.tolist(), said
     said = []
     assert not cache("yarn:4", said).known([0]) and "was kept for another model, reference or data" in said[0], said
+    # kept by other code (an edit in model/, parallel/ or loss.py, or another torch): computed again, said as such
+    import shutil
+
+    import parallel.preference as pref
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pref.__file__)))
+    copy = tmp_path / "code"
+    for d in ("model", "parallel"):
+        shutil.copytree(os.path.join(root, d), copy / d)
+    shutil.copy(os.path.join(root, "loss.py"), copy / "loss.py")
+    real = pref.code_digest()
+    assert pref.code_digest(str(copy)) == real and len(real) == 64
+    with open(copy / "parallel" / "ring.py", "a") as f:
+        f.write("\n# a fork's edit\n")
+    edited = pref.code_digest(str(copy))
+    assert edited != real
+    import unittest.mock
+    said = []
+    with unittest.mock.patch.object(pref, "code_digest", lambda: edited):
+        assert not cache("yarn:2", said).known([0]), said
+    assert "was kept by other code (model/, parallel/ or loss.py edited since, or another torch)" in said[0], said
 
 
 def _two_window(rank, world_size, a, root):
