@@ -111,9 +111,26 @@ def _unbound(window, meta, pad: int = 0):
 
 
 def _branched(q, k, v, meta, scale, window, pad: int = 0):
-    """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process."""
+    """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process.
+    Several rows (an unpacked micro-batch) run as one row of them side by side, which takes the exact calls: planned
+    together they took tiles, each computing all its pairs (~3.5x the kept outputs, review helper 47)."""
     _unbound(window, meta, pad)
-    return ring_attention(q, k, v, scale, None, docs=meta)
+    b, s = q.shape[:2]
+    if b == 1:
+        return ring_attention(q, k, v, scale, None, docs=meta)
+    flat = lambda x: x.reshape(1, b * s, *x.shape[2:])   # [B, S, H, D] -> [1, B*S, H, D]
+    return ring_attention(flat(q), flat(k), flat(v), scale, None, docs=_one_row(meta, s)).reshape(q.shape)
+
+
+def _one_row(docs: masks.Documents, s: int) -> masks.Documents:
+    """`docs` of B rows of `s` tokens as those of one row holding them in order: each row's documents and branches
+    shifted by its start (a row's bounds run from 0 to s, so no document spans two rows)."""
+    bounds = [0] + [r * s + x for r, row in enumerate(docs.bounds) for x in row[1:]]
+    branches = [(a + r * s, e + r * s, parent + r * s, p) for r, row in enumerate(docs.branches) for a, e, parent, p
+                in row]
+    ids = (docs.ids + (docs.ids.amax() + 1) * torch.arange(len(docs.bounds), device=docs.ids.device)[:, None])
+    return masks.Documents(ids.reshape(1, -1), [bounds], [branches], masks.prefixes([branches], 1, ids.numel(),
+                                                                                    ids.device))
 
 
 class KernelAttention(AttentionCore):

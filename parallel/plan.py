@@ -253,9 +253,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # per ring step: each kernel call's output is kept; with shared-prompt pairs' branches (--dpo-share-prompt) the
     # calls cover a row up to twice (one process: a branch's rows against its own document and its prefix; the ring:
     # 3.95 of 2 steps and 7.86 of 4 measured from its plans; review, helper 45: planned once, ~2x under)
-    # rows of an unpacked micro-batch of several share tiled calls: ~3.5x measured (review, helper 47)
+    # under the ring, rows of an unpacked micro-batch of several share tiled calls: ~3.5x measured (review, helper
+    # 47); on one process (and Ulysses) they run as one row, the exact calls (parallel.cp._branched)
     KR = R * (1 if not getattr(args, "dpo_share_prompt", False) else 4 if getattr(args, "pack", None) is False and
-              getattr(args, "micro_batch", 1) != 1 else 2)
+              getattr(args, "micro_batch", 1) != 1 and R > 1 else 2)
     if N and getattr(args, "ac_keep_attn", False):
         t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * KR * (e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute

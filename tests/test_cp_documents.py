@@ -267,6 +267,22 @@ def test_branched_rows_one_process():
                     for qa, qe, ka, ke, kind, *_ in plan[0])
         assert pairs == int(visible(one).sum()), (r, pairs)
         check_branched(KernelAttention(), None, (8, 2, 16), f"kernels, row {r} alone", one=True, rows=[row])
+    # several rows (an unpacked micro-batch) run as one row of them side by side: the exact calls too (planned
+    # together they took tiles: ~3.5x the kept outputs, review helper 47); the check above ran both rows that way
+    from parallel.cp import _one_row
+    flat = _one_row(masks.documents(pos), pos.shape[1])
+    plan = ring._plan(None, pos.numel(), flat, None)
+    assert len(plan) == 1 and all(c[4] in ("causal", "full") for c in plan[0]), plan
+    pairs = sum((qe - qa) * (qe - qa + 1) // 2 if kind == "causal" else (qe - qa) * (ke - ka)
+                for qa, qe, ka, ke, kind, *_ in plan[0])
+    assert pairs == int(visible(pos).sum()), pairs
+    made, plan_of = [], ring._plan
+    ring._plan = lambda *a, **k: made.append(plan_of(*a, **k)) or made[-1]
+    try:
+        check_branched(KernelAttention(), None, (8, 2, 16), "kernels, two rows as one", one=True)
+    finally:
+        ring._plan = plan_of
+    assert made and all(len(p) == 1 and c[4] in ("causal", "full") for p in made for c in p[0]), made
 
 
 def _branched_ranks(rank, world, splits):

@@ -548,8 +548,13 @@ def test_the_planner_plans_a_pair_as_two_sequences():
                                                                                      **ns}), "cuda", True).terms.items()
                            if "kept attention outputs" in k)
     assert keep({"dpo_share_prompt": True}) == 2 * keep({}), (keep({"dpo_share_prompt": True}), keep({}))
-    unpacked = {"pack": False, "micro_batch": 2}   # (rows of several pairs share tiled calls: ~3.5x, helper 47)
-    assert keep({"dpo_share_prompt": True, **unpacked}) == 4 * keep(unpacked)
+    # rows of several pairs share tiled calls under the ring (~3.5x, helper 47); on one process they run as one row
+    unpacked = {"pack": False, "micro_batch": 2}
+    assert keep({"dpo_share_prompt": True, **unpacked}) == 2 * keep(unpacked)
+    ring2 = ParallelDims(world_size=2, dp_shard=1, cp=2, ulysses=1, ring=2)
+    keep2 = lambda ns: next(v for k, v in memory_plan(m, ring2, argparse.Namespace(
+        **{**vars(dpo), "ac_keep_attn": True, "cp": 2, **ns}), "cuda", True).terms.items() if "kept attention" in k)
+    assert keep2({"dpo_share_prompt": True, **unpacked}) == 4 * keep2(unpacked), (keep2(unpacked),)
     # from --init-adapter: its tensors whole on the rank, bf16 (r 16 on all seven projections of 28 layers)
     ref = argparse.Namespace(**{**vars(dpo), "dpo_reference": "adapter sha256 0"})
     D, F_, kv = 3584, 18944, 4 * 128
