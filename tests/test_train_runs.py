@@ -1254,7 +1254,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
         with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
             train.main(argv("long", "--fast", "--max-len", str(T)))
         out = capsys.readouterr().out.splitlines()
-        n = int(next(x for x in out if x.startswith("data: ")).split("longest ")[1].split(",")[0])
+        n = int(next(x for x in out if x.startswith("data: ")).split("longest record ")[1].split(",")[0].split()[0])
         return n, next(x for x in out if x.startswith("--fast: "))
     n = fast_line()[0]
     mem = budget_between_ac_plans(argv("x", "--max-len", str(n)))   # (read by the _budget above) --ac-blocks at n
