@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -390,6 +391,35 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
     os.makedirs(out_dir, exist_ok=True)
+    held = _hold(out_dir)   # for the whole merge: its stage is this merge's, not a killed one's to clear
+    try:
+        _merge_held(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log)
+    finally:
+        os.close(held)
+
+
+def _hold(out_dir: str) -> int:
+    """An exclusive flock on the --out directory itself (no file left in the merged model), or a refusal: a second
+    merge into the same --out took the first one's live stage for a killed merge's and cleared it, so the two
+    wrote one mixed, incomplete model, one of them saying done (review, helper 54)."""
+    import fcntl
+
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"another merge is writing into {out_dir!r} now (it holds that folder's lock): wait for it "
+                         "to end, or pass another --out") from None
+    except OSError as e:   # a filesystem without flock (some network mounts): the merge goes on unguarded
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+    return fd
+
+
+def _merge_held(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):
+    """merge() under the --out lock: stage, write, move in."""
     stage = os.path.join(out_dir, STAGE)   # everything is written here first: an earlier model in --out (--force)
     if os.path.lexists(stage) and not is_stage(stage):   # stays whole until the new one is complete
         raise ValueError(f"{stage!r} is not a merge's own folder (no {STAGE_MARK} in it), and the merge writes "

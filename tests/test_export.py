@@ -312,6 +312,16 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     (fresh / ".merge-tmp" / "model.safetensors").write_bytes(b"half")
     monkeypatch.undo()
     argv = lambda out, *extra: ["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out), *extra]
+    # a live merge's stage is not a killed one's: a second merge into the same --out is refused while the first holds
+    # the folder's lock (review, helper 54: it cleared the first's stage, and the two left one mixed, incomplete model)
+    from model.export import _hold
+    held = _hold(str(fresh))
+    try:
+        assert cli.main(argv(fresh)) == 2
+        assert f"another merge is writing into {str(fresh)!r} now" in capsys.readouterr().err
+        assert (fresh / ".merge-tmp" / "model.safetensors").read_bytes() == b"half", "the live stage was touched"
+    finally:
+        os.close(held)
     assert cli.main(argv(fresh)) == 0
     assert (fresh / "config.json").is_file() and not (fresh / ".merge-tmp").exists()
     users = tmp_path / "users"   # a .merge-tmp of the user's (no marker) is content: --force, then refused, kept
