@@ -202,6 +202,8 @@ def check_start(args, demo: bool):
                 raise ValueError(f"{flag} names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
                                  + f": name each file once; {fix}")
     runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
+    if args.out and args.resume and (theirs := runs.run_of(args.resume)):   # its checkpoints' live run, into another
+        runs.check_free(theirs, args.resume)   # --out: a step it rotates away failed after the data (helper 54)
     runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
     # a resume must find the same bytes (one file's: its sha256, as runs from before several files recorded it)
     args.data_sha256 = None if demo else file_sha256(files[0]) if len(files) == 1 else [file_sha256(f) for f in files]

@@ -234,7 +234,7 @@ def _lock(out: str) -> int:
     return fd
 
 
-def check_free(out: str | None) -> None:
+def check_free(out: str | None, resume: str | None = None) -> None:
     """Refuse, early and changing nothing, an OUT whose run.lock a live run holds (every rank may call it: a shared
     lock, let go at once; rank 0 takes it for good in claim()). Before it, a --resume of a run still saving read a
     step folder that run then rotated away: "No such file ... meta.json", or ranks seeming to see other files."""
@@ -249,6 +249,10 @@ def check_free(out: str | None) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+        if resume:   # (into another --out: the step it resolved was rotated away after the data were read)
+            raise ValueError(f"--resume {resume!r}: its run {out!r} is live ({holder}) and still saves, removing older "
+                             "steps as it goes; wait for it to end (or copy a step folder elsewhere and --resume "
+                             "that)") from None
         raise ValueError(f"--out {out!r} is in use by a live run ({holder}); wait for it to end, or pass another "
                          "--out") from None
     except OSError:

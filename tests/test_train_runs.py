@@ -153,8 +153,8 @@ def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monk
 
 def test_a_resume_of_a_live_run_is_refused_before_its_steps_are_read(assets, done, monkeypatch):
     """--resume OUT/ckpt while the run in OUT is alive (still saving) is refused as such before the step folder is
-    resolved: until 2026-12-04 it was resolved first, and the live run's rotation then removed it ("No such file ...
-    meta.json", or "the ranks resolved different checkpoints" on 2 ranks)."""
+    resolved, into its own --out or another: until 2026-12-04 it was resolved first, and the live run's rotation then
+    removed it ("No such file ... meta.json", or "the ranks resolved different checkpoints" on 2 ranks)."""
     from parallel import checkpoint, runs
 
     fd = runs._lock(done)   # the live run
@@ -166,6 +166,13 @@ def test_a_resume_of_a_live_run_is_refused_before_its_steps_are_read(assets, don
                 argv = argv[:argv.index("--out")] + argv[argv.index("--out") + 2:]
             msg = startup_error(argv)
             assert "is in use by a live run" in msg and f"pid {os.getpid()}" in msg, msg
+        # into another --out too (review, helper 54: refused only by the step's absence, after tokenizing)
+        other = os.path.join(os.path.dirname(done), "other_out")
+        for resume in (os.path.join(done, "ckpt"), os.path.join(done, "ckpt", "step_000002")):
+            msg = startup_error(train_argv(assets, other, "--steps", "4", "--resume", resume))
+            assert f"--resume {resume!r}: its run {done!r} is live (pid {os.getpid()}" in msg and \
+                "wait for it to end (or copy a step folder elsewhere and --resume that)" in msg, msg
+        assert not os.path.exists(other)
     finally:
         os.close(fd)
 
