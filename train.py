@@ -529,7 +529,8 @@ def cli(argv=None) -> int:
         out = getattr(e, "run_out", None)
         ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
         has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
-        guard.say_error(f"{e}. Free space (or fix the folder), then run the same command " + (
+        said = f"{e.during} failed ({type(e).__name__}: {e})" if getattr(e, "during", None) else str(e)
+        guard.say_error(f"{said}. Free space (or fix the folder), then run the same command " + (
             f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"))
         return 2
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where

@@ -158,22 +158,27 @@ def on_rank0(fn, what: str, group=None):
         if me != 0 and box[0] is not None:
             raise (ValueError if box[0][0] else RuntimeError)(f"{what} failed on rank 0 ({box[0][1]})")
     if err is not None:
+        err.during = what   # (rank 0's own error: train.cli says what it was doing, as the others' message does)
         raise err
     return out
 
 
-DISK_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+DISK_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+               "Operation not permitted")
 
 
 def disk_error(e: BaseException) -> bool:
-    """A write the disk refused (full, over quota, read-only): an OSError of that errno, or an error that quotes one
-    (on_rank0's RuntimeError on the other ranks, a save's OSError naming its rank, safetensors' own error)."""
+    """A write the disk refused (full, over quota, read-only, a folder made unwritable mid-run): an OSError of that
+    errno, or an error that quotes one (on_rank0's RuntimeError on the other ranks, a save's OSError naming its rank,
+    safetensors' own error)."""
     import errno
 
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
         return True
-    quoted = isinstance(e, OSError) or " failed on rank 0 (OSError: " in str(e)   # (not any RuntimeError: NCCL's
-    return quoted and any(s in str(e) for s in DISK_ERRORS)   # own about a small /dev/shm keeps its traceback)
+    quoted = isinstance(e, OSError) or any(f" failed on rank 0 ({k}: " in str(e) for k in ("OSError",
+                                                                                          "PermissionError"))
+    return quoted and any(s in str(e) for s in DISK_ERRORS)   # (not any RuntimeError: NCCL's own about a small
+    # /dev/shm keeps its traceback)
 
 
 def say_error(e: BaseException | str, wait_s: float = 1.0) -> None:

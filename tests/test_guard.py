@@ -233,3 +233,16 @@ def test_a_rank_that_dies_of_a_signal_shows_its_python_stack():
     said = str(e.value)
     assert "rank 1 exited with code -6 without a report; its Python stacks as it died:" in said, said
     assert "in _abort_rank_1" in said, said
+
+
+def test_disk_errors_include_a_folder_made_unwritable():
+    """A permission refused mid-run is said as a disk error (one line, the way on), on rank 0 (its own error) and on
+    the others (on_rank0's RuntimeError quoting it); an unrelated RuntimeError is not (it keeps its traceback)."""
+    from parallel.guard import disk_error
+
+    assert disk_error(PermissionError(13, "Permission denied", "/run/ckpt"))
+    assert disk_error(RuntimeError("saving checkpoint step 3 failed on rank 0 (PermissionError: [Errno 13] "
+                                   "Permission denied: '/run/ckpt')"))
+    assert disk_error(OSError(28, "No space left on device"))
+    assert not disk_error(RuntimeError("Permission denied by the launcher"))
+    assert not disk_error(ValueError("--out 'x': this user cannot write in 'x'"))

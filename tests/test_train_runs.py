@@ -1808,3 +1808,30 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     open(meta_path, "w").write(json.dumps(meta))
     run([*train_argv(base, out2, "--steps", "3"), "--resume", os.path.join(out2, "ckpt")])
     assert json.loads(open(os.path.join(out2, "adapter", "trained_on.json")).read())["model_sha256"] == old
+
+
+def test_a_save_into_a_folder_made_unwritable_mid_run_is_one_line(assets, tmp_path, monkeypatch, capsys):
+    """A run's folder made unwritable mid-run (a permission, not a full disk) stopped a save with a traceback and exit
+    1; it is said in one line that names the save, as a full disk's is, with the way on (review, helper 54). Rank 0's
+    own error names what it was doing too (it said only "[Errno 28] No space left on device" at `latest`)."""
+    import train
+    from parallel import checkpoint
+
+    out = tmp_path / "out"
+    real = checkpoint._fsync_write
+
+    def refused(path, text):
+        if "step_000002" in path:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, text)
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", refused)
+    capsys.readouterr()
+    with one_thread():
+        code = train.cli(train_argv(assets, str(out), "--save-every", "1"))
+    said = capsys.readouterr().err
+    meta = os.path.join(str(out), "ckpt", ".tmp-step_000002", "meta.json")
+    assert code == 2 and said.startswith(f"error: saving checkpoint step 2 failed (PermissionError: [Errno 13] "
+                                         f"Permission denied: {meta!r}). Free space (or fix the folder), then run "
+                                         f"the same command with --resume {out / 'ckpt'}"), said
+    assert "Traceback" not in said and (out / "ckpt" / "latest").read_text().strip() == "step_000001"
