@@ -129,6 +129,11 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
+        r = os.path.realpath(resume)
+        if r == real or (os.path.dirname(r) == real and not os.path.isdir(r)):   # RUN, or RUN/config.json: the same
+            raise ValueError(f"--resume {resume!r} is {'the run folder' if r == real else 'a file in the run folder'} "
+                             f"{out!r}, not a checkpoint: pass --resume {os.path.join(out, 'ckpt')} (its newest "
+                             "step) or a step folder in it")   # run, not another's (review, helper 54)
         if os.path.exists(resume) and not _own(resume, out):   # (none there: resolve says so) one inside OUT but
             # another run's, nested below it, or OUT a folder above that run: its config, metrics, checkpoints and
             # adapter would be written over (review, helper 46)

@@ -109,6 +109,13 @@ def test_used_out_refused_and_untouched(tmp_path):
     assert _hashes(tmp_path) == before
     for r in ("ckpt", os.path.join("ckpt", "step_000002")):   # its own: through a link to --out too
         runs.check_out(out, resume=os.path.join(out, r))
+    # the run folder itself, or a file in it, as --resume: its ckpt is named (review, helper 54: "would mix two runs'
+    # results ... pass a new --out", which led away from the fix)
+    for r, what in ((out, "the run folder"), (out + "/", "the run folder"),
+                    (os.path.join(out, "config.json"), "a file in the run folder")):
+        msg = _refused(lambda r=r: runs.check_out(out, resume=r), f"--resume {r!r} is {what} {out!r}, not a "
+                       f"checkpoint: pass --resume {os.path.join(out, 'ckpt')} (its newest step)")
+        assert "mix two runs" not in msg, msg
     os.symlink(out, tmp_path / "link")
     runs.check_out(str(tmp_path / "link"), resume=os.path.join(out, "ckpt", "step_000002"))
     shutil.rmtree(nested)
