@@ -522,3 +522,12 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
         f.flush()
         os.fsync(f.fileno())
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+
+
+if __name__ == "__main__":   # (a library: `-m model.export` did nothing and exited 0; review, helper 54)
+    import sys
+    print("model.export is the library the commands below use; it has no command of its own:\n"
+          "  the adapter of a run's checkpoint:  python -m parallel.checkpoint RUN/ckpt --out DIR\n"
+          "  an adapter folded into its base:    python -m model.merge --adapter RUN/adapter --out DIR\n"
+          "(a finished run's adapter is already in RUN/adapter)", file=sys.stderr)
+    sys.exit(2)

@@ -398,6 +398,11 @@ def test_merge_cli(exported, tmp_path):
     (run / "config.json").write_text(json.dumps({"model": path, "quant": "none"}))
     cli = [sys.executable, "-m", "model.merge", "--model", path]
 
+    # `python -m model.export` (a library) names the commands, exit 2 (it did nothing and exited 0)
+    lib = subprocess.run([sys.executable, "-m", "model.export", "--adapter", str(run / "adapter"), "--out",
+                          str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert lib.returncode == 2 and "python -m parallel.checkpoint RUN/ckpt --out DIR" in lib.stderr and \
+        "python -m model.merge --adapter RUN/adapter --out DIR" in lib.stderr and not (tmp_path / "x").exists(), lib
     bad = subprocess.run([*cli, "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nope" in bad.stderr and "no such directory" in bad.stderr, bad.stderr
