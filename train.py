@@ -384,19 +384,21 @@ def main(argv=None):
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
             from parallel.preference import ref_caches
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
+        stop.start()   # (before the baseline evaluation, minutes on a large eval set: a Ctrl-C there is a stop too)
         if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
             log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
         elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
             (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), dpo=dpo or None).items()
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
+            if got := stop.requested():   # (every rank together)
+                raise stop.stopped(got, 0, None)
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = phases.PhaseMeter(model, device, args.out, log0, args.mem_trace) \
             if args.mem_phases or args.mem_trace else None
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
-        stop.start()
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
         save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
                                                 **early.meta(),
@@ -504,7 +506,7 @@ def main(argv=None):
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
-    except (OSError, RuntimeError) as e:   # (cli's advice after a disk error names the run's way on)
+    except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
         e.run_out = run and run.path
         raise
     finally:
@@ -524,17 +526,24 @@ def cli(argv=None) -> int:
     except (OSError, RuntimeError) as e:   # a full disk or read-only folder while saving: said so, with the way on
         if not guard.disk_error(e):
             raise
-        from parallel import checkpoint
-
-        out = getattr(e, "run_out", None)
-        ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
-        has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
         said = f"{e.during} failed ({type(e).__name__}: {e})" if getattr(e, "during", None) else str(e)
-        guard.say_error(f"{said}. Free space (or fix the folder), then run the same command " + (
-            f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"))
+        guard.say_error(f"{said}. Free space (or fix the folder), then run the same command " + _way_on(e))
         return 2
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
         return e.code
+    except KeyboardInterrupt as e:   # Ctrl-C before the stop handlers (start-up, tokenizing, the model build), or a
+        guard.say_error("interrupted (SIGINT): run the same command " + _way_on(e))   # second one: one line, not a
+        return 130   # (128 + SIGINT)                                                 # traceback per rank
+
+
+def _way_on(e: BaseException) -> str:
+    """How the same command goes on after `e` stopped it: from the run's newest whole step, else afresh."""
+    from parallel import checkpoint
+
+    out = getattr(e, "run_out", None)
+    ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
+    has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
+    return f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"
     return 0
 
 

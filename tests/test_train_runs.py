@@ -855,6 +855,42 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed adapter is not the uninterrupted one"
 
 
+def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is_one_line(assets, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """The stop handlers start before the evaluation before training (minutes on a large eval set): a SIGINT there
+    stops the run once it ends, as in a step, not with a KeyboardInterrupt traceback (review, helper 54). Ctrl-C
+    before the handlers (the model build) is one line with the way on, exit 130."""
+    import train
+    from parallel import guard
+
+    real = train.evaluate
+
+    def interrupted(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    out = str(tmp_path / "out")
+    with monkeypatch.context() as m:
+        m.setattr(train, "evaluate", interrupted)
+        with pytest.raises(guard.Stopped) as e:
+            run(train_argv(assets, out, "--eval-data", assets["data"]))
+    assert e.value.code == 130 and str(e.value) == "stopped on SIGINT before step 1's update: no step had " \
+        "finished: nothing to save (run again with --overwrite)", e.value
+    assert "eval_loss before training" in capsys.readouterr().out and metrics(out) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the SIGINT handler outlived the run"
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        import parallel.parallelize
+        m.setattr(parallel.parallelize, "build_model", ctrl_c)
+        with one_thread():
+            code = train.cli(train_argv(assets, str(tmp_path / "early")))
+    said = capsys.readouterr().err
+    assert code == 130 and said.strip() == f"error: interrupted (SIGINT): run the same command with --overwrite " \
+        f"({tmp_path / 'early'} holds no checkpoint)", said
+
+
 def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, monkeypatch):
     """--save-minutes is 30 unless given: a run whose steps each take over half an hour (train.py's clock made so)
     saves after every step, not only at its end, so a crash without a signal loses one step; 0 turns it off."""
