@@ -222,6 +222,13 @@ def check_flags(args) -> None:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "profile", None) is not None and args.profile < 1:
         raise ValueError(f"--profile must be a step number >= 1 (1-based), got {args.profile}")
+    if getattr(args, "profile", None) is not None and getattr(args, "steps", None) and args.profile > args.steps:
+        raise ValueError(f"--profile {args.profile}: this run has steps 1..{args.steps}; pick one of them (not step 1 "
+                         "for timings: it also pays the kernels' first-call setup)")   # (--epochs: once the data are
+        # counted; this one before they are read: review, helper 54)
+    if getattr(args, "early_stop_delta", 0) and getattr(args, "early_stop", None) is None:
+        raise ValueError(f"--early-stop-delta {args.early_stop_delta:g} acts only with --early-stop N (the evaluations "
+                         "in a row without such an improvement that end the run): pass that too, or drop it")
     if isinstance(getattr(args, "max_len", None), int) and args.max_len < 2:
         raise ValueError(f"--max-len must be >= 2 (one input and one target), got {args.max_len}")
     if (split := getattr(args, "eval_split", None)) is not None:

@@ -448,7 +448,8 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
                         ([*ev, "--early-stop", "0"], "--early-stop 0: N, the evaluations in a row without "
                          "improvement that end the run, must be 1 or more"),
                         ([*ev, "--early-stop", "1", "--early-stop-delta", "-1"], "--early-stop-delta must be 0 or "
-                         "more")):
+                         "more"), ([*ev, "--early-stop-delta", "0.01"], "--early-stop-delta 0.01 acts only with "
+                                   "--early-stop N")):
         with pytest.raises(ValueError, match=re.escape(says)):
             run(train_argv(assets, str(tmp_path / "refused"), *flags))
 
