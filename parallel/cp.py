@@ -104,7 +104,11 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 def _unbound(window, meta, pad: int = 0):
     """A sliding window beside branches (shared-prompt pairs): none where it cuts no document (`masks.binding`;
     `pad`: CP's padding), else refused (the branched paths measure it by the row; train.py refuses a window below
-    --max-len at start, so no side reaches past one it lets through)."""
+    --max-len at start, so no side reaches past one it lets through).
+    Under CP `pad` is the most a row may hold (divisor - 1; its positions continue the last document's, so the count
+    is not in them): a caller of the core itself must keep every document of real tokens within the window, as
+    train.py does. A row with no padding whose last document is 1..pad tokens past the window has it dropped there
+    (one process refuses it; review, helper 55: reachable by a direct call only)."""
     if masks.binding(window, meta, pad) is not None:
         raise ValueError(f"a sliding window of {window} tokens, shorter than a document with shared-prompt pairs' "
                          "branches, is not supported: drop --dpo-share-prompt")
