@@ -178,7 +178,8 @@ def build_parser(add_help=True):
       "--eval-every) have not lowered the eval loss; it saves and exports that step")
     a("--early-stop-delta", type=float, default=0.0, metavar="D", help="with --early-stop: an evaluation improves when "
       "it is more than D below the best so far")
-    a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags")
+    a("--resume", default=None, help="continue from OUT/ckpt (its newest good step) or a step folder; same run flags "
+      "(auto, with --out: OUT/ckpt when it holds a step, else a fresh run there: one command for every requeue)")
     a("--mem-check", default=True, action=argparse.BooleanOptionalAction, help="refuse at start-up a run the memory "
       "plan says cannot fit the device, or whose offload needs more than the free host memory (--no-: warn only)")
     a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
@@ -344,7 +345,12 @@ def main(argv=None):
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt)   # locked only now
         args.out = run.path
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
-        log0(f"out: {run.path}" + (f" (--overwrite removed {', '.join(run.removed)})" if run.removed else ""))
+        auto = {"resumed": f"--resume auto: continuing from {ckpt}", "fresh": "--resume auto: no run there yet, a "
+                "fresh one", "restarted": "--resume auto: its run saved no whole step, so it starts again"}.get(
+            getattr(args, "resume_auto", None))
+        log0(f"out: {run.path}" + (f" ({auto})" if auto else "") + (
+            f" (--overwrite removed {', '.join(run.removed)})" if run.removed and not auto else
+            f" (removed {', '.join(run.removed)})" if run.removed else ""))
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,

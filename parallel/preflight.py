@@ -117,6 +117,8 @@ def check_start(args, demo: bool):
     from parallel.mesh import check_flags, device_type
     from parallel.plan import REFERENCE_FREE
 
+    if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
+        args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     if args.objective == "dpo":

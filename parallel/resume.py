@@ -52,7 +52,8 @@ LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_
 FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
-        "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens")
+        "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens",
+        "resume_auto")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 

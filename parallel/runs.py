@@ -266,6 +266,30 @@ def check_free(out: str | None, resume: str | None = None) -> None:
         os.close(fd)
 
 
+def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str]:
+    """`--resume auto` (one command for every requeue of a preemptible job): (resume, overwrite, what) for --out:
+    its ckpt when it holds a whole step ("resumed"); nothing, when --out is absent or empty ("fresh"); its run
+    started again, as --overwrite would, when it saved no whole step yet (a job killed before its first save:
+    "restarted"; check_out then refuses a folder that is not train.py's). Every rank decides alike."""
+    if overwrite:
+        raise ValueError("--resume auto chooses between continuing --out's run and starting it: drop --overwrite")
+    if not out:
+        raise ValueError("--resume auto continues the run in --out when it saved a step, else starts it there: pass "
+                         "--out DIR (the same on every requeue)")
+    check_free(out)   # a live run's folder (a job requeued while its last instance still runs): said as such
+    from parallel.checkpoint import _steps, problem
+    if any(problem(p) is None for _, p in _steps(os.path.join(out, "ckpt"))):
+        return os.path.join(out, "ckpt"), False, "resumed"
+    used = _entries(os.path.realpath(out))
+    if done := [e for e in ("adapter", "adapter_best") if e in used]:   # a finished run whose steps are gone: its
+        raise ValueError(f"--resume auto: --out {out!r} holds a run's {' and '.join(done)} but no whole checkpoint "
+                         "to continue from, and starting it again would delete them: pass a new --out (or "
+                         "--overwrite to replace that run)")   # adapter is kept, never taken for a killed start
+    if used and any(e in MARKERS for e in used):
+        return None, True, "restarted"
+    return None, False, "fresh"   # (files of someone else's: check_out refuses the folder)
+
+
 @dataclass
 class RunDir:
     """The claimed output directory. Rank 0 holds the lock until `release()` (or the process ends)."""

@@ -892,6 +892,64 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
         f"({tmp_path / 'early'} holds no checkpoint)", said
 
 
+def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypatch, capsys):
+    """--resume auto: a fresh run where --out is absent; the same command after a stop continues from OUT/ckpt and
+    ends as the uninterrupted run (losses, grad norms, adapter bit for bit); a run killed before its first save starts
+    again. Refused: without --out, with --overwrite, a live run's folder, a finished run's adapter with no checkpoint
+    (it would be deleted), a folder that is not a run's."""
+    from safetensors.torch import load_file
+
+    from parallel import guard, runs
+
+    flags = ("--steps", "4", "--lora-dropout", "0.1")
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    run(train_argv(assets, ref, *flags))
+    auto = train_argv(assets, out, *flags, "--resume", "auto")
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch: steps 1..2 saved
+        with pytest.raises(guard.Stopped):
+            run(auto)
+    assert f"out: {out} (--resume auto: no run there yet, a fresh one)" in capsys.readouterr().out
+    run(auto)
+    said = capsys.readouterr().out
+    assert f"(--resume auto: continuing from {out}/ckpt/step_000002)" in said and \
+        f"resumed from {out}/ckpt/step_000002 at step 2" in said, said
+    same = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(d)]   # noqa: E731
+    assert same(out) == same(ref)
+    a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
+    assert all(torch.equal(a[k], b[k]) for k in b), "the requeued run's adapter is not the uninterrupted one"
+    # killed before its first save: config.json and metrics.jsonl, no step; the same command starts it again
+    killed = str(tmp_path / "killed")
+    shutil.copytree(out, killed, ignore=shutil.ignore_patterns("ckpt", "adapter", "run.lock"))
+    run(train_argv(assets, killed, *flags, "--resume", "auto"))
+    said = capsys.readouterr().out
+    assert f"out: {killed} (--resume auto: its run saved no whole step, so it starts again) (removed " in said, said
+    assert same(killed) == same(ref)
+    finished = str(tmp_path / "finished")   # its steps deleted by hand, its adapter there: never taken for a kill
+    shutil.copytree(out, finished, ignore=shutil.ignore_patterns("ckpt", "run.lock"))
+    for argv, says in ((train_argv(assets, finished, *flags, "--resume", "auto"),
+                        "holds a run's adapter but no whole checkpoint to continue from, and starting it again would "
+                        "delete them: pass a new --out (or --overwrite to replace that run)"),
+                       ([a for a in auto if a not in ("--out", out)], "--resume auto continues the run in --out when "
+                        "it saved a step, else starts it there: pass --out DIR"),
+                       ([*auto, "--overwrite"], "--resume auto chooses between continuing --out's run and starting "
+                        "it: drop --overwrite")):
+        assert says in startup_error(argv)
+    assert os.path.isfile(os.path.join(finished, "adapter", "adapter_model.safetensors"))
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    assert "it holds notes.txt but none of config.json" in startup_error(train_argv(assets, str(user), *flags,
+                                                                                    "--resume", "auto"))
+    live = runs.claim(str(tmp_path / "live"))
+    try:
+        assert "in use by a live run" in startup_error(train_argv(assets, str(tmp_path / "live"), *flags, "--resume",
+                                                                  "auto"))
+    finally:
+        live.release()
+
+
 def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, monkeypatch):
     """--save-minutes is 30 unless given: a run whose steps each take over half an hour (train.py's clock made so)
     saves after every step, not only at its end, so a crash without a signal loses one step; 0 turns it off."""
