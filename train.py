@@ -390,6 +390,7 @@ def main(argv=None):
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
             from parallel.preference import ref_caches
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
+        way = (args.out, bool(getattr(args, "resume_auto", None)), bool(args.resume))   # (a stop before any save)
         stop.start()   # (before the baseline evaluation, minutes on a large eval set: a Ctrl-C there is a stop too)
         if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
             log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
@@ -398,7 +399,7 @@ def main(argv=None):
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
             if got := stop.requested():   # (every rank together)
-                raise stop.stopped(got, 0, None)
+                raise stop.stopped(got, 0, None, _way_on(*way))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
@@ -440,7 +441,7 @@ def main(argv=None):
                         wd.phase("save", step)
                         opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
                         save(step, rng=rng)
-                    raise stop.stopped(got, step, ckpt_dir if step else None)
+                    raise stop.stopped(got, step, ckpt_dir if step else None, _way_on(*way))
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
@@ -513,7 +514,7 @@ def main(argv=None):
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
-        e.run_out = run and run.path
+        e.way_on = (run and run.path, bool(getattr(args, "resume_auto", None)), bool(args.resume))   # (None: unclaimed)
         raise
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):
@@ -533,24 +534,30 @@ def cli(argv=None) -> int:
         if not guard.disk_error(e):
             raise
         said = f"{e.during} failed ({type(e).__name__}: {e})" if getattr(e, "during", None) else str(e)
-        guard.say_error(f"{said}. Free space (or fix the folder), then run the same command " + _way_on(e))
+        guard.say_error(f"{said}. Free space (or fix the folder), then " + _way_on(*getattr(e, "way_on", (None,))))
         return 2
     except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
         return e.code
     except KeyboardInterrupt as e:   # Ctrl-C before the stop handlers (start-up, tokenizing, the model build), or a
-        guard.say_error("interrupted (SIGINT): run the same command " + _way_on(e))   # second one: one line, not a
-        return 130   # (128 + SIGINT)                                                 # traceback per rank
+        guard.say_error("interrupted (SIGINT): " + _way_on(*getattr(e, "way_on", (None,))))   # second one: one
+        return 130   # (128 + SIGINT)                                                            # line, not a traceback
+    return 0
 
 
-def _way_on(e: BaseException) -> str:
-    """How the same command goes on after `e` stopped it: from the run's newest whole step, else afresh."""
+def _way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
+    """How a run stopped before its end goes on: from its newest whole step, else started again (so its advice is
+    never refused: --overwrite beside --resume is)."""
     from parallel import checkpoint
 
-    out = getattr(e, "run_out", None)
     ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
     has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
-    return f"with --resume {ckpt}" if has else f"with --overwrite ({out} holds no checkpoint)" if out else "again"
-    return 0
+    if auto:
+        return "run the same command again (--resume auto " + (f"continues from {ckpt})" if has else "starts it again)")
+    if has:
+        return f"run the same command with --resume {ckpt}"
+    if out and resumed:   # (this --out now holds the start's files: the same command is refused, --overwrite too)
+        return f"run it with a new --out ({out} holds this start's files but no checkpoint)"
+    return f"run the same command with --overwrite ({out} holds no checkpoint)" if out else "run the same command again"
 
 
 if __name__ == "__main__":

@@ -263,10 +263,10 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
 
 
 # what a data file may be in place of JSONL text: its first bytes, its name, how to make JSONL of it
-PACKED = ((b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k {})"),
-          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -d {})"),
-          (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -k {})"),
-          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k {})"),
+PACKED = ((b"\x1f\x8b", "gzip-compressed", "decompress it (gzip -dc {} > data.jsonl)"),   # (-c: any file name; -d
+          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -dc {} > data.jsonl)"),   # alone wants .gz)
+          (b"BZh", "bzip2-compressed", "decompress it (bzip2 -dc {} > data.jsonl)"),
+          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (xz -dc {} > data.jsonl)"),
           (b"PK\x03\x04", "a zip archive", "extract its JSONL file (unzip {})"),
           (b"PAR1", "a Parquet file", "write its rows as JSONL (pandas: read_parquet('{}').to_json(OUT, "
            "orient='records', lines=True, force_ascii=False))"))

@@ -351,7 +351,7 @@ def _clear_out(out_dir: str) -> list[str]:
 
 
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
-          dtype: torch.dtype = torch.bfloat16, log=None) -> None:
+          dtype: torch.dtype = torch.bfloat16, log=None, force: bool = True) -> None:
     """Shard by shard: read one base safetensors file, fold in the deltas of its tensors, write it
     under the same name, drop it; then model.safetensors.index.json. Peak host memory is one shard
     (plus one float32 tensor in flight) and the adapter, never the whole model. The files are written into
@@ -393,6 +393,10 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     os.makedirs(out_dir, exist_ok=True)
     held = _hold(out_dir)   # for the whole merge: its stage is this merge's, not a killed one's to clear
     try:
+        if not force and [e for e in os.listdir(out_dir) if not (e == STAGE and is_stage(os.path.join(out_dir, e)))]:
+            raise ValueError(f"--out {out_dir!r} is not empty (a merge that ended while this one started wrote "
+                             "there?): pass --force to write into it anyway")   # (model.merge checked it before the
+            # lock: another merge may have finished since; review, helper 56)
         _merge_held(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log)
     finally:
         os.close(held)
@@ -412,7 +416,8 @@ def _hold(out_dir: str) -> int:
         raise ValueError(f"another merge is writing into {out_dir!r} now (it holds that folder's lock): wait for it "
                          "to end, or pass another --out") from None
     except OSError as e:   # a filesystem without flock (some network mounts): the merge goes on unguarded
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):   # (EBADF: NFS and CIFS take
+            # flock as a byte-range lock, which an exclusive one wants a file open for writing for)
             os.close(fd)
             raise
     return fd

@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         merge(args.model, args.adapter, os.path.realpath(args.out), quant=args.quant,   # (the directory checked)
-              dtype=getattr(torch, DTYPES[args.dtype]), log=lambda msg: print(f"merge: {msg}", flush=True))
+              dtype=getattr(torch, DTYPES[args.dtype]), log=lambda msg: print(f"merge: {msg}", flush=True),
+              force=args.force)
     except (ValueError, KeyError) as e:   # an adapter or base it cannot fold (checked before anything is written)
         print(f"merge: {e}", file=sys.stderr)
         return 2

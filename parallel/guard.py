@@ -280,10 +280,10 @@ class StopSignals:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
-    def stopped(self, signum: int, step: int, where: str | None) -> Stopped:
+    def stopped(self, signum: int, step: int, where: str | None, afresh: str = "run again with --overwrite") -> Stopped:
         name = signal.Signals(signum).name
         saved = f"steps 1..{step} are saved in {where}" if where else \
-            "no step had finished: nothing to save (run again with --overwrite)"
+            f"no step had finished: nothing to save; {afresh}"
         msg = f"stopped on {name} before step {step + 1}'s update: {saved}"
         self.acted = True
         if self.rank == 0:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 LOCK = "run.lock"
+PROBE = ".train-probe-"   # check_out's writability probe, made and removed at once by every rank
 # everything a run writes into OUT; --overwrite deletes exactly these
 OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp-export",
          "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best", "adapter_best.tmp-export",
@@ -55,8 +56,8 @@ CKPT_ENTRY = re.compile(r"(\.tmp-|\.old-)?step_(\d{6}|[1-9]\d{6,})(\.abandoned(-
 
 
 def _entries(path: str) -> list[str]:
-    """What a directory holds, a leftover lock file not counted."""
-    return sorted(e for e in os.listdir(path) if e != LOCK) if os.path.isdir(path) else []
+    """What a directory holds, a leftover lock file and check_out's probes (another rank's, now) not counted."""
+    return sorted(e for e in os.listdir(path) if e != LOCK and not e.startswith(PROBE)) if os.path.isdir(path) else []
 
 
 def _own(resume: str, out: str) -> bool:
@@ -92,7 +93,7 @@ def _writable(where: str, what: str, fix: str = "pass an --out you can write to"
     import tempfile
 
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".train-probe-", dir=where))
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE, dir=where))
     except OSError as e:
         raise ValueError(f"{what}: this user cannot write in {where!r} ({e.strerror}); {fix}") from None
 
@@ -129,11 +130,13 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not used:
         return
     if resume:
-        r = os.path.realpath(resume)
-        if r == real or (os.path.dirname(r) == real and not os.path.isdir(r)):   # RUN, or RUN/config.json: the same
-            raise ValueError(f"--resume {resume!r} is {'the run folder' if r == real else 'a file in the run folder'} "
-                             f"{out!r}, not a checkpoint: pass --resume {os.path.join(out, 'ckpt')} (its newest "
-                             "step) or a step folder in it")   # run, not another's (review, helper 54)
+        r = os.path.realpath(resume)   # RUN, RUN/config.json, RUN/adapter: the same run, not another's (review,
+        exported = any(os.path.isfile(os.path.join(r, f)) for f in ("adapter_config.json", "adapter_model.safetensors"))
+        what = "the run folder" if r == real else None if os.path.dirname(r) != real else \
+            "a file in the run folder" if os.path.isfile(r) else "the run's exported adapter in" if exported else None
+        if what:   # helpers 54 and 56: it said two runs would be mixed, and to pass a new --out)
+            raise ValueError(f"--resume {resume!r} is {what} {out!r}, not a checkpoint: pass --resume "
+                             f"{os.path.join(out, 'ckpt')} (its newest step) or a step folder in it")
         if os.path.exists(resume) and not _own(resume, out):   # (none there: resolve says so) one inside OUT but
             # another run's, nested below it, or OUT a folder above that run: its config, metrics, checkpoints and
             # adapter would be written over (review, helper 46)
@@ -282,9 +285,10 @@ def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str
         return os.path.join(out, "ckpt"), False, "resumed"
     used = _entries(os.path.realpath(out))
     if done := [e for e in ("adapter", "adapter_best") if e in used]:   # a finished run whose steps are gone: its
+        # adapter is kept, never taken for a killed start's
         raise ValueError(f"--resume auto: --out {out!r} holds a run's {' and '.join(done)} but no whole checkpoint "
-                         "to continue from, and starting it again would delete them: pass a new --out (or "
-                         "--overwrite to replace that run)")   # adapter is kept, never taken for a killed start
+                         "to continue from, and starting it again would delete them: pass a new --out (or, in "
+                         "place of --resume auto, --overwrite to replace that run)")
     if used and any(e in MARKERS for e in used):
         return None, True, "restarted"
     return None, False, "fresh"   # (files of someone else's: check_out refuses the folder)

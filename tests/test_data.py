@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1157,11 +1158,14 @@ def test_file_level_errors(tmp_path):
     import lzma
     import zipfile
     line = b'{"text": "ok"}\n'
-    for name, blob, said in (("d.jsonl.gz", gzip.compress(line), "is gzip-compressed, not JSONL text: decompress it "
-                              "(gunzip -k {})"), ("d.jsonl.bz2", bz2.compress(line), "is bzip2-compressed"),
-                             ("d.jsonl.xz", lzma.compress(line), "is xz-compressed, not JSONL text: decompress it "
-                              "(unxz -k {})"), ("d.zip", None, "is a zip archive, not JSONL text: extract its JSONL "
-                                                "file (unzip {})")):
+    cases = (("d.jsonl.gz", gzip.compress(line), "is gzip-compressed, not JSONL text: decompress it (gzip -dc {} > "
+                                                 "data.jsonl)"),
+             ("d.jsonl", gzip.compress(line), "is gzip-compressed"),   # (named .jsonl: gunzip -k would refuse it)
+             ("d.jsonl.bz2", bz2.compress(line), "is bzip2-compressed"),
+             ("d.jsonl.xz", lzma.compress(line), "is xz-compressed, not JSONL text: decompress it (xz -dc {} > "
+                                                 "data.jsonl)"),
+             ("d.zip", None, "is a zip archive, not JSONL text: extract its JSONL file (unzip {})"))
+    for name, blob, said in cases:
         p = tmp_path / name
         if blob is None:
             with zipfile.ZipFile(p, "w") as z:
@@ -1171,6 +1175,10 @@ def test_file_level_errors(tmp_path):
         with pytest.raises(DataError) as e:
             load_jsonl(p)
         assert said.format(p) in str(e.value) and str(e.value).startswith(f"data file {p} is"), str(e.value)
+        if name == "d.jsonl" and shutil.which("gzip"):   # the advice runs, whatever the file's name
+            cmd = str(e.value).split("(")[1].split(")")[0]
+            subprocess.run(cmd, shell=True, cwd=tmp_path, check=True)
+            assert (tmp_path / "data.jsonl").read_bytes() == line
     with pytest.raises(DataError, match=r"has no tokenizer files"):
         load_tokenizer(tmp_path)
     with pytest.raises(DataError, match=r"missing does not exist"):

@@ -324,6 +324,12 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
         os.close(held)
     assert cli.main(argv(fresh)) == 0
     assert (fresh / "config.json").is_file() and not (fresh / ".merge-tmp").exists()
+    # without --force, "empty" is checked again under the lock: a merge that ended while this one started (its
+    # stage only, when model.merge looked) is not replaced (review, helper 56)
+    done = tree(fresh)
+    with pytest.raises(ValueError, match="is not empty .* pass --force"):
+        merge(str(base_copy), str(adapter), str(fresh), quant="none", force=False)
+    assert tree(fresh) == done
     users = tmp_path / "users"   # a .merge-tmp of the user's (no marker) is content: --force, then refused, kept
     (users / ".merge-tmp").mkdir(parents=True)
     (users / ".merge-tmp" / "notes.txt").write_text("mine")

@@ -112,7 +112,8 @@ def test_used_out_refused_and_untouched(tmp_path):
     # the run folder itself, or a file in it, as --resume: its ckpt is named (review, helper 54: "would mix two runs'
     # results ... pass a new --out", which led away from the fix)
     for r, what in ((out, "the run folder"), (out + "/", "the run folder"),
-                    (os.path.join(out, "config.json"), "a file in the run folder")):
+                    (os.path.join(out, "config.json"), "a file in the run folder"),
+                    (os.path.join(out, "adapter"), "the run's exported adapter in")):
         msg = _refused(lambda r=r: runs.check_out(out, resume=r), f"--resume {r!r} is {what} {out!r}, not a "
                        f"checkpoint: pass --resume {os.path.join(out, 'ckpt')} (its newest step)")
         assert "mix two runs" not in msg, msg
@@ -194,6 +195,12 @@ def test_out_this_user_cannot_write_in_is_refused_at_once(tmp_path):
     runs.check_out(str(tmp_path / "new" / "run"))
     runs.check_out(None, root=str(tmp_path / "runs"))
     assert os.listdir(tmp_path) == [], "the probe left something behind"
+    # another rank's probe, there while this one lists the folder (or one a kill left), is not a file of the user's
+    # (review, helper 56: `mkdir -p OUT` then 8 ranks: refused on some, in 4 of 40 tries)
+    (tmp_path / "out" / ".train-probe-abc123").mkdir(parents=True)
+    runs.check_out(str(tmp_path / "out"))
+    with runs.claim(str(tmp_path / "out")):
+        pass
 
 
 def test_overwrite_removes_exactly_the_run(tmp_path):

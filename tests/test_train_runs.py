@@ -870,14 +870,31 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
         signal.raise_signal(signal.SIGINT)
         return real(*a, **k)
 
-    out = str(tmp_path / "out")
+    out, ref_run = str(tmp_path / "out"), str(tmp_path / "ref")
+    run(train_argv(assets, ref_run, "--steps", "1"))
     with monkeypatch.context() as m:
         m.setattr(train, "evaluate", interrupted)
         with pytest.raises(guard.Stopped) as e:
             run(train_argv(assets, out, "--eval-data", assets["data"]))
     assert e.value.code == 130 and str(e.value) == "stopped on SIGINT before step 1's update: no step had " \
-        "finished: nothing to save (run again with --overwrite)", e.value
+        f"finished: nothing to save; run the same command with --overwrite ({out} holds no checkpoint)", e.value
     assert "eval_loss before training" in capsys.readouterr().out and metrics(out) == []
+    # the advice is one the next command takes: with --resume auto the same command; from another run's checkpoint
+    # into this --out, a new --out (--overwrite beside --resume is refused; review, helper 56)
+    again = str(tmp_path / "again")
+    with monkeypatch.context() as m:
+        m.setattr(train, "evaluate", interrupted)
+        with pytest.raises(guard.Stopped) as e:
+            run(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto"))
+    assert str(e.value).endswith("nothing to save; run the same command again (--resume auto starts it again)")
+    run(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto"))   # and it does
+    assert len(metrics(again)) == 3
+    assert train._way_on(again, False, True) == f"run the same command with --resume {again}/ckpt"
+    assert train._way_on(out, False, True) == f"run it with a new --out ({out} holds this start's files but no " \
+        "checkpoint)"
+    for argv in (train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt")),   # (as said: refused)
+                 train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt"), "--overwrite")):
+        startup_error(argv)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the SIGINT handler outlived the run"
 
     def ctrl_c(*a, **k):
@@ -930,7 +947,8 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     shutil.copytree(out, finished, ignore=shutil.ignore_patterns("ckpt", "run.lock"))
     for argv, says in ((train_argv(assets, finished, *flags, "--resume", "auto"),
                         "holds a run's adapter but no whole checkpoint to continue from, and starting it again would "
-                        "delete them: pass a new --out (or --overwrite to replace that run)"),
+                        "delete them: pass a new --out (or, in place of --resume auto, --overwrite to replace that "
+                        "run)"),
                        ([a for a in auto if a not in ("--out", out)], "--resume auto continues the run in --out when "
                         "it saved a step, else starts it there: pass --out DIR"),
                        ([*auto, "--overwrite"], "--resume auto chooses between continuing --out's run and starting "
