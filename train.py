@@ -369,6 +369,8 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         opt = make_optimizer(params, args)
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
+        if ckpt and start >= steps:   # (a requeue of a run that had ended: --resume auto on a finished run)
+            log0(f"note: step {start} is this run's last: nothing to train; its adapter is written again from it")
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         early = keep_best.EarlyStop.of_run(args, ckpt, log0)   # --early-stop's count (a resume's, likewise)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt

@@ -937,6 +937,10 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     assert same(out) == same(ref)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
     assert all(torch.equal(a[k], b[k]) for k in b), "the requeued run's adapter is not the uninterrupted one"
+    run(auto)   # once more, the run ended: nothing trained, said; the same adapter and metrics
+    assert "note: step 4 is this run's last: nothing to train" in capsys.readouterr().out and same(out) == same(ref)
+    a = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
     # killed before its first save: config.json and metrics.jsonl, no step; the same command starts it again
     killed = str(tmp_path / "killed")
     shutil.copytree(out, killed, ignore=shutil.ignore_patterns("ckpt", "adapter", "run.lock"))
