@@ -354,7 +354,7 @@ def main(argv=None):
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
-                                        attention=cp_attention(meshes, dims), device=device)
+                                        attention=cp_attention(meshes, dims, args.max_len), device=device)
         params = lora_parameters(model)
         if dpo:
             from parallel.preference import DPO

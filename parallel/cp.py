@@ -104,11 +104,7 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 def _unbound(window, meta, pad: int = 0):
     """A sliding window beside branches (shared-prompt pairs): none where it cuts no document (`masks.binding`;
     `pad`: CP's padding), else refused (the branched paths measure it by the row; train.py refuses a window below
-    --max-len at start, so no side reaches past one it lets through).
-    Under CP `pad` is the most a row may hold (divisor - 1; its positions continue the last document's, so the count
-    is not in them): a caller of the core itself must keep every document of real tokens within the window, as
-    train.py does. A row with no padding whose last document is 1..pad tokens past the window has it dropped there
-    (one process refuses it; review, helper 55: reachable by a direct call only)."""
+    --max-len at start, so no side reaches past one it lets through)."""
     if masks.binding(window, meta, pad) is not None:
         raise ValueError(f"a sliding window of {window} tokens, shorter than a document with shared-prompt pairs' "
                          "branches, is not supported: drop --dpo-share-prompt")
@@ -153,9 +149,21 @@ class KernelAttention(AttentionCore):
 class ContextParallelAttention(AttentionCore):
     """Ulysses all-to-all inside `ulysses_group`, zigzag ring across `ring_group` (either may be trivial)."""
 
-    def __init__(self, dims, cp_group, ulysses_group, ring_group):
+    def __init__(self, dims, cp_group, ulysses_group, ring_group, longest: int | None = None):
         self.dims, self.divisor = dims, dims.cp_divisor
         self.cp_group, self.ulysses_group, self.ring_group = cp_group, ulysses_group, ring_group
+        self.longest = longest   # the longest document of real tokens the caller gives (train.py: --max-len), if known
+
+    def _branch_window(self, window, meta):
+        """The window rows with branches take: none, as they cannot apply one. That is exact when it cuts no document
+        of real tokens: none is longer than `longest`; else as the positions show (`masks.binding` with no padding:
+        CP's continues the last document's positions, so its count is not in them), or refused. (Until 2026-12-05
+        any padding a row might hold was taken off its last document: a row without padding whose last document was
+        1..divisor - 1 tokens past the window had it dropped; review, helper 55.)"""
+        if window is not None and self.longest is not None and window >= self.longest:
+            return None
+        _unbound(window, meta)
+        return None
 
     def prepare(self, position_ids):
         full = gather_sequence(position_ids, self.cp_group, self.dims)  # [B, S]: tiny, once per forward
@@ -172,15 +180,14 @@ class ContextParallelAttention(AttentionCore):
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
         if r == 1 and isinstance(meta, masks.Documents):   # (Ulysses: whole rows, a share of the heads)
-            out = _branched(q, k, v, meta, scale, window, self.divisor - 1)
+            out = _branched(q, k, v, meta, scale, self._branch_window(window, meta))
         elif r == 1:
             out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
             if isinstance(meta, masks.Documents) and meta.branches is not None:
-                _unbound(window, meta, self.divisor - 1)
-                window = None
+                window = self._branch_window(window, meta)
             out = ring_attention(q, k, v, scale, self.ring_group, docs=meta, window=window)
             if u > 1:
                 out = _chunks_to_pieces(out, u)
@@ -203,10 +210,11 @@ def local_attention() -> AttentionCore:
     return KernelAttention()
 
 
-def cp_attention(meshes, dims) -> AttentionCore:
-    """The CP attention for `dims` (a ParallelDims) over `meshes` (its `build_mesh` result)."""
+def cp_attention(meshes, dims, longest: int | None = None) -> AttentionCore:
+    """The CP attention for `dims` (a ParallelDims) over `meshes` (its `build_mesh` result); `longest`: no document
+    of real tokens is longer (train.py: --max-len)."""
     if dims.cp == 1:
         return KernelAttention()
     return ContextParallelAttention(dims, meshes.cp.get_group(), meshes.ulysses.get_group(),
-                                    meshes.ring.get_group())
+                                    meshes.ring.get_group(), longest)
 

@@ -190,9 +190,9 @@ def branched_positions(rows=BRANCHED):
     return pos
 
 
-def check_branched(attn, dims, heads, label, one=False, rows=BRANCHED):
+def check_branched(attn, dims, heads, label, one=False, rows=BRANCHED, window=None):
     """`attn` on the branched rows (sharded, unless `one`: one process) = SDPA with `model.attention.visible`'s
-    mask: out, dQ, dK, dV on every rank, float64."""
+    mask: out, dQ, dK, dV on every rank, float64 (`window`: one that cuts none of them)."""
     from model.attention import visible
 
     pos = branched_positions(rows)
@@ -207,13 +207,13 @@ def check_branched(attn, dims, heads, label, one=False, rows=BRANCHED):
     want = [ref.detach(), *torch.autograd.grad(ref, (q, k, v), dout)]
     if one:
         local = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = attn(*local, attn.prepare(pos), d ** -0.5)
+        out = attn(*local, attn.prepare(pos), d ** -0.5, window=window)
         out.backward(dout)
         got = [out.detach()] + [x.grad for x in local]
     else:
         rank = dist.get_rank(attn.cp_group)
         local = [shard_sequence(x.detach(), dims, rank, 0.0).requires_grad_() for x in (q, k, v)]
-        out = attn(*local, attn.prepare(shard_sequence(pos, dims, rank, None)), d ** -0.5)
+        out = attn(*local, attn.prepare(shard_sequence(pos, dims, rank, None)), d ** -0.5, window=window)
         out.backward(shard_sequence(dout, dims, rank, 0.0))
         got = [gather_sequence(x, attn.cp_group, dims, s) for x in [out.detach()] + [x.grad for x in local]]
     for name, ref_x, mine in zip(("out", "dq", "dk", "dv"), want, got):
@@ -294,6 +294,21 @@ def _branched_ranks(rank, world, splits):
             check_branched(attn, dims, heads, label)
             done.append(label)
         check_branched(attn, dims, (4, 1, 32), f"{impl} u{dims.ulysses}×r{dims.ring}, one row", rows=BRANCHED[:1])
+        # a window one token shorter than the last document of a row with no padding (64 tokens) is refused, as on
+        # one process: until 2026-12-05 CP took any padding a row might hold off that document and dropped the window
+        # (review, helper 55); a caller promising no document past the window (train.py: --max-len) runs without one
+        pos, rank = branched_positions([[(0, 10, 0), (10, 20, 10), (20, 27, 10), (27, 64, 0)]]), dist.get_rank(
+            attn.cp_group)   # (last document: 37 tokens)
+        meta = attn.prepare(shard_sequence(pos, dims, rank, None))
+        q, k, v = (shard_sequence(torch.randn(1, 64, n, 32, dtype=torch.float64), dims, rank, 0.0) for n in (4, 1, 1))
+        with pytest.raises(ValueError, match="a sliding window of 36 tokens, shorter than a document"):
+            attn(q, k, v, meta, 32 ** -0.5, window=36)
+        attn.longest = 37
+        try:
+            check_branched(attn, dims, (4, 1, 32), f"{impl} u{dims.ulysses}×r{dims.ring}, window 37 promised",
+                           rows=[[(0, 10, 0), (10, 20, 10), (20, 27, 10), (27, 64, 0)]], window=37)
+        finally:
+            attn.longest = None
     return done
 
 
