@@ -18,7 +18,9 @@ Contract:
   `kernels.attention(docs=...)`, ring and hybrid by cutting each ring block at the documents of the
   whole (gathered) row (`parallel.masks.Documents`: calls planned from the bounds, pieces masked by id).
   Rows with branches (`model.attention`: shared-prompt pairs) take the ring's planned calls on every layout
-  (`ring_attention` without a group where a process holds whole rows: one process, Ulysses); no sliding window.
+  (`ring_attention` without a group where a process holds whole rows: one process, Ulysses; several such rows as
+  one); no sliding window: one that cuts no document of real tokens is dropped (none is longer than
+  `cp_attention(..., longest)`, train.py's --max-len, or the positions show it), any other refused.
 """
 
 from __future__ import annotations
