@@ -51,7 +51,9 @@ from parallel.profiler import StepProfiler
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
-#   LOSS_FN = lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=0.1)
+#   LOSS_FN = lambda z, y: torch.nn.functional.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum",
+#                                                            label_smoothing=0.1)
+# (a mean, or a term over rows with no target, is refused at start-up: recorded.not_a_sum)
 LOSS_FN = None
 
 # No --model/--data: the embedded demo, with these defaults (flags win); its tiny base needs lr 5e-3, 100 steps.
@@ -238,6 +240,8 @@ def main(argv=None):
         if isinstance(getattr(args, k), list) and len(getattr(args, k)) == 1:
             setattr(args, k, getattr(args, k)[0])
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
+    if why := recorded.not_a_sum(LOSS_FN):   # (a mean trained on, the wrong loss on every layout but one)
+        raise ValueError(why)
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
@@ -299,12 +303,16 @@ def main(argv=None):
                 x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
             log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
                  f"were split or cut to it (the longest has {stats.longest} tokens); pass --max-len N")
+        ended = None
         if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
             if note := resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
                                           split=stats.split + (eval_stats.split if eval_stats else 0)):
                 log0(note)
             if why := keep_best.exhausted(checkpoint.read_meta(ckpt), args, ckpt):   # stopped early: would stop
-                raise ValueError(why)   # again at once (once the eval samples are known: other ones count anew)
+                if not getattr(args, "resume_auto", None):   # again at once (once the eval samples are known: other
+                    raise ValueError(why)   # ones count anew); a requeue (--resume auto) of it: it had ended there
+                ended = checkpoint.read_meta(ckpt)["step"]
+                log0(f"note: --resume auto: the run stopped early at step {ended} (--early-stop)")
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
@@ -318,6 +326,7 @@ def main(argv=None):
                  f"({n}" + (", past --eval-split's" if args.eval_split else "") + f"): each step takes each "
                  f"{('sample', 'pair')[dpo]} about {args.global_batch / n:.3g} times (repeats add compute, not data)")
         steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
+        steps = ended if ended is not None else steps   # (a run that stopped early ended there)
         epochs = args.epochs or 1
         if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
             log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {('samples', 'pairs')[dpo]} in "
@@ -342,7 +351,8 @@ def main(argv=None):
                                           device)   # samples -> this rank's (input_ids, position_ids, labels[, sides])
 
         # --------------------------------------------------------------------- model
-        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt)   # locked only now
+        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt,   # locked only now
+                         auto=getattr(args, "resume_auto", None))
         args.out = run.path
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
         auto = {"resumed": f"--resume auto: continuing from {ckpt}", "fresh": "--resume auto: no run there yet, a "
@@ -443,7 +453,7 @@ def main(argv=None):
                         wd.phase("save", step)
                         opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
                         save(step, rng=rng)
-                    raise stop.stopped(got, step, ckpt_dir if step else None, _way_on(*way))
+                    raise stop.stopped(got, step, ckpt_dir if step else None, _way_on(*way), way[1])
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)

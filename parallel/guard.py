@@ -280,14 +280,16 @@ class StopSignals:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
-    def stopped(self, signum: int, step: int, where: str | None, afresh: str = "run again with --overwrite") -> Stopped:
+    def stopped(self, signum: int, step: int, where: str | None, afresh: str = "run again with --overwrite",
+                auto: bool = False) -> Stopped:
         name = signal.Signals(signum).name
         saved = f"steps 1..{step} are saved in {where}" if where else \
             f"no step had finished: nothing to save; {afresh}"
         msg = f"stopped on {name} before step {step + 1}'s update: {saved}"
         self.acted = True
         if self.rank == 0:
-            self.log(msg + (" — continue with the same command plus --resume " + where if where else ""))
+            self.log(msg + ((" — continue with the same command" + ("" if auto else " plus --resume " + where))
+                            if where else ""))
         return Stopped(msg, signum)
 
     def close(self) -> None:

@@ -181,6 +181,38 @@ def record(args, loss_fn, lr_fn, make_optimizer) -> Exception | None:
     return None
 
 
+def not_a_sum(loss_fn) -> str | None:
+    """Why train.py's LOSS_FN is not the SUM over its chunk's target rows (what makes every layout one process: train.py
+    divides by the step's global target count), or None. Tried once at start-up on a random [8, 11] chunk: the whole
+    must be its halves' sum, and rows with no target must add 0 (padding differs by layout). A call that raises or
+    gives a non-finite value is no verdict (the run's own checks say those)."""
+    import math
+
+    import torch
+
+    from loss import IGNORE_INDEX
+
+    if loss_fn is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(8, 11, generator=g), torch.randint(0, 11, (8,), generator=g)
+    y[[1, 6]] = IGNORE_INDEX
+    try:
+        with torch.no_grad():
+            whole, a, b, none = (float(loss_fn(z[i:j], y[i:j] if i < 8 else torch.full((3,), IGNORE_INDEX)))
+                                 for i, j in ((0, 8), (0, 4), (4, 8), (8, 11)))
+    except Exception:   # noqa: BLE001 - no verdict: the run says what it raises
+        return None
+    if not all(math.isfinite(x) for x in (whole, a, b, none)):
+        return None
+    if none == 0 and math.isclose(whole, a + b, rel_tol=1e-4, abs_tol=1e-5):
+        return None
+    return (f"LOSS_FN must return the SUM of its chunk's target rows' losses, rows with no target adding 0 (train.py "
+            f"divides by the step's global target count, so every layout computes one process's loss; README: Forking "
+            f"it): on a random chunk of 8 rows it gave {whole:.6g}, its halves {a:.6g} + {b:.6g}, 3 rows with no "
+            f"target {none:.6g} (a mean, or a term over every row?)")
+
+
 def describe_optimizer(opt) -> dict:
     """Module docstring."""
     group = {**opt.defaults, **opt.param_groups[0]}   # a fork's make_optimizer may set them per group

@@ -269,6 +269,16 @@ def check_free(out: str | None, resume: str | None = None) -> None:
         os.close(fd)
 
 
+def _same_auto(out: str, auto: str) -> None:
+    if (now := _auto(out)[2]) != auto:
+        raise ValueError(f"--resume auto found {out!r} {AUTO_SAID[auto]} at start-up, and now {AUTO_SAID[now]}: "
+                         "another instance of this job wrote there meanwhile. Run the same command again")
+
+
+AUTO_SAID = {"resumed": "holding a whole step", "fresh": "absent or empty",
+             "restarted": "holding a run that saved no whole step"}
+
+
 def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str]:
     """`--resume auto` (one command for every requeue of a preemptible job): (resume, overwrite, what) for --out:
     its ckpt when it holds a whole step ("resumed"); nothing, when --out is absent or empty ("fresh"); its run
@@ -280,6 +290,10 @@ def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str
         raise ValueError("--resume auto continues the run in --out when it saved a step, else starts it there: pass "
                          "--out DIR (the same on every requeue)")
     check_free(out)   # a live run's folder (a job requeued while its last instance still runs): said as such
+    return _auto(out)
+
+
+def _auto(out: str) -> tuple[str | None, bool, str]:
     from parallel.checkpoint import _steps, problem
     if any(problem(p) is None for _, p in _steps(os.path.join(out, "ckpt"))):
         return os.path.join(out, "ckpt"), False, "resumed"
@@ -313,12 +327,21 @@ class RunDir:
         self.release()
 
 
-def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
+def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
+    if auto:   # another instance of this job may have run there since start-up (review, helper 57: a "restarted"
+        check_free(out)   # decision then deleted the run it had finished); a live one is said as such
+        _same_auto(out, auto)
     check_out(out, resume=resume, overwrite=overwrite, root=root)
     if out is None:
         out = (run_of(resume) if resume else None) or fresh_dir(root)
     os.makedirs(out, exist_ok=True)
     fd = _lock(out)
+    if auto:
+        try:
+            _same_auto(out, auto)   # under the lock: nothing changes it from here
+        except ValueError:
+            os.close(fd)
+            raise
     if resume and resolved:   # the step resolved at start-up, before this lock: a run live then may have saved since
         from parallel.checkpoint import problem, resolve
         from parallel.resume import own_checkpoint
@@ -359,16 +382,17 @@ def _claim_here(out, resume, overwrite, root, resolved) -> RunDir:
 
 
 def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs",
-          group=None, resolved: str | None = None) -> RunDir:
+          group=None, resolved: str | None = None, auto: str | None = None) -> RunDir:
     """Rank 0 creates, locks and (with --overwrite) empties the run directory; all ranks get its path. `resolved`: the
-    step folder --resume resolved to at start-up, which must still be the one it resolves to under the lock.
+    step folder --resume resolved to at start-up, which must still be the one it resolves to under the lock; `auto`:
+    what --resume auto decided then (`auto_resume`), which must still be what it decides under the lock.
 
     Collective over `group` when a process group is up: call it on every rank, before any weight."""
     me = dist.get_rank(group) if dist.is_initialized() else 0
     run, err, box = None, None, [None]
     if me == 0:
         try:
-            run = _claim_here(out, resume, overwrite, root, resolved)
+            run = _claim_here(out, resume, overwrite, root, resolved, auto)
         except (ValueError, FileNotFoundError) as e:
             err = e
         except OSError as e:   # permissions, a full disk: still a start-up error that names the flag

@@ -478,6 +478,8 @@ def _crash_at(monkeypatch, call: int, nan_calls=()):
     n = {"calls": 0}
 
     def loss_fn(z, y):
+        if not torch.is_grad_enabled():   # train.py's start-up check of LOSS_FN (recorded.not_a_sum): not a step's
+            return F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
         n["calls"] += 1
         if n["calls"] == call:
             raise RuntimeError("killed")
@@ -928,7 +930,9 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
         _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch: steps 1..2 saved
         with pytest.raises(guard.Stopped):
             run(auto)
-    assert f"out: {out} (--resume auto: no run there yet, a fresh one)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"out: {out} (--resume auto: no run there yet, a fresh one)" in said and "steps 1..2 are saved in " \
+        f"{out}/ckpt — continue with the same command\n" in said, said
     run(auto)
     said = capsys.readouterr().out
     assert f"(--resume auto: continuing from {out}/ckpt/step_000002)" in said and \
@@ -937,6 +941,15 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     assert same(out) == same(ref)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
     assert all(torch.equal(a[k], b[k]) for k in b), "the requeued run's adapter is not the uninterrupted one"
+    # another instance of the job ran there between this one's start-up and its claim (review, helper 57): what it
+    # decided is decided again under the lock, and a change refused, nothing removed
+    before = tree_hash(out)
+    for was, now in (("restarted", "holding a whole step"), ("fresh", "holding a whole step")):
+        with pytest.raises(ValueError) as e:
+            runs.claim(out, overwrite=was == "restarted", auto=was)
+        assert f"--resume auto found {out!r} {runs.AUTO_SAID[was]} at start-up, and now {now}: another instance of " \
+            "this job wrote there meanwhile. Run the same command again" in str(e.value), str(e.value)
+    assert tree_hash(out) == before, "a refused claim changed the run"
     run(auto)   # once more, the run ended: nothing trained, said; the same adapter and metrics
     assert "note: step 4 is this run's last: nothing to train" in capsys.readouterr().out and same(out) == same(ref)
     a = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
@@ -971,6 +984,32 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
                                                                   "auto"))
     finally:
         live.release()
+
+
+def test_resume_auto_of_a_run_that_stopped_early_writes_its_adapter(assets, tmp_path, capsys):
+    """A requeue (--resume auto) of a run --early-stop ended, killed in its final export (no adapter/): the same
+    command writes that step's adapter, exit 0 (review, helper 57: every requeue was refused, as a resume that would
+    stop at once, and its advice was refused too); the adapter is the one the run ended with."""
+    from safetensors.torch import load_file
+
+    import train
+
+    out = str(tmp_path / "es")
+    argv = train_argv(assets, out, "--steps", "6", "--eval-data", assets["data"], "--eval-every", "1",
+                      "--early-stop", "1", "--early-stop-delta", "100", "--resume", "auto")
+    run(argv)
+    assert [r["step"] for r in metrics(out)] == [1, 2], "--early-stop 1 with a delta of 100 ends at step 2"
+    want = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    shutil.rmtree(os.path.join(out, "adapter"))   # the kill in the export
+    capsys.readouterr()
+    with one_thread():
+        assert train.cli(argv) == 0
+    said = capsys.readouterr().out
+    assert "note: --resume auto: the run stopped early at step 2 (--early-stop)" in said and \
+        "note: step 2 is this run's last: nothing to train" in said, said
+    got = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, monkeypatch):
