@@ -177,3 +177,25 @@ def test_first_difference_names_the_line():
     assert first_difference("def f(z):\n    return z", "def f(z):\n    return 2 * z") == \
         "line 2: '    return z' there, '    return 2 * z' here"
     assert first_difference("a", "a\nb") == "line 2: '<end>' there, 'b' here"
+
+
+def test_a_loss_fn_that_is_not_a_sum_is_refused_at_start_up(tmp_path):
+    """LOSS_FN must return the SUM over its chunk's target rows (train.py divides by the step's global target count):
+    a mean, or a term over every row (padding differs by layout), trained another loss on every layout but one and
+    no check said so (review, helper 58). Checked on a random chunk against F.cross_entropy's own sum; a function that
+    raises or is non-finite there gives no verdict (the run says those)."""
+    import torch
+    import torch.nn.functional as F
+
+    from loss import IGNORE_INDEX
+    from parallel.recorded import not_a_sum
+
+    ce = lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum")   # noqa: E731
+    kept = lambda z, y: (y != IGNORE_INDEX).float()   # noqa: E731
+    assert not_a_sum(None) is None and not_a_sum(ce) is None
+    assert not_a_sum(lambda z, y: ce(z, y) + 1e-4 * (torch.logsumexp(z, 1) ** 2 * kept(z, y)).sum()) is None   # z-loss
+    mean = not_a_sum(lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE_INDEX))
+    assert mean.startswith("LOSS_FN must return the SUM of its chunk's target rows' losses") and "(a mean" in mean
+    assert "3 rows with no target" in not_a_sum(lambda z, y: ce(z, y) + 1e-4 * (torch.logsumexp(z, 1) ** 2).sum())
+    assert not_a_sum(lambda z, y: ce(z, y) * float("nan")) is None   # (NaN on rows with targets)
+    assert not_a_sum(lambda z, y: 1 / 0) is None

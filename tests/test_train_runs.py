@@ -986,6 +986,14 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
         live.release()
 
 
+def test_a_mean_as_loss_fn_is_refused_before_anything_is_read(assets, tmp_path, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "LOSS_FN", lambda z, y: F.cross_entropy(z, y, ignore_index=-100))
+    said = startup_error(train_argv(assets, str(tmp_path / "mean")))
+    assert said.startswith("LOSS_FN must return the SUM") and not os.path.exists(tmp_path / "mean"), said
+
+
 def test_resume_auto_of_a_run_that_stopped_early_writes_its_adapter(assets, tmp_path, capsys):
     """A requeue (--resume auto) of a run --early-stop ended, killed in its final export (no adapter/): the same
     command writes that step's adapter, exit 0 (review, helper 57: every requeue was refused, as a resume that would
