@@ -230,7 +230,10 @@ def first_difference(a: str, b: str) -> str:
     la, lb = str(a).splitlines() or [""], str(b).splitlines() or [""]
     for i in range(max(len(la), len(lb))):
         x, y = (la[i] if i < len(la) else "<end>"), (lb[i] if i < len(lb) else "<end>")
-        if x != y:
-            cut = lambda s: s if len(s) <= 160 else s[:160] + " ..."
+        if x != y:   # (a long line: 160 characters around its first difference, which a cut at 160 hid)
+            k = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            lo = max(0, k - 80)
+            cut = lambda s, lo=lo: s if len(s) <= 160 else ("... " if lo else "") + s[lo:lo + 160] + (  # noqa: E731
+                " ..." if lo + 160 < len(s) else "")
             return f"line {i + 1}: {cut(x)!r} there, {cut(y)!r} here"
     return "the same text"

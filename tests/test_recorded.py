@@ -199,3 +199,14 @@ def test_a_loss_fn_that_is_not_a_sum_is_refused_at_start_up(tmp_path):
     assert "3 rows with no target" in not_a_sum(lambda z, y: ce(z, y) + 1e-4 * (torch.logsumexp(z, 1) ** 2).sum())
     assert not_a_sum(lambda z, y: ce(z, y) * float("nan")) is None   # (NaN on rows with targets)
     assert not_a_sum(lambda z, y: 1 / 0) is None
+
+
+def test_a_long_line_is_shown_around_its_difference():
+    """The refusal of an edited loss shows the first differing line around its first difference: two 300-character
+    lines that differ at character 250 (a partial's keywords) were cut at 160 and printed alike (review, helper 58)."""
+    from parallel.recorded import first_difference
+
+    a, b = "x" * 250 + "0.1" + "y" * 50, "x" * 250 + "0.2" + "y" * 50
+    said = first_difference(a, b)
+    assert "0.1" in said and "0.2" in said and said.startswith("line 1: '... x"), said
+    assert first_difference("short 1", "short 2") == "line 1: 'short 1' there, 'short 2' here"
