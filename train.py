@@ -53,7 +53,8 @@ from parallel.profiler import StepProfiler
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
 #   LOSS_FN = lambda z, y: torch.nn.functional.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="sum",
 #                                                            label_smoothing=0.1)
-# (a mean, or a term over rows with no target, is refused at start-up: recorded.not_a_sum)
+# (a mean, or a term over rows with no target, is refused at start-up: recorded.not_a_sum calls it 4 times on a
+# random CPU chunk 11 columns wide, under no_grad, before anything else)
 LOSS_FN = None
 
 # No --model/--data: the embedded demo, with these defaults (flags win); its tiny base needs lr 5e-3, 100 steps.
@@ -240,8 +241,8 @@ def main(argv=None):
         if isinstance(getattr(args, k), list) and len(getattr(args, k)) == 1:
             setattr(args, k, getattr(args, k)[0])
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
-    if why := recorded.not_a_sum(LOSS_FN):   # (a mean trained on, the wrong loss on every layout but one)
-        raise ValueError(why)
+    if args.objective != "dpo" and (why := recorded.not_a_sum(LOSS_FN)):   # (a mean trained on, the wrong loss
+        raise ValueError(why)   # on every layout but one; dpo refuses any LOSS_FN below, in check_start)
     name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")

@@ -205,7 +205,8 @@ def not_a_sum(loss_fn) -> str | None:
         return None
     if not all(math.isfinite(x) for x in (whole, a, b)):
         return None
-    if none == 0 and math.isclose(whole, a + b, rel_tol=1e-4, abs_tol=1e-5):   # (NaN on no target: a mean's 0/0)
+    if none == 0 and math.isclose(whole, a + b, rel_tol=1e-2, abs_tol=1e-3):   # (NaN on no target: a mean's 0/0;
+        # 1%: a sum in bf16 keeps ~3 digits, a mean is off by about 2x here; review, helper 59)
         return None
     return (f"LOSS_FN must return the SUM of its chunk's target rows' losses, rows with no target adding 0 (train.py "
             f"divides by the step's global target count, so every layout computes one process's loss; README: Forking "

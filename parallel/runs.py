@@ -331,7 +331,12 @@ def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
     if auto:   # another instance of this job may have run there since start-up (review, helper 57: a "restarted"
         check_free(out)   # decision then deleted the run it had finished); a live one is said as such
         _same_auto(out, auto)
-    check_out(out, resume=resume, overwrite=overwrite, root=root)
+    try:
+        check_out(out, resume=resume, overwrite=overwrite, root=root)
+    except ValueError:
+        if auto:   # (written there since the line above: said as that, not with check_out's --overwrite advice)
+            _same_auto(out, auto)
+        raise
     if out is None:
         out = (run_of(resume) if resume else None) or fresh_dir(root)
     os.makedirs(out, exist_ok=True)

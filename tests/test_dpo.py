@@ -885,6 +885,8 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     train.LOSS_FN = lambda z, y: F.cross_entropy(z, y, reduction="sum")
     try:
         assert "set LOSS_FN = None" in startup_error(train_argv(pairs, out, *DPO))
+        train.LOSS_FN = lambda z, y: F.cross_entropy(z, y)   # a mean: still this (not "return the SUM", whose fix
+        assert "set LOSS_FN = None" in startup_error(train_argv(pairs, out, *DPO))   # DPO then refused; helper 59)
     finally:
         train.LOSS_FN = keep
     bad = tmp_path / "bad.jsonl"

@@ -198,6 +198,10 @@ def test_a_loss_fn_that_is_not_a_sum_is_refused_at_start_up(tmp_path):
     assert mean.startswith("LOSS_FN must return the SUM of its chunk's target rows' losses") and "(a mean" in mean
     assert "3 rows with no target" in not_a_sum(lambda z, y: ce(z, y) + 1e-4 * (torch.logsumexp(z, 1) ** 2).sum())
     assert not_a_sum(lambda z, y: ce(z, y) * float("nan")) is None   # (NaN on rows with targets)
+    for scale in (0.5, 1, 2, 3, 10):   # a sum in bf16 or fp16 is one (it keeps ~3 digits; review, helper 59)
+        for dt in (torch.bfloat16, torch.float16):
+            assert not_a_sum(lambda z, y, s=scale, d=dt: ce((s * z).to(d), y)) is None, (scale, dt)
+    assert not_a_sum(lambda z, y: ce(z, y) / len(y)) is not None   # (divided by the chunk's rows: a mean too)
     assert not_a_sum(lambda z, y: 1 / 0) is None
 
 

@@ -950,6 +950,22 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
         assert f"--resume auto found {out!r} {runs.AUTO_SAID[was]} at start-up, and now {now}: another instance of " \
             "this job wrote there meanwhile. Run the same command again" in str(e.value), str(e.value)
     assert tree_hash(out) == before, "a refused claim changed the run"
+    # ... also when the other instance writes between those checks and the lock (helper 59: the lock's own check was
+    # untested): a whole step appears in a folder this one found killed before its first save
+    raced = str(tmp_path / "raced")
+    shutil.copytree(out, raced, ignore=shutil.ignore_patterns("ckpt", "adapter", "run.lock"))
+    lock = runs._lock
+
+    def other_instance_first(path):
+        shutil.copytree(os.path.join(out, "ckpt"), os.path.join(raced, "ckpt"))
+        return lock(path)
+    with monkeypatch.context() as m:
+        m.setattr(runs, "_lock", other_instance_first)
+        with pytest.raises(ValueError, match="holding a run that saved no whole step at start-up, and now holding a "
+                                             "whole step: another instance"):
+            runs.claim(raced, overwrite=True, auto="restarted")
+    assert sorted(os.listdir(os.path.join(raced, "ckpt"))) == sorted(os.listdir(os.path.join(out, "ckpt")))
+    assert os.path.isfile(os.path.join(raced, "config.json")), "the refused claim removed files"
     run(auto)   # once more, the run ended: nothing trained, said; the same adapter and metrics
     assert "note: step 4 is this run's last: nothing to train" in capsys.readouterr().out and same(out) == same(ref)
     a = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
