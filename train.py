@@ -310,7 +310,7 @@ def main(argv=None):
                                           split=stats.split + (eval_stats.split if eval_stats else 0)):
                 log0(note)
             if why := keep_best.exhausted(checkpoint.read_meta(ckpt), args, ckpt):   # stopped early: would stop
-                if not getattr(args, "resume_auto", None):   # again at once (once the eval samples are known: other
+                if not args.resume_auto:   # again at once (once the eval samples are known: other
                     raise ValueError(why)   # ones count anew); a requeue (--resume auto) of it: it had ended there
                 ended = checkpoint.read_meta(ckpt)["step"]
                 log0(f"note: --resume auto: the run stopped early at step {ended} (--early-stop)")
@@ -353,15 +353,15 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt,   # locked only now
-                         auto=getattr(args, "resume_auto", None))
+                         auto=args.resume_auto)
         args.out = run.path
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
-        auto = {"resumed": f"--resume auto: continuing from {ckpt}", "fresh": "--resume auto: no run there yet, a "
-                "fresh one", "restarted": "--resume auto: its run saved no whole step, so it starts again"}.get(
-            getattr(args, "resume_auto", None))
-        log0(f"out: {run.path}" + (f" ({auto})" if auto else "") + (
-            f" (--overwrite removed {', '.join(run.removed)})" if run.removed and not auto else
-            f" (removed {', '.join(run.removed)})" if run.removed else ""))
+        said = ["--resume auto: " + {"resumed": f"continuing from {ckpt}", "fresh": "no run there yet, a fresh one",
+                                      "restarted": "its run saved no whole step, so it starts again"}[args.resume_auto]
+                ] if args.resume_auto else []
+        if run.removed:
+            said.append(("removed " if args.resume_auto else "--overwrite removed ") + ", ".join(run.removed))
+        log0(f"out: {run.path}" + "".join(f" ({x})" for x in said))
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
@@ -403,7 +403,7 @@ def main(argv=None):
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
             from parallel.preference import ref_caches
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
-        way = (args.out, bool(getattr(args, "resume_auto", None)), bool(args.resume))   # (a stop before any save)
+        way = (args.out, bool(args.resume_auto), bool(args.resume))   # (a stop before any save)
         stop.start()   # (before the baseline evaluation, minutes on a large eval set: a Ctrl-C there is a stop too)
         if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
             log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
@@ -527,7 +527,7 @@ def main(argv=None):
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
-        e.way_on = (run and run.path, bool(getattr(args, "resume_auto", None)), bool(args.resume))   # (None: unclaimed)
+        e.way_on = (run and run.path, bool(args.resume_auto), bool(args.resume))   # (None: unclaimed)
         raise
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):
@@ -563,7 +563,7 @@ def _way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
     from parallel import checkpoint
 
     ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
-    has = ckpt and any(checkpoint.problem(p) is None for _, p in checkpoint._steps(ckpt))
+    has = ckpt and checkpoint.has_step(ckpt)
     if auto:
         return "run the same command again (--resume auto " + (f"continues from {ckpt})" if has else "starts it again)")
     if has:

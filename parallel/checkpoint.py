@@ -129,6 +129,11 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def has_step(ckpt_dir: str) -> bool:
+    """`ckpt_dir` holds a whole step folder (one `resolve` can resume)."""
+    return any(problem(p) is None for _, p in _steps(ckpt_dir))
+
+
 def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every folder save() names (step_000042), newest first. Only those: rotation deletes what this
     returns, and a folder of another name (`step_1`, an adapter exported into the ckpt folder by hand, or a copy)

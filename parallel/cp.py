@@ -103,20 +103,20 @@ def gather_sequence(x: torch.Tensor, group, dims, seq_len: int | None = None) ->
 # --- attention cores ---------------------------------------------------------------------------
 
 
-def _unbound(window, meta, pad: int = 0):
-    """A sliding window beside branches (shared-prompt pairs): none where it cuts no document (`masks.binding`;
-    `pad`: CP's padding), else refused (the branched paths measure it by the row; train.py refuses a window below
+def _unbound(window, meta):
+    """A sliding window beside branches (shared-prompt pairs): none where it cuts no document (`masks.binding`, by
+    the positions), else refused (the branched paths measure it by the row; train.py refuses a window below
     --max-len at start, so no side reaches past one it lets through)."""
-    if masks.binding(window, meta, pad) is not None:
+    if masks.binding(window, meta) is not None:
         raise ValueError(f"a sliding window of {window} tokens, shorter than a document with shared-prompt pairs' "
                          "branches, is not supported: drop --dpo-share-prompt")
 
 
-def _branched(q, k, v, meta, scale, window, pad: int = 0):
+def _branched(q, k, v, meta, scale, window):
     """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process.
     Several rows (an unpacked micro-batch) run as one row of them side by side, which takes the exact calls: planned
     together they took tiles, each computing all its pairs (~3.5x the kept outputs, review helper 47)."""
-    _unbound(window, meta, pad)
+    _unbound(window, meta)
     b, s = q.shape[:2]
     if b == 1:
         return ring_attention(q, k, v, scale, None, docs=meta)

@@ -117,6 +117,7 @@ def check_start(args, demo: bool):
     from parallel.mesh import check_flags, device_type
     from parallel.plan import REFERENCE_FREE
 
+    args.resume_auto = None   # (recorded: what --resume auto decided)
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
         args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep

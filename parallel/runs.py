@@ -294,8 +294,8 @@ def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str
 
 
 def _auto(out: str) -> tuple[str | None, bool, str]:
-    from parallel.checkpoint import _steps, problem
-    if any(problem(p) is None for _, p in _steps(os.path.join(out, "ckpt"))):
+    from parallel.checkpoint import has_step
+    if has_step(os.path.join(out, "ckpt")):
         return os.path.join(out, "ckpt"), False, "resumed"
     used = _entries(os.path.realpath(out))
     if done := [e for e in ("adapter", "adapter_best") if e in used]:   # a finished run whose steps are gone: its
@@ -330,11 +330,10 @@ class RunDir:
 def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
     if auto:   # another instance of this job may have run there since start-up (review, helper 57: a "restarted"
         check_free(out)   # decision then deleted the run it had finished); a live one is said as such
-        _same_auto(out, auto)
     try:
         check_out(out, resume=resume, overwrite=overwrite, root=root)
     except ValueError:
-        if auto:   # (written there since the line above: said as that, not with check_out's --overwrite advice)
+        if auto:   # (written there since start-up: said as that, not with check_out's --overwrite advice)
             _same_auto(out, auto)
         raise
     if out is None:
