@@ -236,10 +236,14 @@ def _lock(out: str) -> int:
         os.close(fd)
         raise ValueError(f"--out {out!r} is in use by a live run ({holder}); wait for it to end, "
                          "or pass another --out") from None
+    return fd
+
+
+def _note(fd: int) -> None:
+    """Say who holds the lock, once the claim is accepted: a refused one leaves the last holder's note as it was."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
               .encode(), 0)
-    return fd
 
 
 def check_free(out: str | None, resume: str | None = None) -> None:
@@ -364,6 +368,7 @@ def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
                              + ": a run that was still writing there saved since. Start this run again"
                              + (" once it has ended (resuming the older step would drop the newer steps)"
                                 if isinstance(now, str) else "")) from None
+    _note(fd)
     removed = []
     if overwrite:   # under the lock, so a live run's files are never deleted
         there = sorted(os.listdir(out))

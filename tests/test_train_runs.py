@@ -942,7 +942,10 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (out, ref))
     assert all(torch.equal(a[k], b[k]) for k in b), "the requeued run's adapter is not the uninterrupted one"
     # another instance of the job ran there between this one's start-up and its claim (review, helper 57): what it
-    # decided is decided again under the lock, and a change refused, nothing removed
+    # decided is decided again under the lock, and a change refused, nothing removed, the last holder's note included
+    # (it was rewritten before the refusal until 2026-12-05: CI failed when the clock's second turned in between)
+    with open(os.path.join(out, runs.LOCK), "w") as f:
+        f.write("pid 1 on another-node since 2026-01-01 00:00:00\n")
     before = tree_hash(out)
     for was, now in (("restarted", "holding a whole step"), ("fresh", "holding a whole step")):
         with pytest.raises(ValueError) as e:
