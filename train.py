@@ -45,6 +45,7 @@ from parallel import guard, phases, plan_speed, preflight, recorded, resume, run
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
+from parallel.metrics import SINKS, TB_DIR, Metrics
 from parallel.plan_search import PLAN_FLAGS, max_len_arg
 from parallel.preference import Preference
 from parallel.profiler import StepProfiler
@@ -188,6 +189,8 @@ def build_parser(add_help=True):
     a("--max-nonfinite", type=int, default=3, help="stop after N non-finite steps in a row (each is skipped)")
     a("--timeout", type=float, default=30.0, help="minutes without progress (a stuck rank) before the job ends")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    a("--report-to", nargs="+", choices=sorted(SINKS), default=None, metavar="SINK", help="also log each step's "
+      f"metrics to: {', '.join(sorted(SINKS))} (OUT/tensorboard; metrics.jsonl is always written)")
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")
@@ -392,8 +395,9 @@ def main(argv=None):
                 f.write(runs.config_json({**vars(args), "cwd": os.getcwd(), "layout": str(dims), "data_stats": str(
                     stats), **({"eval_split_records": held_records(eval_samples, data_files(args.data))} if
                                args.eval_split else {})}))
-            return runs.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start if ckpt else None)
-        metrics = guard.on_rank0(files, "writing config.json and metrics.jsonl")
+            return Metrics(args.out, args.report_to, resume_step=start if ckpt else None)   # + --report-to's sinks
+        logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])   # (named in a failure's message)
+        metrics = guard.on_rank0(files, f"writing config.json and opening {logs}")
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(
@@ -504,7 +508,7 @@ def main(argv=None):
                     best.update(step + 1, ev["eval_loss"])
                 halt = early.update(step + 1, ev["eval_loss"]) and step + 1 < steps   # (and the same stop)
             guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
-                                          bar.update(1)), f"writing metrics.jsonl (step {step + 1})")   # all stop on
+                                          bar.update(1)), f"writing {logs} (step {step + 1})")   # all stop on
             # a failure (a full disk); the line goes above the bar, or plain when off
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
                     (args.keep_best and "eval_loss" in rec) or halt:
@@ -525,7 +529,9 @@ def main(argv=None):
         wd.stop()   # the last collective is behind: rank 0's own writes below wait for no peer
         if args.keep_best and best.step and rank == 0:
             keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
-        log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl")
+        tb = f" and {args.out}/{TB_DIR} (tensorboard --logdir {args.out}/{TB_DIR})"
+        log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl"
+             + (tb if "tensorboard" in (args.report_to or ()) else ""))
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
         e.way_on = (run and run.path, bool(args.resume_auto), bool(args.resume))   # (None: unclaimed)
         raise

@@ -115,11 +115,13 @@ def check_start(args, demo: bool):
     from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
+    from parallel.metrics import check_sinks
     from parallel.plan import REFERENCE_FREE
 
     args.resume_auto = None   # (recorded: what --resume auto decided)
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
         args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)
+    check_sinks(args.report_to)
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     if args.objective == "dpo":

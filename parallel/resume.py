@@ -53,7 +53,7 @@ FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts"
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
         "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens",
-        "resume_auto")
+        "resume_auto", "report_to")
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 

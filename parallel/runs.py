@@ -1,4 +1,4 @@
-"""What a run owns on disk: its output directory, its lock, its metrics file (what resume keeps: resume.py).
+"""What a run owns on disk: its output directory and its lock (what resume keeps: resume.py; its metrics: metrics.py).
 
 Contract:
 1. `check_out(out, resume=, overwrite=)` runs on every rank before the process group: checks whose only trace
@@ -17,9 +17,6 @@ Contract:
    One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
    collective. A refusal changes nothing.
 3. `config_json(config)`: config.json's text, a list of numbers on one line.
-4. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind
-   listed under "nonfinite") and, on resume, first drops every line past the checkpoint's step
-   (written to a temporary file and renamed, so a crash leaves the old file or the new one).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import fnmatch
 import json
-import math
 import os
 import re
 import shutil
@@ -46,7 +42,7 @@ OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter",
          "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "adapter.abandoned*",
          "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt", "profile-rank*.txt",
          "loss.png", "reference_logps.pt", "reference_logps.pt.tmp", "reference_logps_eval.pt",
-         "reference_logps_eval.pt.tmp", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
+         "reference_logps_eval.pt.tmp", "tensorboard", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
 # when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
@@ -422,19 +418,6 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
     return run if me == 0 else RunDir(text)
 
 
-def _strict(rec: dict) -> dict:
-    """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
-    out, bad = {}, {}
-    for k, v in rec.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            out[k], bad[k] = None, str(v)
-        else:
-            out[k] = v
-    if bad:
-        out["nonfinite"] = bad
-    return out
-
-
 def config_json(config: dict) -> str:
     """config.json's text: one key a line (indent 1), and a list of whole numbers on one line (--eval-split's
     held-out lines of a large split took one line each, megabytes of them). Strings are never touched."""
@@ -453,55 +436,3 @@ def config_json(config: dict) -> str:
         text = text.replace(json.dumps(key), numbers, 1)
     return text
 
-
-class MetricsLog:
-    """metrics.jsonl: one strict-JSON line per step. Rank 0 only.
-
-    `resume_step=None`: a fresh run; an existing non-empty file is refused (claim() already refuses
-    the directory; this keeps a fresh run from ever truncating results). `resume_step=N`: keep the
-    lines up to step N (the checkpoint's), drop the rest, then append."""
-
-    def __init__(self, path: str, *, resume_step: int | None = None):
-        self.path, self.dropped = path, 0   # dropped: lines removed on resume
-        if resume_step is None:
-            if os.path.isfile(path) and os.path.getsize(path):
-                raise ValueError(f"{path!r} already holds metrics; a fresh run never truncates them. "
-                                 "Pass --resume to continue that run, --overwrite, or a new --out")
-        elif os.path.isfile(path):
-            self.dropped = self._truncate(resume_step)
-        # unbuffered, appending: a write the disk refuses fails once, there, with nothing left in a buffer for close()
-        # to flush and fail again (which hid the first error and the run folder it names; review, helper 46)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def _truncate(self, step: int) -> int:
-        keep, dropped = [], 0
-        with open(path := self.path) as f:
-            for line in f:
-                try:
-                    s = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk
-                    dropped += 1
-                    continue
-                if s <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return dropped
-
-    def write(self, rec: dict) -> dict:
-        rec = _strict(rec)
-        data = (json.dumps(rec, allow_nan=False) + "\n").encode()
-        while data:   # (a torn line from a refused write is dropped on resume, as a crash's)
-            data = data[os.write(self.fd, data):]
-        return rec
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None

@@ -1,6 +1,7 @@
 """Small shared builders for tests: tiny random checkpoints made with transformers, train.py argv and guards."""
 
 import contextlib
+import math
 import os
 
 import torch
@@ -150,3 +151,22 @@ class DiesInAChildProcess:
         if not name.startswith("__") and os.getpid() != self.__dict__.get("pid"):
             os._exit(9)
         raise AttributeError(name)
+
+
+def tensorboard_scalars(out) -> dict:
+    """OUT/tensorboard as TensorBoard draws it: {tag: [(step, value)]}, read by tensorboard's own EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def as_scalars(records) -> dict:
+    """metrics.jsonl's records as TensorBoard holds them: each number a float32 at its step (null: NaN)."""
+    out = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))):
+                out.setdefault(k, []).append((r["step"], torch.tensor(math.nan if v is None else v).float().item()))
+    return out

@@ -9,7 +9,7 @@ Pins:
 - a live run's lock refuses a second run (a real second process holds it), a stale lock file does not;
 - on 2 gloo ranks, `claim` gives both ranks the same fresh path, and a refusal is raised on both;
 - `check_resume` names the flag, the checkpoint's value and the new one; layout flags may change;
-- MetricsLog writes null for NaN/Inf (kind under "nonfinite"), and on resume drops lines past the step.
+- metrics.MetricsLog writes null for NaN/Inf (kind under "nonfinite"), and on resume drops lines past the step.
 
 Run: .venv/bin/python -m pytest -q tests/test_runs.py
 """
@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from parallel import resume, runs
+from parallel import metrics, resume, runs
 from tests.dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -548,7 +548,7 @@ def test_every_flag_of_train_py_is_classified_for_resume():
 
 def test_metrics_strict_json_and_resume_truncation(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
-    log = runs.MetricsLog(path)
+    log = metrics.MetricsLog(path)
     for s in (1, 2, 3):
         log.write({"step": s, "loss": float("nan") if s == 2 else 1.5, "grad_norm": float("inf") if s == 2 else 0.5})
     log.close()
@@ -561,12 +561,12 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
     assert rows[0] == {"step": 1, "loss": 1.5, "grad_norm": 0.5}
 
     before = _hashes(tmp_path)
-    _refused(lambda: runs.MetricsLog(path), "already holds metrics", "--resume")
+    _refused(lambda: metrics.MetricsLog(path), "already holds metrics", "--resume")
     assert _hashes(tmp_path) == before, "a fresh MetricsLog touched existing metrics"
 
     with open(path, "a") as f:
         f.write('{"step": 4, "lo')   # a line torn by a crash mid-write
-    log = runs.MetricsLog(path, resume_step=2)
+    log = metrics.MetricsLog(path, resume_step=2)
     assert log.dropped == 2, log.dropped
     log.write({"step": 3, "loss": 1.0})
     log.close()
@@ -575,10 +575,30 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
     # a full disk (/dev/full refuses every write): the write fails once, and close() has nothing left to flush (until
     # 2026-12-05 a buffered line failed again in close, in train.py's finally, hiding the first error and its run
     # folder, so the advice said "run the same command again", which is refused; review, helper 46)
-    log = runs.MetricsLog("/dev/full")
+    log = metrics.MetricsLog("/dev/full")
     with pytest.raises(OSError, match="No space left on device"):
         log.write({"step": 1, "loss": 1.0})
     log.close()
+
+
+def test_tensorboard_sink_draws_each_record_when_it_is_written(tmp_path):
+    """--report-to tensorboard, read by TensorBoard's own reader: a record is on disk when write() returns (a killed
+    run's last steps are drawn), a non-finite loss drawn as NaN where metrics.jsonl writes null, flags not drawn."""
+    import math
+
+    from tests.helpers import tensorboard_scalars
+
+    log = metrics.Metrics(str(tmp_path), ["tensorboard"])
+    try:
+        said = log.write({"step": 1, "loss": float("nan"), "grad_norm": 0.5, "tokens": 96, "profiled": True})
+        drawn = tensorboard_scalars(str(tmp_path))   # before close()
+    finally:
+        log.close()
+    assert said == {"step": 1, "loss": None, "grad_norm": 0.5, "tokens": 96, "profiled": True,
+                    "nonfinite": {"loss": "nan"}}, said
+    assert sorted(drawn) == ["grad_norm", "loss", "tokens"] and drawn["grad_norm"] == [(1, 0.5)], drawn
+    assert drawn["tokens"] == [(1, 96.0)] and len(drawn["loss"]) == 1 and math.isnan(drawn["loss"][0][1]), drawn
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1]
 
 
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():

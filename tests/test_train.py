@@ -64,7 +64,8 @@ FOUR_RANK = {   # out-dir name -> layout flags
     "cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--save-every", "2"],
     # --pack is the default everywhere: with 2 samples per micro-batch a row holds 2 documents, which ring
     # and hybrid attention must keep apart
-    "cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"],
+    "cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2",
+                              "--report-to", "tensorboard"],   # (logs only: rank 0's, checked below)
     "cp4_auto_hybrid_pack_mb2": ["--cp", "4", "--micro-batch", "2"],
     "cp4_ring_pack_mb2": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "2"],
     "dp4": ["--dp-shard", "4"],
@@ -188,16 +189,16 @@ def _host_short_on_rank_2(rank, world_size, argv):
 def _metrics_disk_full_at_step_2(rank, world_size, argv):
     """train.main on this rank with rank 0's metrics.jsonl write failing (a full disk) at step 2: the error raised."""
     import train
-    from parallel import runs
+    from parallel import metrics
 
-    real = runs.MetricsLog.write
+    real = metrics.MetricsLog.write
 
     def write(self, rec):
         if rec["step"] == 2:
             raise OSError(28, "No space left on device")
         return real(self, rec)
 
-    runs.MetricsLog.write = write
+    metrics.MetricsLog.write = write
     try:
         train.main(argv)
     except Exception as e:   # noqa: BLE001 - what each rank raised is the result
@@ -442,6 +443,16 @@ def test_single_rank_run_trains(one):
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_four_ranks_match_one_rank(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "fp32"))
+
+
+@pytest.mark.timeout(600)
+def test_tensorboard_on_four_ranks_draws_rank_0s_metrics_once(four):
+    """--report-to tensorboard on cp2 x dp2: one events file, rank 0's (no other rank writes), drawing its metrics."""
+    from tests.helpers import as_scalars, tensorboard_scalars
+
+    out = _at(four, "cp2_dp2_ring_pack_mb2")
+    assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1, os.listdir(os.path.join(out, "tensorboard"))
+    assert tensorboard_scalars(out) == as_scalars(_metrics(out)) != {}
 
 
 def test_micro_batch_auto_changes_nothing_and_runs_idle_rows_where_a_rank_has_fewer(one, assets):

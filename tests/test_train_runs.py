@@ -648,6 +648,46 @@ def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
 
 
+def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resumes(assets, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """--report-to tensorboard: TensorBoard (its own reader) draws what metrics.jsonl holds, each step once, after a
+    run; after a resume from its older step that ends there (metrics.jsonl drops the later steps, TensorBoard must
+    hide them: without purge_step it drew the dead steps on); after a resume that trains them again (the
+    uninterrupted losses). Without the package the flag is refused before any weight is read, nothing written."""
+    from parallel import metrics as sinks
+    from tests.helpers import as_scalars, tensorboard_scalars
+
+    out, tb = str(tmp_path / "out"), ["--report-to", "tensorboard", "--eval-every", "2", "--save-every", "2",
+                                      "--eval-data", assets["data"]]
+    run(train_argv(assets, out, "--steps", "4", *tb))
+    assert f"metrics in {out}/metrics.jsonl and {out}/tensorboard (tensorboard --logdir {out}/tensorboard)" in \
+        capsys.readouterr().out
+    first = metrics(out)
+    drawn = tensorboard_scalars(out)
+    assert drawn == as_scalars(first) and [s for s, _ in drawn["eval_loss"]] == [2, 4], drawn
+    run(train_argv(assets, out, "--steps", "2", *tb, "--resume", os.path.join(out, "ckpt", "step_000002")))
+    assert "nothing to train" in capsys.readouterr().out and [r["step"] for r in metrics(out)] == [1, 2]
+    assert tensorboard_scalars(out) == as_scalars(first[:2]), "TensorBoard draws steps metrics.jsonl dropped"
+    run(train_argv(assets, out, "--steps", "4", *tb, "--resume", os.path.join(out, "ckpt")))
+    again = metrics(out)
+    assert tensorboard_scalars(out) == as_scalars(again) and [r["step"] for r in again] == [1, 2, 3, 4]
+    math_of = lambda rs: [(r["loss"], r["grad_norm"], r["lr"], r.get("eval_loss")) for r in rs]   # noqa: E731
+    assert math_of(again) == math_of(first), "resume never changes the math"
+    # a fresh run never adds to another run's events (claim refuses the folder first; this is the sink's own guard)
+    before = tree_hash(out)
+    with pytest.raises(ValueError, match="already holds TensorBoard events; a fresh run never adds to another's"):
+        sinks.TensorBoard(out)
+    assert tree_hash(out) == before
+    # the package missing: refused at start-up, naming the fix
+    real = sinks.importlib.util.find_spec
+    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
+    bare = str(tmp_path / "bare")
+    said = startup_error(train_argv(assets, bare, "--report-to", "tensorboard"))
+    assert said == "--report-to tensorboard needs the tensorboard package, which this python lacks: pip install " \
+        "tensorboard (make install installs it), or drop --report-to tensorboard", said
+    assert not os.path.exists(bare)
+
+
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
     import train
     from parallel.guard import NonFiniteError

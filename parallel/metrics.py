@@ -1,0 +1,160 @@
+"""What a run logs each step, on rank 0: OUT/metrics.jsonl always, and the sinks `--report-to` names.
+
+Contract:
+1. `Metrics(out, report_to, resume_step)` opens metrics.jsonl and each named sink; `write(rec)` once a step
+   (rec: train.py's step record, {"step": k, "loss": ..., ...}), `close()` once, also after an error.
+2. Each step is logged once, as the uninterrupted run logged it. A resume runs the steps after its checkpoint's
+   (`resume_step`) again, so every sink first drops, or hides, what it holds past that step: metrics.jsonl rewrites
+   itself without those lines; TensorBoard is given `purge_step`, and hides every older event from that step on.
+   None: a fresh run, which never overwrites: a sink whose files are already there is refused.
+3. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind listed under
+   "nonfinite"), its lines unbuffered, and a resume's rewrite atomic (a temporary file renamed: a crash leaves the
+   old file or the new one).
+4. A sink of your own (W&B, MLflow, a CSV): a class in `SINKS`, `Sink(out, resume_step=N|None)` with `write(rec)`
+   and `close()`, its files named in parallel/runs.py's `OWNED` (so --overwrite removes them), keeping 2. Its
+   writes run on rank 0 inside guard.on_rank0: an exception stops every rank at that step, naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+TB_DIR = "tensorboard"
+
+
+def strict(rec: dict) -> dict:
+    """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
+    out, bad = {}, {}
+    for k, v in rec.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], bad[k] = None, str(v)
+        else:
+            out[k] = v
+    if bad:
+        out["nonfinite"] = bad
+    return out
+
+
+class MetricsLog:
+    """metrics.jsonl: one strict-JSON line per step.
+
+    `resume_step=None`: a fresh run; an existing non-empty file is refused (claim() already refuses
+    the directory; this keeps a fresh run from ever truncating results). `resume_step=N`: keep the
+    lines up to step N (the checkpoint's), drop the rest, then append."""
+
+    def __init__(self, path: str, *, resume_step: int | None = None):
+        self.path, self.dropped, self.fd = path, 0, None   # dropped: lines removed on resume
+        if resume_step is None:
+            if os.path.isfile(path) and os.path.getsize(path):
+                raise ValueError(f"{path!r} already holds metrics; a fresh run never truncates them. "
+                                 "Pass --resume to continue that run, --overwrite, or a new --out")
+        elif os.path.isfile(path):
+            self.dropped = self._truncate(resume_step)
+        # unbuffered, appending: a write the disk refuses fails once, there, with nothing left in a buffer for close()
+        # to flush and fail again (which hid the first error and the run folder it names; review, helper 46)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _truncate(self, step: int) -> int:
+        keep, dropped = [], 0
+        with open(path := self.path) as f:
+            for line in f:
+                try:
+                    s = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk
+                    dropped += 1
+                    continue
+                if s <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return dropped
+
+    def write(self, rec: dict) -> dict:
+        rec = strict(rec)
+        data = (json.dumps(rec, allow_nan=False) + "\n").encode()
+        while data:   # (a torn line from a refused write is dropped on resume, as a crash's)
+            data = data[os.write(self.fd, data):]
+        return rec
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class TensorBoard:
+    """OUT/tensorboard: each number of the step record a scalar, tagged with its metrics.jsonl key, at its step (a
+    NaN loss as NaN). Flushed every step, as metrics.jsonl is written, so a killed run's last steps are there."""
+
+    def __init__(self, out: str, *, resume_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = os.path.join(out, TB_DIR)
+        if resume_step is None and os.path.isdir(path) and os.listdir(path):
+            raise ValueError(f"{path!r} already holds TensorBoard events; a fresh run never adds to another's. Pass "
+                             "--resume to continue that run, --overwrite, or a new --out")
+        # a resume: TensorBoard hides every event of an earlier file at or past purge_step, so the steps this run
+        # logs again are not drawn twice, nor a dead run's later steps beside them (until this run reaches them)
+        self.writer = SummaryWriter(path, purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, rec: dict) -> None:
+        for key, v in rec.items():
+            if key != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(key, v, rec["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+SINKS = {"tensorboard": (TensorBoard, "tensorboard")}   # name -> (class, the package it needs)
+
+
+def check_sinks(report_to: list[str] | None) -> None:
+    """At start-up, before any weight: each named sink's package imports."""
+    for name in report_to or ():
+        package = SINKS[name][1]
+        if package and importlib.util.find_spec(package) is None:
+            raise ValueError(f"--report-to {name} needs the {package} package, which this python lacks: pip install "
+                             f"{package} (make install installs it), or drop --report-to {name}")
+
+
+class Metrics:
+    """metrics.jsonl and the sinks, written as one (what train.py holds)."""
+
+    def __init__(self, out: str, report_to: list[str] | None = None, resume_step: int | None = None):
+        self.sinks = []
+        try:
+            self.log = MetricsLog(os.path.join(out, "metrics.jsonl"), resume_step=resume_step)
+            self.sinks.append(self.log)
+            for name in dict.fromkeys(report_to or ()):
+                self.sinks.append(SINKS[name][0](out, resume_step=resume_step))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, rec: dict) -> dict:
+        """The record as metrics.jsonl holds it (strict JSON), written there first."""
+        said = self.log.write(rec)
+        for sink in self.sinks[1:]:
+            sink.write(rec)
+        return said
+
+    def close(self) -> None:
+        sinks, self.sinks, first = self.sinks, [], None
+        for sink in sinks:   # each closed, even after one that failed; the first failure raised
+            try:
+                sink.close()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
