@@ -131,8 +131,15 @@ def build_parser(add_help=True):
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
       "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
     # Optim
-    a("--lr", type=float, default=2e-4, help="peak learning rate (then cosine decay to 10%% of it: lr_at)")
-    a("--warmup", type=int, default=10, help="linear warmup steps")
+    a("--lr", type=float, default=2e-4, help="peak learning rate (after --warmup, --lr-schedule takes it down)")
+    a("--warmup", type=int, default=10, help="linear warmup steps (the first trains at --lr / N)")
+    a("--lr-schedule", default="cosine", choices=SCHEDULES, help="after warmup: cosine or linear decay to "
+      "--min-lr-ratio at the run's end; constant; wsd: constant, then a cosine decay over the last --wsd-decay of the "
+      "steps (lr_at)")
+    a("--min-lr-ratio", type=float, default=None, metavar="R", help="the LR the decay ends at, as a share of --lr "
+      "(default 0.1; not with constant)")
+    a("--wsd-decay", type=float, default=None, metavar="F", help="--lr-schedule wsd: the share of the run's steps its "
+      "final decay takes (default 0.1)")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
     a("--steps", type=int, default=None, help="optimizer steps (neither this nor --epochs: one epoch, ceil(samples "
@@ -208,12 +215,22 @@ def make_optimizer(params, args):
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
 
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
+
 def lr_at(step, args, total):
-    """Linear warmup, then cosine decay to 10% of --lr."""
+    """The LR of 0-based step `step` of `total`: linear warmup from --lr / --warmup (transformers' schedules train
+    their first step at 0: theirs one step on), then --lr-schedule from --lr down to --min-lr-ratio × --lr at `total`
+    (as transformers' get_cosine_with_min_lr_schedule_with_warmup, get_linear_schedule_with_warmup,
+    get_constant_schedule_with_warmup and get_wsd_schedule compute it: tests/test_schedule.py)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, total - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    if args.lr_schedule == "constant":
+        return args.lr
+    start = args.warmup if args.lr_schedule != "wsd" else max(args.warmup, total - round(args.wsd_decay * total))
+    t = min(1.0, (step - start) / max(1, total - start)) if step >= start else 0.0
+    down = 1 - t if args.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * t))   # 1 -> 0
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * down)
 
 
 def log0(*a):

@@ -218,6 +218,14 @@ def check_flags(args) -> None:
     if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():
         raise ValueError(f"--ac-keep-attn with --compile: torch {torch.__version__}'s selective-checkpoint cache "
                          "stops torch.compile inside it (every block would run eager); use one or the other")
+    schedule, ratio, decay = (getattr(args, k, None) for k in ("lr_schedule", "min_lr_ratio", "wsd_decay"))
+    if ratio is not None and (schedule == "constant" or not 0 <= ratio <= 1):   # (nan too)
+        raise ValueError(f"--min-lr-ratio {ratio:g}: " + ("--lr-schedule constant has no decay to end at; drop it"
+                         if schedule == "constant" else "the LR the decay ends at, as a share of --lr, in [0, 1]"))
+    if decay is not None and (schedule != "wsd" or not 0 <= decay <= 1):
+        raise ValueError(f"--wsd-decay {decay:g}: " + ("the share of the steps --lr-schedule wsd decays over, in [0, "
+                         "1]" if schedule == "wsd" else f"acts only with --lr-schedule wsd (this run's is {schedule}): "
+                         "pass that too, or drop it"))
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "profile", None) is not None and args.profile < 1:

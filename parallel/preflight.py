@@ -164,6 +164,10 @@ def check_start(args, demo: bool):
                 raise ValueError(f"{flag} {v}, and this run is supervised: pass --objective dpo to train on "
                                  "preference pairs, or drop it")
     check_flags(args)
+    if args.lr_schedule != "constant" and args.min_lr_ratio is None:   # resolved, as run: a resume compares them
+        args.min_lr_ratio = 0.1
+    if args.lr_schedule == "wsd" and args.wsd_decay is None:
+        args.wsd_decay = 0.1
     args.dpo_reference = None   # DPO's reference: a resume must find the same one (an adapter's bytes, as --data's)
     if args.objective == "dpo" and args.dpo_loss in REFERENCE_FREE:
         args.dpo_reference = "none"

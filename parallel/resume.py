@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -41,7 +42,8 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
                 "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
-                "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma")
+                "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma",
+                "lr_schedule", "min_lr_ratio", "wsd_decay")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile", "dpo_share_prompt",
@@ -54,6 +56,13 @@ FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts"
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
         "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens",
         "resume_auto", "report_to")
+# train.py's lr_at until 2026-12-05 (before --lr-schedule), as recorded: the math today's (its sha256 below) computes
+# with --lr-schedule cosine --min-lr-ratio 0.1, the values a run from before is compared with, so it resumes
+# (test_train_runs -k lr_schedule; an edited lr_at, another sha256: refused, as any other change of its code)
+LR_AT_BEFORE = ("lr_at: def lr_at(step, args, total):\n    if step < args.warmup:\n        return args.lr * (step + 1) "
+                "/ args.warmup\n    t = (step - args.warmup) / max(1, total - args.warmup)\n    return args.lr * "
+                "(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))")
+LR_AT_SINCE = "ef35e1372ab8dcbee108957daa36c25d29aa60eaf84275d81740e0a01d63db5d"
 CODE = {"loss": "the loss (train.py's LOSS_FN)", "schedule": "the LR schedule (train.py's lr_at)",
         "optimizer_code": "the optimizer's code (train.py's make_optimizer)"}
 
@@ -147,8 +156,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
                  "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
-                 "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5,
-                 **ckpt_args}   # runs from before these flags: without them
+                 "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5, "lr_schedule": "cosine",
+                 "min_lr_ratio": 0.1, "wsd_decay": None, **ckpt_args}   # runs from before these flags: without them
     was, objective = ckpt_args.get("objective", "sft"), args.get("objective")
     if objective is not None and was != objective:   # (said alone: every other difference follows from it)
         out = ckpt_args.get("out") or "OUT"
@@ -190,6 +199,9 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
             continue
         if k in CODE and NO_SOURCE in f"{ckpt_args.get(k)}{args.get(k)}":   # code without source: not comparable
             continue
+        if k == "schedule" and ckpt_args.get(k) == LR_AT_BEFORE and \
+                hashlib.sha256(str(args.get(k)).encode()).hexdigest() == LR_AT_SINCE:   # a run from before
+            continue   # --lr-schedule: the same math as its defaults, which are compared as its flags
         if k in CODE and k in ckpt_args and ckpt_args[k] != args.get(k):
             diffs.append(f"{CODE[k]} differs from the checkpoint's run at {first_difference(ckpt_args[k], args.get(k))}"
                          f" (the whole text: args.{k} in the checkpoint's meta.json; the same math in other code: give "
@@ -275,7 +287,8 @@ def schedule_note(ckpt: str | None, steps: int | None, why: str = "--steps") -> 
     had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps") or meta.get("steps_total")
     if isinstance(had, int) and isinstance(steps, int) and had != steps:
         return (f"note: the checkpoint's run scheduled the LR over {had} steps, this one over {steps} ({why}): the "
-                f"steps after {meta['step']} follow the new cosine, not the one the run would have gone on with")
+                f"steps after {meta['step']} follow the schedule over the new length, not the one the run would have "
+                "gone on with")
     return None
 
 

@@ -644,7 +644,7 @@ def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
     assert "note: the checkpoint's run scheduled" not in capsys.readouterr().out
     run(train_argv(assets, out, "--steps", "5", "--resume", os.path.join(out, "ckpt")))
     assert "note: the checkpoint's run scheduled the LR over 4 steps, this one over 5 (--steps): the steps after 4 " \
-        "follow the new cosine" in capsys.readouterr().out
+        "follow the schedule over the new length" in capsys.readouterr().out
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
 
 
@@ -686,6 +686,69 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     assert said == "--report-to tensorboard needs the tensorboard package, which this python lacks: pip install " \
         "tensorboard (make install installs it), or drop --report-to tensorboard", said
     assert not os.path.exists(bare)
+
+
+LR_AT_BEFORE = '''import math
+
+
+def lr_at(step, args, total):
+    """Linear warmup, then cosine decay to 10% of --lr."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+'''
+
+
+def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, tmp_path, monkeypatch):
+    """--lr-schedule wsd: metrics.jsonl's lr column is transformers' get_wsd_schedule; a resume with another schedule
+    is refused naming it. A checkpoint of train.py's lr_at from before --lr-schedule (its text recorded, no schedule
+    flags) resumes with today's default, cosine to 0.1, to the uninterrupted run's losses and adapter bit for bit;
+    with another --min-lr-ratio it is refused."""
+    import transformers.optimization as hf
+    from safetensors.torch import load_file
+
+    import train
+    from parallel import recorded, resume
+
+    out = str(tmp_path / "wsd")
+    run(train_argv(assets, out, "--lr-schedule", "wsd", "--wsd-decay", "0.5", "--warmup", "0", "--steps", "4",
+                   "--save-every", "2"))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)   # (train_argv's --lr)
+    sched, theirs = hf.get_wsd_schedule(opt, 0, 2, 4, min_lr_ratio=0.1), []   # (--min-lr-ratio's default)
+    for _ in range(4):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [r["lr"] for r in metrics(out)] == pytest.approx(theirs, rel=1e-12) and theirs[-1] < theirs[0], theirs
+    said = startup_error(train_argv(assets, out, "--warmup", "0", "--steps", "4", "--resume",
+                                    os.path.join(out, "ckpt")))
+    assert "--lr-schedule: the checkpoint has 'wsd', this run 'cosine'" in said, said
+    # a run from before the flags: its lr_at's text, no lr_schedule / min_lr_ratio / wsd_decay in its checkpoint
+    (tmp_path / "lr_before.py").write_text(LR_AT_BEFORE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import lr_before
+    assert recorded.describe_code(lr_before.lr_at) == resume.LR_AT_BEFORE
+    ref, then = str(tmp_path / "ref"), str(tmp_path / "then")
+    run(train_argv(assets, ref, "--steps", "4", "--save-every", "2"))
+    with monkeypatch.context() as m:
+        m.setattr(train, "lr_at", lr_before.lr_at)
+        run(train_argv(assets, then, "--steps", "2", "--save-every", "2"))
+    meta = os.path.join(then, "ckpt", "step_000002", "meta.json")
+    with open(meta) as f:
+        kept = json.load(f)
+    for k in ("lr_schedule", "min_lr_ratio", "wsd_decay"):
+        del kept["args"][k]
+    with open(meta, "w") as f:
+        json.dump(kept, f)
+    said = startup_error(train_argv(assets, then, "--steps", "4", "--min-lr-ratio", "0.2", "--resume",
+                                    os.path.join(then, "ckpt")))
+    assert "--min-lr-ratio: the checkpoint has 0.1, this run 0.2" in said and "lr_at" not in said, said
+    run(train_argv(assets, then, "--steps", "4", "--resume", os.path.join(then, "ckpt")))
+    same = lambda d: [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(d)]   # noqa: E731
+    assert same(then) == same(ref)
+    a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (then, ref))
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
@@ -756,6 +819,15 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "ac-blocks beyond the layers": (["--ac-blocks", "9"], ["--ac-blocks 9 is more than the model's 2 blocks"]),
     "ac-blocks 0 with offload": (["--ac-blocks", "0", "--offload-activations"],
                                  ["no block is checkpointed", "drop --offload-activations"]),
+    "min-lr-ratio with constant": (["--lr-schedule", "constant", "--min-lr-ratio", "0.1"],
+                                   ["--min-lr-ratio 0.1: --lr-schedule constant has no decay to end at; drop it"]),
+    "min-lr-ratio above 1": (["--min-lr-ratio", "2"], ["--min-lr-ratio 2: the LR the decay ends at, as a share of "
+                                                       "--lr, in [0, 1]"]),
+    "min-lr-ratio nan": (["--min-lr-ratio", "nan"], ["--min-lr-ratio nan: the LR the decay ends at"]),
+    "wsd-decay without wsd": (["--wsd-decay", "0.2"], ["--wsd-decay 0.2: acts only with --lr-schedule wsd (this "
+                                                       "run's is cosine): pass that too, or drop it"]),
+    "wsd-decay above 1": (["--lr-schedule", "wsd", "--wsd-decay", "1.5"], ["--wsd-decay 1.5: the share of the "
+                                                                          "steps --lr-schedule wsd decays over"]),
 }
 
 
