@@ -5,7 +5,8 @@ Contract:
    (rec: train.py's step record, {"step": k, "loss": ..., ...}), `close()` once, also after an error.
 2. Each step is logged once, as the uninterrupted run logged it. A resume runs the steps after its checkpoint's
    (`resume_step`) again, so every sink first drops, or hides, what it holds past that step: metrics.jsonl rewrites
-   itself without those lines; TensorBoard is given `purge_step`, and hides every older event from that step on.
+   itself without those lines, TensorBoard's folder likewise (`TensorBoard`); a resume without `--report-to
+   tensorboard` of a run that had it rewrites that folder too, so its later steps never reappear beside new ones.
    None: a fresh run, which never overwrites: a sink whose files are already there is refused.
 3. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind listed under
    "nonfinite"), its lines unbuffered, and a resume's rewrite atomic (a temporary file renamed: a crash leaves the
@@ -93,18 +94,29 @@ class MetricsLog:
 
 class TensorBoard:
     """OUT/tensorboard: each number of the step record a scalar, tagged with its metrics.jsonl key, at its step (a
-    NaN loss as NaN). Flushed every step, as metrics.jsonl is written, so a killed run's last steps are there."""
+    NaN loss as NaN). Flushed every step, as metrics.jsonl is written, so a killed run's last steps are there.
+
+    A resume rewrites the folder as metrics.jsonl rewrites itself: the events up to its step, as TensorBoard draws
+    them (each tag's later steps dropped where a restart logged it again), go into this run's new file, then the
+    older files are removed. `tensorboard --logdir` ignores `purge_step` (its default loader reads no restart event;
+    the Python one takes the first it reads for the session's start), so hiding is not enough (review, helper 61);
+    `purge_step` is still given, for a crash between the new file and the removals."""
 
     def __init__(self, out: str, *, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         path = os.path.join(out, TB_DIR)
-        if resume_step is None and os.path.isdir(path) and os.listdir(path):
+        old = sorted(os.path.join(path, f) for f in os.listdir(path) if "tfevents" in f) if os.path.isdir(path) else []
+        if resume_step is None and old:
             raise ValueError(f"{path!r} already holds TensorBoard events; a fresh run never adds to another's. Pass "
                              "--resume to continue that run, --overwrite, or a new --out")
-        # a resume: TensorBoard hides every event of an earlier file at or past purge_step, so the steps this run
-        # logs again are not drawn twice, nor a dead run's later steps beside them (until this run reaches them)
+        kept = _drawn(path, resume_step) if old else []
         self.writer = SummaryWriter(path, purge_step=None if resume_step is None else resume_step + 1)
+        for tag, step, value, wall_time in kept:
+            self.writer.add_scalar(tag, value, step, walltime=wall_time)
+        self.writer.flush()
+        for f in old:
+            os.remove(f)
 
     def write(self, rec: dict) -> None:
         for key, v in rec.items():
@@ -114,6 +126,16 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _drawn(path: str, step: int) -> list[tuple]:
+    """(tag, step, value, wall time) of each scalar TensorBoard's own reader draws from `path`, up to `step`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(path, size_guidance={"scalars": 0})   # (0: every event, none sampled away)
+    acc.Reload()
+    return sorted(((tag, e.step, e.value, e.wall_time) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)
+                   if e.step <= step), key=lambda x: (x[1], x[3]))
 
 
 SINKS = {"tensorboard": (TensorBoard, "tensorboard")}   # name -> (class, the package it needs)
@@ -132,21 +154,28 @@ class Metrics:
     """metrics.jsonl and the sinks, written as one (what train.py holds)."""
 
     def __init__(self, out: str, report_to: list[str] | None = None, resume_step: int | None = None):
-        self.sinks = []
+        self.sinks, self.failed = [], False
         try:
             self.log = MetricsLog(os.path.join(out, "metrics.jsonl"), resume_step=resume_step)
             self.sinks.append(self.log)
             for name in dict.fromkeys(report_to or ()):
                 self.sinks.append(SINKS[name][0](out, resume_step=resume_step))
+            if resume_step is not None and "tensorboard" not in (report_to or ()) and \
+                    os.path.isdir(os.path.join(out, TB_DIR)) and importlib.util.find_spec("tensorboard"):
+                TensorBoard(out, resume_step=resume_step).close()   # (its run had it: its later steps go as well)
         except BaseException:
             self.close()
             raise
 
     def write(self, rec: dict) -> dict:
         """The record as metrics.jsonl holds it (strict JSON), written there first."""
-        said = self.log.write(rec)
-        for sink in self.sinks[1:]:
-            sink.write(rec)
+        try:
+            said = self.log.write(rec)
+            for sink in self.sinks[1:]:
+                sink.write(rec)
+        except BaseException:
+            self.failed = True   # close() then raises nothing of its own: this error is the one said
+            raise
         return said
 
     def close(self) -> None:
@@ -156,5 +185,5 @@ class Metrics:
                 sink.close()
             except BaseException as e:
                 first = first or e
-        if first is not None:
-            raise first
+        if first is not None and not self.failed:   # (a sink whose write failed fails its close again, as
+            raise first   # TensorBoard's buffered writer does: raised from train.py's finally, it hid the first error)

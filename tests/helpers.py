@@ -154,12 +154,22 @@ class DiesInAChildProcess:
 
 
 def tensorboard_scalars(out) -> dict:
-    """OUT/tensorboard as TensorBoard draws it: {tag: [(step, value)]}, read by tensorboard's own EventAccumulator."""
+    """OUT/tensorboard as TensorBoard draws it: {tag: [(step, value)]}, read by tensorboard's own EventAccumulator,
+    which must agree with the loader `tensorboard --logdir --load_fast=false` serves from (it takes the first restart
+    event it reads for the session's start: events it would still draw fail here; review, helper 61)."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
 
     acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    drawn = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    served = plugin_event_accumulator.EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"tensors": 0})
+    served.Reload()
+    as_served = {tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in served.Tensors(tag)]
+                 for tag in served.Tags()["tensors"]}
+    assert repr(as_served) == repr(drawn), f"tensorboard --logdir draws {as_served}, EventAccumulator {drawn}"
+    return drawn
 
 
 def as_scalars(records) -> dict:

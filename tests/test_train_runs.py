@@ -668,11 +668,16 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     run(train_argv(assets, out, "--steps", "2", *tb, "--resume", os.path.join(out, "ckpt", "step_000002")))
     assert "nothing to train" in capsys.readouterr().out and [r["step"] for r in metrics(out)] == [1, 2]
     assert tensorboard_scalars(out) == as_scalars(first[:2]), "TensorBoard draws steps metrics.jsonl dropped"
+    assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1, "the older events files are removed"
     run(train_argv(assets, out, "--steps", "4", *tb, "--resume", os.path.join(out, "ckpt")))
     again = metrics(out)
     assert tensorboard_scalars(out) == as_scalars(again) and [r["step"] for r in again] == [1, 2, 3, 4]
     math_of = lambda rs: [(r["loss"], r["grad_norm"], r["lr"], r.get("eval_loss")) for r in rs]   # noqa: E731
     assert math_of(again) == math_of(first), "resume never changes the math"
+    # resumed from step 2 without the flag: the folder is rewritten all the same (a later resume with the flag would
+    # find steps 3 and 4 of a run metrics.jsonl no longer holds)
+    run(train_argv(assets, out, "--steps", "2", *tb[2:], "--resume", os.path.join(out, "ckpt", "step_000002")))
+    assert [r["step"] for r in metrics(out)] == [1, 2] and tensorboard_scalars(out) == as_scalars(first[:2])
     # a fresh run never adds to another run's events (claim refuses the folder first; this is the sink's own guard)
     before = tree_hash(out)
     with pytest.raises(ValueError, match="already holds TensorBoard events; a fresh run never adds to another's"):
@@ -749,6 +754,39 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
     assert same(then) == same(ref)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (then, ref))
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # (its writer thread's, too)
+def test_a_full_disk_under_tensorboard_is_the_one_error_said(assets, tmp_path, monkeypatch, capsys):
+    """The disk fills while TensorBoard writes step 2: the one error line names that write and the way on (its
+    buffered writer failed again in close(), from train.py's finally, and that second error was said in its place,
+    advising a command check_out refuses; review, helper 61)."""
+    from tensorboard.summary.writer import record_writer
+
+    import train
+    from parallel import metrics as sinks
+
+    full = [False]
+
+    def refuse(real):
+        def f(self, *a):
+            if full[0]:
+                raise OSError(28, "No space left on device")
+            return real(self, *a)
+        return f
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", refuse(record_writer.RecordWriter.write))
+    monkeypatch.setattr(record_writer.RecordWriter, "flush", refuse(record_writer.RecordWriter.flush))
+    tb_write = sinks.TensorBoard.write
+    monkeypatch.setattr(sinks.TensorBoard, "write", lambda self, rec: (full.__setitem__(0, rec["step"] == 2),
+                                                                       tb_write(self, rec))[1])
+    out = str(tmp_path / "out")
+    capsys.readouterr()
+    with one_thread():
+        code = train.cli(train_argv(assets, out, "--report-to", "tensorboard", "--save-every", "1"))
+    said = capsys.readouterr().err
+    assert code == 2 and said.startswith("error: writing metrics.jsonl, tensorboard (step 2) failed") and \
+        f"--resume {out}/ckpt" in said, said
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
