@@ -359,6 +359,9 @@ def main(argv=None):
         if steps < args.warmup:   # a short run that never leaves warmup: said, not silent
             log0(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
                  f"{lr_at(steps - 1, args, args.schedule_steps or steps):.3g}, not --lr {args.lr:g}")
+        if args.lr_schedule == "wsd" and round(args.wsd_decay * (args.schedule_steps or steps)) == 0:   # said too
+            log0(f"note: --wsd-decay {args.wsd_decay:g} of {args.schedule_steps or steps} steps is no step: the LR "
+                 "stays at --lr to the end (a larger --wsd-decay, or more steps, decays it)")
         if args.profile is not None and not 1 <= args.profile <= steps:
             raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                              "(not step 1 for timings: it also pays the kernels' first-call setup)")

@@ -705,7 +705,7 @@ def lr_at(step, args, total):
 '''
 
 
-def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, tmp_path, monkeypatch):
+def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, tmp_path, monkeypatch, capsys):
     """--lr-schedule wsd: metrics.jsonl's lr column is transformers' get_wsd_schedule; a resume with another schedule
     is refused naming it. A checkpoint of train.py's lr_at from before --lr-schedule (its text recorded, no schedule
     flags) resumes with today's default, cosine to 0.1, to the uninterrupted run's losses and adapter bit for bit;
@@ -729,6 +729,10 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
     said = startup_error(train_argv(assets, out, "--warmup", "0", "--steps", "4", "--resume",
                                     os.path.join(out, "ckpt")))
     assert "--lr-schedule: the checkpoint has 'wsd', this run 'cosine'" in said, said
+    flat = str(tmp_path / "flat")   # --wsd-decay's share of a short run is no step: it never decays, and says so
+    run(train_argv(assets, flat, "--lr-schedule", "wsd", "--warmup", "0", "--steps", "2"))
+    assert "note: --wsd-decay 0.1 of 2 steps is no step: the LR stays at --lr to the end" in capsys.readouterr().out
+    assert [r["lr"] for r in metrics(flat)] == [1e-3, 1e-3]
     # a run from before the flags: its lr_at's text, no lr_schedule / min_lr_ratio / wsd_decay in its checkpoint
     (tmp_path / "lr_before.py").write_text(LR_AT_BEFORE)
     monkeypatch.syspath_prepend(str(tmp_path))
