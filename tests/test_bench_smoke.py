@@ -43,7 +43,9 @@ def test_load_bench_small():
         r"^(none|nf4)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)$", out, re.M)}
     assert set(rows) == {"none", "nf4"}, out
     for quant, (whole_s, lean_s, ratio, _, _, whole_mb, lean_mb) in rows.items():
-        assert whole_s > 0 and lean_s > 0 and ratio > 0, (quant, out)
+        # (times print to 0.01 s: --small's 2 MB load took 0.02 s on a loaded 2-core machine, and one under 0.005 s
+        # prints '0.00'; the ratio is of the unrounded times)
+        assert whole_s >= 0 and lean_s >= 0 and ratio > 0, (quant, out)
         # (--small's checkpoint is 2 MB: each path's per-rank peak is 0-1 MB as printed, so one MB either way is the
         # rounding and the allocator; a lean path that read whole tensors would not pass test_load_memory's bound)
         assert lean_mb <= whole_mb + 1, (quant, out)

@@ -1419,7 +1419,9 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     dated.chat_template = '{{ strftime_now("%d %b %Y") }}' + tok.chat_template
     keys = {day: (store.cache_key("0" * 64, dated, 40, day), store.cache_key("0" * 64, tok, 40, day))
             for day in ("2026-12-01", "2026-12-02")}
-    assert store.cache_key("0" * 64, dated, 40) == store.cache_key("0" * 64, dated, 40, store.today())
+    with monkeypatch.context() as m:   # no day given: today's, one reading (two of the real clock straddle midnight)
+        m.setattr(store, "today", lambda: "2026-12-03")
+        assert store.cache_key("0" * 64, dated, 40) == store.cache_key("0" * 64, dated, 40, "2026-12-03")
     assert keys["2026-12-01"][0] != keys["2026-12-02"][0], "a dated template's key ignores the date"
     assert keys["2026-12-01"][1] == keys["2026-12-02"][1], "an undated template's key changes with the date"
     import jinja2

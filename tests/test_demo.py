@@ -29,6 +29,7 @@ from data.demo import STAMP, _complete
 from data.demo_task import TOPICS, task_answer, task_prompt, task_records
 from loss import IGNORE_INDEX
 from tests.fixtures import make_chat_jsonl, make_tokenizer
+from tests.helpers import one_thread
 
 REPO = Path(__file__).resolve().parents[1]
 END = "<|im_end|>"
@@ -36,8 +37,12 @@ END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def demo():
-    # The same cache `make demo` uses: whichever runs first pays for the build, once.
-    return make_demo(REPO / "runs" / "demo_assets")
+    # The same cache `make demo` uses: whichever runs first pays for the build, once. On one thread, as every other
+    # in-process run here (tests/helpers.one_thread): with torch's two, a build beside another process's load (the other
+    # pytest worker's ranks) spun its OpenMP threads past the 600 s pytest-timeout (2026-12-05; beside each other, two
+    # builds took 203 s on two threads and 107 s on one)
+    with one_thread():
+        return make_demo(REPO / "runs" / "demo_assets")
 
 
 def _words(prompt: str) -> list[str]:

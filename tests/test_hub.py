@@ -193,7 +193,13 @@ def _two_ranks(rank, world, assets, root, mode):
         elif allow_patterns != ["config.json"] and rank == 1:
             raise OSError("Connection reset by peer")   # rank 1's weights fetch fails
         snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or COMMIT)
-        shutil.copytree(assets["model"], snap, dirs_exist_ok=True)
+        if not os.path.isdir(snap):   # whole or not there, as the hub's cache: both ranks fetch one snapshot at once,
+            tmp = f"{snap}.rank{rank}.tmp"   # and a copy over the other's files let it read one being rewritten
+            shutil.copytree(assets["model"], tmp)
+            try:
+                os.rename(tmp, snap)
+            except OSError:   # the other rank's came first
+                shutil.rmtree(tmp)
         return snap
 
     huggingface_hub.snapshot_download = snapshot_download
