@@ -109,6 +109,8 @@ def build_parser(add_help=True):
     a("--lora-r", type=int, default=16, help="LoRA rank")
     a("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale alpha / r; alpha / sqrt(r) with --rslora)")
     a("--rslora", action="store_true", help="rank-stabilized LoRA: scale = alpha / sqrt(r) (peft's use_rslora)")
+    a("--lora-plus-ratio", type=float, default=None, metavar="R", help="LoRA+: each B matrix trains at R × the LR "
+      "(A at the LR; 16 in the paper, often with a lower --lr), as peft's create_loraplus_optimizer")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
@@ -233,6 +235,12 @@ def lr_at(step, args, total):
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * down)
 
 
+def set_lr(opt, lr):
+    """Each param group's LR: lr_at's, × the group's `lr_ratio` (LoRA+'s B matrices) where it has one."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("lr_ratio", 1.0)
+
+
 def log0(*a):
     if dist.get_rank() == 0:
         print(*a, flush=True)
@@ -270,7 +278,7 @@ def main(argv=None):
     from model.export import export_adapter, init_adapter_note, read_init_adapter
     from parallel import checkpoint, keep_best
     from parallel.fsdp import clip_grad_norm_
-    from parallel.parallelize import BuildOptions, build_model, lora_parameters
+    from parallel.parallelize import BuildOptions, build_model, lora_groups, lora_parameters
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
     own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
@@ -401,7 +409,7 @@ def main(argv=None):
              f"built in {time.time() - t0:.1f}s")
 
         # --------------------------------------------------------------------- optimizer
-        opt = make_optimizer(params, args)
+        opt = make_optimizer(lora_groups(model, args.lora_plus_ratio), args)   # (LoRA+: B's group, lr_ratio)
         start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
         if ckpt and start >= steps:   # (a requeue of a run that had ended: --resume auto on a finished run)
             log0(f"note: step {start} is this run's last: nothing to train; its adapter is written again from it")
@@ -455,8 +463,7 @@ def main(argv=None):
             prof.begin(step + 1)
             t_step, rng = time.time(), checkpoint.rng_state()   # the RNG as step `step` left it, for a stop's save
             lr = lr_at(step, args, args.schedule_steps or steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            set_lr(opt, lr)
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
             known = bool(dpo) and dpo.known("train", order.step_samples(step))   # (--dpo-cache-ref: no reference)
             micro = [to_local([samples[i] for i in idx] if idx else [idle]) for idx in idxs]   # (idle: another

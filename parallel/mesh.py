@@ -218,6 +218,9 @@ def check_flags(args) -> None:
     if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():
         raise ValueError(f"--ac-keep-attn with --compile: torch {torch.__version__}'s selective-checkpoint cache "
                          "stops torch.compile inside it (every block would run eager); use one or the other")
+    if (plus := getattr(args, "lora_plus_ratio", None)) is not None and not (math.isfinite(plus) and plus > 0):
+        raise ValueError(f"--lora-plus-ratio must be a finite number above 0 (B's LR over A's; 16 in the LoRA+ paper), "
+                         f"got {plus:g}")
     schedule, ratio, decay = (getattr(args, k, None) for k in ("lr_schedule", "min_lr_ratio", "wsd_decay"))
     if ratio is not None and (schedule == "constant" or not 0 <= ratio <= 1):   # (nan too)
         raise ValueError(f"--min-lr-ratio {ratio:g}: " + ("--lr-schedule constant has no decay to end at; drop it"

@@ -311,3 +311,14 @@ def init_from_adapter(model, path: str) -> None:
 
 def lora_parameters(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad]
+
+
+def lora_groups(model, plus_ratio: float | None = None) -> list:
+    """make_optimizer's params: the LoRA tensors; with LoRA+ (`--lora-plus-ratio R`, Hayou et al. 2024) two groups,
+    the B matrices' marked `lr_ratio` R: train.py sets each group's LR to lr_at's × its lr_ratio (as peft's
+    create_loraplus_optimizer groups them: tests/test_optimizer.py)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not plus_ratio:
+        return [p for _, p in named]
+    return [{"params": [p for n, p in named if "lora_B" not in n]},
+            {"params": [p for n, p in named if "lora_B" in n], "lr_ratio": plus_ratio}]

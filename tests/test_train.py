@@ -89,6 +89,9 @@ FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
     "nf4_dp4": ["--dp-shard", "4", "--quant", "nf4"],
 }
+# LoRA+ (each B at 16 x the LR): its two param groups through FSDP2 and DCP (= 1 rank; resumed on 1 rank)
+PLUS = ["--lora-plus-ratio", "16", "--save-every", "2"]
+FOUR_RANK_PLUS = {"plus_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *PLUS]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
 FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
@@ -152,7 +155,7 @@ def _four_ranks(rank, world_size, assets, root):
     errors = {}
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
-    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4}.items():
+    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
@@ -334,6 +337,7 @@ def one(assets, tmp_path_factory):
     runs = {
         "fp32": ["--save-every", "2"],
         "nf4": ["--quant", "nf4"],
+        "plus": PLUS,
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
@@ -731,6 +735,22 @@ def test_resume_across_layouts(assets, one, four, tmp_path):
     with one_thread():
         train.main(train_argv(assets, str(tmp_path / "resume1from4"), "--resume", ckpt))
     _compare("resume 1 rank from 4 ranks", str(tmp_path / "resume1from4"), _at(one, "fp32"), steps=(3,))
+
+
+@pytest.mark.timeout(600)
+def test_lora_plus_on_four_ranks_matches_one_rank_and_resumes_on_one(assets, one, four, tmp_path):
+    """--lora-plus-ratio 16: cp2 x dp2 ring = 1 rank; the 4-rank step-2 checkpoint (its B group's AdamW state, sharded)
+    resumed on 1 rank = the 1-rank run's step 3; and the flag trains otherwise than without it."""
+    import train
+
+    _compare("4 ranks LoRA+", _at(four, "plus_cp2_dp2_ring"), _at(one, "plus"))
+    with one_thread():
+        train.main(train_argv(assets, str(tmp_path / "plus1from4"), *PLUS, "--resume",
+                              _at(four, "plus_cp2_dp2_ring", "ckpt", "step_000002")))
+    _compare("LoRA+ resumed on 1 rank from 4 ranks", str(tmp_path / "plus1from4"), _at(one, "plus"), steps=(3,))
+    plain, plus = _adapter(_at(one, "fp32")), _adapter(_at(one, "plus"))
+    moved = {k: ((plus[k] - plain[k]).norm() / plain[k].norm()).item() for k in plain}
+    assert min(v for k, v in moved.items() if "lora_B" in k) > 0.5, moved   # (B at 16x the LR: far from plain's)
 
 
 @pytest.mark.timeout(600)

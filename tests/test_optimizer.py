@@ -1,0 +1,65 @@
+"""The optimizer train.py builds, against peft's own: `--lora-plus-ratio R` (LoRA+) groups the LoRA tensors as peft's
+`create_loraplus_optimizer` does (each B at R × the LR, each A at the LR), and three AdamW steps on the same gradients
+through train.py's `make_optimizer` and `set_lr` move every LoRA tensor as peft's optimizer moves its twin on the
+transformers model (4 ranks = 1 with the flag, and its resume: tests/test_train.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tests.helpers import tiny_checkpoint
+
+
+@pytest.mark.parametrize("ratio,weight_decay", [(16.0, 0.0), (4.0, 0.1)])
+def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weight_decay):
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+    from peft.optimizers import create_loraplus_optimizer
+
+    import train
+    from model.config import LORA_TARGETS
+    from parallel.parallelize import BuildOptions, build_model, lora_groups
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", layers=2)
+    model, peft_model = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5))
+    hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32),
+                        LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0))
+    ours = {k: p for k, p in peft_model.named_parameters() if p.requires_grad}
+    theirs = {k: p for k, p in hf.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs.keys() and len(ours) == 14 * 2
+    with torch.no_grad():
+        for k, p in theirs.items():
+            p.copy_(ours[k])
+
+    args = argparse.Namespace(lr=3e-3, weight_decay=weight_decay, warmup=0, lr_schedule="constant", min_lr_ratio=None,
+                              wsd_decay=None, lora_plus_ratio=ratio)
+    groups = lora_groups(model, args.lora_plus_ratio)
+    opt = train.make_optimizer(groups, args)
+    ref = create_loraplus_optimizer(hf, torch.optim.AdamW, lr=args.lr, loraplus_lr_ratio=ratio,
+                                    loraplus_weight_decay=weight_decay, weight_decay=weight_decay, betas=(0.9, 0.999))
+    name = {id(p): k for k, p in ours.items()} | {id(p): k for k, p in theirs.items()}
+    mine = [{name[id(p)] for p in g["params"]} for g in opt.param_groups]
+    peft_groups = [{name[id(p)] for p in g["params"]} for g in ref.param_groups]   # A, embedding, B, B without decay
+    assert mine == [peft_groups[0], peft_groups[2] | peft_groups[3]] and not peft_groups[1], (mine, peft_groups)
+    assert all(".lora_B." in k for k in mine[1]) and len(mine[1]) == 14
+
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        train.set_lr(opt, train.lr_at(step, args, 3))
+        for k, p in ours.items():
+            p.grad = torch.randn(p.shape, generator=g)
+            theirs[k].grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert [grp["lr"] for grp in opt.param_groups] == [args.lr, args.lr * ratio]
+    moved = {"A": 0.0, "B": 0.0}
+    for k, p in ours.items():
+        torch.testing.assert_close(p.detach(), theirs[k].detach(), rtol=1e-6, atol=1e-7, msg=k)
+    start, _ = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5))
+    for k, p in start.named_parameters():
+        if p.requires_grad:
+            moved["B" if "lora_B" in k else "A"] += (dict(model.named_parameters())[k] - p).abs().mean().item()
+    assert moved["B"] > 2 * moved["A"], f"B should move about {ratio}x as far as A: {moved}"
