@@ -861,6 +861,9 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "ac-blocks beyond the layers": (["--ac-blocks", "9"], ["--ac-blocks 9 is more than the model's 2 blocks"]),
     "ac-blocks 0 with offload": (["--ac-blocks", "0", "--offload-activations"],
                                  ["no block is checkpointed", "drop --offload-activations"]),
+    "lora-plus-ratio 0": (["--lora-plus-ratio", "0"], ["--lora-plus-ratio must be a finite number above 0 (B's LR "
+                                                       "over A's; 16 in the LoRA+ paper), got 0"]),
+    "lora-plus-ratio inf": (["--lora-plus-ratio", "inf"], ["--lora-plus-ratio must be a finite number", "got inf"]),
     "min-lr-ratio with constant": (["--lr-schedule", "constant", "--min-lr-ratio", "0.1"],
                                    ["--min-lr-ratio 0.1: --lr-schedule constant has no decay to end at; drop it"]),
     "min-lr-ratio above 1": (["--min-lr-ratio", "2"], ["--min-lr-ratio 2: the LR the decay ends at, as a share of "
