@@ -112,11 +112,15 @@ class TensorBoard:
                              "--resume to continue that run, --overwrite, or a new --out")
         kept = _drawn(path, resume_step) if old else []
         self.writer = SummaryWriter(path, purge_step=None if resume_step is None else resume_step + 1)
-        for tag, step, value, wall_time in kept:
-            self.writer.add_scalar(tag, value, step, walltime=wall_time)
-        self.writer.flush()
-        for f in old:
-            os.remove(f)
+        try:
+            for tag, step, value, wall_time in kept:
+                self.writer.add_scalar(tag, value, step, walltime=wall_time)
+            self.writer.flush()
+            for f in old:
+                os.remove(f)
+        except BaseException:   # (its writer thread goes with the error: close() is never called on this one)
+            self.writer.close()
+            raise
 
     def write(self, rec: dict) -> None:
         for key, v in rec.items():
@@ -134,8 +138,21 @@ def _drawn(path: str, step: int) -> list[tuple]:
 
     acc = EventAccumulator(path, size_guidance={"scalars": 0})   # (0: every event, none sampled away)
     acc.Reload()
-    return sorted(((tag, e.step, e.value, e.wall_time) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)
-                   if e.step <= step), key=lambda x: (x[1], x[3]))
+    other = {kind: tags for kind, tags in acc.Tags().items() if kind != "scalars" and tags}
+    if other:   # (a fork's add_histogram, add_text, add_image: the rewrite below carries scalars only)
+        said = "; ".join(f"{kind}: {', '.join(map(str, tags)) if isinstance(tags, list) else 'yes'}"
+                         for kind, tags in other.items())
+        raise ValueError(f"{path!r} holds TensorBoard data other than scalars ({said}), which a resume's rewrite of "
+                         f"the folder (its events up to step {step}) would drop: carry them in parallel/metrics.py's "
+                         "_drawn, or move the folder aside to resume without them")
+    kept = {}   # (tag, step) -> the last read: a resume killed between its new file and the removals left the older
+    # files beside it, whose steps up to `step` the new file holds again (as the server draws them: a step read
+    # again replaces the earlier one); kept twice, they would be rewritten twice on every later resume
+    for tag in acc.Tags()["scalars"]:
+        for e in acc.Scalars(tag):
+            if e.step <= step:
+                kept[tag, e.step] = (tag, e.step, e.value, e.wall_time)
+    return sorted(kept.values(), key=lambda x: (x[1], x[3]))
 
 
 SINKS = {"tensorboard": (TensorBoard, "tensorboard")}   # name -> (class, the package it needs)

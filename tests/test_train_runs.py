@@ -693,6 +693,50 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     assert not os.path.exists(bare)
 
 
+def test_tensorboard_resume_killed_before_removing_the_older_files_keeps_each_step_once(tmp_path, monkeypatch):
+    """A resume killed between its new events file and the older files' removal: the next resume's rewrite draws each
+    step once (the killed one's copies beside the originals are not both kept), as TensorBoard's reader then shows."""
+    from parallel import metrics as sinks
+    from tests.helpers import tensorboard_scalars
+
+    out = str(tmp_path)
+    tb = sinks.TensorBoard(out)
+    for s in range(1, 11):
+        tb.write({"step": s, "loss": float(s)})
+    tb.close()
+
+    def killed(path):
+        raise KeyboardInterrupt("killed")
+    with monkeypatch.context() as m:
+        m.setattr(sinks.os, "remove", killed)
+        with pytest.raises(KeyboardInterrupt):
+            sinks.TensorBoard(out, resume_step=5)
+    tb = sinks.TensorBoard(out, resume_step=5)
+    for s in range(6, 9):
+        tb.write({"step": s, "loss": 100.0 + s})
+    tb.close()
+    assert tensorboard_scalars(out) == {"loss": [(s, float(s)) for s in range(1, 6)] +
+                                        [(s, 100.0 + s) for s in range(6, 9)]}
+
+
+def test_tensorboard_resume_refuses_to_drop_events_other_than_scalars(tmp_path):
+    """A fork's histogram or text beside the scalars: a resume's rewrite (scalars only) is refused, nothing touched."""
+    from parallel import metrics as sinks
+
+    out = str(tmp_path)
+    tb = sinks.TensorBoard(out)
+    for s in range(1, 4):
+        tb.write({"step": s, "loss": float(s)})
+        tb.writer.add_histogram("lora_B", torch.arange(4.0), s)
+        tb.writer.add_text("sample", "text", s)
+    tb.close()
+    before = tree_hash(out)
+    with pytest.raises(ValueError, match=r"holds TensorBoard data other than scalars \(histograms: lora_B; "
+                                         r"distributions: lora_B; tensors: sample/text_summary\)"):
+        sinks.TensorBoard(out, resume_step=2)
+    assert tree_hash(out) == before
+
+
 LR_AT_BEFORE = '''import math
 
 
