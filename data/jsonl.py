@@ -48,13 +48,16 @@ KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" g
 
 # Keys other formats use for this reader's (Alpaca, ShareGPT, preference data): never read, but named in the error,
 # since a line holding them is almost always a file in another format, not a typo.
-ALIASES = {"prompt": ("instruction", "question", "query", "input"), "completion": ("response", "output", "answer"),
-           "messages": ("conversations", "conversation")}
+ALIASES = {"prompt": ("instruction", "question", "query", "input"), "completion": ("response", "output", "answer")}
+# ShareGPT's conversations (`"conversations"` or `"messages"` of {"from", "value"}, a top-level "system") are read as
+# messages: its speakers as the chat template's roles; any other speaker is refused, named
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool", "observation": "tool"}
 
 
 def _alias_hint(obj: dict, want: tuple[str, ...]) -> str:
     """' (this line has "response": rename it "completion" ...)' for keys of `want` that `obj` spells another way."""
-    found = {k: [a for a in ALIASES[k] if a in obj] for k in want if k not in obj}
+    found = {k: [a for a in ALIASES.get(k, ()) if a in obj] for k in want if k not in obj}
     found = {k: a for k, a in found.items() if a}
     if not found:
         return ""
@@ -82,9 +85,7 @@ def _check_messages(messages: object, path: str | Path, n: int) -> None:
             raise line_error(path, n, f"message {i} must be an object, got {type(msg).__name__}")
         for key in ("role", "content"):
             if key not in msg:
-                share = ' (ShareGPT\'s "from"/"value" are not read: use "role" and "content", roles "user" and ' \
-                        '"assistant")' if {"from", "value"} & set(msg) else ""
-                raise line_error(path, n, f'message {i} has no "{key}"{share}')
+                raise line_error(path, n, f'message {i} has no "{key}"')
             if key == "content" and msg[key] is None and msg.get("tool_calls") and msg["role"] == "assistant":
                 msg[key] = ""   # (OpenAI's form of a turn that only calls tools: the templates read null as empty)
                 continue
@@ -207,9 +208,46 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
     return {"line": n, "pair": out}
 
 
+def _sharegpt(obj: dict, path: str | Path, n: int) -> dict:
+    """A ShareGPT record as a messages record: "conversations" (or "conversation") is "messages"; each {"from",
+    "value"} message {"role", "content"}; a top-level "system" string the first message. Any other record as it is."""
+    key = next((k for k in ("messages", "conversations", "conversation") if k in obj), None)
+    if key is None or key != "messages" and any(k in obj for k in ("text", "prompt", "completion", "chosen",
+                                                                     "rejected")):
+        return obj   # (another kind of record that also holds a "conversations" field: read as that kind)
+    msgs, rest = obj[key], {k: v for k, v in obj.items() if k != key}
+    share = [i for i, m in enumerate(msgs) if isinstance(m, dict) and ("from" in m or "value" in m)] if isinstance(
+        msgs, list) else []
+    if not share:   # (role/content messages, or not a list: _check_messages says what is wrong)
+        return rest | {"messages": msgs}
+    out = []
+    for i, m in enumerate(msgs):
+        if i not in share or "role" in m or "content" in m:
+            raise line_error(path, n, f"message {i} is not ShareGPT's {{\"from\", \"value\"}} as message {share[0]} "
+                                      'is: write every message of a line one way ("from"/"value", or "role"/"content")')
+        for k in ("from", "value"):
+            if k not in m:
+                raise line_error(path, n, f'message {i} has no "{k}" (ShareGPT\'s messages are {{"from": "human" or '
+                                          '"gpt", "value": "..."}})')
+        if (role := SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None) is None:
+            raise line_error(path, n, f'message {i} is "from" {m["from"]!r}, not one of ShareGPT\'s speakers this '
+                                      f'reader maps to a role ({", ".join(SHAREGPT_ROLES)}): rename it, or write the '
+                                      'line as "messages" with "role" and "content"')
+        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": role,
+                    "content": m["value"]})   # (other keys kept: "weight" 0 makes an answer context, as there)
+    if isinstance(system := obj.get("system"), str) and system.strip():   # (LLaMA-Factory's "system" column)
+        if out and out[0]["role"] == "system":
+            raise line_error(path, n, 'has a "system" string and a first message from "system": give the system '
+                                      "prompt once")
+        out.insert(0, {"role": "system", "content": system})
+        rest.pop("system")
+    return rest | {"messages": out}
+
+
 def _normalise(obj, path: str | Path, n: int) -> dict:
     if not isinstance(obj, dict):
         raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
+    obj = _sharegpt(obj, path, n)
     if "chosen" in obj or "rejected" in obj:
         return _pair(obj, path, n)
     has_text, has_messages = "text" in obj, "messages" in obj

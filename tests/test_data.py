@@ -162,6 +162,42 @@ def test_chat_tokens_equal_apply_chat_template(tok, tmp_path):
         assert target_runs(tok, s) == want
 
 
+def test_sharegpt_conversations_are_the_same_messages(tok, tmp_path):
+    """ShareGPT's {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]} (a top-level "system", the
+    role names too, "observation" for a tool's reply, "messages" of from/value, "weight" 0 on an answer) = the same
+    conversations as role/content messages: records, tokens and targets (= apply_chat_template, above)."""
+    recs = make_chat_jsonl(tmp_path / "c.jsonl", 12, seed=4)
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    lines = []
+    for i, rec in enumerate(recs):
+        msgs = [{"from": speaker[m["role"]] if i % 3 else m["role"], "value": m["content"]} for m in rec["messages"]]
+        top = {}
+        if i % 4 == 1 and msgs[0]["from"] == "system":   # LLaMA-Factory's "system" column
+            top, msgs = {"system": msgs[0]["value"]}, msgs[1:]
+        lines.append({("conversations", "conversation", "messages")[i % 3]: msgs, "id": i, **top})
+    assert any("system" in x for x in lines) and any(isinstance(x.get("conversations"), list) for x in lines)
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got, want = load_jsonl(tmp_path / "s.jsonl"), load_jsonl(tmp_path / "c.jsonl")
+    assert [r["messages"] for r in got] == [r["messages"] for r in want]
+    a, _ = tokenize_records(got, tok, 10_000, "s.jsonl")
+    b, _ = tokenize_records(want, tok, 10_000, "c.jsonl")
+    assert [(x["input_ids"], x["labels"]) for x in a] == [(x["input_ids"], x["labels"]) for x in b]
+    tool = json.dumps({"conversations": [{"from": "human", "value": "time?"}, {"from": "gpt", "value": "calling"},
+                                         {"from": "observation", "value": "12:00"}, {"from": "gpt", "value": "noon"}]})
+    (tmp_path / "t.jsonl").write_text(tool + "\n")
+    assert [m["role"] for m in load_jsonl(tmp_path / "t.jsonl")[0]["messages"]] == ["user", "assistant", "tool",
+                                                                                      "assistant"]
+    # "weight" 0 on an answer: context, as in a messages record (OpenAI's and axolotl's form)
+    turns = [("human", "user", "q1", 1), ("gpt", "assistant", "a1", 0), ("human", "user", "q2", 1),
+             ("gpt", "assistant", "a2", 1)]
+    for name, rec in (("w_share", {"conversations": [{"from": f, "value": v, "weight": w} for f, _, v, w in turns]}),
+                      ("w_msgs", {"messages": [{"role": r, "content": v, "weight": w} for _, r, v, w in turns]})):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
+    (a,), _ = tokenize_records(load_jsonl(tmp_path / "w_share.jsonl"), tok, 10_000)
+    (b,), _ = tokenize_records(load_jsonl(tmp_path / "w_msgs.jsonl"), tok, 10_000)
+    assert (a["input_ids"], a["labels"]) == (b["input_ids"], b["labels"]) and target_runs(tok, a) == ["a2" + END]
+
+
 QWEN3_LIKE = (  # rewrites history: only the LAST assistant turn gets an (empty) reasoning block
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.last %}"
     "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -1083,17 +1119,25 @@ BAD_LINES = [
     ('{"messages": ["hi"]}', "message 0 must be an object"),
     ('{"messages": [{"content": "hi"}]}', 'message 0 has no "role"'),
     ('{"messages": [{"role": "user", "content": 3}]}', 'message 0 "content" must be a string'),
-    ('{"messages": [{"from": "human", "value": "hi"}]}', 'message 0 has no "role" (ShareGPT\'s "from"/"value" are '
-     'not read: use "role" and "content"'),
+    ('{"messages": [{"from": "human", "value": "hi"}]}', 'no message has role "assistant" (roles found: [\'user\'])'),
+    ('{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}', 'message 1 is "from" '
+     "'bot', not one of ShareGPT's speakers this reader maps to a role (human, user, gpt, assistant, system, tool, "
+     'observation): rename it'),
+    ('{"conversations": [{"from": "human", "value": "a"}, {"role": "assistant", "content": "b"}]}',
+     'message 1 is not ShareGPT\'s {"from", "value"} as message 0 is: write every message of a line one way'),
+    ('{"conversations": [{"from": "human"}, {"from": "gpt", "value": "b"}]}', 'message 0 has no "value"'),
+    ('{"system": "s", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "a"}, '
+     '{"from": "gpt", "value": "b"}]}', 'has a "system" string and a first message from "system": give the system '
+     'prompt once'),
+    ('{"conversations": "hi"}', '"messages" must be a list'),
     ('{"prompt": "q", "response": "a"}', '"completion" must be a string, got nothing; this line has "response", '
      'which this reader does not read: rename "response" to "completion"'),
     ('{"instruction": "q", "input": "ctx", "output": "a"}', 'has none of "text", "prompt"/"completion", "messages" '
      "(keys: ['input', 'instruction', 'output']); this line has \"instruction\" and \"input\" and \"output\", "
      'which this reader does not read: join "instruction" and "input" into one "prompt" string, rename "output" '
      'to "completion"'),
-    ('{"conversations": [{"from": "human", "value": "hi"}]}', 'has none of "text", "prompt"/"completion", '
-     '"messages" (keys: [\'conversations\']); this line has "conversations", which this reader '
-     'does not read: rename "conversations" to "messages"'),
+    ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 3}]}',
+     'message 1 "content" must be a string, got int'),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}',
      'no message has role "assistant"'),
     ('{"text": "cut \\ud83d here"}', r"has a lone UTF-16 surrogate escape (\ud83d at column 15: half of a pair"),
