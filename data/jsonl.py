@@ -167,6 +167,8 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
         if key not in obj:
             raise line_error(path, n, f'has "{"rejected" if key == "chosen" else "chosen"}" but no "{key}": a '
                                       'preference pair needs both', PAIR_LINES)
+    obj = obj | {k: _sharegpt_messages(obj[k], path, n, f'"{k}": ', PAIR_LINES) for k in ("prompt", "chosen",
+                                                                                        "rejected") if k in obj}
     prompt, tools = obj.get("prompt"), ({"tools": obj["tools"]} if "tools" in obj else {})   # ("tools": messages only,
     strings = [k for k in ("chosen", "rejected") if isinstance(obj[k], str)]   # as for any record, _normalise says)
     if prompt is None and len(strings) == 2:   # TRL's implicit prompt: their shared start is the prompt (no target:
@@ -208,6 +210,37 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
     return {"line": n, "pair": out}
 
 
+def _sharegpt_messages(msgs: object, path: str | Path, n: int, where: str = "", valid: str = VALID_LINES) -> object:
+    """ShareGPT's {"from", "value"} messages as {"role", "content"}; role/content messages, or not a list, as they are
+    (`where`: the pair's key they were given under, named in an error)."""
+    # a ShareGPT message: "from"/"value" and neither "role" nor "content" (a role/content message may carry a "from"
+    # or "value" of its own, metadata: read as before 2026-12-05, kept and passed to the template)
+    share = [i for i, m in enumerate(msgs) if isinstance(m, dict) and ("from" in m or "value" in m) and not (
+        "role" in m or "content" in m)] if isinstance(msgs, list) else []
+    if not share:   # (role/content messages, or not a list: _check_messages says what is wrong)
+        return msgs
+    out = []
+    for i, m in enumerate(msgs):
+        if i not in share:
+            raise line_error(path, n, f"{where}message {i} is not ShareGPT's {{\"from\", \"value\"}} as message "
+                                      f'{share[0]} is: write every message of a line one way ("from"/"value", or '
+                                      '"role"/"content")', valid)
+        for k in ("from", "value"):
+            if k not in m:
+                raise line_error(path, n, f'{where}message {i} has no "{k}" (ShareGPT\'s messages are {{"from": '
+                                          '"human" or "gpt", "value": "..."}})', valid)
+        if (role := SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None) is None:
+            raise line_error(path, n, f'{where}message {i} is "from" {m["from"]!r}, not one of ShareGPT\'s speakers '
+                                      f'this reader maps to a role ({", ".join(SHAREGPT_ROLES)}): rename it, or write '
+                                      'its messages with "role" and "content"', valid)
+        if not isinstance(m["value"], str) and not (m["value"] is None and m.get("tool_calls") and role == "assistant"):
+            raise line_error(path, n, f'{where}message {i} "value" must be a string, got {type(m["value"]).__name__}',
+                             valid)   # (here: _check_messages would name "content" and count a "system" put first)
+        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": role,
+                    "content": m["value"]})   # (other keys kept: "weight" 0 makes an answer context, as there)
+    return out
+
+
 def _sharegpt(obj: dict, path: str | Path, n: int) -> dict:
     """A ShareGPT record as a messages record: "conversations" (or "conversation") is "messages"; each {"from",
     "value"} message {"role", "content"}; a top-level "system" string the first message. Any other record as it is."""
@@ -216,27 +249,15 @@ def _sharegpt(obj: dict, path: str | Path, n: int) -> dict:
                                                                      "rejected")):
         return obj   # (another kind of record that also holds a "conversations" field: read as that kind)
     msgs, rest = obj[key], {k: v for k, v in obj.items() if k != key}
-    share = [i for i, m in enumerate(msgs) if isinstance(m, dict) and ("from" in m or "value" in m)] if isinstance(
-        msgs, list) else []
-    if not share:   # (role/content messages, or not a list: _check_messages says what is wrong)
-        return rest | {"messages": msgs}
-    out = []
-    for i, m in enumerate(msgs):
-        if i not in share or "role" in m or "content" in m:
-            raise line_error(path, n, f"message {i} is not ShareGPT's {{\"from\", \"value\"}} as message {share[0]} "
-                                      'is: write every message of a line one way ("from"/"value", or "role"/"content")')
-        for k in ("from", "value"):
-            if k not in m:
-                raise line_error(path, n, f'message {i} has no "{k}" (ShareGPT\'s messages are {{"from": "human" or '
-                                          '"gpt", "value": "..."}})')
-        if (role := SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None) is None:
-            raise line_error(path, n, f'message {i} is "from" {m["from"]!r}, not one of ShareGPT\'s speakers this '
-                                      f'reader maps to a role ({", ".join(SHAREGPT_ROLES)}): rename it, or write the '
-                                      'line as "messages" with "role" and "content"')
-        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": role,
-                    "content": m["value"]})   # (other keys kept: "weight" 0 makes an answer context, as there)
-    if isinstance(system := obj.get("system"), str) and system.strip():   # (LLaMA-Factory's "system" column)
-        if out and out[0]["role"] == "system":
+    out = _sharegpt_messages(msgs, path, n)
+    if out is msgs and key == "messages" or not isinstance(out, list):   # (a role/content "messages" record keeps
+        return rest | {"messages": out}   # ignoring a "system" key, as before 2026-12-05)
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise line_error(path, n, f'"system" must be a string (the system prompt), got {type(system).__name__}')
+    out = list(out)
+    if system and system.strip():   # (LLaMA-Factory's "system" column)
+        if out and isinstance(out[0], dict) and out[0].get("role") == "system":
             raise line_error(path, n, 'has a "system" string and a first message from "system": give the system '
                                       "prompt once")
         out.insert(0, {"role": "system", "content": system})

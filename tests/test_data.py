@@ -198,6 +198,32 @@ def test_sharegpt_conversations_are_the_same_messages(tok, tmp_path):
     assert (a["input_ids"], a["labels"]) == (b["input_ids"], b["labels"]) and target_runs(tok, a) == ["a2" + END]
 
 
+def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
+    """Records read before ShareGPT was: role/content messages carrying a "from" or "value" key of their own (metadata)
+    read as they were. A preference pair's ShareGPT lists (prompt, sides; a string side) are the same role/content
+    pair: the prompt's own answers no target, a prompt ending with an answer refused. A role/content "conversations"
+    takes a top-level "system" as the ShareGPT form does."""
+    from data.jsonl import parse_record
+
+    rc = [{"role": "user", "content": "q", "from": "web"}, {"role": "assistant", "content": "a", "value": 0.5}]
+    assert parse_record(json.dumps({"messages": rc}), "f", 1)["messages"] == rc
+    share = lambda msgs: [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                          for m in msgs]
+    prompt = [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "ran over"},
+              {"role": "user", "content": "the hill"}]
+    sides = {"chosen": [{"role": "assistant", "content": "the fox sat"}], "rejected": "over the hill"}
+    want = parse_record(json.dumps({"prompt": prompt, **sides}), "f", 1)
+    got = parse_record(json.dumps({"prompt": share(prompt), "chosen": share(sides["chosen"]),
+                                   "rejected": sides["rejected"]}), "f", 1)
+    assert got == want and want["pair"][0]["prompt_turns"] == 1
+    a, _ = tokenize_records([got], tok, 10_000)
+    assert [target_runs(tok, s) for s in a] == [["the fox sat" + END], ["over the hill" + END]]
+    with pytest.raises(DataError, match='"prompt" ends with an assistant message'):
+        parse_record(json.dumps({"prompt": share(prompt[:2]), "chosen": "x", "rejected": "y"}), "f", 1)
+    conv = {"system": "S", "conversations": prompt[:2]}
+    assert parse_record(json.dumps(conv), "f", 1)["messages"] == [{"role": "system", "content": "S"}] + prompt[:2]
+
+
 QWEN3_LIKE = (  # rewrites history: only the LAST assistant turn gets an (empty) reasoning block
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.last %}"
     "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -1137,7 +1163,11 @@ BAD_LINES = [
      'which this reader does not read: join "instruction" and "input" into one "prompt" string, rename "output" '
      'to "completion"'),
     ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 3}]}',
-     'message 1 "content" must be a string, got int'),
+     'message 1 "value" must be a string, got int'),
+    ('{"system": "s", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": null}]}',
+     'message 1 "value" must be a string, got NoneType'),   # (its own index, not one counting the "system" put first)
+    ('{"system": ["s"], "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a"}]}',
+     '"system" must be a string (the system prompt), got list'),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "gpt", "content": "b"}]}',
      'no message has role "assistant"'),
     ('{"text": "cut \\ud83d here"}', r"has a lone UTF-16 surrogate escape (\ud83d at column 15: half of a pair"),
