@@ -39,7 +39,7 @@ from data.pairs import for_run
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
-from model.config import LORA_TARGETS, flops_per_token
+from model.config import LORA_TARGETS, flops_per_token, lora_targets_arg
 from model.load import check_config_shapes, read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
@@ -112,7 +112,8 @@ def build_parser(add_help=True):
     a("--lora-plus-ratio", type=float, default=None, metavar="R", help="LoRA+: each B matrix trains at R × the LR "
       "(A at the LR; 16 in the paper, often with a lower --lr), as peft's create_loraplus_optimizer")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
-    a("--lora-targets", default=",".join(LORA_TARGETS), help="comma-separated projection names to adapt")
+    a("--lora-targets", type=lora_targets_arg, default=",".join(LORA_TARGETS), help="comma-separated projection "
+      "names to adapt, or all-linear (peft's: the seven), attn (q, k, v, o), mlp (gate, up, down)")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
       "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
       "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")

@@ -42,6 +42,16 @@ SUPPORTED = {
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
+# --lora-targets' shorthands: peft's "all-linear" (every linear layer but the output head: these seven), and the
+# attention's or the MLP's projections
+TARGET_SETS = {"all-linear": LORA_TARGETS, "attn": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
+
+
+def lora_targets_arg(text: str) -> str:
+    """--lora-targets: comma-separated names, a shorthand (TARGET_SETS) standing for its names where it is written,
+    each name once; unknown names are kept, for the flag checks to name."""
+    names = [n for part in text.split(",") for n in TARGET_SETS.get(part.strip(), (part.strip(),))]
+    return ",".join(dict.fromkeys(names))
 
 
 @dataclass

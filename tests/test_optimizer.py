@@ -1,7 +1,8 @@
-"""The optimizer train.py builds, against peft's own: `--lora-plus-ratio R` (LoRA+) groups the LoRA tensors as peft's
+"""What train.py builds to train, against peft's own: `--lora-plus-ratio R` (LoRA+) groups the LoRA tensors as peft's
 `create_loraplus_optimizer` does (each B at R × the LR, each A at the LR), and three AdamW steps on the same gradients
 through train.py's `make_optimizer` and `set_lr` move every LoRA tensor as peft's optimizer moves its twin on the
-transformers model (4 ranks = 1 with the flag, and its resume: tests/test_train.py)."""
+transformers model (4 ranks = 1 with the flag, and its resume: tests/test_train.py); `--lora-targets all-linear`
+adapts the projections peft's "all-linear" adapts."""
 
 from __future__ import annotations
 
@@ -63,3 +64,24 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
         if p.requires_grad:
             moved["B" if "lora_B" in k else "A"] += (dict(model.named_parameters())[k] - p).abs().mean().item()
     assert moved["B"] > 2 * moved["A"], f"B should move about {ratio}x as far as A: {moved}"
+
+
+def test_lora_targets_shorthands_are_peft_all_linear_and_the_sublayers(tmp_path):
+    """--lora-targets all-linear = the modules peft's target_modules="all-linear" wraps on the transformers model
+    (every linear layer but the head); attn and mlp its attention's and MLP's; written among names, each once, in
+    place; the result is what the run records and builds with."""
+    import transformers as T
+    from peft import LoraConfig, get_peft_model
+
+    import train
+
+    hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(tmp_path / "ckpt", layers=2)),
+                        LoraConfig(r=2, target_modules="all-linear"))
+    wrapped = {n.split(".")[-1] for n, m in hf.named_modules() if hasattr(m, "lora_A")}
+    parse = lambda t: train.build_parser().parse_args(["--lora-targets", t]).lora_targets.split(",")   # noqa: E731
+    assert set(parse("all-linear")) == wrapped and len(wrapped) == 7, wrapped
+    assert parse("all-linear") == parse("attn,mlp") == train.build_parser().parse_args([]).lora_targets.split(",")
+    assert {n for n in wrapped if n in parse("attn")} == {n for n in wrapped if ".self_attn." in next(
+        k for k, _ in hf.named_modules() if k.endswith("." + n))}
+    assert parse("v_proj,attn") == ["v_proj", "q_proj", "k_proj", "o_proj"] and parse("mlp,down_proj") == [
+        "gate_proj", "up_proj", "down_proj"]
