@@ -166,6 +166,8 @@ def build_parser(add_help=True):
       "split (--long-text) (`--plan --max-len auto`: the longest that fits)")
     a("--long-text", default=LONG_TEXT[0], choices=LONG_TEXT, help="a text record longer than --max-len: split into "
       "windows of --max-len (every token trained once) or truncate to its first --max-len tokens")
+    a("--train-on-prompt", action="store_true", help="every token of prompt/completion and chat records is a target "
+      "(not only the completion, or the assistant's turns): TRL's default for conversations")
     a("--chat-template", default=None, metavar="NAME|FILE", help="render {'messages'} with this template, not the "
       "checkpoint's: chatml, or a Jinja file (exported with the adapter)")
     a("--template-date", default=None, type=parse_day, metavar="YYYY-MM-DD", help="the date a chat template that "

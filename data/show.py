@@ -1,7 +1,7 @@
 """What a run trains on, token by token: records tokenized as train.py tokenizes them, their targets marked.
 
     python -m data.show --model DIR --data FILE [FILE ...] [--n 3 | --lines 5 17] [--max-len N]
-        [--chat-template NAME|FILE] [--long-text split|truncate] [--template-date YYYY-MM-DD]
+        [--chat-template NAME|FILE] [--long-text split|truncate] [--train-on-prompt] [--template-date YYYY-MM-DD]
     python -m data.show --run OUT [--n 3 | --lines ...]     # a run's own flags, from OUT/config.json
 
 Contract:
@@ -89,6 +89,7 @@ def from_run(out: str) -> dict:
     model = at(cfg["model"]) if os.path.isdir(at(cfg["model"])) else cfg["model"]   # (the demo's is relative)
     return {"model": model, "data": [at(f) for f in data_files(cfg["data"])], "max_len": cfg["max_len"],
             "long_text": cfg.get("long_text", "truncate"), "template_text": cfg.get("chat_template_text"),
+            "train_on_prompt": bool(cfg.get("train_on_prompt")),
             "template_date": cfg.get("template_date")}
 
 
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--lines", nargs="+", type=int, default=None, metavar="L", help="these lines of each file instead")
     p.add_argument("--max-len", type=int, default=None, help="as train.py's (default 256, or the run's)")
     p.add_argument("--long-text", choices=LONG_TEXT, default=None, help=f"as train.py's (default {LONG_TEXT[0]})")
+    p.add_argument("--train-on-prompt", action="store_true", default=None, help="as train.py's (--run: the run's)")
     p.add_argument("--chat-template", default=None, help="as train.py's: a name or a Jinja file")
     p.add_argument("--template-date", type=parse_day, default=None, help="as train.py's: the day a dated template "
                    "writes")
@@ -130,6 +132,7 @@ def show(args) -> None:
         raise ValueError("pass --model DIR and --data FILE [FILE ...], or --run OUT (a train.py run's folder)")
     max_len = args.max_len or run.get("max_len") or 256
     long_text = args.long_text or run.get("long_text") or LONG_TEXT[0]
+    every = bool(args.train_on_prompt or run.get("train_on_prompt"))
     template = chat_template(args.chat_template) if args.chat_template else run.get("template_text")
     day = args.template_date or run.get("template_date")
     if args.n < 1 or (args.lines is not None and min(args.lines) < 1):
@@ -138,11 +141,12 @@ def show(args) -> None:
     color = sys.stdout.isatty() if args.color is None else args.color
     marks = GREEN if color else MARKS
     print(f"targets: {'green' if color else ' '.join(MARKS)}; --max-len {max_len}, --long-text {long_text}"
+          + ", --train-on-prompt" * every
           + (", the run's chat template" if template and not args.chat_template else ""))
     n_samples = n_tokens = n_targets = 0
     for path in files:
         for rec in records(str(path), args.n, args.lines):
-            samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text)
+            samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text, every)
             if not samples:
                 why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, or one "
                        f"ends where they part, within --max-len {max_len}" if stats.tied else

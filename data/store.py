@@ -15,13 +15,13 @@ Contract:
   --data-workers, `data_workers`), when the first chunk's pace says the rest would take `POOL_SECONDS` or more, the
   rest go to a pool of that many spawned processes (a chat template renders in Python: 2-7 ms a record), taken back
   in order: the same samples, stats and first error as one process.
-- `cache_key(data_sha256, tokenizer, max_len, day, long_text)`: a sha256 over the data file's (`file_sha256`), the
-  tokenizer's directory (every file but weights), its effective chat template and class, max_len, long_text (what a
-  text record longer than it becomes: --long-text), the source of the modules
-  that turn records into tokens (data/jsonl.py, tokens.py, chat.py, templates.py, this file), the transformers,
-  tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the day (`today()`
-  unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line), the date
-  such a template renders (data/templates.py's `on_day`).
+- `cache_key(data_sha256, tokenizer, max_len, day, long_text, all_targets)`: a sha256 over the data file's
+  (`file_sha256`), the tokenizer's directory (every file but weights), its effective chat template and class, max_len,
+  long_text (what a text record longer than it becomes: --long-text), --train-on-prompt when set (`all_targets`), the
+  source of the modules that turn records into tokens (data/jsonl.py, tokens.py, chat.py, templates.py, this file),
+  the transformers, tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the
+  day (`today()` unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date"
+  line), the date such a template renders (data/templates.py's `on_day`).
   Any change is a miss, never a stale hit. None when the tokenizer has no directory to hash.
 - `read(path)` memory-maps a cached file (ranks on one machine share one copy in the page cache) and returns
   None, with a line saying why, for a file that is absent, unreadable (also a folder this user cannot enter), written
@@ -191,7 +191,8 @@ def _chars(r: dict) -> int:
 
 def build(records: list[dict], tokenize, log=None, what: str = "data", workers: int = 1, job: tuple | None = None):
     """records -> (Samples, TokenStats) through `tokenize(chunk) -> (list samples, TokenStats)`, chunk by chunk. With
-    `workers` > 1 and `job` (`tokenize_records`' arguments after the records: tokenizer, max_len, path, day, long_text),
+    `workers` > 1 and `job` (`tokenize_records`' arguments after the records: tokenizer, max_len, path, day, long_text,
+    all_targets),
     the chunks after the first go to a pool of that many processes when the first one's pace says the rest would take
     POOL_SECONDS or more here; the results are taken in order, so the samples, stats and first error are the same."""
     from data.tokens import DROPPED_LINES, TokenStats
@@ -295,7 +296,7 @@ def today() -> str:
 
 
 def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
-              long_text: str | None = None) -> str | None:
+              long_text: str | None = None, all_targets: bool = False) -> str | None:
     """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
     import jinja2
     import tokenizers
@@ -311,7 +312,8 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
     template = tokenizer.chat_template   # a dict when the checkpoint ships several (additional_chat_templates/)
     for part in (f"max_len={max_len}", f"long_text={long_text or LONG_TEXT[0]}", type(tokenizer).__name__,
                  json.dumps(template, sort_keys=True), transformers.__version__, tokenizers.__version__,
-                 jinja2.__version__, f"ignore={IGNORE_INDEX}", (day or today()) if dated(template) else ""):
+                 jinja2.__version__, f"ignore={IGNORE_INDEX}", (day or today()) if dated(template) else "",
+                 *(["targets=all"] if all_targets else [])):   # (absent: the keys of runs from before the flag)
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
@@ -391,7 +393,8 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
         (len(eval_files) > MANY_FILES and m.startswith("--eval-data "))) else log(m)
     load = lambda path, flag, write, day, sha=None: load_samples(path, tokenizer, args.max_len, vocab_size, flag, cache,
                                                                  write, said, sha, day, warn, args.long_text, workers,
-                                                                 getattr(args, "objective", None))
+                                                                 getattr(args, "objective", None),
+                                                                 getattr(args, "train_on_prompt", False))
     given = getattr(args, "template_date", None)
     if given is not None and not dated(tokenizer.chat_template):   # allowed (one script for every model), but said
         log(f"note: --template-date {given} changes nothing: the chat template writes no date (no strftime_now)")

@@ -3,11 +3,11 @@
 Contract:
 - `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
   `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
-- `tokenize_records(records, tokenizer, max_len, path, day, long_text)` turns validated records (`data.jsonl`) into
-  samples `{"input_ids": [int], "labels": [int], "line": int}` (its record's line, -1 when the record has none:
-  --eval-split holds out whole records) plus a `TokenStats`. Order is kept, except that
-  samples left with no target are dropped (and counted), and a split text record gives its windows in a row. A
-  template that writes today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
+- `tokenize_records(records, tokenizer, max_len, path, day, long_text, all_targets)` turns validated records
+  (`data.jsonl`) into samples `{"input_ids": [int], "labels": [int], "line": int}` (its record's line, -1 when the
+  record has none: --eval-split holds out whole records) plus a `TokenStats`. Order is kept, except that samples left
+  with no target are dropped (and counted), and a split text record gives its windows in a row. A template that writes
+  today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
 - `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
   kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
@@ -33,6 +33,8 @@ Contract:
   first token is the previous window's last target. "truncate" keeps its first max_len tokens. Continued
   pretraining on documents longer than the context (books, code bases) then loses nothing, as a chunked pretraining
   corpus does; a prompt/completion or chat record is never split (its answer needs its question).
+- `all_targets` (--train-on-prompt): every token of a prompt/completion or chat record is a target, as of a text
+  record (TRL's default for conversations, `assistant_only_loss=False`; per-message "weight" is then not read).
 - Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
 - Labels are built after truncation, on the whole sequence:
   `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
@@ -138,22 +140,24 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
                  write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
-                 long_text: str = LONG_TEXT[0], workers: int = 1, objective: str | None = None):
+                 long_text: str = LONG_TEXT[0], workers: int = 1, objective: str | None = None,
+                 all_targets: bool = False):
     """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
     template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
     cannot be read or written is said. `long_text`: what a text record longer than max_len becomes (module
-    docstring). `workers`: processes that may tokenize (data/store.py's `build`). `objective` (sft, dpo): every record
-    read is checked to be of its kind (`data.pairs.check_records`) before any is tokenized."""
+    docstring). `all_targets`: --train-on-prompt (module docstring). `workers`: processes that may tokenize
+    (data/store.py's `build`). `objective` (sft, dpo): every record read is checked to be of its kind
+    (`data.pairs.check_records`) before any is tokenized."""
     from data import store
     from data.jsonl import load_jsonl
 
     warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
     sha256 = sha256 or (cache and store.file_sha256(path))
     try:
-        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text)
+        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text, all_targets)
     except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
         key = None
         if warn:
@@ -164,7 +168,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
         if log:
             log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
     else:
-        job = (tokenizer, max_len, path, day, long_text)   # (tokenize_records' arguments after the records)
+        job = (tokenizer, max_len, path, day, long_text, all_targets)   # (tokenize_records' arguments after records)
         records = load_jsonl(path)
         if objective:
             from data.pairs import check_records
@@ -229,14 +233,14 @@ def _prompt_tokens(tokenizer, records: list[dict]) -> list[tuple[list[int], list
 
 
 def tokenize_records(records: list[dict], tokenizer, max_len: int, path: str | Path = "<records>",
-                     day: str | None = None, long_text: str = LONG_TEXT[0]):
+                     day: str | None = None, long_text: str = LONG_TEXT[0], all_targets: bool = False):
     """Records -> (samples, TokenStats); see the module docstring for the exact token rules."""
     from data.store import today
     from data.templates import dated, on_day
 
     day = day or (today() if dated(getattr(tokenizer, "chat_template", None)) else None)   # one date for the call
     with on_day(tokenizer, day):
-        return _tokenize_records(records, tokenizer, max_len, path, long_text)
+        return _tokenize_records(records, tokenizer, max_len, path, long_text, all_targets)
 
 
 def _windows(ids: list[int], max_len: int) -> list[list[int]]:
@@ -268,7 +272,8 @@ def _runs(labels: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_text: str = LONG_TEXT[0]):
+def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_text: str = LONG_TEXT[0],
+                      all_targets: bool = False):
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one input and one target), got {max_len}")
     if long_text not in LONG_TEXT:
@@ -331,6 +336,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             where = f"{path}, line {r.get('line', '?')}"
             check_chat_content(r["messages"], specials, where, r.get("tools"))
             ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
+        if all_targets and "text" not in r:   # --train-on-prompt: the prompt's tokens too (BOS never: no label)
+            flags = [True] * len(ids)
         stats.longest = max(stats.longest, len(ids))
         if len(ids) > max_len and "text" in r and long_text == "split" and r["pair"] is None:   # every token trained,
             parts = _windows(ids, max_len)   # in windows (never a pair's side: its two sides are one sample each)

@@ -150,6 +150,9 @@ def check_start(args, demo: bool):
         if args.dpo_cache_ref and args.dpo_loss in REFERENCE_FREE:
             raise ValueError(f"--dpo-cache-ref keeps the reference model's log-probabilities, and --dpo-loss "
                              f"{args.dpo_loss} has no reference model: drop it")
+        if args.train_on_prompt:
+            raise ValueError("--train-on-prompt makes a prompt's tokens targets, and a preference loss compares the "
+                             "answers (TRL's: each side's completion): drop it, or train it first with --objective sft")
         args.loss = "dpo"   # (recorded as run-defining: what the run minimizes; LOSS_FN is refused beside it)
     else:   # DPO's flags do nothing here, yet would be compared on a resume
         for flag, v, default in (("--dpo-beta", args.dpo_beta, 0.1), ("--dpo-loss", args.dpo_loss, "sigmoid"),

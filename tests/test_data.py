@@ -224,6 +224,28 @@ def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
     assert parse_record(json.dumps(conv), "f", 1)["messages"] == [{"role": "system", "content": "S"}] + prompt[:2]
 
 
+def test_train_on_prompt_makes_every_token_a_target(tok, tmp_path):
+    """--train-on-prompt (`all_targets`): a chat record's tokens are apply_chat_template's, each after the first a
+    target (TRL's assistant_only_loss=False); a prompt/completion record is the text record of prompt + completion
+    (its BOS rule, EOS); text records are as they were; "weight" 0 is not read; the cache key holds the flag."""
+    from data import store
+
+    recs = make_chat_jsonl(tmp_path / "c.jsonl", 8, seed=5)
+    recs[0]["messages"][-1]["weight"] = 0
+    pc = [{"prompt": "The fox ran.\nQ: who ran?\nA:", "completion": " the fox"}, {"text": "a plain text"}]
+    samples, stats = tokenize_records([*load_jsonl(tmp_path / "c.jsonl"), *pc], tok, 10_000, all_targets=True)
+    plain, _ = tokenize_records([*load_jsonl(tmp_path / "c.jsonl"), *pc], tok, 10_000)
+    for rec, s in zip(recs, samples):
+        ids = tok.apply_chat_template(rec["messages"], tokenize=True, return_dict=False)
+        assert s["input_ids"] == ids and s["labels"] == ids[1:] + [IGNORE_INDEX]
+    (text,), _ = tokenize_records([{"text": pc[0]["prompt"] + pc[0]["completion"]}], tok, 10_000)
+    assert samples[8] == {**text, "line": -1} and samples[9] == plain[9]
+    assert stats.targets == sum(len(s["input_ids"]) - 1 for s in samples) > sum(
+        sum(x != IGNORE_INDEX for x in s["labels"]) for s in plain)
+    key = lambda every: store.cache_key("0" * 64, tok, 40, None, "split", every)   # noqa: E731
+    assert key(True) != key(False) == store.cache_key("0" * 64, tok, 40, None, "split")
+
+
 QWEN3_LIKE = (  # rewrites history: only the LAST assistant turn gets an (empty) reasoning block
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.last %}"
     "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"

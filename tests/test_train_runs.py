@@ -737,6 +737,19 @@ def test_tensorboard_resume_refuses_to_drop_events_other_than_scalars(tmp_path):
     assert tree_hash(out) == before
 
 
+def test_train_on_prompt_trains_every_token_and_a_resume_keeps_it(assets, tmp_path, capsys):
+    """--train-on-prompt: every token of each sample after its first is a target (the data: line's count), the flag
+    recorded; a resume without it is refused, naming it (the other targets would be another run)."""
+    out = str(tmp_path / "all")
+    run(train_argv(assets, out, "--train-on-prompt", "--steps", "2", "--save-every", "1"))
+    said = capsys.readouterr().out
+    m = re.search(r"data: (\d+) samples from \d+ records, (\d+) tokens \((\d+) targets\)", said)
+    assert m and int(m.group(3)) == int(m.group(2)) - int(m.group(1)), said
+    assert json.load(open(os.path.join(out, "config.json")))["train_on_prompt"] is True
+    msg = startup_error(train_argv(assets, out, "--steps", "3", "--resume", os.path.join(out, "ckpt")))
+    assert "--train-on-prompt: the checkpoint has True, this run False" in msg, msg
+
+
 LR_AT_BEFORE = '''import math
 
 
@@ -908,6 +921,8 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "lora-plus-ratio 0": (["--lora-plus-ratio", "0"], ["--lora-plus-ratio must be a finite number above 0 (B's LR "
                                                        "over A's; 16 in the LoRA+ paper), got 0"]),
     "lora-plus-ratio inf": (["--lora-plus-ratio", "inf"], ["--lora-plus-ratio must be a finite number", "got inf"]),
+    "train-on-prompt with dpo": (["--objective", "dpo", "--train-on-prompt"], ["--train-on-prompt makes a prompt's "
+                                 "tokens targets, and a preference loss compares the answers"]),
     "min-lr-ratio with constant": (["--lr-schedule", "constant", "--min-lr-ratio", "0.1"],
                                    ["--min-lr-ratio 0.1: --lr-schedule constant has no decay to end at; drop it"]),
     "min-lr-ratio above 1": (["--min-lr-ratio", "2"], ["--min-lr-ratio 2: the LR the decay ends at, as a share of "
