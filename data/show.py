@@ -146,6 +146,9 @@ def show(args) -> None:
     n_samples = n_tokens = n_targets = 0
     for path in files:
         for rec in records(str(path), args.n, args.lines):
+            if every and "pair" in rec:   # (as train.py: --objective dpo refuses the flag)
+                raise ValueError(f"{path}:{rec['line']}: a preference pair, and --train-on-prompt is refused with "
+                                 "--objective dpo (no run trains a pair's prompt): drop it")
             samples, stats = tokenize_records([rec], tok, max_len, path, day, long_text, every)
             if not samples:
                 why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, or one "

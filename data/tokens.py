@@ -336,6 +336,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             where = f"{path}, line {r.get('line', '?')}"
             check_chat_content(r["messages"], specials, where, r.get("tools"))
             ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
+        answer = flags.index(True) if "prompt" in r else None   # where its answer starts: a cut drops the prompt
         if all_targets and "text" not in r:   # --train-on-prompt: the prompt's tokens too (BOS never: no label)
             flags = [True] * len(ids)
         stats.longest = max(stats.longest, len(ids))
@@ -354,7 +355,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         # answers are scored after the same context.
         if "prompt" in r:
             head = int(bos is not None and ids[0] == bos)
-            cut = (head, flags.index(True), head == 0)
+            cut = (head, answer, head == 0)   # (--train-on-prompt too)
         else:   # (text: None)
             cut = doc and (*doc, 0)
         side = (r, ids, flags, cut, _prompt_drop(len(ids), cut, max_len))

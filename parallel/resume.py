@@ -88,7 +88,7 @@ def _norm(flag: str, v):
     if flag == "rslora":   # absent (runs and callers from before the flag): off
         return bool(v)
     if flag == "lora_targets" and isinstance(v, str):
-        return sorted(t.strip() for t in v.split(",") if t.strip())
+        return sorted({t.strip() for t in v.split(",") if t.strip()})   # (a name typed twice: once, as now)
     if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
         return hub_snapshot(v) or os.path.normpath(v)
     if flag == "data" and v is not None:   # one file: a string (runs from before several files) or a list of one

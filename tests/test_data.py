@@ -246,6 +246,17 @@ def test_train_on_prompt_makes_every_token_a_target(tok, tmp_path):
     assert key(True) != key(False) == store.cache_key("0" * 64, tok, 40, None, "split")
 
 
+def test_train_on_prompt_cuts_a_long_prompt_as_without_it(tok):
+    """--train-on-prompt keeps a prompt/completion record's cut: past --max-len its prompt's start goes (as a chat's
+    document's does), never the answer and EOS; the same tokens as without the flag, every one a target."""
+    rec = {"prompt": "Context: " + "the quick brown fox jumps over the lazy dog " * 6 + "\nQ: who?\nA:",
+           "completion": " the fox"}
+    (plain,), _ = tokenize_records([rec], tok, 32)
+    (every,), _ = tokenize_records([rec], tok, 32, all_targets=True)
+    assert every["input_ids"] == plain["input_ids"] and every["input_ids"][-1] == tok.eos_token_id
+    assert every["labels"] == every["input_ids"][1:] + [IGNORE_INDEX]
+
+
 QWEN3_LIKE = (  # rewrites history: only the LAST assistant turn gets an (empty) reasoning block
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.last %}"
     "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
