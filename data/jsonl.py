@@ -167,6 +167,21 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
         if key not in obj:
             raise line_error(path, n, f'has "{"rejected" if key == "chosen" else "chosen"}" but no "{key}": a '
                                       'preference pair needs both', PAIR_LINES)
+    if "prompt" not in obj and (conv := next((k for k in ("conversations", "conversation") if k in obj), None)):
+        # LLaMA-Factory's ShareGPT pairs: the conversation so far, then each side one message (an object), and its
+        # "system" column first: TRL's prompt of messages, each side a list of one
+        system = obj.get("system")
+        if system is not None and not isinstance(system, str):
+            raise line_error(path, n, f'"system" must be a string (the system prompt), got {type(system).__name__}',
+                             PAIR_LINES)
+        head = _sharegpt_messages(obj[conv], path, n, f'"{conv}": ', PAIR_LINES)
+        if system and system.strip() and isinstance(head, list):
+            if head and isinstance(head[0], dict) and head[0].get("role") == "system":
+                raise line_error(path, n, f'has a "system" string and a first message from "system" in "{conv}": give '
+                                          "the system prompt once", PAIR_LINES)
+            head = [{"role": "system", "content": system}, *head]
+        obj = {k: v for k, v in obj.items() if k not in (conv, "system")} | {"prompt": head} | {
+            k: [obj[k]] if isinstance(obj[k], dict) else obj[k] for k in ("chosen", "rejected")}
     obj = obj | {k: _sharegpt_messages(obj[k], path, n, f'"{k}": ', PAIR_LINES) for k in ("prompt", "chosen",
                                                                                         "rejected") if k in obj}
     prompt, tools = obj.get("prompt"), ({"tools": obj["tools"]} if "tools" in obj else {})   # ("tools": messages only,

@@ -201,8 +201,8 @@ def test_sharegpt_conversations_are_the_same_messages(tok, tmp_path):
 def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
     """Records read before ShareGPT was: role/content messages carrying a "from" or "value" key of their own (metadata)
     read as they were. A preference pair's ShareGPT lists (prompt, sides; a string side) are the same role/content
-    pair: the prompt's own answers no target, a prompt ending with an answer refused. A role/content "conversations"
-    takes a top-level "system" as the ShareGPT form does."""
+    pair: the prompt's own answers no target, a prompt ending with an answer refused; LLaMA-Factory's ShareGPT pairs
+    are TRL's. A role/content "conversations" takes a top-level "system" as the ShareGPT form does."""
     from data.jsonl import parse_record
 
     rc = [{"role": "user", "content": "q", "from": "web"}, {"role": "assistant", "content": "a", "value": 0.5}]
@@ -222,6 +222,15 @@ def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
         parse_record(json.dumps({"prompt": share(prompt[:2]), "chosen": "x", "rejected": "y"}), "f", 1)
     conv = {"system": "S", "conversations": prompt[:2]}
     assert parse_record(json.dumps(conv), "f", 1)["messages"] == [{"role": "system", "content": "S"}] + prompt[:2]
+    # LLaMA-Factory's ShareGPT pairs: "conversations" so far, each side one message object, its "system" column
+    lf = {"conversations": share(prompt), "chosen": share(sides["chosen"])[0],
+          "rejected": {"from": "gpt", "value": "over the hill"}, "system": "S"}
+    trl = {"prompt": [{"role": "system", "content": "S"}, *prompt], "chosen": sides["chosen"],
+           "rejected": [{"role": "assistant", "content": "over the hill"}]}
+    assert parse_record(json.dumps(lf), "f", 1) == parse_record(json.dumps(trl), "f", 1)
+    with pytest.raises(DataError, match='has a "system" string and a first message from "system" in "conversations"'):
+        parse_record(json.dumps(lf | {"conversations": [{"from": "system", "value": "T"}, *lf["conversations"]]}), "f",
+                     1)
 
 
 def test_train_on_prompt_makes_every_token_a_target(tok, tmp_path):
