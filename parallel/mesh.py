@@ -262,7 +262,8 @@ def check_flags(args) -> None:
             raise ValueError(f"--steps {args.steps} and --epochs {epochs:g} both set the run's length: pass one")
     bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
     if bad or not args.lora_targets:
-        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)}")
+        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)} "
+                         "(or all-linear, attn, mlp)")
 
 
 def _sac_lets_compile() -> bool:
