@@ -170,16 +170,8 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
     if "prompt" not in obj and (conv := next((k for k in ("conversations", "conversation") if k in obj), None)):
         # LLaMA-Factory's ShareGPT pairs: the conversation so far, then each side one message (an object), and its
         # "system" column first: TRL's prompt of messages, each side a list of one
-        system = obj.get("system")
-        if system is not None and not isinstance(system, str):
-            raise line_error(path, n, f'"system" must be a string (the system prompt), got {type(system).__name__}',
-                             PAIR_LINES)
         head = _sharegpt_messages(obj[conv], path, n, f'"{conv}": ', PAIR_LINES)
-        if system and system.strip() and isinstance(head, list):
-            if head and isinstance(head[0], dict) and head[0].get("role") == "system":
-                raise line_error(path, n, f'has a "system" string and a first message from "system" in "{conv}": give '
-                                          "the system prompt once", PAIR_LINES)
-            head = [{"role": "system", "content": system}, *head]
+        head = _system_first(head, obj.get("system"), path, n, f' in "{conv}"', PAIR_LINES)
         obj = {k: v for k, v in obj.items() if k not in (conv, "system")} | {"prompt": head} | {
             k: [obj[k]] if isinstance(obj[k], dict) else obj[k] for k in ("chosen", "rejected")}
     obj = obj | {k: _sharegpt_messages(obj[k], path, n, f'"{k}": ', PAIR_LINES) for k in ("prompt", "chosen",
@@ -267,17 +259,20 @@ def _sharegpt(obj: dict, path: str | Path, n: int) -> dict:
     out = _sharegpt_messages(msgs, path, n)
     if out is msgs and key == "messages" or not isinstance(out, list):   # (a role/content "messages" record keeps
         return rest | {"messages": out}   # ignoring a "system" key, as before 2026-12-05)
-    system = obj.get("system")
+    rest.pop("system", None)
+    return rest | {"messages": _system_first(out, obj.get("system"), path, n)}
+
+
+def _system_first(msgs: list, system, path: str | Path, n: int, where: str = "", valid: str = VALID_LINES) -> list:
+    """A ShareGPT record's top-level "system" string (LLaMA-Factory's column) as its first message."""
     if system is not None and not isinstance(system, str):
-        raise line_error(path, n, f'"system" must be a string (the system prompt), got {type(system).__name__}')
-    out = list(out)
-    if system and system.strip():   # (LLaMA-Factory's "system" column)
-        if out and isinstance(out[0], dict) and out[0].get("role") == "system":
-            raise line_error(path, n, 'has a "system" string and a first message from "system": give the system '
-                                      "prompt once")
-        out.insert(0, {"role": "system", "content": system})
-        rest.pop("system")
-    return rest | {"messages": out}
+        raise line_error(path, n, f'"system" must be a string (the system prompt), got {type(system).__name__}', valid)
+    if not (system and system.strip() and isinstance(msgs, list)):
+        return msgs
+    if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system":
+        raise line_error(path, n, f'has a "system" string and a first message from "system"{where}: give the system '
+                                  "prompt once", valid)
+    return [{"role": "system", "content": system}, *msgs]
 
 
 def _normalise(obj, path: str | Path, n: int) -> dict:

@@ -313,7 +313,7 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
     for part in (f"max_len={max_len}", f"long_text={long_text or LONG_TEXT[0]}", type(tokenizer).__name__,
                  json.dumps(template, sort_keys=True), transformers.__version__, tokenizers.__version__,
                  jinja2.__version__, f"ignore={IGNORE_INDEX}", (day or today()) if dated(template) else "",
-                 *(["targets=all"] if all_targets else [])):   # (absent: the keys of runs from before the flag)
+                 *(["targets=all"] if all_targets else [])):   # (--train-on-prompt; off: no part)
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
