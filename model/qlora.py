@@ -45,6 +45,7 @@ from model.bnb import (
     quantize_4bit,
     quantize_blockwise,
 )
+from model import dora as dora_math
 from model.config import LORA_TARGETS
 from model.llama import Transformer
 
@@ -195,15 +196,19 @@ def pad_absmax(m: NF4Linear, qabsmax: torch.Tensor) -> torch.Tensor:
     return out.view(m.quant_storage).view(rows, 1)
 
 
-def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False) -> LoraConfig:
+def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
+                dora: bool = False) -> LoraConfig:
     """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint); `rslora`:
-    scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`)."""
+    scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`); `dora`: DoRA
+    (peft's use_dora; model/dora.py computes it)."""
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      init_lora_weights=False, use_rslora=rslora)
+                      init_lora_weights=False, use_rslora=rslora, use_dora=dora)
 
 
-def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False):
-    peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora))
+def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
+               dora: bool = False):
+    with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
+        peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora))
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
@@ -267,18 +272,21 @@ def _fused_forward(self, x, *args, **kwargs):
     if getattr(self, "_as_reference", False):
         return _reference_forward(self, x)
     names, slow = self.active_adapters, self._peft_forward
+    dora = len(names) == 1 and dora_math.is_dora(self, names[0])
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
-            or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {})
+            or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {}) and not dora
             or torch.is_autocast_enabled()):
         return slow(x, *args, **kwargs)
     a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
+    dropout = self.lora_dropout[names[0]]
+    if dora and (a_lin.weight.dtype != x.dtype or self.training and not isinstance(dropout, nn.Identity)):
+        return dora_math.forward(self, names[0], x)   # (peft's own would dequantize our NF4 layers wrongly)
     if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
-        return slow(x)
+        return dora_math.forward(self, names[0], x) if dora else slow(x)
     # Otherwise LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd
     # sums a second gradient in place only into the one that arrived first, and only if that one is not a view:
     # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
     # [T, in] tensor. (A plain nn.Linear base also returns a view: no gain with --quant none.)
-    dropout = self.lora_dropout[names[0]]
     one = _one_input_grad(self, x, a_lin, dropout)
     if one:   # x's gradient in one buffer (_BaseAndA)
         result, a = _BaseAndA.apply(x, a_lin.weight, self.base_layer)
@@ -300,6 +308,8 @@ def _fused_forward(self, x, *args, **kwargs):
     out = flat.addmm_(*args, alpha=self.scaling[names[0]]) if one else torch.addmm(flat, *args,
                                                                                    alpha=self.scaling[names[0]])
     out = reshape(out, (*x.shape[:-1], out.shape[-1]))
+    if dora:   # m / ‖W + s·B A‖ ⊙ (W x + s·B A x) + bias, from this sum (saved for the magnitude's gradient)
+        out = dora_math.rescale(self, names[0], out)
     out._sum_in_place = one   # Block adds the residual into it
     return out
 
@@ -338,9 +348,14 @@ class reference_adapter:
         for n, m in layers.items():
             name = m.active_adapters[0]
             ab = [left.pop(f"{n}.lora_{x}.{name}.weight", None) for x in "AB"]
-            if (ab[0] is None) != (ab[1] is None):
-                raise ValueError(f"the reference adapter has only one of {n}'s lora_A and lora_B")
-            m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device, dtype) for t in ab)
+            mag = left.pop(f"{n}.lora_magnitude_vector.{name}.weight", None)   # (a DoRA adapter's)
+            if (ab[0] is None) != (ab[1] is None) or (mag is None) != (ab[0] is None or not dora_math.is_dora(m, name)):
+                raise ValueError(f"the reference adapter has only some of {n}'s lora_A, lora_B" + (
+                    " and lora_magnitude_vector" if dora_math.is_dora(m, name) else "") + (
+                    " (a DoRA adapter: this run has no --dora)" if mag is not None and not dora_math.is_dora(m, name)
+                    else ""))
+            m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device, dtype) for t in ab + [mag]
+                                                              if t is not None)
         if left:
             raise ValueError(f"the reference adapter's tensor {next(iter(left))} names no LoRA layer of this model "
                              f"({len(left)} such)")
@@ -364,19 +379,26 @@ def _reference_forward(self, x):
     want, s = self.lora_A[name].weight.dtype, self.scaling[name]
     if self._ref_weights[0].dtype != want:   # (once: FSDP2's param dtype is only known inside forward)
         self._ref_weights = tuple(t.to(want) for t in self._ref_weights)
-    a, b = self._ref_weights
+    a, b, *mag = self._ref_weights
     if want != x.dtype:   # peft's path for such a layer (LoRA in its own dtype), rounded as it rounds: a 4-bit
         lora = nn.functional.linear(nn.functional.linear(x.to(want), a), b) * s   # layer casts LoRA's share back
         four = isinstance(self.base_layer, bnb.nn.Linear4bit)   # before the sum, a plain one casts the sum
-        return result + lora.to(result.dtype) if four else (result + lora).to(result.dtype)
-    flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
-    return torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
+        out = result + lora.to(result.dtype) if four else (result + lora).to(result.dtype)
+    else:
+        flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
+        out = torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
+    if mag:   # DoRA: m / ‖W + s·B A‖ ⊙ (W x + s·B A x) + bias, the reference's m, A and B
+        w = dora_math.base_weight(self.base_layer)
+        scale = (mag[0] / dora_math.row_norms(w, a, b, s, out.dtype)).to(out.dtype)
+        out = dora_math.apply_scale(out, scale, self.base_layer.bias)
+    return out
 
 
 def fuse_lora(model: nn.Module) -> int:
     """Every peft LoRA layer's forward as base(x) + scaling · lora_B(lora_A(dropout(x))) with the scaled add
-    fused into B's GEMM (torch.addmm), where peft would run its own plain path: one adapter, no DoRA or other
-    variant, no autocast, LoRA in x's dtype (CUDA bf16 under FSDP2, CPU float32); elsewhere peft's forward.
+    fused into B's GEMM (torch.addmm), where peft would run its own plain path: one adapter, no variant but DoRA
+    (model/dora.py rescales the sum), no autocast, LoRA in x's dtype (CUDA bf16 under FSDP2, CPU float32);
+    elsewhere peft's forward (DoRA's: model.dora.forward).
     The same sum, rounded once instead of at each step; where `_one_input_grad`, x's gradient is built in
     one buffer (`_BaseAndA`: o_proj's). Returns the number of layers wrapped."""
     from peft.tuners.lora import LoraLayer
@@ -415,3 +437,4 @@ def init_lora(model: nn.Module, seed: int, b_std: float = 0.0) -> None:
         else:
             continue
         set_param(p, full.to(p.dtype))
+    dora_math.init_magnitudes(model)   # DoRA's m = ‖W + s·B A‖ per row: from the weights, A and B just set

@@ -69,6 +69,7 @@ class BuildOptions:
     lora_dropout: float = 0.0
     lora_targets: tuple = field(default=LORA_TARGETS)
     rslora: bool = False                   # scale alpha / sqrt(r) (peft's use_rslora)
+    dora: bool = False                     # DoRA (peft's use_dora; model/dora.py)
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
@@ -87,7 +88,7 @@ class BuildOptions:
         """The options of a run (train.py's flags; `plan`, its memory plan: the offload's host buffers' size)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
-                   rslora=getattr(args, "rslora", False), ac=args.ac,
+                   rslora=getattr(args, "rslora", False), dora=getattr(args, "dora", False), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
@@ -257,7 +258,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
-                                opts.lora_targets, opts.rslora)             # 3
+                                opts.lora_targets, opts.rslora, opts.dora)  # 3
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)
@@ -299,9 +300,10 @@ def init_from_adapter(model, path: str) -> None:
     params = dict(model.named_parameters())
     for name, t in read_init_adapter(path).items():
         p = params.get(name)
-        if not re.search(r"\.lora_[AB]\.default\.weight$", name) or p is not None and not p.requires_grad:
-            raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight: an adapter with "
-                             "trained biases or saved modules is not one this run can start from")
+        if not re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or p is not None and not \
+                p.requires_grad:
+            raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight or DoRA magnitude: "
+                             "an adapter with trained biases or saved modules is not one this run can start from")
         if p is None or tuple(p.shape) != tuple(t.shape):
             raise ValueError(f"--init-adapter {path!r}: its tensor {name} {tuple(t.shape)} "
                              + ("has no LoRA parameter in this model" if p is None else
@@ -320,5 +322,6 @@ def lora_groups(model, plus_ratio: float | None = None) -> list:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not plus_ratio:
         return [p for _, p in named]
-    return [{"params": [p for n, p in named if "lora_B" not in n]},
-            {"params": [p for n, p in named if "lora_B" in n], "lr_ratio": plus_ratio}]
+    b = [("lora_B" in n or p.ndim == 1) for n, p in named]   # (peft's: B and 1-D tensors, DoRA's magnitudes)
+    return [{"params": [p for (_, p), is_b in zip(named, b) if not is_b]},
+            {"params": [p for (_, p), is_b in zip(named, b) if is_b], "lr_ratio": plus_ratio}]

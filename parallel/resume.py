@@ -39,7 +39,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
-                "rslora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
+                "rslora", "dora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
                 "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma",
@@ -85,7 +85,7 @@ def own_checkpoint(ckpt: str | None, out: str) -> bool:
 
 
 def _norm(flag: str, v):
-    if flag == "rslora":   # absent (runs and callers from before the flag): off
+    if flag in ("rslora", "dora"):   # absent (runs and callers from before the flag): off
         return bool(v)
     if flag == "lora_targets" and isinstance(v, str):
         return sorted({t.strip() for t in v.split(",") if t.strip()})   # (a name typed twice: once, as now)
@@ -153,7 +153,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
-    ckpt_args = {"rope_scaling": None, "rslora": False, "chat_template_text": None, "eval_split": None,
+    ckpt_args = {"rope_scaling": None, "rslora": False, "dora": False, "chat_template_text": None, "eval_split": None,
                  "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
                  "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5, "lr_schedule": "cosine",

@@ -1,0 +1,133 @@
+"""DoRA (weight-decomposed LoRA, `--dora`) on our LoRA layers, computing what peft's `use_dora=True` computes.
+
+Contract:
+- A DoRA layer's output is m ⊙ (W x + s·B A x) / ‖W + s·B A‖ + bias, the norm taken over each output row of the
+  base weight W as training computes with it (the NF4 layer's dequantized weight), `m` the trainable magnitude
+  vector (peft's `lora_magnitude_vector`, one number per output feature) and the norm held constant in backward
+  (DoRA's section 4.3, as peft does). With LoRA dropout active in training the base's share of the rescaling reads
+  the dropped input, as peft's: W x + bias + (m/‖·‖ − 1) W drop(x) + m/‖·‖ · s·B A drop(x).
+- `rescale(layer, name, out)`: the DoRA output from the fused LoRA output `out` = W x + bias + s·B A x
+  (model.qlora's fused forward): one [T, out] multiply-add on top, which saves `out` for the magnitude's gradient
+  (peft saves the base output and LoRA's output apart: two [T, out]).
+- `forward(layer, name, x)`: peft's formula term by term, for what the fused path does not take (dropout in
+  training, LoRA in another dtype than x).
+- `row_norms`: ‖W + s·B A‖ per row in row chunks (no second [out, in] temporary beside W's).
+- `unset_magnitudes()`: while entered, peft builds DoRA layers without computing their magnitude from the base
+  weight (our model is on the meta device then, its NF4 weights not yet packed); `init_magnitudes(model)` sets
+  each to peft's start, ‖W + s·B A‖ of its row (‖W‖ with B = 0: the function is the base's), on every rank from
+  the full tensors (FSDP2 shards all-gathered, one layer at a time), so it is the same for every layout.
+- `fold(w, a, b, scale, m)`: the merged weight m/‖W + s·B A‖ ⊙ (W + s·B A) (peft's merge for DoRA), for
+  `python -m model.merge`.
+
+Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation" (arXiv 2402.09353).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+ROWS = 2**24   # elements of one row chunk of W + s·B A in row_norms
+
+
+def is_dora(layer: nn.Module, name: str) -> bool:
+    return name in getattr(layer, "lora_magnitude_vector", {})
+
+
+def base_weight(base: nn.Module) -> torch.Tensor:
+    """The weight the base layer computes with: an NF4 layer's dequantized (full, also outside FSDP2's forward)."""
+    if hasattr(base, "dequantized"):
+        return base.dequantized()
+    w = base.weight
+    return (w.full_tensor() if hasattr(w, "full_tensor") else w).detach()
+
+
+@torch.no_grad()
+def row_norms(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """‖W + scale · B @ A‖ of each output row, computed in `dtype` (B @ A in the LoRA dtype first, as peft)."""
+    out = torch.empty(w.shape[0], dtype=dtype, device=w.device)
+    n = max(1, ROWS // w.shape[1])
+    for i in range(0, w.shape[0], n):
+        rows = w[i:i + n].to(dtype) + scale * (b[i:i + n] @ a).to(dtype)
+        out[i:i + n] = torch.linalg.norm(rows, dim=1)
+    return out
+
+
+def _scale(layer: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """m / ‖W + s·B A‖ per output feature, in `dtype`: the magnitude's gradient flows through it, the norm's not.
+    Inside model.qlora.dequant_once (the tiled MLP's tiles) the norm is computed once per layer, not per tile."""
+    from model.qlora import _once
+
+    cache = getattr(_once, "weights", None)
+    key = (layer, name, dtype)
+    norm = cache.get(key) if cache is not None else None
+    if norm is None:
+        norm = row_norms(base_weight(layer.base_layer), layer.lora_A[name].weight, layer.lora_B[name].weight,
+                         layer.scaling[name], dtype)
+        if cache is not None:
+            cache[key] = norm
+    return (layer.lora_magnitude_vector[name].weight / norm).to(dtype)
+
+
+def rescale(layer: nn.Module, name: str, out: torch.Tensor) -> torch.Tensor:
+    """DoRA's output from the fused LoRA output `out` = W x + bias + s·B A x."""
+    return apply_scale(out, _scale(layer, name, out.dtype), layer.base_layer.bias)
+
+
+def apply_scale(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """scale ⊙ (out − bias) + bias, as scale ⊙ out + bias ⊙ (1 − scale): one [T, out] op."""
+    if bias is None:
+        return out * scale
+    return torch.addcmul(bias.to(out.dtype) * (1 - scale), out, scale)
+
+
+def forward(layer: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """peft's DoRA forward term by term (module docstring), LoRA computing in its own dtype."""
+    a_lin, b_lin, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    result = layer.base_layer(x)
+    xl = x.to(a_lin.weight.dtype)
+    scale = _scale(layer, name, xl.dtype)
+    bias = layer.base_layer.bias
+    if isinstance(dropout, nn.Identity) or not layer.training:
+        base = result.to(xl.dtype) - (0 if bias is None else bias.to(xl.dtype))
+    else:
+        xl = dropout(xl)
+        base = nn.functional.linear(xl, base_weight(layer.base_layer).to(xl.dtype))
+    lora = b_lin(a_lin(xl)) * layer.scaling[name]
+    return result + ((scale - 1) * base + scale * lora).to(result.dtype)
+
+
+@contextlib.contextmanager
+def unset_magnitudes():
+    """peft's DoRA layers built with an empty magnitude vector (set later by init_magnitudes)."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    def update_layer(self, *, base_layer, lora_A, **kwargs):
+        self.weight = nn.Parameter(torch.empty(base_layer.out_features, dtype=lora_A.dtype, device=lora_A.device))
+
+    own = DoraLinearLayer.update_layer
+    DoraLinearLayer.update_layer = update_layer
+    try:
+        yield
+    finally:
+        DoraLinearLayer.update_layer = own
+
+
+def init_magnitudes(model: nn.Module) -> None:
+    """Every DoRA magnitude = ‖W + s·B A‖ of its row, in float32, from the full tensors (a collective per layer
+    under FSDP2: every rank calls this in the same order)."""
+    from model.qlora import _full, set_param
+
+    for layer in (m for m in model.modules() if getattr(m, "lora_magnitude_vector", None)):
+        for name, mag in layer.lora_magnitude_vector.items():
+            norms = row_norms(base_weight(layer.base_layer).float(), _full(layer.lora_A[name].weight).float(),
+                              _full(layer.lora_B[name].weight).float(), layer.scaling[name], torch.float32)
+            set_param(mag.weight, norms.to(mag.weight.dtype))
+
+
+def fold(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, m: torch.Tensor) -> torch.Tensor:
+    """The merged DoRA weight m / ‖W + s·B A‖ ⊙ (W + s·B A), row-wise, in W's dtype (computed in float32)."""
+    v = w.float() + scale * (b.float() @ a.float())
+    return (v * (m.float() / torch.linalg.norm(v, dim=1)).unsqueeze(1)).to(w.dtype)
