@@ -70,12 +70,13 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
                   base_path, rope_parameters, chat_template, quant, model_sha256)
 
 
-def not_plain_lora(cfg: dict) -> list[str]:
+def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     """What in an adapter_config.json is more than plain LoRA, W + scale · B @ A with one r and alpha (what this
-    trainer trains, starts from and merges): each as a phrase naming it."""
+    trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
+    each as a phrase naming it."""
     wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
-             if cfg.get(k)]
+             if cfg.get(k) and not (dora and k == "use_dora")]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
@@ -115,7 +116,7 @@ def not_an_adapter(path: str, flag: str) -> str | None:
 
 
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
-                       chat_template: str | None = None) -> dict:
+                       chat_template: str | None = None, dora: bool = False) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
     if why := not_an_adapter(path, "--init-adapter"):
@@ -124,7 +125,11 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")
-    wrong = not_plain_lora(cfg)
+    wrong = not_plain_lora(cfg, dora=True)
+    if bool(cfg.get("use_dora")) != dora:   # (DoRA's magnitudes dropped, or a LoRA adapter as DoRA's start: refused,
+        # as another rslora is: say which flag keeps what it learned)
+        wrong.append(f"use_dora {bool(cfg.get('use_dora'))}, this run " + ("--dora" if dora else "no --dora")
+                     + (" (pass --dora)" if cfg.get("use_dora") else " (drop --dora)"))
     if bool(cfg.get("use_rslora")) != rslora:   # the other scale would change the function it learned
         wrong.append(f"use_rslora {bool(cfg.get('use_rslora'))}, this run " + ("--rslora" if rslora else "no --rslora")
                      + (" (pass --rslora)" if cfg.get("use_rslora") else " (drop --rslora)"))
@@ -187,15 +192,18 @@ def init_adapter_note(path: str | None, chat_template: str | None, model_sha256:
 
 def read_init_adapter(path: str) -> dict:
     """An adapter's tensors under our parameter names (the inverse of `peft_keys`)."""
-    return {k.removeprefix("base_model.model.").replace(".lora_A.weight", ".lora_A.default.weight")
+    return {re.sub(r"\.lora_magnitude_vector$", ".lora_magnitude_vector.default.weight",
+                   k.removeprefix("base_model.model.")).replace(".lora_A.weight", ".lora_A.default.weight")
             .replace(".lora_B.weight", ".lora_B.default.weight"): v
             for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
 
 
 def peft_keys(lora: dict) -> dict:
     """Our model's LoRA tensors ({"model.layers.0.self_attn.q_proj.lora_A.default.weight": t}, as a checkpoint holds
-    them) under peft's adapter keys ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
-    return {"base_model.model." + k.replace(".default.", "."): v for k, v in lora.items()}
+    them) under peft's adapter keys ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"; DoRA's
+    magnitude "...q_proj.lora_magnitude_vector", as peft saves it)."""
+    return {"base_model.model." + k.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector")
+            .replace(".default.", "."): v for k, v in lora.items()}
 
 
 def half_written(out_dir: str) -> bool:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model import dora as dora_math
 from model.bnb import (
     LoraConfig,
     QuantState,
@@ -45,7 +46,6 @@ from model.bnb import (
     quantize_4bit,
     quantize_blockwise,
 )
-from model import dora as dora_math
 from model.config import LORA_TARGETS
 from model.llama import Transformer
 

@@ -440,7 +440,8 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
         # its tied name; train.py's own export writes LoRA A and B alone)
         lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                 for k, m in md.state_dict_metadata.items()
-                if k.startswith("model.") and hasattr(m, "size") and (".lora_A." in k or ".lora_B." in k)}
+                if k.startswith("model.") and hasattr(m, "size") and any(f".lora_{x}." in k for x in ("A", "B",
+                                                                                               "magnitude_vector"))}
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it
@@ -454,7 +455,8 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
     rope = args.get("rope_scaling")
     write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
-                                               args["lora_targets"].split(","), args.get("rslora", False)),
+                                               args["lora_targets"].split(","), args.get("rslora", False),
+                                               args.get("dora", False)),
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
                   args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)

@@ -207,7 +207,8 @@ def check_flags(args) -> None:
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
                              "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
-                           getattr(args, "rslora", False), getattr(args, "chat_template_text", None))
+                           getattr(args, "rslora", False), getattr(args, "chat_template_text", None),
+                           getattr(args, "dora", False))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):
@@ -335,29 +336,33 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
     out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in."""
     from model.load import read_header
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
+        cfg = json.load(f)
     bad, halves = [], {}
     for k, h in sorted(header.items()):
-        if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.", k)) or m[2] not in shapes:
+        if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)\b", k)) or \
+                m[2] not in shapes:
             continue
         halves.setdefault(f"layer {m[1]} {m[2]}", set()).add(m[3])
         i, o = shapes[m[2]]
-        want = (r, i) if m[3] == "A" else (o, r)
+        want = {"A": (r, i), "B": (o, r), "magnitude_vector": (o,)}[m[3]]
         if int(m[1]) >= n_layers:
             bad.append(f"{k} (layer {m[1]}; the model has {n_layers})")
         elif tuple(h[1]) != want:
             bad.append(f"{k} {list(h[1])}, this model's {list(want)}")
-    half = [f"{k} (only lora_{''.join(v)})" for k, v in halves.items() if len(v) == 1]
+    need = {"A", "B"} | ({"magnitude_vector"} if cfg.get("use_dora") else set())   # (DoRA's: the three)
+    half = [f"{k} (only lora_{' and lora_'.join(sorted(v))})" for k, v in halves.items() if v != need]
     if half:   # (the other half would keep this run's init: B 0 drops the module's change, a random A garbles it;
         # review, helper 50)
-        raise ValueError(f"--init-adapter {path!r} holds one half of a LoRA pair for {len(half)} projections "
+        raise ValueError(f"--init-adapter {path!r} holds " + ("one half of a LoRA pair" if len(need) == 2 else
+                                                              "some of DoRA's lora_A, lora_B and lora_magnitude_vector")
+                         + f" for {len(half)} projections "
                          f"({'; '.join(half[:3])}{' ...' if len(half) > 3 else ''}): a damaged or hand-edited "
                          "adapter; pass the adapter as it was saved")
     if bad:
         raise ValueError(f"--init-adapter {path!r} does not fit this --model: {len(bad)} LoRA tensors differ "
                          f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it was trained on another model; "
                          "pass an adapter of this one")
-    with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
-        cfg = json.load(f)
     # every projection its config names, in every layer it was trained on (peft's layers_to_transform: those only;
     # an int is one layer), holds tensors: a projection without them would start at B = 0, silently not the adapter
     # it was (a cut or hand-edited file)

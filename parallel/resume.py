@@ -39,7 +39,8 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
-                "rslora", "dora", "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
+                "rslora", "dora",
+                "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
                 "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma",
