@@ -8,7 +8,8 @@ and a Llama 3 one, each on one 4-rank layout),
   ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
   2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring; Qwen3 under cp 2
   Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2, tied embeddings on dp_shard 4 and cp 2 ring ×
-  dp_shard 2) equal those of the
+  dp_shard 2; DoRA on dp_shard 2, cp 2 ring × dp_shard 2 (nf4) and cp 2 Ulysses × dp_shard 2 (plain), its
+  magnitudes moved off their start and gradients checked too) equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
@@ -28,7 +29,7 @@ from tests.helpers import tiny_checkpoint
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsdp, replicate=1):
+def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsdp, replicate=1, dora=False):
     """Build this layout's model and the single-process reference on every rank, run one forward and
     backward on the same global batch, and assert: target count, global mean loss, global grad norm,
     the LoRA init and every LoRA gradient, the NF4 codes and absmax as integers, and the logits."""
@@ -39,12 +40,14 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
     from parallel.parallelize import BuildOptions, lora_parameters
     from tests.helpers import build_nonzero_b
 
-    cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3)
+    cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3, dora=dora)
     ref, _ = build_nonzero_b(cfg)                                    # plain module, whole batch
     dims = ParallelDims.from_args(world_size, replicate, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
     meshes = dims.build_mesh("cpu")
     attn = cp_attention(meshes, dims) if cp > 1 else None
     model, _ = build_nonzero_b(cfg, fsdp_mesh=meshes.fsdp if fsdp else None, attention=attn)
+    if dora:   # magnitudes off their start (there m / ‖W + s·B A‖ is 1), the same on both: DoRA's rescaling counts
+        _move_magnitudes(ref), _move_magnitudes(model)
 
     # the same global batch on every rank; data rank d takes rows d::dp, cp rank c its shard
     g = torch.Generator().manual_seed(11)
@@ -87,7 +90,7 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
             torch.testing.assert_close(full.detach(), ref_p[n].detach(), rtol=0, atol=0, msg=f"init {n}")
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, ref_p[n].grad, **TOL, msg=f"grad {n}")
-    assert n_lora == 2 * 7 * 2, n_lora
+    assert n_lora == (3 if dora else 2) * 7 * 2, n_lora   # (DoRA: A, B and the magnitude)
     # packed NF4 bits: gathered shards == single-process quantization, as integers
     ref_mods = dict(ref.named_modules())
     n_nf4 = 0
@@ -106,6 +109,15 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
     torch.testing.assert_close(logits[keep], ref_local[keep], **TOL, msg="logits")
     out["n_lora"] = n_lora
     return out
+
+
+def _move_magnitudes(model):
+    """Each DoRA magnitude × (1 + 0.1·N(0, 1)), drawn from its name (this rank's shard of the full draw)."""
+    from model.qlora import _full, _generator, set_param
+
+    for n, p in model.named_parameters():
+        if "lora_magnitude_vector" in n:
+            set_param(p, _full(p) * (1 + 0.1 * torch.randn(p.shape, generator=_generator(0, n))))
 
 
 def _cases(rank, world_size, paths, cases):
@@ -144,13 +156,13 @@ def ckpt(tmp_path_factory):
             "llama3": save(T.LlamaConfig(**common, rope_parameters=llama3), "llama3")}
 
 
-def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2"):
-    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate, family=family)
+def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2", dora=False):
+    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate, family=family, dora=dora)
 
 
 ONE_RANK = {"nf4, FSDP2 on 1 rank": layout("nf4")}
 TWO_RANKS = {"nf4, dp_shard 2": layout("nf4"), "plain weights, dp_shard 2": layout("none"),
-             "nf4, cp 2 ring": layout("nf4", 2, "ring")}
+             "nf4, cp 2 ring": layout("nf4", 2, "ring"), "DoRA, nf4, dp_shard 2": layout("nf4", dora=True)}
 FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2),
               "plain weights, cp 2 ring × dp_shard 2": layout("none", 2, "ring"),
               "nf4, cp 4 hybrid (auto: Ulysses 2 × ring 2)": layout("nf4", 4, "auto"),
@@ -159,7 +171,9 @@ FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2
               "Qwen3, nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2, family="qwen3"),
               "Llama 3, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="llama3"),
               "tied embeddings, nf4, dp_shard 4": layout("nf4", family="tied"),
-              "tied embeddings, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="tied")}
+              "tied embeddings, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="tied"),
+              "DoRA, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", dora=True),
+              "DoRA, plain weights, cp 2 Ulysses × dp_shard 2": layout("none", 2, dora=True)}
 
 
 @pytest.mark.timeout(300)
