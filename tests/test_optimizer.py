@@ -1,7 +1,7 @@
 """What train.py builds to train, against peft's own: `--lora-plus-ratio R` (LoRA+) groups the LoRA tensors as peft's
 `create_loraplus_optimizer` does (each B at R × the LR, each A at the LR), and three AdamW steps on the same gradients
 through train.py's `make_optimizer` and `set_lr` move every LoRA tensor as peft's optimizer moves its twin on the
-transformers model (4 ranks = 1 with the flag, and its resume: tests/test_train.py); `--lora-targets all-linear`
+transformers model (also with --dora: the magnitudes in B's group, as peft puts 1-D tensors; 4 ranks = 1 with the flag, and its resume: tests/test_train.py); `--lora-targets all-linear`
 adapts the projections peft's "all-linear" adapts."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from tests.helpers import tiny_checkpoint
 
 
-@pytest.mark.parametrize("ratio,weight_decay", [(16.0, 0.0), (4.0, 0.1)])
-def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weight_decay):
+@pytest.mark.parametrize("ratio,weight_decay,dora", [(16.0, 0.0, False), (4.0, 0.1, False), (4.0, 0.1, True)])
+def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weight_decay, dora):
     import transformers as T
     from peft import LoraConfig, get_peft_model
     from peft.optimizers import create_loraplus_optimizer
@@ -25,12 +25,13 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
     from parallel.parallelize import BuildOptions, build_model, lora_groups
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", layers=2)
-    model, peft_model = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5))
+    model, peft_model = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5, dora=dora))
     hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32),
-                        LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0))
+                        LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                                   use_dora=dora))
     ours = {k: p for k, p in peft_model.named_parameters() if p.requires_grad}
     theirs = {k: p for k, p in hf.named_parameters() if p.requires_grad}
-    assert ours.keys() == theirs.keys() and len(ours) == 14 * 2
+    assert ours.keys() == theirs.keys() and len(ours) == 14 * (3 if dora else 2)
     with torch.no_grad():
         for k, p in theirs.items():
             p.copy_(ours[k])
@@ -45,7 +46,8 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
     mine = [{name[id(p)] for p in g["params"]} for g in opt.param_groups]
     peft_groups = [{name[id(p)] for p in g["params"]} for g in ref.param_groups]   # A, embedding, B, B without decay
     assert mine == [peft_groups[0], peft_groups[2] | peft_groups[3]] and not peft_groups[1], (mine, peft_groups)
-    assert all(".lora_B." in k for k in mine[1]) and len(mine[1]) == 14
+    assert all(".lora_B." in k or dora and ".lora_magnitude_vector." in k for k in mine[1])   # (peft: DoRA's
+    assert len(mine[1]) == 14 * (2 if dora else 1)   # magnitudes, 1-D, at B's rate)
 
     g = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -59,9 +61,9 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
     moved = {"A": 0.0, "B": 0.0}
     for k, p in ours.items():
         torch.testing.assert_close(p.detach(), theirs[k].detach(), rtol=1e-6, atol=1e-7, msg=k)
-    start, _ = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5))
+    start, _ = build_model(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=5, dora=dora))
     for k, p in start.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and "magnitude" not in k:
             moved["B" if "lora_B" in k else "A"] += (dict(model.named_parameters())[k] - p).abs().mean().item()
     assert moved["B"] > 2 * moved["A"], f"B should move about {ratio}x as far as A: {moved}"
 
