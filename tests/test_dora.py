@@ -9,7 +9,8 @@ B and magnitudes moved off their start, so every DoRA term counts), against tran
 - the adapter `export_adapter` writes loads in `peft.PeftModel.from_pretrained` with no missing or unexpected keys and
   gives our logits; `read_init_adapter` + `init_from_adapter` (--init-adapter) rebuild that model's logits, and
   `reference_adapter` (DPO's reference from a DoRA adapter) computes them on a model whose own LoRA is at its start;
-- --init-adapter refuses a DoRA adapter without --dora, a plain one with it, and a DoRA adapter missing a magnitude.
+- --init-adapter refuses a DoRA adapter without --dora, a plain one with it, and a DoRA adapter missing a magnitude;
+  a resume refuses the other --dora (a checkpoint from before the flag: plain LoRA).
 (Layouts: test_qlora's "DoRA" cases and test_train's cp2×dp2 run; LoRA+ groups: test_optimizer.)
 
 Run: .venv/bin/python -m pytest -q tests/test_dora.py
@@ -257,3 +258,14 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
     with pytest.raises(ValueError, match=r"some of DoRA's lora_A, lora_B and lora_magnitude_vector for 1 projections "
                                          r"\(layer 1 up_proj \(only lora_A and lora_B\)\)"):
         _init_adapter_fits(cut, shapes, R, 2)
+
+
+def test_a_resume_keeps_dora():
+    """--dora is run-defining: a resume with the other value is refused naming it; a checkpoint from before the flag
+    (none recorded) was plain LoRA."""
+    from parallel.resume import check_resume
+
+    check_resume({"lora_r": 4}, {"lora_r": 4, "dora": False})
+    for had, now in (({"lora_r": 4}, True), ({"lora_r": 4, "dora": True}, False)):
+        with pytest.raises(ValueError, match=f"--dora: the checkpoint has {not now}, this run {now}"):
+            check_resume(had, {"lora_r": 4, "dora": now})

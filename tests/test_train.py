@@ -92,6 +92,11 @@ FOUR_RANK_NF4 = {
 # LoRA+ (each B at 16 x the LR): its two param groups through FSDP2 and DCP (= 1 rank; resumed on 1 rank)
 PLUS = ["--lora-plus-ratio", "16", "--save-every", "2"]
 FOUR_RANK_PLUS = {"plus_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *PLUS]}
+# DoRA on NF4 (its magnitudes set from all-gathered 4-bit weights), with the tiled MLP and offload on 4 ranks only (the
+# tiles share one norm per layer): = 1 rank, the step-2 checkpoint resumed on 1 rank and exported
+DORA = ["--dora", "--quant", "nf4", "--save-every", "2"]
+FOUR_RANK_DORA = {"dora_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
+                                           "--offload-activations", *DORA]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
 FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
@@ -155,7 +160,7 @@ def _four_ranks(rank, world_size, assets, root):
     errors = {}
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
-    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS}.items():
+    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
@@ -338,6 +343,7 @@ def one(assets, tmp_path_factory):
         "fp32": ["--save-every", "2"],
         "nf4": ["--quant", "nf4"],
         "plus": PLUS,
+        "dora": DORA,
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
@@ -751,6 +757,35 @@ def test_lora_plus_on_four_ranks_matches_one_rank_and_resumes_on_one(assets, one
     plain, plus = _adapter(_at(one, "fp32")), _adapter(_at(one, "plus"))
     moved = {k: ((plus[k] - plain[k]).norm() / plain[k].norm()).item() for k in plain}
     assert min(v for k, v in moved.items() if "lora_B" in k) > 0.5, moved   # (B at 16x the LR: far from plain's)
+
+
+@pytest.mark.timeout(600)
+def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, four, tmp_path):
+    """--dora (nf4): cp2 x dp2 Ulysses with the tiled MLP and offload = 1 rank untiled; the 4-rank step-2 checkpoint
+    (magnitudes and their AdamW state, sharded) resumed on 1 rank = the 1-rank run's step 3; `python -m
+    parallel.checkpoint` of it = the run's own adapter (magnitudes under peft's key); the magnitudes trained."""
+    import train
+    from parallel.checkpoint import export
+
+    _compare("4 ranks DoRA", _at(four, "dora_cp2_dp2_ulysses"), _at(one, "dora"))
+    with one_thread():
+        train.main(train_argv(assets, str(tmp_path / "dora1from4"), *DORA, "--resume",
+                              _at(four, "dora_cp2_dp2_ulysses", "ckpt", "step_000002")))
+    _compare("DoRA resumed on 1 rank from 4 ranks", str(tmp_path / "dora1from4"), _at(one, "dora"), steps=(3,))
+    export(_at(four, "dora_cp2_dp2_ulysses", "ckpt"), str(tmp_path / "exported" / "adapter"))
+    got, want = _adapter(str(tmp_path / "exported")), _adapter(_at(four, "dora_cp2_dp2_ulysses"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mags = {k: v for k, v in want.items() if k.endswith(".lora_magnitude_vector")}
+    assert len(mags) == 14 and len(want) == 42, sorted(want)[:3]
+    from transformers import AutoModelForCausalLM
+
+    from model.qlora import nf4_round_trip
+    hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
+    moved = {}   # each against its start, the row norms of the 4-bit weight (B = 0 then): trained, a little
+    for k, m in mags.items():
+        start = nf4_round_trip(hf[k.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")])
+        moved[k] = ((m - start.norm(dim=1)).abs().max() / start.norm(dim=1).max()).item()
+    assert 1e-5 < min(moved.values()) and max(moved.values()) < 0.05, moved
 
 
 @pytest.mark.timeout(600)

@@ -1533,13 +1533,15 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     for flags, phrase in ((["--lora-r", "8"], "r 4 and lora_alpha 32.0, this run --lora-r 8 --lora-alpha 32"),
                           (["--lora-alpha", "16"], "this run --lora-r 4 --lora-alpha 16"),
                           (["--lora-targets", "q_proj,k_proj"], "beyond this run's --lora-targets q_proj,k_proj"),
-                          (["--rslora"], "use_rslora False, this run --rslora (drop --rslora)")):
+                          (["--rslora"], "use_rslora False, this run --rslora (drop --rslora)"),
+                          (["--dora"], "use_dora False, this run --dora (drop --dora)")):
         msg = startup_error(base + flags)
         assert phrase in msg and a + "/adapter" in msg, msg
     msg = startup_error(train_argv(assets, str(tmp_path / "x"), "--init-adapter", str(tmp_path / "nope")))
     assert f"--init-adapter {str(tmp_path / 'nope')!r}: no such directory" in msg, msg
     cfg = json.load(open(os.path.join(a, "adapter", "adapter_config.json")))
-    for extra, phrase in (({"use_dora": True}, "use_dora True"), ({"bias": "all"}, "bias 'all'"),
+    for extra, phrase in (({"use_dora": True}, "use_dora True, this run no --dora (pass --dora)"),
+                          ({"bias": "all"}, "bias 'all'"),
                           ({"use_rslora": True}, "use_rslora True, this run no --rslora (pass --rslora)"),
                           ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head']"),
                           ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern {'q_proj': 8}")):   # made elsewhere
