@@ -12,7 +12,8 @@ Contract:
   (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - `merge(base_path, adapter_dir, out_dir, quant)`: a full checkpoint (config, tokenizer files,
   bf16 safetensors in the base's file layout + model.safetensors.index.json) with
-  W' = W + (alpha / r) · B @ A (alpha / sqrt(r) for a use_rslora adapter) for every adapted projection, streamed
+  W' = W + (alpha / r) · B @ A (alpha / sqrt(r) for a use_rslora adapter) for every adapted projection, or for a
+  use_dora adapter W' = m / ‖W + s·B A‖_row ⊙ (W + s·B A) (`model.dora.fold`, m its lora_magnitude_vector), streamed
   one base file at a time; an adapter's chat_template.jinja (a run with --chat-template) becomes the merged
   tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
   weight, i.e. exactly the base the adapter was trained against.
@@ -315,14 +316,26 @@ def _is_nf4(name: str, w: torch.Tensor) -> bool:
 
 
 def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
-    """Why LoRA pair `ab` ({"A", "B"}) cannot be folded into the base weight `name` of `shape`, or None."""
-    if set(ab) != {"A", "B"}:
-        return f"{name}: only lora_{''.join(ab)}"
+    """Why LoRA pair `ab` ({"A", "B"}, a DoRA adapter's magnitude "m" beside them) cannot be folded into the base
+    weight `name` of `shape`, or None."""
+    if {"A", "B"} - set(ab):
+        return f"{name}: only " + " and ".join({"A": "lora_A", "B": "lora_B", "m": "lora_magnitude_vector"}[k]
+                                               for k in sorted(ab))
     a, b = ab["A"], ab["B"]
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] != r:
         return f"{name}: lora_B {list(b.shape)}, lora_A {list(a.shape)}, r {r}"
     if (b.shape[0], a.shape[1]) != tuple(shape):
         return f"{name}: B @ A is {[b.shape[0], a.shape[1]]}, the base's weight {list(shape)}"
+    return None
+
+
+def _no_magnitude(name: str, ab: dict, shape) -> str | None:
+    """Why a DoRA adapter's pair for the base weight `name` of `shape` has no magnitude to fold with, or None."""
+    key = f"base_model.model.{name.removesuffix('.weight')}.lora_magnitude_vector"
+    if "m" not in ab:
+        return f"{key} is missing"
+    if tuple(ab["m"].shape) != (shape[0],):
+        return f"{key} is {list(ab['m'].shape)}, not [{shape[0]}], one per output row of {name}"
     return None
 
 
@@ -376,15 +389,23 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     except Exception as e:   # noqa: BLE001 - safetensors' own error for a cut or foreign file: said, before writing
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
-    other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k)
+    dora = bool(acfg.get("use_dora"))   # (model.merge checked the rest of adapter_config.json: not_plain_lora)
+    mag = ".lora_magnitude_vector"   # peft's key for DoRA's magnitude, one per output row
+    other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k and not (dora and mag in k))
     if other:   # before anything is written
-        raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights ({', '.join(other[:3])}"
-                         f"{', ...' if len(other) > 3 else ''}): not a plain LoRA adapter this merge can apply")
-    # "base_model.model.<name>.lora_A.weight" -> "<name>.weight"
+        stray = not dora and any(mag in k for k in other)   # (DoRA's, in an adapter whose config says LoRA)
+        raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights"
+                         f"{' or DoRA magnitudes' if dora else ''} ({', '.join(other[:3])}"
+                         f"{', ...' if len(other) > 3 else ''}): not {'a DoRA' if dora else 'a plain LoRA'} adapter "
+                         "this merge can apply"
+                         + ("; lora_magnitude_vector is DoRA's, and adapter_config.json has no use_dora: true "
+                            "(its merge would drop the magnitudes)" if stray else ""))
+    # "base_model.model.<name>.lora_A.weight" -> "<name>.weight": {"A", "B"} (and DoRA's "m")
     pairs = {}
     for k, v in lora.items():
         name, which = k.removeprefix("base_model.model.").rsplit(".lora_", 1)
-        pairs.setdefault(name + ".weight", {})[which.split(".")[0]] = v.float()
+        which = which.split(".")[0]
+        pairs.setdefault(name + ".weight", {})["m" if which == "magnitude_vector" else which] = v.float()
     reader = CheckpointReader(base_path)
     missing = sorted(set(pairs) - set(reader.where))
     if missing:   # before anything is written
@@ -395,6 +416,16 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         raise ValueError(f"adapter {adapter_dir!r} does not fit the base {base_path!r}: {len(bad)} of {len(pairs)} "
                          f"LoRA pairs ({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); pass the base it was "
                          "trained on")
+    bad = [_no_magnitude(name, ab, reader.shape(name)) for name, ab in sorted(pairs.items())] if dora else []
+    if any(bad):   # without its magnitude a projection's DoRA rescaling would be dropped, not folded
+        bad = [b for b in bad if b]
+        none = all("m" not in ab for ab in pairs.values())   # (a plain LoRA adapter's config saying use_dora?)
+        raise ValueError(f"DoRA adapter {adapter_dir!r} (use_dora in adapter_config.json): {len(bad)} of {len(pairs)} "
+                         f"projections lack a magnitude that fits ({'; '.join(bad[:3])}"
+                         f"{' ...' if len(bad) > 3 else ''}); every adapted projection needs its "
+                         "lora_magnitude_vector, one number per output row: export the adapter again (`python -m "
+                         "parallel.checkpoint RUN/ckpt --out DIR`, or peft's save_pretrained), which writes them all"
+                         + ("; a plain LoRA adapter's adapter_config.json says use_dora: false" if none else ""))
     files = {}
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)
@@ -481,9 +512,11 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     """merge()'s writing: every file of the merged model into `out_dir` (its staging folder), config.json last."""
     if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
         from model.qlora import nf4_round_trip
+    from model.dora import fold
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
-            f"{', rsLoRA' if acfg.get('use_rslora') else ''}: scale {scale:g}), {len(reader.where)} "
+            f"{', rsLoRA' if acfg.get('use_rslora') else ''}{', DoRA' if acfg.get('use_dora') else ''}: "
+            f"scale {scale:g}), {len(reader.where)} "
             f"tensors in {len(files)} files")
     weight_map, total = {}, 0
     for i, (fn, names) in enumerate(sorted(files.items())):
@@ -493,7 +526,9 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             if quant == "nf4" and _is_nf4(name, w):
                 # every block Linear was 4-bit in training (apply_nf4), adapted or not
                 w = nf4_round_trip(w)   # training's base, bit for bit (whatever device quantized it there)
-            if name in pairs:
+            if name in pairs and "m" in pairs[name]:   # DoRA: rescaled per row, the norm over the same base W
+                w = fold(w, pairs[name]["A"], pairs[name]["B"], scale, pairs[name]["m"])
+            elif name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
             out[name] = w.to(dtype).contiguous()
             del w

@@ -8,15 +8,18 @@
 adapter names (adapter_config.json: a path, or a Hub id with the commit trained on, fetched into the hub cache).
 
 W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for every adapted projection
-(`model.export.merge`). With --quant nf4 W is the dequantized 4-bit base, i.e. exactly the weights the adapter
-was trained against; with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
+(`model.export.merge`); for a DoRA adapter (use_dora, `--dora`) W' = m / ‖W + s·B A‖ ⊙ (W + s·B A), the norm per
+output row and m its lora_magnitude_vector (`model.dora.fold`, peft's merge_and_unload). With --quant nf4 W is the
+dequantized 4-bit base, i.e. exactly the weights the adapter was trained against (the DoRA norm taken over it too);
+with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
 training run: the adapter's trained_on.json (train.py and `python -m parallel.checkpoint` write it), else
 ADAPTER_DIR/../config.json (train.py's run config, beside RUN/adapter); without either the merge asks for --quant.
 The base must be the one trained on: an adapter whose trained_on.json records the base's model_sha256 (train.py's,
 for a local --model) is refused on a base whose files differ (another checkpoint of the same shapes, or one edited
 since), unless --any-base; one trained on a Hub model (adapter_config.json: its id and commit) is refused on any base
 but that commit's snapshot in the hub cache, unless --any-base. An adapter whose B @ A does not fit the base's weights
-is refused before anything is written. An adapter with more than plain LoRA (DoRA, alpha/rank patterns, trained
+is refused before anything is written, and so is a DoRA adapter missing a projection's magnitude or holding one of
+another shape than the weight's rows. An adapter with more than plain LoRA or DoRA (alpha/rank patterns, trained
 biases, saved modules) is refused: one scale per adapter is all it folds in. --out may not be, or lie inside, the base
 or the adapter (symlinks resolved). The merge writes into OUT/.merge-tmp and moves its files into --out once all are
 written, config.json last (with --force, an earlier model's config.json, weight files and index go only then, and links
@@ -156,7 +159,7 @@ def check_inputs(args) -> list[str]:
         from model.export import not_plain_lora
         try:
             with open(cfg) as f:
-                wrong = not_plain_lora(json.load(f))
+                wrong = not_plain_lora(json.load(f), dora=True)   # (DoRA: export.merge folds its magnitudes)
         except ValueError as e:
             wrong = [f"an unreadable adapter_config.json ({e})"]
         if wrong:   # one alpha / r for every module is all the merge folds in

@@ -18,6 +18,13 @@ non-zero B so the adapter moves the logits):
 - the merged tensors (one output file per base file, with an index) equal peft's own
   `merge_and_unload()` within 1e-6 in float32 and one bf16 rounding in bf16: on the plain base, and
   for nf4 on the HF model whose block Linears hold bitsandbytes' dequantized NF4 weights;
+- a DoRA adapter made and saved by peft itself (use_dora, random A and B, magnitudes off their start): `python -m
+  model.merge` of it on the plain base equals peft's `merge_and_unload()` tensor by tensor (1e-6 in float32, one
+  rounding in bf16) and the peft DoRA model's logits (1e-5); with quant="nf4" the merged logits and tensors equal
+  peft's DoRA model on the transformers model whose block Linears hold `model.qlora.nf4_round_trip(W)`; a DoRA
+  adapter with a projection's magnitude removed or cut short, a magnitude without its A and B, a LoRA adapter saying
+  use_dora, or magnitudes under a config without it, is refused (exit 2, naming the tensor and the fix, nothing
+  written);
 - `python -m model.merge` runs as a subprocess from the repo root, takes --quant from the run's config.json
   beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
   as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
@@ -221,14 +228,164 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
                                        msg=f"{case} {dtype} {k}")
 
 
+DORA = {"none": ("q_proj", "v_proj", "down_proj"), "nf4": ALL}   # adapters peft makes itself, per base
+
+
+@pytest.fixture(scope="module")
+def dora(tmp_path_factory):
+    """(base checkpoint, {case: adapter dir}): DoRA adapters made and saved by peft itself (use_dora, r 4 / alpha 8,
+    random A and B, magnitudes scaled by U(0.5, 1.5) off peft's start ‖W + s·B A‖, so they are not the norms and a
+    plain LoRA fold is not their merge). q/v carry Qwen2's biases, which DoRA leaves as they are."""
+    from peft import LoraConfig, get_peft_model
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("dora_base"))
+    root = tmp_path_factory.mktemp("dora")
+    for seed, (case, targets) in enumerate(DORA.items()):
+        torch.manual_seed(seed)
+        pm = get_peft_model(_hf(path), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(targets),
+                                                  use_dora=True, init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_magnitude_vector" in n:
+                    p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+        pm.save_pretrained(str(root / case))
+    return path, {case: str(root / case) for case in DORA}
+
+
+@pytest.mark.timeout(300)
+def test_merge_dora_equals_peft_merge_and_unload(dora, tmp_path):
+    """`python -m model.merge` of a peft DoRA adapter on the plain base (--quant none): tensor by tensor peft's own
+    `merge_and_unload()` (float32 within 1e-6, bf16 within one rounding), and the merged checkpoint, loaded by
+    transformers alone, gives the peft DoRA model's logits within 1e-5."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from model import merge as cli
+    from model.export import merge
+
+    path, adapters = dora
+    adapter = adapters["none"]
+    pm = PeftModel.from_pretrained(_hf(path), adapter).eval()
+    ref_logits = _hf_logits(pm)
+    ref = pm.merge_and_unload().state_dict()
+    assert _rel(ref_logits, _hf_logits(_hf(path))) > 1e-3, "the adapter moves the logits"
+
+    out = tmp_path / "fp32"
+    assert cli.main(["--model", path, "--adapter", adapter, "--out", str(out), "--quant", "none",
+                     "--dtype", "fp32"]) == 0, "the CLI merges a DoRA adapter"
+    got = _merged_tensors(out)
+    assert set(got) == set(ref), sorted(set(ref) ^ set(got))[:4]
+    for k, v in got.items():
+        torch.testing.assert_close(v, ref[k], rtol=1e-6, atol=1e-6, msg=f"fp32 {k} vs peft's merge_and_unload")
+    rel = _rel(_hf_logits(_hf(str(out))), ref_logits)
+    print(f"merged DoRA fp32 vs peft's DoRA model: {rel:.2e}")
+    assert rel < 1e-5, f"merged DoRA fp32 vs peft's DoRA model: relative norm {rel:.2e}"
+
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))   # the magnitudes are what moved it
+    pre = "base_model.model.model.layers.0.self_attn.q_proj."
+    name = "model.layers.0.self_attn.q_proj.weight"
+    plain = _hf(path).state_dict()[name] + ALPHA / R * lora[pre + "lora_B.weight"] @ lora[pre + "lora_A.weight"]
+    assert _rel(got[name], plain) > 1e-2, "a DoRA merge is not the plain LoRA fold of the same A and B"
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.bias"], _hf(path).state_dict()[
+        "model.layers.0.self_attn.q_proj.bias"]), "DoRA leaves the bias as it is (peft's forward and merge)"
+
+    merge(path, adapter, str(tmp_path / "bf16"), quant="none")   # default dtype: bf16, one rounding of the same sum
+    for k, v in _merged_tensors(tmp_path / "bf16").items():
+        assert v.dtype == torch.bfloat16, (k, v.dtype)
+        torch.testing.assert_close(v.float(), ref[k].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6,
+                                   msg=f"bf16 {k} vs peft's merge_and_unload")
+
+
+@pytest.mark.timeout(300)
+def test_merge_dora_from_nf4_equals_peft_dora_on_the_round_trip(dora, tmp_path):
+    """merge(quant="nf4") of a DoRA adapter folds into `model.qlora.nf4_round_trip(W)`, the base a QLoRA run
+    computes with, the DoRA norm taken over it too: its logits equal peft's DoRA model on the transformers model whose
+    adapted weights (every block Linear here) hold the round trip within 1e-5, its tensors that model's
+    `merge_and_unload()` within 1e-6."""
+    from peft import PeftModel
+
+    from model.export import _is_nf4, merge
+    from model.qlora import nf4_round_trip
+
+    path, adapters = dora
+    adapter = adapters["nf4"]
+    hf = _hf(path)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if _is_nf4(n, p):
+                p.copy_(nf4_round_trip(p.data))
+    pm = PeftModel.from_pretrained(hf, adapter).eval()
+    ref_logits = _hf_logits(pm)
+    ref = pm.merge_and_unload().state_dict()
+    on_plain = _hf_logits(PeftModel.from_pretrained(_hf(path), adapter).eval())
+    assert _rel(ref_logits, on_plain) > 1e-4, "the 4-bit round trip moves the DoRA model's logits"
+
+    merge(path, adapter, str(tmp_path), quant="nf4", dtype=torch.float32)
+    rel = _rel(_hf_logits(_hf(str(tmp_path))), ref_logits)
+    print(f"merged DoRA nf4 vs peft's DoRA model on the round trip: {rel:.2e}")
+    assert rel < 1e-5, f"merged DoRA from nf4 vs peft's DoRA on the round trip: relative norm {rel:.2e}"
+    got = _merged_tensors(tmp_path)
+    assert set(got) == set(ref), sorted(set(ref) ^ set(got))[:4]
+    for k, v in got.items():
+        torch.testing.assert_close(v, ref[k], rtol=1e-6, atol=1e-6, msg=f"nf4 {k} vs peft's merge_and_unload")
+
+
+def test_merge_refuses_a_dora_adapter_it_cannot_fold(dora, tmp_path, capsys):
+    """model.merge stops (exit 2, naming the tensor and the fix, writing nothing) on a DoRA adapter with a projection's
+    lora_magnitude_vector removed or of another shape than the weight's rows, one whose magnitude has no A and B, a
+    plain LoRA adapter whose config says use_dora (no magnitudes at all), and magnitudes in an adapter whose config
+    does not say use_dora (its merge would drop them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model import merge as cli
+
+    path, adapters = dora
+    lora = load_file(os.path.join(adapters["none"], "adapter_model.safetensors"))
+    pre = "base_model.model.model.layers.1.mlp.down_proj."
+    mag = pre + "lora_magnitude_vector"
+    assert lora[mag].shape == (48,), lora[mag].shape   # (hidden 48: down_proj's output rows)
+
+    def refused(name, tensors, **cfg):
+        adapter = tmp_path / name
+        shutil.copytree(adapters["none"], adapter)
+        save_file(tensors, str(adapter / "adapter_model.safetensors"))
+        if cfg:
+            acfg = json.loads((adapter / "adapter_config.json").read_text())
+            (adapter / "adapter_config.json").write_text(json.dumps({**acfg, **cfg}))
+        out = tmp_path / f"out_{name}"
+        assert cli.main(["--model", path, "--adapter", str(adapter), "--out", str(out), "--quant", "none"]) == 2, name
+        assert not out.exists(), f"{name}: a refused merge wrote its --out"
+        return capsys.readouterr().err
+
+    fix = "export the adapter again (`python -m parallel.checkpoint RUN/ckpt --out DIR`, or peft's save_pretrained)"
+    err = refused("no_magnitude", {k: v for k, v in lora.items() if k != mag})
+    assert f"{mag} is missing" in err and fix in err, err
+    assert "1 of 6 projections lack a magnitude that fits" in err, err   # (2 layers x 3 projections)
+    err = refused("short_magnitude", {**lora, mag: lora[mag][:-1]})
+    assert f"{mag} is [47], not [48], one per output row of model.layers.1.mlp.down_proj.weight" in err and \
+        fix in err, err
+    err = refused("magnitude_alone", {k: v for k, v in lora.items() if not k.startswith((pre + "lora_A",
+                                                                                          pre + "lora_B"))})
+    assert "model.layers.1.mlp.down_proj.weight: only lora_magnitude_vector" in err, err
+    plain = {k: v for k, v in lora.items() if "lora_magnitude_vector" not in k}
+    err = refused("lora_as_dora", plain)   # (use_dora true, as peft saved it: a LoRA adapter's config edited)
+    assert "6 of 6 projections lack a magnitude that fits" in err and fix in err, err
+    assert "a plain LoRA adapter's adapter_config.json says use_dora: false" in err, err
+    err = refused("dora_as_lora", lora, use_dora=False)
+    assert "holds tensors that are not LoRA A/B weights (base_model.model.model.layers.0.mlp.down_proj." \
+        "lora_magnitude_vector" in err and "adapter_config.json has no use_dora: true" in err, err
+
+
 def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, monkeypatch):
     """model.merge stops (exit 2, naming the fix, writing nothing) rather than: guess the base an adapter was trained
     against (no trained_on.json, no run config.json beside it: an nf4 guess would round a full-precision run's every
-    block weight to 4 bits); fold DoRA or per-module alpha/rank patterns in with one scale; write into the base
-    through a symlink or into a folder inside it; fold into another base than the one trained on (trained_on.json's
-    model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A merge stopped while
-    writing (over an earlier merge) leaves that merge as it was; one killed outright, its stage, which the same command
-    clears."""
+    block weight to 4 bits); fold per-module alpha/rank patterns in with one scale (DoRA's refusals: the test above);
+    write into the base through a symlink or into a folder inside it; fold into another base than the one trained on
+    (trained_on.json's model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A
+    merge stopped while writing (over an earlier merge) leaves that merge as it was; one killed outright, its stage,
+    which the same command clears."""
     import shutil
 
     from model import merge as cli
@@ -269,7 +426,7 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     (run_like / "metrics.jsonl").write_text("{}\n")
     assert "is a train.py run directory (metrics.jsonl)" in refused("--force", out=run_like)
     assert {f: (base_copy / f).read_bytes() for f in os.listdir(base_copy)} == before, "the base was written"
-    for key, value in (("use_dora", True), ("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2}),
+    for key, value in (("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2}),
                        ("layer_replication", [[0, 1], [0, 1]]), ("alora_invocation_tokens", [5, 6]),
                        ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora")):
         other = tmp_path / f"{key}-{value}"   # (peft's variants a plain W + s·B@A merge is not: until 2026-12-04
