@@ -39,7 +39,9 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   and "ours+fit-ac" (--ac-blocks N with the fewest checkpointed blocks the planner fits in 95% of this device),
   "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt" and "ours+dpo-prompt-shared";
 - long (one step takes minutes): 524,288 tokens, 8 layers, ours with --tiled-mlp --offload-activations and with
-  --tiled-mlp --tiled-attn, one step each.
+  --tiled-mlp --tiled-attn, one step each;
+- dora = 32,768 tokens, 8 layers: ours, "ours+dora" (--dora), hf, and "hf+dora" (HF + bitsandbytes + peft's
+  use_dora, its own process): what DoRA costs each, and ours against peft's at it.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
 device (95% of it), read back from the run's config.json for the plan comparison.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
@@ -79,7 +81,7 @@ default_allocator()   # every row (ours, and the peers in their subprocess) with
 import torch
 
 CASES = {"32k": (32768, None), "128k": (131072, 8), "mem": (131072, 8), "fast": (32768, None),
-         "long": (524288, 8)}   # tokens, layers (None: all)
+         "long": (524288, 8), "dora": (32768, 8)}   # tokens, layers (None: all)
 # our runs with other flags: selective AC (--ac-keep-attn, a speed flag), the long-context memory flags (what
 # each costs in tokens/s at 128k), and the long case
 FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
@@ -99,7 +101,9 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             # DPO on pairs whose sides share a prompt of 7/8 of their tokens (write_prompt_pairs), as they come and
             # with --dpo-share-prompt (the prompt once): what sharing saves, s/step against s/step
             "ours+dpo-prompt": ["--objective", "dpo"],
-            "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"]}
+            "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"],
+            "ours+dora": ["--dora"]}   # DoRA, against "hf+dora": HF + bitsandbytes + peft's use_dora
+PEERS = ("hf", "liger", "hf+dora")   # rows of HF's model (bench's --peer process); hf+dora loads its own
 ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs",   # else DPO rows: "pairs"
             "ours+dpo-cached": "one_pair"}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
@@ -113,7 +117,8 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "mem": ["ours", "ours+tiled", "ours+offload", "ours+tiled+group4", "ours+tiled-attn"],
                 "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo",
                          "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
-                "long": ["ours+tiled+offload", "ours+tiled-attn"]}
+                "long": ["ours+tiled+offload", "ours+tiled-attn"],
+                "dora": ["ours", "ours+dora", "hf", "hf+dora"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -343,7 +348,9 @@ def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's",
 def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
     """Plain "ours" first, then the peers in one group (one load; Liger's peak is the fastest rows' cap), then every
     other row of ours."""
-    return [["ours"]] * ("ours" in mine) + [peers] * bool(peers) + [[r] for r in mine if r != "ours"]
+    one = [p for p in peers if p != "hf+dora"]   # (hf+dora: another peft model, its own process)
+    return [["ours"]] * ("ours" in mine) + [one] * bool(one) + [["hf+dora"]] * ("hf+dora" in peers) + [
+        [r] for r in mine if r != "ours"]
 
 
 def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False, pairs: str = "pairs") -> dict:
@@ -402,7 +409,7 @@ def peer_main(spec_path: str):
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                             task_type="CAUSAL_LM"))
+                                             task_type="CAUSAL_LM", use_dora=spec["rows"] == ["hf+dora"]))
     model.train()   # from_pretrained returns eval mode, where HF skips gradient checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
     results = {}
@@ -526,7 +533,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", default="all", choices=[*CASES, "all"],
                     help="which case(s) to run (all: 32k and 128k; mem: 128k with the memory flags; fast: 32k with "
-                    "the speed flags that spend memory; long: 512k tokens, ours with the memory flags)")
+                    "the speed flags that spend memory; long: 512k tokens, ours with the memory flags; dora: "
+                    "--dora against peft's DoRA)")
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
@@ -576,7 +584,7 @@ def main(argv=None):
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
-             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"]
+             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -608,16 +616,16 @@ def main(argv=None):
                     mem_trace=args.mem_trace, pairs=pairs, prompt_pairs=prompt_pairs, one_pair=one_pair)
         rows = case["rows"]
         mine_all = ("ours", FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS)
-        unknown = [r for r in runs if r not in ("hf", "liger", *mine_all)]
+        unknown = [r for r in runs if r not in (*PEERS, *mine_all)]
         if unknown:
-            raise SystemExit(f"--runs: unknown {unknown}; choose from hf,liger,{','.join(mine_all)}")
-        rows.update({r: {} for r in ("ours", "hf", "liger", *mine_all[1:]) if r in runs})   # table order
+            raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(PEERS)},{','.join(mine_all)}")
+        rows.update({r: {} for r in ("ours", *PEERS, *mine_all[1:]) if r in runs})   # table order
         why_liger = liger_missing()
         peers = []
-        for row in ("ours", "hf", "liger"):
+        for row in ("ours", *PEERS):
             if row not in runs:
                 continue
-            if row == "hf" and tokens > 65536 and not args.runs:
+            if row in ("hf", "hf+dora") and tokens > 65536 and not args.runs:
                 rows[row] = {"skipped": HF_128K_REASON}
             elif row == "liger" and why_liger:
                 rows[row] = {"skipped": why_liger}

@@ -47,7 +47,7 @@ def test_every_row_passes_the_trainers_start_up_checks(row):
 
 
 def test_default_rows_exist():
-    known = {"ours", "hf", "liger", bench_gpu.FIT_AC, bench_gpu.FASTEST, bench_gpu.FASTEST_COMPILE,
+    known = {"ours", *bench_gpu.PEERS, bench_gpu.FIT_AC, bench_gpu.FASTEST, bench_gpu.FASTEST_COMPILE,
              *bench_gpu.FLAG_ROWS}
     assert set(bench_gpu.DEFAULT_RUNS) == set(bench_gpu.CASES)
     for case, rows in bench_gpu.DEFAULT_RUNS.items():
@@ -87,9 +87,9 @@ def test_smoke_mode_writes_results(tmp_path):
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
                                    "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-cached",
-                                   "ours+dpo-prompt", "ours+dpo-prompt-shared"])
+                                   "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo", "ours+orpo", "ours+dpo-cached"):
+                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -174,6 +174,8 @@ def test_row_order_and_cap_checks():
     assert bench_gpu.run_order(["ours+fastest"], ["liger"]) == [["liger"], ["ours+fastest"]]
     assert bench_gpu.run_order(["ours", "ours+fit-ac", "ours+fastest+compile"], ["hf", "liger"]) == [
         ["ours"], ["hf", "liger"], ["ours+fit-ac"], ["ours+fastest+compile"]]
+    assert bench_gpu.run_order(["ours", "ours+dora"], ["hf", "hf+dora"]) == [   # (peft's DoRA: its own model)
+        ["ours"], ["hf"], ["hf+dora"], ["ours+dora"]]
     assert bench_gpu.run_order(["ours", "ours+tiled"], []) == [["ours"], ["ours+tiled"]]
     for argv in (["--cap-gb", "0", "--case", "32k"], ["--cap-gb", "25"]):   # the default case is all
         with pytest.raises(SystemExit):

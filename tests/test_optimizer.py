@@ -1,8 +1,9 @@
 """What train.py builds to train, against peft's own: `--lora-plus-ratio R` (LoRA+) groups the LoRA tensors as peft's
 `create_loraplus_optimizer` does (each B at R × the LR, each A at the LR), and three AdamW steps on the same gradients
 through train.py's `make_optimizer` and `set_lr` move every LoRA tensor as peft's optimizer moves its twin on the
-transformers model (also with --dora: the magnitudes in B's group, as peft puts 1-D tensors; 4 ranks = 1 with the flag, and its resume: tests/test_train.py); `--lora-targets all-linear`
-adapts the projections peft's "all-linear" adapts."""
+transformers model (also with --dora: the magnitudes in B's group, as peft puts 1-D tensors; 4 ranks = 1 with the
+flag, and its resume: tests/test_train.py); `--lora-targets all-linear` adapts the projections peft's "all-linear"
+adapts."""
 
 from __future__ import annotations
 
