@@ -68,6 +68,9 @@
 #   never run on a GPU (2026-12-05): BENCH='--case fast --runs ours+dpo,ours+orpo,ours+dpo-cached,ours+dpo-prompt,
 #   ours+dpo-prompt-shared' (five 32k rows, ~4 min): the reference forward's cost, the cache's saving
 #   (--dpo-cache-ref), and --dpo-share-prompt's against the same prompted pairs (whether to make it the default).
+#   And --dora (2026-12-05, CPU only: never run on CUDA, bf16 under FSDP2's mixed precision included): BENCH='--case
+#   dora' (32k, 8 layers: ours, ours+dora, hf, hf+dora with peft's use_dora; ~3 min): DoRA's cost for each, ours
+#   against peft's at it, and that the --dora row trains (its loss beside the others').
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
