@@ -447,6 +447,33 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
 
 
+def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
+    """--dora on the trainer's CUDA path (FSDP2 mixed precision: magnitudes, A and B in bf16 in forward, NF4 base):
+    12 demo steps train (finite, the last loss below the first), the adapter holds the magnitudes, and step 1, where
+    each m / ‖W‖ is 1 (B = 0), logs the plain LoRA run's step-1 loss (up to bf16's rounding of that ratio)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import train
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29537", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+
+    def run(name, *flags):
+        out = tmp_path / name
+        train.main(["--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
+        return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    out, rows = run("dora", "--steps", "12", "--dora")
+    _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")
+    assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-2), (rows[0], plain[0])
+    keys = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert sum(k.endswith(".lora_magnitude_vector") for k in keys) * 3 == len(keys) > 0, sorted(keys)[:3]
+
+
 def test_cuda_dpo_nf4_bf16(tmp_path, monkeypatch):
     """--objective dpo on the device (the demo's model, NF4, bf16, preference pairs): step 1's loss is log 2 (LoRA's B
     is 0, so the policy's forward is the reference's bit for bit), the losses and reward metrics are finite, and the
