@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-FLAGS = ("tiled_mlp", "tiled_attn", "offload_activations", "ac_keep_attn")
+FLAGS = ("tiled_mlp", "tiled_attn", "offload_activations", "ac_keep_attn", "dora")
 LONG = 524288   # the long case's row (bench/gpu.py)
 
 

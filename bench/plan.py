@@ -2,7 +2,7 @@
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
 --offload-activations, --ac-group, --ac-blocks, --ac-keep-attn, --tiled-attn, the blocked attention backward;
-1k-16k tokens) this
+--dora; 1k-16k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
@@ -29,7 +29,7 @@ the kernel when torch frees it: RSS then follows the live tensors the way CUDA's
 With glibc's default dynamic threshold, blocks up to 32 MB stay in the heap after free and the RSS peak
 includes memory that no tensor holds.
 
-Run: .venv/bin/python bench/plan.py    (11 min on a shared, loaded 2-core machine: 8 min CPU; --only NAME: one row)
+Run: .venv/bin/python bench/plan.py    (11 min on a shared, loaded 2-core machine: 8 min CPU; --only NAME...: rows)
 """
 
 from __future__ import annotations
@@ -89,6 +89,16 @@ CONFIGS = [
     ("cp1 nf4 16k tiled tiled-attn blocks4k v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn"]),
     ("cp1 nf4 16k tiled tiled-attn offload v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn",
                                                             "--offload-activations"]),
+    # --dora: each adapted projection keeps its LoRA sum for the magnitude's gradient (v512: the block sets the peak)
+    ("cp1 nf4 4k dora", 1, 4096, ["--quant", "nf4", "--dora"]),
+    ("cp1 nf4 4k tiled dora", 1, 4096, ["--quant", "nf4", "--tiled-mlp", "--dora"]),
+    ("cp1 nf4 4k dora dropout", 1, 4096, ["--quant", "nf4", "--dora", "--lora-dropout", "0.1"]),
+    ("cp1 none 4k no-AC dora", 1, 4096, ["--quant", "none", "--no-ac", "--dora"]),
+    ("cp1 nf4 16k dora v512", 1, 16384, ["--quant", "nf4", "--dora"]),
+    ("cp1 nf4 16k tiled dora v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--dora"]),
+    ("cp1 nf4 16k tiled tiled-attn dora v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn", "--dora"]),
+    ("dp2 nf4 4k tiled tiled-attn dora", 2, 4096, ["--quant", "nf4", "--dp-shard", "2", "--tiled-mlp", "--tiled-attn",
+                                                  "--dora"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
@@ -183,10 +193,10 @@ def planned(world: int, argv: list[str], block=None) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default=None, help="run only the configuration with this name")
+    ap.add_argument("--only", nargs="+", default=None, help="run only the configurations with these names")
     opt = ap.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # read by glibc when each rank starts (see docstring)
-    rows = [c for c in CONFIGS if opt.only in (None, c[0])]
+    rows = [c for c in CONFIGS if opt.only is None or c[0] in opt.only]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = make_assets(tmp)

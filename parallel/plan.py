@@ -23,6 +23,7 @@ Persistent all step:
    the module on every rank. none: n·e / W. Never quantized: block norms, biases: e bytes per element / W.
 2. root. embed_tokens, final norm, lm_head: frozen, outside FSDP2 (parallel/fsdp.py), (V·D·(2, or 1 tied) + D)·e.
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
+   --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -50,6 +51,10 @@ Persistent all step:
    (6) counts them once: its recompute term is that much smaller.
    --ac-group G: ceil(L/G) - 1 group inputs are kept; a group's backward recomputes it up to its last block
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
+   --dora (model/dora.py), per adapted projection of o outputs: the fused path keeps its sum `out` for the
+   magnitude's gradient, the norm and the scale: e(T + 2)·o. peft's formula (LoRA dropout, a cast: dora.forward)
+   keeps the base's and LoRA's shares and three [o], el(2T + 3)·o, with dropout on nf4 the dequantized weight too
+   (n·el); at layer 0 q/k/v neither that weight nor one [o] (their input needs no grad). As autograd saves them.
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
@@ -62,11 +67,14 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
    into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
    (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles,
-   model.qlora.dequant_once; --tiled-attn's phase likewise q/k/v/o).
+   model.qlora.dequant_once; --tiled-attn's phase likewise q/k/v/o). --dora: + one tile's DoRA tensors (term 4's, at
+   t tokens; the weight is the held one), here and in --tiled-attn's tiles.
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
-   the excess over the MLP phase. --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
+   the excess over the MLP phase. --dora: the MLP's and o_proj's DoRA tensors are gone too (q/k/v's not); o_proj's
+   DoRA node holds dh's rescaled copy and its product with `out` (summed to the magnitude's gradient): 2eTD.
+   --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
    q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (flash's float32 dq and
    dK/dV expanded to H heads; the efficient op's expanded K/V and dK/dV). GQA/MQA (K' < H) rows of more than
@@ -97,7 +105,8 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
    gradient, its rebuilt output and one more gradient (3eTD, from q_proj's backward on: its LoRA A rebuilds
    the output), all beside dk and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768
-   tokens, 2026-12-01); the block's saved tensors are gone: its excess over 6-7.
+   tokens, 2026-12-01); the block's saved tensors are gone: its excess over 6-7. --dora: not q/k/v's DoRA tensors
+   (k's, v's wait with their chains; q's to its DoRA node: 3eT·H·hd, the gradient, its rescaled copy, × `out`).
 10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
@@ -193,7 +202,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     base += [(D, D)] * 2 + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
-    lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * r) for t in targets]
+    dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
+    lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)]
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
@@ -202,6 +212,16 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
     gu = any(t in targets for t in ("gate_proj", "up_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
+
+    def dora_saved(ts, rows=T, first=False, weights=True) -> float:
+        """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
+        ts = [x for x in ts if dora and x in targets]
+        if direct:   # the fused sum `out`, the norm and the scale
+            return e * (rows + 2) * sum(shapes[x][0] for x in ts)
+        w = nf4 and args.lora_dropout > 0 and weights   # F.linear(dropout(x), W) keeps W
+        lead = [first and x in ("q_proj", "k_proj", "v_proj") for x in ts]   # layer 0's: their input needs no grad
+        return el * sum((2 * rows + 3 - z) * shapes[x][0] + w * (not z) * shapes[x][0] * shapes[x][1]
+                        for x, z in zip(ts, lead))
 
     def layer_saved(first: bool) -> float:
         inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
@@ -213,7 +233,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
             b -= 4 * T * tiled
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in targets))
-        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner)
+        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner) + dora_saved(inner, first=first)
         if args.lora_dropout > 0:
             b += sum(T * shapes[t][1] * (el + 1) for t in inner)
         return b
@@ -276,7 +296,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if tiled:
         from parallel.memory import tile_tokens
         tt = min(T, tile_tokens(D, None))
-        mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj")   # dy; dx: in h's storage
+        mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
+            + dora_saved(("gate_proj", "up_proj", "down_proj"), tt, weights=False)   # dy; dx: in h's storage
         t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
     else:
         mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
@@ -301,20 +322,25 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
-    gone = 0 if tiled else 4 * e * T * F
+    gone = 0 if tiled else 4 * e * T * F + dora_saved(("gate_proj", "up_proj", "down_proj"))
+    o_dora = dora_saved(("o_proj",))   # gone once o_proj's DoRA node has run, which holds 2 [T, D] (docstring)
+    oproj = max(oproj, 2 * e * T * D * bool(o_dora))
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
         n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
-        tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call
+        tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call \
+            + dora_saved(("q_proj", "k_proj", "v_proj", "o_proj"), n, weights=False)
         attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
         t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
             max(0, attn - e * T * D - gone - mlp)
     else:
         ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
-               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd, oproj) - gone - mlp)
+               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora, oproj) - gone - mlp)
         # 9. q/k/v backward (q's chain first; see the docstring)
         first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
-        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + 2 * e * T * Kp * hd
+        kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 3 [T, H·hd])
+        first = max(first, 3 * e * T * H * hd * ("q_proj" in targets and dora)) + dora_saved(("q_proj",))
+        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv + 2 * e * T * Kp * hd
         rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)

@@ -29,6 +29,11 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
+  --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
+    attention tiles) run their GEMM (DoRA reads it); each pass of an adapted layer (forward, the recompute but the
+    tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e bytes a weight:
+    dequantize, the product, the sum, the norm's read), and the rescale's elementwise work (2e an output element
+    forward; backward 6e: its scaled gradient, the product with the output and its sum). Not measured on a GPU.
   --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
     forward (no grad) adds a forward of every block and of lm_head: g(all) + a + o per block, g(V·D) + 8 bytes a logit
     (not for --dpo-loss simpo or orpo, which have no reference).
@@ -78,6 +83,11 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
     oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
     nf4 = args.quant == "nf4"
+    dora = getattr(args, "dora", False)
+    skip = nf4_skip and not dora   # (a DoRA base's output is read: its GEMM runs)
+    shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
+              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
+    adapted = [t for t in args.lora_targets.split(",") if t in shapes] if dora else []
     tiled, ta = getattr(args, "tiled_mlp", False), getattr(args, "tiled_attn", False)
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
     mm = att = ew = 0.0
@@ -93,16 +103,21 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             att += 0 if args.ac_keep_attn else a
             ew += oa
             if not tiled:
-                mm += g(gu) + (0 if nf4 and nf4_skip else g(down))
+                mm += g(gu) + (0 if nf4 and skip else g(down))
                 ew += om
         if tiled:
-            mm += (g(gu) + (0 if nf4_skip else g(down))) * r["TILE"]
+            mm += (g(gu) + (0 if skip else g(down))) * r["TILE"]
             ew += om * r["TILE"]
         if ta:
-            mm += g(q + kv) + (0 if nf4_skip else g(o))
+            mm += g(q + kv) + (0 if skip else g(o))
             ew += oa
         if ref:
             mm, att, ew = mm + g(q + kv + o + gu + down), att + a, ew + oa + om
+        for t in adapted:   # DoRA: B A and the row norms per pass, the rescale per token
+            (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
+            passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
+            mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]
+            ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
     mm += (3 if ref else 2) * g(V * D)
     ew += (24 if ref else 16) * T * V / r["ELEMENTWISE"]
     return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)

@@ -5,6 +5,8 @@ Pins:
   written out here from the shapes, independently of the module's code;
 - the quantization-state formula equals the bytes bitsandbytes' own `quantize_4bit` state holds, and the
   no-AC activation terms equal what autograd saves (saved_tensors_hooks) in a real forward of this decoder;
+- --dora: its terms by hand from the shapes, what it adds to the activation terms = what it adds to autograd's
+  saved tensors, and `--max-len auto` and the start-up check plan with it;
 - `--plan` on a layout that does not fit exits non-zero and names what to change; an invalid layout raises
   the run's own validation error (train.py's CLI prints it as "error: <fix>", exit 2);
 - `--suggest` lists exactly the layouts that pass the run's validation (checked here through
@@ -237,6 +239,92 @@ def test_ac_blocks_activations_match_autograd(tmp_path):
                + term(p, "activations: rope") + term(p, "| or: final norm in"))
     assert planned == saved
     assert not [k for k in p.terms if k.startswith("| block recompute")], "no recompute on top of kept blocks"
+
+
+def test_dora_terms_by_hand():
+    """--dora over the same flags, by hand from the shapes: each adapted projection's magnitude [out] in the LoRA terms
+    (fp32 with AdamW, 1/W; unsharded and reduce-scattered with the block), and in the block recompute the fused sum
+    `out` [T, out] that the rescale keeps for the magnitude's gradient with the norm and the scale [out] (e bytes);
+    no other term moves for this short row, and the peak (the block's: vocab 100) grows by their sum. Then at 524,288
+    tokens of Qwen2.5-7B with --tiled-mlp: a tile's DoRA sums in the tiled MLP's phase, and o_proj's DoRA node (dh's
+    rescaled copy and its product with `out`: 2 [T, D]) over it in the attention phase."""
+    m = ModelArgs(model_type="qwen2", vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                  intermediate_size=128, qkv_bias=True)
+    flags = ["--max-len", "128", "--global-batch", "1", "--quant", "nf4"]
+    dims = ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 4, 2)
+    plain, dora = (memory_plan(m, dims, train.build_parser().parse_args(flags + extra), "cuda", pack=True)
+                   for extra in ([], ["--dora"]))
+    e, T, L = 2, 128, 2
+    outs = [64, 32, 32, 64, 128, 128, 64]                   # q, k, v, o, gate, up, down (out features)
+    grow = {"LoRA params": 16 * L * sum(outs),              # W = 1: no padding, no shard
+            "FSDP2: 2 unsharded": 2 * e * sum(outs),        # the LoRA tensors in bf16 under mixed precision
+            "FSDP2: all-gather": e * sum(outs) + (e + 4) * sum(outs),   # + the fp32 reduce-scatter input
+            "| block recompute": e * (T + 2) * sum(outs)}   # out [T, o], norm and scale [o]
+    assert plain.terms.keys() == dora.terms.keys()
+    for k in plain.terms:
+        want = next((v for p, v in grow.items() if k.startswith(p)), 0)
+        assert dora.terms[k] - plain.terms[k] == want, k
+    loss = sum(v for k, v in dora.terms.items() if k.startswith("| or:"))
+    assert term(dora, "| block recompute") > loss and dora.peak - plain.peak == sum(grow.values()) == 155648
+    from model.load import read_args
+
+    T, D, F = 524288, 3584, 18944
+    q7 = read_args(Q7)
+    plain, dora = (memory_plan(q7, ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 28, 4), train.build_parser(
+        ).parse_args(["--max-len", str(T), "--global-batch", "1", "--tiled-mlp", *extra]), "cuda", True)
+        for extra in ([], ["--dora"]))
+    assert term(dora, "| block backward at the tiled MLP") - term(plain, "| block backward at the tiled MLP") \
+        == e * (D + 2) * (F + F + D)                        # a 3,584-token tile's gate, up and down sums
+    assert term(plain, "| block attention") == 0
+    assert term(dora, "| block attention") == 2 * e * T * D - term(dora, "| block backward at the tiled MLP")
+    assert term(dora, "| block recompute (AC)") - term(plain, "| block recompute (AC)") \
+        == e * (T + 2) * (D + 512 + 512 + D)                # q, k, v, o (the MLP's run in its tiles)
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora-dropout", "0.1"], ["--tiled-mlp"], ["--tiled-attn"]],
+                         ids=["fused", "dropout", "tiled_mlp", "tiled_attn"])
+def test_dora_activations_match_autograd(tmp_path, flags):
+    """No AC, fp32, one process: what --dora adds to the plan's activation terms = what it adds to the tensors
+    autograd keeps (saved_tensors_hooks) in a real forward with DoRA, on the fused path (the sum, the norm and the
+    scale per projection), on peft's formula with LoRA dropout (model.dora.forward: the base's and LoRA's shares, the
+    dequantized weight F.linear keeps, none of them at layer 0's q/k/v for the weight) and with the tiled MLP or
+    attention, whose projections keep theirs only inside a tile."""
+    opts = {"lora_dropout": 0.1} if flags[:1] == ["--lora-dropout"] else {
+        f.lstrip("-").replace("-", "_"): True for f in flags}
+    got = {}
+    for dora in (False, True):
+        saved, p = _saved_and_plan(tmp_path / str(dora), 2, ["--no-ac", *flags] + ["--dora"] * dora, ac=False,
+                                   dora=dora, **opts)
+        got[dora] = saved, term(p, "activations: saved tensors")
+    assert got[True][0] - got[False][0] == got[True][1] - got[False][1] > 0, got
+
+
+def test_dora_max_len_auto_and_the_start_up_check():
+    """`--plan --dora --max-len auto` searches with DoRA's terms (the length fits with --dora, 1,024 more do not, and it
+    is shorter than without), and the run's start-up check (parallel/preflight.py) plans them: on a device between
+    the two plans' totals a plain run is told it fits, a --dora run is warned."""
+    from model.load import read_args
+    from parallel import preflight
+
+    flags = ["--tiled-mlp", "--dora"]
+    found = {}
+    for f in (flags[:1], flags):
+        _, out = run_plan("--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--global-batch", "1", *f)
+        found[len(f)] = int(re.fullmatch(r"max_len (\d+)", out.strip().splitlines()[-1]).group(1))
+    n = found[2]
+    assert _fits_at(n, flags, 1, 141, 512) and not _fits_at(n + 1024, flags, 1, 141, 512) and n < found[1], found
+    said = {}
+    for dora in (False, True):
+        args = train.build_parser().parse_args(["--model", Q7, "--max-len", "32768", "--global-batch", "1",
+                                                "--dtype", "bf16"] + ["--dora"] * dora)
+        margs = read_args(Q7)
+        dims, _ = validate(args, margs, 1)
+        said[dora] = []
+        p = preflight.check(args, margs, dims, [preflight.Budget(0, "cuda", 26.5e9, "26.5 GB (test)", float("inf"),
+                                                                 "", "m")], said[dora].append)
+        assert p.total == memory_plan(margs, dims, args, "cuda", True).total
+    assert said[False][0].startswith("memory: planned 24.9 GB"), said
+    assert said[True][0].startswith("warning: planned 28.5 GB per rank") and "Step 1 may run out" in said[True][0], said
 
 
 def test_plan_names_the_fewest_ac_blocks_that_fit():

@@ -8,6 +8,7 @@ Pins:
   norm, the RoPE formula) is within 4% of each measured s/step, and it orders every two rows of a case the way
   the measurement does wherever the two differ by more than 4%; the model as it stands (the defaults) within 5% of
   the late session's steps at 32k and 128k (bench/results/2026-11-30-h200-late, the code at 86cae43), in order;
+- --dora's added base GEMMs, B A, row norms and rescale, by hand;
 - `fastest` returns only flag sets that fit, fastest first, and its first one is the best of an exhaustive search
   over every checkpointed-block count (0 = --no-ac) of every flag set it considers;
 - the flags it names pass the run's start-up checks, and `--plan` with them added says "fits";
@@ -33,7 +34,7 @@ import train
 from model.config import ModelArgs
 from parallel.mesh import check_flags, validate
 from parallel.plan import memory_plan
-from parallel.plan_speed import fastest, step_seconds
+from parallel.plan_speed import RATES, fastest, step_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Q7 = os.path.join(ROOT, "bench", "configs", "qwen2.5-7b")
@@ -78,6 +79,28 @@ def test_model_matches_the_measured_h200_steps():
     for (n1, _, _, f1, s1), (n2, _, _, f2, s2) in itertools.combinations(rows, 2):
         if n1 == n2 and abs(s1 - s2) > 0.04 * min(s1, s2):
             assert (s1 < s2) == (est[(n1, f1)] < est[(n2, f2)]), (n1, f1, s1, f2, s2)
+
+
+@pytest.mark.parametrize("flags", [(), ("--tiled-mlp",), ("--tiled-mlp", "--tiled-attn")],
+                         ids=["ac", "tiled_mlp", "tiled_both"])
+def test_dora_adds_the_bases_it_reads_and_its_norms(flags):
+    """--dora in the step-time model, by hand for 32k x 28 layers (AC on every block): the base GEMMs whose output
+    only DoRA reads run (down_proj in the recompute or the MLP tiles, o_proj in the attention tiles); each pass of an
+    adapted layer (forward, the recompute but the tiled MLP's, the backward tiles' one call) adds B A (2·r·P) and the
+    row norms' ~8e bytes a weight, and the rescale 2e an output element forward and 6e backward."""
+    r = RATES
+    e, T, L, D, H, K, hd, F, rank = 2, 32768, 28, 3584, 28, 4, 128, 18944, 16
+    shapes = [(H * hd, D), (K * hd, D), (K * hd, D), (D, H * hd), (F, D), (F, D), (D, F)]   # (out, in)
+    base = {(): D * F, ("--tiled-mlp",): D * F * r["TILE"], ("--tiled-mlp", "--tiled-attn"): D * F * r["TILE"] + D * D}
+    (t0, c0), (t1, c1) = (step_seconds(m, dims, args, "cuda", pack) for args, m, dims, pack in
+                          (setup(T, L, (*flags, *dora)) for dora in ((), ("--dora",))))
+    # forward + the recompute (not the tiled MLP's, which skips its tiles) + the backward tiles' one call
+    passes = [3 if "--tiled-attn" in flags else 2] * 4 + [2] * 3
+    mm = L * (2 * T * base[flags] + sum(n * 2 * rank * o * i for n, (o, i) in zip(passes, shapes))) / r["MATMUL"]
+    ew = L * sum(n * 8 * e * o * i + (2 * n + 6) * e * T * o for n, (o, i) in zip(passes, shapes)) / r["ELEMENTWISE"]
+    assert c1["matmul"] - c0["matmul"] == pytest.approx(mm, rel=1e-9)
+    assert c1["elementwise"] - c0["elementwise"] == pytest.approx(ew, rel=1e-9)
+    assert c1["attention"] == c0["attention"] and t1 == pytest.approx((t0 / r["REST"] + mm + ew) * r["REST"])
 
 
 def exhaustive(args, m, dims, pack, mem, key):
