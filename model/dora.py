@@ -84,19 +84,26 @@ def apply_scale(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
 
 
 def forward(layer: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    """peft's DoRA forward term by term (module docstring), LoRA computing in its own dtype."""
+    """peft's DoRA forward term by term (module docstring), LoRA computing in its own dtype, rounded as peft rounds."""
     a_lin, b_lin, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
     result = layer.base_layer(x)
     xl = x.to(a_lin.weight.dtype)
-    scale = _scale(layer, name, xl.dtype)
-    bias = layer.base_layer.bias
-    if isinstance(dropout, nn.Identity) or not layer.training:
-        base = result.to(xl.dtype) - (0 if bias is None else bias.to(xl.dtype))
-    else:
+    base = None   # (no dropout: the base's own output less its bias)
+    if layer.training and not isinstance(dropout, nn.Identity):
         xl = dropout(xl)
         base = nn.functional.linear(xl, base_weight(layer.base_layer).to(xl.dtype))
-    lora = b_lin(a_lin(xl)) * layer.scaling[name]
-    return result + ((scale - 1) * base + scale * lora).to(result.dtype)
+    return peft_sum(result, layer.base_layer.bias, _scale(layer, name, xl.dtype), b_lin(a_lin(xl)), layer.scaling[name],
+                    base)
+
+
+def peft_sum(result: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor, lora: torch.Tensor, s: float,
+             base: torch.Tensor | None = None) -> torch.Tensor:
+    """result + (scale − 1)·base + scale·lora·s as peft's DoRA sums it: `base` (unless given: W drop(x)) is
+    result − bias in result's dtype, the share in the LoRA dtype, and the sum cast back to result's dtype once
+    (rounding the share first moved a quarter of bf16 outputs by an ulp)."""
+    if base is None:
+        base = result if bias is None else result - bias
+    return (result + ((scale - 1) * base + scale * lora * s)).to(result.dtype)
 
 
 @contextlib.contextmanager

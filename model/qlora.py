@@ -273,6 +273,11 @@ def _fused_forward(self, x, *args, **kwargs):
         return _reference_forward(self, x)
     names, slow = self.active_adapters, self._peft_forward
     dora = len(names) == 1 and dora_math.is_dora(self, names[0])
+    if dora and not self.disable_adapters and (args or kwargs or torch.is_autocast_enabled(x.device.type)):
+        if args or kwargs:   # (peft's own DoRA would dequantize our NF4 layers wrongly: never handed to it)
+            raise TypeError(f"a DoRA layer takes no forward arguments beside x (got {len(args)} more and "
+                            f"{sorted(kwargs)})")
+        return dora_math.forward(self, names[0], x)   # under autocast: peft's formula, autocast casting its ops
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
             or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {}) and not dora
             or torch.is_autocast_enabled()):
@@ -380,18 +385,18 @@ def _reference_forward(self, x):
     if self._ref_weights[0].dtype != want:   # (once: FSDP2's param dtype is only known inside forward)
         self._ref_weights = tuple(t.to(want) for t in self._ref_weights)
     a, b, *mag = self._ref_weights
+    if mag:   # DoRA: m / ‖W + s·B A‖ with the reference's m, A and B, as the policy's DoRA computes it
+        scale = (mag[0] / dora_math.row_norms(dora_math.base_weight(self.base_layer), a, b, s, want)).to(want)
     if want != x.dtype:   # peft's path for such a layer (LoRA in its own dtype), rounded as it rounds: a 4-bit
-        lora = nn.functional.linear(nn.functional.linear(x.to(want), a), b) * s   # layer casts LoRA's share back
-        four = isinstance(self.base_layer, bnb.nn.Linear4bit)   # before the sum, a plain one casts the sum
-        out = result + lora.to(result.dtype) if four else (result + lora).to(result.dtype)
-    else:
-        flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
-        out = torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
-    if mag:   # DoRA: m / ‖W + s·B A‖ ⊙ (W x + s·B A x) + bias, the reference's m, A and B
-        w = dora_math.base_weight(self.base_layer)
-        scale = (mag[0] / dora_math.row_norms(w, a, b, s, out.dtype)).to(out.dtype)
-        out = dora_math.apply_scale(out, scale, self.base_layer.bias)
-    return out
+        lora = nn.functional.linear(nn.functional.linear(x.to(want), a), b)   # layer casts LoRA's share back
+        if mag:   # (model.dora.forward: the sum cast back, for either kind of layer)
+            return dora_math.peft_sum(result, self.base_layer.bias, scale, lora, s)
+        lora = lora * s   # before the sum, a plain one casts the sum
+        four = isinstance(self.base_layer, bnb.nn.Linear4bit)
+        return result + lora.to(result.dtype) if four else (result + lora).to(result.dtype)
+    flat = nn.functional.linear(x, a).reshape(-1, a.shape[0])
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), flat, b.t(), alpha=s).view(*x.shape[:-1], -1)
+    return dora_math.apply_scale(out, scale, self.base_layer.bias) if mag else out
 
 
 def fuse_lora(model: nn.Module) -> int:

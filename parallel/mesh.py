@@ -351,6 +351,11 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
         elif tuple(h[1]) != want:
             bad.append(f"{k} {list(h[1])}, this model's {list(want)}")
     need = {"A", "B"} | ({"magnitude_vector"} if cfg.get("use_dora") else set())   # (DoRA's: the three)
+    stray = [k for k, v in halves.items() if v - need]
+    if stray:   # DoRA's magnitudes under a config that says plain LoRA: a start would drop them
+        raise ValueError(f"--init-adapter {path!r} holds DoRA's lora_magnitude_vector for {len(stray)} projections "
+                         f"({'; '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}) but its adapter_config.json "
+                         "has no use_dora: true: a hand-edited adapter; pass the adapter as it was saved (with --dora)")
     half = [f"{k} (only lora_{' and lora_'.join(sorted(v))})" for k, v in halves.items() if v != need]
     if half:   # (the other half would keep this run's init: B 0 drops the module's change, a random A garbles it;
         # review, helper 50)

@@ -50,13 +50,14 @@ def _batch():
     return ids, labels, torch.arange(19).expand(2, 19)
 
 
-def _ours(path, quant, dropout=0.0, b_std=0.05, moved=True, seed=3):
-    """Our DoRA model (1 process), B ~ N(0, b_std), each magnitude × (1 + 0.1·N(0, 1)) when `moved`."""
+def _ours(path, quant, dropout=0.0, b_std=0.05, moved=True, seed=3, **mem):
+    """Our DoRA model (1 process; `mem`: BuildOptions' memory steps), B ~ N(0, b_std), each magnitude × (1 + 0.1·N(0,
+    1)) when `moved`."""
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b
 
     model, peft_model = build_nonzero_b(BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, dora=True,
-                                                     lora_dropout=dropout, seed=seed), b_std=b_std)
+                                                     lora_dropout=dropout, seed=seed, **mem), b_std=b_std)
     if moved:
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -258,6 +259,11 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
     with pytest.raises(ValueError, match=r"some of DoRA's lora_A, lora_B and lora_magnitude_vector for 1 projections "
                                          r"\(layer 1 up_proj \(only lora_A and lora_B\)\)"):
         _init_adapter_fits(cut, shapes, R, 2)
+    with open(os.path.join(plain, "adapter_config.json")) as f:   # (magnitudes under a config saying plain LoRA)
+        assert '"use_dora": false' in f.read()
+    with pytest.raises(ValueError, match=r"holds DoRA's lora_magnitude_vector for 14 projections \(layer 0 down_proj; "
+                                         r".*has no use_dora: true"):
+        _init_adapter_fits(plain, shapes, R, 2)
 
 
 def test_a_resume_keeps_dora():
@@ -269,3 +275,108 @@ def test_a_resume_keeps_dora():
     for had, now in (({"lora_r": 4}, True), ({"lora_r": 4, "dora": True}, False)):
         with pytest.raises(ValueError, match=f"--dora: the checkpoint has {not now}, this run {now}"):
             check_resume(had, {"lora_r": 4, "dora": now})
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "dropout"])
+def test_bf16_without_mixed_precision_rounds_as_peft(ckpt, dropout):
+    """bf16 weights with float32 LoRA (the CPU's --dtype bf16: no FSDP2 mixed precision), where our layers take
+    `model.dora.forward`: each projection's output is peft's use_dora output bit for bit (peft casts the sum back to
+    bf16 once, as it does for plain LoRA, which is bit for bit too)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    model, _ = build_nonzero_b(BuildOptions(ckpt, quant="none", dtype=torch.bfloat16, lora_r=R, lora_alpha=ALPHA,
+                                            dora=True, lora_dropout=dropout, seed=3), b_std=0.05)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16),
+                         LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=ALL, use_dora=True,
+                                    init_lora_weights=False))
+    mine = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                ours = mine[n.removeprefix("base_model.model.")]
+                if "magnitude" in n:
+                    ours.mul_(1 + 0.1 * torch.randn(ours.shape, generator=g))
+                p.data = ours.detach().clone()
+    x = torch.randn(2, 19, 48, generator=g).to(torch.bfloat16)
+    for proj in ("q_proj", "o_proj"):
+        ours, theirs = (getattr(m.model.layers[0].self_attn, proj) for m in (model, ref.base_model.model))
+        for layer in (ours, theirs):
+            layer.train()
+            if dropout:
+                layer.lora_dropout["default"] = _NamedDropout(proj, dropout)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0, msg=f"{proj} output")
+
+
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_bf16_dpo_reference_equals_the_policy_it_starts(ckpt, quant, tmp_path):
+    """bf16 without mixed precision (LoRA in float32, `model.dora.forward`): `reference_adapter` from a DoRA adapter
+    gives, bit for bit, the logits of the policy `init_from_adapter` starts from that adapter (DPO's step 1: log 2)."""
+    from model.export import export_adapter, read_init_adapter
+    from model.qlora import reference_adapter
+    from parallel.parallelize import BuildOptions, init_from_adapter
+    from tests.helpers import build_nonzero_b
+
+    opts = dict(quant=quant, dtype=torch.bfloat16, lora_r=R, lora_alpha=ALPHA, dora=True)
+    model, peft_model = build_nonzero_b(BuildOptions(ckpt, seed=3, **opts), b_std=0.05)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1.05)
+    out = str(tmp_path / "adapter")
+    export_adapter(peft_model, out, ckpt)
+    policy, _ = build_nonzero_b(BuildOptions(ckpt, seed=9, **opts), b_std=0.0)
+    init_from_adapter(policy, out)
+    ref, _ = build_nonzero_b(BuildOptions(ckpt, seed=9, **opts), b_std=0.0)
+    ids, _, pos = _batch()
+    with torch.no_grad(), reference_adapter(ref, read_init_adapter(out), dtype=torch.float32):
+        torch.testing.assert_close(ref(ids, position_ids=pos), policy(ids, position_ids=pos), rtol=0, atol=0,
+                                   msg="the reference's logits = the policy's at its start")
+
+
+@pytest.mark.parametrize("mem", [dict(tiled_mlp=True, tiled_attn=True), dict(ac_keep_attn=True),
+                                 dict(offload_activations=True, tiled_mlp=True), dict(ac_group=2, tiled_mlp=True)],
+                         ids=["tiled_mlp_and_attn", "ac_keep_attn", "offload_tiled_mlp", "ac_group_tiled_mlp"])
+def test_memory_steps_compute_the_plain_build(ckpt, mem):
+    """One process, nf4, AC with each memory step (tiles whose weights and norms `dequant_once` holds per call, the
+    recompute, kept attention, offloaded checkpoints): three SGD steps give the losses and every A, B and magnitude
+    gradient of the build without AC or tiles, so no norm outlives the A and B it was taken from."""
+    ids = torch.randint(0, 128, (2, 100), generator=torch.Generator().manual_seed(7))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    pos = torch.arange(100).expand(2, 100)   # (tiled MLP: 200 tokens in 48-token tiles)
+
+    def steps(**kw):
+        model, _ = _ours(ckpt, "nf4", **kw)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
+        seen = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss, n = model(ids, position_ids=pos, labels=labels)
+            (loss / n).backward()
+            seen.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+            opt.step()
+        return seen
+
+    for step, ((want, gw), (got, gg)) in enumerate(zip(steps(ac=False), steps(ac=True, **mem))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step} loss")
+        assert sum("magnitude" in k for k in gg) == 14
+        for k in gw:
+            torch.testing.assert_close(gg[k], gw[k], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {k}")
+
+
+def test_under_autocast_an_nf4_dora_layer_computes_doras_formula(ckpt, monkeypatch):
+    """Under autocast (which the trainer does not enable; a fork might, on CUDA) a DoRA layer never reaches peft's own
+    forward, which would dequantize our packed NF4 weight wrongly: the fused path's logits. (CPU autocast is not what
+    the layers test, CUDA's is: torch.is_autocast_enabled is made to say yes.)"""
+    ids, _, pos = _batch()
+    model, _ = _ours(ckpt, "nf4")
+    with torch.no_grad():
+        want = model(ids, position_ids=pos)
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, **k: True)
+        got = model(ids, position_ids=pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -838,6 +838,20 @@ def test_dpo_from_an_adapter_in_bf16_starts_at_log_2(runs, pairs, tmp_path, quan
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
 
 
+def test_dpo_from_a_dora_adapter_in_bf16_starts_at_log_2(pairs, tmp_path):
+    """--dora in bf16 with no mixed precision (the CPU's): the reference adapter computes the policy's DoRA path
+    (LoRA in float32, the sum rounded once), so DPO from a DoRA adapter starts at log 2 as a LoRA one does."""
+    import train
+
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "dora"), "--steps", "2", "--dora", "--quant", "nf4",
+                         "--eval-every", "0"))
+        train.main(_argv(pairs, str(tmp_path / "bf16"), "--init-adapter", str(tmp_path / "dora" / "adapter"), "--dora",
+                         "--steps", "1", "--dtype", "bf16", "--quant", "nf4", "--eval-every", "0"))
+    m = _metrics(str(tmp_path / "bf16"))
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
+
+
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
     said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo: from the first line, before tokenizing
