@@ -73,7 +73,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
    the excess over the MLP phase. --dora: the MLP's and o_proj's DoRA tensors are gone too (q/k/v's not); o_proj's
-   DoRA node holds dh's rescaled copy and its product with `out` (summed to the magnitude's gradient): 2eTD.
+   DoRA node holds dh's rescaled copy (eTD; the magnitude's gradient is summed over row chunks, model.dora).
    --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
    q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
    Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (flash's float32 dq and
@@ -106,7 +106,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    gradient, its rebuilt output and one more gradient (3eTD, from q_proj's backward on: its LoRA A rebuilds
    the output), all beside dk and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768
    tokens, 2026-12-01); the block's saved tensors are gone: its excess over 6-7. --dora: not q/k/v's DoRA tensors
-   (k's, v's wait with their chains; q's to its DoRA node: 3eT·H·hd, the gradient, its rescaled copy, × `out`).
+   (k's, v's wait with their chains; q's to its DoRA node: 2eT·H·hd, the gradient and its rescaled copy).
 10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
@@ -323,8 +323,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F + dora_saved(("gate_proj", "up_proj", "down_proj"))
-    o_dora = dora_saved(("o_proj",))   # gone once o_proj's DoRA node has run, which holds 2 [T, D] (docstring)
-    oproj = max(oproj, 2 * e * T * D * bool(o_dora))
+    o_dora = dora_saved(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
+    oproj = max(oproj, e * T * D * bool(o_dora))
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
         n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
@@ -338,8 +338,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora, oproj) - gone - mlp)
         # 9. q/k/v backward (q's chain first; see the docstring)
         first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
-        kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 3 [T, H·hd])
-        first = max(first, 3 * e * T * H * hd * ("q_proj" in targets and dora)) + dora_saved(("q_proj",))
+        kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
+        first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + dora_saved(("q_proj",))
         qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv + 2 * e * T * Kp * hd
         rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)

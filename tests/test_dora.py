@@ -380,3 +380,21 @@ def test_under_autocast_an_nf4_dora_layer_computes_doras_formula(ckpt, monkeypat
         monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, **k: True)
         got = model(ids, position_ids=pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rescale_gradients_equal_autograds_over_row_chunks(monkeypatch, bias):
+    """model.dora's rescale (its own backward: the scale's gradient summed over row chunks) = autograd's differentiation
+    of scale ⊙ out + bias ⊙ (1 − scale), in float64, with rows split into 3-row chunks and one partial."""
+    import model.dora as dora
+
+    g = torch.Generator().manual_seed(4)
+    out, scale, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 5, 7), (7,), (7,)))
+    dy = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(dora, "ROWS", 3 * 7)   # (3 rows a chunk: 10 rows in 4 chunks)
+    got = [t.clone().requires_grad_() for t in (out, scale)]
+    dora.apply_scale(got[0], got[1], b if bias else None).backward(dy)
+    want = [t.clone().requires_grad_() for t in (out, scale)]
+    (want[0] * want[1] + (b * (1 - want[1]) if bias else 0)).backward(dy)
+    for name, x, y in zip(("out", "scale"), got, want):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12, msg=f"{name}'s gradient")

@@ -247,7 +247,7 @@ def test_dora_terms_by_hand():
     `out` [T, out] that the rescale keeps for the magnitude's gradient with the norm and the scale [out] (e bytes);
     no other term moves for this short row, and the peak (the block's: vocab 100) grows by their sum. Then at 524,288
     tokens of Qwen2.5-7B with --tiled-mlp: a tile's DoRA sums in the tiled MLP's phase, and o_proj's DoRA node (dh's
-    rescaled copy and its product with `out`: 2 [T, D]) over it in the attention phase."""
+    rescaled copy, [T, D]: model.dora sums the magnitude's gradient over row chunks) under it, no attention phase."""
     m = ModelArgs(model_type="qwen2", vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=128, qkv_bias=True)
     flags = ["--max-len", "128", "--global-batch", "1", "--quant", "nf4"]
@@ -276,7 +276,7 @@ def test_dora_terms_by_hand():
     assert term(dora, "| block backward at the tiled MLP") - term(plain, "| block backward at the tiled MLP") \
         == e * (D + 2) * (F + F + D)                        # a 3,584-token tile's gate, up and down sums
     assert term(plain, "| block attention") == 0
-    assert term(dora, "| block attention") == 2 * e * T * D - term(dora, "| block backward at the tiled MLP")
+    assert e * T * D < term(dora, "| block backward at the tiled MLP") and term(dora, "| block attention") == 0
     assert term(dora, "| block recompute (AC)") - term(plain, "| block recompute (AC)") \
         == e * (T + 2) * (D + 512 + 512 + D)                # q, k, v, o (the MLP's run in its tiles)
 
