@@ -10,7 +10,11 @@ B and magnitudes moved off their start, so every DoRA term counts), against tran
   gives our logits; `read_init_adapter` + `init_from_adapter` (--init-adapter) rebuild that model's logits, and
   `reference_adapter` (DPO's reference from a DoRA adapter) computes them on a model whose own LoRA is at its start;
 - --init-adapter refuses a DoRA adapter without --dora, a plain one with it, and a DoRA adapter missing a magnitude;
-  a resume refuses the other --dora (a checkpoint from before the flag: plain LoRA).
+  a resume refuses the other --dora (a checkpoint from before the flag: plain LoRA);
+- bf16 with float32 LoRA (no mixed precision): each layer's output is peft's bit for bit, and DPO's reference from a
+  DoRA adapter is the policy it starts; the one-process build under each memory step (AC, tiled MLP and attention,
+  offload, --ac-keep-attn, --ac-group) trains as without; under (CUDA's) autocast no layer reaches peft's forward;
+  the rescale's own backward = autograd's (float64, over row chunks).
 (Layouts: test_qlora's "DoRA" cases and test_train's cp2×dp2 run; LoRA+ groups: test_optimizer.)
 
 Run: .venv/bin/python -m pytest -q tests/test_dora.py
