@@ -120,9 +120,24 @@ def forward(layer: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     base = None   # (no dropout: the base's own output less its bias)
     if layer.training and not isinstance(dropout, nn.Identity):
         xl = dropout(xl)
-        base = nn.functional.linear(xl, base_weight(layer.base_layer).to(xl.dtype))
+        base = _FrozenLinear.apply(xl, layer.base_layer)
     return peft_sum(result, layer.base_layer.bias, _scale(layer, name, xl.dtype), b_lin(a_lin(xl)), layer.scaling[name],
                     base)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """x @ W^T for a frozen base layer's weight (peft's F.linear on the dropped input), saving nothing: backward
+    dequantizes W again, as bitsandbytes' own matmul does, where autograd would keep the dequantized [out, in]
+    weight of every such layer until its backward (an NF4 block's whole weight in each block recompute)."""
+
+    @staticmethod
+    def forward(ctx, x, base):
+        ctx.base = base
+        return nn.functional.linear(x, base_weight(base).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.matmul(base_weight(ctx.base).to(g.dtype)), None
 
 
 def peft_sum(result: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor, lora: torch.Tensor, s: float,

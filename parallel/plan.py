@@ -53,8 +53,9 @@ Persistent all step:
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    --dora (model/dora.py), per adapted projection of o outputs: the fused path keeps its sum `out` for the
    magnitude's gradient, the norm and the scale: e(T + 2)·o. peft's formula (LoRA dropout, a cast: dora.forward)
-   keeps the base's and LoRA's shares and three [o], el(2T + 3)·o, with dropout on nf4 the dequantized weight too
-   (n·el); at layer 0 q/k/v neither that weight nor one [o] (their input needs no grad). As autograd saves them.
+   keeps the base's and LoRA's shares and three [o], el(2T + 3)·o (the base's share on the dropped input saves no
+   weight: model.dora._FrozenLinear dequantizes again in backward); at layer 0 q/k/v one [o] less (their input
+   needs no grad). As autograd saves them.
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
@@ -213,15 +214,13 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     gu = any(t in targets for t in ("gate_proj", "up_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
 
-    def dora_saved(ts, rows=T, first=False, weights=True) -> float:
+    def dora_saved(ts, rows=T, first=False) -> float:
         """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
         ts = [x for x in ts if dora and x in targets]
         if direct:   # the fused sum `out`, the norm and the scale
             return e * (rows + 2) * sum(shapes[x][0] for x in ts)
-        w = nf4 and args.lora_dropout > 0 and weights   # F.linear(dropout(x), W) keeps W
         lead = [first and x in ("q_proj", "k_proj", "v_proj") for x in ts]   # layer 0's: their input needs no grad
-        return el * sum((2 * rows + 3 - z) * shapes[x][0] + w * (not z) * shapes[x][0] * shapes[x][1]
-                        for x, z in zip(ts, lead))
+        return el * sum((2 * rows + 3 - z) * shapes[x][0] for x, z in zip(ts, lead))
 
     def layer_saved(first: bool) -> float:
         inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
@@ -297,7 +296,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         from parallel.memory import tile_tokens
         tt = min(T, tile_tokens(D, None))
         mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
-            + dora_saved(("gate_proj", "up_proj", "down_proj"), tt, weights=False)   # dy; dx: in h's storage
+            + dora_saved(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
         t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
     else:
         mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
@@ -329,7 +328,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
         tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call \
-            + dora_saved(("q_proj", "k_proj", "v_proj", "o_proj"), n, weights=False)
+            + dora_saved(("q_proj", "k_proj", "v_proj", "o_proj"), n)
         attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
         t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
             max(0, attn - e * T * D - gone - mlp)
