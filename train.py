@@ -39,7 +39,7 @@ from data.pairs import for_run
 from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
-from model.config import LORA_TARGETS, flops_per_token, lora_targets_arg
+from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.load import check_config_shapes, read_args, same_snapshot
 from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
@@ -116,6 +116,8 @@ def build_parser(add_help=True):
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", type=lora_targets_arg, default=",".join(LORA_TARGETS), help="comma-separated projection "
       "names to adapt, or all-linear (peft's: the seven), attn (q, k, v, o), mlp (gate, up, down)")
+    a("--lora-layers", type=lora_layers_arg, default=None, metavar="SPEC", help="adapt only these blocks (e.g. 14-27, "
+      "0,4,8-11; default all; peft's layers_to_transform): from the lowest, the blocks below it run no backward")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
       "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
       "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")

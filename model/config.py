@@ -24,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field, replace
 
@@ -52,6 +53,34 @@ def lora_targets_arg(text: str) -> str:
     each name once; unknown names are kept, for the flag checks to name."""
     names = [n for part in text.split(",") for n in TARGET_SETS.get(part.strip(), (part.strip(),))]
     return ",".join(dict.fromkeys(names))
+
+
+def lora_layers_arg(text: str) -> str | None:
+    """--lora-layers: block indices and ranges ("20-27", "0,4,8-11"), or "all" (None): written back sorted, ranges
+    joined ("8-11,4" -> "4,8-11"), so runs record one spelling."""
+    if text.strip().lower() == "all":
+        return None
+    got = set()
+    for part in (p.strip() for p in text.split(",")):
+        a, sep, b = part.partition("-")
+        if not (a.isdigit() and (not sep or b.isdigit())) or sep and int(b) < int(a):
+            raise argparse.ArgumentTypeError(f"{part!r} is not a block index or a range A-B (A <= B): e.g. 20-27, "
+                                             "or 0,4,8-11, or all")
+        got.update(range(int(a), int(b or a) + 1))
+    runs, out = sorted(got), []
+    for i in runs:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
+
+
+def lora_layers(spec: str | None) -> tuple[int, ...] | None:
+    """The block indices of a --lora-layers spelling (None: every block)."""
+    if spec is None:
+        return None
+    return tuple(i for part in spec.split(",") for i in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))
 
 
 @dataclass

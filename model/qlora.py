@@ -197,18 +197,20 @@ def pad_absmax(m: NF4Linear, qabsmax: torch.Tensor) -> torch.Tensor:
 
 
 def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
-                dora: bool = False) -> LoraConfig:
+                dora: bool = False, layers=None) -> LoraConfig:
     """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint); `rslora`:
     scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`); `dora`: DoRA
-    (peft's use_dora; model/dora.py computes it)."""
+    (peft's use_dora; model/dora.py computes it); `layers`: the blocks adapted (peft's layers_to_transform; None:
+    all)."""
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      init_lora_weights=False, use_rslora=rslora, use_dora=dora)
+                      init_lora_weights=False, use_rslora=rslora, use_dora=dora,
+                      layers_to_transform=None if layers is None else list(layers))
 
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
-               dora: bool = False):
+               dora: bool = False, layers=None):
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
-        peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora))
+        peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers))
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()

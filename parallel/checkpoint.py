@@ -394,6 +394,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     return the step folder read. `replace` (--keep-best's adapter_best): an adapter already there is swapped out once
     the new one is whole (model.export.write_adapter), not refused. `model`: the run's base, moved since (the adapter
     names it; its files must be the ones the run recorded)."""
+    from model.config import lora_layers
     from model.export import half_written, peft_keys, write_adapter
     from model.load import hub_snapshot, read_args, same_model
     from model.qlora import lora_config
@@ -456,7 +457,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     rope = args.get("rope_scaling")
     write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
                                                args["lora_targets"].split(","), args.get("rslora", False),
-                                               args.get("dora", False)),
+                                               args.get("dora", False), lora_layers(args.get("lora_layers"))),
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
                   args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)

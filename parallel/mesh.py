@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
 from data.mix import data_files
-from model.config import LORA_TARGETS
+from model.config import LORA_TARGETS, lora_layers
 from model.rope import rope_scaling_flag
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
@@ -319,8 +319,12 @@ def check_model_flags(args, margs) -> None:
         raise ValueError(f"--lora-r {args.lora_r} is more than the rank of {', '.join(over)}: use --lora-r "
                          f"{min(min(shapes[t]) for t in args.lora_targets.split(',') if t in shapes)} or less, or "
                          "leave those projections out of --lora-targets")
+    layers = lora_layers(getattr(args, "lora_layers", None))
+    if layers is not None and max(layers) >= margs.n_layers:
+        raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "
+                         f"indices below {margs.n_layers}")
     if getattr(args, "init_adapter", None) and not getattr(args, "resume", None):
-        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers)
+        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers)
     blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)
     if group > margs.n_layers:
         raise ValueError(f"--ac-group {group} is more than the model's {margs.n_layers} blocks (one checkpoint would "
@@ -331,7 +335,7 @@ def check_model_flags(args, margs) -> None:
                          "checkpoint them all")
 
 
-def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
+def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=None) -> None:
     """--init-adapter's LoRA tensors (their safetensors header) fit this model's projections (`shapes`: name -> (in,
     out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in."""
     from model.load import read_header
@@ -364,6 +368,9 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int) -> None:
                          + f" for {len(half)} projections "
                          f"({'; '.join(half[:3])}{' ...' if len(half) > 3 else ''}): a damaged or hand-edited "
                          "adapter; pass the adapter as it was saved")
+    if layers is not None and (out := sorted({int(k.split()[1]) for k in halves} - set(layers))):
+        raise ValueError(f"--init-adapter {path!r} adapts blocks {','.join(map(str, out))}, which --lora-layers "
+                         f"leaves out (its LoRA there would be dropped): pass --lora-layers covering them")
     if bad:
         raise ValueError(f"--init-adapter {path!r} does not fit this --model: {len(bad)} LoRA tensors differ "
                          f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): it was trained on another model; "

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from model.attention import SDPAAttention
+from model.config import lora_layers
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights, set_param
@@ -70,6 +71,7 @@ class BuildOptions:
     lora_targets: tuple = field(default=LORA_TARGETS)
     rslora: bool = False                   # scale alpha / sqrt(r) (peft's use_rslora)
     dora: bool = False                     # DoRA (peft's use_dora; model/dora.py)
+    lora_layers: tuple | None = None       # the blocks adapted (None: all; peft's layers_to_transform)
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
@@ -88,7 +90,8 @@ class BuildOptions:
         """The options of a run (train.py's flags; `plan`, its memory plan: the offload's host buffers' size)."""
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
-                   rslora=getattr(args, "rslora", False), dora=getattr(args, "dora", False), ac=args.ac,
+                   rslora=getattr(args, "rslora", False), dora=getattr(args, "dora", False),
+                   lora_layers=lora_layers(getattr(args, "lora_layers", None)), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
@@ -258,7 +261,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
-                                opts.lora_targets, opts.rslora, opts.dora)  # 3
+                                opts.lora_targets, opts.rslora, opts.dora, opts.lora_layers)   # 3
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)

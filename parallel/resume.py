@@ -39,7 +39,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
-                "rslora", "dora",
+                "rslora", "dora", "lora_layers",
                 "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
@@ -88,6 +88,8 @@ def own_checkpoint(ckpt: str | None, out: str) -> bool:
 def _norm(flag: str, v):
     if flag in ("rslora", "dora"):   # absent (runs and callers from before the flag): off
         return bool(v)
+    if flag == "lora_layers":   # None: every block, as runs from before the flag adapted
+        return v or "all"
     if flag == "lora_targets" and isinstance(v, str):
         return sorted({t.strip() for t in v.split(",") if t.strip()})   # (a name typed twice: once, as now)
     if flag == "model" and isinstance(v, str):   # a Hub cache directory: its commit, wherever the cache lives
@@ -154,7 +156,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     `args` are this run's flags with defaults resolved, as train.py saves them. Flags the
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
-    ckpt_args = {"rope_scaling": None, "rslora": False, "dora": False, "chat_template_text": None, "eval_split": None,
+    ckpt_args = {"rope_scaling": None, "rslora": False, "dora": False, "lora_layers": None, "chat_template_text": None,
+                 "eval_split": None,
                  "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
                  "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5, "lr_schedule": "cosine",
@@ -230,7 +233,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                     "adapter with --init-adapter)",
                     "data_mix": "--data-weights' shares (fixed: the same records every epoch, as runs before "
                     "2026-12-04 took them; rotate: the next records each epoch)"}.get(k, "--" + k.replace("_", "-"))
-            show = lambda v: repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + f"... ({len(repr(v))} characters)"
+            show = lambda v, k=k: "all" if k == "lora_layers" and v is None else repr(v) if len(repr(v)) <= 80 else \
+                repr(v)[:60] + f"... ({len(repr(v))} characters)"   # (--lora-layers' None: every block)
             diffs.append(f"{flag}: the checkpoint has {show(ckpt_args[k])}, this run {show(args.get(k))}"
                          + " (a flag not listed in parallel/resume.py's LAYOUT or FREE defines the run)" * (k in forks))
     if diffs:
