@@ -9,7 +9,8 @@ and a Llama 3 one, each on one 4-rank layout),
   2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring; Qwen3 under cp 2
   Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2, tied embeddings on dp_shard 4 and cp 2 ring ×
   dp_shard 2; DoRA on dp_shard 2, cp 2 ring × dp_shard 2 (nf4) and cp 2 Ulysses × dp_shard 2 (plain), its
-  magnitudes moved off their start and gradients checked too) equal those of the
+  magnitudes moved off their start and gradients checked too; LoRA on block 1 alone under cp 2 ring × dp_shard 2)
+  equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only).
@@ -29,7 +30,8 @@ from tests.helpers import tiny_checkpoint
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsdp, replicate=1, dora=False):
+def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsdp, replicate=1, dora=False,
+                                    layers=None):
     """Build this layout's model and the single-process reference on every rank, run one forward and
     backward on the same global batch, and assert: target count, global mean loss, global grad norm,
     the LoRA init and every LoRA gradient, the NF4 codes and absmax as integers, and the logits."""
@@ -40,7 +42,7 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
     from parallel.parallelize import BuildOptions, lora_parameters
     from tests.helpers import build_nonzero_b
 
-    cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3, dora=dora)
+    cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3, dora=dora, lora_layers=layers)
     ref, _ = build_nonzero_b(cfg)                                    # plain module, whole batch
     dims = ParallelDims.from_args(world_size, replicate, -1, cp, impl, None, n_heads=6, n_kv_heads=2)
     meshes = dims.build_mesh("cpu")
@@ -90,7 +92,7 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
             torch.testing.assert_close(full.detach(), ref_p[n].detach(), rtol=0, atol=0, msg=f"init {n}")
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, ref_p[n].grad, **TOL, msg=f"grad {n}")
-    assert n_lora == (3 if dora else 2) * 7 * 2, n_lora   # (DoRA: A, B and the magnitude)
+    assert n_lora == (3 if dora else 2) * 7 * len(layers or (0, 1)), n_lora   # (DoRA: A, B and the magnitude)
     # packed NF4 bits: gathered shards == single-process quantization, as integers
     ref_mods = dict(ref.named_modules())
     n_nf4 = 0
@@ -156,8 +158,8 @@ def ckpt(tmp_path_factory):
             "llama3": save(T.LlamaConfig(**common, rope_parameters=llama3), "llama3")}
 
 
-def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2", dora=False):
-    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate, family=family, dora=dora)
+def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2", dora=False, layers=None):
+    return dict(quant=quant, cp=cp, impl=impl, fsdp=True, replicate=replicate, family=family, dora=dora, layers=layers)
 
 
 ONE_RANK = {"nf4, FSDP2 on 1 rank": layout("nf4")}
@@ -173,7 +175,9 @@ FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2
               "tied embeddings, nf4, dp_shard 4": layout("nf4", family="tied"),
               "tied embeddings, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="tied"),
               "DoRA, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", dora=True),
-              "DoRA, plain weights, cp 2 Ulysses × dp_shard 2": layout("none", 2, dora=True)}
+              "DoRA, plain weights, cp 2 Ulysses × dp_shard 2": layout("none", 2, dora=True),
+              "--lora-layers 1 (block 0 runs no backward), nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring",
+                                                                                             layers=(1,))}
 
 
 @pytest.mark.timeout(300)

@@ -97,6 +97,9 @@ FOUR_RANK_PLUS = {"plus_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-im
 DORA = ["--dora", "--quant", "nf4", "--save-every", "2"]
 FOUR_RANK_DORA = {"dora_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
                                            "--offload-activations", *DORA]}
+# LoRA on block 1 alone (block 0 runs no backward), with AC's inputs offloaded and the tiled MLP on 4 ranks only
+FOUR_RANK_LAYERS = {"layers_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--lora-layers", "1",
+                                            "--offload-activations", "--tiled-mlp"]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
 FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
@@ -160,7 +163,7 @@ def _four_ranks(rank, world_size, assets, root):
     errors = {}
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
-    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA}.items():
+    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA, **FOUR_RANK_LAYERS}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
@@ -344,6 +347,7 @@ def one(assets, tmp_path_factory):
         "nf4": ["--quant", "nf4"],
         "plus": PLUS,
         "dora": DORA,
+        "layers": ["--lora-layers", "1"],
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
@@ -786,6 +790,16 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
         start = nf4_round_trip(hf[k.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")])
         moved[k] = ((m - start.norm(dim=1)).abs().max() / start.norm(dim=1).max()).item()
     assert 1e-5 < min(moved.values()) and max(moved.values()) < 0.05, moved
+
+
+@pytest.mark.timeout(600)
+def test_lora_layers_on_four_ranks_match_one_rank(one, four):
+    """--lora-layers 1 on cp2 x dp2 ring with offload and the tiled MLP = 1 rank without them; its adapter holds block
+    1's LoRA alone and trained otherwise than every block's (the run's function differs)."""
+    _compare("4 ranks --lora-layers 1", _at(four, "layers_cp2_dp2_ring"), _at(one, "layers"))
+    ad = _adapter(_at(one, "layers"))
+    assert {k.split(".")[4] for k in ad} == {"1"} and len(ad) == 2 * 7, sorted(ad)[:3]
+    assert _metrics(_at(one, "layers"))[1]["loss"] != _metrics(_at(one, "fp32"))[1]["loss"]
 
 
 @pytest.mark.timeout(600)
