@@ -2,7 +2,7 @@
 
 For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on and off; --tiled-mlp,
 --offload-activations, --ac-group, --ac-blocks, --ac-keep-attn, --tiled-attn, the blocked attention backward;
---dora; 1k-16k tokens) this
+--dora; --lora-layers; 1k-16k tokens) this
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
@@ -99,6 +99,10 @@ CONFIGS = [
     ("cp1 nf4 16k tiled tiled-attn dora v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn", "--dora"]),
     ("dp2 nf4 4k tiled tiled-attn dora", 2, 4096, ["--quant", "nf4", "--dp-shard", "2", "--tiled-mlp", "--tiled-attn",
                                                   "--dora"]),
+    # --lora-layers: the blocks below the lowest adapted one need no grad (no saved tensors, checkpoints, backward)
+    ("cp1 nf4 4k lora-layers 2-3", 1, 4096, ["--quant", "nf4", "--lora-layers", "2-3"]),
+    ("cp1 none 4k no-AC lora-layers 1,3", 1, 4096, ["--quant", "none", "--no-ac", "--lora-layers", "1,3"]),
+    ("cp1 nf4 16k lora-layers 3 v512", 1, 16384, ["--quant", "nf4", "--lora-layers", "3"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block

@@ -24,6 +24,7 @@ Persistent all step:
 2. root. embed_tokens, final norm, lm_head: frozen, outside FSDP2 (parallel/fsdp.py), (V·D·(2, or 1 tied) + D)·e.
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
    --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
+   --lora-layers: of the A adapted blocks only (A for L; term 5 is one block's: an adapted one).
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -56,6 +57,12 @@ Persistent all step:
    keeps the base's and LoRA's shares and three [o], el(2T + 3)·o (the base's share on the dropped input saves no
    weight: model.dora._FrozenLinear dequantizes again in backward); at layer 0 q/k/v one [o] less (their input
    needs no grad). As autograd saves them.
+   --lora-layers (lowest adapted block lo): the embedding is frozen, so blocks below lo need no grad: they save
+   nothing, their checkpoints keep nothing, no backward runs there; block lo saves as layer 0 does, and its input is
+   kept whole (no ids to look up again: N - lo checkpoint inputs, N - lo offloaded; ceil(L/G) - floor(lo/G) group
+   inputs, one fewer when lo < G). Un-adapted blocks above lo save no LoRA tensors (B's inputs, down_proj's A input,
+   Ulysses' o_proj input, dropout's, DoRA's). The recompute term is the largest block's, less the block inputs
+   above it (freed by then; tests/test_plan.py checks these against autograd's saved tensors).
    Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
    are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
@@ -122,6 +129,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
+from model.config import lora_layers
 from model.llama import NORM_CHUNK
 from parallel import kernels
 
@@ -204,6 +212,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
+    chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
+    adapted = [i for i in range(L) if chosen is None or i in chosen] or [L - 1]   # (mesh.validate refuses none)
+    A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)]
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
@@ -214,34 +225,43 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     gu = any(t in targets for t in ("gate_proj", "up_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
 
-    def dora_saved(ts, rows=T, first=False) -> float:
+    def dora_saved(ts, rows=T, first=False, tg=targets) -> float:
         """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
-        ts = [x for x in ts if dora and x in targets]
+        ts = [x for x in ts if dora and x in tg]
         if direct:   # the fused sum `out`, the norm and the scale
             return e * (rows + 2) * sum(shapes[x][0] for x in ts)
         lead = [first and x in ("q_proj", "k_proj", "v_proj") for x in ts]   # layer 0's: their input needs no grad
         return el * sum((2 * rows + 3 - z) * shapes[x][0] for x, z in zip(ts, lead))
 
-    def layer_saved(first: bool) -> float:
-        inner = [t for t in targets if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
+    def layer_saved(first: bool, tg=targets) -> float:
+        """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
+        inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
                  and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
         if ta:   # the tiles keep the norm's input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A input
             b = e * T * D + (e * T * D + 4 * T) - 4 * T * tiled + e * T * hd * (H + 2 * Kp) + 4 * T * H
         else:
             b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
-            b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in targets)
+            b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
             b -= 4 * T * tiled
-        b += 0 if tiled else e * T * F * (3 + ("down_proj" in targets))
-        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner) + dora_saved(inner, first=first)
+        b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg))
+        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner) \
+            + dora_saved(inner, first=first, tg=tg)
         if args.lora_dropout > 0:
             b += sum(T * shapes[t][1] * (el + 1) for t in inner)
         return b
 
-    every = (L - 1) * layer_saved(False) + layer_saved(True)
+    # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
+    saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else []) for i in range(lo, L)]
+    every = sum(saved)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # parallelize._FromIds): one block input fewer, but that lookup is live in the first block's own backward
-    inputs = lambda n: max(n - 1, 0 if K else 1)
-    ckpt = inputs(N) * e * T * D
+    # (--lora-layers: a checkpoint below lo keeps nothing, its output needs no grad; block lo's input is kept whole)
+    inputs = lambda n, ids=lo == 0: max(n - 1, 0 if K else 1) if ids else max(n, 0)
+    ckpt = inputs(N - lo) * e * T * D
+    # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with),
+    # less the inputs of the blocks above it, freed by then (with --lora-layers, blocks differ)
+    one = max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo))
+              - (L - 1 - i) * e * T * D for i in range(lo, L))
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
@@ -252,23 +272,24 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
     t["embeddings, lm_head, final norm (frozen: whole on every rank)"] = sum(n for _, n in root) * e
     t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
-    t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W})"] = 4 * 4 * L * shard(lora)
+    of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
+    t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W}, {of})"] = 4 * 4 * A * shard(lora)
     if with_reference(args) and (getattr(args, "init_adapter", None) or str(getattr(
             args, "dpo_reference", None)).startswith("adapter")):   # (a planning copy carries no init_adapter)
-        t["DPO reference adapter (--init-adapter: whole on every rank)"] = L * lora_n * el
+        t["DPO reference adapter (--init-adapter: whole on every rank)"] = A * lora_n * el
     if N == 0:
-        t[f"activations: saved tensors of {L} blocks at {T} tokens"] = every
+        t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
         p.host_each = e * T * D if target == "cuda" else 0
-        p.host = (N - 1) * p.host_each   # the ids' lookup is not offloaded
+        p.host = max(N - lo - (lo == 0), 0) * p.host_each   # the ids' lookup is not offloaded
         if target == "cpu":   # the "host" copies share the one RAM
-            t[f"activations: {inputs(N)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
+            t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
         t["activations: 1 offloaded checkpoint on device (the next one comes after the attention)"] = e * T * D
     elif G > 1:
-        g = inputs(-(-L // G))
+        g = inputs(-(-L // G) - lo // G, lo < G)   # the groups from lo's
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D
     else:
-        t[f"activations: {inputs(N)} block checkpoints [{T}, {D}]"] = ckpt
+        t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}]"] = ckpt
     # per ring step: each kernel call's output is kept; with shared-prompt pairs' branches (--dpo-share-prompt) the
     # calls cover a row up to twice (one process: a branch's rows against its own document and its prefix; the ring:
     # 3.95 of 2 steps and 7.86 of 4 measured from its plans; review, helper 45: planned once, ~2x under)
@@ -276,10 +297,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # 47); on one process (and Ulysses) they run as one row, the exact calls (parallel.cp._branched)
     KR = R * (1 if not getattr(args, "dpo_share_prompt", False) else 4 if getattr(args, "pack", None) is False and
               getattr(args, "micro_batch", 1) != 1 and R > 1 else 2)
-    if N and getattr(args, "ac_keep_attn", False):
-        t[f"activations: {N} kept attention outputs (--ac-keep-attn)"] = N * KR * (e * T * H * hd + 4 * T * H)
+    if N > lo and getattr(args, "ac_keep_attn", False):
+        t[f"activations: {N - lo} kept attention outputs (--ac-keep-attn)"] = (N - lo) * KR * (
+            e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
-        t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = K * layer_saved(False)
+        t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
     t["activations: rope cos/sin"] = 2 * e * T * hd
     blk = full(base + qa) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
@@ -289,7 +311,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
         kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
-        t["| block recompute (AC): one block's saved tensors"] = layer_saved(False) - e * T * D - kept
+        t["| block recompute (AC): one block's saved tensors"] = one - kept
     if G > 1:
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
     if tiled:
@@ -340,7 +362,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
         first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + dora_saved(("q_proj",))
         qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv + 2 * e * T * Kp * hd
-        rec = layer_saved(False) - e * T * D - (kept if N and not K else 0)   # the block's own: freed by then
+        rec = one - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
@@ -348,7 +370,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0)
-    p.alt_activations = (every if args.ac else max(L - 1, 1) * e * T * D + layer_saved(False))
+    p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 else L - lo) * e * T * D + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
 

@@ -303,7 +303,8 @@ def main(argv, run_parser, demo: dict):
     print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch or 'auto'}, quant {args.quant}, {e}, "
           f"AC {ac}, tiled MLP {_on(args.tiled_mlp)}, tiled attention {_on(args.tiled_attn)}, offload "
-          f"{_on(args.offload_activations)}, LoRA r {args.lora_r}{' DoRA' * getattr(args, 'dora', False)}; "
+          f"{_on(args.offload_activations)}, LoRA r {args.lora_r}{' DoRA' * getattr(args, 'dora', False)}"
+          f"{f' on blocks {args.lora_layers}' if getattr(args, 'lora_layers', None) else ''}; "
           f"{p.notes[0]}")
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():

@@ -37,6 +37,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
     forward (no grad) adds a forward of every block and of lm_head: g(all) + a + o per block, g(V·D) + 8 bytes a logit
     (not for --dpo-loss simpo or orpo, which have no reference).
+  --lora-layers: a block below the lowest adapted one runs its forward only (its input and weights need no grad);
+    un-adapted blocks above it run as the others (their backward still differentiates the input), but DoRA's terms.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
   of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import re
 
+from model.config import lora_layers
 from parallel.plan import sample_tokens, with_reference
 
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
@@ -84,17 +87,22 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
     nf4 = args.quant == "nf4"
     dora = getattr(args, "dora", False)
-    skip = nf4_skip and not dora   # (a DoRA base's output is read: its GEMM runs)
     shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
               "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
     adapted = [t for t in args.lora_targets.split(",") if t in shapes] if dora else []
     tiled, ta = getattr(args, "tiled_mlp", False), getattr(args, "tiled_attn", False)
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
+    chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers (None: every block adapted)
+    lo = min((i for i in range(L) if chosen is None or i in chosen), default=L - 1)
     mm = att = ew = 0.0
     for layer in range(L):
         w = m.window(layer) if hasattr(m, "window") else None
         span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
         a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
+        if layer < lo:   # below the lowest adapted block: a forward with no grad (no backward, no recompute)
+            mm, att, ew = mm + g(q + kv + o + gu + down) * (1 + ref), att + a * (1 + ref), ew + (oa + om) * (1 + ref)
+            continue
+        skip = nf4_skip and not (dora and (chosen is None or layer in chosen))   # (DoRA reads its base's output)
         mm += 2 * g(q + kv + o + gu + down)
         att += a * (1 + r["BWD"])
         ew += 3 * (oa + om)
@@ -113,7 +121,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             ew += oa
         if ref:
             mm, att, ew = mm + g(q + kv + o + gu + down), att + a, ew + oa + om
-        for t in adapted:   # DoRA: B A and the row norms per pass, the rescale per token
+        for t in adapted if chosen is None or layer in chosen else ():   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
             passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]

@@ -640,3 +640,48 @@ def test_a_run_given_planner_flags_is_told_to_add_plan():
         train.main(["--gpu-mem", "80", "--world-size=4", "--max-len", "1024"])
     assert str(e.value) == ("--gpu-mem, --world-size: the planner's flags, not a run's: add --plan "
                             "(`train.py --plan --help` lists them)"), str(e.value)
+
+
+def test_lora_layers_terms_by_hand():
+    """--lora-layers over 4 blocks, by hand from the shapes (bf16 on CUDA, T 128, W 1). 2-3 with AC: the LoRA terms
+    of 2 blocks, not 4, and the checkpoints of blocks 2 and 3 only (block 2's input is kept whole: no ids to look up
+    again; blocks 0-1 need no grad, their checkpoints keep nothing); the FSDP2 terms (one block's, an adapted one) and
+    the recompute (block 3's) as before. 1,3 without AC: the un-adapted block 2 saves neither LoRA B's inputs [T, r]
+    nor down_proj's LoRA A input (the product, [T, F]); block 0 saves nothing, block 1 as layer 0 does."""
+    m = ModelArgs(model_type="qwen2", vocab_size=100, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                  intermediate_size=128, qkv_bias=True)
+    dims = ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 4, 2)
+    plan = lambda *f: memory_plan(m, dims, train.build_parser().parse_args(
+        ["--max-len", "128", "--global-batch", "1", "--quant", "nf4", *f]), "cuda", pack=True)
+    e, T, D, F, r = 2, 128, 64, 128, 16
+    lora = r * (64 * 6 + 128) + r * (64 + 32 + 32 + 64 + 128 + 128 + 64)   # A [r, in] + B [out, r] per block
+    every, some = plan(), plan("--lora-layers", "2-3")
+    assert term(every, "LoRA params") == 16 * 4 * lora and term(some, "LoRA params") == 16 * 2 * lora
+    assert term(every, "activations: 3 block checkpoints") == 3 * e * T * D
+    assert term(some, "activations: 2 block checkpoints") == 2 * e * T * D
+    moved = ("LoRA params", "activations: 2 block", "activations: 3 block")
+    for k in every.terms:
+        if not k.startswith(moved):
+            assert some.terms[k.replace("(fp32, 1/1, 4 blocks)", "(fp32, 1/1, 2 of 4 blocks)")] == every.terms[k], k
+    assert every.peak - some.peak == 16 * 2 * lora + e * T * D
+
+    ls = lambda *f: term(plan("--no-ac", *f), "activations: saved tensors")
+    lora_saved = 7 * T * r * e + e * T * F   # LoRA B's inputs [T, r] per target, down_proj's A input (the product)
+    un = 2 * (e * T * D + 4 * T) + e * T * 16 * (2 * 4 + 2 * 2) + 4 * T * 4 + 3 * e * T * F   # norms, qkv/out/lse, MLP
+    assert ls() - ls("--lora-layers", "0") == 3 * lora_saved and ls("--lora-layers", "0") - ls(
+        "--lora-layers", "3") == 3 * un   # block 0 as layer 0 + 3 un-adapted; block 3 as layer 0 alone
+    assert ls("--lora-layers", "1,3") == ls("--lora-layers", "3") + un + (un + lora_saved)
+
+
+@pytest.mark.parametrize("spec,flags", [("1,3", ["--no-ac"]), ("1,3", ["--no-ac", "--dora"]), ("2-3", [])],
+                         ids=["no_ac", "no_ac_dora", "ac"])
+def test_lora_layers_activations_match_autograd(tmp_path, spec, flags):
+    """--lora-layers, fp32, one process, 4 blocks: the plan's activation terms vs the tensors autograd keeps in a real
+    forward (saved_tensors_hooks, unique storages): without AC, nothing of block 0, block 1 as layer 0, the un-adapted
+    block 2 without LoRA's (or DoRA's) tensors; with AC, the inputs of blocks 2 and 3 only."""
+    from model.config import lora_layers
+    opts = dict(ac="--no-ac" not in flags, dora="--dora" in flags, lora_layers=lora_layers(spec))
+    saved, p = _saved_and_plan(tmp_path, 4, [*flags, "--lora-layers", spec], **opts)
+    acts = [k for k in p.terms if k.startswith("activations: saved tensors") or "block checkpoints" in k]
+    planned = sum(p.terms[k] for k in acts) + term(p, "activations: rope") + term(p, "| or: final norm in")
+    assert len(acts) == 1 and planned == saved, (acts, planned, saved)

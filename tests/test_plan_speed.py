@@ -9,6 +9,7 @@ Pins:
   the measurement does wherever the two differ by more than 4%; the model as it stands (the defaults) within 5% of
   the late session's steps at 32k and 128k (bench/results/2026-11-30-h200-late, the code at 86cae43), in order;
 - --dora's added base GEMMs, B A, row norms and rescale, by hand;
+- --lora-layers: no backward and no recompute below the lowest adapted block, DoRA's work on adapted blocks only;
 - `fastest` returns only flag sets that fit, fastest first, and its first one is the best of an exhaustive search
   over every checkpointed-block count (0 = --no-ac) of every flag set it considers;
 - the flags it names pass the run's start-up checks, and `--plan` with them added says "fits";
@@ -101,6 +102,31 @@ def test_dora_adds_the_bases_it_reads_and_its_norms(flags):
     assert c1["matmul"] - c0["matmul"] == pytest.approx(mm, rel=1e-9)
     assert c1["elementwise"] - c0["elementwise"] == pytest.approx(ew, rel=1e-9)
     assert c1["attention"] == c0["attention"] and t1 == pytest.approx((t0 / r["REST"] + mm + ew) * r["REST"])
+
+
+def test_lora_layers_drops_the_backward_below_the_lowest_adapted_block():
+    """--lora-layers 14-27 of 28 at 32k (AC on every block), by hand: blocks 0-13 run their forward only (their input
+    and weights need no grad): no backward (a base matmul pass per weight, the attention backward, twice the forward's
+    elementwise work) and no recompute (q, k, v, o, gate and up: a 4-bit down_proj's output is read by nobody; the
+    attention forward, the elementwise forward). --dora on blocks 0-13 only: half of what it adds on all 28."""
+    from parallel.plan_speed import _elementwise_bytes
+    r = RATES
+    e, T, D, H, K, hd, F = 2, 32768, 3584, 28, 4, 128, 18944
+    (t0, c0), (t1, c1) = (step_seconds(m, dims, args, "cuda", pack) for args, m, dims, pack in
+                          (setup(T, 28, flags) for flags in ((), ("--lora-layers", "14-27"))))
+    g = lambda p: 2 * T * p / r["MATMUL"]
+    every, attn = H * hd * D + 2 * K * hd * D + D * H * hd + 3 * F * D, H * hd * D + 2 * K * hd * D + D * H * hd
+    oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(margs_of(28), e, True))
+    a = 4 * T * (T / 2) * H * hd / r["ATTN"]
+    assert c0["matmul"] - c1["matmul"] == pytest.approx(14 * (g(every) + g(attn) + g(2 * F * D)), rel=1e-9)
+    assert c0["attention"] - c1["attention"] == pytest.approx(14 * a * (r["BWD"] + 1), rel=1e-9)
+    assert c0["elementwise"] - c1["elementwise"] == pytest.approx(14 * 3 * (oa + om), rel=1e-9)
+    assert t1 == pytest.approx((c1["matmul"] + c1["attention"] + c1["elementwise"]) * r["REST"]) and t1 < t0
+    cost = {ll: [step_seconds(m, dims, args, "cuda", pack)[1] for args, m, dims, pack in
+                 (setup(T, 28, (*ll, *d)) for d in ((), ("--dora",)))] for ll in ((), ("--lora-layers", "0-13"))}
+    for k in ("matmul", "elementwise"):
+        half, whole = (cost[ll][1][k] - cost[ll][0][k] for ll in (("--lora-layers", "0-13"), ()))
+        assert half == pytest.approx(whole / 2, rel=1e-9), k
 
 
 def exhaustive(args, m, dims, pack, mem, key):
