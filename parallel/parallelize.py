@@ -128,7 +128,7 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1, blocks: 
     for block in model.model.layers[:blocks]:
         if hooks:   # the next block's input comes back once this block's attention backward is done
             block.self_attn.forward = hooks.after_attention(block.self_attn.forward)
-        block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts)
+        block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts, block)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)
     return hooks
@@ -218,7 +218,7 @@ def _grouped(layers, group):
     def run(h, *args):
         for i in range(0, len(layers), group):
             blocks = layers[i:i + group]
-            if len(blocks) == 1 or not torch.is_grad_enabled():
+            if len(blocks) == 1 or not torch.is_grad_enabled() or _frozen(h, blocks):
                 for block in blocks:
                     h = block(h, *args)
             else:
@@ -234,10 +234,16 @@ def _run_group(blocks, h, *args):
     return h
 
 
-def _checkpointed(forward, hooks, contexts):
+def _frozen(x, blocks) -> bool:
+    """Nothing to differentiate here: x needs no grad and the blocks train nothing (--lora-layers' blocks below the
+    lowest adapted one). torch's checkpoint would still save x, which --offload-activations would copy to host."""
+    return not x.requires_grad and not any(p.requires_grad for b in blocks for p in b.parameters())
+
+
+def _checkpointed(forward, hooks, contexts, block):
     def run(*args):
-        if not torch.is_grad_enabled():   # eval: nothing to save, nothing to recompute
-            return forward(*args)
+        if not torch.is_grad_enabled() or _frozen(args[0], [block]):   # eval (or a frozen block): nothing to save,
+            return forward(*args)                                        # nothing to recompute
         # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
         with _saving(args[0], hooks):
             return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)

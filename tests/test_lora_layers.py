@@ -145,3 +145,25 @@ def test_refusals_and_resume(ckpt, tmp_path):
     with pytest.raises(ValueError, match="--lora-layers: the checkpoint has all, this run '1-2'"):
         check_resume({"lora_r": 4}, {"lora_r": 4, "lora_layers": "1-2"})
     assert os.path.isdir(tmp_path / "all")
+
+
+def test_offload_copies_no_input_of_a_block_that_runs_no_backward(ckpt):
+    """--offload-activations with LoRA on block 2 alone: block 0's input is the token ids' lookup, block 1 runs
+    nothing to differentiate (not even a checkpoint), so block 2's input is the one copied to host; the step's
+    gradients equal the run without AC."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ids, labels, pos = _batch()
+    grads = {}
+    for name, mem in (("plain", dict(ac=False)), ("offload", dict(ac=True, offload_activations=True))):
+        model, _ = build_nonzero_b(BuildOptions(ckpt, quant="nf4", lora_r=R, lora_alpha=ALPHA, lora_layers=(2,),
+                                                seed=3, **mem))
+        s, n = model(ids, position_ids=pos, labels=labels)
+        s.backward()
+        grads[name] = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+        if name == "offload":
+            moved = model.model.layers[0].forward.hooks.moved
+    assert moved == 1, f"{moved} block inputs copied to host, want block 2's alone"
+    for k, g in grads["plain"].items():
+        torch.testing.assert_close(grads["offload"][k], g, rtol=1e-5, atol=1e-7, msg=k)
