@@ -793,13 +793,21 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
 
 
 @pytest.mark.timeout(600)
-def test_lora_layers_on_four_ranks_match_one_rank(one, four):
+def test_lora_layers_on_four_ranks_match_one_rank(one, four, tmp_path):
     """--lora-layers 1 on cp2 x dp2 ring with offload and the tiled MLP = 1 rank without them; its adapter holds block
-    1's LoRA alone and trained otherwise than every block's (the run's function differs)."""
+    1's LoRA alone and trained otherwise than every block's (the run's function differs); `python -m
+    parallel.checkpoint` of the 4-rank run's checkpoint = its adapter, layers_to_transform [1] in both configs."""
+    from parallel.checkpoint import export
+
     _compare("4 ranks --lora-layers 1", _at(four, "layers_cp2_dp2_ring"), _at(one, "layers"))
     ad = _adapter(_at(one, "layers"))
     assert {k.split(".")[4] for k in ad} == {"1"} and len(ad) == 2 * 7, sorted(ad)[:3]
     assert _metrics(_at(one, "layers"))[1]["loss"] != _metrics(_at(one, "fp32"))[1]["loss"]
+    export(_at(four, "layers_cp2_dp2_ring", "ckpt"), str(tmp_path / "adapter"))
+    got, want = _adapter(str(tmp_path)), _adapter(_at(four, "layers_cp2_dp2_ring"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for d in (str(tmp_path / "adapter"), _at(four, "layers_cp2_dp2_ring", "adapter")):
+        assert json.load(open(os.path.join(d, "adapter_config.json")))["layers_to_transform"] == [1], d
 
 
 @pytest.mark.timeout(600)
