@@ -30,8 +30,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
   --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
-    attention tiles) run their GEMM (DoRA reads it); each pass of an adapted layer (forward, the recompute but the
-    tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e bytes a weight:
+    attention tiles) run their GEMM where DoRA adapts them (it reads it); each pass of an adapted layer (forward,
+    the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e bytes a weight:
     dequantize, the product, the sum, the norm's read), and the rescale's elementwise work (2e an output element
     forward; backward 6e: its scaled gradient, the product with the output and its sum). Not measured on a GPU.
   --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
@@ -102,7 +102,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         if layer < lo:   # below the lowest adapted block: a forward with no grad (no backward, no recompute)
             mm, att, ew = mm + g(q + kv + o + gu + down) * (1 + ref), att + a * (1 + ref), ew + (oa + om) * (1 + ref)
             continue
-        skip = nf4_skip and not (dora and (chosen is None or layer in chosen))   # (DoRA reads its base's output)
+        here = adapted if chosen is None or layer in chosen else []   # a DoRA base's output is read: its GEMM runs
+        skip_down, skip_o = (nf4_skip and t not in here for t in ("down_proj", "o_proj"))   # (recompute.py's rule)
         mm += 2 * g(q + kv + o + gu + down)
         att += a * (1 + r["BWD"])
         ew += 3 * (oa + om)
@@ -111,17 +112,17 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             att += 0 if args.ac_keep_attn else a
             ew += oa
             if not tiled:
-                mm += g(gu) + (0 if nf4 and skip else g(down))
+                mm += g(gu) + (0 if nf4 and skip_down else g(down))
                 ew += om
         if tiled:
-            mm += (g(gu) + (0 if skip else g(down))) * r["TILE"]
+            mm += (g(gu) + (0 if skip_down else g(down))) * r["TILE"]
             ew += om * r["TILE"]
         if ta:
-            mm += g(q + kv) + (0 if skip else g(o))
+            mm += g(q + kv) + (0 if skip_o else g(o))
             ew += oa
         if ref:
             mm, att, ew = mm + g(q + kv + o + gu + down), att + a, ew + oa + om
-        for t in adapted if chosen is None or layer in chosen else ():   # DoRA: B A, row norms per pass, rescale
+        for t in here:   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
             passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]

@@ -5,8 +5,9 @@ Pins:
   written out here from the shapes, independently of the module's code;
 - the quantization-state formula equals the bytes bitsandbytes' own `quantize_4bit` state holds, and the
   no-AC activation terms equal what autograd saves (saved_tensors_hooks) in a real forward of this decoder;
-- --dora: its terms by hand from the shapes, what it adds to the activation terms = what it adds to autograd's
-  saved tensors, and `--max-len auto` and the start-up check plan with it;
+- --dora: its terms by hand from the shapes (the attention phases too, where they set the block's peak), what it
+  adds to the activation terms = what it adds to autograd's saved tensors, and `--max-len auto` and the start-up
+  check plan with it;
 - `--plan` on a layout that does not fit exits non-zero and names what to change; an invalid layout raises
   the run's own validation error (train.py's CLI prints it as "error: <fix>", exit 2);
 - `--suggest` lists exactly the layouts that pass the run's validation (checked here through
@@ -279,6 +280,44 @@ def test_dora_terms_by_hand():
     assert e * T * D < term(dora, "| block backward at the tiled MLP") and term(dora, "| block attention") == 0
     assert term(dora, "| block recompute (AC)") - term(plain, "| block recompute (AC)") \
         == e * (T + 2) * (D + 512 + 512 + D)                # q, k, v, o (the MLP's run in its tiles)
+
+
+def test_dora_attention_phases_by_hand():
+    """--dora where the attention phase sets the block's peak (Qwen2.5-7B, 131,072 tokens, --tiled-mlp): o_proj's
+    DoRA sum [T, D] (in the recompute term) is gone once its node has run, before the kernel's backward, so the
+    attention phase's excess falls by it and by the tiled MLP phase's growth (a tile's gate, up and down sums); with
+    --tiled-attn one query tile's q, k, v and o sums join the tile instead. The block's peak then grows by q's, k's and
+    v's sums alone (still saved then). Untiled, where attention outgrows the freed MLP, the MLP's sums go with it."""
+    from model.load import read_args
+
+    e, T, D, F, tt, n = 2, 131072, 3584, 18944, 3584, 16384
+    q7 = read_args(Q7)
+
+    def plans(*flags):
+        return [memory_plan(q7, ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 28, 4), train.build_parser(
+            ).parse_args(["--max-len", str(T), "--global-batch", "1", *flags, *extra]), "cuda", True)
+            for extra in ([], ["--dora"])]
+
+    tile = e * (tt + 2) * (F + F + D)                       # the tiled MLP phase's growth
+    plain, dora = plans("--tiled-mlp")
+    assert term(plain, "| block attention") > 0 and term(dora, "| block attention") > 0, "the attention phase counts"
+    assert term(dora, "| block backward at the tiled MLP") - term(plain, "| block backward at the tiled MLP") == tile
+    assert term(dora, "| block attention") - term(plain, "| block attention") == -(e * (T + 2) * D + tile)
+    block = lambda p: sum(v for k, v in p.terms.items() if k.startswith("| block"))
+    assert block(dora) - block(plain) == e * (T + 2) * (D + 512 + 512)   # q, k, v's sums wait for their nodes
+    plain, dora = plans("--tiled-mlp", "--tiled-attn")
+    assert term(plain, "| block attention in") > 0 and term(dora, "| block attention in") > 0
+    assert term(dora, "| block attention in") - term(plain, "| block attention in") \
+        == e * (n + 2) * (D + 512 + 512 + D) - tile         # one 16,384-row query tile's q, k, v, o sums
+    # untiled, 32 query heads of 128 over hidden 1,024 (the kernel's buffers outgrow the freed MLP): gate's, up's and
+    # down's sums are gone with the MLP's tensors, and o_proj's with its node
+    m = ModelArgs(model_type="qwen3", vocab_size=1000, dim=1024, n_layers=4, n_heads=32, n_kv_heads=8, head_dim=128,
+                  intermediate_size=1536)
+    T, D, F = 8192, 1024, 1536
+    plain, dora = (memory_plan(m, ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 32, 8), train.build_parser(
+        ).parse_args(["--max-len", str(T), "--global-batch", "1", *extra]), "cuda", True) for extra in ([], ["--dora"]))
+    assert term(plain, "| block attention") > 0 and term(dora, "| block attention") > 0
+    assert term(dora, "| block attention") - term(plain, "| block attention") == -e * (T + 2) * (F + F + D + D)
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora-dropout", "0.1"], ["--tiled-mlp"], ["--tiled-attn"]],

@@ -8,7 +8,7 @@ Pins:
   norm, the RoPE formula) is within 4% of each measured s/step, and it orders every two rows of a case the way
   the measurement does wherever the two differ by more than 4%; the model as it stands (the defaults) within 5% of
   the late session's steps at 32k and 128k (bench/results/2026-11-30-h200-late, the code at 86cae43), in order;
-- --dora's added base GEMMs, B A, row norms and rescale, by hand;
+- --dora's added base GEMMs (only where it adapts the base), B A, row norms and rescale, by hand;
 - --lora-layers: no backward and no recompute below the lowest adapted block, DoRA's work on adapted blocks only;
 - `fastest` returns only flag sets that fit, fastest first, and its first one is the best of an exhaustive search
   over every checkpointed-block count (0 = --no-ac) of every flag set it considers;
@@ -127,6 +127,23 @@ def test_lora_layers_drops_the_backward_below_the_lowest_adapted_block():
     for k in ("matmul", "elementwise"):
         half, whole = (cost[ll][1][k] - cost[ll][0][k] for ll in (("--lora-layers", "0-13"), ()))
         assert half == pytest.approx(whole / 2, rel=1e-9), k
+
+
+@pytest.mark.parametrize("flags", [(), ("--tiled-mlp", "--tiled-attn")], ids=["ac", "tiled_both"])
+def test_dora_runs_only_the_bases_it_adapts(flags):
+    """--dora on q and v alone: down_proj's and o_proj's bases are no DoRA layers, so parallel.recompute still skips
+    their GEMMs (the recompute's, the tiles'): the model adds only q's and v's B A, norms and rescale."""
+    r = RATES
+    e, T, L, D, H, K, hd, rank = 2, 32768, 28, 3584, 28, 4, 128, 16
+    shapes = [(H * hd, D), (K * hd, D)]   # q, v (out, in)
+    (t0, c0), (t1, c1) = (step_seconds(m, dims, args, "cuda", pack) for args, m, dims, pack in
+                          (setup(T, L, (*flags, "--lora-targets", "q_proj,v_proj", *dora))
+                           for dora in ((), ("--dora",))))
+    n = 3 if flags else 2   # forward, the recompute (and the attention tiles' backward call)
+    mm = L * sum(n * 2 * rank * o * i for o, i in shapes) / r["MATMUL"]
+    ew = L * sum(n * 8 * e * o * i + (2 * n + 6) * e * T * o for o, i in shapes) / r["ELEMENTWISE"]
+    assert c1["matmul"] - c0["matmul"] == pytest.approx(mm, rel=1e-9)
+    assert c1["elementwise"] - c0["elementwise"] == pytest.approx(ew, rel=1e-9)
 
 
 def exhaustive(args, m, dims, pack, mem, key):
