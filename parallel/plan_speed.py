@@ -31,9 +31,10 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
   --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
     attention tiles) run their GEMM where DoRA adapts them (it reads it); each pass of an adapted layer (forward,
-    the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e bytes a weight:
-    dequantize, the product, the sum, the norm's read), and the rescale's elementwise work (2e an output element
-    forward; backward 6e: its scaled gradient, the product with the output and its sum). Not measured on a GPU.
+    the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e
+    bytes a weight: dequantize, the product, the sum, the norm's read), and the rescale's elementwise work (2e an
+    output element forward; backward 6e: its scaled gradient, the product with the output and its sum). Not
+    measured on a GPU.
   --objective dpo: a row holds a pair, two documents of --max-len (S' from --max-len), and the reference model's
     forward (no grad) adds a forward of every block and of lm_head: g(all) + a + o per block, g(V·D) + 8 bytes a logit
     (not for --dpo-loss simpo or orpo, which have no reference).
