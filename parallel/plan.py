@@ -54,9 +54,10 @@ Persistent all step:
    (block phase: G' - 1 more block inputs and, under FSDP2, G' - 1 blocks left unsharded, G' = min(G, L)).
    --dora (model/dora.py), per adapted projection of o outputs: the fused path keeps its sum `out` for the
    magnitude's gradient, the norm and the scale: e(T + 2)·o. peft's formula (LoRA dropout, a cast: dora.forward)
-   keeps the base's and LoRA's shares and three [o], el(2T + 3)·o (the base's share on the dropped input saves no
-   weight: model.dora._FrozenLinear dequantizes again in backward); at layer 0 q/k/v one [o] less (their input
-   needs no grad). As autograd saves them.
+   keeps the base's and LoRA's shares and three [o], el(2T + 3)·o (without dropout the base's share is the base
+   layer's own output, e·T·o: el != e is the CPU's bf16; the share on the dropped input saves no weight:
+   model.dora._FrozenLinear dequantizes again in backward); at layer 0 q/k/v one [o] less (their input needs no
+   grad). As autograd saves them.
    --lora-layers (lowest adapted block lo): the embedding is frozen, so blocks below lo need no grad: they save
    nothing, their checkpoints keep nothing, no backward runs there; block lo saves as layer 0 does, and its input is
    kept whole (no ids to look up again: N - lo checkpoint inputs, N - lo offloaded; ceil(L/G) - floor(lo/G) group
@@ -231,7 +232,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         if direct:   # the fused sum `out`, the norm and the scale
             return e * (rows + 2) * sum(shapes[x][0] for x in ts)
         lead = [first and x in ("q_proj", "k_proj", "v_proj") for x in ts]   # layer 0's: their input needs no grad
-        return el * sum((2 * rows + 3 - z) * shapes[x][0] for x, z in zip(ts, lead))
+        eb = el if args.lora_dropout > 0 else e   # the base's share: F.linear's (in el), else the base's own output
+        return sum(((eb + el) * rows + el * (3 - z)) * shapes[x][0] for x, z in zip(ts, lead))
 
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""

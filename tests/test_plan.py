@@ -169,15 +169,15 @@ def test_quant_state_matches_bitsandbytes():
         assert quant_state_bytes(shape[0] * shape[1]) == sum(t.numel() * t.element_size() for t in held), shape
 
 
-def _saved_and_plan(tmp_path, layers, flags, **opts):
-    """Bytes autograd keeps in one fp32 forward at 128 tokens (unique storages, parameters excluded) and the
-    plan of the same run flags."""
+def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, **opts):
+    """Bytes autograd keeps in one forward at 128 tokens (fp32 unless `dtype`; unique storages, parameters excluded)
+    and the plan of the same run flags."""
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=layers, vocab=256, inter=96,
                            max_shard_size="50MB")
-    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, **opts), device="cpu")
+    model, _ = build_model(BuildOptions(path, quant=quant, dtype=dtype, **opts), device="cpu")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
@@ -188,7 +188,8 @@ def _saved_and_plan(tmp_path, layers, flags, **opts):
     ids = torch.randint(0, 256, (1, 128))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, labels=ids)
-    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", *flags])
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", "--quant",
+                                            quant, "--dtype", "bf16" if dtype == torch.bfloat16 else "fp32", *flags])
     dims, pack_rows = validate(args, model.args, 1)
     alive = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
     del out
@@ -334,6 +335,21 @@ def test_dora_activations_match_autograd(tmp_path, flags):
     for dora in (False, True):
         saved, p = _saved_and_plan(tmp_path / str(dora), 2, ["--no-ac", *flags] + ["--dora"] * dora, ac=False,
                                    dora=dora, **opts)
+        got[dora] = saved, term(p, "activations: saved tensors")
+    assert got[True][0] - got[False][0] == got[True][1] - got[False][1] > 0, got
+
+
+@pytest.mark.parametrize("quant,dropout", [("none", 0.0), ("nf4", 0.0), ("none", 0.1), ("nf4", 0.1)],
+                         ids=["none", "nf4", "none_dropout", "nf4_dropout"])
+def test_dora_activations_match_autograd_in_cpu_bf16(tmp_path, quant, dropout):
+    """No AC, the CPU's --dtype bf16 (LoRA in float32: every DoRA layer takes peft's formula, x cast): what --dora adds
+    to the plan's activation terms = what it adds to autograd's saved tensors. Without dropout the base's share is
+    the base layer's own bf16 output; with it F.linear's float32 output (model.dora._FrozenLinear keeps no weight)."""
+    got = {}
+    for dora in (False, True):
+        saved, p = _saved_and_plan(tmp_path / str(dora), 2, ["--no-ac", "--lora-dropout", str(dropout)]
+                                   + ["--dora"] * dora, quant=quant, dtype=torch.bfloat16, ac=False, dora=dora,
+                                   lora_dropout=dropout)
         got[dora] = saved, term(p, "activations: saved tensors")
     assert got[True][0] - got[False][0] == got[True][1] - got[False][1] > 0, got
 
