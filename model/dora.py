@@ -7,10 +7,12 @@ Contract:
   (DoRA's section 4.3, as peft does). With LoRA dropout active in training the base's share of the rescaling reads
   the dropped input, as peft's: W x + bias + (m/‖·‖ − 1) W drop(x) + m/‖·‖ · s·B A drop(x).
 - `rescale(layer, name, out)`: the DoRA output from the fused LoRA output `out` = W x + bias + s·B A x
-  (model.qlora's fused forward): one [T, out] multiply-add on top, which saves `out` for the magnitude's gradient
-  (peft saves the base output and LoRA's output apart: two [T, out]).
+  (model.qlora's fused forward): one [T, out] multiply-add on top (`_Rescale`), which saves `out` for the
+  magnitude's gradient (peft saves the base output and LoRA's output apart: two [T, out]) and sums that gradient
+  over row chunks in backward (no [T, out] product).
 - `forward(layer, name, x)`: peft's formula term by term, for what the fused path does not take (dropout in
-  training, LoRA in another dtype than x).
+  training, LoRA in another dtype than x), rounded as peft's (`peft_sum`); the base's share on the dropped input
+  through `_FrozenLinear`, which keeps no dequantized weight for backward.
 - `row_norms`: ‖W + s·B A‖ per row in row chunks (no second [out, in] temporary beside W's).
 - `unset_magnitudes()`: while entered, peft builds DoRA layers without computing their magnitude from the base
   weight (our model is on the meta device then, its NF4 weights not yet packed); `init_magnitudes(model)` sets

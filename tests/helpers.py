@@ -180,3 +180,17 @@ def as_scalars(records) -> dict:
             if k != "step" and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))):
                 out.setdefault(k, []).append((r["step"], torch.tensor(math.nan if v is None else v).float().item()))
     return out
+
+
+def hf_as_trained(path, quant="none"):
+    """The transformers model of a checkpoint in float32; for nf4 each block Linear holds the weight our NF4 layers
+    compute with (`nf4_round_trip`), so peft on it is the reference for our nf4 model."""
+    from model.qlora import nf4_round_trip
+
+    hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if quant == "nf4":
+        with torch.no_grad():
+            for n, m in hf.named_modules():
+                if isinstance(m, torch.nn.Linear) and ".layers." in n:
+                    m.weight.copy_(nf4_round_trip(m.weight))
+    return hf

@@ -72,18 +72,9 @@ def _ours(path, quant, dropout=0.0, b_std=0.05, moved=True, seed=3, **mem):
 
 
 def _hf(path, quant):
-    """The transformers model of the checkpoint; for nf4 each block Linear holds the weight our NF4 layer uses."""
-    from transformers import AutoModelForCausalLM
+    from tests.helpers import hf_as_trained
 
-    from model.qlora import nf4_round_trip
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if quant == "nf4":
-        with torch.no_grad():
-            for n, m in hf.named_modules():
-                if isinstance(m, torch.nn.Linear) and ".layers." in n:
-                    m.weight.copy_(nf4_round_trip(m.weight))
-    return hf
+    return hf_as_trained(path, quant)
 
 
 def _peft_twin(path, quant, ours, dropout=0.0):

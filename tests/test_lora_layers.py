@@ -59,21 +59,15 @@ def test_the_spelling():
 @pytest.mark.parametrize("quant,dora", [("none", False), ("nf4", False), ("nf4", True)], ids=["plain", "nf4", "dora"])
 def test_loss_and_gradients_equal_peft_layers_to_transform(ckpt, quant, dora):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from model.qlora import nf4_round_trip
+    from tests.helpers import hf_as_trained
 
     model, _ = _ours(ckpt, quant, dora=dora)
     mine = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert {n.split(".")[2] for n in mine} == {"1", "2"} and len(mine) == 2 * 7 * (3 if dora else 2), sorted(mine)
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    if quant == "nf4":
-        with torch.no_grad():
-            for n, m in hf.named_modules():
-                if isinstance(m, torch.nn.Linear) and ".layers." in n:
-                    m.weight.copy_(nf4_round_trip(m.weight))
-    ref = get_peft_model(hf, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=ALL, layers_to_transform=[1, 2],
-                                        use_dora=dora, init_lora_weights=False))
+    ref = get_peft_model(hf_as_trained(ckpt, quant), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=ALL,
+                                                                layers_to_transform=[1, 2], use_dora=dora,
+                                                                init_lora_weights=False))
     theirs = {n.removeprefix("base_model.model."): p for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(theirs) == sorted(mine)
     with torch.no_grad():
