@@ -274,22 +274,23 @@ def _fused_forward(self, x, *args, **kwargs):
     if getattr(self, "_as_reference", False):
         return _reference_forward(self, x)
     names, slow = self.active_adapters, self._peft_forward
-    dora = len(names) == 1 and dora_math.is_dora(self, names[0])
-    if dora and not self.disable_adapters and (args or kwargs or torch.is_autocast_enabled(x.device.type)):
-        if args or kwargs:   # (peft's own DoRA would dequantize our NF4 layers wrongly: never handed to it)
+    dora = len(names) == 1 and dora_math.is_dora(self, names[0]) and not self.disable_adapters
+    if dora:   # never peft's own DoRA (it would dequantize our NF4 layers wrongly): the fused path, or peft's formula
+        if args or kwargs:
             raise TypeError(f"a DoRA layer takes no forward arguments beside x (got {len(args)} more and "
                             f"{sorted(kwargs)})")
-        return dora_math.forward(self, names[0], x)   # under autocast: peft's formula, autocast casting its ops
+        a_lin, b_lin, dropout = self.lora_A[names[0]], self.lora_B[names[0]], self.lora_dropout[names[0]]
+        if (torch.is_autocast_enabled(x.device.type) or torch.is_autocast_enabled() or b_lin.bias is not None
+                or a_lin.weight.dtype != x.dtype or self.training and not isinstance(dropout, nn.Identity)):
+            return dora_math.forward(self, names[0], x)   # (under autocast: autocast casting its ops)
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
             or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {}) and not dora
             or torch.is_autocast_enabled()):
         return slow(x, *args, **kwargs)
     a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
     dropout = self.lora_dropout[names[0]]
-    if dora and (a_lin.weight.dtype != x.dtype or self.training and not isinstance(dropout, nn.Identity)):
-        return dora_math.forward(self, names[0], x)   # (peft's own would dequantize our NF4 layers wrongly)
     if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
-        return dora_math.forward(self, names[0], x) if dora else slow(x)
+        return slow(x)
     # Otherwise LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd
     # sums a second gradient in place only into the one that arrived first, and only if that one is not a view:
     # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
