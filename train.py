@@ -41,7 +41,7 @@ from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.load import check_config_shapes, read_args, same_snapshot
-from parallel import guard, phases, plan_speed, preflight, recorded, resume, runs
+from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
@@ -282,7 +282,7 @@ def main(argv=None):
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
-    from model.export import export_adapter, init_adapter_note, read_init_adapter
+    from model.export import export_adapter, read_init_adapter
     from parallel import checkpoint, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_groups, lora_parameters
@@ -305,26 +305,8 @@ def main(argv=None):
         preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
-        body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
         dpo = args.objective == "dpo"
-        ref = ("none" if args.dpo_reference == "none" else f"--init-adapter {args.init_adapter}, held fixed"
-               if args.init_adapter else "the base model (LoRA off)") + " (each pair's kept: --dpo-cache-ref)" * bool(
-            dpo and args.dpo_cache_ref)
-        log0(f"layout: {dims}\nloss: " + (f"{Preference.from_args(args)}, reference: {ref}" if dpo
-                                          else "cross-entropy" if LOSS_FN is None else   # (its first line of code)
-                                          f"LOSS_FN: {(body or [args.loss])[0][:120]} ... (all: config.json's loss)"))
-        for note in (margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
-                     dpo and Preference.from_args(args).note(args.lora_dropout),
-                     init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text,
-                                       args.model_sha256, args.quant,
-                                       margs.rope_parameters() if args.rope_scaling is not None else None),
-                     ckpt and args.init_adapter and (   # (the same command plus --resume: allowed, and said)
-                         f"note: --init-adapter {args.init_adapter} is " + ("read as DPO's reference only" if
-                                                                             dpo and args.dpo_reference != "none" else
-                                                                             "not read") + f": the run resumes "
-                         f"{ckpt}, whose LoRA weights (trained on from wherever the run started) it continues")):
-            if note:
-                log0(note)
+        notes.start(args, margs, dims, ckpt, log0)   # the layout, the loss, and what a user should know
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         if note := check_config_shapes(args.model, margs):   # weights of another config.json: said before the data
             log0(note)
@@ -335,20 +317,7 @@ def main(argv=None):
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
         (samples, stats), (eval_samples, eval_stats), rows = for_run(   # (dpo: a pair a sample)
             args.objective, *store.load_run_data(args, tok, margs.vocab_size, log0), args.dpo_share_prompt)
-        if not demo and (stats.split or stats.truncated) and not any(   # (argparse takes --max-l for --max-len)
-                x.split("=")[0] in ("--max-l", "--max-le", "--max-len") for x in argv):
-            log0(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} records "
-                 f"were split or cut to it (the longest has {stats.longest} tokens); pass --max-len N")
-        ended = None
-        if ckpt:   # the same bytes may tokenize otherwise (an edited tokenizer or template file): the same tokens
-            if note := resume.same_tokens(checkpoint.read_meta(ckpt).get("args", {}), vars(args),
-                                          split=stats.split + (eval_stats.split if eval_stats else 0)):
-                log0(note)
-            if why := keep_best.exhausted(checkpoint.read_meta(ckpt), args, ckpt):   # stopped early: would stop
-                if not args.resume_auto:   # again at once (once the eval samples are known: other
-                    raise ValueError(why)   # ones count anew); a requeue (--resume auto) of it: it had ended there
-                ended = checkpoint.read_meta(ckpt)["step"]
-                log0(f"note: --resume auto: the run stopped early at step {ended} (--early-stop)")
+        ended = notes.resumed(args, argv, demo, ckpt, stats, eval_stats, log0)   # (a run --early-stop ended)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
@@ -356,30 +325,9 @@ def main(argv=None):
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
-        n = order.size(0)   # (a pass; with rotating --data-weights shares, the first one's)
-        if args.global_batch > n:   # allowed (a quick run on a few records), but said
-            log0(f"note: --global-batch {args.global_batch} is more {('samples', 'pairs')[dpo]} than --data holds "
-                 f"({n}" + (", past --eval-split's" if args.eval_split else "") + f"): each step takes each "
-                 f"{('sample', 'pair')[dpo]} about {args.global_batch / n:.3g} times (repeats add compute, not data)")
         steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
         steps = ended if ended is not None else steps   # (a run that stopped early ended there)
-        epochs = args.epochs or 1
-        if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
-            log0(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {('samples', 'pairs')[dpo]} in "
-                 f"{steps} steps of {args.global_batch}: the last step also trains {extra} " + (
-                     "of the next epoch's order" if epochs == int(epochs) else "more of the data order") +
-                 " (--steps sets the length)")
-        if note := resume.schedule_note(ckpt, args.schedule_steps or steps, "--epochs" if args.epochs else "--steps"):
-            log0(note)
-        if steps < args.warmup:   # a short run that never leaves warmup: said, not silent
-            log0(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
-                 f"{lr_at(steps - 1, args, args.schedule_steps or steps):.3g}, not --lr {args.lr:g}")
-        if args.lr_schedule == "wsd" and round(args.wsd_decay * (args.schedule_steps or steps)) == 0:   # said too
-            log0(f"note: --wsd-decay {args.wsd_decay:g} of {args.schedule_steps or steps} steps is no step: the LR "
-                 "stays at --lr to the end (a larger --wsd-decay, or more steps, decays it)")
-        if args.profile is not None and not 1 <= args.profile <= steps:
-            raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
-                             "(not step 1 for timings: it also pays the kernels' first-call setup)")
+        notes.length(args, steps, order, dpo, ckpt, lr_at, log0)   # against the data and the LR schedule
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
         docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
         idle = {"input_ids": samples[0]["input_ids"][:1].repeat(2 * dims.cp_divisor),   # (2 a cp rank at least:
@@ -394,12 +342,7 @@ def main(argv=None):
                          auto=args.resume_auto)
         args.out = run.path
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
-        said = ["--resume auto: " + {"resumed": f"continuing from {ckpt}", "fresh": "no run there yet, a fresh one",
-                                      "restarted": "its run saved no whole step, so it starts again"}[args.resume_auto]
-                ] if args.resume_auto else []
-        if run.removed:
-            said.append(("removed " if args.resume_auto else "--overwrite removed ") + ", ".join(run.removed))
-        log0(f"out: {run.path}" + "".join(f" ({x})" for x in said))
+        log0(notes.out_line(run, args, ckpt))
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
@@ -451,7 +394,7 @@ def main(argv=None):
             each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
             log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
             if got := stop.requested():   # (every rank together)
-                raise stop.stopped(got, 0, None, _way_on(*way))
+                raise stop.stopped(got, 0, None, notes.way_on(*way))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
@@ -492,7 +435,7 @@ def main(argv=None):
                         wd.phase("save", step)
                         opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
                         save(step, rng=rng)
-                    raise stop.stopped(got, step, ckpt_dir if step else None, _way_on(*way), way[1])
+                    raise stop.stopped(got, step, ckpt_dir if step else None, notes.way_on(*way), way[1])
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
@@ -577,40 +520,8 @@ def main(argv=None):
             dist.destroy_process_group()
 
 def cli(argv=None) -> int:
-    """`python train.py ...`: main(), its exit code, and one `error:` line for the errors whose message is the fix."""
-    try:
-        main(argv)
-    except (ValueError, FileNotFoundError) as e:   # configuration and data errors: the message is the fix
-        guard.say_error(e)   # once per job when every rank raised it; a rank's own (a file one node lacks) too
-        return 2
-    except (OSError, RuntimeError) as e:   # a full disk or read-only folder while saving: said so, with the way on
-        if not guard.disk_error(e):
-            raise
-        said = f"{e.during} failed ({type(e).__name__}: {e})" if getattr(e, "during", None) else str(e)
-        guard.say_error(f"{said}. Free space (or fix the folder), then " + _way_on(*getattr(e, "way_on", (None,))))
-        return 2
-    except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
-        return e.code
-    except KeyboardInterrupt as e:   # Ctrl-C before the stop handlers (start-up, tokenizing, the model build), or a
-        guard.say_error("interrupted (SIGINT): " + _way_on(*getattr(e, "way_on", (None,))))   # second one: one
-        return 130   # (128 + SIGINT)                                                            # line, not a traceback
-    return 0
-
-
-def _way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
-    """How a run stopped before its end goes on: from its newest whole step, else started again (so its advice is
-    never refused: --overwrite beside --resume is)."""
-    from parallel import checkpoint
-
-    ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
-    has = ckpt and checkpoint.has_step(ckpt)
-    if auto:
-        return "run the same command again (--resume auto " + (f"continues from {ckpt})" if has else "starts it again)")
-    if has:
-        return f"run the same command with --resume {ckpt}"
-    if out and resumed:   # (this --out now holds the start's files: the same command is refused, --overwrite too)
-        return f"run it with a new --out ({out} holds this start's files but no checkpoint)"
-    return f"run the same command with --overwrite ({out} holds no checkpoint)" if out else "run the same command again"
+    """`python train.py ...`: main()'s exit code, and one `error:` line for the errors whose message is the fix."""
+    return notes.exit_code(main, argv)
 
 
 if __name__ == "__main__":

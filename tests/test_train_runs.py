@@ -55,6 +55,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel import notes
 from tests.helpers import budget_between_ac_plans, no_weights, one_thread, startup_error, train_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1114,8 +1115,8 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     with one_thread():   # and it does (exit 0: cli's code on success)
         assert train.cli(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto")) == 0
     assert len(metrics(again)) == 3
-    assert train._way_on(again, False, True) == f"run the same command with --resume {again}/ckpt"
-    assert train._way_on(out, False, True) == f"run it with a new --out ({out} holds this start's files but no " \
+    assert notes.way_on(again, False, True) == f"run the same command with --resume {again}/ckpt"
+    assert notes.way_on(out, False, True) == f"run it with a new --out ({out} holds this start's files but no " \
         "checkpoint)"
     for argv in (train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt")),   # (as said: refused)
                  train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt"), "--overwrite")):
