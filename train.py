@@ -65,19 +65,9 @@ DEMO = dict(model="runs/demo_assets/model", data="runs/demo_assets/train.jsonl",
 # ----------------------------------------------------------------------------- args
 
 
-class ShowDefaults(argparse.HelpFormatter):
-    """--help adds each flag's default where its text does not say it (none and off: nothing to say)."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
-            "%(default)" in h or "default" in h   # (0 and 0.0 are said: `in (None, False)` took them for off)
-        return h if quiet else h + " (default: %(default)s)"
-
-
 def build_parser(add_help=True):
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0], add_help=add_help,
-                                formatter_class=ShowDefaults)
+                                formatter_class=notes.ShowDefaults)
     a = p.add_argument
     # Model
     a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer) or a Hub id "
@@ -264,17 +254,7 @@ def main(argv=None):
     if given := [f for f in PLAN_FLAGS if any(x == f or x.startswith(f + "=") for x in argv)]:
         raise ValueError(f"{', '.join(given)}: the planner's flag{'s' * (len(given) > 1)}, not a run's: add --plan "
                          "(`train.py --plan --help` lists them)")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    demo = args.model is None and args.data is None
-    if demo:
-        parser.set_defaults(**DEMO)
-        args = parser.parse_args(argv)
-        if args.eval_split is not None and not any(x.startswith("--eval-d") for x in argv):
-            args.eval_data = None   # (the demo's eval file gives way to the records it holds out of its data)
-    for k in ("data", "eval_data"):   # one file: a path, as runs before several recorded it
-        if isinstance(getattr(args, k), list) and len(getattr(args, k)) == 1:
-            setattr(args, k, getattr(args, k)[0])
+    args, demo = preflight.parse(build_parser(), argv, DEMO)   # no --model and no --data: the demo, DEMO's defaults
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     if args.objective != "dpo" and (why := recorded.not_a_sum(LOSS_FN)):   # (a mean trained on, the wrong loss
         raise ValueError(why)   # on every layout but one; dpo refuses any LOSS_FN below, in check_start)

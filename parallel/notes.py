@@ -2,6 +2,7 @@
 `error:` line a failure ends with. Kept here so train.py's sections read in one sitting (STYLE.md's budget).
 
 Contract:
+- `ShowDefaults`: --help adds each flag's default where its text does not say it.
 - `start`, `resumed`, `length`: the start-up lines, each passed to `log` (rank 0's print) where there is something
   to say. They tell what a run
   allows but a user should know (a context past the model's, another --init-adapter, a --global-batch past the data,
@@ -15,10 +16,21 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from parallel import guard
 from parallel.preference import Preference
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """--help adds each flag's default where its text does not say it (none and off: nothing to say)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
+            "%(default)" in h or "default" in h   # (0 and 0.0 are said: `in (None, False)` took them for off)
+        return h if quiet else h + " (default: %(default)s)"
 
 
 def _say(log, lines) -> None:

@@ -3,6 +3,8 @@ flags against every rank's memory, once the data are tokenized and before any we
 minutes to load; a run that cannot fit should not wait for them to say so).
 
 Contract:
+- `parse(parser, argv, demo_defaults)` -> (args, demo): no --model and no --data is the demo, its defaults under the
+  flags given; a --data/--eval-data of one file is its path (as runs before several files recorded it).
 - `check_start(args, demo)` -> (the --model given, the checkpoint to resume or None): every check that needs no
   process group, before anything is written, so a refusal leaves every file as it was: the flags (`check_flags`),
   --model with --data, the data files, --out against --resume/--overwrite, a resume's run-defining flags and data
@@ -103,6 +105,21 @@ def cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup
             if (got := _room(os.path.join(base, *parts[:n]), *files)) is not None:
                 rooms.append(got[0] if limit else got[1])
     return min(rooms) if rooms else None
+
+
+def parse(parser, argv: list[str], demo_defaults: dict):
+    """(args, demo): argv parsed, with `demo_defaults` under the flags when neither --model nor --data is given."""
+    args = parser.parse_args(argv)
+    demo = args.model is None and args.data is None
+    if demo:
+        parser.set_defaults(**demo_defaults)
+        args = parser.parse_args(argv)
+        if args.eval_split is not None and not any(x.startswith("--eval-d") for x in argv):
+            args.eval_data = None   # (the demo's eval file gives way to the records it holds out of its data)
+    for k in ("data", "eval_data"):   # one file: a path, as runs before several recorded it
+        if isinstance(getattr(args, k), list) and len(getattr(args, k)) == 1:
+            setattr(args, k, getattr(args, k)[0])
+    return args, demo
 
 
 def check_start(args, demo: bool):
