@@ -92,6 +92,8 @@ CONFIGS = [
     # --dora: each adapted projection keeps its LoRA sum for the magnitude's gradient (v512: the block sets the peak)
     ("cp1 nf4 4k dora", 1, 4096, ["--quant", "nf4", "--dora"]),
     ("cp1 nf4 4k tiled dora", 1, 4096, ["--quant", "nf4", "--tiled-mlp", "--dora"]),
+    ("cp1 nf4 4k dropout", 1, 4096, ["--quant", "nf4", "--lora-dropout", "0.1"]),
+    ("cp1 nf4 16k tiled dropout v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--lora-dropout", "0.1"]),
     ("cp1 nf4 4k dora dropout", 1, 4096, ["--quant", "nf4", "--dora", "--lora-dropout", "0.1"]),
     ("cp1 none 4k no-AC dora", 1, 4096, ["--quant", "none", "--no-ac", "--dora"]),
     ("cp1 nf4 16k dora v512", 1, 16384, ["--quant", "nf4", "--dora"]),

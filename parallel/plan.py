@@ -31,7 +31,8 @@ Persistent all step:
    2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the
    MLP's gate output (silu), silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T,
    r]·el per target (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when
-   --lora-dropout > 0). --tiled-mlp: the MLP keeps only its norm's input (saved already), none of its [T, F] tensors
+   --lora-dropout > 0: the mask a bool on CUDA, in el on CPU; none at block lo's q/k/v, whose input needs no grad;
+   down_proj's dropped input in place of the MLP's product, so its mask alone). --tiled-mlp: the MLP keeps only its norm's input (saved already), none of its [T, F] tensors
    or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm, parallel/memory.py). Layer 0's first
    norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when
    handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T,
@@ -235,6 +236,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         eb = el if args.lora_dropout > 0 else e   # the base's share: F.linear's (in el), else the base's own output
         return sum(((eb + el) * rows + el * (3 - z)) * shapes[x][0] for x, z in zip(ts, lead))
 
+    def dropped(ts, first=False) -> float:
+        """LoRA dropout's saved output and mask for the targets `ts`: the mask a bool on CUDA (native_dropout), in el
+        on CPU (the scaled mask its product keeps); none where the input needs no grad (q/k/v of block lo, `first`).
+        down_proj's dropped input takes the place of the MLP's product (counted in 4eTF, kept only for down's LoRA
+        A): its mask alone is more."""
+        mask = lambda x: 0 if first and x in ("q_proj", "k_proj", "v_proj") else 1 if target == "cuda" else el
+        return sum(T * shapes[x][1] * (mask(x) + el * (x != "down_proj")) for x in ts) * (args.lora_dropout > 0)
+
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
         inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
@@ -248,9 +257,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg))
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner) \
             + dora_saved(inner, first=first, tg=tg)
-        if args.lora_dropout > 0:
-            b += sum(T * shapes[t][1] * (el + 1) for t in inner)
-        return b
+        return b + dropped(inner, first)
 
     # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
     saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else []) for i in range(lo, L)]
@@ -347,6 +354,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = 0 if tiled else 4 * e * T * F + dora_saved(("gate_proj", "up_proj", "down_proj"))
     o_dora = dora_saved(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
+    o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
     oproj = max(oproj, e * T * D * bool(o_dora))
     if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
         n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
@@ -358,7 +366,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             max(0, attn - e * T * D - gone - mlp)
     else:
         ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
-               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora, oproj) - gone - mlp)
+               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora - o_drop, oproj) - gone - mlp)
         # 9. q/k/v backward (q's chain first; see the docstring)
         first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
         kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])

@@ -196,12 +196,14 @@ def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, *
     return alive, memory_plan(model.args, dims, args, "cpu", pack_rows)
 
 
-@pytest.mark.parametrize("tiled,ta", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both"])
-def test_activations_match_autograd(tmp_path, tiled, ta):
-    """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward."""
-    flags = ["--no-ac"] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta
-    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta)
+@pytest.mark.parametrize("tiled,ta,dropout", [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
+                                              (False, False, 0.1), (True, False, 0.1)],
+                         ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both", "mlp_dropout", "tiled_mlp_dropout"])
+def test_activations_match_autograd(tmp_path, tiled, ta, dropout):
+    """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward (with LoRA
+    dropout: each dropped input and its mask, on CPU the scaled float32 mask the product keeps)."""
+    flags = ["--no-ac", "--lora-dropout", str(dropout)] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta
+    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 
