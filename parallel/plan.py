@@ -30,12 +30,13 @@ Persistent all step:
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
    2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the
    MLP's gate output (silu), silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T,
-   r]·el per target (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when
-   --lora-dropout > 0: the mask a bool on CUDA, in el on CPU; none at block lo's q/k/v, whose input needs no grad;
-   down_proj's dropped input in place of the MLP's product, so its mask alone). --tiled-mlp: the MLP keeps only its norm's input (saved already), none of its [T, F] tensors
-   or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm, parallel/memory.py). Layer 0's first
-   norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps its output there (eTD, when
-   handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block) only each block's input [T,
+   r]·el per target (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout >
+   0: the mask a bool on CUDA, in el on CPU; none at block lo's q/k/v, whose input needs no grad; down_proj's dropped
+   input in place of the MLP's product, so its mask alone). --tiled-mlp: the MLP keeps only its norm's input (saved
+   already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm,
+   parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps
+   its output there (eTD, when handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block)
+   only each block's input [T,
    D]·e is kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
    saves again without a copy). The first checkpoint keeps the token ids, not the embedding's output, and looks
    them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's last block
