@@ -36,13 +36,12 @@ Persistent all step:
    already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm,
    parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps
    its output there (eTD, when handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block)
-   only each block's input [T,
-   D]·e is kept and one block is recomputed in backward (its saved tensors less that input, which the first norm
-   saves again without a copy). The first checkpoint keeps the token ids, not the embedding's output, and looks
-   them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's last block
-   (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn: the
-   sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA
-   intermediate of q/k/v/o (parallel/tiled_attention.py).
+   only each block's input [T, D]·e is kept and one block is recomputed in backward (its saved tensors less that input,
+   which the first norm saves again without a copy). The first checkpoint keeps the token ids, not the embedding's
+   output, and looks them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's
+   last block (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn:
+   the sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA intermediate of q/k/v/o
+   (parallel/tiled_attention.py).
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
    prefetched once the block's attention backward is done (parallel/offload.py): it adds to the q/k/v phase (9).
