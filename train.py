@@ -101,6 +101,8 @@ def build_parser(add_help=True):
     a("--rslora", action="store_true", help="rank-stabilized LoRA: scale = alpha / sqrt(r) (peft's use_rslora)")
     a("--dora", action="store_true", help="DoRA: a trained magnitude per output row rescales W + scale·B A to it "
       "(peft's use_dora)")
+    a("--train-norms", action="store_true", help="also train the RMSNorm weights (LongLoRA: with LoRA, what "
+      "extends a context well); the adapter holds them as peft's modules_to_save")
     a("--lora-plus-ratio", type=float, default=None, metavar="R", help="LoRA+: each B matrix trains at R × the LR "
       "(A at the LR; 16 in the paper, often with a lower --lr), as peft's create_loraplus_optimizer")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
 from model.load import CheckpointReader, _check_dir, hub_snapshot
+from model.norms import is_norm_weight, modules_to_save
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
@@ -67,17 +68,19 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
             full[n] = t.detach().to("cpu", torch.float32).clone()
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    write_adapter(get_peft_model_state_dict(peft_model, state_dict=full), peft_model.peft_config["default"], out_dir,
-                  base_path, rope_parameters, chat_template, quant, model_sha256)
+    sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
+    sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_norm_weight(n)}))
+    write_adapter(sd, peft_model.peft_config["default"], out_dir, base_path, rope_parameters, chat_template, quant,
+                  model_sha256)
 
 
 def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     """What in an adapter_config.json is more than plain LoRA, W + scale · B @ A with one r and alpha (what this
     trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
-    each as a phrase naming it."""
+    each as a phrase naming it. Norm layers as modules_to_save (--train-norms') are this trainer's too."""
     wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
-             if cfg.get(k) and not (dora and k == "use_dora")]
+             if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_norms(cfg))]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
@@ -93,6 +96,13 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     if cfg.get("peft_type") != "LORA":
         wrong.append(f"peft_type {cfg.get('peft_type')!r} (LoRA is trained here)")
     return wrong
+
+
+def saves_norms(cfg: dict) -> bool:
+    """Whether an adapter_config.json's modules_to_save are norm layers only (and some): --train-norms' adapter."""
+    mods = cfg.get("modules_to_save")
+    return isinstance(mods, list) and bool(mods) and all(isinstance(m, str) and is_norm_weight(m + ".weight")
+                                                         for m in mods)
 
 
 def not_an_adapter(path: str, flag: str) -> str | None:
@@ -117,7 +127,7 @@ def not_an_adapter(path: str, flag: str) -> str | None:
 
 
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
-                       chat_template: str | None = None, dora: bool = False) -> dict:
+                       chat_template: str | None = None, dora: bool = False, train_norms: bool = False) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
     if why := not_an_adapter(path, "--init-adapter"):
@@ -131,6 +141,9 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
         # as another rslora is: say which flag keeps what it learned)
         wrong.append(f"use_dora {bool(cfg.get('use_dora'))}, this run " + ("--dora" if dora else "no --dora")
                      + (" (pass --dora)" if cfg.get("use_dora") else " (drop --dora)"))
+    if saves_norms(cfg) and not train_norms:   # (its trained norms would be dropped: the function changes)
+        wrong.append(f"modules_to_save {cfg['modules_to_save']!r} (trained norm weights), this run no --train-norms "
+                     "(pass --train-norms)")
     if bool(cfg.get("use_rslora")) != rslora:   # the other scale would change the function it learned
         wrong.append(f"use_rslora {bool(cfg.get('use_rslora'))}, this run " + ("--rslora" if rslora else "no --rslora")
                      + (" (pass --rslora)" if cfg.get("use_rslora") else " (drop --rslora)"))
@@ -238,6 +251,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
               os.path.join(tmp, "adapter_model.safetensors"))
     cfg = copy.deepcopy(cfg)   # (not the training model's own)
+    if norms := modules_to_save(sd):   # --train-norms: peft loads them as saved modules (model/norms.py)
+        cfg.modules_to_save = norms
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches
@@ -317,7 +332,10 @@ def _is_nf4(name: str, w: torch.Tensor) -> bool:
 
 def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
     """Why LoRA pair `ab` ({"A", "B"}, a DoRA adapter's magnitude "m" beside them) cannot be folded into the base
-    weight `name` of `shape`, or None."""
+    weight `name` of `shape`, or None. A trained norm's weight ({"norm"}): its shape is the base's."""
+    if "norm" in ab:
+        return None if tuple(ab["norm"].shape) == tuple(shape) else \
+            f"{name}: the adapter's {list(ab['norm'].shape)}, the base's {list(shape)}"
     if {"A", "B"} - set(ab):
         return f"{name}: only " + " and ".join({"A": "lora_A", "B": "lora_B", "m": "lora_magnitude_vector"}[k]
                                                for k in sorted(ab))
@@ -331,6 +349,8 @@ def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
 
 def _no_magnitude(name: str, ab: dict, shape) -> str | None:
     """Why a DoRA adapter's pair for the base weight `name` of `shape` has no magnitude to fold with, or None."""
+    if "norm" in ab:
+        return None
     key = f"base_model.model.{name.removesuffix('.weight')}.lora_magnitude_vector"
     if "m" not in ab:
         return f"{key} is missing"
@@ -391,7 +411,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     dora = bool(acfg.get("use_dora"))   # (model.merge checked the rest of adapter_config.json: not_plain_lora)
     mag = ".lora_magnitude_vector"   # peft's key for DoRA's magnitude, one per output row
-    other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k and not (dora and mag in k))
+    norms = saves_norms(acfg)   # --train-norms' weights: they replace the base's
+    other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k and not (dora and mag in k)
+                   and not (norms and is_norm_weight(k)))
     if other:   # before anything is written
         stray = not dora and any(mag in k for k in other)   # (DoRA's, in an adapter whose config says LoRA)
         raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights"
@@ -403,6 +425,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     # "base_model.model.<name>.lora_A.weight" -> "<name>.weight": {"A", "B"} (and DoRA's "m")
     pairs = {}
     for k, v in lora.items():
+        if norms and is_norm_weight(k):
+            pairs[k.removeprefix("base_model.model.")] = {"norm": v.float()}
+            continue
         name, which = k.removeprefix("base_model.model.").rsplit(".lora_", 1)
         which = which.split(".")[0]
         pairs.setdefault(name + ".weight", {})["m" if which == "magnitude_vector" else which] = v.float()
@@ -526,7 +551,9 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             if quant == "nf4" and _is_nf4(name, w):
                 # every block Linear was 4-bit in training (apply_nf4), adapted or not
                 w = nf4_round_trip(w)   # training's base, bit for bit (whatever device quantized it there)
-            if name in pairs and "m" in pairs[name]:   # DoRA: rescaled per row, the norm over the same base W
+            if name in pairs and "norm" in pairs[name]:   # --train-norms: the trained weight itself
+                w = pairs[name]["norm"]
+            elif name in pairs and "m" in pairs[name]:   # DoRA: rescaled per row, the norm over the same base W
                 w = fold(w, pairs[name]["A"], pairs[name]["B"], scale, pairs[name]["m"])
             elif name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]

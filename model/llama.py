@@ -27,6 +27,7 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
+from model.norms import cast_weight
 from model.rope import inv_freq
 
 NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB) and RoPE
@@ -134,9 +135,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        w = cast_weight(self.weight, x)   # (--train-norms' float32 weight, where no mixed precision cast it)
         if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler, which saves x and
-            return _normalize(x, self.weight, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo also
-        return _RMSNormFn.apply(x, self.weight, self.eps)   # fails on this Function's graph: an AssertionError)
+            return _normalize(x, w, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo also
+        return _RMSNormFn.apply(x, w, self.eps)   # fails on this Function's graph: an AssertionError)
 
 
 def rotate_half(x):

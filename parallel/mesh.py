@@ -208,7 +208,7 @@ def check_flags(args) -> None:
                              "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
                            getattr(args, "rslora", False), getattr(args, "chat_template_text", None),
-                           getattr(args, "dora", False))
+                           getattr(args, "dora", False), getattr(args, "train_norms", False))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):

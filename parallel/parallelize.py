@@ -48,6 +48,7 @@ from model.attention import SDPAAttention
 from model.config import lora_layers
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
+from model.norms import is_norm_weight
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights, set_param
 from model.weights import load_weights
 from parallel.compile import apply_compile
@@ -72,6 +73,7 @@ class BuildOptions:
     rslora: bool = False                   # scale alpha / sqrt(r) (peft's use_rslora)
     dora: bool = False                     # DoRA (peft's use_dora; model/dora.py)
     lora_layers: tuple | None = None       # the blocks adapted (None: all; peft's layers_to_transform)
+    train_norms: bool = False              # the RMSNorm weights train too (model/norms.py)
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
@@ -91,7 +93,8 @@ class BuildOptions:
         return cls(args.model, quant=args.quant, dtype=dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
                    rslora=getattr(args, "rslora", False), dora=getattr(args, "dora", False),
-                   lora_layers=lora_layers(getattr(args, "lora_layers", None)), ac=args.ac,
+                   lora_layers=lora_layers(getattr(args, "lora_layers", None)),
+                   train_norms=getattr(args, "train_norms", False), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
@@ -267,7 +270,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
-                                opts.lora_targets, opts.rslora, opts.dora, opts.lora_layers)   # 3
+                                opts.lora_targets, opts.rslora, opts.dora, opts.lora_layers, opts.train_norms)   # 3
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)
@@ -309,8 +312,11 @@ def init_from_adapter(model, path: str) -> None:
     params = dict(model.named_parameters())
     for name, t in read_init_adapter(path).items():
         p = params.get(name)
-        if not re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or p is not None and not \
-                p.requires_grad:
+        if is_norm_weight(name) and (p is None or not p.requires_grad):   # (check_init_adapter wants --train-norms)
+            raise ValueError(f"--init-adapter {path!r}: its trained norm weight {name} is not one this run trains "
+                             "(--train-norms trains the norms of the --lora-layers blocks and the final one)")
+        if not (re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or is_norm_weight(name)) or \
+                p is not None and not p.requires_grad:
             raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight or DoRA magnitude: "
                              "an adapter with trained biases or saved modules is not one this run can start from")
         if p is None or tuple(p.shape) != tuple(t.shape):
@@ -327,10 +333,13 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
 def lora_groups(model, plus_ratio: float | None = None) -> list:
     """make_optimizer's params: the LoRA tensors; with LoRA+ (`--lora-plus-ratio R`, Hayou et al. 2024) two groups,
     the B matrices' marked `lr_ratio` R: train.py sets each group's LR to lr_at's × its lr_ratio (as peft's
-    create_loraplus_optimizer groups them: tests/test_optimizer.py)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    create_loraplus_optimizer groups them: tests/test_optimizer.py). --train-norms' weights: a group of their own
+    without weight decay (transformers' Trainer keeps norms out of it; with LoRA+ at B's LR, as peft's 1-D tensors)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_norm_weight(n)]
+    norms = [p for n, p in model.named_parameters() if p.requires_grad and is_norm_weight(n)]
+    extra = [{"params": norms, "weight_decay": 0.0, **({"lr_ratio": plus_ratio} if plus_ratio else {})}] * bool(norms)
     if not plus_ratio:
-        return [p for _, p in named]
+        return [p for _, p in named] if not norms else [{"params": [p for _, p in named]}, *extra]
     b = [("lora_B" in n or p.ndim == 1) for n, p in named]   # (peft's: B and 1-D tensors, DoRA's magnitudes)
     return [{"params": [p for (_, p), is_b in zip(named, b) if not is_b]},
-            {"params": [p for (_, p), is_b in zip(named, b) if is_b], "lr_ratio": plus_ratio}]
+            {"params": [p for (_, p), is_b in zip(named, b) if is_b], "lr_ratio": plus_ratio}, *extra]

@@ -1,0 +1,61 @@
+"""`--train-norms`: the RMSNorm weights train beside LoRA (LongLoRA, Chen et al. 2023: with LoRA alone a context
+extension falls short of full fine-tuning; trainable normalization (and embedding) layers close most of the gap).
+
+Contract:
+- `trained_norms(model, layers)`: the norm modules that train, by our (and transformers') names: each adapted block's
+  input_layernorm, post_attention_layernorm and (Qwen3) q_norm, k_norm, and the final `model.norm`. `layers`: the
+  adapted blocks (--lora-layers; None: all). Blocks below the lowest adapted one run no backward: theirs stay frozen.
+- `train_norms(model, layers)`: those weights become trainable float32 masters (as LoRA's: FSDP2's mixed precision
+  hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
+  trained, clipped, checkpointed and exported (parallel/parallelize.lora_parameters).
+- In an adapter they are peft's `modules_to_save` (`modules_to_save(names)`: the module names, which peft matches
+  by suffix; their weights under "base_model.model.<module>.weight"), so `PeftModel.from_pretrained` computes with
+  them and `merge_and_unload` writes them. `is_norm_weight(name)`: a trained norm's tensor name, in any of our,
+  peft's or an adapter file's spellings.
+- Weight decay never applies to them (`parallel.parallelize.lora_groups`), as transformers' Trainer keeps norms out
+  of it (`get_decay_parameter_names`): decay would pull a gain toward 0, not toward its start.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+_WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
+                     r"self_attn\.q_norm|self_attn\.k_norm))(\.modules_to_save\.default)?\.weight$")
+
+
+def trained_norms(model, layers=None) -> list[str]:
+    """The names of the norm modules --train-norms trains (module docstring), in model order."""
+    have = dict(model.named_modules())
+    names = [f"model.layers.{i}.{n}" for i in range(len(have["model.layers"])) if layers is None or i in layers
+             for n in BLOCK_NORMS if f"model.layers.{i}.{n}" in have]
+    return names + ["model.norm"]
+
+
+def train_norms(model, layers=None) -> None:
+    """Make the --train-norms weights trainable float32 masters."""
+    have = dict(model.named_modules())
+    for name in trained_norms(model, layers):
+        w = have[name].weight
+        w.data = w.data.float()
+        w.requires_grad_(True)
+
+
+def is_norm_weight(name: str) -> bool:
+    """Whether `name` is a trained norm's weight (ours, peft's wrapped one, or an adapter file's key)."""
+    return bool(_WEIGHT.search(name))
+
+
+def modules_to_save(names) -> list[str]:
+    """peft's modules_to_save for the norm weights `names` (any spelling is_norm_weight takes): their module names."""
+    return sorted({_WEIGHT.search(n).group(2) for n in names if is_norm_weight(n)},
+                  key=lambda m: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", m)])
+
+
+def cast_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A trained norm's float32 weight in x's dtype where nothing cast it (CPU bf16; FSDP2's mixed precision does
+    on CUDA), so the norm's output keeps x's dtype as a frozen norm's does."""
+    return weight if weight.dtype == x.dtype or not weight.requires_grad else weight.to(x.dtype)

@@ -1,0 +1,219 @@
+"""`--train-norms`: the RMSNorm weights train beside LoRA as peft's `modules_to_save` trains them, and the adapter is
+peft's.
+
+Pins (CPU, float32, tiny transformers checkpoints with their norm weights drawn away from 1: a Qwen2 with q/k/v bias
+and a Qwen3 with q/k norms; LoRA r 4 / alpha 8, B non-zero, every trained norm moved off the base's), against
+transformers + peft on the same weights (nf4: the transformers model holding `nf4_round_trip(W)`):
+- the trained tensors are LoRA's and every norm of the adapted blocks plus the final one, as peft's
+  `modules_to_save` (with `layers_to_transform` for --lora-layers) makes them; the summed loss and every LoRA and
+  norm gradient equal peft's (plain, nf4, Qwen3, --lora-layers 1, --dora);
+- the exported adapter names them in modules_to_save, loads in `PeftModel.from_pretrained` with no missing or
+  unexpected key and gives our logits; `model.merge` writes what peft's `merge_and_unload` holds; --init-adapter
+  rebuilds the model (and is refused without --train-norms, naming it);
+- the optimizer's groups keep the norms out of weight decay, as transformers' Trainer (`get_decay_parameter_names`)
+  does, and with LoRA+ put each tensor at peft's rate (create_loraplus_optimizer: the norms at B's);
+- every memory step (AC, tiled MLP and attention, offload, --ac-keep-attn) trains as the plain build, norms included.
+(Layouts: test_train's cp2×dp2 run; planner terms: test_plan.)
+
+Run: .venv/bin/python -m pytest -q tests/test_norms.py
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import tiny_checkpoint
+
+R, ALPHA = 4, 8.0
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _drawn(path):
+    """The checkpoint at `path` with its norm weights (and biases) drawn: a trained norm must differ from 1."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif n.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+    hf.save_pretrained(path, max_shard_size="60KB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    import transformers as T
+
+    qwen3 = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(T.Qwen3Config(
+        vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)).float().save_pretrained(qwen3)
+    return {"qwen2": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), layers=2)), "qwen3": _drawn(str(qwen3))}
+
+
+def _batch(n=19):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (2, n), generator=g)
+    return ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1), torch.arange(n).expand(2, n)
+
+
+def _ours(path, quant="none", layers=None, dora=False, **mem):
+    """Our model with --train-norms, B ~ N(0, 0.05) and each trained norm × (1 + 0.1·N(0, 1))."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    model, peft_model = build_nonzero_b(BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_layers=layers,
+                                                     dora=dora, train_norms=True, seed=3, **mem))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and n.endswith("norm.weight"):
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    return model, peft_model
+
+
+def _peft_twin(path, quant, ours, layers=None, dora=False):
+    """peft on the transformers model: LoRA, and the norms we train as modules_to_save, holding our tensors."""
+    from peft import LoraConfig, get_peft_model
+
+    from model.norms import modules_to_save
+    from tests.helpers import hf_as_trained
+
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    ref = get_peft_model(hf_as_trained(path, quant), LoraConfig(
+        r=R, lora_alpha=ALPHA, target_modules=ALL, init_lora_weights=False, use_dora=dora,
+        layers_to_transform=layers, modules_to_save=modules_to_save(mine)))
+    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
+              for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(theirs) == sorted(mine), (sorted(set(theirs) ^ set(mine)))
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(mine[n])
+    return ref, mine, theirs
+
+
+@pytest.mark.parametrize("family,quant,layers,dora", [("qwen2", "none", None, False), ("qwen2", "nf4", None, False),
+                                                      ("qwen3", "none", None, False), ("qwen2", "nf4", (1,), False),
+                                                      ("qwen3", "nf4", None, True)],
+                         ids=["plain", "nf4", "qwen3_qk_norms", "lora_layers_1", "qwen3_nf4_dora"])
+def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant, layers, dora):
+    model, _ = _ours(ckpts[family], quant, layers, dora)
+    ref, mine, theirs = _peft_twin(ckpts[family], quant, model, None if layers is None else list(layers), dora)
+    norms = sorted(n for n in mine if "norm" in n)
+    per_block = 4 if family == "qwen3" else 2
+    assert len(norms) == per_block * (2 if layers is None else len(layers)) + 1 and "model.norm.weight" in norms
+    ids, labels, pos = _batch()
+    ours, _ = model(ids, position_ids=pos, labels=labels)
+    ours.backward()
+    logits = ref(input_ids=ids).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), labels.reshape(-1), reduction="sum")
+    want.backward()
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5, msg="summed loss")
+    for n, p in mine.items():
+        assert theirs[n].grad.abs().sum() > 0, n
+        torch.testing.assert_close(p.grad, theirs[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad {n}")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from model.export import check_init_adapter, export_adapter, merge
+    from parallel.parallelize import BuildOptions, build_model, init_from_adapter
+
+    path = ckpts[family]
+    model, peft_model = _ours(path)
+    export_adapter(peft_model, str(tmp_path / "adapter"), path)
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    n_norms = (4 if family == "qwen3" else 2) * 2 + 1
+    assert len(cfg["modules_to_save"]) == n_norms and "model.norm" in cfg["modules_to_save"], cfg["modules_to_save"]
+    ids, _, pos = _batch()
+    with torch.no_grad():
+        ours = model(ids, position_ids=pos)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                     str(tmp_path / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5, msg="peft's logits")
+    want = peft.merge_and_unload().state_dict()
+    merge(path, str(tmp_path / "adapter"), str(tmp_path / "merged"), dtype=torch.float32)
+    got = {}
+    for f in (tmp_path / "merged").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    norms = [k for k in want if k.endswith("norm.weight")]
+    assert len(norms) == n_norms
+    for k in norms:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"merged {k}")
+    for k in want:
+        if k in got:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"merged {k}")
+    # --init-adapter: refused without --train-norms, naming it; with it, the model comes back
+    with pytest.raises(ValueError, match="no --train-norms \\(pass --train-norms\\)"):
+        check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL)
+    check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_norms=True)
+    again, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, train_norms=True, seed=9),
+                           device="cpu")
+    init_from_adapter(again, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids, position_ids=pos), ours, rtol=1e-5, atol=1e-5, msg="--init-adapter")
+
+
+def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
+    from peft.optimizers import create_loraplus_optimizer
+    from transformers import Trainer
+
+    from parallel.parallelize import lora_groups
+
+    model, _ = _ours(ckpts["qwen3"])
+    ref, _, _ = _peft_twin(ckpts["qwen3"], "none", model)
+    name = {id(p): n for n, p in model.named_parameters()}
+    trained = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+               for n, p in ref.named_parameters() if p.requires_grad}
+    decayed = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+               for n in Trainer.get_decay_parameter_names(None, ref)} & trained
+    groups = lora_groups(model)
+    assert {name[id(p)] for g in groups if g.get("weight_decay", 1) != 0 for p in g["params"]} == decayed
+    # LoRA+: each tensor at peft's rate (create_loraplus_optimizer: A at the LR, B and the 1-D norms at 16x); the norms
+    # still without decay (peft's LoRA+ decays them: its no-decay set is by class, nn.LayerNorm, which RMSNorm is not)
+    opt = create_loraplus_optimizer(ref, torch.optim.AdamW, lr=1e-3, loraplus_lr_ratio=16)
+    rate = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): g["lr"] / 1e-3
+            for g in opt.param_groups for n, p in ref.named_parameters() if any(p is q for q in g["params"])}
+    plus = lora_groups(model, 16.0)
+    assert {name[id(p)]: g.get("lr_ratio", 1.0) for g in plus for p in g["params"]} == rate
+    assert {name[id(p)] for g in plus if g.get("weight_decay", 1) != 0 for p in g["params"]} == decayed
+
+
+@pytest.mark.parametrize("mem", [dict(tiled_mlp=True, tiled_attn=True), dict(ac_keep_attn=True),
+                                 dict(offload_activations=True, tiled_mlp=True), dict(ac_group=2)],
+                         ids=["tiled_mlp_and_attn", "ac_keep_attn", "offload_tiled_mlp", "ac_group"])
+def test_memory_steps_train_the_norms_as_the_plain_build(ckpts, mem):
+    """One process, nf4 Qwen3 (q/k norms too), AC with each memory step (the tiles run the block norm over their rows
+    and sum its weight's gradient; the recompute; kept attention; offloaded checkpoints): three SGD steps give the
+    plain build's losses and every LoRA and norm gradient."""
+    ids, labels, pos = _batch(100)   # (tiled MLP: 200 tokens in 48-token tiles)
+
+    def steps(**kw):
+        model, _ = _ours(ckpts["qwen3"], "nf4", **kw)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
+        seen = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss, n = model(ids, position_ids=pos, labels=labels)
+            (loss / n).backward()
+            seen.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+            opt.step()
+        return seen
+
+    for step, ((want, gw), (got, gg)) in enumerate(zip(steps(ac=False), steps(ac=True, **mem))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step} loss")
+        assert sum("norm" in k for k in gg) == 9
+        for k in gw:
+            torch.testing.assert_close(gg[k], gw[k], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {k}")
