@@ -101,6 +101,9 @@ CONFIGS = [
     ("cp1 nf4 16k tiled tiled-attn dora v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--tiled-attn", "--dora"]),
     ("dp2 nf4 4k tiled tiled-attn dora", 2, 4096, ["--quant", "nf4", "--dp-shard", "2", "--tiled-mlp", "--tiled-attn",
                                                   "--dora"]),
+    # --train-norms: the norms train (tiny), block 0's first norm saves its input
+    ("cp1 nf4 4k train-norms", 1, 4096, ["--quant", "nf4", "--train-norms"]),
+    ("cp1 nf4 16k tiled train-norms v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--train-norms"]),
     # --lora-layers: the blocks below the lowest adapted one need no grad (no saved tensors, checkpoints, backward)
     # (2026-12, loaded 2-core CPU: planned / measured MB 129 / 133, 322 / 324, 460 / 429; all-blocks rows 136 / 140,
     # 412 / 415, 480 / 468)

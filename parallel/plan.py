@@ -25,6 +25,9 @@ Persistent all step:
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
    --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
    --lora-layers: of the A adapted blocks only (A for L; term 5 is one block's: an adapted one).
+   --train-norms: + each adapted block's norms (2 [D]; Qwen3's q/k norms 2 [hd]) alike; the final norm [D] leaves term 2
+   for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its first norm keeps
+   its input, whose output needs grad).
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -218,7 +221,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     adapted = [i for i in range(L) if chosen is None or i in chosen] or [L - 1]   # (mesh.validate refuses none)
     A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
-    root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)]
+    norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
+    lora += ([(D, D)] * 2 + [(hd, hd)] * 2 * m.qk_norm) * norms
+    root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
     lora_n = sum(n for _, n in lora)
@@ -246,6 +251,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
+        first = first and not (norms and tg)   # (a trained norm saves its input and makes an output needing grad)
         inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
                  and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
         if ta:   # the tiles keep the norm's input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A input
@@ -279,7 +285,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
         t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
-    t["embeddings, lm_head, final norm (frozen: whole on every rank)"] = sum(n for _, n in root) * e
+    t["embeddings, lm_head" + ", final norm" * (not norms) + " (frozen: whole on every rank)"] = \
+        sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
     t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
     of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W}, {of})"] = 4 * 4 * A * shard(lora)

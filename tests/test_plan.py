@@ -196,14 +196,21 @@ def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, *
     return alive, memory_plan(model.args, dims, args, "cpu", pack_rows)
 
 
-@pytest.mark.parametrize("tiled,ta,dropout", [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
-                                              (False, False, 0.1), (True, False, 0.1)],
-                         ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both", "mlp_dropout", "tiled_mlp_dropout"])
-def test_activations_match_autograd(tmp_path, tiled, ta, dropout):
+@pytest.mark.parametrize("tiled,ta,dropout,norms", [(False, False, 0, False), (True, False, 0, False),
+                                                    (False, True, 0, False), (True, True, 0, False),
+                                                    (False, False, 0.1, False), (True, False, 0.1, False),
+                                                    (False, False, 0, True), (True, True, 0, True),
+                                                    (False, False, 0.1, True)],
+                         ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both", "mlp_dropout", "tiled_mlp_dropout",
+                              "train_norms", "train_norms_tiled_both", "train_norms_dropout"])
+def test_activations_match_autograd(tmp_path, tiled, ta, dropout, norms):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward (with LoRA
-    dropout: each dropped input and its mask, on CPU the scaled float32 mask the product keeps)."""
-    flags = ["--no-ac", "--lora-dropout", str(dropout)] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta
-    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout)
+    dropout: each dropped input and its mask, on CPU the scaled float32 mask the product keeps; with --train-norms
+    layer 0's first norm keeps its input, and its output needs grad)."""
+    flags = ["--no-ac", "--lora-dropout", str(dropout)] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta + \
+        ["--train-norms"] * norms
+    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout,
+                               train_norms=norms)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 

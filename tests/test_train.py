@@ -100,6 +100,11 @@ FOUR_RANK_DORA = {"dora_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp
 # LoRA on block 1 alone (block 0 runs no backward), with AC's inputs offloaded and the tiled MLP on 4 ranks only
 FOUR_RANK_LAYERS = {"layers_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--lora-layers", "1",
                                             "--offload-activations", "--tiled-mlp"]}
+# --train-norms (every RMSNorm weight trained, in a group without weight decay), ring with the tiled MLP (whose tiles
+# run the norm) and offload on 4 ranks only: = 1 rank, the step-2 checkpoint resumed on 1 rank and exported
+NORMS = ["--train-norms", "--weight-decay", "0.1", "--save-every", "2"]
+FOUR_RANK_NORMS = {"norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp",
+                                          "--offload-activations", *NORMS]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
 FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
@@ -163,7 +168,8 @@ def _four_ranks(rank, world_size, assets, root):
     errors = {}
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
-    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA, **FOUR_RANK_LAYERS}.items():
+    for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA, **FOUR_RANK_LAYERS,
+                        **FOUR_RANK_NORMS}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
@@ -347,6 +353,7 @@ def one(assets, tmp_path_factory):
         "nf4": ["--quant", "nf4"],
         "plus": PLUS,
         "dora": DORA,
+        "norms": NORMS,
         "layers": ["--lora-layers", "1"],
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
@@ -790,6 +797,34 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
         start = nf4_round_trip(hf[k.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")])
         moved[k] = ((m - start.norm(dim=1)).abs().max() / start.norm(dim=1).max()).item()
     assert 1e-5 < min(moved.values()) and max(moved.values()) < 0.05, moved
+
+
+@pytest.mark.timeout(600)
+def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, four, tmp_path):
+    """--train-norms: cp2 x dp2 ring with the tiled MLP and offload = 1 rank untiled; the 4-rank step-2 checkpoint (the
+    norms and their AdamW state, sharded) resumed on 1 rank = the 1-rank run's step 3; `python -m
+    parallel.checkpoint` of it = the run's own adapter, whose norms (peft's modules_to_save, named in its config) moved
+    off the base's."""
+    import train
+    from parallel.checkpoint import export
+
+    _compare("4 ranks --train-norms", _at(four, "norms_cp2_dp2_ring"), _at(one, "norms"))
+    with one_thread():
+        train.main(train_argv(assets, str(tmp_path / "norms1from4"), *NORMS, "--resume",
+                              _at(four, "norms_cp2_dp2_ring", "ckpt", "step_000002")))
+    _compare("--train-norms resumed on 1 rank from 4 ranks", str(tmp_path / "norms1from4"), _at(one, "norms"),
+             steps=(3,))
+    export(_at(four, "norms_cp2_dp2_ring", "ckpt"), str(tmp_path / "exported" / "adapter"))
+    got, want = _adapter(str(tmp_path / "exported")), _adapter(_at(four, "norms_cp2_dp2_ring"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    with open(os.path.join(tmp_path, "exported", "adapter", "adapter_config.json")) as f:
+        saved = json.load(f)["modules_to_save"]
+    norms = {k: v for k, v in want.items() if k.endswith("norm.weight")}
+    assert len(norms) == len(saved) == 2 * 2 + 1, (sorted(norms), saved)
+    from transformers import AutoModelForCausalLM
+    hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
+    moved = {k: ((v - hf[k.removeprefix("base_model.model.")]).abs().max()).item() for k, v in norms.items()}
+    assert min(moved.values()) > 1e-4, moved
 
 
 @pytest.mark.timeout(600)
