@@ -334,7 +334,8 @@ def main(argv=None):
             from parallel.preference import DPO
             dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
                       read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
-                      device, dtype if dt == "cuda" else torch.float32)   # (LoRA's compute dtype: FSDP2's on CUDA)
+                      device, dtype if dt == "cuda" else torch.float32, args.model)   # (LoRA's compute dtype: FSDP2's
+            # on CUDA; the base's norms for --train-norms' reference)
         n_lora = sum(p.numel() for p in params)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA {n_lora / 1e6:.2f}M trainable"
              f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, quant {args.quant}, {dtype}, "

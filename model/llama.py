@@ -129,13 +129,16 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
+    reference = None   # while set (model.norms.reference_norms: DPO's reference model), the weight computed with
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        w = cast_weight(self.weight, x)   # (--train-norms' float32 weight, where no mixed precision cast it)
+        w = cast_weight(self.weight, x) if self.reference is None else self.reference.to(x.dtype)   # (--train-norms'
+        # float32 weight where no mixed precision cast it; DPO's reference: the base's or a reference adapter's)
         if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler, which saves x and
             return _normalize(x, w, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo also
         return _RMSNormFn.apply(x, w, self.eps)   # fails on this Function's graph: an AssertionError)

@@ -12,6 +12,10 @@ Contract:
   by suffix; their weights under "base_model.model.<module>.weight"), so `PeftModel.from_pretrained` computes with
   them and `merge_and_unload` writes them. `is_norm_weight(name)`: a trained norm's tensor name, in any of our,
   peft's or an adapter file's spellings.
+- `reference_norms(model, base, adapter, dtype, device)`: while entered, each trained norm computes with its reference
+  weight (DPO's reference model beside `model.qlora.adapters_off` / `reference_adapter`): a reference adapter's
+  (`adapter`: read_init_adapter's tensors) where it has one, else the base checkpoint's (`base`: its path), whole on
+  every rank in the compute dtype (tiny: a few [D] per block).
 - Weight decay never applies to them (`parallel.parallelize.lora_groups`), as transformers' Trainer keeps norms out
   of it (`get_decay_parameter_names`): decay would pull a gain toward 0, not toward its start.
 """
@@ -53,6 +57,34 @@ def modules_to_save(names) -> list[str]:
     """peft's modules_to_save for the norm weights `names` (any spelling is_norm_weight takes): their module names."""
     return sorted({_WEIGHT.search(n).group(2) for n in names if is_norm_weight(n)},
                   key=lambda m: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", m)])
+
+
+class reference_norms:
+    """DPO's reference for --train-norms' weights (module docstring)."""
+
+    def __init__(self, model, base: str, adapter: dict | None = None, dtype=None, device=None):
+        from model.load import CheckpointReader
+
+        self.norms = {n: m for n, m in model.named_modules() if hasattr(m, "weight") and m.weight.requires_grad and
+                      is_norm_weight(n + ".weight")}
+        adapter, reader = adapter or {}, None
+        self.weights = {}
+        for n in self.norms:
+            t = adapter.get(n + ".weight")
+            if t is None:
+                reader = reader or CheckpointReader(base)
+                t = reader.get(n + ".weight")
+            self.weights[n] = t.detach().to(device, dtype)
+        if reader is not None:
+            reader.close()
+
+    def __enter__(self):
+        for n, m in self.norms.items():
+            m.reference = self.weights[n]
+
+    def __exit__(self, *exc):
+        for m in self.norms.values():
+            m.reference = None
 
 
 def cast_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

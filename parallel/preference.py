@@ -148,14 +148,19 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: tor
 
 class DPO:
     def __init__(self, model, pref: Preference, cp_group=None, reference: dict | None = None, device=None,
-                 dtype=None):
+                 dtype=None, base: str | None = None):
         """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base;
-        `dtype` the one LoRA computes in."""
+        `dtype` the one LoRA computes in; `base`: the base checkpoint, whose norm weights the reference computes with
+        where the model trains them (--train-norms) and the reference adapter has none (model.norms)."""
         # (imported here: train.py imports Preference for --plan and its start-up lines, without peft or bitsandbytes)
+        from model.norms import is_norm_weight, reference_norms
         from model.qlora import adapters_off, reference_adapter
         self.model, self.pref, self.cp_group = model, pref, cp_group
+        lora = {k: v for k, v in (reference or {}).items() if not is_norm_weight(k)}
         self.off = None if not pref.reference else adapters_off(model) if reference is None else \
-            reference_adapter(model, reference, device, dtype)
+            reference_adapter(model, lora, device, dtype)
+        if self.off is not None and any(p.requires_grad and is_norm_weight(n) for n, p in model.named_parameters()):
+            self.off = _Both(self.off, reference_norms(model, base, reference, dtype, device))
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
         self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
         self.cache: dict[str, RefCache] = {}   # --dpo-cache-ref's, "train" and "eval"
@@ -191,6 +196,21 @@ class DPO:
         every rank's new values (`RefCache.sync`; `pairs`: the step's, every rank's); nothing without a cache."""
         if split in self.cache:
             self.cache[split].sync(group, pairs)
+
+
+class _Both:
+    """Two context managers entered as one (DPO's reference: LoRA off or the reference adapter's, and the norms')."""
+
+    def __init__(self, *cms):
+        self.cms = cms
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for cm in self.cms:
+            self.stack.enter_context(cm)
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
 
 
 class RefCache:

@@ -852,6 +852,24 @@ def test_dpo_from_a_dora_adapter_in_bf16_starts_at_log_2(pairs, tmp_path):
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
 
 
+def test_dpo_with_trained_norms_starts_at_log_2_from_the_base_and_from_their_adapter(pairs, tmp_path):
+    """--train-norms through train.py: DPO from the base trains (step 1 log 2, later steps move off it), then DPO from
+    that run's adapter (its LoRA and norms, read for the reference too) in bf16 without mixed precision (the norms'
+    float32 weights cast as the policy's are) starts at log 2 again. That the reference computes with the base's or
+    the adapter's norms, not the policy's trained ones: test_norms.py's DPO test (these log 2s hold either way)."""
+    import train
+
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "base"), "--steps", "3", "--train-norms", "--lr", "5e-3",
+                         "--eval-every", "0"))
+        train.main(_argv(pairs, str(tmp_path / "from"), "--init-adapter", str(tmp_path / "base" / "adapter"),
+                         "--train-norms", "--steps", "1", "--dtype", "bf16", "--eval-every", "0"))
+    m = _metrics(str(tmp_path / "base"))
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and abs(m[-1]["loss"] - math.log(2)) > 1e-4, m
+    m = _metrics(str(tmp_path / "from"))
+    assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
+
+
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
     said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo: from the first line, before tokenizing

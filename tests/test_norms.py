@@ -19,6 +19,7 @@ Run: .venv/bin/python -m pytest -q tests/test_norms.py
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ def _drawn(path):
             elif n.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=g))
     hf.save_pretrained(path, max_shard_size="60KB")
+    assert not os.path.exists(os.path.join(path, "model.safetensors"))   # (a stale file transformers would read)
     return path
 
 
@@ -53,7 +55,8 @@ def ckpts(tmp_path_factory):
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(T.Qwen3Config(
         vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)).float().save_pretrained(qwen3)
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)).float().save_pretrained(
+        qwen3, max_shard_size="60KB")   # (as _drawn saves it again: the same files, none left over)
     return {"qwen2": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), layers=2)), "qwen3": _drawn(str(qwen3))}
 
 
@@ -217,3 +220,39 @@ def test_memory_steps_train_the_norms_as_the_plain_build(ckpts, mem):
         assert sum("norm" in k for k in gg) == 9
         for k in gw:
             torch.testing.assert_close(gg[k], gw[k], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {k}")
+
+
+def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_path):
+    """DPO's reference model with --train-norms: from the base, LoRA off AND the base checkpoint's norms (the
+    transformers model's per-token losses), not the policy's trained ones; from a reference adapter, its LoRA and its
+    norms (peft's model of that adapter); the policy's own forward is as before once the reference has run."""
+    from peft import PeftModel
+
+    from model.export import export_adapter, read_init_adapter
+    from parallel.preference import DPO, Preference
+    from tests.helpers import hf_as_trained
+
+    path = ckpts["qwen3"]
+    ids, labels, pos = _batch()
+    per_token = lambda logits: torch.nn.functional.cross_entropy(   # (0 off target, as the model's per_token)
+        logits.reshape(-1, 128), labels.reshape(-1), ignore_index=-100, reduction="none")
+    model, peft_model = _ours(path)
+    export_adapter(peft_model, str(tmp_path / "adapter"), path)
+    with torch.no_grad():
+        own = model(ids, position_ids=pos, labels=labels, per_token=True)[0].reshape(-1)
+        base = per_token(hf_as_trained(path)(input_ids=ids).logits)
+        assert (own - base).abs().max() > 1e-3   # (the trained norms and LoRA move them)
+        got = DPO(model, Preference("sigmoid", 0.1), base=path).reference(ids, pos, labels).reshape(-1)
+        torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5, msg="the base as the reference")
+        torch.testing.assert_close(model(ids, position_ids=pos, labels=labels, per_token=True)[0].reshape(-1), own,
+                                   rtol=0, atol=0, msg="the policy after the reference")
+        fresh, _ = _ours(path)   # another policy (its own moved norms), the adapter as its reference
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.mul_(1.5)
+        peft = PeftModel.from_pretrained(hf_as_trained(path), str(tmp_path / "adapter"))
+        want = per_token(peft(input_ids=ids).logits)
+        got = DPO(fresh, Preference("sigmoid", 0.1), reference=read_init_adapter(str(tmp_path / "adapter")),
+                  base=path).reference(ids, pos, labels).reshape(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="the adapter (LoRA and norms) as reference")
+        torch.testing.assert_close(want, own, rtol=1e-5, atol=1e-5, msg="peft's model of the adapter = ours")
