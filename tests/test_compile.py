@@ -3,8 +3,9 @@
 Pins (CPU inductor, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base, peft LoRA with B != 0,
 activation checkpointing on): the compiled model's loss and every LoRA gradient equal the eager model's
 in one process (also with --tiled-mlp --tiled-attn, whose tiles call the compiled pieces), and on 2 gloo
-ranks (FSDP2 over cp 2 ring) equal the one-process eager model on every rank. The compiled forwards really
-are compiled (dynamo wrappers on every RMSNorm, Rotary and SwiGLU).
+ranks (FSDP2 over cp 2 ring) equal the one-process eager model on every rank; with the tiles also --train-norms
+(the norms' gradients). The compiled forwards really are compiled (dynamo wrappers on every RMSNorm, Rotary and
+SwiGLU).
 The first test fills inductor's on-disk cache, so the 2-rank one mostly reuses its kernels.
 
 Run: .venv/bin/python -m pytest -q tests/test_compile.py
@@ -48,22 +49,23 @@ def _step(model, ids, labels, pos):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp_and_attn"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp_and_attn_train_norms"])
 def test_compile_equals_eager_one_process(ckpt, tiled):
     """Compiled vs eager (the eager reference untiled); with --tiled-mlp --tiled-attn the tiles run the compiled
-    block norms, q/k norms and RoPE with grad in backward."""
+    block norms, q/k norms and RoPE with grad in backward, and (--train-norms) the norms' weights are trained: their
+    gradients too."""
     from model.llama import RMSNorm, Rotary, SwiGLU
 
     batch = _batch()
-    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt))[0], *batch)
-    model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=tiled, tiled_attn=tiled))
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt, train_norms=tiled))[0], *batch)
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=tiled, tiled_attn=tiled, train_norms=tiled))
     compiled = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SwiGLU))]
     forwards = [getattr(m.forward, "norm_forward", m.forward) for m in compiled]   # block norms: apply_norm_rebuild
     assert len(compiled) == 2 * 4 + 1 and all(hasattr(getattr(f, "compiled", f), "_torchdynamo_orig_callable")
                                                 for f in forwards)
     loss, grads = _step(model, *batch)
     torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
-    assert grads.keys() == ref_grads.keys() and len(grads) == 28
+    assert grads.keys() == ref_grads.keys() and len(grads) == 28 + 5 * tiled
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
 

@@ -474,6 +474,39 @@ def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
     assert sum(k.endswith(".lora_magnitude_vector") for k in keys) * 3 == len(keys) > 0, sorted(keys)[:3]
 
 
+def test_cuda_train_norms_nf4_bf16(tmp_path, monkeypatch):
+    """--train-norms on the trainer's CUDA path (FSDP2 mixed precision hands the float32 norms to aten's fused RMSNorm
+    in bf16; their gradient in row chunks): 12 demo steps train (finite, the last loss below the first), step 1 logs
+    the plain LoRA run's step-1 loss (the norms start at the base's), and the adapter holds every norm, moved."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import train
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29538", RANK="0", WORLD_SIZE="1",
+                     LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+
+    def run(name, *flags):
+        out = tmp_path / name
+        train.main(["--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
+        return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    out, rows = run("norms", "--steps", "12", "--train-norms")
+    _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")
+    assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6), (rows[0], plain[0])
+    from model.load import CheckpointReader
+    keys = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    norms = {k.removeprefix("base_model.model."): v for k, v in keys.items() if k.endswith("norm.weight")}
+    with open(os.path.join(train.DEMO["model"], "config.json")) as f:
+        assert len(norms) == 2 * json.load(f)["num_hidden_layers"] + 1, sorted(norms)
+    base = CheckpointReader(train.DEMO["model"])
+    assert all(bool(torch.isfinite(v).all()) for v in norms.values())
+    assert min((v - base.get(k).float()).abs().max().item() for k, v in norms.items()) > 0, "the norms trained"
+
+
 def test_cuda_dpo_nf4_bf16(tmp_path, monkeypatch):
     """--objective dpo on the device (the demo's model, NF4, bf16, preference pairs): step 1's loss is log 2 (LoRA's B
     is 0, so the policy's forward is the reference's bit for bit), the losses and reward metrics are finite, and the
