@@ -9,7 +9,7 @@ Contract:
   how a tuned model says it is done, and one spelled in several ordinary tokens (a template written for another
   model's special tokens) would be nothing a generation loop stops on. Refused, naming the marker and the count.
 - `end_of_turn(tokenizer)` -> (marker, its token ids; spaces around it are not part of it) under the tokenizer's
-  template. `model.export.merge` adds the
+  template. `model.merged.merge` adds the
   marker's id to the merged generation_config.json's eos_token_id, so generation stops there.
 - `dated(template)`: the template writes the date (`strftime_now`: Llama 3.2's and 3.3's "Today Date" line).
   `on_day(day)` makes every rendering inside it write that date ("YYYY-MM-DD", at 00:00) in place of today's: the

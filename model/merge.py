@@ -8,7 +8,7 @@
 adapter names (adapter_config.json: a path, or a Hub id with the commit trained on, fetched into the hub cache).
 
 W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for every adapted projection
-(`model.export.merge`); for a DoRA adapter (use_dora, `--dora`) W' = m / ‖W + s·B A‖ ⊙ (W + s·B A), the norm per
+(`model.merged.merge`); for a DoRA adapter (use_dora, `--dora`) W' = m / ‖W + s·B A‖ ⊙ (W + s·B A), the norm per
 output row and m its lora_magnitude_vector (`model.dora.fold`, peft's merge_and_unload). With --quant nf4 W is the
 dequantized 4-bit base, i.e. exactly the weights the adapter was trained against (the DoRA norm taken over it too);
 with --quant none it is the checkpoint's own weight. When --quant is not given it is read from the
@@ -124,7 +124,8 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
-    from model.export import STAGE, is_stage, not_an_adapter
+    from model.export import not_an_adapter
+    from model.merged import STAGE, is_stage
 
     errors = []
     base = getattr(args, "base_flag", "--model")   # (no --model: the base the adapter names)
@@ -159,7 +160,7 @@ def check_inputs(args) -> list[str]:
         from model.export import not_plain_lora
         try:
             with open(cfg) as f:
-                wrong = not_plain_lora(json.load(f), dora=True)   # (DoRA: export.merge folds its magnitudes)
+                wrong = not_plain_lora(json.load(f), dora=True)   # (DoRA: merged.merge folds its magnitudes)
         except ValueError as e:
             wrong = [f"an unreadable adapter_config.json ({e})"]
         if wrong:   # one alpha / r for every module is all the merge folds in
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from model.export import MovesFailed, merge
+    from model.merged import MovesFailed, merge
 
     t0 = time.time()
     try:

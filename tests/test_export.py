@@ -150,7 +150,7 @@ def test_adapter_loads_in_peft_and_matches(exported):
 def test_merge_plain_base(exported, tmp_path):
     from peft import PeftModel
 
-    from model.export import merge
+    from model.merged import merge
 
     path, root, ours = exported
     adapter = os.path.join(root, "none")
@@ -176,7 +176,7 @@ def test_merge_plain_base(exported, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["nf4", "nf4_qv"])
 def test_merge_nf4_base_equals_our_model(exported, tmp_path, case):
-    from model.export import merge
+    from model.merged import merge
 
     path, root, ours = exported
     merge(path, os.path.join(root, case), str(tmp_path), quant="nf4", dtype=torch.float32)
@@ -202,7 +202,7 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
     from bitsandbytes.functional import dequantize_4bit
     from peft import PeftModel
 
-    from model.export import _is_nf4, merge
+    from model.merged import _is_nf4, merge
 
     path, root, _ = exported
     for case, quant, dtype, tol in [("none", "none", torch.float32, 1e-6), ("none", "none", torch.bfloat16, 0),
@@ -261,7 +261,7 @@ def test_merge_dora_equals_peft_merge_and_unload(dora, tmp_path):
     from safetensors.torch import load_file
 
     from model import merge as cli
-    from model.export import merge
+    from model.merged import merge
 
     path, adapters = dora
     adapter = adapters["none"]
@@ -304,7 +304,7 @@ def test_merge_dora_from_nf4_equals_peft_dora_on_the_round_trip(dora, tmp_path):
     `merge_and_unload()` within 1e-6."""
     from peft import PeftModel
 
-    from model.export import _is_nf4, merge
+    from model.merged import _is_nf4, merge
     from model.qlora import nf4_round_trip
 
     path, adapters = dora
@@ -389,7 +389,8 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     import shutil
 
     from model import merge as cli
-    from model.export import TRAINED_ON, merge
+    from model.export import TRAINED_ON
+    from model.merged import merge
 
     path, root, _ = exported
     adapter = tmp_path / "adapter"
@@ -471,7 +472,7 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     argv = lambda out, *extra: ["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out), *extra]
     # a live merge's stage is not a killed one's: a second merge into the same --out is refused while the first holds
     # the folder's lock (review, helper 54: it cleared the first's stage, and the two left one mixed, incomplete model)
-    from model.export import _hold
+    from model.merged import _hold
     held = _hold(str(fresh))
     try:
         assert cli.main(argv(fresh)) == 2
@@ -524,7 +525,8 @@ def test_merge_carries_the_bases_other_files(exported, tmp_path):
     import shutil
 
     from data.templates import TEMPLATES
-    from model.export import TEMPLATE, merge
+    from model.export import TEMPLATE
+    from model.merged import merge
 
     path, root, _ = exported
     base, adapter = tmp_path / "base", tmp_path / "adapter"
@@ -551,7 +553,7 @@ def test_merge_carries_the_bases_other_files(exported, tmp_path):
 def test_merge_cli(exported, tmp_path):
     from transformers import AutoTokenizer
 
-    from model.export import merge
+    from model.merged import merge
 
     path, root, _ = exported
     run = tmp_path / "run"                      # the layout train.py writes: RUN/config.json + RUN/adapter
@@ -597,7 +599,8 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     from safetensors.torch import load_file, save_file
 
     from model import merge as cli
-    from model.export import TRAINED_ON, merge
+    from model.export import TRAINED_ON
+    from model.merged import merge
     from tests.fixtures import make_tokenizer
 
     path, root, _ = exported

@@ -129,7 +129,8 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, tm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from model.export import check_init_adapter, export_adapter, merge
+    from model.export import check_init_adapter, export_adapter
+    from model.merged import merge
     from parallel.parallelize import BuildOptions, build_model, init_from_adapter
 
     path = ckpts[family]

@@ -142,7 +142,7 @@ def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(a
     from peft import PeftModel
 
     import train
-    from model.export import merge
+    from model.merged import merge
 
     yarn = str(tmp_path / "yarn_model")   # the same weights, YaRN in config.json (the classic hub form)
     shutil.copytree(assets["model"], yarn)

@@ -1827,7 +1827,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
 
     from data import load_jsonl, load_tokenizer, tokenize_records
     from data.templates import TEMPLATES
-    from model.export import merge
+    from model.merged import merge
     from parallel import checkpoint
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
