@@ -273,9 +273,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # (--lora-layers: a checkpoint below lo keeps nothing, its output needs no grad; block lo's input is kept whole)
     inputs = lambda n, ids=lo == 0: max(n - 1, 0 if K else 1) if ids else max(n, 0)
     ckpt = inputs(N - lo) * e * T * D
-    # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with),
-    # less the inputs of the blocks above it, freed by then (with --lora-layers, blocks differ)
-    one = max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo))
+    # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with
+    # unless --train-norms trains it: then it saves that input, as the others'), less the inputs of the blocks above
+    # it, freed by then (with --lora-layers, blocks differ)
+    one = max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo or norms))
               - (L - 1 - i) * e * T * D for i in range(lo, L))
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]

@@ -749,3 +749,26 @@ def test_lora_layers_activations_match_autograd(tmp_path, spec, flags):
     acts = [k for k in p.terms if k.startswith("activations: saved tensors") or "block checkpoints" in k]
     planned = sum(p.terms[k] for k in acts) + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert len(acts) == 1 and planned == saved, (acts, planned, saved)
+
+
+def test_train_norms_recompute_of_block_lo_shares_its_checkpointed_input(tmp_path):
+    """--lora-layers 3 of 4 with --train-norms under AC: block 3's first norm trains, so its recompute saves the
+    block's input (the checkpoint's, counted in the checkpoint term) without a copy: the recompute term is the no-AC
+    block's saved tensors less that [T, D], not all of them (it counted the input twice)."""
+    from model.load import read_args
+    from tests.helpers import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=4, vocab=256, inter=96,
+                           max_shard_size="50MB")
+    m = read_args(path)
+
+    def plan(*flags):
+        args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", "--quant",
+                                                "nf4", "--dtype", "fp32", "--lora-layers", "3", "--train-norms", *flags])
+        dims, pack_rows = validate(args, m, 1)
+        return memory_plan(m, dims, args, "cpu", pack_rows)
+
+    ac, no_ac = plan(), plan("--no-ac")
+    block = term(no_ac, "activations: saved tensors")   # (block 3's alone: test_activations_match_autograd's terms)
+    assert term(ac, "activations: 1 block checkpoints") == 4 * 128 * m.dim
+    assert term(ac, "| block recompute (AC)") == block - 4 * 128 * m.dim

@@ -182,6 +182,8 @@ def _four_ranks(rank, world_size, assets, root):
     stopped = _stop_one_rank(rank, train_argv(assets, os.path.join(root, "stop_cp2_dp2_ring"), *STOP4))
     train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
+    train.main(train_argv(assets, os.path.join(root, "init_norms_cp2_dp2_ring"), *INIT4,   # (its norms into FSDP2's
+                          os.path.join(root, "norms_cp2_dp2_ring", "adapter"), "--train-norms"))   # shards, the root's)
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
     train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
     train.main(train_argv(assets, os.path.join(root, "early_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2",
@@ -854,6 +856,12 @@ def test_init_adapter_four_ranks_match_one_rank(assets, four, tmp_path):
         train.main(train_argv(assets, out, "--steps", "1", "--init-adapter",
                               _at(four, "cp2_dp2_ulysses", "adapter")))
     _compare("--init-adapter, 4 ranks ring vs 1 rank", _at(four, "init_cp2_dp2_ring"), out, steps=(1,))
+    out = str(tmp_path / "init_norms1")   # an adapter with trained norms (test_norms: one process loads them all)
+    with one_thread():
+        train.main(train_argv(assets, out, "--steps", "1", "--train-norms", "--init-adapter",
+                              _at(four, "norms_cp2_dp2_ring", "adapter")))
+    _compare("--init-adapter --train-norms, 4 ranks ring vs 1 rank", _at(four, "init_norms_cp2_dp2_ring"), out,
+             steps=(1,))
 
 
 @pytest.mark.timeout(600)
