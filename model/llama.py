@@ -108,8 +108,10 @@ class _RMSNormFn(torch.autograd.Function):
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), _norm_rows(x)
         out = dx = None
         if ctx.fused and ctx.needs_input_grad[0]:   # aten's kernel forms g·weight itself (in float32: no [T, D]
-            out = torch.ops.aten._fused_rms_norm_backward(   # temporary; within bf16 rounding of the cast's g·weight)
-                g, x, [x.shape[-1]], rstd, weight, [True, False])[0]   # a fresh tensor in x's shape, as below
+            out, dw = torch.ops.aten._fused_rms_norm_backward(   # temporary; within bf16 rounding of the cast's
+                g, x, [x.shape[-1]], rstd, weight, [True, ctx.needs_input_grad[1]])   # g·weight), in x's shape
+            if ctx.needs_input_grad[1]:   # --train-norms: its weight's gradient too (float32 sums inside, from the
+                return out, dw.to(weight.dtype), None   # unrounded x·rstd; no chunk's float32 temporaries)
         elif ctx.needs_input_grad[0]:
             # dx in x's shape, filled through a flat view and returned as is: autograd can then sum a second
             # gradient of x into it in place (a returned view would make it allocate a third [T, D] for the sum)

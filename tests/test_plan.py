@@ -763,8 +763,9 @@ def test_train_norms_recompute_of_block_lo_shares_its_checkpointed_input(tmp_pat
     m = read_args(path)
 
     def plan(*flags):
-        args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", "--quant",
-                                                "nf4", "--dtype", "fp32", "--lora-layers", "3", "--train-norms", *flags])
+        args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1",
+                                                "--quant", "nf4", "--dtype", "fp32", "--lora-layers", "3",
+                                                "--train-norms", *flags])
         dims, pack_rows = validate(args, m, 1)
         return memory_plan(m, dims, args, "cpu", pack_rows)
 

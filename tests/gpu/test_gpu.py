@@ -355,6 +355,16 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
         torch.testing.assert_close(y.float(), yr.float(), rtol=2e-2, atol=1e-2, msg=f"fused={fused} out")
         err = ((dx.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item()
         assert err < 1e-2, (fused, err)
+    for fused in (True, False):   # --train-norms: the weight's gradient too (aten's kernel's on the fused path)
+        monkeypatch.setattr(llama, "FUSED_NORM", fused)
+        ours = llama.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
+        with torch.no_grad():
+            ours.weight.copy_(ref.weight)
+        xo = x.clone().requires_grad_()
+        ours(xo).backward(dy)
+        for name, a, b in (("dx", xo.grad, xr.grad), ("dweight", ours.weight.grad, ref.weight.grad)):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert err < 1e-2, (fused, name, err)
 
 
 @pytest.mark.parametrize("conf, expandable", [(None, True), ("", False)])
