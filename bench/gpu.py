@@ -42,6 +42,7 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   --tiled-mlp --tiled-attn, one step each;
 - dora = 32,768 tokens, 8 layers: ours, "ours+dora" (--dora), hf, and "hf+dora" (HF + bitsandbytes + peft's
   use_dora, its own process): what DoRA costs each, and ours against peft's at it.
+- norms = 32,768 tokens, 8 layers: ours and "ours+norms" (--train-norms): what training the RMSNorm weights costs.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
 device (95% of it), read back from the run's config.json for the plan comparison.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
@@ -81,7 +82,7 @@ default_allocator()   # every row (ours, and the peers in their subprocess) with
 import torch
 
 CASES = {"32k": (32768, None), "128k": (131072, 8), "mem": (131072, 8), "fast": (32768, None),
-         "long": (524288, 8), "dora": (32768, 8)}   # tokens, layers (None: all)
+         "long": (524288, 8), "dora": (32768, 8), "norms": (32768, 8)}   # tokens, layers (None: all)
 # our runs with other flags: selective AC (--ac-keep-attn, a speed flag), the long-context memory flags (what
 # each costs in tokens/s at 128k), and the long case
 FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
@@ -102,7 +103,8 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             # with --dpo-share-prompt (the prompt once): what sharing saves, s/step against s/step
             "ours+dpo-prompt": ["--objective", "dpo"],
             "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"],
-            "ours+dora": ["--dora"]}   # DoRA, against "hf+dora": HF + bitsandbytes + peft's use_dora
+            "ours+dora": ["--dora"],   # DoRA, against "hf+dora": HF + bitsandbytes + peft's use_dora
+            "ours+norms": ["--train-norms"]}   # the RMSNorm weights trained too: what they cost
 PEERS = ("hf", "liger", "hf+dora")   # rows of HF's model (bench's --peer process); hf+dora loads its own
 ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs",   # else DPO rows: "pairs"
             "ours+dpo-cached": "one_pair"}
@@ -118,7 +120,8 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                 "fast": ["ours", "ours+keep-attn", "ours+compile", "ours+compile+tiled+keep-attn", FIT_AC, "ours+dpo",
                          "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"],
-                "dora": ["ours", "ours+dora", "hf", "hf+dora"]}
+                "dora": ["ours", "ours+dora", "hf", "hf+dora"],
+                "norms": ["ours", "ours+norms"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -534,7 +537,7 @@ def main(argv=None):
     ap.add_argument("--case", default="all", choices=[*CASES, "all"],
                     help="which case(s) to run (all: 32k and 128k; mem: 128k with the memory flags; fast: 32k with "
                     "the speed flags that spend memory; long: 512k tokens, ours with the memory flags; dora: "
-                    "--dora against peft's DoRA)")
+                    "--dora against peft's DoRA; norms: --train-norms' cost)")
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
@@ -584,7 +587,8 @@ def main(argv=None):
         steps = warmup + timed
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
-             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora"]
+             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
+             "ours+norms"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)

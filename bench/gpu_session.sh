@@ -71,6 +71,8 @@
 #   And --dora (2026-12-05, CPU only: never run on CUDA, bf16 under FSDP2's mixed precision included): BENCH='--case
 #   dora' (32k, 8 layers: ours, ours+dora, hf, hf+dora with peft's use_dora; ~3 min): DoRA's cost for each, ours
 #   against peft's at it, and that the --dora row trains (its loss beside the others').
+#   And --train-norms (2026-12-06, CPU only): BENCH='--case norms' (32k, 8 layers: ours, ours+norms; ~1 min): what
+#   training the norms costs (aten's fused RMSNorm backward now forms their gradient; tests/gpu pins it).
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
