@@ -31,6 +31,20 @@ def build_nonzero_b(opts, b_std=0.05, **kw):
     return model, peft_model
 
 
+def sgd_steps(model, ids, labels, pos, n=3, lr=5.0) -> list:
+    """n SGD steps of `model` on one batch (the mean loss over its targets): [(loss, {name: grad})] per step, so a
+    build under memory steps can be held to the plain build's numbers over steps whose weights moved."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    seen = []
+    for _ in range(n):
+        opt.zero_grad()
+        loss, count = model(ids, position_ids=pos, labels=labels)
+        (loss / count).backward()
+        seen.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+        opt.step()
+    return seen
+
+
 def train_argv(assets, out, *extra):
     data = [] if "--data" in extra else ["--data", assets["data"]]   # (given twice, --data is refused)
     return ["--model", assets["model"], *data, "--quant", "none", "--dtype", "fp32",

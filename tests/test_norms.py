@@ -204,17 +204,9 @@ def test_memory_steps_train_the_norms_as_the_plain_build(ckpts, mem):
     plain build's losses and every LoRA and norm gradient."""
     ids, labels, pos = _batch(100)   # (tiled MLP: 200 tokens in 48-token tiles)
 
-    def steps(**kw):
-        model, _ = _ours(ckpts["qwen3"], "nf4", **kw)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
-        seen = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss, n = model(ids, position_ids=pos, labels=labels)
-            (loss / n).backward()
-            seen.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
-            opt.step()
-        return seen
+    from tests.helpers import sgd_steps
+
+    steps = lambda **kw: sgd_steps(_ours(ckpts["qwen3"], "nf4", **kw)[0], ids, labels, pos)
 
     for step, ((want, gw), (got, gg)) in enumerate(zip(steps(ac=False), steps(ac=True, **mem))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step} loss")

@@ -457,6 +457,20 @@ def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     assert os.path.isfile(out / "adapter" / "adapter_model.safetensors")
 
 
+def _demo_runs(tmp_path, monkeypatch, port: str):
+    """train.main on the demo's model and data as one process on this device (NF4, bf16): run(name, *flags) ->
+    (its folder, its metrics rows)."""
+    import train
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+
+    def run(name, *flags):
+        out = tmp_path / name
+        train.main(["--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
+        return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return run
+
+
 def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
     """--dora on the trainer's CUDA path (FSDP2 mixed precision: magnitudes, A and B in bf16 in forward, NF4 base):
     12 demo steps train (finite, the last loss below the first), the adapter holds the magnitudes, and step 1, where
@@ -465,16 +479,7 @@ def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
 
     from safetensors.torch import load_file
 
-    import train
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29537", RANK="0", WORLD_SIZE="1",
-                     LOCAL_RANK="0").items():
-        monkeypatch.setenv(k, v)
-
-    def run(name, *flags):
-        out = tmp_path / name
-        train.main(["--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
-        return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
-
+    run = _demo_runs(tmp_path, monkeypatch, "29537")
     out, rows = run("dora", "--steps", "12", "--dora")
     _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
@@ -486,28 +491,22 @@ def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
 
 def test_cuda_train_norms_nf4_bf16(tmp_path, monkeypatch):
     """--train-norms on the trainer's CUDA path (FSDP2 mixed precision hands the float32 norms to aten's fused RMSNorm
-    in bf16; their gradient in row chunks): 12 demo steps train (finite, the last loss below the first), step 1 logs
-    the plain LoRA run's step-1 loss (the norms start at the base's), and the adapter holds every norm, moved."""
+    in bf16; their gradient from its fused backward): 12 demo steps train (finite, the last loss below the first),
+    step 1 logs the plain LoRA run's step-1 loss (the norms start at the base's), and the adapter holds every norm,
+    moved."""
     import os
 
     from safetensors.torch import load_file
 
     import train
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29538", RANK="0", WORLD_SIZE="1",
-                     LOCAL_RANK="0").items():
-        monkeypatch.setenv(k, v)
+    from model.load import CheckpointReader
 
-    def run(name, *flags):
-        out = tmp_path / name
-        train.main(["--no-progress", "--out", str(out), "--quant", "nf4", "--dtype", "bf16", *flags])
-        return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
-
+    run = _demo_runs(tmp_path, monkeypatch, "29538")
     out, rows = run("norms", "--steps", "12", "--train-norms")
     _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
-    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6), (rows[0], plain[0])
-    from model.load import CheckpointReader
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4), (rows[0], plain[0])
     keys = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
     norms = {k.removeprefix("base_model.model."): v for k, v in keys.items() if k.endswith("norm.weight")}
     with open(os.path.join(train.DEMO["model"], "config.json")) as f:
