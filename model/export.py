@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
 from model.load import hub_snapshot
-from model.norms import is_norm_weight, modules_to_save
+from model.norms import is_embed_weight, is_norm_weight, is_saved_weight, modules_to_save
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
@@ -59,7 +59,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
-    sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_norm_weight(n)}))
+    sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_saved_weight(n)}))
     write_adapter(sd, peft_model.peft_config["default"], out_dir, base_path, rope_parameters, chat_template, quant,
                   model_sha256)
 
@@ -70,7 +70,7 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     each as a phrase naming it. Norm layers as modules_to_save (--train-norms') are this trainer's too."""
     wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
-             if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_norms(cfg))]
+             if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_trained(cfg))]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
@@ -88,10 +88,11 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     return wrong
 
 
-def saves_norms(cfg: dict) -> bool:
-    """Whether an adapter_config.json's modules_to_save are norm layers only (and some): --train-norms' adapter."""
+def saves_trained(cfg: dict) -> bool:
+    """Whether an adapter_config.json's modules_to_save are norm layers and the input embedding only (and some):
+    --train-norms' and --train-embeddings' adapter."""
     mods = cfg.get("modules_to_save")
-    return isinstance(mods, list) and bool(mods) and all(isinstance(m, str) and is_norm_weight(m + ".weight")
+    return isinstance(mods, list) and bool(mods) and all(isinstance(m, str) and is_saved_weight(m + ".weight")
                                                          for m in mods)
 
 
@@ -117,7 +118,8 @@ def not_an_adapter(path: str, flag: str) -> str | None:
 
 
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
-                       chat_template: str | None = None, dora: bool = False, train_norms: bool = False) -> dict:
+                       chat_template: str | None = None, dora: bool = False, train_norms: bool = False,
+                       train_embeddings: bool = False) -> dict:
     """`--init-adapter`: refuse a PEFT LoRA adapter this run cannot start from, naming the value and the fix (config
     only: cheap, before any weight). Returns its adapter_config.json."""
     if why := not_an_adapter(path, "--init-adapter"):
@@ -131,9 +133,13 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
         # as another rslora is: say which flag keeps what it learned)
         wrong.append(f"use_dora {bool(cfg.get('use_dora'))}, this run " + ("--dora" if dora else "no --dora")
                      + (" (pass --dora)" if cfg.get("use_dora") else " (drop --dora)"))
-    if saves_norms(cfg) and not train_norms:   # (its trained norms would be dropped: the function changes)
+    saved = cfg.get("modules_to_save") if saves_trained(cfg) else []   # (its trained norms or embedding would be
+    if any(is_norm_weight(m + ".weight") for m in saved) and not train_norms:   # dropped: the function changes)
         wrong.append(f"modules_to_save {cfg['modules_to_save']!r} (trained norm weights), this run no --train-norms "
                      "(pass --train-norms)")
+    if any(is_embed_weight(m + ".weight") for m in saved) and not train_embeddings:
+        wrong.append("modules_to_save with model.embed_tokens (a trained input embedding), this run no "
+                     "--train-embeddings (pass --train-embeddings)")
     if bool(cfg.get("use_rslora")) != rslora:   # the other scale would change the function it learned
         wrong.append(f"use_rslora {bool(cfg.get('use_rslora'))}, this run " + ("--rslora" if rslora else "no --rslora")
                      + (" (pass --rslora)" if cfg.get("use_rslora") else " (drop --rslora)"))

@@ -330,6 +330,8 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = [self.model.embed_tokens(input_ids)]                               # [B, S, D]
+        if x[0].dtype != self.lm_head.weight.dtype:   # (--train-embeddings' float32 rows, where no mixed precision
+            x[0] = x[0].to(self.lm_head.weight.dtype)   # cast the weight: the compute dtype, as a frozen one's)
         cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
         # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the

@@ -23,9 +23,9 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_norms
+from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained
 from model.load import CheckpointReader, _check_dir
-from model.norms import is_norm_weight
+from model.norms import is_saved_weight
 
 STAGE = ".merge-tmp"   # merge()'s folder inside --out, whose files move into --out once all are written
 STAGE_MARK = ".merge-stage"   # the file inside STAGE that makes it merge()'s own (a user's .merge-tmp is left alone)
@@ -119,9 +119,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     dora = bool(acfg.get("use_dora"))   # (model.merge checked the rest of adapter_config.json: not_plain_lora)
     mag = ".lora_magnitude_vector"   # peft's key for DoRA's magnitude, one per output row
-    norms = saves_norms(acfg)   # --train-norms' weights: they replace the base's
+    norms = saves_trained(acfg)   # --train-norms' and --train-embeddings' weights: they replace the base's
     other = sorted(k for k in lora if ".lora_A." not in k and ".lora_B." not in k and not (dora and mag in k)
-                   and not (norms and is_norm_weight(k)))
+                   and not (norms and is_saved_weight(k)))
     if other:   # before anything is written
         stray = not dora and any(mag in k for k in other)   # (DoRA's, in an adapter whose config says LoRA)
         raise ValueError(f"adapter {adapter_dir!r} holds tensors that are not LoRA A/B weights"
@@ -133,7 +133,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     # "base_model.model.<name>.lora_A.weight" -> "<name>.weight": {"A", "B"} (and DoRA's "m")
     pairs = {}
     for k, v in lora.items():
-        if norms and is_norm_weight(k):
+        if norms and is_saved_weight(k):
             pairs[k.removeprefix("base_model.model.")] = {"norm": v.float()}
             continue
         name, which = k.removeprefix("base_model.model.").rsplit(".lora_", 1)

@@ -1,5 +1,6 @@
-"""`--train-norms`: the RMSNorm weights train beside LoRA (LongLoRA, Chen et al. 2023: with LoRA alone a context
-extension falls short of full fine-tuning; trainable normalization (and embedding) layers close most of the gap).
+"""`--train-norms` and `--train-embeddings`: the RMSNorm weights, and the input embedding, train beside LoRA (LongLoRA,
+Chen et al. 2023: with LoRA alone a context extension falls short of full fine-tuning; trainable normalization and
+embedding layers close most of the gap).
 
 Contract:
 - `trained_norms(model, layers)`: the norm modules that train, by our (and transformers') names: each adapted block's
@@ -8,15 +9,18 @@ Contract:
 - `train_norms(model, layers)`: those weights become trainable float32 masters (as LoRA's: FSDP2's mixed precision
   hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
   trained, clipped, checkpointed and exported (parallel/parallelize.lora_parameters).
+- `train_embeddings(model)`: the input embedding `model.embed_tokens` trains as a float32 master too (untied models:
+  mesh.check_model_flags refuses a tied one, whose output head is the same weight). The decoder casts its rows to the
+  compute dtype where no mixed precision did (model.llama.Transformer).
 - In an adapter they are peft's `modules_to_save` (`modules_to_save(names)`: the module names, which peft matches
   by suffix; their weights under "base_model.model.<module>.weight"), so `PeftModel.from_pretrained` computes with
-  them and `merge_and_unload` writes them. `is_norm_weight(name)`: a trained norm's tensor name, in any of our,
-  peft's or an adapter file's spellings.
+  them and `merge_and_unload` writes them. `is_norm_weight(name)`, `is_embed_weight(name)`: a trained norm's or the
+  embedding's tensor name, in any of our, peft's or an adapter file's spellings; `is_saved_weight`: either.
 - `reference_norms(model, base, adapter, dtype, device)`: while entered, each trained norm computes with its reference
   weight (DPO's reference model beside `model.qlora.adapters_off` / `reference_adapter`): a reference adapter's
   (`adapter`: read_init_adapter's tensors) where it has one, else the base checkpoint's (`base`: its path), whole on
   every rank in the compute dtype (tiny: a few [D] per block).
-- Weight decay never applies to them (`parallel.parallelize.lora_groups`), as transformers' Trainer keeps norms out
+- Weight decay never applies to the norms (`parallel.parallelize.lora_groups`), as transformers' Trainer keeps norms out
   of it (`get_decay_parameter_names`): decay would pull a gain toward 0, not toward its start.
 """
 
@@ -29,6 +33,9 @@ import torch
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
                      r"self_attn\.q_norm|self_attn\.k_norm))(\.modules_to_save\.default)?\.weight$")
+
+
+_EMBED = re.compile(r"(^|\.)(model\.embed_tokens)(\.modules_to_save\.default)?\.weight$")
 
 
 def trained_norms(model, layers=None) -> list[str]:
@@ -48,14 +55,32 @@ def train_norms(model, layers=None) -> None:
         w.requires_grad_(True)
 
 
+def train_embeddings(model) -> None:
+    """Make the input embedding's weight a trainable float32 master (--train-embeddings)."""
+    w = model.model.embed_tokens.weight
+    w.data = w.data.float()
+    w.requires_grad_(True)
+
+
 def is_norm_weight(name: str) -> bool:
     """Whether `name` is a trained norm's weight (ours, peft's wrapped one, or an adapter file's key)."""
     return bool(_WEIGHT.search(name))
 
 
+def is_embed_weight(name: str) -> bool:
+    """Whether `name` is the input embedding's weight (ours, peft's wrapped one, or an adapter file's key)."""
+    return bool(_EMBED.search(name))
+
+
+def is_saved_weight(name: str) -> bool:
+    """A norm's or the embedding's weight: what an adapter holds as peft's modules_to_save."""
+    return is_norm_weight(name) or is_embed_weight(name)
+
+
 def modules_to_save(names) -> list[str]:
-    """peft's modules_to_save for the norm weights `names` (any spelling is_norm_weight takes): their module names."""
-    return sorted({_WEIGHT.search(n).group(2) for n in names if is_norm_weight(n)},
+    """peft's modules_to_save for the norm and embedding weights among `names` (any spelling is_saved_weight takes):
+    their module names."""
+    return sorted({(_WEIGHT.search(n) or _EMBED.search(n)).group(2) for n in names if is_saved_weight(n)},
                   key=lambda m: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", m)])
 
 

@@ -48,7 +48,7 @@ from model.bnb import (
 )
 from model.config import LORA_TARGETS
 from model.llama import Transformer
-from model.norms import train_norms
+from model.norms import train_embeddings, train_norms
 
 BLOCKSIZE = 64
 
@@ -209,7 +209,7 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
 
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
-               dora: bool = False, layers=None, norms: bool = False):
+               dora: bool = False, layers=None, norms: bool = False, embeddings: bool = False):
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
         peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers))
     for n, p in peft_model.named_parameters():
@@ -220,6 +220,8 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
             p.requires_grad_(False)
     if norms:   # --train-norms (model/norms.py)
         train_norms(model, layers)
+    if embeddings:   # --train-embeddings
+        train_embeddings(model)
     return peft_model
 
 

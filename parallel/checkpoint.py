@@ -397,7 +397,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     from model.config import lora_layers
     from model.export import half_written, peft_keys, write_adapter
     from model.load import hub_snapshot, read_args, same_model
-    from model.norms import is_norm_weight
+    from model.norms import is_saved_weight
     from model.qlora import lora_config
     if not out_dir:
         raise ValueError("--out is empty: pass a new directory")
@@ -443,7 +443,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
         lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                 for k, m in md.state_dict_metadata.items()
                 if k.startswith("model.") and hasattr(m, "size") and (any(f".lora_{x}." in k for x in (
-                    "A", "B", "magnitude_vector")) or is_norm_weight(k))}   # (--train-norms' weights too)
+                    "A", "B", "magnitude_vector")) or is_saved_weight(k))}   # (--train-norms', --train-embeddings')
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it

@@ -208,7 +208,8 @@ def check_flags(args) -> None:
                              "empties first: pass a new --out, or copy the adapter out of it")
         check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
                            getattr(args, "rslora", False), getattr(args, "chat_template_text", None),
-                           getattr(args, "dora", False), getattr(args, "train_norms", False))
+                           getattr(args, "dora", False), getattr(args, "train_norms", False),
+                           getattr(args, "train_embeddings", False))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):
@@ -323,6 +324,14 @@ def check_model_flags(args, margs) -> None:
     if layers is not None and max(layers) >= margs.n_layers:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "
                          f"indices below {margs.n_layers}")
+    if getattr(args, "train_embeddings", False) and margs.tie_embeddings:
+        raise ValueError("--train-embeddings: this model ties its output head to the input embedding (config.json's "
+                         "tie_word_embeddings), so training it would train the head too, through the chunked loss's "
+                         "weight, which is not built: drop --train-embeddings (--train-norms trains the norms)")
+    if getattr(args, "train_embeddings", False) and layers is not None and min(layers) > 0:
+        raise ValueError(f"--train-embeddings with --lora-layers {args.lora_layers}: the embedding lies below every "
+                         "block, so every block would run backward, which --lora-layers skips below its lowest block: "
+                         "include block 0 in --lora-layers, or drop one of them")
     if getattr(args, "init_adapter", None) and not getattr(args, "resume", None):
         _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers)
     blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)

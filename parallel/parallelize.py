@@ -48,7 +48,7 @@ from model.attention import SDPAAttention
 from model.config import lora_layers
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
-from model.norms import is_norm_weight
+from model.norms import is_norm_weight, is_saved_weight
 from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights, set_param
 from model.weights import load_weights
 from parallel.compile import apply_compile
@@ -74,6 +74,7 @@ class BuildOptions:
     dora: bool = False                     # DoRA (peft's use_dora; model/dora.py)
     lora_layers: tuple | None = None       # the blocks adapted (None: all; peft's layers_to_transform)
     train_norms: bool = False              # the RMSNorm weights train too (model/norms.py)
+    train_embeddings: bool = False         # the input embedding trains too (model/norms.py)
     ac: bool = True
     compile: bool = False                  # torch.compile RMSNorm, RoPE and SwiGLU (apply_compile)
     tiled_mlp: bool = False                # MLP over tiles of tokens (parallel/memory.py)
@@ -94,7 +95,8 @@ class BuildOptions:
                    lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
                    rslora=getattr(args, "rslora", False), dora=getattr(args, "dora", False),
                    lora_layers=lora_layers(getattr(args, "lora_layers", None)),
-                   train_norms=getattr(args, "train_norms", False), ac=args.ac,
+                   train_norms=getattr(args, "train_norms", False),
+                   train_embeddings=getattr(args, "train_embeddings", False), ac=args.ac,
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
@@ -270,7 +272,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)
         peft_model = apply_lora(model, opts.lora_r, opts.lora_alpha, opts.lora_dropout,
-                                opts.lora_targets, opts.rslora, opts.dora, opts.lora_layers, opts.train_norms)   # 3
+                                opts.lora_targets, opts.rslora, opts.dora, opts.lora_layers, opts.train_norms,
+                                opts.train_embeddings)   # 3
         fuse_lora(model)
         if opts.quant == "nf4":
             pack_nf4_weights(model)
@@ -312,10 +315,11 @@ def init_from_adapter(model, path: str) -> None:
     params = dict(model.named_parameters())
     for name, t in read_init_adapter(path).items():
         p = params.get(name)
-        if is_norm_weight(name) and (p is None or not p.requires_grad):   # (check_init_adapter wants --train-norms)
-            raise ValueError(f"--init-adapter {path!r}: its trained norm weight {name} is not one this run trains "
-                             "(--train-norms trains the norms of the --lora-layers blocks and the final one)")
-        if not (re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or is_norm_weight(name)) or \
+        if is_saved_weight(name) and (p is None or not p.requires_grad):   # (check_init_adapter wants the flags)
+            raise ValueError(f"--init-adapter {path!r}: its trained weight {name} is not one this run trains "
+                             "(--train-norms trains the norms of the --lora-layers blocks and the final one; "
+                             "--train-embeddings the input embedding)")
+        if not (re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or is_saved_weight(name)) or \
                 p is not None and not p.requires_grad:
             raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight or DoRA magnitude: "
                              "an adapter with trained biases or saved modules is not one this run can start from")

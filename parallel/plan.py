@@ -223,7 +223,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
     lora += ([(D, D)] * 2 + [(hd, hd)] * 2 * m.qk_norm) * norms
-    root = [(V, V * D)] * (1 if m.tie_embeddings else 2) + [(D, D)] * (not norms)
+    emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains (untied models)
+    root = [(V, V * D)] * (1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
     lora_n = sum(n for _, n in lora)
@@ -251,7 +252,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
-        first = first and not (norms and tg)   # (a trained norm saves its input and makes an output needing grad)
+        first = first and not (norms and tg) and not emb   # (a trained norm saves its input and makes an output
+        # needing grad; a trained embedding makes block 0's input need grad)
         inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
                  and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
         if ta:   # the tiles keep the norm's input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A input
@@ -267,12 +269,13 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
     saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else []) for i in range(lo, L)]
-    every = sum(saved)
+    every = sum(saved) + 8 * T * emb   # (a trained embedding's backward keeps the int64 ids)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # parallelize._FromIds): one block input fewer, but that lookup is live in the first block's own backward
     # (--lora-layers: a checkpoint below lo keeps nothing, its output needs no grad; block lo's input is kept whole)
-    inputs = lambda n, ids=lo == 0: max(n - 1, 0 if K else 1) if ids else max(n, 0)
-    ckpt = inputs(N - lo) * e * T * D
+    inputs = lambda n, ids=lo == 0 and not emb: max(n - 1, 0 if K else 1) if ids else max(n, 0)   # (a trained
+    # embedding's output is kept as the other block inputs are)
+    ckpt = inputs(N - lo) * e * T * D + 8 * T * emb
     # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with
     # unless --train-norms trains it: then it saves that input, as the others'), less the inputs of the blocks above
     # it, freed by then (with --lora-layers, blocks differ)
@@ -288,6 +291,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
     t["embeddings, lm_head" + ", final norm" * (not norms) + " (frozen: whole on every rank)"] = \
         sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
+    if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
+        t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
+            V * D * el + 4 * 4 * shard([(V, V * D)])
     t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
     of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W}, {of})"] = 4 * 4 * A * shard(lora)
@@ -387,6 +393,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
+    if emb:   # backward's last node: the unsharded embedding's gradient, and FSDP2's float32 reduce-scatter input
+        t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4)
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0)
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 else L - lo) * e * T * D + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")

@@ -39,7 +39,7 @@ from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in
 # LAYOUT or FREE is compared too, so a fork's new flag is run-defining until it is listed in FREE
 RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_batch", "lora_r", "lora_alpha",
-                "rslora", "dora", "lora_layers", "train_norms",
+                "rslora", "dora", "lora_layers", "train_norms", "train_embeddings",
                 "lora_dropout", "lora_targets", "lr", "warmup", "weight_decay", "clip", "rope_scaling",
                 "chat_template_text", "data_sha256", "template_date", "loss", "optimizer", "optimizer_code",
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
@@ -86,7 +86,7 @@ def own_checkpoint(ckpt: str | None, out: str) -> bool:
 
 
 def _norm(flag: str, v):
-    if flag in ("rslora", "dora", "train_norms"):   # absent (runs and callers from before the flag): off
+    if flag in ("rslora", "dora", "train_norms", "train_embeddings"):   # absent (runs from before the flag): off
         return bool(v)
     if flag == "lora_layers":   # None: every block, as runs from before the flag adapted
         return v or "all"
@@ -157,7 +157,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     checkpoint does not record (or this run lacks) are not compared."""
     diffs = []
     ckpt_args = {"rope_scaling": None, "rslora": False, "dora": False, "lora_layers": None, "train_norms": False,
-                 "chat_template_text": None,
+                 "train_embeddings": False, "chat_template_text": None,
                  "eval_split": None,
                  "data_weights": None, "data_mix": data_mix(ckpt_args.get("data_weights"), before=True),
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",

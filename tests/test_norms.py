@@ -66,17 +66,19 @@ def _batch(n=19):
     return ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1), torch.arange(n).expand(2, n)
 
 
-def _ours(path, quant="none", layers=None, dora=False, **mem):
-    """Our model with --train-norms, B ~ N(0, 0.05) and each trained norm × (1 + 0.1·N(0, 1))."""
+def _ours(path, quant="none", layers=None, dora=False, emb=False, norms=True, **mem):
+    """Our model with --train-norms (and --train-embeddings where `emb`), B ~ N(0, 0.05) and each trained norm and
+    the trained embedding × (1 + 0.1·N(0, 1))."""
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b
 
     model, peft_model = build_nonzero_b(BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, lora_layers=layers,
-                                                     dora=dora, train_norms=True, seed=3, **mem))
+                                                     dora=dora, train_norms=norms, train_embeddings=emb, seed=3,
+                                                     **mem))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.requires_grad and n.endswith("norm.weight"):
+            if p.requires_grad and (n.endswith("norm.weight") or "embed_tokens" in n):
                 p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
     return model, peft_model
 
@@ -101,16 +103,19 @@ def _peft_twin(path, quant, ours, layers=None, dora=False):
     return ref, mine, theirs
 
 
-@pytest.mark.parametrize("family,quant,layers,dora", [("qwen2", "none", None, False), ("qwen2", "nf4", None, False),
-                                                      ("qwen3", "none", None, False), ("qwen2", "nf4", (1,), False),
-                                                      ("qwen3", "nf4", None, True)],
-                         ids=["plain", "nf4", "qwen3_qk_norms", "lora_layers_1", "qwen3_nf4_dora"])
-def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant, layers, dora):
-    model, _ = _ours(ckpts[family], quant, layers, dora)
+@pytest.mark.parametrize("family,quant,layers,dora,emb", [
+    ("qwen2", "none", None, False, False), ("qwen2", "nf4", None, False, False), ("qwen3", "none", None, False, False),
+    ("qwen2", "nf4", (1,), False, False), ("qwen3", "nf4", None, True, False), ("qwen2", "nf4", None, False, True),
+    ("qwen3", "none", (0, 1), True, True)],
+    ids=["plain", "nf4", "qwen3_qk_norms", "lora_layers_1", "qwen3_nf4_dora", "embeddings_nf4",
+         "qwen3_embeddings_dora_layers_0_1"])
+def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant, layers, dora, emb):
+    model, _ = _ours(ckpts[family], quant, layers, dora, emb)
     ref, mine, theirs = _peft_twin(ckpts[family], quant, model, None if layers is None else list(layers), dora)
     norms = sorted(n for n in mine if "norm" in n)
     per_block = 4 if family == "qwen3" else 2
     assert len(norms) == per_block * (2 if layers is None else len(layers)) + 1 and "model.norm.weight" in norms
+    assert ("model.embed_tokens.weight" in mine) == emb
     ids, labels, pos = _batch()
     ours, _ = model(ids, position_ids=pos, labels=labels)
     ours.backward()
@@ -123,8 +128,9 @@ def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant
         torch.testing.assert_close(p.grad, theirs[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad {n}")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, tmp_path):
+@pytest.mark.parametrize("family,emb", [("qwen2", False), ("qwen3", False), ("qwen2", True)],
+                         ids=["qwen2", "qwen3", "qwen2_embeddings"])
+def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, emb, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -134,12 +140,14 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, tm
     from parallel.parallelize import BuildOptions, build_model, init_from_adapter
 
     path = ckpts[family]
-    model, peft_model = _ours(path)
+    model, peft_model = _ours(path, emb=emb)
     export_adapter(peft_model, str(tmp_path / "adapter"), path)
     with open(tmp_path / "adapter" / "adapter_config.json") as f:
         cfg = json.load(f)
     n_norms = (4 if family == "qwen3" else 2) * 2 + 1
-    assert len(cfg["modules_to_save"]) == n_norms and "model.norm" in cfg["modules_to_save"], cfg["modules_to_save"]
+    assert len(cfg["modules_to_save"]) == n_norms + emb and "model.norm" in cfg["modules_to_save"], \
+        cfg["modules_to_save"]
+    assert ("model.embed_tokens" in cfg["modules_to_save"]) == emb
     ids, _, pos = _batch()
     with torch.no_grad():
         ours = model(ids, position_ids=pos)
@@ -152,31 +160,36 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, tm
     got = {}
     for f in (tmp_path / "merged").glob("*.safetensors"):
         got.update(load_file(str(f)))
-    norms = [k for k in want if k.endswith("norm.weight")]
-    assert len(norms) == n_norms
+    norms = [k for k in want if k.endswith("norm.weight")] + ["model.embed_tokens.weight"] * emb
+    assert len(norms) == n_norms + emb
     for k in norms:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"merged {k}")
     for k in want:
         if k in got:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"merged {k}")
-    # --init-adapter: refused without --train-norms, naming it; with it, the model comes back
+    # --init-adapter: refused without --train-norms (--train-embeddings), naming it; with it, the model comes back
     with pytest.raises(ValueError, match="no --train-norms \\(pass --train-norms\\)"):
-        check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL)
-    check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_norms=True)
-    again, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, train_norms=True, seed=9),
-                           device="cpu")
+        check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_embeddings=emb)
+    if emb:
+        with pytest.raises(ValueError, match="no --train-embeddings \\(pass --train-embeddings\\)"):
+            check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_norms=True)
+    check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_norms=True, train_embeddings=emb)
+    again, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, train_norms=True,
+                                        train_embeddings=emb, seed=9), device="cpu")
     init_from_adapter(again, str(tmp_path / "adapter"))
     with torch.no_grad():
         torch.testing.assert_close(again(ids, position_ids=pos), ours, rtol=1e-5, atol=1e-5, msg="--init-adapter")
 
 
 def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
+    """The norms outside weight decay, the trained embedding inside it, as transformers' Trainer decides; LoRA+'s rates
+    as peft's (the embedding, a saved module, at the LR)."""
     from peft.optimizers import create_loraplus_optimizer
     from transformers import Trainer
 
     from parallel.parallelize import lora_groups
 
-    model, _ = _ours(ckpts["qwen3"])
+    model, _ = _ours(ckpts["qwen3"], emb=True)
     ref, _, _ = _peft_twin(ckpts["qwen3"], "none", model)
     name = {id(p): n for n, p in model.named_parameters()}
     trained = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
@@ -192,6 +205,7 @@ def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
             for g in opt.param_groups for n, p in ref.named_parameters() if any(p is q for q in g["params"])}
     plus = lora_groups(model, 16.0)
     assert {name[id(p)]: g.get("lr_ratio", 1.0) for g in plus for p in g["params"]} == rate
+    assert rate["model.embed_tokens.weight"] == 1.0 and "model.embed_tokens.weight" in decayed
     assert {name[id(p)] for g in plus if g.get("weight_decay", 1) != 0 for p in g["params"]} == decayed
 
 
@@ -199,18 +213,19 @@ def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
                                  dict(offload_activations=True, tiled_mlp=True), dict(ac_group=2)],
                          ids=["tiled_mlp_and_attn", "ac_keep_attn", "offload_tiled_mlp", "ac_group"])
 def test_memory_steps_train_the_norms_as_the_plain_build(ckpts, mem):
-    """One process, nf4 Qwen3 (q/k norms too), AC with each memory step (the tiles run the block norm over their rows
-    and sum its weight's gradient; the recompute; kept attention; offloaded checkpoints): three SGD steps give the
-    plain build's losses and every LoRA and norm gradient."""
+    """One process, nf4 Qwen3 (q/k norms too) with the embedding trained as well, AC with each memory step (the tiles
+    run the block norm over their rows and sum its weight's gradient; the recompute; kept attention; offloaded
+    checkpoints, the first one the trained embedding's output, not its ids): three SGD steps give the plain build's
+    losses and every LoRA, norm and embedding gradient."""
     ids, labels, pos = _batch(100)   # (tiled MLP: 200 tokens in 48-token tiles)
 
     from tests.helpers import sgd_steps
 
-    steps = lambda **kw: sgd_steps(_ours(ckpts["qwen3"], "nf4", **kw)[0], ids, labels, pos)
+    steps = lambda **kw: sgd_steps(_ours(ckpts["qwen3"], "nf4", emb=True, **kw)[0], ids, labels, pos)
 
     for step, ((want, gw), (got, gg)) in enumerate(zip(steps(ac=False), steps(ac=True, **mem))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step} loss")
-        assert sum("norm" in k for k in gg) == 9
+        assert sum("norm" in k for k in gg) == 9 and "model.embed_tokens.weight" in gg
         for k in gw:
             torch.testing.assert_close(gg[k], gw[k], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {k}")
 
@@ -249,3 +264,27 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
                   base=path).reference(ids, pos, labels).reshape(-1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="the adapter (LoRA and norms) as reference")
         torch.testing.assert_close(want, own, rtol=1e-5, atol=1e-5, msg="peft's model of the adapter = ours")
+
+
+def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
+    """--train-embeddings is refused before any weight is read: on a tied model (its head is the same weight), with
+    --lora-layers above block 0 (every block would need its backward), and with a DPO loss that has a reference model
+    (it would need the base's embedding beside the trained one); reference-free DPO and untied SFT start."""
+    from tests.helpers import no_weights, startup_error, train_argv
+
+    tied = tiny_checkpoint(tmp_path / "tied", tie=True)
+    untied = tiny_checkpoint(tmp_path / "untied")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": "a b c d e f g " * 4}) + "\n" for _ in range(4)))
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" for _ in range(4)))
+    base = {"data": str(data), "dir": str(tmp_path)}
+    with no_weights():
+        said = startup_error(train_argv({**base, "model": tied}, str(tmp_path / "o1"), "--train-embeddings"))
+        assert "ties its output head to the input embedding" in said and "drop --train-embeddings" in said, said
+        said = startup_error(train_argv({**base, "model": untied}, str(tmp_path / "o2"), "--train-embeddings",
+                                        "--lora-layers", "1"))
+        assert "--train-embeddings with --lora-layers 1" in said and "include block 0" in said, said
+        said = startup_error(train_argv({**base, "model": untied, "data": str(pairs)}, str(tmp_path / "o3"),
+                                        "--train-embeddings", "--objective", "dpo"))
+        assert "--train-embeddings with --dpo-loss sigmoid" in said and "reference-free" in said, said
