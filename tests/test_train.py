@@ -100,9 +100,10 @@ FOUR_RANK_DORA = {"dora_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp
 # LoRA on block 1 alone (block 0 runs no backward), with AC's inputs offloaded and the tiled MLP on 4 ranks only
 FOUR_RANK_LAYERS = {"layers_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--lora-layers", "1",
                                             "--offload-activations", "--tiled-mlp"]}
-# --train-norms (every RMSNorm weight trained, in a group without weight decay), ring with the tiled MLP (whose tiles
-# run the norm) and offload on 4 ranks only: = 1 rank, the step-2 checkpoint resumed on 1 rank and exported
-NORMS = ["--train-norms", "--weight-decay", "0.1", "--save-every", "2"]
+# --train-norms (every RMSNorm weight trained, in a group without weight decay) and --train-embeddings (the input
+# embedding, on the FSDP2 root), ring with the tiled MLP (whose tiles run the norm) and offload on 4 ranks only: = 1
+# rank, the step-2 checkpoint resumed on 1 rank and exported
+NORMS = ["--train-norms", "--train-embeddings", "--weight-decay", "0.1", "--save-every", "2"]
 FOUR_RANK_NORMS = {"norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp",
                                           "--offload-activations", *NORMS]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
@@ -183,7 +184,8 @@ def _four_ranks(rank, world_size, assets, root):
     train.main(train_argv(assets, os.path.join(root, "init_cp2_dp2_ring"), *INIT4,
                           os.path.join(root, "cp2_dp2_ulysses", "adapter")))
     train.main(train_argv(assets, os.path.join(root, "init_norms_cp2_dp2_ring"), *INIT4,   # (its norms into FSDP2's
-                          os.path.join(root, "norms_cp2_dp2_ring", "adapter"), "--train-norms"))   # shards, the root's)
+                          os.path.join(root, "norms_cp2_dp2_ring", "adapter"), "--train-norms",   # shards, the root's)
+                          "--train-embeddings"))
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
     train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
     train.main(train_argv(assets, os.path.join(root, "early_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2",
@@ -803,10 +805,10 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
 
 @pytest.mark.timeout(600)
 def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, four, tmp_path):
-    """--train-norms: cp2 x dp2 ring with the tiled MLP and offload = 1 rank untiled; the 4-rank step-2 checkpoint (the
-    norms and their AdamW state, sharded) resumed on 1 rank = the 1-rank run's step 3; `python -m
-    parallel.checkpoint` of it = the run's own adapter, whose norms (peft's modules_to_save, named in its config) moved
-    off the base's."""
+    """--train-norms --train-embeddings: cp2 x dp2 ring with the tiled MLP and offload = 1 rank untiled; the 4-rank
+    step-2 checkpoint (the norms, the embedding and their AdamW state, sharded) resumed on 1 rank = the 1-rank run's
+    step 3; `python -m parallel.checkpoint` of it = the run's own adapter, whose norms and embedding (peft's
+    modules_to_save, named in its config) moved off the base's."""
     import train
     from parallel.checkpoint import export
 
@@ -821,8 +823,8 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     with open(os.path.join(tmp_path, "exported", "adapter", "adapter_config.json")) as f:
         saved = json.load(f)["modules_to_save"]
-    norms = {k: v for k, v in want.items() if k.endswith("norm.weight")}
-    assert len(norms) == len(saved) == 2 * 2 + 1, (sorted(norms), saved)
+    norms = {k: v for k, v in want.items() if k.endswith("norm.weight") or "embed_tokens" in k}
+    assert len(norms) == len(saved) == 2 * 2 + 1 + 1 and "model.embed_tokens" in saved, (sorted(norms), saved)
     from transformers import AutoModelForCausalLM
     hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
     moved = {k: ((v - hf[k.removeprefix("base_model.model.")]).abs().max()).item() for k, v in norms.items()}
@@ -858,7 +860,7 @@ def test_init_adapter_four_ranks_match_one_rank(assets, four, tmp_path):
     _compare("--init-adapter, 4 ranks ring vs 1 rank", _at(four, "init_cp2_dp2_ring"), out, steps=(1,))
     out = str(tmp_path / "init_norms1")   # an adapter with trained norms (test_norms: one process loads them all)
     with one_thread():
-        train.main(train_argv(assets, out, "--steps", "1", "--train-norms", "--init-adapter",
+        train.main(train_argv(assets, out, "--steps", "1", "--train-norms", "--train-embeddings", "--init-adapter",
                               _at(four, "norms_cp2_dp2_ring", "adapter")))
     _compare("--init-adapter --train-norms, 4 ranks ring vs 1 rank", _at(four, "init_norms_cp2_dp2_ring"), out,
              steps=(1,))
