@@ -42,7 +42,8 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   --tiled-mlp --tiled-attn, one step each;
 - dora = 32,768 tokens, 8 layers: ours, "ours+dora" (--dora), hf, and "hf+dora" (HF + bitsandbytes + peft's
   use_dora, its own process): what DoRA costs each, and ours against peft's at it.
-- norms = 32,768 tokens, 8 layers: ours and "ours+norms" (--train-norms): what training the RMSNorm weights costs.
+- norms = 32,768 tokens, 8 layers: ours, "ours+norms" (--train-norms) and "ours+norms+emb" (with --train-embeddings):
+  what training the RMSNorm weights, and the input embedding, costs.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
 device (95% of it), read back from the run's config.json for the plan comparison.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
@@ -104,7 +105,8 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+dpo-prompt": ["--objective", "dpo"],
             "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"],
             "ours+dora": ["--dora"],   # DoRA, against "hf+dora": HF + bitsandbytes + peft's use_dora
-            "ours+norms": ["--train-norms"]}   # the RMSNorm weights trained too: what they cost
+            "ours+norms": ["--train-norms"],   # the RMSNorm weights trained too: what they cost
+            "ours+norms+emb": ["--train-norms", "--train-embeddings"]}   # and the input embedding (LongLoRA's)
 PEERS = ("hf", "liger", "hf+dora")   # rows of HF's model (bench's --peer process); hf+dora loads its own
 ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs",   # else DPO rows: "pairs"
             "ours+dpo-cached": "one_pair"}
@@ -121,7 +123,7 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                          "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"],
                 "dora": ["ours", "ours+dora", "hf", "hf+dora"],
-                "norms": ["ours", "ours+norms"]}
+                "norms": ["ours", "ours+norms", "ours+norms+emb"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -588,7 +590,7 @@ def main(argv=None):
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
              "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-             "ours+norms"]
+             "ours+norms", "ours+norms+emb"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)

@@ -104,6 +104,10 @@ CONFIGS = [
     # --train-norms: the norms train (tiny), block 0's first norm saves its input
     ("cp1 nf4 4k train-norms", 1, 4096, ["--quant", "nf4", "--train-norms"]),
     ("cp1 nf4 16k tiled train-norms v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--train-norms"]),
+    # --train-embeddings: the embedding's fp32 state and, last in backward, its gradient and reduce-scatter input
+    ("cp1 nf4 4k train-embeddings", 1, 4096, ["--quant", "nf4", "--train-norms", "--train-embeddings"]),
+    ("cp2 dp2 ring nf4 2k train-embeddings", 4, 2048, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2", "--cp-impl",
+                                                       "ring", "--train-norms", "--train-embeddings"]),
     # --lora-layers: the blocks below the lowest adapted one need no grad (no saved tensors, checkpoints, backward)
     # (2026-12, loaded 2-core CPU: planned / measured MB 129 / 133, 322 / 324, 460 / 429; all-blocks rows 136 / 140,
     # 412 / 415, 480 / 468)

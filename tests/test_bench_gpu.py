@@ -88,9 +88,9 @@ def test_smoke_mode_writes_results(tmp_path):
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
                                    "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-cached",
                                    "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-                                   "ours+norms"])
+                                   "ours+norms", "ours+norms+emb"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora", "ours+norms"):
+                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora", "ours+norms", "ours+norms+emb"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
