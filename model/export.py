@@ -51,12 +51,13 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     huggingface_hub's cache (`--model org/name`), by its id and commit, which peft fetches."""
     from peft.utils import get_peft_model_state_dict  # here: merge (python -m model.merge) needs no peft
 
-    full = {}
+    full, writes = {}, not dist.is_initialized() or dist.get_rank() == 0
     for n, p in peft_model.named_parameters():
         if p.requires_grad:
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            full[n] = t.detach().to("cpu", torch.float32).clone()
-    if dist.is_initialized() and dist.get_rank() != 0:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p   # (a collective: every rank gathers)
+            if writes:   # (rank 0's host copy only: a trained [V, D] embedding is GBs a rank)
+                full[n] = t.detach().to("cpu", torch.float32).clone()
+    if not writes:
         return
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
     sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_saved_weight(n)}))
