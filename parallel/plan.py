@@ -28,6 +28,10 @@ Persistent all step:
    --train-norms: + each adapted block's norms (2 [D]; Qwen3's q/k norms 2 [hd]) alike; the final norm [D] leaves term 2
    for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its first norm keeps
    its input, whose output needs grad).
+   --train-embeddings: the embedding leaves term 2 for one of its own, V·D in LoRA's dtype (the root's unsharded copy
+   for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two); block 0 saves as the others, the
+   first checkpoint keeps the embedding's output (not the ids), the embedding's backward the int64 ids (8T); and a
+   phase of its own, the last in backward: its [V, D] gradient beside FSDP2's float32 reduce-scatter input.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
