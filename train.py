@@ -290,7 +290,7 @@ def main(argv=None):
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         dpo = args.objective == "dpo"
-        notes.start(args, margs, dims, ckpt, log0)   # the layout, the loss, and what a user should know
+        notes.start(args, margs, dims, ckpt, log0, LOSS_FN is None)   # the layout, the loss, what to know
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
         if note := check_config_shapes(args.model, margs):   # weights of another config.json: said before the data
             log0(note)
@@ -309,9 +309,7 @@ def main(argv=None):
             dims, args.pack = validate(args, margs, world)
         plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
-        steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
-        steps = ended if ended is not None else steps   # (a run that stopped early ended there)
-        notes.length(args, steps, order, dpo, ckpt, lr_at, log0)   # against the data and the LR schedule
+        steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
         docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
         idle = {"input_ids": samples[0]["input_ids"][:1].repeat(2 * dims.cp_divisor),   # (2 a cp rank at least:

@@ -8,7 +8,8 @@ Contract:
   allows but a user should know (a context past the model's, another --init-adapter, a --global-batch past the data,
   a warmup longer than the run); train.py logs them on rank 0. They read flags, counts and (`resumed`) the checkpoint's
   metadata only, so every rank decides alike; `resumed` and `length` raise ValueError for what a run refuses (a resume
-  of a run that stopped early under the same --early-stop, a --profile step the run does not have).
+  of a run that stopped early under the same --early-stop, a --profile step the run does not have), each after the
+  lines before it are said; `length` returns the run's steps (`resume.total_steps`, or where an early stop ended it).
 - `way_on(out, auto, resumed)`: how a run stopped before its end goes on; never advice the run would refuse.
 - `exit_code(main, argv)`: main's exit code, one `error:` line for the errors whose message is the fix (flags, data,
   a full disk with the way on), Stopped's code for a signal, 130 for Ctrl-C before the stop handlers.
@@ -39,8 +40,9 @@ def _say(log, lines) -> None:
             log(line)
 
 
-def start(args, margs, dims, ckpt: str | None, log) -> None:
-    """The layout and loss line, then the notes about the model and --init-adapter (past the checks, before data)."""
+def start(args, margs, dims, ckpt: str | None, log, default_loss: bool = True) -> None:
+    """The layout and loss line, then the notes about the model and --init-adapter (past the checks, before data).
+    `default_loss`: train.py's LOSS_FN is None (a fork's LOSS_FN may be recorded as "cross-entropy": `recorded_as`)."""
     from model.export import init_adapter_note  # (peft: seconds to import; only a run gets here)
 
     dpo = args.objective == "dpo"
@@ -49,7 +51,7 @@ def start(args, margs, dims, ckpt: str | None, log) -> None:
                if args.init_adapter else "the base model (LoRA off)") + " (each pair's kept: --dpo-cache-ref)" * bool(
             args.dpo_cache_ref)
         loss = f"{Preference.from_args(args)}, reference: {ref}"
-    elif args.loss == "cross-entropy":   # (recorded.describe_code's LOSS_FN None: the fused default)
+    elif default_loss:   # (LOSS_FN None: the fused default)
         loss = "cross-entropy"
     else:   # a fork's LOSS_FN: its first line of code
         body = [x.strip() for x in args.loss.splitlines()[1:] if x.strip() and not x.strip().startswith(("#", '"'))]
@@ -81,6 +83,8 @@ def resumed(args, argv: list[str], demo: bool, ckpt: str | None, stats, eval_sta
         meta = checkpoint.read_meta(ckpt)
         notes.append(resume.same_tokens(meta.get("args", {}), vars(args),
                                         split=stats.split + (eval_stats.split if eval_stats else 0)))
+        _say(log, notes)   # (said before a refusal below, as they were)
+        notes = []
         if why := keep_best.exhausted(meta, args, ckpt):   # it would stop again at once (once the eval samples
             if not args.resume_auto:   # are known: other ones count anew)
                 raise ValueError(why)
@@ -90,16 +94,19 @@ def resumed(args, argv: list[str], demo: bool, ckpt: str | None, stats, eval_sta
     return ended
 
 
-def length(args, steps: int, order, dpo: bool, ckpt: str | None, lr_at, log) -> None:
-    """The run's length against its data and its LR schedule: what it allows but a user should know."""
+def length(args, order, dpo: bool, ckpt: str | None, ended: int | None, lr_at, log) -> int:
+    """The run's steps (`resume.total_steps`, or `ended`: where a run that stopped early ended), and its length
+    against its data and its LR schedule: what it allows but a user should know, each said before a refusal."""
     from parallel import resume
 
-    n, what, sched = order.size(0), ("sample", "pair")[dpo], args.schedule_steps or steps   # (n: a pass; with
-    notes, epochs = [], args.epochs or 1   # rotating --data-weights shares, the first one's)
-    if args.global_batch > n:   # allowed (a quick run on a few records), but said
-        notes.append(f"note: --global-batch {args.global_batch} is more {what}s than --data holds ({n}" +
-                     (", past --eval-split's" if args.eval_split else "") + f"): each step takes each {what} about "
-                     f"{args.global_batch / n:.3g} times (repeats add compute, not data)")
+    n, what = order.size(0), ("sample", "pair")[dpo]   # (n: a pass; with rotating --data-weights shares, the first's)
+    if args.global_batch > n:   # allowed (a quick run on a few records), but said (before total_steps' refusal)
+        log(f"note: --global-batch {args.global_batch} is more {what}s than --data holds ({n}" +
+            (", past --eval-split's" if args.eval_split else "") + f"): each step takes each {what} about "
+            f"{args.global_batch / n:.3g} times (repeats add compute, not data)")
+    steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
+    steps = ended if ended is not None else steps   # (a run that stopped early ended there)
+    notes, epochs, sched = [], args.epochs or 1, args.schedule_steps or steps
     if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
         notes.append(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {what}s in {steps} steps of "
                      f"{args.global_batch}: the last step also trains {extra} " + (
@@ -112,10 +119,11 @@ def length(args, steps: int, order, dpo: bool, ckpt: str | None, lr_at, log) -> 
     if args.lr_schedule == "wsd" and round(args.wsd_decay * sched) == 0:
         notes.append(f"note: --wsd-decay {args.wsd_decay:g} of {sched} steps is no step: the LR stays at --lr to the "
                      "end (a larger --wsd-decay, or more steps, decays it)")
+    _say(log, notes)   # (before the refusal: a user sees them with it, as before)
     if args.profile is not None and not 1 <= args.profile <= steps:
         raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                          "(not step 1 for timings: it also pays the kernels' first-call setup)")
-    _say(log, notes)
+    return steps
 
 
 def out_line(run, args, ckpt: str | None) -> str:

@@ -36,10 +36,12 @@ Persistent all step:
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
    2K') + 4TH; o_proj's input is a view of out, except under Ulysses where heads_to_seq makes it new: + eT·H·hd); the
-   MLP's gate output (silu), silu(gate) and up (the product) and its result (down's LoRA A): 4eTF; lora_B's input [T,
-   r]·el per target (+ the fp32 input copy peft casts to when el != e; + dropout's output and mask when --lora-dropout >
-   0: the mask a bool on CUDA, in el on CPU; none at block lo's q/k/v, whose input needs no grad; down_proj's dropped
-   input in place of the MLP's product, so its mask alone). --tiled-mlp: the MLP keeps only its norm's input (saved
+   MLP's gate output (silu), silu(gate) and up (the product) and its result (down's LoRA A): 4eTF (3eTF when el != e:
+   down's LoRA A keeps its cast, not the product); lora_B's input [T, r]·el per target (+ the fp32 input copy peft
+   casts to when el != e, but for dropout; + dropout's output and mask when --lora-dropout > 0: the mask a bool on
+   CUDA, in el on CPU; none at block lo's q/k/v, whose input needs no grad; down_proj's dropped input in place of the
+   MLP's product, so its mask alone, when el == e; peft casts before dropout, so the cast is not kept beside it).
+   --tiled-mlp: the MLP keeps only its norm's input (saved
    already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm,
    parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps
    its output there (eTD, when handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block)
@@ -252,7 +254,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         down_proj's dropped input takes the place of the MLP's product (counted in 4eTF, kept only for down's LoRA
         A): its mask alone is more."""
         mask = lambda x: 0 if first and x in ("q_proj", "k_proj", "v_proj") else 1 if target == "cuda" else el
-        return sum(T * shapes[x][1] * (mask(x) + el * (x != "down_proj")) for x in ts) * (args.lora_dropout > 0)
+        return sum(T * shapes[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
+            args.lora_dropout > 0)   # (el != e, CPU bf16: no product kept, dropout's el output in its place)
 
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
@@ -266,8 +269,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
             b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
             b -= 4 * T * tiled
-        b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg))
-        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e else 0) for t in inner) \
+        b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
+        # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
+        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
             + dora_saved(inner, first=first, tg=tg)
         return b + dropped(inner, first)
 

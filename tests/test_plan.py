@@ -200,20 +200,27 @@ def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, *
                                                     (False, True, 0, False), (True, True, 0, False),
                                                     (False, False, 0.1, False), (True, False, 0.1, False),
                                                     (False, False, 0, True), (True, True, 0, True),
-                                                    (False, False, 0.1, True), (False, False, 0, "emb"),
+                                                    (False, False, 0.1, True), (False, False, 0, "bf16"),
+                                                    (False, False, 0.1, "bf16"), (True, False, 0.1, "bf16"),
+                                                    (False, True, 0.1, "bf16"), (False, False, 0, "emb"),
                                                     (True, True, 0.1, "emb")],
                          ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both", "mlp_dropout", "tiled_mlp_dropout",
-                              "train_norms", "train_norms_tiled_both", "train_norms_dropout", "train_embeddings",
+                              "train_norms", "train_norms_tiled_both", "train_norms_dropout", "bf16", "bf16_dropout",
+                              "bf16_tiled_mlp_dropout", "bf16_tiled_attn_dropout", "train_embeddings",
                               "train_embeddings_tiled_both_dropout"])
 def test_activations_match_autograd(tmp_path, tiled, ta, dropout, norms):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward (with LoRA
     dropout: each dropped input and its mask, on CPU the scaled float32 mask the product keeps; with --train-norms
-    layer 0's first norm keeps its input, and its output needs grad)."""
-    emb, norms = norms == "emb", norms is True
+    layer 0's first norm keeps its input, and its output needs grad; "emb": --train-embeddings with them, block 0's
+    input needs grad and the embedding keeps the ids). "bf16": the CPU's --dtype bf16, LoRA in float32:
+    each LoRA A keeps peft's float32 cast of its input, or with dropout the dropped copy of that cast (the cast itself
+    not), and down_proj's never the bf16 MLP product."""
+    bf16, emb, norms = norms == "bf16", norms == "emb", norms is True or norms == "emb"
     flags = ["--no-ac", "--lora-dropout", str(dropout)] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta + \
         ["--train-norms"] * norms + ["--train-embeddings"] * emb
-    saved, p = _saved_and_plan(tmp_path, 2, flags, ac=False, tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout,
-                               train_norms=norms, train_embeddings=emb)
+    saved, p = _saved_and_plan(tmp_path, 2, flags, dtype=torch.bfloat16 if bf16 else torch.float32, ac=False,
+                               tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout, train_norms=norms,
+                               train_embeddings=emb)
     planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
     assert planned == saved
 

@@ -1029,3 +1029,44 @@ def test_cuda_allocator_default_leaves_a_users_setting():
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, (env, err[-2000:])
         assert json.loads(out.strip().splitlines()[-1]) == want, (env, out)
+
+
+def test_start_up_notes_are_said_before_a_refusal(monkeypatch):
+    """parallel/notes.py says each start-up note before a refusal that follows it, as train.py did before the move
+    (review, helper 71: the --global-batch, epoch and --warmup notes were dropped when --profile was refused, the
+    --max-len and same-tokens notes when a resume of an early-stopped run was; the --global-batch note came before
+    total_steps' refusal), and the loss line says `cross-entropy` only for LOSS_FN None (a fork's LOSS_FN recorded as
+    "cross-entropy", `recorded_as`, is a LOSS_FN)."""
+    from types import SimpleNamespace
+
+    from parallel import checkpoint, keep_best, notes, resume
+
+    said = []
+    order = SimpleNamespace(size=lambda e: 10, samples_in=lambda e: int(10 * e))
+    args = SimpleNamespace(global_batch=50, eval_split=None, steps=None, epochs=None, schedule_steps=None, warmup=5,
+                           lr=1e-3, lr_schedule="cosine", wsd_decay=None, profile=9, max_len=64, resume_auto=None)
+    with pytest.raises(ValueError, match="--profile 9: this run has steps 1..1"):
+        notes.length(args, order, False, None, None, lambda s, a, n: 1e-4, said.append)
+    assert [x.split(":")[1].split()[0] for x in said] == ["--global-batch", "one", "--warmup"], said
+    said.clear()
+    monkeypatch.setattr(resume, "total_steps", lambda *a: (_ for _ in ()).throw(ValueError("below the checkpoint")))
+    with pytest.raises(ValueError, match="below the checkpoint"):
+        notes.length(args, order, False, "ckpt", None, lambda s, a, n: 1e-4, said.append)
+    assert len(said) == 1 and said[0].startswith("note: --global-batch 50"), said
+    said.clear()
+    monkeypatch.setattr(checkpoint, "read_meta", lambda ckpt: {"args": {}, "step": 3})
+    monkeypatch.setattr(resume, "same_tokens", lambda *a, **k: "note: the tokens differ")
+    monkeypatch.setattr(keep_best, "exhausted", lambda *a: "it stopped early")
+    stats = SimpleNamespace(split=2, truncated=1, longest=99)
+    with pytest.raises(ValueError, match="it stopped early"):
+        notes.resumed(args, [], False, "ckpt", stats, None, said.append)
+    assert len(said) == 2 and said[0].startswith("note: --max-len was not given") and said[1] == \
+        "note: the tokens differ", said
+    said.clear()
+    margs = SimpleNamespace(beyond_context=lambda n: None)
+    run = SimpleNamespace(objective="sft", loss="cross-entropy", init_adapter=None, max_len=64,
+                          chat_template_text=None, model_sha256=None, quant="none", rope_scaling=None)
+    notes.start(run, margs, "dims", None, said.append, default_loss=False)
+    notes.start(run, margs, "dims", None, said.append)
+    assert said == ["layout: dims\nloss: LOSS_FN: cross-entropy ... (all: config.json's loss)",
+                    "layout: dims\nloss: cross-entropy"], said
