@@ -870,6 +870,25 @@ def test_dpo_with_trained_norms_starts_at_log_2_from_the_base_and_from_their_ada
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6, m[0]
 
 
+def test_reference_free_dpo_trains_the_embedding(pairs, tmp_path):
+    """--train-embeddings with a reference-free loss (SimPO: no reference model, which would need the base's
+    embedding): the run trains and its adapter holds the embedding (peft's modules_to_save), moved off the base's."""
+    from safetensors.torch import load_file
+
+    import train
+    from model.load import CheckpointReader
+
+    with one_thread():
+        train.main(_argv(pairs, str(tmp_path / "simpo"), "--steps", "2", "--train-embeddings", "--dpo-loss", "simpo",
+                         "--dpo-beta", "2", "--lr", "1e-2", "--eval-every", "0"))
+    m = _metrics(str(tmp_path / "simpo"))
+    assert len(m) == 2 and all(math.isfinite(r["loss"]) for r in m), m
+    emb = load_file(str(tmp_path / "simpo" / "adapter" / "adapter_model.safetensors"))[
+        "base_model.model.model.embed_tokens.weight"]
+    base = CheckpointReader(pairs["model"]).get("model.embed_tokens.weight").float()
+    assert emb.shape == base.shape and (emb - base).abs().max() > 1e-4
+
+
 def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
     out = str(tmp_path / "err")
     said = startup_error(train_argv(pairs, out))   # pairs, no --objective dpo: from the first line, before tokenizing
