@@ -56,7 +56,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
         if p.requires_grad:
             t = p.full_tensor() if hasattr(p, "full_tensor") else p   # (a collective: every rank gathers)
             if writes:   # (rank 0's host copy only: a trained [V, D] embedding is GBs a rank)
-                full[n] = t.detach().to("cpu", torch.float32).clone()
+                full[n] = t.detach().to("cpu", torch.float32, copy=True)   # (one host copy, never the param)
     if not writes:
         return
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)

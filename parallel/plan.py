@@ -30,8 +30,9 @@ Persistent all step:
    its input, whose output needs grad).
    --train-embeddings: the embedding leaves term 2 for one of its own, V·D in LoRA's dtype (the root's unsharded copy
    for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two); block 0 saves as the others, the
-   first checkpoint keeps the embedding's output (not the ids), the embedding's backward the int64 ids (8T); and a
-   phase of its own, the last in backward: its [V, D] gradient beside FSDP2's float32 reduce-scatter input.
+   first checkpoint keeps the embedding's output (not the ids), the embedding's backward the int64 ids (8T) (so
+   --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group keeps the first group's input
+   too); and a phase of its own, the last in backward: its [V, D] gradient beside FSDP2's float32 reduce-scatter input.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -312,13 +313,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
         p.host_each = e * T * D if target == "cuda" else 0
-        p.host = max(N - lo - (lo == 0), 0) * p.host_each   # the ids' lookup is not offloaded
+        p.host = max(N - lo - (lo == 0 and not emb), 0) * p.host_each   # the ids' lookup is not offloaded (a trained
+        # embedding's output is, as the other block inputs are)
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
         t["activations: 1 offloaded checkpoint on device (the next one comes after the attention)"] = e * T * D
+        if emb and target != "cpu":   # (the embedding's backward keeps the int64 ids on the device: not offloaded)
+            t["activations: token ids (the trained embedding's backward)"] = 8 * T
     elif G > 1:
-        g = inputs(-(-L // G) - lo // G, lo < G)   # the groups from lo's
-        t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D
+        g = inputs(-(-L // G) - lo // G, lo < G and not emb)   # the groups from lo's (a trained embedding's output is
+        # kept as the other group inputs are)
+        t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D + 8 * T * emb
     else:
         t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}]"] = ckpt
     # per ring step: each kernel call's output is kept; with shared-prompt pairs' branches (--dpo-share-prompt) the
@@ -404,7 +409,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if emb:   # backward's last node: the unsharded embedding's gradient, and FSDP2's float32 reduce-scatter input
         t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4)
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0)
-    p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 else L - lo) * e * T * D + one + e * T * D)
+    p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
+                         + 8 * T * emb + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
 

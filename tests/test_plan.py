@@ -225,31 +225,59 @@ def test_activations_match_autograd(tmp_path, tiled, ta, dropout, norms):
     assert planned == saved
 
 
-@pytest.mark.parametrize("group", [2, 3])
-def test_ac_group_checkpoints_match_autograd(tmp_path, group):
+@pytest.mark.parametrize("group,emb", [(2, False), (3, False), (2, True), (3, True)],
+                         ids=["2", "3", "2_train_embeddings", "3_train_embeddings"])
+def test_ac_group_checkpoints_match_autograd(tmp_path, group, emb):
     """--ac-group G, fp32, one process, 5 blocks: the plan's group-checkpoint term vs the [T, D] block inputs
     autograd keeps outside the checkpoints (saved_tensors_hooks around the forward; the final norm's input,
-    planned in the loss phase, is the one more), and G - 1 more inputs in the group recompute term."""
+    planned in the loss phase, is the one more), and G - 1 more inputs in the group recompute term. With
+    --train-embeddings the first group's input is the embedding's output, kept (no ids to look up again), and the
+    embedding's backward keeps the int64 ids."""
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=5, vocab=256, inter=96,
                            max_shard_size="50MB")
-    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, ac_group=group),
-                           device="cpu")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, ac_group=group,
+                                        train_embeddings=emb), device="cpu")
     T, D = 128, model.args.dim
     held = []
     ids = torch.randint(0, 256, (1, T))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(tuple(t.shape)) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
         model(ids, labels=ids)
     args = train.build_parser().parse_args(["--model", path, "--max-len", str(T), "--global-batch", "1",
-                                            "--ac-group", str(group)])
+                                            "--ac-group", str(group)] + ["--train-embeddings"] * emb)
     dims, pack_rows = validate(args, model.args, 1)
     p = memory_plan(model.args, dims, args, "cpu", pack_rows)
-    kept = -(-5 // group) - 1   # the first group's input: the ids, looked up again
-    assert term(p, f"activations: {kept} group") == (held.count((1, T, D)) - 1) * 4 * T * D == kept * 4 * T * D
+    kept = -(-5 // group) - (not emb)   # the first group's input: the ids, looked up again (a frozen embedding)
+    inputs = held.count(((1, T, D), torch.float32)) - 1
+    assert held.count(((1, T), torch.int64)) == emb
+    assert term(p, f"activations: {kept} group") == inputs * 4 * T * D + 8 * T * emb == kept * 4 * T * D + 8 * T * emb
     blk = term(p, "FSDP2: 2 unsharded blocks") / 2
     assert term(p, "| block group recompute") == (group - 1) * (4 * T * D + blk)
+
+
+@pytest.mark.parametrize("emb", [False, True], ids=["frozen_embedding", "train_embeddings"])
+def test_offload_host_term_counts_the_block_inputs_moved(tmp_path, emb):
+    """--offload-activations, 4 blocks: the plan's host bytes are the block inputs HostOffload moves in a real forward:
+    L - 1 (the first checkpoint keeps the token ids) or, with --train-embeddings, L (the first block's input is the
+    trained embedding's output, offloaded as the others)."""
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=4, vocab=256, inter=96,
+                           max_shard_size="50MB")
+    model, _ = build_model(BuildOptions(path, quant="nf4", dtype=torch.float32, ac=True, offload_activations=True,
+                                        train_embeddings=emb), device="cpu")
+    ids = torch.randint(0, 256, (1, 128))
+    model(ids, labels=ids)
+    moved = model.model.layers[0].forward.hooks.moved
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1",
+                                            "--offload-activations"] + ["--train-embeddings"] * emb)
+    dims, pack_rows = validate(args, model.args, 1)
+    p = memory_plan(model.args, dims, args, "cuda", pack_rows)
+    assert moved == 3 + emb and p.host == moved * p.host_each, (moved, p.host / p.host_each)
 
 
 def test_ac_blocks_activations_match_autograd(tmp_path):
