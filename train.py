@@ -336,7 +336,7 @@ def main(argv=None):
             dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
                       read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
                       device, dtype if dt == "cuda" else torch.float32, args.model)   # (LoRA's compute dtype: FSDP2's
-            # on CUDA; the base's norms for --train-norms' reference)
+            # on CUDA; the base's norms and embedding for --train-norms', --train-embeddings' reference)
         more = {k: sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and is_saved_weight(n) and
                        ("embed_tokens" in n) == (k == "embedding")) for k in ("norms", "embedding")}   # (--train-*)
         log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "

@@ -131,7 +131,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    reference = None   # while set (model.norms.reference_norms: DPO's reference model), the weight computed with
+    reference = None   # while set (model.norms.reference_trained: DPO's reference model), the weight computed with
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -329,7 +329,9 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        x = [self.model.embed_tokens(input_ids)]                               # [B, S, D]
+        embed = self.model.embed_tokens   # (DPO's reference for --train-embeddings: its weight, model.norms)
+        ref = getattr(embed, "reference", None)
+        x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
         if x[0].dtype != self.lm_head.weight.dtype:   # (--train-embeddings' float32 rows, where no mixed precision
             x[0] = x[0].to(self.lm_head.weight.dtype)   # cast the weight: the compute dtype, as a frozen one's)
         cos, sin = self.rope(position_ids, x[0].dtype)

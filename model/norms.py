@@ -16,10 +16,11 @@ Contract:
   by suffix; their weights under "base_model.model.<module>.weight"), so `PeftModel.from_pretrained` computes with
   them and `merge_and_unload` writes them. `is_norm_weight(name)`, `is_embed_weight(name)`: a trained norm's or the
   embedding's tensor name, in any of our, peft's or an adapter file's spellings; `is_saved_weight`: either.
-- `reference_norms(model, base, adapter, dtype, device)`: while entered, each trained norm computes with its reference
-  weight (DPO's reference model beside `model.qlora.adapters_off` / `reference_adapter`): a reference adapter's
-  (`adapter`: read_init_adapter's tensors) where it has one, else the base checkpoint's (`base`: its path), whole on
-  every rank in the compute dtype (tiny: a few [D] per block).
+- `reference_trained(model, base, adapter, dtype, device)`: while entered, each trained norm, and a trained embedding,
+  computes with its reference weight (DPO's reference model beside `model.qlora.adapters_off` / `reference_adapter`): a
+  reference adapter's (`adapter`: read_init_adapter's tensors) where it has one, else the base checkpoint's (`base`:
+  its path), whole on every rank in the compute dtype (norms: a few [D] per block; the embedding: V·D, which the
+  planner counts).
 - Weight decay never applies to the norms (`parallel.parallelize.lora_groups`), as transformers' Trainer keeps norms out
   of it (`get_decay_parameter_names`): decay would pull a gain toward 0, not toward its start.
 """
@@ -84,14 +85,14 @@ def modules_to_save(names) -> list[str]:
                   key=lambda m: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", m)])
 
 
-class reference_norms:
-    """DPO's reference for --train-norms' weights (module docstring)."""
+class reference_trained:
+    """DPO's reference for --train-norms' and --train-embeddings' weights (module docstring)."""
 
     def __init__(self, model, base: str, adapter: dict | None = None, dtype=None, device=None):
         from model.load import CheckpointReader
 
         self.norms = {n: m for n, m in model.named_modules() if hasattr(m, "weight") and m.weight.requires_grad and
-                      is_norm_weight(n + ".weight")}
+                      is_saved_weight(n + ".weight")}
         adapter, reader = adapter or {}, None
         self.weights = {}
         for n in self.norms:

@@ -33,6 +33,7 @@ Persistent all step:
    first checkpoint keeps the embedding's output (not the ids), the embedding's backward the int64 ids (8T) (so
    --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group keeps the first group's input
    too); and a phase of its own, the last in backward: its [V, D] gradient beside FSDP2's float32 reduce-scatter input.
+   With a DPO reference model, that model's embedding too: V·D in LoRA's dtype, whole on every rank.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -309,6 +310,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if with_reference(args) and (getattr(args, "init_adapter", None) or str(getattr(
             args, "dpo_reference", None)).startswith("adapter")):   # (a planning copy carries no init_adapter)
         t["DPO reference adapter (--init-adapter: whole on every rank)"] = A * lora_n * el
+    if with_reference(args) and emb:   # (model.norms.reference_trained: the base's, or the reference adapter's)
+        t["DPO reference's input embedding (whole on every rank)"] = V * D * el
     if N == 0:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:

@@ -151,16 +151,17 @@ class DPO:
                  dtype=None, base: str | None = None):
         """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base;
         `dtype` the one LoRA computes in; `base`: the base checkpoint, whose norm weights the reference computes with
-        where the model trains them (--train-norms) and the reference adapter has none (model.norms)."""
+        (and embedding) where the model trains them (--train-norms, --train-embeddings) and the reference adapter has
+        none (model.norms)."""
         # (imported here: train.py imports Preference for --plan and its start-up lines, without peft or bitsandbytes)
-        from model.norms import is_norm_weight, reference_norms
+        from model.norms import is_saved_weight, reference_trained
         from model.qlora import adapters_off, reference_adapter
         self.model, self.pref, self.cp_group = model, pref, cp_group
-        lora = {k: v for k, v in (reference or {}).items() if not is_norm_weight(k)}
+        lora = {k: v for k, v in (reference or {}).items() if not is_saved_weight(k)}
         self.off = None if not pref.reference else adapters_off(model) if reference is None else \
             reference_adapter(model, lora, device, dtype)
-        if self.off is not None and any(p.requires_grad and is_norm_weight(n) for n, p in model.named_parameters()):
-            self.off = _Both(self.off, reference_norms(model, base, reference, dtype, device))
+        if self.off is not None and any(p.requires_grad and is_saved_weight(n) for n, p in model.named_parameters()):
+            self.off = _Both(self.off, reference_trained(model, base, reference, dtype, device))
         self.once = float(cp_group is None or dist.get_rank(cp_group) == 0)   # 1 on one rank of each cp group
         self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
         self.cache: dict[str, RefCache] = {}   # --dpo-cache-ref's, "train" and "eval"

@@ -198,10 +198,6 @@ def check_start(args, demo: bool):
                              "run from an adapter needs it on a resume too (its reference model): pass the adapter's "
                              "folder")
         args.dpo_reference = f"adapter sha256 {file_sha256(ref)}" if args.init_adapter else "base"
-        if getattr(args, "train_embeddings", False):   # (a second [V, D] embedding for the reference: not built)
-            raise ValueError(f"--train-embeddings with --dpo-loss {args.dpo_loss}: its reference model would compute "
-                             "with the base's input embedding beside the trained one, which is not built: use a "
-                             "reference-free --dpo-loss (simpo, orpo), or drop --train-embeddings")
     check_weights(args.data_weights, data_files(args.data), demo)
     args.data_mix = resume.data_mix(args.data_weights)   # "rotate" with a share of a file's records, else None
     # what keeps these two flags from ever acting, each said on its own (until 2026-12-05 one text listed all three)

@@ -853,17 +853,19 @@ def test_dpo_from_a_dora_adapter_in_bf16_starts_at_log_2(pairs, tmp_path):
 
 
 def test_dpo_with_trained_norms_starts_at_log_2_from_the_base_and_from_their_adapter(pairs, tmp_path):
-    """--train-norms through train.py: DPO from the base trains (step 1 log 2, later steps move off it), then DPO from
-    that run's adapter (its LoRA and norms, read for the reference too) in bf16 without mixed precision (the norms'
-    float32 weights cast as the policy's are) starts at log 2 again. That the reference computes with the base's or
-    the adapter's norms, not the policy's trained ones: test_norms.py's DPO test (these log 2s hold either way)."""
+    """--train-norms --train-embeddings through train.py: DPO from the base trains (step 1 log 2, later steps move off
+    it), then DPO from that run's adapter (its LoRA, norms and embedding, read for the reference too) in bf16 without
+    mixed precision (the float32 weights cast as the policy's are) starts at log 2 again. That the reference computes
+    with the base's or the adapter's, not the policy's trained ones: test_norms.py's DPO test (these log 2s hold either
+    way)."""
     import train
 
     with one_thread():
-        train.main(_argv(pairs, str(tmp_path / "base"), "--steps", "3", "--train-norms", "--lr", "5e-3",
-                         "--eval-every", "0"))
+        train.main(_argv(pairs, str(tmp_path / "base"), "--steps", "3", "--train-norms", "--train-embeddings", "--lr",
+                         "5e-3", "--eval-every", "0"))
         train.main(_argv(pairs, str(tmp_path / "from"), "--init-adapter", str(tmp_path / "base" / "adapter"),
-                         "--train-norms", "--steps", "1", "--dtype", "bf16", "--eval-every", "0"))
+                         "--train-norms", "--train-embeddings", "--steps", "1", "--dtype", "bf16", "--eval-every",
+                         "0"))
     m = _metrics(str(tmp_path / "base"))
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and abs(m[-1]["loss"] - math.log(2)) > 1e-4, m
     m = _metrics(str(tmp_path / "from"))

@@ -230,10 +230,12 @@ def test_memory_steps_train_the_norms_as_the_plain_build(ckpts, mem):
             torch.testing.assert_close(gg[k], gw[k], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {k}")
 
 
-def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_path):
-    """DPO's reference model with --train-norms: from the base, LoRA off AND the base checkpoint's norms (the
-    transformers model's per-token losses), not the policy's trained ones; from a reference adapter, its LoRA and its
-    norms (peft's model of that adapter); the policy's own forward is as before once the reference has run."""
+@pytest.mark.parametrize("emb", [False, True], ids=["norms", "norms_and_embedding"])
+def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_path, emb):
+    """DPO's reference model with --train-norms (and --train-embeddings): from the base, LoRA off AND the base
+    checkpoint's norms and embedding (the transformers model's per-token losses), not the policy's trained ones; from a
+    reference adapter, its LoRA, norms and embedding (peft's model of that adapter); the policy's own forward is as
+    before once the reference has run."""
     from peft import PeftModel
 
     from model.export import export_adapter, read_init_adapter
@@ -244,7 +246,7 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
     ids, labels, pos = _batch()
     per_token = lambda logits: torch.nn.functional.cross_entropy(   # (0 off target, as the model's per_token)
         logits.reshape(-1, 128), labels.reshape(-1), ignore_index=-100, reduction="none")
-    model, peft_model = _ours(path)
+    model, peft_model = _ours(path, emb=emb)
     export_adapter(peft_model, str(tmp_path / "adapter"), path)
     with torch.no_grad():
         own = model(ids, position_ids=pos, labels=labels, per_token=True)[0].reshape(-1)
@@ -254,7 +256,7 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
         torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5, msg="the base as the reference")
         torch.testing.assert_close(model(ids, position_ids=pos, labels=labels, per_token=True)[0].reshape(-1), own,
                                    rtol=0, atol=0, msg="the policy after the reference")
-        fresh, _ = _ours(path)   # another policy (its own moved norms), the adapter as its reference
+        fresh, _ = _ours(path, emb=emb)   # another policy (its own moved norms), the adapter as its reference
         for p in fresh.parameters():
             if p.requires_grad:
                 p.mul_(1.5)
@@ -262,22 +264,19 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
         want = per_token(peft(input_ids=ids).logits)
         got = DPO(fresh, Preference("sigmoid", 0.1), reference=read_init_adapter(str(tmp_path / "adapter")),
                   base=path).reference(ids, pos, labels).reshape(-1)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="the adapter (LoRA and norms) as reference")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="the adapter (LoRA, norms) as reference")
         torch.testing.assert_close(want, own, rtol=1e-5, atol=1e-5, msg="peft's model of the adapter = ours")
 
 
 def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
-    """--train-embeddings is refused before any weight is read: on a tied model (its head is the same weight), with
-    --lora-layers above block 0 (every block would need its backward), and with a DPO loss that has a reference model
-    (it would need the base's embedding beside the trained one); reference-free DPO and untied SFT start."""
+    """--train-embeddings is refused before any weight is read: on a tied model (its head is the same weight) and with
+    --lora-layers above block 0 (every block would need its backward)."""
     from tests.helpers import no_weights, startup_error, train_argv
 
     tied = tiny_checkpoint(tmp_path / "tied", tie=True)
     untied = tiny_checkpoint(tmp_path / "untied")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": "a b c d e f g " * 4}) + "\n" for _ in range(4)))
-    pairs = tmp_path / "p.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" for _ in range(4)))
     base = {"data": str(data), "dir": str(tmp_path)}
     with no_weights():
         said = startup_error(train_argv({**base, "model": tied}, str(tmp_path / "o1"), "--train-embeddings"))
@@ -285,6 +284,3 @@ def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
         said = startup_error(train_argv({**base, "model": untied}, str(tmp_path / "o2"), "--train-embeddings",
                                         "--lora-layers", "1"))
         assert "--train-embeddings with --lora-layers 1" in said and "include block 0" in said, said
-        said = startup_error(train_argv({**base, "model": untied, "data": str(pairs)}, str(tmp_path / "o3"),
-                                        "--train-embeddings", "--objective", "dpo"))
-        assert "--train-embeddings with --dpo-loss sigmoid" in said and "reference-free" in said, said
