@@ -299,7 +299,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
         t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
-    t["embeddings, lm_head" + ", final norm" * (not norms) + " (frozen: whole on every rank)"] = \
+    frozen = ("lm_head" if emb else "embeddings, lm_head") + ", final norm" * (not norms)   # (the trained: below)
+    t[frozen + " (frozen: whole on every rank)"] = \
         sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
     if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
         t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
