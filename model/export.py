@@ -68,7 +68,8 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
 def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     """What in an adapter_config.json is more than plain LoRA, W + scale · B @ A with one r and alpha (what this
     trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
-    each as a phrase naming it. Norm layers as modules_to_save (--train-norms') are this trainer's too."""
+    each as a phrase naming it. Norm layers and the input embedding as modules_to_save (--train-norms',
+    --train-embeddings') are this trainer's too."""
     wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
                                                           "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_trained(cfg))]
@@ -248,8 +249,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
               os.path.join(tmp, "adapter_model.safetensors"))
     cfg = copy.deepcopy(cfg)   # (not the training model's own)
-    if norms := modules_to_save(sd):   # --train-norms: peft loads them as saved modules (model/norms.py)
-        cfg.modules_to_save = norms
+    if saved := modules_to_save(sd):   # --train-norms, --train-embeddings: peft loads them as saved modules
+        cfg.modules_to_save = saved
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches

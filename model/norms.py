@@ -34,8 +34,6 @@ import torch
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
                      r"self_attn\.q_norm|self_attn\.k_norm))(\.modules_to_save\.default)?\.weight$")
-
-
 _EMBED = re.compile(r"(^|\.)(model\.embed_tokens)(\.modules_to_save\.default)?\.weight$")
 
 
@@ -91,11 +89,11 @@ class reference_trained:
     def __init__(self, model, base: str, adapter: dict | None = None, dtype=None, device=None):
         from model.load import CheckpointReader
 
-        self.norms = {n: m for n, m in model.named_modules() if hasattr(m, "weight") and m.weight.requires_grad and
-                      is_saved_weight(n + ".weight")}
+        self.trained = {n: m for n, m in model.named_modules() if hasattr(m, "weight") and m.weight.requires_grad and
+                        is_saved_weight(n + ".weight")}   # (the norms and the embedding: each takes `reference`)
         adapter, reader = adapter or {}, None
         self.weights = {}
-        for n in self.norms:
+        for n in self.trained:
             t = adapter.get(n + ".weight")
             if t is None:
                 reader = reader or CheckpointReader(base)
@@ -105,11 +103,11 @@ class reference_trained:
             reader.close()
 
     def __enter__(self):
-        for n, m in self.norms.items():
+        for n, m in self.trained.items():
             m.reference = self.weights[n]
 
     def __exit__(self, *exc):
-        for m in self.norms.values():
+        for m in self.trained.values():
             m.reference = None
 
 

@@ -200,7 +200,8 @@ class DPO:
 
 
 class _Both:
-    """Two context managers entered as one (DPO's reference: LoRA off or the reference adapter's, and the norms')."""
+    """Two context managers entered as one, each time (DPO's reference: LoRA off or the reference adapter's, and the
+    trained norms' and embedding's reference weights)."""
 
     def __init__(self, *cms):
         self.cms = cms
