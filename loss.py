@@ -45,7 +45,7 @@ IGNORE_INDEX = -100   # the label of positions without a target; F.cross_entropy
 # V=151,936 gives 441 tokens. The fused path works in place in the block, so the transient peak is
 # this plus, for bf16 weights, one half-size bf16 copy; a `loss_fn` adds what its autograd keeps
 # (e.g. two or three more blocks for log_softmax). On top, the forward keeps grad_hidden [N, D] and,
-# for a trainable weight, a [V, D] gradient (float32 for float32 weights, else the weight's dtype).
+# for a trainable weight, a float32 [V, D] gradient (bf16/fp16 weights: + one [V, D] product per chunk).
 CHUNK_BYTES = 256 * 2**20
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,9 +97,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         validf = valid.to(torch.float32).unsqueeze(1)      # [N, 1]
         loss_sum = torch.zeros(n if per_token else (), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        # float32 weights accumulate in float32; bf16/fp16 ones in their own dtype with a float32-
-        # accumulating GEMM per chunk (as Liger does): no float32 [V, D] copy and no float32 GEMM.
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # A trainable weight's gradient sums over every chunk in float32 (bf16/fp16 weights: each chunk's product
+        # in the weight's dtype from a float32-accumulating GEMM, added to it), so it is rounded once, not once per
+        # chunk: at 128k tokens in 441-token chunks a bf16 running sum would round 300 times. Autograd casts it to
+        # the weight's dtype on the way out.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         # One [chunk, V] float32 block reused by every chunk: the only vocab-sized tensor.
         block = torch.empty(min(chunk_size, n), weight.shape[0], dtype=torch.float32, device=hidden.device)
 
@@ -127,8 +129,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(g, weight, out=grad_h[s:e])       # a row block of a contiguous tensor: no copy
             elif need_h:
                 grad_h[s:e] = g @ weight
-            if need_w:
+            if need_w and grad_w.dtype == weight.dtype:
                 grad_w.addmm_(g.t(), x)
+            elif need_w:
+                grad_w += g.t() @ x
 
         # Only gradients are saved, never the weight: with a frozen weight FSDP2 can free it.
         ctx.save_for_backward(grad_h, grad_w)
