@@ -27,12 +27,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
-from model.load import hub_snapshot
+from model.load import hub_snapshot, read_args
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight, modules_to_save
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
 TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
+TIED_HEAD = "base_model.model.lm_head.weight"   # a tied model's trained embedding again, for peft (write_adapter)
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 
 
@@ -203,11 +204,29 @@ def init_adapter_note(path: str | None, chat_template: str | None, model_sha256:
 
 
 def read_init_adapter(path: str) -> dict:
-    """An adapter's tensors under our parameter names (the inverse of `peft_keys`)."""
+    """An adapter's tensors under our parameter names (the inverse of `peft_keys`); a tied model's head (peft's
+    ensure_weight_tying: the trained embedding again, `tied_head`) is left out, as it is the embedding."""
+    sd = load_file(os.path.join(path, "adapter_model.safetensors"))
+    tied_head(sd, path)
     return {re.sub(r"\.lora_magnitude_vector$", ".lora_magnitude_vector.default.weight",
                    k.removeprefix("base_model.model.")).replace(".lora_A.weight", ".lora_A.default.weight")
-            .replace(".lora_B.weight", ".lora_B.default.weight"): v
-            for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
+            .replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in sd.items()}
+
+
+def tied_head(sd: dict, path: str) -> None:
+    """Drop from an adapter's tensors `sd` (peft's keys) the output head of a model whose head is its input
+    embedding, which --train-embeddings wrote beside that embedding for peft's ensure_weight_tying: it must be the
+    embedding, else refused (`path`: the adapter, named)."""
+    if TIED_HEAD not in sd:
+        return
+    emb = sd.get("base_model.model.model.embed_tokens.weight")
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        tying = json.load(f).get("ensure_weight_tying")
+    if not tying or emb is None or not torch.equal(sd[TIED_HEAD], emb):
+        raise ValueError(f"adapter {path!r} holds a trained output head (lm_head.weight), which this trainer does not "
+                         "train: only a tied model's, as the trained input embedding itself (ensure_weight_tying), is "
+                         "taken; export it with the embedding alone, or merge it with peft's merge_and_unload")
+    del sd[TIED_HEAD]
 
 
 def peft_keys(lora: dict) -> dict:
@@ -246,11 +265,14 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)
-    save_file({k: v.to(torch.float32).contiguous() for k, v in sd.items()},
-              os.path.join(tmp, "adapter_model.safetensors"))
     cfg = copy.deepcopy(cfg)   # (not the training model's own)
+    sd = {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
     if saved := modules_to_save(sd):   # --train-norms, --train-embeddings: peft loads them as saved modules
         cfg.modules_to_save = saved
+        if "model.embed_tokens" in saved and read_args(base_path).tie_embeddings:   # a tied head: peft's
+            sd[TIED_HEAD] = sd["base_model.model.model.embed_tokens.weight"].clone()   # ensure_weight_tying reads
+            cfg.ensure_weight_tying = True   # the embedding under the head's name too, and ties the two
+    save_file(sd, os.path.join(tmp, "adapter_model.safetensors"))
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)
     if hub:   # the id and commit, which peft fetches

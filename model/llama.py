@@ -331,9 +331,13 @@ class Transformer(nn.Module):
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         embed = self.model.embed_tokens   # (DPO's reference for --train-embeddings: its weight, model.norms)
         ref = getattr(embed, "reference", None)
+        head = ref if ref is not None and self.args.tie_embeddings else self.lm_head.weight   # (tied: the same)
+        dt = getattr(embed, "compute_dtype", None) or head.dtype   # (--train-embeddings' float32 master, where no
+        if head.dtype != dt:   # mixed precision cast it: the compute dtype, as a frozen one's; a tied one's grad
+            head = head.to(dt)   # flows back through the cast)
         x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
-        if x[0].dtype != self.lm_head.weight.dtype:   # (--train-embeddings' float32 rows, where no mixed precision
-            x[0] = x[0].to(self.lm_head.weight.dtype)   # cast the weight: the compute dtype, as a frozen one's)
+        if x[0].dtype != dt:
+            x[0] = x[0].to(dt)
         cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
         # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the
@@ -341,6 +345,6 @@ class Transformer(nn.Module):
         h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta)
         h = self.model.norm(h)
         if labels is None:
-            return self.lm_head(h)                                             # [B, S, V]
-        return chunked_cross_entropy(h.reshape(B * S, -1), self.lm_head.weight, labels.reshape(-1),
+            return F.linear(h, head)                                           # [B, S, V]
+        return chunked_cross_entropy(h.reshape(B * S, -1), head, labels.reshape(-1),
                                      loss_fn=loss_fn, per_token=per_token)

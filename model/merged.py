@@ -8,7 +8,8 @@ Contract:
   one base file at a time; an adapter's chat_template.jinja (a run with --chat-template) becomes the merged
   tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
   weight, i.e. exactly the base the adapter was trained against. A `--train-norms` adapter's norm weights (peft's
-  modules_to_save) replace the base's.
+  modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with it,
+  where its checkpoint stores one).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained
-from model.load import CheckpointReader, _check_dir
+from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained, tied_head
+from model.load import CheckpointReader, _check_dir, read_args
 from model.norms import is_saved_weight
 
 STAGE = ".merge-tmp"   # merge()'s folder inside --out, whose files move into --out once all are written
@@ -117,6 +118,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     except Exception as e:   # noqa: BLE001 - safetensors' own error for a cut or foreign file: said, before writing
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
+    tied_head(lora, adapter_dir)   # (a tied model's head, written for peft beside its trained embedding: the same)
     dora = bool(acfg.get("use_dora"))   # (model.merge checked the rest of adapter_config.json: not_plain_lora)
     mag = ".lora_magnitude_vector"   # peft's key for DoRA's magnitude, one per output row
     norms = saves_trained(acfg)   # --train-norms' and --train-embeddings' weights: they replace the base's
@@ -140,6 +142,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         which = which.split(".")[0]
         pairs.setdefault(name + ".weight", {})["m" if which == "magnitude_vector" else which] = v.float()
     reader = CheckpointReader(base_path)
+    if "model.embed_tokens.weight" in pairs and "lm_head.weight" in reader.where and \
+            read_args(base_path).tie_embeddings:   # a tied checkpoint that stores its head too: the same
+        pairs["lm_head.weight"] = pairs["model.embed_tokens.weight"]   # trained embedding replaces it
     missing = sorted(set(pairs) - set(reader.where))
     if missing:   # before anything is written
         raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")

@@ -55,10 +55,13 @@ def train_norms(model, layers=None) -> None:
 
 
 def train_embeddings(model) -> None:
-    """Make the input embedding's weight a trainable float32 master (--train-embeddings)."""
-    w = model.model.embed_tokens.weight
-    w.data = w.data.float()
-    w.requires_grad_(True)
+    """Make the input embedding's weight a trainable float32 master (--train-embeddings); a tied model's output head
+    is that same parameter. The embedding keeps the dtype it had as `compute_dtype`: its rows, and a tied head,
+    compute in it."""
+    embed = model.model.embed_tokens
+    embed.compute_dtype = embed.weight.dtype
+    embed.weight.data = embed.weight.data.float()
+    embed.weight.requires_grad_(True)
 
 
 def is_norm_weight(name: str) -> bool:

@@ -57,10 +57,14 @@ def _state(model, optimizer) -> dict:
     """{"model", "optim"}: what save writes and load reads. ignore_frozen_params drops each frozen parameter under
     the one name named_parameters() gives it, so a tied model kept its embedding under the alias (lm_head.weight):
     a second copy of the largest frozen tensor in every checkpoint (272 MB for Qwen2.5-0.5B). Dropped here; a
-    checkpoint that holds it (written before) still loads, as DCP reads only the keys asked for."""
+    checkpoint that holds it (written before) still loads, as DCP reads only the keys asked for. A trained tied
+    embedding (--train-embeddings) is kept once, as model.embed_tokens.weight: its lm_head alias is dropped too."""
     msd, osd = get_state_dict(model, optimizer, options=OPTS)
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {"model": {k: v for k, v in msd.items() if k not in frozen}, "optim": osd}
+    first, drop = {}, set()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad or first.setdefault(id(p), n) != n:   # frozen, or a second name of a trained one
+            drop.add(n)
+    return {"model": {k: v for k, v in msd.items() if k not in drop}, "optim": osd}
 STEP_RE = re.compile(r"step_(\d+)$")
 ABANDONED_RE = re.compile(r"step_(\d+)\.abandoned(-\d+)?$")
 
@@ -433,9 +437,12 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
             raise ValueError(f"--model {model!r} is not the base this run trained on: that is the Hub snapshot {hub} "
                              f"({path}/meta.json); pass its snapshot directory in the hub cache")
         args = {**args, "model": os.path.abspath(model)}
-    elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
-        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "
-                         "from the base's config.json: pass --model DIR, the base where it is now")
+    elif (args.get("rope_scaling") is not None or args.get("train_embeddings")) and not os.path.isdir(args["model"]):
+        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its "
+                         + ("--rope-scaling is written from the base's config.json" if args.get("rope_scaling")
+                            is not None else "--train-embeddings adapter reads the base's config.json (a tied "
+                            "output head is written beside the embedding)") + ": pass --model DIR, the base where it "
+                         "is now")
     try:   # (a damaged file, or a step a live run's rotation removes while this reads it: said, not a traceback)
         md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
         # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under

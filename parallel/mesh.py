@@ -324,10 +324,13 @@ def check_model_flags(args, margs) -> None:
     if layers is not None and max(layers) >= margs.n_layers:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "
                          f"indices below {margs.n_layers}")
-    if getattr(args, "train_embeddings", False) and margs.tie_embeddings:
-        raise ValueError("--train-embeddings: this model ties its output head to the input embedding (config.json's "
-                         "tie_word_embeddings), so training it would train the head too, through the chunked loss's "
-                         "weight, which is not built: drop --train-embeddings (--train-norms trains the norms)")
+    if getattr(args, "train_embeddings", False) and margs.tie_embeddings and \
+            getattr(args, "objective", "sft") == "dpo":
+        raise ValueError("--train-embeddings with --objective dpo: this model ties its output head to the input "
+                         "embedding (config.json's tie_word_embeddings), so the embedding would train through the head "
+                         "too, and DPO's per-token losses take a frozen head (each token's share of the head's "
+                         "gradient is known only once its pair's sums are): drop --train-embeddings (--train-norms "
+                         "trains the norms), or train it with --objective sft")
     if getattr(args, "train_embeddings", False) and layers is not None and min(layers) > 0:
         raise ValueError(f"--train-embeddings with --lora-layers {args.lora_layers}: the embedding lies below every "
                          "block, so every block would run backward, which --lora-layers skips below its lowest block: "

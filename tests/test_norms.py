@@ -57,7 +57,8 @@ def ckpts(tmp_path_factory):
         vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)).float().save_pretrained(
         qwen3, max_shard_size="60KB")   # (as _drawn saves it again: the same files, none left over)
-    return {"qwen2": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), layers=2)), "qwen3": _drawn(str(qwen3))}
+    return {"qwen2": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), layers=2)), "qwen3": _drawn(str(qwen3)),
+            "tied": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("tied"), layers=2, tie=True))}
 
 
 def _batch(n=19):
@@ -91,9 +92,10 @@ def _peft_twin(path, quant, ours, layers=None, dora=False):
     from tests.helpers import hf_as_trained
 
     mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-    ref = get_peft_model(hf_as_trained(path, quant), LoraConfig(
+    ref = get_peft_model(hf_as_trained(path, quant), LoraConfig(   # (a tied model: peft's head is its embedding)
         r=R, lora_alpha=ALPHA, target_modules=ALL, init_lora_weights=False, use_dora=dora,
-        layers_to_transform=layers, modules_to_save=modules_to_save(mine)))
+        layers_to_transform=layers, modules_to_save=modules_to_save(mine),
+        ensure_weight_tying=ours.args.tie_embeddings and "model.embed_tokens.weight" in mine))
     theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
               for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(theirs) == sorted(mine), (sorted(set(theirs) ^ set(mine)))
@@ -106,9 +108,9 @@ def _peft_twin(path, quant, ours, layers=None, dora=False):
 @pytest.mark.parametrize("family,quant,layers,dora,emb", [
     ("qwen2", "none", None, False, False), ("qwen2", "nf4", None, False, False), ("qwen3", "none", None, False, False),
     ("qwen2", "nf4", (1,), False, False), ("qwen3", "nf4", None, True, False), ("qwen2", "nf4", None, False, True),
-    ("qwen3", "none", (0, 1), True, True)],
+    ("qwen3", "none", (0, 1), True, True), ("tied", "nf4", None, False, True), ("tied", "none", (0, 1), True, True)],
     ids=["plain", "nf4", "qwen3_qk_norms", "lora_layers_1", "qwen3_nf4_dora", "embeddings_nf4",
-         "qwen3_embeddings_dora_layers_0_1"])
+         "qwen3_embeddings_dora_layers_0_1", "tied_embeddings_nf4", "tied_embeddings_dora_layers_0_1"])
 def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant, layers, dora, emb):
     model, _ = _ours(ckpts[family], quant, layers, dora, emb)
     ref, mine, theirs = _peft_twin(ckpts[family], quant, model, None if layers is None else list(layers), dora)
@@ -116,6 +118,9 @@ def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant
     per_block = 4 if family == "qwen3" else 2
     assert len(norms) == per_block * (2 if layers is None else len(layers)) + 1 and "model.norm.weight" in norms
     assert ("model.embed_tokens.weight" in mine) == emb
+    if family == "tied":   # (trained through the head too: peft's ensure_weight_tying ties its head to it)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert ref.base_model.model.lm_head.modules_to_save["default"].weight is theirs["model.embed_tokens.weight"]
     ids, labels, pos = _batch()
     ours, _ = model(ids, position_ids=pos, labels=labels)
     ours.backward()
@@ -128,9 +133,12 @@ def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant
         torch.testing.assert_close(p.grad, theirs[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad {n}")
 
 
-@pytest.mark.parametrize("family,emb", [("qwen2", False), ("qwen3", False), ("qwen2", True)],
-                         ids=["qwen2", "qwen3", "qwen2_embeddings"])
+@pytest.mark.parametrize("family,emb", [("qwen2", False), ("qwen3", False), ("qwen2", True), ("tied", True)],
+                         ids=["qwen2", "qwen3", "qwen2_embeddings", "tied_embeddings"])
 def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, emb, tmp_path):
+    """The exported adapter: peft loads it (a tied model's as peft writes one, the head under ensure_weight_tying)
+    and computes our logits; the merge = peft's merge_and_unload; --init-adapter rebuilds the model, refused without
+    the flags."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -148,11 +156,16 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, em
     assert len(cfg["modules_to_save"]) == n_norms + emb and "model.norm" in cfg["modules_to_save"], \
         cfg["modules_to_save"]
     assert ("model.embed_tokens" in cfg["modules_to_save"]) == emb
+    assert cfg.get("ensure_weight_tying", False) == (family == "tied"), cfg
+    if family == "tied":   # (peft reads a tied head's tensor too, the embedding again: a KeyError without it)
+        sd = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+        assert torch.equal(sd["base_model.model.lm_head.weight"], sd["base_model.model.model.embed_tokens.weight"])
     ids, _, pos = _batch()
     with torch.no_grad():
         ours = model(ids, position_ids=pos)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                      str(tmp_path / "adapter"))
+    assert family != "tied" or peft.base_model.model.lm_head.weight is peft.base_model.model.model.embed_tokens.weight
     with torch.no_grad():
         torch.testing.assert_close(peft(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5, msg="peft's logits")
     want = peft.merge_and_unload().state_dict()
@@ -167,6 +180,20 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, em
     for k in want:
         if k in got:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"merged {k}")
+    if family == "tied":   # a tied checkpoint that stores its head as well: the merge replaces it with the embedding
+        import shutil
+
+        from safetensors.torch import save_file
+        stored = shutil.copytree(path, tmp_path / "stores_head")
+        save_file({"lm_head.weight": got["model.embed_tokens.weight"] * 0 + 1}, str(stored / "head.safetensors"))
+        with open(stored / "model.safetensors.index.json") as f:
+            index = json.load(f)
+        index["weight_map"]["lm_head.weight"] = "head.safetensors"
+        with open(stored / "model.safetensors.index.json", "w") as f:
+            json.dump(index, f)
+        merge(str(stored), str(tmp_path / "adapter"), str(tmp_path / "merged_head"), dtype=torch.float32)
+        head = load_file(str(tmp_path / "merged_head" / "head.safetensors"))["lm_head.weight"]
+        torch.testing.assert_close(head, want["lm_head.weight"], rtol=0, atol=0, msg="merged stored head")
     # --init-adapter: refused without --train-norms (--train-embeddings), naming it; with it, the model comes back
     with pytest.raises(ValueError, match="no --train-norms \\(pass --train-norms\\)"):
         check_init_adapter(str(tmp_path / "adapter"), R, ALPHA, ALL, train_embeddings=emb)
@@ -269,8 +296,9 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
 
 
 def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
-    """--train-embeddings is refused before any weight is read: on a tied model (its head is the same weight) and with
-    --lora-layers above block 0 (every block would need its backward)."""
+    """--train-embeddings is refused before any weight is read: on a tied model under --objective dpo (its head is the
+    same weight, and DPO's per-token losses take a frozen head) and with --lora-layers above block 0 (every block
+    would need its backward)."""
     from tests.helpers import no_weights, startup_error, train_argv
 
     tied = tiny_checkpoint(tmp_path / "tied", tie=True)
@@ -279,8 +307,13 @@ def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
     data.write_text("".join(json.dumps({"text": "a b c d e f g " * 4}) + "\n" for _ in range(4)))
     base = {"data": str(data), "dir": str(tmp_path)}
     with no_weights():
-        said = startup_error(train_argv({**base, "model": tied}, str(tmp_path / "o1"), "--train-embeddings"))
-        assert "ties its output head to the input embedding" in said and "drop --train-embeddings" in said, said
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("".join(json.dumps({"prompt": "a b c", "chosen": " d e", "rejected": " f g"}) + "\n"
+                                 for _ in range(4)))
+        said = startup_error(train_argv({**base, "model": tied, "data": str(pairs)}, str(tmp_path / "o1"),
+                                        "--train-embeddings", "--objective", "dpo"))
+        assert "--train-embeddings with --objective dpo" in said and "ties its output head" in said and \
+            "drop --train-embeddings" in said, said
         said = startup_error(train_argv({**base, "model": untied}, str(tmp_path / "o2"), "--train-embeddings",
                                         "--lora-layers", "1"))
         assert "--train-embeddings with --lora-layers 1" in said and "include block 0" in said, said
