@@ -6,7 +6,8 @@ For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on a
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
-backward, not the loss' logits block, sets the peak) and synthetic text, and prints
+backward, not the loss' logits block, sets the peak; "tied v16k": vocab 16,384, the head tied to the embedding)
+and synthetic text, and prints
 
     planned  = `parallel.plan.memory_plan(...).peak`: the live-tensor peak, WITHOUT the fragmentation factor
                and the runtime term (those are stated constants, not formulas to validate)
@@ -108,6 +109,11 @@ CONFIGS = [
     ("cp1 nf4 4k train-embeddings", 1, 4096, ["--quant", "nf4", "--train-norms", "--train-embeddings"]),
     ("cp2 dp2 ring nf4 2k train-embeddings", 4, 2048, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2", "--cp-impl",
                                                        "ring", "--train-norms", "--train-embeddings"]),
+    # a tied model's embedding (its head) trained: the loss's float32 head gradient, then held through the backward
+    # ("tied v16k": the same model, its head tied, vocab 16,384, where the [V, D] tensors count)
+    ("cp1 nf4 4k train-embeddings tied v16k", 1, 4096, ["--quant", "nf4", "--train-embeddings"]),
+    ("cp2 dp2 ring nf4 2k train-embeddings tied v16k", 4, 2048, ["--quant", "nf4", "--cp", "2", "--dp-shard", "2",
+                                                                "--cp-impl", "ring", "--train-embeddings"]),
     # --lora-layers: the blocks below the lowest adapted one need no grad (no saved tensors, checkpoints, backward)
     # (2026-12, loaded 2-core CPU: planned / measured MB 129 / 133, 322 / 324, 460 / 429; all-blocks rows 136 / 140,
     # 412 / 415, 480 / 468)
@@ -146,6 +152,10 @@ def make_assets(root: str) -> tuple[str, str]:
     torch.manual_seed(0)
     cfg.vocab_size = 512
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_v512")
+    tok.save_pretrained(model_dir + "_tied_v16k")   # "... tied v16k": 16,384 tokens, the head tied to the embedding
+    torch.manual_seed(0)
+    cfg.vocab_size, cfg.tie_word_embeddings = 16384, True
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_tied_v16k")
     data = os.path.join(root, "train.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
@@ -218,7 +228,8 @@ def main():
         print(f"{'config':<26}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
               "   measured per rank")
         for name, world, max_len, flags in rows:
-            model = model_dir + ("_v512" if name.endswith("v512") else "")
+            model = model_dir + ("_v512" if name.endswith("v512") else "_tied_v16k" if name.endswith("tied v16k")
+                                 else "")
             argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--long-text", "truncate",
                     "--steps", "2", "--dtype", "fp32",
                     "--global-batch", str(world // _cp(flags)), "--no-progress",

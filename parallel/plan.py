@@ -28,12 +28,15 @@ Persistent all step:
    --train-norms: + each adapted block's norms (2 [D]; Qwen3's q/k norms 2 [hd]) alike; the final norm [D] leaves term 2
    for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its first norm keeps
    its input, whose output needs grad).
-   --train-embeddings: the embedding leaves term 2 for one of its own, V·D in LoRA's dtype (the root's unsharded copy
-   for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two); block 0 saves as the others, the
-   first checkpoint keeps the embedding's output (not the ids), the embedding's backward the int64 ids (8T) (so
-   --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group keeps the first group's input
-   too); and a phase of its own, the last in backward: its [V, D] gradient beside FSDP2's float32 reduce-scatter input.
-   With a DPO reference model, that model's embedding too: V·D in LoRA's dtype, whole on every rank.
+   --train-embeddings: the embedding (a tied model's head with it) leaves term 2 for one of its own, V·D in LoRA's
+   dtype (the root's unsharded copy for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two);
+   block 0 saves as the others, the first checkpoint keeps the embedding's output (not the ids), the embedding's
+   backward the int64 ids (8T) (so --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group
+   keeps the first group's input too); and a phase of its own, the last in backward: its [V, D] gradient beside
+   FSDP2's float32 reduce-scatter input. A tied model's head adds the loss's share of that gradient: V·D float32 in
+   the loss's forward (+ a [V, D] product per chunk in bf16, + the CPU bf16 head's cast), saved, then V·D·e held
+   through the backward until the embedding's adds to it. With a DPO reference model (untied only), that model's
+   embedding too: V·D in LoRA's dtype, whole on every rank.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -231,8 +234,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
     lora += ([(D, D)] * 2 + [(hd, hd)] * 2 * m.qk_norm) * norms
-    emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains (untied models)
-    root = [(V, V * D)] * (1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
+    emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
+    tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
+    root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
     lora_n = sum(n for _, n in lora)
@@ -299,9 +303,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
         t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
-    frozen = ("lm_head" if emb else "embeddings, lm_head") + ", final norm" * (not norms)   # (the trained: below)
-    t[frozen + " (frozen: whole on every rank)"] = \
-        sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
+    frozen = ", ".join(["embeddings"] * (not emb) + ["lm_head"] * (not tied) + ["final norm"] * (not norms))
+    if root or norms:   # (the trained ones: below)
+        t[(frozen or "final norm (trained: fp32 shard, AdamW's)") + " (frozen: whole on every rank)" * bool(root)] = \
+            sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
     if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
         t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
             V * D * el + 4 * 4 * shard([(V, V * D)])
@@ -409,10 +414,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
-    t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D
+    # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
+    # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward
+    # hands it on in the head's dtype (e), held until the embedding's backward adds its own: a term of its own, so
+    # the loss phases below count what they hold beyond it
+    if tied:
+        t["tied head's gradient (the loss's share, held until the embedding's backward)"] = V * D * e
+    t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D + V * D * (4 - e) * tied
     if emb:   # backward's last node: the unsharded embedding's gradient, and FSDP2's float32 reduce-scatter input
-        t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4)
-    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0)
+        t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
+    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
+        V * D * (4 - e + e * (e == 2) + e * (el != e)) * tied
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
                          + 8 * T * emb + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")

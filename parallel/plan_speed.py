@@ -27,8 +27,9 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     differentiates there, any base), x TILE; its AC recompute skips the MLP
   --tiled-attn: backward recomputes q's and k/v's chains per tile (g(q, k, v) + o_attn; o_proj only
     differentiates); its kernel calls cost x TILED_ATTN
-  lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward) and the float32
-    [chunk, V] softmax passes, ~16 bytes per logit at ELEMENTWISE.
+  lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward; a tied model's trained
+    embedding, --train-embeddings, its weight gradient too: 3·g(V·D)) and the float32 [chunk, V] softmax passes,
+    ~16 bytes per logit at ELEMENTWISE.
   --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
     attention tiles) run their GEMM where DoRA adapts them (it reads it); each pass of an adapted layer (forward,
     the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e
@@ -128,7 +129,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]
             ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
-    mm += (3 if ref else 2) * g(V * D)
+    tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)
+    mm += (3 if ref else 2 + tied) * g(V * D)
     ew += (24 if ref else 16) * T * V / r["ELEMENTWISE"]
     return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)
 

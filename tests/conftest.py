@@ -36,5 +36,11 @@ def assets(tmp_path_factory):
     wcfg = T.Qwen2Config(**shape, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(wcfg).float().save_pretrained(d / "window")
+    # the same shape with its output head tied to the input embedding (Qwen2.5 0.5-3B, Llama 3.2)
+    make_tokenizer(d / "tied")
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(T.Qwen2Config(**{**shape, "tie_word_embeddings": True})).float().save_pretrained(
+        d / "tied")
     return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window"),
+            "tied": str(d / "tied"),
             "text": str(d / "text.jsonl")}

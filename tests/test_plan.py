@@ -169,14 +169,14 @@ def test_quant_state_matches_bitsandbytes():
         assert quant_state_bytes(shape[0] * shape[1]) == sum(t.numel() * t.element_size() for t in held), shape
 
 
-def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, **opts):
+def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, tie=False, **opts):
     """Bytes autograd keeps in one forward at 128 tokens (fp32 unless `dtype`; unique storages, parameters excluded)
-    and the plan of the same run flags."""
+    and the plan of the same run flags (`tie`: a model whose head is its input embedding)."""
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / "ckpt", heads=4, kv_heads=2, head_dim=16, layers=layers, vocab=256, inter=96,
-                           max_shard_size="50MB")
+                           max_shard_size="50MB", tie=tie)
     model, _ = build_model(BuildOptions(path, quant=quant, dtype=dtype, **opts), device="cpu")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
@@ -203,11 +203,13 @@ def _saved_and_plan(tmp_path, layers, flags, quant="nf4", dtype=torch.float32, *
                                                     (False, False, 0.1, True), (False, False, 0, "bf16"),
                                                     (False, False, 0.1, "bf16"), (True, False, 0.1, "bf16"),
                                                     (False, True, 0.1, "bf16"), (False, False, 0, "emb"),
-                                                    (True, True, 0.1, "emb")],
+                                                    (True, True, 0.1, "emb"), (False, False, 0, "tied"),
+                                                    (True, False, 0.1, "tied_bf16")],
                          ids=["mlp", "tiled_mlp", "tiled_attn", "tiled_both", "mlp_dropout", "tiled_mlp_dropout",
                               "train_norms", "train_norms_tiled_both", "train_norms_dropout", "bf16", "bf16_dropout",
                               "bf16_tiled_mlp_dropout", "bf16_tiled_attn_dropout", "train_embeddings",
-                              "train_embeddings_tiled_both_dropout"])
+                              "train_embeddings_tiled_both_dropout", "tied_train_embeddings",
+                              "tied_train_embeddings_bf16_tiled_mlp_dropout"])
 def test_activations_match_autograd(tmp_path, tiled, ta, dropout, norms):
     """No AC, fp32, one process: the plan's activation terms vs the tensors autograd keeps for backward (with LoRA
     dropout: each dropped input and its mask, on CPU the scaled float32 mask the product keeps; with --train-norms
@@ -215,13 +217,16 @@ def test_activations_match_autograd(tmp_path, tiled, ta, dropout, norms):
     input needs grad and the embedding keeps the ids). "bf16": the CPU's --dtype bf16, LoRA in float32:
     each LoRA A keeps peft's float32 cast of its input, or with dropout the dropped copy of that cast (the cast itself
     not), and down_proj's never the bf16 MLP product."""
-    bf16, emb, norms = norms == "bf16", norms == "emb", norms is True or norms == "emb"
+    tied = str(norms).startswith("tied")   # a tied model's embedding: the loss saves the head's float32 gradient
+    bf16, emb, norms = norms in ("bf16", "tied_bf16"), norms in ("emb", "tied", "tied_bf16"), norms is True or \
+        norms == "emb"
     flags = ["--no-ac", "--lora-dropout", str(dropout)] + ["--tiled-mlp"] * tiled + ["--tiled-attn"] * ta + \
         ["--train-norms"] * norms + ["--train-embeddings"] * emb
     saved, p = _saved_and_plan(tmp_path, 2, flags, dtype=torch.bfloat16 if bf16 else torch.float32, ac=False,
                                tiled_mlp=tiled, tiled_attn=ta, lora_dropout=dropout, train_norms=norms,
-                               train_embeddings=emb)
-    planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in")
+                               train_embeddings=emb, tie=tied)
+    planned = term(p, "activations: saved tensors") + term(p, "activations: rope") + term(p, "| or: final norm in") \
+        + (term(p, "tied head's gradient") if tied else 0)
     assert planned == saved
 
 

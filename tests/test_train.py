@@ -25,6 +25,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   the choice for rank 2's budget (not what rank 0's or its own would pick), the log names rank 2 (so does the
   start-up memory check's line), and the run trains as on 1 rank; `--offload-activations` with rank 2's free host
   memory below the pinned bytes is refused on all 4 ranks alike, naming rank 2;
+- `--train-embeddings` on a tied model (its head the embedding, trained through the loss too) on cp 2 × dp 2 Ulysses
+  with the tiled MLP and offload = 1 rank, its checkpoint holding the embedding once, resumed on 1 rank and exported;
 - `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
@@ -106,6 +108,11 @@ FOUR_RANK_LAYERS = {"layers_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--c
 NORMS = ["--train-norms", "--train-embeddings", "--weight-decay", "0.1", "--save-every", "2"]
 FOUR_RANK_NORMS = {"norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp",
                                           "--offload-activations", *NORMS]}
+# --train-embeddings on a tied model (its head is the embedding: trained through the loss too), Ulysses with the tiled
+# MLP and offload on 4 ranks only: = 1 rank, the step-2 checkpoint resumed on 1 rank and exported
+TIED = ["--train-embeddings", "--save-every", "2"]
+FOUR_RANK_TIED = {"tied_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
+                                           "--offload-activations", *TIED]}
 # a sliding-window checkpoint (16-token window on layer 1, rows up to 64 tokens) under CP
 FOUR_RANK_WINDOW = {
     "window_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses"],
@@ -174,6 +181,8 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
+    for name, flags in FOUR_RANK_TIED.items():
+        train.main(train_argv({**assets, "model": assets["tied"]}, os.path.join(root, name), *flags))
     for name, flags in {**FOUR_RANK_TEXT, **FOUR_RANK_SPLIT}.items():
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_FILES.items():
@@ -362,6 +371,7 @@ def one(assets, tmp_path_factory):
         "pack": ["--micro-batch", "4", "--pack"],
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
+        "tied": ["--model", assets["tied"], *TIED],
         "mem": ["--tiled-mlp", "--offload-activations"],
         "group": ["--tiled-mlp", "--ac-group", "2"],
         "partial_ac": ["--ac-blocks", "1"],
@@ -829,6 +839,40 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
     hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
     moved = {k: ((v - hf[k.removeprefix("base_model.model.")]).abs().max()).item() for k, v in norms.items()}
     assert min(moved.values()) > 1e-4, moved
+
+
+@pytest.mark.timeout(600)
+def test_tied_embedding_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, four, tmp_path):
+    """--train-embeddings on a tied model (the head is the embedding, so the loss trains it too): cp2 x dp2 Ulysses with
+    the tiled MLP and offload = 1 rank; its checkpoint holds the embedding once (no lm_head alias, in the model or the
+    optimizer state); resumed on 1 rank = the 1-rank run's step 3; `python -m parallel.checkpoint` of it = the run's
+    own adapter, whose head (written for peft's ensure_weight_tying) is its embedding, moved off the base's."""
+    import torch.distributed.checkpoint as dcp
+
+    import train
+    from parallel.checkpoint import export
+
+    _compare("4 ranks tied --train-embeddings", _at(four, "tied_cp2_dp2_ulysses"), _at(one, "tied"))
+    ckpt = _at(four, "tied_cp2_dp2_ulysses", "ckpt", "step_000002")
+    keys = [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata if "embed" in k or "lm_head" in k]
+    assert sorted(keys) == ["model.model.embed_tokens.weight", *(f"optim.state.model.embed_tokens.weight.{x}" for x in
+                                                                 ("exp_avg", "exp_avg_sq", "step"))], keys
+    with one_thread():
+        train.main(train_argv({**assets, "model": assets["tied"]}, str(tmp_path / "tied1from4"), *TIED, "--resume",
+                              ckpt))
+    _compare("tied --train-embeddings resumed on 1 rank from 4 ranks", str(tmp_path / "tied1from4"), _at(one, "tied"),
+             steps=(3,))
+    export(_at(four, "tied_cp2_dp2_ulysses", "ckpt"), str(tmp_path / "exported" / "adapter"))
+    got, want = _adapter(str(tmp_path / "exported")), _adapter(_at(four, "tied_cp2_dp2_ulysses"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    head, emb = want["base_model.model.lm_head.weight"], want["base_model.model.model.embed_tokens.weight"]
+    assert torch.equal(head, emb)
+    with open(os.path.join(tmp_path, "exported", "adapter", "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["modules_to_save"] == ["model.embed_tokens"] and cfg["ensure_weight_tying"] is True, cfg
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(assets["tied"], dtype=torch.float32).model.embed_tokens.weight
+    assert (emb - base).abs().max() > 1e-4
 
 
 @pytest.mark.timeout(600)

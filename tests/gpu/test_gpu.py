@@ -516,6 +516,31 @@ def test_cuda_train_norms_nf4_bf16(tmp_path, monkeypatch):
     assert min((v - base.get(k).float()).abs().max().item() for k, v in norms.items()) > 0, "the norms trained"
 
 
+def test_cuda_train_tied_embeddings_nf4_bf16(tmp_path, monkeypatch):
+    """--train-embeddings on the demo's tied model on the trainer's CUDA path (FSDP2 mixed precision hands the float32
+    embedding to the lookup and the chunked loss in bf16; the loss sums the head's gradient in float32): 12 demo steps
+    train (finite, the last loss below the first), step 1 logs the plain LoRA run's step-1 loss, and the adapter holds
+    the embedding, moved, and the same tensor as the head (peft's ensure_weight_tying)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import train
+    from model.load import CheckpointReader
+
+    run = _demo_runs(tmp_path, monkeypatch, "29539")
+    out, rows = run("tied", "--steps", "12", "--train-embeddings")
+    _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")
+    assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4), (rows[0], plain[0])
+    keys = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    emb, head = keys["base_model.model.model.embed_tokens.weight"], keys["base_model.model.lm_head.weight"]
+    assert torch.equal(emb, head) and bool(torch.isfinite(emb).all())
+    base = CheckpointReader(train.DEMO["model"]).get("model.embed_tokens.weight").float()
+    assert (emb - base).abs().max().item() > 0, "the embedding trained"
+
+
 def test_cuda_dpo_nf4_bf16(tmp_path, monkeypatch):
     """--objective dpo on the device (the demo's model, NF4, bf16, preference pairs): step 1's loss is log 2 (LoRA's B
     is 0, so the policy's forward is the reference's bit for bit), the losses and reward metrics are finite, and the
