@@ -417,14 +417,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
     # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward
     # hands it on in the head's dtype (e), held until the embedding's backward adds its own: a term of its own, so
-    # the loss phases below count what they hold beyond it
+    # the loss's lines below (which add up) count what they hold beyond it: the saved float32 sum's 4 - e, the
+    # chunk's product and the cast
     if tied:
         t["tied head's gradient (the loss's share, held until the embedding's backward)"] = V * D * e
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D + V * D * (4 - e) * tied
     if emb:   # backward's last node: the unsharded embedding's gradient, and FSDP2's float32 reduce-scatter input
         t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
-        V * D * (4 - e + e * (e == 2) + e * (el != e)) * tied
+        V * D * (e * (e == 2) + e * (el != e)) * tied
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
                          + 8 * T * emb + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
