@@ -105,8 +105,8 @@ def build_parser(add_help=True):
     a("--train-norms", action="store_true", help="also train the RMSNorm weights (LongLoRA: with LoRA, what "
       "extends a context well); the adapter holds them as peft's modules_to_save")
     a("--train-embeddings", action="store_true", help="also train the input embedding (LongLoRA's other trained "
-      "layer; a tied model's output head is it, trained through the loss too; its float32 state: 16 bytes per vocab x "
-      "hidden element over the shards)")
+      "layer; a tied model's head, the same weight, trains with it, not under --objective dpo; its float32 state: "
+      "16 bytes per vocab x hidden element over the shards)")
     a("--lora-plus-ratio", type=float, default=None, metavar="R", help="LoRA+: each B matrix trains at R × the LR "
       "(A at the LR; 16 in the paper, often with a lower --lr), as peft's create_loraplus_optimizer")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")

@@ -213,6 +213,16 @@ def read_init_adapter(path: str) -> dict:
             .replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in sd.items()}
 
 
+def untied_embedding(cfg: dict) -> str | None:
+    """Why an adapter_config.json `cfg`, read against a base whose head is tied to its input embedding, does not tie
+    them (the trained embedding without peft's ensure_weight_tying: in peft the head stays the base's), or None."""
+    if "model.embed_tokens" in (cfg.get("modules_to_save") or []) and not cfg.get("ensure_weight_tying"):
+        return ("trains the input embedding (modules_to_save model.embed_tokens) of a model whose output head is that "
+                "embedding (config.json's tie_word_embeddings), without peft's ensure_weight_tying: in peft its head "
+                "stays the base's embedding, untied from the trained one")
+    return None
+
+
 def tied_head(sd: dict, path: str) -> None:
     """Drop from an adapter's tensors `sd` (peft's keys) the output head of a model whose head is its input
     embedding, which --train-embeddings wrote beside that embedding for peft's ensure_weight_tying: it must be the

@@ -24,7 +24,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained, tied_head
+from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained, tied_head, untied_embedding
 from model.load import CheckpointReader, _check_dir, read_args
 from model.norms import is_saved_weight
 
@@ -119,6 +119,9 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     tied_head(lora, adapter_dir)   # (a tied model's head, written for peft beside its trained embedding: the same)
+    if (why := untied_embedding(acfg)) and read_args(base_path).tie_embeddings:   # (a tied checkpoint would tie the
+        raise ValueError(f"adapter {adapter_dir!r} {why}, which a tied checkpoint cannot hold: merge it with peft's "
+                         "merge_and_unload (it writes the head apart and unties it)")   # trained one to the head)
     dora = bool(acfg.get("use_dora"))   # (model.merge checked the rest of adapter_config.json: not_plain_lora)
     mag = ".lora_magnitude_vector"   # peft's key for DoRA's magnitude, one per output row
     norms = saves_trained(acfg)   # --train-norms' and --train-embeddings' weights: they replace the base's

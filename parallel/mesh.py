@@ -336,7 +336,7 @@ def check_model_flags(args, margs) -> None:
                          "block, so every block would run backward, which --lora-layers skips below its lowest block: "
                          "include block 0 in --lora-layers, or drop one of them")
     if getattr(args, "init_adapter", None) and not getattr(args, "resume", None):
-        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers)
+        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers, margs.tie_embeddings)
     blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)
     if group > margs.n_layers:
         raise ValueError(f"--ac-group {group} is more than the model's {margs.n_layers} blocks (one checkpoint would "
@@ -347,13 +347,20 @@ def check_model_flags(args, margs) -> None:
                          "checkpoint them all")
 
 
-def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=None) -> None:
+def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=None, tied: bool = False) -> None:
     """--init-adapter's LoRA tensors (their safetensors header) fit this model's projections (`shapes`: name -> (in,
-    out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in."""
+    out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in. `tied`:
+    the model's head is its input embedding; an adapter that trains that embedding without peft's ensure_weight_tying
+    kept the base's head in peft (untied), which a run here cannot start from."""
+    from model.export import untied_embedding
     from model.load import read_header
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
         cfg = json.load(f)
+    if tied and (why := untied_embedding(cfg)):
+        raise ValueError(f"--init-adapter {path!r} {why}: this run would start with the head tied to it, not the "
+                         "function it learned; start from an adapter saved with ensure_weight_tying "
+                         "(--train-embeddings writes one), or merge it with peft's merge_and_unload and train on that")
     bad, halves = [], {}
     for k, h in sorted(header.items()):
         if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)\b", k)) or \

@@ -317,3 +317,32 @@ def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
         said = startup_error(train_argv({**base, "model": untied}, str(tmp_path / "o2"), "--train-embeddings",
                                         "--lora-layers", "1"))
         assert "--train-embeddings with --lora-layers 1" in said and "include block 0" in said, said
+
+
+def test_tied_embedding_adapter_without_weight_tying_is_refused(ckpts, tmp_path):
+    """peft's own adapter of a tied model's embedding without ensure_weight_tying keeps the base's head in peft (the two
+    untied: its logits are not a tied model's): --init-adapter and the merge refuse it, naming why, where either would
+    tie the head to the trained embedding; with ensure_weight_tying (peft's save, our export's form) both take it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from model.load import read_args
+    from model.merged import merge
+    from parallel.mesh import check_model_flags
+
+    path = ckpts["tied"]
+    for tying in (False, True):
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(
+            r=R, lora_alpha=ALPHA, target_modules=ALL, modules_to_save=["model.embed_tokens"],
+            ensure_weight_tying=tying))
+        peft.save_pretrained(str(tmp_path / str(tying)))
+    argv = lambda a: train.build_parser().parse_args(["--model", path, "--lora-r", str(R), "--lora-alpha", str(ALPHA),
+                                                      "--train-embeddings", "--init-adapter", a])   # noqa: E731
+    with pytest.raises(ValueError, match="without peft's ensure_weight_tying.*this run would start with the head"):
+        check_model_flags(argv(str(tmp_path / "False")), read_args(path))
+    with pytest.raises(ValueError, match="without peft's ensure_weight_tying.*merge_and_unload"):
+        merge(path, str(tmp_path / "False"), str(tmp_path / "merged_untied"), dtype=torch.float32)
+    assert not os.path.exists(tmp_path / "merged_untied" / "config.json")
+    check_model_flags(argv(str(tmp_path / "True")), read_args(path))
+    merge(path, str(tmp_path / "True"), str(tmp_path / "merged_tied"), dtype=torch.float32)
