@@ -391,7 +391,7 @@ def main(argv=None):
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
         save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
-                                                **early.meta(),
+                                                **early.meta(), "tie_embeddings": margs.tie_embeddings,
                                                 "nonfinite": nonfinite.state(), "steps_total": steps},
                                                 keep=args.keep_ckpts, protect=best.step, **kw)
 

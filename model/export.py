@@ -63,7 +63,7 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
     sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_saved_weight(n)}))
     write_adapter(sd, peft_model.peft_config["default"], out_dir, base_path, rope_parameters, chat_template, quant,
-                  model_sha256)
+                  model_sha256, tied=peft_model.get_base_model().args.tie_embeddings)
 
 
 def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
@@ -256,7 +256,8 @@ def half_written(out_dir: str) -> bool:
 
 
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
-                  chat_template: str | None = None, quant: str | None = None, model_sha256: str | None = None) -> None:
+                  chat_template: str | None = None, quant: str | None = None, model_sha256: str | None = None,
+                  tied: bool | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
     Written to `out_dir`.tmp-export, then renamed into place (the one before goes through `out_dir`.old-export:
@@ -265,7 +266,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     complete. Into an empty directory that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`),
     which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
     adapter to peft) last. `quant` and `model_sha256` (the base's `model.load.model_fingerprint`, as the run recorded
-    it): written to trained_on.json, what `model.merge` checks its base against."""
+    it): written to trained_on.json, what `model.merge` checks its base against. `tied`: whether the base's output head
+    is its input embedding (None: read from `base_path`'s config.json), where a trained embedding is written twice."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
     in_place = os.path.isdir(out_dir) and (not os.listdir(out_dir) or half_written(out_dir))
     if not in_place and os.path.isdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
@@ -279,9 +281,10 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     sd = {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
     if saved := modules_to_save(sd):   # --train-norms, --train-embeddings: peft loads them as saved modules
         cfg.modules_to_save = saved
-        if "model.embed_tokens" in saved and read_args(base_path).tie_embeddings:   # a tied head: peft's
-            sd[TIED_HEAD] = sd["base_model.model.model.embed_tokens.weight"].clone()   # ensure_weight_tying reads
-            cfg.ensure_weight_tying = True   # the embedding under the head's name too, and ties the two
+        if "model.embed_tokens" in saved and (read_args(base_path).tie_embeddings if tied is None else tied):
+            # a tied head: peft's ensure_weight_tying reads the embedding under the head's name too, and ties the two
+            sd[TIED_HEAD] = sd["base_model.model.model.embed_tokens.weight"].clone()
+            cfg.ensure_weight_tying = True
     save_file(sd, os.path.join(tmp, "adapter_model.safetensors"))
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)

@@ -437,12 +437,9 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
             raise ValueError(f"--model {model!r} is not the base this run trained on: that is the Hub snapshot {hub} "
                              f"({path}/meta.json); pass its snapshot directory in the hub cache")
         args = {**args, "model": os.path.abspath(model)}
-    elif (args.get("rope_scaling") is not None or args.get("train_embeddings")) and not os.path.isdir(args["model"]):
-        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its "
-                         + ("--rope-scaling is written from the base's config.json" if args.get("rope_scaling")
-                            is not None else "--train-embeddings adapter reads the base's config.json (a tied "
-                            "output head is written beside the embedding)") + ": pass --model DIR, the base where it "
-                         "is now")
+    elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
+        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "
+                         "from the base's config.json: pass --model DIR, the base where it is now")
     try:   # (a damaged file, or a step a live run's rotation removes while this reads it: said, not a traceback)
         md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
         # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under
@@ -469,7 +466,8 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
                   args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)
-                  args.get("model_sha256"))
+                  args.get("model_sha256"), tied=read_meta(path).get("tie_embeddings", False))   # (a checkpoint from
+    # before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)
     return path
 
 

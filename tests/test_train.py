@@ -831,6 +831,8 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
     export(_at(four, "norms_cp2_dp2_ring", "ckpt"), str(tmp_path / "exported" / "adapter"))
     got, want = _adapter(str(tmp_path / "exported")), _adapter(_at(four, "norms_cp2_dp2_ring"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    got = _export_with_base_gone(_at(four, "norms_cp2_dp2_ring", "ckpt", "step_000003"), tmp_path / "gone")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     with open(os.path.join(tmp_path, "exported", "adapter", "adapter_config.json")) as f:
         saved = json.load(f)["modules_to_save"]
     norms = {k: v for k, v in want.items() if k.endswith("norm.weight") or "embed_tokens" in k}
@@ -839,6 +841,21 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
     hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
     moved = {k: ((v - hf[k.removeprefix("base_model.model.")]).abs().max()).item() for k, v in norms.items()}
     assert min(moved.values()) > 1e-4, moved
+
+
+def _export_with_base_gone(step, root):
+    """`python -m parallel.checkpoint` of a copy of checkpoint `step` whose recorded base is gone (meta.json's --model
+    renamed): what a trained embedding's adapter needs of the base (a tied head?) comes from the checkpoint."""
+    from parallel.checkpoint import export
+
+    copy = shutil.copytree(step, os.path.join(root, "ckpt", os.path.basename(step)))
+    with open(os.path.join(copy, "meta.json")) as f:
+        meta = json.load(f)
+    meta["args"]["model"] = os.path.join(root, "moved_away")
+    with open(os.path.join(copy, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    export(copy, os.path.join(root, "adapter"))
+    return _adapter(root)
 
 
 @pytest.mark.timeout(600)
@@ -864,6 +881,8 @@ def test_tied_embedding_on_four_ranks_matches_one_rank_resumes_and_exports(asset
              steps=(3,))
     export(_at(four, "tied_cp2_dp2_ulysses", "ckpt"), str(tmp_path / "exported" / "adapter"))
     got, want = _adapter(str(tmp_path / "exported")), _adapter(_at(four, "tied_cp2_dp2_ulysses"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    got = _export_with_base_gone(_at(four, "tied_cp2_dp2_ulysses", "ckpt", "step_000003"), tmp_path / "gone")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     head, emb = want["base_model.model.lm_head.weight"], want["base_model.model.model.embed_tokens.weight"]
     assert torch.equal(head, emb)
