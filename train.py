@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import GlobalBatches, collate, load_tokenizer, make_demo, store
+from data import GlobalBatches, collate, load_tokenizer, make_demo, run_data, store
 from data.batches import micro_batch_arg
 from data.mix import Once, data_files, held_records
 from data.pairs import for_run
@@ -302,7 +302,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- data (before any weight)
         tok = load_tokenizer(args.model, args.chat_template_text)   # one rank a machine tokenizes, the others read it
         (samples, stats), (eval_samples, eval_stats), rows = for_run(   # (dpo: a pair a sample)
-            args.objective, *store.load_run_data(args, tok, margs.vocab_size, log0), args.dpo_share_prompt)
+            args.objective, *run_data.load_run_data(args, tok, margs.vocab_size, log0), args.dpo_share_prompt)
         ended = notes.resumed(args, argv, demo, ckpt, stats, eval_stats, log0)   # (a run --early-stop ended)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
         budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory

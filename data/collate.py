@@ -45,7 +45,7 @@ def _sides(s: dict, n: int, k: int) -> torch.Tensor:
 
 
 def _row(samples: list[dict], length: int, pad_id: int, first: int = 0) -> tuple[torch.Tensor, ...]:
-    ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]   # lists, or data.store's int32
+    ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]   # lists, or data.samples' int32
     labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
     pos = [_positions(s, len(x)) for s, x in zip(samples, ids)]
     sides = [_sides(s, len(x), first + k) for k, (s, x) in enumerate(zip(samples, ids))]

@@ -8,7 +8,7 @@ Contract:
   those of a single-file run. `record_name(ident, files)` spells one for a log ("b.jsonl:17", or "17" for one file).
 - `join(parts)`: the files' Samples, in the order given, as one whose tokens are the files' own tensors as pieces,
   not a copy (with a token cache: each file's memory-mapped pages, which a machine's ranks share), hashed
-  (`store.fingerprint`) as one file of their lines would be. `total(stats)`: their TokenStats summed (`longest`:
+  (`samples.fingerprint`) as one file of their lines would be. `total(stats)`: their TokenStats summed (`longest`:
   the longest of all).
 - `mix(samples, files, weights, seed, rotate)`: --data-weights. A file of weight W gives floor(W) copies of its
   samples and, for the fraction left, that share of its records (rounded; at least one when W < 1), whole (a split
@@ -94,7 +94,7 @@ def held_records(samples, files: list[str]) -> dict[str, list[int]]:
 
 def join(parts: list, files: list[str]):
     """Samples of several files as one, their records' identities carrying the file's index, `files` their names."""
-    from data.store import Samples
+    from data.samples import Samples
 
     if len(parts) == 1:
         return parts[0]
@@ -180,7 +180,7 @@ class Rotation:
 
 def mix(samples, files: list[str], weights: list[float] | None, seed: int, rotate: bool = True):
     """(samples, what each file gave, a Rotation or None) (module docstring); (samples, None, None) without weights."""
-    from data.store import smallest_hashes
+    from data.samples import smallest_hashes
 
     if weights is None or all(w == 1 for w in weights):
         return samples, None, None

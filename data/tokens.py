@@ -8,7 +8,7 @@ Contract:
   record has none: --eval-split holds out whole records) plus a `TokenStats`. Order is kept, except that samples left
   with no target are dropped (and counted), and a split text record gives its windows in a row. A template that writes
   today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
-- `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.store.Samples`, read from or
+- `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.samples.Samples`, read from or
   kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
   (`add_special_tokens=True`), so a BOS token is prepended exactly when the tokenizer defines one
@@ -142,7 +142,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
                  write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
                  long_text: str = LONG_TEXT[0], workers: int = 1, objective: str | None = None,
                  all_targets: bool = False):
-    """A JSONL file -> (data.store.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
+    """A JSONL file -> (data.samples.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
     `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
     else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
     machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated

@@ -1391,12 +1391,12 @@ def test_pack_and_pad_keep_the_same_targets(tok, tmp_path, divisor):
 
 
 def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
-    """data.store.hold_out (--eval-split): a share (rounded, at least one) or a count of the records that have a
+    """data.samples.hold_out (--eval-split): a share (rounded, at least one) or a count of the records that have a
     sample, each whole (a text record split into windows keeps every window on one side), the file's order kept on
     both sides; the same records for the same seed and lines whatever the order they are asked in, others for
     another seed; the subsets share the tensors, and their fingerprints differ from the whole's and each other's. A
     split leaving nothing to train on is refused, naming the numbers."""
-    from data import store
+    from data.samples import fingerprint, hold_out
     from data.tokens import load_samples
 
     path = tmp_path / "d.jsonl"
@@ -1405,7 +1405,7 @@ def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
     lines = samples.lines.tolist()
     assert stats.split > 3 and len(set(lines)) == 30 and len(lines) > 40, stats   # windows: several samples a record
     for spec, k in ((0.1, 3), (0.25, 8), (0.001, 1), (5, 5), (29, 29)):
-        train, held, chosen = store.hold_out(samples, spec, seed=7)
+        train, held, chosen = hold_out(samples, spec, seed=7)
         assert len(chosen) == k and chosen == sorted(chosen), (spec, chosen)
         assert sorted(set(held.sample_lines().tolist())) == chosen, "every window of a held record is held"
         assert not set(train.sample_lines().tolist()) & set(chosen), "no window of a held record is trained on"
@@ -1417,16 +1417,16 @@ def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
             assert [part[i]["input_ids"].tolist() for i in range(len(part))] == \
                 [samples[j]["input_ids"].tolist() for j in part.rows.tolist()]
             assert part.lengths.tolist() == [len(samples[j]["input_ids"]) for j in part.rows.tolist()]
-        fps = {store.fingerprint(x) for x in (samples, train, held)}
-        assert len(fps) == 3 and store.fingerprint(store.hold_out(samples, spec, seed=7)[0]) == store.fingerprint(train)
-    assert store.hold_out(samples, 0.2, seed=7)[2] == store.hold_out(samples, 0.2, seed=7)[2]
-    assert store.hold_out(samples, 0.2, seed=7)[2] != store.hold_out(samples, 0.2, seed=8)[2], "the seed chooses"
+        fps = {fingerprint(x) for x in (samples, train, held)}
+        assert len(fps) == 3 and fingerprint(hold_out(samples, spec, seed=7)[0]) == fingerprint(train)
+    assert hold_out(samples, 0.2, seed=7)[2] == hold_out(samples, 0.2, seed=7)[2]
+    assert hold_out(samples, 0.2, seed=7)[2] != hold_out(samples, 0.2, seed=8)[2], "the seed chooses"
     backwards = samples.subset(torch.arange(len(samples) - 1, -1, -1))   # (the same records in another order)
-    assert store.hold_out(backwards, 0.2, seed=7)[2] == store.hold_out(samples, 0.2, seed=7)[2]
+    assert hold_out(backwards, 0.2, seed=7)[2] == hold_out(samples, 0.2, seed=7)[2]
     for spec, k in ((30, 30), (0.99, 30), (1000, 1000)):
         with pytest.raises(DataError, match=rf"--eval-split {spec:g} holds out {k} of the 30 records of --data that "
                                             "have a target, leaving none to train on: pass a smaller --eval-split"):
-            store.hold_out(samples, spec, seed=0)
+            hold_out(samples, spec, seed=0)
 
 
 def test_tokenizing_in_processes_equals_one_process(tok_dir, tmp_path, monkeypatch):
@@ -1698,11 +1698,11 @@ def test_a_dated_template_renders_the_given_day_and_the_clock_comes_back(tok, tm
 
 
 def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
-    """train.py's data (store.load_run_data) logs --eval-data's stats as it logs --data's: eval records cut to
+    """train.py's data (run_data.load_run_data) logs --eval-data's stats as it logs --data's: eval records cut to
     --max-len, or dropped with no target left, are said, since eval_loss covers only what is left."""
     from types import SimpleNamespace
 
-    from data import store
+    from data import run_data
 
     make_text_jsonl(tmp_path / "train.jsonl", 4, seed=1)
     long_prompt = {"messages": [{"role": "system", "content": "fox " * 100}, {"role": "user", "content": "word " * 200},
@@ -1715,21 +1715,21 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     said = []
     args = SimpleNamespace(data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), max_len=64,
                            data_cache="none", data_sha256=None, long_text="split")
-    (_, stats), ev, _ = store.load_run_data(args, tok, len(tok), said.append)
+    (_, stats), ev, _ = run_data.load_run_data(args, tok, len(tok), said.append)
     assert len(ev[0]) == 1 and ev[1] == ref and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
            "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
     assert not [m for m in said if "also --data samples" in m], said
     (tmp_path / "both.jsonl").write_text((tmp_path / "train.jsonl").read_text() + json.dumps(short) + "\n")
     args.eval_data, said = str(tmp_path / "both.jsonl"), []   # the 4 training records and one more: 2 of them
-    store.load_run_data(args, tok, len(tok), said.append)    # longer than --max-len, split into 2 windows each
+    run_data.load_run_data(args, tok, len(tok), said.append)    # longer than --max-len, split into 2 windows each
     assert "note: 6 of the 7 --eval-data samples are also --data samples (the same tokens): eval_loss measures how " \
            "well the run learned them, not how it does on unseen data" in said, said
     # --eval-split over a file holding each record twice (found by review): every held-out sample is trained on too
     args.data, args.eval_data, args.eval_split, args.seed, said = args.eval_data, None, 2, 0, []
     (tmp_path / "twice.jsonl").write_text((tmp_path / "both.jsonl").read_text() * 2)
     args.data = str(tmp_path / "twice.jsonl")
-    (train, _), (held, held_stats), _ = store.load_run_data(args, tok, len(tok), said.append)
+    (train, _), (held, held_stats), _ = run_data.load_run_data(args, tok, len(tok), said.append)
     assert held_stats is None and len(held) + len(train) == 14 and len(held) in (2, 3, 4), (len(held), said)
     assert f"note: {len(held)} of the {len(held)} held-out samples are also training samples (the same tokens: the " \
            "same text on two lines of --data): eval_loss measures how well the run learned them" in "".join(said), said
@@ -1764,11 +1764,11 @@ def _mapped_from(t: torch.Tensor) -> str | None:
 
 def _tokenize_once(rank, world, tok_dir, cases):
     """One rank of test_one_rank_per_machine_tokenizes: for each (case, data file, cache) in turn, train.py's
-    data.store.load_run_data (LOCAL_RANK is the rank: rank 0 is the machine's first) -> the tokens, the log lines
+    data.run_data.load_run_data (LOCAL_RANK is the rank: rank 0 is the machine's first) -> the tokens, the log lines
     and the start and end of each load_samples call, or the error."""
     from types import SimpleNamespace
 
-    from data import store, tokens
+    from data import run_data, store, tokens
 
     real, out = tokens.load_samples, {}
     for case, path, cache in cases:
@@ -1788,7 +1788,7 @@ def _tokenize_once(rank, world, tok_dir, cases):
                                data_sha256=None, long_text="split")
         try:
             with contextlib.redirect_stdout(printed):
-                (samples, _), _, _ = store.load_run_data(args, tok, len(tok), said.append)
+                (samples, _), _, _ = run_data.load_run_data(args, tok, len(tok), said.append)
             out[case] = {"times": times, "said": said, "ids": [s["input_ids"].tolist() for s in samples],
                          "mapped": _mapped_from(samples.ids), "day": args.template_date, "printed": printed.getvalue()}
         except Exception as e:
@@ -1798,7 +1798,7 @@ def _tokenize_once(rank, world, tok_dir, cases):
 
 @pytest.mark.timeout(240)
 def test_one_rank_per_machine_tokenizes_and_the_others_read_its_cache(tok_dir, tmp_path):
-    """data.store.load_run_data (once_per_machine) on 2 ranks of one machine: rank 0 tokenizes and writes the cache
+    """data.run_data.load_run_data (once_per_machine) on 2 ranks of one machine: rank 0 tokenizes and writes the cache
     while rank 1 waits, then rank 1 reads that file back; both hold the tokens of one process, from that file's
     memory-mapped pages. A cache that cannot be written makes rank 1 tokenize itself; without a cache both
     tokenize. A dated template renders rank 0's day, under a key holding it, on both ranks (midnight passed on rank
@@ -1887,12 +1887,12 @@ def _files(tmp_path) -> list[str]:
 def _run_data(tok, data, tmp_path, **kw):
     from types import SimpleNamespace
 
-    from data import store
+    from data import run_data
 
     said = []
     args = SimpleNamespace(data=data, eval_data=kw.pop("eval_data", None), max_len=64, long_text="split",
                            data_cache=kw.pop("cache", "none"), data_sha256=None, seed=kw.pop("seed", 0), **kw)
-    (train, stats), ev, args.rows = store.load_run_data(args, tok, len(tok), said.append)
+    (train, stats), ev, args.rows = run_data.load_run_data(args, tok, len(tok), said.append)
     return train, stats, ev, said, args
 
 
@@ -1902,7 +1902,7 @@ def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
     memory-mapped tokens: the same samples (ids, labels,
     boundaries, so the same fingerprint and data_tokens) and summed stats as one file holding their lines, each
     file's stats and their sum logged."""
-    from data import store
+    from data.samples import fingerprint
 
     files = _files(tmp_path)
     one, one_stats, _, _, one_args = _run_data(tok, str(tmp_path / "abc.jsonl"), tmp_path)
@@ -1913,7 +1913,7 @@ def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
     for i in range(len(one)):
         assert got[i]["input_ids"].tolist() == one[i]["input_ids"].tolist(), i
         assert got[i]["labels"].tolist() == one[i]["labels"].tolist(), i
-    assert store.fingerprint(got) == store.fingerprint(one) and args.data_tokens == one_args.data_tokens
+    assert fingerprint(got) == fingerprint(one) and args.data_tokens == one_args.data_tokens
     for f in files:
         assert any(m.startswith(f"data: {f}: ") for m in said), said
     assert f"data: 3 files: {one_stats}" in said, said
@@ -1927,22 +1927,23 @@ def test_several_data_files_train_as_one_file_of_their_lines(tok, tmp_path):
 
 
 def test_a_data_set_in_many_shards_is_said_in_one_line(tok, tmp_path):
-    """More --data files than store.MANY_FILES (a data set in shards): no line per file (the stats' sum, and on a
+    """More --data files than run_data.MANY_FILES (a data set in shards): no line per file (the stats' sum, and on a
     rerun the count read from the cache, in one line each), but each file's warning; the samples are those of one
     file of their lines."""
-    from data import store
+    from data import run_data
+    from data.samples import fingerprint
 
     lines = Path(_files(tmp_path)[1]).read_text().splitlines(True) * 2   # (13 chats, one left with no target)
     shards = []
-    for k in range(store.MANY_FILES + 2):
+    for k in range(run_data.MANY_FILES + 2):
         shards.append(str(tmp_path / f"shard-{k:05d}.jsonl"))
-        Path(shards[-1]).write_text("".join(lines[k::store.MANY_FILES + 2]))
+        Path(shards[-1]).write_text("".join(lines[k::run_data.MANY_FILES + 2]))
     (tmp_path / "all.jsonl").write_text("".join(Path(f).read_text() for f in shards))
     cache = str(tmp_path / "cache")
     one, one_stats, _, _, _ = _run_data(tok, str(tmp_path / "all.jsonl"), tmp_path)
     for run in range(2):   # (the shards are the eval files too: their cache lines are one count as well)
         got, stats, _, said, _ = _run_data(tok, shards, tmp_path, cache=cache, eval_data=shards)
-        assert store.fingerprint(got) == store.fingerprint(one) and str(stats) == str(one_stats)
+        assert fingerprint(got) == fingerprint(one) and str(stats) == str(one_stats)
         assert f"data: {len(shards)} files: {one_stats}" in said and not [m for m in said if ".jsonl: " in m and
                                                                           not m.startswith("warning: ")], said
         assert [m for m in said if m.startswith("warning: --data ") and "shard-00005.jsonl" in m], said

@@ -487,7 +487,7 @@ def test_a_pair_is_its_two_sides_as_records(assets):
 def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
     from data.collate import collate
     from data.pairs import PairRows, Pairs
-    from data.store import Samples
+    from data.samples import Samples
 
     a = {"input_ids": [5, 6, 7], "labels": [6, 7, -100], "line": 1}
     b = {"input_ids": [5, 8], "labels": [8, -100], "line": 1}

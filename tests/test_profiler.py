@@ -48,9 +48,9 @@ def test_profile_writes_the_chosen_step(assets, tmp_path):
 def test_profile_outside_the_run_is_refused_before_weights(assets, tmp_path, n, msg, monkeypatch):
     """... and, with --steps given, before the data are read (review, helper 54: after tokenizing)."""
     import train
-    from data import store
+    from data import run_data
 
-    monkeypatch.setattr(store, "load_run_data", lambda *a, **k: pytest.fail("the data were read first"))
+    monkeypatch.setattr(run_data, "load_run_data", lambda *a, **k: pytest.fail("the data were read first"))
     with no_weights(), one_thread(), pytest.raises(ValueError, match=msg):
         train.main(train_argv(assets, str(tmp_path / "out"), "--steps", "3", "--profile", n))
 
