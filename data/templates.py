@@ -104,7 +104,7 @@ def on_day(tokenizer, day: str | None):
 
 def end_of_turn(tokenizer) -> tuple[str, list[int]]:
     """(what the template writes right after an assistant's text, its token ids); raises what rendering raises."""
-    from data.chat import assistant_char_spans
+    from data.chat_spans import assistant_char_spans
 
     full, spans = assistant_char_spans(tokenizer, PROBE, "--chat-template")
     content = PROBE[1]["content"]
