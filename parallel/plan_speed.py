@@ -28,8 +28,9 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   --tiled-attn: backward recomputes q's and k/v's chains per tile (g(q, k, v) + o_attn; o_proj only
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward; a tied model's trained
-    embedding, --train-embeddings, its weight gradient too: 3·g(V·D)) and the float32 [chunk, V] softmax passes,
-    ~16 bytes per logit at ELEMENTWISE.
+    embedding, --train-embeddings, its weight gradient too: 3·g(V·D), and per chunk its [V, D] product added to a
+    float32 sum, 12 bytes an element in bf16, 8 in fp32) and the float32 [chunk, V] softmax passes, ~16 bytes per
+    logit at ELEMENTWISE.
   --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
     attention tiles) run their GEMM where DoRA adapts them (it reads it); each pass of an adapted layer (forward,
     the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e
@@ -132,6 +133,9 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)
     mm += (3 if ref else 2 + tied) * g(V * D)
     ew += (24 if ref else 16) * T * V / r["ELEMENTWISE"]
+    if tied:   # each chunk's [V, D] product added to the float32 sum (loss.py): read, and the sum read and written
+        from loss import CHUNK_BYTES
+        ew += (12 if e == 2 else 8) * V * D * -(-T // max(1, min(T, CHUNK_BYTES // (4 * V)))) / r["ELEMENTWISE"]
     return (mm + att + ew) * r["REST"], dict(matmul=mm, attention=att, elementwise=ew)
 
 

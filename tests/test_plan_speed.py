@@ -129,6 +129,27 @@ def test_lora_layers_drops_the_backward_below_the_lowest_adapted_block():
         assert half == pytest.approx(whole / 2, rel=1e-9), k
 
 
+def test_tied_embedding_adds_the_heads_weight_gradient():
+    """--train-embeddings on a tied model (Qwen2.5-7B's shapes, its head tied), by hand: the chunked loss's third GEMM
+    of the head's size (the head's weight gradient) and, per [chunk, V] chunk, the [V, D] product added to a float32
+    sum (12 bytes an element in bf16); the same flag on the untied model adds neither (its head is frozen)."""
+    import dataclasses
+
+    from loss import CHUNK_BYTES
+    r = RATES
+    T, D, V = 32768, 3584, 152064
+    args, m, dims, pack = setup(T, 4)
+    emb = train.build_parser().parse_args(["--max-len", str(T), "--quant", "nf4", "--dtype", "bf16",
+                                           "--global-batch", "1", "--train-embeddings"])
+    tied = dataclasses.replace(m, tie_embeddings=True)
+    (_, c0), (_, c1), (_, untied) = (step_seconds(mm, dims, a, "cuda", pack) for mm, a in
+                                      ((tied, args), (tied, emb), (m, emb)))
+    chunks = -(-T // (CHUNK_BYTES // (4 * V)))
+    assert c1["matmul"] - c0["matmul"] == pytest.approx(2 * T * V * D / r["MATMUL"], rel=1e-9)
+    assert c1["elementwise"] - c0["elementwise"] == pytest.approx(12 * V * D * chunks / r["ELEMENTWISE"], rel=1e-9)
+    assert untied == step_seconds(m, dims, args, "cuda", pack)[1]
+
+
 @pytest.mark.parametrize("flags", [(), ("--tiled-mlp", "--tiled-attn")], ids=["ac", "tiled_both"])
 def test_dora_runs_only_the_bases_it_adapts(flags):
     """--dora on q and v alone: down_proj's and o_proj's bases are no DoRA layers, so parallel.recompute still skips
