@@ -32,11 +32,11 @@ Persistent all step:
    dtype (the root's unsharded copy for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two);
    block 0 saves as the others, the first checkpoint keeps the embedding's output (not the ids), the embedding's
    backward the int64 ids (8T) (so --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group
-   keeps the first group's input too); and a phase of its own, the last in backward: its [V, D] gradient beside
-   FSDP2's float32 reduce-scatter input. A tied model's head adds the loss's share of that gradient: V·D float32 in
-   the loss's forward (+ a [V, D] product per chunk in bf16, + the CPU bf16 head's cast), saved, then V·D·e held
-   through the backward until the embedding's adds to it. With a DPO reference model (untied only), that model's
-   embedding too: V·D in LoRA's dtype, whole on every rank.
+   keeps the first group's input too); and a phase of its own, the last in backward, once the activations are
+   gone ("| end:"): its [V, D] gradient beside FSDP2's float32 reduce-scatter input. A tied model's head adds the
+   loss's share of that gradient: V·D float32 in the loss's forward (+ a [V, D] product per chunk in bf16, + the CPU
+   bf16 head's cast), saved, then V·D·e held through the backward until the embedding's adds to it. With a DPO
+   reference model (untied only), that model's embedding too: V·D in LoRA's dtype, whole on every rank.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -179,9 +179,15 @@ class Plan:
 
     @property
     def peak(self) -> float:
+        """The larger of the step's phases: the persistent terms with the block's backward ("| block" lines, added)
+        or with the loss ("| or:" lines, added); or the end of the backward ("| end:" lines), when the
+        activations are gone."""
         fixed = sum(v for k, v in self.terms.items() if not k.startswith("|"))
         block = sum(v for k, v in self.terms.items() if k.startswith("| block"))
-        return fixed + max(block, sum(v for k, v in self.terms.items() if k.startswith("| or:")))
+        end = sum(v for k, v in self.terms.items() if k.startswith("| end:"))
+        acts = sum(v for k, v in self.terms.items() if k.startswith("activations:"))
+        return max(fixed + max(block, sum(v for k, v in self.terms.items() if k.startswith("| or:"))),
+                   fixed - acts + end)
 
     @property
     def total(self) -> float:
@@ -422,8 +428,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if tied:
         t["tied head's gradient (the loss's share, held until the embedding's backward)"] = V * D * e
     t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D + V * D * (4 - e) * tied
-    if emb:   # backward's last node: the unsharded embedding's gradient, and FSDP2's float32 reduce-scatter input
-        t["| or: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
+    if emb:   # backward's last node, once every activation is gone: the unsharded embedding's gradient, and FSDP2's
+        # float32 reduce-scatter input (a tied head's share, held, added to it in place)
+        t["| end: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
     t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
         V * D * (e * (e == 2) + e * (el != e)) * tied
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D

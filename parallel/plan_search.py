@@ -309,7 +309,7 @@ def main(argv, run_parser, demo: dict):
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():
         print(f"  {k:<72}{v / u:8.2f}")
-    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss)':<72}{p.peak / u:8.2f}")
+    print(f"  {'peak of live tensors (the | lines: the larger of block vs loss, or the end)':<72}{p.peak / u:8.2f}")
     print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
           f"{p.total / u:8.2f}")
     print(f"  ({'without' if args.ac else 'with'} AC the activations would be {p.alt_activations / u:.2f} {un})")
