@@ -284,7 +284,6 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         if "model.embed_tokens" in saved and (read_args(base_path).tie_embeddings if tied is None else tied):
             # a tied head: peft's ensure_weight_tying reads the embedding under the head's name too, and ties the two
             sd[TIED_HEAD] = sd["base_model.model.model.embed_tokens.weight"].clone()
-            cfg.ensure_weight_tying = True
     save_file(sd, os.path.join(tmp, "adapter_model.safetensors"))
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)
@@ -293,6 +292,11 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     else:
         cfg.base_model_name_or_path = os.path.abspath(base_path)
     cfg.save_pretrained(tmp)
+    if TIED_HEAD in sd:   # (in the file itself: a peft without the field would drop the attribute when saving)
+        with open(os.path.join(tmp, "adapter_config.json")) as f:
+            written = json.load(f)
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump({**written, "ensure_weight_tying": True}, f, indent=2, sort_keys=True)
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
         with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
