@@ -42,7 +42,7 @@ def nf4_round_trip(model) -> None:
     import torch
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from model.qlora import BLOCKSIZE
+    from model.nf4 import BLOCKSIZE
 
     with torch.no_grad():
         for name, mod in model.named_modules():

@@ -7,7 +7,7 @@ here: CUDA and CPU have kernels of their own for the NF4 ops we call. While bits
 `torch.compile` is the identity, so those fallbacks stay eager, which is also what bitsandbytes does itself when
 compiling fails. Nothing else changes: `torch.compile` is restored at once; dynamo, imported before the swap,
 keeps the real one in its rules; a process that imported bitsandbytes before this module keeps its compiled
-wrappers. model/qlora.py takes both packages from here.
+wrappers. model/nf4.py and model/qlora.py take both packages from here.
 """
 
 from __future__ import annotations

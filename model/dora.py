@@ -59,8 +59,8 @@ def row_norms(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, d
 
 def _scale(layer: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
     """m / ‖W + s·B A‖ per output feature, in `dtype`: the magnitude's gradient flows through it, the norm's not.
-    Inside model.qlora.dequant_once (the tiled MLP's tiles) the norm is computed once per layer, not per tile."""
-    from model.qlora import _once
+    Inside model.nf4.dequant_once (the tiled MLP's tiles) the norm is computed once per layer, not per tile."""
+    from model.nf4 import _once
 
     cache = getattr(_once, "weights", None)
     key = (layer, name, dtype)
@@ -171,7 +171,8 @@ def unset_magnitudes():
 def init_magnitudes(model: nn.Module) -> None:
     """Every DoRA magnitude = ‖W + s·B A‖ of its row, in float32, from the full tensors (a collective per layer
     under FSDP2: every rank calls this in the same order)."""
-    from model.qlora import _full, set_param
+    from model.nf4 import _full
+    from model.qlora import set_param
 
     for layer in (m for m in model.modules() if getattr(m, "lora_magnitude_vector", None)):
         for name, mag in layer.lora_magnitude_vector.items():

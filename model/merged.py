@@ -33,7 +33,7 @@ STAGE_MARK = ".merge-stage"   # the file inside STAGE that makes it merge()'s ow
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:
-    """The weights `model.qlora.apply_nf4` quantizes: Linear weights of a block's attention and MLP."""
+    """The weights `model.nf4.apply_nf4` quantizes: Linear weights of a block's attention and MLP."""
     parts = name.split(".")   # model.layers.{i}.{self_attn|mlp}.{proj}.weight
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3] in ("self_attn", "mlp")
             and parts[5] == "weight" and w.ndim == 2)
@@ -252,7 +252,7 @@ def is_stage(path: str) -> bool:
 def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):
     """merge()'s writing: every file of the merged model into `out_dir` (its staging folder), config.json last."""
     if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
-        from model.qlora import nf4_round_trip
+        from model.nf4 import nf4_round_trip
     from model.dora import fold
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"

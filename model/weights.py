@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from model.qlora import BLOCKSIZE, NF4Linear, nest_absmax, pad_absmax, quantize_blocks, quantize_weight, set_param
+from model.nf4 import BLOCKSIZE, NF4Linear, nest_absmax, pad_absmax, quantize_blocks, quantize_weight
+from model.qlora import set_param
 
 
 def local_rows(p: torch.Tensor) -> tuple[int, int]:

@@ -13,7 +13,7 @@ Contract:
   last time: no [tokens, D] buffer beside x. (Without AC a second backward through a kept graph fails torch's
   version check; with AC the block is recomputed. Another saver of x is not caught under AC: the contract.)
   Per token the math is the untiled MLP's; only the parameter gradients are summed in another order. NF4 weights
-  are dequantized once per call for all its tiles (`model.qlora.dequant_once`: gate, up and down held together). With
+  are dequantized once per call for all its tiles (`model.nf4.dequant_once`: gate, up and down held together). With
   LoRA dropout each tile draws its own masks and backward replays them (the RNG state of forward, tile order).
   model.llama.Block hands it `norm_stand_in(norm, h)` instead of its norm's output (`takes_norm`): an empty tensor
   tagged with the norm and its input h (where grad is needed), so the norm's [T, D] output is never computed, in
@@ -68,7 +68,7 @@ class _TiledMLP(torch.autograd.Function):
         stand_in = x.new_empty(()).expand(x.shape)
         if recomputing():
             return stand_in
-        from model.qlora import dequant_once  # bitsandbytes and peft: not on the planner's path (tile_tokens)
+        from model.nf4 import dequant_once  # bitsandbytes and peft: not on the planner's path (tile_tokens)
         with torch.no_grad(), dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
             out = _by_rows(fn, flat, tile)                                  # [N, D], tile by tile
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -81,7 +81,7 @@ class _TiledMLP(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
-        from model.qlora import dequant_once
+        from model.nf4 import dequant_once
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=ctx.rng is not None), \
                 dequant_once():
             if ctx.rng is not None:   # the same dropout masks as forward: same state, same tile order

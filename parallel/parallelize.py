@@ -48,8 +48,9 @@ from model.attention import SDPAAttention
 from model.config import lora_layers
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
+from model.nf4 import apply_nf4, pack_nf4_weights
 from model.norms import is_norm_weight, is_saved_weight
-from model.qlora import LORA_TARGETS, apply_lora, apply_nf4, fuse_lora, init_lora, pack_nf4_weights, set_param
+from model.qlora import LORA_TARGETS, apply_lora, fuse_lora, init_lora, set_param
 from model.weights import load_weights
 from parallel.compile import apply_compile
 from parallel.cp import KernelAttention

@@ -91,7 +91,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
    into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
    (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles,
-   model.qlora.dequant_once; --tiled-attn's phase likewise q/k/v/o). --dora: + one tile's DoRA tensors (term 4's, at
+   model.nf4.dequant_once; --tiled-attn's phase likewise q/k/v/o). --dora: + one tile's DoRA tensors (term 4's, at
    t tokens; the weight is the held one), here and in --tiled-attn's tiles.
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
@@ -306,7 +306,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t = p.terms
     t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = L * shard(base[:7]) * e
     qa = [(-(-o * i // 64 // e), -(-o * i // 64 // e)) for o, i in shapes.values()] if nf4 else []
-    if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/qlora.py); the rest is not
+    if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/nf4.py); the rest is not
         t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
             quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
     frozen = ", ".join(["embeddings"] * (not emb) + ["lm_head"] * (not tied) + ["final norm"] * (not norms))

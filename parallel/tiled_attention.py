@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from model.qlora import dequant_once
+from model.nf4 import dequant_once
 from parallel import kernels, masks
 from parallel.memory import norm_stand_in
 from parallel.recompute import grads_only_context

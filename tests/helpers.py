@@ -142,7 +142,7 @@ def bnb_nf4(w: torch.Tensor):
     """bitsandbytes' NF4 of `w` with nested statistics, from its own primitives: quantize_4bit's codes and fp32
     absmax (compress_statistics=False), the absmax less its mean through quantize_blockwise (blocks of 256), as
     quantize_4bit(compress_statistics=True) does, but with the mean taken in float64, as training takes it
-    (model.qlora.nested_state: bitsandbytes' float32 mean differs between CPU and CUDA in its last bit).
+    (model.nf4.nested_state: bitsandbytes' float32 mean differs between CPU and CUDA in its last bit).
     Returns (packed codes, QuantState): `dequantize_4bit(packed, state)` is the base training computes with."""
     from bitsandbytes.functional import QuantState, quantize_4bit, quantize_blockwise
 
@@ -199,7 +199,7 @@ def as_scalars(records) -> dict:
 def hf_as_trained(path, quant="none"):
     """The transformers model of a checkpoint in float32; for nf4 each block Linear holds the weight our NF4 layers
     compute with (`nf4_round_trip`), so peft on it is the reference for our nf4 model."""
-    from model.qlora import nf4_round_trip
+    from model.nf4 import nf4_round_trip
 
     hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if quant == "nf4":

@@ -21,7 +21,7 @@ non-zero B so the adapter moves the logits):
 - a DoRA adapter made and saved by peft itself (use_dora, random A and B, magnitudes off their start): `python -m
   model.merge` of it on the plain base equals peft's `merge_and_unload()` tensor by tensor (1e-6 in float32, one
   rounding in bf16) and the peft DoRA model's logits (1e-5); with quant="nf4" the merged logits and tensors equal
-  peft's DoRA model on the transformers model whose block Linears hold `model.qlora.nf4_round_trip(W)`; a DoRA
+  peft's DoRA model on the transformers model whose block Linears hold `model.nf4.nf4_round_trip(W)`; a DoRA
   adapter with a projection's magnitude removed or cut short, a magnitude without its A and B, a LoRA adapter saying
   use_dora, or magnitudes under a config without it, is refused (exit 2, naming the tensor and the fix, nothing
   written);
@@ -298,14 +298,14 @@ def test_merge_dora_equals_peft_merge_and_unload(dora, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_merge_dora_from_nf4_equals_peft_dora_on_the_round_trip(dora, tmp_path):
-    """merge(quant="nf4") of a DoRA adapter folds into `model.qlora.nf4_round_trip(W)`, the base a QLoRA run
+    """merge(quant="nf4") of a DoRA adapter folds into `model.nf4.nf4_round_trip(W)`, the base a QLoRA run
     computes with, the DoRA norm taken over it too: its logits equal peft's DoRA model on the transformers model whose
     adapted weights (every block Linear here) hold the round trip within 1e-5, its tensors that model's
     `merge_and_unload()` within 1e-6."""
     from peft import PeftModel
 
     from model.merged import _is_nf4, merge
-    from model.qlora import nf4_round_trip
+    from model.nf4 import nf4_round_trip
 
     path, adapters = dora
     adapter = adapters["nf4"]

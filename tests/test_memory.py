@@ -127,17 +127,17 @@ def test_tiled_mlp_matches_untiled(ckpt, spare):
 @pytest.mark.parametrize("sublayer", ["mlp", "attention"])
 def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, sublayer):
     """The tiled MLP and the tiled attention dequantize each NF4 weight once per forward call and once per backward
-    call (model.qlora.dequant_once), not once a tile: the MLP's 46 tokens in 10 tiles of 5, the attention's 23-row
+    call (model.nf4.dequant_once), not once a tile: the MLP's 46 tokens in 10 tiles of 5, the attention's 23-row
     rows in 5 query tiles of 5 (before: bitsandbytes' per-tile calls, and one of ours per tile for the base whose
     output is only differentiated). The cache is gone after each call; outputs and gradients equal the untiled
     layers'."""
-    import model.qlora as qlora
+    import model.nf4 as nf4
     from parallel.memory import apply_tiled_mlp
     from parallel.tiled_attention import apply_tiled_attention
 
     calls = []
-    real = qlora.dequantize_4bit
-    monkeypatch.setattr(qlora, "dequantize_4bit", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    real = nf4.dequantize_4bit
+    monkeypatch.setattr(nf4, "dequantize_4bit", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
 
     def step(tiled):
         torch.manual_seed(0)
@@ -151,7 +151,7 @@ def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, subla
         y = part(x) if sublayer == "mlp" else part(x, cos, sin, model.attention, None)
         n_fwd = len(calls)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
-        assert getattr(qlora._once, "weights", None) is None, "the cache outlived its call"
+        assert getattr(nf4._once, "weights", None) is None, "the cache outlived its call"
         return n_fwd, len(calls) - n_fwd, y.detach(), x.grad, {k: p.grad.clone() for k, p in part.named_parameters()
                                                                if p.requires_grad}
 

@@ -33,7 +33,7 @@ def _u8(t):
 def test_blockwise_quantization_equals_bitsandbytes_whole_tensor():
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from model.qlora import NF4Linear, nest_absmax, nf4_round_trip, quantize_blocks
+    from model.nf4 import NF4Linear, nest_absmax, nf4_round_trip, quantize_blocks
 
     g = torch.Generator().manual_seed(0)
     for out_f, in_f, cuts in [(96, 64, [0, 7, 40, 96]), (640, 128, [0, 1, 2, 1279, 1280]),
@@ -63,7 +63,7 @@ def _shard_rank(rank, world_size, path, ckpt_dir):
     from bitsandbytes.functional import dequantize_4bit
 
     from model.load import CheckpointReader
-    from model.qlora import NF4Linear
+    from model.nf4 import NF4Linear
     from model.weights import load_weights
     from parallel import checkpoint
     from parallel.mesh import ParallelDims

@@ -35,7 +35,7 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
     """Build this layout's model and the single-process reference on every rank, run one forward and
     backward on the same global batch, and assert: target count, global mean loss, global grad norm,
     the LoRA init and every LoRA gradient, the NF4 codes and absmax as integers, and the logits."""
-    from model.qlora import NF4Linear
+    from model.nf4 import NF4Linear
     from parallel.cp import cp_attention, shard_sequence
     from parallel.fsdp import clip_grad_norm_
     from parallel.mesh import ParallelDims
@@ -115,7 +115,8 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
 
 def _move_magnitudes(model):
     """Each DoRA magnitude × (1 + 0.1·N(0, 1)), drawn from its name (this rank's shard of the full draw)."""
-    from model.qlora import _full, _generator, set_param
+    from model.nf4 import _full
+    from model.qlora import _generator, set_param
 
     for n, p in model.named_parameters():
         if "lora_magnitude_vector" in n:

@@ -804,7 +804,7 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
     assert len(mags) == 14 and len(want) == 42, sorted(want)[:3]
     from transformers import AutoModelForCausalLM
 
-    from model.qlora import nf4_round_trip
+    from model.nf4 import nf4_round_trip
     hf = dict(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).named_parameters())
     moved = {}   # each against its start, the row norms of the 4-bit weight (B = 0 then): trained, a little
     for k, m in mags.items():

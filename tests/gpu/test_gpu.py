@@ -422,7 +422,7 @@ def test_cuda_nf4_codes_equal_the_cpus():
     bitsandbytes' float32 mean differs between the devices in its last bit; printed for three sizes)."""
     from bitsandbytes.functional import get_4bit_type
 
-    from model.qlora import BLOCKSIZE, nf4_round_trip, quantize_blocks
+    from model.nf4 import BLOCKSIZE, nf4_round_trip, quantize_blocks
 
     torch.manual_seed(0)
     w = torch.randn(256, 512)
