@@ -40,7 +40,8 @@ from data.templates import parse_day
 from data.tokens import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
-from model.load import check_config_shapes, read_args, same_snapshot
+from model.hub import same_snapshot
+from model.load import check_config_shapes, read_args
 from model.norms import is_embed_weight, is_norm_weight
 from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.cp import cp_attention, shard_batch

@@ -27,7 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
-from model.load import hub_snapshot, read_args
+from model.hub import hub_snapshot
+from model.load import read_args
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight, modules_to_save
 
 OVERRIDES = "base_config_overrides.json"
@@ -265,7 +266,7 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     adapter under `out_dir`, and one already there (a resumed run re-exporting) stays whole until the new one is
     complete. Into an empty directory that exists (`python -m parallel.checkpoint --out DIR`: a mount point, `.`),
     which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
-    adapter to peft) last. `quant` and `model_sha256` (the base's `model.load.model_fingerprint`, as the run recorded
+    adapter to peft) last. `quant` and `model_sha256` (the base's `model.hub.model_fingerprint`, as the run recorded
     it): written to trained_on.json, what `model.merge` checks its base against. `tied`: whether the base's output head
     is its input embedding (None: read from `base_path`'s config.json), where a trained embedding is written twice."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)

@@ -4,7 +4,7 @@
     python -m model.merge --model BASE_DIR --adapter RUN/adapter --out MERGED_DIR --quant none --dtype fp32
     python -m model.merge --adapter RUN/adapter --out MERGED_DIR    # the base the adapter names
 
---model may be a Hub id (org/name[@revision], model/load.fetch_checkpoint); without it the base is the one the
+--model may be a Hub id (org/name[@revision], model/hub.fetch_checkpoint); without it the base is the one the
 adapter names (adapter_config.json: a path, or a Hub id with the commit trained on, fetched into the hub cache).
 
 W' = W + (lora_alpha / r) · B @ A (lora_alpha / sqrt(r) with use_rslora) for every adapted projection
@@ -64,11 +64,11 @@ def run_quant(adapter_dir: str) -> tuple[str | None, str | None]:
 
 def other_base(adapter_dir: str, model: str) -> str | None:
     """Why `model` is not the base the adapter was trained on, or None: trained_on.json's model_sha256 (train.py records
-    the base's `model.load.model_fingerprint` for a local --model) against the same fingerprint of `model` now. A path
+    the base's `model.hub.model_fingerprint` for a local --model) against the same fingerprint of `model` now. A path
     names nothing: a base moved elsewhere folds in, another checkpoint of the same shapes at the path it names (the
     base model beside its Instruct tune), or one edited in place since, does not. Adapters that record none pass."""
     from model.export import TRAINED_ON
-    from model.load import model_fingerprint, same_model
+    from model.hub import model_fingerprint, same_model
 
     try:
         with open(os.path.join(adapter_dir, TRAINED_ON)) as f:
@@ -90,7 +90,7 @@ def _other_commit(adapter_dir: str, model: str) -> str | None:
     """For an adapter trained on a Hub model (adapter_config.json: "org/name" and the commit as its revision): why
     `model` is not that snapshot, or None. A snapshot of the hub cache names its commit; another directory's files
     cannot be compared with it."""
-    from model.load import hub_snapshot
+    from model.hub import hub_snapshot
 
     trained = adapter_base(adapter_dir)
     if not trained or "@" not in trained or os.path.isabs(trained) or os.path.isdir(trained):
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         print(f"merge: --model not given, and {args.adapter!r} has no adapter_config.json naming a base model; "
               "pass --model BASE_DIR", file=sys.stderr)
         return 2
-    from model.load import fetch_checkpoint
+    from model.hub import fetch_checkpoint
     try:
         args.model = fetch_checkpoint(args.model)
     except FileNotFoundError as e:

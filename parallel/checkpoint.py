@@ -400,7 +400,8 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     names it; its files must be the ones the run recorded)."""
     from model.config import lora_layers
     from model.export import half_written, peft_keys, write_adapter
-    from model.load import hub_snapshot, read_args, same_model
+    from model.hub import hub_snapshot, same_model
+    from model.load import read_args
     from model.norms import is_saved_weight
     from model.qlora import lora_config
     if not out_dir:

@@ -263,7 +263,8 @@ def suggest_longest(args, margs, world, target, mem, host, where):
 
 
 def main(argv, run_parser, demo: dict):
-    from model.load import fetch_checkpoint, read_args
+    from model.hub import fetch_checkpoint
+    from model.load import read_args
 
     args = parse_args(argv, run_parser, demo)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))

@@ -129,7 +129,8 @@ def check_start(args, demo: bool):
     from data.pairs import check_first
     from data.store import file_sha256
     from data.templates import chat_template
-    from model.load import check_weight_headers, fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
+    from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
+    from model.load import check_weight_headers
     from parallel import checkpoint, resume, runs
     from parallel.mesh import check_flags, device_type
     from parallel.metrics import check_sinks

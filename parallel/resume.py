@@ -33,7 +33,7 @@ import os
 from fractions import Fraction
 
 from data.mix import data_files
-from model.load import hub_snapshot
+from model.hub import hub_snapshot
 from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
 
 # flags that change the math of the steps still to come: a resume must keep them. Any other recorded value not in

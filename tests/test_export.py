@@ -438,7 +438,7 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
         assert want in refused(adapter=other), key
     # the base it was trained on, by its files (trained_on.json's model_sha256, as train.py writes it): a copy
     # elsewhere merges; the same shapes with other weights, or an edited config.json, do not, unless --any-base
-    from model.load import model_fingerprint
+    from model.hub import model_fingerprint
     (adapter / TRAINED_ON).write_text(json.dumps({"quant": "none", "model_sha256": model_fingerprint(path)}))
     other_w, other_cfg = tmp_path / "other_weights", tmp_path / "other_config"
     for d in (other_w, other_cfg):

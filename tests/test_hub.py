@@ -1,4 +1,4 @@
-"""`--model org/name`: a Hugging Face Hub repo id fetched into huggingface_hub's cache (model/load.fetch_checkpoint).
+"""`--model org/name`: a Hugging Face Hub repo id fetched into huggingface_hub's cache (model/hub.fetch_checkpoint).
 
 Pins, with huggingface_hub.snapshot_download replaced by a local stand-in (no hub here) that copies what its
 allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>/snapshots/<commit>/:

@@ -1391,7 +1391,7 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     (half / "adapter_model.safetensors").write_bytes(b"partial")
     export(os.path.join(done, "ckpt"), str(half))
     assert adapter(str(half))[0].keys() == want.keys() and sorted(os.listdir(half)) == sorted(os.listdir(out))
-    from model.load import model_fingerprint
+    from model.hub import model_fingerprint
     base = {"quant": "none", "model_sha256": model_fingerprint(assets["model"])}
     for d in (out, os.path.join(done, "adapter")):   # the base it was trained on, for model.merge (a --quant none run)
         assert json.load(open(os.path.join(d, "trained_on.json"))) == base, d
@@ -2197,7 +2197,7 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2]
     # files beside the weights the loader never reads (until 2026-12-04 in the record, and checked at start-up): a
     # sharded base's consolidated.safetensors left as a Git LFS pointer, a pytorch_model.bin deleted to free disk
-    from model.load import model_fingerprint
+    from model.hub import model_fingerprint
     os.rename(weights, model / "model-00001-of-00001.safetensors")
     (model / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}))
