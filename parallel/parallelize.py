@@ -54,9 +54,9 @@ from model.qlora import LORA_TARGETS, apply_lora, fuse_lora, init_lora, set_para
 from model.weights import load_weights
 from parallel.compile import apply_compile
 from parallel.cp import KernelAttention
+from parallel.flags import check_ac
 from parallel.fsdp import apply_fsdp
 from parallel.memory import apply_norm_rebuild, apply_tiled_mlp
-from parallel.mesh import check_ac
 from parallel.offload import HostOffload
 from parallel.recompute import apply_unread_outputs, recompute_context
 from parallel.tiled_attention import apply_tiled_attention

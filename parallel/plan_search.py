@@ -25,7 +25,8 @@ import argparse
 import math
 import os
 
-from parallel.mesh import check_flags, check_model_flags, validate
+from parallel.flags import check_flags, check_model_flags
+from parallel.mesh import validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
 from parallel.plan_speed import apply_flags, cached_reference_line, fast_flags, fastest_line
 
@@ -345,7 +346,7 @@ def main(argv, run_parser, demo: dict):
 def keep_attn_fits(args, margs, dims, target, mem, host, pack):
     """(flags, plan): --ac-keep-attn, else with --tiled-mlp, when it fits with SAFETY headroom and is not set."""
     if (not args.ac or args.ac_keep_attn or args.ac_group > 1 or args.offload_activations or args.ac_blocks == 0
-            or args.tiled_attn):   # (the two refuse each other: parallel.mesh.check_flags)
+            or args.tiled_attn):   # (the two refuse each other: parallel.flags.check_flags)
         return None
     for flags, kw in (("--ac-keep-attn", {}), ("--tiled-mlp --ac-keep-attn", {"tiled_mlp": True}))[:2 - args.tiled_mlp]:
         p = memory_plan(margs, dims, _with(args, ac_keep_attn=True, **kw), target, pack)

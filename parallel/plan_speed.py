@@ -143,7 +143,7 @@ def fastest(args, margs, dims, target, mem, host, pack, key=None):
     """[(flags, plan, seconds)] of the flag sets that fit (module docstring), fastest first."""
     import argparse
 
-    from parallel.mesh import check_flags
+    from parallel.flags import check_flags
     from parallel.plan import memory_plan
     key = key or (lambda p: p.total)
     L = margs.n_layers

@@ -132,7 +132,8 @@ def check_start(args, demo: bool):
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load import check_weight_headers
     from parallel import checkpoint, resume, runs
-    from parallel.mesh import check_flags, device_type
+    from parallel.flags import check_flags
+    from parallel.mesh import device_type
     from parallel.metrics import check_sinks
     from parallel.plan import REFERENCE_FREE
 

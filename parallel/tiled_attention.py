@@ -3,7 +3,7 @@
 Contract:
 - `apply_tiled_attention(model, tile=None)` makes each block's attention sublayer (the input norm when handed its
   output tagged by parallel.memory.apply_norm_rebuild, q/k/v with their LoRA, q/k norms, RoPE, the attention,
-  o_proj with its LoRA) run over tiles of query rows, one process (refused under CP: parallel.mesh.check_flags).
+  o_proj with its LoRA) run over tiles of query rows, one process (refused under CP: parallel.mesh.validate).
   Forward, per tile in order: the norm, q, k and v of the tile's tokens (k, v written into row-long buffers),
   the tile's attention against the keys up to its end, o_proj written into one [B, S, D] output. The causal
   attention of a tile is its diagonal block (causal) plus the earlier keys in key blocks of the tile's size

@@ -39,7 +39,7 @@ _spec.loader.exec_module(bench_gpu)
 def test_every_row_passes_the_trainers_start_up_checks(row):
     """A row whose flags the trainer refuses (e.g. two that exclude each other) would only show on the GPU."""
     import train
-    from parallel.mesh import check_flags
+    from parallel.flags import check_flags
 
     spec = dict(ckpt="m", data="d.jsonl", tokens=131072, steps=2, quant="nf4", dtype="bf16")
     args = train.build_parser().parse_args(bench_gpu.ours_argv(spec, "out", bench_gpu.FLAG_ROWS[row]))
@@ -150,7 +150,8 @@ def test_fastest_row_keeps_under_the_cap():
     live peak for them, on this machine's target, is within LIGER_MARGIN x the cap, and the row says why."""
     import train
     from model.load import read_args
-    from parallel.mesh import check_flags, validate
+    from parallel.flags import check_flags
+    from parallel.mesh import validate
     from parallel.plan import memory_plan
     from parallel.plan_search import _budget
 

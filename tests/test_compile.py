@@ -122,7 +122,7 @@ def test_compile_with_ac_keep_attn_compiles_and_equals_eager(ckpt, monkeypatch):
         torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
     monkeypatch.setattr(c._CachingTorchDispatchMode, "ignore_compile_internals", classmethod(lambda cls: False))
     args = train.build_parser().parse_args(["--compile", "--ac-keep-attn"])
-    from parallel.mesh import check_flags
+    from parallel.flags import check_flags
     with pytest.raises(ValueError, match="--ac-keep-attn with --compile"):
         check_flags(args)
 

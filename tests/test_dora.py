@@ -227,7 +227,7 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
     from safetensors.torch import load_file, save_file
 
     from model.export import check_init_adapter
-    from parallel.mesh import _init_adapter_fits
+    from parallel.flags import _init_adapter_fits
 
     out, _ = adapter
     with pytest.raises(ValueError, match=r"use_dora True, this run no --dora \(pass --dora\)"):

@@ -123,7 +123,7 @@ def test_refusals_and_resume(ckpt, tmp_path):
     import train
     from model.export import export_adapter
     from model.load import read_args
-    from parallel.mesh import check_model_flags
+    from parallel.flags import check_model_flags
     from parallel.resume import check_resume
 
     margs = read_args(ckpt)

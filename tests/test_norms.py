@@ -329,7 +329,7 @@ def test_tied_embedding_adapter_without_weight_tying_is_refused(ckpts, tmp_path)
     import train
     from model.load import read_args
     from model.merged import merge
-    from parallel.mesh import check_model_flags
+    from parallel.flags import check_model_flags
 
     path = ckpts["tied"]
     for tying in (False, True):

@@ -33,7 +33,8 @@ import pytest
 
 import train
 from model.config import ModelArgs
-from parallel.mesh import check_flags, validate
+from parallel.flags import check_flags
+from parallel.mesh import validate
 from parallel.plan import memory_plan
 from parallel.plan_speed import RATES, fastest, step_seconds
 
