@@ -270,7 +270,7 @@ def main(argv=None):
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter, read_init_adapter
-    from parallel import checkpoint, keep_best
+    from parallel import checkpoint, checkpoint_folders, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_groups, lora_parameters
     # ------------------------------------------------------------------------- process group + mesh
@@ -367,7 +367,7 @@ def main(argv=None):
         metrics = guard.on_rank0(files, f"writing config.json and opening {logs}")
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
-        nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint.read_meta(ckpt).get(
+        nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint_folders.read_meta(ckpt).get(
             "nonfinite"))   # a resume goes on counting
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length

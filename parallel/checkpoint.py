@@ -15,22 +15,15 @@ Contract:
        first and deleted after), then replaces `latest` (write + rename), then deletes all but the
        newest `keep` folders at or below this step.
   `protect` (--keep-best's step, parallel/keep_best.py) is kept beside the newest `keep`.
-- `resolve(path)` is cheap (no weights; run it at start-up): a step folder, or the one `latest` names in a ckpt folder
-  (a newer whole step folder written after `latest` wins: a save killed between its rename and `latest`'s). An
-  abandoned step (`branch`) or an unfinished save's folder is refused, naming the live steps. A folder is readable
-  when meta.json parses and every byte range DCP's `.metadata` points at is present on disk (a truncated file fails
-  this). Given a ckpt folder whose newest checkpoint is unreadable, it falls back to the previous readable one and
-  warns, naming both; given an unreadable step folder, it refuses, naming the previous readable one.
 - `branch(path)` (rank 0, a resume): the newer step folders beside `path` become `step_N.abandoned` and `latest`
   names `path`, so a crash before the next save comes back here, not to a step past the metrics kept; a save of
   step N or later removes `step_N.abandoned`. The run's exports (OUT/adapter, OUT/adapter_best) were made past
   `path`, so they become `adapter.abandoned` (..-2, ...) too: none is left describing a step the run no longer has.
 - `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
   step to continue from.
-- `export(path, out_dir)`: the PEFT adapter of a checkpoint, as train.py exports at the end, without resuming and
-  without building the model (one process reads the LoRA tensors from the DCP files, any layout they were saved
-  from); also `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (refuses a non-empty DIR, one inside
-  the ckpt folder, NaN/Inf). Rotation and resume see only the step_NNNNNN folders save() names.
+- `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR`: the adapter of a checkpoint
+  (`parallel.checkpoint_export.export`).
+Which step folder a path names and whether it is whole: parallel/checkpoint_folders.py (`resolve`, `read_meta`).
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ import os
 import re
 import shutil
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from parallel.checkpoint_folders import ABANDONED_RE, STEP_RE, _previous_good, _read, _steps, _warn, read_meta, resolve
 from parallel.guard import NonFiniteError, on_rank0
 
 OPTS = StateDictOptions(ignore_frozen_params=True)
@@ -65,8 +58,6 @@ def _state(model, optimizer) -> dict:
         if not p.requires_grad or first.setdefault(id(p), n) != n:   # frozen, or a second name of a trained one
             drop.add(n)
     return {"model": {k: v for k, v in msd.items() if k not in drop}, "optim": osd}
-STEP_RE = re.compile(r"step_(\d+)$")
-ABANDONED_RE = re.compile(r"step_(\d+)\.abandoned(-\d+)?$")
 
 
 def _rank():
@@ -133,23 +124,6 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def has_step(ckpt_dir: str) -> bool:
-    """`ckpt_dir` holds a whole step folder (one `resolve` can resume)."""
-    return any(problem(p) is None for _, p in _steps(ckpt_dir))
-
-
-def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every folder save() names (step_000042), newest first. Only those: rotation deletes what this
-    returns, and a folder of another name (`step_1`, an adapter exported into the ckpt folder by hand, or a copy)
-    is not ours to delete, nor a step to resume."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(ckpt_dir, e)) for e in os.listdir(ckpt_dir)
-             if (m := STEP_RE.match(e)) and e == f"step_{int(m.group(1)):06d}"
-             and os.path.isdir(os.path.join(ckpt_dir, e))]
-    return sorted(found, reverse=True)
-
-
 def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, *, keep: int = 2,
          rng: dict | None = None, protect: int | None = None) -> str:
     if keep < 1:
@@ -208,119 +182,6 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
     return final
 
 
-def problem(folder: str) -> str | None:
-    """Why a step folder cannot be loaded, or None. Reads meta.json and DCP's .metadata only."""
-    if not os.path.isdir(folder):
-        return "it does not exist"
-    try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            int(json.load(f)["step"])
-    except FileNotFoundError:
-        return "meta.json is missing (the save did not finish)"
-    except (ValueError, KeyError, TypeError) as e:
-        return f"meta.json is unreadable ({e})"
-    try:
-        md = dcp.FileSystemReader(folder).read_metadata()
-    except Exception as e:   # noqa: BLE001 - missing, truncated or foreign: all mean "cannot load"
-        return f".metadata is unreadable ({type(e).__name__}: {e})"
-    need = {}
-    for info in md.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in sorted(need.items()):
-        p = os.path.join(folder, rel)
-        have = os.path.getsize(p) if os.path.isfile(p) else None
-        if have is None or have < size:
-            return f"{rel} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}"
-    return None
-
-
-def _previous_good(ckpt_dir: str, below: int | None) -> str | None:
-    for s, path in _steps(ckpt_dir):
-        if (below is None or s < below) and problem(path) is None:
-            return path
-    return None
-
-
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
-def resolve(path: str, *, warn=_warn, flag: str = "--resume") -> str:
-    """The readable step folder `path` names (see the contract); clear errors before any weight, naming `flag` (the
-    argument `path` came as) and what is there instead."""
-    if not os.path.exists(path):
-        parent = os.path.dirname(os.path.normpath(path))
-        have = [os.path.basename(p) for _, p in reversed(_steps(parent))]
-        raise FileNotFoundError(f"{flag} {path!r} does not exist" + (f"; {parent!r} holds {', '.join(have)}" if have
-                                                                     else ""))
-    base, parent = os.path.basename(os.path.normpath(path)), os.path.dirname(os.path.normpath(path))
-    if ABANDONED_RE.match(base) or base.startswith((".tmp-", ".old-")):   # (its steps: another trajectory)
-        live = [os.path.basename(p) for _, p in _steps(parent)]
-        raise ValueError(f"{flag} {path!r} is " + ("an abandoned step (a resume went back below it and trained its "
-                                                   "steps again)" if ABANDONED_RE.match(base) else
-                                                   "an unfinished save's folder") + ", never resumed"
-                         + (f"; pass {flag} {parent} (its newest step) or one of {', '.join(live)}" if live else ""))
-    m = STEP_RE.match(base)
-    if m or os.path.isfile(os.path.join(path, "meta.json")):
-        why = problem(path)
-        if why is None:
-            return path
-        prev = _previous_good(os.path.dirname(os.path.normpath(path)), int(m.group(1)) if m else None)
-        raise ValueError(f"checkpoint {path!r} cannot be read: {why}. "
-                         + (f"The previous good one is {prev!r}: pass {flag} {prev}" if prev else
-                            "There is no earlier good checkpoint beside it"))
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest) and not _steps(path):
-        inner = os.path.join(path, "ckpt")   # a run directory given for its ckpt folder
-        there = os.path.join(parent, "ckpt")
-        if os.path.isdir(inner):
-            fix = f"; pass {flag} {inner}"
-        elif os.path.isfile(path) and base == "latest":   # the file that names the newest step, for its folder
-            fix = f": 'latest' is the file naming the newest step; pass {flag} {parent}, which resumes that step"
-        elif os.path.isfile(os.path.join(path, "adapter_config.json")):   # RUN/adapter: the export, no optimizer
-            fix = ": that is an exported adapter (its LoRA weights, no optimizer state or data position)" + (
-                "; " + (f"pass {flag} {there} to continue its run, or " if os.path.isdir(there) else "pass ")
-                + f"--init-adapter {path} to start a new run from its weights" if flag == "--resume" else
-                ", already what an export writes")
-        else:
-            fix = ""
-        raise FileNotFoundError(f"{flag} {path!r}: no checkpoint there (expected a step_* folder with meta.json, or a "
-                                "ckpt folder with a 'latest' file)" + fix)
-    newest = os.path.join(path, _read(latest)) if os.path.isfile(latest) else _steps(path)[0][1]
-    m = STEP_RE.match(os.path.basename(newest))
-    if _steps(path) and (top := _steps(path)[0])[0] > (int(m.group(1)) if m else -1) and problem(top[1]) is None \
-            and (not os.path.isfile(latest) or _mtime(os.path.join(top[1], "meta.json")) > _mtime(latest)):
-        newest = top[1]   # whole, written after `latest`, not yet named by it: a save killed between its two renames
-        # (one written before, a run before 2026-12-02 left beside the steps it resumed below: another trajectory)
-    why = problem(newest)
-    if why is None:
-        return newest
-    m = STEP_RE.match(os.path.basename(newest))
-    prev = _previous_good(path, int(m.group(1)) if m else None)
-    if prev is None:
-        raise ValueError(f"the newest checkpoint {newest!r} cannot be read ({why}) and {path!r} holds no earlier "
-                         "good one; start a fresh run")
-    aside = sorted((e for e in os.listdir(path) if ABANDONED_RE.match(e) and e.startswith(
-        os.path.basename(newest) + ".")), key=lambda e: (len(e), e)) if not os.path.exists(newest) else []
-    if aside:   # branch() stopped before `latest` (its newest name: .abandoned, .abandoned-2, ...)
-        warn(f"{os.path.basename(newest)}, which 'latest' names, was set aside as {aside[-1]} by a resume from an "
-             f"older step that stopped before it saved; resuming from {prev!r}, the newest step left. Steps after it "
-             "are trained again")
-    else:
-        warn(f"the newest checkpoint {newest!r} cannot be read ({why}); resuming from the previous good one, "
-             f"{prev!r}. Steps after it are trained again")
-    return prev
-
-
-def _mtime(path: str) -> int:
-    return os.stat(path).st_mtime_ns
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
 def branch(path: str, log=print) -> list[str]:
     """Resuming from `path`, a step below its ckpt folder's newest: make it the newest, so that a crash before this
     run's next save resumes here again and not from a step whose metrics the resume dropped. Rank 0, under the lock.
@@ -357,12 +218,6 @@ def branch(path: str, log=print) -> list[str]:
     return moved
 
 
-def read_meta(path: str) -> dict:
-    """meta.json of a resolved step folder: {"step": N, "args": {...}, ...}."""
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
 def load(path: str, model, optimizer, *, warn=_warn) -> int:
     path = resolve(path, warn=warn)
     state = _state(model, optimizer)
@@ -393,85 +248,6 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     return step
 
 
-def export(path: str, out_dir: str, replace: bool = False, model: str | None = None) -> str:
-    """Write the PEFT adapter of checkpoint `path` (a step folder, or a ckpt folder's newest good one) to `out_dir`;
-    return the step folder read. `replace` (--keep-best's adapter_best): an adapter already there is swapped out once
-    the new one is whole (model.export.write_adapter), not refused. `model`: the run's base, moved since (the adapter
-    names it; its files must be the ones the run recorded)."""
-    from model.config import lora_layers
-    from model.export import half_written, peft_keys, write_adapter
-    from model.hub import hub_snapshot, same_model
-    from model.load import read_args
-    from model.norms import is_saved_weight
-    from model.qlora import lora_config
-    if not out_dir:
-        raise ValueError("--out is empty: pass a new directory")
-    real_out = os.path.realpath(out_dir)   # what is written ('new/..' is its parent, a link its target): checked
-    if os.path.isfile(real_out):
-        raise ValueError(f"--out {out_dir!r} is a file: pass a new directory")
-    if not replace and os.path.isdir(real_out) and os.listdir(real_out) and not half_written(real_out):
-        raise ValueError(f"--out {out_dir!r} exists and is not empty" + (f" (it is {real_out!r})" if real_out !=
-                         os.path.abspath(out_dir) else "") + ": pass a new directory")   # (a killed export into it
-        # may be written again)
-    path = resolve(path, flag="checkpoint")
-    real_step = os.path.realpath(path)
-    linked_from = os.path.realpath(os.path.dirname(os.path.abspath(path)))   # (a link to a step folder: the folder
-    is_ckpt = STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(os.path.join(linked_from,
-                                                                                                     "latest"))
-    for ckpt_dir in {os.path.dirname(real_step), *([linked_from] if is_ckpt else [])}:   # it is in, and the ckpt
-        # folder the link is in)
-        if real_out == ckpt_dir or real_out.startswith(ckpt_dir + os.sep):
-            raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {ckpt_dir!r}, which the run rotates "
-                             "and rewrites: pass a directory outside it (e.g. beside it, "
-                             f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(real_step))!r})")
-    args = read_meta(path).get("args", {})
-    if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
-        raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")
-    if model is not None:
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"--model {model!r} is not a model directory (no config.json): pass the run's base")
-        if args.get("model_sha256") and not same_model(model, args["model_sha256"]):
-            raise ValueError(f"--model {model!r} is not the base this run trained on (its files differ from the "
-                             f"model_sha256 {path}/meta.json records): pass that base")
-        if (hub := hub_snapshot(args["model"])) and hub_snapshot(os.path.realpath(model)) != hub \
-                and hub_snapshot(model) != hub:   # (a Hub base records no fingerprint: its snapshot is the check)
-            raise ValueError(f"--model {model!r} is not the base this run trained on: that is the Hub snapshot {hub} "
-                             f"({path}/meta.json); pass its snapshot directory in the hub cache")
-        args = {**args, "model": os.path.abspath(model)}
-    elif args.get("rope_scaling") is not None and not os.path.isdir(args["model"]):
-        raise ValueError(f"the run's base {args['model']!r} (meta.json) is gone, and its --rope-scaling is written "
-                         "from the base's config.json: pass --model DIR, the base where it is now")
-    try:   # (a damaged file, or a step a live run's rotation removes while this reads it: said, not a traceback)
-        md = dcp.FileSystemReader(path).read_metadata()   # the LoRA tensors' names and shapes; not the optimizer's
-        # (only LoRA's: a tied model's checkpoint written before _state also holds lm_head.weight, the embedding under
-        # its tied name; train.py's own export writes LoRA A and B alone)
-        lora = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-                for k, m in md.state_dict_metadata.items()
-                if k.startswith("model.") and hasattr(m, "size") and (any(f".lora_{x}." in k for x in (
-                    "A", "B", "magnitude_vector")) or is_saved_weight(k))}   # (--train-norms', --train-embeddings')
-        with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": lora}, checkpoint_id=path, no_dist=True)   # one process, whatever layout saved it
-    except (Exception, CheckpointException) as e:   # noqa: BLE001 - (DCP's CheckpointException: a BaseException)
-        prev = _previous_good(os.path.dirname(os.path.normpath(path)), read_meta(path)["step"]) \
-            if os.path.isfile(os.path.join(path, "meta.json")) else None
-        raise ValueError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {str(e).strip()[:300]})"
-                         + (f"; the previous good one is {prev!r}: export that one" if prev else "")) from None
-    bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
-    if bad:
-        raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
-    rope = args.get("rope_scaling")
-    write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
-                                               args["lora_targets"].split(","), args.get("rslora", False),
-                                               args.get("dora", False), lora_layers(args.get("lora_layers"))),
-                  out_dir, args["model"],
-                  read_args(args["model"], rope).rope_parameters() if rope is not None else None,
-                  args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)
-                  args.get("model_sha256"), tied=read_meta(path).get("tie_embeddings", False))   # (a checkpoint from
-    # before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)
-    return path
-
-
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="The PEFT adapter of a train.py checkpoint, without resuming the run")
@@ -480,6 +256,7 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=None, help="the run's base model, if moved since the run (default: the path "
                     "the run recorded); the adapter names it")
     a = ap.parse_args()
+    from parallel.checkpoint_export import export
     try:
         step = export(a.ckpt, a.out, model=a.model)
     except (ValueError, FileNotFoundError) as e:

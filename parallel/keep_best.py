@@ -23,7 +23,7 @@ Contract:
   tokenized to other samples it counts again instead, as `of_run` does. Every rank reduces the same loss: every rank
   stops at the same step.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
-  (`checkpoint.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
+  (`checkpoint_export.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
   that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
 """
 
@@ -34,7 +34,8 @@ import os
 
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: caught by name)
 
-from parallel.checkpoint import export, problem, read_meta
+from parallel.checkpoint_export import export
+from parallel.checkpoint_folders import problem, read_meta
 
 
 class Best:

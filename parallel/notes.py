@@ -78,9 +78,9 @@ def resumed(args, argv: list[str], demo: bool, ckpt: str | None, stats, eval_sta
         notes.append(f"note: --max-len was not given, so it is {args.max_len}: {stats.split + stats.truncated} "
                      f"records were split or cut to it (the longest has {stats.longest} tokens); pass --max-len N")
     if ckpt:
-        from parallel import checkpoint, keep_best, resume
+        from parallel import checkpoint_folders, keep_best, resume
 
-        meta = checkpoint.read_meta(ckpt)
+        meta = checkpoint_folders.read_meta(ckpt)
         notes.append(resume.same_tokens(meta.get("args", {}), vars(args),
                                         split=stats.split + (eval_stats.split if eval_stats else 0)))
         _say(log, notes)   # (said before a refusal below, as they were)
@@ -139,10 +139,10 @@ def out_line(run, args, ckpt: str | None) -> str:
 def way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
     """How a run stopped before its end goes on: from its newest whole step, else started again (so its advice is
     never refused: --overwrite beside --resume is)."""
-    from parallel import checkpoint
+    from parallel import checkpoint_folders
 
     ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
-    has = ckpt and checkpoint.has_step(ckpt)
+    has = ckpt and checkpoint_folders.has_step(ckpt)
     if auto:
         return "run the same command again (--resume auto " + (f"continues from {ckpt})" if has else "starts it again)")
     if has:

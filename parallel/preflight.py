@@ -131,7 +131,7 @@ def check_start(args, demo: bool):
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load import check_weight_headers
-    from parallel import checkpoint, resume, runs
+    from parallel import checkpoint_folders, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
     from parallel.metrics import check_sinks
@@ -251,9 +251,9 @@ def check_start(args, demo: bool):
     args.model_sha256 = model_fingerprint(args.model) if local else None
     if local:   # its weight files are there and whole (not a Git LFS pointer, a cut download): said before anything
         check_weight_headers(args.model)
-    ckpt = checkpoint.resolve(args.resume) if args.resume else None
+    ckpt = checkpoint_folders.resolve(args.resume) if args.resume else None
     if ckpt:
-        meta = checkpoint.read_meta(ckpt)
+        meta = checkpoint_folders.read_meta(ckpt)
         if args.template_date is None:   # the date its dated template rendered, whatever today is
             args.template_date = meta.get("args", {}).get("template_date")
         if args.data_mix:   # the checkpoint's way of taking shares ("fixed": a run from before they rotated)

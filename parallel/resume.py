@@ -288,7 +288,7 @@ def schedule_note(ckpt: str | None, steps: int | None, why: str = "--steps") -> 
     """A note when a resume trains to another length than its checkpoint's run: the LR schedule's length changes."""
     if not ckpt:
         return None
-    from parallel.checkpoint import read_meta
+    from parallel.checkpoint_folders import read_meta
 
     meta = read_meta(ckpt)
     had = meta.get("args", {}).get("schedule_steps") or meta.get("args", {}).get("steps") or meta.get("steps_total")
@@ -315,13 +315,13 @@ def total_steps(args, ckpt: str | None, order) -> int:
     if getattr(args, "epochs", None):
         steps = -(-order.samples_in(args.epochs) // args.global_batch)   # each sample at least floor(E) times
         if ckpt:
-            from parallel.checkpoint import read_meta
+            from parallel.checkpoint_folders import read_meta
             if steps < (at := read_meta(ckpt)["step"]):
                 raise ValueError(f"--epochs {args.epochs:g} is {steps} steps of {args.global_batch} over {per}, "
                                  f"below the checkpoint's step {at}: nothing would train. Pass more "
                                  "--epochs to train on, or use the adapter that run exported")
         return steps
     if ckpt:   # (check_resume refused a run that had --steps or --epochs)
-        from parallel.checkpoint import read_meta
+        from parallel.checkpoint_folders import read_meta
         return read_meta(ckpt).get("steps_total", max(1, order.size(0) // args.global_batch))   # (until 2026-12-02)
     return math.ceil(order.size(0) / args.global_batch)   # one epoch: every sample at least once

@@ -46,8 +46,8 @@ OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter",
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
 # when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")
-# what train.py puts in ckpt/ (its step folders are named step_{N:06d}, as checkpoint._steps counts them: a step_1 a
-# user made there is not train.py's, and --overwrite leaves such a folder alone)
+# what train.py puts in ckpt/ (its step folders are named step_{N:06d}, as checkpoint_folders._steps counts them: a
+# step_1 a user made there is not train.py's, and --overwrite leaves such a folder alone)
 CKPT_ENTRY = re.compile(r"(\.tmp-|\.old-)?step_(\d{6}|[1-9]\d{6,})(\.abandoned(-\d+)?)?|latest(\.tmp)?")
 
 
@@ -294,7 +294,7 @@ def auto_resume(out: str | None, overwrite: bool) -> tuple[str | None, bool, str
 
 
 def _auto(out: str) -> tuple[str | None, bool, str]:
-    from parallel.checkpoint import has_step
+    from parallel.checkpoint_folders import has_step
     if has_step(os.path.join(out, "ckpt")):
         return os.path.join(out, "ckpt"), False, "resumed"
     used = _entries(os.path.realpath(out))
@@ -347,7 +347,7 @@ def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
             os.close(fd)
             raise
     if resume and resolved:   # the step resolved at start-up, before this lock: a run live then may have saved since
-        from parallel.checkpoint import problem, resolve
+        from parallel.checkpoint_folders import problem, resolve
         from parallel.resume import own_checkpoint
 
         if not own_checkpoint(resolved, out):   # another run's step, into this --out: its newer steps are not dropped,

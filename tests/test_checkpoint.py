@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import checkpoint
+from parallel import checkpoint, checkpoint_folders
 from parallel.guard import NonFiniteError
 from tests.dist import run_ranks
 
@@ -88,7 +88,7 @@ def test_round_trip_and_keep(tmp_path):
     fresh, fopt = _trained(99)
     assert checkpoint.load(ckpt, fresh, fopt) == 4
     _same(fresh, fopt, m, opt, "load(ckpt)")
-    assert checkpoint.read_meta(checkpoint.resolve(ckpt))["args"] == {"seed": 4}
+    assert checkpoint_folders.read_meta(checkpoint_folders.resolve(ckpt))["args"] == {"seed": 4}
     with pytest.raises(ValueError, match="--keep-ckpts must be >= 1"):
         checkpoint.save(ckpt, m, opt, 5, keep=0)
 
@@ -107,7 +107,7 @@ def test_rotation_deletes_only_the_step_folders_save_writes(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000002", "step_000003", "step_1"], os.listdir(ckpt)
     assert (ckpt / "step_1" / "adapter" / "adapter_model.safetensors").read_bytes() == b"the user's"
     os.remove(ckpt / "latest")   # the newest is found among save()'s folders only
-    assert checkpoint.resolve(str(ckpt)) == str(ckpt / "step_000003")
+    assert checkpoint_folders.resolve(str(ckpt)) == str(ckpt / "step_000003")
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_as_such(tmp_path):
@@ -168,44 +168,44 @@ def test_truncated_newest_falls_back_with_warning(tmp_path):
         f.truncate(os.path.getsize(os.path.join(newest, data)) // 2)
     prev = os.path.join(ckpt, "step_000003")
     warnings = []
-    assert checkpoint.resolve(ckpt, warn=warnings.append) == prev
+    assert checkpoint_folders.resolve(ckpt, warn=warnings.append) == prev
     assert len(warnings) == 1 and newest in warnings[0] and prev in warnings[0] and "truncated" in warnings[0], warnings
     with pytest.raises(ValueError) as e:
-        checkpoint.resolve(newest)
+        checkpoint_folders.resolve(newest)
     assert newest in str(e.value) and f"--resume {prev}" in str(e.value) and data in str(e.value), str(e.value)
     fresh, fopt = _trained(99)
     assert checkpoint.load(ckpt, fresh, fopt, warn=warnings.append) == 3
     _same(fresh, fopt, good, good_opt, "fallback load")
     os.remove(os.path.join(prev, "meta.json"))
     with pytest.raises(ValueError, match="holds no earlier good one"):
-        checkpoint.resolve(ckpt)
+        checkpoint_folders.resolve(ckpt)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        checkpoint.resolve(str(tmp_path / "nope" / "ckpt"))
+        checkpoint_folders.resolve(str(tmp_path / "nope" / "ckpt"))
     # a step that is not there names those that are; a run directory names its ckpt folder; the flag is the caller's
     with pytest.raises(FileNotFoundError) as e:
-        checkpoint.resolve(os.path.join(ckpt, "step_100"), flag="checkpoint")
+        checkpoint_folders.resolve(os.path.join(ckpt, "step_100"), flag="checkpoint")
     assert str(e.value) == f"checkpoint {os.path.join(ckpt, 'step_100')!r} does not exist; {ckpt!r} holds " \
         "step_000003, step_000004", str(e.value)
     with pytest.raises(FileNotFoundError) as e:
-        checkpoint.resolve(str(tmp_path))
+        checkpoint_folders.resolve(str(tmp_path))
     assert str(e.value).startswith(f"--resume {str(tmp_path)!r}: no checkpoint there") and \
         str(e.value).endswith(f"; pass --resume {ckpt}"), str(e.value)
     # the file 'latest' names its ckpt folder; an exported adapter beside it names that folder and --init-adapter
     # (until 2026-12-05 both said only "no checkpoint there")
     with pytest.raises(FileNotFoundError) as e:
-        checkpoint.resolve(os.path.join(ckpt, "latest"))
+        checkpoint_folders.resolve(os.path.join(ckpt, "latest"))
     assert str(e.value).endswith(f"'latest' is the file naming the newest step; pass --resume {ckpt}, which resumes "
                                  "that step"), str(e.value)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError) as e:
-        checkpoint.resolve(str(adapter))
+        checkpoint_folders.resolve(str(adapter))
     assert str(e.value).endswith(f"that is an exported adapter (its LoRA weights, no optimizer state or data "
                                  f"position); pass --resume {ckpt} to continue its run, or --init-adapter {adapter} "
                                  "to start a new run from its weights"), str(e.value)
     with pytest.raises(FileNotFoundError, match="already what an export writes"):
-        checkpoint.resolve(str(adapter), flag="checkpoint")
+        checkpoint_folders.resolve(str(adapter), flag="checkpoint")
 
 
 def test_nonfinite_weights_never_saved(tmp_path):
@@ -263,14 +263,14 @@ def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tm
     for step in (1, 2):
         m, opt = _trained(step)
         checkpoint.save(ckpt, m, opt, step, keep=4)
-    at_start = checkpoint.resolve(ckpt)
+    at_start = checkpoint_folders.resolve(ckpt)
     assert at_start.endswith("step_000002")
     m, opt = _trained(3)
     checkpoint.save(ckpt, m, opt, 3, keep=4)   # the other run, still live at this one's start, saves step 3
     with pytest.raises(ValueError, match=r"--resume .* resolved to step_000002 at start-up, but now to step_000003: "
                                          r"a run that was still writing there saved since"):
         runs.claim(str(out), resume=ckpt, resolved=at_start)
-    with runs.claim(str(out), resume=ckpt, resolved=checkpoint.resolve(ckpt)) as rd:   # (the lock was released)
+    with runs.claim(str(out), resume=ckpt, resolved=checkpoint_folders.resolve(ckpt)) as rd:   # (the lock was released)
         assert rd.path == str(out)
     # into another --out, step 2 of that run drops none of its steps: taken while whole (refused until 2026-12-04),
     # refused once its run removed it
@@ -284,18 +284,18 @@ def test_resume_takes_live_whole_steps_only_and_the_step_it_resolved_at_start(tm
     latest, t2 = os.path.join(ckpt, "latest"), os.stat(os.path.join(ckpt, "step_000002", "meta.json")).st_mtime_ns
     open(latest, "w").write("step_000002")   # killed before `latest` moved to step 3: as step 2's save left it
     os.utime(latest, ns=(t2, t2))
-    assert checkpoint.resolve(ckpt).endswith("step_000003")
+    assert checkpoint_folders.resolve(ckpt).endswith("step_000003")
     # `latest` written after step 3 (a run before 2026-12-02 resumed step 2, saved, and left the older trajectory's
     # step 3 whole beside it): step 3 is another trajectory's, not taken (it was, from 2026-12-03 to 2026-12-04)
     os.utime(latest)
-    assert checkpoint.resolve(ckpt).endswith("step_000002")
+    assert checkpoint_folders.resolve(ckpt).endswith("step_000002")
     checkpoint.branch(os.path.join(ckpt, "step_000002"), log=lambda m: None)
-    assert checkpoint.resolve(ckpt).endswith("step_000002"), "a branch's abandoned step came back"
+    assert checkpoint_folders.resolve(ckpt).endswith("step_000002"), "a branch's abandoned step came back"
     os.makedirs(os.path.join(ckpt, ".tmp-step_000004"))
     for name, what in (("step_000003.abandoned", "an abandoned step"), (".tmp-step_000004", "an unfinished save")):
         with pytest.raises(ValueError, match=rf"--resume .*{name}' is {what}.*never resumed; pass --resume {ckpt} "
                                              r"\(its newest step\) or one of step_000002, step_000001"):
-            checkpoint.resolve(os.path.join(ckpt, name))
+            checkpoint_folders.resolve(os.path.join(ckpt, name))
 
 
 def test_a_branch_killed_between_its_renames_leaves_no_export_of_an_abandoned_step(tmp_path, monkeypatch):
@@ -324,7 +324,7 @@ def test_a_branch_killed_between_its_renames_leaves_no_export_of_an_abandoned_st
     said = []
     checkpoint.branch(os.path.join(ckpt, "step_000001"), log=said.append)
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002.abandoned", "step_000003.abandoned"]
-    assert checkpoint.resolve(ckpt).endswith("step_000001") and "step_000003.abandoned" in said[0], said
+    assert checkpoint_folders.resolve(ckpt).endswith("step_000001") and "step_000003.abandoned" in said[0], said
 
 
 def test_a_branch_killed_before_latest_is_said_as_such(tmp_path, monkeypatch):
@@ -339,7 +339,7 @@ def test_a_branch_killed_before_latest_is_said_as_such(tmp_path, monkeypatch):
         checkpoint.branch(os.path.join(ckpt, "step_000001"), log=lambda m: None)
     monkeypatch.undo()
     said = []
-    assert checkpoint.resolve(ckpt, warn=said.append).endswith("step_000001")
+    assert checkpoint_folders.resolve(ckpt, warn=said.append).endswith("step_000001")
     assert said == [f"step_000003, which 'latest' names, was set aside as step_000003.abandoned by a resume from an "
                     f"older step that stopped before it saved; resuming from {os.path.join(ckpt, 'step_000001')!r}, "
                     "the newest step left. Steps after it are trained again"], said

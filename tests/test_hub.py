@@ -130,7 +130,7 @@ def test_hub_id_trains_like_the_local_directory(assets, hub, tmp_path, capsys, m
     monkeypatch.chdir(here)
     # exporting the Hub run's checkpoint with --model: the snapshot it recorded, not any model (until 2026-12-04 any
     # was taken and named in the adapter, which then merged into it unchecked)
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
     with pytest.raises(ValueError, match=f"that is the Hub snapshot org/tiny@{COMMIT}"):
         export(os.path.join(remote, "ckpt"), str(tmp_path / "e1"), model=assets["model"])
     export(os.path.join(remote, "ckpt"), str(tmp_path / "e2"), model=snapshot)

@@ -11,8 +11,8 @@ Pins:
 - `train.py --rope-scaling yarn:4` on a plain checkpoint trains exactly as the same weights whose config.json
   carries that YaRN (losses and adapter equal); its adapter folder holds `base_config_overrides.json`, with which
   transformers + peft give the logits of peft on the YaRN config; `model.merge` writes that RoPE into the merged
-  config.json (classic form), whose transformers logits equal them; `parallel.checkpoint.export` of its checkpoint
-  writes the same overrides file; a resume with another value is refused.
+  config.json (classic form), whose transformers logits equal them; `parallel.checkpoint_export.export` of its
+  checkpoint writes the same overrides file; a resume with another value is refused.
 
 Run: .venv/bin/python -m pytest -q tests/test_rope_scaling.py
 """
@@ -163,12 +163,12 @@ def test_training_with_the_flag_equals_the_scaled_config_and_inference_gets_it(a
     assert over == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
                                         "original_max_position_embeddings": 4096}}, over
     assert not os.path.exists(os.path.join(conf, "adapter", "base_config_overrides.json"))
-    from parallel import checkpoint
-    from parallel.checkpoint import export  # the adapter of its checkpoint carries the same RoPE
+    from parallel import checkpoint_folders
+    from parallel.checkpoint_export import export  # the adapter of its checkpoint carries the same RoPE
     export(os.path.join(flag, "ckpt"), str(tmp_path / "exported"))
     assert json.load(open(tmp_path / "exported" / "base_config_overrides.json")) == over
     moved = tmp_path / "moved" / "step_000002"   # the run's base moved since: --model names where it is now
-    shutil.copytree(checkpoint.resolve(os.path.join(flag, "ckpt")), moved)
+    shutil.copytree(checkpoint_folders.resolve(os.path.join(flag, "ckpt")), moved)
     meta = json.load(open(moved / "meta.json"))
     meta["args"]["model"] = str(tmp_path / "gone")
     json.dump(meta, open(moved / "meta.json", "w"))

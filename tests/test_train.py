@@ -27,7 +27,7 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   memory below the pinned bytes is refused on all 4 ranks alike, naming rank 2;
 - `--train-embeddings` on a tied model (its head the embedding, trained through the loss too) on cp 2 × dp 2 Ulysses
   with the tiled MLP and offload = 1 rank, its checkpoint holding the embedding once, resumed on 1 rank and exported;
-- `parallel.checkpoint.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
+- `parallel.checkpoint_export.export` of the 4-rank cp 2 × dp 2 Ulysses run's last checkpoint (FSDP2-sharded) writes the
   adapter that run exported, bit for bit;
 - SIGTERM on one of 4 ranks (cp 2 × dp 2 ring, `--save-minutes` tiny: every step saved, all 4 together) in step
   2's second micro-batch stops all 4 at the next micro-batch with step 1 saved (exit status 143 each); resumed
@@ -790,7 +790,7 @@ def test_dora_on_four_ranks_matches_one_rank_resumes_and_exports(assets, one, fo
     (magnitudes and their AdamW state, sharded) resumed on 1 rank = the 1-rank run's step 3; `python -m
     parallel.checkpoint` of it = the run's own adapter (magnitudes under peft's key); the magnitudes trained."""
     import train
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     _compare("4 ranks DoRA", _at(four, "dora_cp2_dp2_ulysses"), _at(one, "dora"))
     with one_thread():
@@ -820,7 +820,7 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
     step 3; `python -m parallel.checkpoint` of it = the run's own adapter, whose norms and embedding (peft's
     modules_to_save, named in its config) moved off the base's."""
     import train
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     _compare("4 ranks --train-norms", _at(four, "norms_cp2_dp2_ring"), _at(one, "norms"))
     with one_thread():
@@ -846,7 +846,7 @@ def test_train_norms_on_four_ranks_matches_one_rank_resumes_and_exports(assets, 
 def _export_with_base_gone(step, root):
     """`python -m parallel.checkpoint` of a copy of checkpoint `step` whose recorded base is gone (meta.json's --model
     renamed): what a trained embedding's adapter needs of the base (a tied head?) comes from the checkpoint."""
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     copy = shutil.copytree(step, os.path.join(root, "ckpt", os.path.basename(step)))
     with open(os.path.join(copy, "meta.json")) as f:
@@ -867,7 +867,7 @@ def test_tied_embedding_on_four_ranks_matches_one_rank_resumes_and_exports(asset
     import torch.distributed.checkpoint as dcp
 
     import train
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     _compare("4 ranks tied --train-embeddings", _at(four, "tied_cp2_dp2_ulysses"), _at(one, "tied"))
     ckpt = _at(four, "tied_cp2_dp2_ulysses", "ckpt", "step_000002")
@@ -899,7 +899,7 @@ def test_lora_layers_on_four_ranks_match_one_rank(one, four, tmp_path):
     """--lora-layers 1 on cp2 x dp2 ring with offload and the tiled MLP = 1 rank without them; its adapter holds block
     1's LoRA alone and trained otherwise than every block's (the run's function differs); `python -m
     parallel.checkpoint` of the 4-rank run's checkpoint = its adapter, layers_to_transform [1] in both configs."""
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     _compare("4 ranks --lora-layers 1", _at(four, "layers_cp2_dp2_ring"), _at(one, "layers"))
     ad = _adapter(_at(one, "layers"))
@@ -931,7 +931,7 @@ def test_init_adapter_four_ranks_match_one_rank(assets, four, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_export_of_a_sharded_checkpoint_is_the_runs_adapter(four, tmp_path):
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     run = _at(four, "cp2_dp2_ulysses")
     assert export(os.path.join(run, "ckpt"), str(tmp_path / "adapter")).endswith("step_000003")
@@ -1102,7 +1102,7 @@ def test_start_up_notes_are_said_before_a_refusal(monkeypatch):
     "cross-entropy", `recorded_as`, is a LOSS_FN)."""
     from types import SimpleNamespace
 
-    from parallel import checkpoint, keep_best, notes, resume
+    from parallel import checkpoint_folders, keep_best, notes, resume
 
     said = []
     order = SimpleNamespace(size=lambda e: 10, samples_in=lambda e: int(10 * e))
@@ -1117,7 +1117,7 @@ def test_start_up_notes_are_said_before_a_refusal(monkeypatch):
         notes.length(args, order, False, "ckpt", None, lambda s, a, n: 1e-4, said.append)
     assert len(said) == 1 and said[0].startswith("note: --global-batch 50"), said
     said.clear()
-    monkeypatch.setattr(checkpoint, "read_meta", lambda ckpt: {"args": {}, "step": 3})
+    monkeypatch.setattr(checkpoint_folders, "read_meta", lambda ckpt: {"args": {}, "step": 3})
     monkeypatch.setattr(resume, "same_tokens", lambda *a, **k: "note: the tokens differ")
     monkeypatch.setattr(keep_best, "exhausted", lambda *a: "it stopped early")
     stats = SimpleNamespace(split=2, truncated=1, longest=99)

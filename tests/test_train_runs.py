@@ -157,11 +157,12 @@ def test_a_resume_of_a_live_run_is_refused_before_its_steps_are_read(assets, don
     """--resume OUT/ckpt while the run in OUT is alive (still saving) is refused as such before the step folder is
     resolved, into its own --out or another: until 2026-12-04 it was resolved first, and the live run's rotation then
     removed it ("No such file ... meta.json", or "the ranks resolved different checkpoints" on 2 ranks)."""
-    from parallel import checkpoint, runs
+    from parallel import checkpoint_folders, runs
 
     fd = runs._lock(done)   # the live run
     try:
-        monkeypatch.setattr(checkpoint, "resolve", lambda *a, **k: pytest.fail("resolved before the lock was seen"))
+        monkeypatch.setattr(checkpoint_folders, "resolve",
+                            lambda *a, **k: pytest.fail("resolved before the lock was seen"))
         for out in (["--out", done], []):   # (without --out: the checkpoint's own run)
             argv = train_argv(assets, done, "--steps", "4", "--resume", os.path.join(done, "ckpt"))
             if not out:
@@ -404,7 +405,7 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     evaluation to count, N below 1, a negative delta."""
     from safetensors.torch import load_file
 
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     ev = ["--eval-data", assets["data"], "--eval-every", "1", "--steps", "6"]
     full, out = tmp_path / "full", tmp_path / "early"
@@ -1366,7 +1367,7 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
 def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     from safetensors.torch import load_file
 
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
 
     def adapter(d):
         cfg = json.load(open(os.path.join(d, "adapter_config.json")))
@@ -1452,7 +1453,7 @@ def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, 
     import train
     from model import merge
     from parallel import checkpoint
-    from parallel.checkpoint import export
+    from parallel.checkpoint_export import export
     from tests.fixtures import make_tokenizer
     from tests.helpers import tiny_checkpoint
 
@@ -1829,7 +1830,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     from data import load_jsonl, load_tokenizer, tokenize_records
     from data.templates import TEMPLATES
     from model.merged import merge
-    from parallel import checkpoint
+    from parallel import checkpoint_export
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run(train_argv(assets, a, "--steps", "1"))
@@ -1840,7 +1841,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     assert data(b) == want != data(a), (data(b), want, data(a))
     assert not os.path.exists(os.path.join(a, "adapter", "chat_template.jinja"))
     assert open(os.path.join(b, "adapter", "chat_template.jinja")).read() == TEMPLATES["chatml"]
-    checkpoint.export(os.path.join(b, "ckpt"), str(tmp_path / "exported"))
+    checkpoint_export.export(os.path.join(b, "ckpt"), str(tmp_path / "exported"))
     assert open(tmp_path / "exported" / "chat_template.jinja").read() == TEMPLATES["chatml"]
     merge(assets["model"], os.path.join(b, "adapter"), str(tmp_path / "merged"), quant="none", dtype=torch.float32)
     assert json.load(open(tmp_path / "merged" / "tokenizer_config.json"))["chat_template"] == TEMPLATES["chatml"]
@@ -2097,7 +2098,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     removes an old adapter_best; the flag without --eval-every is refused before any weight is read."""
     from safetensors.torch import load_file
 
-    from parallel import checkpoint
+    from parallel import checkpoint_export
 
     for word, n in (("yes", 24), ("no", 8)):
         with open(tmp_path / f"{word}.jsonl", "w") as f:
@@ -2115,7 +2116,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     steps = lambda out: sorted(os.listdir(os.path.join(out, "ckpt")))
     assert steps(full) == sorted(["latest", f"step_{b:06d}", "step_000006"]), steps(full)
     tensors = lambda d: load_file(os.path.join(d, "adapter_model.safetensors"))
-    checkpoint.export(os.path.join(full, "ckpt", f"step_{b:06d}"), str(tmp_path / "exported"))
+    checkpoint_export.export(os.path.join(full, "ckpt", f"step_{b:06d}"), str(tmp_path / "exported"))
     best, exported, final = (tensors(os.path.join(full, "adapter_best")), tensors(tmp_path / "exported"),
                              tensors(os.path.join(full, "adapter")))
     assert best.keys() == exported.keys() and all(torch.equal(best[k], exported[k]) for k in best), "not step b's"
