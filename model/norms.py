@@ -10,8 +10,8 @@ Contract:
   hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
   trained, clipped, checkpointed and exported (parallel/parallelize.lora_parameters).
 - `train_embeddings(model)`: the input embedding `model.embed_tokens` trains as a float32 master too (a tied model's
-  output head is the same weight: it trains through the loss as well; mesh.check_model_flags refuses that under DPO).
-  The decoder casts its rows, and a tied head, to the compute dtype where no mixed precision did
+  output head is the same weight: it trains through the loss as well; parallel.flags.check_model_flags refuses that
+  under DPO). The decoder casts its rows, and a tied head, to the compute dtype where no mixed precision did
   (model.llama.Transformer).
 - In an adapter they are peft's `modules_to_save` (`modules_to_save(names)`: the module names, which peft matches
   by suffix; their weights under "base_model.model.<module>.weight"), so `PeftModel.from_pretrained` computes with

@@ -30,10 +30,10 @@ from model.norms import train_embeddings, train_norms
 
 def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
                 dora: bool = False, layers=None) -> LoraConfig:
-    """The peft config of a run's LoRA (also what `parallel.checkpoint.export` writes for a checkpoint); `rslora`:
-    scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`); `dora`: DoRA
-    (peft's use_dora; model/dora.py computes it); `layers`: the blocks adapted (peft's layers_to_transform; None:
-    all)."""
+    """The peft config of a run's LoRA (also what `parallel.checkpoint_export.export` writes for a checkpoint);
+    `rslora`: scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`);
+    `dora`: DoRA (peft's use_dora; model/dora.py computes it); `layers`: the blocks adapted (peft's
+    layers_to_transform; None: all)."""
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
                       init_lora_weights=False, use_rslora=rslora, use_dora=dora,
                       layers_to_transform=None if layers is None else list(layers))
