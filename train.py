@@ -37,7 +37,7 @@ from data.batches import micro_batch_arg
 from data.mix import Once, data_files, held_records
 from data.pairs import for_run
 from data.templates import parse_day
-from data.tokens import LONG_TEXT
+from data.token_stats import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.hub import same_snapshot

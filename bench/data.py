@@ -32,7 +32,7 @@ def _mem(field):
 
 def _one(mode, path, tok_dir, cache):   # in a fresh process
     from data import load_jsonl, load_tokenizer, tokenize_records
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     tok = load_tokenizer(tok_dir)
     with open("/proc/self/clear_refs", "w") as f:

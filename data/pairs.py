@@ -11,7 +11,7 @@ Contract:
   the pairs' token counts (what a row, and so the memory plan, holds), `sides(k)` its two sequences' lengths,
   `sample_lines()` their records' lines, `files` the files of several.
 - `check_first(path, flag, objective)`: the first record of a file against the objective, at start-up;
-  `check_records(records, path, flag, objective)` all of them, once read (`data.tokens.load_samples`, before any is
+  `check_records(records, path, flag, objective)` all of them, once read (`data.load.load_samples`, before any is
   tokenized).
 - `for_run(objective, train, ev, rows)` checks that the data fits the objective (`--objective dpo`: every record a
   pair; sft: none), naming the file's counts and the fix, and returns the run's (train, ev, rows) as pairs for dpo

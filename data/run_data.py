@@ -47,7 +47,7 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     the same, tokenized once per machine when there is a --data-cache (once_per_machine)."""
     import torch.distributed as dist
 
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     cache = None if args.data_cache == "none" else args.data_cache
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -95,7 +95,7 @@ def from_run(out: str) -> dict:
 
 def main(argv=None) -> int:
     from data.templates import parse_day
-    from data.tokens import LONG_TEXT
+    from data.token_stats import LONG_TEXT
 
     p = argparse.ArgumentParser(prog="python -m data.show", description=__doc__.split("\n")[0])
     p.add_argument("--run", default=None, metavar="OUT", help="a run's folder: its model, data and token flags")
@@ -123,8 +123,10 @@ def main(argv=None) -> int:
 
 
 def show(args) -> None:
+    from data.load import load_tokenizer
     from data.templates import chat_template
-    from data.tokens import LONG_TEXT, load_tokenizer, tokenize_records
+    from data.token_stats import LONG_TEXT
+    from data.tokens import tokenize_records
 
     run = from_run(args.run) if args.run else {}
     model, files = args.model or run.get("model"), args.data or run.get("data")

@@ -10,7 +10,8 @@ Contract:
 - `cache_key(data_sha256, tokenizer, max_len, day, long_text, all_targets)`: a sha256 over the data file's
   (`file_sha256`), the tokenizer's directory (every file but weights), its effective chat template and class, max_len,
   long_text (what a text record longer than it becomes: --long-text), --train-on-prompt when set (`all_targets`), the
-  source of the modules that turn records into tokens (`SOURCES`: data/jsonl.py, tokens.py, chat.py and its
+  source of the modules that turn records into tokens (`SOURCES`: data/jsonl.py, tokens.py and its token_stats.py
+  (the stats kept beside the tokens) and load.py (a file's tokens through this cache), chat.py and its
   chat_render.py, chat_turn.py and chat_spans.py, templates.py, samples.py, this file),
   the transformers, tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the
   day (`today()` unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date"
@@ -49,8 +50,8 @@ CHUNK_CHARS = 1 << 24   # ~16M characters of records per tokenizer call (~4M tok
 LOG_SECONDS = 10.0
 WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
-SOURCES = ("jsonl.py", "tokens.py", "chat.py", "chat_render.py", "chat_turn.py", "chat_spans.py", "templates.py",
-           "store.py", "samples.py")   # the code that decides a record's tokens
+SOURCES = ("jsonl.py", "tokens.py", "token_stats.py", "load.py", "chat.py", "chat_render.py", "chat_turn.py",
+           "chat_spans.py", "templates.py", "store.py", "samples.py")   # the code that decides a record's tokens
 
 
 def _chars(r: dict) -> int:
@@ -66,7 +67,7 @@ def build(records: list[dict], tokenize, log=None, what: str = "data", workers: 
     all_targets),
     the chunks after the first go to a pool of that many processes when the first one's pace says the rest would take
     POOL_SECONDS or more here; the results are taken in order, so the samples, stats and first error are the same."""
-    from data.tokens import DROPPED_LINES, TokenStats
+    from data.token_stats import DROPPED_LINES, TokenStats
 
     total_chars = sum(map(_chars, records))
     size = max(1, min(CHUNK_CHARS, total_chars // (4 * workers))) if workers > 1 else CHUNK_CHARS
@@ -173,7 +174,7 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
     import tokenizers
     import transformers
 
-    from data.tokens import LONG_TEXT
+    from data.token_stats import LONG_TEXT
     from loss import IGNORE_INDEX
 
     tok_dir = Path(getattr(tokenizer, "name_or_path", "") or "")

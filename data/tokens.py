@@ -1,15 +1,13 @@
-"""Tokenization with the checkpoint's tokenizer, target masks and shifted labels.
+"""Tokenization with the checkpoint's tokenizer, target masks and shifted labels: the rules that turn a record into
+its tokens. What they count and say is data/token_stats.py's `TokenStats`; a file's tokens, through the token cache,
+data/load.py's `load_samples`.
 
 Contract:
-- `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
-  `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
 - `tokenize_records(records, tokenizer, max_len, path, day, long_text, all_targets)` turns validated records
   (`data.jsonl`) into samples `{"input_ids": [int], "labels": [int], "line": int}` (its record's line, -1 when the
   record has none: --eval-split holds out whole records) plus a `TokenStats`. Order is kept, except that samples left
   with no target are dropped (and counted), and a split text record gives its windows in a row. A template that writes
   today's date writes `day` (YYYY-MM-DD; None: today), data/templates.py's `on_day`.
-- `load_samples(path, ...)` does that for a file, chunk by chunk into a compact `data.samples.Samples`, read from or
-  kept in a disk cache when given one (data/store.py), and checks the ids against the model's vocabulary.
 - Text records: the text is encoded with the tokenizer's own special-token rule
   (`add_special_tokens=True`), so a BOS token is prepended exactly when the tokenizer defines one
   and adds it (Llama 3 prepends `<|begin_of_text|>`; Qwen defines none and adds nothing), and the text does
@@ -42,168 +40,12 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from data.chat import char_targets, chat_tokens, check_chat_content, special_strings
 from data.jsonl import DataError
+from data.token_stats import DROPPED_LINES, LONG_TEXT, TokenStats
 from loss import IGNORE_INDEX
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-LONG_TEXT = ("split", "truncate")   # what a text record longer than --max-len becomes; the first is the default
-DROPPED_LINES = 5   # dropped records named by line in the stats and the warning
-CUT_WARN = 0.05   # truncation that cuts this share of the kept records' tokens, or more, is said in a warning
-
-
-@dataclass
-class TokenStats:
-    records: int = 0
-    samples: int = 0  # kept samples (records - dropped, a split record counting its windows)
-    truncated: int = 0  # kept samples longer than max_len, cut to it (a record left with no target: dropped only)
-    split: int = 0  # text records longer than max_len made into windows (long_text "split")
-    windows: int = 0  # the samples those records became
-    dropped: int = 0  # samples with no target left after truncation
-    tokens: int = 0  # tokens in kept samples, after truncation
-    targets: int = 0  # label positions != -100 in kept samples
-    longest: int = 0  # longest record in tokens, before truncation or splitting
-    cut: int = 0  # tokens truncation removed from kept samples
-    special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
-    tied: int = 0  # preference pairs dropped with nothing to prefer: the same tokens (after truncation), or the like
-    tied_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
-    pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
-    dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
-
-    def __str__(self) -> str:
-        return (
-            f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
-            f"({self.targets} targets), longest record {self.longest}"
-            + (" (before the cut to --max-len)" if self.truncated or self.split else "")
-            + f", truncated {self.truncated}"
-            + (f" ({self.cut} tokens cut)" if self.truncated else "")
-            + (f", split {self.split} into {self.windows} windows" if self.split else "")
-            + f", dropped {self.dropped} (no target left)"
-            + (f", {self.pairs} preference pairs (two samples each)" if self.pairs else "")
-            + (f", {self.tied} pairs dropped as tied (nothing to prefer)" if self.tied else "")
-            + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
-        )
-
-    def warning(self, what: str, max_len: int, long_text: str = LONG_TEXT[0]) -> str | None:
-        """`warning:` lines: records dropped (nothing of theirs is trained on), naming the first lines; truncation
-        that cut CUT_WARN or more of the kept records' tokens (never trained on either), naming the flags that keep
-        them. None when neither."""
-        said = []
-        if self.dropped:
-            more = ", ..." if self.dropped > len(self.dropped_lines) else ""
-            lines = ", ".join(map(str, self.dropped_lines)) + more
-            share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
-            said.append(f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained "
-                        f"on (line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
-        if self.tied:
-            more = ", ..." if self.tied > len(self.tied_lines) else ""
-            lines = ", ".join(map(str, self.tied_lines)) + more
-            many = self.tied > 1
-            said.append(f"warning: {what}: {self.tied} preference pair{'s' * many} whose chosen and rejected sides are "
-                        f"the same tokens within --max-len {max_len}, or differ in no target, or one ends where they "
-                        "part (nothing to prefer) "
-                        f"{'are' if many else 'is'} not trained on (line{'s' * many} {lines}); where they differ past "
-                        "--max-len, a longer --max-len keeps them")
-        if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
-            said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
-                        f"({100 * self.cut / whole:.0f}%), which are never trained on; "
-                        "a longer --max-len keeps them" + (", and --long-text split trains a text record whole" if
-                                                            long_text == "truncate" and not self.pairs else ""))
-        return "\n".join(said) or None
-
-
-def load_tokenizer(model_dir: str | Path, template: str | None = None):
-    """`AutoTokenizer` from the checkpoint directory, never from the hub; `template`: --chat-template's text in place
-    of the checkpoint's (`data.templates.apply_template` checks it)."""
-    from transformers import AutoTokenizer  # import here: transformers takes seconds to import
-
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise DataError(f"model directory {d} does not exist")
-    if not any((d / f).is_file() for f in TOKENIZER_FILES):
-        raise DataError(
-            f"model directory {d} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); "
-            "copy the tokenizer that belongs to the checkpoint next to config.json"
-        )
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except Exception as e:
-        raise DataError(f"could not load the tokenizer in {d}: {e}") from e
-    if template is not None:
-        from data.templates import apply_template
-        apply_template(tok, template)
-    return tok
-
-
-def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,
-                 write: bool = True, log=None, sha256: str | None = None, day: str | None = None, warn=None,
-                 long_text: str = LONG_TEXT[0], workers: int = 1, objective: str | None = None,
-                 all_targets: bool = False):
-    """A JSONL file -> (data.samples.Samples, TokenStats), refusing a file with no target and out-of-vocab ids. With
-    `cache` (a directory): read from there when it holds this file's tokens under the same key (data/store.py),
-    else tokenized and, when `write`, kept there for the next run, and then read back from there (memory-mapped: the
-    machine's other ranks share those pages). `sha256`: the file's, when already known; `day`: the date a dated
-    template writes and its key holds (data/store.py's `today()` if None). `warn` (default `log`): where a cache that
-    cannot be read or written is said. `long_text`: what a text record longer than max_len becomes (module
-    docstring). `all_targets`: --train-on-prompt (module docstring). `workers`: processes that may tokenize
-    (data/store.py's `build`). `objective` (sft, dpo): every record read is checked to be of its kind
-    (`data.pairs.check_records`) before any is tokenized."""
-    from data import store
-    from data.jsonl import load_jsonl
-
-    warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
-    sha256 = sha256 or (cache and store.file_sha256(path))
-    try:
-        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text, all_targets)
-    except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
-        key = None
-        if warn:
-            warn(f"data cache skipped: {e}")
-    hit = key and store.read(Path(cache) / f"{key}.pt", key, warn)
-    if hit:
-        samples, stats = hit[0], TokenStats(**hit[1])
-        if log:
-            log(f"{flag} {path}: tokens from the cache {Path(cache) / key}.pt")
-    else:
-        job = (tokenizer, max_len, path, day, long_text, all_targets)   # (tokenize_records' arguments after records)
-        records = load_jsonl(path)
-        if objective:
-            from data.pairs import check_records
-            check_records(records, path, flag, objective)
-        samples, stats = store.build(records, lambda rs: tokenize_records(rs, *job), log, f"{flag} {path}", workers,
-                                     job)
-    if not len(samples):
-        raise DataError(f"{flag} {path}: no sample has a target token ({stats}); " + (
-            "every preference pair is tied (its sides the same tokens within --max-len, or differing in no target, "
-            "or one ending where they part): "
-            "where they differ past --max-len, a longer --max-len keeps them; else fix the file or drop it" if
-            stats.tied else f"fix the file or drop it from {flag}"))
-    if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):
-        log(said)
-    check_vocab(samples, tokenizer, vocab_size, path)
-    if not hit and sha256 and store.file_sha256(path) != sha256:   # the run records `sha256` as what it read
-        raise DataError(f"{flag} {path} changed while it was read (its sha256 at start-up was {sha256[:12]}); let "
-                        "whatever writes it finish, then start the run again")
-    if key and not hit and write:
-        if store.write(Path(cache) / f"{key}.pt", key, samples, asdict(stats), warn):
-            samples = (store.read(Path(cache) / f"{key}.pt", key) or (samples,))[0]   # the shared pages
-    return samples, stats
-
-
-def check_vocab(samples, tokenizer, vocab_size: int, path: str | Path) -> None:
-    """Every token id must index the model's embedding: out-of-range ids crash late (an IndexError on
-    CPU, an illegal memory access on CUDA), so they are refused here, before any weight is read."""
-    top = samples.max_id() if hasattr(samples, "max_id") else max((max(s["input_ids"]) for s in samples), default=-1)
-    n_tok = len(tokenizer)
-    if top >= vocab_size or n_tok > vocab_size:
-        raise DataError(
-            f"{path}: the tokenizer has {n_tok} tokens and the data's largest token id is {top}, but the "
-            f"model's vocab_size is {vocab_size} (config.json): the {'data' if top >= vocab_size else 'tokenizer'}"
-            f" is bigger. Use the tokenizer that belongs to this checkpoint (next to its config.json)"
-        )
 
 
 def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:

@@ -1396,8 +1396,8 @@ def test_eval_split_holds_out_whole_records_by_seed(tok_dir, tmp_path):
     both sides; the same records for the same seed and lines whatever the order they are asked in, others for
     another seed; the subsets share the tensors, and their fingerprints differ from the whole's and each other's. A
     split leaving nothing to train on is refused, naming the numbers."""
+    from data.load import load_samples
     from data.samples import fingerprint, hold_out
-    from data.tokens import load_samples
 
     path = tmp_path / "d.jsonl"
     make_text_jsonl(path, 30, seed=3)
@@ -1434,7 +1434,7 @@ def test_tokenizing_in_processes_equals_one_process(tok_dir, tmp_path, monkeypat
     same samples (ids, labels, boundaries, lines) and stats as one process, under a chat template set on the
     tokenizer (it travels to the processes); a bad record's error is the same, naming its line."""
     from data import store
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     recs = make_text_jsonl(tmp_path / "t.jsonl", 20, seed=1) + make_chat_jsonl(tmp_path / "c.jsonl", 30, seed=2)
     recs += [{"prompt": "Q: two plus two?", "completion": f" {i}"} for i in range(10)]
@@ -1467,7 +1467,7 @@ def test_a_tokenizing_process_that_dies_fails_the_load_instead_of_hanging(monkey
     """A pool process killed mid-chunk (here: its tokenizer ends it, as the OOM killer would) is one clear error
     naming --data-workers 1, not a wait for ever (a multiprocessing.Pool loses the task and waits)."""
     from data import store
-    from data.tokens import TokenStats
+    from data.token_stats import TokenStats
     from tests.helpers import DiesInAChildProcess
 
     monkeypatch.setattr(store, "POOL_SECONDS", 0.0)
@@ -1487,7 +1487,7 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
     damaged cache file is said and replaced; a cache that cannot be written costs nothing but the cache. A template
     that writes today's date is keyed by the day."""
     from data import store
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     path = tmp_path / "d.jsonl"
     recs = make_text_jsonl(tmp_path / "t.jsonl", 9, seed=1) + make_chat_jsonl(tmp_path / "c.jsonl", 9, seed=2)
@@ -1514,7 +1514,7 @@ def test_load_samples_in_chunks_and_from_the_cache_equal_tokenize_records(tok_di
         assert samples.lengths.tolist() == [len(r["input_ids"]) for r in ref] and samples.max_id() == max(
             max(r["input_ids"]) for r in ref), attempt
         assert samples.lines.tolist() == [r["line"] for r in ref], f"{attempt}: the records' lines (--eval-split's)"
-        monkeypatch.setattr("data.tokens.tokenize_records", lambda *a: pytest.fail("the cache was not read"))
+        monkeypatch.setattr("data.load.tokenize_records", lambda *a: pytest.fail("the cache was not read"))
     assert len(said) == 1 and "tokens from the cache" in said[0], said
     monkeypatch.undo()
     files = lambda: sorted(p.name for p in cache.iterdir())
@@ -1580,7 +1580,7 @@ def test_a_cache_file_damaged_inside_its_tokens_or_out_of_reach_is_said_and_toke
     import zipfile
 
     from data import store
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     path, cache, said = tmp_path / "t.jsonl", tmp_path / "cache", []
     make_text_jsonl(path, 12, seed=4)
@@ -1626,7 +1626,7 @@ def test_data_rewritten_while_it_is_tokenized_is_refused(tok, tmp_path, monkeypa
     """A --data file that changes between the start-up hash (the one the run records, and a resume compares) and the
     end of tokenization stops the run naming the fix, with or without a cache, and writes no cache entry."""
     from data import store
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     path = tmp_path / "d.jsonl"
     make_text_jsonl(path, 6, seed=1)
@@ -1768,9 +1768,9 @@ def _tokenize_once(rank, world, tok_dir, cases):
     and the start and end of each load_samples call, or the error."""
     from types import SimpleNamespace
 
-    from data import run_data, store, tokens
+    from data import load, run_data, store
 
-    real, out = tokens.load_samples, {}
+    real, out = load.load_samples, {}
     for case, path, cache in cases:
         tok, said, times, printed = load_tokenizer(tok_dir), [], [], io.StringIO()
         os.environ["LOCAL_RANK"] = "0" if case.startswith("two machines") else str(rank)   # each its machine's first
@@ -1778,8 +1778,8 @@ def _tokenize_once(rank, world, tok_dir, cases):
             tok.chat_template = DATED + tok.chat_template
             store.today = lambda: "2026-12-0" + str(1 + rank)
 
-        tokens.load_samples = _timed(real, times, rank, f"{path}: rank 1 cannot read it" if
-                                     case == "error on rank 1" and rank == 1 else None)
+        load.load_samples = _timed(real, times, rank, f"{path}: rank 1 cannot read it" if
+                                   case == "error on rank 1" and rank == 1 else None)
         eval_data = None
         if "|" in path:   # "rank 0's file|rank 1's": another copy behind one path on each machine
             mine = path.split("|")[rank]

@@ -496,7 +496,7 @@ def test_micro_batch_auto_changes_nothing_and_runs_idle_rows_where_a_rank_has_fe
     test_split_long_text_on_four_ranks_matches_one_rank) some step cuts one rank's share into fewer micro-batches than
     the other's, so the idle rows run there (else that test could not fail on them)."""
     from data import GlobalBatches, load_tokenizer
-    from data.tokens import load_samples
+    from data.load import load_samples
 
     _compare("--micro-batch auto", _at(one, "text_mb_auto"), _at(one, "text"))
     tok = load_tokenizer(assets["model"])

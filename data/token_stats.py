@@ -1,0 +1,81 @@
+"""What tokenizing records counts and says: `TokenStats`, its one-line summary and its warnings.
+
+Contract:
+- `TokenStats` counts a file's records, kept samples, tokens and targets, what truncation cut, the text records split
+  into windows (--long-text split), the records dropped with no target and the preference pairs kept or dropped as
+  tied (the first DROPPED_LINES of each named by line). data/tokens.py's `tokenize_records` fills it, data/store.py's
+  `build` sums a file's chunks into one, and the token cache keeps it beside the samples (data/store.py's SOURCES
+  hold this file).
+- `str(stats)` is the line said at load; `stats.warning(what, max_len, long_text)` the `warning:` lines (records
+  dropped, pairs tied, truncation that cut CUT_WARN or more of the kept records' tokens), None when none.
+- `LONG_TEXT`: what a text record longer than --max-len becomes (--long-text's choices; the first is the default,
+  which the warning's `long_text` defaults to too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LONG_TEXT = ("split", "truncate")   # what a text record longer than --max-len becomes; the first is the default
+DROPPED_LINES = 5   # dropped records named by line in the stats and the warning
+CUT_WARN = 0.05   # truncation that cuts this share of the kept records' tokens, or more, is said in a warning
+
+
+@dataclass
+class TokenStats:
+    records: int = 0
+    samples: int = 0  # kept samples (records - dropped, a split record counting its windows)
+    truncated: int = 0  # kept samples longer than max_len, cut to it (a record left with no target: dropped only)
+    split: int = 0  # text records longer than max_len made into windows (long_text "split")
+    windows: int = 0  # the samples those records became
+    dropped: int = 0  # samples with no target left after truncation
+    tokens: int = 0  # tokens in kept samples, after truncation
+    targets: int = 0  # label positions != -100 in kept samples
+    longest: int = 0  # longest record in tokens, before truncation or splitting
+    cut: int = 0  # tokens truncation removed from kept samples
+    special: int = 0  # text and prompt/completion records holding a special token's text (encoded as that token)
+    tied: int = 0  # preference pairs dropped with nothing to prefer: the same tokens (after truncation), or the like
+    tied_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
+    pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
+    dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
+
+    def __str__(self) -> str:
+        return (
+            f"{self.samples} samples from {self.records} records, {self.tokens} tokens "
+            f"({self.targets} targets), longest record {self.longest}"
+            + (" (before the cut to --max-len)" if self.truncated or self.split else "")
+            + f", truncated {self.truncated}"
+            + (f" ({self.cut} tokens cut)" if self.truncated else "")
+            + (f", split {self.split} into {self.windows} windows" if self.split else "")
+            + f", dropped {self.dropped} (no target left)"
+            + (f", {self.pairs} preference pairs (two samples each)" if self.pairs else "")
+            + (f", {self.tied} pairs dropped as tied (nothing to prefer)" if self.tied else "")
+            + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
+        )
+
+    def warning(self, what: str, max_len: int, long_text: str = LONG_TEXT[0]) -> str | None:
+        """`warning:` lines: records dropped (nothing of theirs is trained on), naming the first lines; truncation
+        that cut CUT_WARN or more of the kept records' tokens (never trained on either), naming the flags that keep
+        them. None when neither."""
+        said = []
+        if self.dropped:
+            more = ", ..." if self.dropped > len(self.dropped_lines) else ""
+            lines = ", ".join(map(str, self.dropped_lines)) + more
+            share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
+            said.append(f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained "
+                        f"on (line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
+        if self.tied:
+            more = ", ..." if self.tied > len(self.tied_lines) else ""
+            lines = ", ".join(map(str, self.tied_lines)) + more
+            many = self.tied > 1
+            said.append(f"warning: {what}: {self.tied} preference pair{'s' * many} whose chosen and rejected sides are "
+                        f"the same tokens within --max-len {max_len}, or differ in no target, or one ends where they "
+                        "part (nothing to prefer) "
+                        f"{'are' if many else 'is'} not trained on (line{'s' * many} {lines}); where they differ past "
+                        "--max-len, a longer --max-len keeps them")
+        if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
+            said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
+                        f"({100 * self.cut / whole:.0f}%), which are never trained on; "
+                        "a longer --max-len keeps them" + (", and --long-text split trains a text record whole" if
+                                                            long_text == "truncate" and not self.pairs else ""))
+        return "\n".join(said) or None
