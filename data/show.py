@@ -53,7 +53,8 @@ def render(sample: dict, tok, marks: tuple[str, str]) -> str:
 
 def records(path: str, n: int, lines: list[int] | None):
     """The file's records to show, one line read at a time (module docstring)."""
-    from data.jsonl import check_file, line_error, parse_record
+    from data.jsonl import check_file, line_error
+    from data.records import parse_record
 
     want, got, k = set(lines or ()), 0, 0
     with check_file(path, "--data").open("rb") as f:

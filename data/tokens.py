@@ -225,7 +225,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             continue
         if len(made) == 2:   # TRL's targets: where a prompt is given, each side's whole answer, a start it shares
             # with the other's too (SimPO's, IPO's and ORPO's means and the NLL terms count it): a string prompt is no
-            # target already, a prompt of messages has its own assistant turns masked (`prompt_turns`, data.jsonl).
+            # target already, a prompt of messages has its own assistant turns masked (`prompt_turns`, data.records).
             # Without a prompt the sides' shared start is the prompt (TRL's implicit one): two texts' shared tokens;
             # two conversations' shared messages (back to the start of the answer where they part)
             shared = next((t for t, (x, y) in enumerate(zip(*(m[0]["input_ids"] for m in made))) if x != y),

@@ -203,7 +203,7 @@ def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
     read as they were. A preference pair's ShareGPT lists (prompt, sides; a string side) are the same role/content
     pair: the prompt's own answers no target, a prompt ending with an answer refused; LLaMA-Factory's ShareGPT pairs
     are TRL's. A role/content "conversations" takes a top-level "system" as the ShareGPT form does."""
-    from data.jsonl import parse_record
+    from data.records import parse_record
 
     rc = [{"role": "user", "content": "q", "from": "web"}, {"role": "assistant", "content": "a", "value": 0.5}]
     assert parse_record(json.dumps({"messages": rc}), "f", 1)["messages"] == rc

@@ -377,7 +377,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
 def test_a_pair_is_its_two_sides_as_records(assets):
     from transformers import AutoTokenizer
 
-    from data.jsonl import parse_record
+    from data.records import parse_record
     from data.tokens import tokenize_records
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
