@@ -44,6 +44,7 @@ from model.hub import same_snapshot
 from model.load import check_config_shapes, read_args
 from model.norms import is_embed_weight, is_norm_weight
 from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs
+from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
@@ -306,7 +307,7 @@ def main(argv=None):
             args.objective, *run_data.load_run_data(args, tok, margs.vocab_size, log0), args.dpo_share_prompt)
         ended = notes.resumed(args, argv, demo, ckpt, stats, eval_stats, log0)   # (a run --early-stop ended)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
-        budgets = preflight.gather_budgets(args, world, rank)   # every rank's device and host memory
+        budgets = gather_budgets(args, world, rank)   # every rank's device and host memory
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)

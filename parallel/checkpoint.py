@@ -21,8 +21,8 @@ Contract:
   `path`, so they become `adapter.abandoned` (..-2, ...) too: none is left describing a step the run no longer has.
 - `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
   step to continue from.
-- `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR`: the adapter of a checkpoint
-  (`parallel.checkpoint_export.export`).
+- `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (`main(argv)`, its exit code): the adapter of a
+  checkpoint (`parallel.checkpoint_export.export`).
 Which step folder a path names and whether it is whole: parallel/checkpoint_folders.py (`resolve`, `read_meta`).
 """
 
@@ -248,22 +248,29 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     return step
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """`python -m parallel.checkpoint`: the exit code (2 and one `error:` line on stderr when refused)."""
     import argparse
-    ap = argparse.ArgumentParser(description="The PEFT adapter of a train.py checkpoint, without resuming the run")
+    ap = argparse.ArgumentParser(prog="python -m parallel.checkpoint",
+                                 description="The PEFT adapter of a train.py checkpoint, without resuming the run")
     ap.add_argument("ckpt", help="OUT/ckpt (its newest good checkpoint) or OUT/ckpt/step_N")
     ap.add_argument("--out", required=True, help="a new (or empty) directory for the adapter")
     ap.add_argument("--model", default=None, help="the run's base model, if moved since the run (default: the path "
                     "the run recorded); the adapter names it")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from parallel.checkpoint_export import export
     try:
         step = export(a.ckpt, a.out, model=a.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     except OSError as e:   # an unwritable --out, a full disk
         print(f"error: writing the adapter to {a.out!r} failed ({type(e).__name__}: {e}); pass a writable new "
               "directory", file=sys.stderr)
-        sys.exit(2)
+        return 2
     print(f"adapter of {step} in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

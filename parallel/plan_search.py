@@ -147,7 +147,7 @@ def _budget(args, world):
         return "cuda", mem, f"{mem / GB:.1f} GB per GPU ({src})"
     if args.gpu_mem:
         return "cuda", args.gpu_mem * GB, f"{args.gpu_mem:.1f} GB per GPU (--gpu-mem: planning CUDA from a CPU machine)"
-    from parallel.preflight import cpu_memory
+    from parallel.budgets import cpu_memory
     return ("cpu", *cpu_memory(world))
 
 

@@ -246,12 +246,13 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
 
 def apply_fast(args, margs, dims, budgets, log, tokens: int | None = None) -> None:
     """train.py's --fast on every rank: `fast_flags` for the smallest device and host budget of all ranks
-    (parallel.preflight.gather_budgets: the flags must fit every rank, mixed GPUs or hosts; a device's total memory
-    less what other processes hold on it now, preflight.device_budget) and the data's longest sample (`tokens`:
+    (parallel.budgets.gather_budgets: the flags must fit every rank, mixed GPUs or hosts; a device's total memory
+    less what other processes hold on it now, budgets.device_budget) and the data's longest sample (`tokens`:
     --max-len only caps the samples; shorter data leave memory to spend on less recompute), the same on every rank
     (same budgets, same arithmetic: no rank waits on another), applied to `args` and logged. A rank without a budget
     is named, raised on every rank."""
-    from parallel.preflight import host_per_rank, planning_copy
+    from parallel.budgets import host_per_rank
+    from parallel.preflight import planning_copy
     if bad := next((b for b in budgets if b.target is None), None):
         raise RuntimeError(f"--fast: no device budget on {bad.where}")
     low = min(budgets, key=lambda b: b.device)

@@ -411,7 +411,7 @@ def test_dora_max_len_auto_and_the_start_up_check():
     is shorter than without), and the run's start-up check (parallel/preflight.py) plans them: on a device between
     the two plans' totals a plain run is told it fits, a --dora run is warned."""
     from model.load import read_args
-    from parallel import preflight
+    from parallel import budgets, preflight
 
     flags = ["--tiled-mlp", "--dora"]
     found = {}
@@ -427,7 +427,7 @@ def test_dora_max_len_auto_and_the_start_up_check():
         margs = read_args(Q7)
         dims, _ = validate(args, margs, 1)
         said[dora] = []
-        p = preflight.check(args, margs, dims, [preflight.Budget(0, "cuda", 26.5e9, "26.5 GB (test)", float("inf"),
+        p = preflight.check(args, margs, dims, [budgets.Budget(0, "cuda", 26.5e9, "26.5 GB (test)", float("inf"),
                                                                  "", "m")], said[dora].append)
         assert p.total == memory_plan(margs, dims, args, "cuda", True).total
     assert said[False][0].startswith("memory: planned 24.9 GB"), said

@@ -205,15 +205,15 @@ def _four_ranks(rank, world_size, assets, root):
 def _host_short_on_rank_2(rank, world_size, argv):
     """The start-up error of `argv` (--offload-activations) on this rank, planned for a CUDA device (1 PB) with
     host memory short on rank 2 only."""
-    from parallel import plan_search, preflight
+    from parallel import budgets, plan_search
 
-    budget, host = plan_search._budget, preflight.host_available
+    budget, host = plan_search._budget, budgets.host_available
     plan_search._budget = lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)")
-    preflight.host_available = lambda: (1e3 if rank == 2 else 1e15, "free (test)")
+    budgets.host_available = lambda: (1e3 if rank == 2 else 1e15, "free (test)")
     try:
         return startup_error(argv)
     finally:
-        plan_search._budget, preflight.host_available = budget, host
+        plan_search._budget, budgets.host_available = budget, host
 
 
 def _metrics_disk_full_at_step_2(rank, world_size, argv):

@@ -1364,10 +1364,18 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
     assert _saved_step(out) > step, "the resumed run saved no later step"
 
 
-def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
+def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path, capsys, monkeypatch):
     from safetensors.torch import load_file
 
+    from parallel.checkpoint import main as export_cli
     from parallel.checkpoint_export import export
+
+    def cli(*argv, cwd=ROOT):   # the command line in this process: (exit code, stderr)
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            m.chdir(cwd)
+            code = export_cli([os.path.join(done, "ckpt"), *argv])
+        return code, capsys.readouterr().err
 
     def adapter(d):
         cfg = json.load(open(os.path.join(d, "adapter_config.json")))
@@ -1384,9 +1392,8 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     export(os.path.join(done, "ckpt", "step_000002"), str(tmp_path / "two"))
     two = adapter(str(tmp_path / "two"))[0]
     assert any(not torch.equal(two[k], want[k]) for k in want), "step 2's adapter is step 4's"
-    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and f"--out {out!r} exists and is not empty" in r.stderr, r.stderr
+    code, err = cli("--out", out)
+    assert code == 2 and f"--out {out!r} exists and is not empty" in err, err
     half = tmp_path / "mount"   # an export into an empty directory killed between its renames: written again
     (half / ".adapter.tmp").mkdir(parents=True)   # (until 2026-12-03 refused as "not empty", for good)
     (half / "adapter_model.safetensors").write_bytes(b"partial")
@@ -1401,16 +1408,14 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     (mine / "keep").write_text("mine")
     elsewhere = tmp_path / "elsewhere"   # from another directory: the base is named by its absolute path
     elsewhere.mkdir()
-    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", "../v2"],
-                       capture_output=True, text=True, cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stdout + r.stderr
+    code, err = cli("--out", "../v2", cwd=elsewhere)
+    assert code == 0, err
     assert (mine / "keep").read_text() == "mine", "the export removed a folder it did not make"
     assert adapter(str(tmp_path / "v2"))[1]["base_model_name_or_path"] == wcfg["base_model_name_or_path"]
     assert os.path.isabs(wcfg["base_model_name_or_path"]) and os.path.isdir(wcfg["base_model_name_or_path"])
     inside = os.path.join(done, "ckpt", "step_1", "adapter")   # a folder there would be a step for rotation
-    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", inside],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and f"--out {inside!r} is inside the checkpoint folder" in r.stderr, r.stderr
+    code, err = cli("--out", inside)
+    assert code == 2 and f"--out {inside!r} is inside the checkpoint folder" in err, err
     assert not os.path.exists(os.path.dirname(inside)), "the refused export made a folder in the ckpt folder"
     # --out as the directory it names on disk (found by review, 2026-12-04): "" (an unset variable: the current
     # directory) and 'DIR/typo/..' (DIR) passed the not-empty check, and the swap deleted all DIR held
@@ -1418,9 +1423,8 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path):
     user.mkdir()
     (user / "thesis.txt").write_text("mine")
     for bad, said in (("", "--out is empty"), (str(user / "typo" / ".."), "exists and is not empty")):
-        r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", bad],
-                           capture_output=True, text=True, cwd=user, env={**os.environ, "PYTHONPATH": ROOT})
-        assert r.returncode == 2 and said in r.stderr, r.stderr
+        code, err = cli("--out", bad, cwd=user)
+        assert code == 2 and said in err, err
         assert os.listdir(user) == ["thesis.txt"] and (user / "thesis.txt").read_text() == "mine"
     link = tmp_path / "laststep"   # a link to a step folder: the ckpt folder is the one it is in
     os.symlink(os.path.join(done, "ckpt", "step_000004"), link)
@@ -1708,7 +1712,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     offload's host buffers are sized from the plan (one block input of the longest sample)."""
     import train
     from model.load import read_args
-    from parallel import plan_search, preflight
+    from parallel import budgets, plan_search, preflight
     from parallel.mesh import validate
     from parallel.plan import GB, memory_plan
 
@@ -1763,14 +1767,14 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     a = train.build_parser().parse_args(off)
     assert memory_plan(margs, *validate(a, margs, 1)[:1], a, "cuda", True).host == pinned
     monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)"))
-    monkeypatch.setattr(preflight, "host_available", lambda: (pinned - 1.0, "free (test)"))
+    monkeypatch.setattr(budgets, "host_available", lambda: (pinned - 1.0, "free (test)"))
     msg = startup_error(off)
     assert f"in host memory, {pinned / GB:.3g} GB per rank for the longest sample, {T:,} tokens, more than the " \
            f"{(pinned - 1) / GB:.3g} GB free per rank" in msg, msg
     assert "free (test)" in msg and "Lower --max-len" in msg and not os.path.exists(tmp_path / "off"), msg
     got = passes(off + ["--no-mem-check"])
     assert got[0].startswith("warning: --offload-activations pins") and got[1].startswith("memory: planned"), got
-    monkeypatch.setattr(preflight, "host_available", lambda: 1 / 0)   # the free host memory cannot be read: unchecked
+    monkeypatch.setattr(budgets, "host_available", lambda: 1 / 0)   # the free host memory cannot be read: unchecked
     got = passes(off)
     assert len(got) == 1 and got[0].endswith("; free host memory unknown (ZeroDivisionError: division by zero), not "
                                              "checked"), got
@@ -1795,14 +1799,14 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     import types
 
     import parallel.plan
-    from parallel import preflight
+    from parallel import budgets, preflight
     from parallel.plan import GB
 
     plan = types.SimpleNamespace(host=20.0, peak=1.0, total=2.0)   # bytes
     monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
     mem = []
     args = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
-    B = lambda r, machine, host=30.0, target="cuda": preflight.Budget(r, target, 10.0, "10 B (test)", host,
+    B = lambda r, machine, host=30.0, target="cuda": budgets.Budget(r, target, 10.0, "10 B (test)", host,
                                                                       "free (test)", machine)
     with pytest.raises(ValueError, match=r"more than the 1.5e-08 GB free per rank: 3e-08 GB free \(test\) on m1, "
                                          r"shared by 2 ranks"):   # (equal shares: no rank named)
@@ -1810,7 +1814,7 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     preflight.check(args, None, None, [B(0, "m1"), B(1, "m2")], mem.append, tokens=8)
     assert len(mem) == 1 and mem[0].startswith(f"memory: planned {2 / GB:.3g} GB per rank and {20 / GB:.3g} GB "
                                                "pinned host for the longest sample, 8 tokens, of 10 B (test)"), mem
-    preflight.check(args, None, None, [B(0, "m1"), preflight.Budget(1, None, 0, "rank 1: OSError: x", 0, "", "m2")],
+    preflight.check(args, None, None, [B(0, "m1"), budgets.Budget(1, None, 0, "rank 1: OSError: x", 0, "", "m2")],
                     mem.append)
     assert mem[1] == "memory check skipped: no memory budget on rank 1: OSError: x", mem
     preflight.check(args, None, None, [B(0, "m1", host=float("inf"), target="cuda")], mem.append)
@@ -1989,7 +1993,7 @@ def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unles
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
-    """preflight.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
+    """budgets.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
     the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
     so, naming the device and its PCI bus; --gpu-mem plans that memory as given; a torch without cudaMemGetInfo gives
     the total. preflight.check then refuses a plan that fits the total but not that."""
@@ -1999,7 +2003,7 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     import torch
 
     import parallel.plan
-    from parallel import preflight
+    from parallel import budgets, preflight
     from parallel.plan import GB, RUNTIME
 
     total, used = 141e9, [0.8e9]
@@ -2009,18 +2013,18 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     args = argparse.Namespace(gpu_mem=None)
-    assert preflight.device_budget(args, 1) == ("cuda", total, "141.0 GB per GPU (H200 (test))")
+    assert budgets.device_budget(args, 1) == ("cuda", total, "141.0 GB per GPU (H200 (test))")
     used[0] = 30.8e9
-    target, mem, where = preflight.device_budget(args, 1)
+    target, mem, where = budgets.device_budget(args, 1)
     assert (target, mem) == ("cuda", total - (30.8e9 - RUNTIME["cuda"])), mem
     assert where == ("141.0 GB per GPU (H200 (test)), less 29.8 GB in use outside this process's allocator now on "
                      "cuda:0 (PCI bus 1B), 110.2 GB free: other processes (nvidia-smi names them) or more than the "
                      "planned runtime of this one's own"), where
-    assert preflight.device_budget(argparse.Namespace(gpu_mem=80), 1)[1:] == (80 * GB, "80.0 GB per GPU (--gpu-mem)")
+    assert budgets.device_budget(argparse.Namespace(gpu_mem=80), 1)[1:] == (80 * GB, "80.0 GB per GPU (--gpu-mem)")
     def no_query(d=None):
         raise RuntimeError("no cudaMemGetInfo here")
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_query)
-    assert preflight.device_budget(args, 1)[1] == total
+    assert budgets.device_budget(args, 1)[1] == total
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake["mem_get_info"])
     plan = types.SimpleNamespace(host=0, peak=120e9, total=120e9 * 1.1 + RUNTIME["cuda"])   # fits 141 GB, not 111
     monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
@@ -2028,16 +2032,16 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     run = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
     with pytest.raises(ValueError, match=r"is more than 141.0 GB per GPU \(H200 \(test\)\), less 29.8 GB in use "
                                          r"outside this process's allocator now on cuda:0.*It cannot fit"):
-        preflight.check(run, None, None, [preflight.Budget(0, target, mem, where, float("inf"), "", "m")], print)
+        preflight.check(run, None, None, [budgets.Budget(0, target, mem, where, float("inf"), "", "m")], print)
 
 
 def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, monkeypatch):
-    """preflight.cgroup_headroom on made-up cgroup trees: a limit less usage net of page cache (not shmem), the least
+    """budgets.cgroup_headroom on made-up cgroup trees: a limit less usage net of page cache (not shmem), the least
     over the process's own cgroup and every parent up to the root (v2: a limit on the job, the step's unlimited, as
     Slurm sets them; v1's memory controller likewise); "max" and v1's unlimited value are no limit; usage over the
     limit is no room, not a negative one; no cgroup files at all: None. host_available takes it when below psutil's.
     A CPU run's device memory (plan_search._budget): the least cgroup limit over the local ranks, when below the RAM."""
-    from parallel import preflight
+    from parallel import budgets
 
     def tree(name, files):
         for path, text in files.items():
@@ -2049,14 +2053,14 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
           "cg/memory.stat": "anon 5\nfile 100000\nshmem 20000\nfile_mapped 7 8\n",
           "cg/job/memory.max": "800000\n", "cg/job/memory.current": "700000\n",   # the job's limit, no stat
           "cg/job/step/memory.max": "max\n", "cg/job/step/memory.current": "650000\n"}
-    assert preflight.cgroup_headroom(*tree("v2", v2)) == 800000 - 700000
+    assert budgets.cgroup_headroom(*tree("v2", v2)) == 800000 - 700000
     v2["cg/job/memory.max"] = "max\n"   # then the root's: limit less usage net of page cache not in shmem
-    assert preflight.cgroup_headroom(*tree("v2", v2)) == 1000000 - (600000 - (100000 - 20000))
+    assert budgets.cgroup_headroom(*tree("v2", v2)) == 1000000 - (600000 - (100000 - 20000))
     over = {"proc": "0::/\n", "cg/memory.max": "1000\n", "cg/memory.current": "5000\n"}
-    assert preflight.cgroup_headroom(*tree("over", over)) == 0
+    assert budgets.cgroup_headroom(*tree("over", over)) == 0
     unlimited = {"proc": "0::/job\n", "cg/memory.max": "max\n", "cg/job/memory.max": "max\n",
                  "cg/job/memory.current": "1\n"}
-    assert preflight.cgroup_headroom(*tree("unlimited", unlimited)) is None
+    assert budgets.cgroup_headroom(*tree("unlimited", unlimited)) is None
     v1 = {"proc": "4:memory:/slurm/job_1/task_0\n1:name=systemd:/x\n0::/\n",
           "cg/memory/memory.limit_in_bytes": "9223372036854771712\n", "cg/memory/memory.usage_in_bytes": "5\n",
           "cg/memory/slurm/job_1/memory.limit_in_bytes": "3000\n",
@@ -2064,26 +2068,26 @@ def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, m
           "cg/memory/slurm/job_1/memory.stat": "total_cache 600\ntotal_shmem 100\n",
           "cg/memory/slurm/job_1/task_0/memory.limit_in_bytes": "9223372036854771712\n",
           "cg/memory/slurm/job_1/task_0/memory.usage_in_bytes": "2400\n"}
-    assert preflight.cgroup_headroom(*tree("v1", v1)) == 3000 - (2500 - 500)
-    assert preflight.cgroup_headroom(*tree("v1", v1), limit=True) == 3000   # the least limit, for a CPU run's budget
-    assert preflight.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    assert budgets.cgroup_headroom(*tree("v1", v1)) == 3000 - (2500 - 500)
+    assert budgets.cgroup_headroom(*tree("v1", v1), limit=True) == 3000   # the least limit, for a CPU run's budget
+    assert budgets.cgroup_headroom(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
     # a CPU run's memory: RAM over the local ranks, or the job's cgroup limit over them when that is lower
     from parallel import plan_search
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # (the CPU branch, on any machine)
-    monkeypatch.setattr(preflight, "cgroup_headroom", lambda limit=False: 4e9 if limit else None)
+    monkeypatch.setattr(budgets, "cgroup_headroom", lambda limit=False: 4e9 if limit else None)
     target, mem, where = plan_search._budget(argparse.Namespace(gpu_mem=None), 2)
     assert (target, mem) == ("cpu", 2e9) and "this job's memory cgroup limit (4.0 GB" in where, where
-    monkeypatch.setattr(preflight, "cgroup_headroom", lambda limit=False: None)
+    monkeypatch.setattr(budgets, "cgroup_headroom", lambda limit=False: None)
     import psutil
     assert plan_search._budget(argparse.Namespace(gpu_mem=None), 2)[1] == psutil.virtual_memory().total / 2
 
     import psutil
-    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: 5)
-    assert preflight.host_available() == (5.0, "left under this job's memory cgroup limit")
-    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
-    free, where = preflight.host_available()
+    monkeypatch.setattr(budgets, "cgroup_headroom", lambda: 5)
+    assert budgets.host_available() == (5.0, "left under this job's memory cgroup limit")
+    monkeypatch.setattr(budgets, "cgroup_headroom", lambda: None)
+    free, where = budgets.host_available()
     assert where == "available (psutil)" and abs(free - psutil.virtual_memory().available) < 4 * 2 ** 30   # (workers)
 
 

@@ -389,16 +389,16 @@ def test_cuda_allocator_expands_segments(conf, expandable):
 
 
 def test_cuda_device_budget_leaves_out_another_process():
-    """The start-up check's device budget (preflight.device_budget): with another process holding 3 GiB (and its
+    """The start-up check's device budget (budgets.device_budget): with another process holding 3 GiB (and its
     context) it is that much lower than before it started, and says so."""
     import argparse
     import subprocess
     import sys
 
-    from parallel import preflight
+    from parallel import budgets
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     args = argparse.Namespace(gpu_mem=None)
-    alone = preflight.device_budget(args, 1)   # (the total, unless this process's libraries pass the runtime's 1 GB)
+    alone = budgets.device_budget(args, 1)   # (the total, unless this process's libraries pass the runtime's 1 GB)
     assert total - 2 * 2 ** 30 < alone[1] <= total, alone
     dev = f"cuda:{torch.cuda.current_device()}"   # the same visible devices: the same GPU
     code = f"import torch, sys; a = torch.empty(3 << 30, dtype=torch.uint8, device='{dev}'); print('ready', flush=True)"
@@ -406,7 +406,7 @@ def test_cuda_device_budget_leaves_out_another_process():
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "ready"
-        _, mem, where = preflight.device_budget(args, 1)
+        _, mem, where = budgets.device_budget(args, 1)
     finally:
         other.stdin.close()
         other.wait(timeout=60)
