@@ -12,7 +12,7 @@ Contract:
    "nonfinite"), its lines unbuffered, and a resume's rewrite atomic (a temporary file renamed: a crash leaves the
    old file or the new one).
 4. A sink of your own (W&B, MLflow, a CSV): a class in `SINKS`, `Sink(out, resume_step=N|None)` with `write(rec)`
-   and `close()`, its files named in parallel/runs.py's `OWNED` (so --overwrite removes them), keeping 2. Its
+   and `close()`, its files named in parallel/outdir.py's `OWNED` (so --overwrite removes them), keeping 2. Its
    writes run on rank 0 inside guard.on_rank0: an exception stops every rank at that step, naming it.
 """
 

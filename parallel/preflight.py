@@ -65,7 +65,7 @@ def check_start(args, demo: bool):
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load import check_weight_headers
-    from parallel import checkpoint_folders, resume, runs
+    from parallel import checkpoint_folders, outdir, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
     from parallel.metrics import check_sinks
@@ -166,10 +166,10 @@ def check_start(args, demo: bool):
                 twice = paths[at]
                 raise ValueError(f"{flag} names {twice!r}" + (f" and {f!r}, the same file" if twice != f else " twice")
                                  + f": name each file once; {fix}")
-    runs.check_free(args.out or (args.resume and runs.run_of(args.resume)))   # a live run's: said as such, first
-    if args.out and args.resume and (theirs := runs.run_of(args.resume)):   # its checkpoints' live run, into another
+    runs.check_free(args.out or (args.resume and outdir.run_of(args.resume)))   # a live run's: said as such, first
+    if args.out and args.resume and (theirs := outdir.run_of(args.resume)):   # its checkpoints' live run, into another
         runs.check_free(theirs, args.resume)   # --out: a step it rotates away failed after the data (helper 54)
-    runs.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+    outdir.check_out(args.out, resume=args.resume, overwrite=args.overwrite)
     # a resume must find the same bytes (one file's: its sha256, as runs from before several files recorded it)
     args.data_sha256 = None if demo else file_sha256(files[0]) if len(files) == 1 else [file_sha256(f) for f in files]
     name = args.model   # a Hub id ("org/name"): its config.json now, its cache directory from here on

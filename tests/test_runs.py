@@ -1,4 +1,4 @@
-"""parallel/runs.py: a run never writes into another run's results, resume keeps the run's math,
+"""parallel/runs.py and parallel/outdir.py: a run never writes into another run's results, resume keeps the run's math,
 metrics.jsonl stays strict JSON and matches the checkpoint it resumes from.
 
 Pins:
@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from parallel import metrics, resume, runs
+from parallel import metrics, outdir, resume, runs
 from tests.dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def test_used_out_refused_and_untouched(tmp_path):
     assert "--resume" not in msg and "--overwrite" not in msg, f"a user's folder was offered a flag that fails: {msg}"
     msg = _refused(lambda: runs.claim(str(crashed)), "already holds a run", "saved no checkpoint", "--overwrite")
     assert "--resume" not in msg, msg
-    _refused(lambda: runs.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
+    _refused(lambda: outdir.check_out(out, resume=os.path.join(out, "ckpt"), overwrite=True), "pass only one")
     _refused(lambda: runs.claim(out, resume=os.path.join(other, "ckpt")), "would mix two runs")
     # another run inside a used --out: nested below it, or --out a folder above it holding the user's own files
     # (until 2026-12-05 anything under --out resumed there and wrote over its config, metrics, ckpt and adapter;
@@ -108,17 +108,17 @@ def test_used_out_refused_and_untouched(tmp_path):
                  f"Pass --out {theirs} to continue that run")
     assert _hashes(tmp_path) == before
     for r in ("ckpt", os.path.join("ckpt", "step_000002")):   # its own: through a link to --out too
-        runs.check_out(out, resume=os.path.join(out, r))
+        outdir.check_out(out, resume=os.path.join(out, r))
     # the run folder itself, or a file in it, as --resume: its ckpt is named (review, helper 54: "would mix two runs'
     # results ... pass a new --out", which led away from the fix)
     for r, what in ((out, "the run folder"), (out + "/", "the run folder"),
                     (os.path.join(out, "config.json"), "a file in the run folder"),
                     (os.path.join(out, "adapter"), "the run's exported adapter in")):
-        msg = _refused(lambda r=r: runs.check_out(out, resume=r), f"--resume {r!r} is {what} {out!r}, not a "
+        msg = _refused(lambda r=r: outdir.check_out(out, resume=r), f"--resume {r!r} is {what} {out!r}, not a "
                        f"checkpoint: pass --resume {os.path.join(out, 'ckpt')} (its newest step)")
         assert "mix two runs" not in msg, msg
     os.symlink(out, tmp_path / "link")
-    runs.check_out(str(tmp_path / "link"), resume=os.path.join(out, "ckpt", "step_000002"))
+    outdir.check_out(str(tmp_path / "link"), resume=os.path.join(out, "ckpt", "step_000002"))
     shutil.rmtree(nested)
     os.remove(tmp_path / "link")
     _refused(lambda: runs.claim(str(tmp_path / "afile")), "is a file", "directory")
@@ -169,9 +169,9 @@ def test_out_is_checked_where_it_is_written(tmp_path):
     for overwrite in (False, True):
         _refused(lambda o=overwrite: runs.claim(str(user / "typo" / ".."), overwrite=o),
                  "its config.json is not train.py's", "not a train.py run directory")
-    _refused(lambda: runs.check_out(""), "--out is empty")
+    _refused(lambda: outdir.check_out(""), "--out is empty")
     os.symlink(str(tmp_path / "nowhere"), str(tmp_path / "dang"))
-    _refused(lambda: runs.check_out(str(tmp_path / "dang" / "sub")), f"{str(tmp_path / 'dang')!r} is a link to",
+    _refused(lambda: outdir.check_out(str(tmp_path / "dang" / "sub")), f"{str(tmp_path / 'dang')!r} is a link to",
              "which does not exist")
     out = _used_run(tmp_path / "run")
     (tmp_path / "run" / "ckpt" / "step_1" / "adapter").mkdir(parents=True)   # a user's export
@@ -188,17 +188,17 @@ def test_out_this_user_cannot_write_in_is_refused_at_once(tmp_path):
     """An --out (or, without one, runs/) in a directory this user cannot write in was refused only by claim(), after
     the data were tokenized (review, helper 53). /proc takes no new entry even from root, whom os.access passes."""
     for out in ("/proc/run", "/proc/a/b/run"):
-        _refused(lambda o=out: runs.check_out(o), f"--out {out!r}: this user cannot write in '/proc'",
+        _refused(lambda o=out: outdir.check_out(o), f"--out {out!r}: this user cannot write in '/proc'",
                  "pass an --out you can write to")
-    _refused(lambda: runs.check_out(None, root="/proc/runs"), "no --out given, so this run would make "
+    _refused(lambda: outdir.check_out(None, root="/proc/runs"), "no --out given, so this run would make "
              "'/proc/runs/<date-time>': this user cannot write in '/proc'", "pass --out with a directory")
-    runs.check_out(str(tmp_path / "new" / "run"))
-    runs.check_out(None, root=str(tmp_path / "runs"))
+    outdir.check_out(str(tmp_path / "new" / "run"))
+    outdir.check_out(None, root=str(tmp_path / "runs"))
     assert os.listdir(tmp_path) == [], "the probe left something behind"
     # another rank's probe, there while this one lists the folder (or one a kill left), is not a file of the user's
     # (review, helper 56: `mkdir -p OUT` then 8 ranks: refused on some, in 4 of 40 tries)
     (tmp_path / "out" / ".train-probe-abc123").mkdir(parents=True)
-    runs.check_out(str(tmp_path / "out"))
+    outdir.check_out(str(tmp_path / "out"))
     with runs.claim(str(tmp_path / "out")):
         pass
 
