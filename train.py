@@ -270,7 +270,8 @@ def main(argv=None):
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
-    from model.export import export_adapter, read_init_adapter
+    from model.adapter_read import read_init_adapter
+    from model.export import export_adapter
     from parallel import checkpoint, checkpoint_folders, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_groups, lora_parameters

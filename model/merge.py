@@ -124,7 +124,7 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
-    from model.export import not_an_adapter
+    from model.adapter_read import not_an_adapter
     from model.merged import STAGE, is_stage
 
     errors = []
@@ -157,7 +157,7 @@ def check_inputs(args) -> list[str]:
         errors.append(f"--out {args.out!r} is {'' if ckpt == out else 'inside '}a run's checkpoint folder {ckpt!r}, "
                       "which train.py rotates and rewrites: pass a directory of its own")
     if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
-        from model.export import not_plain_lora
+        from model.adapter_read import not_plain_lora
         try:
             with open(cfg) as f:
                 wrong = not_plain_lora(json.load(f), dora=True)   # (DoRA: merged.merge folds its magnitudes)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                    help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
 
-    from model.export import not_an_adapter
+    from model.adapter_read import not_an_adapter
     if why := not_an_adapter(args.adapter, "--adapter"):   # first: a run's folder or a checkpoint is named as
         print(f"merge: {why}", file=sys.stderr)   # such (without --model it was "pass --model"; review, helper 53)
         return 2

@@ -24,7 +24,8 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file, saves_trained, tied_head, untied_embedding
+from model.adapter_read import saves_trained, tied_head, untied_embedding
+from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.load import CheckpointReader, _check_dir, read_args
 from model.norms import is_saved_weight
 

@@ -178,8 +178,8 @@ class adapters_off:
 
 class reference_adapter:
     """While entered, every LoRA layer of `model` computes base(x) + scaling · B_ref(A_ref(x)) with a fixed adapter's
-    tensors (`tensors`: our parameter names -> full tensors, `model.export.read_init_adapter`'s), and the base alone
-    where it has none: DPO's reference model when the policy starts from that adapter (--init-adapter), with no
+    tensors (`tensors`: our parameter names -> full tensors, `model.adapter_read.read_init_adapter`'s), and the base
+    alone where it has none: DPO's reference model when the policy starts from that adapter (--init-adapter), with no
     second copy of the base. The tensors are not parameters: FSDP2, the optimizer and checkpoints never see them;
     each rank holds them whole (an adapter is small), in `dtype`: the dtype the layer's own LoRA computes in (FSDP2's
     param dtype; checked, and cast to, on first use), so at the start the reference and the policy compute the same

@@ -3,7 +3,8 @@
 Contract:
 - `check_flags(args)`: values no run can use, whatever the model and world (non-finite or out-of-range numbers, flags
   that act only with another, the AC flags through `check_ac`, --init-adapter's config through
-  `model.export.check_init_adapter`). Each error is a `ValueError` naming the flag and the fix. It reads no weight.
+  `model.adapter_read.check_init_adapter`). Each error is a `ValueError` naming the flag and the fix.
+  It reads no weight.
 - `check_model_flags(args, margs)`: the checks that need the model's config.json but no layout (--lora-r against the
   projections' rank, --lora-layers against the blocks, --ac-group / --ac-blocks against them, --init-adapter's LoRA
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).
@@ -58,7 +59,7 @@ def check_flags(args) -> None:
                              f"{getattr(args, 'cp_impl', None)}): add --cp-impl hybrid, or drop it")
     rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
     if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
-        from model.export import check_init_adapter
+        from model.adapter_read import check_init_adapter
         if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(
                 os.path.realpath(args.out) + os.sep):
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
@@ -209,7 +210,7 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in. `tied`:
     the model's head is its input embedding; an adapter that trains that embedding without peft's ensure_weight_tying
     kept the base's head in peft (untied), which a run here cannot start from."""
-    from model.export import untied_embedding
+    from model.adapter_read import untied_embedding
     from model.load import read_header
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)

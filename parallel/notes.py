@@ -43,7 +43,7 @@ def _say(log, lines) -> None:
 def start(args, margs, dims, ckpt: str | None, log, default_loss: bool = True) -> None:
     """The layout and loss line, then the notes about the model and --init-adapter (past the checks, before data).
     `default_loss`: train.py's LOSS_FN is None (a fork's LOSS_FN may be recorded as "cross-entropy": `recorded_as`)."""
-    from model.export import init_adapter_note  # (peft: seconds to import; only a run gets here)
+    from model.adapter_read import init_adapter_note  # (peft: seconds to import; only a run gets here)
 
     dpo = args.objective == "dpo"
     if dpo:

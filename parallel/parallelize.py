@@ -311,7 +311,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
 def init_from_adapter(model, path: str) -> None:
     """Copy a PEFT adapter's tensors into the LoRA parameters they name (this rank's shard of each); projections the
     adapter does not cover keep init_lora's start (B = 0: no change to the function)."""
-    from model.export import read_init_adapter
+    from model.adapter_read import read_init_adapter
 
     params = dict(model.named_parameters())
     for name, t in read_init_adapter(path).items():

@@ -149,7 +149,7 @@ def dpo_loss(policy_nll: torch.Tensor, ref_nll: torch.Tensor | None, labels: tor
 class DPO:
     def __init__(self, model, pref: Preference, cp_group=None, reference: dict | None = None, device=None,
                  dtype=None, base: str | None = None):
-        """`reference`: the --init-adapter's tensors (`model.export.read_init_adapter`), or None for the base;
+        """`reference`: the --init-adapter's tensors (`model.adapter_read.read_init_adapter`), or None for the base;
         `dtype` the one LoRA computes in; `base`: the base checkpoint, whose norm weights the reference computes with
         (and embedding) where the model trains them (--train-norms, --train-embeddings) and the reference adapter has
         none (model.norms)."""

@@ -201,7 +201,7 @@ class _no_key_warning:
 
 
 def test_init_adapter_and_dpo_reference_rebuild_its_logits(ckpt, adapter):
-    from model.export import read_init_adapter
+    from model.adapter_read import read_init_adapter
     from model.qlora import reference_adapter
     from parallel.parallelize import init_from_adapter
 
@@ -226,7 +226,7 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
 
     from safetensors.torch import load_file, save_file
 
-    from model.export import check_init_adapter
+    from model.adapter_read import check_init_adapter
     from parallel.flags import _init_adapter_fits
 
     out, _ = adapter
@@ -312,7 +312,8 @@ def test_bf16_without_mixed_precision_rounds_as_peft(ckpt, dropout):
 def test_bf16_dpo_reference_equals_the_policy_it_starts(ckpt, quant, tmp_path):
     """bf16 without mixed precision (LoRA in float32, `model.dora.forward`): `reference_adapter` from a DoRA adapter
     gives, bit for bit, the logits of the policy `init_from_adapter` starts from that adapter (DPO's step 1: log 2)."""
-    from model.export import export_adapter, read_init_adapter
+    from model.adapter_read import read_init_adapter
+    from model.export import export_adapter
     from model.qlora import reference_adapter
     from parallel.parallelize import BuildOptions, init_from_adapter
     from tests.helpers import build_nonzero_b

@@ -758,7 +758,7 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
 def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_path):
     """--init-adapter pointed at a run's folder or one of its checkpoints (not an adapter): the refusal names what to
     pass, or how to export it (review, helper 41: one generic line for every such path)."""
-    from model.export import check_init_adapter
+    from model.adapter_read import check_init_adapter
 
     def said(path):
         with pytest.raises(ValueError) as e:

@@ -143,7 +143,8 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, em
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from model.export import check_init_adapter, export_adapter
+    from model.adapter_read import check_init_adapter
+    from model.export import export_adapter
     from model.merged import merge
     from parallel.parallelize import BuildOptions, build_model, init_from_adapter
 
@@ -265,7 +266,8 @@ def test_dpo_reference_computes_with_the_base_or_the_adapters_norms(ckpts, tmp_p
     before once the reference has run."""
     from peft import PeftModel
 
-    from model.export import export_adapter, read_init_adapter
+    from model.adapter_read import read_init_adapter
+    from model.export import export_adapter
     from parallel.preference import DPO, Preference
     from tests.helpers import hf_as_trained
 

@@ -1517,7 +1517,8 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     before = float(re.search(r"eval_loss before training (\S+)", (log := capsys.readouterr().out)).group(1))
     assert before == metrics(a)[-1]["eval_loss"], (before, metrics(a)[-1])
     assert "was trained on another base" not in log and "was trained against the" not in log, log
-    from model.export import TRAINED_ON, init_adapter_note
+    from model.adapter_read import init_adapter_note
+    from model.export import TRAINED_ON
     sha = json.load(open(os.path.join(a, "adapter", TRAINED_ON)))["model_sha256"]   # (the run's own base)
     assert init_adapter_note(a + "/adapter", None, sha, "none") is None
     note = init_adapter_note(a + "/adapter", None, "f" * 64, "nf4")   # said, not refused: a choice
