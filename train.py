@@ -374,7 +374,7 @@ def main(argv=None):
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
-            from parallel.preference import ref_caches
+            from parallel.ref_cache import ref_caches
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
         way = (args.out, bool(args.resume_auto), bool(args.resume))   # (a stop before any save)
         stop.start()   # (before the baseline evaluation, minutes on a large eval set: a Ctrl-C there is a stop too)

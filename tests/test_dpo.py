@@ -303,7 +303,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
     pref = Preference(**{"beta": beta, **VARIANTS[variant]})
     step = Step(model, pref, reference=ref_sd)
     if cached:   # first the pairs in other rows (two, then one), their reference kept; then the step reads it
-        from parallel.preference import RefCache
+        from parallel.ref_cache import RefCache
 
         said = []
         step.cache["train"] = RefCache(len(made), "cpu", str(tmp_path / "ref.pt"), {"of": "this test"}, said.append)
@@ -673,7 +673,7 @@ def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys
 
     want = _metrics(os.path.join(runs, "dpo_a_cached"))[2]
     step3 = {}
-    from parallel.preference import _digest
+    from parallel.ref_cache import _digest
     for how in ("as_is", "tampered", "corrupt", "other_tokens"):
         out = str(tmp_path / how)
         shutil.copytree(os.path.join(runs, "dpo_a_cached"), out)
@@ -1002,7 +1002,7 @@ def test_a_cache_file_that_cannot_be_written_is_a_warning(tmp_path):
     """--dpo-cache-ref's file is a cache: a write the disk refuses (torch.save says it as a RuntimeError, here a folder
     that is not there) is a warning, and the run goes on with the values kept in memory (review, helper 47: it
     stopped every rank with a traceback)."""
-    from parallel.preference import RefCache
+    from parallel.ref_cache import RefCache
 
     said = []
     cache = RefCache(2, "cpu", str(tmp_path / "gone" / "reference_logps.pt"), {}, said.append)
@@ -1020,7 +1020,7 @@ def test_a_cache_is_kept_for_the_rope_scaling_it_means(tmp_path):
     again, said as such."""
     from types import SimpleNamespace
 
-    from parallel.preference import ref_caches
+    from parallel.ref_cache import ref_caches
 
     def cache(rope, said):
         args = SimpleNamespace(out=str(tmp_path), data_tokens="3 samples, 9 tokens, sha256 " + "a" * 64,
@@ -1041,7 +1041,7 @@ def test_a_cache_is_kept_for_the_rope_scaling_it_means(tmp_path):
     # kept by other code (an edit in model/, parallel/ or loss.py, or another torch): computed again, said as such
     import shutil
 
-    import parallel.preference as pref
+    import parallel.ref_cache as pref
     root = os.path.dirname(os.path.dirname(os.path.abspath(pref.__file__)))
     copy = tmp_path / "code"
     for d in ("model", "parallel"):
