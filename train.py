@@ -42,7 +42,6 @@ from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.hub import same_snapshot
 from model.load import check_config_shapes, read_args
-from model.norms import is_embed_weight, is_norm_weight
 from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs
 from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch
@@ -341,13 +340,7 @@ def main(argv=None):
                       read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
                       device, dtype if dt == "cuda" else torch.float32, args.model)   # (LoRA's compute dtype: FSDP2's
             # on CUDA; the base's norms and embedding for --train-norms', --train-embeddings' reference)
-        more = {k: sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and of(n))   # (--train-*)
-                for k, of in (("norms", is_norm_weight), ("embedding", is_embed_weight))}
-        log0(f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "
-             f"{(sum(p.numel() for p in params) - sum(more.values())) / 1e6:.2f}M trainable"
-             + "".join(f" + {k} {v / 1e6:.2f}M" for k, v in more.items() if v)
-             + f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, "
-             f"quant {args.quant}, {dtype}, built in {time.time() - t0:.1f}s")
+        log0(notes.model_line(model, margs, args, ckpt, dtype, time.time() - t0))
 
         # --------------------------------------------------------------------- optimizer
         opt = make_optimizer(lora_groups(model, args.lora_plus_ratio), args)   # (LoRA+: B's group, lr_ratio)

@@ -10,6 +10,7 @@ Contract:
   metadata only, so every rank decides alike; `resumed` and `length` raise ValueError for what a run refuses (a resume
   of a run that stopped early under the same --early-stop, a --profile step the run does not have), each after the
   lines before it are said; `length` returns the run's steps (`resume.total_steps`, or where an early stop ended it).
+- `model_line`, `out_line`: the `model:` and `out:` lines.
 - `way_on(out, auto, resumed)`: how a run stopped before its end goes on; never advice the run would refuse.
 - `exit_code(main, argv)`: main's exit code, one `error:` line for the errors whose message is the fix (flags, data,
   a full disk with the way on), Stopped's code for a signal, 130 for Ctrl-C before the stop handlers.
@@ -124,6 +125,20 @@ def length(args, order, dpo: bool, ckpt: str | None, ended: int | None, lr_at, l
         raise ValueError(f"--profile {args.profile}: this run has steps 1..{steps}; pick one of them "
                          "(not step 1 for timings: it also pays the kernels' first-call setup)")
     return steps
+
+
+def model_line(model, margs, args, ckpt: str | None, dtype, built_s: float) -> str:
+    """The `model:` line: its size, what trains (LoRA; --train-norms' and --train-embeddings' weights apart), from
+    which --init-adapter, its numerics and how long the build took."""
+    from model.norms import is_embed_weight, is_norm_weight
+    trained = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    more = {k: sum(c for n, c in trained if of(n)) for k, of in (("norms", is_norm_weight),
+                                                                 ("embedding", is_embed_weight))}
+    return (f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "   # (exact counts, as peft's
+            f"{sum(c for _, c in trained) - sum(more.values()):,} trainable"   # print_trainable_parameters)
+            + "".join(f" + {k} {v:,}" for k, v in more.items() if v)
+            + f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, "
+            f"quant {args.quant}, {dtype}, built in {built_s:.1f}s")
 
 
 def out_line(run, args, ckpt: str | None) -> str:

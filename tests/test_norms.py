@@ -237,6 +237,31 @@ def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
     assert {name[id(p)] for g in plus if g.get("weight_decay", 1) != 0 for p in g["params"]} == decayed
 
 
+def test_the_model_line_counts_what_peft_trains(ckpts):
+    """The run's `model:` line (parallel/notes.model_line): LoRA, the norms and the embedding apart, adding up to what
+    peft's twin trains (`get_nb_trainable_parameters`), its LoRA tensors and its saved modules' each."""
+    import argparse
+
+    from model.config import ModelArgs
+    from parallel.notes import model_line
+
+    model, _ = _ours(ckpts["qwen3"], emb=True)
+    ref, _, theirs = _peft_twin(ckpts["qwen3"], "none", model)
+    count = lambda keep: sum(p.numel() for n, p in theirs.items() if keep(n))
+    lora, emb = count(lambda n: ".lora_" in n), count(lambda n: "embed_tokens" in n)
+    norms = count(lambda n: n.endswith("norm.weight"))
+    assert lora + norms + emb == ref.get_nb_trainable_parameters()[0] and min(lora, norms, emb) > 0
+    margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpts["qwen3"], "config.json"))))
+    args = argparse.Namespace(init_adapter="A", quant="none")
+    m = lambda n: f"{n:,}"
+    assert model_line(model, margs, args, None, torch.float32, 1.25) == (
+        f"model: qwen3 {margs.n_params / 1e6:.1f}M params, LoRA {m(lora)} trainable + norms {m(norms)} + embedding "
+        f"{m(emb)} from A, quant none, torch.float32, built in 1.2s")
+    plain, _ = _ours(ckpts["qwen3"], norms=False)   # (a resume: no "from")
+    assert model_line(plain, margs, args, "ckpt", torch.float32, 0.0).split(", LoRA ")[1].startswith(
+        f"{m(sum(p.numel() for p in plain.parameters() if p.requires_grad))} trainable, quant none")
+
+
 @pytest.mark.parametrize("mem", [dict(tiled_mlp=True, tiled_attn=True), dict(ac_keep_attn=True),
                                  dict(offload_activations=True, tiled_mlp=True), dict(ac_group=2)],
                          ids=["tiled_mlp_and_attn", "ac_keep_attn", "offload_tiled_mlp", "ac_group"])
