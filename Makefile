@@ -57,13 +57,15 @@ test-gpu:
 	@if $(HOST_CUDA); then echo "python3 with CUDA torch"; python3 -m pytest -q tests/gpu; \
 	else $(MAKE) install && $(PY) -m pytest -q tests/gpu; fi
 
-# The CPU suite under another torch (default 2.11.0, the GPU machine's) in its own .venv-compat: API changes
-# that `make test` on the pinned CPU wheel cannot see (2026-11-30: --compile failed under 2.11). PyPI's Linux
-# torch wheels are CUDA builds: ~4.6 GB in the venv; they run on a machine without a GPU. Not part of CI.
+# The CPU suite under another torch (default 2.11.0, the GPU machine's) and the transformers and peft that machine
+# had when it was last measured (2026-11-30), in its own .venv-compat: API changes that `make test` on the pinned CPU
+# wheel and the newest libraries cannot see (2026-11-30: --compile failed under 2.11). PyPI's Linux torch wheels are
+# CUDA builds: ~4.6 GB in the venv; they run on a machine without a GPU. Not part of CI.
 COMPAT_TORCH ?= 2.11.0
+COMPAT_PINS ?= transformers==5.17.0 peft==0.21.0
 test-compat:
 	test -x .venv-compat/bin/python || python3 -m venv .venv-compat
-	.venv-compat/bin/pip install -q "torch==$(COMPAT_TORCH)" -r requirements.txt
+	.venv-compat/bin/pip install -q "torch==$(COMPAT_TORCH)" -r requirements.txt $(COMPAT_PINS)
 	.venv-compat/bin/python -m pytest -q $(PYTEST_N) tests --ignore=tests/gpu
 
 # One GPU: this trainer vs HF + bitsandbytes + peft (+ Liger), 32k x 28 layers and 128k x 8 layers,

@@ -302,7 +302,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps)
 
     def run_blocks(self, h, *args):
-        """The blocks in order (parallel/parallelize.apply_ac replaces this to checkpoint groups of them)."""
+        """The blocks in order (parallel/ac.apply_ac replaces this to checkpoint groups of them)."""
         for layer in self.layers:
             h = layer(h, *args)
         return h

@@ -10,7 +10,7 @@ Contract:
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).
 - `parallel.mesh.validate` calls both (the one start-up check of a run's flags); `preflight.check_start` calls
   `check_flags` before the process group, `plan_search` both before its searches, `plan_speed` `check_flags` on
-  each flag set it tries; `parallelize.apply_ac` and `build_model` call `check_ac`.
+  each flag set it tries; `ac.apply_ac` and `build_model` call `check_ac`.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _sac_lets_compile() -> bool:
 
 def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False,
              tiled_attn: bool = False) -> None:
-    """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/parallelize.apply_ac),
+    """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/ac.apply_ac),
     named with the fix."""
     if offload and not ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")

@@ -1,4 +1,4 @@
-"""Activation-checkpoint offload to host memory (--offload-activations), used by `parallelize.apply_ac`.
+"""Activation-checkpoint offload to host memory (--offload-activations), used by `ac.apply_ac`.
 
 Contract:
 - `HostOffload.saving(x)`: saved_tensors_hooks placed around a block's non-reentrant checkpoint call, so

@@ -52,7 +52,7 @@ Persistent all step:
    its output there (eTD, when handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block)
    only each block's input [T, D]·e is kept and one block is recomputed in backward (its saved tensors less that input,
    which the first norm saves again without a copy). The first checkpoint keeps the token ids, not the embedding's
-   output, and looks them up again (parallelize._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's
+   output, and looks them up again (ac._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's
    last block (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn:
    the sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA intermediate of q/k/v/o
    (parallel/tiled_attention.py).
@@ -291,7 +291,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else []) for i in range(lo, L)]
     every = sum(saved) + 8 * T * emb   # (a trained embedding's backward keeps the int64 ids)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
-    # parallelize._FromIds): one block input fewer, but that lookup is live in the first block's own backward
+    # ac._FromIds): one block input fewer, but that lookup is live in the first block's own backward
     # (--lora-layers: a checkpoint below lo keeps nothing, its output needs no grad; block lo's input is kept whole)
     inputs = lambda n, ids=lo == 0 and not emb: max(n - 1, 0 if K else 1) if ids else max(n, 0)   # (a trained
     # embedding's output is kept as the other block inputs are)

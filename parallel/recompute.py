@@ -2,7 +2,7 @@
 
 Contract:
 - `recomputing()`: True inside a block checkpoint's recompute (`recompute_context`, entered through checkpoint's
-  `context_fn` by parallel/parallelize.apply_ac). A group checkpoint's recompute (`--ac-group`) sets it False:
+  `context_fn` by parallel/ac.apply_ac). A group checkpoint's recompute (`--ac-group`) sets it False:
   there each block's output is the next block's input. The tiled MLP (parallel/memory.py) skips its forward
   tiles inside it.
 - `grads_only()`: True inside `grads_only_context`, around calls whose outputs are only differentiated (the

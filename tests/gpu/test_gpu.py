@@ -748,12 +748,13 @@ def test_cuda_tiled_attention_bf16_matches_untiled(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cuda_ac_keep_attn_skips_the_kernel_in_backward(tmp_path, dtype):
     """--ac-keep-attn on the device: the attention kernel op the backend picks (cuDNN / flash / efficient) is
-    in parallel.parallelize.ATTENTION_OPS, so backward runs none of its forwards; loss and LoRA grads equal
+    in parallel.ac.ATTENTION_OPS, so backward runs none of its forwards; loss and LoRA grads equal
     plain AC (which recomputes the same op on the same inputs)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from parallel.ac import ATTENTION_OPS
     from parallel.cp import KernelAttention
-    from parallel.parallelize import ATTENTION_OPS, BuildOptions
+    from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, tiny_checkpoint
 
     class Ops(TorchDispatchMode):
