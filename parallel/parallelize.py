@@ -85,6 +85,8 @@ class BuildOptions:
     seed: int = 0
     rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.rope.rope_scaling_flag)
     init_adapter: str | None = None        # --init-adapter: LoRA starts from this PEFT adapter's tensors
+    mixed_precision: bool | None = None    # FSDP2 hands the float32 trained tensors to forward in `dtype` (None: on
+    # CUDA with dtype != float32, what a run does; True: on CPU too, the CUDA path's dtypes under gloo, for tests)
 
     @classmethod
     def from_args(cls, args, dtype: torch.dtype, plan=None) -> BuildOptions:
@@ -139,7 +141,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     apply_norm_rebuild(model)                                               # 4d
     if fsdp_mesh is not None:                                               # 5
         mp = None
-        if device.type == "cuda" and opts.dtype != torch.float32:
+        if opts.dtype != torch.float32 and (device.type == "cuda" if opts.mixed_precision is None
+                                            else opts.mixed_precision):
             mp = MixedPrecisionPolicy(param_dtype=opts.dtype, reduce_dtype=torch.float32)
         apply_fsdp(model, fsdp_mesh, mp)
     model.to_empty(device=device)                                           # 6

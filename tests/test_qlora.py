@@ -13,7 +13,11 @@ and a Llama 3 one, each on one 4-rank layout),
   equal those of the
   unsharded single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
-- the LoRA init is identical on every layout (it depends on the seed only).
+- the LoRA init is identical on every layout (it depends on the seed only);
+- with CUDA's dtypes on gloo (`BuildOptions.mixed_precision`: FSDP2 hands the float32 trained tensors to forward in
+  bf16 over a bf16 NF4 base, gradients reduced in float32): LoRA, DoRA, --train-norms, a tied --train-embeddings and
+  all of them under cp 2 Ulysses with the tiled MLP reach forward in bf16, and their loss (5e-3) and every trained
+  tensor's gradient (3e-2 of its norm; the largest seen 1.9e-2) equal the float32 single-process model's.
 
 Each layout is a named case (ONE_RANK, TWO_RANKS, FOUR_RANKS); a failure names the case and the quantity.
 
@@ -194,3 +198,88 @@ def test_two_rank_layouts_equal_one_process(ckpt):
 @pytest.mark.timeout(300)
 def test_four_rank_layouts_equal_one_process(ckpt):
     assert run_ranks(_cases, 4, ckpt, FOUR_RANKS, timeout=280) == [len(FOUR_RANKS)] * 4
+
+
+def _move(model, which):
+    """Each trained tensor that `which(name)` picks × (1 + 0.1·N(0, 1)), drawn from its name (this rank's shard of
+    the full draw): DoRA's magnitudes, trained norms and embedding off their start, the same on every layout."""
+    from model.nf4 import _full
+    from model.qlora import _generator, set_param
+
+    for n, p in model.named_parameters():
+        if p.requires_grad and which(n):
+            set_param(p, _full(p) * (1 + 0.1 * torch.randn(p.shape, generator=_generator(0, n))))
+
+
+def check_mixed_precision(rank, world_size, paths, cases):
+    """The CUDA path's dtypes on gloo (`BuildOptions.mixed_precision`): FSDP2 hands the float32 LoRA tensors, DoRA's
+    magnitudes and the trained norms and embedding to forward in bf16 over a bf16 NF4 base, and reduces their
+    gradients in float32. Per case: the forward sees them in bf16, and the loss and every trained tensor's gradient
+    equal the float32 single-process model's within bf16's rounding (relative to each gradient's norm)."""
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    g = torch.Generator().manual_seed(11)
+    B, S = 2, 24
+    ids = torch.randint(0, 128, (B, S), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
+    pos = torch.arange(S).expand(B, S)
+    worst = {}
+    for label, case in cases.items():
+        case = dict(case)
+        path, cp = paths[case.pop("family", "qwen2")], case.pop("cp", 1)
+        opts = dict(quant="nf4", lora_r=4, lora_alpha=8, ac=True, seed=3, **case)
+        moved = lambda n: "lora_magnitude_vector" in n or n.endswith("norm.weight") or "embed_tokens" in n
+        ref, _ = build_nonzero_b(BuildOptions(path, **opts))
+        dims = ParallelDims.from_args(world_size, 1, -1, cp, "ulysses", None, n_heads=6, n_kv_heads=2)
+        meshes = dims.build_mesh("cpu")
+        model, _ = build_nonzero_b(BuildOptions(path, dtype=torch.bfloat16, mixed_precision=True, **opts),
+                                   fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims) if cp > 1 else None)
+        _move(ref, moved), _move(model, moved)
+        seen = {}   # the dtype each trained tensor reaches forward in
+        hooks = [m.register_forward_pre_hook(lambda m, a, name=name, seen=seen: seen.update(
+            {f"{name}.{k}": p.dtype for k, p in m.named_parameters(recurse=False) if p.requires_grad}))
+            for name, m in model.named_modules()]
+        rsum, rn = ref(ids, position_ids=pos, labels=labels)
+        (rsum / rn).backward()
+        d, cr = meshes.dp.get_local_rank(), meshes.cp.get_local_rank()
+        rows = slice(d * B // dims.dp, (d + 1) * B // dims.dp)
+        lsum, ln = model(shard_sequence(ids[rows], dims, cr, 0), position_ids=shard_sequence(pos[rows], dims, cr, None),
+                         labels=shard_sequence(labels[rows], dims, cr, -100))
+        for h in hooks:
+            h.remove()
+        total, loss = ln.detach().float(), lsum.detach().float()
+        dist.all_reduce(total, group=meshes.dp_cp.get_group())
+        dist.all_reduce(loss, group=meshes.dp_cp.get_group())
+        (lsum / total).backward()
+        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert seen and set(seen.values()) == {torch.bfloat16}, f"{label}: forward dtypes {set(seen.values())}"
+        assert {n.removeprefix("model.") for n in trained} >= {n.split(".", 1)[1] for n in seen} - {""}, label
+        err = {"loss": abs((loss / total).item() - (rsum / rn).item()) / (rsum / rn).item()}
+        ref_p = dict(ref.named_parameters())
+        for n, p in trained.items():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            assert grad.dtype == torch.float32, (label, n, grad.dtype)
+            want = ref_p[n].grad
+            err[n] = ((grad - want).norm() / want.norm()).item()
+        worst[label] = max(err.items(), key=lambda kv: kv[1])
+        assert err["loss"] < 5e-3 and all(e < 3e-2 for e in err.values()), (label, sorted(err.items(),
+                                                                                      key=lambda kv: -kv[1])[:4])
+    return worst
+
+
+MIXED = {"LoRA, dp_shard 2": {}, "DoRA, dp_shard 2": {"dora": True},
+         "--train-norms, dp_shard 2": {"train_norms": True},
+         "tied --train-embeddings, dp_shard 2": {"family": "tied", "train_embeddings": True},
+         "DoRA + norms + embedding, cp 2 Ulysses, tiled MLP": {"cp": 2, "dora": True, "train_norms": True,
+                                                               "train_embeddings": True, "tiled_mlp": True}}
+
+
+@pytest.mark.timeout(300)
+def test_bf16_mixed_precision_as_on_cuda_matches_float32(ckpt):
+    """What only the GPU ran before (FSDP2's bf16 mixed precision: DoRA, trained norms, a tied trained embedding, the
+    chunked loss's float32 head gradient) runs on gloo with CUDA's dtypes, against the float32 model."""
+    worst = run_ranks(check_mixed_precision, 2, ckpt, MIXED, timeout=280)   # (each case's largest error, per rank)
+    assert len(worst) == 2 and set(worst[0]) == set(MIXED), worst

@@ -365,6 +365,12 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
         for name, a, b in (("dx", xo.grad, xr.grad), ("dweight", ours.weight.grad, ref.weight.grad)):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             assert err < 1e-2, (fused, name, err)
+        # block 0's first norm under --train-norms: its input (the frozen embedding's rows) needs no gradient, so the
+        # fused forward's rstd goes to the formula's weight-gradient loop (review, helper 79: no test held it)
+        ours.weight.grad = None
+        ours(x.clone()).backward(dy)
+        err = ((ours.weight.grad.float() - ref.weight.grad.float()).norm() / ref.weight.grad.float().norm()).item()
+        assert err < 1e-2, (fused, "dweight without dx", err)
 
 
 @pytest.mark.parametrize("conf, expandable", [(None, True), ("", False)])
