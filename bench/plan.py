@@ -120,6 +120,11 @@ CONFIGS = [
     ("cp1 nf4 4k lora-layers 2-3", 1, 4096, ["--quant", "nf4", "--lora-layers", "2-3"]),
     ("cp1 none 4k no-AC lora-layers 1,3", 1, 4096, ["--quant", "none", "--no-ac", "--lora-layers", "1,3"]),
     ("cp1 nf4 16k lora-layers 3 v512", 1, 16384, ["--quant", "nf4", "--lora-layers", "3"]),
+    # un-adapted blocks above the adapted one: the backward's peak may be theirs (no LoRA, DoRA or dropout tensors in
+    # its phases; a larger recompute), planned apart from the adapted block's (review, helper 81)
+    ("cp1 nf4 16k lora-layers 0 dora v512", 1, 16384, ["--quant", "nf4", "--lora-layers", "0", "--dora"]),
+    ("cp1 nf4 16k tiled lora-layers 0 dropout v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--lora-layers", "0",
+                                                                "--lora-dropout", "0.1"]),
 ]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block

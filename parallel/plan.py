@@ -248,7 +248,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lora_n = sum(n for _, n in lora)
 
     qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
-    gu = any(t in targets for t in ("gate_proj", "up_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
 
     def dora_saved(ts, rows=T, first=False, tg=targets) -> float:
@@ -299,8 +298,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with
     # unless --train-norms trains it: then it saves that input, as the others'), less the inputs of the blocks above
     # it, freed by then (with --lora-layers, blocks differ)
-    one = max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo or norms))
-              - (L - 1 - i) * e * T * D for i in range(lo, L))
+    recompute = lambda ids: max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo or norms))
+                                - (L - 1 - i) * e * T * D for i in ids)
+    one = recompute(range(lo, L))
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
@@ -359,66 +359,83 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
     held = lambda *ts: sum(shapes[x][0] * shapes[x][1] for x in ts) * e if nf4 else 0   # dequant_once's weights
-    if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
-        # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
-        kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
-        t["| block recompute (AC): one block's saved tensors"] = one - kept
-    if G > 1:
-        t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
-    if tiled:
-        from parallel.memory import tile_tokens
-        tt = min(T, tile_tokens(D, None))
-        mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
-            + dora_saved(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
-        t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
-    else:
-        mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
-        t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
-    attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
-    what = "kernel"
-    row = T * U // (1 if pack else mb)   # attention tokens per row
-    n = kernels.backward_block(row)
-    # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
-    ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
-    if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32 dk/dv, one
-        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd   # call
-        sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
-        attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
-    if U > 1:
-        attn += 2 * e * T * hd * (H + 2 * Kp)
-        what += "+a2a"
-    if ring:
-        attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
-        what += "+ring"
-    # alive then, beyond the recompute: dh and the kernel's incoming gradient; gone: the MLP's tensors, h. Before
-    # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
-    lo = "o_proj" in targets and not direct
-    oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
-    gone = 0 if tiled else 4 * e * T * F + dora_saved(("gate_proj", "up_proj", "down_proj"))
-    o_dora = dora_saved(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
-    o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
-    oproj = max(oproj, e * T * D * bool(o_dora))
-    if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
-        n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded rows)
-        call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
-        tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call \
-            + dora_saved(("q_proj", "k_proj", "v_proj", "o_proj"), n)
-        attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
-        t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
-            max(0, attn - e * T * D - gone - mlp)
-    else:
-        ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
-               f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora - o_drop, oproj) - gone - mlp)
-        # 9. q/k/v backward (q's chain first; see the docstring)
-        first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
-        kv = dora_saved(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
-        first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + dora_saved(("q_proj",))
-        qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv + 2 * e * T * Kp * hd
-        rec = one - (kept if N and not K else 0)   # the block's own: freed by then
-        t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = max(0, qkv-rec-mlp-ex)
-    if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
-        blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
-        t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
+    def block_terms(targets, one) -> dict:
+        """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`."""
+        t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
+        ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
+        if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
+            # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
+            kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
+            t["| block recompute (AC): one block's saved tensors"] = one - kept
+        if G > 1:
+            t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
+        if tiled:
+            from parallel.memory import tile_tokens
+            tt = min(T, tile_tokens(D, None))
+            mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
+                + ds(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
+            t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
+        else:
+            mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
+            t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
+        attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
+        what = "kernel"
+        row = T * U // (1 if pack else mb)   # attention tokens per row
+        n = kernels.backward_block(row)
+        # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
+        ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
+        if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32
+            call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd   # dk/dv, one call
+            sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
+            attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
+        if U > 1:
+            attn += 2 * e * T * hd * (H + 2 * Kp)
+            what += "+a2a"
+        if ring:
+            attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
+            what += "+ring"
+        # alive then, beyond the recompute: dh and the kernel's incoming gradient; gone: the MLP's tensors, h. Before
+        # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
+        lo = "o_proj" in targets and not direct
+        oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
+        gone = 0 if tiled else 4 * e * T * F + ds(("gate_proj", "up_proj", "down_proj"))
+        o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
+        o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
+        oproj = max(oproj, e * T * D * bool(o_dora))
+        if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
+            n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded
+            # rows)
+            call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
+            tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call \
+                + ds(("q_proj", "k_proj", "v_proj", "o_proj"), n)
+            attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
+            t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
+                max(0, attn - e * T * D - gone - mlp)
+        else:
+            ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
+                   f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora - o_drop, oproj) - gone - mlp)
+            # 9. q/k/v backward (q's chain first; see the docstring)
+            first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
+            kv = ds(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
+            first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + ds(("q_proj",))
+            qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv \
+                + 2 * e * T * Kp * hd
+            rec = one - (kept if N and not K else 0)   # the block's own: freed by then
+            t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = \
+                max(0, qkv - rec - mlp - ex)
+        if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
+            blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
+            t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
+        return t
+
+    # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
+    # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above
+    # it freed): each kind's largest recompute, and its phases (review, helper 81: the un-adapted block's recompute
+    # with the adapted blocks' phases, whose DoRA and dropout tensors freed midway it never held, under-counted)
+    kinds = [block_terms(targets, recompute(adapted))]
+    if len(adapted) < L - lo:
+        kinds.append(block_terms([], recompute([i for i in range(lo, L) if i not in adapted])))
+    t.update(max(kinds, key=lambda ts: sum(ts.values())))
     c = max(1, min(T, CHUNK_BYTES // (4 * V)))
     # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
     # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward

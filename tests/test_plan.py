@@ -780,6 +780,35 @@ def test_lora_layers_terms_by_hand():
     assert ls("--lora-layers", "1,3") == ls("--lora-layers", "3") + un + (un + lora_saved)
 
 
+@pytest.mark.parametrize("spec", ["14-23", "0", "0-3", "20"])
+def test_lora_layers_plans_the_peaking_blocks_own_phases(spec):
+    """--lora-layers leaves blocks above the adapted ones without LoRA: their backward may peak (a larger recompute,
+    fewer inputs above it freed), with none of LoRA's, DoRA's or dropout's tensors in its phases. A flag that adds
+    tensors (--dora, --lora-dropout) then never lowers the plan (review, helper 81: 262k tokens, Mistral-7B's shape,
+    --tiled-mlp, 14-23: 64.5 GB, with --dora 62.2: the un-adapted block's recompute under the adapted blocks' phases,
+    less DoRA's and dropout's tensors it never held); where the un-adapted block peaks, they leave its phases as
+    they are."""
+    from model.load import read_args
+
+    mistral = ModelArgs(model_type="mistral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        head_dim=128, intermediate_size=14336)
+
+    def plan(m, T, *f):
+        dims = ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, m.n_heads, m.n_kv_heads)
+        return memory_plan(m, dims, train.build_parser().parse_args(
+            ["--max-len", str(T), "--global-batch", "1", "--quant", "nf4", "--lora-layers", spec, *f]), "cuda", True)
+
+    for m, T in ((mistral, 262144), (read_args(Q7), 131072)):
+        for extra in ([], ["--tiled-mlp"]):
+            base = plan(m, T, *extra).peak
+            for more in (["--dora"], ["--lora-dropout", "0.1"], ["--dora", "--lora-dropout", "0.1"]):
+                assert plan(m, T, *extra, *more).peak >= base, (m.model_type, spec, extra, more)
+    if spec == "14-23":   # the un-adapted block 31 peaks here
+        phases = lambda p: {k: v for k, v in p.terms.items() if k.startswith("| block")}
+        got = [phases(plan(mistral, 262144, "--tiled-mlp", *f)) for f in ([], ["--dora"], ["--lora-dropout", "0.1"])]
+        assert got[0] == got[1] == got[2], got
+
+
 @pytest.mark.parametrize("spec,flags", [("1,3", ["--no-ac"]), ("1,3", ["--no-ac", "--dora"]), ("2-3", [])],
                          ids=["no_ac", "no_ac_dora", "ac"])
 def test_lora_layers_activations_match_autograd(tmp_path, spec, flags):
