@@ -176,6 +176,8 @@ class Plan:
     alt_activations: float = 0.0                 # activations + recompute with AC toggled, for the printout
     host: float = 0.0                            # pinned host bytes (--offload-activations on CUDA)
     host_each: float = 0.0                       # of one offloaded block input (HostOffload's reserve)
+    attn_block: int = 0                          # the attention backward's block (kernels.backward_block of a row)
+    attn_row: int = 0                            # the tokens of that row
 
     @property
     def peak(self) -> float:
@@ -359,6 +361,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
     held = lambda *ts: sum(shapes[x][0] * shapes[x][1] for x in ts) * e if nf4 else 0   # dequant_once's weights
+    row = T * U // (1 if pack else mb)   # attention tokens per row
+    p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls
+    # there; plan_search.longest looks past it)
+
     def block_terms(targets, one) -> dict:
         """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`."""
         t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
@@ -379,9 +385,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
             t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
         attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
-        what = "kernel"
-        row = T * U // (1 if pack else mb)   # attention tokens per row
-        n = kernels.backward_block(row)
+        what, n = "kernel", p.attn_block
         # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
         ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
         if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32

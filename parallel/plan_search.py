@@ -22,9 +22,11 @@ Contract (the terms are parallel/plan.py's):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 
+from parallel import kernels
 from parallel.flags import check_flags, check_model_flags
 from parallel.mesh import validate
 from parallel.plan import FRAGMENTATION, GB, RUNTIME, best_ac_group, memory_plan
@@ -194,25 +196,39 @@ def _host_budget(args, world) -> float:
 
 
 def longest(args, margs, world, target, mem, host) -> int:
-    """The longest --max-len (a multiple of MAX_LEN_STEP) that fits; 0 if none does."""
-    def ok(k):
+    """The longest --max-len (a multiple of MAX_LEN_STEP) that fits; 0 if none does. The plan grows with the length
+    except where the attention backward's block shrinks (kernels.backward_block: past 4 blocks a row), where it
+    falls: each side of that point is searched on its own (review, helper 81: the one search stopped below it)."""
+    @functools.cache
+    def plan(k):
         a = _with(args, max_len=k * MAX_LEN_STEP)
         try:
             dims, pack = validate(a, margs, world)
-            return _fits(memory_plan(margs, dims, a, target, pack), mem, host)
+            return memory_plan(margs, dims, a, target, pack)
         except ValueError:
-            return False
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 20:   # a billion tokens: the search stops here
-            return lo * MAX_LEN_STEP
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo * MAX_LEN_STEP
+            return None
+    ok = lambda k: (q := plan(k)) is not None and _fits(q, mem, host)
+    block = lambda k: (q := plan(k)) is not None and q.attn_block   # (0: a length the run refuses)
+
+    def last(lo, cap=1 << 20):   # the last k from `lo` (which fits) on that fits, while fitting only shrinks
+        hi = lo + 1
+        while hi <= cap and ok(hi):
+            lo, hi = hi, hi + 2 * (hi - lo)
+        hi = min(hi, cap + 1)   # (a billion tokens: the search stops there)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+    best = last(1) if ok(1) else 0
+    q = plan(max(best, 1))   # the first length past `best` whose attention block is smaller: the row grows with the
+    if q is None or q.attn_row > 4 * kernels.BACKWARD_BLOCK:   # length (about in proportion), so from the row's
+        return best * MAX_LEN_STEP   # length at `best`, then a step at a time (padding: a few at most)
+    k = max(max(best, 1) + 1, max(best, 1) * (4 * kernels.BACKWARD_BLOCK + 1) // max(q.attn_row, 1) - 2)
+    while k < 1 << 20 and (b := block(k)) == q.attn_block:
+        k += 1
+    if k < 1 << 20 and b and b != q.attn_block and ok(k):
+        best = max(best, last(k))
+    return best * MAX_LEN_STEP
 
 
 def fewest_ac_blocks(args, margs, dims, target, mem, host, pack):

@@ -709,6 +709,21 @@ def test_max_len_auto_finds_the_longest(world, flags, gpu, host, goal):
     assert int(out.strip().split()[-1]) < n, out
 
 
+@pytest.mark.parametrize("gpu, want", [(77, 271_360), (75.2, 264_192)])
+def test_max_len_auto_looks_past_the_attention_backwards_smaller_blocks(gpu, want):
+    """Past 4 backward blocks a row (262,144 tokens) the attention backward runs in blocks a quarter as long
+    (kernels.backward_block) and the plan falls (Qwen2.5-7B NF4, --tiled-mlp: 77.2 GB at 262,144, 74.7 at 263,168):
+    on a device between the two, the longest that fits lies past the fall, where one search from below stopped
+    (261,120 on 77 GB, 253,952 on 75.2; review, helper 81). The answer fits, the next 1,024 tokens do not."""
+    _, out = run_plan("--model", Q7, "--max-len", "auto", "--world-size", "1", "--gpu-mem", str(gpu),
+                      "--global-batch", "1", "--tiled-mlp")
+    n = int(re.fullmatch(r"max_len (\d+)", out.strip().splitlines()[-1]).group(1))
+    assert n == want and _fits_at(n, ["--tiled-mlp"], 1, gpu, 512) and not _fits_at(n + 1024, ["--tiled-mlp"], 1,
+                                                                                      gpu, 512), out
+    assert _fits_at(262_144 + 1024, ["--tiled-mlp"], 1, gpu, 512) and not _fits_at(262_144, ["--tiled-mlp"], 1, gpu,
+                                                                                       512), "not the case it pins"
+
+
 def test_suggest_max_len_auto_names_the_flags():
     rows, out = run_plan("--suggest", "--model", Q7, "--max-len", "auto", "--gpu-mem", "141", "--host-mem", "512",
                          "--global-batch", "1")
