@@ -152,10 +152,15 @@ def check_inputs(args) -> list[str]:
                           "run's config.json replaced): pass a directory of its own")
     if os.path.isfile(os.path.join(out, "metrics.jsonl")):
         errors.append(f"--out {args.out!r} is a train.py run directory (metrics.jsonl); pass a directory of its own")
-    if ckpt := next((d for d in (out, *_parents(out)) if os.path.basename(d) == "ckpt" and (os.path.isfile(
-            os.path.join(d, "latest")) or os.path.isfile(os.path.join(os.path.dirname(d), "metrics.jsonl")))), None):
-        errors.append(f"--out {args.out!r} is {'' if ckpt == out else 'inside '}a run's checkpoint folder {ckpt!r}, "
-                      "which train.py rotates and rewrites: pass a directory of its own")
+    # a run's checkpoint folder, or its exports (adapter/, adapter_best/, kept as .abandoned on a resume from an
+    # older step), which it rotates or replaces: a merge there is lost (the run's own folder: refused above; until
+    # 2026-12-06 only ckpt/ was: review, helper 80). parallel/outdir.inside_a_run says it for train.py's --out.
+    run = lambda d: any(os.path.isfile(os.path.join(d, *f)) for f in (("metrics.jsonl",), ("ckpt", "latest")))
+    owned = lambda n: n in ("ckpt", "adapter", "adapter_best") or re.fullmatch(r"adapter(_best)?\.abandoned(-\d+)?", n)
+    if hit := next((d for d in (out, *_parents(out)) if owned(os.path.basename(d)) and run(os.path.dirname(d))), None):
+        what = "checkpoint folder" if os.path.basename(hit) == "ckpt" else "adapter folder"
+        errors.append(f"--out {args.out!r} is {'' if hit == out else 'inside '}a run's {what} {hit!r}, which "
+                      "train.py rotates or replaces: pass a directory of its own")
     if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
         from model.adapter_read import not_plain_lora
         try:

@@ -51,6 +51,9 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
             raise ValueError(f"--out {out_dir!r} is inside the checkpoint folder {ckpt_dir!r}, which the run rotates "
                              "and rewrites: pass a directory outside it (e.g. beside it, "
                              f"{os.path.join(os.path.dirname(ckpt_dir), 'adapter_' + os.path.basename(real_step))!r})")
+    from parallel.outdir import inside_a_run
+    if why := inside_a_run(out_dir, but=os.path.dirname(os.path.dirname(real_step))):   # (another run's ckpt/ or
+        raise ValueError(f"--out {why}: pass a directory outside it")   # adapter/: its rotation or export removes it)
     args = read_meta(path).get("args", {})
     if not {"model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets"} <= set(args):
         raise ValueError(f"{path}/meta.json lacks the run's LoRA flags: not a train.py checkpoint")

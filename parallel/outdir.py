@@ -7,6 +7,8 @@ Contract:
   `--overwrite`, `--overwrite` of a directory that is not a run's, and a resume into a used `--out` from a
   checkpoint not in its own OUT/ckpt (outside it, or another run's nested below it, or OUT a folder above that
   run: it would mix two runs' results, or write over OUT's files).
+- `inside_a_run(path)`: why a path lies in what another run owns (its ckpt/, adapter/, ...), or None; also checked
+  by the adapter export and the merge.
 - `run_of(resume)`: the run directory a checkpoint belongs to (`RUN/ckpt`, `RUN/ckpt/step_N`), or None.
 - `OWNED`: every name a run writes into OUT (--overwrite deletes exactly these); `MARKERS`: the names that make a
   directory a run's, when they are train.py's own (`_not_a_run`).
@@ -79,6 +81,22 @@ def _writable(where: str, what: str, fix: str = "pass an --out you can write to"
         raise ValueError(f"{what}: this user cannot write in {where!r} ({e.strerror}); {fix}") from None
 
 
+def inside_a_run(path: str, but: str | None = None) -> str | None:
+    """Why `path` must not be written into: it is, or lies inside, an entry a train.py run owns in its folder (`OWNED`:
+    its ckpt/, whose steps rotate; adapter/ and adapter_best/, swapped whole at each export; tensorboard/ ...), which
+    that run, its resume or an --overwrite of it deletes or replaces; None otherwise (links resolved). Until
+    2026-12-06 a run, an export or a merge into another run's ckpt/step_N/ or adapter/ was taken, and lost there
+    (review, helper 80). `but`: a run whose own entries are not asked about (an export of its own checkpoint)."""
+    real, p, own = os.path.realpath(path), os.path.realpath(path), but and os.path.realpath(but)
+    while (up := os.path.dirname(p)) != p:
+        owned = up != own and any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in OWNED)
+        if owned and (used := _entries(up)) and any(e in MARKERS for e in used) and _not_a_run(up, used) is None:
+            return (f"{path!r} is {'inside ' * (p != real)}{p!r}, which the train.py run {up!r} owns: its checkpoint "
+                    "rotation, its exports or an --overwrite of it delete or replace it")
+        p = up
+    return None
+
+
 def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs") -> None:
     """Refuse an output directory this run must not write into. Safe on every rank, early."""
     if resume and overwrite:
@@ -94,6 +112,8 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not out:
         raise ValueError("--out is empty (an unset variable?): pass a directory path, or leave --out out for a fresh "
                          "runs/<date-time>")
+    if why := inside_a_run(out):
+        raise ValueError(f"--out {why}. Pass a directory outside it")
     up = _nearest(os.path.dirname(os.path.abspath(out)))
     if not os.path.exists(up):
         raise ValueError(f"--out {out!r}: {up!r} is a link to {os.readlink(up)!r}, which does not exist: create "

@@ -653,6 +653,12 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     (ckpt / "latest").write_text("step_000002")
     assert cli.main([*argv[:4], "--out", str(ckpt / "merged"), "--force"]) == 2
     assert f"is inside a run's checkpoint folder {str(ckpt)!r}" in capsys.readouterr().err
+    (tmp_path / "run" / "metrics.jsonl").write_text("")   # its export folder: replaced at its next export
+    for exported in ("adapter", "adapter_best", "adapter.abandoned-2"):
+        assert cli.main([*argv[:4], "--out", str(tmp_path / "run" / exported / "merged"), "--force"]) == 2
+        assert f"is inside a run's adapter folder {str(tmp_path / 'run' / exported)!r}" in capsys.readouterr().err
+    assert cli.main([*argv[:4], "--out", str(tmp_path / "run" / "adapter_4" / "merged")]) == 0   # (not the run's)
+    shutil.rmtree(tmp_path / "run" / "adapter_4")
     assert cli.main([*argv[:4], "--out", str(base / "sub" / ".."), "--force"]) == 2
     assert f"--out {str(base / 'sub' / '..')!r} is the --model directory" in capsys.readouterr().err
     save_file({"stale": torch.zeros(2)}, out / "model.safetensors")   # another base's one-file merge, earlier

@@ -184,6 +184,27 @@ def test_out_is_checked_where_it_is_written(tmp_path):
         assert os.path.isdir(rd.path) and os.listdir(tmp_path / "fresh") == ["run.lock"]
 
 
+def test_out_inside_what_another_run_owns_is_refused(tmp_path):
+    """An --out inside another run's ckpt/ (its step folders rotate away), adapter/ (swapped whole at each export) or
+    another entry it owns is refused before anything is written (review, helper 80: a run
+    there was accepted, then deleted by the other run's rotation without a word; the export's and the merge's:
+    test_train_runs, test_export). Beside them, or in a folder of the run that it does not own, it is not; nor is a
+    folder named like a run's entry in a folder that is no run."""
+    run = _used_run(tmp_path / "run")
+    os.symlink(os.path.join(run, "adapter"), tmp_path / "link")   # (through a link too)
+    before = _hashes(tmp_path)
+    for inside in (os.path.join(run, "ckpt", "step_000002", "b"), os.path.join(run, "ckpt"),
+                   os.path.join(run, "adapter", "x"), os.path.join(run, "tensorboard", "x")):
+        entry = os.path.join(run, os.path.relpath(inside, run).split(os.sep)[0])
+        msg = _refused(lambda o=inside: outdir.check_out(o), f"--out {inside!r} is ", f"{entry!r}, which the train.py "
+                       f"run {run!r} owns")
+        assert ("inside " in msg) == (inside != entry), msg
+    _refused(lambda: outdir.check_out(str(tmp_path / "link" / "y")), "which the train.py run")
+    assert _hashes(tmp_path) == before, "a refusal changed files"
+    for fine in (os.path.join(run, "mine", "x"), str(tmp_path / "beside"), str(tmp_path / "notarun" / "ckpt" / "x")):
+        outdir.check_out(fine)
+
+
 def test_out_this_user_cannot_write_in_is_refused_at_once(tmp_path):
     """An --out (or, without one, runs/) in a directory this user cannot write in was refused only by claim(), after
     the data were tokenized (review, helper 53). /proc takes no new entry even from root, whom os.access passes."""

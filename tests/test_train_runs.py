@@ -1426,6 +1426,11 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path, capsys, monk
         code, err = cli("--out", bad, cwd=user)
         assert code == 2 and said in err, err
         assert os.listdir(user) == ["thesis.txt"] and (user / "thesis.txt").read_text() == "mine"
+    other = tmp_path / "other_run"   # another run's export folder: replaced at its next export (review, helper 80)
+    (other / "adapter").mkdir(parents=True)
+    (other / "config.json").write_text('{"global_batch": 8}')
+    code, err = cli("--out", str(other / "adapter" / "mine"))
+    assert code == 2 and f"is inside {str(other / 'adapter')!r}, which the train.py run {str(other)!r} owns" in err, err
     link = tmp_path / "laststep"   # a link to a step folder: the ckpt folder is the one it is in
     os.symlink(os.path.join(done, "ckpt", "step_000004"), link)
     inside = os.path.join(done, "ckpt", "manual")
