@@ -2,7 +2,9 @@
 
 Contract:
 - `chat_template(spec)` -> the Jinja text, or None (keep the checkpoint's): a name of TEMPLATES ("chatml"), else the
-  file's contents. A spec that is neither, or a file with no `messages` in it, is a DataError naming it.
+  file's contents, or its "chat_template" string when the file is JSON (tokenizer_config.json). A spec that is
+  neither, JSON of another shape (named templates, no "chat_template"), or a template with no `messages` in it is a
+  DataError naming it.
 - `apply_template(tokenizer, text)` sets it after checking, on a user and an assistant turn, that it renders the
   assistant's text verbatim (data/tokens.py finds the targets that way) and that what it writes right after that
   text, the end-of-turn marker (`<|im_end|>`), is one token of this tokenizer. Chat records get no EOS: the marker is
@@ -47,11 +49,32 @@ def chat_template(spec: str | None) -> str | None:
     if not p.is_file():
         raise DataError(f"--chat-template {spec!r} is neither a built-in ({', '.join(TEMPLATES)}) nor a file; pass "
                         "one of those names or the path of a Jinja chat template")
-    text = p.read_text(encoding="utf-8")
+    text = _from_json(spec, p.read_text(encoding="utf-8"))
     if "messages" not in text:
         raise DataError(f"--chat-template {spec!r}: no `messages` in it, so not a chat template (a Jinja template "
                         "over `messages`, as tokenizer_config.json's chat_template)")
     return text
+
+
+def _from_json(spec: str, text: str) -> str:
+    """A tokenizer_config.json-like file's "chat_template" string; the text itself when it is not JSON (a Jinja
+    template over `messages` never parses as JSON)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(doc, dict) and isinstance(doc.get("chat_template"), str):
+        return doc["chat_template"]
+    kind = {list: "a list (named templates)", dict: "an object", str: "a string", bool: "true or false",
+            type(None): "null"}
+    if not isinstance(doc, dict):
+        shape = f"JSON holding {kind.get(type(doc), 'a number')}"
+    elif "chat_template" not in doc:
+        shape = 'JSON with no "chat_template" key'
+    else:
+        shape = f'JSON whose "chat_template" is {kind.get(type(doc["chat_template"]), "a number")}'
+    raise DataError(f"--chat-template {spec!r} is {shape}, not a chat template: pass the Jinja template itself (the "
+                    "one to train with, saved as its own .jinja file)")
 
 
 def dated(template) -> bool:

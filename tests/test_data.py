@@ -948,6 +948,35 @@ def test_chat_template_flag_replaces_the_checkpoints(tok_dir, tmp_path):
             load_tokenizer(tok_dir, text)
 
 
+def test_chat_template_file_may_be_a_tokenizer_config_json(tok_dir, tmp_path):
+    """--chat-template FILE.json (tokenizer_config.json): its "chat_template" string is the template (until 2026-12-06
+    the JSON text itself was, so every chat rendered inside it); the tokens are the tokenizer's own
+    apply_chat_template under that template. JSON of another shape (named templates, no "chat_template") is refused,
+    naming the file and the fix."""
+    import re
+
+    from data.templates import TEMPLATES, chat_template
+
+    msgs = [{"role": "user", "content": "who ran?"}, {"role": "assistant", "content": "the fox"}]
+    ref = load_tokenizer(tok_dir).apply_chat_template(msgs, chat_template=TEMPLATES["chatml"], tokenize=True,
+                                                      return_dict=False)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"model_max_length": 512, "chat_template": TEMPLATES["chatml"]}, indent=2))
+    assert chat_template(str(config)) == TEMPLATES["chatml"]
+    (s,), _ = tokenize_records([{"messages": msgs}], load_tokenizer(tok_dir, chat_template(str(config))), 1000)
+    assert s["input_ids"] == ref
+    named = [{"name": "default", "template": TEMPLATES["chatml"]}, {"name": "tool_use", "template": "messages"}]
+    for name, doc, shape in (("named.json", named, r"JSON holding a list \(named templates\)"),
+                             ("config_named.json", {"model_max_length": 512, "chat_template": named},
+                              r'JSON whose "chat_template" is a list \(named templates\)'),
+                             ("no_key.json", {"model_max_length": 512, "messages": []},
+                              'JSON with no "chat_template" key')):
+        (tmp_path / name).write_text(json.dumps(doc))
+        with pytest.raises(DataError, match=rf"--chat-template '{re.escape(str(tmp_path / name))}' is {shape}, not "
+                                            "a chat template: pass the Jinja template itself"):
+            chat_template(str(tmp_path / name))
+
+
 def test_whitespace_tokens_with_trimmed_offsets_are_targets_inside_an_answer(tok):
     """A tokenizer whose offsets trim whitespace (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) gives its
     whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets (the indentation
