@@ -977,6 +977,23 @@ def test_chat_template_file_may_be_a_tokenizer_config_json(tok_dir, tmp_path):
             chat_template(str(tmp_path / name))
 
 
+def test_chat_template_file_drops_a_bom(tok_dir, tmp_path):
+    """--chat-template FILE with a UTF-8 byte-order mark renders as without it (until 2026-12-06 the mark opened every
+    rendered chat, 3 tokens a sample, and the exported chat_template.jinja): the tokenizer's own apply_chat_template."""
+    from data.templates import TEMPLATES, chat_template
+
+    msgs = [{"role": "user", "content": "who ran?"}, {"role": "assistant", "content": "the fox"}]
+    ref = load_tokenizer(tok_dir).apply_chat_template(msgs, chat_template=TEMPLATES["chatml"], tokenize=True,
+                                                      return_dict=False)
+    files = {"bom.jinja": TEMPLATES["chatml"], "bom.json": json.dumps({"chat_template": TEMPLATES["chatml"]})}
+    for name, text in files.items():
+        (tmp_path / name).write_text("\ufeff" + text, encoding="utf-8")   # (what Notepad's "UTF-8 with BOM" saves)
+        assert chat_template(str(tmp_path / name)) == TEMPLATES["chatml"], name
+        (s,), _ = tokenize_records([{"messages": msgs}], load_tokenizer(tok_dir, chat_template(str(tmp_path / name))),
+                                   1000)
+        assert s["input_ids"] == ref, name
+
+
 def test_whitespace_tokens_with_trimmed_offsets_are_targets_inside_an_answer(tok):
     """A tokenizer whose offsets trim whitespace (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) gives its
     whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets (the indentation
