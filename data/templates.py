@@ -3,8 +3,8 @@
 Contract:
 - `chat_template(spec)` -> the Jinja text, or None (keep the checkpoint's): a name of TEMPLATES ("chatml"), else the
   file's contents (a UTF-8 byte-order mark dropped), or its "chat_template" string when the file is JSON
-  (tokenizer_config.json). A spec that is neither, JSON of another shape (named templates, no "chat_template"), or a
-  template with no `messages` in it is a DataError naming it.
+  (tokenizer_config.json). A spec that is neither, a file not UTF-8, JSON of another shape (named templates, no
+  "chat_template"), or a template with no `messages` in it is a DataError naming it.
 - `apply_template(tokenizer, text)` sets it after checking, on a user and an assistant turn, that it renders the
   assistant's text verbatim (data/tokens.py finds the targets that way) and that what it writes right after that
   text, the end-of-turn marker (`<|im_end|>`), is one token of this tokenizer. Chat records get no EOS: the marker is
@@ -49,7 +49,13 @@ def chat_template(spec: str | None) -> str | None:
     if not p.is_file():
         raise DataError(f"--chat-template {spec!r} is neither a built-in ({', '.join(TEMPLATES)}) nor a file; pass "
                         "one of those names or the path of a Jinja chat template")
-    text = _from_json(spec, p.read_text(encoding="utf-8-sig"))   # (a byte-order mark: no template text)
+    raw = p.read_bytes()
+    try:   # (utf-8-sig's error would count from after the mark; read_text's names neither the file nor the flag)
+        text = raw.decode("utf-8").removeprefix("\ufeff")   # (a byte-order mark: no template text)
+    except UnicodeDecodeError as e:
+        raise DataError(f"--chat-template {spec!r}: not UTF-8 (byte 0x{raw[e.start]:02x} at position {e.start}): save "
+                        "it as UTF-8") from None
+    text = _from_json(spec, text)
     if "messages" not in text:
         raise DataError(f"--chat-template {spec!r}: no `messages` in it, so not a chat template (a Jinja template "
                         "over `messages`, as tokenizer_config.json's chat_template)")

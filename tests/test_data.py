@@ -994,6 +994,22 @@ def test_chat_template_file_drops_a_bom(tok_dir, tmp_path):
         assert s["input_ids"] == ref, name
 
 
+def test_chat_template_file_not_utf8_is_named_with_the_byte_and_the_fix(tmp_path):
+    """--chat-template FILE not UTF-8 (a Windows editor's cp1252): a DataError naming the flag, the file, the byte and
+    where it is, and the fix (until 2026-12-06 it was the codec's error alone); a byte-order mark counts as bytes."""
+    import re
+
+    from data.templates import TEMPLATES, chat_template
+
+    for name, head in (("latin1.jinja", b""), ("latin1_bom.jinja", "\ufeff".encode())):
+        latin = tmp_path / name
+        latin.write_bytes(head + ("{# café #}" + TEMPLATES["chatml"]).encode("cp1252"))
+        at = latin.read_bytes().index(b"\xe9")
+        with pytest.raises(DataError, match=rf"--chat-template '{re.escape(str(latin))}': not UTF-8 \(byte 0xe9 at "
+                                            rf"position {at}\): save it as UTF-8"):
+            chat_template(str(latin))
+
+
 def test_whitespace_tokens_with_trimmed_offsets_are_targets_inside_an_answer(tok):
     """A tokenizer whose offsets trim whitespace (ByteLevel trim_offsets, GPT-2/RoBERTa-style files) gives its
     whitespace-only tokens empty spans: inside a completion or an assistant turn they are targets (the indentation
