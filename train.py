@@ -152,7 +152,7 @@ def build_parser(add_help=True):
       "ceil(E × samples / --global-batch) steps (0.5 and 2.5 allowed)")
     a("--global-batch", type=int, default=8, help="samples (DPO: pairs) per optimizer step (layout-independent)")
     a("--micro-batch", type=micro_batch_arg, default=1, metavar="N|auto", help="samples (DPO: pairs) per forward on "
-      "each data rank; auto (0): as many as fit the longest sample's length, packed (fewer forwards for short samples)")
+      "each data rank; auto: as many as fit the longest sample's length, packed (fewer forwards for short samples)")
     # Data
     a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
       "'completion'} or {'messages'} per line); several files train as one set")

@@ -2257,3 +2257,19 @@ def test_micro_batch_auto_cuts_each_ranks_share_by_tokens():
     with pytest.raises(ValueError, match=r"--global-batch 6 must be a multiple of the 4 data ranks .* use "
                                          r"--global-batch 4 or 8"):
         GlobalBatches(10, 6, 0).micro_batches(0, 0, 4, 0, [1] * 10, 5)
+
+
+def test_micro_batch_help_offers_only_values_the_flag_takes(capsys):
+    """train.py --help's --micro-batch line names auto, never the 0 it is read as (until 2026-12-06 it said "auto
+    (0)", and --micro-batch 0 was refused as "neither a positive number of samples nor auto")."""
+    import re
+
+    import train
+
+    parser = train.build_parser()
+    (action,) = [a for a in parser._actions if "--micro-batch" in a.option_strings]
+    assert "auto" in action.help and not re.search(r"\b0\b", action.help), action.help
+    assert parser.parse_args(["--micro-batch", "auto"]).micro_batch == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--micro-batch", "0"])
+    assert "'0' is neither a positive number of samples nor auto" in capsys.readouterr().err
