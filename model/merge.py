@@ -142,6 +142,7 @@ def check_inputs(args) -> list[str]:
     if not args.out:
         return errors + ["--out is empty: pass a directory for the merged model"]
     out = os.path.realpath(args.out)   # what is written: a symlink to the base is the base, 'new/..' its parent
+    before = len(errors)
     for name, d in ((f"the {base} directory" if base == "--model" else "the base directory adapter_config.json names",
                      args.model), ("the --adapter directory", args.adapter)):
         d = os.path.realpath(d)
@@ -161,6 +162,7 @@ def check_inputs(args) -> list[str]:
         what = "checkpoint folder" if os.path.basename(hit) == "ckpt" else "adapter folder"
         errors.append(f"--out {args.out!r} is {'' if hit == out else 'inside '}a run's {what} {hit!r}, which "
                       "train.py rotates or replaces: pass a directory of its own")
+    unfit = len(errors) > before   # (--force would be refused for it: "pass --force" would be advice that fails)
     if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
         from model.adapter_read import not_plain_lora
         try:
@@ -174,7 +176,7 @@ def check_inputs(args) -> list[str]:
     if os.path.isfile(out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
     elif os.path.isdir(out) and [e for e in os.listdir(out) if not (e == STAGE and is_stage(os.path.join(out, e)))] \
-            and not args.force:   # (a killed merge's own stage: the merge clears it)
+            and not args.force and not unfit:   # (a killed merge's own stage: the merge clears it)
         errors.append(f"--out {args.out!r} is not empty (stale shards would shadow the merge); "
                       "pass --force to write into it anyway")
     return errors

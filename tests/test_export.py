@@ -382,7 +382,8 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     """model.merge stops (exit 2, naming the fix, writing nothing) rather than: guess the base an adapter was trained
     against (no trained_on.json, no run config.json beside it: an nf4 guess would round a full-precision run's every
     block weight to 4 bits); fold per-module alpha/rank patterns in with one scale (DoRA's refusals: the test above);
-    write into the base through a symlink or into a folder inside it; fold into another base than the one trained on
+    write into the base through a symlink or into a folder inside it (said alike with --force or without, never
+    "pass --force" for an --out that --force would not make fit); fold into another base than the one trained on
     (trained_on.json's model_sha256: other weights of the same shapes, an edited config.json) without --any-base. A
     merge stopped while writing (over an earlier merge) leaves that merge as it was; one killed outright, its stage,
     which the same command clears."""
@@ -422,6 +423,13 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     assert "is inside the --model directory" in refused(out=base_copy / "merged", model=base_copy)
     # the run directory an adapter lies in (RUN/adapter), even with --force: the merge would replace its config.json
     assert "holds the --adapter directory" in refused("--force", out=tmp_path)
+    # an --out refused whatever --force says is refused for that alone, with --force or without (until 2026-12-06,
+    # without it also said "pass --force to write into it anyway", which then was refused)
+    for out_dir, model, why in ((adapter, path, "is the --adapter directory; merging would overwrite it"),
+                                (tmp_path, path, "holds the --adapter directory"),
+                                (tmp_path / "link", base_copy, "is the --model directory")):
+        said = [refused(*force, out=out_dir, model=model) for force in ((), ("--force",))]
+        assert said[0] == said[1] and why in said[0] and "--force" not in said[0], said
     run_like = tmp_path / "run_like"
     run_like.mkdir()
     (run_like / "metrics.jsonl").write_text("{}\n")
