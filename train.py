@@ -311,7 +311,8 @@ def main(argv=None):
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
-        plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest)   # a run that cannot fit stops here
+        plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest,   # a run that cannot fit stops here
+                               eval_tokens=eval_samples and int(eval_samples.lengths.max()))   # (a longer eval: a note)
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)

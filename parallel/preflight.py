@@ -11,12 +11,12 @@ Contract:
   bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only),
   and on a resume without --template-date the checkpoint's (the date its dated template rendered).
 - `same_resume(ckpt)`: collective, every rank resolved --resume to the same step folder.
-- `check(args, margs, dims, budgets, log, tokens)` -> the plan (parallel/plan.py; None when skipped) of the run's
-  flags for its longest sample (`tokens`; --max-len only caps the samples, a row is as long as its data), checked
-  against the smallest of the ranks' budgets (parallel/budgets.py's `gather_budgets`), the host memory free on a
-  machine shared by the ranks on it. The same decision on every rank: same budgets, same arithmetic, no file read
-  (the planner's copies of the flags carry no --init-adapter) and no collective. train.py sizes the offload's host
-  buffers from it (`host_each`).
+- `check(args, margs, dims, budgets, log, tokens, eval_tokens)` -> the plan (parallel/plan.py; None when skipped) of
+  the run's flags for its longest sample (`tokens`; --max-len only caps the samples, a row is as long as its data),
+  checked against the smallest of the ranks' budgets (parallel/budgets.py's `gather_budgets`), the host memory free
+  on a machine shared by the ranks on it. The same decision on every rank: same budgets, same arithmetic, no file
+  read (the planner's copies of the flags carry no --init-adapter) and no collective. train.py sizes the offload's
+  host buffers from it (`host_each`).
   1. --offload-activations on CUDA whose pinned host bytes ((L - 1) block inputs; parallel/offload.py pins exactly
      those, in its own buffers) exceed the host memory free per rank: ValueError naming both and the fixes. Pinned
      memory cannot be paged out, and past the host's memory the kernel's OOM killer ends the job with no message.
@@ -25,6 +25,9 @@ Contract:
      fit (`train.py --plan`'s list).
   3. A planned total (live tensors x FRAGMENTATION + runtime) over the device memory: a warning line with the same
      fixes. Otherwise one line: the planned peak of the smallest budget's rank, to read beside peak_mem_gb.
+  4. `eval_tokens`, the longest eval sample, longer than `tokens`: evaluation gives it a row of its own, so training
+     is planned at its length too, an upper bound (evaluation saves no activations). Over the device memory: one
+     warning line naming both lengths and the fixes; never a refusal. Within it: nothing more is said.
   With --no-mem-check, 1 and 2 are warnings. A device budget missing on some rank: the check is skipped, said in one
   line (`--fast`, `plan_speed.apply_fast`, raises then).
 """
@@ -227,7 +230,7 @@ def planning_copy(args, **kw):
     return _with(args, init_adapter=None, **kw)
 
 
-def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None):
+def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None, eval_tokens: int | None = None):
     from parallel.plan import GB, memory_plan, sample_tokens
     from parallel.plan_search import _fixes
     gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
@@ -262,6 +265,7 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
         log(f"memory: planned {gb(p.total)} per rank" + (f" and {gb(p.host)} pinned host" if p.host else "")
             + f" for {span}, of {dev.where}{on_dev} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
             + ("" if host != float("inf") else f"; free host memory {hb.host_where}, not checked"))
+        _eval_bound(args, margs, dims, dev, on_dev, n, two, eval_tokens, log)
         return p
     fixes = [re.sub(r"more ranks: --world-size (\d+) ", r"\1 ranks: ", f)   # (--world-size is --plan's flag)
              for f in _fixes(a, margs, len(budgets), dev.target, dev.device, host)]
@@ -274,4 +278,25 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
                          "against the plan (bench/plan.py), is more than the device holds; --no-mem-check runs it "
                          "anyway")
     log(f"warning: {said}. Step 1 may run out of memory")
+    _eval_bound(args, margs, dims, dev, on_dev, n, two, eval_tokens, log)
     return p
+
+
+def _eval_bound(args, margs, dims, dev: Budget, on_dev: str, n: int, two: int, eval_tokens: int | None, log):
+    """An eval sample longer than every training one takes a row of its own (parallel/evaluate.py), a length the
+    training plan never saw. Evaluation saves no activations, so planning training at that length only bounds it from
+    above: a bound that fits says nothing, one that does not is a warning, never a refusal (the real need is lower).
+    Same arithmetic on every rank as `check`, no collective."""
+    from parallel.plan import GB, memory_plan
+    e = min(args.max_len, -(-eval_tokens // two)) if eval_tokens else 0
+    if e <= n:
+        return
+    p = memory_plan(margs, dims, planning_copy(args, max_len=e), dev.target, args.pack)
+    if p.total <= dev.device:
+        return
+    cut = f"--max-len {n:,} cuts no training sample" if two == 1 else "it cuts the eval records too"
+    log(f"warning: the longest eval sample, {e:,} tokens{' a side' * (two > 1)}, is longer than the longest training "
+        f"sample, {n:,} tokens, and is evaluated in a row of its own; training planned at {e:,} tokens needs "
+        f"{p.total / GB:.3g} GB per rank, more than {dev.where}{on_dev}. Evaluation runs forward only (no saved "
+        "activations), so it needs less than this bound, but the first evaluation may run out of memory: a shorter "
+        f"--max-len for the eval data ({cut}), or --eval-split to hold out --data records of training's lengths")

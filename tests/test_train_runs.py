@@ -28,8 +28,9 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   importing the model prints no bitsandbytes kernels-community line;
 - the start-up memory check plans the data's longest sample against every rank's memory: a plan that cannot fit
   (0.95 of its live tensors over the device) is refused before any weight is read, naming single changes that fit
-  (the first, typed, passes); --no-mem-check and a plan just over the device warn; offload pinning more than the
-  free host memory is refused; the host memory of a machine is shared by its ranks; the free host memory is the
+  (the first, typed, passes); --no-mem-check and a plan just over the device warn; an eval sample longer than every
+  training one is planned as a bound that warns, never refuses; offload pinning more than the free host memory is
+  refused; the host memory of a machine is shared by its ranks; the free host memory is the
   least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit); a CPU run's
   memory is the RAM, or the job's cgroup limit when lower, over the local ranks.
 
@@ -1825,6 +1826,48 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     assert mem[1] == "memory check skipped: no memory budget on rank 1: OSError: x", mem
     preflight.check(args, None, None, [B(0, "m1", host=float("inf"), target="cuda")], mem.append)
     assert mem[2].endswith("; free host memory free (test), not checked"), mem
+
+
+def test_an_eval_sample_longer_than_training_is_planned_as_a_bound_that_only_warns(monkeypatch):
+    """preflight.check on made-up budgets and a plan of 2 B per token: an eval sample longer than every training one
+    (evaluate.py gives it a row of its own) is planned at its length as training, an upper bound. Within the smallest
+    rank's device memory nothing more is said; over it one warning line names both lengths, the forward-only
+    evaluation and the fixes, and the run is never refused (not even where that plan's live tensors could not fit);
+    the eval length is capped by --max-len as the samples are; no eval data, or a shorter one, plans nothing more."""
+    import types
+
+    import parallel.plan
+    from parallel import budgets, preflight
+
+    planned = []
+    def plan(margs, dims, a, *rest, **kw):
+        planned.append(a.max_len)
+        return types.SimpleNamespace(host=0, peak=2.0 * a.max_len, total=2.0 * a.max_len)   # bytes
+    monkeypatch.setattr(parallel.plan, "memory_plan", plan)
+    args = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
+    B = lambda r, dev: budgets.Budget(r, "cuda", dev, f"{dev:g} B (test)", float("inf"), "free (test)", f"m{r}")
+    ranks = [B(0, 20.0), B(1, 10.0)]   # (the smaller device decides, the same on every rank)
+
+    def said(tokens, eval_tokens):
+        mem = []
+        preflight.check(args, None, None, ranks, mem.append, tokens=tokens, eval_tokens=eval_tokens)
+        return mem
+    for ev in (None, 3, 4):   # no eval data, or none longer than training's: the training plan alone
+        planned.clear()
+        assert len(said(4, ev)) == 1 and planned == [4], (ev, planned)
+    planned.clear()
+    assert len(said(4, 5)) == 1 and planned == [4, 5], "5 tokens: 10 B, within the 10 B device: nothing said"
+    got = said(4, 6)   # 12 B: over the device, whose live tensors alone are too (training's check would refuse)
+    assert len(got) == 2 and got[0].startswith("memory: planned"), got
+    assert got[1] == ("warning: the longest eval sample, 6 tokens, is longer than the longest training sample, 4 "
+                      "tokens, and is evaluated in a row of its own; training planned at 6 tokens needs 1.2e-08 GB "
+                      "per rank, more than 10 B (test) (rank 1's, the smallest of 2). Evaluation runs forward only "
+                      "(no saved activations), so it needs less than this bound, but the first evaluation may run "
+                      "out of memory: a shorter --max-len for the eval data (--max-len 4 cuts no training sample), "
+                      "or --eval-split to hold out --data records of training's lengths"), got
+    planned.clear()
+    got = said(4, 100)   # cut to --max-len 8, as the eval samples are
+    assert planned == [4, 8] and "the longest eval sample, 8 tokens," in got[1], (planned, got)
 
 
 def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_path, capsys):
