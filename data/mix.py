@@ -109,7 +109,7 @@ def total(stats: list):
     """Several files' TokenStats as one (the dropped and tied lines stay with each file's own warning)."""
     if len(stats) == 1:
         return stats[0]
-    out = dataclasses.replace(stats[0], dropped_lines=[], tied_lines=[])
+    out = dataclasses.replace(stats[0], dropped_lines=[], no_target_lines=[], tied_lines=[])
     for f in dataclasses.fields(out):
         if not f.name.endswith("_lines"):
             vals = [getattr(s, f.name) for s in stats]

@@ -112,7 +112,7 @@ def check_records(records: list[dict], path, flag: str, objective: str) -> None:
 
 
 def _not_pairs(stats) -> int:
-    return stats.records - stats.dropped - stats.tied - stats.pairs
+    return stats.records - stats.dropped - stats.no_target - stats.tied - stats.pairs
 
 
 def for_run(objective: str, train: tuple, ev: tuple, rows, share: bool = False):

@@ -156,6 +156,7 @@ def show(args) -> None:
             if not samples:
                 why = (f"tied: its chosen and rejected sides are the same tokens, or differ in no target, or one "
                        f"ends where they part, within --max-len {max_len}" if stats.tied else
+                       "no target token at all (every assistant turn has \"weight\": 0)" if stats.no_target else
                        f"no target left (--max-len {max_len}" + " in one side" * ("pair" in rec) + ")")
                 print(f"\n{path}:{rec['line']}: {why}: train.py drops this record")
                 continue

@@ -2,12 +2,14 @@
 
 Contract:
 - `TokenStats` counts a file's records, kept samples, tokens and targets, what truncation cut, the text records split
-  into windows (--long-text split), the records dropped with no target and the preference pairs kept or dropped as
-  tied (the first DROPPED_LINES of each named by line). data/tokens.py's `tokenize_records` fills it, data/store.py's
+  into windows (--long-text split), the records dropped with no target (apart: those that had none before any cut,
+  `no_target`, and those the cut left none, `dropped`) and the preference pairs kept or dropped as tied (the first
+  DROPPED_LINES of each named by line). data/tokens.py's `tokenize_records` fills it, data/store.py's
   `build` sums a file's chunks into one, and the token cache keeps it beside the samples (data/store.py's SOURCES
   hold this file).
 - `str(stats)` is the line said at load; `stats.warning(what, max_len, long_text)` the `warning:` lines (records
-  dropped, pairs tied, truncation that cut CUT_WARN or more of the kept records' tokens), None when none.
+  dropped, each cause its own line and fix; pairs tied, truncation that cut CUT_WARN or more of the kept records'
+  tokens), None when none.
 - `LONG_TEXT`: what a text record longer than --max-len becomes (--long-text's choices; the first is the default,
   which the warning's `long_text` defaults to too).
 """
@@ -28,7 +30,8 @@ class TokenStats:
     truncated: int = 0  # kept samples longer than max_len, cut to it (a record left with no target: dropped only)
     split: int = 0  # text records longer than max_len made into windows (long_text "split")
     windows: int = 0  # the samples those records became
-    dropped: int = 0  # samples with no target left after truncation
+    dropped: int = 0  # records with no target left after truncation (one before it: the cut took them all)
+    no_target: int = 0  # records with no target before any cut (every chat assistant turn "weight": 0): dropped
     tokens: int = 0  # tokens in kept samples, after truncation
     targets: int = 0  # label positions != -100 in kept samples
     longest: int = 0  # longest record in tokens, before truncation or splitting
@@ -38,6 +41,7 @@ class TokenStats:
     tied_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
     pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
+    no_target_lines: list = field(default_factory=list)  # the first DROPPED_LINES no-target records' line numbers
 
     def __str__(self) -> str:
         return (
@@ -48,6 +52,7 @@ class TokenStats:
             + (f" ({self.cut} tokens cut)" if self.truncated else "")
             + (f", split {self.split} into {self.windows} windows" if self.split else "")
             + f", dropped {self.dropped} (no target left)"
+            + (f", {self.no_target} with no target (nothing to train) dropped" if self.no_target else "")
             + (f", {self.pairs} preference pairs (two samples each)" if self.pairs else "")
             + (f", {self.tied} pairs dropped as tied (nothing to prefer)" if self.tied else "")
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
@@ -58,12 +63,19 @@ class TokenStats:
         that cut CUT_WARN or more of the kept records' tokens (never trained on either), naming the flags that keep
         them. None when neither."""
         said = []
-        if self.dropped:
-            more = ", ..." if self.dropped > len(self.dropped_lines) else ""
-            lines = ", ".join(map(str, self.dropped_lines)) + more
-            share = f"{self.dropped} of {self.records} records ({100 * self.dropped / self.records:.1f}%)"
-            said.append(f"warning: {what}: {share} have no target token within --max-len {max_len} and are not trained "
-                        f"on (line{'s' * (self.dropped > 1)} {lines}); a longer --max-len keeps them")
+        ev = what.startswith("--eval-data")
+        lost = "left out of eval_loss" if ev else "not trained on"
+        whole = "no target token at all (every assistant turn has \"weight\": 0)"
+        for n, shown, why, fix in (
+                (self.no_target, self.no_target_lines, whole,
+                 "no --max-len keeps them: give a turn \"weight\": 1 to "
+                 + ("evaluate" if ev else "train") + " it, or drop them from the file"),
+                (self.dropped, self.dropped_lines, f"no target token within --max-len {max_len}",
+                 "a longer --max-len keeps them")):
+            if n:   # (each cause its own line: only the cut's is undone by a longer --max-len)
+                lines = ", ".join(map(str, shown)) + (", ..." if n > len(shown) else "")
+                share = f"{n} of {self.records} records ({100 * n / self.records:.1f}%)"
+                said.append(f"warning: {what}: {share} have {why} and are {lost} (line{'s' * (n > 1)} {lines}); {fix}")
         if self.tied:
             more = ", ..." if self.tied > len(self.tied_lines) else ""
             lines = ", ".join(map(str, self.tied_lines)) + more

@@ -33,7 +33,8 @@ Contract:
   corpus does; a prompt/completion or chat record is never split (its answer needs its question).
 - `all_targets` (--train-on-prompt): every token of a prompt/completion or chat record is a target, as of a text
   record (TRL's default for conversations, `assistant_only_loss=False`; per-message "weight" is then not read).
-- Records left with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load).
+- Records with no target are dropped, counted, and named by line (`TokenStats.warning`, said at load): those the cut
+  left without one apart from those that never had one (a chat whose every assistant turn has "weight": 0).
 - Labels are built after truncation, on the whole sequence:
   `labels[t] = input_ids[t+1]` if token t+1 is a target, else -100; the last position is -100.
 """
@@ -206,18 +207,19 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             continue
         group = [side] if r["pair"] is None else [held, side]
         drop = max(g[4] for g in group)
-        made = []
+        made, whole = [], True
         for r, ids, flags, cut, _ in group:
-            n_ids = len(ids)
+            n_ids, flags0 = len(ids), flags
             if cut and (d := min(drop, cut[1] - cut[0])) > 0:
                 ids, flags = ids[:cut[0]] + ids[cut[0] + d:], flags[:cut[0]] + flags[cut[0] + d:]
             ids, flags = ids[:max_len], flags[:max_len]
             labels = shift_labels(ids, flags)
             made.append(({"input_ids": ids, "labels": labels, "line": r.get("line", -1)}, n_ids,
                          sum(lab != IGNORE_INDEX for lab in labels)))
+            whole &= any(flags0[1:])   # a target before any cut (label t is token t + 1's)
         held = None
-        if not all(n for _, _, n in made):
-            dropped(r)
+        if not all(n for _, _, n in made):   # no --max-len keeps a record that had no target to lose: said apart
+            dropped(r) if whole else dropped(r, "no_target", "no_target_lines")
             continue
         if len(made) == 2 and made[0][0]["input_ids"] == made[1][0]["input_ids"] and \
                 made[0][0]["labels"] == made[1][0]["labels"]:   # no preference to learn (and a margin of float noise)

@@ -434,7 +434,8 @@ def test_tool_calls_the_template_does_not_write_are_refused(tok):
 def test_an_assistant_message_of_weight_0_is_context_not_a_target(tok):
     """OpenAI's fine-tuning format: "weight": 0 on an assistant message makes it context (review, helper 53: trained
     on, silently). The targets are transformers' assistant mask without that turn's run; weight 1 = no key; any
-    other weight is refused, naming it; a record whose every answer is weight 0 has no target (dropped, counted)."""
+    other weight is refused, naming it; a record whose every answer is weight 0 has no target (dropped, counted and
+    said apart from a record the cut left without one: no --max-len keeps it, so the warning names the weights)."""
     tok.chat_template = _tool_template(True)   # (Qwen3-shaped: an earlier turn's think block dropped)
     msgs = [U("Q?"), A("<think>\nx\n</think>\n\nFirst."), U("And?"), A("Second."), U("Thanks."), A("Bye.")]
     ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -453,8 +454,23 @@ def test_an_assistant_message_of_weight_0_is_context_not_a_target(tok):
         assert [lab != IGNORE_INDEX for lab in s["labels"][:-1]] == want[1:], (zero, target_runs(tok, s))
     (s,), _ = tokenize_records([{"messages": [{**m, "weight": 1} for m in msgs], "line": 1}], tok, 10_000)
     assert [lab != IGNORE_INDEX for lab in s["labels"][:-1]] == mask[1:]
-    samples, stats = tokenize_records([{"messages": [{**m, "weight": 0} for m in msgs], "line": 4}], tok, 10_000)
-    assert not samples and stats.dropped == 1 and stats.dropped_lines == [4], stats
+    zeros = {"messages": [{**m, "weight": 0} for m in msgs], "line": 4}
+    samples, stats = tokenize_records([zeros], tok, 10_000)
+    assert not samples and (stats.no_target, stats.no_target_lines, stats.dropped) == (1, [4], 0), stats
+    assert "1 with no target (nothing to train) dropped" in str(stats), str(stats)
+    assert stats.warning("--data f.jsonl", 10_000) == (
+        'warning: --data f.jsonl: 1 of 1 records (100.0%) have no target token at all (every assistant turn has '
+        '"weight": 0) and are not trained on (line 4); no --max-len keeps them: give a turn "weight": 1 to train it, '
+        "or drop them from the file"), stats.warning("--data f.jsonl", 10_000)
+    assert "left out of eval_loss (line 4); no --max-len keeps them: give a turn \"weight\": 1 to evaluate it" in \
+        stats.warning("--eval-data e.jsonl", 10_000)
+    # beside a record whose answers the cut removes (its first answer past --max-len 12): each cause its own line
+    _, stats = tokenize_records([zeros, {"messages": msgs, "line": 5}], tok, 12)
+    assert (stats.no_target, stats.no_target_lines, stats.dropped, stats.dropped_lines) == (1, [4], 1, [5]), stats
+    said = stats.warning("--data f.jsonl", 12).split("\n")
+    assert said[0].startswith("warning: --data f.jsonl: 1 of 2 records (50.0%) have no target token at all") and \
+        said[1] == ("warning: --data f.jsonl: 1 of 2 records (50.0%) have no target token within --max-len 12 and are "
+                    "not trained on (line 5); a longer --max-len keeps them"), said
     import re
     for w in (0.5, 2, "0", None):
         with pytest.raises(DataError, match=rf"f.jsonl, line 2: an assistant message's \"weight\" is "
@@ -1780,7 +1796,7 @@ def test_run_data_says_what_the_eval_data_lost(tok, tmp_path):
     (_, stats), ev, _ = run_data.load_run_data(args, tok, len(tok), said.append)
     assert len(ev[0]) == 1 and ev[1] == ref and f"eval data: {ref}" in said, said
     assert f"warning: --eval-data {tmp_path / 'eval.jsonl'}: 2 of 3 records (66.7%) have no target token within " \
-           "--max-len 64 and are not trained on (lines 1, 3); a longer --max-len keeps them" in said, said
+           "--max-len 64 and are left out of eval_loss (lines 1, 3); a longer --max-len keeps them" in said, said
     assert not [m for m in said if "also --data samples" in m], said
     (tmp_path / "both.jsonl").write_text((tmp_path / "train.jsonl").read_text() + json.dumps(short) + "\n")
     args.eval_data, said = str(tmp_path / "both.jsonl"), []   # the 4 training records and one more: 2 of them
