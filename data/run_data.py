@@ -7,7 +7,8 @@ Contract:
   rendered on `args.template_date` (rank 0's today when None: a resume passes its run's); when the template writes
   the date, it sets that to the day used, which the run's config and checkpoints keep, and says it (else None). A
   cache that cannot be read or written is said by rank 0, and on every other machine by its first rank (naming the
-  host). It logs --data's stats (`data: ...`), --eval-split's records held out of them (`eval split: ...`), and
+  host). It logs --data's stats (`data: ...`), --eval-split's records held out of them (`eval split: ...`; a warning
+  for a --data file it held out whole, whose weight then trains nothing), and
   the --eval-data stats (`eval data: ...`) and a note when eval samples are also training samples
   (`also_in`: the same input ids), and every rank must end with the same tokens
   (`same_on_every_rank`, data/samples.py's sha256 `fingerprint` of ids, labels and boundaries): machines that read
@@ -34,7 +35,7 @@ import socket
 
 from data import store  # (store.today() looked up when called: one clock for the key, the rendering and the day)
 from data.jsonl import DataError
-from data.mix import data_files, join, mix, record_name, total, weight_text
+from data.mix import FILE_SHIFT, data_files, join, mix, record_name, total, weight_text
 from data.samples import Samples, also_in, fingerprint, hold_out, split_arg
 from data.store import WAIT, data_workers
 from data.templates import dated
@@ -88,6 +89,13 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
             f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
             f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
+        left = set((kept.sample_lines() >> FILE_SHIFT).tolist())   # the files with a record to train
+        ws = getattr(args, "data_weights", None)   # (a file held out whole: its weight trains nothing, and the mix
+        for k, f in enumerate(files if len(files) > 1 else ()):   # line's "0 samples of its 0" is easy to miss)
+            if k not in left:
+                w = f"--data-weights {weight_text(ws[k])}" if ws else "1, no --data-weights"
+                log(f"warning: --eval-split {split_arg(split)} held out every record of --data {f}, so its weight "
+                    f"({w}) trains nothing: pass a smaller --eval-split, or give the eval set as --eval-data FILE")
     rows = None   # (with shares that rotate: which samples each epoch takes, data.mix.Rotation)
     if weights := getattr(args, "data_weights", None):   # (after the split: a held-out record is never trained on,
         mixed, said, rows = mix(train[0], files, weights, args.seed,   # whatever its file's weight)

@@ -2039,7 +2039,8 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
     the sha256 of f"{seed}:mix:{identity}" (identity: file index << 32 | line): epoch e takes the k records from
     position e·k on, wrapping round, so another seed takes others, the same seed the same, and a share of 0.5 trains
     each record once in two epochs; `data_mix` "fixed" (a run from before 2026-12-04) takes epoch 0's every epoch.
-    Records --eval-split holds out are never trained on, whatever their file's weight."""
+    Records --eval-split holds out are never trained on, whatever their file's weight; a file it holds out whole,
+    whose weight then trains nothing, is a warning naming the file, its weight and the fix."""
     import hashlib
     import math
     from fractions import Fraction
@@ -2113,6 +2114,22 @@ def test_data_weights_copy_files_and_take_a_seeded_share_of_their_records(tok, t
     got, _, (held, _), _, args = _run_data(tok, files, tmp_path, data_weights=[0.5, 0.5, 0.5], eval_split=0.3)
     out = set(held.sample_lines().tolist())
     assert not out & {int(x) for e in range(4) for x in got.sample_lines()[args.rows(e)]}, "never a held-out one"
+    # a fourth file of one record, which --eval-split 1 holds out at the seed whose smallest hash is its record's
+    from data.samples import smallest_hashes
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "Q: one?", "completion": " yes"}) + "\n")
+    four = files + [str(tmp_path / "d.jsonl")]
+    every = sorted(set(_run_data(tok, four, tmp_path)[0].sample_lines().tolist()))
+    takes_d = lambda s: smallest_hashes(every, 1, f"{s}:") == [(3 << FILE_SHIFT) | 1]
+    seed, other = next(s for s in range(1000) if takes_d(s)), next(s for s in range(1000) if not takes_d(s))
+    fix = "trains nothing: pass a smaller --eval-split, or give the eval set as --eval-data FILE"
+    for weights, named in (([1, 1, 1, 5], "--data-weights 5"), (None, "1, no --data-weights")):
+        got, _, (held, _), said, _ = _run_data(tok, four, tmp_path, data_weights=weights, eval_split=1, seed=seed)
+        assert {x >> FILE_SHIFT for x in got.sample_lines().tolist()} == {0, 1, 2} and len(held) == 1, said
+        warned = [m for m in said if m.startswith("warning: --eval-split")]
+        assert warned == [f"warning: --eval-split 1 held out every record of --data {four[3]}, so its weight "
+                          f"({named}) {fix}"], said
+    said = _run_data(tok, four, tmp_path, data_weights=[1, 1, 1, 5], eval_split=1, seed=other)[3]
+    assert not [m for m in said if m.startswith("warning: --eval-split")], said   # (d trains: nothing said)
 
 
 def test_several_eval_files_are_one_eval_set_that_knows_its_files(tok, tmp_path):
