@@ -48,8 +48,8 @@ def max_len_arg(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: a sample is truncated to --max-len tokens, so it must be at least 1 "
-                                         "(e.g. --max-len 4096)")
+        raise argparse.ArgumentTypeError(f"{n}: a sample is truncated to --max-len tokens, so it must be at least 2, "
+                                         "one input and one target (e.g. --max-len 4096)")
     return n
 
 
@@ -57,8 +57,10 @@ def _with(args, **kw):
     return argparse.Namespace(**{**vars(args), **kw})
 
 
-def _layouts(args, margs, world):
-    """Every (cp, impl, ulysses degree) for this world, validated; least communication first."""
+def _layouts(args, margs, world, refused: list | None = None):
+    """Every (cp, impl, ulysses degree) for this world, validated; least communication first. `refused` collects
+    (flags, the run's error) of those validation refuses (a --global-batch the data ranks do not divide, heads a
+    Ulysses degree does not split)."""
     out = []
     for cp in (c for c in range(1, world + 1) if world % (c * args.dp_replicate) == 0):
         impls = [("ulysses", None), ("ring", None)] + [("hybrid", u) for u in range(2, cp) if cp % u == 0]
@@ -68,7 +70,10 @@ def _layouts(args, margs, world):
                 a = _with(a, tiled_attn=False, dropped_tiled_attn=True)
             try:
                 dims, pack = validate(a, margs, world)
-            except ValueError:
+            except ValueError as e:
+                if refused is not None:
+                    refused.append((f"--cp {cp} --dp-shard {world // (cp * args.dp_replicate)}" + (
+                        f" --cp-impl {impl}" if cp > 1 else "") + (f" --ulysses-degree {u}" if u else ""), str(e)))
                 continue
             out.append((cp, dims.ring, rank, a, dims, pack))
     return [x[3:] for x in sorted(out, key=lambda x: x[:3])]
@@ -254,17 +259,27 @@ def _memory_flags(args, margs):
     return base + [(f"{f} {m}".strip(), dict(kw, **mk)) for m, mk in more for f, kw in base]
 
 
+def _said_refused(refused: list) -> str:
+    """--suggest's last lines: the layouts it left out because the run would refuse them, and why (review, helper 81:
+    --cp 1 --dp-shard 16, refused for --global-batch 8, was left out of 16 ranks' list without a word)."""
+    if not refused:
+        return ""
+    lines = [f"  {flags}: {why}" for flags, why in refused[:4]] + [f"  ... and {len(refused) - 4} more"] * (
+        len(refused) > 4)
+    return "\nnot listed, the run's checks refuse them:\n" + "\n".join(lines)
+
+
 def suggest_longest(args, margs, world, target, mem, host, where):
     """--suggest --max-len auto: each layout and memory-flag set with its longest --max-len."""
-    rows = []
-    for a, dims, _ in _layouts(args, margs, world):
+    rows, refused = [], []
+    for a, dims, _ in _layouts(args, margs, world, refused):
         for extra, kw in _memory_flags(args, margs):
             n = longest(_with(a, **kw), margs, world, target, mem, host)
             if n:
                 rows.append((n, f"{_flags(a, dims)} {extra}".strip()))
     rows.sort(key=lambda r: -r[0])
-    print(f"longest --max-len per layout and memory flags in {where}, host {host / GB:.0f} GB per rank:\n"
-          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]))
+    print(f"longest --max-len per layout and memory flags in {where}, host {host / GB:.3g} GB per rank:\n"
+          + "\n".join(f"  {flags:<80} {n:>10}" for n, flags in rows or [(0, "none")]) + _said_refused(refused))
     if not rows:
         raise SystemExit(f"no layout of {world} ranks fits {MAX_LEN_STEP} tokens")
     dropped = " (no --tiled-attn)" in rows[0][1]   # the line stays pasteable: the note goes after a '#'
@@ -300,9 +315,12 @@ def main(argv, run_parser, demo: dict):
                              + "; ".join(_fixes(_with(args, max_len=MAX_LEN_STEP), margs, world, target, mem, host)
                                          or ["more ranks or larger devices"]))
     if args.suggest:   # every valid layout, best first; only those that fit are printed
-        plans = [(a, dims, memory_plan(margs, dims, a, target, pack)) for a, dims, pack in _layouts(args, margs, world)]
+        refused = []
+        plans = [(a, dims, memory_plan(margs, dims, a, target, pack))
+                 for a, dims, pack in _layouts(args, margs, world, refused)]
         rows = [f"  {_flags(a, d):<58} {p.total / GB:7.1f} GB  {d}" for a, d, p in plans if _fits(p, mem, host)]
-        print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"]))
+        print(f"layouts that fit in {where}, least communication first:\n" + "\n".join(rows or ["  none"])
+              + _said_refused(refused))
         if not rows:
             raise SystemExit(f"no layout of {world} ranks fits: {_not_tried(args)}")
         return rows
@@ -332,12 +350,12 @@ def main(argv, run_parser, demo: dict):
           f"{p.total / u:8.2f}")
     print(f"  ({'without' if args.ac else 'with'} AC the activations would be {p.alt_activations / u:.2f} {un})")
     if p.host:
-        print(f"  {f'host: offloaded block checkpoints, pinned (--host-mem {host / GB:.0f} GB)':<72}"
+        print(f"  {f'host: offloaded block checkpoints, pinned (--host-mem {host / GB:.3g} GB)':<72}"
               f"{p.host / u:8.2f}")
     if not _fits(p, mem, host):
         fixes = _fixes(args, margs, world, target, mem, host)
         why = (f"{p.total / GB:.1f} GB planned > {where}" if p.total > mem else
-               f"{p.host / GB:.1f} GB of offloaded checkpoints > --host-mem {host / GB:.0f} GB per rank")
+               f"{p.host / GB:.3g} GB of offloaded checkpoints > --host-mem {host / GB:.3g} GB per rank")
         raise SystemExit(f"does not fit: {why}.\nWhat to change: "
                          + ("; ".join(fixes) if fixes else f"no single change fits: {_not_tried(args)}"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))

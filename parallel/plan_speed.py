@@ -237,7 +237,8 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
                                         _host_budget(a, world) if host is None else host, pack)
     if best is None:
         return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
-                    "rates)" if fits else f"--fast: no flag set fits 95% of {where}; the given flags are kept")
+                    "rates)" if fits else f"--fast: none of the memory flag sets --fast tries fits 95% of {where}; the "
+                    "given flags are kept")
     flags, p, t = best
     return flags, (f"--fast: {flags} (planned {p.total / GB:.1f} GB of {where}; est. {t:.3g} s/step vs {own:.3g} s for "
                    "the given flags" + ("" if own_fits else ", which do not fit") + " at H200 rates, "

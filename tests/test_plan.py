@@ -639,6 +639,7 @@ def test_help_lists_run_flags_and_plan_help_planner_flags(capsys):
 
 
 def _listed(out):
+    out = out.split("\nnot listed, the run's checks refuse them:")[0]   # (the refused layouts, with why: after it)
     rows = re.findall(r"--cp (\d+) --dp-shard (\d+)(?: --cp-impl (\w+))?(?: --ulysses-degree (\d+))?", out)
     assert all(impl or c == "1" for c, s, impl, u in rows), out   # (--cp-impl: where cp > 1 only)
     return [(int(c), int(s), impl or "ulysses", int(u) if u else None) for c, s, impl, u in rows]
@@ -664,6 +665,8 @@ def test_suggest_lists_only_valid_layouts():
         listed.append((d.cp, d.dp_shard, d.ring, d.ulysses))
     assert set(listed) == valid and len(listed) == len(valid), out
     assert listed == sorted(listed, key=lambda x: (x[0], x[2])), "least communication first: small cp, ring"
+    assert "not listed, the run's checks refuse them:\n  --cp 8 --dp-shard 1 --cp-impl ulysses: --cp-impl ulysses " \
+        "with --cp 8: the 28 attention heads are not divisible by the Ulysses degree 8" in out, out   # (said)
     rows, out = run_plan(*common, "--gpu-mem", "30")   # 128k tokens of 7B on 30 GB: cp 4 and 8 (~23, ~14 GB)
     fit = _listed(out)
     assert fit and len(fit) < len(valid) and all(c >= 4 for c, *_ in fit), out
@@ -722,6 +725,18 @@ def test_max_len_auto_looks_past_the_attention_backwards_smaller_blocks(gpu, wan
                                                                                       gpu, 512), out
     assert _fits_at(262_144 + 1024, ["--tiled-mlp"], 1, gpu, 512) and not _fits_at(262_144, ["--tiled-mlp"], 1, gpu,
                                                                                        512), "not the case it pins"
+
+
+def test_host_memory_refusal_rounds_both_sides_alike():
+    """The host check's two numbers at one precision (review, helper 81: "3.5 GB of offloaded checkpoints >
+    --host-mem 4 GB", the flag rounded to a whole GB, read as a contradiction)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        train.main(["--plan", "--model", Q7, "--world-size", "8", "--cp", "8", "--max-len", "146432", "--tiled-mlp",
+                    "--offload-activations", "--gpu-mem", "80", "--host-mem", "3.53"])
+    said = str(e.value) + out.getvalue()
+    assert "3.54 GB of offloaded checkpoints > --host-mem 3.53 GB per rank" in said, said
+    assert "(--host-mem 3.53 GB)" in said, said
 
 
 def test_suggest_max_len_auto_names_the_flags():

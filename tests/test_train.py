@@ -982,7 +982,7 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
     with no_weights(), pytest.raises(SystemExit):   # argparse's: a run's and the planner's --max-len
         train.main(train_argv(assets, out, "--max-len", "0"))
     err = capsys.readouterr().err
-    assert "argument --max-len: 0: a sample is truncated to --max-len tokens, so it must be at least 1" in err, err
+    assert "argument --max-len: 0: a sample is truncated to --max-len tokens, so it must be at least 2" in err, err
     cases = {
         "world size": (["--dp-shard", "2"], ["--dp-shard 2", "= 2 but the world size is 1"]),
         "global batch": (["--global-batch", "6", "--micro-batch", "4"],
