@@ -87,6 +87,9 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
             if os.path.isfile(os.path.join(path, "meta.json")) else None
         raise ValueError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {str(e).strip()[:300]})"
                          + (f"; the previous good one is {prev!r}: export that one" if prev else "")) from None
+    if model is not None and (why := _misfit(lora, read_args(model, args.get("rope_scaling")))):   # (a run that
+        raise ValueError(f"--model {model!r} is not the base this run trained on: {why}; pass that base")   # records
+    # no fingerprint, the demo's: any base was taken, the mistake found only by the merge or peft; review, helper 81)
     bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
@@ -100,3 +103,24 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
                   args.get("model_sha256"), tied=read_meta(path).get("tie_embeddings", False))   # (a checkpoint from
     # before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)
     return path
+
+
+def _misfit(tensors: dict, m) -> str | None:
+    """Why the trained `tensors` (our names: LoRA A [r, in], B [out, r], DoRA's magnitude [out], trained norms and the
+    embedding) do not fit the model of ModelArgs `m`, or None."""
+    proj = {"q_proj": (m.n_heads * m.head_dim, m.dim), "k_proj": (m.n_kv_heads * m.head_dim, m.dim),
+            "v_proj": (m.n_kv_heads * m.head_dim, m.dim), "o_proj": (m.dim, m.n_heads * m.head_dim),
+            "gate_proj": (m.intermediate_size, m.dim), "up_proj": (m.intermediate_size, m.dim),
+            "down_proj": (m.dim, m.intermediate_size)}   # (out, in)
+    for k, t in tensors.items():
+        parts, shape = k.split("."), tuple(t.shape)
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= m.n_layers:
+            return f"{k} is in block {parts[2]}, and the model has {m.n_layers}"
+        name = next((p for p in parts if p in proj), None)
+        out, inp = proj.get(name, (None, None))
+        want = (shape[0], inp) if ".lora_A." in k else (out, shape[1]) if ".lora_B." in k else (out,) \
+            if "lora_magnitude_vector" in k else (m.vocab_size, m.dim) if "embed_tokens" in k else \
+            (m.head_dim,) if k.endswith(("q_norm.weight", "k_norm.weight")) else (m.dim,)
+        if shape != want:
+            return f"{k} is {list(shape)}, the model's is {list(want)}"
+    return None

@@ -1427,6 +1427,19 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path, capsys, monk
         code, err = cli("--out", bad, cwd=user)
         assert code == 2 and said in err, err
         assert os.listdir(user) == ["thesis.txt"] and (user / "thesis.txt").read_text() == "mine"
+    # --model of another shape, for a run that recorded no fingerprint of its base (the demo's): refused by the
+    # shapes of the trained tensors (review, helper 81: any base was taken, the adapter then named it)
+    blind = shutil.copytree(os.path.join(done, "ckpt", "step_000004"), tmp_path / "blind" / "ckpt" / "step_000004")
+    meta = json.load(open(blind / "meta.json"))
+    meta["args"]["model_sha256"] = None
+    json.dump(meta, open(blind / "meta.json", "w"))
+    from tests.helpers import tiny_checkpoint
+    for kw in (dict(head_dim=4), dict(layers=1), dict(inter=32)):
+        wrong = tiny_checkpoint(tmp_path / f"wrong_{'_'.join(map(str, kw.values()))}", **kw)
+        with pytest.raises(ValueError, match=f"--model {wrong!r} is not the base this run trained on: model.layers"):
+            export(str(blind), str(tmp_path / "never"), model=wrong)
+    assert not (tmp_path / "never").exists()
+    export(str(blind), str(tmp_path / "fits"), model=assets["model"])   # (its own base: every shape fits)
     other = tmp_path / "other_run"   # another run's export folder: replaced at its next export (review, helper 80)
     (other / "adapter").mkdir(parents=True)
     (other / "config.json").write_text('{"global_batch": 8}')
