@@ -63,7 +63,7 @@ def chat_tokens(tokenizer, messages: list[dict], where: str,
     """Token ids, target flags and the [t0, t1) tokens of the chat's document (`document_chars`; None: unknown).
     `tools`: the record's tool definitions, rendered where the template writes them (`with_tools`)."""
     weights = [m.get("weight", 1) for m in messages if m["role"] == "assistant"]   # OpenAI's fine-tuning format
-    if bad := [w for w in weights if w not in (0, 1)]:
+    if bad := [w for w in weights if isinstance(w, bool) or w not in (0, 1)]:   # (JSON's true is no 1: a typo of 1?)
         raise DataError(f"{where}: an assistant message's \"weight\" is {bad[0]!r}: it is 0 (not trained on: context "
                         "only) or 1 (trained on, as without the key)")
     tokenizer = with_tools(tokenizer, tools, where, messages)

@@ -283,7 +283,7 @@ class StopSignals:
     def stopped(self, signum: int, step: int, where: str | None, afresh: str = "run again with --overwrite",
                 auto: bool = False) -> Stopped:
         name = signal.Signals(signum).name
-        saved = f"steps 1..{step} are saved in {where}" if where else \
+        saved = (f"steps 1..{step} are saved" if step > 1 else "step 1 is saved") + f" in {where}" if where else \
             f"no step had finished: nothing to save; {afresh}"
         msg = f"stopped on {name} before step {step + 1}'s update: {saved}"
         self.acted = True

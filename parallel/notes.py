@@ -109,7 +109,8 @@ def length(args, order, dpo: bool, ckpt: str | None, ended: int | None, lr_at, l
     steps = ended if ended is not None else steps   # (a run that stopped early ended there)
     notes, epochs, sched = [], args.epochs or 1, args.schedule_steps or steps
     if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
-        notes.append(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {what}s in {steps} steps of "
+        notes.append(f"note: {'one epoch' if epochs == 1 else f'{epochs:g} epochs'}, {n} {what}s in {steps} "
+                     f"step{'s' * (steps != 1)} of "
                      f"{args.global_batch}: the last step also trains {extra} " + (
                          "of the next epoch's order" if epochs == int(epochs) else "more of the data order") +
                      " (--steps sets the length)")

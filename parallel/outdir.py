@@ -112,6 +112,9 @@ def check_out(out: str | None, *, resume: str | None = None, overwrite: bool = F
     if not out:
         raise ValueError("--out is empty (an unset variable?): pass a directory path, or leave --out out for a fresh "
                          "runs/<date-time>")
+    if out.split(os.sep)[0].startswith("~"):   # (--out=~/x: no shell expands a ~ after '='; it made ./~/x, review,
+        raise ValueError(f"--out {out!r} starts with a '~' no shell expanded (after '=' or in quotes), so it would "
+                         f"be a folder named '~' here: pass --out {os.path.expanduser(out)}")   # helper 80)
     if why := inside_a_run(out):
         raise ValueError(f"--out {why}. Pass a directory outside it")
     up = _nearest(os.path.dirname(os.path.abspath(out)))

@@ -472,7 +472,7 @@ def test_an_assistant_message_of_weight_0_is_context_not_a_target(tok):
         said[1] == ("warning: --data f.jsonl: 1 of 2 records (50.0%) have no target token within --max-len 12 and are "
                     "not trained on (line 5); a longer --max-len keeps them"), said
     import re
-    for w in (0.5, 2, "0", None):
+    for w in (0.5, 2, "0", None, True, False):   # (JSON's true and false are not 1 and 0: said, not taken as them)
         with pytest.raises(DataError, match=rf"f.jsonl, line 2: an assistant message's \"weight\" is "
                                             rf"{re.escape(repr(w))}: it is 0 \(not trained on: context only\) or 1"):
             tokenize_records([{"messages": [U("Q?"), A("a", weight=w)], "line": 2}], tok, 10_000, "f.jsonl")

@@ -170,6 +170,8 @@ def test_out_is_checked_where_it_is_written(tmp_path):
         _refused(lambda o=overwrite: runs.claim(str(user / "typo" / ".."), overwrite=o),
                  "its config.json is not train.py's", "not a train.py run directory")
     _refused(lambda: outdir.check_out(""), "--out is empty")
+    _refused(lambda: outdir.check_out("~/runs/x"), "'~/runs/x' starts with a '~' no shell expanded",
+             f"pass --out {os.path.expanduser('~/runs/x')}")   # (--out=~/runs/x: made ./~/runs/x)
     os.symlink(str(tmp_path / "nowhere"), str(tmp_path / "dang"))
     _refused(lambda: outdir.check_out(str(tmp_path / "dang" / "sub")), f"{str(tmp_path / 'dang')!r} is a link to",
              "which does not exist")

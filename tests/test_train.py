@@ -961,7 +961,7 @@ def test_a_signal_on_one_rank_stops_all_and_resume_trains_as_uninterrupted(asset
     import train
 
     out = _at(four, "stop_cp2_dp2_ring")
-    msg = f"stopped on SIGTERM before step 2's update: steps 1..1 are saved in {os.path.join(out, 'ckpt')}"
+    msg = f"stopped on SIGTERM before step 2's update: step 1 is saved in {os.path.join(out, 'ckpt')}"
     assert four["stopped"] == [(msg, 128 + signal.SIGTERM, 6)] * 4, four["stopped"]   # each rank: 6 micro-batches
     assert open(os.path.join(out, "ckpt", "latest")).read() == "step_000001"
     assert [m["step"] for m in _metrics(out)] == [1] and not os.path.exists(os.path.join(out, "adapter"))
