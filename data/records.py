@@ -127,7 +127,8 @@ def parse_record(raw: str, path: str | Path, n: int) -> dict:
     except json.JSONDecodeError as e:
         end = " (the line's end: cut short?)" if e.pos >= len(raw.rstrip("\r\n")) else ""
         hint = ("; the file looks like one JSON array, not JSON Lines: write one record a line, e.g. "
-                "`jq -c '.[]' FILE`" if raw.strip() == "[" else "")
+                "`jq -c '.[]' FILE`" if raw.strip() == "[" else "; the file is a Git LFS pointer, not the data: fetch "
+                "it (`git lfs pull`)" if raw.startswith("version https://git-lfs.github.com/spec/") else "")
         raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.pos + 1}{end}){hint}") from None
     rec = _normalise(obj, path, n)
     if SURROGATE_ESCAPE.search(raw):   # json.loads keeps a lone half; the tokenizer would raise a TypeError

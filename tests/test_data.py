@@ -1250,6 +1250,8 @@ BAD_LINES = [
     ("[", "not valid JSON (Expecting value at column 2 (the line's end: cut short?)); the file looks like one JSON "
           "array, not JSON Lines"),
     ('{"text": "a",, "b": 1}', "not valid JSON (Expecting property name enclosed in double quotes at column 14)"),
+    ("version https://git-lfs.github.com/spec/v1", "not valid JSON (Expecting value at column 1); the file is a "
+                                                    "Git LFS pointer, not the data: fetch it (`git lfs pull`)"),
     ("[1, 2]", "expected a JSON object, got list"),
     ('{"foo": "a"}', 'has none of "text", "prompt"/"completion", "messages"'),
     ('{"prompt": "a"}', '"completion" must be a string, got nothing'),
