@@ -48,7 +48,7 @@ from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.metrics import SINKS, TB_DIR, Metrics
-from parallel.plan_search import PLAN_FLAGS, max_len_arg
+from parallel.plan_cli import PLAN_FLAGS, max_len_arg
 from parallel.preference import Preference
 from parallel.profiler import StepProfiler
 

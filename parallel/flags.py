@@ -9,7 +9,7 @@ Contract:
   projections' rank, --lora-layers against the blocks, --ac-group / --ac-blocks against them, --init-adapter's LoRA
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).
 - `parallel.mesh.validate` calls both (the one start-up check of a run's flags); `preflight.check_start` calls
-  `check_flags` before the process group, `plan_search` both before its searches, `plan_speed` `check_flags` on
+  `check_flags` before the process group, `plan_cli` both before its searches, `plan_speed` `check_flags` on
   each flag set it tries; `ac.apply_ac` and `build_model` call `check_ac`.
 """
 

@@ -7,7 +7,8 @@ Contract:
   device memory and raises SystemExit naming what to change when it does not fit. `--suggest` lists
   every valid (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
 - `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts); bench/plan.py measures it.
-- The command line (`main`) lives in parallel/plan_search.py, with `--host-mem` and `--max-len auto`.
+- The command line (`main`) lives in parallel/plan_cli.py, with `--host-mem` and `--max-len auto` (the searches:
+  parallel/plan_search.py).
 
 Notation, per rank and micro-batch: T tokens (micro-batch · max-len padded to the CP divisor, / cp), D hidden,
 H heads, K KV heads, K' the KV heads a rank attends with (max(K, U) under Ulysses degree U: replicated KV),
@@ -461,6 +462,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
 
 def main(argv, run_parser, demo: dict):
-    """train.py --plan: the command line lives in parallel/plan_search.py (verdicts, fixes, searches)."""
-    from parallel.plan_search import main as cli
+    """train.py --plan: the command line lives in parallel/plan_cli.py (verdicts, fixes; searches: plan_search.py)."""
+    from parallel.plan_cli import main as cli
     return cli(argv, run_parser, demo)

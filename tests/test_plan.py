@@ -633,7 +633,7 @@ def test_help_lists_run_flags_and_plan_help_planner_flags(capsys):
         assert flag not in run_help and flag in plan_help, flag
     assert "--lr" in run_help and "--max-len" in plan_help
     # PLAN_FLAGS (a run given one is told to add --plan) are exactly the planner's own: the list cannot drift
-    from parallel.plan_search import PLAN_FLAGS
+    from parallel.plan_cli import PLAN_FLAGS
     flags = lambda text: set(re.findall(r"^  (--[a-z][a-z0-9-]*)", text, re.M))   # each option's own line
     assert flags(plan_help) - flags(run_help) == set(PLAN_FLAGS), flags(plan_help) - flags(run_help)
 
