@@ -1355,7 +1355,8 @@ def test_torchrun_forwards_sigterm_and_a_second_stop_by_ctrl_c(assets, tmp_path)
     rc, log, took = _stop_cli(two, env, signal.SIGTERM)   # torchrun sends it on to both workers
     step = _saved_step(out)
     assert rc != 0 and rc != -9 and took < 29, (rc, took, log[-3000:])   # before torchrun's 30 s grace: SIGKILL
-    assert 1 <= step < 100 and f"stopped on SIGTERM before step {step + 1}'s update: steps 1..{step} are saved in " \
+    saved = f"steps 1..{step} are saved" if step > 1 else "step 1 is saved"
+    assert 1 <= step < 100 and f"stopped on SIGTERM before step {step + 1}'s update: {saved} in " \
         f"{out}/ckpt — continue with the same command plus --resume {out}/ckpt" in log, log[-3000:]
     one = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(assets, out, "--steps", "100", "--resume",
                                                                         os.path.join(out, "ckpt"))]
