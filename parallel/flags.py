@@ -58,6 +58,8 @@ def check_flags(args) -> None:
             raise ValueError(f"--ulysses-degree {ud} applies only with --cp-impl hybrid (got --cp-impl "
                              f"{getattr(args, 'cp_impl', None)}): add --cp-impl hybrid, or drop it")
     rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
+    if getattr(args, "data_cache", None) == "":   # (an unset variable: it turned the cache off without a word)
+        raise ValueError("--data-cache is empty (an unset variable?): pass a directory, or none to turn the cache off")
     if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
         from model.adapter_read import check_init_adapter
         if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(

@@ -185,6 +185,8 @@ def main(argv, run_parser, demo: dict):
           f"{_on(args.offload_activations)}, LoRA r {args.lora_r}{' DoRA' * getattr(args, 'dora', False)}"
           f"{f' on blocks {args.lora_layers}' if getattr(args, 'lora_layers', None) else ''}; "
           f"{p.notes[0]}")
+    if beyond := margs.beyond_context(args.max_len):   # (the run says it too, at start-up: review, helper 81)
+        print(beyond)
     print(f"  {'per-rank memory':<72}{un:>8}")
     for k, v in p.terms.items():
         print(f"  {k:<72}{v / u:8.2f}")

@@ -608,7 +608,17 @@ SAME_REFUSALS = [["--dp-shard", "2"], ["--cp", "2", "--cp-impl", "ulysses", "--m
                  ["--ac-blocks", "9"], ["--ac-keep-attn", "--no-ac"], ["--ac-keep-attn", "--ac-group", "2"],
                  ["--ac-keep-attn", "--offload-activations"], ["--ac-keep-attn", "--ac-blocks", "0"],
                  ["--tiled-attn", "--ac-keep-attn"], ["--offload-activations", "--no-ac"], ["--ac-group", "9"],
-                 ["--lora-r", "17"]]
+                 ["--lora-r", "17"], ["--data-cache", ""]]
+
+
+def test_an_empty_data_cache_is_refused_not_taken_as_off():
+    """--data-cache "" (an unset variable) turned the token cache off without a word; now it is refused, naming
+    `none` for that (review, helper 80)."""
+    from parallel.flags import check_flags
+
+    with pytest.raises(ValueError, match="--data-cache is empty \\(an unset variable\\?\\): pass a directory, or none"):
+        check_flags(train.build_parser().parse_args(["--data-cache", ""]))
+    check_flags(train.build_parser().parse_args(["--data-cache", "none"]))
 
 
 @pytest.mark.parametrize("flags", SAME_REFUSALS, ids=lambda f: " ".join(f))
@@ -670,6 +680,17 @@ def test_suggest_lists_only_valid_layouts():
     rows, out = run_plan(*common, "--gpu-mem", "30")   # 128k tokens of 7B on 30 GB: cp 4 and 8 (~23, ~14 GB)
     fit = _listed(out)
     assert fit and len(fit) < len(valid) and all(c >= 4 for c, *_ in fit), out
+
+
+def test_plan_says_a_max_len_past_the_models_context_as_the_run_does():
+    """--plan past max_position_embeddings prints the run's own start-up warning (ModelArgs.beyond_context), with
+    the scaling that would cover it; within it, nothing (review, helper 81: only the run said it)."""
+    from model.load import read_args
+
+    _, out = run_plan("--model", Q7, "--max-len", "262144", "--gpu-mem", "1000")
+    assert read_args(Q7).beyond_context(262144) in out.splitlines() and "--rope-scaling yarn:2" in out, out
+    _, out = run_plan("--model", Q7, "--max-len", "131072", "--gpu-mem", "1000")
+    assert "reaches past" not in out, out
 
 
 def test_sliding_window_models_are_planned_not_refused():
