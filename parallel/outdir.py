@@ -87,7 +87,8 @@ def inside_a_run(path: str, but: str | None = None) -> str | None:
     that run, its resume or an --overwrite of it deletes or replaces; None otherwise (links resolved). Until
     2026-12-06 a run, an export or a merge into another run's ckpt/step_N/ or adapter/ was taken, and lost there
     (review, helper 80). `but`: a run whose own entries are not asked about (an export of its own checkpoint)."""
-    real, p, own = os.path.realpath(path), os.path.realpath(path), but and os.path.realpath(but)
+    real = p = os.path.realpath(path)
+    own = but and os.path.realpath(but)
     while (up := os.path.dirname(p)) != p:
         owned = up != own and any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in OWNED)
         if owned and (used := _entries(up)) and any(e in MARKERS for e in used) and _not_a_run(up, used) is None:
