@@ -203,7 +203,8 @@ def build_parser(add_help=True):
     a("--timeout", type=float, default=30.0, help="minutes without progress (a stuck rank) before the job ends")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
     a("--report-to", nargs="+", choices=sorted(SINKS), default=None, metavar="SINK", help="also log each step's "
-      f"metrics to: {', '.join(sorted(SINKS))} (OUT/tensorboard; metrics.jsonl is always written)")
+      f"metrics to: {', '.join(sorted(SINKS))} (OUT/tensorboard; W&B: a run named after OUT, configured by "
+      "WANDB_PROJECT, WANDB_MODE=offline ...; metrics.jsonl is always written)")
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")

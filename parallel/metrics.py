@@ -7,13 +7,15 @@ Contract:
    (`resume_step`) again, so every sink first drops, or hides, what it holds past that step: metrics.jsonl rewrites
    itself without those lines, TensorBoard's folder likewise (`TensorBoard`); a resume without `--report-to
    tensorboard` of a run that had it rewrites that folder too, so its later steps never reappear beside new ones.
+   W&B cannot drop rows: a resume that would log a step again opens a new W&B run (parallel/sink_wandb.py).
    None: a fresh run, which never overwrites: a sink whose files are already there is refused.
 3. `MetricsLog` keeps metrics.jsonl strict JSON (non-finite floats are written as null, their kind listed under
    "nonfinite"), its lines unbuffered, and a resume's rewrite atomic (a temporary file renamed: a crash leaves the
    old file or the new one).
-4. A sink of your own (W&B, MLflow, a CSV): a class in `SINKS`, `Sink(out, resume_step=N|None)` with `write(rec)`
-   and `close()`, its files named in parallel/outdir.py's `OWNED` (so --overwrite removes them), keeping 2. Its
-   writes run on rank 0 inside guard.on_rank0: an exception stops every rank at that step, naming it.
+4. A sink of your own (MLflow, a CSV; parallel/sink_wandb.py is one): a class in `SINKS`, `Sink(out,
+   resume_step=N|None)` with `write(rec)` and `close()`, its files named in parallel/outdir.py's `OWNED` (so
+   --overwrite removes them), keeping 2. Its writes run on rank 0 inside guard.on_rank0: an exception stops every
+   rank at that step, naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import importlib.util
 import json
 import math
 import os
+
+from parallel.sink_wandb import WandB, check_key, mark_stale
 
 TB_DIR = "tensorboard"
 
@@ -155,7 +159,7 @@ def _drawn(path: str, step: int) -> list[tuple]:
     return sorted(kept.values(), key=lambda x: (x[1], x[3]))
 
 
-SINKS = {"tensorboard": (TensorBoard, "tensorboard")}   # name -> (class, the package it needs)
+SINKS = {"tensorboard": (TensorBoard, "tensorboard"), "wandb": (WandB, "wandb")}   # name -> (class, its package)
 
 
 def check_sinks(report_to: list[str] | None) -> None:
@@ -165,6 +169,8 @@ def check_sinks(report_to: list[str] | None) -> None:
         if package and importlib.util.find_spec(package) is None:
             raise ValueError(f"--report-to {name} needs the {package} package, which this python lacks: pip install "
                              f"{package} (make install installs it), or drop --report-to {name}")
+        if name == "wandb":
+            check_key()
 
 
 class Metrics:
@@ -180,6 +186,8 @@ class Metrics:
             if resume_step is not None and "tensorboard" not in (report_to or ()) and \
                     os.path.isdir(os.path.join(out, TB_DIR)) and importlib.util.find_spec("tensorboard"):
                 TensorBoard(out, resume_step=resume_step).close()   # (its run had it: its later steps go as well)
+            if resume_step is not None and "wandb" not in (report_to or ()):
+                mark_stale(out, resume_step)   # (steps the W&B run holds are trained again without it)
         except BaseException:
             self.close()
             raise

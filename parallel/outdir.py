@@ -29,7 +29,8 @@ OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter",
          "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "adapter.abandoned*",
          "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt", "profile-rank*.txt",
          "loss.png", "reference_logps.pt", "reference_logps.pt.tmp", "reference_logps_eval.pt",
-         "reference_logps_eval.pt.tmp", "tensorboard", LOCK)   # (* : fnmatch; .tmp/.old: the names until 2026-12-02)
+         "reference_logps_eval.pt.tmp", "tensorboard", "wandb", LOCK)   # (* : fnmatch; .tmp/.old: the names until
+# 2026-12-02)
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one
 # when they are train.py's own (`_not_a_run`)
 MARKERS = ("config.json", "metrics.jsonl", "ckpt")

@@ -1,6 +1,7 @@
 """Small shared builders for tests: tiny random checkpoints made with transformers, train.py argv and guards."""
 
 import contextlib
+import json
 import math
 import os
 
@@ -184,6 +185,54 @@ def tensorboard_scalars(out) -> dict:
                  for tag in served.Tags()["tensors"]}
     assert repr(as_served) == repr(drawn), f"tensorboard --logdir draws {as_served}, EventAccumulator {drawn}"
     return drawn
+
+
+def wandb_runs(out) -> dict:
+    """OUT/wandb's offline runs as W&B holds them: {run id: {"name", "group", "rows": [(step, {key: value})]}}, each
+    .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each record a protobuf of wandb's own
+    schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one folder per start."""
+    import glob
+    import time
+
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))):
+        for _ in range(300):   # wandb-core writes the log in its own process: a finished run's ends with "exit"
+            data = open(path, "rb").read()
+            if any(r.HasField("exit") for r in _wandb_records(data)):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"{path}: no exit record after 30 s (the run never finished)")
+        run = None
+        for rec in _wandb_records(data):
+            if rec.HasField("run"):
+                run = runs.setdefault(rec.run.run_id, {"name": rec.run.display_name, "group": rec.run.run_group,
+                                                       "rows": []})
+            elif rec.HasField("history"):
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                run["rows"].append((rec.history.step.num, {k: v for k, v in row.items() if not k.startswith("_")}))
+    return runs
+
+
+def _wandb_records(data: bytes):
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    assert data[:4] == b":W&B", f"not a W&B record log ({data[:7]!r})"
+    pos, part = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        n, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+        if n == 0 and kind == 0:   # the rest of a block: padding
+            pos += left
+            continue
+        if pos + 7 + n > len(data):   # (a record still being written)
+            return
+        part, pos = part + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):   # (FULL or LAST: the record is whole)
+            yield pb.Record.FromString(part)
+            part = b""
 
 
 def as_scalars(records) -> dict:

@@ -624,6 +624,92 @@ def test_tensorboard_sink_draws_each_record_when_it_is_written(tmp_path):
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1]
 
 
+def _wandb_env(monkeypatch, tmp_path, mode="offline"):
+    """W&B offline, and no key, settings or netrc of this machine's user in sight."""
+    for k in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    if mode:
+        monkeypatch.setenv("WANDB_MODE", mode)
+
+
+def test_wandb_sink_logs_each_step_once_across_resumes(tmp_path, monkeypatch, capsys):
+    """--report-to wandb, read back from wandb's own record log (tests/helpers.wandb_runs): each record a row at its
+    step (numbers only; NaN kept, flags and booleans not), the run named and grouped after OUT. A resume from the
+    W&B run's last step goes on in that run; one from below it (the steps after it are trained again, and W&B ignores
+    a row at a step it holds) opens a new run, OUT@STEP, in the group, and says so; so does one after a resume
+    without the flag trained from below it. A fresh run into a folder holding a W&B run is refused."""
+    from tests.helpers import wandb_runs
+
+    _wandb_env(monkeypatch, tmp_path)
+    out = str(tmp_path / "myrun")
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({"lr": 0.001, "steps": 9}, f)
+    rec = lambda k: {"step": k, "loss": 1.0 / k, "grad_norm": 0.5, "tokens": 96, "profiled": True}  # noqa: E731
+
+    def segment(steps, resume_step, report_to=("wandb",)):
+        log = metrics.Metrics(out, list(report_to), resume_step=resume_step)
+        try:
+            for k in steps:
+                log.write(rec(k))
+        finally:
+            log.close()
+
+    segment([1, 2, 3], None)
+    (first, run), = wandb_runs(out).items()
+    assert (run["name"], run["group"]) == ("myrun", "myrun"), run
+    assert run["rows"] == [(k, {"loss": 1.0 / k, "grad_norm": 0.5, "tokens": 96}) for k in (1, 2, 3)], run["rows"]
+    segment([4], 3)   # (a stop that saved step 3: nothing logged twice)
+    assert list(wandb_runs(out)) == [first] and [k for k, _ in wandb_runs(out)[first]["rows"]] == [1, 2, 3, 4]
+    capsys.readouterr()
+    segment([3, 4, 5], 2)   # steps 3 and 4 again
+    assert f"note: the W&B run {first} holds steps up to 4, and those past 2 are trained again: this run's go to a " \
+        "new W&B run, myrun@2, in group myrun" in capsys.readouterr().out
+    runs_now = wandb_runs(out)
+    (second, run), = [(k, v) for k, v in runs_now.items() if k != first]
+    assert (run["name"], run["group"]) == ("myrun@2", "myrun") and [k for k, _ in run["rows"]] == [3, 4, 5], run
+    assert [k for k, _ in runs_now[first]["rows"]] == [1, 2, 3, 4], "the first run is left as it was"
+    segment([2, 3, 4, 5, 6], 1, report_to=())   # without the flag, from below step 5, to past it: W&B's run
+    capsys.readouterr()
+    segment([7], 6)   # holds steps 3-5 this run no longer has, so step 7 goes to a new one
+    assert f"note: the W&B run {second} holds steps up to 5, and a resume without --report-to wandb trained some " \
+        "of them again: this run's go to a new W&B run, myrun@6, in group myrun" in capsys.readouterr().out
+    third = [k for k in wandb_runs(out) if k not in (first, second)]
+    assert len(third) == 1 and wandb_runs(out)[third[0]]["name"] == "myrun@6", wandb_runs(out)
+    assert wandb_runs(out)[third[0]]["rows"] == [(7, {"loss": 1 / 7, "grad_norm": 0.5, "tokens": 96})]
+    assert [k for k, _ in wandb_runs(out)[second]["rows"]] == [3, 4, 5]
+    before = sorted(os.listdir(os.path.join(out, "wandb")))
+    with pytest.raises(ValueError, match="already holds a W&B run; a fresh run never adds to another's"):
+        metrics.WandB(out)   # (claim refuses the folder first; this is the sink's own guard)
+    assert sorted(os.listdir(os.path.join(out, "wandb"))) == before
+
+
+def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
+    """Online with no API key anywhere wandb documents (WANDB_API_KEY, ~/.netrc from `wandb login`), wandb.init
+    would refuse after the model is built, or ask at a terminal with the other ranks waiting: said at start-up. A key
+    in either place, offline or disabled, passes."""
+    _wandb_env(monkeypatch, tmp_path, mode=None)
+    with pytest.raises(ValueError, match=r"--report-to wandb: no W&B API key for api.wandb.ai here \(no WANDB_API_KEY, "
+                                         r"no ~/.netrc entry\): run `wandb login`, set WANDB_API_KEY, or "
+                                         r"WANDB_MODE=offline"):
+        metrics.check_sinks(["wandb"])
+    metrics.check_sinks(["tensorboard"])
+    os.makedirs(tmp_path / "home")
+    (tmp_path / "home" / ".netrc").write_text("machine example.org login user password x\n")
+    with pytest.raises(ValueError, match="no W&B API key"):
+        metrics.check_sinks(["wandb"])   # (another host's entry)
+    (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    os.chmod(tmp_path / "home" / ".netrc", 0o600)
+    metrics.check_sinks(["wandb"])
+    for env in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}, {"WANDB_API_KEY": "k" * 40}):
+        _wandb_env(monkeypatch, tmp_path, mode=None)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        metrics.check_sinks(["wandb"])
+
+
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():
     """config.json: `json.loads` gives back the dict as it was (strings that look like lists untouched, booleans,
     floats, nested lists), and 10,000 held-out lines of --eval-split take one line, not 10,000."""

@@ -697,6 +697,33 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     assert not os.path.exists(bare)
 
 
+def test_wandb_rows_are_metrics_jsonl_across_a_resume(assets, tmp_path, monkeypatch, capsys):
+    """--report-to wandb (offline; read back from wandb's own record log): its run's rows are metrics.jsonl's numbers
+    at their steps, config OUT's; a resume from step 2 of 4 logs steps 3 and 4 to a new run in the group (W&B ignores
+    a row at a step it holds), = metrics.jsonl's lines for them. Online with no API key: refused at start-up, before
+    any weight is read, nothing written."""
+    from tests.helpers import wandb_runs
+    from tests.test_runs import _wandb_env
+
+    _wandb_env(monkeypatch, tmp_path)
+    out, wb = str(tmp_path / "out"), ["--report-to", "wandb", "--eval-every", "2", "--save-every", "2",
+                                      "--eval-data", assets["data"]]
+    rows = lambda rs: [(r["step"], {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float))  # noqa
+                                    and not isinstance(v, bool)}) for r in rs]
+    run(train_argv(assets, out, "--steps", "4", *wb))
+    (first, held), = wandb_runs(out).items()
+    assert held["name"] == "out" and held["rows"] == rows(metrics(out)) and "eval_loss" in held["rows"][1][1], held
+    run(train_argv(assets, out, "--steps", "4", *wb, "--resume", os.path.join(out, "ckpt", "step_000002")))
+    assert "go to a new W&B run, out@2, in group out" in capsys.readouterr().out
+    (second, held), = [(k, v) for k, v in wandb_runs(out).items() if k != first]
+    assert held["rows"] == rows(metrics(out)[2:]) and [k for k, _ in held["rows"]] == [3, 4], held
+    _wandb_env(monkeypatch, tmp_path, mode=None)
+    bare = str(tmp_path / "bare")
+    assert startup_error(train_argv(assets, bare, "--report-to", "wandb")).startswith(
+        "--report-to wandb: no W&B API key for api.wandb.ai here")
+    assert not os.path.exists(bare)
+
+
 def test_tensorboard_resume_killed_before_removing_the_older_files_keeps_each_step_once(tmp_path, monkeypatch):
     """A resume killed between its new events file and the older files' removal: the next resume's rewrite draws each
     step once (the killed one's copies beside the originals are not both kept), as TensorBoard's reader then shows."""

@@ -1,0 +1,105 @@
+"""--report-to wandb: each step's record as a Weights & Biases run's history row, at its step (parallel/metrics.py's
+contract: each step logged once, as the uninterrupted run logged it).
+
+- W&B is configured by its own environment variables, read by wandb itself: WANDB_PROJECT and WANDB_ENTITY (where
+  the run goes; W&B's default project otherwise), WANDB_API_KEY or `wandb login` (the key), WANDB_MODE=offline (no
+  network: `wandb sync OUT/wandb/offline-run-*` uploads it later). The run is named after OUT, grouped under that
+  name, its config OUT/config.json's flags; wandb's own files go to OUT/wandb.
+- A W&B run cannot drop history rows (metrics.jsonl drops the steps past a resume's checkpoint, TensorBoard's folder is
+  rewritten without them), and a row at a step it already holds is ignored, so a resume that would log some step
+  again opens a new W&B run in the same group, named OUT@STEP (STEP: the resume's checkpoint), and says so: each of
+  its steps is this run's. A resume whose steps are all new to the W&B run (a stop that saved its last step: SIGTERM,
+  a preemption notice) goes on in the same W&B run.
+- OUT/wandb/run.json keeps the W&B run's id and the highest step logged to it, written before the row (a crash
+  between the two can only make the next resume open a new run, never hide a row). A resume without --report-to
+  wandb from below that step marks it (`stale`): its steps are trained again where W&B will not see them, so the
+  next resume with it opens a new run too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+
+WANDB_DIR = "wandb"   # OUT/wandb: wandb's own files and run.json
+
+
+def check_key() -> None:
+    """At start-up: wandb.init, after the model is built, would refuse a run with no API key (or ask for one at a
+    terminal, with every other rank waiting); say it first. The places wandb reads a key from, as documented: the
+    environment, an identity token file, ~/.netrc (what `wandb login` writes); none needed offline or disabled."""
+    import netrc
+    from urllib.parse import urlparse
+
+    env = os.environ
+    if env.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or env.get("WANDB_API_KEY") or \
+            env.get("WANDB_IDENTITY_TOKEN_FILE") or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(env.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ValueError(f"--report-to wandb: no W&B API key for {host} here (no WANDB_API_KEY, no ~/.netrc entry): run "
+                     "`wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline to log locally (`wandb sync` later); "
+                     "a key wandb finds elsewhere: set WANDB_API_KEY to it")
+
+
+def _state(out: str) -> tuple[str, dict | None]:
+    path = os.path.join(out, WANDB_DIR, "run.json")
+    if not os.path.isfile(path):
+        return path, None
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def _keep(path: str, state: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)
+
+
+def mark_stale(out: str, resume_step: int) -> None:
+    """A resume without --report-to wandb, from below the W&B run's last step: the next one with it opens a new run."""
+    path, state = _state(out)
+    if state and state["last_step"] > resume_step and not state.get("stale"):
+        _keep(path, {**state, "stale": True})
+
+
+class WandB:
+    """The sink (parallel/metrics.py's contract; module docstring)."""
+
+    def __init__(self, out: str, *, resume_step: int | None = None, log=print):
+        import wandb
+
+        path, state = _state(out)
+        if resume_step is None and os.path.isdir(os.path.join(out, WANDB_DIR)):
+            raise ValueError(f"{os.path.join(out, WANDB_DIR)!r} already holds a W&B run; a fresh run never adds to "
+                             "another's. Pass --resume to continue that run, --overwrite, or a new --out")
+        name = os.path.basename(os.path.normpath(out))
+        same = state is not None and resume_step is not None and state["last_step"] <= resume_step and \
+            not state.get("stale")
+        if state is not None and not same:   # (steps after resume_step that W&B holds, or may: a new run)
+            why = "a resume without --report-to wandb trained some of them again" if state.get("stale") else \
+                f"those past {resume_step} are trained again"
+            log(f"note: the W&B run {state['id']} holds steps up to {state['last_step']}, and {why}: this run's go "
+                f"to a new W&B run, {name}@{resume_step}, in group {name}")
+        with open(os.path.join(out, "config.json")) as f:   # (written just before: the run's flags)
+            config = json.load(f)
+        os.makedirs(os.path.join(out, WANDB_DIR), exist_ok=True)
+        run_id = state["id"] if same else secrets.token_hex(6)   # (W&B run ids: lowercase letters and digits)
+        self.path, self.state = path, {"id": run_id, "last_step": state["last_step"] if same else 0}
+        _keep(path, self.state)   # (before init: a failed init leaves a run the next resume does not continue)
+        self.run = wandb.init(dir=out, id=run_id, resume="allow" if same else None, config=config, group=name,
+                              name=None if same else name if resume_step is None else f"{name}@{resume_step}")
+
+    def write(self, rec: dict) -> None:
+        self.state["last_step"] = max(self.state["last_step"], rec["step"])
+        _keep(self.path, self.state)   # first (module docstring)
+        self.run.log({k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))
+                      and not isinstance(v, bool)}, step=rec["step"])
+
+    def close(self) -> None:
+        self.run.finish()
