@@ -333,9 +333,9 @@ def fastest_flags(spec: dict, liger_gb: float | None, source: str = "liger's",
     carries one from an earlier run) and whose planned total fits 95% of the device, or, without a peak, the
     latter alone. `extra` (e.g. --compile) joins the run's flags before the search, so its start-up checks
     filter the candidates."""
-    from parallel.plan import GB
     from parallel.plan_search import SAFETY
     from parallel.plan_speed import fastest
+    from parallel.plan_totals import GB
 
     args, margs, dims, pack, target, mem = planner_inputs(spec, extra)
     if liger_gb:   # and the device: a cap above it must not pick flags that cannot run here
@@ -385,7 +385,7 @@ def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False, pair
                flags=list(flags), mem_phases=phases["ranks"][0] or phases["why"],
                step_tokens=rows[-1]["tokens"])   # (what a step processed: fewer with --dpo-share-prompt)
     if cuda:   # the allocator's reserved high-water mark against the planner's live peak x FRAGMENTATION
-        from parallel.plan import FRAGMENTATION
+        from parallel.plan_totals import FRAGMENTATION
         res.update(reserved_gb=max(r["peak_reserved_gb"] for r in rows), planned_reserved_gb=live * FRAGMENTATION)
     if profile:
         res["profile"] = os.path.join(out, "profile.txt")

@@ -131,7 +131,7 @@ CONFIGS = [
 BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,
           "cp1 nf4 16k tiled tiled-attn blocks4k v512": 4096}
 MB = 1e6
-FRAGMENTATION = 1.10   # parallel.plan.FRAGMENTATION, printed only
+FRAGMENTATION = 1.10   # parallel.plan_totals.FRAGMENTATION, printed only
 
 
 def make_assets(root: str) -> tuple[str, str]:

@@ -107,7 +107,7 @@ def device_budget(args, world: int) -> tuple[str, float, str]:
     import torch
 
     from parallel import plan_search
-    from parallel.plan import GB, RUNTIME
+    from parallel.plan_totals import GB, RUNTIME
     target, mem, where = plan_search._budget(argparse.Namespace(**{"gpu_mem": None, **vars(args)}), world)
     if target != "cuda" or getattr(args, "gpu_mem", None) or not torch.cuda.is_available():
         return target, mem, where

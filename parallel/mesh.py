@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.batches import check_batch_sizes
 from parallel.flags import check_flags, check_model_flags
+from parallel.plan_totals import sample_tokens
 
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
@@ -176,7 +177,6 @@ def validate(args, margs, world: int):
                          "and context parallelism splits the sequence across ranks already; drop one of them")
     # (--no-pack pads a row to its micro-batch's longest pair, and the padding joins the branch: 2 x --max-len there;
     # review, helper 47)
-    from parallel.plan import sample_tokens  # (plan imports model.llama: here, not at the top)
     reach = args.max_len if args.pack is not False or args.micro_batch == 1 else sample_tokens(args)
     what = f"a side's --max-len {reach:,}" if reach == args.max_len else f"an unpacked row padded to {reach:,} tokens"
     if getattr(args, "dpo_share_prompt", False) and margs.sliding_window is not None and margs.sliding_window < \

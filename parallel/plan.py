@@ -6,7 +6,8 @@ Contract:
   (`parallel.mesh.validate`: a failure raises the run's ValueError), prints the terms below against the
   device memory and raises SystemExit naming what to change when it does not fit. `--suggest` lists
   every valid (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
-- `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts); bench/plan.py measures it.
+- `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts, with its peak and total:
+  parallel/plan_totals.py); bench/plan.py measures it.
 - The command line (`main`) lives in parallel/plan_cli.py, with `--host-mem` and `--max-len auto` (the searches:
   parallel/plan_search.py).
 
@@ -136,25 +137,17 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
    norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
-Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
+Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
-`best_ac_group(L)`: the smallest G with the fewest inputs alive, ceil(L/G) + G - 1 (4 for 28 layers: 10, not 28).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from loss import CHUNK_BYTES
 from model.config import lora_layers
 from model.llama import NORM_CHUNK
 from parallel import kernels
-
-GB = 1e9
-FRAGMENTATION = 1.10   # caching-allocator (CUDA) / malloc (CPU) slack on top of the live tensors
-RUNTIME = {"cuda": 1.0e9,  # CUDA context (~0.5 GB) + NCCL communicators and their buffers
-           "cpu": 0.5e9}   # Python + torch + transformers + peft + bitsandbytes imports: 0.41 GB RSS measured
-
+from parallel.plan_totals import GB, Plan, sample_tokens, with_reference
 
 _pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
 
@@ -163,51 +156,6 @@ def quant_state_bytes(n: int) -> int:
     """bitsandbytes NF4 with nested absmax (term 1)."""
     blocks = -(-n // 64)
     return blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
-
-
-def best_ac_group(n_layers: int) -> int:
-    return min(range(1, n_layers + 1), key=lambda g: (-(-n_layers // g) + g - 1, g))
-
-
-@dataclass
-class Plan:
-    terms: dict = field(default_factory=dict)   # name -> bytes; the max() group is marked by "|"
-    notes: list = field(default_factory=list)
-    target: str = "cuda"
-    alt_activations: float = 0.0                 # activations + recompute with AC toggled, for the printout
-    host: float = 0.0                            # pinned host bytes (--offload-activations on CUDA)
-    host_each: float = 0.0                       # of one offloaded block input (HostOffload's reserve)
-    attn_block: int = 0                          # the attention backward's block (kernels.backward_block of a row)
-    attn_row: int = 0                            # the tokens of that row
-
-    @property
-    def peak(self) -> float:
-        """The larger of the step's phases: the persistent terms with the block's backward ("| block" lines, added)
-        or with the loss ("| or:" lines, added); or the end of the backward ("| end:" lines), when the
-        activations are gone."""
-        fixed = sum(v for k, v in self.terms.items() if not k.startswith("|"))
-        block = sum(v for k, v in self.terms.items() if k.startswith("| block"))
-        end = sum(v for k, v in self.terms.items() if k.startswith("| end:"))
-        acts = sum(v for k, v in self.terms.items() if k.startswith("activations:"))
-        return max(fixed + max(block, sum(v for k, v in self.terms.items() if k.startswith("| or:"))),
-                   fixed - acts + end)
-
-    @property
-    def total(self) -> float:
-        return self.peak * FRAGMENTATION + RUNTIME[self.target]
-
-
-REFERENCE_FREE = ("simpo", "orpo")   # --dpo-loss choices without a reference model (parallel/preference.py)
-
-
-def with_reference(args) -> bool:
-    """A run that computes a reference model's forward each micro-batch: --objective dpo, but for SimPO and ORPO."""
-    return getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_loss", "sigmoid") not in REFERENCE_FREE
-
-
-def sample_tokens(args) -> int:
-    """The longest sample --max-len allows: a DPO pair (--objective dpo) is two sequences of up to --max-len each."""
-    return args.max_len * (2 if getattr(args, "objective", "sft") == "dpo" else 1)
 
 
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:

@@ -27,7 +27,7 @@ import os
 
 from parallel.flags import check_flags, check_model_flags
 from parallel.mesh import validate
-from parallel.plan import FRAGMENTATION, GB, RUNTIME, memory_plan
+from parallel.plan import memory_plan
 from parallel.plan_search import (
     MAX_LEN_STEP,
     _budget,
@@ -44,6 +44,7 @@ from parallel.plan_search import (
     longest,
 )
 from parallel.plan_speed import apply_flags, cached_reference_line, fast_flags, fastest_line
+from parallel.plan_totals import FRAGMENTATION, GB, RUNTIME
 
 
 def max_len_arg(text: str) -> int:

@@ -7,6 +7,7 @@ and the device and host budgets they plan against (`_budget`, `_host_budget`). T
 `longest`: the planned total and host bytes grow with --max-len, except where the attention backward's block shrinks
 (past 4 blocks a row: kernels.backward_block), where the plan falls; each side is searched on its own. A length the
 run's validation refuses does not fit.
+`best_ac_group(L)`: the smallest G with the fewest inputs alive, ceil(L/G) + G - 1 (4 for 28 layers: 10, not 28).
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ import os
 
 from parallel import kernels
 from parallel.mesh import validate
-from parallel.plan import GB, best_ac_group, memory_plan
+from parallel.plan import memory_plan
+from parallel.plan_totals import GB
 
 MAX_LEN_STEP = 1024
 SAFETY = 0.95   # --ac-blocks suggestions keep 5% of the device free
+
+
+def best_ac_group(n_layers: int) -> int:
+    return min(range(1, n_layers + 1), key=lambda g: (-(-n_layers // g) + g - 1, g))
 
 
 def _with(args, **kw):

@@ -59,7 +59,7 @@ from __future__ import annotations
 import re
 
 from model.config import lora_layers
-from parallel.plan import sample_tokens, with_reference
+from parallel.plan_totals import sample_tokens, with_reference
 
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
@@ -195,8 +195,8 @@ def _faster(args, margs, dims, target, mem, host, pack):
 def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     """`--plan`'s "fastest:" line (CUDA plans only: the rates are a GPU's): the fastest flag set that fits 95% of
     the device, against the run's own flags."""
-    from parallel.plan import GB
     from parallel.plan_search import SAFETY
+    from parallel.plan_totals import GB
     if target != "cuda" or args.ac_group > 1:
         return None
     fits, best, own, _ = _faster(args, margs, dims, target, SAFETY * mem, host, pack)
@@ -229,8 +229,8 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
     still the H200's, the memory this machine's."""
     import argparse
 
-    from parallel.plan import GB
     from parallel.plan_search import SAFETY, _budget, _host_budget
+    from parallel.plan_totals import GB
     a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
     target, mem, where = budget or _budget(a, world)
     fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem,

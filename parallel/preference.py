@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from loss import IGNORE_INDEX
-from parallel.plan import REFERENCE_FREE
+from parallel.plan_totals import REFERENCE_FREE
 
 if TYPE_CHECKING:
     from parallel.ref_cache import RefCache

@@ -72,7 +72,7 @@ def check_start(args, demo: bool):
     from parallel.flags import check_flags
     from parallel.mesh import device_type
     from parallel.metrics import check_sinks
-    from parallel.plan import REFERENCE_FREE
+    from parallel.plan_totals import REFERENCE_FREE
 
     args.resume_auto = None   # (recorded: what --resume auto decided)
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
@@ -231,8 +231,9 @@ def planning_copy(args, **kw):
 
 
 def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None, eval_tokens: int | None = None):
-    from parallel.plan import GB, memory_plan, sample_tokens
+    from parallel.plan import memory_plan
     from parallel.plan_search import _fixes
+    from parallel.plan_totals import GB, sample_tokens
     gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
@@ -287,7 +288,8 @@ def _eval_bound(args, margs, dims, dev: Budget, on_dev: str, n: int, two: int, e
     training plan never saw. Evaluation saves no activations, so planning training at that length only bounds it from
     above: a bound that fits says nothing, one that does not is a warning, never a refusal (the real need is lower).
     Same arithmetic on every rank as `check`, no collective."""
-    from parallel.plan import GB, memory_plan
+    from parallel.plan import memory_plan
+    from parallel.plan_totals import GB
     e = min(args.max_len, -(-eval_tokens // two)) if eval_tokens else 0
     if e <= n:
         return

@@ -1762,7 +1762,8 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     from model.load import read_args
     from parallel import budgets, plan_search, preflight
     from parallel.mesh import validate
-    from parallel.plan import GB, memory_plan
+    from parallel.plan import memory_plan
+    from parallel.plan_totals import GB
 
     T = 2 ** 18
     long = tmp_path / "long.jsonl"
@@ -1848,7 +1849,7 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
 
     import parallel.plan
     from parallel import budgets, preflight
-    from parallel.plan import GB
+    from parallel.plan_totals import GB
 
     plan = types.SimpleNamespace(host=20.0, peak=1.0, total=2.0)   # bytes
     monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
@@ -2094,7 +2095,7 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
 
     import parallel.plan
     from parallel import budgets, preflight
-    from parallel.plan import GB, RUNTIME
+    from parallel.plan_totals import GB, RUNTIME
 
     total, used = 141e9, [0.8e9]
     fake = dict(is_available=lambda: True, current_device=lambda: 0, get_device_name=lambda *a: "H200 (test)",
