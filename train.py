@@ -42,7 +42,7 @@ from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.hub import same_snapshot
 from model.load import check_config_shapes, read_args
-from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs
+from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
@@ -283,7 +283,7 @@ def main(argv=None):
     run = wd = metrics = stop = None
     try:
         # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
-        stop = guard.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
+        stop = signals.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
         if demo:
             if rank == 0:
                 t0 = time.time()   # (a minute or two on CPU, once: said as it goes, not silent)

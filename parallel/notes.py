@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from parallel import guard
+from parallel import guard, signals
 from parallel.preference import Preference
 
 
@@ -181,7 +181,7 @@ def exit_code(main, argv=None) -> int:
         said = f"{e.during} failed ({type(e).__name__}: {e})" if getattr(e, "during", None) else str(e)
         guard.say_error(f"{said}. Free space (or fix the folder), then " + way_on(*getattr(e, "way_on", (None,))))
         return 2
-    except guard.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
+    except signals.Stopped as e:   # a signal: the finished steps are saved, rank 0 said where
         return e.code
     except KeyboardInterrupt as e:   # Ctrl-C before the stop handlers (start-up, tokenizing, the model build), or a
         guard.say_error("interrupted (SIGINT): " + way_on(*getattr(e, "way_on", (None,))))   # second one: one line,

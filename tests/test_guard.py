@@ -29,7 +29,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from parallel.guard import EXIT_STUCK, NonFiniteError, NonFiniteSteps, StopSignals, Watchdog, pg_timeout
+from parallel.guard import EXIT_STUCK, NonFiniteError, NonFiniteSteps, Watchdog, pg_timeout
+from parallel.signals import StopSignals
 from tests.dist import RankError, run_ranks
 
 

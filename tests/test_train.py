@@ -288,7 +288,7 @@ def _stop_one_rank(rank, argv):
     """Run `argv` with SIGTERM raised on rank 3 in its 6th micro-batch (step 2, the second of 4); return what
     this rank's train.main raised."""
     import train
-    from parallel import guard, phases
+    from parallel import phases, signals
 
     measuring, calls = phases.measuring, [0]
 
@@ -301,7 +301,7 @@ def _stop_one_rank(rank, argv):
     phases.measuring = signal_in_step_2
     try:
         train.main(argv)
-    except guard.Stopped as e:
+    except signals.Stopped as e:
         return str(e), e.code, calls[0]
     except Exception:
         return traceback.format_exc()

@@ -1084,7 +1084,7 @@ def _sigterm_at(monkeypatch, n):
 
 
 def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout(assets, tmp_path, monkeypatch):
-    from parallel import guard
+    from parallel import signals
 
     flags = ("--steps", "4", "--lora-dropout", "0.1")
     ref, again, out = (str(tmp_path / n) for n in ("ref", "again", "out"))
@@ -1094,7 +1094,7 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     assert same(again) == same(ref), "a run with dropout does not repeat itself"
     with monkeypatch.context() as m:
         seen = _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch
-        with pytest.raises(guard.Stopped) as e:
+        with pytest.raises(signals.Stopped) as e:
             run(train_argv(assets, out, *flags))
     assert str(e.value) == f"stopped on SIGTERM before step 3's update: steps 1..2 are saved in {out}/ckpt", e.value
     assert e.value.code == 143 and seen == {"calls": 19, "saves": [2]}, (e.value.code, seen)
@@ -1116,7 +1116,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     stops the run once it ends, as in a step, not with a KeyboardInterrupt traceback (review, helper 54). Ctrl-C
     before the handlers (the model build) is one line with the way on, exit 130."""
     import train
-    from parallel import guard
+    from parallel import signals
 
     real = train.evaluate
 
@@ -1128,7 +1128,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     run(train_argv(assets, ref_run, "--steps", "1"))
     with monkeypatch.context() as m:
         m.setattr(train, "evaluate", interrupted)
-        with pytest.raises(guard.Stopped) as e:
+        with pytest.raises(signals.Stopped) as e:
             run(train_argv(assets, out, "--eval-data", assets["data"]))
     assert e.value.code == 130 and str(e.value) == "stopped on SIGINT before step 1's update: no step had " \
         f"finished: nothing to save; run the same command with --overwrite ({out} holds no checkpoint)", e.value
@@ -1138,7 +1138,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     again = str(tmp_path / "again")
     with monkeypatch.context() as m:
         m.setattr(train, "evaluate", interrupted)
-        with pytest.raises(guard.Stopped) as e:
+        with pytest.raises(signals.Stopped) as e:
             run(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto"))
     assert str(e.value).endswith("nothing to save; run the same command again (--resume auto starts it again)")
     with one_thread():   # and it does (exit 0: cli's code on success)
@@ -1171,7 +1171,7 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     (it would be deleted), a folder that is not a run's."""
     from safetensors.torch import load_file
 
-    from parallel import guard, runs
+    from parallel import runs, signals
 
     flags = ("--steps", "4", "--lora-dropout", "0.1")
     ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
@@ -1180,7 +1180,7 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     capsys.readouterr()
     with monkeypatch.context() as m:
         _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch: steps 1..2 saved
-        with pytest.raises(guard.Stopped):
+        with pytest.raises(signals.Stopped):
             run(auto)
     said = capsys.readouterr().out
     assert f"out: {out} (--resume auto: no run there yet, a fresh one)" in said and "steps 1..2 are saved in " \
@@ -1312,12 +1312,12 @@ def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, mo
 
 def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tmp_path, monkeypatch):
     import train
-    from parallel import guard
+    from parallel import signals
 
     def stop(out, n, *flags):
         with monkeypatch.context() as m:
             seen = _sigterm_at(m, n)
-            with pytest.raises(guard.Stopped):
+            with pytest.raises(signals.Stopped):
                 run(train_argv(assets, out, "--steps", "4", *flags))
         return seen["saves"], open(os.path.join(out, "ckpt", "latest")).read(), [r["step"] for r in metrics(out)]
 
