@@ -9,7 +9,8 @@ Contract:
   a warmup longer than the run); train.py logs them on rank 0. They read flags, counts and (`resumed`) the checkpoint's
   metadata only, so every rank decides alike; `resumed` and `length` raise ValueError for what a run refuses (a resume
   of a run that stopped early under the same --early-stop, a --profile step the run does not have), each after the
-  lines before it are said; `length` returns the run's steps (`resume.total_steps`, or where an early stop ended it).
+  lines before it are said; `length` returns the run's steps (`run_length.total_steps`, or where an early stop ended
+  it).
 - `model_line`, `out_line`: the `model:` and `out:` lines.
 - `way_on(out, auto, resumed)`: how a run stopped before its end goes on; never advice the run would refuse.
 - `exit_code(main, argv)`: main's exit code, one `error:` line for the errors whose message is the fix (flags, data,
@@ -96,16 +97,16 @@ def resumed(args, argv: list[str], demo: bool, ckpt: str | None, stats, eval_sta
 
 
 def length(args, order, dpo: bool, ckpt: str | None, ended: int | None, lr_at, log) -> int:
-    """The run's steps (`resume.total_steps`, or `ended`: where a run that stopped early ended), and its length
+    """The run's steps (`run_length.total_steps`, or `ended`: where a run that stopped early ended), and its length
     against its data and its LR schedule: what it allows but a user should know, each said before a refusal."""
-    from parallel import resume
+    from parallel import run_length
 
     n, what = order.size(0), ("sample", "pair")[dpo]   # (n: a pass; with rotating --data-weights shares, the first's)
     if args.global_batch > n:   # allowed (a quick run on a few records), but said (before total_steps' refusal)
         log(f"note: --global-batch {args.global_batch} is more {what}s than --data holds ({n}" +
             (", past --eval-split's" if args.eval_split else "") + f"): each step takes each {what} about "
             f"{args.global_batch / n:.3g} times (repeats add compute, not data)")
-    steps = resume.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
+    steps = run_length.total_steps(args, ckpt, order)   # --steps, --epochs or one epoch (as a resume's run)
     steps = ended if ended is not None else steps   # (a run that stopped early ended there)
     notes, epochs, sched = [], args.epochs or 1, args.schedule_steps or steps
     if not args.steps and (extra := steps * args.global_batch - order.samples_in(epochs)) > 0:
@@ -114,7 +115,7 @@ def length(args, order, dpo: bool, ckpt: str | None, ended: int | None, lr_at, l
                      f"{args.global_batch}: the last step also trains {extra} " + (
                          "of the next epoch's order" if epochs == int(epochs) else "more of the data order") +
                      " (--steps sets the length)")
-    notes.append(resume.schedule_note(ckpt, sched, "--epochs" if args.epochs else "--steps"))
+    notes.append(run_length.schedule_note(ckpt, sched, "--epochs" if args.epochs else "--steps"))
     if steps < args.warmup:   # a short run that never leaves warmup
         notes.append(f"note: --warmup {args.warmup} is longer than the run's {steps} steps: the LR peaks at "
                      f"{lr_at(steps - 1, args, sched):.3g}, not --lr {args.lr:g}")

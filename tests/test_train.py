@@ -1105,7 +1105,7 @@ def test_start_up_notes_are_said_before_a_refusal(monkeypatch):
     "cross-entropy", `recorded_as`, is a LOSS_FN)."""
     from types import SimpleNamespace
 
-    from parallel import checkpoint_folders, keep_best, notes, resume
+    from parallel import checkpoint_folders, keep_best, notes, resume, run_length
 
     said = []
     order = SimpleNamespace(size=lambda e: 10, samples_in=lambda e: int(10 * e))
@@ -1115,7 +1115,7 @@ def test_start_up_notes_are_said_before_a_refusal(monkeypatch):
         notes.length(args, order, False, None, None, lambda s, a, n: 1e-4, said.append)
     assert [x.split(":")[1].split()[0] for x in said] == ["--global-batch", "one", "--warmup"], said
     said.clear()
-    monkeypatch.setattr(resume, "total_steps", lambda *a: (_ for _ in ()).throw(ValueError("below the checkpoint")))
+    monkeypatch.setattr(run_length, "total_steps", lambda *a: (_ for _ in ()).throw(ValueError("below the checkpoint")))
     with pytest.raises(ValueError, match="below the checkpoint"):
         notes.length(args, order, False, "ckpt", None, lambda s, a, n: 1e-4, said.append)
     assert len(said) == 1 and said[0].startswith("note: --global-batch 50"), said

@@ -356,7 +356,7 @@ def test_epochs_set_the_length_and_a_resume_keeps_them(assets, tmp_path, capsys)
     assert "note: 2.5 epochs, 12 samples in 4 steps of 8: the last step also trains 2 more of the data order" in said
     assert "note: the checkpoint's run scheduled the LR over 3 steps, this one over 4 (--epochs)" in said
     assert [(r["step"], r["epoch"]) for r in metrics(out)] == [(1, 0.667), (2, 1.333), (3, 2.0), (4, 2.667)]
-    from parallel.resume import epoch_samples  # the decimal typed, not its float: 1.1 × 100 samples is 110
+    from parallel.run_length import epoch_samples  # the decimal typed, not its float: 1.1 × 100 samples is 110
     assert [epoch_samples(e, n) for e, n in ((1.1, 100), (2.5, 12), (0.3, 10), (1e-6, 5))] == [110, 30, 3, 1]
 
 
