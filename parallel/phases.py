@@ -12,7 +12,7 @@ Contract:
     last block: attention     to the first of q/k/v's projection-output gradients (the kernel's backward, RoPE's)
     last block: q/k/v, norm   to the gradient of the block's input (the three projections' backward, the norm's)
     rest of backward          to the end of the backward (the other blocks)
-  The planner's block phase (parallel/plan.py: recompute + MLP, then the larger of attention and o_proj's
+  The planner's block phase (parallel/plan_block.py: recompute + MLP, then the larger of attention and o_proj's
   backward) is the largest of those rows; q/k/v is not a planner term (its docstring argues it stays under
   attention). A phase whose boundary never fires (a one-layer model: the block input needs no gradient;
   --tiled-attn, whose tiles run o_proj, the kernels and q's projection together) merges into the next.

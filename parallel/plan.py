@@ -87,67 +87,24 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
-6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
-   two inputs (2eTF), the incoming residual gradient (eTD), the norm output rebuilt for gate/up's LoRA A
-   (eTD), for nf4 the largest weight dequantized (n·e); with AC, on top, the recomputed block (term 4 for one
-   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
-   into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
-   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles,
-   model.nf4.dequant_once; --tiled-attn's phase likewise q/k/v/o). --dora: + one tile's DoRA tensors (term 4's, at
-   t tokens; the weight is the held one), here and in --tiled-attn's tiles.
-7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
-   the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
-   gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
-   the excess over the MLP phase. --dora: the MLP's and o_proj's DoRA tensors are gone too (q/k/v's not); o_proj's
-   DoRA node holds dh's rescaled copy (eTD; the magnitude's gradient is summed over row chunks, model.dora).
-   --tiled-attn: dh, dx, float32 dk/dv over the row and one tile (its norm output,
-   q, incoming gradient, float32 dq, a call's buffers as below), less the MLP's norm input h, which is gone.
-   Buffers: kernel backward dq, dk, dv (eT·hd·(H + 2K')), + 4eT·H·hd when K' < H (flash's float32 dq and
-   dK/dV expanded to H heads; the efficient op's expanded K/V and dK/dV). GQA/MQA (K' < H) rows of more than
-   kernels.BACKWARD_BLOCK attention tokens (T·U, / micro-batch for padded rows; not ring, whose steps are blocks
-   already; a row is planned as one document: packed rows of several take CUDA's varlen op, or on CPU one call
-   per document, without spare storage, neither planned) run the backward in
-   blocks (backends.blocked_backward; the cores' spare_q): dq, dk, dv go into q's, k's, v's own storage and
-   each key block's float32 dk/dv sums into out's rows of a finished query block (one-row batches, where
-   8K' <= e·H), so only key block 0's sums are new: share · 8T·K'·hd (padded rows of several: the sums of
-   every key block, 8T·K'·hd), plus one call's share of the buffers above with a float32 dq (4T·H·hd);
-   share = n / row, n = kernels.backward_block(row) (BACKWARD_BLOCK; a quarter of it past four of them).
-   The norm output rebuilt for q/k/v's LoRA A (eTD) comes after the kernel's backward has freed its saved
-   q, k, v, out (more), so it is not a peak. o_proj's backward builds its input gradient in one buffer
-   (model.qlora._BaseAndA): dh and one eT·H·hd over the recompute. On peft's path (LoRA dropout, a dtype cast)
-   it holds its base's and LoRA A's at once, and with a plain base (an nn.Linear: a view, as A's) their sum
-   too: counted as max(attention buffers + eT·H·hd, o_proj's (1 + 1 + 1)·eT·H·hd). Other [T, D] tensors with
-   two gradients (q/k/v's input, the residuals) get them summed in place (test_memory pins it).
-   Ulysses: all-to-all send and receive copies of q, k, v or their grads at [S_full, H/U, hd] (2eT·hd·(H + 2K')).
-   Ring: the K/V block received and the one in flight (4eT·K'·hd) and fp32 accumulators: out or dq (4T·H·hd),
-   dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
+6, 7. the block backward's MLP and attention phases: parallel/plan_block.py.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight. A chunk's hidden gradient is written into grad_hidden's rows (no ecD:
    bench/memtrace.py's loss phase at 8,192 tokens, where c = T, is these terms to the byte).
-9. q/k/v backward, after the kernel's (model.llama makes q last, so q's chain runs first, before the input
-   norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
-   largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
-   under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
-   gradient, its rebuilt output and one more gradient (3eTD, from q_proj's backward on: its LoRA A rebuilds
-   the output), all beside dk and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768
-   tokens, 2026-12-01); the block's saved tensors are gone: its excess over 6-7. --dora: not q/k/v's DoRA tensors
-   (k's, v's wait with their chains; q's to its DoRA node: 2eT·H·hd, the gradient and its rescaled copy).
-10. AC + --tiled-mlp: the recompute's forward at o_proj (base and LoRA addmm outputs) or at the residual (o_proj's
-   output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
-   cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
-   norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
+9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from loss import CHUNK_BYTES
 from model.config import lora_layers
-from model.llama import NORM_CHUNK
-from parallel import kernels
-from parallel.plan_totals import GB, Plan, sample_tokens, with_reference
+from parallel import kernels, plan_block
+from parallel.plan_totals import Plan, sample_tokens, with_reference
 
 _pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
 
@@ -314,72 +271,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls
     # there; plan_search.longest looks past it)
 
-    def block_terms(targets, one) -> dict:
-        """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`."""
-        t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
-        ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
-        if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
-            # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
-            kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
-            t["| block recompute (AC): one block's saved tensors"] = one - kept
-        if G > 1:
-            t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
-        if tiled:
-            from parallel.memory import tile_tokens
-            tt = min(T, tile_tokens(D, None))
-            mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
-                + ds(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
-            t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
-        else:
-            mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
-            t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
-        attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
-        what, n = "kernel", p.attn_block
-        # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
-        ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
-        if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32
-            call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd   # dk/dv, one call
-            sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
-            attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
-        if U > 1:
-            attn += 2 * e * T * hd * (H + 2 * Kp)
-            what += "+a2a"
-        if ring:
-            attn += 4 * e * T * Kp * hd + 4 * T * hd * (H + 4 * Kp) + 4 * T * H
-            what += "+ring"
-        # alive then, beyond the recompute: dh and the kernel's incoming gradient; gone: the MLP's tensors, h. Before
-        # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
-        lo = "o_proj" in targets and not direct
-        oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
-        gone = 0 if tiled else 4 * e * T * F + ds(("gate_proj", "up_proj", "down_proj"))
-        o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
-        o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
-        oproj = max(oproj, e * T * D * bool(o_dora))
-        if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
-            n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded
-            # rows)
-            call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)
-            tile = e * n * D + 2 * e * n * H * hd + 4 * n * H * hd + call \
-                + ds(("q_proj", "k_proj", "v_proj", "o_proj"), n)
-            attn = 2 * e * T * D + 8 * T * Kp * hd + tile + held("q_proj", "k_proj", "v_proj", "o_proj")
-            t[f"| block attention in {n}-row query tiles over the freed MLP (tile {tile / GB:.2f} GB)"] = \
-                max(0, attn - e * T * D - gone - mlp)
-        else:
-            ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
-                   f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora - o_drop, oproj) - gone - mlp)
-            # 9. q/k/v backward (q's chain first; see the docstring)
-            first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
-            kv = ds(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
-            first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + ds(("q_proj",))
-            qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv \
-                + 2 * e * T * Kp * hd
-            rec = one - (kept if N and not K else 0)   # the block's own: freed by then
-            t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = \
-                max(0, qkv - rec - mlp - ex)
-        if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
-            blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
-            t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
-        return t
+    # the "| block" phases of a block's backward (terms 6, 7, 9, 10): parallel/plan_block.py
+    block_terms = partial(plan_block.block_terms, D=D, F=F, G=G, H=H, K=K, KR=KR, Kp=Kp, N=N, R=R, T=T, U=U, args=args,
+                          blk=blk, dequant=dequant, direct=direct, dora=dora, dora_saved=dora_saved, dropped=dropped,
+                          e=e, hd=hd, held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row, ta=ta,
+                          tiled=tiled)
 
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above

@@ -25,7 +25,7 @@ Contract:
 - Peak of a block's backward (AC): the recompute keeps x, k, v, out, lse (eT·(D + H·hd + 2K·hd) + 4TH): q (eT·H·hd),
   the norm's rsqrt and the four projections' LoRA intermediates are not kept; the attention phase holds dh, dx and
   float32 dk, dv over the row plus one tile's tensors, instead of the kernel's incoming gradient and dh over the row
-  beside the recompute's q and out (parallel/plan.py). Cost: the four projections' forward runs once more per
+  beside the recompute's q and out (parallel/plan_block.py). Cost: the four projections' forward runs once more per
   step, in backward, the input norm once more (model.llama.Block hands the sublayer `memory.norm_stand_in`, not
   the norm's [T, D] output: forward and recompute run it in the tiles only; backward twice per tile); the kernels
   do not.

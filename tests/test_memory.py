@@ -943,7 +943,7 @@ def test_o_proj_input_gradient_in_one_buffer(ckpt3, monkeypatch, quant):
 def test_lora_b_and_residual_summed_into_o_proj_base_output(ckpt3, dropout):
     """Where o_proj runs _BaseAndA, LoRA B's share and then the residual are added into the base's output in place:
     h (the post-attention norm's input) lives in the base's output storage, so no [T, D] sits beside them in a
-    block's forward or recompute (parallel/plan.py, term 10). On peft's path (dropout) they are new tensors."""
+    block's forward or recompute (parallel/plan_block.py, term 10). On peft's path (dropout) they are new tensors."""
     model, _ = build_nonzero_b(_opts(ckpt3, ac=False, lora_dropout=dropout))
     kept = {}   # the tensors themselves: a freed base output's address could be reused for a new h
     for i, block in enumerate(model.model.layers):
@@ -983,7 +983,7 @@ def test_no_in_place_op_on_a_view_in_the_graph(ckpt3, ac):
 def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
     """model.llama makes k, v before q, so backward (latest nodes first) runs q's RoPE and q_proj before k's and
     v's: q's [T, H·Hd] gradients are gone before the input norm's gradient and its rebuilt output exist
-    (parallel/plan.py's term 9). Per block, the RoPE backward sees q's gradient (6 heads) first, then k's (2)."""
+    (parallel/plan_block.py's term 9). Per block, the RoPE backward sees q's gradient (6 heads) first, then k's (2)."""
     import model.llama as llama
 
     seen = []
