@@ -4,7 +4,8 @@ Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
-  Anything else raises `ValueError` naming the supported architectures.
+  Anything else raises `ValueError` naming the supported architectures, as does a checkpoint quantized already
+  (a `quantization_config`: AWQ, GPTQ, FP8, bitsandbytes; its packed weights are not the float ones read here).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
   are refused, never ignored.
@@ -140,6 +141,11 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported architecture model_type={mt!r} (architectures={archs}); supported: "
                 "Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
+        if q := cfg.get("quantization_config"):   # (an -AWQ, -GPTQ, -FP8 or -bnb-4bit upload: packed weights, which the
+            qm = q.get("quant_method") if isinstance(q, dict) else q   # checks below would call another config.json's)
+            raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: quant_method "
+                             f"{qm!r}), and this trainer reads bf16/fp16/fp32 weights and quantizes them itself: pass "
+                             "the unquantized checkpoint it was made from (with --quant nf4 for QLoRA)")
         flags = SUPPORTED[mt]
         if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
             mt = "ministral"

@@ -179,7 +179,8 @@ def read_header(fn: str) -> tuple[dict, int]:
             continue
         if t.get("dtype") not in DTYPES:
             raise CorruptCheckpointError(f"{fn}: tensor {name!r} has dtype {t.get('dtype')!r}, which this "
-                                         f"loader does not read ({', '.join(DTYPES)})")
+                                         f"loader does not read ({', '.join(DTYPES)}); a quantized checkpoint (FP8?): "
+                                         "pass the unquantized one it was made from")
         begin, end = (8 + n + o for o in t["data_offsets"])
         if end > size:
             raise CorruptCheckpointError(f"{bad} (tensor {name!r} ends at byte {end}, the file has {size})")

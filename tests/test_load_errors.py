@@ -11,7 +11,9 @@ Pins (tiny Qwen2 checkpoints made by transformers, then damaged here):
 - tensor shapes that disagree with config.json (intermediate_size changed): `from_pretrained` and
   `build_model` (nf4 and none) raise a ValueError naming the tensor, its file and both shapes, from the
   safetensors headers, before the weights are loaded;
-- `train.py` (1 process) on the truncated checkpoint prints `error: ...` naming the file and exits 2.
+- `train.py` (1 process) on the truncated checkpoint prints `error: ...` naming the file and exits 2;
+- a checkpoint quantized already (transformers' own bitsandbytes 4-bit save): `read_args` and train.py's start-up
+  name its quantization_config and the fix before any weight is read; an FP8 tensor's dtype error says the same.
 
 Run: .venv/bin/python -m pytest -q tests/test_load_errors.py
 """
@@ -163,3 +165,36 @@ def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
         "trains the first 1 (as transformers loads it)")
     json.dump({**cfg, "intermediate_size": 64}, open(fn, "w"))
     assert check_config_shapes(path, read_args(path)) is None
+
+
+def test_a_quantized_checkpoint_is_named_so_before_any_weight(assets, tmp_path):
+    """A checkpoint quantized already (here transformers' own bitsandbytes 4-bit save, as the "-bnb-4bit" uploads are
+    made; AWQ, GPTQ and FP8 ones carry a quantization_config too) holds packed weights, not the float tensors
+    config.json implies. Until 2026-12-06 train.py said "14 tensor shapes disagree with config.json (wrong
+    config.json for these weights?)" (an AWQ one: "lacks 14 tensors ... or the download is incomplete"; FP8: a dtype
+    this loader does not read); now config.json's quantization is named, with the fix, before any weight is read."""
+    import transformers as T
+    from safetensors.torch import save_file
+
+    from model.load import read_args, read_header
+    from tests.helpers import startup_error, train_argv
+
+    path = str(tmp_path / "bnb")
+    T.AutoModelForCausalLM.from_pretrained(assets["model"], device_map="cpu", quantization_config=T.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4")).save_pretrained(path)
+    for f in os.listdir(assets["model"]):   # its tokenizer beside it
+        if not f.endswith((".safetensors", ".index.json", "config.json")) or f == "tokenizer_config.json":
+            shutil.copy(os.path.join(assets["model"], f), path)
+    _, shape, *_ = read_header(os.path.join(path, "model.safetensors"))[0]["model.layers.0.self_attn.q_proj.weight"]
+    assert shape[1] == 1, f"not the packed 4-bit weight the case is about: {shape}"
+    fix = r"quantized already \(quantization_config: quant_method 'bitsandbytes'\).*pass the unquantized checkpoint"
+    with pytest.raises(ValueError, match=fix):
+        read_args(path)   # (--plan, the merge and the export read config.json here too)
+    said = startup_error(train_argv({**assets, "model": path}, str(tmp_path / "run")))
+    assert "quant_method 'bitsandbytes'" in said and "--quant nf4" in said, said
+    assert not (tmp_path / "run").exists(), "a run directory was made before the check"
+    fp8 = str(tmp_path / "fp8.safetensors")   # an FP8 checkpoint's weights (a header check runs before config.json)
+    save_file({"w": torch.zeros(4, 4, dtype=torch.float8_e4m3fn)}, fp8)
+    with pytest.raises(ValueError, match=r"dtype 'F8_E4M3', which this loader does not read .*a quantized checkpoint "
+                                         r"\(FP8\?\): pass the unquantized one"):
+        read_header(fp8)
