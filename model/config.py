@@ -33,14 +33,16 @@ from model.rope import ROPE_TYPES, inv_freq, read_rope, rope_scaling_flag
 
 # model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
 # qkv_bias: True always (q, k, v; o never), None from `attention_bias` (q, k, v and o), False never (transformers
-# ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos: transformers' default for a config.json
-# without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own).
+# ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos, kv, head_dim: transformers' defaults for a
+# config.json without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own),
+# num_key_value_heads, head_dim (None: num_attention_heads, hidden_size / num_attention_heads); qk_norm: RMSNorm over
+# head_dim on q and k (Qwen3). Ministral is Mistral with `layer_types`.
 SUPPORTED = {
-    "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048),
-    "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072),
-    "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072),   # Mistral + layer_types
-    "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768),
-    "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768),   # RMSNorm over head_dim on q, k
+    "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),
+    "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
+    "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
+    "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768, kv=32, head_dim=None),
+    "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
@@ -183,8 +185,8 @@ class ModelArgs:
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
             n_heads=cfg["num_attention_heads"],
-            n_kv_heads=cfg.get("num_key_value_heads"),
-            head_dim=cfg.get("head_dim"),
+            n_kv_heads=cfg.get("num_key_value_heads", flags["kv"]),
+            head_dim=cfg.get("head_dim", flags["head_dim"]),
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),

@@ -9,7 +9,8 @@ load; missing directory / config / tensors and unsupported architectures raise c
 
 config.json keys read as transformers 5 reads them, its `from_pretrained` of the edited file the reference: a
 Mistral config.json with `layer_types` (transformers: Ministral) and Ministral itself, a missing `sliding_window`
-(4096) or `max_position_embeddings` (the family's default, YaRN's original length), a null YaRN factor, llama3
+(4096), `max_position_embeddings` (the family's default, YaRN's original length), `head_dim` (Qwen3's 128) or
+`num_key_value_heads` (Mistral's 8, Qwen2's 32), a null YaRN factor, llama3
 without (or with a top-level) original length, both RoPE forms agreeing, bias keys the class ignores; keys this
 decoder lacks (another hidden_act, attention dropout, per-layer-type RoPE, disagreeing RoPE forms, a RoPE that
 cannot be computed) are refused at read time.
@@ -234,6 +235,15 @@ READ_AS_TRANSFORMERS = {
                                [None, None], 37),
     "qwen2_mlp_bias": (lambda: T.Qwen2Config(**COMMON), _set(mlp_bias=True), [None, None], 37),
     "qwen3_mlp_bias": (lambda: T.Qwen3Config(**COMMON), _set(mlp_bias=True), [None, None], 37),
+    # no head_dim or num_key_value_heads: the class's default, not hidden_size / heads or the heads (until 2026-12-06
+    # refused as "tensor shapes disagree with config.json (wrong config.json for these weights?)"): Qwen3's head_dim
+    # 128, Mistral's 8 KV heads, Qwen2's 32
+    "qwen3_no_head_dim": (lambda: T.Qwen3Config(**COMMON), _drop("head_dim"), [None, None], 37),
+    "mistral_no_kv_heads": (lambda: T.MistralConfig(**{**COMMON, "num_attention_heads": 16, "num_key_value_heads": 8},
+                                                    sliding_window=None), _drop("num_key_value_heads"), [None] * 2, 37),
+    "qwen2_no_kv_heads": (lambda: T.Qwen2Config(**{**COMMON, "hidden_size": 128, "num_attention_heads": 64,
+                                                   "num_key_value_heads": 32}),
+                          _drop("num_key_value_heads"), [None] * 2, 37),
 }
 
 
