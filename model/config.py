@@ -5,7 +5,8 @@ Contract:
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
   Anything else raises `ValueError` naming the supported architectures, as does a checkpoint quantized already
-  (a `quantization_config`: AWQ, GPTQ, FP8, bitsandbytes; its packed weights are not the float ones read here).
+  (a `quantization_config`: AWQ, GPTQ, FP8, bitsandbytes; its packed weights are not the float ones read here) and one
+  whose `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
   are refused, never ignored.
@@ -143,6 +144,12 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported architecture model_type={mt!r} (architectures={archs}); supported: "
                 "Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
+        archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
+        if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
+            raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
+                f"config.json: architectures {archs} is not a causal language model (*ForCausalLM): a classifier, "
+                "reward or embedding model has no language-model head to train; pass the causal LM checkpoint it was "
+                "made from")
         if q := cfg.get("quantization_config"):   # (an -AWQ, -GPTQ, -FP8 or -bnb-4bit upload: packed weights, which the
             qm = q.get("quant_method") if isinstance(q, dict) else q   # checks below would call another config.json's)
             raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: quant_method "

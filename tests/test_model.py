@@ -5,7 +5,8 @@ Llama 2, Qwen2 with q/k/v bias, Qwen3 with q/k norm and explicit head_dim, Mistr
 a tied-embedding model), saved sharded by transformers, `model.from_pretrained` gives logits within
 1e-5 relative norm (float32) of transformers' own model, with position ids far from 0 so rope
 scaling matters; both config formats (classic `rope_theta`/`rope_scaling` and `rope_parameters`)
-load; missing directory / config / tensors and unsupported architectures raise clear errors.
+load; missing directory / config / tensors and unsupported architectures raise clear errors, and so does a
+checkpoint with no language-model head (a classifier's or reward model's score head, an embedding *Model).
 
 config.json keys read as transformers 5 reads them, its `from_pretrained` of the edited file the reference: a
 Mistral config.json with `layer_types` (transformers: Ministral) and Ministral itself, a missing `sliding_window`
@@ -298,6 +299,19 @@ def test_a_run_directory_or_an_adapter_as_model_is_named_so(tmp_path):
     with pytest.raises(ValueError, match=r"is a PEFT adapter, not a model: pass its base as --model .* and the "
                                          r"adapter as --init-adapter"):
         model.read_args(str(adapter))
+
+
+@pytest.mark.parametrize("cls", ["Qwen2ForSequenceClassification", "Qwen2Model"])
+def test_a_model_without_a_language_model_head_is_refused(cls, tmp_path):
+    """A reward or classifier checkpoint (transformers' own *ForSequenceClassification save: a `score` head) or an
+    embedding model's (*Model: no head, no `model.` prefix) is refused at config.json, naming its architectures.
+    Until 2026-12-06 a tied one loaded silently, its score head dropped and the embedding taken as the LM head; an
+    untied one failed after tokenizing ("lacks lm_head.weight"), a *Model one as "not these weights' config.json"."""
+    torch.manual_seed(0)
+    getattr(T, cls)(T.Qwen2Config(**COMMON, tie_word_embeddings=True, num_labels=1)).save_pretrained(tmp_path)
+    assert json.load(open(tmp_path / "config.json"))["architectures"] == [cls]
+    with pytest.raises(ValueError, match=rf"architectures \['{cls}'\] is not a causal language model"):
+        model.from_pretrained(str(tmp_path))
 
 
 def test_unsupported_rope_type():
