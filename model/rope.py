@@ -57,8 +57,8 @@ def read_rope(cfg: dict, max_pos: int) -> tuple[float, dict]:
 
 def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     """`--rope-scaling`: None keeps config.json's scaling; "none" is plain RoPE ({}); "linear:F" or "yarn:F" scale
-    by F, "yarn:F@N" with original length N (default: config.json's max_position_embeddings, as transformers takes
-    it; a llama3 object's default: the original length of config.json's own scaling, else the same); a JSON object
+    by F, "yarn:F@N" with original length N (default, also of a llama3 or yarn object: the original length of
+    config.json's own scaling, else its max_position_embeddings, as transformers takes it); a JSON object
     is transformers' rope_scaling form ({"rope_type": "llama3", "factor": 8, ...}): numbers finite and > 0 (a factor
     from 1 to 1024), `truncate` a bool, no other keys. Without `args` only the syntax is checked (start-up, before
     config.json is read); a bad value raises ValueError naming the forms."""
@@ -115,11 +115,11 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     for k, v in sc.items():   # one spelling per value: 4 and 4.0 are the same factor
         if k not in ("rope_type", "truncate"):
             sc[k] = int(v) if k == "original_max_position_embeddings" and v == int(v) else float(v)
-    if args is not None and sc["rope_type"] == "yarn":
-        sc.setdefault("original_max_position_embeddings", args.max_position_embeddings)
-    if args is not None and sc["rope_type"] == "llama3":   # the model's own original length when config.json scales
-        sc.setdefault("original_max_position_embeddings",   # (Llama 3.1: 8192, not its 131072), else as read_rope
+    if args is not None and sc["rope_type"] in ("llama3", "yarn"):   # the model's own original length when
+        sc.setdefault("original_max_position_embeddings",   # config.json scales (Llama 3.1: 8192, not its 131072; a
                       (args.rope_scaling or {}).get("original_max_position_embeddings", args.max_position_embeddings))
+        # YaRN config's 32768 under 131072: yarn:8 is then its factor 4 doubled, as the warning advises), else as
+        # read_rope takes it: max_position_embeddings
     return sc
 
 

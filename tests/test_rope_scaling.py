@@ -84,6 +84,27 @@ def test_a_llama3_flag_without_its_original_length_keeps_the_models():
                                    '"high_freq_factor": 4}').rope_scaling["original_max_position_embeddings"] == 131072
 
 
+def test_a_yarn_flag_without_its_original_length_keeps_the_models():
+    """On a config.json that scales with YaRN already (factor 4 over an original 32,768, max_position_embeddings
+    131,072), `yarn:4` is the model's own RoPE and `yarn:8` doubles its factor over the same original length, as the
+    start-up warning advises ("the same type with a larger factor"): it took 131,072 for the original length, a
+    context of 1M, unsaid (review, helper 84). `yarn:8@N` still sets N; a plain config.json's is its
+    max_position_embeddings."""
+    from model.rope import inv_freq
+
+    cfg = {**COMMON, "model_type": "qwen2", "max_position_embeddings": 131072, "rope_theta": THETA,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    own = model.ModelArgs.from_config_dict(cfg)
+    same = own.with_rope_scaling("yarn:4")
+    assert torch.equal(inv_freq(same)[0], inv_freq(own)[0]) and inv_freq(same)[1] == inv_freq(own)[1]
+    assert same.context == own.context == 131072
+    more = own.with_rope_scaling("yarn:8")
+    assert more.rope_scaling["original_max_position_embeddings"] == 32768 and more.context == 262144
+    assert own.with_rope_scaling("yarn:8@65536").context == 524288
+    plain = model.ModelArgs.from_config_dict({k: v for k, v in cfg.items() if k != "rope_scaling"})
+    assert plain.with_rope_scaling("yarn:4").rope_scaling["original_max_position_embeddings"] == 131072
+
+
 def test_none_drops_the_configs_scaling(tmp_path):
     torch.set_num_threads(1)
     save_checkpoint(T.Qwen2Config(**COMMON, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": THETA}),
