@@ -242,6 +242,16 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                 for a, e in _runs(labels)[:r.get("prompt_turns", 0)]:   # the prompt's assistant turns (shared by
                     if e <= shared:   # both sides: never where they part)
                         labels[a:e] = [IGNORE_INDEX] * (e - a)
+            # both answers scored after the same context (TRL's completion: from where either side's tokens leave the
+            # prompt): a token merging the prompt's end with one answer's start (" cap" + "ital" -> " capital") starts
+            # that side's targets earlier, so the other side's prompt tokens from there train too (" cap"); until
+            # 2026-12-06 each side began at its own, the two answers scored after different contexts (review, helper 85)
+            firsts = [next((t for t, lab in enumerate(m[0]["labels"]) if lab != IGNORE_INDEX), None) for m in made]
+            c, j = (m[0]["input_ids"] for m in made)   # (the same context before, and the sides part by the later)
+            if None not in firsts and (lo := min(firsts)) < (hi := max(firsts)) and c[:lo + 1] == j[:lo + 1] and \
+                    c[:hi + 1] != j[:hi + 1]:
+                for (sample, _, _), first in zip(made, firsts):
+                    sample["labels"][lo:first] = sample["input_ids"][lo + 1:first + 1]
             made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
             if not all(n for _, _, n in made):   # nothing to prefer: they part in untrained tokens only, or one side
                 dropped(r, "tied", "tied_lines")   # ends where they part (its every target the other's too)

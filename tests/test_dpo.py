@@ -12,7 +12,8 @@ Pins:
   micro-batch) and ORPO (cp 4 ring) 4 ranks = 1 rank;
 - a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
   text), side by side, but for a long prompt, cut once for both (the longer side's count); a pair with a side left
-  without a target is dropped whole and counted once, one whose sides are the same tokens as tied; `collate`
+  without a target is dropped whole and counted once, one whose sides are the same tokens as tied; a token merging
+  the prompt's end with one answer's start makes both sides' targets start there (TRL's prompt_len); `collate`
   restarts positions at the split and marks the sides;
 - train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
   --micro-batch auto, the tiled MLP and offload; an eval each step) in losses, grad norms, reward accuracy and
@@ -482,6 +483,30 @@ def test_a_pair_is_its_two_sides_as_records(assets):
     assert got13[0]["labels"] == alone["labels"]   # (a prompt with no assistant turn: each side as alone)
     for sample in got + got5 + got6 + got8 + got10 + got13:
         assert len(sample["labels"]) == len(sample["input_ids"])
+
+
+def test_both_answers_are_scored_after_the_same_prompt_tokens(assets):
+    """A token that merges the prompt's end with one answer's start (" cap" + "ital" -> " capital"): both sides'
+    targets start where TRL's DPOTrainer starts the completion, the shorter common prefix of the prompt's tokens alone
+    with each prompt + answer's (its `prompt_len`), so the two answers are scored after the same context; the other
+    side's " cap" trains too (review, helper 85: each side's targets began at its own, the chosen's after "the", the
+    rejected's after "the cap")."""
+    from transformers import AutoTokenizer
+
+    from data.records import parse_record
+    from data.tokens import tokenize_records
+
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    x = {"prompt": "What is the cap", "chosen": "ital of France?", "rejected": "e of the hill?"}
+    enc = lambda s: tok(s)["input_ids"]
+    common = lambda a, b: next((t for t, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
+    prompt, sides = enc(x["prompt"]), [enc(x["prompt"] + x[k]) + [tok.eos_token_id] for k in ("chosen", "rejected")]
+    n = min(common(prompt, s) for s in sides)   # (TRL's prompt_len)
+    assert common(prompt, sides[0]) < len(prompt) == common(prompt, sides[1])   # (the merge, on the chosen side)
+    got, stats = tokenize_records([parse_record(json.dumps(x), "p.jsonl", 1)], tok, 96)
+    assert stats.pairs == 1 and [g["input_ids"] for g in got] == sides
+    for g, s in zip(got, sides):
+        assert g["labels"] == [-100] * (n - 1) + s[n:] + [-100], tok.decode([t for t in g["labels"] if t != -100])
 
 
 def test_collate_makes_a_pair_two_documents_and_marks_the_sides():
