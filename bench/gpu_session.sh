@@ -16,7 +16,7 @@
 # Device tool call:  run(command="bash bench/gpu_session.sh", carry=[".whl", "runs/demo_assets"], timeout_s=600)
 # Knobs (environment):
 #   TOTAL  wall-time cap of the whole script in seconds (default 570);
-#   TEST_S cap of `make test-gpu` in seconds (default 150; 0 skips it), run with -v -s (each result and
+#   TEST_S cap of `make test-gpu` in seconds (default 150; 0 skips it), run verbose, -s (each result and
 #          the speed pins' numbers as they come, kept when the cap cuts it) and --durations;
 #   TEST_K a pytest -k expression selecting the GPU tests to run (default: all);
 #   BENCH  ';'-separated argument lists of bench/gpu.py, run in order, each with the time left (default
@@ -126,7 +126,7 @@ timeout 150 python3 -c "from data.demo import make_demo; make_demo('runs/demo_as
 
 if [ "$TEST_S" -gt 0 ]; then
   echo "== make test-gpu (cap ${TEST_S}s)"
-  ADD="-v -s --durations=12"
+  ADD="-vv -s --durations=12"   # (-vv: make test-gpu's own -q takes one back; -v alone printed dots)
   [ -n "${TEST_K:-}" ] && ADD="$ADD -k '$TEST_K'"
   PYTEST_ADDOPTS="$ADD" timeout "$TEST_S" make test-gpu 2>&1 | tee "$OUT/test-gpu.log"
   echo "test-gpu exit ${PIPESTATUS[0]} after $((SECONDS - T0))s" | tee -a "$OUT/test-gpu.log"

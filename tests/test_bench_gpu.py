@@ -182,3 +182,49 @@ def test_row_order_and_cap_checks():
     for argv in (["--cap-gb", "0", "--case", "32k"], ["--cap-gb", "25"]):   # the default case is all
         with pytest.raises(SystemExit):
             bench_gpu.main(argv)
+
+
+@pytest.mark.timeout(400)
+def test_gpu_session_script_on_cpu(tmp_path):
+    """bench/gpu_session.sh end to end on this machine, with stand-ins for the GPU machine's: python3 is this
+    interpreter (claiming CUDA to the Makefile's host check alone, so `make test-gpu` and `make bench-gpu` take the
+    GPU machine's branch), nvidia-smi a stub, the repository a tree of links whose bench/ is its own (the results file
+    lands there). What comes back: every file in $OUT under a name the device tool returns, no more than it returns,
+    the results and the profile among them; the tests' log verbose, so that a cap that cuts it still says which tests
+    ran (make test-gpu's -q took back the script's -v: the log held dots)."""
+    import re
+    import shutil
+    import stat
+
+    repo, shims, out = tmp_path / "repo", tmp_path / "bin", tmp_path / "out"
+    for d in (repo / "bench", shims):
+        d.mkdir(parents=True)
+    os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)   # the demo assets: built once, shared with the other tests
+    for name in os.listdir(ROOT):
+        if name not in ("bench", ".git", ".whl"):   # (no wheels: nothing is installed into /tmp/site)
+            (repo / name).symlink_to(os.path.join(ROOT, name))
+    for name in os.listdir(os.path.join(ROOT, "bench")):
+        if not name.startswith("gpu-results"):
+            (repo / "bench" / name).symlink_to(os.path.join(ROOT, "bench", name))
+    (shims / "python3").write_text(
+        "#!/bin/sh\ncase \"$1 $2\" in '-c import torch, sys; sys.exit(not torch.cuda.is_available())') exit 0;; esac\n"
+        f"exec {shutil.which(sys.executable) or sys.executable} \"$@\"\n")
+    (shims / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
+    for f in shims.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER",
+                                                            "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(PATH=f"{shims}:{env['PATH']}", OUT=str(out), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOTAL="380",
+               TEST_S="120", TEST_K="nf4 or dpo",   # (-k's quotes through PYTEST_ADDOPTS)
+               BENCH=f"--runs ours --warmup 0 --timed 1 --profile --work {tmp_path / 'work'}")
+    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=390)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(os.listdir(out))
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files), files
+    assert len(files) <= 8 and {"env.txt", "test-gpu.log", "bench-gpu.log", "gpu-results.json",
+                                "profile-1-32k-ours.txt"} <= set(files), files
+    assert "collecting ... " in (out / "test-gpu.log").read_text(), (out / "test-gpu.log").read_text()[-2000:]
+    res = json.loads((out / "gpu-results.json").read_text())
+    assert res["cases"]["32k"]["rows"]["ours"]["s_per_step"] > 0, res
+    assert (repo / "bench" / "gpu-results.json").is_file()   # (the link tree's: the checkout's own is untouched)
