@@ -23,7 +23,7 @@
 #          "--case all --profile"; empty skips the bench). With one list the results are bench/gpu-results.json,
 #          with several bench/gpu-results-1.json, -2, ...; each profiled "ours" row's table is copied to $OUT
 #          as profile-<list n>-<case>-<row>.txt ('+' as '_'). ($OUT takes 8 files back: env, the logs and the
-#          results leave room for about 3 profiles.)
+#          results leave room for about 4 profiles.)
 #   BENCH_ARGS is appended to every list.
 # A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
 # warm 30 s after a call): the bench first (its timings are the goals), then
@@ -97,6 +97,7 @@ if ! python3 -c "import bitsandbytes" > "$OUT/bnb-import.txt" 2>&1; then
     tail -3 "$OUT/bnb-import.txt"; } | tee "$OUT/env.txt" >&2
   exit 2
 fi
+rm -f "$OUT/bnb-import.txt"   # (kept only to say why: $OUT returns 8 files, and the profiles need the room)
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
