@@ -190,7 +190,10 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     shards = os.path.join(work, "shards")
     os.makedirs(shards, exist_ok=True)
     stamp_path = os.path.join(shards, "stamp.json")
-    stamp = {k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "layer_types", "max_window_layers")}
+    # what the shards' tensors depend on: not the layer count, nor the case's length (the long case, then 128k, kept
+    # rewriting every shard of a warm machine's second call)
+    stamp = {k: v for k, v in cfg.items()
+             if k not in ("num_hidden_layers", "layer_types", "max_window_layers", "max_position_embeddings")}
     old = json.load(open(stamp_path)) if os.path.isfile(stamp_path) else None
     if old != stamp:   # another config: every shard is stale
         for f in os.listdir(shards):

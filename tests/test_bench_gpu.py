@@ -62,6 +62,23 @@ def test_cut_layers():
     assert bench_gpu.cut_layers({"num_hidden_layers": 4}, 2) == {"num_hidden_layers": 2}
 
 
+def test_shards_are_kept_across_lengths(tmp_path):
+    """A case of another length reuses the shards another case wrote (max_position_embeddings, raised to the case's
+    tokens, is in config.json alone); another config (its dims) rewrites them."""
+    cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
+    shards = tmp_path / "shards"
+    mtimes = lambda: {f.name: f.stat().st_mtime_ns for f in shards.iterdir() if f.suffix == ".safetensors"}  # noqa: E731
+    bench_gpu.write_checkpoint(cfg, 2, 524288, str(tmp_path), True)
+    for f in mtimes():   # dated 1970: a shard written again has today's date
+        os.utime(shards / f, ns=(0, 0))
+    ckpt = bench_gpu.write_checkpoint(cfg, 2, 128, str(tmp_path), True)
+    assert mtimes() == dict.fromkeys(["rest.safetensors", "layer-000.safetensors", "layer-001.safetensors"], 0), \
+        mtimes()
+    assert json.load(open(os.path.join(ckpt, "config.json")))["max_position_embeddings"] == 131072
+    bench_gpu.write_checkpoint(dict(cfg, rms_norm_eps=1e-5), 2, 128, str(tmp_path), True)
+    assert 0 not in mtimes().values(), "another config kept stale shards"
+
+
 @pytest.mark.timeout(400)
 def test_smoke_mode_writes_results(tmp_path):
     cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
