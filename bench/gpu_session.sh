@@ -60,6 +60,15 @@
 #      past 2^31 elements at 603k tokens (never run; ~60-70 GB). Then what train.py --fast picks on the whole device
 #      (planned --ac-keep-attn --ac-blocks 4 at 128k, est. 9.44 s, and --ac-blocks 9 at 32k, est. 3.54 s) beside
 #      Liger; 2026-11-30 the 128k case took 133 s for three rows.
+#   Reviewed 2026-12-06 (helper 86) from the 2026-11-30 H200 logs: call 1 ~15 s of setup + 17 s + 185 s + 172 s
+#   + --mem-trace's record and replay (unmeasured at 512k; ~100-200k allocations, est. 10-20 s a row) = ~410-430 s
+#   of its 480 (the second row's cut, the bench budget less the first row, is ~35-45 s past its 172 s + trace);
+#   call 2 ~10 s + tests ~115 s (cap 130: 31 tests; 2026-11-30 48 took 38 s + 14 s of start-up; the new dora,
+#   norms, tied, dpo, mem_trace and past_2_31 ~55 s more) + 128k ~100 s + 32k ~65 s = ~290-310 s of ~375; with
+#   the 45 s start and the transfers ~800-830 s of the 900. These are H200 timings: name kind="nvidia-h200" in
+#   call 1. On an H100 (the kind a plain run gets first) rows ~10-15% slower leave the second long row at its cut:
+#   there drop --mem-trace from call 1, or give it TOTAL=540 (timeout 560) and call 2 the rest (then its
+#   32k line may not fit).
 # Not in the plan above (no device time left for it): --micro-batch auto (2026-12-04) against 1 on mixed lengths,
 #   `python3 bench/micro_batch.py --layers 8 --max-len 32768 --short-lo 512 --short-hi 4096 --global-batch 32`
 #   (needs the bitsandbytes wheel on PYTHONPATH as this script sets it; CPU smoke 2.07x); a session with device time
