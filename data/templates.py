@@ -73,14 +73,18 @@ def _from_json(spec: str, text: str) -> str:
         return doc["chat_template"]
     kind = {list: "a list (named templates)", dict: "an object", str: "a string", bool: "true or false",
             type(None): "null"}
+    got = doc.get("chat_template") if isinstance(doc, dict) else doc
+    names = [t.get("name") for t in got if isinstance(t, dict)] if isinstance(got, list) else []
     if not isinstance(doc, dict):
         shape = f"JSON holding {kind.get(type(doc), 'a number')}"
     elif "chat_template" not in doc:
         shape = 'JSON with no "chat_template" key'
     else:
         shape = f'JSON whose "chat_template" is {kind.get(type(doc["chat_template"]), "a number")}'
+    which = f': the "template" of one of its entries ({", ".join(map(str, names))}; transformers renders "default", ' \
+        'or "tool_use" for records with "tools")' if names else ""
     raise DataError(f"--chat-template {spec!r} is {shape}, not a chat template: pass the Jinja template itself (the "
-                    "one to train with, saved as its own .jinja file)")
+                    f"one to train with, saved as its own .jinja file{which})")
 
 
 def dated(template) -> bool:

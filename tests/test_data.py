@@ -989,8 +989,10 @@ def test_chat_template_file_may_be_a_tokenizer_config_json(tok_dir, tmp_path):
                               'JSON with no "chat_template" key')):
         (tmp_path / name).write_text(json.dumps(doc))
         with pytest.raises(DataError, match=rf"--chat-template '{re.escape(str(tmp_path / name))}' is {shape}, not "
-                                            "a chat template: pass the Jinja template itself"):
+                                            "a chat template: pass the Jinja template itself") as e:
             chat_template(str(tmp_path / name))
+        assert ('.jinja file: the "template" of one of its entries (default, tool_use; transformers renders '
+                '"default", or "tool_use" for records with "tools"))' in str(e.value)) == ("named" in name), e.value
 
 
 def test_chat_template_file_drops_a_bom(tok_dir, tmp_path):
