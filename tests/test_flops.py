@@ -8,7 +8,10 @@ Pins:
   matmuls forward and 4 backward over all S² pairs, masked or not), hence `causal=False`; the
   causal count is that attention term halved, checked separately;
 - the Qwen2.5-7B numbers written out by hand: 7,070,285,824 matmul weights and 62.15 GFLOP per
-  token at 32,768 tokens (42.42 matmul + 19.73 attention).
+  token at 32,768 tokens (42.42 matmul + 19.73 attention);
+- sliding windows (Mistral 7B v0.1: every layer, 4,096; Qwen2 with use_sliding_window on its upper layers): the
+  attention term within 0.1% of a count query by query of the keys each sees (min(t + 1, w) for query t); rows no
+  longer than the window count as full causal attention, exactly.
 
 Run: .venv/bin/python -m pytest -q tests/test_flops.py
 """
@@ -67,3 +70,26 @@ def test_flops_qwen25_7b_by_hand():
     attn = 6 * 28 * 32768 * 28 * 128                       # causal: 6 · L · S · H · Hd
     assert flops_per_token(args, 32768) == 6 * 7_070_285_824 + attn
     assert round(flops_per_token(args, 32768) / 1e9, 2) == 62.15
+
+
+def test_flops_sliding_window_counts_the_keys_each_query_sees():
+    """mfu's FLOPs on a sliding-window model: a query at position t attends min(t + 1, w) keys (4·Hd FLOPs each
+    forward, twice that backward, per head), summed query by query over the row; the formula's S/2 mean becomes the
+    window's mean. Until 2026-12-06 the window was ignored: Mistral 7B v0.1 at 32k counted 4.3× its attention FLOPs."""
+    mistral = ModelArgs.from_config_dict({
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096,
+        "max_position_embeddings": 32768})
+    qwen = ModelArgs.from_config_dict({
+        "model_type": "qwen2", "vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 1000,
+        "max_window_layers": 2})   # layers 2 and 3 slide
+    assert [qwen.window(i) for i in range(4)] == [None, None, 1000, 1000]
+    for args, s in ((mistral, 32768), (mistral, 8192), (qwen, 16384), (qwen, 3000)):
+        keys = sum(sum(min(t + 1, args.window(i) or s) for t in range(s)) for i in range(args.n_layers))
+        by_hand = 3 * 4 * args.head_dim * args.n_heads * keys / s   # per token, every layer, fwd + bwd
+        got = flops_per_token(args, s) - 6 * matmul_params(args)
+        assert abs(got - by_hand) <= 1e-3 * by_hand, (args.model_type, s, got, by_hand)
+    full = lambda a, s: 6 * a.n_layers * s * a.n_heads * a.head_dim   # S/2 keys a query
+    assert flops_per_token(mistral, 4096) == 6 * matmul_params(mistral) + full(mistral, 4096), "within the window"
+    assert flops_per_token(mistral, 32768) < 6 * matmul_params(mistral) + full(mistral, 32768) / 3
