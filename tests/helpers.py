@@ -192,10 +192,14 @@ def wandb_runs(out) -> dict:
     .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each record a protobuf of wandb's own
     schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one folder per start."""
     import glob
+    import re
     import time
 
     runs = {}
-    for path in sorted(glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))):
+    start = lambda p: re.fullmatch(r"offline-run-(\d+_\d+)-(\w+?)(?:-(\d+))?", os.path.basename(os.path.dirname(p)))  # noqa
+    for path in sorted(glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb")),   # in order of start:
+                       key=lambda p: (start(p)[1], int(start(p)[3] or 0))):   # a second one in the same second is -1
+        # (sorted as strings, ".../offline-run-T-ID-1/run-ID.wandb" came before ".../offline-run-T-ID/run-ID.wandb")
         for _ in range(300):   # wandb-core writes the log in its own process: a finished run's ends with "exit"
             data = open(path, "rb").read()
             if any(r.HasField("exit") for r in _wandb_records(data)):
