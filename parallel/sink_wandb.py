@@ -27,24 +27,41 @@ WANDB_DIR = "wandb"   # OUT/wandb: wandb's own files and run.json
 
 def check_key() -> None:
     """At start-up: wandb.init, after the model is built, would refuse a run with no API key (or ask for one at a
-    terminal, with every other rank waiting); say it first. The places wandb reads a key from, as documented: the
-    environment, an identity token file, ~/.netrc (what `wandb login` writes); none needed offline or disabled."""
+    terminal, with every other rank waiting); say it first. Where wandb 0.31 finds the server, the mode and the key
+    (wandb/sdk/lib/wbauth): the environment; the settings files, ~/.config/wandb/settings (or WANDB_CONFIG_DIR's)
+    then ./wandb/settings (what `wandb login --host`, `wandb offline` write: base_url, mode, api_key); the netrc file
+    (NETRC, else ~/.netrc) entry for the server's host:port, read as wandb reads it (a file others may read is not
+    refused). A check looking at less refused keys wandb finds (review, helper 88). None needed offline or disabled."""
+    import configparser
     import netrc
-    from urllib.parse import urlparse
+    from urllib.parse import urlsplit
 
-    env = os.environ
-    if env.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or env.get("WANDB_API_KEY") or \
-            env.get("WANDB_IDENTITY_TOKEN_FILE") or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+    env, files = os.environ, {}
+    root = env.get("WANDB_DIR") or "."
+    for path in (os.path.join(env.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"), "settings"),
+                 os.path.join(root, ".wandb" if os.path.exists(os.path.join(root, ".wandb")) else "wandb", "settings")):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+            files.update(parser.items("default"))   # (the later file wins, as in wandb)
+        except (OSError, configparser.Error):
+            pass
+    mode = env.get("WANDB_MODE") or files.get("mode", "")
+    if mode in ("offline", "disabled", "dryrun") or env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") \
+            or files.get("api_key") or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
         return
-    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    url = env.get("WANDB_BASE_URL") or files.get("base_url") or "https://api.wandb.ai"
+    host = urlsplit(url.rstrip("/")).netloc   # (host:port, as `wandb login` writes the entry)
+    path = env.get("NETRC") or next((p for p in map(os.path.expanduser, ("~/.netrc", "~/_netrc"))
+                                     if os.path.exists(p)), os.path.expanduser("~/.netrc"))
     try:
-        if netrc.netrc(env.get("NETRC")).authenticators(host):
+        if (netrc.netrc(os.path.expanduser(path)).authenticators(host) or (None,) * 3)[2]:
             return
     except (OSError, netrc.NetrcParseError):
         pass
-    raise ValueError(f"--report-to wandb: no W&B API key for {host} here (no WANDB_API_KEY, no ~/.netrc entry): run "
-                     "`wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline to log locally (`wandb sync` later); "
-                     "a key wandb finds elsewhere: set WANDB_API_KEY to it")
+    raise ValueError(f"--report-to wandb: no W&B API key for {host} here (no WANDB_API_KEY, no entry in {path}, "
+                     "none in W&B's settings files): run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline to "
+                     "log locally (`wandb sync` later); a key wandb finds elsewhere: set WANDB_API_KEY to it")
 
 
 def _state(out: str) -> tuple[str, dict | None]:

@@ -692,8 +692,8 @@ def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
     in either place, offline or disabled, passes."""
     _wandb_env(monkeypatch, tmp_path, mode=None)
     with pytest.raises(ValueError, match=r"--report-to wandb: no W&B API key for api.wandb.ai here \(no WANDB_API_KEY, "
-                                         r"no ~/.netrc entry\): run `wandb login`, set WANDB_API_KEY, or "
-                                         r"WANDB_MODE=offline"):
+                                         r"no entry in .*/home/.netrc, none in W&B's settings files\): run `wandb "
+                                         r"login`, set WANDB_API_KEY, or WANDB_MODE=offline"):
         metrics.check_sinks(["wandb"])
     metrics.check_sinks(["tensorboard"])
     os.makedirs(tmp_path / "home")
@@ -708,6 +708,73 @@ def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         metrics.check_sinks(["wandb"])
+
+
+def _wandb_finds_a_key() -> bool:
+    """wandb 0.31's own answer (wandb_setup's settings: the settings files, then the environment; wbauth's sources):
+    offline or disabled, or a key for the server it would log to."""
+    from wandb.sdk.lib.wbauth import wbnetrc
+    from wandb.sdk.lib.wbauth.host_url import HostUrl
+    from wandb.sdk.wandb_settings import Settings
+
+    s = Settings()
+    s.settings_system = os.path.join(os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"),
+                                     "settings")
+    s.update_from_system_settings()
+    s.update_from_env_vars(dict(os.environ))
+    if s.mode in ("offline", "disabled"):
+        return True
+    host = HostUrl(s.base_url)
+    return bool(os.environ.get("WANDB_API_KEY") or wbnetrc.read_netrc_auth_with_source(host=host) or
+                (s.api_key and host.is_same_url(s.base_url)))
+
+
+def test_wandb_key_check_agrees_with_wandb_where_it_finds_a_key(tmp_path, monkeypatch):
+    """The start-up check passes exactly where wandb's own lookup finds a key (or needs none): a server with a port
+    (`wandb login --host` writes host:port in the netrc), the server, the mode or the key in W&B's settings files
+    (`wandb login --host`, `wandb offline`), a ~/.netrc others may read (wandb reads it; Python's netrc() refuses
+    it), an entry without a password. Looking at less, it refused users wandb logs in (review, helper 88)."""
+    key = "k" * 40
+    cases = {   # name: (environment, {file under tmp: text}), each from a clean slate
+        "nothing": ({}, {}),
+        "port": ({"WANDB_BASE_URL": "http://localhost:8080"}, {"netrc": f"machine localhost:8080 password {key}"}),
+        "port-less entry": ({"WANDB_BASE_URL": "http://localhost:8080"},
+                            {"netrc": f"machine localhost password {key}"}),
+        "host in settings": ({}, {"home/.config/wandb/settings": "[default]\nbase_url = https://wandb.corp.example\n",
+                                  "netrc": f"machine wandb.corp.example login u password {key}"}),
+        "api.wandb.ai entry, other host in settings": ({}, {
+            "home/.config/wandb/settings": "[default]\nbase_url = https://wandb.corp.example\n",
+            "netrc": f"machine api.wandb.ai login u password {key}"}),
+        "wandb offline": ({}, {"home/.config/wandb/settings": "[default]\nmode = offline\n"}),
+        "wandb offline here": ({}, {"cwd/wandb/settings": "[default]\nmode = offline\n"}),
+        "key in settings": ({}, {"home/.config/wandb/settings": f"[default]\napi_key = {key}\n"}),
+        "readable ~/.netrc": ({"NETRC": None}, {"home/.netrc": f"machine api.wandb.ai login u password {key}"}),
+        "no password": ({}, {"netrc": "machine api.wandb.ai login u"}),
+        "env key": ({"WANDB_API_KEY": key}, {}),
+    }
+    seen = {}
+    for name, (env, files) in cases.items():
+        case = tmp_path / name.replace(" ", "_").replace(",", "")
+        _wandb_env(monkeypatch, case, mode=None)
+        (case / "cwd").mkdir(parents=True)
+        monkeypatch.chdir(case / "cwd")
+        for k, v in env.items():
+            monkeypatch.delenv(k) if v is None else monkeypatch.setenv(k, v)
+        for f, text in files.items():
+            f = case / ("home/.netrc" if f == "netrc" else f)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text + "\n")
+            os.chmod(f, 0o644)
+        try:
+            metrics.check_sinks(["wandb"])
+            passed = True
+        except ValueError as e:
+            assert str(e).startswith("--report-to wandb: no W&B API key for "), e
+            passed = False
+        seen[name] = (passed, _wandb_finds_a_key())
+    assert all(a == b for a, b in seen.values()), {k: v for k, v in seen.items() if v[0] != v[1]}
+    assert [k for k, (_, found) in seen.items() if not found] == [
+        "nothing", "port-less entry", "api.wandb.ai entry, other host in settings", "no password"], seen
 
 
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():
