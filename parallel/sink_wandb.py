@@ -7,13 +7,16 @@ contract: each step logged once, as the uninterrupted run logged it).
   name, its config OUT/config.json's flags; wandb's own files go to OUT/wandb.
 - A W&B run cannot drop history rows (metrics.jsonl drops the steps past a resume's checkpoint, TensorBoard's folder is
   rewritten without them), and a row at a step it already holds is ignored, so a resume that would log some step
-  again opens a new W&B run in the same group, named OUT@STEP (STEP: the resume's checkpoint), and says so: each of
-  its steps is this run's. A resume whose steps are all new to the W&B run (a stop that saved its last step: SIGTERM,
-  a preemption notice) goes on in the same W&B run.
-- OUT/wandb/run.json keeps the W&B run's id and the highest step logged to it, written before the row (a crash
-  between the two can only make the next resume open a new run, never hide a row). A resume without --report-to
-  wandb from below that step marks it (`stale`): its steps are trained again where W&B will not see them, so the
-  next resume with it opens a new run too.
+  again opens a new W&B run in the same group, named OUT@STEP (STEP: the resume's checkpoint), and says so; it
+  starts with metrics.jsonl's lines up to STEP, so it holds the run's every step as metrics.jsonl does. A resume
+  whose steps are all new to a W&B run that was closed (a stop that saved its last step: SIGTERM, a preemption
+  notice) goes on in that W&B run.
+- OUT/wandb/run.json keeps the W&B run's id, the highest step logged to it (written before the row) and whether
+  `finish()` returned (`closed`). wandb's service holds rows it was sent: a process killed (OOM, the watchdog), or
+  a service killed by the scheduler's SIGTERM to every process of the job, loses them, so a W&B run not closed is
+  never continued (review, helper 88: steps 1..2 of a run killed after saving step 2 were in no W&B run). A resume
+  without --report-to wandb from below the last step marks it (`stale`): its steps are trained again where W&B will
+  not see them, so the next resume with it opens a new run too.
 """
 
 from __future__ import annotations
@@ -97,20 +100,25 @@ class WandB:
                              "another's. Pass --resume to continue that run, --overwrite, or a new --out")
         name = os.path.basename(os.path.normpath(out))
         same = state is not None and resume_step is not None and state["last_step"] <= resume_step and \
-            not state.get("stale")
-        if state is not None and not same:   # (steps after resume_step that W&B holds, or may: a new run)
+            not state.get("stale") and state.get("closed")
+        if state is not None and not same:   # (steps after resume_step that W&B holds, or may; or rows lost: a new run)
             why = "a resume without --report-to wandb trained some of them again" if state.get("stale") else \
-                f"those past {resume_step} are trained again"
+                f"those past {resume_step} are trained again" if state["last_step"] > resume_step else \
+                "it was never closed (a kill: rows its service was sent may be missing)"
             log(f"note: the W&B run {state['id']} holds steps up to {state['last_step']}, and {why}: this run's go "
-                f"to a new W&B run, {name}@{resume_step}, in group {name}")
+                f"to a new W&B run, {name}@{resume_step}, in group {name}, after metrics.jsonl's steps up to "
+                f"{resume_step}")
         with open(os.path.join(out, "config.json")) as f:   # (written just before: the run's flags)
             config = json.load(f)
         os.makedirs(os.path.join(out, WANDB_DIR), exist_ok=True)
         run_id = state["id"] if same else secrets.token_hex(6)   # (W&B run ids: lowercase letters and digits)
-        self.path, self.state = path, {"id": run_id, "last_step": state["last_step"] if same else 0}
+        self.path, self.state = path, {"id": run_id, "last_step": state["last_step"] if same else 0, "closed": False}
         _keep(path, self.state)   # (before init: a failed init leaves a run the next resume does not continue)
         self.run = wandb.init(dir=out, id=run_id, resume="allow" if same else None, config=config, group=name,
                               name=None if same else name if resume_step is None else f"{name}@{resume_step}")
+        if resume_step is not None and not same:
+            for rec in _logged(os.path.join(out, "metrics.jsonl"), resume_step):
+                self.write(rec)
 
     def write(self, rec: dict) -> None:
         self.state["last_step"] = max(self.state["last_step"], rec["step"])
@@ -120,3 +128,18 @@ class WandB:
 
     def close(self) -> None:
         self.run.finish()
+        _keep(self.path, {**self.state, "closed": True})   # (after: every row sent is W&B's)
+
+
+def _logged(path: str, step: int):
+    """metrics.jsonl's records up to `step` (the resume truncated it there), their non-finite numbers restored."""
+    if not os.path.isfile(path):   # (a resume from another run's checkpoint into a new OUT)
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:   # (a torn line)
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                yield {**rec, **{k: float(v) for k, v in (rec.get("nonfinite") or {}).items()}}

@@ -187,10 +187,11 @@ def tensorboard_scalars(out) -> dict:
     return drawn
 
 
-def wandb_runs(out) -> dict:
-    """OUT/wandb's offline runs as W&B holds them: {run id: {"name", "group", "rows": [(step, {key: value})]}}, each
-    .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each record a protobuf of wandb's own
-    schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one folder per start."""
+def wandb_runs(out, unfinished=False) -> dict:
+    """OUT/wandb's offline runs as W&B holds them: {run id: {"name", "group", "config", "rows": [(step, {key:
+    value})]}}, each .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each record a protobuf
+    of wandb's own schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one folder per start.
+    `unfinished`: a file without the exit record is read as it is (its service was killed), not waited for."""
     import glob
     import re
     import time
@@ -202,7 +203,7 @@ def wandb_runs(out) -> dict:
         # (sorted as strings, ".../offline-run-T-ID-1/run-ID.wandb" came before ".../offline-run-T-ID/run-ID.wandb")
         for _ in range(300):   # wandb-core writes the log in its own process: a finished run's ends with "exit"
             data = open(path, "rb").read()
-            if any(r.HasField("exit") for r in _wandb_records(data)):
+            if unfinished or any(r.HasField("exit") for r in _wandb_records(data)):
                 break
             time.sleep(0.1)
         else:
@@ -211,7 +212,9 @@ def wandb_runs(out) -> dict:
         for rec in _wandb_records(data):
             if rec.HasField("run"):
                 run = runs.setdefault(rec.run.run_id, {"name": rec.run.display_name, "group": rec.run.run_group,
-                                                       "rows": []})
+                                                       "config": {}, "rows": []})
+                run["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update
+                                      if not i.key.startswith("_")})   # (_wandb: its own)
             elif rec.HasField("history"):
                 row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
                 run["rows"].append((rec.history.step.num, {k: v for k, v in row.items() if not k.startswith("_")}))

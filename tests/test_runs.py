@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -639,7 +640,8 @@ def test_wandb_sink_logs_each_step_once_across_resumes(tmp_path, monkeypatch, ca
     step (numbers only; NaN kept, flags and booleans not), the run named and grouped after OUT. A resume from the
     W&B run's last step goes on in that run; one from below it (the steps after it are trained again, and W&B ignores
     a row at a step it holds) opens a new run, OUT@STEP, in the group, and says so; so does one after a resume
-    without the flag trained from below it. A fresh run into a folder holding a W&B run is refused."""
+    without the flag trained from below it. A new run starts with metrics.jsonl's steps up to STEP (review, helper 88).
+    A fresh run into a folder holding a W&B run is refused."""
     from tests.helpers import wandb_runs
 
     _wandb_env(monkeypatch, tmp_path)
@@ -666,10 +668,11 @@ def test_wandb_sink_logs_each_step_once_across_resumes(tmp_path, monkeypatch, ca
     capsys.readouterr()
     segment([3, 4, 5], 2)   # steps 3 and 4 again
     assert f"note: the W&B run {first} holds steps up to 4, and those past 2 are trained again: this run's go to a " \
-        "new W&B run, myrun@2, in group myrun" in capsys.readouterr().out
+        "new W&B run, myrun@2, in group myrun, after metrics.jsonl's steps up to 2" in capsys.readouterr().out
     runs_now = wandb_runs(out)
     (second, run), = [(k, v) for k, v in runs_now.items() if k != first]
-    assert (run["name"], run["group"]) == ("myrun@2", "myrun") and [k for k, _ in run["rows"]] == [3, 4, 5], run
+    assert (run["name"], run["group"]) == ("myrun@2", "myrun") and [k for k, _ in run["rows"]] == [1, 2, 3, 4, 5], run
+    assert run["rows"] == [(k, {"loss": 1.0 / k, "grad_norm": 0.5, "tokens": 96}) for k in range(1, 6)], run["rows"]
     assert [k for k, _ in runs_now[first]["rows"]] == [1, 2, 3, 4], "the first run is left as it was"
     segment([2, 3, 4, 5, 6], 1, report_to=())   # without the flag, from below step 5, to past it: W&B's run
     capsys.readouterr()
@@ -678,12 +681,49 @@ def test_wandb_sink_logs_each_step_once_across_resumes(tmp_path, monkeypatch, ca
         "of them again: this run's go to a new W&B run, myrun@6, in group myrun" in capsys.readouterr().out
     third = [k for k in wandb_runs(out) if k not in (first, second)]
     assert len(third) == 1 and wandb_runs(out)[third[0]]["name"] == "myrun@6", wandb_runs(out)
-    assert wandb_runs(out)[third[0]]["rows"] == [(7, {"loss": 1 / 7, "grad_norm": 0.5, "tokens": 96})]
-    assert [k for k, _ in wandb_runs(out)[second]["rows"]] == [3, 4, 5]
+    assert wandb_runs(out)[third[0]]["rows"] == [(k, {"loss": 1 / k, "grad_norm": 0.5, "tokens": 96})
+                                                 for k in range(1, 8)]
+    assert [k for k, _ in wandb_runs(out)[second]["rows"]] == [1, 2, 3, 4, 5]
     before = sorted(os.listdir(os.path.join(out, "wandb")))
     with pytest.raises(ValueError, match="already holds a W&B run; a fresh run never adds to another's"):
         metrics.WandB(out)   # (claim refuses the folder first; this is the sink's own guard)
     assert sorted(os.listdir(os.path.join(out, "wandb"))) == before
+
+
+def test_wandb_run_never_closed_is_not_continued(tmp_path, monkeypatch, capsys):
+    """wandb's service holds the rows it is sent: a process killed after saving its last step (OOM), or a service
+    killed by the scheduler's SIGTERM to every process of the job (SLURM), loses them, as wandb's own record log
+    shows. The resume from that step then opens a new W&B run holding metrics.jsonl's steps, never goes on in the one
+    that lost them (steps 1..3 were in no W&B run: review, helper 88)."""
+    import signal
+
+    from tests.helpers import wandb_runs
+
+    _wandb_env(monkeypatch, tmp_path)
+    out = str(tmp_path / "myrun")
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({"lr": 0.001}, f)
+    rec = lambda k: {"step": k, "loss": 1.0 / k, "grad_norm": float("nan") if k == 2 else 0.5}  # noqa: E731
+    killed = (f"import os, signal\nfrom parallel import metrics\nlog = metrics.Metrics({out!r}, ['wandb'])\n"
+              "for k in (1, 2, 3):\n    log.write({'step': k, 'loss': 1.0 / k, 'grad_norm': float('nan') if k == 2 "
+              "else 0.5})\nos.kill(os.getpid(), signal.SIGKILL)   # (OOM, after step 3's save)")
+    r = subprocess.run([sys.executable, "-c", killed], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    with open(os.path.join(out, "wandb", "run.json")) as f:
+        first = json.load(f)["id"]
+    lost = wandb_runs(out, unfinished=True).get(first, {"rows": []})   # (the killed service wrote no record at all)
+    assert [k for k, _ in lost["rows"]] != [1, 2, 3], "the service kept its rows: this test shows nothing"
+    capsys.readouterr()
+    log = metrics.Metrics(out, ["wandb"], resume_step=3)
+    log.write(rec(4))
+    log.close()
+    assert f"note: the W&B run {first} holds steps up to 3, and it was never closed" in capsys.readouterr().out
+    (second, run), = [(k, v) for k, v in wandb_runs(out, unfinished=True).items() if k != first]
+    assert run["name"] == "myrun@3" and [k for k, _ in run["rows"]] == [1, 2, 3, 4], run
+    assert math.isnan(run["rows"][1][1]["grad_norm"]) and run["rows"][3][1] == {"loss": 0.25, "grad_norm": 0.5}
+    assert run["config"] == {"lr": 0.001}, run["config"]
 
 
 def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):

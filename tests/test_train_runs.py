@@ -700,8 +700,8 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
 def test_wandb_rows_are_metrics_jsonl_across_a_resume(assets, tmp_path, monkeypatch, capsys):
     """--report-to wandb (offline; read back from wandb's own record log): its run's rows are metrics.jsonl's numbers
     at their steps, config OUT's; a resume from step 2 of 4 logs steps 3 and 4 to a new run in the group (W&B ignores
-    a row at a step it holds), = metrics.jsonl's lines for them. Online with no API key: refused at start-up, before
-    any weight is read, nothing written."""
+    a row at a step it holds), after metrics.jsonl's steps 1 and 2: its rows = metrics.jsonl (review, helper 88).
+    Online with no API key: refused at start-up, before any weight is read, nothing written."""
     from tests.helpers import wandb_runs
     from tests.test_runs import _wandb_env
 
@@ -714,9 +714,11 @@ def test_wandb_rows_are_metrics_jsonl_across_a_resume(assets, tmp_path, monkeypa
     (first, held), = wandb_runs(out).items()
     assert held["name"] == "out" and held["rows"] == rows(metrics(out)) and "eval_loss" in held["rows"][1][1], held
     run(train_argv(assets, out, "--steps", "4", *wb, "--resume", os.path.join(out, "ckpt", "step_000002")))
-    assert "go to a new W&B run, out@2, in group out" in capsys.readouterr().out
+    assert "go to a new W&B run, out@2, in group out, after metrics.jsonl's steps up to 2" in capsys.readouterr().out
     (second, held), = [(k, v) for k, v in wandb_runs(out).items() if k != first]
-    assert held["rows"] == rows(metrics(out)[2:]) and [k for k, _ in held["rows"]] == [3, 4], held
+    assert held["rows"] == rows(metrics(out)) and [k for k, _ in held["rows"]] == [1, 2, 3, 4], held
+    assert held["config"] == {k: v for k, v in json.load(open(os.path.join(out, "config.json"))).items()
+                              if not k.startswith("_")}, "the run's config is not config.json's"
     _wandb_env(monkeypatch, tmp_path, mode=None)
     bare = str(tmp_path / "bare")
     assert startup_error(train_argv(assets, bare, "--report-to", "wandb")).startswith(
