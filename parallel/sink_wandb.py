@@ -17,6 +17,10 @@ contract: each step logged once, as the uninterrupted run logged it).
   never continued (review, helper 88: steps 1..2 of a run killed after saving step 2 were in no W&B run). A resume
   without --report-to wandb from below the last step marks it (`stale`): its steps are trained again where W&B will
   not see them, so the next resume with it opens a new run too.
+- W&B mirrors metrics.jsonl, which holds every step, so a service gone mid-run (a row or finish() failing) is a
+  warning, not the stop parallel/metrics.py's contract makes of a failed sink: the run goes on without W&B, the run
+  stays unclosed, and the next resume's new W&B run gets every step (review, helper 88: SLURM's SIGTERM killed the
+  service, and the failed row stopped every rank unsaved).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def mark_stale(out: str, resume_step: int) -> None:
 class WandB:
     """The sink (parallel/metrics.py's contract; module docstring)."""
 
-    def __init__(self, out: str, *, resume_step: int | None = None, log=print):
+    def __init__(self, out: str, *, resume_step: int | None = None, log=lambda m: print(m, flush=True)):
         import wandb
 
         path, state = _state(out)
@@ -113,6 +117,7 @@ class WandB:
         os.makedirs(os.path.join(out, WANDB_DIR), exist_ok=True)
         run_id = state["id"] if same else secrets.token_hex(6)   # (W&B run ids: lowercase letters and digits)
         self.path, self.state = path, {"id": run_id, "last_step": state["last_step"] if same else 0, "closed": False}
+        self.log, self.dead, self.errors = log, False, wandb.errors.Error
         _keep(path, self.state)   # (before init: a failed init leaves a run the next resume does not continue)
         self.run = wandb.init(dir=out, id=run_id, resume="allow" if same else None, config=config, group=name,
                               name=None if same else name if resume_step is None else f"{name}@{resume_step}")
@@ -121,14 +126,32 @@ class WandB:
                 self.write(rec)
 
     def write(self, rec: dict) -> None:
+        if self.dead:
+            return
         self.state["last_step"] = max(self.state["last_step"], rec["step"])
         _keep(self.path, self.state)   # first (module docstring)
-        self.run.log({k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))
-                      and not isinstance(v, bool)}, step=rec["step"])
+        try:
+            self.run.log({k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))
+                          and not isinstance(v, bool)}, step=rec["step"])
+        except (OSError, self.errors) as e:
+            self._died(rec["step"], e)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.dead:
+            return
+        try:
+            self.run.finish()
+        except (OSError, self.errors) as e:
+            return self._died(self.state["last_step"], e)
         _keep(self.path, {**self.state, "closed": True})   # (after: every row sent is W&B's)
+
+    def _died(self, step: int, e: BaseException) -> None:
+        """wandb's service gone (the scheduler's SIGTERM reaches every process of the job): the run goes on without
+        W&B rather than stop, unsaved, on a mirror of metrics.jsonl; the next resume's new W&B run gets every step."""
+        self.dead = True
+        self.log(f"warning: W&B took no row at step {step} ({type(e).__name__}: {e}): its service is gone (a "
+                 "scheduler's signal to every process of the job?); the run goes on without it, metrics.jsonl holds "
+                 "every step, and a resume with --report-to wandb logs them all to a new W&B run")
 
 
 def _logged(path: str, step: int):

@@ -726,6 +726,43 @@ def test_wandb_run_never_closed_is_not_continued(tmp_path, monkeypatch, capsys):
     assert run["config"] == {"lr": 0.001}, run["config"]
 
 
+def test_wandb_service_killed_mid_run_is_a_warning_not_a_stop(tmp_path, monkeypatch, capsys):
+    """SLURM's SIGTERM reaches every process of the job, wandb's service too, which dies at once: its next row (or
+    finish) raised ConnectionResetError, which stopped every rank unsaved, or replaced the stop's own exit (review,
+    helper 88). Now W&B is dropped with a warning and the run goes on: metrics.jsonl holds every step, the W&B run is
+    not marked closed, and the resume logs them all to a new W&B run."""
+    from tests.helpers import wandb_runs
+
+    _wandb_env(monkeypatch, tmp_path)
+    out = str(tmp_path / "myrun")
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({"lr": 0.001}, f)
+    script = (f"import os, signal, psutil\nfrom parallel import metrics\nlog = metrics.Metrics({out!r}, ['wandb'])\n"
+              "log.write({'step': 1, 'loss': 1.0})\nlog.write({'step': 2, 'loss': 0.5})\n"
+              "core = [p for p in psutil.Process().children(recursive=True) if 'wandb-core' in p.name()]\n"
+              "assert core, 'no wandb-core child'\n"
+              "[p.send_signal(signal.SIGTERM) for p in core]\npsutil.wait_procs(core, timeout=30)\n"
+              "log.write({'step': 3, 'loss': 0.25})\nlog.write({'step': 4, 'loss': 0.2})\nlog.close()\n"
+              "print('closed')")
+    r = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "closed" in r.stdout, (r.stdout, r.stderr[-3000:])
+    assert r.stdout.count("warning: W&B took no row at step ") == 1 and "the run goes on without it, metrics.jsonl " \
+        "holds every step" in r.stdout, r.stdout
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+    with open(os.path.join(out, "wandb", "run.json")) as f:
+        state = json.load(f)
+    assert not state["closed"], state
+    capsys.readouterr()
+    log = metrics.Metrics(out, ["wandb"], resume_step=4)
+    log.write({"step": 5, "loss": 0.1})
+    log.close()
+    assert "it was never closed" in capsys.readouterr().out
+    (_, run), = [(k, v) for k, v in wandb_runs(out, unfinished=True).items() if k != state["id"]]
+    assert run["name"] == "myrun@4" and [k for k, _ in run["rows"]] == [1, 2, 3, 4, 5], run
+
+
 def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
     """Online with no API key anywhere wandb documents (WANDB_API_KEY, ~/.netrc from `wandb login`), wandb.init
     would refuse after the model is built, or ask at a terminal with the other ranks waiting: said at start-up. A key
