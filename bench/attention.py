@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel import kernels, masks  # noqa: E402
+from parallel import kernel_choice, kernels, masks  # noqa: E402
 from parallel.cp import cp_attention, shard_sequence  # noqa: E402
 from parallel.mesh import ParallelDims  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -162,7 +162,7 @@ def main():
     if args.tiles:
         return compare_tiles(args, fn, (q, k, v), dout, device)
     t1, c1 = time_step(fn, (q, k, v), dout, device, args.iters, args.warmup)
-    backend = kernels.pick_backend(q)
+    backend = kernel_choice.pick_backend(q)
     del q, k, v, dout
     p = args.nproc
     print(f"single process: {t1:.3f} s, cpu {c1:.3f} s  (S={args.seq}, B={args.batch}, H={args.heads}, "
@@ -199,7 +199,7 @@ def compare_blocks(args, fn, inputs, dout, device):
         kernels.backward_block = lambda row, block=block: block   # this block size at any length
         res[name] = measured(name, fn, args, inputs, dout, device)
     (t1, m1), (tb, mb) = res.values()
-    kernel = kernels.pick_backend(inputs[0])
+    kernel = kernel_choice.pick_backend(inputs[0])
     print(f"blocks / one call: time {tb / t1:.3f}, peak {mb / m1:.3f}  (S={args.seq}, H={args.heads}, "
           f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel {kernel})")
 
@@ -252,7 +252,7 @@ def compare_tiles(args, fn, inputs, dout, device):
     print(f"max |difference| of out, dq, dk, dv between the two: {diff:.2e}")
     print(f"tiles / kernels.attention: time {tt / t1:.3f}, peak {mt / m1:.3f}  (S={args.seq}, H={args.heads}, "
           f"Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {device.type}, kernel "
-          f"{kernels.pick_backend(inputs[0])})")
+          f"{kernel_choice.pick_backend(inputs[0])})")
 
 
 if __name__ == "__main__":

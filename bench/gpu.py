@@ -575,7 +575,7 @@ def main(argv=None):
         print("smoke mode: " + ("--smoke" if cuda else "no CUDA") + ": tiny config, CPU, float32, no quantization",
               flush=True)
     from model.config import ModelArgs
-    from parallel import kernels
+    from parallel import kernel_choice
     base_cfg = json.load(open(os.path.join(args.config, "config.json")))
     cases = ["32k", "128k"] if args.case == "all" else [args.case]
     if smoke:
@@ -613,10 +613,10 @@ def main(argv=None):
             write_prompt_pairs(ckpt, tokens // 2, steps, prompt_pairs)
         margs = ModelArgs.from_config_dict(json.load(open(os.path.join(ckpt, "config.json"))))
         quant, dtype = ("none", "fp32") if smoke else ("nf4", "bf16")
-        attention = kernels.backend_order(
+        attention = kernel_choice.backend_order(
             "cuda" if not smoke else "cpu", torch.bfloat16 if not smoke else torch.float32, margs.head_dim,
             tokens, tokens, torch.cuda.get_device_capability() if cuda and not smoke else (0, 0),
-            cuda and not smoke and kernels._cudnn_usable(), kernels._fa is not None)[0]
+            cuda and not smoke and kernel_choice._cudnn_usable(), kernel_choice._fa is not None)[0]
         case = dict(tokens=tokens, layers=layers, quant=quant, dtype=dtype, warmup=warmup, steps=steps,
                     attention=attention, rows={})
         results["cases"][name] = case

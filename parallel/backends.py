@@ -1,5 +1,5 @@
 """The attention backends behind `parallel.kernels`: each a forward -> (out, lse) and a backward that
-accepts a GLOBAL out/lse, over [B, S, H, D] tensors (see kernels.py for the contract and the choice).
+accepts a GLOBAL out/lse, over [B, S, H, D] tensors (see kernels.py for the contract, kernel_choice.py for the choice).
 
 - "reference": float64 matmul + softmax (tests). "cpu": torch's CPU flash op. "sdpa_cuda": torch's
   flash op (fp16/bf16, GQA as is) or memory-efficient op (float32, or an additive bias). "cudnn":

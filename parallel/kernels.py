@@ -16,9 +16,8 @@ Contract:
   K/V), "cpu" (torch's CPU flash op, expanded K/V, the group summed back in dk/dv) and "reference"
   (float64 matmul + softmax, for tests). The CUDA ops get [B, H, S, D] views of the [B, S, H, D]
   tensors and ring blocks are slices of them: no layout copies (float32 and CPU still expand K/V).
-- Choice: `backend=` names one (no fallback, what the tests pin); otherwise `backend_order` ranks
-  the backends that accept this device, dtype, head dim and shape, and a backend that raises at
-  run time for a shape is skipped for that shape from then on (logged once, rank 0).
+- Choice (`parallel.kernel_choice`): `backend=` names one (no fallback); otherwise the fastest backend that
+  accepts the case, and the next for a shape where one raises at run time.
 - Masks: `forward`/`backward(..., mask=keep)`, keep bool [B or 1, Sq, Sk] from `parallel.masks` (ANDed
   with `causal`), an additive 0/-inf bias through torch's CPU flash op or CUDA efficient op (the others
   take no bias): one Sq·Sk bias per call, so callers mask only the blocks that need it. A row with every
@@ -40,64 +39,16 @@ Contract:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from parallel import backends, masks, recompute
+from parallel.kernel_choice import _dispatch, _log_once, pick_backend
 
 try:  # optional: flash-attn 2 (CUDA only)
-    from flash_attn import flash_attn_interface as _fa
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the install
-    _fa = flash_attn_varlen_func = None
-
-BACKENDS = ("cudnn", "flash_attn", "sdpa_cuda", "cpu", "reference")
-
-
-def backend_order(device_type: str, dtype, head_dim: int, sq: int, sk: int, capability=(0, 0),
-                  cudnn: bool = False, flash_attn: bool = False, varlen: bool = False) -> list[str]:
-    """Backends that accept this case, fastest first (a pure function: the facts are arguments). cuDNN: sm90+
-    (H200, 32k tokens, 28/4 heads, head_dim 128, bf16: fwd+bwd 49.5 ms vs 82.6 ms for torch's flash op),
-    head_dim a multiple of 8 up to 128, no length = 64 mod 128 (there the SM90 backward leaves the K/V tail
-    tile unmasked: NaN gradients where lse < -88.7; pytorch#196678, cudnn-frontend#628). flash-attn 2 next
-    (first for packed rows: a varlen entry), torch's op last."""
-    if device_type == "cpu":
-        return ["cpu"]
-    if device_type != "cuda":
-        return ["reference"]
-    half = dtype in (torch.float16, torch.bfloat16)
-    order = []
-    if (cudnn and half and tuple(capability) >= (9, 0) and head_dim % 8 == 0 and head_dim <= 128
-            and sq % 128 != 64 and sk % 128 != 64):
-        order.append("cudnn")
-    if flash_attn and half and head_dim % 8 == 0 and head_dim <= 256:
-        order.insert(0 if varlen else len(order), "flash_attn")
-    return order + ["sdpa_cuda"]
-
-
-def _capability(device):
-    return torch.cuda.get_device_capability(device)
-
-
-def _cudnn_usable() -> bool:
-    """The op exists in this torch, cuDNN 9+ is loaded and nobody switched cuDNN SDPA off."""
-    return (hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
-            and torch.backends.cuda.cudnn_sdp_enabled())
-
-
-def candidates(q, k=None, varlen: bool = False) -> list[str]:
-    k = q if k is None else k
-    cuda = q.device.type == "cuda"
-    return backend_order(q.device.type, q.dtype, q.shape[-1], q.shape[1], k.shape[1],
-                         _capability(q.device) if cuda else (0, 0), cuda and _cudnn_usable(),
-                         _fa is not None, varlen)
-
-
-def pick_backend(q: torch.Tensor, k: torch.Tensor | None = None, varlen: bool = False) -> str:
-    return candidates(q, k, varlen)[0]
+    flash_attn_varlen_func = None
 
 
 def _check(q, k, causal):
@@ -113,39 +64,6 @@ _BACKWARD = {"cudnn": backends._cudnn_backward, "flash_attn": backends._fa_backw
              "sdpa_cuda": backends._cuda_backward, "cpu": backends._cpu_backward,
              "reference": backends._ref_backward}
 _MASKABLE = ("sdpa_cuda", "cpu", "reference")  # backends whose kernels take an additive bias
-_refused: set = set()   # (phase, backend, case) that raised once: not tried again for that case
-_logged: set = set()
-
-
-def _log_once(key, msg):
-    if key in _logged:
-        return
-    _logged.add(key)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_rank() != 0):
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
-
-
-def _dispatch(phase, table, q, k, causal, args, backend):
-    if backend is not None:
-        return table[backend](*args)
-    names = candidates(q, k)
-    case = (q.device, q.dtype, tuple(q.shape), tuple(k.shape), causal)
-    for i, name in enumerate(names):
-        if (phase, name, case) in _refused and i + 1 < len(names):
-            continue
-        try:
-            return table[name](*args)
-        except torch.OutOfMemoryError:
-            raise   # another kernel would not fit either; the fix is elsewhere
-        except RuntimeError as e:   # a backend refusing a shape: try the next one
-            if i + 1 == len(names):
-                raise
-            _refused.add((phase, name, case))
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            _log_once((phase, name), f"attention {phase}: backend {name!r} failed for q {tuple(q.shape)}, "
-                      f"k {tuple(k.shape)}, {q.dtype} ({first}); using {names[i + 1]!r} for this shape")
-    raise AssertionError("unreachable")
 
 
 MASKED_LIMIT = 1 << 31   # a masked CUDA call's Sq·Sk: torch's efficient kernel indexes its bias in 32 bits

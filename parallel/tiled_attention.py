@@ -46,7 +46,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from model.nf4 import dequant_once
-from parallel import kernels, masks
+from parallel import kernel_choice, kernels, masks
 from parallel.memory import norm_stand_in
 from parallel.recompute import grads_only_context
 from parallel.ring import _merge
@@ -54,12 +54,12 @@ from parallel.ring import _merge
 
 def _document_backend(x, head_dim: int) -> str | None:
     """Packed rows cut the tiles at documents: calls of many (queries, keys) shapes. cuDNN builds a graph per new
-    shape (parallel/kernels.py), so where it would lead those calls take flash-attn, else torch's flash op."""
+    shape (parallel/kernel_choice.py), so where it would lead those calls take flash-attn, else torch's flash op."""
     if not x.is_cuda:
         return None
-    order = kernels.backend_order("cuda", x.dtype, head_dim, 128, 128, kernels._capability(x.device),
-                                  kernels._cudnn_usable(), kernels._fa is not None)
-    return ("flash_attn" if kernels._fa is not None else "sdpa_cuda") if order[0] == "cudnn" else None
+    order = kernel_choice.backend_order("cuda", x.dtype, head_dim, 128, 128, kernel_choice._capability(x.device),
+                                        kernel_choice._cudnn_usable(), kernel_choice._fa is not None)
+    return ("flash_attn" if kernel_choice._fa is not None else "sdpa_cuda") if order[0] == "cudnn" else None
 
 
 def _rng_state(device):

@@ -1,4 +1,4 @@
-"""Attention backend choice and run-time fallback, on CPU with faked device facts.
+"""Attention backend choice and run-time fallback (parallel/kernel_choice.py), on CPU with faked device facts.
 
 Pins:
 - `backend_order` (a pure function of device type, dtype, head dim, lengths, compute capability and
@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from parallel import backends, kernels
+from parallel import backends, kernel_choice, kernels
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 H200, A100 = (9, 0), (8, 0)
@@ -44,7 +44,7 @@ H200, A100 = (9, 0), (8, 0)
     (("mps", F32, 64, 64, 64, (0, 0), False, False, False), ["reference"]),
 ], ids=str)
 def test_backend_order(args, want):
-    assert kernels.backend_order(*args) == want
+    assert kernel_choice.backend_order(*args) == want
 
 
 def fake_q(device="cuda", dtype=BF16, shape=(1, 32768, 28, 128)):
@@ -52,24 +52,24 @@ def fake_q(device="cuda", dtype=BF16, shape=(1, 32768, 28, 128)):
 
 
 def test_pick_backend_reads_device_facts(monkeypatch):
-    monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
-    monkeypatch.setattr(kernels, "_fa", None)
-    monkeypatch.setattr(kernels, "_capability", lambda dev: H200)
-    assert kernels.pick_backend(fake_q()) == "cudnn", "H200 bf16 head_dim 128"
-    assert kernels.pick_backend(fake_q(dtype=F32)) == "sdpa_cuda", "float32"
+    monkeypatch.setattr(kernel_choice, "_cudnn_usable", lambda: True)
+    monkeypatch.setattr(kernel_choice, "_fa", None)
+    monkeypatch.setattr(kernel_choice, "_capability", lambda dev: H200)
+    assert kernel_choice.pick_backend(fake_q()) == "cudnn", "H200 bf16 head_dim 128"
+    assert kernel_choice.pick_backend(fake_q(dtype=F32)) == "sdpa_cuda", "float32"
     k = fake_q(shape=(1, 8256, 4, 128))   # a K/V block of 64 mod 128 tokens
-    assert kernels.pick_backend(fake_q(), k) == "sdpa_cuda", "K/V length 64 mod 128"
-    monkeypatch.setattr(kernels, "_capability", lambda dev: A100)
-    assert kernels.pick_backend(fake_q()) == "sdpa_cuda", "A100 without flash-attn"
-    monkeypatch.setattr(kernels, "_fa", object())   # flash-attn "installed"
-    assert kernels.candidates(fake_q()) == ["flash_attn", "sdpa_cuda"], "A100 with flash-attn"
-    monkeypatch.setattr(kernels, "_capability", lambda dev: H200)
-    assert kernels.candidates(fake_q()) == ["cudnn", "flash_attn", "sdpa_cuda"], "H200 with flash-attn"
-    assert kernels.pick_backend(fake_q(), varlen=True) == "flash_attn", "packed rows: the varlen kernel"
-    monkeypatch.setattr(kernels, "_cudnn_usable", lambda: False)
-    assert kernels.pick_backend(fake_q()) == "flash_attn", "cuDNN unusable"
-    assert kernels.pick_backend(torch.zeros(1, 8, 2, 64)) == "cpu", "a real CPU tensor"
-    assert kernels.pick_backend(torch.zeros(1, 8, 2, 64, device="meta")) == "reference", "meta tensor"
+    assert kernel_choice.pick_backend(fake_q(), k) == "sdpa_cuda", "K/V length 64 mod 128"
+    monkeypatch.setattr(kernel_choice, "_capability", lambda dev: A100)
+    assert kernel_choice.pick_backend(fake_q()) == "sdpa_cuda", "A100 without flash-attn"
+    monkeypatch.setattr(kernel_choice, "_fa", object())   # flash-attn "installed"
+    assert kernel_choice.candidates(fake_q()) == ["flash_attn", "sdpa_cuda"], "A100 with flash-attn"
+    monkeypatch.setattr(kernel_choice, "_capability", lambda dev: H200)
+    assert kernel_choice.candidates(fake_q()) == ["cudnn", "flash_attn", "sdpa_cuda"], "H200 with flash-attn"
+    assert kernel_choice.pick_backend(fake_q(), varlen=True) == "flash_attn", "packed rows: the varlen kernel"
+    monkeypatch.setattr(kernel_choice, "_cudnn_usable", lambda: False)
+    assert kernel_choice.pick_backend(fake_q()) == "flash_attn", "cuDNN unusable"
+    assert kernel_choice.pick_backend(torch.zeros(1, 8, 2, 64)) == "cpu", "a real CPU tensor"
+    assert kernel_choice.pick_backend(torch.zeros(1, 8, 2, 64, device="meta")) == "reference", "meta tensor"
 
 
 def qkv(seed=0):
@@ -90,9 +90,9 @@ def flaky(monkeypatch):
 
     monkeypatch.setitem(kernels._FORWARD, "boom", boom)
     monkeypatch.setitem(kernels._BACKWARD, "boom", boom)
-    monkeypatch.setattr(kernels, "candidates", lambda q, k=None, varlen=False: ["boom", "cpu"])
-    monkeypatch.setattr(kernels, "_refused", set())
-    monkeypatch.setattr(kernels, "_logged", set())
+    monkeypatch.setattr(kernel_choice, "candidates", lambda q, k=None, varlen=False: ["boom", "cpu"])
+    monkeypatch.setattr(kernel_choice, "_refused", set())
+    monkeypatch.setattr(kernel_choice, "_logged", set())
     return calls
 
 
@@ -127,7 +127,7 @@ def test_no_fallback_when_named_or_last_or_oom(flaky, monkeypatch):
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="boom"):
         kernels.forward(q, k, v, True, 0.125, backend="boom")
-    monkeypatch.setattr(kernels, "candidates", lambda q, k=None, varlen=False: ["boom"])
+    monkeypatch.setattr(kernel_choice, "candidates", lambda q, k=None, varlen=False: ["boom"])
     with pytest.raises(RuntimeError, match="boom"):
         kernels.forward(q, k, v, True, 0.125)
 
@@ -135,7 +135,7 @@ def test_no_fallback_when_named_or_last_or_oom(flaky, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setitem(kernels._FORWARD, "boom", oom)
-    monkeypatch.setattr(kernels, "candidates", lambda q, k=None, varlen=False: ["boom", "cpu"])
+    monkeypatch.setattr(kernel_choice, "candidates", lambda q, k=None, varlen=False: ["boom", "cpu"])
     with pytest.raises(torch.OutOfMemoryError):
         kernels.forward(q, k, v, True, 0.125)
 

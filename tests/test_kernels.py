@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel import backends, kernels
+from parallel import backends, kernel_choice, kernels
 from parallel.ring import _merge
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -305,7 +305,7 @@ def test_refusals_and_backend_choice():
         kernels.forward(q, k, v, True, 1.0)
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         kernels.forward(q, k[:, :, :1].expand(1, 16, 3, 64), v, False, 1.0)
-    assert kernels.pick_backend(q) == "cpu"
+    assert kernel_choice.pick_backend(q) == "cpu"
 
 
 # --- masks, documents and sliding windows ------------------------------------------------------

@@ -146,18 +146,18 @@ def test_rows_of_documents_keep_off_cudnn(monkeypatch):
     per new shape) they take flash-attn, else torch's flash op; elsewhere the usual choice (None)."""
     from types import SimpleNamespace
 
-    from parallel import kernels
+    from parallel import kernel_choice
     from parallel.tiled_attention import _document_backend
 
-    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(kernels, "_cudnn_usable", lambda: True)
-    monkeypatch.setattr(kernels, "_fa", None)
+    monkeypatch.setattr(kernel_choice, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernel_choice, "_cudnn_usable", lambda: True)
+    monkeypatch.setattr(kernel_choice, "_fa", None)
     x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")
     assert _document_backend(x, 128) == "sdpa_cuda"
-    monkeypatch.setattr(kernels, "_fa", object())
+    monkeypatch.setattr(kernel_choice, "_fa", object())
     assert _document_backend(x, 128) == "flash_attn"
     assert _document_backend(SimpleNamespace(is_cuda=True, dtype=torch.float32, device="cuda:0"), 128) is None
-    monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))   # no cuDNN lead on Ampere: untouched
+    monkeypatch.setattr(kernel_choice, "_capability", lambda device: (8, 0))   # no cuDNN lead on Ampere: untouched
     assert _document_backend(x, 128) is None
     assert _document_backend(torch.zeros(1, 2, 3), 128) is None
 

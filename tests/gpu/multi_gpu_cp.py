@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from parallel import kernels  # noqa: E402
+from parallel import kernel_choice  # noqa: E402
 from parallel.cp import cp_attention, shard_sequence  # noqa: E402
 from parallel.mesh import ParallelDims  # noqa: E402
 
@@ -64,7 +64,7 @@ def main():
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
             except AssertionError as e:
                 failures.append(f"rank {rank} {name} (ulysses {u} x ring {r}) {what}: {e}")
-        print(f"rank {rank} {name}: checked out, dq, dk, dv (kernel {kernels.pick_backend(ql)})", flush=True)
+        print(f"rank {rank} {name}: checked out, dq, dk, dv (kernel {kernel_choice.pick_backend(ql)})", flush=True)
     for f in failures:
         print("FAIL", f, flush=True)
     n = torch.tensor([len(failures)], device=dev)

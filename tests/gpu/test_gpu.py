@@ -43,13 +43,13 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available: these tests need a GPU", allow_module_level=True)
 
 from loss import chunked_cross_entropy  # noqa: E402
-from parallel import kernels  # noqa: E402
+from parallel import kernel_choice, kernels  # noqa: E402
 from parallel.ring import _merge  # noqa: E402
 
 DEV = "cuda"
 HOPPER = torch.cuda.get_device_capability() >= (9, 0)
-BACKENDS = (["cudnn"] if HOPPER and kernels._cudnn_usable() else []) + \
-    (["flash_attn"] if kernels._fa is not None else []) + ["sdpa_cuda"]
+BACKENDS = (["cudnn"] if HOPPER and kernel_choice._cudnn_usable() else []) + \
+    (["flash_attn"] if kernel_choice._fa is not None else []) + ["sdpa_cuda"]
 HALF_ONLY = ("cudnn", "flash_attn")
 
 
@@ -175,8 +175,8 @@ def test_cuda_auto_choice_and_autograd():
     """The automatic choice on this device, and `attention` (auto, autograd) against the reference."""
     q, k, v = qkv(1, 1024, 28, 4, 128, seed=3)
     want = "cudnn" if "cudnn" in BACKENDS else ("flash_attn" if "flash_attn" in BACKENDS else "sdpa_cuda")
-    assert kernels.pick_backend(q) == want, (torch.cuda.get_device_name(), kernels.candidates(q))
-    assert kernels.pick_backend(q.float()) == "sdpa_cuda"
+    assert kernel_choice.pick_backend(q) == want, (torch.cuda.get_device_name(), kernel_choice.candidates(q))
+    assert kernel_choice.pick_backend(q.float()) == "sdpa_cuda"
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = kernels.attention(q, k, v, True, 128 ** -0.5)
     dout = torch.randn_like(out)
@@ -231,7 +231,7 @@ def test_cuda_attention_speed_vs_best_sdpa():
             pass
     mine = _ms(ours)
     best = min(peers.values())
-    print(f"\nattention fwd+bwd ms: ours {mine:.1f} ({kernels.pick_backend(q)}), "
+    print(f"\nattention fwd+bwd ms: ours {mine:.1f} ({kernel_choice.pick_backend(q)}), "
           + ", ".join(f"{n} {ms:.1f}" for n, ms in peers.items()))
     assert mine <= 1.05 * best, (mine, peers)
 
@@ -255,7 +255,7 @@ def test_cuda_packed_rows_one_varlen_launch(window):
     q, k, v = (x.requires_grad_() for x in qkv(2, 300, 8, 2, 128, seed=5))
     docs = [[0, 77, 300], [0, 1, 150, 300]]
     out = kernels.attention(q, k, v, True, 0.1, docs=docs, window=window)
-    if kernels._fa is None:
+    if kernel_choice._fa is None:
         assert list(kernels._varlen_checked.values()) == [True], kernels._varlen_checked
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
