@@ -125,7 +125,7 @@ def adapter_base(adapter_dir: str) -> str | None:
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
     from model.adapter_read import not_an_adapter
-    from model.merged import STAGE, is_stage
+    from model.merge_out import STAGE, is_stage
 
     errors = []
     base = getattr(args, "base_flag", "--model")   # (no --model: the base the adapter names)
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from model.merged import MovesFailed, merge
+    from model.merge_out import MovesFailed
+    from model.merged import merge
 
     t0 = time.time()
     try:

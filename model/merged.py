@@ -10,15 +10,15 @@ Contract:
   weight, i.e. exactly the base the adapter was trained against. A `--train-norms` adapter's norm weights (peft's
   modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with it,
   where its checkpoint stores one).
+- The --out folder's lock, the staging folder the files are written into first and what they replace there:
+  model/merge_out.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import shutil
 
 import torch
@@ -27,10 +27,8 @@ from safetensors.torch import load_file
 from model.adapter_read import saves_trained, tied_head, untied_embedding
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.load import CheckpointReader, _check_dir, read_args
+from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight
-
-STAGE = ".merge-tmp"   # merge()'s folder inside --out, whose files move into --out once all are written
-STAGE_MARK = ".merge-stage"   # the file inside STAGE that makes it merge()'s own (a user's .merge-tmp is left alone)
 
 
 def _is_nf4(name: str, w: torch.Tensor) -> bool:
@@ -67,38 +65,6 @@ def _no_magnitude(name: str, ab: dict, shape) -> str | None:
     if tuple(ab["m"].shape) != (shape[0],):
         return f"{key} is {list(ab['m'].shape)}, not [{shape[0]}], one per output row of {name}"
     return None
-
-
-# what transformers loads a model from (and would load instead of the new merge); other files are the user's
-_WEIGHTS = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
-                      r"pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|config\.json(\.tmp)?)$")
-
-
-_COPIED = ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges", "added_tokens")
-
-
-def _copied(name: str, remote_code: bool) -> bool:
-    """A base's file the merge copies beside the weights: tokenizer and generation files, and remote code."""
-    return name.startswith(_COPIED) or name.endswith(".tiktoken") or (name.endswith(".py") and remote_code)
-
-
-def _clear_out(out_dir: str) -> list[str]:
-    """Before a merge's files move into `out_dir` (empty, or --force), what they would replace is removed: links (a
-    `cp -rs` view of another model, a shared tokenizer.json; their targets untouched) and hard links (a `cp -al` copy of
-    the base or of another model), under the names the merge writes; and an earlier model's config.json, weight files
-    and index under the names transformers loads (its model.safetensors beside a sharded merge loads instead of it;
-    config.json goes first, so a merge killed in the moves leaves no folder that loads). Other files and links (an
-    adapter_model.safetensors of the user's, a link to a data folder) stay. Returns the names removed."""
-    gone = []
-    for e in sorted(os.listdir(out_dir), key=lambda e: (e != "config.json", e)):
-        p = os.path.join(out_dir, e)
-        writes = bool(_WEIGHTS.match(e)) or _copied(e, True) or e == "additional_chat_templates"
-        link = os.path.islink(p) and writes
-        if link or (os.path.isfile(p) and (_WEIGHTS.match(e) or (writes and os.stat(p).st_nlink > 1))):   # (st_nlink:
-            # a hard link, the file shared with another folder)
-            os.remove(p)
-            gone.append(e + (" (a link)" if link else ""))
-    return gone
 
 
 def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
@@ -183,27 +149,6 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         os.close(held)
 
 
-def _hold(out_dir: str) -> int:
-    """An exclusive flock on the --out directory itself (no file left in the merged model), or a refusal: a second
-    merge into the same --out took the first one's live stage for a killed merge's and cleared it, so the two
-    wrote one mixed, incomplete model, one of them saying done (review, helper 54)."""
-    import fcntl
-
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ValueError(f"another merge is writing into {out_dir!r} now (it holds that folder's lock): wait for it "
-                         "to end, or pass another --out") from None
-    except OSError as e:   # a filesystem without flock (some network mounts): the merge goes on unguarded
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):   # (EBADF: NFS and CIFS take
-            # flock as a byte-range lock, which an exclusive one wants a file open for writing for)
-            os.close(fd)
-            raise
-    return fd
-
-
 def _merge_held(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):
     """merge() under the --out lock: stage, write, move in."""
     stage = os.path.join(out_dir, STAGE)   # everything is written here first: an earlier model in --out (--force)
@@ -239,15 +184,6 @@ def _merge_held(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
         raise MovesFailed(f"moving the merged files from {stage} into {out_dir} failed ({type(e).__name__}: {e}): "
                           f"the earlier model there is removed; the files not moved yet are in {stage}. Move them "
                           "into it (config.json last), or run the same command again") from e
-
-
-class MovesFailed(OSError):
-    """merge() failed once the earlier model in --out was removed: its message says where the new files are."""
-
-
-def is_stage(path: str) -> bool:
-    """`path` is a merge's own staging folder (its marker file inside), not a user's."""
-    return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, STAGE_MARK))
 
 
 def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs, acfg, scale, quant, dtype, log):

@@ -480,7 +480,7 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     argv = lambda out, *extra: ["--model", str(base_copy), "--adapter", str(adapter), "--out", str(out), *extra]
     # a live merge's stage is not a killed one's: a second merge into the same --out is refused while the first holds
     # the folder's lock (review, helper 54: it cleared the first's stage, and the two left one mixed, incomplete model)
-    from model.merged import _hold
+    from model.merge_out import _hold
     held = _hold(str(fresh))
     try:
         assert cli.main(argv(fresh)) == 2
