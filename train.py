@@ -42,7 +42,7 @@ from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.hub import same_snapshot
 from model.load import check_config_shapes, read_args
-from parallel import guard, notes, phases, plan_speed, preflight, recorded, resume, runs, signals
+from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, recorded, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
@@ -312,8 +312,9 @@ def main(argv=None):
         if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
             plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
             dims, args.pack = validate(args, margs, world)
-        plan = preflight.check(args, margs, dims, budgets, log0, tokens=longest,   # a run that cannot fit stops here
-                               eval_tokens=eval_samples and int(eval_samples.lengths.max()))   # (a longer eval: a note)
+        # a run that cannot fit stops here (an eval sample longer than training's: a note)
+        plan = preflight_memory.check(args, margs, dims, budgets, log0, tokens=longest,
+                                      eval_tokens=eval_samples and int(eval_samples.lengths.max()))
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)

@@ -1,5 +1,5 @@
-"""Each rank's memory budget for the start-up check (parallel/preflight.py) and `--fast` (parallel/plan_speed.py):
-its device memory, the host memory free on its machine, gathered from every rank at once.
+"""Each rank's memory budget for the start-up check (parallel/preflight_memory.py) and `--fast`
+(parallel/plan_speed.py): its device memory, the host memory free on its machine, gathered from every rank at once.
 
 Contract:
 - `gather_budgets(args, world, rank)` -> a `Budget` per rank, from every rank in one collective (all_gather_object):

@@ -253,7 +253,7 @@ def apply_fast(args, margs, dims, budgets, log, tokens: int | None = None) -> No
     (same budgets, same arithmetic: no rank waits on another), applied to `args` and logged. A rank without a budget
     is named, raised on every rank."""
     from parallel.budgets import host_per_rank
-    from parallel.preflight import planning_copy
+    from parallel.preflight_memory import planning_copy
     if bad := next((b for b in budgets if b.target is None), None):
         raise RuntimeError(f"--fast: no device budget on {bad.where}")
     low = min(budgets, key=lambda b: b.device)

@@ -408,10 +408,10 @@ def test_dora_activations_match_autograd_in_cpu_bf16(tmp_path, quant, dropout):
 
 def test_dora_max_len_auto_and_the_start_up_check():
     """`--plan --dora --max-len auto` searches with DoRA's terms (the length fits with --dora, 1,024 more do not, and it
-    is shorter than without), and the run's start-up check (parallel/preflight.py) plans them: on a device between
-    the two plans' totals a plain run is told it fits, a --dora run is warned."""
+    is shorter than without), and the run's start-up check (parallel/preflight_memory.py) plans them: on a device
+    between the two plans' totals a plain run is told it fits, a --dora run is warned."""
     from model.load import read_args
-    from parallel import budgets, preflight
+    from parallel import budgets, preflight_memory
 
     flags = ["--tiled-mlp", "--dora"]
     found = {}
@@ -427,8 +427,8 @@ def test_dora_max_len_auto_and_the_start_up_check():
         margs = read_args(Q7)
         dims, _ = validate(args, margs, 1)
         said[dora] = []
-        p = preflight.check(args, margs, dims, [budgets.Budget(0, "cuda", 26.5e9, "26.5 GB (test)", float("inf"),
-                                                                 "", "m")], said[dora].append)
+        p = preflight_memory.check(args, margs, dims, [budgets.Budget(0, "cuda", 26.5e9, "26.5 GB (test)", float("inf"),
+                                                                        "", "m")], said[dora].append)
         assert p.total == memory_plan(margs, dims, args, "cuda", True).total
     assert said[False][0].startswith("memory: planned 24.9 GB"), said
     assert said[True][0].startswith("warning: planned 28.5 GB per rank") and "Step 1 may run out" in said[True][0], said

@@ -1750,7 +1750,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
 
 
 def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_path, monkeypatch, capsys):
-    """The start-up memory check (parallel/preflight.py) on one sample of 2^18 tokens, no AC, the device memory set
+    """The start-up memory check (preflight_memory.py) on one sample of 2^18 tokens, no AC, the device memory set
     around the planner's numbers for it: below LIVE_FLOOR x the planned live tensors the run is refused before any
     weight is read (tripwires; --out not made), naming the plan, the memory and single changes that fit; the first of
     them, typed, passes the check (the tripwire at the model build fires, the log says it fits); --no-mem-check and a
@@ -1762,7 +1762,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     offload's host buffers are sized from the plan (one block input of the longest sample)."""
     import train
     from model.load import read_args
-    from parallel import budgets, plan_search, preflight
+    from parallel import budgets, plan_search, preflight_memory
     from parallel.mesh import validate
     from parallel.plan import memory_plan
     from parallel.plan_totals import GB
@@ -1785,7 +1785,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
             train.main(argv)
         return lines()
 
-    small = 0.97 * preflight.LIVE_FLOOR * plan.peak
+    small = 0.97 * preflight_memory.LIVE_FLOOR * plan.peak
     budget(small)
     msg = startup_error(argv("small"))
     assert not os.path.exists(tmp_path / "small")
@@ -1798,7 +1798,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     assert len(got) == 1 and got[0].startswith("memory: planned "), (fix, got)
     got = passes(argv("forced", "--no-mem-check"))
     assert len(got) == 1 and got[0].startswith(f"warning: planned {plan.total / GB:.3g} GB"), got
-    budget(1.01 * preflight.LIVE_FLOOR * plan.peak)   # may fit, by the planner's own error: a warning
+    budget(1.01 * preflight_memory.LIVE_FLOOR * plan.peak)   # may fit, by the planner's own error: a warning
     got = passes(argv("tight"))
     assert len(got) == 1 and got[0].startswith("warning: planned") and "may run out of memory" in got[0], got
     budget(plan.total * 2)
@@ -1843,14 +1843,14 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
 
 
 def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
-    """preflight.check on made-up budgets: the free host memory of a machine is shared by the ranks on it (2 ranks on
+    """preflight_memory.check on made-up budgets: a machine's free host memory is shared by the ranks on it (2 ranks on
     one machine with 30 B each have 15 B per rank: refused at 20 B pinned; each alone on its machine with 30 B: it
     fits); a rank without a device budget skips the check, said in one line; a host memory nobody could read is not
     checked, and the memory line says so."""
     import types
 
     import parallel.plan
-    from parallel import budgets, preflight
+    from parallel import budgets, preflight_memory
     from parallel.plan_totals import GB
 
     plan = types.SimpleNamespace(host=20.0, peak=1.0, total=2.0)   # bytes
@@ -1861,19 +1861,19 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
                                                                       "free (test)", machine)
     with pytest.raises(ValueError, match=r"more than the 1.5e-08 GB free per rank: 3e-08 GB free \(test\) on m1, "
                                          r"shared by 2 ranks"):   # (equal shares: no rank named)
-        preflight.check(args, None, None, [B(0, "m1"), B(1, "m1")], mem.append, tokens=8)
-    preflight.check(args, None, None, [B(0, "m1"), B(1, "m2")], mem.append, tokens=8)
+        preflight_memory.check(args, None, None, [B(0, "m1"), B(1, "m1")], mem.append, tokens=8)
+    preflight_memory.check(args, None, None, [B(0, "m1"), B(1, "m2")], mem.append, tokens=8)
     assert len(mem) == 1 and mem[0].startswith(f"memory: planned {2 / GB:.3g} GB per rank and {20 / GB:.3g} GB "
                                                "pinned host for the longest sample, 8 tokens, of 10 B (test)"), mem
-    preflight.check(args, None, None, [B(0, "m1"), budgets.Budget(1, None, 0, "rank 1: OSError: x", 0, "", "m2")],
-                    mem.append)
+    preflight_memory.check(args, None, None,
+                           [B(0, "m1"), budgets.Budget(1, None, 0, "rank 1: OSError: x", 0, "", "m2")], mem.append)
     assert mem[1] == "memory check skipped: no memory budget on rank 1: OSError: x", mem
-    preflight.check(args, None, None, [B(0, "m1", host=float("inf"), target="cuda")], mem.append)
+    preflight_memory.check(args, None, None, [B(0, "m1", host=float("inf"), target="cuda")], mem.append)
     assert mem[2].endswith("; free host memory free (test), not checked"), mem
 
 
 def test_an_eval_sample_longer_than_training_is_planned_as_a_bound_that_only_warns(monkeypatch):
-    """preflight.check on made-up budgets and a plan of 2 B per token: an eval sample longer than every training one
+    """preflight_memory.check on made-up budgets and a plan of 2 B/token: an eval sample longer than every training one
     (evaluate.py gives it a row of its own) is planned at its length as training, an upper bound. Within the smallest
     rank's device memory nothing more is said; over it one warning line names both lengths, the forward-only
     evaluation and the fixes, and the run is never refused (not even where that plan's live tensors could not fit);
@@ -1881,7 +1881,7 @@ def test_an_eval_sample_longer_than_training_is_planned_as_a_bound_that_only_war
     import types
 
     import parallel.plan
-    from parallel import budgets, preflight
+    from parallel import budgets, preflight_memory
 
     planned = []
     def plan(margs, dims, a, *rest, **kw):
@@ -1894,7 +1894,7 @@ def test_an_eval_sample_longer_than_training_is_planned_as_a_bound_that_only_war
 
     def said(tokens, eval_tokens):
         mem = []
-        preflight.check(args, None, None, ranks, mem.append, tokens=tokens, eval_tokens=eval_tokens)
+        preflight_memory.check(args, None, None, ranks, mem.append, tokens=tokens, eval_tokens=eval_tokens)
         return mem
     for ev in (None, 3, 4):   # no eval data, or none longer than training's: the training plan alone
         planned.clear()
@@ -2089,14 +2089,14 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     """budgets.device_budget on a made-up CUDA device of 141 GB: with this process's context alone in use (0.8 GB)
     the budget is the device's total; with another job holding 29.8 GB more it is 141 - (30.8 - 1.0 RUNTIME) GB and says
     so, naming the device and its PCI bus; --gpu-mem plans that memory as given; a torch without cudaMemGetInfo gives
-    the total. preflight.check then refuses a plan that fits the total but not that."""
+    the total. preflight_memory.check then refuses a plan that fits the total but not that."""
     import argparse
     import types
 
     import torch
 
     import parallel.plan
-    from parallel import budgets, preflight
+    from parallel import budgets, preflight_memory
     from parallel.plan_totals import GB, RUNTIME
 
     total, used = 141e9, [0.8e9]
@@ -2125,7 +2125,7 @@ def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
     run = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
     with pytest.raises(ValueError, match=r"is more than 141.0 GB per GPU \(H200 \(test\)\), less 29.8 GB in use "
                                          r"outside this process's allocator now on cuda:0.*It cannot fit"):
-        preflight.check(run, None, None, [budgets.Budget(0, target, mem, where, float("inf"), "", "m")], print)
+        preflight_memory.check(run, None, None, [budgets.Budget(0, target, mem, where, float("inf"), "", "m")], print)
 
 
 def test_host_memory_free_is_the_lower_of_the_machine_and_its_cgroup(tmp_path, monkeypatch):
