@@ -28,6 +28,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
+
+from parallel.signals import Stopped
 
 WANDB_DIR = "wandb"   # OUT/wandb: wandb's own files and run.json
 
@@ -119,7 +122,7 @@ class WandB:
         self.path, self.state = path, {"id": run_id, "last_step": state["last_step"] if same else 0, "closed": False}
         self.log, self.dead, self.errors = log, False, wandb.errors.Error
         _keep(path, self.state)   # (before init: a failed init leaves a run the next resume does not continue)
-        self.run = wandb.init(dir=out, id=run_id, resume="allow" if same else None, config=config, group=name,
+        self.run = wandb.init(dir=out, id=run_id, resume="allow" if same else "never", config=config, group=name,
                               name=None if same else name if resume_step is None else f"{name}@{resume_step}")
         if resume_step is not None and not same:
             for rec in _logged(os.path.join(out, "metrics.jsonl"), resume_step):
@@ -139,8 +142,9 @@ class WandB:
     def close(self) -> None:
         if self.dead:
             return
-        try:
-            self.run.finish()
+        failed = sys.exc_info()[1]   # (close() runs in train.py's finally: the error it ends on, if any)
+        try:   # a run that failed is W&B's "failed" (exit code 1), not "finished"; a signal's stop, saved, is not one
+            self.run.finish(exit_code=int(failed is not None and not isinstance(failed, Stopped)))
         except (OSError, self.errors) as e:
             return self._died(self.state["last_step"], e)
         _keep(self.path, {**self.state, "closed": True})   # (after: every row sent is W&B's)

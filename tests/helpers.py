@@ -189,8 +189,9 @@ def tensorboard_scalars(out) -> dict:
 
 def wandb_runs(out, unfinished=False) -> dict:
     """OUT/wandb's offline runs as W&B holds them: {run id: {"name", "group", "config", "rows": [(step, {key:
-    value})]}}, each .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each record a protobuf
-    of wandb's own schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one folder per start.
+    value})], "exit_code"}}, each .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each
+    record a protobuf of wandb's own schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one
+    folder per start.
     `unfinished`: a file without the exit record is read as it is (its service was killed), not waited for."""
     import glob
     import re
@@ -218,6 +219,8 @@ def wandb_runs(out, unfinished=False) -> dict:
             elif rec.HasField("history"):
                 row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
                 run["rows"].append((rec.history.step.num, {k: v for k, v in row.items() if not k.startswith("_")}))
+            elif rec.HasField("exit"):
+                run["exit_code"] = rec.exit.exit_code   # (the last start's: 0 finished, else failed)
     return runs
 
 

@@ -763,6 +763,43 @@ def test_wandb_service_killed_mid_run_is_a_warning_not_a_stop(tmp_path, monkeypa
     assert run["name"] == "myrun@4" and [k for k, _ in run["rows"]] == [1, 2, 3, 4, 5], run
 
 
+def test_wandb_run_of_a_failed_run_is_failed_and_a_fresh_one_never_resumes(tmp_path, monkeypatch):
+    """A run that ends on an error is W&B's "failed" (its exit record's code 1), not "finished"; a signal's stop,
+    its steps saved, and a run that ends well are 0. A fresh W&B run is started with resume="never", so a
+    WANDB_RESUME=must the user's environment holds cannot make wandb.init look for (or refuse) our new id."""
+    from parallel.signals import Stopped
+    from tests.helpers import wandb_runs
+
+    _wandb_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_RESUME", "must")
+    codes = {}
+    for name, error in (("ok", None), ("crashed", RuntimeError("boom")), ("stopped", Stopped("stopped", 15))):
+        out = str(tmp_path / name)
+        os.makedirs(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({}, f)
+        log = metrics.Metrics(out, ["wandb"])
+        try:
+            try:
+                log.write({"step": 1, "loss": 1.0})
+                if error:
+                    raise error
+            finally:
+                log.close()
+        except (RuntimeError, Stopped) as e:
+            assert e is error
+        (run,) = wandb_runs(out).values()
+        codes[name] = run["exit_code"]
+    assert codes == {"ok": 0, "crashed": 1, "stopped": 0}, codes
+    calls = []
+    monkeypatch.setattr("wandb.init", lambda **kw: calls.append(kw) or (_ for _ in ()).throw(RuntimeError("stop")))
+    os.makedirs(tmp_path / "fresh")
+    (tmp_path / "fresh" / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="stop"):
+        metrics.Metrics(str(tmp_path / "fresh"), ["wandb"])
+    assert calls[0]["resume"] == "never", calls
+
+
 def test_wandb_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
     """Online with no API key anywhere wandb documents (WANDB_API_KEY, ~/.netrc from `wandb login`), wandb.init
     would refuse after the model is built, or ask at a terminal with the other ranks waiting: said at start-up. A key
