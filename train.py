@@ -47,7 +47,7 @@ from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
-from parallel.metrics import SINKS, TB_DIR, Metrics
+from parallel.metrics import SINKS, TB_DIR, Metrics, rounded
 from parallel.plan_cli import PLAN_FLAGS, max_len_arg
 from parallel.preference import Preference
 from parallel.profiler import StepProfiler
@@ -450,11 +450,11 @@ def main(argv=None):
             mem = torch.tensor([*phases.step_peaks(meter, device), float(save_due)], device=device)   # for all ranks
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens = int(counts[1].item())
-            rec = dict(step=step + 1, loss=round(loss, 6), grad_norm=round(float(gnorm), 6), lr=lr, tokens=tokens,
+            rec = dict(step=step + 1, loss=rounded(loss), grad_norm=rounded(float(gnorm)), lr=lr, tokens=tokens,
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
-                       **({k: round((v / n_targets).item(), 6) for k, v in (   # reward_acc: pairs it prefers
+                       **({k: rounded((v / n_targets).item()) for k, v in (   # reward_acc: pairs it prefers
                            ("reward_acc", loss_sum[1]), ("reward_margin", loss_sum[2] - loss_sum[3]),
                            ("reward_chosen", loss_sum[2]), ("reward_rejected", loss_sum[3]))} if dpo else {}))
             if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
@@ -467,7 +467,7 @@ def main(argv=None):
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval row: a long eval is not a stuck rank
                 ev = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)   # (eval_loss, each file's of several)
-                rec.update({k: round(v, 6) for k, v in ev.items()})
+                rec.update({k: rounded(v) for k, v in ev.items()})
                 if args.keep_best:   # the same loss on every rank: the same best
                     best.update(step + 1, ev["eval_loss"])
                 halt = early.update(step + 1, ev["eval_loss"]) and step + 1 < steps   # (and the same stop)

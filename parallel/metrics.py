@@ -30,6 +30,14 @@ from parallel.sink_wandb import WandB, check_key, mark_stale
 TB_DIR = "tensorboard"
 
 
+def rounded(v: float) -> float:
+    """A loss, norm or reward as logged: 6 decimals, or 6 significant digits below 0.1, so a small value (an eval
+    loss of 3e-7, a DPO loss near 0) is not logged as 0.0, nor two of them as a tie (review, helper 90)."""
+    if not math.isfinite(v) or v == 0 or abs(v) >= 0.1:
+        return round(v, 6)
+    return round(v, 5 - math.floor(math.log10(abs(v))))
+
+
 def strict(rec: dict) -> dict:
     """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
     out, bad = {}, {}

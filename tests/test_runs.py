@@ -891,6 +891,18 @@ def test_wandb_key_check_agrees_with_wandb_where_it_finds_a_key(tmp_path, monkey
         "nothing", "port-less entry", "api.wandb.ai entry, other host in settings", "no password"], seen
 
 
+def test_logged_numbers_keep_six_significant_digits_when_small():
+    """metrics.rounded, what train.py logs a loss, norm, reward or eval loss as: 6 decimals at 0.1 and above (as
+    before), 6 significant digits below (round(v, 6) logged an eval loss of 3e-7 as 0.0; review, helper 90)."""
+    import math
+
+    assert metrics.rounded(4.5153981234) == 4.515398 and metrics.rounded(-12.3456789) == -12.345679
+    assert metrics.rounded(3.21987654e-7) == 3.21988e-7 and metrics.rounded(-0.0123456789) == -0.0123457
+    assert metrics.rounded(0.1) == 0.1 and metrics.rounded(0.0) == 0.0 and metrics.rounded(1e-300) == 1e-300
+    assert math.isnan(metrics.rounded(float("nan"))) and metrics.rounded(float("inf")) == float("inf")
+    assert metrics.rounded(2.0e-7) != metrics.rounded(2.1e-7)
+
+
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():
     """config.json: `json.loads` gives back the dict as it was (strings that look like lists untouched, booleans,
     floats, nested lists), and 10,000 held-out lines of --eval-split take one line, not 10,000."""
