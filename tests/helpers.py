@@ -187,12 +187,13 @@ def tensorboard_scalars(out) -> dict:
     return drawn
 
 
-def wandb_runs(out, unfinished=False) -> dict:
+def wandb_runs(out, unfinished=()) -> dict:
     """OUT/wandb's offline runs as W&B holds them: {run id: {"name", "group", "config", "rows": [(step, {key:
     value})], "exit_code"}}, each .wandb file (wandb-core's record log: LevelDB's framing in 32 KiB blocks, each
     record a protobuf of wandb's own schema, wandb_internal_pb2.Record) read in order; a run resumed offline has one
     folder per start.
-    `unfinished`: a file without the exit record is read as it is (its service was killed), not waited for."""
+    `unfinished`: ids of runs whose files are read as they are (their service was killed: no exit record comes);
+    every other run's file is waited for (finish() returns before wandb-core has written it all)."""
     import glob
     import re
     import time
@@ -204,7 +205,7 @@ def wandb_runs(out, unfinished=False) -> dict:
         # (sorted as strings, ".../offline-run-T-ID-1/run-ID.wandb" came before ".../offline-run-T-ID/run-ID.wandb")
         for _ in range(300):   # wandb-core writes the log in its own process: a finished run's ends with "exit"
             data = open(path, "rb").read()
-            if unfinished or any(r.HasField("exit") for r in _wandb_records(data)):
+            if start(path)[2] in unfinished or any(r.HasField("exit") for r in _wandb_records(data)):
                 break
             time.sleep(0.1)
         else:

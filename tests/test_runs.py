@@ -713,14 +713,14 @@ def test_wandb_run_never_closed_is_not_continued(tmp_path, monkeypatch, capsys):
     assert r.returncode == -signal.SIGKILL, r.stderr
     with open(os.path.join(out, "wandb", "run.json")) as f:
         first = json.load(f)["id"]
-    lost = wandb_runs(out, unfinished=True).get(first, {"rows": []})   # (the killed service wrote no record at all)
+    lost = wandb_runs(out, unfinished=[first]).get(first, {"rows": []})   # (the killed service wrote no record at all)
     assert [k for k, _ in lost["rows"]] != [1, 2, 3], "the service kept its rows: this test shows nothing"
     capsys.readouterr()
     log = metrics.Metrics(out, ["wandb"], resume_step=3)
     log.write(rec(4))
     log.close()
     assert f"note: the W&B run {first} holds steps up to 3, and it was never closed" in capsys.readouterr().out
-    (second, run), = [(k, v) for k, v in wandb_runs(out, unfinished=True).items() if k != first]
+    (second, run), = [(k, v) for k, v in wandb_runs(out, unfinished=[first]).items() if k != first]
     assert run["name"] == "myrun@3" and [k for k, _ in run["rows"]] == [1, 2, 3, 4], run
     assert math.isnan(run["rows"][1][1]["grad_norm"]) and run["rows"][3][1] == {"loss": 0.25, "grad_norm": 0.5}
     assert run["config"] == {"lr": 0.001}, run["config"]
@@ -759,7 +759,7 @@ def test_wandb_service_killed_mid_run_is_a_warning_not_a_stop(tmp_path, monkeypa
     log.write({"step": 5, "loss": 0.1})
     log.close()
     assert "it was never closed" in capsys.readouterr().out
-    (_, run), = [(k, v) for k, v in wandb_runs(out, unfinished=True).items() if k != state["id"]]
+    (_, run), = [(k, v) for k, v in wandb_runs(out, unfinished=[state["id"]]).items() if k != state["id"]]
     assert run["name"] == "myrun@4" and [k for k, _ in run["rows"]] == [1, 2, 3, 4, 5], run
 
 
