@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
+from model.load import read_header
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
 
 
@@ -114,9 +115,15 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
             if f.read() != chat_template:
                 wrong.append(f"the chat template in {t}, {'another' if chat_template else 'no'} --chat-template in "
                              f"this run (its chats were rendered with it: pass --chat-template {t})")
+    if isinstance(mods, str):   # peft's regex form (matched in full against module names): what it adapted is what
+        # its tensors name (the safetensors header: no weight read)
+        header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
+        mods = sorted({m[1] for k in header if (m := re.search(r"\.(\w+)\.lora_[AB]\b", k))})
     if not isinstance(mods, list) or not set(mods) <= set(targets):
-        wrong.append(f"target_modules {mods!r}, beyond this run's --lora-targets {','.join(targets)} (pass a "
-                     "--lora-targets that holds them)")
+        wrong.append(f"target_modules {cfg.get('target_modules')!r}"
+                     + (f" (adapting {','.join(mods)})" if mods != cfg.get("target_modules") else "")
+                     + f", beyond this run's --lora-targets {','.join(targets)} (pass a --lora-targets that holds "
+                     "them)")
     if wrong:
         raise ValueError(f"--init-adapter {path!r}: the adapter has " + "; ".join(wrong))
     return cfg

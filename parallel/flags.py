@@ -259,8 +259,13 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     # it was (a cut or hand-edited file)
     layers = cfg.get("layers_to_transform")
     layers = range(n_layers) if layers is None else [layers] if isinstance(layers, int) else layers
-    missing = [f"layer {i} {t}" for t in cfg.get("target_modules") or () if t in shapes for i in layers
-               if 0 <= i < n_layers and f"layer {i} {t}" not in halves]
+    ex = cfg.get("exclude_modules") or ()   # peft's: those modules get no LoRA (a regex matched in full, or names
+    excluded = lambda key: bool(re.fullmatch(ex, key)) if isinstance(ex, str) else key in ex or any(   # matched as
+        key.endswith("." + e) for e in ex)   # suffixes), so no tensors there is the adapter as peft saved it
+    targets = cfg.get("target_modules") if isinstance(cfg.get("target_modules"), list) else ()   # (a regex: its
+    missing = [f"layer {i} {t}" for t in targets if t in shapes for i in layers   # tensors say what it adapted)
+               if 0 <= i < n_layers and f"layer {i} {t}" not in halves and not excluded(
+                   f"model.layers.{i}.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}")]
     if cfg.get("layers_to_transform") is not None and (extra := sorted(
             k for k in halves if int(k.split()[1]) not in layers)):   # (peft would not load them: another function)
         raise ValueError(f"--init-adapter {path!r}: its adapter_config.json has layers_to_transform {list(layers)}, "

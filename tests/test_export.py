@@ -792,3 +792,50 @@ def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_pa
     (run / "adapter" / "adapter_config.json").write_text("{}")
     assert f"that is a run's folder: pass its adapter, {run / 'adapter'}" in said(run)
     assert "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)" in said(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
+    """peft's other spellings of which modules it adapted, made by peft itself: target_modules as a regex (matched in
+    full against module names) and exclude_modules (names matched as suffixes, or a regex). The start-up checks take
+    them (they refused both: the regex as "beyond this run's --lora-targets" whatever those were, an excluded module
+    as "a damaged or hand-edited adapter"; review, helper 92), a regex's projections beyond --lora-targets are still
+    refused, and the run starts from peft's function (logits = PeftModel's)."""
+    from peft import LoraConfig, get_peft_model
+
+    from model.adapter_read import check_init_adapter
+    from model.load import read_args
+    from parallel.flags import _init_adapter_fits
+    from parallel.parallelize import BuildOptions, build_model
+
+    path = tiny_checkpoint(tmp_path / "base")
+    shapes = read_args(path).projections()
+    cases = {"regex": dict(target_modules=r".*\.(q_proj|up_proj)"),
+             "exclude": dict(target_modules=["q_proj", "v_proj"], exclude_modules=["model.layers.1.self_attn.q_proj"]),
+             "exclude_re": dict(target_modules=["k_proj", "down_proj"], exclude_modules=r".*\.0\.mlp\.down_proj")}
+    for case, kw in cases.items():
+        torch.manual_seed(3)
+        pm = get_peft_model(_hf(path), LoraConfig(r=R, lora_alpha=ALPHA, task_type="CAUSAL_LM", **kw))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2)
+        out = str(tmp_path / case)
+        pm.save_pretrained(out)
+        check_init_adapter(out, R, ALPHA, ALL)
+        _init_adapter_fits(out, shapes, R, 2)
+        ours, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, ac=False, init_adapter=out),
+                              device="cpu")
+        with torch.no_grad():
+            rel = _rel(ours(_ids()), _hf_logits(pm.eval()))
+            assert rel < 1e-5, f"{case}: our start vs peft: relative norm {rel:.2e}"
+            assert _rel(_hf_logits(_hf(path)), _hf_logits(pm)) > 1e-3, f"{case}: the adapter must move the logits"
+    with pytest.raises(ValueError, match=r"target_modules '\.\*\\\\\.\(q_proj\|up_proj\)' \(adapting q_proj,up_proj\), "
+                                         r"beyond this run's --lora-targets q_proj,v_proj"):
+        check_init_adapter(str(tmp_path / "regex"), R, ALPHA, ("q_proj", "v_proj"))
+    with open(os.path.join(str(tmp_path / "exclude"), "adapter_config.json")) as f:   # (no exclude: a cut adapter)
+        cfg = json.load(f)
+    with open(os.path.join(str(tmp_path / "exclude"), "adapter_config.json"), "w") as f:
+        json.dump({**cfg, "exclude_modules": None}, f)
+    with pytest.raises(ValueError, match=r"holds no tensors for 1 of those projections \(layer 1 q_proj\)"):
+        _init_adapter_fits(str(tmp_path / "exclude"), shapes, R, 2)
