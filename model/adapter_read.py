@@ -32,8 +32,11 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
     each as a phrase naming it. Norm layers and the input embedding as modules_to_save (--train-norms',
     --train-embeddings') are this trainer's too."""
-    wrong = [f"{k} {cfg[k]!r} (not trained here)" for k in ("use_dora", "lora_bias", "modules_to_save",
-                                                          "trainable_token_indices", "alpha_pattern", "rank_pattern")
+    full = ": only norm layers and the input embedding, named in full as peft names them in a model, e.g. " \
+        "model.embed_tokens, model.layers.0.input_layernorm (peft's short names, which it matches as suffixes, " \
+        "are not read here)"   # (a short embed_tokens on a tied model would slip past untied_embedding's check)
+    wrong = [f"{k} {cfg[k]!r} (not trained here{full if k == 'modules_to_save' else ''})" for k in (
+        "use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_trained(cfg))]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
