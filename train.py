@@ -490,9 +490,14 @@ def main(argv=None):
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
-        wd.stop()   # the last collective is behind: rank 0's own writes below wait for no peer
-        if args.keep_best and best.step and rank == 0:
-            keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
+        def finish():   # rank 0's last writes, then OUT's lock let go, before any rank returns (a collective): a next
+            # run in this job (a --resume of this one, the same --out) found it held on the ranks back first (helper 91)
+            if args.keep_best and best.step:
+                keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
+            run.release()
+        wd.phase("finish", steps)
+        guard.on_rank0(finish, f"finishing {args.out}")
+        wd.stop()   # the last collective is behind
         tb = f" and {args.out}/{TB_DIR} (tensorboard --logdir {args.out}/{TB_DIR})"
         log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl"
              + (tb if "tensorboard" in (args.report_to or ()) else ""))

@@ -8,6 +8,8 @@ Pins:
 - --overwrite deletes exactly the run's own entries (a symlink is removed, never followed);
 - a live run's lock refuses a second run (a real second process holds it), a stale lock file does not;
 - on 2 gloo ranks, `claim` gives both ranks the same fresh path, and a refusal is raised on both;
+- on 2 gloo ranks, a finished train.main lets go of OUT's lock before any rank returns (rank 0 slow to): a --resume of
+  it and a run into the same --out with --overwrite, next in the same job, start on both ranks;
 - `check_resume` names the flag, the checkpoint's value and the new one; layout flags may change;
 - metrics.MetricsLog writes null for NaN/Inf (kind under "nonfinite"), and on resume drops lines past the step.
 
@@ -359,6 +361,53 @@ def test_claim_agrees_across_ranks(tmp_path):
     assert os.listdir(str(tmp_path / "runs")) == [os.path.basename(got[0]["fresh"])], "more than one dir made"
     for r in (0, 1):
         assert "already holds a run" in got[r].get("refusal", ""), f"rank {r} did not raise the refusal: {got[r]}"
+
+
+def _two_runs_in_one_job(rank, world_size, argv, resume_out):
+    """train.main(argv) (`--keep-best`: rank 0 exports adapter_best last), then at once a --resume of its step 1 and the
+    same --out again with --overwrite, on each rank; rank 0 slow to let go of OUT's lock (as a slow disk or the
+    adapter_best export makes it). Returns what each later run raised, or "ok"."""
+    import time
+
+    import train
+
+    release = runs.RunDir.release
+
+    def slow_release(self):
+        if rank == 0 and self._fd is not None:
+            time.sleep(2)
+        release(self)
+
+    runs.RunDir.release = slow_release
+    out = argv[argv.index("--out") + 1]
+    got = []
+    try:
+        train.main(argv)
+        for later in ([*argv[:argv.index("--out")], "--out", resume_out, "--resume", f"{out}/ckpt/step_000001"],
+                      [*argv, "--overwrite"]):
+            try:
+                train.main(later)
+                got.append("ok")
+            except (ValueError, RuntimeError) as e:
+                got.append(f"{type(e).__name__}: {e}")
+                break   # (the ranks now disagree: no further run in step)
+    finally:
+        runs.RunDir.release = release
+    return got
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_lets_go_of_its_out_before_any_rank_returns(assets, tmp_path):
+    """Two train.main calls in one 2-rank job (a script: SFT then a --resume, or a sweep into one --out): no rank
+    returns while rank 0 still holds OUT's lock (review, helper 91: ranks 1.. returned first, the next run's start-up
+    check on them found OUT "in use by a live run" (rank 0's own pid), rank 0 went on into the collectives, which
+    broke (gloo) or waited for the launcher (NCCL))."""
+    from tests.helpers import train_argv
+
+    argv = train_argv(assets, str(tmp_path / "run"), "--dp-shard", "2", "--steps", "1", "--eval-every", "1",
+                      "--keep-best", "--eval-data", assets["data"])   # (the last --steps counts)
+    got = run_ranks(_two_runs_in_one_job, 2, argv, str(tmp_path / "resumed"), timeout=280, pg_timeout=60)
+    assert got == [["ok", "ok"]] * 2, f"the later runs on ranks 0, 1: {got}"
 
 
 CKPT = dict(model="/m", quant="nf4", dtype=None, data="d.jsonl", max_len=256, seed=0, global_batch=8, lora_r=16,
