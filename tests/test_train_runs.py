@@ -554,7 +554,8 @@ def test_non_finite_steps_in_a_row_count_across_a_resume(assets, tmp_path, monke
 def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypatch):
     """Each eval sample is a watchdog beat: an evaluation that takes longer than --timeout as a whole is not a stuck
     rank (until 2026-12-02 the watchdog saw one "eval" phase per evaluation and ended a healthy job, losing the step's
-    save that comes after it). The final export is a phase of its own (it shared the last save's --timeout window)."""
+    save that comes after it). The final export is a phase of its own (it shared the last save's --timeout window), and
+    so are rank 0's last writes before OUT's lock is let go (helper 91)."""
     from parallel import guard
 
     with open(tmp_path / "eval.jsonl", "w") as f:   # 5 short chats: 5 eval samples
@@ -568,7 +569,8 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
                    str(tmp_path / "eval.jsonl"), "--no-pack"))   # (one eval sample a row: packed, they share one)
     evals = [step for name, step in beats if name == "eval"]
     assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
-    assert beats[-2:] == [("save", 2), ("export", 2)], "the final export is timed as the last save's phase"
+    assert beats[-3:] == [("save", 2), ("export", 2), ("finish", 2)], "the final export and rank 0's last writes " \
+        "(adapter_best, the lock let go) are timed as phases of their own"
 
 
 def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monkeypatch):
