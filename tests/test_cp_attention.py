@@ -163,6 +163,15 @@ def test_cp_four_ranks():
     assert sum("hybrid u2×r2" in x for x in done[0]) == len(CONFIGS_4)
 
 
+@pytest.mark.timeout(180)
+def test_cp_three_ranks():
+    """An odd ring, cp 3 (zigzag over 6 chunks, padding to a multiple of 6): outputs and gradients on every rank =
+    SDPA on one process, GQA, MQA, padded and packed rows alike (no test held an odd cp degree; helper 91's sweep
+    found cp3 and cp6 right end to end)."""
+    done = run_ranks(_cp_ranks, 3, [(1, 3)], CONFIGS_4)
+    assert sum("ring u1×r3" in x for x in done[0]) == len(CONFIGS_4) and len(done) == 3, done
+
+
 def test_local_attention_packed_documents():
     bounds = [[0, 5, 30, 31, 48], [0, 48]]
     q, k, v = make_qkv((2, 48, 6, 2, 64), seed=0)
