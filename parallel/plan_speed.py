@@ -13,7 +13,7 @@ Contract:
   reference model's forward (--dpo-cache-ref skips it from the second epoch on).
 - `fast_flags(args, margs, dims, pack, world)` -> (flags, log line) and `apply_flags(args, flags)`: train.py's and
   --plan's `--fast`, the first of `fastest` for this device (95% of it) when it beats the run's own flags or those
-  do not fit; `apply_fast(...)`: train.py's, for the smallest budget of all ranks (parallel/preflight.py gathers them).
+  do not fit; `apply_fast(...)`: train.py's, for the smallest budget of all ranks (parallel/budgets.py gathers them).
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
