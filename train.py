@@ -494,6 +494,7 @@ def main(argv=None):
             # run in this job (a --resume of this one, the same --out) found it held on the ranks back first (helper 91)
             if args.keep_best and best.step:
                 keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
+            metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's
             run.release()
         wd.phase("finish", steps)
         guard.on_rank0(finish, f"finishing {args.out}")
