@@ -297,7 +297,7 @@ def main(argv=None):
         dpo = args.objective == "dpo"
         notes.start(args, margs, dims, ckpt, log0, LOSS_FN is None)   # the layout, the loss, what to know
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
-        if note := check_config_shapes(args.model, margs):   # weights of another config.json: said before the data
+        if note := check_config_shapes(args.model, margs, args.quant):   # weights of another config.json: said first
             log0(note)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]   # (resolved by check_start)
         meshes = dims.build_mesh(dt)

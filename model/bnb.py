@@ -23,10 +23,17 @@ def _identity(fn=None, **kwargs):
 _compile, torch.compile = torch.compile, _identity
 try:
     import bitsandbytes as bnb
-    from bitsandbytes.functional import QuantState, dequantize_4bit, get_4bit_type, quantize_4bit, quantize_blockwise
+    from bitsandbytes.functional import (
+        QuantState,
+        dequantize_4bit,
+        dequantize_blockwise,
+        get_4bit_type,
+        quantize_4bit,
+        quantize_blockwise,
+    )
     from peft import LoraConfig, get_peft_model
 finally:
     torch.compile = _compile
 
-__all__ = ["bnb", "LoraConfig", "get_peft_model", "QuantState", "dequantize_4bit", "get_4bit_type", "quantize_4bit",
-           "quantize_blockwise"]
+__all__ = ["bnb", "LoraConfig", "get_peft_model", "QuantState", "dequantize_4bit", "dequantize_blockwise",
+           "get_4bit_type", "quantize_4bit", "quantize_blockwise"]

@@ -5,7 +5,7 @@ Contract:
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
   Anything else raises `ValueError` naming the supported architectures, as does a checkpoint quantized already
-  (a `quantization_config`: AWQ, GPTQ, FP8, bitsandbytes; its packed weights are not the float ones read here) and one
+  otherwise than in bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one
   whose `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
@@ -30,6 +30,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
+from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, read_rope, rope_scaling_flag
 
 # model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
@@ -150,11 +151,8 @@ class ModelArgs:
                 f"config.json: architectures {archs} is not a causal language model (*ForCausalLM): a classifier, "
                 "reward or embedding model has no language-model head to train; pass the causal LM checkpoint it was "
                 "made from")
-        if q := cfg.get("quantization_config"):   # (an -AWQ, -GPTQ, -FP8 or -bnb-4bit upload: packed weights, which the
-            qm = q.get("quant_method") if isinstance(q, dict) else q   # checks below would call another config.json's)
-            raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: quant_method "
-                             f"{qm!r}), and this trainer reads bf16/fp16/fp32 weights and quantizes them itself: pass "
-                             "the unquantized checkpoint it was made from (with --quant nf4 for QLoRA)")
+        if q := cfg.get("quantization_config"):   # AWQ, GPTQ, FP8, bnb 8-bit: packed weights, which the checks below
+            check_config(q)   # would call another config.json's; bitsandbytes 4-bit: model/prequant.py reads them
         flags = SUPPORTED[mt]
         if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
             mt = "ministral"

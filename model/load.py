@@ -13,6 +13,9 @@ Contract:
   `get(name)` reads one tensor, `get_rows(name, a, b)` only its dim-0 rows [a, b), and
   `get_flat(name, a, b)` only its row-major elements [a, b): safetensors stores tensors row-major and
   contiguous, so each is one pread(2) of a byte range into process memory (no mmap view stays mapped).
+  A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
+  `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
+  (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
   trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
@@ -26,6 +29,7 @@ import re
 
 import torch
 
+from model import prequant
 from model.config import ModelArgs
 from model.llama import Transformer
 
@@ -66,21 +70,23 @@ def present_weight_files(path: str) -> tuple[list[str], dict | None]:
     return files, wmap
 
 
-def check_weight_headers(path: str) -> None:
+def check_weight_headers(path: str, quant: str | None = None) -> None:
     """Every safetensors file the loader reads is there with a header that fits it (read_header: a few KB each), so
     a missing shard, a Git LFS pointer or a truncated download is said at start-up, before a run directory or process
-    group exists."""
+    group exists; so is a bitsandbytes 4-bit checkpoint that `quant` cannot take as stored (prequant.check_quant)."""
     if os.path.isdir(path):
-        for fn in present_weight_files(path)[0]:
-            read_header(os.path.join(path, fn))
+        reader = CheckpointReader(path)
+        prequant.check_quant(reader.packed, quant, path)
+        reader.close()
 
 
-def check_config_shapes(path: str, margs) -> str | None:
+def check_config_shapes(path: str, margs, quant: str | None = None) -> str | None:
     """The weight headers against config.json's sizes, for the tensors every supported decoder has (the embedding, each
     layer's projections): weights that are not config.json's (another size of the family, a config.json copied
     from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built.
-    Returns a note when the weights hold more blocks than config.json's num_hidden_layers (allowed: a cut-down model
-    for a quick run; transformers builds the first ones alike), else None."""
+    Returns the notes to log, else None: the weights hold more blocks than config.json's num_hidden_layers (allowed: a
+    cut-down model for a quick run; transformers builds the first ones alike); a bitsandbytes 4-bit checkpoint, what
+    the run trains against (prequant.describe)."""
     if not os.path.isdir(path):
         return None
     want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
@@ -88,11 +94,10 @@ def check_config_shapes(path: str, margs) -> str | None:
         for name, (n_in, n_out) in margs.projections().items():
             block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
-    files, wmap = weight_files(path)
-    have = {}
-    for fn in files:   # (headers only, a few KB a file: check_weight_headers read them whole at start-up)
-        header, _ = read_header(os.path.join(path, fn))
-        have.update({n: (tuple(h[1]), fn) for n, h in header.items() if wmap is None or wmap.get(n) == fn})
+    reader = CheckpointReader(path)   # (headers, and a 4-bit weight's quant state: a few hundred bytes a weight)
+    reader.close()
+    prequant.check_quant(reader.packed, quant, path)
+    have = {n: (tuple(reader.shape(n)), os.path.basename(fn)) for n, fn in reader.where.items()}
     missing = sorted(n for n in want if n not in have)
     if missing:
         raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
@@ -103,11 +108,13 @@ def check_config_shapes(path: str, margs) -> str | None:
     if bad:
         raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
                          "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+    notes = [prequant.describe(reader.packed, [n for n in want if n != "model.embed_tokens.weight"], quant, path)]
     blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if blocks and max(blocks) >= margs.n_layers:
-        return (f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers is "
-                f"{margs.n_layers}: the run builds and trains the first {margs.n_layers} (as transformers loads it)")
-    return None
+        notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "
+                     f"is {margs.n_layers}: the run builds and trains the first {margs.n_layers} (as transformers "
+                     "loads it)")
+    return "\n".join(n for n in notes if n) or None
 
 
 def _check_dir(path: str):
@@ -193,7 +200,7 @@ class CheckpointReader:
         _check_dir(path)
         files, wmap = present_weight_files(path)   # the index's map is authoritative if present
         index = os.path.join(path, INDEX)
-        self.where, self.meta = {}, {}
+        self.path, self.raw, self._fds = path, {}, {}   # raw: every stored tensor, {name: (header entry, file)}
         for f in files:
             fn = os.path.join(path, f)
             header, _ = read_header(fn)
@@ -202,8 +209,13 @@ class CheckpointReader:
                 if n not in header:
                     raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
                                                  "re-download the checkpoint")
-                self.meta[n], self.where[n] = header[n], fn
-        self._fds = {}
+                self.raw[n] = (header[n], fn)
+        # a bitsandbytes 4-bit checkpoint: each packed weight stands for its float self; its companions are no weights
+        self.packed = prequant.index({n: h for n, (h, _) in self.raw.items()}, self.get_raw)
+        aside = {c for p in self.packed.values() for c in p.companions}
+        self.meta = {n: (p.dtype, p.shape, None, None) if (p := self.packed.get(n)) else h
+                     for n, (h, _) in self.raw.items() if n not in aside}
+        self.where = {n: self.raw[n][1] for n in self.meta}
 
     def check(self, names):
         missing = sorted(n for n in names if n not in self.where)
@@ -222,21 +234,34 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple:
         return self.meta[name][1]
 
-    def _read(self, name: str, first: int, count: int) -> torch.Tensor:
-        """Elements [first, first + count) of the flattened tensor, one pread into fresh memory."""
-        dtype, _, begin, _ = self.meta[name]
-        isz = torch.empty((), dtype=dtype).element_size()
-        fn = self.where[name]
+    def get_bytes(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Bytes [start, stop) of a stored tensor, as uint8: one pread into fresh memory."""
+        (_, _, begin, _), fn = self.raw[name]
         if fn not in self._fds:
             self._fds[fn] = os.open(fn, os.O_RDONLY)
-        buf = torch.empty(count * isz, dtype=torch.uint8)
+        buf = torch.empty(stop - start, dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         while done < len(view):
-            got = os.preadv(self._fds[fn], [view[done:]], begin + first * isz + done)
+            got = os.preadv(self._fds[fn], [view[done:]], begin + start + done)
             if got == 0:
                 raise CorruptCheckpointError(f"{fn} is truncated or corrupt (reading {name!r}); re-download it")
             done += got
-        return buf.view(dtype)
+        return buf
+
+    def _read(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Elements [first, first + count) of the flattened tensor (a packed 4-bit one's: dequantized, float32)."""
+        if name in self.packed:
+            from model.prequant import dequantized
+
+            return dequantized(self, name, first, count)
+        dtype = self.meta[name][0]
+        isz = torch.empty((), dtype=dtype).element_size()
+        return self.get_bytes(name, first * isz, (first + count) * isz).view(dtype)
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as stored (a packed weight's codes, its companions)."""
+        (dtype, shape, begin, end), _ = self.raw[name]
+        return self.get_bytes(name, 0, end - begin).view(dtype).view(shape)
 
     def get(self, name: str) -> torch.Tensor:
         shape = self.meta[name][1]

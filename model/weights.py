@@ -7,7 +7,9 @@ weight is read and quantized only in the 64-blocks of the rank's shard (blocks a
 only its fp32 absmax, 4 bytes per 64 weights, is all-gathered for bitsandbytes' nested statistics. The
 result is bit-identical to every rank quantizing the whole tensor. No rank holds a full block tensor (the
 frozen root tensors, embeddings, final norm and lm_head, are whole on every rank: parallel/fsdp.py). Names
-and shapes are checked against the safetensors headers before any tensor is read.
+and shapes are checked against the safetensors headers before any tensor is read. A bitsandbytes 4-bit upload's
+weights (model/prequant.py): an NF4 layer takes its rank's blocks of codes and the scales as stored; any other
+parameter, the rows it holds dequantized.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from model.nf4 import BLOCKSIZE, NF4Linear, nest_absmax, pad_absmax, quantize_blocks, quantize_weight
+from model.prequant import nf4_parts
 from model.qlora import set_param
 
 
@@ -58,6 +61,12 @@ def _load_nf4(m: NF4Linear, name: str, reader, device) -> None:
     """Each rank reads and quantizes only the 64-blocks of its own shard (NF4 blocks are independent),
     the fp32 absmax (4 bytes per block) is all-gathered, and every rank nests it identically."""
     b0, b1 = local_rows(m.weight)
+    if name in reader.packed:   # a bitsandbytes NF4 upload's: its codes and scales as stored (model/prequant.py)
+        codes, qabsmax, m.quant_state = nf4_parts(reader, name, b0, b1, m.quant_storage, device)
+        _local(m.weight).view(-1).view(torch.uint8).copy_(codes)
+        a0, a1 = local_rows(m.absmax)
+        _local(m.absmax).copy_(pad_absmax(m, qabsmax)[a0:a1])
+        return
     flat = reader.get_flat(name, b0 * BLOCKSIZE, b1 * BLOCKSIZE).to(device)
     codes, absmax = quantize_blocks(flat) if b1 > b0 else (flat.new_empty(0, dtype=torch.uint8),
                                                            flat.new_empty(0, dtype=torch.float32))
@@ -84,7 +93,7 @@ def load_weights(model, reader, device: torch.device, lean: bool = True) -> None
     reader.check_shapes({ckpt(n): (nf4[n].out_features, nf4[n].in_features) if n in nf4 else p.shape
                          for n, p in params})   # before any tensor is read
     for name, p in params:
-        if name in nf4 and lean:
+        if name in nf4 and (lean or ckpt(name) in reader.packed):
             _load_nf4(nf4[name], ckpt(name), reader, device)
         elif name in nf4:
             codes, qabsmax = quantize_weight(nf4[name], reader.get(ckpt(name)), device)

@@ -163,7 +163,7 @@ def check_start(args, demo: bool):
     local = not demo and not hub_snapshot(args.model)
     args.model_sha256 = model_fingerprint(args.model) if local else None
     if local:   # its weight files are there and whole (not a Git LFS pointer, a cut download): said before anything
-        check_weight_headers(args.model)
+        check_weight_headers(args.model, args.quant)
     ckpt = checkpoint_folders.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint_folders.read_meta(ckpt)

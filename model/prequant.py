@@ -1,0 +1,201 @@
+"""Checkpoints quantized already with bitsandbytes' 4-bit (the "-bnb-4bit" uploads): read as the weights they hold.
+
+transformers saves a bitsandbytes `Linear4bit` weight W as its packed 4-bit codes under W's own name (two codes a byte,
+row-major, any storage dtype), beside W.absmax (one scale per block of 64 weights; uint8 codes of the scales when
+the scales are themselves quantized, "double quantization"), W.quant_map (the 16 values of the code book), with double
+quantization W.nested_absmax and W.nested_quant_map, and W.quant_state.bitsandbytes__nf4 (or __fp4): a small JSON
+(shape, dtype, blocksize, quant_type; nested_blocksize, nested_offset) stored as uint8 bytes.
+
+Contract:
+- `check_config(q)`: config.json's quantization_config. bitsandbytes 4-bit is read; 8-bit, AWQ, GPTQ, FP8 and
+  others are refused naming the fix (their weights are not the float ones, nor these).
+- `index(raw, read)`: the packed weights among a checkpoint's tensors ({name: header entry}; `read(name)` -> its
+  bytes), {W: Packed}; every companion tensor is named in `Packed.companions`. A packed weight without its companions,
+  or whose byte count is not its shape's, is a CorruptCheckpointError naming it.
+- `check_quant(packed, quant, where)`: --quant nf4 takes a packed weight as stored only if it is NF4 in 64-blocks
+  (what model.nf4's layers hold); anything else under nf4 raises naming --quant none (which trains on the weights
+  dequantized) before any weight is read. `describe(packed, ...)` is the start-up note on what the run trains against.
+- `dequantized(reader, name, first, count)`: elements [first, first + count) of W, row-major, in float32: each the
+  product code × its block's scale, as bitsandbytes' `dequantize_4bit` computes it, bit for bit; only the blocks that
+  hold them are read when they start and end on block edges (each rank's rows of a sharded weight).
+- `nf4_parts(reader, name, b0, b1, dtype, device)`: for an NF4 layer (model.nf4.NF4Linear) the packed codes of blocks
+  [b0, b1), every block's uint8 scale codes and the QuantState without them, as stored. With double quantization
+  those are the upload's own, so the layer computes with exactly the weights transformers computes with; without it
+  the fp32 scales are nested as for any checkpoint (model.nf4.nested_state), the one step a float checkpoint's
+  quantization also takes. `nf4_base(reader, name)` is that weight in float32, the base `python -m model.merge`
+  folds an adapter into.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("nf4", "fp4")
+STATE = ".quant_state.bitsandbytes__"
+
+
+def check_config(q) -> str:
+    """quantization_config -> the 4-bit kind ("nf4"/"fp4") of a bitsandbytes 4-bit checkpoint; anything else raises."""
+    qm = q.get("quant_method") if isinstance(q, dict) else q
+    four = isinstance(q, dict) and (q.get("load_in_4bit") or q.get("_load_in_4bit"))
+    if qm == "bitsandbytes" and four:
+        kind = q.get("bnb_4bit_quant_type", "fp4")   # (transformers' default)
+        if kind in KINDS:
+            return kind
+    what = f"quant_method {qm!r}" + (" 8-bit" if qm == "bitsandbytes" and not four else "")
+    raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: {what}), and this "
+                     "trainer reads bf16/fp16/fp32 weights, or bitsandbytes 4-bit ones (the -bnb-4bit uploads): pass "
+                     "the unquantized checkpoint it was made from (with --quant nf4 for QLoRA)")
+
+
+@dataclass
+class Packed:
+    """One packed 4-bit weight: what its quant_state JSON says."""
+    kind: str                  # "nf4" / "fp4"
+    shape: tuple               # the weight's [out, in]
+    dtype: torch.dtype         # the dtype it was quantized from
+    blocksize: int
+    nested: dict | None        # double quantization: {"blocksize", "offset"}; None: fp32 scales
+    companions: tuple          # the tensors beside it (W.absmax, ...)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.numel // self.blocksize)
+
+
+def index(raw: dict, read) -> dict:
+    """{W: Packed} for the packed weights among `raw` ({name: (dtype, shape, begin, end)}); module docstring."""
+    from model.load import CorruptCheckpointError
+
+    out = {}
+    for n in raw:
+        if STATE not in n:
+            continue
+        w, kind = n.split(STATE)
+        try:
+            st = json.loads(bytes(read(n)).decode())
+            nested = {"blocksize": int(st["nested_blocksize"]), "offset": float(st["nested_offset"])} \
+                if "nested_offset" in st else None
+            p = Packed(kind=st["quant_type"], shape=tuple(st["shape"]), dtype=getattr(torch, st["dtype"]),
+                       blocksize=int(st["blocksize"]), nested=nested,
+                       companions=(n, *(f"{w}.{c}" for c in ("absmax", "quant_map") + (
+                           ("nested_absmax", "nested_quant_map") if nested else ()))))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{n}: not bitsandbytes' quant state ({type(e).__name__}: {e}); "
+                                         "re-download the checkpoint") from None
+        lacks = [c for c in (w, *p.companions) if c not in raw]
+        if lacks or p.kind != kind or p.kind not in KINDS:
+            why = f"lacks {', '.join(lacks)}" if lacks else f"is quantized as {p.kind!r}"
+            raise CorruptCheckpointError(f"{n}: the 4-bit weight {w!r} {why}; re-download the checkpoint")
+        dt, shape, begin, end = raw[w]
+        if end - begin != -(-p.numel // 2):
+            raise CorruptCheckpointError(f"{w}: {end - begin} bytes of 4-bit codes, its quant state's shape "
+                                         f"{list(p.shape)} needs {-(-p.numel // 2)}; re-download the checkpoint")
+        out[w] = p
+    return out
+
+
+def check_quant(packed: dict, quant: str | None, where: str) -> None:
+    """Under --quant nf4 every packed weight must be NF4 in 64-blocks (module docstring)."""
+    if quant != "nf4":
+        return
+    bad = sorted({(p.kind, p.blocksize) for p in packed.values() if (p.kind, p.blocksize) != ("nf4", 64)})
+    if bad:
+        what = ", ".join(f"{k} in blocks of {b}" for k, b in bad)
+        raise ValueError(f"--quant nf4: {where} holds bitsandbytes 4-bit weights quantized as {what}, and the NF4 "
+                         "layers here hold nf4 in blocks of 64 (quantizing them again would round them twice): pass "
+                         "--quant none to train LoRA on them dequantized, or the unquantized checkpoint")
+
+
+def describe(packed: dict, block_weights: list, quant: str | None, where: str) -> str | None:
+    """The start-up note on a 4-bit checkpoint: what the run trains against (None for a float checkpoint)."""
+    if not packed:
+        return None
+    kinds = sorted({f"{p.kind}{', double quantization' if p.nested else ''}" for p in packed.values()})
+    said = f"note: {where} is a bitsandbytes 4-bit checkpoint ({'; '.join(kinds)}): "
+    if quant != "nf4":
+        return said + "its weights are dequantized (code × scale, as transformers computes them), LoRA trains on them"
+    said += "its NF4 weights are trained against as stored"
+    if any(not p.nested for p in packed.values()):
+        said += " (its fp32 block scales quantized to 8 bits here, as for any checkpoint)"
+    if floats := [n for n in block_weights if n not in packed]:
+        said += (f"; {len(floats)} block projections stored unquantized (llm_int8_skip_modules: {floats[0]}"
+                 f"{', ...' if len(floats) > 1 else ''}) are quantized to NF4 here, as --quant nf4 does a float "
+                 "checkpoint (--quant none keeps them)")
+    return said
+
+
+def _absmax(reader, name: str, device=None) -> torch.Tensor:
+    """Every block's fp32 scale, as bitsandbytes' dequantize_4bit reconstructs it."""
+    from model.bnb import QuantState, dequantize_blockwise
+
+    p = reader.packed[name]
+    a = reader.get_raw(f"{name}.absmax").to(device)
+    if p.nested:
+        st2 = QuantState(absmax=reader.get_raw(f"{name}.nested_absmax").to(device).float(),
+                         code=reader.get_raw(f"{name}.nested_quant_map").to(device).float(),
+                         blocksize=p.nested["blocksize"], dtype=torch.float32)
+        a = dequantize_blockwise(a.view(torch.uint8), st2)
+        a += torch.tensor(p.nested["offset"], dtype=torch.float32, device=device)
+    return a.float()
+
+
+def dequantized(reader, name: str, first: int, count: int) -> torch.Tensor:
+    """Module docstring: [count] float32."""
+    p = reader.packed[name]
+    bs, stop = p.blocksize, first + count
+    if first % bs or (stop % bs and stop != p.numel):   # not on block edges: the whole weight, then the slice
+        return _dequantize(reader, name, 0, p.blocks, p.numel)[first:stop]
+    return _dequantize(reader, name, first // bs, -(-stop // bs), count)
+
+
+def _dequantize(reader, name: str, b0: int, b1: int, count: int) -> torch.Tensor:
+    """The `count` weights of blocks [b0, b1)."""
+    from model.bnb import QuantState, dequantize_4bit
+
+    p = reader.packed[name]
+    if count == 0:
+        return torch.empty(0)
+    codes = reader.get_bytes(name, b0 * p.blocksize // 2, -(-min(b1 * p.blocksize, p.numel) // 2))
+    st = QuantState(absmax=_absmax(reader, name)[b0:b1], shape=torch.Size([count]), blocksize=p.blocksize,
+                    code=reader.get_raw(f"{name}.quant_map").float(), quant_type=p.kind, dtype=torch.float32)
+    return dequantize_4bit(codes.view(-1, 1), st).view(-1)
+
+
+def nf4_parts(reader, name: str, b0: int, b1: int, dtype: torch.dtype, device) -> tuple:
+    """(codes of blocks [b0, b1) as uint8, every block's uint8 scale code, QuantState without them): module
+    docstring. The state dequantizes to `dtype` (the layer's storage dtype)."""
+    from model.bnb import QuantState
+    from model.nf4 import nested_state
+
+    p = reader.packed[name]
+    check_quant({name: p}, "nf4", reader.path)
+    codes = reader.get_bytes(name, b0 * p.blocksize // 2, b1 * p.blocksize // 2).to(device)
+    if not p.nested:   # fp32 scales: nested as any checkpoint's are
+        qabsmax, st = nested_state(_absmax(reader, name, device), p.shape, dtype)
+        return codes, qabsmax, st
+    st2 = QuantState(absmax=reader.get_raw(f"{name}.nested_absmax").to(device).float(),
+                     code=reader.get_raw(f"{name}.nested_quant_map").to(device).float(),
+                     blocksize=p.nested["blocksize"], dtype=torch.float32)
+    st = QuantState(absmax=None, shape=torch.Size(p.shape), dtype=dtype, blocksize=p.blocksize, quant_type="nf4",
+                    offset=torch.tensor(p.nested["offset"], dtype=torch.float32, device=device), state2=st2,
+                    code=reader.get_raw(f"{name}.quant_map").to(device).float())
+    return codes, reader.get_raw(f"{name}.absmax").to(device).view(torch.uint8), st
+
+
+def nf4_base(reader, name: str) -> torch.Tensor:
+    """The float32 weight an NF4 layer loaded from this packed weight computes with (module docstring)."""
+    from model.bnb import dequantize_4bit
+
+    p = reader.packed[name]
+    codes, qabsmax, st = nf4_parts(reader, name, 0, p.blocks, torch.float32, "cpu")
+    st.absmax = qabsmax
+    return dequantize_4bit(codes.view(-1, 1), st)
