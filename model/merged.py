@@ -7,9 +7,10 @@ Contract:
   use_dora adapter W' = m / ‖W + s·B A‖_row ⊙ (W + s·B A) (`model.dora.fold`, m its lora_magnitude_vector), streamed
   one base file at a time; an adapter's chat_template.jinja (a run with --chat-template) becomes the merged
   tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
-  weight, i.e. exactly the base the adapter was trained against. A `--train-norms` adapter's norm weights (peft's
-  modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with it,
-  where its checkpoint stores one).
+  weight, i.e. exactly the base the adapter was trained against (a bitsandbytes 4-bit base's: its weights as
+  stored, dequantized, model/prequant.py; quantization_config leaves the merged config.json). A `--train-norms`
+  adapter's norm weights (peft's modules_to_save) replace the base's; so does a `--train-embeddings` one's
+  embedding (a tied model's head with it, where its checkpoint stores one).
 - The --out folder's lock, the staging folder the files are written into first and what they replace there:
   model/merge_out.py.
 """
@@ -31,11 +32,11 @@ from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied,
 from model.norms import is_saved_weight
 
 
-def _is_nf4(name: str, w: torch.Tensor) -> bool:
+def _is_nf4(name: str, shape) -> bool:
     """The weights `model.nf4.apply_nf4` quantizes: Linear weights of a block's attention and MLP."""
     parts = name.split(".")   # model.layers.{i}.{self_attn|mlp}.{proj}.weight
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3] in ("self_attn", "mlp")
-            and parts[5] == "weight" and w.ndim == 2)
+            and parts[5] == "weight" and len(shape) == 2)
 
 
 def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
@@ -190,6 +191,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     """merge()'s writing: every file of the merged model into `out_dir` (its staging folder), config.json last."""
     if quant == "nf4":   # bitsandbytes imports torch's compiler stack: seconds, only when needed
         from model.nf4 import nf4_round_trip
+        from model.prequant import nf4_base
     from model.dora import fold
     if log:
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
@@ -200,10 +202,12 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     for i, (fn, names) in enumerate(sorted(files.items())):
         out = {}
         for name in names:
-            w = reader.get(name).float()
-            if quant == "nf4" and _is_nf4(name, w):
-                # every block Linear was 4-bit in training (apply_nf4), adapted or not
-                w = nf4_round_trip(w)   # training's base, bit for bit (whatever device quantized it there)
+            # every block Linear was 4-bit in training (apply_nf4), adapted or not: training's base, bit for bit
+            # (whatever device quantized it there; a 4-bit upload's as stored, model/prequant.py)
+            nf4 = quant == "nf4" and _is_nf4(name, reader.shape(name))
+            w = nf4_base(reader, name) if nf4 and name in reader.packed else reader.get(name).float()
+            if nf4 and name not in reader.packed:
+                w = nf4_round_trip(w)
             if name in pairs and "norm" in pairs[name]:   # --train-norms: the trained weight itself
                 w = pairs[name]["norm"]
             elif name in pairs and "m" in pairs[name]:   # DoRA: rescaled per row, the norm over the same base W
@@ -225,6 +229,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    cfg.pop("quantization_config", None)   # a 4-bit base's: the merged weights are float
     if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
         with open(os.path.join(adapter_dir, OVERRIDES)) as f:
             rope = dict(json.load(f)["rope_parameters"])

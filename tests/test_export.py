@@ -212,7 +212,7 @@ def test_merge_equals_peft_merge_and_unload(exported, tmp_path):
         if quant == "nf4":
             with torch.no_grad():
                 for n, p in hf.named_parameters():
-                    if _is_nf4(n, p):
+                    if _is_nf4(n, p.shape):
                         packed, st = bnb_nf4(p.data)
                         p.copy_(dequantize_4bit(packed, st))
         ref = PeftModel.from_pretrained(hf, os.path.join(root, case)).merge_and_unload().state_dict()
@@ -312,7 +312,7 @@ def test_merge_dora_from_nf4_equals_peft_dora_on_the_round_trip(dora, tmp_path):
     hf = _hf(path)
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if _is_nf4(n, p):
+            if _is_nf4(n, p.shape):
                 p.copy_(nf4_round_trip(p.data))
     pm = PeftModel.from_pretrained(hf, adapter).eval()
     ref_logits = _hf_logits(pm)
