@@ -70,14 +70,44 @@ def present_weight_files(path: str) -> tuple[list[str], dict | None]:
     return files, wmap
 
 
+def stored_tensors(path: str) -> dict:
+    """{name: ((dtype, shape, begin, end), file)} of every tensor in the safetensors files the loader reads (the
+    index's map is authoritative if present), from their headers alone."""
+    _check_dir(path)
+    files, wmap = present_weight_files(path)
+    index, out = os.path.join(path, INDEX), {}
+    for f in files:
+        fn = os.path.join(path, f)
+        header, _ = read_header(fn)
+        for n in (header if wmap is None else [n for n, v in wmap.items() if v == f]):
+            if n not in header:
+                raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
+                                             "re-download the checkpoint")
+            out[n] = (header[n], fn)
+    return out
+
+
+def stored_shapes(path: str) -> tuple[dict, dict]:
+    """({name: (shape, file)} of the checkpoint's weights, a packed 4-bit one's its float shape; its packed weights,
+    prequant.index): headers and the 4-bit weights' small quant-state tensors only, no weight read."""
+    raw = stored_tensors(path)
+
+    def small(n):   # (a quant state: a few hundred bytes)
+        (_, _, begin, end), fn = raw[n]
+        with open(fn, "rb") as f:
+            f.seek(begin)
+            return f.read(end - begin)
+    packed = prequant.index({n: h for n, (h, _) in raw.items()}, small)
+    aside = prequant.companions(packed)
+    return {n: (packed[n].shape if n in packed else h[1], fn) for n, (h, fn) in raw.items() if n not in aside}, packed
+
+
 def check_weight_headers(path: str, quant: str | None = None) -> None:
     """Every safetensors file the loader reads is there with a header that fits it (read_header: a few KB each), so
     a missing shard, a Git LFS pointer or a truncated download is said at start-up, before a run directory or process
     group exists; so is a bitsandbytes 4-bit checkpoint that `quant` cannot take as stored (prequant.check_quant)."""
     if os.path.isdir(path):
-        reader = CheckpointReader(path)
-        prequant.check_quant(reader.packed, quant, path)
-        reader.close()
+        prequant.check_quant(stored_shapes(path)[1], quant, path)
 
 
 def check_config_shapes(path: str, margs, quant: str | None = None) -> str | None:
@@ -94,10 +124,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
         for name, (n_in, n_out) in margs.projections().items():
             block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
-    reader = CheckpointReader(path)   # (headers, and a 4-bit weight's quant state: a few hundred bytes a weight)
-    reader.close()
-    prequant.check_quant(reader.packed, quant, path)
-    have = {n: (tuple(reader.shape(n)), os.path.basename(fn)) for n, fn in reader.where.items()}
+    have, packed = stored_shapes(path)
+    prequant.check_quant(packed, quant, path)
+    have = {n: (tuple(shape), os.path.basename(fn)) for n, (shape, fn) in have.items()}
     missing = sorted(n for n in want if n not in have)
     if missing:
         raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
@@ -108,7 +137,7 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     if bad:
         raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
                          "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
-    notes = [prequant.describe(reader.packed, [n for n in want if n != "model.embed_tokens.weight"], quant, path)]
+    notes = [prequant.describe(packed, [n for n in want if n != "model.embed_tokens.weight"], quant, path)]
     blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if blocks and max(blocks) >= margs.n_layers:
         notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "
@@ -197,24 +226,11 @@ def read_header(fn: str) -> tuple[dict, int]:
 
 class CheckpointReader:
     def __init__(self, path: str):
-        _check_dir(path)
-        files, wmap = present_weight_files(path)   # the index's map is authoritative if present
-        index = os.path.join(path, INDEX)
-        self.path, self.raw, self._fds = path, {}, {}   # raw: every stored tensor, {name: (header entry, file)}
-        for f in files:
-            fn = os.path.join(path, f)
-            header, _ = read_header(fn)
-            names = header if wmap is None else [n for n, v in wmap.items() if v == f]
-            for n in names:
-                if n not in header:
-                    raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
-                                                 "re-download the checkpoint")
-                self.raw[n] = (header[n], fn)
+        self.path, self.raw, self._fds = path, stored_tensors(path), {}   # raw: {name: (header entry, file)}
         # a bitsandbytes 4-bit checkpoint: each packed weight stands for its float self; its companions are no weights
         self.packed = prequant.index({n: h for n, (h, _) in self.raw.items()}, self.get_raw)
-        aside = {c for p in self.packed.values() for c in p.companions}
         self.meta = {n: (p.dtype, p.shape, None, None) if (p := self.packed.get(n)) else h
-                     for n, (h, _) in self.raw.items() if n not in aside}
+                     for n, (h, _) in self.raw.items() if n not in prequant.companions(self.packed)}
         self.where = {n: self.raw[n][1] for n in self.meta}
 
     def check(self, names):

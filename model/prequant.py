@@ -103,6 +103,11 @@ def index(raw: dict, read) -> dict:
     return out
 
 
+def companions(packed: dict) -> set:
+    """The stored tensors beside the packed weights (their scales, code books, quant states): no weights."""
+    return {c for p in packed.values() for c in p.companions}
+
+
 def check_quant(packed: dict, quant: str | None, where: str) -> None:
     """Under --quant nf4 every packed weight must be NF4 in 64-blocks (module docstring)."""
     if quant != "nf4":

@@ -12,8 +12,9 @@ Pins (tiny Qwen2 checkpoints made by transformers, then damaged here):
   `build_model` (nf4 and none) raise a ValueError naming the tensor, its file and both shapes, from the
   safetensors headers, before the weights are loaded;
 - `train.py` (1 process) on the truncated checkpoint prints `error: ...` naming the file and exits 2;
-- a checkpoint quantized already (transformers' own bitsandbytes 4-bit save): `read_args` and train.py's start-up
-  name its quantization_config and the fix before any weight is read; an FP8 tensor's dtype error says the same.
+- a checkpoint quantized otherwise than in bitsandbytes 4-bit (AWQ, GPTQ, bnb 8-bit; bnb 4-bit is read:
+  tests/test_prequant.py): `read_args` and train.py's start-up name its quantization_config and the fix before any
+  weight is read; an FP8 tensor's dtype error says the same.
 
 Run: .venv/bin/python -m pytest -q tests/test_load_errors.py
 """
@@ -168,31 +169,30 @@ def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
 
 
 def test_a_quantized_checkpoint_is_named_so_before_any_weight(assets, tmp_path):
-    """A checkpoint quantized already (here transformers' own bitsandbytes 4-bit save, as the "-bnb-4bit" uploads are
-    made; AWQ, GPTQ and FP8 ones carry a quantization_config too) holds packed weights, not the float tensors
-    config.json implies. Until 2026-12-06 train.py said "14 tensor shapes disagree with config.json (wrong
-    config.json for these weights?)" (an AWQ one: "lacks 14 tensors ... or the download is incomplete"; FP8: a dtype
-    this loader does not read); now config.json's quantization is named, with the fix, before any weight is read."""
-    import transformers as T
+    """A checkpoint quantized already otherwise than in bitsandbytes 4-bit (AWQ, GPTQ, bitsandbytes 8-bit; FP8 ones
+    carry a quantization_config too) holds packed weights, not the float tensors config.json implies. Until 2026-12-06
+    train.py said "lacks 14 tensors ... or the download is incomplete" of an AWQ one (FP8: a dtype this loader does
+    not read); now config.json's quantization is named, with the fix, before any weight is read. (Its float weights
+    are left here: config.json alone decides.)"""
     from safetensors.torch import save_file
 
     from model.load import read_args, read_header
     from tests.helpers import startup_error, train_argv
 
-    path = str(tmp_path / "bnb")
-    T.AutoModelForCausalLM.from_pretrained(assets["model"], device_map="cpu", quantization_config=T.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4")).save_pretrained(path)
-    for f in os.listdir(assets["model"]):   # its tokenizer beside it
-        if not f.endswith((".safetensors", ".index.json", "config.json")) or f == "tokenizer_config.json":
-            shutil.copy(os.path.join(assets["model"], f), path)
-    _, shape, *_ = read_header(os.path.join(path, "model.safetensors"))[0]["model.layers.0.self_attn.q_proj.weight"]
-    assert shape[1] == 1, f"not the packed 4-bit weight the case is about: {shape}"
-    fix = r"quantized already \(quantization_config: quant_method 'bitsandbytes'\).*pass the unquantized checkpoint"
-    with pytest.raises(ValueError, match=fix):
-        read_args(path)   # (--plan, the merge and the export read config.json here too)
-    said = startup_error(train_argv({**assets, "model": path}, str(tmp_path / "run")))
-    assert "quant_method 'bitsandbytes'" in said and "--quant nf4" in said, said
-    assert not (tmp_path / "run").exists(), "a run directory was made before the check"
+    path = shutil.copytree(assets["model"], tmp_path / "quantized")
+    with open(path / "config.json") as f:
+        cfg = json.load(f)
+    for q, said_as in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+                       ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+                       ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method 'bitsandbytes' 8-bit")):
+        with open(path / "config.json", "w") as f:
+            json.dump({**cfg, "quantization_config": q}, f)
+        fix = rf"quantized already \(quantization_config: {said_as}\).*pass the unquantized checkpoint"
+        with pytest.raises(ValueError, match=fix):
+            read_args(str(path))   # (--plan, the merge and the export read config.json here too)
+        said = startup_error(train_argv({**assets, "model": str(path)}, str(tmp_path / "run")))
+        assert said_as in said and "--quant nf4" in said and "bitsandbytes 4-bit" in said, said
+        assert not (tmp_path / "run").exists(), "a run directory was made before the check"
     fp8 = str(tmp_path / "fp8.safetensors")   # an FP8 checkpoint's weights (a header check runs before config.json)
     save_file({"w": torch.zeros(4, 4, dtype=torch.float8_e4m3fn)}, fp8)
     with pytest.raises(ValueError, match=r"dtype 'F8_E4M3', which this loader does not read .*a quantized checkpoint "

@@ -6,7 +6,8 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses, and ring with 2 packed documents
   per row), `--cp 4` (auto: hybrid 2 × 2) and `--cp 4 --cp-impl ring` (packed, 2 documents per row),
   `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`; with
-  `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4; and `--tiled-mlp --offload-activations` on
+  `--quant nf4` for cp 2 × dp 2 Ulysses and dp_shard 4, and on the model saved 4-bit by transformers +
+  bitsandbytes (a -bnb-4bit upload) for cp 2 × dp 2 ring; and `--tiled-mlp --offload-activations` on
   1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs), and `--ac-group 2` (both
   blocks recomputed as one group; with the tiled MLP on 1 rank and Ulysses) and `--ac-blocks 1` (block 1 not
   checkpointed; on ring cp 2 × dp 2 with the tiled MLP and offload) and `--ac-keep-attn` (1 rank; Ulysses
@@ -91,6 +92,9 @@ FOUR_RANK_NF4 = {
     "nf4_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--quant", "nf4"],
     "nf4_dp4": ["--dp-shard", "4", "--quant", "nf4"],
 }
+# the model saved 4-bit by transformers + bitsandbytes (a -bnb-4bit upload): its NF4 codes and scales as stored, each
+# rank reading its own blocks
+FOUR_RANK_BNB = {"bnb_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--quant", "nf4"]}
 # LoRA+ (each B at 16 x the LR): its two param groups through FSDP2 and DCP (= 1 rank; resumed on 1 rank)
 PLUS = ["--lora-plus-ratio", "16", "--save-every", "2"]
 FOUR_RANK_PLUS = {"plus_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *PLUS]}
@@ -183,6 +187,8 @@ def _four_ranks(rank, world_size, assets, root):
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_TIED.items():
         train.main(train_argv({**assets, "model": assets["tied"]}, os.path.join(root, name), *flags))
+    for name, flags in FOUR_RANK_BNB.items():
+        train.main(train_argv({**assets, "model": _bnb(assets)}, os.path.join(root, name), *flags))
     for name, flags in {**FOUR_RANK_TEXT, **FOUR_RANK_SPLIT}.items():
         train.main(train_argv({**assets, "data": assets["text"]}, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_FILES.items():
@@ -346,9 +352,19 @@ def _text_files(assets) -> list[str]:
     return paths
 
 
+def _bnb(assets) -> str:
+    """The model saved 4-bit (nf4, double quantization) by transformers + bitsandbytes, once."""
+    from tests.helpers import bnb_checkpoint
+
+    path = os.path.join(assets["dir"], "bnb")
+    if not os.path.exists(path):
+        bnb_checkpoint(assets["model"], path, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    return path
+
+
 @pytest.fixture(scope="module")
 def four(assets, tmp_path_factory):
-    _text_files(assets), _short_eval(assets)   # (written once, here: 4 ranks read them)
+    _text_files(assets), _short_eval(assets), _bnb(assets)   # (written once, here: 4 ranks read them)
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
@@ -372,6 +388,7 @@ def one(assets, tmp_path_factory):
         "no_pack": ["--micro-batch", "4", "--no-pack"],
         "window": ["--model", assets["window"]],
         "tied": ["--model", assets["tied"], *TIED],
+        "bnb": ["--model", _bnb(assets), "--quant", "nf4"],
         "mem": ["--tiled-mlp", "--offload-activations"],
         "group": ["--tiled-mlp", "--ac-group", "2"],
         "partial_ac": ["--ac-blocks", "1"],
@@ -701,6 +718,12 @@ def test_a_checkpoint_write_failing_on_one_rank_is_one_line_and_keeps_the_last(a
 @pytest.mark.parametrize("name", list(FOUR_RANK_NF4))
 def test_four_ranks_match_one_rank_nf4(one, four, name):
     _compare(f"4 ranks {name}", _at(four, name), _at(one, "nf4"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK_BNB))
+def test_four_ranks_match_one_rank_4bit_checkpoint(one, four, name):
+    _compare(f"4 ranks {name}", _at(four, name), _at(one, "bnb"))
 
 
 @pytest.mark.timeout(300)
