@@ -41,7 +41,8 @@ from data.token_stats import LONG_TEXT
 from loss import IGNORE_INDEX
 from model.config import LORA_TARGETS, flops_per_token, lora_layers_arg, lora_targets_arg
 from model.hub import same_snapshot
-from model.load import check_config_shapes, read_args
+from model.load import read_args
+from model.load_checks import check_config_shapes
 from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, recorded, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import cp_attention, shard_batch

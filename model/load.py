@@ -16,6 +16,8 @@ Contract:
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
+- `stored_tensors(path)`: every stored tensor's header entry and file, headers only. The start-up checks on the
+  weight files (headers against config.json, before any weight is read): model/load_checks.py.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
   trainer's own loading path (so the transformers comparisons in tests/test_model.py pin it too).
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 
@@ -85,65 +86,6 @@ def stored_tensors(path: str) -> dict:
                                              "re-download the checkpoint")
             out[n] = (header[n], fn)
     return out
-
-
-def stored_shapes(path: str) -> tuple[dict, dict]:
-    """({name: (shape, file)} of the checkpoint's weights, a packed 4-bit one's its float shape; its packed weights,
-    prequant.index): headers and the 4-bit weights' small quant-state tensors only, no weight read."""
-    raw = stored_tensors(path)
-
-    def small(n):   # (a quant state: a few hundred bytes)
-        (_, _, begin, end), fn = raw[n]
-        with open(fn, "rb") as f:
-            f.seek(begin)
-            return f.read(end - begin)
-    packed = prequant.index({n: h for n, (h, _) in raw.items()}, small)
-    aside = prequant.companions(packed)
-    return {n: (packed[n].shape if n in packed else h[1], fn) for n, (h, fn) in raw.items() if n not in aside}, packed
-
-
-def check_weight_headers(path: str, quant: str | None = None) -> None:
-    """Every safetensors file the loader reads is there with a header that fits it (read_header: a few KB each), so
-    a missing shard, a Git LFS pointer or a truncated download is said at start-up, before a run directory or process
-    group exists; so is a bitsandbytes 4-bit checkpoint that `quant` cannot take as stored (prequant.check_quant)."""
-    if os.path.isdir(path):
-        prequant.check_quant(stored_shapes(path)[1], quant, path)
-
-
-def check_config_shapes(path: str, margs, quant: str | None = None) -> str | None:
-    """The weight headers against config.json's sizes, for the tensors every supported decoder has (the embedding, each
-    layer's projections): weights that are not config.json's (another size of the family, a config.json copied
-    from elsewhere) are said before the data are tokenized; the loader checks every tensor once the model is built.
-    Returns the notes to log, else None: the weights hold more blocks than config.json's num_hidden_layers (allowed: a
-    cut-down model for a quick run; transformers builds the first ones alike); a bitsandbytes 4-bit checkpoint, what
-    the run trains against (prequant.describe)."""
-    if not os.path.isdir(path):
-        return None
-    want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
-    for i in range(margs.n_layers):
-        for name, (n_in, n_out) in margs.projections().items():
-            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
-    have, packed = stored_shapes(path)
-    prequant.check_quant(packed, quant, path)
-    have = {n: (tuple(shape), os.path.basename(fn)) for n, (shape, fn) in have.items()}
-    missing = sorted(n for n in want if n not in have)
-    if missing:
-        raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
-                         f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): config.json is not these "
-                         "weights' (num_hidden_layers?), or the download is incomplete")
-    bad = [f"{n} in {os.path.join(path, have[n][1])}: checkpoint {list(have[n][0])}, config.json implies {list(s)}"
-           for n, s in want.items() if have[n][0] != tuple(s)]
-    if bad:
-        raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
-                         "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
-    notes = [prequant.describe(packed, [n for n in want if n != "model.embed_tokens.weight"], quant, path)]
-    blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
-    if blocks and max(blocks) >= margs.n_layers:
-        notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "
-                     f"is {margs.n_layers}: the run builds and trains the first {margs.n_layers} (as transformers "
-                     "loads it)")
-    return "\n".join(n for n in notes if n) or None
 
 
 def _check_dir(path: str):

@@ -43,7 +43,7 @@ def check_start(args, demo: bool):
     from data.store import file_sha256
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
-    from model.load import check_weight_headers
+    from model.load_checks import check_weight_headers
     from parallel import checkpoint_folders, outdir, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type

@@ -153,7 +153,8 @@ def test_shape_mismatch_named_before_loading(ckpt, tmp_path):
         msg = str(e.value)
         assert "model.layers.0.mlp.gate_proj.weight" in msg and "[64, 48]" in msg and "[128, 48]" in msg, msg
         assert ".safetensors" in msg and "config.json" in msg, msg
-    from model.load import check_config_shapes, read_args  # train.py's check before the data (headers only)
+    from model.load import read_args
+    from model.load_checks import check_config_shapes  # train.py's check before the data (headers only)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight in .*safetensors: checkpoint "
                                          r"\[64, 48\], config.json implies \[128, 48\]"):
         check_config_shapes(path, read_args(path))

@@ -211,7 +211,8 @@ def test_quant_none_and_fp4_train_on_the_dequantized_weights(packed, built):
 def test_projections_stored_in_float_are_quantized_as_a_float_checkpoints(packed, built):
     from bitsandbytes.functional import dequantize_4bit
 
-    from model.load import CheckpointReader, check_config_shapes, read_args
+    from model.load import CheckpointReader, read_args
+    from model.load_checks import check_config_shapes
     from tests.helpers import bnb_nf4
 
     got, _ = built
