@@ -2,7 +2,8 @@
 
 Pins (gloo on CPU, float32; the shared tiny Qwen2 checkpoint quantized and saved by transformers + bitsandbytes
 themselves, sharded so weights and their companions fall in different files):
-- double quantization, --quant nf4, FSDP2 over 2 ranks: every NF4 layer's gathered codes are the upload's bytes and
+- double quantization, --quant nf4, FSDP2 over 2 ranks (codes stored as uint8, and as bf16 the way FSDP-QLoRA
+  uploads store them): every NF4 layer's gathered codes are the upload's bytes and
   its dequantized weight is bitsandbytes' `dequantize_4bit` of transformers' own loaded `Linear4bit`, bit for bit;
   our logits with LoRA (B non-zero) equal peft's LoRA on transformers' 4-bit model loading the adapter we export
   (1e-5); `merge(quant="nf4")` into the 4-bit base gives a float checkpoint (no quantization_config) that
@@ -59,6 +60,8 @@ def packed(tmp_path_factory):
     make_tokenizer(base)
     return {"float": base,
             "dq": bnb_checkpoint(base, d / "dq", bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+            "bf16_storage": bnb_checkpoint(base, d / "bf16_storage", bnb_4bit_quant_type="nf4",   # (FSDP-QLoRA's
+                                           bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16),
             "plain": bnb_checkpoint(base, d / "plain", bnb_4bit_quant_type="nf4"),
             "fp4": bnb_checkpoint(base, d / "fp4", bnb_4bit_quant_type="fp4"),
             "skip": bnb_checkpoint(base, d / "skip", bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -103,7 +106,8 @@ def _rank(rank, world_size, packed, out_root):
 
     mesh = ParallelDims(world_size).build_mesh("cpu").fsdp
     got = {}
-    for case, path, quant in (("dq", packed["dq"], "nf4"), ("plain", packed["plain"], "nf4"),
+    for case, path, quant in (("dq", packed["dq"], "nf4"), ("bf16_storage", packed["bf16_storage"], "nf4"),
+                              ("plain", packed["plain"], "nf4"),
                               ("skip", packed["skip"], "nf4"), ("none", packed["dq"], "none")):
         model, peft_model = build_nonzero_b(BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA, seed=1),
                                             fsdp_mesh=mesh, device="cpu")
@@ -129,14 +133,20 @@ def built(packed, tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-def test_double_quantized_nf4_is_trained_as_stored(packed, built):
+@pytest.mark.parametrize("case", ["dq", "bf16_storage"])
+def test_double_quantized_nf4_is_trained_as_stored(packed, built, case):
+    from model.load import read_header
+
     got, _ = built
-    ref = _bnb_weights(packed["dq"])
-    layers = got["dq"][0]
+    ref = _bnb_weights(packed[case])
+    layers = got[case][0]
     assert sorted(layers) == sorted(ref) and len(ref) == 14, (sorted(layers)[:3], len(ref))
     for name, (codes, deq, _) in layers.items():
         assert torch.equal(codes, _u8(ref[name][0])), f"{name}: gathered codes vs the upload's"
         assert torch.equal(deq, ref[name][1]), f"{name}: dequantized vs bitsandbytes' of transformers' Linear4bit"
+    stored = {d for f in os.listdir(packed[case]) if f.endswith(".safetensors")
+              for n, (d, *_) in read_header(os.path.join(packed[case], f))[0].items() if n in ref}
+    assert stored == {torch.uint8 if case == "dq" else torch.bfloat16}, f"{case}: codes stored as {stored}"
 
 
 @pytest.mark.timeout(400)
