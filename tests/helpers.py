@@ -127,13 +127,14 @@ def budget_between_ac_plans(argv, world=1):
     return (one + none) / 2 / plan_search.SAFETY
 
 
-def bnb_checkpoint(src, dst, max_shard_size="60KB", **quant):
-    """`src` quantized by transformers and bitsandbytes themselves (BitsAndBytesConfig(load_in_4bit=True, **quant)) and
-    saved as the -bnb-4bit uploads are, sharded, with `src`'s tokenizer files beside it; returns the path."""
+def bnb_checkpoint(src, dst, max_shard_size="60KB", device="cpu", dtype=torch.float32, **quant):
+    """`src` quantized on `device` by transformers and bitsandbytes themselves (BitsAndBytesConfig(load_in_4bit=True,
+    **quant)) and saved as the -bnb-4bit uploads are, sharded, with `src`'s tokenizer files beside it; returns the
+    path."""
     import shutil
 
     q = T.BitsAndBytesConfig(load_in_4bit=True, **quant)
-    T.AutoModelForCausalLM.from_pretrained(src, device_map="cpu", dtype=torch.float32, quantization_config=q
+    T.AutoModelForCausalLM.from_pretrained(src, device_map=device, dtype=dtype, quantization_config=q
                                            ).save_pretrained(dst, max_shard_size=max_shard_size)
     for f in os.listdir(src):   # the tokenizer's files (not the weights, their index or config.json)
         if not f.endswith((".safetensors", ".index.json", "config.json")) or f == "tokenizer_config.json":

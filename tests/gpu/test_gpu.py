@@ -24,6 +24,8 @@ folder, `make test-gpu` does):
 - NF4 codes and absmax (training's blocks, the merge's nested round trip) equal the CPU's, ties included;
 - a 1-rank NCCL `train.main` run with NF4 + bf16 + mixed precision finishes, writes the adapter, and
   its loss is finite and falls on the demo assets;
+- a checkpoint saved 4-bit by transformers on the device: our NF4 layers = its Linear4bit weights bit for bit, and it
+  trains;
 - `--objective dpo` on NF4 + bf16: step 1's loss is log 2, the eval pairs' loss falls, and from that adapter
   (`--init-adapter`, the reference too) step 1 is log 2 again; `per_token` losses in bf16;
 - past 2^31 elements (603k tokens of Qwen2.5-7B's q, where --max-len auto leads): causal attention's out, dq and
@@ -493,6 +495,42 @@ def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
     assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-2), (rows[0], plain[0])
     keys = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
     assert sum(k.endswith(".lora_magnitude_vector") for k in keys) * 3 == len(keys) > 0, sorted(keys)[:3]
+
+
+def test_cuda_bnb_4bit_upload_trains_as_stored(tmp_path, monkeypatch):
+    """A checkpoint saved 4-bit by transformers + bitsandbytes on this device (a -bnb-4bit upload: nf4, double
+    quantization, from bf16; model/prequant.py): each NF4 layer of our bf16 build dequantizes, on the device, to
+    transformers' own Linear4bit weight bit for bit; 12 demo steps on it train (finite, the last loss below the
+    first), and step 1 is the float checkpoint's own NF4 run's (the same codes; scales nested alike within rounding)."""
+    import transformers as T
+    from bitsandbytes.functional import dequantize_4bit
+
+    import train
+    from model.nf4 import NF4Linear
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import bnb_checkpoint
+
+    run = _demo_runs(tmp_path, monkeypatch, "29542")
+    _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")   # (it makes the demo assets, if not there)
+    q = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    up = bnb_checkpoint(train.DEMO["model"], tmp_path / "bnb", max_shard_size="5GB", device="cuda",
+                        dtype=torch.bfloat16, **q)
+    hf = T.AutoModelForCausalLM.from_pretrained(up, device_map="cuda")   # its Linear4bit layers, as stored
+    model, _ = build_model(BuildOptions(up, quant="nf4", dtype=torch.bfloat16), device=DEV)
+    theirs = dict(hf.named_modules())
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, NF4Linear):
+            w = theirs[name.replace(".base_layer", "")].weight
+            assert torch.equal(m.dequantized(), dequantize_4bit(w.data, w.quant_state)), name
+            n += 1
+    assert n == 7 * len(model.model.layers), n
+    del model, hf
+    _, rows = run("bnb", "--model", up, "--data", train.DEMO["data"], "--steps", "12", "--lr", "5e-3", "--warmup",
+                  "5", "--global-batch", "16", "--micro-batch", "8")
+    assert len(rows) == 12 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-2), (rows[0], plain[0])
 
 
 def test_cuda_train_norms_nf4_bf16(tmp_path, monkeypatch):
