@@ -513,7 +513,7 @@ def test_cuda_bnb_4bit_upload_trains_as_stored(tmp_path, monkeypatch):
     run = _demo_runs(tmp_path, monkeypatch, "29542")
     _, plain = run("plain", "--steps", "1", "--schedule-steps", "12")   # (it makes the demo assets, if not there)
     q = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
-    up = bnb_checkpoint(train.DEMO["model"], tmp_path / "bnb", max_shard_size="5GB", device="cuda",
+    up = bnb_checkpoint(train.DEMO["model"], tmp_path / "upload", max_shard_size="5GB", device="cuda",
                         dtype=torch.bfloat16, **q)
     hf = T.AutoModelForCausalLM.from_pretrained(up, device_map="cuda")   # its Linear4bit layers, as stored
     model, _ = build_model(BuildOptions(up, quant="nf4", dtype=torch.bfloat16), device=DEV)
