@@ -17,7 +17,8 @@ Contract:
   evaluation in the loop sets the best; one that improves by D or less neither counts as better nor moves the best; a
   non-finite loss never improves). train.py then saves that step, exports its adapter and ends, as at the last step;
   the LR schedule is the whole run's. The state (best, its step, evaluations since) travels in meta.json and a resume
-  in the same folder onto the same eval data and samples goes on counting; `exhausted(meta, args, ckpt)` (train.py,
+  in the same folder onto the same eval data and samples goes on counting (with another --early-stop-delta it counts
+  again from the checkpoint's best, said); `exhausted(meta, args, ckpt)` (train.py,
   once the data are tokenized, before anything is written or a weight read) refuses a resume of a run that stopped so
   (it would stop at its next evaluation), unless --early-stop is raised past its count or dropped; onto eval files
   tokenized to other samples it counts again instead, as `of_run` does. Every rank reduces the same loss: every rank
@@ -110,6 +111,12 @@ class EarlyStop:
         here = got and _here(ckpt, args.out)
         if here and got.get("eval_data_sha256") == out.eval_sha and _same_samples(ckpt, args):
             out.best, out.step, out.bad = _loss(got["eval_loss"]), got["step"], got["bad"]
+            # each counted evaluation may have been an improvement under the new delta, or not: recount from the best
+            if (was := _delta(ckpt)) != out.delta and out.bad:
+                log(f"note: --early-stop-delta {out.delta:g}: the checkpoint's count ({got['bad']} evaluations "
+                    f"{_since(got['step'], got['eval_loss'])}) was made with --early-stop-delta {was:g}: counting "
+                    "starts again here, from that best")
+                out.bad = 0
         elif got:
             log(f"note: --early-stop: the checkpoint's count ({got['bad']} evaluations "
                 f"{_since(got['step'], got['eval_loss'])}) {_other(got, out.eval_sha, here)}: counting starts again "
@@ -160,13 +167,19 @@ def _since(step, loss) -> str:
     return f"since step {step}'s eval_loss {loss:.6f}" if step else "none of them with a finite eval_loss"
 
 
+def _delta(ckpt: str) -> float:
+    """The --early-stop-delta a checkpoint's count was made with."""
+    return read_meta(ckpt).get("args", {}).get("early_stop_delta") or 0.0
+
+
 def exhausted(meta: dict, args, ckpt: str) -> str | None:
     """Why a resume of `ckpt` would stop at once: its run stopped early under this --early-stop (else None)."""
     got = meta.get("early_stop")
     n = getattr(args, "early_stop", None)
     if not (n and got and got["bad"] >= n and _here(ckpt, args.out or os.path.dirname(os.path.dirname(ckpt)))
-            and got.get("eval_data_sha256") == eval_identity(args) and _same_samples(ckpt, args)):
-        return None   # (other eval samples: EarlyStop.of_run counts again from here, said)
+            and got.get("eval_data_sha256") == eval_identity(args) and _same_samples(ckpt, args)
+            and _delta(ckpt) == (getattr(args, "early_stop_delta", 0.0) or 0.0)):
+        return None   # (other eval samples, another delta: EarlyStop.of_run counts again from here, said)
     return (f"--resume: at the checkpoint's step {meta['step']} it had counted {got['bad']} evaluations "
             f"{_since(got['step'], got['eval_loss'])}, which --early-stop {n} stops at (the run ended "
             f"there, its adapter in the run folder's adapter/): it would stop at its next evaluation. To train on, "

@@ -487,6 +487,35 @@ def test_keep_best_knows_its_eval_files_in_any_order(tmp_path):
     assert best([a, b]) == best([b, a]) == best([c, b]) != best([a]) == best(a) == file_sha256(a)
 
 
+def test_early_stop_counts_again_under_another_delta(tmp_path):
+    """--early-stop's count is of evaluations that did not beat the best by more than --early-stop-delta: a resume
+    with another delta cannot carry it (each of them may have been an improvement under the new one, or not), so it
+    counts again from the checkpoint's best, said, and a run that stopped is not refused a resume with another delta.
+    Until 2026-12-06 the count carried over whatever the delta."""
+    import json
+    from types import SimpleNamespace
+
+    from parallel.keep_best import EarlyStop, eval_identity, exhausted
+
+    (tmp_path / "ev.jsonl").write_text("{}\n")
+    step = tmp_path / "out" / "ckpt" / "step_000004"
+    step.mkdir(parents=True)
+    run = lambda delta, n=3: SimpleNamespace(early_stop=n, early_stop_delta=delta, eval_split=None, eval_tokens=None,
+                                             eval_data=str(tmp_path / "ev.jsonl"), out=str(tmp_path / "out"))
+    meta = {"step": 4, "args": {"early_stop_delta": 0.1},
+            "early_stop": {"step": 2, "eval_loss": 1.5, "bad": 2, "eval_data_sha256": eval_identity(run(0.1))}}
+    (step / "meta.json").write_text(json.dumps(meta))
+    for delta, bad in ((0.1, 2), (0.0, 0), (0.5, 0)):
+        said = []
+        early = EarlyStop.of_run(run(delta), str(step), said.append)
+        assert (early.step, early.best, early.bad) == (2, 1.5, bad), (delta, vars(early))
+        assert said == ([] if bad else [f"note: --early-stop-delta {delta:g}: the checkpoint's count (2 evaluations "
+                                        "since step 2's eval_loss 1.500000) was made with --early-stop-delta 0.1: "
+                                        "counting starts again here, from that best"]), said
+        why = exhausted(meta, run(delta, n=2), str(step))
+        assert (why is None) == (delta != 0.1), (delta, why)
+
+
 def test_keep_best_and_early_stop_start_again_on_other_eval_samples(tmp_path):
     """The same eval files tokenized to other samples (`eval_tokens`: a chat template's date, another tokenizer file)
     give losses that do not compare: --keep-best's best and --early-stop's count start again, said; the same samples
