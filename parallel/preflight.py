@@ -19,6 +19,8 @@ import math
 import os
 import socket
 
+F32_MAX = 3.4028234663852886e38   # torch.finfo(torch.float32).max (torch is not imported here: --plan stays fast)
+
 
 def parse(parser, argv: list[str], demo_defaults: dict):
     """(args, demo): argv parsed, with `demo_defaults` under the flags when neither --model nor --data is given."""
@@ -66,6 +68,10 @@ def check_start(args, demo: bool):
                              "--objective sft")
         if not (math.isfinite(args.dpo_beta) and args.dpo_beta > 0):
             raise ValueError(f"--dpo-beta must be a finite number above 0 (typical: 0.1), got {args.dpo_beta:g}")
+        if args.dpo_loss == "ipo" and args.dpo_beta < 0.5 / math.sqrt(F32_MAX):   # (2.7e-20; until 2026-12-06 a
+            raise ValueError(f"--dpo-beta {args.dpo_beta:g} with --dpo-loss ipo: IPO's loss starts at 1 / (2·beta)², "
+                             "past float32's range, where its gradients overflow; IPO's beta (TRL's tau) is "   # beta
+                             "typically 0.01 to 1")   # of 1e-200 was a ZeroDivisionError after the weights were read)
         if not 0 <= args.dpo_label_smoothing < 0.5:
             raise ValueError(f"--dpo-label-smoothing must be in [0, 0.5) (the share of pairs taken as mislabeled; "
                              f"typical: 0.1), got {args.dpo_label_smoothing:g}")

@@ -952,6 +952,10 @@ def test_start_up_refusals_name_the_fix(pairs, assets, tmp_path):
                         (["--rpo-alpha", "-1"], "--rpo-alpha must be a finite number of 0 or more"),
                         (["--rpo-alpha", "nan"], "--rpo-alpha must be a finite number of 0 or more"),
                         (["--dpo-loss", "orpo", "--rpo-alpha", "1"], "which --dpo-loss orpo has already"),
+                        # (1e-200: its start loss 1 / (2 beta)^2 was a ZeroDivisionError once the weights were read)
+                        (["--dpo-loss", "ipo", "--dpo-beta", "1e-200"], "--dpo-beta 1e-200 with --dpo-loss ipo: IPO's "
+                                                                        "loss starts at 1 / (2·beta)², past float32's"),
+                        (["--dpo-loss", "ipo", "--dpo-beta", "1e-25"], "past float32's range, where its gradients"),
                         (["--simpo-gamma", "1"], "--simpo-gamma 1: SimPO's target margin, a finite number of 0 or "
                                                  "more (typical: 0.5 to 1.6), with --dpo-loss simpo only"),
                         (["--dpo-loss", "simpo", "--simpo-gamma", "-0.5"], "--simpo-gamma -0.5: SimPO's target margin, "
