@@ -4,7 +4,8 @@ smallest case.
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
 own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
 rows, and the lean path's per-rank peak is not above the whole-tensor path's (within the printed MB's rounding:
-the small checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak). Timings are printed by the
+the small checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak), and the row of the same
+model's 4-bit upload. Timings are printed by the
 scripts and not asserted (no timing assertions in tests).
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_smoke.py
@@ -49,6 +50,8 @@ def test_load_bench_small():
         # (--small's checkpoint is 2 MB: each path's per-rank peak is 0-1 MB as printed, so one MB either way is the
         # rounding and the allocator; a lean path that read whole tensors would not pass test_load_memory's bound)
         assert lean_mb <= whole_mb + 1, (quant, out)
+    up = re.search(r"^4bit ([\d.]+) s \(float32 checkpoint: ([\d.]+) s, ratio ([\d.]+)\), cpu ([\d.]+) s", out, re.M)
+    assert up and float(up[3]) > 0, out   # (the 4-bit upload of the same model, read as stored)
 
 
 @pytest.mark.timeout(120)
