@@ -14,12 +14,12 @@ encoded it), the expected answer (its last assistant turn; the completion; a pai
 beside it), and the greedy answers of
 1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
-Nothing here uses the trainer's model code: the adapter is checked in the ecosystem it is for.
+Nothing here runs the trainer's decoder: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
-round trip (bitsandbytes quantize + dequantize, the trainer's block size), i.e. exactly the base
-the adapter was trained against. Exit status 1 when a tuned answer is wrong (`--check`), so a script
-can assert the demo learned; 2, with the way out, for a directory it cannot compare (no config.json, a run
-without held-out data, no adapter/ yet), checked before any model is loaded.
+round trip (training's own, `model.nf4.nf4_round_trip`), i.e. exactly the base the adapter was trained against; a
+4-bit upload's (model/prequant.py) are that already, as transformers loads them. Exit status 1 when a tuned answer is
+wrong (`--check`), so a script can assert the demo learned; 2, with the way out, for a directory it cannot compare
+(no config.json, a run without held-out data, no adapter/ yet), checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -38,19 +38,20 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 
 def nf4_round_trip(model) -> None:
-    """Replace each decoder block's attention/MLP Linear weight by dequantize(quantize_nf4(W))."""
+    """Replace each decoder block's attention/MLP Linear weight by training's NF4 of it (`model.nf4.nf4_round_trip`:
+    the same bits). A 4-bit upload's layers (bitsandbytes' Linear4bit, whose weights are the packed codes) are left
+    as transformers loaded them: those are the weights training computed with (until 2026-12-06 their codes were
+    quantized as if they were weights, and the base answered garbage)."""
     import torch
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from model.nf4 import BLOCKSIZE
+    from model.nf4 import nf4_round_trip as base_of
 
     with torch.no_grad():
         for name, mod in model.named_modules():
             parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
-            if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5:
-                packed, st = quantize_4bit(mod.weight.float(), blocksize=BLOCKSIZE,
-                                           compress_statistics=True, quant_type="nf4")
-                mod.weight.copy_(dequantize_4bit(packed, st).to(mod.weight.dtype))
+            if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5 and \
+                    not hasattr(mod.weight, "quant_state"):
+                mod.weight.copy_(base_of(mod.weight).to(mod.weight.dtype))
 
 
 def encode(tok, prompt: list[dict] | str, day: str | None = None, tools: list | None = None) -> dict:

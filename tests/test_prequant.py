@@ -239,6 +239,33 @@ def test_projections_stored_in_float_are_quantized_as_a_float_checkpoints(packed
 
 
 @pytest.mark.timeout(300)
+def test_demo_compare_keeps_the_uploads_4bit_layers(packed):
+    """`python -m data.demo_compare` rounds the transformers base's block Linear weights to the NF4 training used; on
+    a 4-bit upload's model its Linear4bit layers are that already. Until 2026-12-06 their packed codes were quantized
+    as if they were weights (the base and tuned answers garbage); the float-stored projections are rounded as a float
+    checkpoint's (bitsandbytes' primitives)."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    from data.demo_compare import nf4_round_trip
+    from tests.helpers import bnb_nf4
+
+    hf, float_hf = _hf(packed["skip"]), _hf(packed["float"])
+    before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    nf4_round_trip(hf)
+    floats = dict(float_hf.named_parameters())
+    n4 = 0
+    for n, p in hf.named_parameters():
+        if hasattr(p, "quant_state"):
+            n4 += 1
+            assert torch.equal(p, before[n]), f"{n}: a 4-bit layer's codes changed"
+        elif n.endswith("down_proj.weight"):
+            assert torch.equal(p, dequantize_4bit(*bnb_nf4(floats[n]))), f"{n}: not training's NF4 of it"
+        else:
+            assert torch.equal(p, before[n]), n
+    assert n4 == 12, n4   # (2 blocks × 6: down_proj kept float)
+
+
+@pytest.mark.timeout(300)
 def test_refusals_name_the_fix_before_any_weight(assets, packed, tmp_path):
     from safetensors.torch import load_file, save_file
 
