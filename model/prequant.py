@@ -11,7 +11,8 @@ Contract:
   others are refused naming the fix (their weights are not the float ones, nor these).
 - `index(raw, read)`: the packed weights among a checkpoint's tensors ({name: header entry}; `read(name)` -> its
   bytes), {W: Packed}; every companion tensor is named in `Packed.companions`. A packed weight without its companions,
-  or whose byte count is not its shape's, is a CorruptCheckpointError naming it.
+  whose byte count is not its shape's, or a companion of another length than its quant state implies (which
+  bitsandbytes' kernels would read past: a segfault, or garbage weights) is a CorruptCheckpointError naming it.
 - `check_quant(packed, quant, where)`: --quant nf4 takes a packed weight as stored only if it is NF4 in 64-blocks
   (what model.nf4's layers hold); anything else under nf4 raises naming --quant none (which trains on the weights
   dequantized) before any weight is read. `describe(packed, ...)` is the start-up note on what the run trains against.
@@ -88,6 +89,9 @@ def index(raw: dict, read) -> dict:
                        blocksize=int(st["blocksize"]), nested=nested,
                        companions=(n, *(f"{w}.{c}" for c in ("absmax", "quant_map") + (
                            ("nested_absmax", "nested_quant_map") if nested else ()))))
+            if min(p.blocksize, nested["blocksize"] if nested else 1, *p.shape) < 1 or len(p.shape) != 2:
+                raise ValueError(f"shape {list(p.shape)}, blocksize {p.blocksize}{', nested ' if nested else ''}"
+                                 f"{nested['blocksize'] if nested else ''}: not a 2-D weight in blocks of 1 or more")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{n}: not bitsandbytes' quant state ({type(e).__name__}: {e}); "
                                          "re-download the checkpoint") from None
@@ -99,6 +103,17 @@ def index(raw: dict, read) -> dict:
         if end - begin != -(-p.numel // 2):
             raise CorruptCheckpointError(f"{w}: {end - begin} bytes of 4-bit codes, its quant state's shape "
                                          f"{list(p.shape)} needs {-(-p.numel // 2)}; re-download the checkpoint")
+        # each companion's length, from its header: bitsandbytes' kernels read as far as the quant state says, so a
+        # short one would be read past its end (a segfault on CPU, or weights of whatever lies beyond)
+        want = {"absmax": p.blocks, "quant_map": 16} | ({"nested_absmax": -(-p.blocks // p.nested["blocksize"]),
+                                                         "nested_quant_map": 256} if nested else {})
+        for c, count in want.items():
+            dt, shape, begin, end = raw[f"{w}.{c}"]
+            have = end - begin if c == "absmax" and nested else math.prod(shape)   # (nested: uint8 codes)
+            if have != count:
+                raise CorruptCheckpointError(f"{w}.{c}: {have} {'bytes' if c == 'absmax' and nested else 'values'}, "
+                                             f"where its quant state ({p.blocks} blocks of {p.blocksize}) needs "
+                                             f"{count}; re-download the checkpoint")
         out[w] = p
     return out
 

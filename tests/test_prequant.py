@@ -16,7 +16,8 @@ themselves, sharded so weights and their companions fall in different files):
 - `llm_int8_skip_modules`: the projections stored in float are quantized as from a float checkpoint (bitsandbytes'
   primitives), and the start-up note says so;
 - refusals before any weight is read, naming the fix: fp4 under --quant nf4 (no run directory made); a packed weight
-  without a companion tensor, or cut short (CorruptCheckpointError).
+  without a companion tensor, or cut short, a companion (scales, code books) of another length than its quant state
+  implies, a quant state of block size 0 (CorruptCheckpointError naming it).
 
 Run: .venv/bin/python -m pytest -q tests/test_prequant.py
 """
@@ -298,3 +299,36 @@ def test_refusals_name_the_fix_before_any_weight(assets, packed, tmp_path):
             CheckpointReader(str(bad))
         said = startup_error(train_argv({**assets, "model": str(bad)}, str(tmp_path / f"run_{cut}"), "--quant", "nf4"))
         assert "re-download" in said and name in said, said
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, comp, cut", [("dq", "nested_absmax", 0), ("dq", "absmax", -3), ("plain", "absmax", -3),
+                                             ("dq", "quant_map", 15), ("dq", "nested_quant_map", 100),
+                                             ("dq", "quant_state.bitsandbytes__nf4", "blocksize")])
+def test_companions_of_another_length_are_refused_naming_them(assets, packed, tmp_path, case, comp, cut):
+    """A hand-edited or cut companion tensor, said at start-up: bitsandbytes' kernels read as many scales and code book
+    entries as the quant state says (until 2026-12-06 an empty nested_absmax was a segfault on CPU, a short absmax or
+    code book weights dequantized from the bytes beyond it, unsaid)."""
+    from safetensors.torch import load_file, save_file
+
+    from model.load import CheckpointReader, CorruptCheckpointError
+    from model.load_checks import check_weight_headers
+    from tests.helpers import startup_error, train_argv
+
+    bad = shutil.copytree(packed[case], tmp_path / "bad")
+    name = f"model.layers.1.self_attn.q_proj.weight.{comp}"
+    with open(bad / "model.safetensors.index.json") as f:
+        fn = os.path.join(bad, json.load(f)["weight_map"][name])
+    ts = load_file(fn)
+    if cut == "blocksize":   # (a ZeroDivisionError under --quant none)
+        state = {**json.loads(bytes(ts[name].tolist())), "blocksize": 0}
+        ts[name] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    else:
+        ts[name] = ts[name][:cut]
+    save_file(ts, fn, metadata={"format": "pt"})
+    for read in (lambda: CheckpointReader(str(bad)), lambda: check_weight_headers(str(bad), "none")):
+        with pytest.raises(CorruptCheckpointError, match=f"{name}: .*(needs|blocks of 1 or more).*re-download"):
+            read()
+    said = startup_error(train_argv({**assets, "model": str(bad)}, str(tmp_path / "run"), "--quant", "nf4"))
+    assert name in said and "re-download" in said, said
+    assert not (tmp_path / "run").exists(), "a run directory was made before the check"
