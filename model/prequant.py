@@ -15,7 +15,8 @@ Contract:
   bitsandbytes' kernels would read past: a segfault, or garbage weights) is a CorruptCheckpointError naming it.
 - `check_quant(packed, quant, where)`: --quant nf4 takes a packed weight as stored only if it is NF4 in 64-blocks
   (what model.nf4's layers hold); anything else under nf4 raises naming --quant none (which trains on the weights
-  dequantized) before any weight is read. `describe(packed, ...)` is the start-up note on what the run trains against.
+  dequantized) before any weight is read (`config`: config.json's bnb_4bit_quant_type, before a Hub id's weights are
+  fetched). `describe(packed, ...)` is the start-up note on what the run trains against.
 - `dequantized(reader, name, first, count)`: elements [first, first + count) of W, row-major, in float32: each the
   product code × its block's scale, as bitsandbytes' `dequantize_4bit` computes it, bit for bit; only the blocks that
   hold them are read when they start and end on block edges (each rank's rows of a sharded weight).
@@ -123,11 +124,18 @@ def companions(packed: dict) -> set:
     return {c for p in packed.values() for c in p.companions}
 
 
-def check_quant(packed: dict, quant: str | None, where: str) -> None:
-    """Under --quant nf4 every packed weight must be NF4 in 64-blocks (module docstring)."""
+def check_quant(packed: dict, quant: str | None, where: str, config=None) -> None:
+    """Under --quant nf4 every packed weight must be NF4 in 64-blocks (module docstring); so must the 4-bit type
+    `config` (config.json's quantization_config) names, for a Hub id whose weights are not fetched yet."""
     if quant != "nf4":
         return
-    bad = sorted({(p.kind, p.blocksize) for p in packed.values() if (p.kind, p.blocksize) != ("nf4", 64)})
+    have = {(p.kind, p.blocksize) for p in packed.values()}
+    if config:
+        try:
+            have.add((check_config(config), 64))   # (transformers' 4-bit blocks: 64)
+        except ValueError:   # (not a 4-bit one: read_args says so)
+            pass
+    bad = sorted(have - {("nf4", 64)})
     if bad:
         what = ", ".join(f"{k} in blocks of {b}" for k, b in bad)
         raise ValueError(f"--quant nf4: {where} holds bitsandbytes 4-bit weights quantized as {what}, and the NF4 "

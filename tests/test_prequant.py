@@ -332,3 +332,36 @@ def test_companions_of_another_length_are_refused_naming_them(assets, packed, tm
     said = startup_error(train_argv({**assets, "model": str(bad)}, str(tmp_path / "run"), "--quant", "nf4"))
     assert name in said and "re-download" in said, said
     assert not (tmp_path / "run").exists(), "a run directory was made before the check"
+
+
+@pytest.mark.timeout(300)
+def test_hub_upload_of_another_4bit_type_is_refused_from_its_config(assets, packed, tmp_path, monkeypatch):
+    """A Hub id of an fp4 upload under --quant nf4: refused from the config.json fetched first (its
+    bnb_4bit_quant_type), before the weights are downloaded (until 2026-12-06: once they were, gigabytes later)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from tests.helpers import startup_error, train_argv
+
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):   # (as test_hub's)
+        calls.append(allow_patterns)
+        snap = tmp_path / "cache" / f"models--org--{repo_id.split('/')[1]}" / "snapshots" / ("c" * 40)
+        for f in filter_repo_objects(os.listdir(packed["fp4"]), allow_patterns=allow_patterns,
+                                     ignore_patterns=ignore_patterns):
+            snap.mkdir(parents=True, exist_ok=True)
+            shutil.copy(os.path.join(packed["fp4"], f), snap / f)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    argv = train_argv(assets, str(tmp_path / "run"), "--quant", "nf4")
+    argv[argv.index(assets["model"])] = "org/tiny-bnb-4bit"
+    said = startup_error(argv)
+    assert calls == [["config.json"]], f"fetched {calls} before the refusal"
+    assert "--model org/tiny-bnb-4bit" in said and "fp4 in blocks of 64" in said and "--quant none" in said, said
+    assert not (tmp_path / "run").exists(), "a run directory was made before the check"
+    argv[argv.index("nf4")] = "none"   # (what it names: taken, its weights fetched once the layout passed)
+    with pytest.raises(AssertionError, match="a weight was about to be read"):
+        startup_error(argv)
+    assert calls[1:] and "*.safetensors" in calls[-1], calls
