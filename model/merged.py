@@ -8,9 +8,10 @@ Contract:
   one base file at a time; an adapter's chat_template.jinja (a run with --chat-template) becomes the merged
   tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
   weight, i.e. exactly the base the adapter was trained against (a bitsandbytes 4-bit base's: its weights as
-  stored, dequantized, model/prequant.py; quantization_config leaves the merged config.json). A `--train-norms`
-  adapter's norm weights (peft's modules_to_save) replace the base's; so does a `--train-embeddings` one's
-  embedding (a tied model's head with it, where its checkpoint stores one).
+  stored, dequantized, model/prequant.py; one not NF4 in 64-blocks is refused before anything is written;
+  quantization_config leaves the merged config.json). A `--train-norms` adapter's norm weights (peft's
+  modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with
+  it, where its checkpoint stores one).
 - The --out folder's lock, the staging folder the files are written into first and what they replace there:
   model/merge_out.py.
 """
@@ -30,6 +31,7 @@ from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight
+from model.prequant import check_quant
 
 
 def _is_nf4(name: str, shape) -> bool:
@@ -135,6 +137,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
                          "lora_magnitude_vector, one number per output row: export the adapter again (`python -m "
                          "parallel.checkpoint RUN/ckpt --out DIR`, or peft's save_pretrained), which writes them all"
                          + ("; a plain LoRA adapter's adapter_config.json says use_dora: false" if none else ""))
+    check_quant(reader.packed, quant, base_path)   # (an fp4 upload: no NF4 base, trained or merged; before writing)
     files = {}
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)

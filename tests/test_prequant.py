@@ -365,3 +365,15 @@ def test_hub_upload_of_another_4bit_type_is_refused_from_its_config(assets, pack
     with pytest.raises(AssertionError, match="a weight was about to be read"):
         startup_error(argv)
     assert calls[1:] and "*.safetensors" in calls[-1], calls
+
+
+@pytest.mark.timeout(300)
+def test_merge_into_an_fp4_base_as_nf4_is_refused_before_writing(packed, built, tmp_path):
+    """`python -m model.merge --quant nf4` on an fp4 upload (no NF4 base to fold into, as training has none): refused
+    before --out is made (until 2026-12-06 after two of its files were written into the staging folder)."""
+    from model.merged import merge
+
+    _, root = built
+    with pytest.raises(ValueError, match="fp4 in blocks of 64.*--quant none"):
+        merge(packed["fp4"], os.path.join(root, "dq"), str(tmp_path / "merged"), quant="nf4")
+    assert not (tmp_path / "merged").exists(), os.listdir(tmp_path / "merged")
