@@ -4,7 +4,8 @@ hundred bytes of quant state) only.
 Contract:
 - `check_weight_headers(path, quant)`: every safetensors file the loader reads is there and whole, and a bitsandbytes
   4-bit checkpoint is one `quant` can take (model/prequant.py), else the error names the file or flag and the fix;
-  `check_hub_quant(path, quant, name)`: the latter from config.json alone, for a Hub id before its weights are fetched.
+  `check_config_quant(path, quant, name)`: the latter from config.json alone (a Hub id before its weights are fetched;
+  `--plan`, which reads nothing else).
 - `check_config_shapes(path, margs, quant)`: the embedding's and each block projection's shapes are config.json's
   (a packed 4-bit weight's: the float shape it stands for), else an error names them; returns the start-up notes
   (more blocks stored than config.json builds; what a 4-bit checkpoint trains against), or None.
@@ -42,7 +43,7 @@ def check_weight_headers(path: str, quant: str | None = None) -> None:
         prequant.check_quant(stored_shapes(path)[1], quant, path)
 
 
-def check_hub_quant(path: str, quant: str | None, name: str) -> None:
+def check_config_quant(path: str, quant: str | None, name: str) -> None:
     """A Hub id's snapshot holding config.json alone: a bitsandbytes 4-bit checkpoint that `quant` cannot take as stored
     (its quantization_config's bnb_4bit_quant_type) is said now, not once its weights are downloaded."""
     if os.path.isfile(cfg := os.path.join(path, "config.json")):

@@ -141,10 +141,12 @@ def suggest_longest(args, margs, world, target, mem, host, where):
 def main(argv, run_parser, demo: dict):
     from model.hub import fetch_checkpoint
     from model.load import read_args
+    from model.load_checks import check_config_quant
 
     args = parse_args(argv, run_parser, demo)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-    margs = read_args(fetch_checkpoint(args.model, config_only=True))   # a Hub id: its config.json only
+    margs = read_args(path := fetch_checkpoint(args.model, config_only=True))   # a Hub id: its config.json only
+    check_config_quant(path, args.quant, args.model)   # (an fp4 upload under --quant nf4: the run refuses it too)
     check_flags(args)   # the layout-free checks first: the searches below skip what `validate` refuses
     check_model_flags(args, margs)
     target, mem, where = _budget(args, world)

@@ -45,7 +45,7 @@ def check_start(args, demo: bool):
     from data.store import file_sha256
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
-    from model.load_checks import check_hub_quant, check_weight_headers
+    from model.load_checks import check_config_quant, check_weight_headers
     from parallel import checkpoint_folders, outdir, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
@@ -171,7 +171,7 @@ def check_start(args, demo: bool):
     if local:   # its weight files are there and whole (not a Git LFS pointer, a cut download): said before anything
         check_weight_headers(args.model, args.quant)
     elif not demo:   # a Hub id: its config.json's 4-bit type, before gigabytes of weights are fetched
-        check_hub_quant(args.model, args.quant, name)
+        check_config_quant(args.model, args.quant, name)
     ckpt = checkpoint_folders.resolve(args.resume) if args.resume else None
     if ckpt:
         meta = checkpoint_folders.read_meta(ckpt)

@@ -239,6 +239,19 @@ def test_projections_stored_in_float_are_quantized_as_a_float_checkpoints(packed
     assert "dequantized" in check_config_shapes(packed["skip"], read_args(packed["skip"]), "none")
 
 
+@pytest.mark.timeout(120)
+def test_plan_refuses_what_the_run_refuses(packed, capsys):
+    """`--plan` reads config.json alone: an fp4 upload under --quant nf4 (the default) is refused there as the run
+    refuses it (until 2026-12-06 the plan said it fit); under --quant none it plans."""
+    import train
+
+    flags = ["--plan", "--model", packed["fp4"], "--max-len", "1024", "--gpu-mem", "80", "--world-size", "1"]
+    with pytest.raises(ValueError, match=r"--quant nf4: .*fp4 in blocks of 64.*pass --quant none"):
+        train.main(flags)
+    train.main([*flags, "--quant", "none"])
+    assert "fits" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(300)
 def test_demo_compare_keeps_the_uploads_4bit_layers(packed):
     """`python -m data.demo_compare` rounds the transformers base's block Linear weights to the NF4 training used; on
