@@ -48,7 +48,9 @@ def check_config(q) -> str:
         kind = q.get("bnb_4bit_quant_type", "fp4")   # (transformers' default)
         if kind in KINDS:
             return kind
-    what = f"quant_method {qm!r}" + (" 8-bit" if qm == "bitsandbytes" and not four else "")
+    eight = isinstance(q, dict) and (q.get("load_in_8bit") or q.get("_load_in_8bit"))
+    what = f"quant_method {qm!r}" + ("" if qm != "bitsandbytes" or four else " 8-bit" if eight else
+                                     ", neither load_in_4bit nor load_in_8bit")
     raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: {what}), and this "
                      "trainer reads bf16/fp16/fp32 weights, or bitsandbytes 4-bit ones (the -bnb-4bit uploads): pass "
                      "the unquantized checkpoint it was made from (with --quant nf4 for QLoRA)")

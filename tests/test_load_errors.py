@@ -185,7 +185,9 @@ def test_a_quantized_checkpoint_is_named_so_before_any_weight(assets, tmp_path):
         cfg = json.load(f)
     for q, said_as in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
                        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
-                       ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method 'bitsandbytes' 8-bit")):
+                       ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method 'bitsandbytes' 8-bit"),
+                       ({"quant_method": "bitsandbytes"},   # (until 2026-12-06 called 8-bit)
+                        "quant_method 'bitsandbytes', neither load_in_4bit nor load_in_8bit")):
         with open(path / "config.json", "w") as f:
             json.dump({**cfg, "quantization_config": q}, f)
         fix = rf"quantized already \(quantization_config: {said_as}\).*pass the unquantized checkpoint"
