@@ -1114,8 +1114,19 @@ def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed adapter is not the uninterrupted one"
 
 
+@pytest.fixture
+def default_sigint():
+    """SIGINT at Python's default for the test, whatever this process inherited (a job a shell started in the
+    background, `cmd &`, inherits SIGINT ignored, and Python keeps it so: the handler the run restores is that one);
+    the inherited one again after."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, outer)
+
+
 def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is_one_line(assets, tmp_path,
-                                                                                           monkeypatch, capsys):
+                                                                                           monkeypatch, capsys,
+                                                                                           default_sigint):
     """The stop handlers start before the evaluation before training (minutes on a large eval set): a SIGINT there
     stops the run once it ends, as in a step, not with a KeyboardInterrupt traceback (review, helper 54). Ctrl-C
     before the handlers (the model build) is one line with the way on, exit 130."""
