@@ -83,7 +83,7 @@ def index(raw: dict, read) -> dict:
     for n in raw:
         if STATE not in n:
             continue
-        w, kind = n.split(STATE)
+        w, kind = n.rsplit(STATE, 1)
         try:
             st = json.loads(bytes(read(n)).decode())
             nested = {"blocksize": int(st["nested_blocksize"]), "offset": float(st["nested_offset"])} \
