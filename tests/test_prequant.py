@@ -252,6 +252,20 @@ def test_plan_refuses_what_the_run_refuses(packed, capsys):
     assert "fits" in capsys.readouterr().out
 
 
+def test_a_name_with_the_marker_twice_is_a_corrupt_checkpoint_not_a_traceback():
+    """A tensor name holding ".quant_state.bitsandbytes__" twice (no upload has one; a hand-made file might) is split at
+    the last: the weight it names is missing, said as any missing one is (it was a ValueError from unpacking)."""
+    import json
+
+    from model.load import CorruptCheckpointError
+    from model.prequant import index
+
+    name = "w.quant_state.bitsandbytes__nf4.quant_state.bitsandbytes__nf4"
+    state = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [2, 64]}).encode()
+    with pytest.raises(CorruptCheckpointError, match=r"the 4-bit weight 'w.quant_state.bitsandbytes__nf4' lacks"):
+        index({name: (torch.uint8, (len(state),), 0, len(state))}, lambda n: state)
+
+
 @pytest.mark.timeout(300)
 def test_demo_compare_keeps_the_uploads_4bit_layers(packed):
     """`python -m data.demo_compare` rounds the transformers base's block Linear weights to the NF4 training used; on
