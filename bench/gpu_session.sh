@@ -50,8 +50,8 @@
 #      2026-12-01; if the host refuses, it falls back to torch's pinned allocator with a warning in the log);
 #   2. within 30 s, with what is left: TOTAL=<left - 40> TEST_S=130 TEST_K='offload or fused_rmsnorm or norm_rebuild
 #      or train_step or mem_trace or device_budget or masked or past_2_31 or nf4 or tiled_attention or keep_attn or
-#      fused_lora or memory_flags or keeps_recomputed or dpo' BENCH='--case 128k --runs liger,ours+fast;--case 32k --runs
-#      ours+fast' (timeout TOTAL + 20; the same carry). The tests first (a review counted 54 GPU tests, ~105-120 s in
+#      fused_lora or memory_flags or keeps_recomputed or dpo or bnb_4bit' BENCH='--case 128k --runs liger,ours+fast;--case
+#      32k --runs ours+fast' (timeout TOTAL + 20; the same carry). The tests first (a review counted 54 GPU tests, ~105-120 s in
 #      all, and found the earlier TEST_K left out the never-run NF4 CPU=CUDA test and the tiled/keep-attn/fused-LoRA
 #      tests of code changed since 2026-11-30): page-locking in place (the test says if it
 #      fell back), the fused RMSNorm and the norm rebuild (model.llama.Attention's stand-in, unrun on CUDA), a
@@ -64,7 +64,8 @@
 #   + --mem-trace's record and replay (unmeasured at 512k; ~100-200k allocations, est. 10-20 s a row) = ~410-430 s
 #   of its 480 (the second row's cut, the bench budget less the first row, is ~35-45 s past its 172 s + trace);
 #   call 2 ~10 s + tests ~115 s (cap 130: 31 tests; 2026-11-30 48 took 38 s + 14 s of start-up; the new dora,
-#   norms, tied, dpo, mem_trace and past_2_31 ~55 s more) + 128k ~100 s + 32k ~65 s = ~290-310 s of ~375; with
+#   norms, tied, dpo, mem_trace and past_2_31 ~55 s more; the 4-bit upload test of 2026-12-06, a 1-step and a 12-step
+#   demo run, ~15-20 s more) + 128k ~100 s + 32k ~65 s = ~305-330 s of ~375; with
 #   the 45 s start and the transfers ~800-830 s of the 900. These are H200 timings: name kind="nvidia-h200" in
 #   call 1. On an H100 (the kind a plain run gets first) rows ~10-15% slower leave the second long row at its cut:
 #   there drop --mem-trace from call 1, or give it TOTAL=540 (timeout 560) and call 2 the rest (then its
