@@ -126,9 +126,13 @@ def companions(packed: dict) -> set:
     return {c for p in packed.values() for c in p.companions}
 
 
-def check_quant(packed: dict, quant: str | None, where: str, config=None) -> None:
+TRAIN_FIX = "pass --quant none to train LoRA on them dequantized, or the unquantized checkpoint"
+
+
+def check_quant(packed: dict, quant: str | None, where: str, config=None, fix: str = TRAIN_FIX) -> None:
     """Under --quant nf4 every packed weight must be NF4 in 64-blocks (module docstring); so must the 4-bit type
-    `config` (config.json's quantization_config) names, for a Hub id whose weights are not fetched yet."""
+    `config` (config.json's quantization_config) names, for a Hub id whose weights are not fetched yet. `fix`: what
+    the error tells to do (training's; the merge says its own)."""
     if quant != "nf4":
         return
     have = {(p.kind, p.blocksize) for p in packed.values()}
@@ -141,8 +145,7 @@ def check_quant(packed: dict, quant: str | None, where: str, config=None) -> Non
     if bad:
         what = ", ".join(f"{k} in blocks of {b}" for k, b in bad)
         raise ValueError(f"--quant nf4: {where} holds bitsandbytes 4-bit weights quantized as {what}, and the NF4 "
-                         "layers here hold nf4 in blocks of 64 (quantizing them again would round them twice): pass "
-                         "--quant none to train LoRA on them dequantized, or the unquantized checkpoint")
+                         f"layers here hold nf4 in blocks of 64 (quantizing them again would round them twice): {fix}")
 
 
 def describe(packed: dict, block_weights: list, quant: str | None, where: str) -> str | None:
