@@ -137,8 +137,8 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
                          "lora_magnitude_vector, one number per output row: export the adapter again (`python -m "
                          "parallel.checkpoint RUN/ckpt --out DIR`, or peft's save_pretrained), which writes them all"
                          + ("; a plain LoRA adapter's adapter_config.json says use_dora: false" if none else ""))
-    check_quant(reader.packed, quant, base_path, fix="merge with --quant none: an adapter trained on this base "   # (an
-                "trained on its weights dequantized, as --quant none merges into them")   # fp4 upload; before writing)
+    check_quant(reader.packed, quant, base_path, fix="merge with --quant none (an adapter of this base trained on "
+                "its weights dequantized, which --quant none merges into)")   # (an fp4 upload; before writing)
     files = {}
     for name in sorted(reader.where):
         files.setdefault(reader.where[name], []).append(name)

@@ -401,7 +401,7 @@ def test_merge_into_an_fp4_base_as_nf4_is_refused_before_writing(packed, built, 
     from model.merged import merge
 
     _, root = built
-    with pytest.raises(ValueError, match="fp4 in blocks of 64.*: merge with --quant none: an adapter trained on "
-                                         "this base trained on its weights dequantized"):
+    with pytest.raises(ValueError, match=r"fp4 in blocks of 64.*: merge with --quant none \(an adapter of this base "
+                                         "trained on its weights dequantized"):
         merge(packed["fp4"], os.path.join(root, "dq"), str(tmp_path / "merged"), quant="nf4")
     assert not (tmp_path / "merged").exists(), os.listdir(tmp_path / "merged")
