@@ -134,7 +134,7 @@ def build_parser(add_help=True):
       "forward (the first epoch's steps, the first eval; in OUT for resumes): later epochs and evals run no reference "
       "forward, ~1/5 less compute a step")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
-      "OUT/adapter: a longer --max-len, new data); a fresh optimizer")
+      "OUT/adapter: a longer --max-len, new data; or a Hub id, org/name[@revision]); a fresh optimizer")
     # Optim
     a("--lr", type=float, default=2e-4, help="peak learning rate (after --warmup, --lr-schedule takes it down)")
     a("--warmup", type=int, default=10, help="linear warmup steps (the first trains at --lr / N)")
@@ -292,6 +292,8 @@ def main(argv=None):
                           log=lambda m: print(f"demo assets: {m} ({time.time() - t0:.0f}s)", flush=True))
             dist.barrier()
         same_snapshot(name, args.model)   # a Hub id: every rank read one commit
+        if args.init_adapter:   # (fetched in check_flags: each rank's snapshot path differs, their commits named)
+            same_snapshot("", args.init_adapter, flag="--init-adapter")
         preflight.same_resume(ckpt)   # and every rank resumes the same step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)

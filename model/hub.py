@@ -1,4 +1,5 @@
-"""Which checkpoint `--model` names: Hub ids fetched into huggingface_hub's cache, and local fingerprints.
+"""Which checkpoint `--model` (and adapter `--init-adapter`) names: Hub ids fetched into huggingface_hub's cache,
+and local fingerprints.
 
 Contract:
 - `fetch_checkpoint(name, config_only=False, revision=None)` -> a local directory: `name` itself unless it names no
@@ -11,6 +12,8 @@ Contract:
   `hub_snapshot(dir)` names such a cache directory "org/name@commit", wherever the cache lives;
   `same_snapshot(name, dir[, fetch])` checks under a process group that every rank read one commit, and fetches
   the rest of it with a failure on any rank raised on all.
+- `fetch_adapter(name)`: the same for `--init-adapter` (a PEFT adapter's repo): its adapter_model.safetensors and the
+  json/jinja files beside it (model/export.py's), no subfolder; the run records the snapshot path (its commit).
 - `model_fingerprint(path)`: a local checkpoint's identity for a resume to compare, a sha256 over config.json,
   the weight index and, per weight file model/load.py reads, its name, size, header and first and last bytes
   (None where nothing local is there to hash: a Hub snapshot's commit is compared instead); `same_model(path,
@@ -25,32 +28,60 @@ from model.load import INDEX, weight_files
 
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]   # config, weights, tokenizer
 HUB_SKIP = ["consolidated*", "*/*"]   # Mistral's original-format copy of the weights, subfolders (Llama's original/)
+ADAPTER_FILES = ["adapter_model.safetensors", "*.json", "*.jinja"]   # an adapter, model/export.py's files beside it
 
 
 def fetch_checkpoint(name: str, config_only: bool = False, revision: str | None = None) -> str:
     """A local checkpoint directory for `--model name` (see the module docstring)."""
-    if not isinstance(name, str):
-        return name
-    repo, _, rev = name.partition("@")
+    if not isinstance(name, str) or not (repo := hub_repo(name)):
+        return name   # a path (a missing one fails in read_args, naming it)
+    return _download("--model", name, "config.json" if config_only else "weights and tokenizer",
+                     revision or name.partition("@")[2] or None, ["config.json"] if config_only else HUB_FILES,
+                     None if config_only else HUB_SKIP,
+                     f"pass a local checkpoint directory (config.json + *.safetensors), or fetch it first (`hf "
+                     f"download {repo}`; gated models need `hf auth login`)")
+
+
+def fetch_adapter(name: str) -> str:
+    """A local PEFT adapter folder for `--init-adapter name`: `name` itself, or for a Hub id its adapter files (never
+    a base's weights, nor a subfolder's adapter) fetched into the hub's cache, whose snapshot path names the commit."""
+    if not (repo := hub_repo(name)):
+        return name   # a path (check_init_adapter says what a missing one lacks)
+    path = _download("--init-adapter", name, "adapter files", name.partition("@")[2] or None, ADAPTER_FILES, HUB_SKIP,
+                     f"pass a local PEFT adapter folder (adapter_config.json + adapter_model.safetensors), or fetch "
+                     f"it first (`hf download {repo}`; private repos need `hf auth login`)")
+    if not all(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "adapter_model.safetensors")):
+        raise FileNotFoundError(f"--init-adapter {name!r}: the Hub repo {hub_snapshot(path) or repo} holds no "
+                                "adapter_config.json and adapter_model.safetensors at its top level: pass a PEFT "
+                                "adapter's repo (a model's is --model's)")
+    return path
+
+
+def hub_repo(name: str) -> str | None:
+    """The repo of a Hub id ("org/name", "org/name@revision"), or None where `name` reads as a path: one that exists,
+    or starts with ".", "/" or "~", or is not two parts of letters, digits, "-", "_", "."."""
+    repo = name.partition("@")[0]
     if os.path.exists(name) or name.startswith((".", "/", "~")) or repo.count("/") != 1 or not all(
             part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in repo.split("/")):
-        return name   # a path (a missing one fails in read_args, naming it)
+        return None
+    return repo
+
+
+def _download(flag: str, name: str, what: str, revision, allow: list, skip, fix: str) -> str:
+    """huggingface_hub's snapshot of `name`'s repo (`allow`/`skip`: its file patterns), any failure one
+    FileNotFoundError naming `flag`, the id and `fix`."""
     try:
         import huggingface_hub
         if int(os.environ.get("RANK", "0")) != 0:   # one progress bar per job
             huggingface_hub.utils.disable_progress_bars()
         else:
-            print(f"--model {name}: no such directory here; fetching its "
-                  f"{'config.json' if config_only else 'weights and tokenizer'} from the Hugging Face Hub", flush=True)
-        return huggingface_hub.snapshot_download(repo, revision=revision or rev or None,
-                                                 allow_patterns=["config.json"] if config_only else HUB_FILES,
-                                                 ignore_patterns=None if config_only else HUB_SKIP)
+            print(f"{flag} {name}: no such directory here; fetching its {what} from the Hugging Face Hub", flush=True)
+        return huggingface_hub.snapshot_download(name.partition("@")[0], revision=revision, allow_patterns=allow,
+                                                 ignore_patterns=skip)
     except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
         why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise FileNotFoundError(
-            f"--model {name!r} is not a directory here, and fetching it from the Hugging Face Hub failed "
-            f"({type(e).__name__}: {why}); pass a local checkpoint directory (config.json + *.safetensors), or "
-            f"fetch it first (`hf download {repo}`; gated models need `hf auth login`)") from e
+        raise FileNotFoundError(f"{flag} {name!r} is not a directory here, and fetching it from the Hugging Face Hub "
+                                f"failed ({type(e).__name__}: {why}); {fix}") from e
 
 
 def hub_snapshot(path) -> str | None:
@@ -62,9 +93,10 @@ def hub_snapshot(path) -> str | None:
     return None
 
 
-def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
-    """Under a process group, for `--model name` resolved to `path` on each rank: raise on every rank alike when the
-    ranks read different Hub commits (a push between their fetches, or a node with a local copy at that path);
+def same_snapshot(name: str, path: str, fetch: bool = False, flag: str = "--model") -> None:
+    """Under a process group, for `--model name` (or `flag`'s; "": unnamed) resolved to `path` on each rank: raise
+    on every rank alike when the ranks read different Hub commits (a push between their fetches, or a node with a
+    local copy at that path);
     `fetch`: then fetch the rest of the snapshot (weights, tokenizer) on every rank, a failure on one raising on all,
     so no rank waits in a later collective for one that stopped."""
     import torch.distributed as dist
@@ -82,8 +114,9 @@ def same_snapshot(name: str, path: str, fetch: bool = False) -> None:
     if fetch and any(seen):
         raise FileNotFoundError(next(e for e in seen if e))
     if not fetch and len(set(seen)) > 1:
-        raise ValueError(f"--model {name}: the ranks read different checkpoints ({sorted(set(seen), key=str)}; None: "
-                         "a local directory); pin one: org/name@<commit>, or the same directory everywhere")
+        raise ValueError(f"{flag}{' ' * bool(name)}{name}: the ranks read different checkpoints ("
+                         f"{sorted(set(seen), key=str)}; None: a local directory); pin one: org/name@<commit>, or the "
+                         "same directory everywhere")
 
 
 def model_fingerprint(path: str, sample: int = 1 << 20, every_file: bool = False) -> str | None:

@@ -4,7 +4,8 @@ Contract:
 - `check_flags(args)`: values no run can use, whatever the model and world (non-finite or out-of-range numbers, flags
   that act only with another, the AC flags through `check_ac`, --init-adapter's config through
   `model.adapter_read.check_init_adapter`). Each error is a `ValueError` naming the flag and the fix.
-  It reads no weight.
+  It reads no weight. A Hub id given to --init-adapter is fetched first (`model.hub.fetch_adapter`): args.init_adapter
+  becomes its snapshot folder, here since every entry point (a run, --plan) calls this first.
 - `check_model_flags(args, margs)`: the checks that need the model's config.json but no layout (--lora-r against the
   projections' rank, --lora-layers against the blocks, --ac-group / --ac-blocks against them, --init-adapter's LoRA
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).
@@ -60,6 +61,9 @@ def check_flags(args) -> None:
     rope_scaling_flag(getattr(args, "rope_scaling", None))   # its syntax; the model's numbers come with config.json
     if getattr(args, "data_cache", None) == "":   # (an unset variable: it turned the cache off without a word)
         raise ValueError("--data-cache is empty (an unset variable?): pass a directory, or none to turn the cache off")
+    if getattr(args, "init_adapter", None) and (not args.resume or getattr(args, "objective", None) == "dpo"):
+        from model.hub import fetch_adapter  # a Hub id: its adapter files now, before anything is written (a DPO
+        args.init_adapter = fetch_adapter(args.init_adapter)   # resume's reference too); the snapshot from here on
     if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
         from model.adapter_read import check_init_adapter
         if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(

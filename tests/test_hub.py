@@ -13,6 +13,11 @@ allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>
 - `--plan` fetches config.json only; `org/name@rev` asks for that revision;
 - a fetch that fails (offline, no such repo, gated) is one FileNotFoundError naming the id and the fix, raised
   before any weight is read and before --out is created; paths (existing or not) never reach the hub.
+- `--init-adapter org/x` (model/hub.fetch_adapter; DPO after an SFT adapter pushed to the Hub): only the adapter's
+  top-level files are fetched (not a base's weights, a README or a subfolder's adapter); the run = the same run from
+  the local folder (losses, adapter, DPO's reference), config.json records the snapshot (hub_snapshot: org/x@commit),
+  a resume given the id again finds the reference; ranks on two commits stop with one error; a failed fetch or a
+  model's repo is refused before --out exists; `--plan --init-adapter org/x@v1` fetches that revision and checks it.
 
 Run: .venv/bin/python -m pytest -q tests/test_hub.py
 """
@@ -37,14 +42,13 @@ def hub(assets, tmp_path, monkeypatch):
     """The stand-in hub: every snapshot_download call is recorded; `fail` makes the next ones raise."""
     import huggingface_hub
 
-    state = {"calls": [], "fail": None}
+    state = {"calls": [], "fail": None, "repos": {}}   # repos: other repo ids' folders (org/x: an adapter's)
 
     repo = tmp_path / "repo"   # the repo as the hub holds it: the checkpoint, a Mistral-style consolidated copy of
     shutil.copytree(assets["model"], repo)   # the weights and a subfolder (Llama's original/), which it must skip
     (repo / "consolidated.safetensors").write_bytes(b"not this")
     (repo / "original").mkdir()
     (repo / "original" / "params.json").write_text("{}")
-    files = [os.path.relpath(os.path.join(d, f), repo) for d, _, fs in os.walk(repo) for f in fs]
 
     def snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
         state["calls"].append(dict(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns))
@@ -52,9 +56,11 @@ def hub(assets, tmp_path, monkeypatch):
             raise state["fail"]
         commit = state.get("commit", COMMIT) if revision in (None, "main") else revision
         snap = tmp_path / "cache" / ("models--" + repo_id.replace("/", "--")) / "snapshots" / commit
+        src = state["repos"].get(repo_id, repo)
+        files = [os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs]
         for f in filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
             (snap / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(repo / f, snap / f)
+            shutil.copy(os.path.join(src, f), snap / f)
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
@@ -188,14 +194,14 @@ def _two_ranks(rank, world, assets, root, mode):
     import train
 
     def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        if mode == "push":   # rank 1 sees the repo after a push
+        if mode in ("push", "adapter"):   # rank 1 sees the repo after a push
             revision = revision or str(rank) * 40
         elif allow_patterns != ["config.json"] and rank == 1:
             raise OSError("Connection reset by peer")   # rank 1's weights fetch fails
         snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or COMMIT)
         if not os.path.isdir(snap):   # whole or not there, as the hub's cache: both ranks fetch one snapshot at once,
             tmp = f"{snap}.rank{rank}.tmp"   # and a copy over the other's files let it read one being rewritten
-            shutil.copytree(assets["model"], tmp)
+            shutil.copytree(assets["adapter" if mode == "adapter" else "model"], tmp)
             try:
                 os.rename(tmp, snap)
             except OSError:   # the other rank's came first
@@ -204,13 +210,27 @@ def _two_ranks(rank, world, assets, root, mode):
 
     huggingface_hub.snapshot_download = snapshot_download
     argv = train_argv(assets, os.path.join(root, "out"))
-    argv[argv.index(assets["model"])] = "org/tiny"
+    if mode == "adapter":   # --model a local directory, --init-adapter a Hub id
+        argv += ["--init-adapter", "org/x"]
+    else:
+        argv[argv.index(assets["model"])] = "org/tiny"
     with no_weights():
         try:
             train.main(argv)
         except (ValueError, FileNotFoundError) as e:
             return f"{type(e).__name__}: {e}"
     return None
+
+
+@pytest.mark.timeout(300)
+def test_ranks_stop_together_on_different_adapter_commits(assets, sft, tmp_path):
+    """--init-adapter org/x fetched at two commits (a push between the ranks' fetches): every rank stops with one
+    error naming both, before any weight (not two ranks training from different starts)."""
+    from tests.dist import run_ranks
+
+    msgs = run_ranks(_two_ranks, 2, {**assets, "adapter": sft}, str(tmp_path / "adapter"), "adapter", timeout=240)
+    assert msgs[0] == msgs[1] and msgs[0] and "--init-adapter: the ranks read different checkpoints" in msgs[0], msgs
+    assert "org/x@" + "0" * 40 in msgs[0] and "org/x@" + "1" * 40 in msgs[0], msgs[0]
 
 
 @pytest.mark.timeout(300)
@@ -223,3 +243,97 @@ def test_ranks_stop_together_on_different_commits_or_one_failed_fetch(assets, tm
     assert "org/tiny@" + "0" * 40 in msgs[0] and "org/tiny@" + "1" * 40 in msgs[0], msgs[0]
     msgs = run_ranks(_two_ranks, 2, assets, str(tmp_path / "fail"), "fail", timeout=240)
     assert msgs[0] == msgs[1] and msgs[0].startswith("FileNotFoundError") and "Connection reset" in msgs[0], msgs
+
+
+# ----------------------------------------------------------------------------- --init-adapter org/name
+
+
+@pytest.fixture(scope="module")
+def sft(assets, tmp_path_factory):
+    """One SFT step's adapter folder (r 4, as train_argv's runs): what the stand-in hub serves as org/x."""
+    out = str(tmp_path_factory.mktemp("sft") / "sft")
+    _run(train_argv(assets, out, "--steps", "1"))
+    return os.path.join(out, "adapter")
+
+
+def _push_adapter(hub, assets, sft, root):
+    """org/x: the adapter folder as pushed, beside what an adapter fetch must leave: a base's weights, a README, an
+    older checkpoint's adapter in a subfolder."""
+    repo = root / "adapter_repo"
+    shutil.copytree(sft, repo)
+    shutil.copy(os.path.join(assets["model"], "model.safetensors"), repo / "model.safetensors")
+    (repo / "README.md").write_text("---\nlibrary_name: peft\n---\n")
+    (repo / "checkpoint-1").mkdir()
+    shutil.copy(os.path.join(sft, "adapter_model.safetensors"), repo / "checkpoint-1")
+    hub["repos"]["org/x"] = str(repo)
+
+
+def test_init_adapter_hub_id_trains_like_the_local_folder(assets, hub, sft, tmp_path):
+    """DPO after an SFT adapter pushed to the Hub: --init-adapter org/x fetches the adapter files alone, trains to the
+    losses and adapter of the same run from the local folder (the policy's start and the reference), records the
+    snapshot (its commit), and a resume given the id again finds the same reference."""
+    from safetensors.torch import load_file
+
+    from model.hub import hub_snapshot
+    from tests.fixtures import make_pairs_jsonl
+
+    _push_adapter(hub, assets, sft, tmp_path)
+    make_pairs_jsonl(pairs := str(tmp_path / "pairs.jsonl"), 16, seed=7)
+    dpo = lambda out, init, *x: train_argv(assets, str(tmp_path / out), "--objective", "dpo", "--dpo-beta", "0.5",
+                                           "--data", pairs, "--steps", "2", "--init-adapter", init, *x)  # noqa: E731
+    _run(dpo("local", sft))
+    assert hub["calls"] == [], "a local folder reached the hub"
+    _run(dpo("remote", "org/x", "--save-every", "1"))
+    assert [c["repo_id"] for c in hub["calls"]] == ["org/x"], hub["calls"]   # once, before the process group
+    allow = hub["calls"][0]["allow_patterns"]
+    assert "adapter_model.safetensors" in allow and "*.safetensors" not in allow, allow   # never a base's weights
+    cfg = json.load(open(os.path.join(tmp_path, "remote", "config.json")))
+    assert hub_snapshot(cfg["init_adapter"]) == f"org/x@{COMMIT}", cfg["init_adapter"]   # what it started from
+    assert sorted(os.listdir(cfg["init_adapter"])) == sorted(os.listdir(sft)), os.listdir(cfg["init_adapter"])
+    local = json.load(open(os.path.join(tmp_path, "local", "config.json")))
+    assert cfg["dpo_reference"] == local["dpo_reference"] != "base", cfg["dpo_reference"]   # that adapter's bytes
+    assert _losses(tmp_path / "remote") == _losses(tmp_path / "local")
+    a, b = (load_file(os.path.join(tmp_path, d, "adapter", "adapter_model.safetensors")) for d in ("local", "remote"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a resume given the id again: its reference found (fetched again, the same bytes), step 2 as the run's
+    _run(dpo("resumed", "org/x", "--resume", os.path.join(tmp_path, "remote", "ckpt", "step_000001")))
+    assert len(hub["calls"]) == 2 and _losses(tmp_path / "resumed") == _losses(tmp_path / "remote")[1:], \
+        (hub["calls"], _losses(tmp_path / "resumed"))
+
+
+def test_init_adapter_failed_fetch_is_one_clear_error_before_anything(assets, hub, tmp_path):
+    """A failed fetch of --init-adapter org/x, or a model's repo given to it, is one FileNotFoundError naming the id
+    and the fix, before any weight and before --out exists; a path never reaches the hub."""
+    import train
+
+    out = str(tmp_path / "out")
+    hub["fail"] = OSError("401 Client Error: Repository Not Found for url: https://huggingface.co/api/models/org/x")
+    with no_weights(), pytest.raises(FileNotFoundError) as e:
+        train.main(train_argv(assets, out, "--init-adapter", "org/x"))
+    msg = str(e.value)
+    assert "--init-adapter 'org/x'" in msg and "Repository Not Found" in msg and "hf download org/x" in msg, msg
+    assert not os.path.exists(out), "a failed fetch left an output directory"
+    hub["fail"] = None   # org/tiny is a model: no adapter at its top level
+    with no_weights(), pytest.raises(FileNotFoundError, match=f"'org/tiny': the Hub repo org/tiny@{COMMIT} holds no "
+                                                              "adapter_config.json"):
+        train.main(train_argv(assets, out, "--init-adapter", "org/tiny"))
+    assert not os.path.exists(out)
+    hub["calls"].clear()
+    with no_weights(), pytest.raises(ValueError, match="no such directory"):
+        train.main(train_argv(assets, out, "--init-adapter", "./org/x"))
+    assert hub["calls"] == [] and not os.path.exists(out), hub["calls"]
+
+
+def test_plan_fetches_an_init_adapter_hub_id(assets, hub, sft, tmp_path, capsys):
+    """`--plan --init-adapter org/x@v1`: its adapter files at that revision, checked against the model (the planner
+    reads its safetensors header) as a run's are."""
+    import train
+
+    _push_adapter(hub, assets, sft, tmp_path)
+    plan = ["--plan", "--model", assets["model"], "--data", assets["data"], "--max-len", "64", "--global-batch", "8",
+            "--quant", "none", "--dtype", "fp32", "--lora-r", "4"]
+    train.main([*plan, "--init-adapter", "org/x@v1"])
+    assert [(c["repo_id"], c["revision"]) for c in hub["calls"]] == [("org/x", "v1")], hub["calls"]
+    assert "fits" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="r 4 and lora_alpha"):   # the adapter checked: not another run's r
+        train.main([*plan[:-1], "8", "--init-adapter", "org/x@v1"])
