@@ -16,7 +16,8 @@ Contract:
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
-- `stored_tensors(path)`: every stored tensor's header entry and file, headers only. The start-up checks on the
+- `stored_tensors(path)`: every stored tensor's header entry and file, headers only; `stored_weights(path)` adds the
+  packed 4-bit weights and the weights' logical entries (what CheckpointReader indexes). The start-up checks on the
   weight files (headers against config.json, before any weight is read): model/load_checks.py.
 - `from_pretrained(path, dtype, device)` builds the model on the meta device (no random init of a
   70B model), materialises it on `device` and fills it with `model.weights.load_weights`, the
@@ -86,6 +87,24 @@ def stored_tensors(path: str) -> dict:
                                              "re-download the checkpoint")
             out[n] = (header[n], fn)
     return out
+
+
+def stored_weights(path: str) -> tuple[dict, dict, dict]:
+    """(raw, packed, meta) of a checkpoint, from its headers and its 4-bit weights' quant states (a few hundred bytes
+    each) alone: every stored tensor (`stored_tensors`); the packed 4-bit weights (prequant.index); and the weights
+    {name: header entry}, a packed one's with the dtype and shape it stands for, its companion tensors left out."""
+    raw = stored_tensors(path)
+
+    def small(n):   # (a quant state)
+        (_, _, begin, end), fn = raw[n]
+        with open(fn, "rb") as f:
+            f.seek(begin)
+            return f.read(end - begin)
+    packed = prequant.index({n: h for n, (h, _) in raw.items()}, small)
+    aside = prequant.companions(packed)
+    meta = {n: (p.dtype, p.shape, None, None) if (p := packed.get(n)) else h
+            for n, (h, _) in raw.items() if n not in aside}
+    return raw, packed, meta
 
 
 def _check_dir(path: str):
@@ -168,11 +187,9 @@ def read_header(fn: str) -> tuple[dict, int]:
 
 class CheckpointReader:
     def __init__(self, path: str):
-        self.path, self.raw, self._fds = path, stored_tensors(path), {}   # raw: {name: (header entry, file)}
         # a bitsandbytes 4-bit checkpoint: each packed weight stands for its float self; its companions are no weights
-        self.packed = prequant.index({n: h for n, (h, _) in self.raw.items()}, self.get_raw)
-        self.meta = {n: (p.dtype, p.shape, None, None) if (p := self.packed.get(n)) else h
-                     for n, (h, _) in self.raw.items() if n not in prequant.companions(self.packed)}
+        self.path, self._fds = path, {}
+        self.raw, self.packed, self.meta = stored_weights(path)   # raw: {name: (header entry, file)}
         self.where = {n: self.raw[n][1] for n in self.meta}
 
     def check(self, names):

@@ -17,22 +17,7 @@ import os
 import re
 
 from model import prequant
-from model.load import _read_json, stored_tensors
-
-
-def stored_shapes(path: str) -> tuple[dict, dict]:
-    """({name: (shape, file)} of the checkpoint's weights, a packed 4-bit one's its float shape; its packed weights,
-    prequant.index): headers and the 4-bit weights' small quant-state tensors only, no weight read."""
-    raw = stored_tensors(path)
-
-    def small(n):   # (a quant state: a few hundred bytes)
-        (_, _, begin, end), fn = raw[n]
-        with open(fn, "rb") as f:
-            f.seek(begin)
-            return f.read(end - begin)
-    packed = prequant.index({n: h for n, (h, _) in raw.items()}, small)
-    aside = prequant.companions(packed)
-    return {n: (packed[n].shape if n in packed else h[1], fn) for n, (h, fn) in raw.items() if n not in aside}, packed
+from model.load import _read_json, stored_weights
 
 
 def check_weight_headers(path: str, quant: str | None = None) -> None:
@@ -40,7 +25,7 @@ def check_weight_headers(path: str, quant: str | None = None) -> None:
     a missing shard, a Git LFS pointer or a truncated download is said at start-up, before a run directory or process
     group exists; so is a bitsandbytes 4-bit checkpoint that `quant` cannot take as stored (prequant.check_quant)."""
     if os.path.isdir(path):
-        prequant.check_quant(stored_shapes(path)[1], quant, path)
+        prequant.check_quant(stored_weights(path)[1], quant, path)
 
 
 def check_config_quant(path: str, quant: str | None, name: str) -> None:
@@ -64,9 +49,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
         for name, (n_in, n_out) in margs.projections().items():
             block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
-    have, packed = stored_shapes(path)
+    raw, packed, meta = stored_weights(path)
     prequant.check_quant(packed, quant, path)
-    have = {n: (tuple(shape), os.path.basename(fn)) for n, (shape, fn) in have.items()}
+    have = {n: (tuple(h[1]), os.path.basename(raw[n][1])) for n, h in meta.items()}
     missing = sorted(n for n in want if n not in have)
     if missing:
         raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "

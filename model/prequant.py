@@ -19,7 +19,7 @@ Contract:
   fetched). `describe(packed, ...)` is the start-up note on what the run trains against.
 - `dequantized(reader, name, first, count)`: elements [first, first + count) of W, row-major, in float32: each the
   product code × its block's scale, as bitsandbytes' `dequantize_4bit` computes it, bit for bit; only the blocks that
-  hold them are read when they start and end on block edges (each rank's rows of a sharded weight).
+  hold them are read (each rank's rows of a sharded weight).
 - `nf4_parts(reader, name, b0, b1, dtype, device)`: for an NF4 layer (model.nf4.NF4Linear) the packed codes of blocks
   [b0, b1), every block's uint8 scale codes and the QuantState without them, as stored. With double quantization
   those are the upload's own, so the layer computes with exactly the weights transformers computes with; without it
@@ -166,28 +166,37 @@ def describe(packed: dict, block_weights: list, quant: str | None, where: str) -
     return said
 
 
-def _absmax(reader, name: str, device=None) -> torch.Tensor:
-    """Every block's fp32 scale, as bitsandbytes' dequantize_4bit reconstructs it."""
-    from model.bnb import QuantState, dequantize_blockwise
+def _nested(reader, name: str, device=None):
+    """A double-quantized weight's nested statistics as stored: (the QuantState of its scales' codes, the offset)."""
+    from model.bnb import QuantState
 
     p = reader.packed[name]
+    return (QuantState(absmax=reader.get_raw(f"{name}.nested_absmax").to(device).float(),
+                       code=reader.get_raw(f"{name}.nested_quant_map").to(device).float(),
+                       blocksize=p.nested["blocksize"], dtype=torch.float32),
+            torch.tensor(p.nested["offset"], dtype=torch.float32, device=device))
+
+
+def _absmax(reader, name: str, device=None) -> torch.Tensor:
+    """Every block's fp32 scale, as bitsandbytes' dequantize_4bit reconstructs it."""
+    from model.bnb import dequantize_blockwise
+
     a = reader.get_raw(f"{name}.absmax").to(device)
-    if p.nested:
-        st2 = QuantState(absmax=reader.get_raw(f"{name}.nested_absmax").to(device).float(),
-                         code=reader.get_raw(f"{name}.nested_quant_map").to(device).float(),
-                         blocksize=p.nested["blocksize"], dtype=torch.float32)
+    if reader.packed[name].nested:
+        st2, offset = _nested(reader, name, device)
         a = dequantize_blockwise(a.view(torch.uint8), st2)
-        a += torch.tensor(p.nested["offset"], dtype=torch.float32, device=device)
+        a += offset
     return a.float()
 
 
 def dequantized(reader, name: str, first: int, count: int) -> torch.Tensor:
-    """Module docstring: [count] float32."""
+    """Module docstring: [count] float32, from the blocks that hold them (an odd block size, whose blocks do not
+    start on bytes: from all of them)."""
     p = reader.packed[name]
-    bs, stop = p.blocksize, first + count
-    if first % bs or (stop % bs and stop != p.numel):   # not on block edges: the whole weight, then the slice
-        return _dequantize(reader, name, 0, p.blocks, p.numel)[first:stop]
-    return _dequantize(reader, name, first // bs, -(-stop // bs), count)
+    bs = p.blocksize
+    b0, b1 = (first // bs, -(-(first + count) // bs)) if bs % 2 == 0 else (0, p.blocks)
+    at = first - b0 * bs
+    return _dequantize(reader, name, b0, b1, min(b1 * bs, p.numel) - b0 * bs)[at:at + count]
 
 
 def _dequantize(reader, name: str, b0: int, b1: int, count: int) -> torch.Tensor:
@@ -215,12 +224,9 @@ def nf4_parts(reader, name: str, b0: int, b1: int, dtype: torch.dtype, device) -
     if not p.nested:   # fp32 scales: nested as any checkpoint's are
         qabsmax, st = nested_state(_absmax(reader, name, device), p.shape, dtype)
         return codes, qabsmax, st
-    st2 = QuantState(absmax=reader.get_raw(f"{name}.nested_absmax").to(device).float(),
-                     code=reader.get_raw(f"{name}.nested_quant_map").to(device).float(),
-                     blocksize=p.nested["blocksize"], dtype=torch.float32)
+    st2, offset = _nested(reader, name, device)
     st = QuantState(absmax=None, shape=torch.Size(p.shape), dtype=dtype, blocksize=p.blocksize, quant_type="nf4",
-                    offset=torch.tensor(p.nested["offset"], dtype=torch.float32, device=device), state2=st2,
-                    code=reader.get_raw(f"{name}.quant_map").to(device).float())
+                    offset=offset, state2=st2, code=reader.get_raw(f"{name}.quant_map").to(device).float())
     return codes, reader.get_raw(f"{name}.absmax").to(device).view(torch.uint8), st
 
 
