@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import GlobalBatches, collate, load_tokenizer, make_demo, run_data
-from data.mix import data_files, held_records
+from data import GlobalBatches, load_tokenizer, run_data
+from data.demo import main as build_demo
 from data.pairs import for_run
 from loss import IGNORE_INDEX
 from model.config import flops_per_token
@@ -41,12 +41,11 @@ from model.load import read_args
 from model.load_checks import check_config_shapes
 from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, recorded, resume, runs, signals
 from parallel.budgets import gather_budgets
-from parallel.cp import cp_attention, shard_batch
+from parallel.cp import LocalBatches, cp_attention
 from parallel.evaluate import evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.metrics import TB_DIR, Metrics, rounded
-from parallel.plan_cli import PLAN_FLAGS
-from parallel.preference import Preference
+from parallel.preference import DPO
 from parallel.profiler import StepProfiler
 from parallel.run_cli import run_parser
 
@@ -112,9 +111,6 @@ def main(argv=None):
     if "--plan" in argv:   # before the heavy imports below: config.json and arithmetic only
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
-    if given := [f for f in PLAN_FLAGS if any(x == f or x.startswith(f + "=") for x in argv)]:
-        raise ValueError(f"{', '.join(given)}: the planner's flag{'s' * (len(given) > 1)}, not a run's: add --plan "
-                         "(`train.py --plan --help` lists them)")
     args, demo = preflight.parse(build_parser(), argv, DEMO)   # no --model and no --data: the demo, DEMO's defaults
     refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
     if args.objective != "dpo" and (why := recorded.not_a_sum(LOSS_FN)):   # (a mean trained on, the wrong loss
@@ -123,7 +119,6 @@ def main(argv=None):
     if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
         raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
-    from model.adapter_read import read_init_adapter
     from model.export import export_adapter
     from parallel import checkpoint, checkpoint_folders, keep_best
     from parallel.fsdp import clip_grad_norm_
@@ -137,16 +132,11 @@ def main(argv=None):
     try:
         # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
         stop = signals.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
-        if demo:
+        if demo:   # rank 0 builds the demo's assets once (a minute or two on CPU, said as it goes), the others wait
             if rank == 0:
-                t0 = time.time()   # (a minute or two on CPU, once: said as it goes, not silent)
-                make_demo(os.path.dirname(DEMO["model"]),
-                          log=lambda m: print(f"demo assets: {m} ({time.time() - t0:.0f}s)", flush=True))
+                build_demo([os.path.dirname(DEMO["model"])])
             dist.barrier()
-        same_snapshot(name, args.model)   # a Hub id: every rank read one commit
-        if args.init_adapter:   # (fetched in check_flags: each rank's snapshot path differs, their commits named)
-            same_snapshot("", args.init_adapter, flag="--init-adapter")
-        preflight.same_resume(ckpt)   # and every rank resumes the same step
+        preflight.same_everywhere(name, args, ckpt)   # one --model and --init-adapter commit, one --resume step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world)
         dpo = args.objective == "dpo"
@@ -172,14 +162,9 @@ def main(argv=None):
                                       eval_tokens=eval_samples and int(eval_samples.lengths.max()))
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
-        pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
-        docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
-        idle = {"input_ids": samples[0]["input_ids"][:1].repeat(2 * dims.cp_divisor),   # (2 a cp rank at least:
-                "labels": torch.full((2 * dims.cp_divisor,), IGNORE_INDEX, dtype=torch.int32)}   # --compile's 0/1
-        # specialization would compile each function again for a row of 1; review, helper 36)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
-        to_local = lambda ss: shard_batch(collate(ss, args.pack, dims.cp_divisor, pad_id, dpo), dims, cp_rank, pad_id,
-                                          device)   # samples -> this rank's (input_ids, position_ids, labels[, sides])
+        to_local = LocalBatches(samples, tok, dims, cp_rank, args.pack, dpo, device)   # samples -> this rank's tensors
+        docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
 
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt,   # locked only now
@@ -192,12 +177,7 @@ def main(argv=None):
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
                                         attention=cp_attention(meshes, dims, args.max_len), device=device)
         params = lora_parameters(model)
-        if dpo:
-            from parallel.preference import DPO
-            dpo = DPO(model, Preference.from_args(args), meshes.cp.get_group(),
-                      read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None,
-                      device, dtype if dt == "cuda" else torch.float32, args.model)   # (LoRA's compute dtype: FSDP2's
-            # on CUDA; the base's norms and embedding for --train-norms', --train-embeddings' reference)
+        dpo = dpo and DPO.of_run(model, args, meshes.cp.get_group(), device, dtype)   # (its reference model)
         log0(notes.model_line(model, margs, args, ckpt, dtype, time.time() - t0))
 
         # --------------------------------------------------------------------- optimizer
@@ -211,10 +191,7 @@ def main(argv=None):
         def files():   # rank 0's; a failure stops every rank (guard.on_rank0)
             if here:   # from below the newest step: it becomes the newest (a crash must come back here)
                 checkpoint.branch(ckpt, log0)
-            with open(os.path.join(args.out, "config.json"), "w") as f:
-                f.write(runs.config_json({**vars(args), "cwd": os.getcwd(), "layout": str(dims), "data_stats": str(
-                    stats), **({"eval_split_records": held_records(eval_samples, data_files(args.data))} if
-                               args.eval_split else {})}))
+            runs.write_config(args, dims, stats, eval_samples)
             return Metrics(args.out, args.report_to, resume_step=start if ckpt else None)   # + --report-to's sinks
         logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])   # (named in a failure's message)
         metrics = guard.on_rank0(files, f"writing config.json and opening {logs}")
@@ -258,7 +235,7 @@ def main(argv=None):
             set_lr(opt, lr)
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
             known = bool(dpo) and dpo.known("train", order.step_samples(step))   # (--dpo-cache-ref: no reference)
-            micro = [to_local([samples[i] for i in idx] if idx else [idle]) for idx in idxs]   # (idle: another
+            micro = [to_local([samples[i] for i in idx] if idx else [to_local.idle]) for idx in idxs]   # (another
             # rank's --micro-batch auto cut more forwards; an all-ignored row keeps the collectives in step)
             # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
             # (unpadded) tokens are counted once per cp group
@@ -309,9 +286,7 @@ def main(argv=None):
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
-                       **({k: rounded((v / n_targets).item()) for k, v in (   # reward_acc: pairs it prefers
-                           ("reward_acc", loss_sum[1]), ("reward_margin", loss_sum[2] - loss_sum[3]),
-                           ("reward_chosen", loss_sum[2]), ("reward_rejected", loss_sum[3]))} if dpo else {}))
+                       **(dpo.step_metrics(loss_sum, n_targets) if dpo else {}))   # (dpo: n_targets counts pairs)
             if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
                 rec["peak_reserved_gb"] = round(mem[1].item(), 3)
             if prof.end(step + 1, dt_step):

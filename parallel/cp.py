@@ -13,6 +13,7 @@ Contract:
   ring == 1: contiguous, cp rank r holds the r-th of cp equal slices. ring R > 1: 2R chunks, each
   cut into U = ulysses pieces; cp rank (i, u) holds piece u of chunk i, then piece u of chunk 2R-1-i
   (U = 1 is the plain zigzag). `shard_sequence` / `unshard_sequence` move between the two views.
+- `LocalBatches`: samples -> this rank's (input_ids, position_ids, labels[, sides]), train.py's and `evaluate`'s.
 - Documents (packed rows): the rule is `model.attention.document_bounds`. Every core keeps every
   token inside its document: `local_attention` and Ulysses (which see whole rows) through
   `kernels.attention(docs=...)`, ring and hybrid by cutting each ring block at the documents of the
@@ -80,6 +81,25 @@ def shard_batch(batch: dict, dims, cp_rank: int, pad_id: int, device) -> tuple:
             shard_sequence(batch["position_ids"], dims, cp_rank, None).to(device),
             shard_sequence(batch["labels"], dims, cp_rank, IGNORE_INDEX).to(device),
             *([shard_sequence(batch["sides"], dims, cp_rank, -1).to(device)] if "sides" in batch else []))
+
+
+class LocalBatches:
+    """train.py's samples -> this rank's tensors: `self(samples)` collates them (`data.collate`: packed in one row
+    or padded, a pair's sides) and keeps this cp rank's part (`shard_batch`). `idle` is a sample with no target
+    (2 tokens a cp rank: --compile's 0/1 specialization would compile every function again for a row of 1), which a
+    data rank runs while another has one more micro-batch, so the collectives stay in step."""
+
+    def __init__(self, samples, tok, dims, cp_rank: int, pack: bool, pairs: bool, device):
+        from data.collate import collate
+        pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
+        self.collate = lambda ss: collate(ss, pack, dims.cp_divisor, pad_id, pairs)
+        self.pad_id, self.dims, self.cp_rank, self.device = pad_id, dims, cp_rank, device
+        n = 2 * dims.cp_divisor
+        self.idle = {"input_ids": samples[0]["input_ids"][:1].repeat(n),
+                     "labels": torch.full((n,), IGNORE_INDEX, dtype=torch.int32)}
+
+    def __call__(self, samples: list) -> tuple:
+        return shard_batch(self.collate(samples), self.dims, self.cp_rank, self.pad_id, self.device)
 
 
 def unshard_sequence(shards, dims, seq_len: int | None = None) -> torch.Tensor:

@@ -167,6 +167,24 @@ class DPO:
         self.ref = float(pref.reference)   # (a forward of the reference a step: MFU counts it)
         self.cache: dict[str, RefCache] = {}   # --dpo-cache-ref's, "train" and "eval" (parallel/ref_cache.py)
 
+    @classmethod
+    def of_run(cls, model, args, cp_group, device, dtype) -> DPO:
+        """train.py's: the reference is --init-adapter's adapter held fixed (`args.dpo_reference` "adapter...") or the
+        base; LoRA computes in `dtype` on CUDA (FSDP2's), in float32 on CPU; the base checkpoint's norms and
+        embedding are --train-norms' and --train-embeddings' reference."""
+        from model.adapter_read import read_init_adapter
+        ref = read_init_adapter(args.init_adapter) if args.dpo_reference.startswith("adapter") else None
+        return cls(model, Preference.from_args(args), cp_group, ref, device,
+                   dtype if device.type == "cuda" else torch.float32, args.model)
+
+    @staticmethod
+    def step_metrics(sums, n_pairs) -> dict:
+        """A step's reward metrics from its sums over every rank [loss, pairs preferred, chosen, rejected rewards]:
+        reward_acc, the share of pairs the policy prefers; the rewards' and their margin's means."""
+        from parallel.metrics import rounded
+        return {k: rounded((v / n_pairs).item()) for k, v in (("reward_acc", sums[1]), ("reward_chosen", sums[2]),
+                ("reward_margin", sums[2] - sums[3]), ("reward_rejected", sums[3]))}
+
     def reference(self, ids, pos, labels) -> torch.Tensor:
         """The reference model's -log p of every target token of this rank's shard (0 off target), no graph."""
         with torch.no_grad(), self.off:

@@ -3,14 +3,16 @@ tokenized and before any weight is read, the plan of the run's flags against eve
 parallel/preflight_memory.py.
 
 Contract:
-- `parse(parser, argv, demo_defaults)` -> (args, demo): no --model and no --data is the demo, its defaults under the
-  flags given; a --data/--eval-data of one file is its path (as runs before several files recorded it).
+- `parse(parser, argv, demo_defaults)` -> (args, demo): a planner's flag without --plan is refused by name; no
+  --model and no --data is the demo, its defaults under the flags given; a --data/--eval-data of one file is its path
+  (as runs before several files recorded it).
 - `check_start(args, demo)` -> (the --model given, the checkpoint to resume or None): every check that needs no
   process group, before anything is written, so a refusal leaves every file as it was: the flags (`check_flags`),
   --model with --data, the data files, --out against --resume/--overwrite, a resume's run-defining flags and data
   bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only),
   and on a resume without --template-date the checkpoint's (the date its dated template rendered).
-- `same_resume(ckpt)`: collective, every rank resolved --resume to the same step folder.
+- `same_everywhere(name, args, ckpt)`: collective, every rank read the same Hub commits (--model, --init-adapter) and
+  `same_resume(ckpt)`: resolved --resume to the same step folder.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import math
 import os
 import socket
 
+from parallel.plan_cli import PLAN_FLAGS
+
 F32_MAX = 3.4028234663852886e38   # torch.finfo(torch.float32).max (torch is not imported here: --plan stays fast)
 
 
 def parse(parser, argv: list[str], demo_defaults: dict):
     """(args, demo): argv parsed, with `demo_defaults` under the flags when neither --model nor --data is given."""
+    if given := [f for f in PLAN_FLAGS if any(x == f or x.startswith(f + "=") for x in argv)]:
+        raise ValueError(f"{', '.join(given)}: the planner's flag{'s' * (len(given) > 1)}, not a run's: add --plan "
+                         "(`train.py --plan --help` lists them)")
     args = parser.parse_args(argv)
     demo = args.model is None and args.data is None
     if demo:
@@ -189,6 +196,17 @@ def check_start(args, demo: bool):
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")
     return name, ckpt
+
+
+def same_everywhere(name: str, args, ckpt: str | None) -> None:
+    """Collective: every rank read one Hub commit of --model (`name` as given) and of --init-adapter (fetched in
+    check_flags: the ranks' snapshot paths differ, their commits are compared), and resumes the same step."""
+    from model.hub import same_snapshot
+
+    same_snapshot(name, args.model)
+    if args.init_adapter:
+        same_snapshot("", args.init_adapter, flag="--init-adapter")
+    same_resume(ckpt)
 
 
 def same_resume(ckpt: str | None) -> None:

@@ -244,6 +244,16 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
     return run if me == 0 else RunDir(text)
 
 
+def write_config(args, layout, stats, eval_samples) -> None:
+    """OUT/config.json (rank 0's): the run's flags, its working directory, layout, data statistics and, for
+    --eval-split, the records it held out of each --data file."""
+    from data.mix import data_files, held_records
+    held = {"eval_split_records": held_records(eval_samples, data_files(args.data))} if args.eval_split else {}
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        f.write(config_json({**vars(args), "cwd": os.getcwd(), "layout": str(layout), "data_stats": str(stats),
+                             **held}))
+
+
 def config_json(config: dict) -> str:
     """config.json's text: one key a line (indent 1), and a list of whole numbers on one line (--eval-split's
     held-out lines of a large split took one line each, megabytes of them). Strings are never touched."""
