@@ -39,14 +39,15 @@ from model.config import flops_per_token
 from model.hub import same_snapshot
 from model.load import read_args
 from model.load_checks import check_config_shapes
-from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, recorded, resume, runs, signals
+from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import LocalBatches, cp_attention
-from parallel.evaluate import evaluate
+from parallel.evaluate import baseline, evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
-from parallel.metrics import TB_DIR, Metrics, rounded
+from parallel.metrics import Metrics, rounded
 from parallel.preference import DPO
 from parallel.profiler import StepProfiler
+from parallel.ref_cache import ref_caches
 from parallel.run_cli import run_parser
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
@@ -112,21 +113,16 @@ def main(argv=None):
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
     args, demo = preflight.parse(build_parser(), argv, DEMO)   # no --model and no --data: the demo, DEMO's defaults
-    refused = recorded.record(args, LOSS_FN, lr_at, make_optimizer)   # this code, as flags: a resume must keep it
-    if args.objective != "dpo" and (why := recorded.not_a_sum(LOSS_FN)):   # (a mean trained on, the wrong loss
-        raise ValueError(why)   # on every layout but one; dpo refuses any LOSS_FN below, in check_start)
-    name, ckpt = preflight.check_start(args, demo)   # all that needs no process group: a refusal writes nothing
-    if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
-        raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
+    # this code recorded (a resume must keep it), then every check that needs no process group: a refusal writes nothing
+    name, ckpt = preflight.check_start(args, demo, code=(LOSS_FN, lr_at, make_optimizer))
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter
-    from parallel import checkpoint, checkpoint_folders, keep_best
+    from parallel import checkpoint, keep_best
     from parallel.fsdp import clip_grad_norm_
     from parallel.parallelize import BuildOptions, build_model, lora_groups, lora_parameters
     # ------------------------------------------------------------------------- process group + mesh
     dt = device_type()
-    own_pg = init_distributed(dt, guard.pg_timeout(args.timeout))
-    device = torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
+    own_pg, device = init_distributed(dt, guard.pg_timeout(args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     run = wd = metrics = stop = None
     try:
@@ -182,9 +178,7 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- optimizer
         opt = make_optimizer(lora_groups(model, args.lora_plus_ratio), args)   # (LoRA+: B's group, lr_ratio)
-        start = checkpoint.load(ckpt, model, opt) if ckpt else 0   # prints where it resumed
-        if ckpt and start >= steps:   # (a requeue of a run that had ended: --resume auto on a finished run)
-            log0(f"note: step {start} is this run's last: nothing to train; its adapter is written again from it")
+        start = checkpoint.load(ckpt, model, opt, steps=steps) if ckpt else 0   # prints where it resumed
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         early = keep_best.EarlyStop.of_run(args, ckpt, log0)   # --early-stop's count (a resume's, likewise)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
@@ -197,28 +191,21 @@ def main(argv=None):
         metrics = guard.on_rank0(files, f"writing config.json and opening {logs}")
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
-        nonfinite = guard.NonFiniteSteps(args.max_nonfinite).restore(ckpt and checkpoint_folders.read_meta(ckpt).get(
-            "nonfinite"))   # a resume goes on counting
+        nonfinite = guard.NonFiniteSteps.of_run(args, ckpt)   # --max-nonfinite's (a resume goes on counting)
         eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
                      longest if args.pack else 1)   # eval samples packed in rows of the plan's length
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
-            from parallel.ref_cache import ref_caches
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
         way = (args.out, bool(args.resume_auto), bool(args.resume))   # (a stop before any save)
         stop.start()   # (before the baseline evaluation, minutes on a large eval set: a Ctrl-C there is a stop too)
-        if eval_samples and start == 0 and dpo and dpo.pref.at_start() is not None:   # no pass needed
-            log0(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
-        elif eval_samples and start == 0:   # the baseline the eval losses below are compared with
-            (_, ev), *files = evaluate(model, *eval_args, beat=lambda: wd.phase("eval", 0), dpo=dpo or None).items()
-            each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
-            log0(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
+        if eval_samples and start == 0:   # the baseline the eval losses below are compared with
+            baseline(model, eval_args, dpo, lambda: wd.phase("eval", 0), log0)
             if got := stop.requested():   # (every rank together)
                 raise stop.stopped(got, 0, None, notes.way_on(*way))
         bar = tqdm(total=steps, initial=start, desc="train", file=sys.stdout, leave=False,   # a bar on terminals
                    disable=rank > 0 or args.no_progress or not sys.stdout.isatty())     # only; lines always
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
-        meter = phases.PhaseMeter(model, device, args.out, log0, args.mem_trace) \
-            if args.mem_phases or args.mem_trace else None
+        meter = (args.mem_phases or args.mem_trace) and phases.PhaseMeter(model, device, args.out, log0, args.mem_trace)
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
         save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
@@ -329,9 +316,7 @@ def main(argv=None):
         wd.phase("finish", steps)
         guard.on_rank0(finish, f"finishing {args.out}")
         wd.stop()   # the last collective is behind
-        tb = f" and {args.out}/{TB_DIR} (tensorboard --logdir {args.out}/{TB_DIR})"
-        log0(f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl"
-             + (tb if "tensorboard" in (args.report_to or ()) else ""))
+        log0(notes.done_line(args))
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
         e.way_on = (run and run.path, bool(args.resume_auto), bool(args.resume))   # (None: unclaimed)
         raise

@@ -19,8 +19,8 @@ Contract:
   names `path`, so a crash before the next save comes back here, not to a step past the metrics kept; a save of
   step N or later removes `step_N.abandoned`. The run's exports (OUT/adapter, OUT/adapter_best) were made past
   `path`, so they become `adapter.abandoned` (..-2, ...) too: none is left describing a step the run no longer has.
-- `load(path, model, optimizer)` restores all of it into an already-assembled model and returns the
-  step to continue from.
+- `load(path, model, optimizer, steps=N)` restores all of it into an already-assembled model and returns the
+  step to continue from (rank 0 says which; and, at step N or past it, that the run has nothing left to train).
 - `python -m parallel.checkpoint OUT/ckpt[/step_N] --out DIR` (`main(argv)`, its exit code): the adapter of a
   checkpoint (`parallel.checkpoint_export.export`).
 Which step folder a path names and whether it is whole: parallel/checkpoint_folders.py (`resolve`, `read_meta`).
@@ -218,7 +218,7 @@ def branch(path: str, log=print) -> list[str]:
     return moved
 
 
-def load(path: str, model, optimizer, *, warn=_warn) -> int:
+def load(path: str, model, optimizer, *, warn=_warn, steps: int | None = None) -> int:
     path = resolve(path, warn=warn)
     state = _state(model, optimizer)
     try:
@@ -245,6 +245,9 @@ def load(path: str, model, optimizer, *, warn=_warn) -> int:
     step = int(read_meta(path)["step"])
     if _rank() == 0:
         print(f"resumed from {path} at step {step}", flush=True)
+        if steps is not None and step >= steps:   # (a requeue of a run that had ended: --resume auto on a finished one)
+            print(f"note: step {step} is this run's last: nothing to train; its adapter is written again from it",
+                  flush=True)
     return step
 
 

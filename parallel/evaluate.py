@@ -23,6 +23,7 @@ records of several --data files: data/mix.py's `Samples.files`) that has a targe
   (the policy prefers the chosen answer more than the reference does; a tie counts as not, as TRL's), and
   "eval_reward_margin", the margins' mean.
 - `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
+- `baseline(model, eval_args, dpo, beat, log)`: the "eval_loss before training" line.
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
 """
 
@@ -87,3 +88,13 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
             **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
                if dpo is not None else {})}
+
+
+def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
+    """train.py's eval loss before training, which the later ones are compared with (`evaluate(model, *eval_args)`;
+    DPO's where the policy is its reference is known without a pass, `Preference.at_start`)."""
+    if dpo and dpo.pref.at_start() is not None:
+        return log(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
+    (_, ev), *files = evaluate(model, *eval_args, beat=beat, dpo=dpo or None).items()
+    each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
+    log(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))

@@ -65,6 +65,12 @@ class NonFiniteSteps:
         """What a checkpoint keeps (meta.json), so that a resume goes on counting: the skipped steps and the streak."""
         return {"skipped": self.skipped, "streak": [[s, repr(lo), repr(g)] for s, lo, g in self.streak]}
 
+    @classmethod
+    def of_run(cls, args, ckpt: str | None) -> NonFiniteSteps:
+        """--max-nonfinite's count; a resume goes on counting from its checkpoint's."""
+        from parallel.checkpoint_folders import read_meta
+        return cls(args.max_nonfinite).restore(ckpt and read_meta(ckpt).get("nonfinite"))
+
     def restore(self, state: dict | None) -> NonFiniteSteps:
         if state:   # (a checkpoint from before this was kept: none)
             self.skipped = int(state["skipped"])

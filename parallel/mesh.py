@@ -204,11 +204,12 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # kB -> GB (Linux)
 
 
-def init_distributed(dt: str, timeout) -> bool:
+def init_distributed(dt: str, timeout) -> tuple[bool, torch.device]:
     """torchrun's process group, or a 1-rank one for a plain process so the same code path runs.
-    Returns whether it made the group (then the caller destroys it); one already up is kept."""
+    Returns whether it made the group (then the caller destroys it; one already up is kept) and this rank's device."""
+    device = lambda: torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")  # noqa: E731
     if dist.is_initialized():
-        return False
+        return False, device()
     backend = "nccl" if dt == "cuda" else "gloo"
     if "RANK" in os.environ:   # torchrun
         if dt == "cuda":
@@ -217,7 +218,7 @@ def init_distributed(dt: str, timeout) -> bool:
     else:
         store = os.path.join(tempfile.mkdtemp(), "pg")
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
-    return True
+    return True, device()
 
 
 def dense_bf16_tflops(name: str) -> float | None:

@@ -188,3 +188,11 @@ def exit_code(main, argv=None) -> int:
         guard.say_error("interrupted (SIGINT): " + way_on(*getattr(e, "way_on", (None,))))   # second one: one line,
         return 130   # (128 + SIGINT)                                                           # not a traceback
     return 0
+
+
+def done_line(args) -> str:
+    """The run's last line: where its adapter and metrics are (and TensorBoard's folder, when it writes one)."""
+    from parallel.metrics import TB_DIR
+    tb = f" and {args.out}/{TB_DIR} (tensorboard --logdir {args.out}/{TB_DIR})"
+    return (f"done: adapter in {args.out}/adapter, metrics in {args.out}/metrics.jsonl"
+            + (tb if "tensorboard" in (args.report_to or ()) else ""))

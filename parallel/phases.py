@@ -216,7 +216,7 @@ class PhaseMeter:
 
 def measuring(meter: PhaseMeter | None, on: bool):
     """`meter.measuring(on)`, or nothing without a meter."""
-    return meter.measuring(on) if meter is not None else contextlib.nullcontext()
+    return meter.measuring(on) if meter else contextlib.nullcontext()
 
 
 def step_peaks(meter: PhaseMeter | None, device: torch.device) -> tuple[float, float]:

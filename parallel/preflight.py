@@ -6,11 +6,13 @@ Contract:
 - `parse(parser, argv, demo_defaults)` -> (args, demo): a planner's flag without --plan is refused by name; no
   --model and no --data is the demo, its defaults under the flags given; a --data/--eval-data of one file is its path
   (as runs before several files recorded it).
-- `check_start(args, demo)` -> (the --model given, the checkpoint to resume or None): every check that needs no
-  process group, before anything is written, so a refusal leaves every file as it was: the flags (`check_flags`),
-  --model with --data, the data files, --out against --resume/--overwrite, a resume's run-defining flags and data
-  bytes (`args.data_sha256`). It fills `args.chat_template_text` and `args.model` (a Hub id: its config.json only),
-  and on a resume without --template-date the checkpoint's (the date its dated template rendered).
+- `check_start(args, demo, code)` -> (the --model given, the checkpoint to resume or None): train.py's `code`
+  (LOSS_FN, lr_at, make_optimizer) recorded into `args` (parallel/recorded.py; a LOSS_FN that is not a sum, and
+  flags make_optimizer refuses, are refused), then every check that needs no process group, before anything is
+  written, so a refusal leaves every file as it was: the flags (`check_flags`), --model with --data, the data files,
+  --out against --resume/--overwrite, a resume's run-defining flags and data bytes (`args.data_sha256`). It fills
+  `args.chat_template_text` and `args.model` (a Hub id: its config.json only), and on a resume without
+  --template-date the checkpoint's (the date its dated template rendered).
 - `same_everywhere(name, args, ckpt)`: collective, every rank read the same Hub commits (--model, --init-adapter) and
   `same_resume(ckpt)`: resolved --resume to the same step folder.
 """
@@ -44,7 +46,7 @@ def parse(parser, argv: list[str], demo_defaults: dict):
     return args, demo
 
 
-def check_start(args, demo: bool):
+def check_start(args, demo: bool, code: tuple | None = None):
     """Module docstring. Imports here: `--plan` imports this module and must stay fast."""
     from data import check_file
     from data.mix import check_weights, data_files
@@ -53,12 +55,15 @@ def check_start(args, demo: bool):
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load_checks import check_config_quant, check_weight_headers
-    from parallel import checkpoint_folders, outdir, resume, runs
+    from parallel import checkpoint_folders, outdir, recorded, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
     from parallel.metrics import check_sinks
     from parallel.plan_totals import REFERENCE_FREE
 
+    refused = code and recorded.record(args, *code)   # train.py's code, as flags: a resume must keep it
+    if code and args.objective != "dpo" and (why := recorded.not_a_sum(code[0])):   # (a mean trained on: the wrong
+        raise ValueError(why)   # loss on every layout but one; dpo refuses any LOSS_FN below)
     args.resume_auto = None   # (recorded: what --resume auto decided)
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
         args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)
@@ -195,6 +200,8 @@ def check_start(args, demo: bool):
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")
+    if refused:   # (after the flag checks, which name a flag it refuses, as --lr nan, better)
+        raise ValueError(f"make_optimizer refuses this run's flags: {refused}")
     return name, ckpt
 
 
