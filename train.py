@@ -113,8 +113,7 @@ def main(argv=None):
         from parallel.plan import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
     args, demo = preflight.parse(build_parser(), argv, DEMO)   # no --model and no --data: the demo, DEMO's defaults
-    # this code recorded (a resume must keep it), then every check that needs no process group: a refusal writes nothing
-    name, ckpt = preflight.check_start(args, demo, code=(LOSS_FN, lr_at, make_optimizer))
+    name, ckpt = preflight.check_start(args, demo, code=(LOSS_FN, lr_at, make_optimizer))   # a refusal writes nothing
     # peft and bitsandbytes take seconds to import: only now, past --plan and the flag checks (tests/test_plan.py)
     from model.export import export_adapter
     from parallel import checkpoint, keep_best
@@ -222,10 +221,9 @@ def main(argv=None):
             set_lr(opt, lr)
             idxs = order.micro_batches(step, data_rank, dims.dp, args.micro_batch, samples.lengths, longest)
             known = bool(dpo) and dpo.known("train", order.step_samples(step))   # (--dpo-cache-ref: no reference)
-            micro = [to_local([samples[i] for i in idx] if idx else [to_local.idle]) for idx in idxs]   # (another
-            # rank's --micro-batch auto cut more forwards; an all-ignored row keeps the collectives in step)
-            # the step's GLOBAL target count, known before any backward (DESIGN.md step 5); real
-            # (unpadded) tokens are counted once per cp group
+            micro = [to_local([samples[i] for i in idx] if idx else [to_local.idle]) for idx in idxs]   # (idle: when
+            # another rank's --micro-batch auto cut more forwards). The step's GLOBAL target count, known before any
+            # backward (DESIGN.md step 5); real (unpadded) tokens are counted once per cp group
             lens = [n for idx in idxs for i in idx for n in docs(i)] if cp_rank == 0 else []   # each document's
             counts = torch.tensor([sum(len(idx) for idx in idxs) * (cp_rank == 0) if dpo else   # (dpo: pairs)
                                    sum(int((lab != IGNORE_INDEX).sum()) for _, _, lab, *_ in micro), sum(lens),
@@ -289,8 +287,7 @@ def main(argv=None):
                     best.update(step + 1, ev["eval_loss"])
                 halt = early.update(step + 1, ev["eval_loss"]) and step + 1 < steps   # (and the same stop)
             guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
-                                          bar.update(1)), f"writing {logs} (step {step + 1})")   # all stop on
-            # a failure (a full disk); the line goes above the bar, or plain when off
+                                          bar.update(1)), f"writing {logs} (step {step + 1})")   # (above the bar)
             if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
                     (args.keep_best and "eval_loss" in rec) or halt:
                 wd.phase("save", step + 1)
@@ -307,8 +304,7 @@ def main(argv=None):
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
-        def finish():   # rank 0's last writes, then OUT's lock let go, before any rank returns (a collective): a next
-            # run in this job (a --resume of this one, the same --out) found it held on the ranks back first (helper 91)
+        def finish():   # rank 0's last writes, then OUT's lock let go before any rank returns (a next run in this job)
             if args.keep_best and best.step:
                 keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
             metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's

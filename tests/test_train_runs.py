@@ -1131,9 +1131,9 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     stops the run once it ends, as in a step, not with a KeyboardInterrupt traceback (review, helper 54). Ctrl-C
     before the handlers (the model build) is one line with the way on, exit 130."""
     import train
-    from parallel import signals
+    from parallel import evaluate, signals
 
-    real = train.evaluate
+    real = evaluate.evaluate   # (the evaluation before training: evaluate.baseline's)
 
     def interrupted(*a, **k):
         signal.raise_signal(signal.SIGINT)
@@ -1142,7 +1142,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     out, ref_run = str(tmp_path / "out"), str(tmp_path / "ref")
     run(train_argv(assets, ref_run, "--steps", "1"))
     with monkeypatch.context() as m:
-        m.setattr(train, "evaluate", interrupted)
+        m.setattr(evaluate, "evaluate", interrupted)
         with pytest.raises(signals.Stopped) as e:
             run(train_argv(assets, out, "--eval-data", assets["data"]))
     assert e.value.code == 130 and str(e.value) == "stopped on SIGINT before step 1's update: no step had " \
@@ -1152,7 +1152,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     # into this --out, a new --out (--overwrite beside --resume is refused; review, helper 56)
     again = str(tmp_path / "again")
     with monkeypatch.context() as m:
-        m.setattr(train, "evaluate", interrupted)
+        m.setattr(evaluate, "evaluate", interrupted)
         with pytest.raises(signals.Stopped) as e:
             run(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto"))
     assert str(e.value).endswith("nothing to save; run the same command again (--resume auto starts it again)")
