@@ -57,15 +57,17 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
 
 
 def _fused_ce(logits, safe, valid, grad: bool = True):
-    """Cross-entropy sum of a chunk and, in place in `logits`, its gradient softmax - one_hot (if `grad`)."""
+    """Cross-entropy of a chunk's rows, its count of rows whose target is the top logit, and, in place in `logits`,
+    its gradient softmax - one_hot (if `grad`)."""
     target = logits.gather(1, safe)                     # [c, 1]
     mx = logits.amax(1, keepdim=True)
+    hits = ((target >= mx) & (valid > 0)).sum()         # (from what the loss reads anyway: no pass over the block)
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
     loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).squeeze(1)   # lse - z_target, per row
     if grad:
         probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
-    return loss, probs
+    return loss, probs, hits
 
 
 def _custom(loss_fn, logits, labels, need_grad):
@@ -86,7 +88,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if per_token and (loss_fn is not None or need_w):   # (a row's weight gradient cannot be scaled afterwards)
@@ -114,12 +116,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
-                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w)
+                loss, dlogits, hit = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w)
+                if hits is not None:
+                    hits += hit
                 if per_token:
                     loss_sum[s:e] = loss
                 else:
                     loss_sum += loss.sum()
             else:
+                if hits is not None:   # (before loss_fn, which may write into the block: one more pass over it)
+                    hits += ((logits.gather(1, safe[s:e]) >= logits.amax(1, keepdim=True)) & (validf[s:e] > 0)).sum()
                 loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
                 loss_sum += loss
             if not (need_h or need_w):
@@ -151,7 +157,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_out.unsqueeze(1) if ctx.per_token else grad_out)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -163,6 +169,7 @@ def chunked_cross_entropy(
     chunk_size: int | None = None,
     loss_fn: LossFn | None = None,
     per_token: bool = False,
+    hits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses of `hidden @ weight.T` against `labels`, and the target count.
 
@@ -172,6 +179,8 @@ def chunked_cross_entropy(
     `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
     a loss of whole sequences (`parallel.preference.dpo_loss`); backward scales each row's saved gradient by its own
     incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
+    `hits`: a 0-dim tensor this adds, in place, the count of target rows whose target has the row's largest logit to
+    (token accuracy's numerator; a tie counts as a hit), with no grad.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -185,5 +194,5 @@ def chunked_cross_entropy(
         hidden, weight = hidden.detach(), weight.detach()
     n_tokens = (labels != ignore_index).sum()
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token)
+    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits)
     return loss_sum, n_tokens

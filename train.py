@@ -232,7 +232,7 @@ def main(argv=None):
                                   dtype=torch.float64, device=device)   # reference's, unless its values are known)
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
-            loss_sum = torch.zeros(4, dtype=torch.float64, device=device)   # (dpo: pairs preferred, rewards)
+            loss_sum = torch.zeros(4, dtype=torch.float64, device=device)   # (dpo: + pairs preferred, rewards)
             for i, (ids, pos, lab, *sides) in enumerate(micro):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
                     if step > saved:
@@ -247,8 +247,8 @@ def main(argv=None):
                         lsum, won = losses.sum(), (rewards[:, 0] > rewards[:, 1]).sum()
                         loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
-                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN)
-                        loss_sum[0] += lsum.detach().double()
+                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=loss_sum[1])
+                        loss_sum[0] += lsum.detach().double()   # (loss_sum[1]: targets predicted right)
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()
             if dpo and not known:
@@ -271,7 +271,8 @@ def main(argv=None):
                        tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
                        step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
                        epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
-                       **(dpo.step_metrics(loss_sum, n_targets) if dpo else {}))   # (dpo: n_targets counts pairs)
+                       **(dpo.step_metrics(loss_sum, n_targets) if dpo else   # (dpo: n_targets counts pairs)
+                          {"token_acc": rounded((loss_sum[1] / n_targets).item())}))   # (top logit = target)
             if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
                 rec["peak_reserved_gb"] = round(mem[1].item(), 3)
             if prof.end(step + 1, dt_step):

@@ -6,7 +6,8 @@ Contract:
   table and saved LoRA adapters load in peft on the transformers model.
 - `Transformer(input_ids, position_ids=None)` returns logits [B, S, V] (float32 upcast not applied;
   the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss
-  (`loss.chunked_cross_entropy`, with `loss_fn` if given; `per_token=True`: each token's loss, for DPO), computed
+  (`loss.chunked_cross_entropy`, with `loss_fn` if given; `per_token=True`: each token's loss, for DPO; `hits`: a
+  tensor the count of targets predicted right is added to), computed
   here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
 - The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
   the trainer sets the kernel or context-parallel one. Each layer passes it its own sliding window
@@ -325,7 +326,7 @@ class Transformer(nn.Module):
         ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
         return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -347,4 +348,4 @@ class Transformer(nn.Module):
         if labels is None:
             return F.linear(h, head)                                           # [B, S, V]
         return chunked_cross_entropy(h.reshape(B * S, -1), head, labels.reshape(-1),
-                                     loss_fn=loss_fn, per_token=per_token)
+                                     loss_fn=loss_fn, per_token=per_token, hits=hits)

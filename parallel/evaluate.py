@@ -1,8 +1,9 @@
 """The eval loss: the mean loss over every target of the eval samples, the same number on every layout.
 
 Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, row_tokens, beat)` ->
-{"eval_loss": loss}, and "eval_loss/FILE" for each file of several (several --eval-data files, or --eval-split's
-records of several --data files: data/mix.py's `Samples.files`) that has a target.
+{"eval_loss": loss, "eval_token_acc": the share of targets whose logit is their row's largest (argmax = target; a
+tie counts)}, and "eval_loss/FILE" for each file of several (several --eval-data files, or --eval-split's records of
+several --data files: data/mix.py's `Samples.files`) that has a target.
 - The samples go in rows (`rows`): consecutive samples of one file, as many as fit `row_tokens` tokens (train.py:
   the longest training sample's length, the memory plan's, when it packs; 1, one sample a row, when it does not),
   packed as training packs a micro-batch (documents kept apart: the same loss as each alone). Short eval samples
@@ -66,14 +67,14 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     files = getattr(samples, "files", None) or [None]
     of_file = (samples.sample_lines() >> FILE_SHIFT).tolist() if files[0] else [0] * len(samples)
     tot = torch.zeros(len(files), 4, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
-    model.eval()   # pairs preferred, margins' sum)
+    model.eval()   # targets predicted right or pairs preferred, margins' sum)
     known = dpo is not None and dpo.known("eval", range(len(samples)))   # (--dpo-cache-ref: no reference forward)
     for row in share(samples, of_file, row_tokens, data_rank, data_ranks):
         beat()
         k = of_file[row[0]] if row else 0
         ids, pos, lab, *sides = to_local([samples[i] for i in row] if row else [dummy(samples)])
-        if dpo is None:
-            lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn)
+        if dpo is None:   # (tot[k, 2]: targets predicted right)
+            lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn, hits=tot[k, 2])
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
             losses, rewards = dpo(ids, pos, lab, sides[0], len(row or ()), row, "eval", known)
@@ -87,7 +88,7 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
             **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
-               if dpo is not None else {})}
+               if dpo is not None else {"eval_token_acc": mean(tot.sum(0)[[2, 1]])})}
 
 
 def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
@@ -95,6 +96,7 @@ def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
     DPO's where the policy is its reference is known without a pass, `Preference.at_start`)."""
     if dpo and dpo.pref.at_start() is not None:
         return log(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
-    (_, ev), *files = evaluate(model, *eval_args, beat=beat, dpo=dpo or None).items()
+    got = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)
+    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k.startswith("eval_loss/")]
     each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
     log(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))

@@ -28,6 +28,7 @@ from data import load_jsonl, load_tokenizer, make_demo, tokenize_records
 from data.demo import STAMP, _complete
 from data.demo_task import TOPICS, task_answer, task_prompt, task_records
 from loss import IGNORE_INDEX
+from tests.dist import run_ranks
 from tests.fixtures import make_chat_jsonl, make_tokenizer
 from tests.helpers import one_thread
 
@@ -343,3 +344,52 @@ def test_compare_prompts_with_the_records_tools(tmp_path):
     with_tools = tok.decode(encode(tok, msgs, tools=tools)["input_ids"][0])
     assert with_tools == "tools: weather\nthe fox\n", with_tools
     assert tok.decode(encode(tok, msgs)["input_ids"][0]) == "the fox\n"
+
+
+def _train(rank, world_size, argv):
+    import train
+
+    train.main(argv)
+
+
+def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(demo, tmp_path):
+    """After 3 steps on the demo (its pretrained base: tokens it predicts, and some it does not), eval_loss and
+    eval_token_acc are transformers + peft's (the exported adapter on the base) over the eval samples, one forward
+    each: the mean cross-entropy over their targets (float64), and the share of targets that are the logits' argmax
+    (a near-tie may fall the other way: one target's worth of slack). Each step logs token_acc, a share."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from data import load_samples
+    from model.load import read_args
+
+    model, data, eval_data = (str(p) for p in demo)
+    out = str(tmp_path / "out")
+    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "3", "--lr", "5e-3",
+                          "--warmup", "1", "--global-batch", "8", "--quant", "none", "--dtype", "fp32", "--data-cache",
+                          "none", "--no-progress", "--out", o, *f]   # noqa: E731
+    with one_thread():
+        train.main(argv(out))
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(recs) == 3 and all(0 < r["token_acc"] < 1 for r in recs), recs
+    # 2 ranks, ring attention (each rank a zigzag half of every row: its own targets' hits), the same shares
+    run_ranks(_train, 2, argv(str(tmp_path / "ring"), "--cp", "2", "--cp-impl", "ring"), timeout=300)
+    ring = [json.loads(line) for line in open(tmp_path / "ring" / "metrics.jsonl")]
+    for g, w in zip(ring, recs, strict=True):
+        assert abs(g["loss"] - w["loss"]) <= 1e-4 and abs(g["token_acc"] - w["token_acc"]) <= 1e-3, (g, w)
+    assert abs(ring[-1]["eval_token_acc"] - recs[-1]["eval_token_acc"]) <= 1e-3, (ring[-1], recs[-1])
+    samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
+                                     os.path.join(out, "adapter")).eval()
+    loss = hits = n = 0
+    with torch.no_grad():
+        for i in range(len(samples)):
+            ids, lab = samples[i]["input_ids"].long(), samples[i]["labels"].long()
+            z, keep = peft(ids[None]).logits[0].double(), lab != IGNORE_INDEX
+            loss += F.cross_entropy(z[keep], lab[keep], reduction="sum").item()
+            hits, n = hits + int((z.argmax(-1) == lab)[keep].sum()), n + int(keep.sum())
+    assert 0.05 < hits / n < 0.95, (hits, n)   # (neither all right nor all wrong: the share can tell)
+    assert recs[-1]["eval_loss"] == pytest.approx(loss / n, rel=2e-5), (recs[-1], loss / n)
+    assert abs(recs[-1]["eval_token_acc"] - hits / n) <= 1.01 / n, (recs[-1], hits, n)
