@@ -19,11 +19,12 @@ Contract:
   where the model expects them. Other keys on a line (ids, metadata) are ignored; extra keys inside a message (e.g.
   `reasoning_content`, `tool_calls`) are kept and passed to the chat template.
   ShareGPT's conversations (`"conversations"` or `"messages"` of {"from", "value"}, a top-level "system") are read
-  as messages (data/sharegpt.py).
+  as messages (data/sharegpt.py), and so are Alpaca's {"instruction", "input", "output"} records, with
+  LLaMA-Factory's "system" and "history" (data/alpaca.py; its pairs: "chosen" and "rejected" for "output").
 - `parse_record(raw, path, n)` validates one non-blank line and returns its record, normalised as data/jsonl.py's
   `load_jsonl` says. A line that is wrong raises `DataError` naming the file, the line number, what is wrong and what
-  a valid line looks like (VALID_LINES; a pair's: PAIR_LINES); a key of another format (Alpaca's "instruction",
-  "output", ...) is named with its rename (ALIASES).
+  a valid line looks like (VALID_LINES; a pair's: PAIR_LINES); a key of another format ("question", "response",
+  an Alpaca "instruction" without "output", ...) is named with its rename (ALIASES).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import re
 from pathlib import Path
 
+from data.alpaca import _alpaca
 from data.jsonl import PAIR_LINES, VALID_LINES, DataError, line_error
 from data.sharegpt import _sharegpt, _sharegpt_messages, _system_first
 
@@ -202,7 +204,7 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
 def _normalise(obj, path: str | Path, n: int) -> dict:
     if not isinstance(obj, dict):
         raise line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
-    obj = _sharegpt(obj, path, n)
+    obj = _sharegpt(_alpaca(obj, path, n), path, n)
     if "chosen" in obj or "rejected" in obj:
         return _pair(obj, path, n)
     has_text, has_messages = "text" in obj, "messages" in obj

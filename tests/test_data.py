@@ -198,6 +198,36 @@ def test_sharegpt_conversations_are_the_same_messages(tok, tmp_path):
     assert (a["input_ids"], a["labels"]) == (b["input_ids"], b["labels"]) and target_runs(tok, a) == ["a2" + END]
 
 
+def test_alpaca_records_are_the_messages_llama_factory_builds(tok, tmp_path):
+    """Alpaca's {"instruction", "input", "output"}, with LLaMA-Factory's "system" and "history" columns, = the messages
+    its converter builds: each history pair a user and an assistant turn, instruction and input joined by a newline
+    (an empty one left out), the system prompt first; tokens = apply_chat_template of those messages, every answer
+    (the history's too) a target. Its pairs ("chosen"/"rejected") = TRL's prompt of messages; a line of this reader's
+    own kinds that also holds an "instruction" key is read as that kind."""
+    from data.records import parse_record
+
+    u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
+    lines = [{"instruction": "Sum", "input": "2 and 3", "output": "5"},
+             {"instruction": "Greet", "input": "", "output": "Hello", "system": "Be brief.", "id": 7},
+             {"instruction": "And now?", "output": "Fine", "history": [["How are you?", "Good"], ["Sure?", "Yes"]]},
+             {"instruction": "", "input": "only the input", "output": "ok", "system": None, "history": None}]
+    want = [[u("Sum\n2 and 3"), a("5")], [{"role": "system", "content": "Be brief."}, u("Greet"), a("Hello")],
+            [u("How are you?"), a("Good"), u("Sure?"), a("Yes"), u("And now?"), a("Fine")],
+            [u("only the input"), a("ok")]]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    recs = load_jsonl(tmp_path / "a.jsonl")
+    assert [r["messages"] for r in recs] == want
+    samples, _ = tokenize_records(recs, tok, 10_000, "a.jsonl")
+    for s, msgs in zip(samples, want, strict=True):
+        assert s["input_ids"] == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        assert target_runs(tok, s) == [m["content"] + END for m in msgs if m["role"] == "assistant"]
+    pair = {"instruction": "q", "input": "ctx", "chosen": "good", "rejected": "bad", "system": "S"}
+    trl = {"prompt": [{"role": "system", "content": "S"}, u("q\nctx")], "chosen": "good", "rejected": "bad"}
+    assert parse_record(json.dumps(pair), "f", 1) == parse_record(json.dumps(trl), "f", 1)
+    assert parse_record(json.dumps({"prompt": "p", "completion": "c", "instruction": "x", "output": "y"}), "f", 1) == \
+        {"line": 1, "prompt": "p", "completion": "c"}
+
+
 def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
     """Records read before ShareGPT was: role/content messages carrying a "from" or "value" key of their own (metadata)
     read as they were. A preference pair's ShareGPT lists (prompt, sides; a string side) are the same role/content
@@ -1282,10 +1312,15 @@ BAD_LINES = [
     ('{"conversations": "hi"}', '"messages" must be a list'),
     ('{"prompt": "q", "response": "a"}', '"completion" must be a string, got nothing; this line has "response", '
      'which this reader does not read: rename "response" to "completion"'),
-    ('{"instruction": "q", "input": "ctx", "output": "a"}', 'has none of "text", "prompt"/"completion", "messages" '
-     "(keys: ['input', 'instruction', 'output']); this line has \"instruction\" and \"input\" and \"output\", "
-     'which this reader does not read: join "instruction" and "input" into one "prompt" string, rename "output" '
-     'to "completion"'),
+    ('{"instruction": "q", "input": "ctx", "response": "a"}', 'has none of "text", "prompt"/"completion", "messages" '
+     "(keys: ['input', 'instruction', 'response']); this line has \"instruction\" and \"input\" and \"response\", "
+     'which this reader does not read: join "instruction" and "input" into one "prompt" string, rename "response" '
+     'to "completion"'),   # (Alpaca's answer is "output")
+    ('{"instruction": "q", "output": " "}', '"output" must be the answer, a string with text; got empty'),
+    ('{"instruction": "", "input": "", "output": "a"}', '"instruction" and "input" are empty'),
+    ('{"instruction": "q", "output": "a", "history": [["q0"]]}', '"history" must be a list of [query, answer] string '
+     "pairs (LLaMA-Factory's), got [['q0']]"),
+    ('{"instruction": 3, "output": "a"}', '"instruction" must be a string (Alpaca\'s), got int'),
     ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 3}]}',
      'message 1 "value" must be a string, got int'),
     ('{"system": "s", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": null}]}',
