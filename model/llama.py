@@ -29,9 +29,9 @@ from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.norms import cast_weight
-from model.rope import inv_freq
+from model.rope import Rotary, cos_sin
 
-NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB) and RoPE
+NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB; RoPE's: rope.py)
 
 
 def _norm_rows(x: torch.Tensor) -> int:
@@ -147,62 +147,8 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, w, self.eps)   # fails on this Function's graph: an AssertionError)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope_rows(x, cos, sin, transpose: bool):
-    """x·cos + rotate_half(x)·sin (or its transpose, the backward: x·cos - rotate_half(x·sin), since
-    rotate_half^T = -rotate_half) over chunks of the sequence, each written into one output: the temporaries
-    are a chunk's, not x's. Per half, one multiply and one fused multiply-add into the output (y1 = x1·c - x2·s,
-    y2 = x2·c + x1·s; transposed: x1·c + x2·s, x2·c - x1·s): 4 kernels moving ~5 of x's size, where the formula
-    (x·c, a negated half, a cat, ·s, the sum) moves ~10. The add is not rounded to the dtype between product
-    and sum, so in bf16 it is closer to the exact value than transformers' formula, not bit-equal to it."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rows, h = max(1, NORM_CHUNK // max(1, x[:, :1].numel())), x.shape[-1] // 2
-    sign = -1 if transpose else 1
-    for a in range(0, x.shape[1], rows):
-        xc, c, s, o = x[:, a:a + rows], cos[:, a:a + rows], sin[:, a:a + rows], out[:, a:a + rows]
-        s1, s2 = (s[..., h:], s[..., :h]) if transpose else (s[..., :h], s[..., h:])
-        torch.mul(xc[..., :h], c[..., :h], out=o[..., :h]).addcmul_(xc[..., h:], s1, value=-sign)
-        torch.mul(xc[..., h:], c[..., h:], out=o[..., h:]).addcmul_(xc[..., :h], s2, value=sign)
-    return out
-
-
-class _RopeFn(torch.autograd.Function):
-    """RoPE saving only cos, sin (autograd's formula saves those too) and, unlike it, running in sequence
-    chunks both ways: the whole-tensor formula holds x·cos, the rotated half, its product and the sum at
-    once (~4 of x's size; 3 more in backward), which at 512k tokens is 15 GB for q in each block's forward."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _rope_rows(x, cos, sin, False)
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin = ctx.saved_tensors
-        return _rope_rows(g, cos, sin, True), None, None
-
-
-class Rotary(nn.Module):
-    """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
-    (no parameters) so that `parallel.compile.apply_compile` can fuse it from outside; eager mode runs it
-    in sequence chunks (_RopeFn), compiled code as one fused formula."""
-
-    def forward(self, q, k, cos, sin):   # k may be None (the query tiles of parallel/tiled_attention.py)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
-        if (torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad   # _RopeFn: constant tables
-                or cos.dtype != q.dtype or sin.dtype != q.dtype):                            # in q's dtype
-            rope = lambda x: x * cos + rotate_half(x) * sin
-        else:
-            rope = lambda x: _RopeFn.apply(x, cos, sin)
-        return rope(q), None if k is None else rope(k)
-
-
 class SwiGLU(nn.Module):
-    """silu(gate) * up; a module (no parameters) for the same reason as Rotary."""
+    """silu(gate) * up; a module (no parameters) for the same reason as Rotary (model/rope.py)."""
 
     def forward(self, gate, up):
         return F.silu(gate) * up
@@ -320,11 +266,8 @@ class Transformer(nn.Module):
         self.attention = attention or SDPAAttention()
 
     def rope(self, position_ids, dtype):
-        """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does."""
-        freq, scale = inv_freq(self.args)
-        ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
-        ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
-        return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
+        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin)."""
+        return cos_sin(self.args, position_ids, dtype)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None):
         B, S = input_ids.shape

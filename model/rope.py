@@ -1,4 +1,5 @@
-"""RoPE as transformers computes it: a config.json's theta and scaling, `--rope-scaling`, the inverse frequencies.
+"""RoPE as transformers computes it: a config.json's theta and scaling, `--rope-scaling`, the inverse frequencies,
+the cos/sin tables, and their application to q and k (HF's rotate-half).
 
 Contract:
 - `read_rope(cfg, max_pos)` -> (theta, scaling): config.json's RoPE as transformers 5 standardizes it (classic
@@ -7,7 +8,11 @@ Contract:
 - `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring).
 - `inv_freq(args)` (a model.config.ModelArgs) returns the float32 inverse frequencies [head_dim // 2] and the
   attention scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3 and
-  yarn: the same numbers transformers computes.
+  yarn: the same numbers transformers computes; `cos_sin(args, position_ids, dtype)` the cos, sin [B, S, Hd] of
+  global positions from them.
+- `Rotary()(q, k, cos, sin)` -> (q, k) rotated (k may be None): transformers' `apply_rotary_pos_emb` within one
+  rounding (tests/test_model.py), in eager mode over sequence chunks of ROPE_CHUNK elements both ways (`_RopeFn`:
+  a chunk's temporaries, not q's), in compiled code the formula. A module so that parallel/compile.py can compile it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import json
 import math
 
 import torch
+from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_CHUNK = 2**26   # elements per sequence chunk in eager RoPE (_RopeFn: temporaries of a chunk, not of q)
 
 
 def _scaling(d: dict) -> dict:
@@ -165,3 +172,65 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
         extrap = 1 - ramp
         return (freq / factor) * (1 - extrap) + freq * extrap, float(attn)
     return freq, 1.0
+
+
+def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does."""
+    freq, scale = inv_freq(args)
+    ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
+    ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
+    return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_rows(x, cos, sin, transpose: bool):
+    """x·cos + rotate_half(x)·sin (or its transpose, the backward: x·cos - rotate_half(x·sin), since
+    rotate_half^T = -rotate_half) over chunks of the sequence, each written into one output: the temporaries
+    are a chunk's, not x's. Per half, one multiply and one fused multiply-add into the output (y1 = x1·c - x2·s,
+    y2 = x2·c + x1·s; transposed: x1·c + x2·s, x2·c - x1·s): 4 kernels moving ~5 of x's size, where the formula
+    (x·c, a negated half, a cat, ·s, the sum) moves ~10. The add is not rounded to the dtype between product
+    and sum, so in bf16 it is closer to the exact value than transformers' formula, not bit-equal to it."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rows, h = max(1, ROPE_CHUNK // max(1, x[:, :1].numel())), x.shape[-1] // 2
+    sign = -1 if transpose else 1
+    for a in range(0, x.shape[1], rows):
+        xc, c, s, o = x[:, a:a + rows], cos[:, a:a + rows], sin[:, a:a + rows], out[:, a:a + rows]
+        s1, s2 = (s[..., h:], s[..., :h]) if transpose else (s[..., :h], s[..., h:])
+        torch.mul(xc[..., :h], c[..., :h], out=o[..., :h]).addcmul_(xc[..., h:], s1, value=-sign)
+        torch.mul(xc[..., h:], c[..., h:], out=o[..., h:]).addcmul_(xc[..., :h], s2, value=sign)
+    return out
+
+
+class _RopeFn(torch.autograd.Function):
+    """RoPE saving only cos, sin (autograd's formula saves those too) and, unlike it, running in sequence
+    chunks both ways: the whole-tensor formula holds x·cos, the rotated half, its product and the sum at
+    once (~4 of x's size; 3 more in backward), which at 512k tokens is 15 GB for q in each block's forward."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_rows(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rope_rows(g, cos, sin, True), None, None
+
+
+class Rotary(nn.Module):
+    """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
+    (no parameters) so that `parallel.compile.apply_compile` can fuse it from outside; eager mode runs it
+    in sequence chunks (_RopeFn), compiled code as one fused formula."""
+
+    def forward(self, q, k, cos, sin):   # k may be None (the query tiles of parallel/tiled_attention.py)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
+        if (torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad   # _RopeFn: constant tables
+                or cos.dtype != q.dtype or sin.dtype != q.dtype):                            # in q's dtype
+            rope = lambda x: x * cos + rotate_half(x) * sin
+        else:
+            rope = lambda x: _RopeFn.apply(x, cos, sin)
+        return rope(q), None if k is None else rope(k)

@@ -15,7 +15,8 @@ def apply_compile(model) -> None:
     compilation would break its graph at the CP attention's communication and bitsandbytes' ops."""
     import torch._dynamo
 
-    from model.llama import RMSNorm, Rotary, SwiGLU
+    from model.llama import RMSNorm, SwiGLU
+    from model.rope import Rotary
 
     # One compiled function serves every block, but dynamo guards on rank, grad mode and requires_grad: whole
     # rows and tiles, layer 0's input (no grad), no_grad forward tiles. Rows in, rows out (rank 2) keeps the

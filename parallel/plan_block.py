@@ -38,7 +38,7 @@ backward peaks; its keyword arguments are memory_plan's sizes and helpers of the
    dK/dV held and in flight (16T·K'·hd), lse (4TH). Hybrid: both.
 9. q/k/v backward, after the kernel's (model.llama makes q last, so q's chain runs first, before the input
    norm's gradient and its rebuilt output exist): dh (eTD; with offload also the prefetched input, eTD) and the
-   largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(NORM_CHUNK, T·H·hd);
+   largest of dq with RoPE's gradient of it and its chunk temporaries (2eT·H·hd + 3.5e·min(ROPE_CHUNK, T·H·hd);
    under Ulysses dq's all-to-all, 3eT·H·hd), q_proj's input gradient beside it (eT·(D + H·hd)), and the norm's
    gradient, its rebuilt output and one more gradient (3eTD, from q_proj's backward on: its LoRA A rebuilds
    the output), all beside dk and dv, which wait for k's and v's chains (2eT·K'·hd; bench/memtrace.py at 32,768
@@ -52,7 +52,7 @@ backward peaks; its keyword arguments are memory_plan's sizes and helpers of the
 
 from __future__ import annotations
 
-from model.llama import NORM_CHUNK
+from model.rope import ROPE_CHUNK
 from parallel import kernels
 from parallel.plan_totals import GB
 
@@ -112,7 +112,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
         ex = t[f"| block attention over the freed MLP ({what} {attn / GB:.2f} GB; o_proj's input grads "
                f"{oproj / GB:.2f})"] = max(0, max(attn + e * T * H * hd - o_dora - o_drop, oproj) - gone - mlp)
         # 9. q/k/v backward (q's chain first; see the docstring)
-        first = max(2 * e * T * H * hd + 3.5 * e * min(NORM_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
+        first = max(2 * e * T * H * hd + 3.5 * e * min(ROPE_CHUNK, T * H * hd), 3 * e * T * H * hd * (U > 1))
         kv = ds(("k_proj", "v_proj"))   # (+ q's while its chain runs, to its DoRA node's 2 [T, H·hd])
         first = max(first, 2 * e * T * H * hd * ("q_proj" in targets and dora)) + ds(("q_proj",))
         qkv = e * T * D * (1 + offload) + max(first, e * T * (D + H * hd), 3 * e * T * D) + kv \

@@ -984,11 +984,11 @@ def test_q_chain_runs_before_k_and_v(ckpt3, monkeypatch):
     """model.llama makes k, v before q, so backward (latest nodes first) runs q's RoPE and q_proj before k's and
     v's: q's [T, H·Hd] gradients are gone before the input norm's gradient and its rebuilt output exist
     (parallel/plan_block.py's term 9). Per block, the RoPE backward sees q's gradient (6 heads) first, then k's (2)."""
-    import model.llama as llama
+    import model.rope as rope
 
     seen = []
-    backward = llama._RopeFn.backward
-    monkeypatch.setattr(llama._RopeFn, "backward", staticmethod(
+    backward = rope._RopeFn.backward
+    monkeypatch.setattr(rope._RopeFn, "backward", staticmethod(
         lambda ctx, g: seen.append(g.shape[2]) or backward(ctx, g)))
     model, _ = build_nonzero_b(_opts(ckpt3, ac=True, tiled_mlp=True))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -1139,7 +1139,8 @@ _PEAK_HELPERS = """
 import sys, torch
 torch.set_num_threads(1)
 import model.llama as llama
-llama.NORM_CHUNK = 2**20
+import model.rope as rope
+llama.NORM_CHUNK = rope.ROPE_CHUNK = 2**20
 def hwm():
     return {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in open("/proc/self/status"))
             if k in ("VmRSS", "VmHWM")}
@@ -1166,9 +1167,9 @@ k = torch.randn(1, 65536, 1, 64, dtype=torch.bfloat16).requires_grad_()
 ang = torch.arange(65536.0)[None, :, None] * torch.rand(64)
 cos, sin, g = ang.cos().bfloat16(), ang.sin().bfloat16(), torch.randn_like(q)
 if sys.argv[1] == "whole":   # the formula without the chunks (what compiled code fuses)
-    llama.torch.compiler.is_compiling = lambda: True
+    torch.compiler.is_compiling = lambda: True
 base = reset()
-y, _ = llama.Rotary()(q, k, cos, sin)
+y, _ = rope.Rotary()(q, k, cos, sin)
 fwd = hwm()["VmHWM"] - base
 base = reset()
 y.backward(g)
@@ -1178,7 +1179,7 @@ print(fwd / (2 * q.numel()), (hwm()["VmHWM"] - base) / (2 * q.numel()))
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
 def test_rope_temporaries_stay_within_a_chunk():
-    """u = q's bf16 bytes (134 MB, 64k tokens x 16 heads x 64). Eager RoPE (model.llama._RopeFn) holds its
+    """u = q's bf16 bytes (134 MB, 64k tokens x 16 heads x 64). Eager RoPE (model.rope._RopeFn) holds its
     output plus one chunk's temporaries each way (forward: q's and k's outputs; backward: q's gradient); the
     whole-tensor formula held about 3 u forward (q·cos, the rotated half, its product, the sum) and 3 u in
     backward, measured here side by side (2026-11-30: 1.07 / 1.26 u against 3.01 / 2.77 u; 1.10 / 1.30 u before

@@ -336,7 +336,7 @@ def test_single_file_checkpoint(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 6 * 16 * 7])
 def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
-    """Eager RoPE (model.llama._RopeFn: sequence chunks both ways, a multiply and a fused multiply-add per half)
+    """Eager RoPE (model.rope._RopeFn: sequence chunks both ways, a multiply and a fused multiply-add per half)
     against transformers' apply_rotary_pos_emb on the same inputs: outputs and the q and k gradients (autograd
     through transformers' formula) within one rounding of the dtype, and no farther from the float64 result of
     that formula than transformers' own, in the mean and at the worst element; in one chunk and in chunks of 672
@@ -345,9 +345,10 @@ def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     import model.llama as llama
+    import model.rope as rope
 
     if chunk:
-        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # elements per chunk
+        monkeypatch.setattr(rope, "ROPE_CHUNK", chunk)   # elements per chunk
     torch.manual_seed(0)
     args = model.ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, rope_theta=1e6)
     holder = type("M", (), {"args": args})()   # Transformer.rope reads only self.args
@@ -362,7 +363,7 @@ def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
         return [t.detach().transpose(1, 2) for t in out] + [t.grad.transpose(1, 2) for t in ref]
 
     ours = [x.clone().requires_grad_() for x in (q, k)]
-    oq, ok = llama.Rotary()(*ours, cos, sin)
+    oq, ok = rope.Rotary()(*ours, cos, sin)
     assert oq.grad_fn.name().endswith("_RopeFnBackward"), oq.grad_fn.name()
     torch.autograd.backward((oq, ok), (gq, gk))
     got = [oq.detach(), ok.detach(), ours[0].grad, ours[1].grad]
@@ -373,7 +374,7 @@ def test_rope_chunks_match_transformers(dtype, chunk, monkeypatch):
         torch.testing.assert_close(a, b, rtol=2 * eps, atol=4 * eps, msg=name)   # one rounding apart at most
         err, ref_err = (a.double() - x).abs(), (b.double() - x).abs()
         # two roundings of at most half an ulp each, of terms no larger than |x·cos| + |rotate_half(x·sin)|
-        bound = eps * ((t.double() * c).abs() + llama.rotate_half(t.double() * s).abs())
+        bound = eps * ((t.double() * c).abs() + rope.rotate_half(t.double() * s).abs())
         assert (err <= bound).all(), (name, (err - bound).max().item())
         assert err.mean() <= ref_err.mean(), (name, err.mean().item(), ref_err.mean().item())
 
