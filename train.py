@@ -35,7 +35,7 @@ from data import GlobalBatches, load_tokenizer, run_data
 from data.demo import main as build_demo
 from data.pairs import for_run
 from loss import IGNORE_INDEX
-from model.config import flops_per_token
+from model.flops import flops_per_token
 from model.hub import same_snapshot
 from model.load import read_args
 from model.load_checks import check_config_shapes

@@ -1,4 +1,4 @@
-"""`ModelArgs` read from a checkpoint's `config.json` as transformers reads it, and the FLOPs of a token.
+"""`ModelArgs` read from a checkpoint's `config.json` as transformers reads it (a token's FLOPs: model/flops.py).
 
 Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
@@ -16,8 +16,6 @@ Contract:
   `layer_types` names; Qwen2/3's only with `use_sliding_window`, on the layers `layer_types` marks
   "sliding_attention" (derived from `max_window_layers` when absent: layers i >= max_window_layers slide); Llama
   has none.
-- `flops_per_token(args, seq_len, causal=True)`: model FLOPs of one training token (forward +
-  backward) for MFU, the standard count (no recomputation, no LoRA adapters); see its docstring.
 - RoPE (`read_rope`, `rope_scaling_flag` for `--rope-scaling`, `inv_freq`): model/rope.py.
 - `args.with_rope_scaling(spec)` is `args` with `--rope-scaling` in place of config.json's scaling, checked by computing
   the frequencies once; `args.context` is the positions the model is made for (`max_position_embeddings`, or
@@ -273,32 +271,3 @@ class ModelArgs:
         per_layer = attn + 3 * d * f + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
-
-
-def matmul_params(args: ModelArgs) -> int:
-    """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
-    a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
-    d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
-    per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f   # q, o; k, v; gate, up, down
-    return args.n_layers * per_layer + args.vocab_size * d
-
-
-def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
-    """Model FLOPs per trained token, forward + backward (the convention MFU is quoted in):
-
-        6 · P  +  6 · L · S · H · Hd          (causal; 12 · L · S · H · Hd without the mask)
-
-    P = `matmul_params`: a weight used once per token costs 2·P forward and 4·P backward (input and
-    weight gradients). Attention per layer, head and token: q·K^T over S keys and P·V are 2·S·Hd
-    each forward; the causal mask halves the keys on average (S/2); backward is twice forward.
-    Not counted: activation-checkpoint and flash-kernel recomputation (hardware, not model, FLOPs),
-    LoRA adapter matmuls (6·r·(in + out) per projection, ~0.3% at r 16 on a 7B) and the saving of
-    a frozen base (its weight gradients are never computed, so LoRA runs execute nearer 4·P).
-    S is the attention span: the row length, or a document's length in packed rows. On a sliding-window layer
-    (`args.window`) a query sees at most w keys: S/2 on average becomes w - w²/(2·S) once S > w (until 2026-12-06
-    S/2 on every layer: Mistral 7B v0.1, w 4,096, at 32k counted 4.3× its attention FLOPs, its mfu ~1.4× too high)."""
-    if not causal:
-        return 6 * matmul_params(args) + 12 * args.n_layers * seq_len * args.n_heads * args.head_dim
-    twice_keys = sum(seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
-                     for i in range(args.n_layers))   # each layer's keys a query sees, S/2 or less, doubled
-    return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim)

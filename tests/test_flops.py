@@ -1,4 +1,4 @@
-"""Model FLOPs per token (`model.config.flops_per_token`) against torch's own FLOP counter.
+"""Model FLOPs per token (`model.flops.flops_per_token`) against torch's own FLOP counter.
 
 Pins:
 - a tiny Qwen2-shaped model (GQA, q/k/v bias, untied lm_head), every weight trainable, no activation
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from model.attention import AttentionCore
-from model.config import ModelArgs, flops_per_token, matmul_params
+from model.config import ModelArgs
+from model.flops import flops_per_token, matmul_params
 from model.llama import Transformer
 
 

@@ -1,0 +1,42 @@
+"""Model FLOPs of a training token, for MFU: the standard count of the model's math, not of what runs.
+
+Contract:
+- `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
+  lm_head; not the embedding lookup or the norms).
+- `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
+  document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
+  LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
+"""
+
+from __future__ import annotations
+
+from model.config import ModelArgs
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
+    a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
+    d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
+    per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f   # q, o; k, v; gate, up, down
+    return args.n_layers * per_layer + args.vocab_size * d
+
+
+def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
+    """Model FLOPs per trained token, forward + backward (the convention MFU is quoted in):
+
+        6 · P  +  6 · L · S · H · Hd          (causal; 12 · L · S · H · Hd without the mask)
+
+    P = `matmul_params`: a weight used once per token costs 2·P forward and 4·P backward (input and
+    weight gradients). Attention per layer, head and token: q·K^T over S keys and P·V are 2·S·Hd
+    each forward; the causal mask halves the keys on average (S/2); backward is twice forward.
+    Not counted: activation-checkpoint and flash-kernel recomputation (hardware, not model, FLOPs),
+    LoRA adapter matmuls (6·r·(in + out) per projection, ~0.3% at r 16 on a 7B) and the saving of
+    a frozen base (its weight gradients are never computed, so LoRA runs execute nearer 4·P).
+    S is the attention span: the row length, or a document's length in packed rows. On a sliding-window layer
+    (`args.window`) a query sees at most w keys: S/2 on average becomes w - w²/(2·S) once S > w (until 2026-12-06
+    S/2 on every layer: Mistral 7B v0.1, w 4,096, at 32k counted 4.3× its attention FLOPs, its mfu ~1.4× too high)."""
+    if not causal:
+        return 6 * matmul_params(args) + 12 * args.n_layers * seq_len * args.n_heads * args.head_dim
+    twice_keys = sum(seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
+                     for i in range(args.n_layers))   # each layer's keys a query sees, S/2 or less, doubled
+    return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim)
