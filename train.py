@@ -110,7 +110,7 @@ def log0(*a):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--plan" in argv:   # before the heavy imports below: config.json and arithmetic only
-        from parallel.plan import main as plan_main
+        from parallel.plan_cli import main as plan_main
         return plan_main(argv, build_parser(add_help=False), DEMO)
     args, demo = preflight.parse(build_parser(), argv, DEMO)   # no --model and no --data: the demo, DEMO's defaults
     name, ckpt = preflight.check_start(args, demo, code=(LOSS_FN, lr_at, make_optimizer))   # a refusal writes nothing

@@ -1,15 +1,10 @@
 """Per-rank memory plan from config.json and the run's flags: know in a second whether a layout fits.
 
 Contract:
-- `main(argv, run_parser)` (train.py's `--plan`; no process group, no weight read) parses the run's
-  flags plus the planner's own (`--plan --help` lists them), validates with the run's one check
-  (`parallel.mesh.validate`: a failure raises the run's ValueError), prints the terms below against the
-  device memory and raises SystemExit naming what to change when it does not fit. `--suggest` lists
-  every valid (cp, dp_shard, cp-impl) layout of the world size that fits, least communication first.
 - `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts, with its peak and total:
   parallel/plan_totals.py); bench/plan.py measures it.
-- The command line (`main`) lives in parallel/plan_cli.py, with `--host-mem` and `--max-len auto` (the searches:
-  parallel/plan_search.py).
+- train.py's `--plan` prints these terms against the device memory: its command line is parallel/plan_cli.py's
+  `main` (the verdict, the fixes, `--suggest`, `--host-mem`), its searches (`--max-len auto`) parallel/plan_search.py.
 
 Notation, per rank and micro-batch: T tokens (micro-batch · max-len padded to the CP divisor, / cp), D hidden,
 H heads, K KV heads, K' the KV heads a rank attends with (max(K, U) under Ulysses degree U: replicated KV),
@@ -88,10 +83,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
 6, 7. the block backward's MLP and attention phases: parallel/plan_block.py.
-8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
-   loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
-   bf16 copy (2cV) for a bf16 weight. A chunk's hidden gradient is written into grad_hidden's rows (no ecD:
-   bench/memtrace.py's loss phase at 8,192 tokens, where c = T, is these terms to the byte).
+8. the loss phase, at the end of forward (and a tied head's or a trained embedding's gradient): parallel/plan_block.py.
 9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
@@ -101,7 +93,6 @@ from __future__ import annotations
 
 from functools import partial
 
-from loss import CHUNK_BYTES
 from model.config import lora_layers
 from parallel import kernels, plan_block
 from parallel.plan_totals import Plan, sample_tokens, with_reference
@@ -285,27 +276,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if len(adapted) < L - lo:
         kinds.append(block_terms([], recompute([i for i in range(lo, L) if i not in adapted])))
     t.update(max(kinds, key=lambda ts: sum(ts.values())))
-    c = max(1, min(T, CHUNK_BYTES // (4 * V)))
-    # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
-    # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward
-    # hands it on in the head's dtype (e), held until the embedding's backward adds its own: a term of its own, so
-    # the loss's lines below (which add up) count what they hold beyond it: the saved float32 sum's 4 - e, the
-    # chunk's product and the cast
-    if tied:
-        t["tied head's gradient (the loss's share, held until the embedding's backward)"] = V * D * e
-    t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D + V * D * (4 - e) * tied
-    if emb:   # backward's last node, once every activation is gone: the unsharded embedding's gradient, and FSDP2's
-        # float32 reduce-scatter input (a tied head's share, held, added to it in place)
-        t["| end: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
-    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
-        V * D * (e * (e == 2) + e * (el != e)) * tied
+    t.update(plan_block.loss_terms(T=T, D=D, V=V, e=e, el=el, tied=tied, emb=emb))   # 8 and the backward's end
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
                          + 8 * T * emb + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")
     return p
-
-
-def main(argv, run_parser, demo: dict):
-    """train.py --plan: the command line lives in parallel/plan_cli.py (verdicts, fixes; searches: plan_search.py)."""
-    from parallel.plan_cli import main as cli
-    return cli(argv, run_parser, demo)

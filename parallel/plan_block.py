@@ -1,6 +1,8 @@
-"""The block backward's phases of the memory plan: the "| block" terms 6, 7, 9 and 10 of parallel/plan.py's
-docstring, in its notation. `block_terms(targets, one, ...)` is called by `memory_plan` for the block whose
-backward peaks; its keyword arguments are memory_plan's sizes and helpers of the same names.
+"""The phases of the memory plan that never overlap, of which the peak takes the largest (parallel/plan_totals.py):
+the block backward's, the "| block" terms 6, 7, 9 and 10 of parallel/plan.py's docstring, and the loss's, the "| or:"
+term 8 (with a tied head's gradient and a trained embedding's "| end:"), in its notation. `block_terms(targets, one,
+...)` is called by `memory_plan` for the block whose backward peaks, `loss_terms(...)` once; their keyword arguments
+are memory_plan's sizes and helpers of the same names.
 
 6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
    two inputs (2eTF), the incoming residual gradient (eTD), the norm output rebuilt for gate/up's LoRA A
@@ -48,10 +50,15 @@ backward peaks; its keyword arguments are memory_plan's sizes and helpers of the
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
    norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
+8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
+   loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
+   bf16 copy (2cV) for a bf16 weight. A chunk's hidden gradient is written into grad_hidden's rows (no ecD:
+   bench/memtrace.py's loss phase at 8,192 tokens, where c = T, is these terms to the byte).
 """
 
 from __future__ import annotations
 
+from loss import CHUNK_BYTES
 from model.rope import ROPE_CHUNK
 from parallel import kernels
 from parallel.plan_totals import GB
@@ -123,4 +130,23 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
+    return t
+
+
+def loss_terms(*, T, D, V, e, el, tied, emb) -> dict:
+    """The loss's terms (8; a tied head's held gradient; a trained embedding's "| end:" phase) at T tokens."""
+    t, c = {}, max(1, min(T, CHUNK_BYTES // (4 * V)))
+    # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
+    # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward
+    # hands it on in the head's dtype (e), held until the embedding's backward adds its own: a term of its own, so
+    # the loss's lines below (which add up) count what they hold beyond it: the saved float32 sum's 4 - e, the
+    # chunk's product and the cast
+    if tied:
+        t["tied head's gradient (the loss's share, held until the embedding's backward)"] = V * D * e
+    t["| or: final norm input + loss grad_hidden (saved)"] = e * T * D + 4 * T + e * T * D + V * D * (4 - e) * tied
+    if emb:   # backward's last node, once every activation is gone: the unsharded embedding's gradient, and FSDP2's
+        # float32 reduce-scatter input (a tied head's share, held, added to it in place)
+        t["| end: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
+    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
+        V * D * (e * (e == 2) + e * (el != e)) * tied
     return t

@@ -1,9 +1,11 @@
 """`train.py --plan` on the command line: the verdict, the fixes, the layouts that fit, the longest --max-len.
 
 Contract (the terms are parallel/plan.py's):
-- `main(argv, run_parser, demo)` parses the run's flags plus the planner's own: --suggest, --gpu-mem, --world-size,
-  --host-mem (GB of pinned host memory per rank for --offload-activations; default this machine's RAM divided by its
-  local ranks: LOCAL_WORLD_SIZE, else the planned world size).
+- `main(argv, run_parser, demo)` (train.py's `--plan`: config.json only, no process group, no weight read) parses the
+  run's flags plus the planner's own: --suggest, --gpu-mem, --world-size, --host-mem (GB of pinned host memory per
+  rank for --offload-activations; default this machine's RAM divided by its local ranks: LOCAL_WORLD_SIZE, else the
+  planned world size), validates with the run's checks (`parallel.mesh.validate`'s failure raises the run's
+  ValueError) and prints the plan's terms against the device memory.
 - A plan fits when its device total <= the device memory and its host bytes <= --host-mem. When it does not, the
   SystemExit names single changes that fit (--ac, --quant nf4, --tiled-mlp [--tiled-attn], --ac-group,
   --offload-activations, --micro-batch 1, larger layouts, more ranks). --tiled-attn runs one process's attention: a
