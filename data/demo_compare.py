@@ -16,15 +16,17 @@ beside it), and the greedy answers of
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
 Nothing here runs the trainer's decoder: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
-round trip (training's own, `model.nf4.nf4_round_trip`), i.e. exactly the base the adapter was trained against; a
-4-bit upload's (model/prequant.py) are that already, as transformers loads them. Exit status 1 when a tuned answer is
-wrong (`--check`), so a script can assert the demo learned; 2, with the way out, for a directory it cannot compare
-(no config.json, a run without held-out data, no adapter/ yet), checked before any model is loaded.
+round trip (training's own, `model.nf4.nf4_round_trip`), i.e. exactly the base the adapter was trained against. A
+4-bit upload's (model/prequant.py) 4-bit layers become float32 Linear layers holding the weights training computed
+with, its float tensors float32 (`as_trained`), as a float checkpoint's model computes. Exit status 1 when a tuned
+answer is wrong (`--check`), so a script can assert the demo learned; 2, with the way out, for a directory it cannot
+compare (no config.json, a run without held-out data, no adapter/ yet), checked before any model is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -52,6 +54,35 @@ def nf4_round_trip(model) -> None:
             if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5 and \
                     not hasattr(mod.weight, "quant_state"):
                 mod.weight.copy_(base_of(mod.weight).to(mod.weight.dtype))
+
+
+def as_trained(model, quant: str) -> None:
+    """A 4-bit upload's transformers model, computing as training did: each bitsandbytes Linear4bit becomes a float32
+    Linear holding its codes × scales (under nf4 with fp32 block scales nested as training nests them,
+    model/prequant.nf4_parts), and the float tensors transformers keeps in the upload's bf16 (asked for float32) are
+    float32. As loaded, the model computed in bf16 (the upload's bnb_4bit_compute_dtype, and bitsandbytes' CPU
+    inference kernel, which casts the scales to bf16 in eval mode) from un-nested scales: logits 5e-3 off training's."""
+    import torch
+
+    from model.bnb import dequantize_4bit
+    from model.nf4 import nested_state
+
+    fours = [(n, m) for n, m in model.named_modules() if hasattr(getattr(m, "weight", None), "quant_state")]
+    with torch.no_grad():
+        for name, mod in fours:
+            st = copy.copy(mod.weight.quant_state)
+            if quant == "nf4" and not st.nested:   # (under nf4 training takes only nf4 in 64-blocks: prequant)
+                qabsmax, st = nested_state(st.absmax.float(), st.shape, torch.float32)
+                st.absmax = qabsmax
+            st.dtype = torch.float32
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            lin.weight = torch.nn.Parameter(dequantize_4bit(mod.weight.data.view(-1, 1), st), requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = torch.nn.Parameter(mod.bias.detach().float(), requires_grad=False)
+            model.set_submodule(name, lin)
+        for t in [*model.parameters(), *model.buffers()]:   # (transformers refuses model.float() on a quantized one)
+            if t.is_floating_point():
+                t.data = t.data.float()
 
 
 def encode(tok, prompt: list[dict] | str, day: str | None = None, tools: list | None = None) -> dict:
@@ -131,6 +162,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
     if cfg.get("quant", "nf4") == "nf4":
         nf4_round_trip(model)
+    as_trained(model, cfg.get("quant", "nf4"))   # (after: its Linear layers are no float checkpoint's to round)
     model.eval()
     rows = []
     answer = lambda r: r["completion"].strip() if "prompt" in r else \

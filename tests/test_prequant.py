@@ -15,6 +15,8 @@ themselves, sharded so weights and their companions fall in different files):
   in any rows (`get_rows`, `get_flat`);
 - `llm_int8_skip_modules`: the projections stored in float are quantized as from a float checkpoint (bitsandbytes'
   primitives), and the start-up note says so;
+- `python -m data.demo_compare` on an upload quantized from bf16 (compute dtype bf16, fp32 scales): its transformers
+  model computes training's logits (float32; under nf4 the scales nested as training nests them);
 - refusals before any weight is read, naming the fix: fp4 under --quant nf4 (no run directory made); a packed weight
   without a companion tensor, or cut short, a companion (scales, code books) of another length than its quant state
   implies, a quant state of block size 0 (CorruptCheckpointError naming it).
@@ -291,6 +293,38 @@ def test_demo_compare_keeps_the_uploads_4bit_layers(packed):
         else:
             assert torch.equal(p, before[n]), n
     assert n4 == 12, n4   # (2 blocks × 6: down_proj kept float)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_demo_compare_computes_a_bf16_upload_as_training_does(packed, tmp_path, quant):
+    """`python -m data.demo_compare` on a run trained on an upload as real ones are (quantized from bf16, fp32 block
+    scales, bnb_4bit_compute_dtype bf16, its other tensors stored bf16), in eval mode as it generates: the transformers
+    model's logits are training's (our decoder on that upload, LoRA off; pinned to transformers' and bitsandbytes'
+    own weights above). Until 2026-12-06 the demo kept transformers' 4-bit model as loaded: bf16 compute, bf16 float
+    tensors though float32 was asked for, bitsandbytes' CPU inference kernel with bf16 scales, and under nf4 the
+    un-nested scales training does not use (logits 5e-3 off)."""
+    from transformers import AutoModelForCausalLM
+
+    from data.demo_compare import as_trained, nf4_round_trip
+    from model.load import read_header
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import bnb_checkpoint
+
+    path = bnb_checkpoint(packed["float"], tmp_path / "bf16", dtype=torch.bfloat16, bnb_4bit_quant_type="nf4",
+                          bnb_4bit_compute_dtype=torch.bfloat16)
+    stored = {d for f in os.listdir(path) if f.endswith(".safetensors")
+              for n, (d, *_) in read_header(os.path.join(path, f))[0].items() if n.endswith("norm.weight")}
+    assert stored == {torch.bfloat16}, stored
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)   # (as compare() loads it)
+    if quant == "nf4":
+        nf4_round_trip(hf)
+    as_trained(hf, quant)
+    with torch.no_grad():
+        theirs = hf.eval()(_ids()).logits
+        ours = build_model(BuildOptions(path, quant=quant, lora_r=R, lora_alpha=ALPHA), device="cpu")[0](_ids())
+    assert theirs.dtype == torch.float32, theirs.dtype
+    assert _rel(theirs, ours) < 1e-5, f"demo's base vs training's: relative norm {_rel(theirs, ours):.2e}"
 
 
 @pytest.mark.timeout(300)
