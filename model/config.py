@@ -20,6 +20,8 @@ Contract:
 - `args.with_rope_scaling(spec)` is `args` with `--rope-scaling` in place of config.json's scaling, checked by computing
   the frequencies once; `args.context` is the positions the model is made for (`max_position_embeddings`, or
   factor × the original length when scaled), `args.beyond_context(n)` the warning for rows longer than that.
+- `--lora-targets` and `--lora-layers` as argparse reads them (`lora_targets_arg`: projection names or a set name of
+  TARGET_SETS; `lora_layers_arg`), and `lora_layers(spec)`: the block indices a spec names (None: every block).
 """
 
 from __future__ import annotations

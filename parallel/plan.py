@@ -1,7 +1,7 @@
 """Per-rank memory plan from config.json and the run's flags: know in a second whether a layout fits.
 
 Contract:
-- `memory_plan(margs, dims, args, target)` -> `Plan` (named byte counts, with its peak and total:
+- `memory_plan(margs, dims, args, target, pack)` -> `Plan` (named byte counts, with its peak and total:
   parallel/plan_totals.py); bench/plan.py measures it.
 - train.py's `--plan` prints these terms against the device memory: its command line is parallel/plan_cli.py's
   `main` (the verdict, the fixes, `--suggest`, `--host-mem`), its searches (`--max-len auto`) parallel/plan_search.py.
