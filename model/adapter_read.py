@@ -5,7 +5,8 @@ Contract:
 - `check_init_adapter(path, r, alpha, targets, ...)` -> its adapter_config.json, or ValueError naming each value this
   run cannot start from and the flag that fixes it (config only: before any weight is read).
 - `not_an_adapter(path, flag)`, `not_plain_lora(cfg)`, `untied_embedding(cfg)`: why a folder or a config is refused
-  (None / []: accepted), shared with the merge (model/merged.py).
+  (None / []: accepted), shared with the merge (model/merged.py). `saved_modules(mods)`: peft's modules_to_save, full
+  names or the suffixes peft matches (e.g. "norm", "embed_tokens"), as the modules of ours they name.
 - `read_init_adapter(path)` -> {our parameter name: tensor}, the inverse of model/export.py's `peft_keys`; a tied
   model's head (`tied_head`: the trained embedding again, for peft's ensure_weight_tying) left out.
 - `init_adapter_note(path, ...)`: what a run says, rather than refuses, about the folder (another base, template, RoPE
@@ -32,10 +33,10 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
     each as a phrase naming it. Norm layers and the input embedding as modules_to_save (--train-norms',
     --train-embeddings') are this trainer's too."""
-    full = ": only norm layers and the input embedding, named in full as peft names them in a model, e.g. " \
-        "model.embed_tokens, model.layers.0.input_layernorm (peft's short names, which it matches as suffixes, " \
-        "are not read here)"   # (a short embed_tokens on a tied model would slip past untied_embedding's check)
-    wrong = [f"{k} {cfg[k]!r} (not trained here{full if k == 'modules_to_save' else ''})" for k in (
+    saved = "; ".join(saved_modules(cfg.get("modules_to_save") or [])[1]) + ": peft matches each as a name suffix, " \
+        "and only norm layers and the input embedding train here (e.g. [\"norm\", \"embed_tokens\"]); merge such an " \
+        "adapter with peft's merge_and_unload and train on the merged model"
+    wrong = [f"{k} {cfg[k]!r} ({saved if k == 'modules_to_save' else 'not trained here'})" for k in (
         "use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_trained(cfg))]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
@@ -56,11 +57,38 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
 
 
 def saves_trained(cfg: dict) -> bool:
-    """Whether an adapter_config.json's modules_to_save are norm layers and the input embedding only (and some):
-    --train-norms' and --train-embeddings' adapter."""
+    """Whether an adapter_config.json's modules_to_save name norm layers and the input embedding only (and some):
+    --train-norms' and --train-embeddings' adapter, or peft's with those (full names or peft's short ones)."""
     mods = cfg.get("modules_to_save")
-    return isinstance(mods, list) and bool(mods) and all(isinstance(m, str) and is_saved_weight(m + ".weight")
-                                                         for m in mods)
+    return isinstance(mods, list) and bool(mods) and not saved_modules(mods)[1]
+
+
+# our model's module names (transformers' Llama family; {i}: a block's index), what a modules_to_save entry can match
+MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"] + [
+    "model.layers.{i}" + m for m in ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm",
+                                     ".mlp.act_fn", *(".self_attn." + p for p in ("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj", "q_norm", "k_norm")),
+                                     *(".mlp." + p for p in ("gate_proj", "up_proj", "down_proj")))]
+
+
+def saved_modules(mods) -> tuple[list[str], list[str]]:
+    """peft's modules_to_save `mods` as the modules they match here, and a phrase for each entry that matches a module
+    this trainer does not train (the head, a projection, a block) or none. peft wraps every module whose name ENDS
+    with an entry (`_set_trainable`: key.endswith(entry)), so users write short names: "norm" is every norm
+    (input_layernorm, post_attention_layernorm, q/k_norm, model.norm), "embed_tokens" the input embedding. A block's
+    module is named at the index the entry spells (or ends with: "1.input_layernorm" is block 1's and 11's), else
+    block 0's: which blocks it covers, the adapter's tensors say (they are saved under the full names)."""
+    names, wrong = set(), []
+    for e in mods if isinstance(mods, list) else [mods]:
+        at = {0} | {int(p + d) for d in re.findall(r"\d+", e) for p in ("", "1")} if isinstance(e, str) else set()
+        hit = sorted({m.format(i=i) for m in MODULES for i in at if m.format(i=i).endswith(e)})
+        other = [h.replace("layers.0.", "layers.N.") if at == {0} else h for h in hit   # (every block's)
+                 if not is_saved_weight(h + ".weight")]
+        if other or not hit:
+            wrong.append(f"{e!r} matches " + (f"{', '.join(other[:3])}{' ...' * (len(other) > 3)}, not trained here"
+                                              if other else "no module of a Llama-family model"))
+        names.update(hit)
+    return sorted(names), wrong
 
 
 def not_an_adapter(path: str, flag: str) -> str | None:
@@ -100,8 +128,8 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
         # as another rslora is: say which flag keeps what it learned)
         wrong.append(f"use_dora {bool(cfg.get('use_dora'))}, this run " + ("--dora" if dora else "no --dora")
                      + (" (pass --dora)" if cfg.get("use_dora") else " (drop --dora)"))
-    saved = cfg.get("modules_to_save") if saves_trained(cfg) else []   # (its trained norms or embedding would be
-    if any(is_norm_weight(m + ".weight") for m in saved) and not train_norms:   # dropped: the function changes)
+    saved = saved_modules(cfg["modules_to_save"])[0] if saves_trained(cfg) else []   # (its trained norms or embedding
+    if any(is_norm_weight(m + ".weight") for m in saved) and not train_norms:   # would be dropped: another function)
         wrong.append(f"modules_to_save {cfg['modules_to_save']!r} (trained norm weights), this run no --train-norms "
                      "(pass --train-norms)")
     if any(is_embed_weight(m + ".weight") for m in saved) and not train_embeddings:
@@ -186,7 +214,8 @@ def read_init_adapter(path: str) -> dict:
 def untied_embedding(cfg: dict) -> str | None:
     """Why an adapter_config.json `cfg`, read against a base whose head is tied to its input embedding, does not tie
     them (the trained embedding without peft's ensure_weight_tying: in peft the head stays the base's), or None."""
-    if "model.embed_tokens" in (cfg.get("modules_to_save") or []) and not cfg.get("ensure_weight_tying"):
+    if "model.embed_tokens" in saved_modules(cfg.get("modules_to_save") or [])[0] and \
+            not cfg.get("ensure_weight_tying"):
         return ("trains the input embedding (modules_to_save model.embed_tokens) of a model whose output head is that "
                 "embedding (config.json's tie_word_embeddings), without peft's ensure_weight_tying: in peft its head "
                 "stays the base's embedding, untied from the trained one")

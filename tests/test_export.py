@@ -438,15 +438,16 @@ def test_merge_refuses_what_it_would_merge_wrong(exported, tmp_path, capsys, mon
     for key, value in (("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"v_proj": 2}),
                        ("layer_replication", [[0, 1], [0, 1]]), ("alora_invocation_tokens", [5, 6]),
                        ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
-                       ("modules_to_save", ["embed_tokens"])):   # (peft's short name: the fix named, review, helper 92)
-        other = tmp_path / f"{key}-{value}"   # (peft's variants a plain W + s·B@A merge is not: until 2026-12-04
-        shutil.copytree(adapter, other)      # PiSSA, OLoRA, aLoRA and layer replication merged, wrong, with exit 0)
-        cfg = json.loads((other / "adapter_config.json").read_text())
-        (other / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
-        want = f"has {key} {value!r} (" + ("its base is rebuilt" if key == "init_lora_weights" else "not trained here")
+                       ("modules_to_save", ["lm_head"])):   # (peft's short name of a module not trained here: what
+        other = tmp_path / f"{key}-{value}"   # it matches named; those of norms and the embedding merge: test_norms)
+        shutil.copytree(adapter, other)      # (peft's variants a plain W + s·B@A merge is not: until 2026-12-04
+        cfg = json.loads((other / "adapter_config.json").read_text())   # PiSSA, OLoRA, aLoRA and layer replication
+        (other / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))   # merged, wrong, with exit 0)
+        want = f"has {key} {value!r} (" + ("its base is rebuilt" if key == "init_lora_weights" else
+                                           "'lm_head' matches lm_head, not trained here" if key == "modules_to_save"
+                                           else "not trained here")
         assert want in refused(adapter=other), key
-        assert ("named in full as peft names them in a model, e.g. model.embed_tokens" in refused(adapter=other)) == (
-            key == "modules_to_save"), key
+        assert ("peft matches each as a name suffix" in refused(adapter=other)) == (key == "modules_to_save"), key
     # the base it was trained on, by its files (trained_on.json's model_sha256, as train.py writes it): a copy
     # elsewhere merges; the same shapes with other weights, or an edited config.json, do not, unless --any-base
     from model.hub import model_fingerprint

@@ -209,6 +209,101 @@ def test_adapter_loads_in_peft_merges_as_peft_and_starts_a_run(ckpts, family, em
         torch.testing.assert_close(again(ids, position_ids=pos), ours, rtol=1e-5, atol=1e-5, msg="--init-adapter")
 
 
+def _short_argv(path, adapter, *flags):
+    import train
+
+    return train.build_parser().parse_args(["--model", path, "--lora-r", str(R), "--lora-alpha", str(ALPHA),
+                                            "--init-adapter", adapter, *flags])
+
+
+@pytest.mark.parametrize("family,mods", [
+    ("qwen3", ["norm", "embed_tokens"]), ("qwen2", ["norm", "input_layernorm", "post_attention_layernorm",
+                                                    "embed_tokens"]),
+    ("qwen2", ["input_layernorm", "model.norm"]), ("tied", ["norm", "embed_tokens"])],
+    ids=["qwen3_norm_embed", "qwen2_as_users_write_them", "qwen2_block_norms_and_full_name", "tied_norm_embed"])
+def test_peft_short_modules_to_save_start_a_run_as_peft_computes(ckpts, family, mods, tmp_path):
+    """peft's own adapter with modules_to_save in its short form (LoraConfig's, matched as name suffixes: "norm" is
+    every norm, Qwen3's q/k norms too): --init-adapter's checks take it (asking for the flags that train what it
+    saved; a tied model's under peft's ensure_weight_tying), the model it starts gives PeftModel's logits, its export
+    loads in peft again with them, and the merge writes what merge_and_unload holds."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from model.export import export_adapter
+    from model.load import read_args
+    from model.merged import merge
+    from parallel.flags import check_flags, check_model_flags
+    from parallel.parallelize import BuildOptions, build_model
+
+    path, emb = ckpts[family], "embed_tokens" in mods
+    hf = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)   # noqa: E731
+    theirs = get_peft_model(hf(), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=ALL, init_lora_weights=False,
+                                             modules_to_save=list(mods), ensure_weight_tying=family == "tied"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():   # (the saved modules moved off the base's: a start from the base's would show)
+        for n, p in theirs.named_parameters():
+            if ".modules_to_save.default." in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    saved = json.load(open(tmp_path / "peft" / "adapter_config.json"))["modules_to_save"]
+    assert "norm" in saved or "input_layernorm" in saved, saved   # (the short form, as peft wrote it)
+    held = [k for k in load_file(str(tmp_path / "peft" / "adapter_model.safetensors")) if ".lora_" not in k]
+    assert len(held) == {"qwen3": 10, "tied": 7}.get(family, 6 if emb else 3), held   # (tied: the head, the same)
+    # the start-up checks: the flags that train what it saved asked for, by name; with them, accepted
+    with pytest.raises(ValueError, match="no --train-norms \\(pass --train-norms\\)"):
+        check_flags(_short_argv(path, str(tmp_path / "peft"), "--train-embeddings"))
+    if emb:
+        with pytest.raises(ValueError, match="no --train-embeddings \\(pass --train-embeddings\\)"):
+            check_flags(_short_argv(path, str(tmp_path / "peft"), "--train-norms"))
+    args = _short_argv(path, str(tmp_path / "peft"), "--train-norms", *["--train-embeddings"] * emb)
+    check_flags(args)
+    check_model_flags(args, read_args(path))
+    ours, peft_model = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, train_norms=True,
+                                                train_embeddings=emb, seed=9, init_adapter=args.init_adapter),
+                                   device="cpu")
+    ids, _, pos = _batch()
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(hf(), str(tmp_path / "peft")).eval()(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids, position_ids=pos), want, rtol=1e-5, atol=1e-5, msg="--init-adapter")
+        export_adapter(peft_model, str(tmp_path / "export"), path)
+        again = PeftModel.from_pretrained(hf(), str(tmp_path / "export")).eval()
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5, msg="exported, in peft")
+    merged = PeftModel.from_pretrained(hf(), str(tmp_path / "peft")).merge_and_unload().state_dict()
+    merge(path, str(tmp_path / "peft"), str(tmp_path / "merged"), dtype=torch.float32)
+    got = {}
+    for f in (tmp_path / "merged").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert got.keys() <= merged.keys() and len(got) >= len(merged) - (family == "tied"), sorted(merged.keys() - got)
+    for k in got:
+        torch.testing.assert_close(got[k], merged[k], rtol=1e-5, atol=1e-6, msg=f"merged {k}")
+
+
+def test_peft_short_modules_to_save_of_what_is_not_trained_here_are_refused(ckpts, tmp_path):
+    """A short modules_to_save entry that peft matches to a module this trainer does not train (the head, a projection,
+    a block's MLP) or to none is refused from adapter_config.json, naming the entry, what it matches and the fix."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from model.adapter_read import check_init_adapter
+
+    path = ckpts["qwen2"]
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(
+        r=R, lora_alpha=ALPHA, target_modules=ALL, modules_to_save=["lm_head"])).save_pretrained(str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="modules_to_save \\['lm_head'\\] \\('lm_head' matches lm_head, not trained "
+                                         "here: peft matches each as a name suffix.*merge_and_unload"):
+        check_init_adapter(str(tmp_path / "a"), R, ALPHA, ALL, train_norms=True, train_embeddings=True)
+    for mods, said in ((["norm", "o_proj"], "'o_proj' matches model.layers.N.self_attn.o_proj, not trained here"),
+                       (["mlp"], "'mlp' matches model.layers.N.mlp, not trained here"),
+                       (["layers.1"], "'layers.1' matches model.layers.1, not trained here"),
+                       (["nrom"], "'nrom' matches no module of a Llama-family model")):
+        cfg = json.load(open(tmp_path / "a" / "adapter_config.json"))
+        json.dump({**cfg, "modules_to_save": mods}, open(tmp_path / "a" / "adapter_config.json", "w"))
+        with pytest.raises(ValueError, match=f"modules_to_save {mods!r} \\(.*{said}".replace("[", "\\[")
+                           .replace("]", "\\]")):
+            check_init_adapter(str(tmp_path / "a"), R, ALPHA, ALL, train_norms=True, train_embeddings=True)
+
+
 def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
     """The norms outside weight decay, the trained embedding inside it, as transformers' Trainer decides; LoRA+'s rates
     as peft's (the embedding, a saved module, at the LR)."""
@@ -346,10 +441,12 @@ def test_train_embeddings_refuses_what_it_cannot_train(tmp_path):
         assert "--train-embeddings with --lora-layers 1" in said and "include block 0" in said, said
 
 
-def test_tied_embedding_adapter_without_weight_tying_is_refused(ckpts, tmp_path):
+@pytest.mark.parametrize("name", ["model.embed_tokens", "embed_tokens"], ids=["full_name", "peft_short_name"])
+def test_tied_embedding_adapter_without_weight_tying_is_refused(ckpts, tmp_path, name):
     """peft's own adapter of a tied model's embedding without ensure_weight_tying keeps the base's head in peft (the two
     untied: its logits are not a tied model's): --init-adapter and the merge refuse it, naming why, where either would
-    tie the head to the trained embedding; with ensure_weight_tying (peft's save, our export's form) both take it."""
+    tie the head to the trained embedding, also where modules_to_save names it as peft's suffix (embed_tokens); with
+    ensure_weight_tying (peft's save, our export's form) both take it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -361,8 +458,7 @@ def test_tied_embedding_adapter_without_weight_tying_is_refused(ckpts, tmp_path)
     path = ckpts["tied"]
     for tying in (False, True):
         peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(
-            r=R, lora_alpha=ALPHA, target_modules=ALL, modules_to_save=["model.embed_tokens"],
-            ensure_weight_tying=tying))
+            r=R, lora_alpha=ALPHA, target_modules=ALL, modules_to_save=[name], ensure_weight_tying=tying))
         peft.save_pretrained(str(tmp_path / str(tying)))
     argv = lambda a: train.build_parser().parse_args(["--model", path, "--lora-r", str(R), "--lora-alpha", str(ALPHA),
                                                       "--train-embeddings", "--init-adapter", a])   # noqa: E731
