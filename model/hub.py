@@ -13,7 +13,9 @@ Contract:
   `same_snapshot(name, dir[, fetch])` checks under a process group that every rank read one commit, and fetches
   the rest of it with a failure on any rank raised on all.
 - `fetch_adapter(name)`: the same for `--init-adapter` (a PEFT adapter's repo): its adapter_model.safetensors and the
-  json/jinja files beside it (model/export.py's), no subfolder; the run records the snapshot path (its commit).
+  json/jinja files beside it (model/export.py's), at the top level or, for "org/name/sub/folder[@revision]", in that
+  subfolder alone (a trainer's checkpoint-500/; peft's `from_pretrained(..., subfolder=)`), never deeper; the run
+  records the snapshot path (`hub_snapshot(dir, sub=True)`: "org/name/sub/folder@commit").
 - `model_fingerprint(path)`: a local checkpoint's identity for a resume to compare, a sha256 over config.json,
   the weight index and, per weight file model/load.py reads, its name, size, header and first and last bytes
   (None where nothing local is there to hash: a Hub snapshot's commit is compared instead); `same_model(path,
@@ -44,27 +46,50 @@ def fetch_checkpoint(name: str, config_only: bool = False, revision: str | None 
 
 def fetch_adapter(name: str) -> str:
     """A local PEFT adapter folder for `--init-adapter name`: `name` itself, or for a Hub id its adapter files (never
-    a base's weights, nor a subfolder's adapter) fetched into the hub's cache, whose snapshot path names the commit."""
-    if not (repo := hub_repo(name)):
+    a base's weights, nor another folder's adapter) fetched into the hub's cache, whose snapshot path names the commit;
+    "org/name/sub/folder" reads the adapter in that subfolder (the returned path is the snapshot's subfolder)."""
+    if not (repo := hub_repo(name, sub=True)):
         return name   # a path (check_init_adapter says what a missing one lacks)
-    path = _download("--init-adapter", name, "adapter files", name.partition("@")[2] or None, ADAPTER_FILES, HUB_SKIP,
+    sub = name.partition("@")[0][len(repo) + 1:]   # ("": the top level)
+    inside = sub + "/" if sub else ""   # (fnmatch's * crosses "/": the ignore pattern keeps deeper folders out)
+    snap = _download("--init-adapter", name, f"adapter files{' in ' + inside if sub else ''}",
+                     name.partition("@")[2] or None, [inside + f for f in ADAPTER_FILES],
+                     [inside + "*/*"] if sub else HUB_SKIP,
                      f"pass a local PEFT adapter folder (adapter_config.json + adapter_model.safetensors), or fetch "
                      f"it first (`hf download {repo}`; private repos need `hf auth login`)")
+    path = os.path.join(snap, *sub.split("/")) if sub else snap
     if not all(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "adapter_model.safetensors")):
-        raise FileNotFoundError(f"--init-adapter {name!r}: the Hub repo {hub_snapshot(path) or repo} holds no "
-                                "adapter_config.json and adapter_model.safetensors at its top level: pass a PEFT "
-                                "adapter's repo (a model's is --model's)")
+        where = f"in its folder {sub}/" if sub else "at its top level"
+        raise FileNotFoundError(f"--init-adapter {name!r}: the Hub repo {hub_snapshot(snap) or repo} holds no "
+                                f"adapter_config.json and adapter_model.safetensors {where} "
+                                f"({_adapters_in(repo, os.path.basename(snap))}): pass a PEFT adapter's repo, or "
+                                "org/name/FOLDER for one in a folder (a model's repo is --model's)")
     return path
 
 
-def hub_repo(name: str) -> str | None:
-    """The repo of a Hub id ("org/name", "org/name@revision"), or None where `name` reads as a path: one that exists,
-    or starts with ".", "/" or "~", or is not two parts of letters, digits, "-", "_", "."."""
-    repo = name.partition("@")[0]
-    if os.path.exists(name) or name.startswith((".", "/", "~")) or repo.count("/") != 1 or not all(
-            part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in repo.split("/")):
+def _adapters_in(repo: str, commit: str) -> str:
+    """What a Hub repo holds at `commit`, for an error: its folders with an adapter_config.json, else its files."""
+    try:
+        import huggingface_hub
+        files = huggingface_hub.list_repo_files(repo, revision=commit)
+    except Exception as e:   # (offline: the error above stands without the list)
+        return f"its files could not be listed: {type(e).__name__}"
+    dirs = sorted({os.path.dirname(f) for f in files if os.path.basename(f) == "adapter_config.json"})
+    if dirs:
+        return "adapters in it: " + ", ".join(f"{repo}/{d}" if d else f"{repo} (top level)" for d in dirs)
+    return f"no adapter_config.json anywhere in it; its files: {', '.join(sorted(files)[:8]) or 'none'}" \
+        f"{' ...' * (len(files) > 8)}"
+
+
+def hub_repo(name: str, sub: bool = False) -> str | None:
+    """The repo of a Hub id ("org/name", "org/name@revision"; where `sub`, also "org/name/sub/folder[@revision]", a
+    folder in the repo), or None where `name` reads as a path: one that exists, or starts with ".", "/" or "~", or
+    whose parts are not of letters, digits, "-", "_", "." (two of them, or where `sub` more)."""
+    parts = name.partition("@")[0].split("/")
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or len(parts) < 2 or len(parts) > 2 and not sub or \
+            not all(part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in parts):
         return None
-    return repo
+    return "/".join(parts[:2])
 
 
 def _download(flag: str, name: str, what: str, revision, allow: list, skip, fix: str) -> str:
@@ -76,20 +101,23 @@ def _download(flag: str, name: str, what: str, revision, allow: list, skip, fix:
             huggingface_hub.utils.disable_progress_bars()
         else:
             print(f"{flag} {name}: no such directory here; fetching its {what} from the Hugging Face Hub", flush=True)
-        return huggingface_hub.snapshot_download(name.partition("@")[0], revision=revision, allow_patterns=allow,
-                                                 ignore_patterns=skip)
+        return huggingface_hub.snapshot_download("/".join(name.partition("@")[0].split("/")[:2]), revision=revision,
+                                                 allow_patterns=allow, ignore_patterns=skip)   # (the repo: no folder)
     except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
         why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{flag} {name!r} is not a directory here, and fetching it from the Hugging Face Hub "
                                 f"failed ({type(e).__name__}: {why}); {fix}") from e
 
 
-def hub_snapshot(path) -> str | None:
+def hub_snapshot(path, sub: bool = False) -> str | None:
     """"org/name@commit" for a directory of huggingface_hub's cache (.../models--org--name/snapshots/<commit>): the
-    same checkpoint wherever the cache lives (resume and the adapter's base model name it so). Else None."""
+    same checkpoint wherever the cache lives (resume and the adapter's base model name it so). Else None. `sub`: a
+    folder inside a snapshot too (--init-adapter's in a subfolder), "org/name/sub/folder@commit"."""
     parts = os.path.normpath(str(path)).split(os.sep)
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3][len("models--"):].replace("--", "/", 1) + "@" + parts[-1]
+    for i in range(len(parts) - 2, 0, -1) if sub else [len(parts) - 2]:   # (the last "snapshots" in the path)
+        if i >= 1 and parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return parts[i - 1][len("models--"):].replace("--", "/", 1) + "".join("/" + p for p in parts[i + 2:]) \
+                + "@" + parts[i + 1]
     return None
 
 
@@ -110,13 +138,14 @@ def same_snapshot(name: str, path: str, fetch: bool = False, flag: str = "--mode
         except FileNotFoundError as e:
             err = str(e)
     seen = [None] * world
-    dist.all_gather_object(seen, err if fetch else hub_snapshot(path))
+    dist.all_gather_object(seen, err if fetch else hub_snapshot(path, sub=flag == "--init-adapter"))
     if fetch and any(seen):
         raise FileNotFoundError(next(e for e in seen if e))
     if not fetch and len(set(seen)) > 1:
+        ids = {s.rpartition("@")[0] for s in seen if s}   # (one id: the pin spelled with it, a folder's too)
         raise ValueError(f"{flag}{' ' * bool(name)}{name}: the ranks read different checkpoints ("
-                         f"{sorted(set(seen), key=str)}; None: a local directory); pin one: org/name@<commit>, or the "
-                         "same directory everywhere")
+                         f"{sorted(set(seen), key=str)}; None: a local directory); pin one: "
+                         f"{ids.pop() if len(ids) == 1 else 'org/name'}@<commit>, or the same directory everywhere")
 
 
 def model_fingerprint(path: str, sample: int = 1 << 20, every_file: bool = False) -> str | None:

@@ -5,7 +5,8 @@ Contract:
   that act only with another, the AC flags through `check_ac`, --init-adapter's config through
   `model.adapter_read.check_init_adapter`). Each error is a `ValueError` naming the flag and the fix.
   It reads no weight. A Hub id given to --init-adapter is fetched first (`model.hub.fetch_adapter`): args.init_adapter
-  becomes its snapshot folder, here since every entry point (a run, --plan) calls this first.
+  becomes its snapshot folder (or, for org/name/folder, that folder of it), here since every entry point (a run,
+  --plan) calls this first.
 - `check_model_flags(args, margs)`: the checks that need the model's config.json but no layout (--lora-r against the
   projections' rank, --lora-layers against the blocks, --ac-group / --ac-blocks against them, --init-adapter's LoRA
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).

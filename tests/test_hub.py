@@ -18,6 +18,11 @@ allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>
   the local folder (losses, adapter, DPO's reference), config.json records the snapshot (hub_snapshot: org/x@commit),
   a resume given the id again finds the reference; ranks on two commits stop with one error; a failed fetch or a
   model's repo is refused before --out exists; `--plan --init-adapter org/x@v1` fetches that revision and checks it.
+- `--init-adapter org/x/checkpoint-500` (an adapter in a folder of the repo, peft's subfolder=): that folder's adapter
+  files alone fetched (not the top level's, a deeper folder's, its optimizer), the run = the local folder's, the
+  snapshot folder recorded (org/x/checkpoint-500@commit); ranks on two commits stop with one error naming it; a
+  missing folder, one without an adapter, or a repo with adapters in folders only is one error naming the id, the
+  folder and the adapters the repo holds, before --out exists; `--plan` with `@v1` fetches that revision.
 
 Run: .venv/bin/python -m pytest -q tests/test_hub.py
 """
@@ -63,7 +68,13 @@ def hub(assets, tmp_path, monkeypatch):
             shutil.copy(os.path.join(src, f), snap / f)
         return str(snap)
 
+    def list_repo_files(repo_id, revision=None, **kw):   # (what an error says the repo holds)
+        state["calls"].append(dict(repo_id=repo_id, revision=revision, listed=True))
+        src = state["repos"].get(repo_id, repo)
+        return sorted(os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs)
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
     return state
 
 
@@ -194,14 +205,15 @@ def _two_ranks(rank, world, assets, root, mode):
     import train
 
     def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
-        if mode in ("push", "adapter"):   # rank 1 sees the repo after a push
+        if mode in ("push", "adapter", "subfolder"):   # rank 1 sees the repo after a push
             revision = revision or str(rank) * 40
         elif allow_patterns != ["config.json"] and rank == 1:
             raise OSError("Connection reset by peer")   # rank 1's weights fetch fails
         snap = os.path.join(root, f"models--{repo_id.replace('/', '--')}", "snapshots", revision or COMMIT)
         if not os.path.isdir(snap):   # whole or not there, as the hub's cache: both ranks fetch one snapshot at once,
             tmp = f"{snap}.rank{rank}.tmp"   # and a copy over the other's files let it read one being rewritten
-            shutil.copytree(assets["adapter" if mode == "adapter" else "model"], tmp)
+            shutil.copytree(assets["model" if mode in ("push", "fail") else "adapter"],
+                            os.path.join(tmp, "checkpoint-1") if mode == "subfolder" else tmp)
             try:
                 os.rename(tmp, snap)
             except OSError:   # the other rank's came first
@@ -210,8 +222,8 @@ def _two_ranks(rank, world, assets, root, mode):
 
     huggingface_hub.snapshot_download = snapshot_download
     argv = train_argv(assets, os.path.join(root, "out"))
-    if mode == "adapter":   # --model a local directory, --init-adapter a Hub id
-        argv += ["--init-adapter", "org/x"]
+    if mode in ("adapter", "subfolder"):   # --model a local directory, --init-adapter a Hub id (or a folder in it)
+        argv += ["--init-adapter", "org/x" + "/checkpoint-1" * (mode == "subfolder")]
     else:
         argv[argv.index(assets["model"])] = "org/tiny"
     with no_weights():
@@ -223,14 +235,18 @@ def _two_ranks(rank, world, assets, root, mode):
 
 
 @pytest.mark.timeout(300)
-def test_ranks_stop_together_on_different_adapter_commits(assets, sft, tmp_path):
-    """--init-adapter org/x fetched at two commits (a push between the ranks' fetches): every rank stops with one
-    error naming both, before any weight (not two ranks training from different starts)."""
+@pytest.mark.parametrize("mode", ["adapter", "subfolder"])
+def test_ranks_stop_together_on_different_adapter_commits(assets, sft, tmp_path, mode):
+    """--init-adapter org/x (or org/x/checkpoint-1, an adapter in a folder of the repo) fetched at two commits (a push
+    between the ranks' fetches): every rank stops with one error naming both, before any weight (not two ranks
+    training from different starts)."""
     from tests.dist import run_ranks
 
-    msgs = run_ranks(_two_ranks, 2, {**assets, "adapter": sft}, str(tmp_path / "adapter"), "adapter", timeout=240)
+    msgs = run_ranks(_two_ranks, 2, {**assets, "adapter": sft}, str(tmp_path / mode), mode, timeout=240)
     assert msgs[0] == msgs[1] and msgs[0] and "--init-adapter: the ranks read different checkpoints" in msgs[0], msgs
-    assert "org/x@" + "0" * 40 in msgs[0] and "org/x@" + "1" * 40 in msgs[0], msgs[0]
+    x = "org/x" + "/checkpoint-1" * (mode == "subfolder")
+    assert f"{x}@" + "0" * 40 in msgs[0] and f"{x}@" + "1" * 40 in msgs[0] and f"pin one: {x}@<commit>" in msgs[0], \
+        msgs[0]
 
 
 @pytest.mark.timeout(300)
@@ -258,13 +274,17 @@ def sft(assets, tmp_path_factory):
 
 def _push_adapter(hub, assets, sft, root):
     """org/x: the adapter folder as pushed, beside what an adapter fetch must leave: a base's weights, a README, an
-    older checkpoint's adapter in a subfolder."""
+    older checkpoint's weights alone in a subfolder, and a trainer's checkpoint-500/ (the adapter, its optimizer,
+    and a deeper folder's adapter), which org/x/checkpoint-500 names."""
     repo = root / "adapter_repo"
     shutil.copytree(sft, repo)
     shutil.copy(os.path.join(assets["model"], "model.safetensors"), repo / "model.safetensors")
     (repo / "README.md").write_text("---\nlibrary_name: peft\n---\n")
     (repo / "checkpoint-1").mkdir()
     shutil.copy(os.path.join(sft, "adapter_model.safetensors"), repo / "checkpoint-1")
+    shutil.copytree(sft, repo / "checkpoint-500")
+    (repo / "checkpoint-500" / "optimizer.pt").write_bytes(b"not this")
+    shutil.copytree(sft, repo / "checkpoint-500" / "deeper")
     hub["repos"]["org/x"] = str(repo)
 
 
@@ -301,6 +321,56 @@ def test_init_adapter_hub_id_trains_like_the_local_folder(assets, hub, sft, tmp_
         (hub["calls"], _losses(tmp_path / "resumed"))
 
 
+def test_init_adapter_in_a_hub_subfolder_trains_like_the_local_folder(assets, hub, sft, tmp_path):
+    """--init-adapter org/x/checkpoint-500 (a trainer's checkpoint pushed as a folder; peft's subfolder=): that folder's
+    adapter files alone are fetched (not the top level's, another folder's, a deeper one's, nor its optimizer), the run
+    = the same run from the local folder (losses, adapter), and config.json records the snapshot's folder (its
+    commit: org/x/checkpoint-500@commit)."""
+    from safetensors.torch import load_file
+
+    from model.hub import hub_snapshot
+
+    _push_adapter(hub, assets, sft, tmp_path)
+    run = lambda out, init: train_argv(assets, str(tmp_path / out), "--steps", "2", "--init-adapter", init)  # noqa
+    _run(run("local", sft))
+    assert hub["calls"] == [], "a local folder reached the hub"
+    _run(run("remote", "org/x/checkpoint-500"))
+    [call] = hub["calls"]   # once, before the process group
+    assert call["repo_id"] == "org/x" and call["revision"] is None, call
+    assert call["allow_patterns"] and all(p.startswith("checkpoint-500/") for p in call["allow_patterns"]), call
+    folder = json.load(open(os.path.join(tmp_path, "remote", "config.json")))["init_adapter"]
+    assert hub_snapshot(folder, sub=True) == f"org/x/checkpoint-500@{COMMIT}", folder   # what it started from
+    snap = os.path.dirname(folder)
+    fetched = sorted(os.path.relpath(os.path.join(d, f), snap) for d, _, fs in os.walk(snap) for f in fs)
+    assert fetched == sorted(os.path.join("checkpoint-500", f) for f in os.listdir(sft)), fetched
+    assert _losses(tmp_path / "remote") == _losses(tmp_path / "local")
+    a, b = (load_file(os.path.join(tmp_path, d, "adapter", "adapter_model.safetensors")) for d in ("local", "remote"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_adapter_subfolder_without_an_adapter_is_one_clear_error(assets, hub, sft, tmp_path):
+    """org/x/FOLDER where the repo has no such folder, or one without an adapter (weights alone), and org/y whose
+    adapters lie only in folders: one FileNotFoundError naming the id, the folder and the adapters the repo holds,
+    before any weight and before --out exists."""
+    import train
+
+    _push_adapter(hub, assets, sft, tmp_path)
+    shutil.copytree(sft, tmp_path / "y" / "checkpoint-7")   # org/y: a trainer's checkpoints only
+    hub["repos"]["org/y"] = str(tmp_path / "y")
+    out = str(tmp_path / "out")
+    has = "adapters in it: org/x (top level), org/x/checkpoint-500, org/x/checkpoint-500/deeper"
+    for name, where, there in (("org/x/checkpoint-9", "in its folder checkpoint-9/", has),
+                               ("org/x/checkpoint-1@v2", "in its folder checkpoint-1/", has),
+                               ("org/y", "at its top level", "adapters in it: org/y/checkpoint-7")):
+        with no_weights(), pytest.raises(FileNotFoundError) as e:
+            train.main(train_argv(assets, out, "--init-adapter", name))
+        repo, commit = name.split("/checkpoint")[0].split("@")[0], "v2" if "@" in name else COMMIT
+        assert f"--init-adapter {name!r}: the Hub repo {repo}@{commit} holds no adapter_config.json and " \
+               f"adapter_model.safetensors {where} ({there}): pass a PEFT adapter's repo, or org/name/FOLDER" \
+               in str(e.value), str(e.value)
+        assert not os.path.exists(out), "a refused --init-adapter left an output directory"
+
+
 def test_init_adapter_failed_fetch_is_one_clear_error_before_anything(assets, hub, tmp_path):
     """A failed fetch of --init-adapter org/x, or a model's repo given to it, is one FileNotFoundError naming the id
     and the fix, before any weight and before --out exists; a path never reaches the hub."""
@@ -333,7 +403,9 @@ def test_plan_fetches_an_init_adapter_hub_id(assets, hub, sft, tmp_path, capsys)
     plan = ["--plan", "--model", assets["model"], "--data", assets["data"], "--max-len", "64", "--global-batch", "8",
             "--quant", "none", "--dtype", "fp32", "--lora-r", "4"]
     train.main([*plan, "--init-adapter", "org/x@v1"])
-    assert [(c["repo_id"], c["revision"]) for c in hub["calls"]] == [("org/x", "v1")], hub["calls"]
-    assert "fits" in capsys.readouterr().out
+    train.main([*plan, "--init-adapter", "org/x/checkpoint-500@v1"])   # (an adapter in a folder of the repo)
+    assert [(c["repo_id"], c["revision"], c["allow_patterns"][0].split("/")[0]) for c in hub["calls"]] == [
+        ("org/x", "v1", "adapter_model.safetensors"), ("org/x", "v1", "checkpoint-500")], hub["calls"]
+    assert capsys.readouterr().out.count("fits") >= 2
     with pytest.raises(ValueError, match="r 4 and lora_alpha"):   # the adapter checked: not another run's r
         train.main([*plan[:-1], "8", "--init-adapter", "org/x@v1"])
