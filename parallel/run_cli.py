@@ -93,7 +93,8 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
       "forward (the first epoch's steps, the first eval; in OUT for resumes): later epochs and evals run no reference "
       "forward, ~1/5 less compute a step")
     a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
-      "OUT/adapter: a longer --max-len, new data; or a Hub id, org/name[@revision]); a fresh optimizer")
+      "OUT/adapter: a longer --max-len, new data; or a Hub id, org/name[@revision], or org/name/FOLDER[@revision] for "
+      "one in a folder of the repo, e.g. a trainer's checkpoint-500); a fresh optimizer")
     # Optim
     a("--lr", type=float, default=2e-4, help="peak learning rate (after --warmup, --lr-schedule takes it down)")
     a("--warmup", type=int, default=10, help="linear warmup steps (the first trains at --lr / N)")
