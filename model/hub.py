@@ -84,9 +84,11 @@ def _adapters_in(repo: str, commit: str) -> str:
 def hub_repo(name: str, sub: bool = False) -> str | None:
     """The repo of a Hub id ("org/name", "org/name@revision"; where `sub`, also "org/name/sub/folder[@revision]", a
     folder in the repo), or None where `name` reads as a path: one that exists, or starts with ".", "/" or "~", or
-    whose parts are not of letters, digits, "-", "_", "." (two of them, or where `sub` more)."""
+    whose parts are not of letters, digits, "-", "_", "." (two of them, or where `sub` more), or of three or more whose
+    first is a folder here (runs/sft/adapter mistyped: a local path, never some Hub repo "runs/sft")."""
     parts = name.partition("@")[0].split("/")
     if os.path.exists(name) or name.startswith((".", "/", "~")) or len(parts) < 2 or len(parts) > 2 and not sub or \
+            len(parts) > 2 and os.path.isdir(parts[0]) or \
             not all(part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in parts):
         return None
     return "/".join(parts[:2])

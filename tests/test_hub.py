@@ -190,6 +190,19 @@ def test_paths_never_reach_the_hub(assets, hub, tmp_path, name):
     assert hub["calls"] == [], hub["calls"]
 
 
+def test_a_mistyped_local_adapter_path_never_reaches_the_hub(assets, hub, tmp_path, monkeypatch):
+    """--init-adapter runs/sft/adapter where ./runs exists but not that folder: a local path that is not there, said
+    as such; never a fetch of some Hub repo "runs/sft" (a three-part name reads as a repo folder only when its first
+    part is no folder here)."""
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("runs/other")
+    with no_weights(), pytest.raises((FileNotFoundError, ValueError), match="runs/sft/adapter"):
+        train.main(train_argv(assets, str(tmp_path / "out"), "--init-adapter", "runs/sft/adapter"))
+    assert hub["calls"] == [], hub["calls"]
+
+
 def test_resume_compares_hub_commits_not_cache_paths():
     from parallel.resume import check_resume
 
