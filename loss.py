@@ -179,8 +179,9 @@ def chunked_cross_entropy(
     `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
     a loss of whole sequences (`parallel.preference.dpo_loss`); backward scales each row's saved gradient by its own
     incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
-    `hits`: a 0-dim tensor this adds, in place, the count of target rows whose target has the row's largest logit to
-    (token accuracy's numerator; a tie counts as a hit), with no grad.
+    `hits`: a 0-dim integer tensor this adds, in place, the count of target rows whose target has the row's largest
+    logit to (token accuracy's numerator; a tie counts as a hit), with no grad. Integer: FSDP2's mixed precision casts
+    a floating one handed to the root's forward to bf16, a copy, and the count never reached the caller.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -189,6 +190,9 @@ def chunked_cross_entropy(
         )
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hits is not None and (hits.is_floating_point() or hits.is_complex()):
+        raise ValueError(f"hits must be an integer tensor (torch.int64), got {hits.dtype}: a floating one is cast on "
+                         "its way into an FSDP2 root's forward under mixed precision (a copy: the count is lost)")
     if not torch.is_grad_enabled():
         # Function.apply still reports needs_input_grad under no_grad; detaching skips the grad work.
         hidden, weight = hidden.detach(), weight.detach()

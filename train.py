@@ -233,6 +233,7 @@ def main(argv=None):
             dist.all_reduce(counts, group=dp_cp)
             n_targets = counts[0].clamp(min=1)
             loss_sum = torch.zeros(4, dtype=torch.float64, device=device)   # (dpo: + pairs preferred, rewards)
+            hits = torch.zeros((), dtype=torch.int64, device=device)   # (integer: FSDP2's bf16 casts a float: a copy)
             for i, (ids, pos, lab, *sides) in enumerate(micro):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
                     if step > saved:
@@ -247,14 +248,15 @@ def main(argv=None):
                         lsum, won = losses.sum(), (rewards[:, 0] > rewards[:, 1]).sum()
                         loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
-                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=loss_sum[1])
-                        loss_sum[0] += lsum.detach().double()   # (loss_sum[1]: targets predicted right)
+                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=hits)
+                        loss_sum[0] += lsum.detach().double()   # (hits: targets predicted right)
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()
             if dpo and not known:
                 dpo.sync("train", dp_cp, order.step_samples(step))
             wd.phase("optimizer", step + 1)
             gnorm = clip_grad_norm_(params, args.clip)
+            loss_sum[1] += hits   # (dpo: 0)
             dist.all_reduce(loss_sum, group=dp_cp)
             loss = (loss_sum[0] / n_targets).item()
             if nonfinite.check(step + 1, loss, float(gnorm)):   # same loss and norm on every rank: same choice

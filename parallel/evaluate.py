@@ -67,14 +67,15 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     files = getattr(samples, "files", None) or [None]
     of_file = (samples.sample_lines() >> FILE_SHIFT).tolist() if files[0] else [0] * len(samples)
     tot = torch.zeros(len(files), 4, dtype=torch.float64, device=device)   # (each file's loss sum, targets or pairs,
-    model.eval()   # targets predicted right or pairs preferred, margins' sum)
+    hit = torch.zeros(len(files), dtype=torch.int64, device=device)   # targets predicted right or pairs preferred,
+    model.eval()   # margins' sum; hit: integers, which FSDP2's mixed precision does not cast into a copy)
     known = dpo is not None and dpo.known("eval", range(len(samples)))   # (--dpo-cache-ref: no reference forward)
     for row in share(samples, of_file, row_tokens, data_rank, data_ranks):
         beat()
         k = of_file[row[0]] if row else 0
         ids, pos, lab, *sides = to_local([samples[i] for i in row] if row else [dummy(samples)])
-        if dpo is None:   # (tot[k, 2]: targets predicted right)
-            lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn, hits=tot[k, 2])
+        if dpo is None:
+            lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn, hits=hit[k])
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
             losses, rewards = dpo(ids, pos, lab, sides[0], len(row or ()), row, "eval", known)
@@ -84,6 +85,7 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     model.train()
     if dpo is not None and not known:
         dpo.sync("eval", group)
+    tot[:, 2] += hit
     dist.all_reduce(tot, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},

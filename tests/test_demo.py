@@ -393,3 +393,29 @@ def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(de
     assert 0.05 < hits / n < 0.95, (hits, n)   # (neither all right nor all wrong: the share can tell)
     assert recs[-1]["eval_loss"] == pytest.approx(loss / n, rel=2e-5), (recs[-1], loss / n)
     assert abs(recs[-1]["eval_token_acc"] - hits / n) <= 1.01 / n, (recs[-1], hits, n)
+
+
+def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, monkeypatch):
+    """On CUDA, FSDP2's mixed precision casts every floating-point tensor handed to the root's forward to bf16 (a copy):
+    a float64 `hits` counter came back untouched, so token_acc and eval_token_acc were 0 on every GPU run. The CUDA
+    path's dtypes on gloo (`BuildOptions.mixed_precision`) give the float32 run's shares, within bf16's rounding of a
+    near-tie (review, helper 98)."""
+    import dataclasses
+
+    import train
+    from parallel.parallelize import BuildOptions
+
+    model, data, eval_data = (str(p) for p in demo)
+    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "1", "--warmup", "1",
+                          "--global-batch", "8", "--quant", "none", "--data-cache", "none", "--no-progress", "--out",
+                          str(tmp_path / o), *f]   # noqa: E731
+    with one_thread():
+        train.main(argv("fp32", "--dtype", "fp32"))
+        real = BuildOptions.from_args.__func__
+        monkeypatch.setattr(BuildOptions, "from_args", classmethod(
+            lambda cls, *a, **k: dataclasses.replace(real(cls, *a, **k), mixed_precision=True)))
+        train.main(argv("bf16", "--dtype", "bf16"))
+    (want,), (got,) = ([json.loads(line) for line in open(tmp_path / o / "metrics.jsonl")] for o in ("fp32", "bf16"))
+    assert 0.05 < want["token_acc"] < 0.95 and 0.05 < want["eval_token_acc"] < 0.95, want
+    for k in ("token_acc", "eval_token_acc"):
+        assert abs(got[k] - want[k]) <= 0.05, (k, got, want)
