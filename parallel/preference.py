@@ -182,8 +182,8 @@ class DPO:
         """A step's reward metrics from its sums over every rank [loss, pairs preferred, chosen, rejected rewards]:
         reward_acc, the share of pairs the policy prefers; the rewards' and their margin's means."""
         from parallel.metrics import rounded
-        return {k: rounded((v / n_pairs).item()) for k, v in (("reward_acc", sums[1]), ("reward_chosen", sums[2]),
-                ("reward_margin", sums[2] - sums[3]), ("reward_rejected", sums[3]))}
+        return {k: rounded((v / n_pairs).item()) for k, v in (("reward_acc", sums[1]), ("reward_margin", sums[2] -
+                sums[3]), ("reward_chosen", sums[2]), ("reward_rejected", sums[3]))}   # (the columns' order before)
 
     def reference(self, ids, pos, labels) -> torch.Tensor:
         """The reference model's -log p of every target token of this rank's shard (0 off target), no graph."""

@@ -609,6 +609,9 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
         assert abs(r["reward_margin"] - (r["reward_chosen"] - r["reward_rejected"])) <= 2e-6, r
     assert m[-1]["reward_chosen"] != 0 != m[-1]["reward_rejected"]
     assert all(0 <= r["reward_acc"] <= 1 and "eval_reward_acc" in r and "eval_reward_margin" in r for r in m)
+    # the step line's columns in the README's order, as before DPO.step_metrics (review, helper 98)
+    assert [k for k in m[0] if k.startswith("reward_")] == ["reward_acc", "reward_margin", "reward_chosen",
+                                                            "reward_rejected"], list(m[0])
     assert m[-1]["eval_reward_margin"] > 0, m[-1]
     assert m[-1]["eval_loss"] < math.log(2), f"the eval pairs' DPO loss should fall below log 2: {m[-1]}"
     cfg = json.load(open(os.path.join(runs, "dpo", "config.json")))
