@@ -56,18 +56,19 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))
 
 
-def _fused_ce(logits, safe, valid, grad: bool = True):
-    """Cross-entropy of a chunk's rows, its count of rows whose target is the top logit, and, in place in `logits`,
-    its gradient softmax - one_hot (if `grad`)."""
+def _fused_ce(logits, safe, valid, grad: bool = True, hits=None):
+    """Cross-entropy of a chunk's rows and, in place in `logits`, its gradient softmax - one_hot (if `grad`); `hits`
+    gets the count of rows whose target is the top logit added."""
     target = logits.gather(1, safe)                     # [c, 1]
     mx = logits.amax(1, keepdim=True)
-    hits = ((target >= mx) & (valid > 0)).sum()         # (from what the loss reads anyway: no pass over the block)
+    if hits is not None:   # (from what the loss reads anyway: no pass over the block)
+        hits += ((target >= mx) & (valid > 0)).sum()
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
     loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).squeeze(1)   # lse - z_target, per row
     if grad:
         probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
-    return loss, probs, hits
+    return loss, probs
 
 
 def _custom(loss_fn, logits, labels, need_grad):
@@ -116,9 +117,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
-                loss, dlogits, hit = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w)
-                if hits is not None:
-                    hits += hit
+                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hits)
                 if per_token:
                     loss_sum[s:e] = loss
                 else:
@@ -179,9 +178,8 @@ def chunked_cross_entropy(
     `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
     a loss of whole sequences (`parallel.preference.dpo_loss`); backward scales each row's saved gradient by its own
     incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
-    `hits`: a 0-dim integer tensor this adds, in place, the count of target rows whose target has the row's largest
-    logit to (token accuracy's numerator; a tie counts as a hit), with no grad. Integer: FSDP2's mixed precision casts
-    a floating one handed to the root's forward to bf16, a copy, and the count never reached the caller.
+    `hits`: an int64 0-dim tensor this adds the count of target rows whose target has the row's largest logit to, in
+    place (token accuracy's numerator; a tie counts). Integer: FSDP2's mixed precision casts a float one to a copy.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -190,9 +188,8 @@ def chunked_cross_entropy(
         )
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if hits is not None and (hits.is_floating_point() or hits.is_complex()):
-        raise ValueError(f"hits must be an integer tensor (torch.int64), got {hits.dtype}: a floating one is cast on "
-                         "its way into an FSDP2 root's forward under mixed precision (a copy: the count is lost)")
+    if hits is not None and (hits.is_floating_point() or hits.is_complex()):   # (FSDP2's bf16 would count in a copy)
+        raise ValueError(f"hits must be an integer tensor (torch.int64), got {hits.dtype}")
     if not torch.is_grad_enabled():
         # Function.apply still reports needs_input_grad under no_grad; detaching skips the grad work.
         hidden, weight = hidden.detach(), weight.detach()

@@ -99,6 +99,6 @@ def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
     if dpo and dpo.pref.at_start() is not None:
         return log(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
     got = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)
-    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k.startswith("eval_loss/")]
-    each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several)
+    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k not in ("eval_loss", "eval_token_acc")]
+    each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several; DPO's reward accuracy and margin)
     log(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))
