@@ -479,6 +479,16 @@ def _demo_runs(tmp_path, monkeypatch, port: str):
     return run
 
 
+def test_cuda_token_accuracy_counts_under_bf16_mixed_precision(tmp_path, monkeypatch):
+    """token_acc and eval_token_acc on the trainer's CUDA path (FSDP2's bf16 mixed precision, whose forward hook casts
+    floating inputs into copies: the int64 counters are not cast), 12 demo steps: step 1's share near the CPU demo's
+    (0.22 on 4 float32 ranks), later steps' higher, the eval's a share above 0."""
+    run = _demo_runs(tmp_path, monkeypatch, "29549")
+    _, rows = run("acc", "--steps", "12")   # (the demo: its eval file, evaluated at the end)
+    assert 0.1 < rows[0]["token_acc"] < 0.4, rows[0]
+    assert rows[-1]["token_acc"] > rows[0]["token_acc"] and 0 < rows[-1]["eval_token_acc"] <= 1, rows[-1]
+
+
 def test_cuda_dora_nf4_bf16(tmp_path, monkeypatch):
     """--dora on the trainer's CUDA path (FSDP2 mixed precision: magnitudes, A and B in bf16 in forward, NF4 base):
     12 demo steps train (finite, the last loss below the first), the adapter holds the magnitudes, and step 1, where
