@@ -2,8 +2,8 @@
 
 Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, row_tokens, beat)` ->
 {"eval_loss": loss, "eval_token_acc": the share of targets whose logit is their row's largest (argmax = target; a
-tie counts)}, and "eval_loss/FILE" for each file of several (several --eval-data files, or --eval-split's records of
-several --data files: data/mix.py's `Samples.files`) that has a target.
+tie counts)}, and "eval_loss/FILE" and "eval_token_acc/FILE" for each file of several (several --eval-data files,
+or --eval-split's records of several --data files: data/mix.py's `Samples.files`) that has a target.
 - The samples go in rows (`rows`): consecutive samples of one file, as many as fit `row_tokens` tokens (train.py:
   the longest training sample's length, the memory plan's, when it packs; 1, one sample a row, when it does not),
   packed as training packs a micro-batch (documents kept apart: the same loss as each alone). Short eval samples
@@ -90,7 +90,8 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
             **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
-               if dpo is not None else {"eval_token_acc": mean(tot.sum(0)[[2, 1]])})}
+               if dpo is not None else {"eval_token_acc": mean(tot.sum(0)[[2, 1]]), **{
+                   f"eval_token_acc/{f}": mean(t[[2, 1]]) for f, t in zip(files, tot) if f and t[1]}})}
 
 
 def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
@@ -99,6 +100,6 @@ def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
     if dpo and dpo.pref.at_start() is not None:
         return log(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
     got = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)
-    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k not in ("eval_loss", "eval_token_acc")]
+    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k != "eval_loss" and "token_acc" not in k]
     each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several; DPO's reward accuracy and margin)
     log(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))

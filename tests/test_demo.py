@@ -419,3 +419,30 @@ def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, 
     assert 0.05 < want["token_acc"] < 0.95 and 0.05 < want["eval_token_acc"] < 0.95, want
     for k in ("token_acc", "eval_token_acc"):
         assert abs(got[k] - want[k]) <= 0.05, (k, got, want)
+
+
+def test_several_eval_files_give_each_files_token_accuracy(demo, tmp_path, capsys):
+    """--eval-data a b (the demo's eval records in two halves): eval_token_acc/a.jsonl and eval_token_acc/b.jsonl are
+    the eval_token_acc of runs evaluating a or b alone, and eval_token_acc lies between them (their targets' share, a
+    weighted mean); the line before training names each file's loss, no accuracy."""
+    import train
+
+    model, data, eval_data = (str(p) for p in demo)
+    lines = open(eval_data).read().splitlines(True)
+    for name, part in (("a", lines[: len(lines) // 2]), ("b", lines[len(lines) // 2:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(part))
+    runs = {}
+    for name, files in (("ab", ["a", "b"]), ("a", ["a"]), ("b", ["b"])):
+        out = str(tmp_path / f"out_{name}")
+        with one_thread():
+            train.main(["--model", model, "--data", data, "--eval-data", *(str(tmp_path / f"{f}.jsonl") for f in files),
+                        "--steps", "1", "--lr", "5e-3", "--global-batch", "8", "--quant", "none", "--dtype", "fp32",
+                        "--data-cache", "none", "--no-progress", "--out", out])
+        runs[name] = json.loads(open(os.path.join(out, "metrics.jsonl")).read().splitlines()[-1])
+        if name == "ab":
+            said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval_loss before training")]
+            assert len(said) == 1 and "eval_loss/a.jsonl" in said[0] and "token_acc" not in said[0], said
+    ab, a, b = runs["ab"], runs["a"]["eval_token_acc"], runs["b"]["eval_token_acc"]
+    assert ab["eval_token_acc/a.jsonl"] == pytest.approx(a, abs=1e-9) and ab["eval_token_acc/b.jsonl"] == \
+        pytest.approx(b, abs=1e-9), (ab, a, b)
+    assert min(a, b) <= ab["eval_token_acc"] <= max(a, b) and 0 < min(a, b), (ab, a, b)
