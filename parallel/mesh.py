@@ -207,18 +207,15 @@ def peak_memory_gb(device: torch.device) -> float:
 def init_distributed(dt: str, timeout) -> tuple[bool, torch.device]:
     """torchrun's process group, or a 1-rank one for a plain process so the same code path runs.
     Returns whether it made the group (then the caller destroys it; one already up is kept) and this rank's device."""
-    device = lambda: torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")  # noqa: E731
-    if dist.is_initialized():
-        return False, device()
-    backend = "nccl" if dt == "cuda" else "gloo"
-    if "RANK" in os.environ:   # torchrun
+    own, backend = not dist.is_initialized(), "nccl" if dt == "cuda" else "gloo"
+    if own and "RANK" in os.environ:   # torchrun
         if dt == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timeout)
-    else:
+    elif own:
         store = os.path.join(tempfile.mkdtemp(), "pg")
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
-    return True, device()
+    return own, torch.device(dt, torch.cuda.current_device()) if dt == "cuda" else torch.device("cpu")
 
 
 def dense_bf16_tflops(name: str) -> float | None:
