@@ -44,11 +44,13 @@ from parallel.budgets import gather_budgets
 from parallel.cp import LocalBatches, cp_attention
 from parallel.evaluate import baseline, evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
-from parallel.metrics import Metrics, rounded
+from parallel.metrics import rounded, step_record
+from parallel.notes import log0
 from parallel.preference import DPO
 from parallel.profiler import StepProfiler
 from parallel.ref_cache import ref_caches
 from parallel.run_cli import run_parser
+from parallel.saves import Saves
 
 # The loss: None is the fused chunked cross-entropy. Any `loss_fn(logits [c, V] float32, labels [c])`
 # returning the SUM over the chunk's target rows rides the same chunks, autograd does the gradient, e.g.
@@ -97,11 +99,6 @@ def set_lr(opt, lr):
     """Each param group's LR: lr_at's, × the group's `lr_ratio` (LoRA+'s B matrices) where it has one."""
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_ratio", 1.0)
-
-
-def log0(*a):
-    if dist.get_rank() == 0:
-        print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -181,13 +178,8 @@ def main(argv=None):
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         early = keep_best.EarlyStop.of_run(args, ckpt, log0)   # --early-stop's count (a resume's, likewise)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
-        def files():   # rank 0's; a failure stops every rank (guard.on_rank0)
-            if here:   # from below the newest step: it becomes the newest (a crash must come back here)
-                checkpoint.branch(ckpt, log0)
-            runs.write_config(args, dims, stats, eval_samples)
-            return Metrics(args.out, args.report_to, resume_step=start if ckpt else None)   # + --report-to's sinks
-        logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])   # (named in a failure's message)
-        metrics = guard.on_rank0(files, f"writing config.json and opening {logs}")
+        metrics, logs = runs.open_files(args, dims, stats, eval_samples, branch=here and ckpt,   # rank 0's: config,
+                                        resume_step=start if ckpt else None, log=log0)   # metrics.jsonl, sinks
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps.of_run(args, ckpt)   # --max-nonfinite's (a resume goes on counting)
@@ -206,11 +198,9 @@ def main(argv=None):
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = (args.mem_phases or args.mem_trace) and phases.PhaseMeter(model, device, args.out, log0, args.mem_trace)
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
-        ckpt_dir, saved, t_saved = os.path.join(args.out, "ckpt"), start if here else 0, time.time()   # on disk
-        save = lambda at, **kw: checkpoint.save(ckpt_dir, model, opt, at, {"args": vars(args), **best.meta(),
-                                                **early.meta(), "tie_embeddings": margs.tie_embeddings,
-                                                "nonfinite": nonfinite.state(), "steps_total": steps},
-                                                keep=args.keep_ckpts, protect=best.step, **kw)
+        saves = Saves(args, model, opt, lambda: {"args": vars(args), **best.meta(), **early.meta(), "tie_embeddings":
+                      margs.tie_embeddings, "nonfinite": nonfinite.state(), "steps_total": steps},
+                      start if here else 0, protect=lambda: best.step, phase=wd.phase)   # (saved: on disk)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -236,11 +226,7 @@ def main(argv=None):
             hits = torch.zeros((), dtype=torch.int64, device=device)   # (integer: FSDP2's bf16 casts a float: a copy)
             for i, (ids, pos, lab, *sides) in enumerate(micro):
                 if got := stop.requested():   # every rank together; this step's partial gradients are dropped
-                    if step > saved:
-                        wd.phase("save", step)
-                        opt.zero_grad(set_to_none=True)   # (DCP would skip an AdamW state that was never made)
-                        save(step, rng=rng)
-                    raise stop.stopped(got, step, ckpt_dir if step else None, notes.way_on(*way), way[1])
+                    raise stop.stopped(got, step, saves.before_stop(step, rng), notes.way_on(*way), way[1])
                 with phases.measuring(meter, step == start and i == 0):   # --mem-phases: the first micro-batch
                     wd.phase("forward", step + 1)
                     if dpo:   # each pair's loss, the same on each rank of a cp group: counted once (dpo.once)
@@ -265,22 +251,14 @@ def main(argv=None):
                 log0(f"step {step + 1}: non-finite loss {loss} or grad norm {float(gnorm)}: update skipped")
             opt.zero_grad(set_to_none=True)
             dt_step = time.time() - t_step
-            save_due = rank == 0 and 0 < args.save_minutes * 60 <= time.time() - t_saved   # rank 0's clock decides
-            mem = torch.tensor([*phases.step_peaks(meter, device), float(save_due)], device=device)   # for all ranks
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            tokens = int(counts[1].item())
-            rec = dict(step=step + 1, loss=rounded(loss), grad_norm=rounded(float(gnorm)), lr=lr, tokens=tokens,
-                       tokens_per_s=round(tokens / dt_step, 1), tokens_per_s_per_gpu=round(tokens / dt_step / world, 1),
-                       step_time_s=round(dt_step, 3), peak_mem_gb=round(mem[0].item(), 3),
-                       epoch=round(order.epoch(step + 1), 3), skipped=nonfinite.skipped,
-                       **(dpo.step_metrics(loss_sum, n_targets) if dpo else   # (dpo: n_targets counts pairs)
-                          {"token_acc": rounded((loss_sum[1] / n_targets).item())}))   # (top logit = target)
-            if dt == "cuda":   # the caching allocator's high-water mark (allocated + its cached slack)
-                rec["peak_reserved_gb"] = round(mem[1].item(), 3)
-            if prof.end(step + 1, dt_step):
-                rec["profiled"] = True
-            if peak_tflops:   # model FLOPs (README): 6·matmul params + causal attention over each sample
-                rec["mfu"] = round(counts[2].item() / dt_step / (world * peak_tflops * 1e12), 4)
+            mem = torch.tensor([*phases.step_peaks(meter, device), saves.clock()], device=device)   # (rank 0's clock
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)   # decides --save-minutes for all ranks)
+            rec = step_record(step + 1, loss, float(gnorm), lr, int(counts[1].item()), dt_step, world, mem.tolist(),
+                              order.epoch(step + 1), nonfinite.skipped,
+                              dpo.step_metrics(loss_sum, n_targets) if dpo else   # (dpo: n_targets counts pairs)
+                              {"token_acc": rounded((loss_sum[1] / n_targets).item())},   # (top logit = target)
+                              cuda=dt == "cuda", profiled=prof.end(step + 1, dt_step),
+                              mfu=peak_tflops and counts[2].item() / dt_step / (world * peak_tflops * 1e12))
             halt = False   # --early-stop: this step's evaluation ends the run
             if eval_samples and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == steps):
                 beat = lambda at=step + 1: wd.phase("eval", at)   # per eval row: a long eval is not a stuck rank
@@ -291,11 +269,7 @@ def main(argv=None):
                 halt = early.update(step + 1, ev["eval_loss"]) and step + 1 < steps   # (and the same stop)
             guard.on_rank0(lambda r=rec: (metrics.write(r), bar.write(" ".join(f"{k} {v}" for k, v in r.items())),
                                           bar.update(1)), f"writing {logs} (step {step + 1})")   # (above the bar)
-            if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps or mem[2].item() or \
-                    (args.keep_best and "eval_loss" in rec) or halt:
-                wd.phase("save", step + 1)
-                save(step + 1)
-                saved, t_saved = step + 1, time.time()
+            saves.after(step + 1, steps, mem[2].item() or (args.keep_best and "eval_loss" in rec) or halt)
             if halt:
                 log0(early.said(step + 1, steps))
                 break
@@ -309,7 +283,7 @@ def main(argv=None):
                        chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
         def finish():   # rank 0's last writes, then OUT's lock let go before any rank returns (a next run in this job)
             if args.keep_best and best.step:
-                keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log0)
+                keep_best.export_best(saves.dir, best, os.path.join(args.out, "adapter_best"), log0)
             metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's
             run.release()
         wd.phase("finish", steps)

@@ -38,6 +38,24 @@ def rounded(v: float) -> float:
     return round(v, 5 - math.floor(math.log10(abs(v))))
 
 
+def step_record(step: int, loss: float, gnorm: float, lr: float, tokens: int, seconds: float, world: int, peaks,
+                epoch: float, skipped: int, more: dict, *, cuda: bool, profiled: bool, mfu: float | None) -> dict:
+    """train.py's step line and metrics.jsonl record, in the README's column order: `peaks` the step's MAX-reduced
+    (peak allocated GB, peak reserved GB), `more` the objective's own (token_acc; DPO's), `mfu` None without a
+    known peak TFLOPS. A metric of your own: add it to the returned dict in the loop."""
+    rec = dict(step=step, loss=rounded(loss), grad_norm=rounded(gnorm), lr=lr, tokens=tokens,
+               tokens_per_s=round(tokens / seconds, 1), tokens_per_s_per_gpu=round(tokens / seconds / world, 1),
+               step_time_s=round(seconds, 3), peak_mem_gb=round(float(peaks[0]), 3), epoch=round(epoch, 3),
+               skipped=skipped, **more)
+    if cuda:   # the caching allocator's high-water mark (allocated + its cached slack)
+        rec["peak_reserved_gb"] = round(float(peaks[1]), 3)
+    if profiled:
+        rec["profiled"] = True
+    if mfu is not None:   # model FLOPs (README): 6·matmul params + causal attention over each sample
+        rec["mfu"] = round(mfu, 4)
+    return rec
+
+
 def strict(rec: dict) -> dict:
     """Non-finite floats -> None, their kind ("nan", "inf", "-inf") listed under "nonfinite"."""
     out, bad = {}, {}

@@ -2,6 +2,7 @@
 `error:` line a failure ends with. Kept here so train.py's sections read in one sitting (STYLE.md's budget).
 
 Contract:
+- `log0(*a)`: print on rank 0 only (flushed): every line a run says goes through it.
 - `ShowDefaults`: --help adds each flag's default where its text does not say it.
 - `start`, `resumed`, `length`: the start-up lines, each passed to `log` (rank 0's print) where there is something
   to say. They tell what a run
@@ -22,8 +23,15 @@ from __future__ import annotations
 import argparse
 import os
 
+import torch.distributed as dist
+
 from parallel import guard, signals
 from parallel.preference import Preference
+
+
+def log0(*a) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
 
 
 class ShowDefaults(argparse.HelpFormatter):

@@ -13,7 +13,8 @@ Contract:
    One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
    collective. A refusal changes nothing.
 3. `auto_resume(out, overwrite)`: what `--resume auto` does with --out (continue, start, start again).
-4. `config_json(config)`: config.json's text, a list of numbers on one line.
+4. `open_files(...)`: rank 0's writes before the first step (config.json, metrics.jsonl); `config_json(config)`:
+   config.json's text, a list of numbers on one line.
 """
 
 from __future__ import annotations
@@ -242,6 +243,23 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
     if kind != "ok":   # the same error rank 0 raises, so every rank stops at the same place
         raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(text)
     return run if me == 0 else RunDir(text)
+
+
+def open_files(args, layout, stats, eval_samples, *, branch: str | None, resume_step: int | None, log=print):
+    """Rank 0's writes before the first step, as one (guard.on_rank0: a failure, a full disk, stops every rank,
+    naming them): a resume from this run's own checkpoint below its newest makes that the newest (`branch`:
+    checkpoint.branch, so a crash comes back there), config.json, then metrics.jsonl and --report-to's sinks opened
+    (parallel/metrics.py). Returns (the Metrics on rank 0, None elsewhere; the logs' names, for later errors)."""
+    from parallel import checkpoint, guard
+    from parallel.metrics import Metrics
+
+    def files():
+        if branch:
+            checkpoint.branch(branch, log)
+        write_config(args, layout, stats, eval_samples)
+        return Metrics(args.out, args.report_to, resume_step=resume_step)
+    logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])
+    return guard.on_rank0(files, f"writing config.json and opening {logs}"), logs
 
 
 def write_config(args, layout, stats, eval_samples) -> None:

@@ -1307,18 +1307,18 @@ def test_resume_auto_of_a_run_that_stopped_early_writes_its_adapter(assets, tmp_
 
 
 def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, monkeypatch):
-    """--save-minutes is 30 unless given: a run whose steps each take over half an hour (train.py's clock made so)
+    """--save-minutes is 30 unless given: a run whose steps each take over half an hour (the save clock's time made so)
     saves after every step, not only at its end, so a crash without a signal loses one step; 0 turns it off."""
     import types
 
-    import train
+    from parallel import saves
 
     real, calls = time.time, [0]
 
-    def slow():   # 31 minutes more at each reading of train.py's clock
+    def slow():   # 31 minutes more at each reading of the save clock
         calls[0] += 1
         return real() + 31 * 60 * calls[0]
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=slow))
+    monkeypatch.setattr(saves, "time", types.SimpleNamespace(time=slow))
     run(train_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5"))
     assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["latest", "step_000001", "step_000002", "step_000003"]
     run(train_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0"))
