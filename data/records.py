@@ -24,7 +24,9 @@ Contract:
 - `parse_record(raw, path, n)` validates one non-blank line and returns its record, normalised as data/jsonl.py's
   `load_jsonl` says. A line that is wrong raises `DataError` naming the file, the line number, what is wrong and what
   a valid line looks like (VALID_LINES; a pair's: PAIR_LINES); a key of another format ("question", "response",
-  an Alpaca "instruction" without "output", ...) is named with its rename (ALIASES).
+  an Alpaca "instruction" without "output", ...) is named with its rename (ALIASES). A KTO line (an answer with a
+  bool "label", TRL's unpaired preference form, or "kto_tag", LLaMA-Factory's) is refused: read as SFT, its bad
+  answers would be trained as good ones.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from data.sharegpt import _sharegpt, _sharegpt_messages, _system_first
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXXX escape: half of a UTF-16 pair
 KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
+KTO_KEYS = ("label", "kto_tag")   # a bool under one: a KTO line (a good or a bad answer), not one to imitate
 
 
 # Keys other formats use for this reader's (Alpaca, ShareGPT, preference data): never read, but named in the error,
@@ -207,6 +210,14 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
     obj = _sharegpt(_alpaca(obj, path, n), path, n)
     if "chosen" in obj or "rejected" in obj:
         return _pair(obj, path, n)
+    # a KTO line read as SFT would train its undesirable answers as good ones, without a word (a text record's
+    # bool "label" is a classifier's: no answer there to judge)
+    if "text" not in obj and (kto := next((k for k in KTO_KEYS if isinstance(obj.get(k), bool)), None)):
+        raise line_error(path, n, f'has "{kto}": {json.dumps(obj[kto])}, a KTO label (TRL\'s unpaired preference '
+                                  "data, LLaMA-Factory's kto_tag), which this trainer does not read: each answer would "
+                                  "be a target, the undesirable ones too; keep the lines labelled true and drop the "
+                                  f"key (jq -c 'select(.{kto} == true) | del(.{kto})' FILE), or pair the answers for "
+                                  "--objective dpo")
     has_text, has_messages = "text" in obj, "messages" in obj
     kinds = [k for k in KINDS if k in obj] + (["completion"] if "completion" in obj and "prompt" not in obj else [])
     if len(kinds) > 1:

@@ -203,7 +203,8 @@ def test_alpaca_records_are_the_messages_llama_factory_builds(tok, tmp_path):
     its converter builds: each history pair a user and an assistant turn, instruction and input joined by a newline
     (an empty one left out), the system prompt first; tokens = apply_chat_template of those messages, every answer
     (the history's too) a target. Its pairs ("chosen"/"rejected") = TRL's prompt of messages; a line of this reader's
-    own kinds that also holds an "instruction" key is read as that kind."""
+    own kinds that also holds an "instruction" key is read as that kind; a text record's bool "label" (a classifier's,
+    no answer to judge: not KTO's, BAD_LINES) is metadata."""
     from data.records import parse_record
 
     u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
@@ -226,6 +227,7 @@ def test_alpaca_records_are_the_messages_llama_factory_builds(tok, tmp_path):
     assert parse_record(json.dumps(pair), "f", 1) == parse_record(json.dumps(trl), "f", 1)
     assert parse_record(json.dumps({"prompt": "p", "completion": "c", "instruction": "x", "output": "y"}), "f", 1) == \
         {"line": 1, "prompt": "p", "completion": "c"}
+    assert parse_record(json.dumps({"text": "t", "label": False}), "f", 1) == {"line": 1, "text": "t"}   # (no KTO)
 
 
 def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
@@ -1321,6 +1323,15 @@ BAD_LINES = [
     ('{"instruction": "q", "output": "a", "history": [["q0"]]}', '"history" must be a list of [query, answer] string '
      "pairs (LLaMA-Factory's), got [['q0']]"),
     ('{"instruction": 3, "output": "a"}', '"instruction" must be a string (Alpaca\'s), got int'),
+    # KTO lines (TRL's unpaired preference form, LLaMA-Factory's KTO demo, an Alpaca kto_tag): read as SFT until
+    # 2026-12-06, training their undesirable answers; a text record's bool "label" (a classifier's) still reads
+    ('{"prompt": "q", "completion": "bad", "label": false}', 'has "label": false, a KTO label (TRL\'s unpaired '
+     "preference data, LLaMA-Factory's kto_tag), which this trainer does not read: each answer would be a target, "
+     "the undesirable ones too; keep the lines labelled true and drop the key (jq -c 'select(.label == true) | "
+     "del(.label)' FILE), or pair the answers for --objective dpo"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "label": true}',
+     'has "label": true, a KTO label'),
+    ('{"instruction": "q", "output": "bad", "kto_tag": false}', 'has "kto_tag": false, a KTO label'),
     ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 3}]}',
      'message 1 "value" must be a string, got int'),
     ('{"system": "s", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": null}]}',
