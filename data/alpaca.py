@@ -11,7 +11,8 @@ Contract:
   the template; the rest ignored, as on any line). Any other record is returned as it is.
 - The messages are then any chat record's: rendered with the checkpoint's chat template (or --chat-template), every
   assistant turn a target, the history's answers too (--train-on-prompt: every token).
-- A field of the wrong type or an empty answer raises data/jsonl.py's `line_error`, naming the line and the field.
+- A field of the wrong type or an empty answer raises data/jsonl.py's `line_error`, naming the line and the field; an
+  "output" list (LLaMA-Factory's older ranking form) names the jq that writes it as "chosen" and "rejected".
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def _alpaca(obj: dict, path: str | Path, n: int) -> dict:
     rest = {k: v for k, v in obj.items() if k not in ALPACA}
     if pair:   # (data/records.py's _pair checks both sides are there and what they hold)
         return rest | {"prompt": msgs}
+    if isinstance(obj["output"], list):   # (LLaMA-Factory's ranking form before "chosen"/"rejected" columns)
+        raise line_error(path, n, '"output" is a list: LLaMA-Factory\'s older ranking form, [chosen, rejected]? '
+                                  'write its sides as "chosen" and "rejected" (jq -c \'.chosen = .output[0] | '
+                                  ".rejected = .output[1] | del(.output)' FILE), a pair for --objective dpo; else "
+                                  '"output" is the answer, a string', valid)
     if not isinstance(obj["output"], str) or not obj["output"].strip():
         got = type(obj["output"]).__name__ if not isinstance(obj["output"], str) else "empty"
         raise line_error(path, n, f'"output" must be the answer, a string with text; got {got}', valid)

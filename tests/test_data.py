@@ -1323,6 +1323,9 @@ BAD_LINES = [
     ('{"instruction": "q", "output": "a", "history": [["q0"]]}', '"history" must be a list of [query, answer] string '
      "pairs (LLaMA-Factory's), got [['q0']]"),
     ('{"instruction": 3, "output": "a"}', '"instruction" must be a string (Alpaca\'s), got int'),
+    ('{"instruction": "q", "output": ["good", "bad"]}', '"output" is a list: LLaMA-Factory\'s older ranking form, '
+     '[chosen, rejected]? write its sides as "chosen" and "rejected" (jq -c \'.chosen = .output[0] | .rejected = '
+     ".output[1] | del(.output)' FILE)"),
     # KTO lines (TRL's unpaired preference form, LLaMA-Factory's KTO demo, an Alpaca kto_tag): read as SFT until
     # 2026-12-06, training their undesirable answers; a text record's bool "label" (a classifier's) still reads
     ('{"prompt": "q", "completion": "bad", "label": false}', 'has "label": false, a KTO label (TRL\'s unpaired '
