@@ -3,7 +3,8 @@ tokenized and before any weight is read, the plan of the run's flags against eve
 parallel/preflight_memory.py.
 
 Contract:
-- `parse(parser, argv, demo_defaults)` -> (args, demo): a planner's flag without --plan is refused by name; no
+- `parse(parser, argv, demo_defaults)` -> (args, demo): a planner's flag without --plan is refused by name, and so is
+  --plan abbreviated (train.py routes the whole word only: `--pla` started a run until 2026-12-06); no
   --model and no --data is the demo, its defaults under the flags given; a --data/--eval-data of one file is its path
   (as runs before several files recorded it).
 - `check_start(args, demo, code)` -> (the --model given, the checkpoint to resume or None): train.py's `code`
@@ -34,6 +35,10 @@ def parse(parser, argv: list[str], demo_defaults: dict):
         raise ValueError(f"{', '.join(given)}: the planner's flag{'s' * (len(given) > 1)}, not a run's: add --plan "
                          "(`train.py --plan --help` lists them)")
     args = parser.parse_args(argv)
+    if getattr(args, "plan", False):   # (argparse took an abbreviation; train.py hands the whole word to the planner)
+        short = [x for x in argv if x.startswith("--") and len(x) > 2 and "--plan".startswith(x.partition("=")[0])]
+        raise ValueError(f"{', '.join(short) or '--plan'}: write --plan in full (an abbreviation of it would start "
+                         "a run, not print the plan)")
     demo = args.model is None and args.data is None
     if demo:
         parser.set_defaults(**demo_defaults)

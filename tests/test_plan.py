@@ -800,6 +800,15 @@ def test_a_run_given_planner_flags_is_told_to_add_plan():
                             "(`train.py --plan --help` lists them)"), str(e.value)
 
 
+def test_an_abbreviated_plan_flag_is_refused_not_run(tmp_path):
+    """argparse takes `--pla` for --plan, but train.py hands only the whole word to the planner: the run path refuses
+    it by name before anything is written (until 2026-12-06 it trained)."""
+    with pytest.raises(ValueError) as e:
+        train.main(["--pla", "--steps", "1", "--out", str(tmp_path / "out")])
+    assert str(e.value) == "--pla: write --plan in full (an abbreviation of it would start a run, not print the plan)"
+    assert not (tmp_path / "out").exists()
+
+
 def test_lora_layers_terms_by_hand():
     """--lora-layers over 4 blocks, by hand from the shapes (bf16 on CUDA, T 128, W 1). 2-3 with AC: the LoRA terms
     of 2 blocks, not 4, and the checkpoints of blocks 2 and 3 only (block 2's input is kept whole: no ids to look up
