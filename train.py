@@ -183,8 +183,8 @@ def main(argv=None):
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps.of_run(args, ckpt)   # --max-nonfinite's (a resume goes on counting)
-        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,
-                     longest if args.pack else 1)   # eval samples packed in rows of the plan's length
+        eval_args = (eval_samples, to_local, data_rank, dims.dp, dp_cp, device, LOSS_FN,   # eval samples packed in
+                     longest if args.pack else 1, args.eval_positions)   # rows of the plan's length
         if dpo and args.dpo_cache_ref:   # (the steps' and evaluations' reference forwards kept, read once known)
             ref_caches(dpo, args, {"train": samples, "eval": eval_samples}, device, log0)
         way = (args.out, bool(args.resume_auto), bool(args.resume))   # (a stop before any save)

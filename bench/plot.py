@@ -27,6 +27,11 @@ def main(src: str, dst: str) -> None:
     for key in sorted({k for r in ev for k in r if k.startswith("eval_loss/")}):   # each eval file's, of several
         at = [r for r in ev if key in r]
         ax.plot([r["step"] for r in at], [r[key] for r in at], ".--", lw=1, label=key.replace("eval_loss/", "eval: "))
+    start = lambda k: int(k.split("@")[1].split("-")[0].rstrip("+"))   # noqa: E731 (--eval-positions' buckets)
+    for key in sorted({k for r in ev for k in r if k.startswith("eval_loss@")}, key=start):
+        at = [r for r in ev if key in r]
+        ax.plot([r["step"] for r in at], [r[key] for r in at], ":", lw=1,
+                label=key.replace("eval_loss@", "eval, positions "))
     ax.set_xlabel("optimizer step")
     dpo = "reward_acc" in rows[0]   # (--objective dpo's metrics)
     ax.set_ylabel("preference loss (mean over pairs)" if dpo else "loss (mean over target tokens)")

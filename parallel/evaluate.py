@@ -1,9 +1,9 @@
 """The eval loss: the mean loss over every target of the eval samples, the same number on every layout.
 
-Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, row_tokens, beat)` ->
-{"eval_loss": loss, "eval_token_acc": the share of targets whose logit is their row's largest (argmax = target; a
-tie counts)}, and "eval_loss/FILE" and "eval_token_acc/FILE" for each file of several (several --eval-data files,
-or --eval-split's records of several --data files: data/mix.py's `Samples.files`) that has a target.
+Contract: `evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn, row_tokens, positions,
+beat)` -> {"eval_loss": loss, "eval_token_acc": the share of targets whose logit is their row's largest (argmax =
+target; a tie counts)}, and "eval_loss/FILE" and "eval_token_acc/FILE" for each file of several (several --eval-data
+files, or --eval-split's records of several --data files: data/mix.py's `Samples.files`) that has a target.
 - The samples go in rows (`rows`): consecutive samples of one file, as many as fit `row_tokens` tokens (train.py:
   the longest training sample's length, the memory plan's, when it packs; 1, one sample a row, when it does not),
   packed as training packs a micro-batch (documents kept apart: the same loss as each alone). Short eval samples
@@ -23,6 +23,12 @@ or --eval-split's records of several --data files: data/mix.py's `Samples.files`
   cross-entropy, its mean over the pairs, "eval_reward_acc", the share of pairs whose reward margin is above 0
   (the policy prefers the chosen answer more than the reference does; a tie counts as not, as TRL's), and
   "eval_reward_margin", the margins' mean.
+- `positions` (--eval-positions P1 P2 ...): also "eval_loss@0-{P1-1}", "eval_loss@{P1}-{P2-1}", ..., "eval_loss@{Pn}+",
+  the mean loss over the targets whose token sits at those positions of its sample (of its document, packed; the
+  first token, never a target, is position 0), each where the eval set has such targets: does the loss fall with
+  more context before a token, and does training at long context keep it falling? The fused cross-entropy's
+  per-token losses (no LOSS_FN, no DPO: refused at start-up); each cp rank buckets its own shard's targets by their
+  position ids, so every layout gives the numbers of one process.
 - `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
 - `baseline(model, eval_args, dpo, beat, log)`: the "eval_loss before training" line.
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
@@ -61,7 +67,7 @@ def dummy(samples) -> dict:
 
 @torch.no_grad()
 def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, loss_fn=None, row_tokens: int = 1,
-             beat=lambda: None, dpo=None) -> dict[str, float]:
+             positions=None, beat=lambda: None, dpo=None) -> dict[str, float]:
     """{"eval_loss": the mean loss over every target of `samples`, and "eval_loss/FILE" for each file of several},
     reduced over `group` (module docstring)."""
     files = getattr(samples, "files", None) or [None]
@@ -70,11 +76,18 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     hit = torch.zeros(len(files), dtype=torch.int64, device=device)   # targets predicted right or pairs preferred,
     model.eval()   # margins' sum; hit: integers, which FSDP2's mixed precision does not cast into a copy)
     known = dpo is not None and dpo.known("eval", range(len(samples)))   # (--dpo-cache-ref: no reference forward)
+    edges = positions and torch.tensor(positions, device=device)   # (--eval-positions': where buckets after 0 start)
+    at = torch.zeros(len(positions or ()) + 1, 2, dtype=torch.float64, device=device)   # (each bucket's sum, count)
     for row in share(samples, of_file, row_tokens, data_rank, data_ranks):
         beat()
         k = of_file[row[0]] if row else 0
         ids, pos, lab, *sides = to_local([samples[i] for i in row] if row else [dummy(samples)])
-        if dpo is None:
+        if dpo is None and positions:   # each target's loss, into the bucket of its position (its input's + 1)
+            losses, cnt = model(ids, position_ids=pos, labels=lab, per_token=True, hits=hit[k])
+            tot[k, :2] += torch.stack([losses.double().sum(), cnt.double()])
+            where = torch.bucketize(pos.reshape(-1) + 1, edges, right=True)   # (0: below the first edge)
+            at.index_add_(0, where, torch.stack([losses.double(), (lab.reshape(-1) != IGNORE_INDEX).double()], 1))
+        elif dpo is None:
             lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn, hits=hit[k])
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
         else:   # (a dummy row holds no pair: its -1 sides make n 0)
@@ -87,8 +100,12 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
         dpo.sync("eval", group)
     tot[:, 2] += hit
     dist.all_reduce(tot, group=group)
+    if positions:
+        dist.all_reduce(at, group=group)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
+    spans = [f"{a}-{b - 1}" for a, b in zip([0, *positions], positions)] + [f"{positions[-1]}+"] if positions else []
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
+            **{f"eval_loss@{span}": mean(t) for span, t in zip(spans, at) if t[1]},
             **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
                if dpo is not None else {"eval_token_acc": mean(tot.sum(0)[[2, 1]]), **{
                    f"eval_token_acc/{f}": mean(t[[2, 1]]) for f, t in zip(files, tot) if f and t[1]}})}

@@ -116,6 +116,15 @@ def check_flags(args) -> None:
         if not (0 < split < 1 or (math.isfinite(split) and split >= 1 and split == int(split))):   # (nan too)
             raise ValueError(f"--eval-split must be a share of --data's records above 0 and below 1 (0.05), or a "
                              f"whole number of them (500), got {split:g}")
+    if (at := getattr(args, "eval_positions", None)) is not None:   # (rising, each a position a target can hold)
+        top = args.max_len - 1 if isinstance(getattr(args, "max_len", None), int) else None
+        if any(p < 1 for p in at) or any(b <= a for a, b in zip(at, at[1:])) or (top and at[-1] > top):
+            upto = f" to {top} (--max-len {args.max_len})" if top else ""
+            raise ValueError(f"--eval-positions {' '.join(map(str, at))}: the positions where the eval loss's "
+                             f"buckets after 0 start, rising, each from 1{upto}, e.g. --eval-positions 1024 4096 16384")
+        if hasattr(args, "eval_data") and not (getattr(args, "eval_data", None) or getattr(args, "eval_split", None)):
+            raise ValueError(f"--eval-positions {' '.join(map(str, at))} splits the eval loss, but there is no eval "
+                             "set: pass --eval-data FILE (or --eval-split), or drop --eval-positions")
     if getattr(args, "eval_every", 0) and not getattr(args, "eval_data", None) and hasattr(args, "eval_data") and \
             not getattr(args, "eval_split", None):
         raise ValueError(f"--eval-every {args.eval_every} evaluates on --eval-data, which is not given: pass "

@@ -395,6 +395,55 @@ def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(de
     assert abs(recs[-1]["eval_token_acc"] - hits / n) <= 1.01 / n, (recs[-1], hits, n)
 
 
+def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_path):
+    """--eval-positions 46 50: eval_loss@0-45, @46-49 and @50+ after 2 steps are transformers + peft's mean
+    cross-entropy over the eval targets whose token sits at those positions of its sample (one forward a sample; ours
+    packs several a row, positions restarting at each), and 2 ring ranks and 2 Ulysses ranks (each a shard of every
+    row's positions) log the same; eval_loss is the one over all targets either way."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from data import load_samples
+    from model.load import read_args
+
+    model, data, eval_data = (str(p) for p in demo)
+    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "2", "--lr", "5e-3",
+                          "--warmup", "1", "--global-batch", "8", "--quant", "none", "--dtype", "fp32", "--data-cache",
+                          "none", "--no-progress", "--eval-positions", "46", "50", "--out", o, *f]   # noqa: E731
+    with one_thread():
+        train.main(argv(str(tmp_path / "one")))
+    got = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")][-1]
+    samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
+                                     str(tmp_path / "one" / "adapter")).eval()
+    sums = {"0-45": [0.0, 0], "46-49": [0.0, 0], "50+": [0.0, 0]}   # (its targets: 42-53)
+    with torch.no_grad():
+        for i in range(len(samples)):
+            ids, lab = samples[i]["input_ids"].long(), samples[i]["labels"].long()
+            losses = F.cross_entropy(peft(ids[None]).logits[0].double(), lab, reduction="none")   # (0 off target)
+            for t in (lab != IGNORE_INDEX).nonzero().flatten().tolist():   # row t predicts the token at t + 1
+                span = "0-45" if t + 1 < 46 else "46-49" if t + 1 < 50 else "50+"
+                sums[span][0] += losses[t].item()
+                sums[span][1] += 1
+    assert all(n > 0 for _, n in sums.values()), sums   # (the buckets tell something apart)
+    assert sum(n for _, n in sums.values()) == sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
+    for span, (loss, n) in sums.items():
+        if n:
+            assert got[f"eval_loss@{span}"] == pytest.approx(loss / n, rel=2e-5), (span, got, loss / n)
+        else:
+            assert f"eval_loss@{span}" not in got, got
+    assert got["eval_loss"] == pytest.approx(sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values()),
+                                             rel=2e-5), got
+    for impl in ("ring", "ulysses"):
+        run_ranks(_train, 2, argv(str(tmp_path / impl), "--cp", "2", "--cp-impl", impl), timeout=300)
+        cp = [json.loads(line) for line in open(tmp_path / impl / "metrics.jsonl")][-1]
+        assert sorted(cp) == sorted(got), (impl, cp, got)
+        for k in (k for k in got if k.startswith("eval_loss")):
+            assert cp[k] == pytest.approx(got[k], rel=1e-5), (impl, k, cp[k], got[k])
+
+
 def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, monkeypatch):
     """On CUDA, FSDP2's mixed precision casts every floating-point tensor handed to the root's forward to bf16 (a copy):
     a float64 `hits` counter came back untouched, so token_acc and eval_token_acc were 0 on every GPU run. The CUDA

@@ -633,6 +633,11 @@ def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
     assert doubled[0][0] == pytest.approx(2 * plain[0][0], rel=1e-5), ("eval before training", plain, doubled)
     assert doubled[1] == pytest.approx(2 * plain[1], rel=1e-5), ("step 1's loss", plain, doubled)
     assert doubled[2] > 1.5 * plain[2], ("the final eval (after another update, so not exactly 2x)", plain, doubled)
+    with pytest.MonkeyPatch.context() as m:   # (--eval-positions reads the fused loss's per-token losses)
+        m.setattr(train, "LOSS_FN", twice)
+        msg = startup_error(train_argv(assets, str(tmp_path / "pos"), "--eval-split", "0.1", "--eval-positions", "8"))
+    assert "train.py's LOSS_FN (a sum over each chunk) does not give: set LOSS_FN = None" in msg, msg
+    assert not os.path.exists(tmp_path / "pos")
 
 
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
@@ -941,6 +946,14 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
     "eval-every without eval-data": (["--eval-every", "2"], ["--eval-every 2 evaluates on --eval-data, which is "
                                                              "not given"]),
     "max-len 1": (["--max-len", "1"], ["--max-len must be >= 2 (one input and one target), got 1"]),
+    "eval-positions without eval-data": (["--eval-positions", "8"], ["--eval-positions 8 splits the eval loss, but "
+                                         "there is no eval set: pass --eval-data FILE (or --eval-split)"]),
+    "eval-positions not rising": (["--eval-split", "0.1", "--eval-positions", "16", "16"], ["--eval-positions 16 16: "
+                                  "the positions where the eval loss's buckets after 0 start, rising"]),
+    "eval-positions past max-len": (["--eval-split", "0.1", "--eval-positions", "8", "64"],
+                                    ["--eval-positions 8 64", "each from 1 to 63 (--max-len 64)"]),
+    "eval-positions with dpo": (["--objective", "dpo", "--eval-split", "0.1", "--eval-positions", "8"],
+                                ["--objective dpo's eval (a loss per pair) does not have", "drop --eval-positions"]),
     "lora-r beyond a projection's rank": (["--lora-r", "17"], ["--lora-r 17 is more than the rank of k_proj (48 -> "
                                                                "16), v_proj (48 -> 16)", "use --lora-r 16 or less"]),
     "save-minutes negative": (["--save-minutes", "-1"], ["--save-minutes must be >= 0, got -1"]),
