@@ -3,14 +3,16 @@
 Contract:
 - One JSON object per line; blank lines are skipped. What a line may hold (the record kinds), and how it is checked
   and normalised, is data/records.py's `parse_record`; ShareGPT's conversations are read as messages
-  (data/sharegpt.py).
+  (data/sharegpt.py). The same records may come compressed (gzip, bzip2, xz, zstd), in a zip of one file, as one
+  JSON array or as Parquet rows: data/formats.py reads them, told by the file's bytes.
 - `load_jsonl(path)` returns the records in file order, each normalised to
   `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
   `{"line": n, "messages": [...]}` (plus `"tools": [...]` when given) (`n` is 1-based, kept so that later stages can
-  still name the line); a pair to `{"line": n, "pair": [chosen, rejected]}`, each side one of the records above.
-  `iter_jsonl(path)` yields them one line read at a time (the start-up check of a file's first record reads one).
-- `check_file(path, flag)`: a cheap start-up check that `path` is a readable file of JSONL text (not a directory, a
-  pipe, or a compressed file or archive: PACKED, named with the command that makes JSONL of it).
+  still name the record: its line, or a JSON array's element or a Parquet row, said "record n" and "row n" there:
+  `where(path, n)`); a pair to `{"line": n, "pair": [chosen, rejected]}`, each side one of the records above.
+  `iter_jsonl(path)` yields them one record read at a time (the start-up check of a file's first record reads one).
+- `check_file(path, flag)`: a cheap start-up check that `path` is a readable file (not a directory or a pipe), and
+  that a packed one can be read (data/formats.py's `check`: its package installed, a zip of one file).
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -34,12 +36,21 @@ class DataError(ValueError):
     """A data file or record that cannot be used; the message says where and how to fix it."""
 
 
+def where(path: str | Path, n: int) -> str:
+    """"FILE, line N" (a JSON array's "record N", Parquet's "row N": data/formats.py's `unit`)."""
+    from data.formats import unit
+    return f"{path}, {unit(path)} {n}"
+
+
 def line_error(path: str | Path, line: int, problem: str, valid: str = VALID_LINES) -> DataError:
-    return DataError(f"{path}, line {line}: {problem}; {valid}")
+    return DataError(f"{where(path, line)}: {problem}; {valid}")
 
 
 def check_file(path: str | Path, flag: str = "data file") -> Path:
-    """A cheap start-up check: `path` is a readable file, else a DataError naming `flag` and the fix."""
+    """A cheap start-up check: `path` is a readable file, else a DataError naming `flag` and the fix; a compressed
+    file, a zip or a Parquet file is looked into as far as data/formats.py's `check` says."""
+    from data.formats import check
+
     p = Path(path)
     if not p.is_file():
         what = "is a directory, not a file" if p.is_dir() else \
@@ -50,36 +61,21 @@ def check_file(path: str | Path, flag: str = "data file") -> Path:
             head = f.read(8)
     except OSError as e:   # (permissions: a traceback deep in the loader otherwise)
         raise DataError(f"{flag} {p} cannot be read ({type(e).__name__}: {e.strerror}); fix its permissions") from None
-    for magic, kind, fix in PACKED:   # (said at line 1 as "not UTF-8" until 2026-12-05)
-        if head.startswith(magic):
-            raise DataError(f"{flag} {p} is {kind}, not JSONL text: {fix.format(p)}, and pass that file")
-    return p
-
-
-# what a data file may be in place of JSONL text: its first bytes, its name, how to make JSONL of it
-PACKED = ((b"\x1f\x8b", "gzip-compressed", "decompress it (gzip -dc {} > data.jsonl)"),   # (-c: any file name; -d
-          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -dc {} > data.jsonl)"),   # alone wants .gz)
-          (b"BZh", "bzip2-compressed", "decompress it (bzip2 -dc {} > data.jsonl)"),
-          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (xz -dc {} > data.jsonl)"),
-          (b"PK\x03\x04", "a zip archive", "extract its JSONL file (unzip {})"),
-          (b"PAR1", "a Parquet file", "write its rows as JSONL (pandas: read_parquet('{}').to_json(OUT, "
-           "orient='records', lines=True, force_ascii=False))"))
+    check(p, head, flag)   # (until 2026-12-06 a compressed file, zip or Parquet was refused here, with the command
+    return p               # that makes JSONL of it)
 
 
 def iter_jsonl(path: str | Path):
-    """A JSONL file's validated records, one line read at a time (blank lines skipped)."""
+    """A data file's validated records, one record read at a time (blank lines skipped): JSONL, or any form
+    data/formats.py reads."""
     # (imported here: data/records.py imports this file's DataError and line_error)
+    from data.formats import units
     from data.records import parse_record
 
     p = check_file(path)
-    with p.open("rb") as f:
-        for n, raw_bytes in enumerate(f, start=1):
-            try:
-                raw = raw_bytes.decode("utf-8-sig" if n == 1 else "utf-8")   # a byte-order mark (Windows editors)
-            except UnicodeDecodeError as e:
-                raise line_error(p, n, f"not UTF-8 ({e.reason} at byte {e.start})") from None
-            if raw.strip():
-                yield parse_record(raw, p, n)
+    for n, raw in units(p):
+        if not isinstance(raw, str) or raw.strip():
+            yield parse_record(raw, p, n)
 
 
 def load_jsonl(path: str | Path) -> list[dict]:

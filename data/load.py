@@ -60,6 +60,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     (data/store.py's `build`). `objective` (sft, dpo): every record read is checked to be of its kind
     (`data.pairs.check_records`) before any is tokenized."""
     from data import store
+    from data.formats import unit
     from data.jsonl import load_jsonl
 
     warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
@@ -89,7 +90,7 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
             "or one ending where they part): "
             "where they differ past --max-len, a longer --max-len keeps them; else fix the file or drop it" if
             stats.tied else f"fix the file or drop it from {flag}"))
-    if log and (said := stats.warning(f"{flag} {path}", max_len, long_text)):
+    if log and (said := stats.warning(f"{flag} {path}", max_len, long_text, unit(path))):
         log(said)
     check_vocab(samples, tokenizer, vocab_size, path)
     if not hit and sha256 and store.file_sha256(path) != sha256:   # the run records `sha256` as what it read

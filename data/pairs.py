@@ -98,17 +98,18 @@ def check_records(records: list[dict], path, flag: str, objective: str) -> None:
     wrong = [r for r in records if ("pair" in r) != (objective == "dpo")]
     if not wrong:
         return
+    from data.formats import unit
     n, k = wrong[0]["line"], len(wrong)
     many = f" (and {k - 1} more of its {len(records)} records)" if k > 1 else ""
     if objective == "dpo":
-        raise ValueError(f"--objective dpo: {flag} {path} line {n} is not a preference pair{many}: DPO trains on "
-                         "{\"prompt\", \"chosen\", \"rejected\"} records only; " + (
+        raise ValueError(f"--objective dpo: {flag} {path} {unit(path)} {n} is not a preference pair{many}: DPO "
+                         "trains on {\"prompt\", \"chosen\", \"rejected\"} records only; " + (
                              "give an eval file of pairs, or --eval-split" if flag == "--eval-data" else
                              "give the others in a file of their own, trained with --objective sft (the default)"
                              if k < len(records) else "train this file with --objective sft (the default)"))
-    raise ValueError(f"{flag} {path} line {n} is a preference pair (\"chosen\"/\"rejected\"){many}: pass --objective "
-                     "dpo to train on pairs (every record a pair), or write it as a {\"prompt\", \"completion\"} "
-                     "record for supervised fine-tuning")
+    raise ValueError(f"{flag} {path} {unit(path)} {n} is a preference pair (\"chosen\"/\"rejected\"){many}: pass "
+                     "--objective dpo to train on pairs (every record a pair), or write it as a {\"prompt\", "
+                     "\"completion\"} record for supervised fine-tuning")
 
 
 def _not_pairs(stats) -> int:

@@ -21,12 +21,12 @@ Contract:
   ShareGPT's conversations (`"conversations"` or `"messages"` of {"from", "value"}, a top-level "system") are read
   as messages (data/sharegpt.py), and so are Alpaca's {"instruction", "input", "output"} records, with
   LLaMA-Factory's "system" and "history" (data/alpaca.py; its pairs: "chosen" and "rejected" for "output").
-- `parse_record(raw, path, n)` validates one non-blank line and returns its record, normalised as data/jsonl.py's
-  `load_jsonl` says. A line that is wrong raises `DataError` naming the file, the line number, what is wrong and what
-  a valid line looks like (VALID_LINES; a pair's: PAIR_LINES); a key of another format ("question", "response",
-  an Alpaca "instruction" without "output", ...) is named with its rename (ALIASES). A KTO line (an answer with a
-  bool "label", TRL's unpaired preference form, or "kto_tag", LLaMA-Factory's) is refused: read as SFT, its bad
-  answers would be trained as good ones.
+- `parse_record(raw, path, n)` validates one non-blank line (or a Parquet row's dict) and returns its record,
+  normalised as data/jsonl.py's `load_jsonl` says. A line that is wrong raises `DataError` naming the file, the line
+  number (data/jsonl.py's `where`), what is wrong and what a valid line looks like (VALID_LINES; a pair's:
+  PAIR_LINES); a key of another format ("question", "response", an Alpaca "instruction" without "output", ...) is
+  named with its rename (ALIASES). A KTO line (an answer with a bool "label", TRL's unpaired preference form, or
+  "kto_tag", LLaMA-Factory's) is refused: read as SFT, its bad answers would be trained as good ones.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 
 from data.alpaca import _alpaca
-from data.jsonl import PAIR_LINES, VALID_LINES, DataError, line_error
+from data.jsonl import PAIR_LINES, VALID_LINES, DataError, line_error, where
 from data.sharegpt import _sharegpt, _sharegpt_messages, _system_first
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXXX escape: half of a UTF-16 pair
@@ -125,15 +125,16 @@ def _lone_surrogates(raw: str):
             at = low.end()
 
 
-def parse_record(raw: str, path: str | Path, n: int) -> dict:
-    """Validate one non-blank line and return its normalised record."""
+def parse_record(raw: str | dict, path: str | Path, n: int) -> dict:
+    """Validate one non-blank line (or a Parquet row, already a dict: data/formats.py) and return its record."""
+    if isinstance(raw, dict):
+        return _normalise(raw, path, n)
     try:
         obj = json.loads(raw.rstrip("\r\n"))   # (a line cut short errs at its end, not at "column 1" of the next)
     except json.JSONDecodeError as e:
         end = " (the line's end: cut short?)" if e.pos >= len(raw.rstrip("\r\n")) else ""
-        hint = ("; the file looks like one JSON array, not JSON Lines: write one record a line, e.g. "
-                "`jq -c '.[]' FILE`" if raw.strip() == "[" else "; the file is a Git LFS pointer, not the data: fetch "
-                "it (`git lfs pull`)" if raw.startswith("version https://git-lfs.github.com/spec/") else "")
+        hint = ("; the file is a Git LFS pointer, not the data: fetch it (`git lfs pull`)"   # (a JSON array: read
+                if raw.startswith("version https://git-lfs.github.com/spec/") else "")   # as one, data/formats.py)
         raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.pos + 1}{end}){hint}") from None
     rec = _normalise(obj, path, n)
     if SURROGATE_ESCAPE.search(raw):   # json.loads keeps a lone half; the tokenizer would raise a TypeError
@@ -199,7 +200,7 @@ def _pair(obj: dict, path: str | Path, n: int) -> dict:
                 ' (a record that is all target is {"text": ...})', ' (a pair with no prompt is {"chosen": "...", '
                 '"rejected": "..."}, whose shared start is the prompt)')
             said = said.replace('"completion"', f'"{key}"') if '"completion"' in said else \
-                said.replace(f"line {n}: ", f'line {n}: "{key}" side: ', 1)
+                said.replace(f"{where(path, n)}: ", f'{where(path, n)}: "{key}" side: ', 1)
             raise DataError(said) from None
     return {"line": n, "pair": out}
 

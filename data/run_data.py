@@ -34,6 +34,7 @@ import pickle
 import socket
 
 from data import store  # (store.today() looked up when called: one clock for the key, the rendering and the day)
+from data.formats import unit
 from data.jsonl import DataError
 from data.mix import FILE_SHIFT, data_files, join, mix, record_name, total, weight_text
 from data.samples import Samples, also_in, fingerprint, hold_out, split_arg
@@ -85,8 +86,10 @@ def load_run_data(args, tokenizer, vocab_size: int, log):
     if split := getattr(args, "eval_split", None):   # whole records of --data held out as the eval set
         kept, held, lines = hold_out(train[0], split, args.seed)
         shown = ", ".join(record_name(x, files) for x in lines[:8]) + (", ..." if len(lines) > 8 else "")
+        words = {unit(f) for f in files}   # line, record or row (data/formats.py)
+        word = words.pop() if len(words) == 1 else "record"
         log(f"eval split: {len(lines)} record{'s' * (len(lines) > 1)} of --data held out (--eval-split "
-            f"{split_arg(split)}, --seed {args.seed}; line{'s' * (len(lines) > 1)} {shown}), never trained on: "
+            f"{split_arg(split)}, --seed {args.seed}; {word}{'s' * (len(lines) > 1)} {shown}), never trained on: "
             f"{len(held)} samples, {int(held.lengths.sum())} tokens; training on {len(kept)} samples")
         train, ev = (kept, train[1]), (held, None)
         left = set((kept.sample_lines() >> FILE_SHIFT).tolist())   # the files with a record to train

@@ -6,7 +6,8 @@
 
 Contract:
 - The records are the first `--n` non-blank lines of each file, or the lines `--lines` names (1-based, as errors
-  and `--eval-split` name them), read one line at a time (a large file is not loaded whole). Each is tokenized by
+  and `--eval-split` name them; a JSON array's records, Parquet's rows: data/formats.py), read one at a time (a large
+  file is not loaded whole). Each is tokenized by
   `data.tokens.tokenize_records` with the run's --max-len, --long-text, chat template and template date: the same
   function train.py calls, so the same samples, tokens and targets.
 - Each sample prints a header `FILE:LINE sample k/K: N tokens, T targets` and its text, decoded span by span, the
@@ -52,31 +53,27 @@ def render(sample: dict, tok, marks: tuple[str, str]) -> str:
 
 
 def records(path: str, n: int, lines: list[int] | None):
-    """The file's records to show, one line read at a time (module docstring)."""
-    from data.jsonl import check_file, line_error
+    """The file's records to show, one read at a time (module docstring)."""
+    from data.formats import unit, units
+    from data.jsonl import check_file
     from data.records import parse_record
 
     want, got, k = set(lines or ()), 0, 0
-    with check_file(path, "--data").open("rb") as f:
-        for k, raw in enumerate(f, start=1):
-            if lines is not None and k not in want:
-                if k > max(want):
-                    break
-                continue
-            try:
-                text = raw.decode("utf-8-sig" if k == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise line_error(path, k, f"not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not text.strip():
-                if lines is not None:
-                    print(f"{path}:{k}: a blank line (no record)")
-                continue
-            yield parse_record(text, path, k)
-            got += 1
-            if lines is None and got >= n:
+    for k, raw in units(check_file(path, "--data")):
+        if lines is not None and k not in want:
+            if k > max(want):
                 break
+            continue
+        if isinstance(raw, str) and not raw.strip():
+            if lines is not None:
+                print(f"{path}:{k}: a blank line (no record)")
+            continue
+        yield parse_record(raw, path, k)
+        got += 1
+        if lines is None and got >= n:
+            break
     if lines is not None and (past := sorted(x for x in want if x > k)):
-        print(f"{path}: has {k} lines, not line {', '.join(map(str, past))}")
+        print(f"{path}: has {k} {unit(path)}s, not {unit(path)} {', '.join(map(str, past))}")
 
 
 def from_run(out: str) -> dict:
@@ -103,7 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="the checkpoint folder (its tokenizer is read)")
     p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="JSONL files")
     p.add_argument("--n", type=int, default=3, help="the first N records of each file")
-    p.add_argument("--lines", nargs="+", type=int, default=None, metavar="L", help="these lines of each file instead")
+    p.add_argument("--lines", nargs="+", type=int, default=None, metavar="L",
+                   help="these lines of each file instead (a JSON array's records, Parquet's rows)")
     p.add_argument("--max-len", type=int, default=None, help="as train.py's (default 256, or the run's)")
     p.add_argument("--long-text", choices=LONG_TEXT, default=None, help=f"as train.py's (default {LONG_TEXT[0]})")
     p.add_argument("--train-on-prompt", action="store_true", default=None, help="as train.py's (--run: the run's)")

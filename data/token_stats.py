@@ -58,8 +58,9 @@ class TokenStats:
             + (f", {self.special} with special-token text (encoded as those tokens)" if self.special else "")
         )
 
-    def warning(self, what: str, max_len: int, long_text: str = LONG_TEXT[0]) -> str | None:
-        """`warning:` lines: records dropped (nothing of theirs is trained on), naming the first lines; truncation
+    def warning(self, what: str, max_len: int, long_text: str = LONG_TEXT[0], unit: str = "line") -> str | None:
+        """`warning:` lines: records dropped (nothing of theirs is trained on), naming the first by `unit` (line, record
+        or row: data/formats.py); truncation
         that cut CUT_WARN or more of the kept records' tokens (never trained on either), naming the flags that keep
         them. None when neither."""
         said = []
@@ -75,7 +76,8 @@ class TokenStats:
             if n:   # (each cause its own line: only the cut's is undone by a longer --max-len)
                 lines = ", ".join(map(str, shown)) + (", ..." if n > len(shown) else "")
                 share = f"{n} of {self.records} records ({100 * n / self.records:.1f}%)"
-                said.append(f"warning: {what}: {share} have {why} and are {lost} (line{'s' * (n > 1)} {lines}); {fix}")
+                said.append(f"warning: {what}: {share} have {why} and are {lost} ({unit}{'s' * (n > 1)} {lines}); "
+                            + fix)
         if self.tied:
             more = ", ..." if self.tied > len(self.tied_lines) else ""
             lines = ", ".join(map(str, self.tied_lines)) + more
@@ -83,8 +85,8 @@ class TokenStats:
             said.append(f"warning: {what}: {self.tied} preference pair{'s' * many} whose chosen and rejected sides are "
                         f"the same tokens within --max-len {max_len}, or differ in no target, or one ends where they "
                         "part (nothing to prefer) "
-                        f"{'are' if many else 'is'} not trained on (line{'s' * many} {lines}); where they differ past "
-                        "--max-len, a longer --max-len keeps them")
+                        f"{'are' if many else 'is'} not trained on ({unit}{'s' * many} {lines}); where they differ "
+                        "past --max-len, a longer --max-len keeps them")
         if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
             said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
                         f"({100 * self.cut / whole:.0f}%), which are never trained on; "

@@ -44,7 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.chat import char_targets, chat_tokens, check_chat_content, special_strings
-from data.jsonl import DataError
+from data.jsonl import DataError, where
 from data.token_stats import DROPPED_LINES, LONG_TEXT, TokenStats
 from loss import IGNORE_INDEX
 
@@ -135,7 +135,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
     chats = [r for r in flat if "messages" in r]
     if chats and not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            f"{path}, line {chats[0].get('line', '?')}: chat records need the checkpoint's chat "
+            f"{where(path, chats[0].get('line', '?'))}: chat records need the checkpoint's chat "
             "template, but the tokenizer has none (base models often ship without one); pass --chat-template "
             "chatml (or --chat-template FILE.jinja), use an instruct checkpoint, or write {\"text\": ...}"
         )
@@ -176,9 +176,9 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                 ids, flags = ids + [eos], flags + [True]
             flags[-1] = True   # EOS: the model learns to stop after the completion
         else:
-            where = f"{path}, line {r.get('line', '?')}"
-            check_chat_content(r["messages"], specials, where, r.get("tools"))
-            ids, flags, doc = chat_tokens(tokenizer, r["messages"], where, r.get("tools"))
+            at = where(path, r.get('line', '?'))
+            check_chat_content(r["messages"], specials, at, r.get("tools"))
+            ids, flags, doc = chat_tokens(tokenizer, r["messages"], at, r.get("tools"))
         answer = flags.index(True) if "prompt" in r else None   # where its answer starts: a cut drops the prompt
         if all_targets and "text" not in r:   # --train-on-prompt: the prompt's tokens too (BOS never: no label)
             flags = [True] * len(ids)

@@ -1,0 +1,201 @@
+"""data/formats.py: the same records read from compressed JSONL, a zip of one file, one JSON array and Parquet.
+
+Pins that every form gives the samples JSONL text gives through train.py's loading path (data/load.py's
+`load_samples`), that a bad record is named by its line, record or row, that a compressed file cut short is an error
+naming it, and Parquet's null rule (a key only some rows or messages have). The files are written by the standard
+library, `zstandard` and `pyarrow` (references nobody here wrote); JSONL text, read as before, is the reference.
+
+Run: .venv/bin/python -m pytest -q tests/test_data_formats.py
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+import sys
+import zipfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import zstandard
+
+from data import DataError, check_file, load_jsonl, load_tokenizer
+from data.jsonl import iter_jsonl
+from data.load import load_samples
+from tests.fixtures import make_tokenizer
+from tests.helpers import one_thread, train_argv
+
+MSGS = [{"role": "user", "content": "Is the sky blue at noon?"}, {"role": "assistant", "content": "Yes, mostly."},
+        {"role": "user", "content": "And at night? Ça dépend 🙂"}, {"role": "assistant", "content": "Dark."}]
+RECORDS = [{"text": "A short document about rivers and the sea."},
+           {"prompt": "Name a colour:", "completion": " green"},
+           {"messages": MSGS},
+           {"messages": [MSGS[0], {**MSGS[1], "weight": 0}, *MSGS[2:]]},   # ("weight" in this row's message only)
+           {"text": "Another document, and the last, é à ü."}]
+
+
+def write_forms(d, records, blank_first=False) -> dict:
+    """`records` as JSONL and in every other form, each file's path by its form."""
+    jl = ("\n" if blank_first else "") + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    raw = jl.encode()
+    files = {"jsonl": d / "d.jsonl", "gzip": d / "d.jsonl.gz", "bzip2": d / "d.jsonl.bz2", "xz": d / "d.jsonl.xz",
+             "zstd": d / "d.jsonl.zst", "zip": d / "d.zip", "array": d / "d.json", "parquet": d / "d.parquet",
+             "gzip named .jsonl": d / "gz.jsonl"}   # (told by its bytes, not its name)
+    files["jsonl"].write_bytes(raw)
+    for form, pack in (("gzip", gzip.compress), ("bzip2", bz2.compress), ("xz", lzma.compress),
+                       ("zstd", zstandard.ZstdCompressor().compress), ("gzip named .jsonl", gzip.compress)):
+        files[form].write_bytes(pack(raw))
+    with zipfile.ZipFile(files["zip"], "w") as z:   # (a directory and macOS's resource forks beside it: left out)
+        z.writestr("data/", b"")
+        z.writestr("__MACOSX/data/._d.jsonl", b"\x00\x05\x16\x07")
+        z.writestr("data/d.jsonl", raw)
+    files["array"].write_text(json.dumps(records, indent=2, ensure_ascii=False), encoding="utf-8")
+    keys = sorted({k for r in records for k in r})   # (a column a key: null where a row has none, as the Hub's)
+    pq.write_table(pa.table({k: [r.get(k) for r in records] for k in keys}), files["parquet"], row_group_size=2)
+    return files
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer(d)
+    return load_tokenizer(d)
+
+
+def test_every_form_gives_the_samples_of_its_jsonl(tmp_path, tok, monkeypatch):
+    """Through load_samples (train.py's path, with the token cache): the same ids, labels and record numbers, and the
+    same stats, for every form; and again with the reads cut to 7 bytes (array elements and UTF-8 characters split
+    across reads)."""
+    import data.formats
+
+    files = write_forms(tmp_path, RECORDS)
+    ref, ref_stats = load_samples(files["jsonl"], tok, 256, len(tok))
+    assert len(ref) == ref_stats.records == len(RECORDS)
+    for small in (False, True):
+        if small:
+            monkeypatch.setattr(data.formats, "CHUNK", 7)
+        for form, path in files.items():
+            cache = str(tmp_path / f"cache{small}")
+            for _ in range(2):   # tokenized, then read from the cache
+                got, stats = load_samples(path, tok, 256, len(tok), cache=cache)
+                assert stats == ref_stats, (form, small)
+                assert len(got) == len(ref) and torch.equal(got.sample_lines(), ref.sample_lines()), (form, small)
+                for a, b in zip(got, ref):
+                    assert torch.equal(a["input_ids"], b["input_ids"]), (form, small)
+                    assert torch.equal(a["labels"], b["labels"]), (form, small)
+
+
+def test_a_bad_record_is_named_by_line_record_or_row(tmp_path):
+    files = write_forms(tmp_path, [{"text": "fine"}, {"text": ""}, {"text": "fine too"}], blank_first=True)
+    for form, path in files.items():
+        where = {"array": "record 2", "parquet": "row 2"}.get(form, "line 3")   # (JSONL counts the blank line)
+        with pytest.raises(DataError, match=rf"^{path}, {where}: \"text\" is empty"):
+            load_jsonl(path)
+    bad = tmp_path / "bad.json"
+    for text, said in (('[{"text": "a"}, {"text": "b"}', 'record 3: the JSON array ends without its closing ]'),
+                       ('[{"text": "a"}, {"text": "b"', r"record 2: not valid JSON \(.*; the file ends inside it: cut"),
+                       ('[{"text": "a"} {"text": "b"}]', "record 2: expected , or ] after record 1"),
+                       ('[{"text": "a"}, {"text": "b",}]', "record 2: not valid JSON"),
+                       ('[{"text": "a"}] [{"text": "b"}]',
+                        r"the JSON array ends after record 1, and '\[{\"text\": \"b\"}\]' follows it: one array")):
+        bad.write_text(text)
+        with pytest.raises(DataError, match=rf"^{bad}(: |, ){said}"):
+            load_jsonl(bad)
+    (tmp_path / "empty.json").write_text(" [ ]\n")
+    with pytest.raises(DataError, match="has no records"):
+        load_jsonl(tmp_path / "empty.json")
+
+
+def test_a_compressed_file_cut_short_is_an_error_naming_it(tmp_path):
+    """Raised when the reader gets there (the records before the cut are read), naming the file and what is wrong:
+    not an EOFError traceback, and never a file quietly shorter (zstd's stream reader ends at a cut without a word)."""
+    many = "".join(json.dumps({"text": f"record {i} " + "words " * 20}) + "\n" for i in range(10000)).encode()
+    for form, pack in (("gzip", gzip.compress), ("bzip2", bz2.compress), ("xz", lzma.compress),
+                       ("zstd", zstandard.ZstdCompressor().compress)):
+        path = tmp_path / f"cut.{form}"
+        path.write_bytes(pack(many)[:-len(pack(many)) // 3])
+        check_file(path, "--data")   # (start-up reads its first bytes only)
+        assert next(iter_jsonl(path))["line"] == 1, form
+        with pytest.raises(DataError, match=rf"^{path}: the {form} data is cut short or corrupt .*, after line \d+;"):
+            load_jsonl(path)
+
+
+def test_a_zip_of_several_files_is_refused_at_start_up_naming_them(tmp_path):
+    path = tmp_path / "two.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("train.jsonl", '{"text": "a"}\n')
+        z.writestr("eval.jsonl", '{"text": "b"}\n')
+    with pytest.raises(DataError, match=rf"^--data {path} is a zip archive of 2 files \(train.jsonl, eval.jsonl\): .*"
+                                        rf"unzip {path}"):
+        check_file(path, "--data")
+    inner = tmp_path / "inner.zip"
+    with zipfile.ZipFile(inner, "w") as z:
+        z.writestr("d.jsonl.gz", gzip.compress(b'{"text": "a"}\n'))
+    with pytest.raises(DataError, match=rf"^{inner}: the file it holds is gzip, not JSONL or a JSON array"):
+        load_jsonl(inner)
+
+
+def test_a_missing_package_is_named_with_its_install(tmp_path, monkeypatch):
+    files = write_forms(tmp_path, RECORDS[:1])
+    monkeypatch.setitem(sys.modules, "zstandard", None)   # (import fails: the GPU machine's python has none)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    for form, pip in (("zstd", "zstandard"), ("parquet", "pyarrow")):
+        with pytest.raises(DataError, match=rf"^--data {files[form]} is .*needs the {pip} package.*pip install {pip}"):
+            check_file(files[form], "--data")
+
+
+def test_parquet_nulls_are_missing_keys(tmp_path):
+    """Parquet has no missing key: a struct column holds every key any row's has, null where a row has none. Read as
+    the JSONL of the same records reads: a message's "weight" or "tool_calls" only some have, a tool schema's
+    properties only another tool has, "tools" only some rows have; a tool-calling turn's null "content" stays."""
+    weather = {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+        "required": ["city"]}}}
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}
+    records = [{"messages": [MSGS[0], {**MSGS[1], "weight": 0}, *MSGS[2:]]},
+               {"messages": [{"role": "user", "content": "Weather in Oslo?"}, call,
+                             {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}],
+                "tools": [weather, clock]},
+               {"messages": MSGS, "tools": [clock]},
+               {"text": "plain"}]
+    files = write_forms(tmp_path, records)
+    read = pq.read_table(files["parquet"]).to_pylist()
+    assert read[0]["messages"][1]["tool_calls"] is None and read[0]["tools"] is None   # (what Parquet gives)
+    assert read[1]["tools"][1]["function"]["parameters"]["properties"]["city"] is None
+    assert load_jsonl(files["parquet"]) == load_jsonl(files["jsonl"])
+
+
+def test_show_and_pairs_count_records_and_rows(tmp_path, capsys):
+    from data.pairs import check_records
+    from data.show import records
+
+    files = write_forms(tmp_path, RECORDS)
+    got = list(records(str(files["array"]), 3, [2, 9]))
+    assert [r["line"] for r in got] == [2] and got[0]["completion"] == " green"
+    assert "has 5 records, not record 9" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=rf"--data {files['parquet']} row 1 is not a preference pair"):
+        check_records(load_jsonl(files["parquet"]), files["parquet"], "--data", "dpo")
+
+
+def test_a_run_on_gzip_equals_the_run_on_its_jsonl(assets, tmp_path):
+    """train.py, 1 process, 2 steps: --data d.jsonl.gz trains the losses --data d.jsonl trains."""
+    import train
+
+    gz = tmp_path / "chat.jsonl.gz"
+    gz.write_bytes(gzip.compress(open(assets["data"], "rb").read()))
+    losses = []
+    for data in (assets["data"], str(gz)):
+        out = str(tmp_path / f"out{len(losses)}")
+        with one_thread():
+            train.main(train_argv(assets, out, "--data", data, "--steps", "2"))
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            losses.append([json.loads(line)["loss"] for line in f])
+    assert len(losses[0]) == 2 and losses[1] == losses[0], losses
