@@ -169,7 +169,7 @@ def _elements(chunks, head: bytes, p: Path):
         while True:
             try:
                 end = dec.raw_decode(s, i)[1]
-                if end < len(s) or done:   # (a number at the buffer's end may go on)
+                if end + 2 < len(s) or done:   # (a number at the buffer's end may go on: "1" or "1e+" of "1e+5")
                     break
             except json.JSONDecodeError as e:   # (at the buffer's end, or in a string it ends: maybe just unread)
                 if done or e.pos < len(s) - 16 and not e.msg.startswith("Unterminated"):

@@ -111,6 +111,21 @@ def test_a_bad_record_is_named_by_line_record_or_row(tmp_path):
         load_jsonl(tmp_path / "empty.json")
 
 
+def test_a_json_array_read_in_any_pieces_is_json_loads_of_it(tmp_path, monkeypatch):
+    """Each read size from 1 byte to past the file's end: the elements are json.loads's of the whole text (the
+    reference), a number cut at its "." or "e+" included (read as "1" it was another record, then "expected , or ]")."""
+    import data.formats
+
+    text = ('[1.5e+3 , -0.0,{"a": [1e-2, {"b": "\\ud83d\\ude00 \\" é€😀\\n"}], "c": null} ,\n 12.25,2E-2, true,'
+            '"x\\u00e9", [[], {}], false]')
+    path = tmp_path / "a.json"
+    path.write_text(text, encoding="utf-8")
+    for chunk in range(1, len(text.encode()) + 2):
+        monkeypatch.setattr(data.formats, "CHUNK", chunk)
+        got = [(n, json.loads(raw)) for n, raw in data.formats.units(path)]
+        assert got == list(enumerate(json.loads(text), start=1)), chunk
+
+
 def test_a_compressed_file_cut_short_is_an_error_naming_it(tmp_path):
     """Raised when the reader gets there (the records before the cut are read), naming the file and what is wrong:
     not an EOFError traceback, and never a file quietly shorter (zstd's stream reader ends at a cut without a word)."""
