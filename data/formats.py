@@ -205,11 +205,19 @@ def _rows(p: Path):
                 yield n, drop_nulls(row)
 
 
+def _head(chunks) -> bytes:
+    """The text's start, read up to its first character past whitespace and a byte-order mark (which a short first
+    read may cut: b"\xef" then b"\xbb\xbf[")."""
+    head = b""
+    while (not head.removeprefix(codecs.BOM_UTF8).strip() or codecs.BOM_UTF8.startswith(head)) and \
+            (c := next(chunks, None)) is not None:
+        head += c
+    return head
+
+
 def _text(p: Path, k: str | None):
     chunks = _chunks(p, k)
-    head = b""
-    while not head.strip() and (c := next(chunks, None)) is not None:
-        head += c
+    head = _head(chunks)
     if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":
         try:
             yield from _elements(chunks, head.removeprefix(codecs.BOM_UTF8), p)
@@ -254,9 +262,7 @@ def _unit(path: str, _stamp: tuple) -> str:
             k = kind(f.read(8))
         if k == "Parquet":
             return "row"
-        for c in _chunks(Path(path), k):
-            if c.strip():
-                return "record" if c.lstrip().removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[" else "line"
+        return "record" if _head(_chunks(Path(path), k)).removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[" else "line"
     except Exception:
         pass
     return "line"

@@ -11,6 +11,7 @@ Run: .venv/bin/python -m pytest -q tests/test_data_formats.py
 from __future__ import annotations
 
 import bz2
+import codecs
 import gzip
 import json
 import lzma
@@ -113,17 +114,19 @@ def test_a_bad_record_is_named_by_line_record_or_row(tmp_path):
 
 def test_a_json_array_read_in_any_pieces_is_json_loads_of_it(tmp_path, monkeypatch):
     """Each read size from 1 byte to past the file's end: the elements are json.loads's of the whole text (the
-    reference), a number cut at its "." or "e+" included (read as "1" it was another record, then "expected , or ]")."""
+    reference), a number cut at its "." or "e+" included (read as "1" it was another record, then "expected , or ]"),
+    and after a byte-order mark cut by the reads (its first byte alone was taken for the start of a JSONL line)."""
     import data.formats
 
     text = ('[1.5e+3 , -0.0,{"a": [1e-2, {"b": "\\ud83d\\ude00 \\" é€😀\\n"}], "c": null} ,\n 12.25,2E-2, true,'
             '"x\\u00e9", [[], {}], false]')
     path = tmp_path / "a.json"
-    path.write_text(text, encoding="utf-8")
-    for chunk in range(1, len(text.encode()) + 2):
-        monkeypatch.setattr(data.formats, "CHUNK", chunk)
-        got = [(n, json.loads(raw)) for n, raw in data.formats.units(path)]
-        assert got == list(enumerate(json.loads(text), start=1)), chunk
+    for bom in (b"", codecs.BOM_UTF8):
+        path.write_bytes(bom + text.encode())
+        for chunk in range(1, len(text.encode()) + 2):
+            monkeypatch.setattr(data.formats, "CHUNK", chunk)
+            got = [(n, json.loads(raw)) for n, raw in data.formats.units(path)]
+            assert got == list(enumerate(json.loads(text), start=1)), (bom, chunk)
 
 
 def test_a_compressed_file_cut_short_is_an_error_naming_it(tmp_path):
