@@ -241,7 +241,9 @@ def _normalise(obj, path: str | Path, n: int) -> dict:
             raise line_error(path, n, f'"text" must be a string, got {type(text).__name__}')
         if not text.strip():
             raise line_error(path, n, '"text" is empty')
-        return {"line": n, "text": text}
+        # (tatsu-lab/alpaca's rows: "text" holds the prompt template, instruction and answer; read as text, as TRL's
+        # dataset_text_field reads them, and said: data/token_stats.py's warning names the jq that makes chats)
+        return {"line": n, "text": text, **({"alpaca": True} if "instruction" in obj and "output" in obj else {})}
     if has_messages:
         _check_messages(obj["messages"], path, n)
         tools = _tools(obj.get("tools"), path, n)

@@ -8,8 +8,8 @@ Contract:
   `build` sums a file's chunks into one, and the token cache keeps it beside the samples (data/store.py's SOURCES
   hold this file).
 - `str(stats)` is the line said at load; `stats.warning(what, max_len, long_text)` the `warning:` lines (records
-  dropped, each cause its own line and fix; pairs tied, truncation that cut CUT_WARN or more of the kept records'
-  tokens), None when none.
+  dropped, each cause its own line and fix; pairs tied, text records that also hold Alpaca's fields, truncation that
+  cut CUT_WARN or more of the kept records' tokens), None when none.
 - `LONG_TEXT`: what a text record longer than --max-len becomes (--long-text's choices; the first is the default,
   which the warning's `long_text` defaults to too).
 """
@@ -42,6 +42,8 @@ class TokenStats:
     pairs: int = 0  # preference pairs kept (--objective dpo), each two samples side by side: the chosen, the rejected
     dropped_lines: list = field(default_factory=list)  # the first DROPPED_LINES dropped records' line numbers
     no_target_lines: list = field(default_factory=list)  # the first DROPPED_LINES no-target records' line numbers
+    alpaca_text: int = 0  # text records that also hold Alpaca's "instruction" and "output" (tatsu-lab/alpaca's)
+    alpaca_text_lines: list = field(default_factory=list)  # the first DROPPED_LINES of them
 
     def __str__(self) -> str:
         return (
@@ -87,6 +89,13 @@ class TokenStats:
                         "part (nothing to prefer) "
                         f"{'are' if many else 'is'} not trained on ({unit}{'s' * many} {lines}); where they differ "
                         "past --max-len, a longer --max-len keeps them")
+        if self.alpaca_text:   # (since 2026-12-06; trained as text before too, without a word)
+            many, more = self.alpaca_text > 1, ", ..." if self.alpaca_text > len(self.alpaca_text_lines) else ""
+            said.append(f"warning: {what}: {self.alpaca_text} of {self.records} records hold \"text\" beside "
+                        f"Alpaca's \"instruction\" and \"output\" ({unit}{'s' * many} "
+                        f"{', '.join(map(str, self.alpaca_text_lines))}{more}): each is read as its text, every token "
+                        "a target, the prompt's too (as TRL's dataset_text_field \"text\"); to train the answers only, "
+                        "as chats in the model's template, drop the key (jq -c 'del(.text)' FILE)")
         if self.cut and self.cut >= CUT_WARN * (whole := self.tokens + self.cut):
             said.append(f"warning: {what}: --max-len {max_len} cut {self.cut:,} of the kept records' {whole:,} tokens "
                         f"({100 * self.cut / whole:.0f}%), which are never trained on; "

@@ -162,6 +162,8 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             pending = hit
         else:
             stats.special += hit or (r["pair"] == 1 and pending)
+        if r.get("alpaca"):   # (a text record that also holds Alpaca's fields: said, data/token_stats.py)
+            dropped(r, "alpaca_text", "alpaca_text_lines")
         if "text" in r:
             ids = list(next(text_ids))
             ids = ids[doubled(ids, r["text"]):]

@@ -229,6 +229,34 @@ def test_alpaca_records_are_the_messages_llama_factory_builds(tok, tmp_path):
     assert parse_record(json.dumps({"text": "t", "label": False}), "f", 1) == {"line": 1, "text": "t"}   # (no KTO)
 
 
+def test_text_records_holding_alpaca_fields_train_as_text_and_say_so(tok, tmp_path):
+    """tatsu-lab/alpaca's rows hold "text" (the prompt template, instruction and answer) beside "instruction",
+    "input" and "output": read as the text record they also are (every token a target: what TRL's dataset_text_field
+    trains), the same samples as the line without those keys, and the warning names their lines and the jq that makes
+    them chats; the data cache says it again; with "text" dropped they are chats, the answer alone a target."""
+    from data import load_samples
+
+    text = "Below is an instruction.\n\n### Instruction:\nAdd.\n\n### Response:\n5"
+    row = {"instruction": "Add.", "input": "", "output": "5", "text": text}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({"text": "plain"}) + "\n" +
+                                      json.dumps(row) + "\n")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    for cache in (str(tmp_path / "cache"), str(tmp_path / "cache")):   # (tokenized, then read back)
+        said = []
+        got, stats = load_samples(tmp_path / "t.jsonl", tok, 256, len(tok), cache=cache, log=said.append)
+        warned = [m for m in said if "Alpaca" in m]
+        assert len(warned) == 1 and "jq -c 'del(.text)'" in warned[0], said
+        assert '2 of 3 records hold "text" beside Alpaca\'s "instruction" and "output" (lines 1, 3)' in warned[0]
+    (want,), _ = tokenize_records(load_jsonl(tmp_path / "plain.jsonl"), tok, 256)
+    assert torch.equal(got[0]["input_ids"], torch.tensor(want["input_ids"], dtype=got[0]["input_ids"].dtype))
+    assert torch.equal(got[0]["labels"], torch.tensor(want["labels"], dtype=got[0]["labels"].dtype))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({k: v for k, v in row.items() if k != "text"}) + "\n")
+    said = []
+    (chat,), _ = load_samples(tmp_path / "chat.jsonl", tok, 256, len(tok), cache="none", log=said.append)
+    assert not any("Alpaca" in m for m in said) and target_runs(tok, {k: chat[k].tolist() for k in chat}) == \
+        ["5" + END], said
+
+
 def test_sharegpt_reading_keeps_earlier_records_and_reads_pairs(tok, tmp_path):
     """Records read before ShareGPT was: role/content messages carrying a "from" or "value" key of their own (metadata)
     read as they were. A preference pair's ShareGPT lists (prompt, sides; a string side) are the same role/content
