@@ -64,7 +64,7 @@ def as_trained(model, quant: str) -> None:
     inference kernel, which casts the scales to bf16 in eval mode) from un-nested scales: logits 5e-3 off training's."""
     import torch
 
-    from model.bnb import dequantize_4bit
+    from model.bnb import dequantize
     from model.nf4 import nested_state
 
     fours = [(n, m) for n, m in model.named_modules() if hasattr(getattr(m, "weight", None), "quant_state")]
@@ -76,7 +76,7 @@ def as_trained(model, quant: str) -> None:
                 st.absmax = qabsmax
             st.dtype = torch.float32
             lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            lin.weight = torch.nn.Parameter(dequantize_4bit(mod.weight.data.view(-1, 1), st), requires_grad=False)
+            lin.weight = torch.nn.Parameter(dequantize(mod.weight.data, st), requires_grad=False)
             if mod.bias is not None:
                 lin.bias = torch.nn.Parameter(mod.bias.detach().float(), requires_grad=False)
             model.set_submodule(name, lin)

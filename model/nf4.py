@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model.bnb import QuantState, bnb, dequantize_4bit, get_4bit_type, quantize_4bit, quantize_blockwise
+from model.bnb import QuantState, bnb, dequantize, get_4bit_type, quantize_4bit, quantize_blockwise
 from model.llama import Transformer
 
 BLOCKSIZE = 64
@@ -71,16 +71,35 @@ class NF4Linear(bnb.nn.Linear4bit):
             return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)   # dequantized weight, a GEMM
         # bnb's autograd keeps only the packed weight (and the state's views) and dequantizes again
         # in backward; FSDP2 re-gathers into the same storage, so the absmax view is valid there too.
+        if x.device.type == "cpu":   # (its CPU kernel misreads a 2-D state: model/bnb.dequantize)
+            return _MatMul4bit.apply(x, self.weight, self.state(), bias)
         return bnb.matmul_4bit(x, self.weight.view(-1, 1), quant_state=self.state(), bias=bias)
 
     def dequantized(self) -> torch.Tensor:
         cache = getattr(_once, "weights", None)
         if cache is not None and self in cache:
             return cache[self]
-        w = dequantize_4bit(_full(self.weight).view(-1, 1), self.state())
+        w = dequantize(_full(self.weight), self.state())
         if cache is not None:
             cache[self] = w
         return w
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """bnb.matmul_4bit's CPU math (dequantize into x's dtype, one F.linear with the bias; backward: dy @ W in dy's
+    dtype), with model/bnb.dequantize: like bnb's, it keeps the packed weight and state on ctx, no tensor saved
+    (parallel/recompute probes that), and no dequantized weight between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, packed, state, bias):
+        ctx.packed, ctx.state, ctx.has_bias = packed, state, bias is not None
+        return nn.functional.linear(x, dequantize(packed, state, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = torch.matmul(dy, dequantize(ctx.packed, ctx.state).to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
+        return dx, None, None, db
 
 
 def packed_shape(out_f: int, in_f: int, storage_dtype: torch.dtype) -> tuple[int, int]:
@@ -159,7 +178,7 @@ def nf4_round_trip(w: torch.Tensor) -> torch.Tensor:
     codes, absmax = quantize_blocks(w)
     qabsmax, st = nested_state(absmax, w.shape, torch.float32)
     st.absmax = qabsmax
-    return dequantize_4bit(codes.view(-1, 1), st)
+    return dequantize(codes, st)
 
 
 def quantize_weight(m: NF4Linear, full: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,7 +201,7 @@ def dequantized(reader, name: str, first: int, count: int) -> torch.Tensor:
 
 def _dequantize(reader, name: str, b0: int, b1: int, count: int) -> torch.Tensor:
     """The `count` weights of blocks [b0, b1)."""
-    from model.bnb import QuantState, dequantize_4bit
+    from model.bnb import QuantState, dequantize
 
     p = reader.packed[name]
     if count == 0:
@@ -209,7 +209,7 @@ def _dequantize(reader, name: str, b0: int, b1: int, count: int) -> torch.Tensor
     codes = reader.get_bytes(name, b0 * p.blocksize // 2, -(-min(b1 * p.blocksize, p.numel) // 2))
     st = QuantState(absmax=_absmax(reader, name)[b0:b1], shape=torch.Size([count]), blocksize=p.blocksize,
                     code=reader.get_raw(f"{name}.quant_map").float(), quant_type=p.kind, dtype=torch.float32)
-    return dequantize_4bit(codes.view(-1, 1), st).view(-1)
+    return dequantize(codes, st)
 
 
 def nf4_parts(reader, name: str, b0: int, b1: int, dtype: torch.dtype, device) -> tuple:
@@ -232,9 +232,9 @@ def nf4_parts(reader, name: str, b0: int, b1: int, dtype: torch.dtype, device) -
 
 def nf4_base(reader, name: str) -> torch.Tensor:
     """The float32 weight an NF4 layer loaded from this packed weight computes with (module docstring)."""
-    from model.bnb import dequantize_4bit
+    from model.bnb import dequantize
 
     p = reader.packed[name]
     codes, qabsmax, st = nf4_parts(reader, name, 0, p.blocks, torch.float32, "cpu")
     st.absmax = qabsmax
-    return dequantize_4bit(codes.view(-1, 1), st)
+    return dequantize(codes, st)

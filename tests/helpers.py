@@ -159,7 +159,8 @@ def bnb_nf4(w: torch.Tensor):
     absmax (compress_statistics=False), the absmax less its mean through quantize_blockwise (blocks of 256), as
     quantize_4bit(compress_statistics=True) does, but with the mean taken in float64, as training takes it
     (model.nf4.nested_state: bitsandbytes' float32 mean differs between CPU and CUDA in its last bit).
-    Returns (packed codes, QuantState): `dequantize_4bit(packed, state)` is the base training computes with."""
+    Returns (packed codes, QuantState): `dequantize_4bit(packed, state)` is the base training computes with where
+    w's width is a multiple of 64 (on CPU bitsandbytes 0.50.2 misreads other 2-D states: model/bnb.py)."""
     from bitsandbytes.functional import QuantState, quantize_4bit, quantize_blockwise
 
     packed, plain = quantize_4bit(w.float(), blocksize=64, compress_statistics=False, quant_type="nf4",

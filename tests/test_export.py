@@ -83,10 +83,12 @@ def _export_rank(rank, world_size, path, out_root):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(base checkpoint with tokenizer files, adapter root, our logits per case) from one 2-rank spawn."""
+    """(base checkpoint with tokenizer files, adapter root, our logits per case) from one 2-rank spawn. Every Linear
+    input 64 wide: the nf4 merge's reference, bitsandbytes 0.50.2's CPU dequantize_4bit of a 2-D state, takes other
+    blocks' scales at widths that are multiples of 16 but not of 64 (model/bnb.py)."""
     from tests.fixtures import make_tokenizer
 
-    path = tiny_checkpoint(tmp_path_factory.mktemp("base"))
+    path = tiny_checkpoint(tmp_path_factory.mktemp("base"), heads=4, head_dim=16)
     make_tokenizer(path)
     out = str(tmp_path_factory.mktemp("adapters"))
     logits = run_ranks(_export_rank, 2, path, out, timeout=240)
@@ -686,7 +688,7 @@ def test_merge_force_replaces_an_earlier_model_and_never_writes_through_links(ex
     save_file(lora, adapter / "adapter_model.safetensors")
     capsys.readouterr()
     assert cli.main(argv) == 2
-    assert "does not fit the base" in (err := capsys.readouterr().err) and "B @ A is [49, 64]" in err, err
+    assert "does not fit the base" in (err := capsys.readouterr().err) and "B @ A is [65, 64]" in err, err
     assert digest(out) == merged, "a refused merge touched the earlier one"
     (adapter / "adapter_model.safetensors").write_bytes((tmp_path / "adapter_ok.safetensors").read_bytes()[:300])
     assert cli.main(argv) == 2 and "cannot be read" in capsys.readouterr().err   # a cut file (was a traceback)

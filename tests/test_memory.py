@@ -136,8 +136,8 @@ def test_tiles_dequantize_each_nf4_weight_once_per_call(ckpt, monkeypatch, subla
     from parallel.tiled_attention import apply_tiled_attention
 
     calls = []
-    real = nf4.dequantize_4bit
-    monkeypatch.setattr(nf4, "dequantize_4bit", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    real = nf4.dequantize
+    monkeypatch.setattr(nf4, "dequantize", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
 
     def step(tiled):
         torch.manual_seed(0)

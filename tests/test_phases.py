@@ -63,12 +63,12 @@ def test_phases_with_tiled_attention_merge_o_proj_and_attention(assets, tmp_path
 
 def test_phases_put_k_and_v_projections_after_attention(assets, tmp_path, monkeypatch):
     """Autograd runs v's and k's projection backward before q's: the attention phase ends at the first of the
-    three projection-output gradients, so 400 MB allocated in the k/v projections' backward (NF4: bitsandbytes'
-    matmul, output width 16 here) shows in the q/k/v phase, not in attention (a boundary on q alone put it
-    there)."""
-    import bitsandbytes.autograd._functions as bf
+    three projection-output gradients, so 400 MB allocated in the k/v projections' backward (NF4 on CPU:
+    model.nf4._MatMul4bit, bitsandbytes' matmul over a flat-state dequantize; output width 16 here) shows in the
+    q/k/v phase, not in attention (a boundary on q alone put it there)."""
+    from model import nf4
 
-    backward = bf.MatMul4Bit.backward
+    backward = nf4._MatMul4bit.backward
 
     def heavy(ctx, g):
         if g.shape[-1] == 16:   # k_proj, v_proj: 2 KV heads x 8
@@ -76,7 +76,7 @@ def test_phases_put_k_and_v_projections_after_attention(assets, tmp_path, monkey
             del big
         return backward(ctx, g)
 
-    monkeypatch.setattr(bf.MatMul4Bit, "backward", staticmethod(heavy))
+    monkeypatch.setattr(nf4._MatMul4bit, "backward", staticmethod(heavy))
     rep, _ = _run(assets, str(tmp_path / "out"), "--quant", "nf4")
     got = dict(rep["ranks"][0])
     others = max(got[k] for k in ("last block: MLP", "last block: o_proj", "last block: attention"))
