@@ -6,6 +6,7 @@
 - every "`parallel/x.py`'s `NAME`" and "`mod.NAME`" of a project module is defined there;
 - every `--flag` it spells is one of train.py's, `--plan`'s, or a command's the README runs (model.merge,
   parallel.checkpoint, data.show, data.demo_compare, bench/*.py, torchrun, Slurm, pip);
+- the packages `make install` installs from requirements.txt are the ones its install paragraph lists.
 Plain text reads: no model, no process group.
 """
 
@@ -103,3 +104,11 @@ def test_spelled_flags_exist():
     spelled = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", README))
     assert spelled - known == set(), f"the README spells flags no command has: {sorted(spelled - known)}"
 
+
+def test_install_paragraph_lists_requirements():
+    reqs = [re.split(r"[<>=\s#]", line, maxsplit=1)[0] for line in open(os.path.join(ROOT, "requirements.txt"))
+            if line.strip() and not line.startswith("#")]
+    para = re.search(r"then `requirements.txt` \(([^)]*)\)", README).group(1)
+    listed = {p.strip() for p in para.split(",")}
+    missing = [r for r in reqs if r != "torch" and r not in listed]
+    assert not missing, f"README's install paragraph leaves out {missing} (requirements.txt installs them)"
