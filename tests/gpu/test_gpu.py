@@ -449,6 +449,25 @@ def test_cuda_nf4_codes_equal_the_cpus():
         print(f"absmax mean over {a.numel()}: CPU {f32[0]!r} CUDA {f32[1]!r} float64 {a.double().mean().item()!r}")
 
 
+def test_cuda_dequantize_of_a_2d_quant_state_equals_the_flat_one():
+    """On the CPU, bitsandbytes 0.50.2 misreads a 2-D quant state whose width is a multiple of 16 but not of 64, so
+    model/bnb.py's `dequantize` hands it a flat one (2026-12-06, helper 100). On CUDA the 2-D state is read right
+    (its wrapper passes the kernel numel only): the flat and the 2-D dequantizations are equal bit for bit, at the
+    misread widths and at a real one, float32 and bf16, nested absmax or not, so CUDA training did not change."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from model.bnb import dequantize
+
+    torch.manual_seed(0)
+    for shape in ((16, 48), (24, 80), (48, 16), (512, 3584)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for nested in (False, True):
+                w = torch.randn(shape, device="cuda", dtype=dtype)
+                packed, state = quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=nested)
+                want = dequantize_4bit(packed, state)
+                assert want.shape == w.shape and torch.equal(dequantize(packed, state), want), (shape, dtype, nested)
+
+
 def test_cuda_train_step_nf4_bf16(tmp_path, monkeypatch):
     import os
 
