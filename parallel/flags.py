@@ -122,6 +122,9 @@ def check_flags(args) -> None:
             upto = f" to {top} (--max-len {args.max_len})" if top else ""
             raise ValueError(f"--eval-positions {' '.join(map(str, at))}: the positions where the eval loss's "
                              f"buckets after 0 start, rising, each from 1{upto}, e.g. --eval-positions 1024 4096 16384")
+        if getattr(args, "objective", None) == "dpo":   # (first: said before the eval set it would also need)
+            raise ValueError("--eval-positions splits the cross-entropy over the eval targets by position, which "
+                             "--objective dpo's eval (a loss per pair) does not have; drop --eval-positions")
         if hasattr(args, "eval_data") and not (getattr(args, "eval_data", None) or getattr(args, "eval_split", None)):
             raise ValueError(f"--eval-positions {' '.join(map(str, at))} splits the eval loss, but there is no eval "
                              "set: pass --eval-data FILE (or --eval-split), or drop --eval-positions")

@@ -75,11 +75,10 @@ def check_start(args, demo: bool, code: tuple | None = None):
     check_sinks(args.report_to)
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
-    if args.eval_positions and (args.objective == "dpo" or args.loss != "cross-entropy"):   # (per-token losses: the
-        raise ValueError("--eval-positions splits the cross-entropy over the eval targets by position, which "   # fused
-                         + ("--objective dpo's eval (a loss per pair) does not have" if args.objective == "dpo" else
-                            "train.py's LOSS_FN (a sum over each chunk) does not give: set LOSS_FN = None") +   # CE's)
-                         "; or drop --eval-positions")
+    if args.eval_positions and args.loss != "cross-entropy":   # (it reads the fused cross-entropy's per-token losses)
+        raise ValueError("--eval-positions splits the cross-entropy over the eval targets by position, which "
+                         "train.py's LOSS_FN (a sum over each chunk) does not give: set LOSS_FN = None; or drop "
+                         "--eval-positions")
     if args.objective == "dpo":
         if demo:
             raise ValueError("--objective dpo trains on preference pairs: pass --model and --data (a JSONL of "

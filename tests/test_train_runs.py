@@ -952,7 +952,7 @@ FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
                                   "the positions where the eval loss's buckets after 0 start, rising"]),
     "eval-positions past max-len": (["--eval-split", "0.1", "--eval-positions", "8", "64"],
                                     ["--eval-positions 8 64", "each from 1 to 63 (--max-len 64)"]),
-    "eval-positions with dpo": (["--objective", "dpo", "--eval-split", "0.1", "--eval-positions", "8"],
+    "eval-positions with dpo": (["--objective", "dpo", "--eval-positions", "8"],   # (said before the eval set)
                                 ["--objective dpo's eval (a loss per pair) does not have", "drop --eval-positions"]),
     "lora-r beyond a projection's rank": (["--lora-r", "17"], ["--lora-r 17 is more than the rank of k_proj (48 -> "
                                                                "16), v_proj (48 -> 16)", "use --lora-r 16 or less"]),
