@@ -26,14 +26,43 @@ from parallel.metrics import SINKS
 from parallel.plan_cli import max_len_arg
 
 
+def hub_page(folder: bool = False):
+    """--model's and --init-adapter's type: a Hugging Face repo page's address pasted from a browser
+    (https://huggingface.co/ORG/NAME, .../tree/REVISION[/FOLDER]) read as the id it names, ORG/NAME[/FOLDER][@REVISION]
+    (a folder: --init-adapter's only); another http(s) address is refused, naming the form; anything else is as given,
+    but --init-adapter's trailing "/" on an id (org/name/checkpoint-500/) is dropped."""
+    import re
+    from urllib.parse import unquote
+
+    def read(text: str) -> str:
+        m = re.fullmatch(r"https?://(?:www\.)?(?:huggingface|hf)\.co/(datasets/|spaces/)?([\w.-]+)/([\w.-]+)"
+                         r"(?:/tree/([^/]+)(/.*?)?)?/?", text.strip())
+        if not m:
+            if text.startswith(("http://", "https://")):
+                raise argparse.ArgumentTypeError(f"{text!r} is not a Hugging Face repo's page: pass the repo's id, "
+                                                 "org/name[@revision], a local folder, or the page's address "
+                                                 "https://huggingface.co/org/name[/tree/revision]")
+            return text.rstrip("/") if folder and text.count("/") >= 2 and not text.startswith(("/", ".", "~")) \
+                else text
+        kind, org, name, rev, sub = m.groups()
+        if kind:
+            raise argparse.ArgumentTypeError(f"{text!r} is a {kind[:-2]}'s page, not a model's or an adapter's")
+        if sub and not folder:
+            raise argparse.ArgumentTypeError(f"{text!r} names a folder of the repo; pass the repo: {org}/{name}"
+                                             + (f"@{unquote(rev)}" if rev else ""))
+        return f"{org}/{name}{(sub or '').rstrip('/')}" + (f"@{unquote(rev)}" if rev else "")
+    read.__name__ = "Hub id or page"   # (argparse's "invalid ... value" names the type so)
+    return read
+
+
 def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentParser:
     """The run's flags (the module docstring)."""
     p = argparse.ArgumentParser(description=description, add_help=add_help,
                                 formatter_class=notes.ShowDefaults)
     a = p.add_argument
     # Model
-    a("--model", default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer) or a Hub id "
-      "org/name[@revision]; none: the demo")
+    a("--model", type=hub_page(), default=None, help="HF checkpoint dir (config.json, safetensors, tokenizer) or a "
+      "Hub id org/name[@revision] (or its page's address); none: the demo")
     a("--quant", default="nf4", choices=["nf4", "none"], help="base weights: 4-bit NF4 or plain --dtype")
     a("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     a("--rope-scaling", default=None, metavar="SPEC", help="RoPE scaling in place of config.json's: yarn:F[@N] "
@@ -92,9 +121,10 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
     a("--dpo-cache-ref", action="store_true", help="keep each pair's reference log-probabilities from their first "
       "forward (the first epoch's steps, the first eval; in OUT for resumes): later epochs and evals run no reference "
       "forward, ~1/5 less compute a step")
-    a("--init-adapter", default=None, metavar="DIR", help="start LoRA from this PEFT adapter (e.g. an earlier run's "
-      "OUT/adapter: a longer --max-len, new data; or a Hub id, org/name[@revision], or org/name/FOLDER[@revision] for "
-      "one in a folder of the repo, e.g. a trainer's checkpoint-500); a fresh optimizer")
+    a("--init-adapter", type=hub_page(folder=True), default=None, metavar="DIR", help="start LoRA from this PEFT "
+      "adapter (e.g. an earlier run's OUT/adapter: a longer --max-len, new data; or a Hub id, org/name[@revision], or "
+      "org/name/FOLDER[@revision] for one in a folder of the repo, e.g. a trainer's checkpoint-500, or its page's "
+      "address); a fresh optimizer")
     # Optim
     a("--lr", type=float, default=2e-4, help="peak learning rate (after --warmup, --lr-schedule takes it down)")
     a("--warmup", type=int, default=10, help="linear warmup steps (the first trains at --lr / N)")

@@ -165,6 +165,31 @@ def test_plan_fetches_config_only_and_revisions_pass_through(assets, hub, capsys
     assert "fits" in capsys.readouterr().out
 
 
+def test_a_hub_page_address_reads_as_the_id_it_names(assets, hub, capsys):
+    """--model and --init-adapter pasted from a browser (https://huggingface.co/ORG/NAME[/tree/REV[/FOLDER]]) are the
+    id they name: --plan fetches org/tiny@v1.0's config.json from the page's address as from the id (until 2026-12-06
+    the address read as a local path: "no such directory"); --init-adapter's folder and an id's trailing "/" too;
+    a folder for --model, a dataset's page and another site are refused at parsing, naming the form."""
+    import train
+
+    train.main(["--plan", "--model", "https://huggingface.co/org/tiny/tree/v1.0", "--data", assets["data"],
+                "--max-len", "64", "--global-batch", "8", "--quant", "none", "--dtype", "fp32"])
+    assert hub["calls"] == [dict(repo_id="org/tiny", revision="v1.0", allow_patterns=["config.json"])], hub["calls"]
+    assert "fits" in capsys.readouterr().out
+    parse = lambda *a: train.build_parser().parse_args(list(a))   # noqa: E731
+    assert parse("--model", "https://huggingface.co/org/tiny/").model == "org/tiny"
+    assert parse("--model", "https://hf.co/org/tiny/tree/refs%2Fpr%2F1").model == "org/tiny@refs/pr/1"
+    assert parse("--init-adapter", "https://huggingface.co/org/x/tree/main/checkpoint-500").init_adapter == \
+        "org/x/checkpoint-500@main"
+    assert parse("--init-adapter", "org/x/checkpoint-500/").init_adapter == "org/x/checkpoint-500"
+    for flag, bad, said in (("--model", "https://huggingface.co/org/x/tree/main/sub", "pass the repo: org/x@main"),
+                            ("--model", "https://huggingface.co/datasets/org/d", "a dataset's page"),
+                            ("--init-adapter", "https://example.com/org/x", "not a Hugging Face repo's page")):
+        with pytest.raises(SystemExit):
+            parse(flag, bad)
+        assert said in capsys.readouterr().err, (flag, bad)
+
+
 def test_a_failed_fetch_is_one_clear_error_before_anything(assets, hub, tmp_path):
     import train
 
