@@ -14,7 +14,8 @@ Contract:
   --out against --resume/--overwrite, a resume's run-defining flags and data bytes (`args.data_sha256`). It fills
   `args.chat_template_text` and `args.model` (a Hub id: its config.json only), and on a resume without
   --template-date the checkpoint's (the date its dated template rendered).
-- `same_everywhere(name, args, ckpt)`: collective, every rank read the same Hub commits (--model, --init-adapter) and
+- `same_everywhere(name, args, ckpt)`: collective, every rank read the same Hub commits (--model, --init-adapter,
+  hf:// --data: data/hub_data.py, whose files check_start fetched after the flag checks) and
   `same_resume(ckpt)`: resolved --resume to the same step folder.
 """
 
@@ -54,6 +55,7 @@ def parse(parser, argv: list[str], demo_defaults: dict):
 def check_start(args, demo: bool, code: tuple | None = None):
     """Module docstring. Imports here: `--plan` imports this module and must stay fast."""
     from data import check_file
+    from data.hub_data import resolve as resolve_hub_data
     from data.mix import check_weights, data_files
     from data.pairs import check_first
     from data.store import file_sha256
@@ -126,6 +128,9 @@ def check_start(args, demo: bool, code: tuple | None = None):
                 raise ValueError(f"{flag} {v}, and this run is supervised: pass --objective dpo to train on "
                                  "preference pairs, or drop it")
     check_flags(args)
+    if (args.model is None) != (args.data is None):
+        raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
+    resolve_hub_data(args)   # hf:// --data/--eval-data: matched, then fetched; every check below reads local files
     if args.lr_schedule != "constant" and args.min_lr_ratio is None:   # resolved, as run: a resume compares them
         args.min_lr_ratio = 0.1
     if args.lr_schedule == "wsd" and args.wsd_decay is None:
@@ -159,8 +164,6 @@ def check_start(args, demo: bool, code: tuple | None = None):
     if not (math.isfinite(args.early_stop_delta) and args.early_stop_delta >= 0):
         raise ValueError(f"--early-stop-delta must be 0 or more (an improvement is a fall larger than it), got "
                          f"{args.early_stop_delta:g}")
-    if (args.model is None) != (args.data is None):
-        raise ValueError("pass both --model and --data (or neither, for the embedded demo)")
     files = data_files(args.data)
     for flag, paths, fix in (("--data", files, "--data-weights 2 trains a file's samples twice"),
                              ("--eval-data", data_files(args.eval_data), "each eval file counts once")):
@@ -215,11 +218,14 @@ def check_start(args, demo: bool, code: tuple | None = None):
 
 
 def same_everywhere(name: str, args, ckpt: str | None) -> None:
-    """Collective: every rank read one Hub commit of --model (`name` as given) and of --init-adapter (fetched in
-    check_flags: the ranks' snapshot paths differ, their commits are compared), and resumes the same step."""
+    """Collective: every rank read one Hub commit of --model (`name` as given), of --init-adapter (fetched in
+    check_flags: the ranks' snapshot paths differ, their commits are compared) and of hf:// --data/--eval-data, and
+    resumes the same step."""
+    from data.hub_data import same_commits
     from model.hub import same_snapshot
 
     same_snapshot(name, args.model)
+    same_commits(args)   # (--data's and --eval-data's hf:// entries)
     if args.init_adapter:
         same_snapshot("", args.init_adapter, flag="--init-adapter")
     same_resume(ckpt)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 
+from data.hub_data import moved as hub_moved
 from data.mix import data_files
 from model.hub import hub_snapshot
 from parallel.recorded import NO_SOURCE, first_difference, same_optimizer
@@ -44,13 +45,13 @@ LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile", "dpo_share_prompt",
           "dpo_cache_ref")
 # flags about the run's files, logs, checks and evaluation, not its training math (steps, epochs, schedule_steps:
-# checked below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint): a resume may
-# change them
+# checked below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint; hub_data: the
+# hf:// entries' commits, whose files and bytes are compared, and named when they differ): a resume may change them
 FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts", "keep_best", "eval_data",
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
         "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens",
-        "resume_auto", "report_to", "eval_positions")
+        "resume_auto", "report_to", "eval_positions", "hub_data")
 # train.py's lr_at until 2026-12-05 (before --lr-schedule), as recorded: the math today's (its sha256 below) computes
 # with --lr-schedule cosine --min-lr-ratio 0.1, the values a run from before is compared with, so it resumes
 # (test_train_runs -k lr_schedule; an edited lr_at, another sha256: refused, as any other change of its code)
@@ -173,6 +174,8 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
     moved = {k for k, sha in (("data", "data_sha256"), ("model", "model_sha256")) if ckpt_args.get(sha) is not None
              and _norm(sha, ckpt_args[sha]) == _norm(sha, args.get(sha))}
     other_files = other_files and "data" not in moved
+    if "data" not in moved and (pin := hub_moved(ckpt_args, args)):   # an hf:// --data now at another commit
+        raise ValueError(f"--resume: {pin}")
     for k in [*RUN_DEFINING, *forks]:
         if k not in args:   # (a caller that records less, as tests do: train.py records every one)
             continue

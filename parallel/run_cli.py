@@ -146,11 +146,12 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
       "each data rank; auto: as many as fit the longest sample's length, packed (fewer forwards for short samples)")
     # Data
     a("--data", nargs="+", action=Once, default=None, metavar="FILE", help="training JSONL ({'text'}, {'prompt', "
-      "'completion'} or {'messages'} per line); several files train as one set")
+      "'completion'} or {'messages'} per line); several files train as one set; hf://datasets/ORG/NAME[@REV]/PATH: "
+      "a Hub dataset's files PATH matches (a glob), fetched")
     a("--data-weights", nargs="+", action=Once, type=float, default=None, metavar="W", help="one per --data file: 2 "
       "trains each of its samples twice an epoch, 0.5 half of its records (chosen by --seed; the others next epoch)")
     a("--eval-data", nargs="+", action=Once, default=None, metavar="FILE", help="evaluation JSONL; several files: "
-      "each file's eval loss too (eval_loss/FILE), beside the loss over all")
+      "each file's eval loss too (eval_loss/FILE), beside the loss over all; hf://datasets/... as --data's")
     a("--eval-split", type=float, default=None, help="instead of --eval-data, hold out this share (below 1: 0.05 is "
       "5%%) or number (1 or more) of --data's records as the eval set, never trained on: whole records, chosen by "
       "--seed")
