@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.show", description=__doc__.split("\n")[0])
     p.add_argument("--run", default=None, metavar="OUT", help="a run's folder: its model, data and token flags")
     p.add_argument("--model", default=None, help="the checkpoint folder (its tokenizer is read)")
-    p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="JSONL files")
+    p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="JSONL files (or hf://datasets/..., as "
+                   "train.py's)")
     p.add_argument("--n", type=int, default=3, help="the first N records of each file")
     p.add_argument("--lines", nargs="+", type=int, default=None, metavar="L",
                    help="these lines of each file instead (a JSON array's records, Parquet's rows)")
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         show(args)
-    except ValueError as e:   # (DataError too: the message names the line and the fix)
+    except (ValueError, FileNotFoundError) as e:   # (DataError too: the message names the line and the fix; a Hub
+        # fetch's failure, the URL)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:   # (`| head`: the reader has what it wanted)
@@ -122,11 +124,17 @@ def main(argv=None) -> int:
 
 
 def show(args) -> None:
+    from data.hub_data import is_hub, resolve
     from data.load import load_tokenizer
+    from data.mix import data_files
     from data.templates import chat_template
     from data.token_stats import LONG_TEXT
     from data.tokens import tokenize_records
 
+    if args.data and any(map(is_hub, args.data)):   # hf://datasets/...: its files, fetched as train.py fetches them
+        hub = argparse.Namespace(data=args.data, data_weights=None)
+        resolve(hub)
+        args.data = data_files(hub.data)
     run = from_run(args.run) if args.run else {}
     model, files = args.model or run.get("model"), args.data or run.get("data")
     if not model or not files:

@@ -12,7 +12,8 @@ hub here) whose commits are folders, and whose snapshot_download copies what its
   failed fetch is one error naming the URL and the fix; neither leaves an --out;
 - 2 gloo ranks that resolve different commits (a push between) stop together with one error naming both;
 - a resume given the URL again resumes while the repo has not moved (or moved without touching the files), and is
-  refused, naming `@<commit>` to pin, once it moved on; the pin resumes.
+  refused, naming `@<commit>` to pin, once it moved on; the pin resumes;
+- `python -m data.show --data hf://...` shows the files the URL gives.
 
 Run: .venv/bin/python -m pytest -q tests/test_hub_data.py
 """
@@ -236,3 +237,16 @@ def test_resume_refused_once_the_repo_moved_on_and_the_pin_resumes(assets, hub, 
     assert f"pin its commit, --data hf://datasets/o/n@{'a' * 40}/data/*.parquet" in msg, msg
     assert starts(again(f"hf://datasets/o/n@{'a' * 40}/data/*.parquet")).endswith("step_000001")
 
+
+def test_data_show_reads_the_files_a_url_gives(assets, hub, tmp_path, capsys):
+    """`python -m data.show --data hf://...` prints what it prints for the matched files passed by hand."""
+    from data.show import main as show
+
+    local = [os.path.join(hub["commits"]["a" * 40], "data", f"train-0000{i}.parquet") for i in (0, 1)]
+    said = []
+    for data in (local, [URL]):
+        assert show(["--model", assets["model"], "--data", *data, "--n", "1", "--max-len", "64", "--no-color"]) == 0
+        said.append(capsys.readouterr().out)
+    snap = str(tmp_path / "cache" / "datasets--o--n" / "snapshots" / ("a" * 40))
+    fetching = f"--data {URL}: fetching 2 files of commit {'a' * 40} from the Hugging Face Hub\n"
+    assert "train-00001.parquet" in said[0] and said[1] == fetching + said[0].replace(hub["commits"]["a" * 40], snap)
