@@ -39,7 +39,7 @@ from model.flops import flops_per_token
 from model.hub import same_snapshot
 from model.load import read_args
 from model.load_checks import check_config_shapes
-from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
+from parallel import guard, hub_push, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import LocalBatches, cp_attention
 from parallel.evaluate import baseline, evaluate
@@ -285,6 +285,7 @@ def main(argv=None):
             if args.keep_best and best.step:
                 keep_best.export_best(saves.dir, best, os.path.join(args.out, "adapter_best"), log0)
             metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's
+            hub_push.push(args, best, log0)   # --push-to-hub: the run's adapter (adapter_best's, if exported), on disk
             run.release()
         wd.phase("finish", steps)
         guard.on_rank0(finish, f"finishing {args.out}")

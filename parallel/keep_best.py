@@ -25,7 +25,8 @@ Contract:
   stops at the same step.
 - `export_best(ckpt_dir, best, out_dir, log)`, rank 0 at the end: that checkpoint's adapter
   (`checkpoint_export.export(replace=True)`) to OUT/adapter_best, written whole in a .tmp, then swapped in. A checkpoint
-  that cannot be read is a warning, not an error: the run itself is done and its own adapter written.
+  that cannot be read is a warning, not an error: the run itself is done and its own adapter written. `best.exported`:
+  the folder once written (parallel/hub_push.py pushes it, not an older run's adapter_best left by a failed export).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Best:
 
     def __init__(self, eval_sha: str | None = None):
         self.step, self.loss, self.eval_sha = None, math.inf, eval_sha
+        self.exported = None   # OUT/adapter_best once export_best wrote it (what --push-to-hub pushes)
 
     @classmethod
     def of_run(cls, args, ckpt: str | None, log) -> Best:
@@ -197,4 +199,5 @@ def export_best(ckpt_dir: str, best: Best, out_dir: str, log) -> None:
         log(f"warning: --keep-best: the best checkpoint {folder} cannot be exported ({type(e).__name__}: {e}); no "
             f"{out_dir}")
         return
+    best.exported = out_dir
     log(f"best: eval_loss {best.loss:.6f} at step {best.step}, its adapter in {out_dir}")

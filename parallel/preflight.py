@@ -62,7 +62,7 @@ def check_start(args, demo: bool, code: tuple | None = None):
     from data.templates import chat_template
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load_checks import check_config_quant, check_weight_headers
-    from parallel import checkpoint_folders, outdir, recorded, resume, runs
+    from parallel import checkpoint_folders, hub_push, outdir, recorded, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
     from parallel.metrics import check_sinks
@@ -75,6 +75,7 @@ def check_start(args, demo: bool, code: tuple | None = None):
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
         args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)
     check_sinks(args.report_to)
+    hub_push.check(args)   # --push-to-hub's id, and a token: a run that cannot upload at its end is refused now
     args.chat_template_text = chat_template(args.chat_template)   # the text itself: what config and checkpoints keep
     args.dtype = args.dtype or ("bf16" if device_type() == "cuda" else "fp32")   # as run, so a resume compares it
     if args.eval_positions and args.loss != "cross-entropy":   # (it reads the fused cross-entropy's per-token losses)

@@ -51,7 +51,7 @@ FREE = ("out", "resume", "overwrite", "save_every", "save_minutes", "keep_ckpts"
         "eval_every", "no_progress", "timeout", "profile", "mem_phases", "mem_trace", "mem_check", "data_cache",
         "peak_tflops", "max_nonfinite", "plan", "fast", "fast_flags", "init_adapter", "steps", "epochs",
         "schedule_steps", "chat_template", "data_workers", "early_stop", "early_stop_delta", "eval_tokens",
-        "resume_auto", "report_to", "eval_positions", "hub_data")
+        "resume_auto", "report_to", "eval_positions", "hub_data", "push_to_hub", "hub_private")
 # train.py's lr_at until 2026-12-05 (before --lr-schedule), as recorded: the math today's (its sha256 below) computes
 # with --lr-schedule cosine --min-lr-ratio 0.1, the values a run from before is compared with, so it resumes
 # (test_train_runs -k lr_schedule; an edited lr_at, another sha256: refused, as any other change of its code)

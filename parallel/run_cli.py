@@ -200,6 +200,11 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
     a("--report-to", nargs="+", choices=sorted(SINKS), default=None, metavar="SINK", help="also log each step's "
       f"metrics to: {', '.join(sorted(SINKS))} (OUT/tensorboard; W&B: a run named after OUT, configured by "
       "WANDB_PROJECT, WANDB_MODE=offline ...; metrics.jsonl is always written)")
+    a("--push-to-hub", default=None, metavar="ORG/NAME[@BRANCH]", help="at the end, upload the run's adapter "
+      "(OUT/adapter_best with --keep-best, else OUT/adapter) to this Hub model repo, created if missing; a token is "
+      "needed at start-up (hf auth login, HF_TOKEN); a failed upload keeps the files and names the retry command")
+    a("--hub-private", action="store_true", help="--push-to-hub creates the repo private (one that exists keeps its "
+      "visibility)")
     a("--peak-tflops", type=float, default=None, help="bf16 dense peak for mfu (default: known GPUs, else no mfu)")
     a("--plan", action="store_true", help="print the per-rank memory plan and exit (`--plan --help`: its flags)")
     a("--mem-phases", action="store_true", help="the first step's peak memory per phase to OUT/mem_phases.json")

@@ -23,6 +23,13 @@ allow_patterns select from the tiny checkpoint of tests/conftest.py into <cache>
   snapshot folder recorded (org/x/checkpoint-500@commit); ranks on two commits stop with one error naming it; a
   missing folder, one without an adapter, or a repo with adapters in folders only is one error naming the id, the
   folder and the adapters the repo holds, before --out exists; `--plan` with `@v1` fetches that revision.
+- `--push-to-hub org/name[@branch]` (parallel/hub_push.py), with huggingface_hub.HfApi replaced by a stand-in that
+  binds each call to the installed HfApi's signature and keeps the uploaded bytes: at the end the repo (and branch) is
+  created and OUT/adapter's files are uploaded to its top level, byte for byte, in a commit naming OUT and the step;
+  with --keep-best OUT/adapter_best's (not the final adapter); no token, HF_HUB_OFFLINE, a malformed id or branch, or
+  --hub-private alone is one error before any weight and before --out exists; a failed upload keeps the adapter and
+  metrics, says the `hf upload` retry and exits 2, and a requeue (resume of the finished run) pushes it; on 2 gloo
+  ranks rank 0 alone uploads, and a failed upload stops both with its error, none hanging.
 
 Run: .venv/bin/python -m pytest -q tests/test_hub.py
 """
@@ -35,6 +42,7 @@ import shutil
 
 import pytest
 import torch
+from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
 from tests.helpers import no_weights, one_thread, train_argv
@@ -447,3 +455,187 @@ def test_plan_fetches_an_init_adapter_hub_id(assets, hub, sft, tmp_path, capsys)
     assert capsys.readouterr().out.count("fits") >= 2
     with pytest.raises(ValueError, match="r 4 and lora_alpha"):   # the adapter checked: not another run's r
         train.main([*plan[:-1], "8", "--init-adapter", "org/x@v1"])
+
+
+# ----------------------------------------------------------------------------- --push-to-hub org/name
+
+
+class _Api:
+    """The stand-in for huggingface_hub.HfApi (no hub here): each call bound to the installed HfApi's own signature
+    (a keyword it lacks fails), recorded in `state["calls"]`; upload_folder keeps the bytes of the folder's files, as
+    they are when it runs, in `state["repo"]`; `state["fail"]` raised by the next call instead."""
+
+    state: dict = {}
+
+    def __getattr__(self, name):
+        import inspect
+
+        def call(*a, **kw):
+            inspect.signature(getattr(HfApi, name)).bind(self, *a, **kw)   # (the real class, imported above)
+            self.state["calls"].append((name, a, kw))
+            if self.state.get("fail"):
+                raise self.state["fail"]
+            if name == "upload_folder":
+                root = kw["folder_path"]
+                self.state["repo"] = {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+                                      for d, _, fs in os.walk(root) for f in fs}
+                return type("CommitInfo", (), {"oid": "c" * 40})()
+        return call
+
+
+@pytest.fixture
+def hub_api(monkeypatch):
+    """The stand-in HfApi, a token in HF_TOKEN (what the start-up check looks for), no offline mode."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    state = {"calls": [], "fail": None}
+    monkeypatch.setattr(_Api, "state", state)
+    monkeypatch.setattr(huggingface_hub, "HfApi", _Api)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_stand_in")
+    return state
+
+
+def _folder(path):
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def test_push_to_hub_uploads_the_runs_adapter_at_the_end(assets, hub_api, tmp_path, capsys):
+    """A 2-step run with --push-to-hub org/lora@exp --hub-private: after training, the repo is created (private,
+    exist_ok), the branch too, and OUT/adapter's files go to its top level, byte for byte, in one commit naming OUT and
+    the step; the log line says what went where. Without the flag nothing reaches the hub."""
+    out = str(tmp_path / "run")
+    _run(train_argv(assets, str(tmp_path / "plain"), "--steps", "1"))
+    assert hub_api["calls"] == [], hub_api["calls"]
+    _run(train_argv(assets, out, "--steps", "2", "--push-to-hub", "org/lora@exp", "--hub-private"))
+    names = [c[0] for c in hub_api["calls"]]
+    assert names == ["create_repo", "create_branch", "upload_folder"], hub_api["calls"]
+    (_, a, kw), (_, ba, bkw), (_, _, up) = hub_api["calls"]
+    assert a == ("org/lora",) and kw == {"private": True, "exist_ok": True}, (a, kw)
+    assert ba == ("org/lora",) and bkw == {"branch": "exp", "exist_ok": True}, (ba, bkw)
+    assert up["repo_id"] == "org/lora" and up["revision"] == "exp" and up.get("path_in_repo") is None, up
+    assert up["folder_path"] == os.path.join(out, "adapter"), up
+    local = _folder(os.path.join(out, "adapter"))
+    assert "adapter_model.safetensors" in local and "adapter_config.json" in local, sorted(local)
+    assert hub_api["repo"] == local, "the uploaded bytes are not OUT/adapter's"
+    assert up["commit_message"] == f"adapter of {out} at step 2", up["commit_message"]
+    said = capsys.readouterr().out
+    assert f"pushed: {out}/adapter (adapter of {out} at step 2) to https://huggingface.co/org/lora/tree/exp" in said
+
+
+def test_push_to_hub_with_keep_best_pushes_adapter_best(assets, hub_api, tmp_path):
+    """--keep-best: the run's result is the best evaluation's adapter (TRL's load_best_model_at_end + push_to_hub), so
+    OUT/adapter_best is pushed, its bytes, and the commit names it, its step and eval loss (trained on "yes ...",
+    evaluated on "no ...": the eval loss rises again after its low, so the best is not the last step)."""
+    for word, n in (("yes", 24), ("no", 8)):
+        with open(tmp_path / f"{word}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
+                                                 {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
+    out = str(tmp_path / "run")
+    _run(train_argv(assets, out, "--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"),
+                    "--keep-best", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"), "--push-to-hub", "org/lora"))
+    loss, b = min((r["eval_loss"], r["step"]) for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))))
+    assert b != 6, "the eval loss fell to the last step: adapter_best would be the final adapter"
+    assert [c[0] for c in hub_api["calls"]] == ["create_repo", "upload_folder"], hub_api["calls"]
+    up = hub_api["calls"][-1][2]
+    assert up["folder_path"] == os.path.join(out, "adapter_best") and up["revision"] is None, up
+    assert hub_api["repo"] == _folder(os.path.join(out, "adapter_best")), "not adapter_best's bytes"
+    assert hub_api["repo"] != _folder(os.path.join(out, "adapter")), "adapter_best = the final adapter: no contrast"
+    assert up["commit_message"] == f"adapter_best of {out} at step {b}, eval_loss {loss:.6g}", up["commit_message"]
+
+
+def test_push_to_hub_refusals_come_before_anything(assets, hub_api, tmp_path, monkeypatch):
+    """No token (no HF_TOKEN, no token file), HF_HUB_OFFLINE, a malformed id or branch, --hub-private alone: each one
+    error naming the value and the fix, at start-up, before any weight is read and before --out exists."""
+    from huggingface_hub import constants
+
+    from tests.helpers import startup_error
+
+    out = str(tmp_path / "run")
+    argv = lambda *x: train_argv(assets, out, "--steps", "2", *x)
+    for spec, said in (("lora", "the namespace (your user or an org) is needed"),
+                       ("datasets/org/lora", "takes ORG/NAME or ORG/NAME@BRANCH"),
+                       ("org/lo..ra", "Cannot have -- or .. in repo_id"), ("org/lora@my branch", "is not a branch")):
+        assert said in (e := startup_error(argv("--push-to-hub", spec))) and repr(spec) in e, (spec, e)
+    assert "pass --push-to-hub ORG/NAME too" in startup_error(argv("--hub-private"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE is set" in (e := startup_error(argv("--push-to-hub", "org/lora"))) and \
+        "hf upload org/lora OUT/adapter ." in e, e
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    e = startup_error(argv("--push-to-hub", "org/lora"))
+    assert "--push-to-hub org/lora: no Hugging Face token here" in e and "hf auth login" in e and "HF_TOKEN" in e, e
+    assert not os.path.exists(out) and hub_api["calls"] == [], hub_api["calls"]
+    (tmp_path / "no_token").write_text("hf_from_login\n")   # `hf auth login`'s file is a token too: past the check
+    with pytest.raises(ValueError, match="missing.jsonl does not exist"):   # (checked after the token)
+        _run(argv("--push-to-hub", "org/lora", "--data", str(tmp_path / "missing.jsonl")))
+
+
+def test_a_failed_push_keeps_the_run_and_says_the_retry(assets, hub_api, tmp_path, capsys):
+    """The upload fails (a 401): the adapter and metrics.jsonl stay as written, the `error:` line names the repo, the
+    error and the `hf upload` command that retries it, and the run exits 2 (documented: a job whose adapter did not
+    reach the hub fails). A requeue resuming the finished run trains nothing and pushes the same adapter."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    import train
+
+    out = str(tmp_path / "run")
+    url = "https://huggingface.co/api/repos/create"
+    hub_api["fail"] = HfHubHTTPError(f"401 Client Error: Unauthorized for url: {url}",
+                                     response=httpx2.Response(401, request=httpx2.Request("POST", url)))
+    argv = train_argv(assets, out, "--steps", "2", "--push-to-hub", "org/lora")
+    capsys.readouterr()
+    with one_thread():
+        assert train.cli(argv) == 2
+    err = capsys.readouterr().err
+    line = next((x for x in err.splitlines() if x.startswith("error: --push-to-hub org/lora: uploading")), None)
+    assert line and "401 Client Error: Unauthorized" in line and "metrics.jsonl are on disk" in line, err
+    import shlex
+    retry = shlex.split(line.split("Retry: ", 1)[1])
+    assert retry == ["hf", "upload", "org/lora", os.path.join(out, "adapter"), ".", "--commit-message",
+                     f"adapter of {out} at step 2"], retry
+    kept = _folder(os.path.join(out, "adapter"))
+    assert "adapter_model.safetensors" in kept and len(_losses(out)) == 2, (sorted(kept), _losses(out))
+    hub_api["fail"], hub_api["calls"] = None, []
+    _run(argv + ["--resume", os.path.join(out, "ckpt")])
+    assert [c[0] for c in hub_api["calls"]] == ["create_repo", "upload_folder"], hub_api["calls"]
+    assert hub_api["repo"] == kept and len(_losses(out)) == 2, "the requeue's push is not the run's adapter"
+
+
+def _push_ranks(rank, world, assets, root, fail):
+    import huggingface_hub
+
+    import train
+
+    class Api(_Api):
+        state = {"calls": [], "fail": OSError("Connection reset by peer") if fail else None}
+
+    huggingface_hub.HfApi = Api
+    os.environ["HF_TOKEN"] = "hf_stand_in"
+    try:
+        train.main(train_argv(assets, os.path.join(root, "out"), "--steps", "2", "--push-to-hub", "org/lora"))
+    except ValueError as e:
+        return [c[0] for c in Api.state["calls"]], f"{type(e).__name__}: {e}"
+    return [c[0] for c in Api.state["calls"]], None
+
+
+@pytest.mark.timeout(300)
+def test_push_to_hub_on_two_ranks_uploads_once_and_fails_together(assets, tmp_path):
+    """2 gloo ranks: rank 0 alone uploads (once); a failed upload stops both ranks with its error (rank 1 quoting rank
+    0's), neither left waiting in a collective, the adapter on disk."""
+    from tests.dist import run_ranks
+
+    got = run_ranks(_push_ranks, 2, assets, str(tmp_path / "ok"), False, timeout=240)
+    assert got == [(["create_repo", "upload_folder"], None), ([], None)], got
+    got = run_ranks(_push_ranks, 2, assets, str(tmp_path / "fail"), True, timeout=240)
+    assert got[0][0] == ["create_repo"] and got[1][0] == [], got
+    assert got[0][1].startswith("PushFailed: --push-to-hub org/lora: uploading") and "Connection reset" in got[0][1]
+    assert got[1][1].startswith("ValueError: finishing") and "failed on rank 0 (PushFailed: --push-to-hub" in \
+        got[1][1], got[1][1]
+    assert os.path.isfile(tmp_path / "fail" / "out" / "adapter" / "adapter_model.safetensors")
