@@ -8,7 +8,8 @@ Contract:
   rope_theta included: `ModelArgs.rope_parameters()`), what the base must be loaded with
   (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `model.merged.merge` writes that RoPE into the
   merged config.json in the base config's own form. `trained_on.json` records `quant`, the base it was trained
-  against (what `model.merge` folds it into). The folder is written beside it (`.tmp-export`) and swapped in whole
+  against (what `model.merge` folds it into); README.md a model card (`model_card`: the base's id as the Hub's
+  `base_model`). The folder is written beside it (`.tmp-export`) and swapped in whole
   (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - Folding an adapter into its base (`python -m model.merge`): model/merged.py.
 """
@@ -32,6 +33,7 @@ from model.norms import is_saved_weight, modules_to_save
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
 TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
+CARD = "README.md"   # the model card: the Hub's page of an adapter pushed there (its metadata names the base)
 TIED_HEAD = "base_model.model.lm_head.weight"   # a tied model's trained embedding again, for peft (write_adapter)
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 
@@ -77,7 +79,7 @@ def half_written(out_dir: str) -> bool:
     """`out_dir` holds what a killed in-place write_adapter left (its `.adapter.tmp` and some of the files it renames
     out of it, never adapter_config.json, renamed last): it may be written again."""
     held = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    files = {"adapter_model.safetensors", OVERRIDES, TEMPLATE, TRAINED_ON}
+    files = {"adapter_model.safetensors", OVERRIDES, TEMPLATE, TRAINED_ON, CARD}
     return ".adapter.tmp" in held and held <= files | {".adapter.tmp"}
 
 
@@ -123,6 +125,8 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
             written = json.load(f)
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump({**written, "ensure_weight_tying": True}, f, indent=2, sort_keys=True)
+    with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:   # (after the config: what a pushed adapter shows)
+        f.write(model_card(cfg, hub, rope_parameters is not None, chat_template is not None))
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
         with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
@@ -151,6 +155,30 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     fd = os.open(os.path.dirname(out_dir), os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+
+
+def model_card(cfg, hub: str | None, rope: bool, template: bool) -> str:
+    """README.md of an adapter: metadata the Hub reads (`base_model`, the base's id where it came from the Hub: the
+    page then lists the adapter under its base; `library_name: peft`), what was trained and how to load it (peft
+    writes such a card with its own save_pretrained; until 2026-12-06 ours wrote none). Only what the adapter's own
+    files say: the same card from a run's end and from `python -m parallel.checkpoint`."""
+    base = hub.split("@")[0] if hub else os.path.basename(cfg.base_model_name_or_path.rstrip("/"))
+    targets = ", ".join(sorted(cfg.target_modules)) if not isinstance(cfg.target_modules, str) else cfg.target_modules
+    kind = "DoRA" if getattr(cfg, "use_dora", False) else "LoRA"
+    lines = ["---", *([f"base_model: {json.dumps(base)}"] if hub else []), "library_name: peft",
+             "pipeline_tag: text-generation", "tags:", "- lora", "- peft", "---", "",
+             f"# {kind} adapter of {base}", "",
+             f"{kind} r {cfg.r}, alpha {cfg.lora_alpha:g}{', rsLoRA' if cfg.use_rslora else ''} on {targets}"
+             + (f"; also trained in full: {', '.join(cfg.modules_to_save)}" if cfg.modules_to_save else "") + ".",
+             f"Base: {base}" + (f" at commit {hub.split('@')[1]}" if hub else " (a local checkpoint)") + ".", "",
+             "    from peft import AutoPeftModelForCausalLM",
+             "    model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER_OR_REPO\")", ""]
+    if rope:
+        lines += [f"Trained with another RoPE than the base's config.json: load the base with `{OVERRIDES}`'s "
+                  "`rope_parameters` (`from_pretrained(..., rope_parameters=...)`).", ""]
+    if template:
+        lines += [f"The data were rendered with `{TEMPLATE}`: use it for inference.", ""]
+    return "\n".join(lines)
 
 
 def _put_chat_template(out_dir: str, text: str, model_cfg: dict | None = None) -> None:

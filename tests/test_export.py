@@ -747,7 +747,7 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
             f"{there}: a half adapter in {out}"
     write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))   # into the empty folder, its leftover cleared
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
-    assert sorted(before) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(before) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     cfg = lora_config(2, 4.0, 0.0)
     monkeypatch.setattr(type(cfg), "save_pretrained", lambda self, d: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):   # killed after the weights, before the config
@@ -764,15 +764,41 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
     here.mkdir()
     monkeypatch.chdir(here)
     write_adapter(sd, lora_config(2, 4.0, 0.0), ".", str(tmp_path))
-    assert sorted(os.listdir(here)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(here)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["adapter", "here"], "a .tmp or .old folder was left beside it"
     half = tmp_path / "half"   # an export of another run (its RoPE and template) killed between its renames there:
     (half / ".adapter.tmp").mkdir(parents=True)   # written again without the files this adapter does not have
     for name in ("base_config_overrides.json", "chat_template.jinja", "adapter_model.safetensors"):
         (half / name).write_text("{}")
     write_adapter(sd, lora_config(2, 4.0, 0.0), str(half), str(tmp_path))
-    assert sorted(os.listdir(half)) == ["adapter_config.json", "adapter_model.safetensors"], os.listdir(half)
-    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base_config_overrides.json"]
+    assert sorted(os.listdir(half)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"], \
+        os.listdir(half)
+    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                       "base_config_overrides.json"]
+
+
+def test_the_adapter_card_names_its_base_as_the_hub_reads_it(tmp_path):
+    """README.md beside the adapter is a model card huggingface_hub's own ModelCard reads: library_name peft, and for
+    a base fetched from the Hub its id as base_model (the Hub then lists the adapter under its base; a local base has
+    no id to name); it says the LoRA shape, and the RoPE and template files when there are."""
+    from huggingface_hub import ModelCard
+
+    from model.export import write_adapter
+    from model.qlora import lora_config
+
+    sd = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4)}
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40)
+    snap.mkdir(parents=True)
+    write_adapter(sd, lora_config(2, 4.0, 0.0), str(tmp_path / "a"), str(snap), tied=False,
+                  rope_parameters={"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}, chat_template="{{ x }}")
+    card = ModelCard.load(tmp_path / "a" / "README.md")
+    assert card.data.base_model == "org/tiny" and card.data.library_name == "peft", card.data
+    assert f"org/tiny at commit {'c' * 40}" in card.text and "LoRA r 2, alpha 4" in card.text, card.text
+    assert "base_config_overrides.json" in card.text and "chat_template.jinja" in card.text, card.text
+    write_adapter(sd, lora_config(2, 4.0, 0.0), str(tmp_path / "b"), str(tmp_path), tied=False)
+    card = ModelCard.load(tmp_path / "b" / "README.md")
+    assert card.data.base_model is None and card.data.library_name == "peft" and "a local checkpoint" in card.text
+    assert "base_config_overrides.json" not in card.text
 
 
 def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_path):
