@@ -34,6 +34,7 @@ from fnmatch import fnmatchcase
 from urllib.parse import unquote
 
 from data.mix import check_weights, data_files
+from model.hub import said
 
 PREFIX = "hf://"
 SPECIAL_REFS = re.compile(r"refs/(?:convert/(?:parquet|duckdb)|pr/\d+)(?=/)")   # (HfFileSystem's, "/" inside)
@@ -83,9 +84,8 @@ def _hub_call(flag: str, url: str, parsed: tuple, call):
     try:
         return call()
     except Exception as e:   # offline, no such repo or revision, gated, disk full: all end here, said once
-        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{flag} {url}: fetching it from the Hugging Face Hub failed ({type(e).__name__}: "
-                                f"{why}); {_fix(url, *parsed)}") from e
+                                f"{said(e)}); {_fix(url, *parsed)}") from e
 
 
 def _listed(flag: str, url: str) -> tuple[str, str, list[str], str]:

@@ -106,9 +106,15 @@ def _download(flag: str, name: str, what: str, revision, allow: list, skip, fix:
         return huggingface_hub.snapshot_download("/".join(name.partition("@")[0].split("/")[:2]), revision=revision,
                                                  allow_patterns=allow, ignore_patterns=skip)   # (the repo: no folder)
     except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
-        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{flag} {name!r} is not a directory here, and fetching it from the Hugging Face Hub "
-                                f"failed ({type(e).__name__}: {why}); {fix}") from e
+                                f"failed ({type(e).__name__}: {said(e)}); {fix}") from e
+
+
+def said(e: BaseException, limit: int = 400) -> str:
+    """A hub error's text on one line: huggingface_hub's HTTP errors put the reason on lines after the first, and a
+    403's first line is its request id alone ("(Request ID: ...)"), so the first line alone can say nothing."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text[:limit] + " ..." * (len(text) > limit) if text else type(e).__name__
 
 
 def hub_snapshot(path, sub: bool = False) -> str | None:

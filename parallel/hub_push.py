@@ -105,6 +105,8 @@ def push(args, best, log) -> None:
         return
     import huggingface_hub
 
+    from model.hub import said
+
     repo, branch = parse(args.push_to_hub)
     if getattr(best, "exported", None):   # --keep-best's adapter, exported in this run: the run's result
         folder, which, step, loss = best.exported, "adapter_best", best.step, best.loss
@@ -124,7 +126,7 @@ def push(args, best, log) -> None:
         info = api.upload_folder(repo_id=repo, folder_path=folder, revision=branch, commit_message=message)
     except Exception as e:   # noqa: BLE001 - any failure: the files stay, the way to retry is said
         raise PushFailed(f"--push-to-hub {args.push_to_hub}: uploading {folder} failed ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}). The run finished: "
+                         f"{said(e)}). The run finished: "
                          f"its adapters and {os.path.join(args.out, 'metrics.jsonl')} are on disk. Retry: "
                          f"{retry}") from e
     log(f"pushed: {folder} ({message}) to https://huggingface.co/{repo}" + (f"/tree/{branch}" if branch else "")

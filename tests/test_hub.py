@@ -641,3 +641,28 @@ def test_push_to_hub_on_two_ranks_uploads_once_and_fails_together(assets, tmp_pa
     assert got[1][1].startswith("ValueError: finishing") and "failed on rank 0 (PushFailed: --push-to-hub" in \
         got[1][1], got[1][1]
     assert os.path.isfile(tmp_path / "fail" / "out" / "adapter" / "adapter_model.safetensors")
+
+
+def test_a_failed_push_says_the_hubs_reason(hub_api, tmp_path):
+    """A token that may not write to the org: the hub's 403, as huggingface_hub raises it (its first line is the
+    request id alone, the reason after), is said in full in the error, with the retry."""
+    import types
+
+    import httpx2
+    from huggingface_hub.utils import hf_raise_for_status
+
+    from parallel.hub_push import PushFailed, push
+
+    why = "You don't have the rights to create a commit in org/lora"
+    url = "https://huggingface.co/api/models/org/lora/preupload/main"
+    with pytest.raises(Exception) as got:
+        hf_raise_for_status(httpx2.Response(403, headers={"X-Request-Id": "Root=1-abc", "X-Error-Message": why},
+                                            json={"error": why}, request=httpx2.Request("POST", url)))
+    assert str(got.value).splitlines()[0] == "(Request ID: Root=1-abc)", str(got.value)   # (what the fix is for)
+    hub_api["fail"] = got.value
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(PushFailed) as e:
+        push(types.SimpleNamespace(push_to_hub="org/lora", hub_private=False, out=str(tmp_path)), None, print)
+    assert f"failed (HfHubHTTPError: (Request ID: Root=1-abc) 403 Forbidden: {why}. Cannot access content at: {url}. " \
+           "Make sure your token has the correct permissions.). The run finished" in str(e.value), str(e.value)
+    assert "Retry: hf upload org/lora" in str(e.value), str(e.value)
