@@ -14,7 +14,9 @@ Contract:
   result: OUT/adapter_best when --keep-best exported it in this run (`best.exported`; TRL's load_best_model_at_end then
   push_to_hub pushes the best), else OUT/adapter; its files, as they are on disk, to the repo's top level, on BRANCH
   (created from main when missing) or main, the repo created when missing (private with --hub-private, else the
-  account's default), in one commit whose message names OUT, which adapter, its step and eval loss. The log says which.
+  account's default; huggingface_hub keeps an existing repo's visibility, so --hub-private onto a public repo is
+  refused, uploading nothing), in one commit whose message names OUT, which adapter, its step and eval loss. The log
+  says which.
 - A failed upload (offline, 401/403, a rate limit, no such org) leaves every file of OUT as written and raises
   `PushFailed` (a ValueError): train.cli's one `error:` line names the repo, the error and the `hf upload` command that
   retries it, and the run exits 2, as any error whose message is the fix: a job whose adapter did not get where it was
@@ -120,14 +122,22 @@ def push(args, best, log) -> None:
                       *(["--private"] if args.hub_private else [])])
     try:
         api = huggingface_hub.HfApi()
-        api.create_repo(repo, private=args.hub_private or None, exist_ok=True)
-        if branch:
+        api.create_repo(repo, private=args.hub_private or None, exist_ok=True)   # (an existing repo's: kept)
+        public = args.hub_private and api.repo_info(repo).private is False   # --hub-private onto a public repo
+        if branch and not public:
             api.create_branch(repo, branch=branch, exist_ok=True)
-        info = api.upload_folder(repo_id=repo, folder_path=folder, revision=branch, commit_message=message)
+        info = None if public else api.upload_folder(repo_id=repo, folder_path=folder, revision=branch,
+                                                     commit_message=message)
     except Exception as e:   # noqa: BLE001 - any failure: the files stay, the way to retry is said
         raise PushFailed(f"--push-to-hub {args.push_to_hub}: uploading {folder} failed ({type(e).__name__}: "
                          f"{said(e)}). The run finished: "
                          f"its adapters and {os.path.join(args.out, 'metrics.jsonl')} are on disk. Retry: "
                          f"{retry}") from e
+    if public:   # (refused, not made private: others may read it)
+        raise PushFailed(f"--push-to-hub {args.push_to_hub} --hub-private: https://huggingface.co/{repo} exists and is "
+                         f"public (--hub-private makes private only a repo it creates), so {folder} was not uploaded. "
+                         f"The run finished: its adapters and {os.path.join(args.out, 'metrics.jsonl')} are on disk. "
+                         f"Make the repo private (https://huggingface.co/{repo}/settings), then: {retry}; or push "
+                         "another repo, or this one public (the same without --private)")
     log(f"pushed: {folder} ({message}) to https://huggingface.co/{repo}" + (f"/tree/{branch}" if branch else "")
         + (f", commit {info.oid[:12]}" if isinstance(getattr(info, "oid", None), str) else ""))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 
 import pytest
 import torch
@@ -477,6 +478,8 @@ class _Api:
             self.state["calls"].append((name, a, kw))
             if self.state.get("fail"):
                 raise self.state["fail"]
+            if name == "repo_info":   # (create_repo keeps an existing repo's visibility: `public` is one)
+                return types.SimpleNamespace(private=not self.state.get("public"))
             if name == "upload_folder":
                 root = kw["folder_path"]
                 self.state["repo"] = {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
@@ -513,8 +516,8 @@ def test_push_to_hub_uploads_the_runs_adapter_at_the_end(assets, hub_api, tmp_pa
     assert hub_api["calls"] == [], hub_api["calls"]
     _run(train_argv(assets, out, "--steps", "2", "--push-to-hub", "org/lora@exp", "--hub-private"))
     names = [c[0] for c in hub_api["calls"]]
-    assert names == ["create_repo", "create_branch", "upload_folder"], hub_api["calls"]
-    (_, a, kw), (_, ba, bkw), (_, _, up) = hub_api["calls"]
+    assert names == ["create_repo", "repo_info", "create_branch", "upload_folder"], hub_api["calls"]
+    (_, a, kw), _, (_, ba, bkw), (_, _, up) = hub_api["calls"]
     assert a == ("org/lora",) and kw == {"private": True, "exist_ok": True}, (a, kw)
     assert ba == ("org/lora",) and bkw == {"branch": "exp", "exist_ok": True}, (ba, bkw)
     assert up["repo_id"] == "org/lora" and up["revision"] == "exp" and up.get("path_in_repo") is None, up
@@ -646,8 +649,6 @@ def test_push_to_hub_on_two_ranks_uploads_once_and_fails_together(assets, tmp_pa
 def test_a_failed_push_says_the_hubs_reason(hub_api, tmp_path):
     """A token that may not write to the org: the hub's 403, as huggingface_hub raises it (its first line is the
     request id alone, the reason after), is said in full in the error, with the retry."""
-    import types
-
     import httpx2
     from huggingface_hub.utils import hf_raise_for_status
 
@@ -666,3 +667,24 @@ def test_a_failed_push_says_the_hubs_reason(hub_api, tmp_path):
     assert f"failed (HfHubHTTPError: (Request ID: Root=1-abc) 403 Forbidden: {why}. Cannot access content at: {url}. " \
            "Make sure your token has the correct permissions.). The run finished" in str(e.value), str(e.value)
     assert "Retry: hf upload org/lora" in str(e.value), str(e.value)
+
+
+def test_hub_private_onto_an_existing_public_repo_uploads_nothing(hub_api, tmp_path):
+    """huggingface_hub's create_repo ignores `private` for a repo that exists (its docstring, checked here): with
+    --hub-private and org/lora public, nothing is uploaded and the error says so, and how to go on."""
+    import inspect
+
+    from parallel.hub_push import PushFailed, push
+
+    assert "ignored if the repo already exists" in inspect.getdoc(HfApi.create_repo)
+    hub_api["public"] = True
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(PushFailed) as e:
+        push(types.SimpleNamespace(push_to_hub="org/lora@exp", hub_private=True, out=str(tmp_path)), None, print)
+    assert [c[0] for c in hub_api["calls"]] == ["create_repo", "repo_info"], hub_api["calls"]
+    assert "https://huggingface.co/org/lora exists and is public" in str(e.value) and \
+        "Make the repo private (https://huggingface.co/org/lora/settings), then: hf upload org/lora" in str(e.value) \
+        and "--private" in str(e.value), str(e.value)
+    hub_api["public"], hub_api["calls"] = False, []   # private (or created now): pushed
+    push(types.SimpleNamespace(push_to_hub="org/lora", hub_private=True, out=str(tmp_path)), None, print)
+    assert [c[0] for c in hub_api["calls"]] == ["create_repo", "repo_info", "upload_folder"], hub_api["calls"]
