@@ -522,6 +522,8 @@ def test_push_to_hub_uploads_the_runs_adapter_at_the_end(assets, hub_api, tmp_pa
     assert ba == ("org/lora",) and bkw == {"branch": "exp", "exist_ok": True}, (ba, bkw)
     assert up["repo_id"] == "org/lora" and up["revision"] == "exp" and up.get("path_in_repo") is None, up
     assert up["folder_path"] == os.path.join(out, "adapter"), up
+    # an earlier push's RoPE overrides or template (this run has neither) go in the same commit; nothing else does
+    assert up["delete_patterns"] == ["base_config_overrides.json", "chat_template.jinja"], up
     local = _folder(os.path.join(out, "adapter"))
     assert "adapter_model.safetensors" in local and "adapter_config.json" in local, sorted(local)
     assert hub_api["repo"] == local, "the uploaded bytes are not OUT/adapter's"
@@ -604,7 +606,8 @@ def test_a_failed_push_keeps_the_run_and_says_the_retry(assets, hub_api, tmp_pat
     import shlex
     retry = shlex.split(line.split("Retry: ", 1)[1])
     assert retry == ["hf", "upload", "org/lora", os.path.join(out, "adapter"), ".", "--commit-message",
-                     f"adapter of {out} at step 2"], retry
+                     f"adapter of {out} at step 2", "--delete", "base_config_overrides.json", "--delete",
+                     "chat_template.jinja"], retry   # (an earlier push's files this adapter has not: gone with it)
     kept = _folder(os.path.join(out, "adapter"))
     assert "adapter_model.safetensors" in kept and len(_losses(out)) == 2, (sorted(kept), _losses(out))
     hub_api["fail"], hub_api["calls"] = None, []
