@@ -138,7 +138,13 @@ def _fetched(flag: str, url: str, repo: str, commit: str, names: list[str]) -> l
               "Face Hub", flush=True)
     snap = _hub_call(flag, url, parse(url, flag), lambda: huggingface_hub.snapshot_download(
         repo, repo_type="dataset", revision=commit, allow_patterns=[glob.escape(n) for n in names]))   # (a name's
-    return [os.path.join(snap, *n.split("/")) for n in names]   # [ or * matches itself alone)
+    paths = [os.path.join(snap, *n.split("/")) for n in names]   # [ or * matches itself alone)
+    # (the Hub gone between the listing and the fetch: snapshot_download returns an older partial copy unchecked)
+    if missing := [n for n, p in zip(names, paths) if not os.path.isfile(p)]:
+        raise FileNotFoundError(f"{flag} {url}: the Hugging Face Hub's download of commit {commit} came back without "
+                                f"{', '.join(missing[:4])}{' ...' * (len(missing) > 4)} (offline part-way, or an "
+                                f"older partial copy in the cache); {_fix(url, *parse(url, flag))}")
+    return paths
 
 
 def same_commits(args) -> None:

@@ -174,6 +174,25 @@ def test_a_glob_matching_nothing_is_refused_before_any_download(assets, hub, tmp
     assert not os.path.exists(out)
 
 
+def test_a_download_that_comes_back_short_is_one_clear_error(assets, hub, tmp_path, monkeypatch):
+    """huggingface_hub's snapshot_download returns an older partial snapshot folder unchecked when the Hub goes away
+    between the listing and the fetch: a matched file missing there is one error naming it and the fix, before
+    anything is written (not a later "does not exist" naming a cache path)."""
+    import huggingface_hub
+
+    real = huggingface_hub.snapshot_download
+
+    def short(*a, **kw):   # the second matched file never arrives
+        snap = real(*a, **kw)
+        os.remove(os.path.join(snap, "data", "train-00001.parquet"))
+        return snap
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", short)
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out, "--data", "hf://datasets/o/n/data/*.parquet"))
+    assert f"download of commit {'a' * 40} came back without data/train-00001.parquet" in msg, msg
+    assert "hf download --repo-type dataset" in msg and not os.path.exists(out), msg
+
+
 def test_a_failed_fetch_is_one_clear_error_before_anything(assets, hub, tmp_path):
     hub["fail"] = OSError("We couldn't connect to 'https://huggingface.co' to load the files")
     out = str(tmp_path / "out")
