@@ -284,3 +284,19 @@ def hf_as_trained(path, quant="none"):
                 if isinstance(m, torch.nn.Linear) and ".layers." in n:
                     m.weight.copy_(nf4_round_trip(m.weight))
     return hf
+
+
+def hub_403(why: str, method: str, url: str) -> Exception:
+    """The error huggingface_hub raises for the Hub's 403 answer with the reason `why` (its own hf_raise_for_status
+    on such a response): its first line is the request id alone, the reason on the lines after."""
+    import httpx2
+    from huggingface_hub.utils import hf_raise_for_status
+
+    try:
+        hf_raise_for_status(httpx2.Response(403, headers={"X-Request-Id": "Root=1-abc", "X-Error-Message": why},
+                                            json={"error": why}, request=httpx2.Request(method, url)))
+    except Exception as e:   # noqa: BLE001 - whatever class this huggingface_hub raises is the point
+        assert str(e).splitlines()[0] == "(Request ID: Root=1-abc)", str(e)   # (what model.hub.said is for)
+        return e
+    raise AssertionError("hf_raise_for_status raised nothing for a 403")
+

@@ -46,7 +46,7 @@ import torch
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
-from tests.helpers import no_weights, one_thread, train_argv
+from tests.helpers import hub_403, no_weights, one_thread, train_argv
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -652,18 +652,11 @@ def test_push_to_hub_on_two_ranks_uploads_once_and_fails_together(assets, tmp_pa
 def test_a_failed_push_says_the_hubs_reason(hub_api, tmp_path):
     """A token that may not write to the org: the hub's 403, as huggingface_hub raises it (its first line is the
     request id alone, the reason after), is said in full in the error, with the retry."""
-    import httpx2
-    from huggingface_hub.utils import hf_raise_for_status
-
     from parallel.hub_push import PushFailed, push
 
     why = "You don't have the rights to create a commit in org/lora"
     url = "https://huggingface.co/api/models/org/lora/preupload/main"
-    with pytest.raises(Exception) as got:
-        hf_raise_for_status(httpx2.Response(403, headers={"X-Request-Id": "Root=1-abc", "X-Error-Message": why},
-                                            json={"error": why}, request=httpx2.Request("POST", url)))
-    assert str(got.value).splitlines()[0] == "(Request ID: Root=1-abc)", str(got.value)   # (what the fix is for)
-    hub_api["fail"] = got.value
+    hub_api["fail"] = hub_403(why, "POST", url)
     (tmp_path / "adapter").mkdir()
     with pytest.raises(PushFailed) as e:
         push(types.SimpleNamespace(push_to_hub="org/lora", hub_private=False, out=str(tmp_path)), None, print)

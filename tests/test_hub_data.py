@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
-from tests.helpers import no_weights, one_thread, startup_error, train_argv
+from tests.helpers import hub_403, no_weights, one_thread, startup_error, train_argv
 
 URL = "hf://datasets/o/n/data/*.parquet"
 
@@ -274,18 +274,11 @@ def test_data_show_reads_the_files_a_url_gives(assets, hub, tmp_path, capsys):
 def test_a_403s_reason_is_in_the_error(hub):
     """A fine-grained token without gated-repo access: the hub's 403, as huggingface_hub raises it (its first line is
     the request id alone, the reason on the lines after), is said in full, not as "(Request ID: ...)"."""
-    import httpx2
-    from huggingface_hub.utils import hf_raise_for_status
-
     from data.hub_data import resolve
 
     why = "Please enable access to public gated repositories in your fine-grained token settings to view this repo"
     url = "https://huggingface.co/api/datasets/o/n"
-    with pytest.raises(Exception) as got:
-        hf_raise_for_status(httpx2.Response(403, headers={"X-Request-Id": "Root=1-abc", "X-Error-Message": why},
-                                            json={"error": why}, request=httpx2.Request("GET", url)))
-    assert str(got.value).splitlines()[0] == "(Request ID: Root=1-abc)", str(got.value)   # (what the fix is for)
-    hub["fail"] = got.value
+    hub["fail"] = hub_403(why, "GET", url)
     with pytest.raises(FileNotFoundError) as e:
         resolve(types.SimpleNamespace(data=URL, eval_data=None, data_weights=None))
     assert f"(HfHubHTTPError: (Request ID: Root=1-abc) 403 Forbidden: {why}. Cannot access content at: {url}." in \
