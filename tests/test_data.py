@@ -252,7 +252,7 @@ def test_text_records_holding_alpaca_fields_train_as_text_and_say_so(tok, tmp_pa
     assert torch.equal(got[0]["labels"], torch.tensor(want["labels"], dtype=got[0]["labels"].dtype))
     (tmp_path / "chat.jsonl").write_text(json.dumps({k: v for k, v in row.items() if k != "text"}) + "\n")
     said = []
-    (chat,), _ = load_samples(tmp_path / "chat.jsonl", tok, 256, len(tok), cache="none", log=said.append)
+    (chat,), _ = load_samples(tmp_path / "chat.jsonl", tok, 256, len(tok), cache=None, log=said.append)
     assert not any("Alpaca" in m for m in said) and target_runs(tok, {k: chat[k].tolist() for k in chat}) == \
         ["5" + END], said
 
