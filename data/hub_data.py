@@ -34,7 +34,7 @@ from fnmatch import fnmatchcase
 from urllib.parse import unquote
 
 from data.mix import check_weights, data_files
-from model.hub import said
+from model.hub import id_part, said
 
 PREFIX = "hf://"
 SPECIAL_REFS = re.compile(r"refs/(?:convert/(?:parquet|duckdb)|pr/\d+)(?=/)")   # (HfFileSystem's, "/" inside)
@@ -54,8 +54,7 @@ def parse(url: str, flag: str = "--data") -> tuple[str, str | None, str]:
     name, at, rev = name.partition("@")
     if at and (special := SPECIAL_REFS.match(rev + "/" + path)):   # @refs/convert/parquet/default/train/*.parquet
         rev, path = special.group(0), path[len(special.group(0)) - len(rev):]
-    ok = lambda part: part and part.replace("-", "").replace("_", "").replace(".", "").isalnum()
-    if kind != "datasets" or not (ok(org) and ok(name)) or not path or at and not rev:
+    if kind != "datasets" or not (id_part(org) and id_part(name)) or not path or at and not rev:
         why = "reads dataset repos only" if kind != "datasets" and kind else "needs a repo and a path in it"
         raise ValueError(f"{flag} {url}: {flag} {why}: write {FORM}")
     return f"{org}/{name}", unquote(rev) if at else None, path

@@ -34,6 +34,8 @@ OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
 TRAINED_ON = "trained_on.json"   # {"quant": "nf4" | "none", "model_sha256": ...}: the base it was trained against
 CARD = "README.md"   # the model card: the Hub's page of an adapter pushed there (its metadata names the base)
+WRITTEN = ("adapter_model.safetensors", "adapter_config.json", OVERRIDES, TEMPLATE, TRAINED_ON, CARD)   # all an
+# export may write at an adapter's top level (what a re-export replaces, a --push-to-hub deletes where it lacks them)
 TIED_HEAD = "base_model.model.lm_head.weight"   # a tied model's trained embedding again, for peft (write_adapter)
 SWAP = (".tmp-export", ".old-export")   # write_adapter's own folders beside an adapter it (re)writes
 
@@ -79,7 +81,7 @@ def half_written(out_dir: str) -> bool:
     """`out_dir` holds what a killed in-place write_adapter left (its `.adapter.tmp` and some of the files it renames
     out of it, never adapter_config.json, renamed last): it may be written again."""
     held = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    files = {"adapter_model.safetensors", OVERRIDES, TEMPLATE, TRAINED_ON, CARD}
+    files = set(WRITTEN) - {"adapter_config.json"}   # (renamed last: never there in a half-written one)
     return ".adapter.tmp" in held and held <= files | {".adapter.tmp"}
 
 

@@ -81,6 +81,11 @@ def _adapters_in(repo: str, commit: str) -> str:
         f"{' ...' * (len(files) > 8)}"
 
 
+def id_part(part: str) -> bool:
+    """One part of a Hub repo id (its org, its name): letters, digits, "-", "_", "."."""
+    return bool(part) and part.replace("-", "").replace("_", "").replace(".", "").isalnum()
+
+
 def hub_repo(name: str, sub: bool = False) -> str | None:
     """The repo of a Hub id ("org/name", "org/name@revision"; where `sub`, also "org/name/sub/folder[@revision]", a
     folder in the repo), or None where `name` reads as a path: one that exists, or starts with ".", "/" or "~", or
@@ -89,7 +94,7 @@ def hub_repo(name: str, sub: bool = False) -> str | None:
     parts = name.partition("@")[0].split("/")
     if os.path.exists(name) or name.startswith((".", "/", "~")) or len(parts) < 2 or len(parts) > 2 and not sub or \
             len(parts) > 2 and os.path.isdir(parts[0]) or \
-            not all(part and part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in parts):
+            not all(map(id_part, parts)):
         return None
     return "/".join(parts[:2])
 

@@ -105,9 +105,8 @@ def stale(folder: str) -> list[str]:
     """The top-level files an adapter export may write that `folder` lacks: an earlier push's (its RoPE overrides, its
     chat template) are deleted in the same commit, so the repo holds this adapter's files alone, not a mix that loads
     wrong; anything else in the repo (other folders, a .gitattributes) is left as it is."""
-    from model.export import CARD, OVERRIDES, TEMPLATE, TRAINED_ON
-    ours = ("adapter_model.safetensors", "adapter_config.json", OVERRIDES, TEMPLATE, TRAINED_ON, CARD)
-    return sorted(f for f in ours if not os.path.isfile(os.path.join(folder, f)))
+    from model.export import WRITTEN
+    return sorted(f for f in WRITTEN if not os.path.isfile(os.path.join(folder, f)))
 
 
 def push(args, best, log) -> None:
@@ -126,9 +125,10 @@ def push(args, best, log) -> None:
         folder, which, step, loss = os.path.join(args.out, "adapter"), "adapter", rec.get("step"), rec.get("eval_loss")
     message = f"{which} of {args.out}" + (f" at step {step}" if step else "") + (
         f", eval_loss {loss:.6g}" if isinstance(loss, float) else "")
+    gone = stale(folder)
     retry = " ".join(["hf upload", shlex.quote(repo), shlex.quote(folder), ".", "--commit-message",
                       shlex.quote(message), *(["--revision", shlex.quote(branch)] if branch else []),
-                      *[x for f in stale(folder) for x in ("--delete", shlex.quote(f))],
+                      *[x for f in gone for x in ("--delete", shlex.quote(f))],
                       *(["--private"] if args.hub_private else [])])
     try:
         api = huggingface_hub.HfApi()
@@ -137,7 +137,7 @@ def push(args, best, log) -> None:
         if branch and not public:
             api.create_branch(repo, branch=branch, exist_ok=True)
         info = None if public else api.upload_folder(repo_id=repo, folder_path=folder, revision=branch,
-                                                     commit_message=message, delete_patterns=stale(folder))
+                                                     commit_message=message, delete_patterns=gone)
     except Exception as e:   # noqa: BLE001 - any failure: the files stay, the way to retry is said
         raise PushFailed(f"--push-to-hub {args.push_to_hub}: uploading {folder} failed ({type(e).__name__}: "
                          f"{said(e)}). The run finished: "
