@@ -149,7 +149,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         # helper 53: a doubled BOS, trained as a target), which stays
         return int(bos is not None and bool(bos_text) and text.startswith(bos_text) and ids[:2] == [bos, bos])
 
-    def dropped(r, why="dropped", lines="dropped_lines"):
+    def count(r, why="dropped", lines="dropped_lines"):   # (a dropped record by default; any counted kind: why)
         setattr(stats, why, getattr(stats, why) + 1)
         if len(getattr(stats, lines)) < DROPPED_LINES:
             getattr(stats, lines).append(r.get("line", "?"))
@@ -163,7 +163,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
         else:
             stats.special += hit or (r["pair"] == 1 and pending)
         if r.get("alpaca"):   # (a text record that also holds Alpaca's fields: said, data/token_stats.py)
-            dropped(r, "alpaca_text", "alpaca_text_lines")
+            count(r, "alpaca_text", "alpaca_text_lines")
         if "text" in r:
             ids = list(next(text_ids))
             ids = ids[doubled(ids, r["text"]):]
@@ -221,11 +221,11 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
             whole &= any(flags0[1:])   # a target before any cut (label t is token t + 1's)
         held = None
         if not all(n for _, _, n in made):   # no --max-len keeps a record that had no target to lose: said apart
-            dropped(r) if whole else dropped(r, "no_target", "no_target_lines")
+            count(r) if whole else count(r, "no_target", "no_target_lines")
             continue
         if len(made) == 2 and made[0][0]["input_ids"] == made[1][0]["input_ids"] and \
                 made[0][0]["labels"] == made[1][0]["labels"]:   # no preference to learn (and a margin of float noise)
-            dropped(r, "tied", "tied_lines")
+            count(r, "tied", "tied_lines")
             continue
         if len(made) == 2:   # TRL's targets: where a prompt is given, each side's whole answer, a start it shares
             # with the other's too (SimPO's, IPO's and ORPO's means and the NLL terms count it): a string prompt is no
@@ -256,7 +256,7 @@ def _tokenize_records(records: list[dict], tokenizer, max_len: int, path, long_t
                     sample["labels"][lo:first] = sample["input_ids"][lo + 1:first + 1]
             made = [(sample, n_ids, sum(lab != IGNORE_INDEX for lab in sample["labels"])) for sample, n_ids, _ in made]
             if not all(n for _, _, n in made):   # nothing to prefer: they part in untrained tokens only, or one side
-                dropped(r, "tied", "tied_lines")   # ends where they part (its every target the other's too)
+                count(r, "tied", "tied_lines")   # ends where they part (its every target the other's too)
                 continue
             stats.pairs += 1
         for sample, n_ids, n_targets in made:
