@@ -17,8 +17,9 @@ Contract:
   nulls). So a row's null values are dropped at every depth (`drop_nulls`), but for a message's "content" (ShareGPT's
   "value"), where null is said in JSON too: OpenAI's turn that only calls tools. A null in a list stays.
 - A compressed file cut short or corrupt is a DataError naming the file, what is wrong and the last whole record,
-  raised when reached; `check(p, head, flag)` is data/jsonl.py's start-up look at a packed file (the zip's directory,
-  the Parquet footer, the package there).
+  raised when reached. A file of several streams (bzip2's, xz's; zstd's frames) is read to its last, zero bytes
+  between them skipped; anything else past a stream is corrupt (`_streams`). `check(p, head, flag)` is
+  data/jsonl.py's start-up look at a packed file (the zip's directory, the Parquet footer, the package there).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ CHUNK = 1 << 20   # bytes of the file (decompressed) a read takes
 ROWS = 1024       # Parquet rows converted to dicts at a time
 MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
          (b"PK\x03\x04", "zip"), (b"PAR1", "Parquet"))
-OPEN = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}
+STREAMS = {"bzip2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor}   # (gzip.open: strict past a stream already)
 SPACE = re.compile(r"[ \t\n\r]*")   # JSON's whitespace
 BROKEN = (EOFError, OSError, zlib.error, lzma.LZMAError, zipfile.BadZipFile)   # (+ zstandard's ZstdError when used)
 
@@ -99,6 +100,30 @@ def _zstd(f, p: Path):
         raise EOFError("the zstd stream ended before its end-of-frame marker")
 
 
+def _streams(f, new):
+    """bzip2's or xz's streams one after another (pbzip2, `cat a.xz b.xz`), each decompressed as read, CHUNK bytes of
+    output at most at a time: Python's BZ2File and LZMAFile take the first bytes past a stream that start no stream
+    for trailing garbage and stop there, so xz's stream padding (zero bytes) or a corrupt header lost every stream
+    after it without a word. Zero bytes between streams are skipped (as gzip's reader does); anything else is the
+    decompressor's error, raised."""
+    d = new()
+    while True:
+        if d.eof:
+            rest = d.unused_data.lstrip(b"\0")
+            while not rest and (c := f.read(CHUNK)):
+                rest = c.lstrip(b"\0")
+            if not rest:
+                return
+            d, data = new(), rest
+        elif d.needs_input:
+            if not (data := f.read(CHUNK)):
+                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        else:
+            data = b""   # (output held back by the CHUNK cap)
+        if out := d.decompress(data, CHUNK):
+            yield out
+
+
 def _chunks(p: Path, k: str | None):
     """The file's bytes, decompressed, a chunk at a time."""
     with contextlib.ExitStack() as stack:
@@ -106,9 +131,9 @@ def _chunks(p: Path, k: str | None):
             z = stack.enter_context(zipfile.ZipFile(p))
             f = stack.enter_context(z.open(_member(z, p)))
         else:
-            f = stack.enter_context(OPEN[k](p, "rb") if k in OPEN else p.open("rb"))
-        if k == "zstd":
-            yield from _zstd(f, p)
+            f = stack.enter_context(gzip.open(p, "rb") if k == "gzip" else p.open("rb"))
+        if k in ("zstd", *STREAMS):
+            yield from _zstd(f, p) if k == "zstd" else _streams(f, STREAMS[k])
             return
         first = True
         while chunk := f.read1(CHUNK):   # (read1: what decompressed before a cut is yielded before the error)

@@ -143,6 +143,26 @@ def test_a_compressed_file_cut_short_is_an_error_naming_it(tmp_path):
             load_jsonl(path)
 
 
+def test_streams_one_after_another_are_read_to_the_last_and_what_is_no_stream_is_an_error(tmp_path):
+    """xz and bzip2 files may hold several streams (`cat a.xz b.xz`, pbzip2, xz's stream padding of zero bytes between
+    them): every record of every stream is read, as `xz -dc` and `bzip2 -dc` read them. Python's LZMAFile and BZ2File
+    stop at the first bytes after a stream that start no stream, and take what follows for trailing garbage: xz's
+    padding, or a later stream whose header is corrupt, lost every record after it without a word."""
+    lines = ["".join(json.dumps({"text": f"part {p} record {i}"}) + "\n" for i in range(3)).encode() for p in (1, 2)]
+    want = [json.loads(x) for part in lines for x in part.decode().splitlines()]
+    for form, pack, pads in (("xz", lzma.compress, 2), ("bzip2", bz2.compress, 2),
+                             ("zstd", zstandard.ZstdCompressor().compress, 1)):   # (zstd's format has no padding)
+        path = tmp_path / f"two.{form}"
+        for between in (b"", b"\0" * 4)[:pads]:   # (xz's stream padding; zero bytes, as gzip's reader skips them)
+            path.write_bytes(pack(lines[0]) + between + pack(lines[1]))
+            assert [{"text": r["text"]} for r in load_jsonl(path)] == want, (form, between)
+        bad = bytearray(pack(lines[1]))
+        bad[1] ^= 0xFF   # (the second stream's header, corrupt)
+        path.write_bytes(pack(lines[0]) + bytes(bad))
+        with pytest.raises(DataError, match=rf"^{path}: the {form} data is cut short or corrupt .*, after line 3;"):
+            load_jsonl(path)
+
+
 def test_a_zip_of_several_files_is_refused_at_start_up_naming_them(tmp_path):
     path = tmp_path / "two.zip"
     with zipfile.ZipFile(path, "w") as z:
