@@ -4,10 +4,10 @@ Parquet (data/jsonl.py reads what this yields; until 2026-12-06 all but JSONL te
 Contract:
 - The form is told by the file's bytes, never its name: gzip, bzip2, xz (the standard library) and zstd (the
   `zstandard` package) are decompressed as they are read; a zip is read when it holds one file (directories and
-  `__MACOSX/` left out), itself JSONL or a JSON array, and else refused at start-up naming its files; Parquet
-  (`pyarrow`) is read a batch of rows at a time. Text whose first non-blank character is `[` is one JSON array, its
-  elements the records, read element by element (a large file is not parsed whole). A missing package is a
-  DataError naming the file and the `pip install` that fixes it.
+  `__MACOSX/` left out), itself JSONL or a JSON array, and else refused at start-up naming its files (so is one
+  zipfile cannot read: deflate64, encrypted); Parquet (`pyarrow`) is read a batch of rows at a time. Text whose first
+  non-blank character is `[` is one JSON array, its elements the records, read element by element (a large file is not
+  parsed whole). A missing package is a DataError naming the file and the `pip install` that fixes it.
 - `units(path)` yields `(n, raw)`: `n` the record's 1-based position, which errors and `samples.lines` carry: a
   JSONL line's number (blank lines counted, and yielded as they are), an array element's index, a Parquet row's; and
   `raw` the line's text, the element's JSON text, or the row as a dict (data/records.py's `parse_record` reads each).
@@ -67,7 +67,14 @@ def _member(z: zipfile.ZipFile, p: Path) -> zipfile.ZipInfo:
         names = ", ".join(i.filename for i in files[:8]) + (", ..." if len(files) > 8 else "")
         raise DataError(f"{p} is a zip archive of {len(files)} files ({names or 'none'}): it is read when it holds "
                         f"one; extract it (unzip {p}) and pass its data file (--data takes several)")
-    return files[0]
+    f = files[0]   # (zipfile reads these methods, and no encrypted file: Windows' own zip deflate64s large files)
+    if f.flag_bits & 1 or f.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2,
+                                                  zipfile.ZIP_LZMA):
+        how = "encrypted" if f.flag_bits & 1 else \
+            f"compressed by {zipfile.compressor_names.get(f.compress_type, f'method {f.compress_type}')}"
+        raise DataError(f"{p}: its file {f.filename} is {how}, which Python's zipfile cannot read: extract it "
+                        f"(unzip {p}) and pass that file")
+    return f
 
 
 def check(p: Path, head: bytes, flag: str) -> None:

@@ -178,6 +178,25 @@ def test_a_zip_of_several_files_is_refused_at_start_up_naming_them(tmp_path):
         load_jsonl(inner)
 
 
+def test_a_zip_whose_file_zipfile_cannot_read_is_refused_at_start_up_naming_it(tmp_path):
+    """Deflate64 (Windows' own zip, for large files) and encryption pass a look at the zip's directory but not
+    zipfile's open: a NotImplementedError or RuntimeError traceback once the data were read, naming no file."""
+    for what, method, flags in (("compressed by deflate64", 9, 0), ("encrypted", 0, 1)):
+        path = tmp_path / f"{method}.zip"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("d.jsonl", b'{"text": "a"}\n')
+        b = bytearray(path.read_bytes())
+        for magic, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):   # (the local header's and the directory's fields)
+            i = b.find(magic) + at
+            b[i:i + 4] = flags.to_bytes(2, "little") + method.to_bytes(2, "little")
+        path.write_bytes(bytes(b))
+        with zipfile.ZipFile(path) as z, pytest.raises((NotImplementedError, RuntimeError)):
+            z.open("d.jsonl")   # (the reference: zipfile itself cannot read it)
+        with pytest.raises(DataError, match=rf"^--data {path}: its file d.jsonl is {what}, which Python's zipfile "
+                                            rf"cannot read: extract it \(unzip {path}\)"):
+            check_file(path, "--data")
+
+
 def test_a_missing_package_is_named_with_its_install(tmp_path, monkeypatch):
     files = write_forms(tmp_path, RECORDS[:1])
     monkeypatch.setitem(sys.modules, "zstandard", None)   # (import fails: the GPU machine's python has none)
