@@ -12,8 +12,9 @@ Contract:
   left waiting in a collective), after OUT/adapter, OUT/adapter_best and metrics.jsonl are written and closed, before
   OUT's lock is let go (a next run's --overwrite cannot empty a folder being uploaded). What is pushed is the run's
   result: OUT/adapter_best when --keep-best exported it in this run (`best.exported`; TRL's load_best_model_at_end then
-  push_to_hub pushes the best), else OUT/adapter; its files, as they are on disk, to the repo's top level, on BRANCH
-  (created from main when missing) or main, the repo created when missing (private with --hub-private, else the
+  push_to_hub pushes the best), else OUT/adapter; its files, as they are on disk, to the repo's top level (its
+  README.md, the model card, replaces the repo's, as TRL's push does), on BRANCH (created from main
+  when missing) or main, the repo created when missing (private with --hub-private, else the
   account's default; huggingface_hub keeps an existing repo's visibility, so --hub-private onto a public repo is
   refused, uploading nothing), in one commit whose message names OUT, which adapter, its step and eval loss. The log
   says which.
