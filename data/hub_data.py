@@ -15,9 +15,24 @@ Contract:
   the entry is replaced by them, sorted, each one a --data file: a --data-weights weight given for the entry applies
   to each file (0.5: half of each file's records; checked one weight per entry as given, first). `args.hub_data`
   records {flag: each entry pinned, hf://datasets/ORG/NAME@COMMIT/PATH} (None without one); the files recorded are
-  the snapshot's, whose path names the commit. Any failure of the hub (offline, no such repo or revision, gated, disk
-  full) is one FileNotFoundError naming the URL and the fix, before anything is written. Every rank fetches at once:
-  the hub's file locks let one process download each file while the others wait.
+  the snapshot's, whose path names the commit. Any failure of the hub (no network, no such repo or revision, gated,
+  disk full) is one FileNotFoundError naming the URL and the fix (with no network: fetch where there is one, then
+  HF_HUB_OFFLINE=1), before anything is written. Every rank fetches at once: the hub's file locks let one process
+  download each file while the others wait. REVISION's commit is written to the cache's refs/ (as huggingface_hub
+  writes a branch's; its fetch at the commit writes none), for an offline rerun of the URL.
+- Under huggingface_hub's offline mode (`constants.HF_HUB_OFFLINE`: HF_HUB_OFFLINE=1, a compute node without network
+  after a login node fetched the data) the same URL is read from the hub's cache with no network call: REVISION (the
+  main branch when none) resolved by the cache's refs/ file (a branch or tag: written by `hf download` and by an
+  online run of this URL), a full commit as given, a short one (4+ hex digits) against the cached snapshots' commits
+  (one alone must start with it); PATH matched against the commit's full file listing where the cache holds it
+  (huggingface_hub's trees/<commit>.json, written by every snapshot_download of that commit: ours and `hf download`'s),
+  so a glob matches the files it matched online and a matched file the snapshot lacks (a partial fetch) is refused,
+  never silently left out. A cache with no such listing
+  (an older huggingface_hub, files fetched one by one) is matched against the snapshot's files, which may be fewer
+  than the repo's: said on the start-up line, which always names how many files matched and the commit. The same
+  pins are recorded (so a resume compares them, `moved`, with no network). A repo never fetched, a revision not in
+  the cache or a matched file missing is one FileNotFoundError naming the URL, the cache folder and the fix (run once
+  online, or `hf download ...`), before anything is written.
 - `same_commits(args)` (collective, preflight.same_everywhere): every rank resolved each entry to one commit, else
   every rank raises one error naming the commits and the pin.
 - `moved(ckpt_args, args)` (parallel/resume.py, where --data's files differ from the checkpoint's): the message for
@@ -73,9 +88,10 @@ def matches(pattern: str, path: str) -> bool:
 
 def _fix(url: str, repo: str, rev: str | None, path: str) -> str:
     return (f"check the name{' and revision' * bool(rev)} at https://huggingface.co/datasets/{repo}; a gated or "
-            "private dataset needs `hf auth login` (and its terms accepted on that page); offline, fetch it where the "
-            f"hub can be reached, `hf download --repo-type dataset {repo}{f' --revision {rev}' if rev else ''} "
-            f"--include '{path}'`, and pass the files it downloads in place of {url}")
+            "private dataset needs `hf auth login` (and its terms accepted on that page); with no network here, fetch "
+            f"it where the hub can be reached (this command, or `hf download --repo-type dataset {repo}"
+            f"{f' --revision {rev}' if rev else ''} --include '{path}'`) into the cache this node reads (HF_HOME) and "
+            f"run here with HF_HUB_OFFLINE=1: {url} is then read from the cache")
 
 
 def _hub_call(flag: str, url: str, parsed: tuple, call):
@@ -87,22 +103,79 @@ def _hub_call(flag: str, url: str, parsed: tuple, call):
                                 f"{said(e)}); {_fix(url, *parsed)}") from e
 
 
-def _listed(flag: str, url: str) -> tuple[str, str, list[str], str]:
-    """(repo, commit, the matched files in the repo, sorted, the entry pinned); nothing matched: refused."""
+def _listed(flag: str, url: str) -> tuple[str, str, list[str], str, list[str] | None]:
+    """(repo, commit, the matched files in the repo, sorted, the entry pinned, their local paths where offline (None:
+    to be fetched)); nothing matched: refused."""
     import huggingface_hub
+    from huggingface_hub import constants
 
     repo, rev, path = parsed = parse(url, flag)
+    if constants.HF_HUB_OFFLINE:
+        return _cached(flag, url, parsed)
     commit = _hub_call(flag, url, parsed, lambda: huggingface_hub.dataset_info(repo, revision=rev).sha)
     files = _hub_call(flag, url, parsed, lambda: huggingface_hub.list_repo_files(repo, repo_type="dataset",
                                                                                  revision=commit))
-    got = sorted(f for f in files if matches(path, f))
-    if not got:
-        shown = sorted(files)[:SHOWN]
-        raise FileNotFoundError(
-            f"{flag} {url}: no file of the dataset {repo} at commit {commit} matches {path!r} ({len(files)} files; "
-            f"{', '.join(shown) or 'none'}{' ...' * (len(files) > SHOWN)}); a glob's * stays within one folder "
-            "(data/*.parquet), ** crosses folders (**/*.parquet): name its files that way")
-    return repo, commit, got, f"{PREFIX}datasets/{repo}@{commit}/{path}"
+    return repo, commit, _matched(flag, url, commit, files), f"{PREFIX}datasets/{repo}@{commit}/{path}", None
+
+
+def _matched(flag: str, url: str, commit: str, files: list[str], cached: str = "") -> list[str]:
+    """The files of `commit` PATH matches, sorted; none: refused, naming some of them."""
+    repo, _, path = parse(url, flag)
+    if got := sorted(f for f in files if matches(path, f)):
+        return got
+    shown = sorted(files)[:SHOWN]
+    raise FileNotFoundError(
+        f"{flag} {url}: no file of the dataset {repo} at commit {commit}{cached} matches {path!r} ({len(files)} "
+        f"files; {', '.join(shown) or 'none'}{' ...' * (len(files) > SHOWN)}); a glob's * stays within one folder "
+        "(data/*.parquet), ** crosses folders (**/*.parquet): name its files that way")
+
+
+def _cached(flag: str, url: str, parsed: tuple) -> tuple[str, str, list[str], str, list[str]]:
+    """`_listed` under HF_HUB_OFFLINE, from huggingface_hub's cache alone (module docstring)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    repo, rev, path = parsed
+    want = rev or constants.DEFAULT_REVISION
+    store = os.path.join(constants.HF_HUB_CACHE, "datasets--" + repo.replace("/", "--"))   # (the hub's layout)
+
+    def lacks(what: str) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"{flag} {url}: HF_HUB_OFFLINE is set and {what} in the Hugging Face cache {store}; run the same command "
+            f"once where the Hub can be reached (it caches the files), or there `hf download --repo-type dataset "
+            f"{repo} --revision {want} --include '{path}'`, with HF_HOME (or HF_HUB_CACHE) naming the cache this "
+            "node reads")
+    refs, snaps = (os.path.join(store, d) for d in ("refs", "snapshots"))
+    named = sorted(os.path.relpath(os.path.join(d, f), refs).replace(os.sep, "/") for d, _, fs in os.walk(refs)
+                   for f in fs)   # (refs/refs/pr/1: "refs/pr/1")
+    commits = sorted(os.listdir(snaps)) if os.path.isdir(snaps) else []
+    if want in named:   # a branch or tag (or a short commit an online look-up resolved)
+        with open(os.path.join(refs, *want.split("/"))) as f:
+            commit = f.read().strip()
+    elif re.fullmatch(r"[0-9a-f]{4,40}", want) and len(hit := [c for c in commits if c.startswith(want)]) == 1:
+        commit = hit[0]
+    else:
+        raise lacks(f"its revision {want!r} is not (branches and tags cached: {', '.join(named) or 'none'}; commits: "
+                    f"{', '.join(commits[:SHOWN]) or 'none'})" if named or commits else "the dataset was never fetched")
+    snap = os.path.join(store, "snapshots", commit)
+    if not os.path.isdir(snap):
+        raise lacks(f"its commit {commit} ({want}) has no snapshot")
+    try:   # the commit's full listing (huggingface_hub >= 2: snapshot_download keeps it): the glob's online files
+        files = [f.path for f in huggingface_hub.get_cached_repo_tree(repo, repo_type="dataset", revision=commit)]
+    except Exception:   # (no listing kept, or a huggingface_hub without one): the files cached are all it sees
+        files = None
+    here = sorted(os.path.relpath(os.path.join(d, f), snap).replace(os.sep, "/") for d, _, fs in os.walk(snap)
+                  for f in fs)
+    got = _matched(flag, url, commit, here if files is None else files, " (its files cached)" * (files is None))
+    paths = [os.path.join(snap, *n.split("/")) for n in got]
+    if missing := [n for n, p in zip(got, paths) if not os.path.isfile(p)]:
+        raise lacks(f"its commit {commit}'s snapshot lacks {len(missing)} of the {len(got)} files {path!r} matches "
+                    f"({', '.join(missing[:4])}{' ...' * (len(missing) > 4)}: a partial fetch)")
+    if int(os.environ.get("RANK", "0")) == 0:   # (how many and which commit: what a run reads offline, said)
+        print(f"{flag} {url}: HF_HUB_OFFLINE: {len(got)} file{'s' * (len(got) > 1)} of commit {commit} read from the "
+              "Hugging Face cache" + (files is None) * " (the cache keeps no listing of that commit: PATH was matched "
+              "among its files cached, which can be fewer than the repo holds)", flush=True)
+    return repo, commit, got, f"{PREFIX}datasets/{repo}@{commit}/{path}", paths
 
 
 def resolve(args) -> None:
@@ -117,7 +190,7 @@ def resolve(args) -> None:
         listed = [_listed(flag, e) if is_hub(e) else None for e in given]   # every glob matched before any download
         files, each = [], []
         for entry, w, got in zip(given, weights or [None] * len(given), listed):
-            local = [entry] if got is None else _fetched(flag, entry, *got[:3])
+            local = [entry] if got is None else got[4] or _fetched(flag, entry, *got[:3])
             files += local
             each += [w] * len(local)
         setattr(args, key, files[0] if len(files) == 1 else files)   # (one file: a path, as preflight.parse gives)
@@ -143,7 +216,28 @@ def _fetched(flag: str, url: str, repo: str, commit: str, names: list[str]) -> l
         raise FileNotFoundError(f"{flag} {url}: the Hugging Face Hub's download of commit {commit} came back without "
                                 f"{', '.join(missing[:4])}{' ...' * (len(missing) > 4)} (offline part-way, or an "
                                 f"older partial copy in the cache); {_fix(url, *parse(url, flag))}")
+    _remember(os.path.dirname(os.path.dirname(snap)), parse(url, flag)[1], commit)
     return paths
+
+
+def _remember(store: str, rev: str | None, commit: str) -> None:
+    """REVISION's commit written to the cache's refs/ (as huggingface_hub writes a branch's there: an offline rerun of
+    the URL resolves it so; our snapshot_download, given the commit, writes none). A read-only cache: left as it is."""
+    import tempfile
+
+    from huggingface_hub import constants
+
+    ref = os.path.join(store, "refs", *(rev or constants.DEFAULT_REVISION).split("/"))
+    if (rev or constants.DEFAULT_REVISION) == commit:
+        return
+    try:
+        os.makedirs(os.path.dirname(ref), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(ref), prefix=".ref.")   # (atomic: ranks write it at once)
+        with os.fdopen(fd, "w") as f:
+            f.write(commit)
+        os.replace(tmp, ref)
+    except OSError:
+        pass
 
 
 def same_commits(args) -> None:
