@@ -6,7 +6,9 @@ Contract:
   file and reads as a Hub repo id ("org/name", "org/name@revision"); then huggingface_hub brings config.json (or
   config, weights and tokenizer files: no *.bin, *.pth, *.gguf) into its cache and the snapshot directory is
   returned (its name is the commit: pass it as `revision` to fetch the rest of the same snapshot). Any failure
-  raises FileNotFoundError naming the id and the fix. Every rank may call it at once: the hub's file locks let
+  raises FileNotFoundError naming the id and the fix. Under HF_HUB_OFFLINE the cached snapshot is read as it is
+  (huggingface_hub's offline snapshot_download: refs/ for a branch, its cached listing refusing a snapshot that lacks
+  files; tests/test_hub_offline.py). Every rank may call it at once: the hub's file locks let
   one process download each file while the others wait for it. A name starting with ".", "/" or "~", or one
   that exists, is a path; a relative path that does not exist reads as an id (as in transformers).
   `hub_snapshot(dir)` names such a cache directory "org/name@commit", wherever the cache lives;

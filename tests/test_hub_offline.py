@@ -1,5 +1,5 @@
-"""HF_HUB_OFFLINE=1 (a compute node without network, after a login node fetched): `--data hf://...` reads
-huggingface_hub's cache (data/hub_data.py's offline contract).
+"""HF_HUB_OFFLINE=1 (a compute node without network, after a login node fetched): `--data hf://...` and `--model
+org/name` read huggingface_hub's cache (data/hub_data.py's offline contract, model/hub.py).
 
 The cache is written by the real huggingface_hub (its dataset_info, list_repo_files, snapshot_download: blobs/,
 snapshots/<commit>/ links, trees/<commit>.json, refs/) talking HTTP to a stand-in Hub (an httpx MockTransport set as
@@ -13,6 +13,7 @@ own switch (`constants.HF_HUB_OFFLINE`), under which that hook stops any request
   so;
 - a glob's file the cache lacks (a partial fetch), a revision not cached, a repo never fetched: one error naming the
   URL, the cache folder and `hf download`, before --out exists;
+- `--model o/m` (and `--init-adapter o/x`) fetched online train offline from the cache to the same losses.
 
 Run: .venv/bin/python -m pytest -q tests/test_hub_offline.py
 """
@@ -180,3 +181,35 @@ def test_what_the_cache_lacks_is_one_error_before_anything(assets, hub, tmp_path
            f"Hugging Face cache {os.path.dirname(hub['store'])}/datasets--o--gone;" in msg, msg
     assert not os.path.exists(out) and train   # nothing written
 
+
+def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_path):
+    """`--model o/m` and `--init-adapter o/x` (fetched online by a first run) train offline from the cache to the
+    online run's losses, with no HTTP call."""
+    import train
+
+    shutil.copytree(assets["model"], tmp_path / "m")
+    hub["repos"]["models/o/m"] = {"refs": {"main": A}, "commits": {A: str(tmp_path / "m")}}
+    with one_thread():
+        train.main(train_argv(assets, str(tmp_path / "sft"), "--steps", "1"))
+        hub["repos"]["models/o/x"] = {"refs": {"main": B}, "commits": {B: str(tmp_path / "sft" / "adapter")}}
+        argv = lambda out: [*train_argv(assets, out, "--steps", "2", "--init-adapter", "o/x")[2:], "--model", "o/m"]
+        train.main(argv(str(tmp_path / "online")))
+        hub["offline"](True)
+        hub["calls"].clear()
+        train.main(argv(str(tmp_path / "offline")))
+    assert hub["calls"] == [], hub["calls"]
+    assert len(_losses(tmp_path / "online")) == 2 and _losses(tmp_path / "offline") == _losses(tmp_path / "online")
+    cfg = json.load(open(tmp_path / "offline" / "config.json"))
+    assert f"models--o--m/snapshots/{A}" in cfg["model"] and f"models--o--x/snapshots/{B}" in cfg["init_adapter"], cfg
+    # what the cache lacks: a model whose config.json alone was fetched (`--plan`), one never fetched
+    from model.hub import fetch_checkpoint
+
+    hub["repos"]["models/o/p"] = hub["repos"]["models/o/m"]
+    hub["offline"](False)
+    fetch_checkpoint("o/p", config_only=True)
+    hub["offline"](True)
+    for name, why in (("o/p", "IncompleteSnapshotError"), ("o/q", "LocalEntryNotFoundError")):
+        with pytest.raises(FileNotFoundError) as e:
+            fetch_checkpoint(name)
+        assert f"--model {name!r} is not a directory here, and fetching it from the Hugging Face Hub failed ({why}: " \
+            in str(e.value) and f"`hf download {name}`" in str(e.value), str(e.value)
