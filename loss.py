@@ -62,13 +62,18 @@ def _fused_ce(logits, safe, valid, grad: bool = True, hits=None):
     target = logits.gather(1, safe)                     # [c, 1]
     mx = logits.amax(1, keepdim=True)
     if hits is not None:   # (from what the loss reads anyway: no pass over the block)
-        hits += ((target >= mx) & (valid > 0)).sum()
+        _count(hits, (target >= mx) & (valid > 0))
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
     loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).squeeze(1)   # lse - z_target, per row
     if grad:
         probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
     return loss, probs
+
+
+def _count(hits, right):
+    """Add a chunk's [c, 1] right-or-not to `hits`: their count (0-dim) or each row's 0/1 (`hits` the chunk's [c])."""
+    hits += right.squeeze(1) if hits.dim() else right.sum()
 
 
 def _custom(loss_fn, logits, labels, need_grad):
@@ -112,19 +117,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             e = min(s + chunk_size, n)
             x = hidden[s:e].to(weight.dtype)               # [c, D]
             logits = block[: e - s]                        # [c, V], a contiguous prefix
+            hit = hits[s:e] if hits is not None and hits.dim() else hits   # (per-row hits: a view of the chunk's)
             if weight.dtype == torch.float32:
                 torch.mm(x, weight.t(), out=logits)
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
-                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hits)
+                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit)
                 if per_token:
                     loss_sum[s:e] = loss
                 else:
                     loss_sum += loss.sum()
             else:
-                if hits is not None:   # (before loss_fn, which may write into the block: one more pass over it)
-                    hits += ((logits.gather(1, safe[s:e]) >= logits.amax(1, keepdim=True)) & (validf[s:e] > 0)).sum()
+                if hit is not None:   # (before loss_fn, which may write into the block: one more pass over it)
+                    _count(hit, (logits.gather(1, safe[s:e]) >= logits.amax(1, keepdim=True)) & (validf[s:e] > 0))
                 loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
                 loss_sum += loss
             if not (need_h or need_w):
@@ -180,6 +186,8 @@ def chunked_cross_entropy(
     incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
     `hits`: an int64 0-dim tensor this adds the count of target rows whose target has the row's largest logit to, in
     place (token accuracy's numerator; a tie counts). Integer: FSDP2's mixed precision casts a float one to a copy.
+    An int64 [N] one gets each row's 1 (a target with the largest logit) or 0 added instead, by the same rule and
+    from the same reads (--eval-positions' accuracy by position); the 0-dim count costs nothing more for it.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -190,6 +198,9 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hits is not None and (hits.is_floating_point() or hits.is_complex()):   # (FSDP2's bf16 would count in a copy)
         raise ValueError(f"hits must be an integer tensor (torch.int64), got {hits.dtype}")
+    if hits is not None and hits.shape not in ((), labels.shape):
+        raise ValueError(f"hits must be 0-dim (the count) or shaped as labels {tuple(labels.shape)} (each row's), "
+                         f"got {tuple(hits.shape)}")
     if not torch.is_grad_enabled():
         # Function.apply still reports needs_input_grad under no_grad; detaching skips the grad work.
         hidden, weight = hidden.detach(), weight.detach()

@@ -287,8 +287,10 @@ def test_custom_loss_fn_frozen_weight_not_saved():
 def test_hits_count_the_targets_whose_logit_is_the_rows_largest(custom, grad):
     """`hits` (token accuracy's numerator) = the count of target rows where the full logits' argmax (torch's) is the
     target, over chunks that do not divide N, ignored rows and an all-ignored chunk; it leaves the loss and the
-    gradients as they were, on the fused path and with a loss_fn, with and without grad. A floating `hits` is refused:
-    FSDP2's mixed precision hands forward a bf16 copy of it, whose count the caller never saw (review, helper 98)."""
+    gradients as they were, on the fused path and with a loss_fn, with and without grad. A [N] `hits` gets each row's
+    1 or 0 by the same rule: torch's argmax == label on exactly the target rows (--eval-positions' accuracy by
+    position, review, helper 109). A floating `hits` is refused: FSDP2's mixed precision hands forward a bf16 copy
+    of it, whose count the caller never saw (review, helper 98); so is one of another shape, naming both."""
     hidden, weight, labels = make_inputs(53)
     labels[14:21] = IGNORE   # (chunk 2 of 7 rows: all ignored)
     hidden[:20] = weight[labels[:20].clamp(min=0)] * 3   # (20 rows made right, so the count is not ~0 at V=1000)
@@ -296,16 +298,22 @@ def test_hits_count_the_targets_whose_logit_is_the_rows_largest(custom, grad):
     assert 5 < int(want) < int((labels != IGNORE).sum()), int(want)
     fn = (lambda z, y: F.cross_entropy(z, y, ignore_index=IGNORE, reduction="sum")) if custom else None
     outs = []
-    for hits in (None, torch.zeros((), dtype=torch.int64)):
+    count, each = torch.zeros((), dtype=torch.int64), torch.ones(53, dtype=torch.int64)   # (each: added to, not set)
+    for hits in (None, count, each):
         h = hidden.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             loss, n = chunked_cross_entropy(h, weight, labels, chunk_size=7, loss_fn=fn, hits=hits)
         if grad:
             loss.backward()
         outs.append((loss.detach(), h.grad))
-    assert int(hits) == int(want) and hits.dtype == torch.int64, (hits, want)
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
-    if grad:
-        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+    assert int(count) == int(want) and count.dtype == torch.int64, (count, want)
+    right = ((hidden @ weight.t()).argmax(1) == labels) & (labels != IGNORE)
+    assert torch.equal(each - 1, right.long()), (each - 1, right)
+    for out in outs[1:]:
+        torch.testing.assert_close(out[0], outs[0][0], rtol=0, atol=0)
+        if grad:
+            torch.testing.assert_close(out[1], outs[0][1], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"hits must be an integer tensor \(torch.int64\), got torch.bfloat16"):
         chunked_cross_entropy(hidden, weight, labels, chunk_size=7, hits=torch.zeros((), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"hits must be 0-dim \(the count\) or shaped as labels \(53,\).*got \(52,\)"):
+        chunked_cross_entropy(hidden, weight, labels, chunk_size=7, hits=torch.zeros(52, dtype=torch.int64))
