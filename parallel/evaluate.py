@@ -28,7 +28,9 @@ files, or --eval-split's records of several --data files: data/mix.py's `Samples
   first token, never a target, is position 0), each where the eval set has such targets: does the loss fall with
   more context before a token, and does training at long context keep it falling? The fused cross-entropy's
   per-token losses (no LOSS_FN, no DPO: refused at start-up); each cp rank buckets its own shard's targets by their
-  position ids, so every layout gives the numbers of one process.
+  position ids, so every layout gives the numbers of one process. And "eval_token_acc@..." for the same buckets: the
+  share of their targets predicted right, by eval_token_acc's rule (the loss's per-row `hits`), so the buckets'
+  shares weighted by their targets give eval_token_acc back. One all-reduce carries it all.
 - `beat()` runs before each row: the watchdog's progress (an eval longer than --timeout is not a stuck rank).
 - `baseline(model, eval_args, dpo, beat, log)`: the "eval_loss before training" line.
 - The model is in eval mode while evaluating (LoRA dropout off) and back in train mode after.
@@ -77,16 +79,19 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     model.eval()   # margins' sum; hit: integers, which FSDP2's mixed precision does not cast into a copy)
     known = dpo is not None and dpo.known("eval", range(len(samples)))   # (--dpo-cache-ref: no reference forward)
     edges = positions and torch.tensor(positions, device=device)   # (--eval-positions': where buckets after 0 start)
-    at = torch.zeros(len(positions or ()) + 1, 2, dtype=torch.float64, device=device)   # (each bucket's sum, count)
+    at = torch.zeros(len(positions or ()) + 1, 3, dtype=torch.float64, device=device)   # (a bucket's sum, n, right)
     for row in share(samples, of_file, row_tokens, data_rank, data_ranks):
         beat()
         k = of_file[row[0]] if row else 0
         ids, pos, lab, *sides = to_local([samples[i] for i in row] if row else [dummy(samples)])
         if dpo is None and positions:   # each target's loss, into the bucket of its position (its input's + 1)
-            losses, cnt = model(ids, position_ids=pos, labels=lab, per_token=True, hits=hit[k])
+            right = torch.zeros(lab.numel(), dtype=torch.int64, device=device)   # (each target's 1 if predicted right)
+            losses, cnt = model(ids, position_ids=pos, labels=lab, per_token=True, hits=right)
             tot[k, :2] += torch.stack([losses.double().sum(), cnt.double()])
+            hit[k] += right.sum()
             where = torch.bucketize(pos.reshape(-1) + 1, edges, right=True)   # (0: below the first edge)
-            at.index_add_(0, where, torch.stack([losses.double(), (lab.reshape(-1) != IGNORE_INDEX).double()], 1))
+            at.index_add_(0, where, torch.stack([losses.double(), (lab.reshape(-1) != IGNORE_INDEX).double(),
+                                                 right.double()], 1))
         elif dpo is None:
             lsum, cnt = model(ids, position_ids=pos, labels=lab, loss_fn=loss_fn, hits=hit[k])
             tot[k, :2] += torch.stack([lsum.double(), cnt.double()])
@@ -99,16 +104,17 @@ def evaluate(model, samples, to_local, data_rank, data_ranks, group, device, los
     if dpo is not None and not known:
         dpo.sync("eval", group)
     tot[:, 2] += hit
-    dist.all_reduce(tot, group=group)
-    if positions:
-        dist.all_reduce(at, group=group)
+    both = torch.cat([tot.flatten(), at.flatten()])   # (one collective for the files' sums and the buckets')
+    dist.all_reduce(both, group=group)
+    tot, at = both[:tot.numel()].view_as(tot), both[tot.numel():].view_as(at)
     mean = lambda t: (t[0] / t[1].clamp(min=1)).item()
     spans = [f"{a}-{b - 1}" for a, b in zip([0, *positions], positions)] + [f"{positions[-1]}+"] if positions else []
     return {"eval_loss": mean(tot.sum(0)), **{f"eval_loss/{f}": mean(t) for f, t in zip(files, tot) if f and t[1]},
             **{f"eval_loss@{span}": mean(t) for span, t in zip(spans, at) if t[1]},
             **({"eval_reward_acc": mean(tot.sum(0)[[2, 1]]), "eval_reward_margin": mean(tot.sum(0)[[3, 1]])}
                if dpo is not None else {"eval_token_acc": mean(tot.sum(0)[[2, 1]]), **{
-                   f"eval_token_acc/{f}": mean(t[[2, 1]]) for f, t in zip(files, tot) if f and t[1]}})}
+                   f"eval_token_acc/{f}": mean(t[[2, 1]]) for f, t in zip(files, tot) if f and t[1]},
+                   **{f"eval_token_acc@{span}": mean(t[[2, 1]]) for span, t in zip(spans, at) if t[1]}})}
 
 
 def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
@@ -117,6 +123,8 @@ def baseline(model, eval_args: tuple, dpo, beat, log) -> None:
     if dpo and dpo.pref.at_start() is not None:
         return log(f"eval_loss before training {dpo.pref.at_start():.6f} (each pair's: the policy is its reference)")
     got = evaluate(model, *eval_args, beat=beat, dpo=dpo or None)
-    ev, files = got["eval_loss"], [(k, v) for k, v in got.items() if k != "eval_loss" and "token_acc" not in k]
-    each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's, of several; DPO's reward accuracy and margin)
+    ev, files = got["eval_loss"], [(k, v) for k, v in got.items()   # (no accuracy but by position: the line is short)
+                                   if k != "eval_loss" and k.split("/")[0] != "eval_token_acc"]
+    each = ", ".join(f"{k} {v:.6f}" for k, v in files)   # (each file's loss, of several; each --eval-positions bucket's
+    # loss and accuracy; DPO's reward accuracy and margin)
     log(f"eval_loss before training {ev:.6f}" + f" ({each})" * bool(files))

@@ -177,9 +177,9 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
     a("--overwrite", action="store_true", help="reuse a used --out: delete the run outputs in it (config, "
       "metrics, ckpt, adapters, diagnostics; never other files)")
     a("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-    a("--eval-positions", nargs="+", action=Once, type=int, default=None, metavar="P", help="also the eval loss of "
-      "the targets at positions 0..P1-1 of their sample, P1..P2-1, ..., and from the last P on (eval_loss@0-1023, "
-      "...): whether the model uses long context")
+    a("--eval-positions", nargs="+", action=Once, type=int, default=None, metavar="P", help="also the eval loss and "
+      "token accuracy of the targets at positions 0..P1-1 of their sample, P1..P2-1, ..., and from the last P on "
+      "(eval_loss@0-1023, eval_token_acc@0-1023, ...): whether the model uses long context")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: at --save-minutes' times and the end)")
     a("--save-minutes", type=float, default=30.0, help="also checkpoint once M minutes passed since the last save "
       "(rank 0's clock; 0: off): what a crash can lose")

@@ -395,16 +395,22 @@ def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(de
     assert abs(recs[-1]["eval_token_acc"] - hits / n) <= 1.01 / n, (recs[-1], hits, n)
 
 
-def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_path):
+def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_path, capsys):
     """--eval-positions 46 50: eval_loss@0-45, @46-49 and @50+ after 2 steps are transformers + peft's mean
     cross-entropy over the eval targets whose token sits at those positions of its sample (one forward a sample; ours
-    packs several a row, positions restarting at each), and 2 ring ranks and 2 Ulysses ranks (each a shard of every
-    row's positions) log the same; eval_loss is the one over all targets either way."""
+    packs several a row, positions restarting at each), and eval_token_acc@0-45, ... the share of those targets that
+    are peft's logits' argmax (a near-tie may fall the other way: one target's slack); 2 ring ranks and 2 Ulysses
+    ranks (each a shard of every row's positions) log the same; eval_loss and eval_token_acc are the ones over all
+    targets either way (the buckets' shares weighted by their targets), and the line before training names each
+    bucket's loss and accuracy, and `make plot` draws the shares beside the losses (review, helper 109: the accuracy by
+    position)."""
+    import matplotlib.pyplot as plt
     import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     import train
+    from bench import plot
     from data import load_samples
     from model.load import read_args
 
@@ -414,33 +420,45 @@ def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_pa
                           "none", "--no-progress", "--eval-positions", "46", "50", "--out", o, *f]   # noqa: E731
     with one_thread():
         train.main(argv(str(tmp_path / "one")))
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval_loss before training")]
     got = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")][-1]
     samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
                                      str(tmp_path / "one" / "adapter")).eval()
-    sums = {"0-45": [0.0, 0], "46-49": [0.0, 0], "50+": [0.0, 0]}   # (its targets: 42-53)
+    sums = {"0-45": [0.0, 0, 0], "46-49": [0.0, 0, 0], "50+": [0.0, 0, 0]}   # (loss, targets, right; targets: 42-53)
     with torch.no_grad():
         for i in range(len(samples)):
             ids, lab = samples[i]["input_ids"].long(), samples[i]["labels"].long()
-            losses = F.cross_entropy(peft(ids[None]).logits[0].double(), lab, reduction="none")   # (0 off target)
+            z = peft(ids[None]).logits[0].double()
+            losses = F.cross_entropy(z, lab, reduction="none")   # (0 off target)
             for t in (lab != IGNORE_INDEX).nonzero().flatten().tolist():   # row t predicts the token at t + 1
                 span = "0-45" if t + 1 < 46 else "46-49" if t + 1 < 50 else "50+"
                 sums[span][0] += losses[t].item()
                 sums[span][1] += 1
-    assert all(n > 0 for _, n in sums.values()), sums   # (the buckets tell something apart)
-    assert sum(n for _, n in sums.values()) == sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
-    for span, (loss, n) in sums.items():
-        if n:
-            assert got[f"eval_loss@{span}"] == pytest.approx(loss / n, rel=2e-5), (span, got, loss / n)
-        else:
-            assert f"eval_loss@{span}" not in got, got
+                sums[span][2] += int(z[t].argmax() == lab[t])
+    assert all(n > 0 for _, n, _ in sums.values()), sums   # (the buckets tell something apart)
+    assert len({right / n for _, n, right in sums.values()}) == 3, sums   # (a bucket off by one shows)
+    assert sum(n for _, n, _ in sums.values()) == sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
+    for span, (loss, n, right) in sums.items():
+        assert got[f"eval_loss@{span}"] == pytest.approx(loss / n, rel=2e-5), (span, got, loss / n)
+        assert abs(got[f"eval_token_acc@{span}"] - right / n) <= 1.01 / n, (span, got, right, n)
     assert got["eval_loss"] == pytest.approx(sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values()),
                                              rel=2e-5), got
+    weighted = sum(got[f"eval_token_acc@{span}"] * n for span, (_, n, _) in sums.items()) / sum(
+        n for _, n, _ in sums.values())
+    assert got["eval_token_acc"] == pytest.approx(weighted, abs=1e-5), (got, weighted)
+    assert len(said) == 1 and all(f"eval_loss@{s} " in said[0] and f"eval_token_acc@{s} " in said[0]
+                                  for s in sums), said
+    plot.main(str(tmp_path / "one" / "metrics.jsonl"), str(tmp_path / "loss.png"))   # (make plot: a panel of shares)
+    drawn = {line.get_label(): list(line.get_ydata()) for line in plt.gcf().axes[1].get_lines()}
+    plt.close("all")
+    assert drawn == {"eval token accuracy": [got["eval_token_acc"]],
+                     **{f"positions {s}": [got[f"eval_token_acc@{s}"]] for s in sums}}, (drawn, got)
     for impl in ("ring", "ulysses"):
         run_ranks(_train, 2, argv(str(tmp_path / impl), "--cp", "2", "--cp-impl", impl), timeout=300)
         cp = [json.loads(line) for line in open(tmp_path / impl / "metrics.jsonl")][-1]
         assert sorted(cp) == sorted(got), (impl, cp, got)
-        for k in (k for k in got if k.startswith("eval_loss")):
+        for k in (k for k in got if k.startswith(("eval_loss", "eval_token_acc"))):
             assert cp[k] == pytest.approx(got[k], rel=1e-5), (impl, k, cp[k], got[k])
 
 
@@ -448,7 +466,8 @@ def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, 
     """On CUDA, FSDP2's mixed precision casts every floating-point tensor handed to the root's forward to bf16 (a copy):
     a float64 `hits` counter came back untouched, so token_acc and eval_token_acc were 0 on every GPU run. The CUDA
     path's dtypes on gloo (`BuildOptions.mixed_precision`) give the float32 run's shares, within bf16's rounding of a
-    near-tie (review, helper 98)."""
+    near-tie (review, helper 98). With --eval-positions, whose per-row hits are an int64 tensor for the same reason,
+    each bucket's share too (review, helper 109)."""
     import dataclasses
 
     import train
@@ -457,7 +476,7 @@ def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, 
     model, data, eval_data = (str(p) for p in demo)
     argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "1", "--warmup", "1",
                           "--global-batch", "8", "--quant", "none", "--data-cache", "none", "--no-progress", "--out",
-                          str(tmp_path / o), *f]   # noqa: E731
+                          str(tmp_path / o), "--eval-positions", "46", "50", *f]   # noqa: E731
     with one_thread():
         train.main(argv("fp32", "--dtype", "fp32"))
         real = BuildOptions.from_args.__func__
@@ -466,7 +485,8 @@ def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, 
         train.main(argv("bf16", "--dtype", "bf16"))
     (want,), (got,) = ([json.loads(line) for line in open(tmp_path / o / "metrics.jsonl")] for o in ("fp32", "bf16"))
     assert 0.05 < want["token_acc"] < 0.95 and 0.05 < want["eval_token_acc"] < 0.95, want
-    for k in ("token_acc", "eval_token_acc"):
+    assert all(0 < want[f"eval_token_acc@{s}"] for s in ("46-49", "50+")), want
+    for k in ("token_acc", "eval_token_acc", "eval_token_acc@0-45", "eval_token_acc@46-49", "eval_token_acc@50+"):
         assert abs(got[k] - want[k]) <= 0.05, (k, got, want)
 
 
