@@ -104,16 +104,21 @@ def hub_repo(name: str, sub: bool = False) -> str | None:
 def _download(flag: str, name: str, what: str, revision, allow: list, skip, fix: str) -> str:
     """huggingface_hub's snapshot of `name`'s repo (`allow`/`skip`: its file patterns), any failure one
     FileNotFoundError naming `flag`, the id and `fix`."""
+    offline = False
     try:
         import huggingface_hub
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE   # (then the cache is read: said so, not "fetching")
         if int(os.environ.get("RANK", "0")) != 0:   # one progress bar per job
             huggingface_hub.utils.disable_progress_bars()
         else:
-            print(f"{flag} {name}: no such directory here; fetching its {what} from the Hugging Face Hub", flush=True)
+            print(f"{flag} {name}: no such directory here; " + (f"reading its {what} from the Hugging Face cache "
+                  "(HF_HUB_OFFLINE)" if offline else f"fetching its {what} from the Hugging Face Hub"), flush=True)
         return huggingface_hub.snapshot_download("/".join(name.partition("@")[0].split("/")[:2]), revision=revision,
                                                  allow_patterns=allow, ignore_patterns=skip)   # (the repo: no folder)
     except Exception as e:   # offline, no such repo, gated, disk full: all end here, said once
-        raise FileNotFoundError(f"{flag} {name!r} is not a directory here, and fetching it from the Hugging Face Hub "
+        how = "reading it from the Hugging Face cache (HF_HUB_OFFLINE)" if offline else \
+            "fetching it from the Hugging Face Hub"
+        raise FileNotFoundError(f"{flag} {name!r} is not a directory here, and {how} "
                                 f"failed ({type(e).__name__}: {said(e)}); {fix}") from e
 
 

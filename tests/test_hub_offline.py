@@ -182,7 +182,7 @@ def test_what_the_cache_lacks_is_one_error_before_anything(assets, hub, tmp_path
     assert not os.path.exists(out) and train   # nothing written
 
 
-def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_path):
+def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_path, capsys):
     """`--model o/m` and `--init-adapter o/x` (fetched online by a first run) train offline from the cache to the
     online run's losses, with no HTTP call."""
     import train
@@ -196,8 +196,12 @@ def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_p
         train.main(argv(str(tmp_path / "online")))
         hub["offline"](True)
         hub["calls"].clear()
+        capsys.readouterr()
         train.main(argv(str(tmp_path / "offline")))
     assert hub["calls"] == [], hub["calls"]
+    said = capsys.readouterr().out   # (offline, the cache is read: the log says so, not "fetching")
+    assert "--model o/m: no such directory here; reading its weights and tokenizer from the Hugging Face cache " \
+        "(HF_HUB_OFFLINE)" in said and "from the Hugging Face Hub" not in said, said
     assert len(_losses(tmp_path / "online")) == 2 and _losses(tmp_path / "offline") == _losses(tmp_path / "online")
     cfg = json.load(open(tmp_path / "offline" / "config.json"))
     assert f"models--o--m/snapshots/{A}" in cfg["model"] and f"models--o--x/snapshots/{B}" in cfg["init_adapter"], cfg
@@ -211,5 +215,6 @@ def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_p
     for name, why in (("o/p", "IncompleteSnapshotError"), ("o/q", "LocalEntryNotFoundError")):
         with pytest.raises(FileNotFoundError) as e:
             fetch_checkpoint(name)
-        assert f"--model {name!r} is not a directory here, and fetching it from the Hugging Face Hub failed ({why}: " \
+        assert f"--model {name!r} is not a directory here, and reading it from the Hugging Face cache " \
+            f"(HF_HUB_OFFLINE) failed ({why}: " \
             in str(e.value) and f"`hf download {name}`" in str(e.value), str(e.value)
