@@ -45,6 +45,7 @@ from parallel.cp import LocalBatches, cp_attention
 from parallel.evaluate import baseline, evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.metrics import rounded, step_record
+from parallel.neftune import NEFTune
 from parallel.notes import log0
 from parallel.preference import DPO
 from parallel.profiler import StepProfiler
@@ -157,6 +158,7 @@ def main(argv=None):
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
         to_local = LocalBatches(samples, tok, dims, cp_rank, args.pack, dpo, device)   # samples -> this rank's tensors
         docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
+        noise = NEFTune.of_run(args, samples, dims, data_rank, cp_rank)   # --neftune-alpha's (training forwards only)
 
         # --------------------------------------------------------------------- model
         run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt,   # locked only now
@@ -234,7 +236,8 @@ def main(argv=None):
                         lsum, won = losses.sum(), (rewards[:, 0] > rewards[:, 1]).sum()
                         loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
-                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=hits)
+                        lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=hits,
+                                        noise=noise and noise(step, idxs, i))
                         loss_sum[0] += lsum.detach().double()   # (hits: targets predicted right)
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()

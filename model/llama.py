@@ -7,7 +7,9 @@ Contract:
 - `Transformer(input_ids, position_ids=None)` returns logits [B, S, V] (float32 upcast not applied;
   the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss
   (`loss.chunked_cross_entropy`, with `loss_fn` if given; `per_token=True`: each token's loss, for DPO; `hits`: an
-  integer tensor the count of targets predicted right is added to, or [B * S] each target's 1 or 0), computed
+  integer tensor the count of targets predicted right is added to, or [B * S] each target's 1 or 0; `noise`: a
+  callable given the embedding output in the compute dtype, before block 0, to add to in place: --neftune-alpha's,
+  parallel/neftune.py), computed
   here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
 - The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
   the trainer sets the kernel or context-parallel one. Each layer passes it its own sliding window
@@ -269,7 +271,7 @@ class Transformer(nn.Module):
         """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin)."""
         return cos_sin(self.args, position_ids, dtype)
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -282,6 +284,8 @@ class Transformer(nn.Module):
         x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
         if x[0].dtype != dt:
             x[0] = x[0].to(dt)
+        if noise is not None:   # adds to the embedding output in place (--neftune-alpha's: parallel/neftune.py)
+            noise(x[0])
         cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
         # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the

@@ -88,6 +88,15 @@ def check_flags(args) -> None:
     if (plus := getattr(args, "lora_plus_ratio", None)) is not None and not (math.isfinite(plus) and plus > 0):
         raise ValueError(f"--lora-plus-ratio must be a finite number above 0 (B's LR over A's; 16 in the LoRA+ paper), "
                          f"got {plus:g}")
+    if (na := getattr(args, "neftune_alpha", None)) is not None:   # (dpo first: no value passes there)
+        if getattr(args, "objective", "sft") == "dpo":
+            raise ValueError(f"--neftune-alpha {na:g} with --objective dpo: NEFTune noises the embeddings of SFT's "
+                             "training forwards; preference pairs here take none (the policy's and the reference's "
+                             "log-probabilities of a pair would read other inputs): drop --neftune-alpha, or train "
+                             "with --objective sft")
+        if not (math.isfinite(na) and na > 0):
+            raise ValueError(f"--neftune-alpha must be a finite number above 0 (the noise's scale: A / sqrt(L·d) per "
+                             f"element; 5 in the NEFTune paper), got {na:g}; omit it for no noise")
     schedule, ratio, decay = (getattr(args, k, None) for k in ("lr_schedule", "min_lr_ratio", "wsd_decay"))
     if ratio is not None and (schedule == "constant" or not 0 <= ratio <= 1):   # (nan too)
         raise ValueError(f"--min-lr-ratio {ratio:g}: " + ("--lr-schedule constant has no decay to end at; drop it"

@@ -49,10 +49,11 @@ Persistent all step:
    its output there (eTD, when handed it directly: no cast, no dropout). With AC (non-reentrant checkpoint per block)
    only each block's input [T, D]·e is kept and one block is recomputed in backward (its saved tensors less that input,
    which the first norm saves again without a copy). The first checkpoint keeps the token ids, not the embedding's
-   output, and looks them up again (ac._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks). The forward's
-   last block (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured). --tiled-attn:
-   the sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA intermediate of q/k/v/o
-   (parallel/tiled_attention.py).
+   output, and looks them up again (ac._FromIds): max(N - 1, 1) inputs (N - 1 with --ac-blocks); not with
+   --neftune-alpha, whose noise changes that output in place (kept whole, offloaded, as a trained embedding's). The
+   forward's last block (L - 1 inputs, one block's forward) stays under the backward's block phase (CPU, measured).
+   --tiled-attn: the sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA
+   intermediate of q/k/v/o (parallel/tiled_attention.py).
    --offload-activations: the L - 1 block inputs live in pinned host memory (host term, against --host-mem; on
    CPU the same RAM), the device holds one at the block's peak: the block being recomputed. The next one is
    prefetched once the block's attention backward is done (parallel/offload.py): it adds to the q/k/v phase (9).
@@ -141,6 +142,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lora += ([(D, D)] * 2 + [(hd, hd)] * 2 * m.qk_norm) * norms
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
+    neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
+    lookup = lo == 0 and not emb and not neft   # AC's first checkpoint keeps the ids, looked up again (ac._FromIds)
     root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
@@ -191,8 +194,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # ac._FromIds): one block input fewer, but that lookup is live in the first block's own backward
     # (--lora-layers: a checkpoint below lo keeps nothing, its output needs no grad; block lo's input is kept whole)
-    inputs = lambda n, ids=lo == 0 and not emb: max(n - 1, 0 if K else 1) if ids else max(n, 0)   # (a trained
-    # embedding's output is kept as the other block inputs are)
+    inputs = lambda n, ids=lookup: max(n - 1, 0 if K else 1) if ids else max(n, 0)   # (a trained embedding's
+    # output, or one NEFTune noised, is kept as the other block inputs are)
     ckpt = inputs(N - lo) * e * T * D + 8 * T * emb
     # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with
     # unless --train-norms trains it: then it saves that input, as the others'), less the inputs of the blocks above
@@ -227,7 +230,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
         p.host_each = e * T * D if target == "cuda" else 0
-        p.host = max(N - lo - (lo == 0 and not emb), 0) * p.host_each   # the ids' lookup is not offloaded (a trained
+        p.host = max(N - lo - lookup, 0) * p.host_each   # the ids' lookup is not offloaded (a trained or noised
         # embedding's output is, as the other block inputs are)
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt
@@ -235,8 +238,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         if emb and target != "cpu":   # (the embedding's backward keeps the int64 ids on the device: not offloaded)
             t["activations: token ids (the trained embedding's backward)"] = 8 * T
     elif G > 1:
-        g = inputs(-(-L // G) - lo // G, lo < G and not emb)   # the groups from lo's (a trained embedding's output is
-        # kept as the other group inputs are)
+        g = inputs(-(-L // G) - lo // G, lo < G and not emb and not neft)   # the groups from lo's (a trained
+        # embedding's output, or a noised one, is kept as the other group inputs are)
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D + 8 * T * emb
     else:
         t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}]"] = ckpt

@@ -99,6 +99,10 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
       "16 bytes per vocab x hidden element over the shards)")
     a("--lora-plus-ratio", type=float, default=None, metavar="R", help="LoRA+: each B matrix trains at R × the LR "
       "(A at the LR; 16 in the paper, often with a lower --lr), as peft's create_loraplus_optimizer")
+    a("--neftune-alpha", type=float, default=None, metavar="A", help="NEFTune: each training forward adds A / "
+      "sqrt(L·d) × uniform[-1, 1) noise to the token embeddings (L the token's own document's length, d the hidden "
+      "size; 5 in the paper), the same noise for a token on every layout (a hash of --seed, its sample's place in the "
+      "data order, its position, the channel); none in evaluation; --objective sft only")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
     a("--lora-targets", type=lora_targets_arg, default=",".join(LORA_TARGETS), help="comma-separated projection "
       "names to adapt, or all-linear (peft's: the seven), attn (q, k, v, o), mlp (gate, up, down)")

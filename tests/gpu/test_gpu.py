@@ -986,3 +986,19 @@ def test_cuda_attention_past_2_31_elements():
     tail = x[-4096:].float()
     want = (tail * torch.rsqrt(tail.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * norm.weight
     torch.testing.assert_close(y[-4096:].float(), want.float(), rtol=2e-2, atol=1e-2, msg="RMSNorm's last rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_neftune_noise_is_the_cpus_bit_for_bit(dtype):
+    """--neftune-alpha: the noise a token takes on the device is the CPU's (parallel/neftune.py's integer hash, its
+    float32 scale and the one rounding into the compute dtype), past 2**32 stream positions too."""
+    from parallel.mesh import ParallelDims
+    from parallel.neftune import add_noise, keys
+
+    k = keys([300, 77, 1000], [5, 2**33 + 1, 2**20], True, ParallelDims(1, dp_shard=1, cp=1), 0)
+    torch.manual_seed(0)
+    x = torch.randn(*k.shape[:2], 3584).to(dtype)
+    cpu, dev = x.clone(), x.to(DEV)
+    add_noise(cpu, k, 5.0, -3)
+    add_noise(dev, k.to(DEV), 5.0, -3)
+    assert torch.equal(dev.cpu(), cpu) and not torch.equal(cpu, x)
