@@ -31,8 +31,8 @@ Contract:
   (an older huggingface_hub, files fetched one by one) is matched against the snapshot's files, which may be fewer
   than the repo's: said on the start-up line, which always names how many files matched and the commit. The same
   pins are recorded (so a resume compares them, `moved`, with no network). A repo never fetched, a revision not in
-  the cache or a matched file missing is one FileNotFoundError naming the URL, the cache folder and the fix (run once
-  online, or `hf download ...`), before anything is written.
+  the cache, a refs/ file holding no commit (cut short) or a matched file missing is one FileNotFoundError naming the
+  URL, the cache folder and the fix (run once online, or `hf download ...`), before anything is written.
 - `same_commits(args)` (collective, preflight.same_everywhere): every rank resolved each entry to one commit, else
   every rank raises one error naming the commits and the pin.
 - `moved(ckpt_args, args)` (parallel/resume.py, where --data's files differ from the checkpoint's): the message for
@@ -152,6 +152,9 @@ def _cached(flag: str, url: str, parsed: tuple) -> tuple[str, str, list[str], st
     if want in named:   # a branch or tag (or a short commit an online look-up resolved)
         with open(os.path.join(refs, *want.split("/"))) as f:
             commit = f.read().strip()
+        if not re.fullmatch(r"[0-9a-f]{40}", commit):   # (huggingface_hub writes it in place: a crash can leave it
+            raise lacks(f"its ref file refs/{want} holds {commit[:50]!r} (not a commit)")   # empty; "" read as the
+            # snapshots/ folder itself, every commit's files the glob's, pinned @ nothing)
     elif re.fullmatch(r"[0-9a-f]{4,40}", want) and len(hit := [c for c in commits if c.startswith(want)]) == 1:
         commit = hit[0]
     else:

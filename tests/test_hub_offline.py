@@ -218,3 +218,21 @@ def test_a_hub_model_and_adapter_fetched_online_train_offline(assets, hub, tmp_p
         assert f"--model {name!r} is not a directory here, and reading it from the Hugging Face cache " \
             f"(HF_HUB_OFFLINE) failed ({why}: " \
             in str(e.value) and f"`hf download {name}`" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("junk", ["", "\n", "../snapshots/" + A])
+def test_a_ref_file_holding_no_commit_is_refused(assets, hub, tmp_path, junk):
+    """refs/main cut short (huggingface_hub writes it in place: a crash leaves it empty) or holding a path: one error
+    naming the ref file and what it holds, before --out; it read as the commit "" (the snapshots/ folder itself: the
+    glob matched every commit's files, pinned hf://datasets/o/n@/..., which parse refuses) or escaped snapshots/."""
+    with no_weights():
+        _starts(train_argv(assets, str(tmp_path / "w"), "--data", "hf://datasets/o/n/data/train-00000.parquet"))
+    with open(os.path.join(hub["store"], "refs", "main"), "w") as f:
+        f.write(junk)
+    hub["offline"](True)
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out, "--data", "hf://datasets/o/n/**/*.parquet"))
+    assert f"hf://datasets/o/n/**/*.parquet: HF_HUB_OFFLINE is set and its ref file refs/main holds " \
+           f"{junk.strip()[:50]!r} (not a commit) in the Hugging Face cache {hub['store']}; run the same command " \
+           "once where the Hub can be reached" in msg, msg
+    assert not os.path.exists(out)
