@@ -537,6 +537,28 @@ def test_an_assistant_message_of_weight_0_is_context_not_a_target(tok):
             tokenize_records([{"messages": [U("Q?"), A("a", weight=w)], "line": 2}], tok, 10_000, "f.jsonl")
 
 
+def test_a_file_with_no_sample_left_names_the_cause_and_its_fix(tok, tmp_path):
+    """A file every record of which loses its targets is refused naming why: the cut (--max-len, the longest record
+    and the fix, a longer one; review, helper 111: "fix the file or drop it", for a --max-len too short), or answers all
+    "weight": 0 (no --max-len helps); the size the same records train at is the reference that the cut was the cause."""
+    from data import load_samples
+
+    msgs = [{"role": "user", "content": "Which topic are these words about: mode stream file read"},
+            {"role": "assistant", "content": "Topic: files."}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"messages": msgs}) + "\n" for _ in range(3)))
+    full, _ = load_samples(path, tok, 256, len(tok))
+    n = len(full[0]["input_ids"])
+    with pytest.raises(DataError) as e:
+        load_samples(path, tok, 4, len(tok))
+    assert (f"--max-len 4 left 3 of them no target (the longest record has {n} tokens): a longer --max-len keeps "
+            "them") in str(e.value) and "fix the file" not in str(e.value), str(e.value)
+    path.write_text(json.dumps({"messages": [msgs[0], {**msgs[1], "weight": 0}]}) + "\n")
+    with pytest.raises(DataError, match=r'1 had none to begin with \(every assistant turn "weight": 0\): give a turn '
+                                        r'"weight": 1'):
+        load_samples(path, tok, 256, len(tok))
+
+
 def test_a_text_that_begins_with_the_bos_gets_no_second_one(tok):
     """A tokenizer that prepends BOS (Llama 3's post-processor) and a text or prompt that already begins with the BOS's
     text (a pre-rendered chat): one BOS, as the tokenizer encodes the text without its own (review, helper 53: two, the
