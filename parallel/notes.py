@@ -164,7 +164,7 @@ def out_line(run, args, ckpt: str | None) -> str:
 def way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
     """How a run stopped before its end goes on: from its newest whole step, else started again (so its advice is
     never refused: --overwrite beside --resume is)."""
-    from parallel import checkpoint_folders
+    from parallel import checkpoint_folders, outdir
 
     ckpt = out and os.path.join(out, "ckpt")   # a whole step folder there to resume (as save() names them)
     has = ckpt and checkpoint_folders.has_step(ckpt)
@@ -174,6 +174,8 @@ def way_on(out: str | None, auto: bool = False, resumed: bool = False) -> str:
         return f"run the same command with --resume {ckpt}"
     if out and resumed:   # (this --out now holds the start's files: the same command is refused, --overwrite too)
         return f"run it with a new --out ({out} holds this start's files but no checkpoint)"
+    if out and not outdir._entries(out):   # (a stop before anything but the lock: the same command takes it)
+        return f"run the same command again ({out} holds nothing of it yet)"
     return f"run the same command with --overwrite ({out} holds no checkpoint)" if out else "run the same command again"
 
 

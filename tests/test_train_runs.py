@@ -1188,8 +1188,10 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
         with one_thread():
             code = train.cli(train_argv(assets, str(tmp_path / "early")))
     said = capsys.readouterr().err
-    assert code == 130 and said.strip() == f"error: interrupted (SIGINT): run the same command with --overwrite " \
-        f"({tmp_path / 'early'} holds no checkpoint)", said
+    assert code == 130 and said.strip() == f"error: interrupted (SIGINT): run the same command again " \
+        f"({tmp_path / 'early'} holds nothing of it yet)", said   # (its lock alone: no --overwrite needed, helper 111)
+    with one_thread():   # and it does
+        assert train.cli(train_argv(assets, str(tmp_path / "early"), "--steps", "1")) == 0
 
 
 def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypatch, capsys):
