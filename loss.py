@@ -15,7 +15,8 @@ Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], los
 3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with
    float32 accumulation) into a reused float32 block, then the loss and d(loss)/d(logits):
    - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in
-     place in the block, no autograd involved.
+     place in the block, no autograd involved. `dft=True` scales each row's loss and gradient by its target's
+     probability, a constant (Wu et al. 2025, "On the Generalization of SFT": Dynamic Fine-Tuning).
    - `loss_fn(logits [c, V] float32, labels [c]) -> scalar`: any differentiable loss, which must be the
      SUM of the chunk's per-token losses over its target rows (ignored rows carry `ignore_index`).
      Autograd differentiates it w.r.t. this chunk's logits only, so label smoothing, a z-loss or token
@@ -56,18 +57,21 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))
 
 
-def _fused_ce(logits, safe, valid, grad: bool = True, hits=None):
+def _fused_ce(logits, safe, valid, grad: bool = True, hits=None, dft: bool = False):
     """Cross-entropy of a chunk's rows and, in place in `logits`, its gradient softmax - one_hot (if `grad`); `hits`
-    gets the count of rows whose target is the top logit added."""
+    gets the count of rows whose target is the top logit added. `dft`: each row's loss and gradient × its target's
+    probability p = exp(z_target - lse), a constant (no gradient through it)."""
     target = logits.gather(1, safe)                     # [c, 1]
     mx = logits.amax(1, keepdim=True)
     if hits is not None:   # (from what the loss reads anyway: no pass over the block)
         _count(hits, (target >= mx) & (valid > 0))
     probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
     denom = probs.sum(1, keepdim=True)
-    loss = torch.where(valid > 0, mx + denom.log() - target, 0.0).squeeze(1)   # lse - z_target, per row
+    ce = mx + denom.log() - target                      # lse - z_target, per row [c, 1]
+    w = valid * (-ce).exp() if dft else valid           # (DFT: from the row's own [c, 1] numbers, no pass over V)
+    loss = torch.where(valid > 0, w * ce, 0.0).squeeze(1)
     if grad:
-        probs.mul_(valid / denom).scatter_add_(1, safe, -valid)   # 0 on ignored rows
+        probs.mul_(w / denom).scatter_add_(1, safe, -w)   # 0 on ignored rows
     return loss, probs
 
 
@@ -94,7 +98,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None, dft=False):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if per_token and (loss_fn is not None or need_w):   # (a row's weight gradient cannot be scaled afterwards)
@@ -123,7 +127,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
             if loss_fn is None:
-                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit)
+                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit, dft)
                 if per_token:
                     loss_sum[s:e] = loss
                 else:
@@ -162,7 +166,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_out.unsqueeze(1) if ctx.per_token else grad_out)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -175,6 +179,7 @@ def chunked_cross_entropy(
     loss_fn: LossFn | None = None,
     per_token: bool = False,
     hits: torch.Tensor | None = None,
+    dft: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses of `hidden @ weight.T` against `labels`, and the target count.
 
@@ -188,12 +193,16 @@ def chunked_cross_entropy(
     place (token accuracy's numerator; a tie counts). Integer: FSDP2's mixed precision casts a float one to a copy.
     An int64 [N] one gets each row's 1 (a target with the largest logit) or 0 added instead, by the same rule and
     from the same reads (--eval-positions' accuracy by position); the 0-dim count costs nothing more for it.
+    `dft=True` (--sft-loss dft): each target's loss -log p and its gradient are scaled by p itself, held constant:
+    sum of sg(p)·(-log p) (Dynamic Fine-Tuning), from the fused path's own numbers (no loss_fn; `hits` unchanged).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [N, D], weight [V, D], labels [N]; got {tuple(hidden.shape)}, "
             f"{tuple(weight.shape)}, {tuple(labels.shape)}"
         )
+    if dft and loss_fn is not None:
+        raise ValueError("dft scales the fused cross-entropy; a loss_fn computes its own loss: pass one of them")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hits is not None and (hits.is_floating_point() or hits.is_complex()):   # (FSDP2's bf16 would count in a copy)
@@ -206,5 +215,6 @@ def chunked_cross_entropy(
         hidden, weight = hidden.detach(), weight.detach()
     n_tokens = (labels != ignore_index).sum()
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits)
+    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits,
+                                                dft)
     return loss_sum, n_tokens

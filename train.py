@@ -237,7 +237,7 @@ def main(argv=None):
                         loss_sum += dpo.once * torch.stack([lsum.detach(), won, *rewards.sum(0)])
                     else:
                         lsum, _ = model(ids, position_ids=pos, labels=lab, loss_fn=LOSS_FN, hits=hits,
-                                        noise=noise and noise(step, idxs, i))
+                                        noise=noise and noise(step, idxs, i), dft=args.sft_loss == "dft")
                         loss_sum[0] += lsum.detach().double()   # (hits: targets predicted right)
                     wd.phase("backward", step + 1)
                     (lsum / n_targets.float()).backward()

@@ -5,6 +5,7 @@ Usage: python bench/plot.py runs/demo/metrics.jsonl runs/demo/loss.png
 """
 
 import json
+import os
 import sys
 
 import matplotlib
@@ -26,7 +27,10 @@ def main(src: str, dst: str) -> None:
     # (--eval-positions: each bucket's token accuracy in a panel of its own, a share on a 0-1 axis, not the loss's)
     fig, axes = plt.subplots(1, 1 + bool(acc), figsize=(11 if acc else 6, 3.5), dpi=120, squeeze=False, sharex=True)
     ax, color = axes[0][0], {}
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1.5)
+    conf = os.path.join(os.path.dirname(src), "config.json")   # (--sft-loss dft: the steps' loss is DFT's, eval's not)
+    dft = os.path.exists(conf) and json.load(open(conf)).get("sft_loss") == "dft"
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss (DFT)" if dft else "train loss",
+            lw=1.5)
     if ev:
         color["eval"] = ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")[0]
     for key in sorted({k for r in ev for k in r if k.startswith("eval_loss/")}):   # each eval file's, of several

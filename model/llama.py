@@ -6,7 +6,8 @@ Contract:
   table and saved LoRA adapters load in peft on the transformers model.
 - `Transformer(input_ids, position_ids=None)` returns logits [B, S, V] (float32 upcast not applied;
   the compute dtype). With `labels` it returns `(loss_sum, n_tokens)` from the chunked loss
-  (`loss.chunked_cross_entropy`, with `loss_fn` if given; `per_token=True`: each token's loss, for DPO; `hits`: an
+  (`loss.chunked_cross_entropy`, with `loss_fn` if given; `dft`: --sft-loss dft's weighting; `per_token=True`: each
+  token's loss, for DPO; `hits`: an
   integer tensor the count of targets predicted right is added to, or [B * S] each target's 1 or 0; `noise`: a
   callable given the embedding output in the compute dtype, before block 0, to add to in place: --neftune-alpha's,
   parallel/neftune.py), computed
@@ -271,7 +272,8 @@ class Transformer(nn.Module):
         """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin)."""
         return cos_sin(self.args, position_ids, dtype)
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,
+                dft=False):
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -295,4 +297,4 @@ class Transformer(nn.Module):
         if labels is None:
             return F.linear(h, head)                                           # [B, S, V]
         return chunked_cross_entropy(h.reshape(B * S, -1), head, labels.reshape(-1),
-                                     loss_fn=loss_fn, per_token=per_token, hits=hits)
+                                     loss_fn=loss_fn, per_token=per_token, hits=hits, dft=dft)

@@ -97,6 +97,9 @@ def check_flags(args) -> None:
         if not (math.isfinite(na) and na > 0):
             raise ValueError(f"--neftune-alpha must be a finite number above 0 (the noise's scale: A / sqrt(L·d) per "
                              f"element; 5 in the NEFTune paper), got {na:g}; omit it for no noise")
+    if getattr(args, "sft_loss", "ce") != "ce" and getattr(args, "objective", "sft") == "dpo":
+        raise ValueError(f"--sft-loss {args.sft_loss} with --objective dpo: it weights SFT's per-token cross-entropy; "
+                         "a preference loss is chosen with --dpo-loss: drop --sft-loss, or train with --objective sft")
     schedule, ratio, decay = (getattr(args, k, None) for k in ("lr_schedule", "min_lr_ratio", "wsd_decay"))
     if ratio is not None and (schedule == "constant" or not 0 <= ratio <= 1):   # (nan too)
         raise ValueError(f"--min-lr-ratio {ratio:g}: " + ("--lr-schedule constant has no decay to end at; drop it"

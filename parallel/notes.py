@@ -61,6 +61,9 @@ def start(args, margs, dims, ckpt: str | None, log, default_loss: bool = True) -
                if args.init_adapter else "the base model (LoRA off)") + " (each pair's kept: --dpo-cache-ref)" * bool(
             args.dpo_cache_ref)
         loss = f"{Preference.from_args(args)}, reference: {ref}"
+    elif default_loss and getattr(args, "sft_loss", "ce") == "dft":   # (the steps' `loss` is not a cross-entropy)
+        loss = ("DFT: each target's cross-entropy × its probability, held constant (--sft-loss dft); the steps' loss "
+                "is DFT's, eval_loss the cross-entropy")
     elif default_loss:   # (LOSS_FN None: the fused default)
         loss = "cross-entropy"
     else:   # a fork's LOSS_FN: its first line of code

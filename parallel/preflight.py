@@ -71,6 +71,9 @@ def check_start(args, demo: bool, code: tuple | None = None):
     refused = code and recorded.record(args, *code)   # train.py's code, as flags: a resume must keep it
     if code and args.objective != "dpo" and (why := recorded.not_a_sum(code[0])):   # (a mean trained on: the wrong
         raise ValueError(why)   # loss on every layout but one; dpo refuses any LOSS_FN below)
+    if code and code[0] is not None and getattr(args, "sft_loss", "ce") != "ce":   # (it weights the fused loss)
+        raise ValueError(f"--sft-loss {args.sft_loss} weights the fused cross-entropy, and train.py's LOSS_FN replaces "
+                         "it: set LOSS_FN = None, or drop --sft-loss (weight the tokens in LOSS_FN itself)")
     args.resume_auto = None   # (recorded: what --resume auto decided)
     if args.resume == "auto":   # first: every check below sees the resume or the fresh run it is
         args.resume, args.overwrite, args.resume_auto = runs.auto_resume(args.out, args.overwrite)

@@ -40,7 +40,7 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
                 "schedule", "data_tokens", "long_text", "model_sha256", "eval_split", "data_weights", "data_mix",
                 "objective", "dpo_beta", "dpo_reference", "dpo_loss", "dpo_label_smoothing", "rpo_alpha", "simpo_gamma",
                 "lr_schedule", "min_lr_ratio", "wsd_decay", "lora_plus_ratio", "train_on_prompt",
-                "neftune_alpha")
+                "neftune_alpha", "sft_loss")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
           "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile", "dpo_share_prompt",
@@ -159,7 +159,7 @@ def check_resume(ckpt_args: dict, args: dict, *, ckpt_step: int | None = None) -
                  "dpo_reference": "base" if ckpt_args.get("objective") == "dpo" else None, "dpo_loss": "sigmoid",
                  "dpo_label_smoothing": 0.0, "rpo_alpha": 0.0, "simpo_gamma": 0.5, "lr_schedule": "cosine",
                  "min_lr_ratio": 0.1, "wsd_decay": None, "lora_plus_ratio": None, "neftune_alpha": None,
-                 "train_on_prompt": False, **ckpt_args}   # runs from before these flags: without them
+                 "train_on_prompt": False, "sft_loss": "ce", **ckpt_args}   # runs from before these flags: without them
     was, objective = ckpt_args.get("objective", "sft"), args.get("objective")
     if objective is not None and was != objective:   # (said alone: every other difference follows from it)
         out = ckpt_args.get("out") or "OUT"

@@ -111,6 +111,9 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
       "DPO on preference pairs ({'prompt', 'chosen', 'rejected'} records) against the base model (LoRA off), or "
       "with --init-adapter against that adapter held fixed (DPO after SFT: the policy starts from it)")
+    a("--sft-loss", default="ce", choices=["ce", "dft"], help="--objective sft's training loss: ce, cross-entropy; "
+      "dft, each target's cross-entropy × the model's probability of it, held constant (Dynamic Fine-Tuning, TRL's "
+      "loss_type='dft'); the eval loss stays cross-entropy")
     a("--dpo-beta", type=float, default=0.1, help="DPO's beta: how strongly the policy may move from the reference")
     a("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge", "simpo", "orpo"], help="the "
       "preference loss: sigmoid (DPO), ipo, hinge (SLiC); without a reference model (one forward less): simpo (try "

@@ -35,6 +35,9 @@ fixture tokenizer's chat template, 3 optimizer steps of `--global-batch 8`):
   on 1 rank, the run trains as the uninterrupted one;
 - `--keep-best` with an eval every step on cp 2 × dp 2 ring: the same checkpoint folders, best step and
   OUT/adapter_best as on 1 rank, which trains as the plain run;
+- `--sft-loss dft` on cp 2 × dp 2 Ulysses and ring (2 packed documents a row) = 1 rank, whose steps' losses are DFT's
+  (below the cross-entropy run's) and whose eval loss is the cross-entropy of its weights (a run without the flag
+  evaluating its adapter before its first step); refused with --objective dpo and with a LOSS_FN; a resume keeps it;
 - every start-up error names its numbers and is raised before any weight is read (`build_model` and
   `CheckpointReader` are replaced by tripwires); data errors name the file and the line.
 
@@ -139,6 +142,12 @@ FOUR_RANK_SPLIT = {"text_split_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2"
 FILES = ["--data-weights", "1.5", "0.5", "--eval-split", "2", "--eval-every", "1", "--global-batch", "16"]
 FOUR_RANK_FILES = {"files_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
                                                    "2", *FILES]}
+# --sft-loss dft (each target's cross-entropy × its detached probability: loss.py's dft) on Ulysses and on ring with 2
+# packed documents a row, against the same on 1 rank
+DFT = ["--sft-loss", "dft"]
+FOUR_RANK_DFT = {"dft_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", *DFT],
+                 "dft_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch",
+                                               "2", *DFT]}
 # one step from the Ulysses run's adapter (--init-adapter), against the same on 1 rank
 INIT4 = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--steps", "1", "--init-adapter"]
 # stopped by SIGTERM on rank 3 in step 2, then resumed on 1 rank
@@ -181,7 +190,7 @@ def _four_ranks(rank, world_size, assets, root):
     for label, (flags, _) in FOUR_RANK_ERRORS.items():
         errors[label] = startup_error(train_argv(assets, os.path.join(root, "err"), *flags))
     for name, flags in {**FOUR_RANK, **FOUR_RANK_NF4, **FOUR_RANK_PLUS, **FOUR_RANK_DORA, **FOUR_RANK_LAYERS,
-                        **FOUR_RANK_NORMS}.items():
+                        **FOUR_RANK_NORMS, **FOUR_RANK_DFT}.items():
         train.main(train_argv(assets, os.path.join(root, name), *flags))
     for name, flags in FOUR_RANK_WINDOW.items():
         train.main(train_argv({**assets, "model": assets["window"]}, os.path.join(root, name), *flags))
@@ -429,7 +438,14 @@ def one(assets, tmp_path_factory):
             train.main(train_argv(assets, os.path.join(root, name), *flags))
         resume = os.path.join(root, "fp32", "ckpt", "step_000002")
         resume_error = _try(train.main, train_argv(assets, os.path.join(root, "resume1"), "--resume", resume))
-    return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue(), "assets": assets}
+        dft = [io.StringIO(), io.StringIO()]   # (--sft-loss dft's log; then its end weights evaluated by a plain run)
+        with contextlib.redirect_stdout(dft[0]):
+            train.main(train_argv(assets, os.path.join(root, "dft"), *DFT, "--eval-data", assets["data"]))
+        with contextlib.redirect_stdout(dft[1]):
+            train.main(train_argv(assets, os.path.join(root, "at_dft"), "--init-adapter",
+                                  os.path.join(root, "dft", "adapter"), "--steps", "1", "--eval-data", assets["data"]))
+    return {"root": root, "resume_error": resume_error, "held": held, "said": said.getvalue(), "assets": assets,
+            "dft": [x.getvalue() for x in dft]}
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -939,6 +955,68 @@ def test_lora_layers_on_four_ranks_match_one_rank(one, four, tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FOUR_RANK_DFT))
+def test_dft_on_four_ranks_matches_one_rank(one, four, name):
+    """cp2×dp2 = 1 rank under --sft-loss dft; each step's loss also within 1e-4 relative: DFT's losses here are ~p
+    (~1/400 at the start) × the cross-entropy, so _compare's 1e-4 absolute alone would let 1% through."""
+    _compare(name, _at(four, name), _at(one, "dft"))
+    for got, want in zip(_metrics(_at(four, name)), _metrics(_at(one, "dft"))):
+        assert abs(got["loss"] - want["loss"]) <= 1e-4 * want["loss"], (name, got["step"], got["loss"], want["loss"])
+
+
+def test_dft_trains_its_loss_and_evaluates_the_cross_entropy(one):
+    """--sft-loss dft on 1 rank: the start-up line names the loss; step 1 (the same weights and tokens as the plain
+    run's) logs DFT's loss, below the cross-entropy (sg(p)·(-log p) < -log p), and so does every step; the eval loss
+    after step 3 is the cross-entropy of the weights it ended at: a run without the flag evaluating its adapter before
+    its first step logs it, to the digit; `make plot` labels the training curve DFT's."""
+    said, at = one["dft"]
+    assert "loss: DFT: each target's cross-entropy × its probability, held constant (--sft-loss dft)" in said, said
+    dft, ce = _metrics(_at(one, "dft")), _metrics(_at(one, "fp32"))
+    assert [m["tokens"] for m in dft] == [m["tokens"] for m in ce]
+    assert all(d["loss"] < 0.9 * c["loss"] for d, c in zip(dft, ce)), (dft, ce)
+    last = dft[-1]["eval_loss"]
+    before = float(re.search(r"eval_loss before training (\S+)", at).group(1))
+    assert abs(last - before) <= 1e-6, (last, before)
+    assert last > 1.5 * dft[-1]["loss"], "the eval loss is the cross-entropy, not DFT's (~p times it)"
+    import matplotlib.pyplot as plt
+
+    from bench import plot
+
+    for run, want in (("dft", "train loss (DFT)"), ("fp32", "train loss")):   # (make plot names the curve)
+        plot.main(_at(one, run, "metrics.jsonl"), _at(one, f"{run}.png"))
+        labels = [line.get_label() for line in plt.gcf().axes[0].get_lines()]
+        plt.close("all")
+        assert labels[0] == want, (run, labels)
+
+
+def test_sft_loss_refused_with_dpo_and_a_loss_fn_and_kept_by_a_resume(assets, tmp_path):
+    """--sft-loss dft is refused before any weight with --objective dpo and with train.py's LOSS_FN set (each message
+    naming the value and the fix); it defines the run (parallel/resume.py's RUN_DEFINING): a resume with the other
+    value is refused naming it, and a checkpoint from before the flag resumes as ce."""
+    import torch.nn.functional as F
+
+    import train
+    from parallel import resume
+    from tests.test_runs import CKPT
+
+    out = str(tmp_path / "out")
+    msg = startup_error(train_argv(assets, out, "--objective", "dpo", "--sft-loss", "dft"))
+    assert "--sft-loss dft with --objective dpo" in msg and "drop --sft-loss" in msg, msg
+    keep = train.LOSS_FN
+    train.LOSS_FN = lambda z, y: F.cross_entropy(z, y, ignore_index=-100, reduction="sum", label_smoothing=0.1)
+    try:
+        msg = startup_error(train_argv(assets, out, *DFT))
+    finally:
+        train.LOSS_FN = keep
+    assert "--sft-loss dft weights the fused cross-entropy" in msg and "set LOSS_FN = None" in msg, msg
+    assert not os.path.exists(out)
+    for was, now in (("dft", "ce"), ("ce", "dft"), (None, "dft")):
+        with pytest.raises(ValueError, match="--sft-loss: the checkpoint has"):
+            resume.check_resume(dict(CKPT) if was is None else {**CKPT, "sft_loss": was}, {**CKPT, "sft_loss": now})
+    resume.check_resume(dict(CKPT), {**CKPT, "sft_loss": "ce"})   # (recorded before the flag: ce)
+    resume.check_resume({**CKPT, "sft_loss": "dft"}, {**CKPT, "sft_loss": "dft"})
+
+
 def test_init_adapter_four_ranks_match_one_rank(assets, four, tmp_path):
     import train
 
