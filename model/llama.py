@@ -9,7 +9,8 @@ Contract:
   (`loss.chunked_cross_entropy`, with `loss_fn` if given; `dft`: --sft-loss dft's weighting; `per_token=True`: each
   token's loss, for DPO; `hits`: an integer tensor the count of targets predicted right is added to, or [B * S] each
   target's 1 or 0; `noise`: a callable given the embedding output in the compute dtype, before block 0, to add to in
-  place: --neftune-alpha's, parallel/neftune.py), computed here in the root forward so FSDP2 keeps lm_head unsharded while it is used (DESIGN.md step 4).
+  place: --neftune-alpha's, parallel/neftune.py), computed here in the root forward so FSDP2 keeps lm_head unsharded
+  while it is used (DESIGN.md step 4).
 - The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
   the trainer sets the kernel or context-parallel one. Each layer passes it its own sliding window
   (`ModelArgs.window(layer)`, None for full causal attention). Everything else acts per token, so a
