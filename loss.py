@@ -1,39 +1,38 @@
 """Chunked linear cross-entropy: the LM-head loss without a [tokens, vocab] logits tensor.
 
-At 32k tokens and a 151,936-token vocabulary the float32 logits alone are 19.9 GB, and autograd keeps
-two or three tensors of that size alive. Here the head matmul, the loss and its gradient run per chunk
-of tokens, so only one [chunk, vocab] float32 block exists at a time.
-Idea from Liger kernel's fused linear cross entropy and Apple's cut-cross-entropy.
+At 32k tokens and a 151,936-token vocabulary the float32 logits alone are 19.9 GB, and autograd keeps two or three
+tensors of that size alive. Here the head matmul, the loss and its gradient run per chunk of tokens, so only one
+[chunk, vocab] float32 block exists at a time. Idea from Liger kernel's fused linear cross entropy and Apple's
+cut-cross-entropy.
 
-Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], loss_fn=None)
--> (loss_sum, n_tokens)`:
+Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], loss_fn=None) -> (loss_sum, n_tokens)`:
 
-1. `labels` are already shifted (`labels[t]` is the target of `hidden[t]`); `ignore_index` marks
-   prompt/padding positions. `n_tokens` is the int64 count of the other positions (no grad).
-2. Tokens are walked in chunks of `chunk_size` rows (default: `auto_chunk_size`, which keeps the
-   float32 logits block near `CHUNK_BYTES`). No host sync: an all-ignored chunk costs like any other.
-3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with
-   float32 accumulation) into a reused float32 block, then the loss and d(loss)/d(logits):
-   - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in
-     place in the block, no autograd involved. `dft=True` scales each row's loss and gradient by its target's
-     probability, a constant (Wu et al. 2025, "On the Generalization of SFT": Dynamic Fine-Tuning).
-   - `loss_fn(logits [c, V] float32, labels [c]) -> scalar`: any differentiable loss, which must be the
-     SUM of the chunk's per-token losses over its target rows (ignored rows carry `ignore_index`).
-     Autograd differentiates it w.r.t. this chunk's logits only, so label smoothing, a z-loss or token
-     weights need no hand-written gradient and still no [N, V] tensor, and no second head GEMM.
-   d(loss)/d(logits) is turned into d/d(hidden_chunk) (and, for a trainable weight, accumulated into
-   d/d(weight)) while the block is live.
+1. `labels` are already shifted (`labels[t]` is the target of `hidden[t]`); `ignore_index` marks prompt/padding
+   positions. `n_tokens` is the int64 count of the other positions (no grad).
+2. Tokens are walked in chunks of `chunk_size` rows (default: `auto_chunk_size`, which keeps the float32 logits block
+   near `CHUNK_BYTES`). No host sync: an all-ignored chunk costs like any other.
+3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with float32
+   accumulation) into a reused float32 block, then the loss and d(loss)/d(logits):
+   - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in place in the
+     block, no autograd involved. `dft=True` scales each row's loss and gradient by its target's probability, a
+     constant (Wu et al. 2025, "On the Generalization of SFT": Dynamic Fine-Tuning).
+   - `loss_fn(logits [c, V] float32, labels [c]) -> scalar`: any differentiable loss, which must be the SUM of the
+     chunk's per-token losses over its target rows (ignored rows carry `ignore_index`). Autograd differentiates it
+     w.r.t. this chunk's logits only, so label smoothing, a z-loss or token weights need no hand-written gradient and
+     still no [N, V] tensor, and no second head GEMM.
+   d(loss)/d(logits) is turned into d/d(hidden_chunk) (and, for a trainable weight, accumulated into d/d(weight))
+   while the block is live.
 4. `loss_sum` is the float32 SUM over target tokens; the caller divides by the GLOBAL target count.
-5. Backward only scales the stored gradients by the incoming scalar (in place, so no second copy of
-   a [V, D] gradient appears); the graph can therefore be backpropagated once (no retain_graph).
+5. Backward only scales the stored gradients by the incoming scalar (in place, so no second copy of a [V, D] gradient
+   appears); the graph can therefore be backpropagated once (no retain_graph).
 
-FSDP2: the model calls this inside the root module's forward, where FSDP2 has all-gathered
-`lm_head.weight`, so the unsharded weight is live for every chunk. With a frozen weight (LoRA) nothing
-about the weight is saved for backward (only grad_hidden is), so backward never all-gathers it again.
+FSDP2: the model calls this inside the root module's forward, where FSDP2 has all-gathered `lm_head.weight`, so the
+unsharded weight is live for every chunk. With a frozen weight (LoRA) nothing about the weight is saved for backward
+(only grad_hidden is), so backward never all-gathers it again.
 
-Context parallelism: each cp rank passes its own sequence shard of hidden states and labels. Labels
-were shifted on the whole sequence before sharding, so the shards' sums add up to the unsharded sum;
-the caller all-reduces `loss_sum` and `n_tokens` (over cp, dp and micro-batches) before dividing.
+Context parallelism: each cp rank passes its own sequence shard of hidden states and labels. Labels were shifted on
+the whole sequence before sharding, so the shards' sums add up to the unsharded sum; the caller all-reduces
+`loss_sum` and `n_tokens` (over cp, dp and micro-batches) before dividing.
 """
 
 from collections.abc import Callable
@@ -42,11 +41,11 @@ import torch
 
 IGNORE_INDEX = -100   # the label of positions without a target; F.cross_entropy's default too
 
-# Budget for the one [chunk, V] float32 logits block: chunk = CHUNK_BYTES // (4 * V), so 256 MiB at
-# V=151,936 gives 441 tokens. The fused path works in place in the block, so the transient peak is
-# this plus, for bf16 weights, one half-size bf16 copy; a `loss_fn` adds what its autograd keeps
-# (e.g. two or three more blocks for log_softmax). On top, the forward keeps grad_hidden [N, D] and,
-# for a trainable weight, a float32 [V, D] gradient (bf16/fp16 weights: + one [V, D] product per chunk).
+# Budget for the one [chunk, V] float32 logits block: chunk = CHUNK_BYTES // (4 * V), so 256 MiB at V=151,936 gives
+# 441 tokens. The fused path works in place in the block, so the transient peak is this plus, for bf16 weights, one
+# half-size bf16 copy; a `loss_fn` adds what its autograd keeps (e.g. two or three more blocks for log_softmax). On
+# top, the forward keeps grad_hidden [N, D] and, for a trainable weight, a float32 [V, D] gradient (bf16/fp16
+# weights: + one [V, D] product per chunk).
 CHUNK_BYTES = 256 * 2**20
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -88,8 +87,7 @@ def _custom(loss_fn, logits, labels, need_grad):
         z = logits.detach().requires_grad_()
         loss = loss_fn(z, labels)
         if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar (the chunk's summed loss), got shape "
-                             f"{tuple(loss.shape)}")
+            raise ValueError(f"loss_fn must return a scalar (the chunk's summed loss), got shape {tuple(loss.shape)}")
         (grad,) = torch.autograd.grad(loss, z, allow_unused=True)
     return loss.detach().float(), (torch.zeros_like(logits) if grad is None else grad)
 
@@ -109,10 +107,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         validf = valid.to(torch.float32).unsqueeze(1)      # [N, 1]
         loss_sum = torch.zeros(n if per_token else (), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        # A trainable weight's gradient sums over every chunk in float32 (bf16/fp16 weights: each chunk's product
-        # in the weight's dtype from a float32-accumulating GEMM, added to it), so it is rounded once, not once per
-        # chunk: at 128k tokens in 441-token chunks a bf16 running sum would round 300 times. Autograd casts it to
-        # the weight's dtype on the way out.
+        # A trainable weight's gradient sums every chunk's (bf16: a float32-accumulating GEMM's) product in float32,
+        # rounded once, not per chunk (a bf16 sum over 300 chunks at 128k); autograd casts it on the way out.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         # One [chunk, V] float32 block reused by every chunk: the only vocab-sized tensor.
         block = torch.empty(min(chunk_size, n), weight.shape[0], dtype=torch.float32, device=hidden.device)
@@ -156,12 +152,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if getattr(ctx, "used", False):   # (else autograd's in-place version check fires, naming no cause)
-            raise RuntimeError("chunked_cross_entropy: a second backward through one forward: the loss scales "
-                               "its saved gradients in place, so run the forward again per backward")
+            raise RuntimeError("chunked_cross_entropy: a second backward through one forward: the loss scales its "
+                               "saved gradients in place, so run the forward again per backward")
         ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
-        # In place: these buffers belong to this node and are released with it. grad_out stays float32
-        # so a bf16 gradient is scaled by the exact factor (e.g. 1 / global token count).
+        # In place: the buffers are this node's. grad_out stays float32: the exact factor (1 / global target count).
         if grad_h is not None:   # (per_token: each row by its own factor, so the saved rows are d(loss_t)/d(hidden_t))
             grad_h = grad_h.mul_(grad_out.unsqueeze(1) if ctx.per_token else grad_out)
         if grad_w is not None:
@@ -169,38 +164,25 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_size: int | None = None,
-    loss_fn: LossFn | None = None,
-    per_token: bool = False,
-    hits: torch.Tensor | None = None,
-    dft: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token losses of `hidden @ weight.T` against `labels`, and the target count.
-
-    hidden [N, D], weight [V, D], labels [N] (already shifted). Returns (loss_sum float32 0-dim,
-    n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                          ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None,
+                          loss_fn: LossFn | None = None, per_token: bool = False, hits: torch.Tensor | None = None,
+                          dft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token losses of `hidden @ weight.T` against `labels` (already shifted), and the target count: (loss_sum
+    float32 0-dim, n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
     `loss_fn=None` is cross-entropy; see the module docstring for a custom `loss_fn`.
     `per_token=True`: the losses [N] float32 (-log p of each target, 0 at ignored rows) in place of their sum, for
     a loss of whole sequences (`parallel.preference.dpo_loss`); backward scales each row's saved gradient by its own
     incoming factor, so it takes the fused cross-entropy only and a frozen `weight` (LoRA's head).
-    `hits`: an int64 0-dim tensor this adds the count of target rows whose target has the row's largest logit to, in
-    place (token accuracy's numerator; a tie counts). Integer: FSDP2's mixed precision casts a float one to a copy.
-    An int64 [N] one gets each row's 1 (a target with the largest logit) or 0 added instead, by the same rule and
-    from the same reads (--eval-positions' accuracy by position); the 0-dim count costs nothing more for it.
-    `dft=True` (--sft-loss dft): each target's loss -log p and its gradient are scaled by p itself, held constant:
-    sum of sg(p)·(-log p) (Dynamic Fine-Tuning), from the fused path's own numbers (no loss_fn; `hits` unchanged).
+    `hits`: an int64 tensor (FSDP2's mixed precision casts a float one to a copy) that gets, in place, the count of
+    target rows whose target has the row's largest logit (token accuracy's numerator; a tie counts), or, shaped [N],
+    each row's 1 or 0 (--eval-positions' accuracy by position), from what the loss reads anyway.
+    `dft=True` (--sft-loss dft): sum of sg(p)·(-log p), each target's loss and gradient scaled by its p held
+    constant (Dynamic Fine-Tuning), from the fused path's own numbers (no loss_fn; `hits` unchanged).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(
-            f"expected hidden [N, D], weight [V, D], labels [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}, {tuple(labels.shape)}"
-        )
+        raise ValueError(f"expected hidden [N, D], weight [V, D], labels [N]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(labels.shape)}")
     if dft and loss_fn is not None:
         raise ValueError("dft scales the fused cross-entropy; a loss_fn computes its own loss: pass one of them")
     if chunk_size is not None and chunk_size < 1:
@@ -208,13 +190,10 @@ def chunked_cross_entropy(
     if hits is not None and (hits.is_floating_point() or hits.is_complex()):   # (FSDP2's bf16 would count in a copy)
         raise ValueError(f"hits must be an integer tensor (torch.int64), got {hits.dtype}")
     if hits is not None and hits.shape not in ((), labels.shape):
-        raise ValueError(f"hits must be 0-dim (the count) or shaped as labels {tuple(labels.shape)} (each row's), "
-                         f"got {tuple(hits.shape)}")
-    if not torch.is_grad_enabled():
-        # Function.apply still reports needs_input_grad under no_grad; detaching skips the grad work.
+        raise ValueError(f"hits must be 0-dim (the count) or shaped as labels {tuple(labels.shape)} (each row's), got "
+                         f"{tuple(hits.shape)}")
+    if not torch.is_grad_enabled():   # (Function.apply still reports needs_input_grad under no_grad: no grad work)
         hidden, weight = hidden.detach(), weight.detach()
-    n_tokens = (labels != ignore_index).sum()
     chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    loss_sum = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits,
-                                                dft)
-    return loss_sum, n_tokens
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits,
+                                           dft), (labels != ignore_index).sum()
