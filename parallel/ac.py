@@ -1,7 +1,8 @@
 """Activation checkpointing per decoder block (`apply_ac`, step 4b of parallel/parallelize.py's order): each block
 recomputed in backward from its input, optionally in groups (--ac-group), for the first N blocks only (--ac-blocks),
 keeping the attention kernels' outputs (--ac-keep-attn) or the inputs in host memory (--offload-activations,
-parallel/offload.py)."""
+parallel/offload.py). `check_ac`: those flags' constraints (parallel/flags.check_flags, apply_ac and build_model call
+it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from model.llama import Transformer
-from parallel.flags import check_ac
 from parallel.offload import HostOffload
 from parallel.recompute import recompute_context
 
@@ -167,3 +167,39 @@ def _checkpointed(forward, hooks, contexts, block):
             return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
     run.hooks = hooks   # for tests and logs: what the offload moved
     return run
+
+
+def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False,
+             tiled_attn: bool = False) -> None:
+    """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/ac.apply_ac),
+    named with the fix."""
+    if offload and not ac:
+        raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
+    if keep_attn and tiled_attn:
+        raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
+                         "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
+    if keep_attn and not ac:
+        raise ValueError("--ac-keep-attn keeps the attention outputs of --ac's checkpoints: drop --no-ac")
+    if keep_attn and (group > 1 or offload):
+        what = f"--ac-group {group}" if group > 1 else "--offload-activations"
+        raise ValueError(f"--ac-keep-attn with {what}: that flag saves device memory, --ac-keep-attn spends it "
+                         "(one attention output per checkpointed block) for speed; use one or the other")
+    if keep_attn and blocks == 0:
+        raise ValueError("--ac-keep-attn with --ac-blocks 0: no block is checkpointed, so no recompute to spare; "
+                         "raise --ac-blocks or drop --ac-keep-attn")
+    if blocks is not None and blocks < 0:
+        raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
+    if blocks is not None and not ac:
+        raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
+    if blocks is not None and group > 1:
+        raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
+    if blocks == 0 and offload:
+        raise ValueError("--ac-blocks 0 with --offload-activations: no block is checkpointed, so nothing is "
+                         "offloaded; raise --ac-blocks or drop --offload-activations")
+    if group < 1:
+        raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
+    if group > 1 and not ac:
+        raise ValueError(f"--ac-group {group} groups the checkpoints of --ac: drop --no-ac or use --ac-group 1")
+    if group > 1 and offload:
+        raise ValueError(f"--ac-group {group} with --offload-activations: the checkpoints are in host memory "
+                         "already; use one or the other")

@@ -2,7 +2,7 @@
 
 Contract:
 - `check_flags(args)`: values no run can use, whatever the model and world (non-finite or out-of-range numbers, flags
-  that act only with another, the AC flags through `check_ac`, --init-adapter's config through
+  that act only with another, the AC flags through `parallel.ac.check_ac`, --init-adapter's config through
   `model.adapter_read.check_init_adapter`). Each error is a `ValueError` naming the flag and the fix.
   It reads no weight. A Hub id given to --init-adapter is fetched first (`model.hub.fetch_adapter`): args.init_adapter
   becomes its snapshot folder (or, for org/name/folder, that folder of it), here since every entry point (a run,
@@ -27,6 +27,7 @@ import torch
 from data.mix import data_files
 from model.config import LORA_TARGETS, lora_layers
 from model.rope import rope_scaling_flag
+from parallel.ac import check_ac
 
 
 def check_flags(args) -> None:
@@ -162,42 +163,6 @@ def _sac_lets_compile() -> bool:
     from torch.utils import checkpoint as c
     return all(getattr(getattr(c, m, None), "ignore_compile_internals", lambda: False)()
                for m in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
-
-
-def check_ac(group: int, ac: bool, offload: bool, blocks: int | None = None, keep_attn: bool = False,
-             tiled_attn: bool = False) -> None:
-    """The AC flags' constraints (--ac-group, --ac-blocks, --ac-keep-attn; parallel/ac.apply_ac),
-    named with the fix."""
-    if offload and not ac:
-        raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    if keep_attn and tiled_attn:
-        raise ValueError("--tiled-attn with --ac-keep-attn: the tiles run many attention kernels per block, whose "
-                         "outputs --ac-keep-attn would keep (many times the attention output); use one or the other")
-    if keep_attn and not ac:
-        raise ValueError("--ac-keep-attn keeps the attention outputs of --ac's checkpoints: drop --no-ac")
-    if keep_attn and (group > 1 or offload):
-        what = f"--ac-group {group}" if group > 1 else "--offload-activations"
-        raise ValueError(f"--ac-keep-attn with {what}: that flag saves device memory, --ac-keep-attn spends it "
-                         "(one attention output per checkpointed block) for speed; use one or the other")
-    if keep_attn and blocks == 0:
-        raise ValueError("--ac-keep-attn with --ac-blocks 0: no block is checkpointed, so no recompute to spare; "
-                         "raise --ac-blocks or drop --ac-keep-attn")
-    if blocks is not None and blocks < 0:
-        raise ValueError(f"--ac-blocks must be >= 0 (how many blocks to checkpoint), got {blocks}")
-    if blocks is not None and not ac:
-        raise ValueError(f"--ac-blocks {blocks} picks the blocks --ac checkpoints: drop --no-ac")
-    if blocks is not None and group > 1:
-        raise ValueError(f"--ac-blocks {blocks} with --ac-group {group}: use one or the other")
-    if blocks == 0 and offload:
-        raise ValueError("--ac-blocks 0 with --offload-activations: no block is checkpointed, so nothing is "
-                         "offloaded; raise --ac-blocks or drop --offload-activations")
-    if group < 1:
-        raise ValueError(f"--ac-group must be >= 1 (blocks per kept checkpoint), got {group}")
-    if group > 1 and not ac:
-        raise ValueError(f"--ac-group {group} groups the checkpoints of --ac: drop --no-ac or use --ac-group 1")
-    if group > 1 and offload:
-        raise ValueError(f"--ac-group {group} with --offload-activations: the checkpoints are in host memory "
-                         "already; use one or the other")
 
 
 def check_model_flags(args, margs) -> None:

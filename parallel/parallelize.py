@@ -49,10 +49,9 @@ from model.nf4 import apply_nf4, pack_nf4_weights
 from model.norms import is_norm_weight, is_saved_weight
 from model.qlora import LORA_TARGETS, apply_lora, fuse_lora, init_lora, set_param
 from model.weights import load_weights
-from parallel.ac import apply_ac
+from parallel.ac import apply_ac, check_ac
 from parallel.compile import apply_compile
 from parallel.cp import KernelAttention
-from parallel.flags import check_ac
 from parallel.fsdp import apply_fsdp
 from parallel.memory import apply_norm_rebuild, apply_tiled_mlp
 from parallel.recompute import apply_unread_outputs
