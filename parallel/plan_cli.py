@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 from parallel.flags import check_flags, check_model_flags
 from parallel.mesh import validate
@@ -59,7 +60,11 @@ def max_len_arg(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+        k = re.fullmatch(r"(\d+)\s*([kKmM])", text.strip())   # (32k, 1M: how context lengths are said, not typed)
+        n = k and int(k.group(1)) * 1024 ** (1 + (k.group(2) in "mM"))
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens" + (
+            f": write it out, --max-len {n} ({text.strip()} as context lengths count, in 1024s)" if k else "")) \
+            from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n}: a sample is truncated to --max-len tokens, so it must be at least 2, "
                                          "one input and one target (e.g. --max-len 4096)")

@@ -555,6 +555,12 @@ def test_a_run_given_max_len_auto_is_told_to_ask_the_planner(capsys):
         assert exc.value.code == 2 and "'auto' is the planner's search" in err and "--plan --max-len auto" in err, err
         last = run_plan(*argv, "--model", Q7, "--gpu-mem", "141", "--tiled-mlp")[1].splitlines()[-1]
         assert re.fullmatch(r"max_len \d+", last) and int(last.split()[1]) >= 524288, last   # issue 13's goal
+    for given, n in (("32k", 32768), ("128K", 131072), ("1M", 1048576)):   # (said so, typed so: the number named)
+        with pytest.raises(SystemExit) as exc:
+            train.main(["--max-len", given, "--model", Q7, "--data", "none.jsonl"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"'{given}' is not a whole number of tokens: write it out, --max-len {n} " \
+            f"({given} as context lengths count, in 1024s)" in err, err
 
 
 @pytest.mark.parametrize("flags,said", [(["--gpu-mem", "0"], "--gpu-mem must be a positive number of GB, got 0.0"),
