@@ -1,17 +1,21 @@
 """A data file's records in the forms it may come in: JSONL text, compressed JSONL, a zip of one file, one JSON array,
-Parquet (data/jsonl.py reads what this yields; until 2026-12-06 all but JSONL text were refused with a command).
+Parquet, CSV and TSV (data/jsonl.py reads what this yields; until 2026-12-06 all but JSONL text were refused with a
+command, and CSV read as JSONL: "line 1: not valid JSON").
 
 Contract:
-- The form is told by the file's bytes, never its name: gzip, bzip2, xz (the standard library) and zstd (the
-  `zstandard` package) are decompressed as they are read; a zip is read when it holds one file (directories and
-  `__MACOSX/` left out), itself JSONL or a JSON array, and else refused at start-up naming its files (so is one
-  zipfile cannot read: deflate64, encrypted); Parquet (`pyarrow`) is read a batch of rows at a time. Text whose first
-  non-blank character is `[` is one JSON array, its elements the records, read element by element (a large file is not
-  parsed whole). A missing package is a DataError naming the file and the `pip install` that fixes it.
+- The form is told by the file's bytes, never its name (but CSV's, which has no bytes of its own): gzip, bzip2, xz
+  (the standard library) and zstd (the `zstandard` package) are decompressed as they are read; a zip is read when it
+  holds one file (directories and `__MACOSX/` left out), itself JSONL or a JSON array, and else refused at start-up
+  naming its files (so is one zipfile cannot read: deflate64, encrypted); Parquet (`pyarrow`) is read a batch of rows
+  at a time. Text whose first non-blank character is `[` is one JSON array, its elements the records, read element by
+  element (a large file is not parsed whole). CSV has no magic bytes: text (compressed or zipped too) named *.csv or
+  *.tsv (`table`) whose first non-blank character is neither `[` nor `{` is rows under a header (data/tables.py says
+  how). A missing package is a DataError naming the file and the `pip install` that fixes it.
 - `units(path)` yields `(n, raw)`: `n` the record's 1-based position, which errors and `samples.lines` carry: a
   JSONL line's number (blank lines counted, and yielded as they are), an array element's index, a Parquet row's; and
   `raw` the line's text, the element's JSON text, or the row as a dict (data/records.py's `parse_record` reads each).
-  `unit(path)` names `n` for messages: "line", "record" (a JSON array) or "row" (Parquet).
+  `unit(path)` names `n` for messages: "line", "record" (a JSON array) or "row" (Parquet, CSV and TSV: under the
+  header, from 1).
 - Parquet has no missing key, only null, and a struct column holds every key any row has (a row whose message lacks
   "weight" reads `"weight": None` because another row's has one; a tool schema gets another tool's properties as
   nulls). So a row's null values are dropped at every depth (`drop_nulls`), but for a message's "content" (ShareGPT's
@@ -38,6 +42,7 @@ import zlib
 from pathlib import Path
 
 from data.jsonl import DataError
+from data.tables import delimiter, rows
 
 CHUNK = 1 << 20   # bytes of the file (decompressed) a read takes
 ROWS = 1024       # Parquet rows converted to dicts at a time
@@ -247,10 +252,26 @@ def _head(chunks) -> bytes:
     return head
 
 
+def table(p: Path, k: str | None = None) -> str | None:
+    """The delimiter a CSV or TSV file is read with, told by its name or a zip's one file's (data/tables.py), else
+    None (`k`: the file's kind, read when not given). Its text starting with `{` or `[` is JSON all the same."""
+    if k is None:
+        with p.open("rb") as f:
+            k = kind(f.read(8))
+    if k == "zip" and not delimiter(p.name):
+        with zipfile.ZipFile(p) as z:
+            return delimiter(Path(_member(z, p).filename).name)
+    return None if k == "Parquet" else delimiter(p.name)
+
+
 def _text(p: Path, k: str | None):
     chunks = _chunks(p, k)
     head = _head(chunks)
-    if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":
+    first = head.removeprefix(codecs.BOM_UTF8).lstrip()[:1]
+    if first not in (b"[", b"{") and (sep := table(p, k)):
+        yield from rows(p, _lines(c for part in ([head], chunks) for c in part), sep)
+        return
+    if first == b"[":
         try:
             yield from _elements(chunks, head.removeprefix(codecs.BOM_UTF8), p)
         except UnicodeDecodeError as e:
@@ -294,14 +315,15 @@ def _unit(path: str, _stamp: tuple) -> str:
             k = kind(f.read(8))
         if k == "Parquet":
             return "row"
-        return "record" if _head(_chunks(Path(path), k)).removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[" else "line"
+        first = _head(_chunks(Path(path), k)).removeprefix(codecs.BOM_UTF8).lstrip()[:1]
+        return "record" if first == b"[" else "line" if first == b"{" or not table(Path(path), k) else "row"
     except Exception:
         pass
     return "line"
 
 
 def unit(path) -> str:
-    """What a record's number counts in `path`: "line" (JSONL), "record" (a JSON array) or "row" (Parquet)."""
+    """What a record's number counts in `path`: "line" (JSONL), "record" (a JSON array) or "row" (Parquet, CSV)."""
     try:
         st = os.stat(path)
     except (OSError, TypeError, ValueError):

@@ -4,7 +4,8 @@ Contract:
 - One JSON object per line; blank lines are skipped. What a line may hold (the record kinds), and how it is checked
   and normalised, is data/records.py's `parse_record`; ShareGPT's conversations are read as messages
   (data/sharegpt.py). The same records may come compressed (gzip, bzip2, xz, zstd), in a zip of one file, as one
-  JSON array or as Parquet rows: data/formats.py reads them, told by the file's bytes.
+  JSON array, as Parquet rows, or as CSV or TSV rows (told by the name: data/tables.py): data/formats.py reads them,
+  told by the file's bytes.
 - `load_jsonl(path)` returns the records in file order, each normalised to
   `{"line": n, "text": str}`, `{"line": n, "prompt": str, "completion": str}` or
   `{"line": n, "messages": [...]}` (plus `"tools": [...]` when given) (`n` is 1-based, kept so that later stages can

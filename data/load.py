@@ -60,13 +60,13 @@ def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--
     (data/store.py's `build`). `objective` (sft, dpo): every record read is checked to be of its kind
     (`data.pairs.check_records`) before any is tokenized."""
     from data import store
-    from data.formats import unit
+    from data.formats import table, unit
     from data.jsonl import load_jsonl
 
     warn, day = warn or log, day or store.today()   # (one date for the key and the rendering)
     sha256 = sha256 or (cache and store.file_sha256(path))
     try:
-        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text, all_targets)
+        key = cache and store.cache_key(sha256, tokenizer, max_len, day, long_text, all_targets, table(Path(path)))
     except OSError as e:   # an unreadable tokenizer file: no cache this time, never the run
         key = None
         if warn:

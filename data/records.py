@@ -134,7 +134,10 @@ def parse_record(raw: str | dict, path: str | Path, n: int) -> dict:
     except json.JSONDecodeError as e:
         end = " (the line's end: cut short?)" if e.pos >= len(raw.rstrip("\r\n")) else ""
         hint = ("; the file is a Git LFS pointer, not the data: fetch it (`git lfs pull`)"   # (a JSON array: read
-                if raw.startswith("version https://git-lfs.github.com/spec/") else "")   # as one, data/formats.py)
+                if raw.startswith("version https://git-lfs.github.com/spec/") else   # as one, data/formats.py)
+                "; a CSV or TSV file's header row? name the file .csv or .tsv: its name says how it is read (as "
+                "records, a row each: data/tables.py)" if n == 1 and ("," in raw or "\t" in raw) and
+                not raw.lstrip().startswith(("{", "[")) else "")
         raise line_error(path, n, f"not valid JSON ({e.msg} at column {e.pos + 1}{end}){hint}") from None
     rec = _normalise(obj, path, n)
     if SURROGATE_ESCAPE.search(raw):   # json.loads keeps a lone half; the tokenizer would raise a TypeError

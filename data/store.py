@@ -7,13 +7,15 @@ Contract:
   --data-workers, `data_workers`), when the first chunk's pace says the rest would take `POOL_SECONDS` or more, the
   rest go to a pool of that many spawned processes (a chat template renders in Python: 2-7 ms a record), taken back
   in order: the same samples, stats and first error as one process.
-- `cache_key(data_sha256, tokenizer, max_len, day, long_text, all_targets)`: a sha256 over the data file's
-  (`file_sha256`), the tokenizer's directory (every file but weights), its effective chat template and class, max_len,
-  long_text (what a text record longer than it becomes: --long-text), --train-on-prompt when set (`all_targets`), the
-  source of the modules that turn records into tokens (`SOURCES`: data/jsonl.py and its formats.py (a file's forms),
-  records.py, sharegpt.py and alpaca.py (a line's record), tokens.py and its token_stats.py (the stats kept beside
-  the tokens) and load.py (a file's tokens through this cache), chat.py and its chat_render.py, chat_turn.py and
-  chat_spans.py, templates.py, samples.py, this file),
+- `cache_key(data_sha256, tokenizer, max_len, day, long_text, all_targets, read_as)`: a sha256 over the data file's
+  (`file_sha256`) and how its name says to read it (`read_as`: "," or a tab for a CSV or TSV file, data/tables.py;
+  the same bytes named .tsv are other records), the tokenizer's directory (every file but weights), its effective
+  chat template and class, max_len, long_text (what a text record longer than it becomes: --long-text),
+  --train-on-prompt when set (`all_targets`), the source of the modules that turn records into tokens (`SOURCES`:
+  data/jsonl.py and its formats.py (a file's forms) and tables.py (CSV and TSV rows), records.py, sharegpt.py and
+  alpaca.py (a line's record), tokens.py and its token_stats.py (the stats kept beside the tokens) and load.py (a
+  file's tokens through this cache), chat.py and its chat_render.py, chat_turn.py and chat_spans.py, templates.py,
+  samples.py, this file),
   the transformers, tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the
   day (`today()` unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date"
   line), the date such a template renders (data/templates.py's `on_day`).
@@ -52,8 +54,9 @@ LOG_SECONDS = 10.0
 WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
 # the code that decides a record's tokens
-SOURCES = ("jsonl.py", "formats.py", "records.py", "sharegpt.py", "alpaca.py", "tokens.py", "token_stats.py", "load.py",
-           "chat.py", "chat_render.py", "chat_turn.py", "chat_spans.py", "templates.py", "store.py", "samples.py")
+SOURCES = ("jsonl.py", "formats.py", "tables.py", "records.py", "sharegpt.py", "alpaca.py", "tokens.py",
+           "token_stats.py", "load.py", "chat.py", "chat_render.py", "chat_turn.py", "chat_spans.py", "templates.py",
+           "store.py", "samples.py")
 
 
 def _chars(r: dict) -> int:
@@ -170,7 +173,7 @@ def today() -> str:
 
 
 def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
-              long_text: str | None = None, all_targets: bool = False) -> str | None:
+              long_text: str | None = None, all_targets: bool = False, read_as: str | None = None) -> str | None:
     """The sha256 a cached file is named by (see the module docstring), or None without a tokenizer directory."""
     import jinja2
     import tokenizers
@@ -187,7 +190,8 @@ def cache_key(data_sha256: str, tokenizer, max_len: int, day: str | None = None,
     for part in (f"max_len={max_len}", f"long_text={long_text or LONG_TEXT[0]}", type(tokenizer).__name__,
                  json.dumps(template, sort_keys=True), transformers.__version__, tokenizers.__version__,
                  jinja2.__version__, f"ignore={IGNORE_INDEX}", (day or today()) if dated(template) else "",
-                 *(["targets=all"] if all_targets else [])):   # (--train-on-prompt; off: no part)
+                 *(["targets=all"] if all_targets else []),   # (--train-on-prompt; off: no part)
+                 *([f"read_as={read_as!r}"] if read_as else [])):   # (a CSV's or TSV's delimiter; JSON: no part)
         h.update(part.encode() + b"\0")
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())

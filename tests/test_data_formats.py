@@ -1,9 +1,11 @@
-"""data/formats.py: the same records read from compressed JSONL, a zip of one file, one JSON array and Parquet.
+"""data/formats.py: the same records read from compressed JSONL, a zip of one file, one JSON array, Parquet, and CSV
+and TSV (data/tables.py).
 
 Pins that every form gives the samples JSONL text gives through train.py's loading path (data/load.py's
 `load_samples`), that a bad record is named by its line, record or row, that a compressed file cut short is an error
 naming it, and Parquet's null rule (a key only some rows or messages have). The files are written by the standard
-library, `zstandard` and `pyarrow` (references nobody here wrote); JSONL text, read as before, is the reference.
+library (`csv` writes the tables), `zstandard` and `pyarrow` (references nobody here wrote); JSONL text, read as
+before, is the reference.
 
 Run: .venv/bin/python -m pytest -q tests/test_data_formats.py
 """
@@ -250,6 +252,182 @@ def test_a_run_on_gzip_equals_the_run_on_its_jsonl(assets, tmp_path):
     gz.write_bytes(gzip.compress(open(assets["data"], "rb").read()))
     losses = []
     for data in (assets["data"], str(gz)):
+        out = str(tmp_path / f"out{len(losses)}")
+        with one_thread():
+            train.main(train_argv(assets, out, "--data", data, "--steps", "2"))
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            losses.append([json.loads(line)["loss"] for line in f])
+    assert len(losses[0]) == 2 and losses[1] == losses[0], losses
+
+
+# --- CSV and TSV (data/tables.py): Python's csv module writes the files, the same records as JSONL are the reference
+
+LONG = "A long-context document, over the csv module's 128 KiB cell limit. " * 2400   # (~160K characters)
+TABLE = [({"text": "A document, with commas, \"quotes\"\nand a second line;\ttab."}, {}),
+         ({"prompt": "Name a colour,\r\nplease:", "completion": " green"}, {}),
+         ({"instruction": "Add the numbers", "input": "1, 2", "output": "3"}, {}),
+         ({"instruction": "Say hi", "input": "", "output": "Hi \"there\"!"}, {}),   # (Alpaca's empty input)
+         ({"messages": MSGS}, {"messages": json.dumps(MSGS, ensure_ascii=False)}),   # (a cell of JSON)
+         ({"text": LONG}, {}),
+         ({"text": "The last, é à ü 🙂"}, {})]
+COLUMNS = ["text", "prompt", "completion", "instruction", "input", "output", "messages"]
+
+
+def write_table(path, rows, sep=",", bom=False, newline="\r\n", columns=COLUMNS):
+    """`rows` ({column: cell}) as a CSV or TSV file by Python's csv module, a column's cell empty where a row has none;
+    gzip-compressed or zipped as the name says."""
+    import csv
+    import io
+
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, columns, delimiter=sep, lineterminator=newline, restval="")
+    w.writeheader()
+    w.writerows(rows)
+    raw = (codecs.BOM_UTF8 if bom else b"") + f.getvalue().encode()
+    if path.suffix == ".zip":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("train/d" + (".tsv" if sep == "\t" else ".csv"), raw)
+    else:
+        path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return path
+
+
+def test_csv_and_tsv_give_the_samples_of_their_jsonl(tmp_path, tok, monkeypatch):
+    """Text, prompt/completion, Alpaca (an empty "input" cell: no input) and messages rows mixed in one file (a row's
+    empty cells are no keys), cells holding the delimiter, quotes, line breaks (CRLF in one), a tab, and one over 128
+    KiB: through load_samples (with the token cache), the ids, labels, row numbers and stats of the same records as
+    JSONL; as CSV and TSV, LF and CRLF, with a byte-order mark, gzip-compressed and zipped, and with 7-byte reads."""
+    import csv
+
+    import data.formats
+
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in TABLE), encoding="utf-8")
+    rows = [{**r, **cells} for r, cells in TABLE]
+    files = {"csv": write_table(tmp_path / "d.csv", rows),
+             "tsv": write_table(tmp_path / "d.tsv", rows, sep="\t"),
+             "csv, LF, BOM": write_table(tmp_path / "bom.CSV", rows, bom=True, newline="\n"),
+             "tsv, BOM": write_table(tmp_path / "bom.tsv", rows, sep="\t", bom=True),
+             "csv.gz": write_table(tmp_path / "d.csv.gz", rows),
+             "zip of a tsv": write_table(tmp_path / "d.zip", rows, sep="\t")}
+    limit = csv.field_size_limit()
+    ref, ref_stats = load_samples(jl, tok, 256, len(tok))
+    assert ref_stats.records == len(TABLE) and ref_stats.split == 1   # (the long document: windows of 256)
+    want = load_jsonl(jl)
+    for small in (False, True):
+        if small:
+            monkeypatch.setattr(data.formats, "CHUNK", 7)
+        for form, path in files.items():
+            assert load_jsonl(path) == want, (form, small)
+            assert data.formats.unit(path) == "row", form
+            cache = str(tmp_path / f"cache{small}")
+            for _ in range(2):   # tokenized, then read from the cache
+                got, stats = load_samples(path, tok, 256, len(tok), cache=cache)
+                assert stats == ref_stats, (form, small)
+                assert torch.equal(got.sample_lines(), ref.sample_lines()), (form, small)
+                for a, b in zip(got, ref):
+                    assert torch.equal(a["input_ids"], b["input_ids"]), (form, small)
+                    assert torch.equal(a["labels"], b["labels"]), (form, small)
+    assert csv.field_size_limit() == limit   # (process-global: raised only while our rows are parsed)
+
+
+def test_a_table_named_csv_that_holds_json_is_read_as_json_and_a_cell_limit_is_kept_for_other_code(tmp_path):
+    """The bytes first: JSONL or a JSON array named .csv reads as the JSON it is. csv.field_size_limit is
+    process-global: another reader parsing between our rows keeps its own limit (a cell over it is its error)."""
+    import csv
+    import io
+
+    from data.jsonl import iter_jsonl
+
+    records = [{"text": "a, b"}, {"prompt": "p", "completion": " c"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "lines.csv").write_text("\n" + "".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "array.tsv").write_text(json.dumps(records))
+    want = load_jsonl(tmp_path / "d.jsonl")
+    assert load_jsonl(tmp_path / "lines.csv") == [{**r, "line": r["line"] + 1} for r in want]
+    assert load_jsonl(tmp_path / "array.tsv") == want
+    write_table(tmp_path / "long.csv", [{"text": LONG}, {"text": "short"}], columns=["text"])
+    it = iter_jsonl(tmp_path / "long.csv")
+    assert next(it)["text"] == LONG
+    with pytest.raises(csv.Error, match="field larger than field limit"):   # (between our rows: the default limit)
+        list(csv.reader(io.StringIO(f'"{LONG}"')))
+    assert next(it)["text"] == "short"
+
+
+def test_a_bad_table_is_named_by_its_row_and_line(tmp_path):
+    """Each error names the file, the row (from 1 under the header) and its line, at the first record's read
+    (train.py's start-up check reads it: parallel/preflight.py) when the header or the first row is wrong."""
+    from data.pairs import check_first
+
+    h = "instruction,input,output\r\n"
+    for name, text, said in (
+            ("empty.csv", "", r" is empty: a CSV file's first row names its columns"),
+            ("blank.csv", "\n\r\n", r" is empty"),
+            ("header.csv", h + "\r\n", r": a header row \('instruction,input,output'\) and no row under it"),
+            ("dup.csv", "text,prompt,text\na,b,c\n", r", its header \(line 1\): column 3 is 'text', a name it repeats"),
+            ("nameless.tsv", "text\t\ta\tb\t\n", r", its header \(line 1\): column 2 is '', empty"),
+            ("spaced.csv", "instruction, input, output\na,b,c\n", r", its header \(line 1\): column 2 is ' input', a "
+                                                                  "space around it"),
+            ("more.csv", h + 'a,"b\nc",d,e\r\n', r", row 1 \(lines 2-3\): 4 cells, and the header has 3"),
+            ("fewer.tsv", "text\tx\na\tb\nc\n", r", row 2 \(line 3\): 1 cells, and the header has 2 .*a tab"),
+            ("open.csv", h + 'a,b,c\r\n\r\nd,"e\r\nf,g\r\n', r", row 2 \(lines 4-5\): not valid CSV \(the file ends "
+                                                             "inside a quoted cell"),
+            ("after.csv", h + 'a,"b"c,d\r\n', r", row 1 \(line 2\): not valid CSV \(',' expected after '\"'"),
+            ("cells.csv", h + "a,b,c\n,,\n", r", row 2 \(line 3\): every cell is empty"),
+            ("latin1.csv", (h + "caf\xe9,,ok\n").encode("latin-1"), r", row 1: not UTF-8 \(.* of line 2\).*CSV UTF-8"),
+            ("repr.csv", "messages\n\"[{'role': 'user', 'content': 'hi'}]\"\n",
+             r", row 1 \(line 2\): the 'messages' cell is not JSON .*Python's repr.*orient='records', lines=True"),
+            ("notjson.csv", "messages\nhello\n", r", row 1 \(line 2\): the 'messages' cell is not JSON"),
+            ("noanswer.csv", h + "a,b,c\nd,e,\n", r", row 2: has none of .*\"instruction\""),   # (parse_record's)
+            ("toolong.csv", 'text\n"' + "x" * 200 + "\n", None)):
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        if said is None:   # a quote never closed in a large file: stopped at the cell limit, not the file's end
+            import data.tables
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(data.tables, "FIELD_LIMIT", 100)
+                with pytest.raises(DataError, match=rf"^{path}, row 1 \(line 2\): not valid CSV \(a cell longer than "
+                                                    r"100 characters: a quote \(\"\) opened and never closed\?"):
+                    load_jsonl(path)
+            continue
+        with pytest.raises(DataError, match=rf"^{path}{said}"):
+            load_jsonl(path)
+        if "row 2" not in said:   # (the header and the first row: read at start-up)
+            with pytest.raises(DataError, match=rf"^{path}{said}"):
+                check_first(str(path), "--data", "sft")
+
+
+def test_the_same_bytes_named_csv_and_tsv_are_cached_apart(tmp_path, tok):
+    """The token cache is keyed by the file's bytes, and a table's name says how they split: a file that reads as
+    CSV and as TSV, to other texts, must not take the other's cached tokens."""
+    raw = b"text\tx,text\na\tb,c\n"   # CSV: columns "text\tx" and "text" (text "c"); TSV: "text" and "x,text" ("a")
+    (tmp_path / "d.csv").write_bytes(raw)
+    (tmp_path / "d.tsv").write_bytes(raw)
+    assert [r["text"] for r in load_jsonl(tmp_path / "d.csv")] == ["c"]
+    assert [r["text"] for r in load_jsonl(tmp_path / "d.tsv")] == ["a"]
+    fresh, _ = load_samples(tmp_path / "d.tsv", tok, 64, len(tok))
+    load_samples(tmp_path / "d.csv", tok, 64, len(tok), cache=str(tmp_path / "cache"))
+    got, _ = load_samples(tmp_path / "d.tsv", tok, 64, len(tok), cache=str(tmp_path / "cache"))
+    assert torch.equal(got[0]["input_ids"], fresh[0]["input_ids"])
+
+
+def test_a_csv_of_any_other_name_is_named_in_the_json_error(tmp_path):
+    path = tmp_path / "alpaca.txt"
+    path.write_text("instruction,input,output\na,,b\n")
+    with pytest.raises(DataError, match=rf"^{path}, line 1: not valid JSON .*; a CSV or TSV file's header row\? name "
+                                        "the file .csv or .tsv"):
+        load_jsonl(path)
+
+
+def test_a_run_on_csv_equals_the_run_on_its_jsonl(assets, tmp_path):
+    """train.py, 1 process, 2 steps: --data d.csv (a "messages" column of JSON cells, written by csv) trains the losses
+    --data d.jsonl trains."""
+    import train
+
+    rows = [{"messages": json.dumps(json.loads(line)["messages"])} for line in open(assets["data"]) if line.strip()]
+    path = write_table(tmp_path / "chat.csv", rows, columns=["messages"])
+    losses = []
+    for data in (assets["data"], str(path)):
         out = str(tmp_path / f"out{len(losses)}")
         with one_thread():
             train.main(train_argv(assets, out, "--data", data, "--steps", "2"))
