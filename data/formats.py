@@ -21,139 +21,27 @@ Contract:
   nulls). So a row's null values are dropped at every depth (`drop_nulls`), but for a message's "content" (ShareGPT's
   "value"), where null is said in JSON too: OpenAI's turn that only calls tools. A null in a list stays.
 - A compressed file cut short or corrupt is a DataError naming the file, what is wrong and the last whole record,
-  raised when reached. A file of several streams (bzip2's, xz's; zstd's frames) is read to its last, zero bytes
-  between them skipped; anything else past a stream is corrupt (`_streams`). `check(p, head, flag)` is
-  data/jsonl.py's start-up look at a packed file (the zip's directory, the Parquet footer, the package there).
+  raised when reached. The bytes themselves, decompressed, come from data/packed.py (several streams, a zip's one
+  file, the start-up `check` of a packed file).
 """
 
 from __future__ import annotations
 
-import bz2
 import codecs
-import contextlib
 import functools
-import gzip
 import json
-import lzma
 import os
 import re
 import zipfile
-import zlib
 from pathlib import Path
 
+from data import packed
 from data.jsonl import DataError
+from data.packed import BROKEN, chunks, kind, member, need
 from data.tables import delimiter, rows
 
-CHUNK = 1 << 20   # bytes of the file (decompressed) a read takes
 ROWS = 1024       # Parquet rows converted to dicts at a time
-MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
-         (b"PK\x03\x04", "zip"), (b"PAR1", "Parquet"))
-STREAMS = {"bzip2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor}   # (gzip.open: strict past a stream already)
 SPACE = re.compile(r"[ \t\n\r]*")   # JSON's whitespace
-BROKEN = (EOFError, OSError, zlib.error, lzma.LZMAError, zipfile.BadZipFile)   # (+ zstandard's ZstdError when used)
-
-
-def kind(head: bytes) -> str | None:
-    return next((k for magic, k in MAGIC if head.startswith(magic)), None)
-
-
-def _need(module: str, pip: str, p: Path, what: str):
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DataError(f"{p} is {what}, which needs the {pip} package to be read: pip install {pip} (make install "
-                        "installs it)") from None
-
-
-def _member(z: zipfile.ZipFile, p: Path) -> zipfile.ZipInfo:
-    files = [i for i in z.infolist() if not i.is_dir() and not i.filename.startswith("__MACOSX/")]
-    if len(files) != 1:
-        names = ", ".join(i.filename for i in files[:8]) + (", ..." if len(files) > 8 else "")
-        raise DataError(f"{p} is a zip archive of {len(files)} files ({names or 'none'}): it is read when it holds "
-                        f"one; extract it (unzip {p}) and pass its data file (--data takes several)")
-    f = files[0]   # (zipfile reads these methods, and no encrypted file: Windows' own zip deflate64s large files)
-    if f.flag_bits & 1 or f.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2,
-                                                  zipfile.ZIP_LZMA):
-        how = "encrypted" if f.flag_bits & 1 else \
-            f"compressed by {zipfile.compressor_names.get(f.compress_type, f'method {f.compress_type}')}"
-        raise DataError(f"{p}: its file {f.filename} is {how}, which Python's zipfile cannot read: extract it "
-                        f"(unzip {p}) and pass that file")
-    return f
-
-
-def check(p: Path, head: bytes, flag: str) -> None:
-    """Start-up: a packed file can be read (its package is here; a zip holds one file; a Parquet footer reads)."""
-    k = kind(head)
-    try:
-        if k == "zstd":
-            _need("zstandard", "zstandard", p, "zstd-compressed")
-        elif k == "zip":
-            with zipfile.ZipFile(p) as z:
-                _member(z, p)
-        elif k == "Parquet":
-            _need("pyarrow.parquet", "pyarrow", p, "a Parquet file").ParquetFile(p).close()
-    except DataError as e:
-        raise DataError(f"{flag} {e}") from None
-    except Exception as e:   # (a zip or Parquet file cut short: its directory or footer is at the end)
-        raise DataError(f"{flag} {p} is a {k} file that cannot be read ({type(e).__name__}: {e}): cut short or "
-                        "corrupt? fetch or write it again") from None
-
-
-def _zstd(f, p: Path):
-    zstd = _need("zstandard", "zstandard", p, "zstd-compressed")
-    d = None
-    while chunk := f.read(CHUNK):
-        while chunk:   # (frames one after another: each ends its decompressor, and what follows starts the next)
-            d = zstd.ZstdDecompressor().decompressobj() if d is None or d.eof else d
-            yield d.decompress(chunk)
-            chunk = d.unused_data if d.eof else b""
-    if d is None or not d.eof:
-        raise EOFError("the zstd stream ended before its end-of-frame marker")
-
-
-def _streams(f, new):
-    """bzip2's or xz's streams one after another (pbzip2, `cat a.xz b.xz`), each decompressed as read, CHUNK bytes of
-    output at most at a time: Python's BZ2File and LZMAFile take the first bytes past a stream that start no stream
-    for trailing garbage and stop there, so xz's stream padding (zero bytes) or a corrupt header lost every stream
-    after it without a word. Zero bytes between streams are skipped (as gzip's reader does); anything else is the
-    decompressor's error, raised."""
-    d = new()
-    while True:
-        if d.eof:
-            rest = d.unused_data.lstrip(b"\0")
-            while not rest and (c := f.read(CHUNK)):
-                rest = c.lstrip(b"\0")
-            if not rest:
-                return
-            d, data = new(), rest
-        elif d.needs_input:
-            if not (data := f.read(CHUNK)):
-                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
-        else:
-            data = b""   # (output held back by the CHUNK cap)
-        if out := d.decompress(data, CHUNK):
-            yield out
-
-
-def _chunks(p: Path, k: str | None):
-    """The file's bytes, decompressed, a chunk at a time."""
-    with contextlib.ExitStack() as stack:
-        if k == "zip":
-            z = stack.enter_context(zipfile.ZipFile(p))
-            f = stack.enter_context(z.open(_member(z, p)))
-        else:
-            f = stack.enter_context(gzip.open(p, "rb") if k == "gzip" else p.open("rb"))
-        if k in ("zstd", *STREAMS):
-            yield from _zstd(f, p) if k == "zstd" else _streams(f, STREAMS[k])
-            return
-        first = True
-        while chunk := f.read1(CHUNK):   # (read1: what decompressed before a cut is yielded before the error)
-            if first and k == "zip" and (inner := kind(chunk)):
-                raise DataError(f"{p}: the file it holds is {inner}, not JSONL or a JSON array: extract it "
-                                f"(unzip {p}) and pass that file")
-            first = False
-            yield chunk
 
 
 def _lines(chunks):
@@ -178,7 +66,7 @@ def _elements(chunks, head: bytes, p: Path):
     def more():   # at least as much again as is left (a huge element is parsed a few times, not once a chunk)
         nonlocal s, i, done
         got, size = [], 0
-        while not done and size < max(CHUNK, len(s) - i):
+        while not done and size < max(packed.CHUNK, len(s) - i):
             c = next(chunks, None)
             done = c is None
             got.append(utf8.decode(c or b"", final=done))
@@ -233,7 +121,7 @@ def drop_nulls(x):
 
 
 def _rows(p: Path):
-    pq = _need("pyarrow.parquet", "pyarrow", p, "a Parquet file")
+    pq = need("pyarrow.parquet", "pyarrow", p, "a Parquet file")
     n = 0
     with pq.ParquetFile(p) as f:
         for batch in f.iter_batches(batch_size=ROWS):
@@ -260,25 +148,25 @@ def table(p: Path, k: str | None = None) -> str | None:
             k = kind(f.read(8))
     if k == "zip" and not delimiter(p.name):
         with zipfile.ZipFile(p) as z:
-            return delimiter(Path(_member(z, p).filename).name)
+            return delimiter(Path(member(z, p).filename).name)
     return None if k == "Parquet" else delimiter(p.name)
 
 
 def _text(p: Path, k: str | None):
-    chunks = _chunks(p, k)
-    head = _head(chunks)
+    parts = chunks(p, k)
+    head = _head(parts)
     first = head.removeprefix(codecs.BOM_UTF8).lstrip()[:1]
     if first not in (b"[", b"{") and (sep := table(p, k)):
-        yield from rows(p, _lines(c for part in ([head], chunks) for c in part), sep)
+        yield from rows(p, _lines(c for part in ([head], parts) for c in part), sep)
         return
     if first == b"[":
         try:
-            yield from _elements(chunks, head.removeprefix(codecs.BOM_UTF8), p)
+            yield from _elements(parts, head.removeprefix(codecs.BOM_UTF8), p)
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: a JSON array that is not UTF-8 ({e.reason}); write it as UTF-8") from None
         return
     from data.jsonl import line_error
-    for n, raw in enumerate(_lines(c for part in ([head], chunks) for c in part), start=1):
+    for n, raw in enumerate(_lines(c for part in ([head], parts) for c in part), start=1):
         try:
             yield n, raw.decode("utf-8-sig" if n == 1 else "utf-8")   # a byte-order mark (Windows editors)
         except UnicodeDecodeError as e:
@@ -291,8 +179,8 @@ def units(path: str | Path):
     p = Path(path)
     with p.open("rb") as f:
         k = kind(f.read(8))
-    broken = BROKEN + ((_need("zstandard", "zstandard", p, "zstd-compressed").ZstdError,) if k == "zstd" else
-                       (_need("pyarrow", "pyarrow", p, "a Parquet file").ArrowException,) if k == "Parquet" else ())
+    broken = BROKEN + ((need("zstandard", "zstandard", p, "zstd-compressed").ZstdError,) if k == "zstd" else
+                       (need("pyarrow", "pyarrow", p, "a Parquet file").ArrowException,) if k == "Parquet" else ())
     it, n = _rows(p) if k == "Parquet" else _text(p, k), 0
     while True:
         try:
@@ -315,7 +203,7 @@ def _unit(path: str, _stamp: tuple) -> str:
             k = kind(f.read(8))
         if k == "Parquet":
             return "row"
-        first = _head(_chunks(Path(path), k)).removeprefix(codecs.BOM_UTF8).lstrip()[:1]
+        first = _head(chunks(Path(path), k)).removeprefix(codecs.BOM_UTF8).lstrip()[:1]
         return "record" if first == b"[" else "line" if first == b"{" or not table(Path(path), k) else "row"
     except Exception:
         pass

@@ -13,7 +13,7 @@ Contract:
   `where(path, n)`); a pair to `{"line": n, "pair": [chosen, rejected]}`, each side one of the records above.
   `iter_jsonl(path)` yields them one record read at a time (the start-up check of a file's first record reads one).
 - `check_file(path, flag)`: a cheap start-up check that `path` is a readable file (not a directory or a pipe), and
-  that a packed one can be read (data/formats.py's `check`: its package installed, a zip of one file).
+  that a packed one can be read (data/packed.py's `check`: its package installed, a zip of one file).
 - Any malformed line raises `DataError` (a `ValueError`) naming the file, the line number, what is
   wrong and what a valid line looks like. A missing file raises `DataError` naming the path.
   Nothing is skipped silently: a typo in one line of a 100k-line file should stop the run before
@@ -49,8 +49,8 @@ def line_error(path: str | Path, line: int, problem: str, valid: str = VALID_LIN
 
 def check_file(path: str | Path, flag: str = "data file") -> Path:
     """A cheap start-up check: `path` is a readable file, else a DataError naming `flag` and the fix; a compressed
-    file, a zip or a Parquet file is looked into as far as data/formats.py's `check` says."""
-    from data.formats import check
+    file, a zip or a Parquet file is looked into as far as data/packed.py's `check` says."""
+    from data.packed import check
 
     p = Path(path)
     if not p.is_file():

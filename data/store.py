@@ -12,10 +12,10 @@ Contract:
   the same bytes named .tsv are other records), the tokenizer's directory (every file but weights), its effective
   chat template and class, max_len, long_text (what a text record longer than it becomes: --long-text),
   --train-on-prompt when set (`all_targets`), the source of the modules that turn records into tokens (`SOURCES`:
-  data/jsonl.py and its formats.py (a file's forms) and tables.py (CSV and TSV rows), records.py, sharegpt.py and
-  alpaca.py (a line's record), tokens.py and its token_stats.py (the stats kept beside the tokens) and load.py (a
-  file's tokens through this cache), chat.py and its chat_render.py, chat_turn.py and chat_spans.py, templates.py,
-  samples.py, this file),
+  data/jsonl.py and its formats.py (a file's forms), packed.py (its bytes, decompressed) and tables.py (CSV and TSV
+  rows), records.py, sharegpt.py and alpaca.py (a line's record), tokens.py and its token_stats.py (the stats kept
+  beside the tokens) and load.py (a file's tokens through this cache), chat.py and its chat_render.py, chat_turn.py
+  and chat_spans.py, templates.py, samples.py, this file),
   the transformers, tokenizers and jinja2 (it renders the templates) versions and the labels' IGNORE_INDEX; and the
   day (`today()` unless given) for a template that writes it (`strftime_now`: Llama 3.2's and 3.3's "Today Date"
   line), the date such a template renders (data/templates.py's `on_day`).
@@ -54,7 +54,7 @@ LOG_SECONDS = 10.0
 WAIT = datetime.timedelta(hours=24)   # the longest the other ranks wait for a machine's first rank to tokenize
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
 # the code that decides a record's tokens
-SOURCES = ("jsonl.py", "formats.py", "tables.py", "records.py", "sharegpt.py", "alpaca.py", "tokens.py",
+SOURCES = ("jsonl.py", "formats.py", "packed.py", "tables.py", "records.py", "sharegpt.py", "alpaca.py", "tokens.py",
            "token_stats.py", "load.py", "chat.py", "chat_render.py", "chat_turn.py", "chat_spans.py", "templates.py",
            "store.py", "samples.py")
 

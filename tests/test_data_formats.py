@@ -75,13 +75,14 @@ def test_every_form_gives_the_samples_of_its_jsonl(tmp_path, tok, monkeypatch):
     same stats, for every form; and again with the reads cut to 7 bytes (array elements and UTF-8 characters split
     across reads)."""
     import data.formats
+    import data.packed
 
     files = write_forms(tmp_path, RECORDS)
     ref, ref_stats = load_samples(files["jsonl"], tok, 256, len(tok))
     assert len(ref) == ref_stats.records == len(RECORDS)
     for small in (False, True):
         if small:
-            monkeypatch.setattr(data.formats, "CHUNK", 7)
+            monkeypatch.setattr(data.packed, "CHUNK", 7)
         for form, path in files.items():
             cache = str(tmp_path / f"cache{small}")
             for _ in range(2):   # tokenized, then read from the cache
@@ -119,6 +120,7 @@ def test_a_json_array_read_in_any_pieces_is_json_loads_of_it(tmp_path, monkeypat
     reference), a number cut at its "." or "e+" included (read as "1" it was another record, then "expected , or ]"),
     and after a byte-order mark cut by the reads (its first byte alone was taken for the start of a JSONL line)."""
     import data.formats
+    import data.packed
 
     text = ('[1.5e+3 , -0.0,{"a": [1e-2, {"b": "\\ud83d\\ude00 \\" é€😀\\n"}], "c": null} ,\n 12.25,2E-2, true,'
             '"x\\u00e9", [[], {}], false]')
@@ -126,7 +128,7 @@ def test_a_json_array_read_in_any_pieces_is_json_loads_of_it(tmp_path, monkeypat
     for bom in (b"", codecs.BOM_UTF8):
         path.write_bytes(bom + text.encode())
         for chunk in range(1, len(text.encode()) + 2):
-            monkeypatch.setattr(data.formats, "CHUNK", chunk)
+            monkeypatch.setattr(data.packed, "CHUNK", chunk)
             got = [(n, json.loads(raw)) for n, raw in data.formats.units(path)]
             assert got == list(enumerate(json.loads(text), start=1)), (bom, chunk)
 
@@ -300,6 +302,7 @@ def test_csv_and_tsv_give_the_samples_of_their_jsonl(tmp_path, tok, monkeypatch)
     import csv
 
     import data.formats
+    import data.packed
 
     jl = tmp_path / "d.jsonl"
     jl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in TABLE), encoding="utf-8")
@@ -316,7 +319,7 @@ def test_csv_and_tsv_give_the_samples_of_their_jsonl(tmp_path, tok, monkeypatch)
     want = load_jsonl(jl)
     for small in (False, True):
         if small:
-            monkeypatch.setattr(data.formats, "CHUNK", 7)
+            monkeypatch.setattr(data.packed, "CHUNK", 7)
         for form, path in files.items():
             assert load_jsonl(path) == want, (form, small)
             assert data.formats.unit(path) == "row", form
