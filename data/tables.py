@@ -23,8 +23,9 @@ Contract:
   well start with "[INST]"). Blank lines are skipped; rows are numbered from 1 under the header ("row N", as
   Parquet's rows; a spreadsheet shows row N + 1), and errors add the file's line (a cell may span lines).
 - Errors, each a DataError naming the file, the row and its line: a header with an empty, repeated or space-padded
-  name; a row with more or fewer cells than the header; a row whose every cell is empty; a quote left open; text that
-  is not UTF-8 (Excel's "CSV" is not: its "CSV UTF-8" is); a JSON column's cell that is not JSON (Python's repr, as
+  name; a row with more or fewer cells than the header; a row whose every cell is empty; a row that is the header
+  again, a BOM aside (files joined with cat keep each part's: it trained as a record); a quote left open; text that is
+  not UTF-8 (Excel's "CSV" is not: its "CSV UTF-8" is); a JSON column's cell that is not JSON (Python's repr, as
   pandas' to_csv writes a list column, named with the command that writes JSONL); a file with no header, or a header
   and no row. Nothing is dropped without a word.
 """
@@ -120,6 +121,10 @@ def rows(p: Path, lines, sep: str):
             raise DataError(f"{p}, row {n} ({at}): {len(cells)} cells, and the header has {len(header)} "
                             f"({sep.join(header)!r}): a cell holding {'a tab' if sep == chr(9) else repr(sep)}, a "
                             "quote or a line break must be quoted (\"...\"), a quote in it doubled (\"\")")
+        if [cells[0].removeprefix("\ufeff"), *cells[1:]] == header:   # (a part's BOM too: in its first cell)
+            raise DataError(f"{p}, row {n} ({at}): the header row again ({sep.join(header)!r}): files joined (cat "
+                            "a.csv b.csv) keep each one's header, which would train as a record; delete it, or pass "
+                            "the files to --data one by one")
         rec = {k: v for k, v in zip(header, cells) if v != ""}
         if not rec:
             raise DataError(f"{p}, row {n} ({at}): every cell is empty, no record; delete the row")

@@ -400,6 +400,23 @@ def test_a_bad_table_is_named_by_its_row_and_line(tmp_path):
                 check_first(str(path), "--data", "sft")
 
 
+def test_a_table_whose_header_comes_again_is_refused_naming_the_row(tmp_path):
+    """CSV files joined (`cat part-*.csv`: Spark's and split exports' parts each have their header; Excel's a BOM too)
+    hold a header row among the records: it was read as one ({"prompt": "prompt", "completion": "completion"}, with a
+    BOM in its first cell) and trained on without a word, where the same join of JSONL files is refused (its BOM is not
+    JSON). Each form, CSV and TSV, gzip-compressed too, names the row, its line and the fix (review, helper 116)."""
+    for name, part in (("joined.csv", "prompt,completion\r\nq,a\r\n"), ("joined.tsv.gz", "text\nfirst\n")):
+        for bom in (b"", codecs.BOM_UTF8):
+            path = tmp_path / name
+            raw = (bom + part.encode()) * 2
+            path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+            with pytest.raises(DataError, match=rf"^{path}, row 2 \(line 3\): the header row again "
+                                                r"\('(prompt,completion|text)'\): files joined \(cat a.csv b.csv\)"):
+                load_jsonl(path)
+    (tmp_path / "named.csv").write_text("text\nprompt\n")   # (a cell that is another column's name: a record)
+    assert load_jsonl(tmp_path / "named.csv") == [{"line": 1, "text": "prompt"}]
+
+
 def test_the_same_bytes_named_csv_and_tsv_are_cached_apart(tmp_path, tok):
     """The token cache is keyed by the file's bytes, and a table's name says how they split: a file that reads as
     CSV and as TSV, to other texts, must not take the other's cached tokens."""
