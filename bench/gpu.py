@@ -44,6 +44,10 @@ Cases (sized from an H200 run of 2026-11-30: each 32k row of ours ~45 s with its
   use_dora, its own process): what DoRA costs each, and ours against peft's at it.
 - norms = 32,768 tokens, 8 layers: ours, "ours+norms" (--train-norms) and "ours+norms+emb" (with --train-embeddings):
   what training the RMSNorm weights, and the input embedding, costs.
+- sft = 32,768 tokens, 8 layers: ours, "ours+neftune" (--neftune-alpha 5), "ours+dft" (--sft-loss dft), hf, and
+  "hf+neftune" (the hf model with transformers' own NEFTune: the embedding forward hook Trainer registers for
+  neftune_noise_alpha 5, its activate_neftune on the peft model, in train mode; after the hf row, in its process,
+  and removed before a liger row): what NEFTune's hashed noise and DFT's weighting cost, and NEFTune against HF's.
 Any row runs in any case with --runs; "ours+fast" (--runs only) is train.py --fast: the flags it picks for this
 device (95% of it), read back from the run's config.json for the plan comparison.
 Every "ours" row also prints its peak against the planner's for the same flags (on CUDA allocated bytes against the
@@ -83,7 +87,8 @@ default_allocator()   # every row (ours, and the peers in their subprocess) with
 import torch
 
 CASES = {"32k": (32768, None), "128k": (131072, 8), "mem": (131072, 8), "fast": (32768, None),
-         "long": (524288, 8), "dora": (32768, 8), "norms": (32768, 8)}   # tokens, layers (None: all)
+         "long": (524288, 8), "dora": (32768, 8), "norms": (32768, 8), "sft": (32768, 8)}   # tokens, layers (None: all)
+NEFTUNE_ALPHA = 5   # "ours+neftune"'s --neftune-alpha and "hf+neftune"'s neftune_noise_alpha (the paper's usual 5)
 # our runs with other flags: selective AC (--ac-keep-attn, a speed flag), the long-context memory flags (what
 # each costs in tokens/s at 128k), and the long case
 FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--tiled-mlp", "--ac-keep-attn"],
@@ -106,8 +111,13 @@ FLAG_ROWS = {"ours+keep-attn": ["--ac-keep-attn"], "ours+tiled+keep-attn": ["--t
             "ours+dpo-prompt-shared": ["--objective", "dpo", "--dpo-share-prompt"],
             "ours+dora": ["--dora"],   # DoRA, against "hf+dora": HF + bitsandbytes + peft's use_dora
             "ours+norms": ["--train-norms"],   # the RMSNorm weights trained too: what they cost
-            "ours+norms+emb": ["--train-norms", "--train-embeddings"]}   # and the input embedding (LongLoRA's)
-PEERS = ("hf", "liger", "hf+dora")   # rows of HF's model (bench's --peer process); hf+dora loads its own
+            "ours+norms+emb": ["--train-norms", "--train-embeddings"],   # and the input embedding (LongLoRA's)
+            # the SFT options: NEFTune's noise (~20 int64 passes over [tokens, hidden]) against "hf+neftune", and
+            # DFT's [c, 1] weighting in the fused loss
+            "ours+neftune": ["--neftune-alpha", str(NEFTUNE_ALPHA)], "ours+dft": ["--sft-loss", "dft"]}
+# rows of HF's model (bench's --peer process), in the order one process runs them: hf+neftune hooks the hf model's
+# embeddings and unhooks them before liger (whose patch stays); hf+dora loads its own
+PEERS = ("hf", "hf+neftune", "liger", "hf+dora")
 ROW_DATA = {"ours+dpo-prompt": "prompt_pairs", "ours+dpo-prompt-shared": "prompt_pairs",   # else DPO rows: "pairs"
             "ours+dpo-cached": "one_pair"}
 # "ours+fit-ac": --ac-blocks N with the planner's fewest N that fit this device (train.py --plan's "faster:")
@@ -123,7 +133,8 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
                          "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared"],
                 "long": ["ours+tiled+offload", "ours+tiled-attn"],
                 "dora": ["ours", "ours+dora", "hf", "hf+dora"],
-                "norms": ["ours", "ours+norms", "ours+norms+emb"]}
+                "norms": ["ours", "ours+norms", "ours+norms+emb"],
+                "sft": ["ours", "ours+neftune", "ours+dft", "hf", "hf+neftune"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
@@ -401,6 +412,7 @@ def peer_main(spec_path: str):
     """HF + bnb + peft (+ Liger) in this process; writes {row: result} next to the spec."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
     spec = json.load(open(spec_path))
     ids = json.load(open(spec["ids"]))
@@ -421,7 +433,11 @@ def peer_main(spec_path: str):
     model.train()   # from_pretrained returns eval mode, where HF skips gradient checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
     results = {}
+    probe = torch.tensor([ids[0][:8]], device=device)   # (a few tokens: does the embedding add noise in this row)
     for row in spec["rows"]:
+        # transformers' NEFTune as Trainer turns it on for neftune_noise_alpha: its forward hook on the peft model's
+        # input embeddings (noise in train mode only; the model is in it)
+        hook = activate_neftune(model, NEFTUNE_ALPHA) if row == "hf+neftune" else None
         if row == "liger":
             import liger_kernel.transformers as lk
             base = model.get_base_model()
@@ -441,6 +457,11 @@ def peer_main(spec_path: str):
             loss = loss.item()   # waits for the device
             times.append(time.perf_counter() - t0)
         results[row] = dict(times=times, peak_gb=peak_gb(device), loss=loss)
+        with torch.no_grad():   # (two lookups of the same tokens differ only under the noise)
+            emb = model.get_input_embeddings()
+            results[row]["embedding_noise"] = not torch.equal(emb(probe), emb(probe))
+        if hook is not None:   # (the rows after it, liger's, without the noise)
+            deactivate_neftune(model, hook)
         if cuda:   # the allocator's high-water mark too, as for our rows (what an out-of-memory error meets)
             results[row]["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
         del opt
@@ -542,7 +563,8 @@ def main(argv=None):
     ap.add_argument("--case", default="all", choices=[*CASES, "all"],
                     help="which case(s) to run (all: 32k and 128k; mem: 128k with the memory flags; fast: 32k with "
                     "the speed flags that spend memory; long: 512k tokens, ours with the memory flags; dora: "
-                    "--dora against peft's DoRA; norms: --train-norms' cost)")
+                    "--dora against peft's DoRA; norms: --train-norms' cost; sft: --neftune-alpha against HF's "
+                    "NEFTune, and --sft-loss dft)")
     ap.add_argument("--config", default=os.path.join(ROOT, "bench", "configs", "qwen2.5-7b"), help="config dir")
     ap.add_argument("--tokens", type=int, default=None, help="override the case's tokens per step")
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
@@ -593,7 +615,7 @@ def main(argv=None):
         runs = args.runs.split(",") if args.runs else (
             ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
              "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-             "ours+norms", "ours+norms+emb"]
+             "ours+norms", "ours+norms+emb", "ours+neftune", "ours+dft", "hf+neftune"]
             if smoke
             else DEFAULT_RUNS[name])
         work = os.path.join(args.work, name)
@@ -634,7 +656,7 @@ def main(argv=None):
         for row in ("ours", *PEERS):
             if row not in runs:
                 continue
-            if row in ("hf", "hf+dora") and tokens > 65536 and not args.runs:
+            if row.startswith("hf") and tokens > 65536 and not args.runs:   # (every HF row: the logits)
                 rows[row] = {"skipped": HF_128K_REASON}
             elif row == "liger" and why_liger:
                 rows[row] = {"skipped": why_liger}

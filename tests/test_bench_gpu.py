@@ -12,8 +12,11 @@ Pins:
   --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here), and
   "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row), "ours+orpo",
   "ours+dpo-cached" (one pair every step, its reference kept), "ours+dpo-prompt" and
-  "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens), and our rows carry the planner's
-  total for their flags and peak / planned, and step 1's peak per phase.
+  "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens), "ours+neftune" and "ours+dft" (the
+  dft row's logged loss DFT's, sg(p)·CE: far below CE at random init), "hf+neftune" (transformers' NEFTune hook on
+  the hf model: its embedding noises in that row alone, and a row after it in the same process, liger's on a GPU,
+  runs unhooked), and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per
+  phase.
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
@@ -105,9 +108,10 @@ def test_smoke_mode_writes_results(tmp_path):
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
                                    "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-cached",
                                    "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-                                   "ours+norms", "ours+norms+emb"])
+                                   "ours+norms", "ours+norms+emb", "ours+neftune", "ours+dft", "hf+neftune"])
     for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora", "ours+norms", "ours+norms+emb"):
+                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora", "ours+norms", "ours+norms+emb",
+                 "ours+neftune", "ours+dft", "hf+neftune"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -142,6 +146,21 @@ def test_smoke_mode_writes_results(tmp_path):
     assert shared["s_per_step"] > 0 and plain["s_per_step"] > 0, (plain, shared)
     assert plain["step_tokens"] == 128 and shared["step_tokens"] < 0.7 * plain["step_tokens"], (plain, shared)
     assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-4), (plain, shared)   # (the same pairs' DPO)
+    # the SFT options: NEFTune (ours, and transformers' hook on HF's embeddings in its row only) and DFT, whose logged
+    # loss sums sg(p)·(-log p): ~CE / vocab at random init, where the plain row logs CE (~log 2048)
+    assert rows["ours+neftune"]["flags"] == ["--neftune-alpha", "5"] and rows["ours+neftune"]["ratio"]["ours"] > 0
+    assert rows["ours+dft"]["flags"] == ["--sft-loss", "dft"], rows["ours+dft"]
+    assert rows["ours+dft"]["loss"] < 0.01 * rows["ours"]["loss"], (rows["ours+dft"], rows["ours"])
+    assert [rows[n]["embedding_noise"] for n in ("hf", "hf+neftune", "hf+dora")] == [False, True, False], rows
+    assert rows["hf+neftune"]["ratio"]["hf"] > 0 and rows["ours+neftune"]["ratio"]["hf+neftune"] > 0, rows
+    # a row after hf+neftune in its process (liger's on a GPU, skipped here) runs with the hook removed
+    spec = dict(ckpt=str(tmp_path / "work" / "ckpt-2l"), ids=str(tmp_path / "ids.json"), steps=1, quant="none",
+                dtype="fp32", rows=["hf+neftune", "hf"], result=str(tmp_path / "peer.json"))
+    (tmp_path / "ids.json").write_text(json.dumps([list(range(300, 428))]))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    bench_gpu.peer_main(str(tmp_path / "spec.json"))
+    after = json.loads((tmp_path / "peer.json").read_text())
+    assert [after[n]["embedding_noise"] for n in ("hf+neftune", "hf")] == [True, False], after
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
@@ -195,6 +214,10 @@ def test_row_order_and_cap_checks():
         ["ours"], ["hf", "liger"], ["ours+fit-ac"], ["ours+fastest+compile"]]
     assert bench_gpu.run_order(["ours", "ours+dora"], ["hf", "hf+dora"]) == [   # (peft's DoRA: its own model)
         ["ours"], ["hf"], ["hf+dora"], ["ours+dora"]]
+    # hf+neftune hooks and unhooks hf's model in the peers' process: before liger, whose patch stays on the model
+    assert bench_gpu.run_order(["ours", "ours+neftune", "ours+dft"], ["hf", "hf+neftune", "liger"]) == [
+        ["ours"], ["hf", "hf+neftune", "liger"], ["ours+neftune"], ["ours+dft"]]
+    assert bench_gpu.PEERS.index("hf") < bench_gpu.PEERS.index("hf+neftune") < bench_gpu.PEERS.index("liger")
     assert bench_gpu.run_order(["ours", "ours+tiled"], []) == [["ours"], ["ours+tiled"]]
     for argv in (["--cap-gb", "0", "--case", "32k"], ["--cap-gb", "25"]):   # the default case is all
         with pytest.raises(SystemExit):
