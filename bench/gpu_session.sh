@@ -83,6 +83,15 @@
 #   against peft's at it, and that the --dora row trains (its loss beside the others').
 #   And --train-norms (2026-12-06, CPU only): BENCH='--case norms' (32k, 8 layers: ours, ours+norms; ~1 min): what
 #   training the norms costs (aten's fused RMSNorm backward now forms their gradient; tests/gpu pins it).
+#   And --neftune-alpha and --sft-loss dft (2026-12-06, CPU only): BENCH='--case sft' (32k, 8 layers: ours,
+#   ours+neftune, ours+dft, hf, hf+neftune with transformers' NEFTune hook, in hf's process; est. ~2.5-3 min by the
+#   dora/norms estimates: three rows of ours ~30 s each, one HF load with two rows ~60 s, setup ~15 s): what the
+#   hashed noise (~20 int64 passes over [tokens, hidden]) and DFT's weighting cost against plain ours, hf+neftune
+#   against hf, and ours+neftune against hf+neftune. With calls 1 and 2 at ~800-830 s of the 900 it does not fit
+#   beside them: a session with ~5 min to spare (the start included) runs it as its own call, TOTAL=240 TEST_S=0
+#   BENCH='--case sft' (timeout 260, the same carry: a cold demo build would eat ~60 s of it); one that runs dora,
+#   norms and sft together saves two plain rows with one list on their shared 32k x 8-layer shape: BENCH='--case sft
+#   --runs ours,ours+neftune,ours+dft,hf,hf+neftune,ours+dora,hf+dora,ours+norms' (~5 min).
 # The long case alone (524,288 tokens, 8 layers, one step per row; ~2.5 min a step):
 #   run(command="TEST_S=0 BENCH='--case long' bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
