@@ -19,7 +19,8 @@ Contract:
 - Parquet has no missing key, only null, and a struct column holds every key any row has (a row whose message lacks
   "weight" reads `"weight": None` because another row's has one; a tool schema gets another tool's properties as
   nulls). So a row's null values are dropped at every depth (`drop_nulls`), but for a message's "content" (ShareGPT's
-  "value"), where null is said in JSON too: OpenAI's turn that only calls tools. A null in a list stays.
+  "value"), where null is said in JSON too: OpenAI's turn that only calls tools. A null in a list stays. A map
+  column is read as a dict; one holding a key twice is refused naming the row (a dict keeps one of the values).
 - A compressed file cut short or corrupt is a DataError naming the file, what is wrong and the last whole record,
   raised when reached. The bytes themselves, decompressed, come from data/packed.py (several streams, a zip's one
   file, the start-up `check` of a packed file).
@@ -125,9 +126,23 @@ def _rows(p: Path):
     n = 0
     with pq.ParquetFile(p) as f:
         for batch in f.iter_batches(batch_size=ROWS):
-            for row in batch.to_pylist(maps_as_pydicts="lossy"):   # (a map column: a dict, not a list of pairs)
+            try:   # (a map column: a dict, not a list of pairs; "lossy" kept one value of a key held twice, warned)
+                got = batch.to_pylist(maps_as_pydicts="strict")
+            except KeyError as e:   # (said for the batch: the row found one at a time)
+                i = next(i for i in range(batch.num_rows) if _twice(batch.slice(i, 1)))
+                raise DataError(f"{p}, row {n + i + 1}: a map column holds a key twice ({e.args[0]}); a dict "
+                                "keeps one value: write the row's map without the repeated key") from None
+            for row in got:
                 n += 1
                 yield n, drop_nulls(row)
+
+
+def _twice(row) -> bool:
+    try:
+        row.to_pylist(maps_as_pydicts="strict")
+    except KeyError:
+        return True
+    return False
 
 
 def _head(chunks) -> bytes:

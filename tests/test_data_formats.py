@@ -234,6 +234,23 @@ def test_parquet_nulls_are_missing_keys(tmp_path):
     assert load_jsonl(files["parquet"]) == load_jsonl(files["jsonl"])
 
 
+def test_a_parquet_map_holding_a_key_twice_is_named_by_its_row(tmp_path):
+    """A map column (pyarrow's dict of a row) holding one key twice: a dict keeps one of the values, so the row is
+    refused naming it (pyarrow's "lossy" reading kept the last value with only a warning)."""
+    import pyarrow as pa
+
+    maps = [[("city", "Oslo")], [("city", "Oslo"), ("city", "Rome")]] * 3
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(6)],
+                             "meta": pa.array(maps, type=pa.map_(pa.string(), pa.string()))}), tmp_path / "m.parquet")
+    with pytest.raises(DataError) as e:
+        load_jsonl(tmp_path / "m.parquet")
+    assert str(e.value).startswith(f"{tmp_path / 'm.parquet'}, row 2: a map column holds a key twice ("), str(e.value)
+    pq.write_table(pa.table({"text": ["a", "b"], "meta": pa.array(maps[:1] * 2, type=pa.map_(pa.string(),
+                                                                                          pa.string()))}),
+                   tmp_path / "ok.parquet")
+    assert [r["text"] for r in load_jsonl(tmp_path / "ok.parquet")] == ["a", "b"]
+
+
 def test_show_and_pairs_count_records_and_rows(tmp_path, capsys):
     from data.pairs import check_records
     from data.show import records
