@@ -263,20 +263,25 @@ def test_show_and_pairs_count_records_and_rows(tmp_path, capsys):
         check_records(load_jsonl(files["parquet"]), files["parquet"], "--data", "dpo")
 
 
-def test_a_run_on_gzip_equals_the_run_on_its_jsonl(assets, tmp_path):
-    """train.py, 1 process, 2 steps: --data d.jsonl.gz trains the losses --data d.jsonl trains."""
+def _same_losses(assets, tmp_path, data: str) -> None:
+    """train.py, 1 process, 2 steps on the demo's JSONL and on `data`, its records in another form: the same losses."""
     import train
 
-    gz = tmp_path / "chat.jsonl.gz"
-    gz.write_bytes(gzip.compress(open(assets["data"], "rb").read()))
     losses = []
-    for data in (assets["data"], str(gz)):
+    for given in (assets["data"], data):
         out = str(tmp_path / f"out{len(losses)}")
         with one_thread():
-            train.main(train_argv(assets, out, "--data", data, "--steps", "2"))
+            train.main(train_argv(assets, out, "--data", given, "--steps", "2"))
         with open(os.path.join(out, "metrics.jsonl")) as f:
             losses.append([json.loads(line)["loss"] for line in f])
     assert len(losses[0]) == 2 and losses[1] == losses[0], losses
+
+
+def test_a_run_on_gzip_equals_the_run_on_its_jsonl(assets, tmp_path):
+    """train.py, 1 process, 2 steps: --data d.jsonl.gz trains the losses --data d.jsonl trains."""
+    gz = tmp_path / "chat.jsonl.gz"
+    gz.write_bytes(gzip.compress(open(assets["data"], "rb").read()))
+    _same_losses(assets, tmp_path, str(gz))
 
 
 # --- CSV and TSV (data/tables.py): Python's csv module writes the files, the same records as JSONL are the reference
@@ -459,15 +464,6 @@ def test_a_csv_of_any_other_name_is_named_in_the_json_error(tmp_path):
 def test_a_run_on_csv_equals_the_run_on_its_jsonl(assets, tmp_path):
     """train.py, 1 process, 2 steps: --data d.csv (a "messages" column of JSON cells, written by csv) trains the losses
     --data d.jsonl trains."""
-    import train
-
     rows = [{"messages": json.dumps(json.loads(line)["messages"])} for line in open(assets["data"]) if line.strip()]
     path = write_table(tmp_path / "chat.csv", rows, columns=["messages"])
-    losses = []
-    for data in (assets["data"], str(path)):
-        out = str(tmp_path / f"out{len(losses)}")
-        with one_thread():
-            train.main(train_argv(assets, out, "--data", data, "--steps", "2"))
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            losses.append([json.loads(line)["loss"] for line in f])
-    assert len(losses[0]) == 2 and losses[1] == losses[0], losses
+    _same_losses(assets, tmp_path, str(path))
