@@ -20,8 +20,10 @@ Contract:
   line's record (data/records.py's `parse_record`): "text", "prompt"/"completion", Alpaca's and ShareGPT's columns.
   A cell of a column that holds a list and never text ("messages", "conversations", "conversation", "history":
   JSON_COLUMNS) is parsed as JSON; "tools" is read as any record's string; every other cell stays text (a prompt may
-  well start with "[INST]"). Blank lines are skipped; rows are numbered from 1 under the header ("row N", as
-  Parquet's rows; a spreadsheet shows row N + 1), and errors add the file's line (a cell may span lines).
+  well start with "[INST]"). Blank lines are skipped, and so is a line of spaces and no delimiter (outside quotes:
+  `"  "` is a cell; a TSV line of tabs is a row of empty cells), as JSONL's are: neither numbers a row. Rows are
+  numbered from 1 under the header ("row N", as Parquet's rows; a spreadsheet shows row N + 1, and N + 1 + blank
+  lines above it), and errors add the file's line (a cell may span lines).
 - Errors, each a DataError naming the file, the row and its line: a header with an empty, repeated or space-padded
   name; a row with more or fewer cells than the header; a row whose every cell is empty; a row that is the header
   again, a BOM aside (files joined with cat keep each part's: it trained as a record); a quote left open; text that is
@@ -69,17 +71,25 @@ def _text(lines):
 def rows(p: Path, lines, sep: str):
     """(n, {column: cell}) for each row under the header of the CSV (or TSV: `sep`) text `lines` (bytes, a line each,
     from data/formats.py), as the module docstring says."""
-    reader = csv.reader(_text(lines), delimiter=sep, strict=True)
+    ink = [False]   # whether the row being read has a character past whitespace (a quote is one: "  " is a cell)
+
+    def text():
+        for line in _text(lines):
+            ink[0] = ink[0] or not line.isspace()
+            yield line
+
+    reader = csv.reader(text(), delimiter=sep, strict=True)
     what = "TSV" if sep == "\t" else "CSV"
     where = lambda first, last: f"line {last}" if first >= last else f"lines {first}-{last}"
     name = lambda: f"row {n + 1}" if n >= 0 else "its header"   # (the row being read)
 
-    def row():   # the next row, or None at the end; [] a blank line
+    def row():   # the next row, or None at the end; [] a blank line (spaces too: one cell of them, unquoted)
         old = csv.field_size_limit()
         csv.field_size_limit(FIELD_LIMIT)   # (process-global: ours only while we parse)
-        start = reader.line_num + 1
+        start, ink[0] = reader.line_num + 1, False
         try:
-            return next(reader, None)
+            cells = next(reader, None)
+            return [] if cells and len(cells) == 1 and not ink[0] else cells
         except _NotUTF8 as e:
             raise DataError(f"{p}, {name()}: {e}") from None
         except csv.Error as e:

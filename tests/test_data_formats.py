@@ -439,6 +439,30 @@ def test_a_table_whose_header_comes_again_is_refused_naming_the_row(tmp_path):
     assert load_jsonl(tmp_path / "named.csv") == [{"line": 1, "text": "prompt"}]
 
 
+def test_a_line_of_spaces_in_a_table_is_a_blank_line(tmp_path):
+    """A line of spaces and no delimiter (an editor's stray indent, "  \r\n") outside quotes is blank: skipped as an
+    empty line is, numbering no row, before the header too. It was a row of one cell ("1 cells, and the header has
+    3"; in a one-column file an empty "text"). A quoted cell of spaces is a cell still, and its record refused
+    (review, helper 117)."""
+    rows = [{"prompt": "q1", "completion": "a1"}, {"text": "t2"}]
+    for sep, name, spaces in ((",", "d.csv", b" \t "), ("\t", "d.tsv", b"   ")):
+        clean = write_table(tmp_path / f"clean.{name}", rows, sep=sep, columns=["text", "prompt", "completion"])
+        header, one, two, _ = clean.read_bytes().split(b"\r\n")
+        path = tmp_path / name
+        lines = [spaces, header, b"  ", one, spaces, b"", two, b"a" + sep.encode() * 3, b"  "]
+        path.write_bytes(b"\r\n".join(lines))   # (the last line of spaces without its line break)
+        with pytest.raises(DataError, match=rf"^{path}, row 3 \(line 8\): 4 cells, and the header has 3 "):
+            load_jsonl(path)   # (rows 1-2 as in the clean file; row 3 its line, blank lines counted)
+        path.write_bytes(b"\r\n".join(lines[:7] + lines[8:]))
+        assert load_jsonl(path) == load_jsonl(clean) == [{"line": 1, "prompt": "q1", "completion": "a1"},
+                                                         {"line": 2, "text": "t2"}], name
+    (tmp_path / "one.csv").write_bytes(b"text\n  \nfirst\n \r\nsecond\n")
+    assert load_jsonl(tmp_path / "one.csv") == [{"line": 1, "text": "first"}, {"line": 2, "text": "second"}]
+    (tmp_path / "quoted.csv").write_bytes(b'text\nfirst\n"  "\n')
+    with pytest.raises(DataError, match=rf'^{tmp_path / "quoted.csv"}, row 2\b.*: "text" is empty'):
+        load_jsonl(tmp_path / "quoted.csv")
+
+
 def test_the_same_bytes_named_csv_and_tsv_are_cached_apart(tmp_path, tok):
     """The token cache is keyed by the file's bytes, and a table's name says how they split: a file that reads as
     CSV and as TSV, to other texts, must not take the other's cached tokens."""
