@@ -26,7 +26,8 @@ Contract:
   number (data/jsonl.py's `where`), what is wrong and what a valid line looks like (VALID_LINES; a pair's:
   PAIR_LINES); a key of another format ("question", "response", an Alpaca "instruction" without "output", ...) is
   named with its rename (ALIASES). A KTO line (an answer with a bool "label", TRL's unpaired preference form, or
-  "kto_tag", LLaMA-Factory's) is refused: read as SFT, its bad answers would be trained as good ones.
+  "kto_tag", LLaMA-Factory's) is refused: read as SFT, its bad answers would be trained as good ones. A CSV or TSV
+  row's error is said in columns, its lines named (data/tables.py's `Row.error`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from data.alpaca import _alpaca
 from data.jsonl import PAIR_LINES, VALID_LINES, DataError, line_error, where
 from data.sharegpt import _sharegpt, _sharegpt_messages, _system_first
+from data.tables import Row
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}")   # a \\udXXX escape: half of a UTF-16 pair
 KINDS = ("text", "prompt", "messages")   # a line holds one kind ("completion" goes with "prompt")
@@ -128,7 +130,10 @@ def _lone_surrogates(raw: str):
 def parse_record(raw: str | dict, path: str | Path, n: int) -> dict:
     """Validate one non-blank line (or a Parquet row, already a dict: data/formats.py) and return its record."""
     if isinstance(raw, dict):
-        return _normalise(raw, path, n)
+        try:
+            return _normalise(raw, path, n)
+        except DataError as e:   # (a CSV or TSV row: said in columns, and its lines named)
+            raise raw.error(e, path, n) if isinstance(raw, Row) else e from None
     try:
         obj = json.loads(raw.rstrip("\r\n"))   # (a line cut short errs at its end, not at "column 1" of the next)
     except json.JSONDecodeError as e:

@@ -29,16 +29,20 @@ Contract:
   again, a BOM aside (files joined with cat keep each part's: it trained as a record); a quote left open; text that is
   not UTF-8 (Excel's "CSV" is not: its "CSV UTF-8" is); a JSON column's cell that is not JSON (Python's repr, as
   pandas' to_csv writes a list column, named with the command that writes JSONL); a file with no header, or a header
-  and no row. Nothing is dropped without a word.
+  and no row. Nothing is dropped without a word. A row's record errors are parse_record's, said in columns (`Row`:
+  VALID_LINES as the cells a row fills, and a row of no record kind named by its filled columns and the header's
+  empty ones, or, a header of none, by the columns it needs, with ALIASES' renames); a column of no kind is ignored
+  when the row has a record, as a JSONL line's other keys are.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
-from data.jsonl import DataError
+from data.jsonl import PAIR_LINES, VALID_LINES, DataError
 
 FIELD_LIMIT = 1 << 27   # characters a cell may hold while this reader parses (the csv module's default: 1 << 17)
 SEPARATORS = {".csv": ",", ".tsv": "\t"}
@@ -52,6 +56,54 @@ def delimiter(name: str) -> str | None:
     if name.endswith(PACKED):
         name = name.rsplit(".", 1)[0]
     return next((sep for end, sep in SEPARATORS.items() if name.endswith(end)), None)
+
+
+# The columns of each record kind a row may fill (data/records.py's kinds, Alpaca's and ShareGPT's columns, a pair's)
+KINDS = (("text",), ("prompt", "completion"), ("instruction", "output"), ("messages",), ("conversations",),
+         ("conversation",), ("chosen", "rejected"))
+NEEDS = ("a text column, prompt and completion columns, Alpaca's instruction and output, or a messages column "
+         "holding JSON")
+IN_COLUMNS = {   # parse_record's JSONL words -> a table's
+    VALID_LINES: f"a valid row fills {NEEDS.replace('column', 'cell')} (--objective dpo: prompt, chosen and rejected "
+                 "cells)",
+    PAIR_LINES: "a valid pair (--objective dpo) fills prompt, chosen and rejected cells (a header: "
+                "prompt,chosen,rejected)",
+    ' (a record that is all target is {"text": ...})': " (a record that is all target is a text cell)",
+    "; use one kind per line": "; fill one kind's cells a row", "; this line has ": "; this row has "}
+
+
+class Row(dict):
+    """A row's {column: cell}, which knows its lines and the header: data/records.py's `parse_record` raises its errors
+    through `error`, in columns."""
+
+    def __init__(self, cells: dict, at: str, header: list[str]):
+        super().__init__(cells)
+        self.at, self.header = at, header
+
+    def error(self, e: DataError, p, n: int) -> DataError:
+        """parse_record's DataError on this row (row `n` of `p`) in a table's words, the row's lines named."""
+        from data.jsonl import where
+        from data.records import _alias_hint
+
+        head, said = f"{where(p, n)}: ", str(e)
+        if not said.startswith(head):
+            return e
+        said = said[len(head):]
+        if said.startswith('has none of "text", "prompt"/"completion", "messages"'):   # (no kind: words of its own)
+            kinds = [c for k in KINDS if all(c in self.header for c in k) for c in k]
+            if not kinds:
+                hint = _alias_hint(dict.fromkeys(self.header), ("prompt", "completion", "messages"))
+                said = f"no column of a record kind: the header ({', '.join(self.header)}) needs {NEEDS}" + \
+                    hint.replace("; this line has ", "; it has ").replace(", which this", ", columns this")
+            else:
+                empty = [c for c in dict.fromkeys(kinds) if c not in self]
+                said = (f"no record: its {' and '.join(empty)} cell{'s are' if len(empty) > 1 else ' is'} empty, and "
+                        f"this row's filled columns ({', '.join(self)}) make none (a record needs {NEEDS}); fill "
+                        f"{'them' if len(empty) > 1 else 'it'} or delete the row")
+        for jsonl, table in IN_COLUMNS.items():
+            said = said.replace(jsonl, table)
+        said = re.sub(r'^("\w+" side: )?"(\w+)" must be a string, got nothing', r"\1its \2 cell is empty", said)
+        return DataError(f"{p}, row {n} ({self.at}): {said}")
 
 
 class _NotUTF8(Exception):
@@ -150,6 +202,6 @@ def rows(p: Path, lines, sep: str):
                             "...}, ...]")
                     raise DataError(f"{p}, row {n} ({at}): the {k!r} cell is not JSON ({e.msg} at character "
                                     f"{e.pos + 1}){hint}") from None
-        yield n, rec
+        yield n, Row(rec, at, header)
     if not n:
         raise DataError(f"{p}: a header row ({sep.join(header)!r}) and no row under it: no records")

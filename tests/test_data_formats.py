@@ -403,7 +403,7 @@ def test_a_bad_table_is_named_by_its_row_and_line(tmp_path):
             ("repr.csv", "messages\n\"[{'role': 'user', 'content': 'hi'}]\"\n",
              r", row 1 \(line 2\): the 'messages' cell is not JSON .*Python's repr.*orient='records', lines=True"),
             ("notjson.csv", "messages\nhello\n", r", row 1 \(line 2\): the 'messages' cell is not JSON"),
-            ("noanswer.csv", h + "a,b,c\nd,e,\n", r", row 2: has none of .*\"instruction\""),   # (parse_record's)
+            ("noanswer.csv", h + "a,b,c\nd,e,\n", r", row 2 \(line 3\): no record: its output cell is empty"),
             ("toolong.csv", 'text\n"' + "x" * 200 + "\n", None)):
         path = tmp_path / name
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -461,6 +461,54 @@ def test_a_line_of_spaces_in_a_table_is_a_blank_line(tmp_path):
     (tmp_path / "quoted.csv").write_bytes(b'text\nfirst\n"  "\n')
     with pytest.raises(DataError, match=rf'^{tmp_path / "quoted.csv"}, row 2\b.*: "text" is empty'):
         load_jsonl(tmp_path / "quoted.csv")
+
+
+def test_a_rows_record_error_names_its_columns(tmp_path):
+    """parse_record's errors on a CSV or TSV row were in JSONL's words ('has none of "text"... (keys: [...]); a valid
+    line is {"text": ...}') and named no line: they name the row's lines and columns, the columns a header of no record
+    kind needs (with the renames of another format's), or the kind's empty cells. A column of no kind is ignored, as a
+    JSONL line's other keys are; Parquet's rows keep JSONL's words (review, helper 117)."""
+    import re
+
+    needs = ("a text column, prompt and completion columns, Alpaca's instruction and output, or a messages column "
+             "holding JSON")
+    valid = ("a valid row fills a text cell, prompt and completion cells, Alpaca's instruction and output, or a "
+             "messages cell holding JSON (--objective dpo: prompt, chosen and rejected cells)")
+    for name, text, said in (
+            ("none.csv", "a,b\r\n\r\n1,2\r\n",
+             f"row 1 (line 3): no column of a record kind: the header (a, b) needs {needs}"),
+            ("other.tsv", "id\tquestion\tanswer\n1\tq\ta\n",
+             f"row 1 (line 2): no column of a record kind: the header (id, question, answer) needs {needs}; it has "
+             '"question" and "answer", columns this reader does not read: rename "question" to "prompt", rename '
+             '"answer" to "completion"'),
+            ("alpaca.csv", 'instruction,input,output\nSay hi,,Hi\nd,"e\nf",\n',
+             "row 2 (lines 3-4): no record: its output cell is empty, and this row's filled columns (instruction, "
+             f"input) make none (a record needs {needs}); fill it or delete the row"),
+            ("id.csv", "text,id\nhi,6\n,7\n", "row 2 (line 3): no record: its text cell is empty, and this row's "
+                                              f"filled columns (id) make none (a record needs {needs}); fill it or "
+                                              "delete the row"),
+            ("both.csv", "text,instruction,output\n,x,\n",
+             "row 1 (line 2): no record: its text and output cells are empty, and this row's filled columns "
+             f"(instruction) make none (a record needs {needs}); fill them or delete the row"),
+            ("half.csv", "prompt,completion\nq,\n", f"row 1 (line 2): its completion cell is empty; {valid}"),
+            ("two.csv", "text,completion\nx,y\n", f"row 1 (line 2): has 'text' and 'completion'; fill one kind's "
+                                                   f"cells a row; {valid}"),
+            ("pair.csv", "prompt,chosen,rejected\nq,,b\n", 'row 1 (line 2): has "rejected" but no "chosen": a '
+                                                            "preference pair needs both; a valid pair (--objective "
+                                                            "dpo) fills prompt, chosen and rejected cells (a header: "
+                                                            "prompt,chosen,rejected)")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(DataError) as e:
+            load_jsonl(path)
+        assert str(e.value) == f"{path}, {said}", name
+    jl = tmp_path / "id.jsonl"
+    jl.write_text(json.dumps({"text": "hi", "id": "6"}) + "\n")
+    assert [next(iter_jsonl(tmp_path / "id.csv"))] == load_jsonl(jl) == [{"line": 1, "text": "hi"}]
+    pq.write_table(pa.Table.from_pylist([{"a": "1", "b": "2"}]), tmp_path / "none.parquet")
+    with pytest.raises(DataError, match=rf'^{re.escape(str(tmp_path))}/none.parquet, row 1: has none of "text", '
+                                        r'"prompt"/"completion", "messages" \(keys: \[.a., .b.\]\); a valid line is'):
+        load_jsonl(tmp_path / "none.parquet")
 
 
 def test_the_same_bytes_named_csv_and_tsv_are_cached_apart(tmp_path, tok):
