@@ -412,7 +412,6 @@ def peer_main(spec_path: str):
     """HF + bnb + peft (+ Liger) in this process; writes {row: result} next to the spec."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
     spec = json.load(open(spec_path))
     ids = json.load(open(spec["ids"]))
@@ -437,7 +436,10 @@ def peer_main(spec_path: str):
     for row in spec["rows"]:
         # transformers' NEFTune as Trainer turns it on for neftune_noise_alpha: its forward hook on the peft model's
         # input embeddings (noise in train mode only; the model is in it)
-        hook = activate_neftune(model, NEFTUNE_ALPHA) if row == "hf+neftune" else None
+        hook = None
+        if row == "hf+neftune":   # (imported here: a transformers without it fails this row, not hf's and liger's)
+            from transformers.integrations.neftune import activate_neftune
+            hook = activate_neftune(model, NEFTUNE_ALPHA)
         if row == "liger":
             import liger_kernel.transformers as lk
             base = model.get_base_model()
@@ -461,6 +463,7 @@ def peer_main(spec_path: str):
             emb = model.get_input_embeddings()
             results[row]["embedding_noise"] = not torch.equal(emb(probe), emb(probe))
         if hook is not None:   # (the rows after it, liger's, without the noise)
+            from transformers.integrations.neftune import deactivate_neftune
             deactivate_neftune(model, hook)
         if cuda:   # the allocator's high-water mark too, as for our rows (what an out-of-memory error meets)
             results[row]["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9

@@ -65,6 +65,7 @@ def add_noise(x: torch.Tensor, keys: torch.Tensor, alpha: float, seed: int) -> N
     if keys.shape[:2] != x.shape[:2] or not x.is_contiguous():
         raise ValueError(f"NEFTune's keys {tuple(keys.shape)} do not lay out the embedding output {tuple(x.shape)}")
     d = x.shape[-1]
+    live = keys.reshape(-1, 3)[:, 1] > 0   # (where the keys were built, the host: which tiles to skip, no device sync)
     flat, k = x.view(-1, d), keys.reshape(-1, 3).to(x.device)
     real = k[:, 1] > 0
     h = token_hash(seed, k[:, 0].clamp(min=0), k[:, 2].clamp(min=0))                     # [T]
@@ -72,7 +73,7 @@ def add_noise(x: torch.Tensor, keys: torch.Tensor, alpha: float, seed: int) -> N
     ch = _fmix(torch.arange(d, device=x.device) + 0x9E3779B9 & M32)                      # [D]
     rows = max(1, NOISE_CHUNK // d)
     for i in range(0, flat.shape[0], rows):
-        if not bool(real[i:i + rows].any()):
+        if not bool(live[i:i + rows].any()):
             continue
         u = (_fmix(h[i:i + rows, None] ^ ch) >> 8).float().mul_(2.0**-23).sub_(1.0)      # [n, D] in [-1, 1)
         flat[i:i + rows].add_(u.mul_(scale[i:i + rows, None]))
