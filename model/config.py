@@ -4,7 +4,9 @@ Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
-  Anything else raises `ValueError` naming the supported architectures, as does a checkpoint quantized already
+  A multimodal wrapper (Mistral 3, `mistral3`) is read as its language model (its `text_config` and the outer keys that
+  act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError` naming the supported
+  architectures, as does a checkpoint quantized already
   otherwise than in bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one
   whose `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, read_rope, rope_scaling_flag
+from model.wrapper import unwrap
 
 # model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
 # qkv_bias: True always (q, k, v; o never), None from `attention_bias` (q, k, v and o), False never (transformers
@@ -110,6 +113,8 @@ class ModelArgs:
     sliding_window: int | None = None   # keys a query sees on sliding layers, itself included
     layer_types: list | None = None     # per layer "sliding_attention" / "full_attention"; None: all
                                         # layers slide when sliding_window is set
+    wrapper: str | None = None          # the multimodal checkpoint whose language model this is ("mistral3"), stored
+                                        # under its keys (model/wrapper.py); None: a text-only checkpoint
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -139,12 +144,14 @@ class ModelArgs:
     def from_config_dict(cls, cfg: dict) -> ModelArgs:
         """Read as transformers (5.x) reads the same config.json; keys that would change the math here and that this
         decoder does not implement are refused, naming the key (never silently ignored)."""
+        cfg, wrapper = unwrap(cfg)   # a multimodal wrapper (Mistral 3): its language model's config, as transformers'
         mt = cfg.get("model_type")
         if mt not in SUPPORTED:
             archs = cfg.get("architectures")
             raise ValueError(
-                f"unsupported architecture model_type={mt!r} (architectures={archs}); supported: "
-                "Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 (qwen2), Qwen3 (qwen3)")
+                f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
+                f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 "
+                "(qwen2), Qwen3 (qwen3), and the language model of Mistral 3 (mistral3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -204,6 +211,7 @@ class ModelArgs:
             qk_norm=flags["qk_norm"],
             sliding_window=window,
             layer_types=layer_types if window is not None else None,
+            wrapper=wrapper,
         )
         try:   # now, not at the first forward: a RoPE config.json that cannot be computed is a start-up error
             inv_freq(args)

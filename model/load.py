@@ -16,6 +16,9 @@ Contract:
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
+- A multimodal wrapper (Mistral 3, model/wrapper.py) is indexed as its language model, by the text-only model's names
+  (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are never read;
+  its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored apart).
 - `stored_tensors(path)`: every stored tensor's header entry and file, headers only; `stored_weights(path)` adds the
   packed 4-bit weights and the weights' logical entries (what CheckpointReader indexes). The start-up checks on the
   weight files (headers against config.json, before any weight is read): model/load_checks.py.
@@ -28,12 +31,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import torch
 
 from model import prequant
 from model.config import ModelArgs
 from model.llama import Transformer
+from model.wrapper import WRAPPERS, internal_names, looked_for
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -74,19 +79,26 @@ def present_weight_files(path: str) -> tuple[list[str], dict | None]:
 
 def stored_tensors(path: str) -> dict:
     """{name: ((dtype, shape, begin, end), file)} of every tensor in the safetensors files the loader reads (the
-    index's map is authoritative if present), from their headers alone."""
-    _check_dir(path)
+    index's map is authoritative if present), from their headers alone. A multimodal wrapper's (model/wrapper.py): its
+    language model's tensors only, by the text-only model's names (the header entries locate the stored ones)."""
+    wrapper = _wrapper(_check_dir(path))
     files, wmap = present_weight_files(path)
     index, out = os.path.join(path, INDEX), {}
     for f in files:
         fn = os.path.join(path, f)
         header, _ = read_header(fn)
-        for n in (header if wmap is None else [n for n, v in wmap.items() if v == f]):
+        names = header if wmap is None else [n for n, v in wmap.items() if v == f]
+        for ours, n in internal_names(names, wrapper).items():
             if n not in header:
                 raise CorruptCheckpointError(f"{index} places {n!r} in {fn}, which does not hold it; "
                                              "re-download the checkpoint")
-            out[n] = (header[n], fn)
+            out[ours] = (header[n], fn)
     return out
+
+
+def _wrapper(cfg_file: str) -> str | None:
+    """The multimodal wrapper's model_type a config.json names (model/wrapper.py), else None."""
+    return mt if (mt := _read_json(cfg_file).get("model_type")) in WRAPPERS else None
 
 
 def stored_weights(path: str) -> tuple[dict, dict, dict]:
@@ -148,9 +160,22 @@ def read_args(path: str, rope_scaling: str | None = None) -> ModelArgs:
     try:
         args = ModelArgs.from_config_dict(cfg)
     except KeyError as e:
-        raise CorruptCheckpointError(f"{fn} lacks {e.args[0]!r}, which a Llama-family config.json "
-                                     "has; fix it or re-download it") from None
+        raise CorruptCheckpointError(f"{fn} lacks {e.args[0]!r}{' in its text_config' if _wrapper(fn) else ''}, "
+                                     "which a Llama-family config.json has; fix it or re-download it") from None
+    if args.wrapper and args.tie_embeddings and _stores_head(path):   # transformers unties a head stored apart
+        args = replace(args, tie_embeddings=False)   # (an outer tie key left out reads as True)
     return args.with_rope_scaling(rope_scaling)
+
+
+def _stores_head(path: str) -> bool:
+    """Whether a wrapper's weight files store its output head (the index's map, else the headers); False when they are
+    not here (a Hub id's config.json alone, for --plan) or unreadable (the start-up checks say why)."""
+    try:
+        files, wmap = weight_files(path)
+        names = wmap or {n for f in files for n in read_header(os.path.join(path, f))[0]}
+    except (OSError, ValueError):
+        return False
+    return "lm_head.weight" in internal_names(names, _wrapper(os.path.join(path, "config.json")))
 
 
 def read_header(fn: str) -> tuple[dict, int]:
@@ -191,12 +216,15 @@ class CheckpointReader:
         self.path, self._fds = path, {}
         self.raw, self.packed, self.meta = stored_weights(path)   # raw: {name: (header entry, file)}
         self.where = {n: self.raw[n][1] for n in self.meta}
+        self.wrapper = _wrapper(os.path.join(path, "config.json"))
 
     def check(self, names):
         missing = sorted(n for n in names if n not in self.where)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: "
-                             f"{missing[:10]}{' ...' if len(missing) > 10 else ''}")
+                             f"{missing[:10]}{' ...' if len(missing) > 10 else ''}" + (
+                                 f" (a {w} wrapper's language model: looked for them under {looked_for(w)})"
+                                 if (w := self.wrapper) else ""))
 
     def check_shapes(self, shapes: dict):
         """Raise naming every tensor whose header shape differs from the model's (from config.json)."""

@@ -18,6 +18,7 @@ import re
 
 from model import prequant
 from model.load import _read_json, stored_weights
+from model.wrapper import looked_for
 
 
 def check_weight_headers(path: str, quant: str | None = None) -> None:
@@ -55,8 +56,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     missing = sorted(n for n in want if n not in have)
     if missing:
         raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
-                         f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): config.json is not these "
-                         "weights' (num_hidden_layers?), or the download is incomplete")
+                         f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                         f"{f'; as a {w} language model, under {looked_for(w)}' if (w := margs.wrapper) else ''}): "
+                         "config.json is not these weights' (num_hidden_layers?), or the download is incomplete")
     bad = [f"{n} in {os.path.join(path, have[n][1])}: checkpoint {list(have[n][0])}, config.json implies {list(s)}"
            for n, s in want.items() if have[n][0] != tuple(s)]
     if bad:

@@ -1,0 +1,73 @@
+"""Multimodal wrapper checkpoints whose language model trains here, text only (the image path is not ours): Mistral 3
+(`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small).
+
+Contract:
+- `unwrap(cfg)`: a config.json as transformers 5 reads a wrapper's language model -> (the text model's config dict,
+  the wrapper's model_type or None). The text model is `text_config` (its model_type, when missing, the wrapper's
+  default); the outer keys that act on it are copied in: `tie_word_embeddings` (the outer one is what transformers
+  obeys: the head is a module of the outer model; missing, Mistral3Config's default True) and `quantization_config`
+  (bitsandbytes writes it there). Outer `architectures` must be the wrapper's generation class (a classifier's is
+  refused by the caller's causal-LM check). Another multimodal model_type (gemma3, llava, qwen2_vl...) is refused
+  naming what is supported. A plain config.json passes through unchanged.
+- `internal_names(stored, wrapper)`: {our name: stored name} of the language model's tensors among `stored`: our names
+  are the text-only model's (`model.layers.N...`, `model.embed_tokens.weight`, `lm_head.weight`), read from either
+  stored form in FORMS; the vision tower's and projector's tensors are left out (never read: they cost memory).
+  `looked_for(wrapper)` says the stored prefixes, for the errors that name missing tensors.
+- FORMS[wrapper][0] is transformers 5's module naming (what peft names an adapter on the wrapper by); a writer that
+  names keys for the wrapper maps our prefixes through it.
+"""
+
+from __future__ import annotations
+
+# The wrapper's model_type -> its generation class(es), text_config's default model_type, the outer config's default
+# tie_word_embeddings, and the stored key forms: (stored prefix, our prefix) pairs, one form per list. Form 0:
+# transformers 5's module names (Mistral3ForConditionalGeneration.model.language_model, .lm_head); form 1: the keys
+# save_pretrained writes (5.25, checked; and transformers 4's checkpoints), which transformers' "llava" conversion
+# mapping renames to form 0 on load.
+WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="mistral", tie=True)}
+FORMS = {"mistral3": ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],
+                      [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])}
+OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
+
+
+def unwrap(cfg: dict) -> tuple[dict, str | None]:
+    """(the language model's config dict, the wrapper's model_type or None): module docstring."""
+    mt = cfg.get("model_type")
+    if mt not in WRAPPERS:
+        if isinstance(cfg.get("text_config"), dict) or "vision_config" in cfg:
+            raise ValueError(f"config.json: model_type {mt!r} is a multimodal model ({cfg.get('architectures')}); of "
+                             f"those only the language model of {', '.join(sorted(WRAPPERS))} (Mistral 3: Mistral "
+                             "Small 3.1/3.2) trains here; or pass a text-only checkpoint")
+        return cfg, None
+    w = WRAPPERS[mt]
+    archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
+    if not isinstance(text := cfg.get("text_config"), dict):
+        raise ValueError(f"config.json: model_type {mt!r} without a text_config (got {text!r}): the language model's "
+                         "sizes are not named; fix config.json or re-download it")
+    text = {"model_type": w["text"], **text, "tie_word_embeddings": cfg.get("tie_word_embeddings", w["tie"])}
+    if "quantization_config" in cfg:
+        text["quantization_config"] = cfg["quantization_config"]
+    if [a for a in archs if a not in w["archs"]]:   # (a classifier head made on the wrapper: the caller refuses it)
+        text["architectures"] = archs
+    return text, mt
+
+
+def internal_names(stored, wrapper: str | None) -> dict:
+    """{our name: stored name} of the language model's tensors among the names `stored` (module docstring)."""
+    if wrapper is None:
+        return {n: n for n in stored}
+    out = {}
+    for n in stored:
+        ours = next((ours + n[len(pre):] for form in FORMS[wrapper] for pre, ours in form if n.startswith(pre)), None)
+        if ours is None:
+            continue   # the vision tower's, the projector's
+        if ours in out:
+            raise ValueError(f"the checkpoint stores {ours!r} of the {wrapper} language model twice, as {out[ours]!r} "
+                             f"and {n!r}: re-save it with transformers' save_pretrained")
+        out[ours] = n
+    return out
+
+
+def looked_for(wrapper: str) -> str:
+    """The stored prefixes of the language model's tensors, for an error naming the ones missing."""
+    return " or ".join(", ".join(f"{pre}*" for pre, _ in form) for form in FORMS[wrapper])

@@ -1,0 +1,213 @@
+"""Multimodal wrapper checkpoints (Mistral 3, `Mistral3ForConditionalGeneration`) train their language model: the
+read side (model/wrapper.py, model/config.py, model/load.py).
+
+Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vision tower of 1 layer, float32):
+- our `from_pretrained` logits equal transformers' `Mistral3ForConditionalGeneration(input_ids=...)` on text input
+  (1e-5) for the keys save_pretrained writes (`language_model.model.*`), tied (outer tie_word_embeddings true, the
+  text_config's false: transformers obeys the outer one) and untied, sharded (index.json), the transformers-5 module
+  names (`model.language_model.*`, `lm_head.*`, renamed in a copy), an outer tie_word_embeddings left out with the
+  head stored (transformers' default, true, and a stored head unties it) and not
+  stored (tied), and the outer key false under a text_config true; the tensors indexed are the text-only
+  MistralForCausalLM's names, no vision tower's or projector's;
+- a train.py run on the wrapper has the per-step losses of the same run on its language model saved alone by
+  transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model;
+- a bitsandbytes 4-bit wrapper (quantized and saved by transformers + bitsandbytes): every language-model weight
+  read is bitsandbytes' dequantization of transformers' loaded Linear4bit, bit for bit;
+- refusals naming the fix: another multimodal model_type (gemma3, llava, qwen2_vl), a classifier (architectures not
+  the generation class, or a text-only *ForSequenceClassification), a mistral3 without text_config, a wrapper whose
+  language-model keys are missing (the error names them and the prefixes looked for).
+
+Run: .venv/bin/python -m pytest -q tests/test_wrapper.py
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+TEXT = dict(model_type="mistral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+VISION = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              image_size=32, patch_size=8, head_dim=8)
+RENAME5 = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+           ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def _wrapper(path, vocab, tie, seed=0, **save):
+    cfg = T.Mistral3Config(text_config=dict(TEXT, vocab_size=vocab), vision_config=VISION, image_token_index=5,
+                           tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    T.Mistral3ForConditionalGeneration(cfg).float().save_pretrained(path, **save)
+    return str(path)
+
+
+def _edit_config(path, edit):
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def _renamed(src, dst, renames):
+    """A copy of the single-file checkpoint `src` whose keys are renamed by prefix."""
+    shutil.copytree(src, dst)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out = {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v for k, v in sd.items()}
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wrapper")
+    out = {"tied": _wrapper(d / "tied", 64, True), "untied": _wrapper(d / "untied", 64, False),
+           "sharded": _wrapper(d / "sharded", 64, False, max_shard_size="20KB")}
+    out["module_names"] = _renamed(out["untied"], d / "module_names", RENAME5)
+    out["module_names_tied"] = _renamed(out["tied"], d / "module_names_tied", RENAME5)
+    out["no_outer_tie"] = str(shutil.copytree(out["untied"], d / "no_outer_tie"))
+    _edit_config(out["no_outer_tie"], lambda c: c.pop("tie_word_embeddings"))
+    out["no_outer_tie_tied"] = str(shutil.copytree(out["tied"], d / "no_outer_tie_tied"))
+    _edit_config(out["no_outer_tie_tied"], lambda c: c.pop("tie_word_embeddings"))
+    out["outer_false_text_true"] = str(shutil.copytree(out["untied"], d / "outer_false_text_true"))
+    _edit_config(out["outer_false_text_true"], lambda c: c["text_config"].update(tie_word_embeddings=True))
+    return out
+
+
+@pytest.mark.parametrize("case", ["tied", "untied", "sharded", "module_names", "module_names_tied", "no_outer_tie",
+                                  "no_outer_tie_tied", "outer_false_text_true"])
+def test_logits_equal_transformers_mistral3(ckpts, case):
+    from model.load import CheckpointReader, from_pretrained, read_args
+
+    path = ckpts[case]
+    ref = T.Mistral3ForConditionalGeneration.from_pretrained(path).eval()
+    ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
+    ids[0, 3] = 5   # the image token, in text input: no image, so an ordinary token to both
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = from_pretrained(path)(ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{case}: logits")
+    args = read_args(path)
+    hf_tied = ref.lm_head.weight is ref.model.language_model.embed_tokens.weight
+    assert (args.wrapper, args.tie_embeddings) == ("mistral3", hf_tied), f"{case}: {args}"
+    # the tensors indexed: the text-only model's names (transformers'), nothing of the vision tower or projector
+    text_only = set(T.MistralForCausalLM(ref.config.text_config).state_dict())
+    reader = CheckpointReader(path)
+    assert set(reader.where) == text_only - ({"lm_head.weight"} if hf_tied else set()), f"{case}: indexed"
+    reader.close()
+
+
+def _text_only(wrapper_path, dst):
+    """The wrapper's language model saved alone by transformers' MistralForCausalLM, the same weights."""
+    ref = T.Mistral3ForConditionalGeneration.from_pretrained(wrapper_path)
+    cfg = ref.config.text_config
+    cfg.tie_word_embeddings = ref.config.tie_word_embeddings
+    lm = T.MistralForCausalLM(cfg).float()
+    lm.model.load_state_dict(ref.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(ref.lm_head.state_dict())
+    lm.save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_train_run_on_wrapper_equals_text_only_model_and_plans_alike(assets, tmp_path, tie):
+    import train
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import one_thread, train_argv
+
+    tok = make_tokenizer(tmp_path / "wrapper")
+    wrapper = _wrapper(tmp_path / "wrapper", len(tok), tie)
+    text = _text_only(wrapper, tmp_path / "text")
+    make_tokenizer(tmp_path / "text")
+    losses = {}
+    for name, path in (("wrapper", wrapper), ("text", text)):
+        out = str(tmp_path / f"run_{name}")
+        with one_thread():
+            train.main(train_argv({**assets, "model": path}, out))
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            losses[name] = [m["loss"] for m in map(json.loads, f) if "loss" in m]
+    assert len(losses["text"]) == 3 and losses["wrapper"] == losses["text"], losses
+    plans = {}
+    for name, path in (("wrapper", wrapper), ("text", text)):
+        with contextlib.redirect_stdout(io.StringIO()):
+            plans[name] = train.main(["--plan", "--model", path, "--data", assets["data"], "--max-len", "64",
+                                      "--global-batch", "8", "--quant", "none", "--dtype", "fp32"])
+    assert plans["wrapper"] == plans["text"], plans
+
+
+def _cfg(**kw):
+    return {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+            "text_config": dict(TEXT, vocab_size=64), "vision_config": VISION, **kw}
+
+
+@pytest.mark.parametrize("cfg, said", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}},
+     "model_type 'gemma3' is a multimodal model"),
+    ({"model_type": "llava", "text_config": {"model_type": "llama"}, "vision_config": {}},
+     "model_type 'llava' is a multimodal model"),
+    ({"model_type": "qwen2_vl", "vision_config": {}, "hidden_size": 32}, "only the language model of mistral3"),
+    (_cfg(architectures=["Mistral3ForSequenceClassification"]), "is not a causal language model"),
+    (dict(TEXT, vocab_size=64, architectures=["MistralForSequenceClassification"]), "is not a causal language model"),
+    (_cfg(text_config=None), "model_type 'mistral3' without a text_config"),
+    (_cfg(text_config=dict(TEXT, model_type="gemma3_text", vocab_size=64)),
+     "model_type='gemma3_text' (the text_config of a mistral3)"),
+], ids=["gemma3", "llava", "qwen2_vl", "wrapper_classifier", "text_classifier", "no_text_config", "other_text_model"])
+def test_refusals_name_what_is_supported(cfg, said):
+    from model.config import ModelArgs
+
+    with pytest.raises(ValueError) as e:
+        ModelArgs.from_config_dict(cfg)
+    assert said in str(e.value), str(e.value)
+
+
+def test_wrapper_without_language_model_keys_names_them_and_the_prefixes(ckpts, tmp_path):
+    from model.load import from_pretrained, read_args
+    from model.load_checks import check_config_shapes
+
+    bad = _renamed(ckpts["untied"], tmp_path / "bad", (("language_model.model.", "text_model.model."),))
+    for check in (lambda: from_pretrained(bad), lambda: check_config_shapes(bad, read_args(bad))):
+        with pytest.raises(ValueError) as e:
+            check()
+        msg = str(e.value)
+        assert "model.embed_tokens.weight" in msg and "language_model.model.*" in msg \
+            and "model.language_model.*" in msg, msg
+
+
+def test_bnb_4bit_wrapper_reads_the_weights_transformers_loads(tmp_path):
+    """A Mistral 3 quantized by transformers + bitsandbytes (nf4, double quantization; quantization_config on the outer
+    config.json, the vision tower quantized too) and saved sharded: every language-model weight we read is bitsandbytes'
+    `dequantize_4bit` of transformers' loaded Linear4bit, bit for bit (compared before any forward: bitsandbytes' CPU
+    forward repacks the codes in place); the vision tower's packed weights are not indexed."""
+    import bitsandbytes.functional as F
+
+    from model.load import CheckpointReader, read_args
+
+    text = dict(TEXT, vocab_size=64, hidden_size=64, intermediate_size=128, head_dim=16)   # rows of whole 64-blocks
+    cfg = T.Mistral3Config(text_config=text, vision_config=dict(VISION, hidden_size=64, intermediate_size=128),
+                           image_token_index=5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    T.Mistral3ForConditionalGeneration(cfg).float().save_pretrained(tmp_path / "src")
+    q = T.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    T.Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "src", device_map="cpu", dtype=torch.float32,
+                                                       quantization_config=q).save_pretrained(tmp_path / "q",
+                                                                                              max_shard_size="60KB")
+    path = str(tmp_path / "q")
+    assert read_args(path).wrapper == "mistral3"
+    hf = dict(T.Mistral3ForConditionalGeneration.from_pretrained(path, device_map="cpu", dtype=torch.float32
+                                                                 ).named_modules())
+    reader = CheckpointReader(path)
+    blocks = [f"model.layers.{i}.{b}.{p}.weight" for i in range(2) for b, ps in
+              (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+              for p in ps]
+    assert sorted(reader.packed) == sorted(blocks), sorted(reader.packed)
+    for n in blocks:
+        w = hf[n.removesuffix(".weight").replace("model.", "model.language_model.", 1)].weight
+        assert torch.equal(reader.get(n), F.dequantize_4bit(w.data, w.quant_state).float()), n
+    reader.close()
+
