@@ -122,6 +122,17 @@ def adapter_base(adapter_dir: str) -> str | None:
     return f"{base}@{rev}" if ours or not os.path.isdir(base) else base
 
 
+def _wrapper_of(path: str) -> str | None:
+    """The multimodal wrapper a checkpoint's config.json names (model/wrapper.py), else None (unreadable: None, said
+    later)."""
+    from model.load import _wrapper
+
+    try:
+        return _wrapper(os.path.join(path, "config.json"))
+    except ValueError:
+        return None
+
+
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
     from model.adapter_read import not_an_adapter
@@ -137,6 +148,10 @@ def check_inputs(args) -> list[str]:
         errors.append(f"{base} {args.model!r} has no config.json{fix}")
     elif not any(f.endswith(".safetensors") for f in os.listdir(args.model)):
         errors.append(f"{base} {args.model!r} has no *.safetensors{fix}")
+    elif w := _wrapper_of(args.model):   # (its language model's weights would be written under the text-only names)
+        errors.append(f"{base} {args.model!r} is a {w} multimodal checkpoint: train.py trains its language model, "
+                      "but merging into it is not supported yet (the merge would not be a checkpoint of its "
+                      "config.json)")
     if why := not_an_adapter(args.adapter, "--adapter"):
         errors.append(why)
     if not args.out:
