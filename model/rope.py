@@ -170,7 +170,8 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
             high += 0.001
         ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrap = 1 - ramp
-        return (freq / factor) * (1 - extrap) + freq * extrap, float(attn)
+        interp = 1.0 / (factor * base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))   # (not freq / factor:
+        return interp * (1 - extrap) + freq * extrap, float(attn)   # transformers' rounding, bit for bit)
     return freq, 1.0
 
 

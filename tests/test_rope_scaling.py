@@ -1,6 +1,8 @@
 """`--rope-scaling`: RoPE scaling in place of config.json's, as transformers computes it, recorded for inference.
 
 Pins:
+- YaRN's inverse frequencies and factor equal transformers' bit for bit (factors 3, 5.5, 16, 40; truncate, mscale,
+  betas; head_dim 16 and 128);
 - a checkpoint without scaling, loaded with `yarn:4`, `linear:2` or a llama3 JSON object, gives the logits of
   transformers' model loaded with the same `rope_parameters` (within 1e-5, positions far from 0, where the
   scaling moves the logits by more than 1e-4); `none` on a YaRN checkpoint gives transformers' plain RoPE;
@@ -63,6 +65,28 @@ def test_flag_gives_transformers_logits_for_the_same_rope(flag, tmp_path):
     want = _logits(ref, pos)
     assert rel(_logits(ours, pos), want) < 1e-5, f"{flag}: {rel(_logits(ours, pos), want):.2e}"
     assert rel(_logits(plain, pos), want) > 1e-4, f"{flag}: the scaling does not move these logits"
+
+
+@pytest.mark.parametrize("extra", [{}, {"truncate": False}, {"mscale": 0.707, "mscale_all_dim": 1.0},
+                                   {"beta_fast": 8.0, "beta_slow": 2.0}],
+                         ids=["plain", "no_truncate", "mscale", "betas"])
+@pytest.mark.parametrize("factor", [3.0, 5.5, 16.0, 40.0])
+def test_yarn_frequencies_equal_transformers_bit_for_bit(factor, extra):
+    """YaRN's inverse frequencies and cos/sin factor equal transformers' own (its Qwen2 rotary embedding) exactly,
+    head_dim 16 and 128, with its optional keys. Until 2026-12-06 the interpolated ones were freq / factor, where
+    transformers takes 1 / (factor · base^(i/d)): an ulp apart for a factor that is not a power of two."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from model.rope import inv_freq
+
+    rope = {"rope_type": "yarn", "rope_theta": THETA, "factor": factor, "original_max_position_embeddings": 16384,
+            **extra}
+    for hd in (16, 128):
+        cfg = {**COMMON, "model_type": "qwen2", "hidden_size": 4 * hd}   # (4 heads of hd)
+        ref = Qwen2RotaryEmbedding(T.Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"},
+                                                 rope_parameters=dict(rope)))
+        freq, scale = inv_freq(model.ModelArgs.from_config_dict({**cfg, "rope_parameters": dict(rope)}))
+        assert torch.equal(freq, ref.inv_freq) and scale == ref.attention_scaling, (hd, factor, extra)
 
 
 def test_a_llama3_flag_without_its_original_length_keeps_the_models():
