@@ -3,7 +3,8 @@
 Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
-  (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral.
+  (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
+  Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py).
   A multimodal wrapper (Mistral 3, `mistral3`) is read as its language model (its `text_config` and the outer keys that
   act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError` naming the supported
   architectures, as does a checkpoint quantized already
@@ -33,7 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model.prequant import check_config
-from model.rope import ROPE_TYPES, inv_freq, read_rope, rope_scaling_flag
+from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
 
 # model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
@@ -41,13 +42,15 @@ from model.wrapper import unwrap
 # ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos, kv, head_dim: transformers' defaults for a
 # config.json without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own),
 # num_key_value_heads, head_dim (None: num_attention_heads, hidden_size / num_attention_heads); qk_norm: RMSNorm over
-# head_dim on q and k (Qwen3). Ministral is Mistral with `layer_types`.
+# head_dim on q and k (Qwen3); eps: rms_norm_eps when missing (1e-6 without). Ministral is Mistral with `layer_types`;
+# Ministral 3 (ministral3) is Mistral with YaRN by default (rope.MINISTRAL3_ROPE) and Llama 4's attention temperature.
 SUPPORTED = {
     "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),
     "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
     "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
     "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768, kv=32, head_dim=None),
     "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
+    "ministral3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=262144, kv=8, head_dim=128, eps=1e-5),
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
@@ -115,6 +118,10 @@ class ModelArgs:
                                         # layers slide when sliding_window is set
     wrapper: str | None = None          # the multimodal checkpoint whose language model this is ("mistral3"), stored
                                         # under its keys (model/wrapper.py); None: a text-only checkpoint
+    # Llama 4's attention temperature (Ministral 3): q times 1 + beta·log(1 + floor(position / length)), per token of
+    # its global position (model.rope.cos_sin folds it into q's tables); None: none (every other model)
+    attn_temperature_beta: float | None = None
+    attn_temperature_length: int | None = None
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -136,6 +143,11 @@ class ModelArgs:
             if bad or len(self.layer_types) != self.n_layers:
                 raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
                                  f"the {self.n_layers} layers, got {len(self.layer_types)} entries {bad or ''}")
+        beta, n = self.attn_temperature_beta, self.attn_temperature_length   # (numbers, or transformers' torch fails)
+        if beta is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                        and v == abs(v) for v in (beta, n)) or n == 0:
+            raise ValueError(f"rope_parameters: llama_4_scaling_beta {beta!r} and original_max_position_embeddings "
+                             f"{n!r} must be numbers >= 0 and > 0 (Ministral 3's attention temperature)")
         rtype = self.rope_scaling.get("rope_type", "default")
         if rtype not in ROPE_TYPES:
             raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
@@ -150,8 +162,9 @@ class ModelArgs:
             archs = cfg.get("architectures")
             raise ValueError(
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
-                f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Qwen2/2.5 "
-                "(qwen2), Qwen3 (qwen3), and the language model of Mistral 3 (mistral3) wrappers of these")
+                f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
+                "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), and the language model of Mistral 3 (mistral3) "
+                "wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -176,7 +189,9 @@ class ModelArgs:
                                  "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                                  "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
-        theta, scaling = read_rope(cfg, max_pos)
+        # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
+        theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
+            *read_rope(cfg, max_pos), None, None)
         attn_bias = bool(cfg.get("attention_bias", False))
         # Sliding windows as transformers applies them: Mistral on every layer; Ministral (and Mistral with a
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
@@ -184,6 +199,8 @@ class ModelArgs:
         window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
         if mt == "llama":
             window = None
+        if mt == "ministral3":   # its class's default is no window; a window applies on every layer
+            window = cfg.get("sliding_window")
         if mt == "ministral":
             layer_types = cfg.get("layer_types")
         if mt in ("qwen2", "qwen3"):
@@ -200,7 +217,7 @@ class ModelArgs:
             n_kv_heads=cfg.get("num_key_value_heads", flags["kv"]),
             head_dim=cfg.get("head_dim", flags["head_dim"]),
             intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            norm_eps=cfg.get("rms_norm_eps", flags.get("eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
@@ -212,6 +229,8 @@ class ModelArgs:
             sliding_window=window,
             layer_types=layer_types if window is not None else None,
             wrapper=wrapper,
+            attn_temperature_beta=beta,
+            attn_temperature_length=length,
         )
         try:   # now, not at the first forward: a RoPE config.json that cannot be computed is a start-up error
             inv_freq(args)
@@ -222,7 +241,7 @@ class ModelArgs:
 
     def with_rope_scaling(self, spec: str | None) -> ModelArgs:
         """These args with `--rope-scaling spec` in place of config.json's RoPE scaling (None: unchanged)."""
-        sc = rope_scaling_flag(spec, self)
+        sc = keep_temperature(rope_scaling_flag(spec, self), spec, self)
         if sc is None:
             return self
         out = replace(self, rope_scaling=sc)

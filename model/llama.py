@@ -31,7 +31,7 @@ from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.norms import cast_weight
-from model.rope import Rotary, cos_sin
+from model.rope import Rotary, cos_sin, tables
 
 NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB; RoPE's: rope.py)
 
@@ -199,12 +199,12 @@ class Attention(nn.Module):
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
         q = self.q_proj(x).view(*x.shape[:2], self.n_heads, self.head_dim)         # [B, S, H, Hd]
-        return self.rotary(self.q_norm(q) if self.qk_norm else q, None, cos, sin)[0]
+        return self.rotary(self.q_norm(q) if self.qk_norm else q, None, *tables(cos, sin, self.head_dim, True))[0]
 
     def keys_values(self, x, cos, sin):
         k = self.k_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
         v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
-        k = self.rotary(self.k_norm(k) if self.qk_norm else k, None, cos, sin)[0]
+        k = self.rotary(self.k_norm(k) if self.qk_norm else k, None, *tables(cos, sin, self.head_dim, False))[0]
         return k, v
 
 
@@ -268,7 +268,7 @@ class Transformer(nn.Module):
         self.attention = attention or SDPAAttention()
 
     def rope(self, position_ids, dtype):
-        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin)."""
+        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin; q's own beside them: [B, S, 2·Hd])."""
         return cos_sin(self.args, position_ids, dtype)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,

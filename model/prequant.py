@@ -51,9 +51,10 @@ def check_config(q) -> str:
     eight = isinstance(q, dict) and (q.get("load_in_8bit") or q.get("_load_in_8bit"))
     what = f"quant_method {qm!r}" + ("" if qm != "bitsandbytes" or four else " 8-bit" if eight else
                                      ", neither load_in_4bit nor load_in_8bit")
+    twin = " (an FP8 release's BF16 one: Mistral's Ministral 3 Instruct, its name + -BF16)" if qm == "fp8" else ""
     raise ValueError(f"config.json: the checkpoint is quantized already (quantization_config: {what}), and this "
                      "trainer reads bf16/fp16/fp32 weights, or bitsandbytes 4-bit ones (the -bnb-4bit uploads): pass "
-                     "the unquantized checkpoint it was made from (with --quant nf4 for QLoRA)")
+                     f"the unquantized checkpoint it was made from{twin} (with --quant nf4 for QLoRA)")
 
 
 @dataclass

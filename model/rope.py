@@ -5,11 +5,15 @@ Contract:
 - `read_rope(cfg, max_pos)` -> (theta, scaling): config.json's RoPE as transformers 5 standardizes it (classic
   top-level `rope_theta`/`rope_scaling` or the newer `rope_parameters`; the function's docstring); scaling {} is
   plain RoPE. Per-layer-type RoPE and a rope_scaling that contradicts rope_parameters raise ValueError.
-- `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring).
+- `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring); `keep_temperature` keeps
+  Ministral 3's attention temperature in it, `read_ministral3` reads that model's RoPE and temperature.
 - `inv_freq(args)` (a model.config.ModelArgs) returns the float32 inverse frequencies [head_dim // 2] and the
   attention scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3 and
   yarn: the same numbers transformers computes; `cos_sin(args, position_ids, dtype)` the cos, sin [B, S, Hd] of
-  global positions from them.
+  global positions from them. With an attention temperature (`args.attn_temperature_beta`: Ministral 3, transformers'
+  get_llama_4_attn_scale) they are [B, S, 2·Hd]: k's tables, then q's times each token's temperature (a function of
+  its global position, so every layout and tile computes one process' value), and `tables(cos, sin, hd, q)` is the
+  half for k or q: folded so, the scale costs no pass over q and keeps no [T, H, Hd] for backward.
 - `Rotary()(q, k, cos, sin)` -> (q, k) rotated (k may be None): transformers' `apply_rotary_pos_emb` within one
   rounding (tests/test_model.py), in eager mode over sequence chunks of ROPE_CHUNK elements both ways (`_RopeFn`:
   a chunk's temporaries, not q's), in compiled code the formula. A module so that parallel/compile.py can compile it.
@@ -24,6 +28,10 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' Ministral3Config RoPE when config.json has none (its top-level rope_theta then unread)
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                   "llama_4_scaling_beta": 0.1}
 ROPE_CHUNK = 2**26   # elements per sequence chunk in eager RoPE (_RopeFn: temporaries of a chunk, not of q)
 
 
@@ -60,6 +68,37 @@ def read_rope(cfg: dict, max_pos: int) -> tuple[float, dict]:
     if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:
         scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
     return theta, scaling
+
+
+def read_ministral3(cfg: dict, max_pos: int) -> tuple[float, dict, float, float]:
+    """(theta, scaling, beta, length) of a ministral3 config.json as transformers reads it: its class's YaRN
+    (MINISTRAL3_ROPE) where config.json names no RoPE, and the attention temperature's llama_4_scaling_beta and
+    original length from the RoPE dict its attention reads (rope_scaling in place of rope_parameters, as it takes
+    them); without either transformers fails in forward, and this refuses."""
+    if not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        cfg = {**cfg, "rope_parameters": dict(MINISTRAL3_ROPE)}
+    theta, scaling = read_rope(cfg, max_pos)
+    beta = (cfg.get("rope_scaling") or cfg["rope_parameters"]).get("llama_4_scaling_beta")
+    length = scaling.get("original_max_position_embeddings")   # (none: a plain or linear RoPE)
+    if beta is None or length is None:
+        raise ValueError(f"config.json: a ministral3 model scales q by rope_parameters' llama_4_scaling_beta and "
+                         f"original_max_position_embeddings; its RoPE {scaling or 'default'} lacks "
+                         f"{'llama_4_scaling_beta' if beta is None else 'original_max_position_embeddings'} "
+                         "(transformers cannot run it either): use the checkpoint's own config.json")
+    return theta, scaling, beta, length
+
+
+def keep_temperature(sc: dict | None, spec: str, args) -> dict | None:
+    """`--rope-scaling`'s dict `sc` for a model with an attention temperature (Ministral 3): transformers loaded with
+    it (base_config_overrides.json) reads the temperature's beta and length from it, so it carries the beta, and a
+    scaling of another original length (or none) is refused."""
+    if sc is None or (n := args.attn_temperature_length) is None:
+        return sc
+    if sc.get("original_max_position_embeddings") != n:
+        raise ValueError(f"--rope-scaling {spec}: this {args.model_type} model's attention temperature counts "
+                         f"positions in its original length {n}, which RoPE's scaling must keep: pass yarn:F@{n} or a "
+                         f"JSON object with \"original_max_position_embeddings\": {n}")
+    return {**sc, "llama_4_scaling_beta": args.attn_temperature_beta}
 
 
 def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
@@ -176,11 +215,23 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
 
 
 def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does."""
+    """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does ([B, S, 2·Hd] with q's
+    own, scaled by the attention temperature: module docstring)."""
     freq, scale = inv_freq(args)
     ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
     ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
-    return (ang.cos() * scale).to(dtype), (ang.sin() * scale).to(dtype)
+    cos, sin = ang.cos() * scale, ang.sin() * scale
+    if args.attn_temperature_beta is not None:   # 1 + beta·log(1 + floor(pos / n)), as transformers computes it
+        t = 1 + args.attn_temperature_beta * torch.log(1 + torch.floor(position_ids / args.attn_temperature_length))
+        cos, sin = torch.cat((cos, cos * t[..., None]), -1), torch.cat((sin, sin * t[..., None]), -1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def tables(cos, sin, hd: int, q: bool):
+    """The cos, sin to rotate k (or q, `q`) with: cos_sin's whole tables, or their half when they hold q's own."""
+    if cos.shape[-1] == hd:
+        return cos, sin
+    return (cos[..., hd:], sin[..., hd:]) if q else (cos[..., :hd], sin[..., :hd])
 
 
 def rotate_half(x):

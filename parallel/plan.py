@@ -77,8 +77,9 @@ Persistent all step:
    inputs, one fewer when lo < G). Un-adapted blocks above lo save no LoRA tensors (B's inputs, down_proj's A input,
    Ulysses' o_proj input, dropout's, DoRA's). The recompute term is the largest block's, less the block inputs
    above it (freed by then; tests/test_plan.py checks these against autograd's saved tensors).
-   Also cos/sin (2eT·hd). The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD)
-   are saved too, but freed by the first backward nodes, so they count in the loss phase (8) only.
+   Also cos/sin (2eT·hd; 4eT·hd with Ministral 3's q tables, which carry its attention temperature: no other tensor).
+   The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first
+   backward nodes, so they count in the loss phase (8) only.
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
@@ -255,7 +256,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
-    t["activations: rope cos/sin"] = 2 * e * T * hd
+    t["activations: rope cos/sin"] = 2 * e * T * hd * (1 + (m.attn_temperature_beta is not None))   # (q's own)
     blk = full(base + qa) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
