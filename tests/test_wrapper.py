@@ -226,3 +226,27 @@ def test_merge_into_a_wrapper_is_refused_before_writing(ckpts, tmp_path, capsys)
     code = merge.main(["--model", ckpts["untied"], "--adapter", str(tmp_path / "adapter"), "--out", out])
     err = capsys.readouterr().err
     assert code == 2 and "is a mistral3 multimodal checkpoint" in err and not os.path.exists(tmp_path / "m"), err
+
+
+def test_ministral3_in_a_mistral3_wrapper_equals_transformers(tmp_path):
+    """Ministral 3 ships as a Mistral 3 wrapper whose text_config is `ministral3` (YaRN and Llama 4's attention
+    temperature): past the temperature's original length (8 here, rows of 40) our logits equal transformers' wrapper's;
+    the temperature is read from the text_config's RoPE."""
+    from model.load import from_pretrained, read_args
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3,
+            "max_position_embeddings": 4096}
+    text = dict(TEXT, model_type="ministral3", vocab_size=64, max_position_embeddings=4096, rope_parameters=rope)
+    cfg = T.Mistral3Config(text_config=text, vision_config=VISION, image_token_index=5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    T.Mistral3ForConditionalGeneration(cfg).float().save_pretrained(tmp_path)
+    ref = T.Mistral3ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert type(ref.model.language_model).__name__ == "Ministral3Model", type(ref.model.language_model)
+    args = read_args(str(tmp_path))
+    assert (args.wrapper, args.model_type, args.attn_temperature_beta) == ("mistral3", "ministral3", 0.3), args
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = from_pretrained(str(tmp_path))(ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
