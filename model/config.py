@@ -33,6 +33,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
+from model.gemma import gemma_fields
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
@@ -51,6 +52,7 @@ SUPPORTED = {
     "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768, kv=32, head_dim=None),
     "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
     "ministral3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=262144, kv=8, head_dim=128, eps=1e-5),
+    "gemma3_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + gemma.py
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
@@ -122,6 +124,15 @@ class ModelArgs:
     # its global position (model.rope.cos_sin folds it into q's tables); None: none (every other model)
     attn_temperature_beta: float | None = None
     attn_temperature_length: int | None = None
+    # Gemma 3 (model/gemma.py): RMSNorm weight an offset from 1 applied in float32 before the cast; norms on the
+    # attention's and MLP's outputs too; gelu-tanh MLP; embedding × sqrt(dim); attention scale
+    # query_pre_attn_scalar ** -0.5 (None: head_dim's); the sliding layers' own RoPE {"rope_theta", scaling...}
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    act: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope: dict | None = None
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -163,8 +174,8 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
-                "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), and the language model of Mistral 3 (mistral3) "
-                "wrappers of these")
+                "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), and the language model "
+                "of Mistral 3 (mistral3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -177,7 +188,7 @@ class ModelArgs:
         if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
             mt = "ministral"
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if act not in ("silu", "swish") and mt != "gemma3_text":   # (Gemma's hidden_activation: gemma_fields)
             raise ValueError(f"config.json: hidden_act {act!r} is not supported: this decoder's MLP is SwiGLU (silu)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"config.json: attention_dropout {cfg['attention_dropout']!r} is not supported (the "
@@ -190,8 +201,9 @@ class ModelArgs:
                                  "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
+        gemma = gemma_fields(cfg, max_pos) if mt == "gemma3_text" else {}
         theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
-            *read_rope(cfg, max_pos), None, None)
+            gemma["rope_theta"], gemma["rope_scaling"], None, None) if gemma else (*read_rope(cfg, max_pos), None, None)
         attn_bias = bool(cfg.get("attention_bias", False))
         # Sliding windows as transformers applies them: Mistral on every layer; Ministral (and Mistral with a
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
@@ -221,7 +233,7 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt == "gemma3_text")),
             qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
             o_bias=attn_bias and flags["qkv_bias"] is None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and flags["mlp_bias"],
@@ -232,8 +244,12 @@ class ModelArgs:
             attn_temperature_beta=beta,
             attn_temperature_length=length,
         )
+        if gemma:   # (its layer types also pick each layer's RoPE table, with no window too)
+            args = replace(args, **{k: v for k, v in gemma.items() if k not in ("rope_theta", "rope_scaling")})
         try:   # now, not at the first forward: a RoPE config.json that cannot be computed is a start-up error
             inv_freq(args)
+            if args.local_rope is not None:
+                inv_freq(args.local_args())
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             raise ValueError(f"config.json: RoPE {args.rope_parameters()} cannot be computed ({type(e).__name__}: "
                              f"{e}); transformers cannot load it either: fix it in config.json") from None
@@ -253,6 +269,16 @@ class ModelArgs:
         except (TypeError, ValueError, ArithmeticError) as e:
             raise ValueError(f"--rope-scaling {spec}: {type(e).__name__}: {e}") from None
         return out
+
+    def local_args(self) -> ModelArgs:
+        """These args with the sliding layers' RoPE (`local_rope`) as theirs: what their cos/sin are computed from."""
+        sc = {k: v for k, v in self.local_rope.items() if k != "rope_theta"}
+        return replace(self, rope_theta=self.local_rope["rope_theta"], rope_scaling=sc, local_rope=None)
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention's softmax scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def rope_parameters(self) -> dict:
         """The RoPE in transformers 5's config form: rope_theta and the scaling (rope_type "default": none)."""
@@ -297,6 +323,6 @@ class ModelArgs:
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
         attn = d * h * hd * 2 + d * kv * hd * 2
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d

@@ -30,6 +30,7 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
+from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, scale_embedding
 from model.norms import cast_weight
 from model.rope import Rotary, cos_sin, tables
 
@@ -149,6 +150,11 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, w, self.eps)   # fails on this Function's graph: an AssertionError)
 
 
+def _norm(a: ModelArgs, dim: int) -> nn.Module:
+    """The architecture's RMSNorm: Gemma's where its weight is an offset from 1 (model/gemma.py)."""
+    return (GemmaRMSNorm if a.norm_offset else RMSNorm)(dim, a.norm_eps)
+
+
 class SwiGLU(nn.Module):
     """silu(gate) * up; a module (no parameters) for the same reason as Rotary (model/rope.py)."""
 
@@ -160,21 +166,21 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.window = a.window(layer)   # this layer's sliding window (None: full causal attention)
+        self.scale = a.attn_scale
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
         if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
-            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.q_norm, self.k_norm = _norm(a, a.head_dim), _norm(a, a.head_dim)
         self.qk_norm = a.qk_norm
         self.rotary = Rotary()
 
     def forward(self, x, cos, sin, core, meta):
         q, k, v = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
         B, S = q.shape[:2]
-        out = core(q, k, v, meta, self.head_dim ** -0.5, window=self.window)  # [B, S, H, Hd]
+        out = core(q, k, v, meta, self.scale, window=self.window)  # [B, S, H, Hd]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
     def projections(self, x, cos, sin):
@@ -214,19 +220,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
         self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
-        self.act = SwiGLU()
+        self.act = GeGLU() if a.act == "gelu_tanh" else SwiGLU()
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
+    pre_norms = ("input_layernorm", "post_attention_layernorm")   # the norms in front of attention and MLP
+
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(a, layer)
         self.mlp = MLP(a)
-        self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
 
     def forward(self, x, cos, sin, core, meta):
         a = self.self_attn(_normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
@@ -247,8 +254,9 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
-        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.layers = nn.ModuleList(SandwichBlock(a, i, Attention(a, i), MLP(a)) if a.sandwich_norms else Block(a, i)
+                                    for i in range(a.n_layers))
+        self.norm = _norm(a, a.dim)
 
     def run_blocks(self, h, *args):
         """The blocks in order (parallel/ac.apply_ac replaces this to checkpoint groups of them)."""
@@ -268,8 +276,14 @@ class Transformer(nn.Module):
         self.attention = attention or SDPAAttention()
 
     def rope(self, position_ids, dtype):
-        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin; q's own beside them: [B, S, 2·Hd])."""
-        return cos_sin(self.args, position_ids, dtype)
+        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin; q's own beside them: [B, S, 2·Hd]
+        with Ministral 3's temperature); with `local_rope` (Gemma) the pairs
+        (full layers', sliding layers') of each, which model.gemma.SandwichBlock picks from."""
+        cos, sin = cos_sin(self.args, position_ids, dtype)
+        if self.args.local_rope is None:
+            return cos, sin
+        lcos, lsin = cos_sin(self.args.local_args(), position_ids, dtype)
+        return (cos, lcos), (sin, lsin)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,
                 dft=False):
@@ -285,6 +299,8 @@ class Transformer(nn.Module):
         x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
         if x[0].dtype != dt:
             x[0] = x[0].to(dt)
+        if self.args.embed_scale:   # Gemma: × sqrt(D) in the compute dtype, before NEFTune's noise (transformers'
+            x[0] = scale_embedding(x[0], self.args.dim)   # hook sits on the scaled embedding's output)
         if noise is not None:   # adds to the embedding output in place (--neftune-alpha's: parallel/neftune.py)
             noise(x[0])
         cos, sin = self.rope(position_ids, x[0].dtype)

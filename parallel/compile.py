@@ -15,6 +15,7 @@ def apply_compile(model) -> None:
     compilation would break its graph at the CP attention's communication and bitsandbytes' ops."""
     import torch._dynamo
 
+    from model.gemma import GeGLU, GemmaRMSNorm
     from model.llama import RMSNorm, SwiGLU
     from model.rope import Rotary
 
@@ -27,7 +28,7 @@ def apply_compile(model) -> None:
     for m in model.modules():
         if isinstance(m, Rotary):
             m.forward = torch.compile(m.forward, dynamic=True)
-        elif isinstance(m, (RMSNorm, SwiGLU)):
+        elif isinstance(m, (RMSNorm, SwiGLU, GemmaRMSNorm, GeGLU)):
             m.forward = _as_rows(torch.compile(m.forward, dynamic=True))
 
 

@@ -55,9 +55,10 @@ def tile_tokens(dim: int, tile: int | None) -> int:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, rng, x, *params):
+    def forward(ctx, fn, tile, rng, skip, x, *params):
         # fn: a tile's rows -> its MLP output (the block norm first, when x is that norm's input);
-        # rng: fn draws random numbers (LoRA dropout), so backward replays the tiles from this state
+        # rng: fn draws random numbers (LoRA dropout), so backward replays the tiles from this state; skip: no output
+        # in a block recompute (False where the block reads it there: Gemma's norm after the MLP saves it)
         ctx.fn, ctx.tile, ctx.params = fn, tile, params
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None) if rng else None
         ctx.save_for_backward(x)
@@ -66,7 +67,7 @@ class _TiledMLP(torch.autograd.Function):
         # there, not a [tokens, D] buffer beside the recompute (made in forward too: selective AC, --ac-keep-attn,
         # replays forward's ops in order and refuses a recompute op that forward lacked)
         stand_in = x.new_empty(()).expand(x.shape)
-        if recomputing():
+        if skip and recomputing():
             return stand_in
         from model.nf4 import dequant_once  # bitsandbytes and peft: not on the planner's path (tile_tokens)
         with torch.no_grad(), dequant_once():   # NF4 weights dequantized once for all tiles, not once a tile
@@ -78,7 +79,7 @@ class _TiledMLP(torch.autograd.Function):
         (x,), params = ctx.saved_tensors, ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
         dx = None   # the input gradient goes into x's own storage where x is spare (module docstring)
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[4]:
             dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
         from model.nf4 import dequant_once
@@ -90,7 +91,7 @@ class _TiledMLP(torch.autograd.Function):
                     torch.cuda.set_rng_state(ctx.rng[1], x.device)
             _tiles_backward(ctx, flat, dflat, dx, acc, params)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+        return (None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
 
 
 def _by_rows(fn, flat, rows):
@@ -118,7 +119,7 @@ def _tiles_backward(ctx, flat, dflat, dx, acc, params):
                 acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
 
 
-def _tiled(mlp: nn.Module, tile: int | None):
+def _tiled(mlp: nn.Module, tile: int | None, skip: bool = True):
     forward = mlp.forward   # the module's own forward: calling it skips __call__ (no recursion)
     rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mlp.modules())
 
@@ -128,19 +129,19 @@ def _tiled(mlp: nn.Module, tile: int | None):
         params = [p for p in mlp.parameters() if p.requires_grad]
         src = getattr(x, "_norm_output", None)   # (the norm that made x, its input h)
         if src is None:
-            return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), rng, x, *params)
+            return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), rng, skip, x, *params)
         # the block norm joins the tiles: its input h is the one saved tensor and gets the gradient, so x (an empty
         # stand-in, `norm_stand_in`: the norm never runs over all tokens) and the norm's own backward drop out
         norm, h = src
-        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), tile_tokens(h.shape[-1], tile), rng, h, *params,
-                               *norm.params)
+        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), tile_tokens(h.shape[-1], tile), rng, skip, h,
+                               *params, *norm.params)
     return run
 
 
 def apply_tiled_mlp(model, tile: int | None = None) -> None:
     """Tile every block's MLP over the tokens (module docstring); parameter names are unchanged."""
     for block in model.model.layers:
-        block.mlp.forward = _tiled(block.mlp, tile)
+        block.mlp.forward = _tiled(block.mlp, tile, not getattr(block, "outputs_saved", False))
         block.mlp.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output
 
 
@@ -224,9 +225,9 @@ def _lora_a(lin: nn.Linear):
 
 def apply_norm_rebuild(model) -> None:
     """LoRA A on q/k/v, gate/up and the tiled MLP keep a block norm's input, not its output (module docstring)."""
-    fed = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
-    for block in model.model.layers:
+    for block in model.model.layers:   # (pre_norms: the norms in front of attention and MLP, Gemma's too)
+        fed = dict(zip(block.pre_norms, (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                         ("mlp.gate_proj", "mlp.up_proj"))))
         for norm, projs in fed.items():
             norm = block.get_submodule(norm)
             norm.forward = _tagging(norm)   # after apply_compile: wraps the compiled forward

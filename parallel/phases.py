@@ -102,7 +102,8 @@ class PhaseMeter:
         core, last = model.model, model.model.layers[-1]
         core.norm.register_forward_hook(self._forward_done)
         # h, the MLP's input (o_proj's output takes the residual in place: a hook on that output never fires)
-        last.post_attention_layernorm.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: MLP"))
+        last.get_submodule(last.pre_norms[1]).register_forward_pre_hook(   # (the norm in front of the MLP)
+            lambda m, a: self._watch(a[0], "last block: MLP"))
         last.mlp.register_forward_pre_hook(   # the tiled MLP runs that norm itself: handed a stand-in tagged with h
             lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP")
             if hasattr(a[0], "_norm_output") else None)

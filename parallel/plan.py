@@ -22,9 +22,9 @@ Persistent all step:
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
    --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
    --lora-layers: of the A adapted blocks only (A for L; term 5 is one block's: an adapted one).
-   --train-norms: + each adapted block's norms (2 [D]; Qwen3's q/k norms 2 [hd]) alike; the final norm [D] leaves term 2
-   for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its first norm keeps
-   its input, whose output needs grad).
+   --train-norms: + each adapted block's norms (2 [D], Gemma 3's 4; Qwen3's q/k norms 2 [hd]) alike; the final norm
+   [D] leaves term 2 for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its
+   first norm keeps its input, whose output needs grad).
    --train-embeddings: the embedding (a tied model's head with it) leaves term 2 for one of its own, V·D in LoRA's
    dtype (the root's unsharded copy for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two);
    block 0 saves as the others, the first checkpoint keeps the embedding's output (not the ids), the embedding's
@@ -77,9 +77,11 @@ Persistent all step:
    inputs, one fewer when lo < G). Un-adapted blocks above lo save no LoRA tensors (B's inputs, down_proj's A input,
    Ulysses' o_proj input, dropout's, DoRA's). The recompute term is the largest block's, less the block inputs
    above it (freed by then; tests/test_plan.py checks these against autograd's saved tensors).
-   Also cos/sin (2eT·hd; 4eT·hd with Ministral 3's q tables, which carry its attention temperature: no other tensor).
-   The final norm's input and rsqrt (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first
-   backward nodes, so they count in the loss phase (8) only.
+   Also cos/sin (2eT·hd; 4eT·hd with Ministral 3's q tables, which carry its attention temperature: no other tensor;
+   Gemma 3's two tables, full and sliding layers': 4eT·hd). The final norm's input and rsqrt
+   (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first backward nodes, so they count in
+   the loss phase (8) only. Gemma 3's norms on the sublayers' outputs keep their inputs and rsqrt: 2·(eTD + 4T) more
+   per block; its scaled embedding output is a new tensor, kept whole by the first checkpoint (no ids).
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
@@ -131,7 +133,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
     base = [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in shapes.values()]
-    base += [(D, D)] * 2 + [(o, o) for t, (o, _) in shapes.items()
+    nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
+    base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
@@ -140,11 +143,12 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
-    lora += ([(D, D)] * 2 + [(hd, hd)] * 2 * m.qk_norm) * norms
+    lora += ([(D, D)] * nb + [(hd, hd)] * 2 * m.qk_norm) * norms
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
-    lookup = lo == 0 and not emb and not neft   # AC's first checkpoint keeps the ids, looked up again (ac._FromIds)
+    lookup = lo == 0 and not emb and not neft and not m.embed_scale   # AC's first checkpoint keeps the ids, looked up
+    # again (ac._FromIds); not Gemma's scaled output (a new tensor after the lookup: kept whole)
     root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
@@ -183,6 +187,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
             b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
             b -= 4 * T * tiled
+            # q/k norms (Qwen3, Gemma 3) keep q_proj's and k_proj's outputs and rsqrt, where those need grad
+            b += sum((e * T * hd + 4 * T) * n for n, t in ((H, "q_proj"), (K, "k_proj")) if not first or t in tg) \
+                * m.qk_norm
+        b += (e * T * D + 4 * T) * 2 * m.sandwich_norms   # Gemma's norms on attention's and the MLP's outputs
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
         # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
@@ -256,7 +264,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
-    t["activations: rope cos/sin"] = 2 * e * T * hd * (1 + (m.attn_temperature_beta is not None))   # (q's own)
+    t["activations: rope cos/sin"] = 2 * e * T * hd * (   # (Ministral 3: q's own; Gemma: the sliding layers' too)
+        (1 + (m.attn_temperature_beta is not None)) * (2 if m.local_rope else 1))
     blk = full(base + qa) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)

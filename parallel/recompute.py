@@ -10,7 +10,8 @@ Contract:
 - `apply_unread_outputs(model)` (always on, parallel/parallelize.build_model): two linear bases run only what
   autograd needs where nobody reads their output values.
   - The MLP's down projection in a block recompute: the residual add saves nothing, and the checkpoint stops
-    after the LoRA path's last saved tensor and drops the block's output, so its base returns zeros instead of
+    after the LoRA path's last saved tensor and drops the block's output (not in a block whose `outputs_saved`:
+    Gemma's, where a norm after the MLP saves its output), so its base returns zeros instead of
     its GEMM (for Qwen2.5-7B 68M of a block's 233M weights: ~29% of the recompute's matmul FLOPs). Only where
     the base saves no tensor through autograd's saved-tensor hooks (bitsandbytes keeps its weight on ctx; an
     nn.Linear saves its weight and is left alone), probed once on one row in the first forward: the recompute
@@ -128,7 +129,8 @@ def apply_unread_outputs(model) -> None:
     """Wrap every block's down-projection base (recompute and tiled-MLP tiles) and o_proj base (tiled-attention
     tiles) as described above; a LoRA layer's base is its `base_layer`."""
     for block in model.model.layers:
-        for lin, in_recompute in ((block.mlp.down_proj, True), (block.self_attn.o_proj, False)):
+        read = getattr(block, "outputs_saved", False)   # (Gemma's norm after the MLP saves the MLP's output)
+        for lin, in_recompute in ((block.mlp.down_proj, not read), (block.self_attn.o_proj, False)):
             if any(getattr(lin, "lora_variant", None) or ()):   # e.g. DoRA reads the base output: left alone
                 continue
             base = getattr(lin, "base_layer", lin)

@@ -77,7 +77,7 @@ class _Spec:
 
     def __init__(self, attn, pre, tile, docs, release):
         self.attn, self.pre, self.tile_arg, self.docs, self.release = attn, pre, tile, docs, release
-        self.scale, self.window, self.backend = attn.head_dim ** -0.5, attn.window, None
+        self.scale, self.window, self.backend = attn.scale, attn.window, None
         self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
 
     def units(self, b, s):

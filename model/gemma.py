@@ -1,0 +1,168 @@
+"""Gemma 3's differences from the Llama decoder (`model_type: gemma3_text`, transformers' Gemma3ForCausalLM), chosen
+by ModelArgs flags that model/llama.py reads: no subclass of its model, the Llama path's code unchanged.
+
+Contract:
+- `gemma_fields(cfg, max_pos)`: the ModelArgs fields of a gemma3_text config.json as transformers (5.x) reads it
+  (RoPE per layer type, layer types from sliding_window_pattern, query_pre_attn_scalar); Gemma 2's soft-capping and
+  bidirectional attention are refused naming the key.
+- `GemmaRMSNorm` (`norm_offset`): x / rms(x) · (1 + weight), the weight an offset from 1 applied in float32 BEFORE the
+  cast back (Llama casts, then multiplies): transformers' Gemma3RMSNorm. Every norm of the model, q_norm/k_norm too.
+- `GeGLU` (`act` "gelu_tanh"): gelu(gate, tanh approximation) · up, hidden_activation gelu_pytorch_tanh.
+- `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
+  (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
+- `SandwichBlock` (`sandwich_norms`): input_layernorm -> attention -> post_attention_layernorm (on the attention's
+  OUTPUT) -> + residual; pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> + residual. The pre-sublayer
+  norms go through `takes_norm` as Llama's (the tiled MLP and attention run them over their tiles): `pre_norms` names
+  them for parallel/memory.py. Each block picks its RoPE table: Transformer.rope hands (full, sliding) pairs when
+  `local_rope` is set (sliding layers: rope_local_base_freq, 10000; full ones: rope_theta with its scaling).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.rope import read_rope
+
+NORM_CHUNK = 2**26   # elements per chunk (model/llama.py's RMSNorm: float32 temporaries of a chunk, not of x)
+GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
+
+
+def gemma_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a gemma3_text config.json (module docstring), defaults as Gemma3TextConfig's."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported (Gemma 2's soft-capping; Gemma 3 sets "
+                             f"it null): this decoder's attention kernels and loss do not cap logits")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention true is not supported (an embedding model's "
+                         "attention): this decoder is causal; pass a causal Gemma 3 checkpoint")
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in GELU_TANH:
+        raise ValueError(f"config.json: hidden_activation {act!r} is not supported: Gemma's MLP here is "
+                         f"gelu_pytorch_tanh (gelu, tanh approximation)")
+    params = cfg.get("rope_parameters") or {}
+    if params and not all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.json: gemma3_text rope_parameters {params} must be per layer type "
+                         "({'full_attention': {...}, 'sliding_attention': {...}}), as transformers writes them")
+    # transformers' Gemma3TextConfig.convert_rope_params_to_dict: a classic rope_scaling updates the full layers'
+    full = dict(params.get("full_attention") or {"rope_type": "default"}, **(cfg.get("rope_scaling") or {}))
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 1e4))
+    orig = {k: cfg[k] for k in ("original_max_position_embeddings",) if k in cfg}
+    (theta, scaling), (ltheta, lscaling) = (read_rope({"rope_parameters": d, **orig}, max_pos) for d in (full, local))
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling},
+                sliding_window=cfg.get("sliding_window", 4096), layer_types=types, norm_offset=True,
+                sandwich_norms=True, act="gelu_tanh", embed_scale=True,
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+
+
+def _normalize(x, weight, eps):
+    """(x / rms(x) · (1 + weight) cast to x's dtype, rsqrt): transformers' order, all in float32 before the cast."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * r * (1.0 + weight.float())).to(x.dtype), r
+
+
+class _GemmaNormFn(torch.autograd.Function):
+    """Gemma's RMSNorm saving its input and rsqrt [..., 1] (not the float32 upcast), over row chunks of NORM_CHUNK
+    elements both ways, as model.llama._RMSNormFn. No CUDA fused path: aten's _fused_rms_norm applies the weight
+    after the cast to the compute dtype, and Gemma applies (1 + weight) in float32 before it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        flat = x.reshape(-1, x.shape[-1])
+        rows = max(1, min(flat.shape[0], NORM_CHUNK // x.shape[-1]))
+        out, rstd = torch.empty_like(x, memory_format=torch.contiguous_format), flat.new_empty(flat.shape[0], 1,
+                                                                                                dtype=torch.float32)
+        for i in range(0, flat.shape[0], rows):
+            out.view(-1, x.shape[-1])[i:i + rows], rstd[i:i + rows] = _normalize(flat[i:i + rows], weight, eps)
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(x, weight, rstd)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), ctx.rows
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        w1 = 1.0 + weight.float()
+        for i in range(0, flat.shape[0], rows):
+            xf, r, gc = flat[i:i + rows].float(), rstd[i:i + rows], gflat[i:i + rows].float()
+            if dw is not None:
+                dw += (gc * (xf * r)).sum(0)
+            if dx is not None:   # n = x·r, dn = g·(1 + w):  dx = r·dn - r³·x·mean(dn·x)
+                dn = gc * w1
+                dx.view(-1, x.shape[-1])[i:i + rows] = r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)
+        return dx, (None if dw is None else dw.to(weight.dtype)), None
+
+
+class GemmaRMSNorm(nn.Module):
+    """transformers' Gemma3RMSNorm (module docstring); the weight starts at 0 (the identity) and trains in float32 as
+    --train-norms keeps it (no cast: the formula upcasts it anyway)."""
+    reference = None   # DPO's reference weight while set (model.norms.reference_trained)
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        w = self.weight if self.reference is None else self.reference
+        if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler
+            return _normalize(x, w, self.eps)[0]
+        return _GemmaNormFn.apply(x, w, self.eps)
+
+
+class GeGLU(nn.Module):
+    """gelu(gate, tanh approximation) · up (Gemma's MLP); a module for parallel/compile.py, as model.llama.SwiGLU."""
+
+    def forward(self, gate, up):
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def scale_embedding(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x · sqrt(dim), the scale rounded to x's dtype first, as transformers (module docstring)."""
+    return x * torch.tensor(math.sqrt(dim), dtype=x.dtype)
+
+
+class SandwichBlock(nn.Module):
+    """Gemma's decoder block (module docstring) over the Llama block's attention and MLP modules."""
+    pre_norms = ("input_layernorm", "pre_feedforward_layernorm")   # the norms in front of attention and MLP
+    # the post norms save the attention's and the MLP's outputs: a block recompute must compute them (parallel/'s
+    # tiled MLP and the down projection's base skip that where nothing reads them: recompute.py, memory.py)
+    outputs_saved = True
+
+    def __init__(self, a, layer: int, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp = attention, mlp
+        self.input_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
+        # which of Transformer.rope's (full, sliding) tables this layer takes
+        self.table = int(a.local_rope is not None and bool(a.layer_types)
+                         and a.layer_types[layer] == "sliding_attention")
+
+    def forward(self, x, cos, sin, core, meta):
+        if isinstance(cos, tuple):
+            cos, sin = cos[self.table], sin[self.table]
+        a = self.self_attn(_normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
+        x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
+        return x + self.post_feedforward_layernorm(self.mlp(_normed(self.pre_feedforward_layernorm, self.mlp, x)))
+
+
+def _normed(norm: nn.Module, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """model.llama._normed's rule (this module is imported by that one, so it has its own copy): norm(x), or the
+    stand-in a sublayer that runs the norm itself takes (`takes_norm`)."""
+    take = getattr(sublayer, "takes_norm", None)
+    return norm(x) if take is None else take(norm, x)
