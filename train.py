@@ -201,7 +201,8 @@ def main(argv=None):
         meter = (args.mem_phases or args.mem_trace) and phases.PhaseMeter(model, device, args.out, log0, args.mem_trace)
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
         saves = Saves(args, model, opt, lambda: {"args": vars(args), **best.meta(), **early.meta(), "tie_embeddings":
-                      margs.tie_embeddings, "nonfinite": nonfinite.state(), "steps_total": steps},
+                      margs.tie_embeddings, "wrapper": margs.wrapper, "nonfinite": nonfinite.state(),
+                      "steps_total": steps},
                       start if here else 0, protect=lambda: best.step, phase=wd.phase)   # (saved: on disk)
 
         # --------------------------------------------------------------------- loop

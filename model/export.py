@@ -29,6 +29,7 @@ from safetensors.torch import save_file as _save_file
 from model.hub import hub_snapshot
 from model.load import read_args
 from model.norms import is_saved_weight, modules_to_save
+from model.wrapper import peft_targets, to_peft
 
 OVERRIDES = "base_config_overrides.json"
 TEMPLATE = "chat_template.jinja"   # a run's --chat-template, beside its adapter (transformers' own file name)
@@ -65,8 +66,9 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
         return
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
     sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_saved_weight(n)}))
+    args = peft_model.get_base_model().args
     write_adapter(sd, peft_model.peft_config["default"], out_dir, base_path, rope_parameters, chat_template, quant,
-                  model_sha256, tied=peft_model.get_base_model().args.tie_embeddings)
+                  model_sha256, tied=args.tie_embeddings, wrapper=args.wrapper)
 
 
 def peft_keys(lora: dict) -> dict:
@@ -87,7 +89,7 @@ def half_written(out_dir: str) -> bool:
 
 def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: dict | None = None,
                   chat_template: str | None = None, quant: str | None = None, model_sha256: str | None = None,
-                  tied: bool | None = None) -> None:
+                  tied: bool | None = None, wrapper: str | None = None) -> None:
     """adapter_model.safetensors (`sd`, peft's keys), adapter_config.json (`cfg`, a LoraConfig, naming the base),
     for a run with --rope-scaling base_config_overrides.json, for one with --chat-template chat_template.jinja.
     Written to `out_dir`.tmp-export, then renamed into place (the one before goes through `out_dir`.old-export:
@@ -97,7 +99,9 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     which cannot be swapped, the files go from `DIR/.adapter.tmp` by renames, adapter_config.json (what makes it an
     adapter to peft) last. `quant` and `model_sha256` (the base's `model.hub.model_fingerprint`, as the run recorded
     it): written to trained_on.json, what `model.merge` checks its base against. `tied`: whether the base's output head
-    is its input embedding (None: read from `base_path`'s config.json), where a trained embedding is written twice."""
+    is its input embedding (None: read from `base_path`'s config.json), where a trained embedding is written twice.
+    `wrapper`: the base is that multimodal wrapper (ModelArgs.wrapper): `sd` (our names under peft's prefix) and
+    the config's module names are written as peft names them on it (model/wrapper.py: to_peft, peft_targets)."""
     out_dir = os.path.realpath(out_dir)   # (a symlinked OUT/adapter: its target is swapped, the link stays)
     in_place = os.path.isdir(out_dir) and (not os.listdir(out_dir) or half_written(out_dir))
     if not in_place and os.path.isdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
@@ -114,6 +118,11 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         if "model.embed_tokens" in saved and (read_args(base_path).tie_embeddings if tied is None else tied):
             # a tied head: peft's ensure_weight_tying reads the embedding under the head's name too, and ties the two
             sd[TIED_HEAD] = sd["base_model.model.model.embed_tokens.weight"].clone()
+    if wrapper:   # a multimodal base: its language model's names (the vision tower's projections have LoRA's names too)
+        sd = {to_peft(k, wrapper): v for k, v in sd.items()}
+        cfg.modules_to_save = [to_peft(m, wrapper) for m in cfg.modules_to_save or []] or None
+        cfg.target_modules = peft_targets(cfg.target_modules, cfg.layers_to_transform, wrapper)
+        cfg.layers_to_transform = None   # (in the regex: peft ignores it beside one)
     save_file(sd, os.path.join(tmp, "adapter_model.safetensors"))
     cfg.task_type = "CAUSAL_LM"   # what peft's AutoPeftModelForCausalLM and PeftModel pick the causal-LM class by
     hub = hub_snapshot(base_path)

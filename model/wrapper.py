@@ -13,8 +13,15 @@ Contract:
   are the text-only model's (`model.layers.N...`, `model.embed_tokens.weight`, `lm_head.weight`), read from either
   stored form in FORMS; the vision tower's and projector's tensors are left out (never read: they cost memory).
   `looked_for(wrapper)` says the stored prefixes, for the errors that name missing tensors.
-- FORMS[wrapper][0] is transformers 5's module naming (what peft names an adapter on the wrapper by); a writer that
-  names keys for the wrapper maps our prefixes through it.
+- FORMS[wrapper][0] is transformers 5's module naming (what peft names an adapter on the wrapper by): the one mapping
+  of names between our model and the wrapper's. `to_peft(name, wrapper)`: our module or tensor name (peft's
+  `base_model.model.` prefix kept) as the wrapper's (model/export.py's keys and modules_to_save; the merge's tensors by
+  their stored keys: `internal_names`). `peft_targets(targets, layers, wrapper)`: adapter_config.json's
+  target_modules on the wrapper, peft's regex form naming the language model's projections only (the vision tower's
+  have the same names: a name list would adapt them too), --lora-layers in it. `to_ours(name)`: an adapter's key or
+  module name, made on a wrapper (either stored form) or on a text-only model, as ours (what --init-adapter and the
+  merge read: an adapter of either fits either base, the language model being the same); one naming a wrapper's
+  other parts (vision tower, projector) is refused naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 # save_pretrained writes (5.25, checked; and transformers 4's checkpoints), which transformers' "llava" conversion
 # mapping renames to form 0 on load.
 WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="mistral", tie=True)}
+OTHER = ("vision_tower.", "multi_modal_projector.")   # a wrapper's parts that are not its language model (either form)
+PEFT = "base_model.model."   # peft's prefix of an adapter's keys (the model it wraps)
 FORMS = {"mistral3": ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],
                       [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])}
 OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
@@ -71,3 +80,39 @@ def internal_names(stored, wrapper: str | None) -> dict:
 def looked_for(wrapper: str) -> str:
     """The stored prefixes of the language model's tensors, for an error naming the ones missing."""
     return " or ".join(", ".join(f"{pre}*" for pre, _ in form) for form in FORMS[wrapper])
+
+
+def to_peft(name: str, wrapper: str | None) -> str:
+    """Our module or tensor name (peft's prefix kept) as the wrapper's module naming (FORMS[wrapper][0]); a text-only
+    model's (wrapper None) as it is."""
+    if wrapper is None:
+        return name
+    head = PEFT if name.startswith(PEFT) else ""
+    n = name[len(head):] + "."   # ("lm_head", a module: its prefix "lm_head." too)
+    pre, ours = next((pre, ours) for pre, ours in FORMS[wrapper][0] if n.startswith(ours))
+    return head + (pre + n[len(ours):])[:-1]
+
+
+def to_ours(name: str) -> str:
+    """An adapter's key or module name (peft's prefix kept) as our text-only model's, from any wrapper's stored form
+    or a text-only model's (module docstring); a wrapper's vision tower or projector: ValueError naming it."""
+    head = PEFT if name.startswith(PEFT) else ""
+    n = name[len(head):]
+    for forms in FORMS.values():
+        for pre, ours in (p for form in forms for p in form):
+            if pre != ours and n.startswith(pre):
+                return head + ours + n[len(pre):]
+    if n.startswith(OTHER) or n.startswith(tuple("model." + o for o in OTHER)):
+        raise ValueError(f"{name!r} is a multimodal model's vision tower or projector, which does not train here (its "
+                         "language model does): pass an adapter of the language model only (peft: target_modules as "
+                         "a regex of model.language_model's modules)")
+    return name
+
+
+def peft_targets(targets, layers, wrapper: str):
+    """adapter_config.json's target_modules for LoRA on the projections `targets` of the blocks `layers` (None: all)
+    of a wrapper's language model: peft's regex form (matched in full against module names, where peft ignores
+    layers_to_transform), e.g. model\\.language_model\\.layers\\.\\d+\\.(self_attn|mlp)\\.(q_proj|v_proj)."""
+    blocks = r"\d+" if layers is None else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
+    return (to_peft("model.layers", wrapper).replace(".", r"\.") + rf"\.{blocks}\.(self_attn|mlp)\."
+            + "(" + "|".join(sorted(targets)) + ")")

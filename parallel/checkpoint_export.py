@@ -28,7 +28,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     from model.config import lora_layers
     from model.export import half_written, peft_keys, write_adapter
     from model.hub import hub_snapshot, same_model
-    from model.load import read_args
+    from model.load import _wrapper, read_args
     from model.norms import is_saved_weight
     from model.qlora import lora_config
     if not out_dir:
@@ -93,15 +93,17 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     bad = [k for k, v in lora.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"{path} holds NaN or Inf in {', '.join(bad[:4])}: no adapter written")
-    rope = args.get("rope_scaling")
+    rope, meta = args.get("rope_scaling"), read_meta(path)
+    wrapper = meta["wrapper"] if "wrapper" in meta else _wrapper(os.path.join(args["model"], "config.json")) \
+        if os.path.isfile(os.path.join(args["model"], "config.json")) else None   # (a checkpoint from before the key)
     write_adapter(peft_keys(lora), lora_config(args["lora_r"], args["lora_alpha"], args["lora_dropout"],
                                                args["lora_targets"].split(","), args.get("rslora", False),
                                                args.get("dora", False), lora_layers(args.get("lora_layers"))),
                   out_dir, args["model"],
                   read_args(args["model"], rope).rope_parameters() if rope is not None else None,
                   args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)
-                  args.get("model_sha256"), tied=read_meta(path).get("tie_embeddings", False))   # (a checkpoint from
-    # before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)
+                  args.get("model_sha256"), tied=meta.get("tie_embeddings", False), wrapper=wrapper)   # (a checkpoint
+    # from before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)
     return path
 
 

@@ -1,0 +1,158 @@
+"""Multimodal wrapper checkpoints (Mistral 3, `Mistral3ForConditionalGeneration`), the write side: the adapters we
+export load in peft on the wrapper, --init-adapter reads peft's own, the merge writes a whole wrapper checkpoint
+(model/wrapper.py's to_peft / to_ours / peft_targets; the read side: tests/test_wrapper.py).
+
+Pins (a tiny random Mistral 3 made by transformers itself, Pixtral vision tower of 1 layer, float32; LoRA r 4 alpha 8,
+B non-zero, trained norms and embedding moved off the base's):
+- `export_adapter` on a wrapper base: `peft.PeftModel.from_pretrained(Mistral3ForConditionalGeneration, adapter)`
+  loads it with no missing or unexpected key, its keys are what peft saves on the wrapper, no LoRA module lands in
+  the vision tower or projector, and its text logits equal ours: plain LoRA, DoRA, --train-norms with --lora-layers,
+  --train-embeddings tied and untied; `python -m parallel.checkpoint`'s export writes the same adapter;
+- --init-adapter: ours and one peft made on the wrapper itself (a language-model-only regex, random B) rebuild
+  peft's logits in our model; a text-only model's adapter starts a wrapper run and the reverse (the same language
+  model: mapped); one adapting the vision tower is refused naming it;
+- `python -m model.merge` into a wrapper: transformers loads the output as Mistral3ForConditionalGeneration, its text
+  logits equal peft's merge_and_unload of the same adapter on the base (quant none; nf4: the base's block weights
+  NF4 round-tripped), vision tower and projector tensors bit-equal to the base's, the processor files copied, a
+  --rope-scaling adapter's RoPE in text_config; a bitsandbytes 4-bit wrapper is refused before writing.
+
+Run: .venv/bin/python -m pytest -q tests/test_wrapper_write.py
+"""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import transformers as T
+
+from tests.test_wrapper import _wrapper
+
+R, ALPHA = 4, 8.0
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wrapper_write")
+    out = {tie: _wrapper(d / tie, 64, tie == "tied") for tie in ("tied", "untied")}
+    for path in out.values():   # the processor's files, which the merge copies beside the weights
+        for fn in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
+            with open(os.path.join(path, fn), "w") as f:
+                f.write(json.dumps({"made_for": fn}) if fn.endswith(".json") else "{{ messages }}")
+    return out
+
+
+def _ours(path, dora=False, norms=False, emb=False, layers=None):
+    """Our model of the wrapper's language model, LoRA B ~ N(0, 0.05), trained norms and embedding × (1 + 0.1·N)."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    model, peft_model = build_nonzero_b(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, lora_targets=ALL,
+                                                     dora=dora, train_norms=norms, train_embeddings=emb,
+                                                     lora_layers=layers, seed=3))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and (n.endswith("norm.weight") or "embed_tokens" in n):
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    return model, peft_model
+
+
+def _ids():
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
+    ids[0, 3] = 5   # the image token, in text input: an ordinary token to both
+    return ids
+
+
+def _peft_loaded(base, adapter):
+    """peft's model of `adapter` on transformers' wrapper, failing on a missing or unexpected key."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = PeftModel.from_pretrained(T.Mistral3ForConditionalGeneration.from_pretrained(base), adapter).eval()
+    said = [str(w.message) for w in caught if "key" in str(w.message).lower()]
+    assert not said, f"peft warned {said}"
+    if not pm.peft_config["default"].ensure_weight_tying:   # (a second adapter's tying finds the first's wrapper)
+        again = pm.load_adapter(adapter, adapter_name="again")   # the load result peft only warns about
+        assert not again.missing_keys and not again.unexpected_keys, again
+        pm.delete_adapter("again")
+        pm.set_adapter("default")
+    return pm
+
+
+CASES = {"lora": dict(), "dora": dict(dora=True), "norms_layers": dict(norms=True, layers=(1,)),
+         "emb_untied": dict(emb=True, norms=True), "emb_tied": dict(emb=True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_adapter_loads_in_peft_on_the_wrapper_with_our_logits(bases, case, tmp_path):
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from model.export import export_adapter
+
+    kw = CASES[case]
+    base = bases["tied" if case == "emb_tied" else "untied"]
+    model, peft_model = _ours(base, **kw)
+    export_adapter(peft_model, str(tmp_path / "a"), base)
+    ids = _ids()
+    with torch.no_grad():
+        ours = model(ids)
+    pm = _peft_loaded(base, str(tmp_path / "a"))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5, msg=f"{case}: peft's logits")
+    lora = [n for n, _ in pm.named_modules() if n.endswith(".lora_A")]
+    assert lora and all(".language_model.layers." in n for n in lora), f"{case}: LoRA on {lora}"
+    assert len(lora) == 7 * (1 if kw.get("layers") else 2), (case, lora)
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    want = set(get_peft_model_state_dict(pm, adapter_name="default"))
+    assert keys == want, f"{case}: extra {sorted(keys - want)[:4]}, missing {sorted(want - keys)[:4]}"
+    saved = [n for n, m in pm.named_modules() if type(m).__name__ == "ModulesToSaveWrapper"]
+    assert all(".language_model." in n or n.endswith("lm_head") for n in saved), f"{case}: saved {saved}"
+    if kw.get("emb"):
+        assert any(n.endswith("embed_tokens") for n in saved), saved
+    if case == "emb_tied":   # peft's head is the trained embedding, as ours
+        assert pm.base_model.model.lm_head.weight is pm.base_model.model.model.language_model.embed_tokens.weight
+
+
+def test_checkpoint_export_of_a_wrapper_run_is_the_runs_adapter(assets, tmp_path):
+    """`python -m parallel.checkpoint` writes a wrapper run's adapter as train.py's end does (the wrapper's names,
+    meta.json's "wrapper"), which peft loads on the wrapper; also for a checkpoint from before meta.json named it."""
+    from safetensors.torch import load_file
+
+    import train
+    from parallel.checkpoint_export import export
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import one_thread, train_argv
+
+    tok = make_tokenizer(tmp_path / "base")
+    base = _wrapper(tmp_path / "base", len(tok), False)
+    out = str(tmp_path / "run")
+    with one_thread():
+        train.main(train_argv({**assets, "model": base}, out, "--train-norms", "--lora-layers", "1",
+                              "--save-every", "3"))
+    ckpt = os.path.join(out, "ckpt")
+    with open(os.path.join(ckpt, "step_000003", "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["wrapper"] == "mistral3", meta.get("wrapper")
+    export(ckpt, str(tmp_path / "exported"))
+    del meta["wrapper"]   # a checkpoint from before the key: the base's config.json says it
+    with open(os.path.join(ckpt, "step_000003", "meta.json"), "w") as f:
+        json.dump(meta, f)
+    export(ckpt, str(tmp_path / "exported_old"))
+    want = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    with open(os.path.join(out, "adapter", "adapter_config.json")) as f:
+        want_cfg = json.load(f)
+    assert want_cfg["target_modules"].startswith("model\\.language_model\\.layers\\.(1)\\."), want_cfg
+    for d in ("exported", "exported_old"):
+        got = load_file(str(tmp_path / d / "adapter_model.safetensors"))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), d
+        with open(tmp_path / d / "adapter_config.json") as f:
+            cfg = json.load(f)
+        assert {k: cfg[k] for k in ("target_modules", "modules_to_save", "layers_to_transform")} == \
+            {k: want_cfg[k] for k in ("target_modules", "modules_to_save", "layers_to_transform")}, d
+    _peft_loaded(base, str(tmp_path / "exported"))
