@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
 from model.load import read_header
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
+from model.wrapper import to_ours
 
 
 def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
@@ -81,6 +82,7 @@ def saved_modules(mods) -> tuple[list[str], list[str]]:
     block 0's: which blocks it covers, the adapter's tensors say (they are saved under the full names)."""
     names, wrong = set(), []
     for e in mods if isinstance(mods, list) else [mods]:
+        e = to_ours(e) if isinstance(e, str) else e   # (peft's names on a multimodal wrapper: its language model's)
         at = {0} | {int(p + d) for d in re.findall(r"\d+", e) for p in ("", "1")} if isinstance(e, str) else set()
         hit = sorted({m.format(i=i) for m in MODULES for i in at if m.format(i=i).endswith(e)})
         other = [h.replace("layers.0.", "layers.N.") if at == {0} else h for h in hit   # (every block's)
@@ -203,10 +205,10 @@ def init_adapter_note(path: str | None, chat_template: str | None, model_sha256:
 
 
 def read_init_adapter(path: str) -> dict:
-    """An adapter's tensors under our parameter names (the inverse of `peft_keys`); a tied model's head (peft's
-    ensure_weight_tying: the trained embedding again, `tied_head`) is left out, as it is the embedding."""
-    sd = load_file(os.path.join(path, "adapter_model.safetensors"))
-    tied_head(sd, path)
+    """An adapter's tensors under our parameter names (the inverse of `peft_keys`, after `to_ours`); a tied model's
+    head (peft's ensure_weight_tying: the trained embedding again, `tied_head`) is left out, as it is the embedding."""
+    sd = {to_ours(k): v for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}   # (made on
+    tied_head(sd, path)   # a multimodal wrapper or a text-only model: the same language model's, model/wrapper.py)
     return {re.sub(r"\.lora_magnitude_vector$", ".lora_magnitude_vector.default.weight",
                    k.removeprefix("base_model.model.")).replace(".lora_A.weight", ".lora_A.default.weight")
             .replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in sd.items()}

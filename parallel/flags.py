@@ -208,7 +208,9 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     kept the base's head in peft (untied), which a run here cannot start from."""
     from model.adapter_read import untied_embedding
     from model.load import read_header
+    from model.wrapper import to_ours
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
+    header = {to_ours(k): h for k, h in header.items()}   # (a wrapper's names: a vision tower's LoRA is refused)
     with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
         cfg = json.load(f)
     if tied and (why := untied_embedding(cfg)):

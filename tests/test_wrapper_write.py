@@ -156,3 +156,83 @@ def test_checkpoint_export_of_a_wrapper_run_is_the_runs_adapter(assets, tmp_path
         assert {k: cfg[k] for k in ("target_modules", "modules_to_save", "layers_to_transform")} == \
             {k: want_cfg[k] for k in ("target_modules", "modules_to_save", "layers_to_transform")}, d
     _peft_loaded(base, str(tmp_path / "exported"))
+
+
+def _built(path, adapter, **kw):
+    """Our model of `path` started from --init-adapter `adapter` (its config checked as a run checks it)."""
+    from model.adapter_read import check_init_adapter
+    from model.load import read_args
+    from parallel.flags import _init_adapter_fits
+    from parallel.parallelize import BuildOptions, build_model
+
+    m = read_args(path)
+    check_init_adapter(adapter, R, ALPHA, ALL, **kw)
+    _init_adapter_fits(adapter, m.projections(), R, m.n_layers, None, m.tie_embeddings)
+    model, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, lora_targets=ALL, seed=5,
+                                        init_adapter=adapter, **kw))
+    return model
+
+
+def _peft_made(model, target_modules, out, **kw):
+    """peft's own adapter on transformers' `model` (random B: init_lora_weights False), saved to `out`."""
+    import peft
+
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=target_modules,
+                                                    init_lora_weights=False, **kw)).eval()
+    torch.manual_seed(8)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "modules_to_save" in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape))
+    pm.save_pretrained(out)
+    return pm
+
+
+def test_init_adapter_reads_ours_and_peft_own_on_the_wrapper_and_maps_text_only_ones(bases, tmp_path):
+    """--init-adapter on a wrapper base: our export (tied, trained embedding) and peft's own adapter made on the wrapper
+    (a language-model-only regex, a trained final norm by its full name) give peft's logits in our model; a text-only
+    model's adapter starts a wrapper run and a wrapper's adapter a text-only run, with peft's logits on each."""
+    from model.export import export_adapter
+    from tests.test_wrapper import _text_only
+
+    ids = _ids()
+    model, peft_model = _ours(bases["tied"], emb=True, norms=True)
+    export_adapter(peft_model, str(tmp_path / "ours"), bases["tied"])
+    with torch.no_grad():
+        want = _peft_loaded(bases["tied"], str(tmp_path / "ours"))(input_ids=ids).logits
+        got = _built(bases["tied"], str(tmp_path / "ours"), train_norms=True, train_embeddings=True)(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="ours")
+
+    base = bases["untied"]
+    regex = r"model\.language_model\.layers\.\d+\.(self_attn|mlp)\.(q_proj|v_proj|down_proj)"
+    pm = _peft_made(T.Mistral3ForConditionalGeneration.from_pretrained(base), regex, str(tmp_path / "peft"),
+                    modules_to_save=["model.language_model.norm"])
+    assert not [n for n, _ in pm.named_modules() if "vision_tower" in n and n.endswith("lora_A")]
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+        got = _built(base, str(tmp_path / "peft"), train_norms=True)(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="peft's on the wrapper")
+
+    text = _text_only(base, tmp_path / "text")   # the same language model, saved alone by transformers
+    with torch.no_grad():
+        got = _built(text, str(tmp_path / "peft"), train_norms=True)(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="a wrapper's adapter on the text-only model")
+    pm = _peft_made(T.MistralForCausalLM.from_pretrained(text), ["q_proj", "gate_proj"], str(tmp_path / "text_lora"))
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+        got = _built(base, str(tmp_path / "text_lora"))(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="a text-only model's adapter on the wrapper")
+
+
+def test_init_adapter_adapting_the_vision_tower_is_refused_naming_it(bases, tmp_path):
+    """peft's adapter on the wrapper with a plain name list adapts the vision tower's q_proj too: refused before the
+    model is built, naming the key and the fix (a regex of the language model's modules)."""
+    from model.load import read_args
+    from parallel.flags import _init_adapter_fits
+
+    base = bases["untied"]
+    _peft_made(T.Mistral3ForConditionalGeneration.from_pretrained(base), ["q_proj"], str(tmp_path / "all"))
+    m = read_args(base)
+    with pytest.raises(ValueError) as e:
+        _init_adapter_fits(str(tmp_path / "all"), m.projections(), R, m.n_layers, None, m.tie_embeddings)
+    assert "vision_tower.transformer.layers.0.attention.q_proj" in str(e.value) and "regex" in str(e.value), e.value
