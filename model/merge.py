@@ -133,6 +133,12 @@ def _wrapper_of(path: str) -> str | None:
         return None
 
 
+def _quantized(path: str) -> bool:
+    """Whether a checkpoint's config.json names a quantization_config (a bitsandbytes 4-bit upload)."""
+    with open(os.path.join(path, "config.json")) as f:
+        return "quantization_config" in json.load(f)
+
+
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
     from model.adapter_read import not_an_adapter
@@ -148,10 +154,10 @@ def check_inputs(args) -> list[str]:
         errors.append(f"{base} {args.model!r} has no config.json{fix}")
     elif not any(f.endswith(".safetensors") for f in os.listdir(args.model)):
         errors.append(f"{base} {args.model!r} has no *.safetensors{fix}")
-    elif w := _wrapper_of(args.model):   # (its language model's weights would be written under the text-only names)
-        errors.append(f"{base} {args.model!r} is a {w} multimodal checkpoint: train.py trains its language model, "
-                      "but merging into it is not supported yet (the merge would not be a checkpoint of its "
-                      "config.json)")
+    elif (w := _wrapper_of(args.model)) and _quantized(args.model):   # (its vision tower is stored 4-bit too)
+        errors.append(f"{base} {args.model!r} is a {w} multimodal checkpoint stored 4-bit (bitsandbytes: config.json's "
+                      "quantization_config): its vision tower is stored packed, which the merged float checkpoint "
+                      "cannot hold as stored; merge into the unquantized checkpoint it was made from")
     if why := not_an_adapter(args.adapter, "--adapter"):
         errors.append(why)
     if not args.out:

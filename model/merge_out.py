@@ -26,7 +26,8 @@ _WEIGHTS = re.compile(r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.in
                       r"pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|config\.json(\.tmp)?)$")
 
 
-_COPIED = ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges", "added_tokens")
+_COPIED = ("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges", "added_tokens",
+           "preprocessor_config", "processor_config")   # (the last two: a multimodal wrapper's image processor)
 
 
 def _copied(name: str, remote_code: bool) -> bool:

@@ -32,6 +32,7 @@ from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight
 from model.prequant import check_quant
+from model.wrapper import stored_parts, to_ours
 
 
 def _is_nf4(name: str, shape) -> bool:
@@ -88,6 +89,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     except Exception as e:   # noqa: BLE001 - safetensors' own error for a cut or foreign file: said, before writing
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
+    lora = {to_ours(k): v for k, v in lora.items()}   # (made on a multimodal wrapper: its language model's, ours)
     tied_head(lora, adapter_dir)   # (a tied model's head, written for peft beside its trained embedding: the same)
     if (why := untied_embedding(acfg)) and read_args(base_path).tie_embeddings:   # (a tied checkpoint would tie the
         raise ValueError(f"adapter {adapter_dir!r} {why}, which a tied checkpoint cannot hold: merge it with peft's "
@@ -202,10 +204,11 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             f"{', rsLoRA' if acfg.get('use_rslora') else ''}{', DoRA' if acfg.get('use_dora') else ''}: "
             f"scale {scale:g}), {len(reader.where)} "
             f"tensors in {len(files)} files")
-    weight_map, total = {}, 0
-    for i, (fn, names) in enumerate(sorted(files.items())):
-        out = {}
-        for name in names:
+    stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
+    weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
+    for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):
+        out = _copy(fn, rest.get(fn, []))
+        for name in files.get(fn, []):
             # every block Linear was 4-bit in training (apply_nf4), adapted or not: training's base, bit for bit
             # (whatever device quantized it there; a 4-bit upload's as stored, model/prequant.py)
             nf4 = quant == "nf4" and _is_nf4(name, reader.shape(name))
@@ -218,7 +221,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
                 w = fold(w, pairs[name]["A"], pairs[name]["B"], scale, pairs[name]["m"])
             elif name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
-            out[name] = w.to(dtype).contiguous()
+            out[stored.get(name, name)] = w.to(dtype).contiguous()
             del w
         base_name = os.path.basename(fn)
         save_file(out, os.path.join(out_dir, base_name), metadata={"format": "pt"})
@@ -237,13 +240,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
         with open(os.path.join(adapter_dir, OVERRIDES)) as f:
             rope = dict(json.load(f)["rope_parameters"])
-        if "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
-            cfg["rope_parameters"] = rope
-            cfg.pop("rope_scaling", None)
-            cfg.pop("rope_theta", None)
-        else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
-            cfg["rope_theta"] = rope.pop("rope_theta")
-            cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        _put_rope(cfg["text_config"] if reader.wrapper else cfg, rope)   # (a wrapper's: its language model's)
     for fn in os.listdir(base_path):   # tokenizer and generation files, and remote code, travel with the weights
         if _copied(fn, "auto_map" in cfg):
             if os.path.isfile(os.path.join(base_path, fn)):
@@ -259,3 +256,23 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
         f.flush()
         os.fsync(f.fileno())
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+
+
+def _put_rope(cfg: dict, rope: dict) -> None:
+    """The RoPE an adapter learned with (base_config_overrides.json's rope_parameters) into config dict `cfg`, in the
+    form it has."""
+    if "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
+        cfg["rope_parameters"] = rope
+        cfg.pop("rope_scaling", None)
+        cfg.pop("rope_theta", None)
+    else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+
+
+def _copy(fn: str, keys: list) -> dict:
+    """The tensors `keys` of the safetensors file `fn`, as stored (a wrapper's vision tower and projector)."""
+    from safetensors import safe_open
+
+    with safe_open(fn, "pt") as f:
+        return {k: f.get_tensor(k) for k in keys}

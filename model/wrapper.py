@@ -21,10 +21,13 @@ Contract:
   have the same names: a name list would adapt them too), --lora-layers in it. `to_ours(name)`: an adapter's key or
   module name, made on a wrapper (either stored form) or on a text-only model, as ours (what --init-adapter and the
   merge read: an adapter of either fits either base, the language model being the same); one naming a wrapper's
-  other parts (vision tower, projector) is refused naming it.
+  other parts (vision tower, projector) is refused naming it. `stored_parts(path, wrapper)`: a wrapper checkpoint's
+  stored keys, for the merge, which writes the language model merged under them and copies the rest as stored.
 """
 
 from __future__ import annotations
+
+import os
 
 # The wrapper's model_type -> its generation class(es), text_config's default model_type, the outer config's default
 # tie_word_embeddings, and the stored key forms: (stored prefix, our prefix) pairs, one form per list. Form 0:
@@ -116,3 +119,17 @@ def peft_targets(targets, layers, wrapper: str):
     blocks = r"\d+" if layers is None else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
     return (to_peft("model.layers", wrapper).replace(".", r"\.") + rf"\.{blocks}\.(self_attn|mlp)\."
             + "(" + "|".join(sorted(targets)) + ")")
+
+
+def stored_parts(path: str, wrapper: str) -> tuple[dict, dict]:
+    """({our name: stored key} of a wrapper checkpoint's language model, {weight file: [stored keys of its other parts:
+    the vision tower's, the projector's]}), from the headers (the index's map where there is one)."""
+    from model.load import present_weight_files, read_header
+
+    files, wmap = present_weight_files(path)
+    names, rest = {}, {}
+    for f in files:
+        keys = list(read_header(os.path.join(path, f))[0]) if wmap is None else [n for n, v in wmap.items() if v == f]
+        names.update(lm := internal_names(keys, wrapper))
+        rest[os.path.join(path, f)] = sorted(set(keys) - set(lm.values()))
+    return names, rest

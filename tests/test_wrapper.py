@@ -15,8 +15,8 @@ Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vis
   read is bitsandbytes' dequantization of transformers' loaded Linear4bit, bit for bit;
 - refusals naming the fix: another multimodal model_type (gemma3, llava, qwen2_vl), a classifier (architectures not
   the generation class, or a text-only *ForSequenceClassification), a mistral3 without text_config, a wrapper whose
-  language-model keys are missing (the error names them and the prefixes looked for); `python -m model.merge` into a
-  wrapper (not written yet: its output would not be a checkpoint of its config.json).
+  language-model keys are missing (the error names them and the prefixes looked for).
+(The write side, adapters and the merge: tests/test_wrapper_write.py.)
 
 Run: .venv/bin/python -m pytest -q tests/test_wrapper.py
 """
@@ -212,20 +212,6 @@ def test_bnb_4bit_wrapper_reads_the_weights_transformers_loads(tmp_path):
         assert torch.equal(reader.get(n), F.dequantize_4bit(w.data, w.quant_state).float()), n
     reader.close()
 
-
-def test_merge_into_a_wrapper_is_refused_before_writing(ckpts, tmp_path, capsys):
-    """`python -m model.merge` into a Mistral 3 base: refused naming it (its merged weights would be written under the
-    text-only names, which its config.json's class does not load), no --out made."""
-    from model import merge
-
-    out = str(tmp_path / "m")
-    import peft
-
-    lm = T.MistralForCausalLM(T.Mistral3Config.from_pretrained(ckpts["untied"]).text_config)
-    peft.get_peft_model(lm, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
-    code = merge.main(["--model", ckpts["untied"], "--adapter", str(tmp_path / "adapter"), "--out", out])
-    err = capsys.readouterr().err
-    assert code == 2 and "is a mistral3 multimodal checkpoint" in err and not os.path.exists(tmp_path / "m"), err
 
 
 def test_ministral3_in_a_mistral3_wrapper_equals_transformers(tmp_path):

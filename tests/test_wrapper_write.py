@@ -236,3 +236,92 @@ def test_init_adapter_adapting_the_vision_tower_is_refused_naming_it(bases, tmp_
     with pytest.raises(ValueError) as e:
         _init_adapter_fits(str(tmp_path / "all"), m.projections(), R, m.n_layers, None, m.tie_embeddings)
     assert "vision_tower.transformer.layers.0.attention.q_proj" in str(e.value) and "regex" in str(e.value), e.value
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+@pytest.mark.parametrize("case,quant", [("lora", "none"), ("dora", "none"), ("emb_tied", "none"),
+                                        ("norms_layers", "nf4")])
+def test_merge_into_a_wrapper_is_the_wrapper_peft_merges(bases, case, quant, tmp_path):
+    """`python -m model.merge` into a Mistral 3 base: transformers loads the output as Mistral3ForConditionalGeneration
+    (no missing or unexpected key), its logits are peft's merge_and_unload of the adapter on the base (nf4: on the
+    base whose language model's block Linears hold `nf4_round_trip(W)`, the weights trained against), the vision tower
+    and projector are the base's bit for bit, under the stored keys; the processor files travel with it."""
+    from model import merge
+    from model.export import export_adapter
+    from model.nf4 import nf4_round_trip
+
+    base = bases["tied" if case == "emb_tied" else "untied"]
+    _, peft_model = _ours(base, **CASES[case])
+    export_adapter(peft_model, str(tmp_path / "a"), base, quant=quant)
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", base, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    ref = _peft_loaded(base, str(tmp_path / "a"))
+    if quant == "nf4":
+        with torch.no_grad():
+            for n, m in ref.named_modules():
+                if type(m) is torch.nn.Linear and ".language_model.layers." in n and ".lora_" not in n:
+                    m.weight.copy_(nf4_round_trip(m.weight))
+    ref = ref.merge_and_unload()
+    got, info = T.Mistral3ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(got(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5,
+                                   msg=f"{case}: merged logits")
+    stored, merged = _tensors(base), _tensors(out)
+    assert sorted(merged) == sorted(stored), sorted(set(merged) ^ set(stored))
+    other = [k for k in stored if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert other and all(torch.equal(merged[k], stored[k]) for k in other), case
+    for fn in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
+        with open(os.path.join(out, fn)) as f, open(os.path.join(base, fn)) as g:
+            assert f.read() == g.read(), fn
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "mistral3" and cfg["architectures"] == ["Mistral3ForConditionalGeneration"], cfg
+
+
+def test_merge_into_a_wrapper_writes_the_adapters_rope_into_text_config(bases, tmp_path):
+    """A --rope-scaling adapter's RoPE (base_config_overrides.json) goes into the merged wrapper's text_config, which
+    is what its language model runs with: our reading of the merged config.json and transformers' agree on it."""
+    from model import merge
+    from model.export import OVERRIDES, export_adapter
+    from model.load import read_args
+
+    base = bases["untied"]
+    _, peft_model = _ours(base)
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    export_adapter(peft_model, str(tmp_path / "a"), base, rope_parameters=rope, quant="none")
+    assert os.path.isfile(tmp_path / "a" / OVERRIDES)
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", base, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    text = T.Mistral3Config.from_pretrained(out).text_config
+    assert (text.rope_parameters["rope_type"], text.rope_parameters["factor"]) == ("linear", 4.0), text
+    assert read_args(out).rope_parameters() == rope, read_args(out).rope_parameters()
+
+
+def test_merge_into_a_4bit_wrapper_is_refused_before_writing(bases, tmp_path, capsys):
+    """A bitsandbytes 4-bit Mistral 3 (quantization_config on its config.json): its vision tower is stored packed,
+    which a float merge cannot copy: refused naming it and the fix, no --out made."""
+    import shutil
+
+    from model import merge
+    from tests.test_wrapper import _edit_config
+
+    q = str(shutil.copytree(bases["untied"], tmp_path / "q"))
+    _edit_config(q, lambda c: c.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    _, peft_model = _ours(bases["untied"])
+    from model.export import export_adapter
+    export_adapter(peft_model, str(tmp_path / "a"), bases["untied"], quant="none")
+    code = merge.main(["--model", q, "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert code == 2 and "stored 4-bit" in err and "unquantized checkpoint" in err, err
+    assert not os.path.exists(tmp_path / "m")
