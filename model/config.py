@@ -5,11 +5,11 @@ Contract:
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py).
-  A multimodal wrapper (Mistral 3, `mistral3`) is read as its language model (its `text_config` and the outer keys that
-  act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError` naming the supported
-  architectures, as does a checkpoint quantized already
-  otherwise than in bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one
-  whose `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
+  A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
+  and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
+  naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
+  (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one whose `architectures` names no
+  *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
   are refused, never ignored.
@@ -118,8 +118,8 @@ class ModelArgs:
     sliding_window: int | None = None   # keys a query sees on sliding layers, itself included
     layer_types: list | None = None     # per layer "sliding_attention" / "full_attention"; None: all
                                         # layers slide when sliding_window is set
-    wrapper: str | None = None          # the multimodal checkpoint whose language model this is ("mistral3"), stored
-                                        # under its keys (model/wrapper.py); None: a text-only checkpoint
+    wrapper: str | None = None          # the multimodal checkpoint whose language model this is ("mistral3",
+                                        # "gemma3"), stored under its keys (model/wrapper.py); None: text-only
     # Llama 4's attention temperature (Ministral 3): q times 1 + beta·log(1 + floor(position / length)), per token of
     # its global position (model.rope.cos_sin folds it into q's tables); None: none (every other model)
     attn_temperature_beta: float | None = None
@@ -167,7 +167,8 @@ class ModelArgs:
     def from_config_dict(cls, cfg: dict) -> ModelArgs:
         """Read as transformers (5.x) reads the same config.json; keys that would change the math here and that this
         decoder does not implement are refused, naming the key (never silently ignored)."""
-        cfg, wrapper = unwrap(cfg)   # a multimodal wrapper (Mistral 3): its language model's config, as transformers'
+        cfg, wrapper = unwrap(cfg)   # a multimodal wrapper (Mistral 3, Gemma 3): its language model's config, as
+        # transformers reads it (model/wrapper.py)
         mt = cfg.get("model_type")
         if mt not in SUPPORTED:
             archs = cfg.get("architectures")
@@ -175,7 +176,7 @@ class ModelArgs:
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), and the language model "
-                "of Mistral 3 (mistral3) wrappers of these")
+                "of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)

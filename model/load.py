@@ -16,9 +16,10 @@ Contract:
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
-- A multimodal wrapper (Mistral 3, model/wrapper.py) is indexed as its language model, by the text-only model's names
-  (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are never read;
-  its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored apart).
+- A multimodal wrapper (Mistral 3, Gemma 3: model/wrapper.py) is indexed as its language model, by the text-only
+  model's names (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are
+  never read; its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored
+  apart).
 - `stored_tensors(path)`: every stored tensor's header entry and file, headers only; `stored_weights(path)` adds the
   packed 4-bit weights and the weights' logical entries (what CheckpointReader indexes). The start-up checks on the
   weight files (headers against config.json, before any weight is read): model/load_checks.py.

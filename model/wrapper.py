@@ -1,14 +1,16 @@
 """Multimodal wrapper checkpoints whose language model trains here, text only (the image path is not ours): Mistral 3
-(`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small).
+(`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small) and Gemma 3
+(`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published).
 
 Contract:
 - `unwrap(cfg)`: a config.json as transformers 5 reads a wrapper's language model -> (the text model's config dict,
   the wrapper's model_type or None). The text model is `text_config` (its model_type, when missing, the wrapper's
-  default); the outer keys that act on it are copied in: `tie_word_embeddings` (the outer one is what transformers
-  obeys: the head is a module of the outer model; missing, Mistral3Config's default True) and `quantization_config`
-  (bitsandbytes writes it there). Outer `architectures` must be the wrapper's generation class (a classifier's is
-  refused by the caller's causal-LM check). Another multimodal model_type (gemma3, llava, qwen2_vl...) is refused
-  naming what is supported. A plain config.json passes through unchanged.
+  default; Gemma 3's sizes, when missing, its text class's defaults, as transformers fills them); the outer keys that
+  act on it are copied in: `tie_word_embeddings` (the outer one is what transformers obeys: the head is a module of
+  the outer model; missing, the wrapper config's default, True) and `quantization_config` (bitsandbytes writes it
+  there). Outer `architectures` must be the wrapper's generation class (a classifier's is refused by the caller's
+  causal-LM check). Another multimodal model_type (llava, qwen2_vl...) is refused naming what is supported. A plain
+  config.json passes through unchanged.
 - `internal_names(stored, wrapper)`: {our name: stored name} of the language model's tensors among `stored`: our names
   are the text-only model's (`model.layers.N...`, `model.embed_tokens.weight`, `lm_head.weight`), read from either
   stored form in FORMS; the vision tower's and projector's tensors are left out (never read: they cost memory).
@@ -34,11 +36,17 @@ import os
 # transformers 5's module names (Mistral3ForConditionalGeneration.model.language_model, .lm_head); form 1: the keys
 # save_pretrained writes (5.25, checked; and transformers 4's checkpoints), which transformers' "llava" conversion
 # mapping renames to form 0 on load.
-WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="mistral", tie=True)}
+WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="mistral", tie=True),
+            "gemma3": dict(archs=("Gemma3ForConditionalGeneration",), text="gemma3_text", tie=True,
+                           # Gemma3TextConfig's defaults of the sizes the published text_configs leave out (the 4B-27B
+                           # name hidden, intermediate, heads and layers; none names the vocabulary)
+                           defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                                         num_hidden_layers=26, num_attention_heads=8))}
 OTHER = ("vision_tower.", "multi_modal_projector.")   # a wrapper's parts that are not its language model (either form)
 PEFT = "base_model.model."   # peft's prefix of an adapter's keys (the model it wraps)
-FORMS = {"mistral3": ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],
-                      [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])}
+FORMS = {w: ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],   # (the same for both: transformers'
+              [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])   # "llava" mapping)
+         for w in WRAPPERS}
 OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
 
 
@@ -48,15 +56,16 @@ def unwrap(cfg: dict) -> tuple[dict, str | None]:
     if mt not in WRAPPERS:
         if isinstance(cfg.get("text_config"), dict) or "vision_config" in cfg:
             raise ValueError(f"config.json: model_type {mt!r} is a multimodal model ({cfg.get('architectures')}); of "
-                             f"those only the language model of {', '.join(sorted(WRAPPERS))} (Mistral 3: Mistral "
-                             "Small 3.1/3.2) trains here; or pass a text-only checkpoint")
+                             f"those only the language model of {', '.join(sorted(WRAPPERS))} (Gemma 3 4B-27B; Mistral "
+                             "3: Mistral Small 3.1/3.2, Ministral 3) trains here; or pass a text-only checkpoint")
         return cfg, None
     w = WRAPPERS[mt]
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
     if not isinstance(text := cfg.get("text_config"), dict):
         raise ValueError(f"config.json: model_type {mt!r} without a text_config (got {text!r}): the language model's "
                          "sizes are not named; fix config.json or re-download it")
-    text = {"model_type": w["text"], **text, "tie_word_embeddings": cfg.get("tie_word_embeddings", w["tie"])}
+    text = {"model_type": w["text"], **w.get("defaults", {}), **text,
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", w["tie"])}
     if "quantization_config" in cfg:
         text["quantization_config"] = cfg["quantization_config"]
     if [a for a in archs if a not in w["archs"]]:   # (a classifier head made on the wrapper: the caller refuses it)

@@ -13,7 +13,7 @@ Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vis
   transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model;
 - a bitsandbytes 4-bit wrapper (quantized and saved by transformers + bitsandbytes): every language-model weight
   read is bitsandbytes' dequantization of transformers' loaded Linear4bit, bit for bit;
-- refusals naming the fix: another multimodal model_type (gemma3, llava, qwen2_vl), a classifier (architectures not
+- refusals naming the fix: another multimodal model_type (paligemma, llava, qwen2_vl), a classifier (architectures not
   the generation class, or a text-only *ForSequenceClassification), a mistral3 without text_config, a wrapper whose
   language-model keys are missing (the error names them and the prefixes looked for).
 (The write side, adapters and the merge: tests/test_wrapper_write.py.)
@@ -148,17 +148,18 @@ def _cfg(**kw):
 
 
 @pytest.mark.parametrize("cfg, said", [
-    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}},
-     "model_type 'gemma3' is a multimodal model"),
+    ({"model_type": "paligemma", "architectures": ["PaliGemmaForConditionalGeneration"], "text_config": {}},
+     "model_type 'paligemma' is a multimodal model"),
     ({"model_type": "llava", "text_config": {"model_type": "llama"}, "vision_config": {}},
      "model_type 'llava' is a multimodal model"),
-    ({"model_type": "qwen2_vl", "vision_config": {}, "hidden_size": 32}, "only the language model of mistral3"),
+    ({"model_type": "qwen2_vl", "vision_config": {}, "hidden_size": 32}, "only the language model of gemma3, mistral3"),
     (_cfg(architectures=["Mistral3ForSequenceClassification"]), "is not a causal language model"),
     (dict(TEXT, vocab_size=64, architectures=["MistralForSequenceClassification"]), "is not a causal language model"),
     (_cfg(text_config=None), "model_type 'mistral3' without a text_config"),
     (_cfg(text_config=dict(TEXT, model_type="phi3", vocab_size=64)),
      "model_type='phi3' (the text_config of a mistral3)"),
-], ids=["gemma3", "llava", "qwen2_vl", "wrapper_classifier", "text_classifier", "no_text_config", "other_text_model"])
+], ids=["paligemma", "llava", "qwen2_vl", "wrapper_classifier", "text_classifier", "no_text_config",
+        "other_text_model"])
 def test_refusals_name_what_is_supported(cfg, said):
     from model.config import ModelArgs
 
