@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import dora as dora_math
 from model.bnb import LoraConfig, bnb, get_peft_model
-from model.config import LORA_TARGETS
 from model.llama import Transformer
+from model.lora_spec import LORA_TARGETS
 from model.norms import train_embeddings, train_norms
 
 

@@ -25,10 +25,10 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     return the step folder read. `replace` (--keep-best's adapter_best): an adapter already there is swapped out once
     the new one is whole (model.export.write_adapter), not refused. `model`: the run's base, moved since (the adapter
     names it; its files must be the ones the run recorded)."""
-    from model.config import lora_layers
     from model.export import half_written, peft_keys, write_adapter
     from model.hub import hub_snapshot, same_model
     from model.load import _wrapper, read_args
+    from model.lora_spec import lora_layers
     from model.norms import is_saved_weight
     from model.qlora import lora_config
     if not out_dir:

@@ -25,7 +25,7 @@ import re
 import torch
 
 from data.mix import data_files
-from model.config import LORA_TARGETS, lora_layers
+from model.lora_spec import LORA_TARGETS, lora_layers
 from model.rope import rope_scaling_flag
 from parallel.ac import check_ac
 

@@ -42,9 +42,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from model.attention import SDPAAttention
-from model.config import lora_layers
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
+from model.lora_spec import lora_layers
 from model.nf4 import apply_nf4, pack_nf4_weights
 from model.norms import is_norm_weight, is_saved_weight
 from model.qlora import LORA_TARGETS, apply_lora, fuse_lora, init_lora, set_param

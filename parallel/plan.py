@@ -97,7 +97,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from model.config import lora_layers
+from model.lora_spec import lora_layers
 from parallel import kernels, plan_block
 from parallel.plan_totals import Plan, sample_tokens, with_reference
 

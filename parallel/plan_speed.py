@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import re
 
-from model.config import lora_layers
+from model.lora_spec import lora_layers
 from parallel.plan_totals import sample_tokens, with_reference
 
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,

@@ -20,7 +20,7 @@ from data.batches import micro_batch_arg
 from data.mix import Once
 from data.templates import parse_day
 from data.token_stats import LONG_TEXT
-from model.config import LORA_TARGETS, lora_layers_arg, lora_targets_arg
+from model.lora_spec import LORA_TARGETS, lora_layers_arg, lora_targets_arg
 from parallel import notes
 from parallel.metrics import SINKS
 from parallel.plan_cli import max_len_arg

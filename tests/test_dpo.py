@@ -276,7 +276,7 @@ def test_dpo_equals_the_formula_on_transformers_and_peft(tmp_path, mem, referenc
 
     from data.collate import collate
     from data.pairs import shared_start
-    from model.config import LORA_TARGETS
+    from model.lora_spec import LORA_TARGETS
     from parallel.cp import KernelAttention
     from parallel.parallelize import BuildOptions
     from parallel.preference import DPO as Step

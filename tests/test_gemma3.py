@@ -169,7 +169,7 @@ def test_lora_grads_match_peft_on_transformers(ckpt, mem):
     gradient, with the memory steps that run the pre-sublayer norms inside the sublayers too."""
     from peft import LoraConfig, get_peft_model
 
-    from model.config import LORA_TARGETS
+    from model.lora_spec import LORA_TARGETS
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b
 

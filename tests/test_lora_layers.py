@@ -46,7 +46,7 @@ def _ours(path, quant, layers=(1, 2), dora=False, ac=True):
 
 
 def test_the_spelling():
-    from model.config import lora_layers, lora_layers_arg
+    from model.lora_spec import lora_layers, lora_layers_arg
 
     assert lora_layers_arg("all") is None and lora_layers(None) is None
     assert lora_layers_arg("8-11,4") == "4,8-11" and lora_layers("4,8-11") == (4, 8, 9, 10, 11)

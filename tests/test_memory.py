@@ -1018,7 +1018,7 @@ def test_lora_grads_match_peft_on_transformers(ckpt3):
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
-    from model.config import LORA_TARGETS
+    from model.lora_spec import LORA_TARGETS
     from parallel.parallelize import BuildOptions
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))

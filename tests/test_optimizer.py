@@ -22,7 +22,7 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
     from peft.optimizers import create_loraplus_optimizer
 
     import train
-    from model.config import LORA_TARGETS
+    from model.lora_spec import LORA_TARGETS
     from parallel.parallelize import BuildOptions, build_model, lora_groups
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt", layers=2)

@@ -881,7 +881,7 @@ def test_lora_layers_activations_match_autograd(tmp_path, spec, flags):
     """--lora-layers, fp32, one process, 4 blocks: the plan's activation terms vs the tensors autograd keeps in a real
     forward (saved_tensors_hooks, unique storages): without AC, nothing of block 0, block 1 as layer 0, the un-adapted
     block 2 without LoRA's (or DoRA's) tensors; with AC, the inputs of blocks 2 and 3 only."""
-    from model.config import lora_layers
+    from model.lora_spec import lora_layers
     opts = dict(ac="--no-ac" not in flags, dora="--dora" in flags, lora_layers=lora_layers(spec))
     saved, p = _saved_and_plan(tmp_path, 4, [*flags, "--lora-layers", spec], **opts)
     acts = [k for k in p.terms if k.startswith("activations: saved tensors") or "block checkpoints" in k]
