@@ -1,0 +1,308 @@
+"""Gemma 3 text models (`gemma3_text`, model/gemma.py) through the rest of the trainer: train.py end to end, the merge,
+DPO, --compile, bf16 and NEFTune (the decoder itself: tests/test_gemma3.py).
+
+Pins (CPU, gloo, tiny random Gemma3ForCausalLM made by transformers: 2 layers, sliding (a window shorter than the rows)
+then full, 6 query / 2 KV heads of 16 under hidden 48, query_pre_attn_scalar 24, both RoPE tables, tied embeddings,
+every norm weight drawn away from 0, the offset's identity; pad id 0, as Gemma's):
+- train.py, 3 steps of --global-batch 8 on the fixture tokenizer's chat records: 1 rank = cp2 × dp_shard2 Ulysses and
+  ring (2 packed documents a row) with --tiled-mlp --offload-activations = 1 rank with those and --tiled-attn = 1 rank
+  with --micro-batch 2 --no-pack (padding with id 0) in every step's loss and grad norm and the adapter (test_train's
+  tolerances); --train-norms --train-embeddings (the tied, scaled embedding) on cp2 × dp2 ring = 1 rank; --neftune-alpha
+  on cp2 × dp2 ring = 1 rank, and its losses differ from the plain run's; --objective dpo --train-norms starts at log 2
+  and cp2 × dp2 ring = 1 rank (step 1 exactly, later losses within 1e-3); --dtype bf16 trains within bf16's rounding;
+- `model.merge` of a Gemma adapter (plain LoRA with --quant none and nf4; --train-norms, whose norm weights are offsets
+  from 1 in the checkpoint) = peft's merge_and_unload on transformers' model, tensor by tensor, and transformers'
+  Gemma3ForCausalLM on the merged folder gives peft's logits;
+- DPO with --train-norms (and --train-embeddings on an untied Gemma: the reference's embedding scaled too) on a packed
+  micro-batch of pairs = the DPO formula on transformers' + peft's logits (the policy) and transformers' base model's
+  (the reference): losses and every trained gradient;
+- --compile (GemmaRMSNorm and GeGLU compiled) = eager: loss and every gradient, also with the tiled MLP and attention
+  and --train-norms;
+- bf16 weights, no mixed precision: our logits within bf16's rounding of transformers' bf16 model, and no farther from
+  the float64 model's than transformers' own.
+
+Run: .venv/bin/python -m pytest -q tests/test_gemma3_run.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import transformers as T
+
+from tests.dist import run_ranks
+from tests.helpers import one_thread, train_argv
+from tests.test_gemma3 import CONFIG, TYPES
+from tests.test_train import _compare, _metrics
+
+E2E = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+           head_dim=16, query_pre_attn_scalar=24, sliding_window=16, layer_types=TYPES, max_position_embeddings=4096,
+           pad_token_id=0, eos_token_id=0, bos_token_id=None)
+MEM = ["--tiled-mlp", "--offload-activations"]
+NEF = ["--neftune-alpha", "5"]
+NORMS = ["--train-norms", "--train-embeddings"]
+ONE = {"plain": [], "tiled_attn_mem": ["--tiled-attn", *MEM], "no_pack_mb2": ["--micro-batch", "2", "--no-pack"],
+       "neftune": NEF, "norms": NORMS}
+FOUR = {"mem_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", *MEM],
+        "mem_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2", *MEM],
+        "norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *MEM, *NORMS],
+        "neftune_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2",
+                                          *NEF]}
+# --objective dpo with --train-norms (the reference's norms: the base's, through GemmaRMSNorm.reference)
+DPO = ["--objective", "dpo", "--dpo-beta", "0.5", "--train-norms"]
+FOUR_DPO = {"dpo_norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *DPO]}
+SAME_AS = {"mem_cp2_dp2_ulysses": "plain", "mem_cp2_dp2_ring_pack_mb2": "plain", "tiled_attn_mem": "plain",
+           "no_pack_mb2": "plain", "norms_cp2_dp2_ring": "norms", "neftune_cp2_dp2_ring_pack_mb2": "neftune"}
+
+
+def _drawn(hf):
+    """transformers starts every norm weight at 0 (the identity of Gemma's offset): a dropped offset would hide."""
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return hf
+
+
+def _four_ranks(rank, world_size, assets, root):
+    import train
+
+    for name, flags in FOUR.items():
+        train.main(train_argv(assets, os.path.join(root, name), *flags))
+    for name, flags in FOUR_DPO.items():
+        train.main(train_argv({**assets, "data": assets["pairs"]}, os.path.join(root, name), *flags))
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """The 1-rank runs in this process, the 4-rank ones in one spawn, on a Gemma 3 checkpoint with the fixture
+    tokenizer (its pad id 0, as Gemma's)."""
+    import train
+    from tests.fixtures import make_pairs_jsonl, make_tokenizer
+
+    d = tmp_path_factory.mktemp("gemma3_run")
+    tok = make_tokenizer(d / "model")
+    assert tok.pad_token_id == 0
+    torch.manual_seed(0)
+    _drawn(T.Gemma3ForCausalLM(T.Gemma3TextConfig(vocab_size=len(tok), **E2E)).float()).save_pretrained(d / "model")
+    make_pairs_jsonl(d / "pairs.jsonl", 30, seed=7)
+    a = {**assets, "model": str(d / "model"), "pairs": str(d / "pairs.jsonl")}
+    root = str(d / "runs")
+    with one_thread():
+        for name, flags in ONE.items():
+            train.main(train_argv(a, os.path.join(root, name), *flags))
+        train.main(train_argv(a, os.path.join(root, "bf16"), "--dtype", "bf16"))
+        train.main(train_argv({**a, "data": a["pairs"]}, os.path.join(root, "dpo_norms"), *DPO))
+    run_ranks(_four_ranks, 4, a, root, timeout=540, pg_timeout=120)
+    return root
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(SAME_AS))
+def test_every_layout_and_memory_step_trains_as_one_rank(runs, name):
+    _compare(f"Gemma 3 {name}", os.path.join(runs, name), os.path.join(runs, SAME_AS[name]))
+
+
+@pytest.mark.timeout(900)
+def test_dpo_with_trained_norms_starts_at_log_2_and_trains_as_one_rank_on_four(runs):
+    """Step 1 of DPO from the base is log 2 (the policy, its norms the base's, is the reference) and later steps move
+    off it; on cp2 × dp2 ring step 1's loss and grad norm are 1 rank's, later losses within 1e-3. (Not test_train's 1e-4
+    after step 1: AdamW's first update is about lr·sign(g), and DPO's chosen-minus-rejected gradient here holds
+    elements near cancelling, whose sign is float noise of the summation order: at --lr 5e-3 on one rank --micro-batch 2
+    moves step 2's loss by 1.6e-4 and a layer-0 B by 0.6% too.)"""
+    one, four = (_metrics(os.path.join(runs, n)) for n in ("dpo_norms", "dpo_norms_cp2_dp2_ring"))
+    assert abs(one[0]["loss"] - math.log(2)) < 1e-6 and abs(one[-1]["loss"] - math.log(2)) > 1e-2, one
+    assert [m["tokens"] for m in four] == [m["tokens"] for m in one], (four, one)
+    assert abs(four[0]["loss"] - one[0]["loss"]) < 1e-6, (four[0], one[0])
+    assert abs(four[0]["grad_norm"] - one[0]["grad_norm"]) < 1e-5 * one[0]["grad_norm"], (four[0], one[0])
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(four, one)) < 1e-3, (four, one)
+
+
+@pytest.mark.timeout(900)
+def test_bf16_run_trains_as_the_float32_one_within_its_rounding(runs):
+    """--dtype bf16 (weights bf16, CPU: no mixed precision) on Gemma: step 1's loss (the same weights) within bf16's
+    rounding of the float32 run's, grad norms close, every step finite."""
+    got, want = _metrics(os.path.join(runs, "bf16")), _metrics(os.path.join(runs, "plain"))
+    assert all(math.isfinite(g["loss"]) and math.isfinite(g["grad_norm"]) for g in got), got
+    assert abs(got[0]["loss"] - want[0]["loss"]) < 2e-2 * want[0]["loss"], (got[0], want[0])
+    assert abs(got[0]["grad_norm"] - want[0]["grad_norm"]) < 5e-2 * want[0]["grad_norm"], (got[0], want[0])
+
+
+@pytest.mark.timeout(900)
+def test_neftune_and_the_trained_norms_change_the_run(runs):
+    """The runs compared above are not the plain one again: the noise, the norms and the embedding move the losses."""
+    plain = _metrics(os.path.join(runs, "plain"))
+    for name in ("neftune", "norms"):
+        other = _metrics(os.path.join(runs, name))
+        assert abs(other[-1]["loss"] - plain[-1]["loss"]) > 1e-4, (name, other, plain)
+    from safetensors.torch import load_file
+
+    ad = load_file(os.path.join(runs, "norms", "adapter", "adapter_model.safetensors"))
+    assert sum(k.endswith("norm.weight") for k in ad) == 6 * 2 + 1 and "base_model.model.model.embed_tokens.weight" \
+        in ad, sorted(ad)
+
+
+# ----------------------------------------------------------------------------- merge, DPO, compile, bf16 (no train.py)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """tests/test_gemma3.py's checkpoint (window 4, theta 1e6 scaled linear x8 / 1e4), and the same untied."""
+    out = {}
+    for name, tie in (("tied", True), ("untied", False)):
+        torch.manual_seed(0)
+        hf = _drawn(T.Gemma3ForCausalLM(T.Gemma3TextConfig(**CONFIG, tie_word_embeddings=tie)).float().eval())
+        path = tmp_path_factory.mktemp(f"gemma3_{name}")
+        hf.save_pretrained(path, max_shard_size="60KB")
+        out[name] = str(path)
+    return out
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in os.listdir(folder) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(folder, f)).items()}
+
+
+@pytest.mark.parametrize("quant,norms", [("none", False), ("nf4", False), ("none", True)],
+                         ids=["lora", "lora_nf4", "train_norms_and_embedding"])
+def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, quant, norms):
+    """`python -m model.merge` (its main) of our adapter: peft's merge_and_unload on transformers' model (nf4: holding
+    the weights our NF4 layers compute with), tensor by tensor; a trained norm is the adapter's offset as it is (peft's
+    module's weight), not 1 + it, and the trained tied embedding its unscaled weight; transformers' Gemma3ForCausalLM
+    on the merged folder gives peft's logits, ours."""
+    from peft import PeftModel
+
+    from model.export import export_adapter
+    from model.merge import main as merge_main
+    from tests.helpers import hf_as_trained
+    from tests.test_norms import _batch, _ours
+
+    path = ckpts["tied"]
+    ours, peft_model = _ours(path, quant, norms=norms, emb=norms)
+    export_adapter(peft_model, str(tmp_path / "adapter"), path)
+    ids, _, pos = _batch()
+    peft = PeftModel.from_pretrained(hf_as_trained(path, quant), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        want_logits = peft(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids, position_ids=pos), want_logits, rtol=1e-5, atol=1e-5, msg="ours = peft")
+    want = peft.merge_and_unload().state_dict()
+    assert merge_main(["--model", path, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"),
+                       "--quant", quant, "--dtype", "fp32"]) == 0
+    got = _tensors(tmp_path / "merged")
+    assert set(got) == set(want) - {"lm_head.weight"}, sorted(set(got) ^ set(want))   # (tied: no head stored)
+    base = _tensors(path)
+    moved = [k for k in got if ("norm" in k or "embed" in k) and not torch.equal(got[k], base[k])]
+    assert len(moved) == (6 * 2 + 1 + 1) * norms, moved
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-6, msg=f"merged {k}")
+    merged = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want_logits, rtol=1e-5, atol=1e-5,
+                                   msg="transformers on the merged folder")
+
+
+@pytest.mark.parametrize("family,emb", [("tied", False), ("untied", True)], ids=["train_norms", "norms_embedding"])
+def test_dpo_with_trained_norms_equals_the_formula_on_transformers(ckpts, family, emb):
+    """parallel.preference.DPO on a packed micro-batch of two pairs, the policy with --train-norms (and on an untied
+    Gemma --train-embeddings: the reference's embedding is the base's, scaled as the policy's), its norms and embedding
+    moved off the base's, LoRA B != 0: the losses = the DPO formula on log_softmax of peft's model holding our tensors
+    (the policy) and of transformers' base model (the reference), each sequence alone; every trained gradient =
+    peft's."""
+    from data.collate import collate
+    from parallel.cp import KernelAttention
+    from parallel.preference import DPO, Preference
+    from tests.test_dpo import _formula, _pair
+    from tests.test_norms import _ours, _peft_twin
+
+    path = ckpts[family]
+    model, _ = _ours(path, emb=emb)
+    model.attention = KernelAttention()
+    ref_model, mine, theirs = _peft_twin(path, "none", model)
+    for m in ref_model.modules():   # transformers' embedding leaves its pad_token_id's row (0) untrained; ours trains
+        if isinstance(m, torch.nn.Embedding):   # every row the batch holds (training's padding, at rows' ends, gets
+            m.padding_idx = None   # none): token 0 is in these random pairs
+    assert sum("norm" in k for k in mine) == 6 * 2 + 1 and ("model.embed_tokens.weight" in mine) == emb, sorted(mine)
+    g = torch.Generator().manual_seed(3)
+    made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4)]
+    b = collate([m[0] for m in made], True, 1, 0, sides=True)
+    pref = Preference(beta=0.7)
+    losses, _ = DPO(model, pref, base=path)(b["input_ids"], b["position_ids"], b["labels"], b["sides"], len(made),
+                                            [0, 1])
+    (losses.sum() / len(made)).backward()
+    base = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref_model.train()
+
+    def logp(m, ids, lab):
+        z = m(input_ids=ids[None]).logits[0].log_softmax(-1)
+        keep = lab != -100
+        return z[keep].gather(1, lab[keep, None]).sum()
+
+    want = []
+    for _, seqs, labels in made:
+        with torch.no_grad():
+            ref = [logp(base, s, lab) for s, lab in zip(seqs, labels)]
+        pol = [logp(ref_model, s, lab) for s, lab in zip(seqs, labels)]
+        want.append(_formula(pref, pol, ref, [(lab != -100).sum() for lab in labels]))
+    want = torch.stack(want)
+    (want.sum() / len(made)).backward()
+    torch.testing.assert_close(losses.detach().float(), want.detach(), rtol=1e-5, atol=1e-6, msg="losses")
+    assert bool((want.detach() - torch.log(torch.tensor(2.0))).abs().min() > 1e-3), "the policy is the reference"
+    for k in mine:
+        rel = ((mine[k].grad - theirs[k].grad).norm() / theirs[k].grad.norm()).item()
+        assert theirs[k].grad.norm() > 0 and rel < 1e-4, f"grad {k}: relative difference {rel:.2e}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled_mlp_and_attn_train_norms"])
+def test_compile_equals_eager(ckpts, tiled):
+    """--compile (parallel/compile.py: GemmaRMSNorm, GeGLU and RoPE compiled), nf4 with AC: the loss and every gradient
+    = the eager build's; with the tiled MLP and attention the tiles run the compiled norms, with their weights
+    trained."""
+    from model.gemma import GeGLU, GemmaRMSNorm
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b, step_of
+
+    path = ckpts["tied"]
+    opts = dict(quant="nf4", lora_r=4, lora_alpha=8, seed=3, ac=True, train_norms=tiled)
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(5))
+    ref = step_of(build_nonzero_b(BuildOptions(path, **opts))[0], ids)
+    model, _ = build_nonzero_b(BuildOptions(path, compile=True, tiled_mlp=tiled, tiled_attn=tiled, **opts))
+    pieces = [m for m in model.modules() if isinstance(m, (GemmaRMSNorm, GeGLU))]
+    forwards = [getattr(m.forward, "norm_forward", m.forward) for m in pieces]   # (block norms: apply_norm_rebuild)
+    assert len(pieces) == 2 * (6 + 1) + 1 and all(
+        hasattr(getattr(f, "compiled", f), "_torchdynamo_orig_callable") for f in forwards), forwards
+    loss, grads = step_of(model, ids)
+    torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-6, msg="loss")
+    assert grads.keys() == ref[1].keys() and len(grads) == 14 * 2 + (6 * 2 + 1) * tiled, len(grads)
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref[1][k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+
+
+def test_bf16_logits_are_transformers_bf16_and_no_farther_from_float64(ckpts):
+    """bf16 weights, no mixed precision: our logits within bf16's rounding of transformers' bf16 Gemma3ForCausalLM, and
+    no farther from the float64 model's logits (the same bf16 weights in float64) than transformers' own in the mean
+    over 24 rows of 64 tokens at positions up to 3000 (one row's mean moves either way by a few percent: both round
+    the same formula in bf16)."""
+    import model
+
+    path = ckpts["tied"]
+    ids = torch.randint(0, 128, (24, 64), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(64).expand(24, 64) + torch.tensor([0, 100, 700, 3000] * 6)[:, None]
+    hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).double().eval()
+    ours = model.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert ours.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        x = exact(input_ids=ids, position_ids=pos).logits
+        theirs, got = hf(input_ids=ids, position_ids=pos).logits, ours(ids, position_ids=pos)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=8 * 2 ** -8 * x.abs().max().item(),
+                               msg="ours vs transformers' bf16")   # (a few ulps of the largest logit)
+    err, ref_err = (got.double() - x).abs().mean().item(), (theirs.double() - x).abs().mean().item()
+    assert err <= ref_err, (err, ref_err)
