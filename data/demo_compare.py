@@ -12,7 +12,8 @@ first `--n` held-out conversations or prompt/completion records (or preference p
 and for each prints the prompt (the conversation up to its last user turn; a record's prompt, encoded as training
 encoded it), the expected answer (its last assistant turn; the completion; a pair's chosen one, and its rejected one
 beside it), and the greedy answers of
-1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`), and
+1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`; a Mistral 3 or Gemma 3
+   wrapper's, model/wrapper.py: `AutoModelForImageTextToText`, prompted with text only), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
 Nothing here runs the trainer's decoder: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
@@ -41,15 +42,19 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 def nf4_round_trip(model) -> None:
     """Replace each decoder block's attention/MLP Linear weight by training's NF4 of it (`model.nf4.nf4_round_trip`:
-    the same bits). A 4-bit upload's layers (bitsandbytes' Linear4bit, whose weights are the packed codes) are left
-    as transformers loaded them: those are the weights training computed with (until 2026-12-06 their codes were
-    quantized as if they were weights, and the base answered garbage)."""
+    the same bits; a multimodal wrapper's: its language model's, named as ours by model/wrapper.py). A 4-bit upload's
+    layers (bitsandbytes' Linear4bit, whose weights are the packed codes) are left as transformers loaded them: those
+    are the weights training computed with (until 2026-12-06 their codes were quantized as if they were weights, and
+    the base answered garbage)."""
     import torch
 
     from model.nf4 import nf4_round_trip as base_of
+    from model.wrapper import WRAPPERS, internal_names
 
+    wrapper = getattr(model.config, "model_type", None)   # a multimodal wrapper's language model: its module names
+    ours = internal_names([n for n, _ in model.named_modules()], wrapper if wrapper in WRAPPERS else None)   # as ours
     with torch.no_grad():
-        for name, mod in model.named_modules():
+        for name, mod in ((n, model.get_submodule(m)) for n, m in ours.items()):
             parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
             if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5 and \
                     not hasattr(mod.weight, "quant_state"):
@@ -112,11 +117,12 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     """[{prompt, expected, base, tuned}] for the first `n` held-out conversations or prompt records of the run."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from data.jsonl import load_jsonl
     from data.mix import data_files
+    from model.wrapper import WRAPPERS
 
     hf_logging.set_verbosity_error()   # generation-config notes are about defaults we set explicitly
     hf_logging.disable_progress_bar()  # a "Loading weights" bar for a 14 MB file
@@ -159,7 +165,10 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         tok.chat_template = cfg["chat_template_text"]
         stop += end_of_turn(tok)[1]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
+    wrapped = AutoConfig.from_pretrained(cfg["model"], local_files_only=True).model_type in WRAPPERS   # (a multimodal
+    # wrapper, model/wrapper.py: its generation class, which AutoModelForCausalLM lacks for Mistral 3; text prompts)
+    auto = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
+    model = auto.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
     if cfg.get("quant", "nf4") == "nf4":
         nf4_round_trip(model)
     as_trained(model, cfg.get("quant", "nf4"))   # (after: its Linear layers are no float checkpoint's to round)

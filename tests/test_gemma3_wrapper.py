@@ -13,6 +13,7 @@ own RoPE tables, query_pre_attn_scalar != head_dim, norm weights off 0):
   q_proj/k_proj/v_proj), and gives our logits;
 - `python -m model.merge` writes a whole Gemma 3 checkpoint: transformers loads it with no missing or unexpected key,
   its logits = peft's merge_and_unload, the vision tower and projector bit-equal to the base's.
+- `python -m data.demo_compare` rounds the language model's block weights to NF4 (a --quant nf4 run's base), only those.
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma3_wrapper.py
 """
@@ -164,3 +165,21 @@ def test_merge_into_gemma3_is_the_wrapper_peft_merges(bases, tmp_path):
     assert sorted(merged) == sorted(stored), sorted(set(merged) ^ set(stored))
     other = [k for k in stored if k.startswith(("vision_tower.", "multi_modal_projector."))]
     assert other and all(torch.equal(merged[k], stored[k]) for k in other)
+
+
+def test_demo_compare_rounds_the_language_models_blocks_to_nf4(bases):
+    """`python -m data.demo_compare`'s base of a --quant nf4 run on Gemma 3 (which AutoModelForCausalLM loads as the
+    wrapper): each block Linear of the language model holds training's NF4 of its weight, nothing else changes (the
+    SigLIP tower's q/k/v_proj, the projector) (review, helper 124: only text-only names matched: no round trip)."""
+    from data.demo_compare import nf4_round_trip
+    from model.nf4 import nf4_round_trip as nf4
+
+    model = T.AutoModelForImageTextToText.from_pretrained(bases["untied"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nf4_round_trip(model)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    blocks = {f"model.language_model.layers.{i}.{'mlp' if p in ALL[4:] else 'self_attn'}.{p}.weight"
+              for i in range(CONFIG["num_hidden_layers"]) for p in ALL}
+    assert changed == blocks, sorted(changed ^ blocks)
+    for n in blocks:
+        assert torch.equal(model.get_parameter(n), nf4(before[n])), n

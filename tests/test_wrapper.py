@@ -11,6 +11,7 @@ Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vis
   MistralForCausalLM's names, no vision tower's or projector's;
 - a train.py run on the wrapper has the per-step losses of the same run on its language model saved alone by
   transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model;
+  `python -m data.demo_compare` on a --quant nf4 run of each gives the same base and peft logits and answers;
 - a bitsandbytes 4-bit wrapper (quantized and saved by transformers + bitsandbytes): every language-model weight
   read is bitsandbytes' dequantization of transformers' loaded Linear4bit, bit for bit;
 - refusals naming the fix: another multimodal model_type (paligemma, llava, qwen2_vl), a classifier (architectures not
@@ -140,6 +141,41 @@ def test_train_run_on_wrapper_equals_text_only_model_and_plans_alike(assets, tmp
             plans[name] = train.main(["--plan", "--model", path, "--data", assets["data"], "--max-len", "64",
                                       "--global-batch", "8", "--quant", "none", "--dtype", "fp32"])
     assert plans["wrapper"] == plans["text"], plans
+
+
+def test_demo_compare_on_wrapper_run_equals_text_only_run(assets, tmp_path, monkeypatch):
+    """`python -m data.demo_compare` on a --quant nf4 run on the wrapper: transformers' wrapper class is loaded (not
+    AutoModelForCausalLM, which maps no Mistral 3), its language model's block weights NF4 round-tripped as training's,
+    and the base's and peft's logits on each prompt, and the answers, are the same run's on the text-only model
+    (review, helper 124: it failed to load; the round trip matched only text-only names, and was skipped)."""
+    import data.demo_compare as dc
+    import train
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import one_thread, train_argv
+
+    tok = make_tokenizer(tmp_path / "wrapper")
+    wrapper = _wrapper(tmp_path / "wrapper", len(tok), False)
+    text = _text_only(wrapper, tmp_path / "text")
+    make_tokenizer(tmp_path / "text")
+    seen, plain = [], dc.generate
+
+    def spy(model, tok, prompt, *a):   # (a: max_new_tokens, stop, day, tools)
+        with torch.no_grad():
+            seen[-1].append(model(**dc.encode(tok, prompt, a[2], a[3])).logits)
+        return plain(model, tok, prompt, *a)
+
+    monkeypatch.setattr(dc, "generate", spy)
+    rows = {}
+    for name, path in (("wrapper", wrapper), ("text", text)):
+        out = str(tmp_path / f"run_{name}")
+        with one_thread():
+            train.main(train_argv({**assets, "model": path}, out, "--quant", "nf4", "--eval-split", "0.1"))
+        seen.append([])
+        rows[name] = dc.compare(out, n=2, max_new_tokens=4)
+    assert rows["wrapper"] == rows["text"] and len(rows["text"]) == 2, rows
+    assert len(seen[0]) == len(seen[1]) == 4, "a base and a tuned forward per prompt"
+    for got, want in zip(*seen):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def _cfg(**kw):
