@@ -23,7 +23,9 @@ Contract:
   have the same names: a name list would adapt them too), --lora-layers in it. `to_ours(name)`: an adapter's key or
   module name, made on a wrapper (either stored form) or on a text-only model, as ours (what --init-adapter and the
   merge read: an adapter of either fits either base, the language model being the same); one naming a wrapper's
-  other parts (vision tower, projector) is refused naming it. `stored_parts(path, wrapper)`: a wrapper checkpoint's
+  other parts (vision tower, projector) is refused naming it. `made_on(keys)`: the stored form an adapter's keys
+  use (None: a text-only model's), whose names its adapter_config.json's exclude_modules match (`to_peft(name, None,
+  form)` names our modules so). `stored_parts(path, wrapper)`: a wrapper checkpoint's
   stored keys, for the merge, which writes the language model merged under them and copies the rest as stored.
 """
 
@@ -94,14 +96,14 @@ def looked_for(wrapper: str) -> str:
     return " or ".join(", ".join(f"{pre}*" for pre, _ in form) for form in FORMS[wrapper])
 
 
-def to_peft(name: str, wrapper: str | None) -> str:
-    """Our module or tensor name (peft's prefix kept) as the wrapper's module naming (FORMS[wrapper][0]); a text-only
-    model's (wrapper None) as it is."""
-    if wrapper is None:
+def to_peft(name: str, wrapper: str | None, form: list | None = None) -> str:
+    """Our module or tensor name (peft's prefix kept) as the wrapper's module naming (FORMS[wrapper][0], or the stored
+    `form` given: made_on's); a text-only model's (wrapper and form None) as it is."""
+    if wrapper is None and form is None:
         return name
     head = PEFT if name.startswith(PEFT) else ""
     n = name[len(head):] + "."   # ("lm_head", a module: its prefix "lm_head." too)
-    pre, ours = next((pre, ours) for pre, ours in FORMS[wrapper][0] if n.startswith(ours))
+    pre, ours = next((pre, ours) for pre, ours in form or FORMS[wrapper][0] if n.startswith(ours))
     return head + (pre + n[len(ours):])[:-1]
 
 
@@ -119,6 +121,13 @@ def to_ours(name: str) -> str:
                          "language model does): pass an adapter of the language model only (peft: target_modules as "
                          "a regex of model.language_model's modules)")
     return name
+
+
+def made_on(keys) -> list | None:
+    """The stored form (a FORMS list) of the wrapper an adapter whose tensors are `keys` (peft's prefix kept or not)
+    was made on, or None: a text-only model's. Its adapter_config.json names modules so (peft's exclude_modules)."""
+    return next((form for forms in FORMS.values() for form in forms if any(
+        k.removeprefix(PEFT).startswith(pre) for k in keys for pre, ours in form if pre != ours)), None)
 
 
 def peft_targets(targets, layers, wrapper: str):

@@ -208,8 +208,9 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     kept the base's head in peft (untied), which a run here cannot start from."""
     from model.adapter_read import untied_embedding
     from model.load import read_header
-    from model.wrapper import to_ours
+    from model.wrapper import made_on, to_ours, to_peft
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
+    form = made_on(header)   # (made on a wrapper: its exclude_modules name the wrapper's modules)
     header = {to_ours(k): h for k, h in header.items()}   # (a wrapper's names: a vision tower's LoRA is refused)
     with open(os.path.join(path, "adapter_config.json")) as f:   # (check_init_adapter read it: a list of names)
         cfg = json.load(f)
@@ -257,11 +258,12 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     layers = range(n_layers) if layers is None else [layers] if isinstance(layers, int) else layers
     ex = cfg.get("exclude_modules") or ()   # peft's: those modules get no LoRA (a regex matched in full, or names
     excluded = lambda key: bool(re.fullmatch(ex, key)) if isinstance(ex, str) else key in ex or any(   # matched as
-        key.endswith("." + e) for e in ex)   # suffixes), so no tensors there is the adapter as peft saved it
+        key.endswith("." + e) for e in ex)   # suffixes; a wrapper's names), so no tensors there is the adapter as saved
     targets = cfg.get("target_modules") if isinstance(cfg.get("target_modules"), list) else ()   # (a regex: its
     missing = [f"layer {i} {t}" for t in targets if t in shapes for i in layers   # tensors say what it adapted)
-               if 0 <= i < n_layers and f"layer {i} {t}" not in halves and not excluded(
-                   f"model.layers.{i}.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}")]
+               if 0 <= i < n_layers and f"layer {i} {t}" not in halves and not excluded(to_peft(
+                   f"model.layers.{i}.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}",
+                   None, form))]
     if cfg.get("layers_to_transform") is not None and (extra := sorted(
             k for k in halves if int(k.split()[1]) not in layers)):   # (peft would not load them: another function)
         raise ValueError(f"--init-adapter {path!r}: its adapter_config.json has layers_to_transform {list(layers)}, "

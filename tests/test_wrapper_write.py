@@ -10,7 +10,8 @@ B non-zero, trained norms and embedding moved off the base's):
   --train-embeddings tied and untied; `python -m parallel.checkpoint`'s export writes the same adapter;
 - --init-adapter: ours and one peft made on the wrapper itself (a language-model-only regex, random B) rebuild
   peft's logits in our model; a text-only model's adapter starts a wrapper run and the reverse (the same language
-  model: mapped); one adapting the vision tower is refused naming it;
+  model: mapped); one adapting the vision tower is refused naming it; peft's with exclude_modules in the wrapper's
+  names (regex, names) is started from, and with the text-only model's names (not what peft excluded) refused;
 - `python -m model.merge` into a wrapper: transformers loads the output as Mistral3ForConditionalGeneration, its text
   logits equal peft's merge_and_unload of the same adapter on the base (quant none; nf4: the base's block weights
   NF4 round-tripped), vision tower and projector tensors bit-equal to the base's, the processor files copied, a
@@ -236,6 +237,38 @@ def test_init_adapter_adapting_the_vision_tower_is_refused_naming_it(bases, tmp_
     with pytest.raises(ValueError) as e:
         _init_adapter_fits(str(tmp_path / "all"), m.projections(), R, m.n_layers, None, m.tie_embeddings)
     assert "vision_tower.transformer.layers.0.attention.q_proj" in str(e.value) and "regex" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("exclude", ["regex", "names"])
+def test_init_adapter_with_exclude_modules_made_on_the_wrapper(bases, tmp_path, exclude):
+    """peft's adapter on the wrapper with a name list of targets and exclude_modules (the vision tower's, and block
+    1's q_proj) in the wrapper's names: started from, peft's logits (it was refused: its exclude_modules were matched
+    against our text-only names, so block 1's q_proj seemed cut); the same exclude_modules naming the text-only
+    model's module, which peft on the wrapper would not have excluded, is a cut adapter: refused (review, helper
+    124)."""
+    from model.load import read_args
+    from parallel.flags import _init_adapter_fits
+
+    base, out = bases["untied"], str(tmp_path / "peft")
+    ex = {"regex": r"model\.vision_tower\..*|model\.language_model\.layers\.1\.self_attn\.q_proj",
+          "names": [f"model.vision_tower.transformer.layers.0.attention.{p}" for p in ("q_proj", "v_proj")]
+          + ["model.language_model.layers.1.self_attn.q_proj"]}[exclude]
+    pm = _peft_made(T.Mistral3ForConditionalGeneration.from_pretrained(base), ["q_proj", "v_proj"], out,
+                    exclude_modules=ex)
+    assert sorted(n for n, _ in pm.named_modules() if n.endswith("lora_A")) == [
+        f"base_model.model.model.language_model.layers.{i}.self_attn.{p}.lora_A" for i, p in
+        ((0, "q_proj"), (0, "v_proj"), (1, "v_proj"))]
+    with torch.no_grad():
+        torch.testing.assert_close(_built(base, out)(_ids()), pm(input_ids=_ids()).logits, rtol=1e-5, atol=1e-5)
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    text_only = lambda e: e.replace("language_model\\.", "").replace("language_model.", "")
+    cfg["exclude_modules"] = text_only(ex) if exclude == "regex" else [text_only(e) for e in ex]
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    m = read_args(base)
+    with pytest.raises(ValueError, match=r"holds no tensors for 1 of those projections \(layer 1 q_proj\)"):
+        _init_adapter_fits(out, m.projections(), R, m.n_layers, None, m.tie_embeddings)
 
 
 def _tensors(path):
