@@ -137,7 +137,7 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump({**written, "ensure_weight_tying": True}, f, indent=2, sort_keys=True)
     with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:   # (after the config: what a pushed adapter shows)
-        f.write(model_card(cfg, hub, rope_parameters is not None, chat_template is not None))
+        f.write(model_card(cfg, hub, rope_parameters is not None, chat_template is not None, wrapper))
     if rope_parameters is not None:   # the base ran with another RoPE than its config.json's
         with open(os.path.join(tmp, OVERRIDES), "w") as f:
             json.dump({"rope_parameters": rope_parameters}, f, indent=1)
@@ -168,11 +168,13 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     os.close(fd)
 
 
-def model_card(cfg, hub: str | None, rope: bool, template: bool) -> str:
+def model_card(cfg, hub: str | None, rope: bool, template: bool, wrapper: str | None = None) -> str:
     """README.md of an adapter: metadata the Hub reads (`base_model`, the base's id where it came from the Hub: the
     page then lists the adapter under its base; `library_name: peft`), what was trained and how to load it (peft
     writes such a card with its own save_pretrained; until 2026-12-06 ours wrote none). Only what the adapter's own
-    files say: the same card from a run's end and from `python -m parallel.checkpoint`."""
+    files say: the same card from a run's end and from `python -m parallel.checkpoint`. A multimodal `wrapper`'s
+    base loads in its generation class (AutoModelForImageTextToText), which AutoPeftModelForCausalLM's
+    AutoModelForCausalLM lacks for Mistral 3."""
     base = hub.split("@")[0] if hub else os.path.basename(cfg.base_model_name_or_path.rstrip("/"))
     targets = ", ".join(sorted(cfg.target_modules)) if not isinstance(cfg.target_modules, str) else cfg.target_modules
     kind = "DoRA" if getattr(cfg, "use_dora", False) else "LoRA"
@@ -182,11 +184,18 @@ def model_card(cfg, hub: str | None, rope: bool, template: bool) -> str:
              f"{kind} r {cfg.r}, alpha {cfg.lora_alpha:g}{', rsLoRA' if cfg.use_rslora else ''} on {targets}"
              + (f"; also trained in full: {', '.join(cfg.modules_to_save)}" if cfg.modules_to_save else "") + ".",
              f"Base: {base}" + (f" at commit {hub.split('@')[1]}" if hub else " (a local checkpoint)") + ".", "",
-             "    from peft import AutoPeftModelForCausalLM",
-             "    model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER_OR_REPO\")", ""]
+             *(["    from peft import AutoPeftModelForCausalLM",
+                "    model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER_OR_REPO\")"] if not wrapper else
+               ["    from peft import PeftConfig, PeftModel",
+                "    from transformers import AutoModelForImageTextToText",
+                "    cfg = PeftConfig.from_pretrained(\"THIS_FOLDER_OR_REPO\")",
+                "    base = AutoModelForImageTextToText.from_pretrained(cfg.base_model_name_or_path, "
+                "revision=cfg.revision)", "    model = PeftModel.from_pretrained(base, \"THIS_FOLDER_OR_REPO\")"]), ""]
     if rope:
         lines += [f"Trained with another RoPE than the base's config.json: load the base with `{OVERRIDES}`'s "
-                  "`rope_parameters` (`from_pretrained(..., rope_parameters=...)`).", ""]
+                  "`rope_parameters` (`from_pretrained(..., rope_parameters=...)`" + (
+                      "; a multimodal base: in its config's `text_config`, passed as `config=`" if wrapper else "")
+                  + ").", ""]
     if template:
         lines += [f"The data were rendered with `{TEMPLATE}`: use it for inference.", ""]
     return "\n".join(lines)

@@ -7,7 +7,8 @@ B non-zero, trained norms and embedding moved off the base's):
 - `export_adapter` on a wrapper base: `peft.PeftModel.from_pretrained(Mistral3ForConditionalGeneration, adapter)`
   loads it with no missing or unexpected key, its keys are what peft saves on the wrapper, no LoRA module lands in
   the vision tower or projector, and its text logits equal ours: plain LoRA, DoRA, --train-norms with --lora-layers,
-  --train-embeddings tied and untied; `python -m parallel.checkpoint`'s export writes the same adapter;
+  --train-embeddings tied and untied; `python -m parallel.checkpoint`'s export writes the same adapter; the card's
+  (README.md's) load lines, run as written, give peft's model on the wrapper;
 - --init-adapter: ours and one peft made on the wrapper itself (a language-model-only regex, random B) rebuild
   peft's logits in our model; a text-only model's adapter starts a wrapper run and the reverse (the same language
   model: mapped); one adapting the vision tower is refused naming it; peft's with exclude_modules in the wrapper's
@@ -118,6 +119,23 @@ def test_exported_adapter_loads_in_peft_on_the_wrapper_with_our_logits(bases, ca
         assert any(n.endswith("embed_tokens") for n in saved), saved
     if case == "emb_tied":   # peft's head is the trained embedding, as ours
         assert pm.base_model.model.lm_head.weight is pm.base_model.model.model.language_model.embed_tokens.weight
+
+
+def test_adapter_cards_load_lines_give_peft_model_on_the_wrapper(bases, tmp_path):
+    """README.md's lines that load the adapter, run as written (the folder for THIS_FOLDER_OR_REPO), give peft's
+    model on the wrapper, its logits (review, helper 124: they were AutoPeftModelForCausalLM's, whose
+    AutoModelForCausalLM has no Mistral 3: a ValueError)."""
+    from model.export import export_adapter
+
+    base, out = bases["untied"], str(tmp_path / "a")
+    model, peft_model = _ours(base)
+    export_adapter(peft_model, out, base)
+    with open(os.path.join(out, "README.md")) as f:
+        code = "\n".join(line[4:] for line in f.read().splitlines() if line.startswith("    "))
+    scope = {}
+    exec(code.replace("THIS_FOLDER_OR_REPO", out), scope)
+    with torch.no_grad():
+        torch.testing.assert_close(scope["model"].eval()(input_ids=_ids()).logits, model(_ids()), rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_export_of_a_wrapper_run_is_the_runs_adapter(assets, tmp_path):
