@@ -4,7 +4,8 @@ Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
-  Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py).
+  Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
+  Gemma 3 text and OLMo 2/3 (`gemma3_text`, `olmo2`, `olmo3`: model/gemma.py).
   A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
   and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
   naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
@@ -31,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from model.gemma import gemma_fields
+from model.gemma import gemma_fields, olmo_fields
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
@@ -51,6 +52,8 @@ SUPPORTED = {
     "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
     "ministral3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=262144, kv=8, head_dim=128, eps=1e-5),
     "gemma3_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + gemma.py
+    "olmo2": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
+    "olmo3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
@@ -86,12 +89,16 @@ class ModelArgs:
     # Gemma 3 (model/gemma.py): RMSNorm weight an offset from 1 applied in float32 before the cast; norms on the
     # attention's and MLP's outputs too; gelu-tanh MLP; embedding × sqrt(dim); attention scale
     # query_pre_attn_scalar ** -0.5 (None: head_dim's); the sliding layers' own RoPE {"rope_theta", scaling...}
-    norm_offset: bool = False
+    norm_offset: float | None = None   # None: Llama's norm (cast, then weight); Gemma's 1.0, OLMo's 0.0
     sandwich_norms: bool = False
     act: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: float | None = None
     local_rope: dict | None = None
+    # OLMo 2/3 (model/gemma.py; norm_offset 0.0, local_rope for OLMo 3): norms on the sublayers' outputs only, none in
+    # front of them; q_norm / k_norm over the whole projection (H·Hd, K·Hd), not per head
+    post_norms: bool = False
+    qk_norm_whole: bool = False
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -134,8 +141,8 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
-                "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), and the language model "
-                "of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
+                "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
+                "(olmo3), and the language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -161,9 +168,11 @@ class ModelArgs:
                                  "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
-        gemma = gemma_fields(cfg, max_pos) if mt == "gemma3_text" else {}
+        gemma = gemma_fields(cfg, max_pos) if mt == "gemma3_text" else olmo_fields(cfg, max_pos) if mt in (
+            "olmo2", "olmo3") else {}   # (and OLMo's fields: gemma.py)
         theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
-            gemma["rope_theta"], gemma["rope_scaling"], None, None) if gemma else (*read_rope(cfg, max_pos), None, None)
+            gemma["rope_theta"], gemma["rope_scaling"], None, None) if "rope_theta" in gemma else (
+            *read_rope(cfg, max_pos), None, None)
         attn_bias = bool(cfg.get("attention_bias", False))
         # Sliding windows as transformers applies them: Mistral on every layer; Ministral (and Mistral with a
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,

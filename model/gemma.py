@@ -1,20 +1,28 @@
-"""Gemma 3's differences from the Llama decoder (`model_type: gemma3_text`, transformers' Gemma3ForCausalLM), chosen
-by ModelArgs flags that model/llama.py reads: no subclass of its model, the Llama path's code unchanged.
+"""Gemma 3's and OLMo 2/3's differences from the Llama decoder (`model_type: gemma3_text`, transformers'
+Gemma3ForCausalLM; `olmo2` / `olmo3`, Olmo2ForCausalLM / Olmo3ForCausalLM), chosen by ModelArgs flags that
+model/llama.py reads: no subclass of its model, the Llama path's code unchanged.
 
 Contract:
 - `gemma_fields(cfg, max_pos)`: the ModelArgs fields of a gemma3_text config.json as transformers (5.x) reads it
   (RoPE per layer type, layer types from sliding_window_pattern, query_pre_attn_scalar); Gemma 2's soft-capping and
-  bidirectional attention are refused naming the key.
-- `GemmaRMSNorm` (`norm_offset`): x / rms(x) · (1 + weight), the weight an offset from 1 applied in float32 BEFORE the
-  cast back (Llama casts, then multiplies): transformers' Gemma3RMSNorm. Every norm of the model, q_norm/k_norm too.
+  bidirectional attention are refused naming the key. `olmo_fields(cfg, max_pos)` an olmo2 / olmo3 one's (OLMo 3:
+  RoPE per layer type, YaRN in rope_scaling on the full layers; layer types every fourth full without layer_types).
+  `typed_rope`: the per-layer-type RoPE of both.
+- `GemmaRMSNorm` (`norm_offset`): x / rms(x) · (offset + weight), the weight applied in float32 BEFORE the cast back
+  (Llama casts, then multiplies): transformers' Gemma3RMSNorm (offset 1: the weight an offset from 1) and
+  Olmo2RMSNorm / Olmo3RMSNorm (offset 0). Every norm of the model, q_norm/k_norm too.
+- `split_heads` (`qk_norm_whole`): q and k into heads through their norms, per head (Qwen3, Gemma) or, OLMo's, over
+  the whole projection (H·Hd, K·Hd) before the split.
 - `GeGLU` (`act` "gelu_tanh"): gelu(gate, tanh approximation) · up, hidden_activation gelu_pytorch_tanh.
 - `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
   (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
 - `SandwichBlock` (`sandwich_norms`): input_layernorm -> attention -> post_attention_layernorm (on the attention's
   OUTPUT) -> + residual; pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> + residual. The pre-sublayer
   norms go through `takes_norm` as Llama's (the tiled MLP and attention run them over their tiles): `pre_norms` names
-  them for parallel/memory.py. Each block picks its RoPE table: Transformer.rope hands (full, sliding) pairs when
-  `local_rope` is set (sliding layers: rope_local_base_freq, 10000; full ones: rope_theta with its scaling).
+  them for parallel/memory.py. With `post_norms` (OLMo) there are none: the sublayers take x itself, `pre_norms` is
+  empty, input_layernorm and pre_feedforward_layernorm are None. Each block picks its RoPE table: Transformer.rope
+  hands (full, sliding) pairs when `local_rope` is set (Gemma's sliding layers: rope_local_base_freq, 10000; OLMo 3's:
+  500000; full ones: rope_theta with its scaling).
 """
 
 from __future__ import annotations
@@ -44,31 +52,59 @@ def gemma_fields(cfg: dict, max_pos: int) -> dict:
     if act not in GELU_TANH:
         raise ValueError(f"config.json: hidden_activation {act!r} is not supported: Gemma's MLP here is "
                          f"gelu_pytorch_tanh (gelu, tanh approximation)")
-    params = cfg.get("rope_parameters") or {}
-    if params and not all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"config.json: gemma3_text rope_parameters {params} must be per layer type "
-                         "({'full_attention': {...}, 'sliding_attention': {...}}), as transformers writes them")
     # transformers' Gemma3TextConfig.convert_rope_params_to_dict: a classic rope_scaling updates the full layers'
-    full = dict(params.get("full_attention") or {"rope_type": "default"}, **(cfg.get("rope_scaling") or {}))
-    full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
-    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 1e4))
-    orig = {k: cfg[k] for k in ("original_max_position_embeddings",) if k in cfg}
-    (theta, scaling), (ltheta, lscaling) = (read_rope({"rope_parameters": d, **orig}, max_pos) for d in (full, local))
+    rope = typed_rope(cfg, max_pos, cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4))
     pattern = cfg.get("sliding_window_pattern", 6)
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                        for i in range(cfg["num_hidden_layers"])]
-    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling},
-                sliding_window=cfg.get("sliding_window", 4096), layer_types=types, norm_offset=True,
+    return dict(**rope, sliding_window=cfg.get("sliding_window", 4096), layer_types=types, norm_offset=1.0,
                 sandwich_norms=True, act="gelu_tanh", embed_scale=True,
                 query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
 
 
-def _normalize(x, weight, eps):
-    """(x / rms(x) · (1 + weight) cast to x's dtype, rsqrt): transformers' order, all in float32 before the cast."""
+def olmo_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of an olmo2 / olmo3 config.json (module docstring), defaults as Olmo2Config's / Olmo3Config's
+    (olmo2: one RoPE, read by the caller)."""
+    olmo = dict(norm_offset=0.0, post_norms=True, qk_norm_whole=True)
+    if cfg["model_type"] == "olmo2":   # full attention on every layer
+        return dict(olmo, sliding_window=None, layer_types=None)
+    # Olmo3Config: the full layers' theta is config.json's rope_theta (500000 without), the sliding layers' 500000
+    # unless rope_parameters names it (transformers 5 pops rope_theta for the full layers first; 4.57 gave both it)
+    sliding = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta")
+    if sliding is None and cfg.get("rope_theta", 5e5) != 5e5:
+        raise ValueError(f"config.json: olmo3 rope_theta {cfg['rope_theta']} and no sliding_attention rope_theta: "
+                         "transformers 5 gives the sliding layers 500000, 4.57 gave them rope_theta; name it in "
+                         "rope_parameters.sliding_attention.rope_theta")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return dict(olmo, **typed_rope(cfg, max_pos, cfg.get("rope_theta", 5e5), 5e5), layer_types=types,
+                sliding_window=cfg.get("sliding_window", 4096))
+
+
+def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dict:
+    """rope_theta, rope_scaling and local_rope of a config.json with RoPE per layer type (rope_parameters
+    {"full_attention": {...}, "sliding_attention": {...}}, or the classic top-level keys) as transformers 5's
+    Gemma3TextConfig and Olmo3Config read it: a classic rope_scaling updates the full layers', a type's missing theta
+    is `theta` (full) or `local_theta` (sliding)."""
+    params = cfg.get("rope_parameters") or {}
+    if params and not all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.json: {cfg['model_type']} rope_parameters {params} must be per layer type "
+                         "({'full_attention': {...}, 'sliding_attention': {...}}), as transformers writes them")
+    full = dict(params.get("full_attention") or {"rope_type": "default"}, **(cfg.get("rope_scaling") or {}))
+    full.setdefault("rope_theta", theta)
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", local_theta)
+    orig = {k: cfg[k] for k in ("original_max_position_embeddings",) if k in cfg}
+    (theta, scaling), (ltheta, lscaling) = (read_rope({"rope_parameters": d, **orig}, max_pos) for d in (full, local))
+    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
+
+
+def _normalize(x, weight, eps, offset):
+    """(x / rms(x) · (offset + weight) cast to x's dtype, rsqrt): transformers' order, all in float32 before the cast
+    (offset 0: the weight itself, exactly)."""
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * r * (1.0 + weight.float())).to(x.dtype), r
+    return (xf * r * (offset + weight.float())).to(x.dtype), r
 
 
 class _GemmaNormFn(torch.autograd.Function):
@@ -77,16 +113,16 @@ class _GemmaNormFn(torch.autograd.Function):
     after the cast to the compute dtype, and Gemma applies (1 + weight) in float32 before it."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, offset):
         flat = x.reshape(-1, x.shape[-1])
         rows = max(1, min(flat.shape[0], NORM_CHUNK // x.shape[-1]))
         out, rstd = torch.empty_like(x, memory_format=torch.contiguous_format), flat.new_empty(flat.shape[0], 1,
                                                                                                 dtype=torch.float32)
         for i in range(0, flat.shape[0], rows):
-            out.view(-1, x.shape[-1])[i:i + rows], rstd[i:i + rows] = _normalize(flat[i:i + rows], weight, eps)
+            out.view(-1, x.shape[-1])[i:i + rows], rstd[i:i + rows] = _normalize(flat[i:i + rows], weight, eps, offset)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x, weight, rstd)
-        ctx.rows = rows
+        ctx.rows, ctx.offset = rows, offset
         return out
 
     @staticmethod
@@ -95,32 +131,33 @@ class _GemmaNormFn(torch.autograd.Function):
         flat, gflat, rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1]), ctx.rows
         dx = torch.empty_like(x, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
-        w1 = 1.0 + weight.float()
+        w1 = ctx.offset + weight.float()
         for i in range(0, flat.shape[0], rows):
             xf, r, gc = flat[i:i + rows].float(), rstd[i:i + rows], gflat[i:i + rows].float()
             if dw is not None:
                 dw += (gc * (xf * r)).sum(0)
-            if dx is not None:   # n = x·r, dn = g·(1 + w):  dx = r·dn - r³·x·mean(dn·x)
+            if dx is not None:   # n = x·r, dn = g·(offset + w):  dx = r·dn - r³·x·mean(dn·x)
                 dn = gc * w1
                 dx.view(-1, x.shape[-1])[i:i + rows] = r * dn - r.pow(3) * xf * (dn * xf).mean(-1, keepdim=True)
-        return dx, (None if dw is None else dw.to(weight.dtype)), None
+        return dx, (None if dw is None else dw.to(weight.dtype)), None, None
 
 
 class GemmaRMSNorm(nn.Module):
-    """transformers' Gemma3RMSNorm (module docstring); the weight starts at 0 (the identity) and trains in float32 as
-    --train-norms keeps it (no cast: the formula upcasts it anyway)."""
+    """transformers' Gemma3RMSNorm (module docstring), or with `offset` 0 Olmo2RMSNorm / Olmo3RMSNorm (the weight
+    itself, applied in float32 before the cast); the weight starts at the identity (1 - offset) and trains in float32
+    as --train-norms keeps it (no cast: the formula upcasts it anyway)."""
     reference = None   # DPO's reference weight while set (model.norms.reference_trained)
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 1.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps, self.offset = eps, float(offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset))
 
     def forward(self, x):
         w = self.weight if self.reference is None else self.reference
         if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler
-            return _normalize(x, w, self.eps)[0]
-        return _GemmaNormFn.apply(x, w, self.eps)
+            return _normalize(x, w, self.eps, self.offset)[0]
+        return _GemmaNormFn.apply(x, w, self.eps, self.offset)
 
 
 class GeGLU(nn.Module):
@@ -136,8 +173,8 @@ def scale_embedding(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class SandwichBlock(nn.Module):
-    """Gemma's decoder block (module docstring) over the Llama block's attention and MLP modules."""
-    pre_norms = ("input_layernorm", "pre_feedforward_layernorm")   # the norms in front of attention and MLP
+    """Gemma's decoder block (module docstring) over the Llama block's attention and MLP modules; with `post_norms`
+    OLMo 2/3's: the same with no norm in front of the sublayers (they take x itself)."""
     # the post norms save the attention's and the MLP's outputs: a block recompute must compute them (parallel/'s
     # tiled MLP and the down projection's base skip that where nothing reads them: recompute.py, memory.py)
     outputs_saved = True
@@ -145,10 +182,13 @@ class SandwichBlock(nn.Module):
     def __init__(self, a, layer: int, attention: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn, self.mlp = attention, mlp
-        self.input_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps)
+        norm = lambda: None if a.post_norms else GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)   # (a pre-norm)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        # the norms in front of attention and MLP (parallel/memory.py, phases.py): none in OLMo's block
+        self.pre_norms = () if a.post_norms else ("input_layernorm", "pre_feedforward_layernorm")
         # which of Transformer.rope's (full, sliding) tables this layer takes
         self.table = int(a.local_rope is not None and bool(a.layer_types)
                          and a.layer_types[layer] == "sliding_attention")
@@ -156,13 +196,24 @@ class SandwichBlock(nn.Module):
     def forward(self, x, cos, sin, core, meta):
         if isinstance(cos, tuple):
             cos, sin = cos[self.table], sin[self.table]
-        a = self.self_attn(_normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
+        a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
-        return x + self.post_feedforward_layernorm(self.mlp(_normed(self.pre_feedforward_layernorm, self.mlp, x)))
+        return x + self.post_feedforward_layernorm(self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x)))
 
 
-def _normed(norm: nn.Module, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """model.llama._normed's rule (this module is imported by that one, so it has its own copy): norm(x), or the
-    stand-in a sublayer that runs the norm itself takes (`takes_norm`)."""
+def normed(norm: nn.Module | None, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x), or what a sublayer that runs the norm itself takes instead (its `takes_norm`): Attention's runs
+    it and lets its output go after q, k, v; parallel/'s tiled MLP and attention over their own tiles, so the
+    norm's [T, D] output is never computed whole. No norm (OLMo's blocks): x itself."""
     take = getattr(sublayer, "takes_norm", None)
-    return norm(x) if take is None else take(norm, x)
+    return x if norm is None else norm(x) if take is None else take(norm, x)
+
+
+def split_heads(y: torch.Tensor, n: int, hd: int, norm: nn.Module | None, whole: bool) -> torch.Tensor:
+    """A projection's output y [..., n·hd] as [..., n, hd], through its q/k norm if any: per head after the split
+    (Qwen3's, Gemma's), or over the whole width before it (`whole`: OLMo's q_norm / k_norm of H·Hd and K·Hd).
+    Per token either way: the sequence may be sharded or tiled."""
+    if norm is not None and whole:
+        y = norm(y)
+    y = y.view(*y.shape[:-1], n, hd)
+    return y if norm is None or whole else norm(y)

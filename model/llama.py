@@ -30,7 +30,7 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
-from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, scale_embedding
+from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, normed, scale_embedding, split_heads
 from model.norms import cast_weight
 from model.rope import Rotary, cos_sin, tables
 
@@ -151,8 +151,8 @@ class RMSNorm(nn.Module):
 
 
 def _norm(a: ModelArgs, dim: int) -> nn.Module:
-    """The architecture's RMSNorm: Gemma's where its weight is an offset from 1 (model/gemma.py)."""
-    return (GemmaRMSNorm if a.norm_offset else RMSNorm)(dim, a.norm_eps)
+    """The architecture's RMSNorm: Gemma's or OLMo's where the weight applies before the cast (model/gemma.py)."""
+    return RMSNorm(dim, a.norm_eps) if a.norm_offset is None else GemmaRMSNorm(dim, a.norm_eps, a.norm_offset)
 
 
 class SwiGLU(nn.Module):
@@ -172,9 +172,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        self.q_norm = self.k_norm = None   # per head (Qwen3, Gemma) or over the projection (OLMo: H·Hd, K·Hd)
         if a.qk_norm:
-            self.q_norm, self.k_norm = _norm(a, a.head_dim), _norm(a, a.head_dim)
-        self.qk_norm = a.qk_norm
+            width = lambda n: a.head_dim * (n if a.qk_norm_whole else 1)
+            self.q_norm, self.k_norm = _norm(a, width(a.n_heads)), _norm(a, width(a.n_kv_heads))
+        self.whole = a.qk_norm_whole
         self.rotary = Rotary()
 
     def forward(self, x, cos, sin, core, meta):
@@ -204,13 +206,13 @@ class Attention(nn.Module):
 
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
-        q = self.q_proj(x).view(*x.shape[:2], self.n_heads, self.head_dim)         # [B, S, H, Hd]
-        return self.rotary(self.q_norm(q) if self.qk_norm else q, None, *tables(cos, sin, self.head_dim, True))[0]
+        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, self.q_norm, self.whole)   # [B, S, H, Hd]
+        return self.rotary(q, None, *tables(cos, sin, self.head_dim, True))[0]
 
     def keys_values(self, x, cos, sin):
-        k = self.k_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
+        k = split_heads(self.k_proj(x), self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
         v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
-        k = self.rotary(self.k_norm(k) if self.qk_norm else k, None, *tables(cos, sin, self.head_dim, False))[0]
+        k = self.rotary(k, None, *tables(cos, sin, self.head_dim, False))[0]
         return k, v
 
 
@@ -236,26 +238,18 @@ class Block(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
 
     def forward(self, x, cos, sin, core, meta):
-        a = self.self_attn(_normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
+        a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         # into o_proj's output where it says so (model.qlora: read by nothing else): no third [T, D] beside it and x
         x = a.add_(x) if getattr(a, "_sum_in_place", False) else x + a
-        return x + self.mlp(_normed(self.post_attention_layernorm, self.mlp, x))
-
-
-def _normed(norm: nn.Module, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """norm(x), or what a sublayer that runs the norm itself takes instead (its `takes_norm`): Attention's runs
-    it and lets its output go after q, k, v; parallel/'s tiled MLP and attention over their own tiles, so the
-    norm's [T, D] output is never computed whole."""
-    take = getattr(sublayer, "takes_norm", None)
-    return norm(x) if take is None else take(norm, x)
+        return x + self.mlp(normed(self.post_attention_layernorm, self.mlp, x))
 
 
 class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(SandwichBlock(a, i, Attention(a, i), MLP(a)) if a.sandwich_norms else Block(a, i)
-                                    for i in range(a.n_layers))
+        self.layers = nn.ModuleList(SandwichBlock(a, i, Attention(a, i), MLP(a)) if a.sandwich_norms or a.post_norms
+                                    else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)
 
     def run_blocks(self, h, *args):
@@ -277,7 +271,7 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids, dtype):
         """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin; q's own beside them: [B, S, 2·Hd]
-        with Ministral 3's temperature); with `local_rope` (Gemma) the pairs
+        with Ministral 3's temperature); with `local_rope` (Gemma, OLMo 3) the pairs
         (full layers', sliding layers') of each, which model.gemma.SandwichBlock picks from."""
         cos, sin = cos_sin(self.args, position_ids, dtype)
         if self.args.local_rope is None:

@@ -122,7 +122,8 @@ def _misfit(tensors: dict, m) -> str | None:
         out, inp = proj.get(name, (None, None))
         want = (shape[0], inp) if ".lora_A." in k else (out, shape[1]) if ".lora_B." in k else (out,) \
             if "lora_magnitude_vector" in k else (m.vocab_size, m.dim) if "embed_tokens" in k else \
-            (m.head_dim,) if k.endswith(("q_norm.weight", "k_norm.weight")) else (m.dim,)
+            (m.head_dim * (1 if not m.qk_norm_whole else m.n_heads if "q_norm" in k else m.n_kv_heads),) \
+            if k.endswith(("q_norm.weight", "k_norm.weight")) else (m.dim,)   # (OLMo's q/k norms: H·Hd, K·Hd)
         if shape != want:
             return f"{k} is {list(shape)}, the model's is {list(want)}"
     return None

@@ -102,11 +102,12 @@ class PhaseMeter:
         core, last = model.model, model.model.layers[-1]
         core.norm.register_forward_hook(self._forward_done)
         # h, the MLP's input (o_proj's output takes the residual in place: a hook on that output never fires)
-        last.get_submodule(last.pre_norms[1]).register_forward_pre_hook(   # (the norm in front of the MLP)
-            lambda m, a: self._watch(a[0], "last block: MLP"))
+        if last.pre_norms:   # (the norm in front of the MLP; OLMo's block has none: the MLP is handed h itself)
+            last.get_submodule(last.pre_norms[1]).register_forward_pre_hook(
+                lambda m, a: self._watch(a[0], "last block: MLP"))
         last.mlp.register_forward_pre_hook(   # the tiled MLP runs that norm itself: handed a stand-in tagged with h
             lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP")
-            if hasattr(a[0], "_norm_output") else None)
+            if hasattr(a[0], "_norm_output") else None if last.pre_norms else self._watch(a[0], "last block: MLP"))
         last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
         for proj in ("q_proj", "k_proj", "v_proj"):   # the first of the three gradients to arrive ends attention
             getattr(last.self_attn, proj).register_forward_hook(

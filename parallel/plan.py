@@ -134,6 +134,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
     base = [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in shapes.values()]
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
+    pre, post = not m.post_norms, m.sandwich_norms or m.post_norms   # norms in front of / on the sublayers' outputs
     base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
@@ -143,7 +144,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
-    lora += ([(D, D)] * nb + [(hd, hd)] * 2 * m.qk_norm) * norms
+    qk = [(hd * n, hd * n) for n in ((H, K) if m.qk_norm_whole else (1, 1))] * m.qk_norm   # (OLMo's: H·hd, K·hd)
+    lora += ([(D, D)] * nb + qk) * norms
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
@@ -156,6 +158,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
+    fed = lambda tg, *ts: direct and any(t in tg for t in ts)   # LoRA A of one of `ts` keeps the input it is handed
 
     def dora_saved(ts, rows=T, first=False, tg=targets) -> float:
         """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
@@ -177,20 +180,24 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     def layer_saved(first: bool, tg=targets) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
-        first = first and not (norms and tg) and not emb   # (a trained norm saves its input and makes an output
-        # needing grad; a trained embedding makes block 0's input need grad)
+        first = first and not (norms and tg and pre) and not emb   # (a trained pre-norm saves its input and makes
+        # an output needing grad; a trained embedding makes block 0's input need grad)
         inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
                  and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
-        if ta:   # the tiles keep the norm's input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A input
-            b = e * T * D + (e * T * D + 4 * T) - 4 * T * tiled + e * T * hd * (H + 2 * Kp) + 4 * T * H
+        # the MLP's input: its norm keeps it and rsqrt (the tiles run the norm: no rsqrt); with no norm in front
+        # (OLMo) the tiled MLP keeps it, else gate/up's LoRA A where handed it directly
+        mlp_in = e * T * D + 4 * T * (not tiled) if pre else e * T * D * (tiled or fed(tg, "gate_proj", "up_proj"))
+        if ta:   # the tiles keep the sublayer's (the norm's) input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A
+            b = e * T * D + mlp_in + e * T * hd * (H + 2 * Kp) + 4 * T * H
         else:
-            b = 2 * (e * T * D + 4 * T) - (e * T * D + 4 * T) * first + e * T * D * qkv * first * direct
+            b = mlp_in + ((e * T * D + 4 * T) * (not first) + e * T * D * qkv * first * direct if pre
+                          else e * T * D * fed(tg, "q_proj", "k_proj", "v_proj"))   # (OLMo: q/k/v's LoRA A keep x)
             b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
-            b -= 4 * T * tiled
-            # q/k norms (Qwen3, Gemma 3) keep q_proj's and k_proj's outputs and rsqrt, where those need grad
-            b += sum((e * T * hd + 4 * T) * n for n, t in ((H, "q_proj"), (K, "k_proj")) if not first or t in tg) \
-                * m.qk_norm
-        b += (e * T * D + 4 * T) * 2 * m.sandwich_norms   # Gemma's norms on attention's and the MLP's outputs
+            # q/k norms (Qwen3, Gemma 3 per head; OLMo over the projection: one rsqrt a token) keep q_proj's and
+            # k_proj's outputs and rsqrt, where those need grad (or a trained norm's weight does)
+            b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (K, "k_proj"))
+                     if not first or t in tg or norms and tg) * m.qk_norm
+        b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
         # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
@@ -208,9 +215,12 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     ckpt = inputs(N - lo) * e * T * D + 8 * T * emb
     # one block's recompute (AC; its input is counted above, block lo's first norm saves nothing to share it with
     # unless --train-norms trains it: then it saves that input, as the others'), less the inputs of the blocks above
-    # it, freed by then (with --lora-layers, blocks differ)
-    recompute = lambda ids: max((layer_saved(False) - e * T * D if i == 0 else saved[i] - e * T * D * (i > lo or norms))
-                                - (L - 1 - i) * e * T * D for i in ids)
+    # it, freed by then (with --lora-layers, blocks differ). OLMo's block (no norm in front): the tiles or q/k/v's
+    # LoRA A save that input where they take it, block lo's too
+    shares = lambda i, first: (not first or norms) if pre else ta or fed(targets * (i in adapted), "q_proj", "k_proj",
+                                                                          "v_proj")
+    recompute = lambda ids: max((layer_saved(False) - e * T * D * shares(i, False) if i == 0 else
+                                 saved[i] - e * T * D * shares(i, i == lo)) - (L - 1 - i) * e * T * D for i in ids)
     one = recompute(range(lo, L))
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
