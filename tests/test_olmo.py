@@ -165,7 +165,7 @@ def test_lora_grads_match_peft_on_transformers(ckpts, name, mem):
     memory steps whose sublayers would run a norm in front of them (here: none, they take x itself)."""
     from peft import LoraConfig, get_peft_model
 
-    from model.config import LORA_TARGETS
+    from model.lora_spec import LORA_TARGETS
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b
 
