@@ -154,30 +154,29 @@ def cut_layers(cfg: dict, layers: int) -> dict:
     return cfg
 
 
+_SHAPES: dict = {}   # repr(ModelArgs) -> {parameter name: shape} (a tied head: not listed)
+
+
 def _tensors(margs, layer, gen, dtype, device):
-    """HF-named random tensors of one decoder layer (layer >= 0) or of the non-layer weights (-1)."""
-    d, h, kv, hd, f = margs.dim, margs.n_heads, margs.n_kv_heads, margs.head_dim, margs.intermediate_size
-    w = lambda *s: (torch.randn(*s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
-    one, zero = (lambda n: torch.ones(n, dtype=dtype)), (lambda n: torch.zeros(n, dtype=dtype))
-    if layer < 0:
-        out = {"model.embed_tokens.weight": w(margs.vocab_size, d), "model.norm.weight": one(d)}
-        if not margs.tie_embeddings:
-            out["lm_head.weight"] = w(margs.vocab_size, d)
-        return out
+    """HF-named random tensors of one decoder layer (layer >= 0) or of the non-layer weights (-1): the names and shapes
+    of our own decoder's parameters (built on the meta device: whatever norms, biases and q/k norms the architecture
+    has, Gemma's and OLMo's included), a norm's weight its identity (0 where it is an offset from 1, else 1), biases 0,
+    the rest N(0, 0.02)."""
+    from model.llama import Transformer
+
+    if (shapes := _SHAPES.get(repr(margs))) is None:   # (once per config, not per layer)
+        with torch.device("meta"):
+            shapes = _SHAPES[repr(margs)] = {n: tuple(p.shape) for n, p in Transformer(margs).named_parameters()}
     p = f"model.layers.{layer}."
-    out = {p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(kv * hd, d),
-           p + "self_attn.v_proj.weight": w(kv * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
-           p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
-           p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": one(d),
-           p + "post_attention_layernorm.weight": one(d)}
-    for name, n, on in (("q", h * hd, margs.qkv_bias), ("k", kv * hd, margs.qkv_bias),
-                        ("v", kv * hd, margs.qkv_bias), ("o", d, margs.o_bias)):
-        if on:
-            out[p + f"self_attn.{name}_proj.bias"] = zero(n)
-    if margs.mlp_bias:
-        out.update({p + f"mlp.{n}.bias": zero(s) for n, s in (("gate_proj", f), ("up_proj", f), ("down_proj", d))})
-    if margs.qk_norm:
-        out.update({p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd)})
+    mine = {n: s for n, s in shapes.items() if n.startswith(p)} if layer >= 0 else {
+        n: s for n, s in shapes.items() if not n.startswith("model.layers.")}
+    ident = 0.0 if margs.norm_offset == 1.0 else 1.0
+    out = {}
+    for n, s in mine.items():
+        if n.endswith("norm.weight") or n.endswith(".bias"):
+            out[n] = torch.full(s, ident if n.endswith("norm.weight") else 0.0, dtype=dtype)
+        else:
+            out[n] = (torch.randn(*s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
     return out
 
 

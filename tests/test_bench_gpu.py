@@ -269,3 +269,22 @@ def test_gpu_session_script_on_cpu(tmp_path):
     res = json.loads((out / "gpu-results.json").read_text())
     assert res["cases"]["32k"]["rows"]["ours"]["s_per_step"] > 0, res
     assert (repo / "bench" / "gpu-results.json").is_file()   # (the link tree's: the checkout's own is untouched)
+
+
+@pytest.mark.parametrize("config", ["qwen2.5-7b", "gemma-3-12b", "olmo-3-7b"])
+def test_checkpoint_holds_what_the_decoder_loads(tmp_path, config):
+    """The bench's random checkpoint of any bench config (Gemma 3's four norms and offset norms, OLMo's post norms and
+    whole-width q/k norms, Qwen's biases) is what our loader reads: every tensor the model has, none else, and the
+    norms are the identity (Gemma's offset 0, the others' 1)."""
+    from model.load import CheckpointReader, from_pretrained
+
+    cfg = json.load(open(os.path.join(ROOT, "bench", "configs", config, "config.json")))
+    ckpt = bench_gpu.write_checkpoint(bench_gpu.cut_layers(cfg, 2), 2, 128, str(tmp_path), True)
+    model = from_pretrained(ckpt)
+    reader = CheckpointReader(ckpt)
+    assert set(reader.where) == set(model.state_dict()) - ({"lm_head.weight"} if model.args.tie_embeddings else set())
+    for n, m in model.named_modules():
+        if n.endswith("norm"):
+            x = torch.randn(3, m.weight.shape[0])
+            torch.testing.assert_close(m(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps), msg=n)
+    reader.close()
