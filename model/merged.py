@@ -240,7 +240,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
         with open(os.path.join(adapter_dir, OVERRIDES)) as f:
             rope = dict(json.load(f)["rope_parameters"])
-        _put_rope(cfg["text_config"] if reader.wrapper else cfg, rope)   # (a wrapper's: its language model's)
+        put_rope(cfg["text_config"] if reader.wrapper else cfg, rope)   # (a wrapper's: its language model's)
     for fn in os.listdir(base_path):   # tokenizer and generation files, and remote code, travel with the weights
         if _copied(fn, "auto_map" in cfg):
             if os.path.isfile(os.path.join(base_path, fn)):
@@ -258,11 +258,13 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
 
 
-def _put_rope(cfg: dict, rope: dict) -> None:
+def put_rope(cfg: dict, rope: dict) -> None:
     """The RoPE an adapter learned with (base_config_overrides.json's rope_parameters) into config dict `cfg`, in the
-    form it has."""
+    form it has (also data/demo_compare.py's base). Gemma 3's, per layer type: its full-attention layers' (what
+    --rope-scaling replaces; a flat dict there, transformers reads as the full layers' default RoPE)."""
     if "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
-        cfg["rope_parameters"] = rope
+        per_type = isinstance((cfg["rope_parameters"] or {}).get("full_attention"), dict)
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], "full_attention": rope} if per_type else rope
         cfg.pop("rope_scaling", None)
         cfg.pop("rope_theta", None)
     else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)

@@ -13,6 +13,8 @@ own RoPE tables, query_pre_attn_scalar != head_dim, norm weights off 0):
   q_proj/k_proj/v_proj), and gives our logits;
 - `python -m model.merge` writes a whole Gemma 3 checkpoint: transformers loads it with no missing or unexpected key,
   its logits = peft's merge_and_unload, the vision tower and projector bit-equal to the base's.
+  A --rope-scaling adapter's RoPE goes in as the full-attention layers' of the per-layer-type rope_parameters
+  (transformers and our reading agree), the sliding layers' kept.
 - `python -m data.demo_compare` rounds the language model's block weights to NF4 (a --quant nf4 run's base), only those.
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma3_wrapper.py
@@ -183,3 +185,26 @@ def test_demo_compare_rounds_the_language_models_blocks_to_nf4(bases):
     assert changed == blocks, sorted(changed ^ blocks)
     for n in blocks:
         assert torch.equal(model.get_parameter(n), nf4(before[n])), n
+
+
+def test_merge_into_gemma3_writes_the_adapters_rope_as_its_full_layers(bases, tmp_path):
+    """A --rope-scaling adapter's RoPE (base_config_overrides.json) merged into a Gemma 3 whose text_config holds
+    transformers 5's per-layer-type rope_parameters: transformers reads it as the full-attention layers' RoPE, the
+    sliding layers' kept, and so do we (review, helper 125: a flat dict was written there, which transformers reads
+    as the full layers' default RoPE: the scaling the adapter learned with was lost)."""
+    from model import merge
+    from model.export import export_adapter
+    from model.load import read_args
+
+    base = bases["untied"]
+    _, peft_model = _ours(base)
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+    export_adapter(peft_model, str(tmp_path / "a"), base, rope_parameters=rope, quant="none")
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", base, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    got = T.Gemma3Config.from_pretrained(out).text_config.rope_parameters
+    assert {k: got["full_attention"].get(k) for k in rope} == rope, got
+    assert got["sliding_attention"] == T.Gemma3Config.from_pretrained(base).text_config.rope_parameters[
+        "sliding_attention"], got
+    assert read_args(out).rope_parameters() == {**rope, "original_max_position_embeddings": 4096}, \
+        read_args(out).rope_parameters()
