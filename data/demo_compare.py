@@ -15,6 +15,9 @@ beside it), and the greedy answers of
 1. the transformers model of the base checkpoint (`AutoModelForCausalLM.from_pretrained`; a Mistral 3 or Gemma 3
    wrapper's, model/wrapper.py: `AutoModelForImageTextToText`, prompted with text only), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
+A run with --rope-scaling: both with the RoPE it trained with (OUT/adapter/base_config_overrides.json, in config.json
+as model.merge writes it: model/merged.put_rope; a wrapper's in its text_config), not config.json's: the base column
+is the model before fine-tuning as training saw it, the one the adapter was fit against (the header line says so).
 Nothing here runs the trainer's decoder: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
 round trip (training's own, `model.nf4.nf4_round_trip`), i.e. exactly the base the adapter was trained against. A
@@ -113,6 +116,17 @@ def generate(model, tok, prompt: list[dict] | str, max_new_tokens: int, stop: li
     return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def trained_rope(run_dir: str) -> dict | None:
+    """The RoPE a --rope-scaling run trained with (its adapter's base_config_overrides.json), or None: config.json's."""
+    from model.export import OVERRIDES
+
+    path = os.path.join(run_dir, "adapter", OVERRIDES)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return dict(json.load(f)["rope_parameters"])
+
+
 def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     """[{prompt, expected, base, tuned}] for the first `n` held-out conversations or prompt records of the run."""
     import torch
@@ -165,10 +179,16 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
         tok.chat_template = cfg["chat_template_text"]
         stop += end_of_turn(tok)[1]
     torch.manual_seed(0)
-    wrapped = AutoConfig.from_pretrained(cfg["model"], local_files_only=True).model_type in WRAPPERS   # (a multimodal
-    # wrapper, model/wrapper.py: its generation class, which AutoModelForCausalLM lacks for Mistral 3; text prompts)
+    config = AutoConfig.from_pretrained(cfg["model"], local_files_only=True)
+    wrapped = config.model_type in WRAPPERS   # (a multimodal wrapper, model/wrapper.py: its generation class, which
+    # AutoModelForCausalLM lacks for Mistral 3; text prompts)
+    if rope := trained_rope(run_dir):   # --rope-scaling: config.json with training's RoPE, as a merge writes it
+        from model.merged import put_rope
+        raw = type(config).get_config_dict(cfg["model"], local_files_only=True)[0]   # (config.json's dict)
+        put_rope(raw["text_config"] if wrapped else raw, rope)
+        config = type(config).from_dict({**raw, "model_type": config.model_type})   # (AutoConfig's class and type)
     auto = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
-    model = auto.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True)
+    model = auto.from_pretrained(cfg["model"], config=config, dtype=torch.float32, local_files_only=True)
     if cfg.get("quant", "nf4") == "nf4":
         nf4_round_trip(model)
     as_trained(model, cfg.get("quant", "nf4"))   # (after: its Linear layers are no float checkpoint's to round)
@@ -210,8 +230,10 @@ def main(argv=None) -> int:
     except ValueError as e:   # (DataError too): what is wrong and the way out, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rope = trained_rope(args.run_dir)
     print(f"before/after on {len(rows)} held-out prompts (greedy; transformers, then peft with "
-          f"{os.path.join(args.run_dir, 'adapter')}):")
+          f"{os.path.join(args.run_dir, 'adapter')}" + (
+              f"; both with the RoPE the run trained with, {rope}, not config.json's" if rope else "") + "):")
     for r in rows:
         ok = r["tuned"] == r["expected"]
         shown = r["prompt"][-200:] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]

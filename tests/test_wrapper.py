@@ -12,6 +12,7 @@ Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vis
 - a train.py run on the wrapper has the per-step losses of the same run on its language model saved alone by
   transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model;
   `python -m data.demo_compare` on a --quant nf4 run of each gives the same base and peft logits and answers;
+  on a --rope-scaling run of each, its base and peft logits are transformers' with the adapter's RoPE overrides;
 - a bitsandbytes 4-bit wrapper (quantized and saved by transformers + bitsandbytes): every language-model weight
   read is bitsandbytes' dequantization of transformers' loaded Linear4bit, bit for bit;
 - refusals naming the fix: another multimodal model_type (paligemma, llava, qwen2_vl), a classifier (architectures not
@@ -176,6 +177,57 @@ def test_demo_compare_on_wrapper_run_equals_text_only_run(assets, tmp_path, monk
     assert len(seen[0]) == len(seen[1]) == 4, "a base and a tuned forward per prompt"
     for got, want in zip(*seen):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_demo_compare_runs_the_rope_a_run_trained_with(assets, tmp_path, monkeypatch, capsys):
+    """`python -m data.demo_compare` on a `--rope-scaling linear:4` run, on the text-only model and on its Mistral 3
+    wrapper: the base's and the tuned model's logits on each prompt are transformers' text-only model loaded with the
+    adapter's base_config_overrides.json (`from_pretrained(DIR, rope_parameters=...)`), without and with peft's
+    adapter, which differ from config.json's RoPE's; the header line says which RoPE ran (review, helper 125: the
+    overrides were never read: both columns ran config.json's RoPE, so the "tuned" answers were not the trained
+    model's)."""
+    from peft import PeftModel
+
+    import data.demo_compare as dc
+    import train
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import one_thread, train_argv
+
+    tok = make_tokenizer(tmp_path / "wrapper")
+    wrapper = _wrapper(tmp_path / "wrapper", len(tok), False)
+    text = _text_only(wrapper, tmp_path / "text")
+    make_tokenizer(tmp_path / "text")
+    seen, plain = [], dc.generate
+
+    def spy(model, tok, prompt, *a):   # (a: max_new_tokens, stop, day, tools)
+        with torch.no_grad():
+            ids = dc.encode(tok, prompt, a[2], a[3])["input_ids"]
+            seen[-1].append((ids, model(input_ids=ids).logits))
+        return plain(model, tok, prompt, *a)
+
+    monkeypatch.setattr(dc, "generate", spy)
+    for name, path in (("text", text), ("wrapper", wrapper)):
+        out = str(tmp_path / f"run_{name}")
+        with one_thread():
+            train.main(train_argv({**assets, "model": path}, out, "--rope-scaling", "linear:4", "--eval-split", "0.1"))
+        seen.append([])
+        assert dc.main([out, "--n", "2", "--max-new-tokens", "2"]) == 0
+        assert "both with the RoPE the run trained with, {'rope_theta'" in capsys.readouterr().out
+    with open(tmp_path / "run_text" / "adapter" / "base_config_overrides.json") as f:
+        over = json.load(f)
+    assert over["rope_parameters"]["rope_type"] == "linear", over
+    ref = T.AutoModelForCausalLM.from_pretrained(text, **over).eval()
+    plain_rope = T.AutoModelForCausalLM.from_pretrained(text).eval()
+    with torch.no_grad():
+        base = [ref(input_ids=ids).logits for ids, _ in seen[0][:2]]
+        unscaled = [plain_rope(input_ids=ids).logits for ids, _ in seen[0][:2]]
+        tuned = PeftModel.from_pretrained(ref, str(tmp_path / "run_text" / "adapter")).eval()
+        want = base + [tuned(input_ids=ids).logits for ids, _ in seen[0][2:]]
+    assert all((u - b).abs().max() > 1e-3 for u, b in zip(unscaled, base)), "the RoPE makes no visible difference"
+    for name, got in zip(("text", "wrapper"), seen):
+        assert len(got) == 4, f"{name}: a base and a tuned forward per prompt"
+        for i, ((_, g), w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, at=f"{name} forward {i}": f"{at}: {m}")
 
 
 def _cfg(**kw):
