@@ -289,6 +289,11 @@ class ModelArgs:
                 "up_proj": (d, f), "down_proj": (f, d)}
 
     @property
+    def named(self) -> str:
+        """model_type as --plan and the start-up log say it: a wrapper's language model names the checkpoint too."""
+        return self.model_type + (f" (the language model of a {self.wrapper} checkpoint)" if self.wrapper else "")
+
+    @property
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
         attn = d * h * hd * 2 + d * kv * hd * 2

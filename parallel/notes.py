@@ -147,7 +147,7 @@ def model_line(model, margs, args, ckpt: str | None, dtype, built_s: float) -> s
     trained = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
     more = {k: sum(c for n, c in trained if of(n)) for k, of in (("norms", is_norm_weight),
                                                                  ("embedding", is_embed_weight))}
-    return (f"model: {margs.model_type} {margs.n_params / 1e6:.1f}M params, LoRA "   # (exact counts, as peft's
+    return (f"model: {margs.named} {margs.n_params / 1e6:.1f}M params, LoRA "   # (exact counts, as peft's
             f"{sum(c for _, c in trained) - sum(more.values()):,} trainable"   # print_trainable_parameters)
             + "".join(f" + {k} {v:,}" for k, v in more.items() if v)
             + f"{' from ' + args.init_adapter if args.init_adapter and not ckpt else ''}, "

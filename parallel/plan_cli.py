@@ -189,7 +189,7 @@ def main(argv, run_parser, demo: dict):
           + (f" (first {args.ac_blocks} of {margs.n_layers} blocks)" if args.ac_blocks is not None else "")
           + (" (attention outputs kept)" if args.ac_keep_attn else "")) if args.ac else "off"
     n, (u, un) = margs.n_params, ((GB, "GB") if p.total >= 10 * GB else (1e6, "MB"))
-    print(f"plan: {margs.model_type} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
+    print(f"plan: {margs.named} {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} params, {dims}\n"
           f"      --max-len {args.max_len} --micro-batch {args.micro_batch or 'auto'}, quant {args.quant}, {e}, "
           f"AC {ac}, tiled MLP {_on(args.tiled_mlp)}, tiled attention {_on(args.tiled_attn)}, offload "
           f"{_on(args.offload_activations)}, LoRA r {args.lora_r}{' DoRA' * getattr(args, 'dora', False)}"

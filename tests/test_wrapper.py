@@ -10,7 +10,8 @@ Pins (a tiny random Mistral 3 made and saved by transformers itself: Pixtral vis
   stored (tied), and the outer key false under a text_config true; the tensors indexed are the text-only
   MistralForCausalLM's names, no vision tower's or projector's;
 - a train.py run on the wrapper has the per-step losses of the same run on its language model saved alone by
-  transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model;
+  transformers' MistralForCausalLM (the same weights), and `--plan` plans it as that text-only model; both say
+  "mistral (the language model of a mistral3 checkpoint)" where the text-only model's say "mistral";
   `python -m data.demo_compare` on a --quant nf4 run of each gives the same base and peft logits and answers;
   on a --rope-scaling run of each, its base and peft logits are transformers' with the adapter's RoPE overrides;
 - a bitsandbytes 4-bit wrapper (quantized and saved by transformers + bitsandbytes): every language-model weight
@@ -119,7 +120,10 @@ def _text_only(wrapper_path, dst):
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_train_run_on_wrapper_equals_text_only_model_and_plans_alike(assets, tmp_path, tie):
+def test_train_run_on_wrapper_equals_text_only_model_and_plans_alike(assets, tmp_path, tie, capsys):
+    """A run on the wrapper has the text-only model's losses and plan; its `model:` start-up line and `--plan`'s first
+    line name the wrapper beside its language model's type (review, helper 125: they said "mistral", as the text-only
+    model's do)."""
     import train
     from tests.fixtures import make_tokenizer
     from tests.helpers import one_thread, train_argv
@@ -128,19 +132,21 @@ def test_train_run_on_wrapper_equals_text_only_model_and_plans_alike(assets, tmp
     wrapper = _wrapper(tmp_path / "wrapper", len(tok), tie)
     text = _text_only(wrapper, tmp_path / "text")
     make_tokenizer(tmp_path / "text")
-    losses = {}
+    losses, said = {}, {"wrapper": "mistral (the language model of a mistral3 checkpoint) ", "text": "mistral 0."}
     for name, path in (("wrapper", wrapper), ("text", text)):
         out = str(tmp_path / f"run_{name}")
         with one_thread():
             train.main(train_argv({**assets, "model": path}, out))
+        assert f"\nmodel: {said[name]}" in capsys.readouterr().out, name
         with open(os.path.join(out, "metrics.jsonl")) as f:
             losses[name] = [m["loss"] for m in map(json.loads, f) if "loss" in m]
     assert len(losses["text"]) == 3 and losses["wrapper"] == losses["text"], losses
     plans = {}
     for name, path in (("wrapper", wrapper), ("text", text)):
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(printed := io.StringIO()):
             plans[name] = train.main(["--plan", "--model", path, "--data", assets["data"], "--max-len", "64",
                                       "--global-batch", "8", "--quant", "none", "--dtype", "fp32"])
+        assert f"plan: {said[name]}" in printed.getvalue(), (name, printed.getvalue())
     assert plans["wrapper"] == plans["text"], plans
 
 
