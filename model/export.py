@@ -174,12 +174,15 @@ def model_card(cfg, hub: str | None, rope: bool, template: bool, wrapper: str | 
     writes such a card with its own save_pretrained; until 2026-12-06 ours wrote none). Only what the adapter's own
     files say: the same card from a run's end and from `python -m parallel.checkpoint`. A multimodal `wrapper`'s
     base loads in its generation class (AutoModelForImageTextToText), which AutoPeftModelForCausalLM's
-    AutoModelForCausalLM lacks for Mistral 3."""
+    AutoModelForCausalLM lacks for Mistral 3; its pipeline_tag is the pipeline that loads that class,
+    image-text-to-text (the base's own on the Hub), which takes text-only prompts too: text-generation's
+    AutoModelForCausalLM cannot load a Mistral 3, and the vision tower is still there, untouched by the adapter."""
     base = hub.split("@")[0] if hub else os.path.basename(cfg.base_model_name_or_path.rstrip("/"))
     targets = ", ".join(sorted(cfg.target_modules)) if not isinstance(cfg.target_modules, str) else cfg.target_modules
     kind = "DoRA" if getattr(cfg, "use_dora", False) else "LoRA"
     lines = ["---", *([f"base_model: {json.dumps(base)}"] if hub else []), "library_name: peft",
-             "pipeline_tag: text-generation", "tags:", "- lora", "- peft", "---", "",
+             f"pipeline_tag: {'image-text-to-text' if wrapper else 'text-generation'}", "tags:", "- lora", "- peft",
+             "---", "",
              f"# {kind} adapter of {base}", "",
              f"{kind} r {cfg.r}, alpha {cfg.lora_alpha:g}{', rsLoRA' if cfg.use_rslora else ''} on {targets}"
              + (f"; also trained in full: {', '.join(cfg.modules_to_save)}" if cfg.modules_to_save else "") + ".",

@@ -793,6 +793,7 @@ def test_the_adapter_card_names_its_base_as_the_hub_reads_it(tmp_path):
                   rope_parameters={"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}, chat_template="{{ x }}")
     card = ModelCard.load(tmp_path / "a" / "README.md")
     assert card.data.base_model == "org/tiny" and card.data.library_name == "peft", card.data
+    assert card.data.pipeline_tag == "text-generation", card.data   # (a wrapper base's: test_wrapper_write)
     assert f"org/tiny at commit {'c' * 40}" in card.text and "LoRA r 2, alpha 4" in card.text, card.text
     assert "base_config_overrides.json" in card.text and "chat_template.jinja" in card.text, card.text
     write_adapter(sd, lora_config(2, 4.0, 0.0), str(tmp_path / "b"), str(tmp_path), tied=False)

@@ -8,7 +8,8 @@ B non-zero, trained norms and embedding moved off the base's):
   loads it with no missing or unexpected key, its keys are what peft saves on the wrapper, no LoRA module lands in
   the vision tower or projector, and its text logits equal ours: plain LoRA, DoRA, --train-norms with --lora-layers,
   --train-embeddings tied and untied; `python -m parallel.checkpoint`'s export writes the same adapter; the card's
-  (README.md's) load lines, run as written, give peft's model on the wrapper;
+  (README.md's) load lines, run as written, give peft's model on the wrapper, and its pipeline_tag is the
+  transformers pipeline whose model class they load it with (image-text-to-text);
 - --init-adapter: ours and one peft made on the wrapper itself (a language-model-only regex, random B) rebuild
   peft's logits in our model; a text-only model's adapter starts a wrapper run and the reverse (the same language
   model: mapped); one adapting the vision tower is refused naming it; peft's with exclude_modules in the wrapper's
@@ -124,7 +125,12 @@ def test_exported_adapter_loads_in_peft_on_the_wrapper_with_our_logits(bases, ca
 def test_adapter_cards_load_lines_give_peft_model_on_the_wrapper(bases, tmp_path):
     """README.md's lines that load the adapter, run as written (the folder for THIS_FOLDER_OR_REPO), give peft's
     model on the wrapper, its logits (review, helper 124: they were AutoPeftModelForCausalLM's, whose
-    AutoModelForCausalLM has no Mistral 3: a ValueError)."""
+    AutoModelForCausalLM has no Mistral 3: a ValueError); its pipeline_tag, as huggingface_hub reads it, is the
+    transformers pipeline whose model class the lines load the base with, which maps the base's config (review,
+    helper 125: it was text-generation, whose AutoModelForCausalLM cannot load a Mistral 3)."""
+    from huggingface_hub import ModelCard
+    from transformers.pipelines import SUPPORTED_TASKS
+
     from model.export import export_adapter
 
     base, out = bases["untied"], str(tmp_path / "a")
@@ -136,6 +142,9 @@ def test_adapter_cards_load_lines_give_peft_model_on_the_wrapper(bases, tmp_path
     exec(code.replace("THIS_FOLDER_OR_REPO", out), scope)
     with torch.no_grad():
         torch.testing.assert_close(scope["model"].eval()(input_ids=_ids()).logits, model(_ids()), rtol=1e-5, atol=1e-5)
+    tag = ModelCard.load(os.path.join(out, "README.md")).data.pipeline_tag
+    auto = SUPPORTED_TASKS[tag]["pt"][0]
+    assert auto.__name__ in code and type(scope["base"].config) in auto._model_mapping, (tag, auto)
 
 
 def test_checkpoint_export_of_a_wrapper_run_is_the_runs_adapter(assets, tmp_path):
