@@ -283,7 +283,7 @@ def main(argv=None):
         wd.phase("export", steps)
         checkpoint.check_finite(model, "the adapter")
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
-                       rope_parameters=margs.rope_parameters() if args.rope_scaling is not None else None,
+                       rope_parameters=margs.rope_overrides() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
         def finish():   # rank 0's last writes, then OUT's lock let go before any rank returns (a next run in this job)
             if args.keep_best and best.step:

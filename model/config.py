@@ -253,6 +253,14 @@ class ModelArgs:
         """The RoPE in transformers 5's config form: rope_theta and the scaling (rope_type "default": none)."""
         return {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
 
+    def rope_overrides(self) -> dict:
+        """The RoPE as base_config_overrides.json records it, what `from_pretrained(DIR, rope_parameters=...)` takes:
+        `rope_parameters()`, per layer type where the sliding layers have their own (Gemma 3, OLMo 3: transformers 5
+        reads a flat dict there as the full layers' default RoPE, dropping the scaling)."""
+        if self.local_rope is None:
+            return self.rope_parameters()
+        return {"full_attention": self.rope_parameters(), "sliding_attention": self.local_args().rope_parameters()}
+
     @property
     def context(self) -> int:
         """The positions the model is made for: factor × the original length when scaled, else the config's."""

@@ -5,10 +5,10 @@ Contract:
   tensor is gathered from its FSDP2 shards); rank 0 writes `adapter_model.safetensors` and `adapter_config.json`,
   which `peft.PeftModel.from_pretrained` loads on the transformers model of the same checkpoint. A run with
   `--rope-scaling` also writes `base_config_overrides.json`: {"rope_parameters": ...} (transformers 5's form,
-  rope_theta included: `ModelArgs.rope_parameters()`), what the base must be loaded with
-  (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `model.merged.merge` writes that RoPE into the
-  merged config.json in the base config's own form. `trained_on.json` records `quant`, the base it was trained
-  against (what `model.merge` folds it into); README.md a model card (`model_card`: the base's id as the Hub's
+  rope_theta included: `ModelArgs.rope_overrides()`, per layer type for Gemma 3 and OLMo 3), what the base must be
+  loaded with (`from_pretrained(DIR, rope_parameters=...)`) to run as it was trained; `model.merged.merge` writes that
+  RoPE into the merged config.json in the base config's own form. `trained_on.json` records `quant`, the base it was
+  trained against (what `model.merge` folds it into); README.md a model card (`model_card`: the base's id as the Hub's
   `base_model`). The folder is written beside it (`.tmp-export`) and swapped in whole
   (`write_adapter`), so a kill mid-export leaves the adapter that was there.
 - Folding an adapter into its base (`python -m model.merge`): model/merged.py.

@@ -260,9 +260,15 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
 
 def put_rope(cfg: dict, rope: dict) -> None:
     """The RoPE an adapter learned with (base_config_overrides.json's rope_parameters) into config dict `cfg`, in the
-    form it has (also data/demo_compare.py's base). Gemma 3's, per layer type: its full-attention layers' (what
-    --rope-scaling replaces; a flat dict there, transformers reads as the full layers' default RoPE)."""
-    if "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
+    form it has (also data/demo_compare.py's base). One per layer type (ModelArgs.rope_overrides: Gemma 3's, OLMo 3's)
+    is the config's RoPE whole; a flat one into a config per layer type (an adapter from before 2026-12-07): its
+    full-attention layers' (what --rope-scaling replaces; a flat dict there transformers reads as the full layers'
+    default RoPE)."""
+    if isinstance(rope.get("full_attention"), dict):   # per layer type (ModelArgs.rope_overrides: Gemma 3, OLMo 3):
+        cfg["rope_parameters"] = rope   # in transformers 5's form, which the classic keys would override
+        for key in ("rope_scaling", "rope_theta", "rope_local_base_freq"):
+            cfg.pop(key, None)
+    elif "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
         per_type = isinstance((cfg["rope_parameters"] or {}).get("full_attention"), dict)
         cfg["rope_parameters"] = {**cfg["rope_parameters"], "full_attention": rope} if per_type else rope
         cfg.pop("rope_scaling", None)

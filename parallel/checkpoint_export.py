@@ -100,7 +100,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
                                                args["lora_targets"].split(","), args.get("rslora", False),
                                                args.get("dora", False), lora_layers(args.get("lora_layers"))),
                   out_dir, args["model"],
-                  read_args(args["model"], rope).rope_parameters() if rope is not None else None,
+                  read_args(args["model"], rope).rope_overrides() if rope is not None else None,
                   args.get("chat_template_text"), args.get("quant", "nf4"),   # (runs that record none: the default)
                   args.get("model_sha256"), tied=meta.get("tie_embeddings", False), wrapper=wrapper)   # (a checkpoint
     # from before the key trained no tied embedding: refused then; the base's config.json is not read, it may be gone)

@@ -77,7 +77,7 @@ def start(args, margs, dims, ckpt: str | None, log, default_loss: bool = True) -
                margs.beyond_context(args.max_len),   # allowed (that is how a context is extended), but said
                dpo and Preference.from_args(args).note(args.lora_dropout),
                init_adapter_note(args.init_adapter if not ckpt else None, args.chat_template_text, args.model_sha256,
-                                 args.quant, margs.rope_parameters() if args.rope_scaling is not None else None),
+                                 args.quant, margs.rope_overrides() if args.rope_scaling is not None else None),
                resumed_with_init])
 
 

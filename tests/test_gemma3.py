@@ -313,3 +313,19 @@ def test_planned_activations_match_autograd(ckpt, flags):
     planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
                                                                     "| or: final norm in")))
     assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})
+
+
+def test_rope_scaling_overrides_load_in_transformers_as_trained(ckpt):
+    """A --rope-scaling run's base_config_overrides.json (ModelArgs.rope_overrides) is per layer type for Gemma 3:
+    transformers' `from_pretrained(DIR, rope_parameters=...)` with it computes our scaled model's logits (a flat dict
+    there reads as the full layers' default RoPE, dropping the scaling)."""
+    from model.load import read_args
+
+    over = read_args(ckpt, "yarn:4").rope_overrides()
+    assert set(over) == {"full_attention", "sliding_attention"}, over
+    hf = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, rope_parameters=over).eval()
+    ours = model.from_pretrained(ckpt, rope_scaling="yarn:4").eval()
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        assert rel(ours(ids), _hf(ckpt)(input_ids=ids).logits) > 1e-3, "the scaling changes nothing here"

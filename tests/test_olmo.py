@@ -346,3 +346,18 @@ def test_checkpoint_export_takes_the_whole_width_q_k_norms(ckpts):
     assert _misfit(trained, m) is None
     bad = dict(trained, **{"model.layers.1.self_attn.k_norm.weight": torch.zeros(8)})
     assert "k_norm.weight is [8], the model's is [16]" in _misfit(bad, m)
+
+
+def test_rope_scaling_overrides_load_in_transformers_as_trained(ckpts):
+    """OLMo 3 has a RoPE per layer type: a --rope-scaling run's base_config_overrides.json (ModelArgs.rope_overrides)
+    names both, and transformers' `from_pretrained(DIR, rope_parameters=...)` with it computes our scaled logits."""
+    from model.load import read_args
+
+    over = read_args(ckpts["olmo3"], "yarn:4").rope_overrides()
+    assert set(over) == {"full_attention", "sliding_attention"}, over
+    hf = T.AutoModelForCausalLM.from_pretrained(ckpts["olmo3"], dtype=torch.float32, rope_parameters=over).eval()
+    ours = model.from_pretrained(ckpts["olmo3"], rope_scaling="yarn:4").eval()
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        assert rel(ours(ids), _hf(ckpts["olmo3"])(input_ids=ids).logits) > 1e-3, "the scaling changes nothing here"
