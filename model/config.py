@@ -5,7 +5,8 @@ Contract:
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
-  Gemma 3 text and OLMo 2/3 (`gemma3_text`, `olmo2`, `olmo3`: model/gemma.py).
+  Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
+  `smollm3`, `granite`: model/gemma.py).
   A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
   and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
   naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
@@ -32,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from model.gemma import gemma_fields, olmo_fields
+from model.gemma import gemma_fields, granite_fields, olmo_fields, smollm3_fields
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
@@ -54,6 +55,8 @@ SUPPORTED = {
     "gemma3_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + gemma.py
     "olmo2": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
     "olmo3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
+    "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
+    "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
@@ -99,6 +102,13 @@ class ModelArgs:
     # front of them; q_norm / k_norm over the whole projection (H·Hd, K·Hd), not per head
     post_norms: bool = False
     qk_norm_whole: bool = False
+    # SmolLM3 (gemma.py): per layer 1 (RoPE) or 0 (NoPE: q, k unrotated), None: RoPE on all. Granite's: embedding output
+    # × embed_multiplier, sublayer outputs × residual_multiplier, attention scale attention_multiplier, logits / scaling
+    rope_layers: list | None = None
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -142,7 +152,8 @@ class ModelArgs:
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
-                "(olmo3), and the language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
+                "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), and the "
+                "language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -169,7 +180,8 @@ class ModelArgs:
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
         gemma = gemma_fields(cfg, max_pos) if mt == "gemma3_text" else olmo_fields(cfg, max_pos) if mt in (
-            "olmo2", "olmo3") else {}   # (and OLMo's fields: gemma.py)
+            "olmo2", "olmo3") else smollm3_fields(cfg, max_pos) if mt == "smollm3" else granite_fields(cfg) if (
+            mt == "granite") else {}   # (and OLMo's, SmolLM3's, Granite's fields: gemma.py)
         theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
             gemma["rope_theta"], gemma["rope_scaling"], None, None) if "rope_theta" in gemma else (
             *read_rope(cfg, max_pos), None, None)
@@ -178,7 +190,7 @@ class ModelArgs:
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
         # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
         window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
-        if mt == "llama":
+        if mt in ("llama", "granite"):   # (neither class has a window)
             window = None
         if mt == "ministral3":   # its class's default is no window; a window applies on every layer
             window = cfg.get("sliding_window")
@@ -202,7 +214,7 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt == "gemma3_text")),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "smollm3"))),
             qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
             o_bias=attn_bias and flags["qkv_bias"] is None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and flags["mlp_bias"],
@@ -246,8 +258,13 @@ class ModelArgs:
 
     @property
     def attn_scale(self) -> float:
-        """The attention's softmax scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """The attention's softmax scale: Granite's attention_multiplier, query_pre_attn_scalar ** -0.5 (Gemma), else
+        head_dim ** -0.5."""
+        return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rotates(self, layer: int) -> bool:
+        """Whether decoder layer `layer` applies RoPE to q and k (not SmolLM3's NoPE layers)."""
+        return self.rope_layers is None or bool(self.rope_layers[layer])
 
     def rope_parameters(self) -> dict:
         """The RoPE in transformers 5's config form: rope_theta and the scaling (rope_type "default": none)."""

@@ -1,13 +1,21 @@
-"""Gemma 3's and OLMo 2/3's differences from the Llama decoder (`model_type: gemma3_text`, transformers'
-Gemma3ForCausalLM; `olmo2` / `olmo3`, Olmo2ForCausalLM / Olmo3ForCausalLM), chosen by ModelArgs flags that
-model/llama.py reads: no subclass of its model, the Llama path's code unchanged.
+"""Gemma 3's, OLMo 2/3's, SmolLM3's and Granite's differences from the Llama decoder (`model_type: gemma3_text`,
+transformers' Gemma3ForCausalLM; `olmo2` / `olmo3`, Olmo2ForCausalLM / Olmo3ForCausalLM; `smollm3`, SmolLM3ForCausalLM;
+`granite`, GraniteForCausalLM), chosen by ModelArgs flags that model/llama.py reads: no subclass of its model, the
+Llama path's code unchanged.
 
 Contract:
 - `gemma_fields(cfg, max_pos)`: the ModelArgs fields of a gemma3_text config.json as transformers (5.x) reads it
   (RoPE per layer type, layer types from sliding_window_pattern, query_pre_attn_scalar); Gemma 2's soft-capping and
   bidirectional attention are refused naming the key. `olmo_fields(cfg, max_pos)` an olmo2 / olmo3 one's (OLMo 3:
   RoPE per layer type, YaRN in rope_scaling on the full layers; layer types every fourth full without layer_types).
-  `typed_rope`: the per-layer-type RoPE of both.
+  `typed_rope`: the per-layer-type RoPE of both. `smollm3_fields(cfg, max_pos)`: SmolLM3's NoPE layers (`rope_layers`,
+  from no_rope_layers or every no_rope_layer_interval-th layer without RoPE) and its sliding window (use_sliding_window:
+  on the layers layer_types marks, by default the NoPE ones), its RoPE theta 2e6 without one; `granite_fields(cfg)`:
+  Granite's four multipliers (`embed_multiplier`, `residual_multiplier`, `attention_multiplier`, `logits_scaling`).
+- `scaled_embedding(x, args)`: the embedding output scaled, Gemma's (`scale_embedding` below) or Granite's (x · m, a
+  Python float as transformers multiplies: computed in float32, rounded once to x's dtype).
+- `add_residual(x, y, m)`: x + y · m (Granite's residual_multiplier; y · m rounded to y's dtype, then the add, as
+  transformers), into y itself where it says nothing else reads it (model.qlora's `_sum_in_place`: o_proj's output).
 - `GemmaRMSNorm` (`norm_offset`): x / rms(x) · (offset + weight), the weight applied in float32 BEFORE the cast back
   (Llama casts, then multiplies): transformers' Gemma3RMSNorm (offset 1: the weight an offset from 1) and
   Olmo2RMSNorm / Olmo3RMSNorm (offset 0). Every norm of the model, q_norm/k_norm too.
@@ -79,6 +87,44 @@ def olmo_fields(cfg: dict, max_pos: int) -> dict:
                                        for i in range(cfg["num_hidden_layers"])]
     return dict(olmo, **typed_rope(cfg, max_pos, cfg.get("rope_theta", 5e5), 5e5), layer_types=types,
                 sliding_window=cfg.get("sliding_window", 4096))
+
+
+def smollm3_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a smollm3 config.json (module docstring), as SmolLM3Config.__post_init__ fills them."""
+    n = cfg["num_hidden_layers"]
+    rope = cfg.get("no_rope_layers")
+    if rope is None:   # every interval-th layer (the 4th, 8th... by default) has no RoPE
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json: no_rope_layer_interval {interval!r} must be a positive whole number")
+        rope = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(rope, list) or len(rope) < n or any(v not in (0, 1) for v in rope[:n]):
+        raise ValueError(f"config.json: no_rope_layers {rope!r} must hold 1 (RoPE) or 0 (no RoPE) for each of the {n} "
+                         "layers")
+    rope = [int(v) for v in rope[:n]]   # (transformers reads the first n)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and not r else "full_attention"
+                                       for r in rope]
+    if "sliding_attention" in types and window is None:   # (transformers' sdpa mask would slide, its flash path not)
+        raise ValueError(f"config.json: layer_types names sliding layers but use_sliding_window is "
+                         f"{cfg.get('use_sliding_window', False)} and sliding_window {cfg.get('sliding_window')}: set "
+                         "both (use_sliding_window true and the window), or mark those layers full_attention")
+    theta, scaling = read_rope({"rope_theta": 2e6, **cfg}, max_pos)   # (SmolLM3Config.default_theta)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_layers=rope, sliding_window=window,
+                layer_types=types if window is not None else None)
+
+
+def granite_fields(cfg: dict) -> dict:
+    """ModelArgs fields of a granite config.json: its multipliers (GraniteConfig's defaults 1.0), positive numbers."""
+    keys = dict(embedding_multiplier="embed_multiplier", residual_multiplier="residual_multiplier",
+                attention_multiplier="attention_multiplier", logits_scaling="logits_scaling")
+    out = {}
+    for key, field in keys.items():
+        v = cfg.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"config.json: {key} {v!r} must be a positive number (Granite's; 1.0 without it)")
+        out[field] = float(v)
+    return out
 
 
 def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dict:
@@ -170,6 +216,21 @@ class GeGLU(nn.Module):
 def scale_embedding(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x · sqrt(dim), the scale rounded to x's dtype first, as transformers (module docstring)."""
     return x * torch.tensor(math.sqrt(dim), dtype=x.dtype)
+
+
+def scaled_embedding(x: torch.Tensor, a) -> torch.Tensor:
+    """The embedding output x [B, S, D] scaled as the architecture does (module docstring), or x itself."""
+    if a.embed_scale:   # Gemma: × sqrt(D) rounded to the compute dtype
+        return scale_embedding(x, a.dim)
+    return x * a.embed_multiplier if a.embed_multiplier != 1 else x   # Granite: × m, a float (a new tensor, as Gemma's)
+
+
+def add_residual(x: torch.Tensor, y: torch.Tensor, m: float, into: bool = True) -> torch.Tensor:
+    """x + y · m (module docstring): into y where it says so (`_sum_in_place`: no third [T, D] beside it and x) and
+    `into` allows (the MLP's residual: a new tensor, as Llama's)."""
+    if into and getattr(y, "_sum_in_place", False):
+        return (y if m == 1 else y.mul_(m)).add_(x)
+    return x + (y if m == 1 else y * m)
 
 
 class SandwichBlock(nn.Module):

@@ -30,7 +30,7 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
-from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, normed, scale_embedding, split_heads
+from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, normed, scaled_embedding, split_heads
 from model.norms import cast_weight
 from model.rope import Rotary, cos_sin, tables
 
@@ -178,6 +178,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _norm(a, width(a.n_heads)), _norm(a, width(a.n_kv_heads))
         self.whole = a.qk_norm_whole
         self.rotary = Rotary()
+        self.rope = a.rotates(layer)   # False: SmolLM3's NoPE layers, q and k unrotated (the tables serve the others)
 
     def forward(self, x, cos, sin, core, meta):
         q, k, v = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
@@ -207,13 +208,12 @@ class Attention(nn.Module):
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
         q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, self.q_norm, self.whole)   # [B, S, H, Hd]
-        return self.rotary(q, None, *tables(cos, sin, self.head_dim, True))[0]
+        return self.rotary(q, None, *tables(cos, sin, self.head_dim, True))[0] if self.rope else q
 
     def keys_values(self, x, cos, sin):
         k = split_heads(self.k_proj(x), self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
         v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
-        k = self.rotary(k, None, *tables(cos, sin, self.head_dim, False))[0]
-        return k, v
+        return (self.rotary(k, None, *tables(cos, sin, self.head_dim, False))[0] if self.rope else k), v
 
 
 class MLP(nn.Module):
@@ -236,12 +236,13 @@ class Block(nn.Module):
         self.self_attn = Attention(a, layer)
         self.mlp = MLP(a)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
+        self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
 
     def forward(self, x, cos, sin, core, meta):
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         # into o_proj's output where it says so (model.qlora: read by nothing else): no third [T, D] beside it and x
-        x = a.add_(x) if getattr(a, "_sum_in_place", False) else x + a
-        return x + self.mlp(normed(self.post_attention_layernorm, self.mlp, x))
+        x = add_residual(x, a, self.residual)
+        return add_residual(x, self.mlp(normed(self.post_attention_layernorm, self.mlp, x)), self.residual, False)
 
 
 class Decoder(nn.Module):
@@ -293,8 +294,7 @@ class Transformer(nn.Module):
         x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
         if x[0].dtype != dt:
             x[0] = x[0].to(dt)
-        if self.args.embed_scale:   # Gemma: × sqrt(D) in the compute dtype, before NEFTune's noise (transformers'
-            x[0] = scale_embedding(x[0], self.args.dim)   # hook sits on the scaled embedding's output)
+        x[0] = scaled_embedding(x[0], self.args)   # Gemma's, Granite's: before NEFTune's noise, as transformers' hook
         if noise is not None:   # adds to the embedding output in place (--neftune-alpha's: parallel/neftune.py)
             noise(x[0])
         cos, sin = self.rope(position_ids, x[0].dtype)
@@ -302,8 +302,10 @@ class Transformer(nn.Module):
         # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the
         # token ids instead), not at the end of the forward, when every block's checkpoint is alive beside it
         h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta)
-        h = self.model.norm(h)
+        h, s = self.model.norm(h), self.args.logits_scaling   # (Granite: logits / s; else 1)
         if labels is None:
-            return F.linear(h, head)                                           # [B, S, V]
+            return F.linear(h, head) if s == 1 else F.linear(h, head) / s      # [B, S, V], transformers' order
+        if s != 1:   # the loss' logits: (h / s) @ W = (h @ W) / s, within rounding; in place (nothing saved the norm's
+            h = h.div_(s)   # output), per token, so the loss, DPO's per-token log-probs, accuracy and eval all see it
         return chunked_cross_entropy(h.reshape(B * S, -1), head, labels.reshape(-1),
                                      loss_fn=loss_fn, per_token=per_token, hits=hits, dft=dft)

@@ -81,7 +81,10 @@ Persistent all step:
    Gemma 3's two tables, full and sliding layers': 4eT·hd). The final norm's input and rsqrt
    (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first backward nodes, so they count in
    the loss phase (8) only. Gemma 3's norms on the sublayers' outputs keep their inputs and rsqrt: 2·(eTD + 4T) more
-   per block; its scaled embedding output is a new tensor, kept whole by the first checkpoint (no ids).
+   per block; its scaled embedding output is a new tensor, kept whole by the first checkpoint (no ids), as Granite's
+   (× embedding_multiplier; its other multipliers and logits / logits_scaling save nothing). SmolLM3's NoPE layers
+   hand the kernel q and k as projected (the same bytes; the tables are made once for the RoPE layers, and a RoPE
+   layer's q/k/v backward (9) is the largest; plan_speed leaves their RoPE pass out).
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
@@ -149,8 +152,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
-    lookup = lo == 0 and not emb and not neft and not m.embed_scale   # AC's first checkpoint keeps the ids, looked up
-    # again (ac._FromIds); not Gemma's scaled output (a new tensor after the lookup: kept whole)
+    lookup = lo == 0 and not emb and not neft and not m.embed_scale and m.embed_multiplier == 1   # AC's first
+    # checkpoint keeps the ids, looked up again (ac._FromIds); not Gemma's or Granite's scaled output (a new tensor
+    # after the lookup: kept whole)
     root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded

@@ -87,7 +87,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
-    oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
+    rotated, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
+    unrotated = rotated - rope * e * (H + K) * hd * T / r["ELEMENTWISE"]   # (SmolLM3's NoPE layers: no RoPE pass)
     nf4 = args.quant == "nf4"
     dora = getattr(args, "dora", False)
     shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
@@ -99,6 +100,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     lo = min((i for i in range(L) if chosen is None or i in chosen), default=L - 1)
     mm = att = ew = 0.0
     for layer in range(L):
+        oa = rotated if not hasattr(m, "rotates") or m.rotates(layer) else unrotated
         w = m.window(layer) if hasattr(m, "window") else None
         span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
         a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
