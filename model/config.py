@@ -6,7 +6,7 @@ Contract:
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
-  `smollm3`, `granite`: model/gemma.py).
+  `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py).
   A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
   and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
   naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from model.gemma import gemma_fields, granite_fields, olmo_fields, smollm3_fields
+from model.arch_fields import FIELDS
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
@@ -179,9 +179,7 @@ class ModelArgs:
                                  "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
-        gemma = gemma_fields(cfg, max_pos) if mt == "gemma3_text" else olmo_fields(cfg, max_pos) if mt in (
-            "olmo2", "olmo3") else smollm3_fields(cfg, max_pos) if mt == "smollm3" else granite_fields(cfg) if (
-            mt == "granite") else {}   # (and OLMo's, SmolLM3's, Granite's fields: gemma.py)
+        gemma = FIELDS[mt](cfg, max_pos) if mt in FIELDS else {}   # (Gemma's, OLMo's, SmolLM3's, Granite's fields)
         theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
             gemma["rope_theta"], gemma["rope_scaling"], None, None) if "rope_theta" in gemma else (
             *read_rope(cfg, max_pos), None, None)

@@ -1,5 +1,5 @@
 """SmolLM3 (`model_type: smollm3`, NoPE layers) and Granite 3 dense (`granite`, four multipliers) compute what
-transformers' SmolLM3ForCausalLM and GraniteForCausalLM do (model/gemma.py's smollm3_fields, granite_fields).
+transformers' SmolLM3ForCausalLM and GraniteForCausalLM do (model/arch_fields.py's smollm3_fields, granite_fields).
 
 Pins (CPU, float32 unless said, tiny random checkpoints saved by transformers, norm weights drawn away from 1; 6 query /
 2 KV heads of 8; Granite's multipliers far from 1: embedding 7, residual 0.3, attention 0.05, logits / 4):

@@ -1,0 +1,126 @@
+"""The config.json keys of the architectures whose differences model/gemma.py implements, read into ModelArgs fields
+as transformers (5.x) reads them.
+
+Contract: `FIELDS[model_type](cfg, max_pos)` -> the ModelArgs fields that differ from Llama's (`rope_theta` and
+`rope_scaling` among them where the model reads its RoPE its own way); a model_type not in FIELDS has none.
+- `gemma_fields`: gemma3_text (RoPE per layer type, layer types from sliding_window_pattern, query_pre_attn_scalar);
+  Gemma 2's soft-capping and bidirectional attention are refused naming the key.
+- `olmo_fields`: olmo2 / olmo3 (OLMo 3: RoPE per layer type, YaRN in rope_scaling on the full layers; layer types every
+  fourth full without layer_types).
+- `typed_rope`: the per-layer-type RoPE of both.
+- `smollm3_fields`: SmolLM3's NoPE layers (`rope_layers`, from no_rope_layers or every no_rope_layer_interval-th layer
+  without RoPE) and its sliding window (use_sliding_window: on the layers layer_types marks, by default the NoPE ones),
+  its RoPE theta 2e6 without one.
+- `granite_fields`: Granite's four multipliers (`embed_multiplier`, `residual_multiplier`, `attention_multiplier`,
+  `logits_scaling`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from model.rope import read_rope
+
+GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
+
+
+def gemma_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a gemma3_text config.json (module docstring), defaults as Gemma3TextConfig's."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported (Gemma 2's soft-capping; Gemma 3 sets "
+                             f"it null): this decoder's attention kernels and loss do not cap logits")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention true is not supported (an embedding model's "
+                         "attention): this decoder is causal; pass a causal Gemma 3 checkpoint")
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in GELU_TANH:
+        raise ValueError(f"config.json: hidden_activation {act!r} is not supported: Gemma's MLP here is "
+                         f"gelu_pytorch_tanh (gelu, tanh approximation)")
+    # transformers' Gemma3TextConfig.convert_rope_params_to_dict: a classic rope_scaling updates the full layers'
+    rope = typed_rope(cfg, max_pos, cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4))
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return dict(**rope, sliding_window=cfg.get("sliding_window", 4096), layer_types=types, norm_offset=1.0,
+                sandwich_norms=True, act="gelu_tanh", embed_scale=True,
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
+
+
+def olmo_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of an olmo2 / olmo3 config.json (module docstring), defaults as Olmo2Config's / Olmo3Config's
+    (olmo2: one RoPE, read by the caller)."""
+    olmo = dict(norm_offset=0.0, post_norms=True, qk_norm_whole=True)
+    if cfg["model_type"] == "olmo2":   # full attention on every layer
+        return dict(olmo, sliding_window=None, layer_types=None)
+    # Olmo3Config: the full layers' theta is config.json's rope_theta (500000 without), the sliding layers' 500000
+    # unless rope_parameters names it (transformers 5 pops rope_theta for the full layers first; 4.57 gave both it)
+    sliding = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta")
+    if sliding is None and cfg.get("rope_theta", 5e5) != 5e5:
+        raise ValueError(f"config.json: olmo3 rope_theta {cfg['rope_theta']} and no sliding_attention rope_theta: "
+                         "transformers 5 gives the sliding layers 500000, 4.57 gave them rope_theta; name it in "
+                         "rope_parameters.sliding_attention.rope_theta")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return dict(olmo, **typed_rope(cfg, max_pos, cfg.get("rope_theta", 5e5), 5e5), layer_types=types,
+                sliding_window=cfg.get("sliding_window", 4096))
+
+
+def smollm3_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a smollm3 config.json (module docstring), as SmolLM3Config.__post_init__ fills them."""
+    n = cfg["num_hidden_layers"]
+    rope = cfg.get("no_rope_layers")
+    if rope is None:   # every interval-th layer (the 4th, 8th... by default) has no RoPE
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json: no_rope_layer_interval {interval!r} must be a positive whole number")
+        rope = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(rope, list) or len(rope) < n or any(v not in (0, 1) for v in rope[:n]):
+        raise ValueError(f"config.json: no_rope_layers {rope!r} must hold 1 (RoPE) or 0 (no RoPE) for each of the {n} "
+                         "layers")
+    rope = [int(v) for v in rope[:n]]   # (transformers reads the first n)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and not r else "full_attention"
+                                       for r in rope]
+    if "sliding_attention" in types and window is None:   # (transformers' sdpa mask would slide, its flash path not)
+        raise ValueError(f"config.json: layer_types names sliding layers but use_sliding_window is "
+                         f"{cfg.get('use_sliding_window', False)} and sliding_window {cfg.get('sliding_window')}: set "
+                         "both (use_sliding_window true and the window), or mark those layers full_attention")
+    theta, scaling = read_rope({"rope_theta": 2e6, **cfg}, max_pos)   # (SmolLM3Config.default_theta)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_layers=rope, sliding_window=window,
+                layer_types=types if window is not None else None)
+
+
+def granite_fields(cfg: dict) -> dict:
+    """ModelArgs fields of a granite config.json: its multipliers (GraniteConfig's defaults 1.0), positive numbers."""
+    keys = dict(embedding_multiplier="embed_multiplier", residual_multiplier="residual_multiplier",
+                attention_multiplier="attention_multiplier", logits_scaling="logits_scaling")
+    out = {}
+    for key, field in keys.items():
+        v = cfg.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"config.json: {key} {v!r} must be a positive number (Granite's; 1.0 without it)")
+        out[field] = float(v)
+    return out
+
+
+def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dict:
+    """rope_theta, rope_scaling and local_rope of a config.json with RoPE per layer type (rope_parameters
+    {"full_attention": {...}, "sliding_attention": {...}}, or the classic top-level keys) as transformers 5's
+    Gemma3TextConfig and Olmo3Config read it: a classic rope_scaling updates the full layers', a type's missing theta
+    is `theta` (full) or `local_theta` (sliding)."""
+    params = cfg.get("rope_parameters") or {}
+    if params and not all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.json: {cfg['model_type']} rope_parameters {params} must be per layer type "
+                         "({'full_attention': {...}, 'sliding_attention': {...}}), as transformers writes them")
+    full = dict(params.get("full_attention") or {"rope_type": "default"}, **(cfg.get("rope_scaling") or {}))
+    full.setdefault("rope_theta", theta)
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", local_theta)
+    orig = {k: cfg[k] for k in ("original_max_position_embeddings",) if k in cfg}
+    (theta, scaling), (ltheta, lscaling) = (read_rope({"rope_parameters": d, **orig}, max_pos) for d in (full, local))
+    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
+
+
+FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,
+          "granite": lambda cfg, max_pos: granite_fields(cfg)}
