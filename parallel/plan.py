@@ -261,8 +261,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         if emb and target != "cpu":   # (the embedding's backward keeps the int64 ids on the device: not offloaded)
             t["activations: token ids (the trained embedding's backward)"] = 8 * T
     elif G > 1:
-        g = inputs(-(-L // G) - lo // G, lo < G and not emb and not neft)   # the groups from lo's (a trained
-        # embedding's output, or a noised one, is kept as the other group inputs are)
+        g = inputs(-(-L // G) - lo // G, lo < G and not emb and not neft and not m.embed_scale)   # the groups from
+        # lo's (a trained embedding's output, a noised or Gemma's scaled one, is kept as the other group inputs are)
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D + 8 * T * emb
     else:
         t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}]"] = ckpt

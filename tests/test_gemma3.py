@@ -18,6 +18,7 @@ every norm weight drawn away from 0 (the identity of Gemma's offset norm), tied 
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo): loss, grad norm and every LoRA gradient on every rank;
 - --train-norms trains the four block norms and q/k norms of each block; the adapter loads in peft with our logits;
 - --plan reads bench/configs/gemma-3-12b (no weights) and counts the two RoPE tables.
+- the plan's AC checkpoints (--ac-group 1-3) = the block inputs autograd keeps: the scaled embedding kept whole.
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma3.py
 """
@@ -313,6 +314,35 @@ def test_planned_activations_match_autograd(ckpt, flags):
     planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
                                                                     "| or: final norm in")))
     assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_planned_ac_checkpoints_keep_the_scaled_embedding(tmp_path, group):
+    """AC (--ac-group G), fp32, one process, 4 blocks: Gemma's scaled embedding output is a new tensor, so the first
+    checkpoint keeps it whole (no ids to look up again, as a frozen Llama's): the plan's checkpoint term = the [T, D]
+    block inputs autograd keeps outside the checkpoints (the final norm's input, planned in the loss phase, the one
+    more); G > 1 planned one group input fewer before (the ids' lookup)."""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    cfg = dict(CONFIG, num_hidden_layers=4, layer_types=TYPES * 2)
+    torch.manual_seed(0)
+    T.Gemma3ForCausalLM(T.Gemma3TextConfig(**cfg)).save_pretrained(tmp_path)
+    ours, _ = build_model(BuildOptions(str(tmp_path), quant="nf4", ac=True, ac_group=group), device="cpu")
+    S, D, held = 128, ours.args.dim, []
+    ids = torch.randint(0, 128, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        ours(ids, labels=ids)
+    args = train.build_parser().parse_args(["--model", str(tmp_path), "--max-len", str(S), "--global-batch", "1",
+                                            "--dtype", "fp32", "--ac-group", str(group)])
+    dims, pack_rows = validate(args, ours.args, 1)
+    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
+    (planned,) = [v for k, v in p.terms.items() if k.startswith("activations: ") and "checkpoints" in k]
+    kept = held.count(((1, S, D), torch.float32)) - 1
+    assert held.count(((1, S), torch.int64)) == 0 and kept == -(-4 // group), (kept, held)
+    assert planned == kept * 4 * S * D, (planned / (4 * S * D), kept)
 
 
 def test_rope_scaling_overrides_load_in_transformers_as_trained(ckpt):
