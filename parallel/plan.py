@@ -152,9 +152,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
-    lookup = lo == 0 and not emb and not neft and not m.embed_scale and m.embed_multiplier == 1   # AC's first
-    # checkpoint keeps the ids, looked up again (ac._FromIds); not Gemma's or Granite's scaled output (a new tensor
-    # after the lookup: kept whole)
+    fresh = emb or neft or m.embed_scale or m.embed_multiplier != 1   # the blocks' input is no mere lookup: AC's
+    # first checkpoint keeps it whole (a trained or noised embedding's, Gemma's or Granite's scaled output: a new
+    # tensor), else the ids, looked up again (ac._FromIds)
+    lookup = lo == 0 and not fresh
     root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
     shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
     full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
@@ -261,8 +262,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         if emb and target != "cpu":   # (the embedding's backward keeps the int64 ids on the device: not offloaded)
             t["activations: token ids (the trained embedding's backward)"] = 8 * T
     elif G > 1:
-        g = inputs(-(-L // G) - lo // G, lo < G and not emb and not neft and not m.embed_scale)   # the groups from
-        # lo's (a trained embedding's output, a noised or Gemma's scaled one, is kept as the other group inputs are)
+        g = inputs(-(-L // G) - lo // G, lo < G and not fresh)   # the groups from lo's (a fresh block input, as
+        # the other group inputs are, kept whole)
         t[f"activations: {g} group checkpoints [{T}, {D}] (--ac-group {G})"] = g * e * T * D + 8 * T * emb
     else:
         t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}]"] = ckpt

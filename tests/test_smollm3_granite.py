@@ -322,3 +322,30 @@ def test_step_time_leaves_the_nope_layers_rope_pass_out():
             - step_seconds(a, dims, args, "cuda", pack, rope=0)[1]["elementwise"]
             for k, a in (("nope", m), ("all", replace(m, rope_layers=None)))}
     assert sum(m.rope_layers) == 27 and work["nope"] == pytest.approx(work["all"] * 27 / 36, rel=1e-9), work
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_planned_ac_checkpoints_keep_granites_scaled_embedding(tmp_path, group):
+    """AC (--ac-group G), fp32, one process, 4 blocks: Granite's embedding × embedding_multiplier is a new tensor, so
+    the first checkpoint keeps it whole: the plan's checkpoint term = the [T, D] block inputs autograd keeps (the final
+    norm's input, planned in the loss phase, the one more); G > 1 planned one group input fewer (the ids' lookup)."""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    torch.manual_seed(0)
+    T.GraniteForCausalLM(T.GraniteConfig(**dict(SIZES, num_hidden_layers=4), **MULT)).save_pretrained(tmp_path)
+    ours, _ = build_model(BuildOptions(str(tmp_path), quant="nf4", ac=True, ac_group=group), device="cpu")
+    S, D, held = 128, ours.args.dim, []
+    ids = torch.randint(0, SIZES["vocab_size"], (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        ours(ids, labels=ids)
+    args = train.build_parser().parse_args(["--model", str(tmp_path), "--max-len", str(S), "--global-batch", "1",
+                                            "--dtype", "fp32", "--ac-group", str(group)])
+    dims, pack_rows = validate(args, ours.args, 1)
+    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
+    (planned,) = [v for k, v in p.terms.items() if k.startswith("activations: ") and "checkpoints" in k]
+    kept = held.count(((1, S, D), torch.float32)) - 1
+    assert held.count(((1, S), torch.int64)) == 0 and kept == -(-4 // group), (kept, held)
+    assert planned == kept * 4 * S * D, (planned / (4 * S * D), kept)
