@@ -13,12 +13,14 @@ Contract: `FIELDS[model_type](cfg, max_pos)` -> the ModelArgs fields that differ
   its RoPE theta 2e6 without one.
 - `granite_fields`: Granite's four multipliers (`embed_multiplier`, `residual_multiplier`, `attention_multiplier`,
   `logits_scaling`).
+- Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`.
 """
 
 from __future__ import annotations
 
 import math
 
+from model.moe import moe_fields
 from model.rope import read_rope
 
 GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
@@ -123,4 +125,4 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
 
 
 FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,
-          "granite": lambda cfg, max_pos: granite_fields(cfg)}
+          "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg)}

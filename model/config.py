@@ -6,7 +6,7 @@ Contract:
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
-  `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py).
+  `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py).
   A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
   and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
   naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model.arch_fields import FIELDS
+from model.moe import MoESpec
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
@@ -57,6 +58,7 @@ SUPPORTED = {
     "olmo3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
     "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
     "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
+    "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
 }
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
@@ -109,6 +111,7 @@ class ModelArgs:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    moe: MoESpec | None = None   # Qwen3-MoE's experts and router (model/moe.py); None: every MLP dense
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -152,8 +155,8 @@ class ModelArgs:
                 f"unsupported architecture model_type={mt!r}{f' (the text_config of a {wrapper})' if wrapper else ''} "
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
-                "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), and the "
-                "language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
+                "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
+                "(qwen3_moe), and the language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -179,7 +182,7 @@ class ModelArgs:
                                  "trained so)")
         max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
         # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
-        gemma = FIELDS[mt](cfg, max_pos) if mt in FIELDS else {}   # (Gemma's, OLMo's, SmolLM3's, Granite's fields)
+        gemma = FIELDS[mt](cfg, max_pos) if mt in FIELDS else {}   # (model/arch_fields.py)
         theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
             gemma["rope_theta"], gemma["rope_scaling"], None, None) if "rope_theta" in gemma else (
             *read_rope(cfg, max_pos), None, None)
@@ -194,6 +197,8 @@ class ModelArgs:
             window = cfg.get("sliding_window")
         if mt == "ministral":
             layer_types = cfg.get("layer_types")
+        if mt == "qwen3_moe":   # every layer slides with use_sliding_window (Qwen3MoeConfig: no layer types)
+            window = window if cfg.get("use_sliding_window", False) else None
         if mt in ("qwen2", "qwen3"):
             window = window if cfg.get("use_sliding_window", False) else None
             layer_types = cfg.get("layer_types") or [

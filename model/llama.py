@@ -31,6 +31,7 @@ from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, normed, scaled_embedding, split_heads
+from model.moe import MoE
 from model.norms import cast_weight
 from model.rope import Rotary, cos_sin, tables
 
@@ -234,7 +235,7 @@ class Block(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(a, layer)
-        self.mlp = MLP(a)
+        self.mlp = MoE(a.dim, a.moe) if a.moe and a.moe.sparse(layer) else MLP(a)   # (Qwen3-MoE: model/moe.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
 

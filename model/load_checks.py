@@ -49,6 +49,12 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     for i in range(margs.n_layers):
         for name, (n_in, n_out) in margs.projections().items():
             block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            if block == "mlp" and margs.moe and margs.moe.sparse(i):   # Qwen3-MoE's router and experts (model/moe.py)
+                want[f"model.layers.{i}.mlp.gate.weight"] = (margs.moe.experts, margs.dim)
+                shape = (margs.dim, margs.moe.width) if name == "down_proj" else (margs.moe.width, margs.dim)
+                want.update({f"model.layers.{i}.mlp.experts.{e}.{name}.weight": shape
+                             for e in range(margs.moe.experts)})
+                continue
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
     raw, packed, meta = stored_weights(path)
     prequant.check_quant(packed, quant, path)

@@ -1,0 +1,123 @@
+"""Qwen3-MoE's sparse MLP (`model_type: qwen3_moe`, transformers' Qwen3MoeForCausalLM: Qwen3-30B-A3B, 235B-A22B,
+Qwen3-Coder-30B-A3B), chosen per block by `ModelArgs.moe` (model/llama.py's Block); the rest of the model is Qwen3's.
+
+Contract:
+- `moe_fields(cfg)`: `ModelArgs.moe` of a config.json as transformers 5's Qwen3MoeConfig reads it (num_experts, also
+  stored as num_local_experts; num_experts_per_tok; moe_intermediate_size; norm_topk_prob; decoder_sparse_step;
+  mlp_only_layers). `MoESpec.sparse(layer)`: whether that block's MLP is the MoE block (not in mlp_only_layers and
+  (layer + 1) % decoder_sparse_step == 0), else Qwen3's dense MLP of intermediate_size. The load-balancing loss
+  (router_aux_loss_coef) trains the router, which stays frozen here: config.json's output_router_logits true (the loss
+  transformers would add to the training loss) is refused naming the fix.
+- `MoE`: the router `gate` (a Linear [E, D], no bias: `mlp.gate.weight`, in the compute dtype, never quantized nor
+  adapted) and `experts`, a ModuleList of SwiGLU MLPs of moe_intermediate_size under the names the Hub checkpoints and
+  transformers 5's save_pretrained store (`mlp.experts.{e}.gate_proj.weight`, ...). Per token: softmax of the router
+  logits in float32, top k, renormalised to sum 1 with norm_topk_prob, cast back to the compute dtype; each expert runs
+  on the tokens routed to it only (gathered by index, no [T, E, ...] tensor), its output times the token's weight,
+  summed per token in expert order (index_add), as transformers' eager experts. Nothing is shared between tokens, so a
+  sequence shard (context parallelism) or a tile of tokens (--tiled-mlp) routes each token as the whole sequence does.
+- `expert_targets(args, targets, layers)`: the refusal of LoRA on experts (None when there is none to refuse). The MLP
+  names (gate_proj, up_proj, down_proj) match each expert's projections in an MoE block; peft on transformers 5's
+  model holds the experts as fused 3-D parameters (`experts.gate_up_proj`), not modules of those names, so an adapter
+  of ours would not load there. MLP targets are taken on the dense blocks alone (--lora-layers naming only those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    experts: int          # E: experts per MoE block
+    top_k: int            # experts each token runs through
+    width: int            # moe_intermediate_size: each expert's MLP width
+    norm_topk: bool       # the top k weights renormalised to sum 1
+    step: int = 1         # decoder_sparse_step: blocks (i + 1) % step == 0 are MoE ...
+    dense: tuple = ()     # ... unless in mlp_only_layers (Qwen3's dense MLP there)
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense and (layer + 1) % self.step == 0
+
+
+def moe_fields(cfg: dict) -> dict:
+    """{"moe": MoESpec} of a qwen3_moe config.json (module docstring), Qwen3MoeConfig's defaults for missing keys."""
+    if cfg.get("output_router_logits"):
+        raise ValueError(f"config.json: output_router_logits true adds the router's load-balancing loss "
+                         f"(router_aux_loss_coef {cfg.get('router_aux_loss_coef', 0.001)}) to the training loss; it "
+                         "trains the router, which (Q)LoRA here keeps frozen: set output_router_logits to false")
+    e = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    k, width, step = cfg.get("num_experts_per_tok", 8), cfg.get("moe_intermediate_size", 768), \
+        cfg.get("decoder_sparse_step", 1)
+    for key, v in (("num_experts", e), ("num_experts_per_tok", k), ("moe_intermediate_size", width),
+                   ("decoder_sparse_step", step)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.json: {key} {v!r} must be a positive whole number")
+    if k > e:
+        raise ValueError(f"config.json: num_experts_per_tok {k} is more than num_experts {e}")
+    dense = tuple(cfg.get("mlp_only_layers") or ())
+    return {"moe": MoESpec(e, k, width, bool(cfg.get("norm_topk_prob", False)), step, dense)}
+
+
+def expert_targets(args, targets, layers=None) -> str | None:
+    """Why `targets` (LoRA's projection names) on `layers` (None: every block) cannot be adapted here, else None."""
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    blocks = range(args.n_layers) if layers is None else layers
+    sparse = [i for i in blocks if args.moe is not None and args.moe.sparse(i)]
+    if not mlp or not sparse:
+        return None
+    dense = [i for i in range(args.n_layers) if not args.moe.sparse(i)]
+    return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
+            f"projections in its MoE blocks ({len(sparse)} of them: {sparse[:4]}{' ...' * (len(sparse) > 4)}); LoRA "
+            "on experts is not supported (peft on transformers 5 holds them as fused 3-D parameters: another adapter "
+            "format). Pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)"
+            + (f", or --lora-layers naming only its dense blocks {dense}" if dense else ""))
+
+
+class Expert(nn.Module):
+    """One expert: silu(gate_proj(x)) · up_proj(x) -> down_proj, no biases (transformers' expert math)."""
+
+    def __init__(self, dim: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, width, bias=False)
+        self.up_proj = nn.Linear(dim, width, bias=False)
+        self.down_proj = nn.Linear(width, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, spec: MoESpec):
+        super().__init__()
+        self.top_k, self.norm_topk = spec.top_k, spec.norm_topk
+        self.gate = nn.Linear(dim, spec.experts, bias=False)   # the router
+        self.experts = nn.ModuleList(Expert(dim, spec.width) for _ in range(spec.experts))
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in the compute dtype, experts [T, k]) of tokens flat [T, D]: transformers' router."""
+        logits = self.gate(flat)                                            # [T, E], compute dtype
+        top, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), self.top_k, dim=-1)   # [T, k]
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(logits.dtype), idx
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
+        w, idx = self.route(flat)
+        # the T·k (token, slot) pairs grouped by expert, token order within: one host sync for the counts
+        order = idx.flatten().argsort(stable=True)
+        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
+        tokens, w = order // self.top_k, w.flatten()
+        out = torch.zeros_like(flat)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                t = tokens[start:start + n]
+                y = expert(flat.index_select(0, t)) * w.index_select(0, order[start:start + n])[:, None]   # [n, D]
+                out.index_add_(0, t, y)   # in expert order, as transformers sums
+            start += n
+        return out.view(x.shape)

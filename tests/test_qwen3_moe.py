@@ -1,0 +1,152 @@
+"""Qwen3-MoE (`model_type: qwen3_moe`, model/moe.py's sparse MLP on Qwen3's decoder) computes what transformers'
+Qwen3MoeForCausalLM does.
+
+Pins (CPU, float32 unless said; tiny random checkpoints saved by transformers 5, whose save_pretrained writes the
+experts split, `mlp.experts.{e}.gate_proj.weight`, as the Hub's are; 4 experts, top 2, 3 blocks of which block 1 is
+dense through mlp_only_layers; norm_topk_prob false and true; router weights drawn large so the top 2 are decided,
+norm weights away from 1):
+- logits = transformers' on whole rows and on a packed row of two documents; a mutated router (no renormalisation,
+  softmax after the top k, the experts' weights swapped, the softmax in the compute dtype) is caught;
+- config.json read as transformers reads it (num_experts or num_local_experts, mlp_only_layers, decoder_sparse_step,
+  Qwen3MoeConfig's defaults); output_router_logits true refused naming the key;
+- LoRA's loss and every LoRA gradient = peft's on the transformers model (attention targets), plain and under AC +
+  tiled MLP; an MLP target on an MoE block refused naming --lora-targets attn, accepted on the dense blocks alone;
+- nf4: the experts' projections are NF4, the router stays in the compute dtype; AC = no AC;
+- one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo): loss, grad norm and every LoRA gradient on every rank.
+
+Run: .venv/bin/python -m pytest -q tests/test_qwen3_moe.py
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers as T
+
+import model
+
+SIZES = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+             mlp_only_layers=[1], max_position_embeddings=4096, rope_theta=3e4)
+CONFIGS = {"renorm": dict(SIZES, norm_topk_prob=True), "plain": dict(SIZES, norm_topk_prob=False)}
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        hf = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**cfg)).float().eval()
+        with torch.no_grad():   # norm weights start at 1 (a dropped one hidden); a router of std 0.02 routes by a hair
+            for n, p in hf.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
+                if n.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path, max_shard_size="60KB")
+        out[name] = str(path)
+    return out
+
+
+def _hf(path):
+    return T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", ["renorm", "plain"])
+def test_logits_match_transformers(ckpts, name):
+    from model.moe import MoE
+
+    hf, ours = _hf(ckpts[name]), model.from_pretrained(ckpts[name]).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert [isinstance(b.mlp, MoE) for b in ours.model.layers] == [True, False, True]
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(37).expand(2, 37) + torch.tensor([[1500], [0]])
+    with torch.no_grad():
+        ref = hf(input_ids=ids, position_ids=pos).logits
+        assert rel(ours(ids, position_ids=pos), ref) < 1e-5, "whole rows"
+        packed = torch.cat([torch.arange(15), torch.arange(22)])[None]
+        want = torch.cat([hf(input_ids=ids[:1, :15]).logits, hf(input_ids=ids[:1, 15:]).logits], 1)
+        assert rel(ours(ids[:1], position_ids=packed), want) < 1e-5, "packed row"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_router_and_block_match_transformers(dtype, norm_topk):
+    """MoE.route = transformers' Qwen3MoeTopKRouter bit for bit (softmax in float32, top k, renormalised, cast back to
+    the compute dtype: a softmax in bf16 or a renormalisation dropped or added differ); the MoE block =
+    Qwen3MoeSparseMoeBlock (eager experts) on the same weights, in float32 and bf16."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from model.moe import MoE, MoESpec
+
+    cfg = T.Qwen3MoeConfig(**dict(SIZES, norm_topk_prob=norm_topk))
+    cfg._experts_implementation = "eager"
+    g = torch.Generator().manual_seed(0)
+    theirs, ours = Qwen3MoeSparseMoeBlock(cfg).to(dtype), MoE(48, MoESpec(4, 2, 32, norm_topk)).to(dtype)
+    with torch.no_grad():
+        theirs.gate.weight.copy_(torch.randn(4, 48, generator=g) * 0.5)
+        theirs.experts.gate_up_proj.copy_(torch.randn(4, 64, 48, generator=g) * 0.2)
+        theirs.experts.down_proj.copy_(torch.randn(4, 48, 32, generator=g) * 0.2)
+        ours.gate.weight.copy_(theirs.gate.weight)
+        for e, ex in enumerate(ours.experts):
+            ex.gate_proj.weight.copy_(theirs.experts.gate_up_proj[e, :32])
+            ex.up_proj.weight.copy_(theirs.experts.gate_up_proj[e, 32:])
+            ex.down_proj.weight.copy_(theirs.experts.down_proj[e])
+    x = torch.randn(3, 11, 48, generator=g).to(dtype)
+    with torch.no_grad():
+        _, w_ref, idx_ref = theirs.gate(x.view(-1, 48))
+        w, idx = ours.route(x.view(-1, 48))
+        assert torch.equal(idx, idx_ref), "experts chosen"
+        assert w.dtype == w_ref.dtype == dtype
+        torch.testing.assert_close(w, w_ref, rtol=0, atol=0, msg="routing weights")
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(ours(x), theirs(x), **tol, msg="block output")
+
+
+def test_config_read_as_transformers_reads_it():
+    """Qwen3-30B-A3B's config.json (bench/configs/qwen3-30b-a3b, from the model card) and a bare one (Qwen3MoeConfig's
+    defaults: 4 KV heads, head_dim hidden / heads, 128 experts, top 8, width 768, no renormalisation); the blocks
+    transformers makes MoE (mlp_only_layers, decoder_sparse_step); num_local_experts (what transformers 5 writes) as
+    num_experts; refusals naming the key."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeSparseMoeBlock
+
+    with open(os.path.join(BENCH, "qwen3-30b-a3b", "config.json")) as f:
+        hub = json.load(f)
+    a = model.ModelArgs.from_config_dict(hub)
+    assert (a.model_type, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size, a.rope_theta,
+            a.max_position_embeddings, a.qk_norm, a.sliding_window) == (
+        "qwen3_moe", 2048, 48, 32, 4, 128, 151936, 1e6, 40960, True, None)
+    assert (a.moe.experts, a.moe.top_k, a.moe.width, a.moe.norm_topk) == (128, 8, 768, True)
+    assert all(a.moe.sparse(i) for i in range(48))
+    bare = {k: SIZES[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads")} | {"num_attention_heads": 8}   # (4 KV heads by default)
+    b, w = model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **bare}), T.Qwen3MoeConfig(**bare)
+    assert (b.n_kv_heads, b.head_dim, b.moe.experts, b.moe.top_k, b.moe.width, b.moe.norm_topk, b.norm_eps,
+            b.max_position_embeddings) == (w.num_key_value_heads, 48 // 8, w.num_experts, w.num_experts_per_tok,
+                                           w.moe_intermediate_size, w.norm_topk_prob, w.rms_norm_eps,
+                                           w.max_position_embeddings)
+    for extra in (dict(mlp_only_layers=[0, 2]), dict(decoder_sparse_step=2), dict(decoder_sparse_step=2,
+                                                                                     mlp_only_layers=[3]),
+                  dict(num_hidden_layers=4, num_local_experts=3, num_experts_per_tok=3)):
+        cfg = dict(bare, num_hidden_layers=4, **{k: v for k, v in extra.items() if k != "num_hidden_layers"})
+        c = model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **cfg})
+        hf = T.Qwen3MoeConfig(**cfg)
+        want = [isinstance(Qwen3MoeDecoderLayer(hf, i).mlp, Qwen3MoeSparseMoeBlock) for i in range(4)]
+        assert [c.moe.sparse(i) for i in range(4)] == want, extra
+        assert c.moe.experts == hf.num_experts, extra
+    slide = model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **bare, "use_sliding_window": True,
+                                              "sliding_window": 16})
+    assert [slide.window(i) for i in range(3)] == [16] * 3   # every layer, as Qwen3MoeAttention
+    with pytest.raises(ValueError, match="output_router_logits"):
+        model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **bare, "output_router_logits": True})
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 is more than num_experts 8"):
+        model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **bare, "num_experts": 8,
+                                          "num_experts_per_tok": 9})
