@@ -15,10 +15,11 @@ Contract:
   on the tokens routed to it only (gathered by index, no [T, E, ...] tensor), its output times the token's weight,
   summed per token in expert order (index_add), as transformers' eager experts. Nothing is shared between tokens, so a
   sequence shard (context parallelism) or a tile of tokens (--tiled-mlp) routes each token as the whole sequence does.
-- `expert_targets(args, targets, layers)`: the refusal of LoRA on experts (None when there is none to refuse). The MLP
-  names (gate_proj, up_proj, down_proj) match each expert's projections in an MoE block; peft on transformers 5's
-  model holds the experts as fused 3-D parameters (`experts.gate_up_proj`), not modules of those names, so an adapter
-  of ours would not load there. MLP targets are taken on the dense blocks alone (--lora-layers naming only those).
+- `expert_targets(args, targets)`: the refusal of MLP targets on a model with MoE blocks (None when there is none to
+  refuse). Here the MLP names (gate_proj, up_proj, down_proj) match each expert's projections; peft 0.21 on transformers
+  5's model turns them into target_parameters on the experts' fused 3-D parameters (`experts.gate_up_proj`,
+  `experts.down_proj`: another adapter format) and adapts no dense block's MLP then, so neither an expert's LoRA nor a
+  dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets.
 """
 
 from __future__ import annotations
@@ -62,19 +63,16 @@ def moe_fields(cfg: dict) -> dict:
     return {"moe": MoESpec(e, k, width, bool(cfg.get("norm_topk_prob", False)), step, dense)}
 
 
-def expert_targets(args, targets, layers=None) -> str | None:
-    """Why `targets` (LoRA's projection names) on `layers` (None: every block) cannot be adapted here, else None."""
+def expert_targets(args, targets) -> str | None:
+    """Why `targets` (LoRA's projection names) cannot be adapted on this model (module docstring), else None."""
     mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
-    blocks = range(args.n_layers) if layers is None else layers
-    sparse = [i for i in blocks if args.moe is not None and args.moe.sparse(i)]
+    sparse = [i for i in range(args.n_layers) if args.moe is not None and args.moe.sparse(i)]
     if not mlp or not sparse:
         return None
-    dense = [i for i in range(args.n_layers) if not args.moe.sparse(i)]
     return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
-            f"projections in its MoE blocks ({len(sparse)} of them: {sparse[:4]}{' ...' * (len(sparse) > 4)}); LoRA "
-            "on experts is not supported (peft on transformers 5 holds them as fused 3-D parameters: another adapter "
-            "format). Pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)"
-            + (f", or --lora-layers naming only its dense blocks {dense}" if dense else ""))
+            f"projections in its MoE blocks ({len(sparse)} of {args.n_layers}); LoRA on experts is not supported "
+            "(peft on transformers 5 adapts them as fused 3-D parameters, another adapter format, and reads these "
+            "names so on the dense blocks too): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)")
 
 
 class Expert(nn.Module):

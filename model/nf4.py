@@ -1,7 +1,9 @@
 """4-bit NF4 base weights (bitsandbytes) on the decoder; LoRA on top of them: model/qlora.py.
 
 Contract:
-- `apply_nf4(model, storage_dtype)` swaps every `nn.Linear` inside the decoder blocks for `NF4Linear`
+- `apply_nf4(model, storage_dtype)` swaps every `nn.Linear` inside the decoder blocks for `NF4Linear` (but an MoE
+  block's router, `mlp.gate`: kept in the compute dtype, as transformers 5's bitsandbytes loading keeps its router,
+  no nn.Linear there)
   (a bitsandbytes `Linear4bit`, so peft dispatches its 4-bit LoRA layer). Runs on the meta device:
   nothing is quantized until `quantize_weight` is given the real tensor at load time.
 - The packed weight is a plain frozen `nn.Parameter` of shape [out·in / 64, 64 / (2·itemsize)] typed as
@@ -116,8 +118,8 @@ def absmax_rows(blocks: int, storage_dtype: torch.dtype) -> int:
 
 
 def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
-    for block in model.model.layers:
-        for parent in (block.self_attn, block.mlp):
+    for block in model.model.layers:   # (an MoE block's experts, not its router: model/moe.py)
+        for parent in (block.self_attn, *getattr(block.mlp, "experts", (block.mlp,))):
             for name, lin in list(parent.named_children()):
                 if not isinstance(lin, nn.Linear):
                     continue

@@ -25,6 +25,7 @@ from model import dora as dora_math
 from model.bnb import LoraConfig, bnb, get_peft_model
 from model.llama import Transformer
 from model.lora_spec import LORA_TARGETS
+from model.moe import expert_targets
 from model.norms import train_embeddings, train_norms
 
 
@@ -41,6 +42,8 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
                dora: bool = False, layers=None, norms: bool = False, embeddings: bool = False):
+    if why := expert_targets(model.args, targets):   # (also at start-up: parallel/flags.py)
+        raise ValueError(why)
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
         peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers))
     for n, p in peft_model.named_parameters():

@@ -26,6 +26,7 @@ import torch
 
 from data.mix import data_files
 from model.lora_spec import LORA_TARGETS, lora_layers
+from model.moe import expert_targets
 from model.rope import rope_scaling_flag
 from parallel.ac import check_ac
 
@@ -178,6 +179,8 @@ def check_model_flags(args, margs) -> None:
     if layers is not None and max(layers) >= margs.n_layers:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "
                          f"indices below {margs.n_layers}")
+    if why := expert_targets(margs, args.lora_targets.split(",")):   # (Qwen3-MoE: model/moe.py)
+        raise ValueError(why)
     if getattr(args, "train_embeddings", False) and margs.tie_embeddings and \
             getattr(args, "objective", "sft") == "dpo":
         raise ValueError("--train-embeddings with --objective dpo: this model ties its output head to the input "

@@ -231,5 +231,6 @@ def apply_norm_rebuild(model) -> None:
         for norm, projs in fed.items():
             norm = block.get_submodule(norm)
             norm.forward = _tagging(norm)   # after apply_compile: wraps the compiled forward
-            for lin in (a for p in projs for a in getattr(block.get_submodule(p), "lora_A", {}).values()):
+            subs = [getattr(block.get_submodule(p.split(".")[0]), p.split(".")[1], None) for p in projs]   # (MoE: none)
+            for lin in (a for sub in subs for a in getattr(sub, "lora_A", {}).values()):
                 lin.forward = _lora_a(lin)

@@ -130,7 +130,8 @@ def apply_unread_outputs(model) -> None:
     tiles) as described above; a LoRA layer's base is its `base_layer`."""
     for block in model.model.layers:
         read = getattr(block, "outputs_saved", False)   # (Gemma's norm after the MLP saves the MLP's output)
-        for lin, in_recompute in ((block.mlp.down_proj, not read), (block.self_attn.o_proj, False)):
+        downs = [(block.mlp.down_proj, not read)] if hasattr(block.mlp, "down_proj") else []   # (an MoE block's
+        for lin, in_recompute in (*downs, (block.self_attn.o_proj, False)):   # experts' outputs: read, weighted)
             if any(getattr(lin, "lora_variant", None) or ()):   # e.g. DoRA reads the base output: left alone
                 continue
             base = getattr(lin, "base_layer", lin)

@@ -10,7 +10,7 @@ norm weights away from 1):
 - config.json read as transformers reads it (num_experts or num_local_experts, mlp_only_layers, decoder_sparse_step,
   Qwen3MoeConfig's defaults); output_router_logits true refused naming the key;
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (attention targets), plain and under AC +
-  tiled MLP; an MLP target on an MoE block refused naming --lora-targets attn, accepted on the dense blocks alone;
+  tiled MLP; MLP targets (the experts', and peft's reading of them) refused naming --lora-targets attn;
 - nf4: the experts' projections are NF4, the router stays in the compute dtype; AC = no AC;
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo): loss, grad norm and every LoRA gradient on every rank.
 
@@ -150,3 +150,133 @@ def test_config_read_as_transformers_reads_it():
     with pytest.raises(ValueError, match="num_experts_per_tok 9 is more than num_experts 8"):
         model.ModelArgs.from_config_dict({"model_type": "qwen3_moe", **bare, "num_experts": 8,
                                           "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["plain", "ac_tiled_mlp"])
+def test_lora_grads_match_peft_on_transformers(ckpts, mem):
+    """peft's LoRA on transformers' model with our adapter's values: the same loss and every LoRA gradient (the
+    routing weights' gradient flows into the hidden states through the frozen router, as in transformers); the tiled
+    MLP routes each tile's tokens as the whole row's."""
+    from peft import LoraConfig, get_peft_model
+
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    ours, peft_model = build_nonzero_b(BuildOptions(ckpts["renorm"], quant="none", lora_r=4, lora_alpha=8, seed=3,
+                                                    lora_targets=ATTN, **mem))
+    s, n = ours(ids, labels=labels)
+    (s / n).backward()
+    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+    hf = get_peft_model(_hf(ckpts["renorm"]), LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTN),
+                                                         lora_dropout=0.0, init_lora_weights=False))
+    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
+    assert not hf.load_state_dict(state, strict=False).unexpected_keys
+    hf.train()
+    logits = hf(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            reduction="sum", ignore_index=-100)
+    (ref / n).backward()
+    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
+    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and len(mine) == 2 * 4 * 3
+    for k in mine:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+
+
+def test_lora_on_experts_refused_naming_the_fix(ckpts):
+    """The MLP names would adapt each expert's projections (and peft on transformers' model reads them as its experts'
+    fused parameters, adapting no dense block's MLP): refused at start-up (the flag checks, before any weight is read)
+    and by build_model, naming --lora-targets attn; attn passes."""
+    import train
+    from parallel.flags import check_model_flags
+    from parallel.parallelize import BuildOptions, build_model
+
+    margs = model.ModelArgs.from_config_dict(json.load(open(os.path.join(ckpts["renorm"], "config.json"))))
+    for flags in ([], ["--lora-targets", "mlp"], ["--lora-targets", "down_proj", "--lora-layers", "1"]):
+        args = train.build_parser().parse_args(["--model", ckpts["renorm"], *flags])
+        with pytest.raises(ValueError, match=r"experts' projections in its MoE blocks \(2 of 3\).*--lora-targets attn"):
+            check_model_flags(args, margs)
+    check_model_flags(train.build_parser().parse_args(["--model", ckpts["renorm"], "--lora-targets", "attn"]), margs)
+    with pytest.raises(ValueError, match="--lora-targets attn"):
+        build_model(BuildOptions(ckpts["renorm"], quant="none"), device="cpu")
+
+
+def test_nf4_experts_and_ac(ckpts):
+    """nf4: every expert's projection and the dense MLP's are NF4, the router stays a plain Linear in the compute
+    dtype; AC's block recompute and AC + tiled MLP give no-AC's loss and LoRA gradients."""
+    from model.moe import MoE
+    from model.nf4 import NF4Linear
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    got = {}
+    for label, mem in (("no AC", dict(ac=False)), ("AC", dict(ac=True)), ("AC, tiled", dict(ac=True, tiled_mlp=True))):
+        ours, peft_model = build_nonzero_b(BuildOptions(ckpts["plain"], quant="nf4", lora_r=4, lora_alpha=8, seed=3,
+                                                        lora_targets=ATTN, **mem))
+        moe = ours.model.layers[0].mlp
+        assert isinstance(moe, MoE) and type(moe.gate) is torch.nn.Linear and moe.gate.weight.dtype == torch.float32
+        nf4 = [n for n, m in ours.named_modules() if isinstance(m, NF4Linear)]
+        assert len(nf4) == 3 * 4 + 2 * 4 * 3 + 3 and not any(n.endswith("mlp.gate") for n in nf4), nf4
+        s, n = ours(ids, labels=ids)
+        (s / n).backward()
+        got[label] = s.detach(), {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+    for label in ("AC", "AC, tiled"):
+        torch.testing.assert_close(got[label][0], got["no AC"][0], rtol=1e-5, atol=1e-5, msg=f"{label}: loss")
+        for k, g in got["no AC"][1].items():
+            torch.testing.assert_close(got[label][1][k], g, rtol=1e-4, atol=1e-6, msg=f"{label}: grad {k}")
+
+
+def _cp_equals_one_process(rank, world_size, path, cases):
+    """Each case: one process on the whole batch = this cp layout (FSDP2 over both ranks): global loss, grad norm, every
+    LoRA gradient, the experts' NF4 codes as integers."""
+    import torch.distributed as dist
+
+    from model.nf4 import NF4Linear
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.fsdp import clip_grad_norm_
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import BuildOptions, lora_parameters
+    from tests.helpers import build_nonzero_b
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (2, 21), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    pos = torch.arange(21).expand(2, 21)
+    for label, (quant, impl) in cases.items():
+        cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3, lora_targets=ATTN)
+        ref, _ = build_nonzero_b(cfg)
+        rsum, rn = ref(ids, position_ids=pos, labels=labels)
+        (rsum / rn).backward()
+        ref_norm = clip_grad_norm_(lora_parameters(ref), 1e9)
+        dims = ParallelDims.from_args(world_size, 1, -1, 2, impl, None, n_heads=6, n_kv_heads=2)
+        meshes = dims.build_mesh("cpu")
+        ours, _ = build_nonzero_b(cfg, fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims))
+        cr = meshes.cp.get_local_rank()
+        lsum, ln = ours(*(shard_sequence(t, dims, cr, fill) for t, fill in ((ids, 0),)),
+                        position_ids=shard_sequence(pos, dims, cr, None), labels=shard_sequence(labels, dims, cr, -100))
+        total, loss = ln.detach().clone(), lsum.detach().clone()
+        dist.all_reduce(total), dist.all_reduce(loss)
+        (lsum / total).backward()
+        norm = clip_grad_norm_(lora_parameters(ours), 1e9)
+        torch.testing.assert_close(loss / total, rsum / rn, rtol=1e-5, atol=1e-5, msg=f"{label}: loss")
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-5, msg=f"{label}: grad norm")
+        want, mods = dict(ref.named_parameters()), dict(ref.named_modules())
+        for n, p in ours.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad.full_tensor(), want[n].grad, rtol=1e-5, atol=1e-5,
+                                           msg=f"{label}: grad {n}")
+        for n, m in ours.named_modules():
+            if isinstance(m, NF4Linear) and ".experts." in n:
+                assert torch.equal(m.weight.full_tensor().view(torch.uint8), mods[n].weight.view(torch.uint8)), n
+    return len(cases)
+
+
+@pytest.mark.timeout(300)
+def test_cp_ring_and_ulysses_equal_one_process(ckpts):
+    from tests.dist import run_ranks
+
+    cases = {"nf4, cp 2 Ulysses": ("nf4", "ulysses"), "plain weights, cp 2 ring": ("none", "ring")}
+    assert run_ranks(_cp_equals_one_process, 2, ckpts["renorm"], cases, timeout=280) == [len(cases)] * 2
