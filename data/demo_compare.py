@@ -44,8 +44,9 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 
 def nf4_round_trip(model) -> None:
-    """Replace each decoder block's attention/MLP Linear weight by training's NF4 of it (`model.nf4.nf4_round_trip`:
-    the same bits; a multimodal wrapper's: its language model's, named as ours by model/wrapper.py). A 4-bit upload's
+    """Replace each decoder block's attention/MLP Linear weight (an MoE block's experts' too, not its router) by
+    training's NF4 of it (`model.nf4.nf4_round_trip`: the same bits; a multimodal wrapper's: its language model's,
+    named as ours by model/wrapper.py). A 4-bit upload's
     layers (bitsandbytes' Linear4bit, whose weights are the packed codes) are left as transformers loaded them: those
     are the weights training computed with (until 2026-12-06 their codes were quantized as if they were weights, and
     the base answered garbage)."""
@@ -62,6 +63,11 @@ def nf4_round_trip(model) -> None:
             if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5 and \
                     not hasattr(mod.weight, "quant_state"):
                 mod.weight.copy_(base_of(mod.weight).to(mod.weight.dtype))
+            elif parts[3:] == ["mlp", "experts"] and getattr(mod, "gate_up_proj", None) is not None:   # transformers
+                half = mod.gate_up_proj.shape[1] // 2   # 5's fused experts (Qwen3-MoE): each expert's gate, up and down
+                for w in (w for e in range(mod.gate_up_proj.shape[0])   # as stored (and trained: model/moe.py)
+                          for w in (mod.gate_up_proj[e, :half], mod.gate_up_proj[e, half:], mod.down_proj[e])):
+                    w.copy_(base_of(w).to(w.dtype))
 
 
 def as_trained(model, quant: str) -> None:

@@ -280,3 +280,80 @@ def test_cp_ring_and_ulysses_equal_one_process(ckpts):
 
     cases = {"nf4, cp 2 Ulysses": ("nf4", "ulysses"), "plain weights, cp 2 ring": ("none", "ring")}
     assert run_ranks(_cp_equals_one_process, 2, ckpts["renorm"], cases, timeout=280) == [len(cases)] * 2
+
+
+def _trained(path, quant):
+    """Our model with a nonzero LoRA on the attention (as after training) and its peft wrapper."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    return build_nonzero_b(BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, seed=3, lora_targets=ATTN,
+                                        ac=False), b_std=0.2)
+
+
+def _peft_loaded(base, adapter, nf4=False):
+    """peft's model of our adapter on transformers' base (nf4: on its NF4 round trip, data/demo_compare.py's)."""
+    import warnings
+
+    from peft import PeftModel
+
+    from data.demo_compare import nf4_round_trip
+
+    hf = _hf(base)
+    if nf4:
+        nf4_round_trip(hf)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = PeftModel.from_pretrained(hf, adapter).eval()
+    said = [str(w.message) for w in caught if "key" in str(w.message).lower()]
+    assert not said, f"peft warned {said}"
+    return pm
+
+
+def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path):
+    from model.export import export_adapter
+
+    ours, peft_model = _trained(ckpts["renorm"], "none")
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
+    pm = _peft_loaded(ckpts["renorm"], str(tmp_path / "a"))
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+        with pm.disable_adapter():
+            assert rel(pm(input_ids=ids).logits, ours(ids)) > 1e-3, "the adapter changes nothing"
+    assert sum(n.endswith(".lora_A") for n, _ in pm.named_modules()) == 4 * 3
+
+
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_merge_is_what_peft_merges(ckpts, tmp_path, quant):
+    """`python -m model.merge`: transformers loads the merge with no missing or unexpected key and peft's
+    merge_and_unload logits, on the base as stored (quant none) or on its NF4 round trip (nf4: each expert's gate, up
+    and down and the attention and dense MLP as training quantized them; data/demo_compare.py's round trip of
+    transformers' model, its fused experts too); the router and norms as stored, bit for bit."""
+    from safetensors.torch import load_file
+
+    from model import merge
+    from model.export import export_adapter
+
+    base = ckpts["plain"]
+    ours, peft_model = _trained(base, quant)
+    export_adapter(peft_model, str(tmp_path / "a"), base, quant=quant)
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", base, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    ref = _peft_loaded(base, str(tmp_path / "a"), quant == "nf4").merge_and_unload()
+    merged, info = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager",
+                                                          output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys")), info
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5,
+                                   atol=1e-5, msg="merged logits")
+        torch.testing.assert_close(merged(input_ids=ids).logits, ours(ids), rtol=1e-4, atol=1e-4, msg="ours")
+    stored = {k: v for f in os.listdir(base) if f.endswith(".safetensors") for k, v in load_file(f"{base}/{f}").items()}
+    wrote = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(f"{out}/{f}").items()}
+    assert wrote.keys() == stored.keys()
+    for k in stored:
+        if k.endswith("mlp.gate.weight") or "norm" in k:
+            assert torch.equal(wrote[k], stored[k]), k
+        elif ".experts." in k:
+            assert torch.equal(wrote[k], stored[k]) == (quant == "none"), k
