@@ -131,7 +131,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     tiled, offload, ta = (getattr(args, f, False) for f in ("tiled_mlp", "offload_activations", "tiled_attn"))
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
-    K = L - N   # blocks that keep their activations (the last K; no AC at all when N == 0)
+    KV, K = K, L - N   # K from here: the blocks that keep their activations (the last K; no AC at all when N == 0)
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
@@ -147,7 +147,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
-    qk = [(hd * n, hd * n) for n in ((H, K) if m.qk_norm_whole else (1, 1))] * m.qk_norm   # (OLMo's: H·hd, K·hd)
+    qk = [(hd * n, hd * n) for n in ((H, KV) if m.qk_norm_whole else (1, 1))] * m.qk_norm   # (OLMo's: H·hd, K·hd)
     lora += ([(D, D)] * nb + qk) * norms
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
@@ -200,7 +200,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
             # q/k norms (Qwen3, Gemma 3 per head; OLMo over the projection: one rsqrt a token) keep q_proj's and
             # k_proj's outputs and rsqrt, where those need grad (or a trained norm's weight does)
-            b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (K, "k_proj"))
+            b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
                      if not first or t in tg or norms and tg) * m.qk_norm
         b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its

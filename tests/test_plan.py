@@ -295,6 +295,38 @@ def test_ac_blocks_activations_match_autograd(tmp_path):
     assert not [k for k in p.terms if k.startswith("| block recompute")], "no recompute on top of kept blocks"
 
 
+@pytest.mark.parametrize("flags", [["--no-ac"], ["--ac-blocks", "2"]], ids=["no_ac", "ac_blocks_2_of_3"])
+def test_qk_norms_saved_count_the_kv_heads_not_the_kept_blocks(tmp_path, flags):
+    """Qwen3's k_norm keeps k_proj's output and rsqrt per KV head: 2 KV heads over 3 blocks, where the plan counted the
+    blocks keeping their activations (3 without AC, 1 with --ac-blocks 2) as KV heads; = autograd's saved bytes."""
+    import transformers as T
+
+    from parallel.parallelize import BuildOptions, build_model
+
+    cfg = T.Qwen3Config(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=3, head_dim=8,
+                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    T.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    ac = flags != ["--no-ac"]
+    model, _ = build_model(BuildOptions(str(tmp_path), ac=ac, ac_blocks=2 if ac else None), device="cpu")
+    params, held = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+    def pack(t):
+        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randint(0, 128, (1, 128)), labels=torch.randint(0, 128, (1, 128)))
+    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
+    del out
+    args = train.build_parser().parse_args(["--model", str(tmp_path), "--max-len", "128", "--global-batch", "1",
+                                            "--dtype", "fp32", *flags])
+    dims, pack_rows = validate(args, model.args, 1)
+    p = memory_plan(model.args, dims, args, "cpu", pack_rows)
+    planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: ", "| or: final norm in")))
+    assert planned == saved
+
+
 def test_dora_terms_by_hand():
     """--dora over the same flags, by hand from the shapes: each adapted projection's magnitude [out] in the LoRA terms
     (fp32 with AdamW, 1/W; unsharded and reduce-scattered with the block), and in the block recompute the fused sum
