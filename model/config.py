@@ -327,4 +327,6 @@ class ModelArgs:
         attn = d * h * hd * 2 + d * kv * hd * 2
         per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + d
+        moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
+        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f) if sparse else 0   # experts, router
+        return self.n_layers * per_layer + emb + d + moe_extra

@@ -2,7 +2,8 @@
 
 Contract:
 - `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
-  lm_head; not the embedding lookup or the norms).
+  lm_head; not the embedding lookup or the norms); in an MoE block (Qwen3-MoE) a token's: its k experts' and the
+  router's.
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
@@ -18,7 +19,9 @@ def matmul_params(args: ModelArgs) -> int:
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
     d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
     per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f   # q, o; k, v; gate, up, down
-    return args.n_layers * per_layer + args.vocab_size * d
+    moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
+    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f) if sparse else 0   # Qwen3-MoE: a
+    return args.n_layers * per_layer + args.vocab_size * d + active   # token's k experts and router for gate/up/down
 
 
 def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:

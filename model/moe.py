@@ -13,7 +13,8 @@ Contract:
   transformers 5's save_pretrained store (`mlp.experts.{e}.gate_proj.weight`, ...). Per token: softmax of the router
   logits in float32, top k, renormalised to sum 1 with norm_topk_prob, cast back to the compute dtype; each expert runs
   on the tokens routed to it only (gathered by index, no [T, E, ...] tensor), its output times the token's weight,
-  summed per token in expert order (index_add), as transformers' eager experts. Nothing is shared between tokens, so a
+  summed per token in expert order (index_put_ accumulating: index_add_'s sums, as transformers' eager experts, without
+  keeping each expert's weighted output for backward). Nothing is shared between tokens, so a
   sequence shard (context parallelism) or a tile of tokens (--tiled-mlp) routes each token as the whole sequence does.
 - `expert_targets(args, targets)`: the refusal of MLP targets on a model with MoE blocks (None when there is none to
   refuse). Here the MLP names (gate_proj, up_proj, down_proj) match each expert's projections; peft 0.21 on transformers
@@ -116,6 +117,7 @@ class MoE(nn.Module):
             if n:
                 t = tokens[start:start + n]
                 y = expert(flat.index_select(0, t)) * w.index_select(0, order[start:start + n])[:, None]   # [n, D]
-                out.index_add_(0, t, y)   # in expert order, as transformers sums
+                # in expert order, as transformers sums; index_put_ keeps only t for backward (index_add_ keeps y
+                out.index_put_((t,), y, accumulate=True)   # too: [T·k, D] a block beside the mul's down outputs)
             start += n
         return out.view(x.shape)

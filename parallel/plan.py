@@ -92,6 +92,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 6, 7. the block backward's MLP and attention phases: parallel/plan_block.py.
 8. the loss phase, at the end of forward (and a tied head's or a trained embedding's gradient): parallel/plan_block.py.
 9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
+Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase) in these terms: parallel/plan_moe.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 """
@@ -101,7 +102,7 @@ from __future__ import annotations
 from functools import partial
 
 from model.lora_spec import lora_layers
-from parallel import kernels, plan_block
+from parallel import kernels, plan_block, plan_moe
 from parallel.plan_totals import Plan, sample_tokens, with_reference
 
 _pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
@@ -135,7 +136,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
-    base = [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in shapes.values()]
+    packed = lambda ws: [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in ws]
+    kinds = plan_moe.kinds(m, shapes)   # (blocks, frozen Linears, router rows): dense and MoE blocks (Qwen3-MoE)
+    moe = m.moe is not None and any(m.moe.sparse(i) for i in range(L))
+    base = []
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
     pre, post = not m.post_norms, m.sandwich_norms or m.post_norms   # norms in front of / on the sublayers' outputs
     base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
@@ -183,7 +187,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         return sum(T * shapes[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
             args.lora_dropout > 0)   # (el != e, CPU bf16: no product kept, dropout's el output in its place)
 
-    def layer_saved(first: bool, tg=targets) -> float:
+    def layer_saved(first: bool, tg=targets, sparse=False) -> float:
         """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
         first = first and not (norms and tg and pre) and not emb   # (a trained pre-norm saves its input and makes
         # an output needing grad; a trained embedding makes block 0's input need grad)
@@ -203,14 +207,16 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
                      if not first or t in tg or norms and tg) * m.qk_norm
         b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
-        b += 0 if tiled else e * T * F * (3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
+        b += 0 if tiled else plan_moe.saved(m, T, e) if sparse else e * T * F * (
+            3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
         # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
         b += sum(T * r * el + (4 * T * shapes[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
             + dora_saved(inner, first=first, tg=tg)
         return b + dropped(inner, first)
 
     # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
-    saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else []) for i in range(lo, L)]
+    sparse = lambda i: moe and m.moe.sparse(i)   # an MoE block (parallel/plan_moe.py)
+    saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else [], sparse(i)) for i in range(lo, L)]
     every = sum(saved) + 8 * T * emb   # (a trained embedding's backward keeps the int64 ids)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # ac._FromIds): one block input fewer, but that lookup is live in the first block's own backward
@@ -224,17 +230,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # LoRA A save that input where they take it, block lo's too
     shares = lambda i, first: (not first or norms) if pre else ta or fed(targets * (i in adapted), "q_proj", "k_proj",
                                                                           "v_proj")
-    recompute = lambda ids: max((layer_saved(False) - e * T * D * shares(i, False) if i == 0 else
+    recompute = lambda ids: max((layer_saved(False, sparse=sparse(0)) - e * T * D * shares(i, False) if i == 0 else
                                  saved[i] - e * T * D * shares(i, i == lo)) - (L - 1 - i) * e * T * D for i in ids)
     one = recompute(range(lo, L))
     p = Plan(target=target)
     q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
-    t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = L * shard(base[:7]) * e
-    qa = [(-(-o * i // 64 // e), -(-o * i // 64 // e)) for o, i in shapes.values()] if nf4 else []
+    t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = sum(c * shard(packed(ws)) for c, ws, _ in kinds) * e
+    qa = lambda ws: [(-(-o * i // 64 // e), -(-o * i // 64 // e)) for o, i in ws] if nf4 else []
     if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/nf4.py); the rest is not
-        t[f"quantization state (absmax 1/{W}, {L} blocks)"] = L * sum(
-            quant_state_bytes(o * i) - o * i // 64 for o, i in shapes.values()) + L * shard(qa) * e
+        t[f"quantization state (absmax 1/{W}, {L} blocks)"] = sum(c * sum(
+            quant_state_bytes(o * i) - o * i // 64 for o, i in ws) + c * shard(qa(ws)) * e for c, ws, _ in kinds)
     frozen = ", ".join(["embeddings"] * (not emb) + ["lm_head"] * (not tied) + ["final norm"] * (not norms))
     if root or norms:   # (the trained ones: below)
         t[(frozen or "final norm (trained: fp32 shard, AdamW's)") + " (frozen: whole on every rank)" * bool(root)] = \
@@ -242,7 +248,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
         t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
             V * D * el + 4 * 4 * shard([(V, V * D)])
-    t[f"block norms, biases shard (1/{W})"] = L * shard(base[7:]) * e
+    router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
+    t[f"block norms, biases{', routers' * moe} shard (1/{W})"] = (L * shard(base) + sum(
+        c * shard(router(rr)) for c, _, rr in kinds)) * e
     of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
     t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W}, {of})"] = 4 * 4 * A * shard(lora)
     if with_reference(args) and (getattr(args, "init_adapter", None) or str(getattr(
@@ -281,20 +289,22 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
     t["activations: rope cos/sin"] = 2 * e * T * hd * (   # (Ministral 3: q's own; Gemma: the sliding layers' too)
         (1 + (m.attn_temperature_beta is not None)) * (2 if m.local_rope else 1))
-    blk = full(base + qa) * e + full(lora) * el
+    blk = max(full(packed(ws) + base + qa(ws) + router(rr)) for _, ws, rr in kinds) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
-    dequant = max(o * i for o, i in shapes.values()) * e if nf4 else 0
-    held = lambda *ts: sum(shapes[x][0] * shapes[x][1] for x in ts) * e if nf4 else 0   # dequant_once's weights
+    dequant = max(o * i for _, ws, _ in kinds for o, i in ws) * e if nf4 else 0
+    n_held = {x: o * i * (m.moe.experts if moe and x in plan_moe.MLP else 1) for x, (o, i) in shapes.items()}
+    held = lambda *ts: sum(n_held[x] for x in ts) * e if nf4 else 0   # dequant_once's weights (MoE: every expert's)
     row = T * U // (1 if pack else mb)   # attention tokens per row
     p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls
     # there; plan_search.longest looks past it)
 
     # the "| block" phases of a block's backward (terms 6, 7, 9, 10): parallel/plan_block.py
-    block_terms = partial(plan_block.block_terms, D=D, F=F, G=G, H=H, K=K, KR=KR, Kp=Kp, N=N, R=R, T=T, U=U, args=args,
+    Fb = m.moe.top_k * m.moe.width if moe else F   # (a token's experts' width)
+    block_terms = partial(plan_block.block_terms, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=Kp, N=N, R=R, T=T, U=U, args=args,
                           blk=blk, dequant=dequant, direct=direct, dora=dora, dora_saved=dora_saved, dropped=dropped,
                           e=e, hd=hd, held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row, ta=ta,
-                          tiled=tiled)
+                          tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e)) if moe else None)
 
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above

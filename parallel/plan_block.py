@@ -65,8 +65,9 @@ from parallel.plan_totals import GB
 
 
 def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, dequant, direct, dora, dora_saved,
-                dropped, e, hd, held, mb, nf4, offload, p, pack, row, ta, tiled) -> dict:
-    """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`."""
+                dropped, e, hd, held, mb, nf4, offload, p, pack, row, ta, tiled, moe=None) -> dict:
+    """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`; `moe`: an
+    MoE block's (saved MLP tensors, MLP phase) (parallel/plan_moe.py; F is then k·I, a token's expert width)."""
     t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
     ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
@@ -82,7 +83,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
             + ds(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
         t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
     else:
-        mlp = 2 * e * T * F + e * T * D * (1 + gu * direct) + dequant
+        mlp = (moe[1] if moe else 2 * e * T * F + e * T * D * (1 + gu * direct)) + dequant
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
     attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
     what, n = "kernel", p.attn_block
@@ -102,7 +103,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
-    gone = 0 if tiled else 4 * e * T * F + ds(("gate_proj", "up_proj", "down_proj"))
+    gone = 0 if tiled else (moe[0] if moe else 4 * e * T * F) + ds(("gate_proj", "up_proj", "down_proj"))
     o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
     o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
     oproj = max(oproj, e * T * D * bool(o_dora))

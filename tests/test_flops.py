@@ -62,6 +62,24 @@ def test_flops_match_torch_flop_counter():
     assert flops_per_token(args, s) == flops_per_token(args, s, causal=False) - attn_full // 2, "causal: half"
 
 
+def test_moe_flops_match_torch_flop_counter():
+    """Qwen3-MoE (4 experts, top 2, block 1 dense): each token's k experts and the router, = the counter's count."""
+    from model.moe import MoESpec
+
+    args = ModelArgs(model_type="qwen3_moe", vocab_size=96, dim=48, n_layers=3, n_heads=6, n_kv_heads=2,
+                     intermediate_size=80, qk_norm=True, moe=MoESpec(4, 2, 32, True, 1, (1,)))
+    torch.manual_seed(0)
+    model = Transformer(args, attention=DenseCausal())
+    b, s = 2, 40
+    ids = torch.randint(0, args.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(args, s, causal=False) * b * s
+    assert args.n_params == sum(p.numel() for n, p in model.named_parameters() if "_norm." not in n or "layernorm" in n)
+    # (every weight: the experts' and routers'; n_params leaves out the q/k norms, a Qwen3's too)
+
+
 def test_flops_qwen25_7b_by_hand():
     path = os.path.join(os.path.dirname(__file__), "..", "bench", "configs", "qwen2.5-7b", "config.json")
     args = ModelArgs.from_config_dict(json.load(open(path)))

@@ -357,3 +357,68 @@ def test_merge_is_what_peft_merges(ckpts, tmp_path, quant):
             assert torch.equal(wrote[k], stored[k]), k
         elif ".experts." in k:
             assert torch.equal(wrote[k], stored[k]) == (quant == "none"), k
+
+
+def test_plan_reads_the_30b_config():
+    """--plan on Qwen3-30B-A3B: the MoE blocks' NF4 experts and routers in the weight terms (48 blocks of 4 attention
+    projections and 3·128 experts of 768 x 2048, as parallel/plan_moe.kinds counts them)."""
+    import contextlib
+    import io
+
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    path = os.path.join(BENCH, "qwen3-30b-a3b")
+    m = read_args(path)
+    out = io.StringIO()
+    argv = ["--plan", "--model", path, "--max-len", "32768", "--global-batch", "1", "--gpu-mem", "80",
+            "--lora-targets", "attn"]
+    with contextlib.redirect_stdout(out):
+        train.main(argv)
+    assert "qwen3_moe" in out.getvalue(), out.getvalue()
+    args = train.build_parser().parse_args(argv[1:7] + argv[9:])   # (less --gpu-mem: --plan's own)
+    dims, pack = validate(args, m, 1)
+    p = memory_plan(m, dims, args, "cuda", pack)
+    weights = next(v for k, v in p.terms.items() if k.startswith("base weights"))
+    per_block = (2048 * 4096 * 2 + 2048 * 512 * 2 + 3 * 128 * 768 * 2048) // 2   # NF4: half a byte a weight
+    assert weights == 48 * per_block, (weights, 48 * per_block)
+    assert next(v for k, v in p.terms.items() if "routers" in k) == 48 * (128 * 2048 + 2 * 2048) * 2   # (+ 2 norms)
+
+
+@pytest.mark.parametrize("name,flags", [("renorm", []), ("plain", []), ("renorm", ["--tiled-mlp"]),
+                                        ("plain", ["--lora-targets", "k_proj,o_proj"])],
+                         ids=["renorm", "plain", "renorm_tiled_mlp", "plain_k_o"])
+def test_planned_activations_match_autograd(ckpts, name, flags):
+    """No AC, fp32, one process, nf4: the plan's activation terms (an MoE block's router softmax, top k, the slots'
+    order, each expert's intermediates and weighted outputs: parallel/plan_moe.saved; the dense block as Qwen3's) = the
+    bytes autograd keeps for backward in a real forward (unique storages, parameters excluded)."""
+    import weakref
+
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(["--model", ckpts[name], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
+                                            "--lora-targets", "attn", *flags])
+    ours, _ = build_model(BuildOptions(ckpts[name], quant="nf4", ac=False, lora_dropout=0.0, tiled_mlp=args.tiled_mlp,
+                                       lora_targets=tuple(args.lora_targets.split(","))), device="cpu")
+    params, held = {p.untyped_storage().data_ptr() for p in ours.parameters()}, {}
+
+    def pack(t):
+        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
+        return t
+
+    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ours(ids, labels=ids)
+    dims, pack_rows = validate(args, ours.args, 1)
+    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
+    del out
+    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
+    planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
+                                                                    "| or: final norm in")))
+    assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})

@@ -1,0 +1,48 @@
+"""The memory plan's terms for Qwen3-MoE's blocks (model/moe.py), in parallel/plan.py's notation, plus E experts per
+MoE block, k of them per token, I their width (moe_intermediate_size).
+
+- Weights (terms 1, 5): an MoE block's frozen Linears are the attention's four and 3·E expert projections ([I, D],
+  [I, D], [D, I]; NF4 as the dense ones, with their quantization state each), and its router [E, D] in the compute
+  dtype, never quantized (sharded as the norms are). `kinds(m, shapes)`: (blocks, frozen Linear shapes, router rows)
+  for the dense blocks and the MoE blocks (mlp_only_layers, decoder_sparse_step); FSDP2's unsharded block is the
+  larger kind's.
+- Activations (term 4), `saved(m, T, e)`: what autograd keeps of an MoE MLP beyond its input (its norm's, counted as
+  the dense MLP's): the router's float32 softmax [T, E] (4TE), top k's int64 indices (8Tk), with norm_topk_prob the
+  division's float32 top k and sum (4Tk + 4T); the slots' expert order and their tokens, int64 (16Tk: every expert's
+  index_select / index_add index is a slice of these); per expert its tokens' gate output (silu's input), silu's
+  output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
+  routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
+  experts' frozen projections save no input, nor the sum into the output (index_put_: its index only). --tiled-mlp:
+  the tiles keep only the input, as the dense MLP's.
+- The MLP phase of a block backward (term 6), `backward(m, T, e)`: the incoming gradient, the input gradient summed
+  over the experts and one expert's index_select backward [T, D] (3eTD), the router's float32 gradients (8TE), one
+  expert's backward with every token routed to it at worst (e·T·(2I + D)). Not measured against a GPU trace (2026-12):
+  the saved tensors are pinned against autograd's (tests/test_qwen3_moe.py).
+"""
+
+from __future__ import annotations
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
+    """[(blocks of a kind, their frozen Linears' (out, in), router rows)]: the dense blocks' and the MoE ones'."""
+    if m.moe is None:
+        return [(m.n_layers, list(shapes.values()), 0)]
+    sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
+    width, D = m.moe.width, m.dim
+    experts = [(width, D), (width, D), (D, width)] * m.moe.experts
+    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
+                        (sparse, [s for t, s in shapes.items() if t not in MLP] + experts, m.moe.experts)) if k[0]]
+
+
+def saved(m, T: int, e: int) -> float:
+    """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring)."""
+    E, k, width, D = m.moe.experts, m.moe.top_k, m.moe.width, m.dim
+    return 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 16 * T * k \
+        + 3 * e * T * k * width + e * T * k * (D + 1)
+
+
+def backward(m, T: int, e: int) -> float:
+    """An MoE block's MLP phase of the backward, less the dequantized weight (module docstring)."""
+    return 3 * e * T * m.dim + 8 * T * m.moe.experts + e * T * (2 * m.moe.width + m.dim)
