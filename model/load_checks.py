@@ -60,6 +60,10 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     prequant.check_quant(packed, quant, path)
     have = {n: (tuple(h[1]), os.path.basename(raw[n][1])) for n, h in meta.items()}
     missing = sorted(n for n in want if n not in have)
+    if fused := next((n for n in have if n.endswith("mlp.experts.gate_up_proj")), None):
+        raise ValueError(f"{path!r}: {fused} holds the experts fused ([E, 2·I, D]); the experts are read one by one, "
+                         "as the Hub's Qwen3-MoE checkpoints and transformers 5's save_pretrained store them "
+                         "(mlp.experts.E.gate_proj.weight ...): save it again with transformers 5, or pass the Hub's")
     if missing:
         raise ValueError(f"{path!r}: the checkpoint lacks {len(missing)} tensors its config.json implies "
                          f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"

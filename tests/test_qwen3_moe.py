@@ -422,3 +422,32 @@ def test_planned_activations_match_autograd(ckpts, name, flags):
     planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
                                                                     "| or: final norm in")))
     assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})
+
+
+def test_start_up_shape_check_reads_the_experts(ckpts, tmp_path):
+    """train.py's start-up check of the weight headers (model/load_checks.py) expects each MoE block's router and
+    experts, not a dense MLP there (it refused every Qwen3-MoE checkpoint: 'lacks ... mlp.gate_proj'); an expert
+    missing is named; experts stored fused (experts.gate_up_proj) are refused naming the form."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model.load import read_args
+    from model.load_checks import check_config_shapes
+
+    m = read_args(ckpts["renorm"])
+    check_config_shapes(ckpts["renorm"], m)
+    gone = "model.layers.2.mlp.experts.3.up_proj.weight"
+    for name, change in (("cut", lambda t: {k: v for k, v in t.items() if k != gone}),
+                         ("fused", lambda t: {**{k: v for k, v in t.items() if ".experts." not in k},
+                                              "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 48)})):
+        bad = tmp_path / name
+        shutil.copytree(ckpts["renorm"], bad)
+        for f in bad.glob("*.safetensors"):
+            f.unlink()
+        (bad / "model.safetensors.index.json").unlink()
+        every = {k: v for f in os.listdir(ckpts["renorm"]) if f.endswith(".safetensors")
+                 for k, v in load_file(os.path.join(ckpts["renorm"], f)).items()}
+        save_file(change(every), str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match="experts.3.up_proj" if name == "cut" else "holds the experts fused"):
+            check_config_shapes(str(bad), m)
