@@ -1,8 +1,10 @@
 """The config.json keys of the architectures whose differences model/gemma.py implements, read into ModelArgs fields
 as transformers (5.x) reads them.
 
-Contract: `FIELDS[model_type](cfg, max_pos)` -> the ModelArgs fields that differ from Llama's (`rope_theta` and
-`rope_scaling` among them where the model reads its RoPE its own way); a model_type not in FIELDS has none.
+Contract: `SUPPORTED[model_type]`: the few flags every supported architecture has (biases, q/k norms, transformers'
+defaults for missing keys); `FIELDS[model_type](cfg, max_pos)` -> the ModelArgs fields that differ from Llama's
+(`rope_theta` and `rope_scaling` among them where the model reads its RoPE its own way); a model_type not in FIELDS
+has none.
 - `gemma_fields`: gemma3_text (RoPE per layer type, layer types from sliding_window_pattern, query_pre_attn_scalar);
   Gemma 2's soft-capping and bidirectional attention are refused naming the key.
 - `olmo_fields`: olmo2 / olmo3 (OLMo 3: RoPE per layer type, YaRN in rope_scaling on the full layers; layer types every
@@ -24,6 +26,30 @@ from model.moe import moe_fields
 from model.rope import read_rope
 
 GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
+
+
+# model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
+# qkv_bias: True always (q, k, v; o never), None from `attention_bias` (q, k, v and o), False never (transformers
+# ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos, kv, head_dim: transformers' defaults for a
+# config.json without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own),
+# num_key_value_heads, head_dim (None: num_attention_heads, hidden_size / num_attention_heads); qk_norm: RMSNorm over
+# head_dim on q and k (Qwen3); eps: rms_norm_eps when missing (1e-6 without). Ministral is Mistral with `layer_types`;
+# Ministral 3 (ministral3) is Mistral with YaRN by default (rope.MINISTRAL3_ROPE) and Llama 4's attention temperature.
+SUPPORTED = {
+    "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),
+    "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
+    "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
+    "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768, kv=32, head_dim=None),
+    "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
+    "ministral3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=262144, kv=8, head_dim=128, eps=1e-5),
+    "gemma3_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + gemma.py
+    "olmo2": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
+    "olmo3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
+    "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
+    "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
+    "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
+}
+SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
 
 def gemma_fields(cfg: dict, max_pos: int) -> dict:

@@ -33,34 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from model.arch_fields import FIELDS
+from model.arch_fields import FIELDS, SLIDING_WINDOW, SUPPORTED
 from model.moe import MoESpec
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
 from model.wrapper import unwrap
-
-# model_type -> the architecture differences that matter here; a few explicit flags, no hierarchy.
-# qkv_bias: True always (q, k, v; o never), None from `attention_bias` (q, k, v and o), False never (transformers
-# ignores the key there); mlp_bias: read from `mlp_bias` or never; max_pos, kv, head_dim: transformers' defaults for a
-# config.json without max_position_embeddings (the original length of a YaRN/llama3 scaling without its own),
-# num_key_value_heads, head_dim (None: num_attention_heads, hidden_size / num_attention_heads); qk_norm: RMSNorm over
-# head_dim on q and k (Qwen3); eps: rms_norm_eps when missing (1e-6 without). Ministral is Mistral with `layer_types`;
-# Ministral 3 (ministral3) is Mistral with YaRN by default (rope.MINISTRAL3_ROPE) and Llama 4's attention temperature.
-SUPPORTED = {
-    "llama": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),
-    "mistral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
-    "ministral": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None),
-    "qwen2": dict(qkv_bias=True, mlp_bias=False, qk_norm=False, max_pos=32768, kv=32, head_dim=None),
-    "qwen3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=32, head_dim=128),
-    "ministral3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=262144, kv=8, head_dim=128, eps=1e-5),
-    "gemma3_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + gemma.py
-    "olmo2": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
-    "olmo3": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=2048, kv=None, head_dim=None, eps=1e-5),
-    "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
-    "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
-    "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
-}
-SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
 
 @dataclass
