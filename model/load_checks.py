@@ -74,7 +74,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     if bad:
         raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
                          "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
-    notes = [prequant.describe(packed, [n for n in want if n != "model.embed_tokens.weight"], quant, path)]
+    # (the routers: never quantized, --quant nf4 keeps them in the compute dtype)
+    proj = [n for n in want if n != "model.embed_tokens.weight" and not n.endswith(".mlp.gate.weight")]
+    notes = [prequant.describe(packed, proj, quant, path)]
     blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if blocks and max(blocks) >= margs.n_layers:
         notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "

@@ -161,9 +161,10 @@ def describe(packed: dict, block_weights: list, quant: str | None, where: str) -
     if any(not p.nested for p in packed.values()):
         said += " (its fp32 block scales quantized to 8 bits here, as for any checkpoint)"
     if floats := [n for n in block_weights if n not in packed]:
-        said += (f"; {len(floats)} block projections stored unquantized (llm_int8_skip_modules: {floats[0]}"
-                 f"{', ...' if len(floats) > 1 else ''}) are quantized to NF4 here, as --quant nf4 does a float "
-                 "checkpoint (--quant none keeps them)")
+        said += (f"; {len(floats)} block projections stored unquantized ({floats[0]}"
+                 f"{', ...' if len(floats) > 1 else ''}: llm_int8_skip_modules, or Qwen3-MoE's experts, fused 3-D "
+                 "parameters in transformers 5, which bitsandbytes leaves in float) are quantized to NF4 here, as "
+                 "--quant nf4 does a float checkpoint (--quant none keeps them)")
     return said
 
 

@@ -1,5 +1,5 @@
 """Qwen3-MoE (model/moe.py) through the rest of the trainer: train.py end to end, FSDP2 with experts no token reaches,
-DPO (the decoder itself: tests/test_qwen3_moe.py).
+DPO, a bitsandbytes 4-bit upload (the decoder itself: tests/test_qwen3_moe.py).
 
 Pins (CPU, gloo; one tiny random Qwen3MoeForCausalLM saved by transformers 5 with the fixture tokenizer: 4 experts, top
 2, norm_topk_prob, 3 blocks of which block 1 is dense through mlp_only_layers; routers drawn large so the top 2 are
@@ -11,13 +11,18 @@ decided, norms off 1, embeddings and head × 30; LoRA on the attention, --lora-t
   norm and every trained gradient = one process on the four micro-batches;
 - DPO (the reference: adapters off, routing with the base) on a packed micro-batch of two pairs = the DPO formula on
   log_softmax of peft's Qwen3MoeForCausalLM holding our LoRA (the policy) and transformers' base model, losses and
-  every LoRA gradient.
+  every LoRA gradient;
+- a -bnb-4bit save of the model (transformers 5 + bitsandbytes: the attention and the dense MLP 4-bit, the experts,
+  fused 3-D parameters in transformers, left in float and written split): --quant none builds every weight as
+  bitsandbytes' dequantize_4bit of the stored codes, the experts and routers as stored; the start-up note under nf4
+  counts the float expert projections it quantizes and not the routers, which stay in the compute dtype.
 
 Run: .venv/bin/python -m pytest -q tests/test_qwen3_moe_run.py
 """
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -143,6 +148,48 @@ def test_four_ranks_train_as_one_rank_and_experts_one_rank_never_reaches(runs):
     hits = [h for h, _ in results]
     assert all(len(e) < 4 for e in hits[0]) and all(e == {0, 1, 2, 3} for h in hits[1:] for e in h), hits
     assert [k for _, k in results] == [3 * (2 * 4 + 4) + 1] * 4, results
+
+
+@pytest.fixture(scope="module")
+def bnb_upload(assets, tmp_path_factory):
+    from tests.helpers import bnb_checkpoint
+
+    return bnb_checkpoint(assets["model"], tmp_path_factory.mktemp("moe_bnb") / "dq", bnb_4bit_quant_type="nf4",
+                          bnb_4bit_use_double_quant=True)
+
+
+def test_bnb_4bit_upload_reads_as_bitsandbytes_dequantizes_it(bnb_upload):
+    """transformers 5 + bitsandbytes quantize the attention and the dense block's MLP (Linear4bit), not the experts
+    (fused 3-D parameters) nor the routers; save_pretrained writes the experts split, in float. --quant none builds
+    every weight as bitsandbytes' dequantize_4bit of the codes transformers holds, or the stored float tensor; the
+    nf4 start-up note counts the 24 expert projections it quantizes, not the 2 routers (which stay float Linears)."""
+    import copy
+
+    from bitsandbytes.functional import dequantize_4bit
+    from safetensors.torch import load_file
+
+    from model.load import read_args
+    from model.load_checks import check_config_shapes
+    from parallel.parallelize import BuildOptions, build_model
+
+    stored = {k: v for f in glob.glob(os.path.join(bnb_upload, "*.safetensors")) for k, v in load_file(f).items()}
+    want = {k: v for k, v in stored.items() if k.endswith("weight") and v.is_floating_point()}
+    assert len([k for k in want if ".experts." in k]) == 2 * 4 * 3
+    hf = T.AutoModelForCausalLM.from_pretrained(bnb_upload, device_map="cpu", dtype=torch.float32)
+    for n, m in hf.named_modules():
+        if hasattr(getattr(m, "weight", None), "quant_state"):
+            st = copy.copy(m.weight.quant_state)
+            st.dtype = torch.float32
+            want[f"{n}.weight"] = dequantize_4bit(m.weight.data, st)
+    assert sorted(want) == sorted(k for k in stored if k.endswith(".weight")), "every weight: stored or dequantized"
+    ours, _ = build_model(BuildOptions(bnb_upload, quant="none", lora_targets=ATTN, ac=False), device="cpu")
+    got = {k.replace(".base_layer", ""): v for k, v in ours.state_dict().items() if "lora_" not in k}
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    note = check_config_shapes(bnb_upload, read_args(bnb_upload), "nf4")
+    assert "24 block projections stored unquantized (model.layers.0.mlp.experts." in note, note
+    assert "mlp.gate." not in note, note
 
 
 def _hf(path):
