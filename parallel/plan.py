@@ -293,7 +293,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for _, ws, _ in kinds for o, i in ws) * e if nf4 else 0
-    n_held = {x: o * i * (m.moe.experts if moe and x in plan_moe.MLP else 1) for x, (o, i) in shapes.items()}
+    n_held = plan_moe.held(m, shapes)   # each projection's weights a block dequantizes (MoE: every expert's)
     held = lambda *ts: sum(n_held[x] for x in ts) * e if nf4 else 0   # dequant_once's weights (MoE: every expert's)
     row = T * U // (1 if pack else mb)   # attention tokens per row
     p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls

@@ -13,7 +13,8 @@ MoE block, k of them per token, I their width (moe_intermediate_size).
   output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
   routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
   experts' frozen projections save no input, nor the sum into the output (index_put_: its index only). --tiled-mlp:
-  the tiles keep only the input, as the dense MLP's.
+  the tiles keep only the input, as the dense MLP's; with nf4 its phase holds every expert's weights dequantized
+  (`held`: E·3·I·D, the dense blocks' 3·F·D where larger).
 - The MLP phase of a block backward (term 6), `backward(m, T, e)`: the incoming gradient, the input gradient summed
   over the experts and one expert's index_select backward [T, D] (3eTD), the router's float32 gradients (8TE), one
   expert's backward with every token routed to it at worst (e·T·(2I + D)). Not measured against a GPU trace (2026-12):
@@ -34,6 +35,17 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
     experts = [(width, D), (width, D), (D, width)] * m.moe.experts
     return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
                         (sparse, [s for t, s in shapes.items() if t not in MLP] + experts, m.moe.experts)) if k[0]]
+
+
+def held(m, shapes: dict) -> dict:
+    """{projection: weights --tiled-mlp / --tiled-attn dequantize at once in a block (model.nf4.dequant_once)}: an MoE
+    block's every expert of moe_intermediate_size (E·I·D), not E of the dense MLP's intermediate_size; the larger kind's
+    where dense blocks are there too."""
+    n = {x: o * i for x, (o, i) in shapes.items()}
+    if m.moe is not None and (sparse := sum(m.moe.sparse(i) for i in range(m.n_layers))):
+        for x in MLP:
+            n[x] = max(n[x] if sparse < m.n_layers else 0, m.moe.experts * m.moe.width * m.dim)
+    return n
 
 
 def saved(m, T: int, e: int) -> float:

@@ -15,7 +15,9 @@ decided, norms off 1, embeddings and head × 30; LoRA on the attention, --lora-t
 - a -bnb-4bit save of the model (transformers 5 + bitsandbytes: the attention and the dense MLP 4-bit, the experts,
   fused 3-D parameters in transformers, left in float and written split): --quant none builds every weight as
   bitsandbytes' dequantize_4bit of the stored codes, the experts and routers as stored; the start-up note under nf4
-  counts the float expert projections it quantizes and not the routers, which stay in the compute dtype.
+  counts the float expert projections it quantizes and not the routers, which stay in the compute dtype;
+- --plan with --tiled-mlp and nf4: the tiled MLP phase's dequantized weights = the bytes model.nf4.dequant_once holds
+  at most in a real forward and backward (the MoE block's 4 experts of 64, not 4 times the dense block's 128).
 
 Run: .venv/bin/python -m pytest -q tests/test_qwen3_moe_run.py
 """
@@ -34,7 +36,7 @@ from tests.helpers import one_thread, train_argv
 from tests.test_train import _compare
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-CONFIG = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=3,
+CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
               mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=4096, rope_theta=3e4, bos_token_id=None)
 MEM = ["--tiled-mlp", "--offload-activations", "--quant", "nf4", "--lora-targets", "attn"]
@@ -44,9 +46,9 @@ FOUR = {"ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """The checkpoint (module docstring; hidden and expert widths whole 64-blocks: bitsandbytes 0.50's CPU
-    dequantize_4bit takes the wrong block scales on rows that are not, tests/test_prequant.py) beside the fixture
-    tokenizer and chat data."""
+    """The checkpoint (module docstring; the dense MLP twice an expert's width; widths whole 64-blocks: bitsandbytes
+    0.50's CPU dequantize_4bit takes the wrong block scales on rows that are not, tests/test_prequant.py) beside the
+    fixture tokenizer and chat data."""
     from tests.fixtures import make_chat_jsonl, make_tokenizer
 
     d = tmp_path_factory.mktemp("moe_run")
@@ -253,3 +255,38 @@ def test_dpo_equals_the_formula_on_transformers(assets):
     for k in mine:
         rel = ((mine[k].grad - theirs[k].grad).norm() / theirs[k].grad.norm()).item()
         assert theirs[k].grad.norm() > 0 and rel < 1e-4, f"grad {k}: relative difference {rel:.2e}"
+
+
+def test_planned_tiled_mlp_dequantized_weights_are_what_dequant_once_holds(assets, monkeypatch):
+    """--tiled-mlp with nf4 dequantizes a block's MLP weights once for all its tiles (model.nf4.dequant_once): the
+    plan's tiled MLP phase holds, beyond --quant none's, the most bytes that cache held in a forward and backward of
+    the model (every expert of an MoE block, E·3·I·D, here above the dense block's 3·F·D; it planned E·3·F·D)."""
+    import model.nf4 as nf4
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    most, leave = [0], nf4.dequant_once.__exit__
+
+    def exit_(self, *exc):
+        most[0] = max(most[0], sum(w.untyped_storage().nbytes() for w in nf4._once.weights.values()))
+        return leave(self, *exc)
+
+    monkeypatch.setattr(nf4.dequant_once, "__exit__", exit_)
+    ours, _ = build_model(BuildOptions(assets["model"], quant="nf4", ac=False, tiled_mlp=True, lora_targets=ATTN),
+                          device="cpu")
+    ids = torch.randint(0, 400, (1, 128), generator=torch.Generator().manual_seed(2))
+    assert all(len(e) == 4 for e in _hit(ours, ids)), "every expert reached"
+    s, n = ours(ids, labels=_labels(ids))
+    (s / n).backward()
+    phase = {}
+    for quant in ("nf4", "none"):
+        args = train.build_parser().parse_args(["--model", assets["model"], "--max-len", "128", "--global-batch", "1",
+                                                "--quant", quant, "--dtype", "fp32", "--no-ac", "--tiled-mlp",
+                                                "--lora-targets", "attn"])
+        dims, pack = validate(args, ours.args, 1)
+        phase[quant] = next(v for k, v in memory_plan(ours.args, dims, args, "cpu", pack).terms.items()
+                            if k.startswith("| block backward at the tiled MLP"))
+    assert most[0] == 4 * 3 * 64 * 64 * 4, most   # (fp32)
+    assert phase["nf4"] - phase["none"] == most[0], (phase, most)
