@@ -137,10 +137,11 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     """[{prompt, expected, base, tuned}] for the first `n` held-out conversations or prompt records of the run."""
     import torch
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from data.jsonl import load_jsonl
+    from data.load import load_tokenizer
     from data.mix import data_files
     from model.wrapper import WRAPPERS
 
@@ -178,7 +179,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     if not recs:
         raise ValueError(f"{' '.join(files)}{' (its held-out records)' * bool(held)} has no chat or prompt/completion "
                          "records (or preference pairs with a prompt) to prompt with")
-    tok = AutoTokenizer.from_pretrained(cfg["model"], local_files_only=True)
+    tok = load_tokenizer(cfg["model"])   # (training's: a multimodal checkpoint's processor template too)
     stop = [t for t in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if t is not None]
     if cfg.get("chat_template_text"):   # the run's --chat-template, and the token that ends its turns
         from data.templates import end_of_turn

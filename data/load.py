@@ -3,7 +3,9 @@ cache (data/store.py), and its ids checked against the model's vocabulary.
 
 Contract:
 - `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
-  `template` (--chat-template's text, data/templates.py) replaces the checkpoint's.
+  `template` (--chat-template's text, data/templates.py) replaces the checkpoint's. A tokenizer with no template of its
+  own takes a multimodal checkpoint's processor template (`chat_template.json`: Mistral Small 3.1's, Gemma 3's
+  repos keep it there), as transformers' processor would render the text turns.
 - `load_samples(path, ...)` does what data/tokens.py's `tokenize_records` does, for a file, chunk by chunk into a
   compact `data.samples.Samples`, read from or kept in a disk cache when given one (data/store.py), and checks the
   ids against the model's vocabulary.
@@ -21,6 +23,21 @@ from data.token_stats import LONG_TEXT, TokenStats
 from data.tokens import tokenize_records
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+PROCESSOR_TEMPLATE = "chat_template.json"   # {"chat_template": ...}: where a multimodal checkpoint's processor keeps it
+
+
+def _processor_template(path: Path) -> str:
+    """The chat template a multimodal checkpoint keeps for its processor only (AutoTokenizer does not read it), which
+    renders text turns as its tokenizer's would."""
+    import json
+
+    try:
+        text = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"{path} cannot be read as a chat template ({type(e).__name__}: {e}): fix or remove it") from e
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(f"{path} holds no \"chat_template\" text: fix or remove it, or pass --chat-template")
+    return text
 
 
 def load_tokenizer(model_dir: str | Path, template: str | None = None):
@@ -40,6 +57,8 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
         raise DataError(f"could not load the tokenizer in {d}: {e}") from e
+    if tok.chat_template is None and (d / PROCESSOR_TEMPLATE).is_file():   # a multimodal checkpoint's template, kept
+        tok.chat_template = _processor_template(d / PROCESSOR_TEMPLATE)   # for its processor (Mistral 3, Gemma 3)
     if template is not None:
         from data.templates import apply_template
         apply_template(tok, template)

@@ -208,3 +208,34 @@ def test_merge_into_gemma3_writes_the_adapters_rope_as_its_full_layers(bases, tm
         "sliding_attention"], got
     assert read_args(out).rope_parameters() == {**rope, "original_max_position_embeddings": 4096}, \
         read_args(out).rope_parameters()
+
+
+def test_processor_chat_template_is_the_tokenizers_when_it_has_none(tmp_path):
+    """Multimodal repos (Mistral Small 3.1, Gemma 3) may keep the chat template in the processor's chat_template.json
+    only, which AutoTokenizer does not read: data.load.load_tokenizer takes it then, so chat data render as
+    transformers renders them with that template; a chat_template.json without one is refused naming it."""
+    import json
+
+    from data.jsonl import DataError
+    from data.load import load_tokenizer
+    from tests.fixtures import make_tokenizer
+
+    ref = make_tokenizer(tmp_path / "ref")
+    want = ref.chat_template
+    assert want, "the fixture tokenizer has a template"
+    d = tmp_path / "proc"
+    make_tokenizer(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in d.glob("chat_template.jinja"):
+        f.unlink()
+    assert T.AutoTokenizer.from_pretrained(str(d)).chat_template is None, "the template is still in the tokenizer"
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": want}))
+    tok = load_tokenizer(d)
+    msgs = [{"role": "user", "content": "how far is it"}, {"role": "assistant", "content": "two days on foot"}]
+    assert tok.chat_template == want
+    assert tok.apply_chat_template(msgs, tokenize=False) == ref.apply_chat_template(msgs, tokenize=False)
+    (d / "chat_template.json").write_text(json.dumps({"other": 1}))
+    with pytest.raises(DataError, match="chat_template.json holds no"):
+        load_tokenizer(d)
