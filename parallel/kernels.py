@@ -124,20 +124,22 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, backend, mask=None, spare_q=False):
         out, lse = forward(q, k, v, causal, scale, backend, mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args, ctx.spare_q = (causal, scale, backend, mask), spare_q
+        # the mask is saved as a tensor, not held on ctx: AC's hooks then drop it with q, k, v (a sliding window's
+        # band masks, S·2w bytes a layer, were kept by every checkpointed block from forward to its backward)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
+        ctx.args, ctx.spare_q = (causal, scale, backend), spare_q
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, backend, mask = ctx.args
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        (causal, scale, backend), mask = ctx.args, (mask or [None])[0]
         if causal and mask is None and q.shape[1] > BACKWARD_BLOCK and k.shape[2] < q.shape[2]:
             spare = recompute.spare_storages(dict(q=q, k=k, v=v, out=out)) if ctx.spare_q else set()
             grads = backends.blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, backward_block(
                 q.shape[1]), spare)
         else:
-            grads = backward(dout, q, k, v, out, lse, *ctx.args)
+            grads = backward(dout, q, k, v, out, lse, causal, scale, backend, mask)
         return (*grads, None, None, None, None, None)
 
 

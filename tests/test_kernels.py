@@ -469,6 +469,42 @@ def test_sliding_window_attention(monkeypatch, backend, window, docs, band):
         close(a, want, f"window {window} {name}")
 
 
+def test_checkpointed_window_keeps_no_band_masks():
+    """Under AC (torch.utils.checkpoint, non-reentrant) a sliding window's calls keep nothing from forward to backward
+    but the output, as SDPA with the same mask does under the same checkpoint (the reference): the band masks ([1,
+    tile, keys] bool each, S·2w bytes a layer) were held on the autograd node, out of AC's reach (bench/plan.py's
+    Gemma 3 / OLMo 3 rows: 1.4-1.5x the plan at 16k; review, helper 131). Gradients = the reference's."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    class Made(TorchDispatchMode):   # a weak reference to every storage an op makes under it
+        def __init__(self):
+            super().__init__()
+            self.refs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.refs += [(StorageWeakRef(t.untyped_storage()), f"{func} {t.dtype} {list(t.shape)}")
+                          for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            return out
+
+    q, k, v = qkv((1, 150, 150, 4, 2, 32), seed=9)
+    i, j = torch.arange(150)[:, None], torch.arange(150)[None]
+    ours = lambda q, k, v: kernels.attention(q, k, v, True, 0.2, window=20, backend="cpu")
+    ref = lambda q, k, v: masked_ref(q, k, v, ((j <= i) & (i - j < 20))[None], 0.2)
+    dout, grads = torch.randn(1, 150, 4, 32), []
+    for name, fn in (("ours", ours), ("sdpa", ref)):
+        with Made() as made:
+            out = checkpoint(fn, q, k, v, use_reentrant=False)
+        given = {StorageWeakRef(t.untyped_storage()).cdata for t in (q, k, v, out)}   # (and views of them)
+        own = {r.cdata: what for r, what in made.refs if not r.expired() and r.cdata not in given}
+        assert not own, f"{name}: kept from forward to backward besides the output: {sorted(own.values())}"
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for name, a, want in zip(("dq", "dk", "dv"), *grads):
+        close(a, want, f"checkpointed window {name}")
+
+
 def test_window_and_mask_refusals():
     q, k, v = qkv((1, 8, 8, 4, 2, 64))
     for bad in (0, -3, 2.5):
