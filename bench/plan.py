@@ -6,8 +6,9 @@ For each configuration (cp 1, 2, 4; Ulysses, ring, hybrid; nf4 and none; AC on a
 spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([...])` for 2 optimizer steps
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
-backward, not the loss' logits block, sets the peak; "tied v16k": vocab 16,384, the head tied to the embedding)
-and synthetic text, and prints
+backward, not the loss' logits block, sets the peak; "tied v16k": vocab 16,384, the head tied to the embedding;
+rows named for another architecture, ARCHS: Gemma 3, OLMo 3, Qwen3-MoE, Granite, Ministral 3, its random checkpoint
+of the same sizes, made from transformers' own config class) and synthetic text, and prints
 
     planned  = `parallel.plan.memory_plan(...).peak`: the live-tensor peak, WITHOUT the fragmentation factor
                and the runtime term (those are stated constants, not formulas to validate)
@@ -30,7 +31,8 @@ the kernel when torch frees it: RSS then follows the live tensors the way CUDA's
 With glibc's default dynamic threshold, blocks up to 32 MB stay in the heap after free and the RSS peak
 includes memory that no tensor holds.
 
-Run: .venv/bin/python bench/plan.py    (11 min on a shared, loaded 2-core machine: 8 min CPU; --only NAME...: rows)
+Run: .venv/bin/python bench/plan.py    (11 min on a shared, loaded 2-core machine: 8 min CPU, the Qwen2 rows; the
+other architectures' 25 rows ~20 min more; --only NAME...: rows)
 """
 
 from __future__ import annotations
@@ -126,6 +128,29 @@ CONFIGS = [
     ("cp1 nf4 16k tiled lora-layers 0 dropout v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--lora-layers", "0",
                                                                 "--lora-dropout", "0.1"]),
 ]
+# the other architectures (ARCHS: a row named "<arch> ..." runs that architecture's random checkpoint, the Qwen2 rows'
+# sizes): per architecture nf4 with AC, --tiled-mlp, --tiled-mlp --offload-activations, and cp 2 (Ulysses)
+ARCH_ROWS = [("nf4 4k", 1, 4096, ["--quant", "nf4"]),
+             ("nf4 16k tiled", 1, 16384, ["--quant", "nf4", "--tiled-mlp"]),
+             ("nf4 16k tiled offload", 1, 16384, ["--quant", "nf4", "--tiled-mlp", "--offload-activations"]),
+             ("cp2 ulysses nf4 8k", 2, 8192, ["--quant", "nf4", "--cp", "2", "--cp-impl", "ulysses"]),
+             ("nf4 16k v512", 1, 16384, ["--quant", "nf4"])]   # (vocab 512: the block's backward sets the peak)
+SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=False)
+FOUR = ["sliding_attention"] * 3 + ["full_attention"]   # Gemma 3, OLMo 3: three sliding layers, a full one
+# architecture -> (transformers' config class, its keys beyond SIZES): windows of 1,024 tokens, shorter than the rows
+ARCHS = {"gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_window=1024, layer_types=FOUR,
+                                             tie_word_embeddings=True)),   # (as every Gemma 3)
+         "olmo3": ("Olmo3Config", dict(sliding_window=1024, layer_types=FOUR)),
+         "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                                              norm_topk_prob=True)),
+         "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                           attention_multiplier=0.015625, logits_scaling=8.0)),
+         "ministral3": ("Ministral3Config", dict(rope_parameters=dict(  # its default YaRN x16, from 2,048 tokens
+             rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=2048, beta_fast=32.0,
+             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)))}
+EXTRA = {"qwen3_moe": ["--lora-targets", "attn"]}   # (LoRA on experts is refused: parallel.flags)
+CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
 BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,
@@ -134,8 +159,9 @@ MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan_totals.FRAGMENTATION, printed only
 
 
-def make_assets(root: str) -> tuple[str, str]:
-    """A random Qwen2 checkpoint with a small BPE tokenizer, and long synthetic text records."""
+def make_assets(root: str, archs=()) -> tuple[str, str]:
+    """A random Qwen2 checkpoint with a small BPE tokenizer, and long synthetic text records; `archs`: the ARCHS whose
+    random checkpoints (made by transformers from its own config class) go beside it, as model_<arch>."""
     import transformers as T
 
     from data.demo import build_tokenizer
@@ -161,6 +187,14 @@ def make_assets(root: str) -> tuple[str, str]:
     torch.manual_seed(0)
     cfg.vocab_size, cfg.tie_word_embeddings = 16384, True
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_tied_v16k")
+    for arch in archs:
+        cls, keys = ARCHS[arch]
+        for vocab, tail in ((4096, ""), (512, "_v512")):
+            tok.save_pretrained(f"{model_dir}_{arch}{tail}")
+            torch.manual_seed(0)
+            cfg = getattr(T, cls)(**{**SIZES, **keys, "vocab_size": vocab}, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+            T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(f"{model_dir}_{arch}{tail}")
     data = os.path.join(root, "train.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
@@ -229,19 +263,20 @@ def main():
     rows = [c for c in CONFIGS if opt.only is None or c[0] in opt.only]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data = make_assets(tmp)
-        print(f"{'config':<26}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
+        model_dir, data = make_assets(tmp, sorted({n.split()[0] for n, *_ in rows} & ARCHS.keys()))
+        print(f"{'config':<34}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
               "   measured per rank")
         for name, world, max_len, flags in rows:
-            model = model_dir + ("_v512" if name.endswith("v512") else "_tied_v16k" if name.endswith("tied v16k")
-                                 else "")
+            arch = f"_{name.split()[0]}" if name.split()[0] in ARCHS else ""
+            model = model_dir + arch + ("_v512" if name.endswith("v512") else "_tied_v16k" if name.endswith("tied v16k")
+                                        else "")
             argv = ["--model", model, "--data", data, "--max-len", str(max_len), "--long-text", "truncate",
                     "--steps", "2", "--dtype", "fp32",
                     "--global-batch", str(world // _cp(flags)), "--no-progress",
                     "--out", os.path.join(tmp, "out", name.replace(" ", "_")), *flags]   # a run owns its --out
             plan = planned(world, argv, BLOCKS.get(name))
             meas, code = zip(*measure(world, argv, BLOCKS.get(name)))
-            print(f"{name:<26}{world:>6}{plan / MB:>12.0f}{max(meas) / MB:>13.0f}{max(meas) / plan:>7.2f}"
+            print(f"{name:<34}{world:>6}{plan / MB:>12.0f}{max(meas) / MB:>13.0f}{max(meas) / plan:>7.2f}"
                   f"{max(code) / MB:>9.0f}   " + " ".join(f"{m / MB:.0f}" for m in meas), flush=True)
     print(f"({time.time() - t0:.0f} s) planned: live-tensor peak, without the x{FRAGMENTATION:.2f} fragmentation "
           "and runtime terms.\nmeasured: VmHWM - RSS at build_model - code MB (library code paged in on first "
