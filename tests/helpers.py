@@ -300,3 +300,31 @@ def hub_403(why: str, method: str, url: str) -> Exception:
         return e
     raise AssertionError("hf_raise_for_status raised nothing for a 403")
 
+
+
+def planned_and_saved_activations(model, args, seq: int = 128, vocab: int = 128):
+    """(planned, saved, the plan's activation terms) for one fp32 forward of `model` (one process, no AC) on `seq`
+    random ids: saved = the bytes autograd keeps for backward (unique storages, parameters excluded, none freed
+    during the forward); planned = `parallel.plan.memory_plan`'s saved-tensor, RoPE and final-norm terms for `args`
+    (train.py's parsed flags)."""
+    import weakref
+
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    params, held = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+    def pack(t):
+        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
+        return t
+
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, labels=ids)
+    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
+    del out
+    dims, pack_rows = validate(args, model.args, 1)
+    terms = memory_plan(model.args, dims, args, "cpu", pack_rows).terms
+    planned = sum(v for k, v in terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
+                                                                 "| or: final norm in")))
+    return planned, saved, {k: v for k, v in terms.items() if k.startswith("activations")}

@@ -284,36 +284,19 @@ def test_planned_activations_match_autograd(ckpt, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms (the post norms' inputs and rsqrt, both RoPE
     tables, the q/k norms' inputs) = the bytes autograd keeps for backward in a real forward (unique storages,
     parameters excluded)."""
-    import weakref
-
     import train
-    from parallel.mesh import validate
     from parallel.parallelize import BuildOptions, build_model
-    from parallel.plan import memory_plan
+    from tests.helpers import planned_and_saved_activations
 
     opts = dict(tiled_mlp="--tiled-mlp" in flags, tiled_attn="--tiled-attn" in flags,
                 train_norms="--train-norms" in flags)
     ours, _ = build_model(BuildOptions(ckpt, quant="nf4", ac=False, lora_dropout=0.0, **opts), device="cpu")
     for b in ours.model.layers:   # (the CPU kernel keeps a windowed layer's [S, S] mask: not a GPU's, not planned)
         b.self_attn.window = None
-    params, held = {p.untyped_storage().data_ptr() for p in ours.parameters()}, {}
-
-    def pack(t):
-        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
-        return t
-
-    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(2))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ours(ids, labels=ids)
     args = train.build_parser().parse_args(["--model", ckpt, "--max-len", "128", "--global-batch", "1", "--quant",
                                             "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0", *flags])
-    dims, pack_rows = validate(args, ours.args, 1)
-    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
-    del out
-    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
-    planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
-                                                                    "| or: final norm in")))
-    assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
 
 
 @pytest.mark.parametrize("group", [1, 2, 3])

@@ -252,12 +252,9 @@ def test_plan_reads_the_bench_configs():
 def test_planned_activations_match_autograd(ckpts, name, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps for backward in a real
     forward (unique storages, parameters excluded): the NoPE layer's unrotated q, k and the multipliers save no more."""
-    import weakref
-
     import train
-    from parallel.mesh import validate
     from parallel.parallelize import BuildOptions, build_model
-    from parallel.plan import memory_plan
+    from tests.helpers import planned_and_saved_activations
 
     args = train.build_parser().parse_args(["--model", ckpts[name], "--max-len", "128", "--global-batch", "1",
                                             "--quant", "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
@@ -266,22 +263,8 @@ def test_planned_activations_match_autograd(ckpts, name, flags):
     ours, _ = build_model(BuildOptions(ckpts[name], quant="nf4", ac=False, lora_dropout=0.0, **opts), device="cpu")
     for b in ours.model.layers:   # (the CPU kernel keeps a windowed layer's [S, S] mask: not a GPU's, not planned)
         b.self_attn.window = None
-    params, held = {p.untyped_storage().data_ptr() for p in ours.parameters()}, {}
-
-    def pack(t):
-        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
-        return t
-
-    ids = torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(2))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ours(ids, labels=ids)
-    dims, pack_rows = validate(args, ours.args, 1)
-    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
-    del out
-    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
-    planned = sum(v for k, v in p.terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
-                                                                    "| or: final norm in")))
-    assert planned == saved, (planned, saved, {k: v for k, v in p.terms.items() if k.startswith("activations")})
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
 
 
 def test_planner_counts_granites_scaled_first_checkpoint(ckpts):
