@@ -1,0 +1,207 @@
+"""Gated DeltaNet: the linear-attention sublayer of Qwen3.5 (3 of every 4 layers), with transformers' parameter names.
+
+Contract:
+- `GatedDeltaNet(dim, n_k_heads, n_v_heads, k_head_dim, v_head_dim, conv_kernel, eps)` holds transformers'
+  `Qwen3_5GatedDeltaNet` parameters under the same names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d.weight
+  [C, 1, K], dt_bias, A_log, norm.weight, out_proj), so its state_dict loads strictly and peft adapters map.
+  `forward(x, meta, core=None)`: x [B, S, D], the normed block input; returns [B, S, D] in x's dtype.
+- `meta = prepare_linear(position_ids)`, once per model forward from the WHOLE rows' position ids [B, S]: None when
+  every row is one document, else `Docs`. Documents follow `model.attention.document_starts` (a document starts where
+  positions do not continue; padding continues the last one); the recurrent state AND the convolution restart at
+  every document start, exactly as if each document ran alone. Branched rows (shared-prompt pairs) are refused.
+- The core: everything that mixes tokens goes through `core(q, k, v, g, beta, conv_w, meta) -> [B, S, Hv, dv]`
+  (`local_linear_core` by default): q, k [B, S, Hk, dk] and v [B, S, Hv, dv] straight from in_proj_qkv (before the
+  convolution), g (log decay, float32, <= 0) and beta [B, S, Hv], conv_w = (w_q [Hk, dk, K], w_k [Hk, dk, K],
+  w_v [Hv, dv, K]). It does the causal depthwise conv + silu, the l2 norm of q and k, and the gated delta rule.
+  Projections, gates, the gated norm and out_proj act per token and stay in the module.
+  A context-parallel core (all-to-all by heads, as Ulysses) hands the local core the whole sequence for a head range:
+  value heads j are served by key head j // (Hv / Hk), so a rank holding value heads [a, b) (a, b multiples of
+  Hv / Hk) takes key heads [a·Hk/Hv, b·Hk/Hv) of q, k, w_q, w_k, and v, g, beta, w_v sliced to [a, b); meta is the
+  whole rows' `prepare_linear`, unchanged. Outputs of the head ranges concatenate along dim 2.
+- The rule is computed in float32 (as transformers does) in chunks of CHUNK tokens: a Python loop over chunks, none
+  over tokens, no [S, S] tensor; plain autograd differentiates it. Document starts inside a chunk are exact: the
+  decay is summed per document inside each chunk (no "very negative log decay" stand-in), pairs across documents are
+  masked out, and the state entering a chunk reaches only the tokens before the chunk's first document start.
+- With `fla` (flash-linear-attention) importable and CUDA tensors, its `chunk_gated_delta_rule` (cu_seqlens for the
+  documents) replaces the torch rule. UNTESTED here (fla is not installed): set FLA = False to rule it out.
+- Cost of the torch rule: autograd keeps the N chunk-entry states [B, Hv, dk, dv] and a few [B, Hv, S, 64] float32
+  tensors; torch.compile would unroll the chunk loop (N iterations), so compiled regions should leave the core out.
+
+Notation: B batch, S sequence, D model dim, Hk / Hv key / value heads, dk / dv their head dims, K conv kernel,
+C = 2·Hk·dk + Hv·dv conv channels, N chunks. Algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (2024),
+chunkwise form with the WY / UT transform.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import document_bounds, document_branches, document_starts
+
+CHUNK = 64
+FLA = True   # use fla's kernel when importable and on CUDA (untested here)
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_rule
+except ImportError:
+    _fla_rule = None
+
+
+class Docs(NamedTuple):
+    """Packed rows' documents, for the linear layers (module docstring)."""
+    starts: torch.Tensor   # bool [B, S]: a document starts here
+    seg: torch.Tensor      # int64 [B, S]: the token's document number in its row, 1-based
+    most: int              # the most documents in one row
+
+
+def prepare_linear(position_ids: torch.Tensor) -> Docs | None:
+    """The linear layers' meta for whole rows' position ids [B, S]: None when every row is one document."""
+    starts = document_starts(position_ids)
+    if not bool(starts[:, 1:].any()):
+        return None
+    if document_branches(position_ids, document_bounds(position_ids)) is not None:
+        raise ValueError("rows with branched documents (shared-prompt preference pairs, --dpo-share-prompt) reach a "
+                         "linear-attention layer, whose state cannot fork at a branch: run without "
+                         "--dpo-share-prompt")
+    seg = starts.long().cumsum(1)
+    return Docs(starts, seg, int(seg[:, -1].max()))
+
+
+def causal_conv(x: torch.Tensor, w: torch.Tensor, meta: Docs | None) -> torch.Tensor:
+    """silu(causal depthwise conv) of x [B, S, C] with w [C, K], per document: [B, S, C] in x's dtype.
+    Packed rows are spread out with K-1 zeros before each document, so one conv1d sees each document alone."""
+    B, S, C = x.shape
+    K = w.shape[1]
+    conv = lambda t: F.conv1d(t.transpose(1, 2).to(w.dtype), w[:, None], padding=K - 1, groups=C)  # [B, C, S' + K-1]
+    if meta is None:
+        return F.silu(conv(x)[..., :S]).transpose(1, 2).to(x.dtype)
+    W = S + (K - 1) * meta.most   # a row's spread-out length
+    at = (torch.arange(B, device=x.device)[:, None] * W + torch.arange(S, device=x.device)
+          + (K - 1) * meta.seg).flatten()   # token t of row b sits at b·W + t + (K-1)·(its document number)
+    spread = x.new_zeros(B * W, C).index_copy(0, at, x.reshape(B * S, C)).view(B, W, C)
+    y = conv(spread)[..., :W].transpose(1, 2).reshape(B * W, C)   # (a copy: the index_select below wants rows)
+    return F.silu(y.index_select(0, at)).view(B, S, C).to(x.dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, meta: Docs | None, chunk: int = CHUNK) -> torch.Tensor:
+    """The gated delta rule over chunks, states restarting at documents: q, k [B, S, H, dk] (l2-normed, q scaled),
+    v [B, S, H, dv], g, beta [B, S, H] -> [B, S, H, dv] float32 (float64 for float64 inputs: references).
+    Per token, with a state M [dk, dv] (zero at a document start): M = exp(g)·M; M += k·(beta·(v - kᵀM))ᵀ; out = qᵀM."""
+    B, S, H, dk = k.shape
+    dv = v.shape[-1]
+    pad = -S % chunk
+    N = (S + pad) // chunk
+    f = torch.promote_types(q.dtype, torch.float32)
+    # [B, H, N, chunk, d]; the padded tail has beta = g = 0: it neither writes nor decays the state
+    q, k, v = (F.pad(t.to(f).transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, chunk, -1) for t in (q, k, v))
+    g, beta = (F.pad(t.to(f).transpose(1, 2), (0, pad)).reshape(B, H, N, chunk) for t in (g, beta))
+    seg = torch.ones(B, S, dtype=torch.long, device=q.device) if meta is None else meta.seg
+    seg = torch.cat([seg, seg[:, -1:].expand(B, pad)], 1).view(B, 1, N, chunk)   # padding continues the last document
+    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    same = (seg[..., :, None] == seg[..., None, :]) & tril                      # [B, 1, N, c, c]: j <= i, one document
+    # the state entering a chunk reaches token i iff no document starts in the chunk up to i (chunk 0: it is zero)
+    prev = torch.cat([seg[..., :1, :1] - 1, seg[..., :-1, -1:]], 2)             # the previous chunk's last document
+    carry = seg == prev                                                         # [B, 1, N, c]
+    last = same[..., -1, :]                                                     # tokens of the chunk's last document
+    # log decay summed per document within the chunk: differences only ever within one document (no very negative
+    # log decay at a start standing in for the reset, whose size would swamp the float32 sums after it)
+    gam = (g[..., None, :] * same).sum(-1)                                      # [B, H, N, c]
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~same, float("-inf")).exp()   # [B, H, N, c, c]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # WY form: (I + L) u = beta·v, (I + L) w = beta·k·exp(gam) with L the strictly lower beta·k_i·k_j·decay
+    L = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
+    into = torch.where(carry, gam, float("-inf")).exp()[..., None]              # decay from the chunk start
+    u = torch.linalg.solve_triangular(L, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(L, kb * into, upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay                                    # within the chunk, diagonal included
+    qd = q * into
+    kd = k * (gam[..., -1:] - gam).masked_fill(~last, float("-inf")).exp()[..., None]   # decay to the chunk end
+    keep = into[..., -1, :, None]                                              # [B, H, N, 1, 1]: the state survives
+    M = q.new_zeros(B, H, dk, dv)
+    out = []
+    for n in range(N):
+        fresh = u[:, :, n] - w[:, :, n] @ M                                     # what the state does not yet predict
+        out.append(qd[:, :, n] @ M + attn[:, :, n] @ fresh)
+        M = M * keep[:, :, n] + kd[:, :, n].transpose(-1, -2) @ fresh
+    return torch.stack(out, 2).reshape(B, H, N * chunk, dv)[:, :, :S].transpose(1, 2)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def local_linear_core(q, k, v, g, beta, conv_w, meta):
+    """conv + silu, l2 norm, gated delta rule on the whole sequence (module docstring): [B, S, Hv, dv] in v's dtype."""
+    B, S, Hk, dk = q.shape
+    Hv, dv = v.shape[2:]
+    x = causal_conv(torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1),
+                    torch.cat([c.flatten(0, 1) for c in conv_w]), meta)
+    q, k, v = x.split([Hk * dk, Hk * dk, Hv * dv], -1)
+    q, k, v = q.view(B, S, Hk, dk), k.view(B, S, Hk, dk), v.view(B, S, Hv, dv)
+    if Hv != Hk:   # value head j reads key head j // (Hv / Hk)
+        q, k = (t.repeat_interleave(Hv // Hk, 2) for t in (q, k))
+    if FLA and _fla_rule is not None and q.is_cuda:   # untested here: fla is not installed
+        cu = None
+        if meta is not None:   # fla takes packed documents as one row with cu_seqlens
+            ends = torch.tensor([B * S], device=q.device)
+            cu = torch.cat([meta.starts.flatten().nonzero().flatten(), ends])
+            q, k, v, g, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, g, beta))
+        out, _ = _fla_rule(q, k, v, g=g, beta=beta, scale=dk ** -0.5, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        return out.reshape(B, S, Hv, dv).to(v.dtype)
+    f = torch.promote_types(q.dtype, torch.float32)
+    q, k = l2norm(q.to(f)) * dk ** -0.5, l2norm(k.to(f))
+    return gated_delta_rule(q, k, v, g, beta, meta).to(v.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's dv, then weight (plain, not 1 + w), then · silu(z): transformers' RMSNormGated."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, z):
+        f = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(f)
+        n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * n * F.silu(z.to(f))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dim: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
+                 conv_kernel: int, eps: float):
+        super().__init__()
+        if n_v_heads % n_k_heads:
+            raise ValueError(f"linear attention: {n_v_heads} value heads are not a multiple of {n_k_heads} key heads "
+                             "(each key head serves a whole group of value heads); check the checkpoint's config")
+        self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim = n_k_heads, n_v_heads, k_head_dim, v_head_dim
+        kd, vd = n_k_heads * k_head_dim, n_v_heads * v_head_dim
+        self.in_proj_qkv = nn.Linear(dim, 2 * kd + vd, bias=False)
+        self.in_proj_z = nn.Linear(dim, vd, bias=False)
+        self.in_proj_b = nn.Linear(dim, n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, n_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(2 * kd + vd, 2 * kd + vd, conv_kernel, groups=2 * kd + vd, bias=False)  # read only
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads))    # as weights: conv_w in the core
+        self.A_log = nn.Parameter(torch.zeros(n_v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, eps)
+        self.out_proj = nn.Linear(vd, dim, bias=False)
+
+    def forward(self, x, meta, core=None):
+        B, S, _ = x.shape
+        Hk, Hv, dk, dv = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim
+        q, k, v = self.in_proj_qkv(x).split([Hk * dk, Hk * dk, Hv * dv], -1)
+        q, k, v = q.view(B, S, Hk, dk), k.view(B, S, Hk, dk), v.view(B, S, Hv, dv)
+        beta = self.in_proj_b(x).sigmoid()                                       # [B, S, Hv]
+        # log decay <= 0, in float32 (exp(A_log) overflows half precision; float64 stays: references)
+        f = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias.to(f))
+        w = self.conv1d.weight[:, 0]                                             # [C, K]
+        conv_w = w.split([Hk * dk, Hk * dk, Hv * dv])
+        conv_w = (conv_w[0].view(Hk, dk, -1), conv_w[1].view(Hk, dk, -1), conv_w[2].view(Hv, dv, -1))
+        out = (core or local_linear_core)(q, k, v, g, beta, conv_w, meta)        # [B, S, Hv, dv]
+        out = self.norm(out, self.in_proj_z(x).view(B, S, Hv, dv))
+        return self.out_proj(out.reshape(B, S, Hv * dv))
