@@ -16,6 +16,9 @@ has none.
 - `granite_fields`: Granite's four multipliers (`embed_multiplier`, `residual_multiplier`, `attention_multiplier`,
   `logits_scaling`).
 - Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`.
+- `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
+  attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; only
+  full-attention layers for now (a `linear_attention` layer is refused, naming layer_types).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ SUPPORTED = {
     "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
     "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
     "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
+    "qwen3_5_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=256),   # + below
 }
+MROPE = ("mrope_section", "mrope_interleaved")   # Qwen3.5's multimodal RoPE axes (text rows: plain RoPE, qwen35_fields)
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
 
 
@@ -150,5 +155,32 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
     return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
 
 
+def qwen35_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a qwen3_5_text config.json, defaults as Qwen3_5TextConfig's (module docstring)."""
+    n = cfg["num_hidden_layers"]
+    every = cfg.get("full_attention_interval", 4)   # (Qwen3_5TextConfig: layer_types from it when missing)
+    types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    # Qwen3.5's Gated DeltaNet layers (linear_attention: 3 of every 4 in the published models) are not built yet: when
+    # model/deltanet.py lands, this refusal goes and model/llama.py's Decoder builds them (its one marked place)
+    if linear := [i for i, t in enumerate(types) if t == "linear_attention"]:
+        raise ValueError(f"config.json: layer_types names {len(linear)} 'linear_attention' layers (Gated DeltaNet; "
+                         f"layers {linear[:8]}{' ...' if len(linear) > 8 else ''}): Qwen3.5's linear attention is not "
+                         "supported yet, only configs whose layer_types are all 'full_attention'")
+    if types and set(types) != {"full_attention"}:
+        raise ValueError(f"config.json: layer_types {sorted(set(types) - {'full_attention'})} are not Qwen3.5's "
+                         "(full_attention, linear_attention)")
+    # transformers reads a classic rope_scaling in place of rope_parameters; the factor from that dict, then the top
+    # level, then Qwen3_5TextConfig's 0.25. mrope_section / mrope_interleaved place the temporal, height and width
+    # axes' frequencies; on text rows the three position axes are equal, so that placing changes nothing: plain RoPE
+    # (images, whose axes differ, are out of scope: the vision tower does not run here)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    part = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    drop = ("partial_rotary_factor", *MROPE)
+    theta, scaling = read_rope({k: {n: v for n, v in d.items() if n not in drop} if isinstance(d, dict) and k in (
+        "rope_parameters", "rope_scaling") else d for k, d in cfg.items()}, max_pos)
+    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=part, norm_offset=1.0, attn_gate=True)
+
+
 FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,
-          "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg)}
+          "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg),
+          "qwen3_5_text": qwen35_fields}

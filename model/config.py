@@ -6,12 +6,13 @@ Contract:
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
-  `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py).
-  A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`) is read as its language model (its `text_config`
-  and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else raises `ValueError`
-  naming the supported architectures, as does a checkpoint quantized already otherwise than in bitsandbytes 4-bit
-  (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one whose `architectures` names no
-  *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
+  `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py),
+  Qwen3.5 (`qwen3_5_text`, full-attention layers only: gated attention, partial RoPE; model/arch_fields.py).
+  A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`) is read as its language model
+  (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
+  raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
+  bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one whose
+  `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
   are refused, never ignored.
@@ -89,6 +90,10 @@ class ModelArgs:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     moe: MoESpec | None = None   # Qwen3-MoE's experts and router (model/moe.py); None: every MLP dense
+    # Qwen3.5 (model/arch_fields.py's qwen35_fields; norm_offset 1.0): q_proj's output per head [query | gate], the
+    # attention's output × sigmoid(gate) before o_proj; RoPE on the first int(head_dim · factor) dims of each head
+    attn_gate: bool = False
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -115,6 +120,12 @@ class ModelArgs:
                                         and v == abs(v) for v in (beta, n)) or n == 0:
             raise ValueError(f"rope_parameters: llama_4_scaling_beta {beta!r} and original_max_position_embeddings "
                              f"{n!r} must be numbers >= 0 and > 0 (Ministral 3's attention temperature)")
+        f = self.partial_rotary_factor
+        if (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1 or self.rotary_dim < 2
+                or self.rotary_dim % 2):
+            raise ValueError(f"rope_parameters: partial_rotary_factor {f!r} must be a number in (0, 1] giving an even "
+                             f"number of rotated dims of head_dim {self.head_dim} (int(head_dim · factor) = "
+                             f"{int(self.head_dim * f) if isinstance(f, (int, float)) else '?'})")
         rtype = self.rope_scaling.get("rope_type", "default")
         if rtype not in ROPE_TYPES:
             raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
@@ -133,7 +144,8 @@ class ModelArgs:
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
                 "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
-                "(qwen3_moe), and the language model of Mistral 3 (mistral3) and Gemma 3 (gemma3) wrappers of these")
+                "(qwen3_moe), Qwen3.5 (qwen3_5_text; full-attention layers only), and the language model of Mistral 3 "
+                "(mistral3), Gemma 3 (gemma3) and Qwen3.5 (qwen3_5) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -153,7 +165,8 @@ class ModelArgs:
                              "attention kernels run without dropout); set it to 0.0 in config.json")
         for where, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")), ("rope_scaling.",
                                                                                       cfg.get("rope_scaling"))):
-            if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0):   # (Phi, GLM...)
+            # (Phi, GLM...; the Llama-family classes here ignore it, or fail on a scaled RoPE; Qwen3.5 reads it)
+            if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0) and mt != "qwen3_5_text":
                 raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                                  "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                                  "trained so)")
@@ -168,7 +181,7 @@ class ModelArgs:
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
         # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
         window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
-        if mt in ("llama", "granite"):   # (neither class has a window)
+        if mt in ("llama", "granite", "qwen3_5_text"):   # (none of these classes has a window)
             window = None
         if mt == "ministral3":   # its class's default is no window; a window applies on every layer
             window = cfg.get("sliding_window")
@@ -242,13 +255,19 @@ class ModelArgs:
         head_dim ** -0.5."""
         return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): head_dim, or int(head_dim · partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def rotates(self, layer: int) -> bool:
         """Whether decoder layer `layer` applies RoPE to q and k (not SmolLM3's NoPE layers)."""
         return self.rope_layers is None or bool(self.rope_layers[layer])
 
     def rope_parameters(self) -> dict:
         """The RoPE in transformers 5's config form: rope_theta and the scaling (rope_type "default": none)."""
-        return {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+        part = {"partial_rotary_factor": self.partial_rotary_factor} if self.partial_rotary_factor != 1 else {}
+        return {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"}), **part}
 
     def rope_overrides(self) -> dict:
         """The RoPE as base_config_overrides.json records it, what `from_pretrained(DIR, rope_parameters=...)` takes:
@@ -290,8 +309,8 @@ class ModelArgs:
     def projections(self) -> dict[str, tuple[int, int]]:
         """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features)."""
         d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate_size
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}
+        return {"q_proj": (d, q * (2 if self.attn_gate else 1)), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}   # (Qwen3.5's q_proj: query and gate)
 
     @property
     def named(self) -> str:
@@ -301,7 +320,7 @@ class ModelArgs:
     @property
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
-        attn = d * h * hd * 2 + d * kv * hd * 2
+        attn = d * h * hd * (3 if self.attn_gate else 2) + d * kv * hd * 2   # (Qwen3.5's gate: q_proj's other half)
         per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0

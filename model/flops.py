@@ -18,7 +18,8 @@ def matmul_params(args: ModelArgs) -> int:
     """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
     d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
-    per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f   # q, o; k, v; gate, up, down
+    per_layer = d * h * hd * (3 if args.attn_gate else 2) + d * kv * hd * 2 + 3 * d * f   # q (Qwen3.5: its gate), o;
+    # k, v; gate, up, down
     moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
     active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f) if sparse else 0   # Qwen3-MoE: a
     return args.n_layers * per_layer + args.vocab_size * d + active   # token's k experts and router for gate/up/down

@@ -14,6 +14,7 @@ Contract:
   Olmo2RMSNorm / Olmo3RMSNorm (offset 0). Every norm of the model, q_norm/k_norm too.
 - `split_heads` (`qk_norm_whole`): q and k into heads through their norms, per head (Qwen3, Gemma) or, OLMo's, over
   the whole projection (H·Hd, K·Hd) before the split.
+- `gated(out, g)` (`attn_gate`): Qwen3.5's attention output gate (its docstring).
 - `GeGLU` (`act` "gelu_tanh"): gelu(gate, tanh approximation) · up, hidden_activation gelu_pytorch_tanh.
 - `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
   (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
@@ -150,6 +151,14 @@ class SandwichBlock(nn.Module):
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
         return x + self.post_feedforward_layernorm(self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x)))
+
+
+def gated(out: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """Qwen3.5's gated attention: the core's output [B, S, H·Hd] × sigmoid(gate) in the compute dtype, as transformers
+    (`out` itself without a gate). The gate is the second half of each head's q_proj output, reshaped into a copy of
+    its own (model.llama.Attention.queries), so q's storage, which a core may reuse in backward, is not the gate's;
+    the product reads the core's output before the kernel's backward does (its gradient comes from here)."""
+    return out if g is None else out * torch.sigmoid(g)
 
 
 def normed(norm: nn.Module | None, sublayer: nn.Module, x: torch.Tensor) -> torch.Tensor:

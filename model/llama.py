@@ -30,7 +30,7 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
-from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, normed, scaled_embedding, split_heads
+from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
 from model.moe import MoE
 from model.norms import cast_weight
 from model.rope import Rotary, cos_sin, tables
@@ -169,7 +169,8 @@ class Attention(nn.Module):
         self.window = a.window(layer)   # this layer's sliding window (None: full causal attention)
         self.scale = a.attn_scale
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.gate, self.rot = a.attn_gate, a.rotary_dim   # Qwen3.5: q_proj per head [query | gate]; partial RoPE
+        self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim * (2 if a.attn_gate else 1), bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
@@ -182,22 +183,23 @@ class Attention(nn.Module):
         self.rope = a.rotates(layer)   # False: SmolLM3's NoPE layers, q and k unrotated (the tables serve the others)
 
     def forward(self, x, cos, sin, core, meta):
-        q, k, v = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
+        q, k, v, g = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
         B, S = q.shape[:2]
         out = core(q, k, v, meta, self.scale, window=self.window)  # [B, S, H, Hd]
-        return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
+        return self.o_proj(gated(out.reshape(B, S, self.n_heads * self.head_dim), g))
 
     def projections(self, x, cos, sin):
-        """q, k, v with RoPE. Given `takes_norm`'s stand-in, the norm runs here, so its [T, D] output dies when this
-        returns, before the kernel and o_proj (an argument the caller made lives until the sublayer returns)."""
+        """q, k, v with RoPE, and the output gate (or None: `queries`). Given `takes_norm`'s stand-in, the norm runs
+        here, so its [T, D] output dies when this returns, before the kernel and o_proj (an argument the caller made
+        lives until the sublayer returns)."""
         if (src := getattr(x, "_norm_of", None)) is not None:
             norm, h = src
             x = norm(h)
         # k, v before q: backward runs the latest-made nodes first, so q's [T, H·Hd] chain (RoPE, q_proj) runs
         # before the input norm's gradient and its rebuilt output exist, not on top of them
         k, v = self.keys_values(x, cos, sin)                              # [B, S, K, Hd]
-        q = self.queries(x, cos, sin)                                     # [B, S, H, Hd]
-        return q, k, v
+        q, g = self.queries(x, cos, sin)                                  # [B, S, H, Hd], [B, S, H·Hd]
+        return q, k, v, g
 
     @staticmethod
     def takes_norm(norm, x):
@@ -208,13 +210,18 @@ class Attention(nn.Module):
 
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
-        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, self.q_norm, self.whole)   # [B, S, H, Hd]
-        return self.rotary(q, None, *tables(cos, sin, self.head_dim, True))[0] if self.rope else q
+        """(q [B, S, H, Hd] with RoPE, Qwen3.5's output gate [B, S, H·Hd] or None): model.gemma.gated."""
+        y, g = self.q_proj(x), None
+        if self.gate:
+            y, g = y.view(*y.shape[:-1], self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)   # [B, S, H, Hd] each
+            y, g = y.reshape(*x.shape[:2], -1), g.reshape(*x.shape[:2], -1)
+        q = split_heads(y, self.n_heads, self.head_dim, self.q_norm, self.whole)   # [B, S, H, Hd]
+        return (self.rotary(q, None, *tables(cos, sin, self.rot, True))[0] if self.rope else q), g
 
     def keys_values(self, x, cos, sin):
         k = split_heads(self.k_proj(x), self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
         v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
-        return (self.rotary(k, None, *tables(cos, sin, self.head_dim, False))[0] if self.rope else k), v
+        return (self.rotary(k, None, *tables(cos, sin, self.rot, False))[0] if self.rope else k), v
 
 
 class MLP(nn.Module):
@@ -250,6 +257,8 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        # Qwen3.5's linear_attention layers (Gated DeltaNet, model/deltanet.py) will be built here, per layer type;
+        # until then model/arch_fields.qwen35_fields refuses them
         self.layers = nn.ModuleList(SandwichBlock(a, i, Attention(a, i), MLP(a)) if a.sandwich_norms or a.post_norms
                                     else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)

@@ -7,13 +7,15 @@ Contract:
   plain RoPE. Per-layer-type RoPE and a rope_scaling that contradicts rope_parameters raise ValueError.
 - `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring); `keep_temperature` keeps
   Ministral 3's attention temperature in it, `read_ministral3` reads that model's RoPE and temperature.
-- `inv_freq(args)` (a model.config.ModelArgs) returns the float32 inverse frequencies [head_dim // 2] and the
+- `inv_freq(args)` (a model.config.ModelArgs) returns the float32 inverse frequencies [rotary_dim // 2] and the
   attention scaling factor applied to cos/sin (1.0 except for YaRN), for rope types default, linear, llama3 and
-  yarn: the same numbers transformers computes; `cos_sin(args, position_ids, dtype)` the cos, sin [B, S, Hd] of
+  yarn: the same numbers transformers computes; `cos_sin(args, position_ids, dtype)` the cos, sin [B, S, R] of
   global positions from them. With an attention temperature (`args.attn_temperature_beta`: Ministral 3, transformers'
   get_llama_4_attn_scale) they are [B, S, 2·Hd]: k's tables, then q's times each token's temperature (a function of
   its global position, so every layout and tile computes one process' value), and `tables(cos, sin, hd, q)` is the
   half for k or q: folded so, the scale costs no pass over q and keeps no [T, H, Hd] for backward.
+- Partial RoPE (`args.partial_rotary_factor` f < 1, Qwen3.5's 0.25): R = `args.rotary_dim` = int(Hd·f) dims rotate,
+  the tables are [.., R] (frequencies over R, as transformers' `dim`), `Rotary` passes the other Hd - R dims.
 - `Rotary()(q, k, cos, sin)` -> (q, k) rotated (k may be None): transformers' `apply_rotary_pos_emb` within one
   rounding (tests/test_model.py), in eager mode over sequence chunks of ROPE_CHUNK elements both ways (`_RopeFn`:
   a chunk's temporaries, not q's), in compiled code the formula. A module so that parallel/compile.py can compile it.
@@ -170,8 +172,9 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
 
 
 def inv_freq(args) -> tuple[torch.Tensor, float]:
-    """Inverse RoPE frequencies [head_dim // 2] (float32) and the cos/sin scaling factor."""
-    d, base, sc = args.head_dim, args.rope_theta, args.rope_scaling
+    """Inverse RoPE frequencies [rotary_dim // 2] (float32) and the cos/sin scaling factor; every type computes them
+    over the rotated dims alone (transformers' `dim = int(head_dim * partial_rotary_factor)`)."""
+    d, base, sc = args.rotary_dim, args.rope_theta, args.rope_scaling
     freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     rtype = sc.get("rope_type", "default")
     if rtype == "linear":
@@ -215,8 +218,8 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
 
 
 def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, S, Hd] for global positions, computed in float32 as transformers does ([B, S, 2·Hd] with q's
-    own, scaled by the attention temperature: module docstring)."""
+    """cos, sin [B, S, R] (R = args.rotary_dim: Hd, or a partial RoPE's first dims) for global positions, computed in
+    float32 as transformers does ([B, S, 2·R] with q's own, scaled by the attention temperature: module docstring)."""
     freq, scale = inv_freq(args)
     ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
     ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
@@ -228,7 +231,8 @@ def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tables(cos, sin, hd: int, q: bool):
-    """The cos, sin to rotate k (or q, `q`) with: cos_sin's whole tables, or their half when they hold q's own."""
+    """The cos, sin to rotate k (or q, `q`) with: cos_sin's whole tables, or their half when they hold q's own (`hd`:
+    the rotated dims, args.rotary_dim)."""
     if cos.shape[-1] == hd:
         return cos, sin
     return (cos[..., hd:], sin[..., hd:]) if q else (cos[..., :hd], sin[..., :hd])
@@ -274,15 +278,20 @@ class _RopeFn(torch.autograd.Function):
 
 
 class Rotary(nn.Module):
-    """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, Hd]. A module
-    (no parameters) so that `parallel.compile.apply_compile` can fuse it from outside; eager mode runs it
-    in sequence chunks (_RopeFn), compiled code as one fused formula."""
+    """HF's rotate-half RoPE on q [B, S, H, Hd] and k [B, S, K, Hd] with cos, sin [B, S, R]: R < Hd (a partial RoPE,
+    Qwen3.5's partial_rotary_factor) rotates the first R dims of each head (rotate_half within them) and passes the
+    rest, as transformers' apply_rotary_pos_emb. A module (no parameters) so that `parallel.compile.apply_compile` can
+    fuse it from outside; eager mode runs it in sequence chunks (_RopeFn), compiled code as one fused formula."""
 
     def forward(self, q, k, cos, sin):   # k may be None (the query tiles of parallel/tiled_attention.py)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, Hd]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)                     # [B, S, 1, R]
         if (torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad   # _RopeFn: constant tables
                 or cos.dtype != q.dtype or sin.dtype != q.dtype):                            # in q's dtype
             rope = lambda x: x * cos + rotate_half(x) * sin
         else:
             rope = lambda x: _RopeFn.apply(x, cos, sin)
+        r = cos.shape[-1]
+        if r < q.shape[-1]:   # partial: [rotated R | passed Hd - R]
+            whole = rope
+            rope = lambda x: torch.cat((whole(x[..., :r]), x[..., r:]), dim=-1)   # noqa: E731
         return rope(q), None if k is None else rope(k)

@@ -1,6 +1,6 @@
 """Multimodal wrapper checkpoints whose language model trains here, text only (the image path is not ours): Mistral 3
-(`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small) and Gemma 3
-(`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published).
+(`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small), Gemma 3
+(`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published) and Qwen3.5 (`Qwen3_5ForConditionalGeneration`).
 
 Contract:
 - `unwrap(cfg)`: a config.json as transformers 5 reads a wrapper's language model -> (the text model's config dict,
@@ -43,12 +43,19 @@ WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="
                            # Gemma3TextConfig's defaults of the sizes the published text_configs leave out (the 4B-27B
                            # name hidden, intermediate, heads and layers; none names the vocabulary)
                            defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                                         num_hidden_layers=26, num_attention_heads=8))}
-OTHER = ("vision_tower.", "multi_modal_projector.")   # a wrapper's parts that are not its language model (either form)
+                                         num_hidden_layers=26, num_attention_heads=8)),
+            # Qwen3.5 (Qwen3_5ForConditionalGeneration: Qwen/Qwen3.5-9B, -27B...): its vision tower model.visual.*;
+            # mtp.* (multi-token prediction) tensors, which transformers does not load either, are never read
+            "qwen3_5": dict(archs=("Qwen3_5ForConditionalGeneration",), text="qwen3_5_text", tie=False,
+                            defaults=dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                                          num_hidden_layers=32, num_attention_heads=16))}
+# a wrapper's parts that are not its language model (either form; Qwen3.5's model.visual.*)
+OTHER = ("vision_tower.", "multi_modal_projector.", "visual.")
 PEFT = "base_model.model."   # peft's prefix of an adapter's keys (the model it wraps)
 FORMS = {w: ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],   # (the same for both: transformers'
               [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])   # "llava" mapping)
-         for w in WRAPPERS}
+         for w in WRAPPERS if w != "qwen3_5"}
+FORMS["qwen3_5"] = FORMS["gemma3"][:1]   # (no "llava" mapping: save_pretrained writes transformers' module names)
 OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
 
 
@@ -59,7 +66,8 @@ def unwrap(cfg: dict) -> tuple[dict, str | None]:
         if isinstance(cfg.get("text_config"), dict) or "vision_config" in cfg:
             raise ValueError(f"config.json: model_type {mt!r} is a multimodal model ({cfg.get('architectures')}); of "
                              f"those only the language model of {', '.join(sorted(WRAPPERS))} (Gemma 3 4B-27B; Mistral "
-                             "3: Mistral Small 3.1/3.2, Ministral 3) trains here; or pass a text-only checkpoint")
+                             "3: Mistral Small 3.1/3.2, Ministral 3; Qwen3.5) trains here; or pass a text-only "
+                             "checkpoint")
         return cfg, None
     w = WRAPPERS[mt]
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a

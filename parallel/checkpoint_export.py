@@ -110,10 +110,7 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
 def _misfit(tensors: dict, m) -> str | None:
     """Why the trained `tensors` (our names: LoRA A [r, in], B [out, r], DoRA's magnitude [out], trained norms and the
     embedding) do not fit the model of ModelArgs `m`, or None."""
-    proj = {"q_proj": (m.n_heads * m.head_dim, m.dim), "k_proj": (m.n_kv_heads * m.head_dim, m.dim),
-            "v_proj": (m.n_kv_heads * m.head_dim, m.dim), "o_proj": (m.dim, m.n_heads * m.head_dim),
-            "gate_proj": (m.intermediate_size, m.dim), "up_proj": (m.intermediate_size, m.dim),
-            "down_proj": (m.dim, m.intermediate_size)}   # (out, in)
+    proj = {k: (o, i) for k, (i, o) in m.projections().items()}   # (out, in; Qwen3.5's q_proj: query and gate)
     for k, t in tensors.items():
         parts, shape = k.split("."), tuple(t.shape)
         if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= m.n_layers:

@@ -11,7 +11,8 @@ Contract:
   document sees that document's keys only); a sliding window masks sub-tiles of masks.band_rows(window) queries against
   their own keys, as parallel.kernels does. Every call goes through parallel.kernels (its backend choice).
   Saved: the sublayer's input (the norm's input), k and v after RoPE, the attention output and its lse: not
-  q, no LoRA intermediate, no norm output. Backward, per tile: o_proj recomputed from the saved output tile
+  q, no LoRA intermediate, no norm output (nor Qwen3.5's output gate: recomputed with q, before o_proj there, whose
+  input it scales). Backward, per tile: o_proj recomputed from the saved output tile
   and differentiated (its input gradient is the kernel's incoming gradient), the kernels' backward with the
   global out/lse (dq for the tile; dk, dv summed over the row in float32), q's chain recomputed and
   differentiated into the input gradient; then per tile k/v's chain with its slice of dk, dv, added in.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from model.gemma import gated
 from model.nf4 import dequant_once
 from parallel import kernel_choice, kernels, masks
 from parallel.memory import norm_stand_in
@@ -158,6 +160,15 @@ def _attend_backward(spec, dout, q, k, v, out, lse, a, bounds, dk, dv):
     return dq
 
 
+def _queries(spec, xt, cos, sin, state):
+    """q's chain (the norm, q_proj, q norm, RoPE; Qwen3.5's gate) recomputed from the tile's input xt with grad,
+    replaying forward's dropout draws."""
+    with torch.enable_grad():
+        if spec.rng:
+            _set_rng(state, xt.device)
+        return spec.attn.queries(spec.pre(xt), cos, sin)
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, x, cos, sin, *params):
@@ -174,14 +185,15 @@ class _TiledAttention(torch.autograd.Function):
             for r, a, e, bounds in spec.units(b, s):
                 st = [_rng_state(x.device) if spec.rng else None]
                 y = spec.pre(x[r, a:e])
-                q = attn.queries(y, cos[r, a:e], sin[r, a:e])
+                q, g = attn.queries(y, cos[r, a:e], sin[r, a:e])   # (g: Qwen3.5's output gate, else None)
                 st.append(_rng_state(x.device) if spec.rng else None)
                 k[r, a:e], v[r, a:e] = attn.keys_values(y, cos[r, a:e], sin[r, a:e])
                 del y
                 _attend(spec, q, k[r], v[r], a, bounds, out[r, a:e], lse[r, :, a:e])
                 del q
                 st.append(_rng_state(x.device) if spec.rng else None)
-                ot = attn.o_proj(out[r, a:e].flatten(2))
+                ot = attn.o_proj(gated(out[r, a:e].flatten(2), g))
+                del g
                 if o is None:
                     o = ot.new_empty(b, s, ot.shape[-1])
                 o[r, a:e] = ot
@@ -215,28 +227,32 @@ class _TiledAttention(torch.autograd.Function):
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], enabled=spec.rng), dequant_once():
             for (r, a, e, bounds), st in zip(units, ctx.states):   # o_proj, the kernels, q's chain
                 xt = x[r, a:e].detach().requires_grad_(need_x)
+                chain = (spec, xt, cos[r, a:e], sin[r, a:e], st[0])   # q's chain recomputed (_queries)
+                q, gate = _queries(*chain) if attn.gate else (None, None)   # (a gate: first, o_proj's input needs it)
+                gd = None if gate is None else gate.detach().requires_grad_()   # (its gradient goes to q's chain)
                 ot_in = out[r, a:e].detach().flatten(2).requires_grad_()
                 with torch.enable_grad(), grads_only_context():   # ot is only differentiated: no base GEMM
                     if spec.rng:
                         _set_rng(st[2], x.device)
-                    ot = attn.o_proj(ot_in)
-                dout = torch.autograd.grad(ot, [ot_in] + params, do[r, a:e], allow_unused=True)
+                    ot = attn.o_proj(gated(ot_in, gd))
+                dout = torch.autograd.grad(ot, [ot_in] + ([gd] if gd is not None else []) + params, do[r, a:e],
+                                           allow_unused=True)
+                dgate, dout = (dout[1], dout[:1] + dout[2:]) if gd is not None else (None, dout)
                 for j, g in enumerate(dout[1:]):
                     if g is not None:
                         acc[j] = g.float() if acc[j] is None else acc[j].add_(g)
                 dout = dout[0].view(out[r, a:e].shape)
-                del ot, ot_in
-                with torch.enable_grad():
-                    if spec.rng:
-                        _set_rng(st[0], x.device)
-                    q = attn.queries(spec.pre(xt), cos[r, a:e], sin[r, a:e])
+                del ot, ot_in, gd
+                if q is None:
+                    q, gate = _queries(*chain)
                 dq = _attend_backward(spec, dout, q.detach(), k[r], v[r], out[r, a:e], lse[r, :, a:e], a, bounds,
                                       dk[r], dv[r])
                 del dout
-                g = grad((q,), xt, (dq.to(q.dtype),))
+                g = grad((q, gate) if gate is not None else (q,), xt,
+                         (dq.to(q.dtype), dgate) if gate is not None else (dq.to(q.dtype),))
                 if need_x:
                     dx[r, a:e] = g
-                del q, dq, g
+                del q, dq, g, gate, dgate
             # k, v, out and lse are done with (k/v's chain is recomputed from x): under AC the checkpoint's unpack
             # left these names the only references, so they go before the next block's input comes back
             del k, v, out, lse

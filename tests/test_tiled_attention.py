@@ -183,7 +183,7 @@ def test_tiled_attention_with_lora_dropout_replays_the_masks(ckpts, monkeypatch)
         for a in range(0, S, 5):
             e = min(a + 5, S)
             y = norm(x[:, a:e])
-            q = attn.queries(y, cos[:, a:e], sin[:, a:e])
+            q = attn.queries(y, cos[:, a:e], sin[:, a:e])[0]
             k, v = attn.keys_values(y, cos[:, a:e], sin[:, a:e])
             ks.append(k)
             vs.append(v)
