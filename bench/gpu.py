@@ -708,3 +708,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    gc.freeze()   # (its results written: skip the exit-time collections over torch's objects, as train.py does)
