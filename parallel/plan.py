@@ -77,7 +77,12 @@ Persistent all step:
    inputs, one fewer when lo < G). Un-adapted blocks above lo save no LoRA tensors (B's inputs, down_proj's A input,
    Ulysses' o_proj input, dropout's, DoRA's). The recompute term is the largest block's, less the block inputs
    above it (freed by then; tests/test_plan.py checks these against autograd's saved tensors).
-   Also cos/sin (2eT·hd; 4eT·hd with Ministral 3's q tables, which carry its attention temperature: no other tensor;
+   Qwen3.5's gated attention (attn_gate; q_proj [2·H·hd, D]: each head's query and gate): sigmoid(gate) eT·H·hd
+   where the gate or the core's output needs grad, and the gated product (o_proj's input, no view of out) for o_proj's
+   LoRA A when handed it directly (eT·H·hd; under Ulysses the product keeps heads_to_seq's output instead of o_proj's
+   LoRA A, where the gate needs grad); --tiled-attn recomputes the gate: none.
+   Also cos/sin (2eT·R, R the rotated dims: hd but for Qwen3.5's partial RoPE; 4eT·R with Ministral 3's q tables,
+   which carry its attention temperature: no other tensor;
    Gemma 3's two tables, full and sliding layers': 4eT·hd). The final norm's input and rsqrt
    (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first backward nodes, so they count in
    the loss phase (8) only. Gemma 3's norms on the sublayers' outputs keep their inputs and rsqrt: 2·(eTD + 4T) more
@@ -125,8 +130,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     D, H, K, hd, F, L, V, r = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, \
         m.vocab_size, args.lora_r
     Kp = max(K, U)
-    shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
-              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
+    shapes = {"q_proj": (H * hd * (1 + m.attn_gate), D), "k_proj": (K * hd, D), "v_proj": (K * hd, D),
+              "o_proj": (D, H * hd), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in);
+    # Qwen3.5's q_proj gives each head its gate too
     targets = [t for t in args.lora_targets.split(",") if t in shapes]
     nf4 = args.quant == "nf4"
     tiled, offload, ta = (getattr(args, f, False) for f in ("tiled_mlp", "offload_activations", "tiled_attn"))
@@ -201,7 +207,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         else:
             b = mlp_in + ((e * T * D + 4 * T) * (not first) + e * T * D * qkv * first * direct if pre
                           else e * T * D * fed(tg, "q_proj", "k_proj", "v_proj"))   # (OLMo: q/k/v's LoRA A keep x)
-            b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H + e * T * H * hd * (U > 1 and "o_proj" in tg)
+            b += e * T * hd * (2 * H + 2 * Kp) + 4 * T * H
+            if m.attn_gate:   # Qwen3.5: sigmoid(gate) (sigmoid's output, the product's other factor) where the gate
+                # or the core's output needs grad; the product, o_proj's LoRA A input; under Ulysses the product
+                # keeps heads_to_seq's output where the gate needs grad
+                g = not first or "q_proj" in tg
+                b += e * T * H * hd * ((g or any(x in tg for x in ("k_proj", "v_proj"))) + fed(tg, "o_proj")
+                                       + (U > 1 and g))
+            else:
+                b += e * T * H * hd * (U > 1 and "o_proj" in tg)
             # q/k norms (Qwen3, Gemma 3 per head; OLMo over the projection: one rsqrt a token) keep q_proj's and
             # k_proj's outputs and rsqrt, where those need grad (or a trained norm's weight does)
             b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
@@ -287,7 +301,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
-    t["activations: rope cos/sin"] = 2 * e * T * hd * (   # (Ministral 3: q's own; Gemma: the sliding layers' too)
+    t["activations: rope cos/sin"] = 2 * e * T * m.rotary_dim * (   # (R: Qwen3.5's partial RoPE rotates R < hd dims;
+        # Ministral 3: q's own; Gemma: the sliding layers' too)
         (1 + (m.attn_temperature_beta is not None)) * (2 if m.local_rope else 1))
     blk = max(full(packed(ws) + base + qa(ws) + router(rr)) for _, ws, rr in kinds) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk

@@ -307,3 +307,45 @@ def test_merge_into_the_wrapper_is_what_peft_merges(ckpts, tmp_path):
     assert sorted(merged) == sorted(stored), sorted(set(merged) ^ set(stored))
     other = [k for k in stored if k.startswith(("model.visual.", "mtp."))]
     assert len(other) > 2 and all(torch.equal(merged[k], stored[k]) for k in other)
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora-targets", "k_proj,down_proj"], ["--lora-targets", "q_proj,v_proj"],
+                                   ["--tiled-mlp", "--tiled-attn"]], ids=["all", "k_down", "q_v", "tiled_both"])
+def test_planned_activations_match_autograd(ckpts, flags):
+    """No AC, fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps for backward (unique
+    storages, parameters excluded). The gated attention keeps sigmoid(gate) [T, H·Hd] and, for o_proj's LoRA A, the
+    gated product (o_proj's input is no view of the core's output); partial RoPE's tables are [T, R]; the tiles keep
+    neither (they recompute the gate with q)."""
+    import train
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import planned_and_saved_activations
+
+    args = train.build_parser().parse_args(["--model", ckpts["text"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
+                                            *flags])
+    ours, _ = build_model(BuildOptions(ckpts["text"], quant="nf4", ac=False, lora_dropout=0.0,
+                                       tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
+                                       lora_targets=tuple(args.lora_targets.split(","))), device="cpu")
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+
+
+def test_planned_weights_are_the_models(ckpts):
+    """One process, fp32, nf4: the plan's base weights (NF4 codes of every block Linear: q_proj's [2·H·Hd, D] with its
+    gate half) and LoRA terms (16 bytes an element) = the built model's parameters."""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(["--model", ckpts["text"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32"])
+    ours, _ = build_model(BuildOptions(ckpts["text"], quant="nf4", lora_targets=tuple(args.lora_targets.split(","))),
+                          device="cpu")
+    dims, pack = validate(args, ours.args, 1)
+    terms = memory_plan(ours.args, dims, args, "cpu", pack).terms
+    nbytes = lambda key: sum(p.numel() * p.element_size() for n, p in ours.named_parameters()
+                             if ".layers." in n and key(n))
+    assert next(v for k, v in terms.items() if k.startswith("base weights")) == nbytes(
+        lambda n: n.endswith("base_layer.weight"))
+    assert next(v for k, v in terms.items() if k.startswith("LoRA params")) == 4 * nbytes(lambda n: "lora_" in n)
