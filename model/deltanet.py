@@ -95,8 +95,11 @@ def gated_delta_rule(q, k, v, g, beta, meta: Docs | None, chunk: int = CHUNK) ->
     pad = -S % chunk
     N = (S + pad) // chunk
     f = torch.promote_types(q.dtype, torch.float32)
-    # [B, H, N, chunk, d]; the padded tail has beta = g = 0: it neither writes nor decays the state
-    q, k, v = (F.pad(t.to(f).transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, chunk, -1) for t in (q, k, v))
+    # [B, H, N, chunk, d]; the padded tail has beta = g = 0: it neither writes nor decays the state. Contiguous: at
+    # S a multiple of chunk F.pad is a strided view, and the matmuls below copied q, kᵀ (twice) and k·beta, keeping
+    # 4 more [B, S, H, dk] float32 copies for backward than at any other S
+    q, k, v = (F.pad(t.to(f).transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, chunk, -1).contiguous()
+               for t in (q, k, v))
     g, beta = (F.pad(t.to(f).transpose(1, 2), (0, pad)).reshape(B, H, N, chunk) for t in (g, beta))
     seg = torch.ones(B, S, dtype=torch.long, device=q.device) if meta is None else meta.seg
     seg = torch.cat([seg, seg[:, -1:].expand(B, pad)], 1).view(B, 1, N, chunk)   # padding continues the last document

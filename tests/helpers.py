@@ -302,26 +302,34 @@ def hub_403(why: str, method: str, url: str) -> Exception:
 
 
 
-def planned_and_saved_activations(model, args, seq: int = 128, vocab: int = 128):
-    """(planned, saved, the plan's activation terms) for one fp32 forward of `model` (one process, no AC) on `seq`
-    random ids: saved = the bytes autograd keeps for backward (unique storages, parameters excluded, none freed
-    during the forward); planned = `parallel.plan.memory_plan`'s saved-tensor, RoPE and final-norm terms for `args`
-    (train.py's parsed flags)."""
+def saved_bytes(fn, exclude=()):
+    """(fn's result, the bytes autograd keeps for backward while it runs): unique storages of the saved tensors that
+    are still held when it returns, but those of the tensors `exclude` (parameters, inputs). A storage counts while
+    any tensor saved on it lives: a graph branch the forward drops (a chunk loop's last state update) may save a view
+    of a storage that live nodes keep too."""
     import weakref
 
+    skip, held = {t.untyped_storage().data_ptr() for t in exclude}, {}
+
+    def pack(t):
+        held.setdefault(t.untyped_storage().data_ptr(), [t.untyped_storage().nbytes(), []])[1].append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(n for ptr, (n, refs) in held.items() if ptr not in skip and any(r() is not None for r in refs))
+
+
+def planned_and_saved_activations(model, args, seq: int = 128, vocab: int = 128):
+    """(planned, saved, the plan's activation terms) for one fp32 forward of `model` (one process, no AC) on `seq`
+    random ids: saved = the bytes autograd keeps for backward (`saved_bytes`, parameters excluded, none freed during
+    the forward); planned = `parallel.plan.memory_plan`'s saved-tensor, RoPE and final-norm terms for `args`
+    (train.py's parsed flags)."""
     from parallel.mesh import validate
     from parallel.plan import memory_plan
 
-    params, held = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
-
-    def pack(t):
-        held[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
-        return t
-
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(2))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, labels=ids)
-    saved = sum(n for ptr, (n, ref) in held.items() if ptr not in params and ref() is not None)
+    out, saved = saved_bytes(lambda: model(ids, labels=ids), list(model.parameters()))
     del out
     dims, pack_rows = validate(args, model.args, 1)
     terms = memory_plan(model.args, dims, args, "cpu", pack_rows).terms
