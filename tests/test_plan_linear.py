@@ -1,0 +1,79 @@
+"""parallel/plan_linear.py's terms for Qwen3.5's linear-attention (Gated DeltaNet) blocks against the module itself.
+
+Pins (CPU, model/deltanet.py's GatedDeltaNet with frozen weights, the input needing grad; float32 and bfloat16;
+lengths below, at and past a chunk multiple, one and several chunks, 1-3 rows, as many key as value heads and half):
+- `saved` = the bytes autograd keeps for backward (tests.helpers.saved_bytes: unique storages, parameters and the
+  input excluded), to the byte; out_proj's LoRA A input (`lora_inputs`) with a LoRA pair on out_proj;
+- `shapes` and `dense` = the module's parameters;
+- `backward` within 0.8-1.1 of the backward's peak allocation above its start (the profiler's CPU memory events).
+Not checked: context parallelism's terms (cp > 1), fla's CUDA kernel, any GPU trace.
+
+Run: .venv/bin/python -m pytest -q tests/test_plan_linear.py
+"""
+
+import pytest
+import torch
+
+from model.deltanet import GatedDeltaNet
+from parallel import plan_linear
+from tests.helpers import saved_bytes
+
+D, K = 32, 4
+
+
+def _module(Hk, Hv, dk, dv, dtype=torch.float32):
+    torch.manual_seed(0)
+    return GatedDeltaNet(D, Hk, Hv, dk, dv, K, 1e-6).to(dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("S,Hk,Hv,dk,dv,dtype,rows", [
+    (128, 2, 4, 16, 8, torch.float32, 1), (100, 2, 2, 8, 16, torch.float32, 1), (200, 1, 3, 8, 8, torch.float32, 2),
+    (128, 2, 4, 16, 8, torch.bfloat16, 1), (77, 2, 2, 16, 8, torch.bfloat16, 1), (300, 2, 6, 8, 12, torch.bfloat16, 1),
+    (64, 1, 2, 8, 16, torch.float32, 3), (64, 1, 2, 8, 16, torch.bfloat16, 1), (192, 2, 4, 8, 8, torch.float32, 2)])
+def test_saved_is_what_autograd_keeps(S, Hk, Hv, dk, dv, dtype, rows):
+    m = _module(Hk, Hv, dk, dv, dtype)
+    x = torch.randn(rows, S, D, dtype=dtype, requires_grad=True)
+    _, got = saved_bytes(lambda: m(x, None), [*m.parameters(), x])
+    e = torch.finfo(dtype).bits // 8
+    assert plan_linear.saved(rows * S, rows, Hk, Hv, dk, dv, K, e) == got
+
+
+def test_out_proj_lora_input():
+    """A LoRA pair on out_proj keeps the gated norm's output (A's input, a tensor of its own) and A's output [T, r]."""
+    m = _module(2, 4, 16, 8)
+    a, b = torch.randn(4, 32, requires_grad=True), torch.randn(D, 4, requires_grad=True)
+    base = m.out_proj.forward
+    m.out_proj.forward = lambda y: base(y) + y @ a.T @ b.T
+    x = torch.randn(1, 130, D, requires_grad=True)
+    _, got = saved_bytes(lambda: m(x, None), [*m.parameters(), x, a, b])
+    want = plan_linear.saved(130, 1, 2, 4, 16, 8, K, 4) + plan_linear.lora_inputs(["out_proj"], 130, 4, 8, 4)
+    assert got == want + 4 * 130 * 4   # + A's output, B's input [T, r] (parallel/plan.py's T·r·el)
+
+
+def test_weights_are_the_modules():
+    m = _module(2, 4, 16, 8)
+    mods = dict(m.named_modules())
+    assert {n: tuple(mods[n].weight.shape) for n in plan_linear.shapes(D, 2, 4, 16, 8)} == \
+        {n: s for n, s in plan_linear.shapes(D, 2, 4, 16, 8).items()}
+    linears = {n + ".weight" for n in plan_linear.shapes(D, 2, 4, 16, 8)}
+    assert plan_linear.dense(2, 4, 16, 8, K) == sum(p.numel() for n, p in m.named_parameters() if n not in linears)
+
+
+@pytest.mark.parametrize("Hk,Hv,dk,dv,dtype", [(1, 2, 128, 128, torch.float32), (2, 2, 64, 64, torch.float32),
+                                              (2, 4, 16, 8, torch.bfloat16), (2, 2, 8, 64, torch.bfloat16)])
+def test_backward_excess_near_the_measured_peak(Hk, Hv, dk, dv, dtype):
+    from torch.profiler import ProfilerActivity, profile
+
+    m = _module(Hk, Hv, dk, dv, dtype)
+    x = torch.randn(1, 256, D, dtype=dtype, requires_grad=True)
+    out = m(x, None)
+    dy = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.backward(dy)
+    cur = top = 0
+    for _, n in sorted((ev.start_ns(), ev.nbytes()) for ev in prof.profiler.kineto_results.events()
+                       if ev.name() == "[memory]"):
+        cur += n
+        top = max(top, cur)
+    planned = plan_linear.backward(256, 1, Hk, Hv, dk, dv, torch.finfo(dtype).bits // 8)
+    assert 0.8 < top / planned < 1.1, (top, planned)
