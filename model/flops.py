@@ -7,6 +7,9 @@ Contract:
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
+- `linear_flops_per_token(D, Hk, Hv, dk, dv, K)`: a Qwen3.5 linear-attention (Gated DeltaNet) sublayer's, forward +
+  backward, at any length (its docstring). Not yet in `flops_per_token`: ModelArgs carries no linear layers until the
+  decoder's wiring lands; then a linear layer takes this in place of its attention's projections and core.
 """
 
 from __future__ import annotations
@@ -44,3 +47,21 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
     twice_keys = sum(seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
                      for i in range(args.n_layers))   # each layer's keys a query sees, S/2 or less, doubled
     return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim)
+
+
+def linear_flops_per_token(D: int, Hk: int, Hv: int, dk: int, dv: int, K: int, chunk: int = 64) -> int:
+    """Model FLOPs per trained token of one Gated DeltaNet sublayer (model/deltanet.py), forward + backward = 3 ·
+    forward, as `flops_per_token` counts:
+
+        6 · (D·C + 2·D·Hv·dv + 2·D·Hv)  +  6·K·C  +  3 · Hv · (c·(5·dk + 3·dv) + 6·dk·dv)
+
+    C = 2·Hk·dk + Hv·dv. The projections (in_proj_qkv, in_proj_z, out_proj, in_proj_b/a) cost 2 per weight forward;
+    the depthwise conv 2·K a channel. The chunked rule (chunk c), per token and value head forward, as it runs: k·kᵀ
+    and q·kᵀ within the chunk (2c·dk each), the scores times `fresh` (2c·dv), the two unit-triangular solves (c·dv,
+    c·dk: c²·d per chunk, half a dense product's), and three products with the [dk, dv] state (w·M, q·M, kᵀ·fresh:
+    2·dk·dv each). So its cost grows with the tokens, not their square: no sequence-length term. The intra-chunk
+    products are dense (the causal half is masked after, not skipped), so they count whole. Not counted, as for
+    attention: the l2 norms, gates, decays, the gated norm (elementwise), fla's kernel's own schedule on CUDA."""
+    C = 2 * Hk * dk + Hv * dv
+    proj = D * C + 2 * D * Hv * dv + 2 * D * Hv
+    return 6 * proj + 6 * K * C + 3 * Hv * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)

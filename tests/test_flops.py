@@ -112,3 +112,22 @@ def test_flops_sliding_window_counts_the_keys_each_query_sees():
     full = lambda a, s: 6 * a.n_layers * s * a.n_heads * a.head_dim   # S/2 keys a query
     assert flops_per_token(mistral, 4096) == 6 * matmul_params(mistral) + full(mistral, 4096), "within the window"
     assert flops_per_token(mistral, 32768) < 6 * matmul_params(mistral) + full(mistral, 32768) / 3
+
+
+def test_linear_attention_forward_count():
+    """Qwen3.5's Gated DeltaNet sublayer: a third of `linear_flops_per_token` per token = torch's FlopCounterMode over
+    its forward (projections, the conv, the chunked rule's matmuls) plus its two unit-triangular solves counted from
+    their shapes (c²·d a chunk and head: the counter has no formula for linalg_solve_triangular). S a whole number of
+    chunks (the rule pads to one); the conv runs over S + K - 1 outputs before the causal slice: K - 1 more a row."""
+    from model.deltanet import GatedDeltaNet
+    from model.flops import linear_flops_per_token
+
+    D, Hk, Hv, dk, dv, K, B, S, c = 48, 2, 4, 16, 8, 4, 2, 192, 64
+    m = GatedDeltaNet(D, Hk, Hv, dk, dv, K, 1e-6)
+    x = torch.randn(B, S, D)
+    with FlopCounterMode(display=False) as fc:
+        m(x, None)
+    solves = B * Hv * (S // c) * c * c * (dk + dv)
+    C = 2 * Hk * dk + Hv * dv
+    conv_tail = 2 * C * K * (K - 1) * B
+    assert fc.get_total_flops() + solves - conv_tail == B * S * linear_flops_per_token(D, Hk, Hv, dk, dv, K) // 3
