@@ -11,28 +11,33 @@ GatedDeltaNet is still to land), so memory_plan does not call them; see "Left to
   `dense(...)`: conv1d [C, 1, K], A_log [Hv], dt_bias [Hv], the gated norm's weight [dv], in the compute dtype, never
   quantized (sharded as the block norms are).
 - Activations (term 4), `saved(...)`: what autograd keeps of the sublayer beyond its (normed) input, with frozen
-  weights (CPU, measured with saved-tensor hooks: tests/test_plan_linear.py), f = 4 (float32: the rule's dtype):
+  weights (CPU, measured with saved-tensor hooks: tests/test_plan_linear.py):
     per token, all heads (the projections and the gated norm, on the rank's T tokens): beta's sigmoid e·Hv, softplus'
-    float32 input 4·Hv, the gated norm's float32 input, rsqrt, z and silu(z) (3·4·Hv·dv + 4·Hv; the float32 input a
-    view of the rule's padded output at e = 4, cp 1: Tp tokens) and weight·normed (e·Hv·dv); -exp(A_log) 4·Hv once;
-    the conv (the rule's head range, C' channels: C at cp 1): its input and silu's input (e·C' a token, + e·C'·(K-1) a
-    row) and its concatenated weight e·C'·K; l2 norm: q and k as float32 copies at Hv/cp heads (2·4·dk; at e = 4 with as
-    many key as value heads no copy: views of silu's output, e·C' a token) and their rsqrt (2·4);
-    the rule (per rule token and head): padded q, k, v, k·beta, w, q·decay, k·decay ((6·dk + 3·dv)·f with u and the
-    per-chunk `fresh`), beta and two decays (3·f), five [c, c] blocks (k·kᵀ, q·kᵀ, decay, L, the intra-chunk scores:
-    5·c·f), two bool [c, c] masks and two bool [c] ones per rule token (not per head), and the chunk-entry states
-    [dk, dv] float32, one per chunk and head (N of them: the first is the zero state). With one chunk a row, w and
-    q·decay are not kept (the zero state needs no gradient).
+    float32 input 4·Hv, the gated norm's float32 input, rsqrt, z and silu(z) (3·4·Hv·dv + 4·Hv) and weight·normed
+    (e·Hv·dv); -exp(A_log) 4·Hv once;
+    the core (model/deltanet.py's `_Segmented`: conv, l2 norm and rule in segments of s = SEGMENT chunks, recomputed
+    in backward) keeps only its inputs, C' = 2·hk·dk + hv·dv channels of the rule's head range (C at cp 1): q, k, v
+    (e·C' a token; views of in_proj_qkv's output at cp 1), g (4·Hv; under CP the all-to-all's float32 g|beta, 8·hv,
+    and beta cast back, e·hv, unless e = 4), the concatenated conv weight e·C'·K once, and a float32 state [dk, dv]
+    per head, row and segment after the first: 4·hv·dk·dv·rows·(ceil(N/s) - 1) for N chunks a row. Packed rows of
+    several documents keep no more (their conv's scatter runs inside the segments).
   LoRA's tensors follow parallel/plan.py's rule per target (A keeps its input: the block norm's output for in_proj_*,
   the gated norm's output, e·Hv·dv, for out_proj; B its [T, r] input); `lora_inputs` counts out_proj's.
-  Packed rows of several documents keep more, not planned (a row is planned as one document, as attention's): the
-  conv's scatter keeps its source and an int64 index, e·C + 8 a token, and K - 1 more conv columns a document.
 - The block's backward (the phase that stands for attention's 7 and 9), `backward(...)`: the excess over the saved
-  tensors, the larger of the rule's (4·Tp·(Hv/cp)·(5c + 3dk + 2dv): the [c, c] blocks' gradients with q, k, v's) and
-  the conv's (4e·T·C: its input's and output's gradients around silu and the split); under CP plus the all-to-alls'
-  send and receive copies of the q|k, v and g|beta gradients (2·(e·T·(2·max(Hk, cp)·dk + Hv·dv) + 8·T·Hv)). CPU,
-  measured with the profiler's allocation events over the backward at 256 tokens (dk, dv from 8 to 128, Hv = Hk and
-  2·Hk, float32 and bfloat16): 0.85-1.03 of the measured peak.
+  tensors, the largest of
+    the gated norm's float32 gradients (5·4·T·Hv·dv + e·T·Hv·dv);
+    the core's: its whole input and output gradients (e·Tc·(C' + hv·dv) + 4·Tc·hv + e·Tc·hv, Tc = T·cp) plus ONE
+    segment recomputed (Ts = rows·min(s, N)·c tokens): what it keeps (the conv window's input and silu's input,
+    e·C'·(2·Ts + 3·rows·(K-1)); the l2 norm's float32 q, k copies and rsqrt, 2·4·Ts·hv·(dk + 1), views of silu's
+    output at e = 4 with hk = hv; the rule's padded q, k, v, k·beta, w, q·decay, k·decay, u and `fresh`, beta and two
+    decays, five [c, c] blocks, (6·dk + 3·dv + 3 + 5c)·4 a token and head, two bool [c, c] masks and two bool [c] a
+    token, a chunk-entry state 4·hv·dk·dv a chunk and row) and its backward's transients (the larger of the rule's
+    4·Ts·hv·(5c + 3dk + 2dv) and the conv's 4e·Ts·C', + the state's gradient in and out, 2·4·hv·dk·dv·rows);
+    q, k, v's gradients with their concatenation for in_proj_qkv (2·e·Tc·C');
+  under CP plus the all-to-alls' send and receive copies of the q|k, v and g|beta gradients
+  (2·(e·T·(2·max(Hk, cp)·dk + Hv·dv) + 8·T·Hv)). CPU, measured with the profiler's allocation events over the backward
+  (256 to 2,500 tokens, one and several segments, dk, dv from 8 to 128, Hv = Hk and 2·Hk, float32 and bfloat16):
+  0.8-1.04 of the measured peak; past one segment the gated norm's term is the peak.
 NOT measured against a GPU trace (2026-12): no GPU here. The saved tensors are pinned against autograd's on CPU; fla's
 kernel (model/deltanet.py's CUDA path, when installed) saves different tensors and is not planned here.
 
@@ -45,7 +50,8 @@ place of attention's 7 and 9 for a linear block) and plan_search's --max-len aut
 
 from __future__ import annotations
 
-CHUNK = 64   # model.deltanet.CHUNK (not imported: the planner reads no model code)
+CHUNK = 64     # model.deltanet.CHUNK (not imported: the planner reads no model code)
+SEGMENT = 16   # model.deltanet.SEGMENT: chunks a segment of the core
 
 
 def shapes(D: int, Hk: int, Hv: int, dk: int, dv: int) -> dict:
@@ -59,26 +65,37 @@ def dense(Hk: int, Hv: int, dk: int, dv: int, K: int) -> int:
     return (2 * Hk * dk + Hv * dv) * K + 2 * Hv + dv
 
 
-def _rule_tokens(T: int, rows: int, cp: int) -> tuple[int, int]:
-    """(Tp, chunks): the rule's padded tokens over the rows (whole rows under CP) and the chunks of one row."""
-    n = -(-(T * cp // rows) // CHUNK)
-    return rows * n * CHUNK, n
+def _sizes(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, cp: int, segment: int):
+    """(Tc, hv, hk, C', segments, Ts, its chunks): the core's tokens (whole rows under CP), heads and conv channels
+    on this rank, a row's segments, and the tokens and chunks of the largest segment (all rows)."""
+    S = T * cp // rows
+    n = -(-S // CHUNK)                                   # a row's chunks
+    hv, hk = Hv // cp, max(Hk // cp, 1)                  # key heads replicated past Hk ranks
+    ns, nc = -(-n // segment), min(n, segment)
+    return T * cp, hv, hk, 2 * hk * dk + hv * dv, ns, rows * nc * CHUNK, nc
 
 
-def saved(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, K: int, e: int, cp: int = 1) -> int:
+def saved(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, K: int, e: int, cp: int = 1,
+          segment: int = SEGMENT) -> int:
     """Bytes autograd keeps of one linear-attention sublayer with frozen weights, beyond its input (module docstring):
     T tokens on this rank in `rows` rows of one document each, e the compute dtype's bytes."""
-    Tp, n = _rule_tokens(T, rows, cp)
-    hv, hk = Hv // cp, max(Hk // cp, 1)    # the rule's heads on this rank (key heads replicated past Hk ranks)
-    Tc, C = T * cp, 2 * hk * dk + hv * dv   # the conv's tokens (whole rows) and channels on this rank
-    norm_in = Tp if e == 4 and cp == 1 else T   # the gated norm's float32 input: a view of the rule's padded output
-    proj = e * T * Hv + 4 * T * Hv + 4 * Hv + 4 * norm_in * Hv * dv + 2 * 4 * T * Hv * dv + e * T * Hv * dv \
-        + 4 * T * Hv
-    conv = e * Tc * C + e * C * (Tc + rows * (K - 1)) + e * C * K
-    l2 = (e * Tc * C if hv == hk and e == 4 else 2 * 4 * Tc * hv * dk) + 2 * 4 * Tc * hv
-    rule = 4 * Tp * hv * (6 * dk + 3 * dv + 3 + 5 * CHUNK) + 2 * Tp * CHUNK + 2 * Tp \
-        + 4 * hv * dk * dv * rows * n - 2 * 4 * Tp * hv * dk * (n == 1)
-    return proj + conv + l2 + rule
+    Tc, hv, hk, C, ns, _, _ = _sizes(T, rows, Hk, Hv, dk, dv, cp, segment)
+    proj = e * T * Hv + 4 * T * Hv + 4 * Hv + 3 * 4 * T * Hv * dv + e * T * Hv * dv + 4 * T * Hv
+    if cp == 1:   # q, k, v: views of in_proj_qkv's output; g the module's; beta its sigmoid's output (proj's)
+        core = e * T * C + 4 * T * Hv
+    else:         # the all-to-alls' outputs: q|k, v, g|beta (float32; beta cast back unless e = 4)
+        core = e * Tc * C + 8 * Tc * hv + e * Tc * hv * (e != 4)
+    return proj + core + e * C * K + 4 * hv * dk * dv * rows * (ns - 1)
+
+
+def _segment(Ts: int, nc: int, rows: int, hv: int, hk: int, C: int, dk: int, dv: int, K: int, e: int) -> int:
+    """What autograd keeps of one recomputed segment of Ts tokens (the rule's chunks, all rows): the conv window's
+    input and silu's input, the l2 norm's float32 copies (views of silu's output at e = 4 with hk = hv), the rule's
+    float32 blocks and its chunk-entry states."""
+    conv = e * C * (2 * Ts + 3 * rows * (K - 1))
+    l2 = (e * Ts * C if hv == hk and e == 4 else 2 * 4 * Ts * hv * dk) + 2 * 4 * Ts * hv
+    return conv + l2 + 4 * Ts * hv * (6 * dk + 3 * dv + 3 + 5 * CHUNK) + 2 * Ts * CHUNK + 2 * Ts \
+        + 4 * hv * dk * dv * rows * nc
 
 
 def lora_inputs(targets, T: int, Hv: int, dv: int, e: int) -> int:
@@ -87,10 +104,14 @@ def lora_inputs(targets, T: int, Hv: int, dv: int, e: int) -> int:
     return e * T * Hv * dv * ("out_proj" in targets)
 
 
-def backward(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, e: int, cp: int = 1) -> int:
+def backward(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, e: int, cp: int = 1, K: int = 4,
+             segment: int = SEGMENT) -> int:
     """The excess of a linear block's backward over its saved tensors at the sublayer (module docstring)."""
-    Tp, _ = _rule_tokens(T, rows, cp)
-    rule = 4 * Tp * (Hv // cp) * (5 * CHUNK + 3 * dk + 2 * dv)
-    conv = 4 * e * T * (2 * Hk * dk + Hv * dv)
+    Tc, hv, hk, C, _, Ts, nc = _sizes(T, rows, Hk, Hv, dk, dv, cp, segment)
+    grads = e * Tc * C + 4 * Tc * hv + e * Tc * hv + e * Tc * hv * dv   # the core's input gradients, its output's
+    seg = _segment(Ts, nc, rows, hv, hk, C, dk, dv, K, e) + max(4 * Ts * hv * (5 * CHUNK + 3 * dk + 2 * dv),
+                                                                 4 * e * Ts * C) + 2 * 4 * hv * dk * dv * rows
+    split = 2 * e * Tc * C                                           # q, k, v's gradients and their concatenation
     a2a = 2 * (e * T * (2 * max(Hk, cp) * dk + Hv * dv) + 8 * T * Hv) if cp > 1 else 0
-    return max(rule, conv) + a2a
+    norm = 5 * 4 * T * Hv * dv + e * T * Hv * dv                     # the gated norm's float32 gradients
+    return max(norm, grads + seg, split) + a2a

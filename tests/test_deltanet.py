@@ -14,18 +14,24 @@ dt_bias and the gated norm's weight drawn at random, away from transformers' ini
 - the reset matters: the same packed row run as one document differs (from a document's first token on: the conv);
 - the contract's head-range slicing (what a context-parallel core hands the local one) gives the whole core's heads;
 - prepare_linear: None for a row of one document (padding included); branched rows refused by name.
+- the core in segments (`local_linear_core(..., segment=)`): = transformers per document with documents crossing the
+  64-token segments' edges; = one pass of plain autograd, outputs and the gradients of all its inputs, bitwise for a
+  row shorter than a segment, to rounding over several (documents starting at an edge and in the conv's reach before
+  one); autograd keeps only its inputs and a state per segment; under parallel/ac.py's block checkpoint (plain and
+  selective) = the bare module, bitwise.
 
 Run: .venv/bin/python -m pytest -q tests/test_deltanet.py
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from model.deltanet import GatedDeltaNet, gated_delta_rule, l2norm, local_linear_core, prepare_linear
+from model.deltanet import GatedDeltaNet, causal_conv, gated_delta_rule, l2norm, local_linear_core, prepare_linear
 
 D, HK, HV, DK, DV, K = 64, 2, 4, 16, 16, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -72,7 +78,7 @@ def grads(module, x, fn, dout):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def check_against_reference(pair, pos, real):
+def check_against_reference(pair, pos, real, core=None):
     """Ours on rows with `pos` = transformers' module on each real document alone; `real` per row: document lengths
     (tokens past them are padding, left out of the loss)."""
     ref, ours = pair
@@ -91,7 +97,7 @@ def check_against_reference(pair, pos, real):
         return torch.cat(rows)
 
     meta = prepare_linear(pos)
-    o1, gx1, gp1 = grads(ours, x, lambda m, x: m(x, meta), dout)
+    o1, gx1, gp1 = grads(ours, x, lambda m, x: m(x, meta, core), dout)
     o2, gx2, gp2 = grads(ref, x, theirs, dout)
     torch.testing.assert_close(o1 * mask, o2, **TOL, msg="outputs")
     torch.testing.assert_close(gx1, gx2, **TOL, msg="input gradient")
@@ -112,6 +118,94 @@ def test_packed_row_matches_transformers_per_document(pair):
 def test_batch_of_packings_and_padding_matches_transformers(pair):
     check_against_reference(pair, positions([5, 70, 64, 3], [100, 30, ("pad", 12)]), [[5, 70, 64, 3], [100, 30]])
     check_against_reference(pair, positions([90, ("pad", 40)]), [[90]])   # one document + padding: meta None
+
+
+def test_segments_match_transformers_per_document(pair):
+    """The core in segments of one chunk (64 tokens): documents crossing segment edges, one row padded."""
+    check_against_reference(pair, positions([5, 70, 64, 3], [100, 30, ("pad", 12)]), [[5, 70, 64, 3], [100, 30]],
+                            functools.partial(local_linear_core, segment=1))
+
+
+def one_pass(q, k, v, g, beta, conv_w, meta):
+    """The core as one pass of plain autograd (no segments): conv, l2 norm, the rule on the whole rows."""
+    B, S, Hk, dk = q.shape
+    Hv, dv = v.shape[2:]
+    x = causal_conv(torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1),
+                    torch.cat([c.flatten(0, 1) for c in conv_w]), meta)
+    q, k, v = (t.unflatten(-1, (-1, d)) for t, d in zip(x.split([Hk * dk, Hk * dk, Hv * dv], -1), (dk, dk, dv)))
+    q, k = (t.repeat_interleave(Hv // Hk, 2) for t in (q, k))
+    f = torch.promote_types(q.dtype, torch.float32)
+    return gated_delta_rule(l2norm(q.to(f)) * dk ** -0.5, l2norm(k.to(f)), v, g, beta, meta).to(v.dtype)
+
+
+def core_inputs(pos, dtype, seed=6):
+    torch.manual_seed(seed)
+    B, S = pos.shape
+    ins = [torch.randn(B, S, HK, DK), torch.randn(B, S, HK, DK), torch.randn(B, S, HV, DV), -2 * torch.rand(B, S, HV),
+           torch.rand(B, S, HV), torch.randn(HK, DK, K), torch.randn(HK, DK, K), torch.randn(HV, DV, K)]
+    ins = [t.to(torch.promote_types(dtype, torch.float32)) if i == 3 else t.to(dtype) for i, t in enumerate(ins)]
+    return [t.requires_grad_() for t in ins], torch.randn(B, S, HV, DV, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_segments_equal_one_pass(dtype):
+    """Segmented core = one pass of plain autograd: outputs (with and without grad) and the gradients of q, k, v, g,
+    beta and the conv weights. A row shorter than a segment: the same ops on the same shapes, bitwise. Several segments
+    (1 and 2 chunks; documents crossing their edges, starting at one, 2 tokens before one (in the conv's reach), one of
+    a token; rows ending mid-chunk): torch's CPU kernels round differently on
+    other shapes (the first segment's own output already differs in float32's last bits), so within rounding (1e-12 in
+    float64)."""
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else TOL
+    for pos, segment, exact in ((positions([60, 40]), 2, True), (positions([300]), 1, False),
+                                (positions([30, 100, 70, 3, 97], [62, 66, 1, 171]), 1, False),
+                                (positions([30, 100, 70, 3, 97], [64, 128, 1, 107]), 2, False)):
+        ins, dout = core_inputs(pos, dtype)
+        meta = prepare_linear(pos)
+        got = []
+        for fn in (one_pass, functools.partial(local_linear_core, segment=segment)):
+            out = fn(*ins[:5], tuple(ins[5:]), meta)
+            with torch.no_grad():
+                no_grad = fn(*ins[:5], tuple(ins[5:]), meta)
+            got.append((out, no_grad, *torch.autograd.grad(out, ins, dout)))
+        label = f"{pos.shape[1]} tokens in segments of {segment} chunks"
+        for name, a, b in zip("out out_no_grad q k v g beta w_q w_k w_v".split(), got[1], got[0]):
+            if exact:
+                assert torch.equal(a, b), f"{name}, {label}: not bitwise equal"
+            else:
+                torch.testing.assert_close(a, b, **tol, msg=f"{name}, {label}")
+
+
+def test_segmented_core_keeps_its_inputs_and_one_state_a_segment():
+    """What autograd keeps of the core: its inputs, the concatenated conv weight and one float32 state [B, Hv, dk, dv]
+    per segment after the first; not the rule's float32 blocks, the conv's output or the l2 norm's copies."""
+    from tests.helpers import saved_bytes
+
+    pos = positions([30, 100, 70, 3, 97], [300])
+    ins, _ = core_inputs(pos, torch.bfloat16)
+    _, got = saved_bytes(lambda: local_linear_core(*ins[:5], tuple(ins[5:]), prepare_linear(pos), segment=1))
+    B, S = pos.shape
+    want = sum(t.numel() * t.element_size() for t in ins) + 4 * B * HV * DK * DV * (-(-S // 64) - 1)
+    assert got == want, (got, want)
+
+
+@pytest.mark.parametrize("contexts", ["_contexts", "_keep_attn_contexts"])
+def test_segments_nest_in_block_checkpoints(pair, contexts):
+    """The module under parallel/ac.py's block checkpoint (plain, and selective with --ac-keep-attn's policy): the
+    segments' recompute inside the block's recompute gives the outputs and gradients of the module run bare."""
+    from torch.utils.checkpoint import checkpoint
+
+    from parallel import ac
+
+    _, ours = pair
+    torch.manual_seed(7)
+    pos = positions([5, 70, 64, 3], [142])
+    x, dout = torch.randn(*pos.shape, D), torch.randn(*pos.shape, D)
+    meta, core = prepare_linear(pos), functools.partial(local_linear_core, segment=1)
+    bare = grads(ours, x, lambda m, x: m(x, meta, core), dout)
+    nested = grads(ours, x, lambda m, x: checkpoint(m, x, meta, core, use_reentrant=False,
+                                                    context_fn=getattr(ac, contexts)), dout)
+    torch.testing.assert_close(nested[:2], bare[:2], rtol=0, atol=0)
+    torch.testing.assert_close(nested[2], bare[2], rtol=0, atol=0)
 
 
 def test_bfloat16_casts_as_transformers(pair):

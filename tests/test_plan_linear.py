@@ -1,20 +1,24 @@
 """parallel/plan_linear.py's terms for Qwen3.5's linear-attention (Gated DeltaNet) blocks against the module itself.
 
 Pins (CPU, model/deltanet.py's GatedDeltaNet with frozen weights, the input needing grad; float32 and bfloat16;
-lengths below, at and past a chunk multiple, one and several chunks, 1-3 rows, as many key as value heads and half):
+lengths below, at and past a chunk multiple, one and several chunks, 1-3 rows, as many key as value heads and half;
+the core in one segment and in several, model.deltanet.SEGMENT's and shorter ones):
 - `saved` = the bytes autograd keeps for backward (tests.helpers.saved_bytes: unique storages, parameters and the
   input excluded), to the byte; out_proj's LoRA A input (`lora_inputs`) with a LoRA pair on out_proj;
-- `shapes` and `dense` = the module's parameters;
+- `shapes` and `dense` = the module's parameters; CHUNK and SEGMENT = model.deltanet's;
 - `backward` within 0.8-1.1 of the backward's peak allocation above its start (the profiler's CPU memory events).
 Not checked: context parallelism's terms (cp > 1), fla's CUDA kernel, any GPU trace.
 
 Run: .venv/bin/python -m pytest -q tests/test_plan_linear.py
 """
 
+import functools
+
 import pytest
 import torch
 
-from model.deltanet import GatedDeltaNet
+from model import deltanet
+from model.deltanet import GatedDeltaNet, local_linear_core
 from parallel import plan_linear
 from tests.helpers import saved_bytes
 
@@ -26,16 +30,24 @@ def _module(Hk, Hv, dk, dv, dtype=torch.float32):
     return GatedDeltaNet(D, Hk, Hv, dk, dv, K, 1e-6).to(dtype).requires_grad_(False)
 
 
-@pytest.mark.parametrize("S,Hk,Hv,dk,dv,dtype,rows", [
-    (128, 2, 4, 16, 8, torch.float32, 1), (100, 2, 2, 8, 16, torch.float32, 1), (200, 1, 3, 8, 8, torch.float32, 2),
-    (128, 2, 4, 16, 8, torch.bfloat16, 1), (77, 2, 2, 16, 8, torch.bfloat16, 1), (300, 2, 6, 8, 12, torch.bfloat16, 1),
-    (64, 1, 2, 8, 16, torch.float32, 3), (64, 1, 2, 8, 16, torch.bfloat16, 1), (192, 2, 4, 8, 8, torch.float32, 2)])
-def test_saved_is_what_autograd_keeps(S, Hk, Hv, dk, dv, dtype, rows):
+def test_sizes_are_the_models():
+    assert (plan_linear.CHUNK, plan_linear.SEGMENT) == (deltanet.CHUNK, deltanet.SEGMENT)
+
+
+@pytest.mark.parametrize("S,Hk,Hv,dk,dv,dtype,rows,segment", [
+    (128, 2, 4, 16, 8, torch.float32, 1, None), (100, 2, 2, 8, 16, torch.float32, 1, None),
+    (200, 1, 3, 8, 8, torch.float32, 2, None), (128, 2, 4, 16, 8, torch.bfloat16, 1, None),
+    (77, 2, 2, 16, 8, torch.bfloat16, 1, None), (300, 2, 6, 8, 12, torch.bfloat16, 1, None),
+    (64, 1, 2, 8, 16, torch.float32, 3, None), (64, 1, 2, 8, 16, torch.bfloat16, 1, None),
+    (192, 2, 4, 8, 8, torch.float32, 2, None), (2100, 1, 2, 8, 8, torch.bfloat16, 1, None),
+    (300, 2, 4, 16, 8, torch.float32, 2, 2), (257, 2, 2, 8, 16, torch.bfloat16, 1, 1)])
+def test_saved_is_what_autograd_keeps(S, Hk, Hv, dk, dv, dtype, rows, segment):
     m = _module(Hk, Hv, dk, dv, dtype)
     x = torch.randn(rows, S, D, dtype=dtype, requires_grad=True)
-    _, got = saved_bytes(lambda: m(x, None), [*m.parameters(), x])
+    core = functools.partial(local_linear_core, segment=segment)
+    _, got = saved_bytes(lambda: m(x, None, core), [*m.parameters(), x])
     e = torch.finfo(dtype).bits // 8
-    assert plan_linear.saved(rows * S, rows, Hk, Hv, dk, dv, K, e) == got
+    assert plan_linear.saved(rows * S, rows, Hk, Hv, dk, dv, K, e, segment=segment or deltanet.SEGMENT) == got
 
 
 def test_out_proj_lora_input():
@@ -59,14 +71,19 @@ def test_weights_are_the_modules():
     assert plan_linear.dense(2, 4, 16, 8, K) == sum(p.numel() for n, p in m.named_parameters() if n not in linears)
 
 
-@pytest.mark.parametrize("Hk,Hv,dk,dv,dtype", [(1, 2, 128, 128, torch.float32), (2, 2, 64, 64, torch.float32),
-                                              (2, 4, 16, 8, torch.bfloat16), (2, 2, 8, 64, torch.bfloat16)])
-def test_backward_excess_near_the_measured_peak(Hk, Hv, dk, dv, dtype):
+@pytest.mark.parametrize("S,Hk,Hv,dk,dv,dtype,rows,segment", [
+    (256, 1, 2, 128, 128, torch.float32, 1, None), (256, 2, 2, 64, 64, torch.float32, 1, None),
+    (256, 2, 4, 16, 8, torch.bfloat16, 1, None), (256, 2, 2, 8, 64, torch.bfloat16, 1, None),
+    (2100, 1, 2, 128, 128, torch.float32, 1, None), (2500, 2, 2, 64, 64, torch.bfloat16, 1, None),
+    (700, 2, 4, 32, 32, torch.bfloat16, 1, 4), (300, 2, 4, 16, 16, torch.float32, 2, 2)])
+def test_backward_excess_near_the_measured_peak(S, Hk, Hv, dk, dv, dtype, rows, segment):
+    """One segment (all 256 tokens) and several (SEGMENT's at 2,100 and 2,500 tokens, where the gated norm's float32
+    gradients are the peak; shorter ones)."""
     from torch.profiler import ProfilerActivity, profile
 
     m = _module(Hk, Hv, dk, dv, dtype)
-    x = torch.randn(1, 256, D, dtype=dtype, requires_grad=True)
-    out = m(x, None)
+    x = torch.randn(rows, S, D, dtype=dtype, requires_grad=True)
+    out = m(x, None, functools.partial(local_linear_core, segment=segment))
     dy = torch.randn_like(out)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out.backward(dy)
@@ -75,5 +92,6 @@ def test_backward_excess_near_the_measured_peak(Hk, Hv, dk, dv, dtype):
                        if ev.name() == "[memory]"):
         cur += n
         top = max(top, cur)
-    planned = plan_linear.backward(256, 1, Hk, Hv, dk, dv, torch.finfo(dtype).bits // 8)
+    planned = plan_linear.backward(rows * S, rows, Hk, Hv, dk, dv, torch.finfo(dtype).bits // 8, K=K,
+                                   segment=segment or deltanet.SEGMENT)
     assert 0.8 < top / planned < 1.1, (top, planned)
