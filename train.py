@@ -43,6 +43,7 @@ from model.load_checks import check_config_shapes
 from parallel import guard, hub_push, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import LocalBatches, cp_attention
+from parallel.cp_linear import cp_linear
 from parallel.evaluate import baseline, evaluate
 from parallel.mesh import dense_bf16_tflops, device_type, init_distributed, validate
 from parallel.metrics import rounded, step_record
@@ -170,7 +171,8 @@ def main(argv=None):
         t0 = time.time()
         torch.manual_seed(args.seed * 4096 + rank)   # LoRA dropout's masks: a function of --seed and the rank
         model, peft_model = build_model(BuildOptions.from_args(args, dtype, plan), fsdp_mesh=meshes.fsdp,
-                                        attention=cp_attention(meshes, dims, args.max_len), device=device)
+                                        attention=cp_attention(meshes, dims, args.max_len),
+                                        linear=cp_linear(meshes, dims), device=device)
         params = lora_parameters(model)
         dpo = dpo and DPO.of_run(model, args, meshes.cp.get_group(), device, dtype)   # (its reference model)
         log0(notes.model_line(model, margs, args, ckpt, dtype, time.time() - t0))

@@ -17,14 +17,16 @@ has none.
   `logits_scaling`).
 - Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`.
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
-  attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; only
-  full-attention layers for now (a `linear_attention` layer is refused, naming layer_types).
+  attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
+  Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
+  and `linear` (model.linear_layers.linear_spec, the linear_* keys).
 """
 
 from __future__ import annotations
 
 import math
 
+from model.linear_layers import linear_spec
 from model.moe import moe_fields
 from model.rope import read_rope
 
@@ -160,15 +162,10 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
     n = cfg["num_hidden_layers"]
     every = cfg.get("full_attention_interval", 4)   # (Qwen3_5TextConfig: layer_types from it when missing)
     types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    # Qwen3.5's Gated DeltaNet layers (linear_attention: 3 of every 4 in the published models) are not built yet: when
-    # model/deltanet.py lands, this refusal goes and model/llama.py's Decoder builds them (its one marked place)
-    if linear := [i for i, t in enumerate(types) if t == "linear_attention"]:
-        raise ValueError(f"config.json: layer_types names {len(linear)} 'linear_attention' layers (Gated DeltaNet; "
-                         f"layers {linear[:8]}{' ...' if len(linear) > 8 else ''}): Qwen3.5's linear attention is not "
-                         "supported yet, only configs whose layer_types are all 'full_attention'")
-    if types and set(types) != {"full_attention"}:
-        raise ValueError(f"config.json: layer_types {sorted(set(types) - {'full_attention'})} are not Qwen3.5's "
-                         "(full_attention, linear_attention)")
+    if types and not set(types) <= {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types {sorted(set(types) - {'full_attention', 'linear_attention'})} are "
+                         "not Qwen3.5's (full_attention, linear_attention)")
+    linear = linear_spec(cfg) if "linear_attention" in types else None   # (Gated DeltaNet: model/linear_layers.py)
     # transformers reads a classic rope_scaling in place of rope_parameters; the factor from that dict, then the top
     # level, then Qwen3_5TextConfig's 0.25. mrope_section / mrope_interleaved place the temporal, height and width
     # axes' frequencies; on text rows the three position axes are equal, so that placing changes nothing: plain RoPE
@@ -178,7 +175,8 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
     drop = ("partial_rotary_factor", *MROPE)
     theta, scaling = read_rope({k: {n: v for n, v in d.items() if n not in drop} if isinstance(d, dict) and k in (
         "rope_parameters", "rope_scaling") else d for k, d in cfg.items()}, max_pos)
-    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=part, norm_offset=1.0, attn_gate=True)
+    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=part, norm_offset=1.0, attn_gate=True,
+                layer_types=types if linear else None, linear=linear)
 
 
 FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,

@@ -7,7 +7,7 @@ Contract:
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
   `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py),
-  Qwen3.5 (`qwen3_5_text`, full-attention layers only: gated attention, partial RoPE; model/arch_fields.py).
+  Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py).
   A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model.arch_fields import FIELDS, SLIDING_WINDOW, SUPPORTED
+from model.linear_layers import LinearSpec
+from model.lora_spec import sublayer
 from model.moe import MoESpec
 from model.prequant import check_config
 from model.rope import ROPE_TYPES, inv_freq, keep_temperature, read_ministral3, read_rope, rope_scaling_flag
@@ -94,6 +96,7 @@ class ModelArgs:
     # attention's output × sigmoid(gate) before o_proj; RoPE on the first int(head_dim · factor) dims of each head
     attn_gate: bool = False
     partial_rotary_factor: float = 1.0
+    linear: LinearSpec | None = None   # the Gated DeltaNet layers' sizes (model/linear_layers.py)
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -111,9 +114,10 @@ class ModelArgs:
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window {self.sliding_window!r} must be a positive number of tokens")
         if self.layer_types is not None:
-            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            kinds = {"sliding_attention", "full_attention"} | ({"linear_attention"} if self.linear else set())
+            bad = sorted(set(self.layer_types) - kinds)
             if bad or len(self.layer_types) != self.n_layers:
-                raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for each of "
+                raise ValueError(f"layer_types must name {' or '.join(map(repr, sorted(kinds)))} for each of "
                                  f"the {self.n_layers} layers, got {len(self.layer_types)} entries {bad or ''}")
         beta, n = self.attn_temperature_beta, self.attn_temperature_length   # (numbers, or transformers' torch fails)
         if beta is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -144,7 +148,7 @@ class ModelArgs:
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
                 "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
-                "(qwen3_moe), Qwen3.5 (qwen3_5_text; full-attention layers only), and the language model of Mistral 3 "
+                "(qwen3_moe), Qwen3.5 (qwen3_5_text), and the language model of Mistral 3 "
                 "(mistral3), Gemma 3 (gemma3) and Qwen3.5 (qwen3_5) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
@@ -158,7 +162,7 @@ class ModelArgs:
         if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
             mt = "ministral"
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish") and mt != "gemma3_text":   # (Gemma's hidden_activation: gemma_fields)
+        if act not in ("silu", "swish") and mt != "gemma3_text":   # (Gemma's: gemma_fields; also Qwen3.5's conv's)
             raise ValueError(f"config.json: hidden_act {act!r} is not supported: this decoder's MLP is SwiGLU (silu)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"config.json: attention_dropout {cfg['attention_dropout']!r} is not supported (the "
@@ -307,10 +311,20 @@ class ModelArgs:
         return int(self.sliding_window)
 
     def projections(self) -> dict[str, tuple[int, int]]:
-        """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features)."""
+        """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features); with linear layers
+        their linear_attn's too (LINEAR_TARGETS; model.lora_spec.sublayer: whose a name is; `has`: which blocks)."""
         d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate_size
         return {"q_proj": (d, q * (2 if self.attn_gate else 1)), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}   # (Qwen3.5's q_proj: query and gate)
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),   # (Qwen3.5's q_proj: query and gate)
+                **(self.linear.projections(d) if self.linear else {})}
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a Gated DeltaNet one (Qwen3.5's linear_attention)."""
+        return self.linear is not None and bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def has(self, layer: int, name: str) -> bool:
+        """Whether block `layer` holds projection `name` (attention ones in full layers, linear_attn's in linear)."""
+        return (kind := sublayer(name)) == "mlp" or (kind == "linear_attn") == self.is_linear(layer)
 
     @property
     def named(self) -> str:
@@ -325,4 +339,6 @@ class ModelArgs:
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
         moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f) if sparse else 0   # experts, router
-        return self.n_layers * per_layer + emb + d + moe_extra
+        linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
+        lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
+        return self.n_layers * per_layer + emb + d + moe_extra + lin_extra

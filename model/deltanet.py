@@ -29,7 +29,10 @@ Contract:
   forward of the core), not the conv's output, the l2 norm's float32 copies and the rule's float32 blocks of the whole
   sequence (~300 KB a token at Qwen3.5-9B's sizes; parallel/plan_linear.py). Outputs and gradients = one pass of plain
   autograd within float32 rounding (bitwise within one segment). Nested in a block checkpoint (parallel/ac.py) it is
-  an op like any other. torch.compile would unroll the chunk loop and the segments: compiled regions leave the core out.
+  an op like any other. torch.compile would unroll the chunk loop and the segments:
+  `local_linear_core` is torch.compiler.disable'd, and parallel/compile.py compiles only elementwise modules (a linear
+  block's norms and SwiGLU), never a core.
+- The decoder's side (LinearSpec, LinearBlock, the model's default core LocalLinear): model/linear_layers.py.
 
 Notation: B batch, S sequence, D model dim, Hk / Hv key / value heads, dk / dv their head dims, K conv kernel,
 C = 2·Hk·dk + Hv·dv conv channels, N chunks. Algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (2024),
@@ -151,6 +154,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+# never traced by torch.compile, which would unroll the chunk loop: parallel/compile.py compiles elementwise modules
+# only, and this keeps any wider compile (a whole block's) from taking the core in (a graph break there instead)
+@torch.compiler.disable
 def local_linear_core(q, k, v, g, beta, conv_w, meta, segment: int | None = None):
     """conv + silu, l2 norm, gated delta rule on the whole sequence (module docstring): [B, S, Hv, dv] in v's dtype.
     The torch rule runs in segments of `segment` chunks (SEGMENT by default; _Segmented): the same numbers."""
@@ -314,3 +320,4 @@ class GatedDeltaNet(nn.Module):
         out = (core or local_linear_core)(q, k, v, g, beta, conv_w, meta)        # [B, S, Hv, dv]
         out = self.norm(out, self.in_proj_z(x).view(B, S, Hv, dv))
         return self.out_proj(out.reshape(B, S, Hv * dv))
+

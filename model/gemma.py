@@ -145,7 +145,7 @@ class SandwichBlock(nn.Module):
         self.table = int(a.local_rope is not None and bool(a.layer_types)
                          and a.layer_types[layer] == "sliding_attention")
 
-    def forward(self, x, cos, sin, core, meta):
+    def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: Qwen3.5's linear blocks' core and meta)
         if isinstance(cos, tuple):
             cos, sin = cos[self.table], sin[self.table]
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)

@@ -11,10 +11,10 @@ Contract:
   target's 1 or 0; `noise`: a callable given the embedding output in the compute dtype, before block 0, to add to in
   place: --neftune-alpha's, parallel/neftune.py), computed here in the root forward so FSDP2 keeps lm_head unsharded
   while it is used (DESIGN.md step 4).
-- The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default;
-  the trainer sets the kernel or context-parallel one. Each layer passes it its own sliding window
-  (`ModelArgs.window(layer)`, None for full causal attention). Everything else acts per token, so a
-  local sequence shard plus its global `position_ids` is all a rank needs.
+- The attention core is `self.attention`, any `model.attention.AttentionCore`: torch SDPA by default; the trainer
+  sets the kernel or context-parallel one (Qwen3.5's linear layers': `self.linear`, model/linear_layers.py). Each layer
+  passes it its own sliding window (`ModelArgs.window(layer)`, None for full causal attention). Everything else acts
+  per token, so a local sequence shard plus its global `position_ids` is all a rank needs.
 - Math only: activation checkpointing, offload, compile and sharding are applied from outside
   (`parallel/parallelize.py`), by wrapping each block's forward.
 
@@ -31,9 +31,10 @@ from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
+from model.linear_layers import LinearBlock, LocalLinear
 from model.moe import MoE
 from model.norms import cast_weight
-from model.rope import Rotary, cos_sin, tables
+from model.rope import Rotary, rope_tables, tables
 
 NORM_CHUNK = 2**26   # elements per chunk in eager RMSNorm (float32 temporaries of at most 256 MB; RoPE's: rope.py)
 
@@ -147,8 +148,8 @@ class RMSNorm(nn.Module):
         w = cast_weight(self.weight, x) if self.reference is None else self.reference.to(x.dtype)   # (--train-norms'
         # float32 weight where no mixed precision cast it; DPO's reference: the base's or a reference adapter's)
         if torch.compiler.is_compiling():   # the formula, fused and differentiated by the compiler, which saves x and
-            return _normalize(x, w, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo also
-        return _RMSNormFn.apply(x, w, self.eps)   # fails on this Function's graph: an AssertionError)
+            return _normalize(x, w, self.eps)[0]   # recomputes the upcast (torch 2.11's dynamo fails on the Function)
+        return _RMSNormFn.apply(x, w, self.eps)
 
 
 def _norm(a: ModelArgs, dim: int) -> nn.Module:
@@ -246,7 +247,7 @@ class Block(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
 
-    def forward(self, x, cos, sin, core, meta):
+    def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: the linear blocks' core and meta, unused)
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         # into o_proj's output where it says so (model.qlora: read by nothing else): no third [T, D] beside it and x
         x = add_residual(x, a, self.residual)
@@ -257,10 +258,9 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        # Qwen3.5's linear_attention layers (Gated DeltaNet, model/deltanet.py) will be built here, per layer type;
-        # until then model/arch_fields.qwen35_fields refuses them
-        self.layers = nn.ModuleList(SandwichBlock(a, i, Attention(a, i), MLP(a)) if a.sandwich_norms or a.post_norms
-                                    else Block(a, i) for i in range(a.n_layers))
+        self.layers = nn.ModuleList(  # (Qwen3.5's linear_attention layers: model/linear_layers.py)
+            LinearBlock(a, lambda: _norm(a, a.dim), MLP(a)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),
+            MLP(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)
 
     def run_blocks(self, h, *args):
@@ -271,7 +271,7 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, attention=None):
+    def __init__(self, args: ModelArgs, attention=None, linear=None):
         super().__init__()
         self.args = args
         self.model = Decoder(args)
@@ -279,16 +279,11 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attention = attention or SDPAAttention()
+        self.linear, self.hybrid = linear or LocalLinear(), any(map(args.is_linear, range(args.n_layers)))  # (deltanet)
 
     def rope(self, position_ids, dtype):
-        """cos, sin [B, S, Hd] for global positions (model.rope.cos_sin; q's own beside them: [B, S, 2·Hd]
-        with Ministral 3's temperature); with `local_rope` (Gemma, OLMo 3) the pairs
-        (full layers', sliding layers') of each, which model.gemma.SandwichBlock picks from."""
-        cos, sin = cos_sin(self.args, position_ids, dtype)
-        if self.args.local_rope is None:
-            return cos, sin
-        lcos, lsin = cos_sin(self.args.local_args(), position_ids, dtype)
-        return (cos, lcos), (sin, lsin)
+        """cos, sin [B, S, Hd] for global positions, or (full, sliding) pairs of each: model.rope.rope_tables."""
+        return rope_tables(self.args, position_ids, dtype)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,
                 dft=False):
@@ -301,17 +296,16 @@ class Transformer(nn.Module):
         dt = getattr(embed, "compute_dtype", None) or head.dtype   # (--train-embeddings' float32 master, where no
         if head.dtype != dt:   # mixed precision cast it: the compute dtype, as a frozen one's; a tied one's grad
             head = head.to(dt)   # flows back through the cast)
-        x = [embed(input_ids) if ref is None else F.embedding(input_ids, ref)]   # [B, S, D]
-        if x[0].dtype != dt:
-            x[0] = x[0].to(dt)
+        x = [(embed(input_ids) if ref is None else F.embedding(input_ids, ref)).to(dt)]   # [B, S, D] (itself if dt)
         x[0] = scaled_embedding(x[0], self.args)   # Gemma's, Granite's: before NEFTune's noise, as transformers' hook
         if noise is not None:   # adds to the embedding output in place (--neftune-alpha's: parallel/neftune.py)
             noise(x[0])
         cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
-        # handed over, not kept here: the blocks drop it once block 0 has run (with AC its checkpoint keeps the
-        # token ids instead), not at the end of the forward, when every block's checkpoint is alive beside it
-        h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta)
+        linear = (self.linear, self.linear.prepare(position_ids)) if self.hybrid else None   # (model/linear_layers.py)
+        # handed over, not kept here (no *args: that tuple would hold it): the blocks drop it once block 0 has run (with
+        # AC its checkpoint keeps the ids instead), not at the end, when every block's checkpoint is alive beside it
+        h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta, linear)
         h, s = self.model.norm(h), self.args.logits_scaling   # (Granite: logits / s; else 1)
         if labels is None:
             return F.linear(h, head) if s == 1 else F.linear(h, head) / s      # [B, S, V], transformers' order

@@ -18,6 +18,7 @@ import re
 
 from model import prequant
 from model.load import _read_json, stored_weights
+from model.lora_spec import sublayer
 from model.wrapper import looked_for
 
 
@@ -48,7 +49,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
     for i in range(margs.n_layers):
         for name, (n_in, n_out) in margs.projections().items():
-            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            if not margs.has(i, name):   # (Qwen3.5: attention in its full layers, linear_attn in the others)
+                continue
+            block = sublayer(name)
             if block == "mlp" and margs.moe and margs.moe.sparse(i):   # Qwen3-MoE's router and experts (model/moe.py)
                 want[f"model.layers.{i}.mlp.gate.weight"] = (margs.moe.experts, margs.dim)
                 shape = (margs.dim, margs.moe.width) if name == "down_proj" else (margs.moe.width, margs.dim)

@@ -7,9 +7,33 @@ from __future__ import annotations
 import argparse
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
-# --lora-targets' shorthands: peft's "all-linear" (every linear layer but the output head: these seven), and the
-# attention's or the MLP's projections
-TARGET_SETS = {"all-linear": LORA_TARGETS, "attn": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
+# Qwen3.5's Gated DeltaNet layers' (linear_attn, model/deltanet.py): in_proj_qkv (q, k, v), in_proj_z (the output
+# gate), in_proj_b (beta: how much each token writes), in_proj_a (the decay's input), out_proj
+LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ADAPTABLE = LORA_TARGETS + LINEAR_TARGETS
+# --lora-targets' default: the seven and, on a model with linear layers, their token mixer's big projections (q/k/v,
+# the gate, the output: what the attention's four are to a full layer); in_proj_b / in_proj_a (a few outputs per head,
+# scalars per token) only when named or with all-linear. `model_targets` drops the linear names on other models, so
+# their runs adapt, record and export the seven as before.
+DEFAULT_TARGETS = LORA_TARGETS + ("in_proj_qkv", "in_proj_z", "out_proj")
+# --lora-targets' shorthands: peft's "all-linear" (every linear layer of the language model but the output head: the
+# seven, and the linear layers' five), and the token mixers' (attention and linear_attn's default three) or the MLP's
+TARGET_SETS = {"all-linear": ADAPTABLE, "attn": LORA_TARGETS[:4] + DEFAULT_TARGETS[7:], "mlp": LORA_TARGETS[4:]}
+
+
+def sublayer(name: str) -> str:
+    """The module of a block that holds projection `name`: mlp, self_attn or linear_attn."""
+    return "mlp" if name in LORA_TARGETS[4:] else "self_attn" if name in LORA_TARGETS[:4] else "linear_attn"
+
+
+def model_targets(targets, margs) -> tuple[str, ...]:
+    """`targets` less the LINEAR_TARGETS a model without linear layers (`margs.linear` None) lacks (the default and
+    the shorthands name them for every model); ValueError when nothing is left."""
+    out = tuple(t for t in targets if margs.linear is not None or t not in LINEAR_TARGETS)
+    if not out:
+        raise ValueError(f"--lora-targets {','.join(targets)}: this model ({margs.model_type}) has no linear-attention "
+                         f"layers, so none of these; choose from {','.join(LORA_TARGETS)}")
+    return out
 
 
 def lora_targets_arg(text: str) -> str:

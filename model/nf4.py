@@ -119,7 +119,8 @@ def absmax_rows(blocks: int, storage_dtype: torch.dtype) -> int:
 
 def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
     for block in model.model.layers:   # (an MoE block's experts, not its router: model/moe.py)
-        for parent in (block.self_attn, *getattr(block.mlp, "experts", (block.mlp,))):
+        mixer = getattr(block, "self_attn", None) or block.linear_attn   # (Qwen3.5's linear blocks: its Linears only)
+        for parent in (mixer, *getattr(block.mlp, "experts", (block.mlp,))):
             for name, lin in list(parent.named_children()):
                 if not isinstance(lin, nn.Linear):
                     continue

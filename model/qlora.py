@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from model import dora as dora_math
 from model.bnb import LoraConfig, bnb, get_peft_model
 from model.llama import Transformer
-from model.lora_spec import LORA_TARGETS
+from model.lora_spec import LORA_TARGETS, model_targets
 from model.moe import expert_targets
 from model.norms import train_embeddings, train_norms
 
@@ -42,6 +42,7 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
                dora: bool = False, layers=None, norms: bool = False, embeddings: bool = False):
+    targets = model_targets(targets, model.args)   # (no linear-layer names on a model without them)
     if why := expert_targets(model.args, targets):   # (also at start-up: parallel/flags.py)
         raise ValueError(why)
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)

@@ -230,6 +230,17 @@ def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return cos.to(dtype), sin.to(dtype)
 
 
+def rope_tables(args, position_ids, dtype):
+    """cos, sin [B, S, Hd] for global positions (cos_sin; q's own beside them: [B, S, 2·Hd] with Ministral 3's
+    temperature); with `local_rope` (Gemma, OLMo 3) the pairs (full layers', sliding layers') of each, which
+    model.gemma.SandwichBlock picks from (model.llama.Transformer.rope)."""
+    cos, sin = cos_sin(args, position_ids, dtype)
+    if args.local_rope is None:
+        return cos, sin
+    lcos, lsin = cos_sin(args.local_args(), position_ids, dtype)
+    return (cos, lcos), (sin, lsin)
+
+
 def tables(cos, sin, hd: int, q: bool):
     """The cos, sin to rotate k (or q, `q`) with: cos_sin's whole tables, or their half when they hold q's own (`hd`:
     the rotated dims, args.rotary_dim)."""

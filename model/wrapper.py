@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import os
 
+from model.lora_spec import LINEAR_TARGETS
+
 # The wrapper's model_type -> its generation class(es), text_config's default model_type, the outer config's default
 # tie_word_embeddings, and the stored key forms: (stored prefix, our prefix) pairs, one form per list. Form 0:
 # transformers 5's module names (Mistral3ForConditionalGeneration.model.language_model, .lm_head); form 1: the keys
@@ -143,7 +145,8 @@ def peft_targets(targets, layers, wrapper: str):
     of a wrapper's language model: peft's regex form (matched in full against module names, where peft ignores
     layers_to_transform), e.g. model\\.language_model\\.layers\\.\\d+\\.(self_attn|mlp)\\.(q_proj|v_proj)."""
     blocks = r"\d+" if layers is None else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
-    return (to_peft("model.layers", wrapper).replace(".", r"\.") + rf"\.{blocks}\.(self_attn|mlp)\."
+    subs = "self_attn|linear_attn|mlp" if set(targets) & set(LINEAR_TARGETS) else "self_attn|mlp"   # (Qwen3.5's)
+    return (to_peft("model.layers", wrapper).replace(".", r"\.") + rf"\.{blocks}\.({subs})\."
             + "(" + "|".join(sorted(targets)) + ")")
 
 

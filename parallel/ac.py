@@ -44,8 +44,9 @@ def apply_ac(model: Transformer, offload: bool = False, group: int = 1, blocks: 
     if blocks != 0:
         _tag_lookups(model.model.embed_tokens)
     for block in model.model.layers[:blocks]:
-        if hooks:   # the next block's input comes back once this block's attention backward is done
-            block.self_attn.forward = hooks.after_attention(block.self_attn.forward)
+        if hooks and hasattr(block, "self_attn"):   # the next block's input comes back once this block's attention
+            block.self_attn.forward = hooks.after_attention(block.self_attn.forward)   # backward is done (a linear
+            # block's release never comes: its own unpack fetches it, without the overlap: offload.py)
         block.forward = _checkpointed(block.forward, hooks, _keep_attn_contexts if keep_attn else _contexts, block)
     if group > 1:
         model.model.run_blocks = _grouped(model.model.layers, group)

@@ -3,10 +3,10 @@ parallel/cp.py's `ContextParallelAttention` for `GatedDeltaNet.forward(x, meta, 
 
 Contract:
 - `cp_linear(meshes, dims)` -> a core with `prepare(position_ids)` and `__call__(q, k, v, g, beta, conv_w, meta)`
-  (model/deltanet.py's core signature, on this rank's shard [B, S/cp, ...]). dims.cp == 1: `LocalLinear`, the
-  whole-sequence `local_linear_core` with `prepare_linear`. Else `ContextParallelLinear` over the WHOLE cp group,
-  whatever split attention takes (Ulysses, zigzag ring, hybrid): a recurrence needs each head's whole sequence in
-  order, which no ring of blocks gives.
+  (model/deltanet.py's core signature, on this rank's shard [B, S/cp, ...]). dims.cp == 1: model/linear_layers.py's
+  `LocalLinear`, the whole-sequence `local_linear_core` with `prepare_linear`. Else `ContextParallelLinear` over the
+  WHOLE cp group, whatever split attention takes (Ulysses, zigzag ring, hybrid): a recurrence needs each head's
+  whole sequence in order, which no ring of blocks gives.
 - `prepare(local position_ids)` gathers the whole rows' position ids (tiny, once per forward) and returns
   `prepare_linear` of them (the padded rows `shard_sequence` made: padding continues the last document).
 - `__call__`: all-to-all by heads (parallel/ulysses.py: rank p gets value heads [p·Hv/P, (p+1)·Hv/P) of the whole
@@ -17,9 +17,8 @@ Contract:
   all-to-all, the permutation an index_select, the weight slices views (each rank's parameter gradients hold its
   head range's share: FSDP's reduce over the cp ranks sums them).
 - Head counts the cp degree cannot split are refused before any traffic: cp must divide the key heads or be a
-  multiple of them, and divide the value heads. `check_linear_heads` says so with the fix, for `parallel.mesh.validate`
-  to call beside the attention heads' check once ModelArgs carries the linear layers' heads (not there yet at this
-  commit); the core refuses the same at its first call.
+  multiple of them, and divide the value heads. `check_linear_heads` says so with the fix (parallel.mesh.validate
+  calls it beside the attention heads' check); the core refuses the same at its first call.
 - Cost per layer: three all-to-alls each way (q|k, v, g|beta: about the bytes of Ulysses' q, k, v) and the core's
   memory for Hv/cp heads of the whole sequence.
 """
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from model.deltanet import local_linear_core, prepare_linear
+from model.linear_layers import LocalLinear
 from parallel.cp import gather_sequence, layout_index
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
 
@@ -53,16 +53,6 @@ def check_linear_heads(n_k_heads: int, n_v_heads: int, cp: int) -> None:
         raise ValueError(f"context parallelism: {why} (model: {n_k_heads} key heads, {n_v_heads} value heads in its "
                          f"linear-attention layers, which every --cp-impl splits by heads across all cp ranks). "
                          f"Use a --cp of {fits}.")
-
-
-class LocalLinear:
-    """One process holds the whole sequence: model/deltanet.py's own core."""
-
-    def prepare(self, position_ids):
-        return prepare_linear(position_ids)
-
-    def __call__(self, q, k, v, g, beta, conv_w, meta):
-        return local_linear_core(q, k, v, g, beta, conv_w, meta)
 
 
 class ContextParallelLinear(LocalLinear):

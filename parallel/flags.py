@@ -25,7 +25,7 @@ import re
 import torch
 
 from data.mix import data_files
-from model.lora_spec import LORA_TARGETS, lora_layers
+from model.lora_spec import ADAPTABLE, lora_layers, model_targets, sublayer
 from model.moe import expert_targets
 from model.rope import rope_scaling_flag
 from parallel.ac import check_ac
@@ -153,9 +153,9 @@ def check_flags(args) -> None:
             raise ValueError(f"--epochs must be above 0 and at most 1e6, got {epochs:g}; omit it to train one epoch")
         if args.steps is not None:
             raise ValueError(f"--steps {args.steps} and --epochs {epochs:g} both set the run's length: pass one")
-    bad = [t for t in args.lora_targets.split(",") if t not in LORA_TARGETS]
+    bad = [t for t in args.lora_targets.split(",") if t not in ADAPTABLE]
     if bad or not args.lora_targets:
-        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(LORA_TARGETS)} "
+        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(ADAPTABLE)} "
                          "(or all-linear, attn, mlp)")
 
 
@@ -168,6 +168,11 @@ def _sac_lets_compile() -> bool:
 
 def check_model_flags(args, margs) -> None:
     """The flag checks that need the model's config.json but no layout."""
+    args.lora_targets = ",".join(model_targets(args.lora_targets.split(","), margs))   # (as recorded, exported)
+    if getattr(args, "dpo_share_prompt", False) and margs.linear is not None:   # (before any weight is read)
+        raise ValueError("--dpo-share-prompt makes a pair's answers branches of one prompt in a row, and this model's "
+                         "linear-attention (Gated DeltaNet) layers carry one recurrent state along the row, which "
+                         "cannot fork at a branch: drop --dpo-share-prompt (each pair then holds its prompt twice)")
     shapes = margs.projections()
     over = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in args.lora_targets.split(",")
             if t in shapes and args.lora_r > min(shapes[t])]
@@ -193,7 +198,8 @@ def check_model_flags(args, margs) -> None:
                          "block, so every block would run backward, which --lora-layers skips below its lowest block: "
                          "include block 0 in --lora-layers, or drop one of them")
     if getattr(args, "init_adapter", None) and not getattr(args, "resume", None):
-        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers, margs.tie_embeddings)
+        _init_adapter_fits(args.init_adapter, shapes, args.lora_r, margs.n_layers, layers, margs.tie_embeddings,
+                           margs.has)
     blocks, group = getattr(args, "ac_blocks", None), getattr(args, "ac_group", 1)
     if group > margs.n_layers:
         raise ValueError(f"--ac-group {group} is more than the model's {margs.n_layers} blocks (one checkpoint would "
@@ -204,9 +210,12 @@ def check_model_flags(args, margs) -> None:
                          "checkpoint them all")
 
 
-def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=None, tied: bool = False) -> None:
+def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=None, tied: bool = False,
+                       has=None) -> None:
     """--init-adapter's LoRA tensors (their safetensors header) fit this model's projections (`shapes`: name -> (in,
-    out)) at rank r: an adapter of another model is said before the data, not when its tensors are copied in. `tied`:
+    out); `has(layer, name)`: whether that block holds it, ModelArgs.has: Qwen3.5's attention projections are in its
+    full layers only, linear_attn's in the others) at rank r: an adapter of another model is said before the data, not
+    when its tensors are copied in. `tied`:
     the model's head is its input embedding; an adapter that trains that embedding without peft's ensure_weight_tying
     kept the base's head in peft (untied), which a run here cannot start from."""
     from model.adapter_read import untied_embedding
@@ -223,7 +232,8 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
                          "(--train-embeddings writes one), or merge it with peft's merge_and_unload and train on that")
     bad, halves = [], {}
     for k, h in sorted(header.items()):
-        if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)\b", k)) or \
+        if not (m := re.search(r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)\.lora_(A|B|magnitude_vector)\b",
+                               k)) or \
                 m[2] not in shapes:
             continue
         halves.setdefault(f"layer {m[1]} {m[2]}", set()).add(m[3])
@@ -264,9 +274,8 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
         key.endswith("." + e) for e in ex)   # suffixes; a wrapper's names), so no tensors there is the adapter as saved
     targets = cfg.get("target_modules") if isinstance(cfg.get("target_modules"), list) else ()   # (a regex: its
     missing = [f"layer {i} {t}" for t in targets if t in shapes for i in layers   # tensors say what it adapted)
-               if 0 <= i < n_layers and f"layer {i} {t}" not in halves and not excluded(to_peft(
-                   f"model.layers.{i}.{'mlp' if t in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{t}",
-                   None, form))]
+               if 0 <= i < n_layers and (has is None or has(i, t)) and f"layer {i} {t}" not in halves
+               and not excluded(to_peft(f"model.layers.{i}.{sublayer(t)}.{t}", None, form))]
     if cfg.get("layers_to_transform") is not None and (extra := sorted(
             k for k in halves if int(k.split()[1]) not in layers)):   # (peft would not load them: another function)
         raise ValueError(f"--init-adapter {path!r}: its adapter_config.json has layers_to_transform {list(layers)}, "

@@ -226,8 +226,8 @@ def _lora_a(lin: nn.Linear):
 def apply_norm_rebuild(model) -> None:
     """LoRA A on q/k/v, gate/up and the tiled MLP keep a block norm's input, not its output (module docstring)."""
     for block in model.model.layers:   # (pre_norms: the norms in front of attention and MLP, Gemma's too)
-        fed = dict(zip(block.pre_norms, (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                                         ("mlp.gate_proj", "mlp.up_proj"))))
+        fed = dict(zip(block.pre_norms, getattr(block, "norm_fed", None) or (   # (linear blocks: linear_layers.py)
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))))
         for norm, projs in fed.items():
             norm = block.get_submodule(norm)
             norm.forward = _tagging(norm)   # after apply_compile: wraps the compiled forward

@@ -172,6 +172,9 @@ def validate(args, margs, world: int):
     dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
                                   args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
     check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+    if margs.linear is not None and dims.cp > 1:   # (Qwen3.5's linear layers split by heads over all cp ranks)
+        from parallel.cp_linear import check_linear_heads
+        check_linear_heads(margs.linear.k_heads, margs.linear.v_heads, dims.cp)
     if getattr(args, "tiled_attn", False) and dims.cp > 1:
         raise ValueError(f"--tiled-attn with --cp {dims.cp}: the tiles run one process's whole-sequence attention, "
                          "and context parallelism splits the sequence across ranks already; drop one of them")

@@ -44,10 +44,10 @@ from torch.distributed.tensor import DTensor
 from model.attention import SDPAAttention
 from model.llama import Transformer
 from model.load import CheckpointReader, read_args
-from model.lora_spec import lora_layers
+from model.lora_spec import DEFAULT_TARGETS, lora_layers
 from model.nf4 import apply_nf4, pack_nf4_weights
 from model.norms import is_norm_weight, is_saved_weight
-from model.qlora import LORA_TARGETS, apply_lora, fuse_lora, init_lora, set_param
+from model.qlora import apply_lora, fuse_lora, init_lora, set_param
 from model.weights import load_weights
 from parallel.ac import apply_ac, check_ac
 from parallel.compile import apply_compile
@@ -66,7 +66,7 @@ class BuildOptions:
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
-    lora_targets: tuple = field(default=LORA_TARGETS)
+    lora_targets: tuple = field(default=DEFAULT_TARGETS)   # (those the model lacks dropped: model_targets)
     rslora: bool = False                   # scale alpha / sqrt(r) (peft's use_rslora)
     dora: bool = False                     # DoRA (peft's use_dora; model/dora.py)
     lora_layers: tuple | None = None       # the blocks adapted (None: all; peft's layers_to_transform)
@@ -103,8 +103,9 @@ class BuildOptions:
                    init_adapter=None if getattr(args, "resume", None) else getattr(args, "init_adapter", None))
 
 
-def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=None):
-    """Return (transformer, peft_model). `fsdp_mesh=None` builds the plain single-process model."""
+def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, linear=None, device=None):
+    """Return (transformer, peft_model). `fsdp_mesh=None` builds the plain single-process model; `attention`, `linear`:
+    the attention and linear-attention cores (model.llama.Transformer's; None: one process's)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if opts.quant not in ("nf4", "none"):
         raise ValueError(f"--quant must be nf4 or none, got {opts.quant!r}")
@@ -114,7 +115,7 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, device=No
     args = read_args(opts.path, opts.rope_scaling)
     reader = CheckpointReader(opts.path)
     with torch.device("meta"):                                              # 1
-        model = Transformer(args, attention=attention)
+        model = Transformer(args, attention=attention, linear=linear)
         model.to(opts.dtype)
         if opts.quant == "nf4":                                             # 2
             apply_nf4(model, storage_dtype=opts.dtype)

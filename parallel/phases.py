@@ -108,9 +108,12 @@ class PhaseMeter:
         last.mlp.register_forward_pre_hook(   # the tiled MLP runs that norm itself: handed a stand-in tagged with h
             lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP")
             if hasattr(a[0], "_norm_output") else None if last.pre_norms else self._watch(a[0], "last block: MLP"))
-        last.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
-        for proj in ("q_proj", "k_proj", "v_proj"):   # the first of the three gradients to arrive ends attention
-            getattr(last.self_attn, proj).register_forward_hook(
+        mixer = getattr(last, "self_attn", None)   # (a Qwen3.5 linear block's: its linear_attn's projections)
+        names = ("o_proj", ("q_proj", "k_proj", "v_proj")) if mixer else ("out_proj", ("in_proj_qkv",))
+        mixer = mixer or last.linear_attn
+        getattr(mixer, names[0]).register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
+        for proj in names[1]:   # the first of the three gradients to arrive ends attention
+            getattr(mixer, proj).register_forward_hook(
                 lambda m, a, out: self._watch(out, "last block: attention"))
         last.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: q/k/v, norm"))
 

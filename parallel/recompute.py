@@ -131,7 +131,8 @@ def apply_unread_outputs(model) -> None:
     for block in model.model.layers:
         read = getattr(block, "outputs_saved", False)   # (Gemma's norm after the MLP saves the MLP's output)
         downs = [(block.mlp.down_proj, not read)] if hasattr(block.mlp, "down_proj") else []   # (an MoE block's
-        for lin, in_recompute in (*downs, (block.self_attn.o_proj, False)):   # experts' outputs: read, weighted)
+        attn = [(block.self_attn.o_proj, False)] if hasattr(block, "self_attn") else []   # (not a linear block's:
+        for lin, in_recompute in (*downs, *attn):   # no tiled attention there; experts' outputs: read, weighted)
             if any(getattr(lin, "lora_variant", None) or ()):   # e.g. DoRA reads the base output: left alone
                 continue
             base = getattr(lin, "base_layer", lin)

@@ -289,6 +289,6 @@ def _tiled(attn, tile: int | None):
 
 def apply_tiled_attention(model, tile: int | None = None) -> None:
     """Tile every block's attention sublayer over query rows (module docstring); parameter names are unchanged."""
-    for block in model.model.layers:
+    for block in (b for b in model.model.layers if hasattr(b, "self_attn")):   # (not Qwen3.5's linear blocks)
         block.self_attn.forward = _tiled(block.self_attn, tile)
         block.self_attn.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output

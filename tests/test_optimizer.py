@@ -72,18 +72,22 @@ def test_lora_plus_steps_as_peft_create_loraplus_optimizer(tmp_path, ratio, weig
 def test_lora_targets_shorthands_are_peft_all_linear_and_the_sublayers(tmp_path):
     """--lora-targets all-linear = the modules peft's target_modules="all-linear" wraps on the transformers model
     (every linear layer but the head); attn and mlp its attention's and MLP's; written among names, each once, in
-    place; the result is what the run records and builds with."""
+    place; the result (less the names of Qwen3.5's linear layers a model without them drops: model_targets, as
+    check_model_flags does) is what the run records and builds with (Qwen3.5's: tests/test_qwen3_5_hybrid.py)."""
     import transformers as T
     from peft import LoraConfig, get_peft_model
 
     import train
+    from model.load import read_args
+    from model.lora_spec import model_targets
 
-    hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(tmp_path / "ckpt", layers=2)),
-                        LoraConfig(r=2, target_modules="all-linear"))
+    path = tiny_checkpoint(tmp_path / "ckpt", layers=2)
+    hf = get_peft_model(T.AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=2, target_modules="all-linear"))
     wrapped = {n.split(".")[-1] for n, m in hf.named_modules() if hasattr(m, "lora_A")}
-    parse = lambda t: train.build_parser().parse_args(["--lora-targets", t]).lora_targets.split(",")   # noqa: E731
+    parse = lambda t: list(model_targets(train.build_parser().parse_args(   # noqa: E731
+        [] if t is None else ["--lora-targets", t]).lora_targets.split(","), read_args(path)))
     assert set(parse("all-linear")) == wrapped and len(wrapped) == 7, wrapped
-    assert parse("all-linear") == parse("attn,mlp") == train.build_parser().parse_args([]).lora_targets.split(",")
+    assert parse("all-linear") == parse("attn,mlp") == parse(None)
     assert {n for n in wrapped if n in parse("attn")} == {n for n in wrapped if ".self_attn." in next(
         k for k, _ in hf.named_modules() if k.endswith("." + n))}
     assert parse("v_proj,attn") == ["v_proj", "q_proj", "k_proj", "o_proj"] and parse("mlp,down_proj") == [

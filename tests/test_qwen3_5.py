@@ -1,6 +1,6 @@
 """Qwen3.5 (`model_type: qwen3_5_text`, Qwen3_5ForCausalLM; the multimodal `qwen3_5`, Qwen3_5ForConditionalGeneration,
-the form Qwen/Qwen3.5-9B, -27B ... ship in) with every layer `full_attention` compute what transformers does. Its
-Gated DeltaNet layers (`linear_attention`) are refused for now.
+the form Qwen/Qwen3.5-9B, -27B ... ship in) with every layer `full_attention` compute what transformers does (with its
+Gated DeltaNet layers, `linear_attention`: tests/test_qwen3_5_hybrid.py).
 
 Pins (CPU, float32, tiny random checkpoints saved by transformers itself, every norm weight drawn away from 0, the
 zero-centred norms' identity; 6 query / 2 KV heads of 16):
@@ -10,7 +10,7 @@ zero-centred norms' identity; 6 query / 2 KV heads of 16):
 - partial RoPE: model.rope's tables and Rotary (eager chunks, the formula) = transformers' Qwen3_5TextRotaryEmbedding
   and apply_rotary_pos_emb, values and gradients;
 - config.json read as Qwen3_5TextConfig reads it (0.25 factor and layer types by default, the factor at the top
-  level, a classic rope_scaling); any linear_attention layer refused naming layer_types;
+  level, a classic rope_scaling); a layer type Qwen3.5 has not refused naming it;
 - LoRA's loss and every LoRA gradient = peft's on Qwen3_5ForCausalLM, plain and under AC + tiled MLP + tiled attention
   (the tiles recompute the gate with q);
 - one process = cp 2 Ulysses = cp 2 ring (2 ranks, gloo);
@@ -170,16 +170,11 @@ def test_config_read_as_transformers_reads_it():
         ModelArgs.from_config_dict({"model_type": "qwen3", **bare, "partial_rotary_factor": 0.5})
 
 
-def test_linear_attention_layers_are_refused():
-    """Qwen3_5TextConfig's default layer types (3 of every 4 linear_attention) and an explicit one: refused, naming
-    layer_types, as is a layer type Qwen3.5 has not."""
+def test_layer_types_other_than_qwen35s_are_refused():
+    """A layer type Qwen3.5 has not (sliding_attention): refused naming it (its linear_attention layers are read:
+    tests/test_qwen3_5_hybrid.py)."""
     from model.config import ModelArgs
 
-    bare = {k: v for k, v in SIZES.items() if k != "layer_types"}
-    for cfg in ({**bare, "num_hidden_layers": 4}, {**SIZES, "layer_types": ["full_attention", "linear_attention"]},
-                {"model_type": "qwen3_5", "text_config": {**bare, "num_hidden_layers": 4}}):
-        with pytest.raises(ValueError, match="layer_types names .* 'linear_attention'"):
-            ModelArgs.from_config_dict({"model_type": "qwen3_5_text", **cfg} if "text_config" not in cfg else cfg)
     with pytest.raises(ValueError, match="sliding_attention"):
         ModelArgs.from_config_dict({"model_type": "qwen3_5_text", **SIZES,
                                     "layer_types": ["full_attention", "sliding_attention"]})
