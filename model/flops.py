@@ -3,13 +3,13 @@
 Contract:
 - `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
   lm_head; not the embedding lookup or the norms); in an MoE block (Qwen3-MoE) a token's: its k experts' and the
-  router's.
+  router's; in Qwen3.5's linear layers their linear_attn's projections.
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
 - `linear_flops_per_token(D, Hk, Hv, dk, dv, K)`: a Qwen3.5 linear-attention (Gated DeltaNet) sublayer's, forward +
-  backward, at any length (its docstring). Not yet in `flops_per_token`: ModelArgs carries no linear layers until the
-  decoder's wiring lands; then a linear layer takes this in place of its attention's projections and core.
+  backward, at any length (its docstring): `flops_per_token` counts each linear layer (`ModelArgs.is_linear`) so, in
+  place of its attention's projections and core.
 """
 
 from __future__ import annotations
@@ -21,11 +21,20 @@ def matmul_params(args: ModelArgs) -> int:
     """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
     d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
-    per_layer = d * h * hd * (3 if args.attn_gate else 2) + d * kv * hd * 2 + 3 * d * f   # q (Qwen3.5: its gate), o;
-    # k, v; gate, up, down
+    attn = d * h * hd * (3 if args.attn_gate else 2) + d * kv * hd * 2   # q (Qwen3.5: its gate), o; k, v
+    per_layer = attn + 3 * d * f   # gate, up, down
     moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
     active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f) if sparse else 0   # Qwen3-MoE: a
-    return args.n_layers * per_layer + args.vocab_size * d + active   # token's k experts and router for gate/up/down
+    # token's k experts and router for gate/up/down; Qwen3.5's linear layers: linear_attn's five for the attention's
+    return args.n_layers * per_layer + args.vocab_size * d + active + _linear_layers(args) * (_linear_proj(args) - attn)
+
+
+def _linear_layers(args: ModelArgs) -> int:
+    return sum(map(args.is_linear, range(args.n_layers)))
+
+
+def _linear_proj(args: ModelArgs) -> int:   # a linear layer's projection weights (in_proj_qkv, _z, _b, _a, out_proj)
+    return sum(i * o for i, o in args.linear.projections(args.dim).values()) if args.linear else 0
 
 
 def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
@@ -42,11 +51,15 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
     S is the attention span: the row length, or a document's length in packed rows. On a sliding-window layer
     (`args.window`) a query sees at most w keys: S/2 on average becomes w - w²/(2·S) once S > w (until 2026-12-06
     S/2 on every layer: Mistral 7B v0.1, w 4,096, at 32k counted 4.3× its attention FLOPs, its mfu ~1.4× too high)."""
+    full = [i for i in range(args.n_layers) if not args.is_linear(i)]   # (Qwen3.5's linear layers attend to nothing:
+    s = args.linear   # their conv and chunked rule, linear_flops_per_token less its projections, counted in 6·P)
+    rule = _linear_layers(args) * (linear_flops_per_token(args.dim, s.k_heads, s.v_heads, s.k_dim, s.v_dim,
+                                                          s.conv_kernel) - 6 * _linear_proj(args)) if s else 0
     if not causal:
-        return 6 * matmul_params(args) + 12 * args.n_layers * seq_len * args.n_heads * args.head_dim
+        return 6 * matmul_params(args) + 12 * len(full) * seq_len * args.n_heads * args.head_dim + rule
     twice_keys = sum(seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
-                     for i in range(args.n_layers))   # each layer's keys a query sees, S/2 or less, doubled
-    return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim)
+                     for i in full)   # each layer's keys a query sees, S/2 or less, doubled
+    return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim) + rule
 
 
 def linear_flops_per_token(D: int, Hk: int, Hv: int, dk: int, dv: int, K: int, chunk: int = 64) -> int:

@@ -9,6 +9,8 @@ Pins:
   causal count is that attention term halved, checked separately;
 - the Qwen2.5-7B numbers written out by hand: 7,070,285,824 matmul weights and 62.15 GFLOP per
   token at 32,768 tokens (42.42 matmul + 19.73 attention);
+- Qwen3.5's linear layers: their projections' matmuls in place of the attention's, no attention term (the counter,
+  with a matmul-free core), the conv and rule as linear_flops_per_token counts them;
 - sliding windows (Mistral 7B v0.1: every layer, 4,096; Qwen2 with use_sliding_window on its upper layers): the
   attention term within 0.1% of a count query by query of the keys each sees (min(t + 1, w) for query t); rows no
   longer than the window count as full causal attention, exactly.
@@ -78,6 +80,36 @@ def test_moe_flops_match_torch_flop_counter():
     assert counter.get_total_flops() == flops_per_token(args, s, causal=False) * b * s
     assert args.n_params == sum(p.numel() for n, p in model.named_parameters() if "_norm." not in n or "layernorm" in n)
     # (every weight: the experts' and routers'; n_params leaves out the q/k norms, a Qwen3's too)
+
+
+def test_hybrid_flops_count_linear_layers_in_place_of_attention():
+    """Qwen3.5's linear layers (linear, linear, full): their matmuls are linear_attn's five projections, no attention
+    term (counter: a stand-in core with no matmul of its own, every projection still trained), the conv and the rule
+    `linear_flops_per_token`'s rest; only the full layer's term grows with S."""
+    from model.flops import linear_flops_per_token
+    from model.linear_layers import LinearSpec
+
+    args = ModelArgs(model_type="qwen3_5_text", vocab_size=96, dim=48, n_layers=3, n_heads=4, n_kv_heads=2,
+                     head_dim=16, intermediate_size=80, qk_norm=True, norm_offset=1.0, attn_gate=True,
+                     partial_rotary_factor=0.25, linear=LinearSpec(2, 4, 16, 8, 4),
+                     layer_types=["linear_attention", "linear_attention", "full_attention"])
+
+    def core(q, k, v, g, beta, conv_w, meta):   # elementwise only (not counted); every input in the graph
+        return v + ((g + beta) * 0)[..., None] + (q.sum() + k.sum()) * 0
+
+    torch.manual_seed(0)
+    model = Transformer(args, attention=DenseCausal(), linear=type("Core", (), {
+        "prepare": lambda self, pos: None, "__call__": lambda self, *a: core(*a)})())
+    b, s = 2, 40
+    ids = torch.randint(0, args.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    proj = 48 * (2 * 2 * 16 + 4 * 8) + 2 * 48 * 4 * 8 + 2 * 48 * 4   # in_proj_qkv, in_proj_z + out_proj, b + a
+    conv_rule = 2 * (linear_flops_per_token(48, 2, 4, 16, 8, 4) - 6 * proj)
+    assert counter.get_total_flops() == (flops_per_token(args, s, causal=False) - conv_rule) * b * s
+    assert flops_per_token(args, 4 * s) - flops_per_token(args, s) == 6 * 3 * s * args.n_heads * args.head_dim, \
+        "only the full layer's attention grows with S"
 
 
 def test_flops_qwen25_7b_by_hand():
