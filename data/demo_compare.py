@@ -44,11 +44,11 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 
 def nf4_round_trip(model) -> None:
-    """Replace each decoder block's attention/MLP Linear weight (an MoE block's experts' too, not its router) by
-    training's NF4 of it (`model.nf4.nf4_round_trip`: the same bits; a multimodal wrapper's: its language model's,
-    named as ours by model/wrapper.py). A 4-bit upload's
-    layers (bitsandbytes' Linear4bit, whose weights are the packed codes) are left as transformers loaded them: those
-    are the weights training computed with (until 2026-12-06 their codes were quantized as if they were weights, and
+    """Replace each decoder block's attention/MLP Linear weight (an MoE block's experts' and shared expert's too, not
+    its router) by training's NF4 of it (`model.nf4.nf4_round_trip`: the same bits; a multimodal wrapper's: its
+    language model's, named as ours by model/wrapper.py). A 4-bit upload's layers (bitsandbytes' Linear4bit, whose
+    weights are the packed codes) are left as transformers loaded them: those are the weights training computed with
+    (until 2026-12-06 their codes were quantized as if they were weights, and
     the base answered garbage)."""
     import torch
 
@@ -60,8 +60,8 @@ def nf4_round_trip(model) -> None:
     with torch.no_grad():
         for name, mod in ((n, model.get_submodule(m)) for n, m in ours.items()):
             parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
-            if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and len(parts) == 5 and \
-                    not hasattr(mod.weight, "quant_state"):
+            if isinstance(mod, torch.nn.Linear) and parts[:2] == ["model", "layers"] and (len(parts) == 5 or parts[
+                    4] == "shared_expert") and not hasattr(mod.weight, "quant_state"):   # (Qwen3.5-MoE's shared expert)
                 mod.weight.copy_(base_of(mod.weight).to(mod.weight.dtype))
             elif parts[3:] == ["mlp", "experts"] and getattr(mod, "gate_up_proj", None) is not None:   # transformers
                 half = mod.gate_up_proj.shape[1] // 2   # 5's fused experts (Qwen3-MoE): each expert's gate, up and down

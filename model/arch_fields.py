@@ -15,7 +15,8 @@ has none.
   its RoPE theta 2e6 without one.
 - `granite_fields`: Granite's four multipliers (`embed_multiplier`, `residual_multiplier`, `attention_multiplier`,
   `logits_scaling`).
-- Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`.
+- Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`; Qwen3.5-MoE's (`qwen3_5_moe_text`):
+  `qwen35_fields` and `moe_fields` (every block MoE, with a shared expert).
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
   attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
   Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
@@ -54,6 +55,7 @@ SUPPORTED = {
     "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
     "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
     "qwen3_5_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=256),   # + below
+    "qwen3_5_moe_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=2, head_dim=256),
 }
 MROPE = ("mrope_section", "mrope_interleaved")   # Qwen3.5's multimodal RoPE axes (text rows: plain RoPE, qwen35_fields)
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
@@ -181,4 +183,5 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
 
 FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,
           "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg),
-          "qwen3_5_text": qwen35_fields}
+          "qwen3_5_text": qwen35_fields, "qwen3_5_moe_text": lambda cfg, max_pos: {
+              **qwen35_fields(cfg, max_pos), **moe_fields(cfg)}}

@@ -7,8 +7,10 @@ Contract:
   Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
   `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py),
-  Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py).
-  A multimodal wrapper (Mistral 3, `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`) is read as its language model
+  Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py), Qwen3.5-MoE
+  (`qwen3_5_moe_text`: Qwen3.5's with model/moe.py's MLP and a shared expert, whose width, shared_expert_intermediate_
+  size, is `intermediate_size` here: the one MLP of that name in a block). A multimodal wrapper (Mistral 3,
+  `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`; Qwen3.5-MoE, `qwen3_5_moe`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
   bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one whose
@@ -148,8 +150,9 @@ class ModelArgs:
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
                 "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
-                "(qwen3_moe), Qwen3.5 (qwen3_5_text), and the language model of Mistral 3 "
-                "(mistral3), Gemma 3 (gemma3) and Qwen3.5 (qwen3_5) wrappers of these")
+                "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), and the language model of "
+                "Mistral 3 (mistral3), Gemma 3 (gemma3), Qwen3.5 (qwen3_5) and Qwen3.5-MoE (qwen3_5_moe) wrappers of "
+                "these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)
@@ -170,7 +173,8 @@ class ModelArgs:
         for where, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")), ("rope_scaling.",
                                                                                       cfg.get("rope_scaling"))):
             # (Phi, GLM...; the Llama-family classes here ignore it, or fail on a scaled RoPE; Qwen3.5 reads it)
-            if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0) and mt != "qwen3_5_text":
+            if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0) and not mt.startswith(
+                    "qwen3_5"):
                 raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                                  "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                                  "trained so)")
@@ -185,7 +189,7 @@ class ModelArgs:
         # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
         # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
         window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
-        if mt in ("llama", "granite", "qwen3_5_text"):   # (none of these classes has a window)
+        if mt in ("llama", "granite", "qwen3_5_text", "qwen3_5_moe_text"):   # (none of these classes has a window)
             window = None
         if mt == "ministral3":   # its class's default is no window; a window applies on every layer
             window = cfg.get("sliding_window")
@@ -206,7 +210,8 @@ class ModelArgs:
             n_heads=cfg["num_attention_heads"],
             n_kv_heads=cfg.get("num_key_value_heads", flags["kv"]),
             head_dim=cfg.get("head_dim", flags["head_dim"]),
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg["intermediate_size"] if mt != "qwen3_5_moe_text" else cfg.get(
+                "shared_expert_intermediate_size", 512),   # (Qwen3.5-MoE: its shared expert's; module docstring)
             norm_eps=cfg.get("rms_norm_eps", flags.get("eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -338,7 +343,8 @@ class ModelArgs:
         per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
-        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f) if sparse else 0   # experts, router
+        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f * (not moe.shared) + d * bool(
+            moe.shared)) if sparse else 0   # experts, router (the shared expert: the dense MLP's size, + its gate)
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
         lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
         return self.n_layers * per_layer + emb + d + moe_extra + lin_extra

@@ -258,8 +258,9 @@ class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        mlp = lambda i: MoE(a.dim, a.moe) if a.moe and a.moe.sparse(i) else MLP(a)   # (MoE: model/moe.py)
         self.layers = nn.ModuleList(  # (Qwen3.5's linear_attention layers: model/linear_layers.py)
-            LinearBlock(a, lambda: _norm(a, a.dim), MLP(a)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),
+            LinearBlock(a, lambda: _norm(a, a.dim), mlp(i)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),
             MLP(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)
 

@@ -57,6 +57,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
                 shape = (margs.dim, margs.moe.width) if name == "down_proj" else (margs.moe.width, margs.dim)
                 want.update({f"model.layers.{i}.mlp.experts.{e}.{name}.weight": shape
                              for e in range(margs.moe.experts)})
+                if margs.moe.shared:   # (Qwen3.5-MoE's shared expert: intermediate_size wide, and its gate)
+                    want[f"model.layers.{i}.mlp.shared_expert.{name}.weight"] = (n_out, n_in)
+                    want[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (1, margs.dim)
                 continue
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
     raw, packed, meta = stored_weights(path)

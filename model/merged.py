@@ -38,10 +38,13 @@ from model.wrapper import stored_parts, to_ours
 def _is_nf4(name: str, shape) -> bool:
     """The weights `model.nf4.apply_nf4` quantizes: Linear weights of a block's attention (Qwen3.5's linear_attn: not
     its conv1d, A_log, dt_bias, norm) and MLP, an MoE block's experts' (model.layers.{i}.mlp.experts.{e}.{proj}.weight),
-    not its router (mlp.gate.weight)."""
+    Qwen3.5-MoE's shared expert's and its gate (mlp.shared_expert.{proj}.weight, mlp.shared_expert_gate.weight), not
+    its router (mlp.gate.weight)."""
     parts = name.split(".")   # model.layers.{i}.{self_attn|mlp}.{proj}.weight
     if parts[3:5] == ["mlp", "experts"] and len(parts) == 8:
         parts = parts[:4] + parts[6:]
+    if parts[3:5] == ["mlp", "shared_expert"] and len(parts) == 7:
+        parts = parts[:4] + parts[5:]
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3] in ("self_attn", "linear_attn", "mlp")
             and parts[4] != "gate" and parts[5] == "weight" and len(shape) == 2)
 

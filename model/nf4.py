@@ -120,17 +120,21 @@ def absmax_rows(blocks: int, storage_dtype: torch.dtype) -> int:
 def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
     for block in model.model.layers:   # (an MoE block's experts, not its router: model/moe.py)
         mixer = getattr(block, "self_attn", None) or block.linear_attn   # (Qwen3.5's linear blocks: its Linears only)
-        for parent in (mixer, *getattr(block.mlp, "experts", (block.mlp,))):
-            for name, lin in list(parent.named_children()):
-                if not isinstance(lin, nn.Linear):
-                    continue
-                packed_shape(lin.out_features, lin.in_features, storage_dtype)   # refuse before any work
-                q = NF4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                              compute_dtype=None, compress_statistics=True, quant_type="nf4",
-                              quant_storage=storage_dtype, device=lin.weight.device)
-                if lin.bias is not None:
-                    q.bias = nn.Parameter(lin.bias.detach(), requires_grad=False)
-                setattr(parent, name, q)
+        experts, shared = (getattr(block.mlp, n, None) for n in ("experts", "shared_expert"))
+        parents = (mixer, *(experts or (block.mlp,)), *([shared] if shared else []))
+        # (Qwen3.5-MoE's shared expert and its gate, a Linear [1, D]: transformers + bnb quantize both)
+        for parent, name in [(p, n) for p in parents for n, _ in p.named_children()] + [
+                (block.mlp, "shared_expert_gate")] * bool(shared):
+            lin = getattr(parent, name)
+            if not isinstance(lin, nn.Linear):
+                continue
+            packed_shape(lin.out_features, lin.in_features, storage_dtype)   # refuse before any work
+            q = NF4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                          compute_dtype=None, compress_statistics=True, quant_type="nf4",
+                          quant_storage=storage_dtype, device=lin.weight.device)
+            if lin.bias is not None:
+                q.bias = nn.Parameter(lin.bias.detach(), requires_grad=False)
+            setattr(parent, name, q)
     model.is_loaded_in_4bit = True   # peft reads this to pick its 4-bit LoRA layer
 
 

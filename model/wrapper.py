@@ -1,6 +1,7 @@
 """Multimodal wrapper checkpoints whose language model trains here, text only (the image path is not ours): Mistral 3
 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small), Gemma 3
-(`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published) and Qwen3.5 (`Qwen3_5ForConditionalGeneration`).
+(`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published), Qwen3.5 (`Qwen3_5ForConditionalGeneration`) and
+Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B).
 
 Contract:
 - `unwrap(cfg)`: a config.json as transformers 5 reads a wrapper's language model -> (the text model's config dict,
@@ -50,14 +51,18 @@ WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="
             # mtp.* (multi-token prediction) tensors, which transformers does not load either, are never read
             "qwen3_5": dict(archs=("Qwen3_5ForConditionalGeneration",), text="qwen3_5_text", tie=False,
                             defaults=dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-                                          num_hidden_layers=32, num_attention_heads=16))}
+                                          num_hidden_layers=32, num_attention_heads=16)),
+            "qwen3_5_moe": dict(archs=("Qwen3_5MoeForConditionalGeneration",), text="qwen3_5_moe_text", tie=False,
+                                defaults=dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                                              num_attention_heads=16))}   # (Qwen3_5MoeTextConfig's)
 # a wrapper's parts that are not its language model (either form; Qwen3.5's model.visual.*)
 OTHER = ("vision_tower.", "multi_modal_projector.", "visual.")
 PEFT = "base_model.model."   # peft's prefix of an adapter's keys (the model it wraps)
 FORMS = {w: ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],   # (the same for both: transformers'
               [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])   # "llava" mapping)
-         for w in WRAPPERS if w != "qwen3_5"}
-FORMS["qwen3_5"] = FORMS["gemma3"][:1]   # (no "llava" mapping: save_pretrained writes transformers' module names)
+         for w in WRAPPERS if not w.startswith("qwen3_5")}
+FORMS["qwen3_5"] = FORMS["qwen3_5_moe"] = FORMS["gemma3"][:1]   # (no "llava" mapping: save_pretrained writes
+# transformers' module names)
 OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
 
 

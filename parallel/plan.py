@@ -315,7 +315,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # there; plan_search.longest looks past it)
 
     # the "| block" phases of a block's backward (terms 6, 7, 9, 10): parallel/plan_block.py
-    Fb = m.moe.top_k * m.moe.width if moe else F   # (a token's experts' width)
+    Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe else F   # (a token's experts' width, + a shared expert)
     block_terms = partial(plan_block.block_terms, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=Kp, N=N, R=R, T=T, U=U, args=args,
                           blk=blk, dequant=dequant, direct=direct, dora=dora, dora_saved=dora_saved, dropped=dropped,
                           e=e, hd=hd, held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row, ta=ta,

@@ -1,9 +1,11 @@
 """The memory plan's terms for Qwen3-MoE's blocks (model/moe.py), in parallel/plan.py's notation, plus E experts per
-MoE block, k of them per token, I their width (moe_intermediate_size).
+MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-MoE's shared expert, S wide
+(shared_expert_intermediate_size: F, m.intermediate_size, there), and its gate [1, D].
 
 - Weights (terms 1, 5): an MoE block's frozen Linears are the attention's four and 3·E expert projections ([I, D],
   [I, D], [D, I]; NF4 as the dense ones, with their quantization state each), and its router [E, D] in the compute
-  dtype, never quantized (sharded as the norms are). `kinds(m, shapes)`: (blocks, frozen Linear shapes, router rows)
+  dtype, never quantized (sharded as the norms are); a shared expert's three Linears and its gate [1, D] beside them,
+  frozen and NF4 as the experts. `kinds(m, shapes)`: (blocks, frozen Linear shapes, router rows)
   for the dense blocks and the MoE blocks (mlp_only_layers, decoder_sparse_step); FSDP2's unsharded block is the
   larger kind's.
 - Activations (term 4), `saved(m, T, e)`: what autograd keeps of an MoE MLP beyond its input (its norm's, counted as
@@ -12,7 +14,9 @@ MoE block, k of them per token, I their width (moe_intermediate_size).
   index_select / index_add index is a slice of these); per expert its tokens' gate output (silu's input), silu's
   output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
   routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
-  experts' frozen projections save no input, nor the sum into the output (index_put_: its index only). --tiled-mlp:
+  experts' frozen projections save no input, nor the sum into the output (index_put_: its index only). A shared
+  expert: its gate, silu and up outputs (3eTS), its down output and the gate's sigmoid for their product (eT·(D + 1)).
+  --tiled-mlp:
   the tiles keep only the input, as the dense MLP's; with nf4 its phase holds every expert's weights dequantized
   (`held`: E·3·I·D, the dense blocks' 3·F·D where larger).
 - The MLP phase of a block backward (term 6), `backward(m, T, e)`: the incoming gradient, the input gradient summed
@@ -32,29 +36,32 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
         return [(m.n_layers, list(shapes.values()), 0)]
     sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
     width, D = m.moe.width, m.dim
-    experts = [(width, D), (width, D), (D, width)] * m.moe.experts
-    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
-                        (sparse, [s for t, s in shapes.items() if t not in MLP] + experts, m.moe.experts)) if k[0]]
+    experts = [(width, D), (width, D), (D, width)] * m.moe.experts + [(1, D)] * bool(m.moe.shared)   # (+ its gate)
+    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),   # (the shared expert: F, the MLP's shapes)
+                        (sparse, [s for t, s in shapes.items() if t not in MLP or m.moe.shared] + experts,
+                         m.moe.experts)) if k[0]]
 
 
 def held(m, shapes: dict) -> dict:
     """{projection: weights --tiled-mlp / --tiled-attn dequantize at once in a block (model.nf4.dequant_once)}: an MoE
     block's every expert of moe_intermediate_size (E·I·D), not E of the dense MLP's intermediate_size; the larger kind's
-    where dense blocks are there too."""
+    where dense blocks are there too; + the shared expert's (S·D)."""
     n = {x: o * i for x, (o, i) in shapes.items()}
     if m.moe is not None and (sparse := sum(m.moe.sparse(i) for i in range(m.n_layers))):
         for x in MLP:
-            n[x] = max(n[x] if sparse < m.n_layers else 0, m.moe.experts * m.moe.width * m.dim)
+            n[x] = max(n[x] if sparse < m.n_layers else 0, (m.moe.experts * m.moe.width + m.moe.shared) * m.dim)
     return n
 
 
 def saved(m, T: int, e: int) -> float:
     """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring)."""
-    E, k, width, D = m.moe.experts, m.moe.top_k, m.moe.width, m.dim
+    E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
     return 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 16 * T * k \
-        + 3 * e * T * k * width + e * T * k * (D + 1)
+        + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0)
 
 
 def backward(m, T: int, e: int) -> float:
     """An MoE block's MLP phase of the backward, less the dequantized weight (module docstring)."""
-    return 3 * e * T * m.dim + 8 * T * m.moe.experts + e * T * (2 * m.moe.width + m.dim)
+    S = m.moe.shared
+    return 3 * e * T * m.dim + 8 * T * m.moe.experts + e * T * (2 * m.moe.width + m.dim) + e * T * (2 * S + m.dim) * (
+        S > 0)
