@@ -3,7 +3,8 @@
 Contract:
 - `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
   lm_head; not the embedding lookup or the norms); in an MoE block (Qwen3-MoE) a token's: its k experts' and the
-  router's; in Qwen3.5's linear layers their linear_attn's projections.
+  router's (Qwen3.5-MoE: + the shared expert's and its gate's); in Qwen3.5's linear layers their linear_attn's
+  projections.
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
@@ -24,8 +25,9 @@ def matmul_params(args: ModelArgs) -> int:
     attn = d * h * hd * (3 if args.attn_gate else 2) + d * kv * hd * 2   # q (Qwen3.5: its gate), o; k, v
     per_layer = attn + 3 * d * f   # gate, up, down
     moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
-    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f) if sparse else 0   # Qwen3-MoE: a
-    # token's k experts and router for gate/up/down; Qwen3.5's linear layers: linear_attn's five for the attention's
+    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f * (not moe.shared) + d * bool(
+        moe.shared)) if sparse else 0   # Qwen3-MoE: a token's k experts and router for gate/up/down (Qwen3.5-MoE: + its
+    # shared expert, f wide, and its gate); Qwen3.5's linear layers: linear_attn's five for the attention's
     return args.n_layers * per_layer + args.vocab_size * d + active + _linear_layers(args) * (_linear_proj(args) - attn)
 
 

@@ -82,6 +82,25 @@ def test_moe_flops_match_torch_flop_counter():
     # (every weight: the experts' and routers'; n_params leaves out the q/k norms, a Qwen3's too)
 
 
+
+def test_shared_expert_flops_match_torch_flop_counter():
+    """Qwen3.5-MoE's blocks (every one MoE, full attention here): each token's k experts, the router, the shared expert
+    (intermediate_size wide there) and its gate [1, D], = the counter's count; n_params = the model's weights."""
+    from model.moe import MoESpec
+
+    args = ModelArgs(model_type="qwen3_5_moe_text", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=16, intermediate_size=48, qk_norm=True, norm_offset=1.0, attn_gate=True,
+                     partial_rotary_factor=0.25, moe=MoESpec(4, 2, 32, True, shared=48))
+    torch.manual_seed(0)
+    model = Transformer(args, attention=DenseCausal())
+    b, s = 2, 40
+    ids = torch.randint(0, args.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(args, s, causal=False) * b * s
+    assert args.n_params == sum(p.numel() for n, p in model.named_parameters() if "_norm." not in n or "layernorm" in n)
+
 def test_hybrid_flops_count_linear_layers_in_place_of_attention():
     """Qwen3.5's linear layers (linear, linear, full): their matmuls are linear_attn's five projections, no attention
     term (counter: a stand-in core with no matmul of its own, every projection still trained), the conv and the rule
