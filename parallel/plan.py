@@ -13,27 +13,7 @@ of the compute dtype (bf16 2, fp32 4), el of LoRA compute (e under FSDP2 mixed p
 else 4), n the elements of one weight.
 
 Persistent all step:
-1. base weights. nf4: n/2 bytes of codes per block Linear as [n/(2·itemsize), 1] compute-dtype elements, FSDP2-
-   sharded over W on dim 0 (ceil(rows/W) rows). `quantize_4bit(blocksize=64, compress_statistics=True)`'s state:
-   one uint8 absmax per 64 weights (a parameter, [ceil(n/64/e), 1] elements sharded and all-gathered with the
-   codes, term 5) and one fp32 absmax per 256 of those, 16 + 256 fp32 code-book entries and an fp32 offset on
-   the module on every rank. none: n·e / W. Never quantized: block norms, biases: e bytes per element / W.
-2. root. embed_tokens, final norm, lm_head: frozen, outside FSDP2 (parallel/fsdp.py), (V·D·(2, or 1 tied) + D)·e.
-3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
-   --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
-   --lora-layers: of the A adapted blocks only (A for L; term 5 is one block's: an adapted one).
-   --train-norms: + each adapted block's norms (2 [D], Gemma 3's 4; Qwen3's q/k norms 2 [hd]) alike; the final norm
-   [D] leaves term 2 for the root's FSDP2 shard with its AdamW state. In term 4 block lo then saves as the others (its
-   first norm keeps its input, whose output needs grad).
-   --train-embeddings: the embedding (a tied model's head with it) leaves term 2 for one of its own, V·D in LoRA's
-   dtype (the root's unsharded copy for the step) + 16 bytes per element / W (float32 master, gradient, AdamW's two);
-   block 0 saves as the others, the first checkpoint keeps the embedding's output (not the ids), the embedding's
-   backward the int64 ids (8T) (so --offload-activations moves N - lo block inputs to host, not N - 1, and --ac-group
-   keeps the first group's input too); and a phase of its own, the last in backward, once the activations are
-   gone ("| end:"): its [V, D] gradient beside FSDP2's float32 reduce-scatter input. A tied model's head adds the
-   loss's share of that gradient: V·D float32 in the loss's forward (+ a [V, D] product per chunk in bf16, + the CPU
-   bf16 head's cast), saved, then V·D·e held through the backward until the embedding's adds to it. With a DPO
-   reference model (untied only), that model's embedding too: V·D in LoRA's dtype, whole on every rank.
+1-3. base weights, root, LoRA (and the trained norms and embedding): parallel/plan_weights.py.
 4. activations: what autograd saves (counted with saved_tensors_hooks on this decoder). Per layer: each RMSNorm keeps
    its input and rsqrt [T] (2·(eTD + 4T)); LoRA A on q/k/v and on gate/up keeps that same input, not the norm's
    output (parallel.memory.apply_norm_rebuild rebuilds it in backward); the kernel's q, k, v, out, lse (eT·hd·(2H +
@@ -91,13 +71,15 @@ Persistent all step:
    hand the kernel q and k as projected (the same bytes; the tables are made once for the RoPE layers, and a RoPE
    layer's q/k/v backward (9) is the largest; plan_speed leaves their RoPE pass out).
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
-5. FSDP2: one block unsharded in full (padded to W) for the current block + one prefetched (2 blocks), the
+5. FSDP2: one block (the largest kind's) unsharded in full (padded to W) for the current + one prefetched, the
    all-gather output of one block before its copy-out, and one block's LoRA gradients unsharded plus their
    fp32 reduce-scatter input (lora·(el + 4)).
 6, 7. the block backward's MLP and attention phases: parallel/plan_block.py.
 8. the loss phase, at the end of forward (and a tied head's or a trained embedding's gradient): parallel/plan_block.py.
 9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
-Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase) in these terms: parallel/plan_moe.py.
+Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase) in these terms: parallel/plan_moe.py; Qwen3.5's
+linear blocks (weights, LoRA targets, saved tensors in place of the attention's, the backward phase in place of 7 and
+9; each block planned as its layer type, the peak block the worse kind's): parallel/plan_linear.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 """
@@ -107,16 +89,11 @@ from __future__ import annotations
 from functools import partial
 
 from model.lora_spec import lora_layers
-from parallel import kernels, plan_block, plan_moe
-from parallel.plan_totals import Plan, sample_tokens, with_reference
+from parallel import kernels, plan_block, plan_linear, plan_moe, plan_weights
+from parallel.plan_totals import Plan, sample_tokens
+from parallel.plan_weights import _pad, quant_state_bytes  # noqa: F401 (term 1's: tests read it here)
 
-_pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
-
-
-def quant_state_bytes(n: int) -> int:
-    """bitsandbytes NF4 with nested absmax (term 1)."""
-    blocks = -(-n // 64)
-    return blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
+FED = ("q_proj", "k_proj", "v_proj") + plan_linear.IN_PROJ   # the projections the block's input norm feeds
 
 
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
@@ -129,11 +106,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     T = (_pad(S * mb, div) if pack else mb * _pad(S, div)) // dims.cp
     D, H, K, hd, F, L, V, r = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, \
         m.vocab_size, args.lora_r
-    Kp = max(K, U)
+    Kp, rows = max(K, U), 1 if pack else mb   # (rows: a micro-batch's; packed, one)
     shapes = {"q_proj": (H * hd * (1 + m.attn_gate), D), "k_proj": (K * hd, D), "v_proj": (K * hd, D),
               "o_proj": (D, H * hd), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in);
     # Qwen3.5's q_proj gives each head its gate too
-    targets = [t for t in args.lora_targets.split(",") if t in shapes]
+    # Qwen3.5's linear blocks (parallel/plan_linear.py): linear_attn's Linears in place of the attention's
+    lshapes = plan_linear.block_shapes(m, {t: shapes[t] for t in plan_moe.MLP}) if m.linear else {}
+    every_shape, lin = {**shapes, **lshapes}, m.is_linear
+    targets = [t for t in args.lora_targets.split(",") if t in every_shape]
+    tgs = lambda i: [t for t in targets if t in (lshapes if lin(i) else shapes)]   # the targets block i holds
     nf4 = args.quant == "nf4"
     tiled, offload, ta = (getattr(args, f, False) for f in ("tiled_mlp", "offload_activations", "tiled_attn"))
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
@@ -141,9 +122,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     KV, K = K, L - N   # K from here: the blocks that keep their activations (the last K; no AC at all when N == 0)
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    # one block's parameters: (dim 0, elements) in the compute dtype, plus LoRA (dim 0, elements) in fp32
-    packed = lambda ws: [(o * i // (2 * e), o * i // (2 * e)) if nf4 else (o, o * i) for o, i in ws]
-    kinds = plan_moe.kinds(m, shapes)   # (blocks, frozen Linears, router rows): dense and MoE blocks (Qwen3-MoE)
+    router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
+    # (blocks, frozen Linears, never-quantized ones: routers, linear_attn's conv and others, linear): dense, MoE
+    # (Qwen3-MoE) and linear (Qwen3.5) blocks
+    kinds = plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(m, shapes)], lshapes)
     moe = m.moe is not None and any(m.moe.sparse(i) for i in range(L))
     base = []
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
@@ -153,12 +135,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
-    adapted = [i for i in range(L) if chosen is None or i in chosen] or [L - 1]   # (mesh.validate refuses none)
-    A, lo = len(adapted), adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
-    lora = [(r, r * shapes[t][1]) for t in targets] + [(shapes[t][0], shapes[t][0] * (r + dora)) for t in targets]
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
+    adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms)] or [L - 1]   # (a
+    # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
+    lo = adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     qk = [(hd * n, hd * n) for n in ((H, KV) if m.qk_norm_whole else (1, 1))] * m.qk_norm   # (OLMo's: H·hd, K·hd)
-    lora += ([(D, D)] * nb + qk) * norms
+    loras = {x: [(r, r * every_shape[t][1]) for t in tgs(i)] + [(every_shape[t][0], every_shape[t][0] * (r + dora))
+                                                                for t in tgs(i)] + ([(D, D)] * nb + qk * (not x)) *
+             norms for x, i in {lin(i): i for i in range(L)}.items()}   # a block's LoRA by its kind (linear or not)
+    lora = lambda i: loras[lin(i)]
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
@@ -166,10 +151,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # first checkpoint keeps it whole (a trained or noised embedding's, Gemma's or Granite's scaled output: a new
     # tensor), else the ids, looked up again (ac._FromIds)
     lookup = lo == 0 and not fresh
-    root = [(V, V * D)] * (0 if tied else 1 if m.tie_embeddings or emb else 2) + [(D, D)] * (not norms)
-    shard = lambda ps: sum(-(-d0 // W) * (n // d0) for d0, n in ps)   # FSDP2 dim-0 shard
-    full = lambda ps: sum(_pad(d0, W) * (n // d0) for d0, n in ps)    # unsharded, padded
-    lora_n = sum(n for _, n in lora)
 
     qkv = any(t in targets for t in ("q_proj", "k_proj", "v_proj"))
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
@@ -179,30 +160,38 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
         ts = [x for x in ts if dora and x in tg]
         if direct:   # the fused sum `out`, the norm and the scale
-            return e * (rows + 2) * sum(shapes[x][0] for x in ts)
-        lead = [first and x in ("q_proj", "k_proj", "v_proj") for x in ts]   # layer 0's: their input needs no grad
+            return e * (rows + 2) * sum(every_shape[x][0] for x in ts)
+        lead = [first and x in FED for x in ts]   # layer 0's: their input needs no grad
         eb = el if args.lora_dropout > 0 else e   # the base's share: F.linear's (in el), else the base's own output
-        return sum(((eb + el) * rows + el * (3 - z)) * shapes[x][0] for x, z in zip(ts, lead))
+        return sum(((eb + el) * rows + el * (3 - z)) * every_shape[x][0] for x, z in zip(ts, lead))
 
     def dropped(ts, first=False) -> float:
         """LoRA dropout's saved output and mask for the targets `ts`: the mask a bool on CUDA (native_dropout), in el
         on CPU (the scaled mask its product keeps); none where the input needs no grad (q/k/v of block lo, `first`).
         down_proj's dropped input takes the place of the MLP's product (counted in 4eTF, kept only for down's LoRA
         A): its mask alone is more."""
-        mask = lambda x: 0 if first and x in ("q_proj", "k_proj", "v_proj") else 1 if target == "cuda" else el
-        return sum(T * shapes[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
+        mask = lambda x: 0 if first and x in FED else 1 if target == "cuda" else el
+        return sum(T * every_shape[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
             args.lora_dropout > 0)   # (el != e, CPU bf16: no product kept, dropout's el output in its place)
 
-    def layer_saved(first: bool, tg=targets, sparse=False) -> float:
-        """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets."""
+    def layer_saved(first: bool, tg=targets, sparse=False, linear=False) -> float:
+        """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets; `linear`:
+        a Gated DeltaNet block (parallel/plan_linear.py: its sublayer's tensors in place of the attention's)."""
         first = first and not (norms and tg and pre) and not emb   # (a trained pre-norm saves its input and makes
         # an output needing grad; a trained embedding makes block 0's input need grad)
+        tl = ta and not linear   # (--tiled-attn tiles the full layers only)
         inner = [t for t in tg if not (tiled and t in ("gate_proj", "up_proj", "down_proj"))
-                 and not (ta and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+                 and not (tl and t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
         # the MLP's input: its norm keeps it and rsqrt (the tiles run the norm: no rsqrt); with no norm in front
         # (OLMo) the tiled MLP keeps it, else gate/up's LoRA A where handed it directly
         mlp_in = e * T * D + 4 * T * (not tiled) if pre else e * T * D * (tiled or fed(tg, "gate_proj", "up_proj"))
-        if ta:   # the tiles keep the sublayer's (the norm's) input (layer 0's too), k, v, out, lse: no rsqrt, q, LoRA A
+        if linear:   # as the attention's norm in front; in_proj_*'s LoRA A keep its input (its output at block lo,
+            # where the MLP's norm keeps no rsqrt if the sublayer's output needs no grad: no target of its own)
+            b = mlp_in + (e * T * D + 4 * T) * (not first) + e * T * D * first * fed(tg, *plan_linear.IN_PROJ) \
+                + plan_linear.sublayer_saved(m, T, rows, e, dims.cp, tg, first, direct) \
+                - 4 * T * (first and not tiled and not any(x in tg for x in plan_linear.IN_PROJ + ("out_proj",)))
+        elif tl:   # the tiles keep the sublayer's (the norm's) input (layer 0's too), k, v, out, lse: no rsqrt, q,
+            # LoRA A
             b = e * T * D + mlp_in + e * T * hd * (H + 2 * Kp) + 4 * T * H
         else:
             b = mlp_in + ((e * T * D + 4 * T) * (not first) + e * T * D * qkv * first * direct if pre
@@ -230,7 +219,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
     sparse = lambda i: moe and m.moe.sparse(i)   # an MoE block (parallel/plan_moe.py)
-    saved = [0.0] * lo + [layer_saved(i == lo, targets if i in adapted else [], sparse(i)) for i in range(lo, L)]
+    saved = [0.0] * lo + [layer_saved(i == lo, tgs(i) if i in adapted else [], sparse(i), lin(i)) for i in range(lo, L)]
     every = sum(saved) + 8 * T * emb   # (a trained embedding's backward keeps the int64 ids)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # ac._FromIds): one block input fewer, but that lookup is live in the first block's own backward
@@ -244,34 +233,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # LoRA A save that input where they take it, block lo's too
     shares = lambda i, first: (not first or norms) if pre else ta or fed(targets * (i in adapted), "q_proj", "k_proj",
                                                                           "v_proj")
-    recompute = lambda ids: max((layer_saved(False, sparse=sparse(0)) - e * T * D * shares(i, False) if i == 0 else
-                                 saved[i] - e * T * D * shares(i, i == lo)) - (L - 1 - i) * e * T * D for i in ids)
+    recompute = lambda ids: max((layer_saved(False, tgs(0), sparse(0), lin(0)) - e * T * D * shares(i, False)
+                                 if i == 0 else saved[i] - e * T * D * shares(i, i == lo)) - (L - 1 - i) * e * T * D
+                                for i in ids)
     one = recompute(range(lo, L))
     p = Plan(target=target)
-    q = "nf4 packed" if nf4 else {2: "bf16", 4: "fp32"}[e]
     t = p.terms
-    t[f"base weights shard ({q}, 1/{W} of {L} blocks)"] = sum(c * shard(packed(ws)) for c, ws, _ in kinds) * e
-    qa = lambda ws: [(-(-o * i // 64 // e), -(-o * i // 64 // e)) for o, i in ws] if nf4 else []
-    if nf4:   # the uint8 absmax codes are a parameter sharded with the block (model/nf4.py); the rest is not
-        t[f"quantization state (absmax 1/{W}, {L} blocks)"] = sum(c * sum(
-            quant_state_bytes(o * i) - o * i // 64 for o, i in ws) + c * shard(qa(ws)) * e for c, ws, _ in kinds)
-    frozen = ", ".join(["embeddings"] * (not emb) + ["lm_head"] * (not tied) + ["final norm"] * (not norms))
-    if root or norms:   # (the trained ones: below)
-        t[(frozen or "final norm (trained: fp32 shard, AdamW's)") + " (frozen: whole on every rank)" * bool(root)] = \
-            sum(n for _, n in root) * e + 4 * 4 * -(-D // W) * norms   # (a trained final norm: sharded, with AdamW's)
-    if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
-        t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
-            V * D * el + 4 * 4 * shard([(V, V * D)])
-    router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
-    t[f"block norms, biases{', routers' * moe} shard (1/{W})"] = (L * shard(base) + sum(
-        c * shard(router(rr)) for c, _, rr in kinds)) * e
-    of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
-    t[f"LoRA params + grads + AdamW m, v (fp32, 1/{W}, {of})"] = 4 * 4 * A * shard(lora)
-    if with_reference(args) and (getattr(args, "init_adapter", None) or str(getattr(
-            args, "dpo_reference", None)).startswith("adapter")):   # (a planning copy carries no init_adapter)
-        t["DPO reference adapter (--init-adapter: whole on every rank)"] = A * lora_n * el
-    if with_reference(args) and emb:   # (model.norms.reference_trained: the base's, or the reference adapter's)
-        t["DPO reference's input embedding (whole on every rank)"] = V * D * el
+    blk, lora_n = plan_weights.weight_terms(t, m=m, args=args, D=D, V=V, L=L, W=W, e=e, el=el, nf4=nf4, kinds=kinds,
+                                            base=base, loras=loras, lora=lora, adapted=adapted, norms=norms, emb=emb,
+                                            tied=tied, moe=moe)   # terms 1-3 (and one unsharded block's bytes)
     if N == 0:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
@@ -296,18 +266,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # 47); on one process (and Ulysses) they run as one row, the exact calls (parallel.cp._branched)
     KR = R * (1 if not getattr(args, "dpo_share_prompt", False) else 4 if getattr(args, "pack", None) is False and
               getattr(args, "micro_batch", 1) != 1 and R > 1 else 2)
-    if N > lo and getattr(args, "ac_keep_attn", False):
-        t[f"activations: {N - lo} kept attention outputs (--ac-keep-attn)"] = (N - lo) * KR * (
+    if (n_at := sum(not lin(i) for i in range(lo, N))) and getattr(args, "ac_keep_attn", False):   # (linear: none)
+        t[f"activations: {n_at} kept attention outputs (--ac-keep-attn)"] = n_at * KR * (
             e * T * H * hd + 4 * T * H)
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
     t["activations: rope cos/sin"] = 2 * e * T * m.rotary_dim * (   # (R: Qwen3.5's partial RoPE rotates R < hd dims;
         # Ministral 3: q's own; Gemma: the sliding layers' too)
         (1 + (m.attn_temperature_beta is not None)) * (2 if m.local_rope else 1))
-    blk = max(full(packed(ws) + base + qa(ws) + router(rr)) for _, ws, rr in kinds) * e + full(lora) * el
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
-    dequant = max(o * i for _, ws, _ in kinds for o, i in ws) * e if nf4 else 0
+    dequant = max(o * i for _, ws, _, _ in kinds for o, i in ws) * e if nf4 else 0
     n_held = plan_moe.held(m, shapes)   # each projection's weights a block dequantizes (MoE: every expert's)
     held = lambda *ts: sum(n_held[x] for x in ts) * e if nf4 else 0   # dequant_once's weights (MoE: every expert's)
     row = T * U // (1 if pack else mb)   # attention tokens per row
@@ -324,11 +293,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above
     # it freed): each kind's largest recompute, and its phases (review, helper 81: the un-adapted block's recompute
-    # with the adapted blocks' phases, whose DoRA and dropout tensors freed midway it never held, under-counted)
-    kinds = [block_terms(targets, recompute(adapted))]
-    if len(adapted) < L - lo:
-        kinds.append(block_terms([], recompute([i for i in range(lo, L) if i not in adapted])))
-    t.update(max(kinds, key=lambda ts: sum(ts.values())))
+    # with the adapted blocks' phases, whose DoRA and dropout tensors freed midway it never held, under-counted);
+    # Qwen3.5's linear and full blocks apart (a linear block's sublayer backward in place of 7 and 9)
+    groups = {}
+    for i in range(lo, L):
+        groups.setdefault((lin(i), i in adapted), []).append(i)
+    phase = plan_linear.phase(m, T, rows, e, dims.cp) if m.linear else 0
+    t.update(max((block_terms(tgs(ids[0]) * a, recompute(ids), ta=ta and not x, linear=phase if x else None)
+                  for (x, a), ids in groups.items()), key=lambda ts: sum(ts.values())))
     t.update(plan_block.loss_terms(T=T, D=D, V=V, e=e, el=el, tied=tied, emb=emb))   # 8 and the backward's end
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
                          + 8 * T * emb + one + e * T * D)

@@ -65,14 +65,16 @@ from parallel.plan_totals import GB
 
 
 def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, dequant, direct, dora, dora_saved,
-                dropped, e, hd, held, mb, nf4, offload, p, pack, row, ta, tiled, moe=None) -> dict:
+                dropped, e, hd, held, mb, nf4, offload, p, pack, row, ta, tiled, moe=None, linear=None) -> dict:
     """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`; `moe`: an
-    MoE block's (saved MLP tensors, MLP phase) (parallel/plan_moe.py; F is then k·I, a token's expert width)."""
+    MoE block's (saved MLP tensors, MLP phase) (parallel/plan_moe.py; F is then k·I, a token's expert width);
+    `linear`: a Gated DeltaNet block's sublayer backward beyond its saved tensors (parallel/plan_linear.py's), in
+    place of 7 and 9: dh and it over the freed MLP (no kept attention output, no prefetch: the attention's only)."""
     t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
     ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
-        kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) else 0
+        kept = KR * (e * T * H * hd + 4 * T * H) if getattr(args, "ac_keep_attn", False) and linear is None else 0
         t["| block recompute (AC): one block's saved tensors"] = one - kept
     if G > 1:
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
@@ -107,7 +109,10 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
     o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
     oproj = max(oproj, e * T * D * bool(o_dora))
-    if ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
+    if linear is not None:
+        t["| block linear attention backward over the freed MLP (dh + parallel/plan_linear's)"] = \
+            max(0, e * T * D + linear - gone - mlp)
+    elif ta:   # dh, dx and float32 dk, dv over the row, one tile's tensors; gone: h (the MLP's norm input) too
         n = kernels.tile_rows(T if pack else T // mb) * (1 if pack else mb)   # query rows of one tile (all padded
         # rows)
         call = e * n * hd * (H + 2 * Kp) + 4 * n * H * hd + (4 * e * n * H * hd if Kp < H else 0)

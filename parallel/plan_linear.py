@@ -3,8 +3,8 @@ parallel/plan.py's notation, plus Hk / Hv key / value heads of dk / dv dims, K t
 conv channels, c the rule's chunk (model.deltanet.CHUNK, 64), rows the micro-batch's rows and Tp = rows · ceil(S/c) · c
 the tokens the rule runs on (S a row's whole length: under CP the rule sees the whole sequence for Hv/cp heads,
 parallel/cp_linear.py).
-Functions of explicit sizes: ModelArgs does not carry the linear layers' sizes yet (the decoder's wiring of
-GatedDeltaNet is still to land), so memory_plan does not call them; see "Left to hook in" below.
+Functions of explicit sizes; parallel/plan.py's memory_plan calls them through the hooks at the end (`block_shapes`,
+`dense_shapes`, `kinds`, `sublayer_saved`, `phase`: ModelArgs.linear's sizes, the layers ModelArgs.is_linear names).
 
 - Weights (terms 1, 5), `shapes(...)`: the frozen Linears in_proj_qkv [C, D], in_proj_z [Hv·dv, D], in_proj_b and
   in_proj_a [Hv, D], out_proj [D, Hv·dv], NF4 as the attention's projections (each with its quantization state);
@@ -41,11 +41,15 @@ GatedDeltaNet is still to land), so memory_plan does not call them; see "Left to
 NOT measured against a GPU trace (2026-12): no GPU here. The saved tensors are pinned against autograd's on CPU; fla's
 kernel (model/deltanet.py's CUDA path, when installed) saves different tensors and is not planned here.
 
-Left to hook in (with ModelArgs' linear-layer sizes): memory_plan's per-layer terms by layer type (layer_saved: the
-linear sublayer's `saved` in place of the attention's q/k/v/out/lse/gate, its LoRA targets' shapes in `shapes`,
-`dense` in the block norms' term, the larger kind's block in FSDP2's), the block phases (block_terms: `backward` in
-place of attention's 7 and 9 for a linear block) and plan_search's --max-len auto through them; --tiled-attn and
---ac-keep-attn have no linear counterpart.
+Hooked in (memory_plan, by layer type): a linear block's frozen Linears are linear_attn's five and the MLP's, its LoRA
+its targets among those (in_proj_*'s A keep the block norm's input, as q/k/v's), `dense` joins the block norms' term,
+FSDP2's unsharded block is the larger kind's; its saved tensors are `sublayer_saved` in place of the attention's
+q/k/v/out/lse/gate (the lowest adapted block, whose input needs no grad: only what its targets need); its backward
+phase is `phase` (`backward`) in place of attention's 7 and 9, over the freed MLP with dh (parallel/plan_block.py), and
+the peak block is the worse kind's; --max-len auto searches through them. --tiled-attn (full layers only),
+--ac-keep-attn (nothing kept: no attention kernel) and the offload's prefetch (after a full layer's attention) leave
+linear blocks as they are. Not in the linear phase: LoRA dropout's and DoRA's transients on in_proj_* / out_proj (term
+4 counts their saved tensors as for the attention's projections; not pinned for linear blocks).
 """
 
 from __future__ import annotations
@@ -115,3 +119,54 @@ def backward(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, e: int, cp: 
     a2a = 2 * (e * T * (2 * max(Hk, cp) * dk + Hv * dv) + 8 * T * Hv) if cp > 1 else 0
     norm = 5 * 4 * T * Hv * dv + e * T * Hv * dv                     # the gated norm's float32 gradients
     return max(norm, grads + seg, split) + a2a
+
+
+# --- memory_plan's hooks: its per-layer terms for a model with linear layers (ModelArgs.linear, layer_types)
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")   # fed by the block's input norm (as q/k/v)
+
+
+def block_shapes(m, mlp: dict) -> dict:
+    """A linear block's frozen Linears, {name: (out, in)}: linear_attn's five and the MLP's (`mlp`)."""
+    s = m.linear
+    return {**shapes(m.dim, s.k_heads, s.v_heads, s.k_dim, s.v_dim), **mlp}
+
+
+def dense_shapes(m) -> list:
+    """`dense`'s parameters as (dim 0, elements), each FSDP2-sharded on dim 0: conv1d, A_log, dt_bias, the norm's."""
+    s = m.linear
+    C = 2 * s.k_heads * s.k_dim + s.v_heads * s.v_dim
+    return [(C, C * s.conv_kernel), (s.v_heads, s.v_heads), (s.v_heads, s.v_heads), (s.v_dim, s.v_dim)]
+
+
+def kinds(m, kinds: list, lin: dict) -> list:
+    """memory_plan's block kinds [(blocks, frozen Linears' (out, in), never-quantized (dim 0, elements), linear)]: the
+    linear blocks a kind of their own (their Linears `lin`, `dense_shapes`), out of the dense blocks' (a model with
+    linear layers has no MoE blocks)."""
+    n = sum(map(m.is_linear, range(m.n_layers)))
+    if not n:
+        return kinds
+    (c, ws, x, _), = kinds
+    return [k for k in ((c - n, ws, x, False), (n, list(lin.values()), dense_shapes(m), True)) if k[0]]
+
+
+def sublayer_saved(m, T: int, rows: int, e: int, cp: int, tg, first: bool, direct: bool) -> int:
+    """What a linear block's linear_attn keeps (`saved`), with LoRA on the block's targets `tg` (out_proj's A input
+    when handed it directly, `lora_inputs`). `first`: its input needs no grad (the lowest adapted block's, layer 0's),
+    so only what a target needs: the core (its inputs, states) when any of in_proj_qkv/_b/_a is adapted, the gate's
+    softplus input and -exp(A_log) only with in_proj_a, z's float32 copy (silu's input) and the gated product's other
+    factor (weight·normed) only with in_proj_z; with in_proj_z alone those two; nothing with none."""
+    s = m.linear
+    Hk, Hv, dk, dv, K = s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel
+    out = lora_inputs(tg, T, Hv, dv, e) * direct
+    if not first:
+        return saved(T, rows, Hk, Hv, dk, dv, K, e, cp) + out
+    if any(t in tg for t in ("in_proj_qkv", "in_proj_b", "in_proj_a")):
+        return saved(T, rows, Hk, Hv, dk, dv, K, e, cp) + out - (4 * T * Hv + 4 * Hv) * ("in_proj_a" not in tg) \
+            - (4 + e) * T * Hv * dv * ("in_proj_z" not in tg)
+    return (4 + e) * T * Hv * dv * ("in_proj_z" in tg) + out
+
+
+def phase(m, T: int, rows: int, e: int, cp: int) -> int:
+    """A linear block's backward at its sublayer, beyond its saved tensors (`backward`)."""
+    s = m.linear
+    return backward(T, rows, s.k_heads, s.v_heads, s.k_dim, s.v_dim, e, cp, s.conv_kernel)

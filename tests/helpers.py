@@ -321,10 +321,11 @@ def saved_bytes(fn, exclude=()):
 
 
 def planned_and_saved_activations(model, args, seq: int = 128, vocab: int = 128):
-    """(planned, saved, the plan's activation terms) for one fp32 forward of `model` (one process, no AC) on `seq`
+    """(planned, saved, the plan's activation terms) for one fp32 forward of `model` (one process) on `seq`
     random ids: saved = the bytes autograd keeps for backward (`saved_bytes`, parameters excluded, none freed during
     the forward); planned = `parallel.plan.memory_plan`'s saved-tensor, RoPE and final-norm terms for `args`
-    (train.py's parsed flags)."""
+    (train.py's parsed flags), and its block checkpoints' under AC (--ac-blocks: the last blocks keep their saved
+    tensors, so the forward's bytes are all in these terms)."""
     from parallel.mesh import validate
     from parallel.plan import memory_plan
 
@@ -334,5 +335,5 @@ def planned_and_saved_activations(model, args, seq: int = 128, vocab: int = 128)
     dims, pack_rows = validate(args, model.args, 1)
     terms = memory_plan(model.args, dims, args, "cpu", pack_rows).terms
     planned = sum(v for k, v in terms.items() if k.startswith(("activations: saved tensors", "activations: rope",
-                                                                 "| or: final norm in")))
+                                                                 "| or: final norm in")) or "block checkpoints" in k)
     return planned, saved, {k: v for k, v in terms.items() if k.startswith("activations")}

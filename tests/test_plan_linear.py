@@ -5,7 +5,9 @@ lengths below, at and past a chunk multiple, one and several chunks, 1-3 rows, a
 the core in one segment and in several, model.deltanet.SEGMENT's and shorter ones):
 - `saved` = the bytes autograd keeps for backward (tests.helpers.saved_bytes: unique storages, parameters and the
   input excluded), to the byte; out_proj's LoRA A input (`lora_inputs`) with a LoRA pair on out_proj;
-- `shapes` and `dense` = the module's parameters; CHUNK and SEGMENT = model.deltanet's;
+- `shapes`, `dense` and `dense_shapes` = the module's parameters; CHUNK and SEGMENT = model.deltanet's;
+- `sublayer_saved` (parallel/plan.py's per-block term) in the lowest adapted block, whose input needs no grad: what
+  LoRA on each set of targets needs, to the byte (none adapted: nothing; the other blocks: `saved`);
 - `backward` within 0.8-1.1 of the backward's peak allocation above its start (the profiler's CPU memory events).
 Not checked: context parallelism's terms (cp > 1), fla's CUDA kernel, any GPU trace.
 
@@ -95,3 +97,45 @@ def test_backward_excess_near_the_measured_peak(S, Hk, Hv, dk, dv, dtype, rows, 
     planned = plan_linear.backward(rows * S, rows, Hk, Hv, dk, dv, torch.finfo(dtype).bits // 8, K=K,
                                    segment=segment or deltanet.SEGMENT)
     assert 0.8 < top / planned < 1.1, (top, planned)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("targets", [("in_proj_qkv", "in_proj_z"), ("in_proj_b",), ("in_proj_a",), ("in_proj_z",),
+                                     ("in_proj_qkv", "out_proj"), ("out_proj",), ()])
+def test_first_block_keeps_what_its_targets_need(targets, dtype):
+    """The lowest adapted block (Qwen3.5's layer 0: its input needs no grad) keeps only what LoRA on `targets` needs:
+    `sublayer_saved(first=True)` = autograd's bytes less LoRA's own A outputs (B's inputs), which parallel/plan.py
+    counts per target; the other blocks (`first=False`) = `saved` + out_proj's A input."""
+    from model.linear_layers import LinearSpec
+
+    Hk, Hv, dk, dv, T = 2, 4, 16, 8, 130
+    spec = type("M", (), {"linear": LinearSpec(Hk, Hv, dk, dv, K), "dim": D})
+    e = torch.finfo(dtype).bits // 8
+
+    def adapted(lin, a, b):   # a LoRA pair on the projection: its output needs grad
+        base = lin.forward
+        lin.forward = lambda y: base(y) + y @ a.T @ b.T
+
+    for first in (True, False):
+        m, pairs = _module(Hk, Hv, dk, dv, dtype), []
+        for name in targets:
+            lin = getattr(m, name)
+            pairs += [torch.randn(2, lin.in_features, dtype=dtype, requires_grad=True),
+                      torch.randn(lin.out_features, 2, dtype=dtype, requires_grad=True)]
+            adapted(lin, *pairs[-2:])
+        x = torch.randn(1, T, D, dtype=dtype, requires_grad=not first)
+        _, got = saved_bytes(functools.partial(m, x, None), [*m.parameters(), x, *pairs])
+        want = plan_linear.sublayer_saved(spec, T, 1, e, 1, list(targets), first, True)
+        assert got - e * T * 2 * len(targets) == want, (first, got, want)
+
+
+def test_dense_shapes_are_the_modules():
+    """`dense_shapes`: each never-quantized parameter's (dim 0, elements), as FSDP2 shards it; they sum to `dense`."""
+    from model.linear_layers import LinearSpec
+
+    m = _module(2, 4, 16, 8)
+    spec = type("M", (), {"linear": LinearSpec(2, 4, 16, 8, K), "dim": D})
+    got = sorted((p.shape[0], p.numel()) for n, p in m.named_parameters() if not n.endswith(("proj_qkv.weight",
+                 "proj_z.weight", "proj_b.weight", "proj_a.weight", "out_proj.weight")))
+    assert sorted(plan_linear.dense_shapes(spec)) == got
+    assert sum(n for _, n in got) == plan_linear.dense(2, 4, 16, 8, K)

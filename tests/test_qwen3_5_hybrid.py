@@ -19,13 +19,19 @@ Pins (CPU, float32, tiny random checkpoints saved by transformers itself: layers
 - --lora-targets: the default and attn adapt in_proj_qkv, in_proj_z, out_proj; a model without linear layers drops
   those names (its recorded targets are the seven, as before);
 - start-up refusals before any weight is read: --dpo-share-prompt, a --cp the linear heads cannot take;
-- train.py on the hybrid checkpoint: the loss falls; resumed after step 2 = the uninterrupted run.
+- train.py on the hybrid checkpoint: the loss falls; resumed after step 2 = the uninterrupted run;
+- the memory plan by layer type (parallel/plan_linear.py hooked into parallel/plan.py): planned activations = the bytes
+  autograd keeps (fp32, nf4; the default targets, all-linear, in_proj_b + o_proj, mlp, q + v, tiled MLP + attention,
+  --ac-blocks 2 and 3), planned base weights, block norms (+ linear_attn's conv1d, A_log, dt_bias, gated norm), LoRA
+  and FSDP2's unsharded block = the model's parameters; --plan on bench/configs/qwen3.5-9b counts 24 linear and 8 full
+  layers' weights and LoRA, and --max-len auto's length fits where 1,024 more do not.
 
 Run: .venv/bin/python -m pytest -q tests/test_qwen3_5_hybrid.py
 """
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -329,6 +335,104 @@ def test_lora_targets_per_model():
         model_targets(["in_proj_qkv"], llama)
     assert [hybrid.has(i, "q_proj") for i in range(4)] == [False] * 3 + [True]
     assert [hybrid.has(i, "in_proj_z") for i in range(4)] == [True] * 3 + [False]
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora-targets", "all-linear"], ["--lora-targets", "in_proj_b,o_proj"],
+                                   ["--lora-targets", "mlp"], ["--lora-targets", "q_proj,v_proj"],
+                                   ["--tiled-mlp", "--tiled-attn"], ["--ac", "--ac-blocks", "2"],
+                                   ["--ac", "--ac-blocks", "3", "--lora-targets", "all-linear"]],
+                         ids=["default", "all_linear", "b_o", "mlp", "q_v", "tiled_both", "ac_blocks_2", "ac_blocks_3"])
+def test_planned_activations_match_autograd(ckpts, flags):
+    """fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps for backward (unique storages,
+    parameters excluded), each layer planned as its type: the linear layers' Gated DeltaNet sublayer
+    (parallel/plan_linear.py; layer 0's, whose input needs no grad, keeps only what its targets need), the full
+    layer's gated attention; LoRA's tensors by the targets each layer holds; --tiled-attn tiles the full layer only.
+    Under AC (--ac-blocks) the checkpointed inputs and the last blocks' saved tensors (a linear and the full one)."""
+    import train
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import planned_and_saved_activations
+
+    args = train.build_parser().parse_args(["--model", ckpts["text"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--lora-dropout", "0", "--lora-r",
+                                            "4", *(["--no-ac"] * ("--ac" not in flags)), *flags])
+    ours, _ = build_model(BuildOptions(ckpts["text"], quant="nf4", lora_r=4, ac=args.ac, ac_blocks=args.ac_blocks,
+                                       lora_dropout=0.0, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
+                                       lora_targets=tuple(args.lora_targets.split(","))), device="cpu")
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+
+
+def test_planned_weights_are_the_models(ckpts):
+    """One process, fp32, nf4, LoRA on every linear: each of the plan's weight terms = the built model's parameters,
+    every layer as its type: base weights (NF4 codes of linear_attn's five Linears in the linear layers, the gated
+    attention's four in the full one, the MLP's in all), the block norms' term (+ linear_attn's conv1d, A_log, dt_bias
+    and gated norm), LoRA (16 bytes an element, each layer's own targets) and FSDP2's unsharded block (the larger
+    kind's: every parameter of one block, its LoRA too). (The q/k norms, [hd] each, the plan leaves out.)"""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(["--model", ckpts["text"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--lora-targets", "all-linear",
+                                            "--lora-r", "4"])
+    ours, _ = build_model(BuildOptions(ckpts["text"], quant="nf4", lora_r=4, lora_targets=ALL), device="cpu")
+    dims, pack = validate(args, ours.args, 1)
+    terms = memory_plan(ours.args, dims, args, "cpu", pack).terms
+    term = lambda key: next(v for k, v in terms.items() if k.startswith(key))
+    params = [(n, p.numel() * p.element_size()) for n, p in ours.named_parameters()
+              if ".layers." in n and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+    nbytes = lambda key: sum(b for n, b in params if key(n))
+    assert term("base weights") == nbytes(lambda n: n.endswith("base_layer.weight"))
+    assert term("block norms") == nbytes(lambda n: "lora_" not in n and "base_layer" not in n) > 0
+    assert term("LoRA params") == 4 * nbytes(lambda n: "lora_" in n)
+    per_layer = [nbytes(lambda n, i=i: f".layers.{i}." in n) for i in range(len(TYPES))]
+    assert term("FSDP2: 2 unsharded blocks") == 2 * max(per_layer), per_layer
+
+
+def test_plan_reads_the_9b_config():
+    """--plan on bench/configs/qwen3.5-9b (Qwen3_5TextConfig's defaults: 24 linear and 8 full layers): the weights by
+    layer type (NF4 half a byte a weight: linear_attn's in_proj_qkv [8192, 4096], in_proj_z, out_proj [4096, 4096],
+    in_proj_b/a [32, 4096]; the gated attention's q_proj [8192, 4096], k/v [1024, 4096], o [4096, 4096]; the MLP's
+    3 x 12288 x 4096), the default targets' LoRA where each layer holds them, a linear block's backward phase; --max-len
+    auto finds a length that fits and 1,024 more that do not."""
+    import contextlib
+    import io
+
+    import train
+    from model.load import read_args
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs", "qwen3.5-9b")
+    m = read_args(path)
+    assert sum(map(m.is_linear, range(m.n_layers))) == 24 and m.n_layers == 32
+    out = io.StringIO()
+    argv = ["--plan", "--model", path, "--max-len", "32768", "--global-batch", "1", "--gpu-mem", "141"]
+    with contextlib.redirect_stdout(out):
+        train.main(argv)
+    assert "| block linear attention backward" in out.getvalue() and "fits:" in out.getvalue(), out.getvalue()
+    args = train.build_parser().parse_args(argv[1:7])
+    dims, pack = validate(args, m, 1)
+    p = memory_plan(m, dims, args, "cuda", pack)
+    term = lambda key: next(v for k, v in p.terms.items() if k.startswith(key))
+    D, mlp = 4096, 3 * 12288 * 4096
+    lin, full = 8192 * D + 2 * D * D + 2 * 32 * D, 8192 * D + 2 * 1024 * D + D * D
+    assert term("base weights") == (24 * (lin + mlp) + 8 * (full + mlp)) // 2
+    r, both = 16, lambda o, i: 16 * (o + i)   # LoRA A [r, in] + B [out, r], 16 bytes an element
+    mlp_lora = 2 * both(12288, D) + both(D, 12288)
+    lin_lora = both(8192, D) + both(D, D) + both(D, D)                       # in_proj_qkv, in_proj_z, out_proj
+    full_lora = both(8192, D) + 2 * both(1024, D) + both(D, D)               # q (with its gate), k, v, o
+    assert term("LoRA params") == r * (24 * (lin_lora + mlp_lora) + 8 * (full_lora + mlp_lora))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(argv[:4] + ["auto"] + argv[5:])
+    n = int(re.fullmatch(r"max_len (\d+)", out.getvalue().strip().splitlines()[-1]).group(1))
+
+    def total(k):
+        a = train.build_parser().parse_args(["--model", path, "--max-len", str(k), "--global-batch", "1"])
+        return memory_plan(m, *validate(a, m, 1)[:1], a, "cuda", True).total
+    assert n > 32768 and total(n) <= 141e9 < total(n + 1024), n
 
 
 @pytest.mark.parametrize("flags,match", [(["--objective", "dpo", "--dpo-share-prompt"], "--dpo-share-prompt"),
