@@ -125,7 +125,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
     # (blocks, frozen Linears, never-quantized ones: routers, linear_attn's conv and others, linear): dense, MoE
     # (Qwen3-MoE) and linear (Qwen3.5) blocks
-    kinds = plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(m, shapes)], lshapes)
+    kinds = plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(m, shapes)], lshapes,
+                             [shapes[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj")])
     moe = m.moe is not None and any(m.moe.sparse(i) for i in range(L))
     base = []
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)

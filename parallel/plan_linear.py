@@ -138,15 +138,22 @@ def dense_shapes(m) -> list:
     return [(C, C * s.conv_kernel), (s.v_heads, s.v_heads), (s.v_heads, s.v_heads), (s.v_dim, s.v_dim)]
 
 
-def kinds(m, kinds: list, lin: dict) -> list:
+def kinds(m, kinds: list, lin: dict, attn: list) -> list:
     """memory_plan's block kinds [(blocks, frozen Linears' (out, in), never-quantized (dim 0, elements), linear)]: the
-    linear blocks a kind of their own (their Linears `lin`, `dense_shapes`), out of the dense blocks' (a model with
-    linear layers has no MoE blocks)."""
+    linear blocks a kind of their own, out of the one kind a model with linear layers has (Qwen3.5's dense blocks,
+    or Qwen3.5-MoE's, every one an MoE block): that kind's Linears with linear_attn's (`lin`'s) in place of the
+    attention's (`attn`: its four shapes), so an MoE block's experts, shared expert and router stay; + `dense_shapes`.
+    (Until 2026-12-07 a linear block took the dense MLP's shapes: Qwen3.5-MoE's 30 of 40 were planned without their
+    experts.)"""
     n = sum(map(m.is_linear, range(m.n_layers)))
     if not n:
         return kinds
     (c, ws, x, _), = kinds
-    return [k for k in ((c - n, ws, x, False), (n, list(lin.values()), dense_shapes(m), True)) if k[0]]
+    rest = list(ws)
+    for s in attn:
+        rest.remove(s)
+    own = [s for t, s in lin.items() if t in shapes(m.dim, 1, 1, 1, 1)]   # linear_attn's five
+    return [k for k in ((c - n, ws, x, False), (n, own + rest, x + dense_shapes(m), True)) if k[0]]
 
 
 def sublayer_saved(m, T: int, rows: int, e: int, cp: int, tg, first: bool, direct: bool) -> int:

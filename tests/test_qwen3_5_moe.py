@@ -102,15 +102,15 @@ def test_logits_whole_and_packed_rows_match_transformers(ckpts):
 @pytest.mark.parametrize("flags", [[], ["--tiled-mlp"], ["--lora-targets", "k_proj,o_proj"]],
                          ids=["attn", "tiled_mlp", "k_o"])
 def test_planned_activations_match_autograd(tmp_path, flags):
-    """No AC, fp32, one process, nf4, full-attention layers only (the plan does not call parallel/plan_linear yet): the
-    plan's activation terms (parallel/plan_moe.saved: the router, the experts' and the shared expert's intermediates,
-    its gate's sigmoid) = the bytes autograd keeps for backward in a real forward."""
+    """No AC, fp32, one process, nf4, the hybrid layers (linear, linear, linear, full: parallel/plan_linear's terms in
+    the linear ones): the plan's activation terms (parallel/plan_moe.saved: the router, the experts' and the shared
+    expert's intermediates, its gate's sigmoid) = the bytes autograd keeps for backward in a real forward."""
     import train
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import planned_and_saved_activations
 
     torch.manual_seed(0)
-    hf = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**dict(SIZES, layer_types=["full_attention"] * 4))).float()
+    hf = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**SIZES)).float()
     _perturb(hf)
     hf.save_pretrained(tmp_path)
     args = train.build_parser().parse_args(["--model", str(tmp_path), "--max-len", "128", "--global-batch", "1",
@@ -121,6 +121,32 @@ def test_planned_activations_match_autograd(tmp_path, flags):
                           device="cpu")
     planned, saved, terms = planned_and_saved_activations(ours, args)
     assert planned == saved, (planned, saved, terms)
+
+
+def test_planned_weights_are_the_models(ckpts):
+    """One process, fp32, nf4, LoRA on the attention and linear_attn: the plan's NF4 weight term = the built model's
+    NF4 codes (every block's experts, shared expert and its gate, linear or full: until 2026-12-07 the linear blocks
+    were planned with a dense MLP in place of their experts), its block norms' term = the other frozen block tensors
+    (routers, linear_attn's conv1d, A_log, dt_bias, gated norm; the q/k norms, [hd] each, the plan leaves out)."""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+
+    args = train.build_parser().parse_args(["--model", ckpts["text"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--lora-targets", "attn"])
+    ours, _ = build_model(BuildOptions(ckpts["text"], quant="nf4", lora_targets=tuple(args.lora_targets.split(","))),
+                          device="cpu")
+    dims, pack = validate(args, ours.args, 1)
+    terms = memory_plan(ours.args, dims, args, "cpu", pack).terms
+    term = lambda key: next(v for k, v in terms.items() if k.startswith(key))   # noqa: E731
+    params = [(n, p) for n, p in ours.named_parameters() if ".layers." in n
+              and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+    nbytes = lambda keep: sum(p.numel() * p.element_size() for n, p in params if keep(n))   # noqa: E731
+    names = {n for n, _ in params}
+    codes = lambda n: n.endswith(".weight") and n[:-len("weight")] + "absmax" in names   # noqa: E731 (NF4's packed)
+    assert term("base weights") == nbytes(codes) > 0
+    assert term("block norms") == nbytes(lambda n: not codes(n) and not n.endswith("absmax") and "lora_" not in n) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
