@@ -15,12 +15,12 @@ Functions of explicit sizes; parallel/plan.py's memory_plan calls them through t
     per token, all heads (the projections and the gated norm, on the rank's T tokens): beta's sigmoid e·Hv, softplus'
     float32 input 4·Hv, the gated norm's float32 input, rsqrt, z and silu(z) (3·4·Hv·dv + 4·Hv) and weight·normed
     (e·Hv·dv); -exp(A_log) 4·Hv once;
-    the core (model/deltanet.py's `_Segmented`: conv, l2 norm and rule in segments of s = SEGMENT chunks, recomputed
-    in backward) keeps only its inputs, C' = 2·hk·dk + hv·dv channels of the rule's head range (C at cp 1): q, k, v
-    (e·C' a token; views of in_proj_qkv's output at cp 1), g (4·Hv; under CP the all-to-all's float32 g|beta, 8·hv,
-    and beta cast back, e·hv, unless e = 4), the concatenated conv weight e·C'·K once, and a float32 state [dk, dv]
-    per head, row and segment after the first: 4·hv·dk·dv·rows·(ceil(N/s) - 1) for N chunks a row. Packed rows of
-    several documents keep no more (their conv's scatter runs inside the segments).
+    the core (model/deltanet_core.py's `_Segmented`: conv, l2 norm and rule in segments of s = SEGMENT chunks,
+    recomputed in backward) keeps only its inputs, C' = 2·hk·dk + hv·dv channels of the rule's head range (C at
+    cp 1): q, k, v (e·C' a token; views of in_proj_qkv's output at cp 1), g (4·Hv; under CP the all-to-all's float32
+    g|beta, 8·hv, and beta cast back, e·hv, unless e = 4), the concatenated conv weight e·C'·K once, and a float32
+    state [dk, dv] per head, row and segment after the first: 4·hv·dk·dv·rows·(ceil(N/s) - 1) for N chunks a row.
+    Packed rows of several documents keep no more (their conv's scatter runs inside the segments).
   LoRA's tensors follow parallel/plan.py's rule per target (A keeps its input: the block norm's output for in_proj_*,
   the gated norm's output, e·Hv·dv, for out_proj; B its [T, r] input); `lora_inputs` counts out_proj's.
 - The block's backward (the phase that stands for attention's 7 and 9), `backward(...)`: the excess over the saved
@@ -39,7 +39,7 @@ Functions of explicit sizes; parallel/plan.py's memory_plan calls them through t
   (256 to 2,500 tokens, one and several segments, dk, dv from 8 to 128, Hv = Hk and 2·Hk, float32 and bfloat16):
   0.8-1.04 of the measured peak; past one segment the gated norm's term is the peak.
 NOT measured against a GPU trace (2026-12): no GPU here. The saved tensors are pinned against autograd's on CPU; fla's
-kernel (model/deltanet.py's CUDA path, when installed) saves different tensors and is not planned here.
+kernel (model/deltanet_core.py's CUDA path, when installed) saves different tensors and is not planned here.
 
 Hooked in (memory_plan, by layer type): a linear block's frozen Linears are linear_attn's five and the MLP's, its LoRA
 its targets among those (in_proj_*'s A keep the block norm's input, as q/k/v's), `dense` joins the block norms' term,
