@@ -13,7 +13,9 @@ Contract:
   (`local_linear_core` by default): q, k [B, S, Hk, dk] and v [B, S, Hv, dv] straight from in_proj_qkv (before the
   convolution), g (log decay, float32, <= 0) and beta [B, S, Hv], conv_w = (w_q [Hk, dk, K], w_k [Hk, dk, K],
   w_v [Hv, dv, K]). It does the causal depthwise conv + silu, the l2 norm of q and k, and the gated delta rule.
-  Projections, gates, the gated norm and out_proj act per token and stay in the module.
+  Projections, gates, the gated norm and out_proj act per token and stay in the module. The gated norm
+  (`GatedRMSNorm`, transformers' Qwen3_5RMSNormGated, its outputs bitwise) keeps only its inputs x, z and a float32
+  rsqrt a token and value head, recomputing the rest in backward in chunks (`_GatedNormFn`).
   A context-parallel core (all-to-all by heads, as Ulysses) hands the local core the whole sequence for a head range:
   value heads j are served by key head j // (Hv / Hk), so a rank holding value heads [a, b) (a, b multiples of
   Hv / Hk) takes key heads [a·Hk/Hv, b·Hk/Hv) of q, k, w_q, w_k, and v, g, beta, w_v sliced to [a, b); meta is the
@@ -40,6 +42,9 @@ from model.deltanet_core import CHUNK, SEGMENT, Docs, causal_conv, gated_delta_r
 # the core's names re-exported from their old home (tests, parallel/cp_linear.py, model/linear_layers.py import here)
 __all__ = ["CHUNK", "SEGMENT", "Docs", "GatedDeltaNet", "GatedRMSNorm", "causal_conv", "gated_delta_rule", "l2norm",
            "local_linear_core", "prepare_linear"]
+# elements a chunk of the gated norm: its float32 temporaries (~6 at once in backward) 32 MB each, ~200 MB in all, at
+# any length (at Qwen3.5-9B's 32 value heads of 128: 2,048 tokens a chunk, 16 chunks at 32k tokens)
+GATED_CHUNK = 2**23
 
 
 def prepare_linear(position_ids: torch.Tensor) -> Docs | None:
@@ -55,8 +60,74 @@ def prepare_linear(position_ids: torch.Tensor) -> Docs | None:
     return Docs(starts, seg, int(seg[:, -1].max()))
 
 
+def _gated_norm(x, z, w, eps):
+    """transformers' Qwen3_5RMSNormGated on x, z [..., dv]: (out in x's dtype, rsqrt [..., 1] in float32; float64
+    stays: references). Its order: normalized in float32, cast to x's dtype, · w, then · silu(z) in float32."""
+    f = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(f)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * (xf * r).to(x.dtype) * F.silu(z.to(f))).to(x.dtype), r
+
+
+class _GatedNormFn(torch.autograd.Function):
+    """The gated norm saving x, z (compute dtype, [T, Hv, dv]; z a view of in_proj_z's output) and rsqrt [T·Hv], not
+    autograd's float32 x, z and silu(z) and w·normed (3.5 of x's size at bf16), and running both ways over row chunks
+    of GATED_CHUNK elements: its float32 temporaries (~6 at once in backward) never exceed a chunk's. Forward is the
+    formula per chunk (bitwise); backward derives it by hand, rounding to the compute dtype where autograd's casts do
+    (the gradients of w·normed and of normed), w's gradient summed in float32; in place where that rounds the same."""
+
+    @staticmethod
+    def forward(ctx, x, z, w, eps):
+        dv = x.shape[-1]
+        xs, zs = x.reshape(-1, dv), z.reshape(-1, dv)
+        rows = max(1, min(xs.shape[0], GATED_CHUNK // dv))
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        r = xs.new_empty(xs.shape[0], 1, dtype=torch.promote_types(x.dtype, torch.float32))
+        for i in range(0, xs.shape[0], rows):
+            out.view(-1, dv)[i:i + rows], r[i:i + rows] = _gated_norm(xs[i:i + rows], zs[i:i + rows], w, eps)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(x, z, w, r)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, z, w, r = ctx.saved_tensors
+        dv, rows, f = x.shape[-1], ctx.rows, r.dtype
+        xs, zs, gs = x.reshape(-1, dv), z.reshape(-1, dv), g.reshape(-1, dv)
+        need_x, need_z, need_w = ctx.needs_input_grad[:3]
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None
+        dz = torch.empty_like(z, memory_format=torch.contiguous_format) if need_z else None
+        dw = torch.zeros(dv, dtype=f, device=x.device) if need_w else None
+        for i in range(0, xs.shape[0], rows):
+            at = slice(i, i + rows)
+            zf, rc, gf = zs[at].to(f), r[at], gs[at].to(f)
+            n = (xs[at].to(f) * rc).to(x.dtype)          # out = (w·n) · silu(z) in float32, cast to x's dtype
+            if need_z:   # silu'(z) = s·(1 + z·(1 - s)), s = sigmoid(z): silu_backward's order
+                t, s = gf * (w * n), torch.sigmoid(zf)
+                t.mul_(s)
+                dz.view(-1, dv)[at] = t.mul_(s.neg_().add_(1).mul_(zf).add_(1))
+                del t, s
+            if need_x or need_w:
+                dwn = (gf * F.silu(zf)).to(torch.promote_types(w.dtype, n.dtype))   # (the promotion's cast back)
+                del zf, gf
+                if need_w:
+                    dw += (dwn * n).sum(0, dtype=f)
+                del n
+                if need_x:   # n = x·r, r = (mean(x²) + eps)^-1/2:  dx = r·dn - r³·x·mean(dn·x)
+                    dn, xf = (dwn * w).to(x.dtype).to(f), xs[at].to(f)
+                    del dwn
+                    m = (dn * xf).mean(-1, keepdim=True)
+                    dx.view(-1, dv)[at] = dn.mul_(rc).sub_(xf * rc.pow(3).mul_(m))
+                    del dn, xf   # (not held into the next chunk's)
+        return dx, dz, None if dw is None else dw.to(w.dtype), None
+
+
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's dv, then weight (plain, not 1 + w), then · silu(z): transformers' RMSNormGated."""
+    """RMSNorm over each head's dv, then weight (plain, not 1 + w), then · silu(z): transformers' RMSNormGated.
+    Eager: `_GatedNormFn` (its inputs and rsqrt saved, chunked); compiled: the formula, which the compiler fuses and
+    differentiates, keeping the same x, z and rsqrt (tests/test_gated_norm.py; torch 2.13's dynamo traces the Function
+    too, checked by hand; the formula keeps its chunk loop out of a graph)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -64,10 +135,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, z):
-        f = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(f)
-        n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * n * F.silu(z.to(f))).to(x.dtype)
+        if torch.compiler.is_compiling():
+            return _gated_norm(x, z, self.weight, self.eps)[0]
+        return _GatedNormFn.apply(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

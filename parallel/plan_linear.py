@@ -13,8 +13,8 @@ Functions of explicit sizes; parallel/plan.py's memory_plan calls them through t
 - Activations (term 4), `saved(...)`: what autograd keeps of the sublayer beyond its (normed) input, with frozen
   weights (CPU, measured with saved-tensor hooks: tests/test_plan_linear.py):
     per token, all heads (the projections and the gated norm, on the rank's T tokens): beta's sigmoid e·Hv, softplus'
-    float32 input 4·Hv, the gated norm's float32 input, rsqrt, z and silu(z) (3·4·Hv·dv + 4·Hv) and weight·normed
-    (e·Hv·dv); -exp(A_log) 4·Hv once;
+    float32 input 4·Hv, the gated norm's inputs x (the core's output) and z (in_proj_z's) and its float32 rsqrt
+    (2·e·Hv·dv + 4·Hv: model/deltanet.py's `_GatedNormFn`, which recomputes the rest); -exp(A_log) 4·Hv once;
     the core (model/deltanet_core.py's `_Segmented`: conv, l2 norm and rule in segments of s = SEGMENT chunks,
     recomputed in backward) keeps only its inputs, C' = 2·hk·dk + hv·dv channels of the rule's head range (C at
     cp 1): q, k, v (e·C' a token; views of in_proj_qkv's output at cp 1), g (4·Hv; under CP the all-to-all's float32
@@ -25,7 +25,8 @@ Functions of explicit sizes; parallel/plan.py's memory_plan calls them through t
   the gated norm's output, e·Hv·dv, for out_proj; B its [T, r] input); `lora_inputs` counts out_proj's.
 - The block's backward (the phase that stands for attention's 7 and 9), `backward(...)`: the excess over the saved
   tensors, the largest of
-    the gated norm's float32 gradients (5·4·T·Hv·dv + e·T·Hv·dv);
+    the gated norm's: its output's gradient and x's and z's (3·e·T·Hv·dv), and one chunk's float32 temporaries, 3
+    (e = 4) or 5 of its GATED_CHUNK elements (or of all T·Hv·dv when fewer): (12 + 8·(e < 4))·min(T·Hv·dv, GATED_CHUNK);
     the core's: its whole input and output gradients (e·Tc·(C' + hv·dv) + 4·Tc·hv + e·Tc·hv, Tc = T·cp) plus ONE
     segment recomputed (Ts = rows·min(s, N)·c tokens): what it keeps (the conv window's input and silu's input,
     e·C'·(2·Ts + 3·rows·(K-1)); the l2 norm's float32 q, k copies and rsqrt, 2·4·Ts·hv·(dk + 1), views of silu's
@@ -37,7 +38,10 @@ Functions of explicit sizes; parallel/plan.py's memory_plan calls them through t
   under CP plus the all-to-alls' send and receive copies of the q|k, v and g|beta gradients
   (2·(e·T·(2·max(Hk, cp)·dk + Hv·dv) + 8·T·Hv)). CPU, measured with the profiler's allocation events over the backward
   (256 to 2,500 tokens, one and several segments, dk, dv from 8 to 128, Hv = Hk and 2·Hk, float32 and bfloat16):
-  0.8-1.04 of the measured peak; past one segment the gated norm's term is the peak.
+  0.8-1.03 of the measured peak, the core's term the largest; 1.00-1.01 where the gated norm's is (one- and two-chunk
+  segments, dv 64 and 128: whole and in 32 chunks). At Qwen3.5-9B's sizes (bf16) the gated norm's (24 KiB a token +
+  160 MiB) is never the peak: the core's is to ~64k tokens (36.8 KiB a token at 32k), q, k, v's gradients past it
+  (32 KiB).
 NOT measured against a GPU trace (2026-12): no GPU here. The saved tensors are pinned against autograd's on CPU; fla's
 kernel (model/deltanet_core.py's CUDA path, when installed) saves different tensors and is not planned here.
 
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 CHUNK = 64     # model.deltanet.CHUNK (not imported: the planner reads no model code)
 SEGMENT = 16   # model.deltanet.SEGMENT: chunks a segment of the core
+GATED_CHUNK = 2**23   # model.deltanet.GATED_CHUNK: elements a chunk of the gated norm
 
 
 def shapes(D: int, Hk: int, Hv: int, dk: int, dv: int) -> dict:
@@ -84,7 +89,7 @@ def saved(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, K: int, e: int,
     """Bytes autograd keeps of one linear-attention sublayer with frozen weights, beyond its input (module docstring):
     T tokens on this rank in `rows` rows of one document each, e the compute dtype's bytes."""
     Tc, hv, hk, C, ns, _, _ = _sizes(T, rows, Hk, Hv, dk, dv, cp, segment)
-    proj = e * T * Hv + 4 * T * Hv + 4 * Hv + 3 * 4 * T * Hv * dv + e * T * Hv * dv + 4 * T * Hv
+    proj = e * T * Hv + 4 * T * Hv + 4 * Hv + 2 * e * T * Hv * dv + 4 * T * Hv
     if cp == 1:   # q, k, v: views of in_proj_qkv's output; g the module's; beta its sigmoid's output (proj's)
         core = e * T * C + 4 * T * Hv
     else:         # the all-to-alls' outputs: q|k, v, g|beta (float32; beta cast back unless e = 4)
@@ -117,7 +122,7 @@ def backward(T: int, rows: int, Hk: int, Hv: int, dk: int, dv: int, e: int, cp: 
                                                                  4 * e * Ts * C) + 2 * 4 * hv * dk * dv * rows
     split = 2 * e * Tc * C                                           # q, k, v's gradients and their concatenation
     a2a = 2 * (e * T * (2 * max(Hk, cp) * dk + Hv * dv) + 8 * T * Hv) if cp > 1 else 0
-    norm = 5 * 4 * T * Hv * dv + e * T * Hv * dv                     # the gated norm's float32 gradients
+    norm = 3 * e * T * Hv * dv + (12 + 8 * (e < 4)) * min(T * Hv * dv, GATED_CHUNK)   # the gated norm's
     return max(norm, grads + seg, split) + a2a
 
 
