@@ -71,9 +71,8 @@ MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.r
                                      ".mlp.act_fn", *(".self_attn." + p for p in ("q_proj", "k_proj", "v_proj",
                                                                                   "o_proj", "q_norm", "k_norm")),
                                      *(".mlp." + p for p in ("gate_proj", "up_proj", "down_proj")),
-                                     ".linear_attn", *(".linear_attn." + p for p in (   # (Qwen3.5's linear layers;
-                                         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")))]   # not
-# linear_attn.norm: peft's short "norm" would match it, which --train-norms does not train, and refuse every such entry)
+                                     ".linear_attn", *(".linear_attn." + p for p in (   # (Qwen3.5's linear layers)
+                                         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "norm")))]
 
 
 def saved_modules(mods) -> tuple[list[str], list[str]]:

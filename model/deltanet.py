@@ -38,6 +38,7 @@ from torch import nn
 
 from model.attention import document_bounds, document_branches, document_starts
 from model.deltanet_core import CHUNK, SEGMENT, Docs, causal_conv, gated_delta_rule, l2norm, local_linear_core
+from model.norms import cast_weight
 
 # the core's names re-exported from their old home (tests, parallel/cp_linear.py, model/linear_layers.py import here)
 __all__ = ["CHUNK", "SEGMENT", "Docs", "GatedDeltaNet", "GatedRMSNorm", "causal_conv", "gated_delta_rule", "l2norm",
@@ -129,15 +130,19 @@ class GatedRMSNorm(nn.Module):
     differentiates, keeping the same x, z and rsqrt (tests/test_gated_norm.py; torch 2.13's dynamo traces the Function
     too, checked by hand; the formula keeps its chunk loop out of a graph)."""
 
+    reference = None   # DPO's reference weight while set (model.norms.reference_trained), as model.llama.RMSNorm's
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, z):
+        w = cast_weight(self.weight, x) if self.reference is None else self.reference.to(x.dtype)   # (--train-norms'
+        # float32 master where no mixed precision cast it, as transformers' weight is the model's dtype)
         if torch.compiler.is_compiling():
-            return _gated_norm(x, z, self.weight, self.eps)[0]
-        return _GatedNormFn.apply(x, z, self.weight, self.eps)
+            return _gated_norm(x, z, w, self.eps)[0]
+        return _GatedNormFn.apply(x, z, w, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

@@ -6,13 +6,14 @@ Pins (CPU; weights drawn away from transformers' init of ones; x, z at scale 3):
   and 13 rows (the last one short), dv 16 whole (the CPU's reduction over a short last dim groups rows by their count:
   a 7-row chunk of dv 16 may differ from the whole tensor's in the last bit, at dv >= 64 none does);
 - gradients of x, z and the weight (--train-norms) = autograd through transformers' module (bfloat16 with a bfloat16
-  and a float32 weight): bfloat16 z's bitwise, x's
-  and the weight's within one bf16 ulp and nearly all bitwise (the hand-derived backward rounds to bf16 where
-  autograd's casts do; x's float32 sum before its cast is in another order: ~1 element in 10k a ulp off), float32
-  within 1e-6 relative (the rsqrt's chain rule in another order, a float32 weight's sum over row chunks: ~1e-7
-  measured); float64: = autograd through the same formula kept in float64 (transformers' upcasts
-  to float32 only) within 1e-12, which pins the derivation itself; every subset of inputs needing grad;
+  and a float32 weight): bfloat16 z's bitwise, x's and the weight's within one bf16 ulp and nearly all bitwise (the
+  hand-derived backward rounds to bf16 where autograd's casts do; x's float32 sum before its cast is in another order:
+  ~1 element in 10k a ulp off); float32 within 1e-6 relative (the rsqrt's chain rule in another order, a float32
+  weight's sum over row chunks: ~1e-7 measured); float64 = autograd through the same formula kept in float64
+  (transformers' upcasts to float32 only) within 1e-12, which pins the derivation itself; every subset of inputs
+  needing grad;
 - autograd keeps x, z and the float32 rsqrt [T·Hv] only (not the float32 x, z, silu(z) and w·normed);
+- a trained (--train-norms) float32 weight on bf16 inputs computes as its bf16 cast, as the other norms;
 - compiled (torch.compile of the module: the formula) = eager within float32 rounding and keeps the same bytes.
 
 Run: .venv/bin/python -m pytest -q tests/test_gated_norm.py
@@ -23,7 +24,7 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
 from model import deltanet
-from model.deltanet import GatedRMSNorm, _gated_norm
+from model.deltanet import GatedRMSNorm, _gated_norm, _GatedNormFn
 from tests.helpers import saved_bytes
 
 EPS = 1e-6
@@ -68,6 +69,9 @@ def test_gradients_are_autograds_through_transformers(monkeypatch, dtype, weight
     monkeypatch.setattr(deltanet, "GATED_CHUNK", 8 * 128)   # 10 chunks
     ref, ours, x, z = _pair(128, dtype, seed=1, weight_dtype=weight_dtype)
     dout = torch.randn(x.shape).to(dtype)
+    if weight_dtype is not None:   # (the module casts a trained float32 weight to x's dtype, as model.llama.RMSNorm:
+        # the Function itself then, with transformers' float32 weight)
+        ours.forward = lambda x, z: _GatedNormFn.apply(x, z, ours.weight, EPS)
     want, got = _grads(ref, x, z, dout, need), _grads(ours, x, z, dout, need)
     assert torch.equal(got[0], want[0])
     assert got[1].keys() == want[1].keys()
@@ -122,3 +126,14 @@ def test_compiled_is_eager():
     for i in range(3):
         torch.testing.assert_close(got[1][i], eager[1][i], rtol=1e-5, atol=1e-5 * eager[1][i].abs().max().item())
     assert kept == kept_eager == xs.nbytes + zs.nbytes + 4 * xs.numel() // 32
+
+
+def test_trained_float32_weight_computes_in_the_compute_dtype():
+    """--train-norms' float32 master on bf16 inputs computes as its bf16 cast (FSDP2's mixed precision hands forward
+    that cast on CUDA; model.norms.cast_weight does it where nothing did), as the other norms do."""
+    _, ours, x, z = _pair(128, torch.bfloat16, seed=4, weight_dtype=torch.float32)
+    with torch.no_grad():
+        want = _GatedNormFn.apply(x, z, ours.weight.to(torch.bfloat16), EPS)
+        assert not torch.equal(_GatedNormFn.apply(x, z, ours.weight, EPS), want)   # (the cast matters here)
+    got = ours.requires_grad_(True)(x, z)
+    assert torch.equal(got, want)

@@ -16,6 +16,8 @@ Pins (CPU, float32, tiny random checkpoints saved by transformers itself: layers
   A_log, dt_bias and the gated norm stay in the compute dtype), the logits those NF4 weights give;
 - the exported adapter loads in peft on Qwen3_5ForCausalLM and on the multimodal wrapper with our logits; `python -m
   model.merge` = peft's merge_and_unload;
+- --train-norms trains the linear layers' gated norms too (linear_attn.norm): loss and every LoRA and norm gradient =
+  peft's modules_to_save on Qwen3_5ForCausalLM, the adapter in peft (text, wrapper), the merge, DPO's reference norms;
 - --lora-targets: the default and attn adapt in_proj_qkv, in_proj_z, out_proj; a model without linear layers drops
   those names (its recorded targets are the seven, as before);
 - start-up refusals before any weight is read: --dpo-share-prompt, a --cp the linear heads cannot take;
@@ -317,6 +319,73 @@ def test_merge_is_what_peft_merges(ckpts, tmp_path):
                                    atol=1e-5)
         for n, p in ref.named_parameters():   # (the linear layers' projections moved: the adapter is in them)
             torch.testing.assert_close(got.get_parameter(n), p, rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("which", ["text", "wrapper"])
+def test_train_norms_train_the_gated_norms_as_peft_modules_to_save(ckpts, tmp_path, which):
+    """--train-norms: every block's two norms, the linear layers' gated norm (linear_attn.norm, [dv]), the full layer's
+    q/k norms and the final norm train; the loss and every LoRA and norm gradient = peft's with those modules_to_save on
+    Qwen3_5ForCausalLM; the adapter names them (full names) and loads in peft with our logits (text and wrapper); the
+    merge = merge_and_unload; DPO's reference (model.norms.reference_trained) computes with the base's norms."""
+    from peft import LoraConfig, get_peft_model
+
+    from model import merge
+    from model.export import export_adapter
+    from model.norms import modules_to_save, reference_trained
+
+    ours, peft_model = _build(ckpts[which], ac=False, train_norms=True)
+    with torch.no_grad():
+        base_logits = ours(_ids(70))
+        g = torch.Generator().manual_seed(1)
+        for n, p in ours.named_parameters():   # moved off the checkpoint's: an adapter without them would show
+            if p.requires_grad and n.endswith("norm.weight"):
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    norms = sorted(n for n in mine if n.endswith("norm.weight"))
+    assert len(norms) == 3 * 3 + 4 + 1 and sum(".linear_attn.norm." in n for n in norms) == 3, norms
+    with torch.no_grad(), reference_trained(ours, ckpts[which]):
+        torch.testing.assert_close(ours(_ids(70)), base_logits, rtol=0, atol=0, msg="DPO's reference norms")
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts[which], quant="none")
+    with open(tmp_path / "a" / "adapter_config.json") as f:
+        saved = json.load(f)["modules_to_save"]
+    assert sum(m.endswith(".linear_attn.norm") for m in saved) == 3 and len(saved) == len(norms), saved
+    with torch.no_grad():
+        logits = ours(_ids(70))
+    pm = _peft_loaded(ckpts[which], str(tmp_path / "a"))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=_ids(70)).logits, logits, rtol=1e-5, atol=1e-5, msg="peft's logits")
+    if which == "wrapper":
+        return
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", ckpts[which], "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = T.Qwen3_5ForCausalLM.from_pretrained(out)
+    want = pm.merge_and_unload()
+    for i in range(3):
+        n = f"model.layers.{i}.linear_attn.norm.weight"
+        torch.testing.assert_close(got.get_parameter(n), want.get_parameter(n), rtol=0, atol=0, msg=f"merged {n}")
+    # gradients: peft on transformers' model with the same LoRA tensors and these norms as modules_to_save
+    ref = get_peft_model(_hf(ckpts[which]), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                                                       init_lora_weights=False, modules_to_save=modules_to_save(mine)))
+    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
+              for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(mine[n])
+    ref.train()
+    ids = _ids(90, 5)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    s, count = ours(ids, position_ids=torch.arange(90).expand(2, 90), labels=labels)
+    (s / count).backward()
+    want = torch.nn.functional.cross_entropy(ref(input_ids=ids).logits.flatten(0, 1), labels.reshape(-1),
+                                             reduction="sum", ignore_index=-100)
+    (want / count).backward()
+    torch.testing.assert_close(s.detach(), want.detach(), rtol=1e-5, atol=1e-5, msg="loss")
+    for n in mine:
+        assert theirs[n].grad.abs().sum() > 0, n
+        torch.testing.assert_close(mine[n].grad, theirs[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad {n}")
 
 
 def test_lora_targets_per_model():
