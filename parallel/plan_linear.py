@@ -165,17 +165,17 @@ def sublayer_saved(m, T: int, rows: int, e: int, cp: int, tg, first: bool, direc
     """What a linear block's linear_attn keeps (`saved`), with LoRA on the block's targets `tg` (out_proj's A input
     when handed it directly, `lora_inputs`). `first`: its input needs no grad (the lowest adapted block's, layer 0's),
     so only what a target needs: the core (its inputs, states) when any of in_proj_qkv/_b/_a is adapted, the gate's
-    softplus input and -exp(A_log) only with in_proj_a, z's float32 copy (silu's input) and the gated product's other
-    factor (weight·normed) only with in_proj_z; with in_proj_z alone those two; nothing with none."""
+    softplus input and -exp(A_log) only with in_proj_a; the gated norm (model.deltanet._GatedNormFn) keeps its x, z
+    and rsqrt whenever any of them needs a gradient, so with in_proj_z alone those three; nothing with none. (Until
+    2026-12-07 the norm's autograd kept z's float32 copy and weight·normed only with in_proj_z.)"""
     s = m.linear
     Hk, Hv, dk, dv, K = s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel
     out = lora_inputs(tg, T, Hv, dv, e) * direct
     if not first:
         return saved(T, rows, Hk, Hv, dk, dv, K, e, cp) + out
     if any(t in tg for t in ("in_proj_qkv", "in_proj_b", "in_proj_a")):
-        return saved(T, rows, Hk, Hv, dk, dv, K, e, cp) + out - (4 * T * Hv + 4 * Hv) * ("in_proj_a" not in tg) \
-            - (4 + e) * T * Hv * dv * ("in_proj_z" not in tg)
-    return (4 + e) * T * Hv * dv * ("in_proj_z" in tg) + out
+        return saved(T, rows, Hk, Hv, dk, dv, K, e, cp) + out - (4 * T * Hv + 4 * Hv) * ("in_proj_a" not in tg)
+    return (2 * e * T * Hv * dv + 4 * T * Hv) * ("in_proj_z" in tg) + out   # the gated norm's x, z and rsqrt
 
 
 def phase(m, T: int, rows: int, e: int, cp: int) -> int:
