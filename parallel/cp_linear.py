@@ -59,10 +59,23 @@ class ContextParallelLinear(LocalLinear):
     """All-to-all by heads over the whole cp group (module docstring)."""
 
     def __init__(self, dims, cp_group):
-        self.dims, self.cp_group = dims, cp_group
+        self.dims, self.cp_group, self._orders = dims, cp_group, {}
 
     def prepare(self, position_ids):
         return prepare_linear(gather_sequence(position_ids, self.cp_group, self.dims))   # [B, S]: tiny
+
+    def _order(self, n: int, device):
+        """(layout_index of n tokens, its inverse) on `device`, made once per length (not per layer call: a host
+        arange and a copy to the device each time); (None, None) for the contiguous layout."""
+        if self.dims.ring == 1:
+            return None, None
+        key = (n, str(device))
+        if key not in self._orders:
+            idx = layout_index(n, self.dims).to(device)
+            inv = torch.empty_like(idx)
+            inv[idx] = torch.arange(n, device=device)
+            self._orders = {key: (idx, inv)}   # (the latest length only: rows of one run share it)
+        return self._orders[key]
 
     def __call__(self, q, k, v, g, beta, conv_w, meta):
         group, P = self.cp_group, self.dims.cp
@@ -76,10 +89,8 @@ class ContextParallelLinear(LocalLinear):
         v = seq_to_heads(v, group)                                               # [B, S, Hv/P, dv]
         f = g.dtype   # (float32 or float64: beta's dtype goes there and back exactly)
         gb = seq_to_heads(torch.stack([g, beta.to(f)], -1), group)               # [B, S, Hv/P, 2]
-        idx = None if self.dims.ring == 1 else layout_index(v.shape[1], self.dims).to(v.device)
+        idx, inv = self._order(v.shape[1], v.device)
         if idx is not None:   # zigzag / hybrid: position j of the gathered shards holds global token idx[j]
-            inv = torch.empty_like(idx)
-            inv[idx] = torch.arange(len(idx), device=idx.device)
             qk, v, gb = (x.index_select(1, inv) for x in (qk, v, gb))              # global order
         q, k = qk.split(dk, -1)
         g, b = gb.unbind(-1)
