@@ -5,14 +5,17 @@ tensors of that size alive. Here the head matmul, the loss and its gradient run 
 [chunk, vocab] float32 block exists at a time. Idea from Liger kernel's fused linear cross entropy and Apple's
 cut-cross-entropy.
 
-Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], loss_fn=None) -> (loss_sum, n_tokens)`:
+Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], loss_fn=None, softcap=None) -> (loss_sum,
+n_tokens)`:
 
 1. `labels` are already shifted (`labels[t]` is the target of `hidden[t]`); `ignore_index` marks prompt/padding
    positions. `n_tokens` is the int64 count of the other positions (no grad).
 2. Tokens are walked in chunks of `chunk_size` rows (default: `auto_chunk_size`, which keeps the float32 logits block
    near `CHUNK_BYTES`). No host sync: an all-ignored chunk costs like any other.
 3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with float32
-   accumulation) into a reused float32 block, then the loss and d(loss)/d(logits):
+   accumulation) into a reused float32 block; with `softcap=c` (Gemma 2/4's final_logit_softcapping) the block then
+   holds the capped logits u = c·tanh(logits / c), transformers' order of operations, and everything below (the loss,
+   `hits`, `dft`, `per_token`, a `loss_fn`'s input) is of u. Then the loss and d(loss)/d(u):
    - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in place in the
      block, no autograd involved. `dft=True` scales each row's loss and gradient by its target's probability, a
      constant (Wu et al. 2025, "On the Generalization of SFT": Dynamic Fine-Tuning).
@@ -20,6 +23,12 @@ Contract of `chunked_cross_entropy(hidden [N, D], weight [V, D], labels [N], los
      chunk's per-token losses over its target rows (ignored rows carry `ignore_index`). Autograd differentiates it
      w.r.t. this chunk's logits only, so label smoothing, a z-loss or token weights need no hand-written gradient and
      still no [N, V] tensor, and no second head GEMM.
+   With the cap, d(loss)/d(logits) = d(loss)/d(u) · (1 - t²), t = tanh(logits / c) from a second float32 block of the
+   chunk's size (torch's own tanh backward reads its output the same way). Why a block, not a recompute: t cannot be
+   kept in the block (the fused path turns it into probabilities in place), recomputing it means a second head GEMM
+   per chunk, and recovering it from the probabilities (u = lse + log p) loses it where exp(u - max) underflows
+   float32 (c above ~43). So the cap halves the auto chunk: the two blocks together stay near `CHUNK_BYTES` (without
+   grad no t is kept: one block, the chunk as uncapped). An explicit `chunk_size` is honored: two blocks of it.
    d(loss)/d(logits) is turned into d/d(hidden_chunk) (and, for a trainable weight, accumulated into d/d(weight))
    while the block is live.
 4. `loss_sum` is the float32 SUM over target tokens; the caller divides by the GLOBAL target count.
@@ -35,6 +44,7 @@ the whole sequence before sharding, so the shards' sums add up to the unsharded 
 `loss_sum` and `n_tokens` (over cp, dp and micro-batches) before dividing.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -43,9 +53,10 @@ IGNORE_INDEX = -100   # the label of positions without a target; F.cross_entropy
 
 # Budget for the one [chunk, V] float32 logits block: chunk = CHUNK_BYTES // (4 * V), so 256 MiB at V=151,936 gives
 # 441 tokens. The fused path works in place in the block, so the transient peak is this plus, for bf16 weights, one
-# half-size bf16 copy; a `loss_fn` adds what its autograd keeps (e.g. two or three more blocks for log_softmax). On
-# top, the forward keeps grad_hidden [N, D] and, for a trainable weight, a float32 [V, D] gradient (bf16/fp16
-# weights: + one [V, D] product per chunk).
+# half-size bf16 copy; a `loss_fn` adds what its autograd keeps (e.g. two or three more blocks for log_softmax). A
+# softcap with grad: two blocks of CHUNK_BYTES // (8 * V) rows (128 at Gemma's V=262,144), the same bytes, and a
+# bf16 copy of half the size. On top, the forward keeps grad_hidden [N, D] and, for a trainable weight, a float32
+# [V, D] gradient (bf16/fp16 weights: + one [V, D] product per chunk).
 CHUNK_BYTES = 256 * 2**20
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -96,7 +107,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None, dft=False):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None, dft=False,
+                softcap=None):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if per_token and (loss_fn is not None or need_w):   # (a row's weight gradient cannot be scaled afterwards)
@@ -112,6 +124,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         # One [chunk, V] float32 block reused by every chunk: the only vocab-sized tensor.
         block = torch.empty(min(chunk_size, n), weight.shape[0], dtype=torch.float32, device=hidden.device)
+        # A softcap's tanh values for its gradient (module docstring, 3): a second block, only when a gradient is made.
+        tblock = torch.empty_like(block) if softcap is not None and (need_h or need_w) else None
 
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
@@ -122,6 +136,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(x, weight.t(), out=logits)
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
+            t = None
+            if tblock is not None:                         # u = c·tanh(z / c) into the block, t = tanh(z / c) beside
+                t = torch.div(logits, softcap, out=tblock[: e - s]).tanh_()
+                torch.mul(t, softcap, out=logits)
+            elif softcap is not None:                      # (no gradient: nothing needs t)
+                logits.div_(softcap).tanh_().mul_(softcap)
             if loss_fn is None:
                 loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit, dft)
                 if per_token:
@@ -135,6 +155,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss_sum += loss
             if not (need_h or need_w):
                 continue
+            if t is not None:   # through the cap: d/dz = d/du - d/du·t², written over t (d/du may be loss_fn's, any
+                dlogits = torch.addcmul(dlogits, dlogits, t.square_(), value=-1, out=t)   # layout: not written to)
             g = dlogits.to(weight.dtype)
             if need_h and grad_h.dtype == weight.dtype:
                 torch.mm(g, weight, out=grad_h[s:e])       # a row block of a contiguous tensor: no copy
@@ -161,13 +183,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_out.unsqueeze(1) if ctx.per_token else grad_out)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None,
                           loss_fn: LossFn | None = None, per_token: bool = False, hits: torch.Tensor | None = None,
-                          dft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          dft: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses of `hidden @ weight.T` against `labels` (already shifted), and the target count: (loss_sum
     float32 0-dim, n_tokens int64 0-dim). Gradients flow to `hidden` and, if it requires grad, to `weight`.
     `loss_fn=None` is cross-entropy; see the module docstring for a custom `loss_fn`.
@@ -179,12 +201,19 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     each row's 1 or 0 (--eval-positions' accuracy by position), from what the loss reads anyway.
     `dft=True` (--sft-loss dft): sum of sg(p)·(-log p), each target's loss and gradient scaled by its p held
     constant (Dynamic Fine-Tuning), from the fused path's own numbers (no loss_fn; `hits` unchanged).
+    `softcap=c` (a finite c > 0): every path above is of the capped logits c·tanh(logits / c) in float32 (module
+    docstring, 3); `hits` too, so a target saturating with the row's largest (float32 tanh is 1 beyond |logits / c|
+    ≈ 9.1) ties with it and counts, though the uncapped argmax is the other.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, D], weight [V, D], labels [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(labels.shape)}")
     if dft and loss_fn is not None:
         raise ValueError("dft scales the fused cross-entropy; a loss_fn computes its own loss: pass one of them")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float)
+                                or not 0 < softcap < math.inf):   # (0 divides by zero, a negative c flips every logit)
+        raise ValueError(f"softcap must be None (no cap) or a finite number > 0 (the config's final_logit_softcapping, "
+                         f"e.g. 30.0), got {softcap!r}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hits is not None and (hits.is_floating_point() or hits.is_complex()):   # (FSDP2's bf16 would count in a copy)
@@ -194,6 +223,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                          f"{tuple(hits.shape)}")
     if not torch.is_grad_enabled():   # (Function.apply still reports needs_input_grad under no_grad: no grad work)
         hidden, weight = hidden.detach(), weight.detach()
-    chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    two = softcap is not None and (hidden.requires_grad or weight.requires_grad)   # (forward's tblock: same test)
+    chunk = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0], CHUNK_BYTES // (2 if two else 1))
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, loss_fn, per_token, hits,
-                                           dft), (labels != ignore_index).sum()
+                                           dft, softcap), (labels != ignore_index).sum()
