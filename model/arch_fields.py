@@ -17,6 +17,11 @@ has none.
   `logits_scaling`).
 - Qwen3-MoE's (`moe`, its experts and router): model/moe.py's `moe_fields`; Qwen3.5-MoE's (`qwen3_5_moe_text`):
   `qwen35_fields` and `moe_fields` (every block MoE, with a shared expert).
+- `gemma4_fields`: gemma4_text (Gemma 4's language model, the dense decoder of google/gemma-4-31B): Gemma 3's block
+  with OLMo's norm (weight itself, `norm_offset` 0), attention scale 1, the full layers' own head size and KV heads
+  (global_head_dim / num_global_key_value_heads, or transformers' per_layer_config), k_eq_v, v_norm, layer_scalar,
+  proportional RoPE on the full layers, final_logit_softcapping. GEMMA4_REFUSED: the other sizes' parts, refused in
+  that one place (E2B/E4B's per-layer embeddings and KV sharing, 26B-A4B's MoE block).
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
   attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
   Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
@@ -54,6 +59,7 @@ SUPPORTED = {
     "smollm3": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=32768, kv=4, head_dim=None),   # + gemma.py
     "granite": dict(qkv_bias=None, mlp_bias=True, qk_norm=False, max_pos=2048, kv=None, head_dim=None),   # + gemma.py
     "qwen3_moe": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=None),   # + moe.py
+    "gemma4_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=131072, kv=4, head_dim=256),   # + below
     "qwen3_5_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=256),   # + below
     "qwen3_5_moe_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=2, head_dim=256),
 }
@@ -159,6 +165,65 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
     return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
 
 
+# Gemma4TextConfig's keys of the parts not implemented yet: (key, its value in the dense models, what it is)
+GEMMA4_REFUSED = (("hidden_size_per_layer_input", 256, 0, "per-layer embeddings (Gemma 4 E2B / E4B)"),
+                  ("num_kv_shared_layers", 0, 0, "layers reusing an earlier layer's keys and values (E2B / E4B)"),
+                  ("enable_moe_block", False, False, "the MoE block beside the MLP (Gemma 4 26B-A4B)"),
+                  ("use_double_wide_mlp", False, False, "the KV-shared layers' double-wide MLP (E2B / E4B)"))
+GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},   # (Gemma4TextConfig's)
+               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+
+
+def gemma4_fields(cfg: dict, max_pos: int) -> dict:
+    """ModelArgs fields of a gemma4_text config.json, read as Gemma4TextConfig.__post_init__ fills them (module
+    docstring); GEMMA4_REFUSED's keys, bidirectional attention and another activation refused naming the key."""
+    for key, default, dense, what in GEMMA4_REFUSED:
+        if (v := cfg.get(key, default)) != dense:
+            raise ValueError(f"config.json: {key} {v!r} is not supported yet: {what}; the dense Gemma 4 decoder "
+                             f"(google/gemma-4-31B's form, {key} {dense}) trains here")
+    if cfg.get("use_bidirectional_attention") not in (None, "vision"):   # ("vision": text rows causal, transformers'
+        raise ValueError(f"config.json: use_bidirectional_attention "   # mask; images do not run here)
+                         f"{cfg['use_bidirectional_attention']!r} is not supported: this decoder is causal")
+    if (act := cfg.get("hidden_activation", "gelu_pytorch_tanh")) not in GELU_TANH:
+        raise ValueError(f"config.json: hidden_activation {act!r} is not supported: Gemma's MLP here is "
+                         "gelu_pytorch_tanh (gelu, tanh approximation)")
+    n, hd, kv = cfg["num_hidden_layers"], cfg.get("head_dim", 256), cfg.get("num_key_value_heads", 4)
+    types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    if types:   # transformers makes the last layer full whatever config.json says (with a warning)
+        types[-1] = "full_attention"
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    per = cfg.get("per_layer_config")   # transformers' own form (save_pretrained's); else from the global_* keys
+    if per is None:
+        over = {"head_dim": cfg.get("global_head_dim", 512)}
+        if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+            over["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        per = {i: over for i, t in enumerate(types) if t == "full_attention"}
+    per = {int(i): v for i, v in per.items()}
+    dims = [(per.get(i, {}).get("head_dim", hd), per.get(i, {}).get("num_key_value_heads", kv)) for i in range(n)]
+    full = {d for d, t in zip(dims, types) if t == "full_attention"}
+    if any(set(v) - {"head_dim", "num_key_value_heads"} for v in per.values()) or len(full) > 1 or any(
+            d != (hd, kv) for d, t in zip(dims, types) if t != "full_attention"):
+        raise ValueError(f"config.json: per_layer_config {per} is not supported: the full layers' head_dim and "
+                         "num_key_value_heads (one pair for all of them) are what this decoder varies by layer")
+    rope = cfg.get("rope_parameters") or GEMMA4_ROPE
+    if not isinstance(rope, dict) or not all(isinstance(rope.get(t), dict) for t in set(types)):
+        raise ValueError(f"config.json: gemma4_text rope_parameters {rope} must hold a RoPE for each layer type "
+                         "({'full_attention': {...}, 'sliding_attention': {...}}), as transformers writes them")
+    g, loc = rope.get("full_attention", GEMMA4_ROPE["full_attention"]), rope.get("sliding_attention", {})
+    if g.get("rope_type", "default") not in ("default", "proportional") or loc.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: gemma4_text rope_parameters {rope}: the full layers' default or proportional "
+                         "RoPE and the sliding layers' default are supported")
+    scaling = {k: v for k, v in g.items() if k != "rope_theta"} if g.get("rope_type") == "proportional" else {}
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(rope_theta=float(g.get("rope_theta", 1e6)), rope_scaling=scaling,
+                local_rope={"rope_theta": float(loc.get("rope_theta", 1e4))},
+                sliding_window=cfg.get("sliding_window", 512),
+                layer_types=types, norm_offset=0.0, sandwich_norms=True, act="gelu_tanh", embed_scale=True,
+                attention_multiplier=1.0, global_head_dim=next(iter(full), (hd, kv))[0],
+                global_kv_heads=next(iter(full), (hd, kv))[1], k_eq_v=k_eq_v, v_norm=True, layer_scalar=True,
+                logit_softcap=None if softcap is None else float(softcap))
+
+
 def qwen35_fields(cfg: dict, max_pos: int) -> dict:
     """ModelArgs fields of a qwen3_5_text config.json, defaults as Qwen3_5TextConfig's (module docstring)."""
     n = cfg["num_hidden_layers"]
@@ -181,7 +246,8 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
                 layer_types=types if linear else None, linear=linear)
 
 
-FIELDS = {"gemma3_text": gemma_fields, "olmo2": olmo_fields, "olmo3": olmo_fields, "smollm3": smollm3_fields,
+FIELDS = {"gemma3_text": gemma_fields, "gemma4_text": gemma4_fields, "olmo2": olmo_fields, "olmo3": olmo_fields,
+          "smollm3": smollm3_fields,
           "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg),
           "qwen3_5_text": qwen35_fields, "qwen3_5_moe_text": lambda cfg, max_pos: {
               **qwen35_fields(cfg, max_pos), **moe_fields(cfg)}}

@@ -99,6 +99,15 @@ class ModelArgs:
     attn_gate: bool = False
     partial_rotary_factor: float = 1.0
     linear: LinearSpec | None = None   # the Gated DeltaNet layers' sizes (model/linear_layers.py)
+    # Gemma 4 (arch_fields.gemma4_fields; Gemma's block, norm_offset 0.0): the full layers' own head size and KV heads
+    # (attn_dims; None: the model's), k_proj's raw output as their v (`k_eq_v`: no v_proj there), a weightless norm on
+    # every v, each block's output × its stored [1] layer_scalar, the logits c·tanh(logits / c) (`logit_softcap` c)
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    v_norm: bool = False
+    layer_scalar: bool = False
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -133,7 +142,7 @@ class ModelArgs:
                              f"number of rotated dims of head_dim {self.head_dim} (int(head_dim · factor) = "
                              f"{int(self.head_dim * f) if isinstance(f, (int, float)) else '?'})")
         rtype = self.rope_scaling.get("rope_type", "default")
-        if rtype not in ROPE_TYPES:
+        if rtype not in ROPE_TYPES + ("proportional",):   # (Gemma 4's full layers': never a --rope-scaling type)
             raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
 
     @classmethod
@@ -165,7 +174,8 @@ class ModelArgs:
         if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
             mt = "ministral"
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish") and mt != "gemma3_text":   # (Gemma's: gemma_fields; also Qwen3.5's conv's)
+        if act not in ("silu", "swish") and mt not in ("gemma3_text", "gemma4_text"):   # (Gemma's: arch_fields; also
+            # Qwen3.5's conv's)
             raise ValueError(f"config.json: hidden_act {act!r} is not supported: this decoder's MLP is SwiGLU (silu)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"config.json: attention_dropout {cfg['attention_dropout']!r} is not supported (the "
@@ -216,7 +226,7 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "smollm3"))),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "gemma4_text", "smollm3"))),
             qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
             o_bias=attn_bias and flags["qkv_bias"] is None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and flags["mlp_bias"],
@@ -243,6 +253,10 @@ class ModelArgs:
         sc = keep_temperature(rope_scaling_flag(spec, self), spec, self)
         if sc is None:
             return self
+        if self.rope_scaling.get("rope_type") == "proportional":
+            raise ValueError(f"--rope-scaling {spec}: this {self.model_type} model's full layers use proportional RoPE "
+                             "(a quarter of each head rotated, spread over it), which a scaling here would replace; "
+                             "drop --rope-scaling (not yet supported for Gemma 4)")
         out = replace(self, rope_scaling=sc)
         try:
             inv_freq(out)
@@ -255,8 +269,9 @@ class ModelArgs:
 
     def local_args(self) -> ModelArgs:
         """These args with the sliding layers' RoPE (`local_rope`) as theirs: what their cos/sin are computed from."""
-        sc = {k: v for k, v in self.local_rope.items() if k != "rope_theta"}
-        return replace(self, rope_theta=self.local_rope["rope_theta"], rope_scaling=sc, local_rope=None)
+        sc = {k: v for k, v in self.local_rope.items() if k != "rope_theta"}   # (their head size: head_dim's)
+        return replace(self, rope_theta=self.local_rope["rope_theta"], rope_scaling=sc, local_rope=None,
+                       global_head_dim=None)
 
     @property
     def attn_scale(self) -> float:
@@ -266,8 +281,9 @@ class ModelArgs:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims of each head RoPE rotates (the first ones): head_dim, or int(head_dim · partial_rotary_factor)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """The dims of each head RoPE rotates (the first ones): head_dim, or int(head_dim · partial_rotary_factor); the
+        full layers' (Gemma 4's global_head_dim: proportional RoPE's zero frequencies pass the rest, rope.inv_freq)."""
+        return int((self.global_head_dim or self.head_dim) * self.partial_rotary_factor)
 
     def rotates(self, layer: int) -> bool:
         """Whether decoder layer `layer` applies RoPE to q and k (not SmolLM3's NoPE layers)."""
@@ -315,10 +331,23 @@ class ModelArgs:
             return None
         return int(self.sliding_window)
 
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features); with linear layers
-        their linear_attn's too (LINEAR_TARGETS; model.lora_spec.sublayer: whose a name is; `has`: which blocks)."""
-        d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate_size
+    def attn_dims(self, layer: int) -> tuple[int, int, int]:
+        """(H, K, Hd) of decoder layer `layer`'s attention: Gemma 4's full layers have their own K and Hd."""
+        if self.global_head_dim is None or not self.layer_types or self.layer_types[layer] != "full_attention":
+            return self.n_heads, self.n_kv_heads, self.head_dim
+        return self.n_heads, self.global_kv_heads or self.n_kv_heads, self.global_head_dim
+
+    @property
+    def per_layer_attn(self) -> bool:
+        """Whether the layers' attention shapes differ (Gemma 4): what the memory plan and CP do not model yet."""
+        return len({self.attn_dims(i) for i in range(self.n_layers)}) > 1 or self.k_eq_v
+
+    def projections(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features) in block `layer` (None:
+        the model's head_dim and KV heads; Gemma 4's full layers differ, `attn_dims`); with linear layers their
+        linear_attn's too (LINEAR_TARGETS; model.lora_spec.sublayer: whose a name is; `has`: which blocks)."""
+        h, k, hd = self.attn_dims(layer) if layer is not None else (self.n_heads, self.n_kv_heads, self.head_dim)
+        d, q, kv, f = self.dim, h * hd, k * hd, self.intermediate_size
         return {"q_proj": (d, q * (2 if self.attn_gate else 1)), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
                 "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),   # (Qwen3.5's q_proj: query and gate)
                 **(self.linear.projections(d) if self.linear else {})}
@@ -328,8 +357,15 @@ class ModelArgs:
         return self.linear is not None and bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def has(self, layer: int, name: str) -> bool:
-        """Whether block `layer` holds projection `name` (attention ones in full layers, linear_attn's in linear)."""
+        """Whether block `layer` holds projection `name` (attention ones in full layers, linear_attn's in linear; no
+        v_proj where k_proj's output is v: Gemma 4's full layers with attention_k_eq_v)."""
+        if name == "v_proj" and self.shares_kv(layer):
+            return False
         return (kind := sublayer(name)) == "mlp" or (kind == "linear_attn") == self.is_linear(layer)
+
+    def shares_kv(self, layer: int) -> bool:
+        """Whether decoder layer `layer` takes k_proj's output (before k_norm and RoPE) as v (Gemma 4's k_eq_v)."""
+        return self.k_eq_v and bool(self.layer_types) and self.layer_types[layer] == "full_attention"
 
     @property
     def named(self) -> str:
@@ -340,11 +376,14 @@ class ModelArgs:
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
         attn = d * h * hd * (3 if self.attn_gate else 2) + d * kv * hd * 2   # (Qwen3.5's gate: q_proj's other half)
-        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
+        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d + self.layer_scalar
+        extra = sum(d * (h * (2 * e - 2 * hd) + k * e * (1 + (not self.shares_kv(i))) - 2 * kv * hd)
+                    for i in range(self.n_layers) for h, k, e in [self.attn_dims(i)]
+                    ) if self.per_layer_attn else 0   # (Gemma 4's full layers: their own K, Hd; no v_proj with k_eq_v)
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
         moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f * (not moe.shared) + d * bool(
             moe.shared)) if sparse else 0   # experts, router (the shared expert: the dense MLP's size, + its gate)
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
         lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
-        return self.n_layers * per_layer + emb + d + moe_extra + lin_extra
+        return self.n_layers * per_layer + emb + d + moe_extra + lin_extra + extra

@@ -15,6 +15,7 @@ Contract:
 - `split_heads` (`qk_norm_whole`): q and k into heads through their norms, per head (Qwen3, Gemma) or, OLMo's, over
   the whole projection (H·Hd, K·Hd) before the split.
 - `gated(out, g)` (`attn_gate`): Qwen3.5's attention output gate (its docstring).
+- `UnitRMSNorm` (`v_norm`): Gemma 4's weightless norm on v. `layer_scalar`: Gemma 4's block output scale.
 - `GeGLU` (`act` "gelu_tanh"): gelu(gate, tanh approximation) · up, hidden_activation gelu_pytorch_tanh.
 - `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
   (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
@@ -97,6 +98,20 @@ class GemmaRMSNorm(nn.Module):
         return _GemmaNormFn.apply(x, w, self.eps, self.offset)
 
 
+class UnitRMSNorm(nn.Module):
+    """x / rms(x), no weight (Gemma 4's v_norm, Gemma4RMSNorm with_scale=False): GemmaRMSNorm's math with weight 1."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        one = x.new_ones((), dtype=torch.float32).expand(x.shape[-1])
+        if torch.compiler.is_compiling():
+            return _normalize(x, one, self.eps, 0.0)[0]
+        return _GemmaNormFn.apply(x, one, self.eps, 0.0)
+
+
 class GeGLU(nn.Module):
     """gelu(gate, tanh approximation) · up (Gemma's MLP); a module for parallel/compile.py, as model.llama.SwiGLU."""
 
@@ -144,13 +159,17 @@ class SandwichBlock(nn.Module):
         # which of Transformer.rope's (full, sliding) tables this layer takes
         self.table = int(a.local_rope is not None and bool(a.layer_types)
                          and a.layer_types[layer] == "sliding_attention")
+        # Gemma 4: the block's output × its stored [1] scale (a frozen parameter: the loader, FSDP and the merge treat
+        # it as every other base weight; None elsewhere)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False) if a.layer_scalar else None
 
     def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: Qwen3.5's linear blocks' core and meta)
         if isinstance(cos, tuple):
             cos, sin = cos[self.table], sin[self.table]
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
-        return x + self.post_feedforward_layernorm(self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x)))
+        x = x + self.post_feedforward_layernorm(self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x)))
+        return x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
 
 
 def gated(out: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

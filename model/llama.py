@@ -30,7 +30,17 @@ from torch import nn
 from loss import chunked_cross_entropy
 from model.attention import SDPAAttention
 from model.config import ModelArgs
-from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
+from model.gemma import (
+    GeGLU,
+    GemmaRMSNorm,
+    SandwichBlock,
+    UnitRMSNorm,
+    add_residual,
+    gated,
+    normed,
+    scaled_embedding,
+    split_heads,
+)
 from model.linear_layers import LinearBlock, LocalLinear
 from model.moe import MoE
 from model.norms import cast_weight
@@ -169,16 +179,18 @@ class Attention(nn.Module):
         super().__init__()
         self.window = a.window(layer)   # this layer's sliding window (None: full causal attention)
         self.scale = a.attn_scale
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.gate, self.rot = a.attn_gate, a.rotary_dim   # Qwen3.5: q_proj per head [query | gate]; partial RoPE
-        self.q_proj = nn.Linear(a.dim, a.n_heads * a.head_dim * (2 if a.attn_gate else 1), bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd = a.attn_dims(layer)   # (Gemma 4's full layers': own)
+        self.gate, self.rot = a.attn_gate, int(hd * a.partial_rotary_factor)   # Qwen3.5: q_proj [query | gate]; partial
+        self.q_proj = nn.Linear(a.dim, h * hd * (2 if a.attn_gate else 1), bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
+        # Gemma 4's k_eq_v layers: v is k_proj's output before k_norm and RoPE (no v_proj); v_norm: a weightless norm
+        self.v_proj = None if a.shares_kv(layer) else nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
+        self.v_norm = UnitRMSNorm(a.norm_eps) if a.v_norm else None
+        self.o_proj = nn.Linear(h * hd, a.dim, bias=a.o_bias)
         self.q_norm = self.k_norm = None   # per head (Qwen3, Gemma) or over the projection (OLMo: H·Hd, K·Hd)
         if a.qk_norm:
-            width = lambda n: a.head_dim * (n if a.qk_norm_whole else 1)
-            self.q_norm, self.k_norm = _norm(a, width(a.n_heads)), _norm(a, width(a.n_kv_heads))
+            width = lambda n: hd * (n if a.qk_norm_whole else 1)
+            self.q_norm, self.k_norm = _norm(a, width(h)), _norm(a, width(kv))
         self.whole = a.qk_norm_whole
         self.rotary = Rotary()
         self.rope = a.rotates(layer)   # False: SmolLM3's NoPE layers, q and k unrotated (the tables serve the others)
@@ -220,8 +232,11 @@ class Attention(nn.Module):
         return (self.rotary(q, None, *tables(cos, sin, self.rot, True))[0] if self.rope else q), g
 
     def keys_values(self, x, cos, sin):
-        k = split_heads(self.k_proj(x), self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
-        v = self.v_proj(x).view(*x.shape[:2], self.n_kv_heads, self.head_dim)      # [B, S, K, Hd]
+        y = self.k_proj(x)
+        k = split_heads(y, self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
+        v = (y if self.v_proj is None else self.v_proj(x)).view(*x.shape[:2], self.n_kv_heads, self.head_dim)
+        if self.v_norm is not None:   # (Gemma 4)
+            v = self.v_norm(v)
         return (self.rotary(k, None, *tables(cos, sin, self.rot, False))[0] if self.rope else k), v
 
 
@@ -308,9 +323,11 @@ class Transformer(nn.Module):
         # AC its checkpoint keeps the ids instead), not at the end, when every block's checkpoint is alive beside it
         h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta, linear)
         h, s = self.model.norm(h), self.args.logits_scaling   # (Granite: logits / s; else 1)
+        c = {} if self.args.logit_softcap is None else {"softcap": self.args.logit_softcap}   # (Gemma 4's c)
         if labels is None:
-            return F.linear(h, head) if s == 1 else F.linear(h, head) / s      # [B, S, V], transformers' order
+            y = F.linear(h, head) if s == 1 else F.linear(h, head) / s      # [B, S, V], transformers' order
+            return y if not c else torch.tanh(y / c["softcap"]) * c["softcap"]   # c·tanh(y / c), transformers' order
         if s != 1:   # the loss' logits: (h / s) @ W = (h @ W) / s, within rounding; in place (nothing saved the norm's
             h = h.div_(s)   # output), per token, so the loss, DPO's per-token log-probs, accuracy and eval all see it
         return chunked_cross_entropy(h.reshape(B * S, -1), head, labels.reshape(-1),
-                                     loss_fn=loss_fn, per_token=per_token, hits=hits, dft=dft)
+                                     loss_fn=loss_fn, per_token=per_token, hits=hits, dft=dft, **c)

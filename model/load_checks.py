@@ -48,7 +48,7 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
         return None
     want = {"model.embed_tokens.weight": (margs.vocab_size, margs.dim)}
     for i in range(margs.n_layers):
-        for name, (n_in, n_out) in margs.projections().items():
+        for name, (n_in, n_out) in margs.projections(i).items():   # (Gemma 4's full layers: their own shapes)
             if not margs.has(i, name):   # (Qwen3.5: attention in its full layers, linear_attn in the others)
                 continue
             block = sublayer(name)

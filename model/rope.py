@@ -16,6 +16,9 @@ Contract:
   half for k or q: folded so, the scale costs no pass over q and keeps no [T, H, Hd] for backward.
 - Partial RoPE (`args.partial_rotary_factor` f < 1, Qwen3.5's 0.25): R = `args.rotary_dim` = int(Hd·f) dims rotate,
   the tables are [.., R] (frequencies over R, as transformers' `dim`), `Rotary` passes the other Hd - R dims.
+- Proportional RoPE (rope_type "proportional", Gemma 4's full layers): frequencies over the whole head (its own,
+  global_head_dim), the first int(f·Hd/2) as default RoPE's, the rest 0: dims [0, f·Hd/2) and [Hd/2, Hd/2 + f·Hd/2)
+  rotate, not a prefix (rotate_half pairs i with i + Hd/2); the tables are [.., Hd], Rotary rotates the whole head.
 - `Rotary()(q, k, cos, sin)` -> (q, k) rotated (k may be None): transformers' `apply_rotary_pos_emb` within one
   rounding (tests/test_model.py), in eager mode over sequence chunks of ROPE_CHUNK elements both ways (`_RopeFn`:
   a chunk's temporaries, not q's), in compiled code the formula. A module so that parallel/compile.py can compile it.
@@ -179,6 +182,9 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
     rtype = sc.get("rope_type", "default")
     if rtype == "linear":
         return freq / sc["factor"], 1.0
+    if rtype == "proportional":   # Gemma 4's full layers: a d-dim RoPE's first int(f·d/2) frequencies, the rest 0
+        n = int(sc.get("partial_rotary_factor", 1.0) * d // 2)   # (cos 1, sin 0: those dims pass), all / factor
+        return torch.cat((freq[:n], torch.zeros(d // 2 - n))) / sc.get("factor", 1.0), 1.0
     if rtype == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]

@@ -1,7 +1,8 @@
 """Multimodal wrapper checkpoints whose language model trains here, text only (the image path is not ours): Mistral 3
 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1/3.2, Ministral 3, Magistral and Devstral Small), Gemma 3
 (`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B as published), Qwen3.5 (`Qwen3_5ForConditionalGeneration`) and
-Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B).
+Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B), Gemma 4
+(`Gemma4ForConditionalGeneration`: google/gemma-4-31B; vision and audio towers never read).
 
 Contract:
 - `unwrap(cfg)`: a config.json as transformers 5 reads a wrapper's language model -> (the text model's config dict,
@@ -47,6 +48,11 @@ WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="
                            # name hidden, intermediate, heads and layers; none names the vocabulary)
                            defaults=dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
                                          num_hidden_layers=26, num_attention_heads=8)),
+            # Gemma 4 (Gemma4ForConditionalGeneration: google/gemma-4-31B): model.vision_tower.*, model.audio_tower.*,
+            # model.embed_vision.*, model.embed_audio.* never read (their Linears are q_proj... too: peft_targets)
+            "gemma4": dict(archs=("Gemma4ForConditionalGeneration",), text="gemma4_text", tie=True,
+                           defaults=dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216,
+                                         num_hidden_layers=30, num_attention_heads=8)),   # (Gemma4TextConfig's)
             # Qwen3.5 (Qwen3_5ForConditionalGeneration: Qwen/Qwen3.5-9B, -27B...): its vision tower model.visual.*;
             # mtp.* (multi-token prediction) tensors, which transformers does not load either, are never read
             "qwen3_5": dict(archs=("Qwen3_5ForConditionalGeneration",), text="qwen3_5_text", tie=False,
@@ -56,13 +62,13 @@ WRAPPERS = {"mistral3": dict(archs=("Mistral3ForConditionalGeneration",), text="
                                 defaults=dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
                                               num_attention_heads=16))}   # (Qwen3_5MoeTextConfig's)
 # a wrapper's parts that are not its language model (either form; Qwen3.5's model.visual.*)
-OTHER = ("vision_tower.", "multi_modal_projector.", "visual.")
+OTHER = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.", "embed_vision.", "embed_audio.")
 PEFT = "base_model.model."   # peft's prefix of an adapter's keys (the model it wraps)
 FORMS = {w: ([("model.language_model.", "model."), ("lm_head.", "lm_head.")],   # (the same for both: transformers'
               [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")])   # "llava" mapping)
-         for w in WRAPPERS if not w.startswith("qwen3_5")}
-FORMS["qwen3_5"] = FORMS["qwen3_5_moe"] = FORMS["gemma3"][:1]   # (no "llava" mapping: save_pretrained writes
-# transformers' module names)
+         for w in WRAPPERS if not w.startswith(("qwen3_5", "gemma4"))}
+FORMS["qwen3_5"] = FORMS["qwen3_5_moe"] = FORMS["gemma4"] = FORMS["gemma3"][:1]   # (no "llava" mapping:
+# save_pretrained writes transformers' module names)
 OUTER = ("tie_word_embeddings", "quantization_config")   # outer keys that act on the language model
 
 

@@ -110,16 +110,18 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
 def _misfit(tensors: dict, m) -> str | None:
     """Why the trained `tensors` (our names: LoRA A [r, in], B [out, r], DoRA's magnitude [out], trained norms and the
     embedding) do not fit the model of ModelArgs `m`, or None."""
-    proj = {k: (o, i) for k, (i, o) in m.projections().items()}   # (out, in; Qwen3.5's q_proj: query and gate)
     for k, t in tensors.items():
         parts, shape = k.split("."), tuple(t.shape)
         if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= m.n_layers:
             return f"{k} is in block {parts[2]}, and the model has {m.n_layers}"
+        layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None   # (Gemma 4: shapes per block)
+        proj = {n: (o, i) for n, (i, o) in m.projections(layer).items()}   # (out, in; Qwen3.5's q_proj: query, gate)
+        hd = m.head_dim if layer is None else m.attn_dims(layer)[2]
         name = next((p for p in parts if p in proj), None)
         out, inp = proj.get(name, (None, None))
         want = (shape[0], inp) if ".lora_A." in k else (out, shape[1]) if ".lora_B." in k else (out,) \
             if "lora_magnitude_vector" in k else (m.vocab_size, m.dim) if "embed_tokens" in k else \
-            (m.head_dim * (1 if not m.qk_norm_whole else m.n_heads if "q_norm" in k else m.n_kv_heads),) \
+            (hd * (1 if not m.qk_norm_whole else m.n_heads if "q_norm" in k else m.n_kv_heads),) \
             if k.endswith(("q_norm.weight", "k_norm.weight")) else (m.dim,)   # (OLMo's q/k norms: H·Hd, K·Hd)
         if shape != want:
             return f"{k} is {list(shape)}, the model's is {list(want)}"

@@ -173,7 +173,8 @@ def check_model_flags(args, margs) -> None:
         raise ValueError("--dpo-share-prompt makes a pair's answers branches of one prompt in a row, and this model's "
                          "linear-attention (Gated DeltaNet) layers carry one recurrent state along the row, which "
                          "cannot fork at a branch: drop --dpo-share-prompt (each pair then holds its prompt twice)")
-    shapes = margs.projections()
+    shapes = {t: min((margs.projections(i)[t] for i in range(margs.n_layers) if margs.has(i, t)), key=min, default=s)
+              for t, s in margs.projections().items()}   # (each projection's lowest rank over the blocks: Gemma 4's)
     over = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in args.lora_targets.split(",")
             if t in shapes and args.lora_r > min(shapes[t])]
     if over:   # B @ A cannot have a higher rank than the projection: the extra rank is parameters and time, no more

@@ -172,6 +172,9 @@ def validate(args, margs, world: int):
     dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
                                   args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
     check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
+    if margs.per_layer_attn and dims.cp > 1:   # (Ulysses' head split is checked against one K, ring untested)
+        raise ValueError(f"--cp {dims.cp} on {margs.named}: context parallelism with per-layer attention shapes "
+                         "(Gemma 4's full layers: their own head size and KV heads) is not yet supported; use --cp 1")
     if margs.linear is not None and dims.cp > 1:   # (Qwen3.5's linear layers split by heads over all cp ranks)
         from parallel.cp_linear import check_linear_heads
         check_linear_heads(margs.linear.k_heads, margs.linear.v_heads, dims.cp)
