@@ -159,9 +159,9 @@ class ModelArgs:
                 f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
                 "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
                 "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
-                "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), and the language model of "
-                "Mistral 3 (mistral3), Gemma 3 (gemma3), Qwen3.5 (qwen3_5) and Qwen3.5-MoE (qwen3_5_moe) wrappers of "
-                "these")
+                "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), Gemma 4 dense (gemma4_text), and "
+                "the language model of Mistral 3 (mistral3), Gemma 3 (gemma3), Gemma 4 (gemma4), Qwen3.5 (qwen3_5) and "
+                "Qwen3.5-MoE (qwen3_5_moe) wrappers of these")
         archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
         if archs and not any(str(a).endswith("ForCausalLM") for a in archs):   # a reward model's score head, an
             raise ValueError(   # embedding model's weights without `model.`: no lm_head (a tied one: the embedding)

@@ -28,19 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from loss import chunked_cross_entropy
+from model import gemma
 from model.attention import SDPAAttention
 from model.config import ModelArgs
-from model.gemma import (
-    GeGLU,
-    GemmaRMSNorm,
-    SandwichBlock,
-    UnitRMSNorm,
-    add_residual,
-    gated,
-    normed,
-    scaled_embedding,
-    split_heads,
-)
+from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
 from model.linear_layers import LinearBlock, LocalLinear
 from model.moe import MoE
 from model.norms import cast_weight
@@ -185,7 +176,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
         # Gemma 4's k_eq_v layers: v is k_proj's output before k_norm and RoPE (no v_proj); v_norm: a weightless norm
         self.v_proj = None if a.shares_kv(layer) else nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
-        self.v_norm = UnitRMSNorm(a.norm_eps) if a.v_norm else None
+        self.v_norm = gemma.UnitRMSNorm(a.norm_eps) if a.v_norm else None
         self.o_proj = nn.Linear(h * hd, a.dim, bias=a.o_bias)
         self.q_norm = self.k_norm = None   # per head (Qwen3, Gemma) or over the projection (OLMo: H·Hd, K·Hd)
         if a.qk_norm:

@@ -78,9 +78,9 @@ def unwrap(cfg: dict) -> tuple[dict, str | None]:
     if mt not in WRAPPERS:
         if isinstance(cfg.get("text_config"), dict) or "vision_config" in cfg:
             raise ValueError(f"config.json: model_type {mt!r} is a multimodal model ({cfg.get('architectures')}); of "
-                             f"those only the language model of {', '.join(sorted(WRAPPERS))} (Gemma 3 4B-27B; Mistral "
-                             "3: Mistral Small 3.1/3.2, Ministral 3; Qwen3.5) trains here; or pass a text-only "
-                             "checkpoint")
+                             f"those only the language model of {', '.join(sorted(WRAPPERS))} (Gemma 3 4B-27B; Gemma 4 "
+                             "31B; Mistral 3: Mistral Small 3.1/3.2, Ministral 3; Qwen3.5) trains here; or pass a "
+                             "text-only checkpoint")
         return cfg, None
     w = WRAPPERS[mt]
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
