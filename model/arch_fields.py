@@ -20,8 +20,9 @@ has none.
 - `gemma4_fields`: gemma4_text (Gemma 4's language model, the dense decoder of google/gemma-4-31B): Gemma 3's block
   with OLMo's norm (weight itself, `norm_offset` 0), attention scale 1, the full layers' own head size and KV heads
   (global_head_dim / num_global_key_value_heads, or transformers' per_layer_config), k_eq_v, v_norm, layer_scalar,
-  proportional RoPE on the full layers, final_logit_softcapping. GEMMA4_REFUSED: the other sizes' parts, refused in
-  that one place (E2B/E4B's per-layer embeddings and KV sharing, 26B-A4B's MoE block).
+  proportional RoPE on the full layers, final_logit_softcapping; enable_moe_block's experts beside the MLP (26B-A4B:
+  model/gemma4_moe.py). GEMMA4_REFUSED: the other sizes' parts, refused in that one place (E2B/E4B's per-layer
+  embeddings and KV sharing).
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
   attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
   Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from model import gemma4_moe
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
 from model.rope import read_rope
@@ -168,7 +170,6 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
 # Gemma4TextConfig's keys of the parts not implemented yet: (key, its value in the dense models, what it is)
 GEMMA4_REFUSED = (("hidden_size_per_layer_input", 256, 0, "per-layer embeddings (Gemma 4 E2B / E4B)"),
                   ("num_kv_shared_layers", 0, 0, "layers reusing an earlier layer's keys and values (E2B / E4B)"),
-                  ("enable_moe_block", False, False, "the MoE block beside the MLP (Gemma 4 26B-A4B)"),
                   ("use_double_wide_mlp", False, False, "the KV-shared layers' double-wide MLP (E2B / E4B)"))
 GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},   # (Gemma4TextConfig's)
                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
@@ -179,8 +180,8 @@ def gemma4_fields(cfg: dict, max_pos: int) -> dict:
     docstring); GEMMA4_REFUSED's keys, bidirectional attention and another activation refused naming the key."""
     for key, default, dense, what in GEMMA4_REFUSED:
         if (v := cfg.get(key, default)) != dense:
-            raise ValueError(f"config.json: {key} {v!r} is not supported yet: {what}; the dense Gemma 4 decoder "
-                             f"(google/gemma-4-31B's form, {key} {dense}) trains here")
+            raise ValueError(f"config.json: {key} {v!r} is not supported yet: {what}; Gemma 4's 31B and 26B-A4B "
+                             f"forms ({key} {dense}) train here")
     if cfg.get("use_bidirectional_attention") not in (None, "vision"):   # ("vision": text rows causal, transformers'
         raise ValueError(f"config.json: use_bidirectional_attention "   # mask; images do not run here)
                          f"{cfg['use_bidirectional_attention']!r} is not supported: this decoder is causal")
@@ -221,7 +222,8 @@ def gemma4_fields(cfg: dict, max_pos: int) -> dict:
                 layer_types=types, norm_offset=0.0, sandwich_norms=True, act="gelu_tanh", embed_scale=True,
                 attention_multiplier=1.0, global_head_dim=next(iter(full), (hd, kv))[0],
                 global_kv_heads=next(iter(full), (hd, kv))[1], k_eq_v=k_eq_v, v_norm=True, layer_scalar=True,
-                logit_softcap=None if softcap is None else float(softcap))
+                logit_softcap=None if softcap is None else float(softcap),
+                **(gemma4_moe.moe_fields(cfg) if cfg.get("enable_moe_block") else {}))   # (26B-A4B: gemma4_moe.py)
 
 
 def qwen35_fields(cfg: dict, max_pos: int) -> dict:

@@ -342,6 +342,16 @@ class ModelArgs:
         """Whether the layers' attention shapes differ (Gemma 4): what the memory plan and CP do not model yet."""
         return len({self.attn_dims(i) for i in range(self.n_layers)}) > 1 or self.k_eq_v
 
+    @property
+    def unplanned(self) -> str | None:
+        """What of this model the memory plan (--plan, the start-up memory check) and the FLOPs do not model yet (they
+        refuse or skip it, naming this), else None."""
+        if self.moe is not None and self.moe.beside:
+            return "Gemma 4's MoE block (a router and experts beside every block's dense MLP)"
+        if self.per_layer_attn:
+            return "per-layer attention shapes (Gemma 4: the full layers' own head size and KV heads, no v_proj there)"
+        return None
+
     def projections(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
         """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features) in block `layer` (None:
         the model's head_dim and KV heads; Gemma 4's full layers differ, `attn_dims`); with linear layers their
@@ -382,8 +392,10 @@ class ModelArgs:
                     ) if self.per_layer_attn else 0   # (Gemma 4's full layers: their own K, Hd; no v_proj with k_eq_v)
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
-        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) - 3 * d * f * (not moe.shared) + d * bool(
-            moe.shared)) if sparse else 0   # experts, router (the shared expert: the dense MLP's size, + its gate)
+        beside = 4 * d + moe.experts if moe and moe.beside else -3 * d * f * (not moe.shared) + d * bool(
+            moe.shared) if moe else 0   # (Qwen3.5-MoE's shared expert: the dense MLP's size, + its gate; Gemma 4's
+        # experts beside the dense MLP: + the router's two scales and the MoE's three norms)
+        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) + beside) if sparse else 0   # experts, router
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
         lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
         return self.n_layers * per_layer + emb + d + moe_extra + lin_extra + extra

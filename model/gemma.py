@@ -15,7 +15,8 @@ Contract:
 - `split_heads` (`qk_norm_whole`): q and k into heads through their norms, per head (Qwen3, Gemma) or, OLMo's, over
   the whole projection (H·Hd, K·Hd) before the split.
 - `gated(out, g)` (`attn_gate`): Qwen3.5's attention output gate (its docstring).
-- `UnitRMSNorm` (`v_norm`): Gemma 4's weightless norm on v. `layer_scalar`: Gemma 4's block output scale.
+- `UnitRMSNorm` (`v_norm`): Gemma 4's weightless norm on v. `layer_scalar`: Gemma 4's block output scale. Gemma 4's
+  MoE block beside the MLP (`moe`: its router and experts; its three norms made here): model/gemma4_moe.py.
 - `GeGLU` (`act` "gelu_tanh"): gelu(gate, tanh approximation) · up, hidden_activation gelu_pytorch_tanh.
 - `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
   (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
@@ -146,7 +147,7 @@ class SandwichBlock(nn.Module):
     # tiled MLP and the down projection's base skip that where nothing reads them: recompute.py, memory.py)
     outputs_saved = True
 
-    def __init__(self, a, layer: int, attention: nn.Module, mlp: nn.Module):
+    def __init__(self, a, layer: int, attention: nn.Module, mlp: nn.Module, moe: tuple | None = None):
         super().__init__()
         self.self_attn, self.mlp = attention, mlp
         norm = lambda: None if a.post_norms else GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)   # (a pre-norm)
@@ -154,6 +155,11 @@ class SandwichBlock(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset)
+        self.experts = None   # Gemma 4's MoE block beside the MLP: (router, experts), model/gemma4_moe.py
+        if moe is not None:
+            self.router, self.experts = moe
+            for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+                setattr(self, n, GemmaRMSNorm(a.dim, a.norm_eps, a.norm_offset))
         # the norms in front of attention and MLP (parallel/memory.py, phases.py): none in OLMo's block
         self.pre_norms = () if a.post_norms else ("input_layernorm", "pre_feedforward_layernorm")
         # which of Transformer.rope's (full, sliding) tables this layer takes
@@ -168,7 +174,12 @@ class SandwichBlock(nn.Module):
             cos, sin = cos[self.table], sin[self.table]
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
-        x = x + self.post_feedforward_layernorm(self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x)))
+        y = self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x))
+        if self.experts is not None:   # (Gemma 4's MoE: routed on x itself, its experts fed their own norm of x)
+            flat = x.reshape(-1, x.shape[-1])                                                        # [T, D]
+            e = self.experts(self.pre_feedforward_layernorm_2(flat), *self.router(flat)).view(x.shape)
+            y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(e)
+        x = x + self.post_feedforward_layernorm(y)
         return x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
 
 

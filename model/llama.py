@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loss import chunked_cross_entropy
-from model import gemma
+from model import gemma, gemma4_moe
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
@@ -260,6 +260,13 @@ class Block(nn.Module):
         return add_residual(x, self.mlp(normed(self.post_attention_layernorm, self.mlp, x)), self.residual, False)
 
 
+def beside(a: ModelArgs) -> tuple | None:
+    """Gemma 4's MoE block's (router, experts), beside every block's MLP (model/gemma4_moe.py), else None."""
+    if a.moe is None or not a.moe.beside:
+        return None
+    return gemma4_moe.Router(a.dim, a.moe, gemma.UnitRMSNorm(a.norm_eps)), gemma4_moe.Experts(a.dim, a.moe)
+
+
 class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -267,7 +274,7 @@ class Decoder(nn.Module):
         mlp = lambda i: MoE(a.dim, a.moe) if a.moe and a.moe.sparse(i) else MLP(a)   # (MoE: model/moe.py)
         self.layers = nn.ModuleList(  # (Qwen3.5's linear_attention layers: model/linear_layers.py)
             LinearBlock(a, lambda: _norm(a, a.dim), mlp(i)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),
-            MLP(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
+            MLP(a), beside(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)
 
     def run_blocks(self, h, *args):

@@ -15,7 +15,8 @@ Contract:
   contiguous, so each is one pread(2) of a byte range into process memory (no mmap view stays mapped).
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
-  (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`).
+  (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`). Gemma 4's fused experts are, expert
+  by expert under our names (`views`: model/gemma4_moe.py's expert_views), each read from its byte range.
 - A multimodal wrapper (Mistral 3, Gemma 3: model/wrapper.py) is indexed as its language model, by the text-only
   model's names (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are
   never read; its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored
@@ -38,6 +39,7 @@ import torch
 
 from model import prequant
 from model.config import ModelArgs
+from model.gemma4_moe import expert_views
 from model.llama import Transformer
 from model.wrapper import WRAPPERS, internal_names, looked_for
 
@@ -218,6 +220,12 @@ class CheckpointReader:
         self.raw, self.packed, self.meta = stored_weights(path)   # raw: {name: (header entry, file)}
         self.where = {n: self.raw[n][1] for n in self.meta}
         self.wrapper = _wrapper(os.path.join(path, "config.json"))
+        # Gemma 4's fused experts, read expert by expert under our names in their place (model/gemma4_moe.py)
+        self.views = expert_views(self.meta)
+        for v, (src, _, shape) in self.views.items():
+            self.meta[v], self.where[v] = (self.meta[src][0], shape, None, None), self.where[src]
+        for src in {s for s, _, _ in self.views.values()}:
+            del self.meta[src], self.where[src]
 
     def check(self, names):
         missing = sorted(n for n in names if n not in self.where)
@@ -254,11 +262,14 @@ class CheckpointReader:
 
     def _read(self, name: str, first: int, count: int) -> torch.Tensor:
         """Elements [first, first + count) of the flattened tensor (a packed 4-bit one's: dequantized, float32)."""
+        if name in self.views:   # (an expert's range of a fused tensor)
+            src, start, _ = self.views[name]
+            return self._read(src, start + first, count)
         if name in self.packed:
             from model.prequant import dequantized
 
             return dequantized(self, name, first, count)
-        dtype = self.meta[name][0]
+        dtype = self.raw[name][0][0]
         isz = torch.empty((), dtype=dtype).element_size()
         return self.get_bytes(name, first * isz, (first + count) * isz).view(dtype)
 

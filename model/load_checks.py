@@ -6,7 +6,8 @@ Contract:
   4-bit checkpoint is one `quant` can take (model/prequant.py), else the error names the file or flag and the fix;
   `check_config_quant(path, quant, name)`: the latter from config.json alone (a Hub id before its weights are fetched;
   `--plan`, which reads nothing else).
-- `check_config_shapes(path, margs, quant)`: the embedding's and each block projection's shapes are config.json's
+- `check_config_shapes(path, margs, quant)`: the embedding's and each block projection's shapes (an MoE block's router
+  and experts: Gemma 4's fused tensors as stored, model/gemma4_moe.py) are config.json's
   (a packed 4-bit weight's: the float shape it stands for), else an error names them; returns the start-up notes
   (more blocks stored than config.json builds; what a 4-bit checkpoint trains against), or None.
 """
@@ -17,6 +18,7 @@ import os
 import re
 
 from model import prequant
+from model.gemma4_moe import stored_shapes
 from model.load import _read_json, stored_weights
 from model.lora_spec import sublayer
 from model.wrapper import looked_for
@@ -52,7 +54,8 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
             if not margs.has(i, name):   # (Qwen3.5: attention in its full layers, linear_attn in the others)
                 continue
             block = sublayer(name)
-            if block == "mlp" and margs.moe and margs.moe.sparse(i):   # Qwen3-MoE's router and experts (model/moe.py)
+            if block == "mlp" and margs.moe and margs.moe.sparse(i) and not margs.moe.beside:   # Qwen3-MoE's router
+                # and experts (model/moe.py)
                 want[f"model.layers.{i}.mlp.gate.weight"] = (margs.moe.experts, margs.dim)
                 shape = (margs.dim, margs.moe.width) if name == "down_proj" else (margs.moe.width, margs.dim)
                 want.update({f"model.layers.{i}.mlp.experts.{e}.{name}.weight": shape
@@ -62,6 +65,8 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
                     want[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (1, margs.dim)
                 continue
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
+        if margs.moe and margs.moe.beside:   # Gemma 4's router and fused experts beside the MLP (model/gemma4_moe.py)
+            want.update(stored_shapes(margs, i))
     raw, packed, meta = stored_weights(path)
     prequant.check_quant(packed, quant, path)
     have = {n: (tuple(h[1]), os.path.basename(raw[n][1])) for n, h in meta.items()}
@@ -81,7 +86,8 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
         raise ValueError(f"{len(bad)} tensor shapes disagree with config.json (wrong config.json for these "
                          "weights?):\n  " + "\n  ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
     # (the routers: never quantized, --quant nf4 keeps them in the compute dtype)
-    proj = [n for n in want if n != "model.embed_tokens.weight" and not n.endswith(".mlp.gate.weight")]
+    proj = [n for n in want if n != "model.embed_tokens.weight" and not n.endswith(".mlp.gate.weight")
+            and ".router." not in n]
     notes = [prequant.describe(packed, proj, quant, path)]
     blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if blocks and max(blocks) >= margs.n_layers:

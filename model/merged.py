@@ -39,8 +39,11 @@ def _is_nf4(name: str, shape) -> bool:
     """The weights `model.nf4.apply_nf4` quantizes: Linear weights of a block's attention (Qwen3.5's linear_attn: not
     its conv1d, A_log, dt_bias, norm) and MLP, an MoE block's experts' (model.layers.{i}.mlp.experts.{e}.{proj}.weight),
     Qwen3.5-MoE's shared expert's and its gate (mlp.shared_expert.{proj}.weight, mlp.shared_expert_gate.weight), not
-    its router (mlp.gate.weight)."""
+    its router (mlp.gate.weight); Gemma 4's experts (model.layers.{i}.experts.{e}.{gate|up|down}.weight: a
+    CheckpointReader's views of the fused tensors), not its router (router.proj.weight)."""
     parts = name.split(".")   # model.layers.{i}.{self_attn|mlp}.{proj}.weight
+    if parts[3:4] == ["experts"] and len(parts) == 7:   # Gemma 4's, beside the MLP: experts.{e}.{gate|up|down}.weight
+        return len(shape) == 2
     if parts[3:5] == ["mlp", "experts"] and len(parts) == 8:
         parts = parts[:4] + parts[6:]
     if parts[3:5] == ["mlp", "shared_expert"] and len(parts) == 7:
@@ -228,7 +231,12 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
                 w = fold(w, pairs[name]["A"], pairs[name]["B"], scale, pairs[name]["m"])
             elif name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
-            out[stored.get(name, name)] = w.to(dtype).contiguous()
+            if name in reader.views:   # Gemma 4: an expert's range of the fused tensor it is written into, as stored
+                src, first, _ = reader.views[name]
+                fused = out.setdefault(stored.get(src, src), torch.empty(reader.raw[src][0][1], dtype=dtype))
+                fused.view(-1)[first:first + w.numel()] = w.reshape(-1)
+            else:
+                out[stored.get(name, name)] = w.to(dtype).contiguous()
             del w
         base_name = os.path.basename(fn)
         save_file(out, os.path.join(out_dir, base_name), metadata={"format": "pt"})

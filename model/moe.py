@@ -29,7 +29,9 @@ Contract:
   dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets.
   Qwen3.5-MoE: peft on transformers' model adapts the shared expert's projections alone under these names (its
   experts are fused parameters, no modules), while our per-expert modules would take LoRA on every expert: refused
-  too, until LoRA here is kept to the shared expert.
+  too, until LoRA here is kept to the shared expert. Gemma 4's (`beside`: model/gemma4_moe.py): none refused, the
+  names are its dense MLP's there as in peft.
+- `dispatch(experts, x, w, idx)`: the routed sum above, for any router's weights and experts.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class MoESpec:
     step: int = 1         # decoder_sparse_step: blocks (i + 1) % step == 0 are MoE ...
     dense: tuple = ()     # ... unless in mlp_only_layers (Qwen3's dense MLP there)
     shared: int = 0       # Qwen3.5-MoE's shared expert's width (shared_expert_intermediate_size); 0: none
+    beside: bool = False  # Gemma 4's: the experts run beside the dense MLP in every block (model/gemma4_moe.py)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense and (layer + 1) % self.step == 0
@@ -80,7 +83,7 @@ def expert_targets(args, targets) -> str | None:
     """Why `targets` (LoRA's projection names) cannot be adapted on this model (module docstring), else None."""
     mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
     sparse = [i for i in range(args.n_layers) if args.moe is not None and args.moe.sparse(i)]
-    if not mlp or not sparse:
+    if not mlp or not sparse or args.moe.beside:   # (Gemma 4: the names are its dense MLP's, as peft reads them)
         return None
     why = ("peft on transformers' model adapts only the shared expert's under these names (its experts are fused "
            "parameters), so an adapter of every expert's would not load there as trained" if args.moe.shared else
@@ -124,20 +127,27 @@ class MoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
-        w, idx = self.route(flat)
-        # the T·k (token, slot) pairs grouped by expert, token order within: one host sync for the counts
-        order = idx.flatten().argsort(stable=True)
-        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
-        tokens, w = order // self.top_k, w.flatten()
-        out = torch.zeros_like(flat)
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                t = tokens[start:start + n]
-                y = expert(flat.index_select(0, t)) * w.index_select(0, order[start:start + n])[:, None]   # [n, D]
-                # in expert order, as transformers sums; index_put_ keeps only t for backward (index_add_ keeps y
-                out.index_put_((t,), y, accumulate=True)   # too: [T·k, D] a block beside the mul's down outputs)
-            start += n
+        out = dispatch(self.experts, flat, *self.route(flat))
         if hasattr(self, "shared_expert"):   # added after the experts' sum, as transformers adds it
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(x.shape)
+
+
+def dispatch(experts, flat: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's k experts of weight · expert(token), [T, D] in flat's dtype: each expert on its tokens only
+    (module docstring). The product is rounded to flat's dtype after the multiply (float32 weights, Gemma 4's: as
+    transformers casts it)."""
+    # the T·k (token, slot) pairs grouped by expert, token order within: one host sync for the counts
+    order = idx.flatten().argsort(stable=True)
+    counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
+    tokens, w = order // idx.shape[-1], w.flatten()
+    out = torch.zeros_like(flat)
+    start = 0
+    for expert, n in zip(experts, counts):
+        if n:
+            t = tokens[start:start + n]
+            y = expert(flat.index_select(0, t)) * w.index_select(0, order[start:start + n])[:, None]   # [n, D]
+            # in expert order, as transformers sums; index_put_ keeps only t for backward (index_add_ keeps y
+            out.index_put_((t,), y.to(out.dtype), accumulate=True)   # too: [T·k, D] beside the mul's down outputs)
+        start += n
+    return out
