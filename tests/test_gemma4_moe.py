@@ -3,7 +3,7 @@ transformers' Gemma4ForCausalLM does, trains under NF4, and its adapters and mer
 
 Pins (CPU, float32, tiny random models made and saved by transformers 5.25: 4 layers sliding, full, sliding, full,
 attention_k_eq_v, 6 experts of width 32 top 2 beside a dense MLP of 64 in every block; every norm weight, the routers'
-scale and per_expert_scale, layer_scalar drawn away from 1, the routers' projections × 20 so the top 2 are decided):
+scale and per_expert_scale, layer_scalar drawn away from 1, the routers' projections × 200 so the top 2 are decided):
 - logits = transformers' on rows far from position 0 and on a packed row; routing on the block's normed input, a
   dropped per_expert_scale or the gate/up halves of the fused gate_up_proj swapped each move them far;
 - config.json read as Gemma4TextConfig reads it (num_experts, top_k_experts, moe_intermediate_size; a missing one
@@ -27,6 +27,7 @@ import torch
 import transformers as T
 
 import model
+from tests.helpers import one_thread, train_argv
 
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 CONFIG = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -46,7 +47,7 @@ def rel(a, b):
 
 def _perturb(m):
     """transformers starts every norm weight, router scale and layer_scalar at 1: the identity would hide a dropped
-    one. The routers × 20: decided top 2 (no near tie that float32 rounding could flip)."""
+    one. The routers × 200 (logits of std ~4): decided top 2 (no near tie that float32 rounding could flip)."""
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "vision" in n:
@@ -54,7 +55,7 @@ def _perturb(m):
             if "norm" in n or n.endswith(("router.scale", "per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.3)
             if n.endswith("router.proj.weight"):
-                p.mul_(20)
+                p.mul_(200)
         for n, b in m.named_buffers():
             if n.endswith("layer_scalar"):
                 b.fill_(0.5 + torch.rand(()).item())
@@ -272,7 +273,6 @@ def test_train_runs_with_nf4(assets, tmp_path):
     """train.py, 3 steps with --quant nf4 on the fixture tokenizer's chat records: AC with --tiled-mlp = no AC."""
     import train
     from tests.fixtures import make_tokenizer
-    from tests.helpers import one_thread, train_argv
     from tests.test_train import _compare
 
     tok = make_tokenizer(tmp_path / "model")
@@ -283,3 +283,42 @@ def test_train_runs_with_nf4(assets, tmp_path):
         for name, flags in (("plain", ["--no-ac"]), ("tiled", ["--tiled-mlp"])):
             train.main(train_argv(a, str(tmp_path / name), "--quant", "nf4", *flags))
     _compare("Gemma 4 MoE nf4", str(tmp_path / "tiled"), str(tmp_path / "plain"))
+
+
+def _two_ranks(rank, world_size, a, root):
+    """train.py on cp 2 ring (FSDP2 shards each block over both ranks: the experts' NF4 codes too, each rank reading
+    its own blocks of the fused tensors); then a build on that mesh: each expert's codes a DTensor half."""
+    from torch.distributed.tensor import DTensor
+
+    import train
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import BuildOptions, build_model
+
+    train.main(train_argv(a, os.path.join(root, "cp2"), "--quant", "nf4", "--cp", "2", "--cp-impl", "ring"))
+    ours, _ = build_model(BuildOptions(a["model"], quant="nf4", lora_r=4, lora_alpha=8, seed=3),
+                          fsdp_mesh=ParallelDims(world_size, cp=2).build_mesh("cpu").fsdp)
+    w = ours.model.layers[1].experts[3].down.weight
+    return isinstance(w, DTensor) and 2 * w.to_local().shape[0] == w.shape[0]
+
+
+@pytest.mark.xfail(reason="open (helper 150): step 3's loss is 1.2e-4 from 1 rank's (steps 1-2 within 4e-6, grad norm "
+                   "6e-5 at step 2); the same model without enable_moe_block matches to 1e-6 at every step. Routing "
+                   "flips from rounding, or a real cp/FSDP difference in the MoE path: not yet explained", strict=False)
+@pytest.mark.timeout(600)
+def test_cp2_ring_with_sharded_nf4_experts_trains_as_one_rank(assets, tmp_path):
+    """MoE routing is per token: 2 ranks, cp 2 ring with --quant nf4 (experts NF4 and FSDP2-sharded over both) = 1
+    rank (losses, grad norms, adapter). A model without per-layer attention shapes (--cp refuses those today)."""
+    import train
+    from tests.dist import run_ranks
+    from tests.fixtures import make_tokenizer
+    from tests.test_train import _compare
+
+    tok = make_tokenizer(tmp_path / "model")
+    cfg = {**CONFIG, "vocab_size": len(tok), "sliding_window": 16, "pad_token_id": 0, "eos_token_id": 0,
+           "bos_token_id": None, "global_head_dim": 16, "num_global_key_value_heads": None, "attention_k_eq_v": False}
+    a = {**assets, "model": _save(cfg, tmp_path / "model")}
+    with one_thread():
+        train.main(train_argv(a, str(tmp_path / "one"), "--quant", "nf4"))
+    got = run_ranks(_two_ranks, 2, a, str(tmp_path), timeout=400, pg_timeout=60)
+    _compare("Gemma 4 MoE cp2 ring nf4", str(tmp_path / "cp2"), str(tmp_path / "one"))
+    assert got == [True] * 2, "an expert's NF4 codes not halved over the 2 ranks"
