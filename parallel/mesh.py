@@ -32,29 +32,44 @@ from parallel.plan_totals import sample_tokens
 CP_IMPLS = ("ulysses", "ring", "hybrid", "auto")
 
 
-def ulysses_ok(degree: int, n_heads: int, n_kv_heads: int) -> str | None:
-    """Why `degree` cannot be a Ulysses degree for these heads, or None when it can."""
+def _kvs(n_kv_heads) -> tuple[int, ...]:
+    return (n_kv_heads,) if isinstance(n_kv_heads, int) else tuple(n_kv_heads)
+
+
+def ulysses_ok(degree: int, n_heads: int, n_kv_heads) -> str | None:
+    """Why `degree` cannot be a Ulysses degree for these heads, or None when it can. `n_kv_heads`: one count, or
+    every attention layer's where they differ (`kv_heads`: Gemma 4's sliding and full layers), each checked."""
     if n_heads % degree:
         return f"the {n_heads} attention heads are not divisible by the Ulysses degree {degree}"
-    if n_kv_heads % degree and degree % n_kv_heads:
-        return (f"the Ulysses degree {degree} must divide the {n_kv_heads} KV heads or be a "
-                f"multiple of them (then KV heads are replicated)")
+    for k in _kvs(n_kv_heads):
+        if k % degree and degree % k:
+            return (f"the Ulysses degree {degree} must divide the {k} KV heads{' of some layers' * (k != n_kv_heads)}"
+                    " or be a multiple of them (then KV heads are replicated)")
     return None
 
 
-def ulysses_degrees(n_heads: int, n_kv_heads: int, within: int | None = None) -> str:
+def ulysses_degrees(n_heads: int, n_kv_heads, within: int | None = None) -> str:
     """The Ulysses degrees these heads allow (those dividing `within`), for an error's fix: '1, 2, 6'."""
     return ", ".join(str(d) for d in range(1, n_heads + 1) if ulysses_ok(d, n_heads, n_kv_heads) is None
                      and (within is None or within % d == 0))
 
 
-def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_kv_heads: int):
-    """Split `cp` into (ulysses, ring) for `impl`; raise ValueError naming the fix."""
+def kv_heads(margs):
+    """The KV heads of the model's attention layers: one count, or a tuple (largest first) where layers differ
+    (Gemma 4's full layers: num_global_key_value_heads beside the sliding layers' num_key_value_heads). Ulysses
+    splits each layer's own (parallel.ulysses.kv_to_heads reads them from the tensors), so every one must allow it."""
+    dims = getattr(margs, "attn_dims", None)
+    ks = sorted({dims(i)[1] for i in range(margs.n_layers)}, reverse=True) if dims else [margs.n_kv_heads]
+    return ks[0] if len(ks) == 1 else tuple(ks)
+
+
+def resolve_cp(cp: int, impl: str, ulysses_degree: int | None, n_heads: int, n_kv_heads):
+    """Split `cp` into (ulysses, ring) for `impl`; raise ValueError naming the fix (`n_kv_heads`: `kv_heads`')."""
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
     if impl not in CP_IMPLS:
         raise ValueError(f"--cp-impl must be one of {CP_IMPLS}, got {impl!r}")
-    heads = f"(model: {n_heads} heads, {n_kv_heads} KV heads)"
+    heads = f"(model: {n_heads} heads, {' and '.join(map(str, _kvs(n_kv_heads)))} KV heads)"
     if impl == "ring":
         return 1, cp
     if impl == "ulysses":
@@ -170,11 +185,8 @@ def validate(args, margs, world: int):
     """Every check of a run's flags against the model's config.json and the world size -> (dims, pack)."""
     check_flags(args)
     dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
-                                  args.ulysses_degree, margs.n_heads, margs.n_kv_heads)
+                                  args.ulysses_degree, margs.n_heads, kv_heads(margs))
     check_batch_sizes(args.global_batch, args.micro_batch, dims.dp)
-    if margs.per_layer_attn and dims.cp > 1:   # (Ulysses' head split is checked against one K, ring untested)
-        raise ValueError(f"--cp {dims.cp} on {margs.named}: context parallelism with per-layer attention shapes "
-                         "(Gemma 4's full layers: their own head size and KV heads) is not yet supported; use --cp 1")
     if margs.linear is not None and dims.cp > 1:   # (Qwen3.5's linear layers split by heads over all cp ranks)
         from parallel.cp_linear import check_linear_heads
         check_linear_heads(margs.linear.k_heads, margs.linear.v_heads, dims.cp)
