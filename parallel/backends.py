@@ -1,8 +1,8 @@
 """The attention backends behind `parallel.kernels`: each a forward -> (out, lse) and a backward that
 accepts a GLOBAL out/lse, over [B, S, H, D] tensors (see kernels.py for the contract, kernel_choice.py for the choice).
 
-- "reference": float64 matmul + softmax (tests). "cpu": torch's CPU flash op. "sdpa_cuda": torch's
-  flash op (fp16/bf16, GQA as is) or memory-efficient op (float32, or an additive bias). "cudnn":
+- "reference": float64 matmul + softmax (tests). "cpu": torch's CPU flash op. "sdpa_cuda": torch's flash op (fp16/
+  bf16, GQA as is) or memory-efficient op (float32, a bias, heads over 256: Gemma 4's 512; `cuda_op`). "cudnn":
   torch's cuDNN attention op. "flash_attn": flash-attn 2 when installed. The ops that need it get
   expanded K/V, and the group's gradients are summed back in dk/dv.
 - `bias`: an additive 0/-inf [B, H, Sq, Sk] mask, taken by "reference", "cpu" and "sdpa_cuda".
@@ -95,9 +95,19 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
 
 # --- torch fused CUDA ops ----------------------------------------------------------------------
 
+FLASH_HEAD_DIM = 256   # torch's flash op (and flash-attn 2) refuse larger heads
+
+
+def cuda_op(dtype, head_dim: int, bias=None) -> str:
+    """"sdpa_cuda"'s op: "flash" (fp16/bf16, no bias, head_dim <= 256: GQA as is), else "efficient" (float32, a bias, or
+    Gemma 4's 512-wide heads: K/V expanded, [B, S, H, Hd] each; 256 MiB at 8k tokens of the 31B's 32 heads in bf16)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    return "flash" if bias is None and half and head_dim <= FLASH_HEAD_DIM else "efficient"
+
+
 def _cuda_forward(q, k, v, causal, scale, bias=None):
     sq = q.shape[1]
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16):  # the flash op takes GQA as is
+    if cuda_op(q.dtype, q.shape[-1], bias) == "flash":  # the flash op takes GQA as is
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             _t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)[:2]
     else:
@@ -112,7 +122,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
     lse = lse.float().contiguous()
     seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout is 0: never read
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+    if cuda_op(q.dtype, q.shape[-1], bias) == "flash":
         # [B, H, S, D] views of [B, S, H, D] storage: the op turns them back into BSHD, which is
         # what the kernel wants, so no copy is made here (ring blocks are slices of one tensor).
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(

@@ -35,7 +35,8 @@ def backend_order(device_type: str, dtype, head_dim: int, sq: int, sk: int, capa
     (H200, 32k tokens, 28/4 heads, head_dim 128, bf16: fwd+bwd 49.5 ms vs 82.6 ms for torch's flash op),
     head_dim a multiple of 8 up to 128, no length = 64 mod 128 (there the SM90 backward leaves the K/V tail
     tile unmasked: NaN gradients where lse < -88.7; pytorch#196678, cudnn-frontend#628). flash-attn 2 next
-    (first for packed rows: a varlen entry), torch's op last."""
+    (first for packed rows: a varlen entry), up to head_dim 256, torch's op last (past 256, Gemma 4's full layers'
+    512: the only one, its memory-efficient op: backends.cuda_op)."""
     if device_type == "cpu":
         return ["cpu"]
     if device_type != "cuda":

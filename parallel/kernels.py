@@ -12,9 +12,9 @@ Contract:
   (flash-attn aligns bottom-right, torch top-left), so that case raises instead of picking one.
 - Backends: "cudnn" (torch's cuDNN attention op: Hopper/Blackwell, fp16/bf16, head_dim <= 128,
   native GQA; the fastest on an H200), "flash_attn" (flash-attn 2, CUDA, fp16/bf16, native GQA),
-  "sdpa_cuda" (torch's flash op, native GQA; its memory-efficient op for float32 and masks, expanded
-  K/V), "cpu" (torch's CPU flash op, expanded K/V, the group summed back in dk/dv) and "reference"
-  (float64 matmul + softmax, for tests). The CUDA ops get [B, H, S, D] views of the [B, S, H, D]
+  "sdpa_cuda" (torch's flash op, native GQA; its memory-efficient op for float32, masks and heads over 256,
+  expanded K/V: `backends.cuda_op`), "cpu" (torch's CPU flash op, expanded K/V, the group summed back in dk/dv)
+  and "reference" (float64 matmul + softmax, for tests). The CUDA ops get [B, H, S, D] views of the [B, S, H, D]
   tensors and ring blocks are slices of them: no layout copies (float32 and CPU still expand K/V).
 - Choice (`parallel.kernel_choice`): `backend=` names one (no fallback); otherwise the fastest backend that
   accepts the case, and the next for a shape where one raises at run time.

@@ -7,6 +7,10 @@ Pins:
   when installed (first for packed rows, the varlen kernel); torch's op always last on CUDA;
   CPU -> "cpu"; other devices -> "reference";
 - `pick_backend` / `candidates` read the facts from the tensor and the (monkeypatched) device;
+- "sdpa_cuda"'s op (`backends.cuda_op`): torch's flash op for fp16/bf16 up to head_dim 256, its memory-efficient op
+  for float32, a bias or a larger head (Gemma 4's full layers' 512), forward and backward: with torch's two ops
+  faked on the CPU (the flash one refusing heads over 256 as CUDA's does), bf16 heads of 512 with 4 query heads
+  per KV head get the efficient op with K/V expanded, and the float64 reference's numbers;
 - a backend that raises a RuntimeError falls back to the next one with the same numbers as that
   one, warns once per backend and phase, and is not tried again for that shape; an explicit
   `backend=` never falls back; the last backend's error and out-of-memory errors propagate.
@@ -35,6 +39,7 @@ H200, A100 = (9, 0), (8, 0)
     (("cuda", BF16, 128, 4096, 4096, A100, True, False, False), ["sdpa_cuda"]),
     (("cuda", F32, 128, 4096, 4096, H200, True, True, False), ["sdpa_cuda"]),
     (("cuda", BF16, 256, 4096, 4096, H200, True, True, False), ["flash_attn", "sdpa_cuda"]),
+    (("cuda", BF16, 512, 8192, 8192, H200, True, True, True), ["sdpa_cuda"]),   # Gemma 4's full layers
     (("cuda", BF16, 100, 4096, 4096, H200, True, True, False), ["sdpa_cuda"]),
     (("cuda", BF16, 128, 4160, 4160, H200, True, False, False), ["sdpa_cuda"]),   # 4160 = 64 mod 128
     (("cuda", BF16, 128, 4096, 192, H200, True, False, False), ["sdpa_cuda"]),    # a K/V block of 64 mod 128
@@ -155,3 +160,52 @@ def test_like_copies_only_on_a_layout_change():
     moved = backends._like(q, dout)
     assert moved is not dout and moved.stride()[1:] == q.stride()[1:]
     torch.testing.assert_close(moved, dout, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype, head_dim, bias, want", [
+    (BF16, 128, None, "flash"), (F16, 256, None, "flash"), (BF16, 512, None, "efficient"),
+    (F16, 264, None, "efficient"), (F32, 128, None, "efficient"), (BF16, 128, torch.zeros(1), "efficient"),
+], ids=str)
+def test_cuda_op(dtype, head_dim, bias, want):
+    assert backends.cuda_op(dtype, head_dim, bias) == want
+
+
+def test_sdpa_cuda_takes_the_efficient_op_past_head_dim_256(monkeypatch):
+    """backends._cuda_forward / _cuda_backward on CPU tensors with torch's CUDA ops faked: the flash op refuses a head
+    over 256 (as CUDA's: "FlashAttention forward only supports head dimension at most 256"), the efficient op is
+    the float64 reference on the [B, H, S, D] views it is handed, its lse padded to 32 rows as CUDA's is."""
+    t, calls = backends._t, []
+
+    def flash(q, *args, **kw):
+        calls.append(("flash", q.shape[-1]))
+        if q.shape[-1] > 256:
+            raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        raise AssertionError("not reached here: heads of 512 only")
+
+    def eff_forward(q, k, v, bias, lse_too, p, causal, scale=None):
+        calls.append(("efficient", k.shape[1]))
+        out, lse = backends._ref_forward(t(q), t(k), t(v), causal, scale, bias)
+        return t(out), torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32), value=float("nan")), None, None
+
+    def eff_backward(dout, q, k, v, bias, out, lse, seed, offset, p, mask, causal, scale=None):
+        calls.append(("efficient backward", k.shape[1]))
+        grads = backends._ref_backward(t(dout), t(q), t(k), t(v), t(out), lse[..., :q.shape[2]], causal, scale, bias)
+        return (*map(t, grads), None)
+
+    for name, fn in (("_scaled_dot_product_flash_attention", flash), ("_scaled_dot_product_flash_attention_backward",
+                     flash), ("_scaled_dot_product_efficient_attention", eff_forward),
+                     ("_scaled_dot_product_efficient_attention_backward", eff_backward)):
+        monkeypatch.setattr(torch.ops.aten, name, fn)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 40, 8, 512, generator=g).to(BF16) for _ in range(2))
+    k, v = (torch.randn(1, 40, 2, 512, generator=g).to(BF16) for _ in range(2))
+    out, lse = backends._cuda_forward(q, k, v, True, 512 ** -0.5)
+    want_out, want_lse = backends._ref_forward(q, k, v, True, 512 ** -0.5)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=0, atol=0)
+    grads = backends._cuda_backward(dout, q, k, v, out, lse, True, 512 ** -0.5)
+    for name, a, b in zip("qkv", grads, backends._ref_backward(dout, q, k, v, out, lse, True, 512 ** -0.5)):
+        assert a.shape == b.shape, name
+        rel = ((a.double() - b.double()).norm() / b.double().norm()).item()   # (dk, dv: the group summed in bf16
+        assert rel <= (0 if name == "q" else 1e-2), f"d{name} off by {rel:.2g}"   # here, in float64 there)
+    assert calls == [("efficient", 8), ("efficient backward", 8)], calls   # K/V expanded to the 8 query heads
