@@ -1,8 +1,9 @@
 """`--compile`: torch.compile of the elementwise pieces of every block (parallel/parallelize.py, step 4c).
 
-Contract: `apply_compile(model)` wraps every RMSNorm, Rotary and SwiGLU forward (below); the math is the eager
-one up to float rounding order (tests/test_compile.py: loss and LoRA grads equal eager, one process and FSDP2
-ring on 2 ranks; no function recompiles for a new length or exceeds a few dynamo cache entries).
+Contract: `apply_compile(model)` wraps every RMSNorm (Gemma's, and Gemma 4's weightless v_norm), Rotary and SwiGLU /
+GeGLU forward (below); the math is the eager one up to float rounding order (tests/test_compile.py: loss and LoRA
+grads equal eager, one process and FSDP2 ring on 2 ranks; no function recompiles for a new length or exceeds a few
+dynamo cache entries; tests/test_gemma3_run.py: Gemma 3 and 4).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ def apply_compile(model) -> None:
     compilation would break its graph at the CP attention's communication and bitsandbytes' ops."""
     import torch._dynamo
 
-    from model.gemma import GeGLU, GemmaRMSNorm
+    from model.gemma import GeGLU, GemmaRMSNorm, UnitRMSNorm
     from model.llama import RMSNorm, SwiGLU
     from model.rope import Rotary
 
@@ -28,7 +29,7 @@ def apply_compile(model) -> None:
     for m in model.modules():
         if isinstance(m, Rotary):
             m.forward = torch.compile(m.forward, dynamic=True)
-        elif isinstance(m, (RMSNorm, SwiGLU, GemmaRMSNorm, GeGLU)):
+        elif isinstance(m, (RMSNorm, SwiGLU, GemmaRMSNorm, UnitRMSNorm, GeGLU)):   # (UnitRMSNorm: v's, each head)
             m.forward = _as_rows(torch.compile(m.forward, dynamic=True))
 
 

@@ -36,6 +36,8 @@ import transformers as T
 from tests.dist import run_ranks
 from tests.helpers import one_thread, train_argv
 from tests.test_gemma3 import CONFIG, TYPES
+from tests.test_gemma4 import CONFIG as G4_CONFIG
+from tests.test_gemma4 import _perturb
 from tests.test_train import _compare, _metrics
 
 E2E = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
@@ -148,13 +150,31 @@ def test_neftune_and_the_trained_norms_change_the_run(runs):
 # ----------------------------------------------------------------------------- merge, DPO, compile, bf16 (no train.py)
 
 
+# Gemma 4 (tests/test_gemma4.py's: sliding layers of 16-dim heads, full ones of 32 with attention_k_eq_v: no v_proj,
+# v_norm, layer_scalar drawn off 1), its tied embedding × 30 so the logits reach final_logit_softcapping 5: the cap acts
+G4 = dict(G4_CONFIG, final_logit_softcapping=5.0, attention_k_eq_v=True)
+# each checkpoint's transformers class, --train-norms' tensors (the four block norms, q_norm and k_norm of every block,
+# the final norm: Gemma 4's v_norm has no weight), LoRA's adapted modules (Gemma 4's full layers: no v_proj) and the
+# modules --compile compiles (the norms, v_norms and GeGLUs)
+FAMILY = {"tied": ("Gemma3ForCausalLM", 6 * 2 + 1, 7 * 2, 2 * (6 + 1) + 1),
+          "untied": ("Gemma3ForCausalLM", 6 * 2 + 1, 7 * 2, 2 * (6 + 1) + 1),
+          "gemma4": ("Gemma4ForCausalLM", 6 * 4 + 1, 7 * 2 + 6 * 2, 4 * (6 + 1 + 1) + 1)}
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    """tests/test_gemma3.py's checkpoint (window 4, theta 1e6 scaled linear x8 / 1e4), and the same untied."""
+    """tests/test_gemma3.py's checkpoint (window 4, theta 1e6 scaled linear x8 / 1e4), the same untied, and Gemma 4
+    (G4)."""
     out = {}
-    for name, tie in (("tied", True), ("untied", False)):
+    for name, tie in (("tied", True), ("untied", False), ("gemma4", True)):
         torch.manual_seed(0)
-        hf = _drawn(T.Gemma3ForCausalLM(T.Gemma3TextConfig(**CONFIG, tie_word_embeddings=tie)).float().eval())
+        if name == "gemma4":
+            hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**G4)).float().eval()
+            _perturb(hf)
+            with torch.no_grad():
+                hf.model.embed_tokens.weight.mul_(30)
+        else:
+            hf = _drawn(T.Gemma3ForCausalLM(T.Gemma3TextConfig(**CONFIG, tie_word_embeddings=tie)).float().eval())
         path = tmp_path_factory.mktemp(f"gemma3_{name}")
         hf.save_pretrained(path, max_shard_size="60KB")
         out[name] = str(path)
@@ -259,27 +279,28 @@ def test_dpo_with_trained_norms_equals_the_formula_on_transformers(ckpts, family
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled_mlp_and_attn_train_norms"])
-def test_compile_equals_eager(ckpts, tiled):
-    """--compile (parallel/compile.py: GemmaRMSNorm, GeGLU and RoPE compiled), nf4 with AC: the loss and every gradient
-    = the eager build's; with the tiled MLP and attention the tiles run the compiled norms, with their weights
-    trained."""
-    from model.gemma import GeGLU, GemmaRMSNorm
+@pytest.mark.parametrize("family,tiled", [("tied", False), ("tied", True), ("gemma4", True)],
+                         ids=["plain", "tiled_mlp_and_attn_train_norms", "gemma4_tiled_mlp_and_attn_train_norms"])
+def test_compile_equals_eager(ckpts, family, tiled):
+    """--compile (parallel/compile.py: GemmaRMSNorm, GeGLU and RoPE compiled; Gemma 4's weightless v_norm, of each
+    head of either size, too), nf4 with AC: the loss (Gemma 4's soft-capped) and every gradient = the eager build's;
+    with the tiled MLP and attention the tiles run the compiled norms, with their weights trained."""
+    from model.gemma import GeGLU, GemmaRMSNorm, UnitRMSNorm
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, step_of
 
-    path = ckpts["tied"]
+    path, (_, norms, lora, compiled) = ckpts[family], FAMILY[family]
     opts = dict(quant="nf4", lora_r=4, lora_alpha=8, seed=3, ac=True, train_norms=tiled)
     ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(5))
     ref = step_of(build_nonzero_b(BuildOptions(path, **opts))[0], ids)
     model, _ = build_nonzero_b(BuildOptions(path, compile=True, tiled_mlp=tiled, tiled_attn=tiled, **opts))
-    pieces = [m for m in model.modules() if isinstance(m, (GemmaRMSNorm, GeGLU))]
+    pieces = [m for m in model.modules() if isinstance(m, (GemmaRMSNorm, UnitRMSNorm, GeGLU))]
     forwards = [getattr(m.forward, "norm_forward", m.forward) for m in pieces]   # (block norms: apply_norm_rebuild)
-    assert len(pieces) == 2 * (6 + 1) + 1 and all(
+    assert len(pieces) == compiled and all(
         hasattr(getattr(f, "compiled", f), "_torchdynamo_orig_callable") for f in forwards), forwards
     loss, grads = step_of(model, ids)
     torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-6, msg="loss")
-    assert grads.keys() == ref[1].keys() and len(grads) == 14 * 2 + (6 * 2 + 1) * tiled, len(grads)
+    assert grads.keys() == ref[1].keys() and len(grads) == lora * 2 + norms * tiled, len(grads)
     for k in grads:
         torch.testing.assert_close(grads[k], ref[1][k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
 
