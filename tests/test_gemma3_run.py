@@ -1,5 +1,7 @@
 """Gemma 3 text models (`gemma3_text`, model/gemma.py) through the rest of the trainer: train.py end to end, the merge,
-DPO, --compile, bf16 and NEFTune (the decoder itself: tests/test_gemma3.py).
+DPO, --compile, bf16 and NEFTune (the decoder itself: tests/test_gemma3.py); Gemma 4's dense model (`gemma4_text`:
+tests/test_gemma4.py's 4 layers, per-layer head sizes, attention_k_eq_v, v_norm, layer_scalar, its logits pushed into
+final_logit_softcapping) through the merge, DPO, --compile, bf16 and eval (its layouts: tests/test_gemma4_layouts.py).
 
 Pins (CPU, gloo, tiny random Gemma3ForCausalLM made by transformers: 2 layers, sliding (a window shorter than the rows)
 then full, 6 query / 2 KV heads of 16 under hidden 48, query_pre_attn_scalar 24, both RoPE tables, tied embeddings,
@@ -20,6 +22,10 @@ every norm weight drawn away from 0, the offset's identity; pad id 0, as Gemma's
   and --train-norms;
 - bf16 weights, no mixed precision: our logits within bf16's rounding of transformers' bf16 model, and no farther from
   the float64 model's than transformers' own.
+Gemma 4 (soft-capped at 5): the merge with --quant nf4 --train-norms --train-embeddings (the norms it trains: each
+block's four, q_norm, k_norm; layer_scalar as stored); DPO's losses, per-token log-probs (of the capped logits) and
+gradients; --compile (v_norm compiled too) with the tiled MLP and attention; bf16; and a train.py run's eval_loss and
+eval_token_acc (ties on saturated capped logits count) = transformers + peft on its saved adapter.
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma3_run.py
 """
@@ -31,6 +37,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as T
 
 from tests.dist import run_ranks
@@ -188,13 +195,16 @@ def _tensors(folder):
             for k, v in load_file(os.path.join(folder, f)).items()}
 
 
-@pytest.mark.parametrize("quant,norms", [("none", False), ("nf4", False), ("none", True)],
-                         ids=["lora", "lora_nf4", "train_norms_and_embedding"])
-def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, quant, norms):
+@pytest.mark.parametrize("family,quant,norms", [("tied", "none", False), ("tied", "nf4", False), ("tied", "none", True),
+                                               ("gemma4", "nf4", True)],
+                         ids=["lora", "lora_nf4", "train_norms_and_embedding", "gemma4_nf4_train_norms_and_embedding"])
+def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, family, quant, norms):
     """`python -m model.merge` (its main) of our adapter: peft's merge_and_unload on transformers' model (nf4: holding
     the weights our NF4 layers compute with), tensor by tensor; a trained norm is the adapter's offset as it is (peft's
-    module's weight), not 1 + it, and the trained tied embedding its unscaled weight; transformers' Gemma3ForCausalLM
-    on the merged folder gives peft's logits, ours."""
+    module's weight), not 1 + it (Gemma 4's: the weight itself), and the trained tied embedding its unscaled weight;
+    transformers' Gemma3ForCausalLM / Gemma4ForCausalLM on the merged folder gives peft's logits, ours. Gemma 4: the
+    norms trained are each block's four, q_norm and k_norm (v_norm has no weight) and the final one; layer_scalar is
+    written as stored."""
     from peft import PeftModel
 
     from model.export import export_adapter
@@ -202,7 +212,7 @@ def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, quant, norms):
     from tests.helpers import hf_as_trained
     from tests.test_norms import _batch, _ours
 
-    path = ckpts["tied"]
+    path, (cls, n_norms, _, _) = ckpts[family], FAMILY[family]
     ours, peft_model = _ours(path, quant, norms=norms, emb=norms)
     export_adapter(peft_model, str(tmp_path / "adapter"), path)
     ids, _, pos = _batch()
@@ -217,23 +227,31 @@ def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, quant, norms):
     assert set(got) == set(want) - {"lm_head.weight"}, sorted(set(got) ^ set(want))   # (tied: no head stored)
     base = _tensors(path)
     moved = [k for k in got if ("norm" in k or "embed" in k) and not torch.equal(got[k], base[k])]
-    assert len(moved) == (6 * 2 + 1 + 1) * norms, moved
+    assert len(moved) == (n_norms + 1) * norms, moved
+    kinds = {k.split(".")[-2] for k in moved if ".layers." in k}   # (the norms of every block: the same kinds)
+    assert kinds == {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "q_norm", "k_norm"} or not norms, kinds
+    scalars = [k for k in base if k.endswith("layer_scalar")]   # (Gemma 4's, drawn off 1: as stored)
+    assert len(scalars) == 4 * (family == "gemma4") and all(torch.equal(got[k], base[k]) for k in scalars), scalars
     for k, v in got.items():
         torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-6, msg=f"merged {k}")
     merged = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
-    assert type(merged).__name__ == "Gemma3ForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, want_logits, rtol=1e-5, atol=1e-5,
+    assert type(merged).__name__ == cls
+    with torch.no_grad():   # (W + s·B A summed once: float32's rounding of logits up to Gemma 4's cap of 5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want_logits, rtol=1e-5,
+                                   atol=1e-5 * max(1.0, want_logits.abs().max().item()),
                                    msg="transformers on the merged folder")
 
 
-@pytest.mark.parametrize("family,emb", [("tied", False), ("untied", True)], ids=["train_norms", "norms_embedding"])
+@pytest.mark.parametrize("family,emb", [("tied", False), ("untied", True), ("gemma4", False)],
+                         ids=["train_norms", "norms_embedding", "gemma4_softcap_train_norms"])
 def test_dpo_with_trained_norms_equals_the_formula_on_transformers(ckpts, family, emb):
     """parallel.preference.DPO on a packed micro-batch of two pairs, the policy with --train-norms (and on an untied
     Gemma --train-embeddings: the reference's embedding is the base's, scaled as the policy's), its norms and embedding
     moved off the base's, LoRA B != 0: the losses = the DPO formula on log_softmax of peft's model holding our tensors
     (the policy) and of transformers' base model (the reference), each sequence alone; every trained gradient =
-    peft's."""
+    peft's. The policy's per-token log-probs (DPO's per_token path) = transformers' log_softmax, Gemma 4's of its
+    soft-capped logits."""
     from data.collate import collate
     from parallel.cp import KernelAttention
     from parallel.preference import DPO, Preference
@@ -247,7 +265,8 @@ def test_dpo_with_trained_norms_equals_the_formula_on_transformers(ckpts, family
     for m in ref_model.modules():   # transformers' embedding leaves its pad_token_id's row (0) untrained; ours trains
         if isinstance(m, torch.nn.Embedding):   # every row the batch holds (training's padding, at rows' ends, gets
             m.padding_idx = None   # none): token 0 is in these random pairs
-    assert sum("norm" in k for k in mine) == 6 * 2 + 1 and ("model.embed_tokens.weight" in mine) == emb, sorted(mine)
+    assert sum("norm" in k for k in mine) == FAMILY[family][1] and ("model.embed_tokens.weight" in mine) == emb, \
+        sorted(mine)
     g = torch.Generator().manual_seed(3)
     made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4)]
     b = collate([m[0] for m in made], True, 1, 0, sides=True)
@@ -272,6 +291,12 @@ def test_dpo_with_trained_norms_equals_the_formula_on_transformers(ckpts, family
     want = torch.stack(want)
     (want.sum() / len(made)).backward()
     torch.testing.assert_close(losses.detach().float(), want.detach(), rtol=1e-5, atol=1e-6, msg="losses")
+    with torch.no_grad():   # each target's -log p on the packed row (the sequences in order) = transformers' alone
+        per, _ = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], per_token=True)
+        mine_lp = -per[b["labels"].reshape(-1) != -100]
+        theirs_lp = torch.cat([ref_model(input_ids=s[None]).logits[0].log_softmax(-1)[lab != -100].gather(
+            1, lab[lab != -100, None])[:, 0] for _, seqs, labels in made for s, lab in zip(seqs, labels)])
+    torch.testing.assert_close(mine_lp.float(), theirs_lp, rtol=1e-5, atol=1e-5, msg="per-token log-probs")
     assert bool((want.detach() - torch.log(torch.tensor(2.0))).abs().min() > 1e-3), "the policy is the reference"
     for k in mine:
         rel = ((mine[k].grad - theirs[k].grad).norm() / theirs[k].grad.norm()).item()
@@ -305,14 +330,17 @@ def test_compile_equals_eager(ckpts, family, tiled):
         torch.testing.assert_close(grads[k], ref[1][k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
 
 
-def test_bf16_logits_are_transformers_bf16_and_no_farther_from_float64(ckpts):
-    """bf16 weights, no mixed precision: our logits within bf16's rounding of transformers' bf16 Gemma3ForCausalLM, and
-    no farther from the float64 model's logits (the same bf16 weights in float64) than transformers' own in the mean
-    over 24 rows of 64 tokens at positions up to 3000 (one row's mean moves either way by a few percent: both round
-    the same formula in bf16)."""
+@pytest.mark.parametrize("family", ["tied", "gemma4"], ids=["gemma3", "gemma4_softcap"])
+def test_bf16_logits_are_transformers_bf16_and_no_farther_from_float64(ckpts, family):
+    """bf16 weights, no mixed precision: our logits within bf16's rounding of transformers' bf16 model, and no farther
+    from the float64 model's logits (the same bf16 weights in float64) than transformers' own in the mean over 24 rows
+    of 64 tokens at positions up to 3000 (one row's mean moves either way by a few percent: both round the same formula
+    in bf16). Gemma 3: within a few ulps of the largest logit. Gemma 4 (soft-capped at 5): its 4 layers carry the two
+    bf16 roundings as far apart as either lies from float64 (transformers' own block outputs 1% off float64's at layer
+    0, 6% at layer 3; ours 1% and 6%), so the mean difference within twice transformers' error."""
     import model
 
-    path = ckpts["tied"]
+    path = ckpts[family]
     ids = torch.randint(0, 128, (24, 64), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(64).expand(24, 64) + torch.tensor([0, 100, 700, 3000] * 6)[:, None]
     hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -323,7 +351,68 @@ def test_bf16_logits_are_transformers_bf16_and_no_farther_from_float64(ckpts):
         x = exact(input_ids=ids, position_ids=pos).logits
         theirs, got = hf(input_ids=ids, position_ids=pos).logits, ours(ids, position_ids=pos)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=8 * 2 ** -8 * x.abs().max().item(),
-                               msg="ours vs transformers' bf16")   # (a few ulps of the largest logit)
     err, ref_err = (got.double() - x).abs().mean().item(), (theirs.double() - x).abs().mean().item()
+    if family == "gemma4":
+        assert x.abs().max() > 4.9, "the cap does not act"   # (transformers' float64 logits reach c = 5)
+        apart = (got.double() - theirs.double()).abs().mean().item()
+        assert apart < 2 * ref_err, (apart, ref_err)
+    else:
+        torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=8 * 2 ** -8 * x.abs().max().item(),
+                                   msg="ours vs transformers' bf16")   # (a few ulps of the largest logit)
     assert err <= ref_err, (err, ref_err)
+
+
+# ----------------------------------------------------------------------------- Gemma 4: eval under the cap
+
+
+@pytest.mark.timeout(300)
+def test_gemma4_eval_loss_and_accuracy_are_transformers_on_the_capped_logits(assets, tmp_path):
+    """The last step's eval (after its update: the saved adapter) of a Gemma 4 --train-norms run, --eval-positions 56
+    (each target's loss and hit: the loss' per-token path), final_logit_softcapping 0.3 over logits of std ~4 (the
+    embedding × 30): those past ~2.7 are exactly 0.3 in float32. eval_loss, eval_token_acc and each bucket's =
+    transformers' Gemma4ForCausalLM with peft's load of the adapter: the mean F.cross_entropy of its capped logits over
+    every held-out target, and the share whose capped logit is its row's largest (a tie counts: eval_token_acc's rule).
+    Saturated ties are most of the hits (argmax, or hits on uncapped logits, would count none)."""
+    from peft import PeftModel
+
+    import train
+    from data.load import load_samples
+    from tests.fixtures import make_chat_jsonl, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "model")
+    torch.manual_seed(0)
+    cfg = {**G4, "vocab_size": len(tok), "sliding_window": 16, "pad_token_id": 0, "eos_token_id": 0,
+           "bos_token_id": None, "final_logit_softcapping": 0.3}
+    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**cfg)).float()
+    _perturb(hf)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(30)
+    hf.save_pretrained(tmp_path / "model")
+    make_chat_jsonl(tmp_path / "eval.jsonl", 6, seed=9)
+    out = str(tmp_path / "run")
+    with one_thread():
+        train.main(train_argv({**assets, "model": str(tmp_path / "model")}, out, "--train-norms", "--eval-every", "1",
+                              "--eval-data", str(tmp_path / "eval.jsonl"), "--eval-positions", "56"))
+    last = _metrics(out)[-1]
+    samples, _ = load_samples(str(tmp_path / "eval.jsonl"), tok, 64, len(tok), flag="--eval-data")
+    peft = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"),
+                                                                            dtype=torch.float32), out + "/adapter")
+    sums = torch.zeros(2, 4, dtype=torch.float64)   # per bucket (position < 56, >= 56): loss, targets, hits, argmaxes
+    o = samples.offsets
+    with torch.no_grad():
+        for i in range(len(o) - 1):
+            ids, lab = samples.ids[o[i]:o[i + 1]].long(), samples.labels[o[i]:o[i + 1]].long()
+            z = peft.eval()(input_ids=ids[None]).logits[0]
+            keep = lab != -100
+            z, lab, at = z[keep], lab[keep], (torch.arange(len(keep)) + 1)[keep] >= 56   # (a target's position: +1)
+            top = z.gather(1, lab[:, None])[:, 0] == z.max(-1).values
+            row = torch.stack([F.cross_entropy(z, lab, reduction="none").double(), torch.ones_like(top).double(),
+                               top.double(), (z.argmax(-1) == lab).double()], 1)
+            sums.index_add_(0, at.long(), row)
+    tot = sums.sum(0)
+    assert tot[1] > 20 and tot[2] > 5 * tot[3] and tot[2] > 0.1 * tot[1], sums   # (the saturated ties count)
+    assert abs(last["eval_loss"] - tot[0] / tot[1]) < 1e-5, (last, sums)
+    assert abs(last["eval_token_acc"] - tot[2] / tot[1]) < 1e-6, (last, sums)
+    for span, s in zip(("0-55", "56+"), sums):
+        assert s[1] > 0 and abs(last[f"eval_token_acc@{span}"] - s[2] / s[1]) < 1e-6, (span, last, sums)
+        assert abs(last[f"eval_loss@{span}"] - s[0] / s[1]) < 1e-5, (span, last, sums)
