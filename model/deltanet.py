@@ -36,13 +36,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import deltanet_core
 from model.attention import document_bounds, document_branches, document_starts
-from model.deltanet_core import CHUNK, SEGMENT, Docs, causal_conv, gated_delta_rule, l2norm, local_linear_core
+from model.deltanet_core import CHUNK, SEGMENT, Docs, causal_conv, gated_delta_rule, l2norm
 from model.norms import cast_weight
 
-# the core's names re-exported from their old home (tests, parallel/cp_linear.py, model/linear_layers.py import here)
+# the core's names re-exported from their old home (tests, parallel/cp_linear.py, model/linear_layers.py import here);
+# local_linear_core too, by __getattr__ below
 __all__ = ["CHUNK", "SEGMENT", "Docs", "GatedDeltaNet", "GatedRMSNorm", "causal_conv", "gated_delta_rule", "l2norm",
-           "local_linear_core", "prepare_linear"]
+           "prepare_linear"]
+
+
+def __getattr__(name: str):   # local_linear_core, made at its first use (model/deltanet_core.py's __getattr__)
+    if name != "local_linear_core":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deltanet_core.local_linear_core
+
+
 # elements a chunk of the gated norm: its float32 temporaries (~6 at once in backward) 32 MB each, ~200 MB in all, at
 # any length (at Qwen3.5-9B's 32 value heads of 128: 2,048 tokens a chunk, 16 chunks at 32k tokens)
 GATED_CHUNK = 2**23
@@ -176,6 +186,6 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight[:, 0]                                             # [C, K]
         conv_w = w.split([Hk * dk, Hk * dk, Hv * dv])
         conv_w = (conv_w[0].view(Hk, dk, -1), conv_w[1].view(Hk, dk, -1), conv_w[2].view(Hv, dv, -1))
-        out = (core or local_linear_core)(q, k, v, g, beta, conv_w, meta)        # [B, S, Hv, dv]
+        out = (core or deltanet_core.local_linear_core)(q, k, v, g, beta, conv_w, meta)   # [B, S, Hv, dv]
         out = self.norm(out, self.in_proj_z(x).view(B, S, Hv, dv))
         return self.out_proj(out.reshape(B, S, Hv * dv))

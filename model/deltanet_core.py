@@ -17,8 +17,8 @@ Contract:
   sequence (~300 KB a token at Qwen3.5-9B's sizes; parallel/plan_linear.py). Outputs and gradients = one pass of plain
   autograd within float32 rounding (bitwise within one segment). Nested in a block checkpoint (parallel/ac.py) it is
   an op like any other. torch.compile would unroll the chunk loop and the segments:
-  `local_linear_core` is torch.compiler.disable'd, and parallel/compile.py compiles only elementwise modules (a linear
-  block's norms and SwiGLU), never a core.
+  `local_linear_core` is torch.compiler.disable'd (at its first use, not import: `__getattr__`), and
+  parallel/compile.py compiles only elementwise modules (a linear block's norms and SwiGLU), never a core.
 
 Notation: model/deltanet.py's. Algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (2024), chunkwise form
 with the WY / UT transform.
@@ -123,10 +123,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-# never traced by torch.compile, which would unroll the chunk loop: parallel/compile.py compiles elementwise modules
-# only, and this keeps any wider compile (a whole block's) from taking the core in (a graph break there instead)
-@torch.compiler.disable
-def local_linear_core(q, k, v, g, beta, conv_w, meta, segment: int | None = None):
+def _local_linear_core(q, k, v, g, beta, conv_w, meta, segment: int | None = None):
     """conv + silu, l2 norm, gated delta rule on the whole sequence (model/deltanet.py's `core`): [B, S, Hv, dv] in
     v's dtype. The torch rule runs in segments of `segment` chunks (SEGMENT by default; _Segmented): the same
     numbers."""
@@ -147,6 +144,20 @@ def local_linear_core(q, k, v, g, beta, conv_w, meta, segment: int | None = None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, w)):
         return _Segmented.apply(q, k, v, g, beta, w, meta, span)
     return _segments(q, k, v, g, beta, w, meta, span)[0]   # no grad: the same loop, one segment's temporaries
+
+
+def __getattr__(name: str):
+    """`local_linear_core`: `_local_linear_core` under torch.compiler.disable, made at the name's first use and kept.
+    Never traced by torch.compile, which would unroll the chunk loop: parallel/compile.py compiles elementwise modules
+    only, and this keeps any wider compile (a whole block's) from taking the core in (a graph break there instead).
+    Not at import: the decorator imports torch._dynamo, ~0.9 s of every process that imports model/ (half of
+    `import train`), though only a process that runs the core can need it. Callers look it up on this module at call
+    time (a compile tracing that lookup runs this too, and sees the same disabled function)."""
+    if name != "local_linear_core":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    fn = torch.compiler.disable(_local_linear_core)
+    fn.__name__ = fn.__qualname__ = name   # pickled by name (an argument to spawned ranks): found as itself
+    return globals().setdefault(name, fn)
 
 
 def _heads(x, Hk: int, dk: int, Hv: int, dv: int):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from model.deltanet import GatedDeltaNet, local_linear_core, prepare_linear
+from model import deltanet_core
+from model.deltanet import GatedDeltaNet, prepare_linear
 from model.gemma import normed
 
 
@@ -66,7 +67,7 @@ class LocalLinear:
         return prepare_linear(position_ids)
 
     def __call__(self, q, k, v, g, beta, conv_w, meta):
-        return local_linear_core(q, k, v, g, beta, conv_w, meta)
+        return deltanet_core.local_linear_core(q, k, v, g, beta, conv_w, meta)   # (looked up here: made at first use)
 
 
 class LinearBlock(nn.Module):

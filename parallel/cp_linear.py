@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from model.deltanet import local_linear_core, prepare_linear
+from model import deltanet_core
+from model.deltanet import prepare_linear
 from model.linear_layers import LocalLinear
 from parallel.cp import gather_sequence, layout_index
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
@@ -98,8 +99,9 @@ class ContextParallelLinear(LocalLinear):
         a, n = p * (hv // P), hv // P
         ka, kn = (p * (hk // P), hk // P) if hk >= P else (p // (P // hk), 1)
         wq, wk, wv = conv_w
-        out = local_linear_core(q, k, v, g, b.to(beta.dtype),
-                                (wq[ka:ka + kn], wk[ka:ka + kn], wv[a:a + n]), meta)   # [B, S, Hv/P, dv]
+        # (looked up here: made at first use, model/deltanet_core.py)
+        out = deltanet_core.local_linear_core(q, k, v, g, b.to(beta.dtype),
+                                              (wq[ka:ka + kn], wk[ka:ka + kn], wv[a:a + n]), meta)   # [B, S, Hv/P, dv]
         if idx is not None:
             out = out.index_select(1, idx)                                       # back to the shards' order
         return heads_to_seq(out, group)                                          # [B, S/P, Hv, dv]

@@ -14,6 +14,9 @@ dt_bias and the gated norm's weight drawn at random, away from transformers' ini
 - the reset matters: the same packed row run as one document differs (from a document's first token on: the conv);
 - the contract's head-range slicing (what a context-parallel core hands the local one) gives the whole core's heads;
 - prepare_linear: None for a row of one document (padding included); branched rows refused by name.
+- torch.compile keeps out of the core (torch.compiler.disable, one graph break there: dynamo's explain) though the
+  disabled core is made at its first use, here while dynamo traces the forward: importing train.py, model.merge and
+  the cores imports no torch._dynamo (0.9 s a process).
 - the core in segments (`local_linear_core(..., segment=)`): = transformers per document with documents crossing the
   64-token segments' edges; = one pass of plain autograd, outputs and the gradients of all its inputs, bitwise for a
   row shorter than a segment, to rounding over several (documents starting at an edge and in the conv's reach before
@@ -298,3 +301,42 @@ def test_a_whole_number_of_chunks_saves_no_copies():
     x = torch.randn(1, 128, D, requires_grad=True)
     saved = {s: saved_bytes(lambda s=s: m(x[:, :s], None), [*m.parameters(), x])[1] for s in (127, 128)}
     assert saved[128] < saved[127] * 128 / 127, saved
+
+
+_COMPILE_PROBE = """
+import pickle, sys, torch
+import model.merge, train
+from model.linear_layers import LocalLinear
+from parallel.cp_linear import ContextParallelLinear
+print('dynamo at import:', 'torch._dynamo' in sys.modules)
+import torch._dynamo
+from model import deltanet, deltanet_core
+torch.manual_seed(0)
+m = deltanet.GatedDeltaNet(16, 2, 4, 8, 8, 4, 1e-6)
+x = torch.randn(2, 12, 16)
+meta = deltanet.prepare_linear(torch.cat([torch.arange(7), torch.arange(5)]).expand(2, 12))
+f = lambda x, core: m(x, meta, core)
+for core in (LocalLinear(), None):   # the model's default core (looked up first while traced); the module's default
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(f)(x, core)
+    print('breaks:', ex.graph_break_count, '|'.join(str(r.reason).splitlines()[0] for r in ex.break_reasons))
+    print('compiled = eager:', torch.equal(torch.compile(f, backend='eager')(x, core), f(x, core)))
+fn = deltanet.local_linear_core
+print('one core:', fn is deltanet_core.local_linear_core and pickle.loads(pickle.dumps(fn)) is fn)
+"""
+
+
+def test_the_core_is_kept_out_of_compile_and_dynamo_out_of_import():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "dynamo at import: False", lines
+    for i in (1, 3):
+        assert lines[i].startswith("breaks: 1 ") and "torch.compiler.disable()" in lines[i], lines   # the core only
+        assert lines[i + 1] == "compiled = eager: True", lines
+    assert lines[5] == "one core: True", lines
