@@ -1,4 +1,4 @@
-"""bitsandbytes (and peft, which imports it), imported without the torch.compile wrappers bitsandbytes builds.
+"""bitsandbytes, imported without the torch.compile wrappers it builds (peft, which imports it, comes after this).
 
 bitsandbytes 0.45+ wraps its generic fallback kernels (backends/default/ops.py) in `torch.compile` when it is
 imported. Building those wrappers imports torch's compiler stack (dynamo's tracer, inductor's lowering): 4 s of
@@ -7,7 +7,9 @@ here: CUDA and CPU have kernels of their own for the NF4 ops we call. While bits
 `torch.compile` is the identity, so those fallbacks stay eager, which is also what bitsandbytes does itself when
 compiling fails. Nothing else changes: `torch.compile` is restored at once; dynamo, imported before the swap,
 keeps the real one in its rules; a process that imported bitsandbytes before this module keeps its compiled
-wrappers. model/nf4.py and model/qlora.py take both packages from here.
+wrappers. model/nf4.py and model/qlora.py take bitsandbytes from here; peft is model/qlora.py's own import (after
+this one): its ~2.4 s (transformers) would otherwise be paid by every process that only quantizes or dequantizes
+(python -m model.merge --quant nf4, the tiled attention), and it calls no torch.compile as it is imported.
 
 `dequantize(packed, state)` is the only 4-bit dequantization we call (bitsandbytes' own `dequantize_4bit` is not
 exported here): bitsandbytes 0.50.2's CPU kernel reads a 2-D state [rows, cols] as blocks that never cross a row
@@ -40,7 +42,6 @@ try:
         quantize_4bit,
         quantize_blockwise,
     )
-    from peft import LoraConfig, get_peft_model
 finally:
     torch.compile = _compile
 
@@ -53,5 +54,5 @@ def dequantize(packed: torch.Tensor, state: QuantState, dtype: torch.dtype | Non
     return dequantize_4bit(packed.view(-1, 1), flat).view(state.shape)
 
 
-__all__ = ["bnb", "LoraConfig", "get_peft_model", "QuantState", "dequantize", "dequantize_blockwise",
-           "get_4bit_type", "quantize_4bit", "quantize_blockwise"]
+__all__ = ["bnb", "QuantState", "dequantize", "dequantize_blockwise", "get_4bit_type", "quantize_4bit",
+           "quantize_blockwise"]

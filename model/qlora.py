@@ -16,17 +16,21 @@ from __future__ import annotations
 import hashlib
 import math
 import types
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import dora as dora_math
-from model.bnb import LoraConfig, bnb, get_peft_model
+from model.bnb import bnb
 from model.llama import Transformer
 from model.lora_spec import LORA_TARGETS, model_targets
 from model.moe import expert_targets
 from model.norms import train_embeddings, train_norms
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 
 def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
@@ -35,6 +39,8 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
     `rslora`: scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`);
     `dora`: DoRA (peft's use_dora; model/dora.py computes it); `layers`: the blocks adapted (peft's
     layers_to_transform; None: all)."""
+    from peft import LoraConfig  # here, after model.bnb imported bitsandbytes (peft imports it): see model/bnb.py
+
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
                       init_lora_weights=False, use_rslora=rslora, use_dora=dora,
                       layers_to_transform=None if layers is None else list(layers))
@@ -42,6 +48,8 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
                dora: bool = False, layers=None, norms: bool = False, embeddings: bool = False):
+    from peft import get_peft_model  # (as lora_config's)
+
     targets = model_targets(targets, model.args)   # (no linear-layer names on a model without them)
     if why := expert_targets(model.args, targets):   # (also at start-up: parallel/flags.py)
         raise ValueError(why)

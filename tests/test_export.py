@@ -25,6 +25,8 @@ non-zero B so the adapter moves the logits):
   adapter with a projection's magnitude removed or cut short, a magnitude without its A and B, a LoRA adapter saying
   use_dora, or magnitudes under a config without it, is refused (exit 2, naming the tensor and the fix, nothing
   written);
+- merge's imports (model.merge, model.nf4, the tiled attention that dequantizes) take bitsandbytes without peft or
+  transformers (2.4 s a process; model/qlora.py imports peft where it builds LoRA) or torch._dynamo.
 - `python -m model.merge` runs as a subprocess from the repo root, takes --quant from the run's config.json
   beside the adapter (a run with quant none, unlike the CLI's nf4 fallback), writes the same tensors
   as `merge`, copies the tokenizer files, and refuses a missing adapter with exit code 2 and a
@@ -872,3 +874,12 @@ def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
         json.dump({**cfg, "exclude_modules": None}, f)
     with pytest.raises(ValueError, match=r"holds no tensors for 1 of those projections \(layer 1 q_proj\)"):
         _init_adapter_fits(str(tmp_path / "exclude"), shapes, R, 2)
+
+
+def test_merge_and_nf4_import_no_peft_or_transformers():
+    code = ("import sys, model.merge, model.nf4, parallel.tiled_attention\n"
+            "print(sorted(m for m in ('bitsandbytes', 'peft', 'transformers', 'torch._dynamo') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # (dynamo: imported by model.bnb before its swap of torch.compile, the one module importing it on purpose)
+    assert r.stdout.split("\n")[-2] == "['bitsandbytes', 'torch._dynamo']", r.stdout
