@@ -89,7 +89,7 @@ from __future__ import annotations
 from functools import partial
 
 from model.lora_spec import lora_layers
-from parallel import kernels, plan_block, plan_linear, plan_moe, plan_weights
+from parallel import kernels, plan_block, plan_layers, plan_linear, plan_moe, plan_weights
 from parallel.plan_totals import Plan, sample_tokens
 from parallel.plan_weights import _pad, quant_state_bytes  # noqa: F401 (term 1's: tests read it here)
 
@@ -98,10 +98,6 @@ FED = ("q_proj", "k_proj", "v_proj") + plan_linear.IN_PROJ   # the projections t
 
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     """Term-by-term plan (see the module docstring) for ModelArgs `m` under ParallelDims `dims`."""
-    if m.per_layer_attn:   # every block planned with one attention shape below
-        raise ValueError(f"the memory plan (--plan, --max-len auto, --fast) does not yet model {m.named}'s per-layer "
-                         "attention shapes (Gemma 4: the full layers' own head size and KV heads, no v_proj there): "
-                         "not yet supported; run without it (--no-mem-check is not needed: the start-up check skips)")
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     el = e if target == "cuda" and e == 2 else 4
     W, U, R = dims.dp_shard * dims.cp, dims.ulysses, dims.ring
@@ -110,45 +106,46 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     T = (_pad(S * mb, div) if pack else mb * _pad(S, div)) // dims.cp
     D, H, K, hd, F, L, V, r = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, \
         m.vocab_size, args.lora_r
-    Kp, rows = max(K, U), 1 if pack else mb   # (rows: a micro-batch's; packed, one)
+    rows = 1 if pack else mb   # (rows: a micro-batch's; packed, one; K' per block: layer_saved)
     shapes = {"q_proj": (H * hd * (1 + m.attn_gate), D), "k_proj": (K * hd, D), "v_proj": (K * hd, D),
               "o_proj": (D, H * hd), "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in);
     # Qwen3.5's q_proj gives each head its gate too
     # Qwen3.5's linear blocks (parallel/plan_linear.py): linear_attn's Linears in place of the attention's
     lshapes = plan_linear.block_shapes(m, {t: shapes[t] for t in plan_moe.MLP}) if m.linear else {}
-    every_shape, lin = {**shapes, **lshapes}, m.is_linear
+    every_shape, lin, kind = {**shapes, **lshapes}, m.is_linear, partial(plan_layers.key, m)
+    at = lambda i: {**every_shape, **plan_layers.attn_shapes(m, i)}   # block i's (Gemma 4: its own attention's)
     targets = [t for t in args.lora_targets.split(",") if t in every_shape]
-    tgs = lambda i: [t for t in targets if t in (lshapes if lin(i) else shapes)]   # the targets block i holds
+    tgs = lambda i: [t for t in targets if m.has(i, t)]   # the targets block i holds (not a k_eq_v layer's v_proj)
     nf4 = args.quant == "nf4"
     tiled, offload, ta = (getattr(args, f, False) for f in ("tiled_mlp", "offload_activations", "tiled_attn"))
     G = min(getattr(args, "ac_group", 1), L) if args.ac else 1
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
-    KV, K = K, L - N   # K from here: the blocks that keep their activations (the last K; no AC at all when N == 0)
+    K = L - N   # K from here: the blocks that keep their activations (the last K; no AC at all when N == 0)
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
     router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
     # (blocks, frozen Linears, never-quantized ones: routers, linear_attn's conv and others, linear): dense, MoE
     # (Qwen3-MoE) and linear (Qwen3.5) blocks
-    kinds = plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(m, shapes)], lshapes,
-                             [shapes[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj")])
+    attn4 = [shapes[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj")]   # (Gemma 4: a kind per attention shape)
+    kinds = plan_layers.kinds(m, plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(
+        m, shapes)], lshapes, attn4), attn4)
     moe = m.moe is not None and any(m.moe.sparse(i) for i in range(L))
     base = []
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
     pre, post = not m.post_norms, m.sandwich_norms or m.post_norms   # norms in front of / on the sublayers' outputs
     base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
-                            or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)]
+                            or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)] \
+        + [(1, 1)] * m.layer_scalar   # (Gemma 4's frozen [1] per block)
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
     adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms)] or [L - 1]   # (a
     # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
     lo = adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
-    qk = [(hd * n, hd * n) for n in ((H, KV) if m.qk_norm_whole else (1, 1))] * m.qk_norm   # (OLMo's: H·hd, K·hd)
-    loras = {x: [(r, r * every_shape[t][1]) for t in tgs(i)] + [(every_shape[t][0], every_shape[t][0] * (r + dora))
-                                                                for t in tgs(i)] + ([(D, D)] * nb + qk * (not x)) *
-             norms for x, i in {lin(i): i for i in range(L)}.items()}   # a block's LoRA by its kind (linear or not)
-    lora = lambda i: loras[lin(i)]
+    loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i)] + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]
+             + ([(D, D)] * nb + plan_layers.qk_norms(m, i)) * norms for x, i in {kind(i): i for i in range(L)}.items()}
+    lora = lambda i: loras[kind(i)]   # a block's LoRA by its kind (linear or not; Gemma 4: its attention shape)
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
@@ -161,27 +158,29 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     direct = el == e and args.lora_dropout == 0   # LoRA A is handed the norm's output itself (no cast, dropout)
     fed = lambda tg, *ts: direct and any(t in tg for t in ts)   # LoRA A of one of `ts` keeps the input it is handed
 
-    def dora_saved(ts, rows=T, first=False, tg=targets) -> float:
-        """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens."""
+    def dora_saved(ts, rows=T, first=False, tg=targets, sh=every_shape) -> float:
+        """DoRA's saved tensors (term 4) for the targets among `ts` at `rows` tokens (`sh`: the block's shapes)."""
         ts = [x for x in ts if dora and x in tg]
         if direct:   # the fused sum `out`, the norm and the scale
-            return e * (rows + 2) * sum(every_shape[x][0] for x in ts)
+            return e * (rows + 2) * sum(sh[x][0] for x in ts)
         lead = [first and x in FED for x in ts]   # layer 0's: their input needs no grad
         eb = el if args.lora_dropout > 0 else e   # the base's share: F.linear's (in el), else the base's own output
-        return sum(((eb + el) * rows + el * (3 - z)) * every_shape[x][0] for x, z in zip(ts, lead))
+        return sum(((eb + el) * rows + el * (3 - z)) * sh[x][0] for x, z in zip(ts, lead))
 
-    def dropped(ts, first=False) -> float:
+    def dropped(ts, first=False, sh=every_shape) -> float:
         """LoRA dropout's saved output and mask for the targets `ts`: the mask a bool on CUDA (native_dropout), in el
         on CPU (the scaled mask its product keeps); none where the input needs no grad (q/k/v of block lo, `first`).
         down_proj's dropped input takes the place of the MLP's product (counted in 4eTF, kept only for down's LoRA
         A): its mask alone is more."""
         mask = lambda x: 0 if first and x in FED else 1 if target == "cuda" else el
-        return sum(T * every_shape[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
+        return sum(T * sh[x][1] * (mask(x) + el * (x != "down_proj" or el != e)) for x in ts) * (
             args.lora_dropout > 0)   # (el != e, CPU bf16: no product kept, dropout's el output in its place)
 
-    def layer_saved(first: bool, tg=targets, sparse=False, linear=False) -> float:
-        """One block's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets; `linear`:
+    def layer_saved(first: bool, tg=targets, sparse=False, linear=False, i=0) -> float:
+        """Block i's saved tensors; `first`: its input needs no grad (block lo's); `tg`: its LoRA targets; `linear`:
         a Gated DeltaNet block (parallel/plan_linear.py: its sublayer's tensors in place of the attention's)."""
+        _, KV, hd = m.attn_dims(i)   # (Gemma 4's full layers: their own; parallel/plan_layers.py)
+        Kp, sh = max(KV, U), at(i)
         first = first and not (norms and tg and pre) and not emb   # (a trained pre-norm saves its input and makes
         # an output needing grad; a trained embedding makes block 0's input need grad)
         tl = ta and not linear   # (--tiled-attn tiles the full layers only)
@@ -214,17 +213,18 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             # k_proj's outputs and rsqrt, where those need grad (or a trained norm's weight does)
             b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
                      if not first or t in tg or norms and tg) * m.qk_norm
+            b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
         b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += 0 if tiled else plan_moe.saved(m, T, e) if sparse else e * T * F * (
             3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
         # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
-        b += sum(T * r * el + (4 * T * shapes[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
-            + dora_saved(inner, first=first, tg=tg)
-        return b + dropped(inner, first)
+        b += sum(T * r * el + (4 * T * sh[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
+            + dora_saved(inner, first=first, tg=tg, sh=sh)
+        return b + dropped(inner, first, sh)
 
     # per block: nothing below lo; lo as layer 0 (its input needs no grad); un-adapted ones without LoRA's tensors
     sparse = lambda i: moe and m.moe.sparse(i)   # an MoE block (parallel/plan_moe.py)
-    saved = [0.0] * lo + [layer_saved(i == lo, tgs(i) if i in adapted else [], sparse(i), lin(i)) for i in range(lo, L)]
+    saved = [0.0] * lo + [layer_saved(i == lo, tgs(i) * (i in adapted), sparse(i), lin(i), i) for i in range(lo, L)]
     every = sum(saved) + 8 * T * emb   # (a trained embedding's backward keeps the int64 ids)
     # the first checkpoint keeps token ids, not the embedding's output (looked up again in its backward,
     # ac._FromIds): one block input fewer, but that lookup is live in the first block's own backward
@@ -238,7 +238,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # LoRA A save that input where they take it, block lo's too
     shares = lambda i, first: (not first or norms) if pre else ta or fed(targets * (i in adapted), "q_proj", "k_proj",
                                                                           "v_proj")
-    recompute = lambda ids: max((layer_saved(False, tgs(0), sparse(0), lin(0)) - e * T * D * shares(i, False)
+    recompute = lambda ids: max((layer_saved(False, tgs(0), sparse(0), lin(0), 0) - e * T * D * shares(i, False)
                                  if i == 0 else saved[i] - e * T * D * shares(i, i == lo)) - (L - 1 - i) * e * T * D
                                 for i in ids)
     one = recompute(range(lo, L))
@@ -272,17 +272,17 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     KR = R * (1 if not getattr(args, "dpo_share_prompt", False) else 4 if getattr(args, "pack", None) is False and
               getattr(args, "micro_batch", 1) != 1 and R > 1 else 2)
     if (n_at := sum(not lin(i) for i in range(lo, N))) and getattr(args, "ac_keep_attn", False):   # (linear: none)
-        t[f"activations: {n_at} kept attention outputs (--ac-keep-attn)"] = n_at * KR * (
-            e * T * H * hd + 4 * T * H)
+        t[f"activations: {n_at} kept attention outputs (--ac-keep-attn)"] = sum(KR * (
+            e * T * H * m.attn_dims(i)[2] + 4 * T * H) for i in range(lo, N) if not lin(i))
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
-    t["activations: rope cos/sin"] = 2 * e * T * m.rotary_dim * (   # (R: Qwen3.5's partial RoPE rotates R < hd dims;
-        # Ministral 3: q's own; Gemma: the sliding layers' too)
-        (1 + (m.attn_temperature_beta is not None)) * (2 if m.local_rope else 1))
+    t["activations: rope cos/sin"] = plan_layers.rope_bytes(m, T, e)   # (R: Qwen3.5's partial RoPE rotates R < hd
+    # dims; Ministral 3: q's own; Gemma: the sliding layers' too, Gemma 4's at their own head size)
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)
     dequant = max(o * i for _, ws, _, _ in kinds for o, i in ws) * e if nf4 else 0
-    n_held = plan_moe.held(m, shapes)   # each projection's weights a block dequantizes (MoE: every expert's)
+    n_held = plan_moe.held(m, {t: max((at(i)[t] for i in range(L) if t in at(i)), key=lambda s: s[0] * s[1])
+                                for t in shapes})   # each projection's weights a block dequantizes (MoE: all experts')
     held = lambda *ts: sum(n_held[x] for x in ts) * e if nf4 else 0   # dequant_once's weights (MoE: every expert's)
     row = T * U // (1 if pack else mb)   # attention tokens per row
     p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls
@@ -290,10 +290,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
 
     # the "| block" phases of a block's backward (terms 6, 7, 9, 10): parallel/plan_block.py
     Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe else F   # (a token's experts' width, + a shared expert)
-    block_terms = partial(plan_block.block_terms, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=Kp, N=N, R=R, T=T, U=U, args=args,
-                          blk=blk, dequant=dequant, direct=direct, dora=dora, dora_saved=dora_saved, dropped=dropped,
-                          e=e, hd=hd, held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row, ta=ta,
-                          tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e)) if moe else None)
+    block_terms = lambda i, *a, **k: plan_block.block_terms(
+        *a, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,
+        dequant=dequant, direct=direct, dora=dora, dora_saved=partial(dora_saved, sh=at(i)), e=e, hd=m.attn_dims(i)[2],
+        dropped=partial(dropped, sh=at(i)), held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row,
+        tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e)) if moe else None, **k)   # (block i's)
 
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above
@@ -302,11 +303,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # Qwen3.5's linear and full blocks apart (a linear block's sublayer backward in place of 7 and 9)
     groups = {}
     for i in range(lo, L):
-        groups.setdefault((lin(i), i in adapted), []).append(i)
+        groups.setdefault((kind(i), i in adapted), []).append(i)   # (Gemma 4: each attention shape's own)
     phase = plan_linear.phase(m, T, rows, e, dims.cp) if m.linear else 0
-    t.update(max((block_terms(tgs(ids[0]) * a, recompute(ids), ta=ta and not x, linear=phase if x else None)
-                  for (x, a), ids in groups.items()), key=lambda ts: sum(ts.values())))
-    t.update(plan_block.loss_terms(T=T, D=D, V=V, e=e, el=el, tied=tied, emb=emb))   # 8 and the backward's end
+    t.update(max((block_terms(ids[0], tgs(ids[0]) * a, recompute(ids), ta=ta and not x[0], linear=phase if x[0]
+                              else None) for (x, a), ids in groups.items()), key=lambda ts: sum(ts.values())))
+    t.update(plan_block.loss_terms(T=T, D=D, V=V, e=e, el=el, tied=tied, emb=emb, softcap=m.logit_softcap))   # 8, end
     p.alt_activations = (every if args.ac else (max(L - 1, 1) if lo == 0 and not emb else L - lo) * e * T * D
                          + 8 * T * emb + one + e * T * D)
     p.notes.append(f"{T} tokens per rank per micro-batch ({'packed' if pack else 'padded'} rows, CP divisor {div})")

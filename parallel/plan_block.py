@@ -52,8 +52,10 @@ are memory_plan's sizes and helpers of the same names.
    norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
-   bf16 copy (2cV) for a bf16 weight. A chunk's hidden gradient is written into grad_hidden's rows (no ecD:
-   bench/memtrace.py's loss phase at 8,192 tokens, where c = T, is these terms to the byte).
+   bf16 copy (2cV) for a bf16 weight; with final_logit_softcapping (Gemma 4) two float32 blocks, the capped logits
+   and the tanh values their gradient reads, of c = CHUNK_BYTES // 8V tokens each (8cV, the same bytes; 2cV the copy).
+   A chunk's hidden gradient is written into grad_hidden's rows (no ecD: bench/memtrace.py's loss phase at 8,192
+   tokens, where c = T, is these terms to the byte).
 """
 
 from __future__ import annotations
@@ -139,9 +141,11 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     return t
 
 
-def loss_terms(*, T, D, V, e, el, tied, emb) -> dict:
-    """The loss's terms (8; a tied head's held gradient; a trained embedding's "| end:" phase) at T tokens."""
-    t, c = {}, max(1, min(T, CHUNK_BYTES // (4 * V)))
+def loss_terms(*, T, D, V, e, el, tied, emb, softcap=None) -> dict:
+    """The loss's terms (8; a tied head's held gradient; a trained embedding's "| end:" phase) at T tokens; `softcap`:
+    the model's final_logit_softcapping (two float32 blocks of half the rows, the same bytes: loss.py)."""
+    blocks = 1 if softcap is None else 2   # (the cap's tanh values beside the logits, for the gradient)
+    t, c = {}, max(1, min(T, CHUNK_BYTES // (4 * blocks * V)))
     # a tied head's gradient (loss.py): summed in float32 over the chunks in the loss's forward (bf16 heads: + one
     # [V, D] product per chunk; the CPU's bf16: + the head's cast from its float32 master) and saved; its backward
     # hands it on in the head's dtype (e), held until the embedding's backward adds its own: a term of its own, so
@@ -153,6 +157,7 @@ def loss_terms(*, T, D, V, e, el, tied, emb) -> dict:
     if emb:   # backward's last node, once every activation is gone: the unsharded embedding's gradient, and FSDP2's
         # float32 reduce-scatter input (a tied head's share, held, added to it in place)
         t["| end: the input embedding's gradient + its reduce-scatter input (fp32)"] = V * D * (el + 4 - e * tied)
-    t["| or: final norm output + chunked loss block"] = e * T * D + 4 * c * V + (2 * c * V if e == 2 else 0) + \
+    t["| or: final norm output + chunked loss block" + "s (softcap)" * (softcap is not None)] = e * T * D + \
+        4 * blocks * c * V + (2 * c * V if e == 2 else 0) + \
         V * D * (e * (e == 2) + e * (el != e)) * tied
     return t

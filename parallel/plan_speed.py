@@ -30,7 +30,8 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward; a tied model's trained
     embedding, --train-embeddings, its weight gradient too: 3·g(V·D), and per chunk its [V, D] product added to a
     float32 sum, 12 bytes an element in bf16, 8 in fp32) and the float32 [chunk, V] softmax passes, ~16 bytes per
-    logit at ELEMENTWISE.
+    logit at ELEMENTWISE; Gemma 4's final_logit_softcapping CAP (48) more. Each block at its own attention shape
+    (Gemma 4: ModelArgs.attn_dims; no v_proj on its k_eq_v layers).
   --dora: the frozen bases whose output nobody reads above (down_proj in the recompute and the tiles, o_proj in the
     attention tiles) run their GEMM where DoRA adapts them (it reads it); each pass of an adapted layer (forward,
     the recompute but the tiled MLP's, the backward tiles' one call) computes B A (2·r·P) and ‖W + s·B A‖ (~8e
@@ -61,15 +62,19 @@ import re
 from model.lora_spec import lora_layers
 from parallel.plan_totals import sample_tokens, with_reference
 
+CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
+# for the gradient, float32 in place (4 read + 4 written each; addcmul reads three), 5 more elementwise passes
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
 
 
-def _elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5) -> tuple[float, float]:
+def _elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5, layer: int = 0) -> tuple[float, float]:
     """Bytes per token of one forward of the attention half and of the MLP half: eager kernels' reads and writes
     (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE `rope`·e per q/k element:
-    5 since model.llama's multiply-adds, ~9 for the formula before; SwiGLU 5e per F element; the residual 3e per D)."""
-    D, H, K, hd, F = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size
+    5 since model.llama's multiply-adds, ~9 for the formula before; SwiGLU 5e per F element; the residual 3e per D);
+    block `layer`'s (Gemma 4's full layers: their own heads and head size)."""
+    D, F = m.dim, m.intermediate_size
+    H, K, hd = m.attn_dims(layer) if hasattr(m, "attn_dims") else (m.n_heads, m.n_kv_heads, m.head_dim)
     norm = (4 * e if fused_norm else 2 * e + 24 + 2 * e) * D
     return norm + rope * e * (H + K) * hd + 3 * e * D, norm + 5 * e * F + 3 * e * D
 
@@ -87,8 +92,6 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
     q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
-    rotated, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope))
-    unrotated = rotated - rope * e * (H + K) * hd * T / r["ELEMENTWISE"]   # (SmolLM3's NoPE layers: no RoPE pass)
     nf4 = args.quant == "nf4"
     dora = getattr(args, "dora", False)
     shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
@@ -100,6 +103,12 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     lo = min((i for i in range(L) if chosen is None or i in chosen), default=L - 1)
     mm = att = ew = 0.0
     for layer in range(L):
+        if hasattr(m, "attn_dims"):   # (Gemma 4's full layers: their own K and hd, no v_proj with attention_k_eq_v)
+            H, K, hd = m.attn_dims(layer)
+            q, kv, o = H * hd * D, (2 - m.shares_kv(layer)) * K * hd * D, D * H * hd
+            shapes.update({"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd)})
+        rotated, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope, layer))
+        unrotated = rotated - rope * e * (H + K) * hd * T / r["ELEMENTWISE"]   # (SmolLM3's NoPE layers: no RoPE)
         oa = rotated if not hasattr(m, "rotates") or m.rotates(layer) else unrotated
         w = m.window(layer) if hasattr(m, "window") else None
         span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
@@ -107,7 +116,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         if layer < lo:   # below the lowest adapted block: a forward with no grad (no backward, no recompute)
             mm, att, ew = mm + g(q + kv + o + gu + down) * (1 + ref), att + a * (1 + ref), ew + (oa + om) * (1 + ref)
             continue
-        here = adapted if chosen is None or layer in chosen else []   # a DoRA base's output is read: its GEMM runs
+        here = [t for t in adapted if not (t == "v_proj" and hasattr(m, "shares_kv") and m.shares_kv(layer))] if (
+            chosen is None or layer in chosen) else []   # a DoRA base's output is read: its GEMM runs
         skip_down, skip_o = (nf4_skip and t not in here for t in ("down_proj", "o_proj"))   # (recompute.py's rule)
         mm += 2 * g(q + kv + o + gu + down)
         att += a * (1 + r["BWD"])
@@ -134,7 +144,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
     tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)
     mm += (3 if ref else 2 + tied) * g(V * D)
-    ew += (24 if ref else 16) * T * V / r["ELEMENTWISE"]
+    ew += ((24 if ref else 16) + CAP * (1 + ref) * (getattr(m, "logit_softcap", None) is not None)) * T * V / r[
+        "ELEMENTWISE"]   # (Gemma 4's softcap: its passes over every float32 logit, and the reference's)
     if tied:   # each chunk's [V, D] product added to the float32 sum (loss.py): read, and the sum read and written
         from loss import CHUNK_BYTES
         ew += (12 if e == 2 else 8) * V * D * -(-T // max(1, min(T, CHUNK_BYTES // (4 * V)))) / r["ELEMENTWISE"]

@@ -18,8 +18,8 @@ Pins (CPU, float32, tiny random models made and saved by transformers: 4 layers 
 - the wrapper: logits = Gemma4ForConditionalGeneration's (with a vision tower); our exported adapter loads in peft on
   it with our logits and no LoRA in the vision tower; `python -m model.merge` = peft's merge_and_unload, layer_scalar
   and the vision tower written as stored;
-- --plan refuses the per-layer shapes (--cp on them: tests/test_gemma4_layouts.py); a train.py run with --tiled-mlp
-  --tiled-attn trains.
+- a train.py run with --tiled-mlp --tiled-attn trains (the memory plan: tests/test_plan_layers.py; --cp:
+  tests/test_gemma4_layouts.py).
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma4.py
 """
@@ -292,16 +292,6 @@ def test_wrapper_logits_adapter_and_merge(wrapped, tmp_path):
 
 
 # ----------------------------------------------------------------------------- runs
-
-
-def test_plan_refuses_per_layer_shapes(ckpts):
-    from argparse import Namespace
-
-    from parallel.plan import memory_plan
-
-    args = model.load.read_args(ckpts[True])
-    with pytest.raises(ValueError, match="not yet supported"):
-        memory_plan(args, None, Namespace(dtype="fp32"), "cpu", True)   # (--cp: tests/test_gemma4_layouts.py)
 
 
 def test_train_runs_with_tiled_mlp_and_attention(assets, tmp_path):

@@ -436,7 +436,7 @@ def test_planned_weights_are_the_models(ckpts):
     every layer as its type: base weights (NF4 codes of linear_attn's five Linears in the linear layers, the gated
     attention's four in the full one, the MLP's in all), the block norms' term (+ linear_attn's conv1d, A_log, dt_bias
     and gated norm), LoRA (16 bytes an element, each layer's own targets) and FSDP2's unsharded block (the larger
-    kind's: every parameter of one block, its LoRA too). (The q/k norms, [hd] each, the plan leaves out.)"""
+    kind's: every parameter of one block, its LoRA too; the full layers' q/k norms, [hd] each, with the block norms)."""
     import train
     from parallel.mesh import validate
     from parallel.parallelize import BuildOptions, build_model
@@ -449,8 +449,7 @@ def test_planned_weights_are_the_models(ckpts):
     dims, pack = validate(args, ours.args, 1)
     terms = memory_plan(ours.args, dims, args, "cpu", pack).terms
     term = lambda key: next(v for k, v in terms.items() if k.startswith(key))
-    params = [(n, p.numel() * p.element_size()) for n, p in ours.named_parameters()
-              if ".layers." in n and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+    params = [(n, p.numel() * p.element_size()) for n, p in ours.named_parameters() if ".layers." in n]
     nbytes = lambda key: sum(b for n, b in params if key(n))
     assert term("base weights") == nbytes(lambda n: n.endswith("base_layer.weight"))
     assert term("block norms") == nbytes(lambda n: "lora_" not in n and "base_layer" not in n) > 0

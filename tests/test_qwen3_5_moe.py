@@ -127,7 +127,7 @@ def test_planned_weights_are_the_models(ckpts):
     """One process, fp32, nf4, LoRA on the attention and linear_attn: the plan's NF4 weight term = the built model's
     NF4 codes (every block's experts, shared expert and its gate, linear or full: until 2026-12-07 the linear blocks
     were planned with a dense MLP in place of their experts), its block norms' term = the other frozen block tensors
-    (routers, linear_attn's conv1d, A_log, dt_bias, gated norm; the q/k norms, [hd] each, the plan leaves out)."""
+    (routers, linear_attn's conv1d, A_log, dt_bias, gated norm; the full layers' q/k norms, [hd] each)."""
     import train
     from parallel.mesh import validate
     from parallel.parallelize import BuildOptions, build_model
@@ -140,8 +140,7 @@ def test_planned_weights_are_the_models(ckpts):
     dims, pack = validate(args, ours.args, 1)
     terms = memory_plan(ours.args, dims, args, "cpu", pack).terms
     term = lambda key: next(v for k, v in terms.items() if k.startswith(key))   # noqa: E731
-    params = [(n, p) for n, p in ours.named_parameters() if ".layers." in n
-              and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+    params = [(n, p) for n, p in ours.named_parameters() if ".layers." in n]
     nbytes = lambda keep: sum(p.numel() * p.element_size() for n, p in params if keep(n))   # noqa: E731
     names = {n for n, _ in params}
     codes = lambda n: n.endswith(".weight") and n[:-len("weight")] + "absmax" in names   # noqa: E731 (NF4's packed)

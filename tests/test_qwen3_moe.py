@@ -384,7 +384,8 @@ def test_plan_reads_the_30b_config():
     weights = next(v for k, v in p.terms.items() if k.startswith("base weights"))
     per_block = (2048 * 4096 * 2 + 2048 * 512 * 2 + 3 * 128 * 768 * 2048) // 2   # NF4: half a byte a weight
     assert weights == 48 * per_block, (weights, 48 * per_block)
-    assert next(v for k, v in p.terms.items() if "routers" in k) == 48 * (128 * 2048 + 2 * 2048) * 2   # (+ 2 norms)
+    assert next(v for k, v in p.terms.items() if "routers" in k) == 48 * (128 * 2048 + 2 * 2048 + 2 * 128) * 2   # (+ 2
+    # norms, the q/k norms [hd])
 
 
 @pytest.mark.parametrize("name,flags", [("renorm", []), ("plain", []), ("renorm", ["--tiled-mlp"]),

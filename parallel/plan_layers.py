@@ -1,0 +1,81 @@
+"""The memory plan's per-layer attention shapes (Gemma 4, gemma4_text): each decoder layer's attention planned with its
+own (H, K, hd) (ModelArgs.attn_dims: the sliding layers' head_dim and num_key_value_heads, the full layers'
+global_head_dim and num_global_key_value_heads), in parallel/plan.py's notation. Functions of ModelArgs; memory_plan
+calls them through the hooks below (`key`, `attn_shapes`, `kinds`, `v_norm_saved`, `rope_bytes`).
+
+- Weights (terms 1, 5): a block's frozen Linears are its own q_proj [H·hd, D], k_proj [K·hd, D], v_proj [K·hd, D]
+  (none where attention_k_eq_v makes k_proj's output v: ModelArgs.shares_kv) and o_proj [D, H·hd]; the blocks of one
+  shape a kind of their own (`kinds`), FSDP2's unsharded block the largest kind's. layer_scalar: a frozen [1]
+  parameter per block, with the norms (padded to W by FSDP2 as they are); the q/k norms' weights [hd] (every model's
+  with qk_norm: until 2026-12-07 left out of term 1) at the layer's hd, with them.
+- LoRA (term 3): each block's targets at its own shapes (a k_eq_v layer has no v_proj to adapt: ModelArgs.has), and
+  --train-norms' q/k norms [hd] at the layer's hd.
+- Activations (term 4): the kernel's q, k, v, out, lse, the q/k norms' inputs and o_proj's LoRA at the layer's hd and
+  K; v_norm (a weightless RMSNorm on v: model.gemma.UnitRMSNorm) keeps its input (v_proj's output, eT·K·hd; on a k_eq_v
+  layer k_proj's output, which k_norm keeps already: no bytes), its float32 rsqrt (4T·K) and its one-element float32
+  weight (4 bytes, made per call) wherever v needs a gradient (`v_norm_saved`). cos/sin: the full layers' table
+  (rotary_dim, hd of those) and the sliding layers' (their head_dim): 2eT·(hd_full + hd_sliding) (`rope_bytes`).
+- The block phases (6, 7, 9, 10) of parallel/plan_block.py: each kind's at its (K', hd); the peak block the worst.
+- The loss phase (8): final_logit_softcapping's second float32 block (parallel/plan_block.loss_terms).
+Not modelled: v_norm's backward ([T, K·hd] more in the q/k/v phase while dv waits for its chain), the attention
+kernel's extra float32 dq/dk/dv at a head size of 512 beyond what the other kernels' buffers count. Not measured
+against a GPU trace (2026-12): the saved tensors are pinned against autograd's (tests/test_plan_layers.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def key(m, i: int) -> tuple:
+    """Block i's kind for the plan: (linear, (H, K, hd), shares k_proj's output as v)."""
+    return m.is_linear(i), m.attn_dims(i), m.shares_kv(i)
+
+
+def attn_shapes(m, i: int) -> dict:
+    """Block i's attention Linears {name: (out, in)} (Qwen3.5's q_proj gives each head its gate too)."""
+    H, K, hd = m.attn_dims(i)
+    v = {} if m.shares_kv(i) else {"v_proj": (K * hd, m.dim)}
+    return {"q_proj": (H * hd * (1 + m.attn_gate), m.dim), "k_proj": (K * hd, m.dim), **v, "o_proj": (m.dim, H * hd)}
+
+
+def kinds(m, kinds: list, attn: list) -> list:
+    """memory_plan's block kinds [(blocks, frozen Linears' (out, in), never-quantized, key)] keyed by `key`: a model
+    whose attention shapes differ by layer (ModelArgs.per_layer_attn) has one dense kind (`kinds`' non-linear one),
+    split here by attention shape, each with its own attention Linears in place of `attn` (the model-wide four)."""
+    first = lambda lin: next(i for i in range(m.n_layers) if m.is_linear(i) == lin)
+    if not m.per_layer_attn:
+        return [(c, ws, x + qk_norms(m, first(lin)), key(m, first(lin))) for c, ws, x, lin in kinds]
+    if m.moe is not None or m.linear is not None:   # (no such model: Gemma 4's dense decoder only)
+        raise ValueError(f"{m.named}: per-layer attention shapes with MoE or linear blocks are not planned")
+    (c, ws, x, _), = kinds
+    rest = list(ws)
+    for s in attn:
+        rest.remove(s)
+    count = Counter(key(m, i) for i in range(m.n_layers))
+    at = {key(m, i): i for i in reversed(range(m.n_layers))}   # each kind's first layer
+    return [(n, list(attn_shapes(m, at[k]).values()) + rest, x + qk_norms(m, at[k]), k) for k, n in count.items()]
+
+
+def qk_norms(m, i: int) -> list:
+    """Block i's q/k norm weights as (dim 0, elements), frozen, never quantized: [hd] each (OLMo's over the projection:
+    [H·hd], [K·hd]); none in a linear block or without qk_norm."""
+    H, K, hd = m.attn_dims(i)
+    widths = [hd * n for n in ((H, K) if m.qk_norm_whole else (1, 1))]
+    return [] if not m.qk_norm or m.is_linear(i) else [(w, w) for w in widths]
+
+
+def v_norm_saved(m, i: int, T: int, e: int, v_grad: bool) -> int:
+    """Bytes Gemma 4's v_norm keeps in block i (module docstring): its input (unless k_proj's output, kept by k_norm),
+    its rsqrt and its one-element weight, when v needs a gradient (`v_grad`); 0 without v_norm."""
+    if not (m.v_norm and v_grad):
+        return 0
+    _, K, hd = m.attn_dims(i)
+    return e * T * K * hd * (not m.shares_kv(i)) + 4 * T * K + 4
+
+
+def rope_bytes(m, T: int, e: int) -> int:
+    """cos and sin (term 4): rotary_dim wide (Ministral 3: q's own beside them), and with local_rope the sliding
+    layers' too, at their own width (Gemma 4: head_dim, the full layers' global_head_dim)."""
+    local = m.local_args().rotary_dim if m.local_rope else 0
+    return 2 * e * T * (m.rotary_dim * (1 + (m.attn_temperature_beta is not None)) + local)
