@@ -4,7 +4,8 @@ Contract:
 - `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
   lm_head; not the embedding lookup or the norms); in an MoE block (Qwen3-MoE) a token's: its k experts' and the
   router's (Qwen3.5-MoE: + the shared expert's and its gate's); in Qwen3.5's linear layers their linear_attn's
-  projections.
+  projections; each layer's attention at its own (H, K, Hd) (Gemma 4's full layers: global_head_dim,
+  num_global_key_value_heads, no v_proj with attention_k_eq_v: ModelArgs.attn_dims, shares_kv).
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
@@ -21,14 +22,20 @@ from model.config import ModelArgs
 def matmul_params(args: ModelArgs) -> int:
     """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
-    d, h, kv, hd, f = args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size
-    attn = d * h * hd * (3 if args.attn_gate else 2) + d * kv * hd * 2   # q (Qwen3.5: its gate), o; k, v
-    per_layer = attn + 3 * d * f   # gate, up, down
+    d, f = args.dim, args.intermediate_size
     moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
     active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f * (not moe.shared) + d * bool(
         moe.shared)) if sparse else 0   # Qwen3-MoE: a token's k experts and router for gate/up/down (Qwen3.5-MoE: + its
     # shared expert, f wide, and its gate); Qwen3.5's linear layers: linear_attn's five for the attention's
-    return args.n_layers * per_layer + args.vocab_size * d + active + _linear_layers(args) * (_linear_proj(args) - attn)
+    return sum(_linear_proj(args) if args.is_linear(i) else _attn_params(args, i) for i in range(args.n_layers)) + \
+        args.n_layers * 3 * d * f + args.vocab_size * d + active   # (+ each block's gate, up, down)
+
+
+def _attn_params(args: ModelArgs, i: int) -> int:
+    """Layer i's attention weights: q (Qwen3.5: its gate) and o, k and v, each at the layer's own (H, K, Hd) (Gemma 4's
+    full layers: theirs; no v_proj where k_proj's output is v)."""
+    h, kv, hd = args.attn_dims(i)
+    return args.dim * h * hd * (3 if args.attn_gate else 2) + args.dim * kv * hd * (1 + (not args.shares_kv(i)))
 
 
 def _linear_layers(args: ModelArgs) -> int:
@@ -50,18 +57,21 @@ def flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> int:
     Not counted: activation-checkpoint and flash-kernel recomputation (hardware, not model, FLOPs),
     LoRA adapter matmuls (6·r·(in + out) per projection, ~0.3% at r 16 on a 7B) and the saving of
     a frozen base (its weight gradients are never computed, so LoRA runs execute nearer 4·P).
-    S is the attention span: the row length, or a document's length in packed rows. On a sliding-window layer
-    (`args.window`) a query sees at most w keys: S/2 on average becomes w - w²/(2·S) once S > w (until 2026-12-06
+    S is the attention span: the row length, or a document's length in packed rows. H·Hd is each layer's own (Gemma
+    4's full layers: 32 heads of 512, the sliding ones' of 256; until 2026-12-07 every layer counted as a sliding one).
+    Elementwise work is not counted: Gemma's final_logit_softcapping (a few FLOPs a logit) neither. On a sliding-window
+    layer (`args.window`) a query sees at most w keys: S/2 on average becomes w - w²/(2·S) once S > w (until 2026-12-06
     S/2 on every layer: Mistral 7B v0.1, w 4,096, at 32k counted 4.3× its attention FLOPs, its mfu ~1.4× too high)."""
     full = [i for i in range(args.n_layers) if not args.is_linear(i)]   # (Qwen3.5's linear layers attend to nothing:
     s = args.linear   # their conv and chunked rule, linear_flops_per_token less its projections, counted in 6·P)
     rule = _linear_layers(args) * (linear_flops_per_token(args.dim, s.k_heads, s.v_heads, s.k_dim, s.v_dim,
                                                           s.conv_kernel) - 6 * _linear_proj(args)) if s else 0
+    heads = lambda i: args.attn_dims(i)[0] * args.attn_dims(i)[2]   # H·Hd of layer i (Gemma 4's full layers: theirs)
     if not causal:
-        return 6 * matmul_params(args) + 12 * len(full) * seq_len * args.n_heads * args.head_dim + rule
-    twice_keys = sum(seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
-                     for i in full)   # each layer's keys a query sees, S/2 or less, doubled
-    return 6 * matmul_params(args) + round(6 * twice_keys * args.n_heads * args.head_dim) + rule
+        return 6 * matmul_params(args) + 12 * seq_len * sum(map(heads, full)) + rule
+    twice_keys = lambda i: seq_len if (w := args.window(i)) is None or seq_len <= w else 2 * w - w * w / seq_len
+    # each layer's keys a query sees, S/2 or less, doubled
+    return 6 * matmul_params(args) + round(6 * sum(twice_keys(i) * heads(i) for i in full)) + rule
 
 
 def linear_flops_per_token(D: int, Hk: int, Hv: int, dk: int, dv: int, K: int, chunk: int = 64) -> int:

@@ -182,3 +182,34 @@ def test_linear_attention_forward_count():
     C = 2 * Hk * dk + Hv * dv
     conv_tail = 2 * C * K * (K - 1) * B
     assert fc.get_total_flops() + solves - conv_tail == B * S * linear_flops_per_token(D, Hk, Hv, dk, dv, K) // 3
+
+
+def test_gemma4_flops_match_torch_flop_counter(tmp_path):
+    """Gemma 4 (a tiny Gemma4ForCausalLM config saved by transformers, read as ours: sliding layers 2 KV heads of 16,
+    full layers 1 KV head of 32 and no v_proj, attention_k_eq_v; final_logit_softcapping 30): the counter's count over
+    forward + backward = flops_per_token(causal=False), each layer at its own H·Hd with k_proj's weights and no v_proj
+    on the full layers (every layer as a sliding one until 2026-12-07); the causal count: each layer's keys by hand, the
+    sliding layers' within their window of 4 (the softcap's tanh is elementwise: neither counts it)."""
+    import transformers as T
+
+    from model.load import read_args
+    from tests.test_gemma4 import CONFIG
+
+    T.Gemma4TextConfig(**{**CONFIG, "final_logit_softcapping": 30.0}, attention_k_eq_v=True).save_pretrained(tmp_path)
+    args = read_args(str(tmp_path))
+    assert args.shares_kv(1) and args.attn_dims(1) == (4, 1, 32) and args.attn_dims(0) == (4, 2, 16)
+    torch.manual_seed(0)
+    model = Transformer(args, attention=DenseCausal())   # (full causal on every layer: the non-causal count's)
+    b, s = 2, 40
+    ids = torch.randint(0, args.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(args, s, causal=False) * b * s
+    P = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")) + args.vocab_size * args.dim
+    assert matmul_params(args) == P
+    for s in (4096, 32768):   # (the formula's S/2 keys a query: within 0.1% of the count, as for the other windows)
+        keys = sum(sum(min(t + 1, args.window(i) or s) for t in range(s)) * 4 * args.attn_dims(i)[2]
+                   for i in range(args.n_layers))   # per layer: the keys of every query · H · Hd
+        by_hand = 3 * 4 * keys / s   # per token, every layer, fwd + bwd
+        assert abs(flops_per_token(args, s) - 6 * P - by_hand) <= 1e-3 * by_hand, (s, flops_per_token(args, s), by_hand)
