@@ -112,9 +112,9 @@ class PhaseMeter:
         names = ("o_proj", ("q_proj", "k_proj", "v_proj")) if mixer else ("out_proj", ("in_proj_qkv",))
         mixer = mixer or last.linear_attn
         getattr(mixer, names[0]).register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
-        for proj in names[1]:   # the first of the three gradients to arrive ends attention
-            getattr(mixer, proj).register_forward_hook(
-                lambda m, a, out: self._watch(out, "last block: attention"))
+        for proj in names[1]:   # the first of the three gradients to arrive ends attention (Gemma 4's k_eq_v layer,
+            if getattr(mixer, proj) is not None:   # always the last: no v_proj, k_proj's output is v too)
+                getattr(mixer, proj).register_forward_hook(lambda m, a, out: self._watch(out, "last block: attention"))
         last.register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: q/k/v, norm"))
 
     def _peak(self) -> float:   # GB since the last reset, then reset

@@ -294,6 +294,24 @@ def test_wrapper_logits_adapter_and_merge(wrapped, tmp_path):
 # ----------------------------------------------------------------------------- runs
 
 
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
+def test_mem_phases_hook_a_last_layer_without_v_proj(ckpts):
+    """--mem-phases hooks the last block's q/k/v projections: a k_eq_v Gemma 4's last layer (always full) has no
+    v_proj (AttributeError on None before); every phase fires, in the backward's order."""
+    from parallel.parallelize import BuildOptions
+    from parallel.phases import PhaseMeter
+    from tests.helpers import build_nonzero_b
+    from tests.test_phases import PHASES
+
+    ours, _ = build_nonzero_b(BuildOptions(ckpts[True], quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True))
+    assert ours.model.layers[-1].self_attn.v_proj is None
+    meter = PhaseMeter(ours, torch.device("cpu"))
+    with meter.measuring(True):
+        s, n = ours(_ids(29), labels=_ids(29))
+        (s / n).backward()
+    assert [name for name, _ in meter.phases] == PHASES, meter.phases
+
+
 def test_train_runs_with_tiled_mlp_and_attention(assets, tmp_path):
     """train.py, 3 steps on the fixture tokenizer's chat records, a k_eq_v Gemma 4 (pad id 0, as Gemma's): with AC
     (the default), --tiled-mlp and --tiled-attn every step's loss, grad norm and the adapter = the run without AC's."""
