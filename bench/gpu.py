@@ -161,7 +161,7 @@ def _tensors(margs, layer, gen, dtype, device):
     """HF-named random tensors of one decoder layer (layer >= 0) or of the non-layer weights (-1): the names and shapes
     of our own decoder's parameters (built on the meta device: whatever norms, biases and q/k norms the architecture
     has, Gemma's and OLMo's included), a norm's weight its identity (0 where it is an offset from 1, else 1), biases 0,
-    the rest N(0, 0.02)."""
+    Gemma 4's layer_scalar 1, the rest N(0, 0.02)."""
     from model.llama import Transformer
 
     if (shapes := _SHAPES.get(repr(margs))) is None:   # (once per config, not per layer)
@@ -173,8 +173,9 @@ def _tensors(margs, layer, gen, dtype, device):
     ident = 0.0 if margs.norm_offset == 1.0 else 1.0
     out = {}
     for n, s in mine.items():
-        if n.endswith("norm.weight") or n.endswith(".bias"):
-            out[n] = torch.full(s, ident if n.endswith("norm.weight") else 0.0, dtype=dtype)
+        if n.endswith(("norm.weight", ".bias", "layer_scalar")):   # (Gemma 4's layer_scalar: 1, transformers' init)
+            out[n] = torch.full(s, 0.0 if n.endswith(".bias") else 1.0 if n.endswith("layer_scalar") else ident,
+                                dtype=dtype)
         else:
             out[n] = (torch.randn(*s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
     return out
@@ -196,7 +197,7 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     demo_model, _, _ = make_demo(os.path.join(ROOT, "runs", "demo_assets"))   # shared with tests and the demo
     tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
     cfg.update(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    margs = ModelArgs.from_config_dict(cfg)
+    margs = ModelArgs.from_config_dict(cut_layers(cfg, layers))   # (Gemma 4's last layer is full whatever its type)
     shards = os.path.join(work, "shards")
     os.makedirs(shards, exist_ok=True)
     stamp_path = os.path.join(shards, "stamp.json")
@@ -212,7 +213,9 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     gen = torch.Generator(device=device).manual_seed(0)
     weight_map = {}
     for layer in [-1, *range(layers)]:
-        name = "rest.safetensors" if layer < 0 else f"layer-{layer:03d}.safetensors"
+        kind = f"-{margs.layer_types[layer].split('_')[0]}" if layer >= 0 and margs.per_layer_attn else ""   # (Gemma
+        # 4: a layer's shapes are its type's, and a cut's last layer is full: one shard per index and type)
+        name = "rest.safetensors" if layer < 0 else f"layer-{layer:03d}{kind}.safetensors"
         path = os.path.join(shards, name)
         tensors = _tensors(margs, layer, gen, dtype, device)
         if not os.path.isfile(path):

@@ -288,3 +288,22 @@ def test_checkpoint_holds_what_the_decoder_loads(tmp_path, config):
             x = torch.randn(3, m.weight.shape[0])
             torch.testing.assert_close(m(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps), msg=n)
     reader.close()
+
+
+def test_gemma4_checkpoint_loads_in_transformers_at_any_cut(tmp_path):
+    """Gemma 4's last layer is full whatever config.json's type says (transformers and our reader force it): the 31B's
+    config (as `main` hands it: uncut) at 2 layers (layer 1 sliding in the 60-layer list) and at 6 in the same shard
+    cache loads in Gemma4ForCausalLM with no missing, unexpected or mismatched tensor (the 2-layer checkpoint's layer 1
+    was written as a sliding one: a size mismatch), and in ours; layer_scalar is 1 (transformers' init), not noise."""
+    import transformers as T
+
+    from model.load import from_pretrained
+
+    cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "gemma-4-31b", "config.json")))
+    for layers in (2, 6, 2):
+        ckpt = bench_gpu.write_checkpoint(cfg, layers, 128, str(tmp_path), True)
+        hf, info = T.AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (layers, info)
+        assert hf.model.layers[-1].self_attn.v_proj is None and len(hf.model.layers) == layers
+        ours = from_pretrained(ckpt)
+        assert all(float(b.layer_scalar) == 1.0 for b in ours.model.layers)
