@@ -7,8 +7,8 @@ spawns the ranks (gloo, one thread each, file:// rendezvous), runs `train.main([
 (step 2 runs with the AdamW state allocated) on a random Qwen2 checkpoint made here (hidden 256, 4 heads,
 2 KV heads, intermediate 768, 4 layers, vocab 4096, untied; the rows named "v512": vocab 512, where a block's
 backward, not the loss' logits block, sets the peak; "tied v16k": vocab 16,384, the head tied to the embedding;
-rows named for another architecture, ARCHS: Gemma 3, OLMo 3, Qwen3-MoE, Granite, Ministral 3, its random checkpoint
-of the same sizes, made from transformers' own config class) and synthetic text, and prints
+rows named for another architecture, ARCHS: Gemma 3, OLMo 3, Qwen3-MoE, Granite, Ministral 3, Gemma 4 (no cp rows),
+its random checkpoint of the same sizes, made from transformers' own config class) and synthetic text, and prints
 
     planned  = `parallel.plan.memory_plan(...).peak`: the live-tensor peak, WITHOUT the fragmentation factor
                and the runtime term (those are stated constants, not formulas to validate)
@@ -148,9 +148,15 @@ ARCHS = {"gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_w
                                            attention_multiplier=0.015625, logits_scaling=8.0)),
          "ministral3": ("Ministral3Config", dict(rope_parameters=dict(  # its default YaRN x16, from 2,048 tokens
              rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=2048, beta_fast=32.0,
-             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)))}
+             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+         # Gemma 4 (the 31B's form): the full layer its own head size (128) and 1 KV head, no v_proj; the softcap
+         "gemma4": ("Gemma4TextConfig", dict(sliding_window=1024, layer_types=FOUR, global_head_dim=128,
+                                             num_global_key_value_heads=1, attention_k_eq_v=True,
+                                             hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+                                             tie_word_embeddings=True))}
 EXTRA = {"qwen3_moe": ["--lora-targets", "attn"]}   # (LoRA on experts is refused: parallel.flags)
-CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS]
+CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS
+            if not (a == "gemma4" and w > 1)]   # (--cp > 1 is refused for Gemma 4's per-layer shapes: parallel.mesh)
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
 BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,
