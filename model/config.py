@@ -339,7 +339,7 @@ class ModelArgs:
 
     @property
     def per_layer_attn(self) -> bool:
-        """Whether the layers' attention shapes differ (Gemma 4): what the memory plan and CP do not model yet."""
+        """Whether the layers' attention shapes differ (Gemma 4; parallel/plan_layers.py plans each layer's own)."""
         return len({self.attn_dims(i) for i in range(self.n_layers)}) > 1 or self.k_eq_v
 
     @property
@@ -348,8 +348,6 @@ class ModelArgs:
         refuse or skip it, naming this), else None."""
         if self.moe is not None and self.moe.beside:
             return "Gemma 4's MoE block (a router and experts beside every block's dense MLP)"
-        if self.per_layer_attn:
-            return "per-layer attention shapes (Gemma 4: the full layers' own head size and KV heads, no v_proj there)"
         return None
 
     def projections(self, layer: int | None = None) -> dict[str, tuple[int, int]]:

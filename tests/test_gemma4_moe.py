@@ -130,8 +130,13 @@ def test_config_read_as_transformers_reads_it(ckpt):
             model.ModelArgs.from_config_dict({**base, key: None})
     with pytest.raises(ValueError, match="top_k_experts 7 is more than num_experts 6"):
         model.ModelArgs.from_config_dict({**base, "top_k_experts": 7})
-    with pytest.raises(ValueError, match="not yet supported"):   # (today through the per-layer shapes' refusal)
+    with pytest.raises(ValueError, match=r"does not model Gemma 4's MoE block \(a router.*\) yet: not yet supported"):
         memory_plan(a, None, Namespace(dtype="fp32"), "cpu", True)
+    from parallel import preflight_memory
+    said = []   # (a run: the start-up memory check skipped, saying why)
+    assert preflight_memory.check(Namespace(), a, None, [Namespace(target="cpu")], said.append) is None
+    assert said == ["memory check skipped: the memory plan does not model Gemma 4's MoE block (a router and experts "
+                    "beside every block's dense MLP) yet"], said
 
 
 def test_fused_tensors_read_expert_by_expert(ckpt, tmp_path):
