@@ -74,7 +74,7 @@ def gemma_fields(cfg: dict, max_pos: int) -> dict:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
             raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported (Gemma 2's soft-capping; Gemma 3 sets "
-                             f"it null): the attention kernels here do not cap scores, and the loss caps for Gemma 4 only")
+                             f"it null): the attention kernels here do not cap scores; the loss caps Gemma 4's only")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("config.json: use_bidirectional_attention true is not supported (an embedding model's "
                          "attention): this decoder is causal; pass a causal Gemma 3 checkpoint")
