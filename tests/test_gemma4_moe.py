@@ -20,7 +20,6 @@ Run: .venv/bin/python -m pytest -q tests/test_gemma4_moe.py
 """
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import transformers as T
 
 import model
 from tests.helpers import one_thread, train_argv
+from tests.test_gemma4 import _peft_loaded
 
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 CONFIG = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -210,17 +210,6 @@ def test_lora_grads_match_peft_on_transformers(ckpt):
 @pytest.fixture(scope="module")
 def wrapped(tmp_path_factory):
     return _save(CONFIG, tmp_path_factory.mktemp("gemma4_moe_wrapper"), wrapper=True)
-
-
-def _peft_loaded(base, adapter):
-    from peft import PeftModel
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pm = PeftModel.from_pretrained(T.Gemma4ForConditionalGeneration.from_pretrained(base), adapter).eval()
-    said = [str(w.message) for w in caught if "key" in str(w.message).lower()]
-    assert not said, f"peft warned {said}"
-    return pm
 
 
 def test_wrapper_adapter_and_merges(wrapped, tmp_path):
