@@ -213,6 +213,8 @@ def _status(key: str) -> int:
 
 
 def _worker(rank, world, argv, block=None):
+    import peft  # noqa: F401 - model.qlora imports it as it builds the adapter, inside build_model: in the baseline
+
     import model.export
     import parallel.checkpoint
     import parallel.kernels

@@ -48,7 +48,7 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
         return None
-    if (what := margs.unplanned) is not None:   # (ModelArgs.unplanned: what parallel/plan.py does not model yet)
+    if (what := getattr(margs, "unplanned", None)) is not None:   # (what parallel/plan.py does not model yet)
         log(f"memory check skipped: the memory plan does not model {what} yet")
         return None
     shares = host_per_rank(budgets)
