@@ -77,6 +77,7 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 6, 7. the block backward's MLP and attention phases: parallel/plan_block.py.
 8. the loss phase, at the end of forward (and a tied head's or a trained embedding's gradient): parallel/plan_block.py.
 9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
+11. the recompute's attention forward with K/V expanded (CUDA's efficient op: heads over 256): parallel/plan_block.py.
 Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase) in these terms: parallel/plan_moe.py; Qwen3.5's
 linear blocks (weights, LoRA targets, saved tensors in place of the attention's, the backward phase in place of 7 and
 9; each block planned as its layer type, the peak block the worse kind's): parallel/plan_linear.py.
@@ -291,7 +292,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     p.attn_row, p.attn_block = row, kernels.backward_block(row)   # (smaller past 4 blocks a row: the plan falls
     # there; plan_search.longest looks past it)
 
-    # the "| block" phases of a block's backward (terms 6, 7, 9, 10): parallel/plan_block.py
+    # the "| block" phases of a block's backward (terms 6, 7, 9, 10, 11): parallel/plan_block.py
     Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe else F   # (a token's experts' width, + a shared expert)
     block_terms = lambda i, *a, **k: plan_block.block_terms(
         *a, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,

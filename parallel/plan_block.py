@@ -1,5 +1,5 @@
 """The phases of the memory plan that never overlap, of which the peak takes the largest (parallel/plan_totals.py):
-the block backward's, the "| block" terms 6, 7, 9 and 10 of parallel/plan.py's docstring, and the loss's, the "| or:"
+the block backward's, the "| block" terms 6, 7, 9, 10, 11 of parallel/plan.py's docstring, and the loss's, the "| or:"
 term 8 (with a tied head's gradient and a trained embedding's "| end:"), in its notation. `block_terms(targets, one,
 ...)` is called by `memory_plan` for the block whose backward peaks, `loss_terms(...)` once; their keyword arguments
 are memory_plan's sizes and helpers of the same names.
@@ -50,6 +50,11 @@ are memory_plan's sizes and helpers of the same names.
    output and h), with dy: rec + 2eTD (its excess over 6, 7, 9). Not where o_proj runs _BaseAndA (no dropout,
    cast or --tiled-attn): B's share and the residual are summed into the base's output in place, and the input
    norm's output is gone since q, k, v (model.llama.Attention.projections): rec + eTD.
+11. the recompute's attention forward where the op is handed K and V expanded to H heads (torch's memory-efficient op
+   on CUDA: float32, or heads over 256, Gemma 4's full layers; backends._cuda_forward): the recompute less what comes
+   after the kernel (the MLP's input and saved tensors: eTD + 3eTF, MoE's its own) + 2eT·H·hd (`expanded_kv`; 33 GB
+   at 503k tokens of the 31B's full layers), its excess over 6, 7, 9 (10 counts its excess over it). Its backward's
+   buffers are term 7's.
 8. loss phase, at the end of forward: the final norm's saved input and rsqrt and output (eTD + 4T + eTD), the
    loss' grad_hidden (eTD), loss.CHUNK_BYTES of float32 logits ([c, V], c = CHUNK_BYTES // 4V tokens) plus a
    bf16 copy (2cV) for a bf16 weight; with final_logit_softcapping (Gemma 4) two float32 blocks, the capped logits
@@ -59,6 +64,8 @@ are memory_plan's sizes and helpers of the same names.
 """
 
 from __future__ import annotations
+
+import torch
 
 from loss import CHUNK_BYTES
 from model.rope import ROPE_CHUNK
@@ -89,12 +96,12 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     else:
         mlp = (moe[1] if moe else 2 * e * T * F + e * T * D * (1 + gu * direct)) + dequant
         t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
-    attn = e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
+    attn = kernel_backward(T, H, Kp, hd, e)
     what, n = "kernel", p.attn_block
     # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
     ring = R > 1 or (getattr(args, "objective", "sft") == "dpo" and getattr(args, "dpo_share_prompt", False))
     if not ring and Kp < H and (mb == 1 or not pack) and row > kernels.BACKWARD_BLOCK:   # blocked: dq, fp32
-        call = e * T * hd * (H + 2 * Kp) + 4 * T * H * hd + 4 * e * T * H * hd   # dk/dv, one call
+        call = kernel_backward(T, H, Kp, hd, e) + 4 * T * H * hd   # dk/dv, one call
         sums = 8 * T * Kp * hd * (n / row if mb == 1 and 8 * Kp <= e * H else 1)   # key block 0's; the rest: in out
         attn, what = sums + n / row * call, f"kernel in {n}-token blocks"   # dq, dk, dv: in q's, k's, v's storage
     if U > 1:
@@ -135,10 +142,33 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
         rec = one - (kept if N and not K else 0)   # the block's own: freed by then
         t["| block q/k/v backward after the kernel's" + " (next input prefetched)" * offload] = \
             max(0, qkv - rec - mlp - ex)
+    if (kv := expanded_kv(p.target, T, H, Kp, hd, e)) and not ta and linear is None:   # 11. (--tiled-attn: a tile's)
+        blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
+        # not yet made when it runs: the MLP's saved tensors (at least 3eTF) and its input (its norm's or the tiles')
+        gone = e * T * D + (0 if tiled else moe[0] if moe else 3 * e * T * F)
+        t[f"| block attention forward (AC: in the recompute): the efficient op's K/V expanded ({kv / GB:.2f} GB)"] = \
+            max(0, kv - gone - blocks)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         t["| block recompute's forward at o_proj and the residual (dy + 2 [T, D])"] = max(0, 2 * e * T * D - blocks)
     return t
+
+
+def kernel_backward(T: int, H: int, Kp: int, hd: int, e: int) -> int:
+    """A backward call's buffers over T query and key rows (term 7): dq, dk, dv, and with K' < H four [T, H, hd] more:
+    flash's float32 dq and dK/dV expanded to H heads; the efficient op's (torch's, backends._cuda_backward: float32,
+    heads over 256) K, V, dK, dV expanded, beside which dk, dv are summed back to K' heads."""
+    return e * T * hd * (H + 2 * Kp) + (4 * e * T * H * hd if Kp < H else 0)
+
+
+def expanded_kv(target: str, T: int, H: int, Kp: int, hd: int, e: int) -> int:
+    """Term 11: the K and V the efficient op's forward is handed expanded to H heads (backends._cuda_forward: CUDA,
+    K' < H, float32 or heads over 256: Gemma 4's full layers), [T, H, hd] copies each; 0 where no op expands them
+    (flash's and cuDNN's take GQA as is; one KV head expands as a view; the CPU's flash op expands them too: not
+    planned there)."""
+    from parallel.backends import cuda_op
+    dtype = torch.bfloat16 if e == 2 else torch.float32
+    return 2 * e * T * H * hd if target == "cuda" and 1 < Kp < H and cuda_op(dtype, hd) == "efficient" else 0
 
 
 def loss_terms(*, T, D, V, e, el, tied, emb, softcap=None) -> dict:

@@ -17,9 +17,10 @@ calls them through the hooks below (`key`, `attn_shapes`, `kinds`, `v_norm_saved
   (rotary_dim, hd of those) and the sliding layers' (their head_dim): 2eT·(hd_full + hd_sliding) (`rope_bytes`).
 - The block phases (6, 7, 9, 10) of parallel/plan_block.py: each kind's at its (K', hd); the peak block the worst.
 - The loss phase (8): final_logit_softcapping's second float32 block (parallel/plan_block.loss_terms).
-Not modelled: v_norm's backward ([T, K·hd] more in the q/k/v phase while dv waits for its chain), the attention
-kernel's extra float32 dq/dk/dv at a head size of 512 beyond what the other kernels' buffers count. Not measured
-against a GPU trace (2026-12): the saved tensors are pinned against autograd's (tests/test_plan_layers.py).
+- The efficient op's K/V expanded in the full layers' forward on CUDA (plan_block's term 11; its backward's: term 7).
+Not modelled: v_norm's backward ([T, K·hd] more in the q/k/v phase while dv waits for its chain), the efficient
+kernel's own workspace (a float32 dq accumulator, if it keeps one at a head size of 512: not measured on a GPU).
+Not measured against a GPU trace (2026-12): the saved tensors are pinned against autograd's (tests/test_plan_layers.py).
 """
 
 from __future__ import annotations

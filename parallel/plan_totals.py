@@ -4,7 +4,7 @@ and the run's checks share: the longest sample (`sample_tokens`), whether a refe
 (`with_reference`). Imports nothing of the project, so the run's checks read these without the model's code.
 
 The terms are numbered as in parallel/plan.py's docstring:
-Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
+Peak = 1 + 2 + 3 + 4 + 5 + max(6 + 7 + 9 + 10 + 11, 8); planned total = peak · FRAGMENTATION + RUNTIME[target].
 """
 
 from __future__ import annotations

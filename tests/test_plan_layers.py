@@ -221,3 +221,75 @@ def test_step_time_counts_each_layers_attention_and_the_cap():
     assert c["attention"] == pytest.approx(attn, rel=1e-12)
     assert c["elementwise"] - plain["elementwise"] == pytest.approx(CAP * T * V / r["ELEMENTWISE"], rel=1e-9)
     assert (c["matmul"], c["attention"]) == (plain["matmul"], plain["attention"])
+
+
+def _peak_allocated(fn):
+    """(fn's result, the largest bytes it held allocated at once over those live before it): the profiler's CPU memory
+    events, as test_softcapped_loss_blocks_match_the_allocations reads them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    cur = top = 0
+    for _, n in sorted((ev.start_ns(), ev.nbytes()) for ev in prof.profiler.kineto_results.events()
+                       if ev.name() == "[memory]"):
+        cur += n
+        top = max(top, cur)
+    return out, top
+
+
+@pytest.mark.parametrize("K", [1, 2, 8], ids=["mqa", "gqa", "mha"])
+def test_efficient_op_transients_match_the_allocations(monkeypatch, K):
+    """Gemma 4's full layers (heads of 512, bf16) on CUDA take torch's memory-efficient op with K/V expanded to the
+    query heads (backends._cuda_forward / _cuda_backward), here on CPU with torch's two CUDA ops faked to allocate what
+    they return (out in [B, S, H, D] storage, lse padded to 32 rows; dq, dk, dv of the shapes they are handed). The
+    forward's peak over its inputs, less out and lse (saved, term 4) = plan_block.expanded_kv (2 [T, H, hd], none
+    when K = H, nor with one KV head: a view); the backward's peak = plan_block.kernel_backward (dq, dk, dv, + the
+    expanded K, V, dK, dV where K < H), + lse's padded copy and the seed. The plan takes the forward's on CUDA only,
+    and only for the efficient op (flash's heads of 256: none)."""
+    from parallel import backends, plan_block
+
+    t = backends._t
+
+    def eff_forward(q, k, v, bias, lse_too, p, causal, scale=None):
+        b, h, s, d = q.shape
+        return t(q.new_empty(b, s, h, d)), q.new_empty(b, h, -(-s // 32) * 32, dtype=torch.float32), None, None
+
+    def eff_backward(dout, q, k, v, bias, out, lse, seed, offset, p, mask, causal, scale=None):
+        return (*(t(torch.empty_like(t(x))) for x in (q, k, v)), None)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", eff_forward)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", eff_backward)
+    Tn, H, hd, e = 64, 8, 512, 2
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, Tn, H, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, Tn, K, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    (out, lse), fwd = _peak_allocated(lambda: backends._cuda_forward(q, k, v, True, hd ** -0.5))
+    saved = e * Tn * H * hd + 4 * H * Tn   # out, lse (lse's [..., :S] of its 32-row padding: Tn = 64, none)
+    assert fwd - saved == plan_block.expanded_kv("cuda", Tn, H, K, hd, e) == 2 * e * Tn * H * hd * (1 < K < H)
+    assert plan_block.expanded_kv("cpu", Tn, H, K, hd, e) == plan_block.expanded_kv("cuda", Tn, H, K, 256, e) == 0
+    _, bwd = _peak_allocated(lambda: backends._cuda_backward(dout, q, k, v, out, lse, True, hd ** -0.5))
+    small = 4 * H * Tn + 64   # lse's padded float32 copy, the dropout seed and offset
+    assert plan_block.kernel_backward(Tn, H, K, hd, e) <= bwd <= plan_block.kernel_backward(Tn, H, K, hd, e) + small
+
+
+def test_31b_plan_counts_the_expanded_kv_of_the_full_layers():
+    """memory_plan of the 31B on CUDA at 502,784 tokens, --tiled-mlp --offload-activations: the block recompute's
+    attention forward at a full layer (32 heads of 512, 4 KV heads: the efficient op) holds the recompute less the MLP's
+    input ([T, D], not made yet) and K, V expanded (2 · 2T · 32 · 512); its term is that over the block's other
+    phases. On --target cpu none (the CPU's op is not planned this way)."""
+    from model.load import read_args
+    from parallel.mesh import ParallelDims
+    from parallel.plan import memory_plan
+
+    m, T, D = read_args(G31), 502784, 5376
+    args = train.build_parser().parse_args(["--model", G31, "--max-len", str(T), "--global-batch", "1", "--tiled-mlp",
+                                            "--offload-activations"])
+    dims = ParallelDims.from_args(1, 1, -1, 1, "ulysses", None, 32, 16)
+    p = memory_plan(m, dims, args, "cuda", True)
+    name = next(k for k in p.terms if "K/V expanded" in k)
+    block = sum(v for k, v in p.terms.items() if k.startswith("| block") and k != name)
+    rec = p.terms["| block recompute (AC): one block's saved tensors"]
+    kv = 2 * 2 * T * 32 * 512
+    assert p.terms[name] == max(0, rec - 2 * T * D + kv - block) > 0, (p.terms[name], kv / 1e9)
+    assert not any("K/V expanded" in k for k in memory_plan(m, dims, args, "cpu", True).terms)
