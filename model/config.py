@@ -342,14 +342,6 @@ class ModelArgs:
         """Whether the layers' attention shapes differ (Gemma 4; parallel/plan_layers.py plans each layer's own)."""
         return len({self.attn_dims(i) for i in range(self.n_layers)}) > 1 or self.k_eq_v
 
-    @property
-    def unplanned(self) -> str | None:
-        """What of this model the memory plan (--plan, the start-up memory check) and the FLOPs do not model yet (they
-        refuse or skip it, naming this), else None."""
-        if self.moe is not None and self.moe.beside:
-            return "Gemma 4's MoE block (a router and experts beside every block's dense MLP)"
-        return None
-
     def projections(self, layer: int | None = None) -> dict[str, tuple[int, int]]:
         """Each block projection LoRA may adapt (LORA_TARGETS): its (in_features, out_features) in block `layer` (None:
         the model's head_dim and KV heads; Gemma 4's full layers differ, `attn_dims`); with linear layers their

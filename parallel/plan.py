@@ -78,7 +78,8 @@ Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
 8. the loss phase, at the end of forward (and a tied head's or a trained embedding's gradient): parallel/plan_block.py.
 9, 10. the block backward's q/k/v phase and AC + --tiled-mlp's recompute forward: parallel/plan_block.py.
 11. the recompute's attention forward with K/V expanded (CUDA's efficient op: heads over 256): parallel/plan_block.py.
-Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase) in these terms: parallel/plan_moe.py; Qwen3.5's
+Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase; Gemma 4's beside the MLP) in these terms:
+parallel/plan_moe.py; Qwen3.5's
 linear blocks (weights, LoRA targets, saved tensors in place of the attention's, the backward phase in place of 7 and
 9; each block planned as its layer type, the peak block the worse kind's): parallel/plan_linear.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
@@ -99,9 +100,6 @@ FED = ("q_proj", "k_proj", "v_proj") + plan_linear.IN_PROJ   # the projections t
 
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     """Term-by-term plan (see the module docstring) for ModelArgs `m` under ParallelDims `dims`."""
-    if (what := m.unplanned) is not None:   # (--plan, --max-len auto, --fast refuse; the start-up check skips it)
-        raise ValueError(f"the memory plan does not model {what} yet: not yet supported (--plan, --max-len auto, "
-                         "--suggest and --fast refuse it; a run skips its start-up memory check)")
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     el = e if target == "cuda" and e == 2 else 4
     W, U, R = dims.dp_shard * dims.cp, dims.ulysses, dims.ring
@@ -134,13 +132,15 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     kinds = plan_layers.kinds(m, plan_linear.kinds(m, [(c, ws, router(rr), False) for c, ws, rr in plan_moe.kinds(
         m, shapes)], lshapes, attn4), attn4)
     moe = m.moe is not None and any(m.moe.sparse(i) for i in range(L))
+    beside = moe and m.moe.beside   # Gemma 4's MoE block: beside every block's dense MLP, not in its place
     base = []
     nb = 4 if m.sandwich_norms else 2   # block norms [D] (Gemma 3: two more, on the sublayers' outputs)
     pre, post = not m.post_norms, m.sandwich_norms or m.post_norms   # norms in front of / on the sublayers' outputs
     base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)] \
-        + [(1, 1)] * m.layer_scalar   # (Gemma 4's frozen [1] per block)
+        + [(1, 1)] * m.layer_scalar + ([(D, D)] * 4 + [(m.moe.experts,) * 2] if beside else [])   # (Gemma 4's frozen
+    # [1] per block; its MoE block's three norms, the router's scale [D] and per_expert_scale [E])
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
@@ -219,9 +219,10 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
                      if not first or t in tg or norms and tg) * m.qk_norm
             b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
         b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
-        b += 0 if tiled else plan_moe.saved(m, T, e) if sparse else e * T * F * (
-            3 + ("down_proj" in tg and el == e))   # (el != e: down's A keeps its
-        # float32 input, not the product; peft casts x before dropout: the dropped input is kept, not the cast)
+        b += (0 if tiled else plan_moe.saved(m, T, e) if sparse and not beside else e * T * F * (
+            3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside else 0)   # (Gemma
+        # 4's MoE: beside the dense MLP, never tiled; el != e: down's A keeps its float32 input, not the product;
+        # peft casts x before dropout: the dropped input is kept, not the cast)
         b += sum(T * r * el + (4 * T * sh[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
             + dora_saved(inner, first=first, tg=tg, sh=sh)
         return b + dropped(inner, first, sh)
@@ -293,12 +294,13 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # there; plan_search.longest looks past it)
 
     # the "| block" phases of a block's backward (terms 6, 7, 9, 10, 11): parallel/plan_block.py
-    Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe else F   # (a token's experts' width, + a shared expert)
+    Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe and not beside else F   # (a token's experts' width, + a
+    # shared expert; Gemma 4's: the dense MLP's, the experts' in plan_moe.backward)
     block_terms = lambda i, *a, **k: plan_block.block_terms(
         *a, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,
         dequant=dequant, direct=direct, dora=dora, dora_saved=partial(dora_saved, sh=at(i)), e=e, hd=m.attn_dims(i)[2],
         dropped=partial(dropped, sh=at(i)), held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row,
-        tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e)) if moe else None, **k)   # (block i's)
+        tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e), beside) if moe else None, **k)   # (i's)
 
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above

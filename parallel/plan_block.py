@@ -80,6 +80,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     `linear`: a Gated DeltaNet block's sublayer backward beyond its saved tensors (parallel/plan_linear.py's), in
     place of 7 and 9: dh and it over the freed MLP (no kept attention output, no prefetch: the attention's only)."""
     t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
+    beside = moe is not None and moe[2]   # Gemma 4's MoE: beside the dense MLP (F its width), never tiled
     ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
@@ -92,10 +93,16 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
         tt = min(T, tile_tokens(D, None))
         mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
             + ds(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
-        t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
+        if not beside:
+            t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
     else:
-        mlp = (moe[1] if moe else 2 * e * T * F + e * T * D * (1 + gu * direct)) + dequant
-        t["| block backward at the MLP: grads" + (", dequantized weight" if nf4 else "")] = mlp
+        mlp = (moe[1] if moe and not beside else 2 * e * T * F + e * T * D * (1 + gu * direct)) + dequant
+    if beside:   # Gemma 4's experts (made after the dense MLP) run their backward first, the dense branch's gradient
+        # waiting (eTD); then the dense MLP's, the experts' tensors freed, x's gradient from them waiting (eTD)
+        mlp = max(moe[1] + e * T * D + dequant, mlp + e * T * D - moe[0])
+    if not tiled or beside:
+        t["| block backward at the MLP" + " and the experts" * beside + ": grads" + (", dequantized weight" if nf4
+                                                                                     else "")] = mlp
     attn = kernel_backward(T, H, Kp, hd, e)
     what, n = "kernel", p.attn_block
     # --dpo-share-prompt: the rows' branches take the ring's planned calls, whose float32 sums are the ring's
@@ -114,7 +121,8 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     # it, o_proj's backward: one input gradient (_BaseAndA), or on peft's path 2 (3 with a plain base: a view)
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
-    gone = 0 if tiled else (moe[0] if moe else 4 * e * T * F) + ds(("gate_proj", "up_proj", "down_proj"))
+    gone = (0 if tiled else (moe[0] if moe and not beside else 4 * e * T * F) + ds(
+        ("gate_proj", "up_proj", "down_proj"))) + (moe[0] if beside else 0)
     o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
     o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
     oproj = max(oproj, e * T * D * bool(o_dora))
@@ -145,7 +153,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     if (kv := expanded_kv(p.target, T, H, Kp, hd, e)) and not ta and linear is None:   # 11. (--tiled-attn: a tile's)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         # not yet made when it runs: the MLP's saved tensors (at least 3eTF) and its input (its norm's or the tiles')
-        gone = e * T * D + (0 if tiled else moe[0] if moe else 3 * e * T * F)
+        gone = e * T * D + (0 if tiled else moe[0] if moe and not beside else 3 * e * T * F) + (moe[0] if beside else 0)
         t[f"| block attention forward (AC: in the recompute): the efficient op's K/V expanded ({kv / GB:.2f} GB)"] = \
             max(0, kv - gone - blocks)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)

@@ -47,7 +47,7 @@ def kinds(m, kinds: list, attn: list) -> list:
     first = lambda lin: next(i for i in range(m.n_layers) if m.is_linear(i) == lin)
     if not m.per_layer_attn:
         return [(c, ws, x + qk_norms(m, first(lin)), key(m, first(lin))) for c, ws, x, lin in kinds]
-    if m.moe is not None or m.linear is not None:   # (no such model: Gemma 4's dense decoder only)
+    if (m.moe is not None and not m.moe.beside) or m.linear is not None:   # (no such model: Gemma 4's only, its MoE
         raise ValueError(f"{m.named}: per-layer attention shapes with MoE or linear blocks are not planned")
     (c, ws, x, _), = kinds
     rest = list(ws)

@@ -23,6 +23,17 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   over the experts and one expert's index_select backward [T, D] (3eTD), the router's float32 gradients (8TE), one
   expert's backward with every token routed to it at worst (e·T·(2I + D)). Not measured against a GPU trace (2026-12):
   the saved tensors are pinned against autograd's (tests/test_qwen3_moe.py).
+- Gemma 4's MoE block (`beside`: model/gemma4_moe.py) keeps the dense MLP (its Linears, saved tensors, tiles and phase
+  as the dense block's) and adds the experts beside it: their Linears, the router [E, D] (never quantized), its scale
+  [D] and per_expert_scale [E] and the three norms [D] with the block norms; saved, whatever --tiled-mlp (it tiles the
+  dense MLP only): the router's weightless norm's rsqrt and one-element weight (4T + 4), float32 softmax (4TE), top k
+  (8Tk int64, 4Tk float32), the renormalisation's sum (4T), the per_expert_scale picks (4Tk), the slots' order and
+  tokens (16Tk), each expert's gate, gelu and up outputs (3e·Tk·I) and its down output with its float32 routing weight
+  ((eD + 4)·Tk), pre_feedforward_layernorm_2's rsqrt (its input is the MLP norm's) and post_feedforward_layernorm_1's
+  and _2's inputs and rsqrt (2·(eTD + 4T)); tests/test_gemma4_moe.py pins them against autograd's. The block backward
+  (parallel/plan_block.py) runs the experts first (made last: `backward` + the dense branch's waiting gradient, eTD),
+  then the dense MLP's phase with the experts' tensors freed; the attention's phases after both are gone. Not
+  modelled: the float32 product of an expert's output and its routing weight in that expert's backward.
 """
 
 from __future__ import annotations
@@ -37,9 +48,10 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
     sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
     width, D = m.moe.width, m.dim
     experts = [(width, D), (width, D), (D, width)] * m.moe.experts + [(1, D)] * bool(m.moe.shared)   # (+ its gate)
-    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),   # (the shared expert: F, the MLP's shapes)
-                        (sparse, [s for t, s in shapes.items() if t not in MLP or m.moe.shared] + experts,
-                         m.moe.experts)) if k[0]]
+    keep = lambda t: t not in MLP or m.moe.shared or m.moe.beside   # (the shared expert: F, the MLP's shapes; Gemma
+    # 4's dense MLP beside the experts)
+    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
+                        (sparse, [s for t, s in shapes.items() if keep(t)] + experts, m.moe.experts)) if k[0]]
 
 
 def held(m, shapes: dict) -> dict:
@@ -47,15 +59,19 @@ def held(m, shapes: dict) -> dict:
     block's every expert of moe_intermediate_size (E·I·D), not E of the dense MLP's intermediate_size; the larger kind's
     where dense blocks are there too; + the shared expert's (S·D)."""
     n = {x: o * i for x, (o, i) in shapes.items()}
-    if m.moe is not None and (sparse := sum(m.moe.sparse(i) for i in range(m.n_layers))):
+    if m.moe is not None and not m.moe.beside and (sparse := sum(m.moe.sparse(i) for i in range(m.n_layers))):
         for x in MLP:
             n[x] = max(n[x] if sparse < m.n_layers else 0, (m.moe.experts * m.moe.width + m.moe.shared) * m.dim)
     return n
 
 
 def saved(m, T: int, e: int) -> float:
-    """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring)."""
+    """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring); Gemma 4's beside the dense
+    MLP's, whatever --tiled-mlp (which tiles the dense MLP only)."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
+    if m.moe.beside:
+        return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
+            + 3 * e * T * k * width + (e * D + 4) * T * k + 4 * T + 2 * (e * T * D + 4 * T)
     return 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 16 * T * k \
         + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0)
 

@@ -48,9 +48,6 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
         return None
-    if (what := getattr(margs, "unplanned", None)) is not None:   # (what parallel/plan.py does not model yet)
-        log(f"memory check skipped: the memory plan does not model {what} yet")
-        return None
     shares = host_per_rank(budgets)
     dev = min(budgets, key=lambda b: b.device)
     low = min(range(len(budgets)), key=lambda r: shares[r])

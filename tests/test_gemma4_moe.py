@@ -112,14 +112,9 @@ def test_logits_match_transformers(ckpt):
 
 
 def test_config_read_as_transformers_reads_it(ckpt):
-    from argparse import Namespace
-
-    from parallel.plan import memory_plan
-
     base = {**T.Gemma4TextConfig(**CONFIG).to_dict(), "architectures": ["Gemma4ForCausalLM"]}
     a = model.ModelArgs.from_config_dict(base)
     assert (a.moe.experts, a.moe.top_k, a.moe.width, a.moe.beside, a.intermediate_size) == (6, 2, 32, True, 64)
-    assert a.unplanned.startswith("Gemma 4's MoE block")
     from model.moe import expert_targets
     assert expert_targets(a, ALL) is None   # (the dense MLP's names, as peft reads them)
     ours = model.from_pretrained(ckpt)
@@ -130,13 +125,6 @@ def test_config_read_as_transformers_reads_it(ckpt):
             model.ModelArgs.from_config_dict({**base, key: None})
     with pytest.raises(ValueError, match="top_k_experts 7 is more than num_experts 6"):
         model.ModelArgs.from_config_dict({**base, "top_k_experts": 7})
-    with pytest.raises(ValueError, match=r"does not model Gemma 4's MoE block \(a router.*\) yet: not yet supported"):
-        memory_plan(a, None, Namespace(dtype="fp32"), "cpu", True)
-    from parallel import preflight_memory
-    said = []   # (a run: the start-up memory check skipped, saying why)
-    assert preflight_memory.check(Namespace(), a, None, [Namespace(target="cpu")], said.append) is None
-    assert said == ["memory check skipped: the memory plan does not model Gemma 4's MoE block (a router and experts "
-                    "beside every block's dense MLP) yet"], said
 
 
 def test_fused_tensors_read_expert_by_expert(ckpt, tmp_path):
@@ -334,3 +322,82 @@ def test_cp2_ring_with_sharded_nf4_experts_runs_as_one_rank(assets, tmp_path):
     step = [next(m for m in map(json.loads, open(tmp_path / d / "metrics.jsonl")) if m.get("step") == 1)
             for d in ("one", "cp2")]
     assert step[0]["tokens"] == step[1]["tokens"] and abs(step[0]["loss"] - step[1]["loss"]) < 1e-5, step
+
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+G26 = os.path.join(CONFIGS, "gemma-4-26b-a4b")
+
+
+def _build(path, flags, quant="nf4"):
+    import train
+    from model.lora_spec import lora_layers
+    from parallel.parallelize import BuildOptions, build_model
+
+    args = train.build_parser().parse_args(["--model", path, "--max-len", "128", "--global-batch", "1", "--quant",
+                                            quant, "--dtype", "fp32", "--no-ac", "--lora-dropout", "0", *flags])
+    ours, _ = build_model(BuildOptions(
+        path, quant=quant, ac=False, lora_dropout=0.0, tiled_mlp=args.tiled_mlp, train_norms=args.train_norms,
+        lora_targets=tuple(args.lora_targets.split(",")), lora_layers=lora_layers(args.lora_layers)), device="cpu")
+    for b in ours.model.layers:   # (the CPU kernel keeps a windowed layer's [S, S] mask: not a GPU's, not planned)
+        b.self_attn.window = None
+    return ours, args
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp"], ["--lora-targets", "attn"], ["--train-norms"],
+                                   ["--lora-layers", "2-3"]], ids=["plain", "tiled_mlp", "attn", "train_norms",
+                                                                   "lora_layers"])
+def test_planned_activations_match_autograd(ckpt, flags):
+    """No AC, fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps in a real forward (unique
+    storages, parameters excluded): the dense Gemma 4 block's, and beside its MLP the MoE block's
+    (parallel/plan_moe.saved: the router's rsqrt, one-element weight, float32 softmax, top k, renormalisation and
+    per_expert_scale picks; the slots' order; each expert's gate, gelu and up outputs and its down output with the
+    float32 routing weight; the three norms:
+    pre_feedforward_layernorm_2's rsqrt, post_feedforward_layernorm_1's and _2's inputs and rsqrt). --tiled-mlp tiles
+    the dense MLP only: the experts' tensors stay."""
+    from tests.helpers import planned_and_saved_activations
+
+    ours, args = _build(ckpt, flags)
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+
+
+def test_weight_terms_are_the_models_parameters(ckpt):
+    """--quant none, fp32, one process: base weights = the blocks' frozen Linears (attention at each layer's shapes, the
+    dense MLP and every expert's gate, up, down), the norms-routers term = the block's seven norms, q/k norms,
+    layer_scalar and the router (proj [E, D], scale [D], per_expert_scale [E]), LoRA's = 16 bytes per trainable element:
+    all of the built model."""
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+
+    ours, args = _build(ckpt, [], quant="none")
+    dims, pack_rows = validate(args, ours.args, 1)
+    p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
+    named = list(ours.model.layers.named_parameters())
+    linear = sum(q.numel() for n, q in named if q.dim() == 2 and "lora" not in n and "router" not in n)
+    rest = sum(q.numel() for n, q in named if "norm" in n or n.endswith("layer_scalar") or "router" in n)
+    lora = sum(q.numel() for q in ours.parameters() if q.requires_grad)
+    assert sum("experts" in n for n, _ in named) == 4 * 6 * 3
+    got = {k.split(" (")[0].split(" shard")[0]: v for k, v in p.terms.items()}
+    assert got["base weights"] == 4 * linear
+    assert got["block norms, biases, routers"] == 4 * rest
+    assert [v for k, v in p.terms.items() if k.startswith("LoRA params")] == [16 * lora]
+
+
+def test_26b_a4b_config_reads_as_transformers_reads_it():
+    """bench/configs/gemma-4-26b-a4b (the text config of google/gemma-4-26B-A4B): n_params = transformers' parameters on
+    the meta device less the q/k norms (25.23B, the model card's 25.2B), 3.82B active (top 8 of 128 experts: the
+    card's 3.8B); --plan, --max-len auto and the start-up check run on it (no refusal)."""
+    import json
+
+    from model.load import read_args
+
+    m = read_args(G26)
+    with open(os.path.join(G26, "config.json")) as f:
+        cfg = {k: v for k, v in json.load(f).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    with torch.device("meta"):
+        hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**cfg))
+    qk = sum(q.numel() for n, q in hf.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    assert m.n_params - m.n_layers == sum(q.numel() for q in hf.parameters()) - qk   # (our layer_scalar: its buffer)
+    assert round(m.n_params / 1e9, 2) == 25.23
+    idle = (m.moe.experts - m.moe.top_k) * 3 * m.dim * m.moe.width * m.n_layers
+    assert round((m.n_params - idle) / 1e9, 2) == 3.82
