@@ -3,9 +3,10 @@
 Contract:
 - `matmul_params(args)` (a model.config.ModelArgs): the weights that multiply activations (block projections and
   lm_head; not the embedding lookup or the norms); in an MoE block (Qwen3-MoE) a token's: its k experts' and the
-  router's (Qwen3.5-MoE: + the shared expert's and its gate's); in Qwen3.5's linear layers their linear_attn's
-  projections; each layer's attention at its own (H, K, Hd) (Gemma 4's full layers: global_head_dim,
-  num_global_key_value_heads, no v_proj with attention_k_eq_v: ModelArgs.attn_dims, shares_kv).
+  router's (Qwen3.5-MoE: + the shared expert's and its gate's; Gemma 4's: beside the dense MLP's); in Qwen3.5's
+  linear layers their linear_attn's projections; each layer's attention at its own (H, K, Hd) (Gemma 4's full
+  layers: global_head_dim, num_global_key_value_heads, no v_proj with attention_k_eq_v: ModelArgs.attn_dims,
+  shares_kv).
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
@@ -24,7 +25,8 @@ def matmul_params(args: ModelArgs) -> int:
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
     d, f = args.dim, args.intermediate_size
     moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
-    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f * (not moe.shared) + d * bool(
+    replaced = not (moe.shared or moe.beside) if moe else False   # (Gemma 4's experts: beside the dense MLP)
+    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f * replaced + d * bool(
         moe.shared)) if sparse else 0   # Qwen3-MoE: a token's k experts and router for gate/up/down (Qwen3.5-MoE: + its
     # shared expert, f wide, and its gate); Qwen3.5's linear layers: linear_attn's five for the attention's
     return sum(_linear_proj(args) if args.is_linear(i) else _attn_params(args, i) for i in range(args.n_layers)) + \

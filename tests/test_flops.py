@@ -213,3 +213,20 @@ def test_gemma4_flops_match_torch_flop_counter(tmp_path):
                    for i in range(args.n_layers))   # per layer: the keys of every query · H · Hd
         by_hand = 3 * 4 * keys / s   # per token, every layer, fwd + bwd
         assert abs(flops_per_token(args, s) - 6 * P - by_hand) <= 1e-3 * by_hand, (s, flops_per_token(args, s), by_hand)
+
+
+def test_gemma4_moe_flops_keep_the_dense_mlp_by_hand():
+    """google/gemma-4-26B-A4B (bench/configs/gemma-4-26b-a4b): its experts run beside every block's dense MLP, so
+    matmul_params counts, by hand from the shapes: each layer's attention (25 sliding: q, o [16·256, D], k, v [8·256,
+    D]; 5 full: q, o [16·512, D], k [2·512, D], no v_proj), the dense MLP (3·D·F), a token's top 8 experts (3·D·I each)
+    and the router [128, D], and lm_head (it subtracted the dense MLP as for Qwen3-MoE, whose experts replace it)."""
+    from model.load import read_args
+
+    m = read_args(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs",
+                               "gemma-4-26b-a4b"))
+    D, dense, width, V = 2816, 2112, 704, 262144
+    sliding, full = 2 * 16 * 256 * D + 2 * 8 * 256 * D, 2 * 16 * 512 * D + 2 * 512 * D
+    block = 3 * D * dense + 8 * 3 * D * width + 128 * D
+    assert matmul_params(m) == 25 * sliding + 5 * full + 30 * block + V * D
+    # one key: each layer's QK and PV, 2·2·H·hd forward, x3 with backward
+    assert flops_per_token(m, 1, causal=False) - 6 * matmul_params(m) == 12 * 16 * (25 * 256 + 5 * 512)
