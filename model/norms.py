@@ -6,7 +6,8 @@ Contract:
 - `trained_norms(model, layers)`: the norm modules that train, by our (and transformers') names: each adapted block's
   input_layernorm (not OLMo's: its blocks have none), post_attention_layernorm, (Gemma 3, OLMo) post_ and (Gemma 3)
   pre_feedforward_layernorm, (Qwen3, Gemma 3, OLMo) q_norm, k_norm, (Qwen3.5's linear layers) the gated norm
-  linear_attn.norm, and the final `model.norm`. `layers`: the
+  linear_attn.norm, (Gemma 4's MoE block) pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and _2, and the
+  final `model.norm`. `layers`: the
   adapted blocks (--lora-layers; None: all). Blocks below the lowest adapted one run no backward: theirs stay frozen.
 - `train_norms(model, layers)`: those weights become trainable float32 masters (as LoRA's: FSDP2's mixed precision
   hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
@@ -35,11 +36,13 @@ import re
 import torch
 
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
-               "self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm")   # (the feedforward ones: Gemma 3's,
-# OLMo's: gemma.py; linear_attn.norm: Qwen3.5's linear layers' gated norm, model/deltanet.py)
+               "self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm", "pre_feedforward_layernorm_2",
+               "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")   # (the feedforward ones: Gemma 3's,
+# OLMo's: gemma.py; linear_attn.norm: Qwen3.5's linear layers' gated norm, model/deltanet.py; the _1/_2 ones: Gemma 4's
+# MoE block's, model/gemma4_moe.py)
 _WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
-                     r"pre_feedforward_layernorm|post_feedforward_layernorm|self_attn\.q_norm|self_attn\.k_norm|"
-                     r"linear_attn\.norm))(\.modules_to_save\.default)?\.weight$")
+                     r"pre_feedforward_layernorm(_2)?|post_feedforward_layernorm(_[12])?|self_attn\.q_norm|"
+                     r"self_attn\.k_norm|linear_attn\.norm))(\.modules_to_save\.default)?\.weight$")
 _EMBED = re.compile(r"(^|\.)(model\.embed_tokens)(\.modules_to_save\.default)?\.weight$")
 
 

@@ -148,7 +148,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
     lo = adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
     loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i)] + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]
-             + ([(D, D)] * nb + plan_layers.qk_norms(m, i)) * norms for x, i in {kind(i): i for i in range(L)}.items()}
+             + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i)) * norms   # (+ Gemma 4's MoE norms)
+             for x, i in {kind(i): i for i in range(L)}.items()}
     lora = lambda i: loras[kind(i)]   # a block's LoRA by its kind (linear or not; Gemma 4: its attention shape)
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)

@@ -361,21 +361,23 @@ def test_planned_activations_match_autograd(ckpt, flags):
     assert planned == saved, (planned, saved, terms)
 
 
-def test_weight_terms_are_the_models_parameters(ckpt):
+@pytest.mark.parametrize("flags", [[], ["--train-norms"]], ids=["lora", "train_norms"])
+def test_weight_terms_are_the_models_parameters(ckpt, flags):
     """--quant none, fp32, one process: base weights = the blocks' frozen Linears (attention at each layer's shapes, the
     dense MLP and every expert's gate, up, down), the norms-routers term = the block's seven norms, q/k norms,
     layer_scalar and the router (proj [E, D], scale [D], per_expert_scale [E]), LoRA's = 16 bytes per trainable element:
-    all of the built model."""
+    all of the built model (with --train-norms the seven norms and q/k norms of each block too)."""
     from parallel.mesh import validate
     from parallel.plan import memory_plan
 
-    ours, args = _build(ckpt, [], quant="none")
+    ours, args = _build(ckpt, flags, quant="none")
     dims, pack_rows = validate(args, ours.args, 1)
     p = memory_plan(ours.args, dims, args, "cpu", pack_rows)
     named = list(ours.model.layers.named_parameters())
     linear = sum(q.numel() for n, q in named if q.dim() == 2 and "lora" not in n and "router" not in n)
     rest = sum(q.numel() for n, q in named if "norm" in n or n.endswith("layer_scalar") or "router" in n)
-    lora = sum(q.numel() for q in ours.parameters() if q.requires_grad)
+    lora = sum(q.numel() for n, q in ours.named_parameters() if q.requires_grad and n != "model.norm.weight")   # (a
+    # trained final norm: with the root's term, parallel/plan_weights.py)
     assert sum("experts" in n for n, _ in named) == 4 * 6 * 3
     got = {k.split(" (")[0].split(" shard")[0]: v for k, v in p.terms.items()}
     assert got["base weights"] == 4 * linear
@@ -401,3 +403,30 @@ def test_26b_a4b_config_reads_as_transformers_reads_it():
     assert round(m.n_params / 1e9, 2) == 25.23
     idle = (m.moe.experts - m.moe.top_k) * 3 * m.dim * m.moe.width * m.n_layers
     assert round((m.n_params - idle) / 1e9, 2) == 3.82
+
+
+def test_train_norms_trains_the_moe_blocks_norms_and_the_adapter_loads_in_peft(wrapped, tmp_path):
+    """--train-norms on the MoE block: its three norms (pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and
+    _2) train beside the dense block's four and q/k norms; the exported adapter (their weights moved off the base) loads
+    in peft on transformers' model with our logits (the weightless v_norm and the router's norm have none)."""
+    from model.export import export_adapter
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ours, peft_model = build_nonzero_b(BuildOptions(wrapped, quant="none", lora_r=4, lora_alpha=8.0,
+                                                    lora_targets=ALL, seed=3, train_norms=True))
+    trained = {n for n, p in ours.named_parameters() if p.requires_grad and "lora_" not in n}
+    moe = {f"model.layers.{i}.{n}.weight" for i in range(4)
+           for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")}
+    assert moe <= trained and len(trained) == 4 * (4 + 2 + 3) + 1, sorted(trained)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if n in trained:
+                p.add_(torch.randn_like(p) * 0.2)
+    export_adapter(peft_model, str(tmp_path / "a"), wrapped, quant="none")
+    ids = _ids(23)
+    with torch.no_grad():
+        want = ours(ids)
+    pm = _peft_loaded(wrapped, str(tmp_path / "a"))
+    with torch.no_grad():
+        assert rel(pm(input_ids=ids).logits, want) < 1e-5, "adapter with the trained norms in peft"
