@@ -15,7 +15,7 @@ n_tokens)`:
 3. Per chunk, in the forward pass: logits = hidden_chunk @ weight.T (a GEMM in the weight's dtype with float32
    accumulation) into a reused float32 block; with `softcap=c` (Gemma 2/4's final_logit_softcapping) the block then
    holds the capped logits u = c·tanh(logits / c), transformers' order of operations, and everything below (the loss,
-   `hits`, `dft`, `per_token`, a `loss_fn`'s input) is of u. Then the loss and d(loss)/d(u):
+   `hits`, `dft`, `per_token`, a `loss_fn`'s input) is of u. Then the loss and d(loss)/d(u) (model/chunk_loss.py):
    - `loss_fn=None` (default): fused cross-entropy; softmax - one_hot (0 on ignored rows) is made in place in the
      block, no autograd involved. `dft=True` scales each row's loss and gradient by its target's probability, a
      constant (Wu et al. 2025, "On the Generalization of SFT": Dynamic Fine-Tuning).
@@ -67,48 +67,14 @@ def auto_chunk_size(n_tokens: int, vocab: int, budget_bytes: int = CHUNK_BYTES) 
     return max(1, min(n_tokens, budget_bytes // (4 * vocab)))
 
 
-def _fused_ce(logits, safe, valid, grad: bool = True, hits=None, dft: bool = False):
-    """Cross-entropy of a chunk's rows and, in place in `logits`, its gradient softmax - one_hot (if `grad`); `hits`
-    gets the count of rows whose target is the top logit added. `dft`: each row's loss and gradient × its target's
-    probability p = exp(z_target - lse), a constant (no gradient through it)."""
-    target = logits.gather(1, safe)                     # [c, 1]
-    mx = logits.amax(1, keepdim=True)
-    if hits is not None:   # (from what the loss reads anyway: no pass over the block)
-        _count(hits, (target >= mx) & (valid > 0))
-    probs = logits.sub_(mx).exp_()                      # exp(z - max), in place
-    denom = probs.sum(1, keepdim=True)
-    ce = mx + denom.log() - target                      # lse - z_target, per row [c, 1]
-    w = valid * (-ce).exp() if dft else valid           # (DFT: from the row's own [c, 1] numbers, no pass over V)
-    loss = torch.where(valid > 0, w * ce, 0.0).squeeze(1)
-    if grad:
-        probs.mul_(w / denom).scatter_add_(1, safe, -w)   # 0 on ignored rows
-    return loss, probs
-
-
-def _count(hits, right):
-    """Add a chunk's [c, 1] right-or-not to `hits`: their count (0-dim) or each row's 0/1 (`hits` the chunk's [c])."""
-    hits += right.squeeze(1) if hits.dim() else right.sum()
-
-
-def _custom(loss_fn, logits, labels, need_grad):
-    """A user loss on one chunk and its gradient w.r.t. the chunk's logits (autograd, chunk-local)."""
-    if not need_grad:
-        return loss_fn(logits, labels).float(), None
-    with torch.enable_grad():
-        z = logits.detach().requires_grad_()
-        loss = loss_fn(z, labels)
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar (the chunk's summed loss), got shape {tuple(loss.shape)}")
-        (grad,) = torch.autograd.grad(loss, z, allow_unused=True)
-    return loss.detach().float(), (torch.zeros_like(logits) if grad is None else grad)
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward just scales them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, loss_fn, per_token=False, hits=None, dft=False,
                 softcap=None):
+        # (imported here, not at the top: model/llama.py imports this module, and the model package imports llama)
+        from model.chunk_loss import cap, custom_loss, fused_ce, uncap
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if per_token and (loss_fn is not None or need_w):   # (a row's weight gradient cannot be scaled afterwards)
@@ -136,27 +102,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(x, weight.t(), out=logits)
             else:
                 logits.copy_(x @ weight.t())               # a bf16 GEMM (float32 accumulate), then upcast
-            t = None
-            if tblock is not None:                         # u = c·tanh(z / c) into the block, t = tanh(z / c) beside
-                t = torch.div(logits, softcap, out=tblock[: e - s]).tanh_()
-                torch.mul(t, softcap, out=logits)
-            elif softcap is not None:                      # (no gradient: nothing needs t)
-                logits.div_(softcap).tanh_().mul_(softcap)
+            t = None if softcap is None else cap(logits, softcap, tblock)   # u = c·tanh(z / c) in the block, t beside
             if loss_fn is None:
-                loss, dlogits = _fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit, dft)
+                loss, dlogits = fused_ce(logits, safe[s:e], validf[s:e], need_h or need_w, hit, dft)
                 if per_token:
                     loss_sum[s:e] = loss
                 else:
                     loss_sum += loss.sum()
             else:
-                if hit is not None:   # (before loss_fn, which may write into the block: one more pass over it)
-                    _count(hit, (logits.gather(1, safe[s:e]) >= logits.amax(1, keepdim=True)) & (validf[s:e] > 0))
-                loss, dlogits = _custom(loss_fn, logits, labels[s:e], need_h or need_w)
+                loss, dlogits = custom_loss(loss_fn, logits, labels[s:e], safe[s:e], validf[s:e], need_h or need_w, hit)
                 loss_sum += loss
             if not (need_h or need_w):
                 continue
-            if t is not None:   # through the cap: d/dz = d/du - d/du·t², written over t (d/du may be loss_fn's, any
-                dlogits = torch.addcmul(dlogits, dlogits, t.square_(), value=-1, out=t)   # layout: not written to)
+            if t is not None:   # through the cap: d/dz = d/du·(1 - t²)
+                dlogits = uncap(dlogits, t)
             g = dlogits.to(weight.dtype)
             if need_h and grad_h.dtype == weight.dtype:
                 torch.mm(g, weight, out=grad_h[s:e])       # a row block of a contiguous tensor: no copy
