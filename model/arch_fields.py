@@ -36,7 +36,7 @@ import math
 from model import gemma4_moe
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
-from model.rope import read_rope
+from model.rope_read import read_rope
 
 GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
 

@@ -9,7 +9,7 @@ Contract:
   `layer_types` names; Qwen2/3's only with `use_sliding_window`, on the layers `layer_types` marks
   "sliding_attention" (derived from `max_window_layers` when absent: layers i >= max_window_layers slide); Llama
   has none.
-- RoPE (`read_rope`, `rope_scaling_flag` for `--rope-scaling`, `inv_freq`): model/rope.py.
+- RoPE: config.json's and `--rope-scaling`'s (`read_rope`, `rope_scaling_flag`) model/rope_read.py, `inv_freq` rope.py.
 - `args.with_rope_scaling(spec)` is `args` with `--rope-scaling` in place of config.json's scaling, checked by computing
   the frequencies once; `args.context` is the positions the model is made for (`max_position_embeddings`, or
   factor × the original length when scaled), `args.beyond_context(n)` the warning for rows longer than that.
@@ -25,7 +25,8 @@ from model.config_read import read_config
 from model.linear_layers import LinearSpec
 from model.lora_spec import sublayer
 from model.moe import MoESpec
-from model.rope import ROPE_TYPES, inv_freq, keep_temperature, rope_scaling_flag
+from model.rope import inv_freq
+from model.rope_read import ROPE_TYPES, keep_temperature, rope_scaling_flag
 
 
 @dataclass

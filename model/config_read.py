@@ -4,7 +4,8 @@ Contract:
 - `ModelArgs.from_config_dict(cfg)` accepts the classic hub format (top-level `rope_theta`,
   `rope_scaling`) and the newer `rope_parameters` format, for the Llama family: Llama 2/3
   (llama3 rope scaling), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim), Mistral and Ministral, and
-  Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope.py),
+  Ministral 3 (`ministral3`: YaRN, Llama 4's attention temperature `attn_temperature_beta`/`_length`; model/rope_read.py
+  reads them, model/rope.py applies them),
   Gemma 3 text, OLMo 2/3, SmolLM3 (NoPE layers) and Granite 3 (its multipliers) (`gemma3_text`, `olmo2`, `olmo3`,
   `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py),
   Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py), Qwen3.5-MoE
@@ -28,7 +29,8 @@ from dataclasses import replace
 
 from model.arch_fields import FIELDS, SLIDING_WINDOW, SUPPORTED
 from model.prequant import check_config
-from model.rope import inv_freq, read_ministral3, read_rope
+from model.rope import inv_freq
+from model.rope_read import read_ministral3, read_rope
 from model.wrapper import unwrap
 
 

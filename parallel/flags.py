@@ -27,7 +27,7 @@ import torch
 from data.mix import data_files
 from model.lora_spec import ADAPTABLE, lora_layers, model_targets, sublayer
 from model.moe import expert_targets
-from model.rope import rope_scaling_flag
+from model.rope_read import rope_scaling_flag
 from parallel.ac import check_ac
 
 

@@ -82,7 +82,7 @@ class BuildOptions:
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
     ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
     seed: int = 0
-    rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.rope.rope_scaling_flag)
+    rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.rope_read.rope_scaling_flag)
     init_adapter: str | None = None        # --init-adapter: LoRA starts from this PEFT adapter's tensors
     mixed_precision: bool | None = None    # FSDP2 hands the float32 trained tensors to forward in `dtype` (None: on
     # CUDA with dtype != float32, what a run does; True: on CPU too, the CUDA path's dtypes under gloo, for tests)

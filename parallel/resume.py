@@ -97,7 +97,7 @@ def _norm(flag: str, v):
     if flag == "data_weights" and v is not None and all(w == 1 for w in v):   # all 1: no weights
         return None
     if flag == "rope_scaling":   # the scaling it means: "yarn:4" = "yarn:4.0" = its JSON spelling
-        from model.rope import rope_scaling_flag
+        from model.rope_read import rope_scaling_flag
         try:
             return json.dumps(rope_scaling_flag(v), sort_keys=True)
         except ValueError:
