@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
-from model.load import read_header
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
+from model.stored import read_header
 from model.wrapper import to_ours
 
 

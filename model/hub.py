@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from model.load import INDEX, weight_files
+from model.stored import INDEX, weight_files
 
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]   # config, weights, tokenizer
 HUB_SKIP = ["consolidated*", "*/*"]   # Mistral's original-format copy of the weights, subfolders (Llama's original/)

@@ -19,8 +19,8 @@ import re
 
 from model import prequant
 from model.gemma4_moe import stored_shapes
-from model.load import _read_json, stored_weights
 from model.lora_spec import sublayer
+from model.stored import _read_json, stored_weights
 from model.wrapper import looked_for
 
 

@@ -125,7 +125,7 @@ def adapter_base(adapter_dir: str) -> str | None:
 def _wrapper_of(path: str) -> str | None:
     """The multimodal wrapper a checkpoint's config.json names (model/wrapper.py), else None (unreadable: None, said
     later)."""
-    from model.load import _wrapper
+    from model.stored import _wrapper
 
     try:
         return _wrapper(os.path.join(path, "config.json"))

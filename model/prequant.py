@@ -78,7 +78,7 @@ class Packed:
 
 def index(raw: dict, read) -> dict:
     """{W: Packed} for the packed weights among `raw` ({name: (dtype, shape, begin, end)}); module docstring."""
-    from model.load import CorruptCheckpointError
+    from model.stored import CorruptCheckpointError
 
     out = {}
     for n in raw:

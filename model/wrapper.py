@@ -164,7 +164,7 @@ def peft_targets(targets, layers, wrapper: str):
 def stored_parts(path: str, wrapper: str) -> tuple[dict, dict]:
     """({our name: stored key} of a wrapper checkpoint's language model, {weight file: [stored keys of its other parts:
     the vision tower's, the projector's]}), from the headers (the index's map where there is one)."""
-    from model.load import present_weight_files, read_header
+    from model.stored import present_weight_files, read_header
 
     files, wmap = present_weight_files(path)
     names, rest = {}, {}

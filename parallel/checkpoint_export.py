@@ -27,10 +27,11 @@ def export(path: str, out_dir: str, replace: bool = False, model: str | None = N
     names it; its files must be the ones the run recorded)."""
     from model.export import half_written, peft_keys, write_adapter
     from model.hub import hub_snapshot, same_model
-    from model.load import _wrapper, read_args
+    from model.load import read_args
     from model.lora_spec import lora_layers
     from model.norms import is_saved_weight
     from model.qlora import lora_config
+    from model.stored import _wrapper
     if not out_dir:
         raise ValueError("--out is empty: pass a new directory")
     real_out = os.path.realpath(out_dir)   # what is written ('new/..' is its parent, a link its target): checked

@@ -220,7 +220,7 @@ def _init_adapter_fits(path: str, shapes: dict, r: int, n_layers: int, layers=No
     the model's head is its input embedding; an adapter that trains that embedding without peft's ensure_weight_tying
     kept the base's head in peft (untied), which a run here cannot start from."""
     from model.adapter_read import untied_embedding
-    from model.load import read_header
+    from model.stored import read_header
     from model.wrapper import made_on, to_ours, to_peft
     header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
     form = made_on(header)   # (made on a wrapper: its exclude_modules name the wrapper's modules)

@@ -177,7 +177,8 @@ def test_a_quantized_checkpoint_is_named_so_before_any_weight(assets, tmp_path):
     are left here: config.json alone decides.)"""
     from safetensors.torch import save_file
 
-    from model.load import read_args, read_header
+    from model.load import read_args
+    from model.stored import read_header
     from tests.helpers import startup_error, train_argv
 
     path = shutil.copytree(assets["model"], tmp_path / "quantized")

@@ -138,7 +138,7 @@ def built(packed, tmp_path_factory):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", ["dq", "bf16_storage"])
 def test_double_quantized_nf4_is_trained_as_stored(packed, built, case):
-    from model.load import read_header
+    from model.stored import read_header
 
     got, _ = built
     ref = _bnb_weights(packed[case])
@@ -259,8 +259,8 @@ def test_a_name_with_the_marker_twice_is_a_corrupt_checkpoint_not_a_traceback():
     the last: the weight it names is missing, said as any missing one is (it was a ValueError from unpacking)."""
     import json
 
-    from model.load import CorruptCheckpointError
     from model.prequant import index
+    from model.stored import CorruptCheckpointError
 
     name = "w.quant_state.bitsandbytes__nf4.quant_state.bitsandbytes__nf4"
     state = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [2, 64]}).encode()
@@ -307,7 +307,7 @@ def test_demo_compare_computes_a_bf16_upload_as_training_does(packed, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     from data.demo_compare import as_trained, nf4_round_trip
-    from model.load import read_header
+    from model.stored import read_header
     from parallel.parallelize import BuildOptions, build_model
     from tests.helpers import bnb_checkpoint
 
@@ -331,7 +331,8 @@ def test_demo_compare_computes_a_bf16_upload_as_training_does(packed, tmp_path, 
 def test_refusals_name_the_fix_before_any_weight(assets, packed, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from model.load import CheckpointReader, CorruptCheckpointError
+    from model.load import CheckpointReader
+    from model.stored import CorruptCheckpointError
     from tests.helpers import startup_error, train_argv
 
     said = startup_error(train_argv({**assets, "model": packed["fp4"]}, str(tmp_path / "run"), "--quant", "nf4"))
@@ -372,8 +373,9 @@ def test_companions_of_another_length_are_refused_naming_them(assets, packed, tm
     code book weights dequantized from the bytes beyond it, unsaid)."""
     from safetensors.torch import load_file, save_file
 
-    from model.load import CheckpointReader, CorruptCheckpointError
+    from model.load import CheckpointReader
     from model.load_checks import check_weight_headers
+    from model.stored import CorruptCheckpointError
     from tests.helpers import startup_error, train_argv
 
     bad = shutil.copytree(packed[case], tmp_path / "bad")
