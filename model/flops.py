@@ -13,6 +13,8 @@ Contract:
 - `linear_flops_per_token(D, Hk, Hv, dk, dv, K)`: a Qwen3.5 linear-attention (Gated DeltaNet) sublayer's, forward +
   backward, at any length (its docstring): `flops_per_token` counts each linear layer (`ModelArgs.is_linear`) so, in
   place of its attention's projections and core.
+Checked against torch's FlopCounterMode over our model (tests/test_flops.py) and transformers' (tests/test_flops_hf.py:
+forward + backward exactly, Gemma 4 and the MoE blocks too; what it counts of attention and DeltaNet: its docstring).
 """
 
 from __future__ import annotations
