@@ -7,6 +7,8 @@ Contract:
   linear layers their linear_attn's projections; each layer's attention at its own (H, K, Hd) (Gemma 4's full
   layers: global_head_dim, num_global_key_value_heads, no v_proj with attention_k_eq_v: ModelArgs.attn_dims,
   shares_kv).
+- `block_matmuls(args, i)`: those of block i a token, {q, kv, o, gate_up, down, beside} in that order, by where they
+  run: parallel/plan_speed.py times these GEMMs (one count for the MFU column and the step-time model).
 - `flops_per_token(args, seq_len, causal=True)`: forward + backward FLOPs of one token in a sequence (or packed
   document) of `seq_len` tokens, 6·P plus the attention's, with each layer's sliding window; no recomputation, no
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
@@ -25,21 +27,33 @@ from model.config import ModelArgs
 def matmul_params(args: ModelArgs) -> int:
     """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
-    d, f = args.dim, args.intermediate_size
-    moe, sparse = args.moe, sum(args.moe.sparse(i) for i in range(args.n_layers)) if args.moe else 0
-    replaced = not (moe.shared or moe.beside) if moe else False   # (Gemma 4's experts: beside the dense MLP)
-    active = sparse * (moe.top_k * 3 * d * moe.width + d * moe.experts - 3 * d * f * replaced + d * bool(
-        moe.shared)) if sparse else 0   # Qwen3-MoE: a token's k experts and router for gate/up/down (Qwen3.5-MoE: + its
-    # shared expert, f wide, and its gate); Qwen3.5's linear layers: linear_attn's five for the attention's
-    return sum(_linear_proj(args) if args.is_linear(i) else _attn_params(args, i) for i in range(args.n_layers)) + \
-        args.n_layers * 3 * d * f + args.vocab_size * d + active   # (+ each block's gate, up, down)
+    return sum(sum(block_matmuls(args, i).values()) for i in range(args.n_layers)) + args.vocab_size * args.dim
 
 
-def _attn_params(args: ModelArgs, i: int) -> int:
-    """Layer i's attention weights: q (Qwen3.5: its gate) and o, k and v, each at the layer's own (H, K, Hd) (Gemma 4's
-    full layers: theirs; no v_proj where k_proj's output is v)."""
-    h, kv, hd = args.attn_dims(i)
-    return args.dim * h * hd * (3 if args.attn_gate else 2) + args.dim * kv * hd * (1 + (not args.shares_kv(i)))
+def block_matmuls(args: ModelArgs, i: int) -> dict[str, int]:
+    """Block i's weights that multiply each token, by where they run (parallel/plan_speed.py recomputes and tiles them
+    by these): `q` (+ Qwen3.5's gate half; a linear layer's in_proj_qkv, _z, _b, _a), `kv` (k_proj, v_proj but where
+    k_proj's output is v), `o` (o_proj; out_proj), `gate_up` and `down`: the block's MLP module's (a dense MLP's; an
+    MoE block's (Qwen3-MoE) router [E, D] and a token's k experts' gate + up, their down; Qwen3.5-MoE: + its shared
+    expert's, intermediate_size wide, and its gate [1, D]), `beside`: Gemma 4's router and a token's k experts, which
+    run beside its dense MLP."""
+    d, f, moe = args.dim, args.intermediate_size, args.moe
+    out = dict(q=0, kv=0, o=0, gate_up=2 * d * f, down=d * f, beside=0)
+    if args.is_linear(i):   # (Qwen3.5's linear layers: linear_attn's five in place of the attention's)
+        proj = args.linear.projections(d)
+        out.update(q=sum(a * b for n, (a, b) in proj.items() if n != "out_proj"), o=d * proj["out_proj"][0])
+    else:   # each at the layer's own (H, K, Hd): Gemma 4's full layers theirs, no v_proj where k_proj's output is v
+        h, kv, hd = args.attn_dims(i)
+        out.update(q=d * h * hd * (2 if args.attn_gate else 1), kv=d * kv * hd * (1 + (not args.shares_kv(i))),
+                   o=d * h * hd)
+    if moe and moe.sparse(i):
+        experts = dict(gate_up=d * moe.experts + moe.top_k * 2 * d * moe.width, down=moe.top_k * d * moe.width)
+        if moe.beside:
+            out["beside"] = sum(experts.values())
+        else:   # (Qwen3.5-MoE: the shared expert is the dense MLP's shapes, intermediate_size its width, + its gate)
+            sh = bool(moe.shared)
+            out.update(gate_up=experts["gate_up"] + sh * (2 * d * f + d), down=experts["down"] + sh * d * f)
+    return out
 
 
 def _linear_layers(args: ModelArgs) -> int:

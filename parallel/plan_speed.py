@@ -43,6 +43,11 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     (not for --dpo-loss simpo or orpo, which have no reference).
   --lora-layers: a block below the lowest adapted one runs its forward only (its input and weights need no grad);
     un-adapted blocks above it run as the others (their backward still differentiates the input), but DoRA's terms.
+  Per block its own GEMMs, model.flops.block_matmuls (the MFU column's: one count): an MoE block's router and a
+    token's k experts (Qwen3.5-MoE: + the shared expert and its gate) as its MLP module, recomputed whole (no
+    down_proj base to skip) and tiled with --tiled-mlp; Gemma 4's experts beside its dense MLP, outside its tiles, so
+    the AC recompute keeps them. Their dispatch's bytes and, with nf4, every expert's weights dequantized a pass
+    (forward, backward's input gradient, the recompute; one for the tiles): parallel/plan_speed_block.py.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
   of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
@@ -59,24 +64,16 @@ from __future__ import annotations
 
 import re
 
+from model.flops import block_matmuls
 from model.lora_spec import lora_layers
+from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
+from parallel.plan_speed_block import moe_bytes
 from parallel.plan_totals import sample_tokens, with_reference
 
 CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
 # for the gradient, float32 in place (4 read + 4 written each; addcmul reads three), 5 more elementwise passes
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
              REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
-
-
-def _elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5, layer: int = 0) -> tuple[float, float]:
-    """Bytes per token of one forward of the attention half and of the MLP half: eager kernels' reads and writes
-    (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE `rope`·e per q/k element:
-    5 since model.llama's multiply-adds, ~9 for the formula before; SwiGLU 5e per F element; the residual 3e per D);
-    block `layer`'s (Gemma 4's full layers: their own heads and head size)."""
-    D, F = m.dim, m.intermediate_size
-    H, K, hd = m.attn_dims(layer) if hasattr(m, "attn_dims") else (m.n_heads, m.n_kv_heads, m.head_dim)
-    norm = (4 * e if fused_norm else 2 * e + 24 + 2 * e) * D
-    return norm + rope * e * (H + K) * hd + 3 * e * D, norm + 5 * e * F + 3 * e * D
 
 
 def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None,
@@ -91,7 +88,6 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     ref = with_reference(args) and reference   # DPO: the reference model's forward too (no grad)
     D, H, K, hd, F, L, V = m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.intermediate_size, m.n_layers, m.vocab_size
     g = lambda p: 2 * T * p / r["MATMUL"]
-    q, kv, o, gu, down = H * hd * D, 2 * K * hd * D, D * H * hd, 2 * F * D, D * F
     nf4 = args.quant == "nf4"
     dora = getattr(args, "dora", False)
     shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
@@ -102,11 +98,13 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers (None: every block adapted)
     lo = min((i for i in range(L) if chosen is None or i in chosen), default=L - 1)
     mm = att = ew = 0.0
-    for layer in range(L):
-        if hasattr(m, "attn_dims"):   # (Gemma 4's full layers: their own K and hd, no v_proj with attention_k_eq_v)
-            H, K, hd = m.attn_dims(layer)
-            q, kv, o = H * hd * D, (2 - m.shares_kv(layer)) * K * hd * D, D * H * hd
-            shapes.update({"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd)})
+    for layer in range(L):   # each block's own GEMMs (model/flops.py: its attention shapes, experts, router)
+        q, kv, o, gu, down, ex = block_matmuls(m, layer).values()   # (ex: Gemma 4's experts beside the dense MLP)
+        H, K, hd = m.attn_dims(layer)
+        shapes.update({"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd)})
+        inner = m.moe is not None and m.moe.sparse(layer) and not m.moe.beside   # (the MoE is the MLP module: no
+        ox, dq = moe_bytes(m, layer, e)   # down_proj base to skip, recompute.py; its dispatch bytes in om)
+        ox, dq = 0 if inner else ox * T / r["ELEMENTWISE"], dq * nf4 / r["ELEMENTWISE"]   # (dq: a pass's dequantize)
         rotated, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope, layer))
         unrotated = rotated - rope * e * (H + K) * hd * T / r["ELEMENTWISE"]   # (SmolLM3's NoPE layers: no RoPE)
         oa = rotated if not hasattr(m, "rotates") or m.rotates(layer) else unrotated
@@ -114,18 +112,20 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
         a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
         if layer < lo:   # below the lowest adapted block: a forward with no grad (no backward, no recompute)
-            mm, att, ew = mm + g(q + kv + o + gu + down) * (1 + ref), att + a * (1 + ref), ew + (oa + om) * (1 + ref)
+            mm, att = mm + g(q + kv + o + gu + down + ex) * (1 + ref), att + a * (1 + ref)
+            ew += (oa + om + ox + dq) * (1 + ref)
             continue
         here = [t for t in adapted if not (t == "v_proj" and hasattr(m, "shares_kv") and m.shares_kv(layer))] if (
             chosen is None or layer in chosen) else []   # a DoRA base's output is read: its GEMM runs
         skip_down, skip_o = (nf4_skip and t not in here for t in ("down_proj", "o_proj"))   # (recompute.py's rule)
-        mm += 2 * g(q + kv + o + gu + down)
+        skip_down = skip_down and not inner
+        mm += 2 * g(q + kv + o + gu + down + ex)
         att += a * (1 + r["BWD"])
-        ew += 3 * (oa + om)
-        if layer < N:   # the checkpointed blocks' recompute
-            mm += g(q + kv + o)
+        ew += 3 * (oa + om + ox) + 2 * dq   # (the experts' weights dequantized in forward and for dx in backward)
+        if layer < N:   # the checkpointed blocks' recompute (Gemma 4's experts whatever --tiled-mlp: not in its tiles)
+            mm += g(q + kv + o + ex)
             att += 0 if args.ac_keep_attn else a
-            ew += oa
+            ew += oa + ox + dq * (not tiled or not inner)   # (the tiles' dequant_once serves their recompute too)
             if not tiled:
                 mm += g(gu) + (0 if nf4 and skip_down else g(down))
                 ew += om
@@ -136,7 +136,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             mm += g(q + kv) + (0 if skip_o else g(o))
             ew += oa
         if ref:
-            mm, att, ew = mm + g(q + kv + o + gu + down), att + a, ew + oa + om
+            mm, att, ew = mm + g(q + kv + o + gu + down + ex), att + a, ew + oa + om + ox + dq
         for t in here:   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
             passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
