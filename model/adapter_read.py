@@ -65,9 +65,11 @@ def saves_trained(cfg: dict) -> bool:
 
 
 # our model's module names (transformers' Llama family; {i}: a block's index), what a modules_to_save entry can match
-MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"] + [
+MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head",
+           "model.per_layer_projection_norm"] + [   # (Gemma 4 E2B / E4B's, and its blocks' post_per_layer_input_norm)
     "model.layers.{i}" + m for m in ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm",
                                      ".pre_feedforward_layernorm", ".post_feedforward_layernorm",   # (Gemma 3)
+                                     ".post_per_layer_input_norm",
                                      ".mlp.act_fn", *(".self_attn." + p for p in ("q_proj", "k_proj", "v_proj",
                                                                                   "o_proj", "q_norm", "k_norm")),
                                      *(".mlp." + p for p in ("gate_proj", "up_proj", "down_proj")),

@@ -21,8 +21,8 @@ has none.
   with OLMo's norm (weight itself, `norm_offset` 0), attention scale 1, the full layers' own head size and KV heads
   (global_head_dim / num_global_key_value_heads, or transformers' per_layer_config), k_eq_v, v_norm, layer_scalar,
   proportional RoPE on the full layers, final_logit_softcapping; enable_moe_block's experts beside the MLP (26B-A4B:
-  model/gemma4_moe.py). GEMMA4_REFUSED: the other sizes' parts, refused in that one place (E2B/E4B's per-layer
-  embeddings and KV sharing).
+  model/gemma4_moe.py); E2B / E4B's per-layer embeddings, KV sharing and double-wide MLPs (`small`:
+  model/gemma4_small.py).
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
   attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
   Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from model import gemma4_moe
+from model.gemma4_small import small_fields
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
 from model.rope_read import read_rope
@@ -167,21 +168,13 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
     return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
 
 
-# Gemma4TextConfig's keys of the parts not implemented yet: (key, its value in the dense models, what it is)
-GEMMA4_REFUSED = (("hidden_size_per_layer_input", 256, 0, "per-layer embeddings (Gemma 4 E2B / E4B)"),
-                  ("num_kv_shared_layers", 0, 0, "layers reusing an earlier layer's keys and values (E2B / E4B)"),
-                  ("use_double_wide_mlp", False, False, "the KV-shared layers' double-wide MLP (E2B / E4B)"))
 GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},   # (Gemma4TextConfig's)
                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
 
 
 def gemma4_fields(cfg: dict, max_pos: int) -> dict:
     """ModelArgs fields of a gemma4_text config.json, read as Gemma4TextConfig.__post_init__ fills them (module
-    docstring); GEMMA4_REFUSED's keys, bidirectional attention and another activation refused naming the key."""
-    for key, default, dense, what in GEMMA4_REFUSED:
-        if (v := cfg.get(key, default)) != dense:
-            raise ValueError(f"config.json: {key} {v!r} is not supported yet: {what}; Gemma 4's 31B and 26B-A4B "
-                             f"forms ({key} {dense}) train here")
+    docstring); bidirectional attention and another activation refused naming the key."""
     if cfg.get("use_bidirectional_attention") not in (None, "vision"):   # ("vision": text rows causal, transformers'
         raise ValueError(f"config.json: use_bidirectional_attention "   # mask; images do not run here)
                          f"{cfg['use_bidirectional_attention']!r} is not supported: this decoder is causal")
@@ -223,7 +216,8 @@ def gemma4_fields(cfg: dict, max_pos: int) -> dict:
                 attention_multiplier=1.0, global_head_dim=next(iter(full), (hd, kv))[0],
                 global_kv_heads=next(iter(full), (hd, kv))[1], k_eq_v=k_eq_v, v_norm=True, layer_scalar=True,
                 logit_softcap=None if softcap is None else float(softcap),
-                **(gemma4_moe.moe_fields(cfg) if cfg.get("enable_moe_block") else {}))   # (26B-A4B: gemma4_moe.py)
+                **(gemma4_moe.moe_fields(cfg) if cfg.get("enable_moe_block") else {}),   # (26B-A4B: gemma4_moe.py)
+                **small_fields(cfg, types))   # (E2B / E4B: per-layer embeddings, KV sharing; gemma4_small.py)
 
 
 def qwen35_fields(cfg: dict, max_pos: int) -> dict:

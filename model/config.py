@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model.config_read import read_config
+from model.gemma4_small import SmallSpec
 from model.linear_layers import LinearSpec
 from model.lora_spec import sublayer
 from model.moe import MoESpec
@@ -92,6 +93,7 @@ class ModelArgs:
     v_norm: bool = False
     layer_scalar: bool = False
     logit_softcap: float | None = None
+    small: SmallSpec | None = None   # Gemma 4 E2B / E4B's per-layer embeddings, KV sharing, wide MLPs (gemma4_small)
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -235,6 +237,8 @@ class ModelArgs:
         linear_attn's too (LINEAR_TARGETS; model.lora_spec.sublayer: whose a name is; `has`: which blocks)."""
         h, k, hd = self.attn_dims(layer) if layer is not None else (self.n_heads, self.n_kv_heads, self.head_dim)
         d, q, kv, f = self.dim, h * hd, k * hd, self.intermediate_size
+        if self.small is not None and layer is not None:   # (Gemma 4 E2B / E4B's KV-shared layers' double-wide MLP)
+            f = self.small.width(layer, f)
         return {"q_proj": (d, q * (2 if self.attn_gate else 1)), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
                 "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),   # (Qwen3.5's q_proj: query and gate)
                 **(self.linear.projections(d) if self.linear else {})}
@@ -246,7 +250,8 @@ class ModelArgs:
     def has(self, layer: int, name: str) -> bool:
         """Whether block `layer` holds projection `name` (attention ones in full layers, linear_attn's in linear; no
         v_proj where k_proj's output is v: Gemma 4's full layers with attention_k_eq_v)."""
-        if name == "v_proj" and self.shares_kv(layer):
+        if name == "v_proj" and self.shares_kv(layer) or name in ("k_proj", "v_proj") and self.small is not None \
+                and self.small.reuses(layer):   # (Gemma 4 E2B / E4B: reuse layers take an earlier layer's k, v)
             return False
         return (kind := sublayer(name)) == "mlp" or (kind == "linear_attn") == self.is_linear(layer)
 
@@ -275,4 +280,5 @@ class ModelArgs:
         moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) + beside) if sparse else 0   # experts, router
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
         lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
-        return self.n_layers * per_layer + emb + d + moe_extra + lin_extra + extra
+        small = self.small.n_params(self) if self.small else 0   # (Gemma 4 E2B / E4B: model/gemma4_small.py)
+        return self.n_layers * per_layer + emb + d + moe_extra + lin_extra + extra + small

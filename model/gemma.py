@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import gemma4_small
+
 NORM_CHUNK = 2**26   # elements per chunk (model/llama.py's RMSNorm: float32 temporaries of a chunk, not of x)
 def _normalize(x, weight, eps, offset):
     """(x / rms(x) · (offset + weight) cast to x's dtype, rsqrt): transformers' order, all in float32 before the cast
@@ -168,11 +170,13 @@ class SandwichBlock(nn.Module):
         # Gemma 4: the block's output × its stored [1] scale (a frozen parameter: the loader, FSDP and the merge treat
         # it as every other base weight; None elsewhere)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False) if a.layer_scalar else None
+        gemma4_small.add_block_parts(self, a, layer)   # (Gemma 4 E2B / E4B: per-layer input, KV sharing role)
 
-    def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: Qwen3.5's linear blocks' core and meta)
-        if isinstance(cos, tuple):
+    def forward(self, x, cos, sin, core, meta, linear=None, ple=None, **kv):   # (linear: Qwen3.5's linear blocks'
+        if isinstance(cos, tuple):   # core and meta; ple, kv: Gemma 4 E2B / E4B's, model/gemma4_small.py)
             cos, sin = cos[self.table], sin[self.table]
-        a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
+        a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta, **kv)
+        a, kv = a if kv.get("store") else (a, None)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
         y = self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x))
         if self.experts is not None:   # (Gemma 4's MoE: routed on x itself, its experts fed their own norm of x)
@@ -180,7 +184,9 @@ class SandwichBlock(nn.Module):
             e = self.experts(self.pre_feedforward_layernorm_2(flat), *self.router(flat)).view(x.shape)
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(e)
         x = x + self.post_feedforward_layernorm(y)
-        return x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
+        x = x if ple is None else gemma4_small.add_per_layer(self, x, ple)
+        x = x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
+        return x if kv is None else (x, kv)
 
 
 def gated(out: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

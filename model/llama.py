@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loss import chunked_cross_entropy
-from model import gemma, gemma4_moe
+from model import gemma, gemma4_moe, gemma4_small
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
@@ -173,26 +173,30 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd = a.attn_dims(layer)   # (Gemma 4's full layers': own)
         self.gate, self.rot = a.attn_gate, int(hd * a.partial_rotary_factor)   # Qwen3.5: q_proj [query | gate]; partial
         self.q_proj = nn.Linear(a.dim, h * hd * (2 if a.attn_gate else 1), bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
+        # Gemma 4 E2B / E4B's reuse layers: an earlier layer's k, v (model/gemma4_small.py), no k/v projections or norms
+        self.k_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias) if a.has(layer, "k_proj") else None
         # Gemma 4's k_eq_v layers: v is k_proj's output before k_norm and RoPE (no v_proj); v_norm: a weightless norm
-        self.v_proj = None if a.shares_kv(layer) else nn.Linear(a.dim, kv * hd, bias=a.qkv_bias)
-        self.v_norm = gemma.UnitRMSNorm(a.norm_eps) if a.v_norm else None
+        self.v_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias) if a.has(layer, "v_proj") else None
+        self.v_norm = gemma.UnitRMSNorm(a.norm_eps) if a.v_norm and self.k_proj is not None else None
         self.o_proj = nn.Linear(h * hd, a.dim, bias=a.o_bias)
         self.q_norm = self.k_norm = None   # per head (Qwen3, Gemma) or over the projection (OLMo: H·Hd, K·Hd)
         if a.qk_norm:
             width = lambda n: hd * (n if a.qk_norm_whole else 1)
-            self.q_norm, self.k_norm = _norm(a, width(h)), _norm(a, width(kv))
+            self.q_norm, self.k_norm = _norm(a, width(h)), _norm(a, width(kv)) if self.k_proj is not None else None
         self.whole = a.qk_norm_whole
         self.rotary = Rotary()
         self.rope = a.rotates(layer)   # False: SmolLM3's NoPE layers, q and k unrotated (the tables serve the others)
 
-    def forward(self, x, cos, sin, core, meta):
-        q, k, v, g = self.projections(x, cos, sin)   # x: the block's stand-in (takes_norm) or the normed input
+    def forward(self, x, cos, sin, core, meta, kv=None, store=False):
+        """The sublayer's output; Gemma 4 E2B / E4B's (model/gemma4_small.py): `kv` a storing layer's k, v to use in
+        place of this layer's own, `store`: (output, (k, v))."""
+        q, k, v, g = self.projections(x, cos, sin, kv)   # x: the block's stand-in (takes_norm) or the normed input
         B, S = q.shape[:2]
-        out = core(q, k, v, meta, self.scale, window=self.window)  # [B, S, H, Hd]
-        return self.o_proj(gated(out.reshape(B, S, self.n_heads * self.head_dim), g))
+        out = core(q, *gemma4_small.core_kv(k, v, kv is not None or store), meta, self.scale, window=self.window)
+        out = self.o_proj(gated(out.reshape(B, S, self.n_heads * self.head_dim), g))   # [B, S, H, Hd] -> [B, S, D]
+        return (out, (k, v)) if store else out
 
-    def projections(self, x, cos, sin):
+    def projections(self, x, cos, sin, kv=None):
         """q, k, v with RoPE, and the output gate (or None: `queries`). Given `takes_norm`'s stand-in, the norm runs
         here, so its [T, D] output dies when this returns, before the kernel and o_proj (an argument the caller made
         lives until the sublayer returns)."""
@@ -201,7 +205,7 @@ class Attention(nn.Module):
             x = norm(h)
         # k, v before q: backward runs the latest-made nodes first, so q's [T, H·Hd] chain (RoPE, q_proj) runs
         # before the input norm's gradient and its rebuilt output exist, not on top of them
-        k, v = self.keys_values(x, cos, sin)                              # [B, S, K, Hd]
+        k, v = self.keys_values(x, cos, sin) if kv is None else kv        # [B, S, K, Hd]
         q, g = self.queries(x, cos, sin)                                  # [B, S, H, Hd], [B, S, H·Hd]
         return q, k, v, g
 
@@ -232,11 +236,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
-        self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
+        f = a.projections(layer)["up_proj"][1]   # intermediate_size (Gemma 4 E2B / E4B's reuse layers: maybe twice)
+        self.gate_proj = nn.Linear(a.dim, f, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.dim, f, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(f, a.dim, bias=a.mlp_bias)
         self.act = GeGLU() if a.act == "gelu_tanh" else SwiGLU()
 
     def forward(self, x):
@@ -274,13 +279,15 @@ class Decoder(nn.Module):
         mlp = lambda i: MoE(a.dim, a.moe) if a.moe and a.moe.sparse(i) else MLP(a)   # (MoE: model/moe.py)
         self.layers = nn.ModuleList(  # (Qwen3.5's linear_attention layers: model/linear_layers.py)
             LinearBlock(a, lambda: _norm(a, a.dim), mlp(i)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),
-            MLP(a), beside(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
+            MLP(a, i), beside(a)) if a.sandwich_norms or a.post_norms else Block(a, i) for i in range(a.n_layers))
         self.norm = _norm(a, a.dim)
+        gemma4_small.add_decoder_parts(self, a)   # (Gemma 4 E2B / E4B's per-layer embeddings)
 
-    def run_blocks(self, h, *args):
-        """The blocks in order (parallel/ac.apply_ac replaces this to checkpoint groups of them)."""
+    def run_blocks(self, h, *args, carry=None):
+        """The blocks in order (parallel/ac.apply_ac replaces this to checkpoint groups of them); `carry`: what flows
+        beside h (Gemma 4 E2B / E4B: model/gemma4_small.py)."""
         for layer in self.layers:
-            h = layer(h, *args)
+            h = gemma4_small.run_block(layer, h, args, carry)
         return h
 
 
@@ -314,12 +321,13 @@ class Transformer(nn.Module):
         x[0] = scaled_embedding(x[0], self.args)   # Gemma's, Granite's: before NEFTune's noise, as transformers' hook
         if noise is not None:   # adds to the embedding output in place (--neftune-alpha's: parallel/neftune.py)
             noise(x[0])
+        carry = gemma4_small.carry(self, input_ids, x[0])   # (Gemma 4 E2B / E4B's per-layer inputs, from the noised x)
         cos, sin = self.rope(position_ids, x[0].dtype)
         meta = self.attention.prepare(position_ids)
         linear = (self.linear, self.linear.prepare(position_ids)) if self.hybrid else None   # (model/linear_layers.py)
         # handed over, not kept here (no *args: that tuple would hold it): the blocks drop it once block 0 has run (with
         # AC its checkpoint keeps the ids instead), not at the end, when every block's checkpoint is alive beside it
-        h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta, linear)
+        h = self.model.run_blocks(x.pop(), cos, sin, self.attention, meta, linear, carry=carry)
         h, s = self.model.norm(h), self.args.logits_scaling   # (Granite: logits / s; else 1)
         c = {} if self.args.logit_softcap is None else {"softcap": self.args.logit_softcap}   # (Gemma 4's c)
         if labels is None:

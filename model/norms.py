@@ -6,9 +6,10 @@ Contract:
 - `trained_norms(model, layers)`: the norm modules that train, by our (and transformers') names: each adapted block's
   input_layernorm (not OLMo's: its blocks have none), post_attention_layernorm, (Gemma 3, OLMo) post_ and (Gemma 3)
   pre_feedforward_layernorm, (Qwen3, Gemma 3, OLMo) q_norm, k_norm, (Qwen3.5's linear layers) the gated norm
-  linear_attn.norm, (Gemma 4's MoE block) pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and _2, and the
-  final `model.norm`. `layers`: the
-  adapted blocks (--lora-layers; None: all). Blocks below the lowest adapted one run no backward: theirs stay frozen.
+  linear_attn.norm, (Gemma 4's MoE block) pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and _2, (Gemma 4
+  E2B / E4B) post_per_layer_input_norm and the decoder's per_layer_projection_norm, and the final `model.norm`.
+  `layers`: the adapted blocks (--lora-layers; None: all). Blocks below the lowest adapted one run no backward: theirs
+  stay frozen.
 - `train_norms(model, layers)`: those weights become trainable float32 masters (as LoRA's: FSDP2's mixed precision
   hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
   trained, clipped, checkpointed and exported (parallel/parallelize.lora_parameters).
@@ -37,10 +38,13 @@ import torch
 
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
                "self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm", "pre_feedforward_layernorm_2",
-               "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")   # (the feedforward ones: Gemma 3's,
-# OLMo's: gemma.py; linear_attn.norm: Qwen3.5's linear layers' gated norm, model/deltanet.py; the _1/_2 ones: Gemma 4's
-# MoE block's, model/gemma4_moe.py)
-_WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
+               "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "post_per_layer_input_norm")   # (the
+# feedforward ones: Gemma 3's, OLMo's: gemma.py; linear_attn.norm: Qwen3.5's linear layers' gated norm,
+# model/deltanet.py; the _1/_2 ones: Gemma 4's MoE block's, model/gemma4_moe.py; post_per_layer_input_norm and the
+# decoder's per_layer_projection_norm: Gemma 4 E2B / E4B's per-layer inputs, model/gemma4_small.py)
+ROOT_NORMS = ("model.per_layer_projection_norm", "model.norm")
+_WEIGHT = re.compile(r"(^|\.)(model\.norm|model\.per_layer_projection_norm|model\.layers\.\d+\.(input_layernorm|"
+                     r"post_attention_layernorm|post_per_layer_input_norm|"
                      r"pre_feedforward_layernorm(_2)?|post_feedforward_layernorm(_[12])?|self_attn\.q_norm|"
                      r"self_attn\.k_norm|linear_attn\.norm))(\.modules_to_save\.default)?\.weight$")
 _EMBED = re.compile(r"(^|\.)(model\.embed_tokens)(\.modules_to_save\.default)?\.weight$")
@@ -51,7 +55,7 @@ def trained_norms(model, layers=None) -> list[str]:
     have = dict(model.named_modules())
     names = [f"model.layers.{i}.{n}" for i in range(len(have["model.layers"])) if layers is None or i in layers
              for n in BLOCK_NORMS if f"model.layers.{i}.{n}" in have]
-    return names + ["model.norm"]
+    return names + [n for n in ROOT_NORMS if n in have]
 
 
 def train_norms(model, layers=None) -> None:

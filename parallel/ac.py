@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from model.gemma4_small import run_block
 from model.llama import Transformer
 from parallel.offload import HostOffload
 from parallel.recompute import recompute_context
@@ -134,22 +135,23 @@ def _group_contexts():   # a group's recompute runs whole blocks: their tiled ML
 
 
 def _grouped(layers, group):
-    def run(h, *args):
-        for i in range(0, len(layers), group):
+    def run(h, *args, carry=None):   # (carry: Gemma 4 E2B / E4B's per-layer inputs and shared K/V, gemma4_small.py:
+        for i in range(0, len(layers), group):   # a group's storing block's K/V leave its checkpoint through it)
             blocks = layers[i:i + group]
             if len(blocks) == 1 or not torch.is_grad_enabled() or _frozen(h, blocks):
                 for block in blocks:
-                    h = block(h, *args)
+                    h = run_block(block, h, args, carry)
             else:
                 with _saving(h, None):
-                    h = checkpoint(_run_group, blocks, h, *args, use_reentrant=False, context_fn=_group_contexts)
+                    h = checkpoint(_run_group, blocks, h, *args, carry=carry, use_reentrant=False,
+                                   context_fn=_group_contexts)
         return h
     return run
 
 
-def _run_group(blocks, h, *args):
+def _run_group(blocks, h, *args, carry=None):
     for block in blocks:   # block(...): FSDP2's hooks, then the block's own checkpoint
-        h = block(h, *args)
+        h = run_block(block, h, args, carry)
     return h
 
 
@@ -160,12 +162,12 @@ def _frozen(x, blocks) -> bool:
 
 
 def _checkpointed(forward, hooks, contexts, block):
-    def run(*args):
+    def run(*args, **kw):   # (kw: Gemma 4 E2B / E4B's per-layer input and shared K/V: inputs of the checkpoint)
         if not torch.is_grad_enabled() or _frozen(args[0], [block]):   # eval (or a frozen block): nothing to save,
-            return forward(*args)                                        # nothing to recompute
+            return forward(*args, **kw)                                  # nothing to recompute
         # the hooks wrap the checkpoint call, so they see the checkpoint's saved inputs and nothing else
         with _saving(args[0], hooks):
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
+            return checkpoint(forward, *args, **kw, use_reentrant=False, context_fn=contexts)
     run.hooks = hooks   # for tests and logs: what the offload moved
     return run
 

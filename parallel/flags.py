@@ -25,6 +25,7 @@ import re
 import torch
 
 from data.mix import data_files
+from model.gemma4_small import refuse_tiled_attn
 from model.lora_spec import ADAPTABLE, lora_layers, model_targets, sublayer
 from model.moe import expert_targets
 from model.rope_read import rope_scaling_flag
@@ -181,6 +182,8 @@ def check_model_flags(args, margs) -> None:
         raise ValueError(f"--lora-r {args.lora_r} is more than the rank of {', '.join(over)}: use --lora-r "
                          f"{min(min(shapes[t]) for t in args.lora_targets.split(',') if t in shapes)} or less, or "
                          "leave those projections out of --lora-targets")
+    if getattr(args, "tiled_attn", False):   # (Gemma 4 E2B / E4B's KV-shared layers)
+        refuse_tiled_attn(margs)
     layers = lora_layers(getattr(args, "lora_layers", None))
     if layers is not None and max(layers) >= margs.n_layers:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "

@@ -262,6 +262,6 @@ class HostOffload:
             run.release = self.release   # for a sublayer that runs no core (parallel/tiled_attention.py)
             return run
 
-        def run(x, cos, sin, core, meta):
-            return forward(x, cos, sin, core_releasing(core), meta)
+        def run(x, cos, sin, core, meta, **kv):   # (kv: Gemma 4 E2B / E4B's shared keys and values)
+            return forward(x, cos, sin, core_releasing(core), meta, **kv)
         return run

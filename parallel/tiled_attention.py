@@ -47,6 +47,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from model.gemma import gated
+from model.gemma4_small import refuse_tiled_attn
 from model.nf4 import dequant_once
 from parallel import kernel_choice, kernels, masks
 from parallel.memory import norm_stand_in
@@ -289,6 +290,7 @@ def _tiled(attn, tile: int | None):
 
 def apply_tiled_attention(model, tile: int | None = None) -> None:
     """Tile every block's attention sublayer over query rows (module docstring); parameter names are unchanged."""
+    refuse_tiled_attn(model.args)   # (Gemma 4 E2B / E4B's KV-shared layers)
     for block in (b for b in model.model.layers if hasattr(b, "self_attn")):   # (not Qwen3.5's linear blocks)
         block.self_attn.forward = _tiled(block.self_attn, tile)
         block.self_attn.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output

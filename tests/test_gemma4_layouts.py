@@ -70,9 +70,9 @@ def _grads(m):
             for k, p in m.named_parameters() if p.requires_grad}
 
 
-def _layouts(rank, world_size, path, cases):
+def _layouts(rank, world_size, path, cases, n_lora=N_LORA):
     """Each case (cp, impl, ulysses degree, build flags): this layout's loss and LoRA gradients = one process's on the
-    same global batch (data rank d takes row d, cp rank c its shard)."""
+    same global batch (data rank d takes row d, cp rank c its shard); `n_lora`: the model's adapted projections."""
     import torch.distributed as dist
 
     from parallel.cp import cp_attention, shard_sequence
@@ -102,7 +102,7 @@ def _layouts(rank, world_size, path, cases):
         assert total.item() == n.item(), what
         torch.testing.assert_close(got / total, s.detach() / n, rtol=tol / 10, atol=0, msg=f"{what}: loss")
         grads = _grads(m)
-        assert grads.keys() == want.keys() and len(grads) == N_LORA * (3 if flags.get("dora") else 2), what
+        assert grads.keys() == want.keys() and len(grads) == n_lora * (3 if flags.get("dora") else 2), what
         for k in grads:
             assert (r := rel(grads[k], want[k])) < tol, f"{what}: grad {k} off by {r:.2g}"
     return True
