@@ -14,7 +14,8 @@ Contract:
   LoRA adapters, no saving for a frozen base (its docstring). tests/test_flops.py: = torch's FlopCounterMode.
 - `linear_flops_per_token(D, Hk, Hv, dk, dv, K)`: a Qwen3.5 linear-attention (Gated DeltaNet) sublayer's, forward +
   backward, at any length (its docstring): `flops_per_token` counts each linear layer (`ModelArgs.is_linear`) so, in
-  place of its attention's projections and core.
+  place of its attention's projections and core. `linear_core_flops(spec)`: its core's forward a token (the conv and
+  the chunked rule, a third of the rest): parallel/plan_speed.py times a linear layer's core by it.
 Checked against torch's FlopCounterMode over our model (tests/test_flops.py) and transformers' (tests/test_flops_hf.py:
 forward + backward exactly, Gemma 4 and the MoE blocks too; what it counts of attention and DeltaNet: its docstring).
 """
@@ -107,4 +108,15 @@ def linear_flops_per_token(D: int, Hk: int, Hv: int, dk: int, dv: int, K: int, c
     attention: the l2 norms, gates, decays, the gated norm (elementwise), fla's kernel's own schedule on CUDA."""
     C = 2 * Hk * dk + Hv * dv
     proj = D * C + 2 * D * Hv * dv + 2 * D * Hv
-    return 6 * proj + 6 * K * C + 3 * Hv * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)
+    return 6 * proj + 3 * _core(Hk, Hv, dk, dv, K, chunk)
+
+
+def linear_core_flops(s, chunk: int = 64) -> int:
+    """Forward FLOPs a token of the core of a Gated DeltaNet sublayer of LinearSpec `s` (model/deltanet_core.py: the
+    depthwise conv and the chunked rule), as `linear_flops_per_token` counts them: 2·K·C + Hv·(c·(5·dk + 3·dv) +
+    6·dk·dv); backward counted as twice that there."""
+    return _core(s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, chunk)
+
+
+def _core(Hk: int, Hv: int, dk: int, dv: int, K: int, chunk: int) -> int:
+    return 2 * K * (2 * Hk * dk + Hv * dv) + Hv * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)

@@ -17,7 +17,8 @@ Contract:
 
 The model, per rank, per block and micro-step, T tokens, S the row (attention span), P weights of a base matmul:
   g(P) = 2·T·P / MATMUL          a base matmul pass (forward, a recompute, or the input gradient: the base is frozen)
-  a    = 4·T·S'·H·hd / ATTN      the attention kernel's forward, S' the keys a query sees (S/2 causal, the window)
+  a    = 4·T·S'·H·hd / ATTN      the attention kernel's forward, S' the keys a query sees (S/2 causal, the window);
+         a Qwen3.5 linear layer's: T·flops.linear_core_flops / LINEAR, BWD its LINEAR_BWD, never kept or tiled
   o    = T·bytes / ELEMENTWISE   the elementwise work of a sublayer's forward (norm, RoPE, SwiGLU, adds, casts)
   forward g(all) + a + o;  backward g(all) + BWD·a + 2·o
   AC recompute of a checkpointed block: its attention half (g(q, k, v, o) + o_attn + a, no a with --ac-keep-attn),
@@ -57,7 +58,8 @@ overheads from the --tiled-mlp (+2.5%) and --tiled-attn (+4.7%) rows at 128k. te
 model against the measured H200 steps of every flag set (the code of that day: no recompute skip, the float32 norm,
 the RoPE formula) and, with the defaults, against the late session's (bench/results/2026-11-30-h200-late: within
 4.1%; cuDNN's attention backward took 2.86x its forward at 32k, 2.54x at 128k; the 524,288-token offload step took
-10% longer than estimated, its tiled-attn step 3% less: single unwarmed steps).
+10% longer than estimated, its tiled-attn step 3% less: single unwarmed steps). LINEAR, LINEAR_BWD: NOT measured on a
+GPU (2026-12): the eager chunked rule's dispatch-bound estimate, its reasoning in parallel/plan_speed_block.py.
 """
 
 from __future__ import annotations
@@ -67,13 +69,14 @@ import re
 from model.flops import block_matmuls
 from model.lora_spec import lora_layers
 from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
-from parallel.plan_speed_block import moe_bytes
+from parallel.plan_speed_block import mixing_seconds, moe_bytes
 from parallel.plan_totals import sample_tokens, with_reference
 
 CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
 # for the gradient, float32 in place (4 read + 4 written each; addcmul reads three), 5 more elementwise passes
 RATES = dict(MATMUL=660e12, ATTN=562e12, BWD=2.54, ELEMENTWISE=2.2e12, TILE=1.15, TILED_ATTN=1.06,
-             REST=1.04)   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
+             REST=1.04,   # copies, casts, NF4 dequantize, the optimizer and launch gaps: ~4% of the profiled steps
+             LINEAR=2.8e12, LINEAR_BWD=6.0)   # Qwen3.5's linear core: NOT measured on a GPU (module docstring)
 
 
 def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, fused_norm: bool | None = None,
@@ -91,7 +94,8 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     nf4 = args.quant == "nf4"
     dora = getattr(args, "dora", False)
     shapes = {"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd),
-              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}   # (out, in)
+              "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F),   # (out, in); linear_attn's (Qwen3.5):
+              **{n: (o, i) for n, (i, o) in (m.linear.projections(D) if getattr(m, "linear", None) else {}).items()}}
     adapted = [t for t in args.lora_targets.split(",") if t in shapes] if dora else []
     tiled, ta = getattr(args, "tiled_mlp", False), getattr(args, "tiled_attn", False)
     N = (L if getattr(args, "ac_blocks", None) is None else min(args.ac_blocks, L)) if args.ac else 0
@@ -102,29 +106,27 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         q, kv, o, gu, down, ex = block_matmuls(m, layer).values()   # (ex: Gemma 4's experts beside the dense MLP)
         H, K, hd = m.attn_dims(layer)
         shapes.update({"q_proj": (H * hd, D), "k_proj": (K * hd, D), "v_proj": (K * hd, D), "o_proj": (D, H * hd)})
+        lin = m.is_linear(layer)   # (Qwen3.5's linear layers: no attention kernel, nothing --tiled-attn tiles)
         inner = m.moe is not None and m.moe.sparse(layer) and not m.moe.beside   # (the MoE is the MLP module: no
         ox, dq = moe_bytes(m, layer, e)   # down_proj base to skip, recompute.py; its dispatch bytes in om)
         ox, dq = 0 if inner else ox * T / r["ELEMENTWISE"], dq * nf4 / r["ELEMENTWISE"]   # (dq: a pass's dequantize)
-        rotated, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, rope, layer))
-        unrotated = rotated - rope * e * (H + K) * hd * T / r["ELEMENTWISE"]   # (SmolLM3's NoPE layers: no RoPE)
-        oa = rotated if not hasattr(m, "rotates") or m.rotates(layer) else unrotated
-        w = m.window(layer) if hasattr(m, "window") else None
-        span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
-        a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if ta else 1)
+        turns = rope if not hasattr(m, "rotates") or m.rotates(layer) else 0   # (SmolLM3's NoPE layers: no RoPE)
+        oa, om = (b * T / r["ELEMENTWISE"] for b in _elementwise_bytes(m, e, fused_norm, turns, layer))
+        a, back, kept = mixing_seconds(m, layer, T, Sd, r, ta)   # (the attention kernel, or a linear layer's core)
         if layer < lo:   # below the lowest adapted block: a forward with no grad (no backward, no recompute)
             mm, att = mm + g(q + kv + o + gu + down + ex) * (1 + ref), att + a * (1 + ref)
             ew += (oa + om + ox + dq) * (1 + ref)
             continue
-        here = [t for t in adapted if not (t == "v_proj" and hasattr(m, "shares_kv") and m.shares_kv(layer))] if (
-            chosen is None or layer in chosen) else []   # a DoRA base's output is read: its GEMM runs
+        here = [t for t in adapted if m.has(layer, t)] if chosen is None or layer in chosen else []   # (a DoRA
+        # base's output is read: its GEMM runs; no v_proj on Gemma 4's k_eq_v layers, linear_attn's in linear ones)
         skip_down, skip_o = (nf4_skip and t not in here for t in ("down_proj", "o_proj"))   # (recompute.py's rule)
         skip_down = skip_down and not inner
         mm += 2 * g(q + kv + o + gu + down + ex)
-        att += a * (1 + r["BWD"])
+        att += a + back
         ew += 3 * (oa + om + ox) + 2 * dq   # (the experts' weights dequantized in forward and for dx in backward)
         if layer < N:   # the checkpointed blocks' recompute (Gemma 4's experts whatever --tiled-mlp: not in its tiles)
             mm += g(q + kv + o + ex)
-            att += 0 if args.ac_keep_attn else a
+            att += 0 if args.ac_keep_attn and kept else a
             ew += oa + ox + dq * (not tiled or not inner)   # (the tiles' dequant_once serves their recompute too)
             if not tiled:
                 mm += g(gu) + (0 if nf4 and skip_down else g(down))
@@ -132,14 +134,14 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         if tiled:
             mm += (g(gu) + (0 if skip_down else g(down))) * r["TILE"]
             ew += om * r["TILE"]
-        if ta:
+        if ta and not lin:
             mm += g(q + kv) + (0 if skip_o else g(o))
             ew += oa
         if ref:
             mm, att, ew = mm + g(q + kv + o + gu + down + ex), att + a, ew + oa + om + ox + dq
         for t in here:   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
-            passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp)
+            passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp and not lin)
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]
             ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
     tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)
