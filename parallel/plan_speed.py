@@ -22,10 +22,10 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
   o    = T·bytes / ELEMENTWISE   the elementwise work of a sublayer's forward (norm, RoPE, SwiGLU, adds, casts)
   forward g(all) + a + o;  backward g(all) + BWD·a + 2·o
   AC recompute of a checkpointed block: its attention half (g(q, k, v, o) + o_attn + a, no a with --ac-keep-attn),
-    and without --tiled-mlp its MLP half (g(gate, up) + o_mlp, + g(down) for --quant none: a 4-bit down_proj's
-    output is read by nobody there and is not computed, parallel/recompute.py)
+    and without --tiled-mlp its MLP half (g(gate, up) + o_mlp, + g(down) for --quant none or where the block reads
+    the MLP's output, Gemma's: elsewhere a 4-bit down_proj's output is read by nobody and not computed, recompute.py)
   --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp: down_proj's frozen base only
-    differentiates there, any base), x TILE; its AC recompute skips the MLP
+    differentiates there, any base), x TILE; its AC recompute skips the MLP, but Gemma's runs its forward tiles
   --tiled-attn: backward recomputes q's and k/v's chains per tile (g(q, k, v) + o_attn; o_proj only
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward; a tied model's trained
@@ -69,7 +69,7 @@ import re
 from model.flops import block_matmuls
 from model.lora_spec import lora_layers
 from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
-from parallel.plan_speed_block import mixing_seconds, moe_bytes
+from parallel.plan_speed_block import experts_tiled, mixing_seconds, mlp_read, moe_bytes
 from parallel.plan_totals import sample_tokens, with_reference
 
 CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
@@ -124,16 +124,17 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         mm += 2 * g(q + kv + o + gu + down + ex)
         att += a + back
         ew += 3 * (oa + om + ox) + 2 * dq   # (the experts' weights dequantized in forward and for dx in backward)
-        if layer < N:   # the checkpointed blocks' recompute (Gemma 4's experts whatever --tiled-mlp: not in its tiles)
-            mm += g(q + kv + o + ex)
+        read, xt = mlp_read(m, layer), tiled and experts_tiled(m, layer)   # (Gemma's blocks read the MLP's output)
+        if layer < N:   # the checkpointed blocks' recompute: the MLP where not tiled or read (its forward tiles), the
+            mm += g(q + kv + o) + (0 if xt and not read else g(ex))   # experts outside the tiles (Gemma 4's)
             att += 0 if args.ac_keep_attn and kept else a
-            ew += oa + ox + dq * (not tiled or not inner)   # (the tiles' dequant_once serves their recompute too)
-            if not tiled:
-                mm += g(gu) + (0 if nf4 and skip_down else g(down))
+            ew += oa + (0 if xt and not read else ox) + dq * (not xt or read)   # (the tiles' dequant_once serves
+            if not tiled or read:   # the backward tiles, not the recompute's)
+                mm += g(gu) + (0 if nf4 and skip_down and not read else g(down))
                 ew += om
         if tiled:
-            mm += (g(gu) + (0 if skip_down else g(down))) * r["TILE"]
-            ew += om * r["TILE"]
+            mm += (g(gu) + (0 if skip_down else g(down)) + (g(ex) if xt else 0)) * r["TILE"]
+            ew += (om + (ox if xt else 0)) * r["TILE"]
         if ta and not lin:
             mm += g(q + kv) + (0 if skip_o else g(o))
             ew += oa
@@ -141,7 +142,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             mm, att, ew = mm + g(q + kv + o + gu + down + ex), att + a, ew + oa + om + ox + dq
         for t in here:   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
-            passes = 1 + (layer < N and not (tiled and mlp)) + (tiled and mlp or ta and not mlp and not lin)
+            passes = 1 + (layer < N and (not tiled or not mlp or read)) + (tiled and mlp or ta and not (mlp or lin))
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]
             ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
     tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)

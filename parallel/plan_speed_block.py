@@ -19,6 +19,11 @@ Contract:
   tiny-shape core, its math nothing, at 1.8-1.9 µs a token), 5.3 MFLOP / 1.9 µs ~ 2.8 TFLOP/s; backward, dispatch-
   bound too, took 5.8-6.7x the forward on that CPU. Fewer heads are timed at the same rate, though the dispatch
   would not shrink with them (an underestimate there); the GPU's own work is ~0.7 µs a token at these shapes.
+- `mlp_read(m, layer)`: whether block `layer`'s recompute reads its MLP's output (parallel.recompute.mlp_output_read
+  of the class model/llama.py's Decoder builds there: Gemma's and OLMo's SandwichBlock). There a 4-bit down_proj's
+  GEMM runs in the recompute and --tiled-mlp's forward tiles run in it too (parallel/memory.py); elsewhere neither.
+- `experts_tiled(m, layer)`: whether --tiled-mlp tiles block `layer`'s experts: an MoE MLP module's (Qwen3-MoE,
+  Qwen3.5-MoE) yes; Gemma 4's, beside its dense MLP, not (memory.py tiles block.mlp): they stay in the AC recompute.
 - `elementwise_bytes(m, e, fused_norm, rope, layer)` -> (attention half, MLP module) bytes per token of one forward:
   eager kernels' reads and writes (RMSNorm in float32: ~6 passes of 4-byte temporaries, fused: 4e per element; RoPE
   `rope`·e per q/k element: 5 since model.llama's multiply-adds, ~9 for the formula before; the gated activation 5e
@@ -54,6 +59,19 @@ def mixing_seconds(m, layer: int, T: int, Sd: int, r: dict, tiled_attn: bool) ->
     span = Sd / 2 if w is None or w >= Sd else w * (1 - w / (2 * Sd))   # keys per query, on average
     a = 4 * T * span * H * hd / r["ATTN"] * (r["TILED_ATTN"] if tiled_attn else 1)
     return a, a * r["BWD"], True
+
+
+def mlp_read(m, layer: int) -> bool:
+    """Whether block `layer`'s recompute reads its MLP's output (module docstring)."""
+    from model.llama import Block, SandwichBlock
+    from parallel.recompute import mlp_output_read
+    sandwich = not m.is_linear(layer) and (m.sandwich_norms or m.post_norms)   # (Decoder's choice; a LinearBlock
+    return mlp_output_read(SandwichBlock if sandwich else Block)   # reads it no more than a Block)
+
+
+def experts_tiled(m, layer: int) -> bool:
+    """Whether --tiled-mlp tiles block `layer`'s experts (module docstring): the one place that rule lives."""
+    return m.moe is not None and m.moe.sparse(layer) and not m.moe.beside
 
 
 def elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5, layer: int = 0) -> tuple[float, float]:

@@ -8,7 +8,7 @@ Contract:
 - `grads_only()`: True inside `grads_only_context`, around calls whose outputs are only differentiated (the
   tiled MLP's and the tiled attention's backward tiles).
 - `apply_unread_outputs(model)` (always on, parallel/parallelize.build_model): two linear bases run only what
-  autograd needs where nobody reads their output values.
+  autograd needs where nobody reads their output values (`mlp_output_read(block)`: whether a recompute reads the MLP's).
   - The MLP's down projection in a block recompute: the residual add saves nothing, and the checkpoint stops
     after the LoRA path's last saved tensor and drops the block's output (not in a block whose `outputs_saved`:
     Gemma's, where a norm after the MLP saves its output), so its base returns zeros instead of
@@ -125,11 +125,18 @@ def _saves_nothing(forward, x) -> bool:
     return not packed
 
 
+def mlp_output_read(block) -> bool:
+    """Whether a block (or its class) reads its MLP's output in its recompute: where it says `outputs_saved` (Gemma's
+    and OLMo's SandwichBlock: the norm after the MLP saves it). There the down projection's base runs its GEMM in a
+    recompute and parallel/memory.py's tiled MLP its forward tiles; parallel/plan_speed.py times them by this too."""
+    return getattr(block, "outputs_saved", False)
+
+
 def apply_unread_outputs(model) -> None:
     """Wrap every block's down-projection base (recompute and tiled-MLP tiles) and o_proj base (tiled-attention
     tiles) as described above; a LoRA layer's base is its `base_layer`."""
     for block in model.model.layers:
-        read = getattr(block, "outputs_saved", False)   # (Gemma's norm after the MLP saves the MLP's output)
+        read = mlp_output_read(block)
         downs = [(block.mlp.down_proj, not read)] if hasattr(block.mlp, "down_proj") else []   # (an MoE block's
         attn = [(block.self_attn.o_proj, False)] if hasattr(block, "self_attn") else []   # (not a linear block's:
         for lin, in_recompute in (*downs, *attn):   # no tiled attention there; experts' outputs: read, weighted)

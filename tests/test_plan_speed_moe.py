@@ -9,7 +9,7 @@ Pins:
   (eager experts: each on its routed tokens). Until 2026-12-07 the model timed a dense MLP of intermediate_size in
   every block: no router, no shared expert, no Gemma 4 experts;
 - AC recomputes an MoE block's experts whole (no down_proj base to skip: their outputs are read, weighted) and
-  Gemma 4's experts even with --tiled-mlp (which tiles its dense MLP only);
+  Gemma 4's experts even with --tiled-mlp (which tiles its dense MLP only, whose forward tiles its recompute runs);
 - NF4: every expert's weights dequantized a pass, (0.5 + e)·E·3·I·D bytes at ELEMENTWISE: forward and backward, + the
   AC recompute; with --tiled-mlp the tiles' one dequantization serves their recompute (Qwen3-MoE).
 
@@ -76,13 +76,15 @@ def test_bench_configs_time_flops_gemms(config):
 def test_ac_recomputes_the_experts_whole():
     """Qwen3-30B-A3B, nf4: the AC recompute of every block is a whole block's forward (experts' down included: the
     skip is the dense down_proj's); Gemma 4 26B-A4B with --tiled-mlp: the recompute keeps the experts and the
-    attention, the dense MLP's recompute goes to the tiles (gate, up: x TILE; down only differentiated there)."""
+    attention, and runs the dense MLP's forward tiles (its post-feedforward norm reads their output: a whole block's
+    forward, tests/test_plan_speed_recompute.py; until 2026-12-07 left out), its backward goes to the tiles (gate,
+    up: x TILE; down only differentiated there)."""
     q = read_args(os.path.join(BENCH, "qwen3-30b-a3b"))
     per_block = sum(sum(block_matmuls(q, i).values()) for i in range(q.n_layers))
     ac = gemm_weights(q, "--quant", "nf4") - gemm_weights(q, "--quant", "nf4", "--no-ac")
     assert ac == pytest.approx(per_block, rel=1e-12)
     g = read_args(os.path.join(BENCH, "gemma-4-26b-a4b"))
-    kept = sum(b["q"] + b["kv"] + b["o"] + b["beside"] for b in map(lambda i: block_matmuls(g, i), range(g.n_layers)))
+    kept = sum(sum(block_matmuls(g, i).values()) for i in range(g.n_layers))
     tiles = RATES["TILE"] * sum(block_matmuls(g, i)["gate_up"] for i in range(g.n_layers))
     ac = gemm_weights(g, "--quant", "nf4", "--tiled-mlp") - gemm_weights(g, "--quant", "nf4", "--tiled-mlp", "--no-ac")
     assert ac == pytest.approx(kept, rel=1e-12)
