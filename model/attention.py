@@ -6,7 +6,9 @@ Contract:
   [B, S] and returning whatever the core needs per layer (here: document boundaries), and
   `__call__(q, k, v, meta, scale, window=None)` per layer: q [B, S, H, Hd], k/v [B, S, K, Hd] (RoPE
   applied), causal, returns [B, S, H, Hd] in q's dtype, differentiable w.r.t. q, k, v. `window` is the
-  layer's sliding window: query i sees keys j with i - window < j <= i (transformers' rule).
+  layer's sliding window: query i sees keys j with i - window < j <= i (transformers' rule). A decoder with attention
+  sinks (GPT-OSS) passes `sinks=` [H] too (a core that takes none is then a TypeError, never a silent drop): each
+  head's logit joins every row's softmax denominator as a key of value 0 (`sdpa`, parallel/kernels.py's with_sinks).
   The decoder hands the core its own q, k, v and reads them no more, and reads the core's output only
   through o_proj: a core may reuse their storage in backward (parallel.kernels' `spare_q`; under AC nothing
   checks this). A decoder that keeps any of them for something else must drop `spare_q` in its core.
@@ -100,31 +102,43 @@ class AttentionCore:
         raise NotImplementedError
 
 
+def sdpa(q, k, v, scale, keep=None, sinks=None):
+    """torch SDPA on [B, S, H, Hd] tensors, causal or where `keep` [B or 1, S, S] says; `sinks` [H]: one more key
+    per head of logit s_h and value 0 (a zero key, its score s_h added by the float mask): the GPT-OSS softmax."""
+    t = lambda x: x.transpose(1, 2)   # SDPA wants [B, H, S, Hd]
+    if sinks is None:
+        return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=None if keep is None else keep[:, None],
+                                                is_causal=keep is None, scale=scale, enable_gqa=True))
+    b, n, h = q.shape[:3]
+    keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] if keep is None else keep
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+    bias = torch.cat([bias[:, None].expand(-1, h, -1, -1),
+                      sinks.to(q.dtype).view(1, h, 1, 1).expand(bias.shape[0], h, n, 1)], -1)   # [B|1, H, S, S+1]
+    zero = lambda x: torch.cat([x, x.new_zeros(b, 1, *x.shape[2:])], 1)
+    return t(F.scaled_dot_product_attention(t(q), t(zero(k)), t(zero(v)), attn_mask=bias, scale=scale,
+                                            enable_gqa=True))
+
+
 class SDPAAttention(AttentionCore):
     """torch SDPA over each document of each row (the whole row when it holds one document); a window
-    becomes an explicit [S, S] boolean mask (fine for a reference, not for long rows)."""
+    becomes an explicit [S, S] boolean mask (fine for a reference, not for long rows); sinks an [H, S, S+1] float
+    one (`sdpa`)."""
 
-    def __call__(self, q, k, v, meta, scale, window=None):
-        def sdpa(q, k, v):   # [B, S, H, Hd] in and out; SDPA wants [B, H, S, Hd]
+    def __call__(self, q, k, v, meta, scale, window=None, sinks=None):
+        def one(q, k, v):   # [B, S, H, Hd] in and out
             mask = None
             if window is not None:
                 d = torch.arange(q.shape[1], device=q.device)
                 d = d[:, None] - d[None, :]
-                mask = (d >= 0) & (d < window)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                 enable_gqa=True)
-            return out.transpose(1, 2)
+                mask = ((d >= 0) & (d < window))[None]
+            return sdpa(q, k, v, scale, mask, sinks)
 
         if meta is None:
-            return sdpa(q, k, v)
+            return one(q, k, v)
         if isinstance(meta, Packed):   # branches: the whole rows, the rule as a mask
             if window is not None:
                 raise ValueError("a sliding window with branched documents (shared-prompt pairs) is not supported")
-            mask = packed_mask(meta.bounds, meta.branches, q.shape[1], q.device)
-            t = lambda x: x.transpose(1, 2)
-            return t(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=mask[:, None], scale=scale,
-                                                    enable_gqa=True))
-        rows = [torch.cat([sdpa(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y])
+            return sdpa(q, k, v, scale, packed_mask(meta.bounds, meta.branches, q.shape[1], q.device), sinks)
+        rows = [torch.cat([one(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y])
                            for x, y in zip(row[:-1], row[1:])], 1) for i, row in enumerate(meta)]
         return torch.cat(rows, 0)

@@ -94,6 +94,7 @@ class ModelArgs:
     layer_scalar: bool = False
     logit_softcap: float | None = None
     small: SmallSpec | None = None   # Gemma 4 E2B / E4B's per-layer embeddings, KV sharing, wide MLPs (gemma4_small)
+    sinks: bool = False   # GPT-OSS: a learned logit per head in each row's softmax denominator (`self_attn.sinks` [H])
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,

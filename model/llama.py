@@ -186,14 +186,17 @@ class Attention(nn.Module):
         self.whole = a.qk_norm_whole
         self.rotary = Rotary()
         self.rope = a.rotates(layer)   # False: SmolLM3's NoPE layers, q and k unrotated (the tables serve the others)
+        # GPT-OSS: a frozen logit per head in every softmax denominator, handed to the core (model/attention.py)
+        self.sinks = nn.Parameter(torch.zeros(h), requires_grad=False) if a.sinks else None
 
     def forward(self, x, cos, sin, core, meta, kv=None, store=False):
         """The sublayer's output; Gemma 4 E2B / E4B's (model/gemma4_small.py): `kv` a storing layer's k, v to use in
         place of this layer's own, `store`: (output, (k, v))."""
         q, k, v, g = self.projections(x, cos, sin, kv)   # x: the block's stand-in (takes_norm) or the normed input
         B, S = q.shape[:2]
-        out = core(q, *gemma4_small.core_kv(k, v, kv is not None or store), meta, self.scale, window=self.window)
-        out = self.o_proj(gated(out.reshape(B, S, self.n_heads * self.head_dim), g))   # [B, S, H, Hd] -> [B, S, D]
+        out = core(q, *gemma4_small.core_kv(k, v, kv is not None or store), meta, self.scale, window=self.window,
+                   **({} if self.sinks is None else {"sinks": self.sinks}))   # [B, S, H, Hd]
+        out = self.o_proj(gated(out.reshape(B, S, self.n_heads * self.head_dim), g))   # -> [B, S, D]
         return (out, (k, v)) if store else out
 
     def projections(self, x, cos, sin, kv=None):

@@ -22,6 +22,8 @@ Contract:
   (`ring_attention` without a group where a process holds whole rows: one process, Ulysses; several such rows as
   one); no sliding window: one that cuts no document of real tokens is dropped (none is longer than
   `cp_attention(..., longest)`, train.py's --max-len, or the positions show it), any other refused.
+- Attention sinks (`sinks` [H], GPT-OSS): handed to the kernels or the ring, which merge them into each row's final
+  (out, lse) (`kernels.with_sinks`); under Ulysses each rank passes its own heads' sinks.
 """
 
 from __future__ import annotations
@@ -132,16 +134,17 @@ def _unbound(window, meta):
                          "branches, is not supported: drop --dpo-share-prompt")
 
 
-def _branched(q, k, v, meta, scale, window):
+def _branched(q, k, v, meta, scale, window, sinks=None):
     """Whole rows with branches (`masks.Documents`, shared-prompt pairs): the ring's planned calls on one process.
     Several rows (an unpacked micro-batch) run as one row of them side by side, which takes the exact calls: planned
     together they took tiles, each computing all its pairs (~3.5x the kept outputs, review helper 47)."""
     _unbound(window, meta)
     b, s = q.shape[:2]
     if b == 1:
-        return ring_attention(q, k, v, scale, None, docs=meta)
+        return ring_attention(q, k, v, scale, None, docs=meta, sinks=sinks)
     flat = lambda x: x.reshape(1, b * s, *x.shape[2:])   # [B, S, H, D] -> [1, B*S, H, D]
-    return ring_attention(flat(q), flat(k), flat(v), scale, None, docs=_one_row(meta, s)).reshape(q.shape)
+    return ring_attention(flat(q), flat(k), flat(v), scale, None, docs=_one_row(meta, s), sinks=sinks
+                          ).reshape(q.shape)
 
 
 def _one_row(docs: masks.Documents, s: int) -> masks.Documents:
@@ -162,10 +165,10 @@ class KernelAttention(AttentionCore):
         docs = masks.documents(position_ids)
         return docs if docs is not None and docs.branches is not None else docs and docs.bounds
 
-    def __call__(self, q, k, v, meta, scale, window=None):
+    def __call__(self, q, k, v, meta, scale, window=None, sinks=None):
         if isinstance(meta, masks.Documents):
-            return _branched(q, k, v, meta, scale, window)
-        return kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
+            return _branched(q, k, v, meta, scale, window, sinks)
+        return kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True, sinks=sinks)
 
 
 class ContextParallelAttention(AttentionCore):
@@ -194,23 +197,26 @@ class ContextParallelAttention(AttentionCore):
             return docs
         return docs and docs.bounds
 
-    def __call__(self, q, k, v, meta, scale, window=None):
+    def __call__(self, q, k, v, meta, scale, window=None, sinks=None):
         u, r = self.dims.ulysses, self.dims.ring
         if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
             n_heads = q.shape[2]
             k = kv_to_heads(k, n_heads, self.ulysses_group)  # validates the head counts before any traffic
             v = kv_to_heads(v, n_heads, self.ulysses_group)
             q = seq_to_heads(q, self.ulysses_group)
+            if sinks is not None:   # this rank's heads: seq_to_heads keeps [rank·H/u, (rank+1)·H/u)
+                n = q.shape[2]
+                sinks = sinks[dist.get_rank(self.ulysses_group) * n:][:n]
         if r == 1 and isinstance(meta, masks.Documents):   # (Ulysses: whole rows, a share of the heads)
-            out = _branched(q, k, v, meta, scale, self._branch_window(window, meta))
+            out = _branched(q, k, v, meta, scale, self._branch_window(window, meta), sinks)
         elif r == 1:
-            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True)
+            out = kernels.attention(q, k, v, True, scale, docs=meta, window=window, spare_q=True, sinks=sinks)
         else:
             if u > 1:  # the gathered pieces alternate between the ring rank's two chunks: regroup them
                 q, k, v = (_pieces_to_chunks(x, u) for x in (q, k, v))
             if isinstance(meta, masks.Documents) and meta.branches is not None:
                 window = self._branch_window(window, meta)
-            out = ring_attention(q, k, v, scale, self.ring_group, docs=meta, window=window)
+            out = ring_attention(q, k, v, scale, self.ring_group, docs=meta, window=window, sinks=sinks)
             if u > 1:
                 out = _chunks_to_pieces(out, u)
         return heads_to_seq(out, self.ulysses_group) if u > 1 else out

@@ -35,6 +35,14 @@ Contract:
   (`backends.blocked_backward`; not with as many KV heads as query heads: float32 dk/dv over the row would cost
   more than it saves). `spare_q` (the decoder's cores: q, k, v its own, out read by o_proj only) lets it put dq,
   dk, dv and float32 sums in q's, k's, v's, out's storage where `recompute.spare_storages` allows: none row-sized.
+- Attention sinks (GPT-OSS: `sinks` [H], one learned logit per head in every row's softmax denominator, with value
+  0): `with_sinks(out, lse, sinks)` merges the sink into a row's FINAL (out, lse) as one more block of output 0 and
+  lse s: out·sigmoid(lse - s), logaddexp(lse, s). The backward of the whole is the kernels' backward given that
+  (out', lse'): it rebuilds the probabilities from lse' (the sink's share in it) and D = rowsum(dout·out') sums over
+  the sink column too, whose dP is dout·0 = 0; only the sink's own gradient is left out, so the sinks are frozen
+  (one that requires grad is refused). `attention(..., sinks=)`, `ring.ring_attention` and the tiled sublayer apply
+  it where each query's row is complete (a call here: a whole row, a window tile or a document; the ring after its
+  last merge) and save (out', lse') for backward; the varlen launches (which keep their own lse) are not taken.
 """
 
 from __future__ import annotations
@@ -120,10 +128,22 @@ def tile_rows(s: int, tile: int | None = None) -> int:
     return max(1, tile or min(BACKWARD_BLOCK // 4, max(256, -(-s // 1024) * 128)))
 
 
+def with_sinks(out, lse, sinks):
+    """(out', lse') of rows whose attention over the real keys is (out [B, S, H, D], lse [B, H, S]), with the sinks
+    [H] merged in (module docstring). A row with no key (lse -inf) keeps out 0 and gets lse' = s."""
+    if sinks is None:
+        return out, lse
+    if sinks.requires_grad:
+        raise ValueError("attention sinks are frozen base weights here (their gradient is not computed): "
+                         "set requires_grad False on them")
+    s = sinks.detach().to(lse.dtype)[None, :, None]                        # [1, H, 1]
+    return out * torch.sigmoid(lse - s).transpose(1, 2)[..., None].to(out.dtype), torch.logaddexp(lse, s)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, mask=None, spare_q=False):
-        out, lse = forward(q, k, v, causal, scale, backend, mask)
+    def forward(ctx, q, k, v, causal, scale, backend, mask=None, spare_q=False, sinks=None):
+        out, lse = with_sinks(*forward(q, k, v, causal, scale, backend, mask), sinks)
         # the mask is saved as a tensor, not held on ctx: AC's hooks then drop it with q, k, v (a sliding window's
         # band masks, S·2w bytes a layer, were kept by every checkpointed block from forward to its backward)
         ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
@@ -140,7 +160,7 @@ class _Attention(torch.autograd.Function):
                 q.shape[1]), spare)
         else:
             grads = backward(dout, q, k, v, out, lse, causal, scale, backend, mask)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 _varlen_checked: dict = {}   # (device, dtype, heads, kv heads, head dim, windowed) -> torch varlen passed
@@ -178,17 +198,17 @@ def _per_document(q, k, v, dout, scale, window):   # (out, dq, dk, dv) of one do
     return (out, *backward(dout, q, k, v, out, lse, keep is None, scale, mask=keep))
 
 
-def _banded(q, k, v, scale, window, backend, spare_q=False):
+def _banded(q, k, v, scale, window, backend, spare_q=False, sinks=None):
     """Causal attention with a sliding window over rows that are each one document."""
     n = q.shape[1]
     if window is None or window >= n:
-        return _Attention.apply(q, k, v, True, scale, backend, None, spare_q)
+        return _Attention.apply(q, k, v, True, scale, backend, None, spare_q, sinks)
     tile, outs = masks.band_rows(window), []
     for a in range(0, n, tile):
         e, ks = min(a + tile, n), max(0, a - window + 1)
         keep = masks.keep(torch.arange(a, e, device=q.device), torch.arange(ks, e, device=q.device),
                           window=window)                                     # [1, tile, keys]
-        outs.append(_Attention.apply(q[:, a:e], k[:, ks:e], v[:, ks:e], False, scale, backend, keep))
+        outs.append(_Attention.apply(q[:, a:e], k[:, ks:e], v[:, ks:e], False, scale, backend, keep, False, sinks))
     return torch.cat(outs, 1)
 
 
@@ -209,18 +229,19 @@ def _offsets(docs, s, device):
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=None, window=None,
-              backend: str | None = None, spare_q: bool = False) -> torch.Tensor:
-    """Differentiable attention; `docs[b]`: row b's document boundaries; `window`, `spare_q`: see the top."""
+              backend: str | None = None, spare_q: bool = False, sinks=None) -> torch.Tensor:
+    """Differentiable attention; `docs[b]`: row b's document boundaries; `window`, `spare_q`, `sinks` [H]: see the
+    top."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if window is not None and (not causal or int(window) != window or window < 1):
         raise ValueError(f"sliding window {window!r} needs causal attention and a positive integer size")
     if docs is None and window is None:
-        return _Attention.apply(q, k, v, causal, scale, backend, None, spare_q)
+        return _Attention.apply(q, k, v, causal, scale, backend, None, spare_q, sinks)
     if not causal:
         raise ValueError("document masking is only implemented for causal attention")
     b, s, h, d = q.shape
-    fa = (backend or pick_backend(q, varlen=True)) == "flash_attn"
-    if fa or (docs is not None and backend is None and _torch_varlen_ok(q, k, window)):
+    fa = sinks is None and (backend or pick_backend(q, varlen=True)) == "flash_attn"
+    if fa or (sinks is None and docs is not None and backend is None and _torch_varlen_ok(q, k, window)):
         # One varlen call over the flattened batch; cu_seqlens index rows back to back.
         cu, longest = _offsets(docs or [[0, s]] * b, s, q.device)
         flat = (q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d))
@@ -229,10 +250,10 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, docs=Non
             else backends.TorchVarlen.apply(*flat, cu, longest, scale, window)
         return out.view(b, s, h, d)
     if docs is None:
-        return _banded(q, k, v, scale, window, backend, spare_q)
+        return _banded(q, k, v, scale, window, backend, spare_q, sinks)
     rows = []
     for i, row in enumerate(docs):
-        pieces = [_banded(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y], scale, window, backend)
+        pieces = [_banded(q[i:i + 1, x:y], k[i:i + 1, x:y], v[i:i + 1, x:y], scale, window, backend, sinks=sinks)
                   for x, y in zip(row[:-1], row[1:])]
         rows.append(torch.cat(pieces, 1))
     return torch.cat(rows, 0)

@@ -23,6 +23,8 @@ Contract:
   crosses run the masked kernel, with a mask of their own size built when called. The zigzag layout and
   the block shapes above are unchanged, so no rank ever does more than c·2c pairs a step; how much less
   depends on where the documents and windows fall.
+- `sinks` [H] (GPT-OSS, this rank's heads): merged into the final (out, lse) after the last block
+  (`kernels.with_sinks`), which backward's calls then take as the global (out, lse).
 """
 
 from __future__ import annotations
@@ -156,9 +158,9 @@ def _ring_backward(dout, q, k, v, out, lse, scale, group, plan, docs, window):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group, docs, window, tile):
+    def forward(ctx, q, k, v, scale, group, docs, window, tile, sinks=None):
         plan = _plan(group, q.shape[1], docs, window, tile)   # host arithmetic only; reused in backward
-        out, lse = _ring_forward(q, k, v, scale, group, plan, docs, window)
+        out, lse = kernels.with_sinks(*_ring_forward(q, k, v, scale, group, plan, docs, window), sinks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, group, plan, docs, window)
         return out
@@ -166,11 +168,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None, None)
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group,
-                   docs: masks.Documents | None = None, window: int | None = None, tile: int | None = None):
+                   docs: masks.Documents | None = None, window: int | None = None, tile: int | None = None,
+                   sinks: torch.Tensor | None = None):
     """Causal attention over the zigzag-sharded sequence of `group`; see the module docstring. `group` None: one
     process's whole rows, the same calls planned from `docs` (what shared-prompt pairs' branches take)."""
     if q.shape[1] % 2 and group is not None:
@@ -182,4 +185,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         raise ValueError(f"sliding window {window} must be a positive number of tokens")
     if window is not None and window >= whole:
         window = None  # covers the whole sequence: plain causal attention
-    return _RingAttention.apply(q, k, v, scale, group, docs, window, tile)
+    return _RingAttention.apply(q, k, v, scale, group, docs, window, tile, sinks)

@@ -9,7 +9,9 @@ Contract:
   attention of a tile is its diagonal block (causal) plus the earlier keys in key blocks of the tile's size
   (non-causal), merged by log-sum-exp; packed rows are split at document boundaries (a tile's piece of a
   document sees that document's keys only); a sliding window masks sub-tiles of masks.band_rows(window) queries against
-  their own keys, as parallel.kernels does. Every call goes through parallel.kernels (its backend choice).
+  their own keys, as parallel.kernels does. Attention sinks (GPT-OSS) join each piece's final out, lse
+  (`kernels.with_sinks`), which backward takes as the global ones. Every call goes through parallel.kernels (its
+  backend choice).
   Saved: the sublayer's input (the norm's input), k and v after RoPE, the attention output and its lse: not
   q, no LoRA intermediate, no norm output (nor Qwen3.5's output gate: recomputed with q, before o_proj there, whose
   input it scales). Backward, per tile: o_proj recomputed from the saved output tile
@@ -81,6 +83,7 @@ class _Spec:
     def __init__(self, attn, pre, tile, docs, release):
         self.attn, self.pre, self.tile_arg, self.docs, self.release = attn, pre, tile, docs, release
         self.scale, self.window, self.backend = attn.scale, attn.window, None
+        self.sinks = getattr(attn, "sinks", None)   # (GPT-OSS: merged into each piece's final out, lse)
         self.rng = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in attn.modules())
 
     def units(self, b, s):
@@ -133,7 +136,7 @@ def _attend(spec, q, k, v, a, bounds, out, lse):
         qp = q[:, pa - a:pe - a]
         if keep is not None:
             o, lp = kernels.forward(qp, k[:, ks:pe], v[:, ks:pe], False, spec.scale, spec.backend, mask=keep)
-            out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
+            out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = kernels.with_sinks(o, lp, spec.sinks)
             continue
         o = lp = None
         for c, f, causal in _blocks(spec, pa, pe, ks, pre):
@@ -142,7 +145,7 @@ def _attend(spec, q, k, v, a, bounds, out, lse):
                 o, lp = bo.to(acc, copy=True), bl.to(acc, copy=True)
             else:
                 _merge(o, lp, bo, bl)
-        out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = o, lp
+        out[:, pa - a:pe - a], lse[:, :, pa - a:pe - a] = kernels.with_sinks(o, lp, spec.sinks)
 
 
 def _attend_backward(spec, dout, q, k, v, out, lse, a, bounds, dk, dv):
