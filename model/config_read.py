@@ -10,7 +10,8 @@ Contract:
   `smollm3`, `granite`: model/gemma.py; their keys model/arch_fields.py), Qwen3-MoE (`qwen3_moe`: model/moe.py),
   Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py), Qwen3.5-MoE
   (`qwen3_5_moe_text`: Qwen3.5's with model/moe.py's MLP and a shared expert, whose width, shared_expert_intermediate_
-  size, is `intermediate_size` here: the one MLP of that name in a block). A multimodal wrapper (Mistral 3,
+  size, is `intermediate_size` here: the one MLP of that name in a block), GPT-OSS (`gpt_oss`: attention sinks, q/k/v/o
+  biases by default, every MLP its MoE block: model/gpt_oss.py). A multimodal wrapper (Mistral 3,
   `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`; Qwen3.5-MoE, `qwen3_5_moe`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
@@ -46,7 +47,8 @@ def read_config(cls, cfg: dict):
             f"(architectures={archs}); supported: Llama 2/3 (llama), Mistral (mistral, ministral), Ministral 3 "
             "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
             "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
-            "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), Gemma 4 dense (gemma4_text), and "
+            "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), Gemma 4 dense (gemma4_text), GPT-OSS "
+            "(gpt_oss), and "
             "the language model of Mistral 3 (mistral3), Gemma 3 (gemma3), Gemma 4 (gemma4), Qwen3.5 (qwen3_5) and "
             "Qwen3.5-MoE (qwen3_5_moe) wrappers of these")
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
@@ -81,7 +83,7 @@ def read_config(cls, cfg: dict):
     theta, scaling, beta, length = read_ministral3(cfg, max_pos) if mt == "ministral3" else (
         gemma["rope_theta"], gemma["rope_scaling"], None, None) if "rope_theta" in gemma else (
         *read_rope(cfg, max_pos), None, None)
-    attn_bias = bool(cfg.get("attention_bias", False))
+    attn_bias = bool(cfg.get("attention_bias", mt == "gpt_oss"))   # (GptOssConfig's default: true)
     # Sliding windows as transformers applies them: Mistral on every layer; Ministral (and Mistral with a
     # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
     # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.

@@ -32,6 +32,7 @@ from model import gemma, gemma4_moe, gemma4_small
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
+from model.gpt_oss import GptOssMoE
 from model.linear_layers import LinearBlock, LocalLinear
 from model.moe import MoE
 from model.norms import cast_weight
@@ -257,7 +258,8 @@ class Block(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(a, layer)
-        self.mlp = MoE(a.dim, a.moe) if a.moe and a.moe.sparse(layer) else MLP(a)   # (Qwen3-MoE: model/moe.py)
+        self.mlp = ((GptOssMoE if a.moe.clamp else MoE)(a.dim, a.moe) if a.moe and a.moe.sparse(layer) else
+                    MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS: model/gpt_oss.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
 

@@ -16,7 +16,8 @@ Contract:
   A bitsandbytes 4-bit checkpoint's packed weights are read as the float32 weights they hold (model/prequant.py:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`). Gemma 4's fused experts are, expert
-  by expert under our names (`views`: model/gemma4_moe.py's expert_views), each read from its byte range.
+  by expert under our names (`views`: model/gemma4_moe.py's expert_views), each read from its byte range; GPT-OSS's
+  (model/gpt_oss.py) too, each expert's slab read whole and its part de-interleaved and transposed (`slabs`).
 - A multimodal wrapper (Mistral 3, Gemma 3: model/wrapper.py) is indexed as its language model, by the text-only
   model's names (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are
   never read; its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored
@@ -36,6 +37,7 @@ from dataclasses import replace
 
 import torch
 
+from model import gpt_oss
 from model.config import ModelArgs
 from model.gemma4_moe import expert_views
 from model.llama import Transformer
@@ -68,7 +70,11 @@ class CheckpointReader:
         self.where = {n: self.raw[n][1] for n in self.meta}
         self.wrapper = _wrapper(os.path.join(path, "config.json"))
         # Gemma 4's fused experts, read expert by expert under our names in their place (model/gemma4_moe.py)
-        self.views = expert_views(self.meta)
+        # GPT-OSS's (model/gpt_oss.py): `slabs` {our name: (slab shape, take, put)}, an expert's whole slab read, then
+        # de-interleaved and transposed by take (the last slab kept: gate and up share theirs)
+        self.views, self.slabs, self._slab = expert_views(self.meta), {}, None
+        for name, (src, first, shape, *slab) in gpt_oss.expert_views(self.meta).items():
+            self.views[name], self.slabs[name] = (src, first, shape), tuple(slab)
         for v, (src, _, shape) in self.views.items():
             self.meta[v], self.where[v] = (self.meta[src][0], shape, None, None), self.where[src]
         for src in {s for s, _, _ in self.views.values()}:
@@ -109,6 +115,12 @@ class CheckpointReader:
 
     def _read(self, name: str, first: int, count: int) -> torch.Tensor:
         """Elements [first, first + count) of the flattened tensor (a packed 4-bit one's: dequantized, float32)."""
+        if name in self.slabs:   # (GPT-OSS: the expert's slab, its part taken out)
+            src, start, _ = self.views[name]
+            shape, take, _ = self.slabs[name]
+            if self._slab is None or self._slab[0] != (src, start):
+                self._slab = ((src, start), self._read(src, start, torch.Size(shape).numel()).view(shape))
+            return take(self._slab[1]).reshape(-1)[first:first + count]
         if name in self.views:   # (an expert's range of a fused tensor)
             src, start, _ = self.views[name]
             return self._read(src, start + first, count)

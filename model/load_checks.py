@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 
-from model import prequant
+from model import gpt_oss, prequant
 from model.gemma4_moe import stored_shapes
 from model.lora_spec import sublayer
 from model.stored import _read_json, stored_weights
@@ -54,6 +54,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
             if not margs.has(i, name):   # (Qwen3.5: attention in its full layers, linear_attn in the others)
                 continue
             block = sublayer(name)
+            if block == "mlp" and margs.moe and margs.moe.clamp:   # GPT-OSS's router and fused experts
+                want.update(gpt_oss.stored_shapes(margs, i))
+                continue
             if block == "mlp" and margs.moe and margs.moe.sparse(i) and not margs.moe.beside:   # Qwen3-MoE's router
                 # and experts (model/moe.py)
                 want[f"model.layers.{i}.mlp.gate.weight"] = (margs.moe.experts, margs.dim)
@@ -71,7 +74,7 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     prequant.check_quant(packed, quant, path)
     have = {n: (tuple(h[1]), os.path.basename(raw[n][1])) for n, h in meta.items()}
     missing = sorted(n for n in want if n not in have)
-    if fused := next((n for n in have if n.endswith("mlp.experts.gate_up_proj")), None):
+    if (fused := next((n for n in have if n.endswith("mlp.experts.gate_up_proj")), None)) and not margs.moe.clamp:
         raise ValueError(f"{path!r}: {fused} holds the experts fused ([E, 2·I, D]); the experts are read one by one, "
                          "as the Hub's Qwen3-MoE checkpoints and transformers 5's save_pretrained store them "
                          "(mlp.experts.E.gate_proj.weight ...): save it again with transformers 5, or pass the Hub's")

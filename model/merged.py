@@ -49,7 +49,7 @@ def _is_nf4(name: str, shape) -> bool:
     if parts[3:5] == ["mlp", "shared_expert"] and len(parts) == 7:
         parts = parts[:4] + parts[5:]
     return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3] in ("self_attn", "linear_attn", "mlp")
-            and parts[4] != "gate" and parts[5] == "weight" and len(shape) == 2)
+            and parts[4] not in ("gate", "router") and parts[5] == "weight" and len(shape) == 2)
 
 
 def _misfit(name: str, ab: dict, shape, r: int) -> str | None:
@@ -231,10 +231,14 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
                 w = fold(w, pairs[name]["A"], pairs[name]["B"], scale, pairs[name]["m"])
             elif name in pairs:
                 w = w + scale * pairs[name]["B"] @ pairs[name]["A"]
-            if name in reader.views:   # Gemma 4: an expert's range of the fused tensor it is written into, as stored
+            if name in reader.views:   # Gemma 4, GPT-OSS: an expert's part of the fused tensor it is written into
                 src, first, _ = reader.views[name]
                 fused = out.setdefault(stored.get(src, src), torch.empty(reader.raw[src][0][1], dtype=dtype))
-                fused.view(-1)[first:first + w.numel()] = w.reshape(-1)
+                if name in reader.slabs:   # (GPT-OSS: its slab's interleaved, transposed part; model/gpt_oss.py)
+                    shape, _, put = reader.slabs[name]
+                    put(fused.view(-1)[first:first + torch.Size(shape).numel()].view(shape), w)
+                else:
+                    fused.view(-1)[first:first + w.numel()] = w.reshape(-1)
             else:
                 out[stored.get(name, name)] = w.to(dtype).contiguous()
             del w

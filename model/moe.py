@@ -53,6 +53,7 @@ class MoESpec:
     dense: tuple = ()     # ... unless in mlp_only_layers (Qwen3's dense MLP there)
     shared: int = 0       # Qwen3.5-MoE's shared expert's width (shared_expert_intermediate_size); 0: none
     beside: bool = False  # Gemma 4's: the experts run beside the dense MLP in every block (model/gemma4_moe.py)
+    clamp: tuple | None = None   # GPT-OSS's (swiglu_limit, swiglu_alpha): its experts and router (model/gpt_oss.py)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense and (layer + 1) % self.step == 0
