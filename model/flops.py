@@ -28,7 +28,8 @@ from model.config import ModelArgs
 def matmul_params(args: ModelArgs) -> int:
     """Weights that multiply activations: every decoder projection plus lm_head (the embedding is
     a lookup and norms are elementwise, so neither counts; a tied lm_head still does a matmul)."""
-    return sum(sum(block_matmuls(args, i).values()) for i in range(args.n_layers)) + args.vocab_size * args.dim
+    ple = args.dim * args.n_layers * args.small.ple if args.small else 0   # (per_layer_model_projection: D -> L·P)
+    return sum(sum(block_matmuls(args, i).values()) for i in range(args.n_layers)) + args.vocab_size * args.dim + ple
 
 
 def block_matmuls(args: ModelArgs, i: int) -> dict[str, int]:
@@ -36,21 +37,23 @@ def block_matmuls(args: ModelArgs, i: int) -> dict[str, int]:
     by these): `q` (+ Qwen3.5's gate half; a linear layer's in_proj_qkv, _z, _b, _a), `kv` (k_proj, v_proj but where
     k_proj's output is v), `o` (o_proj; out_proj), `gate_up` and `down`: the block's MLP module's (a dense MLP's; an
     MoE block's (Qwen3-MoE) router [E, D] and a token's k experts' gate + up, their down; Qwen3.5-MoE: + its shared
-    expert's, intermediate_size wide, and its gate [1, D]), `beside`: Gemma 4's router and a token's k experts, which
-    run beside its dense MLP."""
-    d, f, moe = args.dim, args.intermediate_size, args.moe
-    out = dict(q=0, kv=0, o=0, gate_up=2 * d * f, down=d * f, beside=0)
+    expert's, intermediate_size wide, and its gate [1, D]), `beside`: what runs beside the MLP module, outside its tiles
+    and in the AC recompute: Gemma 4's router and a token's k experts beside its dense MLP; Gemma 4 E2B / E4B's
+    per_layer_input_gate and per_layer_projection (D·P each). The MLP at block i's own width (E2B's KV-shared layers:
+    twice intermediate_size), no k/v projections where the block reuses an earlier one's K/V."""
+    d, f, moe, small = args.dim, args.projections(i)["up_proj"][1], args.moe, args.small
+    out = dict(q=0, kv=0, o=0, gate_up=2 * d * f, down=d * f, beside=2 * d * small.ple if small else 0)
     if args.is_linear(i):   # (Qwen3.5's linear layers: linear_attn's five in place of the attention's)
         proj = args.linear.projections(d)
         out.update(q=sum(a * b for n, (a, b) in proj.items() if n != "out_proj"), o=d * proj["out_proj"][0])
     else:   # each at the layer's own (H, K, Hd): Gemma 4's full layers theirs, no v_proj where k_proj's output is v
         h, kv, hd = args.attn_dims(i)
-        out.update(q=d * h * hd * (2 if args.attn_gate else 1), kv=d * kv * hd * (1 + (not args.shares_kv(i))),
-                   o=d * h * hd)
+        out.update(q=d * h * hd * (2 if args.attn_gate else 1), kv=d * kv * hd * (args.has(i, "k_proj") + args.has(
+                   i, "v_proj")), o=d * h * hd)
     if moe and moe.sparse(i):
         experts = dict(gate_up=d * moe.experts + moe.top_k * 2 * d * moe.width, down=moe.top_k * d * moe.width)
         if moe.beside:
-            out["beside"] = sum(experts.values())
+            out["beside"] += sum(experts.values())
         else:   # (Qwen3.5-MoE: the shared expert is the dense MLP's shapes, intermediate_size its width, + its gate)
             sh = bool(moe.shared)
             out.update(gate_up=experts["gate_up"] + sh * (2 * d * f + d), down=experts["down"] + sh * d * f)

@@ -5,7 +5,9 @@ Pins (tiny configs saved by transformers and read back by model.load.read_args, 
   `flops_per_token(args, S, causal=False) · B · S` exactly for Llama, Qwen2 (q/k/v bias), Qwen3-MoE (with
   decoder_sparse_step and mlp_only_layers: dense blocks among the MoE ones), Qwen3.5-MoE on full-attention layers (the
   shared expert and its gate), Gemma 4 dense (sliding and full layers, 512-style wider full heads with their own KV
-  heads, attention_k_eq_v: no v_proj there) and Gemma 4 MoE (the experts beside the dense MLP, the router). The
+  heads, attention_k_eq_v: no v_proj there), Gemma 4 MoE (the experts beside the dense MLP, the router) and Gemma 4
+  E2B / E4B's parts (tests/test_gemma4_small.py's config: per-layer embeddings' three Linears, the KV-shared layers
+  without k/v projections and with double-wide MLPs; and without the wide MLPs, as E4B). The
   routing is whatever the random router picks: transformers' eager experts run each expert over the tokens routed to
   it, so the counter sees k expert MLPs a token, exactly what flops.py counts, whatever the choice;
 - what the counter counts for attention: transformers' eager attention is two matmuls over all S² pairs, masked or
@@ -32,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from model.flops import _linear_proj, flops_per_token, linear_flops_per_token
 from model.load import read_args
-from tests import test_gemma4, test_gemma4_moe, test_qwen3_5_moe, test_qwen3_moe
+from tests import test_gemma4, test_gemma4_moe, test_gemma4_small, test_qwen3_5_moe, test_qwen3_moe
 
 B, S = 2, 40
 DENSE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
@@ -47,6 +49,8 @@ CASES = {
     "qwen3_5_moe": (T.Qwen3_5MoeForCausalLM, T.Qwen3_5MoeTextConfig, dict(test_qwen3_5_moe.SIZES, layer_types=FULL)),
     "gemma4": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4.CONFIG, attention_k_eq_v=True)),
     "gemma4_moe": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, test_gemma4_moe.CONFIG),
+    "gemma4_e2b": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4_small.SMALL, attention_k_eq_v=True)),
+    "gemma4_e4b": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4_small.SMALL, use_double_wide_mlp=False)),
 }
 
 
@@ -69,6 +73,7 @@ def test_flops_per_token_equal_the_counter_on_transformers_model(name, tmp_path)
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     moe = args.moe is not None and any(args.moe.sparse(i) for i in range(args.n_layers))
     assert moe == name.startswith(("qwen3_moe", "qwen3_5", "gemma4_moe")), f"{name}: MoE blocks read as such"
+    assert (args.small is not None) == name.startswith("gemma4_e"), f"{name}: PLE / KV sharing read as such"
     want = flops_per_token(args, S, causal=False) * B * S
     assert counter.get_total_flops() == want, f"{name}: counter {counter.get_total_flops()} vs flops.py {want}"
 
