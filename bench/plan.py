@@ -153,10 +153,19 @@ ARCHS = {"gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_w
          "gemma4": ("Gemma4TextConfig", dict(sliding_window=1024, layer_types=FOUR, global_head_dim=128,
                                              num_global_key_value_heads=1, attention_k_eq_v=True,
                                              hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
-                                             tie_word_embeddings=True))}
+                                             tie_word_embeddings=True)),
+         # Gemma 4 E2B's form (parallel/plan_small.py): per-layer inputs of 64, the last 3 of 6 layers KV-shared (layers
+         # 1, full, and 2, sliding, store), their MLPs double-wide
+         "gemma4_e2b": ("Gemma4TextConfig", dict(sliding_window=1024, layer_types=["sliding_attention",
+                                                 "full_attention"] + FOUR[:3] + ["full_attention"], num_hidden_layers=6,
+                                                 global_head_dim=128, hidden_size_per_layer_input=64,
+                                                 vocab_size_per_layer_input=4096, num_kv_shared_layers=3,
+                                                 use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                                                 tie_word_embeddings=True))}
 EXTRA = {"qwen3_moe": ["--lora-targets", "attn"]}   # (LoRA on experts is refused: parallel.flags)
 CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS
-            if not (a == "gemma4" and w > 1)]   # (--cp > 1 is refused for Gemma 4's per-layer shapes: parallel.mesh)
+            if not (a.startswith("gemma4") and w > 1)]   # (--cp > 1 is refused for Gemma 4's per-layer shapes:
+# parallel.mesh)
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
 BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,

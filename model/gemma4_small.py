@@ -179,15 +179,6 @@ def run_block(block: nn.Module, h: torch.Tensor, args: tuple, carried: Carry | N
     return block(h, *args) if carried is None else carried.run(block, h, args)
 
 
-def unplanned(a) -> str | None:
-    """Why parallel/plan.py's memory plan does not hold this model (None: it does): the K/V a storing layer keeps for
-    the reuse layers, the per-layer inputs and the reuse layers' wider MLPs are not in it. (`a` None: tests' plans.)"""
-    if getattr(a, "small", None) is None:
-        return None
-    return (f"not planned: {a.named}'s per-layer embeddings, KV sharing and double-wide MLPs (Gemma 4 E2B / E4B) are "
-            "not in parallel/plan.py's memory plan yet")
-
-
 def refuse_tiled_attn(a) -> None:
     """--tiled-attn runs each layer's own k/v projections over tiles; a reuse layer has none (module docstring)."""
     if a.small is not None and a.small.kv_shared:

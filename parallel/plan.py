@@ -82,6 +82,7 @@ Qwen3-MoE's blocks (experts, router; their saved tensors and MLP phase; Gemma 4'
 parallel/plan_moe.py; Qwen3.5's
 linear blocks (weights, LoRA targets, saved tensors in place of the attention's, the backward phase in place of 7 and
 9; each block planned as its layer type, the peak block the worse kind's): parallel/plan_linear.py.
+Gemma 4 E2B / E4B's per-layer embeddings, KV sharing and wide MLPs: parallel/plan_small.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
 Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
 """
@@ -91,7 +92,7 @@ from __future__ import annotations
 from functools import partial
 
 from model.lora_spec import lora_layers
-from parallel import kernels, plan_block, plan_layers, plan_linear, plan_moe, plan_weights
+from parallel import kernels, plan_block, plan_layers, plan_linear, plan_moe, plan_small, plan_weights
 from parallel.plan_totals import Plan, sample_tokens
 from parallel.plan_weights import _pad, quant_state_bytes  # noqa: F401 (term 1's: tests read it here)
 
@@ -139,16 +140,19 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     base += [(D, D)] * nb + [(o, o) for t, (o, _) in shapes.items()
                             if (t in ("q_proj", "k_proj", "v_proj") and m.qkv_bias) or (t == "o_proj" and m.o_bias)
                             or (t.endswith(("gate_proj", "up_proj", "down_proj")) and m.mlp_bias)] \
-        + [(1, 1)] * m.layer_scalar + ([(D, D)] * 4 + [(m.moe.experts,) * 2] if beside else [])   # (Gemma 4's frozen
-    # [1] per block; its MoE block's three norms, the router's scale [D] and per_expert_scale [E])
+        + [(1, 1)] * m.layer_scalar + ([(D, D)] * 4 + [(m.moe.experts,) * 2] if beside else []) \
+        + plan_small.block_base(m)   # (Gemma 4's frozen [1] per block; its MoE block's three norms, the router's scale
+    # [D] and per_expert_scale [E]; E2B / E4B's per-layer input gate, projection and norm: parallel/plan_small.py)
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
     adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms)] or [L - 1]   # (a
     # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
-    lo = adapted[0]   # blocks below lo need no grad: they save nothing, no backward runs there
+    lo = adapted[0] * (not (norms and plan_small.branch_saved(m, 1, e)))   # blocks below lo need no grad: they
+    # save nothing, no backward runs there (Gemma 4 E2B / E4B's trained per_layer_projection_norm: every block's
+    # PLE branch needs one, so the blocks below the adapted ones run as un-adapted ones above them)
     loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i)] + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]
-             + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i)) * norms   # (+ Gemma 4's MoE norms)
+             + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
              for x, i in {kind(i): i for i in range(L)}.items()}
     lora = lambda i: loras[kind(i)]   # a block's LoRA by its kind (linear or not; Gemma 4: its attention shape)
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
@@ -217,10 +221,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             # q/k norms (Qwen3, Gemma 3 per head; OLMo over the projection: one rsqrt a token) keep q_proj's and
             # k_proj's outputs and rsqrt, where those need grad (or a trained norm's weight does)
             b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
-                     if not first or t in tg or norms and tg) * m.qk_norm
+                     if (not first or t in tg or norms and tg) and m.has(i, t)) * m.qk_norm   # (reuse layers: no k)
             b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
         b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
-        b += (0 if tiled else plan_moe.saved(m, T, e) if sparse and not beside else e * T * F * (
+        b += plan_small.branch_saved(m, T, e, norms)   # (Gemma 4 E2B / E4B's PLE branch; the MLP at its width)
+        b += (0 if tiled else plan_moe.saved(m, T, e) if sparse and not beside else e * T * sh["up_proj"][0] * (
             3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside else 0)   # (Gemma
         # 4's MoE: beside the dense MLP, never tiled; el != e: down's A keeps its float32 input, not the product;
         # peft casts x before dropout: the dropped input is kept, not the cast)
@@ -253,6 +258,13 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     blk, lora_n = plan_weights.weight_terms(t, m=m, args=args, D=D, V=V, L=L, W=W, e=e, el=el, nf4=nf4, kinds=kinds,
                                             base=base, loras=loras, lora=lora, adapted=adapted, norms=norms, emb=emb,
                                             tied=tied, moe=moe)   # terms 1-3 (and one unsharded block's bytes)
+    if ple := plan_small.root_bytes(m, e, norms):   # (Gemma 4 E2B / E4B: parallel/plan_small.py; a trained norm [P]
+        t["per-layer embeddings: table, projection, norm (frozen: whole on every rank)"] = ple + 16 * -(   # sharded,
+            -m.small.ple // W) * norms   # with AdamW's, as the final norm)
+    if m.small is not None:   # (the per-layer inputs, every block's; the storing layers' K/V: parallel/plan_small.py)
+        t[f"activations: saved tensors: per-layer inputs [{T}, {L}, {m.small.ple}]"] = plan_small.inputs(
+            m, T, e, norms)
+        t["activations: the storing layers' K/V, gradients (KV sharing)"] = plan_small.held(m, T, e, N > 0, norms)
     if N == 0:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
@@ -298,7 +310,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     Fb = m.moe.top_k * m.moe.width + m.moe.shared if moe and not beside else F   # (a token's experts' width, + a
     # shared expert; Gemma 4's: the dense MLP's, the experts' in plan_moe.backward)
     block_terms = lambda i, *a, **k: plan_block.block_terms(
-        *a, D=D, F=Fb, G=G, H=H, K=K, KR=KR, Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,
+        *a, D=D, F=Fb if moe and not beside else at(i)["up_proj"][0], G=G, H=H, K=K, KR=KR,
+        Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,
         dequant=dequant, direct=direct, dora=dora, dora_saved=partial(dora_saved, sh=at(i)), e=e, hd=m.attn_dims(i)[2],
         dropped=partial(dropped, sh=at(i)), held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row,
         tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e), beside) if moe else None, **k)   # (i's)

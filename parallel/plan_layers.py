@@ -29,29 +29,38 @@ from collections import Counter
 
 
 def key(m, i: int) -> tuple:
-    """Block i's kind for the plan: (linear, (H, K, hd), shares k_proj's output as v)."""
-    return m.is_linear(i), m.attn_dims(i), m.shares_kv(i)
+    """Block i's kind for the plan: (linear, (H, K, hd), shares k_proj's output as v, has k_proj, MLP width)."""
+    return m.is_linear(i), m.attn_dims(i), m.shares_kv(i), m.has(i, "k_proj"), m.projections(i)["up_proj"][1]
 
 
 def attn_shapes(m, i: int) -> dict:
-    """Block i's attention Linears {name: (out, in)} (Qwen3.5's q_proj gives each head its gate too)."""
+    """Block i's attention Linears {name: (out, in)} (Qwen3.5's q_proj gives each head its gate too; Gemma 4 E2B /
+    E4B's reuse layers: no k_proj, v_proj), and with per-layer MLP widths (Gemma 4 E2B / E4B) its MLP's."""
     H, K, hd = m.attn_dims(i)
-    v = {} if m.shares_kv(i) else {"v_proj": (K * hd, m.dim)}
-    return {"q_proj": (H * hd * (1 + m.attn_gate), m.dim), "k_proj": (K * hd, m.dim), **v, "o_proj": (m.dim, H * hd)}
+    kv = {t: (K * hd, m.dim) for t in ("k_proj", "v_proj") if m.has(i, t)}
+    return {"q_proj": (H * hd * (1 + m.attn_gate), m.dim), **kv, "o_proj": (m.dim, H * hd), **mlp_shapes(m, i)}
+
+
+def mlp_shapes(m, i: int) -> dict:
+    """Block i's MLP Linears at its own width where widths differ by layer (Gemma 4 E2B / E4B), else {}."""
+    f = m.projections(i)["up_proj"][1]
+    return {"gate_proj": (f, m.dim), "up_proj": (f, m.dim), "down_proj": (m.dim, f)} if m.small is not None else {}
 
 
 def kinds(m, kinds: list, attn: list) -> list:
     """memory_plan's block kinds [(blocks, frozen Linears' (out, in), never-quantized, key)] keyed by `key`: a model
     whose attention shapes differ by layer (ModelArgs.per_layer_attn) has one dense kind (`kinds`' non-linear one),
-    split here by attention shape, each with its own attention Linears in place of `attn` (the model-wide four)."""
+    split here by attention shape, each with its own attention Linears in place of `attn` (the model-wide four); Gemma
+    4 E2B / E4B's by KV sharing and MLP width too (the reuse layers: no k/v, E2B's a 2F MLP: parallel/plan_small.py)."""
     first = lambda lin: next(i for i in range(m.n_layers) if m.is_linear(i) == lin)
-    if not m.per_layer_attn:
+    if not m.per_layer_attn and m.small is None:
         return [(c, ws, x + qk_norms(m, first(lin)), key(m, first(lin))) for c, ws, x, lin in kinds]
     if (m.moe is not None and not m.moe.beside) or m.linear is not None:   # (no such model: Gemma 4's only, its MoE
         raise ValueError(f"{m.named}: per-layer attention shapes with MoE or linear blocks are not planned")
     (c, ws, x, _), = kinds
     rest = list(ws)
-    for s in attn:
+    f = m.intermediate_size   # (Gemma 4 E2B / E4B: the MLP at each kind's own width, attn_shapes')
+    for s in attn + [(f, m.dim), (f, m.dim), (m.dim, f)] * (m.small is not None):
         rest.remove(s)
     count = Counter(key(m, i) for i in range(m.n_layers))
     at = {key(m, i): i for i in reversed(range(m.n_layers))}   # each kind's first layer
@@ -62,14 +71,14 @@ def qk_norms(m, i: int) -> list:
     """Block i's q/k norm weights as (dim 0, elements), frozen, never quantized: [hd] each (OLMo's over the projection:
     [H·hd], [K·hd]); none in a linear block or without qk_norm."""
     H, K, hd = m.attn_dims(i)
-    widths = [hd * n for n in ((H, K) if m.qk_norm_whole else (1, 1))]
-    return [] if not m.qk_norm or m.is_linear(i) else [(w, w) for w in widths]
+    widths = [hd * n for n in ((H, K) if m.qk_norm_whole else (1, 1))][:1 + m.has(i, "k_proj")]   # (a reuse layer:
+    return [] if not m.qk_norm or m.is_linear(i) else [(w, w) for w in widths]                  # no k_norm)
 
 
 def v_norm_saved(m, i: int, T: int, e: int, v_grad: bool) -> int:
     """Bytes Gemma 4's v_norm keeps in block i (module docstring): its input (unless k_proj's output, kept by k_norm),
     its rsqrt and its one-element weight, when v needs a gradient (`v_grad`); 0 without v_norm."""
-    if not (m.v_norm and v_grad):
+    if not (m.v_norm and v_grad and m.has(i, "k_proj")):   # (Gemma 4 E2B / E4B's reuse layers: no v_norm)
         return 0
     _, K, hd = m.attn_dims(i)
     return e * T * K * hd * (not m.shares_kv(i)) + 4 * T * K + 4

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 
-from model.gemma4_small import unplanned
 from parallel.budgets import Budget, host_per_rank
 
 LIVE_FLOOR = 0.95   # measured/planned live peak: the lowest of bench/plan.py's rows (0.95-1.14; H200 0.97-1.02)
@@ -46,9 +45,6 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
     from parallel.plan_search import _fixes
     from parallel.plan_totals import GB, sample_tokens
     gb = lambda b: f"{b / GB:.3g} GB"   # 3 figures: 141 GB, 26.3 GB, a test model's 0.0201 GB
-    if why := unplanned(margs):   # (Gemma 4 E2B / E4B: model/gemma4_small.py)
-        log(f"memory check skipped: {why}")
-        return None
     if bad := next((b for b in budgets if b.target is None), None):
         log(f"memory check skipped: no memory budget on {bad.where}")
         return None
