@@ -238,7 +238,8 @@ class _TiledKernels(torch.autograd.Function):
 def compare_tiles(args, fn, inputs, dout, device):
     from types import SimpleNamespace
 
-    spec = SimpleNamespace(scale=args.head_dim ** -0.5, window=None, tile=args.tiles, backend=None, device=device)
+    spec = SimpleNamespace(scale=args.head_dim ** -0.5, window=None, tile=args.tiles, backend=None, device=device,
+                           sinks=None)
     tiled = lambda q, k, v: _TiledKernels.apply(q, k, v, spec)
     (t1, m1), (tt, mt) = (measured(name, f, args, inputs, dout, device)
                           for name, f in (("kernels.attention", fn), (f"{args.tiles}-row tiles", tiled)))
