@@ -21,9 +21,10 @@ Contract:
 - `scale_embedding(x, dim)` (`embed_scale`): the embedding output × sqrt(dim), the scale rounded to x's dtype first
   (in bf16 sqrt(3840) = 61.97 is 62.0: transformers' Gemma3TextScaledWordEmbedding multiplies so).
 - `SandwichBlock` (`sandwich_norms`): input_layernorm -> attention -> post_attention_layernorm (on the attention's
-  OUTPUT) -> + residual; pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> + residual. The pre-sublayer
-  norms go through `takes_norm` as Llama's (the tiled MLP and attention run them over their tiles): `pre_norms` names
-  them for parallel/memory.py. With `post_norms` (OLMo) there are none: the sublayers take x itself, `pre_norms` is
+  OUTPUT) -> + residual; pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> + residual (`feed_forward`,
+  Gemma 4's MoE inside: one unit, which --tiled-mlp runs whole over token tiles, parallel/memory.py). The input norm
+  goes through `takes_norm` as Llama's (the tiled attention runs it over its tiles): `pre_norms` names the pre-sublayer
+  norms for parallel/memory.py. With `post_norms` (OLMo) there are none: the sublayers take x itself, `pre_norms` is
   empty, input_layernorm and pre_feedforward_layernorm are None. Each block picks its RoPE table: Transformer.rope
   hands (full, sliding) pairs when `local_rope` is set (Gemma's sliding layers: rope_local_base_freq, 10000; OLMo 3's:
   500000; full ones: rope_theta with its scaling).
@@ -145,9 +146,12 @@ def add_residual(x: torch.Tensor, y: torch.Tensor, m: float, into: bool = True) 
 class SandwichBlock(nn.Module):
     """Gemma's decoder block (module docstring) over the Llama block's attention and MLP modules; with `post_norms`
     OLMo 2/3's: the same with no norm in front of the sublayers (they take x itself)."""
-    # the post norms save the attention's and the MLP's outputs: a block recompute must compute them (parallel/'s
-    # tiled MLP and the down projection's base skip that where nothing reads them: recompute.py, memory.py)
+    # the post norms save the attention's and the MLP's outputs: a block recompute must compute them (the down
+    # projection's base skips that where nothing reads them: recompute.py; --tiled-mlp runs the post norm in the tiles)
     outputs_saved = True
+    # the modules of `feed_forward` (its trainable parameters: parallel/memory.py's tiled unit)
+    FEED_FORWARD = ("mlp", "pre_feedforward_layernorm", "post_feedforward_layernorm", "router", "experts",
+                    "pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 
     def __init__(self, a, layer: int, attention: nn.Module, mlp: nn.Module, moe: tuple | None = None):
         super().__init__()
@@ -178,15 +182,20 @@ class SandwichBlock(nn.Module):
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta, **kv)
         a, kv = a if kv.get("store") else (a, None)
         x = x + self.post_attention_layernorm(a)   # (not into o_proj's output: the norm reads it, model.qlora)
+        x = x + self.feed_forward(x)
+        x = x if ple is None else gemma4_small.add_per_layer(self, x, ple)
+        x = x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
+        return x if kv is None else (x, kv)
+
+    def feed_forward(self, x):
+        """post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))), Gemma 4's MoE beside the MLP (gemma4_moe's
+        docstring): per token, one unit that parallel/memory.py's --tiled-mlp runs over token tiles (FEED_FORWARD)."""
         y = self.mlp(normed(self.pre_feedforward_layernorm, self.mlp, x))
         if self.experts is not None:   # (Gemma 4's MoE: routed on x itself, its experts fed their own norm of x)
             flat = x.reshape(-1, x.shape[-1])                                                        # [T, D]
             e = self.experts(self.pre_feedforward_layernorm_2(flat), *self.router(flat)).view(x.shape)
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(e)
-        x = x + self.post_feedforward_layernorm(y)
-        x = x if ple is None else gemma4_small.add_per_layer(self, x, ple)
-        x = x if self.layer_scalar is None else x.mul_(self.layer_scalar)   # (the sum: a new tensor, nothing saved)
-        return x if kv is None else (x, kv)
+        return self.post_feedforward_layernorm(y)
 
 
 def gated(out: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,18 @@ Contract:
   gets the gradient (so do the norm's trainable parameters), and the norm's own backward over all tokens (a [T, D]
   gradient, float32 temporaries) never runs. In a block recompute the output, never read, is one element expanded
   to x's shape, not a [T, D] buffer (the two made ~7.5 GB of a 524,288-token block's peak on an H200).
+  Gemma's and OLMo's block (model.gemma.SandwichBlock, its `feed_forward`; `_tiled_unit`): the whole feed-forward
+  side is the tiled unit, on r, the residual after attention: pre_feedforward_layernorm, the MLP, its post norm,
+  and Gemma 4's MoE beside the MLP (the router on r, pre_feedforward_layernorm_2, the experts,
+  post_feedforward_layernorm_1 and _2), then post_feedforward_layernorm of the sum. r is the one saved tensor: no
+  post norm keeps the MLP's [T, D] output, no [T, E] router tensor, [T·k, I] or [T·k, D] expert tensor outlives a
+  tile; in a block recompute the unit runs no tile (nothing saved reads its output), and its backward tiles
+  compute the MLP's output (the post norms read it: no `grads_only_context`). Tile rule with experts: E·D/k
+  tokens, so each expert averages D routed rows a tile (GEMMs of a dense tile's shape) and its [t·k, I]
+  intermediates are the size of one projection of all E experts: with D-token tiles each expert ran ~D·k/E rows
+  (176 for the 26B-A4B) and the tiles' per-expert ops (~30 a tile forward and backward, in Python) came ~16x as
+  often. NF4: the dense MLP's and every expert's weights are dequantized once a call, all held for its tiles
+  (E·3·I·D: 1.5 GB for the 26B-A4B in bf16; per use would dequantize each expert 3 times a tile instead).
 - `HostOffload`, the checkpoint offload: parallel/offload.py.
 - `apply_norm_rebuild(model)`: peft's LoRA A on q/k/v and gate/up saves its input for the A gradient, a block
   RMSNorm's output. The norm saves its own input, so they keep that instead and rebuild the output in
@@ -42,24 +54,28 @@ Training (Bekman et al., 2025); torchtitan's apply_ac shaped where this is appli
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from parallel.recompute import grads_only_context, recomputing, spare
 
 
-def tile_tokens(dim: int, tile: int | None) -> int:
-    """Tokens per tile: `tile` if given, else the hidden size (see the module docstring)."""
-    return max(1, tile or dim)
+def tile_tokens(dim: int, tile: int | None, routed: tuple | None = None) -> int:
+    """Tokens per tile: `tile` if given, else the hidden size, or with experts in the unit (`routed`: (E, k), Gemma 4's
+    MoE) E·D/k (see the module docstring)."""
+    return max(1, tile or (dim * routed[0] // routed[1] if routed else dim))
 
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, rng, skip, x, *params):
+    def forward(ctx, fn, tile, rng, skip, unread, x, *params):
         # fn: a tile's rows -> its MLP output (the block norm first, when x is that norm's input);
         # rng: fn draws random numbers (LoRA dropout), so backward replays the tiles from this state; skip: no output
-        # in a block recompute (False where the block reads it there: Gemma's norm after the MLP saves it)
-        ctx.fn, ctx.tile, ctx.params = fn, tile, params
+        # in a block recompute (False where the block would read it there: a norm after the MLP saving it); unread:
+        # the down projection's output is only differentiated in a backward tile (not where fn's post norm reads it)
+        ctx.fn, ctx.tile, ctx.params, ctx.unread = fn, tile, params, unread
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None) if rng else None
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])                                   # [N, D]
@@ -79,7 +95,7 @@ class _TiledMLP(torch.autograd.Function):
         (x,), params = ctx.saved_tensors, ctx.params
         flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
         dx = None   # the input gradient goes into x's own storage where x is spare (module docstring)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[5]:
             dx = flat.detach() if spare(x) else torch.empty_like(flat)
         acc = [None] * len(params)   # float32 sums over tiles: bf16 grads summed tile by tile would round
         from model.nf4 import dequant_once
@@ -91,7 +107,7 @@ class _TiledMLP(torch.autograd.Function):
                     torch.cuda.set_rng_state(ctx.rng[1], x.device)
             _tiles_backward(ctx, flat, dflat, dx, acc, params)
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+        return (None, None, None, None, None, None if dx is None else dx.view_as(x), *pgrads)
 
 
 def _by_rows(fn, flat, rows):
@@ -108,7 +124,8 @@ def _by_rows(fn, flat, rows):
 def _tiles_backward(ctx, flat, dflat, dx, acc, params):
     for i in range(0, flat.shape[0], ctx.tile):
         xt = flat[i:i + ctx.tile].detach().requires_grad_(dx is not None)
-        with torch.enable_grad(), grads_only_context():   # y is only differentiated: the down base runs no GEMM
+        with torch.enable_grad(), grads_only_context() if ctx.unread else nullcontext():   # (y only differentiated:
+            # the down base runs no GEMM; the unit's post norms read it)
             y = ctx.fn(xt)
         wrt = ([xt] if dx is not None else []) + list(params)
         grads = torch.autograd.grad(y, wrt, dflat[i:i + ctx.tile], allow_unused=True)
@@ -129,18 +146,35 @@ def _tiled(mlp: nn.Module, tile: int | None, skip: bool = True):
         params = [p for p in mlp.parameters() if p.requires_grad]
         src = getattr(x, "_norm_output", None)   # (the norm that made x, its input h)
         if src is None:
-            return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), rng, skip, x, *params)
+            return _TiledMLP.apply(forward, tile_tokens(x.shape[-1], tile), rng, skip, True, x, *params)
         # the block norm joins the tiles: its input h is the one saved tensor and gets the gradient, so x (an empty
         # stand-in, `norm_stand_in`: the norm never runs over all tokens) and the norm's own backward drop out
         norm, h = src
-        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), tile_tokens(h.shape[-1], tile), rng, skip, h,
-                               *params, *norm.params)
+        return _TiledMLP.apply(lambda t: forward(norm.forward(t)), tile_tokens(h.shape[-1], tile), rng, skip, True,
+                               h, *params, *norm.params)
+    return run
+
+
+def _tiled_unit(block, tile: int | None):
+    """model.gemma.SandwichBlock's `feed_forward` (pre norm, MLP, Gemma 4's router and experts and their norms, the
+    post norms) as one tiled unit on r, the residual after attention (module docstring)."""
+    forward = block.feed_forward   # the untiled unit (a bound method), run per tile
+    mods = [m for n in block.FEED_FORWARD if (m := getattr(block, n, None)) is not None]
+    rng = any(isinstance(m, nn.Dropout) and m.p > 0 for mod in mods for m in mod.modules())
+    routed = (len(block.experts), block.router.top_k) if block.experts is not None else None
+
+    def run(r):   # (parameters read per call: FSDP2 swaps them; the output never read in a recompute: skip)
+        params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
+        return _TiledMLP.apply(forward, tile_tokens(r.shape[-1], tile, routed), rng, True, False, r, *params)
     return run
 
 
 def apply_tiled_mlp(model, tile: int | None = None) -> None:
     """Tile every block's MLP over the tokens (module docstring); parameter names are unchanged."""
     for block in model.model.layers:
+        if hasattr(block, "feed_forward"):   # Gemma's and OLMo's: the whole feed-forward side, one unit
+            block.feed_forward = _tiled_unit(block, tile)
+            continue
         block.mlp.forward = _tiled(block.mlp, tile, not getattr(block, "outputs_saved", False))
         block.mlp.takes_norm = norm_stand_in   # model.llama.Block hands it this, not the norm's output
 

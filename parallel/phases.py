@@ -108,6 +108,9 @@ class PhaseMeter:
         last.mlp.register_forward_pre_hook(   # the tiled MLP runs that norm itself: handed a stand-in tagged with h
             lambda m, a: self._watch(a[0]._norm_output[1], "last block: MLP")
             if hasattr(a[0], "_norm_output") else None if last.pre_norms else self._watch(a[0], "last block: MLP"))
+        if "feed_forward" in vars(last):   # the tiled feed-forward unit (parallel.memory._tiled_unit): its norm and
+            unit = last.feed_forward   # MLP run in its tiles only; it is handed h itself
+            last.feed_forward = lambda h: self._watch(h, "last block: MLP") or unit(h)
         mixer = getattr(last, "self_attn", None)   # (a Qwen3.5 linear block's: its linear_attn's projections)
         names = ("o_proj", ("q_proj", "k_proj", "v_proj")) if mixer else ("out_proj", ("in_proj_qkv",))
         mixer = mixer or last.linear_attn

@@ -65,9 +65,10 @@ Persistent all step:
    which carry its attention temperature: no other tensor;
    Gemma 3's two tables, full and sliding layers': 4eT·hd). The final norm's input and rsqrt
    (eTD + 4T) and the loss' grad_hidden (eTD) are saved too, but freed by the first backward nodes, so they count in
-   the loss phase (8) only. Gemma 3's norms on the sublayers' outputs keep their inputs and rsqrt: 2·(eTD + 4T) more
-   per block; its scaled embedding output is a new tensor, kept whole by the first checkpoint (no ids), as Granite's
-   (× embedding_multiplier; its other multipliers and logits / logits_scaling save nothing). SmolLM3's NoPE layers
+   the loss phase (8) only. Gemma 3's norms on the sublayers' outputs keep their inputs and rsqrt: 2·(eTD + 4T) more per
+   block (--tiled-mlp: the MLP's runs in the feed-forward unit's tiles, parallel/memory.py: one); its scaled embedding
+   output is a new tensor, kept whole by the first checkpoint (no ids), as Granite's (× embedding_multiplier; its other
+   multipliers and logits / logits_scaling save nothing). SmolLM3's NoPE layers
    hand the kernel q and k as projected (the same bytes; the tables are made once for the RoPE layers, and a RoPE
    layer's q/k/v backward (9) is the largest; plan_speed leaves their RoPE pass out).
 Transient (the block phases 6, 7, 9 and the loss phase 8 never overlap):
@@ -223,12 +224,12 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += sum(e * T * hd * n + 4 * T * (1 if m.qk_norm_whole else n) for n, t in ((H, "q_proj"), (KV, "k_proj"))
                      if (not first or t in tg or norms and tg) and m.has(i, t)) * m.qk_norm   # (reuse layers: no k)
             b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
-        b += (e * T * D + 4 * T) * 2 * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
+        b += (e * T * D + 4 * T) * (2 - tiled) * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += plan_small.branch_saved(m, T, e, norms)   # (Gemma 4 E2B / E4B's PLE branch; the MLP at its width)
         b += (0 if tiled else plan_moe.saved(m, T, e) if sparse and not beside else e * T * sh["up_proj"][0] * (
-            3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside else 0)   # (Gemma
-        # 4's MoE: beside the dense MLP, never tiled; el != e: down's A keeps its float32 input, not the product;
-        # peft casts x before dropout: the dropped input is kept, not the cast)
+            3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside and not tiled else 0)
+        # (Gemma 4's MoE: beside the dense MLP, tiled with it; el != e: down's A keeps its float32 input, not the
+        # product; peft casts x before dropout: the dropped input is kept, not the cast)
         b += sum(T * r * el + (4 * T * sh[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
             + dora_saved(inner, first=first, tg=tg, sh=sh)
         return b + dropped(inner, first, sh)
@@ -314,7 +315,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         Kp=max(m.attn_dims(i)[1], U), N=N, R=R, T=T, U=U, args=args, blk=blk,
         dequant=dequant, direct=direct, dora=dora, dora_saved=partial(dora_saved, sh=at(i)), e=e, hd=m.attn_dims(i)[2],
         dropped=partial(dropped, sh=at(i)), held=held, mb=mb, nf4=nf4, offload=offload, p=p, pack=pack, row=row,
-        tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e), beside) if moe else None, **k)   # (i's)
+        tiled=tiled, moe=(plan_moe.saved(m, T, e), plan_moe.backward(m, T, e), beside,
+                          plan_moe.unit(m, T, e) if beside else None) if moe else None, **k)   # (i's)
 
     # the block whose backward peaks: an adapted one (its LoRA's, DoRA's, dropout's tensors in every phase) or, under
     # --lora-layers, an un-adapted one above them (none of those; it may recompute more, having fewer inputs above

@@ -7,11 +7,12 @@ are memory_plan's sizes and helpers of the same names.
 6. block backward, at its peak in the MLP (backward runs the block in reverse): the gradients of the product's
    two inputs (2eTF), the incoming residual gradient (eTD), the norm output rebuilt for gate/up's LoRA A
    (eTD), for nf4 the largest weight dequantized (n·e); with AC, on top, the recomputed block (term 4 for one
-   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes
-   into the saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients
-   (e·t·(6F + D), t = parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles,
-   model.nf4.dequant_once; --tiled-attn's phase likewise q/k/v/o). --dora: + one tile's DoRA tensors (term 4's, at
-   t tokens; the weight is the held one), here and in --tiled-attn's tiles.
+   layer), all of it alive at that moment. --tiled-mlp: the incoming gradient (eTD; the input gradient goes into the
+   saved input h's own storage, recompute.spare) plus one tile's recomputed tensors and gradients (e·t·(6F + D), t =
+   parallel.memory.tile_tokens(D) = D tokens) and gate/up/down dequantized (kept for all tiles, model.nf4.dequant_once;
+   --tiled-attn's phase likewise q/k/v/o); Gemma 4's MoE block: its feed-forward unit's tile of E·D/k tokens, experts
+   and all, and every expert dequantized too (parallel/plan_moe.unit, held). --dora: + one tile's DoRA tensors (term
+   4's, at t tokens; the weight is the held one), here and in --tiled-attn's tiles.
 7. attention, later in the same block backward, when the MLP's 4eTF saved tensors, its norm's eTD input and
    the MLP phase's gradients are gone, but dh (those gradients summed, eTD) and the kernel's incoming
    gradient (eT·H·hd) are alive: counted as max(0, attention buffers + eT·H·hd - (4eTF, tiled 0) - term 6),
@@ -76,11 +77,13 @@ from parallel.plan_totals import GB
 def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, dequant, direct, dora, dora_saved,
                 dropped, e, hd, held, mb, nf4, offload, p, pack, row, ta, tiled, moe=None, linear=None) -> dict:
     """The "| block" phases of the backward of a block with LoRA on `targets` whose recompute holds `one`; `moe`: an
-    MoE block's (saved MLP tensors, MLP phase) (parallel/plan_moe.py; F is then k·I, a token's expert width);
+    MoE block's (saved MLP tensors, MLP phase, beside, --tiled-mlp's unit: (tokens, bytes) of a tile or None)
+    (parallel/plan_moe.py; F is then k·I, a token's expert width);
     `linear`: a Gated DeltaNet block's sublayer backward beyond its saved tensors (parallel/plan_linear.py's), in
     place of 7 and 9: dh and it over the freed MLP (no kept attention output, no prefetch: the attention's only)."""
     t, gu = {}, any(x in targets for x in ("gate_proj", "up_proj"))
-    beside = moe is not None and moe[2]   # Gemma 4's MoE: beside the dense MLP (F its width), never tiled
+    beside = moe is not None and moe[2]   # Gemma 4's MoE: beside the dense MLP (F its width)
+    unit = beside and tiled   # ... both in --tiled-mlp's feed-forward unit (plan_moe.unit)
     ds = lambda ts, rows=T: dora_saved(ts, rows, tg=targets)   # (this block's targets' DoRA tensors)
     if N and not K:   # less the block input: counted above, and the first norm saves it without a copy;
         # --ac-keep-attn: less its kept attention outputs too (counted above; the recompute takes them over)
@@ -90,17 +93,18 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
         t[f"| block group recompute: {G - 1} more block inputs + unsharded blocks"] = (G - 1) * (e * T * D + blk)
     if tiled:
         from parallel.memory import tile_tokens
-        tt = min(T, tile_tokens(D, None))
-        mlp = e * T * D + e * tt * (6 * F + D) + held("gate_proj", "up_proj", "down_proj") \
+        tt, tile = moe[3] if unit else (min(T, tile_tokens(D, None)), e * min(T, tile_tokens(D, None)) * (6 * F + D))
+        mlp = e * T * D + tile + held("gate_proj", "up_proj", "down_proj") \
             + ds(("gate_proj", "up_proj", "down_proj"), tt)   # dy; dx: in h's storage
-        if not beside:
-            t[f"| block backward at the tiled MLP ({tt}-token tiles)" + (", dequantized weights" if nf4 else "")] = mlp
+        t[f"| block backward at the tiled {'MLP and experts' if unit else 'MLP'} ({tt}-token tiles)" + (
+            ", dequantized weights" if nf4 else "")] = mlp
     else:
         mlp = (moe[1] if moe and not beside else 2 * e * T * F + e * T * D * (1 + gu * direct)) + dequant
-    if beside:   # Gemma 4's experts (made after the dense MLP) run their backward first, the dense branch's gradient
-        # waiting (eTD); then the dense MLP's, the experts' tensors freed, x's gradient from them waiting (eTD)
+    if beside and not tiled:   # Gemma 4's experts (made after the dense MLP) run their backward first, the dense
+        # branch's gradient waiting (eTD); then the dense MLP's, the experts' tensors freed, x's gradient from them
+        # waiting (eTD)
         mlp = max(moe[1] + e * T * D + dequant, mlp + e * T * D - moe[0])
-    if not tiled or beside:
+    if not tiled:
         t["| block backward at the MLP" + " and the experts" * beside + ": grads" + (", dequantized weight" if nf4
                                                                                      else "")] = mlp
     attn = kernel_backward(T, H, Kp, hd, e)
@@ -122,7 +126,7 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     lo = "o_proj" in targets and not direct
     oproj = e * T * H * hd * (1 + lo + (lo and not nf4))
     gone = (0 if tiled else (moe[0] if moe and not beside else 4 * e * T * F) + ds(
-        ("gate_proj", "up_proj", "down_proj"))) + (moe[0] if beside else 0)
+        ("gate_proj", "up_proj", "down_proj"))) + (moe[0] if beside and not tiled else 0)
     o_dora = ds(("o_proj",))   # gone once o_proj's DoRA node has run, which holds [T, D] (docstring)
     o_drop = dropped([x for x in ("o_proj",) if x in targets])   # gone once o_proj's LoRA A backward has run
     oproj = max(oproj, e * T * D * bool(o_dora))
@@ -153,7 +157,8 @@ def block_terms(targets, one, *, D, F, G, H, K, KR, Kp, N, R, T, U, args, blk, d
     if (kv := expanded_kv(p.target, T, H, Kp, hd, e)) and not ta and linear is None:   # 11. (--tiled-attn: a tile's)
         blocks = sum(v for k, v in t.items() if k.startswith("| block") and "recompute" not in k)
         # not yet made when it runs: the MLP's saved tensors (at least 3eTF) and its input (its norm's or the tiles')
-        gone = e * T * D + (0 if tiled else moe[0] if moe and not beside else 3 * e * T * F) + (moe[0] if beside else 0)
+        gone = e * T * D + (0 if tiled else moe[0] if moe and not beside else 3 * e * T * F) + (
+            moe[0] if beside and not tiled else 0)
         t[f"| block attention forward (AC: in the recompute): the efficient op's K/V expanded ({kv / GB:.2f} GB)"] = \
             max(0, kv - gone - blocks)
     if N and not K and tiled and (ta or not direct or "o_proj" not in targets):   # 10. (2eTD - h + dy over rec)

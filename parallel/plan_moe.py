@@ -25,15 +25,20 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   the saved tensors are pinned against autograd's (tests/test_qwen3_moe.py).
 - Gemma 4's MoE block (`beside`: model/gemma4_moe.py) keeps the dense MLP (its Linears, saved tensors, tiles and phase
   as the dense block's) and adds the experts beside it: their Linears, the router [E, D] (never quantized), its scale
-  [D] and per_expert_scale [E] and the three norms [D] with the block norms; saved, whatever --tiled-mlp (it tiles the
-  dense MLP only): the router's weightless norm's rsqrt and one-element weight (4T + 4), float32 softmax (4TE), top k
-  (8Tk int64, 4Tk float32), the renormalisation's sum (4T), the per_expert_scale picks (4Tk), the slots' order and
+  [D] and per_expert_scale [E] and the three norms [D] with the block norms; saved (untiled): the router's weightless
+  norm's rsqrt and one-element weight (4T + 4), float32 softmax (4TE), top k (8Tk int64, 4Tk float32), the
+  renormalisation's sum (4T), the per_expert_scale picks (4Tk), the slots' order and
   tokens (16Tk), each expert's gate, gelu and up outputs (3e·Tk·I) and its down output with its float32 routing weight
   ((eD + 4)·Tk), pre_feedforward_layernorm_2's rsqrt (its input is the MLP norm's) and post_feedforward_layernorm_1's
   and _2's inputs and rsqrt (2·(eTD + 4T)); tests/test_gemma4_moe.py pins them against autograd's. The block backward
   (parallel/plan_block.py) runs the experts first (made last: `backward` + the dense branch's waiting gradient, eTD),
   then the dense MLP's phase with the experts' tensors freed; the attention's phases after both are gone. Not
   modelled: the float32 product of an expert's output and its routing weight in that expert's backward.
+  --tiled-mlp runs the block's whole feed-forward side as one tiled unit (parallel.memory._tiled_unit): none of the
+  above is saved, nor post_feedforward_layernorm's input (parallel/plan.py: the block keeps r, the MLP norm's input);
+  its phase (`unit`): the incoming gradient and one backward tile of E·D/k tokens (the dense MLP's tile terms, these
+  saved tensors and `backward` at its size, post_feedforward_layernorm's input), with nf4 the dense MLP's and every
+  expert's weights dequantized at once (`held`: (F + E·I)·D a projection).
 """
 
 from __future__ import annotations
@@ -57,8 +62,12 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
 def held(m, shapes: dict) -> dict:
     """{projection: weights --tiled-mlp / --tiled-attn dequantize at once in a block (model.nf4.dequant_once)}: an MoE
     block's every expert of moe_intermediate_size (E·I·D), not E of the dense MLP's intermediate_size; the larger kind's
-    where dense blocks are there too; + the shared expert's (S·D)."""
+    where dense blocks are there too; + the shared expert's (S·D); Gemma 4's: the dense MLP's and every expert's,
+    (F + E·I)·D (its tiled unit runs both)."""
     n = {x: o * i for x, (o, i) in shapes.items()}
+    if m.moe is not None and m.moe.beside:   # Gemma 4's tiled unit: the dense MLP's and every expert's at once
+        for x in MLP:
+            n[x] += m.moe.experts * m.moe.width * m.dim
     if m.moe is not None and not m.moe.beside and (sparse := sum(m.moe.sparse(i) for i in range(m.n_layers))):
         for x in MLP:
             n[x] = max(n[x] if sparse < m.n_layers else 0, (m.moe.experts * m.moe.width + m.moe.shared) * m.dim)
@@ -67,7 +76,7 @@ def held(m, shapes: dict) -> dict:
 
 def saved(m, T: int, e: int) -> float:
     """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring); Gemma 4's beside the dense
-    MLP's, whatever --tiled-mlp (which tiles the dense MLP only)."""
+    MLP's (--tiled-mlp: none, kept a tile at a time, `unit`)."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
     if m.moe.beside:
         return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
@@ -81,3 +90,12 @@ def backward(m, T: int, e: int) -> float:
     S = m.moe.shared
     return 3 * e * T * m.dim + 8 * T * m.moe.experts + e * T * (2 * m.moe.width + m.dim) + e * T * (2 * S + m.dim) * (
         S > 0)
+
+
+def unit(m, T: int, e: int) -> tuple[int, float]:
+    """Gemma 4's MoE block under --tiled-mlp (parallel.memory._tiled_unit): (tokens t of a tile, E·D/k; the bytes of
+    one backward tile: the dense MLP's recomputed tensors and gradients e·t·(6F + D), as a tiled MLP's; the experts'
+    side's saved tensors and backward at t tokens, `saved` + `backward`; post_feedforward_layernorm's input, rsqrt)."""
+    from parallel.memory import tile_tokens
+    t = min(T, tile_tokens(m.dim, None, (m.moe.experts, m.moe.top_k)))
+    return t, e * t * (6 * m.intermediate_size + m.dim) + saved(m, t, e) + backward(m, t, e) + e * t * m.dim + 4 * t

@@ -80,8 +80,12 @@ def _layouts(rank, world_size, path, cases, n_lora=N_LORA):
 
     ids, labels, pos = _batch()
     margs = model.load.read_args(path)
+    from parallel.memory import apply_tiled_mlp
+
     for cp, impl, u, flags in cases:
         what = f"cp {cp} {impl} {flags} rank {rank}"
+        flags = dict(flags)
+        tile = flags.pop("tile", None)   # --tiled-mlp with tiles of this many tokens, not the rule's
         base = {k: v for k, v in flags.items() if k in ("quant", "dora", "dtype")}
         tol = 1e-6 if flags.get("dtype", torch.float64) == torch.float64 else 5e-5   # (float32: ~2e-5 between them)
         ref, _ = _build(path, **base)
@@ -91,6 +95,8 @@ def _layouts(rank, world_size, path, cases, n_lora=N_LORA):
         dims = ParallelDims.from_args(world_size, 1, -1, cp, impl, u, margs.n_heads, kv_heads(margs))
         meshes = dims.build_mesh("cpu")
         m, _ = _build(path, fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims), **flags)
+        if tile:
+            apply_tiled_mlp(m, tile)
         d, c = meshes.dp.get_local_rank(), meshes.cp.get_local_rank()
         rows = slice(d * 2 // dims.dp, (d + 1) * 2 // dims.dp)
         ls, ln = m(shard_sequence(ids[rows], dims, c, 0), position_ids=shard_sequence(pos[rows], dims, c, None),

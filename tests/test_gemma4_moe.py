@@ -14,7 +14,10 @@ scale and per_expert_scale, layer_scalar drawn away from 1, the routers' project
   logits; `python -m model.merge` = peft's merge_and_unload, the experts written fused as stored; with --quant nf4 the
   merged model's logits = our NF4 model's with the adapter (each expert quantized on its own, as in training);
 - NF4: every expert projection and the dense MLP 4-bit, the routers not; train.py, 3 steps with --quant nf4: AC with
-  --tiled-mlp = no AC (losses, grad norms, adapter).
+  --tiled-mlp = no AC (losses, grad norms, adapter);
+- --tiled-mlp runs the block's whole feed-forward side (dense MLP, router, experts, all their norms) as one unit over
+  token tiles: AC + tiled = untiled in float64 (loss and every gradient, LoRA dropout's masks replayed), = peft's
+  gradients, and on cp 2 Ulysses and ring = one untiled process; the plan's saved tensors = autograd's (r alone).
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma4_moe.py
 """
@@ -39,6 +42,7 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
               head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 N_LORA = (7 + 6) * 2   # per block: the seven, less v_proj on the k_eq_v full layers; none on an expert
+MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 
 
 def rel(a, b):
@@ -159,10 +163,11 @@ def test_fused_tensors_read_expert_by_expert(ckpt, tmp_path):
         check_config_shapes(str(bad), model.load.read_args(str(bad)))
 
 
-def test_lora_grads_match_peft_on_transformers(ckpt):
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["plain", "ac_tiled_mlp"])
+def test_lora_grads_match_peft_on_transformers(ckpt, mem):
     """peft's LoRA on Gemma4ForCausalLM with our adapter's values, the attention and the dense MLP named: the same LoRA
     modules (none on an expert, in peft and here), the same loss and every LoRA gradient (the routers' weights
-    differentiable, as transformers')."""
+    differentiable, as transformers'); also with AC and --tiled-mlp (the block's feed-forward side one tiled unit)."""
     from peft import LoraConfig, get_peft_model
 
     from parallel.parallelize import BuildOptions
@@ -171,7 +176,8 @@ def test_lora_grads_match_peft_on_transformers(ckpt):
     ids = _ids(29, 5)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     ours, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=3,
-                                                    lora_targets=ALL, ac=False))
+                                                    lora_targets=ALL, **mem))
+    assert all(("feed_forward" in vars(b)) == ("tiled_mlp" in mem) for b in ours.model.layers)
     s, n = ours(ids, labels=labels)
     (s / n).backward()
     mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
@@ -190,6 +196,60 @@ def test_lora_grads_match_peft_on_transformers(ckpt):
     assert not any("experts" in k for k in mine)
     for k in mine:
         assert rel(mine[k], theirs[k]) < 1e-4, f"grad {k}"
+
+
+def _float64(ckpt, **kw):
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    opts = dict(quant="none", lora_r=4, lora_alpha=8, seed=3, lora_targets=ALL, train_norms=True, dtype=torch.float64,
+                ac=False)
+    return build_nonzero_b(BuildOptions(ckpt, **(opts | kw)))[0].train()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "lora_dropout"])
+def test_tiled_feed_forward_equals_untiled_in_float64(ckpt, dropout):
+    """--tiled-mlp runs the block's whole feed-forward side (pre_feedforward_layernorm, the dense MLP,
+    post_feedforward_layernorm_1; the router, pre_feedforward_layernorm_2, the experts, post_feedforward_layernorm_2;
+    post_feedforward_layernorm of their sum) as one unit over token tiles (parallel.memory._tiled_unit): under AC (the
+    recompute skips the unit) the loss and every gradient (LoRA on the attention and the dense MLP, --train-norms'
+    norms, the MoE block's three among them) = the untiled model's without AC, float64, on whole rows far from position
+    0 and on a packed row; tiles of 7 tokens (uneven) and the rule's (E·D/k = 144 tokens: 2 × 100-token rows in two
+    tiles). With LoRA dropout (masks drawn per tile) the reference runs the same tiles with grad: backward replays
+    forward's."""
+    from parallel.memory import apply_tiled_mlp
+
+    def step(m, ids, pos, seed=5):
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], 1)
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)   # (the same dropout masks, forward's; backward draws others between)
+        s, n = m(ids, position_ids=pos, labels=labels)
+        torch.manual_seed(seed + 1)
+        (s / n).backward()
+        return s.detach(), {k: p.grad for k, p in m.named_parameters() if p.requires_grad}
+
+    ids = _ids()
+    rows = [(ids, torch.arange(37).expand(2, 37) + torch.tensor([[1500], [0]])),
+            (ids[:1], torch.cat([torch.arange(15), torch.arange(22)])[None])]
+    long = _ids(100, 3)
+    ref = _float64(ckpt, lora_dropout=dropout)
+    if dropout:   # the reference: the untiled unit on each tile with grad, in the tiles' order
+        for b in ref.model.layers:
+            b.feed_forward = lambda r, f=b.feed_forward, t=7: torch.cat(
+                [f(x) for x in r.reshape(-1, r.shape[-1]).split(t)]).view_as(r)
+    tiled = _float64(ckpt, ac=True, lora_dropout=dropout)
+    apply_tiled_mlp(tiled, 7)
+    cases = [("7-token tiles", tiled, *rows[0]), ("7-token tiles, packed", tiled, *rows[1])]
+    if not dropout:
+        cases.append(("the rule's tiles", _float64(ckpt, ac=True, tiled_mlp=True), long, None))
+    for what, m, x, pos in cases:
+        with one_thread():
+            want, got = step(ref, x, pos), step(m, x, pos)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0, msg=f"{what}: loss")
+        assert got[1].keys() == want[1].keys() and len(want[1]) == N_LORA * 2 + 4 * (4 + 2 + 3) + 1, what
+        assert {f"model.layers.{i}.{n}.weight" for i in range(4) for n in MOE_NORMS} <= want[1].keys(), what
+        for k in want[1]:
+            assert (r := rel(got[1][k], want[1][k])) < 1e-6, f"{what}: grad {k} off by {r:.2g}"
 
 
 # ----------------------------------------------------------------------------- the wrapper, adapters, merges
@@ -288,15 +348,16 @@ def _two_ranks(rank, world_size, a, root):
 def test_cp_layouts_equal_one_process_in_float64(ckpt):
     """Routing is per token, so a sequence shard routes each token as the whole row does: cp 2 Ulysses and cp 2 ring
     (2 ranks) give one process's loss and every LoRA gradient, on every rank, in float64 (tests/test_gemma4_layouts.py's
-    harness on this MoE model). Why float64: the routing weights' softmax is saturated at these router scales (logits
-    of std ~4 and more after training), and its backward, p·(g - sum(g·p)), cancels to ~1 - p of g, so float32's
-    1e-7 differences in the attention's summation order between layouts come out ~1e-4 in the LoRA gradients
-    (measured: 5e-4 of the grad norm at step 1 with routers × 2000, --quant none or nf4 alike; dp_shard 2, which keeps
-    each row's kernels, equal bit for bit)."""
+    harness on this MoE model); both with --tiled-mlp's feed-forward unit in 5-token tiles too (AC on, FSDP2 swapping
+    the unit's parameters) = the untiled process. Why float64: the routing weights' softmax is saturated at these
+    router scales (logits of std ~4 and more after training), and its backward, p·(g - sum(g·p)), cancels to ~1 - p of
+    g, so float32's 1e-7 differences in the attention's summation order between layouts come out ~1e-4 in the LoRA
+    gradients (measured: 5e-4 of the grad norm at step 1 with routers × 2000, --quant none or nf4 alike; dp_shard 2,
+    which keeps each row's kernels, equal bit for bit)."""
     from tests.dist import run_ranks
     from tests.test_gemma4_layouts import _layouts
 
-    cases = [(2, "ulysses", None, {}), (2, "ring", None, dict(tiled_mlp=True))]
+    cases = [(2, "ulysses", None, {}), (2, "ulysses", None, dict(tile=5)), (2, "ring", None, dict(tile=5))]
     assert run_ranks(_layouts, 2, ckpt, cases, timeout=380) == [True, True]
 
 
@@ -344,16 +405,17 @@ def _build(path, flags, quant="nf4"):
 
 
 @pytest.mark.parametrize("flags", [[], ["--tiled-mlp"], ["--lora-targets", "attn"], ["--train-norms"],
-                                   ["--lora-layers", "2-3"]], ids=["plain", "tiled_mlp", "attn", "train_norms",
-                                                                   "lora_layers"])
+                                   ["--lora-layers", "2-3"], ["--tiled-mlp", "--train-norms"]],
+                         ids=["plain", "tiled_mlp", "attn", "train_norms", "lora_layers", "tiled_mlp_train_norms"])
 def test_planned_activations_match_autograd(ckpt, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps in a real forward (unique
     storages, parameters excluded): the dense Gemma 4 block's, and beside its MLP the MoE block's
     (parallel/plan_moe.saved: the router's rsqrt, one-element weight, float32 softmax, top k, renormalisation and
     per_expert_scale picks; the slots' order; each expert's gate, gelu and up outputs and its down output with the
     float32 routing weight; the three norms:
-    pre_feedforward_layernorm_2's rsqrt, post_feedforward_layernorm_1's and _2's inputs and rsqrt). --tiled-mlp tiles
-    the dense MLP only: the experts' tensors stay."""
+    pre_feedforward_layernorm_2's rsqrt, post_feedforward_layernorm_1's and _2's inputs and rsqrt). --tiled-mlp runs
+    the whole feed-forward side as one tiled unit: none of these, nor post_feedforward_layernorm's input, is kept
+    (the block keeps r, the unit's input)."""
     from tests.helpers import planned_and_saved_activations
 
     ours, args = _build(ckpt, flags)
