@@ -161,11 +161,18 @@ ARCHS = {"gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_w
                                                  global_head_dim=128, hidden_size_per_layer_input=64,
                                                  vocab_size_per_layer_input=4096, num_kv_shared_layers=3,
                                                  use_double_wide_mlp=True, final_logit_softcapping=30.0,
-                                                 tie_word_embeddings=True))}
+                                                 tie_word_embeddings=True)),
+         # Gemma 4's MoE block (the 26B-A4B's form): 8 experts of 192, top 2, beside the dense MLP in every block
+         "gemma4_moe": ("Gemma4TextConfig", dict(sliding_window=1024, layer_types=FOUR, global_head_dim=128,
+                                                 num_global_key_value_heads=1, attention_k_eq_v=True,
+                                                 hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+                                                 tie_word_embeddings=True, enable_moe_block=True, num_experts=8,
+                                                 top_k_experts=2, moe_intermediate_size=192))}
 EXTRA = {"qwen3_moe": ["--lora-targets", "attn"]}   # (LoRA on experts is refused: parallel.flags)
 CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS
             if not (a.startswith("gemma4") and w > 1)]   # (--cp > 1 is refused for Gemma 4's per-layer shapes:
-# parallel.mesh)
+# parallel.mesh); Gemma 4's MoE unit under --tiled-mlp (1,024-token tiles) where the block's backward sets the peak
+CONFIGS += [("gemma4_moe nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"])]
 # rows whose attention backward runs in blocks (parallel.kernels.BACKWARD_BLOCK, 65,536 by default, set lower
 # here so a CPU run reaches it): planned and measured with the same block
 BLOCKS = {"cp1 nf4 16k tiled blocks4k v512": 4096, "cp1 nf4 16k tiled offload blocks4k v512": 4096,
