@@ -25,7 +25,7 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     and without --tiled-mlp its MLP half (g(gate, up) + o_mlp, + g(down) for --quant none or where the block reads
     the MLP's output, Gemma's: elsewhere a 4-bit down_proj's output is read by nobody and not computed, recompute.py)
   --tiled-mlp: backward recomputes the MLP per tile (g(gate, up) + o_mlp: down_proj's frozen base only
-    differentiates there, any base), x TILE; its AC recompute skips the MLP, but Gemma's runs its forward tiles
+    differentiates there, but in Gemma's unit, whose post norm reads it), x TILE; its AC recompute skips the MLP
   --tiled-attn: backward recomputes q's and k/v's chains per tile (g(q, k, v) + o_attn; o_proj only
     differentiates); its kernel calls cost x TILED_ATTN
   lm_head: 2·g(V·D) (loss.py: each chunk's logits and their input gradient, both in forward; a tied model's trained
@@ -46,9 +46,10 @@ The model, per rank, per block and micro-step, T tokens, S the row (attention sp
     un-adapted blocks above it run as the others (their backward still differentiates the input), but DoRA's terms.
   Per block its own GEMMs, model.flops.block_matmuls (the MFU column's: one count): an MoE block's router and a
     token's k experts (Qwen3.5-MoE: + the shared expert and its gate) as its MLP module, recomputed whole (no
-    down_proj base to skip) and tiled with --tiled-mlp; Gemma 4's experts beside its dense MLP, outside its tiles, so
-    the AC recompute keeps them. Their dispatch's bytes and, with nf4, every expert's weights dequantized a pass
-    (forward, backward's input gradient, the recompute; one for the tiles): parallel/plan_speed_block.py.
+    down_proj base to skip) and tiled with --tiled-mlp; Gemma 4's experts beside its dense MLP, in the AC recompute
+    untiled, in the feed-forward unit's tiles with --tiled-mlp (parallel/memory.py). Their dispatch's bytes and,
+    with nf4, every expert's weights dequantized a pass (forward, backward's input gradient, the recompute; one for
+    the tiles): parallel/plan_speed_block.py.
   Left out: communication (CP, FSDP2), the same for every flag set of a layout; --compile's fusions; packed rows
   of short documents (attention is counted as one causal document per row, which overvalues --ac-keep-attn there).
 Rates (`RATES`): one H200, torch 2.11, cuDNN attention, from the 2026-11-30 profiles (bench/results/2026-11-30-h200):
@@ -125,15 +126,15 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
         att += a + back
         ew += 3 * (oa + om + ox) + 2 * dq   # (the experts' weights dequantized in forward and for dx in backward)
         read, xt = mlp_read(m, layer), tiled and experts_tiled(m, layer)   # (Gemma's blocks read the MLP's output)
-        if layer < N:   # the checkpointed blocks' recompute: the MLP where not tiled or read (its forward tiles), the
-            mm += g(q + kv + o) + (0 if xt and not read else g(ex))   # experts outside the tiles (Gemma 4's)
-            att += 0 if args.ac_keep_attn and kept else a
-            ew += oa + (0 if xt and not read else ox) + dq * (not xt or read)   # (the tiles' dequant_once serves
-            if not tiled or read:   # the backward tiles, not the recompute's)
+        if layer < N:   # the checkpointed blocks' recompute: untiled, the MLP (and Gemma 4's experts); tiled, none of
+            mm += g(q + kv + o) + (0 if xt else g(ex))   # the feed-forward side: a recompute skips the tiles, Gemma's
+            att += 0 if args.ac_keep_attn and kept else a   # post norm runs in them (memory.py's unit)
+            ew += oa + (0 if xt else ox) + dq * (not xt)   # (the tiles' dequant_once serves the backward tiles)
+            if not tiled:
                 mm += g(gu) + (0 if nf4 and skip_down and not read else g(down))
                 ew += om
-        if tiled:
-            mm += (g(gu) + (0 if skip_down else g(down)) + (g(ex) if xt else 0)) * r["TILE"]
+        if tiled:   # (Gemma's unit's tiles read down's output: its post norm is in them, so its GEMM runs there)
+            mm += (g(gu) + (0 if skip_down and not read else g(down)) + (g(ex) if xt else 0)) * r["TILE"]
             ew += (om + (ox if xt else 0)) * r["TILE"]
         if ta and not lin:
             mm += g(q + kv) + (0 if skip_o else g(o))
@@ -142,7 +143,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             mm, att, ew = mm + g(q + kv + o + gu + down + ex), att + a, ew + oa + om + ox + dq
         for t in here:   # DoRA: B A, row norms per pass, rescale
             (out, n), mlp = shapes[t], t in ("gate_proj", "up_proj", "down_proj")
-            passes = 1 + (layer < N and (not tiled or not mlp or read)) + (tiled and mlp or ta and not (mlp or lin))
+            passes = 1 + (layer < N and (not tiled or not mlp)) + (tiled and mlp or ta and not (mlp or lin))
             mm += passes * 2 * args.lora_r * out * n / r["MATMUL"]
             ew += (passes * 8 * e * out * n + (2 * passes + 6) * e * T * out) / r["ELEMENTWISE"]
     tied = getattr(args, "train_embeddings", False) and m.tie_embeddings   # (the head's weight gradient too)

@@ -70,8 +70,9 @@ def mlp_read(m, layer: int) -> bool:
 
 
 def experts_tiled(m, layer: int) -> bool:
-    """Whether --tiled-mlp tiles block `layer`'s experts (module docstring): the one place that rule lives."""
-    return m.moe is not None and m.moe.sparse(layer) and not m.moe.beside
+    """Whether --tiled-mlp tiles block `layer`'s experts (module docstring): the one place that rule lives. Every MoE
+    block's: Qwen3-MoE's are the MLP module, Gemma 4's run in the block's feed-forward unit (parallel/memory.py)."""
+    return m.moe is not None and m.moe.sparse(layer)
 
 
 def elementwise_bytes(m, e: int, fused_norm: bool, rope: float = 5, layer: int = 0) -> tuple[float, float]:

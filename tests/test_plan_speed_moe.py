@@ -75,19 +75,20 @@ def test_bench_configs_time_flops_gemms(config):
 
 def test_ac_recomputes_the_experts_whole():
     """Qwen3-30B-A3B, nf4: the AC recompute of every block is a whole block's forward (experts' down included: the
-    skip is the dense down_proj's); Gemma 4 26B-A4B with --tiled-mlp: the recompute keeps the experts and the
-    attention, and runs the dense MLP's forward tiles (its post-feedforward norm reads their output: a whole block's
-    forward, tests/test_plan_speed_recompute.py; until 2026-12-07 left out), its backward goes to the tiles (gate,
-    up: x TILE; down only differentiated there)."""
+    skip is the dense down_proj's); Gemma 4 26B-A4B with --tiled-mlp: the recompute runs the attention alone (the
+    feed-forward unit, dense MLP, router, experts and norms, is skipped there: parallel/memory.py; until 2026-12-07
+    the experts stayed outside the tiles and were recomputed), and the backward tiles run the unit's GEMMs, down's
+    too (its post norm reads it in the tile), x TILE."""
     q = read_args(os.path.join(BENCH, "qwen3-30b-a3b"))
     per_block = sum(sum(block_matmuls(q, i).values()) for i in range(q.n_layers))
     ac = gemm_weights(q, "--quant", "nf4") - gemm_weights(q, "--quant", "nf4", "--no-ac")
     assert ac == pytest.approx(per_block, rel=1e-12)
     g = read_args(os.path.join(BENCH, "gemma-4-26b-a4b"))
-    kept = sum(sum(block_matmuls(g, i).values()) for i in range(g.n_layers))
-    tiles = RATES["TILE"] * sum(block_matmuls(g, i)["gate_up"] for i in range(g.n_layers))
+    bm = [block_matmuls(g, i) for i in range(g.n_layers)]
+    attention = sum(b["q"] + b["kv"] + b["o"] for b in bm)
+    tiles = RATES["TILE"] * sum(b["gate_up"] + b["down"] + b["beside"] for b in bm)
     ac = gemm_weights(g, "--quant", "nf4", "--tiled-mlp") - gemm_weights(g, "--quant", "nf4", "--tiled-mlp", "--no-ac")
-    assert ac == pytest.approx(kept, rel=1e-12)
+    assert ac == pytest.approx(attention, rel=1e-12)
     assert gemm_weights(g, "--quant", "nf4", "--tiled-mlp", "--no-ac") - gemm_weights(
         g, "--quant", "nf4", "--no-ac") == pytest.approx(tiles, rel=1e-12)
 
