@@ -163,9 +163,13 @@ def _tiled_unit(block, tile: int | None):
     rng = any(isinstance(m, nn.Dropout) and m.p > 0 for mod in mods for m in mod.modules())
     routed = (len(block.experts), block.router.top_k) if block.experts is not None else None
 
-    def run(r):   # (parameters read per call: FSDP2 swaps them; the output never read in a recompute: skip)
+    # a block recompute skips the unit (its output unread there) but where the block reads the sum after it: Gemma 4
+    # E2B / E4B's per-layer input branch saves it (model/gemma4_small.add_per_layer), so the tiles run there
+    skip = getattr(block, "per_layer_input_gate", None) is None
+
+    def run(r):   # (parameters read per call: FSDP2 swaps them)
         params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
-        return _TiledMLP.apply(forward, tile_tokens(r.shape[-1], tile, routed), rng, True, False, r, *params)
+        return _TiledMLP.apply(forward, tile_tokens(r.shape[-1], tile, routed), rng, skip, False, r, *params)
     return run
 
 

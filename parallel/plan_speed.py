@@ -70,7 +70,7 @@ import re
 from model.flops import block_matmuls
 from model.lora_spec import lora_layers
 from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
-from parallel.plan_speed_block import experts_tiled, mixing_seconds, mlp_read, moe_bytes
+from parallel.plan_speed_block import experts_tiled, mixing_seconds, mlp_read, moe_bytes, unit_read
 from parallel.plan_totals import sample_tokens, with_reference
 
 CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
@@ -130,7 +130,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
             mm += g(q + kv + o) + (0 if xt else g(ex))   # the feed-forward side: a recompute skips the tiles, Gemma's
             att += 0 if args.ac_keep_attn and kept else a   # post norm runs in them (memory.py's unit)
             ew += oa + (0 if xt else ox) + dq * (not xt)   # (the tiles' dequant_once serves the backward tiles)
-            if not tiled:
+            if not tiled or unit_read(m, layer):   # (tiled: E2B / E4B's blocks read the unit's output there)
                 mm += g(gu) + (0 if nf4 and skip_down and not read else g(down))
                 ew += om
         if tiled:   # (Gemma's unit's tiles read down's output: its post norm is in them, so its GEMM runs there)

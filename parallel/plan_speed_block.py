@@ -69,6 +69,12 @@ def mlp_read(m, layer: int) -> bool:
     return mlp_output_read(SandwichBlock if sandwich else Block)   # reads it no more than a Block)
 
 
+def unit_read(m, layer: int) -> bool:
+    """Whether block `layer`'s recompute runs --tiled-mlp's feed-forward tiles (parallel/memory.py): where the block
+    reads their output there, Gemma 4 E2B / E4B's per-layer input branch."""
+    return getattr(m, "small", None) is not None and bool(m.small.ple) and not m.is_linear(layer)
+
+
 def experts_tiled(m, layer: int) -> bool:
     """Whether --tiled-mlp tiles block `layer`'s experts (module docstring): the one place that rule lives. Every MoE
     block's: Qwen3-MoE's are the MLP module, Gemma 4's run in the block's feed-forward unit (parallel/memory.py)."""

@@ -22,6 +22,7 @@ from parallel.plan_speed import RATES, step_seconds
 from parallel.recompute import _UnreadOutput, recomputing
 from tests import test_gemma3
 from tests.helpers import build_nonzero_b, tiny_checkpoint
+from tests.test_gemma4 import ALL
 
 B, S = 2, 29
 
@@ -33,7 +34,11 @@ def ckpts(tmp_path_factory):
     gemma = tmp_path_factory.mktemp("gemma3")
     T.Gemma3ForCausalLM(T.Gemma3TextConfig(**test_gemma3.CONFIG)).float().save_pretrained(gemma,
                                                                                           max_shard_size="60KB")
-    return {"llama": llama, "gemma": str(gemma)}
+    from tests.test_gemma4_small import SMALL  # (Gemma 4 E2B's form: PLE, KV sharing, double-wide MLPs)
+    torch.manual_seed(0)
+    small = tmp_path_factory.mktemp("gemma4_small")
+    T.Gemma4ForCausalLM(T.Gemma4TextConfig(**SMALL, attention_k_eq_v=True)).float().save_pretrained(small)
+    return {"llama": llama, "gemma": str(gemma), "gemma4_small": str(small)}
 
 
 def recomputed_weights(path, tiled: bool) -> float:
@@ -43,9 +48,10 @@ def recomputed_weights(path, tiled: bool) -> float:
     model, _ = build_nonzero_b(BuildOptions(path, quant="nf4", lora_r=4, lora_alpha=8, seed=3, ac=True,
                                             tiled_mlp=tiled))
     done = [0]
-    for block in model.model.layers:
+    for i, block in enumerate(model.model.layers):
         bases = [m.base_layer for m in block.modules() if hasattr(m, "base_layer")]
-        assert len(bases) == 7, bases   # q, k, v, o, gate, up, down: every one adapted, every one counted
+        assert len(bases) == sum(model.args.has(i, t) for t in ALL), bases   # every projection adapted and counted
+        bases += [m for n, m in block.named_modules() if n.startswith("per_layer_")]   # (E2B's PLE Linears: frozen)
         for base in bases:
             holder = base.forward if isinstance(base.forward, _UnreadOutput) else base   # (the skip wraps it)
 
@@ -82,3 +88,12 @@ def test_recompute_gemms_are_the_real_recomputes(ckpts, name, tiled):
     mlp = {("llama", False): 2 * D * F, ("llama", True): 0, ("gemma", False): 3 * D * F, ("gemma", True): 0}
     assert real == L * (attn + mlp[name, tiled]), (name, tiled, real)   # (what the recompute ran: as described)
     assert modelled_weights(ckpts[name], tiled) == pytest.approx(real, rel=1e-9), (name, tiled)
+
+
+def test_recompute_gemms_with_per_layer_inputs(ckpts):
+    """Gemma 4 E2B's form: its blocks read the feed-forward unit's output after it (the per-layer input branch), so a
+    recompute runs the unit's tiles with --tiled-mlp (parallel/memory.py), and the step-time model says so
+    (plan_speed_block.unit_read); reuse layers recompute no k/v projections, the double-wide MLPs at their width."""
+    for tiled in (False, True):
+        real = recomputed_weights(ckpts["gemma4_small"], tiled)
+        assert modelled_weights(ckpts["gemma4_small"], tiled) == pytest.approx(real, rel=1e-9), tiled
