@@ -15,8 +15,8 @@ Contract:
   `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`; Qwen3.5-MoE, `qwen3_5_moe`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
-  bitsandbytes 4-bit (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and one whose
-  `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
+  bitsandbytes 4-bit or GPT-OSS's MXFP4 (a `quantization_config`: AWQ, GPTQ, FP8, bnb 8-bit; model/prequant.py) and
+  one whose `architectures` names no *ForCausalLM (a classifier's, reward or embedding model's: no language-model head).
   Read as transformers 5 reads it (its class defaults for missing keys); keys this decoder does not implement
   (another `hidden_act`, attention dropout, per-layer-type RoPE, a rope_scaling that contradicts rope_parameters)
   are refused, never ignored.
@@ -57,8 +57,10 @@ def read_config(cls, cfg: dict):
             f"config.json: architectures {archs} is not a causal language model (*ForCausalLM): a classifier, "
             "reward or embedding model has no language-model head to train; pass the causal LM checkpoint it was "
             "made from")
-    if q := cfg.get("quantization_config"):   # AWQ, GPTQ, FP8, bnb 8-bit: packed weights, which the checks below
-        check_config(q)   # would call another config.json's; bitsandbytes 4-bit: model/prequant.py reads them
+    q = cfg.get("quantization_config")   # AWQ, GPTQ, FP8, bnb 8-bit: packed weights, which the checks below would call
+    if q and not (mt == "gpt_oss" and isinstance(q, dict) and q.get("quant_method") == "mxfp4"):   # another
+        check_config(q)   # config.json's; bitsandbytes 4-bit: model/prequant.py reads them; GPT-OSS's MXFP4 experts:
+        # model/gpt_oss.py
     flags = SUPPORTED[mt]
     if mt == "mistral" and "layer_types" in cfg:   # transformers' AutoConfig reads this as Ministral
         mt = "ministral"

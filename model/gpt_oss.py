@@ -22,6 +22,14 @@ Contract:
   per-expert names to (stored name, first element, our shape, slab elements, `take`, `put`): model.load's
   CheckpointReader reads the slab (each rank only its experts') and `take` de-interleaves and transposes it to our
   weight; the merge writes our weights fused back through `put` (model/merged.py).
+- The MXFP4 release (openai/gpt-oss-20b, 120b as shipped: quantization_config quant_method mxfp4) stores each fused
+  weight W [E, in, out] as `W_blocks` uint8 [E, out, in/32, 16] (e2m1 codes, two a byte, the low nibble first, 32 of
+  one row a block) and `W_scales` uint8 [E, out, in/32] (e8m0: 2^(s - 127) a block), the biases and every other
+  tensor bf16 (transformers' integrations/mxfp4.py: convert_moe_packed_tensors, then the transpose to [E, in, out]).
+  `mxfp4_tensors(meta)` names them as W, of the BF16 form's shape and dtype (a bad dtype or shape, or a blocks
+  tensor without its scales, is refused naming it); `read_mxfp4(reader, W, first, count)` reads the experts
+  holding W's elements [first, first + count) and dequantizes them (exact in bf16), so the loader reads (and NF4
+  quantizes) an MXFP4 checkpoint as its BF16 form, each rank its own experts' bytes, and the merge writes that form.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from model.moe import MoESpec, dispatch, moe_fields
 from model.rope_read import read_rope
 
 FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+MXFP4 = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # e2m1's 16 codes
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 4096}   # GptOssConfig's default RoPE (rope_theta 150000)
 
@@ -129,3 +139,42 @@ def stored_shapes(a, layer: int) -> dict:
             f"{p}.experts.gate_up_proj": (m.experts, a.dim, 2 * m.width),
             f"{p}.experts.gate_up_proj_bias": (m.experts, 2 * m.width),
             f"{p}.experts.down_proj": (m.experts, m.width, a.dim), f"{p}.experts.down_proj_bias": (m.experts, a.dim)}
+
+
+def mxfp4_tensors(meta: dict) -> dict:
+    """{W: (W_blocks, W_scales, W's BF16 shape [E, in, out])} of the MXFP4 experts in `meta` (module docstring)."""
+    out = {}
+    for name in meta:
+        if not (m := MXFP4.match(name)):
+            continue
+        blocks, scales = (f"{m.group(1)}_{k}" for k in ("blocks", "scales"))
+        bad = next((f"{n} {meta[n][0]} {list(meta[n][1])}" for n in (blocks, scales) if n in meta and (
+            meta[n][0] != torch.uint8 or len(meta[n][1]) != (4 if n == blocks else 3))), None)
+        if bad or blocks not in meta or scales not in meta or meta[blocks][1][-1] != 16 or \
+                tuple(meta[blocks][1][:-1]) != tuple(meta[scales][1]):
+            what = bad or (f"{blocks} {list(meta[blocks][1])}" if blocks in meta else f"{blocks} missing") + ", " + (
+                f"{scales} {list(meta[scales][1])}" if scales in meta else f"{scales} missing")
+            raise ValueError(f"MXFP4 experts: {what}; GPT-OSS's are {m.group(1)}_blocks uint8 [experts, out, in/32, "
+                             "16] (two e2m1 codes a byte) beside _scales uint8 [experts, out, in/32] (one e8m0 scale a "
+                             "block of 32): the checkpoint is corrupt or not GPT-OSS's MXFP4 form; re-download it")
+        E, rows, groups, _ = meta[blocks][1]
+        out[m.group(1)] = (blocks, scales, (E, groups * 32, rows))
+    return out
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """[..., out, in/32, 16] e2m1 codes (low nibble first) and [..., out, in/32] e8m0 scales -> [..., in, out]."""
+    lut = torch.tensor(FP4)
+    w = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], -1).flatten(-2)   # [..., out, in/32, 32]
+    return torch.ldexp(w, scales.int()[..., None] - 127).flatten(-2).mT.to(dtype)
+
+
+def read_mxfp4(reader, name: str, first: int, count: int) -> torch.Tensor:
+    """Elements [first, first + count) of W's BF16 form (flattened [E, in, out]): the experts holding them read
+    (their blocks' and scales' byte ranges, contiguous) and dequantized."""
+    blocks, scales, shape = reader.mxfp4[name]
+    per = shape[1] * shape[2]   # (one expert's elements; its blocks hold per / 2 bytes, its scales per / 32)
+    e0, e1 = first // per, -(-(first + count) // per)
+    b = reader.get_bytes(blocks, e0 * per // 2, e1 * per // 2).view(e1 - e0, shape[2], shape[1] // 32, 16)
+    s = reader.get_bytes(scales, e0 * per // 32, e1 * per // 32).view(e1 - e0, shape[2], shape[1] // 32)
+    return dequantize(b, s).reshape(-1)[first - e0 * per:first - e0 * per + count]

@@ -17,7 +17,8 @@ Contract:
   `packed` {name: Packed}; `get_raw`/`get_bytes` read any stored tensor as stored); their companion tensors
   (absmax, quant maps, quant state) are not among its tensors (`where`, `meta`). Gemma 4's fused experts are, expert
   by expert under our names (`views`: model/gemma4_moe.py's expert_views), each read from its byte range; GPT-OSS's
-  (model/gpt_oss.py) too, each expert's slab read whole and its part de-interleaved and transposed (`slabs`).
+  (model/gpt_oss.py) too, each expert's slab read whole and its part de-interleaved and transposed (`slabs`); an MXFP4
+  release's experts as their BF16 form, dequantized from their blocks and scales (`mxfp4`).
 - A multimodal wrapper (Mistral 3, Gemma 3: model/wrapper.py) is indexed as its language model, by the text-only
   model's names (`model.layers.N...`, `lm_head.weight`), read from its stored keys; its vision tower and projector are
   never read; its `tie_embeddings` is False when its weight files store the head (transformers unties a head stored
@@ -72,6 +73,13 @@ class CheckpointReader:
         # Gemma 4's fused experts, read expert by expert under our names in their place (model/gemma4_moe.py)
         # GPT-OSS's (model/gpt_oss.py): `slabs` {our name: (slab shape, take, put)}, an expert's whole slab read, then
         # de-interleaved and transposed by take (the last slab kept: gate and up share theirs)
+        # (an MXFP4 release's experts: W_blocks and W_scales read as W's BF16 form, dequantized, model/gpt_oss.py)
+        self.mxfp4 = gpt_oss.mxfp4_tensors(self.meta)
+        for w, (blocks, scales, shape) in self.mxfp4.items():
+            self.meta[w], self.where[w] = (torch.bfloat16, shape, None, None), self.where[blocks]
+            self.raw[w] = (self.meta[w], self.where[w])
+            for n in (blocks, scales):
+                del self.meta[n], self.where[n]
         self.views, self.slabs, self._slab = expert_views(self.meta), {}, None
         for name, (src, first, shape, *slab) in gpt_oss.expert_views(self.meta).items():
             self.views[name], self.slabs[name] = (src, first, shape), tuple(slab)
@@ -124,6 +132,8 @@ class CheckpointReader:
         if name in self.views:   # (an expert's range of a fused tensor)
             src, start, _ = self.views[name]
             return self._read(src, start + first, count)
+        if name in self.mxfp4:
+            return gpt_oss.read_mxfp4(self, name, first, count)
         if name in self.packed:
             from model.prequant import dequantized
 

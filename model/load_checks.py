@@ -7,9 +7,10 @@ Contract:
   `check_config_quant(path, quant, name)`: the latter from config.json alone (a Hub id before its weights are fetched;
   `--plan`, which reads nothing else).
 - `check_config_shapes(path, margs, quant)`: the embedding's and each block projection's shapes (an MoE block's router
-  and experts: Gemma 4's fused tensors as stored, model/gemma4_moe.py) are config.json's
-  (a packed 4-bit weight's: the float shape it stands for), else an error names them; returns the start-up notes
-  (more blocks stored than config.json builds; what a 4-bit checkpoint trains against), or None.
+  and experts: Gemma 4's fused tensors as stored, model/gemma4_moe.py; GPT-OSS's MXFP4 ones as their BF16 form) are
+  config.json's (a packed 4-bit weight's: the float shape it stands for), else an error names them; returns the
+  start-up notes (more blocks stored than config.json builds; what a 4-bit or MXFP4 checkpoint trains against), or
+  None.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     raw, packed, meta = stored_weights(path)
     prequant.check_quant(packed, quant, path)
     have = {n: (tuple(h[1]), os.path.basename(raw[n][1])) for n, h in meta.items()}
+    mxfp4 = gpt_oss.mxfp4_tensors(meta)   # (GPT-OSS's MXFP4 experts: as their BF16 form's fused tensors)
+    have.update({w: (shape, os.path.basename(raw[b][1])) for w, (b, _, shape) in mxfp4.items()})
     missing = sorted(n for n in want if n not in have)
     if (fused := next((n for n in have if n.endswith("mlp.experts.gate_up_proj")), None)) and not margs.moe.clamp:
         raise ValueError(f"{path!r}: {fused} holds the experts fused ([E, 2·I, D]); the experts are read one by one, "
@@ -91,7 +94,9 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     # (the routers: never quantized, --quant nf4 keeps them in the compute dtype)
     proj = [n for n in want if n != "model.embed_tokens.weight" and not n.endswith(".mlp.gate.weight")
             and ".router." not in n]
-    notes = [prequant.describe(packed, proj, quant, path)]
+    notes = [prequant.describe(packed, proj, quant, path)] + [
+        f"note: {path} stores GPT-OSS's experts in MXFP4: they are dequantized to bf16 as they are read (exactly), "
+        f"{'then quantized to NF4 (--quant nf4)' if quant == 'nf4' else 'held in the compute dtype'}" if mxfp4 else ""]
     blocks = {int(m.group(1)) for n in have if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     if blocks and max(blocks) >= margs.n_layers:
         notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "

@@ -9,7 +9,8 @@ Contract:
   tokenizer's template. With quant="nf4" every block Linear weight (adapted or not) is the dequantized NF4
   weight, i.e. exactly the base the adapter was trained against (a bitsandbytes 4-bit base's: its weights as
   stored, dequantized, model/prequant.py; one not NF4 in 64-blocks is refused before anything is written;
-  quantization_config leaves the merged config.json). A `--train-norms` adapter's norm weights (peft's
+  quantization_config leaves the merged config.json; GPT-OSS's MXFP4 experts are written as their dequantized BF16
+  form, gate_up_proj and down_proj: model/gpt_oss.py). A `--train-norms` adapter's norm weights (peft's
   modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with
   it, where its checkpoint stores one).
 - The --out folder's lock, the staging folder the files are written into first and what they replace there:
@@ -213,7 +214,9 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
         log(f"{len(pairs)} adapted weights (r {acfg['r']}, alpha {acfg['lora_alpha']}"
             f"{', rsLoRA' if acfg.get('use_rslora') else ''}{', DoRA' if acfg.get('use_dora') else ''}: "
             f"scale {scale:g}), {len(reader.where)} "
-            f"tensors in {len(files)} files")
+            f"tensors in {len(files)} files" + (f"; the base's MXFP4 experts ({len(reader.mxfp4)} fused tensors) are "
+                                                 f"written dequantized, the BF16 form transformers loads, in {dtype}"
+                                                 if reader.mxfp4 else ""))
     stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
     weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
     for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):
