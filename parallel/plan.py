@@ -127,7 +127,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     K = L - N   # K from here: the blocks that keep their activations (the last K; no AC at all when N == 0)
     if offload and not args.ac:
         raise ValueError("--offload-activations moves the checkpoints of --ac to host memory: drop --no-ac")
-    router = lambda rows: [(rows, rows * D)] * bool(rows)   # an MoE block's router [E, D], never quantized
+    router = lambda rows: ([(rows, rows * D)] + plan_moe.extras(m)) * bool(rows)   # an MoE block's router [E, D],
+    # never quantized (GPT-OSS's: + its biases, the experts', the sinks)
     # (blocks, frozen Linears, never-quantized ones: routers, linear_attn's conv and others, linear): dense, MoE
     # (Qwen3-MoE) and linear (Qwen3.5) blocks
     attn4 = [shapes[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj")]   # (Gemma 4: a kind per attention shape)

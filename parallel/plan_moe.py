@@ -39,6 +39,11 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   its phase (`unit`): the incoming gradient and one backward tile of E·D/k tokens (the dense MLP's tile terms, these
   saved tensors and `backward` at its size, post_feedforward_layernorm's input), with nf4 the dense MLP's and every
   expert's weights dequantized at once (`held`: (F + E·I)·D a projection).
+- GPT-OSS's MoE block (`clamp`: model/gpt_oss.py): the router [E, D] with its bias, the experts' biases and the
+  attention sinks (`extras`) beside the router; saved: the softmax over the top k in the compute dtype (eTk), top k
+  (8Tk), the slots' order and tokens (16Tk), per slot six [I] of the clamped SwiGLU (6e·Tk·I) and the down output
+  with its routing weight (e·Tk·(D + 1)); tests/test_gpt_oss.py pins them against autograd's. Its block backward: the
+  Qwen3-MoE's terms (the router's float32 gradients [T, E] over-count its [T, k] in the compute dtype).
 """
 
 from __future__ import annotations
@@ -57,6 +62,15 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
     # 4's dense MLP beside the experts)
     return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
                         (sparse, [s for t, s in shapes.items() if keep(t)] + experts, m.moe.experts)) if k[0]]
+
+
+def extras(m) -> list:
+    """GPT-OSS's MoE block's frozen tensors beside its Linears and router weight, (dim 0, elements) in the compute
+    dtype, never quantized: the experts' biases [E, 2I] and [E, D], the router's bias [E], the attention sinks [H]."""
+    if m.moe is None or not m.moe.clamp:
+        return []
+    E = m.moe.experts
+    return [(E, E * 2 * m.moe.width), (E, E * m.dim), (E, E), (m.n_heads, m.n_heads)]
 
 
 def held(m, shapes: dict) -> dict:
@@ -78,6 +92,11 @@ def saved(m, T: int, e: int) -> float:
     """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring); Gemma 4's beside the dense
     MLP's (--tiled-mlp: none, kept a tile at a time, `unit`)."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
+    if m.moe.clamp:   # GPT-OSS (model/gpt_oss.py): softmax over the top k logits in the compute dtype (its output),
+        # the top k's int64 indices, the slots' order and tokens; per slot the clamped SwiGLU's six [I]: gate's and up's
+        # outputs (the clamps' inputs), the clamped gate, its sigmoid, up + 1 and gate·sigmoid (the product's two
+        # factors); its down output and routing weight
+        return e * T * k + 8 * T * k + 16 * T * k + 6 * e * T * k * width + e * T * k * (D + 1)
     if m.moe.beside:
         return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
             + 3 * e * T * k * width + (e * D + 4) * T * k + 4 * T + 2 * (e * T * D + 4 * T)

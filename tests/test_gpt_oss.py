@@ -12,7 +12,9 @@ transformers' init; the router × 20 so the top 2 are decided; YaRN, the config'
 - the exported adapter loads in peft with our logits; `python -m model.merge` = peft's merge_and_unload, the experts
   written fused back as stored (bit for bit), transformers loads the merged folder;
 - cp 2 Ulysses and cp 2 ring (2 ranks, float64, packed rows) = one process: loss and every LoRA gradient, every rank;
-- NF4: every expert projection 4-bit (biases kept), the router not.
+- NF4: every expert projection 4-bit (biases kept), the router not;
+- the memory plan (kernel core, nf4, with and without --tiled-mlp): activations = autograd's saved bytes, the block's
+  frozen norms, biases, router and sinks = the model's.
 
 Run: .venv/bin/python -m pytest -q tests/test_gpt_oss.py
 """
@@ -226,3 +228,36 @@ def test_cp2_ulysses_and_ring_equal_one_process(ckpt):
 
     cases = [("ulysses", {}), ("ring", dict(tiled_mlp=True))]
     assert run_ranks(_layouts, 2, ckpt, cases, timeout=280) == [True, True]
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp"]], ids=["plain", "tiled_mlp"])
+def test_plan_matches_autograd_and_the_parameters(tmp_path, flags):
+    """No AC, fp32, one process, nf4, the kernel core (the GPU path; no window: the CPU kernel keeps a windowed layer's
+    [S, S] mask, no GPU's): the plan's activation terms (parallel/plan_moe.saved's GPT-OSS branch: the softmax over
+    the top k, the clamped SwiGLU's six [I] a slot) = the bytes autograd keeps for backward; its 'block norms,
+    biases, routers' term = the model's frozen parameters there (the experts' and router's biases, the sinks, the
+    q/k/v/o biases, the norms: parallel/plan_moe.extras)."""
+    import train
+    from model.nf4 import NF4Linear
+    from parallel.cp import KernelAttention
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+    from tests.helpers import planned_and_saved_activations
+
+    ckpt = _save(tmp_path / "m", intermediate_size=32, sliding_window=None, layer_types=["full_attention"] * 2)
+    args = train.build_parser().parse_args(["--model", ckpt, "--max-len", "128", "--global-batch", "1", "--quant",
+                                            "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
+                                            "--lora-targets", "attn", *flags])
+    ours, _ = build_model(BuildOptions(ckpt, quant="nf4", ac=False, lora_dropout=0.0, tiled_mlp=args.tiled_mlp,
+                                       lora_targets=ATTN), device="cpu", attention=KernelAttention())
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+    quantized = {f"{n}.{w}" for n, m in ours.named_modules() if isinstance(m, NF4Linear) for w in ("weight", "absmax")}
+    frozen = sum(p.numel() * 4 for n, p in ours.named_parameters() if n.startswith("model.layers.")
+                 and "lora_" not in n and n not in quantized)
+    assert frozen > 0 and not any(n.startswith("model.layers.") and p.dtype == torch.uint8
+                                  for n, p in ours.named_parameters() if n not in quantized)
+    dims, pack = validate(args, ours.args, 1)
+    plan = memory_plan(ours.args, dims, args, "cpu", pack).terms
+    assert next(v for k, v in plan.items() if k.startswith("block norms, biases, routers")) == frozen, (plan, frozen)
