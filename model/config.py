@@ -269,7 +269,8 @@ class ModelArgs:
     def n_params(self) -> int:
         d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size
         attn = d * h * hd * (3 if self.attn_gate else 2) + d * kv * hd * 2   # (Qwen3.5's gate: q_proj's other half)
-        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d + self.layer_scalar
+        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d + self.layer_scalar + (
+            h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_bias + h * self.sinks   # (Qwen2's, GPT-OSS's biases)
         extra = sum(d * (h * (2 * e - 2 * hd) + k * e * (1 + (not self.shares_kv(i))) - 2 * kv * hd)
                     for i in range(self.n_layers) for h, k, e in [self.attn_dims(i)]
                     ) if self.per_layer_attn else 0   # (Gemma 4's full layers: their own K, Hd; no v_proj with k_eq_v)
@@ -278,7 +279,8 @@ class ModelArgs:
         beside = 4 * d + moe.experts if moe and moe.beside else -3 * d * f * (not moe.shared) + d * bool(
             moe.shared) if moe else 0   # (Qwen3.5-MoE's shared expert: the dense MLP's size, + its gate; Gemma 4's
         # experts beside the dense MLP: + the router's two scales and the MoE's three norms)
-        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d) + beside) if sparse else 0   # experts, router
+        moe_extra = sparse * (moe.experts * (3 * d * moe.width + d + (2 * moe.width + d + 1) * bool(moe.clamp))
+                              + beside) if sparse else 0   # experts, router (GPT-OSS: + their biases, the router's)
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)
         lin_extra = linear * (self.linear.n_params(d) - attn) if linear else 0
         small = self.small.n_params(self) if self.small else 0   # (Gemma 4 E2B / E4B: model/gemma4_small.py)

@@ -261,3 +261,26 @@ def test_plan_matches_autograd_and_the_parameters(tmp_path, flags):
     dims, pack = validate(args, ours.args, 1)
     plan = memory_plan(ours.args, dims, args, "cpu", pack).terms
     assert next(v for k, v in plan.items() if k.startswith("block norms, biases, routers")) == frozen, (plan, frozen)
+
+
+def test_bench_configs_and_n_params_are_transformers():
+    """bench/configs/gpt-oss-20b, -120b (the Hub's config.json, quantization_config mxfp4 as shipped): read as
+    GptOssConfig reads them (the model card's sizes), n_params = transformers' parameters on the meta device (every
+    bias, the sinks, the router's bias: 20.91B, 116.83B); a tiny model's n_params = its parameters."""
+    import json
+
+    sizes = {"gpt-oss-20b": (24, 32, 20.91), "gpt-oss-120b": (36, 128, 116.83)}
+    for name, (layers, experts, billions) in sizes.items():
+        path = os.path.join(os.path.dirname(__file__), "..", "bench", "configs", name)
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+        a, hf = model.load.read_args(path), T.GptOssConfig(**cfg)
+        assert (a.n_layers, a.dim, a.n_heads, a.head_dim, a.n_kv_heads, a.moe.experts, a.moe.top_k, a.moe.width,
+                a.vocab_size) == (layers, 2880, 64, 64, 8, experts, 4, 2880, 201088), name
+        assert [a.window(i) for i in range(4)] == [128, None, 128, None] and a.rope_scaling["factor"] == 32.0
+        with torch.device("meta"):
+            n = sum(p.numel() for p in T.GptOssForCausalLM(hf).parameters())
+        assert a.n_params == n and round(n / 1e9, 2) == billions, (name, a.n_params, n)
+    a = model.ModelArgs.from_config_dict(T.GptOssConfig(**CONFIG).to_dict())
+    assert a.n_params == sum(p.numel() for p in T.GptOssForCausalLM(T.GptOssConfig(**CONFIG)).parameters())
