@@ -133,7 +133,7 @@ def main(argv=None):
             dist.barrier()
         preflight.same_everywhere(name, args, ckpt)   # one --model and --init-adapter commit, one --resume step
         margs = read_args(args.model, args.rope_scaling)
-        dims, args.pack = validate(args, margs, world)
+        dims, args.pack = validate(args, margs, world, say=log0)   # (--lora-targets: this model's, from here)
         dpo = args.objective == "dpo"
         notes.start(args, margs, dims, ckpt, log0, LOSS_FN is None)   # the layout, the loss, what to know
         same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks

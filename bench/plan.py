@@ -168,8 +168,8 @@ ARCHS = {"gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_w
                                                  hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
                                                  tie_word_embeddings=True, enable_moe_block=True, num_experts=8,
                                                  top_k_experts=2, moe_intermediate_size=192))}
-EXTRA = {"qwen3_moe": ["--lora-targets", "attn"]}   # (LoRA on experts is refused: parallel.flags)
-CONFIGS += [(f"{a} {n}", w, s, f + EXTRA.get(a, [])) for a in ARCHS for n, w, s, f in ARCH_ROWS
+# (qwen3_moe: --lora-targets' default there is the attention's, model.lora_spec.run_targets)
+CONFIGS += [(f"{a} {n}", w, s, f) for a in ARCHS for n, w, s, f in ARCH_ROWS
             if not (a.startswith("gemma4") and w > 1)]   # (--cp > 1 is refused for Gemma 4's per-layer shapes:
 # parallel.mesh); Gemma 4's MoE unit under --tiled-mlp (1,024-token tiles) where the block's backward sets the peak
 CONFIGS += [("gemma4_moe nf4 16k tiled v512", 1, 16384, ["--quant", "nf4", "--tiled-mlp"])]

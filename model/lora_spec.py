@@ -1,10 +1,13 @@
 """What LoRA adapts: the block projections (LORA_TARGETS) and `--lora-targets` / `--lora-layers` as argparse reads
-them (`lora_targets_arg`: projection names or a set name of TARGET_SETS; `lora_layers_arg`), and `lora_layers(spec)`:
-the block indices a spec names (None: every block)."""
+them (`lora_targets_arg`: projection names or a set name of TARGET_SETS; `lora_layers_arg`), `run_targets`: the
+targets a model runs (the default: the model's own, `NotGiven`), and `lora_layers(spec)`: the block indices a spec
+names (None: every block)."""
 
 from __future__ import annotations
 
 import argparse
+
+from model.moe import expert_targets
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
 # Qwen3.5's Gated DeltaNet layers' (linear_attn, model/deltanet.py): in_proj_qkv (q, k, v), in_proj_z (the output
@@ -36,9 +39,31 @@ def model_targets(targets, margs) -> tuple[str, ...]:
     return out
 
 
+class NotGiven(str):
+    """--lora-targets' default as argparse stores it: DEFAULT_TARGETS' spelling (what every reader before the model is
+    known sees, as before), marked as not given, so `run_targets` may take the model's own default instead."""
+
+
+def run_targets(given: str, margs) -> tuple[tuple[str, ...], str | None]:
+    """The targets this model runs for --lora-targets `given` (`model_targets`), and the start-up line that says why
+    when that is not the default: not given (`NotGiven`) on a model whose MLP names are its experts' (Qwen3-MoE,
+    Qwen3.5-MoE, GPT-OSS: model.moe.expert_targets refuses them), the adaptable rest (the attention's, and Qwen3.5's
+    linear layers' default three: `attn`); named, they stay refused (parallel.flags.check_model_flags)."""
+    targets = model_targets(given.split(","), margs)
+    if not isinstance(given, NotGiven) or not expert_targets(margs, targets):
+        return targets, None
+    kept = tuple(t for t in targets if sublayer(t) != "mlp")
+    mlp = ",".join(t for t in targets if t not in kept)
+    return kept, (f"--lora-targets not given: LoRA on {','.join(kept)}, this {margs.model_type} model's default: its "
+                  f"{mlp} are its experts' projections, which LoRA does not adapt (model.moe.expert_targets); pass "
+                  "--lora-targets to choose")
+
+
 def lora_targets_arg(text: str) -> str:
     """--lora-targets: comma-separated names, a shorthand (TARGET_SETS) standing for its names where it is written,
-    each name once; unknown names are kept, for the flag checks to name."""
+    each name once; unknown names are kept, for the flag checks to name. The default (NotGiven) is kept as it is."""
+    if isinstance(text, NotGiven):   # (argparse passes a string default through `type` too)
+        return text
     names = [n for part in text.split(",") for n in TARGET_SETS.get(part.strip(), (part.strip(),))]
     return ",".join(dict.fromkeys(names))
 

@@ -7,7 +7,9 @@ Contract:
   It reads no weight. A Hub id given to --init-adapter is fetched first (`model.hub.fetch_adapter`): args.init_adapter
   becomes its snapshot folder (or, for org/name/folder, that folder of it), here since every entry point (a run,
   --plan) calls this first.
-- `check_model_flags(args, margs)`: the checks that need the model's config.json but no layout (--lora-r against the
+- `check_model_flags(args, margs, say)`: --lora-targets made this model's list (`model.lora_spec.run_targets`: the
+  default on an MoE model whose MLP is its experts, the rest, said through `say`), and the checks that need the
+  model's config.json but no layout (--lora-r against the
   projections' rank, --lora-layers against the blocks, --ac-group / --ac-blocks against them, --init-adapter's LoRA
   tensors against this model's shapes: `_init_adapter_fits`, from the safetensors header only).
 - `parallel.mesh.validate` calls both (the one start-up check of a run's flags); `preflight.check_start` calls
@@ -26,7 +28,7 @@ import torch
 
 from data.mix import data_files
 from model.gemma4_small import refuse_tiled_attn
-from model.lora_spec import ADAPTABLE, lora_layers, model_targets, sublayer
+from model.lora_spec import ADAPTABLE, lora_layers, run_targets, sublayer
 from model.moe import expert_targets
 from model.rope_read import rope_scaling_flag
 from parallel.ac import check_ac
@@ -69,15 +71,11 @@ def check_flags(args) -> None:
         from model.hub import fetch_adapter  # a Hub id: its adapter files now, before anything is written (a DPO
         args.init_adapter = fetch_adapter(args.init_adapter)   # resume's reference too); the snapshot from here on
     if getattr(args, "init_adapter", None) and not args.resume:   # (a resume's LoRA comes from its checkpoint)
-        from model.adapter_read import check_init_adapter
         if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(
                 os.path.realpath(args.out) + os.sep):
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
                              "empties first: pass a new --out, or copy the adapter out of it")
-        check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, args.lora_targets.split(","),
-                           getattr(args, "rslora", False), getattr(args, "chat_template_text", None),
-                           getattr(args, "dora", False), getattr(args, "train_norms", False),
-                           getattr(args, "train_embeddings", False))
+        _check_init(args, args.lora_targets.split(","))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),
                     ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):
@@ -160,6 +158,13 @@ def check_flags(args) -> None:
                          "(or all-linear, attn, mlp)")
 
 
+def _check_init(args, targets) -> None:
+    from model.adapter_read import check_init_adapter
+    check_init_adapter(args.init_adapter, args.lora_r, args.lora_alpha, targets, getattr(args, "rslora", False),
+                       getattr(args, "chat_template_text", None), getattr(args, "dora", False),
+                       getattr(args, "train_norms", False), getattr(args, "train_embeddings", False))
+
+
 def _sac_lets_compile() -> bool:
     """torch's selective-checkpoint dispatch modes tell dynamo to trace through them (newer torch does)."""
     from torch.utils import checkpoint as c
@@ -167,9 +172,15 @@ def _sac_lets_compile() -> bool:
                for m in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"))
 
 
-def check_model_flags(args, margs) -> None:
-    """The flag checks that need the model's config.json but no layout."""
-    args.lora_targets = ",".join(model_targets(args.lora_targets.split(","), margs))   # (as recorded, exported)
+def check_model_flags(args, margs, say=None) -> None:
+    """The flag checks that need the model's config.json but no layout. --lora-targets becomes the list this model
+    runs (`run_targets`: as recorded, compared on a resume, exported); `say` gets the line of a default it narrowed."""
+    targets, why = run_targets(args.lora_targets, margs)
+    args.lora_targets = ",".join(targets)   # (a plain str from here: a second call keeps it and says nothing)
+    if why and say:
+        say(why)
+    if why and getattr(args, "init_adapter", None) and not getattr(args, "resume", None):   # (check_flags took the
+        _check_init(args, targets)   # default's names: an adapter of the experts' would pass there)
     if getattr(args, "dpo_share_prompt", False) and margs.linear is not None:   # (before any weight is read)
         raise ValueError("--dpo-share-prompt makes a pair's answers branches of one prompt in a row, and this model's "
                          "linear-attention (Gated DeltaNet) layers carry one recurrent state along the row, which "

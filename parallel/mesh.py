@@ -181,8 +181,9 @@ class Meshes:
     dp_cp: DeviceMesh  # every rank: the global target-token count is all-reduced here
 
 
-def validate(args, margs, world: int):
-    """Every check of a run's flags against the model's config.json and the world size -> (dims, pack)."""
+def validate(args, margs, world: int, say=None):
+    """Every check of a run's flags against the model's config.json and the world size -> (dims, pack); `say`: the
+    start-up line of --lora-targets' default where the model narrowed it (check_model_flags)."""
     check_flags(args)
     dims = ParallelDims.from_args(world, args.dp_replicate, args.dp_shard, args.cp, args.cp_impl,
                                   args.ulysses_degree, margs.n_heads, kv_heads(margs))
@@ -206,7 +207,7 @@ def validate(args, margs, world: int):
     if args.max_len < dims.cp_divisor:
         raise ValueError(f"--max-len {args.max_len} is shorter than the CP divisor {dims.cp_divisor} "
                          f"({dims}); raise --max-len or lower --cp")
-    check_model_flags(args, margs)
+    check_model_flags(args, margs, say)
     pack = True if args.pack is None else args.pack   # every core keeps packed documents apart
     if args.micro_batch == 0 and not pack:
         raise ValueError("--micro-batch auto packs the samples that fit the longest one's length into one row: drop "

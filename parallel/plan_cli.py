@@ -155,7 +155,7 @@ def main(argv, run_parser, demo: dict):
     margs = read_args(path := fetch_checkpoint(args.model, config_only=True))   # a Hub id: its config.json only
     check_config_quant(path, args.quant, args.model)   # (an fp4 upload under --quant nf4: the run refuses it too)
     check_flags(args)   # the layout-free checks first: the searches below skip what `validate` refuses
-    check_model_flags(args, margs)
+    check_model_flags(args, margs, say=print)
     target, mem, where = _budget(args, world)
     host = _host_budget(args, world)
     if args.suggest and args.auto:

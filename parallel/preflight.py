@@ -64,7 +64,7 @@ def check_start(args, demo: bool, code: tuple | None = None):
     from model.hub import fetch_checkpoint, hub_snapshot, model_fingerprint, same_model
     from model.load import read_args
     from model.load_checks import check_config_quant, check_weight_headers
-    from model.lora_spec import model_targets
+    from model.lora_spec import run_targets
     from parallel import checkpoint_folders, hub_push, outdir, recorded, resume, runs
     from parallel.flags import check_flags
     from parallel.mesh import device_type
@@ -215,11 +215,12 @@ def check_start(args, demo: bool, code: tuple | None = None):
         was = meta.get("args", {}).get("model_sha256")
         if was and was != args.model_sha256 and same_model(args.model, was):   # recorded by the rule of 2026-12-03
             args.model_sha256 = was   # (every weight-like file): the same files, kept as recorded
-        # the targets as the checkpoint's run recorded them: its model's (the linear-layer names dropped on a model
-        # without them, model.lora_spec.model_targets; parallel.flags.check_model_flags does so again, for every run)
+        # the targets as the checkpoint's run recorded them: its model's (model.lora_spec.run_targets: the linear-layer
+        # names dropped on a model without them, the experts' when not given; parallel.flags.check_model_flags sets
+        # them, and says why, for every run)
         margs = ModelArgs() if demo else read_args(args.model)   # (the demo's: a Llama, built later)
-        args.lora_targets = ",".join(model_targets(args.lora_targets.split(","), margs))
-        resume.check_resume(meta.get("args", {}), vars(args), ckpt_step=meta["step"])
+        targets = ",".join(run_targets(args.lora_targets, margs)[0])
+        resume.check_resume(meta.get("args", {}), vars(args) | {"lora_targets": targets}, ckpt_step=meta["step"])
         if args.profile is not None and args.profile <= meta["step"]:
             raise ValueError(f"--profile {args.profile}: this run resumes after step {meta['step']}; profile a "
                              "later step")

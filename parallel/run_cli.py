@@ -20,7 +20,7 @@ from data.batches import micro_batch_arg
 from data.mix import Once
 from data.templates import parse_day
 from data.token_stats import LONG_TEXT
-from model.lora_spec import DEFAULT_TARGETS, lora_layers_arg, lora_targets_arg
+from model.lora_spec import DEFAULT_TARGETS, NotGiven, lora_layers_arg, lora_targets_arg
 from parallel import notes
 from parallel.metrics import SINKS
 from parallel.plan_cli import max_len_arg
@@ -104,10 +104,11 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
       "size; 5 in the paper), the same noise for a token on every layout (a hash of --seed, its sample's place in the "
       "data order, its position, the channel); none in evaluation; --objective sft only")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout (>0 makes results depend on the layout)")
-    a("--lora-targets", type=lora_targets_arg, default=",".join(DEFAULT_TARGETS), help="comma-separated projection "
-      "names to adapt, or all-linear (peft's: every linear of the language model but lm_head), attn (q, k, v, o; "
-      "Qwen3.5's linear layers: in_proj_qkv, in_proj_z, out_proj), mlp (gate, up, down); default: attn,mlp "
-      "(in_proj_b, in_proj_a only when named or with all-linear)")
+    a("--lora-targets", type=lora_targets_arg, default=NotGiven(",".join(DEFAULT_TARGETS)), help="comma-separated "
+      "projection names to adapt, or all-linear (peft's: every linear of the language model but lm_head), attn (q, k, "
+      "v, o; Qwen3.5's linear layers: in_proj_qkv, in_proj_z, out_proj), mlp (gate, up, down); default: attn,mlp "
+      "(in_proj_b, in_proj_a only when named or with all-linear), or attn on an MoE model whose MLP is its experts "
+      "(Qwen3-MoE, Qwen3.5-MoE, GPT-OSS)")
     a("--lora-layers", type=lora_layers_arg, default=None, metavar="SPEC", help="adapt only these blocks (e.g. 14-27, "
       "0,4,8-11; default all; peft's layers_to_transform): from the lowest, the blocks below it run no backward")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "

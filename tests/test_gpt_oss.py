@@ -8,7 +8,8 @@ transformers' init; the router × 20 so the top 2 are decided; YaRN, the config'
   (swiglu_limit), the gate/up interleave (swapped) and the router's bias each move them far;
 - config.json read as GptOssConfig reads it (defaults: layer types, window 128, YaRN, rope_theta 150000);
 - LoRA on the attention: the loss and every LoRA gradient = peft's on GptOssForCausalLM (none on an expert there or
-  here); MLP targets refused (model.moe.expert_targets);
+  here); MLP targets refused (model.moe.expert_targets); train.py without --lora-targets trains the attention, its
+  adapter in peft;
 - the exported adapter loads in peft with our logits; `python -m model.merge` = peft's merge_and_unload, the experts
   written fused back as stored (bit for bit), transformers loads the merged folder;
 - cp 2 Ulysses and cp 2 ring (2 ranks, float64, packed rows) = one process: loss and every LoRA gradient, every rank;
@@ -284,3 +285,43 @@ def test_bench_configs_and_n_params_are_transformers():
         assert a.n_params == n and round(n / 1e9, 2) == billions, (name, a.n_params, n)
     a = model.ModelArgs.from_config_dict(T.GptOssConfig(**CONFIG).to_dict())
     assert a.n_params == sum(p.numel() for p in T.GptOssForCausalLM(T.GptOssConfig(**CONFIG)).parameters())
+
+
+def test_train_py_default_targets_are_the_attention(tmp_path, capsys):
+    """train.py without --lora-targets on GPT-OSS (every MLP routed experts, which LoRA does not adapt) trains the
+    attention's four, said once at start-up and recorded in config.json; the adapter's target_modules are the four and
+    peft loads it on GptOssForCausalLM with LoRA on each block's q/k/v/o and nothing else, every tensor as saved; the
+    same names given (attn,mlp) are refused at start-up, before any weight, naming --lora-targets attn."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    import train
+    from tests.fixtures import make_chat_jsonl, make_tokenizer
+    from tests.helpers import one_thread, startup_error, train_argv
+
+    tok = make_tokenizer(tmp_path / "m")
+    path = _save(tmp_path / "m", vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assets, out = {"model": path, "data": str(tmp_path / "chat.jsonl")}, str(tmp_path / "run")
+    make_chat_jsonl(assets["data"], 16, seed=1)
+    with one_thread():
+        train.main(train_argv(assets, out))
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "--lora-targets" in ln]
+    assert len(said) == 1 and said[0].startswith("--lora-targets not given: LoRA on q_proj,k_proj,v_proj,o_proj, "
+                                                 "this gpt_oss model's default"), said
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["lora_targets"] == ",".join(ATTN)
+    with open(os.path.join(out, "adapter", "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(ATTN)
+    pm = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                   os.path.join(out, "adapter"))
+    got = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+    assert {n.split(".lora_")[0].split("layers.")[1] for n in got} == {f"{i}.self_attn.{t}" for i in range(2)
+                                                                       for t in ATTN}, sorted(got)
+    saved = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    assert len(saved) == len(got) == 2 * 4 * 2
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k.replace(".weight", ".default.weight")], v, rtol=0, atol=0, msg=k)
+    said = startup_error(train_argv(assets, str(tmp_path / "mlp"), "--lora-targets", "attn,mlp"))
+    assert "experts' projections in its MoE blocks (2 of 2)" in said and "pass --lora-targets attn" in said, said

@@ -288,7 +288,8 @@ def test_lora_grads_match_peft_on_transformers(ckpts):
 def test_mlp_targets_refused_naming_the_fix(ckpts):
     """gate_proj / up_proj / down_proj would take LoRA on every expert here, while peft on transformers' model reads
     them as the shared expert's alone (checked: its experts are fused parameters, no modules): refused at start-up
-    (before any weight) and by build_model, naming --lora-targets attn; attn passes."""
+    (before any weight) and by build_model, naming --lora-targets attn; attn passes, and not giving the flag (its
+    default here is attn: tests/test_qwen3_moe.py test_default_targets_are_the_models)."""
     from peft import LoraConfig, get_peft_model
 
     import train
@@ -299,7 +300,7 @@ def test_mlp_targets_refused_naming_the_fix(ckpts):
     adapted = {n.split(".lora_A")[0] for n, _ in pm.named_parameters() if ".lora_A" in n}
     assert adapted and all(".mlp.shared_expert." in n for n in adapted), adapted
     margs = model.load.read_args(ckpts["text"])
-    for flags in ([], ["--lora-targets", "mlp"], ["--lora-targets", "down_proj"]):
+    for flags in (["--lora-targets", "attn,mlp"], ["--lora-targets", "mlp"], ["--lora-targets", "down_proj"]):
         args = train.build_parser().parse_args(["--model", ckpts["text"], *flags])
         with pytest.raises(ValueError, match=r"MoE blocks \(4 of 4\).*shared expert.*--lora-targets attn"):
             check_model_flags(args, margs)

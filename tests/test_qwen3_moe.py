@@ -11,6 +11,8 @@ norm weights away from 1):
   Qwen3MoeConfig's defaults); output_router_logits true refused naming the key;
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (attention targets), plain and under AC +
   tiled MLP; MLP targets (the experts', and peft's reading of them) refused naming --lora-targets attn;
+- --lora-targets not given: each bench/configs model's default (the attention's on Qwen3-MoE, GPT-OSS, Qwen3.5-MoE,
+  said once; DEFAULT_TARGETS less the names a model lacks on the others), and --plan on the MoE ones without it;
 - nf4: the experts' projections are NF4, the router stays in the compute dtype; AC = no AC;
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo): loss, grad norm and every LoRA gradient on every rank.
 
@@ -187,14 +189,16 @@ def test_lora_grads_match_peft_on_transformers(ckpts, mem):
 
 def test_lora_on_experts_refused_naming_the_fix(ckpts):
     """The MLP names would adapt each expert's projections (and peft on transformers' model reads them as its experts'
-    fused parameters, adapting no dense block's MLP): refused at start-up (the flag checks, before any weight is read)
-    and by build_model, naming --lora-targets attn; attn passes."""
+    fused parameters, adapting no dense block's MLP): named, refused at start-up (the flag checks, before any weight is
+    read) and by build_model, naming --lora-targets attn; attn passes (and no --lora-targets:
+    test_default_targets_are_the_models)."""
     import train
     from parallel.flags import check_model_flags
     from parallel.parallelize import BuildOptions, build_model
 
     margs = model.ModelArgs.from_config_dict(json.load(open(os.path.join(ckpts["renorm"], "config.json"))))
-    for flags in ([], ["--lora-targets", "mlp"], ["--lora-targets", "down_proj", "--lora-layers", "1"]):
+    for flags in (["--lora-targets", "attn,mlp"], ["--lora-targets", "mlp"],
+                  ["--lora-targets", "down_proj", "--lora-layers", "1"]):
         args = train.build_parser().parse_args(["--model", ckpts["renorm"], *flags])
         with pytest.raises(ValueError, match=r"experts' projections in its MoE blocks \(2 of 3\).*--lora-targets attn"):
             check_model_flags(args, margs)
@@ -357,6 +361,62 @@ def test_merge_is_what_peft_merges(ckpts, tmp_path, quant):
             assert torch.equal(wrote[k], stored[k]), k
         elif ".experts." in k:
             assert torch.equal(wrote[k], stored[k]) == (quant == "none"), k
+
+
+@pytest.mark.parametrize("name,want", [
+    ("qwen3-30b-a3b", ATTN), ("gpt-oss-20b", ATTN), ("qwen3.5-35b-a3b", ATTN + ("in_proj_qkv", "in_proj_z",
+                                                                              "out_proj")),
+    ("gemma-4-26b-a4b", None), ("qwen2.5-7b", None), ("qwen3.5-9b", None)])
+def test_default_targets_are_the_models(name, want, capsys, tmp_path):
+    """--lora-targets not given: DEFAULT_TARGETS less the names a model lacks (model_targets, as before) where every
+    name can be adapted (a dense model; Gemma 4's MoE beside its dense MLP), else the adaptable rest, which is what
+    `attn` gives there (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE: the MLP names are the experts'), said once, and the list the
+    run records; the same names given are refused as before; --plan runs on the MoE configs without the flag."""
+    import train
+    from model.load import read_args
+    from model.lora_spec import DEFAULT_TARGETS, model_targets
+    from parallel.flags import check_model_flags
+
+    path, said = os.path.join(BENCH, name), []
+    m = read_args(path)
+    args = train.build_parser().parse_args(["--model", path])
+    check_model_flags(args, m, said.append)
+    check_model_flags(args, m, said.append)   # (validate runs again under --fast: the list stays, said once)
+    assert args.lora_targets == ",".join(want or model_targets(DEFAULT_TARGETS, m)) and type(args.lora_targets) is str
+    assert len(said) == (want is not None) and all(f"LoRA on {args.lora_targets}, this {m.model_type}" in s
+                                                   for s in said), said
+    if name == "qwen3.5-9b":   # (a model with linear layers: the default in full)
+        assert args.lora_targets == ",".join(DEFAULT_TARGETS)
+    explicit = train.build_parser().parse_args(["--model", path, "--lora-targets", ",".join(DEFAULT_TARGETS)])
+    if want is None:
+        check_model_flags(explicit, m)
+        assert explicit.lora_targets == args.lora_targets
+        return
+    with pytest.raises(ValueError, match="experts' projections in its MoE blocks.*pass --lora-targets attn"):
+        check_model_flags(explicit, m)
+    if name == "qwen3-30b-a3b":   # --init-adapter: within the default's names when the flags are checked, and
+        # within the model's own default after (an experts' adapter: no)
+        from safetensors.torch import save_file
+
+        from parallel.flags import check_flags
+        ok, mlp = (os.path.join(tmp_path, d) for d in ("attn", "mlp"))
+        for d, mods in ((ok, list(ATTN)), (mlp, ["q_proj", "gate_proj"])):
+            os.makedirs(d)
+            json.dump({"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": mods},
+                      open(os.path.join(d, "adapter_config.json"), "w"))
+            save_file({}, os.path.join(d, "adapter_model.safetensors"))
+            check_flags(args := train.build_parser().parse_args(["--model", path, "--init-adapter", d]))
+            if d == ok:   # (past the targets: its tensors, none here, are checked next)
+                with pytest.raises(ValueError, match="holds no tensors for 192 of those projections"):
+                    check_model_flags(args, m)
+                continue
+            with pytest.raises(ValueError, match=r"target_modules \['q_proj', 'gate_proj'\], beyond this run's "
+                               "--lora-targets q_proj,k_proj,v_proj,o_proj"):
+                check_model_flags(args, m)
+    capsys.readouterr()
+    train.main(["--plan", "--model", path, "--max-len", "8192", "--world-size", "1", "--gpu-mem", "80"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"--lora-targets not given: LoRA on {','.join(want)}") and "\nfits: " in out, out
 
 
 def test_plan_reads_the_30b_config():

@@ -16,6 +16,8 @@ decided, norms off 1, embeddings and head × 30; LoRA on the attention, --lora-t
   fused 3-D parameters in transformers, left in float and written split): --quant none builds every weight as
   bitsandbytes' dequantize_4bit of the stored codes, the experts and routers as stored; the start-up note under nf4
   counts the float expert projections it quantizes and not the routers, which stay in the compute dtype;
+- no --lora-targets: trains as --lora-targets attn (said once, recorded, resumed with and without the flag), the
+  adapter in peft on transformers' model;
 - --plan with --tiled-mlp and nf4: the tiled MLP phase's dequantized weights = the bytes model.nf4.dequant_once holds
   at most in a real forward and backward (the MoE block's 4 experts of 64, not 4 times the dense block's 128).
 
@@ -290,3 +292,47 @@ def test_planned_tiled_mlp_dequantized_weights_are_what_dequant_once_holds(asset
                             if k.startswith("| block backward at the tiled MLP"))
     assert most[0] == 4 * 3 * 64 * 64 * 4, most   # (fp32)
     assert phase["nf4"] - phase["none"] == most[0], (phase, most)
+
+
+def test_default_targets_train_the_attention(assets, tmp_path, capsys):
+    """No --lora-targets on this model (its MLP names are the experts'): the run trains the attention's four, said
+    once at start-up, as --lora-targets attn does (every step's loss and grad norm and the adapter: test_train's
+    tolerances); config.json and the checkpoint record the four; resumed after step 2, without the flag and with
+    attn, = the uninterrupted run; the adapter's target_modules are the four, and peft loads it on transformers'
+    Qwen3MoeForCausalLM: LoRA on each block's q/k/v/o and nothing else, every tensor as saved."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    import train
+    from parallel import checkpoint_folders
+
+    flags, out = ["--steps", "4", "--save-every", "2"], {k: str(tmp_path / k) for k in ("run", "attn", "res", "res2")}
+    step2 = os.path.join(out["run"], "ckpt", "step_000002")
+    with one_thread():
+        train.main(train_argv(assets, out["run"], *flags))
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "--lora-targets" in ln]
+        train.main(train_argv(assets, out["attn"], *flags, "--lora-targets", "attn"))
+        train.main(train_argv(assets, out["res"], *flags, "--resume", step2))
+        train.main(train_argv(assets, out["res2"], *flags, "--resume", step2, "--lora-targets", "attn"))
+    assert len(said) == 1 and said[0].startswith("--lora-targets not given: LoRA on q_proj,k_proj,v_proj,o_proj, "
+                                                 "this qwen3_moe model's default"), said
+    _compare("default = attn", out["run"], out["attn"], steps=(1, 2, 3, 4))
+    for res in ("res", "res2"):
+        _compare(f"{res} = the run", out[res], out["run"], steps=(3, 4))
+    with open(os.path.join(out["run"], "config.json")) as f:
+        assert json.load(f)["lora_targets"] == ",".join(ATTN)
+    assert checkpoint_folders.read_meta(step2)["args"]["lora_targets"] == ",".join(ATTN)
+    adapter = os.path.join(out["run"], "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(ATTN)
+    pm = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32),
+                                   adapter)
+    got = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+    assert {n.split(".lora_")[0].split("layers.")[1] for n in got} == {f"{i}.self_attn.{t}" for i in range(3)
+                                                                       for t in ATTN}, sorted(got)
+    saved = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert len(saved) == len(got) == 3 * 4 * 2
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k.replace(".weight", ".default.weight")], v, rtol=0, atol=0, msg=k)

@@ -181,6 +181,21 @@ def test_a_resume_of_a_live_run_is_refused_before_its_steps_are_read(assets, don
         os.close(fd)
 
 
+def test_dense_default_targets_recorded_as_before(assets, done):
+    """No --lora-targets on a dense model: DEFAULT_TARGETS less the linear layers' names a model without them drops
+    (model.lora_spec.model_targets), as before the MoE models' default (test_qwen3_moe.py): the seven, recorded in
+    config.json and every checkpoint, the adapter's target_modules."""
+    from model.lora_spec import DEFAULT_TARGETS, LORA_TARGETS
+
+    assert DEFAULT_TARGETS[:7] == LORA_TARGETS
+    for f in ("config.json", "ckpt/step_000002/meta.json"):
+        with open(os.path.join(done, f)) as fh:
+            got = json.load(fh)
+        assert got.get("args", got)["lora_targets"] == ",".join(LORA_TARGETS), (f, got.get("args", got))
+    with open(os.path.join(done, "adapter", "adapter_config.json")) as fh:
+        assert sorted(json.load(fh)["target_modules"]) == sorted(LORA_TARGETS)
+
+
 def test_resume_refuses_changed_run_flags(assets, done, monkeypatch):
     """...and another loss: train.py's LOSS_FN is recorded in config.json and every checkpoint as a flag is."""
     import train
