@@ -56,7 +56,8 @@ def ckpt(tmp_path_factory):
 def test_logits_match_transformers(ckpt):
     hf, ours = _hf(ckpt, final_logit_softcapping=2.0), model.from_pretrained(ckpt).eval()
     ours.args.logit_softcap = 2.0
-    assert list(hf.config.kv_sharing_modes) == MODES == list(ours.args.small.modes)
+    # (transformers 5.17, the GPU machine's, has no kv_sharing_modes: there the logits below pin the roles)
+    assert list(getattr(hf.config, "kv_sharing_modes", MODES)) == MODES == list(ours.args.small.modes)
     blocks = ours.model.layers
     assert [b.self_attn.k_proj is None and b.self_attn.k_norm is None and b.self_attn.v_norm is None
             for b in blocks] == [m == "reuse" for m in MODES]
