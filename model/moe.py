@@ -92,7 +92,8 @@ def expert_targets(args, targets) -> str | None:
            "names so on the dense blocks too")
     return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
             f"projections in its MoE blocks ({len(sparse)} of {args.n_layers}); LoRA on experts is not supported "
-            f"({why}): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)")
+            f"({why}): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj), or leave the flag out: the default "
+            f"adapts what this model can")
 
 
 class Expert(nn.Module):
