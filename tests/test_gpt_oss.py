@@ -35,6 +35,20 @@ CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_l
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+@pytest.fixture(autouse=True)
+def clamp_as_configured(monkeypatch):
+    """transformers 5.17 (the GPU machine's, make test-compat) fixes the experts' clamp at 7.0 whatever swiglu_limit
+    says; 5.25 reads it. The tiny models' 1.5 (a clamp that binds) is then the reference's on both (real checkpoints
+    say 7.0)."""
+    experts = T.models.gpt_oss.modeling_gpt_oss.GptOssExperts
+    init = experts.__init__
+
+    def reading(self, config):
+        init(self, config)
+        self.limit = getattr(config, "swiglu_limit", self.limit)
+    monkeypatch.setattr(experts, "__init__", reading)
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 

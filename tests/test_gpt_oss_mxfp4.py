@@ -29,7 +29,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import model
-from tests.test_gpt_oss import ATTN, _save
+from tests.test_gpt_oss import ATTN, _save, clamp_as_configured  # noqa: F401 (autouse: the reference clamps as configured)
 
 QCFG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                             "model.embed_tokens", "lm_head"]}
