@@ -114,6 +114,9 @@ def add_decoder_parts(decoder: nn.Module, a) -> None:
 def add_block_parts(block: nn.Module, a, layer: int) -> None:
     """Block `layer`'s PLE modules and its KV-sharing role (`kv_mode`: None, "store", "reuse"; `kind`: its type)."""
     block.index, block.kv_mode = layer, a.small.modes[layer] if a.small else None
+    # the per-layer branch reads the feed-forward side's output (the sum after it): --tiled-mlp's unit must compute it
+    # in a block recompute too (parallel/memory.py; the step-time model: plan_speed_block.unit_read)
+    block.unit_output_read = bool(a.small and a.small.ple)
     block.kind = a.layer_types[layer] if a.layer_types else "full_attention"
     if a.small is not None and a.small.ple:
         block.per_layer_input_gate = nn.Linear(a.dim, a.small.ple, bias=False)

@@ -164,8 +164,8 @@ def _tiled_unit(block, tile: int | None):
     routed = (len(block.experts), block.router.top_k) if block.experts is not None else None
 
     # a block recompute skips the unit (its output unread there) but where the block reads the sum after it: Gemma 4
-    # E2B / E4B's per-layer input branch saves it (model/gemma4_small.add_per_layer), so the tiles run there
-    skip = getattr(block, "per_layer_input_gate", None) is None
+    # E2B / E4B's per-layer input branch saves it (model/gemma4_small.add_block_parts), so the tiles run there
+    skip = not getattr(block, "unit_output_read", False)
 
     def run(r):   # (parameters read per call: FSDP2 swaps them)
         params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
