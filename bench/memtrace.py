@@ -25,7 +25,7 @@ The model is a random Qwen2 checkpoint with Qwen2.5-7B's shape ratios (28 query 
 weights, LoRA r 16 on all seven projections, one row of --tokens tokens. Sizes print in [T, D] units (one fp32
 [tokens, hidden] tensor) so they compare with the planner's terms across lengths. `--block N` sets
 kernels.BACKWARD_BLOCK (rows longer than 4 N run their attention backward in N/4-token blocks, as 524,288-token
-rows do at the default); `--norm-chunk` sets model.llama.NORM_CHUNK and model.rope.ROPE_CHUNK (a small one stands
+rows do at the default); `--norm-chunk` sets model.rmsnorm.NORM_CHUNK and model.rope.ROPE_CHUNK (a small one stands
 in for CUDA's fused RMSNorm, which has no float32 temporaries). Slow: every op is seen in Python (T = 8,192: ~15 s).
 
 Run: .venv/bin/python bench/memtrace.py --like-long --tiled-mlp --offload-activations   (then --tiled-mlp --tiled-attn)
@@ -109,8 +109,8 @@ class LiveBytes(TorchDispatchMode):
 
 def run(args) -> dict:
     """One step; {phase: (peak bytes, [(bytes, count, site)] at that peak)} in the order the phases came."""
-    import model.llama as llama
     import model.qlora as qlora
+    import model.rmsnorm as rmsnorm
     import model.rope as rope
     import parallel.memory as memory
     import parallel.phases as phases
@@ -122,11 +122,11 @@ def run(args) -> dict:
         dim = 28 * args.head_dim
         frac = lambda n, per: max(1, round(args.tokens * dim * n / (LONG * per)))   # n of a per-token quantity
         args.block = args.block or max(1, args.tokens // 8)   # rows > 4 blocks: blocks of a quarter (16,384 there)
-        args.norm_chunk = args.norm_chunk or frac(llama.NORM_CHUNK, 3584)
+        args.norm_chunk = args.norm_chunk or frac(rmsnorm.NORM_CHUNK, 3584)
         args.mlp_tile = args.mlp_tile or frac(3584, dim)          # tile_tokens(3584) tokens there
         args.row_chunk = args.row_chunk or frac(qlora.ROW_CHUNK, 3584)
     kernels.BACKWARD_BLOCK = args.block or kernels.BACKWARD_BLOCK
-    llama.NORM_CHUNK = rope.ROPE_CHUNK = args.norm_chunk or llama.NORM_CHUNK   # (RoPE's chunks alike)
+    rmsnorm.NORM_CHUNK = rope.ROPE_CHUNK = args.norm_chunk or rmsnorm.NORM_CHUNK   # (RoPE's chunks alike)
     qlora.ROW_CHUNK = args.row_chunk or qlora.ROW_CHUNK
     if args.mlp_tile:   # the tiled MLP's tile (and the plan's): read from the module at each call
         memory.tile_tokens = lambda dim, tile: args.mlp_tile
@@ -184,7 +184,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=8, help="head dim (hidden = 28 x this: LoRA's r = 16 is a larger "
                     "share of a small hidden size than of Qwen2.5-7B's 3,584)")
     ap.add_argument("--block", type=int, default=None, help="kernels.BACKWARD_BLOCK for this run")
-    ap.add_argument("--norm-chunk", type=int, default=None, help="model.llama.NORM_CHUNK and model.rope.ROPE_CHUNK "
+    ap.add_argument("--norm-chunk", type=int, default=None, help="model.rmsnorm.NORM_CHUNK and model.rope.ROPE_CHUNK "
                     "(elements) for this run")
     ap.add_argument("--mlp-tile", type=int, default=None, help="--tiled-mlp's tokens per tile (default: the hidden "
                     "size)")

@@ -140,7 +140,7 @@ class GatedRMSNorm(nn.Module):
     differentiates, keeping the same x, z and rsqrt (tests/test_gated_norm.py; torch 2.13's dynamo traces the Function
     too, checked by hand; the formula keeps its chunk loop out of a graph)."""
 
-    reference = None   # DPO's reference weight while set (model.norms.reference_trained), as model.llama.RMSNorm's
+    reference = None   # DPO's reference weight while set (model.norms.reference_trained), as model.rmsnorm.RMSNorm's
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

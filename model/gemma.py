@@ -40,7 +40,7 @@ from torch import nn
 
 from model import gemma4_small
 
-NORM_CHUNK = 2**26   # elements per chunk (model/llama.py's RMSNorm: float32 temporaries of a chunk, not of x)
+NORM_CHUNK = 2**26   # elements per chunk (model/rmsnorm.py: float32 temporaries of a chunk, not of x)
 def _normalize(x, weight, eps, offset):
     """(x / rms(x) · (offset + weight) cast to x's dtype, rsqrt): transformers' order, all in float32 before the cast
     (offset 0: the weight itself, exactly)."""
@@ -51,7 +51,7 @@ def _normalize(x, weight, eps, offset):
 
 class _GemmaNormFn(torch.autograd.Function):
     """Gemma's RMSNorm saving its input and rsqrt [..., 1] (not the float32 upcast), over row chunks of NORM_CHUNK
-    elements both ways, as model.llama._RMSNormFn. No CUDA fused path: aten's _fused_rms_norm applies the weight
+    elements both ways, as model.rmsnorm._RMSNormFn. No CUDA fused path: aten's _fused_rms_norm applies the weight
     after the cast to the compute dtype, and Gemma applies (1 + weight) in float32 before it."""
 
     @staticmethod

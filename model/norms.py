@@ -11,7 +11,7 @@ Contract:
   `layers`: the adapted blocks (--lora-layers; None: all). Blocks below the lowest adapted one run no backward: theirs
   stay frozen.
 - `train_norms(model, layers)`: those weights become trainable float32 masters (as LoRA's: FSDP2's mixed precision
-  hands forward the compute dtype; model.llama.RMSNorm casts where nothing does). Anything with requires_grad is
+  hands forward the compute dtype; model.rmsnorm.RMSNorm casts where nothing does). Anything with requires_grad is
   trained, clipped, checkpointed and exported (parallel/parallelize.lora_parameters).
 - `train_embeddings(model)`: the input embedding `model.embed_tokens` trains as a float32 master too (a tied model's
   output head is the same weight: it trains through the loss as well; parallel.flags.check_model_flags refuses that

@@ -17,7 +17,8 @@ def apply_compile(model) -> None:
     import torch._dynamo
 
     from model.gemma import GeGLU, GemmaRMSNorm, UnitRMSNorm
-    from model.llama import RMSNorm, SwiGLU
+    from model.llama import SwiGLU
+    from model.rmsnorm import RMSNorm
     from model.rope import Rotary
 
     # One compiled function serves every block, but dynamo guards on rank, grad mode and requires_grad: whole

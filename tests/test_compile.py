@@ -54,7 +54,8 @@ def test_compile_equals_eager_one_process(ckpt, tiled):
     """Compiled vs eager (the eager reference untiled); with --tiled-mlp --tiled-attn the tiles run the compiled
     block norms, q/k norms and RoPE with grad in backward, and (--train-norms) the norms' weights are trained: their
     gradients too."""
-    from model.llama import RMSNorm, SwiGLU
+    from model.llama import SwiGLU
+    from model.rmsnorm import RMSNorm
     from model.rope import Rotary
 
     batch = _batch()
@@ -139,7 +140,8 @@ def test_compiled_pieces_stay_compiled_across_rows_tiles_and_lengths(ckpt, mem):
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from model.llama import RMSNorm, SwiGLU
+    from model.llama import SwiGLU
+    from model.rmsnorm import RMSNorm
     from model.rope import Rotary
 
     torch._dynamo.reset()

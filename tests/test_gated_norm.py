@@ -69,7 +69,7 @@ def test_gradients_are_autograds_through_transformers(monkeypatch, dtype, weight
     monkeypatch.setattr(deltanet, "GATED_CHUNK", 8 * 128)   # 10 chunks
     ref, ours, x, z = _pair(128, dtype, seed=1, weight_dtype=weight_dtype)
     dout = torch.randn(x.shape).to(dtype)
-    if weight_dtype is not None:   # (the module casts a trained float32 weight to x's dtype, as model.llama.RMSNorm:
+    if weight_dtype is not None:   # (the module casts a trained float32 weight to x's dtype, as model.rmsnorm.RMSNorm:
         # the Function itself then, with transformers' float32 weight)
         ours.forward = lambda x, z: _GatedNormFn.apply(x, z, ours.weight, EPS)
     want, got = _grads(ref, x, z, dout, need), _grads(ours, x, z, dout, need)

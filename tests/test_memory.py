@@ -728,13 +728,13 @@ def test_tiled_sublayers_never_run_their_norm_whole(ckpt3, flags):
     recompute, never read, is one element, not a [T, D] buffer: on an H200 at 524,288 tokens those two [T, D]
     tensors (3.8 GB each) sat beside the recompute at the block's peak. Layer 0's too (its input, the embedding
     output, needs no grad; the tiles' LoRA A still do). The loss and LoRA gradients equal the untiled model's."""
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
     import parallel.memory as pm
     from parallel.recompute import recomputing
 
     # 600 tokens: the tiled attention's tiles (256 rows at least, parallel.kernels.tile_rows) are shorter
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(4))
-    forward, norm_forward, outs, rows = pm._TiledMLP.forward, llama._RMSNormFn.forward, [], []
+    forward, norm_forward, outs, rows = pm._TiledMLP.forward, rmsnorm._RMSNormFn.forward, [], []
 
     def spy(ctx, *a):
         y = forward(ctx, *a)
@@ -758,11 +758,11 @@ def test_tiled_sublayers_never_run_their_norm_whole(ckpt3, flags):
         by_call = sorted({names[w] for w, r in rows if w in names and r == ids.numel()})
         return s.detach(), _lora_grads(model), sorted(set(whole)), by_call
 
-    pm._TiledMLP.forward, llama._RMSNormFn.forward = staticmethod(spy), staticmethod(norm_spy)
+    pm._TiledMLP.forward, rmsnorm._RMSNormFn.forward = staticmethod(spy), staticmethod(norm_spy)
     try:
         got = run(**flags)
     finally:
-        pm._TiledMLP.forward, llama._RMSNormFn.forward = staticmethod(forward), staticmethod(norm_forward)
+        pm._TiledMLP.forward, rmsnorm._RMSNormFn.forward = staticmethod(forward), staticmethod(norm_forward)
     attn = {(i, "input_layernorm") for i in range(3)} if not flags.get("tiled_attn") else set()
     assert got[2] == sorted(attn), f"norm modules run over all tokens: {got[2]}"
     assert got[3] == sorted(attn), f"RMSNorm calls over all tokens, by norm: {got[3]}"
@@ -781,11 +781,11 @@ def test_tiled_mlp_differentiates_its_norm(ckpt3, monkeypatch, ac):
     gradient buffers) never runs: 3 whole-sequence RMSNorm backwards (input norms of layers 1-2, the final norm)
     instead of 6. With the norms' weights made trainable, their gradients (summed over tiles) and every LoRA
     gradient equal the untiled model's."""
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
-    backward, calls = llama._RMSNormFn.backward, []
-    monkeypatch.setattr(llama._RMSNormFn, "backward",   # the rows of each RMSNorm backward
+    backward, calls = rmsnorm._RMSNormFn.backward, []
+    monkeypatch.setattr(rmsnorm._RMSNormFn, "backward",   # the rows of each RMSNorm backward
                         staticmethod(lambda ctx, g: calls.append(g.numel() // g.shape[-1]) or backward(ctx, g)))
 
     def run(tiled=True):
@@ -1138,9 +1138,9 @@ def test_ac_keep_attn_with_packed_rows_and_the_varlen_check(ckpt3, monkeypatch):
 _PEAK_HELPERS = """
 import sys, torch
 torch.set_num_threads(1)
-import model.llama as llama
+import model.rmsnorm as rmsnorm
 import model.rope as rope
-llama.NORM_CHUNK = rope.ROPE_CHUNK = 2**20
+rmsnorm.NORM_CHUNK = rope.ROPE_CHUNK = 2**20
 def hwm():
     return {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in open("/proc/self/status"))
             if k in ("VmRSS", "VmHWM")}
@@ -1153,7 +1153,7 @@ _NORM_PEAK = _PEAK_HELPERS + """
 x = torch.randn(65536, 1024, dtype=torch.bfloat16).requires_grad_()
 w, g = torch.rand(1024, dtype=torch.bfloat16) + 0.5, torch.randn(65536, 1024, dtype=torch.bfloat16)
 base = reset()
-y = llama.RMSNorm(1024, 1e-6).to(torch.bfloat16)(x)
+y = rmsnorm.RMSNorm(1024, 1e-6).to(torch.bfloat16)(x)
 fwd = hwm()["VmHWM"] - base
 base = reset()
 y.backward(g)

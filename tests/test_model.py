@@ -20,7 +20,7 @@ Also a single-file checkpoint (model.safetensors without an index), and sliding 
 than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwen with the window
 switched off) give transformers' logits within 1e-5, whole rows and packed ones.
 
-The eager RMSNorm over row chunks (uneven, several; model.llama.NORM_CHUNK made small) gives transformers'
+The eager RMSNorm over row chunks (uneven, several; model.rmsnorm.NORM_CHUNK made small) gives transformers'
 Qwen2RMSNorm output bit for bit in float32 and bfloat16, and its autograd input and weight gradients; so
 does the CUDA path's wiring of aten's fused kernels (the real forward; the backward from the formula).
 
@@ -384,11 +384,11 @@ def norm_vs_transformers(dtype):
     be equal bit for bit; returns the two inputs (with their grads), ref and ours (with their weights' grads)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     torch.manual_seed(0)
     x, g = (torch.randn(3, 100, 64) * 3).to(dtype), torch.randn(3, 100, 64).to(dtype)
-    ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), llama.RMSNorm(64, 1e-6).to(dtype)
+    ref, ours = Qwen2RMSNorm(64, eps=1e-6).to(dtype), rmsnorm.RMSNorm(64, 1e-6).to(dtype)
     with torch.no_grad():
         ref.weight.copy_(torch.rand(64) + 0.5)
         ours.weight.copy_(ref.weight)
@@ -403,10 +403,10 @@ def norm_vs_transformers(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 64 * 7])
 def test_rmsnorm_row_chunks_match_transformers(dtype, chunk, monkeypatch):
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     if chunk:
-        monkeypatch.setattr(llama, "NORM_CHUNK", chunk)   # 7 rows a chunk: 43 chunks, the last of 2 rows
+        monkeypatch.setattr(rmsnorm, "NORM_CHUNK", chunk)   # 7 rows a chunk: 43 chunks, the last of 2 rows
     xs, ref, ours = norm_vs_transformers(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     assert rel(xs[1].grad.float(), xs[0].grad.float()) < tol
@@ -420,7 +420,7 @@ def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
     has no CPU kernel in torch, so one is registered for this test from the float64 formula, which pins what our
     code hands it (the incoming gradient, the forward's rstd, the weight) against transformers' autograd.
     The CUDA kernels themselves: tests/gpu::test_cuda_fused_rmsnorm_matches_the_formula."""
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     calls = []
 
@@ -434,7 +434,7 @@ def test_rmsnorm_fused_path_matches_transformers(dtype, monkeypatch):
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_fused_rms_norm_backward", backward, "CPU")
     try:
-        monkeypatch.setattr(llama, "_fused", lambda x, w: w.dtype == x.dtype)
+        monkeypatch.setattr(rmsnorm, "_fused", lambda x, w: w.dtype == x.dtype)
         xs, ref, ours = norm_vs_transformers(dtype)
     finally:
         lib._destroy()

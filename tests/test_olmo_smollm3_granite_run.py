@@ -286,7 +286,8 @@ def test_olmo3_compile_equals_eager(assets):
     tiled MLP (its norm rebuild with no norm in front) and attention and --train-norms: the loss and every gradient =
     the eager build's (Granite's compiled run against peft: above)."""
     from model.gemma import GemmaRMSNorm
-    from model.llama import RMSNorm, SwiGLU
+    from model.llama import SwiGLU
+    from model.rmsnorm import RMSNorm
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b, step_of
 

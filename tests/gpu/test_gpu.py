@@ -329,7 +329,7 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
     the float32 formula (FUSED_NORM off) does: bf16 [2, 3000, 3584], Qwen2.5-7B's width."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     g = torch.Generator(device=DEV).manual_seed(0)
     x = (torch.randn(2, 3000, 3584, device=DEV, generator=g) * 3).bfloat16()
@@ -342,8 +342,8 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
     yr.backward(dy)
     got = {}
     for fused in (True, False):
-        monkeypatch.setattr(llama, "FUSED_NORM", fused)
-        ours = llama.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
+        monkeypatch.setattr(rmsnorm, "FUSED_NORM", fused)
+        ours = rmsnorm.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
         ours.weight.requires_grad_(False)   # as in training: frozen; only dx goes through the kernel
         with torch.no_grad():
             ours.weight.copy_(ref.weight)
@@ -351,15 +351,15 @@ def test_cuda_fused_rmsnorm_matches_the_formula(monkeypatch):
         y = ours(xo)
         y.backward(dy)
         got[fused] = (y, xo.grad)
-    assert llama._FUSED.get(x.device) is True, "the fused kernels were not taken"
+    assert rmsnorm._FUSED.get(x.device) is True, "the fused kernels were not taken"
     for fused, (y, dx) in got.items():
         # two bf16 roundings (the cast, the weight): a float32 ulp apart in rstd can move both, ~1.4% relative
         torch.testing.assert_close(y.float(), yr.float(), rtol=2e-2, atol=1e-2, msg=f"fused={fused} out")
         err = ((dx.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item()
         assert err < 1e-2, (fused, err)
     for fused in (True, False):   # --train-norms: the weight's gradient too (aten's kernel's on the fused path)
-        monkeypatch.setattr(llama, "FUSED_NORM", fused)
-        ours = llama.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
+        monkeypatch.setattr(rmsnorm, "FUSED_NORM", fused)
+        ours = rmsnorm.RMSNorm(3584, 1e-6).to(DEV, torch.bfloat16)
         with torch.no_grad():
             ours.weight.copy_(ref.weight)
         xo = x.clone().requires_grad_()
@@ -956,7 +956,7 @@ def test_cuda_attention_past_2_31_elements():
     the middle and past 2^31 elements match one query row over its visible keys (float32 math, which computes
     only that row), out and dq; the last key's dk, dv (only the last query sees it) match that row's too. Then
     RMSNorm's fused kernels on [T, 3584] against the formula on the last rows."""
-    import model.llama as llama
+    import model.rmsnorm as rmsnorm
 
     h, hkv, d = 28, 4, 128
     t = 2**31 // (h * d) + 4096
@@ -980,7 +980,7 @@ def test_cuda_attention_past_2_31_elements():
     del q, k, v, out, dout
     torch.cuda.empty_cache()
     x = torch.randn(t, h * d, device=DEV, generator=g, dtype=torch.bfloat16)
-    norm = llama.RMSNorm(h * d, 1e-6).to(DEV, torch.bfloat16)
+    norm = rmsnorm.RMSNorm(h * d, 1e-6).to(DEV, torch.bfloat16)
     norm.weight.requires_grad_(False)
     y = norm(x)
     tail = x[-4096:].float()
