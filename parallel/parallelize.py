@@ -20,6 +20,8 @@
        c. apply_compile (--compile)       torch.compile of RMSNorm, RoPE and SwiGLU (parallel/compile.py)
        d. apply_norm_rebuild              LoRA A (and the tiled MLP) keep a block norm's input, not its
                                           output, rebuilt in backward; after c, so it calls compiled code
+       e. apply_host_table                Gemma 4 E2B / E4B's per-layer-embedding table kept in host memory
+          (unless --ple-on-device)        (parallel/host_table.py): 6 and FSDP2 leave it there
     5. fully_shard each block, then root  one all-gather per block; root last so it owns the rest (its frozen
                                           embeddings, final norm, lm_head stay whole: parallel/fsdp.py)
     6. materialise (to_empty)             each rank allocates only its shards
@@ -53,6 +55,7 @@ from parallel.ac import apply_ac, check_ac
 from parallel.compile import apply_compile
 from parallel.cp import KernelAttention
 from parallel.fsdp import apply_fsdp
+from parallel.host_table import apply_host_table
 from parallel.memory import apply_norm_rebuild, apply_tiled_mlp
 from parallel.recompute import apply_unread_outputs
 from parallel.tiled_attention import apply_tiled_attention
@@ -81,6 +84,7 @@ class BuildOptions:
     ac_group: int = 1                      # blocks per kept checkpoint (apply_ac)
     ac_blocks: int | None = None           # checkpoint only the first N blocks (None: all)
     ac_keep_attn: bool = False             # checkpoints keep the attention kernels' outputs (apply_ac)
+    ple_on_device: bool = False            # Gemma 4 E2B / E4B's per-layer table on the device (else host memory)
     seed: int = 0
     rope_scaling: str | None = None        # --rope-scaling: replaces config.json's (model.rope_read.rope_scaling_flag)
     init_adapter: str | None = None        # --init-adapter: LoRA starts from this PEFT adapter's tensors
@@ -99,7 +103,8 @@ class BuildOptions:
                    seed=args.seed, tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn,
                    offload_activations=args.offload_activations, offload_reserve=int(getattr(plan, "host_each", 0)),
                    compile=args.compile, ac_group=args.ac_group, ac_blocks=args.ac_blocks,
-                   ac_keep_attn=args.ac_keep_attn, rope_scaling=getattr(args, "rope_scaling", None),
+                   ac_keep_attn=args.ac_keep_attn, ple_on_device=getattr(args, "ple_on_device", False),
+                   rope_scaling=getattr(args, "rope_scaling", None),
                    init_adapter=None if getattr(args, "resume", None) else getattr(args, "init_adapter", None))
 
 
@@ -139,6 +144,8 @@ def build_model(opts: BuildOptions, *, fsdp_mesh=None, attention=None, linear=No
     if opts.compile:                                                        # 4c
         apply_compile(model)
     apply_norm_rebuild(model)                                               # 4d
+    if not opts.ple_on_device:                                              # 4e
+        apply_host_table(model)
     if fsdp_mesh is not None:                                               # 5
         mp = None
         if opts.dtype != torch.float32 and (device.type == "cuda" if opts.mixed_precision is None

@@ -43,8 +43,8 @@ RUN_DEFINING = ("model", "quant", "dtype", "data", "max_len", "seed", "global_ba
                 "neftune_alpha", "sft_loss")
 # flags that only say how the same math is spread over ranks: a resume may change them
 LAYOUT = ("cp", "dp_shard", "dp_replicate", "cp_impl", "ulysses_degree", "micro_batch", "pack", "ac", "ac_group",
-          "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "compile", "dpo_share_prompt",
-          "dpo_cache_ref")
+          "ac_blocks", "ac_keep_attn", "tiled_mlp", "tiled_attn", "offload_activations", "ple_on_device", "compile",
+          "dpo_share_prompt", "dpo_cache_ref")
 # flags about the run's files, logs, checks and evaluation, not its training math (steps, epochs, schedule_steps:
 # checked below; chat_template: its text is; init_adapter: a resume's LoRA comes from the checkpoint; hub_data: the
 # hf:// entries' commits, whose files and bytes are compared, and named when they differ): a resume may change them

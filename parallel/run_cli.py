@@ -80,6 +80,8 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
     a("--tiled-mlp", action="store_true", help="run each MLP over tiles of tokens, recomputed per tile in backward")
     a("--tiled-attn", action="store_true", help="run each attention sublayer over tiles of query rows (--cp 1)")
     a("--offload-activations", action="store_true", help="keep AC's block checkpoints in (pinned) host memory")
+    a("--ple-on-device", action="store_true", help="Gemma 4 E2B / E4B: keep the per-layer embedding table on the "
+      "device (default: host memory, each micro-batch's rows copied over; parallel/host_table.py)")
     # Parallel
     a("--cp", type=int, default=1, help="context-parallel degree: ranks that share one sequence")
     a("--dp-shard", type=int, default=-1, help="FSDP2 shard degree (-1: world / (dp_replicate·cp))")

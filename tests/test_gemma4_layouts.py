@@ -88,7 +88,8 @@ def _layouts(rank, world_size, path, cases, n_lora=N_LORA):
         tile = flags.pop("tile", None)   # --tiled-mlp with tiles of this many tokens, not the rule's
         base = {k: v for k, v in flags.items() if k in ("quant", "dora", "dtype")}
         tol = 1e-6 if flags.get("dtype", torch.float64) == torch.float64 else 5e-5   # (float32: ~2e-5 between them)
-        ref, _ = _build(path, **base)
+        ref, _ = _build(path, **base, ple_on_device=True)   # (Gemma 4 E2B / E4B: the layout's table in host memory,
+        # the default, against one process's on the device)
         s, n = ref(ids, position_ids=pos, labels=labels)
         (s / n).backward()
         want = _grads(ref)

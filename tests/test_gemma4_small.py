@@ -99,8 +99,8 @@ def test_config_read_as_transformers_reads_it(ckpt, tmp_path):
         build_model(BuildOptions(ckpt, quant="none", tiled_attn=True))
 
 
-@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_group=3)],
-                         ids=["plain", "ac_tiled_mlp", "ac_group_3"])
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=False, ple_on_device=True), dict(ac=True, tiled_mlp=True),
+                                 dict(ac=True, ac_group=3)], ids=["plain", "ple_on_device", "ac_tiled_mlp", "ac_group_3"])
 def test_lora_grads_match_peft_on_transformers(ckpt, mem):
     s, ref, mine, theirs = _lora_grads(ckpt, ALL, mem)
     torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-5, msg="loss")
@@ -124,6 +124,67 @@ def test_kernel_core_with_ac_equals_sdpa(ckpt):
         out.append((s.detach(), _grads(m)))
     torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-9, atol=0)
     assert len(out[1][1]) == N_LORA * 2 and all(rel(g, out[0][1][k]) < 1e-9 for k, g in out[1][1].items())
+
+
+def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
+    """The per-layer table in host memory (the default, parallel/host_table.py) = on the device (--ple-on-device): the
+    same logits, loss and LoRA gradients, bit for bit (the same rows, gathered elsewhere); the table is a HostEmbedding
+    whose weight a move of the model (what puts it on an accelerator; here the meta device) leaves in host memory, with
+    its values, while every other tensor moves."""
+    from parallel.host_table import HostEmbedding
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+    from tests.test_gemma4_layouts import _batch, _grads
+
+    ids, labels, pos = _batch()
+    out = {}
+    for dev in (False, True):
+        m, _ = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8, seed=3, lora_targets=ALL,
+                                            ple_on_device=dev))
+        with torch.no_grad():
+            y = m(ids, position_ids=pos)
+        s, n = m(ids, position_ids=pos, labels=labels)
+        (s / n).backward()
+        out[dev] = m, y, s.detach(), _grads(m)
+    (host, y, s, g), (dev, y_dev, s_dev, g_dev) = out[False], out[True]
+    assert torch.equal(y, y_dev) and torch.equal(s, s_dev), "logits, loss: host table = device table"
+    assert g.keys() == g_dev.keys() and len(g) == N_LORA * 2 and all(torch.equal(g[k], g_dev[k]) for k in g), "grads"
+    table = host.model.embed_tokens_per_layer
+    assert type(table) is HostEmbedding and type(dev.model.embed_tokens_per_layer) is torch.nn.Embedding
+    want = table.weight.detach().clone()
+    host.to("meta"), dev.to("meta")
+    assert table.weight.device.type == "cpu" and torch.equal(table.weight, want), "the table stays in host memory"
+    assert dev.model.embed_tokens_per_layer.weight.is_meta, "--ple-on-device: the table moves with the model"
+    assert all(p.is_meta for n, p in host.named_parameters() if not n.startswith("model.embed_tokens_per_layer.")), \
+        "every other parameter moves"
+
+
+@pytest.mark.timeout(300)
+def test_cp2_ulysses_and_ring_equal_one_process(ckpt):
+    """float64; cp 2 Ulysses with --offload-activations (the sliding layers' 2 KV heads split, the full layers' one
+    replicated), cp 2 ring with --tiled-mlp, the per-layer table in host memory (one process's on the device): the K/V
+    a reuse layer takes are its rank's shard, as its own would be; FSDP2 leaves the table out, whole on the host."""
+    from tests.dist import run_ranks
+
+    cases = [(2, "ulysses", None, dict(offload_activations=True)), (2, "ring", None, dict(tiled_mlp=True))]
+    assert run_ranks(_layouts_host_table, 2, ckpt, cases, timeout=280) == [True, True]
+
+
+def _layouts_host_table(rank, world_size, path, cases):
+    from torch.distributed.tensor import DTensor
+
+    from parallel.host_table import HostEmbedding
+    from parallel.mesh import ParallelDims
+    from tests.test_gemma4_layouts import _build, _layouts
+
+    assert _layouts(rank, world_size, path, cases, N_LORA)
+    meshes = ParallelDims.from_args(world_size, 1, -1, 2, "ring", None, 4, 2).build_mesh("cpu")
+    m, _ = _build(path, fsdp_mesh=meshes.fsdp)
+    table, blocks = m.model.embed_tokens_per_layer, [p for n, p in m.named_parameters() if ".layers." in n]
+    assert all(isinstance(p, DTensor) for p in blocks), f"rank {rank}: FSDP2 shards the blocks"
+    assert type(table) is HostEmbedding and not isinstance(table.weight, DTensor), f"rank {rank}: table not sharded"
+    assert table.weight.shape == (128, 6 * 8) and table.weight.device.type == "cpu", f"rank {rank}: whole, on the host"
+    return True
 
 
 # ----------------------------------------------------------------------------- the wrapper
@@ -177,17 +238,3 @@ def test_wrapper_logits_adapter_and_merge(wrapped, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         assert rel(got(input_ids=ids).logits, merged_ref(input_ids=ids).logits) < 1e-5, "merged"
-
-
-# ----------------------------------------------------------------------------- layouts
-
-
-@pytest.mark.timeout(300)
-def test_cp2_ulysses_and_ring_equal_one_process(ckpt):
-    """float64; cp 2 Ulysses with --offload-activations (the sliding layers' 2 KV heads split, the full layers' one
-    replicated), cp 2 ring with --tiled-mlp: the K/V a reuse layer takes are its rank's shard, as its own would be."""
-    from tests.dist import run_ranks
-    from tests.test_gemma4_layouts import _layouts
-
-    cases = [(2, "ulysses", None, dict(offload_activations=True)), (2, "ring", None, dict(tiled_mlp=True))]
-    assert run_ranks(_layouts, 2, ckpt, cases, N_LORA, timeout=280) == [True, True]

@@ -1,0 +1,57 @@
+"""Gemma 4 E2B / E4B's per-layer-embedding table in host memory (the default; --ple-on-device keeps it on the device).
+
+Contract:
+- `apply_host_table(model)` (parallel/parallelize.py, after the memory steps, before fully_shard, on the meta
+  skeleton): the decoder's `embed_tokens_per_layer` [V', L·P] (model/gemma4_small.py) becomes a `HostEmbedding`,
+  the same frozen `weight` under the same name, so loading (model/weights.py streams its rows into host memory),
+  `named_parameters`, the adapter export and `python -m model.merge` (which read the checkpoint, not this module) see
+  it as before. Nothing else changes; a model without the table is left alone. Returns whether it applied.
+- `HostEmbedding`: device moves and materialisation skip its weight (`_apply`): `to_empty(device)` gives it ordinary
+  host memory of its dtype, `.to(device)` / `.cuda()` leave it there; so FSDP2 (which moves the states it manages;
+  the frozen root parameters are not among them, parallel/fsdp.py) and the model's materialisation never put it on
+  the accelerator. Its forward reads the step's token ids on the host (a device-to-host copy of T int64: on CUDA a
+  sync), gathers their rows into a pinned buffer (torch's caching host allocator; it keeps the block until the copy
+  that reads it has run) and copies that to the ids' device without blocking: [..., L·P] in the table's dtype (the
+  compute dtype), the same values the device table's lookup gives. On CPU the same path runs, the copy a no-op.
+  Under context parallelism the ids are the rank's shard: each rank moves only its own tokens' rows.
+- The table itself is not pinned: the copy reads the gathered rows, never the table, and page-locking 5.6 GB (E4B,
+  bf16) per rank would cost seconds at start-up and memory the OS may not page out, for nothing.
+- Cost per micro-batch: T·L·P·e bytes gathered and copied (E4B, bf16: 21,504 bytes a token, 705 MB at 32k tokens;
+  E2B 17,920); the memory plan counts the table as host memory and the pinned rows beside it
+  (parallel/plan_small.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class HostEmbedding(nn.Embedding):
+    """A frozen embedding whose weight stays in host memory; its lookups land on the ids' device (module docstring)."""
+
+    def _apply(self, fn, recurse=True):
+        if self.weight.is_meta:   # to_empty's materialisation: host memory, whatever the device asked for
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="cpu"), requires_grad=False)
+        return self   # (moves and casts skip the table: it is read row by row, in the dtype it was built in)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to("cpu")                                        # [T]
+        rows = torch.empty(flat.numel(), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=ids.is_cuda)
+        torch.index_select(self.weight, 0, flat, out=rows)                      # [T, L·P]
+        return rows.to(ids.device, non_blocking=True).view(*ids.shape, -1)      # [B, S, L·P]
+
+
+def apply_host_table(model) -> bool:
+    """Swap the decoder's per-layer-embedding table for a HostEmbedding holding the same weight (module docstring)."""
+    old = getattr(model.model, "embed_tokens_per_layer", None)
+    if old is None:
+        return False
+    if old.weight.requires_grad:
+        raise ValueError("the per-layer embedding table is frozen (it never trains); a fork that trains it must "
+                         "keep it on the device: --ple-on-device")
+    new = HostEmbedding(old.num_embeddings, old.embedding_dim, device="meta", dtype=old.weight.dtype)
+    new.weight = old.weight
+    model.model.embed_tokens_per_layer = new
+    return True
+
