@@ -18,11 +18,11 @@ Contract:
 - The table itself is not pinned: the copy reads the gathered rows, never the table, and page-locking 5.6 GB (E4B,
   bf16) per rank would cost seconds at start-up and memory the OS may not page out, for nothing.
 - Cost per micro-batch: U·L·P·e bytes gathered on the host and copied, U <= T (E4B, bf16: 21,504 bytes a distinct
-  token; 32k tokens of text hold a few thousand distinct ones); the device holds the U rows and the expanded [T, L·P]
-  for a moment at the forward's start, before any activation is saved. Measured on this project's 2-core CPU machine,
-  one thread (torchrun's default per rank), E4B's table: the gather of 32,768 random ids (U 30,831, 663 MB) 109-112 ms
-  into a reused buffer, of 32,768 ids over 8k distinct tokens (U 7,918, 170 MB) 21-40 ms (a shared machine). The memory plan counts the
-  table as host memory and the pinned rows beside it (parallel/plan_small.py).
+  token; text repeats its tokens, so U is below T); the device holds the U rows and the expanded [T, L·P]
+  for a moment at the forward's start, before any activation is saved. Measured on this project's 2-core CPU machine
+  (shared), one thread (torchrun's default per rank), E4B's table: the gather of 32,768 random ids (U 30,831, 663 MB)
+  109-112 ms into a reused buffer, of 32,768 ids over 8k distinct tokens (U 7,918, 170 MB) 21-40 ms. The memory plan
+  counts the table as host memory and the pinned rows beside it (parallel/plan_small.py).
 """
 
 from __future__ import annotations

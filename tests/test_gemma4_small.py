@@ -100,7 +100,8 @@ def test_config_read_as_transformers_reads_it(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=False, ple_on_device=True), dict(ac=True, tiled_mlp=True),
-                                 dict(ac=True, ac_group=3)], ids=["plain", "ple_on_device", "ac_tiled_mlp", "ac_group_3"])
+                                 dict(ac=True, ac_group=3)],
+                         ids=["plain", "ple_on_device", "ac_tiled_mlp", "ac_group_3"])
 def test_lora_grads_match_peft_on_transformers(ckpt, mem):
     s, ref, mine, theirs = _lora_grads(ckpt, ALL, mem)
     torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-5, msg="loss")
