@@ -85,7 +85,8 @@ linear blocks (weights, LoRA targets, saved tensors in place of the attention's,
 9; each block planned as its layer type, the peak block the worse kind's): parallel/plan_linear.py.
 Gemma 4 E2B / E4B's per-layer embeddings, KV sharing and wide MLPs: parallel/plan_small.py.
 Peak and planned total from these terms: `Plan.peak`, `Plan.total` (parallel/plan_totals.py).
-Host (--offload-activations on CUDA): (L - 1)·eTD pinned bytes per rank, planned against --host-mem.
+Host (on CUDA): --offload-activations' (L - 1)·eTD pinned bytes per rank, and Gemma 4 E2B / E4B's per-layer table
+with its pinned rows (parallel/plan_small.py), planned against --host-mem.
 """
 
 from __future__ import annotations
@@ -260,9 +261,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     blk, lora_n = plan_weights.weight_terms(t, m=m, args=args, D=D, V=V, L=L, W=W, e=e, el=el, nf4=nf4, kinds=kinds,
                                             base=base, loras=loras, lora=lora, adapted=adapted, norms=norms, emb=emb,
                                             tied=tied, moe=moe)   # terms 1-3 (and one unsharded block's bytes)
-    if ple := plan_small.root_bytes(m, e, norms):   # (Gemma 4 E2B / E4B: parallel/plan_small.py; a trained norm [P]
-        t["per-layer embeddings: table, projection, norm (frozen: whole on every rank)"] = ple + 16 * -(   # sharded,
-            -m.small.ple // W) * norms   # with AdamW's, as the final norm)
+    plan_small.root_terms(t, p, m, args, e, T, W, norms, target)   # (Gemma 4 E2B / E4B's PLE; its table in host memory)
     if m.small is not None:   # (the per-layer inputs, every block's; the storing layers' K/V: parallel/plan_small.py)
         t[f"activations: saved tensors: per-layer inputs [{T}, {L}, {m.small.ple}]"] = plan_small.inputs(
             m, T, e, norms)
@@ -271,7 +270,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
         t[f"activations: saved tensors of {L - lo} blocks at {T} tokens"] = every
     elif offload:
         p.host_each = e * T * D if target == "cuda" else 0
-        p.host = max(N - lo - lookup, 0) * p.host_each   # the ids' lookup is not offloaded (a trained or noised
+        p.host += max(N - lo - lookup, 0) * p.host_each   # the ids' lookup is not offloaded (a trained or noised
         # embedding's output is, as the other block inputs are)
         if target == "cpu":   # the "host" copies share the one RAM
             t[f"activations: {inputs(N - lo)} block checkpoints [{T}, {D}] (offloaded, same RAM)"] = ckpt

@@ -204,13 +204,17 @@ def main(argv, run_parser, demo: dict):
     print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
           f"{p.total / u:8.2f}")
     print(f"  ({'without' if args.ac else 'with'} AC the activations would be {p.alt_activations / u:.2f} {un})")
+    for what, b in (("offloaded block checkpoints, pinned", p.host - p.host_ple),
+                    ("per-layer embedding table and its rows, pinned (not the table)", p.host_ple)):
+        if b:
+            print(f"  {f'host: {what}':<72}{b / u:8.2f}")
     if p.host:
-        print(f"  {f'host: offloaded block checkpoints, pinned (--host-mem {host / GB:.3g} GB)':<72}"
-              f"{p.host / u:8.2f}")
+        print(f"  {f'host in all (--host-mem {host / GB:.3g} GB)':<72}{p.host / u:8.2f}")
     if not _fits(p, mem, host):
         fixes = _fixes(args, margs, world, target, mem, host)
         why = (f"{p.total / GB:.1f} GB planned > {where}" if p.total > mem else
-               f"{p.host / GB:.3g} GB of offloaded checkpoints > --host-mem {host / GB:.3g} GB per rank")
+               f"{p.host / GB:.3g} GB of {'host memory (the per-layer table, ' * bool(p.host_ple)}offloaded "
+               f"checkpoints{')' * bool(p.host_ple)} > --host-mem {host / GB:.3g} GB per rank")
         raise SystemExit(f"does not fit: {why}.\nWhat to change: "
                          + ("; ".join(fixes) if fixes else f"no single change fits: {_not_tried(args)}"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))

@@ -7,7 +7,13 @@ layer a kind of its own (FSDP2's unsharded block, the block phases 6-11 at its F
 
 - Weights (terms 1, 2, 5): the decoder's table [V', L·P], per_layer_model_projection [L·P, D] and
   per_layer_projection_norm [P], frozen, in the compute dtype, whole on every rank beside embed_tokens (FSDP2 ignores
-  the root's frozen parameters: parallel/fsdp.py): `root_bytes` (E2B: 2.35B elements, 4.7 GB in bf16). Each block's
+  the root's frozen parameters: parallel/fsdp.py): `root_terms` (E2B's table: 2.35B elements, 4.7 GB in bf16). On
+  CUDA the table is in host memory (parallel/host_table.py; not with --ple-on-device): a host term, V'·L·P·e, with the
+  pinned buffer of a micro-batch's gathered rows, e·T·L·P at most (U <= T distinct tokens; torch's pinned allocator
+  keeps it cached), planned against --host-mem with --offload-activations' buffers (`Plan.host`). Their device copy,
+  the U rows and the [T, L·P] expanded from them, lives at the forward's start, before any activation is saved (as
+  the table's lookup did on the device): under the peak, not a term. On CPU the "host" is the device's RAM: the
+  table stays a device term, as offloaded checkpoints do. Each block's
   per_layer_input_gate [P, D], per_layer_projection [D, P] and post_per_layer_input_norm [D]: never NF4 (model/nf4.py
   quantizes the projections LoRA adapts), sharded with the block norms (`block_base`). --train-norms trains the two
   norms: the block's [D] with the other block norms, the decoder's [P] as the final norm (`trained_norms`).
@@ -36,12 +42,21 @@ at the forward's start (a few e·T·L·P transients, before any activation is sa
 from __future__ import annotations
 
 
-def root_bytes(m, e: int, norms: bool) -> int:
-    """The decoder's PLE parameters, frozen and whole on every rank (a trained projection norm: `trained_norms`)."""
+def root_terms(t: dict, p, m, args, e: int, T: int, W: int, norms: bool, target: str) -> None:
+    """The decoder's PLE parameters into the plan's terms `t`: the projection and norm whole on every rank (a trained
+    norm [P] sharded with AdamW's, as the final norm: `trained_norms`); the table beside them, or on CUDA, unless
+    --ple-on-device, in host memory with a micro-batch's pinned rows: `p.host_ple`, part of `p.host` (module
+    docstring)."""
     s = m.small
     if s is None or not s.ple:
-        return 0
-    return (s.ple_vocab * m.n_layers * s.ple + m.dim * m.n_layers * s.ple + s.ple * (not norms)) * e
+        return
+    table, host = s.ple_vocab * m.n_layers * s.ple * e, target == "cuda" and not getattr(args, "ple_on_device", False)
+    rest = (m.dim * m.n_layers * s.ple + s.ple * (not norms)) * e + 16 * -(-s.ple // W) * norms
+    t[f"per-layer embeddings: {'' if host else 'table, '}projection, norm (frozen: whole on every rank)"] = \
+        rest + table * (not host)
+    if host:
+        p.host_ple = table + e * T * m.n_layers * s.ple
+        p.host += p.host_ple
 
 
 def trained_norms(m) -> tuple[list, list]:

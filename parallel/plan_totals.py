@@ -23,7 +23,8 @@ class Plan:
     notes: list = field(default_factory=list)
     target: str = "cuda"
     alt_activations: float = 0.0                 # activations + recompute with AC toggled, for the printout
-    host: float = 0.0                            # pinned host bytes (--offload-activations on CUDA)
+    host: float = 0.0                            # host bytes on CUDA (--offload-activations' pinned buffers, + ...)
+    host_ple: float = 0.0                        # ... Gemma 4 E2B / E4B's per-layer table and its pinned rows
     host_each: float = 0.0                       # of one offloaded block input (HostOffload's reserve)
     attn_block: int = 0                          # the attention backward's block (kernels.backward_block of a row)
     attn_row: int = 0                            # the tokens of that row

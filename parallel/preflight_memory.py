@@ -10,8 +10,9 @@ Contract:
   read (the planner's copies of the flags carry no --init-adapter) and no collective. train.py sizes the offload's
   host buffers from it (`host_each`).
   1. --offload-activations on CUDA whose pinned host bytes ((L - 1) block inputs; parallel/offload.py pins exactly
-     those, in its own buffers) exceed the host memory free per rank: ValueError naming both and the fixes. Pinned
-     memory cannot be paged out, and past the host's memory the kernel's OOM killer ends the job with no message.
+     those, in its own buffers), with Gemma 4 E2B / E4B's per-layer table in host memory (parallel/host_table.py),
+     exceed the host memory free per rank: ValueError naming both and the fixes. Pinned memory cannot be paged out,
+     and past the host's memory the kernel's OOM killer ends the job with no message.
   2. The plan's live tensors, at LIVE_FLOOR of their planned size (the lowest measured/planned ratio in bench/plan.py),
      over the device memory: the run cannot fit. ValueError naming the plan, the memory and the single changes that
      fit (`train.py --plan`'s list).
@@ -64,16 +65,21 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
         f" (--max-len {args.max_len:,})" if n < args.max_len else "")
     if p.host and p.host > host:
         on = sum(b.machine == hb.machine for b in budgets)
-        said = (f"--offload-activations pins the checkpointed blocks' inputs (all but the first) in host memory, "
-                f"{gb(p.host)} per rank for {span}, more than the {gb(host)} free per rank{on_host}: {gb(hb.host)} "
-                f"{hb.host_where} on {hb.machine}, shared by {on} rank{'s' * (on > 1)}. Pinned memory cannot be paged "
-                "out. Lower --max-len, run fewer ranks per machine, or drop --offload-activations; `train.py --plan "
-                "--max-len auto --host-mem GB` gives the longest that fits")
+        held = [f"--offload-activations pins the checkpointed blocks' inputs (all but the first), "
+                f"{gb(p.host - p.host_ple)}"] * (p.host > p.host_ple) + [
+            f"Gemma 4's per-layer embedding table and a micro-batch's pinned rows stay there, {gb(p.host_ple)}"] * bool(
+            p.host_ple)   # (parallel/host_table.py)
+        said = (f"{'; '.join(held)}: host memory {gb(p.host)} per rank for {span}, more than the {gb(host)} free per "
+                f"rank{on_host}: {gb(hb.host)} {hb.host_where} on {hb.machine}, shared by {on} rank{'s' * (on > 1)}. "
+                "Pinned memory cannot be paged out. Lower --max-len, run fewer ranks per machine, drop "
+                "--offload-activations" + " or keep the table on the device (--ple-on-device)" * bool(p.host_ple)
+                + "; `train.py --plan --max-len auto --host-mem GB` gives the longest that fits")
         if args.mem_check:
             raise ValueError(f"{said} (--no-mem-check runs it anyway)")
         log(f"warning: {said}")
     if p.total <= dev.device:
-        log(f"memory: planned {gb(p.total)} per rank" + (f" and {gb(p.host)} pinned host" if p.host else "")
+        log(f"memory: planned {gb(p.total)} per rank"
+            + (f" and {gb(p.host)} {'pinned ' * (not p.host_ple)}host" if p.host else "")
             + f" for {span}, of {dev.where}{on_dev} (parallel/plan.py; peak_mem_gb in the step lines is measured)"
             + ("" if host != float("inf") else f"; free host memory {hb.host_where}, not checked"))
         _eval_bound(args, margs, dims, dev, on_dev, n, two, eval_tokens, log)
