@@ -14,8 +14,11 @@ inputs of 8 per layer; double-wide MLPs on 3-5; every norm weight and layer_scal
 - the wrapper (Gemma4ForConditionalGeneration, E2B's form): logits = transformers'; our adapter with --train-norms
   (the per-layer norms among them, moved off the base) loads in peft with our logits; `python -m model.merge` =
   peft's merge_and_unload, and transformers loads the merged checkpoint;
-- float64, cp 2 Ulysses with --offload-activations and cp 2 ring with --tiled-mlp: loss and every LoRA gradient = one
-  process's on every rank (tests/test_gemma4_layouts.py's harness; packed rows whose documents cross the shards).
+- the per-layer table in host memory (the default, parallel/host_table.py) = on the device (--ple-on-device): logits,
+  loss and LoRA gradients bit for bit, both = peft's; a move of the model leaves the table on the host;
+- float64, cp 2 Ulysses with --offload-activations and cp 2 ring with --tiled-mlp, the table in host memory: loss and
+  every LoRA gradient = one process's with the table on the device, on every rank (tests/test_gemma4_layouts.py's
+  harness; packed rows whose documents cross the shards); FSDP2 leaves the table whole, a plain host tensor.
 
 Run: .venv/bin/python -m pytest -q tests/test_gemma4_small.py
 """

@@ -11,7 +11,10 @@ last 3 KV-shared and double-wide, per-layer inputs of 8; with attention_k_eq_v a
   layers, their MLPs twice as wide), the never-quantized block parameters (norms, layer_scalar, the PLE gate and
   projection), the decoder's PLE table, projection and norm whole, 16 bytes per trainable LoRA element;
 - the start-up memory check plans the model (no longer skipped), and the stored K/V term is 2e·T·K·hd a storing layer,
-  twice under AC.
+  twice under AC;
+- planning CUDA, the per-layer table is host memory (parallel/host_table.py): the device peak = --ple-on-device's less
+  the built model's host table; the host term = that table + the pinned rows its forward allocates for T tokens; the
+  start-up check passes it and refuses too little host memory naming the table and --ple-on-device.
 
 Run: .venv/bin/python -m pytest -q tests/test_plan_small.py
 """
@@ -102,3 +105,36 @@ def test_start_up_check_plans_it_and_the_stored_kv(ckpts):
         assert p.total == memory_plan(margs, dims, args, "cpu", pack).total
         kv = p.terms["activations: the storing layers' K/V, gradients (KV sharing)"]
         assert kv == 4 * 256 * 2 * (1 * 32 + 2 * 16) * (1 + ac)
+
+
+def test_on_cuda_the_table_is_host_memory(ckpts, monkeypatch):
+    """Planning CUDA (the table in host memory unless --ple-on-device, parallel/host_table.py): the device peak is the
+    --ple-on-device plan's less the built model's host table, byte for byte; the host term is that table plus the
+    pinned buffer its forward fills for a micro-batch of T distinct tokens (captured); the start-up check passes it
+    with the host memory for it and refuses it, naming the table and --ple-on-device, without."""
+    import train
+    from parallel import budgets, host_table, preflight_memory
+    from parallel.mesh import validate
+    from parallel.plan import memory_plan
+    from parallel.plan_search import _with
+
+    ours, args = _build(ckpts[True], NO_DROP, quant="none")
+    dims, pack = validate(args, ours.args, 1)
+    host = memory_plan(ours.args, dims, args, "cuda", pack)
+    dev = memory_plan(ours.args, dims, _with(args, ple_on_device=True), "cuda", pack)
+    table = ours.model.embed_tokens_per_layer
+    assert type(table) is host_table.HostEmbedding
+    size = table.weight.numel() * table.weight.element_size()
+    assert dev.peak - host.peak == size and dev.host == dev.host_ple == 0, (dev.peak - host.peak, size)
+    assert "per-layer embeddings: projection, norm (frozen: whole on every rank)" in host.terms, host.terms
+    made, empty = [], torch.empty
+    monkeypatch.setattr(host_table.torch, "empty", lambda *a, **k: made.append(empty(*a, **k)) or made[-1])
+    table(torch.randperm(128)[None])   # (T = --max-len 128 tokens, each its own: the plan's bound)
+    monkeypatch.undo()
+    assert len(made) == 1 and host.host == host.host_ple == size + made[0].numel() * made[0].element_size()
+    said, gpu = [], lambda free: [budgets.Budget(0, "cuda", 1e12, "1 TB (test)", free, "(test)", "m")]
+    a = train.build_parser().parse_args(["--model", ckpts[True], "--max-len", "128", "--global-batch", "1", "--quant",
+                                         "none", "--dtype", "fp32", "--no-ac", *NO_DROP])
+    assert preflight_memory.check(a, ours.args, dims, gpu(1e9), said.append).host_ple == host.host_ple, said
+    with pytest.raises(ValueError, match=r"per-layer embedding table .*--ple-on-device"):
+        preflight_memory.check(a, ours.args, dims, gpu(size), said.append)
