@@ -163,6 +163,32 @@ def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
         "every other parameter moves"
 
 
+def test_train_runs_with_the_table_in_host_memory(assets, tmp_path):
+    """train.py, 3 steps on the fixture tokenizer's chat records, this tiny E2B (its per-layer table over the
+    tokenizer's vocabulary): the default run (the table in host memory) logs every step's loss and grad norm and saves
+    the adapter of the --ple-on-device run (which records the flag)."""
+    import json
+
+    import train
+    from tests.fixtures import make_tokenizer
+    from tests.helpers import one_thread, train_argv
+    from tests.test_train import _compare
+
+    tok = make_tokenizer(tmp_path / "model")
+    torch.manual_seed(0)
+    cfg = {**SMALL, "vocab_size": len(tok), "vocab_size_per_layer_input": len(tok), "pad_token_id": 0,
+           "eos_token_id": 0, "bos_token_id": None}
+    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**cfg)).float()
+    _perturb_small(hf)
+    hf.save_pretrained(tmp_path / "model")
+    a = {**assets, "model": str(tmp_path / "model")}
+    with one_thread():
+        for name, flags in (("host", []), ("device", ["--ple-on-device"])):
+            train.main(train_argv(a, str(tmp_path / name), *flags))
+    _compare("Gemma 4 E2B's table in host memory", str(tmp_path / "host"), str(tmp_path / "device"))
+    assert json.loads((tmp_path / "device" / "config.json").read_text())["ple_on_device"] is True
+
+
 @pytest.mark.timeout(300)
 def test_cp2_ulysses_and_ring_equal_one_process(ckpt):
     """float64; cp 2 Ulysses with --offload-activations (the sliding layers' 2 KV heads split, the full layers' one
