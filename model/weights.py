@@ -6,10 +6,11 @@ Each rank reads only the dim-0 rows of its own shard (one byte range of the safe
 weight is read and quantized only in the 64-blocks of the rank's shard (blocks are independent), and
 only its fp32 absmax, 4 bytes per 64 weights, is all-gathered for bitsandbytes' nested statistics. The
 result is bit-identical to every rank quantizing the whole tensor. No rank holds a full block tensor (the
-frozen root tensors, embeddings, final norm and lm_head, are whole on every rank: parallel/fsdp.py). Names
-and shapes are checked against the safetensors headers before any tensor is read. A bitsandbytes 4-bit upload's
-weights (model/prequant.py): an NF4 layer takes its rank's blocks of codes and the scales as stored; any other
-parameter, the rows it holds dequantized.
+frozen root tensors, embeddings, final norm and lm_head, are whole on every rank: parallel/fsdp.py). A parameter in
+host memory (Gemma 4 E2B / E4B's per-layer table: parallel/host_table.py; every one on CPU) is read in pieces of
+HOST_CHUNK bytes straight into it, never whole beside it. Names and shapes are checked against the safetensors
+headers before any tensor is read. A bitsandbytes 4-bit upload's weights (model/prequant.py): an NF4 layer takes its
+rank's blocks of codes and the scales as stored; any other parameter, the rows it holds dequantized.
 """
 
 from __future__ import annotations
@@ -77,6 +78,18 @@ def _load_nf4(m: NF4Linear, name: str, reader, device) -> None:
     _local(m.absmax).copy_(qabsmax[a0:a1])
 
 
+HOST_CHUNK = 1 << 28   # bytes read at a time into a host-resident parameter
+
+
+def _copy_rows(dst: torch.Tensor, reader, name: str, start: int, stop: int) -> None:
+    """Rows [start, stop) of `name` into `dst`; into host memory in pieces of HOST_CHUNK bytes, so a table kept in
+    host memory (Gemma 4's per-layer one: 5.6 GB on E4B) never has a second whole copy beside it while it loads."""
+    step = stop - start if dst.device.type != "cpu" else max(1, HOST_CHUNK // max(1, dst[:1].nbytes))
+    for a in range(start, stop, step) if stop > start else [start]:
+        b = min(a + step, stop)
+        dst[a - start:b - start].copy_(reader.get_rows(name, a, b))
+
+
 @torch.no_grad()
 def load_weights(model, reader, device: torch.device, lean: bool = True) -> None:
     """Fill every non-LoRA parameter of `model` (peft-wrapped names allowed) from the checkpoint.
@@ -100,6 +113,6 @@ def load_weights(model, reader, device: torch.device, lean: bool = True) -> None
             set_param(p, codes)
             set_param(nf4[name].absmax, qabsmax)
         elif lean:
-            _local(p).copy_(reader.get_rows(ckpt(name), *local_rows(p)))
+            _copy_rows(_local(p), reader, ckpt(name), *local_rows(p))
         else:
             set_param(p, reader.get(ckpt(name)).to(device=device, dtype=p.dtype))

@@ -163,6 +163,25 @@ def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
         "every other parameter moves"
 
 
+def test_host_table_loads_in_pieces(ckpt, monkeypatch):
+    """model/weights.py reads a host-resident parameter in pieces of HOST_CHUNK bytes straight into it (never a whole
+    second copy of E4B's 5.6 GB table beside it): here 16 rows a read, the table = the checkpoint's tensor."""
+    from safetensors.torch import load_file
+
+    from model import load, weights
+    from parallel.parallelize import BuildOptions, build_model
+
+    reads, get_rows = [], load.CheckpointReader.get_rows
+    monkeypatch.setattr(weights, "HOST_CHUNK", 16 * 6 * 8 * 4)   # (16 rows of L·P = 48 float32)
+    monkeypatch.setattr(load.CheckpointReader, "get_rows", lambda self, n, a, b: reads.append((n, a, b)) or get_rows(
+        self, n, a, b))
+    ours, _ = build_model(BuildOptions(ckpt, quant="none"))
+    name = "model.embed_tokens_per_layer.weight"
+    assert [r[1:] for r in reads if r[0] == name] == [(a, a + 16) for a in range(0, 128, 16)], reads
+    want = load_file(f"{ckpt}/model.safetensors")[name]
+    assert torch.equal(ours.model.embed_tokens_per_layer.weight, want), "the table as stored"
+
+
 def test_train_runs_with_the_table_in_host_memory(assets, tmp_path):
     """train.py, 3 steps on the fixture tokenizer's chat records, this tiny E2B (its per-layer table over the
     tokenizer's vocabulary): the default run (the table in host memory) logs every step's loss and grad norm and saves
