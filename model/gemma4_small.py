@@ -16,7 +16,8 @@ Contract:
   gelu_tanh(per_layer_input_gate(h)) × input_i)) (`add_per_layer`). Per token: under context parallelism each rank
   makes its own tokens' rows. These are frozen base weights in the compute dtype, never quantized (NF4 covers the
   block projections LoRA adapts): the table is a lookup of T rows a step, whole on every rank as embed_tokens
-  (ignored by FSDP2, parallel/fsdp.py).
+  (ignored by FSDP2, parallel/fsdp.py); a run keeps it in host memory, its module swapped from outside for one that
+  gathers the rows there (parallel/host_table.py), which this module calls as any embedding.
 - `Carry`: what flows beside the hidden state from block to block (Decoder.run_blocks, parallel/ac.py's groups):
   block i's slice of the per-layer inputs and the stored K/V by layer type, handed to each block call as keyword
   tensors (`ple`, `kv`; `store` asks a storing block to return (h, (k, v))), so under activation checkpointing they

@@ -7,9 +7,11 @@ Contract:
   lm_head) are left out (`ignored_params`): FSDP2 would keep them unsharded from the forward to the end of
   the backward anyway (the root is never resharded after forward), so sharding them only added a second
   copy, the 1/W shard, and an all-gather of (V·D·2 + D) elements every step; plain whole tensors on every
-  rank hold (V·D·2 + D)·e bytes all step instead of that times 1 + 1/W. FSDP2's own gradient division is switched off
-  (divide factor 1, sum-only reductions, which gloo also supports): the loss is already divided by the
-  global target count, so the reduced gradients equal one process's gradient on the global batch.
+  rank hold (V·D·2 + D)·e bytes all step instead of that times 1 + 1/W. Gemma 4 E2B / E4B's per-layer table is
+  one of them, and stays in host memory (parallel/host_table.py: FSDP2 moves only the states it manages). FSDP2's
+  own gradient division is switched off (divide factor 1, sum-only reductions, which gloo also supports): the loss
+  is already divided by the global target count, so the reduced gradients equal one process's gradient on the
+  global batch.
 - Weights are streamed after `fully_shard` by `model.weights.load_weights` (the one loading path,
   also `model.from_pretrained`'s): each rank reads only its shard of every tensor.
 - `clip_grad_norm_(params, max_norm)` returns the true global norm over all shards and ranks.
