@@ -81,6 +81,8 @@ def _fixes(args, margs, world, target, mem, host):
         *[(f"{m}--ac-group {g}{off}", dict(kw, ac_group=g, **nk), ok) for m, kw, ok in sets[:2] for g in gs],
         *[(f"{m}--offload-activations{off}", dict(kw, offload_activations=True, **nk),
            ok and args.ac and not args.offload_activations) for m, kw, ok in sets],
+        ("--ple-on-device", dict(ple_on_device=True), margs.small is not None and margs.small.ple > 0
+         and not getattr(args, "ple_on_device", False)),   # (host memory short: Gemma 4 E2B / E4B's table on the GPU)
         ("--micro-batch 1", dict(micro_batch=1), args.micro_batch > 1),
         ("no --ac-blocks (AC on every block)", dict(ac_blocks=None), args.ac_blocks is not None),
         ("no --ac-keep-attn", dict(ac_keep_attn=False), args.ac_keep_attn)) if ok]

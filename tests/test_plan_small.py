@@ -14,7 +14,8 @@ last 3 KV-shared and double-wide, per-layer inputs of 8; with attention_k_eq_v a
   twice under AC;
 - planning CUDA, the per-layer table is host memory (parallel/host_table.py): the device peak = --ple-on-device's less
   the built model's host table; the host term = that table + the pinned rows its forward allocates for T tokens; the
-  start-up check passes it and refuses too little host memory naming the table and --ple-on-device.
+  start-up check passes it and refuses too little host memory naming the table and --ple-on-device, which --plan
+  names as a fix.
 
 Run: .venv/bin/python -m pytest -q tests/test_plan_small.py
 """
@@ -111,12 +112,13 @@ def test_on_cuda_the_table_is_host_memory(ckpts, monkeypatch):
     """Planning CUDA (the table in host memory unless --ple-on-device, parallel/host_table.py): the device peak is the
     --ple-on-device plan's less the built model's host table, byte for byte; the host term is that table plus the
     pinned buffer its forward fills for a micro-batch of T distinct tokens (captured); the start-up check passes it
-    with the host memory for it and refuses it, naming the table and --ple-on-device, without."""
+    with the host memory for it and refuses it, naming the table and --ple-on-device, without; --plan's fixes name
+    --ple-on-device."""
     import train
     from parallel import budgets, host_table, preflight_memory
     from parallel.mesh import validate
     from parallel.plan import memory_plan
-    from parallel.plan_search import _with
+    from parallel.plan_search import _fixes, _with
 
     ours, args = _build(ckpts[True], NO_DROP, quant="none")
     dims, pack = validate(args, ours.args, 1)
@@ -138,3 +140,4 @@ def test_on_cuda_the_table_is_host_memory(ckpts, monkeypatch):
     assert preflight_memory.check(a, ours.args, dims, gpu(1e9), said.append).host_ple == host.host_ple, said
     with pytest.raises(ValueError, match=r"per-layer embedding table .*--ple-on-device"):
         preflight_memory.check(a, ours.args, dims, gpu(size), said.append)
+    assert _fixes(args, ours.args, 1, "cuda", 1e12, size)[0].startswith("--ple-on-device ("), "--plan's first fix"
