@@ -7,22 +7,23 @@ Contract:
   `named_parameters`, the adapter export and `python -m model.merge` (which read the checkpoint, not this module) see
   it as before. Nothing else changes; a model without the table is left alone. Returns whether it applied.
 - `HostEmbedding`: device moves and materialisation skip its weight (`_apply`): `to_empty(device)` gives it ordinary
-  host memory of its dtype, `.to(device)` / `.cuda()` leave it there; so FSDP2 (which moves the states it manages;
-  the frozen root parameters are not among them, parallel/fsdp.py) and the model's materialisation never put it on
-  the accelerator. Its forward reads the step's token ids on the host (a device-to-host copy of T int64: on CUDA a
-  sync), gathers the rows of its U distinct tokens into a pinned buffer (torch's caching host allocator, which keeps
-  the block until the copy that reads it has run, and reuses it), copies that to the ids' device without blocking and
-  expands it there to [..., L·P] in the table's dtype (the compute dtype): the same values the device table's lookup
-  gives. On CPU the same path runs, the copy a no-op. Under context parallelism the ids are the rank's shard: each
-  rank moves only its own tokens' rows.
+  host memory of its dtype, `.to(device)` / `.cuda()` leave it there; so FSDP2 (which moves the states it manages; the
+  frozen root parameters are not among them, parallel/fsdp.py) and the model's materialisation never put it on the
+  accelerator. Its forward reads the step's token ids on the host (a device-to-host copy of T int64: on CUDA a sync),
+  gathers the rows of its U distinct tokens into one reused pinned buffer of the longest micro-batch's T rows (torch's
+  pinned allocator: a power of two; before it is written again the last copy out of it has finished, a CUDA event),
+  copies them to the ids' device without blocking and expands them there to [..., L·P] in the table's dtype (the
+  compute dtype): the same values the device table's lookup gives. On CPU the same path runs, the copy a no-op. Under
+  context parallelism the ids are the rank's shard: each rank moves only its own tokens' rows.
 - The table itself is not pinned: the copy reads the gathered rows, never the table, and page-locking 5.6 GB (E4B,
   bf16) per rank would cost seconds at start-up and memory the OS may not page out, for nothing.
 - Cost per micro-batch: U·L·P·e bytes gathered on the host and copied, U <= T (E4B, bf16: 21,504 bytes a distinct
   token; text repeats its tokens, so U is below T); the device holds the U rows and the expanded [T, L·P]
   for a moment at the forward's start, before any activation is saved. Measured on this project's 2-core CPU machine
-  (shared), one thread (torchrun's default per rank), E4B's table: the gather of 32,768 random ids (U 30,831, 663 MB)
-  109-112 ms into a reused buffer, of 32,768 ids over 8k distinct tokens (U 7,918, 170 MB) 21-40 ms. The memory plan
-  counts the table as host memory and the pinned rows beside it (parallel/plan_small.py).
+  (shared), one thread (torchrun's default per rank), E4B's table (`.venv/bin/python bench/host_table.py`): the gather
+  of 32,768 random ids (~30,800 distinct, 662 MB) 109-122 ms into a reused buffer, of 32,768 ids over 8k distinct
+  tokens (170 MB) 17-40 ms. The memory plan counts the table as host memory and the pinned rows beside it
+  (parallel/plan_small.py).
 """
 
 from __future__ import annotations
@@ -39,13 +40,29 @@ class HostEmbedding(nn.Embedding):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="cpu"), requires_grad=False)
         return self   # (moves and casts skip the table: it is read row by row, in the dtype it was built in)
 
+    rows, copied = None, None   # the pinned rows buffer, reused; the CUDA event of the last copy out of it
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # each distinct token's row once: text repeats its tokens, so the host reads and copies U <= T rows
         uniq, inv = torch.unique(ids.reshape(-1).to("cpu"), return_inverse=True)   # [U], [T]
-        rows = torch.empty(uniq.numel(), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=ids.is_cuda)
+        rows = self._buffer(ids)[: uniq.numel()]
         torch.index_select(self.weight, 0, uniq, out=rows)                          # [U, L·P]
-        rows = rows.to(ids.device, non_blocking=True)
-        return rows[inv.to(ids.device)].view(*ids.shape, -1)                        # [B, S, L·P]
+        moved = rows.to(ids.device, non_blocking=True)
+        if ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        return moved[inv.to(ids.device)].view(*ids.shape, -1)   # [B, S, L·P] (a new tensor: the buffer is reused)
+
+    def _buffer(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T, L·P] rows, T of the longest micro-batch so far, pinned on CUDA: one buffer, so the host memory pinned is
+        one micro-batch's rows (as torch's pinned allocator rounds it: a power of two), not a cache of past sizes."""
+        if self.copied is not None:
+            self.copied.synchronize()   # the last copy out of it is done (a micro-batch ago: no wait in practice)
+        n, pin = ids.numel(), ids.is_cuda
+        if self.rows is None or self.rows.shape[0] < n or self.rows.is_pinned() != pin:
+            self.rows = None   # (freed before the larger one is made)
+            self.rows = torch.empty(n, self.weight.shape[1], dtype=self.weight.dtype, pin_memory=pin)
+        return self.rows
 
 
 def apply_host_table(model) -> bool:

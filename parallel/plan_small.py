@@ -9,8 +9,8 @@ layer a kind of its own (FSDP2's unsharded block, the block phases 6-11 at its F
   per_layer_projection_norm [P], frozen, in the compute dtype, whole on every rank beside embed_tokens (FSDP2 ignores
   the root's frozen parameters: parallel/fsdp.py): `root_terms` (E2B's table: 2.35B elements, 4.7 GB in bf16). On
   CUDA the table is in host memory (parallel/host_table.py; not with --ple-on-device): a host term, V'·L·P·e, with the
-  pinned buffer of a micro-batch's gathered rows, e·T·L·P at most (U <= T distinct tokens; torch's pinned allocator
-  keeps it cached), planned against --host-mem with --offload-activations' buffers (`Plan.host`). Their device copy,
+  pinned buffer of a micro-batch's gathered rows, e·T·L·P rounded up to a power of two (torch's pinned allocator;
+  one buffer, reused), planned against --host-mem with --offload-activations' buffers (`Plan.host`). Their device copy,
   the U rows and the [T, L·P] expanded from them, lives at the forward's start, before any activation is saved (as
   the table's lookup did on the device): under the peak, not a term. On CPU the "host" is the device's RAM: the
   table stays a device term, as offloaded checkpoints do. Each block's
@@ -55,7 +55,7 @@ def root_terms(t: dict, p, m, args, e: int, T: int, W: int, norms: bool, target:
     t[f"per-layer embeddings: {'' if host else 'table, '}projection, norm (frozen: whole on every rank)"] = \
         rest + table * (not host)
     if host:
-        p.host_ple = table + e * T * m.n_layers * s.ple
+        p.host_ple = table + (1 << (e * T * m.n_layers * s.ple - 1).bit_length())   # (the rows: a power of two)
         p.host += p.host_ple
 
 

@@ -155,6 +155,11 @@ def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
     assert g.keys() == g_dev.keys() and len(g) == N_LORA * 2 and all(torch.equal(g[k], g_dev[k]) for k in g), "grads"
     table = host.model.embed_tokens_per_layer
     assert type(table) is HostEmbedding and type(dev.model.embed_tokens_per_layer) is torch.nn.Embedding
+    with torch.no_grad():   # one rows buffer for every call (the longest so far); what a call returns is its own
+        first, buf = table(ids), table.rows.data_ptr()
+        few = ids[:1, :9].flip(1)
+        assert torch.equal(table(few), table.weight[few]) and table.rows.data_ptr() == buf, "a shorter call"
+        assert torch.equal(first, table.weight[ids]), "an earlier call's rows, after the buffer was written again"
     want = table.weight.detach().clone()
     host.to("meta"), dev.to("meta")
     assert table.weight.device.type == "cpu" and torch.equal(table.weight, want), "the table stays in host memory"
