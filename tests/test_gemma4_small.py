@@ -135,7 +135,7 @@ def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
     same logits, loss and LoRA gradients, bit for bit (the same rows, gathered elsewhere); the table is a HostEmbedding
     whose weight a move of the model (what puts it on an accelerator; here the meta device) leaves in host memory, with
     its values, while every other tensor moves."""
-    from parallel.host_table import HostEmbedding
+    from parallel.host_table import HostEmbedding, apply_host_table
     from parallel.parallelize import BuildOptions
     from tests.helpers import build_nonzero_b
     from tests.test_gemma4_layouts import _batch, _grads
@@ -166,6 +166,11 @@ def test_host_table_equals_the_device_table_and_stays_on_the_host(ckpt):
     assert dev.model.embed_tokens_per_layer.weight.is_meta, "--ple-on-device: the table moves with the model"
     assert all(p.is_meta for n, p in host.named_parameters() if not n.startswith("model.embed_tokens_per_layer.")), \
         "every other parameter moves"
+    trained = torch.nn.Module()   # (a fork training the table: refused, it would need the device's)
+    trained.model = torch.nn.Module()
+    trained.model.embed_tokens_per_layer = torch.nn.Embedding(4, 2)
+    with pytest.raises(ValueError, match="the per-layer embedding table is frozen.*--ple-on-device"):
+        apply_host_table(trained)
 
 
 def test_host_table_loads_in_pieces(ckpt, monkeypatch):
