@@ -65,15 +65,15 @@ def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = No
         f" (--max-len {args.max_len:,})" if n < args.max_len else "")
     if p.host and p.host > host:
         on = sum(b.machine == hb.machine for b in budgets)
-        held = [f"--offload-activations pins the checkpointed blocks' inputs (all but the first), "
-                f"{gb(p.host - p.host_ple)}"] * (p.host > p.host_ple) + [
-            f"Gemma 4's per-layer embedding table and a micro-batch's pinned rows stay there, {gb(p.host_ple)}"] * bool(
-            p.host_ple)   # (parallel/host_table.py)
-        said = (f"{'; '.join(held)}: host memory {gb(p.host)} per rank for {span}, more than the {gb(host)} free per "
-                f"rank{on_host}: {gb(hb.host)} {hb.host_where} on {hb.machine}, shared by {on} rank{'s' * (on > 1)}. "
-                "Pinned memory cannot be paged out. Lower --max-len, run fewer ranks per machine, drop "
-                "--offload-activations" + " or keep the table on the device (--ple-on-device)" * bool(p.host_ple)
-                + "; `train.py --plan --max-len auto --host-mem GB` gives the longest that fits")
+        off, ple = p.host - p.host_ple, p.host_ple   # (Gemma 4 E2B / E4B's table: parallel/host_table.py)
+        held = [f"--offload-activations pins the checkpointed blocks' inputs (all but the first), {gb(off)}"] * bool(
+            off) + [f"Gemma 4's per-layer embedding table and a micro-batch's pinned rows take {gb(ple)}"] * bool(ple)
+        drop = ["drop --offload-activations"] * bool(off) + ["keep the table on the GPU (--ple-on-device)"] * bool(ple)
+        said = (f"{'; '.join(held)}: {gb(p.host)} of host memory per rank for {span}, more than the {gb(host)} free "
+                f"per rank{on_host}: {gb(hb.host)} {hb.host_where} on {hb.machine}, shared by {on} "
+                f"rank{'s' * (on > 1)}. Pinned memory cannot be paged out. Lower --max-len, run fewer ranks per "
+                f"machine, or {' or '.join(drop)}; `train.py --plan --max-len auto --host-mem GB` gives the longest "
+                "that fits")
         if args.mem_check:
             raise ValueError(f"{said} (--no-mem-check runs it anyway)")
         log(f"warning: {said}")
