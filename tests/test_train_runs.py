@@ -1896,7 +1896,7 @@ def test_memory_check_shares_a_machine_and_says_what_it_skips(monkeypatch):
     from parallel import budgets, preflight_memory
     from parallel.plan_totals import GB
 
-    plan = types.SimpleNamespace(host=20.0, peak=1.0, total=2.0)   # bytes
+    plan = types.SimpleNamespace(host=20.0, host_ple=0.0, peak=1.0, total=2.0)   # bytes (a Plan's fields)
     monkeypatch.setattr(parallel.plan, "memory_plan", lambda *a, **k: plan)
     mem = []
     args = types.SimpleNamespace(max_len=8, pack=True, mem_check=True, init_adapter=None)
