@@ -204,17 +204,18 @@ def main(argv, run_parser, demo: dict):
     print(f"  {f'x {FRAGMENTATION:.2f} fragmentation + {RUNTIME[target] / GB:.1f} GB runtime ({target})':<72}"
           f"{p.total / u:8.2f}")
     print(f"  ({'without' if args.ac else 'with'} AC the activations would be {p.alt_activations / u:.2f} {un})")
-    for what, b in (("offloaded block checkpoints, pinned", p.host - p.host_ple),
-                    ("per-layer embedding table and its rows, pinned (not the table)", p.host_ple)):
-        if b:
-            print(f"  {f'host: {what}':<72}{b / u:8.2f}")
-    if p.host:
-        print(f"  {f'host in all (--host-mem {host / GB:.3g} GB)':<72}{p.host / u:8.2f}")
+    held = [(w, b) for w, b in (("offloaded checkpoints, pinned", p.host - p.host_ple),
+                                ("per-layer embedding table, its rows pinned", p.host_ple)) if b]
+    budget = f" (--host-mem {host / GB:.3g} GB)"
+    for what, b in held:
+        print(f"  {f'host: {what}' + budget * (len(held) == 1):<72}{b / u:8.2f}")
+    if len(held) > 1:
+        print(f"  {'host in all' + budget:<72}{p.host / u:8.2f}")
     if not _fits(p, mem, host):
         fixes = _fixes(args, margs, world, target, mem, host)
         why = (f"{p.total / GB:.1f} GB planned > {where}" if p.total > mem else
-               f"{p.host / GB:.3g} GB of {'host memory (the per-layer table, ' * bool(p.host_ple)}offloaded "
-               f"checkpoints{')' * bool(p.host_ple)} > --host-mem {host / GB:.3g} GB per rank")
+               f"{p.host / GB:.3g} GB of {' and '.join(w.split(',')[0] for w, _ in held)} > --host-mem "
+               f"{host / GB:.3g} GB per rank")
         raise SystemExit(f"does not fit: {why}.\nWhat to change: "
                          + ("; ".join(fixes) if fixes else f"no single change fits: {_not_tried(args)}"))
     print(f"fits: {p.total / GB:.1f} GB of {where}" + (f"; host {p.host / GB:.1f} GB" if p.host else ""))
