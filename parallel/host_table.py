@@ -60,7 +60,9 @@ class HostEmbedding(nn.Embedding):
             self.copied.synchronize()   # the last copy out of it is done (a micro-batch ago: no wait in practice)
         n, pin = ids.numel(), ids.is_cuda
         if self.rows is None or self.rows.shape[0] < n or self.rows.is_pinned() != pin:
-            self.rows = None   # (freed before the larger one is made)
+            self.rows = None
+            if pin and hasattr(torch._C, "_host_emptyCache"):   # the smaller one unpinned, not cached beside it
+                torch._C._host_emptyCache()
             self.rows = torch.empty(n, self.weight.shape[1], dtype=self.weight.dtype, pin_memory=pin)
         return self.rows
 
