@@ -9,12 +9,13 @@ Contract:
 - `HostEmbedding`: device moves and materialisation skip its weight (`_apply`): `to_empty(device)` gives it ordinary
   host memory of its dtype, `.to(device)` / `.cuda()` leave it there; so FSDP2 (which moves the states it manages; the
   frozen root parameters are not among them, parallel/fsdp.py) and the model's materialisation never put it on the
-  accelerator. Its forward reads the step's token ids on the host (a device-to-host copy of T int64: on CUDA a sync),
-  gathers the rows of its U distinct tokens into one reused pinned buffer of the longest micro-batch's T rows (torch's
-  pinned allocator: a power of two; before it is written again the last copy out of it has finished, a CUDA event),
-  copies them to the ids' device without blocking and expands them there to [..., L·P] in the table's dtype (the
-  compute dtype): the same values the device table's lookup gives. On CPU the same path runs, the copy a no-op. Under
-  context parallelism the ids are the rank's shard: each rank moves only its own tokens' rows.
+  accelerator. Its forward reads the step's token ids on the host (a device-to-host copy of T int64: on CUDA it waits
+  for the queued work, and the GPU idles while the host gathers), gathers the rows of its U distinct tokens into one
+  reused pinned buffer of the longest micro-batch's T rows (torch's pinned allocator: a power of two; before it is
+  written again the last copy out of it has finished, a CUDA event), copies them to the ids' device without blocking
+  and expands them there to [..., L·P] in the table's dtype (the compute dtype): the same values the device table's
+  lookup gives. On CPU the same path runs, the copy a no-op. Under context parallelism the ids are the rank's shard:
+  each rank moves only its own tokens' rows.
 - The table itself is not pinned: the copy reads the gathered rows, never the table, and page-locking 5.6 GB (E4B,
   bf16) per rank would cost seconds at start-up and memory the OS may not page out, for nothing.
 - Cost per micro-batch: U·L·P·e bytes gathered on the host and copied, U <= T (E4B, bf16: 21,504 bytes a distinct
