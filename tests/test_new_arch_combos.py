@@ -1,0 +1,226 @@
+"""GPT-OSS and Gemma 4 E2B / E4B under the flags their own tests leave out: each combination against an outside
+reference (transformers + peft, or one process on every rank).
+
+Pins (CPU; tests/test_gpt_oss.py's tiny GPT-OSS: sinks, biases, a 4-token window, 6 experts top 2; tests/
+test_gemma4_small.py's tiny E2B form: layers 1 and 2 store K/V, 3-5 reuse them, per-layer inputs, double-wide MLPs):
+- GPT-OSS with --train-norms and --train-embeddings: the loss and every LoRA, norm and embedding gradient = peft's
+  (`modules_to_save`) on GptOssForCausalLM, plain and under AC with --tiled-mlp, and under --ac-keep-attn with the
+  kernel core (the CPU flash op's outputs kept by the checkpoints, the sinks merged after them);
+- Gemma 4 E2B with --lora-layers above the storing layers and --train-norms: the decoder's per_layer_projection_norm
+  gets every block's gradient, the blocks below the lowest adapted one included, and the storing layers, not
+  adapted, pass the reuse layers' gradient down; = peft (`layers_to_transform`, `modules_to_save`) under AC with
+  --tiled-mlp, under --ac-group 2 (a group's storing block hands its K/V on) and under --ac-keep-attn (kernel core);
+- Gemma 4 E2B with NEFTune's noise: the per-layer inputs read the noised embedding output, as transformers' do under
+  its hook on embed_tokens (the same noise added there): logits and every LoRA gradient;
+- cp 2 Ulysses (with --ac-group 2) and ring (with --offload-activations), every rank, float64: a micro-batch of two
+  rows of 43 tokens (one packed, one with padding that continues its positions), padded to the CP divisor by the
+  layout: GPT-OSS with --train-norms and E2B with --lora-layers 3-5 --train-norms give one process's loss and every
+  trained gradient.
+
+Run: .venv/bin/python -m pytest -q tests/test_new_arch_combos.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import model
+from tests.test_gemma4 import ALL
+from tests.test_gpt_oss import ATTN, _save, clamp_as_configured  # noqa: F401 (the autouse fixture: 5.17's clamp)
+from tests.test_gemma4_small import SMALL, _perturb_small
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("gpt_oss_combos"))
+
+
+@pytest.fixture(scope="module")
+def e2b(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**SMALL, attention_k_eq_v=True)).float().eval()
+    _perturb_small(hf)
+    path = tmp_path_factory.mktemp("e2b_combos")
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def _ours(path, targets, **kw):
+    """Our model (B ~ N(0, 0.05)), every trained norm and the embedding moved off the base's (× 1 + 0.1·N(0, 1))."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    mesh = {k: kw.pop(k) for k in ("fsdp_mesh", "attention") if k in kw}
+    m, pm = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, lora_targets=targets,
+                                         **kw), **mesh)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.requires_grad and "lora_" not in n:   # (under FSDP2 each rank its shard of the same draw)
+                f = 1 + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+                p.mul_(distribute_tensor(f, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else f)
+    return m, pm
+
+
+def _peft_twin(path, targets, ours, layers=None):
+    """peft on the transformers model: LoRA (on `layers`) and the tensors we train beside it as modules_to_save,
+    holding our values."""
+    from peft import LoraConfig, get_peft_model
+
+    from model.norms import modules_to_save
+
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
+                                        init_lora_weights=False, layers_to_transform=layers,
+                                        modules_to_save=modules_to_save(mine)))
+    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
+              for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(mine[n])
+    return ref.train(), mine, theirs
+
+
+def _against_peft(path, targets, layers=None, hook=None, noise=None, **kw):
+    """Our loss and every trained gradient = peft's twin on two rows of 29 tokens (`hook`: a forward hook on the
+    transformers model's embed_tokens; `noise`: ours, the same)."""
+    ours, _ = _ours(path, targets, lora_layers=layers, **kw)
+    ref, mine, theirs = _peft_twin(path, targets, ours, None if layers is None else list(layers))
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    s, n = ours(ids, labels=labels, noise=noise)
+    (s / n).backward()
+    handle = ref.get_base_model().model.embed_tokens.register_forward_hook(hook) if hook else None
+    logits = ref(input_ids=ids).logits
+    if handle:
+        handle.remove()
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             reduction="sum", ignore_index=-100)
+    (want / n).backward()
+    torch.testing.assert_close(s.detach(), want.detach(), rtol=1e-5, atol=1e-5, msg="summed loss")
+    for k, p in mine.items():
+        assert theirs[k].grad is not None and theirs[k].grad.abs().sum() > 0, k
+        assert (r := rel(p.grad, theirs[k].grad)) < 1e-4, f"grad {k} off by {r:.2g}"
+    return mine
+
+
+GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, kernel=True)]
+
+
+@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel"])
+def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem):
+    from parallel.cp import KernelAttention
+
+    mem = dict(mem)
+    if mem.pop("kernel", False):
+        mem["attention"] = KernelAttention()
+    mine = _against_peft(gpt_oss, ATTN, train_norms=True, train_embeddings=True, **mem)
+    norms = [k for k in mine if "norm" in k]
+    assert len(norms) == 2 * 2 + 1 and "model.embed_tokens.weight" in mine and len(mine) == 16 + 5 + 1, sorted(mine)
+
+
+E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
+             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, kernel=True))]
+
+
+@pytest.mark.parametrize("layers,mem", E2B_CASES, ids=["layers_3_5_ac_tiled_mlp", "layers_2_4_ac_group_2",
+                                                       "layers_3_5_ac_keep_attn_kernel"])
+def test_e2b_lora_layers_above_the_storing_layers_with_norms_as_peft(e2b, layers, mem):
+    """--lora-layers leaving out the storing layers (1; 2 too where 3-5) and the blocks below them: the trained
+    per_layer_projection_norm feeds every block, so those blocks run backward all the same."""
+    from parallel.cp import KernelAttention
+
+    mem = dict(mem)
+    if mem.pop("kernel", False):
+        mem["attention"] = KernelAttention()
+    mine = _against_peft(e2b, ALL, layers, train_norms=True, **mem)
+    assert "model.per_layer_projection_norm.weight" in mine and not any(
+        f"layers.{i}." in k for k in mine for i in set(range(6)) - set(layers)), sorted(mine)
+
+
+def test_e2b_neftune_noise_reaches_the_per_layer_inputs_as_in_transformers(e2b):
+    """The noise (a fixed draw here, added where train.py's NEFTune adds its own: model/llama.py's `noise`) is part of
+    the embedding output the per-layer inputs are made from, as under transformers' hook on embed_tokens
+    (Gemma4TextModel projects the hooked inputs_embeds)."""
+    delta = torch.randn(2, 29, 48, generator=torch.Generator().manual_seed(9)) * 0.5
+    assert model.load.read_args(e2b).dim == 48
+
+    def noise(x):
+        x.add_(delta)
+    _against_peft(e2b, ALL, noise=noise, hook=lambda mod, args, out: out + delta, ac=True, tiled_mlp=True)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _micro_batch():
+    """Two rows of 43 tokens: documents 17 + 26, and 25 tokens then 18 of padding (label -100, positions going on:
+    data/collate.py's), which the layouts pad to their divisor (44) again."""
+    ids = torch.randint(0, 128, (2, 43), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    labels[1, 24:] = -100
+    pos = torch.stack([torch.cat([torch.arange(17), torch.arange(26)]), torch.arange(43)])
+    return ids, labels, pos
+
+
+def _layouts(rank, world_size, cases):
+    """Each case (checkpoint, LoRA targets, cp impl, model flags, memory flags): cp 2's loss and every trained
+    gradient = one process's (float64; the model flags on both, the memory flags on cp 2's)."""
+    import torch.distributed as dist
+
+    from parallel.cp import cp_attention, shard_sequence
+    from parallel.mesh import ParallelDims, kv_heads
+
+    ids, labels, pos = _micro_batch()
+    grads = lambda m: {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                       for k, p in m.named_parameters() if p.requires_grad}
+    done = []
+    for path, targets, impl, flags, mem in cases:
+        what = f"cp 2 {impl} {flags} {mem} rank {rank}"
+        ref, _ = _ours(path, targets, dtype=torch.float64, ac=False, **flags)
+        s, n = ref(ids, position_ids=pos, labels=labels)
+        (s / n).backward()
+        margs = model.load.read_args(path)
+        dims = ParallelDims.from_args(world_size, 1, -1, 2, impl, None, margs.n_heads, kv_heads(margs))
+        meshes = dims.build_mesh("cpu")
+        m, _ = _ours(path, targets, dtype=torch.float64, fsdp_mesh=meshes.fsdp, attention=cp_attention(meshes, dims),
+                     **flags, **mem)
+        c = meshes.cp.get_local_rank()
+        ls, ln = m(shard_sequence(ids, dims, c, 0), position_ids=shard_sequence(pos, dims, c, None),
+                   labels=shard_sequence(labels, dims, c, -100))
+        assert shard_sequence(ids, dims, c, 0).shape[1] == 22, what   # (43 padded to 44)
+        total, got = ln.detach().clone(), ls.detach().clone()
+        dist.all_reduce(total, group=meshes.dp_cp.get_group())
+        dist.all_reduce(got, group=meshes.dp_cp.get_group())
+        (ls / total).backward()
+        assert total.item() == n.item(), what
+        torch.testing.assert_close(got / total, s.detach() / n, rtol=1e-7, atol=0, msg=f"{what}: loss")
+        want, have = grads(ref), grads(m)
+        assert have.keys() == want.keys() and any("norm" in k for k in have), what
+        for k in have:
+            assert (r := rel(have[k], want[k])) < 1e-6, f"{what}: grad {k} off by {r:.2g}"
+        done.append(what)
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_cp2_padded_micro_batch_with_norms_equals_one_process(gpt_oss, e2b):
+    from tests.dist import run_ranks
+
+    norms = dict(train_norms=True)
+    cases = [(gpt_oss, ATTN, "ring", norms, dict(offload_activations=True)),
+             (gpt_oss, ATTN, "ulysses", norms, dict(ac_group=2)),
+             (e2b, ALL, "ring", dict(norms, lora_layers=(3, 4, 5)), dict(tiled_mlp=True)),
+             (e2b, ALL, "ulysses", dict(norms, lora_layers=(3, 4, 5)), dict(offload_activations=True))]
+    done = run_ranks(_layouts, 2, cases, timeout=280)
+    assert [len(d) for d in done] == [4, 4], done
