@@ -114,10 +114,11 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, **kw):
     return mine
 
 
-GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, kernel=True)]
+GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, kernel=True),
+               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True)]
 
 
-@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel"])
+@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel", "ac_tiled_attn_mlp"])
 def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem):
     from parallel.cp import KernelAttention
 
@@ -130,11 +131,11 @@ def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem):
 
 
 E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
-             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, kernel=True))]
+             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2))]
 
 
 @pytest.mark.parametrize("layers,mem", E2B_CASES, ids=["layers_3_5_ac_tiled_mlp", "layers_2_4_ac_group_2",
-                                                       "layers_3_5_ac_keep_attn_kernel"])
+                                                       "layers_3_5_ac_keep_attn_kernel", "layers_1_3_5_ac_blocks_2"])
 def test_e2b_lora_layers_above_the_storing_layers_with_norms_as_peft(e2b, layers, mem):
     """--lora-layers leaving out the storing layers (1; 2 too where 3-5) and the blocks below them: the trained
     per_layer_projection_norm feeds every block, so those blocks run backward all the same."""
@@ -158,6 +159,62 @@ def test_e2b_neftune_noise_reaches_the_per_layer_inputs_as_in_transformers(e2b):
     def noise(x):
         x.add_(delta)
     _against_peft(e2b, ALL, noise=noise, hook=lambda mod, args, out: out + delta, ac=True, tiled_mlp=True)
+
+
+@pytest.mark.parametrize("which", ["gpt_oss", "e2b"])
+def test_dpo_with_shared_prompts_equals_the_formula_on_transformers_and_peft(tmp_path, which):
+    """DPO (sigmoid, beta 0.7, the base as the reference) on a packed micro-batch of three pairs, each prompt held once
+    and the rejected answer a branch (--dpo-share-prompt: the ring's planned calls on one process), under AC with the
+    tiled MLP and --train-norms (the reference computes with the base's norms, the decoder's per_layer_projection_norm
+    included): GPT-OSS's sinks join the branches' rows, E2B's reuse layers take the storing layers' K/V of the
+    branched row; = each sequence alone through transformers + peft (its disable_adapter() the reference): losses
+    and every trained gradient. (Windows of 64: a binding one is refused beside branches.)"""
+    import math
+
+    from data.collate import collate
+    from data.pairs import shared_start
+    from parallel.cp import KernelAttention
+    from parallel.preference import DPO, Preference
+    from tests.test_dpo import _formula, _pair
+
+    if which == "gpt_oss":
+        path, targets = _save(tmp_path / "m", sliding_window=64), ATTN
+    else:
+        torch.manual_seed(0)
+        hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**{**SMALL, "sliding_window": 64}, attention_k_eq_v=True)).float()
+        _perturb_small(hf)
+        hf.save_pretrained(tmp_path / "m")
+        path, targets = str(tmp_path / "m"), ALL
+    g = torch.Generator().manual_seed(3)
+    made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4), _pair(g, 15, 15, 12)]
+    rows = [{"input_ids": torch.cat([c, r[f:]]), "labels": torch.cat([lc, lr[f:]]), "split": len(c), "shared": f}
+            for _, (c, r), (lc, lr) in made
+            for f in [shared_start({"input_ids": c, "labels": lc}, {"input_ids": r, "labels": lr})]]
+    b = collate(rows, True, 1, 0, sides=True)
+    ours, _ = _ours(path, targets, train_norms=True, ac=True, tiled_mlp=True, attention=KernelAttention())
+    pref = Preference(beta=0.7)
+    losses, _ = DPO(ours, pref, base=path)(b["input_ids"], b["position_ids"], b["labels"], b["sides"], 3, [0, 1, 2])
+    (losses.sum() / 3).backward()
+    ref, mine, theirs = _peft_twin(path, targets, ours)
+
+    def logp(ids, lab):   # each sequence alone, the whole logits
+        z = ref(input_ids=ids[None]).logits[0].float().log_softmax(-1)
+        keep = lab != -100
+        return z[keep].gather(1, lab[keep, None]).sum()
+
+    want = []
+    for _, seqs, labels in made:
+        with torch.no_grad(), ref.disable_adapter():
+            base = [logp(s, lab) for s, lab in zip(seqs, labels)]
+        want.append(_formula(pref, [logp(s, lab) for s, lab in zip(seqs, labels)], base,
+                             [(lab != -100).sum() for lab in labels]))
+    want = torch.stack(want)
+    (want.sum() / 3).backward()
+    torch.testing.assert_close(losses.float(), want.detach(), rtol=1e-5, atol=1e-6, msg="pair losses")
+    assert bool(((losses.detach() - math.log(2)).abs() > 1e-4).all()), "the policy should differ from the reference"
+    for k, p in mine.items():
+        assert theirs[k].grad is not None and theirs[k].grad.norm() > 0, k
+        assert (r := rel(p.grad, theirs[k].grad)) < 1e-4, f"grad {k} off by {r:.2g}"
 
 
 # ----------------------------------------------------------------------------- layouts
