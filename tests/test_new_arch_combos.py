@@ -91,13 +91,13 @@ def _peft_twin(path, targets, ours, layers=None):
     return ref.train(), mine, theirs
 
 
-def _against_peft(path, targets, layers=None, hook=None, noise=None, **kw):
-    """Our loss and every trained gradient = peft's twin on two rows of 29 tokens (`hook`: a forward hook on the
+def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **kw):
+    """Our loss and every trained gradient = peft's twin on `rows` rows of 29 tokens (`hook`: a forward hook on the
     transformers model's embed_tokens; `noise`: ours, the same)."""
     ours, _ = _ours(path, targets, lora_layers=layers, **kw)
     ref, mine, theirs = _peft_twin(path, targets, ours, None if layers is None else list(layers))
-    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    ids = torch.randint(0, 128, (rows, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], 1)
     s, n = ours(ids, labels=labels, noise=noise)
     (s / n).backward()
     handle = ref.get_base_model().model.embed_tokens.register_forward_hook(hook) if hook else None
@@ -115,19 +115,29 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, **kw):
 
 
 GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, kernel=True),
-               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True)]
+               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True), dict(ac=True, kernel=True, rows=1, block=8)]
 
 
-@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel", "ac_tiled_attn_mlp"])
-def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem):
+@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel", "ac_tiled_attn_mlp",
+                                                  "ac_kernel_blocked_backward"])
+def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
+    """`block`: kernels.BACKWARD_BLOCK, so the full layer's GQA rows (29 tokens) take the blocked backward (a row past
+    65,536 tokens on a GPU), given the sink-merged out, lse, its sums in q's, k's, v's and out's storage (one row)."""
+    from parallel import kernels
     from parallel.cp import KernelAttention
 
     mem = dict(mem)
     if mem.pop("kernel", False):
         mem["attention"] = KernelAttention()
+    if block := mem.pop("block", None):
+        monkeypatch.setattr(kernels, "BACKWARD_BLOCK", block)
+        calls = []
+        blocked = kernels.backends.blocked_backward
+        monkeypatch.setattr(kernels.backends, "blocked_backward", lambda *a, **k: calls.append(a[-1]) or blocked(*a))
     mine = _against_peft(gpt_oss, ATTN, train_norms=True, train_embeddings=True, **mem)
     norms = [k for k in mine if "norm" in k]
     assert len(norms) == 2 * 2 + 1 and "model.embed_tokens.weight" in mine and len(mine) == 16 + 5 + 1, sorted(mine)
+    assert not block or calls == [{"q", "k", "v", "out"}], calls   # (one full layer, every storage spare)
 
 
 E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
@@ -281,3 +291,25 @@ def test_cp2_padded_micro_batch_with_norms_equals_one_process(gpt_oss, e2b):
              (e2b, ALL, "ulysses", dict(norms, lora_layers=(3, 4, 5)), dict(offload_activations=True))]
     done = run_ranks(_layouts, 2, cases, timeout=280)
     assert [len(d) for d in done] == [4, 4], done
+
+
+def test_e2b_lora_dropout_under_ac_replays_the_units_masks(e2b):
+    """LoRA dropout 0.2 with --tiled-mlp on E2B, whose block recompute runs the tiled unit (the per-layer branch saves
+    the sum after it): under AC, and under --ac-group 2, the same masks as without AC (the same seed, the same draws in
+    forward), so the same loss and every LoRA gradient: a recompute drawing other masks would hand the per-layer
+    branch another input than forward's."""
+    out = []
+    for mem in (dict(ac=False), dict(ac=True), dict(ac=True, ac_group=2)):
+        m, _ = _ours(e2b, ALL, lora_dropout=0.2, tiled_mlp=True, dtype=torch.float64, **mem)
+        ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        torch.manual_seed(42)
+        s, n = m.train()(ids, labels=labels)
+        (s / n).backward()
+        out.append((mem, s.detach(), {k: p.grad for k, p in m.named_parameters() if p.requires_grad}))
+    (_, s0, g0), *rest = out
+    for mem, s, g in rest:
+        torch.testing.assert_close(s, s0, rtol=1e-12, atol=0, msg=f"{mem}: loss")
+        assert g.keys() == g0.keys() and len(g) == 2 * (7 + 6 + 7 + 5 + 5 + 5), mem
+        for k in g:
+            assert (r := rel(g[k], g0[k])) < 1e-10, f"{mem}: grad {k} off by {r:.2g}"
