@@ -59,8 +59,8 @@ def _ours(path, targets, **kw):
     from tests.helpers import build_nonzero_b
 
     mesh = {k: kw.pop(k) for k in ("fsdp_mesh", "attention") if k in kw}
-    m, pm = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, lora_targets=targets,
-                                         **kw), **mesh)
+    m, pm = build_nonzero_b(BuildOptions(path, **{"quant": "none", **kw}, lora_r=4, lora_alpha=8, seed=3,
+                                         lora_targets=targets), **mesh)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -114,11 +114,11 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **k
     return mine
 
 
-GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, kernel=True),
+GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True),
                dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True), dict(ac=True, kernel=True, rows=1, block=8)]
 
 
-@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_kernel", "ac_tiled_attn_mlp",
+@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_tiled_mlp_kernel", "ac_tiled_attn_mlp",
                                                   "ac_kernel_blocked_backward"])
 def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
     """`block`: kernels.BACKWARD_BLOCK, so the full layer's GQA rows (29 tokens) take the blocked backward (a row past
@@ -141,11 +141,11 @@ def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
 
 
 E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
-             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2))]
+             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2))]
 
 
 @pytest.mark.parametrize("layers,mem", E2B_CASES, ids=["layers_3_5_ac_tiled_mlp", "layers_2_4_ac_group_2",
-                                                       "layers_3_5_ac_keep_attn_kernel", "layers_1_3_5_ac_blocks_2"])
+                                                       "layers_3_5_ac_keep_attn_tiled_mlp_kernel", "layers_1_3_5_ac_blocks_2"])
 def test_e2b_lora_layers_above_the_storing_layers_with_norms_as_peft(e2b, layers, mem):
     """--lora-layers leaving out the storing layers (1; 2 too where 3-5) and the blocks below them: the trained
     per_layer_projection_norm feeds every block, so those blocks run backward all the same."""
@@ -225,6 +225,36 @@ def test_dpo_with_shared_prompts_equals_the_formula_on_transformers_and_peft(tmp
     for k, p in mine.items():
         assert theirs[k].grad is not None and theirs[k].grad.norm() > 0, k
         assert (r := rel(p.grad, theirs[k].grad)) < 1e-4, f"grad {k} off by {r:.2g}"
+
+
+@pytest.mark.parametrize("which", ["gpt_oss", "gpt_oss_mxfp4", "e2b"])
+def test_nf4_merge_with_trained_norms_is_what_the_nf4_model_computes(gpt_oss, e2b, tmp_path, which):
+    """An adapter trained on the NF4 base (--quant nf4: GPT-OSS's experts 4-bit one by one, its router not; E2B's block
+    projections, not its per-layer Linears) with --train-norms and --train-embeddings (GPT-OSS: untied), merged with
+    --quant nf4: transformers' model of the merged folder (the experts written fused back; an MXFP4 base's as its BF16
+    form) computes our NF4 model's logits, with the trained norms and embedding (moved off the base's)."""
+    from model import merge
+    from model.export import export_adapter
+    from tests.test_gpt_oss_mxfp4 import _mxfp4
+
+    path, targets, tied = {"gpt_oss": (gpt_oss, ATTN, False), "e2b": (e2b, ALL, True)}.get(which, (None, ATTN, False))
+    if which == "gpt_oss_mxfp4":
+        path = _mxfp4(_save(tmp_path / "bf16", intermediate_size=32), tmp_path / "mx")
+    ours, pm = _ours(path, targets, quant="nf4", train_norms=True, train_embeddings=not tied)
+    assert ours.args.tie_embeddings == tied
+    export_adapter(pm, str(tmp_path / "a"), path, quant="nf4")
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", path, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32",
+                       "--quant", "nf4"]) == 0
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(2))
+    got, info = T.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        want = ours.eval()(ids)
+        assert rel(got.eval()(input_ids=ids).logits, want) < 1e-5, "nf4 merge"
+        plain = T.AutoModelForCausalLM.from_pretrained(path if which != "gpt_oss_mxfp4" else str(tmp_path / "bf16"),
+                                                       dtype=torch.float32).eval()
+        assert rel(plain(input_ids=ids).logits, want) > 1e-3, "the base's own logits are ours too"
 
 
 # ----------------------------------------------------------------------------- layouts
