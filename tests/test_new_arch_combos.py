@@ -324,17 +324,29 @@ def test_cp2_padded_micro_batch_with_norms_equals_one_process(gpt_oss, e2b):
 
 
 def test_e2b_lora_dropout_under_ac_replays_the_units_masks(e2b):
-    """LoRA dropout 0.2 with --tiled-mlp on E2B, whose block recompute runs the tiled unit (the per-layer branch saves
-    the sum after it): under AC, and under --ac-group 2, the same masks as without AC (the same seed, the same draws in
-    forward), so the same loss and every LoRA gradient: a recompute drawing other masks would hand the per-layer
-    branch another input than forward's."""
+    """LoRA dropout 0.2 with --tiled-mlp (7-token tiles) on E2B, whose block recompute runs the tiled unit (the
+    per-layer branch saves the sum after it), under AC and under --ac-group 2: the loss and every LoRA gradient (float64)
+    = the untiled model's without AC whose unit runs each tile with grad in the tiles' order (the same masks, drawn in
+    forward; backward draws others between): the recompute must hand the per-layer branch forward's sum, and the unit's
+    backward forward's masks."""
+    from parallel.memory import apply_tiled_mlp
+
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    ref, _ = _ours(e2b, ALL, lora_dropout=0.2, dtype=torch.float64, ac=False)
+    for b in ref.model.layers:   # the reference: the untiled unit on each tile with grad, in the tiles' order
+        b.feed_forward = lambda r, f=b.feed_forward: torch.cat([f(x) for x in r.reshape(-1, r.shape[-1]).split(7)]
+                                                               ).view_as(r)
     out = []
-    for mem in (dict(ac=False), dict(ac=True), dict(ac=True, ac_group=2)):
-        m, _ = _ours(e2b, ALL, lora_dropout=0.2, tiled_mlp=True, dtype=torch.float64, **mem)
-        ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
-        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    for mem in (None, dict(ac=True), dict(ac=True, ac_group=2)):
+        if mem is None:
+            m = ref
+        else:
+            m, _ = _ours(e2b, ALL, lora_dropout=0.2, dtype=torch.float64, **mem)
+            apply_tiled_mlp(m, 7)
         torch.manual_seed(42)
         s, n = m.train()(ids, labels=labels)
+        torch.manual_seed(43)
         (s / n).backward()
         out.append((mem, s.detach(), {k: p.grad for k, p in m.named_parameters() if p.requires_grad}))
     (_, s0, g0), *rest = out
@@ -342,4 +354,4 @@ def test_e2b_lora_dropout_under_ac_replays_the_units_masks(e2b):
         torch.testing.assert_close(s, s0, rtol=1e-12, atol=0, msg=f"{mem}: loss")
         assert g.keys() == g0.keys() and len(g) == 2 * (7 + 6 + 7 + 5 + 5 + 5), mem
         for k in g:
-            assert (r := rel(g[k], g0[k])) < 1e-10, f"{mem}: grad {k} off by {r:.2g}"
+            assert (r := rel(g[k], g0[k])) < 1e-6, f"{mem}: grad {k} off by {r:.2g}"   # (float32 tile sums)
