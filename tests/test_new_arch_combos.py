@@ -70,7 +70,7 @@ def _ours(path, targets, **kw):
     return m, pm
 
 
-def _peft_twin(path, targets, ours, layers=None):
+def _peft_twin(path, targets, ours, layers=None, dora=False):
     """peft on the transformers model: LoRA (on `layers`) and the tensors we train beside it as modules_to_save,
     holding our values."""
     from peft import LoraConfig, get_peft_model
@@ -80,8 +80,9 @@ def _peft_twin(path, targets, ours, layers=None):
     mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
     hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ref = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
-                                        init_lora_weights=False, layers_to_transform=layers,
-                                        modules_to_save=modules_to_save(mine)))
+                                        init_lora_weights=False, layers_to_transform=layers, use_dora=dora,
+                                        modules_to_save=modules_to_save(mine), ensure_weight_tying=ours.args.tie_embeddings
+                                        and "model.embed_tokens.weight" in mine))
     theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
               for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
@@ -95,8 +96,8 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **k
     """Our loss and every trained gradient = peft's twin on `rows` rows of 29 tokens (`hook`: a forward hook on the
     transformers model's embed_tokens; `noise`: ours, the same)."""
     ours, _ = _ours(path, targets, lora_layers=layers, **kw)
-    ref, mine, theirs = _peft_twin(path, targets, ours, None if layers is None else list(layers))
-    ids = torch.randint(0, 128, (rows, 29), generator=torch.Generator().manual_seed(5))
+    ref, mine, theirs = _peft_twin(path, targets, ours, None if layers is None else list(layers), kw.get("dora", False))
+    ids = torch.randint(1, 128, (rows, 29), generator=torch.Generator().manual_seed(5))   # (no pad token: below)
     labels = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], 1)
     s, n = ours(ids, labels=labels, noise=noise)
     (s / n).backward()
@@ -115,10 +116,11 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **k
 
 
 GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True),
-               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True), dict(ac=True, kernel=True, rows=1, block=8)]
+               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True, dora=True),
+               dict(ac=True, kernel=True, rows=1, block=8)]
 
 
-@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_tiled_mlp_kernel", "ac_tiled_attn_mlp",
+@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_tiled_mlp_kernel", "dora_ac_tiled_attn_mlp",
                                                   "ac_kernel_blocked_backward"])
 def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
     """`block`: kernels.BACKWARD_BLOCK, so the full layer's GQA rows (29 tokens) take the blocked backward (a row past
@@ -136,19 +138,24 @@ def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
         monkeypatch.setattr(kernels.backends, "blocked_backward", lambda *a, **k: calls.append(a[-1]) or blocked(*a))
     mine = _against_peft(gpt_oss, ATTN, train_norms=True, train_embeddings=True, **mem)
     norms = [k for k in mine if "norm" in k]
-    assert len(norms) == 2 * 2 + 1 and "model.embed_tokens.weight" in mine and len(mine) == 16 + 5 + 1, sorted(mine)
+    assert len(norms) == 2 * 2 + 1 and "model.embed_tokens.weight" in mine, sorted(mine)
+    assert len(mine) == 16 + 8 * mem.get("dora", False) + 5 + 1, sorted(mine)   # (DoRA: a magnitude a projection)
     assert not block or calls == [{"q", "k", "v", "out"}], calls   # (one full layer, every storage spare)
 
 
 E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
-             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2))]
+             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2)),
+             (None, dict(ac=True, tiled_mlp=True, train_embeddings=True, dora=True))]
 
 
 @pytest.mark.parametrize("layers,mem", E2B_CASES, ids=["layers_3_5_ac_tiled_mlp", "layers_2_4_ac_group_2",
-                                                       "layers_3_5_ac_keep_attn_tiled_mlp_kernel", "layers_1_3_5_ac_blocks_2"])
-def test_e2b_lora_layers_above_the_storing_layers_with_norms_as_peft(e2b, layers, mem):
+                                                       "layers_3_5_ac_keep_attn_tiled_mlp_kernel", "layers_1_3_5_ac_blocks_2",
+                                                       "all_layers_dora_tied_embedding_ac_tiled_mlp"])
+def test_e2b_lora_layers_norms_and_embedding_as_peft(e2b, layers, mem):
     """--lora-layers leaving out the storing layers (1; 2 too where 3-5) and the blocks below them: the trained
-    per_layer_projection_norm feeds every block, so those blocks run backward all the same."""
+    per_layer_projection_norm feeds every block, so those blocks run backward all the same. Every block adapted with
+    DoRA and the tied embedding trained: its gradient comes through the head and through the scaled embedding, which
+    the per-layer inputs' projection reads too."""
     from parallel.cp import KernelAttention
 
     mem = dict(mem)
@@ -156,7 +163,8 @@ def test_e2b_lora_layers_above_the_storing_layers_with_norms_as_peft(e2b, layers
         mem["attention"] = KernelAttention()
     mine = _against_peft(e2b, ALL, layers, train_norms=True, **mem)
     assert "model.per_layer_projection_norm.weight" in mine and not any(
-        f"layers.{i}." in k for k in mine for i in set(range(6)) - set(layers)), sorted(mine)
+        f"layers.{i}." in k for k in mine for i in set(range(6)) - set(layers or range(6))), sorted(mine)
+    assert ("model.embed_tokens.weight" in mine) == mem.get("train_embeddings", False)
 
 
 def test_e2b_neftune_noise_reaches_the_per_layer_inputs_as_in_transformers(e2b):
