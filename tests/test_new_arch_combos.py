@@ -1,21 +1,34 @@
-"""GPT-OSS and Gemma 4 E2B / E4B under the flags their own tests leave out: each combination against an outside
-reference (transformers + peft, or one process on every rank).
+"""GPT-OSS and Gemma 4 E2B / E4B under the flags and inputs their own tests leave out: each combination against an
+outside reference (transformers + peft, the DPO formula on them, or one process on every rank).
 
 Pins (CPU; tests/test_gpt_oss.py's tiny GPT-OSS: sinks, biases, a 4-token window, 6 experts top 2; tests/
-test_gemma4_small.py's tiny E2B form: layers 1 and 2 store K/V, 3-5 reuse them, per-layer inputs, double-wide MLPs):
+test_gemma4_small.py's tiny E2B form: layers 1 and 2 store K/V, 3-5 reuse them, per-layer inputs, double-wide MLPs,
+a tied embedding):
 - GPT-OSS with --train-norms and --train-embeddings: the loss and every LoRA, norm and embedding gradient = peft's
-  (`modules_to_save`) on GptOssForCausalLM, plain and under AC with --tiled-mlp, and under --ac-keep-attn with the
-  kernel core (the CPU flash op's outputs kept by the checkpoints, the sinks merged after them);
-- Gemma 4 E2B with --lora-layers above the storing layers and --train-norms: the decoder's per_layer_projection_norm
+  (`modules_to_save`) on GptOssForCausalLM: plain; AC with --tiled-mlp; --ac-keep-attn with the tiled MLP and the
+  kernel core (the CPU flash op's outputs kept, the sinks merged after them); DoRA with --tiled-attn (o_proj's bias);
+  the full layer's GQA row through the blocked backward (kernels.BACKWARD_BLOCK lowered: a row past 65,536 tokens on a
+  GPU) given the sink-merged out/lse, its sums in q's, k's, v's and out's storage;
+- E2B with --train-norms and --lora-layers leaving out the storing layers: the decoder's per_layer_projection_norm
   gets every block's gradient, the blocks below the lowest adapted one included, and the storing layers, not
   adapted, pass the reuse layers' gradient down; = peft (`layers_to_transform`, `modules_to_save`) under AC with
-  --tiled-mlp, under --ac-group 2 (a group's storing block hands its K/V on) and under --ac-keep-attn (kernel core);
-- Gemma 4 E2B with NEFTune's noise: the per-layer inputs read the noised embedding output, as transformers' do under
-  its hook on embed_tokens (the same noise added there): logits and every LoRA gradient;
-- cp 2 Ulysses (with --ac-group 2) and ring (with --offload-activations), every rank, float64: a micro-batch of two
-  rows of 43 tokens (one packed, one with padding that continues its positions), padded to the CP divisor by the
-  layout: GPT-OSS with --train-norms and E2B with --lora-layers 3-5 --train-norms give one process's loss and every
-  trained gradient.
+  --tiled-mlp, --ac-group 2, --ac-keep-attn with the tiled MLP (kernel core), --ac-blocks 2; and every block with DoRA
+  and the tied embedding trained (ensure_weight_tying);
+- E2B with NEFTune's noise: the per-layer inputs read the noised embedding output, as transformers' do under its hook
+  on embed_tokens (the same noise added there): the loss and every LoRA gradient;
+- E2B with LoRA dropout and --tiled-mlp, whose block recompute runs the tiled unit: AC and --ac-group 2 = the untiled
+  unit run per tile with grad (the same masks);
+- DPO with shared prompts (branches: the ring's planned calls on one process) on GPT-OSS (sinks) and E2B (KV sharing),
+  AC, tiled MLP, --train-norms (the reference computes with the base's norms) = the formula on transformers + peft;
+- `python -m model.merge --quant nf4` of an adapter with trained norms (and GPT-OSS's untied embedding): GPT-OSS (BF16
+  form and MXFP4: experts 4-bit one by one, written fused back) and E2B (its per-layer Linears not 4-bit): the merged
+  folder in transformers computes our NF4 model's logits;
+- cp 2 Ulysses (with --ac-group 2 / --offload-activations) and ring (--offload-activations / --tiled-mlp), every rank,
+  float64: a micro-batch of two rows of 43 tokens (one packed, one with padding that continues its positions),
+  padded to the CP divisor by the layout: GPT-OSS with --train-norms, E2B with --lora-layers 3-5 --train-norms give
+  one process's loss and every trained gradient.
+Inputs hold no pad token: transformers' embeddings take padding_idx = pad_token_id (0 here), whose row gets no
+gradient from the input side; ours does (a pad token reaches the loss only where the data holds it as text).
 
 Run: .venv/bin/python -m pytest -q tests/test_new_arch_combos.py
 """
@@ -28,8 +41,8 @@ import transformers as T
 
 import model
 from tests.test_gemma4 import ALL
-from tests.test_gpt_oss import ATTN, _save, clamp_as_configured  # noqa: F401 (the autouse fixture: 5.17's clamp)
 from tests.test_gemma4_small import SMALL, _perturb_small
+from tests.test_gpt_oss import ATTN, _save, clamp_as_configured  # noqa: F401 (the autouse fixture: 5.17's clamp)
 
 
 def rel(a, b):
@@ -79,10 +92,10 @@ def _peft_twin(path, targets, ours, layers=None, dora=False):
 
     mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
     hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tied = ours.args.tie_embeddings and "model.embed_tokens.weight" in mine   # (peft's head: the embedding too)
     ref = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
                                         init_lora_weights=False, layers_to_transform=layers, use_dora=dora,
-                                        modules_to_save=modules_to_save(mine), ensure_weight_tying=ours.args.tie_embeddings
-                                        and "model.embed_tokens.weight" in mine))
+                                        modules_to_save=modules_to_save(mine), ensure_weight_tying=tied))
     theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
               for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
@@ -115,13 +128,13 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **k
     return mine
 
 
-GPT_OSS_MEM = [dict(ac=False), dict(ac=True, tiled_mlp=True), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True),
-               dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True, dora=True),
-               dict(ac=True, kernel=True, rows=1, block=8)]
+GPT_OSS_MEM = {"plain": dict(ac=False), "ac_tiled_mlp": dict(ac=True, tiled_mlp=True),
+               "ac_keep_attn_tiled_mlp_kernel": dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True),
+               "dora_ac_tiled_attn_mlp": dict(ac=True, tiled_attn=True, tiled_mlp=True, kernel=True, dora=True),
+               "ac_kernel_blocked_backward": dict(ac=True, kernel=True, rows=1, block=8)}
 
 
-@pytest.mark.parametrize("mem", GPT_OSS_MEM, ids=["plain", "ac_tiled_mlp", "ac_keep_attn_tiled_mlp_kernel", "dora_ac_tiled_attn_mlp",
-                                                  "ac_kernel_blocked_backward"])
+@pytest.mark.parametrize("mem", list(GPT_OSS_MEM.values()), ids=list(GPT_OSS_MEM))
 def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
     """`block`: kernels.BACKWARD_BLOCK, so the full layer's GQA rows (29 tokens) take the blocked backward (a row past
     65,536 tokens on a GPU), given the sink-merged out, lse, its sums in q's, k's, v's and out's storage (one row)."""
@@ -143,14 +156,16 @@ def test_gpt_oss_norms_and_embedding_train_as_peft(gpt_oss, mem, monkeypatch):
     assert not block or calls == [{"q", "k", "v", "out"}], calls   # (one full layer, every storage spare)
 
 
-E2B_CASES = [((3, 4, 5), dict(ac=True, tiled_mlp=True)), ((2, 4), dict(ac=True, ac_group=2)),
-             ((3, 4, 5), dict(ac=True, ac_keep_attn=True, tiled_mlp=True, kernel=True)), ((1, 3, 5), dict(ac=True, ac_blocks=2)),
-             (None, dict(ac=True, tiled_mlp=True, train_embeddings=True, dora=True))]
+E2B_CASES = {"layers_3_5_ac_tiled_mlp": ((3, 4, 5), dict(ac=True, tiled_mlp=True)),
+             "layers_2_4_ac_group_2": ((2, 4), dict(ac=True, ac_group=2)),
+             "layers_3_5_ac_keep_attn_tiled_mlp_kernel": ((3, 4, 5), dict(ac=True, ac_keep_attn=True, tiled_mlp=True,
+                                                                          kernel=True)),
+             "layers_1_3_5_ac_blocks_2": ((1, 3, 5), dict(ac=True, ac_blocks=2)),
+             "all_layers_dora_tied_embedding_ac_tiled_mlp": (None, dict(ac=True, tiled_mlp=True, train_embeddings=True,
+                                                                        dora=True))}
 
 
-@pytest.mark.parametrize("layers,mem", E2B_CASES, ids=["layers_3_5_ac_tiled_mlp", "layers_2_4_ac_group_2",
-                                                       "layers_3_5_ac_keep_attn_tiled_mlp_kernel", "layers_1_3_5_ac_blocks_2",
-                                                       "all_layers_dora_tied_embedding_ac_tiled_mlp"])
+@pytest.mark.parametrize("layers,mem", list(E2B_CASES.values()), ids=list(E2B_CASES))
 def test_e2b_lora_layers_norms_and_embedding_as_peft(e2b, layers, mem):
     """--lora-layers leaving out the storing layers (1; 2 too where 3-5) and the blocks below them: the trained
     per_layer_projection_norm feeds every block, so those blocks run backward all the same. Every block adapted with
@@ -333,10 +348,10 @@ def test_cp2_padded_micro_batch_with_norms_equals_one_process(gpt_oss, e2b):
 
 def test_e2b_lora_dropout_under_ac_replays_the_units_masks(e2b):
     """LoRA dropout 0.2 with --tiled-mlp (7-token tiles) on E2B, whose block recompute runs the tiled unit (the
-    per-layer branch saves the sum after it), under AC and under --ac-group 2: the loss and every LoRA gradient (float64)
-    = the untiled model's without AC whose unit runs each tile with grad in the tiles' order (the same masks, drawn in
-    forward; backward draws others between): the recompute must hand the per-layer branch forward's sum, and the unit's
-    backward forward's masks."""
+    per-layer branch saves the sum after it), under AC and under --ac-group 2: the loss and every LoRA gradient
+    (float64) = the untiled model's without AC whose unit runs each tile with grad in the tiles' order (the same masks,
+    drawn in forward; backward draws others between): the recompute must hand the per-layer branch forward's sum, and
+    the unit's backward forward's masks."""
     from parallel.memory import apply_tiled_mlp
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
