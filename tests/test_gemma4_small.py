@@ -46,14 +46,18 @@ def _perturb_small(m):
                 p.mul_(4)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def save_small(path, **cfg) -> str:
+    """The tiny E2B form (module docstring; `cfg` over SMALL's keys) made by transformers, saved at `path`."""
     torch.manual_seed(0)
-    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**SMALL, attention_k_eq_v=True)).float().eval()
+    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**{**SMALL, **cfg}, attention_k_eq_v=True)).float().eval()
     _perturb_small(hf)
-    path = tmp_path_factory.mktemp("gemma4_small")
     hf.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_small(tmp_path_factory.mktemp("gemma4_small"))
 
 
 def test_logits_match_transformers(ckpt):

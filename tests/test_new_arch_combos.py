@@ -41,7 +41,7 @@ import transformers as T
 
 import model
 from tests.test_gemma4 import ALL
-from tests.test_gemma4_small import SMALL, _perturb_small
+from tests.test_gemma4_small import save_small
 from tests.test_gpt_oss import ATTN, _save, clamp_as_configured  # noqa: F401 (the autouse fixture: 5.17's clamp)
 
 
@@ -56,12 +56,7 @@ def gpt_oss(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def e2b(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**SMALL, attention_k_eq_v=True)).float().eval()
-    _perturb_small(hf)
-    path = tmp_path_factory.mktemp("e2b_combos")
-    hf.save_pretrained(path)
-    return str(path)
+    return save_small(tmp_path_factory.mktemp("e2b_combos"))
 
 
 def _ours(path, targets, **kw):
@@ -84,24 +79,11 @@ def _ours(path, targets, **kw):
 
 
 def _peft_twin(path, targets, ours, layers=None, dora=False):
-    """peft on the transformers model: LoRA (on `layers`) and the tensors we train beside it as modules_to_save,
-    holding our values."""
-    from peft import LoraConfig, get_peft_model
+    """peft on the transformers model (tests/test_norms.py's twin): LoRA (on `layers`) and the tensors we train beside
+    it as modules_to_save, holding our values."""
+    from tests.test_norms import _peft_twin as twin
 
-    from model.norms import modules_to_save
-
-    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-    hf = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tied = ours.args.tie_embeddings and "model.embed_tokens.weight" in mine   # (peft's head: the embedding too)
-    ref = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
-                                        init_lora_weights=False, layers_to_transform=layers, use_dora=dora,
-                                        modules_to_save=modules_to_save(mine), ensure_weight_tying=tied))
-    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
-              for n, p in ref.named_parameters() if p.requires_grad}
-    assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
-    with torch.no_grad():
-        for n, p in theirs.items():
-            p.copy_(mine[n])
+    ref, mine, theirs = twin(path, "none", ours, layers, dora, targets)
     return ref.train(), mine, theirs
 
 
@@ -213,11 +195,7 @@ def test_dpo_with_shared_prompts_equals_the_formula_on_transformers_and_peft(tmp
     if which == "gpt_oss":
         path, targets = _save(tmp_path / "m", sliding_window=64), ATTN
     else:
-        torch.manual_seed(0)
-        hf = T.Gemma4ForCausalLM(T.Gemma4TextConfig(**{**SMALL, "sliding_window": 64}, attention_k_eq_v=True)).float()
-        _perturb_small(hf)
-        hf.save_pretrained(tmp_path / "m")
-        path, targets = str(tmp_path / "m"), ALL
+        path, targets = save_small(tmp_path / "m", sliding_window=64), ALL
     g = torch.Generator().manual_seed(3)
     made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4), _pair(g, 15, 15, 12)]
     rows = [{"input_ids": torch.cat([c, r[f:]]), "labels": torch.cat([lc, lr[f:]]), "split": len(c), "shared": f}

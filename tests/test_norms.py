@@ -84,8 +84,9 @@ def _ours(path, quant="none", layers=None, dora=False, emb=False, norms=True, **
     return model, peft_model
 
 
-def _peft_twin(path, quant, ours, layers=None, dora=False):
-    """peft on the transformers model: LoRA, and the norms we train as modules_to_save, holding our tensors."""
+def _peft_twin(path, quant, ours, layers=None, dora=False, targets=ALL):
+    """peft on the transformers model: LoRA on `targets`, and the norms (and embedding) we train as modules_to_save,
+    holding our tensors."""
     from peft import LoraConfig, get_peft_model
 
     from model.norms import modules_to_save
@@ -93,7 +94,7 @@ def _peft_twin(path, quant, ours, layers=None, dora=False):
 
     mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
     ref = get_peft_model(hf_as_trained(path, quant), LoraConfig(   # (a tied model: peft's head is its embedding)
-        r=R, lora_alpha=ALPHA, target_modules=ALL, init_lora_weights=False, use_dora=dora,
+        r=R, lora_alpha=ALPHA, target_modules=list(targets), init_lora_weights=False, use_dora=dora,
         layers_to_transform=layers, modules_to_save=modules_to_save(mine),
         ensure_weight_tying=ours.args.tie_embeddings and "model.embed_tokens.weight" in mine))
     theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
