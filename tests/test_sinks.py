@@ -10,8 +10,8 @@ Pins, with random non-zero sinks (one per head, some large), float64 unless said
 - --tiled-attn (parallel/tiled_attention.py, tiles of 5 rows, a window and a document boundary inside tiles): a tiny
   float64 decoder with sinks gives the untiled (SDPAAttention) loss and every parameter gradient (at 1e-5: the tiled
   sublayer sums in another order, ~1e-8 apart in float64 without sinks too);
-- context parallel, cp 2 Ulysses (each rank its heads' sinks) and ring (zigzag), every rank: packed rows with and
-  without windows, out and dQ, dK, dV gathered = the eager reference;
+- context parallel, cp 2 Ulysses (each rank its heads' sinks) and ring (zigzag), and cp 4 hybrid (Ulysses 2 × ring 2),
+  every rank: packed rows with and without windows, out and dQ, dK, dV gathered = the eager reference;
 - a sink that requires grad is refused (frozen base weight here: its gradient is not computed).
 The backward takes the sink-merged (out, lse): the mutation that saves the kernel's own (out, lse) fails the dQ/dK/dV
 checks here.
@@ -158,10 +158,10 @@ def test_tiled_attention_with_sinks_matches_untiled(monkeypatch):
 
 # --- context parallel ------------------------------------------------------------------------------------------
 
-def _cp_ranks(rank, world):
+def _cp_ranks(rank, world, splits=((2, 1), (1, 2))):
     masks.MASK_TILE = 6   # ring blocks cut into pieces: masked pieces, merges
     done = []
-    for dims, attn, impl in cp_layouts(world, [(2, 1), (1, 2)]):
+    for dims, attn, impl in cp_layouts(world, splits):
         r = dist.get_rank(attn.cp_group)
         for bounds, window in ([[[0, 1, 13, 27, 40], [0, 40]], None], [[[0, 9, 30, 40], [0, 40]], 5],
                                [[[0, 40], [0, 40]], 7], [[[0, 40]], None]):
@@ -185,4 +185,12 @@ def _cp_ranks(rank, world):
 def test_cp_ulysses_and_ring_with_sinks_match_eager_on_every_rank():
     done = run_ranks(_cp_ranks, 2)
     assert all(len(d) == 8 for d in done), done
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_cp4_with_sinks_matches_eager_on_every_rank():
+    """Ulysses 2 × ring 2: each rank's heads' sinks (its Ulysses rank's slice) merged after the ring's last merge, the
+    ring's pieces regrouped into chunks (parallel.cp._pieces_to_chunks) before it."""
+    done = run_ranks(_cp_ranks, 4, [(2, 2)], timeout=280)
+    assert all(len(d) == 4 and all(x.startswith("hybrid") for x in d) for d in done), done
 
