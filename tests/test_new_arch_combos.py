@@ -27,8 +27,8 @@ a tied embedding):
   float64: a micro-batch of two rows of 43 tokens (one packed, one with padding that continues its positions),
   padded to the CP divisor by the layout: GPT-OSS with --train-norms, E2B with --lora-layers 3-5 --train-norms give
   one process's loss and every trained gradient.
-Inputs hold no pad token: transformers' embeddings take padding_idx = pad_token_id (0 here), whose row gets no
-gradient from the input side; ours does (a pad token reaches the loss only where the data holds it as text).
+The inputs hold E2B's pad token (0) mid-row; the reference's embeddings take padding_idx None, as README's
+--train-embeddings paragraph says (here every row an input holds trains; transformers leaves the pad token's row).
 
 Run: .venv/bin/python -m pytest -q tests/test_new_arch_combos.py
 """
@@ -84,6 +84,9 @@ def _peft_twin(path, targets, ours, layers=None, dora=False):
     from tests.test_norms import _peft_twin as twin
 
     ref, mine, theirs = twin(path, "none", ours, layers, dora, targets)
+    for m in ref.modules():   # every row an input holds trains here, the pad token's too (README, --train-embeddings:
+        if isinstance(m, torch.nn.Embedding):   # transformers' padding_idx leaves it untrained); E2B's pad id 0 is
+            m.padding_idx = None   # among the inputs
     return ref.train(), mine, theirs
 
 
@@ -92,7 +95,9 @@ def _against_peft(path, targets, layers=None, hook=None, noise=None, rows=2, **k
     transformers model's embed_tokens; `noise`: ours, the same)."""
     ours, _ = _ours(path, targets, lora_layers=layers, **kw)
     ref, mine, theirs = _peft_twin(path, targets, ours, None if layers is None else list(layers), kw.get("dora", False))
-    ids = torch.randint(1, 128, (rows, 29), generator=torch.Generator().manual_seed(5))   # (no pad token: below)
+    ids = torch.randint(0, 128, (rows, 29), generator=torch.Generator().manual_seed(5))
+    ids[0, 3] = 0   # (E2B's pad token mid-row: its row of a trained embedding gets the lookup's gradient, ~1000x the
+    # others' on this model, whose pad row is zero: RMSNorm's gradient at 0 is 1/sqrt(eps))
     labels = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], 1)
     s, n = ours(ids, labels=labels, noise=noise)
     (s / n).backward()
