@@ -39,6 +39,7 @@ from model.gemma4_small import small_fields
 from model.gpt_oss import gpt_oss_fields
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
+from model.phi3 import phi3_fields
 from model.rope_read import read_rope
 
 GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
@@ -68,6 +69,7 @@ SUPPORTED = {
     "qwen3_5_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=4, head_dim=256),   # + below
     "qwen3_5_moe_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=2, head_dim=256),
     "gpt_oss": dict(qkv_bias=None, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=64, eps=1e-5),
+    "phi3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=4096, kv=None, head_dim=None, eps=1e-5),
 }
 MROPE = ("mrope_section", "mrope_interleaved")   # Qwen3.5's multimodal RoPE axes (text rows: plain RoPE, qwen35_fields)
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
@@ -246,7 +248,7 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
 
 
 FIELDS = {"gemma3_text": gemma_fields, "gemma4_text": gemma4_fields, "olmo2": olmo_fields, "olmo3": olmo_fields,
-          "smollm3": smollm3_fields,
+          "smollm3": smollm3_fields, "phi3": phi3_fields,
           "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg),
           "qwen3_5_text": qwen35_fields, "gpt_oss": gpt_oss_fields, "qwen3_5_moe_text": lambda cfg, max_pos: {
               **qwen35_fields(cfg, max_pos), **moe_fields(cfg)}}

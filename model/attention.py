@@ -12,6 +12,8 @@ Contract:
   The decoder hands the core its own q, k, v and reads them no more, and reads the core's output only
   through o_proj: a core may reuse their storage in backward (parallel.kernels' `spare_q`; under AC nothing
   checks this). A decoder that keeps any of them for something else must drop `spare_q` in its core.
+  `row_span(position_ids)` -> [B]: each whole row's largest position + 1 (LongRoPE's choice; a context-parallel core
+  all-reduces its shard's), once per forward for such a model.
 - Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
   with contiguous positions, even far from 0, is one document; padding continues the positions of
   the last document. Tokens attend only inside their own document. This module is the one place that
@@ -100,6 +102,11 @@ class AttentionCore:
 
     def __call__(self, q, k, v, meta, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def row_span(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[B]: each row's largest position + 1 over the WHOLE row (LongRoPE's choice of factors, model/rope.py); a
+        core that holds a shard of the row (context parallelism) reduces it over the row's holders."""
+        return position_ids.amax(-1) + 1
 
 
 def sdpa(q, k, v, scale, keep=None, sinks=None):

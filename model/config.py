@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from model.config_read import read_config
 from model.gemma4_small import SmallSpec
 from model.linear_layers import LinearSpec
-from model.lora_spec import sublayer
+from model.lora_spec import FUSED, sublayer
 from model.moe import MoESpec
 from model.rope import inv_freq
 from model.rope_read import ROPE_TYPES, keep_temperature, rope_scaling_flag
@@ -95,6 +95,7 @@ class ModelArgs:
     logit_softcap: float | None = None
     small: SmallSpec | None = None   # Gemma 4 E2B / E4B's per-layer embeddings, KV sharing, wide MLPs (gemma4_small)
     sinks: bool = False   # GPT-OSS: a learned logit per head in each row's softmax denominator (`self_attn.sinks` [H])
+    fused: bool = False   # Phi-3: q, k, v in one qkv_proj, gate and up in one gate_up_proj (model/phi3.py; FUSED)
 
     def __post_init__(self):
         sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
@@ -129,7 +130,7 @@ class ModelArgs:
                              f"number of rotated dims of head_dim {self.head_dim} (int(head_dim · factor) = "
                              f"{int(self.head_dim * f) if isinstance(f, (int, float)) else '?'})")
         rtype = self.rope_scaling.get("rope_type", "default")
-        if rtype not in ROPE_TYPES + ("proportional",):   # (Gemma 4's full layers': never a --rope-scaling type)
+        if rtype not in ROPE_TYPES + ("proportional", "longrope"):   # (Gemma 4's full layers', Phi-3's: config.json's
             raise ValueError(f"rope type {rtype!r} is not supported; supported: {ROPE_TYPES}")
 
     @classmethod
@@ -240,6 +241,8 @@ class ModelArgs:
         d, q, kv, f = self.dim, h * hd, k * hd, self.intermediate_size
         if self.small is not None and layer is not None:   # (Gemma 4 E2B / E4B's KV-shared layers' double-wide MLP)
             f = self.small.width(layer, f)
+        if self.fused:   # (Phi-3's two fused Linears in place of q/k/v_proj and gate/up_proj)
+            return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * f), "down_proj": (f, d)}
         return {"q_proj": (d, q * (2 if self.attn_gate else 1)), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
                 "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),   # (Qwen3.5's q_proj: query and gate)
                 **(self.linear.projections(d) if self.linear else {})}
@@ -251,6 +254,8 @@ class ModelArgs:
     def has(self, layer: int, name: str) -> bool:
         """Whether block `layer` holds projection `name` (attention ones in full layers, linear_attn's in linear; no
         v_proj where k_proj's output is v: Gemma 4's full layers with attention_k_eq_v)."""
+        if (name in FUSED) != self.fused and (name in FUSED or any(name in p for p in FUSED.values())):
+            return False   # (Phi-3: its fused Linears in place of their parts; other models: no fused ones)
         if name == "v_proj" and self.shares_kv(layer) or name in ("k_proj", "v_proj") and self.small is not None \
                 and self.small.reuses(layer):   # (Gemma 4 E2B / E4B: reuse layers take an earlier layer's k, v)
             return False

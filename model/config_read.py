@@ -11,7 +11,8 @@ Contract:
   Qwen3.5 (`qwen3_5_text`: gated attention, partial RoPE, Gated DeltaNet layers; model/arch_fields.py), Qwen3.5-MoE
   (`qwen3_5_moe_text`: Qwen3.5's with model/moe.py's MLP and a shared expert, whose width, shared_expert_intermediate_
   size, is `intermediate_size` here: the one MLP of that name in a block), GPT-OSS (`gpt_oss`: attention sinks, q/k/v/o
-  biases by default, every MLP its MoE block: model/gpt_oss.py). A multimodal wrapper (Mistral 3,
+  biases by default, every MLP its MoE block: model/gpt_oss.py), Phi-3 / Phi-4 (`phi3`: fused qkv_proj and
+  gate_up_proj, partial RoPE, LongRoPE: model/phi3.py). A multimodal wrapper (Mistral 3,
   `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`; Qwen3.5-MoE, `qwen3_5_moe`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in
@@ -48,7 +49,7 @@ def read_config(cls, cfg: dict):
             "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
             "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
             "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), Gemma 4 dense (gemma4_text), GPT-OSS "
-            "(gpt_oss), and "
+            "(gpt_oss), Phi-3 / Phi-4 (phi3), and "
             "the language model of Mistral 3 (mistral3), Gemma 3 (gemma3), Gemma 4 (gemma4), Qwen3.5 (qwen3_5) and "
             "Qwen3.5-MoE (qwen3_5_moe) wrappers of these")
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
@@ -75,7 +76,7 @@ def read_config(cls, cfg: dict):
                                                                                   cfg.get("rope_scaling"))):
         # (Phi, GLM...; the Llama-family classes here ignore it, or fail on a scaled RoPE; Qwen3.5 reads it)
         if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0) and not mt.startswith(
-                "qwen3_5"):
+                ("qwen3_5", "phi3")):
             raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                              "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                              "trained so)")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loss import chunked_cross_entropy
-from model import gemma, gemma4_moe, gemma4_small
+from model import gemma, gemma4_moe, gemma4_small, phi3
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
@@ -58,7 +58,10 @@ class Attention(nn.Module):
         self.scale = a.attn_scale
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd = a.attn_dims(layer)   # (Gemma 4's full layers': own)
         self.gate, self.rot = a.attn_gate, int(hd * a.partial_rotary_factor)   # Qwen3.5: q_proj [query | gate]; partial
-        self.q_proj = nn.Linear(a.dim, h * hd * (2 if a.attn_gate else 1), bias=a.qkv_bias)
+        # Phi-3: q, k, v rows of one qkv_proj (model/phi3.py: `project` takes each), no q/k/v_proj (`a.has`)
+        self.qkv_proj = nn.Linear(a.dim, (h + 2 * kv) * hd, bias=a.qkv_bias) if a.has(layer, "qkv_proj") else None
+        self.q_proj = nn.Linear(a.dim, h * hd * (2 if a.attn_gate else 1), bias=a.qkv_bias) if a.has(
+            layer, "q_proj") else None
         # Gemma 4 E2B / E4B's reuse layers: an earlier layer's k, v (model/gemma4_small.py), no k/v projections or norms
         self.k_proj = nn.Linear(a.dim, kv * hd, bias=a.qkv_bias) if a.has(layer, "k_proj") else None
         # Gemma 4's k_eq_v layers: v is k_proj's output before k_norm and RoPE (no v_proj); v_norm: a weightless norm
@@ -92,6 +95,8 @@ class Attention(nn.Module):
         if (src := getattr(x, "_norm_of", None)) is not None:
             norm, h = src
             x = norm(h)
+        if self.qkv_proj is not None and kv is None:   # (Phi-3: the fused projection once for q, k and v)
+            x = phi3.split(self, x)
         # k, v before q: backward runs the latest-made nodes first, so q's [T, H·Hd] chain (RoPE, q_proj) runs
         # before the input norm's gradient and its rebuilt output exist, not on top of them
         k, v = self.keys_values(x, cos, sin) if kv is None else kv        # [B, S, K, Hd]
@@ -108,7 +113,7 @@ class Attention(nn.Module):
     # the two halves of the projections, also run tile by tile by parallel/tiled_attention.py
     def queries(self, x, cos, sin):
         """(q [B, S, H, Hd] with RoPE, Qwen3.5's output gate [B, S, H·Hd] or None): model.gemma.gated."""
-        y, g = self.q_proj(x), None
+        y, g = phi3.project(self, x, 0), None
         if self.gate:
             y, g = y.view(*y.shape[:-1], self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)   # [B, S, H, Hd] each
             y, g = y.reshape(*x.shape[:2], -1), g.reshape(*x.shape[:2], -1)
@@ -116,9 +121,10 @@ class Attention(nn.Module):
         return (self.rotary(q, None, *tables(cos, sin, self.rot, True))[0] if self.rope else q), g
 
     def keys_values(self, x, cos, sin):
-        y = self.k_proj(x)
+        y = phi3.project(self, x, 1)
         k = split_heads(y, self.n_kv_heads, self.head_dim, self.k_norm, self.whole)   # [B, S, K, Hd]
-        v = (y if self.v_proj is None else self.v_proj(x)).view(*x.shape[:2], self.n_kv_heads, self.head_dim)
+        v = (y if self.v_proj is self.qkv_proj is None else phi3.project(self, x, 2)).view(
+            *y.shape[:2], self.n_kv_heads, self.head_dim)   # (v_proj None alone: Gemma 4's k_eq_v)
         if self.v_norm is not None:   # (Gemma 4)
             v = self.v_norm(v)
         return (self.rotary(k, None, *tables(cos, sin, self.rot, False))[0] if self.rope else k), v
@@ -127,14 +133,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs, layer: int | None = None):
         super().__init__()
-        f = a.projections(layer)["up_proj"][1]   # intermediate_size (Gemma 4 E2B / E4B's reuse layers: maybe twice)
-        self.gate_proj = nn.Linear(a.dim, f, bias=a.mlp_bias)
-        self.up_proj = nn.Linear(a.dim, f, bias=a.mlp_bias)
+        f = a.projections(layer)["down_proj"][0]   # intermediate_size (Gemma 4 E2B / E4B's reuse layers: maybe twice)
+        fused = a.has(layer or 0, "gate_up_proj")   # Phi-3: gate rows then up rows in one Linear (model/phi3.py)
+        self.gate_up_proj = nn.Linear(a.dim, 2 * f, bias=a.mlp_bias) if fused else None
+        self.gate_proj, self.up_proj = (None, None) if fused else (nn.Linear(a.dim, f, bias=a.mlp_bias),
+                                                                   nn.Linear(a.dim, f, bias=a.mlp_bias))
         self.down_proj = nn.Linear(f, a.dim, bias=a.mlp_bias)
         self.act = GeGLU() if a.act == "gelu_tanh" else SwiGLU()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*phi3.gate_up(self, x)))
 
 
 class Block(nn.Module):
@@ -147,6 +155,8 @@ class Block(nn.Module):
                     MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS: model/gpt_oss.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
+        if a.fused:   # (Phi-3: the Linears its norms feed, for parallel/memory.py's norm rebuild)
+            self.norm_fed = (("self_attn.qkv_proj",), ("mlp.gate_up_proj",))
 
     def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: the linear blocks' core and meta, unused)
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)
@@ -194,7 +204,8 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids, dtype):
         """cos, sin [B, S, Hd] for global positions, or (full, sliding) pairs of each: model.rope.rope_tables."""
-        return rope_tables(self.args, position_ids, dtype)
+        span = self.attention.row_span(position_ids) if self.args.rope_scaling.get("rope_type") == "longrope" else None
+        return rope_tables(self.args, position_ids, dtype, span)   # (span: LongRoPE's choice, from the whole row)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,
                 dft=False):

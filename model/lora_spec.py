@@ -13,7 +13,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # Qwen3.5's Gated DeltaNet layers' (linear_attn, model/deltanet.py): in_proj_qkv (q, k, v), in_proj_z (the output
 # gate), in_proj_b (beta: how much each token writes), in_proj_a (the decay's input), out_proj
 LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-ADAPTABLE = LORA_TARGETS + LINEAR_TARGETS
+# Phi-3's fused Linears (model/phi3.py) and the projections each holds the rows of
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ADAPTABLE = LORA_TARGETS + LINEAR_TARGETS + tuple(FUSED)
 # --lora-targets' default: the seven and, on a model with linear layers, their token mixer's big projections (q/k/v,
 # the gate, the output: what the attention's four are to a full layer); in_proj_b / in_proj_a (a few outputs per head,
 # scalars per token) only when named or with all-linear. `model_targets` drops the linear names on other models, so
@@ -26,12 +28,36 @@ TARGET_SETS = {"all-linear": ADAPTABLE, "attn": LORA_TARGETS[:4] + DEFAULT_TARGE
 
 def sublayer(name: str) -> str:
     """The module of a block that holds projection `name`: mlp, self_attn or linear_attn."""
-    return "mlp" if name in LORA_TARGETS[4:] else "self_attn" if name in LORA_TARGETS[:4] else "linear_attn"
+    return "mlp" if name in LORA_TARGETS[4:] + ("gate_up_proj",) else "self_attn" if name in LORA_TARGETS[:4] + (
+        "qkv_proj",) else "linear_attn"
+
+
+def fused_targets(targets, margs) -> tuple[str, ...]:
+    """`targets` on a model with fused projections (Phi-3: `margs.fused`): each fused Linear in place of its parts
+    when ALL of them are named (q_proj,k_proj,v_proj -> qkv_proj; gate_proj,up_proj -> gate_up_proj: the same weight
+    rows adapted, by one LoRA pair); some of them only, or a fused name on a model without them, is a ValueError
+    naming the fix (one LoRA A of qkv_proj cannot adapt q's rows alone)."""
+    out = list(targets)
+    for fused, parts in FUSED.items():
+        named = [t for t in parts if t in out]
+        if margs.fused and named:
+            if len(named) < len(parts):
+                raise ValueError(f"--lora-targets {','.join(targets)}: this {margs.model_type} model holds "
+                                 f"{','.join(parts)} as one Linear, {fused}, which LoRA adapts whole; name all of "
+                                 f"{','.join(parts)} (or {fused}), or none")
+            out[out.index(named[0])] = fused
+            out = [t for t in out if t not in parts]
+        if fused in out and not margs.fused:
+            raise ValueError(f"--lora-targets {','.join(targets)}: {fused} is Phi-3's fused Linear; this "
+                             f"{margs.model_type} model has {','.join(parts)} apart: name those")
+    return tuple(dict.fromkeys(out))
 
 
 def model_targets(targets, margs) -> tuple[str, ...]:
     """`targets` less the LINEAR_TARGETS a model without linear layers (`margs.linear` None) lacks (the default and
-    the shorthands name them for every model); ValueError when nothing is left."""
+    the shorthands name them for every model), with fused projections for their parts (`fused_targets`); ValueError
+    when nothing is left."""
+    targets = fused_targets(targets, margs)
     out = tuple(t for t in targets if margs.linear is not None or t not in LINEAR_TARGETS)
     if not out:
         raise ValueError(f"--lora-targets {','.join(targets)}: this model ({margs.model_type}) has no linear-attention "

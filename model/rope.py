@@ -13,6 +13,10 @@ Contract:
   half for k or q: folded so, the scale costs no pass over q and keeps no [T, H, Hd] for backward.
 - Partial RoPE (`args.partial_rotary_factor` f < 1, Qwen3.5's 0.25): R = `args.rotary_dim` = int(Hd·f) dims rotate,
   the tables are [.., R] (frequencies over R, as transformers' `dim`), `Rotary` passes the other Hd - R dims.
+- LongRoPE (rope_type "longrope", Phi-3 / Phi-4: model/phi3.py): frequencies divided by a factor each, the short set
+  or, in rows whose largest position + 1 passes original_max_position_embeddings, the long one; cos/sin times its
+  attention_factor. The choice is per whole row (`span`, which the model takes from its attention core: one answer
+  on every cp rank); a row of a single micro-batch, not the batch as transformers takes it.
 - Proportional RoPE (rope_type "proportional", Gemma 4's full layers): frequencies over the whole head (its own,
   global_head_dim), the first int(f·Hd/2) as default RoPE's, the rest 0: dims [0, f·Hd/2) and [Hd/2, Hd/2 + f·Hd/2)
   rotate, not a prefix (rotate_half pairs i with i + Hd/2); the tables are [.., Hd], Rotary rotates the whole head.
@@ -31,12 +35,16 @@ from torch import nn
 ROPE_CHUNK = 2**26   # elements per sequence chunk in eager RoPE (_RopeFn: temporaries of a chunk, not of q)
 
 
-def inv_freq(args) -> tuple[torch.Tensor, float]:
+def inv_freq(args, long: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse RoPE frequencies [rotary_dim // 2] (float32) and the cos/sin scaling factor; every type computes them
-    over the rotated dims alone (transformers' `dim = int(head_dim * partial_rotary_factor)`)."""
+    over the rotated dims alone (transformers' `dim = int(head_dim * partial_rotary_factor)`). LongRoPE: the short
+    factors', or with `long` the long factors' (model/phi3.py fills its factor and attention_factor)."""
     d, base, sc = args.rotary_dim, args.rope_theta, args.rope_scaling
     freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     rtype = sc.get("rope_type", "default")
+    if rtype == "longrope":   # LongRoPE (Ding et al., 2024): a searched factor per frequency divides it
+        ext = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)), sc["attention_factor"]
     if rtype == "linear":
         return freq / sc["factor"], 1.0
     if rtype == "proportional":   # Gemma 4's full layers: a d-dim RoPE's first int(f·d/2) frequencies, the rest 0
@@ -80,11 +88,18 @@ def inv_freq(args) -> tuple[torch.Tensor, float]:
     return freq, 1.0
 
 
-def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(args, position_ids, dtype, span=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, S, R] (R = args.rotary_dim: Hd, or a partial RoPE's first dims) for global positions, computed in
-    float32 as transformers does ([B, S, 2·R] with q's own, scaled by the attention temperature: module docstring)."""
+    float32 as transformers does ([B, S, 2·R] with q's own, scaled by the attention temperature: module docstring).
+    LongRoPE: `span` [B] (each whole row's largest position + 1; the local rows' without it) above the original
+    length takes the long factors, per row (transformers' longrope_frequency_update, which takes the batch's)."""
     freq, scale = inv_freq(args)
-    ang = position_ids.float()[..., None] * freq.to(position_ids.device)   # [B, S, Hd/2]
+    freq = freq.to(position_ids.device)
+    if args.rope_scaling.get("rope_type") == "longrope":
+        span = position_ids.amax(-1) + 1 if span is None else span
+        long = span > args.rope_scaling["original_max_position_embeddings"]             # [B]
+        freq = torch.where(long[:, None], inv_freq(args, True)[0].to(freq.device), freq)[:, None]   # [B, 1, Hd/2]
+    ang = position_ids.float()[..., None] * freq                           # [B, S, Hd/2]
     ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
     cos, sin = ang.cos() * scale, ang.sin() * scale
     if args.attn_temperature_beta is not None:   # 1 + beta·log(1 + floor(pos / n)), as transformers computes it
@@ -93,11 +108,11 @@ def cos_sin(args, position_ids, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return cos.to(dtype), sin.to(dtype)
 
 
-def rope_tables(args, position_ids, dtype):
+def rope_tables(args, position_ids, dtype, span=None):
     """cos, sin [B, S, Hd] for global positions (cos_sin; q's own beside them: [B, S, 2·Hd] with Ministral 3's
-    temperature); with `local_rope` (Gemma, OLMo 3) the pairs (full layers', sliding layers') of each, which
-    model.gemma.SandwichBlock picks from (model.llama.Transformer.rope)."""
-    cos, sin = cos_sin(args, position_ids, dtype)
+    temperature; `span`: LongRoPE's, cos_sin); with `local_rope` (Gemma, OLMo 3) the pairs (full layers', sliding
+    layers') of each, which model.gemma.SandwichBlock picks from (model.llama.Transformer.rope)."""
+    cos, sin = cos_sin(args, position_ids, dtype, span)
     if args.local_rope is None:
         return cos, sin
     lcos, lsin = cos_sin(args.local_args(), position_ids, dtype)

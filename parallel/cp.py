@@ -197,6 +197,11 @@ class ContextParallelAttention(AttentionCore):
             return docs
         return docs and docs.bounds
 
+    def row_span(self, position_ids):
+        span = position_ids.amax(-1) + 1   # [B]: this shard's, then the row's (every rank the same, LongRoPE's choice)
+        dist.all_reduce(span, dist.ReduceOp.MAX, group=self.cp_group)
+        return span
+
     def __call__(self, q, k, v, meta, scale, window=None, sinks=None):
         u, r = self.dims.ulysses, self.dims.ring
         if u > 1:  # [B, S/cp, H, D] -> [B, S/r, H/u, D]
