@@ -12,8 +12,8 @@ Contract:
   The decoder hands the core its own q, k, v and reads them no more, and reads the core's output only
   through o_proj: a core may reuse their storage in backward (parallel.kernels' `spare_q`; under AC nothing
   checks this). A decoder that keeps any of them for something else must drop `spare_q` in its core.
-  `row_span(position_ids)` -> [B]: each whole row's largest position + 1 (LongRoPE's choice; a context-parallel core
-  all-reduces its shard's), once per forward for such a model.
+  `spans(position_ids)` -> [B, S]: each local token's document's largest position + 1 in the whole row
+  (`document_spans`: LongRoPE's choice; a context-parallel core gathers the row), once per forward for such a model.
 - Documents (packed rows): a document starts at t == 0 and wherever pos[t] != pos[t-1] + 1, so a row
   with contiguous positions, even far from 0, is one document; padding continues the positions of
   the last document. Tokens attend only inside their own document. This module is the one place that
@@ -51,6 +51,14 @@ def document_bounds(position_ids: torch.Tensor):
         return None
     s = position_ids.shape[1]
     return [row.nonzero().flatten().tolist() + [s] for row in starts.cpu()]
+
+
+def document_spans(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each token's document's largest position + 1 (the length transformers sees running that document
+    alone: LongRoPE's choice of factors, model/rope.py). Padding continues the last document, so counts in it."""
+    doc = document_starts(position_ids).cumsum(1) - 1                      # [B, S]: the document index in its row
+    top = torch.full_like(position_ids, -1).scatter_reduce(1, doc, position_ids, "amax")   # [B, S]: per document
+    return top.gather(1, doc) + 1
 
 
 class Packed(NamedTuple):
@@ -103,10 +111,10 @@ class AttentionCore:
     def __call__(self, q, k, v, meta, scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def row_span(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[B]: each row's largest position + 1 over the WHOLE row (LongRoPE's choice of factors, model/rope.py); a
-        core that holds a shard of the row (context parallelism) reduces it over the row's holders."""
-        return position_ids.amax(-1) + 1
+    def spans(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S]: `document_spans` of the WHOLE rows at this core's (local) tokens (LongRoPE's choice of factors,
+        model/rope.py); a core holding a shard of each row (context parallelism) computes them on the gathered row."""
+        return document_spans(position_ids)
 
 
 def sdpa(q, k, v, scale, keep=None, sinks=None):

@@ -204,8 +204,8 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids, dtype):
         """cos, sin [B, S, Hd] for global positions, or (full, sliding) pairs of each: model.rope.rope_tables."""
-        span = self.attention.row_span(position_ids) if self.args.rope_scaling.get("rope_type") == "longrope" else None
-        return rope_tables(self.args, position_ids, dtype, span)   # (span: LongRoPE's choice, from the whole row)
+        span = self.attention.spans(position_ids) if self.args.rope_scaling.get("rope_type") == "longrope" else None
+        return rope_tables(self.args, position_ids, dtype, span)   # (LongRoPE's choice, per document of the row)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_fn=None, per_token=False, hits=None, noise=None,
                 dft=False):

@@ -15,8 +15,9 @@ Contract:
   the tables are [.., R] (frequencies over R, as transformers' `dim`), `Rotary` passes the other Hd - R dims.
 - LongRoPE (rope_type "longrope", Phi-3 / Phi-4: model/phi3.py): frequencies divided by a factor each, the short set
   or, in rows whose largest position + 1 passes original_max_position_embeddings, the long one; cos/sin times its
-  attention_factor. The choice is per whole row (`span`, which the model takes from its attention core: one answer
-  on every cp rank); a row of a single micro-batch, not the batch as transformers takes it.
+  attention_factor. The choice is per document (`span`, which the model takes from its attention core: the whole
+  row's documents on every cp rank), as transformers chooses for a document run alone (for a batch it takes the
+  largest position of all its rows: a packed row or a micro-batch would change a document's numbers).
 - Proportional RoPE (rope_type "proportional", Gemma 4's full layers): frequencies over the whole head (its own,
   global_head_dim), the first int(f·Hd/2) as default RoPE's, the rest 0: dims [0, f·Hd/2) and [Hd/2, Hd/2 + f·Hd/2)
   rotate, not a prefix (rotate_half pairs i with i + Hd/2); the tables are [.., Hd], Rotary rotates the whole head.
@@ -31,6 +32,8 @@ import math
 
 import torch
 from torch import nn
+
+from model.attention import document_spans
 
 ROPE_CHUNK = 2**26   # elements per sequence chunk in eager RoPE (_RopeFn: temporaries of a chunk, not of q)
 
@@ -91,14 +94,15 @@ def inv_freq(args, long: bool = False) -> tuple[torch.Tensor, float]:
 def cos_sin(args, position_ids, dtype, span=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, S, R] (R = args.rotary_dim: Hd, or a partial RoPE's first dims) for global positions, computed in
     float32 as transformers does ([B, S, 2·R] with q's own, scaled by the attention temperature: module docstring).
-    LongRoPE: `span` [B] (each whole row's largest position + 1; the local rows' without it) above the original
-    length takes the long factors, per row (transformers' longrope_frequency_update, which takes the batch's)."""
+    LongRoPE: a token whose `span` [B, S] (its document's largest position + 1 in the whole row,
+    model.attention.document_spans; of the given rows without it) passes the original length takes the long factors
+    (transformers' longrope_frequency_update on that document alone)."""
     freq, scale = inv_freq(args)
     freq = freq.to(position_ids.device)
     if args.rope_scaling.get("rope_type") == "longrope":
-        span = position_ids.amax(-1) + 1 if span is None else span
-        long = span > args.rope_scaling["original_max_position_embeddings"]             # [B]
-        freq = torch.where(long[:, None], inv_freq(args, True)[0].to(freq.device), freq)[:, None]   # [B, 1, Hd/2]
+        span = document_spans(position_ids) if span is None else span
+        long = (span > args.rope_scaling["original_max_position_embeddings"])[..., None]   # [B, S, 1]
+        freq = torch.where(long, inv_freq(args, True)[0].to(freq.device), freq)           # [B, S, Hd/2]
     ang = position_ids.float()[..., None] * freq                           # [B, S, Hd/2]
     ang = torch.cat((ang, ang), dim=-1)                                    # [B, S, Hd]
     cos, sin = ang.cos() * scale, ang.sin() * scale

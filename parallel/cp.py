@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from loss import IGNORE_INDEX
-from model.attention import AttentionCore
+from model.attention import AttentionCore, document_spans
 from parallel import kernels, masks
 from parallel.ring import ring_attention
 from parallel.ulysses import heads_to_seq, kv_to_heads, seq_to_heads
@@ -197,10 +197,11 @@ class ContextParallelAttention(AttentionCore):
             return docs
         return docs and docs.bounds
 
-    def row_span(self, position_ids):
-        span = position_ids.amax(-1) + 1   # [B]: this shard's, then the row's (every rank the same, LongRoPE's choice)
-        dist.all_reduce(span, dist.ReduceOp.MAX, group=self.cp_group)
-        return span
+    def spans(self, position_ids):
+        full = gather_sequence(position_ids, self.cp_group, self.dims)   # [B, S]: the whole (padded) rows
+        n = position_ids.shape[1]   # (a document crossing ranks: its span is the whole document's on each of them)
+        idx = layout_index(full.shape[1], self.dims)[dist.get_rank(self.cp_group) * n:][:n].to(full.device)
+        return document_spans(full).index_select(1, idx)                 # [B, S_local]
 
     def __call__(self, q, k, v, meta, scale, window=None, sinks=None):
         u, r = self.dims.ulysses, self.dims.ring

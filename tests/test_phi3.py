@@ -1,0 +1,262 @@
+"""Phi-3 / Phi-4 (`model_type: phi3`, model/phi3.py: fused qkv_proj and gate_up_proj, partial RoPE, LongRoPE)
+compute what transformers' Phi3ForCausalLM does.
+
+Pins (CPU, tiny random checkpoints saved by transformers, 6 query / 2 KV heads of 8, every norm weight drawn away
+from 1): "mini" is Phi-4-mini's form (partial_rotary_factor 0.75: 6 of 8 dims rotate; LongRoPE with short and long
+factors from original_max_position_embeddings 18 to 4096, tied embeddings), "window" Phi-3's default RoPE with a
+5-token sliding window, untied.
+- logits = transformers' on whole rows and a packed row of two documents; LongRoPE on rows below (short factors)
+  and above (long factors) the original length, each set mattering there; the sliding window mattering;
+- config.json read as Phi3Config reads it (bench/configs/phi-4-mini and phi-4: its rope_parameters, theta, partial
+  factor, original length, attention factor); bad factors, dropouts and rope types refused naming the key;
+- --lora-targets: the default and the shorthands adapt the fused Linears; q_proj,v_proj on phi3 refused naming the fix;
+- LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
+- one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain): loss, grad norm, logits and every LoRA
+  gradient on every rank, LongRoPE's threshold passed by the whole row and not by some rank's shard;
+- --train-norms: the adapter loads in peft on transformers' model, our logits; `python -m model.merge` = peft's
+  merge_and_unload, and transformers loads what it writes.
+
+Run: .venv/bin/python -m pytest -q tests/test_phi3.py
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers as T
+
+import model
+from tests.dist import run_ranks
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+SIZES = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.5, 4.0, 9.0]}
+CONFIGS = {"mini": dict(SIZES, rope_parameters=LONGROPE, original_max_position_embeddings=18, tie_word_embeddings=True),
+           "window": dict(SIZES, rope_parameters={"rope_type": "default", "rope_theta": 3e4}, sliding_window=5)}
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)
+        hf = T.Phi3ForCausalLM(T.Phi3Config(**cfg)).float().eval()
+        with torch.no_grad():   # transformers starts norm weights at 1: that would hide a dropped one
+            for n, p in hf.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path, max_shard_size="60KB")
+        out[name] = str(path)
+    return out
+
+
+def _hf(path, dtype=torch.float32):
+    return T.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def test_logits_match_transformers(ckpts):
+    """float64: whole rows (positions offset), a packed row; LongRoPE below and above original length 18 (the row's
+    largest position + 1), where the other factor set is far off; the sliding window, where no window is far off."""
+    from model.load import read_args
+
+    ids = torch.randint(0, 128, (2, 31), generator=torch.Generator().manual_seed(1))
+    for name, path in ckpts.items():
+        hf, ours = _hf(path, torch.float64), model.from_pretrained(path, dtype=torch.float64).eval()
+        attn = ours.model.layers[0].self_attn
+        assert attn.q_proj is attn.k_proj is attn.v_proj is None and tuple(attn.qkv_proj.weight.shape) == (80, 48)
+        assert tuple(ours.model.layers[0].mlp.gate_up_proj.weight.shape) == (128, 48), name
+        with torch.no_grad():
+            for n in (12, 18, 19, 31):   # 18: the largest position + 1 equals the original length: short factors
+                sub = ids[:1, :n]
+                assert rel(ours(sub), hf(input_ids=sub).logits) < 1e-12, f"{name}: row of {n}"
+            pos = torch.arange(12).expand(2, 12) + torch.tensor([[3], [0]])   # both rows short (largest + 1 <= 18)
+            assert rel(ours(ids[:, :12], position_ids=pos), hf(input_ids=ids[:, :12], position_ids=pos).logits) \
+                < 1e-12, f"{name}: rows off position 0"
+            packed = torch.cat([torch.arange(11), torch.arange(20)])[None]   # the second document passes 18
+            want = torch.cat([hf(input_ids=ids[:1, :11]).logits, hf(input_ids=ids[:1, 11:]).logits], 1)
+            assert rel(ours(ids[:1], position_ids=packed), want) < 1e-12, f"{name}: packed row"
+            if name == "mini":   # each factor set where the other one's belongs: far off
+                args = ours.args
+                swapped = dict(args.rope_scaling, short_factor=LONGROPE["long_factor"],
+                               long_factor=LONGROPE["short_factor"])
+                ours.args = type(args)(**{**vars(args), "rope_scaling": swapped})
+                for n in (12, 31):
+                    assert rel(ours(ids[:1, :n]), hf(input_ids=ids[:1, :n]).logits) > 1e-3, f"factors at {n}: no effect"
+                ours.args = args
+            else:
+                assert [b.self_attn.window for b in ours.model.layers] == [5, 5]
+                for b in ours.model.layers:
+                    b.self_attn.window = None
+                assert rel(ours(ids[:1]), hf(input_ids=ids[:1]).logits) > 1e-3, "the window has no effect"
+    assert read_args(ckpts["mini"]).rotary_dim == 6
+
+
+def test_config_read_as_phi3config_reads_it():
+    """bench/configs/phi-4-mini (Phi-4-mini-instruct's config.json: classic rope_scaling, top-level partial factor and
+    original length) and phi-4: RoPE as Phi3Config standardizes it, the attention factor as transformers computes it;
+    the old type name "su"; refusals naming the key."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from model.rope import inv_freq
+
+    for name in ("phi-4-mini", "phi-4"):
+        with open(os.path.join(BENCH, name, "config.json")) as f:
+            hub = json.load(f)
+        a = model.ModelArgs.from_config_dict(hub)
+        want = T.Phi3Config(**{k: v for k, v in hub.items() if k not in ("architectures", "model_type")})
+        rp = want.rope_parameters
+        assert (a.rope_theta, a.partial_rotary_factor, a.fused, a.sliding_window, a.tie_embeddings) == (
+            rp["rope_theta"], rp["partial_rotary_factor"], True, want.sliding_window, want.tie_word_embeddings), name
+        if rp["rope_type"] == "longrope":
+            for long in (False, True):
+                f, s = ROPE_INIT_FUNCTIONS["longrope"](want, None, seq_len=(rp["original_max_position_embeddings"] + 1)
+                                                       * long or None)
+                mine = inv_freq(a, long)
+                assert torch.equal(mine[0], f) and mine[1] == pytest.approx(s, rel=1e-12), (name, long)
+        else:
+            assert a.rope_scaling == {} and rp["rope_type"] == "default"
+    mini = {"model_type": "phi3", **SIZES, "original_max_position_embeddings": 18, "partial_rotary_factor": 0.75,
+            "rope_scaling": {"type": "su", "short_factor": [1, 1, 1], "long_factor": [2, 2, 2]}}
+    assert model.ModelArgs.from_config_dict(mini).rope_scaling["rope_type"] == "longrope"
+    bad = [({"rope_scaling": {**mini["rope_scaling"], "long_factor": [2, 2]}}, "long_factor must be a list of 3"),
+           ({"resid_pdrop": 0.1}, "resid_pdrop 0.1 is not supported"), ({"embd_pdrop": 0.1}, "embd_pdrop"),
+           ({"attention_dropout": 0.1}, "attention_dropout"),
+           ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear' is not supported")]
+    for over, match in bad:
+        with pytest.raises(ValueError, match=match):
+            model.ModelArgs.from_config_dict({**mini, **over})
+
+
+def test_lora_targets_map_to_the_fused_linears():
+    from model.lora_spec import NotGiven, lora_targets_arg, run_targets
+
+    phi, llama = (model.ModelArgs.from_config_dict({"model_type": t, **SIZES}) for t in ("phi3", "llama"))
+    default = NotGiven(lora_targets_arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
+    assert run_targets(default, phi)[0] == tuple(FUSED)
+    assert run_targets(lora_targets_arg("all-linear"), phi)[0] == tuple(FUSED)
+    assert run_targets(lora_targets_arg("attn"), phi)[0] == ("qkv_proj", "o_proj")
+    assert run_targets(lora_targets_arg("mlp"), phi)[0] == ("gate_up_proj", "down_proj")
+    assert run_targets("qkv_proj,down_proj", phi)[0] == ("qkv_proj", "down_proj")
+    with pytest.raises(ValueError, match="name all of q_proj,k_proj,v_proj .or qkv_proj."):
+        run_targets("q_proj,v_proj", phi)
+    with pytest.raises(ValueError, match="has gate_proj,up_proj apart"):
+        run_targets("gate_up_proj", llama)
+    assert run_targets(default, llama)[0] == tuple(default.split(","))
+
+
+@pytest.mark.parametrize("name", ["mini", "window"])
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True, tiled_attn=True)],
+                         ids=["plain", "ac_tiled_mlp_tiled_attn"])
+def test_lora_grads_match_peft_on_transformers(ckpts, name, mem):
+    """peft's LoRA on transformers' model (qkv_proj, o_proj, gate_up_proj, down_proj) with our adapter's values: the
+    same loss and every LoRA gradient; rows of 23 pass the mini's original length (long factors)."""
+    from peft import LoraConfig, get_peft_model
+
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    ours, peft_model = build_nonzero_b(BuildOptions(ckpts[name], quant="none", lora_r=4, lora_alpha=8, seed=3, **mem))
+    s, n = ours(ids, labels=labels)
+    (s / n).backward()
+    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+    hf = get_peft_model(_hf(ckpts[name]), LoraConfig(r=4, lora_alpha=8, target_modules=FUSED, lora_dropout=0.0,
+                                                     init_lora_weights=False))
+    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
+    assert not hf.load_state_dict(state, strict=False).unexpected_keys
+    hf.train()
+    logits = hf(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            reduction="sum", ignore_index=-100)
+    (ref / n).backward()
+    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
+    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and len(mine) == 4 * 2 * 2
+    for k in mine:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+
+
+@pytest.mark.timeout(300)
+def test_cp_ring_and_ulysses_equal_one_process(ckpts):
+    """tests/test_qlora.py's check (rows of 21 tokens) on 2 ranks: the mini's original length 18 is passed by the
+    whole row (21, padded 22 or 24) but by neither Ulysses rank 0's shard (positions 0..10) nor ring rank 1's (6..17):
+    those must take the long factors from the other rank (AttentionCore.row_span)."""
+    from tests.test_qlora import _cases, layout
+
+    cases = {"mini (LongRoPE), nf4, cp 2 Ulysses": layout("nf4", 2, family="mini"),
+             "mini (LongRoPE), plain weights, cp 2 ring": layout("none", 2, "ring", family="mini"),
+             "window, nf4, cp 2 ring": layout("nf4", 2, "ring", family="window")}
+    assert run_ranks(_cases, 2, ckpts, cases, timeout=280) == [len(cases)] * 2
+
+
+def _peft_twin(path, ours):
+    """peft on the transformers model: LoRA on the fused Linears, the norms we train as modules_to_save."""
+    from peft import LoraConfig, get_peft_model
+
+    from model.norms import modules_to_save
+
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    ref = get_peft_model(_hf(path), LoraConfig(r=4, lora_alpha=8, target_modules=FUSED, init_lora_weights=False,
+                                               modules_to_save=modules_to_save(mine)))
+    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
+              for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(mine[n])
+    return ref, mine, theirs
+
+
+def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
+    """--train-norms on the mini: gradients = peft's with the norms as modules_to_save; the exported adapter loads in
+    peft on Phi3ForCausalLM with our logits (a row past the original length: long factors); `python -m model.merge`
+    writes a checkpoint transformers loads, whose logits = peft's merge_and_unload's."""
+    from peft import PeftModel
+
+    from model.export import export_adapter
+    from model.merge import main as merge_main
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    path = ckpts["mini"]
+    ours, peft_model = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3,
+                                                    train_norms=True))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if p.requires_grad and n.endswith("norm.weight"):
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    ref, mine, theirs = _peft_twin(path, ours)
+    assert sum("norm" in k for k in mine) == 2 * 2 + 1, sorted(mine)
+    ids = torch.randint(0, 128, (1, 25), generator=torch.Generator().manual_seed(7))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    s, n = ours(ids, labels=labels)
+    s.backward()
+    logits = ref(input_ids=ids).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
+                                      ignore_index=-100).backward()
+    for k in mine:
+        torch.testing.assert_close(mine[k].grad, theirs[k].grad, rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+    export_adapter(peft_model, str(tmp_path / "adapter"), path)
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    assert sorted(cfg["target_modules"]) == sorted(FUSED) and len(cfg["modules_to_save"]) == 2 * 2 + 1, cfg
+    peft = PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        want = ours(ids)
+        torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5, msg="peft's logits")
+        merged_ref = peft.merge_and_unload()(input_ids=ids).logits
+    merge_main(["--model", path, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")])
+    with torch.no_grad():
+        got = _hf(str(tmp_path / "merged"))(input_ids=ids).logits
+    torch.testing.assert_close(got, merged_ref, rtol=1e-4, atol=1e-4, msg="merged checkpoint = merge_and_unload")
