@@ -256,7 +256,8 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
         want = ours(ids)
         torch.testing.assert_close(peft(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5, msg="peft's logits")
         merged_ref = peft.merge_and_unload()(input_ids=ids).logits
-    merge_main(["--model", path, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")])
+    assert merge_main(["--model", path, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"),
+                       "--quant", "none", "--dtype", "fp32"]) == 0
     with torch.no_grad():
         got = _hf(str(tmp_path / "merged"))(input_ids=ids).logits
     torch.testing.assert_close(got, merged_ref, rtol=1e-4, atol=1e-4, msg="merged checkpoint = merge_and_unload")

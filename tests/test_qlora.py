@@ -96,7 +96,8 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
             torch.testing.assert_close(full.detach(), ref_p[n].detach(), rtol=0, atol=0, msg=f"init {n}")
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, ref_p[n].grad, **TOL, msg=f"grad {n}")
-    assert n_lora == (3 if dora else 2) * 7 * len(layers or (0, 1)), n_lora   # (DoRA: A, B and the magnitude)
+    per = 4 if ref.args.fused else 7   # (Phi-3: qkv_proj, gate_up_proj for five of them)
+    assert n_lora == (3 if dora else 2) * per * len(layers or (0, 1)), n_lora   # (DoRA: A, B and the magnitude)
     # packed NF4 bits: gathered shards == single-process quantization, as integers
     ref_mods = dict(ref.named_modules())
     n_nf4 = 0
@@ -106,7 +107,7 @@ def check_layout_equals_one_process(rank, world_size, path, quant, cp, impl, fsd
             w = m.weight.full_tensor() if hasattr(m.weight, "full_tensor") else m.weight
             assert torch.equal(w.detach().view(torch.uint8), ref_mods[n].weight.detach().view(torch.uint8)), n
             assert torch.equal(m.state().absmax, ref_mods[n].state().absmax), n
-    assert n_nf4 == (14 if quant == "nf4" else 0)
+    assert n_nf4 == (2 * per if quant == "nf4" else 0)
     # logits of this rank's shard (no-grad path) equal the reference's at the same tokens
     with torch.no_grad():
         logits = model(lids, position_ids=lpos)
