@@ -41,15 +41,15 @@ def block_matmuls(args: ModelArgs, i: int) -> dict[str, int]:
     and in the AC recompute: Gemma 4's router and a token's k experts beside its dense MLP; Gemma 4 E2B / E4B's
     per_layer_input_gate and per_layer_projection (D·P each). The MLP at block i's own width (E2B's KV-shared layers:
     twice intermediate_size), no k/v projections where the block reuses an earlier one's K/V."""
-    d, f, moe, small = args.dim, args.projections(i)["up_proj"][1], args.moe, args.small
+    d, f, moe, small = args.dim, args.projections(i)["down_proj"][0], args.moe, args.small
     out = dict(q=0, kv=0, o=0, gate_up=2 * d * f, down=d * f, beside=2 * d * small.ple if small else 0)
     if args.is_linear(i):   # (Qwen3.5's linear layers: linear_attn's five in place of the attention's)
         proj = args.linear.projections(d)
         out.update(q=sum(a * b for n, (a, b) in proj.items() if n != "out_proj"), o=d * proj["out_proj"][0])
     else:   # each at the layer's own (H, K, Hd): Gemma 4's full layers theirs, no v_proj where k_proj's output is v
         h, kv, hd = args.attn_dims(i)
-        out.update(q=d * h * hd * (2 if args.attn_gate else 1), kv=d * kv * hd * (args.has(i, "k_proj") + args.has(
-                   i, "v_proj")), o=d * h * hd)
+        out.update(q=d * h * hd * (2 if args.attn_gate else 1), kv=d * kv * hd * (2 if args.fused else args.has(
+                   i, "k_proj") + args.has(i, "v_proj")), o=d * h * hd)   # (Phi-3: qkv_proj's k and v rows)
     if moe and moe.sparse(i):
         experts = dict(gate_up=d * moe.experts + moe.top_k * 2 * d * moe.width, down=moe.top_k * d * moe.width)
         if moe.beside:

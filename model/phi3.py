@@ -90,7 +90,10 @@ def project(attn, x, i: int) -> torch.Tensor:
     and for k, v apart, runs qkv_proj for each (the rows it does not need cost a third more of that matmul)."""
     if attn.qkv_proj is None:
         return (attn.q_proj, attn.k_proj, attn.v_proj)[i](x)
-    return (x if isinstance(x, Split) else split(attn, x))[i]
+    y = (x if isinstance(x, Split) else split(attn, x))[i]
+    # v, which the kernel saves, as its own tensor: a view would keep the whole [T, (H + 2K)·Hd] output alive to
+    # backward (q and k are rotated into new tensors: their rows die with it)
+    return y.contiguous() if i == 2 else y
 
 
 def gate_up(mlp, x) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,7 @@ FED = ("q_proj", "k_proj", "v_proj") + plan_linear.IN_PROJ   # the projections t
 
 def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     """Term-by-term plan (see the module docstring) for ModelArgs `m` under ParallelDims `dims`."""
+    m, args = plan_layers.unfused(m, args)   # (Phi-3's fused Linears as their parts)
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     el = e if target == "cuda" and e == 2 else 4
     W, U, R = dims.dp_shard * dims.cp, dims.ulysses, dims.ring
@@ -154,7 +155,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lo = adapted[0] * (not (norms and plan_small.branch_saved(m, 1, e)))   # blocks below lo need no grad: they
     # save nothing, no backward runs there (Gemma 4 E2B / E4B's trained per_layer_projection_norm: every block's
     # PLE branch needs one, so the blocks below the adapted ones run as un-adapted ones above them)
-    loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i)] + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]
+    loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i) if t not in plan_layers.doubled(args, tgs(i))]   # (one A a
+             + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]   # fused Linear: parallel/plan_layers.py)
              + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
              for x, i in {kind(i): i for i in range(L)}.items()}
     lora = lambda i: loras[kind(i)]   # a block's LoRA by its kind (linear or not; Gemma 4: its attention shape)
@@ -232,7 +234,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside and not tiled else 0)
         # (Gemma 4's MoE: beside the dense MLP, tiled with it; el != e: down's A keeps its float32 input, not the
         # product; peft casts x before dropout: the dropped input is kept, not the cast)
-        b += sum(T * r * el + (4 * T * sh[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner) \
+        b += sum(T * r * el + (4 * T * sh[t][1] if el != e and not args.lora_dropout > 0 else 0) for t in inner
+                 if t not in plan_layers.doubled(args, inner)) \
             + dora_saved(inner, first=first, tg=tg, sh=sh)
         return b + dropped(inner, first, sh)
 

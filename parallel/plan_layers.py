@@ -25,7 +25,29 @@ Not measured against a GPU trace (2026-12): the saved tensors are pinned against
 
 from __future__ import annotations
 
+from argparse import Namespace
 from collections import Counter
+from dataclasses import replace
+
+from model.lora_spec import FUSED
+
+
+def unfused(m, args):
+    """(m, args) as the plan takes them: Phi-3's fused Linears (model/phi3.py) as their parts, the same weights and
+    activations (qkv_proj's output cut into q, k, v; gate_up_proj's into gate and up), and --lora-targets' fused
+    names as their parts; `doubled` names the parts whose LoRA A the plan then leaves out."""
+    if not m.fused:
+        return m, args
+    names = [t for n in args.lora_targets.split(",") for t in FUSED.get(n, (n,))]
+    return replace(m, fused=False), Namespace(**{**vars(args), "lora_targets": ",".join(names), "fused": True})
+
+
+def doubled(args, targets) -> tuple:
+    """The parts in `targets` past the first of each fused Linear (`unfused`'s args): the LoRA A, its input and output
+    that one pair on the fused Linear has once, not once a part."""
+    if not getattr(args, "fused", False):
+        return ()
+    return tuple(t for parts in FUSED.values() if all(p in targets for p in parts) for t in parts[1:])
 
 
 def key(m, i: int) -> tuple:

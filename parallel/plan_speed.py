@@ -69,6 +69,7 @@ import re
 
 from model.flops import block_matmuls
 from model.lora_spec import lora_layers
+from parallel.plan_layers import unfused
 from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
 from parallel.plan_speed_block import experts_tiled, mixing_seconds, mlp_read, moe_bytes, unit_read
 from parallel.plan_totals import sample_tokens, with_reference
@@ -85,6 +86,7 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
     """(seconds, {matmul, attention, elementwise}) of one micro-step on one rank (module docstring); `reference`
     False: a DPO step whose pairs' reference log-probs are kept (--dpo-cache-ref, the second epoch on)."""
     r = RATES
+    m, args = unfused(m, args)   # (Phi-3's fused Linears timed as their parts: the same GEMM sizes, within one LoRA A)
     e = 2 if (args.dtype or ("bf16" if target == "cuda" else "fp32")) == "bf16" else 4
     fused_norm = target == "cuda" if fused_norm is None else fused_norm
     S, Sd = sample_tokens(args), args.max_len   # a row's tokens, a document's (a DPO pair: two of --max-len)

@@ -261,3 +261,30 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
     with torch.no_grad():
         got = _hf(str(tmp_path / "merged"))(input_ids=ids).logits
     torch.testing.assert_close(got, merged_ref, rtol=1e-4, atol=1e-4, msg="merged checkpoint = merge_and_unload")
+
+
+@pytest.mark.parametrize("name,flags", [("mini", []), ("window", ["--tiled-mlp", "--tiled-attn"]),
+                                        ("mini", ["--train-norms"]), ("mini", ["--lora-targets", "qkv_proj"]),
+                                        ("window", ["--lora-targets", "qkv_proj,o_proj"])],
+                         ids=["mini", "window_tiled_both", "mini_train_norms", "mini_qkv", "window_qkv_o"])
+def test_planned_activations_match_autograd(ckpts, name, flags):
+    """No AC, fp32, one process, nf4: the plan's activation terms (the fused Linears planned as their parts, one LoRA
+    pair each) = the bytes autograd keeps for backward in a real forward (unique storages, parameters excluded)."""
+    import train
+    from parallel.parallelize import BuildOptions, build_model
+    from tests.helpers import planned_and_saved_activations
+
+    args = train.build_parser().parse_args(["--model", ckpts[name], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
+                                            *flags])
+    from model.load import read_args
+    from model.lora_spec import run_targets
+
+    args.lora_targets = ",".join(run_targets(args.lora_targets, read_args(ckpts[name]))[0])
+    opts = dict(tiled_mlp=args.tiled_mlp, tiled_attn=args.tiled_attn, train_norms=args.train_norms,
+                lora_targets=tuple(args.lora_targets.split(",")))
+    ours, _ = build_model(BuildOptions(ckpts[name], quant="nf4", ac=False, lora_dropout=0.0, **opts), device="cpu")
+    for b in ours.model.layers:   # (the CPU kernel keeps a windowed layer's [S, S] mask: not a GPU's, not planned)
+        b.self_attn.window = None
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, planned - saved, terms)
