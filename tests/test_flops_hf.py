@@ -7,7 +7,8 @@ Pins (tiny configs saved by transformers and read back by model.load.read_args, 
   shared expert and its gate), Gemma 4 dense (sliding and full layers, 512-style wider full heads with their own KV
   heads, attention_k_eq_v: no v_proj there), Gemma 4 MoE (the experts beside the dense MLP, the router) and Gemma 4
   E2B / E4B's parts (tests/test_gemma4_small.py's config: per-layer embeddings' three Linears, the KV-shared layers
-  without k/v projections and with double-wide MLPs; and without the wide MLPs, as E4B). The
+  without k/v projections and with double-wide MLPs; and without the wide MLPs, as E4B) and Phi-3 (its fused qkv_proj
+  and gate_up_proj). The
   routing is whatever the random router picks: transformers' eager experts run each expert over the tokens routed to
   it, so the counter sees k expert MLPs a token, exactly what flops.py counts, whatever the choice;
 - what the counter counts for attention: transformers' eager attention is two matmuls over all S² pairs, masked or
@@ -51,6 +52,8 @@ CASES = {
     "gemma4_moe": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, test_gemma4_moe.CONFIG),
     "gemma4_e2b": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4_small.SMALL, attention_k_eq_v=True)),
     "gemma4_e4b": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4_small.SMALL, use_double_wide_mlp=False)),
+    "phi3": (T.Phi3ForCausalLM, T.Phi3Config, dict(DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                  partial_rotary_factor=0.75)),   # (fused qkv_proj, gate_up_proj)
 }
 
 
