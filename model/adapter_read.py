@@ -71,8 +71,9 @@ MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.r
                                      ".pre_feedforward_layernorm", ".post_feedforward_layernorm",   # (Gemma 3)
                                      ".post_per_layer_input_norm",
                                      ".mlp.act_fn", *(".self_attn." + p for p in ("q_proj", "k_proj", "v_proj",
-                                                                                  "o_proj", "q_norm", "k_norm")),
-                                     *(".mlp." + p for p in ("gate_proj", "up_proj", "down_proj")),
+                                                                                  "o_proj", "q_norm", "k_norm",
+                                                                                  "qkv_proj")),   # (Phi-3's fused)
+                                     *(".mlp." + p for p in ("gate_proj", "up_proj", "down_proj", "gate_up_proj")),
                                      ".linear_attn", *(".linear_attn." + p for p in (   # (Qwen3.5's linear layers)
                                          "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "norm")))]
 

@@ -144,6 +144,10 @@ class ModelArgs:
         sc = keep_temperature(rope_scaling_flag(spec, self), spec, self)
         if sc is None:
             return self
+        if self.fused and sc:   # (Phi3Config refuses other types: base_config_overrides.json would not load)
+            raise ValueError(f"--rope-scaling {spec}: transformers' Phi-3 reads only default RoPE and LongRoPE (its "
+                             "config.json's own scaling), so an adapter trained with this would not load on its base: "
+                             "drop --rope-scaling (or pass none for plain RoPE)")
         if self.rope_scaling.get("rope_type") == "proportional":
             raise ValueError(f"--rope-scaling {spec}: this {self.model_type} model's full layers use proportional RoPE "
                              "(a quarter of each head rotated, spread over it), which a scaling here would replace; "

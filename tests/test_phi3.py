@@ -126,7 +126,10 @@ def test_config_read_as_phi3config_reads_it():
             assert a.rope_scaling == {} and rp["rope_type"] == "default"
     mini = {"model_type": "phi3", **SIZES, "original_max_position_embeddings": 18, "partial_rotary_factor": 0.75,
             "rope_scaling": {"type": "su", "short_factor": [1, 1, 1], "long_factor": [2, 2, 2]}}
-    assert model.ModelArgs.from_config_dict(mini).rope_scaling["rope_type"] == "longrope"
+    a = model.ModelArgs.from_config_dict(mini)
+    assert a.rope_scaling["rope_type"] == "longrope" and a.with_rope_scaling("none").rope_scaling == {}
+    with pytest.raises(ValueError, match="drop --rope-scaling"):   # (Phi3Config: default or longrope only)
+        a.with_rope_scaling("yarn:2")
     bad = [({"rope_scaling": {**mini["rope_scaling"], "long_factor": [2, 2]}}, "long_factor must be a list of 3"),
            ({"resid_pdrop": 0.1}, "resid_pdrop 0.1 is not supported"), ({"embd_pdrop": 0.1}, "embd_pdrop"),
            ({"attention_dropout": 0.1}, "attention_dropout"),
@@ -195,6 +198,7 @@ def test_cp_ring_and_ulysses_equal_one_process(ckpts):
 
     cases = {"mini (LongRoPE), nf4, cp 2 Ulysses": layout("nf4", 2, family="mini"),
              "mini (LongRoPE), plain weights, cp 2 ring": layout("none", 2, "ring", family="mini"),
+             "mini, DoRA on the fused Linears, nf4, cp 2 ring": layout("nf4", 2, "ring", family="mini", dora=True),
              "window, nf4, cp 2 ring": layout("nf4", 2, "ring", family="window")}
     assert run_ranks(_cases, 2, ckpts, cases, timeout=280) == [len(cases)] * 2
 
