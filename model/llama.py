@@ -134,10 +134,7 @@ class MLP(nn.Module):
     def __init__(self, a: ModelArgs, layer: int | None = None):
         super().__init__()
         f = a.projections(layer)["down_proj"][0]   # intermediate_size (Gemma 4 E2B / E4B's reuse layers: maybe twice)
-        fused = a.has(layer or 0, "gate_up_proj")   # Phi-3: gate rows then up rows in one Linear (model/phi3.py)
-        self.gate_up_proj = nn.Linear(a.dim, 2 * f, bias=a.mlp_bias) if fused else None
-        self.gate_proj, self.up_proj = (None, None) if fused else (nn.Linear(a.dim, f, bias=a.mlp_bias),
-                                                                   nn.Linear(a.dim, f, bias=a.mlp_bias))
+        self.gate_proj, self.up_proj, self.gate_up_proj = phi3.mlp_inputs(a, f)   # (Phi-3's: one fused Linear)
         self.down_proj = nn.Linear(f, a.dim, bias=a.mlp_bias)
         self.act = GeGLU() if a.act == "gelu_tanh" else SwiGLU()
 
@@ -155,8 +152,7 @@ class Block(nn.Module):
                     MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS: model/gpt_oss.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
-        if a.fused:   # (Phi-3: the Linears its norms feed, for parallel/memory.py's norm rebuild)
-            self.norm_fed = (("self_attn.qkv_proj",), ("mlp.gate_up_proj",))
+        self.norm_fed = phi3.NORM_FED if a.fused else None   # (Phi-3: what its norms feed, parallel/memory.py)
 
     def forward(self, x, cos, sin, core, meta, linear=None):   # (linear: the linear blocks' core and meta, unused)
         a = self.self_attn(normed(self.input_layernorm, self.self_attn, x), cos, sin, core, meta)

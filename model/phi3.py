@@ -14,7 +14,8 @@ Contract:
   of the whole row (`model.attention.AttentionCore.row_span`: under context parallelism the max over the cp ranks).
 - `project(attn, x, i)`: q_proj's, k_proj's or v_proj's output (i = 0, 1, 2): the model's own Linear, or the rows of
   qkv_proj (x the input, or `Split`: the fused output computed once for all three).
-- `gate_up(mlp, x)`: (gate, up) of an MLP: its two Linears, or gate_up_proj's halves.
+- `mlp_inputs(a, f)` makes an MLP's gate and up Linears or its fused one; `gate_up(mlp, x)`: (gate, up) of an MLP:
+  its two Linears, or gate_up_proj's halves. `NORM_FED`: the Linears a block's norms feed (parallel/memory.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from model.rope_read import read_rope
 
@@ -73,6 +75,16 @@ def phi3_fields(cfg: dict, max_pos: int) -> dict:
         scaling = read_longrope(scaling, int(hd * part), max_pos)
     return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=part, fused=True,
                 sliding_window=cfg.get("sliding_window"), layer_types=None)
+
+
+NORM_FED = (("self_attn.qkv_proj",), ("mlp.gate_up_proj",))   # the Linears a block's two norms feed (norm rebuild)
+
+
+def mlp_inputs(a, f: int) -> tuple:
+    """An MLP's (gate_proj, up_proj, gate_up_proj) [F, D], [F, D], [2F, D]: the first two, or (Phi-3) the third."""
+    if a.fused:
+        return None, None, nn.Linear(a.dim, 2 * f, bias=a.mlp_bias)
+    return nn.Linear(a.dim, f, bias=a.mlp_bias), nn.Linear(a.dim, f, bias=a.mlp_bias), None
 
 
 class Split(tuple):
