@@ -272,6 +272,30 @@ def as_scalars(records) -> dict:
     return out
 
 
+def assert_lora_grads_match_peft(hf, targets, ours, peft_model, ids, labels, n_tensors):
+    """Our LoRA model's loss and every LoRA gradient on (ids, labels) = peft's on transformers' model `hf` with LoRA on
+    `targets` holding our tensors (n_tensors of them), F.cross_entropy's mean over the same targets."""
+    from peft import LoraConfig, get_peft_model
+
+    s, n = ours(ids, labels=labels)
+    (s / n).backward()
+    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+    ref_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
+                                              init_lora_weights=False))
+    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
+    assert not ref_model.load_state_dict(state, strict=False).unexpected_keys
+    ref_model.train()
+    logits = ref_model(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            reduction="sum", ignore_index=-100)
+    (ref / n).backward()
+    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
+    theirs = {k: p.grad for k, p in ref_model.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and len(mine) == n_tensors, (len(mine), n_tensors)
+    for k in mine:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+
+
 def hf_as_trained(path, quant="none"):
     """The transformers model of a checkpoint in float32; for nf4 each block Linear holds the weight our NF4 layers
     compute with (`nf4_round_trip`), so peft on it is the reference for our nf4 model."""

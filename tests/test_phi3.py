@@ -162,31 +162,13 @@ def test_lora_targets_map_to_the_fused_linears():
 def test_lora_grads_match_peft_on_transformers(ckpts, name, mem):
     """peft's LoRA on transformers' model (qkv_proj, o_proj, gate_up_proj, down_proj) with our adapter's values: the
     same loss and every LoRA gradient; rows of 23 pass the mini's original length (long factors)."""
-    from peft import LoraConfig, get_peft_model
-
     from parallel.parallelize import BuildOptions
-    from tests.helpers import build_nonzero_b
+    from tests.helpers import assert_lora_grads_match_peft, build_nonzero_b
 
     ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(5))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     ours, peft_model = build_nonzero_b(BuildOptions(ckpts[name], quant="none", lora_r=4, lora_alpha=8, seed=3, **mem))
-    s, n = ours(ids, labels=labels)
-    (s / n).backward()
-    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
-    hf = get_peft_model(_hf(ckpts[name]), LoraConfig(r=4, lora_alpha=8, target_modules=FUSED, lora_dropout=0.0,
-                                                     init_lora_weights=False))
-    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
-    assert not hf.load_state_dict(state, strict=False).unexpected_keys
-    hf.train()
-    logits = hf(input_ids=ids).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            reduction="sum", ignore_index=-100)
-    (ref / n).backward()
-    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
-    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
-    assert theirs.keys() == mine.keys() and len(mine) == 4 * 2 * 2
-    for k in mine:
-        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+    assert_lora_grads_match_peft(_hf(ckpts[name]), FUSED, ours, peft_model, ids, labels, 4 * 2 * 2)
 
 
 @pytest.mark.timeout(300)
@@ -203,24 +185,6 @@ def test_cp_ring_and_ulysses_equal_one_process(ckpts):
     assert run_ranks(_cases, 2, ckpts, cases, timeout=280) == [len(cases)] * 2
 
 
-def _peft_twin(path, ours):
-    """peft on the transformers model: LoRA on the fused Linears, the norms we train as modules_to_save."""
-    from peft import LoraConfig, get_peft_model
-
-    from model.norms import modules_to_save
-
-    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-    ref = get_peft_model(_hf(path), LoraConfig(r=4, lora_alpha=8, target_modules=FUSED, init_lora_weights=False,
-                                               modules_to_save=modules_to_save(mine)))
-    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
-              for n, p in ref.named_parameters() if p.requires_grad}
-    assert sorted(theirs) == sorted(mine), sorted(set(theirs) ^ set(mine))
-    with torch.no_grad():
-        for n, p in theirs.items():
-            p.copy_(mine[n])
-    return ref, mine, theirs
-
-
 def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
     """--train-norms on the mini: gradients = peft's with the norms as modules_to_save; the exported adapter loads in
     peft on Phi3ForCausalLM with our logits (a row past the original length: long factors); `python -m model.merge`
@@ -229,18 +193,11 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
 
     from model.export import export_adapter
     from model.merge import main as merge_main
-    from parallel.parallelize import BuildOptions
-    from tests.helpers import build_nonzero_b
+    from tests.test_norms import _ours, _peft_twin
 
     path = ckpts["mini"]
-    ours, peft_model = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3,
-                                                    train_norms=True))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if p.requires_grad and n.endswith("norm.weight"):
-                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
-    ref, mine, theirs = _peft_twin(path, ours)
+    ours, peft_model = _ours(path)   # (B ~ N(0, 0.05), the trained norms drawn off their start)
+    ref, mine, theirs = _peft_twin(path, "none", ours, targets=FUSED)
     assert sum("norm" in k for k in mine) == 2 * 2 + 1, sorted(mine)
     ids = torch.randint(0, 128, (1, 25), generator=torch.Generator().manual_seed(7))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)

@@ -159,32 +159,15 @@ def test_lora_grads_match_peft_on_transformers(ckpts, mem):
     """peft's LoRA on transformers' model with our adapter's values: the same loss and every LoRA gradient (the
     routing weights' gradient flows into the hidden states through the frozen router, as in transformers); the tiled
     MLP routes each tile's tokens as the whole row's."""
-    from peft import LoraConfig, get_peft_model
 
     from parallel.parallelize import BuildOptions
-    from tests.helpers import build_nonzero_b
+    from tests.helpers import assert_lora_grads_match_peft, build_nonzero_b
 
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     ours, peft_model = build_nonzero_b(BuildOptions(ckpts["renorm"], quant="none", lora_r=4, lora_alpha=8, seed=3,
                                                     lora_targets=ATTN, **mem))
-    s, n = ours(ids, labels=labels)
-    (s / n).backward()
-    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
-    hf = get_peft_model(_hf(ckpts["renorm"]), LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTN),
-                                                         lora_dropout=0.0, init_lora_weights=False))
-    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
-    assert not hf.load_state_dict(state, strict=False).unexpected_keys
-    hf.train()
-    logits = hf(input_ids=ids).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            reduction="sum", ignore_index=-100)
-    (ref / n).backward()
-    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
-    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
-    assert theirs.keys() == mine.keys() and len(mine) == 2 * 4 * 3
-    for k in mine:
-        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
+    assert_lora_grads_match_peft(_hf(ckpts["renorm"]), ATTN, ours, peft_model, ids, labels, 2 * 4 * 3)
 
 
 def test_lora_on_experts_refused_naming_the_fix(ckpts):
