@@ -87,6 +87,18 @@ def mlp_inputs(a, f: int) -> tuple:
     return nn.Linear(a.dim, f, bias=a.mlp_bias), nn.Linear(a.dim, f, bias=a.mlp_bias), None
 
 
+def padded_rows(margs, pack, micro_batch) -> str | None:
+    """Why --no-pack with several samples a micro-batch is refused on a LongRoPE model (else None): each row is padded
+    to the longest and padding continues its document's positions, so a short sample beside a long one would take the
+    long factors: its numbers would hang on which samples share its micro-batch."""
+    if margs.rope_scaling.get("rope_type") != "longrope" or pack is not False or micro_batch == 1:
+        return None
+    return (f"--no-pack with --micro-batch {micro_batch or 'auto'}: this model's LongRoPE takes its long factors for "
+            "a document whose largest position passes original_max_position_embeddings, and a padded row's padding "
+            "continues its positions, so a short sample beside a longer one would train on the long factors: pack "
+            "(drop --no-pack) or pass --micro-batch 1")
+
+
 class Split(tuple):
     """qkv_proj's output cut into (q, k, v) [B, S, n·Hd] views, computed once for the three (`project`)."""
 

@@ -10,6 +10,7 @@ factors from original_max_position_embeddings 18 to 4096, tied embeddings), "win
 - config.json read as Phi3Config reads it (bench/configs/phi-4-mini and phi-4: its rope_parameters, theta, partial
   factor, original length, attention factor); bad factors, dropouts and rope types refused naming the key;
 - --lora-targets: the default and the shorthands adapt the fused Linears; q_proj,v_proj on phi3 refused naming the fix;
+  --no-pack with several samples a micro-batch refused on LongRoPE (padding would pick the long factors);
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain): loss, grad norm, logits and every LoRA
   gradient on every rank, LongRoPE's threshold passed by the whole row and not by some rank's shard;
@@ -154,6 +155,25 @@ def test_lora_targets_map_to_the_fused_linears():
     with pytest.raises(ValueError, match="has gate_proj,up_proj apart"):
         run_targets("gate_up_proj", llama)
     assert run_targets(default, llama)[0] == tuple(default.split(","))
+
+
+def test_no_pack_with_several_samples_refused_on_longrope(ckpts):
+    """--no-pack pads a micro-batch's rows to the longest, continuing their positions: on a LongRoPE model a short
+    sample would take the long factors beside a long one, so --no-pack with --micro-batch other than 1 is refused by
+    the flag checks (before any weight is read); packed, one sample a row, or no LongRoPE pass."""
+    import train
+    from model.load import read_args
+    from parallel.flags import check_model_flags
+
+    def check(name, *flags):
+        args = train.build_parser().parse_args(["--model", ckpts[name], "--data", "x.jsonl", *flags])
+        check_model_flags(args, read_args(ckpts[name]))
+
+    with pytest.raises(ValueError, match="drop --no-pack.* or pass --micro-batch 1"):
+        check("mini", "--no-pack", "--micro-batch", "2")
+    with pytest.raises(ValueError, match="--micro-batch auto"):
+        check("mini", "--no-pack", "--micro-batch", "auto")
+    check("mini", "--no-pack"), check("mini", "--micro-batch", "2"), check("window", "--no-pack", "--micro-batch", "2")
 
 
 @pytest.mark.parametrize("name", ["mini", "window"])
