@@ -8,7 +8,8 @@ factors from original_max_position_embeddings 18 to 4096, tied embeddings), "win
 - logits = transformers' on whole rows and a packed row of two documents; LongRoPE on rows below (short factors)
   and above (long factors) the original length, each set mattering there; the sliding window mattering;
 - config.json read as Phi3Config reads it (bench/configs/phi-4-mini and phi-4: its rope_parameters, theta, partial
-  factor, original length, attention factor); bad factors, dropouts and rope types refused naming the key;
+  factor, original length, attention factor; the parameter count, and --plan on both); bad factors, dropouts and rope
+  types refused naming the key;
 - --lora-targets: the default and the shorthands adapt the fused Linears; q_proj,v_proj on phi3 refused naming the fix;
   --no-pack with several samples a micro-batch refused on LongRoPE (padding would pick the long factors);
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
@@ -269,3 +270,25 @@ def test_planned_activations_match_autograd(ckpts, name, flags):
         b.self_attn.window = None
     planned, saved, terms = planned_and_saved_activations(ours, args)
     assert planned == saved, (planned, saved, planned - saved, terms)
+
+
+def test_plan_reads_the_bench_configs():
+    """bench/configs/phi-4-mini and phi-4: ModelArgs.n_params = transformers' Phi3ForCausalLM's parameter count on the
+    meta device (Phi-4-mini's tied embedding once), and --plan on each names that count."""
+    import contextlib
+    import io
+
+    import train
+    from model.load import read_args
+
+    for name, params in (("phi-4-mini", "3.84B"), ("phi-4", "14.66B")):
+        path = os.path.join(BENCH, name)
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = {k: v for k, v in json.load(f).items() if k not in ("architectures", "model_type")}
+        with torch.device("meta"):
+            want = sum(p.numel() for p in T.Phi3ForCausalLM(T.Phi3Config(**cfg)).parameters())
+        assert read_args(path).n_params == want, (name, read_args(path).n_params, want)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            train.main(["--plan", "--model", path, "--max-len", "32768", "--global-batch", "1", "--gpu-mem", "80"])
+        assert f"plan: phi3 {params} params" in out.getvalue(), out.getvalue()
