@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
+from model.lora_spec import FUSED
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
 from model.stored import read_header
 from model.wrapper import to_ours
@@ -158,7 +159,8 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
         # its tensors name (the safetensors header: no weight read)
         header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
         mods = sorted({m[1] for k in header if (m := re.search(r"\.(\w+)\.lora_[AB]\b", k))})
-    if not isinstance(mods, list) or not set(mods) <= set(targets):
+    parts = lambda names: {p for n in names for p in FUSED.get(n, (n,))}   # (Phi-3's fused Linears: their parts,
+    if not isinstance(mods, list) or not parts(mods) <= parts(targets):   # as --lora-targets maps them, lora_spec.py)
         wrong.append(f"target_modules {cfg.get('target_modules')!r}"
                      + (f" (adapting {','.join(mods)})" if mods != cfg.get("target_modules") else "")
                      + f", beyond this run's --lora-targets {','.join(targets)} (pass a --lora-targets that holds "

@@ -212,6 +212,7 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
     writes a checkpoint transformers loads, whose logits = peft's merge_and_unload's."""
     from peft import PeftModel
 
+    from model.adapter_read import check_init_adapter
     from model.export import export_adapter
     from model.merge import main as merge_main
     from tests.test_norms import _ours, _peft_twin
@@ -233,6 +234,13 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
     with open(tmp_path / "adapter" / "adapter_config.json") as f:
         cfg = json.load(f)
     assert sorted(cfg["target_modules"]) == sorted(FUSED) and len(cfg["modules_to_save"]) == 2 * 2 + 1, cfg
+    # --init-adapter takes it under the default --lora-targets (the parts' names, mapped to the fused Linears) and
+    # under its own names; not under names without the MLP's
+    default = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
+    for targets in (default, FUSED):
+        check_init_adapter(str(tmp_path / "adapter"), 4, 8.0, targets, train_norms=True)
+    with pytest.raises(ValueError, match="beyond this run's --lora-targets"):
+        check_init_adapter(str(tmp_path / "adapter"), 4, 8.0, default[:4], train_norms=True)
     peft = PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
     with torch.no_grad():
         want = ours(ids)
