@@ -72,10 +72,14 @@ class NotGiven(str):
 
 def run_targets(given: str, margs) -> tuple[tuple[str, ...], str | None]:
     """The targets this model runs for --lora-targets `given` (`model_targets`), and the start-up line that says why
-    when that is not the default: not given (`NotGiven`) on a model whose MLP names are its experts' (Qwen3-MoE,
-    Qwen3.5-MoE, GPT-OSS: model.moe.expert_targets refuses them), the adaptable rest (the attention's, and Qwen3.5's
-    linear layers' default three: `attn`); named, they stay refused (parallel.flags.check_model_flags)."""
+    when that is not the default: not given (`NotGiven`) on Phi-3 (its fused Linears' names) or on a model whose MLP
+    names are its experts' (Qwen3-MoE, Qwen3.5-MoE, GPT-OSS: model.moe.expert_targets refuses them), the adaptable
+    rest (the attention's, and Qwen3.5's linear layers' default three: `attn`); named, they stay refused
+    (parallel.flags.check_model_flags)."""
     targets = model_targets(given.split(","), margs)
+    if isinstance(given, NotGiven) and margs.fused:   # (said: the names differ from the default's spelling)
+        return targets, (f"--lora-targets not given: LoRA on {','.join(targets)}, this {margs.model_type} model's "
+                         "Linears (q/k/v and gate/up are one Linear each as stored: lora_spec.fused_targets)")
     if not isinstance(given, NotGiven) or not expert_targets(margs, targets):
         return targets, None
     kept = tuple(t for t in targets if sublayer(t) != "mlp")

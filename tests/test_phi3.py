@@ -146,7 +146,9 @@ def test_lora_targets_map_to_the_fused_linears():
 
     phi, llama = (model.ModelArgs.from_config_dict({"model_type": t, **SIZES}) for t in ("phi3", "llama"))
     default = NotGiven(lora_targets_arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
-    assert run_targets(default, phi)[0] == tuple(FUSED)
+    assert run_targets(default, phi) == (tuple(FUSED), "--lora-targets not given: LoRA on qkv_proj,o_proj,gate_up_proj,"
+                                         "down_proj, this phi3 model's Linears (q/k/v and gate/up are one Linear each "
+                                         "as stored: lora_spec.fused_targets)")
     assert run_targets(lora_targets_arg("all-linear"), phi)[0] == tuple(FUSED)
     assert run_targets(lora_targets_arg("attn"), phi)[0] == ("qkv_proj", "o_proj")
     assert run_targets(lora_targets_arg("mlp"), phi)[0] == ("gate_up_proj", "down_proj")
