@@ -112,7 +112,7 @@ class PhaseMeter:
             unit = last.feed_forward   # MLP run in its tiles only; it is handed h itself
             last.feed_forward = lambda h: self._watch(h, "last block: MLP") or unit(h)
         mixer = getattr(last, "self_attn", None)   # (a Qwen3.5 linear block's: its linear_attn's projections)
-        names = ("o_proj", ("q_proj", "k_proj", "v_proj")) if mixer else ("out_proj", ("in_proj_qkv",))
+        names = ("o_proj", ("q_proj", "k_proj", "v_proj", "qkv_proj")) if mixer else ("out_proj", ("in_proj_qkv",))
         mixer = mixer or last.linear_attn
         getattr(mixer, names[0]).register_forward_pre_hook(lambda m, a: self._watch(a[0], "last block: o_proj"))
         for proj in names[1]:   # the first of the three gradients to arrive ends attention (Gemma 4's k_eq_v layer,

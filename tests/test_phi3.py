@@ -15,8 +15,9 @@ factors from original_max_position_embeddings 18 to 4096, tied embeddings), "win
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain): loss, grad norm, logits and every LoRA
   gradient on every rank, LongRoPE's threshold passed by the whole row and not by some rank's shard;
-- --train-norms: the adapter loads in peft on transformers' model, our logits; `python -m model.merge` = peft's
-  merge_and_unload, and transformers loads what it writes.
+- --train-norms: the adapter loads in peft on transformers' model, our logits, and --init-adapter takes it; `python -m
+  model.merge` = peft's merge_and_unload, and transformers loads what it writes;
+- planned activations = autograd's saved bytes; --plan on the bench configs; --mem-phases finds qkv_proj.
 
 Run: .venv/bin/python -m pytest -q tests/test_phi3.py
 """
@@ -302,3 +303,21 @@ def test_plan_reads_the_bench_configs():
         with contextlib.redirect_stdout(out):
             train.main(["--plan", "--model", path, "--max-len", "32768", "--global-batch", "1", "--gpu-mem", "80"])
         assert f"plan: phi3 {params} params" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
+def test_mem_phases_find_the_fused_qkv_proj(ckpts):
+    """--mem-phases hooks the last block's q/k/v projections to mark the attention's end: on Phi-3 that is qkv_proj;
+    every phase fires, in the backward's order."""
+    from parallel.parallelize import BuildOptions
+    from parallel.phases import PhaseMeter
+    from tests.helpers import build_nonzero_b
+    from tests.test_phases import PHASES
+
+    ours, _ = build_nonzero_b(BuildOptions(ckpts["mini"], quant="none", lora_r=4, lora_alpha=8, seed=3, ac=True))
+    meter = PhaseMeter(ours, torch.device("cpu"))
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    with meter.measuring(True):
+        s, n = ours(ids, labels=ids)
+        (s / n).backward()
+    assert [name for name, _ in meter.phases] == PHASES, meter.phases
