@@ -9,7 +9,8 @@ embeddings; norm weights drawn off 1, the embedding × 30 so the logits are far 
   with --tiled-mlp --offload-activations, in every step's loss and grad norm and the adapter (test_train's
   tolerances). Documents on both sides of ORIG train together: each takes its own factors
   (model.attention.document_spans);
-- the same run with the short factors as its long ones differs in its first loss (the long factors mattered).
+- the same run with the short factors as its long ones differs in its first loss (the long factors mattered);
+- --compile = eager (loss and every LoRA gradient) on a row past the original length.
 
 Run: .venv/bin/python -m pytest -q tests/test_phi3_run.py
 """
@@ -89,3 +90,24 @@ def test_four_ranks_train_as_one_rank(assets, tmp_path):
         _compare(f"phi3 {layout}", os.path.join(root, layout), os.path.join(root, "plain"))
     assert _metrics(os.path.join(root, "short"))[0]["loss"] != _metrics(os.path.join(root, "plain"))[0]["loss"], \
         "the long factors changed nothing"
+
+
+@pytest.mark.timeout(600)
+def test_compile_equals_eager(assets):
+    """--compile (RMSNorm, the partial RoPE and SwiGLU compiled; qkv_proj's split outside them) = eager on a row past
+    the original length (long factors), nf4, AC: the loss and every LoRA gradient."""
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    ids = torch.randint(0, 100, (1, ORIG + 9), generator=torch.Generator().manual_seed(4))
+    got = {}
+    for compiled in (False, True):
+        ours, peft_model = build_nonzero_b(BuildOptions(assets["model"], quant="nf4", lora_r=4, lora_alpha=8, seed=3,
+                                                        ac=True, compile=compiled))
+        s, n = ours(ids, labels=ids)
+        (s / n).backward()
+        got[compiled] = s.detach(), {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5, msg="loss")
+    assert len(got[False][1]) == 4 * 2 * 2
+    for k, g in got[False][1].items():
+        torch.testing.assert_close(got[True][1][k], g, rtol=1e-4, atol=1e-6, msg=f"grad {k}")
