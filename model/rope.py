@@ -14,8 +14,8 @@ Contract:
 - Partial RoPE (`args.partial_rotary_factor` f < 1, Qwen3.5's 0.25): R = `args.rotary_dim` = int(Hd·f) dims rotate,
   the tables are [.., R] (frequencies over R, as transformers' `dim`), `Rotary` passes the other Hd - R dims.
 - LongRoPE (rope_type "longrope", Phi-3 / Phi-4: model/phi3.py): frequencies divided by a factor each, the short set
-  or, in rows whose largest position + 1 passes original_max_position_embeddings, the long one; cos/sin times its
-  attention_factor. The choice is per document (`span`, which the model takes from its attention core: the whole
+  or, in documents whose largest position + 1 passes original_max_position_embeddings, the long one; cos/sin times
+  its attention_factor. The choice is per document (`span`, which the model takes from its attention core: the whole
   row's documents on every cp rank), as transformers chooses for a document run alone (for a batch it takes the
   largest position of all its rows: a packed row or a micro-batch would change a document's numbers).
 - Proportional RoPE (rope_type "proportional", Gemma 4's full layers): frequencies over the whole head (its own,
