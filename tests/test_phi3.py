@@ -13,8 +13,9 @@ factors from original_max_position_embeddings 18 to 4096, tied embeddings), "win
 - --lora-targets: the default and the shorthands adapt the fused Linears; q_proj,v_proj on phi3 refused naming the fix;
   --no-pack with several samples a micro-batch refused on LongRoPE (padding would pick the long factors);
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
-- one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain): loss, grad norm, logits and every LoRA
-  gradient on every rank, LongRoPE's threshold passed by the whole row and not by some rank's shard;
+- one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain; DoRA) = cp 4 hybrid (4 ranks): loss, grad
+  norm, logits and every LoRA gradient on every rank, LongRoPE's threshold passed by the whole row and not by some
+  rank's shard;
 - --train-norms: the adapter loads in peft on transformers' model, our logits, and --init-adapter takes it; `python -m
   model.merge` = peft's merge_and_unload, and transformers loads what it writes;
 - planned activations = autograd's saved bytes; --plan on the bench configs; --mem-phases finds qkv_proj.
@@ -207,6 +208,16 @@ def test_cp_ring_and_ulysses_equal_one_process(ckpts):
              "mini, DoRA on the fused Linears, nf4, cp 2 ring": layout("nf4", 2, "ring", family="mini", dora=True),
              "window, nf4, cp 2 ring": layout("nf4", 2, "ring", family="window")}
     assert run_ranks(_cases, 2, ckpts, cases, timeout=280) == [len(cases)] * 2
+
+
+@pytest.mark.timeout(300)
+def test_cp_4_hybrid_equals_one_process(ckpts):
+    """cp 4 hybrid (Ulysses 2 × ring 2: each rank a piece of two chunks, model.attention spans gathered through
+    parallel.cp.layout_index) on the LongRoPE mini = one process, on 4 ranks."""
+    from tests.test_qlora import _cases, layout
+
+    cases = {"mini (LongRoPE), nf4, cp 4 hybrid": layout("nf4", 4, "auto", family="mini")}
+    assert run_ranks(_cases, 4, ckpts, cases, timeout=280) == [len(cases)] * 4
 
 
 def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
