@@ -42,8 +42,11 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
         "use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "alpha_pattern", "rank_pattern")
              if cfg.get(k) and not (dora and k == "use_dora") and not (k == "modules_to_save" and saves_trained(cfg))]
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
-        "alora_invocation_tokens", "layer_replication", "use_bdlora", "target_parameters", "use_qalora",
+        "alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
+    if cfg.get("target_parameters"):   # (--lora-targets experts trains them: model/expert_lora.py; not read back yet)
+        wrong.append(f"target_parameters {cfg['target_parameters']!r} (LoRA on the experts' fused parameters: "
+                     "--init-adapter and the merge do not read it back yet)")
     init = cfg.get("init_lora_weights")   # these rebuild the base as W - s·B0@A0 (or quantize it) when peft loads it
     if isinstance(init, str) and (init.lower().startswith("pissa") or init.lower() in ("olora", "corda", "loftq",
                                                                                         "lora_ga")):

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import save_file as _save_file
 
+from model import expert_lora
+from model.expert_lora import EXPERT_KEY
 from model.hub import hub_snapshot
 from model.load import read_args
 from model.norms import is_saved_weight, modules_to_save
@@ -64,7 +66,9 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
                 full[n] = t.detach().to("cpu", torch.float32, copy=True)   # (one host copy, never the param)
     if not writes:
         return
+    experts = {n: full.pop(n) for n in list(full) if EXPERT_KEY in n}   # (ours, not peft's: model/expert_lora.py)
     sd = get_peft_model_state_dict(peft_model, state_dict=full)   # (LoRA's; peft drops what is not its own)
+    sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in experts.items()}))
     sd.update(peft_keys({n.removeprefix("base_model.model."): t for n, t in full.items() if is_saved_weight(n)}))
     args = peft_model.get_base_model().args
     write_adapter(sd, peft_model.peft_config["default"], out_dir, base_path, rope_parameters, chat_template, quant,
@@ -74,9 +78,10 @@ def export_adapter(peft_model, out_dir: str, base_path: str, rope_parameters: di
 def peft_keys(lora: dict) -> dict:
     """Our model's LoRA tensors ({"model.layers.0.self_attn.q_proj.lora_A.default.weight": t}, as a checkpoint holds
     them) under peft's adapter keys ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"; DoRA's
-    magnitude "...q_proj.lora_magnitude_vector", as peft saves it)."""
-    return {"base_model.model." + k.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector")
-            .replace(".default.", "."): v for k, v in lora.items()}
+    magnitude "...q_proj.lora_magnitude_vector", as peft saves it; the experts' LoRA: model.expert_lora.peft_keys)."""
+    return expert_lora.peft_keys(lora) | {
+        "base_model.model." + k.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector")
+        .replace(".default.", "."): v for k, v in lora.items() if EXPERT_KEY not in k}
 
 
 def half_written(out_dir: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from model.expert_lora import EXPERTS
 from model.moe import expert_targets
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # adaptable projections
@@ -16,6 +17,9 @@ LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_pro
 # Phi-3's fused Linears (model/phi3.py) and the projections each holds the rows of
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ADAPTABLE = LORA_TARGETS + LINEAR_TARGETS + tuple(FUSED)
+# + EXPERTS ("experts"): Qwen3-MoE's routed experts, as peft's target_parameters on their fused parameters
+# (model/expert_lora.py); named only, never in a default or a shorthand (peft's all-linear on such a model: MLP names)
+NAMED = ADAPTABLE + (EXPERTS,)
 # --lora-targets' default: the seven and, on a model with linear layers, their token mixer's big projections (q/k/v,
 # the gate, the output: what the attention's four are to a full layer); in_proj_b / in_proj_a (a few outputs per head,
 # scalars per token) only when named or with all-linear. `model_targets` drops the linear names on other models, so
@@ -28,8 +32,8 @@ TARGET_SETS = {"all-linear": ADAPTABLE, "attn": LORA_TARGETS[:4] + DEFAULT_TARGE
 
 def sublayer(name: str) -> str:
     """The module of a block that holds projection `name`: mlp, self_attn or linear_attn."""
-    return "mlp" if name in LORA_TARGETS[4:] + ("gate_up_proj",) else "self_attn" if name in LORA_TARGETS[:4] + (
-        "qkv_proj",) else "linear_attn"
+    return "mlp" if name in (*LORA_TARGETS[4:], "gate_up_proj", EXPERTS) else "self_attn" if name in (
+        *LORA_TARGETS[:4], "qkv_proj") else "linear_attn"
 
 
 def fused_targets(targets, margs) -> tuple[str, ...]:

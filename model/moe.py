@@ -26,7 +26,8 @@ Contract:
   refuse). Here the MLP names (gate_proj, up_proj, down_proj) match each expert's projections; peft 0.21 on transformers
   5's model turns them into target_parameters on the experts' fused 3-D parameters (`experts.gate_up_proj`,
   `experts.down_proj`: another adapter format) and adapts no dense block's MLP then, so neither an expert's LoRA nor a
-  dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets.
+  dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets, and on
+  Qwen3-MoE `experts` (model/expert_lora.py: LoRA on the experts in that target_parameters format).
   Qwen3.5-MoE: peft on transformers' model adapts the shared expert's projections alone under these names (its
   experts are fused parameters, no modules), while our per-expert modules would take LoRA on every expert: refused
   too, until LoRA here is kept to the shared expert. Gemma 4's (`beside`: model/gemma4_moe.py): none refused, the
@@ -90,10 +91,12 @@ def expert_targets(args, targets) -> str | None:
            "parameters), so an adapter of every expert's would not load there as trained" if args.moe.shared else
            "peft on transformers 5 adapts them as fused 3-D parameters, another adapter format, and reads these "
            "names so on the dense blocks too")
+    experts = not args.moe.shared and not args.moe.clamp   # (Qwen3-MoE's: model/expert_lora.py)
     return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
-            f"projections in its MoE blocks ({len(sparse)} of {args.n_layers}); LoRA on experts is not supported "
-            f"({why}): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj), or leave the flag out: the default "
-            f"adapts what this model can")
+            f"projections in its MoE blocks ({len(sparse)} of {args.n_layers}); LoRA on them under these names is not "
+            f"supported ({why}): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)"
+            + (", or attn,experts for LoRA on the experts too (peft's target_parameters format)" if experts else "")
+            + ", or leave the flag out: the default adapts the attention")
 
 
 class Expert(nn.Module):
@@ -129,26 +132,28 @@ class MoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
-        out = dispatch(self.experts, flat, *self.route(flat))
+        out = dispatch(self.experts, flat, *self.route(flat), getattr(self, "experts_lora", None))
         if hasattr(self, "shared_expert"):   # added after the experts' sum, as transformers adds it
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(x.shape)
 
 
-def dispatch(experts, flat: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def dispatch(experts, flat: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, lora=None) -> torch.Tensor:
     """Σ over each token's k experts of weight · expert(token), [T, D] in flat's dtype: each expert on its tokens only
     (module docstring). The product is rounded to flat's dtype after the multiply (float32 weights, Gemma 4's: as
-    transformers casts it)."""
+    transformers casts it). `lora`: the experts' LoRA (model.expert_lora.ExpertLoRA), expert e run by its `run`."""
     # the T·k (token, slot) pairs grouped by expert, token order within: one host sync for the counts
     order = idx.flatten().argsort(stable=True)
     counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
     tokens, w = order // idx.shape[-1], w.flatten()
     out = torch.zeros_like(flat)
     start = 0
-    for expert, n in zip(experts, counts):
+    for e, (expert, n) in enumerate(zip(experts, counts)):
         if n:
             t = tokens[start:start + n]
-            y = expert(flat.index_select(0, t)) * w.index_select(0, order[start:start + n])[:, None]   # [n, D]
+            x = flat.index_select(0, t)                                     # [n, D]
+            y = expert(x) if lora is None else lora.run(e, expert, x)         # [n, D]
+            y = y * w.index_select(0, order[start:start + n])[:, None]
             # in expert order, as transformers sums; index_put_ keeps only t for backward (index_add_ keeps y
             out.index_put_((t,), y.to(out.dtype), accumulate=True)   # too: [T·k, D] beside the mul's down outputs)
         start += n

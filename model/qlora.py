@@ -23,7 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import dora as dora_math
+from model import expert_lora
 from model.bnb import bnb
+from model.expert_lora import EXPERTS, PEFT_PARAMS
 from model.llama import Transformer
 from model.lora_spec import LORA_TARGETS, model_targets
 from model.moe import expert_targets
@@ -38,12 +40,14 @@ def lora_config(r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslo
     """The peft config of a run's LoRA (also what `parallel.checkpoint_export.export` writes for a checkpoint);
     `rslora`: scale alpha / sqrt(r), not alpha / r (peft computes it; the fused forward reads peft's `scaling`);
     `dora`: DoRA (peft's use_dora; model/dora.py computes it); `layers`: the blocks adapted (peft's
-    layers_to_transform; None: all)."""
+    layers_to_transform; None: all); EXPERTS among `targets`: the experts' fused parameters as peft's
+    target_parameters (model/expert_lora.py)."""
     from peft import LoraConfig  # here, after model.bnb imported bitsandbytes (peft imports it): see model/bnb.py
 
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      init_lora_weights=False, use_rslora=rslora, use_dora=dora,
-                      layers_to_transform=None if layers is None else list(layers))
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=[t for t in targets if t != EXPERTS],
+                      bias="none", init_lora_weights=False, use_rslora=rslora, use_dora=dora,
+                      layers_to_transform=None if layers is None else list(layers),
+                      target_parameters=list(PEFT_PARAMS) if EXPERTS in targets else None)
 
 
 def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets=LORA_TARGETS, rslora: bool = False,
@@ -53,8 +57,17 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
     targets = model_targets(targets, model.args)   # (no linear-layer names on a model without them)
     if why := expert_targets(model.args, targets):   # (also at start-up: parallel/flags.py)
         raise ValueError(why)
+    experts = EXPERTS in targets
+    if experts and (why := expert_lora.refusal(model.args, targets, dropout, dora, layers)):
+        raise ValueError(why)
+    cfg = lora_config(r, alpha, dropout, targets, rslora, dora, layers)
+    # peft wraps the modules; the experts' LoRA is ours (model/expert_lora.py), its target_parameters only written
+    cfg.target_parameters, params = None, cfg.target_parameters   # (our experts hold no fused parameter to find)
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
-        peft_model = get_peft_model(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers))
+        peft_model = get_peft_model(model, cfg)
+    peft_model.peft_config["default"].target_parameters = params
+    if experts:
+        expert_lora.attach(model, r, alpha, rslora)
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()

@@ -27,8 +27,9 @@ import re
 import torch
 
 from data.mix import data_files
+from model.expert_lora import EXPERTS, refusal
 from model.gemma4_small import refuse_tiled_attn
-from model.lora_spec import ADAPTABLE, lora_layers, run_targets, sublayer
+from model.lora_spec import NAMED, lora_layers, run_targets, sublayer
 from model.moe import expert_targets
 from model.phi3 import padded_rows
 from model.rope_read import rope_scaling_flag
@@ -153,9 +154,9 @@ def check_flags(args) -> None:
             raise ValueError(f"--epochs must be above 0 and at most 1e6, got {epochs:g}; omit it to train one epoch")
         if args.steps is not None:
             raise ValueError(f"--steps {args.steps} and --epochs {epochs:g} both set the run's length: pass one")
-    bad = [t for t in args.lora_targets.split(",") if t not in ADAPTABLE]
+    bad = [t for t in args.lora_targets.split(",") if t not in NAMED]
     if bad or not args.lora_targets:
-        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(ADAPTABLE)} "
+        raise ValueError(f"--lora-targets {args.lora_targets!r}: unknown {bad}; choose from {','.join(NAMED)} "
                          "(or all-linear, attn, mlp)")
 
 
@@ -203,6 +204,9 @@ def check_model_flags(args, margs, say=None) -> None:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "
                          f"indices below {margs.n_layers}")
     if why := expert_targets(margs, args.lora_targets.split(",")):   # (Qwen3-MoE: model/moe.py)
+        raise ValueError(why)
+    named = args.lora_targets.split(",")   # (the experts': what peft's LoRA there cannot load, model/expert_lora.py)
+    if EXPERTS in named and (why := refusal(margs, named, args.lora_dropout, getattr(args, "dora", False), layers)):
         raise ValueError(why)
     if getattr(args, "train_embeddings", False) and margs.tie_embeddings and \
             getattr(args, "objective", "sft") == "dpo":

@@ -40,22 +40,23 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def save_checkpoint(path, cfg: dict) -> str:
+    """A random Qwen3MoeForCausalLM of `cfg` saved by transformers (module docstring); returns the path."""
+    torch.manual_seed(0)
+    hf = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**cfg)).float().eval()
+    with torch.no_grad():   # norm weights start at 1 (a dropped one hidden); a router of std 0.02 routes by a hair
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(path, max_shard_size="60KB")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    out = {}
-    for name, cfg in CONFIGS.items():
-        torch.manual_seed(0)
-        hf = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**cfg)).float().eval()
-        with torch.no_grad():   # norm weights start at 1 (a dropped one hidden); a router of std 0.02 routes by a hair
-            for n, p in hf.named_parameters():
-                if "norm" in n:
-                    p.add_(torch.randn_like(p) * 0.3)
-                if n.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)
-        path = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(path, max_shard_size="60KB")
-        out[name] = str(path)
-    return out
+    return {name: save_checkpoint(tmp_path_factory.mktemp(name), cfg) for name, cfg in CONFIGS.items()}
 
 
 def _hf(path):

@@ -1,0 +1,126 @@
+"""LoRA on the routed experts of Qwen3-MoE's blocks (model/moe.py), in peft's `target_parameters` format: what peft 0.21
+makes of `LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
+Qwen3MoeForCausalLM (its experts: fused 3-D parameters gate_up_proj [E, 2I, D], down_proj [E, D, I], out x in), and
+the adapter format that loads there. `--lora-targets experts` (EXPERTS) names it.
+
+Contract:
+- peft's ParamWrapper on a 3-D parameter [E, out, in] holds lora_A [E·r, in] (expert e's A: rows e·r .. e·r + r) and
+  lora_B [out, E·r] (viewed [out, r, E]: expert e's B is every E-th column from e), and adds scaling · B_e A_e to
+  expert e's weight (scaling = alpha / r, or alpha / sqrt(r) with rslora). `ParamLoRA` holds those two tensors in
+  that layout, so export is a rename. gate_up_proj's A is shared by gate and up (one fused parameter): B_e's first I
+  rows are gate's, the rest up's. `ExpertLoRA` (an MoE block's `experts_lora`) holds gate_up_proj's and down_proj's
+  and `run(e, expert, x)` computes expert e on its routed tokens x [n, D] as
+      gate = W_g x + s · B_e[:I] (A_e x),  up = W_u x + s · B_e[I:] (A_e x),  h = silu(gate) · up,
+      out = W_d h + s · Bd_e (Ad_e h)
+  (the same function as peft's W + s · B_e A_e; no dense delta weight, no [T, E, ...] tensor: model.moe.dispatch
+  runs each expert on its own tokens). LoRA's tensors compute in x's dtype (peft's fold is in the parameter's).
+- `attach(model, r, alpha, rslora)`: one ExpertLoRA on every MoE block of a Qwen3-MoE model (float32, trainable; on
+  the meta device when the model is); `model.qlora.init_lora` draws A and B per parameter name, as for every LoRA
+  tensor (A ~ U(±1/sqrt(in)): peft's kaiming-uniform on its [E·r, in] Linear). `refusal(margs, args)`: why a run
+  cannot adapt the experts (another MoE kind, options peft's ParamWrapper refuses, --lora-layers), else None.
+- `peft_keys(tensors)`: our names ("model.layers.0.mlp.experts_lora.gate_up_proj.lora_A") -> peft's adapter keys
+  (nested ParamWrappers: gate_up_proj, wrapped first, is the inner one, "...mlp.experts.base_layer.lora_A.weight";
+  down_proj "...mlp.experts.lora_A.weight"); `PEFT_PARAMS`: adapter_config.json's target_parameters.
+- A wrapper's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) runs the expert without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERTS = "experts"   # --lora-targets' name of the routed experts' fused parameters
+PEFT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # peft's target_parameters for EXPERTS
+EXPERT_KEY = ".experts_lora."   # in the name of each ExpertLoRA tensor of ours
+
+
+class ParamLoRA(nn.Module):
+    """peft ParamWrapper's LoRA of one fused [E, out, in] expert parameter (module docstring)."""
+
+    def __init__(self, experts: int, inp: int, out: int, r: int, scaling: float, device=None):
+        super().__init__()
+        self.experts, self.r, self.scaling, self._disable_adapters = experts, r, scaling, False
+        self.lora_A = nn.Parameter(torch.empty(experts * r, inp, device=device))    # [E·r, in]
+        self.lora_B = nn.Parameter(torch.empty(out, experts * r, device=device))   # [out, E·r], viewed [out, r, E]
+
+    def pair(self, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (A [r, in], B [out, r]) in `dtype`."""
+        return self.lora_A[e * self.r:(e + 1) * self.r].to(dtype), self.lora_B[:, e::self.experts].to(dtype)
+
+
+class ExpertLoRA(nn.Module):
+    def __init__(self, experts: int, dim: int, width: int, r: int, scaling: float, device=None):
+        super().__init__()
+        self.gate_up_proj = ParamLoRA(experts, dim, 2 * width, r, scaling, device)
+        self.down_proj = ParamLoRA(experts, width, dim, r, scaling, device)
+        self.width = width
+
+    def run(self, e: int, expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Expert e (model.moe.Expert) with its LoRA on its tokens x [n, D] -> [n, D]."""
+        gu, dn, width = self.gate_up_proj, self.down_proj, self.width
+        gate, up = expert.gate_proj(x), expert.up_proj(x)   # [n, I] each
+        if not gu._disable_adapters:
+            a, b = gu.pair(e, x.dtype)
+            xa = F.linear(x, a)                                                  # [n, r], gate's and up's
+            gate = torch.addmm(gate, xa, b[:width].t(), alpha=gu.scaling)
+            up = torch.addmm(up, xa, b[width:].t(), alpha=gu.scaling)
+        h = F.silu(gate) * up                                                    # [n, I]
+        out = expert.down_proj(h)                                                # [n, D]
+        if dn._disable_adapters:
+            return out
+        a, b = dn.pair(e, h.dtype)
+        return torch.addmm(out, F.linear(h, a), b.t(), alpha=dn.scaling)
+
+
+def attach(model: nn.Module, r: int, alpha: float, rslora: bool = False) -> int:
+    """An ExpertLoRA on each of `model`'s Qwen3-MoE blocks (module docstring); returns how many."""
+    from model.moe import MoE
+
+    scaling = alpha / (math.sqrt(r) if rslora else r)
+    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) is MoE]
+    for moe in blocks:
+        gate = moe.experts[0].gate_proj   # (nn.Linear, or NF4's Linear4bit: its features as declared)
+        moe.experts_lora = ExpertLoRA(len(moe.experts), gate.in_features, gate.out_features, r, scaling,
+                                      moe.gate.weight.device)
+    return len(blocks)
+
+
+def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=None) -> str | None:
+    """Why `targets` (EXPERTS among them) cannot run on the model of ModelArgs `margs` with these options, else None."""
+    moe = margs.moe
+    if moe is None or not any(moe.sparse(i) for i in range(margs.n_layers)):
+        return (f"--lora-targets {EXPERTS}: this {margs.model_type} model has no MoE experts; drop {EXPERTS} from "
+                "--lora-targets")
+    if moe.beside or moe.clamp or moe.shared:
+        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE only, not yet on this "
+                f"{margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
+    if not [t for t in targets if t != EXPERTS]:   # (peft wraps our modules and finds no fused parameter to wrap)
+        return (f"--lora-targets {EXPERTS}: LoRA on the experts alone is not supported here: name a projection "
+                f"beside it, e.g. --lora-targets attn,{EXPERTS}")
+    if dropout:   # (peft's ParamWrapper: B A cannot be factored out of B A dropout(x) over the fused weight)
+        return (f"--lora-dropout {dropout:g} with --lora-targets {EXPERTS}: peft's LoRA on the experts' fused "
+                "parameters has no dropout, so the adapter would not load as trained: pass --lora-dropout 0")
+    if dora:
+        return (f"--dora with --lora-targets {EXPERTS}: peft's LoRA on the experts' fused parameters has no DoRA: "
+                f"drop --dora, or drop {EXPERTS} from --lora-targets")
+    if layers is not None:   # (peft matches target_parameters by name in every block: layers_to_transform is unread)
+        return (f"--lora-layers with --lora-targets {EXPERTS}: peft adapts the experts of every MoE block by name, so "
+                "an adapter of some blocks' would not load as trained: drop --lora-layers, or drop "
+                f"{EXPERTS} from --lora-targets")
+    return None
+
+
+def peft_keys(tensors: dict) -> dict:
+    """Our ExpertLoRA tensors (names under the model, "model.layers.0.mlp.experts_lora.gate_up_proj.lora_A") under
+    peft's adapter keys (module docstring); other names are left out."""
+    out = {}
+    for k, v in tensors.items():
+        if EXPERT_KEY not in k:
+            continue
+        block, _, rest = k.partition(EXPERT_KEY)
+        param, _, which = rest.partition(".")   # gate_up_proj | down_proj, lora_A | lora_B
+        out[f"base_model.model.{block}.experts.{'base_layer.' if param == 'gate_up_proj' else ''}{which}.weight"] = v
+    return out

@@ -1,0 +1,210 @@
+"""LoRA on Qwen3-MoE's routed experts (`--lora-targets ...,experts`, model/expert_lora.py) is peft 0.21's
+`LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
+Qwen3MoeForCausalLM: the same function, gradients and adapter format.
+
+Pins (CPU; the tiny checkpoints of tests/test_qwen3_moe.py: 4 experts, top 2, 3 blocks of which block 1 is dense):
+- the adapter we export (LoRA B != 0 on the attention and the experts) loads in peft on transformers' model with no
+  key warning, its adapter_config.json naming the two target_parameters, and gives our logits (float64); with the
+  experts' LoRA zeroed the logits differ (the experts' share is in the comparison);
+- the loss and every LoRA gradient (the experts' A and B too) = peft's on transformers' model, plain and under AC +
+  tiled MLP (float64);
+- the init is the same per parameter name on every build (deterministic), A ~ U(±1/sqrt(in)), B = 0;
+- refused at start-up naming the value and the fix: lora_dropout > 0, DoRA, --lora-layers, experts alone, a model
+  with no experts or another MoE kind (GPT-OSS, Qwen3.5-MoE); MLP names on Qwen3-MoE name `experts` as the fix;
+  --init-adapter and `python -m model.merge` refuse an adapter of the experts (target_parameters);
+- one process = cp 2 Ulysses = cp 2 ring (2 gloo ranks, FSDP2): loss, grad norm, every LoRA gradient on every rank
+  (tests/test_qwen3_moe.py's harness);
+- train.py, 2 steps: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank (every step's loss and grad norm and the adapter:
+  test_train's tolerances), and the adapter it writes loads in peft.
+
+Run: .venv/bin/python -m pytest -q tests/test_moe_lora.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers as T
+
+import model
+from tests.test_qwen3_moe import ATTN, CONFIGS, _hf, rel, save_checkpoint
+
+EXPERTS = (*ATTN, "experts")
+PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return {"renorm": save_checkpoint(tmp_path_factory.mktemp("renorm"), CONFIGS["renorm"])}
+
+
+def _ours(path, b_std=0.2, dtype=torch.float64, **mem):
+    from parallel.parallelize import BuildOptions
+    from tests.helpers import build_nonzero_b
+
+    mem = dict(ac=False) | mem
+    ours, peft_model = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, dtype=dtype,
+                                                    lora_targets=EXPERTS, **mem), b_std=b_std)
+    for p in ours.parameters():   # (LoRA is float32 by default: float64 throughout where the model is)
+        p.data = p.data.to(dtype)
+    return ours, peft_model
+
+
+def _peft(path, dtype=torch.float64):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_hf(path).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTN),
+                                                          target_parameters=PARAMS, init_lora_weights=False))
+
+
+def _peft_names(ours: dict) -> dict:
+    """Our trained tensors under peft's parameter names on transformers' model (the adapter keys, .default. added)."""
+    from model.export import peft_keys
+
+    return {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
+            for k, v in peft_keys({n.removeprefix("base_model.model."): t for n, t in ours.items()}).items()}
+
+
+def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path):
+    import warnings
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from model.export import export_adapter
+
+    ours, peft_model = _ours(ckpts["renorm"])
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
+    with open(tmp_path / "a" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    assert sorted(cfg["target_parameters"]) == sorted(PARAMS) and sorted(cfg["target_modules"]) == sorted(ATTN), cfg
+    keys = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in keys, sorted(keys)
+    assert len(keys) == 3 * 4 * 2 + 2 * 2 * 2, sorted(keys)   # (block 1 is dense: no experts there)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = PeftModel.from_pretrained(_hf(ckpts["renorm"]), str(tmp_path / "a")).to(torch.float64).eval()
+    said = [str(w.message) for w in caught if "key" in str(w.message).lower()]
+    assert not said, f"peft warned {said}"
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ours(ids)
+        torch.testing.assert_close(pm(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9, msg="logits")
+        for n, p in ours.named_parameters():
+            if ".experts_lora." in n and "lora_B" in n:
+                p.zero_()
+        assert rel(ours(ids), want) > 1e-3, "the experts' LoRA changes nothing"
+
+
+@pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["plain", "ac_tiled_mlp"])
+def test_lora_grads_match_peft_on_transformers(ckpts, mem):
+    """Loss and every LoRA gradient = peft's ParamWrapper on transformers' fused experts holding our tensors."""
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    ours, peft_model = _ours(ckpts["renorm"], **mem)
+    s, n = ours(ids, labels=labels)
+    (s / n).backward()
+    trained = {k: p for k, p in peft_model.named_parameters() if p.requires_grad}
+    hf = _peft(ckpts["renorm"])
+    state = _peft_names({k: p.detach() for k, p in trained.items()})
+    assert not hf.load_state_dict(state, strict=False).unexpected_keys
+    hf.train()
+    logits = hf(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            reduction="sum", ignore_index=-100)
+    (ref / n).backward()
+    # (loss.py sums the loss in float32, its gradient too: float32 round-off (~1e-7) on a float64 model)
+    torch.testing.assert_close(s.detach().double(), ref.detach(), rtol=1e-6, atol=1e-6, msg="loss")
+    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
+    mine = _peft_names({k: p.grad for k, p in trained.items()})
+    assert theirs.keys() == mine.keys() and len(mine) == 2 * 4 * 3 + 2 * 2 * 2, sorted(set(mine) ^ set(theirs))
+    for k in mine:
+        assert theirs[k].norm() > 0, f"grad {k} is zero"
+        assert rel(mine[k], theirs[k]) < 1e-6, f"grad {k}: relative difference {rel(mine[k], theirs[k]):.2e}"
+
+
+def test_init_is_deterministic_and_peft_shaped(ckpts):
+    """A ~ U(±1/sqrt(in)) and B = 0 (peft's LoRA init on its [E·r, in] and [out, E·r] Linears), drawn per name: two
+    builds hold the same tensors."""
+    a, _ = _ours(ckpts["renorm"], b_std=0.0, dtype=torch.float32)
+    b, _ = _ours(ckpts["renorm"], b_std=0.0, dtype=torch.float32)
+    got = {n: p for n, p in a.named_parameters() if ".experts_lora." in n}
+    assert len(got) == 2 * 2 * 2
+    other = dict(b.named_parameters())
+    for n, p in got.items():
+        assert p.dtype == torch.float32 and p.requires_grad, n
+        assert torch.equal(p, other[n]), f"{n}: another build drew another init"
+        if "lora_A" in n:
+            assert 0 < p.abs().max() <= 1 / p.shape[1] ** 0.5, n
+        else:
+            assert not p.any(), f"{n}: B starts at zero"
+    moe = a.model.layers[0].mlp.experts_lora
+    assert tuple(moe.gate_up_proj.lora_A.shape) == (4 * 4, 48) and tuple(moe.gate_up_proj.lora_B.shape) == (64, 16)
+    assert tuple(moe.down_proj.lora_A.shape) == (4 * 4, 32) and tuple(moe.down_proj.lora_B.shape) == (48, 16)
+
+
+def _gpt_oss_and_q35(tmp_path):
+    """config.json folders of a tiny GPT-OSS and Qwen3.5-MoE (the flag checks read no weight)."""
+    out = {}
+    for name, cfg in (("gpt_oss", T.GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=32,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                 num_local_experts=4, num_experts_per_tok=2, vocab_size=128)),
+                      ("q35", T.Qwen3_5MoeTextConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                     num_key_value_heads=2, head_dim=8, num_experts=4,
+                                                     moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                     num_experts_per_tok=2,
+                                                     vocab_size=128))):
+        os.makedirs(tmp_path / name)
+        cfg.to_json_file(str(tmp_path / name / "config.json"))
+        out[name] = str(tmp_path / name)
+    return out
+
+
+def test_refusals_name_the_value_and_the_fix(ckpts, tmp_path):
+    import train
+    from parallel.flags import check_model_flags
+
+    def refused(path, flags):
+        margs = model.ModelArgs.from_config_dict(json.load(open(os.path.join(path, "config.json"))))
+        args = train.build_parser().parse_args(["--model", path, *flags])
+        with pytest.raises(ValueError) as e:
+            check_model_flags(args, margs)
+        return str(e.value)
+
+    path = ckpts["renorm"]
+    for flags, want in ((["--lora-dropout", "0.1"], "--lora-dropout 0.1 .* pass --lora-dropout 0"),
+                        (["--dora"], "--dora .* drop --dora"),
+                        (["--lora-layers", "2"], "--lora-layers .* drop --lora-layers"),
+                        (["--lora-targets", "experts"], "experts alone .* --lora-targets attn,experts")):
+        flags = flags if "--lora-targets" in flags else ["--lora-targets", "attn,experts", *flags]
+        assert __import__("re").search(want, refused(path, flags)), flags
+    assert "or attn,experts for LoRA on the experts" in refused(path, ["--lora-targets", "attn,mlp"])
+    others = _gpt_oss_and_q35(tmp_path)
+    for name, p in others.items():
+        said = refused(p, ["--lora-targets", "attn,experts"])
+        assert "Qwen3-MoE only" in said and "drop experts from --lora-targets" in said, (name, said)
+        assert "attn,experts" not in refused(p, ["--lora-targets", "attn,mlp"]), name
+    dense = str(tmp_path / "dense")
+    from tests.helpers import tiny_checkpoint
+    tiny_checkpoint(dense)
+    assert "has no MoE experts" in refused(dense, ["--lora-targets", "attn,experts"])
+    check_model_flags(train.build_parser().parse_args(["--model", path, "--lora-targets", "attn,experts"]),
+                      model.ModelArgs.from_config_dict(json.load(open(os.path.join(path, "config.json")))))
+
+
+def test_init_adapter_and_merge_refuse_an_experts_adapter(ckpts, tmp_path, capsys):
+    from model import merge
+    from model.adapter_read import check_init_adapter
+    from model.export import export_adapter
+
+    _, peft_model = _ours(ckpts["renorm"], dtype=torch.float32)
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
+    with pytest.raises(ValueError, match="target_parameters .*do not read it back yet"):
+        check_init_adapter(str(tmp_path / "a"), 4, 8, EXPERTS)
+    assert merge.main(["--model", ckpts["renorm"], "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 2
+    said = capsys.readouterr().err
+    assert "target_parameters" in said and "do not read it back yet" in said, said
+    assert not os.path.exists(tmp_path / "m")
