@@ -30,9 +30,11 @@ import torch
 import transformers as T
 
 import model
+from tests.helpers import one_thread, train_argv
 from tests.test_qwen3_moe import ATTN, CONFIGS, _hf, rel, save_checkpoint
 
 EXPERTS = (*ATTN, "experts")
+TRAIN = ["--steps", "2", "--quant", "nf4", "--lora-targets", "attn,experts"]
 PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -208,3 +210,58 @@ def test_init_adapter_and_merge_refuse_an_experts_adapter(ckpts, tmp_path, capsy
     said = capsys.readouterr().err
     assert "target_parameters" in said and "do not read it back yet" in said, said
     assert not os.path.exists(tmp_path / "m")
+
+
+@pytest.mark.timeout(300)
+def test_cp_ring_and_ulysses_equal_one_process(ckpts):
+    """LoRA on the attention and the experts, AC, FSDP2 over 2 ranks: loss, grad norm and every LoRA gradient (the
+    experts' sharded A and B gathered) = one process, on every rank (tests/test_qwen3_moe.py's harness)."""
+    from tests.dist import run_ranks
+    from tests.test_qwen3_moe import _cp_equals_one_process
+
+    cases = {"nf4, experts, cp 2 Ulysses": ("nf4", "ulysses", EXPERTS),
+             "plain weights, experts, cp 2 ring": ("none", "ring", EXPERTS)}
+    assert run_ranks(_cp_equals_one_process, 2, ckpts["renorm"], cases, timeout=280) == [len(cases)] * 2
+
+
+def _train_four(rank, world_size, assets, out):
+    import train
+
+    train.main(train_argv(assets, out, *TRAIN, "--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"))
+
+
+@pytest.mark.timeout(600)
+def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory):
+    """train.py, 2 steps, LoRA on the attention and the experts (nf4, AC): --cp 2 --dp-shard 2 ring on 4 gloo ranks =
+    1 rank (every step's loss and grad norm, the adapter: test_train's tolerances); the adapter names the two
+    target_parameters and loads in peft on transformers' model with no key warning, every tensor as saved."""
+    import warnings
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    import train
+    from tests.dist import run_ranks
+    from tests.test_qwen3_moe_run import make_assets
+    from tests.test_train import _compare
+
+    root = tmp_path_factory.mktemp("moe_lora_runs")
+    assets = make_assets(root)
+    with one_thread():
+        train.main(train_argv(assets, str(root / "one"), *TRAIN))
+    run_ranks(_train_four, 4, assets, str(root / "four"), timeout=500, pg_timeout=60)
+    _compare("cp 2 x dp_shard 2 ring", str(root / "four"), str(root / "one"), steps=(1, 2))
+    adapter = str(root / "one" / "adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_parameters"]) == sorted(PARAMS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32),
+                                       adapter)
+    assert not [str(w.message) for w in caught if "key" in str(w.message).lower()]
+    got = {n.replace(".default.weight", ".weight"): p for n, p in pm.named_parameters() if "lora_" in n}
+    saved = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert sorted(got) == sorted(saved) and len(saved) == 3 * 4 * 2 + 2 * 2 * 2, sorted(set(got) ^ set(saved))
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    assert any(v.any() for k, v in saved.items() if ".experts." in k and "lora_B" in k), "the experts' B trained"

@@ -218,8 +218,8 @@ def test_nf4_experts_and_ac(ckpts):
 
 
 def _cp_equals_one_process(rank, world_size, path, cases):
-    """Each case: one process on the whole batch = this cp layout (FSDP2 over both ranks): global loss, grad norm, every
-    LoRA gradient, the experts' NF4 codes as integers."""
+    """Each case, (quant, cp impl[, LoRA targets]): one process on the whole batch = this cp layout (FSDP2 over both
+    ranks): global loss, grad norm, every LoRA gradient, the experts' NF4 codes as integers."""
     import torch.distributed as dist
 
     from model.nf4 import NF4Linear
@@ -233,8 +233,9 @@ def _cp_equals_one_process(rank, world_size, path, cases):
     ids = torch.randint(0, 128, (2, 21), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     pos = torch.arange(21).expand(2, 21)
-    for label, (quant, impl) in cases.items():
-        cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3, lora_targets=ATTN)
+    for label, (quant, impl, *targets) in cases.items():   # (targets: ATTN unless a case names its own)
+        cfg = BuildOptions(path, quant=quant, lora_r=4, lora_alpha=8, ac=True, seed=3,
+                           lora_targets=(targets or [ATTN])[0])
         ref, _ = build_nonzero_b(cfg)
         rsum, rn = ref(ids, position_ids=pos, labels=labels)
         (rsum / rn).backward()

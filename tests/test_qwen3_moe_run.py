@@ -48,12 +48,15 @@ FOUR = {"ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("moe_run"))
+
+
+def make_assets(d) -> dict:
     """The checkpoint (module docstring; the dense MLP twice an expert's width; widths whole 64-blocks: bitsandbytes
     0.50's CPU dequantize_4bit takes the wrong block scales on rows that are not, tests/test_prequant.py) beside the
-    fixture tokenizer and chat data."""
+    fixture tokenizer and chat data, in folder `d`: {"data": path, "model": path}."""
     from tests.fixtures import make_chat_jsonl, make_tokenizer
 
-    d = tmp_path_factory.mktemp("moe_run")
     out = {"data": str(d / "chat.jsonl"), "model": str(d / "moe")}
     make_chat_jsonl(out["data"], 40, seed=1)
     tok = make_tokenizer(d / "moe")
