@@ -155,11 +155,14 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     lo = adapted[0] * (not (norms and plan_small.branch_saved(m, 1, e)))   # blocks below lo need no grad: they
     # save nothing, no backward runs there (Gemma 4 E2B / E4B's trained per_layer_projection_norm: every block's
     # PLE branch needs one, so the blocks below the adapted ones run as un-adapted ones above them)
-    loras = {x: [(r, r * at(i)[t][1]) for t in tgs(i) if t not in plan_layers.doubled(args, tgs(i))]   # (one A a
-             + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]   # fused Linear: parallel/plan_layers.py)
-             + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
-             for x, i in {kind(i): i for i in range(L)}.items()}
-    lora = lambda i: loras[kind(i)]   # a block's LoRA by its kind (linear or not; Gemma 4: its attention shape)
+    own = {x: [(r, r * at(i)[t][1]) for t in tgs(i) if t not in plan_layers.doubled(args, tgs(i))]   # (one A a
+           + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]   # fused Linear: parallel/plan_layers.py)
+           + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
+           for x, i in {kind(i): i for i in range(L)}.items()}
+    xl = plan_moe.expert_lora(m, args)   # --lora-targets experts: an MoE block's, in every kind for FSDP2's largest
+    loras = {x: ls + xl for x, ls in own.items()}   # block (Qwen3-MoE's dense and MoE blocks share a kind)
+    lora = lambda i: own[kind(i)] + xl * m.moe.sparse(i) if xl else own[kind(i)]   # a block's LoRA by its kind
+    # (linear or not; Gemma 4: its attention shape), + the experts' in an MoE block
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
     tied = emb and m.tie_embeddings   # (and a tied model's head is it: trained through the loss too)
     neft = getattr(args, "neftune_alpha", None) is not None   # NEFTune's noise, added to the embedding output in place
@@ -230,7 +233,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
         b += (e * T * D + 4 * T) * (2 - tiled) * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += plan_small.branch_saved(m, T, e, norms)   # (Gemma 4 E2B / E4B's PLE branch; the MLP at its width)
-        b += (0 if tiled else plan_moe.saved(m, T, e) if sparse and not beside else e * T * sh["up_proj"][0] * (
+        xr = r * bool(tg and xl)   # (the experts' LoRA rank in an adapted MoE block)
+        b += (0 if tiled else plan_moe.saved(m, T, e, xr) if sparse and not beside else e * T * sh["up_proj"][0] * (
             3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside and not tiled else 0)
         # (Gemma 4's MoE: beside the dense MLP, tiled with it; el != e: down's A keeps its float32 input, not the
         # product; peft casts x before dropout: the dropped input is kept, not the cast)

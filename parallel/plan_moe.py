@@ -88,9 +88,19 @@ def held(m, shapes: dict) -> dict:
     return n
 
 
-def saved(m, T: int, e: int) -> float:
+def expert_lora(m, args) -> list:
+    """--lora-targets experts (model/expert_lora.py): an MoE block's LoRA tensors (dim 0, elements), gate_up_proj's
+    A [E·r, D] and B [2I, E·r], down_proj's A [E·r, I] and B [D, E·r]; [] without."""
+    if "experts" not in args.lora_targets.split(",") or m.moe is None:
+        return []
+    Er, width, D = m.moe.experts * args.lora_r, m.moe.width, m.dim
+    return [(Er, Er * D), (2 * width, 2 * width * Er), (Er, Er * width), (D, D * Er)]
+
+
+def saved(m, T: int, e: int, r: int = 0) -> float:
     """Bytes autograd keeps of one MoE MLP (untiled) beyond its input (module docstring); Gemma 4's beside the dense
-    MLP's (--tiled-mlp: none, kept a tile at a time, `unit`)."""
+    MLP's (--tiled-mlp: none, kept a tile at a time, `unit`). `r`: the experts' LoRA rank (0: none), whose A's keep
+    each slot's gathered input [D] and SwiGLU product [I], and B's the two [r] products (e·Tk·(D + I + 2r))."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
     if m.moe.clamp:   # GPT-OSS (model/gpt_oss.py): softmax over the top k logits in the compute dtype (its output),
         # the top k's int64 indices, the slots' order and tokens; per slot the clamped SwiGLU's six [I]: gate's and up's
@@ -101,7 +111,8 @@ def saved(m, T: int, e: int) -> float:
         return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
             + 3 * e * T * k * width + (e * D + 4) * T * k + 4 * T + 2 * (e * T * D + 4 * T)
     return 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 16 * T * k \
-        + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0)
+        + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0) \
+        + e * T * k * (D + width + 2 * r) * bool(r)
 
 
 def backward(m, T: int, e: int) -> float:

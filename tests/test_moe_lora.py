@@ -265,3 +265,25 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     for k, v in saved.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
     assert any(v.any() for k, v in saved.items() if ".experts." in k and "lora_B" in k), "the experts' B trained"
+
+
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_planned_activations_and_lora_bytes_match_autograd(ckpts, quant):
+    """No AC, fp32, one process: the plan's activation terms with the experts' LoRA (each slot's gathered input, SwiGLU
+    product and two [r] products: parallel/plan_moe.saved) = the bytes autograd keeps; its LoRA term = 16 bytes per
+    trained element (parameter, gradient, AdamW's two), the experts' included."""
+    import train
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+    from tests.helpers import planned_and_saved_activations
+
+    args = train.build_parser().parse_args(["--model", ckpts["renorm"], "--max-len", "128", "--global-batch", "1",
+                                            "--quant", quant, "--dtype", "fp32", "--no-ac", "--lora-targets",
+                                            "attn,experts"])
+    ours, _ = build_model(BuildOptions(ckpts["renorm"], quant=quant, ac=False, lora_targets=EXPERTS), device="cpu")
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+    dims, pack = validate(args, ours.args, 1)
+    lora = next(v for k, v in memory_plan(ours.args, dims, args, "cpu", pack).terms.items() if k.startswith("LoRA"))
+    assert lora == 16 * sum(p.numel() for p in ours.parameters() if p.requires_grad), lora
