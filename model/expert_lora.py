@@ -14,14 +14,16 @@ Contract:
       out = W_d h + s · Bd_e (Ad_e h)
   (the same function as peft's W + s · B_e A_e; no dense delta weight, no [T, E, ...] tensor: model.moe.dispatch
   runs each expert on its own tokens). LoRA's tensors compute in x's dtype (peft's fold is in the parameter's).
-- `attach(model, r, alpha, rslora)`: one ExpertLoRA on every MoE block of a Qwen3-MoE model (float32, trainable; on
-  the meta device when the model is); `model.qlora.init_lora` draws A and B per parameter name, as for every LoRA
+- `attach(model, r, alpha, rslora)`: one ExpertLoRA on every MoE block of a Qwen3-MoE model (on the meta device when
+  the model is; model.qlora.apply_lora makes it float32 and trainable, as every "lora_" tensor), from `peft_wrap`,
+  peft's wrapping of the rest; `model.qlora.init_lora` draws A and B per parameter name, as for every LoRA
   tensor (A ~ U(±1/sqrt(in)): peft's kaiming-uniform on its [E·r, in] Linear). `refusal(margs, args)`: why a run
   cannot adapt the experts (another MoE kind, options peft's ParamWrapper refuses, --lora-layers), else None.
 - `peft_keys(tensors)`: our names ("model.layers.0.mlp.experts_lora.gate_up_proj.lora_A") -> peft's adapter keys
   (nested ParamWrappers: gate_up_proj, wrapped first, is the inner one, "...mlp.experts.base_layer.lora_A.weight";
   down_proj "...mlp.experts.lora_A.weight"); `PEFT_PARAMS`: adapter_config.json's target_parameters.
-- A wrapper's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) runs the expert without it.
+- A ParamLoRA's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) or `_as_reference`
+  (model.qlora.reference_adapter: an --init-adapter, which holds no experts' LoRA) runs the expert without it.
 """
 
 from __future__ import annotations
@@ -42,9 +44,13 @@ class ParamLoRA(nn.Module):
 
     def __init__(self, experts: int, inp: int, out: int, r: int, scaling: float, device=None):
         super().__init__()
-        self.experts, self.r, self.scaling, self._disable_adapters = experts, r, scaling, False
+        self.experts, self.r, self.scaling = experts, r, scaling
+        self._disable_adapters = self._as_reference = False   # (model.qlora's adapters_off, reference_adapter)
         self.lora_A = nn.Parameter(torch.empty(experts * r, inp, device=device))    # [E·r, in]
         self.lora_B = nn.Parameter(torch.empty(out, experts * r, device=device))   # [out, E·r], viewed [out, r, E]
+
+    def off(self) -> bool:
+        return self._disable_adapters or self._as_reference
 
     def pair(self, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (A [r, in], B [out, r]) in `dtype`."""
@@ -62,17 +68,28 @@ class ExpertLoRA(nn.Module):
         """Expert e (model.moe.Expert) with its LoRA on its tokens x [n, D] -> [n, D]."""
         gu, dn, width = self.gate_up_proj, self.down_proj, self.width
         gate, up = expert.gate_proj(x), expert.up_proj(x)   # [n, I] each
-        if not gu._disable_adapters:
+        if not gu.off():
             a, b = gu.pair(e, x.dtype)
             xa = F.linear(x, a)                                                  # [n, r], gate's and up's
             gate = torch.addmm(gate, xa, b[:width].t(), alpha=gu.scaling)
             up = torch.addmm(up, xa, b[width:].t(), alpha=gu.scaling)
         h = F.silu(gate) * up                                                    # [n, I]
         out = expert.down_proj(h)                                                # [n, D]
-        if dn._disable_adapters:
+        if dn.off():
             return out
         a, b = dn.pair(e, h.dtype)
         return torch.addmm(out, F.linear(h, a), b.t(), alpha=dn.scaling)
+
+
+def peft_wrap(model: nn.Module, cfg, wrap):
+    """`wrap(model, cfg)` (peft's get_peft_model) with `cfg`'s target_parameters (PEFT_PARAMS: the experts') left to
+    `attach`: our per-expert modules hold no fused parameter for peft to find; the config keeps them for export."""
+    cfg.target_parameters, params = None, cfg.target_parameters
+    peft_model = wrap(model, cfg)
+    peft_model.peft_config["default"].target_parameters = params
+    if params:
+        attach(model, cfg.r, cfg.lora_alpha, cfg.use_rslora)
+    return peft_model
 
 
 def attach(model: nn.Module, r: int, alpha: float, rslora: bool = False) -> int:

@@ -23,9 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import dora as dora_math
-from model import expert_lora
 from model.bnb import bnb
-from model.expert_lora import EXPERTS, PEFT_PARAMS
+from model.expert_lora import EXPERTS, PEFT_PARAMS, ParamLoRA, peft_wrap, refusal
 from model.llama import Transformer
 from model.lora_spec import LORA_TARGETS, model_targets
 from model.moe import expert_targets
@@ -57,17 +56,10 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
     targets = model_targets(targets, model.args)   # (no linear-layer names on a model without them)
     if why := expert_targets(model.args, targets):   # (also at start-up: parallel/flags.py)
         raise ValueError(why)
-    experts = EXPERTS in targets
-    if experts and (why := expert_lora.refusal(model.args, targets, dropout, dora, layers)):
+    if EXPERTS in targets and (why := refusal(model.args, targets, dropout, dora, layers)):   # (model/expert_lora.py)
         raise ValueError(why)
-    cfg = lora_config(r, alpha, dropout, targets, rslora, dora, layers)
-    # peft wraps the modules; the experts' LoRA is ours (model/expert_lora.py), its target_parameters only written
-    cfg.target_parameters, params = None, cfg.target_parameters   # (our experts hold no fused parameter to find)
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
-        peft_model = get_peft_model(model, cfg)
-    peft_model.peft_config["default"].target_parameters = params
-    if experts:
-        expert_lora.attach(model, r, alpha, rslora)
+        peft_model = peft_wrap(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers), get_peft_model)
     for n, p in peft_model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
@@ -228,7 +220,8 @@ class reference_adapter:
         if left:
             raise ValueError(f"the reference adapter's tensor {next(iter(left))} names no LoRA layer of this model "
                              f"({len(left)} such)")
-        self.layers = list(layers.values())
+        self.layers = list(layers.values()) + [m for m in model.modules() if isinstance(m, ParamLoRA)]   # (the
+        # experts' LoRA: base alone, no adapter read here holds it)
 
     def __enter__(self):
         for m in self.layers:

@@ -5,7 +5,8 @@ Qwen3MoeForCausalLM: the same function, gradients and adapter format.
 Pins (CPU; the tiny checkpoints of tests/test_qwen3_moe.py: 4 experts, top 2, 3 blocks of which block 1 is dense):
 - the adapter we export (LoRA B != 0 on the attention and the experts) loads in peft on transformers' model with no
   key warning, its adapter_config.json naming the two target_parameters, and gives our logits (float64); with the
-  experts' LoRA zeroed the logits differ (the experts' share is in the comparison);
+  experts' LoRA zeroed the logits differ (the experts' share is in the comparison); adapters_off and an empty
+  reference_adapter (DPO's reference models) give transformers' base logits;
 - the loss and every LoRA gradient (the experts' A and B too) = peft's on transformers' model, plain and under AC +
   tiled MLP (float64);
 - the init is the same per parameter name on every build (deterministic), A ~ U(±1/sqrt(in)), B = 0;
@@ -77,6 +78,7 @@ def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path):
     from safetensors.torch import load_file
 
     from model.export import export_adapter
+    from model.qlora import adapters_off, reference_adapter
 
     ours, peft_model = _ours(ckpts["renorm"])
     export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
@@ -95,6 +97,11 @@ def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path):
     with torch.no_grad():
         want = ours(ids)
         torch.testing.assert_close(pm(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9, msg="logits")
+        with adapters_off(ours):   # (DPO's reference model: the base, the experts' LoRA off too)
+            base = _hf(ckpts["renorm"]).to(torch.float64)(input_ids=ids).logits
+            torch.testing.assert_close(ours(ids), base, rtol=1e-9, atol=1e-9, msg="adapters off")
+        with reference_adapter(ours, {}):   # (an --init-adapter holding no LoRA at all: the base again)
+            torch.testing.assert_close(ours(ids), base, rtol=1e-9, atol=1e-9, msg="reference adapter")
         for n, p in ours.named_parameters():
             if ".experts_lora." in n and "lora_B" in n:
                 p.zero_()
