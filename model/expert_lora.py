@@ -19,9 +19,10 @@ Contract:
   peft's wrapping of the rest; `model.qlora.init_lora` draws A and B per parameter name, as for every LoRA
   tensor (A ~ U(±1/sqrt(in)): peft's kaiming-uniform on its [E·r, in] Linear). `refusal(margs, args)`: why a run
   cannot adapt the experts (another MoE kind, options peft's ParamWrapper refuses, --lora-layers), else None.
-- `peft_keys(tensors)`: our names ("model.layers.0.mlp.experts_lora.gate_up_proj.lora_A") -> peft's adapter keys
+- `peft_keys(tensors)`: our names ("model.layers.0.mlp.experts_lora.gate_up_proj.lora_A.weight") -> peft's keys
   (nested ParamWrappers: gate_up_proj, wrapped first, is the inner one, "...mlp.experts.base_layer.lora_A.weight";
-  down_proj "...mlp.experts.lora_A.weight"); `PEFT_PARAMS`: adapter_config.json's target_parameters.
+  down_proj "...mlp.experts.lora_A.weight"); `PEFT_PARAMS`: adapter_config.json's target_parameters; `expert_dims`:
+  the (out, in) of the fused parameter one of our tensors adapts (parallel/checkpoint_export.py's shape check).
 - A ParamLoRA's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) or `_as_reference`
   (model.qlora.reference_adapter: an --init-adapter, which holds no experts' LoRA) runs the expert without it.
 """
@@ -39,6 +40,14 @@ PEFT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")   # peft's t
 EXPERT_KEY = ".experts_lora."   # in the name of each ExpertLoRA tensor of ours
 
 
+class _Weight(nn.Module):
+    """A `weight` alone: LoRA's tensors named "...lora_A.weight", as peft's (what checkpoints and init read)."""
+
+    def __init__(self, rows: int, cols: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, device=device))
+
+
 class ParamLoRA(nn.Module):
     """peft ParamWrapper's LoRA of one fused [E, out, in] expert parameter (module docstring)."""
 
@@ -46,15 +55,16 @@ class ParamLoRA(nn.Module):
         super().__init__()
         self.experts, self.r, self.scaling = experts, r, scaling
         self._disable_adapters = self._as_reference = False   # (model.qlora's adapters_off, reference_adapter)
-        self.lora_A = nn.Parameter(torch.empty(experts * r, inp, device=device))    # [E·r, in]
-        self.lora_B = nn.Parameter(torch.empty(out, experts * r, device=device))   # [out, E·r], viewed [out, r, E]
+        self.lora_A = _Weight(experts * r, inp, device)    # [E·r, in]
+        self.lora_B = _Weight(out, experts * r, device)   # [out, E·r], viewed [out, r, E]
 
     def off(self) -> bool:
         return self._disable_adapters or self._as_reference
 
     def pair(self, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (A [r, in], B [out, r]) in `dtype`."""
-        return self.lora_A[e * self.r:(e + 1) * self.r].to(dtype), self.lora_B[:, e::self.experts].to(dtype)
+        a, b = self.lora_A.weight, self.lora_B.weight
+        return a[e * self.r:(e + 1) * self.r].to(dtype), b[:, e::self.experts].to(dtype)
 
 
 class ExpertLoRA(nn.Module):
@@ -130,14 +140,23 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
     return None
 
 
+def expert_dims(margs, name: str) -> tuple[int, int] | None:
+    """(out, in) of the fused parameter whose LoRA tensor `name` (ours) is, for the model of ModelArgs `margs`; None
+    for a name of no ExpertLoRA (its A is [E·r, in], its B [out, E·r])."""
+    if EXPERT_KEY not in name or margs.moe is None:
+        return None
+    width, dim = margs.moe.width, margs.dim
+    return (2 * width, dim) if ".gate_up_proj." in name else (dim, width)
+
+
 def peft_keys(tensors: dict) -> dict:
-    """Our ExpertLoRA tensors (names under the model, "model.layers.0.mlp.experts_lora.gate_up_proj.lora_A") under
-    peft's adapter keys (module docstring); other names are left out."""
+    """Our ExpertLoRA tensors (names under the model, as a checkpoint holds them) under peft's adapter keys (module
+    docstring); other names are left out."""
     out = {}
     for k, v in tensors.items():
         if EXPERT_KEY not in k:
             continue
         block, _, rest = k.partition(EXPERT_KEY)
-        param, _, which = rest.partition(".")   # gate_up_proj | down_proj, lora_A | lora_B
-        out[f"base_model.model.{block}.experts.{'base_layer.' if param == 'gate_up_proj' else ''}{which}.weight"] = v
+        param, _, which = rest.partition(".")   # gate_up_proj | down_proj, lora_A.weight | lora_B.weight
+        out[f"base_model.model.{block}.experts.{'base_layer.' if param == 'gate_up_proj' else ''}{which}"] = v
     return out

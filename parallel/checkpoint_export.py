@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from model.expert_lora import expert_dims
 from parallel.checkpoint_folders import STEP_RE, _previous_good, read_meta, resolve
 from parallel.guard import NonFiniteError
 
@@ -119,7 +120,7 @@ def _misfit(tensors: dict, m) -> str | None:
         proj = {n: (o, i) for n, (i, o) in m.projections(layer).items()}   # (out, in; Qwen3.5's q_proj: query, gate)
         hd = m.head_dim if layer is None else m.attn_dims(layer)[2]
         name = next((p for p in parts if p in proj), None)
-        out, inp = proj.get(name, (None, None))
+        out, inp = expert_dims(m, k) or proj.get(name, (None, None))   # (the experts' LoRA: model/expert_lora.py)
         want = (shape[0], inp) if ".lora_A." in k else (out, shape[1]) if ".lora_B." in k else (out,) \
             if "lora_magnitude_vector" in k else (m.vocab_size, m.dim) if "embed_tokens" in k else \
             (hd * (1 if not m.qk_norm_whole else m.n_heads if "q_norm" in k else m.n_kv_heads),) \

@@ -16,7 +16,8 @@ Pins (CPU; the tiny checkpoints of tests/test_qwen3_moe.py: 4 experts, top 2, 3 
 - one process = cp 2 Ulysses = cp 2 ring (2 gloo ranks, FSDP2): loss, grad norm, every LoRA gradient on every rank
   (tests/test_qwen3_moe.py's harness);
 - train.py, 2 steps: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank (every step's loss and grad norm and the adapter:
-  test_train's tolerances), and the adapter it writes loads in peft.
+  test_train's tolerances), and the adapter it writes loads in peft; `python -m parallel.checkpoint`'s export of its
+  checkpoint (with --model: the shape check) writes the same adapter.
 
 Run: .venv/bin/python -m pytest -q tests/test_moe_lora.py
 """
@@ -151,8 +152,9 @@ def test_init_is_deterministic_and_peft_shaped(ckpts):
         else:
             assert not p.any(), f"{n}: B starts at zero"
     moe = a.model.layers[0].mlp.experts_lora
-    assert tuple(moe.gate_up_proj.lora_A.shape) == (4 * 4, 48) and tuple(moe.gate_up_proj.lora_B.shape) == (64, 16)
-    assert tuple(moe.down_proj.lora_A.shape) == (4 * 4, 32) and tuple(moe.down_proj.lora_B.shape) == (48, 16)
+    gu, dn = moe.gate_up_proj, moe.down_proj
+    assert tuple(gu.lora_A.weight.shape) == (4 * 4, 48) and tuple(gu.lora_B.weight.shape) == (64, 16)
+    assert tuple(dn.lora_A.weight.shape) == (4 * 4, 32) and tuple(dn.lora_B.weight.shape) == (48, 16)
 
 
 def _gpt_oss_and_q35(tmp_path):
@@ -248,6 +250,7 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     from safetensors.torch import load_file
 
     import train
+    from parallel.checkpoint_export import export
     from tests.dist import run_ranks
     from tests.test_qwen3_moe_run import make_assets
     from tests.test_train import _compare
@@ -255,7 +258,7 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     root = tmp_path_factory.mktemp("moe_lora_runs")
     assets = make_assets(root)
     with one_thread():
-        train.main(train_argv(assets, str(root / "one"), *TRAIN))
+        train.main(train_argv(assets, str(root / "one"), *TRAIN, "--save-every", "2"))
     run_ranks(_train_four, 4, assets, str(root / "four"), timeout=500, pg_timeout=60)
     _compare("cp 2 x dp_shard 2 ring", str(root / "four"), str(root / "one"), steps=(1, 2))
     adapter = str(root / "one" / "adapter")
@@ -272,6 +275,13 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     for k, v in saved.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
     assert any(v.any() for k, v in saved.items() if ".experts." in k and "lora_B" in k), "the experts' B trained"
+    export(str(root / "one" / "ckpt"), str(root / "from_ckpt"), model=assets["model"])   # (its shape check too)
+    again = load_file(str(root / "from_ckpt" / "adapter_model.safetensors"))
+    assert sorted(again) == sorted(saved), "python -m parallel.checkpoint's adapter: the run's keys"
+    for k, v in saved.items():
+        torch.testing.assert_close(again[k], v, rtol=0, atol=0, msg=f"from the checkpoint: {k}")
+    with open(root / "from_ckpt" / "adapter_config.json") as f:
+        assert sorted(json.load(f)["target_parameters"]) == sorted(PARAMS)
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])
