@@ -1,20 +1,25 @@
-"""LoRA on the routed experts of Qwen3-MoE's blocks (model/moe.py), in peft's `target_parameters` format: what peft 0.21
-makes of `LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
-Qwen3MoeForCausalLM (its experts: fused 3-D parameters gate_up_proj [E, 2I, D], down_proj [E, D, I], out x in), and
-the adapter format that loads there. `--lora-targets experts` (EXPERTS) names it.
+"""LoRA on the routed experts of Qwen3-MoE's blocks (model/moe.py) and GPT-OSS's (model/gpt_oss.py), in peft's
+`target_parameters` format: what peft 0.21 makes of `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])` on transformers 5's Qwen3MoeForCausalLM (its experts: fused 3-D parameters gate_up_proj
+[E, 2I, D], down_proj [E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x
+out: its experts' `is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets
+experts` (EXPERTS) names it.
 
 Contract:
-- peft's ParamWrapper on a 3-D parameter [E, out, in] holds lora_A [E·r, in] (expert e's A: rows e·r .. e·r + r) and
-  lora_B [out, E·r] (viewed [out, r, E]: expert e's B is every E-th column from e), and adds scaling · B_e A_e to
-  expert e's weight (scaling = alpha / r, or alpha / sqrt(r) with rslora). `ParamLoRA` holds those two tensors in
-  that layout, so export is a rename. gate_up_proj's A is shared by gate and up (one fused parameter): B_e's first I
-  rows are gate's, the rest up's. `ExpertLoRA` (an MoE block's `experts_lora`) holds gate_up_proj's and down_proj's
-  and `run(e, expert, x)` computes expert e on its routed tokens x [n, D] as
-      gate = W_g x + s · B_e[:I] (A_e x),  up = W_u x + s · B_e[I:] (A_e x),  h = silu(gate) · up,
+- peft's ParamWrapper on a 3-D parameter of E experts, `in` inputs and `out` outputs holds lora_A [E·r, in] (expert
+  e's A: rows e·r .. e·r + r) and lora_B [out, E·r] (viewed [out, r, E]: expert e's B is every E-th column from e),
+  and adds scaling · B_e A_e to expert e's [out, in] weight (transposed for an in x out parameter; scaling = alpha /
+  r, or alpha / sqrt(r) with rslora). `ParamLoRA` holds those two tensors in that layout, so export is a rename.
+  gate_up_proj's A is shared by gate and up (one fused parameter); B_e's rows are its outputs': Qwen3-MoE's first I
+  gate's, the rest up's; GPT-OSS's alternate, gate's at the even rows (as its fused columns). `ExpertLoRA` (an MoE
+  block's `experts_lora`) holds gate_up_proj's and down_proj's and `run(e, expert, x)` computes expert e on its
+  routed tokens x [n, D] as
+      gate = W_g x + s · B_e[gate's rows] (A_e x),  up = W_u x + s · B_e[up's rows] (A_e x),  h = act(gate, up),
       out = W_d h + s · Bd_e (Ad_e h)
-  (the same function as peft's W + s · B_e A_e; no dense delta weight, no [T, E, ...] tensor: model.moe.dispatch
-  runs each expert on its own tokens). LoRA's tensors compute in x's dtype (peft's fold is in the parameter's).
-- `attach(model, r, alpha, rslora)`: one ExpertLoRA on every MoE block of a Qwen3-MoE model (on the meta device when
+  (biases, GPT-OSS's, in W x; act the expert's own: silu(gate) · up, GPT-OSS's clamped SwiGLU; the same function as
+  peft's W + s · B_e A_e; no dense delta weight, no [T, E, ...] tensor: model.moe.dispatch runs each expert on its own
+  tokens). LoRA's tensors compute in x's dtype (peft's fold is in the parameter's).
+- `attach(model, r, alpha, rslora)`: one ExpertLoRA on every MoE block of these models (on the meta device when
   the model is; model.qlora.apply_lora makes it float32 and trainable, as every "lora_" tensor), from `peft_wrap`,
   peft's wrapping of the rest; `model.qlora.init_lora` draws A and B per parameter name, as for every LoRA
   tensor (A ~ U(±1/sqrt(in)): peft's kaiming-uniform on its [E·r, in] Linear). `refusal(margs, args)`: why a run
@@ -68,22 +73,23 @@ class ParamLoRA(nn.Module):
 
 
 class ExpertLoRA(nn.Module):
-    def __init__(self, experts: int, dim: int, width: int, r: int, scaling: float, device=None):
+    def __init__(self, experts: int, dim: int, width: int, r: int, scaling: float, interleaved: bool, device=None):
         super().__init__()
         self.gate_up_proj = ParamLoRA(experts, dim, 2 * width, r, scaling, device)
         self.down_proj = ParamLoRA(experts, width, dim, r, scaling, device)
-        self.width = width
+        # gate's and up's rows of gate_up_proj's B: GPT-OSS's fused columns alternate (gate even), Qwen3-MoE's halves
+        self.rows = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, width), slice(width, None))
 
     def run(self, e: int, expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Expert e (model.moe.Expert) with its LoRA on its tokens x [n, D] -> [n, D]."""
-        gu, dn, width = self.gate_up_proj, self.down_proj, self.width
-        gate, up = expert.gate_proj(x), expert.up_proj(x)   # [n, I] each
+        gu, dn, (g_rows, u_rows) = self.gate_up_proj, self.down_proj, self.rows
+        gate, up = expert.gate_proj(x), expert.up_proj(x)   # [n, I] each (with their biases: GPT-OSS's)
         if not gu.off():
             a, b = gu.pair(e, x.dtype)
             xa = F.linear(x, a)                                                  # [n, r], gate's and up's
-            gate = torch.addmm(gate, xa, b[:width].t(), alpha=gu.scaling)
-            up = torch.addmm(up, xa, b[width:].t(), alpha=gu.scaling)
-        h = F.silu(gate) * up                                                    # [n, I]
+            gate = torch.addmm(gate, xa, b[g_rows].t(), alpha=gu.scaling)
+            up = torch.addmm(up, xa, b[u_rows].t(), alpha=gu.scaling)
+        h = expert.act(gate, up)                                                 # [n, I]
         out = expert.down_proj(h)                                                # [n, D]
         if dn.off():
             return out
@@ -103,15 +109,17 @@ def peft_wrap(model: nn.Module, cfg, wrap):
 
 
 def attach(model: nn.Module, r: int, alpha: float, rslora: bool = False) -> int:
-    """An ExpertLoRA on each of `model`'s Qwen3-MoE blocks (module docstring); returns how many."""
+    """An ExpertLoRA on each of `model`'s Qwen3-MoE or GPT-OSS MoE blocks (module docstring); returns how many."""
+    from model.gpt_oss import GptOssMoE
     from model.moe import MoE
 
     scaling = alpha / (math.sqrt(r) if rslora else r)
-    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) is MoE]
+    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) in (MoE, GptOssMoE)
+              and not hasattr(b.mlp, "shared_expert")]   # (Qwen3.5-MoE's: refused, `refusal`)
     for moe in blocks:
         gate = moe.experts[0].gate_proj   # (nn.Linear, or NF4's Linear4bit: its features as declared)
         moe.experts_lora = ExpertLoRA(len(moe.experts), gate.in_features, gate.out_features, r, scaling,
-                                      moe.gate.weight.device)
+                                      isinstance(moe, GptOssMoE), gate.weight.device)
     return len(blocks)
 
 
@@ -121,8 +129,8 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
     if moe is None or not any(moe.sparse(i) for i in range(margs.n_layers)):
         return (f"--lora-targets {EXPERTS}: this {margs.model_type} model has no MoE experts; drop {EXPERTS} from "
                 "--lora-targets")
-    if moe.beside or moe.clamp or moe.shared:
-        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE only, not yet on this "
+    if moe.beside or moe.shared:
+        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE and GPT-OSS, not yet on this "
                 f"{margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
     if not [t for t in targets if t != EXPERTS]:   # (peft wraps our modules and finds no fused parameter to wrap)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts alone is not supported here: name a projection "

@@ -15,7 +15,8 @@ Contract:
   `mlp.experts.{e}.{gate_proj,up_proj,down_proj}` (nn.Linear with biases: NF4, FSDP2 and model.moe.dispatch treat them
   as Qwen3-MoE's) computing (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = clamp(gate, max=limit), then
   down_proj. LoRA: the attention's projections (model.moe.expert_targets refuses MLP targets, as for Qwen3-MoE: peft on
-  transformers' model adapts no expert module).
+  transformers' model adapts no expert module), and with `experts` the experts' fused parameters in peft's
+  target_parameters format (model/expert_lora.py; gate_up_proj's LoRA rows interleaved as its columns).
 - The checkpoint stores each block's experts fused: `mlp.experts.gate_up_proj` [E, D, 2I] (in x out; gate and up
   INTERLEAVED in the last dim: gate at even columns), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D] (in x out)
   and `down_proj_bias` [E, D]. Expert e's part of each is one contiguous slab; `expert_views(meta)` maps our
@@ -79,10 +80,12 @@ class Expert(nn.Module):
         self.up_proj = nn.Linear(dim, width)
         self.down_proj = nn.Linear(width, dim)
 
+    def act(self, gate, up):   # (model/expert_lora.py adds LoRA to gate's and up's outputs, then calls this)
+        g, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (g * torch.sigmoid(g * self.alpha))
+
     def forward(self, x):
-        g = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj((up + 1) * (g * torch.sigmoid(g * self.alpha)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class GptOssMoE(nn.Module):
@@ -95,7 +98,8 @@ class GptOssMoE(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
         top, idx = torch.topk(self.router(flat), self.top_k, dim=-1)        # [T, k] logits, compute dtype
-        return dispatch(self.experts, flat, torch.softmax(top, -1), idx).view(x.shape)
+        return dispatch(self.experts, flat, torch.softmax(top, -1), idx, getattr(self, "experts_lora", None)).view(
+            x.shape)
 
 
 # expert e's slab of a fused tensor -> our part: gate at the even columns of gate_up_proj, up at the odd ones (its

@@ -14,7 +14,9 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   index_select / index_add index is a slice of these); per expert its tokens' gate output (silu's input), silu's
   output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
   routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
-  experts' frozen projections save no input, nor the sum into the output (index_put_: its index only). A shared
+  experts' frozen projections save no input, nor the sum into the output (index_put_: its index only); LoRA on the
+  experts (`expert_lora`, --lora-targets experts; GPT-OSS's too) keeps per slot its gathered input [D] and SwiGLU
+  product [I] (the A's inputs) and the two [r] products (the B's), e·Tk·(D + I + 2r). A shared
   expert: its gate, silu and up outputs (3eTS), its down output and the gate's sigmoid for their product (eT·(D + 1)).
   --tiled-mlp:
   the tiles keep only the input, as the dense MLP's; with nf4 its phase holds every expert's weights dequantized
@@ -102,17 +104,17 @@ def saved(m, T: int, e: int, r: int = 0) -> float:
     MLP's (--tiled-mlp: none, kept a tile at a time, `unit`). `r`: the experts' LoRA rank (0: none), whose A's keep
     each slot's gathered input [D] and SwiGLU product [I], and B's the two [r] products (e·Tk·(D + I + 2r))."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
+    lora = e * T * k * (D + width + 2 * r) * bool(r)   # (the experts' LoRA: Qwen3-MoE's and GPT-OSS's)
     if m.moe.clamp:   # GPT-OSS (model/gpt_oss.py): softmax over the top k logits in the compute dtype (its output),
         # the top k's int64 indices, the slots' order and tokens; per slot the clamped SwiGLU's six [I]: gate's and up's
         # outputs (the clamps' inputs), the clamped gate, its sigmoid, up + 1 and gate·sigmoid (the product's two
         # factors); its down output and routing weight
-        return e * T * k + 8 * T * k + 16 * T * k + 6 * e * T * k * width + e * T * k * (D + 1)
+        return e * T * k + 8 * T * k + 16 * T * k + 6 * e * T * k * width + e * T * k * (D + 1) + lora
     if m.moe.beside:
         return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
             + 3 * e * T * k * width + (e * D + 4) * T * k + 4 * T + 2 * (e * T * D + 4 * T)
     return 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 16 * T * k \
-        + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0) \
-        + e * T * k * (D + width + 2 * r) * bool(r)
+        + 3 * e * T * k * width + e * T * k * (D + 1) + (3 * e * T * S + e * T * (D + 1)) * (S > 0) + lora
 
 
 def backward(m, T: int, e: int) -> float:
