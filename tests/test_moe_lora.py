@@ -133,10 +133,8 @@ def test_lora_grads_match_peft_on_transformers(ckpts, mem, name):
     hf = _peft(ckpts[name])
     state = _peft_names({k: p.detach() for k, p in trained.items()})
     assert not hf.load_state_dict(state, strict=False).unexpected_keys
-    hf.train()
-    logits = hf(input_ids=ids).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            reduction="sum", ignore_index=-100)
+    logits = hf.train()(input_ids=ids).logits.flatten(0, 1)   # [B·S, V]
+    ref = torch.nn.functional.cross_entropy(logits, labels.flatten(), reduction="sum", ignore_index=-100)
     (ref / n).backward()
     # (loss.py sums the loss in float32, its gradient too: float32 round-off (~1e-7) on a float64 model)
     torch.testing.assert_close(s.detach().double(), ref.detach(), rtol=1e-6, atol=1e-6, msg="loss")
