@@ -1,9 +1,10 @@
-"""LoRA on the routed experts of Qwen3-MoE's blocks (model/moe.py) and GPT-OSS's (model/gpt_oss.py), in peft's
-`target_parameters` format: what peft 0.21 makes of `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj"])` on transformers 5's Qwen3MoeForCausalLM (its experts: fused 3-D parameters gate_up_proj
-[E, 2I, D], down_proj [E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x
-out: its experts' `is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets
-experts` (EXPERTS) names it.
+"""LoRA on the routed experts of Qwen3-MoE's and Qwen3.5-MoE's blocks (model/moe.py; not Qwen3.5-MoE's shared expert)
+and GPT-OSS's (model/gpt_oss.py), in peft's `target_parameters` format: what peft 0.21 makes of
+`LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
+Qwen3MoeForCausalLM and Qwen3_5MoeForCausalLM (their experts: fused 3-D parameters gate_up_proj [E, 2I, D], down_proj
+[E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x out: its experts'
+`is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets experts` (EXPERTS)
+names it.
 
 Contract:
 - peft's ParamWrapper on a 3-D parameter of E experts, `in` inputs and `out` outputs holds lora_A [E·r, in] (expert
@@ -114,8 +115,7 @@ def attach(model: nn.Module, r: int, alpha: float, rslora: bool = False) -> int:
     from model.moe import MoE
 
     scaling = alpha / (math.sqrt(r) if rslora else r)
-    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) in (MoE, GptOssMoE)
-              and not hasattr(b.mlp, "shared_expert")]   # (Qwen3.5-MoE's: refused, `refusal`)
+    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) in (MoE, GptOssMoE)]
     for moe in blocks:
         gate = moe.experts[0].gate_proj   # (nn.Linear, or NF4's Linear4bit: its features as declared)
         moe.experts_lora = ExpertLoRA(len(moe.experts), gate.in_features, gate.out_features, r, scaling,
@@ -129,8 +129,9 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
     if moe is None or not any(moe.sparse(i) for i in range(margs.n_layers)):
         return (f"--lora-targets {EXPERTS}: this {margs.model_type} model has no MoE experts; drop {EXPERTS} from "
                 "--lora-targets")
-    if moe.beside or moe.shared:
-        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE and GPT-OSS, not yet on this "
+    if moe.beside:
+        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE, Qwen3.5-MoE and GPT-OSS, "
+                f"not yet on this "
                 f"{margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
     if not [t for t in targets if t != EXPERTS]:   # (peft wraps our modules and finds no fused parameter to wrap)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts alone is not supported here: name a projection "

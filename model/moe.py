@@ -26,8 +26,9 @@ Contract:
   refuse). Here the MLP names (gate_proj, up_proj, down_proj) match each expert's projections; peft 0.21 on transformers
   5's model turns them into target_parameters on the experts' fused 3-D parameters (`experts.gate_up_proj`,
   `experts.down_proj`: another adapter format) and adapts no dense block's MLP then, so neither an expert's LoRA nor a
-  dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets, and on
-  Qwen3-MoE and GPT-OSS `experts` (model/expert_lora.py: LoRA on the experts in that target_parameters format).
+  dense block's (mlp_only_layers) would load there as trained. The attention's projections are the targets, and
+  `experts` (model/expert_lora.py: LoRA on the routed experts in that target_parameters format; the shared expert
+  never).
   Qwen3.5-MoE: peft on transformers' model adapts the shared expert's projections alone under these names (its
   experts are fused parameters, no modules), while our per-expert modules would take LoRA on every expert: refused
   too, until LoRA here is kept to the shared expert. Gemma 4's (`beside`: model/gemma4_moe.py): none refused, the
@@ -91,11 +92,10 @@ def expert_targets(args, targets) -> str | None:
            "parameters), so an adapter of every expert's would not load there as trained" if args.moe.shared else
            "peft on transformers 5 adapts them as fused 3-D parameters, another adapter format, and reads these "
            "names so on the dense blocks too")
-    experts = not args.moe.shared   # (Qwen3-MoE's, GPT-OSS's: model/expert_lora.py)
     return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
             f"projections in its MoE blocks ({len(sparse)} of {args.n_layers}); LoRA on them under these names is not "
             f"supported ({why}): pass --lora-targets attn (q_proj,k_proj,v_proj,o_proj)"
-            + (", or attn,experts for LoRA on the experts too (peft's target_parameters format)" if experts else "")
+            + ", or attn,experts for LoRA on the routed experts too (peft's target_parameters format)"
             + ", or leave the flag out: the default adapts the attention")
 
 

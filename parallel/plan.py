@@ -150,7 +150,9 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
-    adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms)] or [L - 1]   # (a
+    xl = plan_moe.expert_lora(m, args)   # --lora-targets experts: an MoE block's, in every kind for FSDP2's largest
+    adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms or xl and m.moe.sparse(i))] \
+        or [L - 1]   # (a
     # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
     lo = adapted[0] * (not (norms and plan_small.branch_saved(m, 1, e)))   # blocks below lo need no grad: they
     # save nothing, no backward runs there (Gemma 4 E2B / E4B's trained per_layer_projection_norm: every block's
@@ -159,7 +161,6 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
            + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]   # fused Linear: parallel/plan_layers.py)
            + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
            for x, i in {kind(i): i for i in range(L)}.items()}
-    xl = plan_moe.expert_lora(m, args)   # --lora-targets experts: an MoE block's, in every kind for FSDP2's largest
     loras = {x: ls + xl for x, ls in own.items()}   # block (Qwen3-MoE's dense and MoE blocks share a kind)
     lora = lambda i: own[kind(i)] + xl * m.moe.sparse(i) if xl else own[kind(i)]   # a block's LoRA by its kind
     # (linear or not; Gemma 4: its attention shape), + the experts' in an MoE block
@@ -233,7 +234,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             b += plan_layers.v_norm_saved(m, i, T, e, not first or ("k_proj" if m.shares_kv(i) else "v_proj") in tg)
         b += (e * T * D + 4 * T) * (2 - tiled) * post   # Gemma's and OLMo's norms on attention's and the MLP's outputs
         b += plan_small.branch_saved(m, T, e, norms)   # (Gemma 4 E2B / E4B's PLE branch; the MLP at its width)
-        xr = r * bool(tg and xl)   # (the experts' LoRA rank in an adapted MoE block)
+        xr = r * bool(xl and i in adapted)   # (the experts' LoRA rank in an adapted MoE block)
         b += (0 if tiled else plan_moe.saved(m, T, e, xr) if sparse and not beside else e * T * sh["up_proj"][0] * (
             3 + ("down_proj" in tg and el == e))) + (plan_moe.saved(m, T, e) if sparse and beside and not tiled else 0)
         # (Gemma 4's MoE: beside the dense MLP, tiled with it; el != e: down's A keeps its float32 input, not the

@@ -110,8 +110,8 @@ def run_parser(schedules, description: str, add_help=True) -> argparse.ArgumentP
       "projection names to adapt, or all-linear (peft's: every linear of the language model but lm_head), attn (q, k, "
       "v, o; Qwen3.5's linear layers: in_proj_qkv, in_proj_z, out_proj), mlp (gate, up, down); default: attn,mlp "
       "(in_proj_b, in_proj_a only when named or with all-linear), or attn on an MoE model whose MLP is its experts "
-      "(Qwen3-MoE, Qwen3.5-MoE, GPT-OSS); experts: Qwen3-MoE's and GPT-OSS's routed experts too, beside another "
-      "name (e.g. attn,experts; peft's target_parameters format)")
+      "(Qwen3-MoE, Qwen3.5-MoE, GPT-OSS); experts: those models' routed experts too, beside another name (e.g. "
+      "attn,experts; peft's target_parameters format)")
     a("--lora-layers", type=lora_layers_arg, default=None, metavar="SPEC", help="adapt only these blocks (e.g. 14-27, "
       "0,4,8-11; default all; peft's layers_to_transform): from the lowest, the blocks below it run no backward")
     a("--objective", default="sft", choices=["sft", "dpo"], help="sft: cross-entropy on the targets (LOSS_FN); dpo: "
