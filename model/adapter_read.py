@@ -23,6 +23,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
+from model.expert_lora import PEFT_PARAMS
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
 from model.lora_spec import FUSED
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
@@ -30,7 +31,7 @@ from model.stored import read_header
 from model.wrapper import to_ours
 
 
-def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
+def not_plain_lora(cfg: dict, dora: bool = False, experts: bool = False) -> list[str]:
     """What in an adapter_config.json is more than plain LoRA, W + scale · B @ A with one r and alpha (what this
     trainer trains, starts from and merges), or DoRA's rescaling of it where `dora` (the caller handles use_dora):
     each as a phrase naming it. Norm layers and the input embedding as modules_to_save (--train-norms',
@@ -44,9 +45,10 @@ def not_plain_lora(cfg: dict, dora: bool = False) -> list[str]:
     wrong += [f"{k} {cfg[k]!r} (not trained here)" for k in (
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
-    if cfg.get("target_parameters"):   # (--lora-targets experts trains them: model/expert_lora.py; not read back yet)
-        wrong.append(f"target_parameters {cfg['target_parameters']!r} (LoRA on the experts' fused parameters: "
-                     "--init-adapter and the merge do not read it back yet)")
+    if cfg.get("target_parameters") and not (experts and set(cfg["target_parameters"]) <= set(PEFT_PARAMS)):
+        wrong.append(f"target_parameters {cfg['target_parameters']!r} (" + (   # (--lora-targets experts': the merge
+            "LoRA on the experts' fused parameters: --init-adapter does not read it back yet" if not experts else
+            f"the merge folds only {', '.join(PEFT_PARAMS)}") + ")")   # folds them, model/expert_lora.per_expert)
     init = cfg.get("init_lora_weights")   # these rebuild the base as W - s·B0@A0 (or quantize it) when peft loads it
     if isinstance(init, str) and (init.lower().startswith("pissa") or init.lower() in ("olora", "corda", "loftq",
                                                                                         "lora_ga")):

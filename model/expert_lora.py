@@ -28,7 +28,9 @@ Contract:
 - `peft_keys(tensors)`: our names ("model.layers.0.mlp.experts_lora.gate_up_proj.lora_A.weight") -> peft's keys
   (nested ParamWrappers: gate_up_proj, wrapped first, is the inner one, "...mlp.experts.base_layer.lora_A.weight";
   down_proj "...mlp.experts.lora_A.weight"); `PEFT_PARAMS`: adapter_config.json's target_parameters; `expert_dims`:
-  the (out, in) of the fused parameter one of our tensors adapts (parallel/checkpoint_export.py's shape check).
+  the (out, in) of the fused parameter one of our tensors adapts (parallel/checkpoint_export.py's shape check);
+  `per_expert(lora, params, margs)`: an adapter's fused LoRA as per-expert pairs of our projections (model/merged.py
+  folds them into each expert's weights, = peft's merge_and_unload).
 - A ParamLoRA's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) or `_as_reference`
   (model.qlora.reference_adapter: an --init-adapter, which holds no experts' LoRA) runs the expert without it.
 """
@@ -156,6 +158,32 @@ def expert_dims(margs, name: str) -> tuple[int, int] | None:
         return None
     width, dim = margs.moe.width, margs.dim
     return (2 * width, dim) if ".gate_up_proj." in name else (dim, width)
+
+
+def per_expert(lora: dict, params, margs) -> dict:
+    """An adapter's tensors (peft's keys, `params` its target_parameters) with each fused parameter's LoRA split into
+    the per-expert pairs of the projections it fuses ("...mlp.experts.{e}.gate_proj.lora_A.weight": A_e, and B_e's
+    rows of that projection), whose B @ A is peft's delta of that expert's part (the merge folds them as any pair's);
+    the rest as given. peft nests the wrappers in parameter order: with both, gate_up_proj's is `base_layer`'s."""
+    names = sorted(p.rsplit(".", 1)[-1] for p in params or ())   # (down_proj before gate_up_proj)
+    out, E = {}, margs.moe.experts if margs.moe is not None else 0
+    for k, v in lora.items():
+        head, sep, tail = k.partition(".mlp.experts.")
+        which = tail.removeprefix("base_layer.")   # lora_A.weight | lora_B.weight
+        if not sep or which not in ("lora_A.weight", "lora_B.weight"):
+            out[k] = v
+            continue
+        param = names[-1] if tail.startswith("base_layer.") or len(names) == 1 else names[0]
+        width = margs.moe.width
+        rows = {"down_proj": ((slice(None), "down_proj"),)}.get(param) or (
+            ((slice(0, None, 2), "gate_proj"), (slice(1, None, 2), "up_proj")) if margs.moe.clamp else
+            ((slice(0, width), "gate_proj"), (slice(width, None), "up_proj")))
+        r = v.shape[0] // E if which == "lora_A.weight" else v.shape[1] // E
+        for e in range(E):
+            for pick, proj in rows:
+                part = v[e * r:(e + 1) * r] if which == "lora_A.weight" else v[:, e::E][pick]
+                out[f"{head}.mlp.experts.{e}.{proj}.{which}"] = part.contiguous()
+    return out
 
 
 def peft_keys(tensors: dict) -> dict:

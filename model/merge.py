@@ -188,7 +188,8 @@ def check_inputs(args) -> list[str]:
         from model.adapter_read import not_plain_lora
         try:
             with open(cfg) as f:
-                wrong = not_plain_lora(json.load(f), dora=True)   # (DoRA: merged.merge folds its magnitudes)
+                wrong = not_plain_lora(json.load(f), dora=True, experts=True)   # (DoRA: merged.merge folds its
+                # magnitudes; the experts' LoRA: its per-expert pairs, model.expert_lora.per_expert)
         except ValueError as e:
             wrong = [f"an unreadable adapter_config.json ({e})"]
         if wrong:   # one alpha / r for every module is all the merge folds in

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from model.adapter_read import saves_trained, tied_head, untied_embedding
+from model.expert_lora import per_expert
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
@@ -101,6 +102,7 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     lora = {to_ours(k): v for k, v in lora.items()}   # (made on a multimodal wrapper: its language model's, ours)
+    lora = per_expert(lora, acfg.get("target_parameters"), read_args(base_path))   # (the experts' fused LoRA, split)
     tied_head(lora, adapter_dir)   # (a tied model's head, written for peft beside its trained embedding: the same)
     if (why := untied_embedding(acfg)) and read_args(base_path).tie_embeddings:   # (a tied checkpoint would tie the
         raise ValueError(f"adapter {adapter_dir!r} {why}, which a tied checkpoint cannot hold: merge it with peft's "

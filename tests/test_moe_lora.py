@@ -14,7 +14,8 @@ text model, 3 linear-attention blocks and a full one, a shared expert):
 - the init is the same per parameter name on every build (deterministic), A ~ U(±1/sqrt(in)), B = 0;
 - refused at start-up naming the value and the fix: lora_dropout > 0, DoRA, --lora-layers, experts alone, a model
   with no experts or Gemma 4's MoE; MLP names on the three name `experts` as the fix;
-  --init-adapter and `python -m model.merge` refuse an adapter of the experts (target_parameters);
+  --init-adapter refuses an adapter of the experts (target_parameters);
+- `python -m model.merge` folds it as peft's merge_and_unload does (transformers loads the merge: its logits);
 - one process = cp 2 Ulysses = cp 2 ring (2 gloo ranks, FSDP2): loss, grad norm, every LoRA gradient on every rank
   (tests/test_qwen3_moe.py's harness; GPT-OSS: ring, nf4);
 - the memory plan: activations with the experts' LoRA = autograd's saved bytes, the LoRA term = 16 bytes per trained
@@ -221,19 +222,47 @@ def test_refusals_name_the_value_and_the_fix(ckpts, tmp_path):
     assert "has no MoE experts" in refused(dense, ["--lora-targets", "attn,experts"])
 
 
-def test_init_adapter_and_merge_refuse_an_experts_adapter(ckpts, tmp_path, capsys):
-    from model import merge
+def test_init_adapter_refuses_an_experts_adapter(ckpts, tmp_path):
     from model.adapter_read import check_init_adapter
     from model.export import export_adapter
 
     _, peft_model = _ours(ckpts["renorm"], dtype=torch.float32)
     export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
-    with pytest.raises(ValueError, match="target_parameters .*do not read it back yet"):
+    with pytest.raises(ValueError, match="target_parameters .*--init-adapter does not read it back yet"):
         check_init_adapter(str(tmp_path / "a"), 4, 8, EXPERTS)
-    assert merge.main(["--model", ckpts["renorm"], "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 2
-    said = capsys.readouterr().err
-    assert "target_parameters" in said and "do not read it back yet" in said, said
-    assert not os.path.exists(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35"])
+def test_merge_is_what_peft_merges(ckpts, tmp_path, name):
+    """`python -m model.merge` of an adapter with the experts' LoRA (quant none, float32): transformers loads the merge
+    with no missing or unexpected key and gives peft's merge_and_unload logits (float64), the experts' weights
+    changed (GPT-OSS's written fused back, gate and up interleaved)."""
+    import warnings
+
+    from peft import PeftModel
+
+    from model import merge
+    from model.export import export_adapter
+
+    _, peft_model = _ours(ckpts[name], dtype=torch.float32)
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts[name], quant="none")
+    out = str(tmp_path / "merged")
+    assert merge.main(["--model", ckpts[name], "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = PeftModel.from_pretrained(_hf(ckpts[name]), str(tmp_path / "a")).merge_and_unload().to(torch.float64)
+        merged, info = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True,
+                                                              experts_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys")), info
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids).logits
+        assert rel(merged.to(torch.float64).eval()(input_ids=ids).logits, want) < 1e-6, "merged logits"
+        assert rel(_hf(ckpts[name]).to(torch.float64)(input_ids=ids).logits, want) > 1e-3, "the merge changed nothing"
+    experts = [k for k, _ in merged.named_parameters() if ".experts." in k]
+    base = dict(_hf(ckpts[name]).named_parameters())
+    assert experts and all(not torch.equal(dict(merged.named_parameters())[k], base[k]) for k in experts
+                           if "bias" not in k), experts
 
 
 @pytest.mark.timeout(300)
