@@ -20,9 +20,9 @@ text model, 3 linear-attention blocks and a full one, a shared expert):
   (tests/test_qwen3_moe.py's harness; GPT-OSS: ring, nf4);
 - the memory plan: activations with the experts' LoRA = autograd's saved bytes, the LoRA term = 16 bytes per trained
   element (Qwen3-MoE nf4 and none, GPT-OSS, Qwen3.5-MoE);
-- train.py, 2 steps: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank (every step's loss and grad norm and the adapter:
-  test_train's tolerances), and the adapter it writes loads in peft; `python -m parallel.checkpoint`'s export of its
-  checkpoint (with --model: the shape check) writes the same adapter.
+- train.py, 2 steps: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank = 1 rank resumed after step 1 (every step's loss
+  and grad norm and the adapter: test_train's tolerances), and the adapter it writes loads in peft; `python -m
+  parallel.checkpoint`'s export of its checkpoint (with --model: the shape check) writes the same adapter.
 
 Run: .venv/bin/python -m pytest -q tests/test_moe_lora.py
 """
@@ -288,8 +288,9 @@ def _train_four(rank, world_size, assets, out):
 @pytest.mark.timeout(600)
 def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory):
     """train.py, 2 steps, LoRA on the attention and the experts (nf4, AC): --cp 2 --dp-shard 2 ring on 4 gloo ranks =
-    1 rank (every step's loss and grad norm, the adapter: test_train's tolerances); the adapter names the two
-    target_parameters and loads in peft on transformers' model with no key warning, every tensor as saved."""
+    1 rank, and a resume from its step 1 checkpoint = the run (every step's loss and grad norm, the adapter:
+    test_train's tolerances); the adapter names the two target_parameters and loads in peft on transformers' model
+    with no key warning, every tensor as saved; the checkpoint's export (python -m parallel.checkpoint) = it."""
     import warnings
 
     from peft import PeftModel
@@ -304,9 +305,12 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     root = tmp_path_factory.mktemp("moe_lora_runs")
     assets = make_assets(root)
     with one_thread():
-        train.main(train_argv(assets, str(root / "one"), *TRAIN, "--save-every", "2"))
+        train.main(train_argv(assets, str(root / "one"), *TRAIN, "--save-every", "1"))
+        train.main(train_argv(assets, str(root / "resumed"), *TRAIN, "--save-every", "1", "--resume",
+                              str(root / "one" / "ckpt" / "step_000001")))
     run_ranks(_train_four, 4, assets, str(root / "four"), timeout=500, pg_timeout=60)
     _compare("cp 2 x dp_shard 2 ring", str(root / "four"), str(root / "one"), steps=(1, 2))
+    _compare("resumed after step 1", str(root / "resumed"), str(root / "one"), steps=(2,))
     adapter = str(root / "one" / "adapter")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         assert sorted(json.load(f)["target_parameters"]) == sorted(PARAMS)
