@@ -23,7 +23,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
-from model.expert_lora import PEFT_PARAMS
+from model.expert_lora import EXPERT_KEY, EXPERTS, PEFT_PARAMS, ours
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
 from model.lora_spec import FUSED
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
@@ -46,9 +46,9 @@ def not_plain_lora(cfg: dict, dora: bool = False, experts: bool = False) -> list
         "alora_invocation_tokens", "layer_replication", "use_bdlora", "use_qalora",
         "velora_config", "kasa_config", "monteclora_config", "arrow_config", "megatron_config") if cfg.get(k)]
     if cfg.get("target_parameters") and not (experts and set(cfg["target_parameters"]) <= set(PEFT_PARAMS)):
-        wrong.append(f"target_parameters {cfg['target_parameters']!r} (" + (   # (--lora-targets experts': the merge
-            "LoRA on the experts' fused parameters: --init-adapter does not read it back yet" if not experts else
-            f"the merge folds only {', '.join(PEFT_PARAMS)}") + ")")   # folds them, model/expert_lora.per_expert)
+        wrong.append(f"target_parameters {cfg['target_parameters']!r} (" + (   # (--lora-targets experts trains them:
+            "LoRA on the experts' fused parameters: pass --lora-targets with experts" if not experts else
+            f"only {', '.join(PEFT_PARAMS)} are read here") + ")")   # model/expert_lora.py)
     init = cfg.get("init_lora_weights")   # these rebuild the base as W - s·B0@A0 (or quantize it) when peft loads it
     if isinstance(init, str) and (init.lower().startswith("pissa") or init.lower() in ("olora", "corda", "loftq",
                                                                                         "lora_ga")):
@@ -137,7 +137,7 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     with open(cfg_path) as f:
         cfg = json.load(f)
     mods = cfg.get("target_modules")
-    wrong = not_plain_lora(cfg, dora=True)
+    wrong = not_plain_lora(cfg, dora=True, experts=EXPERTS in targets)
     if bool(cfg.get("use_dora")) != dora:   # (DoRA's magnitudes dropped, or a LoRA adapter as DoRA's start: refused,
         # as another rslora is: say which flag keeps what it learned)
         wrong.append(f"use_dora {bool(cfg.get('use_dora'))}, this run " + ("--dora" if dora else "no --dora")
@@ -221,9 +221,12 @@ def read_init_adapter(path: str) -> dict:
     head (peft's ensure_weight_tying: the trained embedding again, `tied_head`) is left out, as it is the embedding."""
     sd = {to_ours(k): v for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}   # (made on
     tied_head(sd, path)   # a multimodal wrapper or a text-only model: the same language model's, model/wrapper.py)
-    return {re.sub(r"\.lora_magnitude_vector$", ".lora_magnitude_vector.default.weight",
-                   k.removeprefix("base_model.model.")).replace(".lora_A.weight", ".lora_A.default.weight")
-            .replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in sd.items()}
+    with open(os.path.join(path, "adapter_config.json")) as f:   # (the experts': model.expert_lora.ours, as named)
+        params = json.load(f).get("target_parameters")
+    sd = ours({k.removeprefix("base_model.model."): v for k, v in sd.items()}, params)
+    return {k if EXPERT_KEY in k else re.sub(r"\.lora_magnitude_vector$", ".lora_magnitude_vector.default.weight", k)
+            .replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
+            for k, v in sd.items()}
 
 
 def untied_embedding(cfg: dict) -> str | None:

@@ -31,8 +31,10 @@ Contract:
   the (out, in) of the fused parameter one of our tensors adapts (parallel/checkpoint_export.py's shape check);
   `per_expert(lora, params, margs)`: an adapter's fused LoRA as per-expert pairs of our projections (model/merged.py
   folds them into each expert's weights, = peft's merge_and_unload).
-- A ParamLoRA's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) or `_as_reference`
-  (model.qlora.reference_adapter: an --init-adapter, which holds no experts' LoRA) runs the expert without it.
+- A ParamLoRA's `_disable_adapters` (model.qlora.adapters_off: DPO's reference model) runs the expert without it;
+  `_as_reference` (model.qlora.reference_adapter: DPO from an --init-adapter) with that adapter's tensors
+  (`take_reference`), or without LoRA where it has none. `ours(sd, params)`: an adapter's expert tensors under our
+  names (model.adapter_read.read_init_adapter: --init-adapter).
 """
 
 from __future__ import annotations
@@ -63,15 +65,16 @@ class ParamLoRA(nn.Module):
         super().__init__()
         self.experts, self.r, self.scaling = experts, r, scaling
         self._disable_adapters = self._as_reference = False   # (model.qlora's adapters_off, reference_adapter)
+        self._ref = None   # reference_adapter's (A, B) while `_as_reference`: `take_reference`
         self.lora_A = _Weight(experts * r, inp, device)    # [E·r, in]
         self.lora_B = _Weight(out, experts * r, device)   # [out, E·r], viewed [out, r, E]
 
     def off(self) -> bool:
-        return self._disable_adapters or self._as_reference
+        return self._disable_adapters or self._as_reference and self._ref is None
 
     def pair(self, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (A [r, in], B [out, r]) in `dtype`."""
-        a, b = self.lora_A.weight, self.lora_B.weight
+        """Expert e's (A [r, in], B [out, r]) in `dtype` (a reference adapter's while one is entered)."""
+        a, b = self._ref if self._as_reference else (self.lora_A.weight, self.lora_B.weight)
         return a[e * self.r:(e + 1) * self.r].to(dtype), b[:, e::self.experts].to(dtype)
 
 
@@ -184,6 +187,31 @@ def per_expert(lora: dict, params, margs) -> dict:
                 part = v[e * r:(e + 1) * r] if which == "lora_A.weight" else v[:, e::E][pick]
                 out[f"{head}.mlp.experts.{e}.{proj}.{which}"] = part.contiguous()
     return out
+
+
+def ours(sd: dict, params) -> dict:
+    """An adapter's tensors (peft's keys, less "base_model.model."; `params` its target_parameters) with the experts'
+    under our names (`peft_keys`' inverse: with both parameters gate_up_proj's is `base_layer`'s); the rest as given."""
+    names = sorted(p.rsplit(".", 1)[-1] for p in params or ())   # (down_proj before gate_up_proj)
+    out = {}
+    for k, v in sd.items():
+        head, sep, tail = k.partition(".mlp.experts.")
+        if sep and tail.removeprefix("base_layer.") in ("lora_A.weight", "lora_B.weight"):
+            param = names[-1] if tail.startswith("base_layer.") or len(names) == 1 else names[0]
+            k = f"{head}.mlp{EXPERT_KEY}{param}.{tail.removeprefix('base_layer.')}"
+        out[k] = v
+    return out
+
+
+def take_reference(model: nn.Module, left: dict, device=None) -> None:
+    """model.qlora.reference_adapter's part for the experts: each ParamLoRA's (A, B) popped from `left` (our names,
+    `ours`) onto `device`, or None (the expert alone) where the adapter has none."""
+    for n, m in model.named_modules():
+        if isinstance(m, ParamLoRA):
+            ab = [left.pop(f"{n}.lora_{x}.weight", None) for x in "AB"]
+            if (ab[0] is None) != (ab[1] is None):
+                raise ValueError(f"the reference adapter has only one of {n}'s lora_A and lora_B")
+            m._ref = None if ab[0] is None else tuple(t.detach().to(device) for t in ab)
 
 
 def peft_keys(tensors: dict) -> dict:

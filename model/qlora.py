@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import dora as dora_math
 from model.bnb import bnb
-from model.expert_lora import EXPERTS, PEFT_PARAMS, ParamLoRA, peft_wrap, refusal
+from model.expert_lora import EXPERTS, PEFT_PARAMS, ParamLoRA, peft_wrap, refusal, take_reference
 from model.llama import Transformer
 from model.lora_spec import LORA_TARGETS, model_targets
 from model.moe import expert_targets
@@ -217,11 +217,11 @@ class reference_adapter:
                     else ""))
             m._ref_weights = None if ab[0] is None else tuple(t.detach().to(device, dtype) for t in ab + [mag]
                                                               if t is not None)
+        take_reference(model, left, device)   # (the experts': model/expert_lora.py)
         if left:
             raise ValueError(f"the reference adapter's tensor {next(iter(left))} names no LoRA layer of this model "
                              f"({len(left)} such)")
-        self.layers = list(layers.values()) + [m for m in model.modules() if isinstance(m, ParamLoRA)]   # (the
-        # experts' LoRA: base alone, no adapter read here holds it)
+        self.layers = list(layers.values()) + [m for m in model.modules() if isinstance(m, ParamLoRA)]
 
     def __enter__(self):
         for m in self.layers:

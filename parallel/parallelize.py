@@ -175,7 +175,8 @@ def init_from_adapter(model, path: str) -> None:
             raise ValueError(f"--init-adapter {path!r}: its trained weight {name} is not one this run trains "
                              "(--train-norms trains the norms of the --lora-layers blocks and the final one; "
                              "--train-embeddings the input embedding)")
-        if not (re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$", name) or is_saved_weight(name)) or \
+        if not (re.search(r"\.lora_([AB]|magnitude_vector)\.default\.weight$|\.experts_lora\..*\.lora_[AB]\.weight$",
+                          name) or is_saved_weight(name)) or \
                 p is not None and not p.requires_grad:
             raise ValueError(f"--init-adapter {path!r}: its tensor {name} is not a LoRA A/B weight or DoRA magnitude: "
                              "an adapter with trained biases or saved modules is not one this run can start from")

@@ -14,7 +14,8 @@ text model, 3 linear-attention blocks and a full one, a shared expert):
 - the init is the same per parameter name on every build (deterministic), A ~ U(±1/sqrt(in)), B = 0;
 - refused at start-up naming the value and the fix: lora_dropout > 0, DoRA, --lora-layers, experts alone, a model
   with no experts or Gemma 4's MoE; MLP names on the three name `experts` as the fix;
-  --init-adapter refuses an adapter of the experts (target_parameters);
+  --init-adapter reads an adapter of the experts where the run targets them (else refused), and DPO's reference
+  adapter of it computes its function;
 - `python -m model.merge` folds it as peft's merge_and_unload does (transformers loads the merge: its logits);
 - one process = cp 2 Ulysses = cp 2 ring (2 gloo ranks, FSDP2): loss, grad norm, every LoRA gradient on every rank
   (tests/test_qwen3_moe.py's harness; GPT-OSS: ring, nf4);
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -222,14 +224,32 @@ def test_refusals_name_the_value_and_the_fix(ckpts, tmp_path):
     assert "has no MoE experts" in refused(dense, ["--lora-targets", "attn,experts"])
 
 
-def test_init_adapter_refuses_an_experts_adapter(ckpts, tmp_path):
-    from model.adapter_read import check_init_adapter
+@pytest.mark.parametrize("name", ["renorm", "gpt_oss"])
+def test_init_adapter_and_dpo_reference_read_an_experts_adapter(ckpts, tmp_path, name):
+    """--init-adapter of an adapter with the experts' LoRA: accepted with experts among this run's --lora-targets
+    (refused without, naming the fix); the build starting from it gives the exporting model's logits; DPO's
+    reference_adapter of it on a model with B = 0 gives them too (float64)."""
+    from model.adapter_read import check_init_adapter, read_init_adapter
     from model.export import export_adapter
+    from model.qlora import reference_adapter
+    from parallel.parallelize import BuildOptions, build_model
 
-    _, peft_model = _ours(ckpts["renorm"], dtype=torch.float32)
-    export_adapter(peft_model, str(tmp_path / "a"), ckpts["renorm"], quant="none")
-    with pytest.raises(ValueError, match="target_parameters .*--init-adapter does not read it back yet"):
-        check_init_adapter(str(tmp_path / "a"), 4, 8, EXPERTS)
+    trained, peft_model = _ours(ckpts[name])
+    export_adapter(peft_model, str(tmp_path / "a"), ckpts[name], quant="none")
+    with pytest.raises(ValueError, match="target_parameters .*pass --lora-targets with experts"):
+        check_init_adapter(str(tmp_path / "a"), 4, 8, ATTN)
+    check_init_adapter(str(tmp_path / "a"), 4, 8, EXPERTS)
+    opts = BuildOptions(ckpts[name], quant="none", lora_r=4, lora_alpha=8, seed=3, dtype=torch.float64, ac=False,
+                        lora_targets=EXPERTS)
+    started, _ = build_model(replace(opts, init_adapter=str(tmp_path / "a")), device="cpu")
+    fresh, _ = build_model(opts, device="cpu")   # (B = 0: the base)
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = trained(ids)
+        assert rel(started(ids), want) < 1e-6, "--init-adapter"   # (float32 LoRA tensors in a float64 model)
+        assert rel(fresh(ids), want) > 1e-3, "the adapter changes nothing"
+        with reference_adapter(fresh, read_init_adapter(str(tmp_path / "a"))):
+            assert rel(fresh(ids), want) < 1e-6, "DPO's reference adapter"
 
 
 @pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35"])
@@ -300,7 +320,7 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
     from parallel.checkpoint_export import export
     from tests.dist import run_ranks
     from tests.test_qwen3_moe_run import make_assets
-    from tests.test_train import _compare
+    from tests.test_train import _compare, _metrics
 
     root = tmp_path_factory.mktemp("moe_lora_runs")
     assets = make_assets(root)
@@ -332,6 +352,10 @@ def test_train_four_ranks_as_one_and_the_adapter_loads_in_peft(tmp_path_factory)
         torch.testing.assert_close(again[k], v, rtol=0, atol=0, msg=f"from the checkpoint: {k}")
     with open(root / "from_ckpt" / "adapter_config.json") as f:
         assert sorted(json.load(f)["target_parameters"]) == sorted(PARAMS)
+    with one_thread():   # train.py from it (--init-adapter: the start-up checks and the build read the experts' LoRA)
+        train.main(train_argv(assets, str(root / "init"), *TRAIN, "--steps", "1", "--init-adapter", adapter))
+    first = lambda run: _metrics(str(root / run))[0]["loss"]
+    assert abs(first("init") - first("one")) > 1e-3, "started from the adapter: another step-1 loss"
 
 
 @pytest.mark.parametrize("name,quant", [("renorm", "nf4"), ("renorm", "none"), ("gpt_oss", "nf4"), ("q35", "nf4")])
