@@ -4,7 +4,7 @@ Qwen3MoeForCausalLM, GptOssForCausalLM and Qwen3_5MoeForCausalLM: the same funct
 
 Pins (CPU; the tiny checkpoints of tests/test_qwen3_moe.py, 4 experts, top 2, 3 blocks of which block 1 is dense;
 tests/test_gpt_oss.py's, 6 experts with biases and the clamped SwiGLU, interleaved gate_up; tests/test_qwen3_5_moe.py's
-text model, 3 linear-attention blocks and a full one, a shared expert):
+text model, 3 linear-attention blocks and a full one, a shared expert, and its multimodal form for the export):
 - the adapter we export (LoRA B != 0 on the attention and the experts) loads in peft on transformers' model with no
   key warning, its adapter_config.json naming the two target_parameters, and gives our logits (float64); with the
   experts' LoRA zeroed the logits differ (the experts' share is in the comparison); adapters_off and an empty
@@ -48,12 +48,13 @@ TRAIN = ["--steps", "2", "--quant", "nf4", "--lora-targets", "attn,experts"]
 PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-KEYS = {"renorm": 3 * 4 * 2 + 2 * 2 * 2, "gpt_oss": 2 * 4 * 2 + 2 * 2 * 2, "q35": 1 * 4 * 2 + 4 * 2 * 2}   # adapter
-# tensors: the attention's four in every full-attention block, the experts' in the MoE blocks (the Qwen3-MoE model's
-# block 1 is dense; the Qwen3.5-MoE model's 3 linear-attention blocks have no q/k/v/o)
-TOL = {"renorm": 1e-9, "gpt_oss": 1e-6, "q35": 1e-6}   # logits' relative difference in float64: GPT-OSS's bases are
-# 2e-7 apart there with no LoRA at all, Qwen3.5-MoE's 7e-8 (something float32 in one of the two: the delta rule's
-# reference, RoPE tables); a wrong expert LoRA moves them ~1e-2
+# adapter tensors: the attention's four in every full-attention block, the experts' in the MoE blocks (the Qwen3-MoE
+# model's block 1 is dense; the Qwen3.5-MoE model's 3 linear-attention blocks have no q/k/v/o)
+KEYS = {"renorm": 3 * 4 * 2 + 2 * 2 * 2, "gpt_oss": 2 * 4 * 2 + 2 * 2 * 2, "q35": 1 * 4 * 2 + 4 * 2 * 2,
+        "q35_wrapper": 1 * 4 * 2 + 4 * 2 * 2}
+# logits' relative difference in float64: GPT-OSS's bases are 2e-7 apart there with no LoRA at all, Qwen3.5-MoE's
+# 7e-8 (something float32 in one of the two: the delta rule's reference, RoPE tables); a wrong expert LoRA: ~1e-2
+TOL = {"renorm": 1e-9, "gpt_oss": 1e-6, "q35": 1e-6, "q35_wrapper": 1e-6}
 GTOL = {"renorm": 1e-6, "gpt_oss": 1e-6, "q35": 3e-5}   # each LoRA gradient's: Qwen3.5-MoE's are 2e-6 to 8e-6 apart,
 # the attention's as the experts' (the float32 loss and delta rule; a wrong one is ~1e-1 off)
 
@@ -61,14 +62,27 @@ GTOL = {"renorm": 1e-6, "gpt_oss": 1e-6, "q35": 3e-5}   # each LoRA gradient's: 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     from tests.test_gpt_oss import _save
-    from tests.test_qwen3_5_moe import SIZES, _perturb
+    from tests.test_qwen3_5_moe import SIZES, VISION, _perturb
 
     torch.manual_seed(0)
     q35 = T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**SIZES)).float()
     _perturb(q35)
     q35.save_pretrained(path := tmp_path_factory.mktemp("q35"))
+    torch.manual_seed(1)   # (the multimodal form, as the Hub ships Qwen3.5-MoE: its language model's names)
+    wrapper = T.Qwen3_5MoeForConditionalGeneration(T.Qwen3_5MoeConfig(text_config=dict(
+        SIZES, model_type="qwen3_5_moe_text"), vision_config=VISION, tie_word_embeddings=False)).float()
+    _perturb(wrapper)
+    wrapper.save_pretrained(wrapped := tmp_path_factory.mktemp("q35_wrapper"))
     return {"renorm": save_checkpoint(tmp_path_factory.mktemp("renorm"), CONFIGS["renorm"]),
-            "gpt_oss": _save(tmp_path_factory.mktemp("gpt_oss")), "q35": str(path)}
+            "gpt_oss": _save(tmp_path_factory.mktemp("gpt_oss")), "q35": str(path), "q35_wrapper": str(wrapped)}
+
+
+def _hf_of(path):
+    """transformers' model of a checkpoint (the wrapper's class for the multimodal one)."""
+    if "q35_wrapper" not in path:
+        return _hf(path)
+    return T.Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                experts_implementation="eager").eval()
 
 
 def _ours(path, b_std=0.2, dtype=torch.float64, **mem):
@@ -98,7 +112,7 @@ def _peft_names(ours: dict) -> dict:
             for k, v in peft_keys({n.removeprefix("base_model.model."): t for n, t in ours.items()}).items()}
 
 
-@pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35"])
+@pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35", "q35_wrapper"])
 def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path, name):
     import warnings
 
@@ -112,13 +126,16 @@ def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path, name):
     export_adapter(peft_model, str(tmp_path / "a"), ckpts[name], quant="none")
     with open(tmp_path / "a" / "adapter_config.json") as f:
         cfg = json.load(f)
-    assert sorted(cfg["target_parameters"]) == sorted(PARAMS) and sorted(cfg["target_modules"]) == sorted(ATTN), cfg
+    mods = cfg["target_modules"]   # (the wrapper's: a regex over its language model's names, model/wrapper.py)
+    assert sorted(cfg["target_parameters"]) == sorted(PARAMS) and (
+        sorted(mods) == sorted(ATTN) if isinstance(mods, list) else "language_model" in mods), cfg
     keys = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in keys, sorted(keys)
+    assert f"base_model.model.model.{'language_model.' * ('wrapper' in name)}layers.0.mlp.experts.base_layer.lora_A" \
+        ".weight" in keys, sorted(keys)
     assert len(keys) == KEYS[name], sorted(keys)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = PeftModel.from_pretrained(_hf(ckpts[name]), str(tmp_path / "a")).to(torch.float64).eval()
+        pm = PeftModel.from_pretrained(_hf_of(ckpts[name]), str(tmp_path / "a")).to(torch.float64).eval()
     said = [str(w.message) for w in caught if "key" in str(w.message).lower()]
     assert not said, f"peft warned {said}"
     ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(4))
@@ -126,7 +143,7 @@ def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path, name):
         want = ours(ids)
         assert rel(pm(input_ids=ids).logits, want) < TOL[name], "logits"
         with adapters_off(ours):   # (DPO's reference model: the base, the experts' LoRA off too)
-            base = _hf(ckpts[name]).to(torch.float64)(input_ids=ids).logits
+            base = _hf_of(ckpts[name]).to(torch.float64)(input_ids=ids).logits
             assert rel(ours(ids), base) < TOL[name], "adapters off"
         with reference_adapter(ours, {}):   # (an --init-adapter holding no LoRA at all: the base again)
             assert rel(ours(ids), base) < TOL[name], "reference adapter"
