@@ -150,7 +150,7 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
     dora = getattr(args, "dora", False)   # + DoRA's magnitude [out] per target, trained and sharded as A and B
     chosen = lora_layers(getattr(args, "lora_layers", None))   # --lora-layers: the blocks adapted (None: all)
     norms = getattr(args, "train_norms", False)   # --train-norms: an adapted block's norms train as LoRA does
-    xl = plan_moe.expert_lora(m, args)   # --lora-targets experts: an MoE block's, in every kind for FSDP2's largest
+    xl = plan_moe.expert_lora(m, args)   # --lora-targets experts: an MoE block's LoRA tensors (parallel/plan_moe.py)
     adapted = [i for i in range(L) if (chosen is None or i in chosen) and (tgs(i) or norms or xl and m.moe.sparse(i))] \
         or [L - 1]   # (a
     # block holding none of the targets trains nothing, as un-adapted; mesh.validate refuses no block at all)
@@ -161,7 +161,8 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
            + [(at(i)[t][0], at(i)[t][0] * (r + dora)) for t in tgs(i)]   # fused Linear: parallel/plan_layers.py)
            + ([(D, D)] * (nb + 3 * beside) + plan_layers.qk_norms(m, i) + plan_small.trained_norms(m)[0]) * norms
            for x, i in {kind(i): i for i in range(L)}.items()}
-    loras = {x: ls + xl for x, ls in own.items()}   # block (Qwen3-MoE's dense and MoE blocks share a kind)
+    loras = {x: ls + xl for x, ls in own.items()}   # (FSDP2's largest block: every kind with the experts' LoRA;
+    # Qwen3-MoE's dense and MoE blocks share a kind)
     lora = lambda i: own[kind(i)] + xl * m.moe.sparse(i) if xl else own[kind(i)]   # a block's LoRA by its kind
     # (linear or not; Gemma 4: its attention shape), + the experts' in an MoE block
     emb = getattr(args, "train_embeddings", False)   # --train-embeddings: the input embedding trains
