@@ -163,7 +163,8 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     if isinstance(mods, str):   # peft's regex form (matched in full against module names): what it adapted is what
         # its tensors name (the safetensors header: no weight read)
         header, _ = read_header(os.path.join(path, "adapter_model.safetensors"))
-        mods = sorted({m[1] for k in header if (m := re.search(r"\.(\w+)\.lora_[AB]\b", k))})
+        mods = sorted({m[1] for k in header if (m := re.search(r"\.(\w+)\.lora_[AB]\b", k))
+                       and ".mlp.experts." not in k})   # (the experts' fused parameters: target_parameters)
     parts = lambda names: {p for n in names for p in FUSED.get(n, (n,))}   # (Phi-3's fused Linears: their parts,
     if not isinstance(mods, list) or not parts(mods) <= parts(targets):   # as --lora-targets maps them, lora_spec.py)
         wrong.append(f"target_modules {cfg.get('target_modules')!r}"

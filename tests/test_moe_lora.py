@@ -15,7 +15,7 @@ text model, 3 linear-attention blocks and a full one, a shared expert, and its m
 - refused at start-up naming the value and the fix: lora_dropout > 0, DoRA, --lora-layers, experts alone, a model
   with no experts or Gemma 4's MoE; MLP names on the three name `experts` as the fix;
   --init-adapter reads an adapter of the experts where the run targets them (else refused), and DPO's reference
-  adapter of it computes its function;
+  adapter of it computes its function (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE's multimodal form: its regex target_modules);
 - `python -m model.merge` folds it as peft's merge_and_unload does (transformers loads the merge: its logits);
 - one process = cp 2 Ulysses = cp 2 ring (2 gloo ranks, FSDP2): loss, grad norm, every LoRA gradient on every rank
   (tests/test_qwen3_moe.py's harness; GPT-OSS: ring, nf4);
@@ -241,7 +241,7 @@ def test_refusals_name_the_value_and_the_fix(ckpts, tmp_path):
     assert "has no MoE experts" in refused(dense, ["--lora-targets", "attn,experts"])
 
 
-@pytest.mark.parametrize("name", ["renorm", "gpt_oss"])
+@pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35_wrapper"])
 def test_init_adapter_and_dpo_reference_read_an_experts_adapter(ckpts, tmp_path, name):
     """--init-adapter of an adapter with the experts' LoRA: accepted with experts among this run's --lora-targets
     (refused without, naming the fix); the build starting from it gives the exporting model's logits; DPO's
