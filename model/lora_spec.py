@@ -27,7 +27,10 @@ NAMED = ADAPTABLE + (EXPERTS,)
 DEFAULT_TARGETS = LORA_TARGETS + ("in_proj_qkv", "in_proj_z", "out_proj")
 # --lora-targets' shorthands: peft's "all-linear" (every linear layer of the language model but the output head: the
 # seven, and the linear layers' five), and the token mixers' (attention and linear_attn's default three) or the MLP's
-TARGET_SETS = {"all-linear": ADAPTABLE, "attn": LORA_TARGETS[:4] + DEFAULT_TARGETS[7:], "mlp": LORA_TARGETS[4:]}
+# (Phi-3's fused names are not in them: `fused_targets` maps their parts, named here, to them on Phi-3, and refuses
+# them on every other model)
+TARGET_SETS = {"all-linear": LORA_TARGETS + LINEAR_TARGETS, "attn": LORA_TARGETS[:4] + DEFAULT_TARGETS[7:],
+               "mlp": LORA_TARGETS[4:]}
 
 
 def sublayer(name: str) -> str:

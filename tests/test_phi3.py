@@ -160,6 +160,8 @@ def test_lora_targets_map_to_the_fused_linears():
     with pytest.raises(ValueError, match="has gate_proj,up_proj apart"):
         run_targets("gate_up_proj", llama)
     assert run_targets(default, llama)[0] == tuple(default.split(","))
+    assert run_targets(lora_targets_arg("all-linear"), llama)[0] == tuple(default.split(",")), \
+        "all-linear on a model without fused Linears"
 
 
 def test_no_pack_with_several_samples_refused_on_longrope(ckpts):
