@@ -102,7 +102,8 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
         raise ValueError(f"{os.path.join(adapter_dir, 'adapter_model.safetensors')} cannot be read "
                          f"({type(e).__name__}: {e}): a truncated or foreign file; export the adapter again") from None
     lora = {to_ours(k): v for k, v in lora.items()}   # (made on a multimodal wrapper: its language model's, ours)
-    lora = per_expert(lora, acfg.get("target_parameters"), read_args(base_path))   # (the experts' fused LoRA, split)
+    if acfg.get("target_parameters"):   # the experts' fused LoRA, split (the base's config.json read only then:
+        lora = per_expert(lora, acfg["target_parameters"], read_args(base_path))   # the merge fixes some it refuses)
     tied_head(lora, adapter_dir)   # (a tied model's head, written for peft beside its trained embedding: the same)
     if (why := untied_embedding(acfg)) and read_args(base_path).tie_embeddings:   # (a tied checkpoint would tie the
         raise ValueError(f"adapter {adapter_dir!r} {why}, which a tied checkpoint cannot hold: merge it with peft's "

@@ -1863,7 +1863,7 @@ def test_a_run_whose_plan_cannot_fit_is_refused_before_the_weights(assets, tmp_p
     monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cuda", 1e15, "1 PB per GPU (test)"))
     monkeypatch.setattr(budgets, "host_available", lambda: (pinned - 1.0, "free (test)"))
     msg = startup_error(off)
-    assert f"in host memory, {pinned / GB:.3g} GB per rank for the longest sample, {T:,} tokens, more than the " \
+    assert f"{pinned / GB:.3g} GB of host memory per rank for the longest sample, {T:,} tokens, more than the " \
            f"{(pinned - 1) / GB:.3g} GB free per rank" in msg, msg
     assert "free (test)" in msg and "Lower --max-len" in msg and not os.path.exists(tmp_path / "off"), msg
     got = passes(off + ["--no-mem-check"])

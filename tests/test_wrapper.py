@@ -251,8 +251,8 @@ def _cfg(**kw):
     (_cfg(architectures=["Mistral3ForSequenceClassification"]), "is not a causal language model"),
     (dict(TEXT, vocab_size=64, architectures=["MistralForSequenceClassification"]), "is not a causal language model"),
     (_cfg(text_config=None), "model_type 'mistral3' without a text_config"),
-    (_cfg(text_config=dict(TEXT, model_type="phi3", vocab_size=64)),
-     "model_type='phi3' (the text_config of a mistral3)"),
+    (_cfg(text_config=dict(TEXT, model_type="falcon", vocab_size=64)),
+     "model_type='falcon' (the text_config of a mistral3)"),
 ], ids=["paligemma", "llava", "qwen2_vl", "wrapper_classifier", "text_classifier", "no_text_config",
         "other_text_model"])
 def test_refusals_name_what_is_supported(cfg, said):
