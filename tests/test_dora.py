@@ -226,8 +226,8 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
 
     from safetensors.torch import load_file, save_file
 
+    from model.adapter_fit import init_adapter_fits
     from model.adapter_read import check_init_adapter
-    from parallel.flags import _init_adapter_fits
 
     out, _ = adapter
     with pytest.raises(ValueError, match=r"use_dora True, this run no --dora \(pass --dora\)"):
@@ -250,15 +250,15 @@ def test_init_adapter_refuses_the_other_kind_and_a_missing_magnitude(ckpt, adapt
     save_file(tensors, st)
     shapes = {p: ((48, 64) if p in ("gate_proj", "up_proj") else (64, 48) if p == "down_proj" else
                   (48, 48 if p in ("q_proj", "o_proj") else 16)) for p in ALL}
-    _init_adapter_fits(out, shapes, R, 2)   # (the whole adapter fits)
+    init_adapter_fits(out, shapes, R, 2)   # (the whole adapter fits)
     with pytest.raises(ValueError, match=r"some of DoRA's lora_A, lora_B and lora_magnitude_vector for 1 projections "
                                          r"\(layer 1 up_proj \(only lora_A and lora_B\)\)"):
-        _init_adapter_fits(cut, shapes, R, 2)
+        init_adapter_fits(cut, shapes, R, 2)
     with open(os.path.join(plain, "adapter_config.json")) as f:   # (magnitudes under a config saying plain LoRA)
         assert '"use_dora": false' in f.read()
     with pytest.raises(ValueError, match=r"holds DoRA's lora_magnitude_vector for 14 projections \(layer 0 down_proj; "
                                          r".*has no use_dora: true"):
-        _init_adapter_fits(plain, shapes, R, 2)
+        init_adapter_fits(plain, shapes, R, 2)
 
 
 def test_a_resume_keeps_dora():

@@ -838,9 +838,9 @@ def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
     refused, and the run starts from peft's function (logits = PeftModel's)."""
     from peft import LoraConfig, get_peft_model
 
+    from model.adapter_fit import init_adapter_fits
     from model.adapter_read import check_init_adapter
     from model.load import read_args
-    from parallel.flags import _init_adapter_fits
     from parallel.parallelize import BuildOptions, build_model
 
     path = tiny_checkpoint(tmp_path / "base")
@@ -858,7 +858,7 @@ def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
         out = str(tmp_path / case)
         pm.save_pretrained(out)
         check_init_adapter(out, R, ALPHA, ALL)
-        _init_adapter_fits(out, shapes, R, 2)
+        init_adapter_fits(out, shapes, R, 2)
         ours, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, ac=False, init_adapter=out),
                               device="cpu")
         with torch.no_grad():
@@ -873,7 +873,7 @@ def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
     with open(os.path.join(str(tmp_path / "exclude"), "adapter_config.json"), "w") as f:
         json.dump({**cfg, "exclude_modules": None}, f)
     with pytest.raises(ValueError, match=r"holds no tensors for 1 of those projections \(layer 1 q_proj\)"):
-        _init_adapter_fits(str(tmp_path / "exclude"), shapes, R, 2)
+        init_adapter_fits(str(tmp_path / "exclude"), shapes, R, 2)
 
 
 def test_merge_and_nf4_import_no_peft_or_transformers():

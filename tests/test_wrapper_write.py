@@ -188,14 +188,14 @@ def test_checkpoint_export_of_a_wrapper_run_is_the_runs_adapter(assets, tmp_path
 
 def _built(path, adapter, **kw):
     """Our model of `path` started from --init-adapter `adapter` (its config checked as a run checks it)."""
+    from model.adapter_fit import init_adapter_fits
     from model.adapter_read import check_init_adapter
     from model.load import read_args
-    from parallel.flags import _init_adapter_fits
     from parallel.parallelize import BuildOptions, build_model
 
     m = read_args(path)
     check_init_adapter(adapter, R, ALPHA, ALL, **kw)
-    _init_adapter_fits(adapter, m.projections(), R, m.n_layers, None, m.tie_embeddings)
+    init_adapter_fits(adapter, m.projections(), R, m.n_layers, None, m.tie_embeddings)
     model, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, lora_targets=ALL, seed=5,
                                         init_adapter=adapter, **kw))
     return model
@@ -255,14 +255,14 @@ def test_init_adapter_reads_ours_and_peft_own_on_the_wrapper_and_maps_text_only_
 def test_init_adapter_adapting_the_vision_tower_is_refused_naming_it(bases, tmp_path):
     """peft's adapter on the wrapper with a plain name list adapts the vision tower's q_proj too: refused before the
     model is built, naming the key and the fix (a regex of the language model's modules)."""
+    from model.adapter_fit import init_adapter_fits
     from model.load import read_args
-    from parallel.flags import _init_adapter_fits
 
     base = bases["untied"]
     _peft_made(T.Mistral3ForConditionalGeneration.from_pretrained(base), ["q_proj"], str(tmp_path / "all"))
     m = read_args(base)
     with pytest.raises(ValueError) as e:
-        _init_adapter_fits(str(tmp_path / "all"), m.projections(), R, m.n_layers, None, m.tie_embeddings)
+        init_adapter_fits(str(tmp_path / "all"), m.projections(), R, m.n_layers, None, m.tie_embeddings)
     assert "vision_tower.transformer.layers.0.attention.q_proj" in str(e.value) and "regex" in str(e.value), e.value
 
 
@@ -273,8 +273,8 @@ def test_init_adapter_with_exclude_modules_made_on_the_wrapper(bases, tmp_path, 
     against our text-only names, so block 1's q_proj seemed cut); the same exclude_modules naming the text-only
     model's module, which peft on the wrapper would not have excluded, is a cut adapter: refused (review, helper
     124)."""
+    from model.adapter_fit import init_adapter_fits
     from model.load import read_args
-    from parallel.flags import _init_adapter_fits
 
     base, out = bases["untied"], str(tmp_path / "peft")
     ex = {"regex": r"model\.vision_tower\..*|model\.language_model\.layers\.1\.self_attn\.q_proj",
@@ -295,7 +295,7 @@ def test_init_adapter_with_exclude_modules_made_on_the_wrapper(bases, tmp_path, 
         json.dump(cfg, f)
     m = read_args(base)
     with pytest.raises(ValueError, match=r"holds no tensors for 1 of those projections \(layer 1 q_proj\)"):
-        _init_adapter_fits(out, m.projections(), R, m.n_layers, None, m.tie_embeddings)
+        init_adapter_fits(out, m.projections(), R, m.n_layers, None, m.tie_embeddings)
 
 
 def _tensors(path):
