@@ -24,6 +24,7 @@ has none.
   model/gemma4_moe.py); E2B / E4B's per-layer embeddings, KV sharing and double-wide MLPs (`small`:
   model/gemma4_small.py).
 - `gpt_oss_fields` (model/gpt_oss.py): gpt_oss's sinks, layer types, YaRN default and its MoE MLP.
+- `glm4_moe_fields` (model/glm4_moe.py): GLM-4.5's q/k/v biases, q/k norm, partial RoPE and MoE blocks.
 - `qwen35_fields`: qwen3_5_text (Qwen3.5's language model): zero-centred norms (Gemma's, `norm_offset` 1), the gated
   attention (`attn_gate`), partial RoPE (`partial_rotary_factor`, 0.25 without one), mrope's keys accepted; the
   Gated DeltaNet layers (`linear_attention` in layer_types, from full_attention_interval without it): `layer_types`
@@ -36,6 +37,7 @@ import math
 
 from model import gemma4_moe
 from model.gemma4_small import small_fields
+from model.glm4_moe import glm4_moe_fields
 from model.gpt_oss import gpt_oss_fields
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
@@ -70,6 +72,7 @@ SUPPORTED = {
     "qwen3_5_moe_text": dict(qkv_bias=None, mlp_bias=False, qk_norm=True, max_pos=32768, kv=2, head_dim=256),
     "gpt_oss": dict(qkv_bias=None, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=64, eps=1e-5),
     "phi3": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=4096, kv=None, head_dim=None, eps=1e-5),
+    "glm4_moe": dict(qkv_bias=False, mlp_bias=False, qk_norm=False, max_pos=131072, kv=8, head_dim=None, eps=1e-5),
 }
 MROPE = ("mrope_section", "mrope_interleaved")   # Qwen3.5's multimodal RoPE axes (text rows: plain RoPE, qwen35_fields)
 SLIDING_WINDOW = 4096   # transformers' Mistral, Ministral and Qwen2/3 default when config.json names none
@@ -248,7 +251,7 @@ def qwen35_fields(cfg: dict, max_pos: int) -> dict:
 
 
 FIELDS = {"gemma3_text": gemma_fields, "gemma4_text": gemma4_fields, "olmo2": olmo_fields, "olmo3": olmo_fields,
-          "smollm3": smollm3_fields, "phi3": phi3_fields,
+          "smollm3": smollm3_fields, "phi3": phi3_fields, "glm4_moe": glm4_moe_fields,
           "granite": lambda cfg, max_pos: granite_fields(cfg), "qwen3_moe": lambda cfg, max_pos: moe_fields(cfg),
           "qwen3_5_text": qwen35_fields, "gpt_oss": gpt_oss_fields, "qwen3_5_moe_text": lambda cfg, max_pos: {
               **qwen35_fields(cfg, max_pos), **moe_fields(cfg)}}

@@ -49,7 +49,7 @@ def read_config(cls, cfg: dict):
             "(ministral3), Qwen2/2.5 (qwen2), Qwen3 (qwen3), Gemma 3 text (gemma3_text), OLMo 2 (olmo2), OLMo 3 "
             "(olmo3), SmolLM3 (smollm3), Granite 3 dense (granite; not Granite 4's granitemoehybrid), Qwen3-MoE "
             "(qwen3_moe), Qwen3.5 (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text), Gemma 4 dense (gemma4_text), GPT-OSS "
-            "(gpt_oss), Phi-3 / Phi-4 (phi3), and "
+            "(gpt_oss), Phi-3 / Phi-4 (phi3), GLM-4.5 / 4.6 (glm4_moe), and "
             "the language model of Mistral 3 (mistral3), Gemma 3 (gemma3), Gemma 4 (gemma4), Qwen3.5 (qwen3_5) and "
             "Qwen3.5-MoE (qwen3_5_moe) wrappers of these")
     archs = [a] if isinstance(a := cfg.get("architectures") or [], str) else a
@@ -76,7 +76,7 @@ def read_config(cls, cfg: dict):
                                                                                   cfg.get("rope_scaling"))):
         # (Phi, GLM...; the Llama-family classes here ignore it, or fail on a scaled RoPE; Qwen3.5 reads it)
         if isinstance(d, dict) and d.get("partial_rotary_factor") not in (None, 1, 1.0) and not mt.startswith(
-                ("qwen3_5", "phi3")):
+                ("qwen3_5", "phi3", "glm4_moe")):
             raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                              "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                              "trained so)")
@@ -91,7 +91,7 @@ def read_config(cls, cfg: dict):
     # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
     # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
     window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
-    if mt in ("llama", "granite", "qwen3_5_text", "qwen3_5_moe_text"):   # (none of these classes has a window)
+    if mt in ("llama", "granite", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe"):   # (none of these classes has a window)
         window = None
     if mt == "ministral3":   # its class's default is no window; a window applies on every layer
         window = cfg.get("sliding_window")

@@ -32,6 +32,7 @@ from model import gemma, gemma4_moe, gemma4_small, phi3
 from model.attention import SDPAAttention
 from model.config import ModelArgs
 from model.gemma import GeGLU, GemmaRMSNorm, SandwichBlock, add_residual, gated, normed, scaled_embedding, split_heads
+from model.glm4_moe import Glm4MoE
 from model.gpt_oss import GptOssMoE
 from model.linear_layers import LinearBlock, LocalLinear
 from model.moe import MoE
@@ -148,8 +149,8 @@ class Block(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(a, layer)
-        self.mlp = ((GptOssMoE if a.moe.clamp else MoE)(a.dim, a.moe) if a.moe and a.moe.sparse(layer) else
-                    MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS: model/gpt_oss.py)
+        self.mlp = ((GptOssMoE if a.moe.clamp else Glm4MoE if a.moe.groups else MoE)(a.dim, a.moe) if a.moe and
+                    a.moe.sparse(layer) else MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS, GLM-4.5: gpt_oss.py, glm4_moe.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
         self.norm_fed = phi3.NORM_FED if a.fused else None   # (Phi-3: what its norms feed, parallel/memory.py)

@@ -56,6 +56,8 @@ class MoESpec:
     shared: int = 0       # Qwen3.5-MoE's shared expert's width (shared_expert_intermediate_size); 0: none
     beside: bool = False  # Gemma 4's: the experts run beside the dense MLP in every block (model/gemma4_moe.py)
     clamp: tuple | None = None   # GPT-OSS's (swiglu_limit, swiglu_alpha): its experts and router (model/gpt_oss.py)
+    groups: tuple | None = None  # GLM-4.5's (n_group, topk_group, routed_scaling_factor): its sigmoid router, `shared`
+                                 # its shared experts' width, no gate (model/glm4_moe.py)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense and (layer + 1) % self.step == 0

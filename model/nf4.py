@@ -120,8 +120,9 @@ def absmax_rows(blocks: int, storage_dtype: torch.dtype) -> int:
 def apply_nf4(model: Transformer, storage_dtype: torch.dtype) -> None:
     for block in model.model.layers:   # (an MoE block's experts, not its router: model/moe.py)
         mixer = getattr(block, "self_attn", None) or block.linear_attn   # (Qwen3.5's linear blocks: its Linears only)
-        experts, shared = (getattr(block.mlp, n, None) for n in ("experts", "shared_expert"))
-        parents = (mixer, *(experts or (block.mlp,)), *([shared] if shared else []),
+        experts, shared = getattr(block.mlp, "experts", None), getattr(block.mlp, "shared_expert", None)
+        glm = getattr(block.mlp, "shared_experts", None)   # (GLM-4.5's shared experts: no gate, model/glm4_moe.py)
+        parents = (mixer, *(experts or (block.mlp,)), *([shared] if shared else []), *([glm] if glm else []),
                    *(getattr(block, "experts", None) or ()))   # (Gemma 4's beside its dense MLP: gemma4_moe.py)
         # (Qwen3.5-MoE's shared expert and its gate, a Linear [1, D]: transformers + bnb quantize both)
         for parent, name in [(p, n) for p in parents for n, _ in p.named_children()] + [
