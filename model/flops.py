@@ -54,9 +54,10 @@ def block_matmuls(args: ModelArgs, i: int) -> dict[str, int]:
         experts = dict(gate_up=d * moe.experts + moe.top_k * 2 * d * moe.width, down=moe.top_k * d * moe.width)
         if moe.beside:
             out["beside"] += sum(experts.values())
-        else:   # (Qwen3.5-MoE: the shared expert is the dense MLP's shapes, intermediate_size its width, + its gate)
-            sh = bool(moe.shared)
-            out.update(gate_up=experts["gate_up"] + sh * (2 * d * f + d), down=experts["down"] + sh * d * f)
+        else:   # (Qwen3.5-MoE: the shared expert is the dense MLP's shapes, intermediate_size its width, + its gate;
+            sh, w = bool(moe.shared), moe.shared   # GLM-4.5's shared experts: their own width, no gate)
+            out.update(gate_up=experts["gate_up"] + sh * (2 * d * w + d * (not moe.groups)), down=experts["down"] + sh
+                       * d * w)
     return out
 
 

@@ -64,9 +64,13 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
                 shape = (margs.dim, margs.moe.width) if name == "down_proj" else (margs.moe.width, margs.dim)
                 want.update({f"model.layers.{i}.mlp.experts.{e}.{name}.weight": shape
                              for e in range(margs.moe.experts)})
-                if margs.moe.shared:   # (Qwen3.5-MoE's shared expert: intermediate_size wide, and its gate)
-                    want[f"model.layers.{i}.mlp.shared_expert.{name}.weight"] = (n_out, n_in)
-                    want[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (1, margs.dim)
+                if margs.moe.groups:   # (GLM-4.5's router's correction bias: model/glm4_moe.py)
+                    want[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = (margs.moe.experts,)
+                if margs.moe.shared:   # (Qwen3.5-MoE's shared expert and its gate; GLM-4.5's shared experts, no gate)
+                    wide = (margs.dim, margs.moe.shared) if name == "down_proj" else (margs.moe.shared, margs.dim)
+                    want[f"model.layers.{i}.mlp.shared_expert{'s' * bool(margs.moe.groups)}.{name}.weight"] = wide
+                    if not margs.moe.groups:
+                        want[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (1, margs.dim)
                 continue
             want[f"model.layers.{i}.{block}.{name}.weight"] = (n_out, n_in)
         if margs.moe and margs.moe.beside:   # Gemma 4's router and fused experts beside the MLP (model/gemma4_moe.py)
@@ -101,5 +105,6 @@ def check_config_shapes(path: str, margs, quant: str | None = None) -> str | Non
     if blocks and max(blocks) >= margs.n_layers:
         notes.append(f"note: {path} holds the weights of {max(blocks) + 1} blocks and config.json's num_hidden_layers "
                      f"is {margs.n_layers}: the run builds and trains the first {margs.n_layers} (as transformers "
-                     "loads it)")
+                     "loads it" + ("; GLM's multi-token-prediction layers are those, unread)" if margs.moe and
+                                   margs.moe.groups else ")"))
     return "\n".join(n for n in notes if n) or None

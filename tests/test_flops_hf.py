@@ -7,8 +7,8 @@ Pins (tiny configs saved by transformers and read back by model.load.read_args, 
   shared expert and its gate), Gemma 4 dense (sliding and full layers, 512-style wider full heads with their own KV
   heads, attention_k_eq_v: no v_proj there), Gemma 4 MoE (the experts beside the dense MLP, the router) and Gemma 4
   E2B / E4B's parts (tests/test_gemma4_small.py's config: per-layer embeddings' three Linears, the KV-shared layers
-  without k/v projections and with double-wide MLPs; and without the wide MLPs, as E4B) and Phi-3 (its fused qkv_proj
-  and gate_up_proj). The
+  without k/v projections and with double-wide MLPs; and without the wide MLPs, as E4B), Phi-3 (its fused qkv_proj
+  and gate_up_proj) and GLM-4.5 (a dense block, then MoE blocks with shared experts of their own width). The
   routing is whatever the random router picks: transformers' eager experts run each expert over the tokens routed to
   it, so the counter sees k expert MLPs a token, exactly what flops.py counts, whatever the choice;
 - what the counter counts for attention: transformers' eager attention is two matmuls over all S² pairs, masked or
@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from model.flops import _linear_proj, flops_per_token, linear_flops_per_token
 from model.load import read_args
-from tests import test_gemma4, test_gemma4_moe, test_gemma4_small, test_qwen3_5_moe, test_qwen3_moe
+from tests import test_gemma4, test_gemma4_moe, test_gemma4_small, test_glm4_moe, test_qwen3_5_moe, test_qwen3_moe
 
 B, S = 2, 40
 DENSE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
@@ -54,6 +54,7 @@ CASES = {
     "gemma4_e4b": (T.Gemma4ForCausalLM, T.Gemma4TextConfig, dict(test_gemma4_small.SMALL, use_double_wide_mlp=False)),
     "phi3": (T.Phi3ForCausalLM, T.Phi3Config, dict(DENSE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                                   partial_rotary_factor=0.75)),   # (fused qkv_proj, gate_up_proj)
+    "glm4_moe": (T.Glm4MoeForCausalLM, T.Glm4MoeConfig, test_glm4_moe.SIZES),   # (a dense block, shared experts)
 }
 
 
@@ -75,7 +76,7 @@ def test_flops_per_token_equal_the_counter_on_transformers_model(name, tmp_path)
         logits = hf(ids).logits
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     moe = args.moe is not None and any(args.moe.sparse(i) for i in range(args.n_layers))
-    assert moe == name.startswith(("qwen3_moe", "qwen3_5", "gemma4_moe")), f"{name}: MoE blocks read as such"
+    assert moe == name.startswith(("qwen3_moe", "qwen3_5", "gemma4_moe", "glm4_moe")), f"{name}: MoE blocks read"
     assert (args.small is not None) == name.startswith("gemma4_e"), f"{name}: PLE / KV sharing read as such"
     want = flops_per_token(args, S, causal=False) * B * S
     assert counter.get_total_flops() == want, f"{name}: counter {counter.get_total_flops()} vs flops.py {want}"

@@ -11,7 +11,7 @@ partial RoPE 0.5; router weights drawn large and a non-zero correction bias; nor
   choice (checked: without it other experts are chosen) and the group limit excludes experts;
 - config.json read as Glm4MoeConfig reads it (bench/configs/glm-4.5-air and its defaults); n_params = transformers'
   meta-device count; bad group sizes refused naming the keys;
-- the MTP layer's tensors are never read (nor counted as blocks to build);
+- the MTP layer's tensors are never read (nor built); the start-up shape check passes, naming them;
 - LoRA's loss and every LoRA gradient = peft's on transformers' model (attention targets), plain and AC + tiled MLP;
   MLP targets refused naming --lora-targets attn; the adapter loads in peft with our logits and `python -m
   model.merge` = peft's merge_and_unload (transformers loads it);
@@ -172,8 +172,13 @@ def test_config_and_n_params_as_transformers():
 
 
 def test_mtp_layers_never_read(ckpt, monkeypatch):
-    """The MTP layer's tensors (model.layers.3.*) are in the checkpoint's index but no byte of them is read."""
+    """The MTP layer's tensors (model.layers.3.*) are in the checkpoint's index but no byte of them is read; the
+    start-up check (headers against config.json: the routers, correction biases, shared experts) passes and says so."""
     from model.load import CheckpointReader
+    from model.load_checks import check_config_shapes
+
+    note = check_config_shapes(ckpt, model.load.read_args(ckpt))
+    assert "4 blocks" in note and "multi-token-prediction layers are those, unread" in note, note
 
     read = []
     real = CheckpointReader.get_bytes
