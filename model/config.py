@@ -287,8 +287,8 @@ class ModelArgs:
         moe, sparse = self.moe, sum(self.moe.sparse(i) for i in range(self.n_layers)) if self.moe else 0
         beside = 4 * d + moe.experts if moe and moe.beside else 3 * d * (moe.shared - f) if moe and moe.groups else \
             -3 * d * f * (not moe.shared) + d * bool(moe.shared) if moe else 0   # (GLM-4.5: its shared experts' width,
-        # its correction bias a buffer there, uncounted; Qwen3.5-MoE's shared expert: the dense MLP's size, + its gate; Gemma 4's
-        # experts beside the dense MLP: + the router's two scales and the MoE's three norms)
+        # its correction bias a buffer there, uncounted; Qwen3.5-MoE's shared expert: the dense MLP's size, + its gate;
+        # Gemma 4's experts beside the dense MLP: + the router's two scales and the MoE's three norms)
         moe_extra = sparse * (moe.experts * (3 * d * moe.width + d + (2 * moe.width + d + 1) * bool(moe.clamp))
                               + beside) if sparse else 0   # experts, router (GPT-OSS: + their biases, the router's)
         linear = sum(map(self.is_linear, range(self.n_layers)))   # (their linear_attn in place of the attention)

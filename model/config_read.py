@@ -91,7 +91,7 @@ def read_config(cls, cfg: dict):
     # layer_types key) on the layers layer_types names (all when it is null); Qwen2/3 only with use_sliding_window,
     # on the layers `layer_types` names or, without it, from layer max_window_layers on; Llama never.
     window, layer_types = cfg.get("sliding_window", SLIDING_WINDOW), None
-    if mt in ("llama", "granite", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe"):   # (none of these classes has a window)
+    if mt in ("llama", "granite", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe"):   # (these classes have no window)
         window = None
     if mt == "ministral3":   # its class's default is no window; a window applies on every layer
         window = cfg.get("sliding_window")

@@ -134,7 +134,7 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
     if moe is None or not any(moe.sparse(i) for i in range(margs.n_layers)):
         return (f"--lora-targets {EXPERTS}: this {margs.model_type} model has no MoE experts; drop {EXPERTS} from "
                 "--lora-targets")
-    if moe.beside:
+    if moe.beside or moe.groups:   # (Gemma 4 MoE's, GLM-4.5's: their blocks take no ExpertLoRA yet)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE, Qwen3.5-MoE and GPT-OSS, "
                 f"not yet on this "
                 f"{margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")

@@ -20,9 +20,10 @@ Contract:
   sum, no gate (transformers' Glm4MoeMoE). Per token only: a sequence shard or a tile routes each token as the whole.
 - The checkpoint's multi-token-prediction layers (num_nextn_predict_layers, model.layers.{num_hidden_layers + i}.*),
   which transformers does not load, are never read: the loader reads the tensors the model names only.
-- LoRA: the attention's projections (and `experts`, model/expert_lora.py). MLP names are refused (model.moe's
-  expert_targets): peft on transformers' model adapts the dense blocks' MLPs and the shared experts under them, the
-  routed experts being fused parameters there, while ours would take LoRA on every expert.
+- LoRA: the attention's projections. MLP names are refused (model.moe's expert_targets): peft 0.21 on transformers'
+  model reads gate_proj / up_proj / down_proj as target_parameters on the routed experts' fused parameters and adapts
+  neither the dense blocks' MLPs nor the shared experts (checked on a tiny Glm4MoeForCausalLM), while ours would take
+  LoRA on every expert's Linear; `experts` (model/expert_lora.py) is refused as not yet wired for this block.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class Block(nn.Module):
         super().__init__()
         self.self_attn = Attention(a, layer)
         self.mlp = ((GptOssMoE if a.moe.clamp else Glm4MoE if a.moe.groups else MoE)(a.dim, a.moe) if a.moe and
-                    a.moe.sparse(layer) else MLP(a))   # (Qwen3-MoE: model/moe.py; GPT-OSS, GLM-4.5: gpt_oss.py, glm4_moe.py)
+                    a.moe.sparse(layer) else MLP(a))   # (Qwen3-MoE: moe.py; GPT-OSS, GLM-4.5: gpt_oss.py, glm4_moe.py)
         self.input_layernorm, self.post_attention_layernorm = _norm(a, a.dim), _norm(a, a.dim)
         self.residual = a.residual_multiplier   # each sublayer's output × this before the add (Granite's; else 1)
         self.norm_fed = phi3.NORM_FED if a.fused else None   # (Phi-3: what its norms feed, parallel/memory.py)

@@ -91,7 +91,8 @@ def expert_targets(args, targets) -> str | None:
     if not mlp or not sparse or args.moe.beside:   # (Gemma 4: the names are its dense MLP's, as peft reads them)
         return None
     why = ("peft on transformers' model adapts only the shared expert's under these names (its experts are fused "
-           "parameters), so an adapter of every expert's would not load there as trained" if args.moe.shared else
+           "parameters), so an adapter of every expert's would not load there as trained" if args.moe.shared and not
+           args.moe.groups else   # (GLM-4.5: peft reads them as Qwen3-MoE's, its shared experts and dense MLPs left)
            "peft on transformers 5 adapts them as fused 3-D parameters, another adapter format, and reads these "
            "names so on the dense blocks too")
     return (f"--lora-targets {','.join(targets)}: on this {args.model_type} model {','.join(mlp)} name the experts' "
