@@ -46,9 +46,12 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   (8Tk), the slots' order and tokens (16Tk), per slot six [I] of the clamped SwiGLU (6e·Tk·I) and the down output
   with its routing weight (e·Tk·(D + 1)); tests/test_gpt_oss.py pins them against autograd's. Its block backward: the
   Qwen3-MoE's terms (the router's float32 gradients [T, E] over-count its [T, k] in the compute dtype).
+- GLM-4.5's MoE block (`groups`: model/glm4_moe.py): parallel/plan_glm4.py.
 """
 
 from __future__ import annotations
+
+from parallel import plan_glm4 as glm4
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -59,9 +62,10 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
         return [(m.n_layers, list(shapes.values()), 0)]
     sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
     width, D = m.moe.width, m.dim
-    experts = [(width, D), (width, D), (D, width)] * m.moe.experts + [(1, D)] * bool(m.moe.shared)   # (+ its gate)
-    keep = lambda t: t not in MLP or m.moe.shared or m.moe.beside   # (the shared expert: F, the MLP's shapes; Gemma
-    # 4's dense MLP beside the experts)
+    experts = [(width, D), (width, D), (D, width)] * m.moe.experts + ([(1, D)] * bool(m.moe.shared) if not m.moe.groups
+                                                                      else glm4.shared_shapes(m))   # (+ its gate)
+    keep = lambda t: t not in MLP or m.moe.shared and not m.moe.groups or m.moe.beside   # (the shared expert: F, the
+    # MLP's shapes; Gemma 4's dense MLP beside the experts; GLM-4.5's shared experts: their own, parallel/plan_glm4)
     return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
                         (sparse, [s for t, s in shapes.items() if keep(t)] + experts, m.moe.experts)) if k[0]]
 
@@ -69,9 +73,11 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
 def extras(m) -> list:
     """GPT-OSS's MoE block's frozen tensors beside its Linears and router weight, (dim 0, elements) in the compute
     dtype, never quantized: the experts' biases [E, 2I] and [E, D], the router's bias [E], the attention sinks [H]."""
-    if m.moe is None or not m.moe.clamp:
+    if m.moe is None or not (m.moe.clamp or m.moe.groups):
         return []
     E = m.moe.experts
+    if m.moe.groups:   # (GLM-4.5's router's correction bias [E])
+        return [(E, E)]
     return [(E, E * 2 * m.moe.width), (E, E * m.dim), (E, E), (m.n_heads, m.n_heads)]
 
 
@@ -110,6 +116,8 @@ def saved(m, T: int, e: int, r: int = 0) -> float:
         # outputs (the clamps' inputs), the clamped gate, its sigmoid, up + 1 and gate·sigmoid (the product's two
         # factors); its down output and routing weight
         return e * T * k + 8 * T * k + 16 * T * k + 6 * e * T * k * width + e * T * k * (D + 1) + lora
+    if m.moe.groups:   # (GLM-4.5: parallel/plan_glm4.py)
+        return glm4.saved(m, T, e) + lora
     if m.moe.beside:
         return 4 * T + 4 + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + 16 * T * k \
             + 3 * e * T * k * width + (e * D + 4) * T * k + 4 * T + 2 * (e * T * D + 4 * T)

@@ -16,6 +16,8 @@ partial RoPE 0.5; router weights drawn large and a non-zero correction bias; nor
   MLP targets refused naming --lora-targets attn, `experts` (LoRA on the routed experts) refused as not yet
   supported; the adapter loads in peft with our logits and `python -m model.merge` = peft's merge_and_unload
   (transformers loads it);
+- planned saved bytes (parallel/plan_glm4.py) = autograd's, untiled and --tiled-mlp; the plan's frozen block tensors
+  = the model's; nf4 on the experts and shared experts, the router unquantized;
 - one process = cp 2 Ulysses = cp 2 ring (+ tiled MLP) (2 ranks, gloo): loss and every LoRA gradient on every rank.
 
 Run: .venv/bin/python -m pytest -q tests/test_glm4_moe.py
@@ -229,6 +231,38 @@ def test_adapter_and_merge_load_in_peft_and_transformers(ckpt, tmp_path):
     assert not info["missing_keys"], info
     with torch.no_grad():
         assert rel(got(input_ids=ids).logits, merged_ref(input_ids=ids).logits) < 1e-5, "merge"
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp"]], ids=["plain", "tiled_mlp"])
+def test_plan_matches_autograd_and_the_parameters(ckpt, flags):
+    """No AC, fp32, one process, nf4: the plan's activation terms (parallel/plan_glm4.saved: the float32 sigmoid, the
+    gather's indices, the renormalisation, the experts' and shared experts' intermediates, the float32 routing weights'
+    products) = the bytes autograd keeps for backward; its 'block norms, biases, routers' term = the model's frozen
+    parameters there (the norms, the q/k/v biases, the routers and their correction biases)."""
+    import train
+    from model.nf4 import NF4Linear
+    from parallel.mesh import validate
+    from parallel.parallelize import BuildOptions, build_model
+    from parallel.plan import memory_plan
+    from tests.helpers import planned_and_saved_activations
+
+    args = train.build_parser().parse_args(["--model", ckpt, "--max-len", "128", "--global-batch", "1", "--quant",
+                                            "nf4", "--dtype", "fp32", "--no-ac", "--lora-dropout", "0",
+                                            "--lora-targets", "attn", *flags])
+    ours, _ = build_model(BuildOptions(ckpt, quant="nf4", ac=False, lora_dropout=0.0, tiled_mlp=args.tiled_mlp,
+                                       lora_targets=ATTN), device="cpu")
+    blk = ours.model.layers[1].mlp
+    assert all(isinstance(p, NF4Linear) for e in [*blk.experts, blk.shared_experts]
+               for p in (e.gate_proj, e.up_proj, e.down_proj)), "experts and shared experts NF4"
+    assert blk.gate.weight.dtype == torch.float32 and blk.gate.weight.shape == (8, 48), "router unquantized"
+    planned, saved, terms = planned_and_saved_activations(ours, args)
+    assert planned == saved, (planned, saved, terms)
+    quantized = {f"{n}.{w}" for n, m in ours.named_modules() if isinstance(m, NF4Linear) for w in ("weight", "absmax")}
+    frozen = sum(p.numel() * 4 for n, p in ours.named_parameters() if n.startswith("model.layers.")
+                 and "lora_" not in n and n not in quantized)
+    dims, pack = validate(args, ours.args, 1)
+    plan = memory_plan(ours.args, dims, args, "cpu", pack).terms
+    assert next(v for k, v in plan.items() if k.startswith("block norms, biases, routers")) == frozen, (plan, frozen)
 
 
 def _layouts(rank, world_size, path, cases):

@@ -1,0 +1,30 @@
+"""The memory plan's terms for GLM-4.5 / 4.6's MoE blocks (model/glm4_moe.py), in parallel/plan_moe.py's notation, S
+the shared experts' width (moe_intermediate_size × n_shared_experts, `m.moe.shared`).
+
+- Weights: the routed experts' Linears as Qwen3-MoE's, the router [E, D] beside them (its correction bias [E] with the
+  norms), and the shared experts' three Linears ([S, D], [S, D], [D, S]; NF4 as the experts), in place of the dense
+  MLP's (`shared_shapes`).
+- Activations, `saved(m, T, e)`: the router's float32 sigmoid output [T, E] (4TE; the group scores and the masked
+  choice feed only top k's indices, so no node of theirs outlives the forward), the gather's int64 indices (8Tk), with
+  norm_topk_prob the division's float32 top k and sum (4Tk + 4T), and in a compute dtype below float32 the router
+  weight's float32 copy [E, D] (4ED; not pinned: the test runs float32); the slots' order and tokens (16Tk), each
+  slot's gate, silu and up outputs (3e·Tk·I) and its down output with its float32 routing weight ((eD + 4)·Tk: the
+  product is float32, rounded after); the shared experts' gate, silu and up outputs (3eTS). tests/test_glm4_moe.py pins
+  them against autograd's (float32). The block backward: Qwen3-MoE's terms with the shared experts'
+  (parallel/plan_moe.backward).
+"""
+
+from __future__ import annotations
+
+
+def shared_shapes(m) -> list:
+    """The shared experts' frozen Linears (out, in): gate_proj, up_proj, down_proj of width S."""
+    S, D = m.moe.shared, m.dim
+    return [(S, D), (S, D), (D, S)] if S else []
+
+
+def saved(m, T: int, e: int) -> float:
+    """Bytes autograd keeps of one GLM-4.5 MoE block (untiled) beyond its input (module docstring)."""
+    E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
+    router = 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 4 * E * D * (e < 4)
+    return router + 16 * T * k + 3 * e * T * k * width + (e * D + 4) * T * k + 3 * e * T * S
