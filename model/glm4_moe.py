@@ -82,12 +82,12 @@ class Router(nn.Module):
 
     def forward(self, x):
         s = torch.sigmoid(F.linear(x.float(), self.weight.float()))                          # [T, E] float32
-        choice = s + self.e_score_correction_bias.float()
-        by_group = choice.view(len(x), self.n_group, -1)                                    # [T, G, E / G]
-        best = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1)[1]          # [T, topk_group]
-        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [T, G]
-        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view_as(s)
-        idx = choice.topk(self.top_k, dim=-1)[1]                                            # [T, k]
+        with torch.no_grad():   # the choice gives indices only: no graph, nothing saved for it
+            by_group = (s + self.e_score_correction_bias.float()).view(len(x), self.n_group, -1)   # [T, G, E / G]
+            best = by_group.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1)[1]      # [T, topk_group]
+            keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)   # [T, G]
+            choice = by_group.masked_fill(~keep[..., None], float("-inf")).view_as(s)
+            idx = choice.topk(self.top_k, dim=-1)[1]                                        # [T, k]
         w = s.gather(1, idx)
         if self.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

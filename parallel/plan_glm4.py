@@ -4,8 +4,8 @@ the shared experts' width (moe_intermediate_size × n_shared_experts, `m.moe.sha
 - Weights: the routed experts' Linears as Qwen3-MoE's, the router [E, D] beside them (its correction bias [E] with the
   norms), and the shared experts' three Linears ([S, D], [S, D], [D, S]; NF4 as the experts), in place of the dense
   MLP's (`shared_shapes`).
-- Activations, `saved(m, T, e)`: the router's float32 sigmoid output [T, E] (4TE; the group scores and the masked
-  choice feed only top k's indices, so no node of theirs outlives the forward), the gather's int64 indices (8Tk), with
+- Activations, `saved(m, T, e)`: the router's float32 sigmoid output [T, E] (4TE; the choice, indices only, runs
+  without a graph), the gather's int64 indices (8Tk), with
   norm_topk_prob the division's float32 top k and sum (4Tk + 4T), and in a compute dtype below float32 the router
   weight's float32 copy [E, D] (4ED; not pinned: the test runs float32); the slots' order and tokens (16Tk), each
   slot's gate, silu and up outputs (3e·Tk·I) and its down output with its float32 routing weight ((eD + 4)·Tk: the

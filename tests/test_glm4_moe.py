@@ -265,49 +265,12 @@ def test_plan_matches_autograd_and_the_parameters(ckpt, flags):
     assert next(v for k, v in plan.items() if k.startswith("block norms, biases, routers")) == frozen, (plan, frozen)
 
 
-def _layouts(rank, world_size, path, cases):
-    """Each case (impl, flags): cp 2's loss and LoRA gradients = one process's on two packed rows (float64)."""
-    import torch.distributed as dist
-
-    from parallel.cp import cp_attention, shard_sequence
-    from parallel.mesh import ParallelDims, kv_heads
-    from parallel.parallelize import BuildOptions
-
-    ids = _ids(44, 5)
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
-    pos = torch.stack([torch.cat([torch.arange(17), torch.arange(27)]), torch.cat([torch.arange(30),
-                                                                                   torch.arange(14)])])
-    opts = dict(quant="none", lora_r=4, lora_alpha=8, seed=3, lora_targets=ATTN, ac=True, dtype=torch.float64)
-    margs = model.load.read_args(path)
-    grads = lambda m: {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                       for k, p in m.named_parameters() if p.requires_grad}
-    for impl, flags in cases:
-        what = f"cp 2 {impl} {flags} rank {rank}"
-        ref, _ = build_nonzero_b(BuildOptions(path, **opts))
-        s, n = ref(ids, position_ids=pos, labels=labels)
-        (s / n).backward()
-        dims = ParallelDims.from_args(world_size, 1, -1, 2, impl, None, margs.n_heads, kv_heads(margs))
-        meshes = dims.build_mesh("cpu")
-        m, _ = build_nonzero_b(BuildOptions(path, **opts, **flags), fsdp_mesh=meshes.fsdp,
-                               attention=cp_attention(meshes, dims))
-        c = meshes.cp.get_local_rank()
-        ls, ln = m(shard_sequence(ids, dims, c, 0), position_ids=shard_sequence(pos, dims, c, None),
-                   labels=shard_sequence(labels, dims, c, -100))
-        total, got = ln.detach().clone(), ls.detach().clone()
-        dist.all_reduce(total, group=meshes.dp_cp.get_group())
-        dist.all_reduce(got, group=meshes.dp_cp.get_group())
-        (ls / total).backward()
-        torch.testing.assert_close(got / total, s.detach() / n, rtol=1e-7, atol=0, msg=f"{what}: loss")
-        want, have = grads(ref), grads(m)
-        assert have.keys() == want.keys() and len(have) == 2 * 4 * 3, what
-        for k in have:
-            assert (r := rel(have[k], want[k])) < 1e-6, f"{what}: grad {k} off by {r:.2g}"
-    return True
-
-
 @pytest.mark.timeout(300)
 def test_cp2_ulysses_and_ring_equal_one_process(ckpt):
+    """tests/test_gpt_oss.py's cases on this checkpoint: loss and every LoRA gradient on every rank (float64, two packed
+    rows), Ulysses plain, ring with the tiled MLP."""
     from tests.dist import run_ranks
+    from tests.test_gpt_oss import _layouts
 
     cases = [("ulysses", {}), ("ring", dict(tiled_mlp=True))]
     assert run_ranks(_layouts, 2, ckpt, cases, timeout=280) == [True, True]
