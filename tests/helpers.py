@@ -296,6 +296,36 @@ def assert_lora_grads_match_peft(hf, targets, ours, peft_model, ids, labels, n_t
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")
 
 
+def assert_adapter_and_merge_match_peft(ckpt, cls, tmp_path, ids, targets, extra=()) -> tuple:
+    """Our adapter (LoRA on `targets`, B nonzero) exported from `ckpt` loads in peft on transformers' `cls` with our
+    logits, and `python -m model.merge` of it = peft's merge_and_unload (logits), loaded by `cls` with no key missing
+    and none unexpected but `extra` (a stored MTP layer's); returns (the merged folder, the adapter's folder)."""
+    from peft import PeftModel
+
+    from model import merge
+    from model.export import export_adapter
+    from parallel.parallelize import BuildOptions
+
+    ours, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8.0,
+                                                    lora_targets=tuple(targets), seed=3))
+    adapter, out = str(tmp_path / "a"), str(tmp_path / "merged")
+    export_adapter(peft_model, adapter, ckpt, quant="none")
+    with torch.no_grad():
+        want = ours(ids)
+    pm = PeftModel.from_pretrained(cls.from_pretrained(ckpt, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        got = pm(input_ids=ids).logits
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, "adapter in peft"
+    assert merge.main(["--model", ckpt, "--adapter", adapter, "--out", out, "--dtype", "fp32"]) == 0
+    merged_ref = pm.merge_and_unload()
+    merged, info = cls.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and sorted(info["unexpected_keys"]) == sorted(extra), info
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, merged_ref(input_ids=ids).logits
+        assert ((a - b).norm() / b.norm()).item() < 1e-5, "merge"
+    return out, adapter
+
+
 def hf_as_trained(path, quant="none"):
     """The transformers model of a checkpoint in float32; for nf4 each block Linear holds the weight our NF4 layers
     compute with (`nf4_round_trip`), so peft on it is the reference for our nf4 model."""

@@ -163,30 +163,13 @@ def test_lora_grads_match_peft_on_transformers(ckpt):
 
 
 def test_adapter_and_merge_load_in_peft_and_transformers(ckpt, tmp_path):
-    from peft import PeftModel
     from safetensors.torch import load_file
 
-    from model import merge
-    from model.export import export_adapter
     from model.nf4 import NF4Linear
     from parallel.parallelize import BuildOptions
+    from tests.helpers import assert_adapter_and_merge_match_peft
 
-    ids = _ids(19)
-    ours, peft_model = build_nonzero_b(BuildOptions(ckpt, quant="none", lora_r=4, lora_alpha=8.0, lora_targets=ATTN,
-                                                    seed=3))
-    export_adapter(peft_model, str(tmp_path / "a"), ckpt, quant="none")
-    with torch.no_grad():
-        want = ours(ids)
-    pm = PeftModel.from_pretrained(T.GptOssForCausalLM.from_pretrained(ckpt), str(tmp_path / "a")).eval()
-    with torch.no_grad():
-        assert rel(pm(input_ids=ids).logits, want) < 1e-5, "adapter in peft"
-    out = str(tmp_path / "merged")
-    assert merge.main(["--model", ckpt, "--adapter", str(tmp_path / "a"), "--out", out, "--dtype", "fp32"]) == 0
-    merged_ref = pm.merge_and_unload()
-    got, info = T.GptOssForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        assert rel(got(input_ids=ids).logits, merged_ref(input_ids=ids).logits) < 1e-5, "merge"
+    out, _ = assert_adapter_and_merge_match_peft(ckpt, T.GptOssForCausalLM, tmp_path, _ids(19), ATTN)
     stored, merged = (load_file(os.path.join(p, "model.safetensors")) for p in (ckpt, out))
     assert sorted(merged) == sorted(stored), sorted(set(merged) ^ set(stored))
     kept = [k for k in stored if "experts" in k or "router" in k or "sinks" in k]
