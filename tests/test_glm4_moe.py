@@ -50,9 +50,9 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def save_checkpoint(path, cfg: dict) -> str:
+def save_checkpoint(path, cfg: dict, scale_embeddings: float = 1.0) -> str:
     """A random Glm4MoeForCausalLM of `cfg` saved by transformers, plus one MTP layer's tensors in a shard of their
-    own (module docstring); returns the path."""
+    own (module docstring), the embeddings and head × `scale_embeddings`; returns the path."""
     torch.manual_seed(0)
     hf = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(**cfg)).float().eval()
     with torch.no_grad():   # norm weights start at 1, biases at 0 (a dropped one hidden); a router of std 0.02
@@ -61,6 +61,8 @@ def save_checkpoint(path, cfg: dict) -> str:
                 p.add_(torch.randn_like(p) * 0.3)
             if n.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
+            if "embed" in n or "lm_head" in n:
+                p.mul_(scale_embeddings)
         for n, b in hf.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
