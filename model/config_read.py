@@ -12,7 +12,8 @@ Contract:
   (`qwen3_5_moe_text`: Qwen3.5's with model/moe.py's MLP and a shared expert, whose width, shared_expert_intermediate_
   size, is `intermediate_size` here: the one MLP of that name in a block), GPT-OSS (`gpt_oss`: attention sinks, q/k/v/o
   biases by default, every MLP its MoE block: model/gpt_oss.py), Phi-3 / Phi-4 (`phi3`: fused qkv_proj and
-  gate_up_proj, partial RoPE, LongRoPE: model/phi3.py). A multimodal wrapper (Mistral 3,
+  gate_up_proj, partial RoPE, LongRoPE: model/phi3.py), GLM-4.5 / 4.6 (`glm4_moe`: q/k/v biases, partial RoPE, a
+  sigmoid group-limited router with shared experts: model/glm4_moe.py). A multimodal wrapper (Mistral 3,
   `mistral3`; Gemma 3, `gemma3`; Qwen3.5, `qwen3_5`; Qwen3.5-MoE, `qwen3_5_moe`) is read as its language model
   (its `text_config` and the outer keys that act on it: model/wrapper.py), `args.wrapper` naming it. Anything else
   raises `ValueError` naming the supported architectures, as does a checkpoint quantized already otherwise than in

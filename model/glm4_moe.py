@@ -105,7 +105,7 @@ class Glm4MoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
-        out = dispatch(self.experts, flat, *self.gate(flat), getattr(self, "experts_lora", None))
+        out = dispatch(self.experts, flat, *self.gate(flat))
         if self.shared_experts is not None:   # after the routed sum, as transformers adds it
             out = out + self.shared_experts(flat)
         return out.view(x.shape)
