@@ -9,8 +9,9 @@ Contract:
   n_group must divide n_routed_experts into groups of at least 2 (transformers sums each group's best two), topk_group
   <= n_group, and num_experts_per_tok fit in topk_group groups, else ValueError naming the keys.
 - `Router` (`mlp.gate.weight` [E, D] and `mlp.gate.e_score_correction_bias` [E], both frozen, never quantized nor
-  adapted; transformers keeps both float32): transformers' Glm4MoeTopkRouter (DeepSeek-V3's routing): s =
-  sigmoid(x·Wᵀ) in float32; the correction bias is added for the choice only: each group scored by the sum of its two
+  adapted; transformers keeps both float32, here they are held in the compute dtype like every base weight, so in bf16
+  a near tie may choose otherwise): transformers' Glm4MoeTopkRouter (DeepSeek-V3's routing): s = sigmoid(x·Wᵀ) in
+  float32; the correction bias is added for the choice only (indices: no graph): each group scored by the sum of its two
   best s + bias, the topk_group best groups kept, the top k of s + bias among their experts chosen; each chosen
   expert's weight is its s (bias-free), renormalised to sum 1 (+1e-20) with norm_topk_prob, × routed_scaling_factor;
   the weights stay float32 (model.moe.dispatch rounds each weighted output to the compute dtype, as transformers).
