@@ -16,19 +16,6 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(CACHE_HOME, ignore_errors=True)
 
 
-# The files that take longest, longest first (a fresh-clone run on 2 cores on 2026-12-07: module fixtures and calls of
-# test_train 180+ s, test_dpo 150+, test_train_runs 150+, test_bench_gpu 150, test_demo 120, test_bench_smoke 80).
-# `make test`'s two workers take whole files in collection order (pytest-xdist's loadfile), so these go first: in
-# alphabetical order test_train*.py came last and one worker ran them alone while the other had finished.
-HEAVY = ("test_train.py", "test_dpo.py", "test_train_runs.py", "test_bench_gpu.py", "test_demo.py",
-         "test_bench_smoke.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY)))   # (stable: the rest keep their order)
-
-
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     import transformers as T
