@@ -272,9 +272,9 @@ def as_scalars(records) -> dict:
     return out
 
 
-def assert_lora_grads_match_peft(hf, targets, ours, peft_model, ids, labels, n_tensors):
-    """Our LoRA model's loss and every LoRA gradient on (ids, labels) = peft's on transformers' model `hf` with LoRA on
-    `targets` holding our tensors (n_tensors of them), F.cross_entropy's mean over the same targets."""
+def lora_grads_and_peft(hf, targets, ours, peft_model, ids, labels) -> tuple:
+    """(our loss sum, peft's, our LoRA gradients, peft's) on (ids, labels): peft on transformers' model `hf` with LoRA
+    on `targets` holding our tensors, F.cross_entropy's sum over the same targets; both backward through / n."""
     from peft import LoraConfig, get_peft_model
 
     s, n = ours(ids, labels=labels)
@@ -289,8 +289,15 @@ def assert_lora_grads_match_peft(hf, targets, ours, peft_model, ids, labels, n_t
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                             reduction="sum", ignore_index=-100)
     (ref / n).backward()
-    torch.testing.assert_close(s.detach(), ref.detach(), rtol=1e-5, atol=1e-5, msg="loss")
     theirs = {k: p.grad for k, p in ref_model.named_parameters() if p.requires_grad}
+    return s.detach(), ref.detach(), mine, theirs
+
+
+def assert_lora_grads_match_peft(hf, targets, ours, peft_model, ids, labels, n_tensors):
+    """Our LoRA model's loss and every LoRA gradient on (ids, labels) = peft's on transformers' model `hf` with LoRA on
+    `targets` holding our tensors (n_tensors of them), F.cross_entropy's mean over the same targets."""
+    s, ref, mine, theirs = lora_grads_and_peft(hf, targets, ours, peft_model, ids, labels)
+    torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-5, msg="loss")
     assert theirs.keys() == mine.keys() and len(mine) == n_tensors, (len(mine), n_tensors)
     for k in mine:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6, msg=f"grad {k}")

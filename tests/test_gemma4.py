@@ -171,10 +171,8 @@ def test_config_read_as_transformers_reads_it(ckpts):
 
 
 def _lora_grads(path, targets, mem, labels_cap=None):
-    from peft import LoraConfig, get_peft_model
-
     from parallel.parallelize import BuildOptions
-    from tests.helpers import build_nonzero_b
+    from tests.helpers import build_nonzero_b, lora_grads_and_peft
 
     ids = _ids(29, 5)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
@@ -182,21 +180,7 @@ def _lora_grads(path, targets, mem, labels_cap=None):
                                                     lora_targets=targets, **mem))
     if labels_cap:
         ours.args.logit_softcap = labels_cap
-    s, n = ours(ids, labels=labels)
-    (s / n).backward()
-    mine = {k: p.grad for k, p in peft_model.named_parameters() if p.requires_grad}
-    hf = get_peft_model(_hf(path, final_logit_softcapping=labels_cap),
-                        LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
-                                   init_lora_weights=False))
-    state = {k: p.detach() for k, p in peft_model.named_parameters() if p.requires_grad}
-    assert not hf.load_state_dict(state, strict=False).unexpected_keys
-    hf.train()
-    logits = hf(input_ids=ids).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            reduction="sum", ignore_index=-100)
-    (ref / n).backward()
-    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
-    return s.detach(), ref.detach(), mine, theirs
+    return lora_grads_and_peft(_hf(path, final_logit_softcapping=labels_cap), targets, ours, peft_model, ids, labels)
 
 
 @pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True, tiled_attn=True)],
