@@ -158,7 +158,7 @@ def main(argv=None):
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
-        to_local = LocalBatches(samples, tok, dims, cp_rank, args.pack, dpo, device)   # samples -> this rank's tensors
+        to_local = LocalBatches(samples, tok, dims, cp_rank, args.pack, dpo, device, margs)   # -> this rank's
         docs = getattr(samples, "sides", lambda i: (int(samples.lengths[i]),))   # a sample's documents' lengths
         noise = NEFTune.of_run(args, samples, dims, data_rank, cp_rank)   # --neftune-alpha's (training forwards only)
 

@@ -11,6 +11,9 @@ all `[B, S]` with `S` a multiple of `divisor` (the CP divisor: cp for Ulysses, 2
   (L, L+1, ...). Attention derives document boundaries from position-id resets (a document starts
   where `pos[t] != pos[t-1] + 1`), so padding joins the last document instead of forming a new
   one: it only ever sits after the real tokens (causal), and its outputs carry no target.
+  `restart` (LongRoPE's original length, `model.phi3.pad_restart`): padding that would carry the last document's
+  largest position + 1 from at most `restart` past it restarts at 0 instead, a document of its own, so the document
+  keeps the factors it takes alone (a CP divisor's padding must not switch it to the long ones).
 - A preference pair (`data.pairs.Pairs`: the chosen then the rejected, `"split"` the chosen's length) is two
   documents: position ids restart at the split too; with `"shared"` f (the shared prompt held once) they restart
   at f, which makes the rejected's rest a branch that sees the prompt (`model.attention`). `sides=True` adds
@@ -44,17 +47,19 @@ def _sides(s: dict, n: int, k: int) -> torch.Tensor:
     return torch.cat([torch.full((s["split"],), 2 * k), torch.full((n - s["split"],), 2 * k + 1)])
 
 
-def _row(samples: list[dict], length: int, pad_id: int, first: int = 0) -> tuple[torch.Tensor, ...]:
+def _row(samples: list[dict], length: int, pad_id: int, first: int = 0, restart=None) -> tuple[torch.Tensor, ...]:
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]   # lists, or data.samples' int32
     labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
     pos = [_positions(s, len(x)) for s, x in zip(samples, ids)]
     sides = [_sides(s, len(x), first + k) for k, (s, x) in enumerate(zip(samples, ids))]
     n_pad, last = length - sum(len(x) for x in ids), int(pos[-1][-1]) + 1
+    start = 0 if restart is not None and last <= restart < last + n_pad else last   # (module docstring)
     return (torch.cat(ids + [torch.full((n_pad,), pad_id)]), torch.cat(labels + [torch.full((n_pad,), IGNORE_INDEX)]),
-            torch.cat(pos + [torch.arange(last, last + n_pad)]), torch.cat(sides + [torch.full((n_pad,), -1)]))
+            torch.cat(pos + [torch.arange(start, start + n_pad)]), torch.cat(sides + [torch.full((n_pad,), -1)]))
 
 
-def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int, sides: bool = False) -> dict[str, torch.Tensor]:
+def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int, sides: bool = False,
+            restart: int | None = None) -> dict[str, torch.Tensor]:
     """One micro-batch -> {"input_ids", "labels", "position_ids"} (and "sides" with `sides`): LongTensors [B, S]."""
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -64,10 +69,10 @@ def collate(samples: list[dict], pack: bool, divisor: int, pad_id: int, sides: b
         if len(s["input_ids"]) != len(s["labels"]) or not len(s["input_ids"]):
             raise ValueError("each sample needs non-empty input_ids and labels of the same length")
     if pack:
-        rows = [_row(samples, _round_up(sum(len(s["input_ids"]) for s in samples), divisor), pad_id)]
+        rows = [_row(samples, _round_up(sum(len(s["input_ids"]) for s in samples), divisor), pad_id, restart=restart)]
     else:
         length = _round_up(max(len(s["input_ids"]) for s in samples), divisor)
-        rows = [_row([s], length, pad_id, k) for k, s in enumerate(samples)]
+        rows = [_row([s], length, pad_id, k, restart) for k, s in enumerate(samples)]
     ids, labels, pos, side = (torch.stack(x) for x in zip(*rows))
     return {"input_ids": ids, "labels": labels, "position_ids": pos, **({"sides": side} if sides else {})}
 

@@ -55,7 +55,8 @@ def document_bounds(position_ids: torch.Tensor):
 
 def document_spans(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, S]: each token's document's largest position + 1 (the length transformers sees running that document
-    alone: LongRoPE's choice of factors, model/rope.py). Padding continues the last document, so counts in it."""
+    alone: LongRoPE's choice of factors, model/rope.py). Padding continues the last document, so counts in it
+    (data.collate restarts a LongRoPE row's padding where it would switch that document's factors)."""
     doc = document_starts(position_ids).cumsum(1) - 1                      # [B, S]: the document index in its row
     top = torch.full_like(position_ids, -1).scatter_reduce(1, doc, position_ids, "amax")   # [B, S]: per document
     return top.gather(1, doc) + 1

@@ -87,6 +87,13 @@ def mlp_inputs(a, f: int) -> tuple:
     return nn.Linear(a.dim, f, bias=a.mlp_bias), nn.Linear(a.dim, f, bias=a.mlp_bias), None
 
 
+def pad_restart(margs) -> int | None:
+    """LongRoPE's original length, where a document's factors change: a row's padding that would carry its last
+    document past it restarts its positions instead (data.collate's `restart`); None for every other RoPE."""
+    rope = margs.rope_scaling
+    return rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
+
+
 def padded_rows(margs, pack, micro_batch) -> str | None:
     """Why --no-pack with several samples a micro-batch is refused on a LongRoPE model (else None): each row is padded
     to the longest and padding continues its document's positions, so a short sample beside a long one would take the

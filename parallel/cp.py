@@ -91,10 +91,12 @@ class LocalBatches:
     (2 tokens a cp rank: --compile's 0/1 specialization would compile every function again for a row of 1), which a
     data rank runs while another has one more micro-batch, so the collectives stay in step."""
 
-    def __init__(self, samples, tok, dims, cp_rank: int, pack: bool, pairs: bool, device):
+    def __init__(self, samples, tok, dims, cp_rank: int, pack: bool, pairs: bool, device, margs=None):
         from data.collate import collate
+        from model.phi3 import pad_restart
         pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)   # (never a target)
-        self.collate = lambda ss: collate(ss, pack, dims.cp_divisor, pad_id, pairs)
+        restart = pad_restart(margs) if margs is not None else None   # (LongRoPE: padding never switches factors)
+        self.collate = lambda ss: collate(ss, pack, dims.cp_divisor, pad_id, pairs, restart)
         self.pad_id, self.dims, self.cp_rank, self.device = pad_id, dims, cp_rank, device
         n = 2 * dims.cp_divisor
         self.idle = {"input_ids": samples[0]["input_ids"][:1].repeat(n),

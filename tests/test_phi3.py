@@ -104,6 +104,46 @@ def test_logits_match_transformers(ckpts):
     assert read_args(ckpts["mini"]).rotary_dim == 6
 
 
+def test_cp_padding_keeps_a_documents_short_factors(ckpts):
+    """A row padded for a CP divisor (data.collate; padding continues the last document's positions): a last document
+    of 17 or 18 tokens (short factors alone) padded to 20 would pass original length 18 and take the long factors.
+    LocalBatches' collate restarts that padding at 0 instead (model.phi3.pad_restart), so the real tokens' logits are
+    transformers' on the documents alone; without the restart they are not; past 18 the padding continues as before."""
+    from data.collate import collate
+    from model.load import read_args
+    from model.phi3 import pad_restart
+    from parallel.cp import LocalBatches
+    from parallel.mesh import ParallelDims
+
+    margs = read_args(ckpts["mini"])
+    assert pad_restart(margs) == 18 and pad_restart(read_args(ckpts["window"])) is None
+    hf, ours = _hf(ckpts["mini"], torch.float64), model.from_pretrained(ckpts["mini"], dtype=torch.float64).eval()
+    ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    sample = lambda n: {"input_ids": torch.tensor(ids[:n]), "labels": torch.tensor(ids[1:n] + [-100])}   # noqa: E731
+    tok = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    to_local = LocalBatches([sample(4)], tok, ParallelDims(2, cp=2, ulysses=1, ring=2), 0, True, False, "cpu", margs)
+    for docs in ([17], [18], [5, 13], [9, 18], [19]):   # (packed: the last document's length decides)
+        rows = {r: collate([sample(n) for n in docs], True, 4, 0, restart=r) for r in (None, 18)}
+        got = to_local.collate([sample(n) for n in docs])
+        assert torch.equal(got["position_ids"], rows[18]["position_ids"]), docs
+        n, pad = sum(docs), got["position_ids"].shape[1] - sum(docs)
+        pos = got["position_ids"][0, n:].tolist()
+        passes = docs[-1] <= 18 < docs[-1] + pad
+        assert pos == (list(range(pad)) if passes else list(range(docs[-1], docs[-1] + pad))), (docs, pos)
+        want = []
+        with torch.no_grad():
+            for k in docs:
+                want.append(hf(input_ids=torch.tensor([ids[:k]])).logits)
+            want = torch.cat(want, 1)
+            for r, row in rows.items():
+                y = ours(row["input_ids"], position_ids=row["position_ids"])[:, :n]
+                off = rel(y, want)
+                if r == 18 or not passes:
+                    assert off < 1e-12, (docs, r, off)
+                else:
+                    assert off > 1e-3, f"{docs}: the padding's long factors changed nothing"
+
+
 def test_config_read_as_phi3config_reads_it():
     """bench/configs/phi-4-mini (Phi-4-mini-instruct's config.json: classic rope_scaling, top-level partial factor and
     original length) and phi-4: RoPE as Phi3Config standardizes it, the attention factor as transformers computes it;
