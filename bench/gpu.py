@@ -6,7 +6,7 @@ shards it needs; a reduced layer count also cuts transformers' `layer_types`) wi
 tokenizer, and a JSONL of random-token texts. Every run then trains on the same token ids, one
 sample of --tokens tokens per step, NF4 base weights, LoRA r 16 / alpha 32 on all seven projections,
 activation (gradient) checkpointing, AdamW, grad-norm clip 1.0:
-- ours:  `train.py` (a subprocess; s/step and peak from its metrics.jsonl);
+- ours:  `train.py` (a subprocess; s/step and peak from its metrics.jsonl; `run_train`);
 - hf:    transformers `from_pretrained` + BitsAndBytesConfig NF4 + peft + gradient checkpointing,
          `.train()` (from_pretrained returns eval mode, where HF skips checkpointing), SDPA;
 - liger: the same model with `apply_liger_kernel_to_<model_type>` (fused linear cross-entropy,
@@ -186,7 +186,7 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from data.demo import make_demo
+    from data.demo import demo_tokenizer
     from model.config import ModelArgs
 
     cfg = dict(base_cfg, **(SMOKE_DIMS if smoke else {}))
@@ -194,8 +194,8 @@ def write_checkpoint(base_cfg: dict, layers: int, tokens: int, work: str, smoke:
     cfg.update(torch_dtype=str(dtype).split(".")[1], use_cache=False,
                max_position_embeddings=max(cfg.get("max_position_embeddings", 0), tokens))
     cfg.pop("dtype", None)
-    demo_model, _, _ = make_demo(os.path.join(ROOT, "runs", "demo_assets"))   # shared with tests and the demo
-    tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
+    os.makedirs(work, exist_ok=True)   # the demo's tokenizer, without its pretrained model (data.demo)
+    tok = AutoTokenizer.from_pretrained(str(demo_tokenizer(os.path.join(work, "tokenizer"))), local_files_only=True)
     cfg.update(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     margs = ModelArgs.from_config_dict(cut_layers(cfg, layers))   # (Gemma 4's last layer is full whatever its type)
     shards = os.path.join(work, "shards")
@@ -374,16 +374,45 @@ def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
         [r] for r in mine if r != "ours"]
 
 
-def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False, pairs: str = "pairs") -> dict:
-    """One train.py run; with `profile`, one more step at the end under `--profile` (not timed: the profiler
-    slows it), whose time by kernel category is kept (OUT/profile.txt's head) and printed. `pairs`: the spec's
-    file a DPO row trains on."""
+def _train_cli(argv: list[str]):
+    """A forked row's body: what `python train.py ARGV` runs, its exit code the process's."""
+    import train
+    sys.exit(train.cli(argv))
+
+
+def run_train(argv: list[str], timeout: float, fork: bool = False) -> None:
+    """train.py with `argv`, a process of its own (CalledProcessError on a non-zero exit, TimeoutExpired past
+    `timeout`): a fresh interpreter, or with `fork` (without CUDA, the smoke mode's rows after "ours") a child of a
+    forkserver that imported train once: a fresh interpreter spends ~4 s of a core importing torch, transformers and
+    peft, most of a tiny row's time. Where CUDA is, every row is a fresh interpreter (its own context and peak)."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *argv]
+    if not fork:
+        subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT)
+        return
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["train"])
+    p = ctx.Process(target=_train_cli, args=(list(argv),))
+    p.start()
+    p.join(timeout)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    if p.exitcode:
+        raise subprocess.CalledProcessError(p.exitcode, cmd)
+
+
+def run_ours(spec: dict, out: str, timeout: float, flags=(), profile=False, pairs: str = "pairs",
+             fork: bool = False) -> dict:
+    """One train.py run (`run_train`; `fork`: the smoke mode's); with `profile`, one more step at the end under
+    `--profile` (not timed: the profiler slows it), whose time by kernel category is kept (OUT/profile.txt's head)
+    and printed. `pairs`: the spec's file a DPO row trains on."""
     if "--objective" in flags:   # a DPO row: pairs of two texts of half the tokens (write_pairs), so a row as long
         spec = dict(spec, data=spec[pairs], tokens=spec["tokens"] // 2)   # (--max-len is per side)
     extra = ["--steps", str(spec["steps"] + 1), "--profile", str(spec["steps"] + 1),
              "--schedule-steps", str(spec["steps"])] if profile else []   # the timed steps' lr as without it
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *ours_argv(spec, out, flags), *extra],
-                   check=True, timeout=timeout, cwd=ROOT)
+    run_train([*ours_argv(spec, out, flags), *extra], timeout, fork)
     if "--fast" in flags:   # the flags the run chose, as typed: the plan below and the table need them
         chosen = json.load(open(os.path.join(out, "config.json")))["fast_flags"]
         flags = [f for f in flags if f != "--fast"] + chosen.split()
@@ -689,7 +718,8 @@ def main(argv=None):
                     rows[group[0]] = {"skipped": "only AC on every block fits 95% of this device (the plain row)"} \
                         if flags is None else run_ours(spec, os.path.join(work, f"ours-{time.time_ns()}"), left, flags,
                                                         group[0] in args.profile.split(","),
-                                                        ROW_DATA.get(group[0], "pairs"))
+                                                        ROW_DATA.get(group[0], "pairs"),
+                                                        fork=not cuda and group[0] != "ours")   # (run_train)
                     if why:
                         rows[group[0]]["chosen"] = why
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError, ValueError,

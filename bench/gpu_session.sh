@@ -11,7 +11,8 @@
 # pure Python on the machine's own Triton). They are installed with --no-index --no-deps into
 # /tmp/site and put first on PYTHONPATH. The tree that travels is capped at 64 MiB: check the wheel
 # sizes (`du -sh .whl`) before carrying them. Carrying runs/demo_assets (14 MB, built here by
-# `make demo` or any test run) saves building the demo tokenizer there.
+# `make demo` or any test run) saves pretraining the demo's base there (~60 s; tests/gpu train it; bench/gpu.py
+# builds only the demo's tokenizer, ~2 s).
 #
 # Device tool call:  run(command="bash bench/gpu_session.sh", carry=[".whl", "runs/demo_assets"], timeout_s=600)
 # Knobs (environment):

@@ -177,6 +177,20 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
+def demo_tokenizer(out_dir: str | Path) -> Path:
+    """The demo's tokenizer alone, for bench/: `out_dir` once it holds one, else built there from the corpus (~2 s of a
+    core; the same BPE as the assets', without the pretraining that make_demo's model costs)."""
+    out = Path(out_dir)
+    if not (out / "tokenizer.json").is_file():
+        corpus = docstring_corpus()
+        texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
+        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out.parent if out.parent.is_dir() else None))
+        build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048).save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)   # (whole or not at all)
+    return out
+
+
 def _build(out: Path, pretrain_steps: int, log) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -191,8 +205,8 @@ def _build(out: Path, pretrain_steps: int, log) -> dict:
 
     corpus = docstring_corpus()
     texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
-    tokenizer = build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)
-    tokenizer.save_pretrained(out / "model")
+    tokenizer = build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)   # (as
+    tokenizer.save_pretrained(out / "model")   # demo_tokenizer's)
     train, held_out = task_records()
     _write_jsonl(out / "corpus.jsonl", [{"text": t} for t in texts] + [{"messages": c} for c in chats])
     _write_jsonl(out / "train.jsonl", train)

@@ -46,6 +46,21 @@ def demo():
         return make_demo(REPO / "runs" / "demo_assets")
 
 
+def test_demo_tokenizer_alone_is_the_assets_tokenizer(demo, tmp_path):
+    """data.demo.demo_tokenizer (bench/gpu.py's, without the pretraining): the assets' vocabulary and special tokens
+    (BPE training may rank tied merges otherwise: the ids of a text can differ), round-tripping the corpus; built once
+    (a second call keeps the files)."""
+    from data.demo import demo_tokenizer
+
+    got = demo_tokenizer(tmp_path / "tok")
+    stamp = (got / "tokenizer.json").stat().st_mtime_ns
+    assert demo_tokenizer(tmp_path / "tok") == got and (got / "tokenizer.json").stat().st_mtime_ns == stamp
+    ours, want = load_tokenizer(got), load_tokenizer(demo[0])
+    assert ours.get_vocab() == want.get_vocab() and (ours.eos_token_id, ours.pad_token_id, ours.chat_template) == (
+        want.eos_token_id, want.pad_token_id, want.chat_template)
+    text = [r["text"] for r in load_jsonl(demo[0].parent / "corpus.jsonl") if "text" in r][:20]
+    assert [ours.decode(ours(t)["input_ids"]) for t in text] == text
+
 def _words(prompt: str) -> list[str]:
     return prompt.split(": ", 1)[1].split()
 
