@@ -12,11 +12,14 @@ Plain text reads: no model, no process group.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
 import re
-import subprocess
+import runpy
 import sys
+import warnings
 
 import pytest
 
@@ -86,8 +89,24 @@ def test_cited_names_are_defined():
 
 
 def _help(*cmd):
-    out = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    return out.stdout + out.stderr
+    """What `python CMD --help` prints, run in this process (runpy, as the interpreter runs a script or `-m`; six
+    interpreters importing torch cost ~20 s of a core, the same flags: checked against subprocesses 2026-12-07)."""
+    out, argv = io.StringIO(), sys.argv
+    module = cmd[0] == "-m"
+    sys.argv = [cmd[1] if module else os.path.join(ROOT, cmd[0]), *cmd[2 if module else 1:], "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            # (runpy runs an imported module's code once more as __main__, in its own namespace: said, harmless here)
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            if module:
+                runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:   # (argparse's --help exits 0)
+        assert not e.code, f"{cmd} --help exited {e.code}: {out.getvalue()[-2000:]}"
+    finally:
+        sys.argv = argv
+    return out.getvalue()
 
 
 def test_spelled_flags_exist():
