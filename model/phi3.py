@@ -12,6 +12,8 @@ Contract:
   `attention_factor` as transformers' _compute_longrope_parameters does; model/rope.py computes both frequency sets and
   picks per row (the row's largest position + 1 above original_max_position_embeddings: long), from the positions
   of the whole row (`model.attention.AttentionCore.row_span`: under context parallelism the max over the cp ranks).
+- `pad_restart(margs)`: LongRoPE's original length, where data.collate restarts a row's padding that would carry its
+  last document past it (so padding never switches a document's factors: any packing, --no-pack row, CP divisor).
 - `project(attn, x, i)`: q_proj's, k_proj's or v_proj's output (i = 0, 1, 2): the model's own Linear, or the rows of
   qkv_proj (x the input, or `Split`: the fused output computed once for all three).
 - `mlp_inputs(a, f)` makes an MLP's gate and up Linears or its fused one; `gate_up(mlp, x)`: (gate, up) of an MLP:
@@ -92,18 +94,6 @@ def pad_restart(margs) -> int | None:
     document past it restarts its positions instead (data.collate's `restart`); None for every other RoPE."""
     rope = margs.rope_scaling
     return rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
-
-
-def padded_rows(margs, pack, micro_batch) -> str | None:
-    """Why --no-pack with several samples a micro-batch is refused on a LongRoPE model (else None): each row is padded
-    to the longest and padding continues its document's positions, so a short sample beside a long one would take the
-    long factors: its numbers would hang on which samples share its micro-batch."""
-    if margs.rope_scaling.get("rope_type") != "longrope" or pack is not False or micro_batch == 1:
-        return None
-    return (f"--no-pack with --micro-batch {micro_batch or 'auto'}: this model's LongRoPE takes its long factors for "
-            "a document whose largest position passes original_max_position_embeddings, and a padded row's padding "
-            "continues its positions, so a short sample beside a longer one would train on the long factors: pack "
-            "(drop --no-pack) or pass --micro-batch 1")
 
 
 class Split(tuple):

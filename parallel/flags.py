@@ -30,7 +30,6 @@ from model.expert_lora import EXPERTS, refusal
 from model.gemma4_small import refuse_tiled_attn
 from model.lora_spec import NAMED, lora_layers, run_targets
 from model.moe import expert_targets
-from model.phi3 import padded_rows
 from model.rope_read import rope_scaling_flag
 from parallel.ac import check_ac
 
@@ -196,8 +195,6 @@ def check_model_flags(args, margs, say=None) -> None:
                          "leave those projections out of --lora-targets")
     if getattr(args, "tiled_attn", False):   # (Gemma 4 E2B / E4B's KV-shared layers)
         refuse_tiled_attn(margs)
-    if why := padded_rows(margs, getattr(args, "pack", None), getattr(args, "micro_batch", 1)):   # (Phi-3's LongRoPE)
-        raise ValueError(why)
     layers = lora_layers(getattr(args, "lora_layers", None))
     if layers is not None and max(layers) >= margs.n_layers:
         raise ValueError(f"--lora-layers {args.lora_layers}: the model has blocks 0-{margs.n_layers - 1}; pass "

@@ -11,7 +11,7 @@ factors from original_max_position_embeddings 18 to 4096, tied embeddings), "win
   factor, original length, attention factor; the parameter count, and --plan on both); bad factors, dropouts and rope
   types refused naming the key;
 - --lora-targets: the default and the shorthands adapt the fused Linears; q_proj,v_proj on phi3 refused naming the fix;
-  --no-pack with several samples a micro-batch refused on LongRoPE (padding would pick the long factors);
+  padding (a CP divisor's, --no-pack's) never gives a document the long factors: it restarts where it would;
 - LoRA's loss and every LoRA gradient = peft's on the transformers model (plain, and AC + tiled MLP + tiled attention);
 - one process = cp 2 ring = cp 2 Ulysses (2 ranks, gloo; nf4 and plain; DoRA) = cp 4 hybrid (4 ranks): loss, grad
   norm, logits and every LoRA gradient on every rank, LongRoPE's threshold passed by the whole row and not by some
@@ -108,7 +108,8 @@ def test_cp_padding_keeps_a_documents_short_factors(ckpts):
     """A row padded for a CP divisor (data.collate; padding continues the last document's positions): a last document
     of 17 or 18 tokens (short factors alone) padded to 20 would pass original length 18 and take the long factors.
     LocalBatches' collate restarts that padding at 0 instead (model.phi3.pad_restart), so the real tokens' logits are
-    transformers' on the documents alone; without the restart they are not; past 18 the padding continues as before."""
+    transformers' on the documents alone; without the restart they are not; past 18 the padding continues as before.
+    --no-pack rows (padded to the longest sample) likewise."""
     from data.collate import collate
     from model.load import read_args
     from model.phi3 import pad_restart
@@ -142,6 +143,15 @@ def test_cp_padding_keeps_a_documents_short_factors(ckpts):
                     assert off < 1e-12, (docs, r, off)
                 else:
                     assert off > 1e-3, f"{docs}: the padding's long factors changed nothing"
+    # --no-pack with 2 samples a micro-batch: each row padded to the longer one's (and the divisor): the short row's
+    # padding passes 18 and restarts, so each row's real tokens are transformers' on that sample alone
+    got = collate([sample(12), sample(19)], False, 4, 0, restart=18)
+    assert got["position_ids"][0, 12:].tolist() == list(range(8)), got["position_ids"][0]
+    assert got["position_ids"][1, 19:].tolist() == [19], got["position_ids"][1]
+    with torch.no_grad():
+        y = ours(got["input_ids"], position_ids=got["position_ids"])
+        for r, n in enumerate((12, 19)):
+            assert rel(y[r:r + 1, :n], hf(input_ids=torch.tensor([ids[:n]])).logits) < 1e-12, f"no-pack row {r}"
 
 
 def test_config_read_as_phi3config_reads_it():
@@ -202,25 +212,6 @@ def test_lora_targets_map_to_the_fused_linears():
     assert run_targets(default, llama)[0] == tuple(default.split(","))
     assert run_targets(lora_targets_arg("all-linear"), llama)[0] == tuple(default.split(",")), \
         "all-linear on a model without fused Linears"
-
-
-def test_no_pack_with_several_samples_refused_on_longrope(ckpts):
-    """--no-pack pads a micro-batch's rows to the longest, continuing their positions: on a LongRoPE model a short
-    sample would take the long factors beside a long one, so --no-pack with --micro-batch other than 1 is refused by
-    the flag checks (before any weight is read); packed, one sample a row, or no LongRoPE pass."""
-    import train
-    from model.load import read_args
-    from parallel.flags import check_model_flags
-
-    def check(name, *flags):
-        args = train.build_parser().parse_args(["--model", ckpts[name], "--data", "x.jsonl", *flags])
-        check_model_flags(args, read_args(ckpts[name]))
-
-    with pytest.raises(ValueError, match="drop --no-pack.* or pass --micro-batch 1"):
-        check("mini", "--no-pack", "--micro-batch", "2")
-    with pytest.raises(ValueError, match="--micro-batch auto"):
-        check("mini", "--no-pack", "--micro-batch", "auto")
-    check("mini", "--no-pack"), check("mini", "--micro-batch", "2"), check("window", "--no-pack", "--micro-batch", "2")
 
 
 @pytest.mark.parametrize("name", ["mini", "window"])

@@ -9,6 +9,8 @@ embeddings; norm weights drawn off 1, the embedding × 30 so the logits are far 
   with --tiled-mlp --offload-activations, in every step's loss and grad norm and the adapter (test_train's
   tolerances). Documents on both sides of ORIG train together: each takes its own factors
   (model.attention.document_spans), one of exactly ORIG tokens too, whose CP padding must not give it the long ones;
+  and 1 rank with --no-pack --micro-batch 2 (rows padded to the longer sample: padding restarts where it would pass
+  ORIG, data.collate) = the plain run;
 - the same run with the short factors as its long ones differs in its first loss (the long factors mattered);
 - --compile = eager (loss and every LoRA gradient) on a row past the original length.
 
@@ -83,10 +85,11 @@ def test_four_ranks_train_as_one_rank(assets, tmp_path):
     with one_thread():
         train.main(train_argv(assets, os.path.join(root, "plain"), *LEN))
         train.main(train_argv({**assets, "model": assets["short"]}, os.path.join(root, "short"), *LEN))
+        train.main(train_argv(assets, os.path.join(root, "no_pack_mb2"), "--no-pack", "--micro-batch", "2", *LEN))
     run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     with open(os.path.join(root, "plain", "adapter", "adapter_config.json")) as f:
         assert sorted(json.load(f)["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    for layout in FOUR:
+    for layout in [*FOUR, "no_pack_mb2"]:
         _compare(f"phi3 {layout}", os.path.join(root, layout), os.path.join(root, "plain"))
     assert _metrics(os.path.join(root, "short"))[0]["loss"] != _metrics(os.path.join(root, "plain"))[0]["loss"], \
         "the long factors changed nothing"
