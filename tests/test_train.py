@@ -62,7 +62,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.helpers import budget_between_ac_plans, no_weights, one_thread, startup_error, train_argv
+from tests.helpers import budget_between_ac_plans, eval_head, no_weights, one_thread, startup_error, train_argv
 
 LOSS_ATOL, NORM_RTOL, ADAPTER_RTOL = 1e-4, 1e-4, 1e-3
 
@@ -211,7 +211,8 @@ def _four_ranks(rank, world_size, assets, root):
                           os.path.join(root, "norms_cp2_dp2_ring", "adapter"), "--train-norms",   # shards, the root's)
                           "--train-embeddings"))
     fast = _fast_on_every_rank(rank, train_argv(assets, os.path.join(root, "fast_cp2_dp2_ring"), *FAST4))
-    train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data", assets["data"]))
+    train.main(train_argv(assets, os.path.join(root, "keep_best_cp2_dp2_ring"), *KEEP4, "--eval-data",
+                          eval_head(assets)))
     train.main(train_argv(assets, os.path.join(root, "early_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2",
                           "--cp-impl", "ring", *EARLY, "--eval-data", os.path.join(assets["dir"], "short_eval.jsonl")))
     return (errors, resume_error, stopped, fast) if rank == 0 else (None, None, stopped, fast)
@@ -373,7 +374,7 @@ def _bnb(assets) -> str:
 
 @pytest.fixture(scope="module")
 def four(assets, tmp_path_factory):
-    _text_files(assets), _short_eval(assets), _bnb(assets)   # (written once, here: 4 ranks read them)
+    _text_files(assets), _short_eval(assets), _bnb(assets), eval_head(assets)   # (written once: 4 ranks read them)
     root = str(tmp_path_factory.mktemp("train_4ranks"))
     res = run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return {"root": root, "errors": res[0][0], "resume_error": res[0][1], "stopped": [r[2] for r in res],
@@ -405,7 +406,7 @@ def one(assets, tmp_path_factory):
         "tiled_attn": ["--tiled-attn", "--tiled-mlp", "--offload-activations"],
         "tiled_attn_pack": ["--micro-batch", "4", "--pack", "--tiled-attn"],
         "tiled_attn_window": ["--model", assets["window"], "--tiled-attn"],
-        "keep_best": [*KEEP_BEST, "--eval-data", assets["data"]],
+        "keep_best": [*KEEP_BEST, "--eval-data", eval_head(assets)],
         "early": [*EARLY, "--eval-data", _short_eval(assets)],
     }
     with one_thread():

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel import notes
-from tests.helpers import budget_between_ac_plans, no_weights, one_thread, startup_error, train_argv
+from tests.helpers import budget_between_ac_plans, eval_head, no_weights, one_thread, startup_error, train_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -423,7 +423,7 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
 
     from parallel.checkpoint_export import export
 
-    ev = ["--eval-data", assets["data"], "--eval-every", "1", "--steps", "6"]
+    ev = ["--eval-data", eval_head(assets), "--eval-every", "1", "--steps", "6"]
     full, out = tmp_path / "full", tmp_path / "early"
     run(train_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "6"))
     capsys.readouterr()
@@ -1319,7 +1319,7 @@ def test_resume_auto_of_a_run_that_stopped_early_writes_its_adapter(assets, tmp_
     import train
 
     out = str(tmp_path / "es")
-    argv = train_argv(assets, out, "--steps", "6", "--eval-data", assets["data"], "--eval-every", "1",
+    argv = train_argv(assets, out, "--steps", "6", "--eval-data", eval_head(assets), "--eval-every", "1",
                       "--early-stop", "1", "--early-stop-delta", "100", "--resume", "auto")
     run(argv)
     assert [r["step"] for r in metrics(out)] == [1, 2], "--early-stop 1 with a delta of 100 ends at step 2"
