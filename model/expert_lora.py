@@ -1,8 +1,9 @@
-"""LoRA on the routed experts of Qwen3-MoE's and Qwen3.5-MoE's blocks (model/moe.py; not Qwen3.5-MoE's shared expert)
-and GPT-OSS's (model/gpt_oss.py), in peft's `target_parameters` format: what peft 0.21 makes of
+"""LoRA on the routed experts of Qwen3-MoE's and Qwen3.5-MoE's blocks (model/moe.py; not Qwen3.5-MoE's shared expert),
+GLM-4.5's (model/glm4_moe.py; not its shared experts nor its dense blocks' MLPs) and GPT-OSS's (model/gpt_oss.py), in
+peft's `target_parameters` format: what peft 0.21 makes of
 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
-Qwen3MoeForCausalLM and Qwen3_5MoeForCausalLM (their experts: fused 3-D parameters gate_up_proj [E, 2I, D], down_proj
-[E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x out: its experts'
+Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM and Glm4MoeForCausalLM (their experts: fused 3-D parameters gate_up_proj
+[E, 2I, D], down_proj [E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x out: its experts'
 `is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets experts` (EXPERTS)
 names it.
 
@@ -12,7 +13,7 @@ Contract:
   and adds scaling · B_e A_e to expert e's [out, in] weight (transposed for an in x out parameter; scaling = alpha /
   r, or alpha / sqrt(r) with rslora). `ParamLoRA` holds those two tensors in that layout, so export is a rename.
   gate_up_proj's A is shared by gate and up (one fused parameter); B_e's rows are its outputs': Qwen3-MoE's first I
-  gate's, the rest up's; GPT-OSS's alternate, gate's at the even rows (as its fused columns). `ExpertLoRA` (an MoE
+  gate's, the rest up's (GLM-4.5's as Qwen3-MoE's); GPT-OSS's alternate, gate's at the even rows (as its fused columns). `ExpertLoRA` (an MoE
   block's `experts_lora`) holds gate_up_proj's and down_proj's and `run(e, expert, x)` computes expert e on its
   routed tokens x [n, D] as
       gate = W_g x + s · B_e[gate's rows] (A_e x),  up = W_u x + s · B_e[up's rows] (A_e x),  h = act(gate, up),
@@ -115,12 +116,14 @@ def peft_wrap(model: nn.Module, cfg, wrap):
 
 
 def attach(model: nn.Module, r: int, alpha: float, rslora: bool = False) -> int:
-    """An ExpertLoRA on each of `model`'s Qwen3-MoE or GPT-OSS MoE blocks (module docstring); returns how many."""
+    """An ExpertLoRA on each of `model`'s Qwen3-MoE, GLM-4.5 or GPT-OSS MoE blocks (module docstring); returns how
+    many."""
+    from model.glm4_moe import Glm4MoE
     from model.gpt_oss import GptOssMoE
     from model.moe import MoE
 
     scaling = alpha / (math.sqrt(r) if rslora else r)
-    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) in (MoE, GptOssMoE)]
+    blocks = [b.mlp for b in model.model.layers if type(getattr(b, "mlp", None)) in (MoE, Glm4MoE, GptOssMoE)]
     for moe in blocks:
         gate = moe.experts[0].gate_proj   # (nn.Linear, or NF4's Linear4bit: its features as declared)
         moe.experts_lora = ExpertLoRA(len(moe.experts), gate.in_features, gate.out_features, r, scaling,
@@ -134,10 +137,9 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
     if moe is None or not any(moe.sparse(i) for i in range(margs.n_layers)):
         return (f"--lora-targets {EXPERTS}: this {margs.model_type} model has no MoE experts; drop {EXPERTS} from "
                 "--lora-targets")
-    if moe.beside or moe.groups:   # (Gemma 4 MoE's, GLM-4.5's: their blocks take no ExpertLoRA yet)
-        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE, Qwen3.5-MoE and GPT-OSS, "
-                f"not yet on this "
-                f"{margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
+    if moe.beside:   # (Gemma 4 MoE's: its blocks take no ExpertLoRA yet)
+        return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 / 4.6 "
+                f"and GPT-OSS, not yet on this {margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
     if not [t for t in targets if t != EXPERTS]:   # (peft wraps our modules and finds no fused parameter to wrap)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts alone is not supported here: name a projection "
                 f"beside it, e.g. --lora-targets attn,{EXPERTS}")

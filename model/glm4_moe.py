@@ -21,10 +21,14 @@ Contract:
   sum, no gate (transformers' Glm4MoeMoE). Per token only: a sequence shard or a tile routes each token as the whole.
 - The checkpoint's multi-token-prediction layers (num_nextn_predict_layers, model.layers.{num_hidden_layers + i}.*),
   which transformers does not load, are never read: the loader reads the tensors the model names only.
-- LoRA: the attention's projections. MLP names are refused (model.moe's expert_targets): peft 0.21 on transformers'
-  model reads gate_proj / up_proj / down_proj as target_parameters on the routed experts' fused parameters and adapts
-  neither the dense blocks' MLPs nor the shared experts (checked on a tiny Glm4MoeForCausalLM), while ours would take
-  LoRA on every expert's Linear; `experts` (model/expert_lora.py) is refused as not yet wired for this block.
+- LoRA: the attention's projections, and with `--lora-targets attn,experts` the routed experts (`experts_lora`,
+  model/expert_lora.py's ExpertLoRA, run by model.moe.dispatch). peft 0.21's `target_parameters=
+  ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]` on transformers 5's Glm4MoeExperts (checked on a tiny
+  Glm4MoeForCausalLM): gate_up_proj [E, 2I, D] (out x in, gate's rows first: forward's chunk(2)), down_proj [E, D, I],
+  not transposed, as Qwen3-MoE's; the adapter's keys "...mlp.experts.base_layer.lora_A.weight" (gate_up_proj's) and
+  "...mlp.experts.lora_A.weight" (down_proj's) in the MoE blocks only; neither the dense blocks' MLPs nor the shared
+  experts adapted (nor here). MLP names are refused (model.moe's expert_targets): peft reads gate_proj / up_proj /
+  down_proj as those target_parameters, while ours would take LoRA on every expert's Linear.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class Glm4MoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, D]
-        out = dispatch(self.experts, flat, *self.gate(flat))
+        out = dispatch(self.experts, flat, *self.gate(flat), getattr(self, "experts_lora", None))
         if self.shared_experts is not None:   # after the routed sum, as transformers adds it
             out = out + self.shared_experts(flat)
         return out.view(x.shape)
