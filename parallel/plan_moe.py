@@ -15,7 +15,7 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
   routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
   experts' frozen projections save no input, nor the sum into the output (index_put_: its index only); LoRA on the
-  experts (`expert_lora`, --lora-targets experts; GPT-OSS's too) keeps per slot its gathered input [D] and SwiGLU
+  experts (`expert_lora`, --lora-targets experts; GPT-OSS's and GLM-4.5's too) keeps per slot its gathered input [D] and SwiGLU
   product [I] (the A's inputs) and the two [r] products (the B's), e·Tk·(D + I + 2r). A shared
   expert: its gate, silu and up outputs (3eTS), its down output and the gate's sigmoid for their product (eT·(D + 1)).
   --tiled-mlp:
@@ -110,7 +110,7 @@ def saved(m, T: int, e: int, r: int = 0) -> float:
     MLP's (--tiled-mlp: none, kept a tile at a time, `unit`). `r`: the experts' LoRA rank (0: none), whose A's keep
     each slot's gathered input [D] and SwiGLU product [I], and B's the two [r] products (e·Tk·(D + I + 2r))."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
-    lora = e * T * k * (D + width + 2 * r) * bool(r)   # (the experts' LoRA: Qwen3-MoE's and GPT-OSS's)
+    lora = e * T * k * (D + width + 2 * r) * bool(r)   # (the experts' LoRA: Qwen3-MoE's, GPT-OSS's, GLM's)
     if m.moe.clamp:   # GPT-OSS (model/gpt_oss.py): softmax over the top k logits in the compute dtype (its output),
         # the top k's int64 indices, the slots' order and tokens; per slot the clamped SwiGLU's six [I]: gate's and up's
         # outputs (the clamps' inputs), the clamped gate, its sigmoid, up + 1 and gate·sigmoid (the product's two
