@@ -3,9 +3,9 @@ GLM-4.5's (model/glm4_moe.py; not its shared experts nor its dense blocks' MLPs)
 peft's `target_parameters` format: what peft 0.21 makes of
 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])` on transformers 5's
 Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM and Glm4MoeForCausalLM (their experts: fused 3-D parameters gate_up_proj
-[E, 2I, D], down_proj [E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x out: its experts'
-`is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets experts` (EXPERTS)
-names it.
+[E, 2I, D], down_proj [E, D, I], out x in) and GptOssForCausalLM (gate_up_proj [E, D, 2I], down_proj [E, I, D], in x
+out: its experts' `is_transposed`, which peft reads), and the adapter format that loads there. `--lora-targets
+experts` (EXPERTS) names it.
 
 Contract:
 - peft's ParamWrapper on a 3-D parameter of E experts, `in` inputs and `out` outputs holds lora_A [E·r, in] (expert
@@ -13,9 +13,9 @@ Contract:
   and adds scaling · B_e A_e to expert e's [out, in] weight (transposed for an in x out parameter; scaling = alpha /
   r, or alpha / sqrt(r) with rslora). `ParamLoRA` holds those two tensors in that layout, so export is a rename.
   gate_up_proj's A is shared by gate and up (one fused parameter); B_e's rows are its outputs': Qwen3-MoE's first I
-  gate's, the rest up's (GLM-4.5's as Qwen3-MoE's); GPT-OSS's alternate, gate's at the even rows (as its fused columns). `ExpertLoRA` (an MoE
-  block's `experts_lora`) holds gate_up_proj's and down_proj's and `run(e, expert, x)` computes expert e on its
-  routed tokens x [n, D] as
+  gate's, the rest up's (GLM-4.5's as Qwen3-MoE's); GPT-OSS's alternate, gate's at the even rows (as its fused
+  columns). `ExpertLoRA` (an MoE block's `experts_lora`) holds gate_up_proj's and down_proj's and `run(e, expert, x)`
+  computes expert e on its routed tokens x [n, D] as
       gate = W_g x + s · B_e[gate's rows] (A_e x),  up = W_u x + s · B_e[up's rows] (A_e x),  h = act(gate, up),
       out = W_d h + s · Bd_e (Ad_e h)
   (biases, GPT-OSS's, in W x; act the expert's own: silu(gate) · up, GPT-OSS's clamped SwiGLU; the same function as
@@ -139,7 +139,8 @@ def refusal(margs, targets, dropout: float = 0.0, dora: bool = False, layers=Non
                 "--lora-targets")
     if moe.beside:   # (Gemma 4 MoE's: its blocks take no ExpertLoRA yet)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts is supported on Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 / 4.6 "
-                f"and GPT-OSS, not yet on this {margs.model_type} model: drop {EXPERTS} from --lora-targets (attn adapts the attention)")
+                f"and GPT-OSS, not yet on this {margs.model_type} model: drop {EXPERTS} from --lora-targets (attn "
+                "adapts the attention)")
     if not [t for t in targets if t != EXPERTS]:   # (peft wraps our modules and finds no fused parameter to wrap)
         return (f"--lora-targets {EXPERTS}: LoRA on the experts alone is not supported here: name a projection "
                 f"beside it, e.g. --lora-targets attn,{EXPERTS}")

@@ -17,8 +17,9 @@ LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_pro
 # Phi-3's fused Linears (model/phi3.py) and the projections each holds the rows of
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ADAPTABLE = LORA_TARGETS + LINEAR_TARGETS + tuple(FUSED)
-# + EXPERTS ("experts"): the routed experts (Qwen3-MoE, Qwen3.5-MoE, GLM-4.5, GPT-OSS), as peft's target_parameters there
-# (model/expert_lora.py); named only, never in a default or a shorthand (peft's all-linear on such a model: MLP names)
+# + EXPERTS ("experts"): the routed experts (Qwen3-MoE, Qwen3.5-MoE, GLM-4.5, GPT-OSS), as peft's target_parameters
+# there (model/expert_lora.py); named only, never in a default or a shorthand (peft's all-linear on such a model: MLP
+# names)
 NAMED = ADAPTABLE + (EXPERTS,)
 # --lora-targets' default: the seven and, on a model with linear layers, their token mixer's big projections (q/k/v,
 # the gate, the output: what the attention's four are to a full layer); in_proj_b / in_proj_a (a few outputs per head,

@@ -11,8 +11,8 @@ the shared experts' width (moe_intermediate_size × n_shared_experts, `m.moe.sha
   slot's gate, silu and up outputs (3e·Tk·I) and its down output with its float32 routing weight ((eD + 4)·Tk: the
   product is float32, rounded after); the shared experts' gate, silu and up outputs (3eTS). tests/test_glm4_moe.py pins
   them against autograd's (float32). LoRA on the routed experts (--lora-targets attn,experts): parallel/plan_moe.saved
-  adds Qwen3-MoE's term, e·Tk·(D + I + 2r) (tests/test_glm4_moe_lora.py pins it); the shared experts take none. The block backward: Qwen3-MoE's terms with the shared experts'
-  (parallel/plan_moe.backward).
+  adds Qwen3-MoE's term, e·Tk·(D + I + 2r) (tests/test_glm4_moe_lora.py pins it); the shared experts take none. The
+  block backward: Qwen3-MoE's terms with the shared experts' (parallel/plan_moe.backward).
 """
 
 from __future__ import annotations

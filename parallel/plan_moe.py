@@ -15,8 +15,8 @@ MoE block, k of them per token, I their width (moe_intermediate_size); Qwen3.5-M
   output and up's output (3e·Tk·I over all experts: each token's k slots), and its down output with the slot's
   routing weight (e·Tk·(D + 1): the weight's gradient reaches the router logits, hence the hidden states); the
   experts' frozen projections save no input, nor the sum into the output (index_put_: its index only); LoRA on the
-  experts (`expert_lora`, --lora-targets experts; GPT-OSS's and GLM-4.5's too) keeps per slot its gathered input [D] and SwiGLU
-  product [I] (the A's inputs) and the two [r] products (the B's), e·Tk·(D + I + 2r). A shared
+  experts (`expert_lora`, --lora-targets experts; GPT-OSS's and GLM-4.5's too) keeps per slot its gathered input [D]
+  and SwiGLU product [I] (the A's inputs) and the two [r] products (the B's), e·Tk·(D + I + 2r). A shared
   expert: its gate, silu and up outputs (3eTS), its down output and the gate's sigmoid for their product (eT·(D + 1)).
   --tiled-mlp:
   the tiles keep only the input, as the dense MLP's; with nf4 its phase holds every expert's weights dequantized

@@ -233,8 +233,8 @@ def test_refusals_name_the_value_and_the_fix(ckpts, tmp_path):
         check_model_flags(train.build_parser().parse_args(["--model", p, "--lora-targets", "attn,experts"]),
                           model.ModelArgs.from_config_dict(json.load(open(os.path.join(p, "config.json")))))
     said = refused(_gemma4_moe(tmp_path), ["--lora-targets", "attn,experts"])
-    assert "supported on Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 / 4.6 and GPT-OSS, not yet on this gemma4_text" in said and "drop experts from --lora-targets" in said, \
-        said
+    assert "supported on Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 / 4.6 and GPT-OSS, not yet on this gemma4_text" in said \
+        and "drop experts from --lora-targets" in said, said
     dense = str(tmp_path / "dense")
     from tests.helpers import tiny_checkpoint
     tiny_checkpoint(dense)
