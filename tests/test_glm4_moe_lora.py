@@ -33,9 +33,9 @@ import torch
 import transformers as T
 
 import model
-from tests.helpers import build_nonzero_b, one_thread, train_argv
+from tests.helpers import one_thread, train_argv
 from tests.test_glm4_moe import ATTN, MTP, SIZES, _hf, _ids, rel, save_checkpoint
-from tests.test_moe_lora import PARAMS, _peft_names
+from tests.test_moe_lora import PARAMS, _ours, assert_grads_match_peft
 
 EXPERTS = (*ATTN, "experts")
 TRAIN = ["--steps", "2", "--lora-targets", "attn,experts"]
@@ -47,42 +47,12 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("glm"), SIZES)
 
 
-def _ours(path, dtype=torch.float64, **mem):
-    from parallel.parallelize import BuildOptions
-
-    ours, peft_model = build_nonzero_b(BuildOptions(path, quant="none", lora_r=4, lora_alpha=8, seed=3, dtype=dtype,
-                                                    lora_targets=EXPERTS, **(dict(ac=False) | mem)), b_std=0.2)
-    for p in ours.parameters():   # (LoRA is float32 by default: float64 throughout where the model is)
-        p.data = p.data.to(dtype)
-    return ours, peft_model
-
-
 @pytest.mark.parametrize("mem", [dict(ac=False), dict(ac=True, tiled_mlp=True)], ids=["plain", "ac_tiled_mlp"])
 def test_lora_grads_match_peft_on_transformers(ckpt, mem):
-    """Loss and every LoRA gradient = peft's ParamWrapper on Glm4MoeExperts' fused parameters holding our tensors."""
-    from peft import LoraConfig, get_peft_model
-
-    ids = _ids(29, 5)
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
-    ours, peft_model = _ours(ckpt, **mem)
-    s, n = ours(ids, labels=labels)
-    (s / n).backward()
-    trained = {k: p for k, p in peft_model.named_parameters() if p.requires_grad}
-    hf = get_peft_model(_hf(ckpt, torch.float64), LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTN),
-                                                             target_parameters=PARAMS, init_lora_weights=False))
-    load = hf.load_state_dict(_peft_names({k: p.detach() for k, p in trained.items()}), strict=False)
-    assert not load.unexpected_keys and not [k for k in load.missing_keys if "lora_" in k], load
-    logits = hf.train()(input_ids=ids).logits.flatten(0, 1)   # [B·S, V]
-    ref = torch.nn.functional.cross_entropy(logits, labels.flatten(), reduction="sum", ignore_index=-100)
-    (ref / n).backward()
-    torch.testing.assert_close(s.detach().double(), ref.detach(), rtol=1e-6, atol=1e-6, msg="loss")
-    theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
-    mine = _peft_names({k: p.grad for k, p in trained.items()})
-    assert theirs.keys() == mine.keys() and len(mine) == KEYS, sorted(set(mine) ^ set(theirs))
-    assert not [k for k in mine if "shared_experts" in k or "layers.0.mlp" in k], "dense MLP / shared experts adapted"
-    for k in mine:
-        assert theirs[k].norm() > 0, f"grad {k} is zero"
-        assert rel(mine[k], theirs[k]) < 1e-6, f"grad {k}: relative difference {rel(mine[k], theirs[k]):.2e}"
+    """Loss and every LoRA gradient = peft's ParamWrapper on Glm4MoeExperts' fused parameters holding our tensors
+    (float64); the trained tensors are peft's: none on the dense block's MLP nor the shared experts."""
+    names = assert_grads_match_peft(ckpt, *_ours(ckpt, **mem), KEYS, 1e-6)
+    assert not [k for k in names if "shared_experts" in k or "layers.0.mlp" in k], "dense MLP / shared experts adapted"
 
 
 def test_adapter_merge_and_init_adapter_as_peft(ckpt, tmp_path):
@@ -203,15 +173,11 @@ def test_train_four_ranks_as_one_and_the_adapter_gives_our_logits_in_peft(tmp_pa
     import train
     from parallel.parallelize import BuildOptions, build_model
     from tests.dist import run_ranks
-    from tests.fixtures import make_chat_jsonl, make_tokenizer
+    from tests.test_glm4_moe_run import make_assets
     from tests.test_train import _compare
 
     d = tmp_path_factory.mktemp("glm_lora_run")
-    assets = {"data": str(d / "chat.jsonl"), "model": str(d / "glm")}
-    make_chat_jsonl(assets["data"], 40, seed=1)
-    tok = make_tokenizer(d / "glm")
-    save_checkpoint(d / "glm", dict(SIZES, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                    eos_token_id=tok.eos_token_id), scale_embeddings=30.0)
+    assets, vocab = make_assets(d)
     with one_thread():
         train.main(train_argv(assets, str(d / "one"), *TRAIN))
     assert run_ranks(_train_four, 4, assets, str(d), timeout=500, pg_timeout=60) == [True] * 4
@@ -227,6 +193,6 @@ def test_train_four_ranks_as_one_and_the_adapter_gives_our_logits_in_peft(tmp_pa
     assert not [str(w.message) for w in caught if "key" in str(w.message).lower()]
     ours, _ = build_model(BuildOptions(assets["model"], quant="none", lora_r=4, lora_alpha=32.0, dtype=torch.float64,
                                        ac=False, lora_targets=EXPERTS, init_adapter=adapter), device="cpu")
-    ids = torch.randint(0, len(tok), (2, 23), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, vocab, (2, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert rel(ours(ids), pm(input_ids=ids).logits) < 1e-6, "the run's adapter in peft"

@@ -34,18 +34,26 @@ def _train(rank, world_size, assets, out):
     return True
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The checkpoint and data, the 1-rank run and the 4-rank one: (assets, root, the 1-rank run's start-up output)."""
-    import train
+def make_assets(d) -> tuple[dict, int]:
+    """The checkpoint (module docstring) beside the fixture tokenizer and chat data in folder `d`: ({"data": path,
+    "model": path}, the vocabulary size)."""
     from tests.fixtures import make_chat_jsonl, make_tokenizer
 
-    d = tmp_path_factory.mktemp("glm_run")
     assets = {"data": str(d / "chat.jsonl"), "model": str(d / "glm")}
     make_chat_jsonl(assets["data"], 40, seed=1)
     tok = make_tokenizer(d / "glm")
     save_checkpoint(d / "glm", dict(SIZES, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                     eos_token_id=tok.eos_token_id), scale_embeddings=30.0)
+    return assets, len(tok)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The checkpoint and data, the 1-rank run and the 4-rank one: (assets, root, the 1-rank run's start-up output)."""
+    import train
+
+    d = tmp_path_factory.mktemp("glm_run")
+    assets, _ = make_assets(d)
     root = str(d / "runs")
     with one_thread():
         train.main(train_argv(assets, os.path.join(root, "plain"), "--quant", "nf4"))

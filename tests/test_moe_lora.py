@@ -157,13 +157,18 @@ def test_exported_adapter_loads_in_peft_with_our_logits(ckpts, tmp_path, name):
 @pytest.mark.parametrize("name", ["renorm", "gpt_oss", "q35"])
 def test_lora_grads_match_peft_on_transformers(ckpts, mem, name):
     """Loss and every LoRA gradient = peft's ParamWrapper on transformers' fused experts holding our tensors."""
+    assert_grads_match_peft(ckpts[name], *_ours(ckpts[name], **mem), KEYS[name], GTOL[name])
+
+
+def assert_grads_match_peft(path, ours, peft_model, keys: int, gtol: float) -> list:
+    """Our loss and every LoRA gradient (`keys` tensors, each within `gtol`) = peft's on transformers' model of `path`
+    holding our tensors (float64); returns the gradients' adapter names."""
     ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
-    ours, peft_model = _ours(ckpts[name], **mem)
     s, n = ours(ids, labels=labels)
     (s / n).backward()
     trained = {k: p for k, p in peft_model.named_parameters() if p.requires_grad}
-    hf = _peft(ckpts[name])
+    hf = _peft(path)
     state = _peft_names({k: p.detach() for k, p in trained.items()})
     assert not hf.load_state_dict(state, strict=False).unexpected_keys
     logits = hf.train()(input_ids=ids).logits.flatten(0, 1)   # [B·S, V]
@@ -173,10 +178,11 @@ def test_lora_grads_match_peft_on_transformers(ckpts, mem, name):
     torch.testing.assert_close(s.detach().double(), ref.detach(), rtol=1e-6, atol=1e-6, msg="loss")
     theirs = {k: p.grad for k, p in hf.named_parameters() if p.requires_grad}
     mine = _peft_names({k: p.grad for k, p in trained.items()})
-    assert theirs.keys() == mine.keys() and len(mine) == KEYS[name], sorted(set(mine) ^ set(theirs))
+    assert theirs.keys() == mine.keys() and len(mine) == keys, sorted(set(mine) ^ set(theirs))
     for k in mine:
         assert theirs[k].norm() > 0, f"grad {k} is zero"
-        assert rel(mine[k], theirs[k]) < GTOL[name], f"grad {k}: relative difference {rel(mine[k], theirs[k]):.2e}"
+        assert rel(mine[k], theirs[k]) < gtol, f"grad {k}: relative difference {rel(mine[k], theirs[k]):.2e}"
+    return list(mine)
 
 
 def test_init_is_deterministic_and_peft_shaped(ckpts):
