@@ -213,11 +213,11 @@ def memory_plan(m, dims, args, target: str, pack: bool) -> Plan:
             e * T * H * m.attn_dims(i)[2] + 4 * T * H) for i in range(lo, N) if not lin(i))
     if 0 < K < L:   # the last K blocks without AC (--ac-blocks): backward frees them before any recompute
         t[f"activations: saved tensors of the last {K} blocks (--ac-blocks {N})"] = sum(saved[N:])
-    # (none kept when the one block that runs backward is block lo, not checkpointed, and its q and k need no grad;
-    # --tiled-attn's tiles keep them where the sublayer's output needs grad)
-    rope = lo < L - 1 or lo < N or norms or emb or not lin(lo) and any(
-        x in tgs(lo) for x in ("q_proj", "k_proj") + ("v_proj", "o_proj") * ta)
-    t["activations: rope cos/sin"] = plan_layers.rope_bytes(m, T, e) * rope   # (R: Qwen3.5's partial RoPE rotates
+    # a table is kept where a block taking it rotates a q or k needing grad: any above lo, block lo's if checkpointed
+    # (the checkpoint holds it) or q_proj or k_proj is adapted there (--tiled-attn's tiles: any of q/k/v/o)
+    rope = lambda i: i > lo or i == lo and (lo < N or norms or emb or any(
+        x in tgs(lo) for x in ("q_proj", "k_proj") + ("v_proj", "o_proj") * ta))
+    t["activations: rope cos/sin"] = plan_layers.rope_bytes(m, T, e, rope)   # (R: Qwen3.5's partial RoPE rotates
     # R < hd dims; Ministral 3: q's own; Gemma: the sliding layers' too, Gemma 4's at their own head size)
     t["FSDP2: 2 unsharded blocks (current + prefetch)"] = 2 * blk
     t["FSDP2: all-gather output + LoRA-grad reduce-scatter (1 block)"] = blk + lora_n * (el + 4)

@@ -106,8 +106,11 @@ def v_norm_saved(m, i: int, T: int, e: int, v_grad: bool) -> int:
     return e * T * K * hd * (not m.shares_kv(i)) + 4 * T * K + 4
 
 
-def rope_bytes(m, T: int, e: int) -> int:
+def rope_bytes(m, T: int, e: int, kept=lambda i: True) -> int:
     """cos and sin (term 4): rotary_dim wide (Ministral 3: q's own beside them), and with local_rope the sliding
-    layers' too, at their own width (Gemma 4: head_dim, the full layers' global_head_dim)."""
-    local = m.local_args().rotary_dim if m.local_rope else 0
-    return 2 * e * T * (m.rotary_dim * (1 + (m.attn_temperature_beta is not None)) + local)
+    layers' too, at their own width (Gemma 4: head_dim, the full layers' global_head_dim); each table where `kept`
+    holds for a layer taking it (model.gemma.SandwichBlock's table; linear layers take none)."""
+    local = lambda i: bool(m.local_rope and m.layer_types and m.layer_types[i] == "sliding_attention")
+    full, loc = (any(kept(i) for i in range(m.n_layers) if local(i) == s and not m.is_linear(i)) for s in (0, 1))
+    return 2 * e * T * (m.rotary_dim * (1 + (m.attn_temperature_beta is not None)) * full
+                        + (m.local_args().rotary_dim if m.local_rope else 0) * loc)

@@ -261,8 +261,9 @@ def test_plan_reads_the_12b_config_and_counts_both_rope_tables():
     assert "gemma3_text" in out.getvalue(), out.getvalue()
 
 
-@pytest.mark.parametrize("flags", [[], ["--tiled-mlp", "--tiled-attn"], ["--train-norms"]],
-                         ids=["plain", "tiled_both", "train_norms"])
+@pytest.mark.parametrize("flags", [[], ["--tiled-mlp", "--tiled-attn"], ["--train-norms"],
+                                   ["--lora-targets", "gate_proj,up_proj,down_proj"], ["--lora-targets", "o_proj"]],
+                         ids=["plain", "tiled_both", "train_norms", "mlp", "o"])
 def test_planned_activations_match_autograd(ckpt, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms (the post norms' inputs and rsqrt, both RoPE
     tables, the q/k norms' inputs) = the bytes autograd keeps for backward in a real forward (unique storages,
@@ -272,7 +273,9 @@ def test_planned_activations_match_autograd(ckpt, flags):
     from tests.helpers import planned_and_saved_activations
 
     opts = dict(tiled_mlp="--tiled-mlp" in flags, tiled_attn="--tiled-attn" in flags,
-                train_norms="--train-norms" in flags)
+                train_norms="--train-norms" in flags,
+                lora_targets=tuple(flags[flags.index("--lora-targets") + 1].split(",")) if "--lora-targets" in flags
+                else BuildOptions.lora_targets)
     ours, _ = build_model(BuildOptions(ckpt, quant="nf4", ac=False, lora_dropout=0.0, **opts), device="cpu")
     for b in ours.model.layers:   # (the CPU kernel keeps a windowed layer's [S, S] mask: not a GPU's, not planned)
         b.self_attn.window = None

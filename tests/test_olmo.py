@@ -255,9 +255,11 @@ def test_plan_reads_the_7b_config():
 
 @pytest.mark.parametrize("name,flags", [("olmo2", []), ("olmo3", []), ("olmo2", ["--tiled-mlp", "--tiled-attn"]),
                                         ("olmo3", ["--train-norms"]), ("olmo2", ["--lora-targets", "k_proj,down_proj"]),
-                                        ("olmo2", ["--lora-targets", "v_proj,o_proj"])],
+                                        ("olmo2", ["--lora-targets", "v_proj,o_proj"]),
+                                        ("olmo2", ["--lora-targets", "o_proj,gate_proj,up_proj"]),
+                                        ("olmo3", ["--lora-targets", "down_proj"])],
                          ids=["olmo2", "olmo3", "olmo2_tiled_both", "olmo3_train_norms", "olmo2_k_down",
-                              "olmo2_v_o"])
+                              "olmo2_v_o", "olmo2_o_gate_up", "olmo3_down"])
 def test_planned_activations_match_autograd(ckpts, name, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms (no pre-norm: q/k/v's and gate/up's LoRA A keep the
     sublayer's input itself; the post norms' inputs and rsqrt; the q/k norms' inputs with one rsqrt a token) = the

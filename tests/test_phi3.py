@@ -302,8 +302,12 @@ def test_train_norms_adapter_loads_in_peft_and_merges(ckpts, tmp_path):
 
 @pytest.mark.parametrize("name,flags", [("mini", []), ("window", ["--tiled-mlp", "--tiled-attn"]),
                                         ("mini", ["--train-norms"]), ("mini", ["--lora-targets", "qkv_proj"]),
-                                        ("window", ["--lora-targets", "qkv_proj,o_proj"])],
-                         ids=["mini", "window_tiled_both", "mini_train_norms", "mini_qkv", "window_qkv_o"])
+                                        ("window", ["--lora-targets", "qkv_proj,o_proj"]),
+                                        ("mini", ["--lora-targets", "gate_up_proj"]),
+                                        ("mini", ["--lora-targets", "o_proj,gate_up_proj"]),
+                                        ("window", ["--lora-targets", "down_proj", "--tiled-attn"])],
+                         ids=["mini", "window_tiled_both", "mini_train_norms", "mini_qkv", "window_qkv_o",
+                              "mini_gate_up", "mini_o_gate_up", "window_down_tiled_attn"])
 def test_planned_activations_match_autograd(ckpts, name, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms (the fused Linears planned as their parts, one LoRA
     pair each) = the bytes autograd keeps for backward in a real forward (unique storages, parameters excluded)."""

@@ -305,7 +305,8 @@ def test_merge_into_the_wrapper_is_what_peft_merges(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora-targets", "k_proj,down_proj"], ["--lora-targets", "q_proj,v_proj"],
-                                   ["--tiled-mlp", "--tiled-attn"]], ids=["all", "k_down", "q_v", "tiled_both"])
+                                   ["--tiled-mlp", "--tiled-attn"], ["--lora-targets", "o_proj,gate_proj,up_proj"]],
+                         ids=["all", "k_down", "q_v", "tiled_both", "o_gate_up"])
 def test_planned_activations_match_autograd(ckpts, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps for backward (unique
     storages, parameters excluded). The gated attention keeps sigmoid(gate) [T, H·Hd] and, for o_proj's LoRA A, the

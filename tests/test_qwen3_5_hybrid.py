@@ -409,8 +409,10 @@ def test_lora_targets_per_model():
 @pytest.mark.parametrize("flags", [[], ["--lora-targets", "all-linear"], ["--lora-targets", "in_proj_b,o_proj"],
                                    ["--lora-targets", "mlp"], ["--lora-targets", "q_proj,v_proj"],
                                    ["--tiled-mlp", "--tiled-attn"], ["--ac", "--ac-blocks", "2"],
-                                   ["--ac", "--ac-blocks", "3", "--lora-targets", "all-linear"]],
-                         ids=["default", "all_linear", "b_o", "mlp", "q_v", "tiled_both", "ac_blocks_2", "ac_blocks_3"])
+                                   ["--ac", "--ac-blocks", "3", "--lora-targets", "all-linear"],
+                                   ["--lora-targets", "down_proj"], ["--lora-targets", "out_proj,up_proj"]],
+                         ids=["default", "all_linear", "b_o", "mlp", "q_v", "tiled_both", "ac_blocks_2", "ac_blocks_3",
+                              "down", "out_up"])
 def test_planned_activations_match_autograd(ckpts, flags):
     """fp32, one process, nf4: the plan's activation terms = the bytes autograd keeps for backward (unique storages,
     parameters excluded), each layer planned as its type: the linear layers' Gated DeltaNet sublayer
