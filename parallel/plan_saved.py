@@ -20,7 +20,9 @@ Notation: parallel/plan.py's. Per block: each RMSNorm keeps its input and rsqrt 
    --tiled-mlp: the MLP keeps only its norm's input (saved
    already), none of its [T, F] tensors or LoRA intermediates, and not that norm's rsqrt (the tiles run the norm,
    parallel/memory.py). Layer 0's first norm saves nothing (the embedding output needs no grad), so q/k/v's LoRA A keeps
-   its output there (eTD, when handed it directly: no cast, no dropout).
+   its output there (eTD, when handed it directly: no cast, no dropout). At block lo only what an adapted projection
+   makes need grad is kept (`frozen_inputs`): no kernel tensors without q/k/v (o_proj's LoRA A keeps out), no MLP norm
+   without o_proj too, silu's and the product's by gate's and up's, no dropout mask on an input needing no grad.
    --tiled-attn: the sublayer keeps its input (the norm's, layer 0's too), k, v, out, lse: no q, rsqrt or LoRA
    intermediate of q/k/v/o (parallel/tiled_attention.py).
    --dora (model/dora.py), per adapted projection of o outputs: the fused path keeps its sum `out` for the
