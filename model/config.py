@@ -45,6 +45,7 @@ class ModelArgs:
     rope_scaling: dict = field(default_factory=dict)   # includes "rope_type"; empty = default
     max_position_embeddings: int = 4096
     tie_embeddings: bool = False
+    pad_token_id: int | None = None   # the embedding's padding_idx, as transformers': that row gets no gradient
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -36,6 +36,10 @@ from model.rope import inv_freq
 from model.rope_read import read_ministral3, read_rope
 from model.wrapper import unwrap
 
+# config classes' pad_token_id where config.json has none (transformers 5's; every other class's is None)
+PAD_DEFAULTS = {"gemma3_text": 0, "gemma4_text": 0, "ministral3": 11, "olmo2": 1, "olmo3": 1, "phi3": 32000,
+                "smollm3": 128004}
+
 
 def read_config(cls, cfg: dict):
     """`cls` (ModelArgs) from config.json's dict `cfg`, as the module docstring says (`ModelArgs.from_config_dict`)."""
@@ -120,6 +124,7 @@ def read_config(cls, cfg: dict):
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "gemma4_text", "smollm3"))),
+        pad_token_id=cfg.get("pad_token_id", PAD_DEFAULTS.get(mt)),
         qkv_bias=attn_bias if flags["qkv_bias"] is None else flags["qkv_bias"],
         o_bias=attn_bias and flags["qkv_bias"] is None,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and flags["mlp_bias"],

@@ -172,7 +172,9 @@ def beside(a: ModelArgs) -> tuple | None:
 class Decoder(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        pad = a.pad_token_id if a.pad_token_id is not None and 0 <= a.pad_token_id < a.vocab_size else None
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim, pad)   # (padding_idx: --train-embeddings never trains
+        # that row, as transformers' embedding and peft's modules_to_save copy of it)
         mlp = lambda i: MoE(a.dim, a.moe) if a.moe and a.moe.sparse(i) else MLP(a)   # (MoE: model/moe.py)
         self.layers = nn.ModuleList(  # (Qwen3.5's linear_attention layers: model/linear_layers.py)
             LinearBlock(a, lambda: _norm(a, a.dim), mlp(i)) if a.is_linear(i) else SandwichBlock(a, i, Attention(a, i),

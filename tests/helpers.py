@@ -10,11 +10,12 @@ import transformers as T
 
 
 def tiny_checkpoint(path, *, heads=6, kv_heads=2, head_dim=8, layers=2, vocab=128, tie=False,
-                    inter=64, seed=0, max_shard_size="60KB"):
-    """A random Qwen2 checkpoint (q/k/v bias) saved sharded by transformers; returns the path."""
+                    inter=64, seed=0, max_shard_size="60KB", pad=None):
+    """A random Qwen2 checkpoint (q/k/v bias; `pad`: its pad_token_id) saved sharded by transformers; returns the
+    path."""
     cfg = T.Qwen2Config(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=inter,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        tie_word_embeddings=tie, max_position_embeddings=4096)
+                        tie_word_embeddings=tie, max_position_embeddings=4096, pad_token_id=pad)
     torch.manual_seed(seed)
     hf = T.AutoModelForCausalLM.from_config(cfg).float()
     hf.save_pretrained(path, max_shard_size=max_shard_size)

@@ -26,7 +26,7 @@ import torch
 
 from tests.helpers import tiny_checkpoint
 
-R, ALPHA = 4, 8.0
+R, ALPHA, PAD = 4, 8.0, 7
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -58,12 +58,18 @@ def ckpts(tmp_path_factory):
         num_key_value_heads=2, head_dim=8, max_position_embeddings=4096)).float().save_pretrained(
         qwen3, max_shard_size="60KB")   # (as _drawn saves it again: the same files, none left over)
     return {"qwen2": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), layers=2)), "qwen3": _drawn(str(qwen3)),
-            "tied": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("tied"), layers=2, tie=True))}
+            "tied": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("tied"), layers=2, tie=True)),
+            # pad_token_id 7, which the batch holds as an input: transformers' embedding (padding_idx) and peft's
+            # modules_to_save copy of it never train that row, nor does --train-embeddings (nor a tied head's row)
+            "pad": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("pad"), layers=2, pad=PAD)),
+            "tied_pad": _drawn(tiny_checkpoint(tmp_path_factory.mktemp("tied_pad"), layers=2, tie=True, pad=PAD))}
 
 
-def _batch(n=19):
+def _batch(n=19, pad=None):
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 128, (2, n), generator=g)
+    if pad is not None:   # (an input whose row a padding_idx keeps untrained)
+        ids[:, [3, 11]] = pad
     return ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1), torch.arange(n).expand(2, n)
 
 
@@ -109,9 +115,11 @@ def _peft_twin(path, quant, ours, layers=None, dora=False, targets=ALL):
 @pytest.mark.parametrize("family,quant,layers,dora,emb", [
     ("qwen2", "none", None, False, False), ("qwen2", "nf4", None, False, False), ("qwen3", "none", None, False, False),
     ("qwen2", "nf4", (1,), False, False), ("qwen3", "nf4", None, True, False), ("qwen2", "nf4", None, False, True),
-    ("qwen3", "none", (0, 1), True, True), ("tied", "nf4", None, False, True), ("tied", "none", (0, 1), True, True)],
+    ("qwen3", "none", (0, 1), True, True), ("tied", "nf4", None, False, True), ("tied", "none", (0, 1), True, True),
+    ("pad", "none", None, False, True), ("tied_pad", "nf4", None, False, True)],
     ids=["plain", "nf4", "qwen3_qk_norms", "lora_layers_1", "qwen3_nf4_dora", "embeddings_nf4",
-         "qwen3_embeddings_dora_layers_0_1", "tied_embeddings_nf4", "tied_embeddings_dora_layers_0_1"])
+         "qwen3_embeddings_dora_layers_0_1", "tied_embeddings_nf4", "tied_embeddings_dora_layers_0_1",
+         "embeddings_pad_row", "tied_embeddings_pad_row"])
 def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant, layers, dora, emb):
     model, _ = _ours(ckpts[family], quant, layers, dora, emb)
     ref, mine, theirs = _peft_twin(ckpts[family], quant, model, None if layers is None else list(layers), dora)
@@ -122,7 +130,7 @@ def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant
     if family == "tied":   # (trained through the head too: peft's ensure_weight_tying ties its head to it)
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert ref.base_model.model.lm_head.modules_to_save["default"].weight is theirs["model.embed_tokens.weight"]
-    ids, labels, pos = _batch()
+    ids, labels, pos = _batch(pad=PAD if "pad" in family else None)
     ours, _ = model(ids, position_ids=pos, labels=labels)
     ours.backward()
     logits = ref(input_ids=ids).logits
@@ -132,6 +140,9 @@ def test_loss_and_every_gradient_equal_peft_modules_to_save(ckpts, family, quant
     for n, p in mine.items():
         assert theirs[n].grad.abs().sum() > 0, n
         torch.testing.assert_close(p.grad, theirs[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad {n}")
+    if "pad" in family:   # (the pad row: no gradient through the lookup; a tied head's row gets the loss')
+        grad = mine["model.embed_tokens.weight"].grad[PAD]
+        assert (grad == 0).all() if family == "pad" else grad.abs().sum() > 0, grad
 
 
 @pytest.mark.parametrize("family,emb", [("qwen2", False), ("qwen3", False), ("qwen2", True), ("tied", True)],
