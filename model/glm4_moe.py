@@ -9,8 +9,10 @@ Contract:
   n_group must divide n_routed_experts into groups of at least 2 (transformers sums each group's best two), topk_group
   <= n_group, and num_experts_per_tok fit in topk_group groups, else ValueError naming the keys.
 - `Router` (`mlp.gate.weight` [E, D] and `mlp.gate.e_score_correction_bias` [E], both frozen, never quantized nor
-  adapted; transformers keeps both float32, here they are held in the compute dtype like every base weight, so in bf16
-  a near tie may choose otherwise): transformers' Glm4MoeTopkRouter (DeepSeek-V3's routing): s = sigmoid(x·Wᵀ) in
+  adapted) holds both in float32 whatever the model's dtype, as transformers' `_keep_in_fp32_modules_strict` does
+  (a cast to bf16 / fp16 stops at float32; float64 stays: references): a bias of order 1 rounded to bf16 would choose
+  other experts than transformers and vLLM for many tokens. `KEEP_FLOAT32` marks the module for parallel/fsdp.py (left
+  out of FSDP2: whole on every rank, never cast by its mixed precision): transformers' Glm4MoeTopkRouter (DeepSeek-V3's routing): s = sigmoid(x·Wᵀ) in
   float32; the correction bias is added for the choice only (indices: no graph): each group scored by the sum of its two
   best s + bias, the topk_group best groups kept, the top k of s + bias among their experts chosen; each chosen
   expert's weight is its s (bias-free), renormalised to sum 1 (+1e-20) with norm_topk_prob, × routed_scaling_factor;
@@ -75,8 +77,23 @@ def glm4_moe_fields(cfg: dict, max_pos: int) -> dict:
                 sliding_window=None, layer_types=None)
 
 
+def router_names(args) -> tuple:
+    """The suffixes of the tensors `Router` holds in float32 where `args` is a glm4_moe model's, else ()."""
+    return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias") if args.moe and args.moe.groups else ()
+
+
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 class Router(nn.Module):
     """transformers' Glm4MoeTopkRouter (module docstring): (weights [T, k] float32, experts [T, k]) of x [T, D]."""
+
+    KEEP_FLOAT32 = True   # (module docstring: parallel/fsdp.py leaves its tensors out of FSDP2)
+
+    def _apply(self, fn, recurse=True):
+        # .to(bf16), .half(): the router stays float32 as transformers keeps it; moves and to_empty as any module's
+        return super()._apply(lambda t: _at_least_float32(fn(t)), recurse)
 
     def __init__(self, dim: int, spec: MoESpec):
         super().__init__()

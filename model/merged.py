@@ -12,7 +12,8 @@ Contract:
   quantization_config leaves the merged config.json; GPT-OSS's MXFP4 experts are written as their dequantized BF16
   form, gate_up_proj and down_proj: model/gpt_oss.py). A `--train-norms` adapter's norm weights (peft's
   modules_to_save) replace the base's; so does a `--train-embeddings` one's embedding (a tied model's head with
-  it, where its checkpoint stores one).
+  it, where its checkpoint stores one). GLM-4.5's router tensors are written in their stored dtype where finer than
+  `dtype` (float32 as transformers loads them and training held them, model/glm4_moe.py).
 - The --out folder's lock, the staging folder the files are written into first and what they replace there:
   model/merge_out.py.
 """
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 
 from model.adapter_read import saves_trained, tied_head, untied_embedding
 from model.expert_lora import per_expert
+from model.glm4_moe import router_names
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
@@ -220,6 +222,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             f"tensors in {len(files)} files" + (f"; the base's MXFP4 experts ({len(reader.mxfp4)} fused tensors) are "
                                                  f"written dequantized, the BF16 form transformers loads, in {dtype}"
                                                  if reader.mxfp4 else ""))
+    as_stored = router_names(read_args(base_path))   # (GLM-4.5's router: float32 as stored, model/glm4_moe.py)
     stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
     weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
     for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):
@@ -246,7 +249,8 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
                 else:
                     fused.view(-1)[first:first + w.numel()] = w.reshape(-1)
             else:
-                out[stored.get(name, name)] = w.to(dtype).contiguous()
+                out[stored.get(name, name)] = w.to(torch.promote_types(dtype, reader.meta[name][0]) if name.endswith(
+                    as_stored) else dtype).contiguous()
             del w
         base_name = os.path.basename(fn)
         save_file(out, os.path.join(out_dir, base_name), metadata={"format": "pt"})

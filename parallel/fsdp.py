@@ -12,6 +12,10 @@ Contract:
   own gradient division is switched off (divide factor 1, sum-only reductions, which gloo also supports): the loss
   is already divided by the global target count, so the reduced gradients equal one process's gradient on the
   global batch.
+- A block module marked `KEEP_FLOAT32` (GLM-4.5's router, model/glm4_moe.py: float32 as transformers holds it) is
+  left out of its block's FSDP2 unit (`ignored_params`): plain float32 tensors whole on every rank (GLM-4.5-Air: 46
+  blocks of [128, 4096] + [128], 96 MB), which no MixedPrecisionPolicy casts to the compute dtype for forward;
+  materialised by the model's to_empty and filled whole by the loader, as the root's.
 - Weights are streamed after `fully_shard` by `model.weights.load_weights` (the one loading path,
   also `model.from_pretrained`'s): each rank reads only its shard of every tensor.
 - `clip_grad_norm_(params, max_norm)` returns the true global norm over all shards and ranks.
@@ -28,8 +32,9 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy | None = None):
     kw = dict(mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
     blocks = list(model.model.layers)
     for i, block in enumerate(blocks):
+        fp32 = {p for m in block.modules() if getattr(m, "KEEP_FLOAT32", False) for p in m.parameters()}
         # The last block is needed again right away by backward: keep it unsharded after forward.
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, ignored_params=fp32 or None, **kw)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     frozen = {p for p in model.parameters() if id(p) not in in_blocks and not p.requires_grad}
     # the root: embeddings, final norm and lm_head (their frozen weights whole on every rank); the loss runs

@@ -1,9 +1,10 @@
 """The memory plan's terms for GLM-4.5 / 4.6's MoE blocks (model/glm4_moe.py), in parallel/plan_moe.py's notation, S
 the shared experts' width (moe_intermediate_size × n_shared_experts, `m.moe.shared`).
 
-- Weights: the routed experts' Linears as Qwen3-MoE's, the router [E, D] beside them (its correction bias [E] with the
-  norms), and the shared experts' three Linears ([S, D], [S, D], [D, S]; NF4 as the experts), in place of the dense
-  MLP's (`shared_shapes`).
+- Weights: the routed experts' Linears as Qwen3-MoE's and the shared experts' three Linears ([S, D], [S, D], [D, S];
+  NF4 as the experts), in place of the dense MLP's (`shared_shapes`); the router [E, D] and its correction bias [E]
+  in float32 (a float64 model's: float64), whole on every rank, outside FSDP2 (model/glm4_moe.py, parallel/fsdp.py):
+  `routers(m, e)`, a term of its own, in no block's all-gather.
 - Activations, `saved(m, T, e)`: the router's float32 sigmoid output [T, E] (4TE; the choice, indices only, runs
   without a graph), the gather's int64 indices (8Tk), with
   norm_topk_prob the division's float32 top k and sum (4Tk + 4T), and in a compute dtype below float32 the router
@@ -22,6 +23,12 @@ def shared_shapes(m) -> list:
     """The shared experts' frozen Linears (out, in): gate_proj, up_proj, down_proj of width S."""
     S, D = m.moe.shared, m.dim
     return [(S, D), (S, D), (D, S)] if S else []
+
+
+def routers(m, e: int) -> int:
+    """Bytes of every MoE block's router weight [E, D] and correction bias [E] on each rank (float32, or e if larger)."""
+    sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
+    return sparse * m.moe.experts * (m.dim + 1) * max(e, 4)
 
 
 def saved(m, T: int, e: int) -> float:

@@ -66,18 +66,17 @@ def kinds(m, shapes: dict) -> list[tuple[int, list, int]]:
                                                                       else glm4.shared_shapes(m))   # (+ its gate)
     keep = lambda t: t not in MLP or m.moe.shared and not m.moe.groups or m.moe.beside   # (the shared expert: F, the
     # MLP's shapes; Gemma 4's dense MLP beside the experts; GLM-4.5's shared experts: their own, parallel/plan_glm4)
-    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),
-                        (sparse, [s for t, s in shapes.items() if keep(t)] + experts, m.moe.experts)) if k[0]]
+    return [k for k in ((m.n_layers - sparse, list(shapes.values()), 0),   # (GLM-4.5's router: outside FSDP2, 0 rows)
+                        (sparse, [s for t, s in shapes.items() if keep(t)] + experts, 0 if m.moe.groups
+                         else m.moe.experts)) if k[0]]
 
 
 def extras(m) -> list:
     """GPT-OSS's MoE block's frozen tensors beside its Linears and router weight, (dim 0, elements) in the compute
     dtype, never quantized: the experts' biases [E, 2I] and [E, D], the router's bias [E], the attention sinks [H]."""
-    if m.moe is None or not (m.moe.clamp or m.moe.groups):
+    if m.moe is None or not m.moe.clamp:   # (GLM-4.5's router and its correction bias: parallel/plan_glm4.routers)
         return []
     E = m.moe.experts
-    if m.moe.groups:   # (GLM-4.5's router's correction bias [E])
-        return [(E, E)]
     return [(E, E * 2 * m.moe.width), (E, E * m.dim), (E, E), (m.n_heads, m.n_heads)]
 
 

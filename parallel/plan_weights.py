@@ -9,6 +9,7 @@ frozen Linears, never-quantized parameters and LoRA targets; FSDP2's unsharded b
    one uint8 absmax per 64 weights (a parameter, [ceil(n/64/e), 1] elements sharded and all-gathered with the
    codes, term 5) and one fp32 absmax per 256 of those, 16 + 256 fp32 code-book entries and an fp32 offset on
    the module on every rank. none: n·e / W. Never quantized: block norms, biases: e bytes per element / W.
+   GLM-4.5's routers: float32 whole on every rank, a term of their own (parallel/plan_glm4.routers).
 2. root. embed_tokens, final norm, lm_head: frozen, outside FSDP2 (parallel/fsdp.py), (V·D·(2, or 1 tied) + D)·e.
 3. LoRA: A [r, in] and B [out, r] per target in fp32: parameter, gradient, AdamW's two: 16 bytes per element / W.
    --dora: + the magnitude [out] per target, alike (sharded, unsharded and reduce-scattered with A and B).
@@ -29,6 +30,7 @@ frozen Linears, never-quantized parameters and LoRA targets; FSDP2's unsharded b
 
 from __future__ import annotations
 
+from parallel import plan_glm4
 from parallel.plan_totals import with_reference
 
 _pad = lambda n, w: -(-n // w) * w   # n rounded up to a multiple of w (FSDP2 pads dim 0 to the shard count)
@@ -63,7 +65,10 @@ def weight_terms(t: dict, *, m, args, D, V, L, W, e, el, nf4, kinds, base, loras
     if emb:   # the root all-gathers it for the step (in LoRA's dtype: FSDP2's param dtype), keeps the float32 shard
         t[f"input embedding (trained): unsharded for the step, fp32 shard + grad + AdamW m, v (1/{W})"] = \
             V * D * el + 4 * 4 * shard([(V, V * D)])
-    t[f"block norms, biases{', routers' * moe}{', linear_attn conv etc.' * bool(m.linear)} shard (1/{W})"] = (
+    glm = moe and bool(m.moe.groups)   # (GLM-4.5's routers: float32 whole on every rank, parallel/plan_glm4.routers)
+    if glm:
+        t["routers (float32, whole on every rank)"] = plan_glm4.routers(m, e)
+    t[f"block norms, biases{', routers' * (moe and not glm)}{', linear_attn conv etc.' * bool(m.linear)} shard (1/{W})"] = (
         L * shard(base) + sum(c * shard(x) for c, _, x, _ in kinds)) * e
     A = len(adapted)
     of = f"{A} of {L} blocks" if A < L else f"{L} blocks"
