@@ -115,6 +115,7 @@ def _fsdp(rank, world_size, path):
     whole; the choice and the loss = one process's; the plan's router term = the bytes held on this rank."""
     import train
     from model.glm4_moe import Router
+    from model.nf4 import NF4Linear
     from parallel.mesh import ParallelDims, kv_heads, validate
     from parallel.parallelize import BuildOptions, build_model
     from parallel.plan import memory_plan
@@ -134,6 +135,10 @@ def _fsdp(rank, world_size, path):
                 assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, f"{what} block {i} {n}: {type(p)}"
                 assert torch.equal(p, want), f"{what} block {i} {n}: whole, as one process's"
                 held += p.numel() * p.element_size()
+        # (before forward: the last block stays unsharded after it; rank 0 holds ceil(rows / W) rows, the plan's)
+        nf4 = {f"{n}.{w}" for n, mod in m.named_modules() if isinstance(mod, NF4Linear) for w in ("weight", "absmax")}
+        rest = sum(p.to_local().numel() * p.element_size() for n, p in m.named_parameters()
+                   if n.startswith("model.layers.") and "lora_" not in n and n not in nf4 and ".gate." not in n)
         with torch.no_grad():
             s1, n1 = one(ids, labels=labels)
             s, n = m(ids, labels=labels)
@@ -147,6 +152,8 @@ def _fsdp(rank, world_size, path):
         terms = memory_plan(m.args, d, args, "cpu", pack).terms
         assert terms["routers (float32, whole on every rank)"] == held, (what, terms, held)
         assert not any("routers" in k for k in terms if k.startswith("block norms")), f"{what}: counted once"
+        if quant == "nf4" and rank == 0:
+            assert next(v for k, v in terms.items() if k.startswith("block norms, biases")) == rest, (terms, rest)
     return True
 
 
