@@ -17,7 +17,7 @@ partial RoPE 0.5; router weights drawn large and a non-zero correction bias; nor
   accepted; the adapter loads in peft with our logits and `python -m model.merge` = peft's merge_and_unload
   (transformers loads it);
 - planned saved bytes (parallel/plan_glm4.py) = autograd's, untiled and --tiled-mlp; the plan's frozen block tensors
-  = the model's; nf4 on the experts and shared experts, the router unquantized;
+  and routers = the model's (bf16 and FSDP2: tests/test_glm4_router_fp32.py); nf4 on the experts and shared experts, the router unquantized;
 - one process = cp 2 Ulysses = cp 2 ring (+ tiled MLP) (2 ranks, gloo): loss and every LoRA gradient on every rank.
 
 Run: .venv/bin/python -m pytest -q tests/test_glm4_moe.py
@@ -230,7 +230,7 @@ def test_plan_matches_autograd_and_the_parameters(ckpt, flags):
     """No AC, fp32, one process, nf4: the plan's activation terms (parallel/plan_glm4.saved: the float32 sigmoid, the
     gather's indices, the renormalisation, the experts' and shared experts' intermediates, the float32 routing weights'
     products) = the bytes autograd keeps for backward; its 'block norms, biases, routers' term = the model's frozen
-    parameters there (the norms, the q/k/v biases, the routers and their correction biases)."""
+    parameters there (the norms, the q/k/v biases), its routers term the routers' and their correction biases'."""
     import train
     from model.nf4 import NF4Linear
     from parallel.mesh import validate
@@ -250,11 +250,13 @@ def test_plan_matches_autograd_and_the_parameters(ckpt, flags):
     planned, saved, terms = planned_and_saved_activations(ours, args)
     assert planned == saved, (planned, saved, terms)
     quantized = {f"{n}.{w}" for n, m in ours.named_modules() if isinstance(m, NF4Linear) for w in ("weight", "absmax")}
-    frozen = sum(p.numel() * 4 for n, p in ours.named_parameters() if n.startswith("model.layers.")
-                 and "lora_" not in n and n not in quantized)
+    frozen = {n: p.numel() * 4 for n, p in ours.named_parameters() if n.startswith("model.layers.")
+              and "lora_" not in n and n not in quantized}
+    routers = sum(v for n, v in frozen.items() if ".mlp.gate." in n)
     dims, pack = validate(args, ours.args, 1)
     plan = memory_plan(ours.args, dims, args, "cpu", pack).terms
-    assert next(v for k, v in plan.items() if k.startswith("block norms, biases, routers")) == frozen, (plan, frozen)
+    assert next(v for k, v in plan.items() if k.startswith("block norms, biases")) == sum(frozen.values()) - routers
+    assert plan["routers (float32, whole on every rank)"] == routers == 2 * (8 * 48 + 8) * 4, (plan, routers)
 
 
 @pytest.mark.timeout(300)
