@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 
 from model.adapter_read import saves_trained, tied_head, untied_embedding
 from model.expert_lora import per_expert
-from model.glm4_moe import router_names
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
+from model.glm4_moe import router_names
 from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight

@@ -26,7 +26,7 @@ def shared_shapes(m) -> list:
 
 
 def routers(m, e: int) -> int:
-    """Bytes of every MoE block's router weight [E, D] and correction bias [E] on each rank (float32, or e if larger)."""
+    """Bytes of every MoE block's router weight [E, D] and correction bias [E] per rank (float32, or e if finer)."""
     sparse = sum(m.moe.sparse(i) for i in range(m.n_layers))
     return sparse * m.moe.experts * (m.dim + 1) * max(e, 4)
 

@@ -68,7 +68,8 @@ def weight_terms(t: dict, *, m, args, D, V, L, W, e, el, nf4, kinds, base, loras
     glm = moe and bool(m.moe.groups)   # (GLM-4.5's routers: float32 whole on every rank, parallel/plan_glm4.routers)
     if glm:
         t["routers (float32, whole on every rank)"] = plan_glm4.routers(m, e)
-    t[f"block norms, biases{', routers' * (moe and not glm)}{', linear_attn conv etc.' * bool(m.linear)} shard (1/{W})"] = (
+    rt = ", routers" * (moe and not glm)
+    t[f"block norms, biases{rt}{', linear_attn conv etc.' * bool(m.linear)} shard (1/{W})"] = (
         L * shard(base) + sum(c * shard(x) for c, _, x, _ in kinds)) * e
     A = len(adapted)
     of = f"{A} of {L} blocks" if A < L else f"{L} blocks"

@@ -17,7 +17,8 @@ partial RoPE 0.5; router weights drawn large and a non-zero correction bias; nor
   accepted; the adapter loads in peft with our logits and `python -m model.merge` = peft's merge_and_unload
   (transformers loads it);
 - planned saved bytes (parallel/plan_glm4.py) = autograd's, untiled and --tiled-mlp; the plan's frozen block tensors
-  and routers = the model's (bf16 and FSDP2: tests/test_glm4_router_fp32.py); nf4 on the experts and shared experts, the router unquantized;
+  and routers = the model's (bf16 and FSDP2: tests/test_glm4_router_fp32.py); nf4 on the experts and shared experts,
+  the router unquantized;
 - one process = cp 2 Ulysses = cp 2 ring (+ tiled MLP) (2 ranks, gloo): loss and every LoRA gradient on every rank.
 
 Run: .venv/bin/python -m pytest -q tests/test_glm4_moe.py
