@@ -13,10 +13,11 @@ Contract:
   (a cast to bf16 / fp16 stops at float32; float64 stays: references): a bias of order 1 rounded to bf16 would choose
   other experts than transformers and vLLM for many tokens. `KEEP_FLOAT32` marks the module for parallel/fsdp.py (left
   out of FSDP2: whole on every rank, never cast by its mixed precision). It is transformers' Glm4MoeTopkRouter
-  (DeepSeek-V3's routing): s = sigmoid(x·Wᵀ) in float32; the correction bias is added for the choice only (indices: no graph): each group scored by the sum of its two
-  best s + bias, the topk_group best groups kept, the top k of s + bias among their experts chosen; each chosen
-  expert's weight is its s (bias-free), renormalised to sum 1 (+1e-20) with norm_topk_prob, × routed_scaling_factor;
-  the weights stay float32 (model.moe.dispatch rounds each weighted output to the compute dtype, as transformers).
+  (DeepSeek-V3's routing): s = sigmoid(x·Wᵀ) in float32; the correction bias is added for the choice only (indices:
+  no graph): each group scored by the sum of its two best s + bias, the topk_group best groups kept, the top k of
+  s + bias among their experts chosen; each chosen expert's weight is its s (bias-free), renormalised to sum 1
+  (+1e-20) with norm_topk_prob, × routed_scaling_factor; the weights stay float32 (model.moe.dispatch rounds each
+  weighted output to the compute dtype, as transformers).
 - `Glm4MoE`: the router `gate`, the routed `experts` (model.moe.Expert SwiGLUs of moe_intermediate_size, stored per
   expert as the Hub's checkpoints and transformers 5's save_pretrained store them: `mlp.experts.{e}.gate_proj.weight`)
   and `shared_experts`, one SwiGLU of moe_intermediate_size × n_shared_experts on every token, added after the routed
