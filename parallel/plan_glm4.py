@@ -7,8 +7,8 @@ the shared experts' width (moe_intermediate_size × n_shared_experts, `m.moe.sha
   `routers(m, e)`, a term of its own, in no block's all-gather.
 - Activations, `saved(m, T, e)`: the router's float32 sigmoid output [T, E] (4TE; the choice, indices only, runs
   without a graph), the gather's int64 indices (8Tk), with
-  norm_topk_prob the division's float32 top k and sum (4Tk + 4T), and in a compute dtype below float32 the router
-  weight's float32 copy [E, D] (4ED; not pinned: the test runs float32); the slots' order and tokens (16Tk), each
+  norm_topk_prob the division's float32 top k and sum (4Tk + 4T) (the router's weight is float32 in any dtype: no
+  copy; tests/test_glm4_router_fp32.py checks bf16's); the slots' order and tokens (16Tk), each
   slot's gate, silu and up outputs (3e·Tk·I) and its down output with its float32 routing weight ((eD + 4)·Tk: the
   product is float32, rounded after); the shared experts' gate, silu and up outputs (3eTS). tests/test_glm4_moe.py pins
   them against autograd's (float32). LoRA on the routed experts (--lora-targets attn,experts): parallel/plan_moe.saved
@@ -34,5 +34,5 @@ def routers(m, e: int) -> int:
 def saved(m, T: int, e: int) -> float:
     """Bytes autograd keeps of one GLM-4.5 MoE block (untiled) beyond its input (module docstring)."""
     E, k, width, D, S = m.moe.experts, m.moe.top_k, m.moe.width, m.dim, m.moe.shared
-    router = 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk + 4 * E * D * (e < 4)
+    router = 4 * T * E + 8 * T * k + (4 * T * k + 4 * T) * m.moe.norm_topk   # (its float32 weight: no copy)
     return router + 16 * T * k + 3 * e * T * k * width + (e * D + 4) * T * k + 3 * e * T * S
