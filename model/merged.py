@@ -222,7 +222,9 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             f"tensors in {len(files)} files" + (f"; the base's MXFP4 experts ({len(reader.mxfp4)} fused tensors) are "
                                                  f"written dequantized, the BF16 form transformers loads, in {dtype}"
                                                  if reader.mxfp4 else ""))
-    as_stored = router_names(read_args(base_path))   # (GLM-4.5's router: float32 as stored, model/glm4_moe.py)
+    with open(cfg_path) as f:   # GLM-4.5's router: float32 as stored (model/glm4_moe.py); its config read for it alone
+        glm = json.load(f).get("model_type") == "glm4_moe"   # (read_args refuses configs the merge takes: rope_scaling
+    as_stored = router_names(read_args(base_path)) if glm else ()   # beside rope_parameters, test_rope_scaling)
     stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
     weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
     for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):

@@ -146,14 +146,6 @@ def test_granite_eval_loss_and_accuracy_are_transformers_with_the_saved_adapter(
 # ----------------------------------------------------------------------------- DPO, saved tensors, merge, compile
 
 
-def _no_padding_idx(hf):
-    """transformers' embedding leaves its pad_token_id's row untrained; ours trains every row the batch holds
-    (training's padding, at rows' ends, gets none): the pad id is in these random rows."""
-    for m in hf.modules():
-        if isinstance(m, torch.nn.Embedding):
-            m.padding_idx = None
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [dict(ac=True), dict(ac=False), dict(ac=True, compile=True, tiled_mlp=True,
                                                                        tiled_attn=True)],
@@ -166,7 +158,6 @@ def test_granites_in_place_logits_scale_touches_nothing_autograd_saved(assets, m
 
     model, _ = _ours(assets["granite"], emb=True, **mode)
     ref, mine, theirs = _peft_twin(assets["granite"], "none", model)
-    _no_padding_idx(ref)
     assert model.lm_head.weight is model.model.embed_tokens.weight and "model.norm.weight" in mine
     out, saved = [], []
     model.model.norm.register_forward_hook(lambda m, i, o: out.append(o))
@@ -205,7 +196,6 @@ def test_granite_dpo_with_trained_norms_equals_the_formula_on_transformers(asset
     model, _ = _ours(path)
     model.attention = KernelAttention()
     ref_model, mine, theirs = _peft_twin(path, "none", model)
-    _no_padding_idx(ref_model)
     g = torch.Generator().manual_seed(3)
     made = [_pair(g, 19, 13, 6), _pair(g, 9, 22, 4)]
     b = collate([m[0] for m in made], True, 1, 0, sides=True)
