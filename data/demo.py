@@ -177,15 +177,21 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
+def _corpus_and_tokenizer():
+    """The pretraining texts and chats of the docstring corpus, and the BPE trained on them."""
+    corpus = docstring_corpus()
+    texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
+    return texts, chats, build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)
+
+
 def demo_tokenizer(out_dir: str | Path) -> Path:
     """The demo's tokenizer alone, for bench/: `out_dir` once it holds one, else built there from the corpus (~2 s of a
     core; the same BPE as the assets', without the pretraining that make_demo's model costs)."""
     out = Path(out_dir)
     if not (out / "tokenizer.json").is_file():
-        corpus = docstring_corpus()
-        texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
-        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out.parent if out.parent.is_dir() else None))
-        build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048).save_pretrained(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out.parent))
+        _corpus_and_tokenizer()[2].save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.replace(out)   # (whole or not at all)
     return out
@@ -203,10 +209,8 @@ def _build(out: Path, pretrain_steps: int, log) -> dict:
     if log:
         log("building: docstring corpus, tokenizer, then pretraining the base (once; cached)")
 
-    corpus = docstring_corpus()
-    texts, chats = pretrain_texts(corpus), pretrain_chats(corpus)
-    tokenizer = build_tokenizer(texts + [m["content"] for c in chats for m in c], vocab_size=2048)   # (as
-    tokenizer.save_pretrained(out / "model")   # demo_tokenizer's)
+    texts, chats, tokenizer = _corpus_and_tokenizer()
+    tokenizer.save_pretrained(out / "model")
     train, held_out = task_records()
     _write_jsonl(out / "corpus.jsonl", [{"text": t} for t in texts] + [{"messages": c} for c in chats])
     _write_jsonl(out / "train.jsonl", train)

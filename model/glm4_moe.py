@@ -78,9 +78,7 @@ def glm4_moe_fields(cfg: dict, max_pos: int) -> dict:
                 sliding_window=None, layer_types=None)
 
 
-def router_names(args) -> tuple:
-    """The suffixes of the tensors `Router` holds in float32 where `args` is a glm4_moe model's, else ()."""
-    return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias") if args.moe and args.moe.groups else ()
+ROUTER_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")   # (name suffixes: what `Router` holds)
 
 
 def _at_least_float32(t: torch.Tensor) -> torch.Tensor:

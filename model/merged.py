@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from model.adapter_read import saves_trained, tied_head, untied_embedding
 from model.expert_lora import per_expert
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
-from model.glm4_moe import router_names
+from model.glm4_moe import ROUTER_TENSORS
 from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight
@@ -222,9 +222,8 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             f"tensors in {len(files)} files" + (f"; the base's MXFP4 experts ({len(reader.mxfp4)} fused tensors) are "
                                                  f"written dequantized, the BF16 form transformers loads, in {dtype}"
                                                  if reader.mxfp4 else ""))
-    with open(cfg_path) as f:   # GLM-4.5's router: float32 as stored (model/glm4_moe.py); its config read for it alone
-        glm = json.load(f).get("model_type") == "glm4_moe"   # (read_args refuses configs the merge takes: rope_scaling
-    as_stored = router_names(read_args(base_path)) if glm else ()   # beside rope_parameters, test_rope_scaling)
+    with open(cfg_path) as f:   # GLM-4.5's router: float32 as stored (model/glm4_moe.py)
+        as_stored = ROUTER_TENSORS if json.load(f).get("model_type") == "glm4_moe" else ()
     stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
     weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
     for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):
