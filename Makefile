@@ -28,9 +28,11 @@ install-gpu: install
 
 # Two pytest workers, each taking whole test files (a file's module fixtures, e.g. test_train's 4-rank runs, are built
 # once): most tests keep one core busy, so on 2 cores the suite takes about half the time (2026-12-03: 552 s vs
-# 807-1010 s serial). TEST_WORKERS=0 runs it in this process, one test at a time.
+# 807-1010 s serial). The costliest files first (tests/conftest.py's COSTLIEST_FIRST; --no-loadscope-reorder keeps that
+# order), so neither worker is left alone on a long file at the end. TEST_WORKERS=0 runs it in this process, one test
+# at a time.
 TEST_WORKERS ?= 2
-PYTEST_N = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST_N = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_N) tests --ignore=tests/gpu
