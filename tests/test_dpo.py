@@ -8,23 +8,27 @@ Pins:
   peft's LoRA, each sequence alone, log-probabilities from `log_softmax`, the reference from peft's own
   `disable_adapter()` or a second peft model holding the reference adapter: the losses and every LoRA gradient;
   so too label-smoothed DPO, IPO + RPO (also with the adapter reference), hinge, SimPO and ORPO against each
-  paper's formula (`_formula`), and on train.py IPO + RPO (cp 2 × dp 2 ring), SimPO (cp 2 × dp 2 Ulysses, 2 pairs a
-  micro-batch) and ORPO (cp 4 ring) 4 ranks = 1 rank;
+  paper's formula (`_formula`), and on train.py IPO + RPO (cp 2 × dp 2 ring) and SimPO (cp 2 × dp 2 Ulysses), 2 pairs
+  a micro-batch, and ORPO (cp 4 ring, 4 pairs a micro-batch) 4 ranks = 1 rank;
 - a pair record's two sides are the samples its sides give as records of their own (prompt/completion, chat,
   text), side by side, but for a long prompt, cut once for both (the longer side's count); a pair with a side left
   without a target is dropped whole and counted once, one whose sides are the same tokens as tied; a token merging
   the prompt's end with one answer's start makes both sides' targets start there (TRL's prompt_len); `collate`
   restarts positions at the split and marks the sides;
-- train.py: 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
+- train.py (runs of 2 steps against 1-rank runs of 2, where nothing resumes from them and their reference is not
+  resumed from: step 2 already runs after an update; the others 3): 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, 1 pair a
+  micro-batch; ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
   --micro-batch auto, the tiled MLP and offload; an eval of the first 10 pairs each step) in losses, grad norms, reward
   accuracy and margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split
-  2 (rotating shares of pairs, whole pairs held out) likewise; on 1 rank, --ac-keep-attn (2 pairs a micro-batch) and
-  --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload and --ac-blocks 1 train as the plain run;
-  a resume from step 2 = the uninterrupted step 3; step 1's loss is log 2 (the policy is the reference);
+  2 (rotating shares of pairs, whole pairs held out; 2 pairs a micro-batch on 4 ranks) likewise; on 1 rank,
+  --ac-keep-attn (2 pairs a micro-batch) and --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload
+  and --ac-blocks 1 train as the plain run; a resume from step 2 (of 3) = the uninterrupted step 3; step 1's loss is
+  log 2 (the policy is the reference);
 - DPO from --init-adapter (an adapter that prefers the chosen sides): that adapter is the reference, so step 1 is
   log 2 (fp32; bf16 without mixed precision, 4-bit and plain layers) and later steps fall; 4 ranks (cp 2 × dp 2 ring,
-  tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the adapter, with other bytes,
-  or with one for a run whose reference was the base; config.json's dpo_reference; the plan adds the adapter;
+  2 pairs a micro-batch, tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the
+  adapter, with other bytes, or with one for a run whose reference was the base; config.json's dpo_reference; the
+  plan adds the adapter;
 - start-up refusals name the fix: pairs without --objective dpo, other records with it, a missing adapter, LOSS_FN,
   --dpo-beta 0, DPO's flags without it, label smoothing out of range or beside another loss, a negative RPO alpha
   (or any beside ORPO),
@@ -51,22 +55,25 @@ from tests.helpers import build_nonzero_b, one_thread, startup_error, tiny_check
 from tests.test_train import _adapter, _compare, _metrics
 
 DPO = ["--objective", "dpo", "--dpo-beta", "0.5"]
-FOUR = {"dpo_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--eval-every", "1"],
+# Runs nothing resumes from stop after step 2 (which already runs after an optimizer update: a 3rd step repeats its
+# code), against 1-rank runs of 2 steps too (dpo_2 for the plain run)
+TWO = ["--steps", "2"]
+FOUR = {"dpo_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--eval-every", "1", *TWO],
         "dpo_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2",
-                                 "--eval-every", "1"],
-        "dpo_dp4_no_pack_mb2": ["--dp-shard", "4", "--no-pack", "--micro-batch", "2", "--eval-every", "1"],
+                                 "--eval-every", "1", *TWO],
+        "dpo_dp4_no_pack_mb2": ["--dp-shard", "4", "--no-pack", "--micro-batch", "2", "--eval-every", "1", *TWO],
         "dpo_cp4_ring_mb_auto": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "auto", "--eval-every", "1",
-                                 "--tiled-mlp", "--offload-activations"]}
+                                 "--tiled-mlp", "--offload-activations", *TWO]}
 # The adapter after 3 AdamW steps within 5e-3 of the 1-rank one's (relative norm; losses and grad norms as tightly as
 # test_train's): DPO's chosen and rejected push a shared prompt's activations in opposite directions, so a few LoRA
 # gradient elements are near-cancelling sums, a few times AdamW's eps after clipping, whose float noise (their sums'
 # order differs by layout) moves their update by ~1% (layer 0's gate_proj B here: 7e-4 of its norm)
 ADAPTER_RTOL = 5e-3
-FILES = ["--data-weights", "1", "0.5", "--eval-split", "2", "--eval-every", "1"]
+FILES = ["--data-weights", "1", "0.5", "--eval-split", "2", "--eval-every", "1", *TWO]
 # memory flags on 1 rank (the reference's no_grad forward beside AC's caches and recomputes): as the plain run
-ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2"],
-       "dpo_group_tiled_attn": ["--ac-group", "2", "--tiled-attn", "--tiled-mlp"],
-       "dpo_tiled_attn_offload": ["--tiled-attn", "--offload-activations", "--ac-blocks", "1"]}
+ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2", *TWO],
+       "dpo_group_tiled_attn": ["--ac-group", "2", "--tiled-attn", "--tiled-mlp", *TWO],
+       "dpo_tiled_attn_offload": ["--tiled-attn", "--offload-activations", "--ac-blocks", "1", *TWO]}
 
 
 # DPO after SFT: from an adapter (the first run's, trained on these pairs: it prefers their chosen sides), which is
@@ -74,36 +81,37 @@ ONE = {"dpo_keep_attn_mb2": ["--ac-keep-attn", "--micro-batch", "2"],
 FROM = lambda root: ["--init-adapter", os.path.join(root, "dpo", "adapter"), "--eval-every", "1"]
 
 
-# other losses: 1 rank, then the layout on 4 (IPO + RPO average over each sequence's targets: counts over the cp group)
-LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-every", "1"],
-                          ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring"]),
-          "dpo_simpo": (["--dpo-loss", "simpo", "--dpo-beta", "2", "--simpo-gamma", "0.3", "--eval-every", "1"],
+# other losses: 1 rank, then the layout on 4 (IPO + RPO average over each sequence's targets: counts over the cp group),
+# 2 steps each, 2 or more micro-batches a step on each data rank of 4 (1 pair a micro-batch: the plain DPO Ulysses run)
+LOSSES = {"dpo_ipo_rpo": (["--dpo-loss", "ipo", "--rpo-alpha", "0.5", "--eval-every", "1", *TWO],
+                          ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2"]),
+          "dpo_simpo": (["--dpo-loss", "simpo", "--dpo-beta", "2", "--simpo-gamma", "0.3", "--eval-every", "1", *TWO],
                         ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--micro-batch", "2"]),
-          "dpo_orpo": (["--dpo-loss", "orpo", "--dpo-beta", "0.25", "--eval-every", "1"],
-                       ["--cp", "4", "--cp-impl", "ring"])}
+          "dpo_orpo": (["--dpo-loss", "orpo", "--dpo-beta", "0.25", "--eval-every", "1", *TWO],
+                       ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "4"])}
 # --dpo-share-prompt (each pair's prompt once, the rejected answer a branch): 1 rank and these layouts = the plain run
-SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1"],
+SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1", *TWO],
           "dpo_shared_tiled_attn_offload": ["--dpo-share-prompt", "--eval-every", "1", "--tiled-attn", "--tiled-mlp",
-                                            "--offload-activations"],
+                                            "--offload-activations", *TWO],
           "dpo_shared_keep_attn_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--ac-keep-attn", "--micro-batch",
-                                       "2"]}
+                                       "2", *TWO]}
 SHARED_FOUR = {"dpo_shared_cp2_dp2_ring_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard",
-                                               "2", "--cp-impl", "ring", "--micro-batch", "2"],
+                                               "2", "--cp-impl", "ring", "--micro-batch", "2", *TWO],
                "dpo_shared_cp2_dp2_ulysses": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard", "2",
-                                              "--cp-impl", "ulysses", "--tiled-mlp", "--offload-activations"],
+                                              "--cp-impl", "ulysses", "--tiled-mlp", "--offload-activations", *TWO],
                "dpo_shared_cp4_hybrid_auto": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "4", "--cp-impl",
-                                              "hybrid", "--ulysses-degree", "2", "--micro-batch", "auto"]}
+                                              "hybrid", "--ulysses-degree", "2", "--micro-batch", "auto", *TWO]}
 
 # --dpo-cache-ref (each pair's reference log-probabilities kept from its first forward, read once every pair of a step
 # or eval is known): on the first file's pairs, 3 steps of 8 are two epochs (the third step reads), = the plain run on
 # 1 rank and cp 2 × dp 2 ring with 2 pairs a micro-batch; from an adapter (its reference) on Ulysses with shared
-# prompts (one epoch: the evals after the first read) = that plain run
+# prompts, 2 pairs a micro-batch (one epoch: the evals after the first read) = that plain run
 CACHED = ["--dpo-cache-ref", "--eval-every", "1"]
 EPOCHS = lambda a: ["--data", a["parts"][0], "--eval-every", "1"]
 CACHED_FOUR = {"dpo_a_cached_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring",
                                                  "--micro-batch", "2"],
                "dpo_from_cached_cp2_dp2_ulysses_shared": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
-                                                          "--dpo-share-prompt"]}
+                                                          "--dpo-share-prompt", "--micro-batch", "2"]}
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +141,9 @@ def _four(rank, world_size, a, root):
     for name, flags in FOUR.items():
         train.main(_argv(a, os.path.join(root, name), *flags))
     train.main(_argv(a, os.path.join(root, "dpo_files_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
-                     "ring", *FILES, "--data", *a["parts"]))
+                     "ring", "--micro-batch", "2", *FILES, "--data", *a["parts"]))
     train.main(_argv(a, os.path.join(root, "dpo_from_cp2_dp2_ring"), "--cp", "2", "--dp-shard", "2", "--cp-impl",
-                     "ring", "--tiled-mlp", "--offload-activations", *FROM(root)))
+                     "ring", "--micro-batch", "2", "--tiled-mlp", "--offload-activations", *FROM(root)))
     for name, (flags, layout) in LOSSES.items():
         train.main(_argv(a, os.path.join(root, name + "_4"), *flags, *layout))
     for name, flags in SHARED_FOUR.items():
@@ -152,6 +160,7 @@ def runs(pairs, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dpo_runs"))
     with one_thread():
         train.main(_argv(pairs, os.path.join(root, "dpo"), "--eval-every", "1", "--save-every", "2"))
+        train.main(_argv(pairs, os.path.join(root, "dpo_2"), "--eval-every", "1", *TWO))
         train.main(_argv(pairs, os.path.join(root, "dpo_files"), *FILES, "--data", *pairs["parts"]))
         for name, flags in ONE.items():
             train.main(_argv(pairs, os.path.join(root, name), *flags))
@@ -625,8 +634,8 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
 
 @pytest.mark.parametrize("name", list(FOUR))
 def test_four_ranks_match_one_rank(runs, name):
-    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
-    _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
+    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo_2")
+    _compare(name, out, ref, steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
     for g, w in zip(_metrics(out), _metrics(ref)):
         for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc",
                   "eval_reward_margin"):
@@ -638,13 +647,12 @@ def test_four_ranks_match_one_rank(runs, name):
 @pytest.mark.parametrize("name", [*SHARED, *SHARED_FOUR])
 def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
     """--dpo-share-prompt (1 rank, also with --ac-keep-attn and 2 pairs a micro-batch, and with --tiled-attn, the
-    tiled MLP and offload; cp 2 × dp 2 ring with 2 pairs a
-    micro-batch; Ulysses with the tiled MLP and
-    offload; the 2 × 2 hybrid with --micro-batch auto) = the plain 1-rank run: losses, grad norms, reward and eval
+    tiled MLP and offload; cp 2 × dp 2 ring with 2 pairs a micro-batch; Ulysses with the tiled MLP and offload; the
+    2 × 2 hybrid with --micro-batch auto) = the plain 1-rank run of 2 steps: losses, grad norms, reward and eval
     metrics, adapter; on fewer tokens (the prompts once)."""
-    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo")
+    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo_2")
     got, want = _metrics(out), _metrics(ref)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for g, w in zip(got, want):
         assert g["tokens"] < 0.9 * w["tokens"], (g["tokens"], w["tokens"])   # (the prompts once)
         for k in ("loss", "reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss",
@@ -747,12 +755,12 @@ def test_a_cached_reference_is_read_back_on_resume(runs, pairs, tmp_path, capsys
 
 @pytest.mark.parametrize("name", list(ONE))
 def test_memory_flags_change_nothing_one_rank(runs, name):
-    _compare(name, os.path.join(runs, name), os.path.join(runs, "dpo"), adapter_rtol=ADAPTER_RTOL)
+    _compare(name, os.path.join(runs, name), os.path.join(runs, "dpo_2"), steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
 
 
 def test_weighted_files_and_a_held_out_split_of_pairs_on_four_ranks_match_one_rank(runs):
     out, ref = os.path.join(runs, "dpo_files_cp2_dp2_ring"), os.path.join(runs, "dpo_files")
-    _compare("dpo_files", out, ref, adapter_rtol=ADAPTER_RTOL)
+    _compare("dpo_files", out, ref, steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
     assert [r["eval_reward_acc"] for r in _metrics(out)] == pytest.approx([r["eval_reward_acc"]
                                                                             for r in _metrics(ref)], abs=1e-4)
 
@@ -818,12 +826,11 @@ def test_orpo_is_finite_where_a_side_is_certain():
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_other_losses_on_four_ranks_match_one_rank(runs, name):
-    """IPO + RPO on cp 2 × dp 2 ring, SimPO (no reference forward) on cp 2 × dp 2 Ulysses with 2 pairs a micro-batch,
-    ORPO on cp 4 ring:
-    = 1 rank in losses, grad norms, reward and eval metrics, adapter; they learn (the eval loss falls from its start)
-    and config.json records the loss."""
+    """IPO + RPO on cp 2 × dp 2 ring and SimPO (no reference forward) on cp 2 × dp 2 Ulysses, 2 pairs a micro-batch,
+    ORPO on cp 4 ring with 4: = 1 rank in losses, grad norms, reward and eval metrics, adapter, each of 2 steps; they
+    learn (the eval loss after step 2 is below step 1's) and config.json records the loss."""
     out, ref = os.path.join(runs, name + "_4"), os.path.join(runs, name)
-    _compare(name, out, ref, adapter_rtol=ADAPTER_RTOL)
+    _compare(name, out, ref, steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
     got, want = _metrics(out), _metrics(ref)
     for g, w in zip(got, want):
         for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc",
@@ -885,7 +892,7 @@ def test_dpo_from_a_dora_adapter_in_bf16_starts_at_log_2(pairs, tmp_path):
 
 
 def test_dpo_with_trained_norms_starts_at_log_2_from_the_base_and_from_their_adapter(pairs, tmp_path):
-    """--train-norms --train-embeddings through train.py: DPO from the base trains (step 1 log 2, later steps move off
+    """--train-norms --train-embeddings through train.py: DPO from the base trains (step 1 log 2, step 2 moves off
     it), then DPO from that run's adapter (its LoRA, norms and embedding, read for the reference too) in bf16 without
     mixed precision (the float32 weights cast as the policy's are) starts at log 2 again. That the reference computes
     with the base's or the adapter's, not the policy's trained ones: test_norms.py's DPO test (these log 2s hold either
@@ -893,7 +900,7 @@ def test_dpo_with_trained_norms_starts_at_log_2_from_the_base_and_from_their_ada
     import train
 
     with one_thread():
-        train.main(_argv(pairs, str(tmp_path / "base"), "--steps", "3", "--train-norms", "--train-embeddings", "--lr",
+        train.main(_argv(pairs, str(tmp_path / "base"), "--steps", "2", "--train-norms", "--train-embeddings", "--lr",
                          "5e-3", "--eval-every", "0"))
         train.main(_argv(pairs, str(tmp_path / "from"), "--init-adapter", str(tmp_path / "base" / "adapter"),
                          "--train-norms", "--train-embeddings", "--steps", "1", "--dtype", "bf16", "--eval-every",
@@ -1100,7 +1107,7 @@ def _two_window(rank, world_size, a, root):
     import train
 
     train.main(_argv(a, os.path.join(root, "shared_ulysses"), "--dpo-share-prompt", "--micro-batch", "2", "--cp", "2",
-                     "--cp-impl", "ulysses"))
+                     "--cp-impl", "ulysses", *TWO))
 
 
 @pytest.mark.timeout(300)
@@ -1108,7 +1115,7 @@ def test_shared_prompts_train_under_a_window_that_cuts_no_side(pairs, tmp_path):
     """A model whose sliding window (on one layer) is --max-len: no side reaches past it, so --dpo-share-prompt runs
     (refused before: the check took a pair's 2 × --max-len) with 2 pairs a micro-batch, rows of four sides longer than
     the window (crashed at step 1 on one process and Ulysses: review, helper 45) = the plain run: losses, grad
-    norms, adapter."""
+    norms (2 steps), adapter."""
     import shutil
 
     import train
@@ -1121,12 +1128,12 @@ def test_shared_prompts_train_under_a_window_that_cuts_no_side(pairs, tmp_path):
     a = {**pairs, "model": model}
     root = str(tmp_path)
     with one_thread():
-        train.main(_argv(a, os.path.join(root, "plain"), "--micro-batch", "2"))
-        train.main(_argv(a, os.path.join(root, "shared"), "--dpo-share-prompt", "--micro-batch", "2"))
+        train.main(_argv(a, os.path.join(root, "plain"), "--micro-batch", "2", *TWO))
+        train.main(_argv(a, os.path.join(root, "shared"), "--dpo-share-prompt", "--micro-batch", "2", *TWO))
     run_ranks(_two_window, 2, a, root, timeout=240)
     for name in ("shared", "shared_ulysses"):
         got, want = _metrics(os.path.join(root, name)), _metrics(os.path.join(root, "plain"))
-        assert [r["step"] for r in got] == [1, 2, 3]
+        assert [r["step"] for r in got] == [1, 2]
         for g, w in zip(got, want):
             assert abs(g["loss"] - w["loss"]) <= 1e-5 and abs(g.get("eval_loss", 0) - w.get("eval_loss", 0)) <= 1e-5, (
                 name, g, w)
