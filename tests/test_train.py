@@ -3,15 +3,16 @@
 Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads made by transformers, the
 fixture tokenizer's chat template, `--global-batch 8`; 3 optimizer steps where a run is resumed from its step-2
 checkpoint or is the reference of one that is, else 2 (step 2 already runs after an update: a 3rd repeats its code),
-against 1-rank references of the same length; each 4-rank run has 2 or more micro-batches a step on each data rank):
+against 1-rank references of the same length):
 - the per-step losses and grad norms in OUT/metrics.jsonl and the exported PEFT adapter of a 1-rank run
   equal those of 4-rank runs with `--cp 2 --dp-shard 2` (Ulysses, 1 sample a micro-batch, 3 steps; and ring with 2
   packed documents per row), `--cp 4` (auto: hybrid 2 × 2) and `--cp 4 --cp-impl ring` (packed, 4 documents per row),
-  `--dp-shard 4`, `--dp-shard 4 --micro-batch 2` and HSDP `--dp-replicate 2 --dp-shard 2`; with
+  `--dp-shard 4` (with 2 packed samples a micro-batch: the --tiled-attn run below) and HSDP `--dp-replicate 2
+  --dp-shard 2`; with
   `--quant nf4` for cp 2 × dp 2 Ulysses (2 documents a row) and dp_shard 4, and on the model saved 4-bit by
   transformers + bitsandbytes (a -bnb-4bit upload) for cp 2 × dp 2 ring (2 a row); and `--tiled-mlp
-  --offload-activations` on 1 rank and on cp 2 × dp_shard 2 with Ulysses and with ring (the mem_* runs, 2 documents a
-  row; 1 a micro-batch in the dora, tied and norms runs, which have both), and `--ac-group 2` (both
+  --offload-activations` on 1 rank, and on cp 2 × dp_shard 2 with Ulysses (in the dora and tied runs) and with ring
+  (the norms, layers and partial_ac runs), each against 1 rank without them, and `--ac-group 2` (both
   blocks recomputed as one group; with the tiled MLP on 1 rank and Ulysses) and `--ac-blocks 1` (block 1 not
   checkpointed; on ring cp 2 × dp 2 with the tiled MLP and offload) and `--ac-keep-attn` (1 rank; Ulysses
   with the tiled MLP; ring with `--ac-blocks 1`; 2 documents per row on 4 ranks) and `--tiled-attn` (1 rank with the
@@ -81,15 +82,14 @@ FOUR_RANK = {   # out-dir name -> layout flags
                               "--report-to", "tensorboard", *TWO],   # (logs only: rank 0's, checked below)
     "cp4_auto_hybrid_pack_mb4": ["--cp", "4", "--micro-batch", "4", *TWO],
     "cp4_ring_pack_mb4": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "4", *TWO],
+    # (dp_shard 4 with 2 packed samples a micro-batch: tiled_attn_dp4_pack_mb2 below; packed rows without CP attend
+    # as on 1 rank, test_pack_changes_nothing)
     "dp4": ["--dp-shard", "4", *TWO],
-    "dp4_mb2": ["--dp-shard", "4", "--micro-batch", "2", *TWO],
     "hsdp_rep2_dp2": ["--dp-replicate", "2", "--dp-shard", "2", *TWO],
-    # the memory flags below run 2 packed samples a micro-batch (2 micro-batches a step on each data rank): the tiled
-    # MLP and offload over 4 micro-batches of 1 sample a step run in the dora, tied (Ulysses) and norms (ring) runs
-    "mem_cp2_dp2_ulysses_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
-                                "--offload-activations", "--micro-batch", "2", *TWO],
-    "mem_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--tiled-mlp",
-                             "--offload-activations", "--micro-batch", "2", *TWO],
+    # the AC flags below run 2 packed samples a micro-batch (2 micro-batches a step on each data rank). The tiled MLP
+    # with offload on cp 2 × dp 2 has no run of its own: the dora and tied runs (Ulysses) and the norms, layers and
+    # partial_ac runs (ring) hold both, each against 1 rank without them (4 micro-batches of 1 sample a step but in
+    # partial_ac and layers)
     "group_cp2_dp2_ulysses_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp", "--ac-group",
                                   "2", "--micro-batch", "2", *TWO],
     "group_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-group", "2", "--micro-batch",
