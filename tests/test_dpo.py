@@ -95,23 +95,24 @@ SHARED = {"dpo_shared": ["--dpo-share-prompt", "--eval-every", "1", *TWO],
                                             "--offload-activations", *TWO],
           "dpo_shared_keep_attn_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--ac-keep-attn", "--micro-batch",
                                        "2", *TWO]}
+# (shared prompts on Ulysses, with the tiled MLP and offload: the dpo_from_cached_cp2_dp2_ulysses_shared run below)
 SHARED_FOUR = {"dpo_shared_cp2_dp2_ring_mb2": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard",
                                                "2", "--cp-impl", "ring", "--micro-batch", "2", *TWO],
-               "dpo_shared_cp2_dp2_ulysses": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "2", "--dp-shard", "2",
-                                              "--cp-impl", "ulysses", "--tiled-mlp", "--offload-activations", *TWO],
                "dpo_shared_cp4_hybrid_auto": ["--dpo-share-prompt", "--eval-every", "1", "--cp", "4", "--cp-impl",
                                               "hybrid", "--ulysses-degree", "2", "--micro-batch", "auto", *TWO]}
 
 # --dpo-cache-ref (each pair's reference log-probabilities kept from its first forward, read once every pair of a step
 # or eval is known): on the first file's pairs, 3 steps of 8 are two epochs (the third step reads), = the plain run on
 # 1 rank and cp 2 × dp 2 ring with 2 pairs a micro-batch; from an adapter (its reference) on Ulysses with shared
-# prompts, 2 pairs a micro-batch (one epoch: the evals after the first read) = that plain run
+# prompts, the tiled MLP and offload, 2 pairs a micro-batch (one epoch: the evals after the first read) = that plain
+# run, on fewer tokens
 CACHED = ["--dpo-cache-ref", "--eval-every", "1"]
 EPOCHS = lambda a: ["--data", a["parts"][0], "--eval-every", "1"]
 CACHED_FOUR = {"dpo_a_cached_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring",
                                                  "--micro-batch", "2"],
                "dpo_from_cached_cp2_dp2_ulysses_shared": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses",
-                                                          "--dpo-share-prompt", "--micro-batch", "2"]}
+                                                          "--dpo-share-prompt", "--micro-batch", "2", "--tiled-mlp",
+                                                          "--offload-activations"]}
 
 
 @pytest.fixture(scope="module")
@@ -647,9 +648,10 @@ def test_four_ranks_match_one_rank(runs, name):
 @pytest.mark.parametrize("name", [*SHARED, *SHARED_FOUR])
 def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
     """--dpo-share-prompt (1 rank, also with --ac-keep-attn and 2 pairs a micro-batch, and with --tiled-attn, the
-    tiled MLP and offload; cp 2 × dp 2 ring with 2 pairs a micro-batch; Ulysses with the tiled MLP and offload; the
-    2 × 2 hybrid with --micro-batch auto) = the plain 1-rank run of 2 steps: losses, grad norms, reward and eval
-    metrics, adapter; on fewer tokens (the prompts once)."""
+    tiled MLP and offload; cp 2 × dp 2 ring with 2 pairs a micro-batch; the 2 × 2 hybrid with --micro-batch auto) =
+    the plain 1-rank run of 2 steps: losses, grad norms, reward and eval metrics, adapter; on fewer tokens (the
+    prompts once). Ulysses with the tiled MLP and offload: dpo_from_cached_cp2_dp2_ulysses_shared (3 steps, from an
+    adapter), test_a_cached_reference_trains_as_the_plain_run."""
     out, ref = os.path.join(runs, name), os.path.join(runs, "dpo_2")
     got, want = _metrics(out), _metrics(ref)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
@@ -670,10 +672,11 @@ def test_a_shared_prompt_trains_as_the_plain_run_on_fewer_tokens(runs, name):
 @pytest.mark.parametrize("name", ["dpo_a_cached", *CACHED_FOUR])
 def test_a_cached_reference_trains_as_the_plain_run(runs, name):
     """--dpo-cache-ref on 1 rank and on cp 2 × dp 2 ring with 2 pairs a micro-batch (two epochs: the third step reads
-    the first epoch's values), and from an adapter (its reference) on cp 2 × dp 2 Ulysses with shared prompts = the
-    plain 1-rank run: losses, grad norms, reward and eval metrics, adapter; its files in OUT hold the values of every
-    pair the run met (each below 0), kept for the run's reference; on 1 rank the run made 2 of the plain run's 3
-    steps' reference forwards and 1 of its 3 evaluations'."""
+    the first epoch's values), and from an adapter (its reference) on cp 2 × dp 2 Ulysses with shared prompts (fewer
+    tokens a step), the tiled MLP and offload, 2 pairs a micro-batch = the plain 1-rank run: losses, grad norms, reward
+    and eval metrics, adapter; its files in OUT hold the values of every pair the run met (each below 0), kept for the
+    run's reference; on 1 rank the run made 2 of the plain run's 3 steps' reference forwards and 1 of its 3
+    evaluations'."""
     out = os.path.join(runs, name)
     ref = os.path.join(runs, "dpo_from" if "from" in name else "dpo_a")
     got, want = _metrics(out), _metrics(ref)
@@ -685,6 +688,8 @@ def test_a_cached_reference_trains_as_the_plain_run(runs, name):
             assert abs(g[k] - w[k]) <= 1e-4, f"{name} step {g['step']}: {k} {g[k]} vs {w[k]}"
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-4 * w["grad_norm"], (g["grad_norm"], w["grad_norm"])
     assert got[0]["reward_acc"] == 0 and (got[0]["reward_margin"] == 0 or "from" in name), got[0]   # (step 1: ties)
+    shared = json.load(open(os.path.join(out, "config.json")))["dpo_share_prompt"]
+    assert shared == ("shared" in name) and all((g["tokens"] < 0.9 * w["tokens"]) == shared for g, w in zip(got, want))
     a, b = _adapter(out), _adapter(ref)
     assert sorted(a) == sorted(b)
     for k in b:
