@@ -26,6 +26,8 @@
 #          as profile-<list n>-<case>-<row>.txt ('+' as '_'). ($OUT takes 8 files back: env, the logs and the
 #          results leave room for about 4 profiles.)
 #   BENCH_ARGS is appended to every list.
+#   DEMO   0 skips building the demo assets (default 1: the GPU tests train the demo's model; bench/gpu.py builds
+#          the demo's tokenizer alone; tests/test_bench_gpu.py's CPU run, whose GPU tests skip, sets 0).
 # A session with 15 device minutes can split the work into two calls fired back to back (the machine stays
 # warm 30 s after a call): the bench first (its timings are the goals), then
 #   TEST_S=300 BENCH= bash bench/gpu_session.sh
@@ -142,8 +144,10 @@ if torch.cuda.is_available():   # what the runs will take: the fused RMSNorm ker
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 
-echo "== demo assets (the tokenizer and the model the GPU tests train; built once, on the CPU)"
-timeout 150 python3 -c "from data.demo import make_demo; make_demo('runs/demo_assets')" 2>&1 | tail -3
+if [ "${DEMO:-1}" != 0 ]; then
+  echo "== demo assets (the tokenizer and the model the GPU tests train; built once, on the CPU)"
+  timeout 150 python3 -c "from data.demo import make_demo; make_demo('runs/demo_assets')" 2>&1 | tail -3
+fi
 
 if [ "$TEST_S" -gt 0 ]; then
   echo "== make test-gpu (cap ${TEST_S}s)"
