@@ -138,6 +138,12 @@ DEFAULT_RUNS = {"32k": ["ours", "hf", "liger", FASTEST],
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=2048)
+# the smoke mode's rows (CPU, tests/test_bench_gpu.py): those whose bench-side logic differs (the peers and NEFTune's
+# hook in their process, the fit-ac and fastest searches, a row's flags against its plan, the DPO data: pairs, one pair,
+# pairs sharing a prompt); a row that only passes train.py a flag (orpo, dora, norms, neftune, dft, tiled-attn) runs
+# with --runs, and its flags meet train.py's start-up checks in the test
+SMOKE_RUNS = ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+dpo", "ours+dpo-cached",
+              "ours+dpo-prompt", "ours+dpo-prompt-shared", "hf+neftune"]
 HF_128K_REASON = "HF without Liger materializes [tokens, vocab] logits (80 GB fp32 at 128k); --runs to force"
 
 
@@ -604,7 +610,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="override the case's layer count")
     ap.add_argument("--runs", default=None, help="comma list of ours,hf,liger," + ",".join(
                     [FIT_AC, FASTEST, FASTEST_COMPILE, *FLAG_ROWS])
-                    + " (default per case: DEFAULT_RUNS; smoke: ours,hf,liger,ours+tiled+offload)")
+                    + " (default per case: DEFAULT_RUNS; smoke: SMOKE_RUNS)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--timed", type=int, default=None, help="timed steps (default 3 at 32k, 2 at 128k)")
     ap.add_argument("--budget", type=float, default=470.0, help="wall-clock cap in seconds for the whole script")
@@ -646,12 +652,7 @@ def main(argv=None):
         timed = args.timed or (1 if name == "long" and not smoke else 2 if smoke or tokens > 65536 else 3)
         warmup = 0 if name == "long" and not smoke else args.warmup   # one step is the long case
         steps = warmup + timed
-        runs = args.runs.split(",") if args.runs else (
-            ["ours", "hf", "liger", FIT_AC, FASTEST, "ours+tiled+offload", "ours+tiled-attn+offload", "ours+dpo",
-             "ours+orpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-             "ours+norms", "ours+norms+emb", "ours+neftune", "ours+dft", "hf+neftune"]
-            if smoke
-            else DEFAULT_RUNS[name])
+        runs = args.runs.split(",") if args.runs else SMOKE_RUNS if smoke else DEFAULT_RUNS[name]
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         ckpt = write_checkpoint(base_cfg, layers, tokens, args.work, smoke)

@@ -7,16 +7,16 @@ Pins:
   2-entry list (HF's loader refuses a mismatch, so the hf row passing shows it too), our trainer and
   HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
   s/step > 0, tokens/s = tokens / s/step, a peak, the ratio to the other run, and the liger row
-  either measured or skipped with a reason; rows of ours with --tiled-mlp --offload-activations, with
-  --tiled-mlp --tiled-attn --offload-activations and with the planner's fewest
-  --ac-blocks run too, and "ours+fastest" (parallel/plan_speed's fastest flags that fit: --no-ac here), and
-  "ours+dpo" (--objective dpo on pairs of two 64-token texts, planned about as the plain row), "ours+orpo",
-  "ours+dpo-cached" (one pair every step, its reference kept), "ours+dpo-prompt" and
-  "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens), "ours+neftune" and "ours+dft" (the
-  dft row's logged loss DFT's, sg(p)·CE: far below CE at random init), "hf+neftune" (transformers' NEFTune hook on
-  the hf model: its embedding noises in that row alone, and a row after it in the same process, liger's on a GPU,
-  runs unhooked), and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per
-  phase.
+  either measured or skipped with a reason; the smoke mode's rows (SMOKE_RUNS: those whose bench-side logic differs)
+  run too: ours with --tiled-mlp --offload-activations and with the planner's fewest --ac-blocks, "ours+fastest"
+  (parallel/plan_speed's fastest flags that fit: --no-ac here), "ours+dpo" (--objective dpo on pairs of two 64-token
+  texts, planned about as the plain row), "ours+dpo-cached" (one pair every step, its reference kept),
+  "ours+dpo-prompt" and "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens),
+  "hf+neftune" (transformers' NEFTune hook on the hf model: its embedding noises in that row alone, and a row after it
+  in the same process, liger's on a GPU, runs unhooked; "hf+dora" takes peft's use_dora, in this process), and our
+  rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase; the rows that only
+  pass train.py a flag (orpo, dora, norms, neftune, dft, tiled-attn) are checked as a table (their training is
+  train.py's, tested in its own files).
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
@@ -83,7 +83,7 @@ def test_shards_are_kept_across_lengths(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_smoke_mode_writes_results(tmp_path):
+def test_smoke_mode_writes_results(tmp_path, monkeypatch):
     cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
     cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     (tmp_path / "cfg").mkdir()
@@ -106,12 +106,10 @@ def test_smoke_mode_writes_results(tmp_path):
     assert written["num_hidden_layers"] == 2 and written["layer_types"] == ["full_attention"] * 2
     rows = case["rows"]
     assert sorted(rows) == sorted(["ours", "hf", "liger", "ours+fit-ac", "ours+fastest", "ours+tiled+offload",
-                                   "ours+tiled-attn+offload", "ours+dpo", "ours+orpo", "ours+dpo-cached",
-                                   "ours+dpo-prompt", "ours+dpo-prompt-shared", "ours+dora", "hf+dora",
-                                   "ours+norms", "ours+norms+emb", "ours+neftune", "ours+dft", "hf+neftune"])
-    for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+tiled-attn+offload",
-                 "ours+dpo", "ours+orpo", "ours+dpo-cached", "ours+dora", "hf+dora", "ours+norms", "ours+norms+emb",
-                 "ours+neftune", "ours+dft", "hf+neftune"):
+                                   "ours+dpo", "ours+dpo-cached", "ours+dpo-prompt", "ours+dpo-prompt-shared",
+                                   "hf+neftune"])
+    for name in ("ours", "hf", "ours+fit-ac", "ours+fastest", "ours+tiled+offload", "ours+dpo", "ours+dpo-cached",
+                 "hf+neftune"):
         r = rows[name]
         assert "error" not in r, (name, r, proc.stdout[-3000:])
         assert len(r["times"]) == 3 and r["s_per_step"] > 0 and r["peak_gb"] > 0, (name, r)
@@ -123,18 +121,10 @@ def test_smoke_mode_writes_results(tmp_path):
     # our rows carry the planner's total for their flags (train.py --plan's number) and the measured ratio
     mem = rows["ours+tiled+offload"]
     assert mem["flags"] == ["--tiled-mlp", "--offload-activations"] and rows["ours"]["flags"] == []
-    ta = rows["ours+tiled-attn+offload"]
-    assert ta["flags"] == ["--tiled-mlp", "--tiled-attn", "--offload-activations"], ta
-    assert ta["planned_gb"] > 0 and ta["peak_vs_plan"] == pytest.approx(ta["peak_gb"] / ta["planned_gb"])
-    # the tiles run o_proj, the kernels and q together: their phases merge into the q/k/v row
-    assert isinstance(ta["mem_phases"], str) or [n for n, _ in ta["mem_phases"]] == [
-        "forward", "loss", "last block: MLP", "last block: q/k/v, norm", "rest of backward"], ta["mem_phases"]
     # DPO: pairs of two 64-token texts, rows of 128 like the others, against the plain row; planned as 2 × 64
     dpo = rows["ours+dpo"]
     assert dpo["flags"] == ["--objective", "dpo"] and dpo["ratio"]["ours"] > 0 and dpo["planned_gb"] > 0, dpo
     assert dpo["planned_gb"] == pytest.approx(rows["ours"]["planned_gb"], rel=0.05), (dpo, rows["ours"])
-    orpo = rows["ours+orpo"]   # (the same pairs without a reference forward)
-    assert orpo["flags"] == ["--objective", "dpo", "--dpo-loss", "orpo"] and orpo["ratio"]["ours"] > 0, orpo
     cached = rows["ours+dpo-cached"]   # (one pair every step: its reference kept by the warm-up step, then read)
     assert cached["flags"] == ["--objective", "dpo", "--dpo-cache-ref"] and cached["ratio"]["ours"] > 0, cached
     kept = [torch.load(f, weights_only=True) for f in (tmp_path / "work" / "32k").glob("ours-*/reference_logps.pt")]
@@ -146,21 +136,26 @@ def test_smoke_mode_writes_results(tmp_path):
     assert shared["s_per_step"] > 0 and plain["s_per_step"] > 0, (plain, shared)
     assert plain["step_tokens"] == 128 and shared["step_tokens"] < 0.7 * plain["step_tokens"], (plain, shared)
     assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-4), (plain, shared)   # (the same pairs' DPO)
-    # the SFT options: NEFTune (ours, and transformers' hook on HF's embeddings in its row only) and DFT, whose logged
-    # loss sums sg(p)·(-log p): ~CE / vocab at random init, where the plain row logs CE (~log 2048)
-    assert rows["ours+neftune"]["flags"] == ["--neftune-alpha", "5"] and rows["ours+neftune"]["ratio"]["ours"] > 0
-    assert rows["ours+dft"]["flags"] == ["--sft-loss", "dft"], rows["ours+dft"]
-    assert rows["ours+dft"]["loss"] < 0.01 * rows["ours"]["loss"], (rows["ours+dft"], rows["ours"])
-    assert [rows[n]["embedding_noise"] for n in ("hf", "hf+neftune", "hf+dora")] == [False, True, False], rows
-    assert rows["hf+neftune"]["ratio"]["hf"] > 0 and rows["ours+neftune"]["ratio"]["hf+neftune"] > 0, rows
-    # a row after hf+neftune in its process (liger's on a GPU, skipped here) runs with the hook removed
-    spec = dict(ckpt=str(tmp_path / "work" / "ckpt-2l"), ids=str(tmp_path / "ids.json"), steps=1, quant="none",
-                dtype="fp32", rows=["hf+neftune", "hf"], result=str(tmp_path / "peer.json"))
+    # transformers' NEFTune hook on HF's embeddings in its row only
+    assert [rows[n]["embedding_noise"] for n in ("hf", "hf+neftune")] == [False, True], rows
+    assert rows["hf+neftune"]["ratio"]["hf"] > 0 and rows["ours"]["ratio"]["hf+neftune"] > 0, rows
+    # a row after hf+neftune in its process (liger's on a GPU, skipped here) runs with the hook removed; and hf+dora,
+    # alone in its process, takes peft's use_dora (here in this process, one step each)
+    import peft
+
+    made = []
+    wrap = peft.get_peft_model
+    monkeypatch.setattr(peft, "get_peft_model", lambda m, c: made.append(c.use_dora) or wrap(m, c))
     (tmp_path / "ids.json").write_text(json.dumps([list(range(300, 428))]))
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    bench_gpu.peer_main(str(tmp_path / "spec.json"))
-    after = json.loads((tmp_path / "peer.json").read_text())
+    for n, rows_in in enumerate((["hf+neftune", "hf"], ["hf+dora"])):
+        spec = dict(ckpt=str(tmp_path / "work" / "ckpt-2l"), ids=str(tmp_path / "ids.json"), steps=1, quant="none",
+                    dtype="fp32", rows=rows_in, result=str(tmp_path / f"peer{n}.json"))
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        bench_gpu.peer_main(str(tmp_path / "spec.json"))
+    after = json.loads((tmp_path / "peer0.json").read_text())
     assert [after[n]["embedding_noise"] for n in ("hf+neftune", "hf")] == [True, False], after
+    dora = json.loads((tmp_path / "peer1.json").read_text())["hf+dora"]
+    assert made == [False, True] and dora["times"][0] > 0 and dora["embedding_noise"] is False, (made, dora)
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
@@ -179,6 +174,23 @@ def test_smoke_mode_writes_results(tmp_path):
     prof = rows["ours"]["profile_head"]
     assert prof.startswith("step 4: ") and "by category" in prof and "matmul" in prof, prof
     assert "profile_head" not in mem and "  profile (" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_flag_rows_run_with_runs():
+    """The rows of ours that only pass train.py flags are not in the smoke mode's default list (SMOKE_RUNS; each flag's
+    training is tested with train.py: --dpo-loss orpo in tests/test_dpo.py, --dora in tests/test_train.py,
+    --train-norms / --train-embeddings in tests/test_norms.py, --neftune-alpha in tests/test_neftune.py, --sft-loss dft
+    in tests/test_train.py, --tiled-attn's phases in tests/test_phases.py): their flags as the table gives them, and
+    every one of them a known row that --runs takes."""
+    assert set(bench_gpu.SMOKE_RUNS) <= {"ours", *bench_gpu.PEERS, bench_gpu.FIT_AC, bench_gpu.FASTEST,
+                                         *bench_gpu.FLAG_ROWS}
+    rows = bench_gpu.FLAG_ROWS
+    assert rows["ours+orpo"] == ["--objective", "dpo", "--dpo-loss", "orpo"]
+    assert rows["ours+tiled-attn+offload"] == ["--tiled-mlp", "--tiled-attn", "--offload-activations"]
+    assert rows["ours+dora"] == ["--dora"] and rows["ours+norms"] == ["--train-norms"]
+    assert rows["ours+norms+emb"] == ["--train-norms", "--train-embeddings"]
+    assert rows["ours+neftune"] == ["--neftune-alpha", "5"] and rows["ours+dft"] == ["--sft-loss", "dft"]
+    assert bench_gpu.ROW_DATA.get("ours+orpo", "pairs") == "pairs"   # (the DPO row's pairs)
 
 
 def test_fastest_row_keeps_under_the_cap():
@@ -229,9 +241,12 @@ def test_gpu_session_script_on_cpu(tmp_path):
     """bench/gpu_session.sh end to end on this machine, with stand-ins for the GPU machine's: python3 is this
     interpreter (claiming CUDA to the Makefile's host check alone, so `make test-gpu` and `make bench-gpu` take the
     GPU machine's branch), nvidia-smi a stub, the repository a tree of links whose bench/ is its own (the results file
-    lands there). What comes back: every file in $OUT under a name the device tool returns, no more than it returns,
-    the results and the profile among them; the tests' log verbose, so that a cap that cuts it still says which tests
-    ran (make test-gpu's -q took back the script's -v: the log held dots)."""
+    lands there), DEMO=0 (no demo-assets build: the GPU tests, which train the demo, skip here; tests/test_demo.py
+    builds and checks the assets), `make test-gpu` collecting tests/gpu (every module skips without CUDA), then
+    bench/gpu.py's plain row with one timed step and its profile step. What comes back: every file in $OUT under a
+    name the device tool returns, no more than it returns, the results and the profile among them; the tests' log
+    verbose, so that a cap that cuts it still says which tests ran (make test-gpu's -q took back the script's -v: the
+    log held dots)."""
     import re
     import shutil
     import stat
@@ -239,7 +254,6 @@ def test_gpu_session_script_on_cpu(tmp_path):
     repo, shims, out = tmp_path / "repo", tmp_path / "bin", tmp_path / "out"
     for d in (repo / "bench", shims):
         d.mkdir(parents=True)
-    os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)   # the demo assets: built once, shared with the other tests
     for name in os.listdir(ROOT):
         if name not in ("bench", ".git", ".whl"):   # (no wheels: nothing is installed into /tmp/site)
             (repo / name).symlink_to(os.path.join(ROOT, name))
@@ -255,11 +269,12 @@ def test_gpu_session_script_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER",
                                                             "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env.update(PATH=f"{shims}:{env['PATH']}", OUT=str(out), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOTAL="380",
-               TEST_S="120", TEST_K="nf4 or dpo",   # (-k's quotes through PYTEST_ADDOPTS)
+               TEST_S="120", DEMO="0", TEST_K="nf4 or dpo",   # (-k's quotes through PYTEST_ADDOPTS)
                BENCH=f"--runs ours --warmup 0 --timed 1 --profile --work {tmp_path / 'work'}")
     proc = subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=390)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== demo assets" not in proc.stdout and "== make test-gpu" in proc.stdout, proc.stdout[-3000:]
     files = sorted(os.listdir(out))
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files), files
     assert "bnb-import.txt" not in files, files   # (an empty file when bitsandbytes imports: one of the 8 taken)
