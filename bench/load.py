@@ -1,6 +1,6 @@
-"""Sharded weight loading on 4 CPU ranks: the whole-tensor path vs the lean path, side by side; and the same model's
-4-bit upload (saved by transformers + bitsandbytes, as the -bnb-4bit repos are: model/prequant.py) against the lean
-NF4 load of its float checkpoint.
+"""Sharded weight loading on --ranks CPU ranks (4): the whole-tensor path vs the lean path, side by side; and the same
+model's 4-bit upload (saved by transformers + bitsandbytes, as the -bnb-4bit repos are: model/prequant.py) against the
+lean NF4 load of its float checkpoint.
 
 Whole (load_weights(lean=False), the loader before issue 14.4): every rank reads every whole tensor
 and, for nf4, quantizes every whole weight, then keeps its shard. Lean (the default): each rank
@@ -14,7 +14,7 @@ VmHWM rise during the load (reset through /proc/self/clear_refs). The 2-core mac
 wall time is noisy; CPU time (user+sys, summed over ranks) is printed next to it. The 4-bit row: lean only (each rank
 reads its blocks' codes as stored, nothing to quantize), the files' size on disk beside the float32 checkpoint's.
 
-Run: .venv/bin/python bench/load.py [--reps 2]
+Run: .venv/bin/python bench/load.py [--reps 2] [--ranks 4]
 """
 
 import argparse
@@ -76,6 +76,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions; the fastest of each is kept")
     p.add_argument("--small", action="store_true", help="a tiny checkpoint (tests/test_bench_smoke.py)")
+    p.add_argument("--ranks", type=int, default=4, help="CPU ranks (FSDP2 over all of them)")
     args = p.parse_args()
     size = dict(hidden=128, layers=2, inter=256, vocab=1024) if args.small else \
         dict(hidden=1024, layers=3, inter=8192, vocab=2048)   # block linears 4x the root's whole-read tensors
@@ -84,9 +85,10 @@ def main():
         upload = bnb_checkpoint(os.path.join(tmp, "float"), os.path.join(tmp, "4bit"), max_shard_size="48MB",
                                 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
         packed = sum(os.path.getsize(os.path.join(upload, f)) for f in os.listdir(upload) if f.endswith(".safetensors"))
-        res = run_ranks(_rank, 4, os.path.join(tmp, "float"), args.reps, upload, timeout=1800, pg_timeout=600,
+        res = run_ranks(_rank, args.ranks, os.path.join(tmp, "float"), args.reps, upload, timeout=1800, pg_timeout=600,
                         start="spawn")
-    print(f"load of a {total / 1e6:.0f} MB float32 checkpoint on 4 CPU ranks (FSDP2 over 4), best of {args.reps}")
+    print(f"load of a {total / 1e6:.0f} MB float32 checkpoint on {args.ranks} CPU ranks (FSDP2 over "
+          f"{args.ranks}), best of {args.reps}")
     print(f"{'quant':<6}{'whole s':>9}{'lean s':>8}{'ratio':>7}{'whole cpu s':>13}{'lean cpu s':>12}"
           f"{'whole peak MB':>15}{'lean peak MB':>14}")
     for quant in ("none", "nf4"):

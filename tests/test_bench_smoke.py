@@ -1,12 +1,12 @@
 """bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles, bench/micro_batch.py cannot rot: each runs its
 smallest case.
 
-Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's
-own goal (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1` prints both quant
-rows, and the lean path's per-rank peak is not above the whole-tensor path's (within the printed MB's rounding:
-the small checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak), and the row of the same
-model's 4-bit upload. Timings are printed by the
-scripts and not asserted (no timing assertions in tests).
+Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's own goal
+(planned/measured ratio in [0.75, 1.25]; only the checkpoint that row runs is made); `bench/load.py --small --reps 1
+--ranks 2` prints both quant rows, and the lean path's per-rank peak is not above the whole-tensor path's (within the
+printed MB's rounding: the small checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak), and
+the row of the same model's 4-bit upload (2 ranks: the lean path still reads each rank's rows, FSDP2 over 2).
+Timings are printed by the scripts and not asserted (no timing assertions in tests).
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_smoke.py
 """
@@ -39,7 +39,7 @@ def test_plan_bench_smallest_row():
 
 @pytest.mark.timeout(300)
 def test_load_bench_small():
-    out = _run("bench/load.py", "--small", "--reps", "1", timeout=280)
+    out = _run("bench/load.py", "--small", "--reps", "1", "--ranks", "2", timeout=280)
     rows = {m[0]: [float(x) for x in m[1:]] for m in re.findall(
         r"^(none|nf4)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)$", out, re.M)}
     assert set(rows) == {"none", "nf4"}, out
@@ -106,8 +106,11 @@ def test_memtrace_bench_small():
 @pytest.mark.timeout(300)
 def test_micro_batch_bench_smoke():
     """bench/micro_batch.py's CPU case prints both rows and their ratio; the two runs train the same samples, so their
-    losses agree to float rounding (timings are printed, not asserted)."""
-    out = _run("bench/micro_batch.py", "--steps", "3", timeout=280)
+    losses agree to float rounding (timings are printed, not asserted). Two steps of 8 samples, one of them 1,024
+    tokens long and seven short ones (--micro-batch auto packs those into one micro-batch beside the long one: 2
+    against 8)."""
+    out = _run("bench/micro_batch.py", "--steps", "2", "--global-batch", "8", "--samples", "16", "--period", "8",
+               timeout=280)
     assert re.search(r"^--micro-batch    1: [\d,]+ tokens/s", out, re.M) and \
         re.search(r"^--micro-batch auto: [\d,]+ tokens/s", out, re.M), out
     diff = float(re.search(r"largest loss difference ([\d.e+-]+)", out)[1])
