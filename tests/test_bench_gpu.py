@@ -13,10 +13,10 @@ Pins:
   texts, planned about as the plain row), "ours+dpo-cached" (one pair every step, its reference kept),
   "ours+dpo-prompt" and "ours+dpo-prompt-shared" (pairs sharing a prompt, the second row on fewer tokens),
   "hf+neftune" (transformers' NEFTune hook on the hf model: its embedding noises in that row alone, and a row after it
-  in the same process, liger's on a GPU, runs unhooked; "hf+dora" takes peft's use_dora, in this process), and our
-  rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase; the rows that only
-  pass train.py a flag (orpo, dora, norms, neftune, dft, tiled-attn) are checked as a table (their training is
-  train.py's, tested in its own files).
+  in the same process, liger's on a GPU, runs unhooked, and "hf+dora" takes peft's use_dora: peer_main in the test's
+  process), and our rows carry the planner's total for their flags and peak / planned, and step 1's peak per phase;
+  the rows that only pass train.py a flag (orpo, dora, norms, neftune, dft, tiled-attn) are checked as a table (their
+  training is train.py's, tested in its own files).
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_gpu.py
 """
@@ -83,7 +83,7 @@ def test_shards_are_kept_across_lengths(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_smoke_mode_writes_results(tmp_path, monkeypatch):
+def test_smoke_mode_writes_results(tmp_path):
     cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
     cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     (tmp_path / "cfg").mkdir()
@@ -139,23 +139,6 @@ def test_smoke_mode_writes_results(tmp_path, monkeypatch):
     # transformers' NEFTune hook on HF's embeddings in its row only
     assert [rows[n]["embedding_noise"] for n in ("hf", "hf+neftune")] == [False, True], rows
     assert rows["hf+neftune"]["ratio"]["hf"] > 0 and rows["ours"]["ratio"]["hf+neftune"] > 0, rows
-    # a row after hf+neftune in its process (liger's on a GPU, skipped here) runs with the hook removed; and hf+dora,
-    # alone in its process, takes peft's use_dora (here in this process, one step each)
-    import peft
-
-    made = []
-    wrap = peft.get_peft_model
-    monkeypatch.setattr(peft, "get_peft_model", lambda m, c: made.append(c.use_dora) or wrap(m, c))
-    (tmp_path / "ids.json").write_text(json.dumps([list(range(300, 428))]))
-    for n, rows_in in enumerate((["hf+neftune", "hf"], ["hf+dora"])):
-        spec = dict(ckpt=str(tmp_path / "work" / "ckpt-2l"), ids=str(tmp_path / "ids.json"), steps=1, quant="none",
-                    dtype="fp32", rows=rows_in, result=str(tmp_path / f"peer{n}.json"))
-        (tmp_path / "spec.json").write_text(json.dumps(spec))
-        bench_gpu.peer_main(str(tmp_path / "spec.json"))
-    after = json.loads((tmp_path / "peer0.json").read_text())
-    assert [after[n]["embedding_noise"] for n in ("hf+neftune", "hf")] == [True, False], after
-    dora = json.loads((tmp_path / "peer1.json").read_text())["hf+dora"]
-    assert made == [False, True] and dora["times"][0] > 0 and dora["embedding_noise"] is False, (made, dora)
     # the planner's fewest checkpointed blocks on this machine (CPU RAM: the tiny model fits with none)
     assert rows["ours+fit-ac"]["flags"] == ["--ac-blocks", "0"], rows["ours+fit-ac"]
     # the fastest flags that fit (no liger row on CPU: 95% of this machine), with why and the estimate
@@ -174,6 +157,29 @@ def test_smoke_mode_writes_results(tmp_path, monkeypatch):
     prof = rows["ours"]["profile_head"]
     assert prof.startswith("step 4: ") and "by category" in prof and "matmul" in prof, prof
     assert "profile_head" not in mem and "  profile (" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_peer_rows_in_one_process(tmp_path, monkeypatch):
+    """The peers' process (peer_main, here in this one, one step a row on the smoke mode's checkpoint): a row after
+    hf+neftune (liger's on a GPU) runs with transformers' NEFTune hook removed, and hf+dora, alone in its process
+    (run_order), builds peft's model with use_dora (the others without)."""
+    import peft
+
+    cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
+    ckpt = bench_gpu.write_checkpoint(cfg, 2, 128, str(tmp_path), True)
+    made = []
+    wrap = peft.get_peft_model
+    monkeypatch.setattr(peft, "get_peft_model", lambda m, c: made.append(c.use_dora) or wrap(m, c))
+    (tmp_path / "ids.json").write_text(json.dumps([list(range(300, 428))]))
+    for n, rows in enumerate((["hf+neftune", "hf"], ["hf+dora"])):
+        spec = dict(ckpt=ckpt, ids=str(tmp_path / "ids.json"), steps=1, quant="none", dtype="fp32", rows=rows,
+                    result=str(tmp_path / f"peer{n}.json"))
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        bench_gpu.peer_main(str(tmp_path / "spec.json"))
+    after = json.loads((tmp_path / "peer0.json").read_text())
+    assert [after[n]["embedding_noise"] for n in ("hf+neftune", "hf")] == [True, False], after
+    dora = json.loads((tmp_path / "peer1.json").read_text())["hf+dora"]
+    assert made == [False, True] and dora["times"][0] > 0 and dora["embedding_noise"] is False, (made, dora)
 
 
 def test_flag_rows_run_with_runs():
