@@ -181,10 +181,9 @@ MB = 1e6
 FRAGMENTATION = 1.10   # parallel.plan_totals.FRAGMENTATION, printed only
 
 
-def make_assets(root: str, archs=(), tails=("_v512", "_tied_v16k")) -> tuple[str, str]:
+def make_assets(root: str, archs=()) -> tuple[str, str]:
     """A random Qwen2 checkpoint with a small BPE tokenizer, and long synthetic text records; `archs`: the ARCHS whose
-    random checkpoints (made by transformers from its own config class) go beside it, as model_<arch>; `tails`: which
-    of the Qwen2 checkpoint's variants (vocab 512, tied at vocab 16,384) go beside it (those the rows run)."""
+    random checkpoints (made by transformers from its own config class) go beside it, as model_<arch>."""
     import transformers as T
 
     from data.demo import build_tokenizer
@@ -202,13 +201,14 @@ def make_assets(root: str, archs=(), tails=("_v512", "_tied_v16k")) -> tuple[str
                         tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)
     torch.manual_seed(0)
     T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir)
-    # the rows named "... v512": the same model with 512 tokens; "... tied v16k": 16,384, the head tied to the embedding
-    for tail, vocab, tied in (("_v512", 512, False), ("_tied_v16k", 16384, True)):
-        if tail in tails:
-            tok.save_pretrained(model_dir + tail)
-            torch.manual_seed(0)
-            cfg.vocab_size, cfg.tie_word_embeddings = vocab, tied
-            T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + tail)
+    tok.save_pretrained(model_dir + "_v512")   # the rows named "... v512": the same model with 512 tokens
+    torch.manual_seed(0)
+    cfg.vocab_size = 512
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_v512")
+    tok.save_pretrained(model_dir + "_tied_v16k")   # "... tied v16k": 16,384 tokens, the head tied to the embedding
+    torch.manual_seed(0)
+    cfg.vocab_size, cfg.tie_word_embeddings = 16384, True
+    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(model_dir + "_tied_v16k")
     for arch in archs:
         cls, keys = ARCHS[arch]
         for vocab, tail in ((4096, ""), (512, "_v512")):
@@ -287,9 +287,7 @@ def main():
     rows = [c for c in CONFIGS if opt.only is None or c[0] in opt.only]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data = make_assets(tmp, sorted({n.split()[0] for n, *_ in rows} & ARCHS.keys()),
-                                      [t for t in ("_v512", "_tied_v16k") if any(n.endswith(t.replace("_", " "))
-                                                                                  for n, *_ in rows)])
+        model_dir, data = make_assets(tmp, sorted({n.split()[0] for n, *_ in rows} & ARCHS.keys()))
         print(f"{'config':<34}{'ranks':>6}{'planned MB':>12}{'measured MB':>13}{'ratio':>7}{'code MB':>9}"
               "   measured per rank")
         for name, world, max_len, flags in rows:

@@ -2,11 +2,11 @@
 smallest case.
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's own goal
-(planned/measured ratio in [0.75, 1.25]; only the checkpoint that row runs is made); `bench/load.py --small --reps 1
---ranks 2` prints both quant rows, and the lean path's per-rank peak is not above the whole-tensor path's (within the
-printed MB's rounding: the small checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak), and
-the row of the same model's 4-bit upload (2 ranks: the lean path still reads each rank's rows, FSDP2 over 2).
-Timings are printed by the scripts and not asserted (no timing assertions in tests).
+(planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1 --ranks 2` prints both quant rows, and the
+lean path's per-rank peak is not above the whole-tensor path's (within the printed MB's rounding: the small
+checkpoint's peaks are 0-1 MB; tests/test_load_memory.py bounds the lean peak), and the row of the same model's 4-bit
+upload (2 ranks: the lean path still reads each rank's rows, FSDP2 over 2). Timings are printed by the scripts and not
+asserted (no timing assertions in tests).
 
 Run: .venv/bin/python -m pytest -q tests/test_bench_smoke.py
 """
