@@ -79,6 +79,13 @@ def run(argv):
         train.main(argv)
 
 
+def quick_argv(assets, out, *extra):
+    """train_argv with --micro-batch 2: 4 micro-batches a step of 8 samples, not 8 (still accumulated over several),
+    about half a step's cost; for runs whose claims count no micro-batch (micro_batch is a layout flag: a resume may
+    change it, so every run of a test that compares losses takes the same)."""
+    return train_argv(assets, out, "--micro-batch", "2", *extra)
+
+
 def metrics(out) -> list[dict]:
     def no_nan(name):
         raise AssertionError(f"metrics.jsonl holds the non-JSON literal {name}")
@@ -425,9 +432,9 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
 
     ev = ["--eval-data", eval_head(assets), "--eval-every", "1", "--steps", "6"]
     full, out = tmp_path / "full", tmp_path / "early"
-    run(train_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "6"))
+    run(quick_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "6"))
     capsys.readouterr()
-    run(train_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100"))
+    run(quick_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100"))
     said = capsys.readouterr().out
     first = metrics(full)[0]["eval_loss"]
     assert f"early stop: eval_loss has not gone below step 1's {first:.6f} by more than 100 in the 2 evaluations " \
@@ -442,10 +449,10 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     with pytest.raises(ValueError, match=r"--resume: at the checkpoint's step 3 it had counted 2 evaluations since "
                                          r"step 1's eval_loss .*, which --early-stop 2 stops at .* it would stop at "
                                          r"its next evaluation. To train on, pass --early-stop above 2, or drop it"):
-        run(train_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100", "--resume",
+        run(quick_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100", "--resume",
                        str(out / "ckpt")))
     assert tree_hash(out) == before
-    run(train_argv(assets, str(out), *ev, "--early-stop", "5", "--early-stop-delta", "100", "--resume",
+    run(quick_argv(assets, str(out), *ev, "--early-stop", "5", "--early-stop-delta", "100", "--resume",
                    str(out / "ckpt")))
     assert "early stop: " not in capsys.readouterr().out   # (step 6's evaluation is the fifth: the run's last anyway)
     assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(full)]
@@ -453,11 +460,11 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     import train
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval_loss": float("nan")})
     nan = tmp_path / "nan"
-    run(train_argv(assets, str(nan), *ev, "--early-stop", "2"))
+    run(quick_argv(assets, str(nan), *ev, "--early-stop", "2"))
     assert "early stop: no evaluation gave a finite eval_loss (2 of them) (--early-stop 2): the run ends at step 2 " \
            "of 6" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"it had counted 2 evaluations none of them with a finite eval_loss"):
-        run(train_argv(assets, str(nan), *ev, "--early-stop", "2", "--resume", str(nan / "ckpt")))
+        run(quick_argv(assets, str(nan), *ev, "--early-stop", "2", "--resume", str(nan / "ckpt")))
     monkeypatch.undo()
     for flags, says in ((["--early-stop", "2"], "--early-stop 2 ends the run after 2 evaluations in a row without "
                          "improvement, but it has no evaluation data: pass --eval-data FILE (or --eval-split); "
@@ -470,7 +477,7 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
                          "more"), ([*ev, "--early-stop-delta", "0.01"], "--early-stop-delta 0.01 acts only with "
                                    "--early-stop N")):
         with pytest.raises(ValueError, match=re.escape(says)):
-            run(train_argv(assets, str(tmp_path / "refused"), *flags))
+            run(quick_argv(assets, str(tmp_path / "refused"), *flags))
 
 
 def test_the_default_max_len_is_said_when_it_splits_records(assets, tmp_path, capsys):
@@ -657,16 +664,16 @@ def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
 
 def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
     """A resume logs each step once, with the uninterrupted losses; one that trains on past the run's --steps says
-    that the LR schedule changed length (the same flags: no note)."""
+    that the LR schedule changed length (the same flags: no note). (The run resumed is a copy of `done`'s folder:
+    that run, with these flags, again.)"""
     out = str(tmp_path / "out")
-    run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
+    shutil.copytree(done, out)
     first = metrics(out)
     run(train_argv(assets, out, "--steps", "4", "--resume", os.path.join(out, "ckpt", "step_000002")))
     again = metrics(out)
     assert [r["step"] for r in again] == [1, 2, 3, 4], "each step logged once"
     assert [r["loss"] for r in again] == [r["loss"] for r in first], "resume never changes the math"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002", "step_000004"]
-    assert [r["loss"] for r in metrics(done)] == [r["loss"] for r in first]
     assert "note: the checkpoint's run scheduled" not in capsys.readouterr().out
     run(train_argv(assets, out, "--steps", "5", "--resume", os.path.join(out, "ckpt")))
     assert "note: the checkpoint's run scheduled the LR over 4 steps, this one over 5 (--steps): the steps after 4 " \
@@ -1063,7 +1070,12 @@ def test_token_ids_beyond_the_vocabulary(assets, tmp_path):
     assert f"vocab_size is {n_tok - 8}" in msg and f"tokenizer has {n_tok}" in msg and "bigger" in msg, msg
 
 
-def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path):
+def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path, monkeypatch, capsys):
+    """Two processes of one job (RANK 0 and 1) that raise the same start-up error: exit 2 each, said by rank 0 only.
+    An error only rank 1 hit is said by rank 1 (train.cli in this process as rank 1: saying it needs no marker from
+    another process)."""
+    import train
+
     argv = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(assets, str(tmp_path / "o"), "--lr", "0")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     r0 = subprocess.run(argv, capture_output=True, text=True, env={**env, "RANK": "0"}, cwd=ROOT)
@@ -1071,11 +1083,14 @@ def test_cli_prints_a_startup_error_once_per_job(assets, tmp_path):
     assert r0.returncode == r1.returncode == 2, (r0.stderr, r1.stderr)
     assert "error: --lr must be > 0" in r0.stderr and "error" not in r1.stderr, (r0.stderr, r1.stderr)
     # an error only rank 1 hit (a data file its node lacks): said by rank 1, not lost
-    own = subprocess.run([*argv[:2], *train_argv(assets, str(tmp_path / "o"), "--data",
-                                                 str(tmp_path / "not_on_this_node.jsonl"))],
-                         capture_output=True, text=True, env={**env, "RANK": "1"}, cwd=ROOT)
-    assert own.returncode == 2 and own.stderr.startswith("error (rank 1): --data ") and \
-        "not_on_this_node.jsonl does not exist" in own.stderr, own.stderr
+    for k in ("WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    capsys.readouterr()
+    code = train.cli(train_argv(assets, str(tmp_path / "o"), "--data", str(tmp_path / "not_on_this_node.jsonl")))
+    own = capsys.readouterr().err
+    assert code == 2 and own.startswith("error (rank 1): --data ") and "not_on_this_node.jsonl does not exist" in own, \
+        own
 
 
 def test_no_weights_tripwire_sees_the_model(assets, tmp_path):
@@ -1456,10 +1471,11 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path, capsys, monk
         cfg["target_modules"] = sorted(cfg["target_modules"])   # peft keeps them as a set: any order
         return load_file(os.path.join(d, "adapter_model.safetensors")), cfg
 
-    out = str(tmp_path / "final")
-    r = subprocess.run([sys.executable, "-m", "parallel.checkpoint", os.path.join(done, "ckpt"), "--out", out],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0 and "step_000004" in r.stdout, r.stdout + r.stderr
+    out = str(tmp_path / "final")   # `python -m parallel.checkpoint`'s main, in this process (test_readme.py runs the
+    capsys.readouterr()   # module as __main__; an interpreter more would cost ~5 s of imports)
+    code = export_cli([os.path.join(done, "ckpt"), "--out", out])
+    said = capsys.readouterr()
+    assert code == 0 and "step_000004" in said.out, said
     (got, gcfg), (want, wcfg) = adapter(out), adapter(os.path.join(done, "adapter"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert gcfg == wcfg, {k: (gcfg.get(k), wcfg.get(k)) for k in set(gcfg) | set(wcfg) if gcfg.get(k) != wcfg.get(k)}
@@ -1558,7 +1574,7 @@ def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, 
 
     base = tmp_path / "tied"
     tiny_checkpoint(base, vocab=len(make_tokenizer(base)), tie=True)
-    argv = lambda out, *a: train_argv({**assets, "model": str(base)}, out, "--steps", "2", "--save-every", "1", *a)
+    argv = lambda out, *a: quick_argv({**assets, "model": str(base)}, out, "--steps", "2", "--save-every", "1", *a)
     out, old = str(tmp_path / "run"), str(tmp_path / "old")
     with one_thread():
         train.main(argv(out))
@@ -1583,7 +1599,7 @@ def test_a_tied_models_checkpoint_exports_the_runs_adapter_which_merges(assets, 
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), sorted(set(got) ^ set(want))
     assert merge.main(["--adapter", str(tmp_path / "exp"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     with one_thread():
-        train.main(train_argv({**assets, "model": str(base)}, str(tmp_path / "init"), "--steps", "1",
+        train.main(quick_argv({**assets, "model": str(base)}, str(tmp_path / "init"), "--steps", "1",
                               "--init-adapter", str(tmp_path / "exp"), "--warmup", "4"))
     assert "note: --warmup 4 is longer than the run's 1 steps: the LR peaks at 0.00025, not --lr 0.001" in \
         capsys.readouterr().out
@@ -1602,10 +1618,10 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
 
     from safetensors.torch import load_file, save_file
 
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run(train_argv(assets, a, "--steps", "2", "--eval-data", assets["data"], "--lora-targets", "q_proj,v_proj"))
+    a, b, ev = str(tmp_path / "a"), str(tmp_path / "b"), eval_head(assets)   # (10 eval records: the same claims)
+    run(quick_argv(assets, a, "--steps", "2", "--eval-data", ev, "--lora-targets", "q_proj,v_proj"))
     capsys.readouterr()
-    run(train_argv(assets, b, "--steps", "1", "--eval-data", assets["data"], "--init-adapter", a + "/adapter"))
+    run(quick_argv(assets, b, "--steps", "1", "--eval-data", ev, "--init-adapter", a + "/adapter"))
     before = float(re.search(r"eval_loss before training (\S+)", (log := capsys.readouterr().out)).group(1))
     assert before == metrics(a)[-1]["eval_loss"], (before, metrics(a)[-1])
     assert "was trained on another base" not in log and "was trained against the" not in log, log
@@ -1655,7 +1671,7 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     # function it starts from is another one (eval loss), and the run's own adapter is rsLoRA again
     json.dump({**cfg, "use_rslora": True}, open(os.path.join(odd, "adapter_config.json"), "w"))
     rs = str(tmp_path / "rs")
-    run(train_argv(assets, rs, "--steps", "1", "--eval-data", assets["data"], "--init-adapter", odd, "--rslora",
+    run(quick_argv(assets, rs, "--steps", "1", "--eval-data", ev, "--init-adapter", odd, "--rslora",
                    "--lora-targets", "q_proj,v_proj"))
     loss = float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1))
     assert abs(loss - before) > 1e-4, (loss, before)
@@ -1699,8 +1715,8 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     capsys.readouterr()
     losses = []
     for d in (gone, zero):
-        run(train_argv(assets, str(tmp_path / ("from_" + os.path.basename(d))), "--steps", "1", "--eval-data",
-                       assets["data"], "--init-adapter", d))
+        run(quick_argv(assets, str(tmp_path / ("from_" + os.path.basename(d))), "--steps", "1", "--eval-data",
+                       ev, "--init-adapter", d))
         losses.append(float(re.search(r"eval_loss before training (\S+)", capsys.readouterr().out).group(1)))
     assert losses[0] == losses[1] != before, losses
     # peft, too, puts no LoRA in layer 1: the function both start from
@@ -1716,10 +1732,10 @@ def test_init_adapter_starts_from_the_function_the_adapter_learned(assets, tmp_p
     save_file({**sd, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias": torch.zeros(48)},
               os.path.join(bias, "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"q_proj.base_layer.bias is not a LoRA A/B weight"):
-        run(train_argv(assets, str(tmp_path / "z"), "--init-adapter", bias))
+        run(quick_argv(assets, str(tmp_path / "z"), "--init-adapter", bias))
     # a resume takes LoRA from its checkpoint: the start adapter is neither read nor needed any more
     shutil.rmtree(a + "/adapter")
-    run(train_argv(assets, b, "--steps", "2", "--eval-data", assets["data"], "--init-adapter", a + "/adapter",
+    run(quick_argv(assets, b, "--steps", "2", "--eval-data", ev, "--init-adapter", a + "/adapter",
                    "--resume", os.path.join(b, "ckpt")))
     assert [r["step"] for r in metrics(b)] == [1, 2]
 
@@ -1973,8 +1989,8 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     from parallel import checkpoint_export
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run(train_argv(assets, a, "--steps", "1"))
-    run(train_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
+    run(quick_argv(assets, a, "--steps", "1"))
+    run(quick_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
     data = lambda out: json.load(open(os.path.join(out, "config.json")))["data_stats"]
     tok = load_tokenizer(assets["model"], TEMPLATES["chatml"])
     want = str(tokenize_records(load_jsonl(assets["data"]), tok, 64)[1])
@@ -1988,30 +2004,30 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     assert AutoTokenizer.from_pretrained(str(tmp_path / "merged")).chat_template == TEMPLATES["chatml"]
     eos = json.load(open(tmp_path / "merged" / "generation_config.json"))["eos_token_id"]
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos and tok.eos_token_id in eos, eos
-    msg = startup_error(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
+    msg = startup_error(quick_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
     assert "--chat-template: the checkpoint's run rendered its chats with --chat-template chatml, this run with the " \
         "model's own template (no --chat-template): pass --chat-template chatml" in msg, msg
-    msg = startup_error(train_argv(assets, a, "--steps", "2", "--resume", os.path.join(a, "ckpt"), "--chat-template",
+    msg = startup_error(quick_argv(assets, a, "--steps", "2", "--resume", os.path.join(a, "ckpt"), "--chat-template",
                                    "chatml"))
     assert "rendered its chats with the model's own template (no --chat-template), this run with --chat-template " \
         "chatml: drop --chat-template" in msg, msg
     (tmp_path / "mine.jinja").write_text(TEMPLATES["chatml"] + " ")
-    run(train_argv(assets, str(tmp_path / "f"), "--steps", "1", "--chat-template", str(tmp_path / "mine.jinja")))
-    msg = startup_error(train_argv(assets, str(tmp_path / "f"), "--steps", "2", "--resume",
+    run(quick_argv(assets, str(tmp_path / "f"), "--steps", "1", "--chat-template", str(tmp_path / "mine.jinja")))
+    msg = startup_error(quick_argv(assets, str(tmp_path / "f"), "--steps", "2", "--resume",
                                    str(tmp_path / "f" / "ckpt"), "--chat-template", "chatml"))
     assert f"rendered its chats with --chat-template {str(tmp_path / 'mine.jinja')!r} (" in msg and "pass " \
         "--chat-template with a file holding the text of args.chat_template_text in the checkpoint's meta.json" in msg
     (tmp_path / "same.jinja").write_text(TEMPLATES["chatml"])   # the same text under another name: the same run
-    run(train_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt"), "--chat-template",
+    run(quick_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt"), "--chat-template",
                    str(tmp_path / "same.jinja")))
-    msg = startup_error(train_argv(assets, str(tmp_path / "c"), "--init-adapter", os.path.join(b, "adapter")))
+    msg = startup_error(quick_argv(assets, str(tmp_path / "c"), "--init-adapter", os.path.join(b, "adapter")))
     assert "the chat template in " in msg and "pass --chat-template " + os.path.join(b, "adapter") in msg, msg
     capsys.readouterr()   # the other way round, an adapter that records no template: said, not refused
-    run(train_argv(assets, str(tmp_path / "d"), "--steps", "1", "--chat-template", "chatml", "--init-adapter",
+    run(quick_argv(assets, str(tmp_path / "d"), "--steps", "1", "--chat-template", "chatml", "--init-adapter",
                    os.path.join(a, "adapter")))
     out = capsys.readouterr().out
     assert f"note: --init-adapter {os.path.join(a, 'adapter')} records no chat template" in out, out
-    run(train_argv(assets, str(tmp_path / "e"), "--steps", "1", "--init-adapter", os.path.join(a, "adapter")))
+    run(quick_argv(assets, str(tmp_path / "e"), "--steps", "1", "--init-adapter", os.path.join(a, "adapter")))
     assert "records no chat template" not in capsys.readouterr().out, "said without a --chat-template"
 
 
@@ -2019,9 +2035,9 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
                                                                                       capsys):
     """A --chat-template that writes today's date (Llama 3.2/3.3's "Today Date" line): a run renders rank 0's day at
     its start, which config.json and the checkpoints keep (template_date); resumed two days later it renders that day
-    again: the same key (its tokens come from the cache) and the same losses as the uninterrupted run.
-    --template-date renders the date given (the data line of that date spelled out in the template); a resume with
-    another date is refused before any weight is read, naming both."""
+    again: the same key (its tokens come from the cache) and the same losses as the uninterrupted run (the same run's
+    own, read before the resume). --template-date renders the date given (the data line of that date spelled out in
+    the template); a resume with another date is refused before any weight is read, naming both. (--micro-batch 2.)"""
     import datetime
 
     from data import load_jsonl, load_tokenizer, store, tokenize_records
@@ -2029,34 +2045,35 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
 
     line = '{{ strftime_now("%A %d %B %Y") }}\n'
     (tmp_path / "dated.jinja").write_text(line + TEMPLATES["chatml"])
-    argv = lambda out, *x: [*train_argv(assets, out, "--chat-template", str(tmp_path / "dated.jinja"), *x),
+    argv = lambda out, *x: [*quick_argv(assets, out, "--chat-template", str(tmp_path / "dated.jinja"), *x),
                             "--data-cache", str(tmp_path / "cache")]
     spelled = lambda day: str(tokenize_records(load_jsonl(assets["data"]), load_tokenizer(assets["model"], line.replace(
         '{{ strftime_now("%A %d %B %Y") }}', datetime.date.fromisoformat(day).strftime("%A %d %B %Y"))
         + TEMPLATES["chatml"]), 64)[1])
     config = lambda out: json.load(open(os.path.join(out, "config.json")))
     monkeypatch.setattr(store, "today", lambda: "2026-12-01")
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    run(argv(full, "--steps", "3"))
+    part = str(tmp_path / "part")
+    run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01 (--template-date" in out
+    full = config(part)   # the uninterrupted run's (before the resume below rewrites it)
     logged = json.loads(next(ln for ln in out.splitlines() if ln.startswith("config: "))[len("config: "):])
-    assert logged == {k: v for k, v in config(full).items() if k not in ("layout", "data_stats", "cwd")}, "not it"
-    run(argv(part, "--steps", "3", "--save-every", "1", "--keep-ckpts", "3"))
-    assert config(full)["template_date"] == "2026-12-01" and config(full)["data_stats"] == spelled("2026-12-01")
+    assert logged == {k: v for k, v in full.items() if k not in ("layout", "data_stats", "cwd")}, "not it"
+    assert full["template_date"] == "2026-12-01" and full["data_stats"] == spelled("2026-12-01")
+    uninterrupted = [r["loss"] for r in metrics(part)]
     monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
     capsys.readouterr()
     run(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt", "step_000001")))
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01" in out and "tokens from the cache" in out, out
-    assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(full)], "the resume changed the math"
+    assert [r["loss"] for r in metrics(part)] == uninterrupted, "the resume changed the math"
     run(argv(str(tmp_path / "given"), "--steps", "2", "--template-date", "2024-07-26"))
     (tmp_path / "spelled.jinja").write_text(line.replace('{{ strftime_now("%A %d %B %Y") }}', "Friday 26 July 2024")
                                             + TEMPLATES["chatml"])   # the same date, written into the template
-    run([*train_argv(assets, str(tmp_path / "spelled"), "--steps", "2", "--chat-template",
+    run([*quick_argv(assets, str(tmp_path / "spelled"), "--steps", "2", "--chat-template",
                      str(tmp_path / "spelled.jinja")), "--data-cache", "none"])
     losses = lambda out: [r["loss"] for r in metrics(out)]
-    assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != losses(full)[:2], "not the date given"
+    assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != uninterrupted[:2], "not the date given"
     assert config(tmp_path / "given")["data_stats"] == spelled("2024-07-26")
     before = tree_hash(part)
     msg = startup_error(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt"), "--template-date",
@@ -2064,10 +2081,10 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     assert "--template-date: the checkpoint has '2026-12-01', this run '2024-07-26'" in msg, msg
     assert tree_hash(part) == before
     undated = str(tmp_path / "undated")   # a template that writes no date keeps none, and a resume takes any
-    run(train_argv(assets, undated, "--steps", "2", "--save-every", "1", "--data-cache", "none"))
+    run(quick_argv(assets, undated, "--steps", "2", "--save-every", "1", "--data-cache", "none"))
     assert config(undated)["template_date"] is None
     capsys.readouterr()
-    run(train_argv(assets, undated, "--steps", "2", "--resume", os.path.join(undated, "ckpt", "step_000001"),
+    run(quick_argv(assets, undated, "--steps", "2", "--resume", os.path.join(undated, "ckpt", "step_000001"),
                    "--template-date", "2024-07-26", "--data-cache", "none"))
     assert "note: --template-date 2024-07-26 changes nothing: the chat template writes no date" in \
         capsys.readouterr().out   # (until 2026-12-04 silent)
@@ -2077,7 +2094,7 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     capsys.readouterr()
     run(argv(part, "--steps", "4", "--resume", os.path.join(part, "ckpt", "step_000003")))
     assert "note: the checkpoint records no template date" in capsys.readouterr().out
-    meta["args"]["data_tokens"] = config(full)["data_tokens"]   # recorded, 2026-12-01's tokens: today renders 12-03
+    meta["args"]["data_tokens"] = full["data_tokens"]   # recorded, 2026-12-01's tokens: today renders 12-03
     json.dump(meta, open(os.path.join(part, "ckpt", "step_000003", "meta.json"), "w"))
     msg = startup_error(argv(part, "--steps", "4", "--resume", os.path.join(part, "ckpt", "step_000003")))
     assert "trained on other tokens" in msg and "the date a dated chat template writes (pass --template-date with " \
@@ -2093,38 +2110,38 @@ def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unles
     --keep-best's best, would be measured on other samples)."""
     text = ["--data", assets["text"]]
     out = str(tmp_path / "split")
-    run(train_argv(assets, out, *text, "--steps", "2", "--save-every", "1"))
+    run(quick_argv(assets, out, *text, "--steps", "2", "--save-every", "1"))
     said = capsys.readouterr().out
     line = next(x for x in said.splitlines() if x.startswith("data: "))
     assert " split " in line and " windows" in line and "truncated 0" in line, line
     assert json.load(open(os.path.join(out, "config.json")))["long_text"] == "split"
     step1 = os.path.join(out, "ckpt", "step_000001")
-    msg = startup_error(train_argv(assets, out, *text, "--steps", "2", "--resume", step1, "--long-text", "truncate"))
+    msg = startup_error(quick_argv(assets, out, *text, "--steps", "2", "--resume", step1, "--long-text", "truncate"))
     assert "--long-text: the checkpoint has 'split', this run 'truncate'" in msg, msg
     old = str(tmp_path / "old")   # a run that truncated, its checkpoints made to look as from before the flag
-    run(train_argv(assets, old, *text, "--steps", "2", "--save-every", "1", "--long-text", "truncate"))
+    run(quick_argv(assets, old, *text, "--steps", "2", "--save-every", "1", "--long-text", "truncate"))
     full = metrics(old)
     meta_path = os.path.join(old, "ckpt", "step_000001", "meta.json")
     meta = json.load(open(meta_path))
     del meta["args"]["long_text"], meta["args"]["data_tokens"]
     json.dump(meta, open(meta_path, "w"))
-    msg = startup_error(train_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path)))
+    msg = startup_error(quick_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path)))
     assert "from before --long-text" in msg and "Pass --long-text truncate to continue it" in msg, msg
-    run(train_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path), "--long-text",
+    run(quick_argv(assets, old, *text, "--steps", "2", "--resume", os.path.dirname(meta_path), "--long-text",
                    "truncate"))
     assert metrics(old) == [{**m, **{k: r[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
                                                         "peak_mem_gb")}} for m, r in zip(full, metrics(old))], \
         "the resume changed the math"
     chat = str(tmp_path / "chat")   # nothing to split: a checkpoint from before the flag resumes as it is
-    run(train_argv(assets, chat, "--steps", "2", "--save-every", "1"))
+    run(quick_argv(assets, chat, "--steps", "2", "--save-every", "1"))
     meta_path = os.path.join(chat, "ckpt", "step_000001", "meta.json")
     meta = json.load(open(meta_path))
     del meta["args"]["long_text"]
     json.dump(meta, open(meta_path, "w"))
-    msg = startup_error(train_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path),
+    msg = startup_error(quick_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path),
                                    "--eval-data", assets["text"]))   # but its eval data would be other samples
     assert "from before --long-text" in msg and "--data/--eval-data" in msg, msg
-    run(train_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path)))
+    run(quick_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path)))
     assert [m["step"] for m in metrics(chat)] == [1, 2]
 
 
@@ -2235,7 +2252,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     best in the checkpoint (a fresh best would take the next, worse eval and rotate the best away): the same folders,
     losses and best adapter. Resumed onto other --eval-data, or into another --out, the best is chosen anew (said);
     resumed without the flag, no step is protected; a leftover adapter_best.old-export is cleared. --overwrite
-    removes an old adapter_best; the flag without --eval-every is refused before any weight is read."""
+    removes an old adapter_best; the flag without --eval-every is refused before any weight is read. (The run resumed
+    is a copy of the first, the same deterministic run; other --eval-data is 10 training records; --micro-batch 2.)"""
     from safetensors.torch import load_file
 
     from parallel import checkpoint_export
@@ -2248,7 +2266,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
              "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (no default --data)
     full = str(tmp_path / "full")
-    run(train_argv(assets, full, *flags))
+    run(quick_argv(assets, full, *flags))
     evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
     b = min(evals)[1]
     assert b != 6, f"the eval loss fell to the last step {evals}: no rotation to protect the best from"
@@ -2262,8 +2280,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     assert best.keys() == exported.keys() and all(torch.equal(best[k], exported[k]) for k in best), "not step b's"
     assert any(not torch.equal(best[k], final[k]) for k in best), "adapter_best is the final adapter"
     part = str(tmp_path / "part")
-    run(train_argv(assets, part, *flags))
-    run(train_argv(assets, part, *flags, "--resume", os.path.join(part, "ckpt", f"step_{b:06d}")))   # back to b
+    shutil.copytree(full, part)   # (the same run again, bit for bit: copied, not rerun)
+    run(quick_argv(assets, part, *flags, "--resume", os.path.join(part, "ckpt", f"step_{b:06d}")))   # back to b
     assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(full)], "the resume changed the math"
     assert steps(part) == steps(full), (steps(part), "the resume lost the best")
     again = tensors(os.path.join(part, "adapter_best"))
@@ -2271,7 +2289,7 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     os.makedirs(os.path.join(part, "adapter_best.old-export"))   # a swap killed halfway, and other eval data
     open(os.path.join(part, "adapter_best.old-export", "x"), "w").close()
     capsys.readouterr()
-    run(train_argv(assets, part, *[assets["data"] if x == str(tmp_path / "no.jsonl") else x for x in flags],
+    run(quick_argv(assets, part, *[eval_head(assets) if x == str(tmp_path / "no.jsonl") else x for x in flags],
                    "--resume", os.path.join(part, "ckpt", f"step_{b:06d}")))   # (another --eval-data)
     out = capsys.readouterr().out
     assert f"the checkpoint's best (step {b}, eval_loss {min(evals)[0]:.6f}) was measured on other --eval-data" in out
@@ -2280,9 +2298,9 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
         {"latest", f"step_{new[1]:06d}", "step_000006"}), (steps(part), new)
     assert not os.path.exists(os.path.join(part, "adapter_best.old-export")), "a leftover swap folder stayed"
     other = str(tmp_path / "other")   # a resume into a new --out: the best lies in another run's folder
-    run(train_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
+    run(quick_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
     assert "is in another run folder: the best is chosen among this run's evaluations" in capsys.readouterr().out
-    run(train_argv(assets, full, "--steps", "6", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
+    run(quick_argv(assets, full, "--steps", "6", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
                    "--lr", "0.5", "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))   # no --keep-best
     assert steps(full) == ["latest", "step_000006"], (steps(full), "a run without --keep-best protected a step")
     run(train_argv(assets, part, "--steps", "1", "--overwrite"))
@@ -2320,8 +2338,8 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     shutil.copytree(assets["model"], model)
     base = {**assets, "model": str(model)}
     out = str(tmp_path / "out")
-    run(train_argv(base, out, "--steps", "1"))
-    again = [*train_argv(base, out, "--steps", "2"), "--resume", os.path.join(out, "ckpt")]
+    run(quick_argv(base, out, "--steps", "1"))
+    again = [*quick_argv(base, out, "--steps", "2"), "--resume", os.path.join(out, "ckpt")]
     cfg = (model / "config.json").read_text()
     (model / "config.json").write_text(json.dumps({**json.loads(cfg), "rms_norm_eps": 1e-2}))
     with pytest.raises(ValueError, match=r"--model's files \(config.json.*the base at that path changed.*"
@@ -2345,9 +2363,9 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     (model / "pytorch_model.bin").write_bytes(b"an unused copy")
     (model / "consolidated.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
     out2 = str(tmp_path / "out2")
-    run(train_argv(base, out2, "--steps", "1"))   # (the pointer is never read)
+    run(quick_argv(base, out2, "--steps", "1"))   # (the pointer is never read)
     (model / "pytorch_model.bin").unlink()
-    run([*train_argv(base, out2, "--steps", "2"), "--resume", os.path.join(out2, "ckpt")])
+    run([*quick_argv(base, out2, "--steps", "2"), "--resume", os.path.join(out2, "ckpt")])
     assert [r["step"] for r in metrics(out2)] == [1, 2]
     # a run of 2026-12-03 recorded every weight-like file (every_file): the same files resume, and keep that record
     (model / "pytorch_model.bin").write_bytes(b"an unused copy")
@@ -2357,7 +2375,7 @@ def test_a_resume_refuses_a_base_model_changed_at_its_path(assets, tmp_path):
     meta = json.loads(open(meta_path).read())
     meta["args"]["model_sha256"] = old
     open(meta_path, "w").write(json.dumps(meta))
-    run([*train_argv(base, out2, "--steps", "3"), "--resume", os.path.join(out2, "ckpt")])
+    run([*quick_argv(base, out2, "--steps", "3"), "--resume", os.path.join(out2, "ckpt")])
     assert json.loads(open(os.path.join(out2, "adapter", "trained_on.json")).read())["model_sha256"] == old
 
 
