@@ -115,16 +115,16 @@ def test_used_out_is_refused_and_untouched(assets, done, tmp_path):
 
 def test_overwrite_replaces_the_run(assets, done, tmp_path):
     out = str(tmp_path / "out")
-    run(train_argv(assets, out, "--steps", "2", "--save-every", "1", "--keep-ckpts", "5"))
+    run(quick_argv(assets, out, "--steps", "2", "--save-every", "1", "--keep-ckpts", "5"))
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001", "step_000002"]
-    run(train_argv(assets, out, "--steps", "1", "--overwrite"))
+    run(quick_argv(assets, out, "--steps", "1", "--overwrite"))
     assert [r["step"] for r in metrics(out)] == [1], "the old metrics are gone, not appended to"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"], "old checkpoints removed"
     run_files = ("mem_phases.json", "mem_trace.rank0.txt", "mem_trace.rank1.txt", "profile.txt", "profile-rank1.txt",
                  "loss.png")
     for name in run_files + ("notes.txt",):   # the old run's other outputs, and the user's own file
         open(os.path.join(out, name), "w").close()
-    run(train_argv(assets, out, "--steps", "1", "--overwrite"))
+    run(quick_argv(assets, out, "--steps", "1", "--overwrite"))
     assert not any(os.path.exists(os.path.join(out, n)) for n in run_files), os.listdir(out)
     assert os.path.isfile(os.path.join(out, "notes.txt")), "--overwrite removed a file the run did not write"
 
@@ -303,7 +303,7 @@ def test_data_is_read_back_from_the_cache_and_a_resume_refuses_changed_bytes(ass
     since the checkpoint (same path, other bytes) is refused, naming the fix, before anything is written."""
     data, out = tmp_path / "d.jsonl", str(tmp_path / "out")
     shutil.copy(assets["data"], data)
-    argv = lambda out, *x: [*train_argv(assets, out, "--steps", "2", *x, "--data", str(data)), "--data-cache",
+    argv = lambda out, *x: [*quick_argv(assets, out, "--steps", "2", *x, "--data", str(data)), "--data-cache",
                             str(tmp_path / "cache")]
     run(argv(out, "--save-every", "1"))
     assert "tokens from the cache" not in capsys.readouterr().out
@@ -352,7 +352,7 @@ def test_epochs_set_the_length_and_a_resume_keeps_them(assets, tmp_path, capsys)
     data.write_text("".join(json.dumps({"text": f"sample {i} of twelve."}) + "\n" for i in range(12)))
 
     def argv(out, *extra):   # train_argv without its --steps 3
-        base = train_argv(assets, str(out), "--data", str(data), *extra)
+        base = quick_argv(assets, str(out), "--data", str(data), *extra)
         i = base.index("--steps")
         return base[:i] + base[i + 2:]
 
@@ -393,7 +393,7 @@ def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_
     files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     for f, word in zip(files, ("alpha", "beta")):
         f.write_text("".join(json.dumps({"text": f"{word} record {i} here."}) + "\n" for i in range(6)))
-    argv = lambda out, *extra: train_argv(assets, str(out), "--data", *map(str, files), "--data-weights", "1", "0.5",
+    argv = lambda out, *extra: quick_argv(assets, str(out), "--data", *map(str, files), "--data-weights", "1", "0.5",
                                           "--steps", "4", *extra)
     run(argv(tmp_path / "rotate"))
     said = capsys.readouterr().out
@@ -691,25 +691,25 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     from tests.helpers import as_scalars, tensorboard_scalars
 
     out, tb = str(tmp_path / "out"), ["--report-to", "tensorboard", "--eval-every", "2", "--save-every", "2",
-                                      "--eval-data", assets["data"]]
-    run(train_argv(assets, out, "--steps", "4", *tb))
+                                      "--eval-data", eval_head(assets)]
+    run(quick_argv(assets, out, "--steps", "4", *tb))
     assert f"metrics in {out}/metrics.jsonl and {out}/tensorboard (tensorboard --logdir {out}/tensorboard)" in \
         capsys.readouterr().out
     first = metrics(out)
     drawn = tensorboard_scalars(out)
     assert drawn == as_scalars(first) and [s for s, _ in drawn["eval_loss"]] == [2, 4], drawn
-    run(train_argv(assets, out, "--steps", "2", *tb, "--resume", os.path.join(out, "ckpt", "step_000002")))
+    run(quick_argv(assets, out, "--steps", "2", *tb, "--resume", os.path.join(out, "ckpt", "step_000002")))
     assert "nothing to train" in capsys.readouterr().out and [r["step"] for r in metrics(out)] == [1, 2]
     assert tensorboard_scalars(out) == as_scalars(first[:2]), "TensorBoard draws steps metrics.jsonl dropped"
     assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1, "the older events files are removed"
-    run(train_argv(assets, out, "--steps", "4", *tb, "--resume", os.path.join(out, "ckpt")))
+    run(quick_argv(assets, out, "--steps", "4", *tb, "--resume", os.path.join(out, "ckpt")))
     again = metrics(out)
     assert tensorboard_scalars(out) == as_scalars(again) and [r["step"] for r in again] == [1, 2, 3, 4]
     math_of = lambda rs: [(r["loss"], r["grad_norm"], r["lr"], r.get("eval_loss")) for r in rs]   # noqa: E731
     assert math_of(again) == math_of(first), "resume never changes the math"
     # resumed from step 2 without the flag: the folder is rewritten all the same (a later resume with the flag would
     # find steps 3 and 4 of a run metrics.jsonl no longer holds)
-    run(train_argv(assets, out, "--steps", "2", *tb[2:], "--resume", os.path.join(out, "ckpt", "step_000002")))
+    run(quick_argv(assets, out, "--steps", "2", *tb[2:], "--resume", os.path.join(out, "ckpt", "step_000002")))
     assert [r["step"] for r in metrics(out)] == [1, 2] and tensorboard_scalars(out) == as_scalars(first[:2])
     # a fresh run never adds to another run's events (claim refuses the folder first; this is the sink's own guard)
     before = tree_hash(out)
@@ -720,7 +720,7 @@ def test_tensorboard_draws_each_step_once_as_metrics_jsonl_holds_it_across_resum
     real = sinks.importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
     bare = str(tmp_path / "bare")
-    said = startup_error(train_argv(assets, bare, "--report-to", "tensorboard"))
+    said = startup_error(quick_argv(assets, bare, "--report-to", "tensorboard"))
     assert said == "--report-to tensorboard needs the tensorboard package, which this python lacks: pip install " \
         "tensorboard (make install installs it), or drop --report-to tensorboard", said
     assert not os.path.exists(bare)
@@ -736,13 +736,13 @@ def test_wandb_rows_are_metrics_jsonl_across_a_resume(assets, tmp_path, monkeypa
 
     _wandb_env(monkeypatch, tmp_path)
     out, wb = str(tmp_path / "out"), ["--report-to", "wandb", "--eval-every", "2", "--save-every", "2",
-                                      "--eval-data", assets["data"]]
+                                      "--eval-data", eval_head(assets)]
     rows = lambda rs: [(r["step"], {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float))  # noqa
                                     and not isinstance(v, bool)}) for r in rs]
-    run(train_argv(assets, out, "--steps", "4", *wb))
+    run(quick_argv(assets, out, "--steps", "4", *wb))
     (first, held), = wandb_runs(out).items()
     assert held["name"] == "out" and held["rows"] == rows(metrics(out)) and "eval_loss" in held["rows"][1][1], held
-    run(train_argv(assets, out, "--steps", "4", *wb, "--resume", os.path.join(out, "ckpt", "step_000002")))
+    run(quick_argv(assets, out, "--steps", "4", *wb, "--resume", os.path.join(out, "ckpt", "step_000002")))
     assert "go to a new W&B run, out@2, in group out, after metrics.jsonl's steps up to 2" in capsys.readouterr().out
     (second, held), = [(k, v) for k, v in wandb_runs(out).items() if k != first]
     assert held["rows"] == rows(metrics(out)) and [k for k, _ in held["rows"]] == [1, 2, 3, 4], held
@@ -750,7 +750,7 @@ def test_wandb_rows_are_metrics_jsonl_across_a_resume(assets, tmp_path, monkeypa
                               if not k.startswith("_")}, "the run's config is not config.json's"
     _wandb_env(monkeypatch, tmp_path, mode=None)
     bare = str(tmp_path / "bare")
-    assert startup_error(train_argv(assets, bare, "--report-to", "wandb")).startswith(
+    assert startup_error(quick_argv(assets, bare, "--report-to", "wandb")).startswith(
         "--report-to wandb: no W&B API key for api.wandb.ai here")
     assert not os.path.exists(bare)
 
@@ -836,7 +836,7 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
     from parallel import recorded, resume
 
     out = str(tmp_path / "wsd")
-    run(train_argv(assets, out, "--lr-schedule", "wsd", "--wsd-decay", "0.5", "--warmup", "0", "--steps", "4",
+    run(quick_argv(assets, out, "--lr-schedule", "wsd", "--wsd-decay", "0.5", "--warmup", "0", "--steps", "4",
                    "--save-every", "2"))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)   # (train_argv's --lr)
     sched, theirs = hf.get_wsd_schedule(opt, 0, 2, 4, min_lr_ratio=0.1), []   # (--min-lr-ratio's default)
@@ -845,11 +845,11 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
         opt.step()
         sched.step()
     assert [r["lr"] for r in metrics(out)] == pytest.approx(theirs, rel=1e-12) and theirs[-1] < theirs[0], theirs
-    said = startup_error(train_argv(assets, out, "--warmup", "0", "--steps", "4", "--resume",
+    said = startup_error(quick_argv(assets, out, "--warmup", "0", "--steps", "4", "--resume",
                                     os.path.join(out, "ckpt")))
     assert "--lr-schedule: the checkpoint has 'wsd', this run 'cosine'" in said, said
     flat = str(tmp_path / "flat")   # --wsd-decay's share of a short run is no step: it never decays, and says so
-    run(train_argv(assets, flat, "--lr-schedule", "wsd", "--warmup", "0", "--steps", "2"))
+    run(quick_argv(assets, flat, "--lr-schedule", "wsd", "--warmup", "0", "--steps", "2"))
     assert "note: --wsd-decay 0.1 of 2 steps is no step: the LR stays at --lr to the end" in capsys.readouterr().out
     assert [r["lr"] for r in metrics(flat)] == [1e-3, 1e-3]
     # a run from before the flags: its lr_at's text, no lr_schedule / min_lr_ratio / wsd_decay in its checkpoint
@@ -858,10 +858,10 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
     import lr_before
     assert recorded.describe_code(lr_before.lr_at) == resume.LR_AT_BEFORE
     ref, then = str(tmp_path / "ref"), str(tmp_path / "then")
-    run(train_argv(assets, ref, "--steps", "4", "--save-every", "2"))
+    run(quick_argv(assets, ref, "--steps", "4", "--save-every", "2"))
     with monkeypatch.context() as m:
         m.setattr(train, "lr_at", lr_before.lr_at)
-        run(train_argv(assets, then, "--steps", "2", "--save-every", "2"))
+        run(quick_argv(assets, then, "--steps", "2", "--save-every", "2"))
     meta = os.path.join(then, "ckpt", "step_000002", "meta.json")
     with open(meta) as f:
         kept = json.load(f)
@@ -869,10 +869,10 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
         del kept["args"][k]
     with open(meta, "w") as f:
         json.dump(kept, f)
-    said = startup_error(train_argv(assets, then, "--steps", "4", "--min-lr-ratio", "0.2", "--resume",
+    said = startup_error(quick_argv(assets, then, "--steps", "4", "--min-lr-ratio", "0.2", "--resume",
                                     os.path.join(then, "ckpt")))
     assert "--min-lr-ratio: the checkpoint has 0.1, this run 0.2" in said and "lr_at" not in said, said
-    run(train_argv(assets, then, "--steps", "4", "--resume", os.path.join(then, "ckpt")))
+    run(quick_argv(assets, then, "--steps", "4", "--resume", os.path.join(then, "ckpt")))
     same = lambda d: [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(d)]   # noqa: E731
     assert same(then) == same(ref)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (then, ref))
@@ -1364,9 +1364,9 @@ def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, mo
         calls[0] += 1
         return real() + 31 * 60 * calls[0]
     monkeypatch.setattr(saves, "time", types.SimpleNamespace(time=slow))
-    run(train_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5"))
+    run(quick_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5"))
     assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["latest", "step_000001", "step_000002", "step_000003"]
-    run(train_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0"))
+    run(quick_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0"))
     assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["latest", "step_000003"]
 
 
