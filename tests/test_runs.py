@@ -402,10 +402,10 @@ def test_a_finished_run_lets_go_of_its_out_before_any_rank_returns(assets, tmp_p
     returns while rank 0 still holds OUT's lock (review, helper 91: ranks 1.. returned first, the next run's start-up
     check on them found OUT "in use by a live run" (rank 0's own pid), rank 0 went on into the collectives, which
     broke (gloo) or waited for the launcher (NCCL))."""
-    from tests.helpers import train_argv
+    from tests.helpers import eval_head, train_argv
 
     argv = train_argv(assets, str(tmp_path / "run"), "--dp-shard", "2", "--steps", "1", "--eval-every", "1",
-                      "--keep-best", "--eval-data", assets["data"])   # (the last --steps counts)
+                      "--keep-best", "--eval-data", eval_head(assets))   # (the last --steps counts; 10 eval records)
     got = run_ranks(_two_runs_in_one_job, 2, argv, str(tmp_path / "resumed"), timeout=280, pg_timeout=60)
     assert got == [["ok", "ok"]] * 2, f"the later runs on ranks 0, 1: {got}"
 

@@ -34,6 +34,11 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit); a CPU run's
   memory is the RAM, or the job's cgroup limit when lower, over the local ranks.
 
+Cost (2026-12-07): runs whose claims count no micro-batch take --micro-batch 2 (quick_argv: 4 micro-batches a step of
+8, still accumulated), a run equal to one already made is a copy of its folder, eval sets are 10 records where the
+claim holds on any (eval_head), and only the CLI's own behaviour (signals, exit codes, torchrun, two processes of a
+job) runs in subprocesses.
+
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
 """
 
