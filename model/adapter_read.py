@@ -16,6 +16,7 @@ The files an adapter folder holds are named in model/export.py, which writes the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -86,16 +87,16 @@ MODULES = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.r
 
 def saved_modules(mods) -> tuple[list[str], list[str]]:
     """peft's modules_to_save `mods` as the modules they match here, and a phrase for each entry that matches a module
-    this trainer does not train (the head, a projection, a block) or none. peft wraps every module whose name ENDS
-    with an entry (`_set_trainable`: key.endswith(entry)), so users write short names: "norm" is every norm
-    (input_layernorm, post_attention_layernorm, q/k_norm, model.norm), "embed_tokens" the input embedding. A block's
-    module is named at the index the entry spells (or ends with: "1.input_layernorm" is block 1's and 11's), else
-    block 0's: which blocks it covers, the adapter's tensors say (they are saved under the full names)."""
+    this trainer does not train (the head, a projection, a block) or none. peft wraps every module whose name ends
+    with an entry, so users write short names ("embed_tokens": the input embedding), by the installed peft's rule
+    (`peft_saves`): "norm" is every norm up to peft 0.21 (input_layernorm, q/k_norm, model.norm), model.norm alone
+    from 0.22. A block's module is named at the index the entry spells (or ends with: "1.input_layernorm" is block 1's,
+    and 11's up to 0.21), else block 0's: which blocks it covers, the adapter's tensors say (saved under full names)."""
     names, wrong = set(), []
     for e in mods if isinstance(mods, list) else [mods]:
         e = to_ours(e) if isinstance(e, str) else e   # (peft's names on a multimodal wrapper: its language model's)
         at = {0} | {int(p + d) for d in re.findall(r"\d+", e) for p in ("", "1")} if isinstance(e, str) else set()
-        hit = sorted({m.format(i=i) for m in MODULES for i in at if m.format(i=i).endswith(e)})
+        hit = sorted({m.format(i=i) for m in MODULES for i in at if peft_saves(m.format(i=i), e)})
         other = [h.replace("layers.0.", "layers.N.") if at == {0} else h for h in hit   # (every block's)
                  if not is_saved_weight(h + ".weight")]
         if other or not hit:
@@ -103,6 +104,30 @@ def saved_modules(mods) -> tuple[list[str], list[str]]:
                                               if other else "no module of a Llama-family model"))
         names.update(hit)
     return sorted(names), wrong
+
+
+def peft_saves(name: str, entry: str) -> bool:
+    """Whether the installed peft wraps the module `name` for the modules_to_save `entry`: peft up to 0.21 takes any
+    name ending with it (`_set_trainable`: key.endswith(entry)), 0.22 a whole dotted suffix (`_is_valid_match`). Where
+    the two differ for `name`, peft itself is asked (`_suffix_rule`), so the rule here is the one peft applies."""
+    return name == entry or name.endswith("." + entry) or (name.endswith(entry) and _suffix_rule())
+
+
+@functools.cache
+def _suffix_rule() -> bool:
+    """Whether the installed peft wraps, for modules_to_save ["norm"], a module named q_norm too (any name suffix)
+    rather than only one named norm: asked of get_peft_model on a toy of three modules (here, not at import: the
+    merge imports peft only for a short entry the two rules read apart)."""
+    from model.bnb import bnb  # noqa: F401 - bitsandbytes before peft, which imports it: see model/bnb.py
+    from peft import LoraConfig, get_peft_model
+
+    toy = torch.nn.Module()
+    toy.proj, toy.norm, toy.q_norm = torch.nn.Linear(1, 1), torch.nn.LayerNorm(1), torch.nn.LayerNorm(1)
+    get_peft_model(toy, LoraConfig(r=1, target_modules=["proj"], modules_to_save=["norm"]))
+    if not hasattr(toy.norm, "modules_to_save"):   # (peft's wrapper holds its copies there)
+        raise RuntimeError("peft wrapped no module named 'norm' for modules_to_save ['norm']: its matching rule is "
+                           "neither peft 0.21's nor 0.22's; model/adapter_read.peft_saves needs updating for it")
+    return hasattr(toy.q_norm, "modules_to_save")
 
 
 def not_an_adapter(path: str, flag: str) -> str | None:

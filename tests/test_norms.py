@@ -234,14 +234,16 @@ def _short_argv(path, adapter, *flags):
     ("qwen2", ["input_layernorm", "model.norm"]), ("tied", ["norm", "embed_tokens"])],
     ids=["qwen3_norm_embed", "qwen2_as_users_write_them", "qwen2_block_norms_and_full_name", "tied_norm_embed"])
 def test_peft_short_modules_to_save_start_a_run_as_peft_computes(ckpts, family, mods, tmp_path):
-    """peft's own adapter with modules_to_save in its short form (LoraConfig's, matched as name suffixes: "norm" is
-    every norm, Qwen3's q/k norms too): --init-adapter's checks take it (asking for the flags that train what it
+    """peft's own adapter with modules_to_save in its short form (LoraConfig's, matched as name suffixes by the installed
+    peft's rule: "norm" is every norm, Qwen3's q/k norms too, up to peft 0.21, model.norm alone from 0.22): the modules
+    it saved are those model.adapter_read reads the names as; --init-adapter's checks take it (asking for the flags that train what it
     saved; a tied model's under peft's ensure_weight_tying), the model it starts gives PeftModel's logits, its export
     loads in peft again with them, and the merge writes what merge_and_unload holds."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from model.adapter_read import peft_saves
     from model.export import export_adapter
     from model.load import read_args
     from model.merged import merge
@@ -261,7 +263,12 @@ def test_peft_short_modules_to_save_start_a_run_as_peft_computes(ckpts, family, 
     saved = json.load(open(tmp_path / "peft" / "adapter_config.json"))["modules_to_save"]
     assert "norm" in saved or "input_layernorm" in saved, saved   # (the short form, as peft wrote it)
     held = [k for k in load_file(str(tmp_path / "peft" / "adapter_model.safetensors")) if ".lora_" not in k]
-    assert len(held) == {"qwen3": 10, "tied": 7}.get(family, 6 if emb else 3), held   # (tied: the head, the same)
+    # what the installed peft saved for the short names (up to 0.21 any name suffix: "norm" is every norm, q/k norms
+    # too; 0.22 a whole dotted one: model.norm alone) is what our reading of them (peft_saves) names, module by module
+    named = [n for n, _ in hf().named_modules() if n and any(peft_saves(n, e) for e in mods)]
+    assert sorted(k.removeprefix("base_model.model.").removesuffix(".weight") for k in held
+                  if k != "base_model.model.lm_head.weight") == sorted(named), (held, named)
+    assert len(held) == len(named) + (family == "tied") and len(named) >= 1 + emb, held   # (tied: the head, the same)
     # the start-up checks: the flags that train what it saved asked for, by name; with them, accepted
     with pytest.raises(ValueError, match="no --train-norms \\(pass --train-norms\\)"):
         check_flags(_short_argv(path, str(tmp_path / "peft"), "--train-embeddings"))
