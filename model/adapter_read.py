@@ -119,6 +119,7 @@ def _suffix_rule() -> bool:
     rather than only one named norm: asked of get_peft_model on a toy of three modules (here, not at import: the
     merge imports peft only for a short entry the two rules read apart)."""
     from model.bnb import bnb  # noqa: F401 - bitsandbytes before peft, which imports it: see model/bnb.py
+    # isort: split
     from peft import LoraConfig, get_peft_model
 
     toy = torch.nn.Module()

@@ -234,11 +234,11 @@ def _short_argv(path, adapter, *flags):
     ("qwen2", ["input_layernorm", "model.norm"]), ("tied", ["norm", "embed_tokens"])],
     ids=["qwen3_norm_embed", "qwen2_as_users_write_them", "qwen2_block_norms_and_full_name", "tied_norm_embed"])
 def test_peft_short_modules_to_save_start_a_run_as_peft_computes(ckpts, family, mods, tmp_path):
-    """peft's own adapter with modules_to_save in its short form (LoraConfig's, matched as name suffixes by the installed
-    peft's rule: "norm" is every norm, Qwen3's q/k norms too, up to peft 0.21, model.norm alone from 0.22): the modules
-    it saved are those model.adapter_read reads the names as; --init-adapter's checks take it (asking for the flags that train what it
-    saved; a tied model's under peft's ensure_weight_tying), the model it starts gives PeftModel's logits, its export
-    loads in peft again with them, and the merge writes what merge_and_unload holds."""
+    """peft's own adapter with modules_to_save in its short form (LoraConfig's, matched as name suffixes by the
+    installed peft's rule: "norm" is every norm, Qwen3's q/k norms too, up to peft 0.21, model.norm alone from 0.22):
+    what it saved is what model.adapter_read reads the names as; --init-adapter's checks take it (asking for the flags
+    that train what it saved; a tied model's under peft's ensure_weight_tying), the model it starts gives PeftModel's
+    logits, its export loads in peft again with them, and the merge writes what merge_and_unload holds."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
