@@ -1149,7 +1149,7 @@ def reset():
     return hwm()["VmRSS"]
 """
 
-_NORM_PEAK = _PEAK_HELPERS + """
+_PEAKS = _PEAK_HELPERS + """
 x = torch.randn(65536, 1024, dtype=torch.bfloat16).requires_grad_()
 w, g = torch.rand(1024, dtype=torch.bfloat16) + 0.5, torch.randn(65536, 1024, dtype=torch.bfloat16)
 base = reset()
@@ -1158,55 +1158,56 @@ fwd = hwm()["VmHWM"] - base
 base = reset()
 y.backward(g)
 print(fwd / (2 * x.numel()), (hwm()["VmHWM"] - base) / (2 * x.numel()))
-"""
-
-
-_ROPE_PEAK = _PEAK_HELPERS + """
+del x, w, g, y
 q = torch.randn(1, 65536, 16, 64, dtype=torch.bfloat16).requires_grad_()
 k = torch.randn(1, 65536, 1, 64, dtype=torch.bfloat16).requires_grad_()
 ang = torch.arange(65536.0)[None, :, None] * torch.rand(64)
 cos, sin, g = ang.cos().bfloat16(), ang.sin().bfloat16(), torch.randn_like(q)
-if sys.argv[1] == "whole":   # the formula without the chunks (what compiled code fuses)
-    torch.compiler.is_compiling = lambda: True
-base = reset()
-y, _ = rope.Rotary()(q, k, cos, sin)
-fwd = hwm()["VmHWM"] - base
-base = reset()
-y.backward(g)
-print(fwd / (2 * q.numel()), (hwm()["VmHWM"] - base) / (2 * q.numel()))
+for mode in ("chunks", "whole"):
+    if mode == "whole":   # the formula without the chunks (what compiled code fuses)
+        torch.compiler.is_compiling = lambda: True
+    q.grad = None
+    base = reset()
+    y, _ = rope.Rotary()(q, k, cos, sin)
+    fwd = hwm()["VmHWM"] - base
+    base = reset()
+    y.backward(g)
+    print(fwd / (2 * q.numel()), (hwm()["VmHWM"] - base) / (2 * q.numel()))
+    del y
 """
 
 
+@pytest.fixture(scope="module")
+def peaks():
+    """The peak-memory measurements of RMSNorm and RoPE (chunked, then whole), in one fresh process (its VmHWM reset
+    before each): {"norm": (forward, backward), "chunks": ..., "whole": ...}, in units of the input's bytes. One
+    process for the three (it was one per measurement: each start imports torch)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _PEAKS], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    return {name: tuple(map(float, line.split())) for name, line in zip(("norm", "chunks", "whole"), lines)}
+
+
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
-def test_rope_temporaries_stay_within_a_chunk():
+def test_rope_temporaries_stay_within_a_chunk(peaks):
     """u = q's bf16 bytes (134 MB, 64k tokens x 16 heads x 64). Eager RoPE (model.rope._RopeFn) holds its
     output plus one chunk's temporaries each way (forward: q's and k's outputs; backward: q's gradient); the
     whole-tensor formula held about 3 u forward (q·cos, the rotated half, its product, the sum) and 3 u in
     backward, measured here side by side (2026-11-30: 1.07 / 1.26 u against 3.01 / 2.77 u; 1.10 / 1.30 u before
     the multiply-adds)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    peaks = {}
-    for mode in ("chunks", "whole"):
-        out = subprocess.run([sys.executable, "-c", _ROPE_PEAK, mode], cwd=root, env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        peaks[mode] = tuple(map(float, out.stdout.split()))
     assert peaks["chunks"][0] < 1.5 and peaks["chunks"][1] < 1.5, peaks
     assert peaks["whole"][0] > 2.5 and peaks["whole"][1] > 2, peaks   # the measurement sees what chunks remove
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="cannot reset VmHWM")
-def test_rmsnorm_float32_temporaries_stay_within_a_chunk():
+def test_rmsnorm_float32_temporaries_stay_within_a_chunk(peaks):
     """u = the bf16 input's bytes (134 MB); a chunk's float32 temporaries are 4 MB (0.03 u) each. Forward
     keeps the output (u) and the fp32 rstd; backward allocates the input gradient (u). The whole-tensor math
     peaked at 5.0 u and 10.1 u (measured before the chunks)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _NORM_PEAK], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    fwd, bwd = map(float, out.stdout.split())
+    fwd, bwd = peaks["norm"]
     assert fwd < 2 and bwd < 2, (fwd, bwd)
 
 
