@@ -367,37 +367,19 @@ def _train(rank, world_size, argv):
     train.main(argv)
 
 
-def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(demo, tmp_path):
-    """After 3 steps on the demo (its pretrained base: tokens it predicts, and some it does not), eval_loss and
-    eval_token_acc are transformers + peft's (the exported adapter on the base) over the eval samples, one forward
-    each: the mean cross-entropy over their targets (float64), and the share of targets that are the logits' argmax
-    (a near-tie may fall the other way: one target's worth of slack). Each step logs token_acc, a share."""
+def _peft_on(model, adapter, path):
+    """transformers + peft's (the exported adapter on the base) sums over one eval file's samples, one forward each:
+    (cross-entropy over the targets in float64, targets that are the logits' argmax, targets)."""
     import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    import train
     from data import load_samples
     from model.load import read_args
 
-    model, data, eval_data = (str(p) for p in demo)
-    out = str(tmp_path / "out")
-    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "3", "--lr", "5e-3",
-                          "--warmup", "1", "--global-batch", "8", "--quant", "none", "--dtype", "fp32", "--data-cache",
-                          "none", "--no-progress", "--out", o, *f]   # noqa: E731
-    with one_thread():
-        train.main(argv(out))
-    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert len(recs) == 3 and all(0 < r["token_acc"] < 1 for r in recs), recs
-    # 2 ranks, ring attention (each rank a zigzag half of every row: its own targets' hits), the same shares
-    run_ranks(_train, 2, argv(str(tmp_path / "ring"), "--cp", "2", "--cp-impl", "ring"), timeout=300)
-    ring = [json.loads(line) for line in open(tmp_path / "ring" / "metrics.jsonl")]
-    for g, w in zip(ring, recs, strict=True):
-        assert abs(g["loss"] - w["loss"]) <= 1e-4 and abs(g["token_acc"] - w["token_acc"]) <= 1e-3, (g, w)
-    assert abs(ring[-1]["eval_token_acc"] - recs[-1]["eval_token_acc"]) <= 1e-3, (ring[-1], recs[-1])
-    samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
+    samples, _ = load_samples(path, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
-                                     os.path.join(out, "adapter")).eval()
+                                     adapter).eval()
     loss = hits = n = 0
     with torch.no_grad():
         for i in range(len(samples)):
@@ -405,12 +387,78 @@ def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(de
             z, keep = peft(ids[None]).logits[0].double(), lab != IGNORE_INDEX
             loss += F.cross_entropy(z[keep], lab[keep], reduction="sum").item()
             hits, n = hits + int((z.argmax(-1) == lab)[keep].sum()), n + int(keep.sum())
+    return loss, hits, n
+
+
+def test_eval_loss_and_token_accuracy_are_the_peft_models_on_the_eval_samples(demo, tmp_path, capsys):
+    """After 2 steps on the demo (its pretrained base: tokens it predicts, and some it does not), with --eval-data a b
+    (the demo's eval records in two halves), eval_loss and eval_token_acc are transformers + peft's over all eval
+    samples, one forward each: the mean cross-entropy over their targets (float64), and the share of targets that are
+    the logits' argmax (a near-tie may fall the other way: one target's worth of slack); eval_loss/a.jsonl,
+    eval_token_acc/a.jsonl (and b's) are the same over that file's samples alone, so eval_token_acc lies between them
+    (their targets' share); the line before training names each file's loss, no accuracy. Each step logs token_acc, a
+    share; 2 ring ranks log the same. (One run for what was two tests: the several-files runs of a and b alone are
+    peft's forward here.)"""
+    import train
+
+    model, data, eval_data = (str(p) for p in demo)
+    lines = open(eval_data).read().splitlines(True)
+    for name, part in (("a", lines[: len(lines) // 2]), ("b", lines[len(lines) // 2:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(part))
+    files = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    out = str(tmp_path / "out")
+    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", *files, "--steps", "2", "--lr", "5e-3",
+                          "--warmup", "1", "--global-batch", "8", "--quant", "none", "--dtype", "fp32", "--data-cache",
+                          "none", "--no-progress", "--out", o, *f]   # noqa: E731
+    with one_thread():
+        train.main(argv(out))
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval_loss before training")]
+    assert len(said) == 1 and "eval_loss/a.jsonl" in said[0] and "eval_loss/b.jsonl" in said[0] and \
+        "token_acc" not in said[0], said
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(recs) == 2 and all(0 < r["token_acc"] < 1 for r in recs), recs
+    # 2 ranks, ring attention (each rank a zigzag half of every row: its own targets' hits), the same shares
+    run_ranks(_train, 2, argv(str(tmp_path / "ring"), "--cp", "2", "--cp-impl", "ring"), timeout=300)
+    ring = [json.loads(line) for line in open(tmp_path / "ring" / "metrics.jsonl")]
+    for g, w in zip(ring, recs, strict=True):
+        assert abs(g["loss"] - w["loss"]) <= 1e-4 and abs(g["token_acc"] - w["token_acc"]) <= 1e-3, (g, w)
+    assert abs(ring[-1]["eval_token_acc"] - recs[-1]["eval_token_acc"]) <= 1e-3, (ring[-1], recs[-1])
+    got, adapter = recs[-1], os.path.join(out, "adapter")
+    each = {name: _peft_on(model, adapter, f) for name, f in zip("ab", files)}
+    loss, hits, n = (sum(v) for v in zip(*each.values()))
     assert 0.05 < hits / n < 0.95, (hits, n)   # (neither all right nor all wrong: the share can tell)
-    assert recs[-1]["eval_loss"] == pytest.approx(loss / n, rel=2e-5), (recs[-1], loss / n)
-    assert abs(recs[-1]["eval_token_acc"] - hits / n) <= 1.01 / n, (recs[-1], hits, n)
+    assert got["eval_loss"] == pytest.approx(loss / n, rel=2e-5), (got, loss / n)
+    assert abs(got["eval_token_acc"] - hits / n) <= 1.01 / n, (got, hits, n)
+    for name, (loss, hits, n) in each.items():
+        assert got[f"eval_loss/{name}.jsonl"] == pytest.approx(loss / n, rel=2e-5), (name, got, loss / n)
+        assert abs(got[f"eval_token_acc/{name}.jsonl"] - hits / n) <= 1.01 / n, (name, got, hits, n)
+    shares = [got[f"eval_token_acc/{name}.jsonl"] for name in "ab"]
+    assert min(shares) <= got["eval_token_acc"] <= max(shares) and 0 < min(shares), (got, shares)
 
 
-def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_path, capsys):
+def _positions_argv(demo, out, *flags):
+    model, data, eval_data = (str(p) for p in demo)
+    return ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "2", "--lr", "5e-3", "--warmup", "1",
+            "--global-batch", "8", "--quant", "none", "--data-cache", "none", "--no-progress", "--eval-positions", "46",
+            "50", "--out", str(out), *flags]
+
+
+@pytest.fixture(scope="module")
+def positions_run(demo, tmp_path_factory):
+    """One float32 run with --eval-positions 46 50 (2 steps), shared by the position test and the bf16 one: (its out
+    directory, what it printed)."""
+    import contextlib
+    import io
+
+    import train
+
+    out, said = tmp_path_factory.mktemp("positions") / "one", io.StringIO()
+    with one_thread(), contextlib.redirect_stdout(said):
+        train.main(_positions_argv(demo, out, "--dtype", "fp32"))
+    return out, said.getvalue()
+
+
+def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, positions_run, tmp_path):
     """--eval-positions 46 50: eval_loss@0-45, @46-49 and @50+ after 2 steps are transformers + peft's mean
     cross-entropy over the eval targets whose token sits at those positions of its sample (one forward a sample; ours
     packs several a row, positions restarting at each), and eval_token_acc@0-45, ... the share of those targets that
@@ -424,22 +472,17 @@ def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    import train
     from bench import plot
     from data import load_samples
     from model.load import read_args
 
-    model, data, eval_data = (str(p) for p in demo)
-    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "2", "--lr", "5e-3",
-                          "--warmup", "1", "--global-batch", "8", "--quant", "none", "--dtype", "fp32", "--data-cache",
-                          "none", "--no-progress", "--eval-positions", "46", "50", "--out", o, *f]   # noqa: E731
-    with one_thread():
-        train.main(argv(str(tmp_path / "one")))
-    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval_loss before training")]
-    got = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")][-1]
+    model, _, eval_data = (str(p) for p in demo)
+    one, printed = positions_run
+    said = [x for x in printed.splitlines() if x.startswith("eval_loss before training")]
+    got = [json.loads(line) for line in open(one / "metrics.jsonl")][-1]
     samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
-                                     str(tmp_path / "one" / "adapter")).eval()
+                                     str(one / "adapter")).eval()
     sums = {"0-45": [0.0, 0, 0], "46-49": [0.0, 0, 0], "50+": [0.0, 0, 0]}   # (loss, targets, right; targets: 42-53)
     with torch.no_grad():
         for i in range(len(samples)):
@@ -464,69 +507,39 @@ def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, tmp_pa
     assert got["eval_token_acc"] == pytest.approx(weighted, abs=1e-5), (got, weighted)
     assert len(said) == 1 and all(f"eval_loss@{s} " in said[0] and f"eval_token_acc@{s} " in said[0]
                                   for s in sums), said
-    plot.main(str(tmp_path / "one" / "metrics.jsonl"), str(tmp_path / "loss.png"))   # (make plot: a panel of shares)
+    plot.main(str(one / "metrics.jsonl"), str(tmp_path / "loss.png"))   # (make plot: a panel of shares)
     drawn = {line.get_label(): list(line.get_ydata()) for line in plt.gcf().axes[1].get_lines()}
     plt.close("all")
     assert drawn == {"eval token accuracy": [got["eval_token_acc"]],
                      **{f"positions {s}": [got[f"eval_token_acc@{s}"]] for s in sums}}, (drawn, got)
     for impl in ("ring", "ulysses"):
-        run_ranks(_train, 2, argv(str(tmp_path / impl), "--cp", "2", "--cp-impl", impl), timeout=300)
+        run_ranks(_train, 2, _positions_argv(demo, tmp_path / impl, "--dtype", "fp32", "--cp", "2", "--cp-impl", impl),
+                  timeout=300)
         cp = [json.loads(line) for line in open(tmp_path / impl / "metrics.jsonl")][-1]
         assert sorted(cp) == sorted(got), (impl, cp, got)
         for k in (k for k in got if k.startswith(("eval_loss", "eval_token_acc"))):
             assert cp[k] == pytest.approx(got[k], rel=1e-5), (impl, k, cp[k], got[k])
 
 
-def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, tmp_path, monkeypatch):
+def test_token_accuracy_counts_under_cudas_bf16_mixed_precision(demo, positions_run, tmp_path, monkeypatch):
     """On CUDA, FSDP2's mixed precision casts every floating-point tensor handed to the root's forward to bf16 (a copy):
     a float64 `hits` counter came back untouched, so token_acc and eval_token_acc were 0 on every GPU run. The CUDA
-    path's dtypes on gloo (`BuildOptions.mixed_precision`) give the float32 run's shares, within bf16's rounding of a
-    near-tie (review, helper 98). With --eval-positions, whose per-row hits are an int64 tensor for the same reason,
-    each bucket's share too (review, helper 109)."""
+    path's dtypes on gloo (`BuildOptions.mixed_precision`) give the float32 run's shares (the position test's run,
+    2 steps), within bf16's rounding of a near-tie (review, helper 98). With --eval-positions, whose per-row hits are an
+    int64 tensor for the same reason, each bucket's share too (review, helper 109)."""
     import dataclasses
 
     import train
     from parallel.parallelize import BuildOptions
 
-    model, data, eval_data = (str(p) for p in demo)
-    argv = lambda o, *f: ["--model", model, "--data", data, "--eval-data", eval_data, "--steps", "1", "--warmup", "1",
-                          "--global-batch", "8", "--quant", "none", "--data-cache", "none", "--no-progress", "--out",
-                          str(tmp_path / o), "--eval-positions", "46", "50", *f]   # noqa: E731
+    real = BuildOptions.from_args.__func__
+    monkeypatch.setattr(BuildOptions, "from_args", classmethod(
+        lambda cls, *a, **k: dataclasses.replace(real(cls, *a, **k), mixed_precision=True)))
     with one_thread():
-        train.main(argv("fp32", "--dtype", "fp32"))
-        real = BuildOptions.from_args.__func__
-        monkeypatch.setattr(BuildOptions, "from_args", classmethod(
-            lambda cls, *a, **k: dataclasses.replace(real(cls, *a, **k), mixed_precision=True)))
-        train.main(argv("bf16", "--dtype", "bf16"))
-    (want,), (got,) = ([json.loads(line) for line in open(tmp_path / o / "metrics.jsonl")] for o in ("fp32", "bf16"))
+        train.main(_positions_argv(demo, tmp_path / "bf16", "--dtype", "bf16"))
+    want, got = ([json.loads(line) for line in open(o / "metrics.jsonl")][-1] for o in (positions_run[0],
+                                                                                        tmp_path / "bf16"))
     assert 0.05 < want["token_acc"] < 0.95 and 0.05 < want["eval_token_acc"] < 0.95, want
     assert all(0 < want[f"eval_token_acc@{s}"] for s in ("46-49", "50+")), want
     for k in ("token_acc", "eval_token_acc", "eval_token_acc@0-45", "eval_token_acc@46-49", "eval_token_acc@50+"):
         assert abs(got[k] - want[k]) <= 0.05, (k, got, want)
-
-
-def test_several_eval_files_give_each_files_token_accuracy(demo, tmp_path, capsys):
-    """--eval-data a b (the demo's eval records in two halves): eval_token_acc/a.jsonl and eval_token_acc/b.jsonl are
-    the eval_token_acc of runs evaluating a or b alone, and eval_token_acc lies between them (their targets' share, a
-    weighted mean); the line before training names each file's loss, no accuracy."""
-    import train
-
-    model, data, eval_data = (str(p) for p in demo)
-    lines = open(eval_data).read().splitlines(True)
-    for name, part in (("a", lines[: len(lines) // 2]), ("b", lines[len(lines) // 2:])):
-        (tmp_path / f"{name}.jsonl").write_text("".join(part))
-    runs = {}
-    for name, files in (("ab", ["a", "b"]), ("a", ["a"]), ("b", ["b"])):
-        out = str(tmp_path / f"out_{name}")
-        with one_thread():
-            train.main(["--model", model, "--data", data, "--eval-data", *(str(tmp_path / f"{f}.jsonl") for f in files),
-                        "--steps", "1", "--lr", "5e-3", "--global-batch", "8", "--quant", "none", "--dtype", "fp32",
-                        "--data-cache", "none", "--no-progress", "--out", out])
-        runs[name] = json.loads(open(os.path.join(out, "metrics.jsonl")).read().splitlines()[-1])
-        if name == "ab":
-            said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval_loss before training")]
-            assert len(said) == 1 and "eval_loss/a.jsonl" in said[0] and "token_acc" not in said[0], said
-    ab, a, b = runs["ab"], runs["a"]["eval_token_acc"], runs["b"]["eval_token_acc"]
-    assert ab["eval_token_acc/a.jsonl"] == pytest.approx(a, abs=1e-9) and ab["eval_token_acc/b.jsonl"] == \
-        pytest.approx(b, abs=1e-9), (ab, a, b)
-    assert min(a, b) <= ab["eval_token_acc"] <= max(a, b) and 0 < min(a, b), (ab, a, b)
