@@ -194,6 +194,9 @@ def test_nf4_quantizes_what_bitsandbytes_would(ckpt):
         torch.testing.assert_close(q(ids, position_ids=pos), plain(ids, position_ids=pos), rtol=1e-5, atol=1e-5)
 
 
+SHORT = ["--steps", "2", "--global-batch", "4"]   # nothing resumes
+
+
 def _train_ranks(rank, world_size, argv):
     import train
     from tests.helpers import one_thread
@@ -205,9 +208,9 @@ def _train_ranks(rank, world_size, argv):
 
 @pytest.mark.timeout(400)
 def test_train_with_cp2_ring_trains_like_one_process(assets, tmp_path):
-    """train.py, 3 steps on the fixture's chat records, a k_eq_v Gemma 4 (a 16-token window under 64-token rows):
-    --cp 2 --cp-impl ring on 2 ranks (the start-up check passes, nothing else refuses) trains as one process does:
-    every step's loss, grad norm, and the adapter."""
+    """train.py, 2 steps of --global-batch 4 on the fixture's chat records, a k_eq_v Gemma 4 (a 16-token window under
+    64-token rows): --cp 2 --cp-impl ring on 2 ranks (the start-up check passes, nothing else refuses) trains as one
+    process does: every step's loss, grad norm, and the adapter."""
     import train
     from tests.dist import run_ranks
     from tests.fixtures import make_tokenizer
@@ -223,7 +226,7 @@ def test_train_with_cp2_ring_trains_like_one_process(assets, tmp_path):
     hf.save_pretrained(tmp_path / "model")
     a = {**assets, "model": str(tmp_path / "model")}
     with one_thread():
-        train.main(train_argv(a, str(tmp_path / "one")))
-    assert run_ranks(_train_ranks, 2, train_argv(a, str(tmp_path / "cp2"), "--cp", "2", "--cp-impl", "ring"),
+        train.main(train_argv(a, str(tmp_path / "one"), *SHORT))
+    assert run_ranks(_train_ranks, 2, train_argv(a, str(tmp_path / "cp2"), *SHORT, "--cp", "2", "--cp-impl", "ring"),
                      timeout=380) == [True, True]
-    _compare("Gemma 4 cp 2 ring", str(tmp_path / "cp2"), str(tmp_path / "one"))
+    _compare("Gemma 4 cp 2 ring", str(tmp_path / "cp2"), str(tmp_path / "one"), steps=(1, 2))

@@ -13,8 +13,8 @@ scale and per_expert_scale, layer_scalar drawn away from 1, the routers' project
 - the wrapper (Gemma4ForConditionalGeneration): logits = transformers'; the exported adapter loads in peft with our
   logits; `python -m model.merge` = peft's merge_and_unload, the experts written fused as stored; with --quant nf4 the
   merged model's logits = our NF4 model's with the adapter (each expert quantized on its own, as in training);
-- NF4: every expert projection and the dense MLP 4-bit, the routers not; train.py, 3 steps with --quant nf4: AC with
-  --tiled-mlp = no AC (losses, grad norms, adapter);
+- NF4: every expert projection and the dense MLP 4-bit, the routers not; train.py, 2 steps of --global-batch 4 with
+  --quant nf4: AC with --tiled-mlp = no AC (losses, grad norms, adapter);
 - --tiled-mlp runs the block's whole feed-forward side (dense MLP, router, experts, all their norms) as one unit over
   token tiles: AC + tiled = untiled in float64 (loss and every gradient, LoRA dropout's masks replayed), = peft's
   gradients, and on cp 2 Ulysses and ring = one untiled process; the plan's saved tensors = autograd's (r alone).
@@ -312,7 +312,8 @@ def test_wrapper_adapter_and_merges(wrapped, tmp_path):
 
 
 def test_train_runs_with_nf4(assets, tmp_path):
-    """train.py, 3 steps with --quant nf4 on the fixture tokenizer's chat records: AC with --tiled-mlp = no AC."""
+    """train.py, 2 steps of --global-batch 4 with --quant nf4 on the fixture tokenizer's chat records: AC with
+    --tiled-mlp = no AC."""
     import train
     from tests.fixtures import make_tokenizer
     from tests.test_train import _compare
@@ -323,8 +324,9 @@ def test_train_runs_with_nf4(assets, tmp_path):
     a = {**assets, "model": _save(cfg, tmp_path / "model")}
     with one_thread():
         for name, flags in (("plain", ["--no-ac"]), ("tiled", ["--tiled-mlp"])):
-            train.main(train_argv(a, str(tmp_path / name), "--quant", "nf4", *flags))
-    _compare("Gemma 4 MoE nf4", str(tmp_path / "tiled"), str(tmp_path / "plain"))
+            train.main(train_argv(a, str(tmp_path / name), "--quant", "nf4", "--steps", "2", "--global-batch", "4",
+                                  *flags))
+    _compare("Gemma 4 MoE nf4", str(tmp_path / "tiled"), str(tmp_path / "plain"), steps=(1, 2))
 
 
 def _two_ranks(rank, world_size, a, root):
@@ -337,7 +339,7 @@ def _two_ranks(rank, world_size, a, root):
     from parallel.parallelize import BuildOptions, build_model
 
     train.main(train_argv(a, os.path.join(root, "cp2"), "--quant", "nf4", "--cp", "2", "--cp-impl", "ring",
-                          "--steps", "1"))
+                          "--steps", "1", "--global-batch", "4"))
     ours, _ = build_model(BuildOptions(a["model"], quant="nf4", lora_r=4, lora_alpha=8, seed=3),
                           fsdp_mesh=ParallelDims(world_size, cp=2).build_mesh("cpu").fsdp)
     w = ours.model.layers[1].experts[3].down.weight
@@ -364,7 +366,8 @@ def test_cp_layouts_equal_one_process_in_float64(ckpt):
 @pytest.mark.timeout(600)
 def test_cp2_ring_with_sharded_nf4_experts_runs_as_one_rank(assets, tmp_path):
     """train.py with --quant nf4 on cp 2 ring, experts NF4 and FSDP2-sharded over both ranks (each expert's codes a
-    DTensor half, each rank reading its rows of the fused tensors): step 1's loss and token count = 1 rank's (the
+    DTensor half, each rank reading its rows of the fused tensors): step 1's loss and token count (--global-batch 4) =
+    1 rank's (the
     gradients: float64, test_cp_layouts_equal_one_process_in_float64). A model without per-layer attention shapes."""
     import json
 
@@ -377,7 +380,7 @@ def test_cp2_ring_with_sharded_nf4_experts_runs_as_one_rank(assets, tmp_path):
     a = {**assets, "model": _save(cfg, tmp_path / "model")}
     import train
     with one_thread():
-        train.main(train_argv(a, str(tmp_path / "one"), "--quant", "nf4", "--steps", "1"))
+        train.main(train_argv(a, str(tmp_path / "one"), "--quant", "nf4", "--steps", "1", "--global-batch", "4"))
     got = run_ranks(_two_ranks, 2, a, str(tmp_path), timeout=400, pg_timeout=60)
     assert got == [True] * 2, "an expert's NF4 codes not halved over the 2 ranks"
     step = [next(m for m in map(json.loads, open(tmp_path / d / "metrics.jsonl")) if m.get("step") == 1)

@@ -3,9 +3,10 @@
 Pins (CPU, gloo; one tiny random Glm4MoeForCausalLM saved by transformers 5 with the fixture tokenizer and an MTP
 layer's tensors in the checkpoint: tests/test_glm4_moe.py's sizes, a dense block then two MoE blocks with the group-
 limited router, shared experts, q/k/v biases and q/k norm; embeddings and head × 30 so the logits are far from uniform):
-- train.py, 3 steps of --global-batch 8, nf4, no --lora-targets (the attention's, said at start-up): 1 rank = 4 ranks
-  as cp 2 ring × dp_shard 2 (packed, --micro-batch 2, --tiled-mlp, --offload-activations): every step's loss and grad
-  norm and the adapter (test_train's tolerances); the run's adapter loads in peft on transformers' model.
+- train.py, 2 steps of --global-batch 8 (nothing resumes), nf4, no --lora-targets (the attention's, said at
+  start-up): 1 rank = 4 ranks as cp 2 ring × dp_shard 2 (packed, --micro-batch 2: 2 accumulated a step, --tiled-mlp,
+  --offload-activations): every step's loss and grad norm and the adapter (test_train's tolerances); the run's
+  adapter loads in peft on transformers' model.
 
 Run: .venv/bin/python -m pytest -q tests/test_glm4_moe_run.py
 """
@@ -24,7 +25,7 @@ from tests.test_glm4_moe import SIZES, save_checkpoint
 from tests.test_train import _compare
 
 FOUR = ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2", "--tiled-mlp",
-        "--offload-activations", "--quant", "nf4"]
+        "--offload-activations", "--quant", "nf4", "--steps", "2"]
 
 
 def _train(rank, world_size, assets, out):
@@ -56,7 +57,7 @@ def runs(tmp_path_factory):
     assets, _ = make_assets(d)
     root = str(d / "runs")
     with one_thread():
-        train.main(train_argv(assets, os.path.join(root, "plain"), "--quant", "nf4"))
+        train.main(train_argv(assets, os.path.join(root, "plain"), "--quant", "nf4", "--steps", "2"))
     assert run_ranks(_train, 4, assets, os.path.join(root, "four"), timeout=400, pg_timeout=60) == [True] * 4
     return assets, root
 
@@ -68,7 +69,7 @@ def test_four_ranks_train_as_one_rank_and_the_adapter_loads_in_peft(runs):
     from peft import PeftModel
 
     assets, root = runs
-    _compare("cp2 ring x dp_shard2", os.path.join(root, "four"), os.path.join(root, "plain"))
+    _compare("cp2 ring x dp_shard2", os.path.join(root, "four"), os.path.join(root, "plain"), steps=(1, 2))
     adapter = os.path.join(root, "plain", "adapter")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         assert sorted(json.load(f)["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]

@@ -21,9 +21,9 @@ text model, 3 linear-attention blocks and a full one, a shared expert, and its m
   (tests/test_qwen3_moe.py's harness; GPT-OSS: ring, nf4);
 - the memory plan: activations with the experts' LoRA = autograd's saved bytes, the LoRA term = 16 bytes per trained
   element (Qwen3-MoE nf4 and none, GPT-OSS, Qwen3.5-MoE);
-- train.py, 2 steps: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank = 1 rank resumed after step 1 (every step's loss
-  and grad norm and the adapter: test_train's tolerances), and the adapter it writes loads in peft; `python -m
-  parallel.checkpoint`'s export of its checkpoint (with --model: the shape check) writes the same adapter.
+- train.py, 2 steps of --global-batch 4: --cp 2 --dp-shard 2 (4 gloo ranks) = 1 rank = 1 rank resumed after step 1
+  (every step's loss and grad norm and the adapter: test_train's tolerances), and the adapter it writes loads in peft;
+  `python -m parallel.checkpoint`'s export of its checkpoint (with --model: the shape check) writes the same adapter.
 
 Run: .venv/bin/python -m pytest -q tests/test_moe_lora.py
 """
@@ -44,7 +44,7 @@ from tests.test_gpt_oss import clamp_as_configured  # noqa: F401 - autouse: the 
 from tests.test_qwen3_moe import ATTN, CONFIGS, _hf, rel, save_checkpoint
 
 EXPERTS = (*ATTN, "experts")
-TRAIN = ["--steps", "2", "--quant", "nf4", "--lora-targets", "attn,experts"]
+TRAIN = ["--steps", "2", "--global-batch", "4", "--quant", "nf4", "--lora-targets", "attn,experts"]
 PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 

@@ -7,11 +7,12 @@ Pins:
   document takes its own bound (transformers' hook on that document alone), the padding none;
 - keys: a micro-batch's tokens take the same noise packed or padded in rows, alone or beside others, on every cp shard
   (Ulysses, ring, hybrid: unsharded back), and other noise at another stream position or seed;
-- train.py end to end (gloo, the tiny Qwen2 of conftest, 3 steps of --global-batch 8): 1 rank with --neftune-alpha 5
+- train.py end to end (gloo, the tiny Qwen2 of conftest, 2 steps of --global-batch 4, evaluated on the first 10 chat
+  records: `SHORT`): 1 rank with --neftune-alpha 5
   = cp2 × dp_shard2 Ulysses with the tiled MLP and offload = cp2 × dp_shard2 ring with 2 packed documents a row
   (every step's loss and grad norm, the adapter) = --micro-batch 2 (packed, and --no-pack) = --micro-batch auto =
   --no-ac; without the flag the losses differ; the eval loss before training is the flag-less run's (no noise in
-  evaluation); stopped after step 1 and resumed, the run ends as the uninterrupted one;
+  evaluation); stopped after step 1 and resumed, the run's step 2 ends as the uninterrupted one's;
 - the planner: AC's first checkpoint keeps the noised embedding output (no ids to look up again), offloaded too;
 - refusals, before any weight is read: with --objective dpo, alpha <= 0, nan, inf.
 
@@ -188,10 +189,12 @@ def test_planner_counts_the_noised_first_checkpoint(tmp_path, how):
 # ----------------------------------------------------------------------------- train.py end to end
 
 NEF = ["--neftune-alpha", "5"]
+SHORT = ["--steps", "2", "--global-batch", "4"]   # every run of `runs` (nothing resumes after step 1)
 FOUR = {"cp2_dp2_ulysses_mem": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
                                 "--offload-activations", *NEF],
         "cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2", *NEF],
         # cut by tokens: a data rank with fewer cuts runs idle rows (no sample: no noise) beside the other's
+        # (unit-tested in test_a_token_takes_the_same_noise_on_every_layout: its idle micro-batch last)
         "cp2_dp2_ring_mb_auto": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "auto", *NEF]}
 
 
@@ -199,15 +202,16 @@ def _four_ranks(rank, world_size, assets, root):
     import train
 
     for name, flags in FOUR.items():
-        train.main(train_argv(assets, os.path.join(root, name), *flags))
+        train.main(train_argv(assets, os.path.join(root, name), *SHORT, *flags))
 
 
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
     import train
+    from tests.helpers import eval_head
 
     root = str(tmp_path_factory.mktemp("neftune"))
-    evals = ["--eval-data", assets["data"]]
+    evals = ["--eval-data", eval_head(assets)]
     one = {"ref": [*NEF, "--save-every", "1", "--keep-ckpts", "3", *evals], "plain": evals,
            "mb2": [*NEF, "--micro-batch", "2"], "mb2_no_pack": [*NEF, "--micro-batch", "2", "--no-pack"],
            "mb_auto": [*NEF, "--micro-batch", "auto"], "no_ac": [*NEF, "--no-ac"],
@@ -218,9 +222,9 @@ def runs(assets, tmp_path_factory):
         for name, flags in one.items():
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                train.main(train_argv(assets, os.path.join(root, name), *flags))
+                train.main(train_argv(assets, os.path.join(root, name), *SHORT, *flags))
             said[name] = out.getvalue()
-        train.main(train_argv(assets, os.path.join(root, "resumed"), *NEF, *evals, "--resume",
+        train.main(train_argv(assets, os.path.join(root, "resumed"), *SHORT, *NEF, *evals, "--resume",
                               os.path.join(root, "ref", "ckpt", "step_000001")))
     run_ranks(_four_ranks, 4, assets, root, timeout=540, pg_timeout=120)
     return root, said
@@ -231,7 +235,7 @@ def test_every_layout_trains_as_one_rank(runs):
     root, _ = runs
     ref = os.path.join(root, "ref")
     for name in ("mb2", "mb2_no_pack", "mb_auto", "no_ac", *FOUR):
-        _compare(name, os.path.join(root, name), ref)
+        _compare(name, os.path.join(root, name), ref, steps=(1, 2))
     plain, noisy = _metrics(os.path.join(root, "plain")), _metrics(ref)
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(plain, noisy)), (plain, noisy)   # the noise is on
 
@@ -239,7 +243,7 @@ def test_every_layout_trains_as_one_rank(runs):
 @pytest.mark.timeout(900)
 def test_no_noise_in_evaluation(runs):
     """The eval loss before training (the same weights in both runs) is the flag-less run's, to the digit; so is the one
-    after step 3 (the adapter it exported, evaluated by a run without the flag before its first step)."""
+    after step 2 (the adapter it exported, evaluated by a run without the flag before its first step)."""
     root, said = runs
     before = lambda name: float(re.search(r"eval_loss before training (\S+)", said[name]).group(1))
     assert before("ref") == before("plain"), (before("ref"), before("plain"))
@@ -251,7 +255,7 @@ def test_no_noise_in_evaluation(runs):
 @pytest.mark.timeout(900)
 def test_resumed_after_step_1_ends_as_the_uninterrupted_run(runs):
     root, _ = runs
-    _compare("resumed from step 1", os.path.join(root, "resumed"), os.path.join(root, "ref"), steps=(2, 3))
+    _compare("resumed from step 1", os.path.join(root, "resumed"), os.path.join(root, "ref"), steps=(2,))
     a, b = _adapter(os.path.join(root, "resumed")), _adapter(os.path.join(root, "ref"))
     assert all(torch.equal(a[k], b[k]) for k in b), "a 1-rank resume is the same arithmetic: bit for bit"
 

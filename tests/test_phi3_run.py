@@ -4,13 +4,13 @@ tests/test_phi3.py).
 Pins (CPU, gloo, a tiny random Phi-4-mini-form checkpoint made by transformers with the fixture tokenizer: 2 layers,
 6 query / 2 KV heads under hidden 48, partial RoPE 0.75, LongRoPE from original_max_position_embeddings ORIG, tied
 embeddings; norm weights drawn off 1, the embedding × 30 so the logits are far from uniform):
-- train.py, 3 steps of --global-batch 8 at --max-len 160 (default --lora-targets: qkv_proj, o_proj, gate_up_proj,
-  down_proj): 1 rank = cp 2 × dp_shard 2 ring (packed rows of several documents, --micro-batch 2) and Ulysses, both
-  with --tiled-mlp --offload-activations, in every step's loss and grad norm and the adapter (test_train's
-  tolerances). Documents on both sides of ORIG train together: each takes its own factors
-  (model.attention.document_spans), one of exactly ORIG tokens too, whose CP padding must not give it the long ones;
-  and 1 rank with --no-pack --micro-batch 2 (rows padded to the longer sample: padding restarts where it would pass
-  ORIG, data.collate) = the plain run;
+- train.py, 2 steps of --global-batch 4 at --max-len 160, --seed 2 (`LEN`; default --lora-targets: qkv_proj, o_proj,
+  gate_up_proj, down_proj): 1 rank = cp 2 × dp_shard 2 ring (packed rows of several documents, --micro-batch 2) and
+  Ulysses, both with --tiled-mlp --offload-activations, in every step's loss and grad norm and the adapter (test_train's
+  tolerances). Documents on both sides of ORIG train together (the 8 samples of --seed 2's 2 steps hold both, and one of
+  ORIG tokens: checked on data.batches' order): each takes its own factors (model.attention.document_spans), one of
+  exactly ORIG tokens too, whose CP padding must not give it the long ones; and 1 rank with --no-pack --micro-batch 2
+  (rows padded to the longer sample: padding restarts where it would pass ORIG, data.collate) = the plain run;
 - the same run with the short factors as its long ones differs in its first loss (the long factors mattered);
 - --compile = eager (loss and every LoRA gradient) on a row past the original length.
 
@@ -30,7 +30,10 @@ from tests.dist import run_ranks
 from tests.helpers import one_thread, train_argv
 from tests.test_train import _compare, _metrics
 
-ORIG, LEN = 141, ["--max-len", "160"]   # documents of 62..146 tokens and truncated ones of 160; one of 141 (odd):
+# 2 steps of 4 (nothing resumes); --seed 2 puts documents on both sides of ORIG and one of ORIG into them (the test
+# checks it)
+ORIG, LEN = 141, ["--max-len", "160", "--steps", "2", "--global-batch", "4", "--seed", "2"]
+# documents of 62..146 tokens and truncated ones of 160; one of 141 (odd):
 # Ulysses pads it to 142, which would pass ORIG had its padding continued its positions (data.collate restarts it)
 ROPE = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
         "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.5, 4.0, 9.0]}
@@ -75,13 +78,15 @@ def _four_ranks(rank, world_size, assets, root):
 @pytest.mark.timeout(900)
 def test_four_ranks_train_as_one_rank(assets, tmp_path):
     import train
+    from data.batches import GlobalBatches
     from data.load import load_samples, load_tokenizer
 
     root = str(tmp_path)
     tok = load_tokenizer(assets["model"])
     samples, _ = load_samples(assets["data"], tok, 160, len(tok))
     n = torch.diff(torch.as_tensor(samples.offsets)).tolist()
-    assert min(n) <= ORIG < max(n) and ORIG in n, f"{ORIG} vs {sorted(n)}"
+    trained = [n[i] for i in GlobalBatches(len(n), 4, 2).permutation(0)[:8]]   # (LEN's 2 steps of 4, --seed 2)
+    assert min(trained) <= ORIG < max(trained) and ORIG in trained, f"{ORIG} vs {sorted(trained)}"
     with one_thread():
         train.main(train_argv(assets, os.path.join(root, "plain"), *LEN))
         train.main(train_argv({**assets, "model": assets["short"]}, os.path.join(root, "short"), *LEN))
@@ -90,7 +95,7 @@ def test_four_ranks_train_as_one_rank(assets, tmp_path):
     with open(os.path.join(root, "plain", "adapter", "adapter_config.json")) as f:
         assert sorted(json.load(f)["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     for layout in [*FOUR, "no_pack_mb2"]:
-        _compare(f"phi3 {layout}", os.path.join(root, layout), os.path.join(root, "plain"))
+        _compare(f"phi3 {layout}", os.path.join(root, layout), os.path.join(root, "plain"), steps=(1, 2))
     assert _metrics(os.path.join(root, "short"))[0]["loss"] != _metrics(os.path.join(root, "plain"))[0]["loss"], \
         "the long factors changed nothing"
 

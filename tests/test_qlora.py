@@ -5,13 +5,11 @@ and a Llama 3 one, each on one 4-rank layout),
 - the packed NF4 bits of every layer, gathered from the FSDP2 shards, equal the single-process
   quantization exactly (compared as integers), at 1, 2 and 4 ranks;
 - the logits, the loss and every LoRA gradient of the assembled model on 2 ranks (dp_shard 2; cp 2
-  ring) and 4 ranks (dp_shard 4; dp_shard 2 × cp 2 Ulysses; cp 2 ring × dp_shard 2; cp 4 hybrid
-  2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and × cp 2 ring; Qwen3 under cp 2
-  Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2, tied embeddings on dp_shard 4 and cp 2 ring ×
-  dp_shard 2; DoRA on dp_shard 2, cp 2 ring × dp_shard 2 (nf4) and cp 2 Ulysses × dp_shard 2 (plain), its
-  magnitudes moved off their start and gradients checked too; LoRA on block 1 alone under cp 2 ring × dp_shard 2)
-  equal those of the
-  unsharded single-process model on the whole batch, with nf4 and with plain weights;
+  ring) and 4 ranks (cp 4 hybrid 2 × 2 via auto with 6 heads / 2 KV heads; HSDP dp_replicate 2 × dp_shard 2, and
+  × cp 2 ring; Qwen3 under cp 2 Ulysses × dp_shard 2, Llama 3 under cp 2 ring × dp_shard 2, tied embeddings on
+  dp_shard 4; DoRA on dp_shard 2, cp 2 ring × dp_shard 2 (nf4, LoRA on block 1 alone) and cp 2 Ulysses × dp_shard 2
+  (plain), its magnitudes moved off their start and gradients checked too) equal those of the unsharded
+  single-process model on the whole batch, with nf4 and with plain weights;
 - the clipped global gradient norm equals the single-process `clip_grad_norm_`;
 - the LoRA init is identical on every layout (it depends on the seed only);
 - with CUDA's dtypes on gloo (`BuildOptions.mixed_precision`: FSDP2 hands the float32 trained tensors to forward in
@@ -171,19 +169,18 @@ def layout(quant, cp=1, impl="ulysses", replicate=1, family="qwen2", dora=False,
 ONE_RANK = {"nf4, FSDP2 on 1 rank": layout("nf4")}
 TWO_RANKS = {"nf4, dp_shard 2": layout("nf4"), "plain weights, dp_shard 2": layout("none"),
              "nf4, cp 2 ring": layout("nf4", 2, "ring"), "DoRA, nf4, dp_shard 2": layout("nf4", dora=True)}
-FOUR_RANKS = {"nf4, dp_shard 4": layout("nf4"), "nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2),
-              "plain weights, cp 2 ring × dp_shard 2": layout("none", 2, "ring"),
-              "nf4, cp 4 hybrid (auto: Ulysses 2 × ring 2)": layout("nf4", 4, "auto"),
+# (each case costs seconds on every rank: none repeats another's code path; a plain dp_shard 4 runs in the tied one, a
+# qwen2 cp 2 Ulysses × dp_shard 2 in Qwen3's, plain weights under ring in HSDP 2 × cp 2 ring, the tied embedding under
+# cp in none: it is sharded by dp_shard only, the sequence cut does not reach it)
+FOUR_RANKS = {"nf4, cp 4 hybrid (auto: Ulysses 2 × ring 2)": layout("nf4", 4, "auto"),
               "nf4, HSDP dp_replicate 2 × dp_shard 2": layout("nf4", replicate=2),
               "plain weights, HSDP 2 × cp 2 ring": layout("none", 2, "ring", replicate=2),
               "Qwen3, nf4, cp 2 Ulysses × dp_shard 2": layout("nf4", 2, family="qwen3"),
               "Llama 3, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="llama3"),
               "tied embeddings, nf4, dp_shard 4": layout("nf4", family="tied"),
-              "tied embeddings, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", family="tied"),
-              "DoRA, nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring", dora=True),
-              "DoRA, plain weights, cp 2 Ulysses × dp_shard 2": layout("none", 2, dora=True),
-              "--lora-layers 1 (block 0 runs no backward), nf4, cp 2 ring × dp_shard 2": layout("nf4", 2, "ring",
-                                                                                             layers=(1,))}
+              "DoRA, --lora-layers 1 (block 0 runs no backward), nf4, cp 2 ring × dp_shard 2":
+                  layout("nf4", 2, "ring", dora=True, layers=(1,)),
+              "DoRA, plain weights, cp 2 Ulysses × dp_shard 2": layout("none", 2, dora=True)}
 
 
 @pytest.mark.timeout(300)

@@ -4,8 +4,9 @@ DPO, a bitsandbytes 4-bit upload (the decoder itself: tests/test_qwen3_moe.py).
 Pins (CPU, gloo; one tiny random Qwen3MoeForCausalLM saved by transformers 5 with the fixture tokenizer: 4 experts, top
 2, norm_topk_prob, 3 blocks of which block 1 is dense through mlp_only_layers; routers drawn large so the top 2 are
 decided, norms off 1, embeddings and head × 30; LoRA on the attention, --lora-targets attn):
-- train.py, 3 steps of --global-batch 8: 1 rank = cp2 × dp_shard2 ring (packed, --micro-batch 2) = Ulysses, both with
-  --tiled-mlp --offload-activations, nf4: every step's loss and grad norm and the adapter (test_train's tolerances);
+- train.py, 2 steps of --global-batch 4 (`SHORT`: nothing resumes): 1 rank = cp2 × dp_shard2 ring (packed, --micro-batch
+  2: one micro-batch a step) = Ulysses (two, accumulated), both with --tiled-mlp --offload-activations, nf4: every
+  step's loss and grad norm and the adapter (test_train's tolerances);
 - FSDP2 over 4 ranks (each block sharded with its experts' NF4 codes, --train-norms, AC) where one rank's micro-batch
   routes no token to half the experts of each MoE block and the others' reach all: no collective hangs, and the grad
   norm and every trained gradient = one process on the four micro-batches;
@@ -16,8 +17,8 @@ decided, norms off 1, embeddings and head × 30; LoRA on the attention, --lora-t
   fused 3-D parameters in transformers, left in float and written split): --quant none builds every weight as
   bitsandbytes' dequantize_4bit of the stored codes, the experts and routers as stored; the start-up note under nf4
   counts the float expert projections it quantizes and not the routers, which stay in the compute dtype;
-- no --lora-targets: trains as --lora-targets attn (said once, recorded, resumed with and without the flag), the
-  adapter in peft on transformers' model;
+- no --lora-targets: trains as --lora-targets attn (3 steps of --global-batch 4; said once, recorded, resumed from
+  step 2 with and without the flag), the adapter in peft on transformers' model;
 - --plan with --tiled-mlp and nf4: the tiled MLP phase's dequantized weights = the bytes model.nf4.dequant_once holds
   at most in a real forward and backward (the MoE block's 4 experts of 64, not 4 times the dense block's 128).
 
@@ -41,6 +42,7 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
               mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=4096, rope_theta=3e4, bos_token_id=None)
+SHORT = ["--steps", "2", "--global-batch", "4"]   # the runs of `runs`
 MEM = ["--tiled-mlp", "--offload-activations", "--quant", "nf4", "--lora-targets", "attn"]
 FOUR = {"ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2", *MEM],
         "ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", *MEM]}
@@ -110,7 +112,7 @@ def _four_ranks(rank, world_size, assets, root):
     from tests.helpers import build_nonzero_b
 
     for layout, flags in FOUR.items():
-        train.main(train_argv(assets, os.path.join(root, layout), *flags))
+        train.main(train_argv(assets, os.path.join(root, layout), *SHORT, *flags))
     cfg = BuildOptions(assets["model"], quant="nf4", lora_r=4, lora_alpha=8, ac=True, seed=3, lora_targets=ATTN,
                        train_norms=True)
     mbs = _micro_batches()
@@ -140,7 +142,7 @@ def runs(assets, tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("moe_runs"))
     with one_thread():
-        train.main(train_argv(assets, os.path.join(root, "plain"), "--quant", "nf4", "--lora-targets", "attn"))
+        train.main(train_argv(assets, os.path.join(root, "plain"), *SHORT, "--quant", "nf4", "--lora-targets", "attn"))
     return root, run_ranks(_four_ranks, 4, assets, root, timeout=400, pg_timeout=60)
 
 
@@ -151,7 +153,7 @@ def test_four_ranks_train_as_one_rank_and_experts_one_rank_never_reaches(runs):
     LoRA and norms and the final norm trained."""
     root, results = runs
     for layout in FOUR:
-        _compare(layout, os.path.join(root, layout), os.path.join(root, "plain"))
+        _compare(layout, os.path.join(root, layout), os.path.join(root, "plain"), steps=(1, 2))
     hits = [h for h, _ in results]
     assert all(len(e) < 4 for e in hits[0]) and all(e == {0, 1, 2, 3} for h in hits[1:] for e in h), hits
     assert [k for _, k in results] == [3 * (2 * 4 + 4) + 1] * 4, results
@@ -298,11 +300,11 @@ def test_planned_tiled_mlp_dequantized_weights_are_what_dequant_once_holds(asset
 
 
 def test_default_targets_train_the_attention(assets, tmp_path, capsys):
-    """No --lora-targets on this model (its MLP names are the experts'): the run trains the attention's four, said
-    once at start-up, as --lora-targets attn does (every step's loss and grad norm and the adapter: test_train's
-    tolerances); config.json and the checkpoint record the four; resumed after step 2, without the flag and with
-    attn, = the uninterrupted run; the adapter's target_modules are the four, and peft loads it on transformers'
-    Qwen3MoeForCausalLM: LoRA on each block's q/k/v/o and nothing else, every tensor as saved."""
+    """No --lora-targets on this model (its MLP names are the experts'): the run trains the attention's four, said once
+    at start-up, as --lora-targets attn does (every step's loss and grad norm and the adapter: test_train's tolerances,
+    3 steps of --global-batch 4); config.json and the checkpoint record the four; resumed after step 2, without the flag
+    and with attn, = the uninterrupted run's step 3; the adapter's target_modules are the four, and peft loads it on
+    transformers' Qwen3MoeForCausalLM: LoRA on each block's q/k/v/o and nothing else, every tensor as saved."""
     import json
 
     from peft import PeftModel
@@ -311,7 +313,8 @@ def test_default_targets_train_the_attention(assets, tmp_path, capsys):
     import train
     from parallel import checkpoint_folders
 
-    flags, out = ["--steps", "4", "--save-every", "2"], {k: str(tmp_path / k) for k in ("run", "attn", "res", "res2")}
+    flags = ["--steps", "3", "--global-batch", "4", "--save-every", "2"]
+    out = {k: str(tmp_path / k) for k in ("run", "attn", "res", "res2")}
     step2 = os.path.join(out["run"], "ckpt", "step_000002")
     with one_thread():
         train.main(train_argv(assets, out["run"], *flags))
@@ -321,9 +324,9 @@ def test_default_targets_train_the_attention(assets, tmp_path, capsys):
         train.main(train_argv(assets, out["res2"], *flags, "--resume", step2, "--lora-targets", "attn"))
     assert len(said) == 1 and said[0].startswith("--lora-targets not given: LoRA on q_proj,k_proj,v_proj,o_proj, "
                                                  "this qwen3_moe model's default"), said
-    _compare("default = attn", out["run"], out["attn"], steps=(1, 2, 3, 4))
+    _compare("default = attn", out["run"], out["attn"], steps=(1, 2, 3))
     for res in ("res", "res2"):
-        _compare(f"{res} = the run", out[res], out["run"], steps=(3, 4))
+        _compare(f"{res} = the run", out[res], out["run"], steps=(3,))
     with open(os.path.join(out["run"], "config.json")) as f:
         assert json.load(f)["lora_targets"] == ",".join(ATTN)
     assert checkpoint_folders.read_meta(step2)["args"]["lora_targets"] == ",".join(ATTN)
