@@ -1,12 +1,13 @@
 """`--compile` (parallel/compile.py): torch.compile of RMSNorm, RoPE and SwiGLU changes no number.
 
-Pins (CPU inductor, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base, peft LoRA with B != 0,
-activation checkpointing on): the compiled model's loss and every LoRA gradient equal the eager model's
-in one process (also with --tiled-mlp --tiled-attn, whose tiles call the compiled pieces), and on 2 gloo
-ranks (FSDP2 over cp 2 ring) equal the one-process eager model on every rank; with the tiles also --train-norms
-(the norms' gradients). The compiled forwards really are compiled (dynamo wrappers on every RMSNorm, Rotary and
-SwiGLU).
-The first test fills inductor's on-disk cache, so the 2-rank one mostly reuses its kernels.
+Pins (CPU inductor, float32, a tiny Qwen2 checkpoint made by transformers, NF4 base, peft LoRA with B != 0, activation
+checkpointing on): the compiled model's loss and every LoRA gradient equal the eager model's in one process (whole rows
+under --ac-keep-attn; with --tiled-mlp --tiled-attn, whose tiles call the compiled pieces; over three lengths, tiled),
+and on 2 gloo ranks (FSDP2 over cp 2 ring) equal the one-process eager model on every rank; with the tiles also
+--train-norms (the norms' gradients). The compiled forwards really are compiled (dynamo wrappers on every RMSNorm,
+Rotary and SwiGLU).
+The one-process tests fill inductor's on-disk cache (the --ac-keep-attn one: whole rows), so the 2-rank one mostly
+reuses their kernels.
 
 Run: .venv/bin/python -m pytest -q tests/test_compile.py
 """
@@ -48,28 +49,63 @@ def _step(model, ids, labels, pos):
     return (lsum / n).detach(), {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp_and_attn_train_norms"])
-def test_compile_equals_eager_one_process(ckpt, tiled):
-    """Compiled vs eager (the eager reference untiled); with --tiled-mlp --tiled-attn the tiles run the compiled
-    block norms, q/k norms and RoPE with grad in backward, and (--train-norms) the norms' weights are trained: their
-    gradients too."""
+def _assert_compiled(model):
+    """Every RMSNorm, Rotary and SwiGLU of `model` runs a dynamo-wrapped forward."""
     from model.llama import SwiGLU
     from model.rmsnorm import RMSNorm
     from model.rope import Rotary
 
-    batch = _batch()
-    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt, train_norms=tiled))[0], *batch)
-    model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=tiled, tiled_attn=tiled, train_norms=tiled))
     compiled = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SwiGLU))]
     forwards = [getattr(m.forward, "norm_forward", m.forward) for m in compiled]   # block norms: apply_norm_rebuild
     assert len(compiled) == 2 * 4 + 1 and all(hasattr(getattr(f, "compiled", f), "_torchdynamo_orig_callable")
                                                 for f in forwards)
+
+
+@pytest.mark.timeout(600)
+def test_compile_equals_eager_one_process(ckpt):
+    """Compiled with --tiled-mlp --tiled-attn vs eager untiled: the tiles run the compiled block norms, q/k norms and
+    RoPE with grad in backward, and (--train-norms) the norms' weights are trained: their gradients too. (Untiled,
+    whole rows, compiled = eager: test_compile_with_ac_keep_attn_compiles_and_equals_eager and the 2-rank test.)"""
+    batch = _batch()
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt, train_norms=True))[0], *batch)
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, tiled_mlp=True, tiled_attn=True, train_norms=True))
+    _assert_compiled(model)
     loss, grads = _step(model, *batch)
     torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
-    assert grads.keys() == ref_grads.keys() and len(grads) == 28 + 5 * tiled
+    assert grads.keys() == ref_grads.keys() and len(grads) == 28 + 5
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
+
+
+@pytest.mark.timeout(600)
+def test_compile_with_ac_keep_attn_compiles_and_equals_eager(ckpt, monkeypatch):
+    """--compile --ac-keep-attn: the compiled pieces (every RMSNorm, Rotary and SwiGLU, on whole rows) still compile
+    inside the selective-checkpoint cache (dynamo builds graphs) and the loss and LoRA grads equal eager plain AC; a
+    torch whose cache would stop compilation refuses the pair up front (checked by pretending to be one)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.utils import checkpoint as c
+
+    import train
+    from parallel.cp import KernelAttention
+
+    batch = _batch()
+    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt), attention=KernelAttention())[0], *batch)
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = build_nonzero_b(_opts(ckpt, compile=True, ac_keep_attn=True), attention=KernelAttention())
+    _assert_compiled(model)
+    loss, grads = _step(model, *batch)
+    assert len(grads) == len(ref_grads) == 28
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
+    monkeypatch.setattr(c._CachingTorchDispatchMode, "ignore_compile_internals", classmethod(lambda cls: False))
+    args = train.build_parser().parse_args(["--compile", "--ac-keep-attn"])
+    from parallel.flags import check_flags
+    with pytest.raises(ValueError, match="--ac-keep-attn with --compile"):
+        check_flags(args)
 
 
 def _two_ranks(rank, world_size, path):
@@ -98,35 +134,6 @@ def _two_ranks(rank, world_size, path):
 @pytest.mark.timeout(600)
 def test_compile_fsdp_ring_two_ranks_equals_one_process(ckpt):
     assert run_ranks(_two_ranks, 2, ckpt, timeout=560, pg_timeout=300) == [True, True]
-
-
-@pytest.mark.timeout(600)
-def test_compile_with_ac_keep_attn_compiles_and_equals_eager(ckpt, monkeypatch):
-    """--compile --ac-keep-attn: the compiled pieces still compile inside the selective-checkpoint cache (dynamo
-    builds graphs) and the loss and LoRA grads equal eager plain AC; a torch whose cache would stop compilation
-    refuses the pair up front (checked by pretending to be one)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from torch.utils import checkpoint as c
-
-    import train
-    from parallel.cp import KernelAttention
-
-    batch = _batch()
-    ref_loss, ref_grads = _step(build_nonzero_b(_opts(ckpt), attention=KernelAttention())[0], *batch)
-    torch._dynamo.reset()
-    counters.clear()
-    model, _ = build_nonzero_b(_opts(ckpt, compile=True, ac_keep_attn=True), attention=KernelAttention())
-    loss, grads = _step(model, *batch)
-    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
-    torch.testing.assert_close(loss, ref_loss, **TOL, msg="loss")
-    for k in ref_grads:
-        torch.testing.assert_close(grads[k], ref_grads[k], **TOL, msg=f"grad {k}")
-    monkeypatch.setattr(c._CachingTorchDispatchMode, "ignore_compile_internals", classmethod(lambda cls: False))
-    args = train.build_parser().parse_args(["--compile", "--ac-keep-attn"])
-    from parallel.flags import check_flags
-    with pytest.raises(ValueError, match="--ac-keep-attn with --compile"):
-        check_flags(args)
 
 
 @pytest.mark.timeout(600)

@@ -4,7 +4,8 @@ Pins (CPU, float32, tiny random checkpoints written by transformers, NF4 base + 
 B != 0, so every LoRA gradient is non-zero):
 - loss and every LoRA gradient equal those of the untiled model, whose attention is torch SDPA per document
   (model.attention.SDPAAttention, the reference core), for tiles of 5 and 7 query rows (uneven; a document boundary
-  inside a tile) and one tile, set through the default tile rule (kernels.BACKWARD_BLOCK // 4), with and without AC:
+  inside a tile) and one tile, set through the default tile rule (kernels.BACKWARD_BLOCK // 4), with and without AC
+  (tile 5 both, tile 7 with, one tile without; the untiled reference computed once per model and AC setting):
   Qwen2 (q/k/v bias), Qwen3 (q/k norms), Qwen3 with a 7-token sliding window on layer 0 and Mistral with an
   8-token window on both layers; rows far from position 0, one row of two packed documents;
 - with LoRA dropout the gradients are those of the function forward computed: the reference runs the same tiles
@@ -90,14 +91,31 @@ def _loss_and_grads(model, batch=_batch):
     return (lsum / n).detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
-@pytest.mark.parametrize("tile", [5, 7, 64], ids=["tile5", "tile7", "one_tile"])
+@pytest.fixture(scope="module")
+def untiled(ckpts):
+    """(family, ac, batch) -> the untiled model's (loss, grads) on `batch`, computed once: each is the reference of
+    several tiles."""
+    seen = {}
+
+    def get(family, ac, batch=_batch):
+        if (family, ac, batch) not in seen:   # the model's own core: torch SDPA
+            seen[family, ac, batch] = _loss_and_grads(build_nonzero_b(_opts(ckpts[family], ac=ac))[0], batch)
+        return seen[family, ac, batch]
+    return get
+
+
+# each tile (uneven 5 and 7, one tile) and both AC settings; a tile's code does not depend on AC (the block's
+# checkpoint replays the same tiles): 4 of the 6 pairs
+TILE_AC = pytest.mark.parametrize("tile,ac", [(5, False), (5, True), (7, True), (64, False)],
+                                  ids=["tile5-no_ac", "tile5-ac", "tile7-ac", "one_tile-no_ac"])
+
+
+@TILE_AC
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_tiled_attention_matches_untiled_sdpa(ckpts, family, tile, ac, monkeypatch):
+def test_tiled_attention_matches_untiled_sdpa(untiled, ckpts, family, tile, ac, monkeypatch):
     from parallel import kernels
 
-    ref_model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac))   # the model's own core: torch SDPA
-    ref = _loss_and_grads(ref_model)
+    ref = untiled(family, ac)
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 4 * tile)      # the default rule: min(BACKWARD_BLOCK // 4, ...)
     assert kernels.tile_rows(37) == min(tile, 256)
     model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac, tiled_attn=True))
@@ -109,10 +127,9 @@ def test_tiled_attention_matches_untiled_sdpa(ckpts, family, tile, ac, monkeypat
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{label}: grad {k}")
 
 
-@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
-@pytest.mark.parametrize("tile", [5, 7, 64], ids=["tile5", "tile7", "one_tile"])
+@TILE_AC
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_tiled_attention_with_shared_prompt_branches(ckpts, family, tile, ac, monkeypatch):
+def test_tiled_attention_with_shared_prompt_branches(untiled, ckpts, family, tile, ac, monkeypatch):
     """--tiled-attn with --dpo-share-prompt's rows: a branch's tiles see its parent's prompt too (the prefix's key
     blocks), as the reference SDPA with model.attention's mask does; a tile crosses the branch's start."""
     from model.attention import document_bounds, document_branches
@@ -120,8 +137,7 @@ def test_tiled_attention_with_shared_prompt_branches(ckpts, family, tile, ac, mo
 
     pos = _branched_batch()[1]
     assert document_branches(pos, document_bounds(pos)) == [[(20, 28, 0, 12)], [(21, 37, 0, 5)]]
-    ref_model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac))
-    ref = _loss_and_grads(ref_model, _branched_batch)
+    ref = untiled(family, ac, _branched_batch)
     monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 4 * tile)
     model, _ = build_nonzero_b(_opts(ckpts[family], ac=ac, tiled_attn=True))
     got = _loss_and_grads(model, _branched_batch)
@@ -129,7 +145,7 @@ def test_tiled_attention_with_shared_prompt_branches(ckpts, family, tile, ac, mo
     torch.testing.assert_close(got[0], ref[0], **TOL, msg=f"{label}: loss")
     for k in ref[1]:
         torch.testing.assert_close(got[1][k], ref[1][k], **TOL, msg=f"{label}: grad {k}")
-    plain = _loss_and_grads(build_nonzero_b(_opts(ckpts[family], ac=ac))[0])   # (the branches change the loss)
+    plain = untiled(family, ac)   # (the branches change the loss)
     assert abs(plain[0] - ref[0]) > 1e-4
 
 
