@@ -7,7 +7,7 @@ Pins (CPU, gloo, tiny random Gemma3ForCausalLM made by transformers: 2 layers, s
 then full, 6 query / 2 KV heads of 16 under hidden 48, query_pre_attn_scalar 24, both RoPE tables, tied embeddings,
 every norm weight drawn away from 0, the offset's identity; pad id 0, as Gemma's):
 - train.py, 2 steps of --global-batch 4 (`SHORT`: nothing resumes; accumulation over 2 and 4 micro-batches a step
-  remains, in the micro-batch 1 runs) on the fixture tokenizer's chat records: 1 rank = cp2 × dp_shard2 Ulysses and
+  remains, in the micro-batch 1 runs; DPO's runs 3 steps) on the fixture tokenizer's chat records: 1 rank = cp2 × dp_shard2 Ulysses and
   ring (2 packed documents a row) with --tiled-mlp --offload-activations = 1 rank with those and --tiled-attn = 1 rank
   with --micro-batch 2 --no-pack (padding with id 0) in every step's loss and grad norm and the adapter (test_train's
   tolerances); --train-norms --train-embeddings (the tied, scaled embedding) on cp2 × dp2 ring = 1 rank; --neftune-alpha
@@ -51,7 +51,7 @@ from tests.test_train import _compare, _metrics
 E2E = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
            head_dim=16, query_pre_attn_scalar=24, sliding_window=16, layer_types=TYPES, max_position_embeddings=4096,
            pad_token_id=0, eos_token_id=0, bos_token_id=None)
-SHORT = ["--steps", "2", "--global-batch", "4"]   # every run of `runs` (each compared with another of them)
+SHORT = ["--steps", "2", "--global-batch", "4"]   # the runs of `runs` (each compared with another of them)
 MEM = ["--tiled-mlp", "--offload-activations"]
 NEF = ["--neftune-alpha", "5"]
 NORMS = ["--train-norms", "--train-embeddings"]
@@ -63,7 +63,8 @@ FOUR = {"mem_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ul
         "neftune_cp2_dp2_ring_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2",
                                           *NEF]}
 # --objective dpo with --train-norms (the reference's norms: the base's, through GemmaRMSNorm.reference)
-DPO = ["--objective", "dpo", "--dpo-beta", "0.5", "--train-norms"]
+# 3 steps (of 4 pairs): the last step's loss two updates off log 2
+DPO = ["--objective", "dpo", "--dpo-beta", "0.5", "--train-norms", "--steps", "3"]
 FOUR_DPO = {"dpo_norms_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *DPO]}
 SAME_AS = {"mem_cp2_dp2_ulysses": "plain", "mem_cp2_dp2_ring_pack_mb2": "plain", "tiled_attn_mem": "plain",
            "no_pack_mb2": "plain", "norms_cp2_dp2_ring": "norms", "neftune_cp2_dp2_ring_pack_mb2": "neftune"}
