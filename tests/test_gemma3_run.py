@@ -7,12 +7,13 @@ Pins (CPU, gloo, tiny random Gemma3ForCausalLM made by transformers: 2 layers, s
 then full, 6 query / 2 KV heads of 16 under hidden 48, query_pre_attn_scalar 24, both RoPE tables, tied embeddings,
 every norm weight drawn away from 0, the offset's identity; pad id 0, as Gemma's):
 - train.py, 2 steps of --global-batch 4 (`SHORT`: nothing resumes; accumulation over 2 and 4 micro-batches a step
-  remains, in the micro-batch 1 runs; DPO's runs 3 steps) on the fixture tokenizer's chat records: 1 rank = cp2 × dp_shard2 Ulysses and
-  ring (2 packed documents a row) with --tiled-mlp --offload-activations = 1 rank with those and --tiled-attn = 1 rank
-  with --micro-batch 2 --no-pack (padding with id 0) in every step's loss and grad norm and the adapter (test_train's
-  tolerances); --train-norms --train-embeddings (the tied, scaled embedding) on cp2 × dp2 ring = 1 rank; --neftune-alpha
-  on cp2 × dp2 ring = 1 rank, and its losses differ from the plain run's; --objective dpo --train-norms starts at log 2
-  and cp2 × dp2 ring = 1 rank (step 1 exactly, later losses within 1e-3); --dtype bf16 trains within bf16's rounding;
+  remains, in the micro-batch 1 runs; DPO's runs 3 steps) on the fixture tokenizer's chat records: 1 rank = cp2 ×
+  dp_shard2 Ulysses and ring (2 packed documents a row) with --tiled-mlp --offload-activations = 1 rank with those and
+  --tiled-attn = 1 rank with --micro-batch 2 --no-pack (padding with id 0) in every step's loss and grad norm and the
+  adapter (test_train's tolerances); --train-norms --train-embeddings (the tied, scaled embedding) on cp2 × dp2 ring = 1
+  rank; --neftune-alpha on cp2 × dp2 ring = 1 rank, and its losses differ from the plain run's; --objective dpo
+  --train-norms starts at log 2 and cp2 × dp2 ring = 1 rank (step 1 exactly, later losses within 1e-3); --dtype bf16
+  trains within bf16's rounding;
 - `model.merge` of a Gemma adapter (plain LoRA with --quant none and nf4; --train-norms, whose norm weights are offsets
   from 1 in the checkpoint) = peft's merge_and_unload on transformers' model, tensor by tensor, and transformers'
   Gemma3ForCausalLM on the merged folder gives peft's logits;
