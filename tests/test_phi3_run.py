@@ -85,7 +85,9 @@ def test_four_ranks_train_as_one_rank(assets, tmp_path):
     tok = load_tokenizer(assets["model"])
     samples, _ = load_samples(assets["data"], tok, 160, len(tok))
     n = torch.diff(torch.as_tensor(samples.offsets)).tolist()
-    trained = [n[i] for i in GlobalBatches(len(n), 4, 2).permutation(0)[:8]]   # (LEN's 2 steps of 4, --seed 2)
+    flag = lambda name: int(LEN[LEN.index(name) + 1])
+    order = GlobalBatches(len(n), flag("--global-batch"), flag("--seed")).permutation(0)   # (one epoch holds them)
+    trained = [n[i] for i in order[:flag("--steps") * flag("--global-batch")]]
     assert min(trained) <= ORIG < max(trained) and ORIG in trained, f"{ORIG} vs {sorted(trained)}"
     with one_thread():
         train.main(train_argv(assets, os.path.join(root, "plain"), *LEN))
