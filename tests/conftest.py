@@ -20,11 +20,12 @@ def pytest_sessionfinish(session, exitstatus):
 # otherwise put the files with the most tests first, which runs the few-test, several-minute files last and leaves one
 # worker idle at the end). The costliest files go first, so the cheap ones fill in behind them (longest first: the two
 # workers finish within about one cheap file of each other). Their order: the per-file sums of `--durations=0` of a
-# full run (2026-12-07, 2-core AMD EPYC); a file not named runs after them, in the usual order.
+# full run after that day's cuts (2026-12-07, 2-core AMD EPYC; test_demo holds the demo's asset build on a fresh
+# clone); a file not named runs after them, in the usual order.
 COSTLIEST_FIRST = (
-    "test_train_runs", "test_train", "test_bench_gpu", "test_demo", "test_dpo", "test_plan_speed", "test_bench_smoke",
-    "test_gemma3_run", "test_qlora", "test_memory", "test_compile", "test_qwen3_moe_run", "test_qwen3_5_hybrid",
-    "test_olmo_smollm3_granite_run", "test_plan", "test_data", "test_gemma4_moe", "test_phi3_run")
+    "test_demo", "test_train_runs", "test_train", "test_dpo", "test_bench_smoke", "test_bench_gpu", "test_memory",
+    "test_gemma3_run", "test_qlora", "test_compile", "test_plan", "test_qwen3_5_hybrid", "test_moe_lora",
+    "test_gemma4_moe", "test_phases", "test_data", "test_recorded", "test_qwen3_moe_run")
 
 
 def pytest_collection_modifyitems(session, config, items):
