@@ -9,6 +9,7 @@ Python string operations on the records):
   training; the stamp skips a rebuild, and a stamp of another version forces one;
 - pretraining is bitwise deterministic and writes weights that transformers loads under our names;
 - the before/after script answers with the transformers model, then the peft-loaded adapter.
+- `train.py --plan` with neither --model nor --data plans the demo run, as its flags spelled out would.
 
 Run: .venv/bin/python -m pytest -q tests/test_demo.py
 """
@@ -153,6 +154,26 @@ def test_demo_stamp_reuses_and_rejects_old_versions(demo, tmp_path):
     (old / STAMP).write_text(json.dumps({**stamp, "version": 2}))
     assert not _complete(old, stamp["pretrain_steps"]), "a version-2 stamp was trusted"
     assert not _complete(model_dir.parent, stamp["pretrain_steps"] + 1), "other pretraining length trusted"
+
+
+def test_plan_without_model_or_data_plans_the_demo_run(demo, monkeypatch, capsys):
+    """`python train.py --plan` with neither --model nor --data plans the run `python train.py` would start: it asks
+    for the demo's assets where the run reads them (make_demo: built if missing, reused here) and prints the plan of
+    the same flags spelled out (train.DEMO's values), for the assets' model (its parameter count, demo.json's)."""
+    import data
+    import train
+
+    monkeypatch.chdir(REPO)   # (DEMO's paths are relative to the repository, as `make demo` runs)
+    asked = []
+    monkeypatch.setattr(data, "make_demo", lambda d, *a, **k: asked.append(os.path.abspath(d)) or make_demo(d, *a, **k))
+    train.main(["--plan"])
+    bare = capsys.readouterr().out
+    assert asked == [str(REPO / "runs" / "demo_assets")], asked
+    spelled = [x for k, v in train.DEMO.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    train.main(["--plan", *spelled])
+    assert capsys.readouterr().out == bare and len(asked) == 1   # (given --model: no demo asked for)
+    params = json.loads((demo[0].parent / STAMP).read_text())["params"]
+    assert f"qwen2 {params / 1e6:.1f}M params" in bare and "--micro-batch 8" in bare, bare[:400]
 
 
 def test_two_processes_building_at_once_build_once(tmp_path):
