@@ -10,6 +10,8 @@ transformers + peft on the same weights (nf4: the transformers model holding `nf
 - the exported adapter names them in modules_to_save, loads in `PeftModel.from_pretrained` with no missing or
   unexpected key and gives our logits; `model.merge` writes what peft's `merge_and_unload` holds; --init-adapter
   rebuilds the model (and is refused without --train-norms, naming it);
+- an adapter holding norms its modules_to_save do not name for the installed peft (peft <= 0.21's "norm": every
+  norm) computes as PeftModel loads it (each tensor into its weight): --init-adapter's logits and the merge are peft's;
 - the optimizer's groups keep the norms out of weight decay, as transformers' Trainer (`get_decay_parameter_names`)
   does, and with LoRA+ put each tensor at peft's rate (create_loraplus_optimizer: the norms at B's);
 - every memory step (AC, tiled MLP and attention, offload, --ac-keep-attn) trains as the plain build, norms included.
@@ -321,6 +323,57 @@ def test_peft_short_modules_to_save_of_what_is_not_trained_here_are_refused(ckpt
         with pytest.raises(ValueError, match=f"modules_to_save {mods!r} \\(.*{said}".replace("[", "\\[")
                            .replace("]", "\\]")):
             check_init_adapter(str(tmp_path / "a"), R, ALPHA, ALL, train_norms=True, train_embeddings=True)
+
+
+@pytest.mark.parametrize("mods", [["model.norm"], ["norm"]], ids=["full_name", "short_as_peft_0_21_saved_it"])
+def test_trained_norms_beyond_modules_to_save_compute_as_peft_loads_them(ckpts, mods, tmp_path):
+    """An adapter whose tensors hold trained norms its modules_to_save do not name for the installed peft (what peft up
+    to 0.21 saved for "norm": every norm, which 0.22 reads as model.norm alone): PeftModel still computes with every
+    one (its state-dict load puts a tensor of no saved module into the base's weight, asked of peft here), and so do
+    we: --init-adapter (with --train-norms) starts the model giving PeftModel's logits, the merge is merge_and_unload's.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from model.adapter_read import check_init_adapter
+    from model.merged import merge
+    from parallel.parallelize import BuildOptions, build_model
+
+    path, a = ckpts["qwen2"], tmp_path / "a"
+    hf = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)   # noqa: E731
+    theirs = get_peft_model(hf(), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=ALL, init_lora_weights=False,
+                                             modules_to_save=["model.norm", "input_layernorm",
+                                                              "post_attention_layernorm"]))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if ".modules_to_save.default." in n:
+                p.mul_(1.5)
+    theirs.save_pretrained(str(a))
+    held = {k: v for k, v in load_file(str(a / "adapter_model.safetensors")).items() if ".lora_" not in k}
+    assert len(held) == 5, sorted(held)   # (model.norm and 2 blocks' 2 norms: every norm, as 0.21's "norm" saved)
+    cfg = json.load(open(a / "adapter_config.json"))
+    json.dump({**cfg, "modules_to_save": mods}, open(a / "adapter_config.json", "w"))
+    peft_model = PeftModel.from_pretrained(hf(), str(a)).eval()
+    for k, v in held.items():   # the weight each norm computes with (peft's saved copy, else the base's own)
+        m = peft_model.get_submodule(k.removesuffix(".weight"))
+        w = m.modules_to_save["default"].weight if hasattr(m, "modules_to_save") else m.weight
+        assert torch.equal(w, v), f"peft computes {k} without the adapter's"
+    check_init_adapter(str(a), R, ALPHA, ALL, train_norms=True)
+    ours, _ = build_model(BuildOptions(path, quant="none", lora_r=R, lora_alpha=ALPHA, train_norms=True, seed=9,
+                                       init_adapter=str(a)), device="cpu")
+    ids, _, pos = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, position_ids=pos), peft_model(input_ids=ids).logits, rtol=1e-5,
+                                   atol=1e-5, msg="--init-adapter")
+    merge(path, str(a), str(tmp_path / "merged"), dtype=torch.float32)
+    want = PeftModel.from_pretrained(hf(), str(a)).merge_and_unload().state_dict()
+    got = {}
+    for f in (tmp_path / "merged").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert got.keys() == want.keys(), sorted(want.keys() ^ got.keys())
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"merged {k}")
 
 
 def test_weight_decay_skips_the_norms_as_transformers_trainer_does(ckpts):
