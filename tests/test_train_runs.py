@@ -91,6 +91,9 @@ def quick_argv(assets, out, *extra):
     return train_argv(assets, out, "--micro-batch", "2", *extra)
 
 
+MB = 4   # quick_argv's micro-batches a step on 1 rank (--global-batch 8 in micro-batches of 2)
+
+
 def metrics(out) -> list[dict]:
     def no_nan(name):
         raise AssertionError(f"metrics.jsonl holds the non-JSON literal {name}")
@@ -99,11 +102,23 @@ def metrics(out) -> list[dict]:
         return [json.loads(line, parse_constant=no_nan) for line in f]
 
 
+DROPOUT = ("--steps", "4", "--lora-dropout", "0.1")
+
+
+@pytest.fixture(scope="module")
+def dropout_ref(assets, tmp_path_factory):
+    """The uninterrupted 4-step run with LoRA dropout (quick_argv) that the stopped and requeued runs must end as."""
+    out = str(tmp_path_factory.mktemp("dropout") / "ref")
+    run(quick_argv(assets, out, *DROPOUT))
+    return out
+
+
 @pytest.fixture(scope="module")
 def done(assets, tmp_path_factory):
-    """One finished 4-step run (checkpoints at 2 and 4): the 'earlier results' the refusals must keep."""
+    """One finished 4-step run (checkpoints at 2 and 4; --micro-batch 2): the 'earlier results' the refusals must
+    keep, and a run the tests that resume it copy."""
     out = str(tmp_path_factory.mktemp("done") / "out")
-    run(train_argv(assets, out, "--steps", "4", "--save-every", "2"))
+    run(quick_argv(assets, out, "--steps", "4", "--save-every", "2"))
     return out
 
 
@@ -674,13 +689,13 @@ def test_resume_rewrites_metrics_once_per_step(assets, done, tmp_path, capsys):
     out = str(tmp_path / "out")
     shutil.copytree(done, out)
     first = metrics(out)
-    run(train_argv(assets, out, "--steps", "4", "--resume", os.path.join(out, "ckpt", "step_000002")))
+    run(quick_argv(assets, out, "--steps", "4", "--resume", os.path.join(out, "ckpt", "step_000002")))
     again = metrics(out)
     assert [r["step"] for r in again] == [1, 2, 3, 4], "each step logged once"
     assert [r["loss"] for r in again] == [r["loss"] for r in first], "resume never changes the math"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002", "step_000004"]
     assert "note: the checkpoint's run scheduled" not in capsys.readouterr().out
-    run(train_argv(assets, out, "--steps", "5", "--resume", os.path.join(out, "ckpt")))
+    run(quick_argv(assets, out, "--steps", "5", "--resume", os.path.join(out, "ckpt")))
     assert "note: the checkpoint's run scheduled the LR over 4 steps, this one over 5 (--steps): the steps after 4 " \
         "follow the schedule over the new length" in capsys.readouterr().out
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
@@ -1115,7 +1130,8 @@ def test_no_bitsandbytes_noise_on_import():
 
 
 def _sigterm_at(monkeypatch, n):
-    """SIGTERM in the n-th micro-batch (8 per step on 1 rank; entered after each stop check); count the saves."""
+    """SIGTERM in the n-th micro-batch (MB per step under quick_argv; entered after each stop check); count the
+    saves."""
     from parallel import checkpoint, phases
 
     measuring, save, seen = phases.measuring, checkpoint.save, {"calls": 0, "saves": []}
@@ -1135,25 +1151,26 @@ def _sigterm_at(monkeypatch, n):
     return seen
 
 
-def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout(assets, tmp_path, monkeypatch):
+def test_a_signal_stops_with_the_finished_steps_saved_and_resume_replays_dropout(assets, dropout_ref, tmp_path,
+                                                                                  monkeypatch):
+    """(quick_argv: MB = 4 micro-batches a step; the uninterrupted run is the module's dropout_ref.)"""
     from parallel import signals
 
-    flags = ("--steps", "4", "--lora-dropout", "0.1")
-    ref, again, out = (str(tmp_path / n) for n in ("ref", "again", "out"))
-    run(train_argv(assets, ref, *flags))
-    run(train_argv(assets, again, *flags))
+    flags, ref = DROPOUT, dropout_ref
+    again, out = (str(tmp_path / n) for n in ("again", "out"))
+    run(quick_argv(assets, again, *flags))
     same = lambda d: [(r["loss"], r["grad_norm"]) for r in metrics(d)]   # noqa: E731
     assert same(again) == same(ref), "a run with dropout does not repeat itself"
     with monkeypatch.context() as m:
-        seen = _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch
+        seen = _sigterm_at(m, MB * 2 + 3)   # step 3's third micro-batch
         with pytest.raises(signals.Stopped) as e:
-            run(train_argv(assets, out, *flags))
+            run(quick_argv(assets, out, *flags))
     assert str(e.value) == f"stopped on SIGTERM before step 3's update: steps 1..2 are saved in {out}/ckpt", e.value
-    assert e.value.code == 143 and seen == {"calls": 19, "saves": [2]}, (e.value.code, seen)
+    assert e.value.code == 143 and seen == {"calls": MB * 2 + 3, "saves": [2]}, (e.value.code, seen)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler outlived the run"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002"]
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(os.path.join(out, "adapter"))
-    run(train_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
+    run(quick_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
     got, want = metrics(out), metrics(ref)
     assert [r["step"] for r in got] == [1, 2, 3, 4], "each step logged once"
     assert same(out) == same(ref), (got, want)
@@ -1229,22 +1246,21 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
         assert train.cli(train_argv(assets, str(tmp_path / "early"), "--steps", "1")) == 0
 
 
-def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypatch, capsys):
+def test_resume_auto_is_one_command_for_every_requeue(assets, dropout_ref, tmp_path, monkeypatch, capsys):
     """--resume auto: a fresh run where --out is absent; the same command after a stop continues from OUT/ckpt and
     ends as the uninterrupted run (losses, grad norms, adapter bit for bit); a run killed before its first save starts
     again. Refused: without --out, with --overwrite, a live run's folder, a finished run's adapter with no checkpoint
-    (it would be deleted), a folder that is not a run's."""
+    (it would be deleted), a folder that is not a run's. (quick_argv; the uninterrupted run is the module's
+    dropout_ref.)"""
     from safetensors.torch import load_file
 
     from parallel import runs, signals
 
-    flags = ("--steps", "4", "--lora-dropout", "0.1")
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
-    run(train_argv(assets, ref, *flags))
-    auto = train_argv(assets, out, *flags, "--resume", "auto")
+    flags, ref, out = DROPOUT, dropout_ref, str(tmp_path / "out")
+    auto = quick_argv(assets, out, *flags, "--resume", "auto")
     capsys.readouterr()
     with monkeypatch.context() as m:
-        _sigterm_at(m, 8 * 2 + 3)   # step 3's third micro-batch: steps 1..2 saved
+        _sigterm_at(m, MB * 2 + 3)   # step 3's third micro-batch: steps 1..2 saved
         with pytest.raises(signals.Stopped):
             run(auto)
     said = capsys.readouterr().out
@@ -1293,7 +1309,7 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, tmp_path, monkeypa
     # killed before its first save: config.json and metrics.jsonl, no step; the same command starts it again
     killed = str(tmp_path / "killed")
     shutil.copytree(out, killed, ignore=shutil.ignore_patterns("ckpt", "adapter", "run.lock"))
-    run(train_argv(assets, killed, *flags, "--resume", "auto"))
+    run(quick_argv(assets, killed, *flags, "--resume", "auto"))
     said = capsys.readouterr().out
     assert f"out: {killed} (--resume auto: its run saved no whole step, so it starts again) (removed " in said, said
     assert same(killed) == same(ref)
@@ -1375,7 +1391,9 @@ def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, mo
     assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["latest", "step_000003"]
 
 
-def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tmp_path, monkeypatch):
+def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, done, tmp_path, monkeypatch):
+    """(quick_argv: MB = 4 micro-batches a step; the run resumed from an older step is a copy of the module's `done`,
+    the same 4-step run with --save-every 2.)"""
     import train
     from parallel import signals
 
@@ -1383,22 +1401,22 @@ def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tm
         with monkeypatch.context() as m:
             seen = _sigterm_at(m, n)
             with pytest.raises(signals.Stopped):
-                run(train_argv(assets, out, "--steps", "4", *flags))
+                run(quick_argv(assets, out, "--steps", "4", *flags))
         return seen["saves"], open(os.path.join(out, "ckpt", "latest")).read(), [r["step"] for r in metrics(out)]
 
     # right after a --save-every save: nothing more to write
     a = str(tmp_path / "a")
-    assert stop(a, 8 * 2 + 3, "--save-every", "2") == ([2], "step_000002", [1, 2])
+    assert stop(a, MB * 2 + 3, "--save-every", "2") == ([2], "step_000002", [1, 2])
     # --save-minutes: a save once that much time passed since the last (tiny: after every step; 10: none before the
     # stop's own)
-    assert stop(str(tmp_path / "m"), 8 * 2 + 3, "--save-minutes", "1e-9", "--keep-ckpts", "5") == \
+    assert stop(str(tmp_path / "m"), MB * 2 + 3, "--save-minutes", "1e-9", "--keep-ckpts", "5") == \
         ([1, 2], "step_000002", [1, 2])
-    assert stop(str(tmp_path / "n"), 8 * 2 + 3, "--save-minutes", "10") == ([2], "step_000002", [1, 2])
+    assert stop(str(tmp_path / "n"), MB * 2 + 3, "--save-minutes", "10") == ([2], "step_000002", [1, 2])
     # resumed from an older step of the same run (latest named step 4): `latest` names step 2 from the start
     # (checkpoint.branch), so the stop writes nothing: step 2 is on disk, and the printed --resume OUT/ckpt
     # continues from it
     b = str(tmp_path / "b")
-    run(train_argv(assets, b, "--steps", "4", "--save-every", "2"))
+    shutil.copytree(done, b)   # (that run: --steps 4 --save-every 2)
     assert stop(b, 3, "--save-every", "2", "--resume", os.path.join(b, "ckpt", "step_000002")) == \
         ([], "step_000002", [1, 2])
     # step 1 skipped as non-finite (AdamW never ran: no optimizer state), then stopped in step 2: its save resumes
@@ -1408,11 +1426,11 @@ def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, tm
     def nan_in_step_one(z, y):
         calls["n"] += 1
         loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
-        return loss * math.nan if calls["n"] <= 8 else loss
+        return loss * math.nan if calls["n"] <= MB else loss
 
     monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one)
-    assert stop(c, 8 + 2) == ([1], "step_000001", [1])
-    run(train_argv(assets, c, "--steps", "3", "--resume", os.path.join(c, "ckpt")))
+    assert stop(c, MB + 2) == ([1], "step_000001", [1])
+    run(quick_argv(assets, c, "--steps", "3", "--resume", os.path.join(c, "ckpt")))
     assert [r["step"] for r in metrics(c)] == [1, 2, 3]
 
 
