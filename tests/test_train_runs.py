@@ -2276,7 +2276,8 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     losses and best adapter. Resumed onto other --eval-data, or into another --out, the best is chosen anew (said);
     resumed without the flag, no step is protected; a leftover adapter_best.old-export is cleared. --overwrite
     removes an old adapter_best; the flag without --eval-every is refused before any weight is read. (The run resumed
-    is a copy of the first, the same deterministic run; other --eval-data is 10 training records; --micro-batch 2.)"""
+    is a copy of the first, the same deterministic run; other --eval-data is 10 training records; --micro-batch 2;
+    4 steps: the lowest eval loss comes before the last, as asserted.)"""
     from safetensors.torch import load_file
 
     from parallel import checkpoint_export
@@ -2286,16 +2287,16 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
             for i in range(n):
                 f.write(json.dumps({"messages": [{"role": "user", "content": f"question {i}: say it"},
                                                  {"role": "assistant", "content": " ".join([word] * 6)}]}) + "\n")
-    flags = ("--steps", "6", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
+    flags = ("--steps", "4", "--eval-every", "1", "--eval-data", str(tmp_path / "no.jsonl"), "--keep-best",
              "--keep-ckpts", "1", "--lr", "0.5", "--data", str(tmp_path / "yes.jsonl"))   # (no default --data)
     full = str(tmp_path / "full")
     run(quick_argv(assets, full, *flags))
     evals = [(r["eval_loss"], r["step"]) for r in metrics(full)]
     b = min(evals)[1]
-    assert b != 6, f"the eval loss fell to the last step {evals}: no rotation to protect the best from"
+    assert b != 4, f"the eval loss fell to the last step {evals}: no rotation to protect the best from"
     assert f"best: eval_loss {min(evals)[0]:.6f} at step {b}" in capsys.readouterr().out
     steps = lambda out: sorted(os.listdir(os.path.join(out, "ckpt")))
-    assert steps(full) == sorted(["latest", f"step_{b:06d}", "step_000006"]), steps(full)
+    assert steps(full) == sorted(["latest", f"step_{b:06d}", "step_000004"]), steps(full)
     tensors = lambda d: load_file(os.path.join(d, "adapter_model.safetensors"))
     checkpoint_export.export(os.path.join(full, "ckpt", f"step_{b:06d}"), str(tmp_path / "exported"))
     best, exported, final = (tensors(os.path.join(full, "adapter_best")), tensors(tmp_path / "exported"),
@@ -2318,15 +2319,15 @@ def test_keep_best_keeps_the_lowest_eval_checkpoint_through_rotation_and_resume(
     assert f"the checkpoint's best (step {b}, eval_loss {min(evals)[0]:.6f}) was measured on other --eval-data" in out
     new = min((r["eval_loss"], r["step"]) for r in metrics(part) if r["step"] > b)
     assert f"best: eval_loss {new[0]:.6f} at step {new[1]}" in out and steps(part) == sorted(
-        {"latest", f"step_{new[1]:06d}", "step_000006"}), (steps(part), new)
+        {"latest", f"step_{new[1]:06d}", "step_000004"}), (steps(part), new)
     assert not os.path.exists(os.path.join(part, "adapter_best.old-export")), "a leftover swap folder stayed"
     other = str(tmp_path / "other")   # a resume into a new --out: the best lies in another run's folder
     run(quick_argv(assets, other, *flags, "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))
     assert "is in another run folder: the best is chosen among this run's evaluations" in capsys.readouterr().out
-    run(quick_argv(assets, full, "--steps", "6", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
+    run(quick_argv(assets, full, "--steps", "4", "--keep-ckpts", "1", "--data", str(tmp_path / "yes.jsonl"),
                    "--lr", "0.5", "--resume", os.path.join(full, "ckpt", f"step_{b:06d}")))   # no --keep-best
-    assert steps(full) == ["latest", "step_000006"], (steps(full), "a run without --keep-best protected a step")
-    run(train_argv(assets, part, "--steps", "1", "--overwrite"))
+    assert steps(full) == ["latest", "step_000004"], (steps(full), "a run without --keep-best protected a step")
+    run(quick_argv(assets, part, "--steps", "1", "--overwrite"))
     assert not os.path.exists(os.path.join(part, "adapter_best")), "--overwrite left another run's best adapter"
     msg = startup_error(train_argv(assets, str(tmp_path / "no_every"), "--keep-best", "--eval-data", assets["data"]))
     assert "--keep-best keeps the checkpoint of the lowest eval loss, saved at each evaluation, but --eval-every 0 " \
