@@ -1181,12 +1181,13 @@ def default_sigint():
     signal.signal(signal.SIGINT, outer)
 
 
-def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is_one_line(assets, tmp_path,
+def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is_one_line(assets, done, tmp_path,
                                                                                            monkeypatch, capsys,
                                                                                            default_sigint):
     """The stop handlers start before the evaluation before training (minutes on a large eval set): a SIGINT there
     stops the run once it ends, as in a step, not with a KeyboardInterrupt traceback (review, helper 54). Ctrl-C
-    before the handlers (the model build) is one line with the way on, exit 130."""
+    before the handlers (the model build) is one line with the way on, exit 130. (quick_argv; the eval set is 10
+    records; the other run's checkpoint is the module's `done`.)"""
     import train
     from parallel import evaluate, signals
 
@@ -1196,12 +1197,11 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
         signal.raise_signal(signal.SIGINT)
         return real(*a, **k)
 
-    out, ref_run = str(tmp_path / "out"), str(tmp_path / "ref")
-    run(train_argv(assets, ref_run, "--steps", "1"))
+    out, ev = str(tmp_path / "out"), eval_head(assets)
     with monkeypatch.context() as m:
         m.setattr(evaluate, "evaluate", interrupted)
         with pytest.raises(signals.Stopped) as e:
-            run(train_argv(assets, out, "--eval-data", assets["data"]))
+            run(quick_argv(assets, out, "--eval-data", ev))
     assert e.value.code == 130 and str(e.value) == "stopped on SIGINT before step 1's update: no step had " \
         f"finished: nothing to save; run the same command with --overwrite ({out} holds no checkpoint)", e.value
     assert "eval_loss before training" in capsys.readouterr().out and metrics(out) == []
@@ -1211,17 +1211,19 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     with monkeypatch.context() as m:
         m.setattr(evaluate, "evaluate", interrupted)
         with pytest.raises(signals.Stopped) as e:
-            run(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto"))
+            run(quick_argv(assets, again, "--eval-data", ev, "--resume", "auto"))
     assert str(e.value).endswith("nothing to save; run the same command again (--resume auto starts it again)")
     with one_thread():   # and it does (exit 0: cli's code on success)
-        assert train.cli(train_argv(assets, again, "--eval-data", assets["data"], "--resume", "auto")) == 0
+        assert train.cli(quick_argv(assets, again, "--eval-data", ev, "--resume", "auto")) == 0
     assert len(metrics(again)) == 3
     assert notes.way_on(again, False, True) == f"run the same command with --resume {again}/ckpt"
     assert notes.way_on(out, False, True) == f"run it with a new --out ({out} holds this start's files but no " \
         "checkpoint)"
-    for argv in (train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt")),   # (as said: refused)
-                 train_argv(assets, out, "--resume", os.path.join(ref_run, "ckpt"), "--overwrite")):
-        startup_error(argv)
+    for argv, says in ((quick_argv(assets, out, "--steps", "4", "--resume", os.path.join(done, "ckpt")),
+                        f"--out {out!r} already holds files"),   # (as said: refused)
+                       (quick_argv(assets, out, "--steps", "4", "--resume", os.path.join(done, "ckpt"), "--overwrite"),
+                        "--resume continues a run and --overwrite deletes one")):
+        assert says in startup_error(argv), argv
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the SIGINT handler outlived the run"
 
     def ctrl_c(*a, **k):
@@ -1235,7 +1237,7 @@ def test_a_signal_in_the_baseline_evaluation_stops_there_and_ctrl_c_before_it_is
     assert code == 130 and said.strip() == f"error: interrupted (SIGINT): run the same command again " \
         f"({tmp_path / 'early'} holds nothing of it yet)", said   # (its lock alone: no --overwrite needed, helper 111)
     with one_thread():   # and it does
-        assert train.cli(train_argv(assets, str(tmp_path / "early"), "--steps", "1")) == 0
+        assert train.cli(quick_argv(assets, str(tmp_path / "early"), "--steps", "1")) == 0
 
 
 def test_resume_auto_is_one_command_for_every_requeue(assets, dropout_ref, tmp_path, monkeypatch, capsys):
