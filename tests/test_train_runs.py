@@ -168,7 +168,7 @@ def test_default_out_is_fresh_and_lock_refuses_a_live_run(assets, tmp_path, monk
     from parallel import runs
 
     monkeypatch.chdir(tmp_path)
-    argv = [a for a in train_argv(assets, "x", "--steps", "1") if a not in ("--out", "x")]
+    argv = [a for a in quick_argv(assets, "x", "--steps", "1") if a not in ("--out", "x")]
     run(argv)
     run(argv)
     made = sorted(os.listdir(tmp_path / "runs"))
@@ -269,7 +269,7 @@ def test_resume_refuses_the_same_bytes_tokenized_otherwise(assets, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(assets["model"], model)
     out = str(tmp_path / "out")
-    base = [str(model) if x == assets["model"] else x for x in train_argv(assets, out, "--data-cache", "none")]
+    base = [str(model) if x == assets["model"] else x for x in quick_argv(assets, out, "--data-cache", "none")]
     argv = lambda *extra: [*base, *extra]
     run(argv("--steps", "2"))
     (jinja,) = [p for p in (model / "chat_template.jinja",) if p.exists()] or [None]
@@ -345,7 +345,7 @@ def test_no_steps_is_one_epoch_that_trains_every_sample(assets, tmp_path, capsys
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"sample {i} of twelve."}) + "\n" for i in range(12)))
     out = tmp_path / "out"
-    argv = train_argv(assets, str(out), "--data", str(data), "--save-every", "1")
+    argv = quick_argv(assets, str(out), "--data", str(data), "--save-every", "1")
     i = argv.index("--steps")
     argv = argv[:i] + argv[i + 2:]
     run(argv)
@@ -502,23 +502,46 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
 
 def test_the_default_max_len_is_said_when_it_splits_records(assets, tmp_path, capsys):
     """--max-len omitted is 256 (a long-context run that forgot it trains 256-token windows): said in a note when it
-    splits or cuts a record, naming the longest; a given --max-len that splits is the user's choice, not said."""
+    splits or cuts a record, naming the longest; a given --max-len that splits is the user's choice, not said. (Said
+    once the data are tokenized, before any weight is read: the runs here end at the tripwire of the model build.)"""
+    import train
+
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": ("word " * 400 if i < 2 else "short.") + f" {i}"}) + "\n"
                             for i in range(6)))
+
+    def said(argv):
+        with no_weights(), pytest.raises(AssertionError, match="a weight was about to be read"):
+            train.main(argv)
+        return capsys.readouterr().out
+
     argv = train_argv(assets, str(tmp_path / "a"), "--data", str(data), "--steps", "1")
     i = argv.index("--max-len")
-    run(argv[:i] + argv[i + 2:])
-    said = capsys.readouterr().out
-    assert "note: --max-len was not given, so it is 256: 2 records were split or cut to it (the longest has " in said \
-        and "tokens); pass --max-len N" in said, said
-    run(train_argv(assets, str(tmp_path / "b"), "--data", str(data), "--steps", "1"))   # --max-len 64: given
-    assert "--max-len was not given" not in capsys.readouterr().out
+    out = said(argv[:i] + argv[i + 2:])
+    assert "note: --max-len was not given, so it is 256: 2 records were split or cut to it (the longest has " in out \
+        and "tokens); pass --max-len N" in out, out
+    out = said(train_argv(assets, str(tmp_path / "b"), "--data", str(data), "--steps", "1"))   # --max-len 64: given
+    assert "data: " in out and "--max-len was not given" not in out, out
+
+
+def nan_in_step_one():
+    """A LOSS_FN (F.cross_entropy's sum) that is NaN in step 1's MB micro-batches (quick_argv, 1 rank): its calls
+    under no_grad, train.py's start-up check of LOSS_FN (recorded.not_a_sum), are not a step's and not counted."""
+    calls = {"n": 0}
+
+    def loss_fn(z, y):
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+        return loss * math.nan if torch.is_grad_enabled() and calls["n"] <= MB else loss
+
+    return loss_fn
 
 
 def _crash_at(monkeypatch, call: int, nan_calls=()):
     """train.LOSS_FN that raises (a kill, as far as the disk is concerned) at its `call`-th call, NaN at `nan_calls`:
-    1 rank runs 8 micro-batches per step here, so the calls of step k (counted from the run's first) are 8k-7..8k."""
+    1 rank runs MB micro-batches per step under quick_argv, so the calls of step k (counted from the run's first) are
+    MB(k-1)+1..MBk."""
     import train
 
     n = {"calls": 0}
@@ -544,13 +567,13 @@ def test_a_crash_after_resuming_from_an_older_step_comes_back_to_it(assets, tmp_
     folders they supersede."""
     out = str(tmp_path / "out")
     flags = ("--steps", "4", "--save-every", "1", "--keep-ckpts", "4")
-    run(train_argv(assets, out, *flags))
+    run(quick_argv(assets, out, *flags))
     want = [r["loss"] for r in metrics(out)]
     ckpt = os.path.join(out, "ckpt")
     with monkeypatch.context() as m:
         _crash_at(m, 1)   # the resumed run's first step, step 3
         with pytest.raises(RuntimeError, match="killed"):
-            run(train_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000002")))
+            run(quick_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000002")))
     said = capsys.readouterr().out
     assert "step_000003.abandoned, step_000004.abandoned" in said
     assert open(os.path.join(ckpt, "latest")).read() == "step_000002"
@@ -562,8 +585,8 @@ def test_a_crash_after_resuming_from_an_older_step_comes_back_to_it(assets, tmp_
     assert not os.path.exists(os.path.join(out, "adapter")) and os.path.isdir(os.path.join(out, "adapter.abandoned"))
     assert "the adapters exported past step_000002 are now adapter.abandoned" in said
     with pytest.raises(ValueError, match=r"step_000003.abandoned' is an abandoned step .* never resumed"):
-        run(train_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000003.abandoned")))
-    run(train_argv(assets, out, *flags, "--resume", ckpt))
+        run(quick_argv(assets, out, *flags, "--resume", os.path.join(ckpt, "step_000003.abandoned")))
+    run(quick_argv(assets, out, *flags, "--resume", ckpt))
     assert "resumed from " + os.path.join(ckpt, "step_000002") in capsys.readouterr().out
     assert [r["loss"] for r in metrics(out)] == want and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_000003", "step_000004"], \
@@ -578,19 +601,19 @@ def test_non_finite_steps_in_a_row_count_across_a_resume(assets, tmp_path, monke
 
     flags = ("--steps", "5", "--save-every", "1", "--max-nonfinite", "2")
     with monkeypatch.context() as m:
-        _crash_at(m, 0, nan_calls=range(9, 25))
+        _crash_at(m, 0, nan_calls=range(MB + 1, 3 * MB + 1))   # steps 2 and 3
         with pytest.raises(NonFiniteError, match="2 non-finite steps in a row \\(step 2: .*; step 3: "):
-            run(train_argv(assets, str(tmp_path / "ref"), *flags))
+            run(quick_argv(assets, str(tmp_path / "ref"), *flags))
     out = str(tmp_path / "out")
     with monkeypatch.context() as m:
-        _crash_at(m, 17, nan_calls=range(9, 17))   # NaN in step 2, killed in step 3
+        _crash_at(m, 2 * MB + 1, nan_calls=range(MB + 1, 2 * MB + 1))   # NaN in step 2, killed in step 3
         with pytest.raises(RuntimeError, match="killed"):
-            run(train_argv(assets, out, *flags))
+            run(quick_argv(assets, out, *flags))
     assert [(r["step"], r["skipped"]) for r in metrics(out)] == [(1, 0), (2, 1)]
     with monkeypatch.context() as m:
-        _crash_at(m, 0, nan_calls=range(1, 9))   # step 3 (the resumed run's first) is NaN again
+        _crash_at(m, 0, nan_calls=range(1, MB + 1))   # step 3 (the resumed run's first) is NaN again
         with pytest.raises(NonFiniteError, match="2 non-finite steps in a row \\(step 2: .*; step 3: "):
-            run(train_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
+            run(quick_argv(assets, out, *flags, "--resume", os.path.join(out, "ckpt")))
 
 
 def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypatch):
@@ -607,7 +630,7 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
     beats, real = [], guard.Watchdog.phase
     monkeypatch.setattr(guard.Watchdog, "phase", lambda self, name, step=None: (beats.append((name, step)),
                                                                                  real(self, name, step))[1])
-    run(train_argv(assets, str(tmp_path / "out"), "--steps", "2", "--eval-every", "1", "--eval-data",
+    run(quick_argv(assets, str(tmp_path / "out"), "--steps", "2", "--eval-every", "1", "--eval-data",
                    str(tmp_path / "eval.jsonl"), "--no-pack"))   # (one eval sample a row: packed, they share one)
     evals = [step for name, step in beats if name == "eval"]
     assert evals == [0] * 5 + [1] * 5 + [2] * 5, evals
@@ -631,10 +654,10 @@ def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monke
                                                                                  real(self, name, step))[1])
     ev = ["--steps", "2", "--eval-every", "1", "--eval-data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
           "--max-len", "256"]   # (the training chats' longest: ~200 tokens; an eval chat: ~35)
-    run(train_argv(assets, str(tmp_path / "rows"), *ev))
+    run(quick_argv(assets, str(tmp_path / "rows"), *ev))
     rows = sum(name == "eval" for name, _ in beats)
     beats.clear()
-    run(train_argv(assets, str(tmp_path / "one"), *ev, "--no-pack"))
+    run(quick_argv(assets, str(tmp_path / "one"), *ev, "--no-pack"))
     assert sum(name == "eval" for name, _ in beats) == 3 * 40 and 3 <= rows <= 3 * 40 // 3, rows   # (3 evaluations)
     got, want = metrics(tmp_path / "rows"), metrics(tmp_path / "one")
     for g, w in zip(got, want):
@@ -652,7 +675,7 @@ def test_loss_fn_is_the_loss_trained_and_evaluated(assets, tmp_path, capsys):
     def losses(name):
         out = str(tmp_path / name)
         capsys.readouterr()
-        run(train_argv(assets, out, "--steps", "1", "--eval-data", assets["data"]))
+        run(quick_argv(assets, out, "--steps", "1", "--eval-data", eval_head(assets)))
         said.append(capsys.readouterr().out)
         before = [float(line.split()[-1]) for line in said[-1].splitlines()
                   if line.startswith("eval_loss before training")]
@@ -823,7 +846,7 @@ def test_train_on_prompt_trains_every_token_and_a_resume_keeps_it(assets, tmp_pa
     """--train-on-prompt: every token of each sample after its first is a target (the data: line's count), the flag
     recorded; a resume without it is refused, naming it (the other targets would be another run)."""
     out = str(tmp_path / "all")
-    run(train_argv(assets, out, "--train-on-prompt", "--steps", "2", "--save-every", "1"))
+    run(quick_argv(assets, out, "--train-on-prompt", "--steps", "2", "--save-every", "1"))
     said = capsys.readouterr().out
     m = re.search(r"data: (\d+) samples from \d+ records, (\d+) tokens \((\d+) targets\)", said)
     assert m and int(m.group(3)) == int(m.group(2)) - int(m.group(1)), said
@@ -927,7 +950,7 @@ def test_a_full_disk_under_tensorboard_is_the_one_error_said(assets, tmp_path, m
     died = []   # TensorBoard's writer thread meets the full disk too: its exception, kept here (pytest's hook said it
     monkeypatch.setattr(threading, "excepthook", died.append)   # as a warning, in whichever test ran next)
     with one_thread():
-        code = train.cli(train_argv(assets, out, "--report-to", "tensorboard", "--save-every", "1"))
+        code = train.cli(quick_argv(assets, out, "--report-to", "tensorboard", "--save-every", "1"))
     for t in threading.enumerate():   # (a daemon: done once the writer was closed, or soon after)
         if type(t).__name__ == "_AsyncWriterThread":
             t.join(10)
@@ -941,16 +964,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeyp
     import train
     from parallel.guard import NonFiniteError
 
-    calls = {"n": 0}
-
-    def nan_in_step_one(z, y):   # 8 micro-batches per step on 1 rank: the first 8 calls are step 1
-        calls["n"] += 1
-        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
-        return loss * math.nan if calls["n"] <= 8 else loss
-
     out = str(tmp_path / "skip")
-    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one)
-    run(train_argv(assets, out, "--steps", "3"))
+    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one())
+    run(quick_argv(assets, out, "--steps", "3"))
     recs = metrics(out)
     assert recs[0]["loss"] is None and recs[0]["nonfinite"]["loss"] == "nan" and recs[0]["skipped"] == 1, recs[0]
     assert all(math.isfinite(r["loss"]) for r in recs[1:]) and recs[-1]["skipped"] == 1
@@ -961,7 +977,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeyp
     out = str(tmp_path / "stop")
     monkeypatch.setattr(train, "LOSS_FN", lambda z, y: z.sum() * math.inf)
     with pytest.raises(NonFiniteError, match="--max-nonfinite"):
-        run(train_argv(assets, out, "--steps", "5", "--max-nonfinite", "2"))
+        run(quick_argv(assets, out, "--steps", "5", "--max-nonfinite", "2"))
     assert [r["step"] for r in metrics(out)] == [1], "step 2 raises before it is logged"
     assert not os.path.exists(os.path.join(out, "adapter")) and not os.path.exists(os.path.join(out, "ckpt"))
 
@@ -1043,7 +1059,7 @@ def test_a_global_batch_above_the_data_trains_and_says_so(assets, tmp_path, caps
     """--global-batch 50 over 40 samples (a quick run on a few records): it trains, each step taking samples more
     than once, and a note says so (until 2026-12-04 silent; one huge hung: test_train's start-up errors)."""
     out = str(tmp_path / "out")
-    run(train_argv(assets, out, "--steps", "1", "--global-batch", "50"))
+    run(train_argv(assets, out, "--steps", "1", "--global-batch", "50", "--micro-batch", "10"))
     assert "note: --global-batch 50 is more samples than --data holds (40): each step takes each sample about 1.25 " \
            "times" in capsys.readouterr().out
     assert metrics(out)[0]["epoch"] == 1.25, metrics(out)
@@ -1349,7 +1365,7 @@ def test_resume_auto_of_a_run_that_stopped_early_writes_its_adapter(assets, tmp_
     import train
 
     out = str(tmp_path / "es")
-    argv = train_argv(assets, out, "--steps", "6", "--eval-data", eval_head(assets), "--eval-every", "1",
+    argv = quick_argv(assets, out, "--steps", "6", "--eval-data", eval_head(assets), "--eval-every", "1",
                       "--early-stop", "1", "--early-stop-delta", "100", "--resume", "auto")
     run(argv)
     assert [r["step"] for r in metrics(out)] == [1, 2], "--early-stop 1 with a delta of 100 ends at step 2"
@@ -1415,15 +1431,8 @@ def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, do
         ([], "step_000002", [1, 2])
     # step 1 skipped as non-finite (AdamW never ran: no optimizer state), then stopped in step 2: its save resumes
     c = str(tmp_path / "c")
-    calls = {"n": 0}
-
-    def nan_in_step_one(z, y):
-        calls["n"] += 1
-        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
-        return loss * math.nan if calls["n"] <= MB else loss
-
-    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one)
-    assert stop(c, MB + 2) == ([1], "step_000001", [1])
+    monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one())
+    assert stop(c, MB + 2) == ([1], "step_000001", [1]) and metrics(c)[0]["skipped"] == 1
     run(quick_argv(assets, c, "--steps", "3", "--resume", os.path.join(c, "ckpt")))
     assert [r["step"] for r in metrics(c)] == [1, 2, 3]
 
@@ -1776,7 +1785,7 @@ def test_fast_adds_the_planners_fastest_flags(assets, tmp_path, monkeypatch, cap
     from parallel import plan_search, plan_speed
     from parallel.mesh import validate
 
-    argv = lambda out, *x: train_argv(assets, str(tmp_path / out), "--steps", "2", *x)
+    argv = lambda out, *x: quick_argv(assets, str(tmp_path / out), "--steps", "2", *x)
     mem = budget_between_ac_plans(argv("x"))
     monkeypatch.setattr(plan_search, "_budget", lambda a, world: ("cpu", mem, f"{mem:.0f} B (test)"))
 
@@ -2421,7 +2430,7 @@ def test_a_save_into_a_folder_made_unwritable_mid_run_is_one_line(assets, tmp_pa
     monkeypatch.setattr(checkpoint, "_fsync_write", refused)
     capsys.readouterr()
     with one_thread():
-        code = train.cli(train_argv(assets, str(out), "--save-every", "1"))
+        code = train.cli(quick_argv(assets, str(out), "--save-every", "1"))
     said = capsys.readouterr().err
     meta = os.path.join(str(out), "ckpt", ".tmp-step_000002", "meta.json")
     assert code == 2 and said.startswith(f"error: saving checkpoint step 2 failed (PermissionError: [Errno 13] "
