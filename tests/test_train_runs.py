@@ -441,8 +441,8 @@ def test_data_weight_shares_rotate_and_a_run_from_before_resumes_with_its_fixed_
 def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_resume_counts_on(assets, tmp_path,
                                                                                                capsys, monkeypatch):
     """--early-stop 2 --early-stop-delta 100 --eval-every 1 (no evaluation falls 100 below the first): step 1 sets the
-    best, steps 2 and 3 do not improve on it, so the run ends at step 3 of 6, saving and exporting that step: its
-    losses and eval losses are the 6-step run's first 3 (the LR schedule is the whole run's), its adapter that run's
+    best, steps 2 and 3 do not improve on it, so the run ends at step 3 of 4, saving and exporting that step: its
+    losses and eval losses are the 4-step run's first 3 (the LR schedule is the whole run's), its adapter that run's
     step-3 checkpoint's, bit for bit. A resume with the same flags is refused (it would stop at its next evaluation),
     files untouched; with --early-stop 5 it trains on, counting from 2, as the uninterrupted run. Refused: no
     evaluation to count, N below 1, a negative delta."""
@@ -450,15 +450,15 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
 
     from parallel.checkpoint_export import export
 
-    ev = ["--eval-data", eval_head(assets), "--eval-every", "1", "--steps", "6"]
+    ev = ["--eval-data", eval_head(assets), "--eval-every", "1", "--steps", "4"]
     full, out = tmp_path / "full", tmp_path / "early"
-    run(quick_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "6"))
+    run(quick_argv(assets, str(full), *ev, "--save-every", "1", "--keep-ckpts", "4"))
     capsys.readouterr()
     run(quick_argv(assets, str(out), *ev, "--early-stop", "2", "--early-stop-delta", "100"))
     said = capsys.readouterr().out
     first = metrics(full)[0]["eval_loss"]
     assert f"early stop: eval_loss has not gone below step 1's {first:.6f} by more than 100 in the 2 evaluations " \
-           "since (--early-stop 2): the run ends at step 3 of 6" in said, said
+           "since (--early-stop 2): the run ends at step 3 of 4" in said, said
     keys = ("step", "loss", "grad_norm", "lr", "eval_loss")
     assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(full)[:3]]
     assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000003"]
@@ -474,7 +474,7 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     assert tree_hash(out) == before
     run(quick_argv(assets, str(out), *ev, "--early-stop", "5", "--early-stop-delta", "100", "--resume",
                    str(out / "ckpt")))
-    assert "early stop: " not in capsys.readouterr().out   # (step 6's evaluation is the fifth: the run's last anyway)
+    assert "early stop: " not in capsys.readouterr().out   # (step 4's evaluation is the third since step 1's)
     assert [[r[k] for k in keys] for r in metrics(out)] == [[r[k] for k in keys] for r in metrics(full)]
     # no evaluation finite (review: the message named step None's inf, and the count was not kept for a resume)
     import train
@@ -482,7 +482,7 @@ def test_early_stop_ends_the_run_where_the_eval_loss_stopped_improving_and_a_res
     nan = tmp_path / "nan"
     run(quick_argv(assets, str(nan), *ev, "--early-stop", "2"))
     assert "early stop: no evaluation gave a finite eval_loss (2 of them) (--early-stop 2): the run ends at step 2 " \
-           "of 6" in capsys.readouterr().out
+           "of 4" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"it had counted 2 evaluations none of them with a finite eval_loss"):
         run(quick_argv(assets, str(nan), *ev, "--early-stop", "2", "--resume", str(nan / "ckpt")))
     monkeypatch.undo()
@@ -901,7 +901,7 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
     import lr_before
     assert recorded.describe_code(lr_before.lr_at) == resume.LR_AT_BEFORE
     ref, then = str(tmp_path / "ref"), str(tmp_path / "then")
-    run(quick_argv(assets, ref, "--steps", "4", "--save-every", "2"))
+    run(quick_argv(assets, ref, "--steps", "3", "--save-every", "2"))
     with monkeypatch.context() as m:
         m.setattr(train, "lr_at", lr_before.lr_at)
         run(quick_argv(assets, then, "--steps", "2", "--save-every", "2"))
@@ -912,10 +912,10 @@ def test_lr_schedule_is_the_lr_trained_and_a_run_from_before_it_resumes(assets, 
         del kept["args"][k]
     with open(meta, "w") as f:
         json.dump(kept, f)
-    said = startup_error(quick_argv(assets, then, "--steps", "4", "--min-lr-ratio", "0.2", "--resume",
+    said = startup_error(quick_argv(assets, then, "--steps", "3", "--min-lr-ratio", "0.2", "--resume",
                                     os.path.join(then, "ckpt")))
     assert "--min-lr-ratio: the checkpoint has 0.1, this run 0.2" in said and "lr_at" not in said, said
-    run(quick_argv(assets, then, "--steps", "4", "--resume", os.path.join(then, "ckpt")))
+    run(quick_argv(assets, then, "--steps", "3", "--resume", os.path.join(then, "ckpt")))
     same = lambda d: [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in metrics(d)]   # noqa: E731
     assert same(then) == same(ref)
     a, b = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (then, ref))
@@ -2005,14 +2005,15 @@ def test_an_eval_sample_longer_than_training_is_planned_as_a_bound_that_only_war
     assert planned == [4, 8] and "the longest eval sample, 8 tokens," in got[1], (planned, got)
 
 
-def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_path, capsys):
+def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, done, tmp_path, capsys):
     """--chat-template chatml in place of the checkpoint's template (which adds a default system prompt): the data are
     rendered with it (the run's data line is that of the chatml tokenizer's samples), the adapter folder carries it
     (chat_template.jinja), so does the adapter exported from the run's checkpoint, and the merge makes it the merged
     tokenizer's (AutoTokenizer reads it back) with its end-of-turn token among generation_config's eos ids; a run
     without the flag writes none. Refused before any weight is read: a resume without the template (runs keep its
     text: the same text from a file passes), --init-adapter from that adapter without it. An adapter that records no
-    template under a --chat-template is said in a note line, not refused."""
+    template under a --chat-template is said in a note line, not refused. (The run without the flag: the module's
+    `done`.)"""
     from transformers import AutoTokenizer
 
     from data import load_jsonl, load_tokenizer, tokenize_records
@@ -2020,8 +2021,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     from model.merged import merge
     from parallel import checkpoint_export
 
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run(quick_argv(assets, a, "--steps", "1"))
+    a, b = done, str(tmp_path / "b")
     run(quick_argv(assets, b, "--steps", "1", "--chat-template", "chatml"))
     data = lambda out: json.load(open(os.path.join(out, "config.json")))["data_stats"]
     tok = load_tokenizer(assets["model"], TEMPLATES["chatml"])
@@ -2039,7 +2039,7 @@ def test_chat_template_flag_travels_with_the_adapter_to_the_merge(assets, tmp_pa
     msg = startup_error(quick_argv(assets, b, "--steps", "2", "--resume", os.path.join(b, "ckpt")))
     assert "--chat-template: the checkpoint's run rendered its chats with --chat-template chatml, this run with the " \
         "model's own template (no --chat-template): pass --chat-template chatml" in msg, msg
-    msg = startup_error(quick_argv(assets, a, "--steps", "2", "--resume", os.path.join(a, "ckpt"), "--chat-template",
+    msg = startup_error(quick_argv(assets, a, "--steps", "4", "--resume", os.path.join(a, "ckpt"), "--chat-template",
                                    "chatml"))
     assert "rendered its chats with the model's own template (no --chat-template), this run with --chat-template " \
         "chatml: drop --chat-template" in msg, msg
@@ -2095,17 +2095,17 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
     uninterrupted = [r["loss"] for r in metrics(part)]
     monkeypatch.setattr(store, "today", lambda: "2026-12-03")   # two days later
     capsys.readouterr()
-    run(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt", "step_000001")))
+    run(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt", "step_000002")))
     out = capsys.readouterr().out
     assert "rendered as 2026-12-01" in out and "tokens from the cache" in out, out
     assert [r["loss"] for r in metrics(part)] == uninterrupted, "the resume changed the math"
-    run(argv(str(tmp_path / "given"), "--steps", "2", "--template-date", "2024-07-26"))
+    run(argv(str(tmp_path / "given"), "--steps", "1", "--template-date", "2024-07-26"))
     (tmp_path / "spelled.jinja").write_text(line.replace('{{ strftime_now("%A %d %B %Y") }}', "Friday 26 July 2024")
                                             + TEMPLATES["chatml"])   # the same date, written into the template
-    run([*quick_argv(assets, str(tmp_path / "spelled"), "--steps", "2", "--chat-template",
+    run([*quick_argv(assets, str(tmp_path / "spelled"), "--steps", "1", "--chat-template",
                      str(tmp_path / "spelled.jinja")), "--data-cache", "none"])
     losses = lambda out: [r["loss"] for r in metrics(out)]
-    assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != uninterrupted[:2], "not the date given"
+    assert losses(tmp_path / "given") == losses(tmp_path / "spelled") != uninterrupted[:1], "not the date given"
     assert config(tmp_path / "given")["data_stats"] == spelled("2024-07-26")
     before = tree_hash(part)
     msg = startup_error(argv(part, "--steps", "3", "--resume", os.path.join(part, "ckpt"), "--template-date",
