@@ -640,11 +640,11 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
 
 def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monkeypatch):
     """With packing (the default) the eval samples go in rows of the plan's length (the longest training sample),
-    consecutive samples of one file together: 40 short chats in a few forwards instead of 40, with the eval losses (over
+    consecutive samples of one file together: 16 short chats in a few forwards instead of 16, with the eval losses (over
     all, and each file's) of one sample a forward (--no-pack) to float rounding; training is the same."""
     from parallel import guard
 
-    for name, n in (("a", 25), ("b", 15)):   # short chats, several to a row of the longest training sample's length
+    for name, n in (("a", 10), ("b", 6)):   # short chats, several to a row of the longest training sample's length
         with open(tmp_path / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps({"messages": [{"role": "user", "content": f"{name} q {i}"},
                                                   {"role": "assistant", "content": f"fine {i % 7}"}]}) + "\n"
@@ -658,7 +658,7 @@ def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monke
     rows = sum(name == "eval" for name, _ in beats)
     beats.clear()
     run(quick_argv(assets, str(tmp_path / "one"), *ev, "--no-pack"))
-    assert sum(name == "eval" for name, _ in beats) == 3 * 40 and 3 <= rows <= 3 * 40 // 3, rows   # (3 evaluations)
+    assert sum(name == "eval" for name, _ in beats) == 3 * 16 and 3 <= rows <= 3 * 16 // 3, rows   # (3 evaluations)
     got, want = metrics(tmp_path / "rows"), metrics(tmp_path / "one")
     for g, w in zip(got, want):
         assert g["loss"] == w["loss"] and sorted(g) == sorted(w)
