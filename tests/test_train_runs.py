@@ -34,10 +34,12 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit); a CPU run's
   memory is the RAM, or the job's cgroup limit when lower, over the local ranks.
 
-Cost (2026-12-07): runs whose claims count no micro-batch take --micro-batch 2 (quick_argv: 4 micro-batches a step of
-8, still accumulated), a run equal to one already made is a copy of its folder, eval sets are 10 records where the
-claim holds on any (eval_head), and only the CLI's own behaviour (signals, exit codes, torchrun, two processes of a
-job) runs in subprocesses.
+Cost (2026-12-07): runs take --micro-batch 2 (quick_argv: MB = 4 micro-batches a step of 8, still accumulated) but
+where a test compares with a run at --micro-batch 1; those that count micro-batches (a signal, a crash or NaN in one)
+count in MB; a run equal to one already made is a copy of its folder or a module fixture (`done`, `dropout_ref`);
+eval sets are 10 records where the claim holds on any (eval_head); a note said before the model build is read at the
+build's tripwire; and only the CLI's own behaviour (signals, exit codes, torchrun, two processes of a job) runs in
+subprocesses (the bitsandbytes import check reads the torchrun test's logs).
 
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
 """
@@ -134,9 +136,10 @@ def test_used_out_is_refused_and_untouched(assets, done, tmp_path):
 
 
 def test_overwrite_replaces_the_run(assets, done, tmp_path):
+    """(The run overwritten is a copy of the module's `done`.)"""
     out = str(tmp_path / "out")
-    run(quick_argv(assets, out, "--steps", "2", "--save-every", "1", "--keep-ckpts", "5"))
-    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001", "step_000002"]
+    shutil.copytree(done, out)
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000002", "step_000004"]
     run(quick_argv(assets, out, "--steps", "1", "--overwrite"))
     assert [r["step"] for r in metrics(out)] == [1], "the old metrics are gone, not appended to"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"], "old checkpoints removed"
@@ -2133,7 +2136,8 @@ def test_a_dated_template_renders_the_runs_day_and_a_resume_on_a_later_day_keeps
            "the day the checkpoint's run started)" in msg, msg
 
 
-def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unless_it_splits(assets, tmp_path, capsys):
+def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unless_it_splits(assets, done, tmp_path,
+                                                                                            capsys):
     """--long-text split (the default) on text records past --max-len: the data line counts the split records and
     their windows, config.json records the flag, and a resume with --long-text truncate is refused before any weight
     is read, naming both values. A checkpoint from before the flag (it truncated): a resume that would split records
@@ -2165,16 +2169,16 @@ def test_long_text_is_run_defining_and_a_checkpoint_from_before_it_resumes_unles
                                                         "peak_mem_gb")}} for m, r in zip(full, metrics(old))], \
         "the resume changed the math"
     chat = str(tmp_path / "chat")   # nothing to split: a checkpoint from before the flag resumes as it is
-    run(quick_argv(assets, chat, "--steps", "2", "--save-every", "1"))
-    meta_path = os.path.join(chat, "ckpt", "step_000001", "meta.json")
+    shutil.copytree(done, chat)   # (the module's 4-step run on the chat data)
+    meta_path = os.path.join(chat, "ckpt", "step_000002", "meta.json")
     meta = json.load(open(meta_path))
     del meta["args"]["long_text"]
     json.dump(meta, open(meta_path, "w"))
-    msg = startup_error(quick_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path),
+    msg = startup_error(quick_argv(assets, chat, "--steps", "4", "--resume", os.path.dirname(meta_path),
                                    "--eval-data", assets["text"]))   # but its eval data would be other samples
     assert "from before --long-text" in msg and "--data/--eval-data" in msg, msg
-    run(quick_argv(assets, chat, "--steps", "2", "--resume", os.path.dirname(meta_path)))
-    assert [m["step"] for m in metrics(chat)] == [1, 2]
+    run(quick_argv(assets, chat, "--steps", "4", "--resume", os.path.dirname(meta_path)))
+    assert [m["step"] for m in metrics(chat)] == [1, 2, 3, 4]
 
 
 def test_device_memory_other_processes_hold_is_not_counted(monkeypatch):
