@@ -34,12 +34,12 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   least of psutil's and every memory cgroup's above the process (v1, v2, Slurm's job-level limit); a CPU run's
   memory is the RAM, or the job's cgroup limit when lower, over the local ranks.
 
-Cost (2026-12-07): runs take --micro-batch 2 (quick_argv: MB = 4 micro-batches a step of 8, still accumulated) but
-where a test compares with a run at --micro-batch 1; those that count micro-batches (a signal, a crash or NaN in one)
-count in MB; a run equal to one already made is a copy of its folder or a module fixture (`done`, `dropout_ref`);
-eval sets are 10 records where the claim holds on any (eval_head); a note said before the model build is read at the
-build's tripwire; and only the CLI's own behaviour (signals, exit codes, torchrun, two processes of a job) runs in
-subprocesses (the bitsandbytes import check reads the torchrun test's logs).
+Cost (2026-12-07): runs take --micro-batch 2 (quick_argv: MB = 4 micro-batches a step of 8, still accumulated) where
+their flags set no other; those that count micro-batches (a signal, a crash or NaN in one) count in MB; a run equal
+to one already made is a copy of its folder or a module fixture (`done`, `dropout_ref`); eval sets are 10 records
+where the claim holds on any (eval_head); a note said before the model build is read at the build's tripwire; and
+only the CLI's own behaviour (signals, exit codes, torchrun, two processes of a job) runs in subprocesses (the
+bitsandbytes import check reads the torchrun test's logs).
 
 Run: .venv/bin/python -m pytest -q tests/test_train_runs.py
 """
