@@ -1398,10 +1398,10 @@ def test_a_run_saves_every_30_minutes_unless_told_otherwise(assets, tmp_path, mo
         calls[0] += 1
         return real() + 31 * 60 * calls[0]
     monkeypatch.setattr(saves, "time", types.SimpleNamespace(time=slow))
-    run(quick_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5"))
-    assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["latest", "step_000001", "step_000002", "step_000003"]
-    run(quick_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0"))
-    assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["latest", "step_000003"]
+    run(quick_argv(assets, str(tmp_path / "a"), "--keep-ckpts", "5", "--steps", "2"))
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt")) == ["latest", "step_000001", "step_000002"]
+    run(quick_argv(assets, str(tmp_path / "b"), "--keep-ckpts", "5", "--save-minutes", "0", "--steps", "2"))
+    assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["latest", "step_000002"]
 
 
 def test_a_stop_saves_only_what_is_not_on_disk_and_every_save_resumes(assets, done, tmp_path, monkeypatch):
