@@ -380,25 +380,36 @@ def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
         [r] for r in mine if r != "ours"]
 
 
-def _train_cli(argv: list[str]):
-    """A forked row's body: what `python train.py ARGV` runs, its exit code the process's."""
+# what a forked row would import again in each child otherwise (train.main imports these lazily: ~2.5 s of a core a
+# row); model.bnb before peft, which imports bitsandbytes (model/bnb.py)
+FORK_PRELOAD = ["train", "model.bnb", "peft", "data", "transformers.models.auto.tokenization_auto"]
+
+
+def _train_cli(argv: list[str], log: str | None = None):
+    """A forked row's body: what `python train.py ARGV` runs, its exit code the process's; with `log`, its output
+    goes to that file."""
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     import train
     sys.exit(train.cli(argv))
 
 
-def run_train(argv: list[str], timeout: float, fork: bool = False) -> None:
+def run_train(argv: list[str], timeout: float | None, fork: bool = False, log: str | None = None) -> None:
     """train.py with `argv`, a process of its own (CalledProcessError on a non-zero exit, TimeoutExpired past
-    `timeout`): a fresh interpreter, or with `fork` (without CUDA, the smoke mode's rows after "ours") a child of a
-    forkserver that imported train once: a fresh interpreter spends ~4 s of a core importing torch, transformers and
-    peft, most of a tiny row's time. Where CUDA is, every row is a fresh interpreter (its own context and peak)."""
+    `timeout`): a fresh interpreter, or with `fork` (without CUDA: the smoke mode's rows after "ours",
+    bench/micro_batch.py's runs) a child of a forkserver that imported train and FORK_PRELOAD once: a fresh interpreter
+    spends ~4 s of a core importing torch, transformers and peft, most of a tiny row's time. Where CUDA is, every row
+    is a fresh interpreter (its own context and peak). `log` (fork only): the child's output goes to that file."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *argv]
     if not fork:
         subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT)
         return
     import multiprocessing as mp
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["train"])
-    p = ctx.Process(target=_train_cli, args=(list(argv),))
+    ctx.set_forkserver_preload(FORK_PRELOAD)
+    p = ctx.Process(target=_train_cli, args=(list(argv), log))
     p.start()
     p.join(timeout)
     if p.exitcode is None:

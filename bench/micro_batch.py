@@ -3,10 +3,11 @@
 One random-init checkpoint (bench/gpu.py's `write_checkpoint`: on CUDA the Qwen2.5-7B shape of bench/configs cut to
 --layers, NF4; on CPU its smoke dims, fp32) and one data file of random-token texts: of every --period samples one is
 --max-len long, the others between --short-lo and --short-hi tokens (a chat set with a few long documents). The same
-train.py run twice in fresh processes, `--micro-batch 1` and `--micro-batch auto`, one warm-up step then the median
-step of the rest: tokens/s of each, their ratio, and the largest difference of the per-step losses (the same samples,
-so the same losses to float rounding). Timings are printed, never asserted (tests/test_bench_smoke.py runs the CPU
-smoke case).
+train.py run twice in processes of their own (fresh interpreters on CUDA; on CPU children of one forkserver that
+imported train once, bench/gpu.py's run_train), `--micro-batch 1` and `--micro-batch auto`, one warm-up step then
+the median step of the rest: tokens/s of each, their ratio, and the largest difference of the per-step losses (the
+same samples, so the same losses to float rounding). Timings are printed, never asserted (tests/test_bench_smoke.py
+runs the CPU smoke case).
 
     python bench/micro_batch.py                          # CPU smoke: ~1 minute on 2 cores
     python3 bench/micro_batch.py --layers 8 --max-len 32768 --short-lo 512 --short-hi 4096 --global-batch 32
@@ -53,10 +54,20 @@ def run(ckpt: str, data: str, out: str, args, micro: str) -> list[dict]:
             str(args.max_len), "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--micro-batch",
             micro, "--quant", "nf4" if cuda else "none", "--dtype", "bf16" if cuda else "fp32", "--long-text",
             "truncate", "--warmup", "1", "--out", out, "--no-progress", "--save-minutes", "0", "--data-cache", "none"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"--micro-batch {micro} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    if cuda:
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"--micro-batch {micro} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    else:   # the CPU smoke: forked from one forkserver that imported train once (bench/gpu.py's run_train)
+        from bench.gpu import run_train
+
+        os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")   # (the forkserver's torch reads it)
+        log = out + ".log"
+        try:
+            run_train(argv[2:], None, fork=True, log=log)
+        except subprocess.CalledProcessError:
+            sys.exit(f"--micro-batch {micro} failed:\n{open(log).read()[-4000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -2,7 +2,8 @@
 
 Pins:
 - `cut_layers` sets num_hidden_layers and cuts transformers' `layer_types` (and max_window_layers);
-- `python bench/gpu.py --smoke` on a copy of the Qwen2.5-7B bench config that carries a 28-entry
+- `python bench/gpu.py --smoke --profile` (run once, by bench/gpu_session.sh's CPU run in the `session` fixture, which
+  test_gpu_session_script_on_cpu checks) on a copy of the Qwen2.5-7B bench config that carries a 28-entry
   `layer_types` (what transformers 5 writes): the checkpoint written for the tiny 2-layer case has a
   2-entry list (HF's loader refuses a mismatch, so the hf row passing shows it too), our trainer and
   HF + peft each run 1 warm-up + 2 timed steps on the same 128 tokens, and the JSON holds per run
@@ -26,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,20 +84,54 @@ def test_shards_are_kept_across_lengths(tmp_path):
     assert 0 not in mtimes().values(), "another config kept stale shards"
 
 
-@pytest.mark.timeout(400)
-def test_smoke_mode_writes_results(tmp_path):
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """bench/gpu_session.sh run once on this machine (test_gpu_session_script_on_cpu's stand-ins), its BENCH the smoke
+    mode with --profile on a copy of the Qwen2.5-7B bench config that carries a 28-entry `layer_types` (what
+    transformers 5 writes): both tests read this one run (one bench/gpu.py, not two)."""
+    import shutil
+    import stat
+
+    tmp_path = tmp_path_factory.mktemp("session")
     cfg = json.load(open(os.path.join(ROOT, "bench", "configs", "qwen2.5-7b", "config.json")))
     cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "res.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--config",
-                           str(tmp_path / "cfg"), "--work", str(tmp_path / "work"), "--out", str(out), "--profile"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    repo, shims, out = tmp_path / "repo", tmp_path / "bin", tmp_path / "out"
+    for d in (repo / "bench", shims):
+        d.mkdir(parents=True)
+    for name in os.listdir(ROOT):
+        if name not in ("bench", ".git", ".whl"):   # (no wheels: nothing is installed into /tmp/site)
+            (repo / name).symlink_to(os.path.join(ROOT, name))
+    for name in os.listdir(os.path.join(ROOT, "bench")):
+        if not name.startswith("gpu-results"):
+            (repo / "bench" / name).symlink_to(os.path.join(ROOT, "bench", name))
+    (shims / "python3").write_text(
+        "#!/bin/sh\ncase \"$1 $2\" in '-c import torch, sys; sys.exit(not torch.cuda.is_available())') exit 0;; esac\n"
+        f"exec {shutil.which(sys.executable) or sys.executable} \"$@\"\n")
+    (shims / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
+    for f in shims.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER",
+                                                            "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                                                            "PYTORCH_HIP_ALLOC_CONF")}
+    env.update(PATH=f"{shims}:{env['PATH']}", OUT=str(out), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOTAL="540",
+               TEST_S="120", DEMO="0", TEST_K="nf4 or dpo",   # (-k's quotes through PYTEST_ADDOPTS)
+               BENCH=f"--smoke --config {tmp_path / 'cfg'} --work {tmp_path / 'work'} --profile")
+    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=560)
+    log = (out / "bench-gpu.log").read_text() if (out / "bench-gpu.log").is_file() else ""
+    return SimpleNamespace(proc=proc, tmp=tmp_path, repo=repo, out=out, log=log)
+
+
+@pytest.mark.timeout(600)
+def test_smoke_mode_writes_results(session):
+    """`bench/gpu.py --smoke --profile` (run by the session fixture's bench/gpu_session.sh: its log, results and work
+    folder)."""
+    tmp_path, out = session.tmp, session.out / "gpu-results.json"
+    assert session.proc.returncode == 0 and "bench-gpu exit 0 " in session.log, \
+        session.proc.stdout[-3000:] + session.proc.stderr[-3000:]
+    proc = SimpleNamespace(stdout=session.log)
     res = json.loads(out.read_text())
     assert res["smoke"] is True and res["versions"]["torch"]
     # every row: train.py's allocator default
@@ -242,43 +278,20 @@ def test_row_order_and_cap_checks():
             bench_gpu.main(argv)
 
 
-@pytest.mark.timeout(400)
-def test_gpu_session_script_on_cpu(tmp_path):
-    """bench/gpu_session.sh end to end on this machine, with stand-ins for the GPU machine's: python3 is this
-    interpreter (claiming CUDA to the Makefile's host check alone, so `make test-gpu` and `make bench-gpu` take the
-    GPU machine's branch), nvidia-smi a stub, the repository a tree of links whose bench/ is its own (the results file
-    lands there), DEMO=0 (no demo-assets build: the GPU tests, which train the demo, skip here; tests/test_demo.py
-    builds and checks the assets), `make test-gpu` collecting tests/gpu (every module skips without CUDA), then
-    bench/gpu.py's plain row with one timed step and its profile step. What comes back: every file in $OUT under a
-    name the device tool returns, no more than it returns, the results and the profile among them; the tests' log
-    verbose, so that a cap that cuts it still says which tests ran (make test-gpu's -q took back the script's -v: the
-    log held dots)."""
+@pytest.mark.timeout(600)
+def test_gpu_session_script_on_cpu(session):
+    """bench/gpu_session.sh end to end on this machine (the session fixture's run), with stand-ins for the GPU
+    machine's: python3 is this interpreter (claiming CUDA to the Makefile's host check alone, so `make test-gpu` and
+    `make bench-gpu` take the GPU machine's branch), nvidia-smi a stub, the repository a tree of links whose bench/ is
+    its own (the results file lands there), DEMO=0 (no demo-assets build: the GPU tests, which train the demo, skip
+    here; tests/test_demo.py builds and checks the assets), `make test-gpu` collecting tests/gpu (every module skips
+    without CUDA), then bench/gpu.py's smoke mode with the plain row's profile step (test_smoke_mode_writes_results
+    checks its rows). What comes back: every file in $OUT under a name the device tool returns, no more than it
+    returns, the results and the profile among them; the tests' log verbose, so that a cap that cuts it still says
+    which tests ran (make test-gpu's -q took back the script's -v: the log held dots)."""
     import re
-    import shutil
-    import stat
 
-    repo, shims, out = tmp_path / "repo", tmp_path / "bin", tmp_path / "out"
-    for d in (repo / "bench", shims):
-        d.mkdir(parents=True)
-    for name in os.listdir(ROOT):
-        if name not in ("bench", ".git", ".whl"):   # (no wheels: nothing is installed into /tmp/site)
-            (repo / name).symlink_to(os.path.join(ROOT, name))
-    for name in os.listdir(os.path.join(ROOT, "bench")):
-        if not name.startswith("gpu-results"):
-            (repo / "bench" / name).symlink_to(os.path.join(ROOT, "bench", name))
-    (shims / "python3").write_text(
-        "#!/bin/sh\ncase \"$1 $2\" in '-c import torch, sys; sys.exit(not torch.cuda.is_available())') exit 0;; esac\n"
-        f"exec {shutil.which(sys.executable) or sys.executable} \"$@\"\n")
-    (shims / "nvidia-smi").write_text("#!/bin/sh\necho 'name, memory.total [MiB], driver_version'\n")
-    for f in shims.iterdir():
-        f.chmod(f.stat().st_mode | stat.S_IXUSR)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER",
-                                                            "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    env.update(PATH=f"{shims}:{env['PATH']}", OUT=str(out), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOTAL="380",
-               TEST_S="120", DEMO="0", TEST_K="nf4 or dpo",   # (-k's quotes through PYTEST_ADDOPTS)
-               BENCH=f"--runs ours --warmup 0 --timed 1 --profile --work {tmp_path / 'work'}")
-    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=390)
+    proc, repo, out = session.proc, session.repo, session.out
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== demo assets" not in proc.stdout and "== make test-gpu" in proc.stdout, proc.stdout[-3000:]
     files = sorted(os.listdir(out))
