@@ -28,6 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# (model.bnb: bitsandbytes without its torch.compile wrappers, before transformers imports it for bnb_checkpoint's
+# 4-bit upload: ~1 s of a core less)
+import model.bnb  # noqa: E402,F401
 from tests.dist import run_ranks  # noqa: E402
 from tests.helpers import bnb_checkpoint  # noqa: E402
 from tests.test_load_memory import _rss, write_checkpoint  # noqa: E402
