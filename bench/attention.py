@@ -132,7 +132,7 @@ def compare_mask_tiles(args):
         print(f"| {tile or 'whole'} | {args.nproc} | {args.seq} | {args.docs} | {t:.3f} | {c:.3f} | {rel} |")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="CP degree P: processes (GPUs when CUDA is present)")
     ap.add_argument("--seq", type=int, default=8192, help="total sequence length")
@@ -148,7 +148,7 @@ def main():
     ap.add_argument("--tiles", type=int, default=0, help="compare --tiled-attn's kernel calls (N-row tiles) with one")
     ap.add_argument("--docs", type=int, default=0, help="pack the row with documents of about N tokens (ring only)")
     ap.add_argument("--mask-tiles", default="4096,0", help="with --docs: masks.MASK_TILE values to compare (0: whole)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     if args.docs:

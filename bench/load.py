@@ -75,12 +75,12 @@ def _rank(rank, world_size, path, reps, upload):
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions; the fastest of each is kept")
     p.add_argument("--small", action="store_true", help="a tiny checkpoint (tests/test_bench_smoke.py)")
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (FSDP2 over all of them)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     size = dict(hidden=128, layers=2, inter=256, vocab=1024) if args.small else \
         dict(hidden=1024, layers=3, inter=8192, vocab=2048)   # block linears 4x the root's whole-read tensors
     with tempfile.TemporaryDirectory() as tmp:

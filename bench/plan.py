@@ -279,10 +279,10 @@ def planned(world: int, argv: list[str], block=None) -> float:
         kernels.BACKWARD_BLOCK = default
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="+", default=None, help="run only the configurations with these names")
-    opt = ap.parse_args()
+    opt = ap.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # read by glibc when each rank starts (see docstring)
     rows = [c for c in CONFIGS if opt.only is None or c[0] in opt.only]
     t0 = time.time()

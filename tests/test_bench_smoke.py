@@ -11,6 +11,7 @@ asserted (no timing assertions in tests).
 Run: .venv/bin/python -m pytest -q tests/test_bench_smoke.py
 """
 
+import importlib
 import os
 import re
 import subprocess
@@ -28,9 +29,30 @@ def _run(*argv, timeout):
     return r.stdout
 
 
+def _main(name, *argv, capsys, monkeypatch):
+    """bench/NAME.py's main(argv) in this process, one thread, what it prints: the script's run without a fresh
+    interpreter's imports (~4 s of a core each). Imported as the package module bench.NAME (not by putting bench/ on
+    sys.path: bench/loss.py would shadow loss), so its spawned ranks unpickle its functions by that name; the module
+    globals and environment it sets for a run (kernels' backward block, plan.py's malloc threshold) are put back
+    after the test. (Not bench/memtrace.py: its
+    allocation sites are the innermost repository frames, and a caller's frame in tests/ would be among them.)"""
+    from parallel import kernels
+    from tests.helpers import one_thread
+
+    for attr in ("BACKWARD_BLOCK", "backward_block"):
+        monkeypatch.setattr(kernels, attr, getattr(kernels, attr))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # (its spawned ranks' environment, as the script's was)
+    if name == "plan":   # (set by plan.main for its ranks: put back after the test)
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    capsys.readouterr()
+    with one_thread():
+        importlib.import_module(f"bench.{name}").main(list(argv))
+    return capsys.readouterr().out
+
+
 @pytest.mark.timeout(300)
-def test_plan_bench_smallest_row():
-    out = _run("bench/plan.py", "--only", "cp1 nf4 1k", timeout=280)
+def test_plan_bench_smallest_row(capsys, monkeypatch):
+    out = _main("plan", "--only", "cp1 nf4 1k", capsys=capsys, monkeypatch=monkeypatch)
     row = re.search(r"^cp1 nf4 1k\s+1\s+(\d+)\s+(\d+)\s+([\d.]+)", out, re.M)
     assert row, out
     planned, measured, ratio = int(row[1]), int(row[2]), float(row[3])
@@ -38,8 +60,8 @@ def test_plan_bench_smallest_row():
 
 
 @pytest.mark.timeout(300)
-def test_load_bench_small():
-    out = _run("bench/load.py", "--small", "--reps", "1", "--ranks", "2", timeout=280)
+def test_load_bench_small(capsys, monkeypatch):
+    out = _main("load", "--small", "--reps", "1", "--ranks", "2", capsys=capsys, monkeypatch=monkeypatch)
     rows = {m[0]: [float(x) for x in m[1:]] for m in re.findall(
         r"^(none|nf4)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)$", out, re.M)}
     assert set(rows) == {"none", "nf4"}, out
@@ -55,10 +77,10 @@ def test_load_bench_small():
 
 
 @pytest.mark.timeout(120)
-def test_attention_bench_tiles_mode():
+def test_attention_bench_tiles_mode(capsys, monkeypatch):
     """`bench/attention.py --tiles N`: kernels.attention and --tiled-attn's kernel calls, and their ratio line."""
-    out = _run("bench/attention.py", "--tiles", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
-               "--head-dim", "16", "--iters", "1", "--warmup", "0", timeout=120)
+    out = _main("attention", "--tiles", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--iters", "1", "--warmup", "0", capsys=capsys, monkeypatch=monkeypatch)
     assert re.search(r"kernels.attention: fwd\+bwd [\d.]+ s", out) and re.search(r"64-row tiles: fwd\+bwd [\d.]+ s",
                                                                                    out), out
     assert re.search(r"tiles / kernels.attention: time [\d.]+", out), out
@@ -67,19 +89,19 @@ def test_attention_bench_tiles_mode():
 
 
 @pytest.mark.timeout(120)
-def test_attention_bench_docs_mode():
+def test_attention_bench_docs_mode(capsys, monkeypatch):
     """`bench/attention.py --docs N`: ring attention over packed rows with each mask tile, and the table of ratios to
     the whole-block row."""
-    out = _run("bench/attention.py", "--docs", "40", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim",
-               "16", "--mask-tiles", "16,0", "--iters", "1", "--warmup", "0", timeout=110)
+    out = _main("attention", "--docs", "40", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--mask-tiles", "16,0", "--iters", "1", "--warmup", "0", capsys=capsys, monkeypatch=monkeypatch)
     assert re.search(r"^\| 16 \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
     assert re.search(r"^\| whole \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| 1.000 \| 1.000 \|$", out, re.M), out
 
 
-def test_attention_bench_blocks_mode():
+def test_attention_bench_blocks_mode(capsys, monkeypatch):
     """`bench/attention.py --blocks N`: both runs (one kernel call, N-token blocks) and their ratio line."""
-    out = _run("bench/attention.py", "--blocks", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2",
-               "--head-dim", "16", "--iters", "1", "--warmup", "0", timeout=100)
+    out = _main("attention", "--blocks", "64", "--seq", "200", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--iters", "1", "--warmup", "0", capsys=capsys, monkeypatch=monkeypatch)
     assert re.search(r"one call: fwd\+bwd [\d.]+ s", out) and re.search(r"64-token blocks: fwd\+bwd [\d.]+ s", out), out
     assert re.search(r"blocks / one call: time [\d.]+", out), out
 
