@@ -112,8 +112,8 @@ def rank_main(rank, world, args, impl, tile=None):
 
 def run_impl(args, impl, tile=None):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return run_ranks(rank_main, args.nproc, args, impl, tile, timeout=3600, pg_timeout=600, backend=backend,
-                     start="spawn")[0]
+    # (gloo: forked from tests/dist.py's forkserver, which imported torch and the project once; nccl spawns)
+    return run_ranks(rank_main, args.nproc, args, impl, tile, timeout=3600, pg_timeout=600, backend=backend)[0]
 
 
 def compare_mask_tiles(args):

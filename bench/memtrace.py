@@ -52,9 +52,12 @@ LONG = 524288   # the long case's row (bench/gpu.py)
 
 
 def _site() -> str:
-    """The innermost repository frame of the current op and its caller (this file and venvs skipped)."""
-    own = [f for f in traceback.extract_stack()[:-3] if f.filename.startswith(ROOT) and "site-packages" not in
-           f.filename and not f.filename.endswith(("memtrace.py", "phases.py"))]
+    """The innermost repository frame of the current op and its caller (this file and venvs skipped; of the frames
+    inside `run`: a caller of `main`, e.g. a test, is not the op's site)."""
+    stack = traceback.extract_stack()[:-3]
+    inside = max((i for i, f in enumerate(stack) if f.filename.endswith("memtrace.py") and f.name == "run"), default=-1)
+    own = [f for f in stack[inside + 1:] if f.filename.startswith(ROOT) and "site-packages" not in f.filename
+           and not f.filename.endswith(("memtrace.py", "phases.py"))]
     return " < ".join(f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} ({f.name})" for f in own[::-1][:2]) or "(torch)"
 
 

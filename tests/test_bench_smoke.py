@@ -33,14 +33,18 @@ def _main(name, *argv, capsys, monkeypatch):
     """bench/NAME.py's main(argv) in this process, one thread, what it prints: the script's run without a fresh
     interpreter's imports (~4 s of a core each). Imported as the package module bench.NAME (not by putting bench/ on
     sys.path: bench/loss.py would shadow loss), so its spawned ranks unpickle its functions by that name; the module
-    globals and environment it sets for a run (kernels' backward block, plan.py's malloc threshold) are put back
-    after the test. (Not bench/memtrace.py: its
-    allocation sites are the innermost repository frames, and a caller's frame in tests/ would be among them.)"""
+    globals and environment it sets for a run (kernels' backward block, memtrace.py's chunks and tile, plan.py's
+    malloc threshold) are put back after the test."""
+    import model.qlora
+    import model.rmsnorm
+    import model.rope
+    import parallel.memory
     from parallel import kernels
     from tests.helpers import one_thread
 
-    for attr in ("BACKWARD_BLOCK", "backward_block"):
-        monkeypatch.setattr(kernels, attr, getattr(kernels, attr))
+    for mod, attr in ((kernels, "BACKWARD_BLOCK"), (kernels, "backward_block"), (model.rmsnorm, "NORM_CHUNK"),
+                      (model.rope, "ROPE_CHUNK"), (model.qlora, "ROW_CHUNK"), (parallel.memory, "tile_tokens")):
+        monkeypatch.setattr(mod, attr, getattr(mod, attr))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")   # (its spawned ranks' environment, as the script's was)
     if name == "plan":   # (set by plan.main for its ranks: put back after the test)
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -107,15 +111,19 @@ def test_attention_bench_blocks_mode(capsys, monkeypatch):
 
 
 @pytest.mark.timeout(200)
-def test_memtrace_bench_small():
+def test_memtrace_bench_small(capsys, monkeypatch):
     """`bench/memtrace.py`: the seven --mem-phases phases in order, each with its peak (in [T, D]) and the sites
     alive then (a repository line or torch's own), then the planner's terms for the same run."""
-    out = _run("bench/memtrace.py", "--tokens", "512", "--layers", "2", "--tiled-mlp", "--top", "3", timeout=180)
+    out = _main("memtrace", "--tokens", "512", "--layers", "2", "--tiled-mlp", "--top", "3", capsys=capsys,
+                monkeypatch=monkeypatch)
     names = re.findall(r"^(\S.*?)\s{2,}([\d.]+) \[T, D\]$", out, re.M)
     assert [n for n, _ in names] == ["forward", "loss", "last block: MLP", "last block: o_proj",
                                      "last block: attention", "last block: q/k/v, norm", "rest of backward"], out
     assert all(float(v) > 0 for _, v in names), names
     assert re.search(r"^\s+[\d.]+\s+\d+\s+model/\S+:\d+ \(", out, re.M), out   # a site in the decoder
+    # torch's own sums (autograd's, no repository frame inside the step) as such: this test's frames, outside the
+    # step, are no op's site
+    assert "autograd's sum (in place" in out and "tests/" not in out, out
     assert "planned (parallel/plan.py, cpu):" in out and "| block recompute (AC)" in out, out
     # the loss phase (block checkpoints, rope tables, final norm input and output, grad_hidden, the logits block)
     # is what the planner's activation and loss terms say: counted storages against parallel/plan.py
