@@ -1,5 +1,6 @@
-"""bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles, bench/micro_batch.py cannot rot: each runs its
-smallest case.
+"""bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles / --docs, bench/memtrace.py, bench/micro_batch.py
+cannot rot: each runs its smallest case (micro_batch.py as a script; the others through their main(argv) in this
+process, `_main`: the same code without a fresh interpreter's imports, their ranks still processes of their own).
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's own goal
 (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1 --ranks 2` prints both quant rows, and the
