@@ -33,7 +33,7 @@ from dataclasses import replace
 from model.arch_fields import FIELDS, SLIDING_WINDOW, SUPPORTED
 from model.prequant import check_config
 from model.rope import inv_freq
-from model.rope_read import read_ministral3, read_rope
+from model.rope_read import read_ministral3, read_rope, rope_theta
 from model.wrapper import unwrap
 
 # config classes' pad_token_id where config.json has none (transformers 5's; every other class's is None)
@@ -85,6 +85,10 @@ def read_config(cls, cfg: dict):
             raise ValueError(f"config.json: {where}partial_rotary_factor {d['partial_rotary_factor']!r} is not "
                              "supported: RoPE here rotates the whole head_dim (remove it only if the model was "
                              "trained so)")
+    for key in ("rope_parameters", "rope_scaling"):   # (a string or a list: a traceback until 2026-12-07)
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"config.json: {key} {cfg[key]!r} must be an object, e.g. {{\"rope_type\": \"yarn\", "
+                             "\"factor\": 4.0}, or null for plain RoPE: fix it in config.json")
     max_pos = cfg.get("max_position_embeddings", flags["max_pos"])
     # (the attention temperature's beta, length: Ministral 3's alone; other classes ignore llama_4_scaling_beta)
     gemma = FIELDS[mt](cfg, max_pos) if mt in FIELDS else {}   # (model/arch_fields.py)
@@ -120,7 +124,7 @@ def read_config(cls, cfg: dict):
         intermediate_size=cfg["intermediate_size"] if mt != "qwen3_5_moe_text" else cfg.get(
             "shared_expert_intermediate_size", 512),   # (Qwen3.5-MoE: its shared expert's; module docstring)
         norm_eps=cfg.get("rms_norm_eps", flags.get("eps", 1e-6)),
-        rope_theta=float(theta),
+        rope_theta=rope_theta(theta, scaling),   # (numbers above 0)
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "gemma4_text", "smollm3"))),

@@ -5,6 +5,7 @@ Contract:
 - `read_rope(cfg, max_pos)` -> (theta, scaling): config.json's RoPE as transformers 5 standardizes it (classic
   top-level `rope_theta`/`rope_scaling` or the newer `rope_parameters`; the function's docstring); scaling {} is
   plain RoPE. Per-layer-type RoPE and a rope_scaling that contradicts rope_parameters raise ValueError.
+  `rope_theta(theta, scaling)`: the theta read, as a float, once it and the scaling's factor are numbers above 0.
 - `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring); `keep_temperature` keeps
   Ministral 3's attention temperature in it, `read_ministral3` reads that model's RoPE and temperature.
 - `ROPE_TYPES`: the rope types `--rope-scaling` may name and `inv_freq` computes (besides Gemma 4's full layers'
@@ -21,6 +22,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                    "llama_4_scaling_beta": 0.1}
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _scaling(d: dict) -> dict:
@@ -56,6 +61,21 @@ def read_rope(cfg: dict, max_pos: int) -> tuple[float, dict]:
     if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:
         scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
     return theta, scaling
+
+
+def rope_theta(theta, scaling: dict) -> float:
+    """config.json's `theta` as a float, once it and `scaling`'s factor are finite numbers above 0, else a ValueError
+    naming the value (until 2026-12-07 a theta or factor of 0 trained to NaN losses to a "done" run, a null or string
+    theta was a traceback)."""
+    if not (_real(theta) and theta > 0):
+        raise ValueError(f"config.json: rope_theta {theta!r} must be a number above 0 (RoPE's base, e.g. 10000 or "
+                         "1000000; 0 or below makes every angle NaN): fix it in config.json (the checkpoint's own "
+                         "value)")
+    if (f := scaling.get("factor", 1.0)) is not None and not (_real(f) and f > 0):
+        raise ValueError(f"config.json: RoPE scaling {scaling}: factor {f!r} must be a number above 0 (how many times "
+                         "the original context it stretches to, e.g. 4.0; 0 makes every angle NaN): fix it in "
+                         "config.json (the checkpoint's own value)")
+    return float(theta)
 
 
 def read_ministral3(cfg: dict, max_pos: int) -> tuple[float, dict, float, float]:
@@ -129,8 +149,7 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     if sc.get("rope_type") not in ROPE_TYPES:
         raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
     f = sc.get("factor")
-    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
-    if sc["rope_type"] != "default" and not (real(f) and 1 <= f <= 1024):
+    if sc["rope_type"] != "default" and not (_real(f) and 1 <= f <= 1024):
         raise ValueError(f"--rope-scaling {spec}: the factor must be a number from 1 to 1024, got {f!r}")
     keys = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
@@ -142,7 +161,7 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
         if k not in keys:
             raise ValueError(f"--rope-scaling {spec}: unknown key {k!r}; known: rope_type, truncate, "
                              f"{', '.join(sorted(keys))}")
-        if not (real(v) and v > 0):
+        if not (_real(v) and v > 0):
             raise ValueError(f"--rope-scaling {spec}: {k} must be a finite number > 0, got {v!r}")
     if sc["rope_type"] == "default":
         return {}

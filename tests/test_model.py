@@ -14,7 +14,8 @@ Mistral config.json with `layer_types` (transformers: Ministral) and Ministral i
 `num_key_value_heads` (Mistral's 8, Qwen2's 32), a null YaRN factor, llama3
 without (or with a top-level) original length, both RoPE forms agreeing, bias keys the class ignores; keys this
 decoder lacks (another hidden_act, attention dropout, per-layer-type RoPE, disagreeing RoPE forms, a RoPE that
-cannot be computed) are refused at read time.
+cannot be computed) are refused at read time, and so are RoPE values no model runs on (a rope_theta or scaling factor
+not a number above 0, a rope_scaling or rope_parameters that is no JSON object), naming the key and its value.
 
 Also a single-file checkpoint (model.safetensors without an index), and sliding windows shorter
 than the row (Mistral; Qwen2 with max_window_layers; Qwen3 with layer_types; Qwen with the window
@@ -285,6 +286,29 @@ def test_config_keys_read_as_transformers_reads_them(case, tmp_path):
 def test_config_keys_this_decoder_lacks_are_refused(edit, phrase):
     with pytest.raises(ValueError, match=phrase):
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3", **edit})
+
+
+@pytest.mark.parametrize("edit, phrase", [
+    ({"rope_theta": 0}, r"rope_theta 0 must be a number above 0"),
+    ({"rope_theta": -5.0}, r"rope_theta -5\.0 must be a number above 0"),
+    ({"rope_theta": None}, r"rope_theta None must be a number above 0"),
+    ({"rope_theta": "abc"}, r"rope_theta 'abc' must be a number above 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, r"rope_theta 0\.0 must be a number above 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, r"factor 0 must be a number above 0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": -2.0}}, r"factor -2\.0 must be a number above 0"),
+    ({"rope_scaling": "yarn"}, r"rope_scaling 'yarn' must be an object"),
+    ({"rope_scaling": [2.0]}, r"rope_scaling \[2\.0\] must be an object"),
+    ({"rope_parameters": "default"}, r"rope_parameters 'default' must be an object"),
+], ids=["theta_0", "theta_negative", "theta_null", "theta_string", "theta_0_inside", "linear_0", "yarn_negative",
+        "scaling_string", "scaling_list", "parameters_string"])
+def test_rope_values_no_model_can_run_are_refused(edit, phrase):
+    """A RoPE config.json value that no model runs on is refused at read time, naming the key, its value and the file
+    to fix. Until 2026-12-07 a rope_theta of 0 or below, or a scaling factor of 0, trained every step to a NaN loss and
+    the run ended "done" (exit 0, a NaN adapter written); a null or string rope_theta, or a rope_scaling /
+    rope_parameters that is no JSON object, was a traceback once the process group was up."""
+    with pytest.raises(ValueError, match=phrase) as e:
+        model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen2", **edit})
+    assert "config.json" in str(e.value) and "fix it" in str(e.value), str(e.value)
 
 
 def test_a_run_directory_or_an_adapter_as_model_is_named_so(tmp_path):
