@@ -2,10 +2,11 @@
 cache (data/store.py), and its ids checked against the model's vocabulary.
 
 Contract:
-- `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only;
-  `template` (--chat-template's text, data/templates.py) replaces the checkpoint's. A tokenizer with no template of its
-  own takes a multimodal checkpoint's processor template (`chat_template.json`: Mistral Small 3.1's, Gemma 3's
-  repos keep it there), as transformers' processor would render the text turns.
+- `load_tokenizer(model_dir, template=None)` loads the tokenizer saved next to the checkpoint, offline only (one that
+  encodes text to no tokens, its vocabulary file missing, is a `DataError`); `template` (--chat-template's text,
+  data/templates.py) replaces the checkpoint's. A tokenizer with no template of its own takes a multimodal
+  checkpoint's processor template (`chat_template.json`: Mistral Small 3.1's, Gemma 3's repos keep it there), as
+  transformers' processor would render the text turns.
 - `load_samples(path, ...)` does what data/tokens.py's `tokenize_records` does, for a file, chunk by chunk into a
   compact `data.samples.Samples`, read from or kept in a disk cache when given one (data/store.py), and checks the
   ids against the model's vocabulary.
@@ -57,6 +58,11 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
         raise DataError(f"could not load the tokenizer in {d}: {e}") from e
+    if not tok("Hello world", add_special_tokens=False)["input_ids"]:   # (tokenizer_config.json without tokenizer.json:
+        raise DataError(   # every record was tokenized to nothing, then refused as having no target, blaming the data)
+            f"the tokenizer in {d} encodes text to no tokens (its vocabulary: {len(tok)} entries): its vocabulary file "
+            "(tokenizer.json, tokenizer.model, or vocab.json with merges.txt) is missing or empty; copy the tokenizer "
+            "that belongs to the checkpoint next to config.json")
     if tok.chat_template is None and (d / PROCESSOR_TEMPLATE).is_file():   # a multimodal checkpoint's template, kept
         tok.chat_template = _processor_template(d / PROCESSOR_TEMPLATE)   # for its processor (Mistral 3, Gemma 3)
     if template is not None:

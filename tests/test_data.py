@@ -1457,6 +1457,23 @@ def test_file_level_errors(tmp_path):
     assert load_jsonl(tmp_path / "ok.jsonl") == [{"line": 2, "text": "a"}]
 
 
+def test_a_tokenizer_without_its_vocabulary_is_named_so(tok_dir, tmp_path):
+    """A Qwen2 checkpoint folder holding tokenizer_config.json but not tokenizer.json loads in transformers as a
+    tokenizer of one entry that encodes every text to no tokens (checked here on transformers' own AutoTokenizer):
+    refused at load, naming the folder and the missing vocabulary. Until 2026-12-07 every record tokenized to nothing
+    and the run stopped on "no sample has a target token ... every assistant turn "weight": 0", blaming the data."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))   # (its tokenizer class)
+    bare = AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True)
+    assert bare("Hello world", add_special_tokens=False)["input_ids"] == [], "transformers now fails or encodes it"
+    with pytest.raises(DataError, match=rf"tokenizer in {tmp_path / 'tok'} encodes text to no tokens .*"
+                                        r"tokenizer\.json.* copy the tokenizer that belongs to the checkpoint"):
+        load_tokenizer(tmp_path / "tok")
+
+
 # --- global batch order ---------------------------------------------------------------------------
 
 
