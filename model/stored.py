@@ -12,7 +12,8 @@ Contract:
   (model/wrapper.py): its language model's tensors only, by the text-only model's names. `_stores_head(path)`:
   whether a wrapper's weight files store its output head (read_args unties it then).
 - `_check_dir(path)`: the directory's config.json, or the error naming what --model was given instead (no
-  directory, a PEFT adapter, no config.json); `_read_json(fn)` one JSON file, errors naming file, line and column.
+  directory, a PEFT adapter, no config.json); `_read_json(fn)` one JSON file's object, errors naming file, line and
+  column (or what it holds in place of an object).
 """
 
 from __future__ import annotations
@@ -126,13 +127,17 @@ def _read_json(fn: str) -> dict:
                          "somewhere readable") from None
     with f:
         try:
-            return json.load(f)
+            d = json.load(f)
         except UnicodeDecodeError as e:
             raise CorruptCheckpointError(f"{fn}: not UTF-8 text ({e.reason} at byte {e.start}); fix it or re-download "
                                          "it") from None
         except json.JSONDecodeError as e:
             raise CorruptCheckpointError(f"{fn}: line {e.lineno}, column {e.colno}: {e.msg}; the file is "
                                          "not valid JSON: fix it or re-download it") from None
+    if not isinstance(d, dict):   # (a list or a string: an AttributeError traceback until 2026-12-07)
+        raise CorruptCheckpointError(f"{fn} holds no JSON object ({{...}}) but {json.dumps(d)[:60]}: fix it or "
+                                     "re-download it")
+    return d
 
 
 

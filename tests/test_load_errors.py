@@ -3,7 +3,8 @@
 Pins (tiny Qwen2 checkpoints made by transformers, then damaged here):
 - a config.json that is not valid JSON: `read_args` raises a ValueError naming the file, the line and
   the column (the JSON parser alone names neither the file nor what to do); one with a required key
-  missing names the key and the file;
+  missing names the key and the file; one that holds no JSON object (a list, a string, null) names the file and
+  the fix, from train.py's start-up check and `read_args`;
 - a truncated safetensors file (cut mid-tensor, or cut inside its header): `CheckpointReader` raises
   a ValueError naming the file and saying it is truncated or corrupt and to re-download it, before any
   tensor is read; the reader's tensors otherwise equal safetensors' own `safe_open` (whole, dim-0 rows,
@@ -67,6 +68,23 @@ def test_broken_config_json_names_file_and_line(ckpt, tmp_path):
         open(fn, "w").write(json.dumps({**json.loads("\n".join(lines[:4] + lines[5:])), key: v}))
         with pytest.raises(ValueError, match=rf"config.json: {key} {v} must be a positive whole number"):
             read_args(path)   # (heads 0 was a ZeroDivisionError traceback)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"qwen2"', "null"])
+def test_a_config_json_that_is_no_object_names_file(ckpt, tmp_path, text):
+    """A config.json that parses as JSON but holds no object (a list, a string, null) fails as a broken file, naming it
+    and the fix, from train.py's start-up check (check_weight_headers) and from read_args alike. Until 2026-12-07 it
+    was an AttributeError traceback ('list' object has no attribute 'get')."""
+    from model.load import read_args
+    from model.load_checks import check_weight_headers
+
+    path = _copy(ckpt, tmp_path)
+    fn = os.path.join(path, "config.json")
+    open(fn, "w").write(text)
+    for read in (lambda: check_weight_headers(path, "nf4"), lambda: read_args(path)):
+        with pytest.raises(ValueError, match="holds no JSON object") as e:
+            read()
+        assert fn in str(e.value) and "re-download" in str(e.value), str(e.value)
 
 
 def test_reader_reads_what_safetensors_reads(ckpt):
