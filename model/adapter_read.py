@@ -4,6 +4,8 @@ embedding), the notes a run logs about its --init-adapter, and its tensors under
 Contract:
 - `check_init_adapter(path, r, alpha, targets, ...)` -> its adapter_config.json, or ValueError naming each value this
   run cannot start from and the flag that fixes it (config only: before any weight is read).
+- `read_adapter_config(path, flag)` -> the folder's adapter_config.json, or ValueError naming `flag`, the file, what is
+  wrong (not JSON, no object, an r or lora_alpha no LoRA has) and the fix; --init-adapter and the merge read it so.
 - `not_an_adapter(path, flag)`, `not_plain_lora(cfg)`, `untied_embedding(cfg)`: why a folder or a config is refused
   (None / []: accepted), shared with the merge (model/merged.py). `saved_modules(mods)`: peft's modules_to_save, full
   names or the suffixes peft matches (e.g. "norm", "embed_tokens"), as the modules of ours they name.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 
@@ -152,6 +155,27 @@ def not_an_adapter(path: str, flag: str) -> str | None:
     return f"{flag} {path!r}: no adapter_config.json and adapter_model.safetensors there; {fix}"
 
 
+def read_adapter_config(path: str, flag: str) -> dict:
+    """The folder's adapter_config.json, else a ValueError naming `flag`, the file and the fix (module docstring; until
+    2026-12-07 --init-adapter said only the JSON parser's words, and the merge divided by an r of 0)."""
+    fn = os.path.join(path, "adapter_config.json")
+    fix = "fix it, or export the adapter again (python -m parallel.checkpoint RUN/ckpt --out DIR)"
+    try:
+        with open(fn, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as e:   # (not UTF-8, or not JSON: each says where)
+        raise ValueError(f"{flag} {path!r}: {fn} is not " + (f"valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+                         if isinstance(e, json.JSONDecodeError) else f"UTF-8 text ({e})") + f"; {fix}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{flag} {path!r}: {fn} holds no JSON object ({{...}}) but {json.dumps(cfg)[:60]}; {fix}")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (r, alpha)) or \
+            r != int(r) or r < 1:
+        raise ValueError(f"{flag} {path!r}: {fn} has r {r!r} and lora_alpha {alpha!r}: r must be a whole number of 1 "
+                         f"or more and lora_alpha a finite number (peft scales B @ A by alpha / r); {fix}")
+    return cfg
+
+
 def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = False,
                        chat_template: str | None = None, dora: bool = False, train_norms: bool = False,
                        train_embeddings: bool = False) -> dict:
@@ -159,9 +183,7 @@ def check_init_adapter(path: str, r: int, alpha: float, targets, rslora: bool = 
     only: cheap, before any weight). Returns its adapter_config.json."""
     if why := not_an_adapter(path, "--init-adapter"):
         raise ValueError(why)
-    cfg_path = os.path.join(path, "adapter_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg = read_adapter_config(path, "--init-adapter")
     mods = cfg.get("target_modules")
     wrong = not_plain_lora(cfg, dora=True, experts=EXPERTS in targets)
     if bool(cfg.get("use_dora")) != dora:   # (DoRA's magnitudes dropped, or a LoRA adapter as DoRA's start: refused,

@@ -184,17 +184,12 @@ def check_inputs(args) -> list[str]:
         errors.append(f"--out {args.out!r} is {'' if hit == out else 'inside '}a run's {what} {hit!r}, which "
                       "train.py rotates or replaces: pass a directory of its own")
     unfit = len(errors) > before   # (--force would be refused for it: "pass --force" would be advice that fails)
-    if os.path.isfile(cfg := os.path.join(args.adapter, "adapter_config.json")):
-        from model.adapter_read import not_plain_lora
-        try:
-            with open(cfg) as f:
-                wrong = not_plain_lora(json.load(f), dora=True, experts=True)   # (DoRA: merged.merge folds its
-                # magnitudes; the experts' LoRA: its per-expert pairs, model.expert_lora.per_expert)
-        except ValueError as e:
-            wrong = [f"an unreadable adapter_config.json ({e})"]
-        if wrong:   # one alpha / r for every module is all the merge folds in
-            errors.append(f"--adapter {args.adapter!r} has " + "; ".join(wrong) + ": its merge would not be the "
-                          "model it trained (peft's merge_and_unload merges such adapters)")
+    from model.adapter_read import not_plain_lora, read_adapter_config
+    # one alpha / r for every module is all the merge folds in (DoRA: merged.merge folds its magnitudes; the experts'
+    # LoRA: its per-expert pairs, model.expert_lora.per_expert); main read the config whole first
+    if wrong := not_plain_lora(read_adapter_config(args.adapter, "--adapter"), dora=True, experts=True):
+        errors.append(f"--adapter {args.adapter!r} has " + "; ".join(wrong) + ": its merge would not be the "
+                      "model it trained (peft's merge_and_unload merges such adapters)")
     if os.path.isfile(out):
         errors.append(f"--out {args.out!r} is a file, not a directory")
     elif os.path.isdir(out) and [e for e in os.listdir(out) if not (e == STAGE and is_stage(os.path.join(out, e)))] \
@@ -231,9 +226,14 @@ def main(argv=None) -> int:
                    help="merge into --model even if its files are not the base the adapter records it trained on")
     args = p.parse_args(argv)
 
-    from model.adapter_read import not_an_adapter
+    from model.adapter_read import not_an_adapter, read_adapter_config
     if why := not_an_adapter(args.adapter, "--adapter"):   # first: a run's folder or a checkpoint is named as
         print(f"merge: {why}", file=sys.stderr)   # such (without --model it was "pass --model"; review, helper 53)
+        return 2
+    try:   # then its adapter_config.json, whole (without --model, a broken one was said as naming no base)
+        read_adapter_config(args.adapter, "--adapter")
+    except ValueError as e:
+        print(f"merge: {e}", file=sys.stderr)
         return 2
     args.base_flag = "--model" if args.model else "the base adapter_config.json names,"
     args.model = args.model or adapter_base(args.adapter)

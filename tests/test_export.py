@@ -829,6 +829,38 @@ def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_pa
     assert "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)" in said(tmp_path)
 
 
+@pytest.mark.parametrize("text, phrase", [
+    ('{"r": 16,\n "lora_alpha": ', "is not valid JSON (line 2, column 16: Expecting value)"),
+    ("[16, 32]", "holds no JSON object"),
+    (json.dumps({"peft_type": "LORA", "r": 0, "lora_alpha": 32.0, "target_modules": ["q_proj"]}),
+     "r 0 and lora_alpha 32.0: r must be a whole number of 1 or more"),
+    (json.dumps({"peft_type": "LORA", "r": 16, "target_modules": ["q_proj"]}),
+     "r 16 and lora_alpha None: r must be a whole number of 1 or more and lora_alpha a finite number"),
+], ids=["cut_short", "a_list", "r_0", "no_alpha"])
+def test_an_adapter_config_that_cannot_be_read_is_named_with_the_fix(text, phrase, tmp_path, capsys):
+    """An adapter folder whose adapter_config.json is cut short, holds no object, or has no usable r / lora_alpha (peft
+    scales B @ A by alpha / r): --init-adapter's start-up check and model.merge (exit 2, writing nothing) both name the
+    flag, the file, what is wrong and the fix, before any weight. Until 2026-12-07 --init-adapter said only "Expecting
+    value: line 2 column 16 (char 25)"; the merge said the folder had "no adapter_config.json naming a base model"
+    (without --model), and merged an r of 0 into a ZeroDivisionError traceback."""
+    from model import merge as cli
+    from model.adapter_read import check_init_adapter
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(text)
+    (adapter / "adapter_model.safetensors").write_bytes(b"")   # (never read: the config is refused first)
+    fn, fix = str(adapter / "adapter_config.json"), "fix it, or export the adapter again"
+    with pytest.raises(ValueError) as e:
+        check_init_adapter(str(adapter), 16, 32.0, ["q_proj"])
+    assert str(e.value).startswith(f"--init-adapter {str(adapter)!r}: {fn} ") and phrase in str(e.value) and \
+        fix in str(e.value), str(e.value)
+    assert cli.main(["--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"merge: --adapter {str(adapter)!r}: {fn} ") and phrase in err and fix in err, err
+    assert not (tmp_path / "merged").exists(), "a refused merge wrote something"
+
+
 @pytest.mark.timeout(300)
 def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
     """peft's other spellings of which modules it adapted, made by peft itself: target_modules as a regex (matched in
