@@ -50,6 +50,8 @@ def check_flags(args) -> None:
             raise ValueError(f"{flag} must be {need}, got {v}")
     upper = [("--timeout", args.timeout, 1e6, "<= 1e6 minutes (about two years)"),
              ("--lr", args.lr, 1.0, "<= 1 (a learning rate, e.g. 2e-4)"),
+             ("--lora-alpha", args.lora_alpha, 1e6, "<= 1e6 (the LoRA output is scaled by alpha / r: typically r or "
+              "2r, e.g. 32; 1e308 overflowed float32 in the first forward)"),
              ("--global-batch", getattr(args, "global_batch", 1), 10 ** 7, "<= 10 million samples a step (each "
               "step lists its samples: 1e11 hung in the first step)"),
              ("--seed", abs(getattr(args, "seed", 0)), 2 ** 40, "between -2**40 and 2**40 (it seeds torch per rank)")]
