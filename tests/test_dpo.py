@@ -18,7 +18,7 @@ Pins:
 - train.py (runs of 2 steps against 1-rank runs of 2, where nothing resumes from them and their reference is not
   resumed from: step 2 already runs after an update; the others 3): 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, 1 pair a
   micro-batch; ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
-  --micro-batch auto, the tiled MLP and offload; an eval of the first 10 pairs each step) in losses, grad norms, reward
+  --micro-batch auto, the tiled MLP and offload; an eval of the first 5 pairs each step) in losses, grad norms, reward
   accuracy and margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split
   2 (rotating shares of pairs, whole pairs held out; 2 pairs a micro-batch on 4 ranks) likewise; on 1 rank,
   --ac-keep-attn (2 pairs a micro-batch) and --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload
@@ -127,8 +127,10 @@ def pairs(assets):
     return {**assets, "data": path, "parts": parts[:2], "eval": parts[2]}
 
 
-# the eval pairs: the first EVAL_PAIRS of the 30 (an evaluation of all 30 every step was ~60% of a run's time)
-EVAL_PAIRS = 10
+# the eval pairs: the first EVAL_PAIRS of the 30 (an evaluation of all 30 every step was ~60% of a run's time; of 10,
+# ~45% of a 4-rank run's forwards). 5: a multiple of neither 2 nor 4 data ranks, 4 of them with
+# a prompt (test_demo_compare_prompts_with_the_pairs' --n 4); after 3 steps their loss is ~0.04 below log 2
+EVAL_PAIRS = 5
 
 
 def _argv(a, out, *extra):
