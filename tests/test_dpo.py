@@ -17,10 +17,10 @@ Pins:
   restarts positions at the split and marks the sides;
 - train.py (runs of 2 steps against 1-rank runs of 2, where nothing resumes from them and their reference is not
   resumed from: step 2 already runs after an update; the others 3): 1 rank = 4 ranks (cp 2 × dp 2 Ulysses, 1 pair a
-  micro-batch; ring with 2 pairs a micro-batch, dp 4 unpacked, cp 4 ring with
-  --micro-batch auto, the tiled MLP and offload; an eval of the first 5 pairs each step) in losses, grad norms, reward
-  accuracy and margin, eval loss and eval reward accuracy, adapter; two files with --data-weights 1 0.5 and --eval-split
-  2 (rotating shares of pairs, whole pairs held out; 2 pairs a micro-batch on 4 ranks) likewise; on 1 rank,
+  micro-batch; dp 4 unpacked, cp 4 ring with --micro-batch auto, the tiled MLP and offload; an eval of the first 5
+  pairs each step) in losses, grad norms, reward accuracy and margin, eval loss and eval reward accuracy, adapter; two
+  files with --data-weights 1 0.5 and --eval-split 2 (rotating shares of pairs, whole pairs held out) on cp 2 × dp 2
+  ring with 2 pairs a micro-batch likewise (that layout's plain run: this one, the same flags on other data); on 1 rank,
   --ac-keep-attn (2 pairs a micro-batch) and --ac-group 2 with --tiled-attn and the tiled MLP, --tiled-attn with offload
   and --ac-blocks 1 train as the plain run; a resume from step 2 (of 3) = the uninterrupted step 3; step 1's loss is
   log 2 (the policy is the reference);
@@ -58,9 +58,9 @@ DPO = ["--objective", "dpo", "--dpo-beta", "0.5"]
 # Runs nothing resumes from stop after step 2 (which already runs after an optimizer update: a 3rd step repeats its
 # code), against 1-rank runs of 2 steps too (dpo_2 for the plain run)
 TWO = ["--steps", "2"]
+# (cp 2 × dp 2 ring with 2 pairs a micro-batch: the files run below, dpo_files_cp2_dp2_ring, checked for the same
+# metrics: test_weighted_files_and_a_held_out_split_of_pairs_on_four_ranks_match_one_rank)
 FOUR = {"dpo_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--eval-every", "1", *TWO],
-        "dpo_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--micro-batch", "2",
-                                 "--eval-every", "1", *TWO],
         "dpo_dp4_no_pack_mb2": ["--dp-shard", "4", "--no-pack", "--micro-batch", "2", "--eval-every", "1", *TWO],
         "dpo_cp4_ring_mb_auto": ["--cp", "4", "--cp-impl", "ring", "--micro-batch", "auto", "--eval-every", "1",
                                  "--tiled-mlp", "--offload-activations", *TWO]}
@@ -637,7 +637,12 @@ def test_a_dpo_run_learns_its_pairs_and_starts_at_log_2(runs):
 
 @pytest.mark.parametrize("name", list(FOUR))
 def test_four_ranks_match_one_rank(runs, name):
-    out, ref = os.path.join(runs, name), os.path.join(runs, "dpo_2")
+    _as_one_rank(name, os.path.join(runs, name), os.path.join(runs, "dpo_2"))
+
+
+def _as_one_rank(name, out, ref):
+    """A 4-rank run of 2 steps = its 1-rank run: losses, grad norms, tokens, adapter (`_compare`), and every step's
+    reward and eval metrics."""
     _compare(name, out, ref, steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
     for g, w in zip(_metrics(out), _metrics(ref)):
         for k in ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected", "eval_loss", "eval_reward_acc",
@@ -766,10 +771,12 @@ def test_memory_flags_change_nothing_one_rank(runs, name):
 
 
 def test_weighted_files_and_a_held_out_split_of_pairs_on_four_ranks_match_one_rank(runs):
+    """Two files with --data-weights 1 0.5 and --eval-split 2 on cp 2 × dp 2 ring, 2 pairs a micro-batch = 1 rank (as
+    test_four_ranks_match_one_rank's layouts: this is that layout's run) in losses, grad norms, reward and eval
+    metrics, adapter."""
     out, ref = os.path.join(runs, "dpo_files_cp2_dp2_ring"), os.path.join(runs, "dpo_files")
-    _compare("dpo_files", out, ref, steps=(1, 2), adapter_rtol=ADAPTER_RTOL)
-    assert [r["eval_reward_acc"] for r in _metrics(out)] == pytest.approx([r["eval_reward_acc"]
-                                                                            for r in _metrics(ref)], abs=1e-4)
+    _as_one_rank("dpo_files", out, ref)
+    assert all("eval_reward_acc" in r for r in _metrics(out)), _metrics(out)   # (an eval each step)
 
 
 def test_resume_gives_the_uninterrupted_step(runs):
