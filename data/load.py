@@ -57,7 +57,7 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
-        raise DataError(f"could not load the tokenizer in {d}: {e}") from e
+        raise DataError(_config_at_fault(d) or f"could not load the tokenizer in {d}: {e}") from e
     if not tok("Hello world", add_special_tokens=False)["input_ids"]:   # (tokenizer_config.json without tokenizer.json:
         raise DataError(   # every record was tokenized to nothing, then refused as having no target, blaming the data)
             f"the tokenizer in {d} encodes text to no tokens (its vocabulary: {len(tok)} entries): its vocabulary file "
@@ -69,6 +69,21 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
         from data.templates import apply_template
         apply_template(tok, template)
     return tok
+
+
+def _config_at_fault(d: Path) -> str | None:
+    """Why transformers refuses `d`'s config.json, which AutoTokenizer reads to pick the tokenizer (transformers 5
+    checks each field's type: a tie_word_embeddings "yes", an rms_norm_eps written 0), or None: the tokenizer's own."""
+    from transformers import AutoConfig
+
+    if not (d / "config.json").is_file():
+        return None
+    try:
+        AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:   # noqa: BLE001 - transformers' own words name the field
+        return (f"{d / 'config.json'} is refused by transformers, which reads it to load the tokenizer: {e}. Fix that "
+                "field in config.json (the checkpoint's own value, of the type named)")
+    return None
 
 
 def load_samples(path, tokenizer, max_len: int, vocab_size: int, flag: str = "--data", cache: str | None = None,

@@ -1474,6 +1474,23 @@ def test_a_tokenizer_without_its_vocabulary_is_named_so(tok_dir, tmp_path):
         load_tokenizer(tmp_path / "tok")
 
 
+@pytest.mark.parametrize("field,value", [("tie_word_embeddings", "yes"), ("rms_norm_eps", 0)])
+def test_a_config_field_transformers_refuses_is_named_in_config_json_not_the_tokenizer(tok_dir, tmp_path, field, value):
+    """A config.json field of a type transformers refuses (it reads config.json to pick the tokenizer: asked of its
+    own AutoTokenizer here) is said as config.json's, with the field, not as the tokenizer failing to load."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"model_type": "qwen2", field: value}))
+    with pytest.raises(Exception, match=field):
+        AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True)
+    with pytest.raises(DataError) as e:
+        load_tokenizer(tmp_path / "tok")
+    said = str(e.value)
+    assert said.startswith(f"{tmp_path / 'tok' / 'config.json'} is refused by transformers") and field in said and \
+        "Fix that field in config.json" in said, said
+
+
 # --- global batch order ---------------------------------------------------------------------------
 
 
