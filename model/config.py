@@ -125,6 +125,9 @@ class ModelArgs:
             raise ValueError(f"rope_parameters: llama_4_scaling_beta {beta!r} and original_max_position_embeddings "
                              f"{n!r} must be numbers >= 0 and > 0 (Ministral 3's attention temperature)")
         f = self.partial_rotary_factor
+        if f == 1 and self.head_dim % 2:   # (every dim rotated, none set: it is head_dim that cannot be)
+            raise ValueError(f"head_dim {self.head_dim} must be even: RoPE rotates its dims in pairs (config.json's "
+                             "head_dim, or hidden_size / num_attention_heads: fix it in config.json)")
         if (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1 or self.rotary_dim < 2
                 or self.rotary_dim % 2):
             raise ValueError(f"rope_parameters: partial_rotary_factor {f!r} must be a number in (0, 1] giving an even "

@@ -311,6 +311,16 @@ def test_rope_values_no_model_can_run_are_refused(edit, phrase):
     assert "config.json" in str(e.value) and "fix it" in str(e.value), str(e.value)
 
 
+def test_an_odd_head_dim_is_named_not_a_partial_rope_factor_never_set():
+    """An odd head_dim (RoPE rotates pairs) is said as head_dim's, not as a partial_rotary_factor 1.0 the config.json
+    never set (until 2026-12-07); with a factor set, the factor's words stay."""
+    with pytest.raises(ValueError, match=r"^head_dim 7 must be even: RoPE rotates its dims in pairs.*config\.json"):
+        model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3", "head_dim": 7})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.5 must be a number in \(0, 1\] giving an even"):
+        model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen3_5_text", "head_dim": 6,
+                                          "partial_rotary_factor": 0.5, "layer_types": ["full_attention"] * 2})
+
+
 def test_a_run_directory_or_an_adapter_as_model_is_named_so(tmp_path):
     """--model given train.py's OUT or OUT/adapter (JSON no checkpoint has): said so, with the flags to use."""
     run, adapter = tmp_path / "run", tmp_path / "run" / "adapter"
