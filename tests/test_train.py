@@ -1130,6 +1130,9 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         "seed huge": (["--seed", str(2 ** 52)], ["--seed must be between -2**40 and 2**40"]),
         # (until 2026-12-07 a float32 overflow traceback in the first forward, the weights read)
         "lora alpha huge": (["--lora-alpha", "1e308"], ["--lora-alpha must be <= 1e6", "got 1e+308"]),
+        # (until 2026-12-07 a step to NaN weights, then "refusing to write checkpoint", the weights read)
+        "weight decay past 1 / lr": (["--lr", "1e-3", "--weight-decay", "1e300"], [
+            "--weight-decay 1e+300 with --lr 0.001", "below 1 / lr = 1000"]),
         "peak tflops": (["--peak-tflops", "-5"], ["--peak-tflops must be a positive number"]),
         "ulysses degree 0": (["--cp-impl", "hybrid", "--ulysses-degree", "0"], ["--ulysses-degree must be >= 1"]),
         "ulysses degree alone": (["--ulysses-degree", "2"], ["--ulysses-degree 2 applies only with --cp-impl hybrid"]),
