@@ -152,7 +152,8 @@ def not_an_adapter(path: str, flag: str) -> str | None:
         fix = "that is a run's folder with no adapter yet: " + export.format(os.path.join(path, "ckpt"))
     else:
         fix = "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)"
-    return f"{flag} {path!r}: no adapter_config.json and adapter_model.safetensors there; {fix}"
+    gone = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not has(f)]   # (one of them: a copy
+    return f"{flag} {path!r}: no {' and '.join(gone)} there; {fix}"   # cut short, or another tool's weights file)
 
 
 def read_adapter_config(path: str, flag: str) -> dict:

@@ -827,6 +827,11 @@ def test_init_adapter_given_a_run_or_checkpoint_names_the_adapter_to_pass(tmp_pa
     (run / "adapter" / "adapter_config.json").write_text("{}")
     assert f"that is a run's folder: pass its adapter, {run / 'adapter'}" in said(run)
     assert "pass a PEFT adapter folder (e.g. an earlier run's OUT/adapter)" in said(tmp_path)
+    assert "no adapter_config.json and adapter_model.safetensors there" in said(tmp_path)
+    # one of the two there (a copy cut short): the one missing is named, not both
+    assert "no adapter_model.safetensors there" in said(run / "adapter")
+    (run / "adapter" / "adapter_config.json").rename(run / "adapter" / "adapter_model.safetensors")
+    assert "no adapter_config.json there" in said(run / "adapter")
 
 
 @pytest.mark.parametrize("text, phrase", [
