@@ -113,6 +113,10 @@ def read_config(cls, cfg: dict):
         layer_types = cfg.get("layer_types") or [
             "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
             for i in range(cfg["num_hidden_layers"])]
+    eps = cfg.get("rms_norm_eps", flags.get("eps", 1e-6))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:   # (below 0: NaN rows)
+        raise ValueError(f"config.json: rms_norm_eps {eps!r} must be a small number >= 0 (RMSNorm divides by "
+                         "sqrt(mean(x²) + eps); e.g. 1e-6, the checkpoint's own value): fix it in config.json")
     args = cls(
         model_type=mt,
         vocab_size=cfg["vocab_size"],
@@ -123,7 +127,7 @@ def read_config(cls, cfg: dict):
         head_dim=cfg.get("head_dim", flags["head_dim"]),
         intermediate_size=cfg["intermediate_size"] if mt != "qwen3_5_moe_text" else cfg.get(
             "shared_expert_intermediate_size", 512),   # (Qwen3.5-MoE: its shared expert's; module docstring)
-        norm_eps=cfg.get("rms_norm_eps", flags.get("eps", 1e-6)),
+        norm_eps=eps,
         rope_theta=rope_theta(theta, scaling),   # (numbers above 0)
         rope_scaling=scaling,
         max_position_embeddings=max_pos,

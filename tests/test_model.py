@@ -299,12 +299,13 @@ def test_config_keys_this_decoder_lacks_are_refused(edit, phrase):
     ({"rope_scaling": "yarn"}, r"rope_scaling 'yarn' must be an object"),
     ({"rope_scaling": [2.0]}, r"rope_scaling \[2\.0\] must be an object"),
     ({"rope_parameters": "default"}, r"rope_parameters 'default' must be an object"),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps -1e-06 must be a small number >= 0"),   # (not RoPE's: read alike)
 ], ids=["theta_0", "theta_negative", "theta_null", "theta_string", "theta_0_inside", "linear_0", "yarn_negative",
-        "scaling_string", "scaling_list", "parameters_string"])
+        "scaling_string", "scaling_list", "parameters_string", "norm_eps_negative"])
 def test_rope_values_no_model_can_run_are_refused(edit, phrase):
-    """A RoPE config.json value that no model runs on is refused at read time, naming the key, its value and the file
-    to fix. Until 2026-12-07 a rope_theta of 0 or below, or a scaling factor of 0, trained every step to a NaN loss and
-    the run ended "done" (exit 0, a NaN adapter written); a null or string rope_theta, or a rope_scaling /
+    """A RoPE (or norm eps) config.json value that no model runs on is refused at read time, naming the key, its value
+    and the file to fix. Until 2026-12-07 a rope_theta of 0 or below, or a scaling factor of 0, trained every step to a
+    NaN loss and the run ended "done" (exit 0, a NaN adapter written); a null or string rope_theta, or a rope_scaling /
     rope_parameters that is no JSON object, was a traceback once the process group was up."""
     with pytest.raises(ValueError, match=phrase) as e:
         model.ModelArgs.from_config_dict({**COMMON, "model_type": "qwen2", **edit})
