@@ -22,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 VALID_LINES = (
@@ -83,5 +84,6 @@ def load_jsonl(path: str | Path) -> list[dict]:
     """Read a JSONL file into validated records (see the module docstring)."""
     records = list(iter_jsonl(path))
     if not records:
-        raise DataError(f"data file {Path(path)} has no records (only blank lines); {VALID_LINES}")
+        what = "an empty file" if os.path.getsize(path) == 0 else "only blank lines"   # (a copy that wrote nothing?)
+        raise DataError(f"data file {Path(path)} has no records ({what}); {VALID_LINES}")
     return records

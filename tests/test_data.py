@@ -1443,8 +1443,11 @@ def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match=r"nope\.jsonl does not exist"):
         load_jsonl(tmp_path / "nope.jsonl")
     (tmp_path / "blank.jsonl").write_text("\n  \n")
-    with pytest.raises(DataError, match="has no records"):
+    with pytest.raises(DataError, match=r"has no records \(only blank lines\)"):
         load_jsonl(tmp_path / "blank.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"has no records \(an empty file\)"):
+        load_jsonl(tmp_path / "empty.jsonl")
     (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin\.jsonl, line 2: not UTF-8"):
         load_jsonl(tmp_path / "latin.jsonl")
