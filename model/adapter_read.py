@@ -158,7 +158,8 @@ def not_an_adapter(path: str, flag: str) -> str | None:
 
 def read_adapter_config(path: str, flag: str) -> dict:
     """The folder's adapter_config.json, else a ValueError naming `flag`, the file and the fix (module docstring; until
-    2026-12-07 --init-adapter said only the JSON parser's words, and the merge divided by an r of 0)."""
+    2026-12-07 --init-adapter said only the JSON parser's words, and the merge divided by an r of 0). A LoRA's r and
+    lora_alpha are checked here; another peft_type is refused by `not_plain_lora`, naming it."""
     fn = os.path.join(path, "adapter_config.json")
     fix = "fix it, or export the adapter again (python -m parallel.checkpoint RUN/ckpt --out DIR)"
     try:
@@ -170,8 +171,8 @@ def read_adapter_config(path: str, flag: str) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{flag} {path!r}: {fn} holds no JSON object ({{...}}) but {json.dumps(cfg)[:60]}; {fix}")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (r, alpha)) or \
-            r != int(r) or r < 1:
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
+    if cfg.get("peft_type") == "LORA" and not (real(r) and real(alpha) and r == int(r) and r >= 1):
         raise ValueError(f"{flag} {path!r}: {fn} has r {r!r} and lora_alpha {alpha!r}: r must be a whole number of 1 "
                          f"or more and lora_alpha a finite number (peft scales B @ A by alpha / r); {fix}")
     return cfg

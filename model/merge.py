@@ -186,8 +186,13 @@ def check_inputs(args) -> list[str]:
     unfit = len(errors) > before   # (--force would be refused for it: "pass --force" would be advice that fails)
     from model.adapter_read import not_plain_lora, read_adapter_config
     # one alpha / r for every module is all the merge folds in (DoRA: merged.merge folds its magnitudes; the experts'
-    # LoRA: its per-expert pairs, model.expert_lora.per_expert); main read the config whole first
-    if wrong := not_plain_lora(read_adapter_config(args.adapter, "--adapter"), dora=True, experts=True):
+    # LoRA: its per-expert pairs, model.expert_lora.per_expert)
+    cfg = None
+    try:   # (a folder that is no adapter: said above)
+        cfg = None if not_an_adapter(args.adapter, "--adapter") else read_adapter_config(args.adapter, "--adapter")
+    except ValueError as e:
+        errors.append(str(e))
+    if cfg and (wrong := not_plain_lora(cfg, dora=True, experts=True)):
         errors.append(f"--adapter {args.adapter!r} has " + "; ".join(wrong) + ": its merge would not be the "
                       "model it trained (peft's merge_and_unload merges such adapters)")
     if os.path.isfile(out):

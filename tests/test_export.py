@@ -866,6 +866,36 @@ def test_an_adapter_config_that_cannot_be_read_is_named_with_the_fix(text, phras
     assert not (tmp_path / "merged").exists(), "a refused merge wrote something"
 
 
+def test_an_adapter_of_another_peft_type_is_named_by_it_and_check_inputs_lists_every_problem(tmp_path, capsys):
+    """An adapter peft made of another kind (IA3: no r, no lora_alpha) is refused naming its peft_type, by
+    --init-adapter and the merge, not as a LoRA with a bad r; and the merge's check_inputs lists a broken
+    adapter_config.json among the other problems, rather than raising (review, helper 178)."""
+    import argparse
+
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from model import merge as cli
+    from model.adapter_read import check_init_adapter
+
+    base = tiny_checkpoint(tmp_path / "base")
+    ia3 = tmp_path / "ia3"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), IA3Config(
+        target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])).save_pretrained(str(ia3))
+    assert "r" not in json.loads((ia3 / "adapter_config.json").read_text())   # (peft's own IA3 config)
+    with pytest.raises(ValueError, match=r"peft_type 'IA3' \(LoRA is trained here\)"):
+        check_init_adapter(str(ia3), 16, 32.0, ["q_proj", "k_proj", "down_proj"])
+    assert cli.main(["--model", base, "--adapter", str(ia3), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert "peft_type 'IA3' (LoRA is trained here)" in err and "r None" not in err, err
+    (ia3 / "adapter_config.json").write_text("[1]")
+    errors = cli.check_inputs(argparse.Namespace(model=str(tmp_path / "nope"), adapter=str(ia3), out=str(base),
+                                                 force=False))
+    assert any("is not a directory" in e for e in errors) and any("holds no JSON object" in e for e in errors) and \
+        any("is not empty" in e for e in errors), errors
+    assert not (tmp_path / "merged").exists()
+
+
 @pytest.mark.timeout(300)
 def test_init_adapter_takes_peft_regex_targets_and_exclude_modules(tmp_path):
     """peft's other spellings of which modules it adapted, made by peft itself: target_modules as a regex (matched in
