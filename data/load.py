@@ -57,7 +57,9 @@ def load_tokenizer(model_dir: str | Path, template: str | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
-        raise DataError(_config_at_fault(d) or f"could not load the tokenizer in {d}: {e}") from e
+        why = _config_at_fault(d)   # (with the tokenizer's own words: it may be at fault too)
+        raise DataError(f"{why} (the tokenizer's own error: {e})" if why else
+                        f"could not load the tokenizer in {d}: {e}") from e
     if not tok("Hello world", add_special_tokens=False)["input_ids"]:   # (tokenizer_config.json without tokenizer.json:
         raise DataError(   # every record was tokenized to nothing, then refused as having no target, blaming the data)
             f"the tokenizer in {d} encodes text to no tokens (its vocabulary: {len(tok)} entries): its vocabulary file "
