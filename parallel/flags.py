@@ -83,11 +83,12 @@ def check_flags(args) -> None:
                     ("--save-minutes", args.save_minutes), ("--data-workers", getattr(args, "data_workers", 0))):
         if v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
-    if args.lr * args.weight_decay >= 1:   # (a step to NaN or zeroed weights, found only after the weights were read)
-        raise ValueError(f"--weight-decay {args.weight_decay:g} with --lr {args.lr:g}: AdamW's decoupled decay scales "
-                         f"the weights by 1 - lr · weight_decay = {1 - args.lr * args.weight_decay:.3g} each step "
-                         f"(zeroed, flipped or overflowed): pass a weight decay below 1 / lr = {1 / args.lr:g}, "
-                         "typically 0 to 0.1")
+    ratio = max(1.0, getattr(args, "lora_plus_ratio", None) or 1.0)   # (LoRA+: B's rate is --lr × the ratio)
+    if (lr := args.lr * ratio) * args.weight_decay >= 1:   # (a step to NaN or zeroed weights, after the weights' read)
+        rate = f"--lr {args.lr:g}" + (f" (B's rate {lr:g}, × --lora-plus-ratio)" if ratio > 1 else "")
+        raise ValueError(f"--weight-decay {args.weight_decay:g} with {rate}: AdamW's decoupled decay scales the "
+                         f"weights by 1 - lr · weight_decay = {1 - lr * args.weight_decay:.3g} each step (zeroed, "
+                         f"flipped or overflowed): pass a weight decay below 1 / lr = {1 / lr:g}, typically 0 to 0.1")
     check_ac(getattr(args, "ac_group", 1), args.ac, getattr(args, "offload_activations", False),
              getattr(args, "ac_blocks", None), getattr(args, "ac_keep_attn", False), getattr(args, "tiled_attn", False))
     if getattr(args, "ac_keep_attn", False) and getattr(args, "compile", False) and not _sac_lets_compile():

@@ -1133,6 +1133,8 @@ def test_startup_errors_before_weights(assets, tmp_path, capsys):
         # (until 2026-12-07 a step to NaN weights, then "refusing to write checkpoint", the weights read)
         "weight decay past 1 / lr": (["--lr", "1e-3", "--weight-decay", "1e300"], [
             "--weight-decay 1e+300 with --lr 0.001", "below 1 / lr = 1000"]),
+        "weight decay past 1 / B's lr": (["--lr", "1e-3", "--lora-plus-ratio", "16", "--weight-decay", "100"], [
+            "--weight-decay 100 with --lr 0.001 (B's rate 0.016, × --lora-plus-ratio)", "below 1 / lr = 62.5"]),
         "peak tflops": (["--peak-tflops", "-5"], ["--peak-tflops must be a positive number"]),
         "ulysses degree 0": (["--cp-impl", "hybrid", "--ulysses-degree", "0"], ["--ulysses-degree must be >= 1"]),
         "ulysses degree alone": (["--ulysses-degree", "2"], ["--ulysses-degree 2 applies only with --cp-impl hybrid"]),
