@@ -42,7 +42,7 @@ from model.gpt_oss import gpt_oss_fields
 from model.linear_layers import linear_spec
 from model.moe import moe_fields
 from model.phi3 import phi3_fields
-from model.rope_read import read_rope
+from model.rope_read import read_rope, rope_theta
 
 GELU_TANH = ("gelu_pytorch_tanh",)   # transformers' ACT2FN name of F.gelu(approximate="tanh")
 
@@ -173,7 +173,8 @@ def typed_rope(cfg: dict, max_pos: int, theta: float, local_theta: float) -> dic
     local.setdefault("rope_theta", local_theta)
     orig = {k: cfg[k] for k in ("original_max_position_embeddings",) if k in cfg}
     (theta, scaling), (ltheta, lscaling) = (read_rope({"rope_parameters": d, **orig}, max_pos) for d in (full, local))
-    return dict(rope_theta=float(theta), rope_scaling=scaling, local_rope={"rope_theta": float(ltheta), **lscaling})
+    return dict(rope_theta=rope_theta(theta, scaling), rope_scaling=scaling,   # (numbers above 0: rope_read)
+                local_rope={"rope_theta": rope_theta(ltheta, lscaling), **lscaling})
 
 
 GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},   # (Gemma4TextConfig's)
@@ -217,8 +218,8 @@ def gemma4_fields(cfg: dict, max_pos: int) -> dict:
                          "RoPE and the sliding layers' default are supported")
     scaling = {k: v for k, v in g.items() if k != "rope_theta"} if g.get("rope_type") == "proportional" else {}
     softcap = cfg.get("final_logit_softcapping")
-    return dict(rope_theta=float(g.get("rope_theta", 1e6)), rope_scaling=scaling,
-                local_rope={"rope_theta": float(loc.get("rope_theta", 1e4))},
+    return dict(rope_theta=rope_theta(g.get("rope_theta", 1e6), scaling), rope_scaling=scaling,
+                local_rope={"rope_theta": rope_theta(loc.get("rope_theta", 1e4), {})},
                 sliding_window=cfg.get("sliding_window", 512),
                 layer_types=types, norm_offset=0.0, sandwich_norms=True, act="gelu_tanh", embed_scale=True,
                 attention_multiplier=1.0, global_head_dim=next(iter(full), (hd, kv))[0],

@@ -110,6 +110,14 @@ def test_config_read_as_transformers_reads_it():
                        ("use_bidirectional_attention", True), ("hidden_activation", "gelu")):
         with pytest.raises(ValueError, match=key):
             model.ModelArgs.from_config_dict({**base, key: value})
+    # either layer kind's RoPE base that no model runs on (null, 0): named (a float() traceback, or NaN angles, before
+    # 2026-12-07), in the classic form and in transformers' per-layer-type one
+    for edit, said in (({"rope_theta": None}, "rope_theta None"), ({"rope_local_base_freq": 0.0}, "rope_theta 0.0")):
+        with pytest.raises(ValueError, match=f"{said} must be a number above 0"):
+            model.ModelArgs.from_config_dict({**hub, **edit})
+    local = {**base["rope_parameters"], "sliding_attention": {"rope_type": "default", "rope_theta": -1.0}}
+    with pytest.raises(ValueError, match="rope_theta -1.0 must be a number above 0"):
+        model.ModelArgs.from_config_dict({**base, "rope_parameters": local})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -155,6 +155,10 @@ def test_config_read_as_transformers_reads_it(ckpts):
     odd = {**hub, "layer_types": TYPES[:3] + ["sliding_attention"]}   # transformers: the last layer full
     assert model.ModelArgs.from_config_dict(odd).layer_types == T.Gemma4TextConfig(
         **{**CONFIG, "layer_types": odd["layer_types"]}).layer_types == TYPES
+    for kind, theta in (("full_attention", None), ("sliding_attention", 0)):   # (a float() traceback or NaN angles
+        rope = {**base["rope_parameters"], kind: {**base["rope_parameters"][kind], "rope_theta": theta}}   # before
+        with pytest.raises(ValueError, match=f"rope_theta {theta} must be a number above 0"):   # 2026-12-07)
+            model.ModelArgs.from_config_dict({**base, "rope_parameters": rope})
     no_kv = model.ModelArgs.from_config_dict({**hub, "attention_k_eq_v": False})   # (num_global_* unread then)
     assert no_kv.attn_dims(1) == (4, 2, 32) and no_kv.has(1, "v_proj")
     for k_eq_v, path in ckpts.items():
