@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -201,7 +202,8 @@ def main(argv=None):
         ap.add_argument(f"--{f.replace('_', '-')}", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    got, plan, _ = run(args)
+    got, plan, ckpt = run(args)
+    shutil.rmtree(ckpt, ignore_errors=True)   # (the step's tiny checkpoint: nothing reads it after the plan)
     u = args.tokens * 28 * args.head_dim * 4   # one fp32 [T, D]
     on = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(args, f)]
     print(f"{args.tokens} tokens, {args.layers} layers, flags: {' '.join(on) or '(none)'}; 1 [T, D] = {u / 1e6:.2f} MB"

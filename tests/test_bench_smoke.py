@@ -1,6 +1,7 @@
 """bench/plan.py, bench/load.py, bench/attention.py --blocks / --tiles / --docs, bench/memtrace.py, bench/micro_batch.py
-cannot rot: each runs its smallest case (micro_batch.py as a script; the others through their main(argv) in this
-process, `_main`: the same code without a fresh interpreter's imports, their ranks still processes of their own).
+cannot rot: each runs its smallest case (micro_batch.py and attention.py --docs as scripts; the others through their
+main(argv) in this process, `_main`: the same code without a fresh interpreter's imports, their ranks still processes
+of their own).
 
 Pins: `bench/plan.py --only "cp1 nf4 1k"` prints that row, with the measured peak within the bench's own goal
 (planned/measured ratio in [0.75, 1.25]); `bench/load.py --small --reps 1 --ranks 2` prints both quant rows, and the
@@ -19,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +52,7 @@ def _main(name, *argv, capsys, monkeypatch):
     if name == "plan":   # (set by plan.main for its ranks: put back after the test)
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     capsys.readouterr()
-    with one_thread():
+    with one_thread(), torch.random.fork_rng():   # (memtrace seeds torch's generator: this process's, put back)
         importlib.import_module(f"bench.{name}").main(list(argv))
     return capsys.readouterr().out
 
@@ -94,11 +96,12 @@ def test_attention_bench_tiles_mode(capsys, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_attention_bench_docs_mode(capsys, monkeypatch):
+def test_attention_bench_docs_mode():
     """`bench/attention.py --docs N`: ring attention over packed rows with each mask tile, and the table of ratios to
-    the whole-block row."""
-    out = _main("attention", "--docs", "40", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-                "--mask-tiles", "16,0", "--iters", "1", "--warmup", "0", capsys=capsys, monkeypatch=monkeypatch)
+    the whole-block row. As a script (the benches' way in: its __main__, the sys.path that keeps bench/loss.py from
+    shadowing loss, ranks forked from the forkserver unpickling __main__'s functions), once for all of them."""
+    out = _run("bench/attention.py", "--docs", "40", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim",
+               "16", "--mask-tiles", "16,0", "--iters", "1", "--warmup", "0", timeout=110)
     assert re.search(r"^\| 16 \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
     assert re.search(r"^\| whole \| 2 \| 256 \| 40 \| [\d.]+ \| [\d.]+ \| 1.000 \| 1.000 \|$", out, re.M), out
 
