@@ -20,12 +20,12 @@ def pytest_sessionfinish(session, exitstatus):
 # otherwise put the files with the most tests first, which runs the few-test, several-minute files last and leaves one
 # worker idle at the end). The costliest files go first, so the cheap ones fill in behind them (longest first: the two
 # workers finish within about one cheap file of each other). Their order: the per-file sums of `--durations=0` of a
-# full run after that day's cuts (2026-12-07, 2-core AMD EPYC; test_demo holds the demo's asset build on a fresh
-# clone); a file not named runs after them, in the usual order.
+# full run after that day's cuts (2026-12-07, the second 2-core AMD EPYC; test_demo holds the demo's asset build on a
+# fresh clone); a file not named runs after them, in the usual order.
 COSTLIEST_FIRST = (
-    "test_demo", "test_train_runs", "test_train", "test_dpo", "test_bench_smoke", "test_bench_gpu", "test_memory",
-    "test_gemma3_run", "test_qlora", "test_compile", "test_plan", "test_qwen3_5_hybrid", "test_moe_lora",
-    "test_gemma4_moe", "test_phases", "test_data", "test_recorded", "test_qwen3_moe_run")
+    "test_demo", "test_train", "test_train_runs", "test_dpo", "test_bench_gpu", "test_memory", "test_bench_smoke",
+    "test_gemma3_run", "test_qlora", "test_plan", "test_data", "test_guard", "test_recorded", "test_gemma4_moe",
+    "test_runs", "test_compile", "test_phases", "test_merge_memory")
 
 
 def pytest_collection_modifyitems(session, config, items):
