@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import re
 
@@ -31,6 +30,7 @@ from model.expert_lora import EXPERT_KEY, EXPERTS, PEFT_PARAMS, ours
 from model.export import OVERRIDES, TEMPLATE, TIED_HEAD, TRAINED_ON
 from model.lora_spec import FUSED
 from model.norms import is_embed_weight, is_norm_weight, is_saved_weight
+from model.rope_read import is_real
 from model.stored import read_header
 from model.wrapper import to_ours
 
@@ -171,8 +171,7 @@ def read_adapter_config(path: str, flag: str) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{flag} {path!r}: {fn} holds no JSON object ({{...}}) but {json.dumps(cfg)[:60]}; {fix}")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)   # noqa: E731
-    if cfg.get("peft_type") == "LORA" and not (real(r) and real(alpha) and r == int(r) and r >= 1):
+    if cfg.get("peft_type") == "LORA" and not (is_real(r) and is_real(alpha) and r == int(r) and r >= 1):
         raise ValueError(f"{flag} {path!r}: {fn} has r {r!r} and lora_alpha {alpha!r}: r must be a whole number of 1 "
                          f"or more and lora_alpha a finite number (peft scales B @ A by alpha / r); {fix}")
     return cfg

@@ -27,7 +27,7 @@ from model.linear_layers import LinearSpec
 from model.lora_spec import FUSED, sublayer
 from model.moe import MoESpec
 from model.rope import inv_freq
-from model.rope_read import ROPE_TYPES, keep_temperature, rope_scaling_flag
+from model.rope_read import ROPE_TYPES, is_real, keep_temperature, rope_scaling_flag
 
 
 @dataclass
@@ -120,8 +120,7 @@ class ModelArgs:
                 raise ValueError(f"layer_types must name {' or '.join(map(repr, sorted(kinds)))} for each of "
                                  f"the {self.n_layers} layers, got {len(self.layer_types)} entries {bad or ''}")
         beta, n = self.attn_temperature_beta, self.attn_temperature_length   # (numbers, or transformers' torch fails)
-        if beta is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                        and v == abs(v) for v in (beta, n)) or n == 0:
+        if beta is not None and not all(is_real(v) and v == abs(v) for v in (beta, n)) or n == 0:
             raise ValueError(f"rope_parameters: llama_4_scaling_beta {beta!r} and original_max_position_embeddings "
                              f"{n!r} must be numbers >= 0 and > 0 (Ministral 3's attention temperature)")
         f = self.partial_rotary_factor

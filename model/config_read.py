@@ -33,7 +33,7 @@ from dataclasses import replace
 from model.arch_fields import FIELDS, SLIDING_WINDOW, SUPPORTED
 from model.prequant import check_config
 from model.rope import inv_freq
-from model.rope_read import read_ministral3, read_rope, rope_theta
+from model.rope_read import is_real, read_ministral3, read_rope, rope_theta
 from model.wrapper import unwrap
 
 # config classes' pad_token_id where config.json has none (transformers 5's; every other class's is None)
@@ -114,7 +114,7 @@ def read_config(cls, cfg: dict):
             "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
             for i in range(cfg["num_hidden_layers"])]
     eps = cfg.get("rms_norm_eps", flags.get("eps", 1e-6))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:   # (below 0: NaN rows)
+    if not (is_real(eps) and 0 <= eps < 1):   # (below 0: NaN rows)
         raise ValueError(f"config.json: rms_norm_eps {eps!r} must be a small number >= 0 (RMSNorm divides by "
                          "sqrt(mean(x²) + eps); e.g. 1e-6, the checkpoint's own value): fix it in config.json")
     args = cls(

@@ -24,7 +24,8 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "orig
                    "llama_4_scaling_beta": 0.1}
 
 
-def _real(v) -> bool:
+def is_real(v) -> bool:
+    """A finite int or float, not a bool (config.json's numbers: JSON's true is no number here)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -67,11 +68,11 @@ def rope_theta(theta, scaling: dict) -> float:
     """config.json's `theta` as a float, once it and `scaling`'s factor are finite numbers above 0, else a ValueError
     naming the value (until 2026-12-07 a theta or factor of 0 trained to NaN losses to a "done" run, a null or string
     theta was a traceback)."""
-    if not (_real(theta) and theta > 0):
+    if not (is_real(theta) and theta > 0):
         raise ValueError(f"config.json: rope_theta {theta!r} must be a number above 0 (RoPE's base, e.g. 10000 or "
                          "1000000; 0 or below makes every angle NaN): fix it in config.json (the checkpoint's own "
                          "value)")
-    if (f := scaling.get("factor", 1.0)) is not None and not (_real(f) and f > 0):
+    if (f := scaling.get("factor", 1.0)) is not None and not (is_real(f) and f > 0):
         raise ValueError(f"config.json: RoPE scaling {scaling}: factor {f!r} must be a number above 0 (how many times "
                          "the original context it stretches to, e.g. 4.0; 0 makes every angle NaN): fix it in "
                          "config.json (the checkpoint's own value)")
@@ -149,7 +150,7 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
     if sc.get("rope_type") not in ROPE_TYPES:
         raise ValueError(f"--rope-scaling {spec}: rope type {sc.get('rope_type')!r} is not one of {ROPE_TYPES}")
     f = sc.get("factor")
-    if sc["rope_type"] != "default" and not (_real(f) and 1 <= f <= 1024):
+    if sc["rope_type"] != "default" and not (is_real(f) and 1 <= f <= 1024):
         raise ValueError(f"--rope-scaling {spec}: the factor must be a number from 1 to 1024, got {f!r}")
     keys = {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
@@ -161,7 +162,7 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
         if k not in keys:
             raise ValueError(f"--rope-scaling {spec}: unknown key {k!r}; known: rope_type, truncate, "
                              f"{', '.join(sorted(keys))}")
-        if not (_real(v) and v > 0):
+        if not (is_real(v) and v > 0):
             raise ValueError(f"--rope-scaling {spec}: {k} must be a finite number > 0, got {v!r}")
     if sc["rope_type"] == "default":
         return {}
