@@ -385,9 +385,13 @@ def run_order(mine: list[str], peers: list[str]) -> list[list[str]]:
 FORK_PRELOAD = ["train", "model.bnb", "peft", "data", "transformers.models.auto.tokenization_auto"]
 
 
-def _train_cli(argv: list[str], log: str | None = None):
+def _train_cli(argv: list[str], log: str | None = None, env: dict | None = None):
     """A forked row's body: what `python train.py ARGV` runs, its exit code the process's; with `log`, its output
-    goes to that file."""
+    goes to that file. `env`: the caller's environment at the call, as a fresh interpreter gets it (a forkserver's is
+    that of its own start)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if log:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
@@ -409,7 +413,7 @@ def run_train(argv: list[str], timeout: float | None, fork: bool = False, log: s
     import multiprocessing as mp
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORK_PRELOAD)
-    p = ctx.Process(target=_train_cli, args=(list(argv), log))
+    p = ctx.Process(target=_train_cli, args=(list(argv), log, dict(os.environ)))
     p.start()
     p.join(timeout)
     if p.exitcode is None:
