@@ -645,7 +645,8 @@ def test_an_eval_longer_than_the_timeout_is_progress(assets, tmp_path, monkeypat
 def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monkeypatch):
     """With packing (the default) the eval samples go in rows of the plan's length (the longest training sample),
     consecutive samples of one file together: 16 short chats in a few forwards instead of 16, with the eval losses (over
-    all, and each file's) of one sample a forward (--no-pack) to float rounding; training is the same."""
+    all, and each file's) of one sample a forward (--no-pack) to float rounding; training too (2026-12-07: 5.992409 vs
+    5.99241 on an Intel AVX-512 machine, equal on the AMD ones before)."""
     from parallel import guard
 
     for name, n in (("a", 10), ("b", 6)):   # short chats, several to a row of the longest training sample's length
@@ -664,8 +665,8 @@ def test_eval_samples_packed_in_rows_give_each_ones_loss(assets, tmp_path, monke
     run(quick_argv(assets, str(tmp_path / "one"), *ev, "--no-pack"))
     assert sum(name == "eval" for name, _ in beats) == 3 * 16 and 3 <= rows <= 3 * 16 // 3, rows   # (3 evaluations)
     got, want = metrics(tmp_path / "rows"), metrics(tmp_path / "one")
-    for g, w in zip(got, want):
-        assert g["loss"] == w["loss"] and sorted(g) == sorted(w)
+    for g, w in zip(got, want):   # (the training rows pack too: sums in another order, the same to float rounding)
+        assert abs(g["loss"] - w["loss"]) <= 1e-6 * abs(w["loss"]) and sorted(g) == sorted(w), (g["loss"], w["loss"])
         for k in (k for k in w if k.startswith("eval_loss")):
             assert abs(g[k] - w[k]) <= 1e-6 * abs(w[k]), (k, g[k], w[k])
     assert {"eval_loss", "eval_loss/a.jsonl", "eval_loss/b.jsonl"} <= set(got[-1])
