@@ -209,19 +209,13 @@ def blocked_backward(backward, dout, q, k, v, out, lse, scale, backend, n, spare
 
 # --- flash-attn 2 (signatures moved between releases: pass by name what the installed one takes)
 
-def _params(fn):
-    try:
-        return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
 def _fa_kwargs(fn, causal, scale):
     opts = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
                 window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
                 return_softmax=False, deterministic=False, rng_state=None)
-    names = _params(fn)
-    if names is None:  # a compiled op without a Python signature: the 2.6+ layout
+    try:
+        names = set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    except (TypeError, ValueError):  # a compiled op without a Python signature: the 2.6+ layout
         names = {"dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
                  "softcap", "alibi_slopes", "return_softmax", "deterministic", "rng_state"}
     return {n: val for n, val in opts.items() if n in names}
@@ -231,8 +225,7 @@ def _fa_forward(q, k, v, causal, scale):
     fn = _fa._flash_attn_forward
     res = fn(q.contiguous(), k.contiguous(), v.contiguous(), **_fa_kwargs(fn, causal, scale))
     # 2.6+: (out, lse, S_dmask, rng_state); before: (out, q, k, v, out_padded, lse, S_dmask, rng)
-    out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-    return out, lse
+    return res[0], res[1 if len(res) == 4 else 5]
 
 
 def _fa_backward(dout, q, k, v, out, lse, causal, scale):
