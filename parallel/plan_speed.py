@@ -65,14 +65,18 @@ GPU (2026-12): the eager chunked rule's dispatch-bound estimate, its reasoning i
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from model.flops import block_matmuls
 from model.lora_spec import lora_layers
+from parallel import plan_search
+from parallel.flags import check_flags
+from parallel.plan import memory_plan
 from parallel.plan_layers import unfused
 from parallel.plan_speed_block import elementwise_bytes as _elementwise_bytes
 from parallel.plan_speed_block import experts_tiled, mixing_seconds, mlp_read, moe_bytes, unit_read
-from parallel.plan_totals import sample_tokens, with_reference
+from parallel.plan_totals import GB, sample_tokens, with_reference
 
 CAP = 48   # bytes a logit of final_logit_softcapping's passes (loss.py): div, tanh, mul forward; square, addcmul
 # for the gradient, float32 in place (4 read + 4 written each; addcmul reads three), 5 more elementwise passes
@@ -160,10 +164,6 @@ def step_seconds(m, dims, args, target: str, pack: bool, nf4_skip: bool = True, 
 
 def fastest(args, margs, dims, target, mem, host, pack, key=None):
     """[(flags, plan, seconds)] of the flag sets that fit (module docstring), fastest first."""
-    import argparse
-
-    from parallel.flags import check_flags
-    from parallel.plan import memory_plan
     key = key or (lambda p: p.total)
     L = margs.n_layers
     sets = [("", {})]
@@ -202,11 +202,9 @@ def _faster(args, margs, dims, target, mem, host, pack):
     """(fits, best, own, own_fits): whether any flag set fits `mem` (95% of a device), the fastest one (flags, plan,
     seconds) if it beats the run's own flags or those do not fit, else None, the own flags' estimate, and whether
     they fit."""
-    from parallel.plan import memory_plan
-    from parallel.plan_search import _fits
     found = fastest(args, margs, dims, target, mem, host, pack)
     own = step_seconds(margs, dims, args, target, pack)[0]
-    own_fits = _fits(memory_plan(margs, dims, args, target, pack), mem, host)
+    own_fits = plan_search._fits(memory_plan(margs, dims, args, target, pack), mem, host)
     best = found[0] if found and found[0][0] and (found[0][2] < own or not own_fits) else None
     return bool(found), best, own, own_fits
 
@@ -214,11 +212,9 @@ def _faster(args, margs, dims, target, mem, host, pack):
 def fastest_line(args, margs, dims, target, mem, host, pack) -> str | None:
     """`--plan`'s "fastest:" line (CUDA plans only: the rates are a GPU's): the fastest flag set that fits 95% of
     the device, against the run's own flags."""
-    from parallel.plan_search import SAFETY
-    from parallel.plan_totals import GB
     if target != "cuda" or args.ac_group > 1:
         return None
-    fits, best, own, _ = _faster(args, margs, dims, target, SAFETY * mem, host, pack)
+    fits, best, own, _ = _faster(args, margs, dims, target, plan_search.SAFETY * mem, host, pack)
     if not fits:
         return f"fastest: nothing fits 95% of the device; the given flags est. {own:.2f} s/step at H200 rates"
     if best is None:
@@ -246,14 +242,10 @@ def fast_flags(args, margs, dims, pack, world: int, budget=None, host=None) -> t
     `host` bytes, else --plan's --host-mem or this machine's RAM over its local ranks), "" where the run's own flags
     are the fastest that fit or nothing fits (the run's own checks then speak). On CPU too: there the ranking is
     still the H200's, the memory this machine's."""
-    import argparse
-
-    from parallel.plan_search import SAFETY, _budget, _host_budget
-    from parallel.plan_totals import GB
     a = argparse.Namespace(**{"gpu_mem": None, "host_mem": None, **vars(args)})
-    target, mem, where = budget or _budget(a, world)
-    fits, best, own, own_fits = _faster(a, margs, dims, target, SAFETY * mem,
-                                        _host_budget(a, world) if host is None else host, pack)
+    target, mem, where = budget or plan_search._budget(a, world)   # (looked up at the call: tests replace it)
+    fits, best, own, own_fits = _faster(a, margs, dims, target, plan_search.SAFETY * mem,
+                                        plan_search._host_budget(a, world) if host is None else host, pack)
     if best is None:
         return "", (f"--fast: the given flags are the fastest that fit 95% of {where} (est. {own:.3g} s/step at H200 "
                     "rates)" if fits else f"--fast: none of the memory flag sets --fast tries fits 95% of {where}; the "
