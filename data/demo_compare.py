@@ -16,7 +16,7 @@ beside it), and the greedy answers of
    wrapper's, model/wrapper.py: `AutoModelForImageTextToText`, prompted with text only), and
 2. the same model with the exported adapter loaded by `peft.PeftModel.from_pretrained(base, OUT/adapter)`.
 A run with --rope-scaling: both with the RoPE it trained with (OUT/adapter/base_config_overrides.json, in config.json
-as model.merge writes it: model/merged.put_rope; a wrapper's in its text_config), not config.json's: the base column
+as model.merge writes it: model/rope_read.put_rope; a wrapper's in its text_config), not config.json's: the base column
 is the model before fine-tuning as training saw it, the one the adapter was fit against (the header line says so).
 Nothing here runs the trainer's decoder: the adapter is checked in the ecosystem it is for.
 With `--quant nf4` (the default) the base's block Linear weights are first replaced by their NF4
@@ -190,7 +190,7 @@ def compare(run_dir: str, n: int = 3, max_new_tokens: int = 40) -> list[dict]:
     wrapped = config.model_type in WRAPPERS   # (a multimodal wrapper, model/wrapper.py: its generation class, which
     # AutoModelForCausalLM lacks for Mistral 3; text prompts)
     if rope := trained_rope(run_dir):   # --rope-scaling: config.json with training's RoPE, as a merge writes it
-        from model.merged import put_rope
+        from model.rope_read import put_rope
         raw = type(config).get_config_dict(cfg["model"], local_files_only=True)[0]   # (config.json's dict)
         put_rope(raw["text_config"] if wrapped else raw, rope)
         config = type(config).from_dict({**raw, "model_type": config.model_type})   # (AutoConfig's class and type)

@@ -26,6 +26,7 @@ import os
 import shutil
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from model.adapter_read import saves_trained, tied_head, untied_embedding
@@ -36,6 +37,7 @@ from model.load import CheckpointReader, _check_dir, read_args
 from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied, _hold, is_stage
 from model.norms import is_saved_weight
 from model.prequant import check_quant
+from model.rope_read import put_rope
 from model.wrapper import stored_parts, to_ours
 
 
@@ -139,15 +141,13 @@ def merge(base_path: str, adapter_dir: str, out_dir: str, quant: str = "none",
     missing = sorted(set(pairs) - set(reader.where))
     if missing:   # before anything is written
         raise ValueError(f"adapter targets {missing[:5]} that the base checkpoint {base_path!r} lacks")
-    bad = [_misfit(name, ab, reader.shape(name), acfg["r"]) for name, ab in sorted(pairs.items())]
-    if any(bad):   # before anything is written (was a RuntimeError at the first such shard, files written before it)
-        bad = [b for b in bad if b]
+    bad = [why for name, ab in sorted(pairs.items()) if (why := _misfit(name, ab, reader.shape(name), acfg["r"]))]
+    if bad:   # before anything is written (was a RuntimeError at the first such shard, files written before it)
         raise ValueError(f"adapter {adapter_dir!r} does not fit the base {base_path!r}: {len(bad)} of {len(pairs)} "
                          f"LoRA pairs ({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); pass the base it was "
                          "trained on")
-    bad = [_no_magnitude(name, ab, reader.shape(name)) for name, ab in sorted(pairs.items())] if dora else []
-    if any(bad):   # without its magnitude a projection's DoRA rescaling would be dropped, not folded
-        bad = [b for b in bad if b]
+    bad = [why for name, ab in sorted(pairs.items()) if dora and (why := _no_magnitude(name, ab, reader.shape(name)))]
+    if bad:   # without its magnitude a projection's DoRA rescaling would be dropped, not folded
         none = all("m" not in ab for ab in pairs.values())   # (a plain LoRA adapter's config saying use_dora?)
         raise ValueError(f"DoRA adapter {adapter_dir!r} (use_dora in adapter_config.json): {len(bad)} of {len(pairs)} "
                          f"projections lack a magnitude that fits ({'; '.join(bad[:3])}"
@@ -222,8 +222,9 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
             f"tensors in {len(files)} files" + (f"; the base's MXFP4 experts ({len(reader.mxfp4)} fused tensors) are "
                                                  f"written dequantized, the BF16 form transformers loads, in {dtype}"
                                                  if reader.mxfp4 else ""))
-    with open(cfg_path) as f:   # GLM-4.5's router: float32 as stored (model/glm4_moe.py)
-        as_stored = ROUTER_TENSORS if json.load(f).get("model_type") == "glm4_moe" else ()
+    with open(cfg_path) as f:   # (its model_type: GLM-4.5's router is written as stored, model/glm4_moe.py)
+        cfg = json.load(f)
+    as_stored = ROUTER_TENSORS if cfg.get("model_type") == "glm4_moe" else ()
     stored, rest = stored_parts(base_path, reader.wrapper) if reader.wrapper else ({}, {})   # a multimodal wrapper:
     weight_map, total = {}, 0   # its language model under the stored keys, its other parts copied (bit for bit)
     for i, fn in enumerate(sorted(set(files) | {f for f, keys in rest.items() if keys})):
@@ -263,8 +264,6 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     reader.close()
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(cfg_path) as f:
-        cfg = json.load(f)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("quantization_config", None)   # a 4-bit base's: the merged weights are float
     if os.path.exists(os.path.join(adapter_dir, OVERRIDES)):   # --rope-scaling: the RoPE the adapter learned with
@@ -288,29 +287,7 @@ def _merge_into(out_dir, base_path, adapter_dir, cfg_path, reader, files, pairs,
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
 
 
-def put_rope(cfg: dict, rope: dict) -> None:
-    """The RoPE an adapter learned with (base_config_overrides.json's rope_parameters) into config dict `cfg`, in the
-    form it has (also data/demo_compare.py's base). One per layer type (ModelArgs.rope_overrides: Gemma 3's, OLMo 3's)
-    is the config's RoPE whole; a flat one into a config per layer type (an adapter from before 2026-12-07): its
-    full-attention layers' (what --rope-scaling replaces; a flat dict there transformers reads as the full layers'
-    default RoPE)."""
-    if isinstance(rope.get("full_attention"), dict):   # per layer type (ModelArgs.rope_overrides: Gemma 3, OLMo 3):
-        cfg["rope_parameters"] = rope   # in transformers 5's form, which the classic keys would override
-        for key in ("rope_scaling", "rope_theta", "rope_local_base_freq"):
-            cfg.pop(key, None)
-    elif "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
-        per_type = isinstance((cfg["rope_parameters"] or {}).get("full_attention"), dict)
-        cfg["rope_parameters"] = {**cfg["rope_parameters"], "full_attention": rope} if per_type else rope
-        cfg.pop("rope_scaling", None)
-        cfg.pop("rope_theta", None)
-    else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
-        cfg["rope_theta"] = rope.pop("rope_theta")
-        cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-
-
 def _copy(fn: str, keys: list) -> dict:
     """The tensors `keys` of the safetensors file `fn`, as stored (a wrapper's vision tower and projector)."""
-    from safetensors import safe_open
-
     with safe_open(fn, "pt") as f:
         return {k: f.get_tensor(k) for k in keys}

@@ -8,6 +8,8 @@ Contract:
   `rope_theta(theta, scaling)`: the theta read, as a float, once it and the scaling's factor are numbers above 0.
 - `rope_scaling_flag(spec, args=None)` reads `--rope-scaling` (the function's docstring); `keep_temperature` keeps
   Ministral 3's attention temperature in it, `read_ministral3` reads that model's RoPE and temperature.
+- `put_rope(cfg, rope)`: the other way, an adapter's learned RoPE (its base_config_overrides.json) written into a
+  config.json dict in the form that dict has (the merged model's config.json, data/demo_compare.py's base).
 - `ROPE_TYPES`: the rope types `--rope-scaling` may name and `inv_freq` computes (besides Gemma 4's full layers'
   "proportional", which only their config.json gives).
 """
@@ -175,3 +177,23 @@ def rope_scaling_flag(spec: str | None, args=None) -> dict | None:
         # YaRN config's 32768 under 131072: yarn:8 is then its factor 4 doubled, as the warning advises), else as
         # read_rope takes it: max_position_embeddings
     return sc
+
+
+def put_rope(cfg: dict, rope: dict) -> None:
+    """The RoPE an adapter learned with (base_config_overrides.json's rope_parameters) into config dict `cfg`, in the
+    form it has (also data/demo_compare.py's base). One per layer type (ModelArgs.rope_overrides: Gemma 3's, OLMo 3's)
+    is the config's RoPE whole; a flat one into a config per layer type (an adapter from before 2026-12-07): its
+    full-attention layers' (what --rope-scaling replaces; a flat dict there transformers reads as the full layers'
+    default RoPE)."""
+    if isinstance(rope.get("full_attention"), dict):   # per layer type (ModelArgs.rope_overrides: Gemma 3, OLMo 3):
+        cfg["rope_parameters"] = rope   # in transformers 5's form, which the classic keys would override
+        for key in ("rope_scaling", "rope_theta", "rope_local_base_freq"):
+            cfg.pop(key, None)
+    elif "rope_parameters" in cfg:   # transformers 5's form (a top-level rope_scaling would win over it)
+        per_type = isinstance((cfg["rope_parameters"] or {}).get("full_attention"), dict)
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], "full_attention": rope} if per_type else rope
+        cfg.pop("rope_scaling", None)
+        cfg.pop("rope_theta", None)
+    else:   # the classic form: rope_theta and rope_scaling on top (which transformers 4 reads)
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
