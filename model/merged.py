@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from model.adapter_read import saves_trained, tied_head, untied_embedding
+from model.adapter_read import tied_head, untied_embedding
 from model.expert_lora import per_expert
 from model.export import OVERRIDES, TEMPLATE, _put_chat_template, save_file
 from model.glm4_moe import ROUTER_TENSORS
@@ -38,6 +38,7 @@ from model.merge_out import STAGE, STAGE_MARK, MovesFailed, _clear_out, _copied,
 from model.norms import is_saved_weight
 from model.prequant import check_quant
 from model.rope_read import put_rope
+from model.saved_modules import saves_trained
 from model.wrapper import stored_parts, to_ours
 
 

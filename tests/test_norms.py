@@ -245,10 +245,10 @@ def test_peft_short_modules_to_save_start_a_run_as_peft_computes(ckpts, family, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from model.adapter_read import peft_saves
     from model.export import export_adapter
     from model.load import read_args
     from model.merged import merge
+    from model.saved_modules import peft_saves
     from parallel.flags import check_flags, check_model_flags
     from parallel.parallelize import BuildOptions, build_model
 
