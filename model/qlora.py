@@ -60,12 +60,10 @@ def apply_lora(model: Transformer, r: int, alpha: float, dropout: float, targets
         raise ValueError(why)
     with dora_math.unset_magnitudes():   # (init_lora sets them, from the loaded weights)
         peft_model = peft_wrap(model, lora_config(r, alpha, dropout, targets, rslora, dora, layers), get_peft_model)
-    for n, p in peft_model.named_parameters():
+    for n, p in peft_model.named_parameters():   # only LoRA trains, in float32
         if "lora_" in n:
             p.data = p.data.float()
-            p.requires_grad_(True)
-        else:
-            p.requires_grad_(False)
+        p.requires_grad_("lora_" in n)
     if norms:   # --train-norms (model/norms.py)
         train_norms(model, layers)
     if embeddings:   # --train-embeddings
@@ -96,8 +94,7 @@ class _BaseAndA(torch.autograd.Function):
         da2 = da.reshape(-1, da.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:   # bitsandbytes' MatMul4Bit.backward: dy @ dequantize(W), in dy's dtype
-            m = ctx.base
-            w = m.dequantized() if hasattr(m, "dequantized") else m.weight
+            w = ctx.base.dequantized() if hasattr(ctx.base, "dequantized") else ctx.base.weight
             dx = torch.matmul(dy.reshape(-1, dy.shape[-1]), w.to(dy.dtype)).view(x.shape)
             flat, aw = dx.view(-1, dx.shape[-1]), a_weight.to(dx.dtype)
             n = max(1, ROW_CHUNK // flat.shape[1])   # A's share in row chunks: a 32-64 MB temporary, not [T, in];
@@ -116,10 +113,9 @@ def _one_input_grad(self, x, a_lin, dropout) -> bool:
     """_BaseAndA's case: a layer whose input is its own (SOLE_INPUT: q/k/v and gate/up share theirs, whose several
     gradients autograd sums anyway), A reads x itself (no dropout, no bias), the base is frozen, and
     parallel.recompute does not skip its GEMM in a block recompute (down_proj there: left as it was)."""
-    base = self.base_layer
     return (getattr(self, "_sole_input", False) and isinstance(dropout, nn.Identity) and a_lin.bias is None
-            and torch.is_grad_enabled() and not getattr(base.forward, "in_recompute", False)
-            and not any(p.requires_grad for p in base.parameters()))
+            and torch.is_grad_enabled() and not getattr(self.base_layer.forward, "in_recompute", False)
+            and not any(p.requires_grad for p in self.base_layer.parameters()))
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -138,12 +134,10 @@ def _fused_forward(self, x, *args, **kwargs):
             return dora_math.forward(self, names[0], x)   # (under autocast: autocast casting its ops)
     if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1
             or names[0] not in self.lora_A or names[0] in getattr(self, "lora_variant", {}) and not dora
-            or torch.is_autocast_enabled()):
+            or torch.is_autocast_enabled()   # (and with a LoRA bias, or LoRA in another dtype than x: peft casts x)
+            or self.lora_B[names[0]].bias is not None or self.lora_A[names[0]].weight.dtype != x.dtype):
         return slow(x, *args, **kwargs)
-    a_lin, b_lin = self.lora_A[names[0]], self.lora_B[names[0]]
-    dropout = self.lora_dropout[names[0]]
-    if b_lin.bias is not None or a_lin.weight.dtype != x.dtype:   # peft casts x to the LoRA dtype there
-        return slow(x)
+    a_lin, b_lin, dropout = self.lora_A[names[0]], self.lora_B[names[0]], self.lora_dropout[names[0]]
     # Otherwise LoRA A before the base layer: backward then runs the base's (bitsandbytes') node first. Autograd
     # sums a second gradient in place only into the one that arrived first, and only if that one is not a view:
     # bitsandbytes' is fresh, A's (nn.Linear on [B, S, in]) a view, so in the other order the sum was a third
@@ -166,8 +160,7 @@ def _fused_forward(self, x, *args, **kwargs):
     reshape = torch.ops.aten._unsafe_view if one else torch.reshape
     args = (a.reshape(-1, a.shape[-1]), b_lin.weight.t())
     flat = reshape(result, (-1, result.shape[-1]))
-    out = flat.addmm_(*args, alpha=self.scaling[names[0]]) if one else torch.addmm(flat, *args,
-                                                                                   alpha=self.scaling[names[0]])
+    out = (flat.addmm_ if one else flat.addmm)(*args, alpha=self.scaling[names[0]])
     out = reshape(out, (*x.shape[:-1], out.shape[-1]))
     if dora:   # m / ‖W + s·B A‖ ⊙ (W x + s·B A x) + bias, from this sum (saved for the magnitude's gradient)
         out = dora_math.rescale(self, names[0], out)
