@@ -183,8 +183,8 @@ def main(argv=None):
         best = keep_best.Best.of_run(args, ckpt, log0)   # --keep-best's (a resume's, if measured alike)
         early = keep_best.EarlyStop.of_run(args, ckpt, log0)   # --early-stop's count (a resume's, likewise)
         here = resume.own_checkpoint(ckpt, args.out)   # resumed from this run's own OUT/ckpt
-        metrics, logs = runs.open_files(args, dims, stats, eval_samples, branch=here and ckpt,   # rank 0's: config,
-                                        resume_step=start if ckpt else None, log=log0)   # metrics.jsonl, sinks
+        metrics, logs = runs.open_files(run, args, dims, stats, eval_samples, branch=here and ckpt,   # rank 0's:
+                                        resume_step=start if ckpt else None, log=log0)   # config, metrics, sinks
         dp_cp = meshes.dp_cp.get_group()
         wd = guard.Watchdog(args.timeout * 60, rank).start()
         nonfinite = guard.NonFiniteSteps.of_run(args, ckpt)   # --max-nonfinite's (a resume goes on counting)
@@ -299,7 +299,7 @@ def main(argv=None):
         wd.stop()   # the last collective is behind
         log0(notes.done_line(args))
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)
-        e.way_on = (run and run.path, bool(args.resume_auto), bool(args.resume))   # (None: unclaimed)
+        e.way_on = (run and run.ours, bool(args.resume_auto), bool(args.resume))   # (None: unclaimed, or not yet its)
         raise
     finally:
         for closing in (stop and stop.close, wd and wd.stop, metrics and metrics.close, run and run.release):

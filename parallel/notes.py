@@ -155,12 +155,13 @@ def model_line(model, margs, args, ckpt: str | None, dtype, built_s: float) -> s
 
 
 def out_line(run, args, ckpt: str | None) -> str:
-    """The `out:` line: the run's folder, with what --resume auto chose and what --overwrite removed."""
+    """The `out:` line: the run's folder, with what --resume auto chose and what --overwrite deletes (runs.RunDir)."""
     said = ["--resume auto: " + {"resumed": f"continuing from {ckpt}", "fresh": "no run there yet, a fresh one",
                                   "restarted": "its run saved no whole step, so it starts again"}[args.resume_auto]
             ] if args.resume_auto else []
-    if run.removed:
-        said.append(("removed " if args.resume_auto else "--overwrite removed ") + ", ".join(run.removed))
+    if run.pending:
+        said.append(("" if args.resume_auto else "--overwrite: ") + ", ".join(run.pending)
+                    + " go once the model is built")
     return f"out: {run.path}" + "".join(f" ({x})" for x in said)
 
 

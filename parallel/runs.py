@@ -7,14 +7,16 @@ Contract:
    is read. Rank 0 alone touches the disk: it creates the directory (`runs/<YYYYmmdd-HHMMSS>`, with a
    `-2`, `-3`.. suffix when that second is taken: `mkdir` is atomic, so two runs never share one),
    takes an exclusive `flock` on `OUT/run.lock` for the run's life (the kernel drops it when the
-   process dies, so a stale lock file never blocks), and only then, for `--overwrite`, deletes
-   exactly `OWNED` (nothing else, nothing outside OUT). Under the lock, --resume must resolve to the step it
-   resolved to at start-up (a run live then may have saved since: resuming the older step would drop newer ones).
+   process dies, so a stale lock file never blocks), and only then, for `--overwrite`, lists what it will delete:
+   exactly `OWNED` (nothing else, nothing outside OUT), deleted by `open_files` once the model is built, so a start
+   that fails or is stopped before (a weight file, Ctrl-C) leaves the old run. Under the lock, --resume must resolve
+   to the step it resolved to at start-up (a run live then may have saved since: resuming the older step would drop
+   newer ones).
    One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
    collective. A refusal changes nothing.
 3. `auto_resume(out, overwrite)`: what `--resume auto` does with --out (continue, start, start again).
-4. `open_files(...)`: rank 0's writes before the first step (config.json, metrics.jsonl); `config_json(config)`:
-   config.json's text, a list of numbers on one line.
+4. `open_files(run, ...)`: rank 0's writes before the first step (--overwrite's deletion, config.json, metrics.jsonl);
+   `config_json(config)`: config.json's text, a list of numbers on one line.
 """
 
 from __future__ import annotations
@@ -139,8 +141,26 @@ def _auto(out: str) -> tuple[str | None, bool, str]:
 class RunDir:
     """The claimed output directory. Rank 0 holds the lock until `release()` (or the process ends)."""
     path: str
-    removed: tuple[str, ...] = ()   # what --overwrite deleted (rank 0 knows; others see ())
+    pending: tuple[str, ...] = ()   # what --overwrite deletes in `clear` (rank 0's names; the others' say only that)
     _fd: int | None = field(default=None, repr=False)
+
+    @property
+    def ours(self) -> str | None:
+        """The folder, once it holds this run's files alone: None while --overwrite's deletion waits (its checkpoints
+        are the old run's, so a failure's way on is the same command, not a --resume of them)."""
+        return None if self.pending else self.path
+
+    def clear(self) -> None:
+        """--overwrite's deletion (rank 0, under the lock; the other ranks forget it): the old run's files, its
+        config.json, metrics and ckpt last, so a kill mid-way leaves a folder --overwrite takes again (until 2026-12-04
+        they went first: adapters left beside the lock, refused as no run's)."""
+        for name in self.pending if self._fd is not None else ():
+            p = os.path.join(self.path, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            elif os.path.lexists(p):
+                os.remove(p)   # a symlink is removed, never followed out of OUT
+        self.pending = ()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -192,25 +212,13 @@ def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
                              + (" once it has ended (resuming the older step would drop the newer steps)"
                                 if isinstance(now, str) else "")) from None
     _note(fd)
-    removed = []
-    if overwrite:   # under the lock, so a live run's files are never deleted
-        there = sorted(os.listdir(out))
-        last = ("ckpt", "metrics.jsonl", "config.json")   # the MARKERS go last: a kill mid-way leaves a run --overwrite
-        order = [pat for pat in OWNED[:-1] if pat not in last] + list(last)   # takes again (until 2026-12-04 they
-        try:
-            for name in [e for pat in order for e in fnmatch.filter(there, pat)]:   # went first: adapters left)
-                p = os.path.join(out, name)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    shutil.rmtree(p)
-                elif os.path.lexists(p):
-                    os.remove(p)   # a symlink is removed, never followed out of OUT
-                else:
-                    continue
-                removed.append(name)
-        except BaseException:   # (a file it may not remove: the lock goes with the error, not with the process)
-            os.close(fd)
-            raise
-    return RunDir(out, tuple(removed), fd)
+    pending = ()
+    if overwrite:   # listed under the lock (never a live run's files), deleted by clear() once the model is built: a
+        there = sorted(os.listdir(out))   # start that fails before (until 2026-12-07 it came after) loses nothing
+        last = ("ckpt", "metrics.jsonl", "config.json")   # the MARKERS go last (clear)
+        order = [pat for pat in OWNED[:-1] if pat not in last] + list(last)
+        pending = tuple(dict.fromkeys(e for pat in order for e in fnmatch.filter(there, pat)))
+    return RunDir(out, pending, fd)
 
 
 def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False, root: str = "runs",
@@ -234,32 +242,37 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
                 raise err
             return run
         box = [("FileNotFoundError" if isinstance(err, FileNotFoundError) else "ValueError", str(err))
-               if err else ("ok", run.path)]
+               if err else ("ok", run.path, run.pending)]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
-    kind, text = box[0]
+    kind, text, *pending = box[0]
     if err is not None:
         raise err
     if kind != "ok":   # the same error rank 0 raises, so every rank stops at the same place
         raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(text)
-    return run if me == 0 else RunDir(text)
+    return run if me == 0 else RunDir(text, *pending)
 
 
-def open_files(args, layout, stats, eval_samples, *, branch: str | None, resume_step: int | None, log=print):
+def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | None, resume_step: int | None,
+               log=print):
     """Rank 0's writes before the first step, as one (guard.on_rank0: a failure, a full disk, stops every rank,
-    naming them): a resume from this run's own checkpoint below its newest makes that the newest (`branch`:
+    naming them): --overwrite's deletion of the old run (`run.clear`), a resume from this run's own checkpoint below
+    its newest makes that the newest (`branch`:
     checkpoint.branch, so a crash comes back there), config.json, then metrics.jsonl and --report-to's sinks opened
     (parallel/metrics.py). Returns (the Metrics on rank 0, None elsewhere; the logs' names, for later errors)."""
     from parallel import checkpoint, guard
     from parallel.metrics import Metrics
 
     def files():
+        run.clear()
         if branch:
             checkpoint.branch(branch, log)
         write_config(args, layout, stats, eval_samples)
         return Metrics(args.out, args.report_to, resume_step=resume_step)
     logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])
-    return guard.on_rank0(files, f"writing config.json and opening {logs}"), logs
+    opened = guard.on_rank0(files, f"writing config.json and opening {logs}")
+    run.pending = ()   # (the other ranks': rank 0 deleted them)
+    return opened, logs
 
 
 def write_config(args, layout, stats, eval_samples) -> None:

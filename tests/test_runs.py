@@ -237,9 +237,11 @@ def test_overwrite_removes_exactly_the_run(tmp_path):
     (keep / "precious.bin").write_bytes(b"1234")
     os.rename(os.path.join(out, "adapter"), str(tmp_path / "adapter_real"))
     os.symlink(str(keep), os.path.join(out, "adapter"))   # adapter -> a folder outside OUT
-    with runs.claim(out, overwrite=True) as rd:
-        assert sorted(rd.removed) == ["adapter", "ckpt", "config.json", "metrics.jsonl"], rd.removed
-        assert sorted(os.listdir(out)) == ["notes.txt", "run.lock"], os.listdir(out)
+    with runs.claim(out, overwrite=True) as rd:   # (deleted by clear(): train.py's open_files, once the model is built)
+        assert rd.pending == ("adapter", "ckpt", "metrics.jsonl", "config.json"), rd.pending
+        assert len(os.listdir(out)) == 6 and rd.ours is None, "the claim deleted before the run had its model"
+        rd.clear()
+        assert sorted(os.listdir(out)) == ["notes.txt", "run.lock"] and rd.ours == out, os.listdir(out)
     assert (keep / "precious.bin").read_bytes() == b"1234", "overwrite followed a symlink out of OUT"
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
     # train.py's own runs --overwrite takes (refused from 2026-12-03 to 2026-12-04): one killed while writing its
@@ -258,7 +260,9 @@ def test_overwrite_removes_exactly_the_run(tmp_path):
     os.symlink(str(scratch), os.path.join(linked, "ckpt"))
     for folder in (str(torn), linked):
         with runs.claim(folder, overwrite=True) as rd:
-            assert "config.json" in rd.removed and sorted(os.listdir(folder)) == ["run.lock"], os.listdir(folder)
+            assert "config.json" in rd.pending, rd.pending
+            rd.clear()
+            assert sorted(os.listdir(folder)) == ["run.lock"], os.listdir(folder)
     assert sorted(os.listdir(scratch)) == ["latest", "step_000002"], "overwrite followed the ckpt link"
 
 
@@ -279,19 +283,23 @@ def test_an_interrupted_overwrite_is_taken_again(tmp_path, monkeypatch):
         return real_rmtree(path, *a, **k)
 
     monkeypatch.setattr(runs.shutil, "rmtree", killed)
-    with pytest.raises(KeyboardInterrupt):
-        runs.claim(out, overwrite=True)
+    with pytest.raises(KeyboardInterrupt), runs.claim(out, overwrite=True) as rd:
+        rd.clear()   # (train.py's open_files, once the model is built; its finally lets go of the lock)
     monkeypatch.setattr(runs.shutil, "rmtree", real_rmtree)
     assert calls == ["adapter", "adapter_best"] and {"config.json", "metrics.jsonl", "ckpt"} <= set(os.listdir(out))
     with runs.claim(out, overwrite=True) as rd:
-        assert sorted(os.listdir(out)) == ["run.lock"] and "config.json" in rd.removed, os.listdir(out)
+        assert "config.json" in rd.pending, rd.pending
+        rd.clear()
+        assert sorted(os.listdir(out)) == ["run.lock"], os.listdir(out)
     before = tmp_path / "before"   # the leftover of the old order
     for d in ("adapter", "adapter_best"):
         (before / d).mkdir(parents=True)
         (before / d / "adapter_model.safetensors").write_bytes(b"x")
     (before / "run.lock").write_text("pid 1\n")
     with runs.claim(str(before), overwrite=True) as rd:
-        assert sorted(rd.removed) == ["adapter", "adapter_best"] and os.listdir(before) == ["run.lock"]
+        assert rd.pending == ("adapter", "adapter_best"), rd.pending
+        rd.clear()
+        assert os.listdir(before) == ["run.lock"]
     (before / "adapter").mkdir()   # without --overwrite, or with a file of the user's, still refused
     _refused(lambda: runs.claim(str(before)), "none of config.json, metrics.jsonl, ckpt")
     (before / "notes.txt").write_text("mine")

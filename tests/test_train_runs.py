@@ -152,6 +152,34 @@ def test_overwrite_replaces_the_run(assets, done, tmp_path):
     assert os.path.isfile(os.path.join(out, "notes.txt")), "--overwrite removed a file the run did not write"
 
 
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_its_model(assets, done, tmp_path, monkeypatch, capsys):
+    """--overwrite deletes the old run only once the new one has its model built, as it writes its first file: one that
+    fails or is stopped before (a weight file it cannot read, Ctrl-C in a model build of minutes) leaves the old run
+    byte for byte, and its way on is the same command, not a --resume of the old run's checkpoint (until 2026-12-07
+    the claim deleted it first, and such a start lost it). (The run overwritten is a copy of the module's `done`.)"""
+    import parallel.parallelize
+    import train
+
+    out = str(tmp_path / "out")
+    shutil.copytree(done, out)
+    before = {p: h for p, h in tree_hash(out).items() if p != "run.lock"}   # (the lock's note names its holder)
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    argv = quick_argv(assets, out, "--steps", "1", "--overwrite")
+    with monkeypatch.context() as m, one_thread():
+        m.setattr(parallel.parallelize, "build_model", ctrl_c)
+        code = train.cli(argv)
+    said = capsys.readouterr()
+    assert code == 130 and said.err.strip() == "error: interrupted (SIGINT): run the same command again", said.err
+    assert {p: h for p, h in tree_hash(out).items() if p != "run.lock"} == before, "the old run was deleted"
+    assert f"out: {out} (--overwrite: adapter, ckpt, metrics.jsonl, config.json go once the model is built)" in \
+        said.out, said.out
+    run(argv)   # the same command, and it replaces the run
+    assert [r["step"] for r in metrics(out)] == [1] and os.listdir(os.path.join(out, "ckpt")) != before
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"]
+
+
 def test_overwrite_refuses_a_model_directory(assets, tmp_path):
     """A checkpoint folder has a config.json too: --overwrite (also with --out equal to --model) refuses it, naming
     why, and leaves it byte for byte, rather than deleting its config.json as a run's."""
@@ -1326,7 +1354,8 @@ def test_resume_auto_is_one_command_for_every_requeue(assets, dropout_ref, tmp_p
     shutil.copytree(out, killed, ignore=shutil.ignore_patterns("ckpt", "adapter", "run.lock"))
     run(quick_argv(assets, killed, *flags, "--resume", "auto"))
     said = capsys.readouterr().out
-    assert f"out: {killed} (--resume auto: its run saved no whole step, so it starts again) (removed " in said, said
+    assert f"out: {killed} (--resume auto: its run saved no whole step, so it starts again) (metrics.jsonl, " \
+        "config.json go once the model is built)" in said, said
     assert same(killed) == same(ref)
     finished = str(tmp_path / "finished")   # its steps deleted by hand, its adapter there: never taken for a kill
     shutil.copytree(out, finished, ignore=shutil.ignore_patterns("ckpt", "run.lock"))
