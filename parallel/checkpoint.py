@@ -10,7 +10,8 @@ Contract:
   at any point leaves a resumable `latest`:
     1. every rank checks its trainable tensors; if any holds NaN/Inf, all ranks raise NonFiniteError
        and nothing is written;
-    2. all files go to `dir/.tmp-step_N/`, meta.json last (its presence marks a complete folder);
+    2. all files go to `dir/.tmp-step_N/`, meta.json last (its presence marks a complete folder; a write error
+       removes the folder);
     3. rank 0 renames it to `step_N` (a folder of the same step, from an earlier run, is moved aside
        first and deleted after), then replaces `latest` (write + rename), then deletes all but the
        newest `keep` folders at or below this step.
@@ -160,8 +161,12 @@ def save(ckpt_dir: str, model, optimizer, step: int, extra: dict | None = None, 
         raise
 
     def commit():   # rank 0; a failure (a full disk) is raised on every rank (guard.on_rank0), none waits on
-        _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,
-                                                                 default=str))
+        try:
+            _fsync_write(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **(extra or {})}, indent=1,
+                                                                     default=str))
+        except OSError:   # (DCP's GBs off the full disk, as above)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         old = os.path.join(ckpt_dir, f".old-{name}")
         if os.path.exists(final):   # re-saving a step (a resumed run): never delete before the new one is in
             os.rename(final, old)

@@ -155,6 +155,35 @@ def test_killed_resave_leaves_latest_intact(tmp_path, monkeypatch):
     _same(fresh, fopt, m2, opt2, "re-saved step 2")
 
 
+def test_a_disk_full_at_meta_json_removes_the_half_written_step(tmp_path, monkeypatch):
+    """The disk fills up after DCP wrote the step's files (GBs) and before meta.json: the error is the disk's (errno
+    kept, for train.py's one line), the folder that holds those GBs goes, as one whose DCP write failed goes (until
+    2026-12-07 `.tmp-step_N` stayed on the full disk until the next save), and the checkpoint before is untouched."""
+    import errno
+
+    ckpt = str(tmp_path / "ckpt")
+    m, opt = _trained(1)
+    checkpoint.save(ckpt, m, opt, 1)
+    before = _hashes(ckpt)
+    real = checkpoint._fsync_write
+
+    def full(path, text):
+        if os.path.basename(path) == "meta.json":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, text)
+
+    m2, opt2 = _trained(2)
+    monkeypatch.setattr(checkpoint, "_fsync_write", full)
+    with pytest.raises(OSError) as e:
+        checkpoint.save(ckpt, m2, opt2, 2)
+    monkeypatch.undo()
+    assert e.value.errno == errno.ENOSPC, e.value
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_000001"] and _hashes(ckpt) == before, os.listdir(ckpt)
+    fresh, fopt = _trained(99)
+    assert checkpoint.load(ckpt, fresh, fopt) == 1
+    _same(fresh, fopt, m, opt, "the step before the full disk")
+
+
 def test_truncated_newest_falls_back_with_warning(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     for step in (3, 4):
