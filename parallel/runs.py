@@ -175,8 +175,8 @@ class RunDir:
 
 
 def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
-    if auto:   # another instance of this job may have run there since start-up (review, helper 57: a "restarted"
-        check_free(out)   # decision then deleted the run it had finished); a live one is said as such
+    check_free(out)   # a run live there since start-up is said as such, not as a used --out to --resume or
+    # --overwrite (the same command started twice at once; with --resume auto, another instance of the job: helper 57)
     try:
         check_out(out, resume=resume, overwrite=overwrite, root=root)
     except ValueError:

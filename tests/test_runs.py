@@ -341,6 +341,9 @@ def test_live_lock_refuses_stale_lock_does_not(tmp_path):
         msg = _refused(lambda: runs.claim(out, resume=resume), "in use by a live run", "another --out")
         assert f"pid {holder.pid}" in msg, msg
         _refused(lambda: runs.claim(out, overwrite=True), "in use by a live run")
+        # a second run started beside it with neither flag (the same command twice at once) is told the run is live,
+        # not offered the --resume or --overwrite that this live run's lock would refuse (until 2026-12-07)
+        _refused(lambda: runs.claim(out), "in use by a live run", f"pid {holder.pid}")
         assert _hashes(tmp_path) == before, "a refused run changed files (the lock note included)"
     finally:
         holder.stdin.close()   # the holder reads EOF and exits: its lock goes with it
