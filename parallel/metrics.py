@@ -28,6 +28,7 @@ import os
 from parallel.sink_wandb import WandB, check_key, mark_stale
 
 TB_DIR = "tensorboard"
+ABANDONED = "metrics.abandoned.jsonl"   # the lines a resume drops from metrics.jsonl, appended
 
 
 def rounded(v: float) -> float:
@@ -74,7 +75,7 @@ class MetricsLog:
 
     `resume_step=None`: a fresh run; an existing non-empty file is refused (claim() already refuses
     the directory; this keeps a fresh run from ever truncating results). `resume_step=N`: keep the
-    lines up to step N (the checkpoint's), drop the rest, then append."""
+    lines up to step N (the checkpoint's), move the rest to `ABANDONED` (said), then append."""
 
     def __init__(self, path: str, *, resume_step: int | None = None):
         self.path, self.dropped, self.fd = path, 0, None   # dropped: lines removed on resume
@@ -89,25 +90,29 @@ class MetricsLog:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _truncate(self, step: int) -> int:
-        keep, dropped = [], 0
+        keep, dropped = [], []
         with open(path := self.path) as f:
             for line in f:
+                line = line if line.endswith("\n") else line + "\n"
                 try:
                     s = json.loads(line)["step"]
                 except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk
-                    dropped += 1
-                    continue
-                if s <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
+                    s = None
+                (keep if s is not None and s <= step else dropped).append(line)
+        if dropped:   # kept, as the abandoned steps' checkpoints and adapters are (parallel/checkpoint.branch): a
+            with open(os.path.join(os.path.dirname(path), ABANDONED), "a") as f:   # crash's last steps, a spike
+                f.writelines(dropped)   # before a NaN, as first logged (until 2026-12-07 dropped)
+                f.flush()
+                os.fsync(f.fileno())
+            print(f"metrics.jsonl: its {len(dropped)} lines past step {step} (steps this run trains again) are now in "
+                  f"{ABANDONED}", flush=True)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        return dropped
+        return len(dropped)
 
     def write(self, rec: dict) -> dict:
         rec = strict(rec)

@@ -24,11 +24,11 @@ import re
 LOCK = "run.lock"
 PROBE = ".train-probe-"   # check_out's writability probe, made and removed at once by every rank
 # everything a run writes into OUT; --overwrite deletes exactly these
-OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "ckpt", "adapter", "adapter.tmp-export",
-         "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best", "adapter_best.tmp-export",
-         "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old", "adapter.abandoned*",
-         "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt", "profile-rank*.txt",
-         "loss.png", "reference_logps.pt", "reference_logps.pt.tmp", "reference_logps_eval.pt",
+OWNED = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "metrics.abandoned.jsonl", "ckpt", "adapter",
+         "adapter.tmp-export", "adapter.old-export", "adapter.tmp", "adapter.old", "adapter_best",
+         "adapter_best.tmp-export", "adapter_best.old-export", "adapter_best.tmp", "adapter_best.old",
+         "adapter.abandoned*", "adapter_best.abandoned*", "mem_phases.json", "mem_trace.rank*.txt", "profile.txt",
+         "profile-rank*.txt", "loss.png", "reference_logps.pt", "reference_logps.pt.tmp", "reference_logps_eval.pt",
          "reference_logps_eval.pt.tmp", "tensorboard", "wandb", LOCK)   # (* : fnmatch; .tmp/.old: the names until
 # 2026-12-02)
 # a directory holding one of these may be a run's (run.lock alone is not: a run that died at start-up); it is one

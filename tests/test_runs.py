@@ -679,12 +679,22 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
 
     with open(path, "a") as f:
         f.write('{"step": 4, "lo')   # a line torn by a crash mid-write
+    lines = open(path).read().splitlines(keepends=True)
     log = metrics.MetricsLog(path, resume_step=2)
     assert log.dropped == 2, log.dropped
     log.write({"step": 3, "loss": 1.0})
     log.close()
     assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3]
     assert not os.path.exists(path + ".tmp")
+    # the lines dropped (steps the resume trains again, as a crash or a resume from an older step left them) are kept
+    # beside it, as the abandoned steps' checkpoints and adapters are (until 2026-12-07 they were gone); a second
+    # resume adds its own
+    abandoned = str(tmp_path / "metrics.abandoned.jsonl")
+    assert open(abandoned).read() == lines[2] + lines[3] + "\n", open(abandoned).read()
+    now = open(path).read().splitlines()
+    metrics.MetricsLog(path, resume_step=1).close()
+    assert open(abandoned).read().splitlines()[2:] == now[1:], "a second resume's lines"
+    assert "metrics.abandoned.jsonl" in outdir.OWNED, "--overwrite would leave it"
     # a full disk (/dev/full refuses every write): the write fails once, and close() has nothing left to flush (until
     # 2026-12-05 a buffered line failed again in close, in train.py's finally, hiding the first error and its run
     # folder, so the advice said "run the same command again", which is refused; review, helper 46)

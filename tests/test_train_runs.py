@@ -144,7 +144,7 @@ def test_overwrite_replaces_the_run(assets, done, tmp_path):
     assert [r["step"] for r in metrics(out)] == [1], "the old metrics are gone, not appended to"
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["latest", "step_000001"], "old checkpoints removed"
     run_files = ("mem_phases.json", "mem_trace.rank0.txt", "mem_trace.rank1.txt", "profile.txt", "profile-rank1.txt",
-                 "loss.png")
+                 "loss.png", "metrics.abandoned.jsonl")
     for name in run_files + ("notes.txt",):   # the old run's other outputs, and the user's own file
         open(os.path.join(out, name), "w").close()
     run(quick_argv(assets, out, "--steps", "1", "--overwrite"))
@@ -612,6 +612,10 @@ def test_a_crash_after_resuming_from_an_older_step_comes_back_to_it(assets, tmp_
     assert sorted(os.listdir(ckpt)) == ["latest", "step_000001", "step_000002", "step_000003.abandoned",
                                         "step_000004.abandoned"]
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    # metrics 3..4, dropped, are kept beside it as the abandoned checkpoints are (until 2026-12-07 gone), and said
+    assert [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.abandoned.jsonl"))] == want[2:]
+    assert "metrics.jsonl: its 2 lines past step 2 (steps this run trains again) are now in metrics.abandoned.jsonl" \
+        in said, said
     # the adapter exported at step 4 is not left as OUT/adapter, describing a step the run no longer has (until
     # 2026-12-03 it was, for model.merge to take); an abandoned step is never resumed, even named
     assert not os.path.exists(os.path.join(out, "adapter")) and os.path.isdir(os.path.join(out, "adapter.abandoned"))
