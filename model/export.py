@@ -116,6 +116,31 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
     tmp, old = (os.path.join(out_dir, ".adapter.tmp"), None) if in_place else (out_dir + SWAP[0], out_dir + SWAP[1])
     shutil.rmtree(tmp, ignore_errors=True)   # a write that was killed
     os.makedirs(tmp)
+    try:
+        _fill(tmp, sd, cfg, base_path, rope_parameters, chat_template, quant, model_sha256, tied, wrapper)
+    except BaseException:   # (a full disk, Ctrl-C): no half-written folder left, GBs with a trained embedding, on a
+        shutil.rmtree(tmp, ignore_errors=True)   # disk that may be full (until 2026-12-07 it stayed)
+        raise
+    if in_place:
+        for name in set(os.listdir(out_dir)) - set(os.listdir(tmp)) - {".adapter.tmp"}:   # a killed export's files that
+            os.remove(os.path.join(out_dir, name))   # this one does not write (another run's RoPE, template): gone
+        for name in sorted(os.listdir(tmp), key=lambda n: n == "adapter_config.json"):
+            os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(out_dir):
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(os.path.dirname(out_dir), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _fill(tmp: str, sd: dict, cfg, base_path: str, rope_parameters, chat_template, quant, model_sha256, tied,
+          wrapper) -> None:
+    """write_adapter's files, written and synced into the folder `tmp`."""
     cfg = copy.deepcopy(cfg)   # (not the training model's own)
     sd = {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
     if saved := modules_to_save(sd):   # --train-norms, --train-embeddings: peft loads them as saved modules
@@ -156,21 +181,6 @@ def write_adapter(sd: dict, cfg, out_dir: str, base_path: str, rope_parameters: 
         fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    if in_place:
-        for name in set(os.listdir(out_dir)) - set(os.listdir(tmp)) - {".adapter.tmp"}:   # a killed export's files that
-            os.remove(os.path.join(out_dir, name))   # this one does not write (another run's RoPE, template): gone
-        for name in sorted(os.listdir(tmp), key=lambda n: n == "adapter_config.json"):
-            os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))
-        os.rmdir(tmp)
-    else:
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(out_dir):
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(os.path.dirname(out_dir), os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
 
 
 def model_card(cfg, hub: str | None, rope: bool, template: bool, wrapper: str | None = None) -> str:

@@ -272,9 +272,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:   # an unwritable --out, a full disk
-        print(f"error: writing the adapter to {a.out!r} failed ({type(e).__name__}: {e}); pass a writable new "
-              "directory", file=sys.stderr)
+    except OSError as e:   # an unwritable --out, a full disk (write_adapter removed what it had written)
+        print(f"error: writing the adapter to {a.out!r} failed ({type(e).__name__}: {e}); nothing is left there: free "
+              "space (or fix the folder), then run the same command again", file=sys.stderr)
         return 2
     print(f"adapter of {step} in {a.out}")
     return 0

@@ -747,6 +747,10 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
                 write_adapter(sd, cfg, out, str(tmp_path))
         assert not os.path.exists(out) or not [f for f in os.listdir(out) if not f.startswith(".")], \
             f"{there}: a half adapter in {out}"
+        # and no half-written folder left (an adapter with --train-embeddings is GBs, on what may be a full disk, and
+        # the advice is another --out: until 2026-12-07 `adapter.tmp-export` or `adapter/.adapter.tmp` stayed)
+        assert os.listdir(tmp_path) == ([] if there == "nothing" else ["adapter"]) and \
+            (there == "nothing" or os.listdir(out) == []), f"{there}: {os.listdir(tmp_path)}"
     write_adapter(sd, lora_config(2, 4.0, 0.0), out, str(tmp_path))   # into the empty folder, its leftover cleared
     before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
     assert sorted(before) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
@@ -755,6 +759,7 @@ def test_a_failed_export_leaves_the_adapter_that_was_there(tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):   # killed after the weights, before the config
         write_adapter({k: v * 2 for k, v in sd.items()}, cfg, out, str(tmp_path))
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+    assert os.listdir(tmp_path) == ["adapter"], os.listdir(tmp_path)
     monkeypatch.undo()
     write_adapter({k: v * 2 for k, v in sd.items()}, lora_config(2, 4.0, 0.0), out, str(tmp_path),
                   rope_parameters={"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0})

@@ -1554,6 +1554,15 @@ def test_export_the_adapter_of_a_checkpoint(assets, done, tmp_path, capsys, monk
     assert any(not torch.equal(two[k], want[k]) for k in want), "step 2's adapter is step 4's"
     code, err = cli("--out", out)
     assert code == 2 and f"--out {out!r} exists and is not empty" in err, err
+    with monkeypatch.context() as m:   # a full disk: said with its fix (free space; a new directory on it would fail
+        # alike), and no half-written folder left on that disk (until 2026-12-07 `full.tmp-export` stayed)
+        m.setattr("model.export._save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on "
+                                                                                          "device")))
+        there = sorted(os.listdir(tmp_path))
+        code, err = cli("--out", str(tmp_path / "full"))
+    assert code == 2 and err.strip().endswith("No space left on device); nothing is left there: free space (or fix "
+                                              "the folder), then run the same command again"), err
+    assert sorted(os.listdir(tmp_path)) == there, sorted(os.listdir(tmp_path))
     half = tmp_path / "mount"   # an export into an empty directory killed between its renames: written again
     (half / ".adapter.tmp").mkdir(parents=True)   # (until 2026-12-03 refused as "not empty", for good)
     (half / "adapter_model.safetensors").write_bytes(b"partial")
