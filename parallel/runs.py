@@ -151,9 +151,8 @@ class RunDir:
         return None if self.pending else self.path
 
     def clear(self) -> None:
-        """--overwrite's deletion (rank 0, under the lock; the other ranks forget it): the old run's files, its
-        config.json, metrics and ckpt last, so a kill mid-way leaves a folder --overwrite takes again (until 2026-12-04
-        they went first: adapters left beside the lock, refused as no run's)."""
+        """--overwrite's deletion (rank 0, under the lock; the others forget it), config.json, metrics and ckpt last:
+        a kill mid-way leaves a folder --overwrite takes again (until 2026-12-04 adapters were left, as no run's)."""
         for name in self.pending if self._fd is not None else ():
             p = os.path.join(self.path, name)
             if os.path.isdir(p) and not os.path.islink(p):
@@ -213,9 +212,8 @@ def _claim_here(out, resume, overwrite, root, resolved, auto=None) -> RunDir:
                                 if isinstance(now, str) else "")) from None
     _note(fd)
     pending = ()
-    if overwrite:   # listed under the lock (never a live run's files), deleted by clear() once the model is built: a
-        there = sorted(os.listdir(out))   # start that fails before (until 2026-12-07 it came after) loses nothing
-        last = ("ckpt", "metrics.jsonl", "config.json")   # the MARKERS go last (clear)
+    if overwrite:   # listed under the lock (never a live run's), deleted by clear() once the model is built
+        there, last = sorted(os.listdir(out)), ("ckpt", "metrics.jsonl", "config.json")   # the MARKERS last (clear)
         order = [pat for pat in OWNED[:-1] if pat not in last] + list(last)
         pending = tuple(dict.fromkeys(e for pat in order for e in fnmatch.filter(there, pat)))
     return RunDir(out, pending, fd)
