@@ -22,7 +22,9 @@ Pins (CPU, float32, tiny random checkpoints saved by transformers itself: layers
   those names (its recorded targets are the seven, as before);
 - start-up refusals before any weight is read: --dpo-share-prompt, a --cp the linear heads cannot take;
 - train.py on the hybrid checkpoint (4 steps of --global-batch 4): the loss falls; resumed after step 2 = the
-  uninterrupted run;
+  uninterrupted run; on 2 gloo ranks (its blocks' output projections × 100, so the blocks move the logits), cp 2 ring
+  (2 packed documents a row, tiled MLP, offload) and cp 2 Ulysses (--ac-keep-attn), all-linear LoRA and --train-norms,
+  train as 1 rank (every step's loss and grad norm, the adapter);
 - the memory plan by layer type (parallel/plan_linear.py hooked into parallel/plan.py): planned activations = the bytes
   autograd keeps (fp32, nf4; the default targets, all-linear, in_proj_b + o_proj, mlp, q + v, tiled MLP + attention,
   --ac-blocks 2 and 3), planned base weights, block norms (+ linear_attn's conv1d, A_log, dt_bias, gated norm), LoRA
@@ -541,3 +543,53 @@ def test_train_py_trains_and_resumes(ckpts, tmp_path):
     with open(tmp_path / "run" / "adapter" / "adapter_config.json") as f:
         cfg = json.load(f)
     assert sorted(cfg["target_modules"]) == sorted(set(ALL) - {"in_proj_a", "in_proj_b"}), cfg["target_modules"]
+
+
+def _loud(src, dst, k=100.0):
+    """`src` with every block's output projection (linear_attn.out_proj, self_attn.o_proj) × `k`, its tokenizer beside
+    it: the fixture's embedding and head × 10 drown the blocks' share of the logits (a linear core that restarted
+    its recurrence at each cp shard moved step 1's loss by under 1e-4 there)."""
+    import shutil
+
+    hf = _hf(src)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith(("out_proj.weight", "o_proj.weight")):
+                p.mul_(k)
+    hf.save_pretrained(dst)
+    for f in os.listdir(src):
+        if not f.endswith((".safetensors", ".index.json", "config.json")) or f == "tokenizer_config.json":
+            shutil.copy(os.path.join(src, f), dst)
+    return dst
+
+
+def _train_ranks(rank, world_size, runs):
+    import train
+
+    for argv in runs:
+        train.main(argv)
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_train_py_on_two_cp_ranks_trains_as_one(ckpts, tmp_path):
+    """train.py on the hybrid checkpoint, 2 steps of --global-batch 4 with --lora-targets all-linear (in_proj_b and
+    in_proj_a's LoRA feed the core's g|beta all-to-all) and --train-norms (the gated norms): cp 2 ring with 2 packed
+    documents a row, the tiled MLP and offload, and cp 2 Ulysses with --ac-keep-attn (the linear core recomputed, its
+    all-to-alls again), each on 2 gloo ranks, train as 1 rank (every step's loss and grad norm, the adapter:
+    test_train's tolerances). The model-level check above holds the cores; this one train.py's wiring of cp_linear,
+    its sharded batches and its global token count."""
+    import train
+    from tests.dist import run_ranks
+    from tests.test_train import _compare
+
+    a = {"model": _loud(ckpts["text"], str(tmp_path / "model")), "data": ckpts["data"]}
+    flags = ["--steps", "2", "--global-batch", "4", "--lora-targets", "all-linear", "--train-norms"]
+    layouts = {"ring": ["--cp", "2", "--cp-impl", "ring", "--micro-batch", "2", "--tiled-mlp", "--offload-activations"],
+               "ulysses": ["--cp", "2", "--cp-impl", "ulysses", "--ac-keep-attn"]}
+    with one_thread():
+        train.main(train_argv(a, str(tmp_path / "one"), *flags))
+    runs = [train_argv(a, str(tmp_path / name), *flags, *extra) for name, extra in layouts.items()]
+    assert run_ranks(_train_ranks, 2, runs, timeout=540, pg_timeout=120) == [True, True]
+    for name in layouts:
+        _compare(f"Qwen3.5 hybrid cp 2 {name}", str(tmp_path / name), str(tmp_path / "one"), steps=(1, 2))
