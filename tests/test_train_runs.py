@@ -8,7 +8,8 @@ weight is read, checked with tripwires, and leaves every earlier file byte-ident
   --steps below the checkpoint's step; after a resume, metrics.jsonl holds each step once; a chat template that
   writes today's date renders the run's day (--template-date) again on a resume days later;
 - a non-finite step is skipped, counted and logged as strict JSON; N in a row stop the run with no
-  checkpoint or adapter written; non-finite and out-of-range flags are refused up front;
+  checkpoint or adapter written (also on 2 gloo ranks, cp 2 ring, with the NaN or inf on one rank alone: both skip
+  and train on as 1 rank, or both stop with one error); non-finite and out-of-range flags are refused up front;
 - token ids beyond the model's vocabulary, a directory as --data, an eval file with no target,
   --out naming a file and a missing --resume are refused up front, naming the value and the fix;
 - --keep-ckpts bounds the checkpoints kept; the CLI prints a start-up error once per torchrun job;
@@ -997,9 +998,47 @@ def test_a_full_disk_under_tensorboard_is_the_one_error_said(assets, tmp_path, m
         f"--resume {out}/ckpt" in said, said
 
 
-def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
+def _nonfinite_on_rank_1(rank, world_size, skip_argv, stop_argv):
+    """train.main(skip_argv) with rank 1's first training micro-batch's loss NaN (the other rank's finite), then
+    train.main(stop_argv) with rank 1's every training loss inf: what the second raised on this rank."""
     import train
     from parallel.guard import NonFiniteError
+
+    calls = {"n": 0}
+
+    def nan_once(z, y):   # (no_grad calls: train.py's start-up check of LOSS_FN, not a step's)
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        calls["n"] += torch.is_grad_enabled()
+        return loss * math.nan if rank == 1 and torch.is_grad_enabled() and calls["n"] == 1 else loss
+
+    def inf_always(z, y):
+        loss = F.cross_entropy(z, y, ignore_index=-100, reduction="sum")
+        return loss * math.inf if rank == 1 and torch.is_grad_enabled() else loss
+
+    real = train.LOSS_FN
+    try:
+        train.LOSS_FN = nan_once
+        train.main(skip_argv)
+        train.LOSS_FN = inf_always
+        try:
+            train.main(stop_argv)
+        except NonFiniteError as e:
+            return str(e)
+        return "train.main returned"
+    finally:
+        train.LOSS_FN = real
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
+    """1 rank: a NaN step is skipped, counted and logged as null; --max-nonfinite 2 in a row stop the run, nothing
+    written. On 2 gloo ranks (cp 2 ring) a NaN in one micro-batch of rank 1 alone skips step 1 on both (the loss is
+    all-reduced, the grad norm global: one choice), and the run trains on as the 1-rank one whose step 1 was all NaN
+    (steps 2 and 3, the adapter: test_train's tolerances); inf on rank 1 alone stops both ranks in step 2 with the
+    same error (no rank left in a collective)."""
+    import train
+    from parallel.guard import NonFiniteError
+    from tests.dist import run_ranks
+    from tests.test_train import ADAPTER_RTOL, LOSS_ATOL, NORM_RTOL, _adapter
 
     out = str(tmp_path / "skip")
     monkeypatch.setattr(train, "LOSS_FN", nan_in_step_one())
@@ -1011,12 +1050,32 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeyp
     adapter = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
     assert all(torch.isfinite(t).all() for t in adapter.values())
 
-    out = str(tmp_path / "stop")
+    stop = str(tmp_path / "stop")
     monkeypatch.setattr(train, "LOSS_FN", lambda z, y: z.sum() * math.inf)
     with pytest.raises(NonFiniteError, match="--max-nonfinite"):
-        run(quick_argv(assets, out, "--steps", "5", "--max-nonfinite", "2"))
-    assert [r["step"] for r in metrics(out)] == [1], "step 2 raises before it is logged"
-    assert not os.path.exists(os.path.join(out, "adapter")) and not os.path.exists(os.path.join(out, "ckpt"))
+        run(quick_argv(assets, stop, "--steps", "5", "--max-nonfinite", "2"))
+    assert [r["step"] for r in metrics(stop)] == [1], "step 2 raises before it is logged"
+    assert not os.path.exists(os.path.join(stop, "adapter")) and not os.path.exists(os.path.join(stop, "ckpt"))
+
+    # 2 ranks, the NaN (then the inf) on rank 1 only; cp 2 and --micro-batch 2: 4 micro-batches a step, as 1 rank's
+    two, stop2 = str(tmp_path / "skip_cp2"), str(tmp_path / "stop_cp2")
+    cp2 = ("--cp", "2", "--cp-impl", "ring")
+    said = run_ranks(_nonfinite_on_rank_1, 2, quick_argv(assets, two, "--steps", "3", *cp2),
+                     quick_argv(assets, stop2, "--steps", "5", "--max-nonfinite", "2", *cp2), timeout=240,
+                     pg_timeout=60)
+    got = metrics(two)
+    assert [r["step"] for r in got] == [1, 2, 3], got
+    assert got[0]["loss"] is None and got[0]["nonfinite"] == recs[0]["nonfinite"] and got[0]["skipped"] == 1, got[0]
+    for g, w in zip(got[1:], recs[1:]):
+        assert g["tokens"] == w["tokens"] and g["skipped"] == w["skipped"] == 1, (g, w)
+        assert abs(g["loss"] - w["loss"]) <= LOSS_ATOL and abs(g["grad_norm"] - w["grad_norm"]) <= \
+            NORM_RTOL * w["grad_norm"], (g, w)
+    mine = _adapter(two)
+    assert sorted(mine) == sorted(adapter) and all(
+        ((mine[k] - adapter[k]).norm() / adapter[k].norm()).item() <= ADAPTER_RTOL for k in adapter), "adapter"
+    assert said[0] == said[1] and "2 non-finite steps in a row (step 1: " in said[0], said
+    assert [r["step"] for r in metrics(stop2)] == [1], "step 2 raises before it is logged"
+    assert not os.path.exists(os.path.join(stop2, "adapter")) and not os.path.exists(os.path.join(stop2, "ckpt"))
 
 
 FLAG_ERRORS = {   # label -> (flags, phrases the message must hold)
