@@ -20,7 +20,8 @@ against 1-rank references of the same length):
   per row) likewise, train as the plain run
   (losses within 1e-4 absolute, grad norms within 1e-4 relative, every adapter tensor within 1e-3
   relative norm of the difference);
-- `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch);
+- `--pack` and `--no-pack` train the same (1 rank, 4 samples per micro-batch; and --no-pack on cp 2 × dp 2 ring with
+  `--ac-group 2`, 2 padded rows a micro-batch, = the plain 1-rank run);
 - text records past --max-len split into windows (`--long-text split`, the default) train on cp 2 × dp_shard 2 ring
   with 2 windows a row as on 1 rank;
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
@@ -86,14 +87,16 @@ FOUR_RANK = {   # out-dir name -> layout flags
     # as on 1 rank, test_pack_changes_nothing)
     "dp4": ["--dp-shard", "4", *TWO],
     "hsdp_rep2_dp2": ["--dp-replicate", "2", "--dp-shard", "2", *TWO],
-    # the AC flags below run 2 packed samples a micro-batch (2 micro-batches a step on each data rank). The tiled MLP
-    # with offload on cp 2 × dp 2 has no run of its own: the dora and tied runs (Ulysses) and the norms, layers and
-    # partial_ac runs (ring) hold both, each against 1 rank without them (4 micro-batches of 1 sample a step but in
-    # partial_ac and layers)
+    # the AC flags below run 2 samples a micro-batch, packed but in the ring group run (2 micro-batches a step on each
+    # data rank). The tiled MLP with offload on cp 2 × dp 2 has no run of its own: the dora and tied runs (Ulysses)
+    # and the norms, layers and partial_ac runs (ring) hold both, each against 1 rank without them (4 micro-batches
+    # of 1 sample a step but in partial_ac and layers)
     "group_cp2_dp2_ulysses_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp", "--ac-group",
                                   "2", "--micro-batch", "2", *TWO],
-    "group_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-group", "2", "--micro-batch",
-                               "2", *TWO],
+    # (--no-pack: 2 rows a micro-batch, each padded to the longer sample and the ring's divisor, sharded as a batch;
+    # every packed ring run above and below recomputes the ring's document path under AC already)
+    "group_cp2_dp2_ring_no_pack_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-group", "2",
+                                       "--no-pack", "--micro-batch", "2", *TWO],
     "partial_ac_cp2_dp2_ring_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", "--ac-blocks", "1",
                                     "--tiled-mlp", "--offload-activations", "--micro-batch", "2", *TWO],
     "keep_attn_cp2_dp2_ulysses_mb2": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--ac-keep-attn",
