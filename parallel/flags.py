@@ -76,7 +76,7 @@ def check_flags(args) -> None:
         if args.overwrite and args.out and os.path.realpath(args.init_adapter).startswith(
                 os.path.realpath(args.out) + os.sep):
             raise ValueError(f"--init-adapter {args.init_adapter!r} lies inside --out {args.out!r}, which --overwrite "
-                             "empties first: pass a new --out, or copy the adapter out of it")
+                             "empties: pass a new --out, or copy the adapter out of it")
         _check_init(args, args.lora_targets.split(","))
     for flag, v in (("--weight-decay", args.weight_decay), ("--clip", args.clip), ("--warmup", args.warmup),
                     ("--eval-every", args.eval_every), ("--save-every", args.save_every),

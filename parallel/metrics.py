@@ -5,7 +5,8 @@ Contract:
    (rec: train.py's step record, {"step": k, "loss": ..., ...}), `close()` once, also after an error.
 2. Each step is logged once, as the uninterrupted run logged it. A resume runs the steps after its checkpoint's
    (`resume_step`) again, so every sink first drops, or hides, what it holds past that step: metrics.jsonl rewrites
-   itself without those lines, TensorBoard's folder likewise (`TensorBoard`); a resume without `--report-to
+   itself without those lines (moved to metrics.abandoned.jsonl, each tagged "abandoned_at_resume_from"; a torn line
+   is no record, and goes), TensorBoard's folder likewise (`TensorBoard`); a resume without `--report-to
    tensorboard` of a run that had it rewrites that folder too, so its later steps never reappear beside new ones.
    W&B cannot drop rows: a resume that would log a step again opens a new W&B run (parallel/sink_wandb.py).
    None: a fresh run, which never overwrites: a sink whose files are already there is refused.
@@ -70,6 +71,25 @@ def strict(rec: dict) -> dict:
     return out
 
 
+def _lines(n: int) -> str:
+    return f"{n} line" + ("s" if n != 1 else "")
+
+
+def _append_once(path: str, lines: list[str]) -> None:
+    """Append `lines` (fsynced) unless the file already ends with them: a kill between this append and metrics.jsonl's
+    rewrite moves the same lines again at the next resume."""
+    block = "".join(lines)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - len(block.encode())))
+            if f.read().decode(errors="replace") == block:
+                return
+    with open(path, "a") as f:
+        f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class MetricsLog:
     """metrics.jsonl: one strict-JSON line per step.
 
@@ -90,29 +110,31 @@ class MetricsLog:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _truncate(self, step: int) -> int:
-        keep, dropped = [], []
+        keep, dropped, torn = [], [], 0
         with open(path := self.path) as f:
             for line in f:
-                line = line if line.endswith("\n") else line + "\n"
                 try:
-                    s = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk
-                    s = None
-                (keep if s is not None and s <= step else dropped).append(line)
+                    rec = json.loads(line)
+                    s = rec["step"]
+                except (ValueError, KeyError, TypeError):   # a torn last line from a crash, or junk: not a record
+                    torn += 1
+                    continue
+                line = line if line.endswith("\n") else line + "\n"
+                if s <= step:
+                    keep.append(line)
+                else:   # tagged with the step resumed from: several resumes' lines tell apart
+                    dropped.append(json.dumps({**rec, "abandoned_at_resume_from": step}) + "\n")
         if dropped:   # kept, as the abandoned steps' checkpoints and adapters are (parallel/checkpoint.branch): a
-            with open(os.path.join(os.path.dirname(path), ABANDONED), "a") as f:   # crash's last steps, a spike
-                f.writelines(dropped)   # before a NaN, as first logged (until 2026-12-07 dropped)
-                f.flush()
-                os.fsync(f.fileno())
-            print(f"metrics.jsonl: its {len(dropped)} lines past step {step} (steps this run trains again) are now in "
-                  f"{ABANDONED}", flush=True)
+            _append_once(os.path.join(os.path.dirname(path), ABANDONED), dropped)   # crash's last steps, a spike
+            print(f"metrics.jsonl: {_lines(len(dropped))} past step {step} (steps this run trains again) "   # before
+                  f"moved to {ABANDONED}", flush=True)   # a NaN, as first logged (until 2026-12-07 dropped)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        return len(dropped)
+        return len(dropped) + torn
 
     def write(self, rec: dict) -> dict:
         rec = strict(rec)

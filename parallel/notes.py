@@ -161,7 +161,7 @@ def out_line(run, args, ckpt: str | None) -> str:
             ] if args.resume_auto else []
     if run.pending:
         said.append(("" if args.resume_auto else "--overwrite: ") + ", ".join(run.pending)
-                    + " go once the model is built")
+                    + " are deleted once the model is built")
     return f"out: {run.path}" + "".join(f" ({x})" for x in said)
 
 

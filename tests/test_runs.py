@@ -688,12 +688,19 @@ def test_metrics_strict_json_and_resume_truncation(tmp_path):
     assert not os.path.exists(path + ".tmp")
     # the lines dropped (steps the resume trains again, as a crash or a resume from an older step left them) are kept
     # beside it, as the abandoned steps' checkpoints and adapters are (until 2026-12-07 they were gone); a second
-    # resume adds its own
+    # resume adds its own; each line a record (the torn one is not) tagged with the step resumed from
     abandoned = str(tmp_path / "metrics.abandoned.jsonl")
-    assert open(abandoned).read() == lines[2] + lines[3] + "\n", open(abandoned).read()
-    now = open(path).read().splitlines()
+    rows = [json.loads(line) for line in open(abandoned)]
+    assert rows == [{**json.loads(lines[2]), "abandoned_at_resume_from": 2}], rows
+    now = [json.loads(line) for line in open(path)]
+    moved = [{**r, "abandoned_at_resume_from": 1} for r in now[1:]]
     metrics.MetricsLog(path, resume_step=1).close()
-    assert open(abandoned).read().splitlines()[2:] == now[1:], "a second resume's lines"
+    assert [json.loads(line) for line in open(abandoned)][1:] == moved, "a second resume's lines"
+    # a kill between the move and metrics.jsonl's rewrite: the next resume finds the same lines and moves them once
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in now)
+    metrics.MetricsLog(path, resume_step=1).close()
+    assert [json.loads(line) for line in open(abandoned)][1:] == moved, "moved twice"
     assert "metrics.abandoned.jsonl" in outdir.OWNED, "--overwrite would leave it"
     # a full disk (/dev/full refuses every write): the write fails once, and close() has nothing left to flush (until
     # 2026-12-05 a buffered line failed again in close, in train.py's finally, hiding the first error and its run
