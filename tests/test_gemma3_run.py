@@ -225,7 +225,11 @@ def test_merge_equals_peft_merge_and_unload(ckpts, tmp_path, family, quant, norm
     peft = PeftModel.from_pretrained(hf_as_trained(path, quant), str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         want_logits = peft(input_ids=ids).logits
-        torch.testing.assert_close(ours(ids, position_ids=pos), want_logits, rtol=1e-5, atol=1e-5, msg="ours = peft")
+        # (float32 round-off grows with the logits' size: Gemma 4's reach 5, the others' 0.5; 1.4e-5 on an Intel AVX-512
+        # machine, 2026-12-07)
+        scale = want_logits.abs().max().item()
+        torch.testing.assert_close(ours(ids, position_ids=pos), want_logits, rtol=1e-5, atol=1e-5 * scale,
+                                   msg="ours = peft")
     want = peft.merge_and_unload().state_dict()
     assert merge_main(["--model", path, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"),
                        "--quant", quant, "--dtype", "fp32"]) == 0

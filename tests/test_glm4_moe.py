@@ -108,7 +108,10 @@ def test_logits_match_transformers(ckpt, tmp_path):
             assert rel(ours(ids, position_ids=pos), ref) < 1e-12, f"{path}: whole rows"
             packed = torch.cat([torch.arange(15), torch.arange(22)])[None]
             want = torch.cat([hf(input_ids=ids[:1, :15]).logits, hf(input_ids=ids[:1, 15:]).logits], 1)
-            assert rel(ours(ids[:1], position_ids=packed), want) < 1e-12, f"{path}: packed row"
+            # (the router computes in float32 as transformers': a GEMM over 37 tokens against two over 15 and 22 may
+            # round its scores otherwise (oneDNN's blocking follows the row count: 1.9e-9 on an Intel AVX-512 machine,
+            # 2026-12-07); a packing bug, another document's keys or positions, moves the logits by ~1e-1)
+            assert rel(ours(ids[:1], position_ids=packed), want) < 1e-6, f"{path}: packed row"
 
 
 def test_router_matches_transformers():
