@@ -141,7 +141,7 @@ def _quantized(path: str) -> bool:
 
 def check_inputs(args) -> list[str]:
     """Every problem with the paths, each naming the path and what it should hold."""
-    from model.adapter_read import not_an_adapter
+    from model.adapter_read import not_an_adapter, not_plain_lora, read_adapter_config
     from model.merge_out import STAGE, is_stage
 
     errors = []
@@ -158,8 +158,8 @@ def check_inputs(args) -> list[str]:
         errors.append(f"{base} {args.model!r} is a {w} multimodal checkpoint stored 4-bit (bitsandbytes: config.json's "
                       "quantization_config): its vision tower is stored packed, which the merged float checkpoint "
                       "cannot hold as stored; merge into the unquantized checkpoint it was made from")
-    if why := not_an_adapter(args.adapter, "--adapter"):
-        errors.append(why)
+    if not_adapter := not_an_adapter(args.adapter, "--adapter"):
+        errors.append(not_adapter)
     if not args.out:
         return errors + ["--out is empty: pass a directory for the merged model"]
     out = os.path.realpath(args.out)   # what is written: a symlink to the base is the base, 'new/..' its parent
@@ -184,12 +184,11 @@ def check_inputs(args) -> list[str]:
         errors.append(f"--out {args.out!r} is {'' if hit == out else 'inside '}a run's {what} {hit!r}, which "
                       "train.py rotates or replaces: pass a directory of its own")
     unfit = len(errors) > before   # (--force would be refused for it: "pass --force" would be advice that fails)
-    from model.adapter_read import not_plain_lora, read_adapter_config
     # one alpha / r for every module is all the merge folds in (DoRA: merged.merge folds its magnitudes; the experts'
     # LoRA: its per-expert pairs, model.expert_lora.per_expert)
     cfg = None
     try:   # (a folder that is no adapter: said above)
-        cfg = None if not_an_adapter(args.adapter, "--adapter") else read_adapter_config(args.adapter, "--adapter")
+        cfg = None if not_adapter else read_adapter_config(args.adapter, "--adapter")
     except ValueError as e:
         errors.append(str(e))
     if cfg and (wrong := not_plain_lora(cfg, dora=True, experts=True)):
@@ -208,6 +207,12 @@ def _parents(path: str):
     """`path`'s ancestors, nearest first."""
     while (up := os.path.dirname(path)) != path:
         yield (path := up)
+
+
+def _fail(message) -> int:
+    """Say why the merge stops, on stderr, and its exit code: 2."""
+    print(f"merge: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -233,38 +238,32 @@ def main(argv=None) -> int:
 
     from model.adapter_read import not_an_adapter, read_adapter_config
     if why := not_an_adapter(args.adapter, "--adapter"):   # first: a run's folder or a checkpoint is named as
-        print(f"merge: {why}", file=sys.stderr)   # such (without --model it was "pass --model"; review, helper 53)
-        return 2
+        return _fail(why)   # such (without --model it was "pass --model"; review, helper 53)
     try:   # then its adapter_config.json, whole (without --model, a broken one was said as naming no base)
         read_adapter_config(args.adapter, "--adapter")
     except ValueError as e:
-        print(f"merge: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     args.base_flag = "--model" if args.model else "the base adapter_config.json names,"
     args.model = args.model or adapter_base(args.adapter)
     if args.model is None:
-        print(f"merge: --model not given, and {args.adapter!r} has no adapter_config.json naming a base model; "
-              "pass --model BASE_DIR", file=sys.stderr)
-        return 2
+        return _fail(f"--model not given, and {args.adapter!r} has no adapter_config.json naming a base model; "
+                     "pass --model BASE_DIR")
     from model.hub import fetch_checkpoint
     try:
         args.model = fetch_checkpoint(args.model)
     except FileNotFoundError as e:
-        print(f"merge: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     errors = check_inputs(args)
     if not errors and not args.any_base and (why := other_base(args.adapter, args.model)):
         errors.append(why)
     if errors:
-        print("merge: " + "\n       ".join(errors), file=sys.stderr)
-        return 2
+        return _fail("\n       ".join(errors))
     if args.quant is None:
         args.quant, where = run_quant(args.adapter)
         if args.quant is None:   # guessing would round a full-precision run's every block weight to 4 bits
-            print(f"merge: {args.adapter!r} does not say which base it was trained against (no trained_on.json, no "
-                  "run config.json beside it): pass --quant nf4 (a QLoRA adapter, trained on the 4-bit base) or "
-                  "--quant none (trained on the base as stored)", file=sys.stderr)
-            return 2
+            return _fail(f"{args.adapter!r} does not say which base it was trained against (no trained_on.json, no "
+                         "run config.json beside it): pass --quant nf4 (a QLoRA adapter, trained on the 4-bit base) "
+                         "or --quant none (trained on the base as stored)")
         source = f"from {where}"
     else:
         source = "from --quant"
@@ -286,17 +285,12 @@ def main(argv=None) -> int:
         merge(args.model, args.adapter, os.path.realpath(args.out), quant=args.quant,   # (the directory checked)
               dtype=getattr(torch, DTYPES[args.dtype]), log=lambda msg: print(f"merge: {msg}", flush=True),
               force=args.force)
-    except (ValueError, KeyError) as e:   # an adapter or base it cannot fold (checked before anything is written)
-        print(f"merge: {e}", file=sys.stderr)
-        return 2
-    except MovesFailed as e:   # (after the earlier model went: where the new files are)
-        print(f"merge: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, KeyError, MovesFailed) as e:   # an adapter or base it cannot fold (checked before anything is
+        return _fail(e)   # written); MovesFailed, after the earlier model went: where the new files are
     except OSError as e:   # a full disk, a read-only --out: said in one line, with what is left
-        print(f"merge: writing {args.out!r} failed ({type(e).__name__}: {e}); it is as it was (the merge writes into "
-              f"{os.path.join(args.out, '.merge-tmp')} and moves the files in at the end): free space or fix the "
-              "path, then run the same command again", file=sys.stderr)
-        return 2
+        return _fail(f"writing {args.out!r} failed ({type(e).__name__}: {e}); it is as it was (the merge writes into "
+                     f"{os.path.join(args.out, '.merge-tmp')} and moves the files in at the end): free space or fix "
+                     "the path, then run the same command again")
     print(f"merge: done in {time.time() - t0:.1f}s: {args.out}", flush=True)
     return 0
 
