@@ -15,25 +15,24 @@ Contract:
    One broadcast hands every rank the same path, or the same error to raise, so no rank is left waiting in a
    collective. A refusal changes nothing.
 3. `auto_resume(out, overwrite)`: what `--resume auto` does with --out (continue, start, start again).
-4. `open_files(run, ...)`: rank 0's writes before the first step (--overwrite's deletion, config.json, metrics.jsonl);
-   `config_json(config)`: config.json's text, a list of numbers on one line.
+4. `open_files(run, ...)`: rank 0's writes before the first step (--overwrite's deletion, config.json:
+   parallel/run_config.py, metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import fcntl
 import fnmatch
-import json
 import os
 import shutil
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from parallel.outdir import LOCK, MARKERS, OWNED, _entries, check_out, run_of
+from parallel.run_config import write_config
 
 
 def fresh_dir(root: str = "runs", now: float | None = None) -> str:
@@ -255,9 +254,9 @@ def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | 
                log=print):
     """Rank 0's writes before the first step, as one (guard.on_rank0: a failure, a full disk, stops every rank,
     naming them): --overwrite's deletion of the old run (`run.clear`), a resume from this run's own checkpoint below
-    its newest makes that the newest (`branch`:
-    checkpoint.branch, so a crash comes back there), config.json, then metrics.jsonl and --report-to's sinks opened
-    (parallel/metrics.py). Returns (the Metrics on rank 0, None elsewhere; the logs' names, for later errors)."""
+    its newest makes that the newest (`branch`: checkpoint.branch, so a crash comes back there), config.json
+    (parallel/run_config.py), then metrics.jsonl and --report-to's sinks opened (parallel/metrics.py). Returns (the
+    Metrics on rank 0, None elsewhere; the logs' names, for later errors)."""
     from parallel import checkpoint, guard
     from parallel.metrics import Metrics
 
@@ -271,33 +270,3 @@ def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | 
     opened = guard.on_rank0(files, f"writing config.json and opening {logs}")
     run.pending = ()   # (the other ranks': rank 0 deleted them)
     return opened, logs
-
-
-def write_config(args, layout, stats, eval_samples) -> None:
-    """OUT/config.json (rank 0's): the run's flags, its working directory, layout, data statistics and, for
-    --eval-split, the records it held out of each --data file."""
-    from data.mix import data_files, held_records
-    held = {"eval_split_records": held_records(eval_samples, data_files(args.data))} if args.eval_split else {}
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        f.write(config_json({**vars(args), "cwd": os.getcwd(), "layout": str(layout), "data_stats": str(stats),
-                             **held}))
-
-
-def config_json(config: dict) -> str:
-    """config.json's text: one key a line (indent 1), and a list of whole numbers on one line (--eval-split's
-    held-out lines of a large split took one line each, megabytes of them). Strings are never touched."""
-    tag, flat = uuid.uuid4().hex, {}
-
-    def mark(o):
-        if isinstance(o, dict):
-            return {k: mark(v) for k, v in o.items()}
-        if isinstance(o, list) and o and all(type(x) is int for x in o):
-            flat[f"{tag}:{len(flat)}"] = json.dumps(o)
-            return f"{tag}:{len(flat) - 1}"
-        return [mark(x) for x in o] if isinstance(o, list) else o
-
-    text = json.dumps(mark(config), indent=1, default=str)
-    for key, numbers in flat.items():
-        text = text.replace(json.dumps(key), numbers, 1)
-    return text
-

@@ -1012,7 +1012,7 @@ def test_logged_numbers_keep_six_significant_digits_when_small():
 def test_config_json_keeps_every_value_and_writes_a_list_of_numbers_on_one_line():
     """config.json: `json.loads` gives back the dict as it was (strings that look like lists untouched, booleans,
     floats, nested lists), and 10,000 held-out lines of --eval-split take one line, not 10,000."""
-    from parallel.runs import config_json
+    from parallel.run_config import config_json
 
     config = {"eval_split_records": {"a.jsonl": list(range(1, 10001)), "b.jsonl": [7]}, "loss": "x = [1,  2]\n[3]",
               "flags": [True, False], "rates": [0.5, 2], "nested": [[1, 2], []], "none": None, "empty": []}
