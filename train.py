@@ -40,7 +40,7 @@ from model.flops import flops_per_token
 from model.hub import same_snapshot
 from model.load import read_args
 from model.load_checks import check_config_shapes
-from parallel import guard, hub_push, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
+from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
 from parallel.budgets import gather_budgets
 from parallel.cp import LocalBatches, cp_attention
 from parallel.cp_linear import cp_linear
@@ -288,14 +288,8 @@ def main(argv=None):
         export_adapter(peft_model, os.path.join(args.out, "adapter"), args.model,
                        rope_parameters=margs.rope_overrides() if args.rope_scaling is not None else None,
                        chat_template=args.chat_template_text, quant=args.quant, model_sha256=args.model_sha256)
-        def finish():   # rank 0's last writes, then OUT's lock let go before any rank returns (a next run in this job)
-            if args.keep_best and best.step:
-                keep_best.export_best(saves.dir, best, os.path.join(args.out, "adapter_best"), log0)
-            metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's
-            hub_push.push(args, best, log0)   # --push-to-hub: the run's adapter (adapter_best's, if exported), on disk
-            run.release()
         wd.phase("finish", steps)
-        guard.on_rank0(finish, f"finishing {args.out}")
+        runs.close_files(run, args, metrics, best, saves.dir, log0)   # rank 0's last writes, then OUT's lock let go
         wd.stop()   # the last collective is behind
         log0(notes.done_line(args))
     except (OSError, RuntimeError, KeyboardInterrupt) as e:   # (cli's advice names the run's way on)

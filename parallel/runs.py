@@ -16,7 +16,7 @@ Contract:
    collective. A refusal changes nothing.
 3. `auto_resume(out, overwrite)`: what `--resume auto` does with --out (continue, start, start again).
 4. `open_files(run, ...)`: rank 0's writes before the first step (--overwrite's deletion, config.json:
-   parallel/run_config.py, metrics.jsonl).
+   parallel/run_config.py, metrics.jsonl); `close_files(run, ...)`: its last ones, then OUT's lock let go.
 """
 
 from __future__ import annotations
@@ -270,3 +270,18 @@ def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | 
     opened = guard.on_rank0(files, f"writing config.json and opening {logs}")
     run.pending = ()   # (the other ranks': rank 0 deleted them)
     return opened, logs
+
+
+def close_files(run: RunDir, args, metrics, best, ckpt_dir: str, log=print) -> None:
+    """Rank 0's last writes, as one (guard.on_rank0, as `open_files`), then OUT's lock let go before any rank returns
+    (a next run in this job takes OUT at once): --keep-best's adapter_best from its checkpoint in `ckpt_dir`, the
+    metrics and sinks closed, --push-to-hub's upload. Collective: every rank calls it after the adapter's export."""
+    from parallel import guard, hub_push, keep_best
+
+    def finish():
+        if args.keep_best and best.step:
+            keep_best.export_best(ckpt_dir, best, os.path.join(args.out, "adapter_best"), log)
+        metrics.close()   # its sinks' last writes too (W&B's finish, run.json), while OUT is still this run's
+        hub_push.push(args, best, log)   # --push-to-hub: the run's adapter (adapter_best's, if exported), on disk
+        run.release()
+    guard.on_rank0(finish, f"finishing {args.out}")
