@@ -37,11 +37,8 @@ from data.demo import main as build_demo
 from data.pairs import for_run
 from loss import IGNORE_INDEX
 from model.flops import flops_per_token
-from model.hub import same_snapshot
 from model.load import read_args
-from model.load_checks import check_config_shapes
-from parallel import guard, notes, phases, plan_speed, preflight, preflight_memory, resume, runs, signals
-from parallel.budgets import gather_budgets
+from parallel import guard, notes, phases, preflight, preflight_memory, resume, runs, signals
 from parallel.cp import LocalBatches, cp_attention
 from parallel.cp_linear import cp_linear
 from parallel.evaluate import baseline, evaluate
@@ -136,9 +133,7 @@ def main(argv=None):
         dims, args.pack = validate(args, margs, world, say=log0)   # (--lora-targets: this model's, from here)
         dpo = args.objective == "dpo"
         notes.start(args, margs, dims, ckpt, log0, LOSS_FN is None)   # the layout, the loss, what to know
-        same_snapshot(name, args.model, fetch=True)   # its weights and tokenizer, once the layout passed its checks
-        if note := check_config_shapes(args.model, margs, args.quant):   # weights of another config.json: said first
-            log0(note)
+        preflight.model_files(name, args, margs, log0)   # its weights and tokenizer, once the layout passed its checks
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]   # (resolved by check_start)
         meshes = dims.build_mesh(dt)
 
@@ -148,13 +143,9 @@ def main(argv=None):
             args.objective, *run_data.load_run_data(args, tok, margs.vocab_size, log0), args.dpo_share_prompt)
         ended = notes.resumed(args, argv, demo, ckpt, stats, eval_stats, log0)   # (a run --early-stop ended)
         longest = int(samples.lengths.max())   # the memory plans' length (--max-len is only a cap)
-        budgets = gather_budgets(args, world, rank)   # every rank's device and host memory
-        if args.fast:   # the same math with the memory flags the planner ranks fastest here, for every rank
-            plan_speed.apply_fast(args, margs, dims, budgets, log0, tokens=longest)
-            dims, args.pack = validate(args, margs, world)
-        # a run that cannot fit stops here (an eval sample longer than training's: a note)
-        plan = preflight_memory.check(args, margs, dims, budgets, log0, tokens=longest,
-                                      eval_tokens=eval_samples and int(eval_samples.lengths.max()))
+        # every rank's memory; --fast: the memory flags the planner ranks fastest there, the same math, the layout
+        # anew; then a run that cannot fit stops here (an eval sample longer than training's: a note)
+        dims, plan = preflight_memory.fit(args, margs, dims, world, rank, log0, longest, eval_samples)
         order = GlobalBatches(len(samples), args.global_batch, args.seed, rows)   # (rows: the epochs' shares)
         steps = notes.length(args, order, dpo, ckpt, ended, lr_at, log0)   # (--steps, --epochs, one epoch or ended)
         cp_rank, data_rank = meshes.cp.get_local_rank(), meshes.dp.get_local_rank()
@@ -163,9 +154,8 @@ def main(argv=None):
         noise = NEFTune.of_run(args, samples, dims, data_rank, cp_rank)   # --neftune-alpha's (training forwards only)
 
         # --------------------------------------------------------------------- model
-        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt,   # locked only now
-                         auto=args.resume_auto)
-        args.out = run.path
+        run = runs.claim(args.out, resume=args.resume, overwrite=args.overwrite, resolved=ckpt, auto=args.resume_auto)
+        args.out = run.path   # (claimed and locked only now: after the data's and the memory's checks)
         log0(f"config: {json.dumps(vars(args), default=str)}")   # final: --fast's flags, the template date, --out
         log0(notes.out_line(run, args, ckpt))
         t0 = time.time()
@@ -203,10 +193,9 @@ def main(argv=None):
         peak_tflops = args.peak_tflops or (dense_bf16_tflops(torch.cuda.get_device_name()) if dt == "cuda" else None)
         meter = (args.mem_phases or args.mem_trace) and phases.PhaseMeter(model, device, args.out, log0, args.mem_trace)
         prof = StepProfiler(args.profile, device, args.out, rank, log0)
-        saves = Saves(args, model, opt, lambda: {"args": vars(args), **best.meta(), **early.meta(), "tie_embeddings":
-                      margs.tie_embeddings, "wrapper": margs.wrapper, "nonfinite": nonfinite.state(),
-                      "steps_total": steps},
-                      start if here else 0, protect=lambda: best.step, phase=wd.phase)   # (saved: on disk)
+        meta = lambda: {"args": vars(args), **best.meta(), **early.meta(), "tie_embeddings": margs.tie_embeddings,
+                        "wrapper": margs.wrapper, "nonfinite": nonfinite.state(), "steps_total": steps}
+        saves = Saves(args, model, opt, meta, saved=start if here else 0, protect=lambda: best.step, phase=wd.phase)
 
         # --------------------------------------------------------------------- loop
         for step in range(start, steps):
@@ -301,6 +290,7 @@ def main(argv=None):
                 closing()
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
+
 
 def cli(argv=None) -> int:
     """`python train.py ...`: main()'s exit code, and one `error:` line for the errors whose message is the fix."""

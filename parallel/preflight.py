@@ -16,7 +16,8 @@ Contract:
   --template-date the checkpoint's (the date its dated template rendered).
 - `same_everywhere(name, args, ckpt)`: collective, every rank read the same Hub commits (--model, --init-adapter,
   hf:// --data: data/hub_data.py, whose files check_start fetched after the flag checks) and
-  `same_resume(ckpt)`: resolved --resume to the same step folder.
+  `same_resume(ckpt)`: resolved --resume to the same step folder. `model_files(name, args, margs, log)`: collective,
+  once the layout passed its checks: --model's weights fetched, their shapes against config.json said.
 """
 
 from __future__ import annotations
@@ -241,6 +242,18 @@ def same_everywhere(name: str, args, ckpt: str | None) -> None:
     if args.init_adapter:
         same_snapshot("", args.init_adapter, flag="--init-adapter")
     same_resume(ckpt)
+
+
+def model_files(name: str, args, margs, log) -> None:
+    """Collective, once the layout passed its checks: a Hub --model's weights and tokenizer fetched on every rank (its
+    config.json only until now; a failure on one raises on all: model.hub.same_snapshot), then its weight headers
+    against config.json's sizes (model.load_checks), what differs said before the data are tokenized."""
+    from model.hub import same_snapshot
+    from model.load_checks import check_config_shapes
+
+    same_snapshot(name, args.model, fetch=True)
+    if note := check_config_shapes(args.model, margs, args.quant):
+        log(note)
 
 
 def same_resume(ckpt: str | None) -> None:

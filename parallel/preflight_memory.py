@@ -23,6 +23,8 @@ Contract:
      warning line naming both lengths and the fixes; never a refusal. Within it: nothing more is said.
   With --no-mem-check, 1 and 2 are warnings. A device budget missing on some rank: the check is skipped, said in one
   line (`--fast`, `plan_speed.apply_fast`, raises then).
+- `fit(args, margs, dims, world, rank, log, tokens, eval_samples)` -> (dims, plan): train.py's call, collective:
+  every rank's budgets gathered, --fast's flags applied for them (the layout validated anew), then `check`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ def planning_copy(args, **kw):
     own check once; read again per candidate, one rank's failure would leave the others waiting)."""
     from parallel.plan_search import _with
     return _with(args, init_adapter=None, **kw)
+
+
+def fit(args, margs, dims, world: int, rank: int, log, tokens: int, eval_samples):
+    """train.py's memory step, collective (every rank's budgets gathered at once: parallel/budgets.py): with --fast,
+    the memory flags the planner ranks fastest for them set in `args` (plan_speed.apply_fast) and the layout
+    validated anew (args.pack too); then `check` at the longest sample and eval sample. Returns (dims, the plan)."""
+    from parallel.budgets import gather_budgets
+    from parallel.mesh import validate
+    from parallel.plan_speed import apply_fast
+
+    budgets = gather_budgets(args, world, rank)
+    if args.fast:   # the same math with those flags, for every rank
+        apply_fast(args, margs, dims, budgets, log, tokens=tokens)
+        dims, args.pack = validate(args, margs, world)
+    return dims, check(args, margs, dims, budgets, log, tokens=tokens,
+                       eval_tokens=eval_samples and int(eval_samples.lengths.max()))
 
 
 def check(args, margs, dims, budgets: list[Budget], log, tokens: int | None = None, eval_tokens: int | None = None):
