@@ -152,12 +152,22 @@ class RunDir:
     def clear(self) -> None:
         """--overwrite's deletion (rank 0, under the lock; the others forget it), config.json, metrics and ckpt last:
         a kill mid-way leaves a folder --overwrite takes again (until 2026-12-04 adapters were left, as no run's)."""
+        from parallel.guard import disk_error
+
         for name in self.pending if self._fd is not None else ():
             p = os.path.join(self.path, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p)
-            elif os.path.lexists(p):
-                os.remove(p)   # a symlink is removed, never followed out of OUT
+            try:
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                elif os.path.lexists(p):
+                    os.remove(p)   # a symlink is removed, never followed out of OUT
+            except OSError as e:   # (a disk error is said as one, with the way on: notes.exit_code)
+                if disk_error(e):
+                    raise
+                raise ValueError(f"--overwrite could not delete {p!r} ({type(e).__name__}: {e}); the old run there is "
+                                 "partly deleted (its config.json, metrics.jsonl and ckpt go last, so --overwrite "
+                                 "takes it again): free that path (a process holding files open in it, a mount), then "
+                                 "run the same command again") from e
         self.pending = ()
 
     def release(self) -> None:
@@ -252,8 +262,8 @@ def claim(out: str | None, *, resume: str | None = None, overwrite: bool = False
 
 def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | None, resume_step: int | None,
                log=print):
-    """Rank 0's writes before the first step, as one (guard.on_rank0: a failure, a full disk, stops every rank,
-    naming them): --overwrite's deletion of the old run (`run.clear`), a resume from this run's own checkpoint below
+    """Rank 0's writes before the first step (guard.on_rank0: a failure, a full disk, stops every rank, naming them):
+    --overwrite's deletion of the old run (`run.clear`), then as one: a resume from this run's own checkpoint below
     its newest makes that the newest (`branch`: checkpoint.branch, so a crash comes back there), config.json
     (parallel/run_config.py), then metrics.jsonl and --report-to's sinks opened (parallel/metrics.py). Returns (the
     Metrics on rank 0, None elsewhere; the logs' names, for later errors)."""
@@ -261,12 +271,13 @@ def open_files(run: RunDir, args, layout, stats, eval_samples, *, branch: str | 
     from parallel.metrics import Metrics
 
     def files():
-        run.clear()
         if branch:
             checkpoint.branch(branch, log)
         write_config(args, layout, stats, eval_samples)
         return Metrics(args.out, args.report_to, resume_step=resume_step)
     logs = ", ".join(["metrics.jsonl", *(args.report_to or ())])
+    if run.pending:   # (every rank knows it: claim's broadcast)
+        guard.on_rank0(run.clear, f"--overwrite deleting the old run's files in {run.path}")
     opened = guard.on_rank0(files, f"writing config.json and opening {logs}")
     run.pending = ()   # (the other ranks': rank 0 deleted them)
     return opened, logs

@@ -244,6 +244,26 @@ def test_overwrite_removes_exactly_the_run(tmp_path):
         assert sorted(os.listdir(out)) == ["notes.txt", "run.lock"] and rd.ours == out, os.listdir(out)
     assert (keep / "precious.bin").read_bytes() == b"1234", "overwrite followed a symlink out of OUT"
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    # a deletion the folder refuses for another cause than the disk (a process holding files open, an NFS .nfs file):
+    # the path named and the way on, as a start-up error, not a traceback; a disk error stays one (said as a full
+    # disk's, with the way on: notes.exit_code)
+    import errno
+
+    out = _used_run(tmp_path / "held")
+    for err, kind in ((OSError(errno.ENOTEMPTY, "Directory not empty"), ValueError),
+                      (PermissionError(errno.EACCES, "Permission denied"), PermissionError)):
+        with runs.claim(out, overwrite=True) as rd:
+            real = shutil.rmtree
+            shutil.rmtree = lambda p, *a, e=err, **k: (_ for _ in ()).throw(e)
+            try:
+                with pytest.raises(kind) as got:
+                    rd.clear()
+            finally:
+                shutil.rmtree = real
+        if kind is ValueError:
+            said = str(got.value)
+            assert f"--overwrite could not delete {os.path.join(out, 'adapter')!r}" in said and \
+                "run the same command again" in said, said
     # train.py's own runs --overwrite takes (refused from 2026-12-03 to 2026-12-04): one killed while writing its
     # config.json (torn, beside its run.lock, no metrics yet), one whose ckpt is a link to scratch storage (the link
     # goes, never what it names)
@@ -361,6 +381,9 @@ def _claim_ranks(rank, world_size, root, used):
         runs.claim(used)
     except ValueError as e:
         got["refusal"] = str(e)
+    with runs.claim(used, overwrite=True) as rd:   # what --overwrite deletes, known on every rank (its way on if the
+        got["pending"], got["ours"] = rd.pending, rd.ours   # start fails before: the same command, not a --resume)
+    got["kept"] = sorted(os.listdir(used))
     return got
 
 
@@ -372,6 +395,9 @@ def test_claim_agrees_across_ranks(tmp_path):
     assert os.listdir(str(tmp_path / "runs")) == [os.path.basename(got[0]["fresh"])], "more than one dir made"
     for r in (0, 1):
         assert "already holds a run" in got[r].get("refusal", ""), f"rank {r} did not raise the refusal: {got[r]}"
+        assert got[r]["pending"] == ("adapter", "ckpt", "metrics.jsonl", "config.json") and got[r]["ours"] is None, \
+            f"rank {r}: {got[r]}"
+        assert got[r]["kept"] == ["adapter", "ckpt", "config.json", "metrics.jsonl", "run.lock"], got[r]["kept"]
 
 
 def _two_runs_in_one_job(rank, world_size, argv, resume_out):
