@@ -999,9 +999,10 @@ def test_a_full_disk_under_tensorboard_is_the_one_error_said(assets, tmp_path, m
         f"--resume {out}/ckpt" in said, said
 
 
-def _nonfinite_on_rank_1(rank, world_size, skip_argv, stop_argv):
+def _nonfinite_on_rank_1(rank, world_size, skip_argv, stop_argv, demo_out):
     """train.main(skip_argv) with rank 1's first training micro-batch's loss NaN (the other rank's finite), then
-    train.main(stop_argv) with rank 1's every training loss inf: what the second raised on this rank."""
+    train.main(stop_argv) with rank 1's every training loss inf: what the second raised on this rank; then (one spawn
+    for both) what a demo run whose asset build fails on rank 0 raised here."""
     import train
     from parallel.guard import NonFiniteError
 
@@ -1024,10 +1025,27 @@ def _nonfinite_on_rank_1(rank, world_size, skip_argv, stop_argv):
         try:
             train.main(stop_argv)
         except NonFiniteError as e:
-            return str(e)
-        return "train.main returned"
+            return str(e), _demo_build_fails_on_rank_0(rank, demo_out)
+        return "train.main returned", None
     finally:
         train.LOSS_FN = real
+
+
+def _demo_build_fails_on_rank_0(rank, out):
+    """train.main in demo mode (no --model, --data) whose asset build, rank 0's alone, fails: what this rank raised."""
+    import train
+
+    def broken(argv):
+        raise OSError(28, "No space left on device", argv[0])
+
+    real, train.build_demo = train.build_demo, broken
+    try:
+        train.main(["--out", out, "--steps", "1"])
+    except Exception as e:   # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(e).__name__}: {e}"
+    finally:
+        train.build_demo = real
+    return "train.main returned"
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeypatch):
@@ -1062,8 +1080,15 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path, monkeyp
     two, stop2 = str(tmp_path / "skip_cp2"), str(tmp_path / "stop_cp2")
     cp2 = ("--cp", "2", "--cp-impl", "ring")
     said = run_ranks(_nonfinite_on_rank_1, 2, quick_argv(assets, two, "--steps", "3", *cp2),
-                     quick_argv(assets, stop2, "--steps", "5", "--max-nonfinite", "2", *cp2), timeout=240,
-                     pg_timeout=60)
+                     quick_argv(assets, stop2, "--steps", "5", "--max-nonfinite", "2", *cp2),
+                     str(tmp_path / "demo"), timeout=240, pg_timeout=60)
+    said, demo_said = [s[0] for s in said], [s[1] for s in said]
+    # the demo's asset build (rank 0's alone) failing: rank 0 raises it, rank 1 says it failed there (until 2026-12-07
+    # rank 1 waited in a barrier rank 0 never reached: gloo's connection error here, NCCL's wait until --timeout)
+    assert demo_said[0] == "OSError: [Errno 28] No space left on device: '" + os.path.dirname(train.DEMO["model"]) + \
+        "'", demo_said
+    assert demo_said[1].startswith("RuntimeError: building the demo's assets failed on rank 0 (OSError: [Errno 28]"), \
+        demo_said
     got = metrics(two)
     assert [r["step"] for r in got] == [1, 2, 3], got
     assert got[0]["loss"] is None and got[0]["nonfinite"] == recs[0]["nonfinite"] and got[0]["skipped"] == 1, got[0]
