@@ -25,7 +25,7 @@ Pins:
   and --ac-blocks 1 train as the plain run; a resume from step 2 (of 3) = the uninterrupted step 3; step 1's loss is
   log 2 (the policy is the reference);
 - DPO from --init-adapter (an adapter that prefers the chosen sides): that adapter is the reference, so step 1 is
-  log 2 (fp32; bf16 without mixed precision, 4-bit and plain layers) and later steps fall; 4 ranks (cp 2 × dp 2 ring,
+  log 2 (fp32; bf16 without mixed precision, 4-bit and plain layers) and the eval loss falls; 4 ranks (cp 2 × dp 2 ring,
   2 pairs a micro-batch, tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, refused without the
   adapter, with other bytes, or with one for a run whose reference was the base; config.json's dpo_reference; the
   plan adds the adapter;
@@ -129,7 +129,7 @@ def pairs(assets):
 
 # the eval pairs: the first EVAL_PAIRS of the 30 (an evaluation of all 30 every step was ~60% of a run's time; of 10,
 # ~45% of a 4-rank run's forwards). 5: a multiple of neither 2 nor 4 data ranks, 4 of them with
-# a prompt (test_demo_compare_prompts_with_the_pairs' --n 4); after 3 steps their loss is ~0.04 below log 2
+# a prompt (test_demo_compare_prompts_with_the_pairs' --n 4); after 3 steps their loss is ~0.07 below log 2
 EVAL_PAIRS = 5
 
 
@@ -792,13 +792,17 @@ def test_resume_gives_the_uninterrupted_step(runs):
 def test_dpo_from_an_adapter_has_that_adapter_as_its_reference(runs, pairs, tmp_path):
     """The policy starts from --init-adapter and the reference is that adapter held fixed: step 1's loss is log 2
     (with the base as the reference it would be below: the adapter already prefers the chosen sides, see the first
-    run's last eval loss), and training moves it below log 2; 4 ranks (cp 2 x dp 2 ring, tiled MLP, offload) = 1 rank; a
-    resume = the uninterrupted step 3, and is refused without the adapter or with other bytes."""
+    run's last eval loss), and training moves the eval loss below log 2, lower after every step; 4 ranks (cp 2 x dp 2
+    ring, tiled MLP, offload) = 1 rank; a resume = the uninterrupted step 3, and is refused without the adapter or with
+    other bytes. (Each step's loss is a new batch's, 8 pairs not trained on yet: step 3's was 0.690 until the assets
+    model's attention was sharpened (q and k x 14, 2026-12-07), 0.704 since, so the fall is the eval pairs', 0.687,
+    0.665, 0.631.)"""
     m, first = _metrics(os.path.join(runs, "dpo_from")), _metrics(os.path.join(runs, "dpo"))
     assert first[-1]["eval_loss"] < math.log(2) - 0.02, f"the starting adapter should prefer the chosen sides (the " \
                                                          f"eval pairs are training pairs): {first[-1]}"
     assert abs(m[0]["loss"] - math.log(2)) < 1e-6 and m[0]["reward_margin"] == 0, m[0]
-    assert m[-1]["loss"] < math.log(2) - 1e-4 and m[-1]["eval_loss"] < math.log(2), m[-1]
+    evals = [r["eval_loss"] for r in m]
+    assert len(evals) == 3 and evals[0] > evals[1] > evals[2] and evals[2] < math.log(2) - 0.02, m
     cfg = json.load(open(os.path.join(runs, "dpo_from", "config.json")))
     from data.store import file_sha256
     assert cfg["dpo_reference"] == "adapter sha256 " + file_sha256(os.path.join(runs, "dpo", "adapter",
