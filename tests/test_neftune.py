@@ -243,13 +243,15 @@ def test_every_layout_trains_as_one_rank(runs):
 @pytest.mark.timeout(900)
 def test_no_noise_in_evaluation(runs):
     """The eval loss before training (the same weights in both runs) is the flag-less run's, to the digit; so is the one
-    after step 2 (the adapter it exported, evaluated by a run without the flag before its first step)."""
+    after step 2 (the adapter it exported, evaluated by a run without the flag before its first step), which the 2 steps
+    moved by over 100 x that 1e-6 (6.7e-3 until the assets model's attention was sharpened, q and k x 14 on
+    2026-12-07; 1.5e-4 since: the check was > 1e-3)."""
     root, said = runs
     before = lambda name: float(re.search(r"eval_loss before training (\S+)", said[name]).group(1))
     assert before("ref") == before("plain"), (before("ref"), before("plain"))
     last = _metrics(os.path.join(root, "ref"))[-1]["eval_loss"]
     assert abs(last - before("at_ref")) <= 1e-6, (last, before("at_ref"))
-    assert abs(last - before("ref")) > 1e-3, "trained: the weights moved"
+    assert abs(last - before("ref")) > 100 * 1e-6, "trained: the weights moved"
 
 
 @pytest.mark.timeout(900)
