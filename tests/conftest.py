@@ -5,7 +5,6 @@ import shutil
 import tempfile
 
 import pytest
-import torch
 
 # What the tests' runs keep in a user cache (--data-cache's default, data.store.DATA_CACHE, read at import) goes to a
 # folder of this session, removed at its end: tests never fill or read ~/.cache. Spawned ranks inherit it.
@@ -37,27 +36,23 @@ def pytest_collection_modifyitems(session, config, items):
 def assets(tmp_path_factory):
     import transformers as T
 
-    from tests.fixtures import make_chat_jsonl, make_text_jsonl, make_tokenizer
+    from tests.fixtures import make_chat_jsonl, make_text_jsonl, make_tokenizer, save_sharp_model
 
     d = tmp_path_factory.mktemp("train_assets")
     tok = make_tokenizer(d / "model")
     shape = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096)
-    cfg = T.Qwen2Config(**shape)
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(d / "model")
+    # (q and k scaled: attention peaked, so a wrong RoPE position or softmax scale moves the runs: tests/fixtures.py)
+    save_sharp_model(T.Qwen2Config(**shape), d / "model")
     make_chat_jsonl(d / "chat.jsonl", 40, seed=1)
     make_text_jsonl(d / "text.jsonl", 16, seed=4)   # plain text, a third of it past --max-len 64: split into windows
     # the same model with a 16-token sliding window on layer 1 (Qwen2: layers >= max_window_layers slide)
     make_tokenizer(d / "window")
-    wcfg = T.Qwen2Config(**shape, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(wcfg).float().save_pretrained(d / "window")
+    save_sharp_model(T.Qwen2Config(**shape, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                     d / "window")
     # the same shape with its output head tied to the input embedding (Qwen2.5 0.5-3B, Llama 3.2)
     make_tokenizer(d / "tied")
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(T.Qwen2Config(**{**shape, "tie_word_embeddings": True})).float().save_pretrained(
-        d / "tied")
+    save_sharp_model(T.Qwen2Config(**{**shape, "tie_word_embeddings": True}), d / "tied")
     return {"model": str(d / "model"), "data": str(d / "chat.jsonl"), "dir": str(d), "window": str(d / "window"),
             "tied": str(d / "tied"),
             "text": str(d / "text.jsonl")}

@@ -6,6 +6,9 @@
 - `make_text_jsonl(path, n, seed)` / `make_chat_jsonl(path, n, seed)`: `n` records of varied length
   (text: 3-80 words; chat: an optional system message and 1-3 user/assistant turns), deterministic
   in `seed`. Both return the records they wrote; so does `make_pairs_jsonl` (preference pairs, TRL's forms).
+- `save_sharp_model(config, directory)`: transformers' model of `config` from its own init (torch seed 0), float32,
+  with every q_proj and k_proj (weight and bias) times `QK_SCALE`, saved with `save_pretrained(directory)`: the
+  train.py tests' checkpoints (conftest's `assets`), whose attention must be peaked for a wrong logit to show.
 """
 
 from __future__ import annotations
@@ -34,6 +37,36 @@ def make_tokenizer(directory: str | Path):
     tok = build_tokenizer([TEXT] * 4, vocab_size=400)
     tok.save_pretrained(directory)
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+# transformers' init (std 0.02) gives q.k logits near 0: the assets model's attention was uniform (entropy 1.000 of
+# log(keys), mean max probability 0.038 over 64-token chat rows), so a bug that moves only the logits barely moved a
+# run: a softmax scale x 1.02 on cp rank 1 (2026-12-07, helper 5) changed no loss by 1e-5 and the cp 2 x dp 2
+# Ulysses runs passed test_train.py (their adapters within 9.3e-4); RoPE positions + 1 or a scale x 1.5 there moved
+# the losses by under 1e-4 (the grad norms and adapters failed). q and k x 14 (logits x 196) peak it (entropy 0.36-0.37
+# of uniform, mean max probability 0.59-0.60 in both layers) and keep it well conditioned (loss 5.99 as before;
+# transformers' grad norm on one row 2.7 for 1.5): the x 1.02 scale now moves the losses by up to 3.7e-4 and the grad
+# norms by 3e-3 to 8e-3, failing every CP comparison. A layout's own round-off: losses and grad norms within 1e-6 as
+# before, adapters within about 1e-4 (tolerance 1e-3; before, 5e-7: a logit's absolute round-off grows with the logit).
+QK_SCALE = 14.0
+
+
+def save_sharp_model(config, directory: str | Path):
+    """transformers' model of `config` (torch seed 0), float32, q_proj and k_proj x QK_SCALE, saved to `directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    n = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.endswith(("q_proj", "k_proj")):
+                n += 1
+                for p in mod.parameters(recurse=False):
+                    p.mul_(QK_SCALE)
+    assert n == 2 * config.num_hidden_layers, f"{n} q/k projections in {config.num_hidden_layers} layers"
+    model.save_pretrained(directory)
 
 
 def _sentence(rng: random.Random, lo: int, hi: int) -> str:

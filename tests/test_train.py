@@ -1,6 +1,7 @@
 """train.py end to end: the layout never changes the math, resuming never changes it, bad runs fail early.
 
-Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads made by transformers, the
+Pins (gloo on CPU, float32, a tiny Qwen2 checkpoint with 6 query / 2 KV heads made by transformers, its q and k
+x 14 so its attention is peaked and a wrong logit on one rank moves the run (tests/fixtures.py), the
 fixture tokenizer's chat template, `--global-batch 8`; 3 optimizer steps where a run is resumed from its step-2
 checkpoint or is the reference of one that is, else 2 (step 2 already runs after an update: a 3rd repeats its code),
 against 1-rank references of the same length):
