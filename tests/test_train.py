@@ -28,7 +28,7 @@ against 1-rank references of the same length):
 - resuming from the step-2 checkpoint gives the uninterrupted step-3 loss and adapter: 1 rank from
   1 rank, 4 ranks (another CP layout) from 4 ranks, 1 rank from 4 ranks;
 - a step from `--init-adapter` (the Ulysses run's adapter) on cp 2 × dp 2 ring trains as on 1 rank;
-- `--lora-layers 1` with `--rslora` on cp 2 × dp 2 ring (tiled MLP, offload) = 1 rank;
+- `--lora-layers 1` with `--rslora` and `--rope-scaling yarn:4` on cp 2 × dp 2 ring (tiled MLP, offload) = 1 rank;
 - `--fast` on cp 2 × dp 2 ring with a different device budget per rank, rank 2's the smallest: every rank applies
   the choice for rank 2's budget (not what rank 0's or its own would pick), the log names rank 2 (so does the
   start-up memory check's line), and the run trains as on 1 rank; `--offload-activations` with rank 2's free host
@@ -126,8 +126,9 @@ DORA = ["--dora", "--quant", "nf4", "--save-every", "2"]
 FOUR_RANK_DORA = {"dora_cp2_dp2_ulysses": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ulysses", "--tiled-mlp",
                                            "--offload-activations", *DORA]}
 # LoRA on block 1 alone (block 0 runs no backward), with AC's inputs offloaded and the tiled MLP on 4 ranks only; with
-# rsLoRA's scale on both sides (a scale on every rank alike: its layout equivalence costs no run of its own)
-LAYERS = ["--lora-layers", "1", "--rslora"]
+# rsLoRA's scale on both sides (a scale on every rank alike: its layout equivalence costs no run of its own), and
+# --rope-scaling yarn:4 (its factor on cos/sin scales every logit by 1.3: a rank without it fails the comparison)
+LAYERS = ["--lora-layers", "1", "--rslora", "--rope-scaling", "yarn:4"]
 FOUR_RANK_LAYERS = {"layers_cp2_dp2_ring": ["--cp", "2", "--dp-shard", "2", "--cp-impl", "ring", *LAYERS,
                                             "--offload-activations", "--tiled-mlp", "--micro-batch", "2", *TWO]}
 # --train-norms (every RMSNorm weight trained, in a group without weight decay) and --train-embeddings (the input
@@ -977,10 +978,10 @@ def test_tied_embedding_on_four_ranks_matches_one_rank_resumes_and_exports(asset
 
 @pytest.mark.timeout(600)
 def test_lora_layers_on_four_ranks_match_one_rank(one, four, tmp_path):
-    """--lora-layers 1 (with --rslora) on cp2 x dp2 ring with offload and the tiled MLP = 1 rank without them; its
-    adapter holds block 1's LoRA alone and trained otherwise than every block's (the run's function differs); `python
-    -m parallel.checkpoint` of the 4-rank run's checkpoint = its adapter, layers_to_transform [1] and use_rslora in
-    both configs."""
+    """--lora-layers 1 (with --rslora and --rope-scaling yarn:4) on cp2 x dp2 ring with offload and the tiled MLP = 1
+    rank without them; its adapter holds block 1's LoRA alone and trained otherwise than every block's (the run's
+    function differs); `python -m parallel.checkpoint` of the 4-rank run's checkpoint = its adapter,
+    layers_to_transform [1] and use_rslora in both configs, and both hold the YaRN as 1 rank's adapter does."""
     from parallel.checkpoint_export import export
 
     _compare("4 ranks --lora-layers 1", _at(four, "layers_cp2_dp2_ring"), _at(one, "layers"), steps=S2)
@@ -990,9 +991,12 @@ def test_lora_layers_on_four_ranks_match_one_rank(one, four, tmp_path):
     export(_at(four, "layers_cp2_dp2_ring", "ckpt"), str(tmp_path / "adapter"))
     got, want = _adapter(str(tmp_path)), _adapter(_at(four, "layers_cp2_dp2_ring"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    rope = lambda d: json.load(open(os.path.join(d, "base_config_overrides.json")))["rope_parameters"]
+    assert rope(_at(one, "layers", "adapter"))["rope_type"] == "yarn"
     for d in (str(tmp_path / "adapter"), _at(four, "layers_cp2_dp2_ring", "adapter")):
         cfg = json.load(open(os.path.join(d, "adapter_config.json")))
         assert cfg["layers_to_transform"] == [1] and cfg["use_rslora"] is True, (d, cfg)
+        assert rope(d) == rope(_at(one, "layers", "adapter")), d
 
 
 @pytest.mark.timeout(600)
