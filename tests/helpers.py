@@ -359,12 +359,21 @@ def hf_as_trained(path, quant="none"):
     return hf
 
 
+def hub_http():
+    """The HTTP client library huggingface_hub talks through, the one its errors' responses come from: httpx2 from
+    huggingface_hub 2, httpx before (1.x; the GPU machine's 1.33). Tests build the Hub's answers with it."""
+    import importlib
+
+    from huggingface_hub.errors import Response
+    return importlib.import_module(Response.__module__.split(".")[0])
+
+
 def hub_403(why: str, method: str, url: str) -> Exception:
     """The error huggingface_hub raises for the Hub's 403 answer with the reason `why` (its own hf_raise_for_status
     on such a response): its first line is the request id alone, the reason on the lines after."""
-    import httpx2
     from huggingface_hub.utils import hf_raise_for_status
 
+    httpx2 = hub_http()
     try:
         hf_raise_for_status(httpx2.Response(403, headers={"X-Request-Id": "Root=1-abc", "X-Error-Message": why},
                                             json={"error": why}, request=httpx2.Request(method, url)))

@@ -46,7 +46,7 @@ import torch
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
-from tests.helpers import hub_403, no_weights, one_thread, train_argv
+from tests.helpers import hub_403, hub_http, no_weights, one_thread, train_argv
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -592,10 +592,11 @@ def test_a_failed_push_keeps_the_run_and_says_the_retry(assets, hub_api, tmp_pat
     """The upload fails (a 401): the adapter and metrics.jsonl stay as written, the `error:` line names the repo, the
     error and the `hf upload` command that retries it, and the run exits 2 (documented: a job whose adapter did not
     reach the hub fails). A requeue resuming the finished run trains nothing and pushes the same adapter."""
-    import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
     import train
+
+    httpx2 = hub_http()   # (httpx under huggingface_hub 1.x)
 
     out = str(tmp_path / "run")
     url = "https://huggingface.co/api/repos/create"

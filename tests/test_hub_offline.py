@@ -28,7 +28,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import no_weights, one_thread, startup_error, train_argv
+from tests.helpers import hub_http, no_weights, one_thread, startup_error, train_argv
 from tests.test_hub_data import _parquet
 
 URL = "hf://datasets/o/n/data/*.parquet"
@@ -39,10 +39,11 @@ A, B = "a" * 40, "b" * 40
 def hub(assets, tmp_path, monkeypatch):
     """The stand-in Hub over HTTP: repos {"datasets/o/n": {"refs": {...}, "commits": {commit: folder}}}; every
     request recorded in calls. The hub's cache: tmp_path/hf. `offline(True)` sets the library's switch."""
-    import httpx2
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
+
+    httpx2 = hub_http()   # (httpx under huggingface_hub 1.x)
 
     repo = tmp_path / "repo_a"   # o/n at commit A (tag v1): two train files, a deeper one, a README
     _parquet(assets["data"], repo / "data" / "train-00000.parquet", 0, 20)
