@@ -127,7 +127,8 @@ def test_partial_rope_matches_transformers(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(2, 40, 6, 16, generator=g), torch.randn(2, 40, 2, 16, generator=g)
     cos, sin = rope.cos_sin(a, pos, torch.float32)
-    hcos, hsin = hf(q, pos)
+    hcos, hsin = hf(q, pos[None].expand(3, -1, -1))   # (the grids' positions, text's on each: as Qwen3_5TextModel
+    # hands them; transformers 5.17's rotary takes no [B, S] form)
     torch.testing.assert_close(cos, hcos, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, hsin, rtol=0, atol=1e-6)
     assert cos.shape[-1] == a.rotary_dim == 8
