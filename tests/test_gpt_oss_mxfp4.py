@@ -63,8 +63,26 @@ def _mxfp4(src, dst, seed=7):
 
 
 def _hf(path):
+    """transformers' dequantized model, float32 throughout: transformers 5.17 leaves the dequantized experts bf16
+    under dtype=float32 (5.25 casts them; their values are exact in either), so its experts ran in bf16 (logits 9e-3
+    off)."""
     return T.AutoModelForCausalLM.from_pretrained(path, quantization_config=T.Mxfp4Config(dequantize=True),
-                                                  dtype=torch.float32).eval()
+                                                  dtype=torch.float32).float().eval()
+
+
+def _save_bf16_form(hf, dst):
+    """transformers' dequantized model `hf` saved in bf16 without quantization_config: its state dict by its own names,
+    which is what save_pretrained writes under transformers 5.25 (checked alike, names and bytes, 2026-12-07); 5.17's
+    save_pretrained of a dequantized MXFP4 model writes the experts as 'gate_up_proj$' and 'down_proj$', once."""
+    os.makedirs(dst, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in hf.state_dict().items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +129,7 @@ def test_loads_as_transformers_dequantizes_it(mx, tmp_path):
     assert seen == [(f"{p}_blocks", 4 * 64 * 16, 5 * 64 * 16), (f"{p}_scales", 4 * 64, 5 * 64)], seen
     # --quant nf4: the same NF4 codes as from the BF16 form (transformers' dequantized weights, saved as bf16)
     bf16 = tmp_path / "bf16_form"
-    hf.to(torch.bfloat16).save_pretrained(bf16)
-    with open(bf16 / "config.json") as f:
-        cfg = json.load(f)
-    cfg.pop("quantization_config", None)
-    with open(bf16 / "config.json", "w") as f:
-        json.dump(cfg, f)
+    _save_bf16_form(hf, bf16)
     assert not any(k.endswith(("_blocks", "_scales")) for k in load_file(bf16 / "model.safetensors"))
     built = [build_model(BuildOptions(p, quant="nf4", lora_targets=ATTN, ac=False), device="cpu")[0].state_dict()
              for p in (mx, str(bf16))]
@@ -197,12 +210,7 @@ def test_bad_blocks_and_scales_are_refused_naming_them(mx, tmp_path):
 
 def _bf16_form(mx, dst):
     """transformers' dequantized model of `mx`, saved in bf16 (the BF16 form), with its tokenizer."""
-    _hf(mx).to(torch.bfloat16).save_pretrained(dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.pop("quantization_config", None)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    _save_bf16_form(_hf(mx), dst)
     for f in os.listdir(mx):
         if f.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(mx, f), dst)
