@@ -8,7 +8,7 @@ std 0.01, correction biases 3.0 + distinct offsets of 0.003 apart, which bf16's 
 - the router float32 and equal to the checkpoint after from_pretrained (bf16) and after build_model (bf16, nf4 and
   none); on 2 gloo ranks under FSDP2 with its bf16 mixed precision: each block's router a plain float32 tensor (not a
   DTensor), its choice and the loss = one process's; the plan's router term = those tensors' bytes on each rank;
-- the merge writes the router tensors in float32 as stored (transformers loads them so).
+- the merge writes the router tensors in float32 as stored; transformers loads them as it loads the original's.
 
 Run: .venv/bin/python -m pytest -q tests/test_glm4_router_fp32.py
 """
@@ -186,7 +186,11 @@ def test_merge_writes_the_router_float32_as_stored(ckpt, tmp_path):
     routers = [k for k in out if k.endswith(ROUTER)]
     assert len(routers) == 4 and all(out[k].dtype == torch.float32 and torch.equal(out[k], src[k]) for k in routers)
     assert out["model.layers.1.self_attn.k_proj.weight"].dtype == torch.bfloat16, "the rest in the merge's dtype"
-    hf = T.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
-    gate = hf.model.layers[1].mlp.gate
+    # transformers loads the merged router as it loads the original's, the stored values in the dtype it holds them
+    # in: float32 both under transformers 5.25; 5.17 keeps only the bias float32 (_keep_in_fp32_modules_strict)
+    gate, orig = (T.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).model.layers[1].mlp.gate
+                  for p in (tmp_path / "merged", ckpt))
     for n in ("weight", "e_score_correction_bias"):
-        assert torch.equal(getattr(gate, n), src[f"model.layers.1.mlp.gate.{n}"]), f"transformers loads {n} as stored"
+        got, want = getattr(gate, n), getattr(orig, n)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"transformers loads {n} as the original's"
+        assert torch.equal(got, src[f"model.layers.1.mlp.gate.{n}"].to(got.dtype)), f"transformers loads {n} as stored"
