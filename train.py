@@ -125,8 +125,8 @@ def main(argv=None):
         # SIGTERM/SIGINT/SIGUSR1 (schedulers, Ctrl-C, SLURM's warning): all ranks stop at one micro-batch boundary
         stop = signals.StopSignals(rank, log0, guard.pg_timeout(args.timeout))   # NCCL runs: its gloo group, now
         if demo:   # rank 0 builds the demo's assets once (a minute or two on CPU, said as it goes), the others wait;
-            guard.on_rank0(lambda: build_demo([os.path.dirname(DEMO["model"])]), "building the demo's assets")   # (a
-            # failure stops every rank, naming it: until 2026-12-07 the others waited in a barrier rank 0 never reached)
+            # a failure stops every rank, naming it (until 2026-12-07 they waited in a barrier rank 0 never reached)
+            guard.on_rank0(lambda: build_demo([os.path.dirname(DEMO["model"])]), "building the demo's assets")
         preflight.same_everywhere(name, args, ckpt)   # one --model and --init-adapter commit, one --resume step
         margs = read_args(args.model, args.rope_scaling)
         dims, args.pack = validate(args, margs, world, say=log0)   # (--lora-targets: this model's, from here)

@@ -43,4 +43,3 @@ def config_json(config: dict) -> str:
     for key, numbers in flat.items():
         text = text.replace(json.dumps(key), numbers, 1)
     return text
-
