@@ -19,12 +19,13 @@ def pytest_sessionfinish(session, exitstatus):
 # otherwise put the files with the most tests first, which runs the few-test, several-minute files last and leaves one
 # worker idle at the end). The costliest files go first, so the cheap ones fill in behind them (longest first: the two
 # workers finish within about one cheap file of each other). Their order: the per-file sums of `--durations=0` of a
-# full run after that day's cuts (2026-12-07, the second 2-core AMD EPYC; test_demo holds the demo's asset build on a
-# fresh clone); a file not named runs after them, in the usual order.
+# full run (2026-12-08, a 2-core Intel Xeon with AVX-512, runs/demo_assets removed: test_demo holds the asset build);
+# a file not named runs after them, in the usual order.
 COSTLIEST_FIRST = (
-    "test_demo", "test_train", "test_train_runs", "test_dpo", "test_bench_gpu", "test_memory", "test_bench_smoke",
-    "test_gemma3_run", "test_qlora", "test_plan", "test_data", "test_guard", "test_recorded", "test_gemma4_moe",
-    "test_runs", "test_compile", "test_phases", "test_merge_memory")
+    "test_demo", "test_train", "test_train_runs", "test_gemma3_run", "test_dpo", "test_qwen3_5_hybrid", "test_memory",
+    "test_bench_smoke", "test_bench_gpu", "test_compile", "test_qlora", "test_plan", "test_olmo_smollm3_granite_run",
+    "test_moe_lora", "test_gemma4_moe", "test_data", "test_hub", "test_qwen3_moe_run", "test_gemma4_small",
+    "test_phi3_run", "test_recorded", "test_phases", "test_guard", "test_new_arch_combos", "test_runs")
 
 
 def pytest_collection_modifyitems(session, config, items):
