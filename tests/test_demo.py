@@ -494,7 +494,8 @@ def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, positi
     model, _, eval_data = (str(p) for p in demo)
     one, printed = positions_run
     said = [x for x in printed.splitlines() if x.startswith("eval_loss before training")]
-    got = [json.loads(line) for line in open(one / "metrics.jsonl")][-1]
+    ones = [json.loads(line) for line in open(one / "metrics.jsonl")]   # (each step: the CP runs below)
+    got = ones[-1]
     samples, _ = load_samples(eval_data, load_tokenizer(model), 256, read_args(model).vocab_size, write=False)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
                                      str(one / "adapter")).eval()
@@ -531,7 +532,7 @@ def test_eval_positions_are_the_peft_models_loss_at_those_positions(demo, positi
         run_ranks(_train, 2, _positions_argv(demo, tmp_path / impl, "--dtype", "fp32", "--cp", "2", "--cp-impl", impl),
                   timeout=300)
         steps = [json.loads(line) for line in open(tmp_path / impl / "metrics.jsonl")]
-        for g, w in zip(steps, [json.loads(line) for line in open(one / "metrics.jsonl")], strict=True):
+        for g, w in zip(steps, ones, strict=True):
             # each step's loss and token accuracy (each rank a shard of every row: its own targets' hits)
             assert abs(g["loss"] - w["loss"]) <= 1e-4 and abs(g["token_acc"] - w["token_acc"]) <= 1e-3, (impl, g, w)
         cp = steps[-1]
